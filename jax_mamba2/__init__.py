@@ -1,0 +1,12 @@
+"""jax-mamba2: Mamba-2 for JAX with the SSD scan as NVIDIA cuTile kernels.
+
+Public API:
+  ssd, ssd_step            the Mamba-2 SSD op (mamba_ssm `mamba_chunk_scan_combined` semantics) and its
+                           single-token decode step.
+  ssd_scan, ssd_chunked    pure-JAX reference paths (lax.scan oracle, chunked algorithm).
+  available_backends       names of the registered SSD backends.
+"""
+from jax_mamba2.reference import ssd_chunked, ssd_scan
+from jax_mamba2.ssd import available_backends, ssd, ssd_step
+
+__all__ = ["ssd", "ssd_step", "ssd_scan", "ssd_chunked", "available_backends"]
