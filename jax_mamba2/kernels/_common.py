@@ -8,8 +8,9 @@ the kernels never import JAX.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import cuda.tile as ct
 
@@ -18,6 +19,11 @@ ConstBool = ct.Constant[bool]
 ConstFloat = ct.Constant[float]
 
 LOG2E = 1.4426950408889634
+
+# Architectures whose tuning spaces the stages define.
+SUPPORTED_ARCHS = ("sm_90",)
+
+_INT32_MAX = (1 << 31) - 1
 
 # The dtypes the kernels accept for x, B, C, z (names as numpy/jax spell them).
 KERNEL_DTYPES = ("bfloat16", "float16", "float32")
@@ -100,3 +106,54 @@ def next_power_of_2(n: int) -> int:
 
 def is_power_of_2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+def mma_dtype(dtype):
+    """Device helper: the tensor-core operand dtype for data of `dtype` (tf32 for f32, else itself).
+
+    ct.mma never promotes and runs f32 operands as true f32 (no tensor cores), so f32 inputs are cast
+    to tf32 explicitly, the precision mamba_ssm's Triton dots use for f32.
+    """
+    return ct.static_eval(ct.tfloat32 if dtype == ct.float32 else dtype)
+
+
+def check_arch(api: str, arch: str) -> None:
+    """Raises ValueError unless the stages define configurations for `arch`."""
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"{api}: arch={arch!r} must be one of {SUPPORTED_ARCHS}")
+
+
+def needs_int64_index(dims: SSDDims) -> bool:
+    """Whether any array of the problem has 2^31 or more elements, so int32 offsets could overflow.
+
+    This is stricter than cutile_call's own check (each dim and stride < 2^31): an int32 element offset
+    into an array of 2^31+ elements can overflow even when every stride fits.
+    """
+    b, L, H, P, G, N = dims.batch, dims.seqlen, dims.nheads, dims.headdim, dims.ngroups, dims.dstate
+    nc, Q = dims.nchunks, dims.chunk_size
+    largest = max(b * L * H * P, b * L * G * N, b * nc * H * P * N, b * H * nc * Q)
+    return largest > _INT32_MAX
+
+
+def int64_index_kernels(make_kernel: Callable[[Any], Any]) -> tuple[Any, Any]:
+    """Builds the (int32-indexed, int64-indexed) pair of one kernel body.
+
+    `make_kernel(Big)` defines a `@ct.kernel` whose large arrays are annotated `Big`; it is called with
+    `ct.Array` (shapes and strides as int32, the fast default) and with `ct.IndexedWithInt64`.
+    """
+    return make_kernel(ct.Array), make_kernel(ct.IndexedWithInt64)
+
+
+@functools.lru_cache(maxsize=256)
+def _with_hints(kernel: Any, hints: tuple[tuple[str, int], ...]) -> Any:
+    return kernel.replace_hints(**dict(hints))
+
+
+def select_kernel(kernels: tuple[Any, Any], dims: SSDDims, **hints: int) -> Any:
+    """The int32 or int64 variant for `dims` with `hints` (occupancy, num_ctas) applied.
+
+    `replace_hints` returns a new kernel with its own compile cache, so the result is cached: the same
+    (kernel, hints) always returns the same object and never recompiles.
+    """
+    kernel = kernels[1] if needs_int64_index(dims) else kernels[0]
+    return _with_hints(kernel, tuple(sorted(hints.items())))

@@ -1,0 +1,169 @@
+"""Stages 2+3 of the SSD forward, fused: chunk states and the sequential state passing.
+
+Mirrors `reference.chunk_state` followed by `reference.state_passing` (mamba_ssm `_chunk_state_fwd` +
+`_state_passing_fwd`; TileGym `fwd_pass_state_kernel`). For one (batch b, head h) and chunk c with local
+decay cumsum dA[l] = dA_cumsum[b, h, c, l], Δ[l] = dt_out[b, h, c, l], group g = h // (nheads / ngroups):
+
+    S_c      = x_c^T @ (B_c * (exp(min(dA[Q-1] - dA[l], 0)) * Δ[l])[:, None])      (P, N), f32 accumulate
+    H_0      = initial_states[b, h]  (zeros without HAS_INIT)
+    H_{c+1}  = exp(dA[Q-1]) * H_c + S_c
+    states[b, c, h] = H_c (the state ENTERING chunk c),  final_states[b, h] = H_nchunks
+
+With seq_idx (ids nondecreasing along the sequence), let e_c = the id of chunk c's last valid token (the
+max over its valid rows) and e_{-1} = 0: S_c only accumulates tokens whose id == e_c (and only when
+e_c >= 0, as mamba_ssm skips padding id -1), and the carry exp(dA[Q-1]) * H_c is zeroed when e_c != e_{c-1}.
+
+The mma operands are in x's dtype (tf32 for f32 inputs): the decay-scaled B is rounded to that dtype
+before the product, as mamba_ssm does. The carried state stays f32; `states` is stored in its array's
+dtype (x's dtype for the forward, f32 for the backward's recompute).
+
+Grid: (batch * nheads, headdim / BLOCK_P, dstate / BLOCK_N). One block owns a (BLOCK_P, BLOCK_N) state
+tile and walks all chunks in order; the loads of chunk c+1 do not depend on the carried state, so the
+`LOAD_LAT` latency hint lets them be issued while chunk c's mma runs.
+
+Shapes: x (batch, seqlen, nheads, headdim) T; B (batch, seqlen, ngroups, dstate) T;
+dt_out, dA_cumsum (batch, nheads, nchunks, chunk_size) f32; initial_states (batch, nheads, headdim,
+dstate) f32 (HAS_INIT) else a dummy; seq_idx (batch, seqlen) int32 (HAS_SEQ_IDX) else a dummy;
+states (batch, nchunks, nheads, headdim, dstate) T or f32; final_states (batch, nheads, headdim, dstate) f32.
+"""
+import dataclasses
+
+import cuda.tile as ct
+
+from jax_mamba2.kernels._common import (
+    ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
+
+# Below every real sequence id: the max over a chunk's valid rows ignores the padded ones.
+_ID_FLOOR = -(1 << 30)
+
+
+def _chunk_end_id(seq_idx, b, c, seqlen, CHUNK):
+    """The ids of chunk c's rows [CHUNK] and the id of its last valid token [1] (ids are nondecreasing)."""
+    ids = ct.load(seq_idx, index=(b, c), shape=(1, CHUNK),
+                  padding_mode=ct.PaddingMode.ZERO).reshape((CHUNK,))
+    valid = c * CHUNK + ct.arange(CHUNK, dtype=ct.int32) < seqlen
+    return ids, ct.max(ct.where(valid, ids, _ID_FLOOR), axis=0, keepdims=True)
+
+
+def _chunk_state_fwd_body(x, B, dt_out, dA_cumsum, initial_states, seq_idx, states, final_states,
+                          CHUNK, BLOCK_P, BLOCK_N, HAS_INIT, HAS_SEQ_IDX, LOAD_LAT):
+    bh = ct.bid(0)
+    pb = ct.bid(1)
+    nb = ct.bid(2)
+    seqlen = x.shape[1]
+    nheads = x.shape[2]
+    b = bh // nheads
+    h = bh % nheads
+    g = h // (nheads // B.shape[2])
+    nchunks = ct.cdiv(seqlen, CHUNK)
+    operand_dtype = mma_dtype(x.dtype)
+
+    if HAS_INIT:
+        state = ct.load(initial_states, index=(b, h, pb, nb), shape=(1, 1, BLOCK_P, BLOCK_N)
+                        ).reshape((BLOCK_P, BLOCK_N)).astype(ct.float32)
+    else:
+        state = ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32)           # [BLOCK_P, BLOCK_N] f32
+    prev_end_id = ct.zeros((1,), dtype=ct.int32)                          # e_{-1} = 0
+
+    for c in range(nchunks):
+        ct.store(states, index=(b, c, h, pb, nb),
+                 tile=state.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(states.dtype))
+        x_c = ct.load(x, index=(b, c, h, pb), shape=(1, CHUNK, 1, BLOCK_P),
+                      padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT).reshape((CHUNK, BLOCK_P))
+        B_c = ct.load(B, index=(b, c, g, nb), shape=(1, CHUNK, 1, BLOCK_N),
+                      padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT).reshape((CHUNK, BLOCK_N))
+        delta = ct.load(dt_out, index=(b, h, c, 0), shape=(1, 1, 1, CHUNK),
+                        latency=LOAD_LAT).reshape((CHUNK,))
+        dA = ct.load(dA_cumsum, index=(b, h, c, 0), shape=(1, 1, 1, CHUNK),
+                     latency=LOAD_LAT).reshape((CHUNK,))
+        dA_last = ct.extract(dA, index=(CHUNK - 1,), shape=(1,))         # flat past seqlen: last valid
+        scale = ct.exp(ct.minimum(dA_last - dA, 0.0)) * delta             # [CHUNK]
+        carry = ct.exp(dA_last)                                           # [1]
+        if HAS_SEQ_IDX:
+            ids, end_id = _chunk_end_id(seq_idx, b, c, seqlen, CHUNK)
+            scale = ct.where((ids == end_id) & (end_id >= 0), scale, 0.0)
+            carry = ct.where(end_id == prev_end_id, carry, 0.0)
+            prev_end_id = end_id
+        B_scaled = (B_c.astype(ct.float32) * scale[:, None]).astype(x.dtype)   # rounded like mamba_ssm
+        state = ct.mma(x_c.transpose().astype(operand_dtype), B_scaled.astype(operand_dtype),
+                       state * carry)
+
+    ct.store(final_states, index=(b, h, pb, nb), tile=state.reshape((1, 1, BLOCK_P, BLOCK_N)))
+
+
+def _make_chunk_state_fwd_kernel(Big):
+    @ct.kernel
+    def chunk_state_fwd_kernel(
+        x: Big,               # (batch, seqlen, nheads, headdim) T
+        B: Big,               # (batch, seqlen, ngroups, dstate) T
+        dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
+        dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
+        initial_states: Big,  # (batch, nheads, headdim, dstate) f32, or a dummy without HAS_INIT
+        seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
+        states: Big,          # (batch, nchunks, nheads, headdim, dstate) T or f32, written
+        final_states: Big,    # (batch, nheads, headdim, dstate) f32, written
+        CHUNK: ConstInt,
+        BLOCK_P: ConstInt,
+        BLOCK_N: ConstInt,
+        HAS_INIT: ConstBool,
+        HAS_SEQ_IDX: ConstBool,
+        LOAD_LAT: ConstInt,   # latency hint of the per-chunk loads (1..10)
+    ):
+        _chunk_state_fwd_body(x, B, dt_out, dA_cumsum, initial_states, seq_idx, states, final_states,
+                              CHUNK, BLOCK_P, BLOCK_N, HAS_INIT, HAS_SEQ_IDX, LOAD_LAT)
+
+    return chunk_state_fwd_kernel
+
+
+# (int32-indexed, int64-indexed) entries of the one body.
+CHUNK_STATE_FWD_KERNELS = int64_index_kernels(_make_chunk_state_fwd_kernel)
+chunk_state_fwd_kernel = CHUNK_STATE_FWD_KERNELS[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkStateConfig:
+    """Tile sizes and hints of `chunk_state_fwd_kernel`.
+
+    BLOCK_P, BLOCK_N: the state tile one block carries (powers of two dividing headdim, dstate).
+    LOAD_LAT: latency hint on the per-chunk loads. occupancy: expected blocks per SM.
+    """
+
+    BLOCK_P: int = 64
+    BLOCK_N: int = 32
+    LOAD_LAT: int = 4
+    occupancy: int = 2
+
+
+def chunk_state_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkStateConfig]:
+    """The autotune space (sm_90): state tiles of 16..64 x 16..64, load latency 2/4/6, occupancy 2.
+
+    Small state tiles give more blocks (the kernel is a latency-bound chain over chunks, with only
+    batch * nheads * tiles blocks); large ones reuse each x/B load more.
+    """
+    check_arch("chunk_state_fwd_configs", arch)
+    return [ChunkStateConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, occupancy=2)
+            for bp in (32, 64) if bp <= dims.headdim
+            for bn in (16, 32, 64) if bn <= dims.dstate
+            for lat in (2, 4, 6)]
+
+
+def chunk_state_fwd_default_config(dims: SSDDims) -> ChunkStateConfig:
+    """TileGym's choice: BLOCK_P = min(64, headdim), BLOCK_N = min(32, dstate), latency 4."""
+    return ChunkStateConfig(BLOCK_P=min(64, dims.headdim), BLOCK_N=min(32, dims.dstate), LOAD_LAT=4,
+                            occupancy=2)
+
+
+def chunk_state_fwd_grid(dims: SSDDims, cfg: ChunkStateConfig) -> tuple[int, int, int]:
+    return (dims.batch * dims.nheads, dims.headdim // cfg.BLOCK_P, dims.dstate // cfg.BLOCK_N)
+
+
+def chunk_state_fwd_launch(dims: SSDDims, cfg: ChunkStateConfig | None = None) -> Launch:
+    """The launch writing ("states", "final_states")."""
+    cfg = cfg or chunk_state_fwd_default_config(dims)
+    return Launch(
+        kernel=select_kernel(CHUNK_STATE_FWD_KERNELS, dims, occupancy=cfg.occupancy),
+        grid=chunk_state_fwd_grid(dims, cfg),
+        args=("x", "B", "dt_out", "dA_cumsum", "initial_states", "seq_idx", "states", "final_states",
+              dims.chunk_size, cfg.BLOCK_P, cfg.BLOCK_N, dims.has_init, dims.has_seq_idx, cfg.LOAD_LAT),
+        writes=("states", "final_states"),
+    )
