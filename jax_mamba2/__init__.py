@@ -7,6 +7,6 @@ Public API:
   available_backends       names of the registered SSD backends.
 """
 from jax_mamba2.reference import ssd_chunked, ssd_scan
-from jax_mamba2.ssd import available_backends, ssd, ssd_step
+from jax_mamba2.op import available_backends, ssd, ssd_step
 
 __all__ = ["ssd", "ssd_step", "ssd_scan", "ssd_chunked", "available_backends"]

@@ -1,0 +1,23 @@
+"""Runs the cuTile kernels from JAX; importing it registers the "cutile" backends of `ssd`.
+
+  cutile           each kernel launch is an XLA FFI custom call (cuda.tile.jax.cutile_call) on XLA's
+                   stream; compiled when the program is lowered; CUDA-graph compatible.
+  cutile_callback  the whole plan runs in one jax.experimental.buffer_callback: XLA's device buffers go
+                   to ct.launch zero-copy on the callback's stream.
+  eager            (module) the same kernels on CuPy / torch / JAX device arrays outside jit.
+
+Raises ImportError when cuda-tile is not installed; `jax_mamba2.ssd` then offers only "xla"/"scan".
+"""
+import cuda.tile  # noqa: F401  (ImportError here means: no cuTile backends)
+
+from jax_mamba2 import op as _ssd
+from jax_mamba2.bridge import callback, ffi, ops, problem
+
+_ssd.register_backend(_ssd.Backend(
+    name="cutile", forward=ops.make_forward(ffi.run_plan),
+    unsupported_reason=problem.unsupported_reason, step=ops.make_step(ffi.run_plan),
+    step_unsupported_reason=ops.step_unsupported_reason, auto_priority=2))
+_ssd.register_backend(_ssd.Backend(
+    name="cutile_callback", forward=ops.make_forward(callback.run_plan),
+    unsupported_reason=problem.unsupported_reason, step=ops.make_step(callback.run_plan),
+    step_unsupported_reason=ops.step_unsupported_reason))

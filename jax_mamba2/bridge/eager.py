@@ -1,0 +1,136 @@
+"""The cuTile SSD kernels outside jit, on CuPy, torch or JAX device arrays (zero copy via DLPack).
+
+Work is enqueued on the caller's current stream (CuPy's or torch's), never synchronised on the host.
+JAX inputs are viewed through DLPack as torch tensors when torch is installed (bfloat16 capable), else
+as CuPy arrays; DLPack makes the consumer stream wait for JAX's producer, and the results go back to
+JAX through DLPack the same way. Meant for debugging kernels and mixing frameworks; inside JAX
+programs use `jax_mamba2.ssd(..., backend="cutile")`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import cuda.tile as ct
+
+from jax_mamba2 import op as ssd_op
+from jax_mamba2.bridge import problem
+from jax_mamba2.kernels import forward as forward_kernels
+from jax_mamba2.kernels._common import Plan
+
+
+class _Namespace:
+    """The few array operations the eager path needs, for torch or CuPy."""
+
+    def __init__(self, module_name: str):
+        self.name = module_name
+        if module_name == "torch":
+            import torch
+            self.module = torch
+        else:
+            import cupy
+            self.module = cupy
+
+    def dtype(self, name: str):
+        return getattr(self.module, name)
+
+    def empty(self, shape, dtype_name):
+        if self.name == "torch":
+            return self.module.empty(shape, dtype=self.dtype(dtype_name), device="cuda")
+        return self.module.empty(shape, dtype=self.dtype(dtype_name))
+
+    def zeros(self, shape, dtype_name):
+        if self.name == "torch":
+            return self.module.zeros(shape, dtype=self.dtype(dtype_name), device="cuda")
+        return self.module.zeros(shape, dtype=self.dtype(dtype_name))
+
+    def cast(self, arr, dtype_name):
+        arr = arr.to(self.dtype(dtype_name)) if self.name == "torch" else arr.astype(dtype_name)
+        return arr.contiguous() if self.name == "torch" else self.module.ascontiguousarray(arr)
+
+    def stream(self):
+        if self.name == "torch":
+            return self.module.cuda.current_stream()
+        return self.module.cuda.get_current_stream()
+
+    def dtype_name(self, arr) -> str:
+        return str(arr.dtype).removeprefix("torch.")
+
+
+def _module_of(arr) -> str:
+    module = type(arr).__module__.split(".")[0]
+    return {"torch": "torch", "cupy": "cupy"}.get(module, "jax")
+
+
+def _to_namespace(arr, xp: _Namespace):
+    return None if arr is None else xp.module.from_dlpack(arr)
+
+
+def run_plan(plan: Plan, arrays: dict, xp: _Namespace, stream=None) -> dict:
+    """Runs `plan` with ct.launch on `stream` (default: the namespace's current stream)."""
+    stream = xp.stream() if stream is None else stream
+    env = dict(arrays)
+    for name, buf in plan.buffers.items():
+        env[name] = (xp.zeros if buf.zero_init else xp.empty)(buf.shape, buf.dtype)
+    for launch in plan.launches:
+        args = tuple(env[a] if isinstance(a, str) else a for a in launch.args)
+        ct.launch(stream, launch.grid, launch.kernel, args)
+    return {name: env[name] for name in plan.outputs}
+
+
+def _kernel_arrays(xp: _Namespace, dims, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx):
+    T = dims.dtype
+    D_hp = xp.zeros((dims.nheads, dims.headdim), "float32")
+    if D is not None:
+        D = xp.cast(D, "float32")
+        D_hp = D_hp + (D[:, None] if len(D.shape) == 1 else D)
+    return dict(
+        x=xp.cast(x, T), dt=xp.cast(dt, dims.dt_dtype), A=xp.cast(A, "float32"),
+        dt_bias=(xp.zeros((dims.nheads,), "float32") if dt_bias is None
+                 else xp.cast(dt_bias, "float32")),
+        B=xp.cast(B, T), C=xp.cast(C, T), D=D_hp,
+        z=xp.zeros((1, 1, 1, 1), T) if z is None else xp.cast(z, T),
+        initial_states=(xp.zeros((1, 1, 1, 1), "float32") if initial_states is None
+                        else xp.cast(initial_states, "float32")),
+        seq_idx=xp.zeros((1, 1), "int32") if seq_idx is None else xp.cast(seq_idx, "int32"))
+
+
+def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_softplus=False,
+        dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, return_final_states=False,
+        stream: Any = None):
+    """`jax_mamba2.ssd` on the cuTile kernels, eagerly, for CuPy / torch / JAX CUDA arrays.
+
+    Arguments and results are those of `jax_mamba2.ssd` (same shapes and dtypes); results come back in
+    x's framework. `stream`: a torch/CuPy stream or raw handle; default the framework's current stream.
+    """
+    source = _module_of(x)
+    if source == "jax":
+        try:
+            import torch  # noqa: F401
+            xp = _Namespace("torch")
+        except ImportError:
+            xp = _Namespace("cupy")
+    else:
+        xp = _Namespace(source)
+    args = [_to_namespace(a, xp) for a in (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)]
+    x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = args
+    ssd_op._check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx)
+    static = ssd_op.SSDStatic(int(chunk_size), bool(dt_softplus),
+                              ssd_op._check_dt_limit("ssd", dt_limit))
+    reason = problem.shape_unsupported_reason(dtype=xp.dtype_name(x), headdim=x.shape[3],
+                                              dstate=B.shape[3], chunk_size=static.chunk_size)
+    if reason is not None:
+        raise ValueError(f"eager ssd cannot run this call: {reason}")
+    dims = problem.SSDDims(
+        batch=x.shape[0], seqlen=x.shape[1], nheads=x.shape[2], headdim=x.shape[3],
+        ngroups=B.shape[2], dstate=B.shape[3], chunk_size=static.chunk_size,
+        dtype=xp.dtype_name(x), dt_dtype="float32", has_z=z is not None,
+        has_init=initial_states is not None, has_seq_idx=seq_idx is not None,
+        dt_softplus=static.dt_softplus, dt_limit=static.dt_limit)
+    arrays = _kernel_arrays(xp, dims, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
+    out = run_plan(forward_kernels.forward_plan(dims), arrays, xp, stream)
+    y, final = out["out"], out["final_states"]
+    if source == "jax":
+        import jax.dlpack
+        y, final = jax.dlpack.from_dlpack(y), jax.dlpack.from_dlpack(final)
+    return (y, final) if return_final_states else y

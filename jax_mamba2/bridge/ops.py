@@ -1,0 +1,102 @@
+"""The SSD op and decode step on the cuTile kernels, for any plan executor (FFI or callback).
+
+Adds what raw kernel calls lack: a vmap rule (the mapped axis folds into the kernel's batch axis),
+outputs that keep shard_map's varying axes, and kernel configs chosen per problem.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jax_mamba2.bridge import _compat, problem
+from jax_mamba2.kernels import forward as forward_kernels
+from jax_mamba2.kernels import state_update as step_kernels
+from jax_mamba2.kernels._common import SSDDims
+
+RunPlan = Callable[..., dict]
+
+# Arrays with a leading batch axis: a vmapped axis over them folds into the kernel batch.
+_PER_ROW = ("x", "dt", "B", "C", "z", "initial_states", "seq_idx")
+_PER_HEAD = ("A", "D", "dt_bias")
+
+
+def _fold(arr, batched: bool, axis_size: int):
+    if not batched:
+        arr = jnp.broadcast_to(arr[None], (axis_size, *arr.shape))
+    return arr.reshape((axis_size * arr.shape[1], *arr.shape[2:]))
+
+
+def _unfold(arr, axis_size: int):
+    return arr.reshape((axis_size, arr.shape[0] // axis_size, *arr.shape[1:]))
+
+
+def _broadcast_unbatched(tree, batched_tree, axis_size: int):
+    return jax.tree.map(
+        lambda a, b: a if b else jnp.broadcast_to(a[None], (axis_size, *a.shape)),
+        tree, batched_tree)
+
+
+def _forward_once(run_plan: RunPlan, inputs, static):
+    dims = problem.kernel_dims(inputs, static)
+    plan = forward_kernels.forward_plan(dims)
+    out = run_plan(plan, problem.kernel_inputs(inputs, dims))
+    return _compat.match_varying_axes((out["out"], out["final_states"]), inputs)
+
+
+@functools.cache
+def _batchable_forward(run_plan: RunPlan, static):
+    @jax.custom_batching.custom_vmap
+    def forward(inputs):
+        return _forward_once(run_plan, inputs, static)
+
+    @forward.def_vmap
+    def forward_vmap(axis_size, in_batched, inputs):
+        batched = in_batched[0]
+        if any(getattr(batched, n) for n in _PER_HEAD):
+            # Per-item parameters cannot share one launch: map over the items instead.
+            return jax.lax.map(forward, _broadcast_unbatched(inputs, batched, axis_size)), (True, True)
+        folded = inputs._replace(**{n: _fold(getattr(inputs, n), getattr(batched, n), axis_size)
+                                    for n in _PER_ROW if getattr(inputs, n) is not None})
+        y, final = forward(folded)
+        return (_unfold(y, axis_size), _unfold(final, axis_size)), (True, True)
+
+    return forward
+
+
+def make_forward(run_plan: RunPlan):
+    """forward(inputs: SSDInputs, static: SSDStatic) -> (y, final_states) on the cuTile kernels."""
+    def forward(inputs, static):
+        return _batchable_forward(run_plan, static)(inputs)
+    return forward
+
+
+def step_unsupported_reason(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
+    """Why the decode kernel cannot run this step (None when it can)."""
+    del dt, A, C, D, z, dt_bias, dt_softplus, dt_limit
+    if state.dtype == jnp.float64 or x.dtype == jnp.float64:
+        return "float64 state or x; the kernels compute in float32: use backend='xla' or cast"
+    reason = problem.shape_unsupported_reason(dtype=x.dtype, headdim=x.shape[2], dstate=B.shape[2])
+    return reason or problem.gpu_unavailable_reason()
+
+
+def make_step(run_plan: RunPlan):
+    """step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit) -> (y, new_state)."""
+    def step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
+        batch, nheads, headdim, dstate = state.shape
+        dims = SSDDims(
+            batch=batch, seqlen=1, nheads=nheads, headdim=headdim, ngroups=B.shape[1], dstate=dstate,
+            chunk_size=1, dtype=jnp.dtype(x.dtype).name, dt_dtype="float32", has_z=z is not None,
+            dt_softplus=dt_softplus, dt_limit=tuple(dt_limit))
+        arrays = dict(
+            state=state, x=x, dt=dt.astype(jnp.float32), A=A.astype(jnp.float32),
+            dt_bias=(jnp.zeros((nheads,), jnp.float32) if dt_bias is None
+                     else dt_bias.astype(jnp.float32)),
+            B=B.astype(x.dtype), C=C.astype(x.dtype),
+            D=problem.per_head_dim_D(D, nheads, headdim),
+            z=jnp.zeros((1, 1, 1), x.dtype) if z is None else z.astype(x.dtype))
+        out = run_plan(step_kernels.state_update_plan(dims), arrays)
+        return _compat.match_varying_axes((out["y"], out["state"]), (state, x))
+    return step

@@ -1,0 +1,104 @@
+"""From the op's arguments to what the cuTile kernels take: dims, dtypes, dummies, limits.
+
+The kernels accept one layout (jax_mamba2/kernels/_common.py, kernels' module docs): x/B/C/z share one
+dtype T in {bf16, f16, f32}; A, dt_bias, D (as (nheads, headdim)) are f32; absent optional arrays are
+replaced by zeros (dt_bias, D) or tiny dummies that the kernel never reads (z, initial_states, seq_idx).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_mamba2.kernels._common import KERNEL_DTYPES, SSDDims
+
+CHUNK_SIZES = (64, 128, 256)
+HEAD_DIMS = (16, 32, 64, 128, 256)  # headdim and dstate: powers of two in [16, 256]
+MIN_COMPUTE_CAPABILITY = (9, 0)
+
+
+@functools.cache
+def gpu_unavailable_reason() -> Optional[str]:
+    """None when the default JAX device is a CUDA GPU the kernels are built for, else why not."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return f"no CUDA device is visible to JAX (jax.default_backend()={jax.default_backend()!r})"
+    capability = getattr(devices[0], "compute_capability", None)
+    if capability is not None:
+        major, minor = (int(v) for v in str(capability).split(".")[:2])
+        if (major, minor) < MIN_COMPUTE_CAPABILITY:
+            return (f"the GPU has compute capability {capability}; the kernels target "
+                    f"sm_{MIN_COMPUTE_CAPABILITY[0]}{MIN_COMPUTE_CAPABILITY[1]} (Hopper) and newer")
+    return None
+
+
+def shape_unsupported_reason(*, dtype, headdim: int, dstate: int,
+                             chunk_size: Optional[int] = None) -> Optional[str]:
+    """Why the kernels cannot take these shapes/dtypes (None when they can)."""
+    name = jnp.dtype(dtype).name
+    if name not in KERNEL_DTYPES:
+        return (f"x.dtype={name} is not supported by the cuTile kernels (bfloat16, float16, float32); "
+                f"use backend='xla' or cast")
+    if headdim not in HEAD_DIMS:
+        return f"headdim={headdim} must be a power of two in [16, 256]"
+    if dstate not in HEAD_DIMS:
+        return f"dstate={dstate} must be a power of two in [16, 256]"
+    if chunk_size is not None and chunk_size not in CHUNK_SIZES:
+        return f"chunk_size={chunk_size} must be one of {CHUNK_SIZES}"
+    return None
+
+
+def unsupported_reason(inputs, static) -> Optional[str]:
+    """Why `ssd(..., backend="cutile")` cannot run this call (None when it can)."""
+    for name in ("dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states"):
+        arr = getattr(inputs, name)
+        if arr is not None and arr.dtype == jnp.float64:
+            return f"{name} is float64; the kernels compute in float32: use backend='xla' or cast"
+    reason = shape_unsupported_reason(dtype=inputs.x.dtype, headdim=inputs.x.shape[3],
+                                      dstate=inputs.B.shape[3], chunk_size=static.chunk_size)
+    return reason or gpu_unavailable_reason()
+
+
+def kernel_dims(inputs, static) -> SSDDims:
+    batch, seqlen, nheads, headdim = inputs.x.shape
+    ngroups, dstate = inputs.B.shape[2:]
+    dt_dtype = jnp.dtype(inputs.dt.dtype).name
+    return SSDDims(
+        batch=batch, seqlen=seqlen, nheads=nheads, headdim=headdim, ngroups=ngroups, dstate=dstate,
+        chunk_size=static.chunk_size, dtype=jnp.dtype(inputs.x.dtype).name,
+        dt_dtype=dt_dtype if dt_dtype in (jnp.dtype(inputs.x.dtype).name, "float32") else "float32",
+        has_z=inputs.z is not None, has_init=inputs.initial_states is not None,
+        has_seq_idx=inputs.seq_idx is not None, dt_softplus=static.dt_softplus,
+        dt_limit=tuple(static.dt_limit))
+
+
+def per_head_dim_D(D, nheads: int, headdim: int):
+    """D as the kernels take it: (nheads, headdim) f32, zeros when absent."""
+    if D is None:
+        return jnp.zeros((nheads, headdim), jnp.float32)
+    D = D.astype(jnp.float32)
+    return jnp.broadcast_to(D[:, None], (nheads, headdim)) if D.ndim == 1 else D
+
+
+def kernel_inputs(inputs, dims: SSDDims) -> dict:
+    """The forward plan's input arrays (names as in kernels.forward.forward_plan)."""
+    dtype = jnp.dtype(dims.dtype)
+    return dict(
+        x=inputs.x,
+        dt=inputs.dt.astype(dims.dt_dtype),
+        A=inputs.A.astype(jnp.float32),
+        dt_bias=(jnp.zeros((dims.nheads,), jnp.float32) if inputs.dt_bias is None
+                 else inputs.dt_bias.astype(jnp.float32)),
+        B=inputs.B.astype(dtype),
+        C=inputs.C.astype(dtype),
+        D=per_head_dim_D(inputs.D, dims.nheads, dims.headdim),
+        z=jnp.zeros((1, 1, 1, 1), dtype) if inputs.z is None else inputs.z.astype(dtype),
+        initial_states=(jnp.zeros((1, 1, 1, 1), jnp.float32) if inputs.initial_states is None
+                        else inputs.initial_states.astype(jnp.float32)),
+        seq_idx=(jnp.zeros((1, 1), jnp.int32) if inputs.seq_idx is None
+                 else inputs.seq_idx.astype(jnp.int32)),
+    )
+

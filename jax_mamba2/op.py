@@ -1,0 +1,418 @@
+"""The public Mamba-2 SSD op: input checks, backend dispatch and the custom VJP of opaque kernels.
+
+`ssd` has the semantics of mamba_ssm's `mamba_chunk_scan_combined`; `ssd_step` those of its
+`selective_state_update` (plus `dt_limit`, so that stepping through a sequence equals the full op).
+
+Backends are entries of one registry. "scan" (lax.scan recurrence, the oracle) and "xla" (chunked pure
+JAX) are always there; "cutile" and "cutile_callback" register themselves from `jax_mamba2.bridge` when
+cuda-tile is installed. "auto" picks cutile on a supported GPU (behind `lax.platform_dependent`, so the
+program still lowers for CPU) and xla otherwise. A backend asked for by name never falls back.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_mamba2 import reference
+
+_FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+
+
+class SSDInputs(NamedTuple):
+    """The array arguments of the op (None where absent); see `ssd` for shapes."""
+
+    x: jax.Array
+    dt: jax.Array
+    A: jax.Array
+    B: jax.Array
+    C: jax.Array
+    D: Optional[jax.Array]
+    z: Optional[jax.Array]
+    dt_bias: Optional[jax.Array]
+    initial_states: Optional[jax.Array]
+    seq_idx: Optional[jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class SSDStatic:
+    """The static options of the op (hashable: a custom_vjp nondiff argument)."""
+
+    chunk_size: int
+    dt_softplus: bool
+    dt_limit: tuple[float, float]
+
+
+class Dims(NamedTuple):
+    batch: int
+    seqlen: int
+    nheads: int
+    headdim: int
+    ngroups: int
+    dstate: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One way of computing the op.
+
+    forward(inputs, static) -> (y, final_states). `differentiable` says whether JAX can differentiate
+    `forward` itself; if not, `ssd` wraps it in a custom_vjp whose backward is `backward(inputs, static,
+    dy, dfinal_states) -> SSDInputs of cotangents` or, when None, the VJP of the xla path (recompute).
+    unsupported_reason(inputs, static) -> None or a sentence saying why this call cannot run here.
+    step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit) -> (y, new_state), optional.
+    """
+
+    name: str
+    forward: Callable[[SSDInputs, SSDStatic], tuple[jax.Array, jax.Array]]
+    unsupported_reason: Callable[[SSDInputs, SSDStatic], Optional[str]]
+    differentiable: bool = False
+    backward: Optional[Callable[..., SSDInputs]] = None
+    step: Optional[Callable[..., tuple[jax.Array, jax.Array]]] = None
+    step_unsupported_reason: Optional[Callable[..., Optional[str]]] = None
+    # Preferred by "auto" when supported (kernel backends); ties resolve by registration order.
+    auto_priority: int = 0
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend) -> None:
+    """Adds (or replaces) a backend of the op."""
+    _BACKENDS[backend.name] = backend
+
+
+def available_backends() -> tuple[str, ...]:
+    """Names accepted by `ssd(..., backend=...)` in this process, besides "auto"."""
+    _load_optional_backends()
+    return tuple(_BACKENDS)
+
+
+@functools.cache
+def _load_optional_backends() -> Optional[str]:
+    """Imports the bridge, which registers the cuTile backends; returns why it could not, if so."""
+    try:
+        import jax_mamba2.bridge  # noqa: F401
+    except ImportError as e:
+        return f"{e} (pip install 'jax-mamba2[cuda]')"
+    return None
+
+
+def _reference_forward(fn):
+    def forward(inputs: SSDInputs, static: SSDStatic):
+        kwargs = dict(D=inputs.D, z=inputs.z, dt_bias=inputs.dt_bias, dt_softplus=static.dt_softplus,
+                      dt_limit=static.dt_limit, initial_states=inputs.initial_states,
+                      seq_idx=inputs.seq_idx)
+        if fn is reference.ssd_chunked:
+            return fn(inputs.x, inputs.dt, inputs.A, inputs.B, inputs.C, static.chunk_size, **kwargs)
+        return fn(inputs.x, inputs.dt, inputs.A, inputs.B, inputs.C, **kwargs)
+    return forward
+
+
+def _always_supported(inputs, static):
+    del inputs, static
+    return None
+
+
+def _reference_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
+    return reference.ssd_step(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
+                              dt_softplus=dt_softplus, dt_limit=dt_limit)
+
+
+register_backend(Backend("xla", _reference_forward(reference.ssd_chunked), _always_supported,
+                         differentiable=True, step=_reference_step))
+register_backend(Backend("scan", _reference_forward(reference.ssd_scan), _always_supported,
+                         differentiable=True, step=_reference_step))
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks
+# ----------------------------------------------------------------------------------------------
+
+def _shape_error(api, name, arr, want_desc, want):
+    return ValueError(f"{api}: {name}.shape={tuple(arr.shape)} must be {want_desc}={tuple(want)}")
+
+
+def _check_float(api, name, arr):
+    if not any(arr.dtype == d for d in _FLOAT_DTYPES):
+        raise TypeError(f"{api}: {name}.dtype={arr.dtype} must be one of bfloat16, float16, float32, "
+                        f"float64")
+
+
+def _check_array(api, name, arr, want_desc, want, *, floating=True):
+    if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+        raise TypeError(f"{api}: {name} must be an array, got {type(arr).__name__}")
+    if tuple(arr.shape) != tuple(want):
+        raise _shape_error(api, name, arr, want_desc, want)
+    if floating:
+        _check_float(api, name, arr)
+
+
+def _check_dt_limit(api, dt_limit):
+    try:
+        lo, hi = (float(v) for v in dt_limit)
+    except (TypeError, ValueError):
+        raise TypeError(f"{api}: dt_limit={dt_limit!r} must be a pair of floats (min, max)") from None
+    if not lo <= hi or math.isnan(lo) or lo < 0:
+        raise ValueError(f"{api}: dt_limit={dt_limit!r} must satisfy 0 <= min <= max")
+    return (lo, hi)
+
+
+def _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx) -> Dims:
+    api = "ssd"
+    if not hasattr(x, "shape") or len(x.shape) != 4:
+        raise ValueError(f"ssd: x.shape={getattr(x, 'shape', None)} must be "
+                         f"(batch, seqlen, nheads, headdim)")
+    _check_float(api, "x", x)
+    batch, seqlen, nheads, headdim = x.shape
+    if not hasattr(B, "shape") or len(B.shape) != 4:
+        raise ValueError(f"ssd: B.shape={getattr(B, 'shape', None)} must be "
+                         f"(batch, seqlen, ngroups, dstate)")
+    ngroups, dstate = B.shape[2], B.shape[3]
+    dims = Dims(batch, seqlen, nheads, headdim, ngroups, dstate)
+    _check_array(api, "dt", dt, "(batch, seqlen, nheads)", (batch, seqlen, nheads))
+    _check_array(api, "A", A, "(nheads,)", (nheads,))
+    _check_array(api, "B", B, "(batch, seqlen, ngroups, dstate)", (batch, seqlen, ngroups, dstate))
+    _check_array(api, "C", C, "(batch, seqlen, ngroups, dstate)", (batch, seqlen, ngroups, dstate))
+    if ngroups < 1 or nheads % ngroups:
+        raise ValueError(f"ssd: nheads={nheads} must be divisible by ngroups={ngroups}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
+        raise TypeError(f"ssd: chunk_size={chunk_size!r} must be a Python int")
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"ssd: chunk_size={chunk_size} must be a power of two")
+    if D is not None:
+        if not hasattr(D, "shape") or tuple(D.shape) not in ((nheads,), (nheads, headdim)):
+            raise ValueError(f"ssd: D.shape={getattr(D, 'shape', None)} must be (nheads,)=({nheads},) "
+                             f"or (nheads, headdim)=({nheads}, {headdim})")
+        _check_float(api, "D", D)
+    if z is not None:
+        _check_array(api, "z", z, "x.shape", x.shape)
+    if dt_bias is not None:
+        _check_array(api, "dt_bias", dt_bias, "(nheads,)", (nheads,))
+    if initial_states is not None:
+        _check_array(api, "initial_states", initial_states, "(batch, nheads, headdim, dstate)",
+                     (batch, nheads, headdim, dstate))
+    if seq_idx is not None:
+        _check_array(api, "seq_idx", seq_idx, "(batch, seqlen)", (batch, seqlen), floating=False)
+        if not jnp.issubdtype(seq_idx.dtype, jnp.integer):
+            raise TypeError(f"ssd: seq_idx.dtype={seq_idx.dtype} must be an integer dtype (int32)")
+    return dims
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch
+# ----------------------------------------------------------------------------------------------
+
+def _unknown_backend_error(api, backend):
+    names = ", ".join(repr(n) for n in ("auto", *_BACKENDS))
+    return ValueError(f"{api}: backend={backend!r} is not one of {names}")
+
+
+def _select_backend(backend: str, inputs: SSDInputs, static: SSDStatic) -> list[Backend]:
+    """Returns the backends to use: one, or for "auto" a kernel backend followed by its fallback."""
+    _load_optional_backends()
+    if backend == "auto":
+        fallback = _BACKENDS["xla"]
+        kernels = sorted((b for b in _BACKENDS.values() if b.auto_priority > 0),
+                         key=lambda b: -b.auto_priority)
+        for candidate in kernels:
+            if candidate.unsupported_reason(inputs, static) is None:
+                return [candidate, fallback]
+        return [fallback]
+    if backend not in _BACKENDS:
+        if backend in ("cutile", "cutile_callback"):
+            raise ValueError(f"ssd(backend={backend!r}) is unavailable: "
+                             f"{_load_optional_backends()}")
+        raise _unknown_backend_error("ssd", backend)
+    chosen = _BACKENDS[backend]
+    reason = chosen.unsupported_reason(inputs, static)
+    if reason is not None:
+        raise ValueError(f"ssd(backend={backend!r}) cannot run this call: {reason}")
+    return [chosen]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _opaque_ssd(backend: Backend, static: SSDStatic, inputs: SSDInputs):
+    return backend.forward(inputs, static)
+
+
+def _opaque_ssd_fwd(backend, static, inputs):
+    return backend.forward(inputs, static), inputs
+
+
+def _xla_vjp(inputs: SSDInputs, static: SSDStatic, dy, dfinal):
+    float_inputs = inputs._replace(seq_idx=None)
+
+    def f(float_inputs):
+        return _BACKENDS["xla"].forward(float_inputs._replace(seq_idx=inputs.seq_idx), static)
+
+    _, vjp = jax.vjp(f, float_inputs)
+    (grads,) = vjp((dy, dfinal))
+    return grads
+
+
+def _opaque_ssd_bwd(backend, static, inputs, cotangents):
+    dy, dfinal = cotangents
+    backward = backend.backward or _xla_vjp
+    grads = backward(inputs, static, dy, dfinal)
+    return (grads._replace(seq_idx=None),)
+
+
+_opaque_ssd.defvjp(_opaque_ssd_fwd, _opaque_ssd_bwd)
+
+
+def _run_backend(backend: Backend, inputs: SSDInputs, static: SSDStatic):
+    if backend.differentiable:
+        return backend.forward(inputs, static)
+    return _opaque_ssd(backend, static, inputs)
+
+
+def _empty_result(inputs: SSDInputs, dims: Dims):
+    state_dtype = jnp.float64 if inputs.x.dtype == jnp.float64 else jnp.float32
+    y = jnp.zeros(inputs.x.shape, inputs.x.dtype)
+    if inputs.initial_states is not None and dims.seqlen == 0:
+        final = inputs.initial_states.astype(state_dtype)
+    else:
+        final = jnp.zeros((dims.batch, dims.nheads, dims.headdim, dims.dstate), state_dtype)
+    return y, final
+
+
+def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_softplus=False,
+        dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, return_final_states=False,
+        backend="auto"):
+    """Mamba-2 SSD (structured state space duality), as mamba_ssm's `mamba_chunk_scan_combined`.
+
+    Per batch row b and head h, with Δ_t = clip(softplus(dt_t + dt_bias), dt_limit) (softplus only
+    when `dt_softplus`) and g(h) = h // (nheads // ngroups):
+        h_t = exp(Δ_t A_h) h_{t-1} + Δ_t x_t ⊗ B_t,g(h);   y_t = h_t C_t,g(h) + D_h x_t;
+        y_t *= silu(z_t) if z is given (the gate comes after D).
+    dt math, decays, states and accumulation run in float32 (float64 for float64 inputs).
+
+    Args:
+      x: (batch, seqlen, nheads, headdim), bf16/f16/f32/f64.
+      dt: (batch, seqlen, nheads), float; raw time steps.
+      A: (nheads,), float, negative (mamba_ssm: -exp(A_log)).
+      B, C: (batch, seqlen, ngroups, dstate), float; nheads % ngroups == 0.
+      chunk_size: power of two; the chunk length of the chunked algorithm (256 as in mamba_ssm).
+      D: (nheads,) or (nheads, headdim), optional skip connection.
+      z: (batch, seqlen, nheads, headdim), optional gate.
+      dt_bias: (nheads,), optional, added to dt before the softplus.
+      dt_softplus: apply softplus to dt + dt_bias.
+      dt_limit: (min, max) clip of Δ; (0, inf) means no clipping.
+      initial_states: (batch, nheads, headdim, dstate), optional state before the first token.
+      seq_idx: (batch, seqlen) int32, optional, nondecreasing along seqlen: packed sequences. The state
+        resets where it changes, and initial_states reach only tokens of sequence 0.
+      return_final_states: also return the state after the last token.
+      backend: "auto", "cutile", "cutile_callback", "xla" or "scan" (see `available_backends()`).
+
+    Returns:
+      y (batch, seqlen, nheads, headdim) in x.dtype, and with `return_final_states` also
+      final_states (batch, nheads, headdim, dstate) in float32 (float64 for float64 x).
+
+    Raises:
+      ValueError / TypeError: on a wrong shape, dtype or option, naming the argument, before any
+        computation; ValueError when a named backend cannot run the call, saying why.
+
+    Example:
+      >>> b, L, H, P, G, N = 1, 64, 2, 16, 1, 16
+      >>> x = jnp.ones((b, L, H, P)); dt = jnp.full((b, L, H), 0.1); A = -jnp.ones((H,))
+      >>> B = C = jnp.ones((b, L, G, N))
+      >>> ssd(x, dt, A, B, C, chunk_size=32, backend="xla").shape
+      (1, 64, 2, 16)
+    """
+    dims = _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx)
+    if not isinstance(backend, str):
+        raise TypeError(f"ssd: backend={backend!r} must be a string")
+    static = SSDStatic(int(chunk_size), bool(dt_softplus), _check_dt_limit("ssd", dt_limit))
+    inputs = SSDInputs(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
+    backends = _select_backend(backend, inputs, static)
+    if dims.batch * dims.seqlen == 0:
+        y, final = _empty_result(inputs, dims)
+    elif len(backends) == 1:
+        y, final = _run_backend(backends[0], inputs, static)
+    else:
+        kernel, fallback = backends
+        y, final = jax.lax.platform_dependent(
+            inputs,
+            cuda=lambda inp: _run_backend(kernel, inp, static),
+            default=lambda inp: _run_backend(fallback, inp, static))
+    return (y, final) if return_final_states else y
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode step
+# ----------------------------------------------------------------------------------------------
+
+def _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias):
+    api = "ssd_step"
+    if not hasattr(state, "shape") or len(state.shape) != 4:
+        raise ValueError(f"ssd_step: state.shape={getattr(state, 'shape', None)} must be "
+                         f"(batch, nheads, headdim, dstate)")
+    _check_float(api, "state", state)
+    batch, nheads, headdim, dstate = state.shape
+    _check_array(api, "x", x, "(batch, nheads, headdim)", (batch, nheads, headdim))
+    _check_array(api, "dt", dt, "(batch, nheads)", (batch, nheads))
+    _check_array(api, "A", A, "(nheads,)", (nheads,))
+    if not hasattr(B, "shape") or len(B.shape) != 3:
+        raise ValueError(f"ssd_step: B.shape={getattr(B, 'shape', None)} must be "
+                         f"(batch, ngroups, dstate)")
+    ngroups = B.shape[1]
+    _check_array(api, "B", B, "(batch, ngroups, dstate)", (batch, ngroups, dstate))
+    _check_array(api, "C", C, "(batch, ngroups, dstate)", (batch, ngroups, dstate))
+    if ngroups < 1 or nheads % ngroups:
+        raise ValueError(f"ssd_step: nheads={nheads} must be divisible by ngroups={ngroups}")
+    if D is not None:
+        if not hasattr(D, "shape") or tuple(D.shape) not in ((nheads,), (nheads, headdim)):
+            raise ValueError(f"ssd_step: D.shape={getattr(D, 'shape', None)} must be "
+                             f"(nheads,)=({nheads},) or (nheads, headdim)=({nheads}, {headdim})")
+        _check_float(api, "D", D)
+    if z is not None:
+        _check_array(api, "z", z, "x.shape", x.shape)
+    if dt_bias is not None:
+        _check_array(api, "dt_bias", dt_bias, "(nheads,)", (nheads,))
+
+
+def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
+             dt_limit=(0.0, math.inf), backend="auto"):
+    """One decode step of the SSD recurrence (mamba_ssm `selective_state_update`, plus dt_limit).
+
+    Args:
+      state: (batch, nheads, headdim, dstate), float; the state before this token.
+      x: (batch, nheads, headdim); dt: (batch, nheads); A: (nheads,);
+      B, C: (batch, ngroups, dstate); D: (nheads,) or (nheads, headdim); z: like x; dt_bias: (nheads,).
+      dt_softplus, dt_limit: as in `ssd`.
+      backend: "auto" (the cuTile decode kernel on a supported GPU, else pure JAX), "cutile", "xla" or
+        "scan" ("xla" and "scan" share the pure-JAX step).
+
+    Returns:
+      (y (batch, nheads, headdim) in x.dtype, new_state in state.dtype). Feeding a sequence token by
+      token through `ssd_step` gives the same y and final state as `ssd`.
+    """
+    _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias)
+    limit = _check_dt_limit("ssd_step", dt_limit)
+    _load_optional_backends()
+    args = (state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), limit)
+    if backend == "auto":
+        for candidate in sorted(_BACKENDS.values(), key=lambda b: -b.auto_priority):
+            if candidate.auto_priority > 0 and candidate.step is not None and \
+                    candidate.step_unsupported_reason(*args) is None:
+                return jax.lax.platform_dependent(
+                    *args[:9], cuda=lambda *a: candidate.step(*a, *args[9:]),
+                    default=lambda *a: _reference_step(*a, *args[9:]))
+        return _reference_step(*args)
+    if backend not in _BACKENDS:
+        raise _unknown_backend_error("ssd_step", backend)
+    chosen = _BACKENDS[backend]
+    if chosen.step is None:
+        raise ValueError(f"ssd_step(backend={backend!r}) has no decode step; use 'auto' or 'xla'")
+    if chosen.step_unsupported_reason is not None:
+        reason = chosen.step_unsupported_reason(*args)
+        if reason is not None:
+            raise ValueError(f"ssd_step(backend={backend!r}) cannot run this call: {reason}")
+    return chosen.step(*args)
+

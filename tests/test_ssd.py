@@ -1,0 +1,155 @@
+"""The public op: checks, dispatch, and the custom VJP / vmap plumbing of opaque backends (CPU)."""
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_mamba2
+from jax_mamba2 import op as ssd_module
+from tests._helpers import make_ssd_args, rel_l2
+
+SMALL = dict(batch=2, seqlen=40, nheads=4, headdim=8, ngroups=2, dstate=8)
+
+
+def test_ssd_backends_always_include_reference_paths():
+    assert {"xla", "scan"} <= set(jax_mamba2.available_backends())
+
+
+def test_ssd_xla_matches_scan_with_every_feature():
+    args, kwargs = make_ssd_args(0, **SMALL, D="headdim", z=True, dt_bias=True, dt_softplus=True,
+                                 dt_limit=(0.01, 2.0), initial_states=True, seq_idx=[15, 16, 9])
+    y_xla, f_xla = jax_mamba2.ssd(*args, 16, **kwargs, return_final_states=True, backend="xla")
+    y_scan, f_scan = jax_mamba2.ssd(*args, 16, **kwargs, return_final_states=True, backend="scan")
+    assert y_xla.shape == args[0].shape and y_xla.dtype == args[0].dtype
+    assert f_xla.shape == (2, 4, 8, 8) and f_xla.dtype == jnp.float32
+    assert rel_l2(y_xla, y_scan) < 1e-5 and rel_l2(f_xla, f_scan) < 1e-5
+
+
+def test_ssd_auto_on_cpu_runs_xla_path():
+    args, kwargs = make_ssd_args(1, **SMALL)
+    jaxpr = str(jax.make_jaxpr(lambda *a: jax_mamba2.ssd(*a, 16, **kwargs))(*args))
+    assert "cutile" not in jaxpr
+    np.testing.assert_allclose(jax_mamba2.ssd(*args, 16, **kwargs),
+                               jax_mamba2.ssd(*args, 16, **kwargs, backend="xla"), rtol=1e-6)
+
+
+def test_ssd_returns_final_states_only_when_asked():
+    args, kwargs = make_ssd_args(2, **SMALL)
+    assert isinstance(jax_mamba2.ssd(*args, 16, **kwargs, backend="xla"), jax.Array)
+    assert len(jax_mamba2.ssd(*args, 16, **kwargs, backend="xla", return_final_states=True)) == 2
+
+
+@pytest.mark.parametrize("seqlen", [0])
+def test_ssd_empty_sequence_returns_initial_states(seqlen):
+    args, kwargs = make_ssd_args(3, **{**SMALL, "seqlen": 8}, initial_states=True)
+    args = tuple(a[:, :seqlen] if a.ndim >= 3 else a for a in args)
+    y, final = jax_mamba2.ssd(*args, 16, **kwargs, backend="xla", return_final_states=True)
+    assert y.shape == (2, 0, 4, 8)
+    np.testing.assert_array_equal(final, kwargs["initial_states"])
+
+
+def _bad_call(**changes):
+    args, kwargs = make_ssd_args(4, **SMALL, D="head", z=True, dt_bias=True, initial_states=True,
+                                 seq_idx=[20, 20])
+    call = dict(zip("x dt A B C".split(), args), chunk_size=16, **kwargs)
+    call.update(changes)
+    return call
+
+
+@pytest.mark.parametrize("changes, error, message", [
+    (dict(x=jnp.ones((2, 40, 4))), ValueError, r"x.shape=\(2, 40, 4\) must be \(batch, seqlen"),
+    (dict(x=jnp.ones((2, 40, 4, 8), jnp.int32)), TypeError, r"x.dtype=int32 must be one of"),
+    (dict(dt=jnp.ones((2, 40, 3))), ValueError, r"dt.shape=\(2, 40, 3\) must be \(batch, seqlen, nheads\)"),
+    (dict(A=jnp.ones((3,))), ValueError, r"A.shape=\(3,\) must be \(nheads,\)=\(4,\)"),
+    (dict(B=jnp.ones((2, 40, 3, 8)), C=jnp.ones((2, 40, 3, 8))), ValueError,
+     r"nheads=4 must be divisible by ngroups=3"),
+    (dict(B=jnp.ones((2, 40, 2))), ValueError, r"B.shape=\(2, 40, 2\) must be \(batch, seqlen, ngroups"),
+    (dict(C=jnp.ones((2, 40, 2, 4))), ValueError, r"C.shape=\(2, 40, 2, 4\) must be"),
+    (dict(chunk_size=24), ValueError, r"chunk_size=24 must be a power of two"),
+    (dict(chunk_size=16.0), TypeError, r"chunk_size=16.0 must be a Python int"),
+    (dict(D=jnp.ones((4, 3))), ValueError, r"D.shape=\(4, 3\) must be \(nheads,\)=\(4,\) or"),
+    (dict(z=jnp.ones((2, 40, 4, 4))), ValueError, r"z.shape=\(2, 40, 4, 4\) must be x.shape"),
+    (dict(dt_bias=jnp.ones((2,))), ValueError, r"dt_bias.shape=\(2,\) must be \(nheads,\)"),
+    (dict(initial_states=jnp.ones((2, 4, 8))), ValueError,
+     r"initial_states.shape=\(2, 4, 8\) must be \(batch, nheads, headdim, dstate\)"),
+    (dict(seq_idx=jnp.ones((2, 40), jnp.float32)), TypeError, r"seq_idx.dtype=float32 must be an integer"),
+    (dict(seq_idx=jnp.ones((2, 39), jnp.int32)), ValueError, r"seq_idx.shape=\(2, 39\) must be"),
+    (dict(dt_limit=(1.0, 0.5)), ValueError, r"dt_limit=\(1.0, 0.5\) must satisfy 0 <= min <= max"),
+    (dict(dt_limit=0.5), TypeError, r"dt_limit=0.5 must be a pair of floats"),
+    (dict(backend="triton"), ValueError, r"backend='triton' is not one of 'auto', 'xla', 'scan'"),
+])
+def test_ssd_rejects_bad_arguments(changes, error, message):
+    call = _bad_call(**changes)
+    with pytest.raises(error, match=message):
+        jax_mamba2.ssd(**call)
+
+
+def test_ssd_cutile_without_gpu_says_why():
+    args, kwargs = make_ssd_args(5, **SMALL)
+    with pytest.raises(ValueError, match=r"ssd\(backend='cutile'\) (cannot run this call|is unavailable)"):
+        jax_mamba2.ssd(*args, 64, **kwargs, backend="cutile")
+
+
+# An opaque backend: JAX must not differentiate or batch through it, so `ssd` wraps it in a custom_vjp.
+# It reuses the xla forward, so every gradient must equal the xla backend's.
+@pytest.fixture
+def opaque_backend():
+    xla = ssd_module._BACKENDS["xla"]
+    calls = []
+
+    def forward(inputs, static):
+        calls.append(static)
+        return xla.forward(inputs, static)
+
+    backend = dataclasses.replace(xla, name="opaque_test", forward=forward, differentiable=False,
+                                  step=None)
+    ssd_module.register_backend(backend)
+    yield calls
+    del ssd_module._BACKENDS["opaque_test"]
+
+
+def test_ssd_opaque_backend_grad_matches_xla(opaque_backend):
+    args, kwargs = make_ssd_args(6, **SMALL, D="head", z=True, dt_bias=True, dt_softplus=True,
+                                 initial_states=True, seq_idx=[25, 15])
+
+    def loss(backend, x, dt, A, B, C, D, z, dt_bias, h0):
+        kw = dict(kwargs, D=D, z=z, dt_bias=dt_bias, initial_states=h0)
+        y, final = jax_mamba2.ssd(x, dt, A, B, C, 16, **kw, return_final_states=True, backend=backend)
+        return jnp.sum(y * jnp.cos(y)) + jnp.sum(final ** 2)
+
+    operands = (*args, kwargs["D"], kwargs["z"], kwargs["dt_bias"], kwargs["initial_states"])
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(1, 10))), static_argnums=0)
+    for g_opaque, g_xla in zip(grads("opaque_test", *operands), grads("xla", *operands)):
+        assert rel_l2(g_opaque, g_xla) < 1e-5
+    assert opaque_backend, "the opaque forward was never called"
+
+
+def test_ssd_opaque_backend_vmap_matches_loop(opaque_backend):
+    args, kwargs = make_ssd_args(7, **SMALL)
+    xs = jnp.stack([args[0], 2 * args[0], -args[0]])
+    f = lambda x: jax_mamba2.ssd(x, *args[1:], 16, **kwargs, backend="opaque_test")
+    np.testing.assert_allclose(jax.vmap(f)(xs), jnp.stack([f(x) for x in xs]), rtol=1e-5, atol=1e-5)
+
+
+def test_ssd_step_chain_equals_full_forward():
+    args, kwargs = make_ssd_args(8, **SMALL, D="head", z=True, dt_bias=True, dt_softplus=True,
+                                 initial_states=True)
+    x, dt, A, B, C = args
+    y_full, f_full = jax_mamba2.ssd(*args, 16, **kwargs, return_final_states=True, backend="xla")
+    state = kwargs["initial_states"]
+    ys = []
+    for t in range(x.shape[1]):
+        y_t, state = jax_mamba2.ssd_step(state, x[:, t], dt[:, t], A, B[:, t], C[:, t], D=kwargs["D"],
+                                         z=kwargs["z"][:, t], dt_bias=kwargs["dt_bias"],
+                                         dt_softplus=True)
+        ys.append(y_t)
+    assert rel_l2(jnp.stack(ys, 1), y_full) < 1e-5 and rel_l2(state, f_full) < 1e-5
+
+
+def test_ssd_step_rejects_bad_state():
+    with pytest.raises(ValueError, match=r"ssd_step: state.shape=\(2, 4, 8\) must be"):
+        jax_mamba2.ssd_step(jnp.ones((2, 4, 8)), jnp.ones((2, 4, 8)), jnp.ones((2, 4)), -jnp.ones(4),
+                            jnp.ones((2, 1, 8)), jnp.ones((2, 1, 8)))
