@@ -167,7 +167,8 @@ def ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
         return _state_update(h, x_t, delta_t, A_gr, B_t, C_t)
 
     if initial_states is None:
-        h0 = jnp.zeros((batch, nheads, headdim, dstate), cdt)
+        # zeros_like keeps x's shard_map varying axes, so the scan carry type does not change.
+        h0 = jnp.zeros_like(x, shape=(batch, nheads, headdim, dstate), dtype=cdt)
     else:
         h0 = initial_states.astype(cdt)
     h_final, y = jax.lax.scan(step, _split_heads(h0, ngroups, axis=1), xs)
@@ -286,7 +287,7 @@ def state_passing(states, dA_chunk_cumsum, initial_states=None, seq_idx_chunk_en
         keep = (seq_idx_chunk_end == previous_ids).T  # (c, b)
         scale = jnp.where(keep[:, :, None, None, None], scale, 0.0)
     if initial_states is None:
-        h0 = jnp.zeros(states.shape[:1] + states.shape[2:], cdt)
+        h0 = jnp.zeros_like(states[:, 0])  # keeps shard_map varying axes (a scan carry)
     else:
         h0 = initial_states.astype(cdt)
 

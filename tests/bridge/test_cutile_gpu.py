@@ -1,0 +1,158 @@
+"""The cuTile backends on the GPU against the float64 scan oracle (run on the H200; skipped elsewhere)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_mamba2
+from jax_mamba2 import reference
+from tests._helpers import TOLERANCE, make_ssd_args, rel_l2, to_float64
+
+pytestmark = pytest.mark.gpu
+
+FEATURES = {
+    "plain": dict(),
+    "all_options": dict(D="headdim", z=True, dt_bias=True, dt_softplus=True, dt_limit=(1e-3, 2.0)),
+    "D_head_init": dict(D="head", initial_states=True),
+    "seq_idx_init": dict(initial_states=True, seq_idx=[70, 58, 72]),
+    "groups": dict(ngroups=2, D="head", z=True),
+}
+
+
+def _oracle(args, kwargs):
+    with jax.enable_x64(True):
+        args64, kwargs64 = to_float64((args, kwargs))
+        y, final = reference.ssd_scan(*args64, **kwargs64)
+        return np.asarray(y), np.asarray(final)
+
+
+@pytest.mark.parametrize("backend", ["cutile", "cutile_callback"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_cutile_matches_float64_scan(backend, dtype, feature):
+    opts = dict(FEATURES[feature])
+    ngroups = opts.pop("ngroups", 1)
+    # seqlen 200 with chunk 64: a partial last chunk.
+    args, kwargs = make_ssd_args(11, batch=2, seqlen=200, nheads=4, headdim=64, ngroups=ngroups,
+                                 dstate=64, dtype=jnp.dtype(dtype), **opts)
+    run = jax.jit(lambda *a: jax_mamba2.ssd(*a, 64, **kwargs, return_final_states=True,
+                                           backend=backend))
+    y, final = run(*args)
+    y_ref, final_ref = _oracle(args, kwargs)
+    tol = TOLERANCE["kernel_fwd"][dtype]
+    assert y.dtype == args[0].dtype and final.dtype == jnp.float32
+    assert rel_l2(y, y_ref) <= tol, rel_l2(y, y_ref)
+    assert rel_l2(final, final_ref) <= tol, rel_l2(final, final_ref)
+
+
+@pytest.mark.parametrize("chunk_size", [64, 128, 256])
+def test_cutile_chunk_sizes_and_headdim_dstate(chunk_size):
+    args, kwargs = make_ssd_args(12, batch=1, seqlen=700, nheads=2, headdim=128, dstate=32,
+                                 dtype=jnp.bfloat16, dt_softplus=True, dt_bias=True, D="head")
+    y, final = jax.jit(lambda *a: jax_mamba2.ssd(*a, chunk_size, **kwargs, return_final_states=True,
+                                                 backend="cutile"))(*args)
+    y_ref, final_ref = _oracle(args, kwargs)
+    assert rel_l2(y, y_ref) <= 2e-2 and rel_l2(final, final_ref) <= 2e-2
+
+
+def test_cutile_ffi_and_callback_agree_bitwise():
+    args, kwargs = make_ssd_args(13, batch=2, seqlen=256, nheads=4, headdim=64, dstate=128,
+                                 dtype=jnp.bfloat16, z=True, D="head", dt_softplus=True)
+    outs = [jax.jit(functools.partial(jax_mamba2.ssd, chunk_size=64, **kwargs, backend=b,
+                                      return_final_states=True))(*args)
+            for b in ("cutile", "cutile_callback")]
+    np.testing.assert_array_equal(np.asarray(outs[0][0], np.float32), np.asarray(outs[1][0], np.float32))
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+
+
+def test_cutile_auto_picks_kernel_and_matches_xla():
+    args, kwargs = make_ssd_args(14, batch=2, seqlen=256, nheads=4, headdim=64, dstate=64)
+    f = jax.jit(lambda *a: jax_mamba2.ssd(*a, 64, **kwargs))
+    assert "cutile_launch" in f.lower(*args).as_text()
+    y_xla = jax_mamba2.ssd(*args, 64, **kwargs, backend="xla")
+    assert rel_l2(f(*args), y_xla) < 5e-3
+
+
+def test_cutile_grad_matches_xla_grad():
+    args, kwargs = make_ssd_args(15, batch=2, seqlen=160, nheads=4, headdim=64, dstate=64,
+                                 D="head", z=True, dt_bias=True, dt_softplus=True, initial_states=True)
+
+    def loss(backend, x, dt, A, B, C, h0):
+        y, final = jax_mamba2.ssd(x, dt, A, B, C, 64, **{**kwargs, "initial_states": h0},
+                                  return_final_states=True, backend=backend)
+        return jnp.sum(y * jnp.sin(y)) + jnp.sum(final ** 2)
+
+    grad = jax.jit(jax.grad(loss, argnums=tuple(range(1, 7))), static_argnums=0)
+    for g_cutile, g_xla in zip(grad("cutile", *args, kwargs["initial_states"]),
+                               grad("xla", *args, kwargs["initial_states"])):
+        assert rel_l2(g_cutile, g_xla) < 5e-3
+
+
+def test_cutile_vmap_matches_loop():
+    args, kwargs = make_ssd_args(16, batch=2, seqlen=128, nheads=4, headdim=64, dstate=64)
+    xs = jnp.stack([args[0], -args[0], 0.5 * args[0]])
+    f = jax.jit(jax.vmap(lambda x: jax_mamba2.ssd(x, *args[1:], 64, **kwargs, backend="cutile")))
+    expected = jnp.stack([jax_mamba2.ssd(x, *args[1:], 64, **kwargs, backend="cutile") for x in xs])
+    np.testing.assert_allclose(f(xs), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cutile_shard_map_grad_of_replicated_param():
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    args, kwargs = make_ssd_args(17, batch=2, seqlen=128, nheads=4, headdim=64, dstate=64)
+    x, dt, A, B, C = args
+    P = jax.sharding.PartitionSpec
+
+    def loss(A, backend):
+        f = jax.shard_map(lambda x, dt, B, C: jax_mamba2.ssd(x, dt, A, B, C, 64, backend=backend),
+                          mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+        return jnp.sum(f(x, dt, B, C) ** 2)
+
+    g_cutile = jax.jit(jax.grad(loss), static_argnums=1)(A, "cutile")
+    g_xla = jax.jit(jax.grad(loss), static_argnums=1)(A, "xla")
+    assert rel_l2(g_cutile, g_xla) < 5e-3
+
+
+@pytest.mark.parametrize("source", ["cupy", "jax"])
+def test_cutile_eager_matches_jit(source):
+    from jax_mamba2.bridge import eager
+    args, kwargs = make_ssd_args(18, batch=2, seqlen=192, nheads=4, headdim=64, dstate=64,
+                                 dtype=jnp.float16, D="head", dt_softplus=True)
+    expected = jax.jit(lambda *a: jax_mamba2.ssd(*a, 64, **kwargs, backend="cutile"))(*args)
+    if source == "cupy":
+        cupy = pytest.importorskip("cupy")
+        conv = lambda a: cupy.from_dlpack(a) if isinstance(a, jax.Array) else a
+        y = eager.ssd(*map(conv, args), 64, **{k: conv(v) for k, v in kwargs.items()})
+        y = np.asarray(cupy.asnumpy(y), np.float32)
+    else:
+        y = np.asarray(eager.ssd(*args, 64, **kwargs), np.float32)
+    np.testing.assert_allclose(y, np.asarray(expected, np.float32), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dt_range, A_range", [((1e-4, 1e-3), (-1e-3, -1e-2)), ((1.0, 10.0), (-5.0, -20.0))])
+def test_cutile_finite_for_extreme_dt_and_A(dt_range, A_range):
+    args, kwargs = make_ssd_args(19, batch=1, seqlen=512, nheads=4, headdim=64, dstate=64,
+                                 dtype=jnp.bfloat16, initial_states=True)
+    x, _, _, B, C = args
+    dt = jax.random.uniform(jax.random.PRNGKey(1), (1, 512, 4), jnp.float32, *dt_range)
+    A = jax.random.uniform(jax.random.PRNGKey(2), (4,), jnp.float32, A_range[1], A_range[0])
+    y, final = jax_mamba2.ssd(x, dt, A, B, C, 128, **kwargs, return_final_states=True, backend="cutile")
+    assert bool(jnp.all(jnp.isfinite(y.astype(jnp.float32)))) and bool(jnp.all(jnp.isfinite(final)))
+    y_ref, final_ref = _oracle((x, dt, A, B, C), kwargs)
+    assert rel_l2(y, y_ref) <= 2e-2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cutile_step_matches_reference_step(dtype):
+    args, kwargs = make_ssd_args(20, batch=3, seqlen=1, nheads=4, headdim=64, ngroups=2, dstate=64,
+                                 dtype=jnp.dtype(dtype), D="head", z=True, dt_bias=True,
+                                 dt_softplus=True, initial_states=True)
+    x, dt, A, B, C = (a[:, 0] if a.ndim >= 3 else a for a in args)
+    state = kwargs.pop("initial_states")
+    kwargs["z"] = kwargs["z"][:, 0]
+    y, new_state = jax.jit(lambda *a: jax_mamba2.ssd_step(*a, **kwargs, backend="cutile"))(
+        state, x, dt, A, B, C)
+    y_ref, state_ref = reference.ssd_step(state, x, dt, A, B, C, **kwargs)
+    assert rel_l2(y, y_ref) <= TOLERANCE["kernel_fwd"][dtype]
+    assert rel_l2(new_state, state_ref) <= 1e-5

@@ -1,0 +1,108 @@
+"""The cuTile backends' JAX plumbing, traced on CPU: custom calls, vmap folding, grad, shard_map types.
+
+Lowering a cutile_call needs a GPU, but tracing does not: these tests check the jaxprs the bridge builds.
+"""
+import jax
+import jax.extend
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+pytest.importorskip("cuda.tile")
+
+from jax_mamba2 import op  # noqa: E402
+from tests._helpers import make_ssd_args  # noqa: E402
+
+assert "cutile" in op.available_backends(), op._load_optional_backends()
+
+DIMS = dict(batch=2, seqlen=96, nheads=4, headdim=16, ngroups=2, dstate=16)
+
+
+def _cutile_ssd(x, dt, A, B, C, *, chunk_size=64, **kwargs):
+    """`ssd(backend="cutile")` without the GPU check (tracing only)."""
+    static = op.SSDStatic(chunk_size, kwargs.pop("dt_softplus", False), (0.0, float("inf")))
+    inputs = op.SSDInputs(x, dt, A, B, C, kwargs.get("D"), kwargs.get("z"), kwargs.get("dt_bias"),
+                          kwargs.get("initial_states"), kwargs.get("seq_idx"))
+    return op._run_backend(op._BACKENDS["cutile"], inputs, static)
+
+
+def _cutile_calls(jaxpr) -> list:
+    found = []
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "cutile_call_ffi":
+                found.append(eqn)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                visit(sub)
+    visit(jaxpr.jaxpr)
+    return found
+
+
+def test_cutile_forward_is_three_kernel_calls_with_every_feature():
+    args, kwargs = make_ssd_args(0, **DIMS, D="head", z=True, dt_bias=True, dt_softplus=True,
+                                 initial_states=True, seq_idx=[50, 46], dtype=jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda *a: _cutile_ssd(*a, **kwargs))(*args)
+    calls = _cutile_calls(jaxpr)
+    assert [c.params["kernel"]._annotated_function.pyfunc.__name__ for c in calls] == [
+        "chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel", "chunk_scan_fwd_kernel"]
+    y, final = jaxpr.out_avals
+    assert (y.shape, y.dtype) == (args[0].shape, jnp.bfloat16)
+    assert (final.shape, final.dtype) == ((2, 4, 16, 16), jnp.float32)
+
+
+def test_cutile_vmap_folds_into_kernel_batch():
+    args, kwargs = make_ssd_args(1, **DIMS)
+    xs = jnp.stack([args[0]] * 3)
+    jaxpr = jax.make_jaxpr(jax.vmap(lambda x: _cutile_ssd(x, *args[1:], **kwargs)))(xs)
+    calls = _cutile_calls(jaxpr)
+    assert len(calls) == 3, "vmap must fold into one launch per stage, not loop"
+    out_shapes = {tuple(v.aval.shape) for c in calls for v in c.outvars}
+    assert (3 * 2, 96, 4, 16) in out_shapes
+    assert jaxpr.out_avals[0].shape == (3, 2, 96, 4, 16)
+
+
+def test_cutile_vmap_over_per_head_params_maps_items():
+    args, kwargs = make_ssd_args(2, **DIMS)
+    As = jnp.stack([args[2], 2 * args[2]])
+    f = lambda A: _cutile_ssd(args[0], args[1], A, *args[3:], **kwargs)
+    jaxpr = jax.make_jaxpr(jax.vmap(f))(As)
+    assert jaxpr.out_avals[0].shape == (2, 2, 96, 4, 16)
+    assert len(_cutile_calls(jaxpr)) == 3  # inside one lax.map body
+
+
+def test_cutile_grad_traces_with_xla_backward():
+    args, kwargs = make_ssd_args(3, **DIMS, initial_states=True)
+
+    def loss(x, h0):
+        y, final = _cutile_ssd(x, *args[1:], initial_states=h0)
+        return jnp.sum(y ** 2) + jnp.sum(final)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(args[0], kwargs["initial_states"])
+    assert len(_cutile_calls(jaxpr)) == 3
+    assert [a.shape for a in jaxpr.out_avals] == [args[0].shape, (2, 4, 16, 16)]
+
+
+def test_cutile_outputs_keep_shard_map_varying_axes():
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,))
+    args, kwargs = make_ssd_args(4, **DIMS)
+    x, dt, A, B, C = args
+    seen = {}
+
+    def per_shard(x, dt, B, C):
+        y, final = _cutile_ssd(x, dt, A, B, C)
+        seen["y"], seen["final"] = jax.typeof(y), jax.typeof(final)
+        return y
+
+    def loss(x, A):
+        f = jax.shard_map(lambda x, dt, B, C: _cutile_ssd(x, dt, A, B, C)[0], mesh=mesh,
+                          in_specs=P("data"), out_specs=P("data"))
+        return jnp.sum(f(x, dt, B, C) ** 2)
+
+    jax.make_jaxpr(jax.shard_map(per_shard, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(
+        x, dt, B, C)
+    assert seen["y"].manual_axis_type.varying == frozenset({"data"})
+    assert seen["final"].manual_axis_type.varying == frozenset({"data"})
+    # The gradient of a replicated parameter (A) through the kernel must type-check under shard_map.
+    grads = jax.make_jaxpr(jax.grad(loss, argnums=1))(x, A)
+    assert grads.out_avals[0].shape == A.shape
