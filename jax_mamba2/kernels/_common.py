@@ -108,6 +108,19 @@ def is_power_of_2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def dt_transform(v, DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX):
+    """Device helper: Δ from v = dt + dt_bias (f32 tile), as `reference.dt_transform`.
+
+    The softplus is mamba_ssm's Triton>=3 form `log(exp(v) + 1)` (not log1p) below 20, `v` above, so
+    small Δ round the same way; the clip applies only with HAS_DT_LIMIT.
+    """
+    if DT_SOFTPLUS:
+        v = ct.where(v <= 20.0, ct.log(ct.exp(v) + 1.0), v)
+    if HAS_DT_LIMIT:
+        v = ct.minimum(ct.maximum(v, DT_MIN), DT_MAX)
+    return v
+
+
 def mma_dtype(dtype):
     """Device helper: the tensor-core operand dtype for data of `dtype` (tf32 for f32, else itself).
 

@@ -24,13 +24,8 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    ConstBool, ConstFloat, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, next_power_of_2,
-    select_kernel)
-
-
-def _softplus(v):
-    # The Triton>=3 form used by mamba_ssm (not log1p), so small Δ round the same way.
-    return ct.where(v <= 20.0, ct.log(ct.exp(v) + 1.0), v)
+    ConstBool, ConstFloat, ConstInt, Launch, SSDDims, check_arch, dt_transform, int64_index_kernels,
+    next_power_of_2, select_kernel)
 
 
 def _chunk_cumsum_fwd_body(dt, A, dt_bias, dt_out, dA_cumsum, CHUNK, BLOCK_H, DT_SOFTPLUS,
@@ -45,11 +40,7 @@ def _chunk_cumsum_fwd_body(dt, A, dt_bias, dt_out, dA_cumsum, CHUNK, BLOCK_H, DT
     a = ct.load(A, index=(hb,), shape=(BLOCK_H,), padding_mode=ct.PaddingMode.ZERO)
     bias = ct.load(dt_bias, index=(hb,), shape=(BLOCK_H,), padding_mode=ct.PaddingMode.ZERO)
 
-    delta = dt_tile + bias[None, :]                                           # [CHUNK, BLOCK_H]
-    if DT_SOFTPLUS:
-        delta = _softplus(delta)
-    if HAS_DT_LIMIT:
-        delta = ct.minimum(ct.maximum(delta, DT_MIN), DT_MAX)
+    delta = dt_transform(dt_tile + bias[None, :], DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX)  # [CHUNK, BLOCK_H]
     token = c * CHUNK + ct.arange(CHUNK, dtype=ct.int32)
     delta = ct.where((token < seqlen)[:, None], delta, 0.0)
     dA_cs = ct.cumsum(delta * a[None, :], axis=0)                             # [CHUNK, BLOCK_H]

@@ -10,8 +10,7 @@ decay cumsum dA[l] = dA_cumsum[b, h, c, l], Δ[l] = dt_out[b, h, c, l], group g 
     states[b, c, h] = H_c (the state ENTERING chunk c),  final_states[b, h] = H_nchunks
 
 With seq_idx (ids nondecreasing along the sequence), let e_c = the id of chunk c's last valid token (the
-max over its valid rows) and e_{-1} = 0: S_c only accumulates tokens whose id == e_c (and only when
-e_c >= 0, as mamba_ssm skips padding id -1), and the carry exp(dA[Q-1]) * H_c is zeroed when e_c != e_{c-1}.
+max over its valid rows) and e_{-1} = 0: S_c only accumulates tokens whose id == e_c, and the carry exp(dA[Q-1]) * H_c is zeroed when e_c != e_{c-1}.
 
 The mma operands are in x's dtype (tf32 for f32 inputs): the decay-scaled B is rounded to that dtype
 before the product, as mamba_ssm does. The carried state stays f32; `states` is stored in its array's
@@ -81,7 +80,7 @@ def _chunk_state_fwd_body(x, B, dt_out, dA_cumsum, initial_states, seq_idx, stat
         carry = ct.exp(dA_last)                                           # [1]
         if HAS_SEQ_IDX:
             ids, end_id = _chunk_end_id(seq_idx, b, c, seqlen, CHUNK)
-            scale = ct.where((ids == end_id) & (end_id >= 0), scale, 0.0)
+            scale = ct.where(ids == end_id, scale, 0.0)
             carry = ct.where(end_id == prev_end_id, carry, 0.0)
             prev_end_id = end_id
         B_scaled = (B_c.astype(ct.float32) * scale[:, None]).astype(x.dtype)   # rounded like mamba_ssm

@@ -1,0 +1,155 @@
+"""The single-token decode step, updating the SSM state in place.
+
+Mirrors `reference.ssd_step` (mamba_ssm `selective_state_update`, plus dt_limit). Per (batch b, head h),
+group g = h // (nheads / ngroups), all in f32:
+
+    Δ        = clip(softplus(dt[b, h] + dt_bias[h]))        (softplus / clip per DT_SOFTPLUS, HAS_DT_LIMIT)
+    state'   = exp(Δ A[h]) * state[b, h] + (Δ x[b, h])[:, None] * B[b, g][None, :]      (headdim, dstate)
+    y        = state' @ C[b, g] + D[h] * x[b, h];   y *= silu(z[b, h]) if HAS_Z
+    state[b, h] <- state' rounded to the state's dtype; y is computed from the f32 state'.
+
+Grid: (batch * nheads, headdim / BLOCK_P). Purely bandwidth-bound (the state is read and written once).
+
+Shapes: state (batch, nheads, headdim, dstate) f32 or T, read and written; x, z, y (batch, nheads,
+headdim) T (z a dummy (1, 1, 1) without HAS_Z); dt (batch, nheads) T or f32; A, dt_bias (nheads,) f32;
+B, C (batch, ngroups, dstate) T; D (nheads, headdim) f32.
+"""
+import dataclasses
+
+import cuda.tile as ct
+
+from jax_mamba2.kernels._common import (
+    Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, SSDDims, check_arch, dt_transform,
+    int64_index_kernels, select_kernel)
+
+STATE_UPDATE_INPUTS = ("state", "x", "dt", "A", "dt_bias", "B", "C", "D", "z")
+STATE_UPDATE_OUTPUTS = ("y", "state")
+
+
+def _state_update_body(state, x, dt, A, dt_bias, B, C, D, z, y, DSTATE, BLOCK_P, HAS_Z, DT_SOFTPLUS,
+                       HAS_DT_LIMIT, DT_MIN, DT_MAX):
+    bh = ct.bid(0)
+    pb = ct.bid(1)
+    nheads = x.shape[1]
+    b = bh // nheads
+    h = bh % nheads
+    g = h // (nheads // B.shape[1])
+
+    dt_v = ct.load(dt, index=(b, h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
+    bias = ct.load(dt_bias, index=(h,), shape=(1,))
+    delta = dt_transform(dt_v + bias, DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX)           # [1]
+    decay = ct.exp(delta * ct.load(A, index=(h,), shape=(1,)))                              # [1]
+
+    s = ct.load(state, index=(b, h, pb, 0), shape=(1, 1, BLOCK_P, DSTATE)
+                ).reshape((BLOCK_P, DSTATE)).astype(ct.float32)
+    x_p = ct.load(x, index=(b, h, pb), shape=(1, 1, BLOCK_P)).reshape((BLOCK_P,)).astype(ct.float32)
+    B_n = ct.load(B, index=(b, g, 0), shape=(1, 1, DSTATE)).reshape((DSTATE,)).astype(ct.float32)
+    C_n = ct.load(C, index=(b, g, 0), shape=(1, 1, DSTATE)).reshape((DSTATE,)).astype(ct.float32)
+
+    s = s * decay + (delta * x_p)[:, None] * B_n[None, :]                                 # [BLOCK_P, DSTATE]
+    ct.store(state, index=(b, h, pb, 0), tile=s.reshape((1, 1, BLOCK_P, DSTATE)).astype(state.dtype))
+
+    D_p = ct.load(D, index=(h, pb), shape=(1, BLOCK_P)).reshape((BLOCK_P,))
+    y_p = ct.sum(s * C_n[None, :], axis=1) + D_p * x_p                                     # [BLOCK_P] f32
+    if HAS_Z:
+        z_p = ct.load(z, index=(b, h, pb), shape=(1, 1, BLOCK_P)).reshape((BLOCK_P,)).astype(ct.float32)
+        y_p = y_p * z_p / (1.0 + ct.exp(-z_p))
+    ct.store(y, index=(b, h, pb), tile=y_p.reshape((1, 1, BLOCK_P)).astype(y.dtype))
+
+
+def _make_state_update_kernel(Big):
+    @ct.kernel
+    def state_update_kernel(
+        state: Big,           # (batch, nheads, headdim, dstate) f32 or T, read and written
+        x,                    # (batch, nheads, headdim) T
+        dt,                   # (batch, nheads) T or f32
+        A,                    # (nheads,) f32
+        dt_bias,              # (nheads,) f32
+        B,                    # (batch, ngroups, dstate) T
+        C,                    # (batch, ngroups, dstate) T
+        D,                    # (nheads, headdim) f32
+        z,                    # (batch, nheads, headdim) T, or a dummy without HAS_Z
+        y,                    # (batch, nheads, headdim) T, written
+        DSTATE: ConstInt,
+        BLOCK_P: ConstInt,
+        HAS_Z: ConstBool,
+        DT_SOFTPLUS: ConstBool,
+        HAS_DT_LIMIT: ConstBool,
+        DT_MIN: ConstFloat,
+        DT_MAX: ConstFloat,
+    ):
+        _state_update_body(state, x, dt, A, dt_bias, B, C, D, z, y, DSTATE, BLOCK_P, HAS_Z, DT_SOFTPLUS,
+                           HAS_DT_LIMIT, DT_MIN, DT_MAX)
+
+    return state_update_kernel
+
+
+# (int32-indexed, int64-indexed) entries of the one body.
+STATE_UPDATE_KERNELS = int64_index_kernels(_make_state_update_kernel)
+state_update_kernel = STATE_UPDATE_KERNELS[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class StateUpdateConfig:
+    """BLOCK_P: headdim rows of the state per block (a power of two dividing headdim)."""
+
+    BLOCK_P: int = 16
+    occupancy: int = 4
+
+
+def state_update_configs(dims: SSDDims, arch: str = "sm_90") -> list[StateUpdateConfig]:
+    """The autotune space (sm_90): BLOCK_P 4..64 (more, smaller blocks hide more DRAM latency),
+    occupancy 2/4/8."""
+    check_arch("state_update_configs", arch)
+    return [StateUpdateConfig(BLOCK_P=bp, occupancy=occ)
+            for bp in (4, 8, 16, 32, 64) if bp <= dims.headdim
+            for occ in (2, 4, 8)]
+
+
+def state_update_default_config(dims: SSDDims) -> StateUpdateConfig:
+    """About 2K state values per block."""
+    return StateUpdateConfig(BLOCK_P=min(dims.headdim, max(4, 2048 // dims.dstate)), occupancy=4)
+
+
+def state_update_grid(dims: SSDDims, cfg: StateUpdateConfig) -> tuple[int, int]:
+    return (dims.batch * dims.nheads, dims.headdim // cfg.BLOCK_P)
+
+
+def state_update_inputs(dims: SSDDims, state_dtype: str = "float32") -> dict[str, Buffer]:
+    """Shape and dtype of each input as the bridge passes it (z a dummy without has_z)."""
+    b, H, P, G, N, T = dims.batch, dims.nheads, dims.headdim, dims.ngroups, dims.dstate, dims.dtype
+    return {
+        "state": Buffer((b, H, P, N), state_dtype),
+        "x": Buffer((b, H, P), T),
+        "dt": Buffer((b, H), dims.dt_dtype),
+        "A": Buffer((H,), "float32"),
+        "dt_bias": Buffer((H,), "float32"),
+        "B": Buffer((b, G, N), T),
+        "C": Buffer((b, G, N), T),
+        "D": Buffer((H, P), "float32"),
+        "z": Buffer((b, H, P) if dims.has_z else (1, 1, 1), T),
+    }
+
+
+def state_update_plan(dims: SSDDims, cfg: StateUpdateConfig | None = None) -> Plan:
+    """One decode step for `dims` (seqlen and chunk_size are ignored).
+
+    Returns:
+      A Plan with inputs STATE_UPDATE_INPUTS, the buffer "y", and outputs ("y", "state"); "state" is
+      written in place (the bridge passes it as an input-output).
+    """
+    cfg = cfg or state_update_default_config(dims)
+    dt_min, dt_max = (float(v) for v in dims.dt_limit)
+    launch = Launch(
+        kernel=select_kernel(STATE_UPDATE_KERNELS, dims, occupancy=cfg.occupancy),
+        grid=state_update_grid(dims, cfg),
+        args=("state", "x", "dt", "A", "dt_bias", "B", "C", "D", "z", "y", dims.dstate, cfg.BLOCK_P,
+              dims.has_z, dims.dt_softplus, dims.has_dt_limit, dt_min, dt_max),
+        writes=("y", "state"),
+    )
+    return Plan(
+        inputs=STATE_UPDATE_INPUTS,
+        buffers={"y": Buffer((dims.batch, dims.nheads, dims.headdim), dims.dtype)},
+        launches=(launch,),
+        outputs=STATE_UPDATE_OUTPUTS,
+    )

@@ -1,0 +1,186 @@
+"""A NumPy emulation of the cuda.tile ops our kernels use, to run their bodies block by block on CPU.
+
+It checks what a compile cannot: index math, masks, padding, the order of a Launch's arguments. Inside
+`emulated()` the `ct` name of every loaded `jax_mamba2.kernels` module is this module; `run_plan` then
+calls each launch's Python kernel function once per grid block, on NumPy arrays.
+
+Semantics follow cuda/tile/_stub.py, made strict where the GPU would be silently wrong:
+- `load` takes a tile index; out-of-bounds elements are 0 with PaddingMode.ZERO and NaN (ints: INT_MIN)
+  without it, so an unpadded out-of-bounds read poisons the result; a tile lying wholly outside the
+  array raises (undefined behaviour on the GPU).
+- `store` drops out-of-bounds elements; plan buffers start as NaN, so a value never written shows up.
+- `mma` requires equal operand dtypes and accumulates in float64 (then casts to the accumulator dtype).
+Not emulated: tf32 rounding (tfloat32 is float32), latency/TMA hints, reduction order.
+"""
+import contextlib
+import itertools
+import sys
+import types
+
+import ml_dtypes
+import numpy as np
+
+float16 = np.dtype(np.float16)
+float32 = np.dtype(np.float32)
+float64 = np.dtype(np.float64)
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+tfloat32 = float32
+int32 = np.dtype(np.int32)
+int64 = np.dtype(np.int64)
+bool_ = np.dtype(bool)
+
+PaddingMode = types.SimpleNamespace(UNDETERMINED="undetermined", ZERO="zero")
+
+_block = [(0, 0, 0), (1, 1, 1)]  # (block index, grid)
+
+
+def bid(axis):
+    return _block[0][axis]
+
+
+def num_blocks(axis):
+    return _block[1][axis]
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def static_eval(value):
+    return value
+
+
+def _as_shape(shape):
+    return tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+
+
+def _tile_window(array, index, shape):
+    """(in-bounds source slices, destination slices) of the tile `index` of `shape` in `array`."""
+    index, shape = tuple(int(i) for i in _as_shape(index)), _as_shape(shape)
+    assert len(index) == len(shape) == array.ndim, (index, shape, array.shape)
+    src, dst = [], []
+    for i, s, n in zip(index, shape, array.shape):
+        start = i * s
+        assert 0 <= start < n, f"tile {index} of shape {shape} lies outside array {array.shape}"
+        stop = min(start + s, n)
+        src.append(slice(start, stop))
+        dst.append(slice(0, stop - start))
+    return tuple(src), tuple(dst)
+
+
+def load(array, index, shape, *, order="C", padding_mode=PaddingMode.UNDETERMINED, check_bounds=True,
+         latency=None, allow_tma=None):
+    assert order == "C", "the emulator only loads in C order"
+    assert latency is None or 1 <= latency <= 10, latency
+    shape = _as_shape(shape)
+    if padding_mode == PaddingMode.ZERO:
+        fill = 0
+    else:
+        fill = np.nan if np.issubdtype(array.dtype, np.floating) or array.dtype == bfloat16 \
+            else np.iinfo(array.dtype).min
+    tile = np.full(shape, fill, dtype=array.dtype)
+    src, dst = _tile_window(array, index, shape)
+    tile[dst] = array[src]
+    return tile
+
+
+def store(array, index, tile, *, order="C", check_bounds=True, latency=None, allow_tma=None):
+    assert order == "C", "the emulator only stores in C order"
+    tile = np.asarray(tile)
+    src, dst = _tile_window(array, index, tile.shape)
+    array[src] = tile[dst].astype(array.dtype)
+
+
+def zeros(shape, dtype):
+    return np.zeros(_as_shape(shape), dtype)
+
+
+def full(shape, fill_value, dtype):
+    return np.full(_as_shape(shape), fill_value, dtype)
+
+
+def arange(size, *, dtype, start=0, step=1):
+    return (start + step * np.arange(size)).astype(dtype)
+
+
+def where(cond, x, y):
+    return np.where(cond, x, y)
+
+
+def _quiet(fn):
+    def wrapped(*args, **kwargs):
+        with np.errstate(over="ignore", under="ignore"):
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+exp = _quiet(np.exp)
+exp2 = _quiet(np.exp2)
+log = _quiet(np.log)
+minimum = np.minimum
+maximum = np.maximum
+
+
+def cumsum(x, axis=0):
+    return np.cumsum(x, axis=axis, dtype=x.dtype)
+
+
+def sum(x, axis=None, *, keepdims=False):  # noqa: A001 - mirrors ct.sum
+    return np.sum(x, axis=axis, keepdims=keepdims, dtype=x.dtype)
+
+
+def max(x, axis=None, *, keepdims=False):  # noqa: A001 - mirrors ct.max
+    return np.max(x, axis=axis, keepdims=keepdims)
+
+
+def extract(x, index, shape):
+    index, shape = _as_shape(index), _as_shape(shape)
+    return x[tuple(slice(i * s, (i + 1) * s) for i, s in zip(index, shape))].copy()
+
+
+def mma(x, y, acc):
+    assert x.dtype == y.dtype, f"ct.mma operands must share a dtype, got {x.dtype} and {y.dtype}"
+    assert acc.dtype == float32, acc.dtype
+    return (x.astype(np.float64) @ y.astype(np.float64) + acc).astype(acc.dtype)
+
+
+@contextlib.contextmanager
+def emulated():
+    """Within the block, every loaded jax_mamba2.kernels module sees this emulator as `ct`."""
+    emulator = sys.modules[__name__]
+    patched = {name: module for name, module in sys.modules.items()
+               if name.startswith("jax_mamba2.kernels") and hasattr(module, "ct")}
+    originals = {name: module.ct for name, module in patched.items()}
+    for module in patched.values():
+        module.ct = emulator
+    try:
+        yield
+    finally:
+        for name, module in patched.items():
+            module.ct = originals[name]
+
+
+def _empty(shape, dtype):
+    dtype = np.dtype(dtype) if dtype != "bfloat16" else bfloat16
+    return np.full(shape, np.nan if dtype.kind == "f" or dtype == bfloat16 else np.iinfo(dtype).min, dtype)
+
+
+def run_plan(plan, inputs):
+    """Runs every launch of `plan` on NumPy `inputs` (name -> array; modified in place when written).
+
+    Returns:
+      name -> array for every input and buffer after the last launch.
+    """
+    arrays = dict(inputs)
+    for name, buf in plan.buffers.items():
+        arrays[name] = np.zeros(buf.shape, _empty((), buf.dtype).dtype) if buf.zero_init \
+            else _empty(buf.shape, buf.dtype)
+    with emulated():
+        for launch in plan.launches:
+            pyfunc = launch.kernel._annotated_function.pyfunc
+            args = [arrays[a] if isinstance(a, str) else a for a in launch.args]
+            grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
+            for block in itertools.product(*(range(n) for n in grid)):
+                _block[:] = [block, grid]
+                pyfunc(*args)
+    return arrays

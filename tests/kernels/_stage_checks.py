@@ -1,0 +1,145 @@
+"""Shared stage checks of the kernel plans against the float64 reference, for any plan runner.
+
+A runner is `run(plan, inputs) -> arrays` taking and returning NumPy arrays (name -> array): the CPU
+emulator (`_cutile_emulator.run_plan`) or ct.launch on CuPy arrays (test_stages_gpu.py). Each check
+compares every stage's output with the same-named `jax_mamba2.reference` stage function.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_mamba2 import reference
+from jax_mamba2.kernels._common import SSDDims
+from jax_mamba2.kernels.forward import forward_plan
+from jax_mamba2.kernels.state_update import state_update_plan
+from tests._helpers import TOLERANCE, make_ssd_args, rel_l2, to_float64
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One forward problem. `seq_lens`: lengths of the packed sequences of each row (None: no seq_idx)."""
+
+    seqlen: int
+    chunk_size: int = 64
+    nheads: int = 4
+    headdim: int = 32
+    ngroups: int = 1
+    dstate: int = 32
+    batch: int = 2
+    z: bool = False
+    initial_states: bool = False
+    seq_lens: tuple[int, ...] | None = None
+    dt_limit: tuple[float, float] | None = None
+    configs: tuple[tuple[str, object], ...] = ()
+
+
+# make_ssd_args draws A so that a 64-token chunk decays by ~e^-30, which hides every cross-chunk path
+# (carried states, initial states, seq_idx resets); the stage checks scale A down to keep them visible.
+_A_SCALE = 0.02
+
+
+def _ssd_args(case: Case, dtype, seed: int):
+    (x, dt, A, B, C), kwargs = make_ssd_args(
+        seed, batch=case.batch, seqlen=case.seqlen, nheads=case.nheads, headdim=case.headdim,
+        ngroups=case.ngroups, dstate=case.dstate, dtype=dtype, D="headdim", z=case.z, dt_bias=True,
+        dt_softplus=True, dt_limit=case.dt_limit, initial_states=case.initial_states,
+        seq_idx=list(case.seq_lens) if case.seq_lens else None)
+    return (x, dt, A * _A_SCALE, B, C), kwargs
+
+
+def case_dims(case: Case, dtype: str) -> SSDDims:
+    return SSDDims(
+        batch=case.batch, seqlen=case.seqlen, nheads=case.nheads, headdim=case.headdim,
+        ngroups=case.ngroups, dstate=case.dstate, chunk_size=case.chunk_size, dtype=dtype,
+        dt_dtype=dtype, has_z=case.z, has_init=case.initial_states, has_seq_idx=case.seq_lens is not None,
+        dt_softplus=True, dt_limit=case.dt_limit or (0.0, float("inf")))
+
+
+def _error(actual, expected) -> float:
+    """Relative L2 error; the max abs error when `expected` is all zeros (e.g. states of a single chunk)."""
+    expected = np.asarray(expected, np.float64)
+    if not np.any(expected):
+        return float(np.max(np.abs(np.asarray(actual, np.float64))))
+    return rel_l2(actual, expected)
+
+
+def _np(a):
+    return np.asarray(a)
+
+
+def forward_inputs_np(args, kwargs):
+    """The plan inputs as the bridge passes them: absent optional arrays become dummies / zeros."""
+    x, dt, A, B, C = args
+    nheads, headdim = x.shape[2], x.shape[3]
+    return {
+        "x": _np(x), "dt": _np(dt), "A": _np(A), "B": _np(B), "C": _np(C),
+        "dt_bias": _np(kwargs["dt_bias"]),
+        "D": _np(jnp.broadcast_to(kwargs["D"], (nheads, headdim))).astype(np.float32),
+        "z": _np(kwargs["z"]) if "z" in kwargs else np.zeros((1, 1, 1, 1), x.dtype),
+        "initial_states": _np(kwargs["initial_states"]).astype(np.float32) if "initial_states" in kwargs
+        else np.zeros((1, 1, 1, 1), np.float32),
+        "seq_idx": _np(kwargs["seq_idx"]) if "seq_idx" in kwargs else np.zeros((1, 1), np.int32),
+    }
+
+
+def _reference_stages(args, kwargs, chunk_size):
+    """Every forward stage of the reference in float64 (call under jax.enable_x64)."""
+    x, dt, A, B, C = to_float64(args)
+    kw = to_float64(kwargs)
+    seq_idx = kw.get("seq_idx")
+    dt_out, dA_cumsum = reference.chunk_cumsum(dt, A, chunk_size, kw["dt_bias"], True,
+                                               kw.get("dt_limit", (0.0, float("inf"))))
+    local = reference.chunk_state(B, x, dt_out, dA_cumsum, seq_idx)
+    chunk_end_ids = None
+    if seq_idx is not None:
+        chunk_end_ids = reference._seq_idx_chunks(seq_idx, dt_out.shape[2], chunk_size)[:, :, -1]
+    states, final_states = reference.state_passing(local, dA_cumsum[..., -1], kw.get("initial_states"),
+                                                   chunk_end_ids)
+    out = reference.chunk_scan(B, C, x, dt_out, dA_cumsum, states, kw["D"], kw.get("z"), seq_idx)
+    return {"dt_out": dt_out, "dA_cumsum": dA_cumsum, "states": states, "final_states": final_states,
+            "out": out}
+
+
+def check_forward(run, case: Case, dtype: str, seed: int = 0):
+    """Runs forward_plan through `run` and asserts each stage matches the float64 reference."""
+    args, kwargs = _ssd_args(case, getattr(jnp, dtype), seed)
+    dims = case_dims(case, dtype)
+    got = run(forward_plan(dims, dict(case.configs)), forward_inputs_np(args, kwargs))
+    with jax.enable_x64(True):
+        want = _reference_stages(args, kwargs, case.chunk_size)
+        y_scan, final_scan = reference.ssd_scan(*to_float64(args), **to_float64(kwargs))
+    tol = TOLERANCE["kernel_fwd"][dtype]
+    errors = {name: _error(got[name], want[name]) for name in want}
+    errors["out_vs_scan"] = rel_l2(got["out"], y_scan)
+    errors["final_states_vs_scan"] = rel_l2(got["final_states"], final_scan)
+    # dt math is fp32 elementwise in every dtype: hold it to fp32 accuracy.
+    limits = {name: (1e-5 if name in ("dt_out", "dA_cumsum") else tol) for name in errors}
+    bad = {name: err for name, err in errors.items() if not err <= limits[name]}
+    assert not bad, f"{case} {dtype}: relative L2 errors above {limits}: {bad}"
+
+
+def check_state_update(run, dtype: str, state_dtype: str, *, ngroups: int = 2, z: bool = True, seed: int = 0):
+    """Runs state_update_plan through `run` and asserts y and the new state match reference.ssd_step."""
+    batch, nheads, headdim, dstate = 3, 4, 32, 16
+    args, kwargs = make_ssd_args(seed, batch=batch, seqlen=1, nheads=nheads, headdim=headdim,
+                                 ngroups=ngroups, dstate=dstate, dtype=getattr(jnp, dtype), D="headdim",
+                                 z=z, dt_bias=True, dt_softplus=True, dt_limit=(0.01, 1.0))
+    x, dt, A, B, C = args[0][:, 0], args[1][:, 0], args[2], args[3][:, 0], args[4][:, 0]
+    if z:
+        kwargs["z"] = kwargs["z"][:, 0]
+    state = jax.random.normal(jax.random.PRNGKey(seed + 1), (batch, nheads, headdim, dstate)
+                              ).astype(getattr(jnp, state_dtype))
+    dims = SSDDims(batch=batch, seqlen=1, nheads=nheads, headdim=headdim, ngroups=ngroups, dstate=dstate,
+                   chunk_size=64, dtype=dtype, dt_dtype=dtype, has_z=z, dt_softplus=True,
+                   dt_limit=(0.01, 1.0))
+    inputs = {"state": _np(state).copy(), "x": _np(x), "dt": _np(dt), "A": _np(A), "B": _np(B),
+              "C": _np(C), "dt_bias": _np(kwargs["dt_bias"]), "D": _np(kwargs["D"]),
+              "z": _np(kwargs["z"]) if z else np.zeros((1, 1, 1), _np(x).dtype)}
+    got = run(state_update_plan(dims), inputs)
+    with jax.enable_x64(True):
+        y_ref, state_ref = reference.ssd_step(*to_float64((state, x, dt, A, B, C)), **to_float64(kwargs))
+    tol = TOLERANCE["kernel_fwd"][dtype]
+    errors = {"y": rel_l2(got["y"], y_ref), "state": rel_l2(got["state"], state_ref)}
+    assert all(err <= tol for err in errors.values()), f"{dtype}/{state_dtype}: {errors} > {tol}"
