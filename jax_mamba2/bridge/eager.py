@@ -66,6 +66,13 @@ def _to_namespace(arr, xp: _Namespace):
     return None if arr is None else xp.module.from_dlpack(arr)
 
 
+def _shape_dtype(arr, xp: _Namespace):
+    """A framework-neutral stand-in (shape, numpy dtype) for the op's input checks."""
+    import jax
+    import numpy as np
+    return jax.ShapeDtypeStruct(tuple(arr.shape), np.dtype(jax.numpy.dtype(xp.dtype_name(arr))))
+
+
 def run_plan(plan: Plan, arrays: dict, xp: _Namespace, stream=None) -> dict:
     """Runs `plan` with ct.launch on `stream` (default: the namespace's current stream)."""
     stream = xp.stream() if stream is None else stream
@@ -114,7 +121,8 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
         xp = _Namespace(source)
     args = [_to_namespace(a, xp) for a in (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)]
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = args
-    ssd_op._check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx)
+    stand_ins = [None if a is None else _shape_dtype(a, xp) for a in args]
+    ssd_op._check_inputs(*stand_ins[:5], chunk_size, *stand_ins[5:])
     static = ssd_op.SSDStatic(int(chunk_size), bool(dt_softplus),
                               ssd_op._check_dt_limit("ssd", dt_limit))
     reason = problem.shape_unsupported_reason(dtype=xp.dtype_name(x), headdim=x.shape[3],
