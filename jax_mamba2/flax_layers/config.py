@@ -1,0 +1,197 @@
+"""`Mamba2Config`: the language-model configuration, with mamba_ssm field names and published presets.
+
+The fields are those of mamba_ssm's `MambaConfig` (the `config.json` of the `state-spaces/mamba2-*`
+checkpoints); `ssm_cfg` holds the keyword arguments of the `Mamba2` mixer. `from_mamba_ssm` reads such a
+`config.json` dict, `from_hf` reads a HuggingFace transformers `Mamba2Config` dict, and `to_hf` writes one.
+"""
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from flax.core import FrozenDict
+
+# Keyword arguments of `Mamba2.__init__` that may appear in `ssm_cfg` (all but d_model and the dtype/backend
+# options, which belong to the model rather than the checkpoint).
+MIXER_OPTIONS = (
+    "d_state", "d_conv", "expand", "headdim", "d_ssm", "ngroups", "A_init_range", "D_has_hdim", "rmsnorm",
+    "norm_before_gate", "dt_min", "dt_max", "dt_init_floor", "dt_limit", "bias", "conv_bias", "chunk_size",
+)
+# mamba_ssm's `Mamba2` defaults, used when `ssm_cfg` does not set an option.
+MIXER_DEFAULTS = FrozenDict(
+    d_state=128, d_conv=4, expand=2, headdim=64, d_ssm=None, ngroups=1, A_init_range=(1.0, 16.0),
+    D_has_hdim=False, rmsnorm=True, norm_before_gate=False, dt_min=0.001, dt_max=0.1, dt_init_floor=1e-4,
+    dt_limit=(0.0, math.inf), bias=False, conv_bias=True, chunk_size=256,
+)
+
+
+def _freeze(value):
+    """JSON lists become tuples so that the config stays hashable (it is static data under jit)."""
+    return tuple(_freeze(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mamba2Config:
+    """Configuration of `Mamba2LMHeadModel` (mamba_ssm `MambaConfig` field names).
+
+    Attributes:
+      d_model: width of the residual stream.
+      n_layer: number of `Mamba2Block`s.
+      vocab_size: number of tokens; the embedding has `padded_vocab_size` rows.
+      ssm_cfg: keyword arguments of the `Mamba2` mixer (see `MIXER_OPTIONS`); missing ones take mamba_ssm's
+        defaults. The mamba_ssm key "layer" is accepted only as "Mamba2" and dropped.
+      d_intermediate: width of an MLP after each mixer; only 0 (no MLP, as in all Mamba-2 checkpoints).
+      rms_norm: block and final norms are RMSNorm; only True (as in all Mamba-2 checkpoints).
+      residual_in_fp32: keep the residual stream in float32 (or float64 for float64 models).
+      fused_add_norm: accepted for config.json compatibility; XLA fuses the add and the norm either way.
+      pad_vocab_size_multiple: the embedding rows are rounded up to a multiple of this.
+      tie_embeddings: the LM head reuses the embedding matrix.
+      norm_epsilon: epsilon of the block and final RMSNorms.
+    """
+
+    d_model: int
+    n_layer: int
+    vocab_size: int
+    ssm_cfg: Mapping[str, Any] = FrozenDict()
+    d_intermediate: int = 0
+    rms_norm: bool = True
+    residual_in_fp32: bool = True
+    fused_add_norm: bool = True
+    pad_vocab_size_multiple: int = 8
+    tie_embeddings: bool = True
+    norm_epsilon: float = 1e-5
+
+    def __post_init__(self):
+        for name in ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Mamba2Config: {name}={value!r} must be a positive int")
+        if self.d_intermediate != 0:
+            raise ValueError(f"Mamba2Config: d_intermediate={self.d_intermediate} must be 0 (MLP sub-blocks "
+                             "are not supported)")
+        if not self.rms_norm:
+            raise ValueError("Mamba2Config: rms_norm=False must be True (LayerNorm blocks are not supported)")
+        if not self.norm_epsilon > 0:
+            raise ValueError(f"Mamba2Config: norm_epsilon={self.norm_epsilon} must be > 0")
+        ssm_cfg = dict(self.ssm_cfg)
+        layer = ssm_cfg.pop("layer", "Mamba2")
+        if layer != "Mamba2":
+            raise ValueError(f"Mamba2Config: ssm_cfg['layer']={layer!r} must be 'Mamba2'")
+        unknown = sorted(set(ssm_cfg) - set(MIXER_OPTIONS))
+        if unknown:
+            raise ValueError(f"Mamba2Config: ssm_cfg has unknown keys {unknown}; allowed: {list(MIXER_OPTIONS)}")
+        object.__setattr__(self, "ssm_cfg", FrozenDict({k: _freeze(v) for k, v in sorted(ssm_cfg.items())}))
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and the LM head: vocab_size rounded up to pad_vocab_size_multiple."""
+        multiple = self.pad_vocab_size_multiple
+        return -(-self.vocab_size // multiple) * multiple
+
+    @property
+    def mixer_options(self) -> dict[str, Any]:
+        """All `Mamba2` keyword options: `ssm_cfg` completed with mamba_ssm's defaults."""
+        return {**MIXER_DEFAULTS, **self.ssm_cfg}
+
+    def replace(self, **changes) -> "Mamba2Config":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_mamba_ssm(cls, config: Mapping[str, Any]) -> "Mamba2Config":
+        """From a mamba_ssm `config.json` dict (the `state-spaces/mamba2-*` format).
+
+        Raises:
+          ValueError: for attention layers (`attn_layer_idx`), which this package does not implement, or for
+            keys that are not `MambaConfig` fields.
+        """
+        config = dict(config)
+        attn_layer_idx = config.pop("attn_layer_idx", [])
+        config.pop("attn_cfg", None)
+        if attn_layer_idx:
+            raise ValueError(f"Mamba2Config.from_mamba_ssm: attn_layer_idx={attn_layer_idx} must be empty "
+                             "(hybrid attention models are not supported)")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(config) - fields)
+        if unknown:
+            raise ValueError(f"Mamba2Config.from_mamba_ssm: unknown keys {unknown}")
+        return cls(**config)
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> "Mamba2Config":
+        """From a HuggingFace transformers `Mamba2Config` dict (`model_type` "mamba2").
+
+        HF stores the padded vocabulary size in `vocab_size`; it is kept as is (with
+        `pad_vocab_size_multiple` when the dict has it). HF's gated norm is full-width in its PyTorch path even
+        for n_groups > 1; this package follows mamba_ssm (group-wise), as HF's CUDA path does.
+
+        Raises:
+          ValueError: if `num_heads * head_dim != expand * hidden_size` (HF's own invariant).
+        """
+        get = config.get
+        d_model, expand, head_dim = config["hidden_size"], get("expand", 2), get("head_dim", 64)
+        if "num_heads" in config and config["num_heads"] * head_dim != expand * d_model:
+            raise ValueError(f"Mamba2Config.from_hf: num_heads={config['num_heads']} * head_dim={head_dim} "
+                             f"must equal expand={expand} * hidden_size={d_model}")
+        ssm_cfg = dict(
+            d_state=get("state_size", 128), d_conv=get("conv_kernel", 4), expand=expand, headdim=head_dim,
+            ngroups=get("n_groups", 1), dt_min=get("time_step_min", 0.001), dt_max=get("time_step_max", 0.1),
+            dt_init_floor=get("time_step_floor", 1e-4), dt_limit=get("time_step_limit", (0.0, math.inf)),
+            bias=get("use_bias", False), conv_bias=get("use_conv_bias", True), chunk_size=get("chunk_size", 256),
+        )
+        return cls(
+            d_model=d_model, n_layer=config["num_hidden_layers"], vocab_size=config["vocab_size"],
+            ssm_cfg=ssm_cfg, rms_norm=get("rms_norm", True), residual_in_fp32=get("residual_in_fp32", True),
+            pad_vocab_size_multiple=get("pad_vocab_size_multiple", 1),
+            tie_embeddings=get("tie_word_embeddings", False), norm_epsilon=get("layer_norm_epsilon", 1e-5),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A HuggingFace transformers `Mamba2Config` dict (for `config.json`), vocabulary padded.
+
+        Raises:
+          ValueError: for mixer options HF's Mamba2 cannot express (norm_before_gate=True, D_has_hdim=True,
+            d_ssm != expand * d_model, rmsnorm=False).
+        """
+        mixer = self.mixer_options
+        d_inner = mixer["expand"] * self.d_model
+        unsupported = {
+            "norm_before_gate": mixer["norm_before_gate"], "D_has_hdim": mixer["D_has_hdim"],
+            "rmsnorm": not mixer["rmsnorm"], "d_ssm": mixer["d_ssm"] not in (None, d_inner),
+        }
+        bad = sorted(name for name, is_bad in unsupported.items() if is_bad)
+        if bad:
+            raise ValueError(f"Mamba2Config.to_hf: ssm_cfg options {bad} have no HF transformers equivalent; "
+                             "keep mamba_ssm defaults for them or checkpoint with Orbax")
+        return {
+            "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2",
+            "hidden_size": self.d_model, "num_hidden_layers": self.n_layer, "vocab_size": self.padded_vocab_size,
+            "pad_vocab_size_multiple": self.pad_vocab_size_multiple,
+            "state_size": mixer["d_state"], "conv_kernel": mixer["d_conv"], "expand": mixer["expand"],
+            "head_dim": mixer["headdim"], "num_heads": d_inner // mixer["headdim"], "n_groups": mixer["ngroups"],
+            "time_step_min": mixer["dt_min"], "time_step_max": mixer["dt_max"],
+            "time_step_floor": mixer["dt_init_floor"], "time_step_limit": list(mixer["dt_limit"]),
+            "use_bias": mixer["bias"], "use_conv_bias": mixer["conv_bias"], "chunk_size": mixer["chunk_size"],
+            "rms_norm": self.rms_norm, "residual_in_fp32": self.residual_in_fp32,
+            "tie_word_embeddings": self.tie_embeddings, "layer_norm_epsilon": self.norm_epsilon,
+            "hidden_act": "silu",
+        }
+
+
+def _preset(d_model: int, n_layer: int):
+    def preset(**override) -> Mamba2Config:
+        fields = dict(d_model=d_model, n_layer=n_layer, vocab_size=50277, ssm_cfg={"layer": "Mamba2"},
+                      pad_vocab_size_multiple=16, tie_embeddings=True)
+        return Mamba2Config(**{**fields, **override})
+
+    preset.__doc__ = (f"`state-spaces/mamba2` preset: d_model={d_model}, n_layer={n_layer}, vocab 50277 padded "
+                      "to 50288, mixer defaults (d_state 128, headdim 64, expand 2, ngroups 1). Fields in "
+                      "`override` replace the preset's.")
+    return preset
+
+
+mamba2_130m = _preset(768, 24)
+mamba2_370m = _preset(1024, 48)
+mamba2_780m = _preset(1536, 48)
+mamba2_1_3b = _preset(2048, 48)
+mamba2_2_7b = _preset(2560, 64)

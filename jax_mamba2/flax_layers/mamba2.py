@@ -1,0 +1,349 @@
+"""`Mamba2`: the Mamba-2 mixer layer (mamba_ssm `modules/mamba2.py`) as a Flax NNX module.
+
+  zxbcdt = in_proj(u)                               # order: [z0, x0, z, xBC, dt]
+  xBC    = silu(causal_conv1d(xBC))                 # xBC = [x, B, C]
+  y      = ssd(x, dt, A, B, C, D, dt_bias, dt_softplus=True)
+  y      = rmsnorm_gated(y, z)                      # group-wise, norm_before_gate as configured
+  y      = concat([silu(z0) * x0, y])               # only when d_ssm < d_inner
+  out    = out_proj(y)
+
+Three entry points share this computation: `__call__` (training / full forward), `prefill` (the same, also
+returning the decode cache) and `step` (one token in O(1) from the cache, through `ssd_step`).
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jax_mamba2.flax_layers.cache import Mamba2Cache
+from jax_mamba2.flax_layers.conv import CausalConv1d, causal_conv1d, causal_conv1d_step
+from jax_mamba2.flax_layers.initializers import A_log_init, dt_bias_init, torch_uniform
+from jax_mamba2.flax_layers.norm import RMSNorm
+from jax_mamba2.flax_layers.partition import HeadShard, MeshAxes, Segment
+from jax_mamba2.op import available_backends, ssd, ssd_step
+
+
+def mixer_param_spec(path: tuple[str, ...], model_axis: str) -> P:
+    """PartitionSpec of a `Mamba2` parameter (path relative to the mixer, e.g. ("in_proj", "kernel")) under
+    head parallelism (see `partition`): in_proj/out_proj kernels split over their input rows, per-head
+    parameters over heads, the rest replicated."""
+    if path in (("in_proj", "kernel"), ("out_proj", "kernel")):
+        return P(model_axis, None)
+    if path in (("dt_bias",), ("A_log",), ("D",), ("norm", "scale")):
+        return P(model_axis)
+    return P()
+
+
+class Mamba2(nnx.Module):
+    """The Mamba-2 mixer, with mamba_ssm's parameters, shapes, initialization and math.
+
+    Parameters (mamba_ssm names; Linear weights stored transposed as NNX kernels, (in, out)):
+      in_proj.kernel (d_model, d_in_proj), in_proj.bias (d_in_proj,) if bias,
+        d_in_proj = 2 * d_inner + 2 * ngroups * d_state + nheads;
+      conv1d.kernel (d_conv, conv_dim), conv1d.bias (conv_dim,) if conv_bias, conv_dim = d_ssm + 2*ngroups*d_state;
+      dt_bias (nheads,), A_log (nheads,), D (nheads,) or (d_ssm,) if D_has_hdim;
+      norm.scale (d_ssm,) if rmsnorm; out_proj.kernel (d_inner, d_model), out_proj.bias (d_model,) if bias.
+    with d_inner = expand * d_model, nheads = d_ssm // headdim.
+
+    Args:
+      d_model: input/output width.
+      d_state: SSM state size N (default: 128).
+      d_conv: causal conv width (default: 4).
+      expand: d_inner = expand * d_model (default: 2).
+      headdim: head size P (default: 64).
+      d_ssm: width of the SSM part (default: None = d_inner); the remaining d_inner - d_ssm features form a
+        gated MLP branch silu(z0) * x0.
+      ngroups: groups of heads sharing B and C (default: 1).
+      A_init_range: A = -exp(A_log) starts uniform in -A_init_range (default: (1, 16)).
+      D_has_hdim: D per (head, headdim) instead of per head (default: False).
+      rmsnorm: gated RMSNorm after the SSD (default: True); if False, z gates the SSD output directly.
+      norm_before_gate: RMSNorm(y) * silu(z) instead of RMSNorm(y * silu(z)) (default: False).
+      dt_min, dt_max, dt_init_floor: softplus(dt_bias) starts log-uniform in [dt_min, dt_max], at least
+        dt_init_floor (defaults: 0.001, 0.1, 1e-4).
+      dt_limit: clip of the time step Δ (default: (0, inf), no clip).
+      bias: biases in in_proj and out_proj (default: False).
+      conv_bias: bias in conv1d (default: True).
+      chunk_size: chunk length of the SSD (power of two; default: 256).
+      backend: SSD backend, "auto" | "cutile" | "cutile_callback" | "xla" | "scan" (default: "auto").
+      dtype: computation dtype (default: None, promoted from inputs and parameters). The dt/state math of the
+        SSD and the norms always run in float32 or wider.
+      param_dtype: parameter dtype (default: float32).
+      rngs: parameter initialization keys.
+
+    Raises:
+      ValueError: on an inconsistent configuration, naming the option and its value.
+
+    Example:
+      >>> layer = Mamba2(64, d_state=16, headdim=16, chunk_size=16, rngs=nnx.Rngs(0))
+      >>> u = jnp.ones((2, 40, 64))
+      >>> layer(u).shape
+      (2, 40, 64)
+      >>> out, cache = layer.prefill(u)                 # also returns the decode state
+      >>> out, cache = layer.step(u[:, 0], cache)       # one more token, O(1)
+      >>> out.shape, cache.ssm_state.shape
+      ((2, 64), (2, 8, 16, 16))
+    """
+
+    def __init__(self, d_model: int, *, d_state: int = 128, d_conv: int = 4, expand: int = 2, headdim: int = 64,
+                 d_ssm: int | None = None, ngroups: int = 1, A_init_range=(1, 16), D_has_hdim: bool = False,
+                 rmsnorm: bool = True, norm_before_gate: bool = False, dt_min: float = 0.001,
+                 dt_max: float = 0.1, dt_init_floor: float = 1e-4, dt_limit=(0.0, math.inf), bias: bool = False,
+                 conv_bias: bool = True, chunk_size: int = 256, backend: str = "auto", dtype=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        for name, value in dict(d_model=d_model, d_state=d_state, d_conv=d_conv, expand=expand, headdim=headdim,
+                                ngroups=ngroups, chunk_size=chunk_size).items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Mamba2: {name}={value!r} must be a positive int")
+        d_inner = expand * d_model
+        d_ssm = d_inner if d_ssm is None else d_ssm
+        if not isinstance(d_ssm, int) or not 0 < d_ssm <= d_inner or d_ssm % headdim:
+            raise ValueError(f"Mamba2: d_ssm={d_ssm!r} must be a positive multiple of headdim={headdim} and at "
+                             f"most d_inner=expand*d_model={d_inner}")
+        nheads = d_ssm // headdim
+        if nheads % ngroups:
+            raise ValueError(f"Mamba2: nheads=d_ssm//headdim={nheads} must be divisible by ngroups={ngroups}")
+        if chunk_size & (chunk_size - 1):
+            raise ValueError(f"Mamba2: chunk_size={chunk_size} must be a power of two")
+        if not 0 < A_init_range[0] <= A_init_range[1]:
+            raise ValueError(f"Mamba2: A_init_range={A_init_range} must satisfy 0 < low <= high")
+        if not 0 < dt_min <= dt_max:
+            raise ValueError(f"Mamba2: dt_min={dt_min}, dt_max={dt_max} must satisfy 0 < dt_min <= dt_max")
+        if not dt_init_floor >= 0:
+            raise ValueError(f"Mamba2: dt_init_floor={dt_init_floor} must be >= 0")
+        if len(dt_limit) != 2 or not 0 <= dt_limit[0] <= dt_limit[1]:
+            raise ValueError(f"Mamba2: dt_limit={dt_limit} must be (low, high) with 0 <= low <= high")
+        if backend != "auto" and backend not in available_backends():
+            raise ValueError(f"Mamba2: backend={backend!r} must be 'auto' or one of {available_backends()}")
+
+        self.d_model, self.d_state, self.d_conv, self.expand, self.headdim = d_model, d_state, d_conv, expand, headdim
+        self.d_inner, self.d_ssm, self.d_mlp, self.nheads, self.ngroups = d_inner, d_ssm, d_inner - d_ssm, nheads, ngroups
+        self.conv_dim = d_ssm + 2 * ngroups * d_state
+        self.D_has_hdim, self.rmsnorm, self.dt_limit = D_has_hdim, rmsnorm, tuple(float(v) for v in dt_limit)
+        self.chunk_size, self.backend, self.dtype = chunk_size, backend, dtype
+        # Set by `shard_model`: run head-parallel inside jax.shard_map over this mesh.
+        self.mesh_axes: MeshAxes | None = None
+
+        d_in_proj = 2 * d_inner + 2 * ngroups * d_state + nheads
+        # The nnx.Linear layers hold parameters only; `_project` / `_output` take the products themselves
+        # because under head parallelism the contraction is split across devices.
+        self.in_proj = nnx.Linear(d_model, d_in_proj, use_bias=bias, param_dtype=param_dtype,
+                                  kernel_init=torch_uniform(d_model), bias_init=torch_uniform(d_model), rngs=rngs)
+        self.conv1d = CausalConv1d(self.conv_dim, d_conv, use_bias=conv_bias, param_dtype=param_dtype, rngs=rngs)
+        self.dt_bias = nnx.Param(dt_bias_init(rngs.params(), nheads, dt_min=dt_min, dt_max=dt_max,
+                                              dt_init_floor=dt_init_floor, dtype=param_dtype))
+        self.A_log = nnx.Param(A_log_init(rngs.params(), nheads, A_init_range=A_init_range, dtype=param_dtype))
+        self.D = nnx.Param(jnp.ones((d_ssm,) if D_has_hdim else (nheads,), param_dtype))
+        self.norm = (RMSNorm(d_ssm, eps=1e-5, group_size=d_ssm // ngroups, norm_before_gate=norm_before_gate,
+                             param_dtype=param_dtype, rngs=rngs) if rmsnorm else nnx.data(None))
+        self.out_proj = nnx.Linear(d_inner, d_model, use_bias=bias, param_dtype=param_dtype,
+                                   kernel_init=torch_uniform(d_inner), bias_init=torch_uniform(d_inner), rngs=rngs)
+
+    # ------------------------------------------------------------------------------------------------
+    # Public entry points
+    # ------------------------------------------------------------------------------------------------
+    def __call__(self, hidden_states, *, seq_idx=None):
+        """Full forward.
+
+        Args:
+          hidden_states: (batch, seqlen, d_model).
+          seq_idx: optional (batch, seqlen) int32 ids of packed sequences (nondecreasing along seqlen): the
+            conv and the SSM state restart at every change.
+
+        Returns:
+          (batch, seqlen, d_model) in the computation dtype.
+        """
+        out, _ = self._run("_forward", (hidden_states, None, seq_idx), want_cache=False)
+        return out
+
+    def prefill(self, hidden_states, cache: Mamba2Cache | None = None):
+        """Full forward that also returns the decode cache.
+
+        Args:
+          hidden_states: (batch, seqlen, d_model).
+          cache: optional state left by earlier tokens (chunked prefill); None starts from zeros.
+
+        Returns:
+          (out (batch, seqlen, d_model), cache): conv_state = the last d_conv pre-conv xBC columns
+          (left-zero-padded), ssm_state = the SSD's final state; in the given cache's dtypes, else
+          `init_cache`'s.
+        """
+        dtypes = self._cache_dtypes() if cache is None else tuple(a.dtype for a in cache)
+        out, new_cache = self._run("_forward", (hidden_states, cache, None), want_cache=True)
+        return out, Mamba2Cache(*(a.astype(dtype) for a, dtype in zip(new_cache, dtypes)))
+
+    def step(self, hidden_states, cache: Mamba2Cache):
+        """One decode step in O(1): `ssd_step` on the cached state, no padding to a chunk.
+
+        Unlike mamba_ssm's `step`, dt_limit is applied, so that stepping equals the full forward.
+
+        Args:
+          hidden_states: (batch, d_model), one token per row.
+          cache: the state after the previous tokens.
+
+        Returns:
+          (out (batch, d_model), new cache in the cache's dtypes).
+        """
+        return self._run("_step", (hidden_states, cache))
+
+    def init_cache(self, batch_size: int, dtype=None) -> Mamba2Cache:
+        """Zero decode state for `batch_size` rows.
+
+        Args:
+          batch_size: number of sequences.
+          dtype: dtype of both fields (default: None: conv_state in conv1d's parameter dtype, ssm_state in
+            in_proj's, as mamba_ssm allocates them).
+        """
+        conv_dtype, ssm_dtype = self._cache_dtypes(dtype)
+        return Mamba2Cache(
+            conv_state=jnp.zeros((batch_size, self.conv_dim, self.d_conv), conv_dtype),
+            ssm_state=jnp.zeros((batch_size, self.nheads, self.headdim, self.d_state), ssm_dtype))
+
+    def _cache_dtypes(self, dtype=None):
+        return dtype or self.conv1d.kernel.dtype, dtype or self.in_proj.kernel.dtype
+
+    # ------------------------------------------------------------------------------------------------
+    # One code path for one device and for one shard of the heads (see `partition`)
+    # ------------------------------------------------------------------------------------------------
+    def _run(self, method: str, arrays: tuple, **options):
+        """Calls `method(shard, *arrays, **options)` on this device, or per shard of the heads inside
+        `jax.shard_map` when `mesh_axes` is set. arrays = (hidden_states, cache[, seq_idx]); a None cache
+        in or out is passed through."""
+        if self.mesh_axes is None:
+            return getattr(self, method)(HeadShard(), *arrays, **options)
+        axes = self.mesh_axes
+        graphdef, state = nnx.split(self)
+        state_specs = jax.tree_util.tree_map_with_path(
+            lambda path, _: mixer_param_spec(_names(path), axes.model_axis), state)
+        rows = P(axes.data_axis)
+        cache_specs = Mamba2Cache(conv_state=rows, ssm_state=P(axes.data_axis, axes.model_axis))
+        array_specs = tuple(None if a is None else spec for a, spec in zip(arrays, (rows, cache_specs, rows)))
+        returns_cache = options.get("want_cache", True)
+
+        def per_shard(state, *arrays):
+            shard = HeadShard(axes.model_axis, axes.model_size)
+            return getattr(nnx.merge(graphdef, state), method)(shard, *arrays, **options)
+
+        return jax.shard_map(per_shard, mesh=axes.mesh, in_specs=(state_specs, *array_specs),
+                             out_specs=(rows, cache_specs if returns_cache else None))(state, *arrays)
+
+    def _forward(self, shard: HeadShard, hidden_states, cache, seq_idx, *, want_cache: bool):
+        batch, seqlen, _ = hidden_states.shape
+        z0, x0, z, x, B, C, dt = self._project(shard, hidden_states)
+        x, B, C, conv_state = self._convolve(
+            shard, x, B, C, None if cache is None else cache.conv_state, want_cache,
+            lambda xBC, state, kernel, bias: causal_conv1d(xBC, kernel, bias, state, seq_idx=seq_idx,
+                                                            dtype=xBC.dtype))
+        A, D, dt_bias = self._ssm_params()
+        nheads = A.shape[0]
+        y, ssm_state = ssd(
+            x.reshape(batch, seqlen, nheads, self.headdim), dt, A,
+            B.reshape(batch, seqlen, -1, self.d_state), C.reshape(batch, seqlen, -1, self.d_state),
+            self.chunk_size, D=D, z=None if self.rmsnorm else z.reshape(batch, seqlen, nheads, self.headdim),
+            dt_bias=dt_bias, dt_softplus=True, dt_limit=self.dt_limit, seq_idx=seq_idx,
+            initial_states=None if cache is None else cache.ssm_state.astype(A.dtype),
+            return_final_states=True, backend=self.backend)
+        out = self._output(shard, y, z, z0, x0)
+        return out, (Mamba2Cache(conv_state, ssm_state) if want_cache else None)
+
+    def _step(self, shard: HeadShard, hidden_states, cache: Mamba2Cache):
+        batch, _ = hidden_states.shape
+        z0, x0, z, x, B, C, dt = self._project(shard, hidden_states)
+        x, B, C, conv_state = self._convolve(
+            shard, x, B, C, cache.conv_state, True,
+            lambda xBC, state, kernel, bias: causal_conv1d_step(xBC, state, kernel, bias, dtype=xBC.dtype))
+        A, D, dt_bias = self._ssm_params()
+        nheads = A.shape[0]
+        y, ssm_state = ssd_step(
+            cache.ssm_state, x.reshape(batch, nheads, self.headdim), dt, A,
+            B.reshape(batch, -1, self.d_state), C.reshape(batch, -1, self.d_state), D=D,
+            z=None if self.rmsnorm else z.reshape(batch, nheads, self.headdim), dt_bias=dt_bias,
+            dt_softplus=True, dt_limit=self.dt_limit, backend=self.backend)
+        return self._output(shard, y, z, z0, x0), Mamba2Cache(conv_state, ssm_state)
+
+    # ------------------------------------------------------------------------------------------------
+    # Pieces
+    # ------------------------------------------------------------------------------------------------
+    def _groups_sharded(self, shard: HeadShard) -> bool:
+        """B and C are split over the model axis when every device gets whole groups."""
+        return self.ngroups % shard.size == 0
+
+    def _in_proj_segments(self, shard: HeadShard):
+        """in_proj's output axis: [z0, x0, z, x, B, C, dt]."""
+        bc = Segment(self.ngroups * self.d_state, self._groups_sharded(shard))
+        return (Segment(self.d_mlp, True), Segment(self.d_mlp, True), Segment(self.d_ssm, True),
+                Segment(self.d_ssm, True), bc, bc, Segment(self.nheads, True))
+
+    def _conv_segments(self, shard: HeadShard):
+        """conv1d's channel axis: [x, B, C]."""
+        bc = Segment(self.ngroups * self.d_state, self._groups_sharded(shard))
+        return Segment(self.d_ssm, True), bc, bc
+
+    def _project(self, shard: HeadShard, hidden_states):
+        """in_proj, split into this shard's (z0, x0, z, x, B, C, dt), each (..., local width)."""
+        kernel = self.in_proj.kernel[...]  # (d_model / shard.size, d_in_proj): this shard's input rows
+        dtype = self.dtype or jnp.result_type(hidden_states, kernel)
+        rows = shard.slice(hidden_states.astype(dtype), axis=-1)
+        segments = self._in_proj_segments(shard)
+        pieces = shard.reduce_split(jnp.einsum("...d,de->...e", rows, kernel.astype(dtype)), segments)
+        if self.in_proj.bias is not None:
+            pieces = [p + b.astype(dtype) for p, b in zip(pieces, shard.split(self.in_proj.bias[...], segments))]
+        return pieces
+
+    def _convolve(self, shard: HeadShard, x, B, C, conv_state, want_state: bool, apply):
+        """The causal conv + SiLU on this shard's channels [x, B, C].
+
+        Args:
+          x, B, C: in_proj outputs, (..., local width) each.
+          conv_state: the cache's (batch, conv_dim, d_conv) state or None.
+          want_state: also assemble the new full conv_state (all-gathers the x channels when sharded).
+          apply: (xBC, local conv_state, kernel, bias) -> (conv output, new local conv_state).
+
+        Returns:
+          (x, B, C, conv_state): B and C reduced to the groups of this shard's heads; conv_state None unless
+          want_state.
+        """
+        segments = self._conv_segments(shard)
+        offsets = [x.shape[-1], x.shape[-1] + B.shape[-1]]
+        split_params = [shard.split(p[...], segments, axis=-1) for p in (self.conv1d.kernel, self.conv1d.bias)
+                        if p is not None]
+        kernel, *bias = (jnp.concatenate(pieces, axis=-1) for pieces in split_params)
+        local_state = (None if conv_state is None
+                       else jnp.concatenate(shard.split(conv_state, segments, axis=1), axis=1))
+        out, new_state = apply(jnp.concatenate([x, B, C], axis=-1), local_state, kernel, bias[0] if bias else None)
+        x, B, C = jnp.split(jax.nn.silu(out), offsets, axis=-1)
+        if not self._groups_sharded(shard):  # all groups here: keep the one of this shard's heads
+            start = (shard.rank() // (shard.size // self.ngroups)) * self.d_state
+            B, C = (jax.lax.dynamic_slice_in_dim(a, start, self.d_state, axis=-1) for a in (B, C))
+        if not want_state:
+            return x, B, C, None
+        return x, B, C, shard.gather(jnp.split(new_state, offsets, axis=1), segments, axis=1)
+
+    def _ssm_params(self):
+        """A = -exp(A_log) (float32 or wider), D ((nheads,) or (nheads, headdim)) and dt_bias, this shard's heads."""
+        A_log = self.A_log[...]
+        A = -jnp.exp(A_log.astype(jnp.promote_types(jnp.float32, A_log.dtype)))
+        D = self.D[...]
+        if self.D_has_hdim:
+            D = D.reshape(-1, self.headdim)
+        return A, D, self.dt_bias[...]
+
+    def _output(self, shard: HeadShard, y, z, z0, x0):
+        """Gated norm, MLP branch and out_proj; y (..., local nheads, headdim) -> (..., d_model)."""
+        y = y.reshape(*y.shape[:-2], -1)
+        if self.rmsnorm:
+            y = self.norm(y, z, sum_groups=shard.sum_split_groups(self.d_ssm // self.ngroups, y.shape[-1]))
+        if self.d_mlp:
+            y = jnp.concatenate([jax.nn.silu(z0) * x0, y], axis=-1)
+        kernel = self.out_proj.kernel[...]  # (d_inner / shard.size, d_model): this shard's heads' rows
+        dtype = self.dtype or jnp.result_type(y, kernel)
+        out = shard.psum(jnp.einsum("...e,ed->...d", y.astype(dtype), kernel.astype(dtype)))
+        if self.out_proj.bias is not None:
+            out = out + self.out_proj.bias[...].astype(dtype)
+        return out
+
+
+def _names(path) -> tuple[str, ...]:
+    """Attribute names of a pytree path into an nnx.State (dict keys; the Variable's `.value` dropped)."""
+    return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))

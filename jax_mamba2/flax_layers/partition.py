@@ -1,0 +1,133 @@
+"""Head (tensor) parallelism of the Mamba2 mixer: where its arrays live and the collectives between them.
+
+The mixer's fused axes (in_proj's output [z0, x0, z, x, B, C, dt], conv1d's channels [x, B, C]) interleave
+head-sharded segments (z0, x0, z, x, dt: split over the "model" mesh axis) with B/C, which are split only when
+ngroups % model_size == 0 and otherwise replicated. A contiguous split of a fused axis cannot follow these
+segments, so the mixer keeps the mamba_ssm layout and partitions differently:
+
+- in_proj.kernel (d_model, d_in_proj) is split over its *input* rows. Each device multiplies its rows of
+  d_model and the partial products are reduce-scattered segment by segment (`HeadShard.reduce_split`), so
+  each device receives exactly its heads' z, x, dt (and its groups' B, C, or all of them).
+- out_proj.kernel (d_inner, d_model) is split over its input rows (= heads); its partial products are summed.
+- conv1d (tiny) is replicated; A_log, dt_bias, D and norm.scale are split over heads.
+
+`HeadShard` describes one device's part. `HeadShard()` (size 1) is the single-device case, in which every
+helper is the identity or a plain split, so the mixer has one code path.
+"""
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+class Segment(NamedTuple):
+    """A piece of a fused axis: its global size and whether it is split over the model axis."""
+
+    size: int
+    sharded: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshAxes:
+    """The mesh a sharded LM runs on (set on each mixer by `shard_model`).
+
+    Attributes:
+      mesh: a `jax.sharding.Mesh` with AxisType.Auto axes.
+      data_axis: mesh axis that splits the batch.
+      model_axis: mesh axis that splits the heads.
+    """
+
+    mesh: jax.sharding.Mesh
+    data_axis: str = "data"
+    model_axis: str = "model"
+
+    @property
+    def model_size(self) -> int:
+        return self.mesh.shape[self.model_axis]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadShard:
+    """One device's share of the heads: inside `jax.shard_map` over `axis` (size devices), or the whole
+    layer when axis is None."""
+
+    axis: str | None = None
+    size: int = 1
+
+    def rank(self):
+        """This device's index along the model axis (0 on a single device)."""
+        return 0 if self.axis is None else lax.axis_index(self.axis)
+
+    def slice(self, x, axis: int = -1):
+        """This device's contiguous block of a replicated array along `axis`."""
+        if self.size == 1:
+            return x
+        block = x.shape[axis] // self.size
+        return lax.dynamic_slice_in_dim(x, self.rank() * block, block, axis)
+
+    def split(self, x, segments, axis: int = -1) -> list:
+        """The local pieces of a replicated fused array: a sharded segment's block, a replicated one whole."""
+        pieces = jnp.split(x, _offsets(segments), axis=axis)
+        return [self.slice(p, axis) if seg.sharded else p for p, seg in zip(pieces, segments)]
+
+    def reduce_split(self, partial, segments) -> list:
+        """Sums partial products over the model axis and returns the local pieces of the fused last axis.
+
+        Sharded segments are reduce-scattered in one `psum_scatter`: each is reshaped to (..., size, block)
+        and concatenated along the block axis, so device r's blocks are contiguous (rank-major order).
+        Replicated segments are summed with one `psum`.
+        """
+        pieces = jnp.split(partial, _offsets(segments), axis=-1)
+        if self.size == 1:
+            return pieces
+        lead = partial.shape[:-1]
+        sharded = [p for p, seg in zip(pieces, segments) if seg.sharded]
+        replicated = [p for p, seg in zip(pieces, segments) if not seg.sharded]
+        rank_major = jnp.concatenate([p.reshape(*lead, self.size, p.shape[-1] // self.size) for p in sharded],
+                                     axis=-1)
+        local_sharded = iter(jnp.split(
+            lax.psum_scatter(rank_major.reshape(*lead, -1), self.axis, scatter_dimension=len(lead), tiled=True),
+            _offsets([Segment(p.shape[-1] // self.size, True) for p in sharded]), axis=-1))
+        local_replicated = iter(jnp.split(lax.psum(jnp.concatenate(replicated, axis=-1), self.axis),
+                                          _offsets([Segment(p.shape[-1], False) for p in replicated]), axis=-1)
+                                if replicated else [])
+        return [next(local_sharded) if seg.sharded else next(local_replicated) for seg in segments]
+
+    def gather(self, pieces, segments, axis: int = -1):
+        """Inverse of `split`: the replicated fused array from local pieces (all-gathers the sharded ones)."""
+        if self.size == 1:
+            return jnp.concatenate(pieces, axis=axis)
+        return jnp.concatenate([lax.all_gather(p, self.axis, axis=axis, tiled=True) if seg.sharded else p
+                                for p, seg in zip(pieces, segments)], axis=axis)
+
+    def psum(self, x):
+        """Sum over the model axis (identity on one device)."""
+        return x if self.size == 1 else lax.psum(x, self.axis)
+
+    def sum_split_groups(self, group_size: int, local_features: int):
+        """For a norm group larger than this device's features (it spans devices): a function mapping the
+        local per-piece sums of squares (..., pieces) to the whole groups' sums (see `norm.rms_norm`).
+        None when every group is local."""
+        if group_size <= local_features:
+            return None
+        pieces_per_group = group_size // local_features  # this device holds one piece of one group
+
+        def sum_groups(local_sums):  # (..., 1)
+            groups = self.size // pieces_per_group
+            my_group = self.rank() // pieces_per_group
+            one_hot = jax.nn.one_hot(my_group, groups, dtype=local_sums.dtype)  # (groups,)
+            totals = lax.psum(local_sums * one_hot, self.axis)  # (..., groups)
+            return jnp.sum(totals * one_hot, axis=-1, keepdims=True)
+
+        return sum_groups
+
+
+def _offsets(segments) -> list[int]:
+    """Split points of a fused axis made of `segments`."""
+    offsets, total = [], 0
+    for seg in segments[:-1]:
+        total += seg.size
+        offsets.append(total)
+    return offsets
