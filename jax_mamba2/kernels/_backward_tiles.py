@@ -1,0 +1,57 @@
+"""Device helpers shared by the backward stages: per-chunk vectors and the seq_idx rules.
+
+Notation of every backward docstring (mamba2.md §1, §3): batch b, head h, group g = h // (nheads/ngroups),
+chunk c of Q = CHUNK tokens with local rows l, s; dA = dA_cumsum[b, h, c] (natural-log units, flat past
+seqlen), Δ = dt_out[b, h, c] (0 past seqlen), H_c = states[b, c, h] the chunk-ENTRY state, y the pre-gate
+output, dy = ∂L/∂y (= dout * silu(z) with a gate, else dout). With seq_idx, ids_l is the id of row l,
+e_c the id of chunk c's last valid token and e_{-1} = 0:
+
+    causal pairs      M[l, s] = (s <= l) & (ids_l == ids_s)
+    state rows        k_s     = (ids_s == e_c) & (e_c >= 0)         (tokens chunk c's end state keeps)
+    inter rows        r_l     = (ids_l == e_{c-1})                   (rows the entry state H_c reaches)
+    carry             m_c     = (e_c == e_{c-1})                     (H_c survives chunk c)
+
+Without seq_idx all of M's id tests, k, r and m are true. These are exactly the rules of the forward
+kernels (chunk_state.py, chunk_scan.py), so each backward stage differentiates what the forward computed.
+"""
+import cuda.tile as ct
+
+# Below every real sequence id: the max over a chunk's valid rows ignores the padded ones.
+_ID_FLOOR = -(1 << 30)
+
+
+def load_chunk_vector(array, b, h, c, block, BLOCK):
+    """Rows [block*BLOCK, (block+1)*BLOCK) of array[b, h, c] for a (batch, nheads, nchunks, CHUNK)
+    f32 array (dt_out, dA_cumsum and the backward's per-row buffers) -> [BLOCK] f32."""
+    return ct.load(array, index=(b, h, c, block), shape=(1, 1, 1, BLOCK)).reshape((BLOCK,))
+
+
+def store_chunk_vector(array, b, h, c, block, tile, BLOCK):
+    """Stores a [BLOCK] tile at rows [block*BLOCK, (block+1)*BLOCK) of array[b, h, c]."""
+    ct.store(array, index=(b, h, c, block), tile=tile.reshape((1, 1, 1, BLOCK)))
+
+
+def row_ids(seq_idx, b, row_tile, BLOCK):
+    """The sequence ids of rows [row_tile*BLOCK, (row_tile+1)*BLOCK) of batch row b -> [BLOCK] int32."""
+    return ct.load(seq_idx, index=(b, row_tile), shape=(1, BLOCK),
+                   padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK,))
+
+
+def previous_chunk_end_id(seq_idx, b, c, CHUNK):
+    """e_{c-1}: the id of token c*CHUNK - 1 (chunk c-1 is full), 0 for the first chunk -> [1] int32."""
+    last = ct.load(seq_idx, index=(b, ct.maximum(c * CHUNK - 1, 0)), shape=(1, 1)).reshape((1,))
+    return ct.where(c > 0, last, 0)
+
+
+def chunk_end_id(seq_idx, b, c, seqlen, CHUNK):
+    """e_c: the id of chunk c's last valid token (ids are nondecreasing: the max over its valid rows),
+    as chunk_state.py computes it -> [1] int32."""
+    ids = row_ids(seq_idx, b, c, CHUNK)
+    valid = c * CHUNK + ct.arange(CHUNK, dtype=ct.int32) < seqlen
+    return ct.max(ct.where(valid, ids, _ID_FLOOR), axis=0, keepdims=True)
+
+
+def operand(tile, dtype, mma_dtype):
+    """`tile` rounded to the data dtype `dtype` and presented to ct.mma as `mma_dtype` (tf32 for f32
+    data), the precision mamba_ssm's backward dots use for their f32 intermediates."""
+    return tile.astype(dtype).astype(mma_dtype)

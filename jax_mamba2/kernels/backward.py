@@ -1,0 +1,140 @@
+"""The SSD backward as a plan: recompute the forward's chunk quantities, then five backward stages.
+
+    1. chunk_cumsum        (forward)  Δ, dA_cumsum
+    2. chunk_state         (forward)  chunk-entry states H_c, in f32 (final_states is recomputed, unused)
+    3. chunk_scan_bwd_dc   dy = dout·silu(z), dz, dC, dD partials, dA_cumsum grads of the output
+    4. chunk_state_bwd     reverse state pass: ∂L/∂(chunk end states), dinitial_states, carry's dA grad
+    5. chunk_scan_bwd_dx   dx, dB, ∂L/∂Δ (explicit factors), end-state dA grads
+    6. chunk_cumsum_bwd    ddt through cumsum / dt_limit / softplus; dA, ddt_bias partials
+    7. param_grads_bwd     dA, ddt_bias, dD summed over (batch, chunk) in a fixed order
+
+The math of each stage is in its module docstring (notation in _backward_tiles.py). The heads of a group
+share dB and dC: by default each head's block adds its share atomically into zero-initialised f32
+buffers; `deterministic=True` gives each block a whole group instead (fewer blocks, no float atomics), and
+since every other reduction is a fixed-order sum, the plan's outputs are then bitwise reproducible.
+"""
+from typing import Mapping
+
+from jax_mamba2.kernels._common import Buffer, Plan, SSDDims
+from jax_mamba2.kernels.chunk_cumsum import chunk_cumsum_fwd_launch
+from jax_mamba2.kernels.chunk_cumsum_bwd import chunk_cumsum_bwd_launch
+from jax_mamba2.kernels.chunk_scan_bwd_dc import chunk_scan_bwd_dc_default_config, chunk_scan_bwd_dc_launch
+from jax_mamba2.kernels.chunk_scan_bwd_dx import chunk_scan_bwd_dx_launch
+from jax_mamba2.kernels.chunk_state import chunk_state_fwd_launch
+from jax_mamba2.kernels.chunk_state_bwd import (
+    chunk_state_bwd_default_config, chunk_state_bwd_launch, chunk_state_bwd_num_tiles)
+from jax_mamba2.kernels.forward import FORWARD_INPUTS, forward_inputs
+from jax_mamba2.kernels.param_grads_bwd import param_grads_bwd_launch
+
+BACKWARD_INPUTS = FORWARD_INPUTS + ("dout", "dfinal_states")
+BACKWARD_OUTPUTS = ("dx", "ddt", "dA", "dB", "dC", "dD", "dz", "ddt_bias", "dinitial_states")
+# The stage names `configs` is keyed by (the first two are the forward stages it recomputes with).
+BACKWARD_STAGES = ("chunk_cumsum", "chunk_state", "chunk_scan_bwd_dc", "chunk_state_bwd",
+                   "chunk_scan_bwd_dx", "chunk_cumsum_bwd", "param_grads_bwd")
+
+
+def backward_inputs(dims: SSDDims) -> dict[str, Buffer]:
+    """Shape and dtype of each input: the forward's (dummies included), dout (b, L, H, P) in x's dtype
+    and dfinal_states (b, H, P, N) f32 (zeros when final_states was not used)."""
+    b, L, H, P, N = dims.batch, dims.seqlen, dims.nheads, dims.headdim, dims.dstate
+    return {**forward_inputs(dims),
+            "dout": Buffer((b, L, H, P), dims.dtype),
+            "dfinal_states": Buffer((b, H, P, N), "float32")}
+
+
+def _stage_configs(dims: SSDDims, configs: Mapping[str, object] | None) -> dict[str, object]:
+    configs = dict(configs or {})
+    unknown = set(configs) - set(BACKWARD_STAGES)
+    if unknown:
+        raise ValueError(f"backward_plan: configs keys={sorted(unknown)} must be among {BACKWARD_STAGES}")
+    configs.setdefault("chunk_scan_bwd_dc", chunk_scan_bwd_dc_default_config(dims))
+    configs.setdefault("chunk_state_bwd", chunk_state_bwd_default_config(dims))
+    return configs
+
+
+def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
+                     deterministic: bool = False) -> dict[str, Buffer]:
+    """The intermediates and outputs `backward_plan(dims, configs, deterministic=...)` allocates."""
+    configs = _stage_configs(dims, configs)
+    b, L, H, P, G, N = dims.batch, dims.seqlen, dims.nheads, dims.headdim, dims.ngroups, dims.dstate
+    nc, Q, T = dims.nchunks, dims.chunk_size, dims.dtype
+    num_m_blocks = Q // configs["chunk_scan_bwd_dc"].BLOCK_M
+    num_state_tiles = chunk_state_bwd_num_tiles(dims, configs["chunk_state_bwd"])
+    per_row = Buffer((b, H, nc, Q), "float32")
+    gated = (b, L, H, P) if dims.has_z else (1, 1, 1, 1)
+    # Atomic head reductions need zeroed dB/dC; a block owning its whole group stores them.
+    atomic = not deterministic and dims.heads_per_group > 1
+    return {
+        # Forward recompute.
+        "dt_out": per_row,
+        "dA_cumsum": per_row,
+        "states": Buffer((b, nc, H, P, N), "float32"),
+        "final_states": Buffer((b, H, P, N), "float32"),
+        # Intermediates of the backward stages.
+        "dy": Buffer(gated, T),
+        "ddA_intra": Buffer((b, H, nc, num_m_blocks, Q), "float32"),
+        "ddA_inter": per_row,
+        # Zeroed: row blocks wholly past seqlen write no partial row.
+        "dD_partials": Buffer((b * nc * num_m_blocks, H, P), "float32", zero_init=True),
+        "dstates": Buffer((b, nc, H, P, N), "float32"),
+        "ddA_chunk": Buffer((b, H, nc, num_state_tiles), "float32"),
+        "ddt_out": per_row,
+        "ddA_state": per_row,
+        "dA_partials": Buffer((b * nc, H), "float32"),
+        "ddt_bias_partials": Buffer((b * nc, H), "float32"),
+        # Outputs (dz is a zeroed dummy without a gate).
+        "dx": Buffer((b, L, H, P), T),
+        "ddt": Buffer((b, L, H), "float32"),
+        "dA": Buffer((H,), "float32"),
+        "dB": Buffer((b, L, G, N), "float32", zero_init=atomic),
+        "dC": Buffer((b, L, G, N), "float32", zero_init=atomic),
+        "dD": Buffer((H, P), "float32"),
+        "dz": Buffer(gated, T, zero_init=not dims.has_z),
+        "ddt_bias": Buffer((H,), "float32"),
+        "dinitial_states": Buffer((b, H, P, N), "float32"),
+    }
+
+
+def backward_arrays(dims: SSDDims, configs: Mapping[str, object] | None = None,
+                    deterministic: bool = False) -> dict[str, Buffer]:
+    """Every array `backward_plan(dims, configs, deterministic=...)` names: inputs, then buffers."""
+    return {**backward_inputs(dims), **backward_buffers(dims, configs, deterministic)}
+
+
+def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
+                  deterministic: bool = False) -> Plan:
+    """The SSD backward for `dims`.
+
+    Args:
+      dims: the problem.
+      configs: optional stage name (one of BACKWARD_STAGES) -> that stage's config; missing stages use
+        their default configuration.
+      deterministic: no float atomics (one block per group for the dB/dC head sums), bitwise
+        reproducible outputs.
+
+    Returns:
+      A Plan with inputs BACKWARD_INPUTS and outputs BACKWARD_OUTPUTS: dx (b, L, H, P) and dz (b, L, H, P)
+      (a dummy without a gate) in x's dtype; ddt (b, L, H) w.r.t. the raw dt, dA (H,), dB, dC (b, L, G, N),
+      dD (H, P) (the caller sums over P for a per-head D), ddt_bias (H,), dinitial_states (b, H, P, N), f32.
+    """
+    configs = _stage_configs(dims, configs)
+    heads_per_block = dims.heads_per_group if deterministic else 1
+    dy = "dy" if dims.has_z else "dout"
+    dc_config = configs["chunk_scan_bwd_dc"]
+    state_config = configs["chunk_state_bwd"]
+    return Plan(
+        inputs=BACKWARD_INPUTS,
+        buffers=backward_buffers(dims, configs, deterministic),
+        launches=(
+            chunk_cumsum_fwd_launch(dims, configs.get("chunk_cumsum")),
+            chunk_state_fwd_launch(dims, configs.get("chunk_state")),
+            chunk_scan_bwd_dc_launch(dims, dc_config, heads_per_block=heads_per_block),
+            chunk_state_bwd_launch(dims, state_config, dy=dy),
+            chunk_scan_bwd_dx_launch(dims, configs.get("chunk_scan_bwd_dx"), heads_per_block=heads_per_block,
+                                     dy=dy),
+            chunk_cumsum_bwd_launch(dims, configs.get("chunk_cumsum_bwd"), dc_block_m=dc_config.BLOCK_M,
+                                    num_state_tiles=chunk_state_bwd_num_tiles(dims, state_config)),
+            param_grads_bwd_launch(dims, configs.get("param_grads_bwd")),
+        ),
+        outputs=BACKWARD_OUTPUTS,
+    )

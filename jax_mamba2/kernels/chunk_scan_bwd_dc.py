@@ -1,0 +1,278 @@
+"""Backward of chunk_scan, row pass: dC, dz, the gate-free output gradient dy, dD and the dA_cumsum
+gradients of the output (see _backward_tiles.py for the notation).
+
+The forward (chunk_scan.py) computes, for the rows l of chunk c of head h,
+
+    y_l   = r_l exp(dA_l) (C_l · H_c)  +  Σ_s M[l,s] (C_l · B_s) Φ[l,s] Δ_s x_s  +  D ⊙ x_l,
+    out_l = y_l ⊙ silu(z_l)                                             (HAS_Z)
+
+with Φ[l,s] = exp(min(dA_l - dA_s, 0)). Given dout = ∂L/∂out this pass computes, per row l:
+
+    dy_l   = dout_l ⊙ silu(z_l)                          (= dout_l without a gate; stored for later passes)
+    dz_l   = dout_l ⊙ y_l ⊙ σ(z_l) (1 + z_l (1 - σ(z_l)))       (y_l recomputed here, HAS_Z only)
+    dCB[l,s] = M[l,s] Φ[l,s] Δ_s (dy_l · x_s)                    (∂L/∂(C_l · B_s) of one head)
+    dC_l   = Σ_{h in group} [ r_l exp(dA_l) dy_l H_c  +  Σ_s dCB[l,s] B_s ]
+    dD    += Σ_l dy_l ⊙ x_l                                       (per (batch, chunk, row block) partials)
+
+and the dA_cumsum gradients that the output terms contribute. The inter-chunk term gives
+∂L/∂dA_l = V_l = r_l exp(dA_l) (dy_l · C_l H_c^T), stored as `ddA_inter`. The intra-chunk term gives
+∂L/∂dA_l = Σ_s T[l,s] - Σ_s T[s,l] with T[l,s] = dCB[l,s] (C_l · B_s); its reverse cumsum, the gradient
+w.r.t. the decay increment Δ_r A that chunk_cumsum_bwd needs, is written without that cancellation
+("stable", as mamba_ssm `_chunk_scan_bwd_ddAcs_stable`): the pairs r <= s <= l cancel, leaving
+
+    R^intra_r = Σ_{l >= r} Σ_{s < r} T[l,s].
+
+A block owns rows l of one row block and walks the key blocks up to its diagonal, keeping the row sums of
+T over the key blocks done so far; for key block k it adds Σ_{l >= r} (carry_l + Σ_{s<r, s in k} T[l,s])
+to R^intra_r for the r of block k. These per-row-block pieces go to `ddA_intra[b, h, c, m, :]` (only
+entries r < (m+1) BLOCK_M are written) and chunk_cumsum_bwd sums them over m in a fixed order.
+
+Heads of a group share dC: a block loops over HEADS_PER_BLOCK heads of one group, accumulating dC in f32,
+then adds it to dC atomically (ATOMIC_ADD, zero-initialised dC) or stores it (HEADS_PER_BLOCK = heads per
+group: one block owns the group, bitwise deterministic). C B^T is recomputed per head (the price of not
+materialising per-head Q x Q matrices).
+
+Precision: mma operands in x's dtype (tf32 for f32 inputs); dy, the states H_c, dCB and the scores are
+rounded to x's dtype before their products, as mamba_ssm does; accumulation and everything elementwise
+in f32.
+
+Grid: (nheads/HEADS_PER_BLOCK * CHUNK/BLOCK_M * nchunks, batch), head splits fastest, the heaviest row
+blocks (near the chunk end) first. Row blocks wholly past seqlen do nothing.
+
+Shapes: x, z, dout, dy, dz (batch, seqlen, nheads, headdim) T (z, dz and dy are dummies without HAS_Z);
+B, C (batch, seqlen, ngroups, dstate) T; D (nheads, headdim) f32; dt_out, dA_cumsum, ddA_inter
+(batch, nheads, nchunks, CHUNK) f32; states (batch, nchunks, nheads, headdim, dstate) f32; seq_idx
+(batch, seqlen) int32 or a dummy; dC (batch, seqlen, ngroups, dstate) f32; ddA_intra (batch, nheads,
+nchunks, CHUNK/BLOCK_M, CHUNK) f32; dD_partials (batch * nchunks * CHUNK/BLOCK_M, nheads, headdim) f32.
+"""
+import dataclasses
+
+import cuda.tile as ct
+
+from jax_mamba2.kernels._backward_tiles import (
+    load_chunk_vector, operand, previous_chunk_end_id, row_ids, store_chunk_vector)
+from jax_mamba2.kernels._common import (
+    ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
+
+
+def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_idx,
+                            dy, dz, dC, ddA_intra, ddA_inter, dD_partials,
+                            CHUNK, HEADDIM, DSTATE, BLOCK_M, BLOCK_K, HEADS_PER_BLOCK,
+                            HAS_Z, HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT):
+    seqlen = x.shape[1]
+    nheads = x.shape[2]
+    num_m_blocks = CHUNK // BLOCK_M
+    tile_id = ct.bid(0)
+    num_splits = nheads // HEADS_PER_BLOCK
+    split = tile_id % num_splits
+    tile_id = tile_id // num_splits
+    m = num_m_blocks - 1 - tile_id % num_m_blocks
+    c = tile_id // num_m_blocks
+    b = ct.bid(1)
+    first_head = split * HEADS_PER_BLOCK
+    g = first_head // (nheads // C.shape[2])
+    nchunks = ct.cdiv(seqlen, CHUNK)
+    op_dtype = mma_dtype(x.dtype)
+
+    # A row block wholly past seqlen has nothing to write, and its loads would lie outside the arrays.
+    if c * CHUNK + m * BLOCK_M < seqlen:
+        m_tile = c * num_m_blocks + m                    # row-block index along seqlen
+        rows = m * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32)
+        C_m = ct.load(C, index=(b, m_tile, g, 0), shape=(1, BLOCK_M, 1, DSTATE),
+                      padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_M, DSTATE)).astype(op_dtype)
+        if HAS_SEQ_IDX:
+            ids_m = row_ids(seq_idx, b, m_tile, BLOCK_M)
+            prev_end_id = previous_chunk_end_id(seq_idx, b, c, CHUNK)
+        # Key blocks up to the diagonal that hold a valid token (a wholly out-of-bounds load is undefined).
+        num_k_blocks = ct.cdiv(ct.minimum((m + 1) * BLOCK_M, seqlen - c * CHUNK), BLOCK_K)
+        dC_acc = ct.zeros((BLOCK_M, DSTATE), dtype=ct.float32)              # [BLOCK_M, DSTATE]
+
+        for t in range(HEADS_PER_BLOCK):
+            h = first_head + t
+            dA_m = load_chunk_vector(dA_cumsum, b, h, c, m, BLOCK_M)         # [BLOCK_M]
+            dout_m = ct.load(dout, index=(b, m_tile, h, 0), shape=(1, BLOCK_M, 1, HEADDIM),
+                             padding_mode=ct.PaddingMode.ZERO
+                             ).reshape((BLOCK_M, HEADDIM)).astype(ct.float32)
+            if HAS_Z:
+                z_m = ct.load(z, index=(b, m_tile, h, 0), shape=(1, BLOCK_M, 1, HEADDIM),
+                              padding_mode=ct.PaddingMode.ZERO
+                              ).reshape((BLOCK_M, HEADDIM)).astype(ct.float32)
+                sig_z = 1.0 / (1.0 + ct.exp(-z_m))
+                dy_m = dout_m * z_m * sig_z                                  # dout * silu(z)
+            else:
+                dy_m = dout_m
+            dy_op = operand(dy_m, x.dtype, op_dtype)
+            x_m = ct.load(x, index=(b, m_tile, h, 0), shape=(1, BLOCK_M, 1, HEADDIM),
+                          padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_M, HEADDIM)).astype(ct.float32)
+
+            # Inter-chunk term: y_l = r_l exp(dA_l) C_l H_c^T, V_l = dy_l · y_l, dC_l += r_l exp(dA_l) dy_l H_c.
+            H_c = ct.load(states, index=(b, c, h, 0, 0), shape=(1, 1, 1, HEADDIM, DSTATE)
+                          ).reshape((HEADDIM, DSTATE))
+            H_op = operand(H_c, x.dtype, op_dtype)                           # [HEADDIM, DSTATE]
+            inter_scale = ct.exp(dA_m)
+            if HAS_SEQ_IDX:
+                inter_scale = ct.where(ids_m == prev_end_id, inter_scale, 0.0)
+            y_m = ct.mma(C_m, H_op.transpose(), ct.zeros((BLOCK_M, HEADDIM), dtype=ct.float32))
+            y_m = y_m * inter_scale[:, None]                                 # [BLOCK_M, HEADDIM]
+            store_chunk_vector(ddA_inter, b, h, c, m, ct.sum(dy_m * y_m, axis=1), BLOCK_M)
+            dC_acc = ct.mma(operand(dy_m * inter_scale[:, None], x.dtype, op_dtype), H_op, dC_acc)
+
+            # Intra-chunk term, key blocks up to the diagonal.
+            row_carry = ct.zeros((BLOCK_M,), dtype=ct.float32)   # Σ_{s in earlier key blocks} T[l, s]
+            for k in range(num_k_blocks):
+                k_tile = c * (CHUNK // BLOCK_K) + k
+                cols = k * BLOCK_K + ct.arange(BLOCK_K, dtype=ct.int32)
+                B_k = ct.load(B, index=(b, k_tile, g, 0), shape=(1, BLOCK_K, 1, DSTATE),
+                              padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
+                              ).reshape((BLOCK_K, DSTATE)).astype(op_dtype)
+                x_k = ct.load(x, index=(b, k_tile, h, 0), shape=(1, BLOCK_K, 1, HEADDIM),
+                              padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
+                              ).reshape((BLOCK_K, HEADDIM)).astype(op_dtype)
+                dA_k = load_chunk_vector(dA_cumsum, b, h, c, k, BLOCK_K)
+                delta_k = load_chunk_vector(dt_out, b, h, c, k, BLOCK_K)
+                causal = rows[:, None] >= cols[None, :]                      # [BLOCK_M, BLOCK_K]
+                keep = causal
+                if HAS_SEQ_IDX:
+                    keep = keep & (ids_m[:, None] == row_ids(seq_idx, b, k_tile, BLOCK_K)[None, :])
+                decay_dt = ct.exp(ct.minimum(dA_m[:, None] - dA_k[None, :], 0.0)) * delta_k[None, :]
+                cb = ct.mma(C_m, B_k.transpose(), ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32))
+                dy_x = ct.mma(dy_op, x_k.transpose(), ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32))
+                dcb = ct.where(keep, dy_x * decay_dt, 0.0)                   # dCB[l, s]
+                dC_acc = ct.mma(operand(dcb, x.dtype, op_dtype), B_k, dC_acc)
+                if HAS_Z:
+                    scores = ct.where(keep, cb * decay_dt, 0.0)
+                    y_m = ct.mma(operand(scores, x.dtype, op_dtype), x_k, y_m)
+                # R^intra_r += Σ_{l >= r} (carry_l + Σ_{s < r in this block} T[l, s]), r in this block.
+                t_ls = dcb * cb
+                below_r = ct.cumsum(t_ls, axis=1) - t_ls + row_carry[:, None]
+                ddA_part = ct.sum(ct.where(causal, below_r, 0.0), axis=0)   # [BLOCK_K]
+                row_carry = row_carry + ct.sum(t_ls, axis=1)
+                ct.store(ddA_intra, index=(b, h, c, m, k), tile=ddA_part.reshape((1, 1, 1, 1, BLOCK_K)))
+
+            if HAS_Z:
+                D_h = ct.load(D, index=(h, 0), shape=(1, HEADDIM)).reshape((HEADDIM,))
+                y_m = y_m + x_m * D_h[None, :]
+                dz_m = dout_m * y_m * sig_z * (1.0 + z_m * (1.0 - sig_z))
+                ct.store(dz, index=(b, m_tile, h, 0), tile=dz_m.reshape((1, BLOCK_M, 1, HEADDIM)).astype(dz.dtype))
+                ct.store(dy, index=(b, m_tile, h, 0), tile=dy_m.reshape((1, BLOCK_M, 1, HEADDIM)).astype(dy.dtype))
+            ct.store(dD_partials, index=((b * nchunks + c) * num_m_blocks + m, h, 0),
+                     tile=ct.sum(dy_m * x_m, axis=0).reshape((1, 1, HEADDIM)))
+
+        dC_tile = dC_acc.reshape((1, BLOCK_M, 1, DSTATE))
+        if ATOMIC_ADD:
+            dC.tiled_view((1, BLOCK_M, 1, DSTATE)).atomic_store_add((b, m_tile, g, 0), dC_tile)
+        else:
+            ct.store(dC, index=(b, m_tile, g, 0), tile=dC_tile)
+
+
+def _make_chunk_scan_bwd_dc_kernel(Big):
+    @ct.kernel
+    def chunk_scan_bwd_dc_kernel(
+        x: Big,               # (batch, seqlen, nheads, headdim) T
+        B: Big,               # (batch, seqlen, ngroups, dstate) T
+        C: Big,               # (batch, seqlen, ngroups, dstate) T
+        D,                    # (nheads, headdim) f32
+        z: Big,               # (batch, seqlen, nheads, headdim) T, or a dummy without HAS_Z
+        dout: Big,            # (batch, seqlen, nheads, headdim) T
+        dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
+        dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
+        states: Big,          # (batch, nchunks, nheads, headdim, dstate) f32, chunk-entry states
+        seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
+        dy: Big,              # (batch, seqlen, nheads, headdim) T, written (HAS_Z), else a dummy
+        dz: Big,              # (batch, seqlen, nheads, headdim) T, written (HAS_Z), else a dummy
+        dC: Big,              # (batch, seqlen, ngroups, dstate) f32, written (zero-initialised if ATOMIC_ADD)
+        ddA_intra: Big,       # (batch, nheads, nchunks, CHUNK/BLOCK_M, CHUNK) f32, written
+        ddA_inter: Big,       # (batch, nheads, nchunks, CHUNK) f32, written
+        dD_partials: Big,     # (batch * nchunks * CHUNK/BLOCK_M, nheads, headdim) f32, written
+        CHUNK: ConstInt,
+        HEADDIM: ConstInt,
+        DSTATE: ConstInt,
+        BLOCK_M: ConstInt,    # rows per block
+        BLOCK_K: ConstInt,    # keys per inner step
+        HEADS_PER_BLOCK: ConstInt,
+        HAS_Z: ConstBool,
+        HAS_SEQ_IDX: ConstBool,
+        ATOMIC_ADD: ConstBool,
+        LOAD_LAT: ConstInt,   # latency hint of the key-loop loads (1..10)
+    ):
+        _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_idx,
+                                dy, dz, dC, ddA_intra, ddA_inter, dD_partials,
+                                CHUNK, HEADDIM, DSTATE, BLOCK_M, BLOCK_K, HEADS_PER_BLOCK,
+                                HAS_Z, HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT)
+
+    return chunk_scan_bwd_dc_kernel
+
+
+# (int32-indexed, int64-indexed) entries of the one body.
+CHUNK_SCAN_BWD_DC_KERNELS = int64_index_kernels(_make_chunk_scan_bwd_dc_kernel)
+chunk_scan_bwd_dc_kernel = CHUNK_SCAN_BWD_DC_KERNELS[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkScanBwdDcConfig:
+    """Tile sizes and hints of `chunk_scan_bwd_dc_kernel`.
+
+    BLOCK_M: rows per block, BLOCK_K: keys per step (powers of two, BLOCK_K <= BLOCK_M <= chunk_size).
+    LOAD_LAT: latency hint on the key-loop loads. occupancy: expected blocks per SM.
+    """
+
+    BLOCK_M: int = 64
+    BLOCK_K: int = 64
+    LOAD_LAT: int = 4
+    occupancy: int = 1
+
+
+def _f32_tile_budget(block_m: int, block_k: int, dims: SSDDims) -> int:
+    """Live f32 values of one block: dC, y and dy rows, plus the (rows x keys) score tiles."""
+    return block_m * (dims.dstate + 2 * dims.headdim) + 3 * block_m * block_k
+
+
+# A block holding more live f32 values than this spills (255 registers x 256 threads ~ 64K, minus operands).
+_MAX_LIVE_F32 = 32 * 1024
+
+
+def chunk_scan_bwd_dc_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkScanBwdDcConfig]:
+    """The autotune space (sm_90): 64/128-row blocks, 32/64-key steps, latency 2/4, occupancy 1/2,
+    pruned to what fits the register file."""
+    check_arch("chunk_scan_bwd_dc_configs", arch)
+    Q = dims.chunk_size
+    return [ChunkScanBwdDcConfig(BLOCK_M=bm, BLOCK_K=bk, LOAD_LAT=lat, occupancy=occ)
+            for bm in (64, 128) if bm <= Q
+            for bk in (32, 64) if bk <= bm and _f32_tile_budget(bm, bk, dims) <= _MAX_LIVE_F32
+            for lat in (2, 4)
+            for occ in (1, 2)] or [chunk_scan_bwd_dc_default_config(dims)]
+
+
+def chunk_scan_bwd_dc_default_config(dims: SSDDims) -> ChunkScanBwdDcConfig:
+    """64 x 64 row/key blocks; 32-key steps when dstate or headdim is 256."""
+    block_k = 32 if _f32_tile_budget(64, 64, dims) > _MAX_LIVE_F32 else 64
+    return ChunkScanBwdDcConfig(BLOCK_M=min(64, dims.chunk_size), BLOCK_K=min(block_k, dims.chunk_size),
+                                LOAD_LAT=4, occupancy=1)
+
+
+def chunk_scan_bwd_dc_grid(dims: SSDDims, cfg: ChunkScanBwdDcConfig,
+                           heads_per_block: int) -> tuple[int, int]:
+    splits = dims.nheads // heads_per_block
+    return (splits * (dims.chunk_size // cfg.BLOCK_M) * dims.nchunks, dims.batch)
+
+
+def chunk_scan_bwd_dc_launch(dims: SSDDims, cfg: ChunkScanBwdDcConfig | None = None, *,
+                             heads_per_block: int = 1) -> Launch:
+    """The launch writing ("dC", "ddA_intra", "ddA_inter", "dD_partials") and, with a gate, ("dy", "dz").
+
+    `heads_per_block` heads of one group share a block (it must divide heads_per_group); dC is added
+    atomically unless one block owns the whole group.
+    """
+    cfg = cfg or chunk_scan_bwd_dc_default_config(dims)
+    assert dims.heads_per_group % heads_per_block == 0, (dims.heads_per_group, heads_per_block)
+    atomic_add = heads_per_block < dims.heads_per_group
+    writes = ("dC", "ddA_intra", "ddA_inter", "dD_partials") + (("dy", "dz") if dims.has_z else ())
+    return Launch(
+        kernel=select_kernel(CHUNK_SCAN_BWD_DC_KERNELS, dims, occupancy=cfg.occupancy),
+        grid=chunk_scan_bwd_dc_grid(dims, cfg, heads_per_block),
+        args=("x", "B", "C", "D", "z", "dout", "dt_out", "dA_cumsum", "states", "seq_idx",
+              "dy", "dz", "dC", "ddA_intra", "ddA_inter", "dD_partials",
+              dims.chunk_size, dims.headdim, dims.dstate, cfg.BLOCK_M, cfg.BLOCK_K, heads_per_block,
+              dims.has_z, dims.has_seq_idx, atomic_add, cfg.LOAD_LAT),
+        writes=writes,
+    )

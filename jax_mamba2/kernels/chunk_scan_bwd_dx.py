@@ -1,0 +1,236 @@
+"""Backward of chunk_scan and chunk_state, column pass: dx, dB and the gradients w.r.t. Δ and dA that
+flow through the tokens as SOURCES s (notation in _backward_tiles.py).
+
+Token s of chunk c feeds the outputs y_l (l >= s) of its chunk and the chunk's end state
+S_c = Σ_s k_s w_s Δ_s x_s ⊗ B_s with w_s = exp(min(dA_last - dA_s, 0)). With G = dstates[b, c, h]
+= ∂L/∂S_c (from chunk_state_bwd) and dy from chunk_scan_bwd_dc:
+
+    acc_s      = k_s w_s (G B_s)  +  Σ_l M[l,s] Φ[l,s] (C_l · B_s) dy_l              (headdim)
+    dx_s       = Δ_s acc_s + D ⊙ dy_s
+    ddt_out_s  = acc_s · x_s                           (∂L/∂Δ_s through its explicit factors, dA fixed)
+    dB_s       = Σ_{h in group} [ k_s w_s Δ_s x_s G  +  Σ_l dCB[l,s] C_l ],  dCB[l,s] = M Φ[l,s] Δ_s (dy_l · x_s)
+    ddA_state_s = U_s = k_s w_s Δ_s (x_s · G B_s)
+
+U_s is the dA gradient of the end state: ∂L/∂dA_s = -U_s and ∂L/∂dA_last += Σ_s U_s, whose reverse cumsum
+over the chunk is the exclusive prefix sum Σ_{s<r} U_s, taken by chunk_cumsum_bwd.
+
+A block owns the rows s of one column block and walks the row blocks l from its diagonal to the chunk's
+last valid row (flash-attention-backward style, dK/dV side), computing the transposed products
+(B_s · C_l, x_s · dy_l) so that every mma writes [s, l] tiles without transposing them. As in
+chunk_scan_bwd_dc, HEADS_PER_BLOCK heads of one group share a block and dB is added atomically
+(ATOMIC_ADD, zero-initialised dB) or stored by the one block owning the group (deterministic).
+
+Precision: mma operands in x's dtype (tf32 for f32 inputs); G, the scores and dCB are rounded to x's
+dtype before their products; f32 accumulation and elementwise math.
+
+Grid: (nheads/HEADS_PER_BLOCK * CHUNK/BLOCK_M * nchunks, batch), head splits fastest, the heaviest column
+blocks (chunk start) first. Column blocks wholly past seqlen do nothing.
+
+Shapes: x, dy, dx (batch, seqlen, nheads, headdim) T (dy is dout without a gate); B, C (batch, seqlen,
+ngroups, dstate) T; D (nheads, headdim) f32; dt_out, dA_cumsum, ddt_out, ddA_state (batch, nheads, nchunks,
+CHUNK) f32; dstates (batch, nchunks, nheads, headdim, dstate) f32; seq_idx (batch, seqlen) int32 or a
+dummy; dB (batch, seqlen, ngroups, dstate) f32.
+"""
+import dataclasses
+
+import cuda.tile as ct
+
+from jax_mamba2.kernels._backward_tiles import (
+    chunk_end_id, load_chunk_vector, operand, row_ids, store_chunk_vector)
+from jax_mamba2.kernels._common import (
+    ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
+
+
+def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
+                            dx, dB, ddt_out, ddA_state,
+                            CHUNK, HEADDIM, DSTATE, BLOCK_M, BLOCK_K, HEADS_PER_BLOCK,
+                            HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT):
+    seqlen = x.shape[1]
+    nheads = x.shape[2]
+    num_m_blocks = CHUNK // BLOCK_M
+    tile_id = ct.bid(0)
+    num_splits = nheads // HEADS_PER_BLOCK
+    split = tile_id % num_splits
+    tile_id = tile_id // num_splits
+    m = tile_id % num_m_blocks
+    c = tile_id // num_m_blocks
+    b = ct.bid(1)
+    first_head = split * HEADS_PER_BLOCK
+    g = first_head // (nheads // B.shape[2])
+    op_dtype = mma_dtype(x.dtype)
+
+    # A column block wholly past seqlen has nothing to write, and its loads would lie outside the arrays.
+    if c * CHUNK + m * BLOCK_M < seqlen:
+        s_tile = c * num_m_blocks + m                    # column-block index along seqlen
+        cols = m * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32)
+        B_s = ct.load(B, index=(b, s_tile, g, 0), shape=(1, BLOCK_M, 1, DSTATE),
+                      padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_M, DSTATE)).astype(op_dtype)
+        if HAS_SEQ_IDX:
+            ids_s = row_ids(seq_idx, b, s_tile, BLOCK_M)
+            end_id = chunk_end_id(seq_idx, b, c, seqlen, CHUNK)
+        # Row blocks from the one holding the diagonal to the last with a valid row.
+        first_k = (m * BLOCK_M) // BLOCK_K
+        end_k = ct.cdiv(ct.minimum(seqlen - c * CHUNK, CHUNK), BLOCK_K)
+        dB_acc = ct.zeros((BLOCK_M, DSTATE), dtype=ct.float32)              # [BLOCK_M, DSTATE]
+
+        for t in range(HEADS_PER_BLOCK):
+            h = first_head + t
+            x_s = ct.load(x, index=(b, s_tile, h, 0), shape=(1, BLOCK_M, 1, HEADDIM),
+                          padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_M, HEADDIM))
+            x_op = x_s.astype(op_dtype)
+            x_s = x_s.astype(ct.float32)
+            dA_s = load_chunk_vector(dA_cumsum, b, h, c, m, BLOCK_M)         # [BLOCK_M]
+            delta_s = load_chunk_vector(dt_out, b, h, c, m, BLOCK_M)
+            dA_last = ct.load(dA_cumsum, index=(b, h, c, CHUNK - 1), shape=(1, 1, 1, 1)).reshape((1,))
+
+            # End-state term: acc_s = k_s w_s G B_s, dB_s += k_s w_s Δ_s x_s G, U_s.
+            G = ct.load(dstates, index=(b, c, h, 0, 0), shape=(1, 1, 1, HEADDIM, DSTATE)
+                        ).reshape((HEADDIM, DSTATE))
+            G_op = operand(G, x.dtype, op_dtype)                             # [HEADDIM, DSTATE]
+            state_scale = ct.exp(ct.minimum(dA_last - dA_s, 0.0))            # k_s w_s
+            if HAS_SEQ_IDX:
+                state_scale = ct.where((ids_s == end_id) & (end_id >= 0), state_scale, 0.0)
+            b_g = ct.mma(B_s, G_op.transpose(), ct.zeros((BLOCK_M, HEADDIM), dtype=ct.float32))
+            acc = b_g * state_scale[:, None]                                 # [BLOCK_M, HEADDIM]
+            store_chunk_vector(ddA_state, b, h, c, m, delta_s * ct.sum(acc * x_s, axis=1), BLOCK_M)
+            dB_acc = ct.mma(operand(x_s * (state_scale * delta_s)[:, None], x.dtype, op_dtype), G_op, dB_acc)
+
+            # Intra-chunk term, row blocks l >= s.
+            for k in range(first_k, end_k):
+                l_tile = c * (CHUNK // BLOCK_K) + k
+                rows = k * BLOCK_K + ct.arange(BLOCK_K, dtype=ct.int32)
+                C_l = ct.load(C, index=(b, l_tile, g, 0), shape=(1, BLOCK_K, 1, DSTATE),
+                              padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
+                              ).reshape((BLOCK_K, DSTATE)).astype(op_dtype)
+                dy_l = ct.load(dy, index=(b, l_tile, h, 0), shape=(1, BLOCK_K, 1, HEADDIM),
+                               padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
+                               ).reshape((BLOCK_K, HEADDIM)).astype(op_dtype)
+                dA_l = load_chunk_vector(dA_cumsum, b, h, c, k, BLOCK_K)
+                keep = cols[:, None] <= rows[None, :]                        # [BLOCK_M, BLOCK_K]: s <= l
+                if HAS_SEQ_IDX:
+                    keep = keep & (ids_s[:, None] == row_ids(seq_idx, b, l_tile, BLOCK_K)[None, :])
+                decay = ct.exp(ct.minimum(dA_l[None, :] - dA_s[:, None], 0.0))  # Φ[l, s] at [s, l]
+                bc = ct.mma(B_s, C_l.transpose(), ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32))
+                scores = ct.where(keep, bc * decay, 0.0)
+                acc = ct.mma(operand(scores, x.dtype, op_dtype), dy_l, acc)
+                x_dy = ct.mma(x_op, dy_l.transpose(), ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32))
+                dcb = ct.where(keep, x_dy * decay * delta_s[:, None], 0.0)   # dCB[l, s] at [s, l]
+                dB_acc = ct.mma(operand(dcb, x.dtype, op_dtype), C_l, dB_acc)
+
+            dy_s = ct.load(dy, index=(b, s_tile, h, 0), shape=(1, BLOCK_M, 1, HEADDIM),
+                           padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_M, HEADDIM)).astype(ct.float32)
+            D_h = ct.load(D, index=(h, 0), shape=(1, HEADDIM)).reshape((HEADDIM,))
+            dx_s = acc * delta_s[:, None] + dy_s * D_h[None, :]
+            ct.store(dx, index=(b, s_tile, h, 0), tile=dx_s.reshape((1, BLOCK_M, 1, HEADDIM)).astype(dx.dtype))
+            store_chunk_vector(ddt_out, b, h, c, m, ct.sum(acc * x_s, axis=1), BLOCK_M)
+
+        dB_tile = dB_acc.reshape((1, BLOCK_M, 1, DSTATE))
+        if ATOMIC_ADD:
+            dB.tiled_view((1, BLOCK_M, 1, DSTATE)).atomic_store_add((b, s_tile, g, 0), dB_tile)
+        else:
+            ct.store(dB, index=(b, s_tile, g, 0), tile=dB_tile)
+
+
+def _make_chunk_scan_bwd_dx_kernel(Big):
+    @ct.kernel
+    def chunk_scan_bwd_dx_kernel(
+        x: Big,               # (batch, seqlen, nheads, headdim) T
+        B: Big,               # (batch, seqlen, ngroups, dstate) T
+        C: Big,               # (batch, seqlen, ngroups, dstate) T
+        D,                    # (nheads, headdim) f32
+        dy: Big,              # (batch, seqlen, nheads, headdim) T
+        dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
+        dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
+        dstates: Big,         # (batch, nchunks, nheads, headdim, dstate) f32, ∂L/∂(chunk end states)
+        seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
+        dx: Big,              # (batch, seqlen, nheads, headdim) T, written
+        dB: Big,              # (batch, seqlen, ngroups, dstate) f32, written (zero-initialised if ATOMIC_ADD)
+        ddt_out: Big,         # (batch, nheads, nchunks, CHUNK) f32, written
+        ddA_state: Big,       # (batch, nheads, nchunks, CHUNK) f32, written
+        CHUNK: ConstInt,
+        HEADDIM: ConstInt,
+        DSTATE: ConstInt,
+        BLOCK_M: ConstInt,    # source rows s per block
+        BLOCK_K: ConstInt,    # output rows l per inner step
+        HEADS_PER_BLOCK: ConstInt,
+        HAS_SEQ_IDX: ConstBool,
+        ATOMIC_ADD: ConstBool,
+        LOAD_LAT: ConstInt,   # latency hint of the row-loop loads (1..10)
+    ):
+        _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
+                                dx, dB, ddt_out, ddA_state,
+                                CHUNK, HEADDIM, DSTATE, BLOCK_M, BLOCK_K, HEADS_PER_BLOCK,
+                                HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT)
+
+    return chunk_scan_bwd_dx_kernel
+
+
+# (int32-indexed, int64-indexed) entries of the one body.
+CHUNK_SCAN_BWD_DX_KERNELS = int64_index_kernels(_make_chunk_scan_bwd_dx_kernel)
+chunk_scan_bwd_dx_kernel = CHUNK_SCAN_BWD_DX_KERNELS[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkScanBwdDxConfig:
+    """Tile sizes and hints of `chunk_scan_bwd_dx_kernel`.
+
+    BLOCK_M: source rows per block, BLOCK_K: output rows per step (powers of two dividing chunk_size).
+    LOAD_LAT: latency hint on the row-loop loads. occupancy: expected blocks per SM.
+    """
+
+    BLOCK_M: int = 64
+    BLOCK_K: int = 64
+    LOAD_LAT: int = 4
+    occupancy: int = 1
+
+
+def _f32_tile_budget(block_m: int, block_k: int, dims: SSDDims) -> int:
+    """Live f32 values of one block: dB and acc rows, the source rows, and the (sources x rows) tiles."""
+    return block_m * (dims.dstate + 3 * dims.headdim) + 3 * block_m * block_k
+
+
+# A block holding more live f32 values than this spills (255 registers x 256 threads ~ 64K, minus operands).
+_MAX_LIVE_F32 = 32 * 1024
+
+
+def chunk_scan_bwd_dx_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkScanBwdDxConfig]:
+    """The autotune space (sm_90): 32/64/128-source blocks, 32/64-row steps, latency 2/4, occupancy 1/2,
+    pruned to what fits the register file."""
+    check_arch("chunk_scan_bwd_dx_configs", arch)
+    Q = dims.chunk_size
+    return [ChunkScanBwdDxConfig(BLOCK_M=bm, BLOCK_K=bk, LOAD_LAT=lat, occupancy=occ)
+            for bm in (32, 64, 128) if bm <= Q
+            for bk in (32, 64) if bk <= Q and _f32_tile_budget(bm, bk, dims) <= _MAX_LIVE_F32
+            for lat in (2, 4)
+            for occ in (1, 2)] or [chunk_scan_bwd_dx_default_config(dims)]
+
+
+def chunk_scan_bwd_dx_default_config(dims: SSDDims) -> ChunkScanBwdDxConfig:
+    """64 x 64 source/row blocks; 32-source blocks when dstate or headdim is 256."""
+    block_m = 32 if _f32_tile_budget(64, 64, dims) > _MAX_LIVE_F32 else 64
+    return ChunkScanBwdDxConfig(BLOCK_M=min(block_m, dims.chunk_size), BLOCK_K=min(64, dims.chunk_size),
+                                LOAD_LAT=4, occupancy=1)
+
+
+def chunk_scan_bwd_dx_grid(dims: SSDDims, cfg: ChunkScanBwdDxConfig,
+                           heads_per_block: int) -> tuple[int, int]:
+    splits = dims.nheads // heads_per_block
+    return (splits * (dims.chunk_size // cfg.BLOCK_M) * dims.nchunks, dims.batch)
+
+
+def chunk_scan_bwd_dx_launch(dims: SSDDims, cfg: ChunkScanBwdDxConfig | None = None, *,
+                             heads_per_block: int = 1, dy: str = "dy") -> Launch:
+    """The launch writing ("dx", "dB", "ddt_out", "ddA_state"); `dy` names the output gradient array
+    ("dy", or "dout" without a gate). dB is added atomically unless one block owns the whole group."""
+    cfg = cfg or chunk_scan_bwd_dx_default_config(dims)
+    assert dims.heads_per_group % heads_per_block == 0, (dims.heads_per_group, heads_per_block)
+    atomic_add = heads_per_block < dims.heads_per_group
+    return Launch(
+        kernel=select_kernel(CHUNK_SCAN_BWD_DX_KERNELS, dims, occupancy=cfg.occupancy),
+        grid=chunk_scan_bwd_dx_grid(dims, cfg, heads_per_block),
+        args=("x", "B", "C", "D", dy, "dt_out", "dA_cumsum", "dstates", "seq_idx",
+              "dx", "dB", "ddt_out", "ddA_state",
+              dims.chunk_size, dims.headdim, dims.dstate, cfg.BLOCK_M, cfg.BLOCK_K, heads_per_block,
+              dims.has_seq_idx, atomic_add, cfg.LOAD_LAT),
+        writes=("dx", "dB", "ddt_out", "ddA_state"),
+    )

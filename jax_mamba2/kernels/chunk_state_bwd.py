@@ -1,0 +1,167 @@
+"""Backward of the fused chunk_state + state passing: the reverse pass over chunks (notation in
+_backward_tiles.py).
+
+The forward (chunk_state.py) carries H_{c+1} = m_c exp(dA_last,c) H_c + S_c from H_0 = initial_states,
+and chunk_scan reads H_c in y_l = r_l exp(dA_l) C_l H_c^T + .... With G_c = ∂L/∂H_c and
+G_nchunks = dfinal_states (the gradient through final_states), the chain rule gives
+
+    G_c = m_c exp(dA_last,c) G_{c+1}  +  Σ_l r_l exp(dA_l) dy_l ⊗ C_l            (P x N)
+
+so one block owns a (BLOCK_P, BLOCK_N) tile of one (batch, head), walks the chunks from last to first
+carrying G in f32, and writes
+
+    dstates[b, c, h]   = G_{c+1}  = ∂L/∂S_c, the gradient of chunk c's END state (read by the dx/dB pass),
+    dinitial_states[b, h] = G_0,
+    ddA_chunk[b, h, c, tile] = m_c exp(dA_last,c) Σ_tile G_{c+1} ⊙ H_c,
+
+the last being this tile's share of ∂L/∂dA_last,c through the carry (chunk_cumsum_bwd sums the tiles).
+H_c comes from the forward's recompute with an f32 `states` buffer.
+
+Precision: dy and the row-scaled C enter the mma in x's dtype (tf32 for f32 inputs); G accumulates in f32.
+The loads of chunk c-1 do not depend on the carried G, so the LOAD_LAT hint lets them overlap chunk c.
+
+Grid: (batch * nheads, headdim / BLOCK_P, dstate / BLOCK_N).
+
+Shapes: C (batch, seqlen, ngroups, dstate) T; dy (batch, seqlen, nheads, headdim) T (dout without a gate);
+dA_cumsum (batch, nheads, nchunks, CHUNK) f32; states, dstates (batch, nchunks, nheads, headdim, dstate) f32;
+seq_idx (batch, seqlen) int32 or a dummy; dfinal_states, dinitial_states (batch, nheads, headdim, dstate)
+f32; ddA_chunk (batch, nheads, nchunks, headdim/BLOCK_P * dstate/BLOCK_N) f32.
+"""
+import dataclasses
+
+import cuda.tile as ct
+
+from jax_mamba2.kernels._backward_tiles import (
+    chunk_end_id, operand, previous_chunk_end_id, row_ids)
+from jax_mamba2.kernels._common import (
+    ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
+
+
+def _chunk_state_bwd_body(C, dy, dA_cumsum, states, seq_idx, dfinal_states,
+                          dstates, dinitial_states, ddA_chunk,
+                          CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, LOAD_LAT):
+    bh = ct.bid(0)
+    pb = ct.bid(1)
+    nb = ct.bid(2)
+    seqlen = dy.shape[1]
+    nheads = dy.shape[2]
+    b = bh // nheads
+    h = bh % nheads
+    g = h // (nheads // C.shape[2])
+    nchunks = ct.cdiv(seqlen, CHUNK)
+    tile = pb * (C.shape[3] // BLOCK_N) + nb
+    op_dtype = mma_dtype(dy.dtype)
+
+    grad = ct.load(dfinal_states, index=(b, h, pb, nb), shape=(1, 1, BLOCK_P, BLOCK_N)
+                   ).reshape((BLOCK_P, BLOCK_N))                            # [BLOCK_P, BLOCK_N] f32
+    for i in range(nchunks):
+        c = nchunks - 1 - i
+        ct.store(dstates, index=(b, c, h, pb, nb), tile=grad.reshape((1, 1, 1, BLOCK_P, BLOCK_N)))
+        H_c = ct.load(states, index=(b, c, h, pb, nb), shape=(1, 1, 1, BLOCK_P, BLOCK_N),
+                      latency=LOAD_LAT).reshape((BLOCK_P, BLOCK_N))
+        dA = ct.load(dA_cumsum, index=(b, h, c, 0), shape=(1, 1, 1, CHUNK),
+                     latency=LOAD_LAT).reshape((CHUNK,))
+        dy_c = ct.load(dy, index=(b, c, h, pb), shape=(1, CHUNK, 1, BLOCK_P),
+                       padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT).reshape((CHUNK, BLOCK_P))
+        C_c = ct.load(C, index=(b, c, g, nb), shape=(1, CHUNK, 1, BLOCK_N),
+                      padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
+                      ).reshape((CHUNK, BLOCK_N)).astype(ct.float32)
+        carry = ct.exp(ct.extract(dA, index=(CHUNK - 1,), shape=(1,)))      # [1]
+        row_scale = ct.exp(dA)                                              # [CHUNK]
+        if HAS_SEQ_IDX:
+            prev_end_id = previous_chunk_end_id(seq_idx, b, c, CHUNK)
+            carry = ct.where(chunk_end_id(seq_idx, b, c, seqlen, CHUNK) == prev_end_id, carry, 0.0)
+            row_scale = ct.where(row_ids(seq_idx, b, c, CHUNK) == prev_end_id, row_scale, 0.0)
+        ddA_tile = carry * ct.sum(grad * H_c)                               # [1]
+        ct.store(ddA_chunk, index=(b, h, c, tile), tile=ddA_tile.reshape((1, 1, 1, 1)))
+        C_scaled = operand(C_c * row_scale[:, None], C.dtype, op_dtype)     # [CHUNK, BLOCK_N]
+        grad = ct.mma(dy_c.transpose().astype(op_dtype), C_scaled, grad * carry)
+
+    ct.store(dinitial_states, index=(b, h, pb, nb), tile=grad.reshape((1, 1, BLOCK_P, BLOCK_N)))
+
+
+def _make_chunk_state_bwd_kernel(Big):
+    @ct.kernel
+    def chunk_state_bwd_kernel(
+        C: Big,                  # (batch, seqlen, ngroups, dstate) T
+        dy: Big,                 # (batch, seqlen, nheads, headdim) T
+        dA_cumsum: Big,          # (batch, nheads, nchunks, CHUNK) f32
+        states: Big,             # (batch, nchunks, nheads, headdim, dstate) f32, chunk-entry states
+        seq_idx: Big,            # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
+        dfinal_states: Big,      # (batch, nheads, headdim, dstate) f32
+        dstates: Big,            # (batch, nchunks, nheads, headdim, dstate) f32, written
+        dinitial_states: Big,    # (batch, nheads, headdim, dstate) f32, written
+        ddA_chunk: Big,          # (batch, nheads, nchunks, state tiles) f32, written
+        CHUNK: ConstInt,
+        BLOCK_P: ConstInt,
+        BLOCK_N: ConstInt,
+        HAS_SEQ_IDX: ConstBool,
+        LOAD_LAT: ConstInt,      # latency hint of the per-chunk loads (1..10)
+    ):
+        _chunk_state_bwd_body(C, dy, dA_cumsum, states, seq_idx, dfinal_states,
+                              dstates, dinitial_states, ddA_chunk,
+                              CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, LOAD_LAT)
+
+    return chunk_state_bwd_kernel
+
+
+# (int32-indexed, int64-indexed) entries of the one body.
+CHUNK_STATE_BWD_KERNELS = int64_index_kernels(_make_chunk_state_bwd_kernel)
+chunk_state_bwd_kernel = CHUNK_STATE_BWD_KERNELS[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkStateBwdConfig:
+    """Tile sizes and hints of `chunk_state_bwd_kernel`.
+
+    BLOCK_P, BLOCK_N: the gradient tile one block carries (powers of two dividing headdim, dstate).
+    LOAD_LAT: latency hint on the per-chunk loads. occupancy: expected blocks per SM.
+    """
+
+    BLOCK_P: int = 64
+    BLOCK_N: int = 32
+    LOAD_LAT: int = 4
+    occupancy: int = 2
+
+
+def chunk_state_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkStateBwdConfig]:
+    """The autotune space (sm_90), the forward state pass's: tiles 32..64 x 16..64, latency 2/4/6.
+
+    Like the forward this is a latency-bound chain over chunks with batch * nheads * tiles blocks:
+    small tiles give more blocks, large ones reuse each dy/C load more.
+    """
+    check_arch("chunk_state_bwd_configs", arch)
+    return [ChunkStateBwdConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, occupancy=2)
+            for bp in (32, 64) if bp <= dims.headdim
+            for bn in (16, 32, 64) if bn <= dims.dstate
+            for lat in (2, 4, 6)]
+
+
+def chunk_state_bwd_default_config(dims: SSDDims) -> ChunkStateBwdConfig:
+    """BLOCK_P = min(64, headdim), BLOCK_N = min(32, dstate), latency 4 (the forward's default)."""
+    return ChunkStateBwdConfig(BLOCK_P=min(64, dims.headdim), BLOCK_N=min(32, dims.dstate), LOAD_LAT=4,
+                               occupancy=2)
+
+
+def chunk_state_bwd_num_tiles(dims: SSDDims, cfg: ChunkStateBwdConfig) -> int:
+    """State tiles per (batch, head): the last axis of ddA_chunk."""
+    return (dims.headdim // cfg.BLOCK_P) * (dims.dstate // cfg.BLOCK_N)
+
+
+def chunk_state_bwd_grid(dims: SSDDims, cfg: ChunkStateBwdConfig) -> tuple[int, int, int]:
+    return (dims.batch * dims.nheads, dims.headdim // cfg.BLOCK_P, dims.dstate // cfg.BLOCK_N)
+
+
+def chunk_state_bwd_launch(dims: SSDDims, cfg: ChunkStateBwdConfig | None = None, *,
+                           dy: str = "dy") -> Launch:
+    """The launch writing ("dstates", "dinitial_states", "ddA_chunk"); `dy` names the output gradient
+    array (the gated "dy" buffer, or "dout" itself without a gate)."""
+    cfg = cfg or chunk_state_bwd_default_config(dims)
+    return Launch(
+        kernel=select_kernel(CHUNK_STATE_BWD_KERNELS, dims, occupancy=cfg.occupancy),
+        grid=chunk_state_bwd_grid(dims, cfg),
+        args=("C", dy, "dA_cumsum", "states", "seq_idx", "dfinal_states",
+              "dstates", "dinitial_states", "ddA_chunk",
+              dims.chunk_size, cfg.BLOCK_P, cfg.BLOCK_N, dims.has_seq_idx, cfg.LOAD_LAT),
+        writes=("dstates", "dinitial_states", "ddA_chunk"),
+    )
