@@ -84,7 +84,7 @@ class ChunkCumsumConfig:
 
 
 def chunk_cumsum_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkCumsumConfig]:
-    """The autotune space: BLOCK_H up to the (padded) head count, occupancy 2..8."""
+    """The autotune space (sm_90): BLOCK_H 2..16 up to the (padded) head count, occupancy 2/4/8."""
     check_arch("chunk_cumsum_fwd_configs", arch)
     max_block_h = min(next_power_of_2(dims.nheads), 16)
     return [ChunkCumsumConfig(BLOCK_H=bh, occupancy=occ)
@@ -94,7 +94,7 @@ def chunk_cumsum_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkCu
 
 def chunk_cumsum_fwd_default_config(dims: SSDDims) -> ChunkCumsumConfig:
     """Small enough that a (CHUNK, BLOCK_H) tile stays ~2K f32 values; enough blocks to fill the GPU."""
-    return ChunkCumsumConfig(BLOCK_H=min(next_power_of_2(dims.nheads), max(2048 // dims.chunk_size, 1)),
+    return ChunkCumsumConfig(BLOCK_H=min(next_power_of_2(dims.nheads), 16, 2048 // dims.chunk_size),
                              occupancy=4)
 
 

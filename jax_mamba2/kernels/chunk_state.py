@@ -134,14 +134,15 @@ class ChunkStateConfig:
 
 
 def chunk_state_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkStateConfig]:
-    """The autotune space (sm_90): state tiles of 16..64 x 16..64, load latency 2/4/6, occupancy 2.
+    """The autotune space (sm_90): state tiles of 32..64 x 16..64 (16 x .. for headdim 16), load
+    latency 2/4/6, occupancy 2.
 
     Small state tiles give more blocks (the kernel is a latency-bound chain over chunks, with only
     batch * nheads * tiles blocks); large ones reuse each x/B load more.
     """
     check_arch("chunk_state_fwd_configs", arch)
     return [ChunkStateConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, occupancy=2)
-            for bp in (32, 64) if bp <= dims.headdim
+            for bp in ((32, 64) if dims.headdim >= 32 else (16,)) if bp <= dims.headdim
             for bn in (16, 32, 64) if bn <= dims.dstate
             for lat in (2, 4, 6)]
 

@@ -3,17 +3,21 @@
 `launch_signature` builds, from the (shape, dtype) of every array a launch names, exactly the constraints
 that `cuda.tile.jax.cutile_call` derives from JAX avals at lowering time (row-major contiguous, unit last
 stride, size-1 dims constant, divisible-by-16 hints, 256-byte base alignment, the kernel's own index
-width), so a cubin compiled here is the cubin JAX compiles on the GPU.
+width), so a cubin compiled here is the cubin JAX compiles on the GPU for arrays of those shapes.
 
 Command line:
     python -m jax_mamba2.kernels.export --arch sm_90 --out DIR [--configs default|all] [--quick]
-prints one line per cubin: name, size, compile seconds.
+compiles the forward and decode kernels of a representative problem set (x/B/C dtype bf16/f16/f32,
+headdim and dstate 64/128, chunk_size 64/128/256, the optional inputs all absent or all present,
+dt_softplus on as in Mamba2) with the default configuration of every stage (`--configs all`: every
+configuration of the autotune spaces), skipping duplicates, and prints one line per cubin: name, size,
+compile seconds. DIR gets `<kernel>_<hash>.cubin` files and a `manifest.tsv` (file, symbol).
 """
 import argparse
 import dataclasses
+import hashlib
 import io
 import itertools
-import math
 import os
 import sys
 import time
@@ -23,7 +27,9 @@ import cuda.tile as ct
 from cuda.tile.compilation import (
     ArrayConstraint, CallingConvention, ConstantConstraint, KernelSignature, export_kernel)
 
-from jax_mamba2.kernels._common import Buffer, Launch, Plan, SSDDims
+from jax_mamba2.kernels import chunk_cumsum, chunk_scan, chunk_state, state_update
+from jax_mamba2.kernels._common import Buffer, Launch, SSDDims, check_arch
+from jax_mamba2.kernels.forward import forward_arrays, forward_plan
 
 _CT_DTYPES = {
     "bfloat16": ct.bfloat16,
@@ -97,3 +103,85 @@ def compile_launch(launch: Launch, arrays: Mapping[str, Buffer], arch: str = "sm
     buf = io.BytesIO()
     export_kernel(launch.kernel, [signature], buf, gpu_code=arch, output_format=output_format)
     return signature.symbol, buf.getvalue()
+
+
+def _problems(quick: bool) -> Iterator[SSDDims]:
+    """The representative problems: every dtype / head size / chunk size, flags all off or all on."""
+    dtypes = ("bfloat16", "float32") if quick else ("bfloat16", "float16", "float32")
+    sizes = (64,) if quick else (64, 128)
+    chunks = (64,) if quick else (64, 128, 256)
+    for dtype, headdim, dstate, chunk, flags in itertools.product(dtypes, sizes, sizes, chunks, (False, True)):
+        yield SSDDims(batch=2, seqlen=4 * chunk, nheads=8, headdim=headdim, ngroups=1, dstate=dstate,
+                      chunk_size=chunk, dtype=dtype, dt_dtype=dtype, has_z=flags, has_init=flags,
+                      has_seq_idx=flags, dt_softplus=True)
+
+
+def _forward_configs(dims: SSDDims, which: str, arch: str) -> Iterator[dict]:
+    if which == "default":
+        yield {}
+        return
+    spaces = {"chunk_cumsum": chunk_cumsum.chunk_cumsum_fwd_configs(dims, arch),
+              "chunk_state": chunk_state.chunk_state_fwd_configs(dims, arch),
+              "chunk_scan": chunk_scan.chunk_scan_fwd_configs(dims, arch)}
+    # Each stage's space on its own (the others at their defaults): the launches are independent.
+    for stage, space in spaces.items():
+        for cfg in space:
+            yield {stage: cfg}
+
+
+def _launches(which: str, quick: bool, arch: str) -> Iterator[tuple[Launch, dict]]:
+    """(launch, arrays) for every kernel the problem set uses."""
+    for dims in _problems(quick):
+        arrays = forward_arrays(dims)
+        for configs in _forward_configs(dims, which, arch):
+            for launch in forward_plan(dims, configs).launches:
+                yield launch, arrays
+        step_dims = dataclasses.replace(dims, seqlen=1, chunk_size=1, dt_dtype="float32", has_init=False,
+                                        has_seq_idx=False)
+        step_configs = ([None] if which == "default"
+                        else state_update.state_update_configs(step_dims, arch))
+        for cfg in step_configs:
+            plan = state_update.state_update_plan(step_dims, cfg)
+            for state_dtype in sorted({"float32", dims.dtype}):
+                arrays = {**state_update.state_update_inputs(step_dims, state_dtype), **plan.buffers}
+                yield plan.launches[0], arrays
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jax_mamba2.kernels.export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="sm_90", help="GPU architecture (default sm_90)")
+    parser.add_argument("--out", required=True, help="output directory for the cubins")
+    parser.add_argument("--configs", choices=("default", "all"), default="default",
+                        help="default stage configurations, or every configuration of the tune spaces")
+    parser.add_argument("--quick", action="store_true",
+                        help="a small set for CI: bf16 and f32, headdim = dstate = chunk_size = 64")
+    args = parser.parse_args(argv)
+    check_arch("export", args.arch)
+    os.makedirs(args.out, exist_ok=True)
+
+    seen, manifest, start = set(), [], time.perf_counter()
+    for launch, arrays in _launches(args.configs, args.quick, args.arch):
+        signature = launch_signature(launch, arrays)
+        # The symbol encodes the kernel, constraints and constants; the hints (occupancy) are not in it.
+        key = (signature.symbol, repr(launch.kernel._compiler_options))
+        if key in seen:
+            continue
+        seen.add(key)
+        t0 = time.perf_counter()
+        symbol, cubin = compile_launch(launch, arrays, args.arch)
+        seconds = time.perf_counter() - t0
+        kernel_name = launch.kernel._annotated_function.pyfunc.__name__
+        name = f"{kernel_name}_{hashlib.sha1(repr(key).encode()).hexdigest()[:12]}.cubin"
+        with open(os.path.join(args.out, name), "wb") as f:
+            f.write(cubin)
+        manifest.append(f"{name}\t{symbol}")
+        print(f"{name}  {len(cubin):>8d} B  {seconds:6.2f} s", flush=True)
+    with open(os.path.join(args.out, "manifest.tsv"), "w") as f:
+        f.write("\n".join(manifest) + "\n")
+    print(f"{len(manifest)} cubins for {args.arch} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -108,7 +108,7 @@ def state_update_configs(dims: SSDDims, arch: str = "sm_90") -> list[StateUpdate
 
 def state_update_default_config(dims: SSDDims) -> StateUpdateConfig:
     """About 2K state values per block."""
-    return StateUpdateConfig(BLOCK_P=min(dims.headdim, max(4, 2048 // dims.dstate)), occupancy=4)
+    return StateUpdateConfig(BLOCK_P=min(dims.headdim, 64, max(4, 2048 // dims.dstate)), occupancy=4)
 
 
 def state_update_grid(dims: SSDDims, cfg: StateUpdateConfig) -> tuple[int, int]:

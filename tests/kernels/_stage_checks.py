@@ -12,6 +12,8 @@ import numpy as np
 
 from jax_mamba2 import reference
 from jax_mamba2.kernels._common import SSDDims
+from jax_mamba2.kernels.chunk_scan import ChunkScanConfig
+from jax_mamba2.kernels.chunk_state import ChunkStateConfig
 from jax_mamba2.kernels.forward import forward_plan
 from jax_mamba2.kernels.state_update import state_update_plan
 from tests._helpers import TOLERANCE, make_ssd_args, rel_l2, to_float64
@@ -34,6 +36,18 @@ class Case:
     dt_limit: tuple[float, float] | None = None
     configs: tuple[tuple[str, object], ...] = ()
 
+
+# Small problems covering one partial chunk, partial last chunks, groups, z, initial states, seq_idx
+# boundaries inside and at the edge of chunks, dt_limit, and several row/key blocks per chunk.
+SMALL_CASES = {
+    "one_partial_chunk": Case(seqlen=37),
+    "partial_last_chunk_groups_z_init": Case(seqlen=150, nheads=4, ngroups=2, z=True, initial_states=True),
+    "seq_idx_across_chunks": Case(seqlen=150, seq_lens=(10, 70, 3, 67), initial_states=True),
+    "chunk128_row_and_key_blocks": Case(
+        seqlen=300, chunk_size=128, ngroups=4, seq_lens=(128, 1, 171), dt_limit=(0.05, 0.5),
+        configs=(("chunk_scan", ChunkScanConfig(BLOCK_M=64, BLOCK_K=32, BLOCK_P=16)),
+                 ("chunk_state", ChunkStateConfig(BLOCK_P=16, BLOCK_N=16)))),
+}
 
 # make_ssd_args draws A so that a 64-token chunk decays by ~e^-30, which hides every cross-chunk path
 # (carried states, initial states, seq_idx resets); the stage checks scale A down to keep them visible.
@@ -120,26 +134,34 @@ def check_forward(run, case: Case, dtype: str, seed: int = 0):
     assert not bad, f"{case} {dtype}: relative L2 errors above {limits}: {bad}"
 
 
-def check_state_update(run, dtype: str, state_dtype: str, *, ngroups: int = 2, z: bool = True, seed: int = 0):
-    """Runs state_update_plan through `run` and asserts y and the new state match reference.ssd_step."""
-    batch, nheads, headdim, dstate = 3, 4, 32, 16
+_STEP_SHAPE = {"batch": 3, "nheads": 4, "headdim": 32, "dstate": 16}
+
+
+def step_dims(dtype: str, *, ngroups: int = 2, z: bool = True) -> SSDDims:
+    """The decode problem `check_state_update` runs (dt_softplus and dt_limit on)."""
+    return SSDDims(seqlen=1, ngroups=ngroups, chunk_size=1, dtype=dtype, dt_dtype=dtype, has_z=z,
+                   dt_softplus=True, dt_limit=(0.01, 1.0), **_STEP_SHAPE)
+
+
+def check_state_update(run, dtype: str, state_dtype: str, *, ngroups: int = 2, z: bool = True, cfg=None,
+                       seed: int = 0):
+    """Runs state_update_plan(cfg) through `run`; asserts y and the new state match reference.ssd_step."""
+    dims = step_dims(dtype, ngroups=ngroups, z=z)
+    batch, nheads, headdim, dstate = dims.batch, dims.nheads, dims.headdim, dims.dstate
     args, kwargs = make_ssd_args(seed, batch=batch, seqlen=1, nheads=nheads, headdim=headdim,
                                  ngroups=ngroups, dstate=dstate, dtype=getattr(jnp, dtype), D="headdim",
-                                 z=z, dt_bias=True, dt_softplus=True, dt_limit=(0.01, 1.0))
+                                 z=z, dt_bias=True, dt_softplus=True, dt_limit=dims.dt_limit)
     x, dt, A, B, C = args[0][:, 0], args[1][:, 0], args[2], args[3][:, 0], args[4][:, 0]
     if z:
         kwargs["z"] = kwargs["z"][:, 0]
     state = jax.random.normal(jax.random.PRNGKey(seed + 1), (batch, nheads, headdim, dstate)
                               ).astype(getattr(jnp, state_dtype))
-    dims = SSDDims(batch=batch, seqlen=1, nheads=nheads, headdim=headdim, ngroups=ngroups, dstate=dstate,
-                   chunk_size=64, dtype=dtype, dt_dtype=dtype, has_z=z, dt_softplus=True,
-                   dt_limit=(0.01, 1.0))
     inputs = {"state": _np(state).copy(), "x": _np(x), "dt": _np(dt), "A": _np(A), "B": _np(B),
               "C": _np(C), "dt_bias": _np(kwargs["dt_bias"]), "D": _np(kwargs["D"]),
               "z": _np(kwargs["z"]) if z else np.zeros((1, 1, 1), _np(x).dtype)}
-    got = run(state_update_plan(dims), inputs)
+    got = run(state_update_plan(dims, cfg), inputs)
     with jax.enable_x64(True):
         y_ref, state_ref = reference.ssd_step(*to_float64((state, x, dt, A, B, C)), **to_float64(kwargs))
     tol = TOLERANCE["kernel_fwd"][dtype]
     errors = {"y": rel_l2(got["y"], y_ref), "state": rel_l2(got["state"], state_ref)}
-    assert all(err <= tol for err in errors.values()), f"{dtype}/{state_dtype}: {errors} > {tol}"
+    assert all(err <= tol for err in errors.values()), f"{dtype}/{state_dtype} {cfg}: {errors} > {tol}"

@@ -1,0 +1,75 @@
+"""Every kernel compiles to an sm_90 cubin on this machine (no GPU needed), with the constraints JAX uses;
+the SASS of the matmul stages uses Hopper wgmma (HGMMA) when cuobjdump is available."""
+import dataclasses
+import functools
+import glob
+import os
+import shutil
+import site
+import subprocess
+
+import pytest
+
+from jax_mamba2.kernels._common import SSDDims
+from jax_mamba2.kernels.export import compile_launch
+from jax_mamba2.kernels.forward import forward_arrays, forward_plan
+from jax_mamba2.kernels.state_update import state_update_inputs, state_update_plan
+
+_BASE = SSDDims(batch=2, seqlen=200, nheads=8, headdim=64, ngroups=2, dstate=64, chunk_size=64,
+                dt_softplus=True)
+PROBLEMS = {
+    "bf16_plain": _BASE,
+    "bf16_z_init_seq_idx_dt_limit": dataclasses.replace(_BASE, has_z=True, has_init=True, has_seq_idx=True,
+                                                        dt_limit=(1e-3, 0.5)),
+    "f32_z_init_seq_idx": dataclasses.replace(_BASE, dtype="float32", dt_dtype="float32", has_z=True,
+                                              has_init=True, has_seq_idx=True),
+    # x has 2^31 elements: the int64-indexed variants.
+    "bf16_int64_index": dataclasses.replace(_BASE, batch=1, seqlen=1 << 20, nheads=32, chunk_size=256),
+}
+
+
+@functools.cache
+def _cubins(problem: str) -> dict[str, bytes]:
+    """kernel name -> sm_90 cubin of every launch of the forward and decode plans of `problem`."""
+    dims = PROBLEMS[problem]
+    launches = [(launch, forward_arrays(dims)) for launch in forward_plan(dims).launches]
+    step = state_update_plan(dims)
+    launches.append((step.launches[0], {**state_update_inputs(dims, "float32"), **step.buffers}))
+    return {launch.kernel._annotated_function.pyfunc.__name__: compile_launch(launch, arrays, "sm_90")[1]
+            for launch, arrays in launches}
+
+
+@pytest.mark.parametrize("problem", list(PROBLEMS))
+def test_kernels_compile_to_sm90_cubins(problem):
+    cubins = _cubins(problem)
+    assert set(cubins) == {"chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel", "chunk_scan_fwd_kernel",
+                           "state_update_kernel"}
+    for name, cubin in cubins.items():
+        assert cubin[:4] == b"\x7fELF", name
+
+
+def _cuobjdump() -> str | None:
+    """cuobjdump from PATH or from the pip nvidia-cuda-cuobjdump package (with nvdisasm beside it)."""
+    found = shutil.which("cuobjdump")
+    if found and shutil.which("nvdisasm"):
+        return found
+    for packages in site.getsitepackages():
+        for path in glob.glob(os.path.join(packages, "nvidia", "*", "bin", "cuobjdump")):
+            if os.path.exists(os.path.join(os.path.dirname(path), "nvdisasm")):
+                return path
+    return None
+
+
+@pytest.mark.parametrize("problem", ["bf16_plain", "f32_z_init_seq_idx"])
+def test_matmul_stages_use_wgmma_and_tma(problem, tmp_path):
+    cuobjdump = _cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("cuobjdump/nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    env = dict(os.environ, PATH=os.path.dirname(cuobjdump) + os.pathsep + os.environ.get("PATH", ""))
+    for name in ("chunk_state_fwd_kernel", "chunk_scan_fwd_kernel"):
+        path = tmp_path / f"{name}.cubin"
+        path.write_bytes(_cubins(problem)[name])
+        sass = subprocess.run([cuobjdump, "-sass", str(path)], check=True, capture_output=True, text=True,
+                              env=env).stdout
+        assert "HGMMA" in sass, f"{name} ({problem}) has no wgmma instruction"
+        assert "UTMALDG" in sass, f"{name} ({problem}) has no TMA load"

@@ -1,0 +1,112 @@
+"""Config spaces, grids and launch argument tuples of every kernel stage (no compile, no GPU)."""
+import dataclasses
+import inspect
+
+import pytest
+
+from jax_mamba2.kernels import chunk_cumsum, chunk_scan, chunk_state, state_update
+from jax_mamba2.kernels._common import SSDDims, is_power_of_2, needs_int64_index
+from jax_mamba2.kernels.forward import FORWARD_STAGES, forward_arrays, forward_plan
+
+PROBLEMS = {
+    "small_heads16": SSDDims(batch=1, seqlen=1, nheads=1, headdim=16, ngroups=1, dstate=16, chunk_size=64),
+    "odd_heads_q128": SSDDims(batch=3, seqlen=1000, nheads=24, headdim=64, ngroups=8, dstate=128,
+                              chunk_size=128, dtype="float32"),
+    "wide_q256": SSDDims(batch=2, seqlen=4096, nheads=80, headdim=256, ngroups=1, dstate=256,
+                         chunk_size=256, has_z=True, has_init=True, has_seq_idx=True),
+}
+STAGES = {
+    "chunk_cumsum": (chunk_cumsum.chunk_cumsum_fwd_configs, chunk_cumsum.chunk_cumsum_fwd_default_config,
+                     chunk_cumsum.chunk_cumsum_fwd_launch),
+    "chunk_state": (chunk_state.chunk_state_fwd_configs, chunk_state.chunk_state_fwd_default_config,
+                    chunk_state.chunk_state_fwd_launch),
+    "chunk_scan": (chunk_scan.chunk_scan_fwd_configs, chunk_scan.chunk_scan_fwd_default_config,
+                   chunk_scan.chunk_scan_fwd_launch),
+    "state_update": (state_update.state_update_configs, state_update.state_update_default_config,
+                     lambda dims, cfg: state_update.state_update_plan(dims, cfg).launches[0]),
+}
+# Tile fields and what each must divide (None: only a power of two).
+_DIVIDES = {"BLOCK_P": "headdim", "BLOCK_N": "dstate", "BLOCK_M": "chunk_size", "BLOCK_K": "chunk_size",
+            "BLOCK_H": None}
+
+
+def _tiles(cfg):
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in _DIVIDES}
+
+
+@pytest.mark.parametrize("problem", list(PROBLEMS), ids=list(PROBLEMS))
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_stage_configs_valid_and_contain_default(stage, problem):
+    configs_fn, default_fn, _ = STAGES[stage]
+    dims = PROBLEMS[problem]
+    space = configs_fn(dims)
+    assert 0 < len(space) <= 24 and len(set(space)) == len(space)
+    assert default_fn(dims) in space
+    for cfg in space:
+        for name, value in _tiles(cfg).items():
+            assert is_power_of_2(value), (cfg, name)
+            if _DIVIDES[name]:
+                assert getattr(dims, _DIVIDES[name]) % value == 0, (cfg, name)
+        if isinstance(cfg, chunk_scan.ChunkScanConfig):
+            assert cfg.BLOCK_K <= cfg.BLOCK_M
+        assert 1 <= getattr(cfg, "LOAD_LAT", 1) <= 10
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_stage_configs_reject_unknown_arch(stage):
+    with pytest.raises(ValueError, match="arch='sm_80' must be one of"):
+        STAGES[stage][0](PROBLEMS["small_heads16"], "sm_80")
+
+
+@pytest.mark.parametrize("problem", list(PROBLEMS), ids=list(PROBLEMS))
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_stage_launch_args_match_kernel_parameters(stage, problem):
+    configs_fn, _, launch_fn = STAGES[stage]
+    dims = PROBLEMS[problem]
+    arrays = {**forward_arrays(dims), **state_update.state_update_inputs(dims), "y": None}
+    for cfg in configs_fn(dims):
+        launch = launch_fn(dims, cfg)
+        annotations = launch.kernel._annotated_function.parameter_annotations
+        params = list(inspect.signature(launch.kernel._annotated_function.pyfunc).parameters)
+        assert len(launch.args) == len(params)
+        for arg, name, annotation in zip(launch.args, params, annotations):
+            # Arrays are passed by name, ct.Constant parameters by value.
+            assert isinstance(arg, str) != annotation.constant, (name, arg)
+            if isinstance(arg, str):
+                assert arg in arrays, arg
+        assert set(launch.writes) <= {a for a in launch.args if isinstance(a, str)}
+
+
+def test_stage_grids_cover_the_problem():
+    dims = PROBLEMS["odd_heads_q128"]  # nchunks 8, nheads 24 (not a power of two)
+    assert chunk_cumsum.chunk_cumsum_fwd_grid(dims, chunk_cumsum.ChunkCumsumConfig(BLOCK_H=16)) == (8, 2, 3)
+    assert chunk_state.chunk_state_fwd_grid(dims, chunk_state.ChunkStateConfig(BLOCK_P=32, BLOCK_N=64)) \
+        == (3 * 24, 2, 2)
+    assert chunk_scan.chunk_scan_fwd_grid(
+        dims, chunk_scan.ChunkScanConfig(BLOCK_M=64, BLOCK_P=32)) == (24 * 2 * 2 * 8, 3)
+    assert state_update.state_update_grid(dims, state_update.StateUpdateConfig(BLOCK_P=16)) == (3 * 24, 4)
+
+
+def test_forward_plan_wires_stages_in_order():
+    dims = PROBLEMS["wide_q256"]
+    plan = forward_plan(dims)
+    assert plan.outputs == ("out", "final_states")
+    written = [name for launch in plan.launches for name in launch.writes]
+    assert written == ["dt_out", "dA_cumsum", "states", "final_states", "out"]
+    assert plan.buffers["states"].shape == (2, 16, 80, 256, 256)
+    assert plan.buffers["states"].dtype == dims.dtype
+    custom = chunk_scan.ChunkScanConfig(BLOCK_M=128, BLOCK_K=32, BLOCK_P=64)
+    assert forward_plan(dims, {"chunk_scan": custom}).launches[2].args[12:15] == (128, 32, 64)
+    with pytest.raises(ValueError, match="configs keys=\\['chunk_sacn'\\] must be among"):
+        forward_plan(dims, {"chunk_sacn": custom})
+    assert FORWARD_STAGES == ("chunk_cumsum", "chunk_state", "chunk_scan")
+
+
+def test_needs_int64_index_selects_int64_kernels():
+    small = PROBLEMS["wide_q256"]
+    big = dataclasses.replace(small, batch=1, seqlen=1 << 20, nheads=32, headdim=64)  # x has 2^31 elements
+    assert not needs_int64_index(small) and needs_int64_index(big)
+    for dims, want in ((small, False), (big, True)):
+        for launch in forward_plan(dims).launches:
+            x_annotation = launch.kernel._annotated_function.parameter_annotations[0]
+            assert (x_annotation.array is not None) == want

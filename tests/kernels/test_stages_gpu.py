@@ -1,0 +1,91 @@
+"""The compiled kernel plans on the GPU (ct.launch), checked stage by stage against the float64 reference.
+
+Arrays live in torch tensors (CuPy has no bfloat16); every plan buffer starts as NaN so a value a kernel
+never writes shows up as an error. Run with `python -m pytest -m gpu tests/kernels/test_stages_gpu.py`.
+"""
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_mamba2.kernels import chunk_scan, chunk_state, state_update
+from tests.kernels._stage_checks import (
+    SMALL_CASES, Case, case_dims, check_forward, check_state_update, step_dims)
+
+pytestmark = pytest.mark.gpu
+
+# Model-sized problems on top of the small ones: Mamba2-like heads, every chunk size, long sequences.
+LARGE_CASES = {
+    "q256_p64_n128_groups_all_inputs": Case(
+        seqlen=1000, chunk_size=256, nheads=8, headdim=64, ngroups=2, dstate=128, z=True, initial_states=True,
+        seq_lens=(300, 200, 500)),
+    "q64_p128_n64_long": Case(seqlen=4096 + 17, chunk_size=64, nheads=4, headdim=128, dstate=64),
+    "q128_p64_n256_batch1": Case(seqlen=777, chunk_size=128, batch=1, nheads=6, headdim=64, ngroups=3,
+                                 dstate=256, z=True),
+}
+SWEEP_CASE = Case(seqlen=600, chunk_size=128, nheads=4, headdim=64, ngroups=2, dstate=64, z=True,
+                  initial_states=True, seq_lens=(200, 400))
+
+
+def _torch():
+    return pytest.importorskip("torch", reason="the GPU stage tests hold arrays in torch tensors")
+
+
+def _to_device(array: np.ndarray):
+    torch = _torch()
+    if array.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16).cuda()
+    return torch.from_numpy(np.array(array)).cuda()  # a writable, contiguous copy
+
+
+def _to_host(tensor) -> np.ndarray:
+    torch = _torch()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
+    return tensor.cpu().numpy()
+
+
+def run_plan_gpu(plan, inputs):
+    """Runs `plan` with ct.launch on torch's current stream; returns every array as NumPy."""
+    import cuda.tile as ct
+    torch = _torch()
+    arrays = {name: _to_device(value) for name, value in inputs.items()}
+    for name, buf in plan.buffers.items():
+        dtype = getattr(torch, buf.dtype)
+        arrays[name] = (torch.zeros(buf.shape, dtype=dtype, device="cuda") if buf.zero_init
+                        else torch.full(buf.shape, float("nan"), dtype=dtype, device="cuda"))
+    stream = torch.cuda.current_stream()
+    for launch in plan.launches:
+        ct.launch(stream, launch.grid, launch.kernel,
+                  tuple(arrays[a] if isinstance(a, str) else a for a in launch.args))
+    torch.cuda.synchronize()
+    return {name: _to_host(value) for name, value in arrays.items()}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("case", list(SMALL_CASES) + list(LARGE_CASES))
+def test_forward_plan_gpu_matches_reference(case, dtype):
+    check_forward(run_plan_gpu, {**SMALL_CASES, **LARGE_CASES}[case], dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_forward_plan_gpu_every_tuning_config_matches_reference(dtype):
+    """Whatever the autotuner picks must be correct: sweep each stage's space (others at default)."""
+    dims = case_dims(SWEEP_CASE, dtype)
+    spaces = {"chunk_state": chunk_state.chunk_state_fwd_configs(dims),
+              "chunk_scan": chunk_scan.chunk_scan_fwd_configs(dims)}
+    for stage, space in spaces.items():
+        for cfg in space:
+            check_forward(run_plan_gpu, dataclasses.replace(SWEEP_CASE, configs=((stage, cfg),)), dtype)
+
+
+@pytest.mark.parametrize("dtype,state_dtype", [("float32", "float32"), ("bfloat16", "float32"),
+                                               ("bfloat16", "bfloat16"), ("float16", "float16")])
+def test_state_update_plan_gpu_matches_reference(dtype, state_dtype):
+    check_state_update(run_plan_gpu, dtype, state_dtype)
+
+
+def test_state_update_plan_gpu_every_tuning_config_matches_reference():
+    for cfg in state_update.state_update_configs(step_dims("bfloat16")):
+        check_state_update(run_plan_gpu, "bfloat16", "float32", cfg=cfg)
