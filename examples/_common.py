@@ -1,0 +1,85 @@
+"""What every example shares: choosing and announcing the SSD backend, the output folder, timing.
+
+Imported by the example scripts as a sibling module (`python examples/NAME.py` puts examples/ on sys.path).
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import time
+from typing import Callable, NamedTuple
+
+import jax
+import numpy as np
+
+import jax_mamba2
+
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
+BACKEND_CHOICES = ("auto", "cutile", "cutile_callback", "xla", "scan")
+
+
+def cutile_unavailable_reason() -> str | None:
+    """None when the cuTile kernels can run in this process, else why not (one sentence)."""
+    if jax.default_backend() != "gpu":
+        return f"JAX runs on {jax.default_backend()!r}, not a CUDA GPU"
+    if "cutile" not in jax_mamba2.available_backends():
+        return "cuda-tile is not installed (pip install -e '.[cuda]')"
+    return None
+
+
+def resolve_backend(requested: str) -> str:
+    """The concrete SSD backend for `requested`, announced on stdout.
+
+    "auto" becomes "cutile" where the kernels can run and "xla" elsewhere. The examples pass the
+    concrete name on to the model, so a shape the kernels do not support raises instead of silently
+    running the xla path.
+    """
+    if requested != "auto":
+        print(f"SSD backend: {requested} (requested)")
+        return requested
+    reason = cutile_unavailable_reason()
+    if reason is None:
+        print("SSD backend: cutile (auto: cuTile kernels on the GPU)")
+        return "cutile"
+    print(f"SSD backend: xla (auto: {reason}; falling back to the chunked pure-JAX path)")
+    return "xla"
+
+
+def add_common_flags(parser: argparse.ArgumentParser) -> None:
+    """--backend, --out and --seed, the same for every example."""
+    parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
+                        help="SSD backend; auto = cutile on a CUDA GPU, else xla (default: auto)")
+    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT,
+                        help=f"folder for plots, checkpoints and JSON (default: {DEFAULT_OUT})")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+
+
+def output_dir(path: pathlib.Path) -> pathlib.Path:
+    """Creates `path` (and its parents) and returns it."""
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def describe_device() -> str:
+    device = jax.devices()[0]
+    return f"{device.device_kind} ({jax.default_backend()}), jax {jax.__version__}"
+
+
+class Timing(NamedTuple):
+    """Wall-clock milliseconds of one call: median and 20th/80th percentiles."""
+
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+
+
+def time_call(fn: Callable, *args, repeats: int = 10) -> Timing:
+    """Times `fn(*args)` after one untimed call (compilation), waiting for the results each time."""
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append((time.perf_counter() - start) * 1e3)
+    p20, median, p80 = np.percentile(samples, [20, 50, 80])
+    return Timing(float(median), float(p20), float(p80))
