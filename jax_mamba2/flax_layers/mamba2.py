@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jax_mamba2.flax_layers._tree import param_path
 from jax_mamba2.flax_layers.cache import Mamba2Cache
 from jax_mamba2.flax_layers.conv import CausalConv1d, causal_conv1d, causal_conv1d_step
 from jax_mamba2.flax_layers.initializers import A_log_init, dt_bias_init, torch_uniform
@@ -215,7 +216,7 @@ class Mamba2(nnx.Module):
         axes = self.mesh_axes
         graphdef, state = nnx.split(self)
         state_specs = jax.tree_util.tree_map_with_path(
-            lambda path, _: mixer_param_spec(_names(path), axes.model_axis), state)
+            lambda path, _: mixer_param_spec(param_path(path), axes.model_axis), state)
         rows = P(axes.data_axis)
         cache_specs = Mamba2Cache(conv_state=rows, ssm_state=P(axes.data_axis, axes.model_axis))
         array_specs = tuple(None if a is None else spec for a, spec in zip(arrays, (rows, cache_specs, rows)))
@@ -343,7 +344,3 @@ class Mamba2(nnx.Module):
             out = out + self.out_proj.bias[...].astype(dtype)
         return out
 
-
-def _names(path) -> tuple[str, ...]:
-    """Attribute names of a pytree path into an nnx.State (dict keys; the Variable's `.value` dropped)."""
-    return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))

@@ -1,0 +1,218 @@
+"""Pretrained weights: mamba_ssm / HuggingFace checkpoints in and out, and Orbax checkpoints of NNX state.
+
+`load_pretrained(path)` reads a local directory with `config.json` (mamba_ssm or HF transformers format) and
+the weights (`model.safetensors`, sharded safetensors with `model.safetensors.index.json`, or
+`pytorch_model.bin` when torch is installed), in mamba_ssm naming (`backbone.embedding.weight`,
+`backbone.layers.{i}.mixer.in_proj.weight`, ...) or HF naming (`backbone.embeddings.weight`).
+`save_pretrained(model, path)` writes an HF-compatible `config.json` and `model.safetensors`.
+
+Training checkpoints (any model, any sharding) are better kept as NNX state with Orbax:
+
+  >>> import orbax.checkpoint as ocp
+  >>> _, state = nnx.split(model)                                   # doctest: +SKIP
+  >>> ocp.StandardCheckpointer().save(path / "state", state)        # doctest: +SKIP
+  >>> abstract = nnx.eval_shape(lambda: Mamba2LMHeadModel(config, rngs=nnx.Rngs(0)))  # doctest: +SKIP
+  >>> graphdef, abstract_state = nnx.split(abstract)                # doctest: +SKIP
+  >>> state = ocp.StandardCheckpointer().restore(path / "state", abstract_state)     # doctest: +SKIP
+  >>> model = nnx.merge(graphdef, state)                            # doctest: +SKIP
+
+(`StandardCheckpointer` saves asynchronously: call `wait_until_finished()` before reading the directory.
+Restoring into an abstract state whose leaves carry shardings places each array on its devices.)
+"""
+import json
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from jax_mamba2.flax_layers._tree import param_path
+from jax_mamba2.flax_layers.config import Mamba2Config
+from jax_mamba2.flax_layers.lm import Mamba2LMHeadModel
+
+# (checkpoint name, path in Mamba2LMHeadModel, layout). Layouts: "same"; "linear": torch (out, in) ->
+# NNX kernel (in, out); "conv": torch conv1d.weight (channels, 1, d_conv) -> kernel (d_conv, channels).
+# The first name of a path is the one `save_pretrained` writes (HF naming).
+_TOP_LEVEL = (
+    ("backbone.embeddings.weight", ("embedding", "embedding"), "same"),
+    ("backbone.embedding.weight", ("embedding", "embedding"), "same"),
+    ("backbone.norm_f.weight", ("norm_f", "scale"), "same"),
+    ("lm_head.weight", ("lm_head", "kernel"), "linear"),
+)
+# Per layer: "backbone.layers.{i}." + name -> ("layers",) + path, at index i of the stacked parameter.
+_PER_LAYER = (
+    ("norm.weight", ("norm", "scale"), "same"),
+    ("mixer.in_proj.weight", ("mixer", "in_proj", "kernel"), "linear"),
+    ("mixer.in_proj.bias", ("mixer", "in_proj", "bias"), "same"),
+    ("mixer.conv1d.weight", ("mixer", "conv1d", "kernel"), "conv"),
+    ("mixer.conv1d.bias", ("mixer", "conv1d", "bias"), "same"),
+    ("mixer.dt_bias", ("mixer", "dt_bias"), "same"),
+    ("mixer.A_log", ("mixer", "A_log"), "same"),
+    ("mixer.D", ("mixer", "D"), "same"),
+    ("mixer.norm.weight", ("mixer", "norm", "scale"), "same"),
+    ("mixer.out_proj.weight", ("mixer", "out_proj", "kernel"), "linear"),
+    ("mixer.out_proj.bias", ("mixer", "out_proj", "bias"), "same"),
+)
+_LAYER_NAME = re.compile(r"backbone\.layers\.(\d+)\.(.+)")
+
+
+def _map_hf_key(name: str) -> tuple[tuple[str, ...], int | None, str]:
+    """Checkpoint tensor name -> (parameter path in the model, layer index or None, layout).
+
+    Raises:
+      KeyError: for a name that is not a Mamba-2 LM parameter.
+    """
+    for checkpoint_name, path, layout in _TOP_LEVEL:
+        if name == checkpoint_name:
+            return path, None, layout
+    match = _LAYER_NAME.fullmatch(name)
+    if match:
+        for checkpoint_name, path, layout in _PER_LAYER:
+            if match.group(2) == checkpoint_name:
+                return ("layers", *path), int(match.group(1)), layout
+    raise KeyError(name)
+
+
+def _to_model_layout(array: np.ndarray, layout: str) -> np.ndarray:
+    if layout == "linear":
+        return array.T
+    if layout == "conv":
+        return array[:, 0, :].T
+    return array
+
+
+def _to_checkpoint_layout(array: np.ndarray, layout: str) -> np.ndarray:
+    if layout == "linear":
+        return np.ascontiguousarray(array.T)
+    if layout == "conv":
+        return np.ascontiguousarray(array.T[:, None, :])
+    return array
+
+
+def _checkpoint_name(path: tuple[str, ...], layer: int | None) -> tuple[str, str]:
+    """Inverse of `_map_hf_key` (HF naming): (tensor name, layout)."""
+    if layer is None:
+        return next((name, layout) for name, p, layout in _TOP_LEVEL if p == path)
+    name, layout = next((name, layout) for name, p, layout in _PER_LAYER if ("layers", *p) == path)
+    return f"backbone.layers.{layer}.{name}", layout
+
+
+def load_config(path) -> Mamba2Config:
+    """Reads `config.json` of a checkpoint directory: mamba_ssm format (has "d_model") or HF transformers
+    format (has "hidden_size")."""
+    config_file = pathlib.Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"load_pretrained: {config_file} does not exist")
+    raw = json.loads(config_file.read_text())
+    if "d_model" in raw:
+        return Mamba2Config.from_mamba_ssm(raw)
+    if "hidden_size" in raw:
+        return Mamba2Config.from_hf(raw)
+    raise ValueError(f"load_pretrained: {config_file} has neither 'd_model' (mamba_ssm) nor 'hidden_size' (HF)")
+
+
+def load_hf_state(path) -> dict[str, np.ndarray]:
+    """Reads all tensors of a checkpoint directory as NumPy arrays, by name.
+
+    Looks for `model.safetensors`, then `model.safetensors.index.json` (sharded), then `pytorch_model.bin`
+    (needs torch).
+    """
+    path = pathlib.Path(path)
+    if (path / "model.safetensors").is_file():
+        return load_file(path / "model.safetensors")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        tensors = {}
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            tensors.update(load_file(path / shard))
+        return tensors
+    if (path / "pytorch_model.bin").is_file():
+        try:
+            import torch
+        except ImportError as e:
+            raise ImportError(f"load_pretrained: {path / 'pytorch_model.bin'} needs torch (pip install torch), "
+                              "or convert it to model.safetensors") from e
+        state_dict = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        return {name: (t.float() if t.dtype == torch.bfloat16 else t).numpy() for name, t in state_dict.items()}
+    raise FileNotFoundError(f"load_pretrained: {path} has no model.safetensors, model.safetensors.index.json "
+                            "or pytorch_model.bin")
+
+
+def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str = "auto") -> Mamba2LMHeadModel:
+    """Builds a `Mamba2LMHeadModel` from a local mamba_ssm or HF transformers checkpoint directory.
+
+    The model is created abstractly (`nnx.eval_shape`, no random init), every parameter is assigned from the
+    checkpoint, and the result is merged. For tied embeddings a stored `lm_head.weight` is ignored.
+
+    Args:
+      path: directory with config.json and the weights (see `load_hf_state`).
+      dtype: computation dtype of the model (default: None, inferred from the parameters).
+      param_dtype: parameter dtype; checkpoint tensors are cast to it (default: float32).
+      backend: SSD backend of the mixers (default: "auto").
+
+    Returns:
+      The model, on the default device.
+
+    Raises:
+      ValueError: listing the checkpoint tensors that match no parameter (unknown keys) and the parameters
+        (with layer indices) that no tensor assigned, or a tensor of the wrong shape.
+    """
+    config = load_config(path)
+    tensors = load_hf_state(path)
+    abstract = nnx.eval_shape(lambda: Mamba2LMHeadModel(config, backend=backend, dtype=dtype,
+                                                        param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    shapes = {param_path(p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(abstract_state)}
+    buffers = {path: np.zeros(shape, np.dtype(param_dtype)) for path, shape in shapes.items()}
+    unassigned = {path: set(range(config.n_layer)) if path[0] == "layers" else {None} for path in shapes}
+    unknown = []
+    for name, array in tensors.items():
+        try:
+            target, layer, layout = _map_hf_key(name)
+        except KeyError:
+            unknown.append(name)
+            continue
+        if target == ("lm_head", "kernel") and config.tie_embeddings:
+            continue
+        if target not in shapes or (layer is not None and layer >= config.n_layer):
+            unknown.append(name)
+            continue
+        value = _to_model_layout(array, layout)
+        expected = shapes[target][1:] if layer is not None else shapes[target]
+        if value.shape != expected:
+            raise ValueError(f"load_pretrained: {name}.shape={array.shape} does not fit {'.'.join(target)} "
+                             f"of shape {expected} (layout {layout!r})")
+        buffers[target][layer if layer is not None else ...] = value
+        unassigned[target].discard(layer)
+    missing = sorted(".".join(p) + ("" if layers == {None} else f"[layers {sorted(layers)}]")
+                     for p, layers in unassigned.items() if layers)
+    if unknown or missing:
+        raise ValueError(f"load_pretrained: checkpoint {path} does not match the model: unknown keys "
+                         f"{sorted(unknown)}; unassigned parameters {missing}")
+    state = jax.tree_util.tree_map_with_path(lambda p, _: jnp.asarray(buffers[param_path(p)]), abstract_state)
+    return nnx.merge(graphdef, state)
+
+
+def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
+    """Writes `config.json` (HF transformers `Mamba2Config`) and `model.safetensors` (HF names, PyTorch
+    layouts, parameter dtypes) into directory `path` (created if needed). Tied embeddings are written once.
+
+    Raises:
+      ValueError: if the model uses mixer options HF transformers cannot express (see `Mamba2Config.to_hf`).
+    """
+    path = pathlib.Path(path)
+    hf_config = model.config.to_hf()
+    tensors = {}
+    for tree_path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+        model_path, array = param_path(tree_path), np.asarray(leaf)
+        layers = range(array.shape[0]) if model_path[0] == "layers" else [None]
+        for layer in layers:
+            name, layout = _checkpoint_name(model_path, layer)
+            tensors[name] = _to_checkpoint_layout(array if layer is None else array[layer], layout)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+

@@ -1,0 +1,253 @@
+"""`Mamba2Block`, `Mamba2LMHeadModel` and `generate` (mamba_ssm `models/mixer_seq_simple.py`, `modules/block.py`).
+
+The n_layer blocks are created once with `nnx.vmap` (every parameter gets a leading (n_layer,) axis) and run
+with `nnx.scan`, so the compiled program holds one block however deep the model is: compile time does not
+grow with n_layer (an `nnx.List` of blocks would unroll n_layer copies into the HLO).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_mamba2.flax_layers.cache import Mamba2Cache
+from jax_mamba2.flax_layers.config import Mamba2Config
+from jax_mamba2.flax_layers.initializers import torch_uniform
+from jax_mamba2.flax_layers.mamba2 import Mamba2
+from jax_mamba2.flax_layers.norm import RMSNorm
+
+
+class Mamba2Block(nnx.Module):
+    """Add -> RMSNorm -> Mamba2 (mamba_ssm `Block` with fused_add_norm semantics).
+
+    `(hidden, residual) -> (mixer(norm(hidden + residual)), hidden + residual)`: the residual stream is carried
+    separately and kept in float32 when `residual_in_fp32`.
+
+    Args:
+      config: model configuration (d_model, norm_epsilon, residual_in_fp32 and the mixer's `ssm_cfg`).
+      backend: SSD backend of the mixer (default: "auto").
+      dtype: computation dtype (default: None, inferred).
+      param_dtype: parameter dtype (default: float32).
+      rngs: parameter initialization keys.
+    """
+
+    def __init__(self, config: Mamba2Config, *, backend: str = "auto", dtype=None, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.residual_in_fp32 = config.residual_in_fp32
+        self.norm = RMSNorm(config.d_model, eps=config.norm_epsilon, dtype=dtype, param_dtype=param_dtype,
+                            rngs=rngs)
+        self.mixer = Mamba2(config.d_model, **config.mixer_options, backend=backend, dtype=dtype,
+                            param_dtype=param_dtype, rngs=rngs)
+
+    def _add_norm(self, hidden_states, residual):
+        residual = hidden_states + residual
+        if self.residual_in_fp32:
+            residual = residual.astype(jnp.promote_types(jnp.float32, residual.dtype))
+        return self.norm(residual).astype(hidden_states.dtype), residual
+
+    def __call__(self, hidden_states, residual):
+        """hidden_states, residual: (batch, seqlen, d_model) -> (hidden_states, residual)."""
+        normed, residual = self._add_norm(hidden_states, residual)
+        return self.mixer(normed), residual
+
+    def prefill(self, hidden_states, residual, cache: Mamba2Cache | None = None):
+        """As `__call__`, also returning the mixer's cache (see `Mamba2.prefill`)."""
+        normed, residual = self._add_norm(hidden_states, residual)
+        out, cache = self.mixer.prefill(normed, cache)
+        return out, residual, cache
+
+    def step(self, hidden_states, residual, cache: Mamba2Cache):
+        """One token: hidden_states, residual (batch, d_model) -> (hidden_states, residual, cache)."""
+        normed, residual = self._add_norm(hidden_states, residual)
+        out, cache = self.mixer.step(normed, cache)
+        return out, residual, cache
+
+
+class Mamba2LMHeadModel(nnx.Module):
+    """Mamba-2 language model: embedding, n_layer `Mamba2Block`s, final RMSNorm, LM head.
+
+    Parameters (mamba_ssm `backbone.` prefix dropped): `embedding.embedding` (padded_vocab, d_model),
+    `layers.*` (one `Mamba2Block` whose parameters have a leading (n_layer,) axis), `norm_f.scale` (d_model,),
+    `lm_head.kernel` (d_model, padded_vocab) unless `tie_embeddings`. Initialization follows mamba_ssm's
+    `_init_weights`: embedding N(0, 0.02), Linear biases zero, out_proj kernels divided by sqrt(n_layer).
+
+    Logits cover the padded vocabulary (as in mamba_ssm); `generate` samples from the first `vocab_size`.
+
+    Args:
+      config: the model configuration.
+      backend: SSD backend of every mixer (default: "auto").
+      remat: rematerialize each block in the backward pass (`nnx.remat`), trading compute for memory.
+      dtype: computation dtype (default: None, inferred; e.g. jnp.bfloat16 with float32 parameters).
+      param_dtype: parameter dtype (default: float32).
+      rngs: parameter initialization keys.
+
+    Example:
+      >>> config = Mamba2Config(d_model=64, n_layer=2, vocab_size=100,
+      ...                       ssm_cfg=dict(d_state=16, headdim=16, chunk_size=16))
+      >>> model = Mamba2LMHeadModel(config, rngs=nnx.Rngs(0))
+      >>> model(jnp.zeros((2, 10), jnp.int32)).shape
+      (2, 10, 104)
+    """
+
+    def __init__(self, config: Mamba2Config, *, backend: str = "auto", remat: bool = False, dtype=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config, self.remat, self.dtype = config, remat, dtype
+        vocab = config.padded_vocab_size
+        self.embedding = nnx.Embed(vocab, config.d_model, dtype=dtype, param_dtype=param_dtype,
+                                   embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+
+        @nnx.split_rngs(splits=config.n_layer)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs):
+            block = Mamba2Block(config, backend=backend, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            out_proj = block.mixer.out_proj
+            out_proj.kernel[...] = out_proj.kernel[...] / jnp.sqrt(config.n_layer).astype(param_dtype)
+            for linear in (block.mixer.in_proj, out_proj):
+                if linear.bias is not None:
+                    linear.bias[...] = jnp.zeros_like(linear.bias[...])
+            return block
+
+        self.layers = make_layers(rngs)
+        self.norm_f = RMSNorm(config.d_model, eps=config.norm_epsilon, dtype=dtype, param_dtype=param_dtype,
+                              rngs=rngs)
+        self.lm_head = (nnx.data(None) if config.tie_embeddings else
+                        nnx.Linear(config.d_model, vocab, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                                   kernel_init=torch_uniform(config.d_model),
+                                   rngs=rngs))
+
+    def __call__(self, input_ids):
+        """input_ids (batch, seqlen) int -> logits (batch, seqlen, padded_vocab)."""
+        hidden, residual = self._embed(input_ids)
+
+        def block_forward(carry, block):
+            return block(*carry)
+
+        if self.remat:
+            block_forward = nnx.remat(block_forward)
+        hidden, residual = nnx.scan(block_forward, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
+            (hidden, residual), self.layers)
+        return self._logits(hidden, residual)
+
+    def prefill(self, input_ids, cache: Mamba2Cache | None = None):
+        """Forward that also fills the cache.
+
+        Args:
+          input_ids: (batch, seqlen) int.
+          cache: optional per-layer state (leading (n_layer,) axis) from earlier tokens; None = empty.
+
+        Returns:
+          (logits (batch, seqlen, padded_vocab), cache with a leading (n_layer,) axis).
+        """
+        hidden, residual, cache = self._prefill_hidden(input_ids, cache)
+        return self._logits(hidden, residual), cache
+
+    def step(self, input_ids, cache: Mamba2Cache):
+        """One token per row: input_ids (batch,) int -> (logits (batch, padded_vocab), new cache)."""
+        hidden, residual = self._embed(input_ids)
+
+        def block_step(carry, block, layer_cache):
+            hidden, residual, layer_cache = block.step(*carry, layer_cache)
+            return (hidden, residual), layer_cache
+
+        (hidden, residual), cache = nnx.scan(block_step, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))(
+            (hidden, residual), self.layers, cache)
+        return self._logits(hidden, residual), cache
+
+    def init_cache(self, batch_size: int, dtype=None) -> Mamba2Cache:
+        """Zero decode state of all layers: conv_state (n_layer, batch, conv_dim, d_conv), ssm_state
+        (n_layer, batch, nheads, headdim, d_state); dtype as in `Mamba2.init_cache`."""
+        per_layer = self.layers.mixer.init_cache(batch_size, dtype)
+        return jax.tree.map(lambda a: jnp.zeros((self.config.n_layer, *a.shape), a.dtype), per_layer)
+
+    def _prefill_hidden(self, input_ids, cache):
+        hidden, residual = self._embed(input_ids)
+
+        def block_prefill(carry, block, layer_cache):
+            hidden, residual, layer_cache = block.prefill(*carry, layer_cache)
+            return (hidden, residual), layer_cache
+
+        (hidden, residual), cache = nnx.scan(block_prefill, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))(
+            (hidden, residual), self.layers, cache)
+        return hidden, residual, cache
+
+    def _embed(self, input_ids):
+        hidden = self.embedding(input_ids)
+        residual_dtype = jnp.promote_types(jnp.float32, hidden.dtype) if self.config.residual_in_fp32 else hidden.dtype
+        return hidden, jnp.zeros(hidden.shape, residual_dtype)
+
+    def _logits(self, hidden, residual):
+        hidden = self.norm_f(hidden + residual).astype(hidden.dtype)
+        if self.lm_head is None:
+            return self.embedding.attend(hidden)
+        return self.lm_head(hidden)
+
+
+def generate(model: Mamba2LMHeadModel, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: int | None = None, rng=None):
+    """Autoregressive generation: one jitted program, a prefill then a `lax.scan` of cached O(1) steps.
+
+    The model's weights enter the program as arguments (not constants), and the program is cached per
+    (model structure, prompt shape, max_new_tokens, sampling mode), so later calls do not retrace.
+
+    Args:
+      model: the language model.
+      prompt_ids: (batch, prompt_len) int, prompt_len >= 1.
+      max_new_tokens: number of tokens to generate (>= 1).
+      temperature: 0 for greedy decoding (deterministic); > 0 samples from softmax(logits / temperature).
+      top_k: when sampling, only the top_k most likely tokens are candidates (default: None, all).
+      rng: a `jax.random.key`, required when temperature > 0.
+
+    Returns:
+      (batch, prompt_len + max_new_tokens) int32: the prompt followed by the generated tokens. Tokens are drawn
+      from the first `config.vocab_size` ids (padding rows of the embedding are never produced).
+
+    Raises:
+      ValueError: on a non-positive max_new_tokens, a negative temperature, a top_k outside
+        [1, vocab_size], or a missing rng when sampling.
+    """
+    vocab_size = model.config.vocab_size
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens={max_new_tokens!r} must be a positive int")
+    if prompt_ids.ndim != 2 or prompt_ids.shape[1] < 1:
+        raise ValueError(f"generate: prompt_ids.shape={prompt_ids.shape} must be (batch, prompt_len >= 1)")
+    if not temperature >= 0:
+        raise ValueError(f"generate: temperature={temperature} must be >= 0")
+    if top_k is not None and not 1 <= top_k <= vocab_size:
+        raise ValueError(f"generate: top_k={top_k} must be in [1, vocab_size={vocab_size}]")
+    sampling = temperature > 0
+    if sampling and rng is None:
+        raise ValueError("generate: rng=None must be a jax.random.key when temperature > 0")
+    graphdef, state = nnx.split(model)
+    rng = jax.random.key(0) if rng is None else rng
+    return _generate(graphdef, state, jnp.asarray(prompt_ids, jnp.int32), rng, jnp.float32(temperature),
+                     max_new_tokens=max_new_tokens, sampling=sampling, top_k=top_k)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "top_k"))
+def _generate(graphdef, state, prompt_ids, rng, temperature, *, max_new_tokens, sampling, top_k):
+    model = nnx.merge(graphdef, state)
+    vocab_size = model.config.vocab_size
+
+    def next_token(logits, key):  # logits (batch, padded_vocab) -> (batch,) int32
+        logits = logits[:, :vocab_size].astype(jnp.float32)
+        if not sampling:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logits = logits / temperature
+        if top_k is not None:
+            kth_largest = jax.lax.top_k(logits, top_k)[0][:, -1:]
+            logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
+        return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+    keys = jax.random.split(rng, max_new_tokens)
+    hidden, residual, cache = model._prefill_hidden(prompt_ids, None)
+    first = next_token(model._logits(hidden[:, -1], residual[:, -1]), keys[0])
+
+    def decode(carry, key):
+        token, cache = carry
+        # NNX Variables belong to the trace that created them: rebuild the model from fresh ones here.
+        logits, cache = nnx.merge(graphdef, jax.tree.map(lambda a: a, state)).step(token, cache)
+        token_next = next_token(logits, key)
+        return (token_next, cache), token_next
+
+    _, rest = jax.lax.scan(decode, (first, cache), keys[1:])
+    return jnp.concatenate([prompt_ids, first[:, None], rest.T], axis=1)
