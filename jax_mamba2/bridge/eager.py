@@ -32,6 +32,9 @@ class _Namespace:
             self.module = cupy
 
     def dtype(self, name: str):
+        if not hasattr(self.module, name):
+            raise TypeError(f"eager ssd: {self.name} has no {name} arrays; pass torch tensors (or JAX "
+                            f"arrays with torch installed) for {name}")
         return getattr(self.module, name)
 
     def empty(self, shape, dtype_name):
