@@ -15,9 +15,11 @@ from jax_mamba2.bridge import callback, ffi, ops, problem
 
 _ssd.register_backend(_ssd.Backend(
     name="cutile", forward=ops.make_forward(ffi.run_plan),
-    unsupported_reason=problem.unsupported_reason, step=ops.make_step(ffi.run_plan),
-    step_unsupported_reason=ops.step_unsupported_reason, auto_priority=2))
+    unsupported_reason=problem.unsupported_reason, backward=ops.make_backward(ffi.run_plan),
+    step=ops.make_step(ffi.run_plan), step_unsupported_reason=ops.step_unsupported_reason,
+    auto_priority=2))
 _ssd.register_backend(_ssd.Backend(
     name="cutile_callback", forward=ops.make_forward(callback.run_plan),
-    unsupported_reason=problem.unsupported_reason, step=ops.make_step(callback.run_plan),
+    unsupported_reason=problem.unsupported_reason, backward=ops.make_backward(callback.run_plan),
+    step=ops.make_step(callback.run_plan),
     step_unsupported_reason=ops.step_unsupported_reason))

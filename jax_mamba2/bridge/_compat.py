@@ -29,3 +29,18 @@ def match_varying_axes(outputs, inputs):
         return jax.lax.pcast(y, missing, to="varying") if missing else y
 
     return jax.tree.map(cast, outputs)
+
+
+def reduce_to_primal_axes(cotangents, primals):
+    """Sums each cotangent over the manual axes its primal does not vary over.
+
+    A parameter replicated across shard_map's shards gets the sum of every shard's partial gradient,
+    which is what JAX's own transpose of an implicit pcast does for differentiable code.
+    """
+    def reduce(ct, primal):
+        if ct is None or primal is None:
+            return ct
+        extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
+        return jax.lax.psum(ct, extra) if extra else ct
+
+    return jax.tree.map(reduce, cotangents, primals, is_leaf=lambda v: v is None)

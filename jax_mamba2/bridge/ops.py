@@ -6,12 +6,14 @@ outputs that keep shard_map's varying axes, and kernel configs chosen per proble
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from jax_mamba2.bridge import _compat, problem
+from jax_mamba2.bridge import _compat, problem, tuning
+from jax_mamba2.kernels import backward as backward_kernels
 from jax_mamba2.kernels import forward as forward_kernels
 from jax_mamba2.kernels import state_update as step_kernels
 from jax_mamba2.kernels._common import SSDDims
@@ -41,7 +43,7 @@ def _broadcast_unbatched(tree, batched_tree, axis_size: int):
 
 def _forward_once(run_plan: RunPlan, inputs, static):
     dims = problem.kernel_dims(inputs, static)
-    plan = forward_kernels.forward_plan(dims)
+    plan = forward_kernels.forward_plan(dims, tuning.forward_configs(dims))
     out = run_plan(plan, problem.kernel_inputs(inputs, dims))
     return _compat.match_varying_axes((out["out"], out["final_states"]), inputs)
 
@@ -71,6 +73,56 @@ def make_forward(run_plan: RunPlan):
     def forward(inputs, static):
         return _batchable_forward(run_plan, static)(inputs)
     return forward
+
+
+def deterministic_backward() -> bool:
+    """True when env JAX_MAMBA2_DETERMINISTIC=1: the backward then uses no float atomics and is
+    bitwise reproducible run to run (the heads of a group are summed by one block, in order)."""
+    return os.environ.get("JAX_MAMBA2_DETERMINISTIC", "0") == "1"
+
+
+def _backward_once(run_plan: RunPlan, inputs, static, dy, dfinal):
+    dims = problem.kernel_dims(inputs, static)
+    arrays = problem.kernel_inputs(inputs, dims)
+    arrays["dout"] = dy.astype(dims.dtype)
+    arrays["dfinal_states"] = dfinal.astype(jnp.float32)
+    plan = backward_kernels.backward_plan(dims, deterministic=deterministic_backward())
+    out = _compat.match_varying_axes(run_plan(plan, arrays), (inputs, dy, dfinal))
+
+    def like(grad, primal):
+        return None if primal is None else grad.astype(primal.dtype)
+
+    D = inputs.D
+    dD = None if D is None else out["dD"].sum(axis=1) if D.ndim == 1 else out["dD"]
+    grads = type(inputs)(
+        x=like(out["dx"], inputs.x), dt=like(out["ddt"], inputs.dt), A=like(out["dA"], inputs.A),
+        B=like(out["dB"], inputs.B), C=like(out["dC"], inputs.C), D=like(dD, D),
+        z=like(out["dz"], inputs.z), dt_bias=like(out["ddt_bias"], inputs.dt_bias),
+        initial_states=like(out["dinitial_states"], inputs.initial_states), seq_idx=None)
+    return _compat.reduce_to_primal_axes(grads, inputs._replace(seq_idx=None))
+
+
+@functools.cache
+def _batchable_backward(run_plan: RunPlan, static):
+    @jax.custom_batching.custom_vmap
+    def backward(inputs, dy, dfinal):
+        return _backward_once(run_plan, inputs, static, dy, dfinal)
+
+    @backward.def_vmap
+    def backward_vmap(axis_size, in_batched, inputs, dy, dfinal):
+        # Parameter gradients are sums over the batch, so items cannot share one launch.
+        args = _broadcast_unbatched((inputs, dy, dfinal), tuple(in_batched), axis_size)
+        grads = jax.lax.map(lambda a: backward(*a), args)
+        return grads, jax.tree.map(lambda _: True, grads)
+
+    return backward
+
+
+def make_backward(run_plan: RunPlan):
+    """backward(inputs, static, dy, dfinal_states) -> SSDInputs of cotangents, on the cuTile kernels."""
+    def backward(inputs, static, dy, dfinal):
+        return _batchable_backward(run_plan, static)(inputs, dy, dfinal)
+    return backward
 
 
 def step_unsupported_reason(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):

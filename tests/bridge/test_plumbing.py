@@ -71,7 +71,11 @@ def test_cutile_vmap_over_per_head_params_maps_items():
     assert len(_cutile_calls(jaxpr)) == 3  # inside one lax.map body
 
 
-def test_cutile_grad_traces_with_xla_backward():
+def _kernel_names(jaxpr) -> list[str]:
+    return [c.params["kernel"]._annotated_function.pyfunc.__name__ for c in _cutile_calls(jaxpr)]
+
+
+def test_cutile_grad_runs_forward_then_backward_kernels():
     args, kwargs = make_ssd_args(3, **DIMS, initial_states=True)
 
     def loss(x, h0):
@@ -79,8 +83,20 @@ def test_cutile_grad_traces_with_xla_backward():
         return jnp.sum(y ** 2) + jnp.sum(final)
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(args[0], kwargs["initial_states"])
-    assert len(_cutile_calls(jaxpr)) == 3
+    names = _kernel_names(jaxpr)
+    assert names[:3] == ["chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel", "chunk_scan_fwd_kernel"]
+    assert len(names) > 3 and all(n.endswith("_kernel") for n in names)
+    assert any("bwd" in n for n in names[3:]), names
     assert [a.shape for a in jaxpr.out_avals] == [args[0].shape, (2, 4, 16, 16)]
+
+
+def test_cutile_vmap_of_grad_maps_backward_items():
+    args, kwargs = make_ssd_args(4, **DIMS)
+    xs = jnp.stack([args[0], -args[0]])
+    grad = jax.grad(lambda x: jnp.sum(_cutile_ssd(x, *args[1:])[0] ** 2))
+    jaxpr = jax.make_jaxpr(jax.vmap(grad))(xs)
+    assert jaxpr.out_avals[0].shape == xs.shape
+    assert any("bwd" in n for n in _kernel_names(jaxpr))
 
 
 def test_cutile_outputs_keep_shard_map_varying_axes():
