@@ -7,9 +7,10 @@ this problem on this GPU. Lookup order, per stage:
 2. a JSON file in `$JAX_MAMBA2_CACHE_DIR` (default `~/.cache/jax_mamba2/`), one file per GPU name,
    cuda-tile version, jax-mamba2 version and a fingerprint of the kernels' source (a changed kernel
    must not inherit configs tuned for the old one);
-3. if `$JAX_MAMBA2_AUTOTUNE` is unset or "1" and a CUDA GPU with CuPy is present: tune now with
-   `cuda.tile.tune.exhaustive_search` on random CuPy inputs of the problem's shapes, store the winner
-   and what every config measured, and use it;
+3. if `$JAX_MAMBA2_AUTOTUNE` is unset or "1" and a CUDA GPU with torch or CuPy is present: tune now
+   with `cuda.tile.tune.exhaustive_search` on random inputs of the problem's shapes (`random_problem`,
+   viewed zero-copy as torch/CuPy arrays), store the winner and what every config measured, and use
+   it;
 4. otherwise the stage's documented default config (`<stage>_fwd_default_config`).
 
 `JAX_MAMBA2_AUTOTUNE=0` turns off tuning, not the cache: point `JAX_MAMBA2_CACHE_DIR` at an empty
@@ -21,7 +22,7 @@ deliberately not in the keys (as in mamba_ssm's Triton autotune keys): only thei
 training run with varying lengths tunes once per bucket, not once per call.
 
 Tuning runs in Python when `ssd` is first traced for a problem, outside the traced computation, on a
-side CuPy stream. Writers hold an fcntl lock on `<file>.lock`, re-read the file under it, tune only
+side stream. Writers hold an fcntl lock on `<file>.lock`, re-read the file under it, tune only
 the keys still missing and replace the file atomically (temp file + os.replace), so concurrent
 processes never corrupt it nor tune one key twice; readers need no lock. A tuning failure (no memory,
 a compiler error in every config) warns and falls back to the defaults: it never breaks the program.
@@ -268,33 +269,60 @@ def _search_space(stage: str, dims: SSDDims, arch: str) -> list:
     return space if default in space else [default, *space]
 
 
-def _random_arrays(dims: SSDDims, cp) -> dict:
-    """Every array of the forward plan on the GPU: realistic random inputs, empty buffers.
+def random_problem(dims: SSDDims, seed: int = 0) -> dict[str, jax.Array]:
+    """Every array of the forward plan (kernels.forward.forward_arrays) as JAX arrays.
 
-    dt ~ softplus(N(-3, 1)) after the kernel's own transform, A = -exp(U(-2, 1)), x/B/C/z/D ~ N(0, 1);
-    with seq_idx, four packed sequences of equal length.
+    Inputs get realistic random values: Δ = softplus(N(-3, 1)) after the kernel's own dt transform
+    (dt_bias = 0), A = -exp(U(-2, 1)), x/B/C/z/D/initial_states ~ N(0, 1), and with seq_idx four
+    packed sequences of equal length. Buffers (intermediates, outputs) are zeros.
     """
-    rng = cp.random.RandomState(0)
     arrays = {}
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), len(forward_kernels.FORWARD_INPUTS)))
     for name, buf in forward_kernels.forward_arrays(dims).items():
         dtype = jnp.dtype(buf.dtype)
-        if name in forward_kernels.FORWARD_INPUTS:
-            if name == "dt":
-                raw = rng.standard_normal(buf.shape, dtype=cp.float32) - 3.0
-                value = raw if dims.dt_softplus else cp.logaddexp(raw, 0.0)
-            elif name == "A":
-                value = -cp.exp(rng.uniform(-2.0, 1.0, buf.shape, dtype=cp.float32))
-            elif name == "dt_bias":
-                value = cp.zeros(buf.shape, cp.float32)
-            elif name == "seq_idx":
-                ids = (cp.arange(buf.shape[1], dtype=cp.int32) * 4) // buf.shape[1]
-                value = cp.broadcast_to(ids, buf.shape)
-            else:
-                value = rng.standard_normal(buf.shape, dtype=cp.float32)
-            arrays[name] = cp.ascontiguousarray(value.astype(dtype))
+        if name not in forward_kernels.FORWARD_INPUTS:
+            arrays[name] = jnp.zeros(buf.shape, dtype)
+            continue
+        key = next(keys)
+        if name == "dt":
+            raw = jax.random.normal(key, buf.shape, jnp.float32) - 3.0
+            value = raw if dims.dt_softplus else jax.nn.softplus(raw)
+        elif name == "A":
+            value = -jnp.exp(jax.random.uniform(key, buf.shape, jnp.float32, -2.0, 1.0))
+        elif name == "dt_bias":
+            value = jnp.zeros(buf.shape, jnp.float32)
+        elif name == "seq_idx":
+            value = jnp.broadcast_to((jnp.arange(buf.shape[1]) * 4) // buf.shape[1], buf.shape)
         else:
-            arrays[name] = (cp.zeros if buf.zero_init else cp.empty)(buf.shape, dtype)
+            value = jax.random.normal(key, buf.shape, jnp.float32)
+        arrays[name] = value.astype(dtype)
     return arrays
+
+
+def _array_library():
+    """torch if importable, else CuPy, else None: what ct.launch gets the tuning arrays as.
+
+    torch comes first because ct.launch takes its bfloat16 tensors natively, while CuPy's bfloat16
+    (through ml_dtypes) does not export through DLPack in every CuPy release.
+    """
+    for name in ("torch", "cupy"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
+
+
+def _device_views(arrays: dict[str, jax.Array], library) -> dict:
+    """Zero-copy torch/CuPy views (DLPack) of JAX device arrays, for ct.launch."""
+    jax.block_until_ready(arrays)
+    return {name: library.from_dlpack(arr) for name, arr in arrays.items()}
+
+
+def _side_stream(library):
+    if library.__name__ == "torch":
+        return library.cuda.Stream()
+    return library.cuda.Stream(non_blocking=True)
 
 
 def _launch_args(launch: Launch, arrays: dict) -> tuple:
@@ -347,29 +375,22 @@ def _tune_stages(dims: SSDDims, stages: list[str], arch: str) -> Iterator[tuple[
 
     The whole default plan runs first so every stage tunes on real intermediate inputs (dA_cumsum,
     states); the stages write only their own outputs, so re-running one leaves the others' valid.
+    Everything runs on a side stream, synchronised before returning.
     """
-    import cupy as cp
-
-    stream = cp.cuda.Stream(non_blocking=True)
-    try:
-        with stream:
-            arrays = _random_arrays(dims, cp)
-            for launch in forward_kernels.forward_plan(dims).launches:
-                ct.launch(stream, launch.grid, launch.kernel, _launch_args(launch, arrays))
-            for stage in forward_kernels.FORWARD_STAGES:
-                if stage in stages:
-                    yield stage, _tune_one(stage, dims, arch, arrays, stream, progress=True)
-            stream.synchronize()
-    finally:
-        arrays = None
-        cp.get_default_memory_pool().free_all_blocks()
+    library = _array_library()
+    stream = _side_stream(library)
+    arrays = _device_views(random_problem(dims), library)
+    for launch in forward_kernels.forward_plan(dims).launches:
+        ct.launch(stream, launch.grid, launch.kernel, _launch_args(launch, arrays))
+    for stage in forward_kernels.FORWARD_STAGES:
+        if stage in stages:
+            yield stage, _tune_one(stage, dims, arch, arrays, stream, progress=True)
+    stream.synchronize()
 
 
-def _cupy_missing_reason() -> Optional[str]:
-    try:
-        import cupy  # noqa: F401
-    except ImportError as e:
-        return f"CuPy is not installed ({e}); pip install 'jax-mamba2[cuda]'"
+def _array_library_missing_reason() -> Optional[str]:
+    if _array_library() is None:
+        return "neither torch nor CuPy is installed (pip install 'jax-mamba2[cuda]')"
     return None
 
 
@@ -408,7 +429,7 @@ def _resolve(dims: SSDDims) -> dict[str, StageChoice]:
                         choices[stage] = choice
             missing = [s for s in _STAGES if s not in choices]
             reason = None if autotune_enabled() else f"{ENV_AUTOTUNE}=0"
-            reason = reason or _cupy_missing_reason()
+            reason = reason or _array_library_missing_reason()
             if missing and reason is None:
                 choices.update(_tune_into_cache(cache, dims, missing, keys, gpu.arch))
             for choice in choices.values():

@@ -18,7 +18,7 @@ pytest.importorskip("cuda.tile")
 from jax_mamba2 import op  # noqa: E402
 from jax_mamba2.bridge import tuning  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
-from jax_mamba2.kernels.forward import FORWARD_STAGES  # noqa: E402
+from jax_mamba2.kernels.forward import FORWARD_STAGES, forward_arrays  # noqa: E402
 from tests._helpers import make_ssd_args  # noqa: E402
 
 DIMS = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=128, chunk_size=256)
@@ -31,7 +31,7 @@ def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv(tuning.ENV_CACHE_DIR, str(tmp_path))
     monkeypatch.setenv(tuning.ENV_AUTOTUNE, "1")
     monkeypatch.setattr(tuning, "_gpu_identity", lambda: FAKE_GPU)
-    monkeypatch.setattr(tuning, "_cupy_missing_reason", lambda: None)
+    monkeypatch.setattr(tuning, "_array_library_missing_reason", lambda: None)
     tuning.clear_memory()
     yield tmp_path
     tuning.clear_memory()
@@ -227,3 +227,17 @@ def _cutile_calls(jaxpr) -> list:
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             found.extend(_cutile_calls(sub))
     return found
+
+
+def test_random_problem_matches_plan_arrays_with_realistic_values():
+    dims = SSDDims(batch=2, seqlen=100, nheads=4, headdim=16, ngroups=2, dstate=16, chunk_size=64,
+                   has_z=True, has_init=True, has_seq_idx=True)
+    arrays = tuning.random_problem(dims)
+    for name, buf in forward_arrays(dims).items():
+        assert (arrays[name].shape, arrays[name].dtype) == (buf.shape, jnp.dtype(buf.dtype)), name
+    # Without dt_softplus, dt is Δ itself: softplus(N(-3, 1)), positive with median ~0.05.
+    assert bool(jnp.all(arrays["dt"] > 0)) and 0.02 < float(jnp.median(arrays["dt"])) < 0.1
+    assert bool(jnp.all(arrays["A"] < 0))
+    ids = arrays["seq_idx"]
+    assert bool(jnp.all(jnp.diff(ids, axis=1) >= 0)) and set(map(int, jnp.unique(ids))) == {0, 1, 2, 3}
+    assert float(jnp.abs(arrays["x"].astype(jnp.float32)).mean()) > 0.5
