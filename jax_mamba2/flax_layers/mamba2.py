@@ -295,31 +295,37 @@ class Mamba2(nnx.Module):
     def _convolve(self, shard: HeadShard, x, B, C, conv_state, want_state: bool, apply):
         """The causal conv + SiLU on this shard's channels [x, B, C].
 
+        x and [B, C] are convolved separately: under head parallelism x is split over devices while B and C
+        may be replicated, and keeping them apart keeps the replicated part provably replicated.
+
         Args:
           x, B, C: in_proj outputs, (..., local width) each.
           conv_state: the cache's (batch, conv_dim, d_conv) state or None.
           want_state: also assemble the new full conv_state (all-gathers the x channels when sharded).
-          apply: (xBC, local conv_state, kernel, bias) -> (conv output, new local conv_state).
+          apply: (inputs, local conv_state or None, kernel, bias or None) -> (conv output, new local state).
 
         Returns:
           (x, B, C, conv_state): B and C reduced to the groups of this shard's heads; conv_state None unless
           want_state.
         """
         segments = self._conv_segments(shard)
-        offsets = [x.shape[-1], x.shape[-1] + B.shape[-1]]
-        split_params = [shard.split(p[...], segments, axis=-1) for p in (self.conv1d.kernel, self.conv1d.bias)
-                        if p is not None]
-        kernel, *bias = (jnp.concatenate(pieces, axis=-1) for pieces in split_params)
-        local_state = (None if conv_state is None
-                       else jnp.concatenate(shard.split(conv_state, segments, axis=1), axis=1))
-        out, new_state = apply(jnp.concatenate([x, B, C], axis=-1), local_state, kernel, bias[0] if bias else None)
-        x, B, C = jnp.split(jax.nn.silu(out), offsets, axis=-1)
+        params = [shard.split(p[...], segments, axis=-1) if p is not None else [None] * 3
+                  for p in (self.conv1d.kernel, self.conv1d.bias)]
+        states = [None] * 3 if conv_state is None else shard.split(conv_state, segments, axis=1)
+
+        def concat(pieces, axis):
+            return None if pieces[0] is None else jnp.concatenate(pieces, axis=axis)
+
+        x, x_state = apply(x, states[0], params[0][0], params[1][0])
+        BC, BC_state = apply(jnp.concatenate([B, C], axis=-1), concat(states[1:], axis=1),
+                             concat(params[0][1:], axis=-1), concat(params[1][1:], axis=-1))
+        x, (B, C) = jax.nn.silu(x), jnp.split(jax.nn.silu(BC), 2, axis=-1)
         if not self._groups_sharded(shard):  # all groups here: keep the one of this shard's heads
             start = (shard.rank() // (shard.size // self.ngroups)) * self.d_state
             B, C = (jax.lax.dynamic_slice_in_dim(a, start, self.d_state, axis=-1) for a in (B, C))
         if not want_state:
             return x, B, C, None
-        return x, B, C, shard.gather(jnp.split(new_state, offsets, axis=1), segments, axis=1)
+        return x, B, C, shard.gather([x_state, *jnp.split(BC_state, 2, axis=1)], segments, axis=1)
 
     def _ssm_params(self):
         """A = -exp(A_log) (float32 or wider), D ((nheads,) or (nheads, headdim)) and dt_bias, this shard's heads."""

@@ -96,11 +96,24 @@ class HeadShard:
         return [next(local_sharded) if seg.sharded else next(local_replicated) for seg in segments]
 
     def gather(self, pieces, segments, axis: int = -1):
-        """Inverse of `split`: the replicated fused array from local pieces (all-gathers the sharded ones)."""
+        """Inverse of `split`: the replicated fused array from local pieces.
+
+        A sharded piece is written into zeros at this device's offset and summed over the model axis: unlike
+        `lax.all_gather` (typed as still varying over the axis), `psum` yields a value JAX knows to be
+        replicated, which `shard_map` needs for a replicated output. Meant for small arrays (cache states).
+        """
         if self.size == 1:
             return jnp.concatenate(pieces, axis=axis)
-        return jnp.concatenate([lax.all_gather(p, self.axis, axis=axis, tiled=True) if seg.sharded else p
-                                for p, seg in zip(pieces, segments)], axis=axis)
+        whole = []
+        for piece, seg in zip(pieces, segments):
+            if seg.sharded:
+                shape = list(piece.shape)
+                shape[axis] = seg.size
+                zeros = jnp.zeros(shape, piece.dtype)
+                piece = lax.psum(lax.dynamic_update_slice_in_dim(zeros, piece, self.rank() * piece.shape[axis],
+                                                                 axis), self.axis)
+            whole.append(piece)
+        return jnp.concatenate(whole, axis=axis)
 
     def psum(self, x):
         """Sum over the model axis (identity on one device)."""
