@@ -134,16 +134,18 @@ class ChunkStateConfig:
 
 
 def chunk_state_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkStateConfig]:
-    """The autotune space (sm_90): state tiles of 32..64 x 16..64 (16 x .. for headdim 16), load
-    latency 2/4/6, occupancy 2.
+    """The autotune space (sm_90): state tiles of 64/128 x 16..64 (at most 64 x 64 f32 values carried),
+    load latency 2/4/6, occupancy 2.
 
-    Small state tiles give more blocks (the kernel is a latency-bound chain over chunks, with only
-    batch * nheads * tiles blocks); large ones reuse each x/B load more.
+    BLOCK_P is the M side of the x^T @ B mma: wgmma needs M >= 64 (with 32 the SASS falls back to
+    mma.sync and spills), so only a headdim below 64 gets a smaller tile. Small BLOCK_N gives more
+    blocks (the kernel is a latency-bound chain over chunks with only batch * nheads * tiles blocks);
+    large ones reuse each x/B load more.
     """
     check_arch("chunk_state_fwd_configs", arch)
     return [ChunkStateConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, occupancy=2)
-            for bp in ((32, 64) if dims.headdim >= 32 else (16,)) if bp <= dims.headdim
-            for bn in (16, 32, 64) if bn <= dims.dstate
+            for bp in sorted({min(64, dims.headdim), min(128, dims.headdim)})
+            for bn in (16, 32, 64) if bn <= dims.dstate and bp * bn <= 64 * 64
             for lat in (2, 4, 6)]
 
 

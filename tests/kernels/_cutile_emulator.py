@@ -133,6 +133,10 @@ def max(x, axis=None, *, keepdims=False):  # noqa: A001 - mirrors ct.max
     return np.max(x, axis=axis, keepdims=keepdims)
 
 
+def permute(x, axes):
+    return np.transpose(x, axes)
+
+
 def extract(x, index, shape):
     index, shape = _as_shape(index), _as_shape(shape)
     return x[tuple(slice(i * s, (i + 1) * s) for i, s in zip(index, shape))].copy()

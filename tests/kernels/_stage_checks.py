@@ -41,11 +41,13 @@ class Case:
 # boundaries inside and at the edge of chunks, dt_limit, and several row/key blocks per chunk.
 SMALL_CASES = {
     "one_partial_chunk": Case(seqlen=37),
-    "partial_last_chunk_groups_z_init": Case(seqlen=150, nheads=4, ngroups=2, z=True, initial_states=True),
-    "seq_idx_across_chunks": Case(seqlen=150, seq_lens=(10, 70, 3, 67), initial_states=True),
+    "partial_last_chunk_groups_z_init": Case(seqlen=150, nheads=8, ngroups=2, z=True, initial_states=True),
+    "seq_idx_across_chunks_4_heads_per_block": Case(
+        seqlen=150, seq_lens=(10, 70, 3, 67), initial_states=True,
+        configs=(("chunk_scan", ChunkScanConfig(BLOCK_M=64, BLOCK_K=64, BLOCK_P=32, HEADS=4)),)),
     "chunk128_row_and_key_blocks": Case(
         seqlen=300, chunk_size=128, ngroups=4, seq_lens=(128, 1, 171), dt_limit=(0.05, 0.5),
-        configs=(("chunk_scan", ChunkScanConfig(BLOCK_M=64, BLOCK_K=32, BLOCK_P=16)),
+        configs=(("chunk_scan", ChunkScanConfig(BLOCK_M=64, BLOCK_K=32, BLOCK_P=16, HEADS=1)),
                  ("chunk_state", ChunkStateConfig(BLOCK_P=16, BLOCK_N=16)))),
 }
 

@@ -27,7 +27,7 @@ STAGES = {
 }
 # Tile fields and what each must divide (None: only a power of two).
 _DIVIDES = {"BLOCK_P": "headdim", "BLOCK_N": "dstate", "BLOCK_M": "chunk_size", "BLOCK_K": "chunk_size",
-            "BLOCK_H": None}
+            "BLOCK_H": None, "HEADS": None}
 
 
 def _tiles(cfg):
@@ -48,7 +48,7 @@ def test_stage_configs_valid_and_contain_default(stage, problem):
             if _DIVIDES[name]:
                 assert getattr(dims, _DIVIDES[name]) % value == 0, (cfg, name)
         if isinstance(cfg, chunk_scan.ChunkScanConfig):
-            assert cfg.BLOCK_K <= cfg.BLOCK_M
+            assert cfg.BLOCK_K <= cfg.BLOCK_M and dims.heads_per_group % cfg.HEADS == 0
         assert 1 <= getattr(cfg, "LOAD_LAT", 1) <= 10
 
 
@@ -83,7 +83,10 @@ def test_stage_grids_cover_the_problem():
     assert chunk_state.chunk_state_fwd_grid(dims, chunk_state.ChunkStateConfig(BLOCK_P=32, BLOCK_N=64)) \
         == (3 * 24, 2, 2)
     assert chunk_scan.chunk_scan_fwd_grid(
-        dims, chunk_scan.ChunkScanConfig(BLOCK_M=64, BLOCK_P=32)) == (24 * 2 * 2 * 8, 3)
+        dims, chunk_scan.ChunkScanConfig(BLOCK_M=64, BLOCK_P=32, HEADS=1)) == (24 * 2 * 2 * 8, 3)
+    assert chunk_scan.chunk_scan_fwd_grid(  # 80 heads, headdim 256, chunk 256, 16 chunks
+        PROBLEMS["wide_q256"], chunk_scan.ChunkScanConfig(BLOCK_M=64, BLOCK_P=64, HEADS=4)) \
+        == (20 * 4 * 4 * 16, 2)
     assert state_update.state_update_grid(dims, state_update.StateUpdateConfig(BLOCK_P=16)) == (3 * 24, 4)
 
 
@@ -95,8 +98,8 @@ def test_forward_plan_wires_stages_in_order():
     assert written == ["dt_out", "dA_cumsum", "states", "final_states", "out"]
     assert plan.buffers["states"].shape == (2, 16, 80, 256, 256)
     assert plan.buffers["states"].dtype == dims.dtype
-    custom = chunk_scan.ChunkScanConfig(BLOCK_M=128, BLOCK_K=32, BLOCK_P=64)
-    assert forward_plan(dims, {"chunk_scan": custom}).launches[2].args[12:15] == (128, 32, 64)
+    custom = chunk_scan.ChunkScanConfig(BLOCK_M=128, BLOCK_K=32, BLOCK_P=64, HEADS=4)
+    assert forward_plan(dims, {"chunk_scan": custom}).launches[2].args[12:16] == (4, 128, 32, 64)
     with pytest.raises(ValueError, match="configs keys=\\['chunk_sacn'\\] must be among"):
         forward_plan(dims, {"chunk_sacn": custom})
     assert FORWARD_STAGES == ("chunk_cumsum", "chunk_state", "chunk_scan")

@@ -1,0 +1,114 @@
+"""The backward plan is well formed, and every kernel of it compiles to an sm_90 cubin on this machine (no
+GPU needed) with the constraints JAX uses; the matmul stages' SASS uses Hopper wgmma when cuobjdump is
+available."""
+import dataclasses
+import functools
+import inspect
+import os
+import subprocess
+
+import pytest
+
+from jax_mamba2.kernels._common import SSDDims
+from jax_mamba2.kernels.backward import (
+    BACKWARD_INPUTS, BACKWARD_OUTPUTS, backward_arrays, backward_plan)
+from jax_mamba2.kernels.export import compile_launch
+from tests.kernels.test_compile import _cuobjdump
+
+_BASE = SSDDims(batch=2, seqlen=200, nheads=8, headdim=64, ngroups=2, dstate=64, chunk_size=64,
+                dt_softplus=True)
+_ALL_FLAGS = dict(has_z=True, has_init=True, has_seq_idx=True, dt_limit=(1e-3, 0.5))
+# (dims, deterministic): bf16 and f32 (tf32 mma), flags all off / all on, both reduction modes.
+PROBLEMS = {
+    "bf16_plain_atomic": (_BASE, False),
+    "bf16_z_init_seq_idx_dt_limit_deterministic": (dataclasses.replace(_BASE, **_ALL_FLAGS), True),
+    "f32_z_init_seq_idx_atomic": (dataclasses.replace(_BASE, dtype="float32", dt_dtype="float32",
+                                                      **_ALL_FLAGS), False),
+    "f32_plain_deterministic": (dataclasses.replace(_BASE, dtype="float32", dt_dtype="float32"), True),
+}
+KERNELS = {"chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel", "chunk_scan_bwd_dc_kernel",
+           "chunk_state_bwd_kernel", "chunk_scan_bwd_dx_kernel", "chunk_cumsum_bwd_kernel",
+           "param_grads_bwd_kernel"}
+# Structure-only problems: awkward shapes and the int64-indexed variants (x has 2^31 elements).
+PLAN_PROBLEMS = {
+    **{name: dims for name, (dims, _) in PROBLEMS.items()},
+    "odd_heads_partial_chunk_q256": SSDDims(batch=3, seqlen=1000, nheads=24, headdim=256, ngroups=8,
+                                            dstate=256, chunk_size=256, has_z=True),
+    "one_head_per_group_int64_index": SSDDims(batch=1, seqlen=1 << 20, nheads=32, headdim=64, ngroups=32,
+                                              dstate=64, chunk_size=256),
+}
+
+
+def _kernel_name(launch) -> str:
+    return launch.kernel._annotated_function.pyfunc.__name__
+
+
+@functools.cache
+def _cubins(problem: str) -> dict[str, bytes]:
+    """kernel name -> sm_90 cubin of every launch of the backward plan of `problem`."""
+    dims, deterministic = PROBLEMS[problem]
+    arrays = backward_arrays(dims, deterministic=deterministic)
+    return {_kernel_name(launch): compile_launch(launch, arrays, "sm_90")[1]
+            for launch in backward_plan(dims, deterministic=deterministic).launches}
+
+
+@pytest.mark.parametrize("problem", list(PROBLEMS))
+def test_backward_kernels_compile_to_sm90_cubins(problem):
+    cubins = _cubins(problem)
+    assert set(cubins) == KERNELS
+    for name, cubin in cubins.items():
+        assert cubin[:4] == b"\x7fELF", name
+
+
+@pytest.mark.parametrize("problem", ["bf16_plain_atomic", "f32_z_init_seq_idx_atomic"])
+def test_backward_matmul_stages_use_wgmma(problem, tmp_path):
+    cuobjdump = _cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("cuobjdump/nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    env = dict(os.environ, PATH=os.path.dirname(cuobjdump) + os.pathsep + os.environ.get("PATH", ""))
+    for name in ("chunk_scan_bwd_dc_kernel", "chunk_state_bwd_kernel", "chunk_scan_bwd_dx_kernel"):
+        path = tmp_path / f"{name}.cubin"
+        path.write_bytes(_cubins(problem)[name])
+        sass = subprocess.run([cuobjdump, "-sass", str(path)], check=True, capture_output=True, text=True,
+                              env=env).stdout
+        assert "HGMMA" in sass, f"{name} ({problem}) has no wgmma instruction"
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("problem", list(PLAN_PROBLEMS))
+def test_backward_plan_well_formed(problem, deterministic):
+    dims = PLAN_PROBLEMS[problem]
+    plan = backward_plan(dims, deterministic=deterministic)
+    assert plan.inputs == BACKWARD_INPUTS and plan.outputs == BACKWARD_OUTPUTS
+    assert not set(plan.inputs) & set(plan.buffers)
+    defined = set(plan.inputs) | {name for name, buf in plan.buffers.items() if buf.zero_init}
+    for launch in plan.launches:
+        names = [a for a in launch.args if isinstance(a, str)]
+        params = inspect.signature(launch.kernel._annotated_function.pyfunc).parameters
+        assert len(launch.args) == len(params), _kernel_name(launch)
+        assert set(names) <= set(plan.inputs) | set(plan.buffers), _kernel_name(launch)
+        assert set(launch.writes) <= set(names) and set(launch.writes) <= set(plan.buffers)
+        read = set(names) - set(launch.writes)
+        assert read <= defined, f"{_kernel_name(launch)} reads {read - defined} before any write"
+        assert len(names) == len(set(names)), f"{_kernel_name(launch)} aliases an array"
+        defined |= set(launch.writes)
+    assert set(plan.outputs) <= defined
+    # dB/dC take atomic adds exactly when heads of a group are split over blocks.
+    atomic = not deterministic and dims.heads_per_group > 1
+    assert plan.buffers["dB"].zero_init == plan.buffers["dC"].zero_init == atomic
+
+
+def test_backward_plan_output_layouts():
+    dims = dataclasses.replace(PROBLEMS["f32_z_init_seq_idx_atomic"][0], dtype="bfloat16")
+    b, L, H, P, G, N = dims.batch, dims.seqlen, dims.nheads, dims.headdim, dims.ngroups, dims.dstate
+    want = {"dx": ((b, L, H, P), "bfloat16"), "dz": ((b, L, H, P), "bfloat16"), "ddt": ((b, L, H), "float32"),
+            "dA": ((H,), "float32"), "dB": ((b, L, G, N), "float32"), "dC": ((b, L, G, N), "float32"),
+            "dD": ((H, P), "float32"), "ddt_bias": ((H,), "float32"),
+            "dinitial_states": ((b, H, P, N), "float32")}
+    buffers = backward_plan(dims).buffers
+    assert {name: (buffers[name].shape, buffers[name].dtype) for name in BACKWARD_OUTPUTS} == want
+
+
+def test_backward_plan_rejects_unknown_stage():
+    with pytest.raises(ValueError, match=r"configs keys=\['chunk_scan'\] must be among"):
+        backward_plan(_BASE, {"chunk_scan": None})
