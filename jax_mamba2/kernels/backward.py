@@ -70,8 +70,9 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
         "dA_cumsum": per_row,
         "states": Buffer((b, nc, H, P, N), "float32"),
         "final_states": Buffer((b, H, P, N), "float32"),
-        # Intermediates of the backward stages.
-        "dy": Buffer(gated, T),
+        # Intermediates of the backward stages (dy and dz are zeroed dummies without a gate: never read,
+        # but defined).
+        "dy": Buffer(gated, T, zero_init=not dims.has_z),
         "ddA_intra": Buffer((b, H, nc, num_m_blocks, Q), "float32"),
         "ddA_inter": per_row,
         # Zeroed: row blocks wholly past seqlen write no partial row.
@@ -82,7 +83,7 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
         "ddA_state": per_row,
         "dA_partials": Buffer((b * nc, H), "float32"),
         "ddt_bias_partials": Buffer((b * nc, H), "float32"),
-        # Outputs (dz is a zeroed dummy without a gate).
+        # Outputs.
         "dx": Buffer((b, L, H, P), T),
         "ddt": Buffer((b, L, H), "float32"),
         "dA": Buffer((H,), "float32"),

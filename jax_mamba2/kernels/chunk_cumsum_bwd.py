@@ -150,8 +150,8 @@ def chunk_cumsum_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkCu
 
 
 def chunk_cumsum_bwd_default_config(dims: SSDDims) -> ChunkCumsumBwdConfig:
-    """BLOCK_H so that one (BLOCK_H, CHUNK) tile is ~1K f32 values."""
-    return ChunkCumsumBwdConfig(BLOCK_H=min(next_power_of_2(dims.nheads), max(1024 // dims.chunk_size, 1)),
+    """BLOCK_H so that one (BLOCK_H, CHUNK) tile holds at most 1K f32 values (8 heads at most)."""
+    return ChunkCumsumBwdConfig(BLOCK_H=min(next_power_of_2(dims.nheads), max(1024 // dims.chunk_size, 1), 8),
                                 occupancy=4)
 
 

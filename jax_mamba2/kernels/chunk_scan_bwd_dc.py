@@ -55,6 +55,22 @@ from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
 
 
+def _rows(array, b, row_tile, h, BLOCK_M, HEADDIM):
+    """Rows [row_tile*BLOCK_M, (row_tile+1)*BLOCK_M) of head h of a (batch, seqlen, nheads, headdim)
+    array -> [BLOCK_M, HEADDIM] f32 (0 past seqlen)."""
+    return ct.load(array, index=(b, row_tile, h, 0), shape=(1, BLOCK_M, 1, HEADDIM),
+                   padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_M, HEADDIM)).astype(ct.float32)
+
+
+def _output_grad_rows(dout, z, b, row_tile, h, BLOCK_M, HEADDIM, HAS_Z):
+    """dy = ∂L/∂y of those rows: dout * silu(z) with a gate, else dout -> [BLOCK_M, HEADDIM] f32."""
+    dout_m = _rows(dout, b, row_tile, h, BLOCK_M, HEADDIM)
+    if HAS_Z:
+        z_m = _rows(z, b, row_tile, h, BLOCK_M, HEADDIM)
+        return dout_m * z_m / (1.0 + ct.exp(-z_m))
+    return dout_m
+
+
 def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_idx,
                             dy, dz, dC, ddA_intra, ddA_inter, dD_partials,
                             CHUNK, HEADDIM, DSTATE, BLOCK_M, BLOCK_K, HEADS_PER_BLOCK,
@@ -90,20 +106,8 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
         for t in range(HEADS_PER_BLOCK):
             h = first_head + t
             dA_m = load_chunk_vector(dA_cumsum, b, h, c, m, BLOCK_M)         # [BLOCK_M]
-            dout_m = ct.load(dout, index=(b, m_tile, h, 0), shape=(1, BLOCK_M, 1, HEADDIM),
-                             padding_mode=ct.PaddingMode.ZERO
-                             ).reshape((BLOCK_M, HEADDIM)).astype(ct.float32)
-            if HAS_Z:
-                z_m = ct.load(z, index=(b, m_tile, h, 0), shape=(1, BLOCK_M, 1, HEADDIM),
-                              padding_mode=ct.PaddingMode.ZERO
-                              ).reshape((BLOCK_M, HEADDIM)).astype(ct.float32)
-                sig_z = 1.0 / (1.0 + ct.exp(-z_m))
-                dy_m = dout_m * z_m * sig_z                                  # dout * silu(z)
-            else:
-                dy_m = dout_m
+            dy_m = _output_grad_rows(dout, z, b, m_tile, h, BLOCK_M, HEADDIM, HAS_Z)  # [BLOCK_M, HEADDIM] f32
             dy_op = operand(dy_m, x.dtype, op_dtype)
-            x_m = ct.load(x, index=(b, m_tile, h, 0), shape=(1, BLOCK_M, 1, HEADDIM),
-                          padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_M, HEADDIM)).astype(ct.float32)
 
             # Inter-chunk term: y_l = r_l exp(dA_l) C_l H_c^T, V_l = dy_l · y_l, dC_l += r_l exp(dA_l) dy_l H_c.
             H_c = ct.load(states, index=(b, c, h, 0, 0), shape=(1, 1, 1, HEADDIM, DSTATE)
@@ -149,10 +153,15 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
                 row_carry = row_carry + ct.sum(t_ls, axis=1)
                 ct.store(ddA_intra, index=(b, h, c, m, k), tile=ddA_part.reshape((1, 1, 1, 1, BLOCK_K)))
 
+            # Reloaded rather than kept live across the key loop (they would spill).
+            x_m = _rows(x, b, m_tile, h, BLOCK_M, HEADDIM)
+            dy_m = _output_grad_rows(dout, z, b, m_tile, h, BLOCK_M, HEADDIM, HAS_Z)
             if HAS_Z:
                 D_h = ct.load(D, index=(h, 0), shape=(1, HEADDIM)).reshape((HEADDIM,))
                 y_m = y_m + x_m * D_h[None, :]
-                dz_m = dout_m * y_m * sig_z * (1.0 + z_m * (1.0 - sig_z))
+                z_m = _rows(z, b, m_tile, h, BLOCK_M, HEADDIM)
+                sig_z = 1.0 / (1.0 + ct.exp(-z_m))
+                dz_m = _rows(dout, b, m_tile, h, BLOCK_M, HEADDIM) * y_m * sig_z * (1.0 + z_m * (1.0 - sig_z))
                 ct.store(dz, index=(b, m_tile, h, 0), tile=dz_m.reshape((1, BLOCK_M, 1, HEADDIM)).astype(dz.dtype))
                 ct.store(dy, index=(b, m_tile, h, 0), tile=dy_m.reshape((1, BLOCK_M, 1, HEADDIM)).astype(dy.dtype))
             ct.store(dD_partials, index=((b * nchunks + c) * num_m_blocks + m, h, 0),
@@ -222,32 +231,29 @@ class ChunkScanBwdDcConfig:
     occupancy: int = 1
 
 
-def _f32_tile_budget(block_m: int, block_k: int, dims: SSDDims) -> int:
-    """Live f32 values of one block: dC, y and dy rows, plus the (rows x keys) score tiles."""
-    return block_m * (dims.dstate + 2 * dims.headdim) + 3 * block_m * block_k
-
-
-# A block holding more live f32 values than this spills (255 registers x 256 threads ~ 64K, minus operands).
-_MAX_LIVE_F32 = 32 * 1024
+def _wide(dims: SSDDims) -> bool:
+    """Whether a block's f32 accumulators crowd the register file: f32 (tf32) inputs, headdim >= 128 or
+    dstate >= 256. Measured on sm_90 cubins (cuobjdump -res-usage): 64 x 64 tiles are spill-free for
+    bf16/f16 at headdim 64, dstate <= 128, and spill otherwise, where 64 x 32 tiles spill least; blocks
+    of fewer than 64 rows lose wgmma (HMMA instead) and still spill."""
+    return dims.dtype == "float32" or dims.headdim >= 128 or dims.dstate >= 256
 
 
 def chunk_scan_bwd_dc_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkScanBwdDcConfig]:
-    """The autotune space (sm_90): 64/128-row blocks, 32/64-key steps, latency 2/4, occupancy 1/2,
-    pruned to what fits the register file."""
+    """The autotune space (sm_90): 64-row blocks (and 128 when not wide), 32/64-step tiles, latency
+    2/4, occupancy 1/2."""
     check_arch("chunk_scan_bwd_dc_configs", arch)
-    Q = dims.chunk_size
+    block_ms = (64, 128) if not _wide(dims) and dims.chunk_size >= 128 else (64,)
     return [ChunkScanBwdDcConfig(BLOCK_M=bm, BLOCK_K=bk, LOAD_LAT=lat, occupancy=occ)
-            for bm in (64, 128) if bm <= Q
-            for bk in (32, 64) if bk <= bm and _f32_tile_budget(bm, bk, dims) <= _MAX_LIVE_F32
+            for bm in block_ms
+            for bk in (32, 64)
             for lat in (2, 4)
-            for occ in (1, 2)] or [chunk_scan_bwd_dc_default_config(dims)]
+            for occ in (1, 2)]
 
 
 def chunk_scan_bwd_dc_default_config(dims: SSDDims) -> ChunkScanBwdDcConfig:
-    """64 x 64 row/key blocks; 32-key steps when dstate or headdim is 256."""
-    block_k = 32 if _f32_tile_budget(64, 64, dims) > _MAX_LIVE_F32 else 64
-    return ChunkScanBwdDcConfig(BLOCK_M=min(64, dims.chunk_size), BLOCK_K=min(block_k, dims.chunk_size),
-                                LOAD_LAT=4, occupancy=1)
+    """64 x 64 tiles, 64 x 32 when wide (see `_wide`)."""
+    return ChunkScanBwdDcConfig(BLOCK_M=64, BLOCK_K=32 if _wide(dims) else 64, LOAD_LAT=4, occupancy=1)
 
 
 def chunk_scan_bwd_dc_grid(dims: SSDDims, cfg: ChunkScanBwdDcConfig,

@@ -41,6 +41,13 @@ from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
 
 
+def _rows(array, b, row_tile, h, BLOCK_M, HEADDIM):
+    """Rows [row_tile*BLOCK_M, (row_tile+1)*BLOCK_M) of head h of a (batch, seqlen, nheads, headdim)
+    array -> [BLOCK_M, HEADDIM] f32 (0 past seqlen)."""
+    return ct.load(array, index=(b, row_tile, h, 0), shape=(1, BLOCK_M, 1, HEADDIM),
+                   padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_M, HEADDIM)).astype(ct.float32)
+
+
 def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
                             dx, dB, ddt_out, ddA_state,
                             CHUNK, HEADDIM, DSTATE, BLOCK_M, BLOCK_K, HEADS_PER_BLOCK,
@@ -75,10 +82,8 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
 
         for t in range(HEADS_PER_BLOCK):
             h = first_head + t
-            x_s = ct.load(x, index=(b, s_tile, h, 0), shape=(1, BLOCK_M, 1, HEADDIM),
-                          padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_M, HEADDIM))
-            x_op = x_s.astype(op_dtype)
-            x_s = x_s.astype(ct.float32)
+            x_op = ct.load(x, index=(b, s_tile, h, 0), shape=(1, BLOCK_M, 1, HEADDIM),
+                           padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_M, HEADDIM)).astype(op_dtype)
             dA_s = load_chunk_vector(dA_cumsum, b, h, c, m, BLOCK_M)         # [BLOCK_M]
             delta_s = load_chunk_vector(dt_out, b, h, c, m, BLOCK_M)
             dA_last = ct.load(dA_cumsum, index=(b, h, c, CHUNK - 1), shape=(1, 1, 1, 1)).reshape((1,))
@@ -92,6 +97,7 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
                 state_scale = ct.where((ids_s == end_id) & (end_id >= 0), state_scale, 0.0)
             b_g = ct.mma(B_s, G_op.transpose(), ct.zeros((BLOCK_M, HEADDIM), dtype=ct.float32))
             acc = b_g * state_scale[:, None]                                 # [BLOCK_M, HEADDIM]
+            x_s = _rows(x, b, s_tile, h, BLOCK_M, HEADDIM)
             store_chunk_vector(ddA_state, b, h, c, m, delta_s * ct.sum(acc * x_s, axis=1), BLOCK_M)
             dB_acc = ct.mma(operand(x_s * (state_scale * delta_s)[:, None], x.dtype, op_dtype), G_op, dB_acc)
 
@@ -117,8 +123,9 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
                 dcb = ct.where(keep, x_dy * decay * delta_s[:, None], 0.0)   # dCB[l, s] at [s, l]
                 dB_acc = ct.mma(operand(dcb, x.dtype, op_dtype), C_l, dB_acc)
 
-            dy_s = ct.load(dy, index=(b, s_tile, h, 0), shape=(1, BLOCK_M, 1, HEADDIM),
-                           padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_M, HEADDIM)).astype(ct.float32)
+            # Reloaded rather than kept live across the row loop (they would spill).
+            x_s = _rows(x, b, s_tile, h, BLOCK_M, HEADDIM)
+            dy_s = _rows(dy, b, s_tile, h, BLOCK_M, HEADDIM)
             D_h = ct.load(D, index=(h, 0), shape=(1, HEADDIM)).reshape((HEADDIM,))
             dx_s = acc * delta_s[:, None] + dy_s * D_h[None, :]
             ct.store(dx, index=(b, s_tile, h, 0), tile=dx_s.reshape((1, BLOCK_M, 1, HEADDIM)).astype(dx.dtype))
@@ -184,32 +191,29 @@ class ChunkScanBwdDxConfig:
     occupancy: int = 1
 
 
-def _f32_tile_budget(block_m: int, block_k: int, dims: SSDDims) -> int:
-    """Live f32 values of one block: dB and acc rows, the source rows, and the (sources x rows) tiles."""
-    return block_m * (dims.dstate + 3 * dims.headdim) + 3 * block_m * block_k
-
-
-# A block holding more live f32 values than this spills (255 registers x 256 threads ~ 64K, minus operands).
-_MAX_LIVE_F32 = 32 * 1024
+def _wide(dims: SSDDims) -> bool:
+    """Whether a block's f32 accumulators crowd the register file: f32 (tf32) inputs, headdim >= 128 or
+    dstate >= 256. Measured on sm_90 cubins (cuobjdump -res-usage): 64 x 64 tiles are spill-free for
+    bf16/f16 at headdim 64, dstate <= 128, and spill otherwise, where 64 x 32 tiles spill least; blocks
+    of fewer than 64 sources lose wgmma (HMMA instead) and still spill."""
+    return dims.dtype == "float32" or dims.headdim >= 128 or dims.dstate >= 256
 
 
 def chunk_scan_bwd_dx_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkScanBwdDxConfig]:
-    """The autotune space (sm_90): 32/64/128-source blocks, 32/64-row steps, latency 2/4, occupancy 1/2,
-    pruned to what fits the register file."""
+    """The autotune space (sm_90): 64-source blocks (and 128 when not wide), 32/64-step tiles, latency
+    2/4, occupancy 1/2."""
     check_arch("chunk_scan_bwd_dx_configs", arch)
-    Q = dims.chunk_size
+    block_ms = (64, 128) if not _wide(dims) and dims.chunk_size >= 128 else (64,)
     return [ChunkScanBwdDxConfig(BLOCK_M=bm, BLOCK_K=bk, LOAD_LAT=lat, occupancy=occ)
-            for bm in (32, 64, 128) if bm <= Q
-            for bk in (32, 64) if bk <= Q and _f32_tile_budget(bm, bk, dims) <= _MAX_LIVE_F32
+            for bm in block_ms
+            for bk in (32, 64)
             for lat in (2, 4)
-            for occ in (1, 2)] or [chunk_scan_bwd_dx_default_config(dims)]
+            for occ in (1, 2)]
 
 
 def chunk_scan_bwd_dx_default_config(dims: SSDDims) -> ChunkScanBwdDxConfig:
-    """64 x 64 source/row blocks; 32-source blocks when dstate or headdim is 256."""
-    block_m = 32 if _f32_tile_budget(64, 64, dims) > _MAX_LIVE_F32 else 64
-    return ChunkScanBwdDxConfig(BLOCK_M=min(block_m, dims.chunk_size), BLOCK_K=min(64, dims.chunk_size),
-                                LOAD_LAT=4, occupancy=1)
+    """64 x 64 tiles, 64 x 32 when wide (see `_wide`)."""
+    return ChunkScanBwdDxConfig(BLOCK_M=64, BLOCK_K=32 if _wide(dims) else 64, LOAD_LAT=4, occupancy=1)
 
 
 def chunk_scan_bwd_dx_grid(dims: SSDDims, cfg: ChunkScanBwdDxConfig,

@@ -132,7 +132,7 @@ def chunk_state_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkSta
     """
     check_arch("chunk_state_bwd_configs", arch)
     return [ChunkStateBwdConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, occupancy=2)
-            for bp in (32, 64) if bp <= dims.headdim
+            for bp in sorted({min(32, dims.headdim), min(64, dims.headdim)})
             for bn in (16, 32, 64) if bn <= dims.dstate
             for lat in (2, 4, 6)]
 

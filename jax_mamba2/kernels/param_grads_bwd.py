@@ -74,7 +74,8 @@ class ParamGradsBwdConfig:
 
 
 def param_grads_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ParamGradsBwdConfig]:
-    """The autotune space (sm_90): BLOCK_H 1..8, BLOCK_R 16/64 (a (BLOCK_R, BLOCK_H, headdim) tile)."""
+    """The autotune space (sm_90): BLOCK_H 1..8, BLOCK_R 16/64, (BLOCK_R, BLOCK_H, headdim) tiles of at
+    most 16K values."""
     check_arch("param_grads_bwd_configs", arch)
     return [ParamGradsBwdConfig(BLOCK_H=bh, BLOCK_R=br)
             for bh in (1, 2, 4, 8) if bh <= next_power_of_2(dims.nheads)
@@ -82,8 +83,8 @@ def param_grads_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ParamGra
 
 
 def param_grads_bwd_default_config(dims: SSDDims) -> ParamGradsBwdConfig:
-    """One head per block (nheads blocks), 4K-value dD tiles."""
-    return ParamGradsBwdConfig(BLOCK_H=1, BLOCK_R=max(4096 // dims.headdim, 1), occupancy=4)
+    """One head per block (nheads blocks), 64 partial rows per step."""
+    return ParamGradsBwdConfig(BLOCK_H=1, BLOCK_R=64, occupancy=4)
 
 
 def param_grads_bwd_grid(dims: SSDDims, cfg: ParamGradsBwdConfig) -> tuple[int]:
