@@ -1,0 +1,73 @@
+"""The benchmark's roofline model and its JSON -> table / plot path, on a fake result file (no GPU)."""
+import json
+
+import pytest
+
+from benchmarks import report, ssd
+
+
+def test_roofline_matches_the_worked_numbers_of_the_notes():
+    # mamba2.md §10, 2.7b layer (H=80, P=64, N=128, G=1, Q=256): 3.96 MFLOP and 21.2 KB per token.
+    line = ssd.roofline(ssd.Shape(1, 8192, 80, 64, 128, 1), chunk_size=256)
+    assert line["flops"] / 8192 == pytest.approx(3.965e6, rel=1e-3)
+    fused_per_token = (line["bytes"] - 4 * 80 * 64 * 128) / 8192
+    assert fused_per_token == pytest.approx(21152)
+    assert line["floor_ms"] == max(line["compute_ms"], line["memory_ms"])
+    backward = ssd.roofline(ssd.Shape(1, 8192, 80, 64, 128, 1), chunk_size=256, direction="fwd_bwd")
+    assert 2.5 < backward["flops"] / line["flops"] < 4.5  # the backward is ~2.5-3x the forward
+
+
+def test_shape_parse_accepts_commas_and_rejects_wrong_arity():
+    assert ssd.Shape.parse("4,2048,32,64,128,1") == ssd.Shape(4, 2048, 32, 64, 128, 1)
+    with pytest.raises(ValueError, match="must be B,L,H,P,N,G"):
+        ssd.Shape.parse("4,2048,32")
+
+
+def _record(impl, ms, *, error=None):
+    shape = ssd.Shape(4, 2048, 32, 64, 128, 1)
+    if error:
+        return {"impl": impl, "shape": shape._asdict(), "direction": "fwd", "chunk_size": 256,
+                "error": error}
+    line = ssd.roofline(shape)
+    return {"op": "ssd", "direction": "fwd", "impl": impl, "shape": shape._asdict(), "dtype": "bfloat16",
+            "chunk_size": 256, "error": None, "ms_median": ms * 1.1, "ms_p20": ms, "ms_p80": ms * 1.2,
+            "ms_pipelined": ms, "tflops": line["flops"] / ms / 1e9, "gbps": line["bytes"] / ms / 1e6,
+            "rel_l2_err": 3e-3, "timing": "block_until_ready", "roofline": line, "first_call_s": 2.0,
+            "gpu": "NVIDIA H200"}
+
+
+@pytest.fixture
+def result_file(tmp_path):
+    records = [_record("cutile", 0.25), _record("xla", 1.0), _record("mamba_ssm", 0.5),
+               _record("jla", 0.4), _record("cutile_callback", 0.3, error="RuntimeError: boom")]
+    return report.write_records(records, tmp_path / "ssd_fwd_h200.json")
+
+
+def test_table_from_json_has_ratios_errors_and_floor(result_file):
+    records = report.load_records(result_file)
+    ratio = report.ratios(records)
+    assert ratio["cutile"]["vs_best_peer"] == pytest.approx(0.25 / 0.4)
+    assert ratio["cutile"]["speedup_vs_xla"] == pytest.approx(4.0)
+    table = report.format_table(records)
+    row = next(line for line in table.splitlines() if " cutile " in line)
+    assert "0.62" in row and "4.00" in row and "3.0e-03" in row
+    assert "cutile_callback: RuntimeError: boom" in table
+    assert json.loads(result_file.read_text())[0]["impl"] == "cutile"
+
+
+def test_plot_writes_a_png_per_result_file(result_file, tmp_path):
+    path = report.plot_records(report.load_records(result_file), tmp_path / "plot.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_benchmark_main_writes_records_with_the_fixed_keys(tmp_path, capsys):
+    ssd.main(["--impls", "xla", "--shapes", "1,64,2,16,16,1", "--chunk", "32",
+              "--seconds-per-impl", "0.01", "--out", str(tmp_path)])
+    (path,) = [p for p in tmp_path.glob("ssd_fwd_*.json") if "_tuning_" not in p.name]
+    (record,) = report.load_records(path)
+    required = {"op", "direction", "impl", "shape", "dtype", "ms_median", "ms_p20", "ms_p80",
+                "ms_pipelined", "tflops", "gbps", "rel_l2_err", "max_abs_err", "timing", "gpu", "sm",
+                "driver", "versions", "git_sha", "date", "chunk_size", "roofline"}
+    assert required <= set(record) and record["error"] is None
+    assert record["rel_l2_err"] < 2e-2 and record["ms_p20"] <= record["ms_median"] <= record["ms_p80"]
+    assert "pipelined" in capsys.readouterr().out
