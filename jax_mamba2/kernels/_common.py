@@ -4,6 +4,9 @@ A kernel stage describes *what* to launch as data (`Launch`: kernel, grid, argum
 sequence of stages forms a `Plan`. The bridge executes a plan in one of three ways (XLA FFI custom
 calls, a zero-copy buffer callback, or eagerly on CuPy/torch arrays) without knowing Mamba math, and
 the kernels never import JAX.
+
+Also shared by every stage: the device helpers `dt_transform` and `mma_dtype`, the int32/int64 index
+width choice (`needs_int64_index`, `int64_index_kernels`, `select_kernel`) and `check_arch`.
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+from jax_mamba2.kernels import export
 from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.export import compile_launch
 from jax_mamba2.kernels.forward import forward_arrays, forward_plan
@@ -73,3 +74,13 @@ def test_matmul_stages_use_wgmma_and_tma(problem, tmp_path):
                               env=env).stdout
         assert "HGMMA" in sass, f"{name} ({problem}) has no wgmma instruction"
         assert "UTMALDG" in sass, f"{name} ({problem}) has no TMA load"
+
+
+def test_export_cli_quick_writes_cubins_and_manifest(tmp_path, capsys):
+    assert export.main(["--arch", "sm_90", "--out", str(tmp_path), "--quick"]) == 0
+    manifest = (tmp_path / "manifest.tsv").read_text().split()
+    files = sorted(p.name for p in tmp_path.glob("*.cubin"))
+    assert files and sorted(manifest[0::2]) == files
+    assert {name.split("_kernel_")[0] for name in files} == {
+        "chunk_cumsum_fwd", "chunk_state_fwd", "chunk_scan_fwd", "state_update"}
+    assert capsys.readouterr().out.count(".cubin") == len(files)
