@@ -1,0 +1,214 @@
+"""Tests of the Mamba2 mixer (jax_mamba2/flax_layers/mamba2.py).
+
+The oracle is `_mamba2_numpy`, an independent float64 NumPy implementation of mamba_ssm's Mamba2 forward
+(in_proj, causal conv, token-by-token SSD recurrence, gated grouped RMSNorm, MLP branch, out_proj).
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_mamba2.flax_layers import Mamba2
+from tests._helpers import rel_l2
+
+D_MODEL, BATCH, SEQLEN = 32, 2, 13
+TINY = dict(d_state=8, headdim=8, chunk_size=8)
+
+
+def _silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def _mamba2_numpy(layer: Mamba2, u) -> np.ndarray:
+    """mamba_ssm's Mamba2 forward (no cache) in float64 NumPy, from the layer's parameters."""
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    batch, seqlen, _ = u.shape
+    d_mlp, d_ssm, H, P = layer.d_mlp, layer.d_ssm, layer.nheads, layer.headdim
+    G, N = layer.ngroups, layer.d_state
+
+    zxbcdt = f64(u) @ f64(layer.in_proj.kernel[...])
+    if layer.in_proj.bias is not None:
+        zxbcdt += f64(layer.in_proj.bias[...])
+    z0, x0, z, xBC, dt = np.split(zxbcdt, np.cumsum([d_mlp, d_mlp, d_ssm, d_ssm + 2 * G * N]), axis=-1)
+
+    kernel = f64(layer.conv1d.kernel[...])  # (d_conv, conv_dim)
+    d_conv = kernel.shape[0]
+    padded = np.pad(xBC, ((0, 0), (d_conv - 1, 0), (0, 0)))
+    conv = sum(kernel[k] * padded[:, k:k + seqlen] for k in range(d_conv)) + f64(layer.conv1d.bias[...])
+    x, B, C = np.split(_silu(conv), [d_ssm, d_ssm + G * N], axis=-1)
+    x = x.reshape(batch, seqlen, H, P)
+    group_of_head = np.arange(H) // (H // G)
+    B = B.reshape(batch, seqlen, G, N)[:, :, group_of_head]  # (b, L, H, N)
+    C = C.reshape(batch, seqlen, G, N)[:, :, group_of_head]
+
+    A = -np.exp(f64(layer.A_log[...]))
+    delta = np.clip(np.logaddexp(0.0, dt + f64(layer.dt_bias[...])), *layer.dt_limit)  # (b, L, H)
+    D = f64(layer.D[...]).reshape(H, -1)  # (H, 1) or (H, P)
+    state = np.zeros((batch, H, P, N))
+    ys = []
+    for t in range(seqlen):
+        decay = np.exp(delta[:, t] * A)[..., None, None]
+        state = decay * state + (delta[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
+        ys.append(np.einsum("bhpn,bhn->bhp", state, C[:, t]) + D * x[:, t])
+    y = np.stack(ys, axis=1)  # (b, L, H, P)
+
+    if not layer.rmsnorm:
+        y = (y * _silu(z.reshape(y.shape))).reshape(batch, seqlen, d_ssm)
+    else:
+        y = y.reshape(batch, seqlen, d_ssm)
+        gate = _silu(z)
+        norm_before_gate = layer.norm.norm_before_gate
+        if not norm_before_gate:
+            y = y * gate
+        grouped = y.reshape(batch, seqlen, G, d_ssm // G)
+        grouped = grouped / np.sqrt(np.mean(grouped**2, axis=-1, keepdims=True) + 1e-5)
+        y = grouped.reshape(y.shape) * f64(layer.norm.scale[...])
+        if norm_before_gate:
+            y = y * gate
+    if d_mlp:
+        y = np.concatenate([_silu(z0) * x0, y], axis=-1)
+    out = y @ f64(layer.out_proj.kernel[...])
+    if layer.out_proj.bias is not None:
+        out += f64(layer.out_proj.bias[...])
+    return out
+
+
+def _inputs(seed, shape=(BATCH, SEQLEN, D_MODEL), dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def test_mamba2_param_and_output_shapes_and_dtypes():
+    layer = Mamba2(D_MODEL, **TINY, ngroups=2, bias=True, backend="xla", rngs=nnx.Rngs(0))
+    H, conv_dim, d_in_proj = 8, 64 + 2 * 2 * 8, 2 * 64 + 2 * 2 * 8 + 8
+    shapes = jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(layer, nnx.Param)))
+    assert shapes == {
+        "in_proj": {"kernel": (D_MODEL, d_in_proj), "bias": (d_in_proj,)},
+        "conv1d": {"kernel": (4, conv_dim), "bias": (conv_dim,)},
+        "dt_bias": (H,), "A_log": (H,), "D": (H,), "norm": {"scale": (64,)},
+        "out_proj": {"kernel": (64, D_MODEL), "bias": (D_MODEL,)},
+    }
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(nnx.state(layer)))
+    u = _inputs(0)
+    out = nnx.jit(lambda m, u: m(u))(layer, u)
+    assert out.shape == u.shape and out.dtype == jnp.float32
+
+    half = Mamba2(D_MODEL, **TINY, dtype=jnp.bfloat16, backend="xla", rngs=nnx.Rngs(0))
+    out, cache = nnx.jit(lambda m, u: m.prefill(u))(half, u)
+    assert out.dtype == jnp.bfloat16 and out.shape == u.shape
+    assert cache.conv_state.shape == (BATCH, 64 + 2 * 8, 4) and cache.conv_state.dtype == jnp.float32
+    assert cache.ssm_state.shape == (BATCH, H, 8, 8) and cache.ssm_state.dtype == jnp.float32
+
+
+def test_mamba2_init_matches_mamba_ssm_formulas():
+    d_model, headdim = 64, 2  # 64 heads: enough samples for the ranges
+    layer = Mamba2(d_model, d_state=4, headdim=headdim, dt_min=1e-3, dt_max=1e-1, rngs=nnx.Rngs(3))
+    dt = np.logaddexp(0.0, np.asarray(layer.dt_bias[...], np.float64))
+    assert dt.min() >= 1e-3 * (1 - 1e-5) and dt.max() <= 1e-1 * (1 + 1e-5)
+    assert dt.min() < 3e-3 and dt.max() > 3e-2  # log-uniform over two decades
+    A = np.exp(np.asarray(layer.A_log[...], np.float64))
+    assert A.min() >= 1 - 1e-6 and A.max() <= 16 + 1e-5 and A.max() - A.min() > 10
+    np.testing.assert_array_equal(layer.D[...], 1.0)
+    np.testing.assert_array_equal(layer.norm.scale[...], 1.0)
+    for kernel, fan_in in ((layer.in_proj.kernel, d_model), (layer.out_proj.kernel, 2 * d_model),
+                           (layer.conv1d.kernel, 4), (layer.conv1d.bias, 4)):
+        values = np.asarray(kernel[...])
+        bound = 1 / math.sqrt(fan_in)  # PyTorch default init: U(-bound, bound)
+        assert np.abs(values).max() <= bound and np.abs(values).max() > 0.9 * bound
+
+    floored = Mamba2(d_model, d_state=4, headdim=headdim, dt_min=1e-5, dt_max=1e-3, dt_init_floor=1e-4,
+                     rngs=nnx.Rngs(3))
+    dt = np.logaddexp(0.0, np.asarray(floored.dt_bias[...], np.float64))
+    assert dt.min() >= 1e-4 * (1 - 1e-4) and np.isclose(dt, 1e-4, rtol=1e-4).sum() > 10
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param(dict(ngroups=1), id="ngroups1"),
+    pytest.param(dict(ngroups=2), id="ngroups2"),
+    pytest.param(dict(ngroups=1, d_ssm=48), id="ngroups1_mlp"),
+    pytest.param(dict(ngroups=2, d_ssm=48, norm_before_gate=True, D_has_hdim=True, bias=True,
+                      dt_limit=(0.01, 0.05)), id="ngroups2_mlp_norm_before_gate_hdimD_bias_dtlimit"),
+    pytest.param(dict(ngroups=2, rmsnorm=False), id="ngroups2_no_rmsnorm"),
+])
+def test_mamba2_matches_numpy_float64(x64, options):
+    layer = Mamba2(D_MODEL, **TINY, **options, backend="scan", param_dtype=jnp.float64, rngs=nnx.Rngs(1))
+    # Non-trivial D and norm scale so that both paths are exercised.
+    layer.D[...] = jax.random.normal(jax.random.key(5), layer.D[...].shape, jnp.float64)
+    if layer.rmsnorm:
+        layer.norm.scale[...] = jax.random.uniform(jax.random.key(6), (layer.d_ssm,), jnp.float64, 0.5, 1.5)
+    u = _inputs(2, dtype=jnp.float64)
+    out = nnx.jit(lambda m, u: m(u))(layer, u)
+    assert out.dtype == jnp.float64
+    assert rel_l2(out, _mamba2_numpy(layer, u)) < 1e-12
+
+
+def test_mamba2_prefill_then_steps_match_forward():
+    layer = Mamba2(D_MODEL, **TINY, ngroups=2, backend="xla", rngs=nnx.Rngs(0))
+    u = _inputs(1)
+    full = nnx.jit(lambda m, u: m(u))(layer, u)
+    assert rel_l2(full, _mamba2_numpy(layer, u)) < 1e-5  # the default chunked path in float32
+
+    prefill = nnx.jit(lambda m, u, cache: m.prefill(u, cache))
+    step = nnx.jit(lambda m, u, cache: m.step(u, cache))
+    # A 2-token prompt (shorter than d_conv), 3 decode steps, a chunked-prefill continuation, 3 more steps.
+    out, cache = prefill(layer, u[:, :2], None)
+    pieces = [out]
+    for t in range(2, 5):
+        out, cache = step(layer, u[:, t], cache)
+        pieces.append(out[:, None])
+    out, cache = prefill(layer, u[:, 5:10], cache)
+    pieces.append(out)
+    for t in range(10, SEQLEN):
+        out, cache = step(layer, u[:, t], cache)
+        pieces.append(out[:, None])
+    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, rtol=1e-5, atol=1e-5)
+
+    _, cache = prefill(layer, u[:, :2], None)
+    xBC = (u[:, :2] @ layer.in_proj.kernel[...])[..., 64: 64 + layer.conv_dim]  # after z (d_ssm = 64)
+    np.testing.assert_array_equal(cache.conv_state[..., :2], 0.0)  # left-zero-padded
+    np.testing.assert_allclose(cache.conv_state[..., 2:], jnp.swapaxes(xBC, 1, 2), rtol=1e-6, atol=1e-6)
+
+
+def test_mamba2_seq_idx_equals_separate_sequences():
+    layer = Mamba2(D_MODEL, **TINY, backend="xla", rngs=nnx.Rngs(0))
+    u = _inputs(3, (1, SEQLEN, D_MODEL))
+    cut = 6
+
+    @nnx.jit
+    def packed_and_separate(m, u):
+        packed = m(u, seq_idx=(jnp.arange(SEQLEN) >= cut).astype(jnp.int32)[None])
+        return packed, jnp.concatenate([m(u[:, :cut]), m(u[:, cut:])], axis=1)
+
+    packed, separate = packed_and_separate(layer, u)
+    np.testing.assert_allclose(packed, separate, rtol=1e-5, atol=1e-5)
+
+
+def test_mamba2_grads_finite_under_jit_and_remat():
+    layer = Mamba2(D_MODEL, **TINY, ngroups=2, backend="xla", rngs=nnx.Rngs(0))
+    u = _inputs(4)
+
+    def loss(module, u):
+        return jnp.mean(module(u) ** 2)
+
+    grads = nnx.jit(nnx.grad(loss))(layer, u)
+    remat_grads = nnx.jit(nnx.grad(nnx.remat(loss)))(layer, u)
+    for name, g in nnx.to_flat_state(grads):
+        g = np.asarray(g[...])
+        assert np.isfinite(g).all() and np.abs(g).max() > 0, name
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(remat_grads)):
+        np.testing.assert_allclose(r, g, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(d_ssm=60), r"Mamba2: d_ssm=60 must be a positive multiple of headdim=8"),
+    (dict(ngroups=3), r"Mamba2: nheads=d_ssm//headdim=8 must be divisible by ngroups=3"),
+    (dict(chunk_size=12), r"Mamba2: chunk_size=12 must be a power of two"),
+    (dict(dt_min=0.5), r"Mamba2: dt_min=0.5, dt_max=0.1 must satisfy"),
+    (dict(A_init_range=(0, 16)), r"Mamba2: A_init_range=\(0, 16\)"),
+    (dict(backend="cuda"), r"Mamba2: backend='cuda' must be 'auto' or one of"),
+])
+def test_mamba2_rejects_bad_config(options, message):
+    with pytest.raises(ValueError, match=message):
+        Mamba2(D_MODEL, **{**TINY, **options}, rngs=nnx.Rngs(0))
