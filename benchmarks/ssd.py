@@ -46,12 +46,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import importlib.metadata
 import math
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,6 +63,7 @@ if __package__ in (None, ""):  # run as a script: benchmarks/ is sys.path[0], th
 
 import jax_mamba2  # noqa: E402
 from benchmarks import report  # noqa: E402
+from benchmarks.environment import environment, gpu_slug  # noqa: E402
 from jax_mamba2 import op as ssd_op  # noqa: E402
 
 # (batch, seqlen, nheads, headdim, dstate, ngroups)
@@ -266,7 +263,8 @@ def time_cuda_graph(fn: Callable[[], Any], budget_s: float) -> tuple[Timing, Any
     torch.cuda.synchronize()
     first_call_s = time.perf_counter() - start
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: JAX's own threads may touch CUDA while this thread captures.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = fn()
     graph.replay()
     torch.cuda.synchronize()
@@ -412,47 +410,6 @@ def tuning_summary(inputs: dict, chunk_size: int) -> tuple[dict, dict]:
 # Driver
 # ----------------------------------------------------------------------------------------------
 
-def _command_output(cmd: list[str]) -> Optional[str]:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, check=True,
-                              timeout=30).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _version(name: str) -> Optional[str]:
-    """The installed distribution's version, else the importable module's __version__, else None."""
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    try:
-        return getattr(__import__(name), "__version__", "unknown")
-    except ImportError:
-        return None
-
-
-def environment() -> dict:
-    """gpu, sm, driver, versions, git_sha, date: the fields every record repeats."""
-    device = jax.devices()[0]
-    capability = getattr(device, "compute_capability", None)
-    versions = {"python": platform.python_version(), "jax": jax.__version__}
-    for name in ("jaxlib", "cuda-tile", "torch", "triton", "jla"):
-        versions[name.replace("-", "_")] = _version(name)
-    repo = Path(__file__).resolve().parents[1]
-    git_sha = (os.environ.get("JAX_MAMBA2_GIT_SHA")
-               or _command_output(["git", "-C", str(repo), "rev-parse", "HEAD"]) or "unknown")
-    return {
-        "gpu": device.device_kind,
-        "sm": f"sm_{str(capability).replace('.', '')}" if capability else None,
-        "driver": _command_output(["nvidia-smi", "--query-gpu=driver_version",
-                                   "--format=csv,noheader"]),
-        "versions": versions,
-        "git_sha": git_sha,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
 def measure(impl: str, shape: Shape, inputs: dict, weights: dict, reference: dict, args,
             env: dict) -> tuple[dict, Optional[dict]]:
     """One record (and for cutile impls the full tune report); errors become a record's "error"."""
@@ -491,10 +448,6 @@ def _peer_unavailable_reason(impl: str) -> Optional[str]:
     except Exception as e:  # noqa: BLE001  any import failure means: not runnable here
         return f"cannot import {module}: {type(e).__name__}: {e}"
     return None
-
-
-def _gpu_slug(name: str) -> str:
-    return name.lower().replace("nvidia", "").strip().replace(" ", "_") or "gpu"
 
 
 def parse_args(argv=None):
@@ -536,7 +489,7 @@ def main(argv=None) -> int:
             print(f"[skip] {impl}: {reason}")
     impls = [impl for impl in args.impls if not skipped[impl]]
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"ssd_{args.direction}_{_gpu_slug(env['gpu'])}"
+    stem = f"ssd_{args.direction}_{gpu_slug(env['gpu'])}"
     records, tune_reports = [], []
     started = time.perf_counter()
     for shape in args.shapes:
@@ -556,7 +509,7 @@ def main(argv=None) -> int:
     path = args.out / f"{stem}.json"
     report.write_records(records, path)
     report.write_records(tune_reports,
-                         args.out / f"ssd_{args.direction}_tuning_{_gpu_slug(env['gpu'])}.json")
+                         args.out / f"ssd_{args.direction}_tuning_{gpu_slug(env['gpu'])}.json")
     print(f"\nwrote {path} ({time.perf_counter() - started:.0f} s)\n")
     loaded = report.load_records(path)
     print(report.format_table(loaded))

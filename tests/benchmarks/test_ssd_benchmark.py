@@ -1,4 +1,4 @@
-"""The benchmark's roofline model and its JSON -> table / plot path, on a fake result file (no GPU)."""
+"""benchmarks/ssd.py and benchmarks/report.py: roofline, CLI, JSON records -> table and plot (no GPU)."""
 import json
 
 import pytest
@@ -71,3 +71,4 @@ def test_benchmark_main_writes_records_with_the_fixed_keys(tmp_path, capsys):
     assert required <= set(record) and record["error"] is None
     assert record["rel_l2_err"] < 2e-2 and record["ms_p20"] <= record["ms_median"] <= record["ms_p80"]
     assert "pipelined" in capsys.readouterr().out
+

@@ -1,0 +1,57 @@
+"""What every benchmark record repeats: GPU, driver, package versions, git revision, date."""
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+import jax
+
+
+def _command_output(cmd: list[str]) -> Optional[str]:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, check=True,
+                              timeout=30).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _version(name: str) -> Optional[str]:
+    """The installed distribution's version, else the importable module's __version__, else None."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        return getattr(__import__(name), "__version__", "unknown")
+    except ImportError:
+        return None
+
+
+def environment() -> dict:
+    """gpu, sm, driver, versions, git_sha, date: the fields every record repeats."""
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    versions = {"python": platform.python_version(), "jax": jax.__version__}
+    for name in ("jaxlib", "cuda-tile", "torch", "triton", "jla"):
+        versions[name.replace("-", "_")] = _version(name)
+    repo = Path(__file__).resolve().parents[1]
+    git_sha = (os.environ.get("JAX_MAMBA2_GIT_SHA")
+               or _command_output(["git", "-C", str(repo), "rev-parse", "HEAD"]) or "unknown")
+    return {
+        "gpu": device.device_kind,
+        "sm": f"sm_{str(capability).replace('.', '')}" if capability else None,
+        "driver": _command_output(["nvidia-smi", "--query-gpu=driver_version",
+                                   "--format=csv,noheader"]),
+        "versions": versions,
+        "git_sha": git_sha,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def gpu_slug(name: str) -> str:
+    return name.lower().replace("nvidia", "").strip().replace(" ", "_") or "gpu"

@@ -1,0 +1,22 @@
+"""The bridge-overhead benchmark's programs (traced on CPU: one kernel call per launch), fit, table."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("cuda.tile")
+
+from benchmarks import bridge_overhead  # noqa: E402
+
+
+def test_bridge_overhead_programs_chain_one_kernel_call_per_launch():
+    x = jnp.zeros((bridge_overhead.SIZE,), jnp.float32)
+    for path, primitive in [("cutile_call", "cutile_call_ffi"), ("ffi_plan", "cutile_call_ffi"),
+                            ("callback_plan", "buffer_callback")]:
+        program = bridge_overhead._chained_jit(bridge_overhead._jax_step(path), 3)
+        assert str(jax.make_jaxpr(program)(x)).count(primitive) == 3, path
+    assert bridge_overhead.fit([1, 32, 128], [10.0, 41.0, 137.0]) == pytest.approx((1.0, 9.0))
+    table = bridge_overhead.format_table([
+        {"impl": "ffi_plan", "us_median": [10.0, 41.0, 137.0], "us_per_extra_call": 1.0,
+         "us_fixed": 9.0, "error": None},
+        {"impl": "ct_launch", "error": "ImportError: no cupy"}])
+    assert "1.00" in table and "ct_launch: ImportError: no cupy" in table
