@@ -24,6 +24,10 @@ PROBLEMS = {
                                                         dt_limit=(1e-3, 0.5)),
     "f32_z_init_seq_idx": dataclasses.replace(_BASE, dtype="float32", dt_dtype="float32", has_z=True,
                                               has_init=True, has_seq_idx=True),
+    # The extremes of headdim / dstate (16 and 256) and float16.
+    "f16_heads16_q128": dataclasses.replace(_BASE, dtype="float16", dt_dtype="float16", headdim=16, dstate=16,
+                                            chunk_size=128, has_z=True),
+    "bf16_heads256_q256": dataclasses.replace(_BASE, headdim=256, dstate=256, chunk_size=256, has_seq_idx=True),
     # x has 2^31 elements: the int64-indexed variants.
     "bf16_int64_index": dataclasses.replace(_BASE, batch=1, seqlen=1 << 20, nheads=32, chunk_size=256),
 }
