@@ -274,8 +274,14 @@ def random_problem(dims: SSDDims, seed: int = 0) -> dict[str, jax.Array]:
 
     Inputs get realistic random values: Δ = softplus(N(-3, 1)) after the kernel's own dt transform
     (dt_bias = 0), A = -exp(U(-2, 1)), x/B/C/z/D/initial_states ~ N(0, 1), and with seq_idx four
-    packed sequences of equal length. Buffers (intermediates, outputs) are zeros.
+    packed sequences of equal length. Buffers (intermediates, outputs) are zeros. The arrays are
+    concrete even when called while a jit is being traced (where tuning runs).
     """
+    with jax.ensure_compile_time_eval():
+        return _random_problem(dims, seed)
+
+
+def _random_problem(dims: SSDDims, seed: int) -> dict[str, jax.Array]:
     arrays = {}
     keys = iter(jax.random.split(jax.random.PRNGKey(seed), len(forward_kernels.FORWARD_INPUTS)))
     for name, buf in forward_kernels.forward_arrays(dims).items():

@@ -241,3 +241,17 @@ def test_random_problem_matches_plan_arrays_with_realistic_values():
     ids = arrays["seq_idx"]
     assert bool(jnp.all(jnp.diff(ids, axis=1) >= 0)) and set(map(int, jnp.unique(ids))) == {0, 1, 2, 3}
     assert float(jnp.abs(arrays["x"].astype(jnp.float32)).mean()) > 0.5
+
+
+def test_random_problem_is_concrete_inside_a_jit_trace():
+    """Tuning runs while `ssd` is traced: its arrays must be real device arrays, not tracers."""
+    dims = SSDDims(batch=1, seqlen=64, nheads=2, headdim=16, ngroups=1, dstate=16, chunk_size=64)
+    seen = {}
+
+    def traced(x):
+        seen.update(tuning.random_problem(dims))
+        return x
+
+    jax.jit(traced)(jnp.zeros(()))
+    assert all(not isinstance(a, jax.core.Tracer) for a in seen.values())
+    assert float(seen["x"].astype(jnp.float32).std()) > 0.5
