@@ -10,6 +10,9 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
+# Tests use the documented default kernel configs: autotuning every test shape would take minutes.
+os.environ.setdefault("JAX_MAMBA2_AUTOTUNE", "0")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
