@@ -492,6 +492,7 @@ def main(argv=None) -> int:
     stem = f"ssd_{args.direction}_{gpu_slug(env['gpu'])}"
     records, tune_reports = [], []
     started = time.perf_counter()
+    path = args.out / f"{stem}.json"
     for shape in args.shapes:
         inputs, weights = make_inputs(shape), loss_weights(shape)
         reference = reference_outputs(inputs, weights, args.chunk, args.direction)
@@ -504,10 +505,9 @@ def main(argv=None) -> int:
             if tune_full is not None:
                 tune_reports.append({"impl": impl, "shape": shape._asdict(), "report": tune_full})
             print("  " + report.format_record_line(record), flush=True)
+        report.write_records(records, path)  # after every shape: a cut-short run keeps what it measured
         del inputs, weights, reference
         _free_torch_memory()
-    path = args.out / f"{stem}.json"
-    report.write_records(records, path)
     report.write_records(tune_reports,
                          args.out / f"ssd_{args.direction}_tuning_{gpu_slug(env['gpu'])}.json")
     print(f"\nwrote {path} ({time.perf_counter() - started:.0f} s)\n")
