@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
+# Implementation names: jax-mamba2's backends, then the peers the ratios compare against.
 OURS = ("cutile", "cutile_callback", "xla")
 PEERS = ("mamba_ssm", "jla")
 

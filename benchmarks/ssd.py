@@ -78,9 +78,7 @@ GRID = (
     (4, 8192, 64, 64, 128, 8),
     (1, 131072, 32, 64, 128, 1),
 )
-IMPLS = ("cutile", "cutile_callback", "xla", "mamba_ssm", "jla")
-OURS = ("cutile", "cutile_callback", "xla")
-PEERS = ("mamba_ssm", "jla")
+IMPLS = report.OURS + report.PEERS
 MAMBA_SSM_CHUNK = 256
 JLA_CHUNK = 64  # fixed by its kernels
 PEAK_BF16_TFLOPS = 790.0
@@ -386,7 +384,7 @@ def prepare_jla(inputs: dict, weights: dict, chunk_size: int, direction: str):
 
 
 def prepare(impl: str, inputs: dict, weights: dict, chunk_size: int, direction: str) -> Prepared:
-    if impl in OURS:
+    if impl in report.OURS:
         return prepare_ours(impl, inputs, weights, chunk_size, direction)
     if impl == "mamba_ssm":
         return prepare_mamba_ssm(inputs, weights, chunk_size, direction)
