@@ -39,7 +39,8 @@ class Mamba2Config:
       n_layer: number of `Mamba2Block`s.
       vocab_size: number of tokens; the embedding has `padded_vocab_size` rows.
       ssm_cfg: keyword arguments of the `Mamba2` mixer (see `MIXER_OPTIONS`); missing ones take mamba_ssm's
-        defaults. The mamba_ssm key "layer" is accepted only as "Mamba2" and dropped.
+        defaults. Stored without the options equal to those defaults. The mamba_ssm key "layer" is accepted
+        only as "Mamba2" and dropped.
       d_intermediate: width of an MLP after each mixer; only 0 (no MLP, as in all Mamba-2 checkpoints).
       rms_norm: block and final norms are RMSNorm; only True (as in all Mamba-2 checkpoints).
       residual_in_fp32: keep the residual stream in float32 (or float64 for float64 models).
@@ -80,7 +81,9 @@ class Mamba2Config:
         unknown = sorted(set(ssm_cfg) - set(MIXER_OPTIONS))
         if unknown:
             raise ValueError(f"Mamba2Config: ssm_cfg has unknown keys {unknown}; allowed: {list(MIXER_OPTIONS)}")
-        object.__setattr__(self, "ssm_cfg", FrozenDict({k: _freeze(v) for k, v in sorted(ssm_cfg.items())}))
+        # Canonical form: only options that differ from mamba_ssm's defaults, so equal models compare equal.
+        options = {k: _freeze(v) for k, v in sorted(ssm_cfg.items()) if _freeze(v) != MIXER_DEFAULTS[k]}
+        object.__setattr__(self, "ssm_cfg", FrozenDict(options))
 
     @property
     def padded_vocab_size(self) -> int:

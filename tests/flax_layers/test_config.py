@@ -1,0 +1,64 @@
+"""Tests of Mamba2Config (jax_mamba2/flax_layers/config.py)."""
+import math
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_mamba2.flax_layers import (Mamba2Config, Mamba2LMHeadModel, mamba2_1_3b, mamba2_2_7b, mamba2_130m,
+                                    mamba2_370m, mamba2_780m)
+
+# state-spaces/mamba2 config.json (mamba_ssm format) and its HF transformers conversion.
+MAMBA_SSM_130M = {"d_model": 768, "d_intermediate": 0, "n_layer": 24, "vocab_size": 50277,
+                  "ssm_cfg": {"layer": "Mamba2"}, "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True,
+                  "residual_in_fp32": True, "fused_add_norm": True, "pad_vocab_size_multiple": 16,
+                  "tie_embeddings": True}
+HF_130M = {"model_type": "mamba2", "hidden_size": 768, "num_hidden_layers": 24, "vocab_size": 50288,
+           "state_size": 128, "head_dim": 64, "num_heads": 24, "expand": 2, "n_groups": 1, "conv_kernel": 4,
+           "use_bias": False, "use_conv_bias": True, "chunk_size": 256, "time_step_min": 0.001,
+           "time_step_max": 0.1, "time_step_floor": 1e-4, "time_step_limit": [0.0, math.inf],
+           "layer_norm_epsilon": 1e-5, "residual_in_fp32": True, "rms_norm": True, "tie_word_embeddings": True}
+
+
+def _param_count(config):
+    abstract = nnx.eval_shape(lambda: Mamba2LMHeadModel(config, rngs=nnx.Rngs(0)))
+    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+@pytest.mark.parametrize("preset, expected", [
+    (mamba2_130m, 128_989_632), (mamba2_370m, 368_346_624), (mamba2_780m, 780_161_280),
+    (mamba2_1_3b, 1_343_757_312), (mamba2_2_7b, 2_702_599_680),
+], ids=["130m", "370m", "780m", "1.3b", "2.7b"])
+def test_config_presets_param_counts(preset, expected):
+    assert _param_count(preset()) == expected
+
+
+def test_config_from_mamba_ssm_and_from_hf_describe_the_same_model():
+    from_mamba_ssm = Mamba2Config.from_mamba_ssm(MAMBA_SSM_130M)
+    from_hf = Mamba2Config.from_hf(HF_130M)
+    assert from_mamba_ssm == mamba2_130m()
+    assert from_mamba_ssm.padded_vocab_size == from_hf.padded_vocab_size == 50288
+    assert from_mamba_ssm.mixer_options == from_hf.mixer_options
+    assert from_mamba_ssm.replace(vocab_size=50288, pad_vocab_size_multiple=1) == from_hf
+    assert Mamba2Config.from_hf(from_hf.to_hf()) == from_hf
+    hash(from_hf)  # static data under jit
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(ssm_cfg={"dstate": 64}), r"Mamba2Config: ssm_cfg has unknown keys \['dstate'\]"),
+    (dict(ssm_cfg={"layer": "Mamba1"}), r"Mamba2Config: ssm_cfg\['layer'\]='Mamba1' must be 'Mamba2'"),
+    (dict(d_intermediate=128), r"Mamba2Config: d_intermediate=128 must be 0"),
+    (dict(n_layer=0), r"Mamba2Config: n_layer=0 must be a positive int"),
+    (dict(rms_norm=False), r"Mamba2Config: rms_norm=False must be True"),
+])
+def test_config_rejects_bad_fields(changes, message):
+    with pytest.raises(ValueError, match=message):
+        mamba2_130m(**changes)
+
+
+def test_config_rejects_hybrid_attention_and_hf_inexpressible_options():
+    with pytest.raises(ValueError, match=r"from_mamba_ssm: attn_layer_idx=\[9, 18\] must be empty"):
+        Mamba2Config.from_mamba_ssm({**MAMBA_SSM_130M, "attn_layer_idx": [9, 18]})
+    with pytest.raises(ValueError, match=r"to_hf: ssm_cfg options \['D_has_hdim', 'norm_before_gate'\]"):
+        mamba2_130m(ssm_cfg={"norm_before_gate": True, "D_has_hdim": True}).to_hf()
