@@ -1,0 +1,114 @@
+"""The backward plan's gradients against jax.vjp of the float64 scan oracle, for any plan runner.
+
+A runner is `run(plan, inputs) -> arrays` taking and returning NumPy arrays (name -> array): the float64
+CPU emulation (test_backward_emulated.py) or ct.launch on the GPU (test_backward_gpu.py).
+"""
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_mamba2 import reference
+from jax_mamba2.kernels._common import SSDDims
+from jax_mamba2.kernels.backward import backward_plan
+from tests._helpers import make_ssd_args, rel_l2, to_float64
+
+# Plan output -> the reference argument it is the gradient of.
+_GRAD_OF = {"dx": "x", "ddt": "dt", "dA": "A", "dB": "B", "dC": "C", "dD": "D", "dz": "z",
+            "ddt_bias": "dt_bias", "dinitial_states": "initial_states"}
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardCase:
+    """One backward problem. `seq_lens`: lengths of the packed sequences of each row (None: no seq_idx).
+    `configs`: (stage, config) pairs for backward_plan."""
+
+    seqlen: int
+    chunk_size: int = 64
+    nheads: int = 4
+    ngroups: int = 2
+    headdim: int = 64
+    dstate: int = 64
+    batch: int = 2
+    z: bool = True
+    initial_states: bool = True
+    dt_softplus: bool = True
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    seq_lens: tuple[int, ...] | None = None
+    configs: tuple[tuple[str, object], ...] = ()
+
+
+def backward_dims(case: BackwardCase, dtype: str) -> SSDDims:
+    return SSDDims(batch=case.batch, seqlen=case.seqlen, nheads=case.nheads, headdim=case.headdim,
+                   ngroups=case.ngroups, dstate=case.dstate, chunk_size=case.chunk_size, dtype=dtype,
+                   dt_dtype=dtype, has_z=case.z, has_init=case.initial_states,
+                   has_seq_idx=case.seq_lens is not None, dt_softplus=case.dt_softplus, dt_limit=case.dt_limit)
+
+
+def backward_problem(case: BackwardCase, dtype: str, seed: int = 0):
+    """(plan inputs as NumPy arrays in the kernels' dtypes, float64 reference gradients by plan output).
+
+    dout and dfinal_states are random, so the gradient through final_states is checked too. Without
+    initial states the reference still gets zeros for them: its gradient w.r.t. those zeros is what the
+    plan's dinitial_states holds.
+    """
+    args, kwargs = make_ssd_args(
+        seed, batch=case.batch, seqlen=case.seqlen, nheads=case.nheads, headdim=case.headdim,
+        ngroups=case.ngroups, dstate=case.dstate, dtype=jnp.dtype(dtype), D="headdim", z=case.z,
+        dt_bias=True, dt_softplus=case.dt_softplus, dt_limit=case.dt_limit, initial_states=True,
+        seq_idx=list(case.seq_lens) if case.seq_lens else None)
+    if not case.dt_softplus:
+        # Δ = dt + dt_bias must stay positive: the kernels' exponent clamp is a no-op only then.
+        kwargs["dt_bias"] = jnp.abs(kwargs["dt_bias"])
+    if not case.initial_states:
+        kwargs["initial_states"] = jnp.zeros_like(kwargs["initial_states"])
+    x, dt, A, B, C = args
+    keys = jax.random.split(jax.random.PRNGKey(seed + 1), 2)
+    dout = jax.random.normal(keys[0], x.shape).astype(x.dtype)
+    dfinal = jax.random.normal(keys[1], kwargs["initial_states"].shape)
+
+    wrt = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": kwargs["D"], "dt_bias": kwargs["dt_bias"],
+           "initial_states": kwargs["initial_states"]}
+    if case.z:
+        wrt["z"] = kwargs["z"]
+    seq_idx = kwargs.get("seq_idx")
+    with jax.enable_x64(True):
+        def scan(p):
+            return reference.ssd_scan(
+                p["x"], p["dt"], p["A"], p["B"], p["C"], D=p["D"], z=p.get("z"), dt_bias=p["dt_bias"],
+                dt_softplus=case.dt_softplus, dt_limit=case.dt_limit, initial_states=p["initial_states"],
+                seq_idx=seq_idx)
+
+        _, vjp = jax.vjp(scan, to_float64(wrt))
+        (grads,) = vjp(to_float64((dout, dfinal)))
+        want = {out: np.asarray(grads[arg]) for out, arg in _GRAD_OF.items() if arg in grads}
+
+    dummy = np.zeros((1, 1, 1, 1), np.asarray(x).dtype)
+    inputs = {name: np.asarray(value) for name, value in wrt.items()}
+    inputs.update(
+        z=inputs["z"] if case.z else dummy,
+        initial_states=inputs["initial_states"].astype(np.float32) if case.initial_states
+        else np.zeros((1, 1, 1, 1), np.float32),
+        seq_idx=np.asarray(seq_idx) if seq_idx is not None else np.zeros((1, 1), np.int32),
+        dout=np.asarray(dout), dfinal_states=np.asarray(dfinal, np.float32))
+    return inputs, want
+
+
+def run_backward(run, case: BackwardCase, dtype: str, *, deterministic: bool = False, seed: int = 0):
+    """(every array after running backward_plan through `run`, the float64 reference gradients)."""
+    inputs, want = backward_problem(case, dtype, seed)
+    plan = backward_plan(backward_dims(case, dtype), dict(case.configs), deterministic=deterministic)
+    return run(plan, inputs), want
+
+
+def check_backward(run, case: BackwardCase, dtype: str, tolerance: float, *, deterministic: bool = False):
+    """Asserts every gradient of backward_plan (run through `run`) is within `tolerance` relative L2 of
+    the float64 reference, and that the dz dummy stays zero without a gate."""
+    got, want = run_backward(run, case, dtype, deterministic=deterministic)
+    errors = {name: rel_l2(np.asarray(got[name], np.float64), expected) for name, expected in want.items()}
+    bad = {name: err for name, err in errors.items() if not err <= tolerance}
+    assert not bad, f"{case} {dtype}: relative L2 errors above {tolerance}: {bad} (all: {errors})"
+    if not case.z:
+        assert not np.any(np.asarray(got["dz"], np.float64)), "the dz dummy must stay zero without a gate"
