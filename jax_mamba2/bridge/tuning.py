@@ -11,7 +11,9 @@ this problem on this GPU. Lookup order, per stage:
    with `cuda.tile.tune.exhaustive_search` on random inputs of the problem's shapes (`random_problem`,
    viewed zero-copy as torch/CuPy arrays), store the winner and what every config measured, and use
    it;
-4. otherwise the stage's documented default config (`<stage>_fwd_default_config`).
+4. otherwise (tuning off, no GPU, neither torch nor CuPy, or a problem under MIN_TUNED_TOKEN_HEADS
+   (token, head) pairs, which is launch-bound) the stage's default config
+   (`<stage>_fwd_default_config`).
 
 `JAX_MAMBA2_AUTOTUNE=0` turns off tuning, not the cache: point `JAX_MAMBA2_CACHE_DIR` at an empty
 directory as well to get the defaults everywhere.
@@ -61,6 +63,9 @@ ENV_CACHE_DIR = "JAX_MAMBA2_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/jax_mamba2")
 # Per tileiras run; a config whose compile takes longer is a spill case not worth waiting for.
 COMPILE_TIMEOUT_S = 30.0
+# Problems with fewer (token, head) pairs use the defaults untuned: they are launch-bound (a few us
+# per kernel), and tuning one costs minutes of compiles, which would dominate small jobs and tests.
+MIN_TUNED_TOKEN_HEADS = 1 << 17
 CACHE_SCHEMA = 1
 
 
@@ -404,6 +409,16 @@ def _array_library_missing_reason() -> Optional[str]:
 # Lookup
 # ----------------------------------------------------------------------------------------------
 
+def _tuning_disabled_reason(dims: SSDDims) -> Optional[str]:
+    if not autotune_enabled():
+        return f"{ENV_AUTOTUNE}=0"
+    token_heads = dims.batch * dims.seqlen * dims.nheads
+    if token_heads < MIN_TUNED_TOKEN_HEADS:
+        return (f"batch * seqlen * nheads={token_heads} is below {MIN_TUNED_TOKEN_HEADS}: "
+                f"too small to be worth tuning")
+    return _array_library_missing_reason()
+
+
 def _default_choices(dims: SSDDims, stages: Iterable[str], reason: str,
                      keys: dict[str, str]) -> dict[str, StageChoice]:
     return {s: StageChoice(s, keys[s], _STAGES[s].default_config(dims), "default", reason=reason)
@@ -434,8 +449,7 @@ def _resolve(dims: SSDDims) -> dict[str, StageChoice]:
                     if choice is not None:
                         choices[stage] = choice
             missing = [s for s in _STAGES if s not in choices]
-            reason = None if autotune_enabled() else f"{ENV_AUTOTUNE}=0"
-            reason = reason or _array_library_missing_reason()
+            reason = _tuning_disabled_reason(dims)
             if missing and reason is None:
                 choices.update(_tune_into_cache(cache, dims, missing, keys, gpu.arch))
             for choice in choices.values():

@@ -255,3 +255,11 @@ def test_random_problem_is_concrete_inside_a_jit_trace():
     jax.jit(traced)(jnp.zeros(()))
     assert all(not isinstance(a, jax.core.Tracer) for a in seen.values())
     assert float(seen["x"].astype(jnp.float32).std()) > 0.5
+
+
+def test_forward_configs_small_problems_use_defaults_untuned(cache_dir, monkeypatch):
+    monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
+    small = dataclasses.replace(DIMS, batch=1, seqlen=1024, nheads=8)
+    report = tuning.tune_report(small)
+    assert {r["source"] for r in report.values()} == {"default"}
+    assert "too small to be worth tuning" in report["chunk_scan"]["reason"]
