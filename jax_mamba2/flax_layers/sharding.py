@@ -61,7 +61,7 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, *, data_axis: str = 
                              "AxisType.Auto (the mixers place their collectives themselves)")
     size = mesh.shape[model_axis]
     mixer_paths = []
-    for path, module in model.iter_modules():
+    for path, module in nnx.iter_modules(model):
         if isinstance(module, Mamba2):
             _check_splittable(module, size)
             module.mesh_axes = MeshAxes(mesh, data_axis, model_axis)
