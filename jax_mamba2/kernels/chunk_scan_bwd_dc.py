@@ -15,10 +15,13 @@ with Φ[l,s] = exp(min(dA_l - dA_s, 0)). Given dout = ∂L/∂out this pass comp
     dD    += Σ_l dy_l ⊙ x_l                                       (per (batch, chunk, row block) partials)
 
 and the dA_cumsum gradients that the output terms contribute. The inter-chunk term gives
-∂L/∂dA_l = V_l = r_l exp(dA_l) (dy_l · C_l H_c^T), stored as `ddA_inter`. The intra-chunk term gives
-∂L/∂dA_l = Σ_s T[l,s] - Σ_s T[s,l] with T[l,s] = dCB[l,s] (C_l · B_s); its reverse cumsum, the gradient
-w.r.t. the decay increment Δ_r A that chunk_cumsum_bwd needs, is written without that cancellation
-("stable", as mamba_ssm `_chunk_scan_bwd_ddAcs_stable`): the pairs r <= s <= l cancel, leaving
+∂L/∂dA_l = V_l = r_l exp(dA_l) (dy_l · C_l H_c^T), stored as `ddA_inter`. In the intra-chunk term the
+pair (l, s) contributes T[l,s] = dCB[l,s] (C_l · B_s) to the loss's sensitivity to Φ[l,s], and
+∂Φ[l,s]/∂dA_l = -∂Φ[l,s]/∂dA_s = Φ[l,s], so ∂L/∂dA_j = Σ_s T[j,s] - Σ_l T[l,j]. chunk_cumsum_bwd needs
+the reverse cumsum R_r = Σ_{j>=r} ∂L/∂dA_j (the gradient w.r.t. the decay increment Δ_r A). Summed
+naively, the pairs with l >= s >= r enter once with + and once with - and cancel only up to rounding
+(mamba_ssm's "unstable" form); dropping them exactly ("stable", as `_chunk_scan_bwd_ddAcs_stable`) leaves
+the pairs that straddle r:
 
     R^intra_r = Σ_{l >= r} Σ_{s < r} T[l,s].
 

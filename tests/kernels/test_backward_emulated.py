@@ -127,6 +127,7 @@ CASES = {
     "partial_chunk_z_init_groups": BackwardCase(seqlen=37, **_SMALL),
     "seq_idx_dt_limit_odd_heads": BackwardCase(seqlen=50, nheads=3, ngroups=1, z=False, dt_limit=(0.05, 0.6),
                                                seq_lens=(5, 11, 16, 18), **_SMALL),
+    "one_token": BackwardCase(seqlen=1, **_SMALL),
     "whole_chunks_plain_dt": BackwardCase(seqlen=32, ngroups=4, z=False, initial_states=False,
                                           dt_softplus=False, **_SMALL),
 }
