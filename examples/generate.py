@@ -1,0 +1,174 @@
+"""Generate text with a Mamba-2 language model through its decode cache, and report tokens per second.
+
+--model-dir is a local checkpoint directory in HF transformers or mamba_ssm format (config.json plus
+model.safetensors / sharded safetensors / pytorch_model.bin), for example a `state-spaces/mamba2-*`
+download or the model/ folder that examples/train_lm.py writes. Without it, a randomly initialized small
+byte-level model is used (its text is noise; the timing is real).
+
+Tokens: a 256-token vocabulary is read as bytes. Larger vocabularies need a HuggingFace `tokenizer.json`
+(--tokenizer, or one inside --model-dir) and the `tokenizers` package; the state-spaces/mamba2-*
+checkpoints use the EleutherAI/gpt-neox-20b tokenizer.
+
+    python examples/generate.py                                         # random small model
+    python examples/generate.py --model-dir examples/out/train_lm/model --prompt "def "
+    python examples/generate.py --model-dir ~/mamba2-130m --tokenizer ~/gpt-neox-20b/tokenizer.json \
+        --prompt "Mamba is" --max-new-tokens 128 --batch 16 --dtype bfloat16          # GPU
+
+Generation is one jitted program (prefill, then a lax.scan of O(1) cached steps); the first call compiles,
+the second is timed. A greedy run is also checked against the full (uncached) forward pass. Writes
+generate.json to --out/generate/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from _common import add_common_flags, describe_device, output_dir, resolve_backend
+from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, generate, load_pretrained
+
+BYTE_VOCAB = 256
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens (the vocabulary of examples/train_lm.py)."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A HuggingFace `tokenizer.json`, through the `tokenizers` package."""
+
+    def __init__(self, path: pathlib.Path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise SystemExit(f"generate.py: reading {path} needs the tokenizers package "
+                             "(pip install tokenizers)") from e
+        self._tokenizer = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self._tokenizer.decode([int(i) for i in ids])
+
+
+def pick_tokenizer(vocab_size: int, tokenizer_file: pathlib.Path | None, model_dir: pathlib.Path | None):
+    """Bytes for a 256-token vocabulary, else a tokenizer.json (--tokenizer, or inside --model-dir)."""
+    if tokenizer_file is None and model_dir is not None and (model_dir / "tokenizer.json").is_file():
+        tokenizer_file = model_dir / "tokenizer.json"
+    if tokenizer_file is not None:
+        return HFTokenizer(tokenizer_file)
+    if vocab_size == BYTE_VOCAB:
+        return ByteTokenizer()
+    raise SystemExit(f"generate.py: the model's vocab_size={vocab_size} is not byte-level ({BYTE_VOCAB}); "
+                     "pass --tokenizer path/to/tokenizer.json (for state-spaces/mamba2-*: the "
+                     "EleutherAI/gpt-neox-20b tokenizer)")
+
+
+def load_model(args, backend: str) -> Mamba2LMHeadModel:
+    dtype = jnp.dtype(args.dtype)
+    if args.model_dir is not None:
+        print(f"loading {args.model_dir}")
+        return load_pretrained(args.model_dir, dtype=dtype, backend=backend)
+    config = Mamba2Config(d_model=args.d_model, n_layer=args.layers, vocab_size=BYTE_VOCAB,
+                          ssm_cfg=dict(d_state=args.d_state, headdim=args.headdim, chunk_size=args.chunk_size))
+    print("no --model-dir: a randomly initialized byte-level model (its text is noise)")
+    return Mamba2LMHeadModel(config, backend=backend, dtype=dtype, rngs=nnx.Rngs(params=args.seed))
+
+
+@nnx.jit
+def full_forward_argmax(model, tokens):
+    """Greedy next-token predictions of the uncached forward pass: (batch, seqlen) int32."""
+    return jnp.argmax(model(tokens)[..., :model.config.vocab_size], axis=-1).astype(jnp.int32)
+
+
+def cache_agreement(model, tokens, prompt_len: int) -> float:
+    """Fraction of greedily generated tokens that the full forward pass predicts too."""
+    predicted = full_forward_argmax(model, tokens[:, :-1])[:, prompt_len - 1:]
+    return float(jnp.mean(predicted == tokens[:, prompt_len:]))
+
+
+def timed_generate(model, prompt_ids, args, rng):
+    """Generates twice (compile, then timed): (tokens, compile+run seconds, run seconds)."""
+    kwargs = dict(temperature=args.temperature, top_k=args.top_k, rng=rng if args.temperature > 0 else None)
+    began = time.perf_counter()
+    jax.block_until_ready(generate(model, prompt_ids, args.max_new_tokens, **kwargs))
+    first = time.perf_counter() - began
+    began = time.perf_counter()
+    tokens = jax.block_until_ready(generate(model, prompt_ids, args.max_new_tokens, **kwargs))
+    return tokens, first, time.perf_counter() - began
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=pathlib.Path, help="HF or mamba_ssm checkpoint directory")
+    parser.add_argument("--tokenizer", type=pathlib.Path, help="HuggingFace tokenizer.json")
+    parser.add_argument("--prompt", default="def fibonacci(n):\n")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1, help="copies of the prompt decoded together")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="computation dtype (default: float32)")
+    random_model = parser.add_argument_group("random model (without --model-dir)")
+    random_model.add_argument("--d-model", type=int, default=256)
+    random_model.add_argument("--layers", type=int, default=4)
+    random_model.add_argument("--d-state", type=int, default=64)
+    random_model.add_argument("--headdim", type=int, default=64)
+    random_model.add_argument("--chunk-size", type=int, default=64)
+    add_common_flags(parser)
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1 or args.batch < 1:
+        parser.error("--max-new-tokens and --batch must be >= 1")
+    if args.model_dir is not None and not args.model_dir.is_dir():
+        parser.error(f"--model-dir={args.model_dir} is not a directory")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = output_dir(args.out / "generate")
+    print(f"device: {describe_device()}")
+    backend = resolve_backend(args.backend)
+    model = load_model(args, backend)
+    tokenizer = pick_tokenizer(model.config.vocab_size, args.tokenizer, args.model_dir)
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        raise SystemExit("generate.py: --prompt encodes to no tokens")
+    prompt_ids = jnp.asarray([prompt] * args.batch, jnp.int32)
+
+    tokens, first_s, run_s = timed_generate(model, prompt_ids, args, jax.random.key(args.seed))
+    new_tokens = args.batch * args.max_new_tokens
+    print(f"generated {args.batch} x {args.max_new_tokens} tokens after a {len(prompt)}-token prompt: "
+          f"{new_tokens / run_s:,.0f} tokens/s ({run_s * 1e3 / args.max_new_tokens:.2f} ms per step for the "
+          f"batch, prefill included); first call with compilation {first_s:.1f} s")
+    text = tokenizer.decode(np.asarray(tokens[0]))
+    print(f"--- sample (temperature {args.temperature}) ---\n{text}\n---")
+
+    record = {"device": describe_device(), "backend": backend, "model_dir": str(args.model_dir),
+              "prompt_tokens": len(prompt), "batch": args.batch, "max_new_tokens": args.max_new_tokens,
+              "tokens_per_s": new_tokens / run_s, "first_call_s": first_s, "text": text}
+    if args.temperature == 0:
+        agreement = cache_agreement(model, tokens, len(prompt))
+        print(f"cached decoding vs full forward: {agreement:.1%} of greedy tokens agree")
+        record["cache_agreement"] = agreement
+    (out / "generate.json").write_text(json.dumps(record, indent=1))
+    print(f"wrote {out / 'generate.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
