@@ -301,7 +301,7 @@ class Mamba2(nnx.Module):
         Args:
           x, B, C: in_proj outputs, (..., local width) each.
           conv_state: the cache's (batch, conv_dim, d_conv) state or None.
-          want_state: also assemble the new full conv_state (all-gathers the x channels when sharded).
+          want_state: also assemble the new full conv_state (see `HeadShard.gather`).
           apply: (inputs, local conv_state or None, kernel, bias or None) -> (conv output, new local state).
 
         Returns:

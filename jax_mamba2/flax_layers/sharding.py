@@ -12,7 +12,7 @@ over its input rows):
   out_proj   partial product of this device's heads, then an all-reduce (psum) over "model"
 
 so no activation is all-gathered. The prefill/step cache keeps ssm_state split over heads and conv_state
-whole (its x channels are all-gathered once per call: (batch, d_ssm, d_conv) values).
+whole (its x channels are assembled with one small all-reduce per call: (batch, d_ssm, d_conv) values).
 Outside the mixers the residual stream is split over "data" only; the embedding (and an untied lm_head)
 is split over the vocabulary on "model", so the logits come out vocabulary-split.
 
