@@ -203,6 +203,7 @@ def parse_args(argv=None):
                         help="computation dtype; parameters stay float32 (default: float32)")
     parser.add_argument("--remat", action="store_true", help="rematerialize blocks in the backward pass")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
+    parser.add_argument("--log-every", type=int, default=10, help="steps between loss read-outs")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--eval-batches", type=int, default=4)
     parser.add_argument("--data-mb", type=float, default=8.0, help="corpus size to read (default: 8 MB)")
@@ -211,7 +212,7 @@ def parse_args(argv=None):
     parser.add_argument("--sample-tokens", type=int, default=200)
     add_common_flags(parser)
     args = parser.parse_args(argv)
-    for name in ("steps", "batch", "seq_len", "eval_every", "eval_batches", "sample_tokens"):
+    for name in ("steps", "batch", "seq_len", "log_every", "eval_every", "eval_batches", "sample_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if not args.prompt:
@@ -246,29 +247,37 @@ def main(argv=None) -> int:
         history = resumed_history(out / "metrics.json", start)
         print(f"resumed from step {start}")
 
-    tokens_per_step = args.batch * args.seq_len
-    timed_steps, timed_seconds = 0, 0.0
+    # Losses stay on the device and are fetched every --log-every steps, so that the host keeps the
+    # accelerator's queue full instead of waiting for each step.
+    pending, began, excluded = [], None, 0.0
     progress = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train", unit="step")
     for step in progress:
         # The batch depends only on (seed, step): a resumed run sees the same data.
         windows = sample_windows(train_data, np.random.default_rng((args.seed, step)), args.batch, args.seq_len)
-        began = time.perf_counter()
-        loss = float(train_step(model, optimizer, windows))
-        if step > start:  # the first step compiles
-            timed_steps, timed_seconds = timed_steps + 1, timed_seconds + time.perf_counter() - began
-        history["train"].append((step + 1, loss))
-        progress.set_postfix(loss=f"{loss:.3f}")
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+        pending.append((step + 1, train_step(model, optimizer, windows)))
+        if began is None:  # the first step compiled: time the ones after it
+            jax.block_until_ready(pending[-1][1])
+            began = time.perf_counter()
+        evaluating = (step + 1) % args.eval_every == 0 or step + 1 == args.steps
+        if evaluating or (step + 1) % args.log_every == 0:
+            history["train"] += [(s, float(loss)) for s, loss in pending]
+            pending = []
+            progress.set_postfix(loss=f"{history['train'][-1][1]:.3f}")
+        if evaluating:
+            eval_began = time.perf_counter()
             val_loss = evaluate(model, val_windows)
             history["eval"].append((step + 1, val_loss))
-            tqdm.write(f"step {step + 1}: train {loss:.3f}, validation {val_loss:.3f} nats/byte "
-                       f"({val_loss / np.log(2):.3f} bits/byte)")
+            tqdm.write(f"step {step + 1}: train {history['train'][-1][1]:.3f}, validation {val_loss:.3f} "
+                       f"nats/byte ({val_loss / np.log(2):.3f} bits/byte)")
             save_checkpoint(manager, step + 1, model, optimizer)
+            excluded += time.perf_counter() - eval_began
     progress.close()
+    timed_steps = args.steps - start - 1
+    if timed_steps > 0:
+        seconds = time.perf_counter() - began - excluded
+        print(f"throughput: {timed_steps * args.batch * args.seq_len / seconds:,.0f} tokens/s "
+              f"({seconds / timed_steps * 1e3:.1f} ms/step after compilation, evaluation excluded)")
     manager.wait_until_finished()
-    if timed_steps:
-        print(f"throughput: {timed_steps * tokens_per_step / timed_seconds:,.0f} tokens/s "
-              f"({timed_seconds / timed_steps * 1e3:.1f} ms/step after compilation)")
 
     # Restore into a model built from another seed: only the checkpoint can make it match.
     final_loss = evaluate(model, val_windows)
@@ -281,10 +290,9 @@ def main(argv=None) -> int:
         print("FAILED: the restored model does not reproduce the trained model")
         return 1
 
-    samples = {"greedy": sample_text(restored_model, args.prompt, args.sample_tokens, temperature=0.0,
-                                      seed=args.seed),
-               "temperature 0.8": sample_text(restored_model, args.prompt, args.sample_tokens,
-                                               temperature=0.8, seed=args.seed)}
+    samples = {name: sample_text(restored_model, args.prompt, args.sample_tokens, temperature=temperature,
+                                 seed=args.seed)
+               for name, temperature in (("greedy", 0.0), ("temperature 0.8", 0.8))}
     sample_report = "\n\n".join(f"--- {name} ---\n{text}" for name, text in samples.items())
     print(sample_report)
 
