@@ -118,8 +118,9 @@ class Mamba2(nnx.Module):
         if backend != "auto" and backend not in available_backends():
             raise ValueError(f"Mamba2: backend={backend!r} must be 'auto' or one of {available_backends()}")
 
-        self.d_model, self.d_state, self.d_conv, self.expand, self.headdim = d_model, d_state, d_conv, expand, headdim
-        self.d_inner, self.d_ssm, self.d_mlp, self.nheads, self.ngroups = d_inner, d_ssm, d_inner - d_ssm, nheads, ngroups
+        self.d_model, self.d_state, self.d_conv, self.headdim = d_model, d_state, d_conv, headdim
+        self.d_inner, self.d_ssm, self.d_mlp = d_inner, d_ssm, d_inner - d_ssm
+        self.nheads, self.ngroups = nheads, ngroups
         self.conv_dim = d_ssm + 2 * ngroups * d_state
         self.D_has_hdim, self.rmsnorm, self.dt_limit = D_has_hdim, rmsnorm, tuple(float(v) for v in dt_limit)
         self.chunk_size, self.backend, self.dtype = chunk_size, backend, dtype
