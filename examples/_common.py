@@ -45,10 +45,16 @@ def resolve_backend(requested: str) -> str:
     return "xla"
 
 
-def add_common_flags(parser: argparse.ArgumentParser) -> None:
-    """--backend, --out and --seed, the same for every example."""
-    parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
-                        help="SSD backend; auto = cutile on a CUDA GPU, else xla (default: auto)")
+def make_parser(doc: str) -> argparse.ArgumentParser:
+    """An argument parser whose --help prints the example's module docstring (with its GPU command)."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_common_flags(parser: argparse.ArgumentParser, *, backend: bool = True) -> None:
+    """--out and --seed for every example, and --backend unless `backend` is False."""
+    if backend:
+        parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
+                            help="SSD backend; auto = cutile on a CUDA GPU, else xla (default: auto)")
     parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT,
                         help=f"folder for plots, checkpoints and JSON (default: {DEFAULT_OUT})")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")

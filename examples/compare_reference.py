@@ -16,7 +16,6 @@ backend's error exceeds the bound for --dtype (see MAX_REL_ERR), so it doubles a
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -26,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_mamba2
-from _common import add_common_flags, cutile_unavailable_reason, describe_device, output_dir, time_call
+from _common import (add_common_flags, cutile_unavailable_reason, describe_device, make_parser, output_dir,
+                     time_call)
 
 BACKENDS = ("scan", "xla", "cutile", "cutile_callback")
 # Inputs the gradient is taken with respect to, in the order of the error table.
@@ -149,7 +149,7 @@ def save_plot(rows, path, title: str, bound: float) -> None:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = make_parser(__doc__)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seqlen", type=int, default=512)
     parser.add_argument("--nheads", type=int, default=4)
@@ -159,11 +159,8 @@ def parse_args(argv=None):
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--dtype", choices=sorted(MAX_REL_ERR), default="float32")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per backend (default: 10)")
-    add_common_flags(parser)
-    args = parser.parse_args(argv)
-    if args.backend != "auto":
-        parser.error("--backend: this example runs every backend; leave it at auto")
-    return args
+    add_common_flags(parser, backend=False)  # every backend runs
+    return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,6 @@ generate.json to --out/generate/.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
@@ -31,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from _common import add_common_flags, describe_device, output_dir, resolve_backend
+from _common import add_common_flags, describe_device, make_parser, output_dir, resolve_backend
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, generate, load_pretrained
 
 BYTE_VOCAB = 256
@@ -113,7 +112,7 @@ def timed_generate(model, prompt_ids, args, rng):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = make_parser(__doc__)
     parser.add_argument("--model-dir", type=pathlib.Path, help="HF or mamba_ssm checkpoint directory")
     parser.add_argument("--tokenizer", type=pathlib.Path, help="HuggingFace tokenizer.json")
     parser.add_argument("--prompt", default="def fibonacci(n):\n")

@@ -16,7 +16,6 @@ Writes the compiled HLO of each backend (kernel binaries elided) and timings.jso
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -28,7 +27,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from _common import add_common_flags, describe_device, output_dir, resolve_backend, time_call
+from _common import (add_common_flags, describe_device, make_parser, output_dir, resolve_backend,
+                     time_call)
 from jax_mamba2.flax_layers import Mamba2
 
 CUTILE_TARGET = "cutile_launch"
@@ -147,7 +147,7 @@ def print_custom_calls(backend: str, hlo_text: str) -> int:
 # ------------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = make_parser(__doc__)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seqlen", type=int, default=512)
     parser.add_argument("--features", type=int, default=16)

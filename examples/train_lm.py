@@ -18,7 +18,6 @@ HF-format config.json + model.safetensors, which examples/generate.py --model-di
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
@@ -34,7 +33,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from _common import add_common_flags, describe_device, output_dir, resolve_backend
+from _common import add_common_flags, describe_device, make_parser, output_dir, resolve_backend
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, generate, save_pretrained
 
 VOCAB_SIZE = 256  # bytes
@@ -190,7 +189,7 @@ def sample_text(model, prompt: str, max_new_tokens: int, *, temperature: float, 
 # ------------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = make_parser(__doc__)
     parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
