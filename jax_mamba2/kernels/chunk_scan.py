@@ -92,7 +92,9 @@ def _chunk_scan_fwd_body(x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, out,
         acc = acc * inter_scale[:, :, None]
 
         # Intra-chunk: key blocks up to and including the diagonal; C B^T is shared by the HEADS heads.
-        num_k_blocks = ct.cdiv((m + 1) * BLOCK_M, BLOCK_K)
+        # Stop at seqlen too: with BLOCK_K < BLOCK_M a key block of a partial last chunk can lie wholly
+        # past the end, and a wholly out-of-bounds load is undefined.
+        num_k_blocks = ct.cdiv(ct.minimum((m + 1) * BLOCK_M, seqlen - c * CHUNK), BLOCK_K)
         for k in range(num_k_blocks):
             k_tile = c * (CHUNK // BLOCK_K) + k
             B_k = ct.load(B, index=(b, k_tile, g, 0), shape=(1, BLOCK_K, 1, DSTATE),

@@ -49,6 +49,9 @@ SMALL_CASES = {
         seqlen=300, chunk_size=128, ngroups=4, seq_lens=(128, 1, 171), dt_limit=(0.05, 0.5),
         configs=(("chunk_scan", ChunkScanConfig(BLOCK_M=64, BLOCK_K=32, BLOCK_P=16, HEADS=1)),
                  ("chunk_state", ChunkStateConfig(BLOCK_P=16, BLOCK_N=16)))),
+    # Keys narrower than rows: the last row block's second key block lies wholly past seqlen.
+    "key_block_past_seqlen": Case(
+        seqlen=74, configs=(("chunk_scan", ChunkScanConfig(BLOCK_M=64, BLOCK_K=32, BLOCK_P=32, HEADS=1)),)),
 }
 
 # make_ssd_args draws A so that a 64-token chunk decays by ~e^-30, which hides every cross-chunk path
