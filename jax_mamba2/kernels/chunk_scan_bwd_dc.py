@@ -48,14 +48,14 @@ B, C (batch, seqlen, ngroups, dstate) T; D (nheads, headdim) f32; dt_out, dA_cum
 (batch, seqlen) int32 or a dummy; dC (batch, seqlen, ngroups, dstate) f32; ddA_intra (batch, nheads,
 nchunks, CHUNK/BLOCK_M, CHUNK) f32; dD_partials (batch * nchunks * CHUNK/BLOCK_M, nheads, headdim) f32.
 """
-import dataclasses
-
 import cuda.tile as ct
 
 from jax_mamba2.kernels._backward_tiles import (
     load_chunk_vector, operand, previous_chunk_end_id, row_ids, store_chunk_vector)
+from jax_mamba2.kernels._block_pass_config import (
+    BlockPassConfig, block_pass_configs, block_pass_default_config, block_pass_grid)
 from jax_mamba2.kernels._common import (
-    ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
+    ConstBool, ConstInt, Launch, SSDDims, int64_index_kernels, mma_dtype, select_kernel)
 
 
 def _rows(array, b, row_tile, h, BLOCK_M, HEADDIM):
@@ -220,49 +220,16 @@ CHUNK_SCAN_BWD_DC_KERNELS = int64_index_kernels(_make_chunk_scan_bwd_dc_kernel)
 chunk_scan_bwd_dc_kernel = CHUNK_SCAN_BWD_DC_KERNELS[0]
 
 
-@dataclasses.dataclass(frozen=True)
-class ChunkScanBwdDcConfig:
-    """Tile sizes and hints of `chunk_scan_bwd_dc_kernel`.
-
-    BLOCK_M: rows per block, BLOCK_K: keys per step (powers of two, BLOCK_K <= BLOCK_M <= chunk_size).
-    LOAD_LAT: latency hint on the key-loop loads. occupancy: expected blocks per SM.
-    """
-
-    BLOCK_M: int = 64
-    BLOCK_K: int = 64
-    LOAD_LAT: int = 4
-    occupancy: int = 1
+# The row pass's tiles; see _block_pass_config.py.
+ChunkScanBwdDcConfig = BlockPassConfig
 
 
-def _wide(dims: SSDDims) -> bool:
-    """Whether a block's f32 accumulators crowd the register file: f32 (tf32) inputs, headdim >= 128 or
-    dstate >= 256. Measured on sm_90 cubins (cuobjdump -res-usage): 64 x 64 tiles are spill-free for
-    bf16/f16 at headdim 64, dstate <= 128, and spill otherwise, where 64 x 32 tiles spill least; blocks
-    of fewer than 64 rows lose wgmma (HMMA instead) and still spill."""
-    return dims.dtype == "float32" or dims.headdim >= 128 or dims.dstate >= 256
+def chunk_scan_bwd_dc_configs(dims: SSDDims, arch: str = "sm_90") -> list[BlockPassConfig]:
+    return block_pass_configs("chunk_scan_bwd_dc_configs", dims, arch)
 
 
-def chunk_scan_bwd_dc_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkScanBwdDcConfig]:
-    """The autotune space (sm_90): 64-row blocks (and 128 when not wide), 32/64-step tiles, latency
-    2/4, occupancy 1/2."""
-    check_arch("chunk_scan_bwd_dc_configs", arch)
-    block_ms = (64, 128) if not _wide(dims) and dims.chunk_size >= 128 else (64,)
-    return [ChunkScanBwdDcConfig(BLOCK_M=bm, BLOCK_K=bk, LOAD_LAT=lat, occupancy=occ)
-            for bm in block_ms
-            for bk in (32, 64)
-            for lat in (2, 4)
-            for occ in (1, 2)]
-
-
-def chunk_scan_bwd_dc_default_config(dims: SSDDims) -> ChunkScanBwdDcConfig:
-    """64 x 64 tiles, 64 x 32 when wide (see `_wide`)."""
-    return ChunkScanBwdDcConfig(BLOCK_M=64, BLOCK_K=32 if _wide(dims) else 64, LOAD_LAT=4, occupancy=1)
-
-
-def chunk_scan_bwd_dc_grid(dims: SSDDims, cfg: ChunkScanBwdDcConfig,
-                           heads_per_block: int) -> tuple[int, int]:
-    splits = dims.nheads // heads_per_block
-    return (splits * (dims.chunk_size // cfg.BLOCK_M) * dims.nchunks, dims.batch)
+def chunk_scan_bwd_dc_default_config(dims: SSDDims) -> BlockPassConfig:
+    return block_pass_default_config(dims)
 
 
 def chunk_scan_bwd_dc_launch(dims: SSDDims, cfg: ChunkScanBwdDcConfig | None = None, *,
@@ -278,7 +245,7 @@ def chunk_scan_bwd_dc_launch(dims: SSDDims, cfg: ChunkScanBwdDcConfig | None = N
     writes = ("dC", "ddA_intra", "ddA_inter", "dD_partials") + (("dy", "dz") if dims.has_z else ())
     return Launch(
         kernel=select_kernel(CHUNK_SCAN_BWD_DC_KERNELS, dims, occupancy=cfg.occupancy),
-        grid=chunk_scan_bwd_dc_grid(dims, cfg, heads_per_block),
+        grid=block_pass_grid(dims, cfg, heads_per_block),
         args=("x", "B", "C", "D", "z", "dout", "dt_out", "dA_cumsum", "states", "seq_idx",
               "dy", "dz", "dC", "ddA_intra", "ddA_inter", "dD_partials",
               dims.chunk_size, dims.headdim, dims.dstate, cfg.BLOCK_M, cfg.BLOCK_K, heads_per_block,

@@ -31,14 +31,14 @@ ngroups, dstate) T; D (nheads, headdim) f32; dt_out, dA_cumsum, ddt_out, ddA_sta
 CHUNK) f32; dstates (batch, nchunks, nheads, headdim, dstate) f32; seq_idx (batch, seqlen) int32 or a
 dummy; dB (batch, seqlen, ngroups, dstate) f32.
 """
-import dataclasses
-
 import cuda.tile as ct
 
 from jax_mamba2.kernels._backward_tiles import (
     chunk_end_id, load_chunk_vector, operand, row_ids, store_chunk_vector)
+from jax_mamba2.kernels._block_pass_config import (
+    BlockPassConfig, block_pass_configs, block_pass_default_config, block_pass_grid)
 from jax_mamba2.kernels._common import (
-    ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
+    ConstBool, ConstInt, Launch, SSDDims, int64_index_kernels, mma_dtype, select_kernel)
 
 
 def _rows(array, b, row_tile, h, BLOCK_M, HEADDIM):
@@ -177,49 +177,16 @@ CHUNK_SCAN_BWD_DX_KERNELS = int64_index_kernels(_make_chunk_scan_bwd_dx_kernel)
 chunk_scan_bwd_dx_kernel = CHUNK_SCAN_BWD_DX_KERNELS[0]
 
 
-@dataclasses.dataclass(frozen=True)
-class ChunkScanBwdDxConfig:
-    """Tile sizes and hints of `chunk_scan_bwd_dx_kernel`.
-
-    BLOCK_M: source rows per block, BLOCK_K: output rows per step (powers of two dividing chunk_size).
-    LOAD_LAT: latency hint on the row-loop loads. occupancy: expected blocks per SM.
-    """
-
-    BLOCK_M: int = 64
-    BLOCK_K: int = 64
-    LOAD_LAT: int = 4
-    occupancy: int = 1
+# The row pass's tiles; see _block_pass_config.py.
+ChunkScanBwdDxConfig = BlockPassConfig
 
 
-def _wide(dims: SSDDims) -> bool:
-    """Whether a block's f32 accumulators crowd the register file: f32 (tf32) inputs, headdim >= 128 or
-    dstate >= 256. Measured on sm_90 cubins (cuobjdump -res-usage): 64 x 64 tiles are spill-free for
-    bf16/f16 at headdim 64, dstate <= 128, and spill otherwise, where 64 x 32 tiles spill least; blocks
-    of fewer than 64 sources lose wgmma (HMMA instead) and still spill."""
-    return dims.dtype == "float32" or dims.headdim >= 128 or dims.dstate >= 256
+def chunk_scan_bwd_dx_configs(dims: SSDDims, arch: str = "sm_90") -> list[BlockPassConfig]:
+    return block_pass_configs("chunk_scan_bwd_dx_configs", dims, arch)
 
 
-def chunk_scan_bwd_dx_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkScanBwdDxConfig]:
-    """The autotune space (sm_90): 64-source blocks (and 128 when not wide), 32/64-step tiles, latency
-    2/4, occupancy 1/2."""
-    check_arch("chunk_scan_bwd_dx_configs", arch)
-    block_ms = (64, 128) if not _wide(dims) and dims.chunk_size >= 128 else (64,)
-    return [ChunkScanBwdDxConfig(BLOCK_M=bm, BLOCK_K=bk, LOAD_LAT=lat, occupancy=occ)
-            for bm in block_ms
-            for bk in (32, 64)
-            for lat in (2, 4)
-            for occ in (1, 2)]
-
-
-def chunk_scan_bwd_dx_default_config(dims: SSDDims) -> ChunkScanBwdDxConfig:
-    """64 x 64 tiles, 64 x 32 when wide (see `_wide`)."""
-    return ChunkScanBwdDxConfig(BLOCK_M=64, BLOCK_K=32 if _wide(dims) else 64, LOAD_LAT=4, occupancy=1)
-
-
-def chunk_scan_bwd_dx_grid(dims: SSDDims, cfg: ChunkScanBwdDxConfig,
-                           heads_per_block: int) -> tuple[int, int]:
-    splits = dims.nheads // heads_per_block
-    return (splits * (dims.chunk_size // cfg.BLOCK_M) * dims.nchunks, dims.batch)
+def chunk_scan_bwd_dx_default_config(dims: SSDDims) -> BlockPassConfig:
+    return block_pass_default_config(dims)
 
 
 def chunk_scan_bwd_dx_launch(dims: SSDDims, cfg: ChunkScanBwdDxConfig | None = None, *,
@@ -231,7 +198,7 @@ def chunk_scan_bwd_dx_launch(dims: SSDDims, cfg: ChunkScanBwdDxConfig | None = N
     atomic_add = heads_per_block < dims.heads_per_group
     return Launch(
         kernel=select_kernel(CHUNK_SCAN_BWD_DX_KERNELS, dims, occupancy=cfg.occupancy),
-        grid=chunk_scan_bwd_dx_grid(dims, cfg, heads_per_block),
+        grid=block_pass_grid(dims, cfg, heads_per_block),
         args=("x", "B", "C", "D", dy, "dt_out", "dA_cumsum", "dstates", "seq_idx",
               "dx", "dB", "ddt_out", "ddA_state",
               dims.chunk_size, dims.headdim, dims.dstate, cfg.BLOCK_M, cfg.BLOCK_K, heads_per_block,

@@ -1,0 +1,50 @@
+"""Tile configuration shared by the two intra-chunk backward passes (chunk_scan_bwd_dc, chunk_scan_bwd_dx).
+
+Both walk a chunk in blocks of BLOCK_M rows (dc: output rows, dx: source rows) and, per block, the other
+side in steps of BLOCK_K; their register pressure, spill behaviour and tune spaces are the same.
+"""
+import dataclasses
+
+from jax_mamba2.kernels._common import SSDDims, check_arch
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPassConfig:
+    """BLOCK_M: rows of the chunk one block owns; BLOCK_K: rows of the other side per step (powers of
+    two dividing chunk_size). LOAD_LAT: latency hint on the step loads. occupancy: blocks per SM."""
+
+    BLOCK_M: int = 64
+    BLOCK_K: int = 64
+    LOAD_LAT: int = 4
+    occupancy: int = 1
+
+
+def is_wide(dims: SSDDims) -> bool:
+    """Whether a block's f32 accumulators crowd the register file: f32 (tf32) inputs, headdim >= 128 or
+    dstate >= 256. Measured on sm_90 cubins (cuobjdump -res-usage): 64 x 64 tiles are spill-free for
+    bf16/f16 at headdim 64, dstate <= 128, and spill otherwise, where 64 x 32 tiles spill least; blocks
+    of fewer than 64 rows lose wgmma (HMMA instead) and still spill."""
+    return dims.dtype == "float32" or dims.headdim >= 128 or dims.dstate >= 256
+
+
+def block_pass_configs(api: str, dims: SSDDims, arch: str) -> list[BlockPassConfig]:
+    """The autotune space (sm_90): 64-row blocks (and 128 when not wide), 32/64-row steps, latency 2/4,
+    occupancy 1/2."""
+    check_arch(api, arch)
+    block_ms = (64, 128) if not is_wide(dims) and dims.chunk_size >= 128 else (64,)
+    return [BlockPassConfig(BLOCK_M=bm, BLOCK_K=bk, LOAD_LAT=lat, occupancy=occ)
+            for bm in block_ms
+            for bk in (32, 64)
+            for lat in (2, 4)
+            for occ in (1, 2)]
+
+
+def block_pass_default_config(dims: SSDDims) -> BlockPassConfig:
+    """64 x 64 tiles, 64 x 32 when wide (see `is_wide`)."""
+    return BlockPassConfig(BLOCK_M=64, BLOCK_K=32 if is_wide(dims) else 64, LOAD_LAT=4, occupancy=1)
+
+
+def block_pass_grid(dims: SSDDims, cfg: BlockPassConfig, heads_per_block: int) -> tuple[int, int]:
+    """(head blocks * row blocks per chunk * nchunks, batch)."""
+    splits = dims.nheads // heads_per_block
+    return (splits * (dims.chunk_size // cfg.BLOCK_M) * dims.nchunks, dims.batch)
