@@ -1,6 +1,5 @@
 """The public op: checks, dispatch, and the custom VJP / vmap plumbing of opaque backends (CPU)."""
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp

@@ -27,14 +27,14 @@ dA_cumsum (batch, nheads, nchunks, CHUNK) f32; states, dstates (batch, nchunks, 
 seq_idx (batch, seqlen) int32 or a dummy; dfinal_states, dinitial_states (batch, nheads, headdim, dstate)
 f32; ddA_chunk (batch, nheads, nchunks, headdim/BLOCK_P * dstate/BLOCK_N) f32.
 """
-import dataclasses
-
 import cuda.tile as ct
 
 from jax_mamba2.kernels._backward_tiles import (
     chunk_end_id, operand, previous_chunk_end_id, row_ids)
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
+from jax_mamba2.kernels.chunk_state import (
+    ChunkStateConfig, chunk_state_fwd_default_config, chunk_state_fwd_grid)
 
 
 def _chunk_state_bwd_body(C, dy, dA_cumsum, states, seq_idx, dfinal_states,
@@ -110,18 +110,10 @@ CHUNK_STATE_BWD_KERNELS = int64_index_kernels(_make_chunk_state_bwd_kernel)
 chunk_state_bwd_kernel = CHUNK_STATE_BWD_KERNELS[0]
 
 
-@dataclasses.dataclass(frozen=True)
-class ChunkStateBwdConfig:
-    """Tile sizes and hints of `chunk_state_bwd_kernel`.
-
-    BLOCK_P, BLOCK_N: the gradient tile one block carries (powers of two dividing headdim, dstate).
-    LOAD_LAT: latency hint on the per-chunk loads. occupancy: expected blocks per SM.
-    """
-
-    BLOCK_P: int = 64
-    BLOCK_N: int = 32
-    LOAD_LAT: int = 4
-    occupancy: int = 2
+# The same state tile walk as the forward state pass: its config, default and grid.
+ChunkStateBwdConfig = ChunkStateConfig
+chunk_state_bwd_default_config = chunk_state_fwd_default_config
+chunk_state_bwd_grid = chunk_state_fwd_grid
 
 
 def chunk_state_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkStateBwdConfig]:
@@ -137,19 +129,9 @@ def chunk_state_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkSta
             for lat in (2, 4, 6)]
 
 
-def chunk_state_bwd_default_config(dims: SSDDims) -> ChunkStateBwdConfig:
-    """BLOCK_P = min(64, headdim), BLOCK_N = min(32, dstate), latency 4 (the forward's default)."""
-    return ChunkStateBwdConfig(BLOCK_P=min(64, dims.headdim), BLOCK_N=min(32, dims.dstate), LOAD_LAT=4,
-                               occupancy=2)
-
-
 def chunk_state_bwd_num_tiles(dims: SSDDims, cfg: ChunkStateBwdConfig) -> int:
     """State tiles per (batch, head): the last axis of ddA_chunk."""
     return (dims.headdim // cfg.BLOCK_P) * (dims.dstate // cfg.BLOCK_N)
-
-
-def chunk_state_bwd_grid(dims: SSDDims, cfg: ChunkStateBwdConfig) -> tuple[int, int, int]:
-    return (dims.batch * dims.nheads, dims.headdim // cfg.BLOCK_P, dims.dstate // cfg.BLOCK_N)
 
 
 def chunk_state_bwd_launch(dims: SSDDims, cfg: ChunkStateBwdConfig | None = None, *,

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, load_pretrained, save_pretrained
+from jax_mamba2.flax_layers import Mamba2LMHeadModel, load_pretrained, save_pretrained
 
 
 def _random_model(config):
