@@ -163,6 +163,20 @@ def _check_dt_limit(api, dt_limit):
     return (lo, hi)
 
 
+def _check_head_options(api, x, D, z, dt_bias):
+    """D, z and dt_bias against x (..., nheads, headdim): shared by `ssd` and `ssd_step`."""
+    nheads, headdim = x.shape[-2:]
+    if D is not None:
+        if not hasattr(D, "shape") or tuple(D.shape) not in ((nheads,), (nheads, headdim)):
+            raise ValueError(f"{api}: D.shape={getattr(D, 'shape', None)} must be (nheads,)=({nheads},) "
+                             f"or (nheads, headdim)=({nheads}, {headdim})")
+        _check_float(api, "D", D)
+    if z is not None:
+        _check_array(api, "z", z, "x.shape", x.shape)
+    if dt_bias is not None:
+        _check_array(api, "dt_bias", dt_bias, "(nheads,)", (nheads,))
+
+
 def _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx) -> Dims:
     api = "ssd"
     if not hasattr(x, "shape") or len(x.shape) != 4:
@@ -185,15 +199,7 @@ def _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq
         raise TypeError(f"ssd: chunk_size={chunk_size!r} must be a Python int")
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"ssd: chunk_size={chunk_size} must be a power of two")
-    if D is not None:
-        if not hasattr(D, "shape") or tuple(D.shape) not in ((nheads,), (nheads, headdim)):
-            raise ValueError(f"ssd: D.shape={getattr(D, 'shape', None)} must be (nheads,)=({nheads},) "
-                             f"or (nheads, headdim)=({nheads}, {headdim})")
-        _check_float(api, "D", D)
-    if z is not None:
-        _check_array(api, "z", z, "x.shape", x.shape)
-    if dt_bias is not None:
-        _check_array(api, "dt_bias", dt_bias, "(nheads,)", (nheads,))
+    _check_head_options(api, x, D, z, dt_bias)
     if initial_states is not None:
         _check_array(api, "initial_states", initial_states, "(batch, nheads, headdim, dstate)",
                      (batch, nheads, headdim, dstate))
@@ -366,15 +372,7 @@ def _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias):
     _check_array(api, "C", C, "(batch, ngroups, dstate)", (batch, ngroups, dstate))
     if ngroups < 1 or nheads % ngroups:
         raise ValueError(f"ssd_step: nheads={nheads} must be divisible by ngroups={ngroups}")
-    if D is not None:
-        if not hasattr(D, "shape") or tuple(D.shape) not in ((nheads,), (nheads, headdim)):
-            raise ValueError(f"ssd_step: D.shape={getattr(D, 'shape', None)} must be "
-                             f"(nheads,)=({nheads},) or (nheads, headdim)=({nheads}, {headdim})")
-        _check_float(api, "D", D)
-    if z is not None:
-        _check_array(api, "z", z, "x.shape", x.shape)
-    if dt_bias is not None:
-        _check_array(api, "dt_bias", dt_bias, "(nheads,)", (nheads,))
+    _check_head_options(api, x, D, z, dt_bias)
 
 
 def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
