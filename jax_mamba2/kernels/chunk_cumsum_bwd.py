@@ -32,13 +32,12 @@ ddA_state (batch, nheads, nchunks, CHUNK) f32; ddA_intra (batch, nheads, nchunks
 ddA_chunk (batch, nheads, nchunks, NUM_STATE_TILES) f32; ddt (batch, seqlen, nheads) f32;
 dA_partials, ddt_bias_partials (batch * nchunks, nheads) f32.
 """
-import dataclasses
-
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
     ConstBool, ConstFloat, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, next_power_of_2,
     select_kernel)
+from jax_mamba2.kernels.chunk_cumsum import ChunkCumsumConfig, chunk_cumsum_fwd_grid
 
 
 def _load_heads_rows(array, b, hb, c, BLOCK_H, CHUNK):
@@ -132,12 +131,9 @@ CHUNK_CUMSUM_BWD_KERNELS = int64_index_kernels(_make_chunk_cumsum_bwd_kernel)
 chunk_cumsum_bwd_kernel = CHUNK_CUMSUM_BWD_KERNELS[0]
 
 
-@dataclasses.dataclass(frozen=True)
-class ChunkCumsumBwdConfig:
-    """Tile sizes and hints of `chunk_cumsum_bwd_kernel`. BLOCK_H: heads per block (power of two)."""
-
-    BLOCK_H: int = 4
-    occupancy: int = 4
+# The forward's per-(chunk, head block) layout: its config and grid.
+ChunkCumsumBwdConfig = ChunkCumsumConfig
+chunk_cumsum_bwd_grid = chunk_cumsum_fwd_grid
 
 
 def chunk_cumsum_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkCumsumBwdConfig]:
@@ -153,10 +149,6 @@ def chunk_cumsum_bwd_default_config(dims: SSDDims) -> ChunkCumsumBwdConfig:
     """BLOCK_H so that one (BLOCK_H, CHUNK) tile holds at most 1K f32 values (8 heads at most)."""
     return ChunkCumsumBwdConfig(BLOCK_H=min(next_power_of_2(dims.nheads), max(1024 // dims.chunk_size, 1), 8),
                                 occupancy=4)
-
-
-def chunk_cumsum_bwd_grid(dims: SSDDims, cfg: ChunkCumsumBwdConfig) -> tuple[int, int, int]:
-    return (dims.nchunks, -(-dims.nheads // cfg.BLOCK_H), dims.batch)
 
 
 def chunk_cumsum_bwd_launch(dims: SSDDims, cfg: ChunkCumsumBwdConfig | None = None, *,
