@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
+# Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
+#   bash benchmarks/gpu_session.sh tests|bench|train [OUT]
+# Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
+# (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
+set -u
+part=${1:?usage: gpu_session.sh tests|bench|train [OUT]}
+out=${2:-${OUT:-gpu_out}}
+mkdir -p "$out"
+source .gpu/gpu-env.sh >/dev/null || exit 1
+# The device copy of the tree has no .git: pass the commit, JAX_MAMBA2_GIT_SHA=$(git rev-parse --short HEAD).
+export JAX_MAMBA2_GIT_SHA=${JAX_MAMBA2_GIT_SHA:-unknown}
+peers=(); [ -d .peers ] && peers=(--mamba-ssm .peers --jla .peers)
+
+step() {  # step NAME SECONDS COMMAND...: runs COMMAND under a cap, logging to $out/NAME.log
+  local name=$1 cap=$2; shift 2
+  echo "== $name (cap ${cap}s)"
+  timeout "$cap" "$@" > "$out/$name.log" 2>&1
+  echo "   exit $? ; $(grep -E '(passed|failed|error)' "$out/$name.log" | tail -1)"
+}
+
+case $part in
+  tests)  # default kernel configs: tuning every test shape would take minutes
+    export JAX_MAMBA2_AUTOTUNE=0
+    step bridge_gpu 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/bridge/test_cutile_gpu.py
+    step kernels_fwd_gpu 120 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/kernels/test_stages_gpu.py -k "not every"
+    step kernels_bwd_gpu 120 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/kernels/test_backward_gpu.py -k "not every"
+    ;;
+  bench)  # autotuned forward grid, then forward + backward on the first shapes, then the bridge overhead
+    export JAX_MAMBA2_CACHE_DIR=${JAX_MAMBA2_CACHE_DIR:-$out/tuning}
+    step ssd_fwd 330 python benchmarks/ssd.py "${peers[@]}" --out "$out"
+    step ssd_fwd_bwd 150 python benchmarks/ssd.py --direction fwd_bwd --quick "${peers[@]}" --out "$out"
+    step bridge_overhead 60 python benchmarks/bridge_overhead.py --out "$out"
+    ;;
+  train)  # issue 7's training check: the same 200 steps with the cuTile and the xla backends
+    for backend in cutile xla; do
+      step "train_$backend" 200 python examples/train_lm.py --steps 200 --d-model 256 --layers 4 \
+        --d-state 64 --headdim 64 --chunk-size 64 --seq-len 512 --batch 16 --dtype bfloat16 \
+        --backend "$backend" --out "$out/$backend"
+    done
+    step train_curves 30 python benchmarks/train_curves.py "$out/cutile/train_lm/metrics.json" \
+      "$out/xla/train_lm/metrics.json" --png "$out/train_curves_h200.png"
+    step jit_model 60 python examples/jit_model.py --out "$out"
+    ;;
+  *) echo "unknown part $part"; exit 2 ;;
+esac
