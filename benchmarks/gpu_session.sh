@@ -26,6 +26,7 @@ case $part in
     step bridge_gpu 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/bridge/test_cutile_gpu.py
     step kernels_fwd_gpu 120 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/kernels/test_stages_gpu.py -k "not every"
     step kernels_bwd_gpu 120 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/kernels/test_backward_gpu.py -k "not every"
+    step flax_gpu 150 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/flax_layers/test_lm_gpu.py
     ;;
   bench)  # autotuned forward grid, then forward + backward on the first shapes, then the bridge overhead
     export JAX_MAMBA2_CACHE_DIR=${JAX_MAMBA2_CACHE_DIR:-$out/tuning}
