@@ -49,6 +49,8 @@ class SSDStatic:
 
 
 class Dims(NamedTuple):
+    """The sizes `_check_inputs` read off the arguments."""
+
     batch: int
     seqlen: int
     nheads: int
@@ -103,15 +105,17 @@ def _load_optional_backends() -> Optional[str]:
     return None
 
 
-def _reference_forward(fn):
-    def forward(inputs: SSDInputs, static: SSDStatic):
-        kwargs = dict(D=inputs.D, z=inputs.z, dt_bias=inputs.dt_bias, dt_softplus=static.dt_softplus,
-                      dt_limit=static.dt_limit, initial_states=inputs.initial_states,
-                      seq_idx=inputs.seq_idx)
-        if fn is reference.ssd_chunked:
-            return fn(inputs.x, inputs.dt, inputs.A, inputs.B, inputs.C, static.chunk_size, **kwargs)
-        return fn(inputs.x, inputs.dt, inputs.A, inputs.B, inputs.C, **kwargs)
-    return forward
+def _reference_kwargs(inputs: SSDInputs, static: SSDStatic) -> dict:
+    return dict(D=inputs.D, z=inputs.z, dt_bias=inputs.dt_bias, dt_softplus=static.dt_softplus,
+                dt_limit=static.dt_limit, initial_states=inputs.initial_states, seq_idx=inputs.seq_idx)
+
+
+def _xla_forward(inputs: SSDInputs, static: SSDStatic):
+    return reference.ssd_chunked(*inputs[:5], static.chunk_size, **_reference_kwargs(inputs, static))
+
+
+def _scan_forward(inputs: SSDInputs, static: SSDStatic):
+    return reference.ssd_scan(*inputs[:5], **_reference_kwargs(inputs, static))
 
 
 def _always_supported(inputs, static):
@@ -124,10 +128,10 @@ def _reference_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
                               dt_softplus=dt_softplus, dt_limit=dt_limit)
 
 
-register_backend(Backend("xla", _reference_forward(reference.ssd_chunked), _always_supported,
-                         differentiable=True, step=_reference_step))
-register_backend(Backend("scan", _reference_forward(reference.ssd_scan), _always_supported,
-                         differentiable=True, step=_reference_step))
+register_backend(Backend("xla", _xla_forward, _always_supported, differentiable=True,
+                         step=_reference_step))
+register_backend(Backend("scan", _scan_forward, _always_supported, differentiable=True,
+                         step=_reference_step))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,6 +302,9 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
         h_t = exp(Δ_t A_h) h_{t-1} + Δ_t x_t ⊗ B_t,g(h);   y_t = h_t C_t,g(h) + D_h x_t;
         y_t *= silu(z_t) if z is given (the gate comes after D).
     dt math, decays, states and accumulation run in float32 (float64 for float64 inputs).
+    Differentiable in every float argument, also through final_states (the cuTile backends run cuTile
+    backward kernels; JAX_MAMBA2_DETERMINISTIC=1 makes their gradients bitwise reproducible), and
+    composes with jit, vmap and shard_map.
 
     Args:
       x: (batch, seqlen, nheads, headdim), bf16/f16/f32/f64.
