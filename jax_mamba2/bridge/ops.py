@@ -1,7 +1,8 @@
 """The SSD op and decode step on the cuTile kernels, for any plan executor (FFI or callback).
 
 Adds what raw kernel calls lack: a vmap rule (the mapped axis folds into the kernel's batch axis),
-outputs that keep shard_map's varying axes, and kernel configs chosen per problem.
+outputs that keep shard_map's varying axes, and kernel configs chosen per problem (forward and
+backward, see tuning.py).
 """
 from __future__ import annotations
 
@@ -86,7 +87,9 @@ def _backward_once(run_plan: RunPlan, inputs, static, dy, dfinal):
     arrays = problem.kernel_inputs(inputs, dims)
     arrays["dout"] = dy.astype(dims.dtype)
     arrays["dfinal_states"] = dfinal.astype(jnp.float32)
-    plan = backward_kernels.backward_plan(dims, deterministic=deterministic_backward())
+    deterministic = deterministic_backward()
+    plan = backward_kernels.backward_plan(dims, tuning.backward_configs(dims, deterministic),
+                                          deterministic=deterministic)
     out = _compat.match_varying_axes(run_plan(plan, arrays), (inputs, dy, dfinal))
 
     def like(grad, primal):

@@ -1,33 +1,43 @@
-"""Kernel configs per problem for the SSD forward: in-process dict -> on-disk cache -> autotune.
+"""Kernel configs per problem for the SSD forward and backward: in-process dict -> on-disk cache -> autotune.
 
-`forward_configs(dims)` returns the config of every forward stage (kernels.forward.FORWARD_STAGES) for
-this problem on this GPU. Lookup order, per stage:
+`forward_configs(dims)` returns the config of every forward stage (kernels.forward.FORWARD_STAGES) and
+`backward_configs(dims, deterministic)` that of every backward stage (kernels.backward.BACKWARD_STAGES)
+for this problem on this GPU. Lookup order, per stage:
 
 1. an in-process dict;
 2. a JSON file in `$JAX_MAMBA2_CACHE_DIR` (default `~/.cache/jax_mamba2/`), one file per GPU name,
    cuda-tile version, jax-mamba2 version and a fingerprint of the kernels' source (a changed kernel
    must not inherit configs tuned for the old one);
 3. if `$JAX_MAMBA2_AUTOTUNE` is unset or "1" and a CUDA GPU with torch or CuPy is present: tune now
-   with `cuda.tile.tune.exhaustive_search` on random inputs of the problem's shapes (`random_problem`,
+   with `cuda.tile.tune.exhaustive_search` on random inputs of the problem's shapes (`random_inputs`,
    viewed zero-copy as torch/CuPy arrays), store the winner and what every config measured, and use
    it;
 4. otherwise (tuning off, no GPU, neither torch nor CuPy, or a problem under MIN_TUNED_TOKEN_HEADS
    (token, head) pairs, which is launch-bound) the stage's default config
-   (`<stage>_fwd_default_config`).
+   (the stage module's `..._default_config`).
+
+The backward's recompute stages (chunk_cumsum, chunk_state) take the forward's configs: one cache
+entry serves both passes. Its own stages are tuned in plan order, each on the intermediates of the
+stages before it run with their chosen configs (so chunk_cumsum_bwd is timed reading the ddA layouts
+of the chosen chunk_scan_bwd_dc and chunk_state_bwd tilings, although its key does not name them).
 
 `JAX_MAMBA2_AUTOTUNE=0` turns off tuning, not the cache: point `JAX_MAMBA2_CACHE_DIR` at an empty
 directory as well to get the defaults everywhere.
 
 Cache keys name the stage, the SSDDims fields that stage's kernel specialises on (see `_STAGES`), the
-index width, and a power-of-two bucket of the stage's independent work items. Batch and seqlen are
+heads per block of the backward's group-reducing stages (which deterministic mode changes), the index
+width, and a power-of-two bucket of the stage's independent work items. Batch and seqlen are
 deliberately not in the keys (as in mamba_ssm's Triton autotune keys): only their bucket is, so a
 training run with varying lengths tunes once per bucket, not once per call.
 
-Tuning runs in Python when `ssd` is first traced for a problem, outside the traced computation, on a
-side stream. Writers hold an fcntl lock on `<file>.lock`, re-read the file under it, tune only
-the keys still missing and replace the file atomically (temp file + os.replace), so concurrent
-processes never corrupt it nor tune one key twice; readers need no lock. A tuning failure (no memory,
-a compiler error in every config) warns and falls back to the defaults: it never breaks the program.
+Tuning runs in Python when `ssd` (or its VJP) is first traced for a problem, outside the traced
+computation, on a side stream. Every timed run sees its buffers as the plan would: a buffer the plan
+zero-initialises (the atomic dB/dC sums) is zeroed before each run that writes it, and a config that
+changes a buffer's shape (BLOCK_M of ddA_intra) gets a scratch buffer of that shape. Writers hold an
+fcntl lock on `<file>.lock`, re-read the file under it, tune only the keys still missing and replace
+the file atomically (temp file + os.replace), so concurrent processes never corrupt it nor tune one
+key twice; readers need no lock. A tuning failure (no memory, a compiler error in every config) warns
+and falls back to the defaults: it never breaks the program.
 """
 from __future__ import annotations
 
@@ -35,6 +45,7 @@ import contextlib
 import dataclasses
 import datetime
 import fcntl
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -46,15 +57,17 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional
 
 import cuda.tile as ct
 import jax
 import jax.numpy as jnp
 
-from jax_mamba2.kernels import _common, chunk_cumsum, chunk_scan, chunk_state
+from jax_mamba2.kernels import (_common, chunk_cumsum, chunk_cumsum_bwd, chunk_scan, chunk_scan_bwd_dc,
+                                chunk_scan_bwd_dx, chunk_state, chunk_state_bwd, param_grads_bwd)
+from jax_mamba2.kernels import backward as backward_kernels
 from jax_mamba2.kernels import forward as forward_kernels
-from jax_mamba2.kernels._common import SUPPORTED_ARCHS, Launch, SSDDims
+from jax_mamba2.kernels._common import SUPPORTED_ARCHS, Buffer, Launch, Plan, SSDDims
 
 logger = logging.getLogger(__name__)
 
@@ -71,37 +84,86 @@ CACHE_SCHEMA = 1
 
 @dataclasses.dataclass(frozen=True)
 class _Stage:
-    """How to tune one forward stage: its kernel module's config functions and cache-key fields."""
+    """How to tune one stage: its kernel module's config functions and cache-key fields."""
 
     configs: Callable[[SSDDims, str], list]
     default_config: Callable[[SSDDims], Any]
-    launch: Callable[[SSDDims, Any], Launch]
     # SSDDims fields (or properties) the stage's kernel specialises on.
     key_fields: tuple[str, ...]
     # The stage's independent work items (its launch width before tiling), bucketed in the key.
     work_items: Callable[[SSDDims], int]
+    # Whether the launch gives a block several heads of a group (`heads_per_block`, which deterministic
+    # mode raises to heads_per_group): then that count is in the key and divides the work items.
+    blocks_span_heads: bool = False
 
 
+_BLOCK_PASS_KEY = ("chunk_size", "headdim", "dstate", "heads_per_group", "dtype", "has_seq_idx")
 _STAGES = {
+    # Forward (the first two also recompute the chunk quantities in the backward).
     "chunk_cumsum": _Stage(
         chunk_cumsum.chunk_cumsum_fwd_configs, chunk_cumsum.chunk_cumsum_fwd_default_config,
-        chunk_cumsum.chunk_cumsum_fwd_launch,
         key_fields=("chunk_size", "nheads", "dt_dtype", "dt_softplus", "has_dt_limit"),
         work_items=lambda d: d.batch * d.nchunks * d.nheads),
     "chunk_state": _Stage(
         chunk_state.chunk_state_fwd_configs, chunk_state.chunk_state_fwd_default_config,
-        chunk_state.chunk_state_fwd_launch,
         key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_init", "has_seq_idx"),
         # One block walks all chunks of one (batch, head): the parallelism is batch * nheads.
         work_items=lambda d: d.batch * d.nheads),
     "chunk_scan": _Stage(
         chunk_scan.chunk_scan_fwd_configs, chunk_scan.chunk_scan_fwd_default_config,
-        chunk_scan.chunk_scan_fwd_launch,
         key_fields=("chunk_size", "headdim", "dstate", "heads_per_group", "dtype", "has_z",
                     "has_seq_idx"),
         work_items=lambda d: d.batch * d.nchunks * d.nheads),
+    # Backward.
+    "chunk_scan_bwd_dc": _Stage(
+        chunk_scan_bwd_dc.chunk_scan_bwd_dc_configs, chunk_scan_bwd_dc.chunk_scan_bwd_dc_default_config,
+        key_fields=_BLOCK_PASS_KEY + ("has_z",),
+        work_items=lambda d: d.batch * d.nchunks * d.nheads, blocks_span_heads=True),
+    "chunk_state_bwd": _Stage(
+        chunk_state_bwd.chunk_state_bwd_configs, chunk_state_bwd.chunk_state_bwd_default_config,
+        key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_seq_idx"),
+        # The reverse chain over chunks, one (batch, head) per block as in the forward state pass.
+        work_items=lambda d: d.batch * d.nheads),
+    "chunk_scan_bwd_dx": _Stage(
+        chunk_scan_bwd_dx.chunk_scan_bwd_dx_configs, chunk_scan_bwd_dx.chunk_scan_bwd_dx_default_config,
+        key_fields=_BLOCK_PASS_KEY,
+        work_items=lambda d: d.batch * d.nchunks * d.nheads, blocks_span_heads=True),
+    "chunk_cumsum_bwd": _Stage(
+        chunk_cumsum_bwd.chunk_cumsum_bwd_configs, chunk_cumsum_bwd.chunk_cumsum_bwd_default_config,
+        key_fields=("chunk_size", "nheads", "dt_dtype", "dt_softplus", "has_dt_limit"),
+        work_items=lambda d: d.batch * d.nchunks * d.nheads),
+    "param_grads_bwd": _Stage(
+        param_grads_bwd.param_grads_bwd_configs, param_grads_bwd.param_grads_bwd_default_config,
+        key_fields=("nheads", "headdim"),
+        # Each head sums batch * nchunks partial rows.
+        work_items=lambda d: d.batch * d.nchunks * d.nheads),
 }
-assert tuple(_STAGES) == forward_kernels.FORWARD_STAGES
+assert set(forward_kernels.FORWARD_STAGES) | set(backward_kernels.BACKWARD_STAGES) == set(_STAGES)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlanSpec:
+    """A plan the tuner resolves stage by stage: the forward, or the backward in one determinism mode.
+
+    `stages` are in launch order (stage i is launch i of `plan(dims, configs)`); `inputs(dims)` gives
+    the shape and dtype of the plan's inputs.
+    """
+
+    stages: tuple[str, ...]
+    plan: Callable[[SSDDims, Mapping[str, Any]], Plan]
+    inputs: Callable[[SSDDims], dict[str, Buffer]]
+    deterministic: bool = False
+
+
+_FORWARD = _PlanSpec(forward_kernels.FORWARD_STAGES, forward_kernels.forward_plan,
+                     forward_kernels.forward_inputs)
+_BACKWARD = {
+    det: _PlanSpec(backward_kernels.BACKWARD_STAGES,
+                   functools.partial(backward_kernels.backward_plan, deterministic=det),
+                   backward_kernels.backward_inputs, deterministic=det)
+    for det in (False, True)}
+# The backward stages that recompute forward quantities: they take the forward's configs.
+_RECOMPUTED = tuple(s for s in backward_kernels.BACKWARD_STAGES if s in forward_kernels.FORWARD_STAGES)
 
 
 class GpuIdentity(NamedTuple):
@@ -113,7 +175,7 @@ class GpuIdentity(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class StageChoice:
-    """What `forward_configs` chose for one stage and where it came from.
+    """What `forward_configs` or `backward_configs` chose for one stage and where it came from.
 
     source: "tuned" (measured in this process), "disk" (read from the cache file), or "default"
     (`reason` says why no tuned config was used). `entry` is the cache entry (config fields,
@@ -137,12 +199,25 @@ _MEMORY_LOCK = threading.RLock()
 # Keys and files
 # ----------------------------------------------------------------------------------------------
 
-def stage_key(stage: str, dims: SSDDims) -> str:
-    """The cache key of `stage` for `dims`, e.g. "chunk_state/chunk_size=256,headdim=64,...,work=128"."""
+def _heads_per_block(dims: SSDDims, deterministic: bool) -> int:
+    """The heads of a group one block of the group-reducing backward stages owns (as backward_plan)."""
+    return dims.heads_per_group if deterministic else 1
+
+
+def stage_key(stage: str, dims: SSDDims, deterministic: bool = False) -> str:
+    """The cache key of `stage` for `dims`, e.g. "chunk_state/chunk_size=256,headdim=64,...,work=128".
+
+    `deterministic` (the backward's mode) only changes the key of stages whose launch it changes.
+    """
     spec = _STAGES[stage]
     fields = [f"{name}={getattr(dims, name)}" for name in spec.key_fields]
+    work = spec.work_items(dims)
+    if spec.blocks_span_heads:
+        heads_per_block = _heads_per_block(dims, deterministic)
+        fields.append(f"heads_per_block={heads_per_block}")
+        work //= heads_per_block
     fields.append(f"index64={_common.needs_int64_index(dims)}")
-    fields.append(f"work={_common.next_power_of_2(spec.work_items(dims))}")
+    fields.append(f"work={_common.next_power_of_2(work)}")
     return f"{stage}/" + ",".join(fields)
 
 
@@ -154,10 +229,10 @@ def _package_version() -> str:
 
 
 def _kernels_fingerprint() -> str:
-    """A hash of the forward kernels' source: tuned configs are only valid for the code they ran."""
+    """A hash of the kernels' source: tuned configs are only valid for the code they ran."""
     digest = hashlib.sha256()
-    for module in (_common, chunk_cumsum, chunk_state, chunk_scan):
-        digest.update(Path(module.__file__).read_bytes())
+    for path in sorted(Path(_common.__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
 
 
@@ -274,40 +349,38 @@ def _search_space(stage: str, dims: SSDDims, arch: str) -> list:
     return space if default in space else [default, *space]
 
 
-def random_problem(dims: SSDDims, seed: int = 0) -> dict[str, jax.Array]:
-    """Every array of the forward plan (kernels.forward.forward_arrays) as JAX arrays.
+def random_inputs(dims: SSDDims, *, backward: bool = False, seed: int = 0) -> dict[str, jax.Array]:
+    """Random inputs of the forward plan (kernels.forward.forward_inputs), or of the backward's.
 
-    Inputs get realistic random values: Δ = softplus(N(-3, 1)) after the kernel's own dt transform
-    (dt_bias = 0), A = -exp(U(-2, 1)), x/B/C/z/D/initial_states ~ N(0, 1), and with seq_idx four
-    packed sequences of equal length. Buffers (intermediates, outputs) are zeros. The arrays are
-    concrete even when called while a jit is being traced (where tuning runs).
+    Values are realistic: Δ = softplus(N(-3, 1)) after the kernel's own dt transform (dt_bias = 0),
+    A = -exp(U(-2, 1)), seq_idx four packed sequences of equal length, and every other input
+    (x, B, C, z, D, initial_states, dout, dfinal_states) ~ N(0, 1). The arrays are concrete even when
+    called while a jit is being traced (where tuning runs).
     """
+    spec = _BACKWARD[False] if backward else _FORWARD
+    return _random_arrays(dims, spec.inputs(dims), seed)
+
+
+def _random_arrays(dims: SSDDims, buffers: Mapping[str, Buffer], seed: int = 0) -> dict[str, jax.Array]:
     with jax.ensure_compile_time_eval():
-        return _random_problem(dims, seed)
+        keys = jax.random.split(jax.random.PRNGKey(seed), len(buffers))
+        return {name: _random_input(name, buf, key, dims)
+                for (name, buf), key in zip(buffers.items(), keys)}
 
 
-def _random_problem(dims: SSDDims, seed: int) -> dict[str, jax.Array]:
-    arrays = {}
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed), len(forward_kernels.FORWARD_INPUTS)))
-    for name, buf in forward_kernels.forward_arrays(dims).items():
-        dtype = jnp.dtype(buf.dtype)
-        if name not in forward_kernels.FORWARD_INPUTS:
-            arrays[name] = jnp.zeros(buf.shape, dtype)
-            continue
-        key = next(keys)
-        if name == "dt":
-            raw = jax.random.normal(key, buf.shape, jnp.float32) - 3.0
-            value = raw if dims.dt_softplus else jax.nn.softplus(raw)
-        elif name == "A":
-            value = -jnp.exp(jax.random.uniform(key, buf.shape, jnp.float32, -2.0, 1.0))
-        elif name == "dt_bias":
-            value = jnp.zeros(buf.shape, jnp.float32)
-        elif name == "seq_idx":
-            value = jnp.broadcast_to((jnp.arange(buf.shape[1]) * 4) // buf.shape[1], buf.shape)
-        else:
-            value = jax.random.normal(key, buf.shape, jnp.float32)
-        arrays[name] = value.astype(dtype)
-    return arrays
+def _random_input(name: str, buf: Buffer, key, dims: SSDDims) -> jax.Array:
+    if name == "dt":
+        raw = jax.random.normal(key, buf.shape, jnp.float32) - 3.0
+        value = raw if dims.dt_softplus else jax.nn.softplus(raw)
+    elif name == "A":
+        value = -jnp.exp(jax.random.uniform(key, buf.shape, jnp.float32, -2.0, 1.0))
+    elif name == "dt_bias":
+        value = jnp.zeros(buf.shape, jnp.float32)
+    elif name == "seq_idx":
+        value = jnp.broadcast_to((jnp.arange(buf.shape[1]) * 4) // buf.shape[1], buf.shape)
+    else:
+        value = jax.random.normal(key, buf.shape, jnp.float32)
+    return value.astype(buf.dtype)
 
 
 def _array_library():
@@ -336,8 +409,63 @@ def _side_stream(library):
     return library.cuda.Stream(non_blocking=True)
 
 
+def _zero_on_stream(views: Iterable, library, stream) -> None:
+    """Zeroes torch/CuPy arrays in `stream` order (before the stream's next kernel)."""
+    views = list(views)
+    if not views:
+        return
+    if library.__name__ == "torch":
+        with library.cuda.stream(stream):
+            for view in views:
+                view.zero_()
+    else:
+        with stream:
+            for view in views:
+                view.fill(0)
+
+
+class _BufferPool:
+    """Device buffers for the plans run while tuning, one per (name, shape, dtype).
+
+    Plans that differ only in one stage's config share every buffer whose shape that config leaves
+    unchanged; a config that changes a buffer's shape gets its own (scratch) buffer.
+    """
+
+    def __init__(self, library):
+        self._library = library
+        self._views: dict[tuple, Any] = {}
+
+    def views(self, buffers: Mapping[str, Buffer]) -> dict:
+        """{name: torch/CuPy view} for every buffer, allocating (as zeros) those not seen yet."""
+        for name, buf in buffers.items():
+            if (name, buf.shape, buf.dtype) not in self._views:
+                with jax.ensure_compile_time_eval():
+                    zeros = jnp.zeros(buf.shape, buf.dtype)
+                self._views[(name, buf.shape, buf.dtype)] = _device_views({name: zeros},
+                                                                         self._library)[name]
+        return {name: self._views[(name, buf.shape, buf.dtype)] for name, buf in buffers.items()}
+
+
 def _launch_args(launch: Launch, arrays: dict) -> tuple:
     return tuple(arrays[a] if isinstance(a, str) else a for a in launch.args)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TimedLaunch:
+    """One config of a stage, ready to time: its launch, the arrays it names, and those to zero
+    before every run (the buffers it writes that the plan zero-initialises, e.g. atomic sums)."""
+
+    launch: Launch
+    arrays: dict
+    zeroed: tuple
+
+
+def _timed_launch(plan: Plan, index: int, inputs: dict, pool: _BufferPool) -> _TimedLaunch:
+    launch = plan.launches[index]
+    arrays = {**inputs, **pool.views(plan.buffers)}
+    zeroed = tuple(arrays[name] for name in launch.writes
+                   if name in plan.buffers and plan.buffers[name].zero_init)
+    return _TimedLaunch(launch, arrays, zeroed)
 
 
 def _measurement_record(measurement) -> dict:
@@ -345,23 +473,24 @@ def _measurement_record(measurement) -> dict:
             "error_us": measurement.error_margin_us, "samples": measurement.num_samples}
 
 
-def _tune_one(stage: str, dims: SSDDims, arch: str, arrays: dict, stream, progress) -> dict:
-    """Runs exhaustive_search over the stage's space on `arrays`; returns the cache entry."""
+def _tune_one(stage: str, dims: SSDDims, timed: Mapping[Any, _TimedLaunch], library, stream) -> dict:
+    """Runs exhaustive_search over `timed` (config -> its launch) on the GPU; returns the cache entry."""
     from tqdm.auto import tqdm
 
-    space = _search_space(stage, dims, arch)
-    launches = {cfg: _STAGES[stage].launch(dims, cfg) for cfg in space}
-    with tqdm(total=len(space), desc=f"jax_mamba2 tuning {stage}", unit="config",
-              disable=not progress) as bar:
+    space = list(timed)
+    with tqdm(total=len(space), desc=f"jax_mamba2 tuning {stage}", unit="config") as bar:
         def kernel_of(cfg):  # called once per config, before its compile: drives the bar
             bar.update(1)
-            return launches[cfg].kernel
+            return timed[cfg].launch.kernel
+
+        def args_of(cfg):  # called before every run of `cfg`
+            _zero_on_stream(timed[cfg].zeroed, library, stream)
+            return _launch_args(timed[cfg].launch, timed[cfg].arrays)
 
         start = time.perf_counter()
         with ct.compiler_timeout(COMPILE_TIMEOUT_S):
             result = ct.tune.exhaustive_search(
-                space, stream, lambda cfg: launches[cfg].grid, kernel_of,
-                lambda cfg: _launch_args(launches[cfg], arrays), quiet=True)
+                space, stream, lambda cfg: timed[cfg].launch.grid, kernel_of, args_of, quiet=True)
         seconds = time.perf_counter() - start
     logger.info("jax_mamba2 tuning %s for %s:\n%s", stage, dims, result.summary())
     default = _STAGES[stage].default_config(dims)
@@ -381,21 +510,33 @@ def _tune_one(stage: str, dims: SSDDims, arch: str, arrays: dict, stream, progre
     }
 
 
-def _tune_stages(dims: SSDDims, stages: list[str], arch: str) -> Iterator[tuple[str, dict]]:
-    """Tunes `stages` (in plan order) for `dims` on the GPU; yields (stage, entry) as each finishes.
+def _tune_stages(dims: SSDDims, spec: _PlanSpec, stages: list[str], configs: Mapping[str, Any],
+                 arch: str) -> Iterator[tuple[str, dict]]:
+    """Tunes `stages` of `spec`'s plan (in plan order) on the GPU; yields (stage, entry) as each finishes.
 
-    The whole default plan runs first so every stage tunes on real intermediate inputs (dA_cumsum,
-    states); the stages write only their own outputs, so re-running one leaves the others' valid.
-    Everything runs on a side stream, synchronised before returning.
+    `configs` holds the config of every stage of the plan (the starting point for those tuned). Before
+    a stage is tuned, the stages before it run with their configs (the winners, for those just tuned),
+    so it is timed on real intermediate inputs; a stage writes only its own buffers, so re-running it
+    leaves the inputs of the others valid. Everything runs on a side stream, synchronised at the end.
     """
     library = _array_library()
     stream = _side_stream(library)
-    arrays = _device_views(random_problem(dims), library)
-    for launch in forward_kernels.forward_plan(dims).launches:
-        ct.launch(stream, launch.grid, launch.kernel, _launch_args(launch, arrays))
-    for stage in forward_kernels.FORWARD_STAGES:
-        if stage in stages:
-            yield stage, _tune_one(stage, dims, arch, arrays, stream, progress=True)
+    inputs = _device_views(_random_arrays(dims, spec.inputs(dims)), library)
+    pool = _BufferPool(library)
+    configs = dict(configs)
+    for index, stage in enumerate(spec.stages):
+        if stage not in stages:
+            continue
+        base = spec.plan(dims, configs)
+        arrays = {**inputs, **pool.views(base.buffers)}
+        _zero_on_stream((arrays[n] for n, buf in base.buffers.items() if buf.zero_init), library, stream)
+        for launch in base.launches[:index]:
+            ct.launch(stream, launch.grid, launch.kernel, _launch_args(launch, arrays))
+        timed = {cfg: _timed_launch(spec.plan(dims, {**configs, stage: cfg}), index, inputs, pool)
+                 for cfg in _search_space(stage, dims, arch)}
+        entry = _tune_one(stage, dims, timed, library, stream)
+        configs[stage] = _config_from_entry(stage, dims, entry)
+        yield stage, entry
     stream.synchronize()
 
 
@@ -430,13 +571,26 @@ def _stored_choice(stage: str, dims: SSDDims, key: str, entry: dict, source: str
     return None if config is None else StageChoice(stage, key, config, source, entry=entry)
 
 
-def _resolve(dims: SSDDims) -> dict[str, StageChoice]:
-    keys = {s: stage_key(s, dims) for s in _STAGES}
+def _resolve(dims: SSDDims, spec: _PlanSpec,
+             given: Optional[Mapping[str, StageChoice]] = None) -> dict[str, StageChoice]:
+    """The choice of every stage of `spec`: `given` ones as they are, the others looked up or tuned."""
+    given = dict(given or {})
+    own = [s for s in spec.stages if s not in given]
+    keys = {s: stage_key(s, dims, spec.deterministic) for s in own}
     gpu = _gpu_identity()
     if gpu is None:
-        return _default_choices(dims, _STAGES, "no CUDA GPU is visible to JAX", keys)
-    if gpu.arch not in SUPPORTED_ARCHS:
-        return _default_choices(dims, _STAGES, f"no tuning space for arch={gpu.arch}", keys)
+        choices = _default_choices(dims, own, "no CUDA GPU is visible to JAX", keys)
+    elif gpu.arch not in SUPPORTED_ARCHS:
+        choices = _default_choices(dims, own, f"no tuning space for arch={gpu.arch}", keys)
+    else:
+        choices = _lookup(dims, spec, given, keys, gpu)
+    choices.update(given)
+    return {s: choices[s] for s in spec.stages}
+
+
+def _lookup(dims: SSDDims, spec: _PlanSpec, given: Mapping[str, StageChoice], keys: dict[str, str],
+            gpu: GpuIdentity) -> dict[str, StageChoice]:
+    """Choices for the stages of `keys`: memory, then disk, then tuning, else defaults."""
     path = cache_path(gpu)
     with _MEMORY_LOCK:
         choices = {s: _MEMORY[(str(path), k)] for s, k in keys.items() if (str(path), k) in _MEMORY}
@@ -448,26 +602,29 @@ def _resolve(dims: SSDDims) -> dict[str, StageChoice]:
                     choice = _stored_choice(stage, dims, key, stored[key], "disk")
                     if choice is not None:
                         choices[stage] = choice
-            missing = [s for s in _STAGES if s not in choices]
+            missing = [s for s in keys if s not in choices]
             reason = _tuning_disabled_reason(dims)
             if missing and reason is None:
-                choices.update(_tune_into_cache(cache, dims, missing, keys, gpu.arch))
+                known = {s: c.config for s, c in {**given, **choices}.items()}
+                configs = {s: known[s] if s in known else _STAGES[s].default_config(dims)
+                           for s in spec.stages}
+                choices.update(_tune_into_cache(cache, dims, spec, missing, keys, configs, gpu.arch))
             for choice in choices.values():
                 _MEMORY[(str(path), choice.key)] = choice
-            missing = [s for s in _STAGES if s not in choices]
+            missing = [s for s in keys if s not in choices]
             choices.update(_default_choices(dims, missing, reason or "tuning failed", keys))
-    return {s: choices[s] for s in _STAGES}
+    return choices
 
 
-def _tune_into_cache(cache: _TuningCache, dims: SSDDims, stages: list[str], keys: dict[str, str],
-                     arch: str) -> dict[str, StageChoice]:
+def _tune_into_cache(cache: _TuningCache, dims: SSDDims, spec: _PlanSpec, stages: list[str],
+                     keys: dict[str, str], configs: dict[str, Any], arch: str) -> dict[str, StageChoice]:
     """Tunes `stages` into `cache` (or reads what another process stored meanwhile)."""
     stage_of = {keys[s]: s for s in stages}
     tuned_here = set()
 
     def tune(missing_keys):
         tuned_here.update(missing_keys)
-        for stage, entry in _tune_stages(dims, [stage_of[k] for k in missing_keys], arch):
+        for stage, entry in _tune_stages(dims, spec, [stage_of[k] for k in missing_keys], configs, arch):
             yield keys[stage], entry
 
     try:
@@ -487,6 +644,13 @@ def _tune_into_cache(cache: _TuningCache, dims: SSDDims, stages: list[str], keys
     return choices
 
 
+def _choices(dims: SSDDims, backward: bool, deterministic: bool) -> dict[str, StageChoice]:
+    forward = _resolve(dims, _FORWARD)
+    if not backward:
+        return forward
+    return _resolve(dims, _BACKWARD[deterministic], {s: forward[s] for s in _RECOMPUTED})
+
+
 def forward_configs(dims: SSDDims) -> dict[str, Any]:
     """The config of every forward stage for `dims` on this GPU (see the module docstring).
 
@@ -500,18 +664,39 @@ def forward_configs(dims: SSDDims) -> dict[str, Any]:
     Raises:
       ValueError: when $JAX_MAMBA2_AUTOTUNE is neither "0" nor "1".
     """
-    return {stage: choice.config for stage, choice in _resolve(dims).items()}
+    return {stage: choice.config for stage, choice in _choices(dims, False, False).items()}
 
 
-def tune_report(dims: SSDDims) -> dict[str, dict]:
-    """What `forward_configs(dims)` uses and what was measured, per stage (JSON-ready).
+def backward_configs(dims: SSDDims, deterministic: bool = False) -> dict[str, Any]:
+    """The config of every backward stage for `dims` on this GPU (see the module docstring).
+
+    The recompute stages (chunk_cumsum, chunk_state) get `forward_configs(dims)`'s configs.
+
+    Args:
+      dims: the problem, as `kernels.backward.backward_plan` takes it.
+      deterministic: the plan's mode (it changes the launches of the group-reducing stages, so they
+        are tuned per mode when a group has several heads).
+
+    Returns:
+      {stage: config} for every stage of kernels.backward.BACKWARD_STAGES, ready for
+      `backward_plan(dims, configs, deterministic=deterministic)`.
+
+    Raises:
+      ValueError: when $JAX_MAMBA2_AUTOTUNE is neither "0" nor "1".
+    """
+    return {stage: choice.config for stage, choice in _choices(dims, True, deterministic).items()}
+
+
+def tune_report(dims: SSDDims, *, backward: bool = False, deterministic: bool = False) -> dict[str, dict]:
+    """What `forward_configs(dims)` (or `backward_configs(dims, deterministic)` with `backward`) uses
+    and what was measured, per stage (JSON-ready).
 
     Each value has "key", "source" ("tuned", "disk" or "default"), "reason" (for defaults), "config"
     (field dict) and, for tuned or cached choices, the cache entry's "mean_us", "default_mean_us",
     "measured" (every config's mean/error in us), "failures" and "tuning_s".
     """
     report = {}
-    for stage, choice in _resolve(dims).items():
+    for stage, choice in _choices(dims, backward, deterministic).items():
         report[stage] = {"key": choice.key, "source": choice.source, "reason": choice.reason,
                          **(choice.entry or {}), "config": _config_fields(choice.config)}
     return report

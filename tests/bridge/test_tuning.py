@@ -1,24 +1,29 @@
 """Kernel config lookup: cache keys, the on-disk cache, concurrent writers, env switches, fallbacks.
 
-Tuning itself needs a GPU; here the GPU identity and the tuner are replaced by fakes, so the lookup
-order, the file format and the locking are checked on CPU.
+Tuning itself needs a GPU; here the GPU identity and the tuner (or the search, launches and array
+library under it) are replaced by fakes, so the lookup order, the file format, the locking and what
+each timed launch is given are checked on CPU.
 """
+import contextlib
 import dataclasses
 import json
 import multiprocessing
 import time
+import types
 
 import jax
 import jax.extend
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-pytest.importorskip("cuda.tile")
+ct = pytest.importorskip("cuda.tile")
 
 from jax_mamba2 import op  # noqa: E402
 from jax_mamba2.bridge import tuning  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
-from jax_mamba2.kernels.forward import FORWARD_STAGES, forward_arrays  # noqa: E402
+from jax_mamba2.kernels.backward import BACKWARD_STAGES, backward_inputs, backward_plan  # noqa: E402
+from jax_mamba2.kernels.forward import FORWARD_STAGES, forward_inputs, forward_plan  # noqa: E402
 from tests._helpers import make_ssd_args  # noqa: E402
 
 DIMS = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=128, chunk_size=256)
@@ -43,17 +48,23 @@ def _non_default_config(stage, dims):
     return next(c for c in reversed(spec.configs(dims, "sm_90")) if c != default)
 
 
-def _fake_tuner(calls):
-    """A `_tune_stages` stand-in that records its calls and picks a non-default config per stage."""
-    def tune_stages(dims, stages, arch):
+BACKWARD_OWN = [s for s in BACKWARD_STAGES if s not in FORWARD_STAGES]
+
+
+def _fake_tuner(calls, given=None):
+    """A `_tune_stages` stand-in that records its calls (and, into `given`, the configs it starts
+    from) and picks a non-default config per stage."""
+    def tune_stages(dims, spec, stages, configs, arch):
         calls.append(list(stages))
+        if given is not None:
+            given.append(dict(configs))
         for stage in stages:
             cfg = _non_default_config(stage, dims)
             yield stage, {"config": dataclasses.asdict(cfg), "mean_us": 1.0, "measured": []}
     return tune_stages
 
 
-def _refuse_tuning(dims, stages, arch):
+def _refuse_tuning(dims, spec, stages, configs, arch):
     raise AssertionError("tuning must not run here")
 
 
@@ -118,33 +129,173 @@ def test_forward_configs_retunes_only_stale_entries(cache_dir, monkeypatch):
     assert sources == {"chunk_cumsum": "disk", "chunk_state": "disk", "chunk_scan": "tuned"}
 
 
-def test_forward_configs_env_off_uses_defaults(cache_dir, monkeypatch):
+def test_stage_key_names_heads_per_block_where_deterministic_changes_the_launch():
+    grouped = DIMS  # 32 heads in one group: deterministic mode gives a block the whole group
+    assert tuning.stage_key("chunk_scan_bwd_dc", grouped) == (
+        "chunk_scan_bwd_dc/chunk_size=256,headdim=64,dstate=128,heads_per_group=32,dtype=bfloat16,"
+        "has_seq_idx=False,has_z=False,heads_per_block=1,index64=False,work=4096")
+    assert tuning.stage_key("chunk_scan_bwd_dx", grouped, deterministic=True).endswith(
+        "heads_per_block=32,index64=False,work=128")
+    for stage in BACKWARD_STAGES:
+        differs = tuning.stage_key(stage, grouped) != tuning.stage_key(stage, grouped, True)
+        assert differs == (stage in ("chunk_scan_bwd_dc", "chunk_scan_bwd_dx")), stage
+    # One head per group: both modes launch the same kernels, so they share every key.
+    per_head = dataclasses.replace(DIMS, ngroups=DIMS.nheads)
+    assert all(tuning.stage_key(s, per_head) == tuning.stage_key(s, per_head, True) for s in BACKWARD_STAGES)
+
+
+def test_backward_configs_reuse_forward_recompute_configs_and_tune_the_rest_once(cache_dir, monkeypatch):
+    calls, given = [], []
+    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner(calls, given))
+    forward = tuning.forward_configs(DIMS)
+    backward = tuning.backward_configs(DIMS)
+    assert calls == [list(FORWARD_STAGES), BACKWARD_OWN]
+    assert backward == {**{s: forward[s] for s in ("chunk_cumsum", "chunk_state")},
+                        **{s: _non_default_config(s, DIMS) for s in BACKWARD_OWN}}
+    # The backward stages were tuned after the forward's recompute configs, the others at defaults.
+    assert given[1] == {**{s: forward[s] for s in ("chunk_cumsum", "chunk_state")},
+                        **{s: tuning._STAGES[s].default_config(DIMS) for s in BACKWARD_OWN}}
+    stored = json.loads(tuning.cache_path(FAKE_GPU).read_text())["entries"]
+    assert set(stored) == {tuning.stage_key(s, DIMS) for s in FORWARD_STAGES + BACKWARD_STAGES}
+
+    # A new process: the disk answers for both passes.
+    tuning.clear_memory()
+    monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
+    assert tuning.backward_configs(DIMS) == backward
+    assert {r["source"] for r in tuning.tune_report(DIMS, backward=True).values()} == {"disk"}
+
+
+def test_backward_configs_deterministic_tunes_only_the_group_reducing_stages_again(cache_dir, monkeypatch):
+    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner([]))
+    tuning.backward_configs(DIMS, deterministic=False)
+    tuning.clear_memory()
+    calls = []
+    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner(calls))
+    report = tuning.tune_report(DIMS, backward=True, deterministic=True)
+    assert calls == [["chunk_scan_bwd_dc", "chunk_scan_bwd_dx"]]
+    tuned = {s for s, r in report.items() if r["source"] == "tuned"}
+    assert tuned == {"chunk_scan_bwd_dc", "chunk_scan_bwd_dx"}
+    assert "heads_per_block=32" in report["chunk_scan_bwd_dc"]["key"]
+
+
+class _FakeStream:
+    """A CuPy-like stream: a context manager that orders nothing (everything here is synchronous)."""
+
+    def __init__(self, non_blocking=False):
+        del non_blocking
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        pass
+
+
+# A CuPy-like array library over NumPy: `from_dlpack` gives a writable host copy.
+_FAKE_LIBRARY = types.SimpleNamespace(__name__="cupy", from_dlpack=np.array,
+                                      cuda=types.SimpleNamespace(Stream=_FakeStream))
+
+
+def test_tune_stages_times_each_config_on_its_plan_buffers_and_rezeroes_atomic_sums(monkeypatch):
+    """The real backward tuning loop with the GPU parts faked: what every launch and timed run gets."""
+    dims = SSDDims(batch=1, seqlen=256, nheads=4, headdim=16, ngroups=2, dstate=16, chunk_size=128)
+    events = []
+
+    def launch(stream, grid, kernel, args):
+        events.append(("launch", grid, kernel, [np.shape(a) for a in args]))
+
+    def exhaustive_search(space, stream, grid_fn, kernel_fn, args_fn, quiet):
+        runs = {}
+        for cfg in space:
+            kernel_fn(cfg)
+            runs[cfg] = []
+            for _ in range(2):  # each run sees its arrays, then "accumulates" into every one of them
+                args = args_fn(cfg)
+                runs[cfg].append((grid_fn(cfg), [np.shape(a) for a in args],
+                                  [bool(np.all(a == 0)) if isinstance(a, np.ndarray) else None
+                                   for a in args]))
+                for a in args:
+                    if isinstance(a, np.ndarray) and a.dtype == np.float32:
+                        a += 1.0
+        events.append(("search", runs))
+        measured = [ct.tune.Measurement(config=c, mean_us=float(i), num_samples=5, error_margin_us=0.1)
+                    for i, c in enumerate(reversed(space))]
+        return ct.tune.TuningResult(best=measured[0], successes=measured, failures=[])
+
+    fake_ct = types.SimpleNamespace(launch=launch, compiler_timeout=lambda s: contextlib.nullcontext(),
+                                    tune=types.SimpleNamespace(exhaustive_search=exhaustive_search))
+    monkeypatch.setattr(tuning, "ct", fake_ct)
+    monkeypatch.setattr(tuning, "_array_library", lambda: _FAKE_LIBRARY)
+
+    start = {s: tuning._STAGES[s].default_config(dims) for s in BACKWARD_STAGES}
+    spec = tuning._BACKWARD[False]
+    entries = dict(tuning._tune_stages(dims, spec, BACKWARD_OWN, start, "sm_90"))
+    assert list(entries) == BACKWARD_OWN
+
+    configs, i = dict(start), 0
+    for index, stage in enumerate(BACKWARD_STAGES):
+        if stage not in BACKWARD_OWN:
+            continue
+        # The stages before this one ran first, with the configs chosen so far, on buffers of their shapes.
+        base = backward_plan(dims, configs)
+        arrays = {**backward_inputs(dims), **base.buffers}
+        for launch_ in base.launches[:index]:
+            assert events[i][:3] == ("launch", launch_.grid, launch_.kernel), (stage, events[i][:3])
+            assert events[i][3] == [arrays[a].shape if isinstance(a, str) else () for a in launch_.args]
+            i += 1
+        kind, runs = events[i]
+        i += 1
+        assert kind == "search" and list(runs) == tuning._search_space(stage, dims, "sm_90")
+        for cfg, cfg_runs in runs.items():
+            plan = backward_plan(dims, {**configs, stage: cfg})
+            timed, arrays = plan.launches[index], {**backward_inputs(dims), **plan.buffers}
+            for grid, shapes, zero in cfg_runs:
+                assert grid == timed.grid
+                assert shapes == [arrays[a].shape if isinstance(a, str) else () for a in timed.args]
+                for position, name in enumerate(timed.args):
+                    if name in ("dB", "dC"):  # atomic sums (2 heads per group): zero before every run
+                        assert plan.buffers[name].zero_init and zero[position], (stage, cfg, name)
+        # The fake search ranks the last config of the space first: it is the winner.
+        assert entries[stage]["config"] == dataclasses.asdict(list(runs)[-1])
+        configs[stage] = list(runs)[-1]
+    assert i == len(events)
+    # The intra-chunk passes were timed with 128-row blocks too (a differently shaped ddA_intra).
+    assert configs["chunk_scan_bwd_dc"].BLOCK_M == 128
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_configs_env_off_uses_defaults(cache_dir, monkeypatch, backward):
     monkeypatch.setenv(tuning.ENV_AUTOTUNE, "0")
     monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
-    report = tuning.tune_report(DIMS)
-    for stage, spec in tuning._STAGES.items():
-        assert report[stage]["source"] == "default"
-        assert report[stage]["reason"] == f"{tuning.ENV_AUTOTUNE}=0"
-        assert report[stage]["config"] == dataclasses.asdict(spec.default_config(DIMS))
+    report = tuning.tune_report(DIMS, backward=backward)
+    assert tuple(report) == (BACKWARD_STAGES if backward else FORWARD_STAGES)
+    for stage, r in report.items():
+        assert r["source"] == "default" and r["reason"] == f"{tuning.ENV_AUTOTUNE}=0"
+        assert r["config"] == dataclasses.asdict(tuning._STAGES[stage].default_config(DIMS))
     assert not list(cache_dir.iterdir())
 
 
-def test_forward_configs_without_gpu_uses_defaults(cache_dir, monkeypatch):
+def test_configs_without_gpu_use_defaults(cache_dir, monkeypatch):
     monkeypatch.setattr(tuning, "_gpu_identity", lambda: None)
     monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
-    configs = tuning.forward_configs(DIMS)
-    assert configs == {s: spec.default_config(DIMS) for s, spec in tuning._STAGES.items()}
+    defaults = {s: spec.default_config(DIMS) for s, spec in tuning._STAGES.items()}
+    assert tuning.forward_configs(DIMS) == {s: defaults[s] for s in FORWARD_STAGES}
+    assert tuning.backward_configs(DIMS, deterministic=True) == {s: defaults[s] for s in BACKWARD_STAGES}
     assert not list(cache_dir.iterdir())
 
 
-def test_forward_configs_tuning_failure_warns_and_uses_defaults(cache_dir, monkeypatch):
-    def broken(dims, stages, arch):
+@pytest.mark.parametrize("backward", [False, True])
+def test_configs_tuning_failure_warns_and_uses_defaults(cache_dir, monkeypatch, backward):
+    def broken(dims, spec, stages, configs, arch):
         raise RuntimeError("out of memory")
         yield  # a generator, like the real tuner
 
     monkeypatch.setattr(tuning, "_tune_stages", broken)
     with pytest.warns(RuntimeWarning, match="autotuning .* failed .*out of memory"):
-        report = tuning.tune_report(DIMS)
+        report = tuning.tune_report(DIMS, backward=backward)
     assert {r["source"] for r in report.values()} == {"default"}
     assert tuning._TuningCache(tuning.cache_path(FAKE_GPU)).read() == {}
 
@@ -215,8 +366,29 @@ def test_cutile_forward_traces_with_the_configs_forward_configs_returns(monkeypa
     inputs = op.SSDInputs(*args, None, None, None, None, None)
     jaxpr = jax.make_jaxpr(lambda inp: op._run_backend(op._BACKENDS["cutile"], inp, static))(inputs)
     grids = [tuple(e.params["grid"]) for e in _cutile_calls(jaxpr.jaxpr)]
-    expected = [tuning._STAGES[s].launch(dims, chosen[s]).grid for s in FORWARD_STAGES]
+    expected = [launch.grid for launch in forward_plan(dims, chosen).launches]
     assert grids == [g + (1,) * (3 - len(g)) for g in expected]  # cutile_call pads grids to 3-D
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cutile_backward_traces_with_the_configs_backward_configs_returns(monkeypatch, deterministic):
+    """The bridge's backward builds its plan from `backward_configs` in the env's determinism mode."""
+    monkeypatch.setenv("JAX_MAMBA2_DETERMINISTIC", "1" if deterministic else "0")
+    args, kwargs = make_ssd_args(0, batch=2, seqlen=256, nheads=4, headdim=32, ngroups=2, dstate=32)
+    dims = SSDDims(batch=2, seqlen=256, nheads=4, headdim=32, ngroups=2, dstate=32, chunk_size=128,
+                   dtype="float32")
+    chosen = {s: _non_default_config(s, dims) for s in BACKWARD_STAGES}
+    seen = []
+    monkeypatch.setattr(tuning, "backward_configs", lambda d, det: seen.append(det) or chosen)
+    static = op.SSDStatic(128, False, (0.0, float("inf")))
+    inputs = op.SSDInputs(*args, None, None, None, None, None)
+    dy, dfinal = jnp.ones_like(args[0]), jnp.ones((2, 4, 32, 32), jnp.float32)
+    backward = op._BACKENDS["cutile"].backward
+    jaxpr = jax.make_jaxpr(lambda inp, dy, df: backward(inp, static, dy, df))(inputs, dy, dfinal)
+    grids = [tuple(e.params["grid"]) for e in _cutile_calls(jaxpr.jaxpr)]
+    expected = [launch.grid for launch in backward_plan(dims, chosen, deterministic=deterministic).launches]
+    assert seen == [deterministic]
+    assert grids == [g + (1,) * (3 - len(g)) for g in expected]
 
 
 def _cutile_calls(jaxpr) -> list:
@@ -229,12 +401,17 @@ def _cutile_calls(jaxpr) -> list:
     return found
 
 
-def test_random_problem_matches_plan_arrays_with_realistic_values():
+def test_random_inputs_match_plan_inputs_with_realistic_values():
     dims = SSDDims(batch=2, seqlen=100, nheads=4, headdim=16, ngroups=2, dstate=16, chunk_size=64,
                    has_z=True, has_init=True, has_seq_idx=True)
-    arrays = tuning.random_problem(dims)
-    for name, buf in forward_arrays(dims).items():
-        assert (arrays[name].shape, arrays[name].dtype) == (buf.shape, jnp.dtype(buf.dtype)), name
+    for backward, specs in [(False, forward_inputs(dims)), (True, backward_inputs(dims))]:
+        inputs = tuning.random_inputs(dims, backward=backward)
+        assert list(inputs) == list(specs)
+        for name, buf in specs.items():
+            assert (inputs[name].shape, inputs[name].dtype) == (buf.shape, jnp.dtype(buf.dtype)), name
+    arrays = tuning.random_inputs(dims, backward=True)
+    assert float(jnp.abs(arrays["dout"].astype(jnp.float32)).mean()) > 0.5
+    assert float(jnp.abs(arrays["dfinal_states"]).mean()) > 0.5
     # Without dt_softplus, dt is Δ itself: softplus(N(-3, 1)), positive with median ~0.05.
     assert bool(jnp.all(arrays["dt"] > 0)) and 0.02 < float(jnp.median(arrays["dt"])) < 0.1
     assert bool(jnp.all(arrays["A"] < 0))
@@ -243,13 +420,13 @@ def test_random_problem_matches_plan_arrays_with_realistic_values():
     assert float(jnp.abs(arrays["x"].astype(jnp.float32)).mean()) > 0.5
 
 
-def test_random_problem_is_concrete_inside_a_jit_trace():
+def test_random_inputs_are_concrete_inside_a_jit_trace():
     """Tuning runs while `ssd` is traced: its arrays must be real device arrays, not tracers."""
     dims = SSDDims(batch=1, seqlen=64, nheads=2, headdim=16, ngroups=1, dstate=16, chunk_size=64)
     seen = {}
 
     def traced(x):
-        seen.update(tuning.random_problem(dims))
+        seen.update(tuning.random_inputs(dims))
         return x
 
     jax.jit(traced)(jnp.zeros(()))
