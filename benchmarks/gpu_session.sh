@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/gpu_session.sh tests|bench|train [OUT]
+#   bash benchmarks/gpu_session.sh tests|kernel-tests|bench|train [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh tests|bench|train [OUT]}
+part=${1:?usage: gpu_session.sh tests|kernel-tests|bench|train [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 source .gpu/gpu-env.sh >/dev/null || exit 1
@@ -21,12 +21,15 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND under a cap, logging to $
 }
 
 case $part in
-  tests)  # default kernel configs: tuning every test shape would take minutes
+  tests)  # the op and the LM on the GPU; default kernel configs (tuning every test shape takes minutes)
     export JAX_MAMBA2_AUTOTUNE=0
-    step bridge_gpu 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/bridge/test_cutile_gpu.py
-    step kernels_fwd_gpu 120 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/kernels/test_stages_gpu.py -k "not every"
-    step kernels_bwd_gpu 120 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/kernels/test_backward_gpu.py -k "not every"
-    step flax_gpu 150 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/flax_layers/test_lm_gpu.py
+    step bridge_gpu 330 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/bridge/test_cutile_gpu.py
+    step flax_gpu 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/flax_layers/test_lm_gpu.py
+    ;;
+  kernel-tests)  # every forward and backward plan stage against the float64 reference, every tiling
+    export JAX_MAMBA2_AUTOTUNE=0
+    step kernels_fwd_gpu 250 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/kernels/test_stages_gpu.py
+    step kernels_bwd_gpu 280 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/kernels/test_backward_gpu.py
     ;;
   bench)  # autotuned forward grid, then forward + backward on the first shapes, then the bridge overhead
     export JAX_MAMBA2_CACHE_DIR=${JAX_MAMBA2_CACHE_DIR:-$out/tuning}
