@@ -122,3 +122,19 @@ def test_cutile_outputs_keep_shard_map_varying_axes():
     # The gradient of a replicated parameter (A) through the kernel must type-check under shard_map.
     grads = jax.make_jaxpr(jax.grad(loss, argnums=1))(x, A)
     assert grads.out_avals[0].shape == A.shape
+
+
+@pytest.mark.parametrize("backend", ["cutile", "cutile_callback"])
+def test_cutile_step_traces_in_place_state_update(backend):
+    args, kwargs = make_ssd_args(5, batch=3, seqlen=1, nheads=4, headdim=16, ngroups=2, dstate=16,
+                                 dtype=jnp.bfloat16, D="head", z=True, dt_bias=True, initial_states=True)
+    x, dt, A, B, C = (a[:, 0] if a.ndim >= 3 else a for a in args)
+    state = kwargs["initial_states"]
+    step = op._BACKENDS[backend].step
+    jaxpr = jax.make_jaxpr(lambda s, x: step(s, x, dt, A, B, C, kwargs["D"], kwargs["z"][:, 0],
+                                             kwargs["dt_bias"], True, (0.0, float("inf"))))(state, x)
+    y, new_state = jaxpr.out_avals
+    assert (y.shape, y.dtype) == (x.shape, jnp.bfloat16)
+    assert (new_state.shape, new_state.dtype) == (state.shape, state.dtype)
+    text = str(jaxpr)
+    assert ("cutile_call_ffi" in text) if backend == "cutile" else ("buffer_callback" in text)
