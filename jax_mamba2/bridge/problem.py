@@ -12,6 +12,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from jax_mamba2.bridge import _compat
 from jax_mamba2.kernels._common import KERNEL_DTYPES, SSDDims
 
 CHUNK_SIZES = (64, 128, 256)
@@ -19,9 +20,15 @@ HEAD_DIMS = (16, 32, 64, 128, 256)  # headdim and dstate: powers of two in [16, 
 MIN_COMPUTE_CAPABILITY = (9, 0)
 
 
-@functools.cache
 def gpu_unavailable_reason() -> Optional[str]:
-    """None when the default JAX device is a CUDA GPU the kernels are built for, else why not."""
+    """None when the kernels can target a GPU here (or `aot.target_arch` names one), else why not."""
+    if _compat.cuda_target_override() is not None:
+        return None
+    return _local_gpu_unavailable_reason()
+
+
+@functools.cache
+def _local_gpu_unavailable_reason() -> Optional[str]:
     try:
         devices = jax.devices("gpu")
     except RuntimeError:
