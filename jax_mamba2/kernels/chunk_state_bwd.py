@@ -19,6 +19,10 @@ H_c comes from the forward's recompute with an f32 `states` buffer.
 
 Precision: dy and the row-scaled C enter the mma in x's dtype (tf32 for f32 inputs); G accumulates in f32.
 The loads of chunk c-1 do not depend on the carried G, so the LOAD_LAT hint lets them overlap chunk c.
+PIPELINED=True makes that overlap explicit as in the forward (chunk_state.py says why): chunk c-1's tiles
+are loaded before chunk c's math (the last step reloads chunk 0, index max(c-1, 0)), and G leaves the mma
+accumulator: the mma computes the chunk's Σ_l term into a zero accumulator, then G_c = m_c exp(dA_last,c)
+G_{c+1} + that term, in f32.
 
 Grid: (batch * nheads, headdim / BLOCK_P, dstate / BLOCK_N).
 
@@ -34,12 +38,27 @@ from jax_mamba2.kernels._backward_tiles import (
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
 from jax_mamba2.kernels.chunk_state import (
-    ChunkStateConfig, chunk_state_fwd_default_config, chunk_state_fwd_grid)
+    LOAD_SCHEDULES, ChunkStateConfig, chunk_state_fwd_default_config, chunk_state_fwd_grid)
+
+
+def _load_chunk(C, dy, dA_cumsum, states, b, h, g, c, pb, nb, CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT):
+    """Chunk c's operands: H_c [BLOCK_P, BLOCK_N] f32, dA [CHUNK] f32, dy_c [CHUNK, BLOCK_P] in dy's
+    dtype and C_c [CHUNK, BLOCK_N] f32 (both zero past seqlen)."""
+    H_c = ct.load(states, index=(b, c, h, pb, nb), shape=(1, 1, 1, BLOCK_P, BLOCK_N),
+                  latency=LOAD_LAT).reshape((BLOCK_P, BLOCK_N))
+    dA = ct.load(dA_cumsum, index=(b, h, c, 0), shape=(1, 1, 1, CHUNK),
+                 latency=LOAD_LAT).reshape((CHUNK,))
+    dy_c = ct.load(dy, index=(b, c, h, pb), shape=(1, CHUNK, 1, BLOCK_P),
+                   padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT).reshape((CHUNK, BLOCK_P))
+    C_c = ct.load(C, index=(b, c, g, nb), shape=(1, CHUNK, 1, BLOCK_N),
+                  padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
+                  ).reshape((CHUNK, BLOCK_N)).astype(ct.float32)
+    return H_c, dA, dy_c, C_c
 
 
 def _chunk_state_bwd_body(C, dy, dA_cumsum, states, seq_idx, dfinal_states,
                           dstates, dinitial_states, ddA_chunk,
-                          CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, LOAD_LAT):
+                          CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, LOAD_LAT, PIPELINED):
     bh = ct.bid(0)
     pb = ct.bid(1)
     nb = ct.bid(2)
@@ -54,18 +73,20 @@ def _chunk_state_bwd_body(C, dy, dA_cumsum, states, seq_idx, dfinal_states,
 
     grad = ct.load(dfinal_states, index=(b, h, pb, nb), shape=(1, 1, BLOCK_P, BLOCK_N)
                    ).reshape((BLOCK_P, BLOCK_N))                            # [BLOCK_P, BLOCK_N] f32
+    if PIPELINED:
+        prefetched = _load_chunk(C, dy, dA_cumsum, states, b, h, g, nchunks - 1, pb, nb,
+                                 CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
     for i in range(nchunks):
         c = nchunks - 1 - i
         ct.store(dstates, index=(b, c, h, pb, nb), tile=grad.reshape((1, 1, 1, BLOCK_P, BLOCK_N)))
-        H_c = ct.load(states, index=(b, c, h, pb, nb), shape=(1, 1, 1, BLOCK_P, BLOCK_N),
-                      latency=LOAD_LAT).reshape((BLOCK_P, BLOCK_N))
-        dA = ct.load(dA_cumsum, index=(b, h, c, 0), shape=(1, 1, 1, CHUNK),
-                     latency=LOAD_LAT).reshape((CHUNK,))
-        dy_c = ct.load(dy, index=(b, c, h, pb), shape=(1, CHUNK, 1, BLOCK_P),
-                       padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT).reshape((CHUNK, BLOCK_P))
-        C_c = ct.load(C, index=(b, c, g, nb), shape=(1, CHUNK, 1, BLOCK_N),
-                      padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
-                      ).reshape((CHUNK, BLOCK_N)).astype(ct.float32)
+        if PIPELINED:
+            # The last step reloads chunk 0: a tile wholly before the array is undefined.
+            H_c, dA, dy_c, C_c = prefetched
+            prefetched = _load_chunk(C, dy, dA_cumsum, states, b, h, g, ct.maximum(c - 1, 0), pb, nb,
+                                     CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
+        else:
+            H_c, dA, dy_c, C_c = _load_chunk(C, dy, dA_cumsum, states, b, h, g, c, pb, nb,
+                                             CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
         carry = ct.exp(ct.extract(dA, index=(CHUNK - 1,), shape=(1,)))      # [1]
         row_scale = ct.exp(dA)                                              # [CHUNK]
         if HAS_SEQ_IDX:
@@ -75,7 +96,12 @@ def _chunk_state_bwd_body(C, dy, dA_cumsum, states, seq_idx, dfinal_states,
         ddA_tile = carry * ct.sum(grad * H_c)                               # [1]
         ct.store(ddA_chunk, index=(b, h, c, tile), tile=ddA_tile.reshape((1, 1, 1, 1)))
         C_scaled = operand(C_c * row_scale[:, None], C.dtype, op_dtype)     # [CHUNK, BLOCK_N]
-        grad = ct.mma(dy_c.transpose().astype(op_dtype), C_scaled, grad * carry)
+        dy_t = dy_c.transpose().astype(op_dtype)
+        if PIPELINED:
+            local = ct.mma(dy_t, C_scaled, ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32))
+            grad = grad * carry + local
+        else:
+            grad = ct.mma(dy_t, C_scaled, grad * carry)
 
     ct.store(dinitial_states, index=(b, h, pb, nb), tile=grad.reshape((1, 1, BLOCK_P, BLOCK_N)))
 
@@ -97,10 +123,11 @@ def _make_chunk_state_bwd_kernel(Big):
         BLOCK_N: ConstInt,
         HAS_SEQ_IDX: ConstBool,
         LOAD_LAT: ConstInt,      # latency hint of the per-chunk loads (1..10)
+        PIPELINED: ConstBool,    # prefetch chunk c-1 and keep G out of the mma accumulator
     ):
         _chunk_state_bwd_body(C, dy, dA_cumsum, states, seq_idx, dfinal_states,
                               dstates, dinitial_states, ddA_chunk,
-                              CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, LOAD_LAT)
+                              CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, LOAD_LAT, PIPELINED)
 
     return chunk_state_bwd_kernel
 
@@ -117,16 +144,16 @@ chunk_state_bwd_grid = chunk_state_fwd_grid
 
 
 def chunk_state_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkStateBwdConfig]:
-    """The autotune space (sm_90), the forward state pass's: tiles 32..64 x 16..64, latency 2/4/6.
+    """The autotune space (sm_90): tiles 32..64 x 16..64, each with the forward's `LOAD_SCHEDULES`.
 
     Like the forward this is a latency-bound chain over chunks with batch * nheads * tiles blocks:
     small tiles give more blocks, large ones reuse each dy/C load more.
     """
     check_arch("chunk_state_bwd_configs", arch)
-    return [ChunkStateBwdConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, occupancy=2)
+    return [ChunkStateBwdConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, occupancy=2, PIPELINED=pipelined)
             for bp in sorted({min(32, dims.headdim), min(64, dims.headdim)})
             for bn in (16, 32, 64) if bn <= dims.dstate
-            for lat in (2, 4, 6)]
+            for lat, pipelined in LOAD_SCHEDULES]
 
 
 def chunk_state_bwd_num_tiles(dims: SSDDims, cfg: ChunkStateBwdConfig) -> int:
@@ -144,6 +171,6 @@ def chunk_state_bwd_launch(dims: SSDDims, cfg: ChunkStateBwdConfig | None = None
         grid=chunk_state_bwd_grid(dims, cfg),
         args=("C", dy, "dA_cumsum", "states", "seq_idx", "dfinal_states",
               "dstates", "dinitial_states", "ddA_chunk",
-              dims.chunk_size, cfg.BLOCK_P, cfg.BLOCK_N, dims.has_seq_idx, cfg.LOAD_LAT),
+              dims.chunk_size, cfg.BLOCK_P, cfg.BLOCK_N, dims.has_seq_idx, cfg.LOAD_LAT, cfg.PIPELINED),
         writes=("dstates", "dinitial_states", "ddA_chunk"),
     )

@@ -12,6 +12,7 @@ import pytest
 from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.backward import (
     BACKWARD_INPUTS, BACKWARD_OUTPUTS, backward_arrays, backward_plan)
+from jax_mamba2.kernels.chunk_state import ChunkStateConfig
 from jax_mamba2.kernels.export import compile_launch
 from tests.kernels.test_compile import _cuobjdump
 
@@ -25,7 +26,12 @@ PROBLEMS = {
     "f32_z_init_seq_idx_atomic": (dataclasses.replace(_BASE, dtype="float32", dt_dtype="float32",
                                                       **_ALL_FLAGS), False),
     "f32_plain_deterministic": (dataclasses.replace(_BASE, dtype="float32", dt_dtype="float32"), True),
+    "f32_z_init_seq_idx_pipelined_state_passes": (
+        dataclasses.replace(_BASE, dtype="float32", dt_dtype="float32", **_ALL_FLAGS), False),
 }
+# Stage configs of the problems that leave the defaults.
+CONFIGS = {"f32_z_init_seq_idx_pipelined_state_passes": {
+    "chunk_state": ChunkStateConfig(PIPELINED=True), "chunk_state_bwd": ChunkStateConfig(PIPELINED=True)}}
 KERNELS = {"chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel", "chunk_scan_bwd_dc_kernel",
            "chunk_state_bwd_kernel", "chunk_scan_bwd_dx_kernel", "chunk_cumsum_bwd_kernel",
            "param_grads_bwd_kernel"}
@@ -48,8 +54,8 @@ def _cubins(problem: str) -> dict[str, bytes]:
     """kernel name -> sm_90 cubin of every launch of the backward plan of `problem`."""
     dims, deterministic = PROBLEMS[problem]
     arrays = backward_arrays(dims, deterministic=deterministic)
-    return {_kernel_name(launch): compile_launch(launch, arrays, "sm_90")[1]
-            for launch in backward_plan(dims, deterministic=deterministic).launches}
+    plan = backward_plan(dims, CONFIGS.get(problem, {}), deterministic=deterministic)
+    return {_kernel_name(launch): compile_launch(launch, arrays, "sm_90")[1] for launch in plan.launches}
 
 
 @pytest.mark.parametrize("problem", list(PROBLEMS))
@@ -60,7 +66,8 @@ def test_backward_kernels_compile_to_sm90_cubins(problem):
         assert cubin[:4] == b"\x7fELF", name
 
 
-@pytest.mark.parametrize("problem", ["bf16_plain_atomic", "f32_z_init_seq_idx_atomic"])
+@pytest.mark.parametrize("problem", ["bf16_plain_atomic", "f32_z_init_seq_idx_atomic",
+                                     "f32_z_init_seq_idx_pipelined_state_passes"])
 def test_backward_matmul_stages_use_wgmma(problem, tmp_path):
     cuobjdump = _cuobjdump()
     if cuobjdump is None:
@@ -78,7 +85,7 @@ def test_backward_matmul_stages_use_wgmma(problem, tmp_path):
 @pytest.mark.parametrize("problem", list(PLAN_PROBLEMS))
 def test_backward_plan_well_formed(problem, deterministic):
     dims = PLAN_PROBLEMS[problem]
-    plan = backward_plan(dims, deterministic=deterministic)
+    plan = backward_plan(dims, CONFIGS.get(problem, {}), deterministic=deterministic)
     assert plan.inputs == BACKWARD_INPUTS and plan.outputs == BACKWARD_OUTPUTS
     assert not set(plan.inputs) & set(plan.buffers)
     defined = set(plan.inputs) | {name for name, buf in plan.buffers.items() if buf.zero_init}

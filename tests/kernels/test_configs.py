@@ -4,7 +4,7 @@ import inspect
 
 import pytest
 
-from jax_mamba2.kernels import chunk_cumsum, chunk_scan, chunk_state, state_update
+from jax_mamba2.kernels import chunk_cumsum, chunk_scan, chunk_state, chunk_state_bwd, state_update
 from jax_mamba2.kernels._common import SSDDims, is_power_of_2, needs_int64_index
 from jax_mamba2.kernels.forward import FORWARD_STAGES, forward_arrays, forward_plan
 
@@ -50,6 +50,18 @@ def test_stage_configs_valid_and_contain_default(stage, problem):
         if isinstance(cfg, chunk_scan.ChunkScanConfig):
             assert cfg.BLOCK_K <= cfg.BLOCK_M and dims.heads_per_group % cfg.HEADS == 0
         assert 1 <= getattr(cfg, "LOAD_LAT", 1) <= 10
+
+
+@pytest.mark.parametrize("configs_fn,default_fn", [
+    (chunk_state.chunk_state_fwd_configs, chunk_state.chunk_state_fwd_default_config),
+    (chunk_state_bwd.chunk_state_bwd_configs, chunk_state_bwd.chunk_state_bwd_default_config)],
+    ids=["chunk_state", "chunk_state_bwd"])
+def test_state_pass_configs_try_every_tile_pipelined_at_the_default_latency(configs_fn, default_fn):
+    dims = PROBLEMS["odd_heads_q128"]
+    space, default = configs_fn(dims), default_fn(dims)
+    pipelined = [cfg for cfg in space if cfg.PIPELINED]
+    assert not default.PIPELINED and {cfg.LOAD_LAT for cfg in pipelined} == {default.LOAD_LAT}
+    assert sorted((c.BLOCK_P, c.BLOCK_N) for c in pipelined) == sorted({(c.BLOCK_P, c.BLOCK_N) for c in space})
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
