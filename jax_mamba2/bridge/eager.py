@@ -19,7 +19,7 @@ from jax_mamba2.kernels import forward as forward_kernels
 from jax_mamba2.kernels._common import Plan
 
 
-class _Namespace:
+class ArrayNamespace:
     """The few array operations the eager path needs, for torch or CuPy."""
 
     def __init__(self, module_name: str):
@@ -65,18 +65,18 @@ def _module_of(arr) -> str:
     return {"torch": "torch", "cupy": "cupy"}.get(module, "jax")
 
 
-def _to_namespace(arr, xp: _Namespace):
+def _to_namespace(arr, xp: ArrayNamespace):
     return None if arr is None else xp.module.from_dlpack(arr)
 
 
-def _shape_dtype(arr, xp: _Namespace):
+def _shape_dtype(arr, xp: ArrayNamespace):
     """A framework-neutral stand-in (shape, numpy dtype) for the op's input checks."""
     import jax
     import numpy as np
     return jax.ShapeDtypeStruct(tuple(arr.shape), np.dtype(jax.numpy.dtype(xp.dtype_name(arr))))
 
 
-def run_plan(plan: Plan, arrays: dict, xp: _Namespace, stream=None) -> dict:
+def run_plan(plan: Plan, arrays: dict, xp: ArrayNamespace, stream=None) -> dict:
     """Runs `plan` with ct.launch on `stream` (default: the namespace's current stream)."""
     stream = xp.stream() if stream is None else stream
     env = dict(arrays)
@@ -88,7 +88,7 @@ def run_plan(plan: Plan, arrays: dict, xp: _Namespace, stream=None) -> dict:
     return {name: env[name] for name in plan.outputs}
 
 
-def _kernel_arrays(xp: _Namespace, dims, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx):
+def _kernel_arrays(xp: ArrayNamespace, dims, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx):
     T = dims.dtype
     D_hp = xp.zeros((dims.nheads, dims.headdim), "float32")
     if D is not None:
@@ -117,11 +117,11 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
     if source == "jax":
         try:
             import torch  # noqa: F401
-            xp = _Namespace("torch")
+            xp = ArrayNamespace("torch")
         except ImportError:
-            xp = _Namespace("cupy")
+            xp = ArrayNamespace("cupy")
     else:
-        xp = _Namespace(source)
+        xp = ArrayNamespace(source)
     args = [_to_namespace(a, xp) for a in (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)]
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = args
     stand_ins = [None if a is None else _shape_dtype(a, xp) for a in args]

@@ -1,0 +1,98 @@
+"""Where the time goes: GPU time of every kernel launch of the SSD forward and backward plans.
+
+    python benchmarks/stages.py [--shapes B,L,H,P,N,G ...] [--chunk 64] [--configs default|tuned] [--out DIR]
+
+Each plan runs once eagerly (torch tensors viewing random JAX inputs, ct.launch on a torch stream),
+then every launch is timed alone: the median of CUDA-event times over repeated launches on the
+intermediates the earlier launches wrote. Writes <out>/ssd_stages_<gpu>.json and prints a table. Launches
+that accumulate atomically (dB/dC) keep accumulating while timed; their times are right, their values
+are not read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: benchmarks/ is sys.path[0], the repo root may not be
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cuda.tile as ct  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.environment import environment, gpu_slug  # noqa: E402
+from benchmarks.ssd import GRID, Shape  # noqa: E402
+from jax_mamba2.bridge import eager, tuning  # noqa: E402
+from jax_mamba2.kernels import backward, forward  # noqa: E402
+from jax_mamba2.kernels._common import SSDDims  # noqa: E402
+
+
+def dims_of(shape: Shape, chunk_size: int) -> SSDDims:
+    return SSDDims(batch=shape.batch, seqlen=shape.seqlen, nheads=shape.nheads, headdim=shape.headdim,
+                   ngroups=shape.ngroups, dstate=shape.dstate, chunk_size=chunk_size, dtype="bfloat16",
+                   dt_dtype="bfloat16", dt_softplus=True)
+
+
+def time_launches(plan, arrays: dict, repeats: int) -> list[dict]:
+    """Runs `plan` once, then times each launch alone (median ms of `repeats` CUDA-event timings)."""
+    import torch
+    xp = eager.ArrayNamespace("torch")
+    stream = torch.cuda.Stream()
+    env = dict(arrays)
+    for name, buf in plan.buffers.items():
+        env[name] = (xp.zeros if buf.zero_init else xp.empty)(buf.shape, buf.dtype)
+    rows = []
+    for launch in plan.launches:
+        args = tuple(env[a] if isinstance(a, str) else a for a in launch.args)
+        ct.launch(stream, launch.grid, launch.kernel, args)  # compiles, and writes the next inputs
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        samples = []
+        for _ in range(repeats):
+            start.record(stream)
+            ct.launch(stream, launch.grid, launch.kernel, args)
+            end.record(stream)
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        rows.append({"kernel": launch.kernel._annotated_function.pyfunc.__name__,
+                     "grid": list(launch.grid), "ms_median": float(np.median(samples))})
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--shapes", nargs="+", type=Shape.parse, help="B,L,H,P,N,G (default: the first 2 of GRID)")
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--configs", choices=("default", "tuned"), default="default",
+                        help="tuned: the autotuner's choice (tunes on first use)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+    import torch
+    shapes = args.shapes or [Shape(*s) for s in GRID[:2]]
+    env = environment()
+    records = []
+    for shape in shapes:
+        dims = dims_of(shape, args.chunk)
+        tuned = args.configs == "tuned"
+        plans = {
+            "fwd": forward.forward_plan(dims, tuning.forward_configs(dims) if tuned else None),
+            "bwd": backward.backward_plan(dims, tuning.backward_configs(dims, False) if tuned else None),
+        }
+        for direction, plan in plans.items():
+            inputs = tuning.random_inputs(dims, backward=direction == "bwd")
+            arrays = {name: torch.from_dlpack(value) for name, value in inputs.items()}
+            for row in time_launches(plan, arrays, args.repeats):
+                records.append({**env, "op": "ssd_stage", "direction": direction, "shape": shape._asdict(),
+                                "chunk_size": args.chunk, "configs": args.configs, **row})
+                print(f"{shape.label()} Q={args.chunk} {direction} {row['kernel']:<28} "
+                      f"grid={tuple(row['grid'])} {row['ms_median']:.3f} ms", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"ssd_stages_{gpu_slug(env['gpu'])}.json"
+    path.write_text(json.dumps(records, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
