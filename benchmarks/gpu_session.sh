@@ -33,10 +33,10 @@ case $part in
     ;;
   bench)  # autotuned forward grid, then forward + backward on the first shapes, then the bridge overhead
     export JAX_MAMBA2_CACHE_DIR=${JAX_MAMBA2_CACHE_DIR:-$out/tuning}
-    step ssd_fwd 330 python benchmarks/ssd.py "${peers[@]}" --out "$out"
-    step ssd_fwd_bwd 150 python benchmarks/ssd.py --direction fwd_bwd --quick "${peers[@]}" --out "$out"
-    step bridge_overhead 60 python benchmarks/bridge_overhead.py --out "$out"
-    step stages 120 python benchmarks/stages.py --out "$out"
+    step ssd_fwd 300 python benchmarks/ssd.py "${peers[@]}" --out "$out"
+    step ssd_fwd_bwd 120 python benchmarks/ssd.py --direction fwd_bwd --quick "${peers[@]}" --out "$out"
+    step bridge_overhead 45 python benchmarks/bridge_overhead.py --out "$out"
+    step stages 90 python benchmarks/stages.py --out "$out"
     ;;
   train)  # issue 7's training check: the same 200 steps with the cuTile and the xla backends
     for backend in cutile xla; do
