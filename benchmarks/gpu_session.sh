@@ -50,3 +50,8 @@ case $part in
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
+
+# The device tool brings back at most 8 files from $OUT: pack everything into one archive there.
+if [ "$out" = "${OUT:-}" ]; then
+  tar czf "/tmp/gpu_session_$part.tgz" -C "$out" . && rm -rf "${out:?}"/* && mv "/tmp/gpu_session_$part.tgz" "$out/"
+fi
