@@ -98,11 +98,12 @@ class _Stage:
 
 
 _BLOCK_PASS_KEY = ("chunk_size", "headdim", "dstate", "heads_per_group", "dtype", "has_seq_idx")
+_CUMSUM_KEY = ("chunk_size", "nheads", "dt_dtype", "dt_softplus", "has_dt_limit")
 _STAGES = {
     # Forward (the first two also recompute the chunk quantities in the backward).
     "chunk_cumsum": _Stage(
         chunk_cumsum.chunk_cumsum_fwd_configs, chunk_cumsum.chunk_cumsum_fwd_default_config,
-        key_fields=("chunk_size", "nheads", "dt_dtype", "dt_softplus", "has_dt_limit"),
+        key_fields=_CUMSUM_KEY,
         work_items=lambda d: d.batch * d.nchunks * d.nheads),
     "chunk_state": _Stage(
         chunk_state.chunk_state_fwd_configs, chunk_state.chunk_state_fwd_default_config,
@@ -130,7 +131,7 @@ _STAGES = {
         work_items=lambda d: d.batch * d.nchunks * d.nheads, blocks_span_heads=True),
     "chunk_cumsum_bwd": _Stage(
         chunk_cumsum_bwd.chunk_cumsum_bwd_configs, chunk_cumsum_bwd.chunk_cumsum_bwd_default_config,
-        key_fields=("chunk_size", "nheads", "dt_dtype", "dt_softplus", "has_dt_limit"),
+        key_fields=_CUMSUM_KEY,
         work_items=lambda d: d.batch * d.nchunks * d.nheads),
     "param_grads_bwd": _Stage(
         param_grads_bwd.param_grads_bwd_configs, param_grads_bwd.param_grads_bwd_default_config,

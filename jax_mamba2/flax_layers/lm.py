@@ -138,19 +138,12 @@ class Mamba2LMHeadModel(nnx.Module):
         Returns:
           (logits (batch, seqlen, padded_vocab), cache with a leading (n_layer,) axis).
         """
-        hidden, residual, cache = self._prefill_hidden(input_ids, cache)
+        hidden, residual, cache = self._scan_layers_with_cache("prefill", input_ids, cache)
         return self._logits(hidden, residual), cache
 
     def step(self, input_ids, cache: Mamba2Cache):
         """One token per row: input_ids (batch,) int -> (logits (batch, padded_vocab), new cache)."""
-        hidden, residual = self._embed(input_ids)
-
-        def block_step(carry, block, layer_cache):
-            hidden, residual, layer_cache = block.step(*carry, layer_cache)
-            return (hidden, residual), layer_cache
-
-        (hidden, residual), cache = nnx.scan(block_step, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))(
-            (hidden, residual), self.layers, cache)
+        hidden, residual, cache = self._scan_layers_with_cache("step", input_ids, cache)
         return self._logits(hidden, residual), cache
 
     def init_cache(self, batch_size: int, dtype=None) -> Mamba2Cache:
@@ -159,14 +152,16 @@ class Mamba2LMHeadModel(nnx.Module):
         per_layer = self.layers.mixer.init_cache(batch_size, dtype)
         return jax.tree.map(lambda a: jnp.zeros((self.config.n_layer, *a.shape), a.dtype), per_layer)
 
-    def _prefill_hidden(self, input_ids, cache):
+    def _scan_layers_with_cache(self, method: str, input_ids, cache):
+        """Embeds, then runs `Mamba2Block.<method>` ("prefill" or "step") over the stacked layers, each with
+        its slice of the cache; returns (hidden, residual, new cache)."""
         hidden, residual = self._embed(input_ids)
 
-        def block_prefill(carry, block, layer_cache):
-            hidden, residual, layer_cache = block.prefill(*carry, layer_cache)
+        def block_call(carry, block, layer_cache):
+            hidden, residual, layer_cache = getattr(block, method)(*carry, layer_cache)
             return (hidden, residual), layer_cache
 
-        (hidden, residual), cache = nnx.scan(block_prefill, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))(
+        (hidden, residual), cache = nnx.scan(block_call, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))(
             (hidden, residual), self.layers, cache)
         return hidden, residual, cache
 
@@ -239,7 +234,7 @@ def _generate(graphdef, state, prompt_ids, rng, temperature, *, max_new_tokens, 
         return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
     keys = jax.random.split(rng, max_new_tokens)
-    hidden, residual, cache = model._prefill_hidden(prompt_ids, None)
+    hidden, residual, cache = model._scan_layers_with_cache("prefill", prompt_ids, None)
     first = next_token(model._logits(hidden[:, -1], residual[:, -1]), keys[0])
 
     def decode(carry, key):
