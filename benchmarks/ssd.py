@@ -454,7 +454,7 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="only the first 2 grid shapes")
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     parser.add_argument("--direction", choices=("fwd", "fwd_bwd"), default="fwd")
-    parser.add_argument("--chunk", type=int, default=256, help="chunk size of our backends")
+    parser.add_argument("--chunk", type=int, default=64, help="chunk size of our backends")
     parser.add_argument("--tuning", choices=("auto", "off"), default="auto",
                         help="off: default kernel configs (no autotuning, an empty cache)")
     parser.add_argument("--mamba-ssm", type=Path, help="directory holding the mamba_ssm package")
