@@ -1,6 +1,7 @@
 """Where the time goes: GPU time of every kernel launch of the SSD forward and backward plans.
 
-    python benchmarks/stages.py [--shapes B,L,H,P,N,G ...] [--chunk 64] [--configs default|tuned] [--out DIR]
+    python benchmarks/stages.py [--shapes B,L,H,P,N,G ...] [--chunk 64] [--configs default|tuned]
+                                [--atomic-heads 1 2 4 8] [--deterministic] [--out DIR]
 
 Each plan runs once eagerly (torch tensors viewing random JAX inputs, ct.launch on a torch stream),
 then every launch is timed alone: the median of CUDA-event times over repeated launches on the
@@ -65,6 +66,9 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--configs", choices=("default", "tuned"), default="default",
                         help="tuned: the autotuner's choice (tunes on first use)")
+    parser.add_argument("--atomic-heads", type=int, nargs="+", default=[backward.ATOMIC_HEADS_PER_BLOCK],
+                        help="heads per block of the atomic dB/dC passes: one backward plan per value")
+    parser.add_argument("--deterministic", action="store_true", help="also the deterministic backward")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
@@ -75,17 +79,22 @@ def main(argv=None) -> int:
     for shape in shapes:
         dims = dims_of(shape, args.chunk)
         tuned = args.configs == "tuned"
-        plans = {
-            "fwd": forward.forward_plan(dims, tuning.forward_configs(dims) if tuned else None),
-            "bwd": backward.backward_plan(dims, tuning.backward_configs(dims, False) if tuned else None),
-        }
-        for direction, plan in plans.items():
-            inputs = tuning.random_inputs(dims, backward=direction == "bwd")
+        plans = {("fwd", None): forward.forward_plan(dims, tuning.forward_configs(dims) if tuned else None)}
+        for heads in args.atomic_heads:
+            plans["bwd", heads] = backward.backward_plan(
+                dims, tuning.backward_configs(dims, False) if tuned else None, atomic_heads_per_block=heads)
+        if args.deterministic:
+            plans["bwd_deterministic", None] = backward.backward_plan(
+                dims, tuning.backward_configs(dims, True) if tuned else None, deterministic=True)
+        for (direction, heads), plan in plans.items():
+            inputs = tuning.random_inputs(dims, backward=direction != "fwd")
             arrays = {name: torch.from_dlpack(value) for name, value in inputs.items()}
             for row in time_launches(plan, arrays, args.repeats):
                 records.append({**env, "op": "ssd_stage", "direction": direction, "shape": shape._asdict(),
-                                "chunk_size": args.chunk, "configs": args.configs, **row})
-                print(f"{shape.label()} Q={args.chunk} {direction} {row['kernel']:<28} "
+                                "chunk_size": args.chunk, "configs": args.configs,
+                                "atomic_heads_per_block": heads, **row})
+                label = direction if heads is None else f"{direction}(heads/block {heads})"
+                print(f"{shape.label()} Q={args.chunk} {label} {row['kernel']:<28} "
                       f"grid={tuple(row['grid'])} {row['ms_median']:.3f} ms", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"ssd_stages_{gpu_slug(env['gpu'])}.json"

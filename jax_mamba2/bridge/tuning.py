@@ -200,11 +200,6 @@ _MEMORY_LOCK = threading.RLock()
 # Keys and files
 # ----------------------------------------------------------------------------------------------
 
-def _heads_per_block(dims: SSDDims, deterministic: bool) -> int:
-    """The heads of a group one block of the group-reducing backward stages owns (as backward_plan)."""
-    return dims.heads_per_group if deterministic else 1
-
-
 def stage_key(stage: str, dims: SSDDims, deterministic: bool = False) -> str:
     """The cache key of `stage` for `dims`, e.g. "chunk_state/chunk_size=256,headdim=64,...,work=128".
 
@@ -214,7 +209,7 @@ def stage_key(stage: str, dims: SSDDims, deterministic: bool = False) -> str:
     fields = [f"{name}={getattr(dims, name)}" for name in spec.key_fields]
     work = spec.work_items(dims)
     if spec.blocks_span_heads:
-        heads_per_block = _heads_per_block(dims, deterministic)
+        heads_per_block = backward_kernels.group_heads_per_block(dims, deterministic)
         fields.append(f"heads_per_block={heads_per_block}")
         work //= heads_per_block
     fields.append(f"index64={_common.needs_int64_index(dims)}")

@@ -1,7 +1,7 @@
 """The SSD backward as a plan: recompute the forward's chunk quantities, then five backward stages.
 
     1. chunk_cumsum        (forward)  Δ, dA_cumsum
-    2. chunk_state         (forward)  chunk-entry states H_c, in f32 (final_states is recomputed, unused)
+    2. chunk_state         (forward)  chunk-entry states H_c in x's dtype (final_states recomputed, unused)
     3. chunk_scan_bwd_dc   dy = dout·silu(z), dz, dC, dD partials, dA_cumsum grads of the output
     4. chunk_state_bwd     reverse state pass: ∂L/∂(chunk end states), dinitial_states, carry's dA grad
     5. chunk_scan_bwd_dx   dx, dB, ∂L/∂Δ (explicit factors), end-state dA grads
@@ -13,6 +13,7 @@ share dB and dC: by default each head's block adds its share atomically into zer
 buffers; `deterministic=True` gives each block a whole group instead (fewer blocks, no float atomics), and
 since every other reduction is a fixed-order sum, the plan's outputs are then bitwise reproducible.
 """
+import math
 from typing import Mapping
 
 from jax_mamba2.kernels._common import Buffer, Plan, SSDDims
@@ -31,6 +32,21 @@ BACKWARD_OUTPUTS = ("dx", "ddt", "dA", "dB", "dC", "dD", "dz", "ddt_bias", "dini
 # The stage names `configs` is keyed by (the first two are the forward stages it recomputes with).
 BACKWARD_STAGES = ("chunk_cumsum", "chunk_state", "chunk_scan_bwd_dc", "chunk_state_bwd",
                    "chunk_scan_bwd_dx", "chunk_cumsum_bwd", "param_grads_bwd")
+
+
+# Heads of a group that one block of the two group-reducing passes (chunk_scan_bwd_dc, chunk_scan_bwd_dx)
+# owns when dB/dC are added atomically: each block adds one f32 (rows x dstate) tile per launch, so more
+# heads per block divide the atomic traffic, at the price of fewer, longer blocks.
+ATOMIC_HEADS_PER_BLOCK = 1
+
+
+def group_heads_per_block(dims: SSDDims, deterministic: bool,
+                          atomic_heads_per_block: int = ATOMIC_HEADS_PER_BLOCK) -> int:
+    """The heads per block of the group-reducing passes: the whole group when `deterministic` (no
+    atomics), else the largest divisor of heads_per_group up to `atomic_heads_per_block` (a power of 2)."""
+    if deterministic:
+        return dims.heads_per_group
+    return math.gcd(atomic_heads_per_block, dims.heads_per_group)
 
 
 def backward_inputs(dims: SSDDims) -> dict[str, Buffer]:
@@ -52,9 +68,10 @@ def _stage_configs(dims: SSDDims, configs: Mapping[str, object] | None) -> dict[
     return configs
 
 
-def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
-                     deterministic: bool = False) -> dict[str, Buffer]:
-    """The intermediates and outputs `backward_plan(dims, configs, deterministic=...)` allocates."""
+def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None, deterministic: bool = False,
+                     atomic_heads_per_block: int = ATOMIC_HEADS_PER_BLOCK) -> dict[str, Buffer]:
+    """The intermediates and outputs `backward_plan(dims, configs, deterministic=...,
+    atomic_heads_per_block=...)` allocates."""
     configs = _stage_configs(dims, configs)
     b, L, H, P, G, N = dims.batch, dims.seqlen, dims.nheads, dims.headdim, dims.ngroups, dims.dstate
     nc, Q, T = dims.nchunks, dims.chunk_size, dims.dtype
@@ -63,12 +80,15 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
     per_row = Buffer((b, H, nc, Q), "float32")
     gated = (b, L, H, P) if dims.has_z else (1, 1, 1, 1)
     # Atomic head reductions need zeroed dB/dC; a block owning its whole group stores them.
-    atomic = not deterministic and dims.heads_per_group > 1
+    atomic = group_heads_per_block(dims, deterministic, atomic_heads_per_block) < dims.heads_per_group
     return {
         # Forward recompute.
         "dt_out": per_row,
         "dA_cumsum": per_row,
-        "states": Buffer((b, nc, H, P, N), "float32"),
+        # Chunk-entry states and their gradients in x's dtype, as mamba_ssm's backward keeps them: the
+        # passes that read them round them to x's dtype for their products anyway, and at chunk 64 each
+        # is as large as x times dstate / chunk_size (half the bytes of f32).
+        "states": Buffer((b, nc, H, P, N), T),
         "final_states": Buffer((b, H, P, N), "float32"),
         # Intermediates of the backward stages (dy and dz are zeroed dummies without a gate: never read,
         # but defined).
@@ -77,7 +97,7 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
         "ddA_inter": per_row,
         # Zeroed: row blocks wholly past seqlen write no partial row.
         "dD_partials": Buffer((b * nc * num_m_blocks, H, P), "float32", zero_init=True),
-        "dstates": Buffer((b, nc, H, P, N), "float32"),
+        "dstates": Buffer((b, nc, H, P, N), T),
         "ddA_chunk": Buffer((b, H, nc, num_state_tiles), "float32"),
         "ddt_out": per_row,
         "ddA_state": per_row,
@@ -96,14 +116,14 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
     }
 
 
-def backward_arrays(dims: SSDDims, configs: Mapping[str, object] | None = None,
-                    deterministic: bool = False) -> dict[str, Buffer]:
-    """Every array `backward_plan(dims, configs, deterministic=...)` names: inputs, then buffers."""
-    return {**backward_inputs(dims), **backward_buffers(dims, configs, deterministic)}
+def backward_arrays(dims: SSDDims, configs: Mapping[str, object] | None = None, deterministic: bool = False,
+                    atomic_heads_per_block: int = ATOMIC_HEADS_PER_BLOCK) -> dict[str, Buffer]:
+    """Every array `backward_plan(dims, configs, ...)` names: inputs, then buffers."""
+    return {**backward_inputs(dims), **backward_buffers(dims, configs, deterministic, atomic_heads_per_block)}
 
 
 def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
-                  deterministic: bool = False) -> Plan:
+                  deterministic: bool = False, atomic_heads_per_block: int = ATOMIC_HEADS_PER_BLOCK) -> Plan:
     """The SSD backward for `dims`.
 
     Args:
@@ -112,6 +132,8 @@ def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
         their default configuration.
       deterministic: no float atomics (one block per group for the dB/dC head sums), bitwise
         reproducible outputs.
+      atomic_heads_per_block: heads per block of the dB/dC passes when not deterministic (see
+        `group_heads_per_block`).
 
     Returns:
       A Plan with inputs BACKWARD_INPUTS and outputs BACKWARD_OUTPUTS: dx (b, L, H, P) and dz (b, L, H, P)
@@ -119,13 +141,13 @@ def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
       dD (H, P) (the caller sums over P for a per-head D), ddt_bias (H,), dinitial_states (b, H, P, N), f32.
     """
     configs = _stage_configs(dims, configs)
-    heads_per_block = dims.heads_per_group if deterministic else 1
+    heads_per_block = group_heads_per_block(dims, deterministic, atomic_heads_per_block)
     dy = "dy" if dims.has_z else "dout"
     dc_config = configs["chunk_scan_bwd_dc"]
     state_config = configs["chunk_state_bwd"]
     return Plan(
         inputs=BACKWARD_INPUTS,
-        buffers=backward_buffers(dims, configs, deterministic),
+        buffers=backward_buffers(dims, configs, deterministic, atomic_heads_per_block),
         launches=(
             chunk_cumsum_fwd_launch(dims, configs.get("chunk_cumsum")),
             chunk_state_fwd_launch(dims, configs.get("chunk_state")),

@@ -28,7 +28,7 @@ blocks (chunk start) first. Column blocks wholly past seqlen do nothing.
 
 Shapes: x, dy, dx (batch, seqlen, nheads, headdim) T (dy is dout without a gate); B, C (batch, seqlen,
 ngroups, dstate) T; D (nheads, headdim) f32; dt_out, dA_cumsum, ddt_out, ddA_state (batch, nheads, nchunks,
-CHUNK) f32; dstates (batch, nchunks, nheads, headdim, dstate) f32; seq_idx (batch, seqlen) int32 or a
+CHUNK) f32; dstates (batch, nchunks, nheads, headdim, dstate) T; seq_idx (batch, seqlen) int32 or a
 dummy; dB (batch, seqlen, ngroups, dstate) f32.
 """
 import cuda.tile as ct
@@ -148,7 +148,7 @@ def _make_chunk_scan_bwd_dx_kernel(Big):
         dy: Big,              # (batch, seqlen, nheads, headdim) T
         dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
         dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
-        dstates: Big,         # (batch, nchunks, nheads, headdim, dstate) f32, ∂L/∂(chunk end states)
+        dstates: Big,         # (batch, nchunks, nheads, headdim, dstate) T, ∂L/∂(chunk end states)
         seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
         dx: Big,              # (batch, seqlen, nheads, headdim) T, written
         dB: Big,              # (batch, seqlen, ngroups, dstate) f32, written (zero-initialised if ATOMIC_ADD)

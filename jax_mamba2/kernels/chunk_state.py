@@ -20,20 +20,6 @@ Grid: (batch * nheads, headdim / BLOCK_P, dstate / BLOCK_N). One block owns a (B
 tile and walks all chunks in order; the loads of chunk c+1 do not depend on the carried state, so the
 `LOAD_LAT` latency hint lets the compiler issue them while chunk c's mma runs.
 
-PIPELINED (a config choice, off by default): each block is a chain of nchunks dependent steps, and there
-are too few blocks to hide its latency. On an H200 (batch 4, seqlen 8192, 32 heads, headdim 64, dstate
-128, chunk 64) the pass took 0.19 ms, ~1500 cycles per chunk step for a 64x32x64 mma, and the LOAD_LAT
-hints moved it by only 4%: the per-chunk loads look unoverlapped, and since the carried state is the mma's
-accumulator each step's wgmma also waits for the previous one. PIPELINED=True removes both dependences
-from the program itself instead of leaving them to the scheduler: chunk c+1's tiles are loaded before
-chunk c's math and carried into the next step (chunk 0 is loaded before the loop; the last step reloads
-the last chunk, index min(c+1, nchunks-1), since a tile wholly past the array is undefined), and the
-mma computes S_c into a zero accumulator, followed by H_{c+1} = exp(dA[Q-1]) * H_c + S_c in f32, so only
-an elementwise FMA is serial and the next chunk's mma need not wait for it. The math and rounding points
-are the same (only the carried term is added after the products instead of before); the price is the
-registers of a second set of chunk tiles and one redundant load per block, which is why the autotuner
-decides.
-
 Shapes: x (batch, seqlen, nheads, headdim) T; B (batch, seqlen, ngroups, dstate) T;
 dt_out, dA_cumsum (batch, nheads, nchunks, chunk_size) f32; initial_states (batch, nheads, headdim,
 dstate) f32 (HAS_INIT) else a dummy; seq_idx (batch, seqlen) int32 (HAS_SEQ_IDX) else a dummy;
@@ -73,7 +59,7 @@ def _load_chunk(x, B, dt_out, dA_cumsum, b, h, g, c, pb, nb, CHUNK, BLOCK_P, BLO
 
 
 def _chunk_state_fwd_body(x, B, dt_out, dA_cumsum, initial_states, seq_idx, states, final_states,
-                          CHUNK, BLOCK_P, BLOCK_N, HAS_INIT, HAS_SEQ_IDX, LOAD_LAT, PIPELINED):
+                          CHUNK, BLOCK_P, BLOCK_N, HAS_INIT, HAS_SEQ_IDX, LOAD_LAT):
     bh = ct.bid(0)
     pb = ct.bid(1)
     nb = ct.bid(2)
@@ -91,21 +77,12 @@ def _chunk_state_fwd_body(x, B, dt_out, dA_cumsum, initial_states, seq_idx, stat
     else:
         state = ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32)           # [BLOCK_P, BLOCK_N] f32
     prev_end_id = ct.zeros((1,), dtype=ct.int32)                          # e_{-1} = 0
-    if PIPELINED:
-        prefetched = _load_chunk(x, B, dt_out, dA_cumsum, b, h, g, 0, pb, nb,
-                                 CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
 
     for c in range(nchunks):
         ct.store(states, index=(b, c, h, pb, nb),
                  tile=state.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(states.dtype))
-        if PIPELINED:
-            # The last step reloads the last chunk: a tile wholly past the array is undefined.
-            x_c, B_c, delta, dA = prefetched
-            prefetched = _load_chunk(x, B, dt_out, dA_cumsum, b, h, g, ct.minimum(c + 1, nchunks - 1),
-                                     pb, nb, CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
-        else:
-            x_c, B_c, delta, dA = _load_chunk(x, B, dt_out, dA_cumsum, b, h, g, c, pb, nb,
-                                              CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
+        x_c, B_c, delta, dA = _load_chunk(x, B, dt_out, dA_cumsum, b, h, g, c, pb, nb,
+                                          CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
         dA_last = ct.extract(dA, index=(CHUNK - 1,), shape=(1,))         # flat past seqlen: last valid
         scale = ct.exp(ct.minimum(dA_last - dA, 0.0)) * delta             # [CHUNK]
         carry = ct.exp(dA_last)                                           # [1]
@@ -116,12 +93,7 @@ def _chunk_state_fwd_body(x, B, dt_out, dA_cumsum, initial_states, seq_idx, stat
             prev_end_id = end_id
         B_scaled = (B_c.astype(ct.float32) * scale[:, None]).astype(x.dtype)   # rounded like mamba_ssm
         x_t = x_c.transpose().astype(operand_dtype)
-        if PIPELINED:
-            local = ct.mma(x_t, B_scaled.astype(operand_dtype),
-                           ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32))   # S_c
-            state = state * carry + local
-        else:
-            state = ct.mma(x_t, B_scaled.astype(operand_dtype), state * carry)
+        state = ct.mma(x_t, B_scaled.astype(operand_dtype), state * carry)
 
     ct.store(final_states, index=(b, h, pb, nb), tile=state.reshape((1, 1, BLOCK_P, BLOCK_N)))
 
@@ -143,10 +115,9 @@ def _make_chunk_state_fwd_kernel(Big):
         HAS_INIT: ConstBool,
         HAS_SEQ_IDX: ConstBool,
         LOAD_LAT: ConstInt,   # latency hint of the per-chunk loads (1..10)
-        PIPELINED: ConstBool,  # prefetch chunk c+1 and keep the state out of the mma accumulator
     ):
         _chunk_state_fwd_body(x, B, dt_out, dA_cumsum, initial_states, seq_idx, states, final_states,
-                              CHUNK, BLOCK_P, BLOCK_N, HAS_INIT, HAS_SEQ_IDX, LOAD_LAT, PIPELINED)
+                              CHUNK, BLOCK_P, BLOCK_N, HAS_INIT, HAS_SEQ_IDX, LOAD_LAT)
 
     return chunk_state_fwd_kernel
 
@@ -162,25 +133,21 @@ class ChunkStateConfig:
 
     BLOCK_P, BLOCK_N: the state tile one block carries (powers of two dividing headdim, dstate).
     LOAD_LAT: latency hint on the per-chunk loads. occupancy: expected blocks per SM.
-    PIPELINED: prefetch the next chunk's tiles and keep the carried state out of the mma accumulator
-    (module docstring).
     """
 
     BLOCK_P: int = 64
     BLOCK_N: int = 32
     LOAD_LAT: int = 4
     occupancy: int = 2
-    PIPELINED: bool = False
 
 
-# (LOAD_LAT, PIPELINED) pairs of the state passes' autotune spaces: three latency hints on the in-loop
-# loads, and the pipelined variant at the default hint.
-LOAD_SCHEDULES = ((2, False), (4, False), (6, False), (4, True))
+# Latency hints on the in-loop loads in the state passes' autotune spaces.
+LOAD_LATENCIES = (2, 4, 6)
 
 
 def chunk_state_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkStateConfig]:
     """The autotune space (sm_90): state tiles of 64/128 x 16..64 (at most 64 x 64 f32 values carried),
-    each with the `LOAD_SCHEDULES`, occupancy 2.
+    each with the `LOAD_LATENCIES`, occupancy 2.
 
     BLOCK_P is the M side of the x^T @ B mma: wgmma needs M >= 64 (with 32 the SASS falls back to
     mma.sync and spills), so only a headdim below 64 gets a smaller tile. Small BLOCK_N gives more
@@ -188,10 +155,10 @@ def chunk_state_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkSta
     large ones reuse each x/B load more.
     """
     check_arch("chunk_state_fwd_configs", arch)
-    return [ChunkStateConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, occupancy=2, PIPELINED=pipelined)
+    return [ChunkStateConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, occupancy=2)
             for bp in sorted({min(64, dims.headdim), min(128, dims.headdim)})
             for bn in (16, 32, 64) if bn <= dims.dstate and bp * bn <= 64 * 64
-            for lat, pipelined in LOAD_SCHEDULES]
+            for lat in LOAD_LATENCIES]
 
 
 def chunk_state_fwd_default_config(dims: SSDDims) -> ChunkStateConfig:
@@ -212,6 +179,6 @@ def chunk_state_fwd_launch(dims: SSDDims, cfg: ChunkStateConfig | None = None) -
         grid=chunk_state_fwd_grid(dims, cfg),
         args=("x", "B", "dt_out", "dA_cumsum", "initial_states", "seq_idx", "states", "final_states",
               dims.chunk_size, cfg.BLOCK_P, cfg.BLOCK_N, dims.has_init, dims.has_seq_idx, cfg.LOAD_LAT,
-              cfg.PIPELINED),
+),
         writes=("states", "final_states"),
     )

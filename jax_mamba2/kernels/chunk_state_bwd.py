@@ -15,19 +15,16 @@ carrying G in f32, and writes
     ddA_chunk[b, h, c, tile] = m_c exp(dA_last,c) Σ_tile G_{c+1} ⊙ H_c,
 
 the last being this tile's share of ∂L/∂dA_last,c through the carry (chunk_cumsum_bwd sums the tiles).
-H_c comes from the forward's recompute with an f32 `states` buffer.
+H_c comes from the forward's recompute.
 
-Precision: dy and the row-scaled C enter the mma in x's dtype (tf32 for f32 inputs); G accumulates in f32.
+Precision: dy and the row-scaled C enter the mma in x's dtype (tf32 for f32 inputs); G accumulates in f32
+and is stored in dstates' dtype (x's, as mamba_ssm's `dstates_dtype`), which is what the dx/dB pass rounds it to.
 The loads of chunk c-1 do not depend on the carried G, so the LOAD_LAT hint lets them overlap chunk c.
-PIPELINED=True makes that overlap explicit as in the forward (chunk_state.py says why): chunk c-1's tiles
-are loaded before chunk c's math (the last step reloads chunk 0, index max(c-1, 0)), and G leaves the mma
-accumulator: the mma computes the chunk's Σ_l term into a zero accumulator, then G_c = m_c exp(dA_last,c)
-G_{c+1} + that term, in f32.
 
 Grid: (batch * nheads, headdim / BLOCK_P, dstate / BLOCK_N).
 
 Shapes: C (batch, seqlen, ngroups, dstate) T; dy (batch, seqlen, nheads, headdim) T (dout without a gate);
-dA_cumsum (batch, nheads, nchunks, CHUNK) f32; states, dstates (batch, nchunks, nheads, headdim, dstate) f32;
+dA_cumsum (batch, nheads, nchunks, CHUNK) f32; states, dstates (batch, nchunks, nheads, headdim, dstate) T;
 seq_idx (batch, seqlen) int32 or a dummy; dfinal_states, dinitial_states (batch, nheads, headdim, dstate)
 f32; ddA_chunk (batch, nheads, nchunks, headdim/BLOCK_P * dstate/BLOCK_N) f32.
 """
@@ -38,11 +35,11 @@ from jax_mamba2.kernels._backward_tiles import (
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
 from jax_mamba2.kernels.chunk_state import (
-    LOAD_SCHEDULES, ChunkStateConfig, chunk_state_fwd_default_config, chunk_state_fwd_grid)
+    LOAD_LATENCIES, ChunkStateConfig, chunk_state_fwd_default_config, chunk_state_fwd_grid)
 
 
 def _load_chunk(C, dy, dA_cumsum, states, b, h, g, c, pb, nb, CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT):
-    """Chunk c's operands: H_c [BLOCK_P, BLOCK_N] f32, dA [CHUNK] f32, dy_c [CHUNK, BLOCK_P] in dy's
+    """Chunk c's operands: H_c [BLOCK_P, BLOCK_N] in states' dtype, dA [CHUNK] f32, dy_c [CHUNK, BLOCK_P] in dy's
     dtype and C_c [CHUNK, BLOCK_N] f32 (both zero past seqlen)."""
     H_c = ct.load(states, index=(b, c, h, pb, nb), shape=(1, 1, 1, BLOCK_P, BLOCK_N),
                   latency=LOAD_LAT).reshape((BLOCK_P, BLOCK_N))
@@ -58,7 +55,7 @@ def _load_chunk(C, dy, dA_cumsum, states, b, h, g, c, pb, nb, CHUNK, BLOCK_P, BL
 
 def _chunk_state_bwd_body(C, dy, dA_cumsum, states, seq_idx, dfinal_states,
                           dstates, dinitial_states, ddA_chunk,
-                          CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, LOAD_LAT, PIPELINED):
+                          CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, LOAD_LAT):
     bh = ct.bid(0)
     pb = ct.bid(1)
     nb = ct.bid(2)
@@ -73,35 +70,23 @@ def _chunk_state_bwd_body(C, dy, dA_cumsum, states, seq_idx, dfinal_states,
 
     grad = ct.load(dfinal_states, index=(b, h, pb, nb), shape=(1, 1, BLOCK_P, BLOCK_N)
                    ).reshape((BLOCK_P, BLOCK_N))                            # [BLOCK_P, BLOCK_N] f32
-    if PIPELINED:
-        prefetched = _load_chunk(C, dy, dA_cumsum, states, b, h, g, nchunks - 1, pb, nb,
-                                 CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
     for i in range(nchunks):
         c = nchunks - 1 - i
-        ct.store(dstates, index=(b, c, h, pb, nb), tile=grad.reshape((1, 1, 1, BLOCK_P, BLOCK_N)))
-        if PIPELINED:
-            # The last step reloads chunk 0: a tile wholly before the array is undefined.
-            H_c, dA, dy_c, C_c = prefetched
-            prefetched = _load_chunk(C, dy, dA_cumsum, states, b, h, g, ct.maximum(c - 1, 0), pb, nb,
-                                     CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
-        else:
-            H_c, dA, dy_c, C_c = _load_chunk(C, dy, dA_cumsum, states, b, h, g, c, pb, nb,
-                                             CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
+        ct.store(dstates, index=(b, c, h, pb, nb),
+                 tile=grad.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(dstates.dtype))
+        H_c, dA, dy_c, C_c = _load_chunk(C, dy, dA_cumsum, states, b, h, g, c, pb, nb,
+                                         CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
         carry = ct.exp(ct.extract(dA, index=(CHUNK - 1,), shape=(1,)))      # [1]
         row_scale = ct.exp(dA)                                              # [CHUNK]
         if HAS_SEQ_IDX:
             prev_end_id = previous_chunk_end_id(seq_idx, b, c, CHUNK)
             carry = ct.where(chunk_end_id(seq_idx, b, c, seqlen, CHUNK) == prev_end_id, carry, 0.0)
             row_scale = ct.where(row_ids(seq_idx, b, c, CHUNK) == prev_end_id, row_scale, 0.0)
-        ddA_tile = carry * ct.sum(grad * H_c)                               # [1]
+        ddA_tile = carry * ct.sum(grad * H_c.astype(ct.float32))            # [1]
         ct.store(ddA_chunk, index=(b, h, c, tile), tile=ddA_tile.reshape((1, 1, 1, 1)))
         C_scaled = operand(C_c * row_scale[:, None], C.dtype, op_dtype)     # [CHUNK, BLOCK_N]
         dy_t = dy_c.transpose().astype(op_dtype)
-        if PIPELINED:
-            local = ct.mma(dy_t, C_scaled, ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32))
-            grad = grad * carry + local
-        else:
-            grad = ct.mma(dy_t, C_scaled, grad * carry)
+        grad = ct.mma(dy_t, C_scaled, grad * carry)
 
     ct.store(dinitial_states, index=(b, h, pb, nb), tile=grad.reshape((1, 1, BLOCK_P, BLOCK_N)))
 
@@ -112,10 +97,10 @@ def _make_chunk_state_bwd_kernel(Big):
         C: Big,                  # (batch, seqlen, ngroups, dstate) T
         dy: Big,                 # (batch, seqlen, nheads, headdim) T
         dA_cumsum: Big,          # (batch, nheads, nchunks, CHUNK) f32
-        states: Big,             # (batch, nchunks, nheads, headdim, dstate) f32, chunk-entry states
+        states: Big,             # (batch, nchunks, nheads, headdim, dstate) T, chunk-entry states
         seq_idx: Big,            # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
         dfinal_states: Big,      # (batch, nheads, headdim, dstate) f32
-        dstates: Big,            # (batch, nchunks, nheads, headdim, dstate) f32, written
+        dstates: Big,            # (batch, nchunks, nheads, headdim, dstate) T, written
         dinitial_states: Big,    # (batch, nheads, headdim, dstate) f32, written
         ddA_chunk: Big,          # (batch, nheads, nchunks, state tiles) f32, written
         CHUNK: ConstInt,
@@ -123,11 +108,10 @@ def _make_chunk_state_bwd_kernel(Big):
         BLOCK_N: ConstInt,
         HAS_SEQ_IDX: ConstBool,
         LOAD_LAT: ConstInt,      # latency hint of the per-chunk loads (1..10)
-        PIPELINED: ConstBool,    # prefetch chunk c-1 and keep G out of the mma accumulator
     ):
         _chunk_state_bwd_body(C, dy, dA_cumsum, states, seq_idx, dfinal_states,
                               dstates, dinitial_states, ddA_chunk,
-                              CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, LOAD_LAT, PIPELINED)
+                              CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, LOAD_LAT)
 
     return chunk_state_bwd_kernel
 
@@ -144,16 +128,16 @@ chunk_state_bwd_grid = chunk_state_fwd_grid
 
 
 def chunk_state_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkStateBwdConfig]:
-    """The autotune space (sm_90): tiles 32..64 x 16..64, each with the forward's `LOAD_SCHEDULES`.
+    """The autotune space (sm_90): tiles 32..64 x 16..64, each with the forward's `LOAD_LATENCIES`.
 
     Like the forward this is a latency-bound chain over chunks with batch * nheads * tiles blocks:
     small tiles give more blocks, large ones reuse each dy/C load more.
     """
     check_arch("chunk_state_bwd_configs", arch)
-    return [ChunkStateBwdConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, occupancy=2, PIPELINED=pipelined)
+    return [ChunkStateBwdConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, occupancy=2)
             for bp in sorted({min(32, dims.headdim), min(64, dims.headdim)})
             for bn in (16, 32, 64) if bn <= dims.dstate
-            for lat, pipelined in LOAD_SCHEDULES]
+            for lat in LOAD_LATENCIES]
 
 
 def chunk_state_bwd_num_tiles(dims: SSDDims, cfg: ChunkStateBwdConfig) -> int:
@@ -171,6 +155,6 @@ def chunk_state_bwd_launch(dims: SSDDims, cfg: ChunkStateBwdConfig | None = None
         grid=chunk_state_bwd_grid(dims, cfg),
         args=("C", dy, "dA_cumsum", "states", "seq_idx", "dfinal_states",
               "dstates", "dinitial_states", "ddA_chunk",
-              dims.chunk_size, cfg.BLOCK_P, cfg.BLOCK_N, dims.has_seq_idx, cfg.LOAD_LAT, cfg.PIPELINED),
+              dims.chunk_size, cfg.BLOCK_P, cfg.BLOCK_N, dims.has_seq_idx, cfg.LOAD_LAT),
         writes=("dstates", "dinitial_states", "ddA_chunk"),
     )

@@ -96,17 +96,18 @@ def backward_problem(case: BackwardCase, dtype: str, seed: int = 0):
     return inputs, want
 
 
-def run_backward(run, case: BackwardCase, dtype: str, *, deterministic: bool = False, seed: int = 0):
-    """(every array after running backward_plan through `run`, the float64 reference gradients)."""
+def run_backward(run, case: BackwardCase, dtype: str, *, seed: int = 0, **plan_keywords):
+    """(every array after running backward_plan(..., **plan_keywords) through `run`, the float64
+    reference gradients)."""
     inputs, want = backward_problem(case, dtype, seed)
-    plan = backward_plan(backward_dims(case, dtype), dict(case.configs), deterministic=deterministic)
+    plan = backward_plan(backward_dims(case, dtype), dict(case.configs), **plan_keywords)
     return run(plan, inputs), want
 
 
-def check_backward(run, case: BackwardCase, dtype: str, tolerance: float, *, deterministic: bool = False):
-    """Asserts every gradient of backward_plan (run through `run`) is within `tolerance` relative L2 of
-    the float64 reference, and that the dz dummy stays zero without a gate."""
-    got, want = run_backward(run, case, dtype, deterministic=deterministic)
+def check_backward(run, case: BackwardCase, dtype: str, tolerance: float, **plan_keywords):
+    """Asserts every gradient of backward_plan(..., **plan_keywords) (run through `run`) is within
+    `tolerance` relative L2 of the float64 reference, and that the dz dummy stays zero without a gate."""
+    got, want = run_backward(run, case, dtype, **plan_keywords)
     errors = {name: rel_l2(np.asarray(got[name], np.float64), expected) for name, expected in want.items()}
     bad = {name: err for name, err in errors.items() if not err <= tolerance}
     assert not bad, f"{case} {dtype}: relative L2 errors above {tolerance}: {bad} (all: {errors})"

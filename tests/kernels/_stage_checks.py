@@ -52,14 +52,12 @@ SMALL_CASES = {
     # Keys narrower than rows: the last row block's second key block lies wholly past seqlen.
     "key_block_past_seqlen": Case(
         seqlen=74, configs=(("chunk_scan", ChunkScanConfig(BLOCK_M=64, BLOCK_K=32, BLOCK_P=32, HEADS=1)),)),
-    # The pipelined state pass: prefetch across a partial last chunk and seq_idx resets, and the clamped
-    # reload when the only chunk is also the last.
-    "pipelined_state_seq_idx_init_partial_last_chunk": Case(
+    # The state pass across a partial last chunk and seq_idx resets, and with one chunk only.
+    "state_seq_idx_init_partial_last_chunk": Case(
         seqlen=150, seq_lens=(10, 70, 3, 67), initial_states=True,
-        configs=(("chunk_state", ChunkStateConfig(BLOCK_P=16, BLOCK_N=16, PIPELINED=True)),)),
-    "pipelined_state_one_chunk": Case(
-        seqlen=37, initial_states=True,
-        configs=(("chunk_state", ChunkStateConfig(BLOCK_P=32, BLOCK_N=32, PIPELINED=True)),)),
+        configs=(("chunk_state", ChunkStateConfig(BLOCK_P=16, BLOCK_N=16)),)),
+    "state_one_chunk": Case(
+        seqlen=37, initial_states=True, configs=(("chunk_state", ChunkStateConfig(BLOCK_P=32, BLOCK_N=32)),)),
 }
 
 # make_ssd_args draws A so that a 64-token chunk decays by ~e^-30, which hides every cross-chunk path

@@ -11,27 +11,25 @@ import pytest
 
 from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.backward import (
-    BACKWARD_INPUTS, BACKWARD_OUTPUTS, backward_arrays, backward_plan)
-from jax_mamba2.kernels.chunk_state import ChunkStateConfig
+    BACKWARD_INPUTS, BACKWARD_OUTPUTS, backward_arrays, backward_plan, group_heads_per_block)
 from jax_mamba2.kernels.export import compile_launch
 from tests.kernels.test_compile import _cuobjdump
 
 _BASE = SSDDims(batch=2, seqlen=200, nheads=8, headdim=64, ngroups=2, dstate=64, chunk_size=64,
                 dt_softplus=True)
 _ALL_FLAGS = dict(has_z=True, has_init=True, has_seq_idx=True, dt_limit=(1e-3, 0.5))
-# (dims, deterministic): bf16 and f32 (tf32 mma), flags all off / all on, both reduction modes.
+_ATOMIC, _DETERMINISTIC = dict(deterministic=False), dict(deterministic=True)
+# (dims, backward_plan keywords): bf16 and f32 (tf32 mma), flags all off / all on, both reduction modes,
+# and atomic blocks spanning several heads.
 PROBLEMS = {
-    "bf16_plain_atomic": (_BASE, False),
-    "bf16_z_init_seq_idx_dt_limit_deterministic": (dataclasses.replace(_BASE, **_ALL_FLAGS), True),
+    "bf16_plain_atomic": (_BASE, _ATOMIC),
+    "bf16_z_init_seq_idx_dt_limit_deterministic": (dataclasses.replace(_BASE, **_ALL_FLAGS), _DETERMINISTIC),
     "f32_z_init_seq_idx_atomic": (dataclasses.replace(_BASE, dtype="float32", dt_dtype="float32",
-                                                      **_ALL_FLAGS), False),
-    "f32_plain_deterministic": (dataclasses.replace(_BASE, dtype="float32", dt_dtype="float32"), True),
-    "f32_z_init_seq_idx_pipelined_state_passes": (
-        dataclasses.replace(_BASE, dtype="float32", dt_dtype="float32", **_ALL_FLAGS), False),
+                                                      **_ALL_FLAGS), _ATOMIC),
+    "f32_plain_deterministic": (dataclasses.replace(_BASE, dtype="float32", dt_dtype="float32"), _DETERMINISTIC),
+    "bf16_z_seq_idx_2_heads_per_atomic_block": (dataclasses.replace(_BASE, **_ALL_FLAGS),
+                                                dict(deterministic=False, atomic_heads_per_block=2)),
 }
-# Stage configs of the problems that leave the defaults.
-CONFIGS = {"f32_z_init_seq_idx_pipelined_state_passes": {
-    "chunk_state": ChunkStateConfig(PIPELINED=True), "chunk_state_bwd": ChunkStateConfig(PIPELINED=True)}}
 KERNELS = {"chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel", "chunk_scan_bwd_dc_kernel",
            "chunk_state_bwd_kernel", "chunk_scan_bwd_dx_kernel", "chunk_cumsum_bwd_kernel",
            "param_grads_bwd_kernel"}
@@ -52,9 +50,9 @@ def _kernel_name(launch) -> str:
 @functools.cache
 def _cubins(problem: str) -> dict[str, bytes]:
     """kernel name -> sm_90 cubin of every launch of the backward plan of `problem`."""
-    dims, deterministic = PROBLEMS[problem]
-    arrays = backward_arrays(dims, deterministic=deterministic)
-    plan = backward_plan(dims, CONFIGS.get(problem, {}), deterministic=deterministic)
+    dims, keywords = PROBLEMS[problem]
+    arrays = backward_arrays(dims, **keywords)
+    plan = backward_plan(dims, **keywords)
     return {_kernel_name(launch): compile_launch(launch, arrays, "sm_90")[1] for launch in plan.launches}
 
 
@@ -67,7 +65,7 @@ def test_backward_kernels_compile_to_sm90_cubins(problem):
 
 
 @pytest.mark.parametrize("problem", ["bf16_plain_atomic", "f32_z_init_seq_idx_atomic",
-                                     "f32_z_init_seq_idx_pipelined_state_passes"])
+                                     "bf16_z_seq_idx_2_heads_per_atomic_block"])
 def test_backward_matmul_stages_use_wgmma(problem, tmp_path):
     cuobjdump = _cuobjdump()
     if cuobjdump is None:
@@ -85,7 +83,7 @@ def test_backward_matmul_stages_use_wgmma(problem, tmp_path):
 @pytest.mark.parametrize("problem", list(PLAN_PROBLEMS))
 def test_backward_plan_well_formed(problem, deterministic):
     dims = PLAN_PROBLEMS[problem]
-    plan = backward_plan(dims, CONFIGS.get(problem, {}), deterministic=deterministic)
+    plan = backward_plan(dims, deterministic=deterministic)
     assert plan.inputs == BACKWARD_INPUTS and plan.outputs == BACKWARD_OUTPUTS
     assert not set(plan.inputs) & set(plan.buffers)
     defined = set(plan.inputs) | {name for name, buf in plan.buffers.items() if buf.zero_init}
@@ -101,7 +99,7 @@ def test_backward_plan_well_formed(problem, deterministic):
         defined |= set(launch.writes)
     assert set(plan.outputs) <= defined
     # dB/dC take atomic adds exactly when heads of a group are split over blocks.
-    atomic = not deterministic and dims.heads_per_group > 1
+    atomic = group_heads_per_block(dims, deterministic) < dims.heads_per_group
     assert plan.buffers["dB"].zero_init == plan.buffers["dC"].zero_init == atomic
 
 

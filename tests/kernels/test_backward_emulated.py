@@ -37,11 +37,6 @@ _SMALL = dict(batch=2, headdim=8, dstate=16, chunk_size=16, configs=(
     ("chunk_cumsum_bwd", ChunkCumsumBwdConfig(BLOCK_H=2)),
     ("param_grads_bwd", ParamGradsBwdConfig(BLOCK_H=2, BLOCK_R=4)),
 ))
-# _SMALL with both state passes (the forward's recompute and the reverse pass) pipelined.
-_SMALL_PIPELINED = dict(_SMALL, configs=tuple(
-    (stage, dataclasses.replace(cfg, PIPELINED=True) if stage in ("chunk_state", "chunk_state_bwd") else cfg)
-    for stage, cfg in _SMALL["configs"]))
-
 
 class _EmulatedArray(np.ndarray):
     """A NumPy array with the `tiled_view(...).atomic_store_add` of a cuda.tile Array."""
@@ -134,11 +129,9 @@ CASES = {
     "one_token": BackwardCase(seqlen=1, **_SMALL),
     "whole_chunks_plain_dt": BackwardCase(seqlen=32, ngroups=4, z=False, initial_states=False,
                                           dt_softplus=False, **_SMALL),
-    # Prefetch across a partial last chunk and seq_idx resets (with initial states), and the clamped
-    # reloads when the only chunk is both the first and the last.
-    "pipelined_state_passes_seq_idx_init": BackwardCase(seqlen=50, nheads=3, ngroups=1, z=False,
-                                                        seq_lens=(5, 11, 16, 18), **_SMALL_PIPELINED),
-    "pipelined_state_passes_one_chunk": BackwardCase(seqlen=9, **_SMALL_PIPELINED),
+    "seq_idx_with_initial_states": BackwardCase(seqlen=50, nheads=3, ngroups=1, z=False,
+                                                seq_lens=(5, 11, 16, 18), **_SMALL),
+    "one_partial_chunk": BackwardCase(seqlen=9, **_SMALL),
 }
 
 
@@ -150,6 +143,11 @@ def test_backward_plan_emulated_float64_matches_scan_vjp(case):
 def test_backward_plan_emulated_deterministic_mode_matches_scan_vjp():
     check_backward(_run_plan_float64, CASES["partial_chunk_z_init_groups"], "float32", 1e-10,
                    deterministic=True)
+
+
+def test_backward_plan_emulated_atomic_blocks_of_several_heads_match_scan_vjp():
+    case = BackwardCase(seqlen=37, nheads=8, ngroups=2, **_SMALL)     # 4 heads per group, 2 per block
+    check_backward(_run_plan_float64, case, "float32", 1e-10, atomic_heads_per_block=2)
 
 
 def test_backward_plan_emulated_bf16_within_kernel_tolerance():

@@ -12,7 +12,6 @@ import pytest
 
 from jax_mamba2.kernels import export
 from jax_mamba2.kernels._common import SSDDims
-from jax_mamba2.kernels.chunk_state import ChunkStateConfig
 from jax_mamba2.kernels.export import compile_launch
 from jax_mamba2.kernels.forward import forward_arrays, forward_plan
 from jax_mamba2.kernels.state_update import state_update_inputs, state_update_plan
@@ -31,11 +30,8 @@ PROBLEMS = {
     "bf16_heads256_q256": dataclasses.replace(_BASE, headdim=256, dstate=256, chunk_size=256, has_seq_idx=True),
     # x has 2^31 elements: the int64-indexed variants.
     "bf16_int64_index": dataclasses.replace(_BASE, batch=1, seqlen=1 << 20, nheads=32, chunk_size=256),
-    "bf16_z_init_seq_idx_pipelined_state": dataclasses.replace(_BASE, has_z=True, has_init=True,
-                                                               has_seq_idx=True),
+    "bf16_z_init_seq_idx": dataclasses.replace(_BASE, has_z=True, has_init=True, has_seq_idx=True),
 }
-# Stage configs of the problems that leave the defaults.
-CONFIGS = {"bf16_z_init_seq_idx_pipelined_state": {"chunk_state": ChunkStateConfig(PIPELINED=True)}}
 
 
 @functools.cache
@@ -43,7 +39,7 @@ def _cubins(problem: str) -> dict[str, bytes]:
     """kernel name -> sm_90 cubin of every launch of the forward and decode plans of `problem`."""
     dims = PROBLEMS[problem]
     launches = [(launch, forward_arrays(dims))
-                for launch in forward_plan(dims, CONFIGS.get(problem, {})).launches]
+                for launch in forward_plan(dims).launches]
     step = state_update_plan(dims)
     launches.append((step.launches[0], {**state_update_inputs(dims, "float32"), **step.buffers}))
     return {launch.kernel._annotated_function.pyfunc.__name__: compile_launch(launch, arrays, "sm_90")[1]
@@ -72,7 +68,7 @@ def _cuobjdump() -> str | None:
 
 
 @pytest.mark.parametrize("problem",
-                         ["bf16_plain", "f32_z_init_seq_idx", "bf16_z_init_seq_idx_pipelined_state"])
+                         ["bf16_plain", "f32_z_init_seq_idx", "bf16_z_init_seq_idx"])
 def test_matmul_stages_use_wgmma_and_tma(problem, tmp_path):
     cuobjdump = _cuobjdump()
     if cuobjdump is None:

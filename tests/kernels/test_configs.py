@@ -56,12 +56,13 @@ def test_stage_configs_valid_and_contain_default(stage, problem):
     (chunk_state.chunk_state_fwd_configs, chunk_state.chunk_state_fwd_default_config),
     (chunk_state_bwd.chunk_state_bwd_configs, chunk_state_bwd.chunk_state_bwd_default_config)],
     ids=["chunk_state", "chunk_state_bwd"])
-def test_state_pass_configs_try_every_tile_pipelined_at_the_default_latency(configs_fn, default_fn):
+def test_state_pass_configs_try_every_tile_at_every_latency(configs_fn, default_fn):
     dims = PROBLEMS["odd_heads_q128"]
     space, default = configs_fn(dims), default_fn(dims)
-    pipelined = [cfg for cfg in space if cfg.PIPELINED]
-    assert not default.PIPELINED and {cfg.LOAD_LAT for cfg in pipelined} == {default.LOAD_LAT}
-    assert sorted((c.BLOCK_P, c.BLOCK_N) for c in pipelined) == sorted({(c.BLOCK_P, c.BLOCK_N) for c in space})
+    tiles = {(c.BLOCK_P, c.BLOCK_N) for c in space}
+    assert (default.BLOCK_P, default.BLOCK_N) in tiles and default.LOAD_LAT in chunk_state.LOAD_LATENCIES
+    assert sorted((c.BLOCK_P, c.BLOCK_N, c.LOAD_LAT) for c in space) == sorted(
+        (bp, bn, lat) for bp, bn in tiles for lat in chunk_state.LOAD_LATENCIES)
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
