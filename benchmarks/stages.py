@@ -66,8 +66,9 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--configs", choices=("default", "tuned"), default="default",
                         help="tuned: the autotuner's choice (tunes on first use)")
-    parser.add_argument("--atomic-heads", type=int, nargs="+", default=[backward.ATOMIC_HEADS_PER_BLOCK],
-                        help="heads per block of the atomic dB/dC passes: one backward plan per value")
+    parser.add_argument("--atomic-heads", type=int, nargs="+", default=[None],
+                        help="heads per block of the atomic dB/dC passes: one backward plan per value "
+                             "(default: the plan's own choice)")
     parser.add_argument("--deterministic", action="store_true", help="also the deterministic backward")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
                 records.append({**env, "op": "ssd_stage", "direction": direction, "shape": shape._asdict(),
                                 "chunk_size": args.chunk, "configs": args.configs,
                                 "atomic_heads_per_block": heads, **row})
-                label = direction if heads is None else f"{direction}(heads/block {heads})"
+                label = direction if direction == "fwd" else f"{direction}(heads/block {heads or 'auto'})"
                 print(f"{shape.label()} Q={args.chunk} {label} {row['kernel']:<28} "
                       f"grid={tuple(row['grid'])} {row['ms_median']:.3f} ms", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

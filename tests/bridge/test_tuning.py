@@ -130,10 +130,12 @@ def test_forward_configs_retunes_only_stale_entries(cache_dir, monkeypatch):
 
 
 def test_stage_key_names_heads_per_block_where_deterministic_changes_the_launch():
-    grouped = DIMS  # 32 heads in one group: deterministic mode gives a block the whole group
+    # 32 heads in one group: deterministic mode gives a block the whole group, the atomic mode 16 heads
+    # (the most that leave backward.MIN_GROUP_PASS_BLOCKS blocks).
+    grouped = DIMS
     assert tuning.stage_key("chunk_scan_bwd_dc", grouped) == (
         "chunk_scan_bwd_dc/chunk_size=256,headdim=64,dstate=128,heads_per_group=32,dtype=bfloat16,"
-        "has_seq_idx=False,has_z=False,heads_per_block=1,index64=False,work=4096")
+        "has_seq_idx=False,has_z=False,heads_per_block=16,index64=False,work=256")
     assert tuning.stage_key("chunk_scan_bwd_dx", grouped, deterministic=True).endswith(
         "heads_per_block=32,index64=False,work=128")
     for stage in BACKWARD_STAGES:
