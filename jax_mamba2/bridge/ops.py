@@ -152,6 +152,6 @@ def make_step(run_plan: RunPlan):
             B=B.astype(x.dtype), C=C.astype(x.dtype),
             D=problem.per_head_dim_D(D, nheads, headdim),
             z=jnp.zeros((1, 1, 1), x.dtype) if z is None else z.astype(x.dtype))
-        out = run_plan(step_kernels.state_update_plan(dims), arrays)
-        return _compat.match_varying_axes((out["y"], out["state"]), (state, x))
+        out = run_plan(step_kernels.state_update_plan(dims, state_dtype=jnp.dtype(state.dtype).name), arrays)
+        return _compat.match_varying_axes((out["y"], out["new_state"]), (state, x))
     return step

@@ -141,8 +141,8 @@ def _launches(which: str, quick: bool, arch: str) -> Iterator[tuple[Launch, dict
         step_configs = ([None] if which == "default"
                         else state_update.state_update_configs(step_dims, arch))
         for cfg in step_configs:
-            plan = state_update.state_update_plan(step_dims, cfg)
             for state_dtype in sorted({"float32", dims.dtype}):
+                plan = state_update.state_update_plan(step_dims, cfg, state_dtype)
                 arrays = {**state_update.state_update_inputs(step_dims, state_dtype), **plan.buffers}
                 yield plan.launches[0], arrays
 

@@ -1,4 +1,4 @@
-"""The single-token decode step, updating the SSM state in place.
+"""The single-token decode step: the output token and the next SSM state.
 
 Mirrors `reference.ssd_step` (mamba_ssm `selective_state_update`, plus dt_limit). Per (batch b, head h),
 group g = h // (nheads / ngroups), all in f32:
@@ -6,11 +6,15 @@ group g = h // (nheads / ngroups), all in f32:
     Δ        = clip(softplus(dt[b, h] + dt_bias[h]))        (softplus / clip per DT_SOFTPLUS, HAS_DT_LIMIT)
     state'   = exp(Δ A[h]) * state[b, h] + (Δ x[b, h])[:, None] * B[b, g][None, :]      (headdim, dstate)
     y        = state' @ C[b, g] + D[h] * x[b, h];   y *= silu(z[b, h]) if HAS_Z
-    state[b, h] <- state' rounded to the state's dtype; y is computed from the f32 state'.
+    new_state[b, h] = state' rounded to the state's dtype; y is computed from the f32 state'.
+
+The next state goes to its own buffer instead of overwriting `state` through an aliased in-place
+custom-call operand: that in-place form passed a single jitted step on the H200 but drifted from the second
+step on when the LM scanned its layers with the cache, and a separate output moves no extra bytes.
 
 Grid: (batch * nheads, headdim / BLOCK_P). Purely bandwidth-bound (the state is read and written once).
 
-Shapes: state (batch, nheads, headdim, dstate) f32 or T, read and written; x, z, y (batch, nheads,
+Shapes: state, new_state (batch, nheads, headdim, dstate) f32 or T; x, z, y (batch, nheads,
 headdim) T (z a dummy (1, 1, 1) without HAS_Z); dt (batch, nheads) T or f32; A, dt_bias (nheads,) f32;
 B, C (batch, ngroups, dstate) T; D (nheads, headdim) f32.
 """
@@ -23,10 +27,10 @@ from jax_mamba2.kernels._common import (
     int64_index_kernels, select_kernel)
 
 STATE_UPDATE_INPUTS = ("state", "x", "dt", "A", "dt_bias", "B", "C", "D", "z")
-STATE_UPDATE_OUTPUTS = ("y", "state")
+STATE_UPDATE_OUTPUTS = ("y", "new_state")
 
 
-def _state_update_body(state, x, dt, A, dt_bias, B, C, D, z, y, DSTATE, BLOCK_P, HAS_Z, DT_SOFTPLUS,
+def _state_update_body(state, x, dt, A, dt_bias, B, C, D, z, y, new_state, DSTATE, BLOCK_P, HAS_Z, DT_SOFTPLUS,
                        HAS_DT_LIMIT, DT_MIN, DT_MAX):
     bh = ct.bid(0)
     pb = ct.bid(1)
@@ -47,7 +51,7 @@ def _state_update_body(state, x, dt, A, dt_bias, B, C, D, z, y, DSTATE, BLOCK_P,
     C_n = ct.load(C, index=(b, g, 0), shape=(1, 1, DSTATE)).reshape((DSTATE,)).astype(ct.float32)
 
     s = s * decay + (delta * x_p)[:, None] * B_n[None, :]                                 # [BLOCK_P, DSTATE]
-    ct.store(state, index=(b, h, pb, 0), tile=s.reshape((1, 1, BLOCK_P, DSTATE)).astype(state.dtype))
+    ct.store(new_state, index=(b, h, pb, 0), tile=s.reshape((1, 1, BLOCK_P, DSTATE)).astype(new_state.dtype))
 
     D_p = ct.load(D, index=(h, pb), shape=(1, BLOCK_P)).reshape((BLOCK_P,))
     y_p = ct.sum(s * C_n[None, :], axis=1) + D_p * x_p                                     # [BLOCK_P] f32
@@ -60,7 +64,7 @@ def _state_update_body(state, x, dt, A, dt_bias, B, C, D, z, y, DSTATE, BLOCK_P,
 def _make_state_update_kernel(Big):
     @ct.kernel
     def state_update_kernel(
-        state: Big,           # (batch, nheads, headdim, dstate) f32 or T, read and written
+        state: Big,           # (batch, nheads, headdim, dstate) f32 or T
         x,                    # (batch, nheads, headdim) T
         dt,                   # (batch, nheads) T or f32
         A,                    # (nheads,) f32
@@ -70,6 +74,7 @@ def _make_state_update_kernel(Big):
         D,                    # (nheads, headdim) f32
         z,                    # (batch, nheads, headdim) T, or a dummy without HAS_Z
         y,                    # (batch, nheads, headdim) T, written
+        new_state: Big,       # (batch, nheads, headdim, dstate) state's dtype, written
         DSTATE: ConstInt,
         BLOCK_P: ConstInt,
         HAS_Z: ConstBool,
@@ -78,7 +83,7 @@ def _make_state_update_kernel(Big):
         DT_MIN: ConstFloat,
         DT_MAX: ConstFloat,
     ):
-        _state_update_body(state, x, dt, A, dt_bias, B, C, D, z, y, DSTATE, BLOCK_P, HAS_Z, DT_SOFTPLUS,
+        _state_update_body(state, x, dt, A, dt_bias, B, C, D, z, y, new_state, DSTATE, BLOCK_P, HAS_Z, DT_SOFTPLUS,
                            HAS_DT_LIMIT, DT_MIN, DT_MAX)
 
     return state_update_kernel
@@ -131,25 +136,27 @@ def state_update_inputs(dims: SSDDims, state_dtype: str = "float32") -> dict[str
     }
 
 
-def state_update_plan(dims: SSDDims, cfg: StateUpdateConfig | None = None) -> Plan:
-    """One decode step for `dims` (seqlen and chunk_size are ignored).
+def state_update_plan(dims: SSDDims, cfg: StateUpdateConfig | None = None,
+                      state_dtype: str = "float32") -> Plan:
+    """One decode step for `dims` (seqlen and chunk_size are ignored) on a state of `state_dtype`.
 
     Returns:
-      A Plan with inputs STATE_UPDATE_INPUTS, the buffer "y", and outputs ("y", "state"); "state" is
-      written in place (the bridge passes it as an input-output).
+      A Plan with inputs STATE_UPDATE_INPUTS, the buffers "y" (x's dtype) and "new_state" (`state_dtype`),
+      and outputs STATE_UPDATE_OUTPUTS.
     """
     cfg = cfg or state_update_default_config(dims)
     dt_min, dt_max = (float(v) for v in dims.dt_limit)
     launch = Launch(
         kernel=select_kernel(STATE_UPDATE_KERNELS, dims, occupancy=cfg.occupancy),
         grid=state_update_grid(dims, cfg),
-        args=("state", "x", "dt", "A", "dt_bias", "B", "C", "D", "z", "y", dims.dstate, cfg.BLOCK_P,
-              dims.has_z, dims.dt_softplus, dims.has_dt_limit, dt_min, dt_max),
-        writes=("y", "state"),
+        args=("state", "x", "dt", "A", "dt_bias", "B", "C", "D", "z", "y", "new_state", dims.dstate,
+              cfg.BLOCK_P, dims.has_z, dims.dt_softplus, dims.has_dt_limit, dt_min, dt_max),
+        writes=("y", "new_state"),
     )
     return Plan(
         inputs=STATE_UPDATE_INPUTS,
-        buffers={"y": Buffer((dims.batch, dims.nheads, dims.headdim), dims.dtype)},
+        buffers={"y": Buffer((dims.batch, dims.nheads, dims.headdim), dims.dtype),
+                 "new_state": Buffer((dims.batch, dims.nheads, dims.headdim, dims.dstate), state_dtype)},
         launches=(launch,),
         outputs=STATE_UPDATE_OUTPUTS,
     )

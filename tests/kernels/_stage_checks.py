@@ -170,9 +170,10 @@ def check_state_update(run, dtype: str, state_dtype: str, *, ngroups: int = 2, z
     inputs = {"state": _np(state).copy(), "x": _np(x), "dt": _np(dt), "A": _np(A), "B": _np(B),
               "C": _np(C), "dt_bias": _np(kwargs["dt_bias"]), "D": _np(kwargs["D"]),
               "z": _np(kwargs["z"]) if z else np.zeros((1, 1, 1), _np(x).dtype)}
-    got = run(state_update_plan(dims, cfg), inputs)
+    got = run(state_update_plan(dims, cfg, state_dtype), inputs)
     with jax.enable_x64(True):
         y_ref, state_ref = reference.ssd_step(*to_float64((state, x, dt, A, B, C)), **to_float64(kwargs))
     tol = TOLERANCE["kernel_fwd"][dtype]
-    errors = {"y": rel_l2(got["y"], y_ref), "state": rel_l2(got["state"], state_ref)}
+    errors = {"y": rel_l2(got["y"], y_ref), "state": rel_l2(got["new_state"], state_ref)}
+    assert got["new_state"].dtype == state.dtype
     assert all(err <= tol for err in errors.values()), f"{dtype}/{state_dtype} {cfg}: {errors} > {tol}"

@@ -76,7 +76,8 @@ def test_stage_configs_reject_unknown_arch(stage):
 def test_stage_launch_args_match_kernel_parameters(stage, problem):
     configs_fn, _, launch_fn = STAGES[stage]
     dims = PROBLEMS[problem]
-    arrays = {**forward_arrays(dims), **state_update.state_update_inputs(dims), "y": None}
+    arrays = {**forward_arrays(dims), **state_update.state_update_inputs(dims), "y": None,
+              "new_state": None}
     for cfg in configs_fn(dims):
         launch = launch_fn(dims, cfg)
         annotations = launch.kernel._annotated_function.parameter_annotations
