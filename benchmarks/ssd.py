@@ -171,6 +171,14 @@ def _linear_loss(forward, weights):
     return loss
 
 
+def forward_backward(forward, weights):
+    """The timed forward+backward program: the loss value AND its gradients w.r.t. all 7 inputs.
+
+    `jax.grad` alone would let XLA drop the forward: the gradients of a linear loss do not depend on y,
+    and the custom VJPs save only the inputs, so the forward's kernels are dead code."""
+    return jax.value_and_grad(_linear_loss(forward, weights), argnums=tuple(range(7)))
+
+
 def _ordered(inputs: dict) -> tuple:
     return tuple(inputs[n] for n in GRAD_NAMES)
 
@@ -311,8 +319,8 @@ def prepare_ours(backend: str, inputs: dict, weights: dict, chunk_size: int, dir
         fn = jax.jit(forward)
         to_outputs = lambda out: {"y": out[0], "final_states": out[1]}  # noqa: E731
     else:
-        fn = jax.jit(jax.grad(_linear_loss(forward, weights), argnums=tuple(range(7))))
-        to_outputs = _grad_outputs
+        fn = jax.jit(forward_backward(forward, weights))
+        to_outputs = lambda out: _grad_outputs(out[1])  # noqa: E731
     return Prepared(lambda: fn(*args), time_jax, "block_until_ready", to_outputs, chunk_size)
 
 
@@ -377,9 +385,9 @@ def prepare_jla(inputs: dict, weights: dict, chunk_size: int, direction: str):
         o, final = core(x, softplus_dt(dt, dt_bias), A, B, C)
         return o.astype(jnp.float32) + D[:, None] * x.astype(jnp.float32), final
 
-    fn = jax.jit(jax.grad(_linear_loss(forward, weights), argnums=tuple(range(7))))
+    fn = jax.jit(forward_backward(forward, weights))
     args = _ordered(inputs)
-    return Prepared(lambda: fn(*args), time_jax, "block_until_ready", _grad_outputs, JLA_CHUNK,
+    return Prepared(lambda: fn(*args), time_jax, "block_until_ready", lambda out: _grad_outputs(out[1]), JLA_CHUNK,
                     notes="D skip and dt softplus in plain JAX around the kernels")
 
 

@@ -1,6 +1,8 @@
 """benchmarks/ssd.py and benchmarks/report.py: roofline, CLI, JSON records -> table and plot (no GPU)."""
 import json
+import re
 
+import jax
 import pytest
 
 from benchmarks import report, ssd
@@ -72,3 +74,22 @@ def test_benchmark_main_writes_records_with_the_fixed_keys(tmp_path, capsys):
     assert record["rel_l2_err"] < 2e-2 and record["ms_p20"] <= record["ms_median"] <= record["ms_p80"]
     assert "pipelined" in capsys.readouterr().out
 
+
+
+def test_forward_backward_program_runs_the_forward_kernels():
+    """The timed fwd_bwd program keeps the forward: with jax.grad of the linear loss alone, the forward's
+    kernels are dead code (their outputs do not reach the gradients) and only the backward is timed."""
+    pytest.importorskip("cuda.tile")
+    from jax_mamba2.bridge.aot import export_for_cuda
+
+    shape = ssd.Shape(1, 128, 4, 64, 64, 1)
+    args, weights = ssd._ordered(ssd.make_inputs(shape)), ssd.loss_weights(shape)
+    forward = ssd._ssd_call("cutile", 64)
+
+    def kernels(program):
+        return set(re.findall(r"chunk_scan_\w*kernel", export_for_cuda(program, *args).mlir_module()))
+
+    assert kernels(ssd.forward_backward(forward, weights)) == {
+        "chunk_scan_fwd_kernel", "chunk_scan_bwd_dc_kernel", "chunk_scan_bwd_dx_kernel"}
+    grad_only = jax.grad(ssd._linear_loss(forward, weights), argnums=tuple(range(7)))
+    assert "chunk_scan_fwd_kernel" not in kernels(grad_only)
