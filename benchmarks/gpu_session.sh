@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/gpu_session.sh tests|kernel-tests|bench|train [OUT]
+#   bash benchmarks/gpu_session.sh tests|kernel-tests|fwd|fwd-bwd-1|fwd-bwd-2|tuned|train [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh tests|kernel-tests|bench|train [OUT]}
+part=${1:?usage: gpu_session.sh tests|kernel-tests|fwd|fwd-bwd-1|fwd-bwd-2|tuned|train [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 source .gpu/gpu-env.sh >/dev/null || exit 1
@@ -23,7 +23,7 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND under a cap, logging to $
 case $part in
   tests)  # the op and the LM on the GPU; default kernel configs (tuning every test shape takes minutes)
     export JAX_MAMBA2_AUTOTUNE=0
-    step bridge_gpu 330 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/bridge/test_cutile_gpu.py
+    step bridge_gpu 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/bridge/test_cutile_gpu.py
     step flax_gpu 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/flax_layers/test_lm_gpu.py
     ;;
   kernel-tests)  # every forward and backward plan stage against the float64 reference, every tiling
@@ -31,12 +31,22 @@ case $part in
     step kernels_fwd_gpu 250 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/kernels/test_stages_gpu.py
     step kernels_bwd_gpu 280 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/kernels/test_backward_gpu.py
     ;;
-  bench)  # autotuned forward grid, then forward + backward on the first shapes, then the bridge overhead
+  fwd)  # the forward grid with every peer, default configs (tuning every shape does not fit one call)
+    step ssd_fwd 540 python benchmarks/ssd.py --tuning off "${peers[@]}" --out "$out"
+    ;;
+  fwd-bwd-1|fwd-bwd-2)  # forward + backward on issue 7's grid, 3 shapes per call (Triton autotunes per shape)
+    if [ "$part" = fwd-bwd-1 ]; then shapes=(4,8192,32,64,128,1 2,32768,32,64,128,1 4,8192,32,64,64,1)
+    else shapes=(4,8192,32,64,256,1 4,8192,80,64,128,1 4,16384,8,64,128,1); fi
+    step "ssd_$part" 540 python benchmarks/ssd.py --direction fwd_bwd --tuning off --shapes "${shapes[@]}" \
+      "${peers[@]}" --out "$out"
+    ;;
+  tuned)  # autotuned forward + backward at the main shape, every stage's launch time, the bridge overhead
     export JAX_MAMBA2_CACHE_DIR=${JAX_MAMBA2_CACHE_DIR:-$out/tuning}
-    step ssd_fwd 300 python benchmarks/ssd.py "${peers[@]}" --out "$out"
-    step ssd_fwd_bwd 120 python benchmarks/ssd.py --direction fwd_bwd --quick "${peers[@]}" --out "$out"
-    step bridge_overhead 45 python benchmarks/bridge_overhead.py --out "$out"
-    step stages 90 python benchmarks/stages.py --out "$out"
+    step ssd_tuned 300 python benchmarks/ssd.py --direction fwd_bwd --shapes 4,8192,32,64,128,1 \
+      --impls cutile --out "$out"
+    step stages 120 python benchmarks/stages.py --shapes 4,8192,32,64,128,1 --configs tuned --deterministic \
+      --out "$out"
+    step bridge_overhead 60 python benchmarks/bridge_overhead.py --out "$out"
     ;;
   train)  # issue 7's training check: the same 200 steps with the cuTile and the xla backends
     for backend in cutile xla; do
@@ -46,6 +56,7 @@ case $part in
     done
     step train_curves 30 python benchmarks/train_curves.py "$out/cutile/train_lm/metrics.json" \
       "$out/xla/train_lm/metrics.json" --png "$out/train_curves_h200.png"
+    rm -rf "$out"/*/train_lm/checkpoints "$out"/*/train_lm/model   # large, and not evidence
     step jit_model 60 python examples/jit_model.py --out "$out"
     ;;
   *) echo "unknown part $part"; exit 2 ;;
