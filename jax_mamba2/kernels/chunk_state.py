@@ -147,17 +147,22 @@ LOAD_LATENCIES = (2, 4, 6)
 
 def chunk_state_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkStateConfig]:
     """The autotune space (sm_90): state tiles of 64/128 x 16..64 (at most 64 x 64 f32 values carried),
-    each with the `LOAD_LATENCIES`, occupancy 2.
+    each with the `LOAD_LATENCIES` at occupancy 2, and the 64 x 32 tile at occupancy 4.
 
     BLOCK_P is the M side of the x^T @ B mma: wgmma needs M >= 64 (with 32 the SASS falls back to
     mma.sync and spills), so only a headdim below 64 gets a smaller tile. Small BLOCK_N gives more
     blocks (the kernel is a latency-bound chain over chunks with only batch * nheads * tiles blocks);
-    large ones reuse each x/B load more.
+    large ones reuse each x/B load more. Occupancy is what hides the chain's latency, and shared
+    memory caps it: at occupancy 2 the 64 x 32 tile's pipelined loads take 73-102 KB per block (two
+    blocks per SM), at occupancy 4 46-50 KB with 64 registers and no spills (tileiras 13.4), so four
+    chains interleave per SM.
     """
     check_arch("chunk_state_fwd_configs", arch)
-    return [ChunkStateConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, occupancy=2)
-            for bp in sorted({min(64, dims.headdim), min(128, dims.headdim)})
-            for bn in (16, 32, 64) if bn <= dims.dstate and bp * bn <= 64 * 64
+    tiles = [(bp, bn) for bp in sorted({min(64, dims.headdim), min(128, dims.headdim)})
+             for bn in (16, 32, 64) if bn <= dims.dstate and bp * bn <= 64 * 64]
+    return [ChunkStateConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, occupancy=occupancy)
+            for occupancy in (2, 4) for bp, bn in tiles
+            if occupancy == 2 or (bp, bn) == (min(64, dims.headdim), min(32, dims.dstate))
             for lat in LOAD_LATENCIES]
 
 

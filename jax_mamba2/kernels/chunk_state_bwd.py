@@ -128,15 +128,19 @@ chunk_state_bwd_grid = chunk_state_fwd_grid
 
 
 def chunk_state_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkStateBwdConfig]:
-    """The autotune space (sm_90): tiles 32..64 x 16..64, each with the forward's `LOAD_LATENCIES`.
+    """The autotune space (sm_90): tiles 32..64 x 16..64, each with the forward's `LOAD_LATENCIES` at
+    occupancy 2, and the default tile at occupancy 4 (see `chunk_state_fwd_configs`).
 
     Like the forward this is a latency-bound chain over chunks with batch * nheads * tiles blocks:
     small tiles give more blocks, large ones reuse each dy/C load more.
     """
     check_arch("chunk_state_bwd_configs", arch)
-    return [ChunkStateBwdConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, occupancy=2)
-            for bp in sorted({min(32, dims.headdim), min(64, dims.headdim)})
-            for bn in (16, 32, 64) if bn <= dims.dstate
+    tiles = [(bp, bn) for bp in sorted({min(32, dims.headdim), min(64, dims.headdim)})
+             for bn in (16, 32, 64) if bn <= dims.dstate]
+    default = chunk_state_bwd_default_config(dims)
+    return [ChunkStateBwdConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, occupancy=occupancy)
+            for occupancy in (2, 4) for bp, bn in tiles
+            if occupancy == 2 or (bp, bn) == (default.BLOCK_P, default.BLOCK_N)
             for lat in LOAD_LATENCIES]
 
 

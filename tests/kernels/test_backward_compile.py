@@ -4,8 +4,6 @@ available."""
 import dataclasses
 import functools
 import inspect
-import os
-import subprocess
 
 import pytest
 
@@ -13,7 +11,7 @@ from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.backward import (
     BACKWARD_INPUTS, BACKWARD_OUTPUTS, backward_arrays, backward_plan, group_heads_per_block)
 from jax_mamba2.kernels.export import compile_launch
-from tests.kernels.test_compile import _cuobjdump
+from tests.kernels.test_compile import sass_and_resources
 
 _BASE = SSDDims(batch=2, seqlen=200, nheads=8, headdim=64, ngroups=2, dstate=64, chunk_size=64,
                 dt_softplus=True)
@@ -67,15 +65,8 @@ def test_backward_kernels_compile_to_sm90_cubins(problem):
 @pytest.mark.parametrize("problem", ["bf16_plain_atomic", "f32_z_init_seq_idx_atomic",
                                      "bf16_z_seq_idx_2_heads_per_atomic_block"])
 def test_backward_matmul_stages_use_wgmma(problem, tmp_path):
-    cuobjdump = _cuobjdump()
-    if cuobjdump is None:
-        pytest.skip("cuobjdump/nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-    env = dict(os.environ, PATH=os.path.dirname(cuobjdump) + os.pathsep + os.environ.get("PATH", ""))
     for name in ("chunk_scan_bwd_dc_kernel", "chunk_state_bwd_kernel", "chunk_scan_bwd_dx_kernel"):
-        path = tmp_path / f"{name}.cubin"
-        path.write_bytes(_cubins(problem)[name])
-        sass = subprocess.run([cuobjdump, "-sass", str(path)], check=True, capture_output=True, text=True,
-                              env=env).stdout
+        sass, _ = sass_and_resources(_cubins(problem)[name], tmp_path)
         assert "HGMMA" in sass, f"{name} ({problem}) has no wgmma instruction"
 
 

@@ -4,13 +4,14 @@ import dataclasses
 import functools
 import glob
 import os
+import re
 import shutil
 import site
 import subprocess
 
 import pytest
 
-from jax_mamba2.kernels import export
+from jax_mamba2.kernels import chunk_state, export
 from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.export import compile_launch
 from jax_mamba2.kernels.forward import forward_arrays, forward_plan
@@ -67,20 +68,38 @@ def _cuobjdump() -> str | None:
     return None
 
 
-@pytest.mark.parametrize("problem",
-                         ["bf16_plain", "f32_z_init_seq_idx", "bf16_z_init_seq_idx"])
-def test_matmul_stages_use_wgmma_and_tma(problem, tmp_path):
+def sass_and_resources(cubin: bytes, tmp_path) -> tuple[str, str]:
+    """(cuobjdump -sass, cuobjdump -res-usage) of `cubin`; skips the test without cuobjdump/nvdisasm."""
     cuobjdump = _cuobjdump()
     if cuobjdump is None:
         pytest.skip("cuobjdump/nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     env = dict(os.environ, PATH=os.path.dirname(cuobjdump) + os.pathsep + os.environ.get("PATH", ""))
+    path = tmp_path / "kernel.cubin"
+    path.write_bytes(cubin)
+    return tuple(subprocess.run([cuobjdump, flag, str(path)], check=True, capture_output=True, text=True,
+                                env=env).stdout for flag in ("-sass", "-res-usage"))
+
+
+@pytest.mark.parametrize("problem",
+                         ["bf16_plain", "f32_z_init_seq_idx", "bf16_z_init_seq_idx"])
+def test_matmul_stages_use_wgmma_and_tma(problem, tmp_path):
     for name in ("chunk_state_fwd_kernel", "chunk_scan_fwd_kernel"):
-        path = tmp_path / f"{name}.cubin"
-        path.write_bytes(_cubins(problem)[name])
-        sass = subprocess.run([cuobjdump, "-sass", str(path)], check=True, capture_output=True, text=True,
-                              env=env).stdout
+        sass, _ = sass_and_resources(_cubins(problem)[name], tmp_path)
         assert "HGMMA" in sass, f"{name} ({problem}) has no wgmma instruction"
         assert "UTMALDG" in sass, f"{name} ({problem}) has no TMA load"
+
+
+@pytest.mark.parametrize("latency", chunk_state.LOAD_LATENCIES)
+def test_state_pass_at_occupancy_4_fits_four_blocks_per_sm_without_spills(latency, tmp_path):
+    """What chunk_state_fwd_configs says of its occupancy-4 entries: <= 64 registers, no local-memory
+    spills, and shared memory for four blocks in an SM's 228 KB."""
+    dims = dataclasses.replace(_BASE, batch=4, seqlen=8192, nheads=32, dstate=128, chunk_size=64)
+    cfg = chunk_state.ChunkStateConfig(BLOCK_P=64, BLOCK_N=32, LOAD_LAT=latency, occupancy=4)
+    _, cubin = compile_launch(chunk_state.chunk_state_fwd_launch(dims, cfg), forward_arrays(dims), "sm_90")
+    sass, resources = sass_and_resources(cubin, tmp_path)
+    usage = dict(re.findall(r"(REG|SHARED|LOCAL):(\d+)", resources))
+    assert int(usage["REG"]) <= 64 and int(usage["LOCAL"]) == 0 and "LDL" not in sass
+    assert 4 * (int(usage["SHARED"]) + 1024) <= 228 * 1024, usage
 
 
 def test_export_cli_quick_writes_cubins_and_manifest(tmp_path, capsys):

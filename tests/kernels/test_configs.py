@@ -57,12 +57,16 @@ def test_stage_configs_valid_and_contain_default(stage, problem):
     (chunk_state_bwd.chunk_state_bwd_configs, chunk_state_bwd.chunk_state_bwd_default_config)],
     ids=["chunk_state", "chunk_state_bwd"])
 def test_state_pass_configs_try_every_tile_at_every_latency(configs_fn, default_fn):
+    """Every tile at every latency hint at occupancy 2; the default tile at occupancy 4 too."""
     dims = PROBLEMS["odd_heads_q128"]
     space, default = configs_fn(dims), default_fn(dims)
     tiles = {(c.BLOCK_P, c.BLOCK_N) for c in space}
     assert (default.BLOCK_P, default.BLOCK_N) in tiles and default.LOAD_LAT in chunk_state.LOAD_LATENCIES
-    assert sorted((c.BLOCK_P, c.BLOCK_N, c.LOAD_LAT) for c in space) == sorted(
-        (bp, bn, lat) for bp, bn in tiles for lat in chunk_state.LOAD_LATENCIES)
+    by_occupancy = {occ: sorted((c.BLOCK_P, c.BLOCK_N, c.LOAD_LAT) for c in space if c.occupancy == occ)
+                    for occ in (2, 4)}
+    assert by_occupancy[2] == sorted((bp, bn, lat) for bp, bn in tiles for lat in chunk_state.LOAD_LATENCIES)
+    assert by_occupancy[4] == [(default.BLOCK_P, default.BLOCK_N, lat) for lat in chunk_state.LOAD_LATENCIES]
+    assert {c.occupancy for c in space} == {2, 4}
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
