@@ -14,11 +14,13 @@ max over its valid rows) and e_{-1} = 0: S_c only accumulates tokens whose id ==
 
 The mma operands are in x's dtype (tf32 for f32 inputs): the decay-scaled B is rounded to that dtype
 before the product, as mamba_ssm does. The carried state stays f32; `states` is stored in its array's
-dtype (x's dtype for the forward, f32 for the backward's recompute).
+dtype (x's dtype in both the forward and the backward's recompute).
 
 Grid: (batch * nheads, headdim / BLOCK_P, dstate / BLOCK_N). One block owns a (BLOCK_P, BLOCK_N) state
 tile and walks all chunks in order; the loads of chunk c+1 do not depend on the carried state, so the
-`LOAD_LAT` latency hint lets the compiler issue them while chunk c's mma runs.
+`LOAD_LAT` latency hint lets the compiler issue them while chunk c's mma runs. (Doing that by hand,
+prefetching chunk c+1's tiles into registers and carrying the state outside the mma accumulator, was 2x
+slower on the H200: benchmarks/NOTES.md.)
 
 Shapes: x (batch, seqlen, nheads, headdim) T; B (batch, seqlen, ngroups, dstate) T;
 dt_out, dA_cumsum (batch, nheads, nchunks, chunk_size) f32; initial_states (batch, nheads, headdim,

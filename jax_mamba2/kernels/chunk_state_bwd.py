@@ -18,7 +18,8 @@ the last being this tile's share of ∂L/∂dA_last,c through the carry (chunk_c
 H_c comes from the forward's recompute.
 
 Precision: dy and the row-scaled C enter the mma in x's dtype (tf32 for f32 inputs); G accumulates in f32
-and is stored in dstates' dtype (x's, as mamba_ssm's `dstates_dtype`), which is what the dx/dB pass rounds it to.
+and is stored in dstates' dtype (x's, as mamba_ssm's `dstates_dtype`), which is what the dx/dB pass
+rounds it to.
 The loads of chunk c-1 do not depend on the carried G, so the LOAD_LAT hint lets them overlap chunk c.
 
 Grid: (batch * nheads, headdim / BLOCK_P, dstate / BLOCK_N).
