@@ -47,6 +47,13 @@ def block_pass_default_config(dims: SSDDims) -> BlockPassConfig:
     return BlockPassConfig(BLOCK_M=64, BLOCK_K=32 if wide else 64, LOAD_LAT=4, occupancy=1 if wide else 2)
 
 
+def adds_atomically(dims: SSDDims, heads_per_block: int) -> bool:
+    """Whether blocks of `heads_per_block` heads (a divisor of heads_per_group) sum their group's dB/dC
+    with atomic adds, i.e. whether a group is split over several blocks."""
+    assert dims.heads_per_group % heads_per_block == 0, (dims.heads_per_group, heads_per_block)
+    return heads_per_block < dims.heads_per_group
+
+
 def block_pass_grid(dims: SSDDims, cfg: BlockPassConfig, heads_per_block: int) -> tuple[int, int]:
     """(head blocks * row blocks per chunk * nchunks, batch)."""
     splits = dims.nheads // heads_per_block

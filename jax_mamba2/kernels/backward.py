@@ -9,13 +9,15 @@
     7. param_grads_bwd     dA, ddt_bias, dD summed over (batch, chunk) in a fixed order
 
 The math of each stage is in its module docstring (notation in _backward_tiles.py). The heads of a group
-share dB and dC: by default each head's block adds its share atomically into zero-initialised f32
-buffers; `deterministic=True` gives each block a whole group instead (fewer blocks, no float atomics), and
-since every other reduction is a fixed-order sum, the plan's outputs are then bitwise reproducible.
+share dB and dC: by default each block of the dB/dC passes sums a few heads of a group and adds that
+atomically into zero-initialised f32 buffers (`group_heads_per_block`); `deterministic=True` gives each
+block a whole group instead (no float atomics), and since every other reduction is a fixed-order sum, the
+plan's outputs are then bitwise reproducible.
 """
 import math
 from typing import Mapping
 
+from jax_mamba2.kernels._block_pass_config import adds_atomically
 from jax_mamba2.kernels._common import Buffer, Plan, SSDDims
 from jax_mamba2.kernels.chunk_cumsum import chunk_cumsum_fwd_launch
 from jax_mamba2.kernels.chunk_cumsum_bwd import chunk_cumsum_bwd_launch
@@ -92,7 +94,7 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
     per_row = Buffer((b, H, nc, Q), "float32")
     gated = (b, L, H, P) if dims.has_z else (1, 1, 1, 1)
     # Atomic head reductions need zeroed dB/dC; a block owning its whole group stores them.
-    atomic = group_heads_per_block(dims, deterministic, atomic_heads_per_block) < dims.heads_per_group
+    atomic = adds_atomically(dims, group_heads_per_block(dims, deterministic, atomic_heads_per_block))
     return {
         # Forward recompute.
         "dt_out": per_row,

@@ -55,7 +55,7 @@ import cuda.tile as ct
 from jax_mamba2.kernels._backward_tiles import (
     load_chunk_vector, operand, previous_chunk_end_id, row_ids, store_chunk_vector)
 from jax_mamba2.kernels._block_pass_config import (
-    BlockPassConfig, block_pass_configs, block_pass_default_config, block_pass_grid)
+    BlockPassConfig, adds_atomically, block_pass_configs, block_pass_default_config, block_pass_grid)
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, int64_index_kernels, mma_dtype, select_kernel)
 
@@ -244,8 +244,7 @@ def chunk_scan_bwd_dc_launch(dims: SSDDims, cfg: ChunkScanBwdDcConfig | None = N
     atomically unless one block owns the whole group.
     """
     cfg = cfg or chunk_scan_bwd_dc_default_config(dims)
-    assert dims.heads_per_group % heads_per_block == 0, (dims.heads_per_group, heads_per_block)
-    atomic_add = heads_per_block < dims.heads_per_group
+    atomic_add = adds_atomically(dims, heads_per_block)
     writes = ("dC", "ddA_intra", "ddA_inter", "dD_partials") + (("dy", "dz") if dims.has_z else ())
     return Launch(
         kernel=select_kernel(CHUNK_SCAN_BWD_DC_KERNELS, dims, occupancy=cfg.occupancy),

@@ -36,7 +36,7 @@ import cuda.tile as ct
 from jax_mamba2.kernels._backward_tiles import (
     chunk_end_id, load_chunk_vector, operand, row_ids, store_chunk_vector)
 from jax_mamba2.kernels._block_pass_config import (
-    BlockPassConfig, block_pass_configs, block_pass_default_config, block_pass_grid)
+    BlockPassConfig, adds_atomically, block_pass_configs, block_pass_default_config, block_pass_grid)
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, int64_index_kernels, mma_dtype, select_kernel)
 
@@ -194,8 +194,7 @@ def chunk_scan_bwd_dx_launch(dims: SSDDims, cfg: ChunkScanBwdDxConfig | None = N
     """The launch writing ("dx", "dB", "ddt_out", "ddA_state"); `dy` names the output gradient array
     ("dy", or "dout" without a gate). dB is added atomically unless one block owns the whole group."""
     cfg = cfg or chunk_scan_bwd_dx_default_config(dims)
-    assert dims.heads_per_group % heads_per_block == 0, (dims.heads_per_group, heads_per_block)
-    atomic_add = heads_per_block < dims.heads_per_group
+    atomic_add = adds_atomically(dims, heads_per_block)
     return Launch(
         kernel=select_kernel(CHUNK_SCAN_BWD_DX_KERNELS, dims, occupancy=cfg.occupancy),
         grid=block_pass_grid(dims, cfg, heads_per_block),

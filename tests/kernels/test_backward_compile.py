@@ -7,6 +7,7 @@ import inspect
 
 import pytest
 
+from jax_mamba2.kernels._block_pass_config import adds_atomically
 from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.backward import (
     BACKWARD_INPUTS, BACKWARD_OUTPUTS, backward_arrays, backward_plan, group_heads_per_block)
@@ -90,7 +91,7 @@ def test_backward_plan_well_formed(problem, deterministic):
         defined |= set(launch.writes)
     assert set(plan.outputs) <= defined
     # dB/dC take atomic adds exactly when heads of a group are split over blocks.
-    atomic = group_heads_per_block(dims, deterministic) < dims.heads_per_group
+    atomic = adds_atomically(dims, group_heads_per_block(dims, deterministic))
     assert plan.buffers["dB"].zero_init == plan.buffers["dC"].zero_init == atomic
 
 
