@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/gpu_session.sh tests|kernel-tests|fwd|fwd-bwd-1|fwd-bwd-2|tuned|train [OUT]
+#   bash benchmarks/gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|tuned|train [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh tests|kernel-tests|fwd|fwd-bwd-1|fwd-bwd-2|tuned|train [OUT]}
+part=${1:?usage: gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|tuned|train [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 source .gpu/gpu-env.sh >/dev/null || exit 1
@@ -34,11 +34,19 @@ case $part in
   fwd)  # the forward grid with every peer, default configs (tuning every shape does not fit one call)
     step ssd_fwd 540 python benchmarks/ssd.py --tuning off "${peers[@]}" --out "$out"
     ;;
+  fwd-long)  # the grid's one-sequence 131072-token shape alone: its xla reference and peers take minutes
+    step ssd_fwd_long 540 python benchmarks/ssd.py --tuning off --shapes 1,131072,32,64,128,1 "${peers[@]}" \
+      --out "$out"
+    ;;
   fwd-bwd-1|fwd-bwd-2)  # forward + backward on issue 7's grid, 3 shapes per call (Triton autotunes per shape)
     if [ "$part" = fwd-bwd-1 ]; then shapes=(4,8192,32,64,128,1 2,32768,32,64,128,1 4,8192,32,64,64,1)
     else shapes=(4,8192,32,64,256,1 4,8192,80,64,128,1 4,16384,8,64,128,1); fi
-    step "ssd_$part" 540 python benchmarks/ssd.py --direction fwd_bwd --tuning off --shapes "${shapes[@]}" \
-      "${peers[@]}" --out "$out"
+    step "ssd_$part" 550 python benchmarks/ssd.py --direction fwd_bwd --tuning off --shapes "${shapes[@]}" \
+      --impls cutile xla mamba_ssm jla "${peers[@]}" --out "$out"
+    ;;
+  fwd-bwd)  # both halves at once on a 2-GPU machine, one per GPU (results in OUT/1 and OUT/2)
+    CUDA_VISIBLE_DEVICES=0 bash "$0" fwd-bwd-1 "$out/1" & CUDA_VISIBLE_DEVICES=1 bash "$0" fwd-bwd-2 "$out/2" &
+    wait
     ;;
   tuned)  # autotuned forward + backward at the main shape, every stage's launch time, the bridge overhead
     export JAX_MAMBA2_CACHE_DIR=${JAX_MAMBA2_CACHE_DIR:-$out/tuning}

@@ -11,8 +11,9 @@ import subprocess
 
 import pytest
 
-from jax_mamba2.kernels import chunk_state, export
+from jax_mamba2.kernels import chunk_state, chunk_state_bwd, export
 from jax_mamba2.kernels._common import SSDDims
+from jax_mamba2.kernels.backward import backward_arrays
 from jax_mamba2.kernels.export import compile_launch
 from jax_mamba2.kernels.forward import forward_arrays, forward_plan
 from jax_mamba2.kernels.state_update import state_update_inputs, state_update_plan
@@ -89,13 +90,21 @@ def test_matmul_stages_use_wgmma_and_tma(problem, tmp_path):
         assert "UTMALDG" in sass, f"{name} ({problem}) has no TMA load"
 
 
+def _state_pass_launches(dims, cfg):
+    """{name: (launch, arrays)} of the forward and backward state passes of `dims` at `cfg`."""
+    return {"chunk_state_fwd": (chunk_state.chunk_state_fwd_launch(dims, cfg), forward_arrays(dims)),
+            "chunk_state_bwd": (chunk_state_bwd.chunk_state_bwd_launch(dims, cfg), backward_arrays(dims))}
+
+
+@pytest.mark.parametrize("stage", ["chunk_state_fwd", "chunk_state_bwd"])
 @pytest.mark.parametrize("latency", chunk_state.LOAD_LATENCIES)
-def test_state_pass_at_occupancy_4_fits_four_blocks_per_sm_without_spills(latency, tmp_path):
-    """What chunk_state_fwd_configs says of its occupancy-4 entries: <= 64 registers, no local-memory
-    spills, and shared memory for four blocks in an SM's 228 KB."""
+def test_state_passes_at_occupancy_4_fit_four_blocks_per_sm_without_spills(latency, stage, tmp_path):
+    """What chunk_state_fwd_configs says of its occupancy-4 entries (the default tile of both state
+    passes): <= 64 registers, no local-memory spills, and shared memory for four blocks in an SM's 228 KB."""
     dims = dataclasses.replace(_BASE, batch=4, seqlen=8192, nheads=32, dstate=128, chunk_size=64)
     cfg = chunk_state.ChunkStateConfig(BLOCK_P=64, BLOCK_N=32, LOAD_LAT=latency, occupancy=4)
-    _, cubin = compile_launch(chunk_state.chunk_state_fwd_launch(dims, cfg), forward_arrays(dims), "sm_90")
+    launch, arrays = _state_pass_launches(dims, cfg)[stage]
+    _, cubin = compile_launch(launch, arrays, "sm_90")
     sass, resources = sass_and_resources(cubin, tmp_path)
     usage = dict(re.findall(r"(REG|SHARED|LOCAL):(\d+)", resources))
     assert int(usage["REG"]) <= 64 and int(usage["LOCAL"]) == 0 and "LDL" not in sass
