@@ -49,33 +49,80 @@ def _load_heads(array, b, row_tile, hb, pb, BLOCK_ROWS, HEADS, BLOCK_P):
     return ct.permute(tile, (1, 0, 2))
 
 
-def _chunk_scan_fwd_body(x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, out, CHUNK, DSTATE, HEADS,
-                         BLOCK_M, BLOCK_K, BLOCK_P, HAS_Z, HAS_SEQ_IDX, LOAD_LAT):
-    seqlen = x.shape[1]
+def _num_tiles(x, HEADS, BLOCK_M, BLOCK_P, CHUNK):
+    """Work tiles of the launch: (batch, chunk, row block, headdim block, head block) combinations."""
+    nchunks = ct.cdiv(x.shape[1], CHUNK)
+    return x.shape[0] * nchunks * (CHUNK // BLOCK_M) * (x.shape[3] // BLOCK_P) * (x.shape[2] // HEADS)
+
+
+def _tile_coordinates(tile_id, x, B, HEADS, BLOCK_M, BLOCK_P, CHUNK):
+    """(b, c, m, hb, pb, g) of work tile `tile_id`: batch, chunk, row block, head block, headdim block,
+    group. Head blocks vary fastest (the heads of a group share the C and B tiles in L2), then headdim
+    blocks, then row blocks (the heaviest, near the chunk end, first), then chunks, then batch rows."""
     num_head_blocks = x.shape[2] // HEADS
     num_p_blocks = x.shape[3] // BLOCK_P
     num_m_blocks = CHUNK // BLOCK_M
-    tile_id = ct.bid(0)
+    nchunks = ct.cdiv(x.shape[1], CHUNK)
     hb = tile_id % num_head_blocks
     tile_id = tile_id // num_head_blocks
     pb = tile_id % num_p_blocks
     tile_id = tile_id // num_p_blocks
     m = num_m_blocks - 1 - tile_id % num_m_blocks
-    c = tile_id // num_m_blocks
-    b = ct.bid(1)
+    tile_id = tile_id // num_m_blocks
+    c = tile_id % nchunks
+    b = tile_id // nchunks
     g = hb * HEADS // (x.shape[2] // B.shape[2])       # HEADS divides nheads / ngroups: one group
+    return b, c, m, hb, pb, g
+
+
+def _row_ids(seq_idx, b, row_tile, BLOCK):
+    """Sequence ids of rows [row_tile*BLOCK, (row_tile+1)*BLOCK) of batch row b -> [BLOCK] int32."""
+    return ct.load(seq_idx, index=(b, row_tile), shape=(1, BLOCK),
+                   padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK,))
+
+
+def _entry_state_rows(seq_idx, ids_m, b, c, CHUNK):
+    """Which rows the entry state H_c reaches with seq_idx: those with the id of chunk c-1's last token
+    (0 for c = 0): ids_m [BLOCK_M] -> [BLOCK_M] bool."""
+    prev_id = ct.load(seq_idx, index=(b, ct.maximum(c * CHUNK - 1, 0)), shape=(1, 1)).reshape((1,))
+    return ids_m == ct.where(c > 0, prev_id, 0)
+
+
+def _decayed_scores(cb, dA_m, dA_k, delta_k, keep, dtype, operand_dtype):
+    """The intra-chunk weights C·B^T * exp(min(dA[l] - dA[s], 0)) * Δ[s], masked, rounded to the data
+    dtype: cb [BLOCK_M, BLOCK_K] f32, dA_m [HEADS, BLOCK_M], dA_k, delta_k [HEADS, BLOCK_K], keep
+    [BLOCK_M, BLOCK_K] -> [HEADS, BLOCK_M, BLOCK_K] in the operand dtype."""
+    decay = ct.exp(ct.minimum(dA_m[:, :, None] - dA_k[:, None, :], 0.0))
+    scores = ct.where(keep[None, :, :], cb[None, :, :] * decay * delta_k[:, None, :], 0.0)
+    return scores.astype(dtype).astype(operand_dtype)
+
+
+def _finish_rows(acc, x_m, D, z, out, b, m_tile, hb, pb, HEADS, BLOCK_M, BLOCK_P, HAS_Z):
+    """out = (acc + D * x) [* silu(z)] for the block's rows: acc, x_m [HEADS, BLOCK_M, BLOCK_P]."""
+    D_p = ct.load(D, index=(hb, pb), shape=(HEADS, BLOCK_P))
+    acc = acc + x_m.astype(ct.float32) * D_p[:, None, :]
+    if HAS_Z:
+        acc = _silu_gate(acc, _load_heads(z, b, m_tile, hb, pb, BLOCK_M, HEADS, BLOCK_P))
+    ct.store(out, index=(b, m_tile, hb, pb),
+             tile=ct.permute(acc, (1, 0, 2)).reshape((1, BLOCK_M, HEADS, BLOCK_P)).astype(out.dtype))
+
+
+def _key_loop_body(tile_id, x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, out, CHUNK, DSTATE, HEADS,
+                   BLOCK_M, BLOCK_K, BLOCK_P, HAS_Z, HAS_SEQ_IDX, LOAD_LAT):
+    """Whole-dstate C·H_c^T first, then the key blocks up to the diagonal (flash-attention style)."""
+    seqlen = x.shape[1]
+    b, c, m, hb, pb, g = _tile_coordinates(tile_id, x, B, HEADS, BLOCK_M, BLOCK_P, CHUNK)
     operand_dtype = mma_dtype(x.dtype)
 
     # A row block wholly past seqlen (partial last chunk) has nothing to store; its loads would lie
     # entirely out of bounds, which ct.load leaves undefined.
     if c * CHUNK + m * BLOCK_M < seqlen:
-        m_tile = c * num_m_blocks + m                    # row-block index along seqlen
+        m_tile = c * (CHUNK // BLOCK_M) + m              # row-block index along seqlen
         rows = m * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32)
         C_m = ct.load(C, index=(b, m_tile, g, 0), shape=(1, BLOCK_M, 1, DSTATE),
                       padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_M, DSTATE)).astype(operand_dtype)
         dA_m = ct.load(dA_cumsum, index=(b, hb, c, m), shape=(1, HEADS, 1, BLOCK_M)
                        ).reshape((HEADS, BLOCK_M))
-
         # Inter-chunk: exp(dA[l]) * C[l] @ H_c^T, per head.
         H_c = ct.load(states, index=(b, c, hb, pb, 0), shape=(1, 1, HEADS, BLOCK_P, DSTATE)
                       ).reshape((HEADS, BLOCK_P, DSTATE))
@@ -83,12 +130,8 @@ def _chunk_scan_fwd_body(x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, out,
                      ct.zeros((HEADS, BLOCK_M, BLOCK_P), dtype=ct.float32))   # [HEADS, BLOCK_M, BLOCK_P]
         inter_scale = ct.exp(dA_m)                                            # [HEADS, BLOCK_M]
         if HAS_SEQ_IDX:
-            ids_m = ct.load(seq_idx, index=(b, m_tile), shape=(1, BLOCK_M),
-                            padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_M,))
-            prev_id = ct.load(seq_idx, index=(b, ct.maximum(c * CHUNK - 1, 0)), shape=(1, 1)
-                              ).reshape((1,))
-            prev_id = ct.where(c > 0, prev_id, 0)
-            inter_scale = ct.where((ids_m == prev_id)[None, :], inter_scale, 0.0)
+            ids_m = _row_ids(seq_idx, b, m_tile, BLOCK_M)
+            inter_scale = ct.where(_entry_state_rows(seq_idx, ids_m, b, c, CHUNK)[None, :], inter_scale, 0.0)
         acc = acc * inter_scale[:, :, None]
 
         # Intra-chunk: key blocks up to and including the diagonal; C B^T is shared by the HEADS heads.
@@ -113,20 +156,71 @@ def _chunk_scan_fwd_body(x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, out,
             cols = k * BLOCK_K + ct.arange(BLOCK_K, dtype=ct.int32)
             keep = rows[:, None] >= cols[None, :]                             # causal
             if HAS_SEQ_IDX:
-                ids_k = ct.load(seq_idx, index=(b, k_tile), shape=(1, BLOCK_K),
-                                padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_K,))
-                keep = keep & (ids_m[:, None] == ids_k[None, :])
-            decay = ct.exp(ct.minimum(dA_m[:, :, None] - dA_k[:, None, :], 0.0))
-            scores = ct.where(keep[None, :, :], cb[None, :, :] * decay * delta_k[:, None, :], 0.0)
-            acc = ct.mma(scores.astype(x.dtype).astype(operand_dtype), x_k, acc)
+                keep = keep & (ids_m[:, None] == _row_ids(seq_idx, b, k_tile, BLOCK_K)[None, :])
+            acc = ct.mma(_decayed_scores(cb, dA_m, dA_k, delta_k, keep, x.dtype, operand_dtype), x_k, acc)
 
         x_m = _load_heads(x, b, m_tile, hb, pb, BLOCK_M, HEADS, BLOCK_P)      # [HEADS, BLOCK_M, BLOCK_P]
-        D_p = ct.load(D, index=(hb, pb), shape=(HEADS, BLOCK_P))
-        acc = acc + x_m.astype(ct.float32) * D_p[:, None, :]
-        if HAS_Z:
-            acc = _silu_gate(acc, _load_heads(z, b, m_tile, hb, pb, BLOCK_M, HEADS, BLOCK_P))
-        ct.store(out, index=(b, m_tile, hb, pb),
-                 tile=ct.permute(acc, (1, 0, 2)).reshape((1, BLOCK_M, HEADS, BLOCK_P)).astype(out.dtype))
+        _finish_rows(acc, x_m, D, z, out, b, m_tile, hb, pb, HEADS, BLOCK_M, BLOCK_P, HAS_Z)
+
+
+def _state_loop_body(tile_id, x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, out, CHUNK, DSTATE, HEADS,
+                     BLOCK_M, BLOCK_N, BLOCK_P, HAS_Z, HAS_SEQ_IDX, LOAD_LAT):
+    """All of the chunk's keys at once (BLOCK_K = CHUNK): one loop over dstate tiles of BLOCK_N columns
+    accumulates both C·B^T [BLOCK_M, CHUNK] and C·H_c^T, so the C, B and H_c loads stream through a
+    pipelined loop (TileGym's compute_out); then one causal mma with x."""
+    seqlen = x.shape[1]
+    b, c, m, hb, pb, g = _tile_coordinates(tile_id, x, B, HEADS, BLOCK_M, BLOCK_P, CHUNK)
+    operand_dtype = mma_dtype(x.dtype)
+
+    if c * CHUNK + m * BLOCK_M < seqlen:                 # as in _key_loop_body
+        m_tile = c * (CHUNK // BLOCK_M) + m
+        cb = ct.zeros((BLOCK_M, CHUNK), dtype=ct.float32)                     # Σ_n C B^T
+        acc = ct.zeros((HEADS, BLOCK_M, BLOCK_P), dtype=ct.float32)           # Σ_n C H_c^T
+        for n in range(DSTATE // BLOCK_N):
+            C_n = ct.load(C, index=(b, m_tile, g, n), shape=(1, BLOCK_M, 1, BLOCK_N),
+                          padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
+                          ).reshape((BLOCK_M, BLOCK_N)).astype(operand_dtype)
+            B_n = ct.load(B, index=(b, c, g, n), shape=(1, CHUNK, 1, BLOCK_N),
+                          padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
+                          ).reshape((CHUNK, BLOCK_N)).astype(operand_dtype)
+            H_n = ct.load(states, index=(b, c, hb, pb, n), shape=(1, 1, HEADS, BLOCK_P, BLOCK_N),
+                          latency=LOAD_LAT).reshape((HEADS, BLOCK_P, BLOCK_N))
+            cb = ct.mma(C_n, B_n.transpose(), cb)
+            acc = ct.mma(C_n, ct.permute(H_n, (0, 2, 1)).astype(x.dtype).astype(operand_dtype), acc)
+
+        dA_m = ct.load(dA_cumsum, index=(b, hb, c, m), shape=(1, HEADS, 1, BLOCK_M)
+                       ).reshape((HEADS, BLOCK_M))
+        rows = m * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32)
+        keep = rows[:, None] >= ct.arange(CHUNK, dtype=ct.int32)[None, :]    # causal
+        inter_scale = ct.exp(dA_m)                                            # [HEADS, BLOCK_M]
+        if HAS_SEQ_IDX:
+            ids_m = _row_ids(seq_idx, b, m_tile, BLOCK_M)
+            inter_scale = ct.where(_entry_state_rows(seq_idx, ids_m, b, c, CHUNK)[None, :], inter_scale, 0.0)
+            keep = keep & (ids_m[:, None] == _row_ids(seq_idx, b, c, CHUNK)[None, :])
+        acc = acc * inter_scale[:, :, None]
+
+        x_c = _load_heads(x, b, c, hb, pb, CHUNK, HEADS, BLOCK_P)             # [HEADS, CHUNK, BLOCK_P]
+        dA_k = ct.load(dA_cumsum, index=(b, hb, c, 0), shape=(1, HEADS, 1, CHUNK)).reshape((HEADS, CHUNK))
+        delta_k = ct.load(dt_out, index=(b, hb, c, 0), shape=(1, HEADS, 1, CHUNK)).reshape((HEADS, CHUNK))
+        acc = ct.mma(_decayed_scores(cb, dA_m, dA_k, delta_k, keep, x.dtype, operand_dtype),
+                     x_c.astype(operand_dtype), acc)
+
+        if BLOCK_M == CHUNK:
+            x_m = x_c                                    # the block's rows are the chunk's keys
+        else:
+            x_m = _load_heads(x, b, m_tile, hb, pb, BLOCK_M, HEADS, BLOCK_P)
+        _finish_rows(acc, x_m, D, z, out, b, m_tile, hb, pb, HEADS, BLOCK_M, BLOCK_P, HAS_Z)
+
+
+def _scan_tile(tile_id, x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, out, CHUNK, DSTATE, HEADS,
+               BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_P, HAS_Z, HAS_SEQ_IDX, LOAD_LAT):
+    """Work tile `tile_id` with the loop structure BLOCK_N selects."""
+    if BLOCK_N == 0:
+        _key_loop_body(tile_id, x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, out, CHUNK, DSTATE, HEADS,
+                       BLOCK_M, BLOCK_K, BLOCK_P, HAS_Z, HAS_SEQ_IDX, LOAD_LAT)
+    else:
+        _state_loop_body(tile_id, x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, out, CHUNK, DSTATE, HEADS,
+                         BLOCK_M, BLOCK_N, BLOCK_P, HAS_Z, HAS_SEQ_IDX, LOAD_LAT)
 
 
 def _make_chunk_scan_fwd_kernel(Big):
@@ -146,14 +240,21 @@ def _make_chunk_scan_fwd_kernel(Big):
         DSTATE: ConstInt,
         HEADS: ConstInt,      # heads per block, all of one group (they share C B^T)
         BLOCK_M: ConstInt,    # rows per block
-        BLOCK_K: ConstInt,    # keys per inner step
+        BLOCK_K: ConstInt,    # keys per inner step of the key loop
+        BLOCK_N: ConstInt,    # dstate columns per step of the state loop; 0: the key loop
         BLOCK_P: ConstInt,    # headdim columns per block
         HAS_Z: ConstBool,
         HAS_SEQ_IDX: ConstBool,
-        LOAD_LAT: ConstInt,   # latency hint of the key-loop loads (1..10)
+        LOAD_LAT: ConstInt,   # latency hint of the loop's loads (1..10)
+        PERSISTENT: ConstBool,  # a fixed grid whose blocks stride over the work tiles
     ):
-        _chunk_scan_fwd_body(x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, out, CHUNK, DSTATE, HEADS,
-                             BLOCK_M, BLOCK_K, BLOCK_P, HAS_Z, HAS_SEQ_IDX, LOAD_LAT)
+        args = (x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, out, CHUNK, DSTATE, HEADS, BLOCK_M,
+                BLOCK_K, BLOCK_N, BLOCK_P, HAS_Z, HAS_SEQ_IDX, LOAD_LAT)
+        if PERSISTENT:
+            for tile_id in range(ct.bid(0), _num_tiles(x, HEADS, BLOCK_M, BLOCK_P, CHUNK), ct.num_blocks(0)):
+                _scan_tile(tile_id, *args)
+        else:
+            _scan_tile(ct.bid(0) + ct.bid(1) * ct.num_blocks(0), *args)
 
     return chunk_scan_fwd_kernel
 
@@ -167,22 +268,31 @@ chunk_scan_fwd_kernel = CHUNK_SCAN_FWD_KERNELS[0]
 class ChunkScanConfig:
     """Tile sizes and hints of `chunk_scan_fwd_kernel`.
 
-    BLOCK_M: rows per block, BLOCK_K: keys per step (both divide chunk_size), BLOCK_P: headdim columns
-    per block (divides headdim), HEADS: heads per block (divides nheads / ngroups; the heads share one
-    C B^T product). LOAD_LAT: latency hint on the key-loop loads.
+    BLOCK_M: rows per block, BLOCK_P: headdim columns per block (divides headdim), HEADS: heads per
+    block (divides nheads / ngroups; the heads share one C B^T product). Two loop structures:
+    BLOCK_N == 0, the key loop: BLOCK_K keys per step (BLOCK_K <= BLOCK_M, both divide chunk_size);
+    BLOCK_N > 0, the state loop: all keys at once (BLOCK_K == chunk_size), BLOCK_N dstate columns per
+    step (divides dstate). LOAD_LAT: latency hint on the loop's loads. PERSISTENT: 0 for one block per
+    work tile, else the number of blocks launched, each striding over the work tiles.
     """
 
     BLOCK_M: int = 64
     BLOCK_K: int = 64
+    BLOCK_N: int = 0
     BLOCK_P: int = 64
     HEADS: int = 1
     LOAD_LAT: int = 4
     occupancy: int = 2
+    PERSISTENT: int = 0
 
 
 # Largest f32 accumulator (HEADS * BLOCK_M * BLOCK_P) per block: larger ones spill registers on sm_90
 # (checked in the SASS of tileiras 13.4: 64 x 64 x 2 heads runs spill-free at 2 blocks per SM).
 _MAX_ACC = 64 * 128
+
+
+# Streaming multiprocessors of an H100 / H200 (SXM): the persistent configs launch occupancy x this.
+_SM90_SMS = 132
 
 
 def _occupancy(dims: SSDDims) -> int:
@@ -191,19 +301,29 @@ def _occupancy(dims: SSDDims) -> int:
 
 
 def chunk_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkScanConfig]:
-    """The autotune space (sm_90), pruned to what divides the problem: 64-row blocks with 32/64-key
-    steps or 128-row blocks with 64-key steps; BLOCK_P 64 (or all of a headdim <= 128 with one head);
-    1/2/4 heads per block, the accumulator at most 64 x 128; latency 2/4. (Four heads of 32 columns, twice
-    the C B^T sharing at the same accumulator size, were 25-30% slower than two heads of 64 on the H200.)"""
+    """The autotune space (sm_90), pruned to what divides the problem.
+
+    Key loop: 64-row blocks with 32/64-key steps or 128-row blocks with 64-key steps; BLOCK_P 64 (or all
+    of a headdim <= 128 with one head); 1/2/4 heads per block, the accumulator at most 64 x 128. (Four
+    heads of 32 columns, twice the C B^T sharing at the same accumulator size, were 25-30% slower than
+    two heads of 64 on the H200.) State loop, for chunks <= 128 (its [64, chunk] f32 C B^T stays in
+    registers): 64-row blocks, 32/64 dstate columns per step, 1/2 heads, BLOCK_P 64. Latency 2/4.
+    Persistent grids (2 blocks per SM) of the state-loop configs and the default, at latency 4.
+    """
     check_arch("chunk_scan_fwd_configs", arch)
-    Q, P = dims.chunk_size, dims.headdim
-    tiles = [(bm, bk) for bm, bk in ((64, 32), (64, 64), (128, 64)) if bm <= Q]
+    Q, P, N = dims.chunk_size, dims.headdim, dims.dstate
     heads = [r for r in (1, 2, 4) if dims.heads_per_group % r == 0]
-    shapes = [(bm, bk, bp, r) for bm, bk in tiles for bp in sorted({min(64, P), min(P, 128)})
-              for r in heads if (bp == min(64, P) or r == 1) and r * bm * bp <= _MAX_ACC]
-    return [ChunkScanConfig(BLOCK_M=bm, BLOCK_K=bk, BLOCK_P=bp, HEADS=r, LOAD_LAT=lat,
-                            occupancy=_occupancy(dims))
-            for bm, bk, bp, r in shapes for lat in (2, 4)]
+    tiles = [(bm, bk, 0) for bm, bk in ((64, 32), (64, 64), (128, 64)) if bm <= Q]
+    tiles += [(64, Q, bn) for bn in sorted({min(32, N), min(64, N)}) if Q <= 128]
+    shapes = [(bm, bk, bn, bp, r) for bm, bk, bn in tiles for bp in sorted({min(64, P), min(P, 128)})
+              for r in heads
+              if (bp == min(64, P) or (r == 1 and bn == 0)) and r * bm * bp <= _MAX_ACC and (bn == 0 or r <= 2)]
+    space = [ChunkScanConfig(BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn, BLOCK_P=bp, HEADS=r, LOAD_LAT=lat,
+                             occupancy=_occupancy(dims))
+             for bm, bk, bn, bp, r in shapes for lat in (2, 4)]
+    persistent = [cfg for cfg in space
+                  if cfg.LOAD_LAT == 4 and (cfg.BLOCK_N or cfg == chunk_scan_fwd_default_config(dims))]
+    return space + [dataclasses.replace(cfg, PERSISTENT=cfg.occupancy * _SM90_SMS) for cfg in persistent]
 
 
 def chunk_scan_fwd_default_config(dims: SSDDims) -> ChunkScanConfig:
@@ -216,8 +336,11 @@ def chunk_scan_fwd_default_config(dims: SSDDims) -> ChunkScanConfig:
 
 
 def chunk_scan_fwd_grid(dims: SSDDims, cfg: ChunkScanConfig) -> tuple[int, int]:
+    """(work tiles per batch row, batch), or (PERSISTENT, 1) blocks striding over all work tiles."""
     tiles = ((dims.nheads // cfg.HEADS) * (dims.headdim // cfg.BLOCK_P) * (dims.chunk_size // cfg.BLOCK_M)
              * dims.nchunks)
+    if cfg.PERSISTENT:
+        return (min(cfg.PERSISTENT, tiles * dims.batch), 1)
     return (tiles, dims.batch)
 
 
@@ -228,7 +351,8 @@ def chunk_scan_fwd_launch(dims: SSDDims, cfg: ChunkScanConfig | None = None) -> 
         kernel=select_kernel(CHUNK_SCAN_FWD_KERNELS, dims, occupancy=cfg.occupancy),
         grid=chunk_scan_fwd_grid(dims, cfg),
         args=("x", "B", "C", "D", "z", "dt_out", "dA_cumsum", "states", "seq_idx", "out",
-              dims.chunk_size, dims.dstate, cfg.HEADS, cfg.BLOCK_M, cfg.BLOCK_K, cfg.BLOCK_P, dims.has_z,
-              dims.has_seq_idx, cfg.LOAD_LAT),
+              dims.chunk_size, dims.dstate, cfg.HEADS, cfg.BLOCK_M, cfg.BLOCK_K, cfg.BLOCK_N, cfg.BLOCK_P,
+              dims.has_z,
+              dims.has_seq_idx, cfg.LOAD_LAT, cfg.PERSISTENT > 0),
         writes=("out",),
     )

@@ -52,6 +52,21 @@ SMALL_CASES = {
     # Keys narrower than rows: the last row block's second key block lies wholly past seqlen.
     "key_block_past_seqlen": Case(
         seqlen=74, configs=(("chunk_scan", ChunkScanConfig(BLOCK_M=64, BLOCK_K=32, BLOCK_P=32, HEADS=1)),)),
+    # chunk_scan's state loop (all keys at once, dstate in steps): seq_idx, groups, z, a partial last
+    # chunk, and row blocks narrower than the chunk.
+    "state_loop_seq_idx_init_2_heads": Case(
+        seqlen=150, nheads=8, ngroups=2, z=True, seq_lens=(10, 70, 3, 67), initial_states=True,
+        configs=(("chunk_scan", ChunkScanConfig(BLOCK_M=64, BLOCK_N=16, BLOCK_P=32, HEADS=2)),)),
+    # A persistent grid of 5 blocks striding over 2 * 3 chunks * 2 head blocks = 12 work tiles.
+    "state_loop_persistent": Case(
+        seqlen=150, initial_states=True,
+        configs=(("chunk_scan", ChunkScanConfig(BLOCK_M=64, BLOCK_N=16, BLOCK_P=32, HEADS=2, PERSISTENT=5)),)),
+    "key_loop_persistent_seq_idx": Case(
+        seqlen=150, seq_lens=(10, 70, 3, 67),
+        configs=(("chunk_scan", ChunkScanConfig(BLOCK_M=64, BLOCK_K=32, BLOCK_P=32, HEADS=1, PERSISTENT=7)),)),
+    "state_loop_chunk128_row_blocks": Case(
+        seqlen=300, chunk_size=128, ngroups=4, seq_lens=(128, 1, 171), dt_limit=(0.05, 0.5),
+        configs=(("chunk_scan", ChunkScanConfig(BLOCK_M=64, BLOCK_K=128, BLOCK_N=16, BLOCK_P=16, HEADS=1)),)),
     # The state pass across a partial last chunk and seq_idx resets, and with one chunk only.
     "state_seq_idx_init_partial_last_chunk": Case(
         seqlen=150, seq_lens=(10, 70, 3, 67), initial_states=True,

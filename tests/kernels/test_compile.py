@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from jax_mamba2.kernels import chunk_state, chunk_state_bwd, export
+from jax_mamba2.kernels import chunk_scan, chunk_state, chunk_state_bwd, export
 from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.backward import backward_arrays
 from jax_mamba2.kernels.export import compile_launch
@@ -109,6 +109,20 @@ def test_state_passes_at_occupancy_4_fit_four_blocks_per_sm_without_spills(laten
     usage = dict(re.findall(r"(REG|SHARED|LOCAL):(\d+)", resources))
     assert int(usage["REG"]) <= 64 and int(usage["LOCAL"]) == 0 and "LDL" not in sass
     assert 4 * (int(usage["SHARED"]) + 1024) <= 228 * 1024, usage
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("block_n", [32, 64])
+def test_chunk_scan_state_loop_uses_wgmma_and_tma_without_spills(block_n, heads, tmp_path):
+    """chunk_scan's state-loop configs at the H200 benchmark shape: wgmma, TMA loads, no local memory."""
+    dims = dataclasses.replace(_BASE, batch=4, seqlen=8192, nheads=32, ngroups=1, dstate=128, chunk_size=64)
+    cfg = chunk_scan.ChunkScanConfig(BLOCK_M=64, BLOCK_K=64, BLOCK_N=block_n, BLOCK_P=64, HEADS=heads)
+    assert cfg in chunk_scan.chunk_scan_fwd_configs(dims)
+    _, cubin = compile_launch(chunk_scan.chunk_scan_fwd_launch(dims, cfg), forward_arrays(dims), "sm_90")
+    sass, resources = sass_and_resources(cubin, tmp_path)
+    usage = dict(re.findall(r"(LOCAL|STACK):(\d+)", resources))
+    assert "HGMMA" in sass and "UTMALDG" in sass
+    assert int(usage["LOCAL"]) == 0 and int(usage["STACK"]) == 0, usage
 
 
 def test_export_cli_quick_writes_cubins_and_manifest(tmp_path, capsys):
