@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|tuned|train [OUT]
+#   bash benchmarks/gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|tuned|train [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|tuned|train [OUT]}
+part=${1:?usage: gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|tuned|train [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 source .gpu/gpu-env.sh >/dev/null || exit 1
@@ -38,13 +38,19 @@ case $part in
     step ssd_fwd_long 540 python benchmarks/ssd.py --tuning off --shapes 1,131072,32,64,128,1 "${peers[@]}" \
       --out "$out"
     ;;
-  fwd-bwd-1|fwd-bwd-2)  # forward + backward on issue 7's grid, 3 shapes per call (Triton autotunes per shape)
-    if [ "$part" = fwd-bwd-1 ]; then shapes=(4,8192,32,64,128,1 2,32768,32,64,128,1 4,8192,32,64,64,1)
-    else shapes=(4,8192,32,64,256,1 4,8192,80,64,128,1 4,16384,8,64,128,1); fi
-    step "ssd_$part" 550 python benchmarks/ssd.py --direction fwd_bwd --tuning off --shapes "${shapes[@]}" \
-      --impls cutile xla mamba_ssm jla "${peers[@]}" --out "$out"
+  fwd-bwd-1|fwd-bwd-2|fwd-bwd-3)  # forward + backward on issue 7's grid, 2 shapes per call, one step each:
+    # a shape takes 4-5 minutes (first calls: cutile ~50 s, xla ~40 s, mamba_ssm's Triton autotune ~100 s)
+    case $part in
+      fwd-bwd-1) shapes=(4,8192,32,64,128,1 2,32768,32,64,128,1) ;;
+      fwd-bwd-2) shapes=(4,8192,32,64,64,1 4,8192,32,64,256,1) ;;
+      fwd-bwd-3) shapes=(4,8192,80,64,128,1 4,16384,8,64,128,1) ;;
+    esac
+    for shape in "${shapes[@]}"; do
+      step "ssd_fwd_bwd_$shape" 275 python benchmarks/ssd.py --direction fwd_bwd --tuning off --shapes "$shape" \
+        --impls cutile xla mamba_ssm jla "${peers[@]}" --out "$out/$shape"
+    done
     ;;
-  fwd-bwd)  # both halves at once on a 2-GPU machine, one per GPU (results in OUT/1 and OUT/2)
+  fwd-bwd)  # fwd-bwd-1 and fwd-bwd-2 at once on a 2-GPU machine, one per GPU (results in OUT/1 and OUT/2)
     CUDA_VISIBLE_DEVICES=0 bash "$0" fwd-bwd-1 "$out/1" & CUDA_VISIBLE_DEVICES=1 bash "$0" fwd-bwd-2 "$out/2" &
     wait
     ;;

@@ -12,9 +12,13 @@ head h (group g = h // (nheads / ngroups)), chunk c, rows l of the chunk, dA = d
 With seq_idx: the inter-chunk term only reaches rows whose id equals the id of the last token of chunk
 c-1 (0 for c = 0), and the intra-chunk pairs (l, s) need equal ids.
 
-Like flash attention, a block owns BLOCK_M rows x BLOCK_P columns of (b, h, c) and walks the key
-blocks k <= its row block, skipping those above the diagonal. Precision follows mamba_ssm: C, B, x, H_c
-enter the mma in x's dtype (tf32 for f32 inputs; H_c is rounded to it), the decayed score matrix
+A block owns BLOCK_M rows x BLOCK_P columns of (b, h, c), with one of two loop structures (the config's
+BLOCK_N picks): the key loop computes C·H_c^T over the whole dstate, then walks the key blocks k <= its
+row block like flash attention, skipping those above the diagonal; the state loop takes all of the
+chunk's keys at once and walks dstate in BLOCK_N-column steps, accumulating C·B^T and C·H_c^T together
+so that its C, B and H_c loads are pipelined, then applies the causal mask and multiplies x once.
+
+Precision follows mamba_ssm: C, B, x, H_c enter the mma in x's dtype (tf32 for f32 inputs; H_c is rounded to it), the decayed score matrix
 C B^T * exp(..) * Δ is rounded to x's dtype before multiplying x, everything accumulates in f32, and
 D and the gate are applied in f32 before one final rounding.
 
@@ -22,7 +26,8 @@ A block computes HEADS heads of one group at once: the C B^T product of a (row, 
 computed once and reused by every head (batched [HEADS, ...] mma for the rest).
 
 Grid: (nheads/HEADS * headdim/BLOCK_P * CHUNK/BLOCK_M * nchunks, batch), head blocks fastest (heads of
-a group share the C and B tiles in L2), the heaviest row blocks (near the chunk end) first.
+a group share the C and B tiles in L2), the heaviest row blocks (near the chunk end) first; or, with
+PERSISTENT, that many blocks striding over the same work tiles in the same order.
 
 Shapes: x, z, out (batch, seqlen, nheads, headdim) T (z a dummy without HAS_Z); B, C (batch, seqlen,
 ngroups, dstate) T; D (nheads, headdim) f32; dt_out, dA_cumsum (batch, nheads, nchunks, chunk_size) f32;
@@ -32,6 +37,7 @@ import dataclasses
 
 import cuda.tile as ct
 
+from jax_mamba2.kernels._backward_tiles import previous_chunk_end_id, row_ids
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
 
@@ -73,19 +79,6 @@ def _tile_coordinates(tile_id, x, B, HEADS, BLOCK_M, BLOCK_P, CHUNK):
     b = tile_id // nchunks
     g = hb * HEADS // (x.shape[2] // B.shape[2])       # HEADS divides nheads / ngroups: one group
     return b, c, m, hb, pb, g
-
-
-def _row_ids(seq_idx, b, row_tile, BLOCK):
-    """Sequence ids of rows [row_tile*BLOCK, (row_tile+1)*BLOCK) of batch row b -> [BLOCK] int32."""
-    return ct.load(seq_idx, index=(b, row_tile), shape=(1, BLOCK),
-                   padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK,))
-
-
-def _entry_state_rows(seq_idx, ids_m, b, c, CHUNK):
-    """Which rows the entry state H_c reaches with seq_idx: those with the id of chunk c-1's last token
-    (0 for c = 0): ids_m [BLOCK_M] -> [BLOCK_M] bool."""
-    prev_id = ct.load(seq_idx, index=(b, ct.maximum(c * CHUNK - 1, 0)), shape=(1, 1)).reshape((1,))
-    return ids_m == ct.where(c > 0, prev_id, 0)
 
 
 def _decayed_scores(cb, dA_m, dA_k, delta_k, keep, dtype, operand_dtype):
@@ -130,8 +123,9 @@ def _key_loop_body(tile_id, x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, o
                      ct.zeros((HEADS, BLOCK_M, BLOCK_P), dtype=ct.float32))   # [HEADS, BLOCK_M, BLOCK_P]
         inter_scale = ct.exp(dA_m)                                            # [HEADS, BLOCK_M]
         if HAS_SEQ_IDX:
-            ids_m = _row_ids(seq_idx, b, m_tile, BLOCK_M)
-            inter_scale = ct.where(_entry_state_rows(seq_idx, ids_m, b, c, CHUNK)[None, :], inter_scale, 0.0)
+            ids_m = row_ids(seq_idx, b, m_tile, BLOCK_M)
+            reached = ids_m == previous_chunk_end_id(seq_idx, b, c, CHUNK)   # rows H_c reaches
+            inter_scale = ct.where(reached[None, :], inter_scale, 0.0)
         acc = acc * inter_scale[:, :, None]
 
         # Intra-chunk: key blocks up to and including the diagonal; C B^T is shared by the HEADS heads.
@@ -156,7 +150,7 @@ def _key_loop_body(tile_id, x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, o
             cols = k * BLOCK_K + ct.arange(BLOCK_K, dtype=ct.int32)
             keep = rows[:, None] >= cols[None, :]                             # causal
             if HAS_SEQ_IDX:
-                keep = keep & (ids_m[:, None] == _row_ids(seq_idx, b, k_tile, BLOCK_K)[None, :])
+                keep = keep & (ids_m[:, None] == row_ids(seq_idx, b, k_tile, BLOCK_K)[None, :])
             acc = ct.mma(_decayed_scores(cb, dA_m, dA_k, delta_k, keep, x.dtype, operand_dtype), x_k, acc)
 
         x_m = _load_heads(x, b, m_tile, hb, pb, BLOCK_M, HEADS, BLOCK_P)      # [HEADS, BLOCK_M, BLOCK_P]
@@ -194,9 +188,10 @@ def _state_loop_body(tile_id, x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx,
         keep = rows[:, None] >= ct.arange(CHUNK, dtype=ct.int32)[None, :]    # causal
         inter_scale = ct.exp(dA_m)                                            # [HEADS, BLOCK_M]
         if HAS_SEQ_IDX:
-            ids_m = _row_ids(seq_idx, b, m_tile, BLOCK_M)
-            inter_scale = ct.where(_entry_state_rows(seq_idx, ids_m, b, c, CHUNK)[None, :], inter_scale, 0.0)
-            keep = keep & (ids_m[:, None] == _row_ids(seq_idx, b, c, CHUNK)[None, :])
+            ids_m = row_ids(seq_idx, b, m_tile, BLOCK_M)
+            reached = ids_m == previous_chunk_end_id(seq_idx, b, c, CHUNK)   # rows H_c reaches
+            inter_scale = ct.where(reached[None, :], inter_scale, 0.0)
+            keep = keep & (ids_m[:, None] == row_ids(seq_idx, b, c, CHUNK)[None, :])
         acc = acc * inter_scale[:, :, None]
 
         x_c = _load_heads(x, b, c, hb, pb, CHUNK, HEADS, BLOCK_P)             # [HEADS, CHUNK, BLOCK_P]
@@ -307,14 +302,18 @@ def chunk_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkScan
     of a headdim <= 128 with one head); 1/2/4 heads per block, the accumulator at most 64 x 128. (Four
     heads of 32 columns, twice the C B^T sharing at the same accumulator size, were 25-30% slower than
     two heads of 64 on the H200.) State loop, for chunks <= 128 (its [64, chunk] f32 C B^T stays in
-    registers): 64-row blocks, 32/64 dstate columns per step, 1/2 heads, BLOCK_P 64. Latency 2/4.
-    Persistent grids (2 blocks per SM) of the state-loop configs and the default, at latency 4.
+    registers): 64-row blocks, 32/64 dstate columns per step (16/32 for f32), 1/2 heads, BLOCK_P 64.
+    Latency 2/4.
+    Persistent grids (occupancy x 132 blocks) of the state-loop and the 64 x 64 key-loop configs at
+    latency 4 (measured on the H200: 1-2% faster, benchmarks/NOTES.md).
     """
     check_arch("chunk_scan_fwd_configs", arch)
     Q, P, N = dims.chunk_size, dims.headdim, dims.dstate
     heads = [r for r in (1, 2, 4) if dims.heads_per_group % r == 0]
     tiles = [(bm, bk, 0) for bm, bk in ((64, 32), (64, 64), (128, 64)) if bm <= Q]
-    tiles += [(64, Q, bn) for bn in sorted({min(32, N), min(64, N)}) if Q <= 128]
+    # tf32 operands take twice the registers: f32 state loops spill beyond 16-32 columns per step.
+    state_steps = (16, 32) if dims.dtype == "float32" else (32, 64)
+    tiles += [(64, Q, bn) for bn in sorted({min(s, N) for s in state_steps}) if Q <= 128]
     shapes = [(bm, bk, bn, bp, r) for bm, bk, bn in tiles for bp in sorted({min(64, P), min(P, 128)})
               for r in heads
               if (bp == min(64, P) or (r == 1 and bn == 0)) and r * bm * bp <= _MAX_ACC and (bn == 0 or r <= 2)]
@@ -322,17 +321,29 @@ def chunk_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkScan
                              occupancy=_occupancy(dims))
              for bm, bk, bn, bp, r in shapes for lat in (2, 4)]
     persistent = [cfg for cfg in space
-                  if cfg.LOAD_LAT == 4 and (cfg.BLOCK_N or cfg == chunk_scan_fwd_default_config(dims))]
+                  if cfg.LOAD_LAT == 4 and (cfg.BLOCK_N or (cfg.BLOCK_M, cfg.BLOCK_K) == (64, 64))]
     return space + [dataclasses.replace(cfg, PERSISTENT=cfg.occupancy * _SM90_SMS) for cfg in persistent]
 
 
 def chunk_scan_fwd_default_config(dims: SSDDims) -> ChunkScanConfig:
-    """64 x 64 row/key blocks (the causal diagonal wastes at most half a block), BLOCK_P <= 64, and two
-    heads per block (halving the C B^T work) when a group has an even number of heads and the
-    registers allow it (16-bit inputs, dstate <= 128)."""
-    two_heads = dims.heads_per_group % 2 == 0 and dims.dtype != "float32" and dims.dstate <= 128
-    return ChunkScanConfig(BLOCK_M=64, BLOCK_K=64, BLOCK_P=min(64, dims.headdim), HEADS=2 if two_heads else 1,
-                           LOAD_LAT=4, occupancy=_occupancy(dims))
+    """Two heads per block (halving the C B^T work) when a group has an even number of heads and the
+    registers allow it (16-bit inputs), BLOCK_P <= 64, 64-row blocks, and by chunk size:
+
+    - chunk 64, 16-bit inputs: the state loop over 64 dstate columns per step. On the H200 at
+      (4,8192,32,64,128,1) it took 231 us against the key loop's 257 (benchmarks/NOTES.md), and its SASS
+      stays spill-free up to dstate 256, where every key-loop config spills.
+    - otherwise the key loop with 64 x 64 row/key blocks (the causal diagonal wastes at most half a
+      block), two heads only up to dstate 128 (beyond, its whole-dstate tiles spill). (f32 has not been
+      timed with the state loop.)
+    """
+    two_heads = dims.heads_per_group % 2 == 0 and dims.dtype != "float32"
+    bp = min(64, dims.headdim)
+    if dims.chunk_size == 64 and dims.dtype != "float32":
+        return ChunkScanConfig(BLOCK_M=64, BLOCK_K=64, BLOCK_N=min(64, dims.dstate), BLOCK_P=bp,
+                               HEADS=2 if two_heads else 1, LOAD_LAT=4, occupancy=_occupancy(dims))
+    two_heads = two_heads and dims.dstate <= 128
+    return ChunkScanConfig(BLOCK_M=64, BLOCK_K=64, BLOCK_P=bp, HEADS=2 if two_heads else 1, LOAD_LAT=4,
+                           occupancy=_occupancy(dims))
 
 
 def chunk_scan_fwd_grid(dims: SSDDims, cfg: ChunkScanConfig) -> tuple[int, int]:

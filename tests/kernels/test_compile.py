@@ -125,6 +125,21 @@ def test_chunk_scan_state_loop_uses_wgmma_and_tma_without_spills(block_n, heads,
     assert int(usage["LOCAL"]) == 0 and int(usage["STACK"]) == 0, usage
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dstate", [16, 256])
+def test_chunk_scan_default_at_chunk_64_is_a_spill_free_state_loop(dstate, dtype, tmp_path):
+    """What chunk_scan_fwd_default_config says: at chunk 64 with 16-bit inputs the default is the state
+    loop, and it stays spill-free at the extremes of dstate (every key-loop config spills at 256)."""
+    dims = dataclasses.replace(_BASE, batch=4, seqlen=8192, nheads=32, ngroups=1, dstate=dstate, chunk_size=64,
+                               dtype=dtype, dt_dtype=dtype, has_z=True, has_seq_idx=True)
+    cfg = chunk_scan.chunk_scan_fwd_default_config(dims)
+    assert cfg.BLOCK_N == min(64, dstate) and cfg.HEADS == 2
+    _, cubin = compile_launch(chunk_scan.chunk_scan_fwd_launch(dims, cfg), forward_arrays(dims), "sm_90")
+    _, resources = sass_and_resources(cubin, tmp_path)
+    usage = dict(re.findall(r"(LOCAL|STACK):(\d+)", resources))
+    assert int(usage["LOCAL"]) == 0 and int(usage["STACK"]) == 0, usage
+
+
 def test_export_cli_quick_writes_cubins_and_manifest(tmp_path, capsys):
     assert export.main(["--arch", "sm_90", "--out", str(tmp_path), "--quick"]) == 0
     manifest = (tmp_path / "manifest.tsv").read_text().split()
