@@ -363,7 +363,6 @@ def chunk_scan_fwd_launch(dims: SSDDims, cfg: ChunkScanConfig | None = None) -> 
         grid=chunk_scan_fwd_grid(dims, cfg),
         args=("x", "B", "C", "D", "z", "dt_out", "dA_cumsum", "states", "seq_idx", "out",
               dims.chunk_size, dims.dstate, cfg.HEADS, cfg.BLOCK_M, cfg.BLOCK_K, cfg.BLOCK_N, cfg.BLOCK_P,
-              dims.has_z,
-              dims.has_seq_idx, cfg.LOAD_LAT, cfg.PERSISTENT > 0),
+              dims.has_z, dims.has_seq_idx, cfg.LOAD_LAT, cfg.PERSISTENT > 0),
         writes=("out",),
     )
