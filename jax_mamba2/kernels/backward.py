@@ -8,7 +8,7 @@
     6. chunk_cumsum_bwd    ddt through cumsum / dt_limit / softplus; dA, ddt_bias partials
     7. param_grads_bwd     dA, ddt_bias, dD summed over (batch, chunk) in a fixed order
 
-The math of each stage is in its module docstring (notation in _backward_tiles.py). The heads of a group
+The math of each stage is in its module docstring (notation in _tiles.py). The heads of a group
 share dB and dC: by default each block of the dB/dC passes sums a few heads of a group and adds that
 atomically into zero-initialised f32 buffers (`group_heads_per_block`); `deterministic=True` gives each
 block a whole group instead (no float atomics), and since every other reduction is a fixed-order sum, the

@@ -1,6 +1,6 @@
 """Backward of chunk_cumsum: gathers the Δ and dA_cumsum gradients of the other backward stages and
 chains them through the cumsum, dt_limit, softplus and dt_bias to the raw dt (notation in
-_backward_tiles.py).
+_tiles.py).
 
 The forward (chunk_cumsum.py) computes v = dt + dt_bias, Δ = clip(softplus(v), DT_MIN, DT_MAX) (0 past
 seqlen) and dA_l = A Σ_{r<=l} Δ_r within each chunk. With R_r = Σ_{l>=r} ∂L/∂dA_l, the gradient w.r.t. the

@@ -37,9 +37,9 @@ import dataclasses
 
 import cuda.tile as ct
 
-from jax_mamba2.kernels._backward_tiles import previous_chunk_end_id, row_ids
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
+from jax_mamba2.kernels._tiles import previous_chunk_end_id, row_ids
 
 
 def _silu_gate(acc, z_tile):

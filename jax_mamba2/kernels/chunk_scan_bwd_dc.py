@@ -1,5 +1,5 @@
 """Backward of chunk_scan, row pass: dC, dz, the gate-free output gradient dy, dD and the dA_cumsum
-gradients of the output (see _backward_tiles.py for the notation).
+gradients of the output (see _tiles.py for the notation).
 
 The forward (chunk_scan.py) computes, for the rows l of chunk c of head h,
 
@@ -52,12 +52,12 @@ import dataclasses
 
 import cuda.tile as ct
 
-from jax_mamba2.kernels._backward_tiles import (
-    load_chunk_vector, operand, previous_chunk_end_id, row_ids, store_chunk_vector)
 from jax_mamba2.kernels._block_pass_config import (
     BlockPassConfig, adds_atomically, block_pass_configs, block_pass_default_config, block_pass_grid)
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, int64_index_kernels, mma_dtype, select_kernel)
+from jax_mamba2.kernels._tiles import (
+    load_chunk_vector, operand, previous_chunk_end_id, row_ids, store_chunk_vector)
 
 
 def _rows(array, b, row_tile, h, BLOCK_M, HEADDIM):

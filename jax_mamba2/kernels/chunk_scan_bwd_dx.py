@@ -1,5 +1,5 @@
 """Backward of chunk_scan and chunk_state, column pass: dx, dB and the gradients w.r.t. Δ and dA that
-flow through the tokens as SOURCES s (notation in _backward_tiles.py).
+flow through the tokens as SOURCES s (notation in _tiles.py).
 
 Token s of chunk c feeds the outputs y_l (l >= s) of its chunk and the chunk's end state
 S_c = Σ_s k_s w_s Δ_s x_s ⊗ B_s with w_s = exp(min(dA_last - dA_s, 0)). With G = dstates[b, c, h]
@@ -33,12 +33,12 @@ dummy; dB (batch, seqlen, ngroups, dstate) f32.
 """
 import cuda.tile as ct
 
-from jax_mamba2.kernels._backward_tiles import (
-    chunk_end_id, load_chunk_vector, operand, row_ids, store_chunk_vector)
 from jax_mamba2.kernels._block_pass_config import (
     BlockPassConfig, adds_atomically, block_pass_configs, block_pass_default_config, block_pass_grid)
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, int64_index_kernels, mma_dtype, select_kernel)
+from jax_mamba2.kernels._tiles import (
+    chunk_end_id, load_chunk_vector, operand, row_ids, store_chunk_vector)
 
 
 def _rows(array, b, row_tile, h, BLOCK_M, HEADDIM):

@@ -33,18 +33,7 @@ import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
-
-# Below every real sequence id: the max over a chunk's valid rows ignores the padded ones.
-_ID_FLOOR = -(1 << 30)
-
-
-def _chunk_end_id(seq_idx, b, c, seqlen, CHUNK):
-    """The ids of chunk c's rows [CHUNK] and the id of its last valid token [1] (ids are nondecreasing)."""
-    ids = ct.load(seq_idx, index=(b, c), shape=(1, CHUNK),
-                  padding_mode=ct.PaddingMode.ZERO).reshape((CHUNK,))
-    valid = c * CHUNK + ct.arange(CHUNK, dtype=ct.int32) < seqlen
-    return ids, ct.max(ct.where(valid, ids, _ID_FLOOR), axis=0, keepdims=True)
-
+from jax_mamba2.kernels._tiles import last_valid_id, row_ids
 
 def _load_chunk(x, B, dt_out, dA_cumsum, b, h, g, c, pb, nb, CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT):
     """Chunk c's operands: x_c [CHUNK, BLOCK_P] and B_c [CHUNK, BLOCK_N] in x's dtype (zero past
@@ -89,7 +78,8 @@ def _chunk_state_fwd_body(x, B, dt_out, dA_cumsum, initial_states, seq_idx, stat
         scale = ct.exp(ct.minimum(dA_last - dA, 0.0)) * delta             # [CHUNK]
         carry = ct.exp(dA_last)                                           # [1]
         if HAS_SEQ_IDX:
-            ids, end_id = _chunk_end_id(seq_idx, b, c, seqlen, CHUNK)
+            ids = row_ids(seq_idx, b, c, CHUNK)
+            end_id = last_valid_id(ids, c, seqlen, CHUNK)
             scale = ct.where(ids == end_id, scale, 0.0)
             carry = ct.where(end_id == prev_end_id, carry, 0.0)
             prev_end_id = end_id

@@ -1,5 +1,5 @@
 """Backward of the fused chunk_state + state passing: the reverse pass over chunks (notation in
-_backward_tiles.py).
+_tiles.py).
 
 The forward (chunk_state.py) carries H_{c+1} = m_c exp(dA_last,c) H_c + S_c from H_0 = initial_states,
 and chunk_scan reads H_c in y_l = r_l exp(dA_l) C_l H_c^T + .... With G_c = ∂L/∂H_c and
@@ -31,10 +31,10 @@ f32; ddA_chunk (batch, nheads, nchunks, headdim/BLOCK_P * dstate/BLOCK_N) f32.
 """
 import cuda.tile as ct
 
-from jax_mamba2.kernels._backward_tiles import (
-    chunk_end_id, operand, previous_chunk_end_id, row_ids)
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
+from jax_mamba2.kernels._tiles import (
+    chunk_end_id, operand, previous_chunk_end_id, row_ids)
 from jax_mamba2.kernels.chunk_state import (
     LOAD_LATENCIES, ChunkStateConfig, chunk_state_fwd_default_config, chunk_state_fwd_grid)
 

@@ -1,4 +1,4 @@
-"""Device helpers shared by the backward stages: per-chunk vectors and the seq_idx rules.
+"""Device helpers shared by the kernel stages: per-chunk vectors and the seq_idx rules.
 
 Notation of every backward docstring (mamba2.md §1, §3): batch b, head h, group g = h // (nheads/ngroups),
 chunk c of Q = CHUNK tokens with local rows l, s; dA = dA_cumsum[b, h, c] (natural-log units, flat past
@@ -43,12 +43,16 @@ def previous_chunk_end_id(seq_idx, b, c, CHUNK):
     return ct.where(c > 0, last, 0)
 
 
-def chunk_end_id(seq_idx, b, c, seqlen, CHUNK):
-    """e_c: the id of chunk c's last valid token (ids are nondecreasing: the max over its valid rows),
-    as chunk_state.py computes it -> [1] int32."""
-    ids = row_ids(seq_idx, b, c, CHUNK)
+def last_valid_id(ids, c, seqlen, CHUNK):
+    """e_c from chunk c's row ids [CHUNK]: the id of its last valid token (ids are nondecreasing: the
+    max over its valid rows) -> [1] int32."""
     valid = c * CHUNK + ct.arange(CHUNK, dtype=ct.int32) < seqlen
     return ct.max(ct.where(valid, ids, _ID_FLOOR), axis=0, keepdims=True)
+
+
+def chunk_end_id(seq_idx, b, c, seqlen, CHUNK):
+    """e_c, loading chunk c's row ids -> [1] int32."""
+    return last_valid_id(row_ids(seq_idx, b, c, CHUNK), c, seqlen, CHUNK)
 
 
 def operand(tile, dtype, mma_dtype):
