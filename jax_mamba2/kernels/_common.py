@@ -5,7 +5,7 @@ sequence of stages forms a `Plan`. The bridge executes a plan in one of three wa
 calls, a zero-copy buffer callback, or eagerly on CuPy/torch arrays) without knowing Mamba math, and
 the kernels never import JAX.
 
-Also shared by every stage: the device helpers `dt_transform` and `mma_dtype`, the int32/int64 index
+Also shared by every stage: the device helpers `dt_transform`, `silu_gate` and `mma_dtype`, the int32/int64 index
 width choice (`needs_int64_index`, `int64_index_kernels`, `select_kernel`) and `check_arch`.
 """
 from __future__ import annotations
@@ -122,6 +122,12 @@ def dt_transform(v, DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX):
     if HAS_DT_LIMIT:
         v = ct.minimum(ct.maximum(v, DT_MIN), DT_MAX)
     return v
+
+
+def silu_gate(acc, z_tile):
+    """Device helper: acc * silu(z) in f32 (exp(-z) -> inf for very negative z gives -0, never NaN)."""
+    z32 = z_tile.astype(ct.float32)
+    return acc * z32 / (1.0 + ct.exp(-z32))
 
 
 def mma_dtype(dtype):

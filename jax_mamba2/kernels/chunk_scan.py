@@ -38,14 +38,9 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
+    ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel,
+    silu_gate)
 from jax_mamba2.kernels._tiles import previous_chunk_end_id, row_ids
-
-
-def _silu_gate(acc, z_tile):
-    """acc * silu(z), in f32 (exp(-z) -> inf for very negative z gives -0, never NaN)."""
-    z32 = z_tile.astype(ct.float32)
-    return acc * z32 / (1.0 + ct.exp(-z32))
 
 
 def _load_heads(array, b, row_tile, hb, pb, BLOCK_ROWS, HEADS, BLOCK_P):
@@ -95,7 +90,7 @@ def _finish_rows(acc, x_m, D, z, out, b, m_tile, hb, pb, HEADS, BLOCK_M, BLOCK_P
     D_p = ct.load(D, index=(hb, pb), shape=(HEADS, BLOCK_P))
     acc = acc + x_m.astype(ct.float32) * D_p[:, None, :]
     if HAS_Z:
-        acc = _silu_gate(acc, _load_heads(z, b, m_tile, hb, pb, BLOCK_M, HEADS, BLOCK_P))
+        acc = silu_gate(acc, _load_heads(z, b, m_tile, hb, pb, BLOCK_M, HEADS, BLOCK_P))
     ct.store(out, index=(b, m_tile, hb, pb),
              tile=ct.permute(acc, (1, 0, 2)).reshape((1, BLOCK_M, HEADS, BLOCK_P)).astype(out.dtype))
 

@@ -1,7 +1,11 @@
-"""The SSD forward as a plan of three launches: chunk_cumsum -> chunk_state (+ state passing) -> chunk_scan.
+"""The SSD forward as a plan of launches, in one of two layouts:
 
-`forward_plan(dims)` is what the bridge executes; `forward_arrays(dims)` gives the shape and dtype of every
-array the plan names (inputs as the bridge passes them, dummies included), for AOT export and tests.
+- "staged": chunk_cumsum -> chunk_state (+ state passing, writing every chunk-entry state) -> chunk_scan;
+- "fused": chunk_cumsum -> fused_scan (states carried in the SM, never written).
+
+`forward_plan(dims)` is what the bridge executes, in the layout `forward_layout(dims)` picks;
+`forward_arrays(dims)` gives the shape and dtype of every array either layout names (inputs as the bridge
+passes them, dummies included), for AOT export and tests.
 """
 from typing import Mapping
 
@@ -9,11 +13,28 @@ from jax_mamba2.kernels._common import Buffer, Plan, SSDDims
 from jax_mamba2.kernels.chunk_cumsum import chunk_cumsum_fwd_launch
 from jax_mamba2.kernels.chunk_scan import chunk_scan_fwd_launch
 from jax_mamba2.kernels.chunk_state import chunk_state_fwd_launch
+from jax_mamba2.kernels.fused_scan import fused_scan_fwd_default_config, fused_scan_fwd_launch, fused_scan_supported
 
 FORWARD_INPUTS = ("x", "dt", "A", "dt_bias", "B", "C", "D", "z", "initial_states", "seq_idx")
 FORWARD_OUTPUTS = ("out", "final_states")
-# The stage names `configs` is keyed by.
-FORWARD_STAGES = ("chunk_cumsum", "chunk_state", "chunk_scan")
+# The stage names `configs` is keyed by, per layout, in launch order.
+FORWARD_LAYOUTS = {
+    "staged": ("chunk_cumsum", "chunk_state", "chunk_scan"),
+    "fused": ("chunk_cumsum", "fused_scan"),
+}
+FORWARD_STAGES = tuple(dict.fromkeys(s for stages in FORWARD_LAYOUTS.values() for s in stages))
+# The fused layout's blocks are sequential chains: below this many (at its default tile) the staged
+# layout's chunk-parallel launches win. TODO measured threshold
+FUSED_MIN_BLOCKS = 256
+
+
+def forward_layout(dims: SSDDims) -> str:
+    """"fused" when the fused kernel supports `dims` (16-bit inputs, chunk <= 64) and its default tile
+    gives at least FUSED_MIN_BLOCKS sequential chains, else "staged"."""
+    if not fused_scan_supported(dims) or dims.dtype == "float32":
+        return "staged"
+    blocks = dims.batch * dims.nheads * (dims.headdim // fused_scan_fwd_default_config(dims).BLOCK_P)
+    return "fused" if blocks >= FUSED_MIN_BLOCKS else "staged"
 
 
 def forward_inputs(dims: SSDDims) -> dict[str, Buffer]:
@@ -34,10 +55,10 @@ def forward_inputs(dims: SSDDims) -> dict[str, Buffer]:
     }
 
 
-def forward_buffers(dims: SSDDims) -> dict[str, Buffer]:
-    """The intermediates and outputs the plan allocates."""
+def forward_buffers(dims: SSDDims, layout: str = "staged") -> dict[str, Buffer]:
+    """The intermediates and outputs the plan of `layout` allocates."""
     b, H, P, N, nc, Q = dims.batch, dims.nheads, dims.headdim, dims.dstate, dims.nchunks, dims.chunk_size
-    return {
+    buffers = {
         "dt_out": Buffer((b, H, nc, Q), "float32"),
         "dA_cumsum": Buffer((b, H, nc, Q), "float32"),
         # Chunk-entry states in x's dtype, as mamba_ssm rounds them before chunk_scan.
@@ -45,36 +66,47 @@ def forward_buffers(dims: SSDDims) -> dict[str, Buffer]:
         "out": Buffer((b, dims.seqlen, H, P), dims.dtype),
         "final_states": Buffer((b, H, P, N), "float32"),
     }
+    if layout == "fused":
+        del buffers["states"]
+    return buffers
 
 
 def forward_arrays(dims: SSDDims) -> dict[str, Buffer]:
-    """Every array `forward_plan(dims)` names: inputs, then buffers."""
+    """Every array a forward plan of `dims` names, in either layout: inputs, then buffers."""
     return {**forward_inputs(dims), **forward_buffers(dims)}
 
 
-def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None) -> Plan:
+def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, layout: str | None = None
+                 ) -> Plan:
     """The SSD forward for `dims`.
 
     Args:
       dims: the problem.
-      configs: optional stage name (one of FORWARD_STAGES) -> that stage's config; missing stages use
-        their default configuration.
+      configs: optional stage name (one of the layout's FORWARD_LAYOUTS stages) -> that stage's config;
+        missing stages use their default configuration.
+      layout: "staged" or "fused"; None: `forward_layout(dims)`.
 
     Returns:
-      A Plan with inputs FORWARD_INPUTS, buffers dt_out, dA_cumsum, states, out, final_states, and
-      outputs ("out", "final_states").
+      A Plan with inputs FORWARD_INPUTS, buffers dt_out, dA_cumsum, out, final_states (and states in
+      the staged layout), and outputs ("out", "final_states").
     """
+    layout = layout or forward_layout(dims)
+    if layout not in FORWARD_LAYOUTS:
+        raise ValueError(f"forward_plan: layout={layout!r} must be one of {tuple(FORWARD_LAYOUTS)}")
+    if layout == "fused" and not fused_scan_supported(dims):
+        raise ValueError(f"forward_plan: layout='fused' needs chunk_size in (16, 32, 64) and dstate <= 512, "
+                         f"got chunk_size={dims.chunk_size}, dstate={dims.dstate}")
+    stages = FORWARD_LAYOUTS[layout]
     configs = dict(configs or {})
-    unknown = set(configs) - set(FORWARD_STAGES)
+    unknown = set(configs) - set(stages)
     if unknown:
-        raise ValueError(f"forward_plan: configs keys={sorted(unknown)} must be among {FORWARD_STAGES}")
+        raise ValueError(f"forward_plan: configs keys={sorted(unknown)} must be among {stages} "
+                         f"(layout={layout!r})")
+    launch_of = {"chunk_cumsum": chunk_cumsum_fwd_launch, "chunk_state": chunk_state_fwd_launch,
+                 "chunk_scan": chunk_scan_fwd_launch, "fused_scan": fused_scan_fwd_launch}
     return Plan(
         inputs=FORWARD_INPUTS,
-        buffers=forward_buffers(dims),
-        launches=(
-            chunk_cumsum_fwd_launch(dims, configs.get("chunk_cumsum")),
-            chunk_state_fwd_launch(dims, configs.get("chunk_state")),
-            chunk_scan_fwd_launch(dims, configs.get("chunk_scan")),
-        ),
+        buffers=forward_buffers(dims, layout),
+        launches=tuple(launch_of[stage](dims, configs.get(stage)) for stage in stages),
         outputs=FORWARD_OUTPUTS,
     )

@@ -15,6 +15,7 @@ from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.chunk_scan import ChunkScanConfig
 from jax_mamba2.kernels.chunk_state import ChunkStateConfig
 from jax_mamba2.kernels.forward import forward_plan
+from jax_mamba2.kernels.fused_scan import FusedScanConfig
 from jax_mamba2.kernels.state_update import state_update_plan
 from tests._helpers import TOLERANCE, make_ssd_args, rel_l2, to_float64
 
@@ -35,6 +36,7 @@ class Case:
     seq_lens: tuple[int, ...] | None = None
     dt_limit: tuple[float, float] | None = None
     configs: tuple[tuple[str, object], ...] = ()
+    layout: str | None = None                 # forward_plan's layout (None: its own choice)
 
 
 # Small problems covering one partial chunk, partial last chunks, groups, z, initial states, seq_idx
@@ -73,6 +75,14 @@ SMALL_CASES = {
         configs=(("chunk_state", ChunkStateConfig(BLOCK_P=16, BLOCK_N=16)),)),
     "state_one_chunk": Case(
         seqlen=37, initial_states=True, configs=(("chunk_state", ChunkStateConfig(BLOCK_P=32, BLOCK_N=32)),)),
+    # The fused layout (states carried in the block): one partial chunk, seq_idx resets with initial
+    # states, groups with z and a partial last chunk, narrow headdim blocks, chunk 32.
+    "fused_one_partial_chunk": Case(seqlen=37, initial_states=True, layout="fused"),
+    "fused_seq_idx_init": Case(seqlen=150, seq_lens=(10, 70, 3, 67), initial_states=True, layout="fused"),
+    "fused_groups_z_partial_last_chunk": Case(
+        seqlen=150, nheads=8, ngroups=2, z=True, dt_limit=(0.05, 0.5), layout="fused",
+        configs=(("fused_scan", FusedScanConfig(BLOCK_P=16)),)),
+    "fused_chunk32_seq_idx": Case(seqlen=100, chunk_size=32, seq_lens=(31, 2, 67), z=True, layout="fused"),
 }
 
 # make_ssd_args draws A so that a 64-token chunk decays by ~e^-30, which hides every cross-chunk path
@@ -146,9 +156,11 @@ def check_forward(run, case: Case, dtype: str, seed: int = 0):
     """Runs forward_plan through `run` and asserts each stage matches the float64 reference."""
     args, kwargs = _ssd_args(case, getattr(jnp, dtype), seed)
     dims = case_dims(case, dtype)
-    got = run(forward_plan(dims, dict(case.configs)), forward_inputs_np(args, kwargs))
+    plan = forward_plan(dims, dict(case.configs), case.layout)
+    got = run(plan, forward_inputs_np(args, kwargs))
     with jax.enable_x64(True):
-        want = _reference_stages(args, kwargs, case.chunk_size)
+        want = {name: value for name, value in _reference_stages(args, kwargs, case.chunk_size).items()
+                if name in plan.buffers}
         y_scan, final_scan = reference.ssd_scan(*to_float64(args), **to_float64(kwargs))
     tol = TOLERANCE["kernel_fwd"][dtype]
     errors = {name: _error(got[name], want[name]) for name in want}

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_mamba2.kernels import chunk_scan, chunk_state, state_update
+from jax_mamba2.kernels import chunk_scan, chunk_state, fused_scan, state_update
 from tests.kernels._stage_checks import (
     SMALL_CASES, Case, case_dims, check_forward, check_state_update, step_dims)
 
@@ -23,9 +23,15 @@ LARGE_CASES = {
     "q64_p128_n64_long": Case(seqlen=4096 + 17, chunk_size=64, nheads=4, headdim=128, dstate=64),
     "q128_p64_n256_batch1": Case(seqlen=777, chunk_size=128, batch=1, nheads=6, headdim=64, ngroups=3,
                                  dstate=256, z=True),
+    "fused_q64_p64_n128_groups_all_inputs": Case(
+        seqlen=1000, nheads=8, headdim=64, ngroups=2, dstate=128, z=True, initial_states=True,
+        seq_lens=(300, 200, 500), layout="fused"),
+    "fused_q64_p128_n256_long": Case(seqlen=4096 + 17, nheads=4, headdim=128, dstate=256, layout="fused"),
 }
 SWEEP_CASE = Case(seqlen=600, chunk_size=128, nheads=4, headdim=64, ngroups=2, dstate=64, z=True,
                   initial_states=True, seq_lens=(200, 400))
+# The fused layout takes chunks <= 64.
+FUSED_SWEEP_CASE = dataclasses.replace(SWEEP_CASE, chunk_size=64, dstate=128, layout="fused")
 
 
 def _torch():
@@ -73,11 +79,13 @@ def test_forward_plan_gpu_matches_reference(case, dtype):
 def test_forward_plan_gpu_every_tuning_config_matches_reference(dtype):
     """Whatever the autotuner picks must be correct: sweep each stage's space (others at default)."""
     dims = case_dims(SWEEP_CASE, dtype)
-    spaces = {"chunk_state": chunk_state.chunk_state_fwd_configs(dims),
-              "chunk_scan": chunk_scan.chunk_scan_fwd_configs(dims)}
-    for stage, space in spaces.items():
+    spaces = {"chunk_state": (SWEEP_CASE, chunk_state.chunk_state_fwd_configs(dims)),
+              "chunk_scan": (SWEEP_CASE, chunk_scan.chunk_scan_fwd_configs(dims)),
+              "fused_scan": (FUSED_SWEEP_CASE,
+                             fused_scan.fused_scan_fwd_configs(case_dims(FUSED_SWEEP_CASE, dtype)))}
+    for stage, (case, space) in spaces.items():
         for cfg in space:
-            check_forward(run_plan_gpu, dataclasses.replace(SWEEP_CASE, configs=((stage, cfg),)), dtype)
+            check_forward(run_plan_gpu, dataclasses.replace(case, configs=((stage, cfg),)), dtype)
 
 
 @pytest.mark.parametrize("dtype,state_dtype", [("float32", "float32"), ("bfloat16", "float32"),
