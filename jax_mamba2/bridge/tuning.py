@@ -1,6 +1,7 @@
 """Kernel configs per problem for the SSD forward and backward: in-process dict -> on-disk cache -> autotune.
 
-`forward_configs(dims)` returns the config of every forward stage (kernels.forward.FORWARD_STAGES) and
+`forward_configs(dims)` returns the config of every stage of the forward's layout
+(kernels.forward.forward_layout: FORWARD_LAYOUTS[layout]) and
 `backward_configs(dims, deterministic)` that of every backward stage (kernels.backward.BACKWARD_STAGES)
 for this problem on this GPU. Lookup order, per stage:
 
@@ -16,8 +17,9 @@ for this problem on this GPU. Lookup order, per stage:
    (token, head) pairs, which is launch-bound) the stage's default config
    (the stage module's `..._default_config`).
 
-The backward's recompute stages (chunk_cumsum, chunk_state) take the forward's configs: one cache
-entry serves both passes. Its own stages are tuned in plan order, each on the intermediates of the
+The backward's recompute stages (chunk_cumsum, chunk_state) take the forward's configs when the forward
+runs them (one cache entry serves both passes); under the fused forward layout chunk_state is looked up
+or tuned with the backward. Its own stages are tuned in plan order, each on the intermediates of the
 stages before it run with their chosen configs (so chunk_cumsum_bwd is timed reading the ddA layouts
 of the chosen chunk_scan_bwd_dc and chunk_state_bwd tilings, although its key does not name them).
 
@@ -64,7 +66,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_mamba2.kernels import (_common, chunk_cumsum, chunk_cumsum_bwd, chunk_scan, chunk_scan_bwd_dc,
-                                chunk_scan_bwd_dx, chunk_state, chunk_state_bwd, param_grads_bwd)
+                                chunk_scan_bwd_dx, chunk_state, chunk_state_bwd, fused_scan, param_grads_bwd)
 from jax_mamba2.kernels import backward as backward_kernels
 from jax_mamba2.kernels import forward as forward_kernels
 from jax_mamba2.kernels._common import SUPPORTED_ARCHS, Buffer, Launch, Plan, SSDDims
@@ -115,6 +117,11 @@ _STAGES = {
         key_fields=("chunk_size", "headdim", "dstate", "heads_per_group", "dtype", "has_z",
                     "has_seq_idx"),
         work_items=lambda d: d.batch * d.nchunks * d.nheads),
+    "fused_scan": _Stage(
+        fused_scan.fused_scan_fwd_configs, fused_scan.fused_scan_fwd_default_config,
+        key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_z", "has_init", "has_seq_idx"),
+        # One block walks all chunks of one (batch, head, headdim block), as chunk_state.
+        work_items=lambda d: d.batch * d.nheads),
     # Backward.
     "chunk_scan_bwd_dc": _Stage(
         chunk_scan_bwd_dc.chunk_scan_bwd_dc_configs, chunk_scan_bwd_dc.chunk_scan_bwd_dc_default_config,
@@ -156,8 +163,10 @@ class _PlanSpec:
     deterministic: bool = False
 
 
-_FORWARD = _PlanSpec(forward_kernels.FORWARD_STAGES, forward_kernels.forward_plan,
-                     forward_kernels.forward_inputs)
+_FORWARD = {
+    layout: _PlanSpec(stages, functools.partial(forward_kernels.forward_plan, layout=layout),
+                      forward_kernels.forward_inputs)
+    for layout, stages in forward_kernels.FORWARD_LAYOUTS.items()}
 _BACKWARD = {
     det: _PlanSpec(backward_kernels.BACKWARD_STAGES,
                    functools.partial(backward_kernels.backward_plan, deterministic=det),
@@ -353,8 +362,8 @@ def random_inputs(dims: SSDDims, *, backward: bool = False, seed: int = 0) -> di
     (x, B, C, z, D, initial_states, dout, dfinal_states) ~ N(0, 1). The arrays are concrete even when
     called while a jit is being traced (where tuning runs).
     """
-    spec = _BACKWARD[False] if backward else _FORWARD
-    return _random_arrays(dims, spec.inputs(dims), seed)
+    inputs = backward_kernels.backward_inputs if backward else forward_kernels.forward_inputs
+    return _random_arrays(dims, inputs(dims), seed)
 
 
 def _random_arrays(dims: SSDDims, buffers: Mapping[str, Buffer], seed: int = 0) -> dict[str, jax.Array]:
@@ -641,10 +650,10 @@ def _tune_into_cache(cache: _TuningCache, dims: SSDDims, spec: _PlanSpec, stages
 
 
 def _choices(dims: SSDDims, backward: bool, deterministic: bool) -> dict[str, StageChoice]:
-    forward = _resolve(dims, _FORWARD)
+    forward = _resolve(dims, _FORWARD[forward_kernels.forward_layout(dims)])
     if not backward:
         return forward
-    return _resolve(dims, _BACKWARD[deterministic], {s: forward[s] for s in _RECOMPUTED})
+    return _resolve(dims, _BACKWARD[deterministic], {s: forward[s] for s in _RECOMPUTED if s in forward})
 
 
 def forward_configs(dims: SSDDims) -> dict[str, Any]:
@@ -654,8 +663,8 @@ def forward_configs(dims: SSDDims) -> dict[str, Any]:
       dims: the problem, as `kernels.forward.forward_plan` takes it.
 
     Returns:
-      {stage: config} for every stage of kernels.forward.FORWARD_STAGES, ready for
-      `forward_plan(dims, configs)`.
+      {stage: config} for every stage of the forward's layout (kernels.forward.forward_layout), ready
+      for `forward_plan(dims, configs)`.
 
     Raises:
       ValueError: when $JAX_MAMBA2_AUTOTUNE is neither "0" nor "1".
@@ -666,7 +675,8 @@ def forward_configs(dims: SSDDims) -> dict[str, Any]:
 def backward_configs(dims: SSDDims, deterministic: bool = False) -> dict[str, Any]:
     """The config of every backward stage for `dims` on this GPU (see the module docstring).
 
-    The recompute stages (chunk_cumsum, chunk_state) get `forward_configs(dims)`'s configs.
+    The recompute stages (chunk_cumsum, chunk_state) get `forward_configs(dims)`'s configs where the
+    forward has them.
 
     Args:
       dims: the problem, as `kernels.backward.backward_plan` takes it.

@@ -7,7 +7,8 @@ width), so a cubin compiled here is the cubin JAX compiles on the GPU for arrays
 
 Command line:
     python -m jax_mamba2.kernels.export --arch sm_90 --out DIR [--configs default|all] [--quick]
-compiles the forward and decode kernels of a representative problem set (x/B/C dtype bf16/f16/f32,
+compiles the forward (both layouts where the fused one applies) and decode kernels of a representative
+problem set (x/B/C dtype bf16/f16/f32,
 headdim and dstate 64/128, chunk_size 64/128/256, the optional inputs all absent or all present,
 dt_softplus on as in Mamba2) with the default configuration of every stage (`--configs all`: every
 configuration of the autotune spaces), skipping duplicates, and prints one line per cubin: name, size,
@@ -27,7 +28,7 @@ import cuda.tile as ct
 from cuda.tile.compilation import (
     ArrayConstraint, CallingConvention, ConstantConstraint, KernelSignature, export_kernel)
 
-from jax_mamba2.kernels import chunk_cumsum, chunk_scan, chunk_state, state_update
+from jax_mamba2.kernels import chunk_cumsum, chunk_scan, chunk_state, fused_scan, state_update
 from jax_mamba2.kernels._common import SUPPORTED_ARCHS, Buffer, Launch, SSDDims
 from jax_mamba2.kernels.forward import forward_arrays, forward_plan
 
@@ -116,25 +117,28 @@ def _problems(quick: bool) -> Iterator[SSDDims]:
                       has_seq_idx=flags, dt_softplus=True)
 
 
-def _forward_configs(dims: SSDDims, which: str, arch: str) -> Iterator[dict]:
+def _forward_configs(dims: SSDDims, which: str, arch: str) -> Iterator[tuple[str, dict]]:
+    """(layout, configs) of the forward plans to compile: both layouts where the fused one applies."""
+    layouts = ("staged", "fused") if fused_scan.fused_scan_supported(dims) else ("staged",)
     if which == "default":
-        yield {}
+        yield from ((layout, {}) for layout in layouts)
         return
-    spaces = {"chunk_cumsum": chunk_cumsum.chunk_cumsum_fwd_configs(dims, arch),
-              "chunk_state": chunk_state.chunk_state_fwd_configs(dims, arch),
-              "chunk_scan": chunk_scan.chunk_scan_fwd_configs(dims, arch)}
+    spaces = {"chunk_cumsum": ("staged", chunk_cumsum.chunk_cumsum_fwd_configs(dims, arch)),
+              "chunk_state": ("staged", chunk_state.chunk_state_fwd_configs(dims, arch)),
+              "chunk_scan": ("staged", chunk_scan.chunk_scan_fwd_configs(dims, arch)),
+              "fused_scan": ("fused", fused_scan.fused_scan_fwd_configs(dims, arch))}
     # Each stage's space on its own (the others at their defaults): the launches are independent.
-    for stage, space in spaces.items():
+    for stage, (layout, space) in spaces.items():
         for cfg in space:
-            yield {stage: cfg}
+            yield layout, {stage: cfg}
 
 
 def _launches(which: str, quick: bool, arch: str) -> Iterator[tuple[Launch, dict]]:
     """(launch, arrays) for every kernel the problem set uses."""
     for dims in _problems(quick):
         arrays = forward_arrays(dims)
-        for configs in _forward_configs(dims, which, arch):
-            for launch in forward_plan(dims, configs).launches:
+        for layout, configs in _forward_configs(dims, which, arch):
+            for launch in forward_plan(dims, configs, layout).launches:
                 yield launch, arrays
         step_dims = dataclasses.replace(dims, seqlen=1, chunk_size=1, dt_dtype="float32", has_init=False,
                                         has_seq_idx=False)

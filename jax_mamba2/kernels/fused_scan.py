@@ -170,8 +170,10 @@ def fused_scan_supported(dims: SSDDims) -> bool:
 
 def fused_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScanConfig]:
     """The autotune space (sm_90): BLOCK_P 16/32/64 (dividing headdim, state at most 128 x 64 f32),
-    latency 2/4/6, occupancy 1/2."""
+    latency 2/4/6, occupancy 1/2; empty where `fused_scan_supported(dims)` is false."""
     check_arch("fused_scan_fwd_configs", arch)
+    if not fused_scan_supported(dims):
+        return []
     widths = [bp for bp in (16, 32, 64) if bp <= dims.headdim and dims.dstate * bp <= _MAX_STATE]
     return [FusedScanConfig(BLOCK_P=bp, LOAD_LAT=lat, occupancy=occ)
             for bp in widths for lat in (2, 4, 6) for occ in (1, 2)]

@@ -13,5 +13,6 @@ def test_stages_plans_cover_every_grid_shape(shape):
     dims = stages.dims_of(shape, 64)
     assert (dims.batch, dims.seqlen, dims.nheads, dims.headdim, dims.dstate, dims.ngroups) == tuple(shape)
     fwd, bwd = forward.forward_plan(dims), backward.backward_plan(dims)
-    assert len(fwd.launches) == 3 and len(bwd.launches) == 7
+    assert len(fwd.launches) == len(forward.FORWARD_LAYOUTS[forward.forward_layout(dims)])
+    assert len(bwd.launches) == 7
     assert all(min(launch.grid) >= 1 for launch in fwd.launches + bwd.launches)

@@ -23,10 +23,11 @@ from jax_mamba2 import op  # noqa: E402
 from jax_mamba2.bridge import tuning  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
 from jax_mamba2.kernels.backward import BACKWARD_STAGES, backward_inputs, backward_plan  # noqa: E402
-from jax_mamba2.kernels.forward import FORWARD_STAGES, forward_inputs, forward_plan  # noqa: E402
+from jax_mamba2.kernels.forward import FORWARD_LAYOUTS, forward_inputs, forward_layout, forward_plan  # noqa: E402
 from tests._helpers import make_ssd_args  # noqa: E402
 
 DIMS = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=128, chunk_size=256)
+FORWARD_STAGES = FORWARD_LAYOUTS["staged"]      # DIMS's layout (chunk 256)
 FAKE_GPU = tuning.GpuIdentity(name="NVIDIA H200", arch="sm_90")
 
 
@@ -165,6 +166,21 @@ def test_backward_configs_reuse_forward_recompute_configs_and_tune_the_rest_once
     monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
     assert tuning.backward_configs(DIMS) == backward
     assert {r["source"] for r in tuning.tune_report(DIMS, backward=True).values()} == {"disk"}
+
+
+def test_fused_forward_layout_tunes_its_stages_and_the_backward_tunes_chunk_state(cache_dir, monkeypatch):
+    fused_dims = dataclasses.replace(DIMS, chunk_size=64)
+    assert forward_layout(fused_dims) == "fused"
+    calls = []
+    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner(calls))
+    forward = tuning.forward_configs(fused_dims)
+    assert set(forward) == {"chunk_cumsum", "fused_scan"}
+    backward = tuning.backward_configs(fused_dims)
+    # chunk_cumsum is shared with the forward; chunk_state, which the fused forward lacks, is tuned with
+    # the backward's own stages.
+    assert calls == [["chunk_cumsum", "fused_scan"], ["chunk_state", *BACKWARD_OWN]]
+    assert backward["chunk_cumsum"] == forward["chunk_cumsum"]
+    assert backward["chunk_state"] == _non_default_config("chunk_state", fused_dims)
 
 
 def test_backward_configs_deterministic_tunes_only_the_group_reducing_stages_again(cache_dir, monkeypatch):

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from jax_mamba2.kernels import chunk_scan, chunk_state, chunk_state_bwd, export
+from jax_mamba2.kernels import chunk_scan, chunk_state, chunk_state_bwd, export, fused_scan
 from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.backward import backward_arrays
 from jax_mamba2.kernels.export import compile_launch
@@ -40,8 +40,9 @@ PROBLEMS = {
 def _cubins(problem: str) -> dict[str, bytes]:
     """kernel name -> sm_90 cubin of every launch of the forward and decode plans of `problem`."""
     dims = PROBLEMS[problem]
+    layouts = ("staged", "fused") if fused_scan.fused_scan_supported(dims) else ("staged",)
     launches = [(launch, forward_arrays(dims))
-                for launch in forward_plan(dims).launches]
+                for layout in layouts for launch in forward_plan(dims, layout=layout).launches]
     step = state_update_plan(dims)
     launches.append((step.launches[0], {**state_update_inputs(dims, "float32"), **step.buffers}))
     return {launch.kernel._annotated_function.pyfunc.__name__: compile_launch(launch, arrays, "sm_90")[1]
@@ -51,8 +52,9 @@ def _cubins(problem: str) -> dict[str, bytes]:
 @pytest.mark.parametrize("problem", list(PROBLEMS))
 def test_kernels_compile_to_sm90_cubins(problem):
     cubins = _cubins(problem)
+    fused = {"fused_scan_fwd_kernel"} if fused_scan.fused_scan_supported(PROBLEMS[problem]) else set()
     assert set(cubins) == {"chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel", "chunk_scan_fwd_kernel",
-                           "state_update_kernel"}
+                           "state_update_kernel"} | fused
     for name, cubin in cubins.items():
         assert cubin[:4] == b"\x7fELF", name
 
@@ -147,5 +149,5 @@ def test_export_cli_quick_writes_cubins_and_manifest(tmp_path, capsys):
     files = sorted(p.name for p in tmp_path.glob("*.cubin"))
     assert files and sorted(manifest[0::2]) == files
     assert {name.split("_kernel_")[0] for name in files} == {
-        "chunk_cumsum_fwd", "chunk_state_fwd", "chunk_scan_fwd", "state_update"}
+        "chunk_cumsum_fwd", "chunk_state_fwd", "chunk_scan_fwd", "fused_scan_fwd", "state_update"}
     assert capsys.readouterr().out.count(".cubin") == len(files)

@@ -4,9 +4,9 @@ import inspect
 
 import pytest
 
-from jax_mamba2.kernels import chunk_cumsum, chunk_scan, chunk_state, chunk_state_bwd, state_update
+from jax_mamba2.kernels import chunk_cumsum, chunk_scan, chunk_state, chunk_state_bwd, fused_scan, state_update
 from jax_mamba2.kernels._common import SSDDims, is_power_of_2, needs_int64_index
-from jax_mamba2.kernels.forward import FORWARD_STAGES, forward_arrays, forward_plan
+from jax_mamba2.kernels.forward import FORWARD_LAYOUTS, FORWARD_STAGES, forward_arrays, forward_layout, forward_plan
 
 PROBLEMS = {
     "small_heads16": SSDDims(batch=1, seqlen=1, nheads=1, headdim=16, ngroups=1, dstate=16, chunk_size=64),
@@ -22,6 +22,8 @@ STAGES = {
                     chunk_state.chunk_state_fwd_launch),
     "chunk_scan": (chunk_scan.chunk_scan_fwd_configs, chunk_scan.chunk_scan_fwd_default_config,
                    chunk_scan.chunk_scan_fwd_launch),
+    "fused_scan": (fused_scan.fused_scan_fwd_configs, fused_scan.fused_scan_fwd_default_config,
+                   fused_scan.fused_scan_fwd_launch),
     "state_update": (state_update.state_update_configs, state_update.state_update_default_config,
                      lambda dims, cfg: state_update.state_update_plan(dims, cfg).launches[0]),
 }
@@ -43,6 +45,9 @@ def test_stage_configs_valid_and_contain_default(stage, problem):
     configs_fn, default_fn, _ = STAGES[stage]
     dims = PROBLEMS[problem]
     space = configs_fn(dims)
+    if stage == "fused_scan" and not fused_scan.fused_scan_supported(dims):
+        assert space == []
+        return
     assert 0 < len(space) <= 24 and len(set(space)) == len(space)
     assert default_fn(dims) in space
     for cfg in space:
@@ -124,7 +129,28 @@ def test_forward_plan_wires_stages_in_order():
     assert forward_plan(dims, {"chunk_scan": custom}).launches[2].args[12:17] == (4, 128, 32, 0, 64)
     with pytest.raises(ValueError, match="configs keys=\\['chunk_sacn'\\] must be among"):
         forward_plan(dims, {"chunk_sacn": custom})
-    assert FORWARD_STAGES == ("chunk_cumsum", "chunk_state", "chunk_scan")
+    assert FORWARD_LAYOUTS == {"staged": ("chunk_cumsum", "chunk_state", "chunk_scan"),
+                               "fused": ("chunk_cumsum", "fused_scan")}
+    assert FORWARD_STAGES == ("chunk_cumsum", "chunk_state", "chunk_scan", "fused_scan")
+
+
+def test_fused_forward_plan_keeps_states_in_the_kernel_and_is_picked_by_its_rule():
+    dims = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=128, chunk_size=64)
+    assert forward_layout(dims) == "fused"
+    plan = forward_plan(dims)
+    assert [name for launch in plan.launches for name in launch.writes] == [
+        "dt_out", "dA_cumsum", "out", "final_states"]
+    assert "states" not in plan.buffers
+    cfg = fused_scan.fused_scan_fwd_default_config(dims)
+    assert plan.launches[1].grid == (4 * 32, 64 // cfg.BLOCK_P)
+    # Too few chains to fill the GPU, f32, or a chunk the fused kernel does not take: the staged layout.
+    for other in (dataclasses.replace(dims, batch=1), dataclasses.replace(dims, dtype="float32"),
+                  dataclasses.replace(dims, chunk_size=128)):
+        assert forward_layout(other) == "staged"
+    with pytest.raises(ValueError, match="layout='fused' needs chunk_size in"):
+        forward_plan(dataclasses.replace(dims, chunk_size=128), layout="fused")
+    with pytest.raises(ValueError, match="configs keys=\\['chunk_scan'\\] must be among"):
+        forward_plan(dims, {"chunk_scan": chunk_scan.chunk_scan_fwd_default_config(dims)})
 
 
 def test_needs_int64_index_selects_int64_kernels():
