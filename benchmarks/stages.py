@@ -1,7 +1,8 @@
 """Where the time goes: GPU time of every kernel launch of the SSD forward and backward plans.
 
     python benchmarks/stages.py [--shapes B,L,H,P,N,G ...] [--chunk 64] [--configs default|tuned]
-                                [--atomic-heads 1 2 4 8] [--deterministic] [--out DIR]
+                                [--layouts staged fused] [--atomic-heads 1 2 4 8] [--deterministic]
+                                [--out DIR]
 
 Each plan runs once eagerly (torch tensors viewing random JAX inputs, ct.launch on a torch stream),
 then every launch is timed alone: the median of CUDA-event times over repeated launches on the
@@ -25,7 +26,7 @@ import numpy as np  # noqa: E402
 from benchmarks.environment import environment, gpu_slug  # noqa: E402
 from benchmarks.ssd import GRID, Shape  # noqa: E402
 from jax_mamba2.bridge import eager, tuning  # noqa: E402
-from jax_mamba2.kernels import backward, forward  # noqa: E402
+from jax_mamba2.kernels import backward, forward, fused_scan  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
 
 
@@ -66,6 +67,9 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--configs", choices=("default", "tuned"), default="default",
                         help="tuned: the autotuner's choice (tunes on first use)")
+    parser.add_argument("--layouts", nargs="+", choices=tuple(forward.FORWARD_LAYOUTS), default=[None],
+                        help="forward layouts to time (default: the one forward_layout picks); a layout "
+                             "the problem does not support is skipped")
     parser.add_argument("--atomic-heads", type=int, nargs="+", default=[None],
                         help="heads per block of the atomic dB/dC passes: one backward plan per value "
                              "(default: the plan's own choice)")
@@ -80,21 +84,28 @@ def main(argv=None) -> int:
     for shape in shapes:
         dims = dims_of(shape, args.chunk)
         tuned = args.configs == "tuned"
-        plans = {("fwd", None): forward.forward_plan(dims, tuning.forward_configs(dims) if tuned else None)}
+        layouts = [layout or forward.forward_layout(dims) for layout in args.layouts]
+        plans = {("fwd", layout): forward.forward_plan(
+                     dims, tuning.forward_configs(dims) if tuned and layout == forward.forward_layout(dims) else None,
+                     layout)
+                 for layout in layouts if layout == "staged" or fused_scan.fused_scan_supported(dims)}
         for heads in args.atomic_heads:
             plans["bwd", heads] = backward.backward_plan(
                 dims, tuning.backward_configs(dims, False) if tuned else None, atomic_heads_per_block=heads)
         if args.deterministic:
             plans["bwd_deterministic", None] = backward.backward_plan(
                 dims, tuning.backward_configs(dims, True) if tuned else None, deterministic=True)
-        for (direction, heads), plan in plans.items():
+        for (direction, variant), plan in plans.items():
+            heads = None if direction == "fwd" else variant
             inputs = tuning.random_inputs(dims, backward=direction != "fwd")
             arrays = {name: torch.from_dlpack(value) for name, value in inputs.items()}
             for row in time_launches(plan, arrays, args.repeats):
                 records.append({**env, "op": "ssd_stage", "direction": direction, "shape": shape._asdict(),
                                 "chunk_size": args.chunk, "configs": args.configs,
+                                "layout": variant if direction == "fwd" else None,
                                 "atomic_heads_per_block": heads, **row})
-                label = direction if direction == "fwd" else f"{direction}(heads/block {heads or 'auto'})"
+                label = (f"fwd({variant})" if direction == "fwd"
+                         else f"{direction}(heads/block {heads or 'auto'})")
                 print(f"{shape.label()} Q={args.chunk} {label} {row['kernel']:<28} "
                       f"grid={tuple(row['grid'])} {row['ms_median']:.3f} ms", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -23,14 +23,18 @@ FORWARD_LAYOUTS = {
     "fused": ("chunk_cumsum", "fused_scan"),
 }
 FORWARD_STAGES = tuple(dict.fromkeys(s for stages in FORWARD_LAYOUTS.values() for s in stages))
-# The fused layout's blocks are sequential chains: below this many (at its default tile) the staged
-# layout's chunk-parallel launches win. TODO measured threshold
-FUSED_MIN_BLOCKS = 256
+# The fused layout's blocks are sequential chains over the chunks: with fewer than this many (at its
+# default tile) the staged layout's chunk-parallel launches win. Measured on the H200 (132 SMs), chunk
+# 64, bf16: 128 blocks fused 0.236 vs staged 0.431 ms at (4,8192,32,64,128,1), 0.090 vs 0.137 at
+# (4,2048,...); 64 blocks even at (2,32768,...) (0.868 vs 0.854); 32 blocks staged at (4,16384,8,...)
+# (0.465 vs 0.311) and (1,131072,32,...) (3.39 vs 2.02).
+FUSED_MIN_BLOCKS = 128
 
 
 def forward_layout(dims: SSDDims) -> str:
     """"fused" when the fused kernel supports `dims` (16-bit inputs, chunk <= 64) and its default tile
-    gives at least FUSED_MIN_BLOCKS sequential chains, else "staged"."""
+    gives at least FUSED_MIN_BLOCKS sequential chains, else "staged". (f32 inputs have not been timed
+    fused: staged.)"""
     if not fused_scan_supported(dims) or dims.dtype == "float32":
         return "staged"
     blocks = dims.batch * dims.nheads * (dims.headdim // fused_scan_fwd_default_config(dims).BLOCK_P)

@@ -151,9 +151,9 @@ class FusedScanConfig:
     blocks per SM.
     """
 
-    BLOCK_P: int = 32
-    LOAD_LAT: int = 4
-    occupancy: int = 2
+    BLOCK_P: int = 64
+    LOAD_LAT: int = 6
+    occupancy: int = 1
 
 
 # The chunk sizes the fused kernel takes: its [CHUNK, CHUNK] f32 C·B^T and [dstate, BLOCK_P] f32 state
@@ -168,20 +168,29 @@ def fused_scan_supported(dims: SSDDims) -> bool:
     return dims.chunk_size in FUSED_CHUNK_SIZES and dims.dstate * min(16, dims.headdim) <= _MAX_STATE
 
 
+def _widths(dims: SSDDims) -> list[int]:
+    """BLOCK_P candidates: 32 and 64 where they fit; 16 only where nothing wider does (below 32
+    columns the wgmma N side is too narrow: tileiras emits mma.sync, measured 2x slower)."""
+    fits = [bp for bp in (16, 32, 64) if bp <= dims.headdim and dims.dstate * bp <= _MAX_STATE]
+    return [bp for bp in fits if bp >= 32] or fits
+
+
 def fused_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScanConfig]:
-    """The autotune space (sm_90): BLOCK_P 16/32/64 (dividing headdim, state at most 128 x 64 f32),
+    """The autotune space (sm_90): BLOCK_P 32/64 (dividing headdim, state at most 128 x 64 f32),
     latency 2/4/6, occupancy 1/2; empty where `fused_scan_supported(dims)` is false."""
     check_arch("fused_scan_fwd_configs", arch)
     if not fused_scan_supported(dims):
         return []
-    widths = [bp for bp in (16, 32, 64) if bp <= dims.headdim and dims.dstate * bp <= _MAX_STATE]
     return [FusedScanConfig(BLOCK_P=bp, LOAD_LAT=lat, occupancy=occ)
-            for bp in widths for lat in (2, 4, 6) for occ in (1, 2)]
+            for bp in _widths(dims) for lat in (2, 4, 6) for occ in (1, 2)]
 
 
 def fused_scan_fwd_default_config(dims: SSDDims) -> FusedScanConfig:
-    """BLOCK_P = 32 (a [dstate, 32] state, two blocks per SM), narrower when dstate > 128."""
-    return FusedScanConfig(BLOCK_P=min(32, dims.headdim, _MAX_STATE // dims.dstate), LOAD_LAT=4, occupancy=2)
+    """The widest BLOCK_P (64 up to dstate 128) at occupancy 1 and latency 6: the best of the space on
+    the H200 at (4,8192,32,64,128,1), chunk 64 (219 us; occupancy 2 at 64 columns 421-433 us, 32
+    columns 336-457 us), and at occupancy 1 also the best measured at (4,2048,32,...), (4,8192,80,...)
+    and (4,8192,64,...,G=8) (benchmarks/NOTES.md)."""
+    return FusedScanConfig(BLOCK_P=_widths(dims)[-1], LOAD_LAT=6, occupancy=1)
 
 
 def fused_scan_fwd_grid(dims: SSDDims, cfg: FusedScanConfig) -> tuple[int, int]:

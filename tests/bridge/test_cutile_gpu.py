@@ -47,6 +47,38 @@ def test_cutile_matches_float64_scan(backend, dtype, feature):
     assert rel_l2(final, final_ref) <= tol, rel_l2(final, final_ref)
 
 
+def test_cutile_fused_forward_layout_matches_float64_scan(monkeypatch):
+    """The fused forward layout (picked by default only for >= FUSED_MIN_BLOCKS chains) forced on a
+    small problem with every feature, inside jit, and its gradients (the backward recomputes states)."""
+    from jax_mamba2.kernels import forward
+    layouts = []
+    pick = forward.forward_layout
+    monkeypatch.setattr(forward, "FUSED_MIN_BLOCKS", 1)
+    monkeypatch.setattr(forward, "forward_layout", lambda dims: layouts.append(pick(dims)) or layouts[-1])
+    args, kwargs = make_ssd_args(31, batch=2, seqlen=333, nheads=6, headdim=64, ngroups=3, dstate=128,
+                                 dtype=jnp.bfloat16, D="headdim", z=True, dt_bias=True, dt_softplus=True,
+                                 initial_states=True, seq_idx=[100, 33, 200])
+    y, final = jax.jit(lambda *a: jax_mamba2.ssd(*a, 64, **kwargs, return_final_states=True,
+                                                 backend="cutile"))(*args)
+    assert layouts and set(layouts) == {"fused"}
+    y_ref, final_ref = _oracle(args, kwargs)
+    tol = TOLERANCE["kernel_fwd"]["bfloat16"]
+    assert rel_l2(y, y_ref) <= tol and rel_l2(final, final_ref) <= tol, (rel_l2(y, y_ref), rel_l2(final, final_ref))
+
+    def loss(fn, *operands):             # linear in (y, final): no amplified rounding differences
+        y, final = fn(*operands)
+        return jnp.sum(y.astype(jnp.float32) * y_ref) + jnp.sum(final * final_ref)
+
+    cutile = lambda *a: jax_mamba2.ssd(*a, 64, **kwargs, return_final_states=True, backend="cutile")  # noqa: E731
+    grads = jax.jit(jax.grad(functools.partial(loss, cutile), argnums=(0, 1, 2, 3, 4)))(*args)
+    with jax.enable_x64(True):
+        args64, kwargs64 = to_float64((args, kwargs))
+        scan = lambda *a: reference.ssd_scan(*a, **kwargs64)  # noqa: E731
+        expected = jax.grad(functools.partial(loss, scan), argnums=(0, 1, 2, 3, 4))(*args64)
+    for name, g, r in zip(["x", "dt", "A", "B", "C"], grads, expected):
+        assert rel_l2(g, r) <= TOLERANCE["kernel_bwd"]["bfloat16"], (name, rel_l2(g, r))
+
+
 @pytest.mark.parametrize("chunk_size", [64, 128, 256])
 def test_cutile_chunk_sizes_and_headdim_dstate(chunk_size):
     args, kwargs = make_ssd_args(12, batch=1, seqlen=700, nheads=2, headdim=128, dstate=32,

@@ -151,3 +151,19 @@ def test_export_cli_quick_writes_cubins_and_manifest(tmp_path, capsys):
     assert {name.split("_kernel_")[0] for name in files} == {
         "chunk_cumsum_fwd", "chunk_state_fwd", "chunk_scan_fwd", "fused_scan_fwd", "state_update"}
     assert capsys.readouterr().out.count(".cubin") == len(files)
+
+
+@pytest.mark.parametrize("features", [False, True], ids=["plain", "z_init_seq_idx"])
+@pytest.mark.parametrize("dstate", [64, 128])
+def test_fused_scan_default_uses_wgmma_and_tma_without_spills(dstate, features, tmp_path):
+    """The fused forward's default tile (a [dstate, 64] f32 state per block, occupancy 1) at the H200
+    benchmark shape: wgmma, TMA loads, no local memory and no stack."""
+    dims = dataclasses.replace(_BASE, batch=4, seqlen=8192, nheads=32, ngroups=1, dstate=dstate, chunk_size=64,
+                               has_z=features, has_init=features, has_seq_idx=features)
+    cfg = fused_scan.fused_scan_fwd_default_config(dims)
+    assert (cfg.BLOCK_P, cfg.occupancy) == (64, 1) and cfg in fused_scan.fused_scan_fwd_configs(dims)
+    _, cubin = compile_launch(fused_scan.fused_scan_fwd_launch(dims, cfg), forward_arrays(dims), "sm_90")
+    sass, resources = sass_and_resources(cubin, tmp_path)
+    usage = dict(re.findall(r"(LOCAL|STACK):(\d+)", resources))
+    assert "HGMMA" in sass and "UTMALDG" in sass
+    assert int(usage["LOCAL"]) == 0 and int(usage["STACK"]) == 0, usage
