@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from benchmarks.environment import environment, gpu_slug  # noqa: E402
 from benchmarks.ssd import GRID, Shape  # noqa: E402
 from jax_mamba2.bridge import eager, tuning  # noqa: E402
-from jax_mamba2.kernels import backward, forward, fused_scan  # noqa: E402
+from jax_mamba2.kernels import backward, forward  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
 
 
@@ -68,8 +68,8 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", choices=("default", "tuned"), default="default",
                         help="tuned: the autotuner's choice (tunes on first use)")
     parser.add_argument("--layouts", nargs="+", choices=tuple(forward.FORWARD_LAYOUTS), default=[None],
-                        help="forward layouts to time (default: the one forward_layout picks); a layout "
-                             "the problem does not support is skipped")
+                        help="forward layouts to time (default: the op's own; other layouts run at default "
+                             "configs); a layout the problem does not support is skipped")
     parser.add_argument("--atomic-heads", type=int, nargs="+", default=[None],
                         help="heads per block of the atomic dB/dC passes: one backward plan per value "
                              "(default: the plan's own choice)")
@@ -84,11 +84,12 @@ def main(argv=None) -> int:
     for shape in shapes:
         dims = dims_of(shape, args.chunk)
         tuned = args.configs == "tuned"
-        layouts = [layout or forward.forward_layout(dims) for layout in args.layouts]
-        plans = {("fwd", layout): forward.forward_plan(
-                     dims, tuning.forward_configs(dims) if tuned and layout == forward.forward_layout(dims) else None,
-                     layout)
-                 for layout in layouts if layout == "staged" or fused_scan.fused_scan_supported(dims)}
+        # The op's own plan (the tuner's configs pick its layout), and any other layout asked for at defaults.
+        configs = tuning.forward_configs(dims) if tuned else {}
+        op_layout = forward.configs_layout(dims, configs)
+        plans = {("fwd", layout or op_layout): forward.forward_plan(
+                     dims, configs if (layout or op_layout) == op_layout else None, layout or op_layout)
+                 for layout in args.layouts if layout in (None, *forward.forward_layouts(dims))}
         for heads in args.atomic_heads:
             plans["bwd", heads] = backward.backward_plan(
                 dims, tuning.backward_configs(dims, False) if tuned else None, atomic_heads_per_block=heads)

@@ -1,7 +1,8 @@
 """Kernel configs per problem for the SSD forward and backward: in-process dict -> on-disk cache -> autotune.
 
-`forward_configs(dims)` returns the config of every stage of the forward's layout
-(kernels.forward.forward_layout: FORWARD_LAYOUTS[layout]) and
+`forward_configs(dims)` returns the config of every stage of the forward's layout (FORWARD_LAYOUTS[layout];
+where both layouts can run a problem, both are resolved and the one whose stages measured faster in sum
+wins, else kernels.forward.forward_layout's rule) and
 `backward_configs(dims, deterministic)` that of every backward stage (kernels.backward.BACKWARD_STAGES)
 for this problem on this GPU. Lookup order, per stage:
 
@@ -649,8 +650,28 @@ def _tune_into_cache(cache: _TuningCache, dims: SSDDims, spec: _PlanSpec, stages
     return choices
 
 
+def _plan_us(choices: Mapping[str, StageChoice]) -> Optional[float]:
+    """The summed measured time of a plan's stages (us), or None if any stage has no measurement."""
+    times = [(c.entry or {}).get("mean_us") for c in choices.values()]
+    return None if any(t is None for t in times) else sum(times)
+
+
+def _forward_choices(dims: SSDDims) -> dict[str, StageChoice]:
+    """The stage choices of the forward, in its faster layout.
+
+    Every layout that can run `dims` is resolved (looked up, tuned, or defaulted); when each has a
+    measured time for every stage (tuned here or read from the cache), the layout with the smaller sum
+    of its stages' times wins; otherwise `forward_layout`'s rule decides.
+    """
+    layouts = {layout: _resolve(dims, _FORWARD[layout]) for layout in forward_kernels.forward_layouts(dims)}
+    times = {layout: _plan_us(choices) for layout, choices in layouts.items()}
+    if len(layouts) > 1 and None not in times.values():
+        return layouts[min(times, key=times.get)]
+    return layouts[forward_kernels.forward_layout(dims)]
+
+
 def _choices(dims: SSDDims, backward: bool, deterministic: bool) -> dict[str, StageChoice]:
-    forward = _resolve(dims, _FORWARD[forward_kernels.forward_layout(dims)])
+    forward = _forward_choices(dims)
     if not backward:
         return forward
     return _resolve(dims, _BACKWARD[deterministic], {s: forward[s] for s in _RECOMPUTED if s in forward})
@@ -663,8 +684,8 @@ def forward_configs(dims: SSDDims) -> dict[str, Any]:
       dims: the problem, as `kernels.forward.forward_plan` takes it.
 
     Returns:
-      {stage: config} for every stage of the forward's layout (kernels.forward.forward_layout), ready
-      for `forward_plan(dims, configs)`.
+      {stage: config} for every stage of the forward's layout (the module docstring says which), ready
+      for `forward_plan(dims, configs)`, which infers the layout from the stage names.
 
     Raises:
       ValueError: when $JAX_MAMBA2_AUTOTUNE is neither "0" nor "1".

@@ -30,7 +30,7 @@ from cuda.tile.compilation import (
 
 from jax_mamba2.kernels import chunk_cumsum, chunk_scan, chunk_state, fused_scan, state_update
 from jax_mamba2.kernels._common import SUPPORTED_ARCHS, Buffer, Launch, SSDDims
-from jax_mamba2.kernels.forward import forward_arrays, forward_plan
+from jax_mamba2.kernels.forward import forward_arrays, forward_layouts, forward_plan
 
 _CT_DTYPES = {
     "bfloat16": ct.bfloat16,
@@ -119,9 +119,8 @@ def _problems(quick: bool) -> Iterator[SSDDims]:
 
 def _forward_configs(dims: SSDDims, which: str, arch: str) -> Iterator[tuple[str, dict]]:
     """(layout, configs) of the forward plans to compile: both layouts where the fused one applies."""
-    layouts = ("staged", "fused") if fused_scan.fused_scan_supported(dims) else ("staged",)
     if which == "default":
-        yield from ((layout, {}) for layout in layouts)
+        yield from ((layout, {}) for layout in forward_layouts(dims))
         return
     spaces = {"chunk_cumsum": ("staged", chunk_cumsum.chunk_cumsum_fwd_configs(dims, arch)),
               "chunk_state": ("staged", chunk_state.chunk_state_fwd_configs(dims, arch)),

@@ -31,11 +31,16 @@ FORWARD_STAGES = tuple(dict.fromkeys(s for stages in FORWARD_LAYOUTS.values() fo
 FUSED_MIN_BLOCKS = 128
 
 
+def forward_layouts(dims: SSDDims) -> tuple[str, ...]:
+    """The layouts that can run `dims`: "staged" always, "fused" where the fused kernel supports it."""
+    return ("staged", "fused") if fused_scan_supported(dims) else ("staged",)
+
+
 def forward_layout(dims: SSDDims) -> str:
     """"fused" when the fused kernel supports `dims` (16-bit inputs, chunk <= 64) and its default tile
     gives at least FUSED_MIN_BLOCKS sequential chains, else "staged". (f32 inputs have not been timed
     fused: staged.)"""
-    if not fused_scan_supported(dims) or dims.dtype == "float32":
+    if "fused" not in forward_layouts(dims) or dims.dtype == "float32":
         return "staged"
     blocks = dims.batch * dims.nheads * (dims.headdim // fused_scan_fwd_default_config(dims).BLOCK_P)
     return "fused" if blocks >= FUSED_MIN_BLOCKS else "staged"
@@ -80,6 +85,14 @@ def forward_arrays(dims: SSDDims) -> dict[str, Buffer]:
     return {**forward_inputs(dims), **forward_buffers(dims)}
 
 
+def configs_layout(dims: SSDDims, configs: Mapping[str, object]) -> str:
+    """The layout whose own stages (those not shared by every layout) `configs` names, as the tuner's
+    `forward_configs` returns them; `forward_layout(dims)` when they name none (or several)."""
+    shared = set.intersection(*(set(stages) for stages in FORWARD_LAYOUTS.values()))
+    named = [name for name, stages in FORWARD_LAYOUTS.items() if set(configs) & (set(stages) - shared)]
+    return named[0] if len(named) == 1 else forward_layout(dims)
+
+
 def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, layout: str | None = None
                  ) -> Plan:
     """The SSD forward for `dims`.
@@ -88,20 +101,20 @@ def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, lay
       dims: the problem.
       configs: optional stage name (one of the layout's FORWARD_LAYOUTS stages) -> that stage's config;
         missing stages use their default configuration.
-      layout: "staged" or "fused"; None: `forward_layout(dims)`.
+      layout: "staged" or "fused"; None: `configs_layout(dims, configs)`.
 
     Returns:
       A Plan with inputs FORWARD_INPUTS, buffers dt_out, dA_cumsum, out, final_states (and states in
       the staged layout), and outputs ("out", "final_states").
     """
-    layout = layout or forward_layout(dims)
+    configs = dict(configs or {})
+    layout = layout or configs_layout(dims, configs)
     if layout not in FORWARD_LAYOUTS:
         raise ValueError(f"forward_plan: layout={layout!r} must be one of {tuple(FORWARD_LAYOUTS)}")
-    if layout == "fused" and not fused_scan_supported(dims):
+    if layout not in forward_layouts(dims):
         raise ValueError(f"forward_plan: layout='fused' needs chunk_size in (16, 32, 64) and dstate <= 512, "
                          f"got chunk_size={dims.chunk_size}, dstate={dims.dstate}")
     stages = FORWARD_LAYOUTS[layout]
-    configs = dict(configs or {})
     unknown = set(configs) - set(stages)
     if unknown:
         raise ValueError(f"forward_plan: configs keys={sorted(unknown)} must be among {stages} "

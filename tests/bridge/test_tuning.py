@@ -168,19 +168,42 @@ def test_backward_configs_reuse_forward_recompute_configs_and_tune_the_rest_once
     assert {r["source"] for r in tuning.tune_report(DIMS, backward=True).values()} == {"disk"}
 
 
-def test_fused_forward_layout_tunes_its_stages_and_the_backward_tunes_chunk_state(cache_dir, monkeypatch):
+@pytest.mark.parametrize("fused_us,want", [(1.0, "fused"), (5.0, "staged")])
+def test_forward_configs_tune_both_layouts_and_keep_the_faster(cache_dir, monkeypatch, fused_us, want):
     fused_dims = dataclasses.replace(DIMS, chunk_size=64)
-    assert forward_layout(fused_dims) == "fused"
+    assert forward_layout(fused_dims) == "fused"          # the rule's pick, without measurements
     calls = []
-    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner(calls))
+    times = {"fused_scan": fused_us}                       # every other stage measures 1 us
+
+    def tune_stages(dims, spec, stages, configs, arch):
+        calls.append(list(stages))
+        for stage in stages:
+            entry = {"config": dataclasses.asdict(_non_default_config(stage, dims)), "measured": []}
+            yield stage, {**entry, "mean_us": times.get(stage, 1.0)}
+
+    monkeypatch.setattr(tuning, "_tune_stages", tune_stages)
     forward = tuning.forward_configs(fused_dims)
-    assert set(forward) == {"chunk_cumsum", "fused_scan"}
+    # staged: 3 stages x 1 us; fused: 1 + fused_us. chunk_cumsum is tuned once and shared.
+    assert calls == [["chunk_cumsum", "chunk_state", "chunk_scan"], ["fused_scan"]]
+    assert set(forward) == set(FORWARD_LAYOUTS[want])
+    assert len(forward_plan(fused_dims, forward).launches) == len(FORWARD_LAYOUTS[want])
+    # The backward's recompute takes the forward's chunk_cumsum and the chunk_state tuned with the
+    # staged layout (from the cache), tuning only its own stages.
     backward = tuning.backward_configs(fused_dims)
-    # chunk_cumsum is shared with the forward; chunk_state, which the fused forward lacks, is tuned with
-    # the backward's own stages.
-    assert calls == [["chunk_cumsum", "fused_scan"], ["chunk_state", *BACKWARD_OWN]]
+    assert calls[2:] == [BACKWARD_OWN]
     assert backward["chunk_cumsum"] == forward["chunk_cumsum"]
     assert backward["chunk_state"] == _non_default_config("chunk_state", fused_dims)
+    # A new process reads both layouts from disk and makes the same choice.
+    tuning.clear_memory()
+    monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
+    assert tuning.forward_configs(fused_dims) == forward
+
+
+def test_forward_configs_without_measurements_follow_the_layout_rule(cache_dir, monkeypatch):
+    monkeypatch.setenv(tuning.ENV_AUTOTUNE, "0")
+    fused_dims = dataclasses.replace(DIMS, chunk_size=64)
+    assert set(tuning.forward_configs(fused_dims)) == set(FORWARD_LAYOUTS["fused"])
+    assert set(tuning.forward_configs(dataclasses.replace(fused_dims, batch=1))) == set(FORWARD_LAYOUTS["staged"])
 
 
 def test_backward_configs_deterministic_tunes_only_the_group_reducing_stages_again(cache_dir, monkeypatch):

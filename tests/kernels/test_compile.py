@@ -15,7 +15,7 @@ from jax_mamba2.kernels import chunk_scan, chunk_state, chunk_state_bwd, export,
 from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.backward import backward_arrays
 from jax_mamba2.kernels.export import compile_launch
-from jax_mamba2.kernels.forward import forward_arrays, forward_plan
+from jax_mamba2.kernels.forward import forward_arrays, forward_layouts, forward_plan
 from jax_mamba2.kernels.state_update import state_update_inputs, state_update_plan
 
 _BASE = SSDDims(batch=2, seqlen=200, nheads=8, headdim=64, ngroups=2, dstate=64, chunk_size=64,
@@ -40,9 +40,8 @@ PROBLEMS = {
 def _cubins(problem: str) -> dict[str, bytes]:
     """kernel name -> sm_90 cubin of every launch of the forward and decode plans of `problem`."""
     dims = PROBLEMS[problem]
-    layouts = ("staged", "fused") if fused_scan.fused_scan_supported(dims) else ("staged",)
     launches = [(launch, forward_arrays(dims))
-                for layout in layouts for launch in forward_plan(dims, layout=layout).launches]
+                for layout in forward_layouts(dims) for launch in forward_plan(dims, layout=layout).launches]
     step = state_update_plan(dims)
     launches.append((step.launches[0], {**state_update_inputs(dims, "float32"), **step.buffers}))
     return {launch.kernel._annotated_function.pyfunc.__name__: compile_launch(launch, arrays, "sm_90")[1]

@@ -6,7 +6,8 @@ import pytest
 
 from jax_mamba2.kernels import chunk_cumsum, chunk_scan, chunk_state, chunk_state_bwd, fused_scan, state_update
 from jax_mamba2.kernels._common import SSDDims, is_power_of_2, needs_int64_index
-from jax_mamba2.kernels.forward import FORWARD_LAYOUTS, FORWARD_STAGES, forward_arrays, forward_layout, forward_plan
+from jax_mamba2.kernels.forward import (
+    FORWARD_LAYOUTS, FORWARD_STAGES, configs_layout, forward_arrays, forward_layout, forward_plan)
 
 PROBLEMS = {
     "small_heads16": SSDDims(batch=1, seqlen=1, nheads=1, headdim=16, ngroups=1, dstate=16, chunk_size=64),
@@ -149,8 +150,12 @@ def test_fused_forward_plan_keeps_states_in_the_kernel_and_is_picked_by_its_rule
         assert forward_layout(other) == "staged"
     with pytest.raises(ValueError, match="layout='fused' needs chunk_size in"):
         forward_plan(dataclasses.replace(dims, chunk_size=128), layout="fused")
-    with pytest.raises(ValueError, match="configs keys=\\['chunk_scan'\\] must be among"):
-        forward_plan(dims, {"chunk_scan": chunk_scan.chunk_scan_fwd_default_config(dims)})
+    # Without a layout, the configs' own stages name it (as the tuner returns them).
+    staged = forward_plan(dims, {"chunk_scan": chunk_scan.chunk_scan_fwd_default_config(dims)})
+    assert "states" in staged.buffers and len(staged.launches) == 3
+    assert configs_layout(dims, {"chunk_cumsum": None}) == "fused"
+    with pytest.raises(ValueError, match="configs keys=\\['fused_scan'\\] must be among"):
+        forward_plan(dims, {"fused_scan": cfg}, layout="staged")
 
 
 def test_needs_int64_index_selects_int64_kernels():
