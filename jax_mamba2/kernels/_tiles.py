@@ -20,6 +20,12 @@ import cuda.tile as ct
 _ID_FLOOR = -(1 << 30)
 
 
+def batch_head_group(bh, nheads, ngroups):
+    """(b, h, g) of a grid index over batch * nheads: the batch row, the head and the head's group."""
+    h = bh % nheads
+    return bh // nheads, h, h // (nheads // ngroups)
+
+
 def load_chunk_vector(array, b, h, c, block, BLOCK):
     """Rows [block*BLOCK, (block+1)*BLOCK) of array[b, h, c] for a (batch, nheads, nchunks, CHUNK)
     f32 array (dt_out, dA_cumsum and the backward's per-row buffers) -> [BLOCK] f32."""

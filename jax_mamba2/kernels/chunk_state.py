@@ -33,7 +33,7 @@ import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
-from jax_mamba2.kernels._tiles import last_valid_id, row_ids
+from jax_mamba2.kernels._tiles import batch_head_group, last_valid_id, row_ids
 
 def _load_chunk(x, B, dt_out, dA_cumsum, b, h, g, c, pb, nb, CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT):
     """Chunk c's operands: x_c [CHUNK, BLOCK_P] and B_c [CHUNK, BLOCK_N] in x's dtype (zero past
@@ -55,10 +55,7 @@ def _chunk_state_fwd_body(x, B, dt_out, dA_cumsum, initial_states, seq_idx, stat
     pb = ct.bid(1)
     nb = ct.bid(2)
     seqlen = x.shape[1]
-    nheads = x.shape[2]
-    b = bh // nheads
-    h = bh % nheads
-    g = h // (nheads // B.shape[2])
+    b, h, g = batch_head_group(bh, x.shape[2], B.shape[2])
     nchunks = ct.cdiv(seqlen, CHUNK)
     operand_dtype = mma_dtype(x.dtype)
 

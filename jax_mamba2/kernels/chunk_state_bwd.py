@@ -34,7 +34,7 @@ import cuda.tile as ct
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
 from jax_mamba2.kernels._tiles import (
-    chunk_end_id, operand, previous_chunk_end_id, row_ids)
+    batch_head_group, chunk_end_id, operand, previous_chunk_end_id, row_ids)
 from jax_mamba2.kernels.chunk_state import (
     LOAD_LATENCIES, ChunkStateConfig, chunk_state_fwd_default_config, chunk_state_fwd_grid)
 
@@ -61,10 +61,7 @@ def _chunk_state_bwd_body(C, dy, dA_cumsum, states, seq_idx, dfinal_states,
     pb = ct.bid(1)
     nb = ct.bid(2)
     seqlen = dy.shape[1]
-    nheads = dy.shape[2]
-    b = bh // nheads
-    h = bh % nheads
-    g = h // (nheads // C.shape[2])
+    b, h, g = batch_head_group(bh, dy.shape[2], C.shape[2])
     nchunks = ct.cdiv(seqlen, CHUNK)
     tile = pb * (C.shape[3] // BLOCK_N) + nb
     op_dtype = mma_dtype(dy.dtype)

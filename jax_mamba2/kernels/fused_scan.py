@@ -37,7 +37,7 @@ import cuda.tile as ct
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel,
     silu_gate)
-from jax_mamba2.kernels._tiles import last_valid_id, row_ids
+from jax_mamba2.kernels._tiles import batch_head_group, last_valid_id, row_ids
 
 
 def _load_rows(array, b, c, col_block, index, CHUNK, WIDTH, LOAD_LAT):
@@ -52,10 +52,7 @@ def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, 
     bh = ct.bid(0)
     pb = ct.bid(1)
     seqlen = x.shape[1]
-    nheads = x.shape[2]
-    b = bh // nheads
-    h = bh % nheads
-    g = h // (nheads // B.shape[2])
+    b, h, g = batch_head_group(bh, x.shape[2], B.shape[2])
     nchunks = ct.cdiv(seqlen, CHUNK)
     operand_dtype = mma_dtype(x.dtype)
 

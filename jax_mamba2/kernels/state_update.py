@@ -25,6 +25,7 @@ import cuda.tile as ct
 from jax_mamba2.kernels._common import (
     Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, SSDDims, check_arch, dt_transform,
     int64_index_kernels, select_kernel)
+from jax_mamba2.kernels._tiles import batch_head_group
 
 STATE_UPDATE_INPUTS = ("state", "x", "dt", "A", "dt_bias", "B", "C", "D", "z")
 STATE_UPDATE_OUTPUTS = ("y", "new_state")
@@ -34,10 +35,7 @@ def _state_update_body(state, x, dt, A, dt_bias, B, C, D, z, y, new_state, DSTAT
                        HAS_DT_LIMIT, DT_MIN, DT_MAX):
     bh = ct.bid(0)
     pb = ct.bid(1)
-    nheads = x.shape[1]
-    b = bh // nheads
-    h = bh % nheads
-    g = h // (nheads // B.shape[1])
+    b, h, g = batch_head_group(bh, x.shape[1], B.shape[1])
 
     dt_v = ct.load(dt, index=(b, h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
     bias = ct.load(dt_bias, index=(h,), shape=(1,))
