@@ -100,6 +100,10 @@ class _Stage:
     blocks_span_heads: bool = False
 
 
+def _segments(dims: SSDDims) -> int:
+    return fused_scan.num_segments(dims, forward_kernels.fused_segment_chunks(dims))
+
+
 _BLOCK_PASS_KEY = ("chunk_size", "headdim", "dstate", "heads_per_group", "dtype", "has_seq_idx")
 _CUMSUM_KEY = ("chunk_size", "nheads", "dt_dtype", "dt_softplus", "has_dt_limit")
 _STAGES = {
@@ -123,6 +127,15 @@ _STAGES = {
         key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_z", "has_init", "has_seq_idx"),
         # One block walks all chunks of one (batch, head, headdim block), as chunk_state.
         work_items=lambda d: d.batch * d.nheads),
+    # The segmented layout: the same kernels (and configs) with one block per segment of a chain.
+    "segment_states": _Stage(
+        fused_scan.fused_scan_fwd_configs, fused_scan.fused_scan_fwd_default_config,
+        key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_seq_idx"),
+        work_items=lambda d: d.batch * d.nheads * (_segments(d) - 1)),
+    "segmented_scan": _Stage(
+        fused_scan.fused_scan_fwd_configs, fused_scan.fused_scan_fwd_default_config,
+        key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_z", "has_init", "has_seq_idx"),
+        work_items=lambda d: d.batch * d.nheads * _segments(d)),
     # Backward.
     "chunk_scan_bwd_dc": _Stage(
         chunk_scan_bwd_dc.chunk_scan_bwd_dc_configs, chunk_scan_bwd_dc.chunk_scan_bwd_dc_default_config,

@@ -112,33 +112,36 @@ def _problems(quick: bool) -> Iterator[SSDDims]:
     sizes = (64,) if quick else (64, 128)
     chunks = (64,) if quick else (64, 128, 256)
     for dtype, headdim, dstate, chunk, flags in itertools.product(dtypes, sizes, sizes, chunks, (False, True)):
-        yield SSDDims(batch=2, seqlen=4 * chunk, nheads=8, headdim=headdim, ngroups=1, dstate=dstate,
+        # 16 chunks of 2 x 8 chains: every forward layout applies where chunk_size <= 64.
+        yield SSDDims(batch=2, seqlen=16 * chunk, nheads=8, headdim=headdim, ngroups=1, dstate=dstate,
                       chunk_size=chunk, dtype=dtype, dt_dtype=dtype, has_z=flags, has_init=flags,
                       has_seq_idx=flags, dt_softplus=True)
 
 
 def _forward_configs(dims: SSDDims, which: str, arch: str) -> Iterator[tuple[str, dict]]:
-    """(layout, configs) of the forward plans to compile: both layouts where the fused one applies."""
+    """(layout, configs) of the forward plans to compile: every layout that can run `dims`."""
+    layouts = forward_layouts(dims)
     if which == "default":
-        yield from ((layout, {}) for layout in forward_layouts(dims))
+        yield from ((layout, {}) for layout in layouts)
         return
     spaces = {"chunk_cumsum": ("staged", chunk_cumsum.chunk_cumsum_fwd_configs(dims, arch)),
               "chunk_state": ("staged", chunk_state.chunk_state_fwd_configs(dims, arch)),
               "chunk_scan": ("staged", chunk_scan.chunk_scan_fwd_configs(dims, arch)),
-              "fused_scan": ("fused", fused_scan.fused_scan_fwd_configs(dims, arch))}
+              "fused_scan": ("fused", fused_scan.fused_scan_fwd_configs(dims, arch)),
+              "segment_states": ("segmented", fused_scan.fused_scan_fwd_configs(dims, arch)),
+              "segmented_scan": ("segmented", fused_scan.fused_scan_fwd_configs(dims, arch))}
     # Each stage's space on its own (the others at their defaults): the launches are independent.
     for stage, (layout, space) in spaces.items():
-        for cfg in space:
+        for cfg in space if layout in layouts else ():
             yield layout, {stage: cfg}
 
 
 def _launches(which: str, quick: bool, arch: str) -> Iterator[tuple[Launch, dict]]:
     """(launch, arrays) for every kernel the problem set uses."""
     for dims in _problems(quick):
-        arrays = forward_arrays(dims)
         for layout, configs in _forward_configs(dims, which, arch):
             for launch in forward_plan(dims, configs, layout).launches:
-                yield launch, arrays
+                yield launch, forward_arrays(dims, layout)
         step_dims = dataclasses.replace(dims, seqlen=1, chunk_size=1, dt_dtype="float32", has_init=False,
                                         has_seq_idx=False)
         step_configs = ([None] if which == "default"

@@ -1,11 +1,14 @@
-"""The SSD forward as a plan of launches, in one of two layouts:
+"""The SSD forward as a plan of launches, in one of three layouts:
 
 - "staged": chunk_cumsum -> chunk_state (+ state passing, writing every chunk-entry state) -> chunk_scan;
-- "fused": chunk_cumsum -> fused_scan (states carried in the SM, never written).
+- "fused": chunk_cumsum -> fused_scan (one block per chain carries its state through every chunk);
+- "segmented": chunk_cumsum -> segment_states -> segmented_scan: the fused kernel with each sequence cut
+  into `fused_segment_chunks(dims)`-chunk segments, one block each, started from the entry states the
+  segment_states launch's per-segment end states give (more blocks where the chains are few and long).
 
-`forward_plan(dims)` is what the bridge executes, in the layout `forward_layout(dims)` picks;
-`forward_arrays(dims)` gives the shape and dtype of every array either layout names (inputs as the bridge
-passes them, dummies included), for AOT export and tests.
+`forward_plan(dims)` is what the bridge executes; `forward_arrays(dims, layout)` gives the shape and dtype
+of every array a layout's plan names (inputs as the bridge passes them, dummies included), for AOT export
+and tests.
 """
 from typing import Mapping
 
@@ -13,7 +16,9 @@ from jax_mamba2.kernels._common import Buffer, Plan, SSDDims
 from jax_mamba2.kernels.chunk_cumsum import chunk_cumsum_fwd_launch
 from jax_mamba2.kernels.chunk_scan import chunk_scan_fwd_launch
 from jax_mamba2.kernels.chunk_state import chunk_state_fwd_launch
-from jax_mamba2.kernels.fused_scan import fused_scan_fwd_default_config, fused_scan_fwd_launch, fused_scan_supported
+from jax_mamba2.kernels.fused_scan import (
+    fused_scan_fwd_default_config, fused_scan_fwd_launch, fused_scan_supported, num_segments,
+    segment_states_launch)
 
 FORWARD_INPUTS = ("x", "dt", "A", "dt_bias", "B", "C", "D", "z", "initial_states", "seq_idx")
 FORWARD_OUTPUTS = ("out", "final_states")
@@ -21,6 +26,7 @@ FORWARD_OUTPUTS = ("out", "final_states")
 FORWARD_LAYOUTS = {
     "staged": ("chunk_cumsum", "chunk_state", "chunk_scan"),
     "fused": ("chunk_cumsum", "fused_scan"),
+    "segmented": ("chunk_cumsum", "segment_states", "segmented_scan"),
 }
 FORWARD_STAGES = tuple(dict.fromkeys(s for stages in FORWARD_LAYOUTS.values() for s in stages))
 # The fused layout's blocks are sequential chains over the chunks: with fewer than this many (at its
@@ -29,21 +35,40 @@ FORWARD_STAGES = tuple(dict.fromkeys(s for stages in FORWARD_LAYOUTS.values() fo
 # (4,2048,...); 64 blocks even at (2,32768,...) (0.868 vs 0.854); 32 blocks staged at (4,16384,8,...)
 # (0.465 vs 0.311) and (1,131072,32,...) (3.39 vs 2.02).
 FUSED_MIN_BLOCKS = 128
+# The shortest segment the segmented layout cuts a sequence into, in chunks.
+MIN_SEGMENT_CHUNKS = 8
+
+
+def _fused_chains(dims: SSDDims) -> int:
+    return dims.batch * dims.nheads * (dims.headdim // fused_scan_fwd_default_config(dims).BLOCK_P)
+
+
+def fused_segment_chunks(dims: SSDDims) -> int:
+    """Chunks per segment of the segmented layout: the sequence cut into the fewest power-of-two
+    segments that bring the fused chains to FUSED_MIN_BLOCKS, none shorter than MIN_SEGMENT_CHUNKS;
+    0 where that is one segment (the segmented layout does not apply)."""
+    segments = 1
+    while (_fused_chains(dims) * segments < FUSED_MIN_BLOCKS
+           and dims.nchunks >= 2 * segments * MIN_SEGMENT_CHUNKS):
+        segments *= 2
+    return 0 if segments == 1 else -(-dims.nchunks // segments)
 
 
 def forward_layouts(dims: SSDDims) -> tuple[str, ...]:
-    """The layouts that can run `dims`: "staged" always, "fused" where the fused kernel supports it."""
-    return ("staged", "fused") if fused_scan_supported(dims) else ("staged",)
+    """The layouts that can run `dims`: "staged" always; "fused" where the fused kernel supports it;
+    "segmented" where, besides, the chains are too few (`fused_segment_chunks`)."""
+    if not fused_scan_supported(dims):
+        return ("staged",)
+    return ("staged", "fused", "segmented") if fused_segment_chunks(dims) else ("staged", "fused")
 
 
 def forward_layout(dims: SSDDims) -> str:
     """"fused" when the fused kernel supports `dims` (16-bit inputs, chunk <= 64) and its default tile
     gives at least FUSED_MIN_BLOCKS sequential chains, else "staged". (f32 inputs have not been timed
-    fused: staged.)"""
+    fused, nor has the segmented layout: only the tuner picks those, by measurement.)"""
     if "fused" not in forward_layouts(dims) or dims.dtype == "float32":
         return "staged"
-    blocks = dims.batch * dims.nheads * (dims.headdim // fused_scan_fwd_default_config(dims).BLOCK_P)
-    return "fused" if blocks >= FUSED_MIN_BLOCKS else "staged"
+    return "fused" if _fused_chains(dims) >= FUSED_MIN_BLOCKS else "staged"
 
 
 def forward_inputs(dims: SSDDims) -> dict[str, Buffer]:
@@ -65,7 +90,8 @@ def forward_inputs(dims: SSDDims) -> dict[str, Buffer]:
 
 
 def forward_buffers(dims: SSDDims, layout: str = "staged") -> dict[str, Buffer]:
-    """The intermediates and outputs the plan of `layout` allocates."""
+    """The intermediates and outputs the plan of `layout` allocates (the fused layout's segment arrays
+    as dummies)."""
     b, H, P, N, nc, Q = dims.batch, dims.nheads, dims.headdim, dims.dstate, dims.nchunks, dims.chunk_size
     buffers = {
         "dt_out": Buffer((b, H, nc, Q), "float32"),
@@ -75,14 +101,20 @@ def forward_buffers(dims: SSDDims, layout: str = "staged") -> dict[str, Buffer]:
         "out": Buffer((b, dims.seqlen, H, P), dims.dtype),
         "final_states": Buffer((b, H, P, N), "float32"),
     }
-    if layout == "fused":
-        del buffers["states"]
+    if layout == "staged":
+        return buffers
+    del buffers["states"]
+    segments = num_segments(dims, fused_segment_chunks(dims)) if layout == "segmented" else 2
+    one = layout == "fused"
+    # Every segment's end state but the last's, as [dstate, headdim] tiles, and its carry through.
+    buffers["seg_states"] = Buffer((1, 1, 1, 1, 1) if one else (b, segments - 1, H, N, P), "float32")
+    buffers["seg_decay"] = Buffer((1, 1, 1) if one else (b, H, segments - 1), "float32")
     return buffers
 
 
-def forward_arrays(dims: SSDDims) -> dict[str, Buffer]:
-    """Every array a forward plan of `dims` names, in either layout: inputs, then buffers."""
-    return {**forward_inputs(dims), **forward_buffers(dims)}
+def forward_arrays(dims: SSDDims, layout: str = "staged") -> dict[str, Buffer]:
+    """Every array the forward plan of `dims` in `layout` names: inputs, then buffers."""
+    return {**forward_inputs(dims), **forward_buffers(dims, layout)}
 
 
 def configs_layout(dims: SSDDims, configs: Mapping[str, object]) -> str:
@@ -112,15 +144,20 @@ def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, lay
     if layout not in FORWARD_LAYOUTS:
         raise ValueError(f"forward_plan: layout={layout!r} must be one of {tuple(FORWARD_LAYOUTS)}")
     if layout not in forward_layouts(dims):
-        raise ValueError(f"forward_plan: layout='fused' needs chunk_size in (16, 32, 64) and dstate <= 512, "
-                         f"got chunk_size={dims.chunk_size}, dstate={dims.dstate}")
+        raise ValueError(f"forward_plan: layout={layout!r} cannot run chunk_size={dims.chunk_size}, "
+                         f"dstate={dims.dstate}, {_fused_chains(dims)} chains of {dims.nchunks} chunks: "
+                         f"the layouts for it are {forward_layouts(dims)}")
     stages = FORWARD_LAYOUTS[layout]
     unknown = set(configs) - set(stages)
     if unknown:
         raise ValueError(f"forward_plan: configs keys={sorted(unknown)} must be among {stages} "
                          f"(layout={layout!r})")
-    launch_of = {"chunk_cumsum": chunk_cumsum_fwd_launch, "chunk_state": chunk_state_fwd_launch,
-                 "chunk_scan": chunk_scan_fwd_launch, "fused_scan": fused_scan_fwd_launch}
+    segment_chunks = fused_segment_chunks(dims) if layout == "segmented" else 0
+    launch_of = {
+        "chunk_cumsum": chunk_cumsum_fwd_launch, "chunk_state": chunk_state_fwd_launch,
+        "chunk_scan": chunk_scan_fwd_launch, "fused_scan": fused_scan_fwd_launch,
+        "segment_states": lambda d, cfg: segment_states_launch(d, cfg, segment_chunks),
+        "segmented_scan": lambda d, cfg: fused_scan_fwd_launch(d, cfg, segment_chunks)}
     return Plan(
         inputs=FORWARD_INPUTS,
         buffers=forward_buffers(dims, layout),

@@ -37,7 +37,7 @@ import cuda.tile as ct
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel,
     silu_gate)
-from jax_mamba2.kernels._tiles import batch_head_group, last_valid_id, row_ids
+from jax_mamba2.kernels._tiles import batch_head_group, last_valid_id, previous_chunk_end_id, row_ids
 
 
 def _load_rows(array, b, c, col_block, index, CHUNK, WIDTH, LOAD_LAT):
@@ -47,12 +47,58 @@ def _load_rows(array, b, c, col_block, index, CHUNK, WIDTH, LOAD_LAT):
                    padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT).reshape((CHUNK, WIDTH))
 
 
-def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, out, final_states,
-                     CHUNK, DSTATE, BLOCK_P, HAS_Z, HAS_INIT, HAS_SEQ_IDX, LOAD_LAT):
-    bh = ct.bid(0)
+def _collect(B_c, x_op, state_t, state_scale, carry, dtype, operand_dtype):
+    """H_{c+1}^T = carry * H_c^T + (B_c * state_scale)^T @ x_c, B rounded to x's dtype like mamba_ssm:
+    B_c [CHUNK, DSTATE], x_op [CHUNK, BLOCK_P] (operand dtype), state_t [DSTATE, BLOCK_P] f32."""
+    B_scaled = (B_c.astype(ct.float32) * state_scale[:, None]).astype(dtype)
+    return ct.mma(B_scaled.transpose().astype(operand_dtype), x_op, state_t * carry)
+
+
+def _chunk_vectors(dt_out, dA_cumsum, b, h, c, CHUNK, LOAD_LAT):
+    """Δ and dA of chunk c [CHUNK] f32, dA's last entry [1], the state's token weights
+    exp(min(dA[Q-1] - dA, 0)) * Δ [CHUNK] and its carry exp(dA[Q-1]) [1] (before the seq_idx rules)."""
+    delta = ct.load(dt_out, index=(b, h, c, 0), shape=(1, 1, 1, CHUNK), latency=LOAD_LAT).reshape((CHUNK,))
+    dA = ct.load(dA_cumsum, index=(b, h, c, 0), shape=(1, 1, 1, CHUNK), latency=LOAD_LAT).reshape((CHUNK,))
+    dA_last = ct.extract(dA, index=(CHUNK - 1,), shape=(1,))             # flat past seqlen: last valid
+    return delta, dA, ct.exp(ct.minimum(dA_last - dA, 0.0)) * delta, ct.exp(dA_last)
+
+
+def _segment_states_body(x, B, dt_out, dA_cumsum, seq_idx, seg_states, seg_decay,
+                         CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, HAS_SEQ_IDX, LOAD_LAT):
+    """Segment s (every one but the last): its end state from a zero start, L_s, and the product of its
+    chunks' carries, the factor any earlier state is multiplied by across it (0 past a sequence start)."""
+    pb = ct.bid(1)
+    seg = ct.bid(2)
+    seqlen = x.shape[1]
+    b, h, g = batch_head_group(ct.bid(0), x.shape[2], B.shape[2])
+    operand_dtype = mma_dtype(x.dtype)
+    first = seg * SEGMENT_CHUNKS
+    state_t = ct.zeros((DSTATE, BLOCK_P), dtype=ct.float32)                # [DSTATE, BLOCK_P] f32
+    through = ct.full((1,), 1.0, dtype=ct.float32)
+    if HAS_SEQ_IDX:
+        prev_end_id = previous_chunk_end_id(seq_idx, b, first, CHUNK)
+    for c in range(first, first + SEGMENT_CHUNKS):
+        B_c = _load_rows(B, b, c, 0, g, CHUNK, DSTATE, LOAD_LAT)
+        x_op = _load_rows(x, b, c, pb, h, CHUNK, BLOCK_P, LOAD_LAT).astype(operand_dtype)
+        _, _, state_scale, carry = _chunk_vectors(dt_out, dA_cumsum, b, h, c, CHUNK, LOAD_LAT)
+        if HAS_SEQ_IDX:
+            ids = row_ids(seq_idx, b, c, CHUNK)
+            end_id = last_valid_id(ids, c, seqlen, CHUNK)
+            state_scale = ct.where(ids == end_id, state_scale, 0.0)
+            carry = ct.where(end_id == prev_end_id, carry, 0.0)
+            prev_end_id = end_id
+        state_t = _collect(B_c, x_op, state_t, state_scale, carry, x.dtype, operand_dtype)
+        through = through * carry
+    ct.store(seg_states, index=(b, seg, h, 0, pb), tile=state_t.reshape((1, 1, 1, DSTATE, BLOCK_P)))
+    ct.store(seg_decay, index=(b, h, seg), tile=through.reshape((1, 1, 1)))
+
+
+def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, seg_states, seg_decay, out,
+                     final_states, CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, HAS_Z, HAS_INIT, HAS_SEQ_IDX,
+                     LOAD_LAT):
     pb = ct.bid(1)
     seqlen = x.shape[1]
-    b, h, g = batch_head_group(bh, x.shape[2], B.shape[2])
+    b, h, g = batch_head_group(ct.bid(0), x.shape[2], B.shape[2])
     nchunks = ct.cdiv(seqlen, CHUNK)
     operand_dtype = mma_dtype(x.dtype)
 
@@ -61,22 +107,34 @@ def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, 
                           ).reshape((BLOCK_P, DSTATE)).transpose()        # [DSTATE, BLOCK_P] f32
     else:
         state_t = ct.zeros((DSTATE, BLOCK_P), dtype=ct.float32)
-    prev_end_id = ct.zeros((1,), dtype=ct.int32)                          # e_{-1} = 0
+    if SEGMENT_CHUNKS > 0:
+        # Segment ct.bid(2) of the sequence: its entry state from the earlier segments' end states.
+        seg = ct.bid(2)
+        first = seg * SEGMENT_CHUNKS
+        last = ct.minimum(first + SEGMENT_CHUNKS, nchunks)
+        for j in range(seg):
+            through = ct.load(seg_decay, index=(b, h, j), shape=(1, 1, 1)).reshape((1,))
+            local = ct.load(seg_states, index=(b, j, h, 0, pb), shape=(1, 1, 1, DSTATE, BLOCK_P)
+                            ).reshape((DSTATE, BLOCK_P))
+            state_t = state_t * through + local
+        prev_end_id = ct.zeros((1,), dtype=ct.int32)
+        if HAS_SEQ_IDX:
+            prev_end_id = previous_chunk_end_id(seq_idx, b, first, CHUNK)
+    else:
+        first = 0
+        last = nchunks
+        prev_end_id = ct.zeros((1,), dtype=ct.int32)                      # e_{-1} = 0
     D_p = ct.load(D, index=(h, pb), shape=(1, BLOCK_P)).reshape((BLOCK_P,))
     rows = ct.arange(CHUNK, dtype=ct.int32)
     causal = rows[:, None] >= rows[None, :]
 
-    for c in range(nchunks):
+    for c in range(first, last):
         C_c = _load_rows(C, b, c, 0, g, CHUNK, DSTATE, LOAD_LAT).astype(operand_dtype)
         B_c = _load_rows(B, b, c, 0, g, CHUNK, DSTATE, LOAD_LAT)
         x_c = _load_rows(x, b, c, pb, h, CHUNK, BLOCK_P, LOAD_LAT)
-        delta = ct.load(dt_out, index=(b, h, c, 0), shape=(1, 1, 1, CHUNK), latency=LOAD_LAT).reshape((CHUNK,))
-        dA = ct.load(dA_cumsum, index=(b, h, c, 0), shape=(1, 1, 1, CHUNK), latency=LOAD_LAT).reshape((CHUNK,))
-        dA_last = ct.extract(dA, index=(CHUNK - 1,), shape=(1,))         # flat past seqlen: last valid
+        delta, dA, state_scale, carry = _chunk_vectors(dt_out, dA_cumsum, b, h, c, CHUNK, LOAD_LAT)
         inter_scale = ct.exp(dA)                                          # rows H_c reaches
         keep = causal                                                     # intra-chunk pairs
-        state_scale = ct.exp(ct.minimum(dA_last - dA, 0.0)) * delta       # tokens H_{c+1} collects
-        carry = ct.exp(dA_last)
         if HAS_SEQ_IDX:
             ids = row_ids(seq_idx, b, c, CHUNK)
             end_id = last_valid_id(ids, c, seqlen, CHUNK)
@@ -98,12 +156,11 @@ def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, 
         if HAS_Z:
             acc = silu_gate(acc, _load_rows(z, b, c, pb, h, CHUNK, BLOCK_P, LOAD_LAT))
         ct.store(out, index=(b, c, h, pb), tile=acc.reshape((1, CHUNK, 1, BLOCK_P)).astype(out.dtype))
+        state_t = _collect(B_c, x_op, state_t, state_scale, carry, x.dtype, operand_dtype)
 
-        B_scaled = (B_c.astype(ct.float32) * state_scale[:, None]).astype(x.dtype)  # rounded like mamba_ssm
-        state_t = ct.mma(B_scaled.transpose().astype(operand_dtype), x_op, state_t * carry)
-
-    ct.store(final_states, index=(b, h, pb, 0),
-             tile=state_t.transpose().reshape((1, 1, BLOCK_P, DSTATE)))
+    if last == nchunks:
+        ct.store(final_states, index=(b, h, pb, 0),
+                 tile=state_t.transpose().reshape((1, 1, BLOCK_P, DSTATE)))
 
 
 def _make_fused_scan_fwd_kernel(Big):
@@ -118,25 +175,53 @@ def _make_fused_scan_fwd_kernel(Big):
         dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
         initial_states: Big,  # (batch, nheads, headdim, dstate) f32, or a dummy without HAS_INIT
         seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
+        seg_states: Big,      # (batch, segments - 1, nheads, dstate, headdim) f32, or a dummy (one segment)
+        seg_decay: Big,       # (batch, nheads, segments - 1) f32, or a dummy (one segment)
         out: Big,             # (batch, seqlen, nheads, headdim) T, written
         final_states: Big,    # (batch, nheads, headdim, dstate) f32, written
         CHUNK: ConstInt,
         DSTATE: ConstInt,
         BLOCK_P: ConstInt,    # headdim columns per block
+        SEGMENT_CHUNKS: ConstInt,  # chunks per segment (grid axis 2); 0: the whole sequence
         HAS_Z: ConstBool,
         HAS_INIT: ConstBool,
         HAS_SEQ_IDX: ConstBool,
         LOAD_LAT: ConstInt,   # latency hint of the per-chunk loads (1..10)
     ):
-        _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, out, final_states,
-                         CHUNK, DSTATE, BLOCK_P, HAS_Z, HAS_INIT, HAS_SEQ_IDX, LOAD_LAT)
+        _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, seg_states, seg_decay,
+                         out, final_states, CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, HAS_Z, HAS_INIT,
+                         HAS_SEQ_IDX, LOAD_LAT)
 
     return fused_scan_fwd_kernel
 
 
-# (int32-indexed, int64-indexed) entries of the one body.
+def _make_segment_states_kernel(Big):
+    @ct.kernel
+    def segment_states_kernel(
+        x: Big,               # (batch, seqlen, nheads, headdim) T
+        B: Big,               # (batch, seqlen, ngroups, dstate) T
+        dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
+        dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
+        seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
+        seg_states: Big,      # (batch, segments - 1, nheads, dstate, headdim) f32, written
+        seg_decay: Big,       # (batch, nheads, segments - 1) f32, written
+        CHUNK: ConstInt,
+        DSTATE: ConstInt,
+        BLOCK_P: ConstInt,
+        SEGMENT_CHUNKS: ConstInt,
+        HAS_SEQ_IDX: ConstBool,
+        LOAD_LAT: ConstInt,
+    ):
+        _segment_states_body(x, B, dt_out, dA_cumsum, seq_idx, seg_states, seg_decay,
+                             CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, HAS_SEQ_IDX, LOAD_LAT)
+
+    return segment_states_kernel
+
+
+# (int32-indexed, int64-indexed) entries of each body.
 FUSED_SCAN_FWD_KERNELS = int64_index_kernels(_make_fused_scan_fwd_kernel)
 fused_scan_fwd_kernel = FUSED_SCAN_FWD_KERNELS[0]
+SEGMENT_STATES_KERNELS = int64_index_kernels(_make_segment_states_kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,18 +275,36 @@ def fused_scan_fwd_default_config(dims: SSDDims) -> FusedScanConfig:
     return FusedScanConfig(BLOCK_P=_widths(dims)[-1], LOAD_LAT=6, occupancy=1)
 
 
-def fused_scan_fwd_grid(dims: SSDDims, cfg: FusedScanConfig) -> tuple[int, int]:
-    return (dims.batch * dims.nheads, dims.headdim // cfg.BLOCK_P)
+def num_segments(dims: SSDDims, segment_chunks: int) -> int:
+    """Segments of `segment_chunks` chunks per sequence (one for 0: the whole sequence)."""
+    return -(-dims.nchunks // segment_chunks) if segment_chunks else 1
 
 
-def fused_scan_fwd_launch(dims: SSDDims, cfg: FusedScanConfig | None = None) -> Launch:
-    """The launch writing ("out", "final_states")."""
+def fused_scan_fwd_grid(dims: SSDDims, cfg: FusedScanConfig, segment_chunks: int = 0) -> tuple[int, int, int]:
+    return (dims.batch * dims.nheads, dims.headdim // cfg.BLOCK_P, num_segments(dims, segment_chunks))
+
+
+def fused_scan_fwd_launch(dims: SSDDims, cfg: FusedScanConfig | None = None, segment_chunks: int = 0) -> Launch:
+    """The launch writing ("out", "final_states"); with `segment_chunks`, one block per segment, each
+    starting from the entry state that "seg_states" and "seg_decay" give (`segment_states_launch`)."""
     cfg = cfg or fused_scan_fwd_default_config(dims)
     return Launch(
         kernel=select_kernel(FUSED_SCAN_FWD_KERNELS, dims, occupancy=cfg.occupancy),
-        grid=fused_scan_fwd_grid(dims, cfg),
-        args=("x", "B", "C", "D", "z", "dt_out", "dA_cumsum", "initial_states", "seq_idx", "out",
-              "final_states", dims.chunk_size, dims.dstate, cfg.BLOCK_P, dims.has_z, dims.has_init,
-              dims.has_seq_idx, cfg.LOAD_LAT),
+        grid=fused_scan_fwd_grid(dims, cfg, segment_chunks),
+        args=("x", "B", "C", "D", "z", "dt_out", "dA_cumsum", "initial_states", "seq_idx", "seg_states",
+              "seg_decay", "out", "final_states", dims.chunk_size, dims.dstate, cfg.BLOCK_P, segment_chunks,
+              dims.has_z, dims.has_init, dims.has_seq_idx, cfg.LOAD_LAT),
         writes=("out", "final_states"),
+    )
+
+
+def segment_states_launch(dims: SSDDims, cfg: FusedScanConfig | None, segment_chunks: int) -> Launch:
+    """The launch writing ("seg_states", "seg_decay") for every segment but the last."""
+    cfg = cfg or fused_scan_fwd_default_config(dims)
+    return Launch(
+        kernel=select_kernel(SEGMENT_STATES_KERNELS, dims, occupancy=cfg.occupancy),
+        grid=(dims.batch * dims.nheads, dims.headdim // cfg.BLOCK_P, num_segments(dims, segment_chunks) - 1),
+        args=("x", "B", "dt_out", "dA_cumsum", "seq_idx", "seg_states", "seg_decay", dims.chunk_size,
+              dims.dstate, cfg.BLOCK_P, segment_chunks, dims.has_seq_idx, cfg.LOAD_LAT),
+        writes=("seg_states", "seg_decay"),
     )

@@ -83,6 +83,14 @@ SMALL_CASES = {
         seqlen=150, nheads=8, ngroups=2, z=True, dt_limit=(0.05, 0.5), layout="fused",
         configs=(("fused_scan", FusedScanConfig(BLOCK_P=16)),)),
     "fused_chunk32_seq_idx": Case(seqlen=100, chunk_size=32, seq_lens=(31, 2, 67), z=True, layout="fused"),
+    # The segmented layout: 38 chunks of 16 in 4 segments of 10 (the last partial, ending in a partial
+    # chunk); sequences restarting inside a segment, and one starting exactly at a segment boundary.
+    "segmented_seq_idx_resets_init_groups_z": Case(
+        seqlen=600, chunk_size=16, nheads=8, ngroups=2, z=True, initial_states=True,
+        seq_lens=(100, 160, 3, 337), layout="segmented"),
+    "segmented_sequence_starts_at_segment_boundary": Case(
+        seqlen=600, chunk_size=16, seq_lens=(160, 100, 3, 337), initial_states=True, layout="segmented"),
+    "segmented_two_segments_chunk32": Case(seqlen=517, chunk_size=32, layout="segmented"),
 }
 
 # make_ssd_args draws A so that a 64-token chunk decays by ~e^-30, which hides every cross-chunk path

@@ -33,6 +33,9 @@ PROBLEMS = {
     # x has 2^31 elements: the int64-indexed variants.
     "bf16_int64_index": dataclasses.replace(_BASE, batch=1, seqlen=1 << 20, nheads=32, chunk_size=256),
     "bf16_z_init_seq_idx": dataclasses.replace(_BASE, has_z=True, has_init=True, has_seq_idx=True),
+    # 16 chunks of 8 chains: the segmented forward layout applies too.
+    "bf16_segmented_z_init_seq_idx": dataclasses.replace(_BASE, batch=1, seqlen=16 * 64, has_z=True, has_init=True,
+                                                         has_seq_idx=True),
 }
 
 
@@ -40,7 +43,7 @@ PROBLEMS = {
 def _cubins(problem: str) -> dict[str, bytes]:
     """kernel name -> sm_90 cubin of every launch of the forward and decode plans of `problem`."""
     dims = PROBLEMS[problem]
-    launches = [(launch, forward_arrays(dims))
+    launches = [(launch, forward_arrays(dims, layout))
                 for layout in forward_layouts(dims) for launch in forward_plan(dims, layout=layout).launches]
     step = state_update_plan(dims)
     launches.append((step.launches[0], {**state_update_inputs(dims, "float32"), **step.buffers}))
@@ -51,9 +54,11 @@ def _cubins(problem: str) -> dict[str, bytes]:
 @pytest.mark.parametrize("problem", list(PROBLEMS))
 def test_kernels_compile_to_sm90_cubins(problem):
     cubins = _cubins(problem)
-    fused = {"fused_scan_fwd_kernel"} if fused_scan.fused_scan_supported(PROBLEMS[problem]) else set()
+    layouts = forward_layouts(PROBLEMS[problem])
+    fused = {"fused_scan_fwd_kernel"} if "fused" in layouts else set()
+    segmented = {"segment_states_kernel"} if "segmented" in layouts else set()
     assert set(cubins) == {"chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel", "chunk_scan_fwd_kernel",
-                           "state_update_kernel"} | fused
+                           "state_update_kernel"} | fused | segmented
     for name, cubin in cubins.items():
         assert cubin[:4] == b"\x7fELF", name
 
@@ -148,7 +153,7 @@ def test_export_cli_quick_writes_cubins_and_manifest(tmp_path, capsys):
     files = sorted(p.name for p in tmp_path.glob("*.cubin"))
     assert files and sorted(manifest[0::2]) == files
     assert {name.split("_kernel_")[0] for name in files} == {
-        "chunk_cumsum_fwd", "chunk_state_fwd", "chunk_scan_fwd", "fused_scan_fwd", "state_update"}
+        "chunk_cumsum_fwd", "chunk_state_fwd", "chunk_scan_fwd", "fused_scan_fwd", "segment_states", "state_update"}
     assert capsys.readouterr().out.count(".cubin") == len(files)
 
 
@@ -161,7 +166,7 @@ def test_fused_scan_default_uses_wgmma_and_tma_without_spills(dstate, features, 
                                has_z=features, has_init=features, has_seq_idx=features)
     cfg = fused_scan.fused_scan_fwd_default_config(dims)
     assert (cfg.BLOCK_P, cfg.occupancy) == (64, 1) and cfg in fused_scan.fused_scan_fwd_configs(dims)
-    _, cubin = compile_launch(fused_scan.fused_scan_fwd_launch(dims, cfg), forward_arrays(dims), "sm_90")
+    _, cubin = compile_launch(fused_scan.fused_scan_fwd_launch(dims, cfg), forward_arrays(dims, "fused"), "sm_90")
     sass, resources = sass_and_resources(cubin, tmp_path)
     usage = dict(re.findall(r"(LOCAL|STACK):(\d+)", resources))
     assert "HGMMA" in sass and "UTMALDG" in sass
