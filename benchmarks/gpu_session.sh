@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|tuned|train [OUT]
+#   bash benchmarks/gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|train [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|tuned|train [OUT]}
+part=${1:?usage: gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|train [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 source .gpu/gpu-env.sh >/dev/null || exit 1
@@ -53,6 +53,13 @@ case $part in
   fwd-bwd)  # fwd-bwd-1 and fwd-bwd-2 at once on a 2-GPU machine, one per GPU (results in OUT/1 and OUT/2)
     CUDA_VISIBLE_DEVICES=0 bash "$0" fwd-bwd-1 "$out/1" & CUDA_VISIBLE_DEVICES=1 bash "$0" fwd-bwd-2 "$out/2" &
     wait
+    ;;
+  segmented)  # the segmented forward layout (built on request only until this passes): GPU tests and timing
+    export JAX_MAMBA2_AUTOTUNE=0
+    step kernels_segmented_gpu 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/kernels/test_stages_gpu.py \
+      -k "segmented"
+    step stages_segmented 200 python benchmarks/stages.py --layouts staged fused segmented \
+      --shapes 4,16384,8,64,128,1 2,32768,32,64,128,1 1,131072,32,64,128,1 --out "$out"
     ;;
   tuned)  # autotuned forward + backward at the main shape, every stage's launch time, the bridge overhead
     export JAX_MAMBA2_CACHE_DIR=${JAX_MAMBA2_CACHE_DIR:-$out/tuning}

@@ -5,6 +5,7 @@
 - "segmented": chunk_cumsum -> segment_states -> segmented_scan: the fused kernel with each sequence cut
   into `fused_segment_chunks(dims)`-chunk segments, one block each, started from the entry states the
   segment_states launch's per-segment end states give (more blocks where the chains are few and long).
+  Built on request only (UNVERIFIED_LAYOUTS): it has not run on a GPU yet.
 
 `forward_plan(dims)` is what the bridge executes; `forward_arrays(dims, layout)` gives the shape and dtype
 of every array a layout's plan names (inputs as the bridge passes them, dummies included), for AOT export
@@ -54,12 +55,18 @@ def fused_segment_chunks(dims: SSDDims) -> int:
     return 0 if segments == 1 else -(-dims.nchunks // segments)
 
 
-def forward_layouts(dims: SSDDims) -> tuple[str, ...]:
+# Layouts that forward_plan builds on request but the op (its rule and its tuner) never picks: the
+# segmented layout passes the CPU emulation and compiles, but has not run on a GPU yet.
+UNVERIFIED_LAYOUTS = ("segmented",)
+
+
+def forward_layouts(dims: SSDDims, unverified: bool = False) -> tuple[str, ...]:
     """The layouts that can run `dims`: "staged" always; "fused" where the fused kernel supports it;
-    "segmented" where, besides, the chains are too few (`fused_segment_chunks`)."""
+    with `unverified`, also "segmented" where, besides, the chains are too few (`fused_segment_chunks`)."""
     if not fused_scan_supported(dims):
         return ("staged",)
-    return ("staged", "fused", "segmented") if fused_segment_chunks(dims) else ("staged", "fused")
+    segmented = ("segmented",) if unverified and fused_segment_chunks(dims) else ()
+    return ("staged", "fused") + segmented
 
 
 def forward_layout(dims: SSDDims) -> str:
@@ -143,10 +150,10 @@ def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, lay
     layout = layout or configs_layout(dims, configs)
     if layout not in FORWARD_LAYOUTS:
         raise ValueError(f"forward_plan: layout={layout!r} must be one of {tuple(FORWARD_LAYOUTS)}")
-    if layout not in forward_layouts(dims):
+    if layout not in forward_layouts(dims, unverified=True):
         raise ValueError(f"forward_plan: layout={layout!r} cannot run chunk_size={dims.chunk_size}, "
                          f"dstate={dims.dstate}, {_fused_chains(dims)} chains of {dims.nchunks} chunks: "
-                         f"the layouts for it are {forward_layouts(dims)}")
+                         f"the layouts for it are {forward_layouts(dims, unverified=True)}")
     stages = FORWARD_LAYOUTS[layout]
     unknown = set(configs) - set(stages)
     if unknown:

@@ -7,7 +7,8 @@ import pytest
 from jax_mamba2.kernels import chunk_cumsum, chunk_scan, chunk_state, chunk_state_bwd, fused_scan, state_update
 from jax_mamba2.kernels._common import SSDDims, is_power_of_2, needs_int64_index
 from jax_mamba2.kernels.forward import (
-    FORWARD_LAYOUTS, FORWARD_STAGES, configs_layout, forward_arrays, forward_layout, forward_plan)
+    FORWARD_LAYOUTS, FORWARD_STAGES, configs_layout, forward_arrays, forward_layout, forward_layouts, forward_plan,
+    fused_segment_chunks)
 
 PROBLEMS = {
     "small_heads16": SSDDims(batch=1, seqlen=1, nheads=1, headdim=16, ngroups=1, dstate=16, chunk_size=64),
@@ -90,8 +91,8 @@ def test_stage_configs_reject_unknown_arch(stage):
 def test_stage_launch_args_match_kernel_parameters(stage, problem):
     configs_fn, _, launch_fn = STAGES[stage]
     dims = PROBLEMS[problem]
-    arrays = {**forward_arrays(dims), **state_update.state_update_inputs(dims), "y": None,
-              "new_state": None}
+    arrays = {**forward_arrays(dims, "staged"), **forward_arrays(dims, "fused"),
+              **state_update.state_update_inputs(dims), "y": None, "new_state": None}
     for cfg in configs_fn(dims):
         launch = launch_fn(dims, cfg)
         annotations = launch.kernel._annotated_function.parameter_annotations
@@ -131,8 +132,10 @@ def test_forward_plan_wires_stages_in_order():
     with pytest.raises(ValueError, match="configs keys=\\['chunk_sacn'\\] must be among"):
         forward_plan(dims, {"chunk_sacn": custom})
     assert FORWARD_LAYOUTS == {"staged": ("chunk_cumsum", "chunk_state", "chunk_scan"),
-                               "fused": ("chunk_cumsum", "fused_scan")}
-    assert FORWARD_STAGES == ("chunk_cumsum", "chunk_state", "chunk_scan", "fused_scan")
+                               "fused": ("chunk_cumsum", "fused_scan"),
+                               "segmented": ("chunk_cumsum", "segment_states", "segmented_scan")}
+    assert FORWARD_STAGES == ("chunk_cumsum", "chunk_state", "chunk_scan", "fused_scan", "segment_states",
+                              "segmented_scan")
 
 
 def test_fused_forward_plan_keeps_states_in_the_kernel_and_is_picked_by_its_rule():
@@ -141,14 +144,14 @@ def test_fused_forward_plan_keeps_states_in_the_kernel_and_is_picked_by_its_rule
     plan = forward_plan(dims)
     assert [name for launch in plan.launches for name in launch.writes] == [
         "dt_out", "dA_cumsum", "out", "final_states"]
-    assert "states" not in plan.buffers
+    assert "states" not in plan.buffers and plan.buffers["seg_states"].shape == (1, 1, 1, 1, 1)  # unused
     cfg = fused_scan.fused_scan_fwd_default_config(dims)
-    assert plan.launches[1].grid == (4 * 32, 64 // cfg.BLOCK_P)
+    assert plan.launches[1].grid == (4 * 32, 64 // cfg.BLOCK_P, 1)
     # Too few chains to fill the GPU, f32, or a chunk the fused kernel does not take: the staged layout.
     for other in (dataclasses.replace(dims, batch=1), dataclasses.replace(dims, dtype="float32"),
                   dataclasses.replace(dims, chunk_size=128)):
         assert forward_layout(other) == "staged"
-    with pytest.raises(ValueError, match="layout='fused' needs chunk_size in"):
+    with pytest.raises(ValueError, match="layout='fused' cannot run chunk_size=128"):
         forward_plan(dataclasses.replace(dims, chunk_size=128), layout="fused")
     # Without a layout, the configs' own stages name it (as the tuner returns them).
     staged = forward_plan(dims, {"chunk_scan": chunk_scan.chunk_scan_fwd_default_config(dims)})
@@ -166,3 +169,19 @@ def test_needs_int64_index_selects_int64_kernels():
         for launch in forward_plan(dims).launches:
             x_annotation = launch.kernel._annotated_function.parameter_annotations[0]
             assert (x_annotation.array is not None) == want
+
+
+def test_segmented_layout_is_built_on_request_only():
+    """32 chains of 256 chunks: 4 segments of 64 chunks bring the fused chains to 128. The layout is
+    not among those the op and its tuner choose from until it has run on a GPU (UNVERIFIED_LAYOUTS)."""
+    dims = SSDDims(batch=4, seqlen=16384, nheads=8, headdim=64, ngroups=1, dstate=128, chunk_size=64)
+    assert forward_layouts(dims) == ("staged", "fused")
+    assert forward_layouts(dims, unverified=True) == ("staged", "fused", "segmented")
+    assert fused_segment_chunks(dims) == 64
+    plan = forward_plan(dims, layout="segmented")
+    assert [launch.grid for launch in plan.launches[1:]] == [(32, 1, 3), (32, 1, 4)]
+    assert plan.buffers["seg_states"].shape == (4, 3, 8, 128, 64)
+    assert plan.buffers["seg_decay"].shape == (4, 8, 3)
+    # Enough chains already, or too few chunks to cut: no segmented layout.
+    for other in (dataclasses.replace(dims, batch=16), dataclasses.replace(dims, seqlen=15 * 64)):
+        assert fused_segment_chunks(other) == 0 and "segmented" not in forward_layouts(other, unverified=True)

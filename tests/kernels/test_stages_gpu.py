@@ -27,6 +27,10 @@ LARGE_CASES = {
         seqlen=1000, nheads=8, headdim=64, ngroups=2, dstate=128, z=True, initial_states=True,
         seq_lens=(300, 200, 500), layout="fused"),
     "fused_q64_p128_n256_long": Case(seqlen=4096 + 17, nheads=4, headdim=128, dstate=256, layout="fused"),
+    # 65 chunks of 4 chains in 4 segments, sequences across segment boundaries.
+    "segmented_q64_n128_long_seq_idx_all_inputs": Case(
+        seqlen=4096 + 17, nheads=2, headdim=64, dstate=128, z=True, initial_states=True,
+        seq_lens=(1000, 1048, 2065), layout="segmented"),
 }
 SWEEP_CASE = Case(seqlen=600, chunk_size=128, nheads=4, headdim=64, ngroups=2, dstate=64, z=True,
                   initial_states=True, seq_lens=(200, 400))
