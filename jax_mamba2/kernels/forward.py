@@ -62,17 +62,18 @@ UNVERIFIED_LAYOUTS = ("segmented",)
 
 def forward_layouts(dims: SSDDims, unverified: bool = False) -> tuple[str, ...]:
     """The layouts that can run `dims`: "staged" always; "fused" where the fused kernel supports it;
-    with `unverified`, also "segmented" where, besides, the chains are too few (`fused_segment_chunks`)."""
-    if not fused_scan_supported(dims):
-        return ("staged",)
-    segmented = ("segmented",) if unverified and fused_segment_chunks(dims) else ()
-    return ("staged", "fused") + segmented
+    "segmented" where, besides, the chains are too few (`fused_segment_chunks`). UNVERIFIED_LAYOUTS only
+    with `unverified`."""
+    layouts = ["staged"]
+    if fused_scan_supported(dims):
+        layouts += ["fused", "segmented"] if fused_segment_chunks(dims) else ["fused"]
+    return tuple(layout for layout in layouts if unverified or layout not in UNVERIFIED_LAYOUTS)
 
 
 def forward_layout(dims: SSDDims) -> str:
     """"fused" when the fused kernel supports `dims` (16-bit inputs, chunk <= 64) and its default tile
     gives at least FUSED_MIN_BLOCKS sequential chains, else "staged". (f32 inputs have not been timed
-    fused, nor has the segmented layout: only the tuner picks those, by measurement.)"""
+    fused: only the tuner picks that, by measurement.)"""
     if "fused" not in forward_layouts(dims) or dims.dtype == "float32":
         return "staged"
     return "fused" if _fused_chains(dims) >= FUSED_MIN_BLOCKS else "staged"
@@ -98,7 +99,7 @@ def forward_inputs(dims: SSDDims) -> dict[str, Buffer]:
 
 def forward_buffers(dims: SSDDims, layout: str = "staged") -> dict[str, Buffer]:
     """The intermediates and outputs the plan of `layout` allocates (the fused layout's segment arrays
-    as dummies)."""
+    as dummies: its one segment per chain needs none)."""
     b, H, P, N, nc, Q = dims.batch, dims.nheads, dims.headdim, dims.dstate, dims.nchunks, dims.chunk_size
     buffers = {
         "dt_out": Buffer((b, H, nc, Q), "float32"),
@@ -111,12 +112,13 @@ def forward_buffers(dims: SSDDims, layout: str = "staged") -> dict[str, Buffer]:
     if layout == "staged":
         return buffers
     del buffers["states"]
-    segments = num_segments(dims, fused_segment_chunks(dims)) if layout == "segmented" else 2
-    one = layout == "fused"
-    # Every segment's end state but the last's, as [dstate, headdim] tiles, and its carry through.
-    buffers["seg_states"] = Buffer((1, 1, 1, 1, 1) if one else (b, segments - 1, H, N, P), "float32")
-    buffers["seg_decay"] = Buffer((1, 1, 1) if one else (b, H, segments - 1), "float32")
-    return buffers
+    if layout == "fused":
+        return {**buffers, "seg_states": Buffer((1, 1, 1, 1, 1), "float32"),
+                "seg_decay": Buffer((1, 1, 1), "float32")}
+    # Every segment's end state but the last's, as [dstate, headdim] tiles, and its carry-through factor.
+    earlier = num_segments(dims, fused_segment_chunks(dims)) - 1
+    return {**buffers, "seg_states": Buffer((b, earlier, H, N, P), "float32"),
+            "seg_decay": Buffer((b, H, earlier), "float32")}
 
 
 def forward_arrays(dims: SSDDims, layout: str = "staged") -> dict[str, Buffer]:
