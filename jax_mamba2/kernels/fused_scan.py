@@ -22,13 +22,21 @@ product share one load of each chunk's B, C and x; but the work is one sequentia
 headdim block), batch * nheads * headdim / BLOCK_P blocks in all, so it needs that many to fill the GPU
 (`forward.forward_layout` decides).
 
-Grid: (batch * nheads, headdim / BLOCK_P). The loads of chunk c+1 do not depend on the carried state, so
-the `LOAD_LAT` hint lets them be issued while chunk c computes.
+Grid: (batch * nheads, headdim / BLOCK_P, segments). The loads of chunk c+1 do not depend on the
+carried state, so the `LOAD_LAT` hint lets them be issued while chunk c computes.
+
+Segments (SEGMENT_CHUNKS > 0; one segment, the whole sequence, otherwise): where the chains are too few
+to fill the GPU, each sequence is cut into segments of SEGMENT_CHUNKS chunks with a block each.
+`segment_states_kernel` first walks every segment s but the last from a zero state (state updates only)
+and stores its end state L_s and D_s, the product of its chunks' carries (0 when a sequence starts in it);
+the block of segment s then enters with H = D_{s-1} (... (D_0 H_0 + L_0) ...) + L_{s-1}, the same chunk
+recurrence regrouped.
 
 Shapes: x, z, out (batch, seqlen, nheads, headdim) T (z a dummy without HAS_Z); B, C (batch, seqlen,
 ngroups, dstate) T; D (nheads, headdim) f32; dt_out, dA_cumsum (batch, nheads, nchunks, chunk_size) f32;
 initial_states, final_states (batch, nheads, headdim, dstate) f32 (initial_states a dummy without
-HAS_INIT); seq_idx (batch, seqlen) int32 or a dummy.
+HAS_INIT); seq_idx (batch, seqlen) int32 or a dummy; seg_states (batch, segments - 1, nheads, dstate,
+headdim) f32 and seg_decay (batch, nheads, segments - 1) f32 (dummies with one segment).
 """
 import dataclasses
 
