@@ -400,16 +400,19 @@ def prepare(impl: str, inputs: dict, weights: dict, chunk_size: int, direction: 
 
 
 def tuning_summary(inputs: dict, chunk_size: int) -> tuple[dict, dict]:
-    """(compact per-stage summary for the record, full tune report) of the cutile forward configs."""
+    """(compact per-stage summary for the record, full tune report) of the cutile forward configs, each
+    with "layout_us": the summed stage times (us) of every forward layout the tuner compared."""
     from jax_mamba2.bridge import problem, tuning
 
     ssd_inputs = ssd_op.SSDInputs(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"],
                                   inputs["D"], None, inputs["dt_bias"], None, None)
     static = ssd_op.SSDStatic(chunk_size, True, (0.0, math.inf))
-    full = tuning.tune_report(problem.kernel_dims(ssd_inputs, static))
+    dims = problem.kernel_dims(ssd_inputs, static)
+    full = tuning.tune_report(dims)
     compact = {stage: {k: r.get(k) for k in ("source", "reason", "config", "mean_us", "default_mean_us")}
                for stage, r in full.items()}
-    return compact, full
+    layouts = tuning.forward_layout_times(dims)   # the summed stage times the layout choice compared
+    return {**compact, "layout_us": layouts}, {**full, "layout_us": layouts}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -669,18 +669,26 @@ def _plan_us(choices: Mapping[str, StageChoice]) -> Optional[float]:
     return None if any(t is None for t in times) else sum(times)
 
 
-def _forward_choices(dims: SSDDims) -> dict[str, StageChoice]:
-    """The stage choices of the forward, in its faster layout.
+def _layout_choices(dims: SSDDims) -> dict[str, dict[str, StageChoice]]:
+    """The stage choices of every layout the op may run `dims` in (looked up, tuned, or defaulted)."""
+    return {layout: _resolve(dims, _FORWARD[layout]) for layout in forward_kernels.forward_layouts(dims)}
 
-    Every layout that can run `dims` is resolved (looked up, tuned, or defaulted); when each has a
-    measured time for every stage (tuned here or read from the cache), the layout with the smaller sum
-    of its stages' times wins; otherwise `forward_layout`'s rule decides.
-    """
-    layouts = {layout: _resolve(dims, _FORWARD[layout]) for layout in forward_kernels.forward_layouts(dims)}
+
+def _forward_choices(dims: SSDDims) -> dict[str, StageChoice]:
+    """The stage choices of the forward, in its faster layout: when every layout has a measured time
+    for every stage (tuned here or read from the cache), the one with the smaller sum of its stages'
+    times; otherwise `forward_layout`'s rule decides."""
+    layouts = _layout_choices(dims)
     times = {layout: _plan_us(choices) for layout, choices in layouts.items()}
     if len(layouts) > 1 and None not in times.values():
         return layouts[min(times, key=times.get)]
     return layouts[forward_kernels.forward_layout(dims)]
+
+
+def forward_layout_times(dims: SSDDims) -> dict[str, Optional[float]]:
+    """What `forward_configs` compares: per layout that can run `dims`, the summed measured time of its
+    stages' chosen configs (us), None where a stage has no measurement (tuning off or no GPU)."""
+    return {layout: _plan_us(choices) for layout, choices in _layout_choices(dims).items()}
 
 
 def _choices(dims: SSDDims, backward: bool, deterministic: bool) -> dict[str, StageChoice]:

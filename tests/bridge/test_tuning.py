@@ -481,3 +481,14 @@ def test_forward_configs_small_problems_use_defaults_untuned(cache_dir, monkeypa
     report = tuning.tune_report(small)
     assert {r["source"] for r in report.values()} == {"default"}
     assert "too small to be worth tuning" in report["chunk_scan"]["reason"]
+
+
+def test_forward_layout_times_report_what_the_layout_choice_compares(cache_dir, monkeypatch):
+    fused_dims = dataclasses.replace(DIMS, chunk_size=64)
+    monkeypatch.setenv(tuning.ENV_AUTOTUNE, "0")
+    assert tuning.forward_layout_times(fused_dims) == {"staged": None, "fused": None}   # defaults: no times
+    monkeypatch.setenv(tuning.ENV_AUTOTUNE, "1")
+    tuning.clear_memory()
+    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner([]))   # 1 us per stage
+    assert tuning.forward_layout_times(fused_dims) == {"staged": 3.0, "fused": 2.0}
+    assert set(tuning.forward_configs(fused_dims)) == set(FORWARD_LAYOUTS["fused"])
