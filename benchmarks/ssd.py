@@ -387,8 +387,8 @@ def prepare_jla(inputs: dict, weights: dict, chunk_size: int, direction: str):
 
     fn = jax.jit(forward_backward(forward, weights))
     args = _ordered(inputs)
-    return Prepared(lambda: fn(*args), time_jax, "block_until_ready", lambda out: _grad_outputs(out[1]), JLA_CHUNK,
-                    notes="D skip and dt softplus in plain JAX around the kernels")
+    return Prepared(lambda: fn(*args), time_jax, "block_until_ready", lambda out: _grad_outputs(out[1]),
+                    JLA_CHUNK, notes="D skip and dt softplus in plain JAX around the kernels")
 
 
 def prepare(impl: str, inputs: dict, weights: dict, chunk_size: int, direction: str) -> Prepared:

@@ -21,7 +21,7 @@ MIN_COMPUTE_CAPABILITY = (9, 0)
 
 
 def gpu_unavailable_reason() -> Optional[str]:
-    """None when the kernels can target a GPU here (or `aot.target_arch` names one), else why not."""
+    """None when the kernels can target a GPU here (or `_compat.cuda_target` names one), else why not."""
     if _compat.cuda_target_override() is not None:
         return None
     return _local_gpu_unavailable_reason()

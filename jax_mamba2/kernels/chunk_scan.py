@@ -18,9 +18,9 @@ row block like flash attention, skipping those above the diagonal; the state loo
 chunk's keys at once and walks dstate in BLOCK_N-column steps, accumulating C·B^T and C·H_c^T together
 so that its C, B and H_c loads are pipelined, then applies the causal mask and multiplies x once.
 
-Precision follows mamba_ssm: C, B, x, H_c enter the mma in x's dtype (tf32 for f32 inputs; H_c is rounded to it), the decayed score matrix
-C B^T * exp(..) * Δ is rounded to x's dtype before multiplying x, everything accumulates in f32, and
-D and the gate are applied in f32 before one final rounding.
+Precision follows mamba_ssm: C, B, x, H_c enter the mma in x's dtype (tf32 for f32 inputs; H_c is
+rounded to it), the decayed score matrix C B^T * exp(..) * Δ is rounded to x's dtype before multiplying
+x, everything accumulates in f32, and D and the gate are applied in f32 before one final rounding.
 
 A block computes HEADS heads of one group at once: the C B^T product of a (row, key) block pair is
 computed once and reused by every head (batched [HEADS, ...] mma for the rest).

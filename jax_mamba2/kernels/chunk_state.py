@@ -10,7 +10,8 @@ decay cumsum dA[l] = dA_cumsum[b, h, c, l], Δ[l] = dt_out[b, h, c, l], group g 
     states[b, c, h] = H_c (the state ENTERING chunk c),  final_states[b, h] = H_nchunks
 
 With seq_idx (ids nondecreasing along the sequence), let e_c = the id of chunk c's last valid token (the
-max over its valid rows) and e_{-1} = 0: S_c only accumulates tokens whose id == e_c, and the carry exp(dA[Q-1]) * H_c is zeroed when e_c != e_{c-1}.
+max over its valid rows) and e_{-1} = 0: S_c only accumulates tokens whose id == e_c, and the carry
+exp(dA[Q-1]) * H_c is zeroed when e_c != e_{c-1}.
 
 The mma operands are in x's dtype (tf32 for f32 inputs): the decay-scaled B is rounded to that dtype
 before the product, as mamba_ssm does. The carried state stays f32; `states` is stored in its array's
@@ -34,6 +35,7 @@ import cuda.tile as ct
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
 from jax_mamba2.kernels._tiles import batch_head_group, last_valid_id, row_ids
+
 
 def _load_chunk(x, B, dt_out, dA_cumsum, b, h, g, c, pb, nb, CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT):
     """Chunk c's operands: x_c [CHUNK, BLOCK_P] and B_c [CHUNK, BLOCK_N] in x's dtype (zero past
@@ -174,7 +176,6 @@ def chunk_state_fwd_launch(dims: SSDDims, cfg: ChunkStateConfig | None = None) -
         kernel=select_kernel(CHUNK_STATE_FWD_KERNELS, dims, occupancy=cfg.occupancy),
         grid=chunk_state_fwd_grid(dims, cfg),
         args=("x", "B", "dt_out", "dA_cumsum", "initial_states", "seq_idx", "states", "final_states",
-              dims.chunk_size, cfg.BLOCK_P, cfg.BLOCK_N, dims.has_init, dims.has_seq_idx, cfg.LOAD_LAT,
-),
+              dims.chunk_size, cfg.BLOCK_P, cfg.BLOCK_N, dims.has_init, dims.has_seq_idx, cfg.LOAD_LAT),
         writes=("states", "final_states"),
     )

@@ -75,7 +75,6 @@ def test_benchmark_main_writes_records_with_the_fixed_keys(tmp_path, capsys):
     assert "pipelined" in capsys.readouterr().out
 
 
-
 def test_forward_backward_program_runs_the_forward_kernels():
     """The timed fwd_bwd program keeps the forward: with jax.grad of the linear loss alone, the forward's
     kernels are dead code (their outputs do not reach the gradients) and only the backward is timed."""

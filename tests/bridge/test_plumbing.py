@@ -125,7 +125,7 @@ def test_cutile_outputs_keep_shard_map_varying_axes():
 
 
 @pytest.mark.parametrize("backend", ["cutile", "cutile_callback"])
-def test_cutile_step_traces_in_place_state_update(backend):
+def test_cutile_step_traces_the_state_update_into_a_new_state(backend):
     args, kwargs = make_ssd_args(5, batch=3, seqlen=1, nheads=4, headdim=16, ngroups=2, dstate=16,
                                  dtype=jnp.bfloat16, D="head", z=True, dt_bias=True, initial_states=True)
     x, dt, A, B, C = (a[:, 0] if a.ndim >= 3 else a for a in args)

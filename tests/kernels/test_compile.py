@@ -154,7 +154,8 @@ def test_export_cli_quick_writes_cubins_and_manifest(tmp_path, capsys):
     files = sorted(p.name for p in tmp_path.glob("*.cubin"))
     assert files and sorted(manifest[0::2]) == files
     assert {name.split("_kernel_")[0] for name in files} == {
-        "chunk_cumsum_fwd", "chunk_state_fwd", "chunk_scan_fwd", "fused_scan_fwd", "segment_states", "state_update"}
+        "chunk_cumsum_fwd", "chunk_state_fwd", "chunk_scan_fwd", "fused_scan_fwd", "segment_states",
+        "state_update"}
     assert capsys.readouterr().out.count(".cubin") == len(files)
 
 
