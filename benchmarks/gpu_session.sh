@@ -54,7 +54,7 @@ case $part in
     CUDA_VISIBLE_DEVICES=0 bash "$0" fwd-bwd-1 "$out/1" & CUDA_VISIBLE_DEVICES=1 bash "$0" fwd-bwd-2 "$out/2" &
     wait
     ;;
-  segmented)  # the segmented forward layout (built on request only until this passes): GPU tests and timing
+  segmented)  # the segmented forward layout: GPU stage tests and per-launch times of the three layouts
     export JAX_MAMBA2_AUTOTUNE=0
     step kernels_segmented_gpu 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/kernels/test_stages_gpu.py \
       -k "segmented"

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         op_layout = forward.configs_layout(dims, configs)
         plans = {("fwd", layout or op_layout): forward.forward_plan(
                      dims, configs if (layout or op_layout) == op_layout else None, layout or op_layout)
-                 for layout in args.layouts if layout in (None, *forward.forward_layouts(dims, unverified=True))}
+                 for layout in args.layouts if layout in (None, *forward.forward_layouts(dims))}
         for heads in args.atomic_heads:
             plans["bwd", heads] = backward.backward_plan(
                 dims, tuning.backward_configs(dims, False) if tuned else None, atomic_heads_per_block=heads)

@@ -171,11 +171,12 @@ def _with_hints(kernel: Any, hints: tuple[tuple[str, int], ...]) -> Any:
     return kernel.replace_hints(**dict(hints))
 
 
-def select_kernel(kernels: tuple[Any, Any], dims: SSDDims, **hints: int) -> Any:
-    """The int32 or int64 variant for `dims` with `hints` (occupancy, num_ctas) applied.
+def select_kernel(kernels: tuple[Any, Any], dims: SSDDims, **hints: int | None) -> Any:
+    """The int32 or int64 variant for `dims` with `hints` (occupancy, num_worker_warps, ...) applied; a
+    hint given as None is left to the compiler.
 
     `replace_hints` returns a new kernel with its own compile cache, so the result is cached: the same
     (kernel, hints) always returns the same object and never recompiles.
     """
     kernel = kernels[1] if needs_int64_index(dims) else kernels[0]
-    return _with_hints(kernel, tuple(sorted(hints.items())))
+    return _with_hints(kernel, tuple(sorted((k, v) for k, v in hints.items() if v is not None)))

@@ -247,7 +247,8 @@ def chunk_scan_bwd_dc_launch(dims: SSDDims, cfg: ChunkScanBwdDcConfig | None = N
     atomic_add = adds_atomically(dims, heads_per_block)
     writes = ("dC", "ddA_intra", "ddA_inter", "dD_partials") + (("dy", "dz") if dims.has_z else ())
     return Launch(
-        kernel=select_kernel(CHUNK_SCAN_BWD_DC_KERNELS, dims, occupancy=cfg.occupancy),
+        kernel=select_kernel(CHUNK_SCAN_BWD_DC_KERNELS, dims, occupancy=cfg.occupancy,
+                             num_worker_warps=cfg.worker_warps),
         grid=block_pass_grid(dims, cfg, heads_per_block),
         args=("x", "B", "C", "D", "z", "dout", "dt_out", "dA_cumsum", "states", "seq_idx",
               "dy", "dz", "dC", "ddA_intra", "ddA_inter", "dD_partials",

@@ -120,7 +120,7 @@ def _problems(quick: bool) -> Iterator[SSDDims]:
 
 def _forward_configs(dims: SSDDims, which: str, arch: str) -> Iterator[tuple[str, dict]]:
     """(layout, configs) of the forward plans to compile: every layout that can run `dims`."""
-    layouts = forward_layouts(dims, unverified=True)
+    layouts = forward_layouts(dims)
     if which == "default":
         yield from ((layout, {}) for layout in layouts)
         return

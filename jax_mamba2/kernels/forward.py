@@ -5,7 +5,6 @@
 - "segmented": chunk_cumsum -> segment_states -> segmented_scan: the fused kernel with each sequence cut
   into `fused_segment_chunks(dims)`-chunk segments, one block each, started from the entry states the
   segment_states launch's per-segment end states give (more blocks where the chains are few and long).
-  Built on request only (UNVERIFIED_LAYOUTS): it has not run on a GPU yet.
 
 `forward_plan(dims)` is what the bridge executes; `forward_arrays(dims, layout)` gives the shape and dtype
 of every array a layout's plan names (inputs as the bridge passes them, dummies included), for AOT export
@@ -55,28 +54,28 @@ def fused_segment_chunks(dims: SSDDims) -> int:
     return 0 if segments == 1 else -(-dims.nchunks // segments)
 
 
-# Layouts that forward_plan builds on request but the op (its rule and its tuner) never picks: the
-# segmented layout passes the CPU emulation and compiles, but has not run on a GPU yet.
-UNVERIFIED_LAYOUTS = ("segmented",)
-
-
-def forward_layouts(dims: SSDDims, unverified: bool = False) -> tuple[str, ...]:
+def forward_layouts(dims: SSDDims) -> tuple[str, ...]:
     """The layouts that can run `dims`: "staged" always; "fused" where the fused kernel supports it;
-    "segmented" where, besides, the chains are too few (`fused_segment_chunks`). UNVERIFIED_LAYOUTS only
-    with `unverified`."""
+    "segmented" where, besides, the chains are too few (`fused_segment_chunks`)."""
     layouts = ["staged"]
     if fused_scan_supported(dims):
         layouts += ["fused", "segmented"] if fused_segment_chunks(dims) else ["fused"]
-    return tuple(layout for layout in layouts if unverified or layout not in UNVERIFIED_LAYOUTS)
+    return tuple(layouts)
 
 
 def forward_layout(dims: SSDDims) -> str:
-    """"fused" when the fused kernel supports `dims` (16-bit inputs, chunk <= 64) and its default tile
-    gives at least FUSED_MIN_BLOCKS sequential chains, else "staged". (f32 inputs have not been timed
-    fused: only the tuner picks that, by measurement.)"""
-    if "fused" not in forward_layouts(dims) or dims.dtype == "float32":
+    """The layout used without measurements: for 16-bit inputs the fused kernel supports (chunk <= 64),
+    "fused" when its default tile gives at least FUSED_MIN_BLOCKS sequential chains, else "segmented"
+    where the sequences are long enough to cut; "staged" otherwise (and for f32 inputs, untimed in the
+    fused kernel: only the tuner picks that, by measurement). On the H200 (bf16, chunk 64, per launch)
+    segmented took (4,16384,8,64,128,1) 0.301 -> 0.220 ms, (2,32768,32,...) 0.826 -> 0.720 and
+    (1,131072,32,...) 1.99 -> 1.36 against staged (fused: 0.452, 0.855, 3.26)."""
+    layouts = forward_layouts(dims)
+    if "fused" not in layouts or dims.dtype == "float32":
         return "staged"
-    return "fused" if _fused_chains(dims) >= FUSED_MIN_BLOCKS else "staged"
+    if _fused_chains(dims) >= FUSED_MIN_BLOCKS:
+        return "fused"
+    return "segmented" if "segmented" in layouts else "staged"
 
 
 def forward_inputs(dims: SSDDims) -> dict[str, Buffer]:
@@ -99,7 +98,7 @@ def forward_inputs(dims: SSDDims) -> dict[str, Buffer]:
 
 def forward_buffers(dims: SSDDims, layout: str = "staged") -> dict[str, Buffer]:
     """The intermediates and outputs the plan of `layout` allocates (the fused layout's segment arrays
-    as dummies: its one segment per chain needs none)."""
+    as zeroed dummies: its one segment per chain never reads them, but every argument must be defined)."""
     b, H, P, N, nc, Q = dims.batch, dims.nheads, dims.headdim, dims.dstate, dims.nchunks, dims.chunk_size
     buffers = {
         "dt_out": Buffer((b, H, nc, Q), "float32"),
@@ -113,8 +112,8 @@ def forward_buffers(dims: SSDDims, layout: str = "staged") -> dict[str, Buffer]:
         return buffers
     del buffers["states"]
     if layout == "fused":
-        return {**buffers, "seg_states": Buffer((1, 1, 1, 1, 1), "float32"),
-                "seg_decay": Buffer((1, 1, 1), "float32")}
+        return {**buffers, "seg_states": Buffer((1, 1, 1, 1, 1), "float32", zero_init=True),
+                "seg_decay": Buffer((1, 1, 1), "float32", zero_init=True)}
     # Every segment's end state but the last's, as [dstate, headdim] tiles, and its carry-through factor.
     earlier = num_segments(dims, fused_segment_chunks(dims)) - 1
     return {**buffers, "seg_states": Buffer((b, earlier, H, N, P), "float32"),
@@ -142,7 +141,8 @@ def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, lay
       dims: the problem.
       configs: optional stage name (one of the layout's FORWARD_LAYOUTS stages) -> that stage's config;
         missing stages use their default configuration.
-      layout: "staged" or "fused"; None: `configs_layout(dims, configs)`.
+      layout: one of FORWARD_LAYOUTS that can run `dims` (`forward_layouts`); None:
+        `configs_layout(dims, configs)`.
 
     Returns:
       A Plan with inputs FORWARD_INPUTS, buffers dt_out, dA_cumsum, out, final_states (and states in
@@ -152,10 +152,10 @@ def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, lay
     layout = layout or configs_layout(dims, configs)
     if layout not in FORWARD_LAYOUTS:
         raise ValueError(f"forward_plan: layout={layout!r} must be one of {tuple(FORWARD_LAYOUTS)}")
-    if layout not in forward_layouts(dims, unverified=True):
+    if layout not in forward_layouts(dims):
         raise ValueError(f"forward_plan: layout={layout!r} cannot run chunk_size={dims.chunk_size}, "
                          f"dstate={dims.dstate}, {_fused_chains(dims)} chains of {dims.nchunks} chunks: "
-                         f"the layouts for it are {forward_layouts(dims, unverified=True)}")
+                         f"the layouts for it are {forward_layouts(dims)}")
     stages = FORWARD_LAYOUTS[layout]
     unknown = set(configs) - set(stages)
     if unknown:

@@ -238,12 +238,13 @@ class FusedScanConfig:
 
     BLOCK_P: headdim columns per block (a power of two dividing headdim); the block carries a
     [dstate, BLOCK_P] f32 state. LOAD_LAT: latency hint on the per-chunk loads. occupancy: expected
-    blocks per SM.
+    blocks per SM. worker_warps: warps of the compute warpgroups (4 or 8; None: tileiras' choice).
     """
 
     BLOCK_P: int = 64
     LOAD_LAT: int = 6
     occupancy: int = 1
+    worker_warps: int | None = None
 
 
 # The chunk sizes the fused kernel takes: its [CHUNK, CHUNK] f32 C·B^T and [dstate, BLOCK_P] f32 state
@@ -267,12 +268,13 @@ def _widths(dims: SSDDims) -> list[int]:
 
 def fused_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScanConfig]:
     """The autotune space (sm_90): BLOCK_P 32/64 (dividing headdim, state at most 128 x 64 f32),
-    latency 2/4/6, occupancy 1/2; empty where `fused_scan_supported(dims)` is false."""
+    latency 2/4/6, occupancy 1 (tileiras' warps or 8 worker warps) or 2 (tileiras' warps: 8 would cap
+    them at 80 registers); empty where `fused_scan_supported(dims)` is false."""
     check_arch("fused_scan_fwd_configs", arch)
     if not fused_scan_supported(dims):
         return []
-    return [FusedScanConfig(BLOCK_P=bp, LOAD_LAT=lat, occupancy=occ)
-            for bp in _widths(dims) for lat in (2, 4, 6) for occ in (1, 2)]
+    return [FusedScanConfig(BLOCK_P=bp, LOAD_LAT=lat, occupancy=occ, worker_warps=warps)
+            for bp in _widths(dims) for lat in (2, 4, 6) for occ, warps in ((1, None), (1, 8), (2, None))]
 
 
 def fused_scan_fwd_default_config(dims: SSDDims) -> FusedScanConfig:
@@ -297,7 +299,8 @@ def fused_scan_fwd_launch(dims: SSDDims, cfg: FusedScanConfig | None = None, seg
     starting from the entry state that "seg_states" and "seg_decay" give (`segment_states_launch`)."""
     cfg = cfg or fused_scan_fwd_default_config(dims)
     return Launch(
-        kernel=select_kernel(FUSED_SCAN_FWD_KERNELS, dims, occupancy=cfg.occupancy),
+        kernel=select_kernel(FUSED_SCAN_FWD_KERNELS, dims, occupancy=cfg.occupancy,
+                             num_worker_warps=cfg.worker_warps),
         grid=fused_scan_fwd_grid(dims, cfg, segment_chunks),
         args=("x", "B", "C", "D", "z", "dt_out", "dA_cumsum", "initial_states", "seq_idx", "seg_states",
               "seg_decay", "out", "final_states", dims.chunk_size, dims.dstate, cfg.BLOCK_P, segment_chunks,
@@ -310,7 +313,8 @@ def segment_states_launch(dims: SSDDims, cfg: FusedScanConfig | None, segment_ch
     """The launch writing ("seg_states", "seg_decay") for every segment but the last."""
     cfg = cfg or fused_scan_fwd_default_config(dims)
     return Launch(
-        kernel=select_kernel(SEGMENT_STATES_KERNELS, dims, occupancy=cfg.occupancy),
+        kernel=select_kernel(SEGMENT_STATES_KERNELS, dims, occupancy=cfg.occupancy,
+                             num_worker_warps=cfg.worker_warps),
         grid=(dims.batch * dims.nheads, dims.headdim // cfg.BLOCK_P, num_segments(dims, segment_chunks) - 1),
         args=("x", "B", "dt_out", "dA_cumsum", "seq_idx", "seg_states", "seg_decay", dims.chunk_size,
               dims.dstate, cfg.BLOCK_P, segment_chunks, dims.has_seq_idx, cfg.LOAD_LAT),

@@ -47,20 +47,27 @@ def test_cutile_matches_float64_scan(backend, dtype, feature):
     assert rel_l2(final, final_ref) <= tol, rel_l2(final, final_ref)
 
 
-def test_cutile_fused_forward_layout_matches_float64_scan(monkeypatch):
-    """The fused forward layout (picked by default only for >= FUSED_MIN_BLOCKS chains) forced on a
-    small problem with every feature, inside jit, and its gradients (the backward recomputes states)."""
+@pytest.mark.parametrize("layout", ["fused", "segmented"])
+def test_cutile_fused_forward_layouts_match_float64_scan(monkeypatch, layout):
+    """The fused and segmented forward layouts (picked by default only for >= FUSED_MIN_BLOCKS chains,
+    or fewer chains of >= 2 MIN_SEGMENT_CHUNKS chunks) forced on a small problem with every feature
+    (segmented: 6 chunks in 3 segments, seq_idx changing inside and across them), inside jit, and its
+    gradients (the backward recomputes states)."""
     from jax_mamba2.kernels import forward
     layouts = []
     pick = forward.forward_layout
-    monkeypatch.setattr(forward, "FUSED_MIN_BLOCKS", 1)
+    if layout == "fused":
+        monkeypatch.setattr(forward, "FUSED_MIN_BLOCKS", 1)
+    else:
+        monkeypatch.setattr(forward, "FUSED_MIN_BLOCKS", 10 ** 6)
+        monkeypatch.setattr(forward, "MIN_SEGMENT_CHUNKS", 1)
     monkeypatch.setattr(forward, "forward_layout", lambda dims: layouts.append(pick(dims)) or layouts[-1])
     args, kwargs = make_ssd_args(31, batch=2, seqlen=333, nheads=6, headdim=64, ngroups=3, dstate=128,
                                  dtype=jnp.bfloat16, D="headdim", z=True, dt_bias=True, dt_softplus=True,
                                  initial_states=True, seq_idx=[100, 33, 200])
     y, final = jax.jit(lambda *a: jax_mamba2.ssd(*a, 64, **kwargs, return_final_states=True,
                                                  backend="cutile"))(*args)
-    assert layouts and set(layouts) == {"fused"}
+    assert layouts and set(layouts) == {layout}
     y_ref, final_ref = _oracle(args, kwargs)
     tol = TOLERANCE["kernel_fwd"]["bfloat16"]
     errors = (rel_l2(y, y_ref), rel_l2(final, final_ref))

@@ -203,7 +203,10 @@ def test_forward_configs_without_measurements_follow_the_layout_rule(cache_dir, 
     monkeypatch.setenv(tuning.ENV_AUTOTUNE, "0")
     fused_dims = dataclasses.replace(DIMS, chunk_size=64)
     assert set(tuning.forward_configs(fused_dims)) == set(FORWARD_LAYOUTS["fused"])
-    assert set(tuning.forward_configs(dataclasses.replace(fused_dims, batch=1))) == set(FORWARD_LAYOUTS["staged"])
+    few_chains = dataclasses.replace(fused_dims, batch=1)
+    assert set(tuning.forward_configs(few_chains)) == set(FORWARD_LAYOUTS[forward_layout(few_chains)])
+    assert set(tuning.forward_configs(dataclasses.replace(fused_dims, dtype="float32", dt_dtype="float32"))
+               ) == set(FORWARD_LAYOUTS["staged"])
 
 
 def test_backward_configs_deterministic_tunes_only_the_group_reducing_stages_again(cache_dir, monkeypatch):

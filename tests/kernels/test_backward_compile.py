@@ -3,7 +3,6 @@ GPU needed) with the constraints JAX uses; the matmul stages' SASS uses Hopper w
 available."""
 import dataclasses
 import functools
-import inspect
 
 import pytest
 
@@ -12,6 +11,7 @@ from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.backward import (
     BACKWARD_INPUTS, BACKWARD_OUTPUTS, backward_arrays, backward_plan, group_heads_per_block)
 from jax_mamba2.kernels.export import compile_launch
+from tests.kernels._plan_checks import assert_plan_well_formed, kernel_name
 from tests.kernels.test_compile import sass_and_resources
 
 _BASE = SSDDims(batch=2, seqlen=200, nheads=8, headdim=64, ngroups=2, dstate=64, chunk_size=64,
@@ -42,17 +42,13 @@ PLAN_PROBLEMS = {
 }
 
 
-def _kernel_name(launch) -> str:
-    return launch.kernel._annotated_function.pyfunc.__name__
-
-
 @functools.cache
 def _cubins(problem: str) -> dict[str, bytes]:
     """kernel name -> sm_90 cubin of every launch of the backward plan of `problem`."""
     dims, keywords = PROBLEMS[problem]
     arrays = backward_arrays(dims, **keywords)
     plan = backward_plan(dims, **keywords)
-    return {_kernel_name(launch): compile_launch(launch, arrays, "sm_90")[1] for launch in plan.launches}
+    return {kernel_name(launch): compile_launch(launch, arrays, "sm_90")[1] for launch in plan.launches}
 
 
 @pytest.mark.parametrize("problem", list(PROBLEMS))
@@ -77,19 +73,7 @@ def test_backward_plan_well_formed(problem, deterministic):
     dims = PLAN_PROBLEMS[problem]
     plan = backward_plan(dims, deterministic=deterministic)
     assert plan.inputs == BACKWARD_INPUTS and plan.outputs == BACKWARD_OUTPUTS
-    assert not set(plan.inputs) & set(plan.buffers)
-    defined = set(plan.inputs) | {name for name, buf in plan.buffers.items() if buf.zero_init}
-    for launch in plan.launches:
-        names = [a for a in launch.args if isinstance(a, str)]
-        params = inspect.signature(launch.kernel._annotated_function.pyfunc).parameters
-        assert len(launch.args) == len(params), _kernel_name(launch)
-        assert set(names) <= set(plan.inputs) | set(plan.buffers), _kernel_name(launch)
-        assert set(launch.writes) <= set(names) and set(launch.writes) <= set(plan.buffers)
-        read = set(names) - set(launch.writes)
-        assert read <= defined, f"{_kernel_name(launch)} reads {read - defined} before any write"
-        assert len(names) == len(set(names)), f"{_kernel_name(launch)} aliases an array"
-        defined |= set(launch.writes)
-    assert set(plan.outputs) <= defined
+    assert_plan_well_formed(plan)
     # dB/dC take atomic adds exactly when heads of a group are split over blocks.
     atomic = adds_atomically(dims, group_heads_per_block(dims, deterministic))
     assert plan.buffers["dB"].zero_init == plan.buffers["dC"].zero_init == atomic

@@ -17,6 +17,7 @@ from jax_mamba2.kernels.backward import backward_arrays
 from jax_mamba2.kernels.export import compile_launch
 from jax_mamba2.kernels.forward import forward_arrays, forward_layouts, forward_plan
 from jax_mamba2.kernels.state_update import state_update_inputs, state_update_plan
+from tests.kernels._plan_checks import assert_plan_well_formed
 
 _BASE = SSDDims(batch=2, seqlen=200, nheads=8, headdim=64, ngroups=2, dstate=64, chunk_size=64,
                 dt_softplus=True)
@@ -44,7 +45,7 @@ def _cubins(problem: str) -> dict[str, bytes]:
     """kernel name -> sm_90 cubin of every launch of the forward and decode plans of `problem`."""
     dims = PROBLEMS[problem]
     launches = [(launch, forward_arrays(dims, layout))
-                for layout in forward_layouts(dims, unverified=True)
+                for layout in forward_layouts(dims)
                 for launch in forward_plan(dims, layout=layout).launches]
     step = state_update_plan(dims)
     launches.append((step.launches[0], {**state_update_inputs(dims, "float32"), **step.buffers}))
@@ -53,9 +54,17 @@ def _cubins(problem: str) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("problem", list(PROBLEMS))
+def test_forward_and_decode_plans_well_formed(problem):
+    dims = PROBLEMS[problem]
+    for layout in forward_layouts(dims):
+        assert_plan_well_formed(forward_plan(dims, layout=layout))
+    assert_plan_well_formed(state_update_plan(dims))
+
+
+@pytest.mark.parametrize("problem", list(PROBLEMS))
 def test_kernels_compile_to_sm90_cubins(problem):
     cubins = _cubins(problem)
-    layouts = forward_layouts(PROBLEMS[problem], unverified=True)
+    layouts = forward_layouts(PROBLEMS[problem])
     fused = {"fused_scan_fwd_kernel"} if "fused" in layouts else set()
     segmented = {"segment_states_kernel"} if "segmented" in layouts else set()
     assert set(cubins) == {"chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel", "chunk_scan_fwd_kernel",

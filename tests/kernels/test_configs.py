@@ -147,8 +147,8 @@ def test_fused_forward_plan_keeps_states_in_the_kernel_and_is_picked_by_its_rule
     assert "states" not in plan.buffers and plan.buffers["seg_states"].shape == (1, 1, 1, 1, 1)  # unused
     cfg = fused_scan.fused_scan_fwd_default_config(dims)
     assert plan.launches[1].grid == (4 * 32, 64 // cfg.BLOCK_P, 1)
-    # Too few chains to fill the GPU, f32, or a chunk the fused kernel does not take: the staged layout.
-    for other in (dataclasses.replace(dims, batch=1), dataclasses.replace(dims, dtype="float32"),
+    # Too few chains and too few chunks to cut, f32, or a chunk the fused kernel does not take: staged.
+    for other in (dataclasses.replace(dims, batch=1, seqlen=15 * 64), dataclasses.replace(dims, dtype="float32"),
                   dataclasses.replace(dims, chunk_size=128)):
         assert forward_layout(other) == "staged"
     with pytest.raises(ValueError, match="layout='fused' cannot run chunk_size=128"):
@@ -171,12 +171,13 @@ def test_needs_int64_index_selects_int64_kernels():
             assert (x_annotation.array is not None) == want
 
 
-def test_segmented_layout_is_built_on_request_only():
-    """32 chains of 256 chunks: 4 segments of 64 chunks bring the fused chains to 128. The layout is
-    not among those the op and its tuner choose from until it has run on a GPU (UNVERIFIED_LAYOUTS)."""
+def test_segmented_layout_cuts_few_long_chains_into_segments():
+    """32 chains of 256 chunks: 4 segments of 64 chunks bring the fused chains to 128, and the rule
+    picks the segmented layout (f32 stays staged)."""
     dims = SSDDims(batch=4, seqlen=16384, nheads=8, headdim=64, ngroups=1, dstate=128, chunk_size=64)
-    assert forward_layouts(dims) == ("staged", "fused")
-    assert forward_layouts(dims, unverified=True) == ("staged", "fused", "segmented")
+    assert forward_layouts(dims) == ("staged", "fused", "segmented")
+    assert forward_layout(dims) == "segmented"
+    assert forward_layout(dataclasses.replace(dims, dtype="float32", dt_dtype="float32")) == "staged"
     assert fused_segment_chunks(dims) == 64
     plan = forward_plan(dims, layout="segmented")
     assert [launch.grid for launch in plan.launches[1:]] == [(32, 1, 3), (32, 1, 4)]
@@ -184,4 +185,4 @@ def test_segmented_layout_is_built_on_request_only():
     assert plan.buffers["seg_decay"].shape == (4, 8, 3)
     # Enough chains already, or too few chunks to cut: no segmented layout.
     for other in (dataclasses.replace(dims, batch=16), dataclasses.replace(dims, seqlen=15 * 64)):
-        assert fused_segment_chunks(other) == 0 and "segmented" not in forward_layouts(other, unverified=True)
+        assert fused_segment_chunks(other) == 0 and "segmented" not in forward_layouts(other)
