@@ -252,6 +252,9 @@ class FusedScanConfig:
 FUSED_CHUNK_SIZES = (16, 32, 64)
 # Largest carried state (dstate * BLOCK_P f32 values) per block.
 _MAX_STATE = 128 * 64
+# Twice that, a 256 x 64 state, is in the tune space with 8 worker warps only: tileiras 13.4 compiles it
+# to sm_90 without a stack at latency 4 (168 registers, 166 KB shared), with an 80-144 byte stack else.
+_WIDE_STATE = 256 * 64
 
 
 def fused_scan_supported(dims: SSDDims) -> bool:
@@ -269,12 +272,16 @@ def _widths(dims: SSDDims) -> list[int]:
 def fused_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScanConfig]:
     """The autotune space (sm_90): BLOCK_P 32/64 (dividing headdim, state at most 128 x 64 f32),
     latency 2/4/6, occupancy 1 (tileiras' warps or 8 worker warps) or 2 (tileiras' warps: 8 would cap
-    them at 80 registers); empty where `fused_scan_supported(dims)` is false."""
+    them at 80 registers); plus 64 columns of a 256 x 64 state (dstate 256) with 8 worker warps at
+    occupancy 1. Empty where `fused_scan_supported(dims)` is false."""
     check_arch("fused_scan_fwd_configs", arch)
     if not fused_scan_supported(dims):
         return []
+    wide = 64 <= dims.headdim and _MAX_STATE < dims.dstate * 64 <= _WIDE_STATE
     return [FusedScanConfig(BLOCK_P=bp, LOAD_LAT=lat, occupancy=occ, worker_warps=warps)
-            for bp in _widths(dims) for lat in (2, 4, 6) for occ, warps in ((1, None), (1, 8), (2, None))]
+            for bp in _widths(dims) for lat in (2, 4, 6) for occ, warps in ((1, None), (1, 8), (2, None))
+            ] + [FusedScanConfig(BLOCK_P=64, LOAD_LAT=lat, occupancy=1, worker_warps=8)
+                 for lat in (2, 4, 6) if wide]
 
 
 def fused_scan_fwd_default_config(dims: SSDDims) -> FusedScanConfig:

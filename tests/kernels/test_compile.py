@@ -182,3 +182,15 @@ def test_fused_scan_default_uses_wgmma_and_tma_without_spills(dstate, features, 
     usage = dict(re.findall(r"(LOCAL|STACK):(\d+)", resources))
     assert "HGMMA" in sass and "UTMALDG" in sass
     assert int(usage["LOCAL"]) == 0 and int(usage["STACK"]) == 0, usage
+
+
+def test_fused_scan_wide_state_with_8_worker_warps_has_no_stack(tmp_path):
+    """The tune space's 256 x 64 state (dstate 256, 64 columns): spill-free with 8 worker warps at latency 4."""
+    dims = dataclasses.replace(_BASE, batch=4, seqlen=8192, nheads=32, ngroups=1, dstate=256, chunk_size=64)
+    cfg = fused_scan.FusedScanConfig(BLOCK_P=64, LOAD_LAT=4, occupancy=1, worker_warps=8)
+    assert cfg in fused_scan.fused_scan_fwd_configs(dims)
+    _, cubin = compile_launch(fused_scan.fused_scan_fwd_launch(dims, cfg), forward_arrays(dims, "fused"), "sm_90")
+    sass, resources = sass_and_resources(cubin, tmp_path)
+    usage = dict(re.findall(r"(LOCAL|STACK):(\d+)", resources))
+    assert "HGMMA" in sass and "UTMALDG" in sass
+    assert int(usage["LOCAL"]) == 0 and int(usage["STACK"]) == 0, usage

@@ -27,6 +27,14 @@ LARGE_CASES = {
         seqlen=1000, nheads=8, headdim=64, ngroups=2, dstate=128, z=True, initial_states=True,
         seq_lens=(300, 200, 500), layout="fused"),
     "fused_q64_p128_n256_long": Case(seqlen=4096 + 17, nheads=4, headdim=128, dstate=256, layout="fused"),
+    # The tune space's 256 x 64 state (8 worker warps) and dstate 64 with 8 worker warps.
+    "fused_q64_p64_n256_wide_state_all_inputs": Case(
+        seqlen=1000, nheads=4, headdim=64, dstate=256, z=True, initial_states=True, seq_lens=(300, 700),
+        layout="fused", configs=(("fused_scan", fused_scan.FusedScanConfig(BLOCK_P=64, LOAD_LAT=4,
+                                                                            worker_warps=8)),)),
+    "fused_q64_p64_n64_8_worker_warps": Case(
+        seqlen=1000, nheads=4, headdim=64, dstate=64, layout="fused",
+        configs=(("fused_scan", fused_scan.FusedScanConfig(BLOCK_P=64, LOAD_LAT=6, worker_warps=8)),)),
     # 65 chunks of 4 chains in 4 segments, sequences across segment boundaries.
     "segmented_q64_n128_long_seq_idx_all_inputs": Case(
         seqlen=4096 + 17, nheads=2, headdim=64, dstate=128, z=True, initial_states=True,
