@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|train [OUT]
+#   bash benchmarks/gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|train [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|train [OUT]}
+part=${1:?usage: gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|train [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 source .gpu/gpu-env.sh >/dev/null || exit 1
@@ -68,6 +68,12 @@ case $part in
     step stages 120 python benchmarks/stages.py --shapes 4,8192,32,64,128,1 --configs tuned --deterministic \
       --out "$out"
     step bridge_overhead 60 python benchmarks/bridge_overhead.py --out "$out"
+    ;;
+  tuned-fwd)  # the autotuned forward (every layout and config measured) at the shapes in $SHAPES, cutile alone
+    export JAX_MAMBA2_CACHE_DIR=${JAX_MAMBA2_CACHE_DIR:-$out/tuning}
+    for shape in ${SHAPES:?set SHAPES to B,L,H,P,N,G ...}; do
+      step "ssd_fwd_tuned_$shape" 280 python benchmarks/ssd.py --shapes "$shape" --impls cutile --out "$out/$shape"
+    done
     ;;
   train)  # issue 7's training check: the same 200 steps with the cuTile and the xla backends
     for backend in cutile xla; do

@@ -53,9 +53,11 @@ def test_cutile_fused_forward_layouts_match_float64_scan(monkeypatch, layout):
     or fewer chains of >= 2 MIN_SEGMENT_CHUNKS chunks) forced on a small problem with every feature
     (segmented: 6 chunks in 3 segments, seq_idx changing inside and across them), inside jit, and its
     gradients (the backward recomputes states)."""
+    from jax_mamba2.bridge import tuning
     from jax_mamba2.kernels import forward
     layouts = []
     pick = forward.forward_layout
+    tuning.clear_memory()            # the other layout's choice for these dims must not be reused
     if layout == "fused":
         monkeypatch.setattr(forward, "FUSED_MIN_BLOCKS", 1)
     else:
@@ -85,6 +87,7 @@ def test_cutile_fused_forward_layouts_match_float64_scan(monkeypatch, layout):
         expected = jax.grad(functools.partial(loss, scan), argnums=(0, 1, 2, 3, 4))(*args64)
     for name, g, r in zip(["x", "dt", "A", "B", "C"], grads, expected):
         assert rel_l2(g, r) <= TOLERANCE["kernel_bwd"]["bfloat16"], (name, rel_l2(g, r))
+    tuning.clear_memory()
 
 
 @pytest.mark.parametrize("chunk_size", [64, 128, 256])

@@ -58,7 +58,9 @@ def test_lm_cutile_grads_match_xla():
 
 def test_lm_cutile_grads_with_nnx_remat_match_plain(monkeypatch):
     """nnx.remat around each block replays the cuTile forward in the backward pass; the kernel VJP saves
-    only its inputs, so the gradients are those of the plain model (deterministic kernel backward)."""
+    only its inputs, so the gradients are the plain model's up to the rounding of the replayed XLA ops
+    (norms, projections: fused differently under remat). The SSD op alone is bitwise equal under
+    jax.checkpoint (tests/bridge); the xla backend is the control."""
     monkeypatch.setenv("JAX_MAMBA2_DETERMINISTIC", "1")
     ids = _ids(4)
 
@@ -66,10 +68,12 @@ def test_lm_cutile_grads_with_nnx_remat_match_plain(monkeypatch):
         logits = model(ids[:, :-1])
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], axis=-1))
 
-    grads = [nnx.to_flat_state(nnx.jit(nnx.grad(loss))(
-        Mamba2LMHeadModel(CONFIG, backend="cutile", remat=remat, rngs=nnx.Rngs(0)))) for remat in (False, True)]
-    for (path, g_plain), (_, g_remat) in zip(*grads):
-        assert rel_l2(g_remat[...], g_plain[...]) < 1e-5, path
+    for backend in ("xla", "cutile"):
+        grads = [nnx.to_flat_state(nnx.jit(nnx.grad(loss))(
+            Mamba2LMHeadModel(CONFIG, backend=backend, remat=remat, rngs=nnx.Rngs(0))))
+            for remat in (False, True)]
+        for (path, g_plain), (_, g_remat) in zip(*grads):
+            assert rel_l2(g_remat[...], g_plain[...]) < 2e-3, (backend, path, rel_l2(g_remat[...], g_plain[...]))
 
 
 def test_lm_cutile_generate_runs_greedy():
