@@ -11,14 +11,12 @@ from jax_mamba2.kernels._common import SSDDims, check_arch
 @dataclasses.dataclass(frozen=True)
 class BlockPassConfig:
     """BLOCK_M: rows of the chunk one block owns; BLOCK_K: rows of the other side per step (powers of
-    two dividing chunk_size). LOAD_LAT: latency hint on the step loads. occupancy: blocks per SM.
-    worker_warps: warps of the compute warpgroups (4 or 8; None: tileiras' choice)."""
+    two dividing chunk_size). LOAD_LAT: latency hint on the step loads. occupancy: blocks per SM."""
 
     BLOCK_M: int = 64
     BLOCK_K: int = 64
     LOAD_LAT: int = 4
     occupancy: int = 1
-    worker_warps: int | None = None
 
 
 def is_wide(dims: SSDDims) -> bool:
@@ -31,15 +29,14 @@ def is_wide(dims: SSDDims) -> bool:
 
 def block_pass_configs(api: str, dims: SSDDims, arch: str) -> list[BlockPassConfig]:
     """The autotune space (sm_90): 64-row blocks (and 128 when not wide), 32/64-row steps, latency 2/4,
-    occupancy 1 (tileiras' warps or 8 worker warps) or 2 (tileiras' warps: 8 cap the registers at 80
-    and spill)."""
+    occupancy 1/2."""
     check_arch(api, arch)
     block_ms = (64, 128) if not is_wide(dims) and dims.chunk_size >= 128 else (64,)
-    return [BlockPassConfig(BLOCK_M=bm, BLOCK_K=bk, LOAD_LAT=lat, occupancy=occ, worker_warps=warps)
+    return [BlockPassConfig(BLOCK_M=bm, BLOCK_K=bk, LOAD_LAT=lat, occupancy=occ)
             for bm in block_ms
             for bk in (32, 64)
             for lat in (2, 4)
-            for occ, warps in ((1, None), (1, 8), (2, None))]
+            for occ in (1, 2)]
 
 
 def block_pass_default_config(dims: SSDDims) -> BlockPassConfig:

@@ -231,9 +231,10 @@ def chunk_scan_bwd_dc_configs(dims: SSDDims, arch: str = "sm_90") -> list[BlockP
 
 
 def chunk_scan_bwd_dc_default_config(dims: SSDDims) -> BlockPassConfig:
-    """The shared default with 32-key steps: on the H200 shape of `block_pass_default_config` they took
-    this pass from 0.975 to 0.801 ms (four live [rows x keys] f32 products per step here, two in dx)."""
-    return dataclasses.replace(block_pass_default_config(dims), BLOCK_K=32)
+    """The shared default with 32-key steps at latency 2: on the H200 shape of `block_pass_default_config`
+    32-key steps took this pass from 0.975 to 0.801 ms (four live [rows x keys] f32 products per step
+    here, two in dx), and latency 2 from 452 to 417 us (tuner, 60aa369)."""
+    return dataclasses.replace(block_pass_default_config(dims), BLOCK_K=32, LOAD_LAT=2)
 
 
 def chunk_scan_bwd_dc_launch(dims: SSDDims, cfg: ChunkScanBwdDcConfig | None = None, *,
@@ -247,8 +248,7 @@ def chunk_scan_bwd_dc_launch(dims: SSDDims, cfg: ChunkScanBwdDcConfig | None = N
     atomic_add = adds_atomically(dims, heads_per_block)
     writes = ("dC", "ddA_intra", "ddA_inter", "dD_partials") + (("dy", "dz") if dims.has_z else ())
     return Launch(
-        kernel=select_kernel(CHUNK_SCAN_BWD_DC_KERNELS, dims, occupancy=cfg.occupancy,
-                             num_worker_warps=cfg.worker_warps),
+        kernel=select_kernel(CHUNK_SCAN_BWD_DC_KERNELS, dims, occupancy=cfg.occupancy),
         grid=block_pass_grid(dims, cfg, heads_per_block),
         args=("x", "B", "C", "D", "z", "dout", "dt_out", "dA_cumsum", "states", "seq_idx",
               "dy", "dz", "dC", "ddA_intra", "ddA_inter", "dD_partials",

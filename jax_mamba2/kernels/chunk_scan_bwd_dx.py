@@ -196,8 +196,7 @@ def chunk_scan_bwd_dx_launch(dims: SSDDims, cfg: ChunkScanBwdDxConfig | None = N
     cfg = cfg or chunk_scan_bwd_dx_default_config(dims)
     atomic_add = adds_atomically(dims, heads_per_block)
     return Launch(
-        kernel=select_kernel(CHUNK_SCAN_BWD_DX_KERNELS, dims, occupancy=cfg.occupancy,
-                             num_worker_warps=cfg.worker_warps),
+        kernel=select_kernel(CHUNK_SCAN_BWD_DX_KERNELS, dims, occupancy=cfg.occupancy),
         grid=block_pass_grid(dims, cfg, heads_per_block),
         args=("x", "B", "C", "D", dy, "dt_out", "dA_cumsum", "dstates", "seq_idx",
               "dx", "dB", "ddt_out", "ddA_state",
