@@ -4,7 +4,10 @@ A record is a dict with op, direction, impl, shape {batch, seqlen, nheads, headd
 chunk_size, ms_median, ms_p20, ms_p80, ms_pipelined, tflops, gbps, rel_l2_err, timing, roofline
 {floor_ms, bound, ...}, and "error" (None, or why the implementation did not run).
 
-  python -m benchmarks.report benchmarks/results/ssd_fwd_h200.json [--png OUT.png]
+  python -m benchmarks.report benchmarks/results/ssd_fwd_h200.json [--png OUT.png] [--merge NEW.json ...]
+
+--merge folds the records of later runs into the file: a new record replaces the one of the same
+(direction, shape, implementation), so a grid measured over several device calls stays one file.
 """
 from __future__ import annotations
 
@@ -28,6 +31,16 @@ def write_records(records: list[dict], path: Path) -> Path:
 
 def load_records(path: Path) -> list[dict]:
     return json.loads(Path(path).read_text())
+
+
+def merge_records(records: list[dict], newer: list[dict]) -> list[dict]:
+    """`records` with every record of `newer` in place of the one of the same (direction, shape, impl),
+    in the original order; new keys are appended."""
+    def key(record):
+        return record.get("direction"), shape_label(record), record["impl"]
+    merged = {key(r): r for r in records}
+    merged.update({key(r): r for r in newer})
+    return list(merged.values())
 
 
 def shape_label(record: dict) -> str:
@@ -145,8 +158,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Print the table (and plot) of a benchmark JSON.")
     parser.add_argument("path", type=Path)
     parser.add_argument("--png", type=Path, help="also write the bar plot here")
+    parser.add_argument("--merge", type=Path, nargs="+", default=[],
+                        help="record files of later runs to fold into PATH (rewritten)")
     args = parser.parse_args(argv)
     records = load_records(args.path)
+    for newer in args.merge:
+        records = merge_records(records, load_records(newer))
+    if args.merge:
+        write_records(records, args.path)
     print(format_table(records))
     if args.png:
         print(f"plot: {plot_records(records, args.png)}")

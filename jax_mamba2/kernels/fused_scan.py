@@ -269,6 +269,11 @@ def _widths(dims: SSDDims) -> list[int]:
     return [bp for bp in fits if bp >= 32] or fits
 
 
+def _wide_state(dims: SSDDims) -> bool:
+    """Whether 64 columns make a state over _MAX_STATE but within _WIDE_STATE (dstate 256)."""
+    return 64 <= dims.headdim and _MAX_STATE < dims.dstate * 64 <= _WIDE_STATE
+
+
 def fused_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScanConfig]:
     """The autotune space (sm_90): BLOCK_P 32/64 (dividing headdim, state at most 128 x 64 f32),
     latency 2/4/6, occupancy 1 (tileiras' warps or 8 worker warps) or 2 (tileiras' warps: 8 would cap
@@ -277,7 +282,7 @@ def fused_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScan
     check_arch("fused_scan_fwd_configs", arch)
     if not fused_scan_supported(dims):
         return []
-    wide = 64 <= dims.headdim and _MAX_STATE < dims.dstate * 64 <= _WIDE_STATE
+    wide = _wide_state(dims)
     return [FusedScanConfig(BLOCK_P=bp, LOAD_LAT=lat, occupancy=occ, worker_warps=warps)
             for bp in _widths(dims) for lat in (2, 4, 6) for occ, warps in ((1, None), (1, 8), (2, None))
             ] + [FusedScanConfig(BLOCK_P=64, LOAD_LAT=lat, occupancy=1, worker_warps=8)
@@ -285,11 +290,17 @@ def fused_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScan
 
 
 def fused_scan_fwd_default_config(dims: SSDDims) -> FusedScanConfig:
-    """The widest BLOCK_P (64 up to dstate 128) at occupancy 1 and latency 6: the best of the space on
-    the H200 at (4,8192,32,64,128,1), chunk 64 (219 us; occupancy 2 at 64 columns 421-433 us, 32
-    columns 336-457 us), and at occupancy 1 also the best measured at (4,2048,32,...), (4,8192,80,...)
-    and (4,8192,64,...,G=8) (benchmarks/NOTES.md)."""
-    return FusedScanConfig(BLOCK_P=_widths(dims)[-1], LOAD_LAT=6, occupancy=1)
+    """The best measured config of the space on the H200 (bf16, chunk 64, (4,8192,32,64,N,1), tuner):
+    dstate 128: 64 columns, occupancy 1, latency 6, tileiras' warps (213 us; 8 worker warps 344); the
+    same at (4,2048,32,...), (4,8192,80,...) and (4,8192,64,...,G=8) (benchmarks/NOTES.md). dstate 64:
+    the same with 8 worker warps (223 us against 289: tileiras gives its one warpgroup all 255
+    registers). dstate 256: the 256 x 64 state with 8 worker warps at latency 4 (396 us; 32 columns,
+    two waves of blocks, 532)."""
+    if _wide_state(dims):
+        return FusedScanConfig(BLOCK_P=64, LOAD_LAT=4, occupancy=1, worker_warps=8)
+    width = _widths(dims)[-1]
+    return FusedScanConfig(BLOCK_P=width, LOAD_LAT=6, occupancy=1,
+                           worker_warps=8 if width == 64 and dims.dstate < 128 else None)
 
 
 def num_segments(dims: SSDDims, segment_chunks: int) -> int:

@@ -57,6 +57,15 @@ def test_table_from_json_has_ratios_errors_and_floor(result_file):
     assert json.loads(result_file.read_text())[0]["impl"] == "cutile"
 
 
+def test_merge_replaces_records_of_the_same_shape_and_impl(result_file, tmp_path):
+    newer = [_record("cutile", 0.2), {**_record("cutile", 0.9), "shape": ssd.Shape(2, 32768, 32, 64, 128, 1)._asdict()}]
+    path = report.write_records(newer, tmp_path / "later.json")
+    assert report.main([str(result_file), "--merge", str(path)]) == 0
+    records = report.load_records(result_file)
+    assert [r["impl"] for r in records] == ["cutile", "xla", "mamba_ssm", "jla", "cutile_callback", "cutile"]
+    assert records[0]["ms_pipelined"] == 0.2 and records[-1]["shape"]["seqlen"] == 32768
+
+
 def test_plot_writes_a_png_per_result_file(result_file, tmp_path):
     path = report.plot_records(report.load_records(result_file), tmp_path / "plot.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

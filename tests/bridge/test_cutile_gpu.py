@@ -51,8 +51,9 @@ def test_cutile_matches_float64_scan(backend, dtype, feature):
 def test_cutile_fused_forward_layouts_match_float64_scan(monkeypatch, layout):
     """The fused and segmented forward layouts (picked by default only for >= FUSED_MIN_BLOCKS chains,
     or fewer chains of >= 2 MIN_SEGMENT_CHUNKS chunks) forced on a small problem with every feature
-    (segmented: 6 chunks in 3 segments, seq_idx changing inside and across them), inside jit, and its
-    gradients (the backward recomputes states)."""
+    (segmented: 7 chunks in 4 segments, seq_idx changing inside and across them), inside jit, and its
+    gradients (the backward recomputes states). The two cases differ in seqlen: JAX caches the traced
+    op per shape, which would replay the first case's plan."""
     from jax_mamba2.bridge import tuning
     from jax_mamba2.kernels import forward
     layouts = []
@@ -64,9 +65,10 @@ def test_cutile_fused_forward_layouts_match_float64_scan(monkeypatch, layout):
         monkeypatch.setattr(forward, "FUSED_MIN_BLOCKS", 10 ** 6)
         monkeypatch.setattr(forward, "MIN_SEGMENT_CHUNKS", 1)
     monkeypatch.setattr(forward, "forward_layout", lambda dims: layouts.append(pick(dims)) or layouts[-1])
-    args, kwargs = make_ssd_args(31, batch=2, seqlen=333, nheads=6, headdim=64, ngroups=3, dstate=128,
+    seq_idx = [100, 33, 200] if layout == "fused" else [100, 97, 200]
+    args, kwargs = make_ssd_args(31, batch=2, seqlen=sum(seq_idx), nheads=6, headdim=64, ngroups=3, dstate=128,
                                  dtype=jnp.bfloat16, D="headdim", z=True, dt_bias=True, dt_softplus=True,
-                                 initial_states=True, seq_idx=[100, 33, 200])
+                                 initial_states=True, seq_idx=seq_idx)
     y, final = jax.jit(lambda *a: jax_mamba2.ssd(*a, 64, **kwargs, return_final_states=True,
                                                  backend="cutile"))(*args)
     assert layouts and set(layouts) == {layout}
