@@ -23,7 +23,7 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND under a cap, logging to $
 case $part in
   tests)  # the op and the LM on the GPU; default kernel configs (tuning every test shape takes minutes)
     export JAX_MAMBA2_AUTOTUNE=0
-    step bridge_gpu 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/bridge/test_cutile_gpu.py
+    step bridge_gpu 360 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/bridge/test_cutile_gpu.py
     step flax_gpu 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/flax_layers/test_lm_gpu.py
     ;;
   kernel-tests)  # every forward and backward plan stage against the float64 reference, every tiling

@@ -186,3 +186,12 @@ def test_segmented_layout_cuts_few_long_chains_into_segments():
     # Enough chains already, or too few chunks to cut: no segmented layout.
     for other in (dataclasses.replace(dims, batch=16), dataclasses.replace(dims, seqlen=15 * 64)):
         assert fused_segment_chunks(other) == 0 and "segmented" not in forward_layouts(other)
+
+
+@pytest.mark.parametrize("dstate,want", [(64, (64, 6, 8)), (128, (64, 6, None)), (256, (64, 4, 8))])
+def test_fused_scan_default_is_the_measured_best_and_in_the_space(dstate, want):
+    """(BLOCK_P, LOAD_LAT, worker_warps) of the default at headdim 64: the H200 tuner's pick per dstate."""
+    dims = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=dstate, chunk_size=64)
+    cfg = fused_scan.fused_scan_fwd_default_config(dims)
+    assert (cfg.BLOCK_P, cfg.LOAD_LAT, cfg.worker_warps) == want and cfg.occupancy == 1
+    assert cfg in fused_scan.fused_scan_fwd_configs(dims)
