@@ -48,7 +48,7 @@ def test_cutile_matches_float64_scan(backend, dtype, feature):
 
 
 @pytest.mark.parametrize("layout", ["fused", "segmented"])
-def test_cutile_fused_forward_layouts_match_float64_scan(monkeypatch, layout):
+def test_cutile_fused_forward_layouts_match_float64_scan(monkeypatch, request, layout):
     """The fused and segmented forward layouts (picked by default only for >= FUSED_MIN_BLOCKS chains,
     or fewer chains of >= 2 MIN_SEGMENT_CHUNKS chunks) forced on a small problem with every feature
     (segmented: 7 chunks in 4 segments, seq_idx changing inside and across them), inside jit, and its
@@ -58,7 +58,8 @@ def test_cutile_fused_forward_layouts_match_float64_scan(monkeypatch, layout):
     from jax_mamba2.kernels import forward
     layouts = []
     pick = forward.forward_layout
-    tuning.clear_memory()            # the other layout's choice for these dims must not be reused
+    tuning.clear_memory()            # no layout choice made before (or forced here) outlives the test
+    request.addfinalizer(tuning.clear_memory)
     if layout == "fused":
         monkeypatch.setattr(forward, "FUSED_MIN_BLOCKS", 1)
     else:
@@ -89,7 +90,6 @@ def test_cutile_fused_forward_layouts_match_float64_scan(monkeypatch, layout):
         expected = jax.grad(functools.partial(loss, scan), argnums=(0, 1, 2, 3, 4))(*args64)
     for name, g, r in zip(["x", "dt", "A", "B", "C"], grads, expected):
         assert rel_l2(g, r) <= TOLERANCE["kernel_bwd"]["bfloat16"], (name, rel_l2(g, r))
-    tuning.clear_memory()
 
 
 @pytest.mark.parametrize("chunk_size", [64, 128, 256])

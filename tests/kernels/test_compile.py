@@ -127,12 +127,18 @@ def test_state_passes_at_occupancy_4_fit_four_blocks_per_sm_without_spills(laten
     assert 4 * (int(usage["SHARED"]) + 1024) <= 228 * 1024, usage
 
 
-def _assert_spill_free_with_wgmma_and_tma(dims, cfg, tmp_path):
-    _, cubin = compile_launch(chunk_scan.chunk_scan_fwd_launch(dims, cfg), forward_arrays(dims), "sm_90")
+def _assert_spill_free_with_wgmma_and_tma(launch, arrays, tmp_path):
+    """The launch's sm_90 SASS has wgmma and TMA loads, and neither local memory nor a stack."""
+    _, cubin = compile_launch(launch, arrays, "sm_90")
     sass, resources = sass_and_resources(cubin, tmp_path)
     usage = dict(re.findall(r"(LOCAL|STACK):(\d+)", resources))
-    assert "HGMMA" in sass and "UTMALDG" in sass, cfg
-    assert int(usage["LOCAL"]) == 0 and int(usage["STACK"]) == 0, (cfg, usage)
+    assert "HGMMA" in sass and "UTMALDG" in sass, launch.args
+    assert int(usage["LOCAL"]) == 0 and int(usage["STACK"]) == 0, (launch.args, usage)
+
+
+def _assert_chunk_scan_spill_free_with_wgmma_and_tma(dims, cfg, tmp_path):
+    _assert_spill_free_with_wgmma_and_tma(chunk_scan.chunk_scan_fwd_launch(dims, cfg), forward_arrays(dims),
+                                          tmp_path)
 
 
 @pytest.mark.parametrize("heads", [1, 2])
@@ -142,7 +148,7 @@ def test_chunk_scan_state_loop_uses_wgmma_and_tma_without_spills(block_n, heads,
     dims = dataclasses.replace(_BASE, batch=4, seqlen=8192, nheads=32, ngroups=1, dstate=128, chunk_size=64)
     cfg = chunk_scan.ChunkScanConfig(BLOCK_M=64, BLOCK_K=64, BLOCK_N=block_n, BLOCK_P=64, HEADS=heads)
     assert cfg in chunk_scan.chunk_scan_fwd_configs(dims)
-    _assert_spill_free_with_wgmma_and_tma(dims, cfg, tmp_path)
+    _assert_chunk_scan_spill_free_with_wgmma_and_tma(dims, cfg, tmp_path)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -154,7 +160,7 @@ def test_chunk_scan_default_at_chunk_64_is_a_spill_free_state_loop(dstate, dtype
                                dtype=dtype, dt_dtype=dtype, has_z=True, has_seq_idx=True)
     cfg = chunk_scan.chunk_scan_fwd_default_config(dims)
     assert cfg.BLOCK_N == min(64, dstate) and cfg.HEADS == 2
-    _assert_spill_free_with_wgmma_and_tma(dims, cfg, tmp_path)
+    _assert_chunk_scan_spill_free_with_wgmma_and_tma(dims, cfg, tmp_path)
 
 
 def test_export_cli_quick_writes_cubins_and_manifest(tmp_path, capsys):
@@ -177,11 +183,8 @@ def test_fused_scan_default_uses_wgmma_and_tma_without_spills(dstate, features, 
                                has_z=features, has_init=features, has_seq_idx=features)
     cfg = fused_scan.fused_scan_fwd_default_config(dims)
     assert (cfg.BLOCK_P, cfg.occupancy) == (64, 1) and cfg in fused_scan.fused_scan_fwd_configs(dims)
-    _, cubin = compile_launch(fused_scan.fused_scan_fwd_launch(dims, cfg), forward_arrays(dims, "fused"), "sm_90")
-    sass, resources = sass_and_resources(cubin, tmp_path)
-    usage = dict(re.findall(r"(LOCAL|STACK):(\d+)", resources))
-    assert "HGMMA" in sass and "UTMALDG" in sass
-    assert int(usage["LOCAL"]) == 0 and int(usage["STACK"]) == 0, usage
+    _assert_spill_free_with_wgmma_and_tma(fused_scan.fused_scan_fwd_launch(dims, cfg),
+                                          forward_arrays(dims, "fused"), tmp_path)
 
 
 def test_fused_scan_wide_state_with_8_worker_warps_has_no_stack(tmp_path):
@@ -189,8 +192,5 @@ def test_fused_scan_wide_state_with_8_worker_warps_has_no_stack(tmp_path):
     dims = dataclasses.replace(_BASE, batch=4, seqlen=8192, nheads=32, ngroups=1, dstate=256, chunk_size=64)
     cfg = fused_scan.FusedScanConfig(BLOCK_P=64, LOAD_LAT=4, occupancy=1, worker_warps=8)
     assert cfg in fused_scan.fused_scan_fwd_configs(dims)
-    _, cubin = compile_launch(fused_scan.fused_scan_fwd_launch(dims, cfg), forward_arrays(dims, "fused"), "sm_90")
-    sass, resources = sass_and_resources(cubin, tmp_path)
-    usage = dict(re.findall(r"(LOCAL|STACK):(\d+)", resources))
-    assert "HGMMA" in sass and "UTMALDG" in sass
-    assert int(usage["LOCAL"]) == 0 and int(usage["STACK"]) == 0, usage
+    _assert_spill_free_with_wgmma_and_tma(fused_scan.fused_scan_fwd_launch(dims, cfg),
+                                          forward_arrays(dims, "fused"), tmp_path)
