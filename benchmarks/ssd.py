@@ -310,6 +310,7 @@ class Prepared:
     to_outputs: Callable[[Any], dict]  # raw outputs -> {name: JAX array} named like the reference
     chunk_size: int
     notes: str = ""
+    temp_bytes: Optional[Callable[[], int]] = None  # XLA's temporary buffer bytes of the compiled program
 
 
 def _grad_outputs(grads) -> dict:
@@ -325,7 +326,8 @@ def prepare_ours(backend: str, inputs: dict, weights: dict, chunk_size: int, dir
     else:
         fn = jax.jit(forward_backward(forward, weights))
         to_outputs = lambda out: _grad_outputs(out[1])  # noqa: E731
-    return Prepared(lambda: fn(*args), time_jax, "block_until_ready", to_outputs, chunk_size)
+    return Prepared(lambda: fn(*args), time_jax, "block_until_ready", to_outputs, chunk_size,
+                    temp_bytes=lambda: fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
 
 
 def prepare_mamba_ssm(inputs: dict, weights: dict, chunk_size: int, direction: str):
@@ -436,6 +438,10 @@ def measure(impl: str, shape: Shape, inputs: dict, weights: dict, reference: dic
         errors = compare(prepared.to_outputs(out), reference)
         if impl in ("cutile", "cutile_callback"):
             record["tuning"], tune_full = tuning_summary(inputs, prepared.chunk_size)
+            # What the differentiated forward saved for the backward (ssd's JAX_MAMBA2_RECOMPUTE_STATES).
+            record["saved_for_backward"] = "inputs" if ssd_op.recompute_for_backward() else "inputs+states"
+        if prepared.temp_bytes is not None:
+            record["temp_bytes"] = prepared.temp_bytes()
     except Exception as e:  # noqa: BLE001  one failing impl must not end the run
         record["error"] = f"{type(e).__name__}: {e}"[:2000]
         return record, None

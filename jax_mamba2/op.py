@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, NamedTuple, Optional
+import os
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,10 @@ class Backend:
 
     forward(inputs, static) -> (y, final_states). `differentiable` says whether JAX can differentiate
     `forward` itself; if not, `ssd` wraps it in a custom_vjp whose backward is `backward(inputs, static,
-    dy, dfinal_states) -> SSDInputs of cotangents` or, when None, the VJP of the xla path (recompute).
+    dy, dfinal_states, saved) -> SSDInputs of cotangents` or, when None, the VJP of the xla path
+    (recompute). The custom_vjp's forward is `forward_saving(inputs, static) -> ((y, final_states),
+    saved)` when given (what it saves for the backward besides the inputs), else `forward` with saved
+    = None.
     unsupported_reason(inputs, static) -> None or a sentence saying why this call cannot run here.
     step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit) -> (y, new_state), optional.
     """
@@ -75,6 +79,7 @@ class Backend:
     unsupported_reason: Callable[[SSDInputs, SSDStatic], Optional[str]]
     differentiable: bool = False
     backward: Optional[Callable[..., SSDInputs]] = None
+    forward_saving: Optional[Callable[[SSDInputs, SSDStatic], tuple[tuple[jax.Array, jax.Array], Any]]] = None
     step: Optional[Callable[..., tuple[jax.Array, jax.Array]]] = None
     step_unsupported_reason: Optional[Callable[..., Optional[str]]] = None
     # Preferred by "auto" when supported (kernel backends); ties resolve by registration order.
@@ -252,10 +257,14 @@ def _opaque_ssd(backend: Backend, static: SSDStatic, inputs: SSDInputs):
 
 
 def _opaque_ssd_fwd(backend, static, inputs):
-    return backend.forward(inputs, static), inputs
+    if backend.forward_saving is None:
+        return backend.forward(inputs, static), (inputs, None)
+    outputs, saved = backend.forward_saving(inputs, static)
+    return outputs, (inputs, saved)
 
 
-def _xla_vjp(inputs: SSDInputs, static: SSDStatic, dy, dfinal):
+def _xla_vjp(inputs: SSDInputs, static: SSDStatic, dy, dfinal, saved=None):
+    del saved  # the xla path recomputes what it needs
     float_inputs = inputs._replace(seq_idx=None)
 
     def f(float_inputs):
@@ -266,19 +275,29 @@ def _xla_vjp(inputs: SSDInputs, static: SSDStatic, dy, dfinal):
     return grads
 
 
-def _opaque_ssd_bwd(backend, static, inputs, cotangents):
+def _opaque_ssd_bwd(backend, static, residuals, cotangents):
+    inputs, saved = residuals
     dy, dfinal = cotangents
     backward = backend.backward or _xla_vjp
-    grads = backward(inputs, static, dy, dfinal)
+    grads = backward(inputs, static, dy, dfinal, saved)
     return (grads._replace(seq_idx=None),)
 
 
 _opaque_ssd.defvjp(_opaque_ssd_fwd, _opaque_ssd_bwd)
 
 
+def recompute_for_backward() -> bool:
+    """True when env JAX_MAMBA2_RECOMPUTE_STATES=1: differentiated calls then save only their inputs
+    (what a backend's `forward_saving` would save, the backward recomputes). Read when a call is traced:
+    JAX reuses the trace of a custom VJP, so it takes part in that trace's key (the backend)."""
+    return os.environ.get("JAX_MAMBA2_RECOMPUTE_STATES", "0") == "1"
+
+
 def _run_backend(backend: Backend, inputs: SSDInputs, static: SSDStatic):
     if backend.differentiable:
         return backend.forward(inputs, static)
+    if backend.forward_saving is not None and recompute_for_backward():
+        backend = dataclasses.replace(backend, forward_saving=None)
     return _opaque_ssd(backend, static, inputs)
 
 

@@ -15,11 +15,13 @@ from jax_mamba2.bridge import callback, ffi, ops, problem
 
 _ssd.register_backend(_ssd.Backend(
     name="cutile", forward=ops.make_forward(ffi.run_plan),
+    forward_saving=ops.make_forward_saving(ffi.run_plan),
     unsupported_reason=problem.unsupported_reason, backward=ops.make_backward(ffi.run_plan),
     step=ops.make_step(ffi.run_plan), step_unsupported_reason=ops.step_unsupported_reason,
     auto_priority=2))
 _ssd.register_backend(_ssd.Backend(
     name="cutile_callback", forward=ops.make_forward(callback.run_plan),
+    forward_saving=ops.make_forward_saving(callback.run_plan),
     unsupported_reason=problem.unsupported_reason, backward=ops.make_backward(callback.run_plan),
     step=ops.make_step(callback.run_plan),
     step_unsupported_reason=ops.step_unsupported_reason))

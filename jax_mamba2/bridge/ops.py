@@ -42,29 +42,32 @@ def _broadcast_unbatched(tree, batched_tree, axis_size: int):
         tree, batched_tree)
 
 
-def _forward_once(run_plan: RunPlan, inputs, static):
+def _forward_once(run_plan: RunPlan, inputs, static, save_states: bool):
     dims = problem.kernel_dims(inputs, static)
-    plan = forward_kernels.forward_plan(dims, tuning.forward_configs(dims))
+    plan = forward_kernels.forward_plan(dims, tuning.forward_configs(dims), save_states=save_states)
     out = run_plan(plan, problem.kernel_inputs(inputs, dims))
-    return _compat.match_varying_axes((out["out"], out["final_states"]), inputs)
+    outputs = (out["out"], out["final_states"]) + ((out["states"],) if save_states else ())
+    return _compat.match_varying_axes(outputs, inputs)
 
 
 @functools.cache
-def _batchable_forward(run_plan: RunPlan, static):
+def _batchable_forward(run_plan: RunPlan, static, save_states: bool):
+    """(y, final_states), and the chunk-entry states with `save_states`, under a vmap rule."""
+    all_batched = (True,) * (3 if save_states else 2)
+
     @jax.custom_batching.custom_vmap
     def forward(inputs):
-        return _forward_once(run_plan, inputs, static)
+        return _forward_once(run_plan, inputs, static, save_states)
 
     @forward.def_vmap
     def forward_vmap(axis_size, in_batched, inputs):
         batched = in_batched[0]
         if any(getattr(batched, n) for n in _PER_HEAD):
             # Per-item parameters cannot share one launch: map over the items instead.
-            return jax.lax.map(forward, _broadcast_unbatched(inputs, batched, axis_size)), (True, True)
+            return jax.lax.map(forward, _broadcast_unbatched(inputs, batched, axis_size)), all_batched
         folded = inputs._replace(**{n: _fold(getattr(inputs, n), getattr(batched, n), axis_size)
                                     for n in _PER_ROW if getattr(inputs, n) is not None})
-        y, final = forward(folded)
-        return (_unfold(y, axis_size), _unfold(final, axis_size)), (True, True)
+        return tuple(_unfold(out, axis_size) for out in forward(folded)), all_batched
 
     return forward
 
@@ -72,8 +75,19 @@ def _batchable_forward(run_plan: RunPlan, static):
 def make_forward(run_plan: RunPlan):
     """forward(inputs: SSDInputs, static: SSDStatic) -> (y, final_states) on the cuTile kernels."""
     def forward(inputs, static):
-        return _batchable_forward(run_plan, static)(inputs)
+        return _batchable_forward(run_plan, static, False)(inputs)
     return forward
+
+
+def make_forward_saving(run_plan: RunPlan):
+    """forward_saving(inputs, static) -> ((y, final_states), states): the forward a custom VJP runs. It
+    saves the chunk-entry states (batch, nchunks, nheads, headdim, dstate) in x's dtype, dstate /
+    chunk_size times x's bytes, which the fused kernels store as they pass and the staged layout writes
+    anyway, so that the backward does not recompute them (a chain pass over all chunks)."""
+    def forward_saving(inputs, static):
+        y, final, states = _batchable_forward(run_plan, static, True)(inputs)
+        return (y, final), states
+    return forward_saving
 
 
 def deterministic_backward() -> bool:
@@ -82,14 +96,16 @@ def deterministic_backward() -> bool:
     return os.environ.get("JAX_MAMBA2_DETERMINISTIC", "0") == "1"
 
 
-def _backward_once(run_plan: RunPlan, inputs, static, dy, dfinal):
+def _backward_once(run_plan: RunPlan, inputs, static, dy, dfinal, states):
     dims = problem.kernel_dims(inputs, static)
     arrays = problem.kernel_inputs(inputs, dims)
     arrays["dout"] = dy.astype(dims.dtype)
     arrays["dfinal_states"] = dfinal.astype(jnp.float32)
+    if states is not None:
+        arrays["states"] = states
     deterministic = deterministic_backward()
     plan = backward_kernels.backward_plan(dims, tuning.backward_configs(dims, deterministic),
-                                          deterministic=deterministic)
+                                          deterministic=deterministic, saved_states=states is not None)
     out = _compat.match_varying_axes(run_plan(plan, arrays), (inputs, dy, dfinal))
 
     def like(grad, primal):
@@ -108,13 +124,13 @@ def _backward_once(run_plan: RunPlan, inputs, static, dy, dfinal):
 @functools.cache
 def _batchable_backward(run_plan: RunPlan, static):
     @jax.custom_batching.custom_vmap
-    def backward(inputs, dy, dfinal):
-        return _backward_once(run_plan, inputs, static, dy, dfinal)
+    def backward(inputs, dy, dfinal, states):
+        return _backward_once(run_plan, inputs, static, dy, dfinal, states)
 
     @backward.def_vmap
-    def backward_vmap(axis_size, in_batched, inputs, dy, dfinal):
+    def backward_vmap(axis_size, in_batched, inputs, dy, dfinal, states):
         # Parameter gradients are sums over the batch, so items cannot share one launch.
-        args = _broadcast_unbatched((inputs, dy, dfinal), tuple(in_batched), axis_size)
+        args = _broadcast_unbatched((inputs, dy, dfinal, states), tuple(in_batched), axis_size)
         grads = jax.lax.map(lambda a: backward(*a), args)
         return grads, jax.tree.map(lambda _: True, grads)
 
@@ -122,9 +138,10 @@ def _batchable_backward(run_plan: RunPlan, static):
 
 
 def make_backward(run_plan: RunPlan):
-    """backward(inputs, static, dy, dfinal_states) -> SSDInputs of cotangents, on the cuTile kernels."""
-    def backward(inputs, static, dy, dfinal):
-        return _batchable_backward(run_plan, static)(inputs, dy, dfinal)
+    """backward(inputs, static, dy, dfinal_states, states) -> SSDInputs of cotangents, on the cuTile
+    kernels; `states` as `make_forward_saving` saved them, or None (recomputed)."""
+    def backward(inputs, static, dy, dfinal, states=None):
+        return _batchable_backward(run_plan, static)(inputs, dy, dfinal, states)
     return backward
 
 

@@ -1,7 +1,8 @@
 """The SSD backward as a plan: recompute the forward's chunk quantities, then five backward stages.
 
     1. chunk_cumsum        (forward)  Δ, dA_cumsum
-    2. chunk_state         (forward)  chunk-entry states H_c in x's dtype (final_states recomputed, unused)
+    2. chunk_state         (forward)  chunk-entry states H_c in x's dtype (final_states recomputed, unused);
+                                      skipped when the forward saved them (`saved_states`)
     3. chunk_scan_bwd_dc   dy = dout·silu(z), dz, dC, dD partials, dA_cumsum grads of the output
     4. chunk_state_bwd     reverse state pass: ∂L/∂(chunk end states), dinitial_states, carry's dA grad
     5. chunk_scan_bwd_dx   dx, dB, ∂L/∂Δ (explicit factors), end-state dA grads
@@ -63,13 +64,23 @@ def group_heads_per_block(dims: SSDDims, deterministic: bool, atomic_heads_per_b
     return math.gcd(atomic_heads_per_block, dims.heads_per_group)
 
 
-def backward_inputs(dims: SSDDims) -> dict[str, Buffer]:
+def backward_inputs(dims: SSDDims, saved_states: bool = False) -> dict[str, Buffer]:
     """Shape and dtype of each input: the forward's (dummies included), dout (b, L, H, P) in x's dtype
-    and dfinal_states (b, H, P, N) f32 (zeros when final_states was not used)."""
+    and dfinal_states (b, H, P, N) f32 (zeros when final_states was not used); with `saved_states`,
+    the forward's chunk-entry states (b, nchunks, H, P, N) in x's dtype."""
     b, L, H, P, N = dims.batch, dims.seqlen, dims.nheads, dims.headdim, dims.dstate
+    saved = {"states": _states(dims)} if saved_states else {}
     return {**forward_inputs(dims),
             "dout": Buffer((b, L, H, P), dims.dtype),
-            "dfinal_states": Buffer((b, H, P, N), "float32")}
+            "dfinal_states": Buffer((b, H, P, N), "float32"),
+            **saved}
+
+
+def _states(dims: SSDDims) -> Buffer:
+    # Chunk-entry states and their gradients in x's dtype, as mamba_ssm's backward keeps them: the
+    # passes that read them round them to x's dtype for their products anyway, and at chunk 64 each
+    # is as large as x times dstate / chunk_size (half the bytes of f32).
+    return Buffer((dims.batch, dims.nchunks, dims.nheads, dims.headdim, dims.dstate), dims.dtype)
 
 
 def _stage_configs(dims: SSDDims, configs: Mapping[str, object] | None) -> dict[str, object]:
@@ -83,9 +94,10 @@ def _stage_configs(dims: SSDDims, configs: Mapping[str, object] | None) -> dict[
 
 
 def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None, deterministic: bool = False,
-                     atomic_heads_per_block: int | None = None) -> dict[str, Buffer]:
+                     atomic_heads_per_block: int | None = None, saved_states: bool = False
+                     ) -> dict[str, Buffer]:
     """The intermediates and outputs `backward_plan(dims, configs, deterministic=...,
-    atomic_heads_per_block=...)` allocates."""
+    atomic_heads_per_block=..., saved_states=...)` allocates."""
     configs = _stage_configs(dims, configs)
     b, L, H, P, G, N = dims.batch, dims.seqlen, dims.nheads, dims.headdim, dims.ngroups, dims.dstate
     nc, Q, T = dims.nchunks, dims.chunk_size, dims.dtype
@@ -95,15 +107,12 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
     gated = (b, L, H, P) if dims.has_z else (1, 1, 1, 1)
     # Atomic head reductions need zeroed dB/dC; a block owning its whole group stores them.
     atomic = adds_atomically(dims, group_heads_per_block(dims, deterministic, atomic_heads_per_block))
+    recomputed = {} if saved_states else {"states": _states(dims), "final_states": Buffer((b, H, P, N), "float32")}
     return {
         # Forward recompute.
         "dt_out": per_row,
         "dA_cumsum": per_row,
-        # Chunk-entry states and their gradients in x's dtype, as mamba_ssm's backward keeps them: the
-        # passes that read them round them to x's dtype for their products anyway, and at chunk 64 each
-        # is as large as x times dstate / chunk_size (half the bytes of f32).
-        "states": Buffer((b, nc, H, P, N), T),
-        "final_states": Buffer((b, H, P, N), "float32"),
+        **recomputed,
         # Intermediates of the backward stages (dy and dz are zeroed dummies without a gate: never read,
         # but defined).
         "dy": Buffer(gated, T, zero_init=not dims.has_z),
@@ -111,7 +120,7 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
         "ddA_inter": per_row,
         # Zeroed: row blocks wholly past seqlen write no partial row.
         "dD_partials": Buffer((b * nc * num_m_blocks, H, P), "float32", zero_init=True),
-        "dstates": Buffer((b, nc, H, P, N), T),
+        "dstates": _states(dims),
         "ddA_chunk": Buffer((b, H, nc, num_state_tiles), "float32"),
         "ddt_out": per_row,
         "ddA_state": per_row,
@@ -131,13 +140,16 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
 
 
 def backward_arrays(dims: SSDDims, configs: Mapping[str, object] | None = None, deterministic: bool = False,
-                    atomic_heads_per_block: int | None = None) -> dict[str, Buffer]:
+                    atomic_heads_per_block: int | None = None, saved_states: bool = False
+                    ) -> dict[str, Buffer]:
     """Every array `backward_plan(dims, configs, ...)` names: inputs, then buffers."""
-    return {**backward_inputs(dims), **backward_buffers(dims, configs, deterministic, atomic_heads_per_block)}
+    return {**backward_inputs(dims, saved_states),
+            **backward_buffers(dims, configs, deterministic, atomic_heads_per_block, saved_states)}
 
 
 def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
-                  deterministic: bool = False, atomic_heads_per_block: int | None = None) -> Plan:
+                  deterministic: bool = False, atomic_heads_per_block: int | None = None,
+                  saved_states: bool = False) -> Plan:
     """The SSD backward for `dims`.
 
     Args:
@@ -148,6 +160,8 @@ def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
         reproducible outputs.
       atomic_heads_per_block: heads per block of the dB/dC passes when not deterministic (default: see
         `group_heads_per_block`).
+      saved_states: the forward's chunk-entry states are an input ("states", from
+        `forward.forward_plan(..., save_states=True)`) instead of being recomputed.
 
     Returns:
       A Plan with inputs BACKWARD_INPUTS and outputs BACKWARD_OUTPUTS: dx (b, L, H, P) and dz (b, L, H, P)
@@ -159,12 +173,13 @@ def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
     dy = "dy" if dims.has_z else "dout"
     dc_config = configs["chunk_scan_bwd_dc"]
     state_config = configs["chunk_state_bwd"]
+    recompute = (chunk_cumsum_fwd_launch(dims, configs.get("chunk_cumsum")),)
+    if not saved_states:
+        recompute += (chunk_state_fwd_launch(dims, configs.get("chunk_state")),)
     return Plan(
-        inputs=BACKWARD_INPUTS,
-        buffers=backward_buffers(dims, configs, deterministic, atomic_heads_per_block),
-        launches=(
-            chunk_cumsum_fwd_launch(dims, configs.get("chunk_cumsum")),
-            chunk_state_fwd_launch(dims, configs.get("chunk_state")),
+        inputs=BACKWARD_INPUTS + (("states",) if saved_states else ()),
+        buffers=backward_buffers(dims, configs, deterministic, atomic_heads_per_block, saved_states),
+        launches=recompute + (
             chunk_scan_bwd_dc_launch(dims, dc_config, heads_per_block=heads_per_block),
             chunk_state_bwd_launch(dims, state_config, dy=dy),
             chunk_scan_bwd_dx_launch(dims, configs.get("chunk_scan_bwd_dx"), heads_per_block=heads_per_block,

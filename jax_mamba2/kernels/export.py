@@ -7,8 +7,9 @@ width), so a cubin compiled here is the cubin JAX compiles on the GPU for arrays
 
 Command line:
     python -m jax_mamba2.kernels.export --arch sm_90 --out DIR [--configs default|all] [--quick]
-compiles the forward (both layouts where the fused one applies) and decode kernels of a representative
-problem set (x/B/C dtype bf16/f16/f32,
+compiles the forward (every layout that applies, with and without saving the chunk-entry states for the
+backward), backward (recomputing or reading those states; atomic and deterministic) and decode kernels of
+a representative problem set (x/B/C dtype bf16/f16/f32,
 headdim and dstate 64/128, chunk_size 64/128/256, the optional inputs all absent or all present,
 dt_softplus on as in Mamba2) with the default configuration of every stage (`--configs all`: every
 configuration of the autotune spaces), skipping duplicates, and prints one line per cubin: name, size,
@@ -28,8 +29,11 @@ import cuda.tile as ct
 from cuda.tile.compilation import (
     ArrayConstraint, CallingConvention, ConstantConstraint, KernelSignature, export_kernel)
 
-from jax_mamba2.kernels import chunk_cumsum, chunk_scan, chunk_state, fused_scan, state_update
+from jax_mamba2.kernels import (
+    chunk_cumsum, chunk_cumsum_bwd, chunk_scan, chunk_scan_bwd_dc, chunk_scan_bwd_dx, chunk_state, chunk_state_bwd,
+    fused_scan, param_grads_bwd, state_update)
 from jax_mamba2.kernels._common import SUPPORTED_ARCHS, Buffer, Launch, SSDDims
+from jax_mamba2.kernels.backward import backward_arrays, backward_plan
 from jax_mamba2.kernels.forward import forward_arrays, forward_layouts, forward_plan
 
 _CT_DTYPES = {
@@ -136,12 +140,32 @@ def _forward_configs(dims: SSDDims, which: str, arch: str) -> Iterator[tuple[str
             yield layout, {stage: cfg}
 
 
+def _backward_configs(dims: SSDDims, which: str, arch: str) -> Iterator[dict]:
+    """Configs of the backward plans to compile: the defaults, or each stage's space on its own."""
+    if which == "default":
+        yield {}
+        return
+    spaces = {"chunk_scan_bwd_dc": chunk_scan_bwd_dc.chunk_scan_bwd_dc_configs(dims, arch),
+              "chunk_state_bwd": chunk_state_bwd.chunk_state_bwd_configs(dims, arch),
+              "chunk_scan_bwd_dx": chunk_scan_bwd_dx.chunk_scan_bwd_dx_configs(dims, arch),
+              "chunk_cumsum_bwd": chunk_cumsum_bwd.chunk_cumsum_bwd_configs(dims, arch),
+              "param_grads_bwd": param_grads_bwd.param_grads_bwd_configs(dims, arch)}
+    for stage, space in spaces.items():
+        yield from ({stage: cfg} for cfg in space)
+
+
 def _launches(which: str, quick: bool, arch: str) -> Iterator[tuple[Launch, dict]]:
     """(launch, arrays) for every kernel the problem set uses."""
     for dims in _problems(quick):
         for layout, configs in _forward_configs(dims, which, arch):
-            for launch in forward_plan(dims, configs, layout).launches:
-                yield launch, forward_arrays(dims, layout)
+            for save_states in (False, True):
+                for launch in forward_plan(dims, configs, layout, save_states).launches:
+                    yield launch, forward_arrays(dims, layout, save_states)
+        for configs in _backward_configs(dims, which, arch):
+            for deterministic, saved_states in itertools.product((False, True), (False, True)):
+                plan = backward_plan(dims, configs, deterministic=deterministic, saved_states=saved_states)
+                arrays = backward_arrays(dims, configs, deterministic, saved_states=saved_states)
+                yield from ((launch, arrays) for launch in plan.launches)
         step_dims = dataclasses.replace(dims, seqlen=1, chunk_size=1, dt_dtype="float32", has_init=False,
                                         has_seq_idx=False)
         step_configs = ([None] if which == "default"

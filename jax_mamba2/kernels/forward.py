@@ -96,9 +96,10 @@ def forward_inputs(dims: SSDDims) -> dict[str, Buffer]:
     }
 
 
-def forward_buffers(dims: SSDDims, layout: str = "staged") -> dict[str, Buffer]:
-    """The intermediates and outputs the plan of `layout` allocates (the fused layout's segment arrays
-    as zeroed dummies: its one segment per chain never reads them, but every argument must be defined)."""
+def forward_buffers(dims: SSDDims, layout: str = "staged", save_states: bool = False) -> dict[str, Buffer]:
+    """The intermediates and outputs the plan of `layout` (`save_states`) allocates (the fused layout's
+    segment arrays, and the fused kernel's states when not saved, as zeroed dummies: never read, but
+    every argument must be defined)."""
     b, H, P, N, nc, Q = dims.batch, dims.nheads, dims.headdim, dims.dstate, dims.nchunks, dims.chunk_size
     buffers = {
         "dt_out": Buffer((b, H, nc, Q), "float32"),
@@ -110,7 +111,8 @@ def forward_buffers(dims: SSDDims, layout: str = "staged") -> dict[str, Buffer]:
     }
     if layout == "staged":
         return buffers
-    del buffers["states"]
+    if not save_states:
+        buffers["states"] = Buffer((1, 1, 1, 1, 1), dims.dtype, zero_init=True)
     if layout == "fused":
         return {**buffers, "seg_states": Buffer((1, 1, 1, 1, 1), "float32", zero_init=True),
                 "seg_decay": Buffer((1, 1, 1), "float32", zero_init=True)}
@@ -120,9 +122,9 @@ def forward_buffers(dims: SSDDims, layout: str = "staged") -> dict[str, Buffer]:
             "seg_decay": Buffer((b, H, earlier), "float32")}
 
 
-def forward_arrays(dims: SSDDims, layout: str = "staged") -> dict[str, Buffer]:
-    """Every array the forward plan of `dims` in `layout` names: inputs, then buffers."""
-    return {**forward_inputs(dims), **forward_buffers(dims, layout)}
+def forward_arrays(dims: SSDDims, layout: str = "staged", save_states: bool = False) -> dict[str, Buffer]:
+    """Every array the forward plan of `dims` in `layout` (`save_states`) names: inputs, then buffers."""
+    return {**forward_inputs(dims), **forward_buffers(dims, layout, save_states)}
 
 
 def configs_layout(dims: SSDDims, configs: Mapping[str, object]) -> str:
@@ -133,8 +135,8 @@ def configs_layout(dims: SSDDims, configs: Mapping[str, object]) -> str:
     return named[0] if len(named) == 1 else forward_layout(dims)
 
 
-def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, layout: str | None = None
-                 ) -> Plan:
+def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, layout: str | None = None,
+                 save_states: bool = False) -> Plan:
     """The SSD forward for `dims`.
 
     Args:
@@ -143,6 +145,9 @@ def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, lay
         missing stages use their default configuration.
       layout: one of FORWARD_LAYOUTS that can run `dims` (`forward_layouts`); None:
         `configs_layout(dims, configs)`.
+      save_states: also output "states", the chunk-entry states (batch, nchunks, nheads, headdim,
+        dstate) in x's dtype, for `backward.backward_plan(..., saved_states=True)` (the fused kernels
+        store them as they pass; the staged layout has them anyway).
 
     Returns:
       A Plan with inputs FORWARD_INPUTS, buffers dt_out, dA_cumsum, out, final_states (and states in
@@ -164,12 +169,13 @@ def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, lay
     segment_chunks = fused_segment_chunks(dims) if layout == "segmented" else 0
     launch_of = {
         "chunk_cumsum": chunk_cumsum_fwd_launch, "chunk_state": chunk_state_fwd_launch,
-        "chunk_scan": chunk_scan_fwd_launch, "fused_scan": fused_scan_fwd_launch,
+        "chunk_scan": chunk_scan_fwd_launch,
+        "fused_scan": lambda d, cfg: fused_scan_fwd_launch(d, cfg, write_states=save_states),
         "segment_states": lambda d, cfg: segment_states_launch(d, cfg, segment_chunks),
-        "segmented_scan": lambda d, cfg: fused_scan_fwd_launch(d, cfg, segment_chunks)}
+        "segmented_scan": lambda d, cfg: fused_scan_fwd_launch(d, cfg, segment_chunks, write_states=save_states)}
     return Plan(
         inputs=FORWARD_INPUTS,
-        buffers=forward_buffers(dims, layout),
+        buffers=forward_buffers(dims, layout, save_states),
         launches=tuple(launch_of[stage](dims, configs.get(stage)) for stage in stages),
-        outputs=FORWARD_OUTPUTS,
+        outputs=FORWARD_OUTPUTS + (("states",) if save_states else ()),
     )

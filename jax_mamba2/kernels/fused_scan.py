@@ -32,11 +32,16 @@ and stores its end state L_s and D_s, the product of its chunks' carries (0 when
 the block of segment s then enters with H = D_{s-1} (... (D_0 H_0 + L_0) ...) + L_{s-1}, the same chunk
 recurrence regrouped.
 
+With WRITE_STATES a block also stores every chunk-entry state H_c it carries, rounded to x's dtype (the
+operand of its C·H product), into `states`: what chunk_state writes in the staged layout and what the
+backward reads, so a differentiated forward can save them instead of the backward recomputing them.
+
 Shapes: x, z, out (batch, seqlen, nheads, headdim) T (z a dummy without HAS_Z); B, C (batch, seqlen,
 ngroups, dstate) T; D (nheads, headdim) f32; dt_out, dA_cumsum (batch, nheads, nchunks, chunk_size) f32;
 initial_states, final_states (batch, nheads, headdim, dstate) f32 (initial_states a dummy without
 HAS_INIT); seq_idx (batch, seqlen) int32 or a dummy; seg_states (batch, segments - 1, nheads, dstate,
-headdim) f32 and seg_decay (batch, nheads, segments - 1) f32 (dummies with one segment).
+headdim) f32 and seg_decay (batch, nheads, segments - 1) f32 (dummies with one segment); states (batch,
+nchunks, nheads, headdim, dstate) T (a dummy without WRITE_STATES).
 """
 import dataclasses
 
@@ -102,8 +107,8 @@ def _segment_states_body(x, B, dt_out, dA_cumsum, seq_idx, seg_states, seg_decay
 
 
 def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, seg_states, seg_decay, out,
-                     final_states, CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, HAS_Z, HAS_INIT, HAS_SEQ_IDX,
-                     LOAD_LAT):
+                     final_states, states, CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, HAS_Z, HAS_INIT, HAS_SEQ_IDX,
+                     WRITE_STATES, LOAD_LAT):
     pb = ct.bid(1)
     seqlen = x.shape[1]
     b, h, g = batch_head_group(ct.bid(0), x.shape[2], B.shape[2])
@@ -154,8 +159,11 @@ def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, 
 
         x_op = x_c.astype(operand_dtype)
         cb = ct.mma(C_c, B_c.astype(operand_dtype).transpose(), ct.zeros((CHUNK, CHUNK), dtype=ct.float32))
-        acc = ct.mma(C_c, state_t.astype(x.dtype).astype(operand_dtype),
-                     ct.zeros((CHUNK, BLOCK_P), dtype=ct.float32))
+        entry_state_t = state_t.astype(x.dtype)                          # H_c^T as chunk_scan reads it
+        if WRITE_STATES:
+            ct.store(states, index=(b, c, h, pb, 0),
+                     tile=entry_state_t.transpose().reshape((1, 1, 1, BLOCK_P, DSTATE)))
+        acc = ct.mma(C_c, entry_state_t.astype(operand_dtype), ct.zeros((CHUNK, BLOCK_P), dtype=ct.float32))
         acc = acc * inter_scale[:, None]
         decay = ct.exp(ct.minimum(dA[:, None] - dA[None, :], 0.0))
         scores = ct.where(keep, cb * decay * delta[None, :], 0.0).astype(x.dtype).astype(operand_dtype)
@@ -187,6 +195,7 @@ def _make_fused_scan_fwd_kernel(Big):
         seg_decay: Big,       # (batch, nheads, segments - 1) f32, or a dummy (one segment)
         out: Big,             # (batch, seqlen, nheads, headdim) T, written
         final_states: Big,    # (batch, nheads, headdim, dstate) f32, written
+        states: Big,          # (batch, nchunks, nheads, headdim, dstate) T, written (WRITE_STATES), or a dummy
         CHUNK: ConstInt,
         DSTATE: ConstInt,
         BLOCK_P: ConstInt,    # headdim columns per block
@@ -194,11 +203,12 @@ def _make_fused_scan_fwd_kernel(Big):
         HAS_Z: ConstBool,
         HAS_INIT: ConstBool,
         HAS_SEQ_IDX: ConstBool,
+        WRITE_STATES: ConstBool,  # store every chunk-entry state (what the backward would recompute)
         LOAD_LAT: ConstInt,   # latency hint of the per-chunk loads (1..10)
     ):
         _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, seg_states, seg_decay,
-                         out, final_states, CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, HAS_Z, HAS_INIT,
-                         HAS_SEQ_IDX, LOAD_LAT)
+                         out, final_states, states, CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, HAS_Z, HAS_INIT,
+                         HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT)
 
     return fused_scan_fwd_kernel
 
@@ -312,8 +322,10 @@ def fused_scan_fwd_grid(dims: SSDDims, cfg: FusedScanConfig, segment_chunks: int
     return (dims.batch * dims.nheads, dims.headdim // cfg.BLOCK_P, num_segments(dims, segment_chunks))
 
 
-def fused_scan_fwd_launch(dims: SSDDims, cfg: FusedScanConfig | None = None, segment_chunks: int = 0) -> Launch:
-    """The launch writing ("out", "final_states"); with `segment_chunks`, one block per segment, each
+def fused_scan_fwd_launch(dims: SSDDims, cfg: FusedScanConfig | None = None, segment_chunks: int = 0, *,
+                          write_states: bool = False) -> Launch:
+    """The launch writing ("out", "final_states"), and "states" (every chunk-entry state in x's dtype, as
+    chunk_state writes them) with `write_states`; with `segment_chunks`, one block per segment, each
     starting from the entry state that "seg_states" and "seg_decay" give (`segment_states_launch`)."""
     cfg = cfg or fused_scan_fwd_default_config(dims)
     return Launch(
@@ -321,9 +333,9 @@ def fused_scan_fwd_launch(dims: SSDDims, cfg: FusedScanConfig | None = None, seg
                              num_worker_warps=cfg.worker_warps),
         grid=fused_scan_fwd_grid(dims, cfg, segment_chunks),
         args=("x", "B", "C", "D", "z", "dt_out", "dA_cumsum", "initial_states", "seq_idx", "seg_states",
-              "seg_decay", "out", "final_states", dims.chunk_size, dims.dstate, cfg.BLOCK_P, segment_chunks,
-              dims.has_z, dims.has_init, dims.has_seq_idx, cfg.LOAD_LAT),
-        writes=("out", "final_states"),
+              "seg_decay", "out", "final_states", "states", dims.chunk_size, dims.dstate, cfg.BLOCK_P,
+              segment_chunks, dims.has_z, dims.has_init, dims.has_seq_idx, write_states, cfg.LOAD_LAT),
+        writes=("out", "final_states") + (("states",) if write_states else ()),
     )
 
 

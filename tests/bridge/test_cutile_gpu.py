@@ -161,6 +161,13 @@ def test_cutile_grad_matches_float64_scan_grad(feature, dtype):
         assert rel_l2(g, r) <= tol, (name, rel_l2(g, r))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cutile_grad_recomputing_the_states_matches_float64_scan_grad(monkeypatch, dtype):
+    """JAX_MAMBA2_RECOMPUTE_STATES=1: the forward saves only its inputs, the backward recomputes."""
+    monkeypatch.setenv("JAX_MAMBA2_RECOMPUTE_STATES", "1")
+    test_cutile_grad_matches_float64_scan_grad("seq_idx", dtype)
+
+
 def test_cutile_deterministic_backward_is_bitwise_reproducible(monkeypatch):
     monkeypatch.setenv("JAX_MAMBA2_DETERMINISTIC", "1")
     args, kwargs = make_ssd_args(21, batch=2, seqlen=256, nheads=8, headdim=64, ngroups=2, dstate=64,

@@ -99,6 +99,31 @@ def test_cutile_vmap_of_grad_maps_backward_items():
     assert any("bwd" in n for n in _kernel_names(jaxpr))
 
 
+@pytest.mark.parametrize("layout", ["staged", "fused"])
+def test_cutile_grad_reads_the_states_the_forward_saved_unless_asked_to_recompute(monkeypatch, layout):
+    """The custom VJP's forward saves the chunk-entry states (the fused kernel stores them as a third
+    output; 128 chains make the fused layout), so the backward has no chunk_state recompute; with
+    JAX_MAMBA2_RECOMPUTE_STATES=1 it saves only the inputs and recomputes them."""
+    dims = dict(DIMS, nheads=64, headdim=64) if layout == "fused" else DIMS
+    args, kwargs = make_ssd_args(6, **dims, dtype=jnp.bfloat16)
+    def grad():  # a new function per trace: JAX reuses a function's trace (the env is read at tracing)
+        return jax.grad(lambda x: jnp.sum(_cutile_ssd(x, *args[1:])[0].astype(jnp.float32) ** 2))
+    forward_kernel = "fused_scan_fwd_kernel" if layout == "fused" else "chunk_scan_fwd_kernel"
+
+    calls = _cutile_calls(jax.make_jaxpr(grad())(args[0]))
+    names = [c.params["kernel"]._annotated_function.pyfunc.__name__ for c in calls]
+    assert forward_kernel in names and "chunk_scan_bwd_dx_kernel" in names
+    assert names.count("chunk_state_fwd_kernel") == (1 if layout == "staged" else 0), names
+    if layout == "fused":
+        (fused,) = [c for c in calls if c.params["kernel"]._annotated_function.pyfunc.__name__ == forward_kernel]
+        b, L, H, P, N = dims["batch"], dims["seqlen"], dims["nheads"], dims["headdim"], dims["dstate"]
+        assert (b, -(-L // 64), H, P, N) in [tuple(v.aval.shape) for v in fused.outvars]
+
+    monkeypatch.setenv("JAX_MAMBA2_RECOMPUTE_STATES", "1")
+    names = _kernel_names(jax.make_jaxpr(grad())(args[0]))
+    assert names.count("chunk_state_fwd_kernel") == (2 if layout == "staged" else 1), names
+
+
 def test_cutile_outputs_keep_shard_map_varying_axes():
     mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,))
     args, kwargs = make_ssd_args(4, **DIMS)

@@ -13,6 +13,7 @@ import numpy as np
 from jax_mamba2 import reference
 from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.backward import backward_plan
+from jax_mamba2.kernels.forward import forward_plan
 from tests._helpers import make_ssd_args, rel_l2, to_float64
 
 # Plan output -> the reference argument it is the gradient of.
@@ -96,18 +97,24 @@ def backward_problem(case: BackwardCase, dtype: str, seed: int = 0):
     return inputs, want
 
 
-def run_backward(run, case: BackwardCase, dtype: str, *, seed: int = 0, **plan_keywords):
+def run_backward(run, case: BackwardCase, dtype: str, *, seed: int = 0, states_from: str | None = None,
+                 **plan_keywords):
     """(every array after running backward_plan(..., **plan_keywords) through `run`, the float64
-    reference gradients)."""
+    reference gradients). `states_from`: a forward layout whose plan, run first with save_states, gives
+    the backward its chunk-entry states (saved_states); None: the backward recomputes them."""
     inputs, want = backward_problem(case, dtype, seed)
-    plan = backward_plan(backward_dims(case, dtype), dict(case.configs), **plan_keywords)
+    dims = backward_dims(case, dtype)
+    if states_from is not None:
+        forward = forward_plan(dims, layout=states_from, save_states=True)
+        inputs["states"] = run(forward, {name: inputs[name] for name in forward.inputs})["states"]
+    plan = backward_plan(dims, dict(case.configs), saved_states=states_from is not None, **plan_keywords)
     return run(plan, inputs), want
 
 
-def check_backward(run, case: BackwardCase, dtype: str, tolerance: float, **plan_keywords):
-    """Asserts every gradient of backward_plan(..., **plan_keywords) (run through `run`) is within
-    `tolerance` relative L2 of the float64 reference, and that the dz dummy stays zero without a gate."""
-    got, want = run_backward(run, case, dtype, **plan_keywords)
+def check_backward(run, case: BackwardCase, dtype: str, tolerance: float, **keywords):
+    """Asserts every gradient of run_backward(run, case, dtype, **keywords) is within `tolerance` relative
+    L2 of the float64 reference, and that the dz dummy stays zero without a gate."""
+    got, want = run_backward(run, case, dtype, **keywords)
     errors = {name: rel_l2(np.asarray(got[name], np.float64), expected) for name, expected in want.items()}
     bad = {name: err for name, err in errors.items() if not err <= tolerance}
     assert not bad, f"{case} {dtype}: relative L2 errors above {tolerance}: {bad} (all: {errors})"

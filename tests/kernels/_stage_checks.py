@@ -37,6 +37,7 @@ class Case:
     dt_limit: tuple[float, float] | None = None
     configs: tuple[tuple[str, object], ...] = ()
     layout: str | None = None                 # forward_plan's layout (None: its own choice)
+    save_states: bool = False                 # forward_plan's save_states (the fused kernels store states)
 
 
 # Small problems covering one partial chunk, partial last chunks, groups, z, initial states, seq_idx
@@ -91,6 +92,15 @@ SMALL_CASES = {
     "segmented_sequence_starts_at_segment_boundary": Case(
         seqlen=600, chunk_size=16, seq_lens=(160, 100, 3, 337), initial_states=True, layout="segmented"),
     "segmented_two_segments_chunk32": Case(seqlen=517, chunk_size=32, layout="segmented"),
+    # The fused kernels storing every chunk-entry state for the backward (checked against the reference's).
+    "fused_seq_idx_init_saving_states": Case(
+        seqlen=150, seq_lens=(10, 70, 3, 67), initial_states=True, layout="fused", save_states=True),
+    "fused_narrow_groups_z_saving_states": Case(
+        seqlen=150, nheads=8, ngroups=2, z=True, layout="fused", save_states=True,
+        configs=(("fused_scan", FusedScanConfig(BLOCK_P=16)),)),
+    "segmented_seq_idx_init_saving_states": Case(
+        seqlen=600, chunk_size=16, seq_lens=(160, 100, 3, 337), initial_states=True, layout="segmented",
+        save_states=True),
 }
 
 # make_ssd_args draws A so that a 64-token chunk decays by ~e^-30, which hides every cross-chunk path
@@ -164,11 +174,12 @@ def check_forward(run, case: Case, dtype: str, seed: int = 0):
     """Runs forward_plan through `run` and asserts each stage matches the float64 reference."""
     args, kwargs = _ssd_args(case, getattr(jnp, dtype), seed)
     dims = case_dims(case, dtype)
-    plan = forward_plan(dims, dict(case.configs), case.layout)
+    plan = forward_plan(dims, dict(case.configs), case.layout, save_states=case.save_states)
     got = run(plan, forward_inputs_np(args, kwargs))
+    written = {name for launch in plan.launches for name in launch.writes}
     with jax.enable_x64(True):
         want = {name: value for name, value in _reference_stages(args, kwargs, case.chunk_size).items()
-                if name in plan.buffers}
+                if name in written}
         y_scan, final_scan = reference.ssd_scan(*to_float64(args), **to_float64(kwargs))
     tol = TOLERANCE["kernel_fwd"][dtype]
     errors = {name: _error(got[name], want[name]) for name in want}

@@ -67,13 +67,17 @@ def test_backward_matmul_stages_use_wgmma(problem, tmp_path):
         assert "HGMMA" in sass, f"{name} ({problem}) has no wgmma instruction"
 
 
+@pytest.mark.parametrize("saved_states", [False, True], ids=["recomputing", "saved_states"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("problem", list(PLAN_PROBLEMS))
-def test_backward_plan_well_formed(problem, deterministic):
+def test_backward_plan_well_formed(problem, deterministic, saved_states):
     dims = PLAN_PROBLEMS[problem]
-    plan = backward_plan(dims, deterministic=deterministic)
-    assert plan.inputs == BACKWARD_INPUTS and plan.outputs == BACKWARD_OUTPUTS
+    plan = backward_plan(dims, deterministic=deterministic, saved_states=saved_states)
+    assert plan.inputs == BACKWARD_INPUTS + (("states",) if saved_states else ())
+    assert plan.outputs == BACKWARD_OUTPUTS
     assert_plan_well_formed(plan)
+    recomputes = [kernel_name(launch) == "chunk_state_fwd_kernel" for launch in plan.launches]
+    assert any(recomputes) != saved_states
     # dB/dC take atomic adds exactly when heads of a group are split over blocks.
     atomic = adds_atomically(dims, group_heads_per_block(dims, deterministic))
     assert plan.buffers["dB"].zero_init == plan.buffers["dC"].zero_init == atomic

@@ -150,6 +150,15 @@ def test_backward_plan_emulated_atomic_blocks_of_several_heads_match_scan_vjp():
     check_backward(_run_plan_float64, case, "float32", 1e-10, atomic_heads_per_block=2)
 
 
+@pytest.mark.parametrize("layout,seqlen", [("fused", 150), ("segmented", 600)])
+def test_backward_plan_emulated_with_states_saved_by_the_fused_forward_matches_scan_vjp(layout, seqlen):
+    """The fused kernels' stored chunk-entry states replace the backward's recompute exactly (seq_idx
+    resets, a partial last chunk; 38 chunks of 16 make four segments)."""
+    case = BackwardCase(seqlen=seqlen, nheads=4, ngroups=2, seq_lens=(40, seqlen - 80, 40),
+                        **{**_SMALL, "headdim": 16})
+    check_backward(_run_plan_float64, case, "float32", 1e-10, states_from=layout)
+
+
 def test_backward_plan_emulated_bf16_within_kernel_tolerance():
     """The kernels' rounding points (bf16 operands, f32 accumulation) at the default tile sizes keep every
     gradient within the GPU tolerance (tf32 is not emulated, so this is the bf16 check)."""

@@ -42,6 +42,21 @@ def test_backward_plan_gpu_matches_scan_vjp(case, dtype):
     check_backward(run_plan_gpu, CASES[case], dtype, TOLERANCE["kernel_bwd"][dtype])
 
 
+# States saved by the fused forward kernels: seq_idx resets with initial states and a gate (fused), and 33
+# chunks of 8 chains (segmented: four segments of 9 chunks).
+SAVED_STATES_CASES = {
+    "fused": BackwardCase(seqlen=300, headdim=64, dstate=64, seq_lens=(100, 150, 50)),
+    "segmented": BackwardCase(seqlen=2100, nheads=4, ngroups=1, headdim=64, dstate=128, seq_lens=(1000, 1100)),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", list(SAVED_STATES_CASES))
+def test_backward_plan_gpu_with_states_saved_by_the_fused_forward_matches_scan_vjp(layout, dtype):
+    check_backward(run_plan_gpu, SAVED_STATES_CASES[layout], dtype, TOLERANCE["kernel_bwd"][dtype],
+                   states_from=layout)
+
+
 def test_backward_plan_gpu_every_tile_config_matches_scan_vjp():
     """Whatever the autotuner picks must be correct: every distinct tiling of each stage's space (the
     others at their defaults); latency and occupancy hints do not change what is computed."""

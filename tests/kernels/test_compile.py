@@ -44,9 +44,9 @@ PROBLEMS = {
 def _cubins(problem: str) -> dict[str, bytes]:
     """kernel name -> sm_90 cubin of every launch of the forward and decode plans of `problem`."""
     dims = PROBLEMS[problem]
-    launches = [(launch, forward_arrays(dims, layout))
-                for layout in forward_layouts(dims)
-                for launch in forward_plan(dims, layout=layout).launches]
+    launches = [(launch, forward_arrays(dims, layout, save_states))
+                for layout in forward_layouts(dims) for save_states in (False, True)
+                for launch in forward_plan(dims, layout=layout, save_states=save_states).launches]
     step = state_update_plan(dims)
     launches.append((step.launches[0], {**state_update_inputs(dims, "float32"), **step.buffers}))
     return {launch.kernel._annotated_function.pyfunc.__name__: compile_launch(launch, arrays, "sm_90")[1]
@@ -58,6 +58,10 @@ def test_forward_and_decode_plans_well_formed(problem):
     dims = PROBLEMS[problem]
     for layout in forward_layouts(dims):
         assert_plan_well_formed(forward_plan(dims, layout=layout))
+        saving = forward_plan(dims, layout=layout, save_states=True)
+        assert_plan_well_formed(saving)
+        assert saving.outputs[-1] == "states" and saving.buffers["states"].shape == (
+            dims.batch, dims.nchunks, dims.nheads, dims.headdim, dims.dstate)
     assert_plan_well_formed(state_update_plan(dims))
 
 
@@ -170,7 +174,8 @@ def test_export_cli_quick_writes_cubins_and_manifest(tmp_path, capsys):
     assert files and sorted(manifest[0::2]) == files
     assert {name.split("_kernel_")[0] for name in files} == {
         "chunk_cumsum_fwd", "chunk_state_fwd", "chunk_scan_fwd", "fused_scan_fwd", "segment_states",
-        "state_update"}
+        "state_update", "chunk_scan_bwd_dc", "chunk_state_bwd", "chunk_scan_bwd_dx", "chunk_cumsum_bwd",
+        "param_grads_bwd"}
     assert capsys.readouterr().out.count(".cubin") == len(files)
 
 
