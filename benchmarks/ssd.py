@@ -311,10 +311,17 @@ class Prepared:
     chunk_size: int
     notes: str = ""
     temp_bytes: Optional[Callable[[], int]] = None  # XLA's temporary buffer bytes of the compiled program
+    residual_bytes: Optional[Callable[[], int]] = None  # bytes a forward keeps for its backward (jax.vjp)
 
 
 def _grad_outputs(grads) -> dict:
     return {f"d{n}": g for n, g in zip(GRAD_NAMES, grads)}
+
+
+def residual_bytes(forward, args) -> int:
+    """Bytes of the arrays jax.vjp keeps from `forward(*args)` for the backward (inputs included)."""
+    _, vjp = jax.vjp(forward, *args)
+    return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(vjp) if hasattr(leaf, "nbytes"))
 
 
 def prepare_ours(backend: str, inputs: dict, weights: dict, chunk_size: int, direction: str):
@@ -327,7 +334,8 @@ def prepare_ours(backend: str, inputs: dict, weights: dict, chunk_size: int, dir
         fn = jax.jit(forward_backward(forward, weights))
         to_outputs = lambda out: _grad_outputs(out[1])  # noqa: E731
     return Prepared(lambda: fn(*args), time_jax, "block_until_ready", to_outputs, chunk_size,
-                    temp_bytes=lambda: fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+                    temp_bytes=lambda: fn.lower(*args).compile().memory_analysis().temp_size_in_bytes,
+                    residual_bytes=None if direction == "fwd" else lambda: residual_bytes(forward, args))
 
 
 def prepare_mamba_ssm(inputs: dict, weights: dict, chunk_size: int, direction: str):
@@ -442,6 +450,8 @@ def measure(impl: str, shape: Shape, inputs: dict, weights: dict, reference: dic
             record["saved_for_backward"] = "inputs" if ssd_op.recompute_for_backward() else "inputs+states"
         if prepared.temp_bytes is not None:
             record["temp_bytes"] = prepared.temp_bytes()
+        if prepared.residual_bytes is not None:
+            record["residual_bytes"] = prepared.residual_bytes()
     except Exception as e:  # noqa: BLE001  one failing impl must not end the run
         record["error"] = f"{type(e).__name__}: {e}"[:2000]
         return record, None
