@@ -322,8 +322,9 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
         y_t *= silu(z_t) if z is given (the gate comes after D).
     dt math, decays, states and accumulation run in float32 (float64 for float64 inputs).
     Differentiable in every float argument, also through final_states (the cuTile backends run cuTile
-    backward kernels; JAX_MAMBA2_DETERMINISTIC=1 makes their gradients bitwise reproducible), and
-    composes with jit, vmap and shard_map.
+    backward kernels; JAX_MAMBA2_DETERMINISTIC=1 makes their gradients bitwise reproducible; their
+    differentiated forward keeps the chunk states, dstate / chunk_size times x's bytes, for the backward,
+    JAX_MAMBA2_RECOMPUTE_STATES=1 keeps only the inputs), and composes with jit, vmap and shard_map.
 
     Args:
       x: (batch, seqlen, nheads, headdim), bf16/f16/f32/f64.
