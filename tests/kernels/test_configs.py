@@ -144,7 +144,11 @@ def test_fused_forward_plan_keeps_states_in_the_kernel_and_is_picked_by_its_rule
     plan = forward_plan(dims)
     assert [name for launch in plan.launches for name in launch.writes] == [
         "dt_out", "dA_cumsum", "out", "final_states"]
-    assert "states" not in plan.buffers and plan.buffers["seg_states"].shape == (1, 1, 1, 1, 1)  # unused
+    # Unused dummies: the segment arrays, and the states unless the plan saves them for the backward.
+    assert plan.buffers["states"].shape == plan.buffers["seg_states"].shape == (1, 1, 1, 1, 1)
+    saving = forward_plan(dims, save_states=True)
+    assert saving.launches[1].writes == ("out", "final_states", "states")
+    assert saving.buffers["states"].shape == (4, 128, 32, 64, 128)
     cfg = fused_scan.fused_scan_fwd_default_config(dims)
     assert plan.launches[1].grid == (4 * 32, 64 // cfg.BLOCK_P, 1)
     # Too few chains and too few chunks to cut, f32, or a chunk the fused kernel does not take: staged.
