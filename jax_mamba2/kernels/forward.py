@@ -150,8 +150,9 @@ def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, lay
         store them as they pass; the staged layout has them anyway).
 
     Returns:
-      A Plan with inputs FORWARD_INPUTS, buffers dt_out, dA_cumsum, out, final_states (and states in
-      the staged layout), and outputs ("out", "final_states").
+      A Plan with inputs FORWARD_INPUTS, buffers dt_out, dA_cumsum, out, final_states, states (a dummy
+      in the fused layouts unless saved) and the segmented layout's seg_states, seg_decay, and outputs
+      ("out", "final_states") + ("states",) with save_states.
     """
     configs = dict(configs or {})
     layout = layout or configs_layout(dims, configs)
