@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|train [OUT]
+#   bash benchmarks/gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|train [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|train [OUT]}
+part=${1:?usage: gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|train [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 source .gpu/gpu-env.sh >/dev/null || exit 1
@@ -73,6 +73,14 @@ case $part in
     export JAX_MAMBA2_CACHE_DIR=${JAX_MAMBA2_CACHE_DIR:-$out/tuning}
     for shape in ${SHAPES:?set SHAPES to B,L,H,P,N,G ...}; do
       step "ssd_fwd_tuned_$shape" 280 python benchmarks/ssd.py --shapes "$shape" --impls cutile --out "$out/$shape"
+    done
+    ;;
+  profile)  # per-kernel GPU time of one jitted training step (JAX profiler trace) at the shapes in $SHAPES
+    export JAX_MAMBA2_AUTOTUNE=0
+    for shape in ${SHAPES:-4,8192,32,64,128,1}; do
+      step "trace_$shape" 150 python benchmarks/kernel_profile.py run --shape "$shape" --trace "/tmp/trace_$shape"
+      step "profile_$shape" 30 python benchmarks/kernel_profile.py summarize \
+        "$(ls /tmp/trace_"$shape"/plugins/profile/*/perfetto_trace.json.gz | head -1)" --out "$out/profile_$shape.json"
     done
     ;;
   train)  # issue 7's training check: the same 200 steps with the cuTile and the xla backends
