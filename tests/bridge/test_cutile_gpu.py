@@ -52,8 +52,8 @@ def test_cutile_fused_forward_layouts_match_float64_scan(monkeypatch, request, l
     """The fused and segmented forward layouts (picked by default only for >= FUSED_MIN_BLOCKS chains,
     or fewer chains of >= 2 MIN_SEGMENT_CHUNKS chunks) forced on a small problem with every feature
     (segmented: 7 chunks in 4 segments, seq_idx changing inside and across them), inside jit, and its
-    gradients (the backward recomputes states). The two cases differ in seqlen: JAX caches the traced
-    op per shape, which would replay the first case's plan."""
+    gradients (the backward reads the states the fused kernel stored). The two cases differ in seqlen:
+    JAX caches the traced op per shape, which would replay the first case's plan."""
     from jax_mamba2.bridge import tuning
     from jax_mamba2.kernels import forward
     layouts = []
