@@ -61,6 +61,15 @@ def chunk_end_id(seq_idx, b, c, seqlen, CHUNK):
     return last_valid_id(row_ids(seq_idx, b, c, CHUNK), c, seqlen, CHUNK)
 
 
+def state_seq_rules(seq_idx, b, c, seqlen, CHUNK, prev_end_id, state_scale, carry):
+    """The seq_idx rules of chunk c's state update given e_{c-1} = prev_end_id: the token weights
+    `state_scale` [CHUNK] kept only for tokens of the chunk's last sequence (k), the `carry` [1] only
+    where that sequence continues the previous chunk's (m) -> (ids [CHUNK], e_c [1], state_scale, carry)."""
+    ids = row_ids(seq_idx, b, c, CHUNK)
+    end_id = last_valid_id(ids, c, seqlen, CHUNK)
+    return ids, end_id, ct.where(ids == end_id, state_scale, 0.0), ct.where(end_id == prev_end_id, carry, 0.0)
+
+
 def operand(tile, dtype, mma_dtype):
     """`tile` rounded to the data dtype `dtype` and presented to ct.mma as `mma_dtype` (tf32 for f32
     data), the precision mamba_ssm's backward dots use for their f32 intermediates."""

@@ -34,7 +34,7 @@ import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
-from jax_mamba2.kernels._tiles import batch_head_group, last_valid_id, row_ids
+from jax_mamba2.kernels._tiles import batch_head_group, state_seq_rules
 
 
 def _load_chunk(x, B, dt_out, dA_cumsum, b, h, g, c, pb, nb, CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT):
@@ -77,11 +77,7 @@ def _chunk_state_fwd_body(x, B, dt_out, dA_cumsum, initial_states, seq_idx, stat
         scale = ct.exp(ct.minimum(dA_last - dA, 0.0)) * delta             # [CHUNK]
         carry = ct.exp(dA_last)                                           # [1]
         if HAS_SEQ_IDX:
-            ids = row_ids(seq_idx, b, c, CHUNK)
-            end_id = last_valid_id(ids, c, seqlen, CHUNK)
-            scale = ct.where(ids == end_id, scale, 0.0)
-            carry = ct.where(end_id == prev_end_id, carry, 0.0)
-            prev_end_id = end_id
+            _, prev_end_id, scale, carry = state_seq_rules(seq_idx, b, c, seqlen, CHUNK, prev_end_id, scale, carry)
         B_scaled = (B_c.astype(ct.float32) * scale[:, None]).astype(x.dtype)   # rounded like mamba_ssm
         x_t = x_c.transpose().astype(operand_dtype)
         state = ct.mma(x_t, B_scaled.astype(operand_dtype), state * carry)

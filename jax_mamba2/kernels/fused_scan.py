@@ -50,7 +50,8 @@ import cuda.tile as ct
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel,
     silu_gate)
-from jax_mamba2.kernels._tiles import batch_head_group, last_valid_id, previous_chunk_end_id, row_ids
+from jax_mamba2.kernels._tiles import (
+    batch_head_group, last_valid_id, previous_chunk_end_id, row_ids, state_seq_rules)
 
 
 def _load_rows(array, b, c, col_block, index, CHUNK, WIDTH, LOAD_LAT):
@@ -95,11 +96,8 @@ def _segment_states_body(x, B, dt_out, dA_cumsum, seq_idx, seg_states, seg_decay
         x_op = _load_rows(x, b, c, pb, h, CHUNK, BLOCK_P, LOAD_LAT).astype(operand_dtype)
         _, _, state_scale, carry = _chunk_vectors(dt_out, dA_cumsum, b, h, c, CHUNK, LOAD_LAT)
         if HAS_SEQ_IDX:
-            ids = row_ids(seq_idx, b, c, CHUNK)
-            end_id = last_valid_id(ids, c, seqlen, CHUNK)
-            state_scale = ct.where(ids == end_id, state_scale, 0.0)
-            carry = ct.where(end_id == prev_end_id, carry, 0.0)
-            prev_end_id = end_id
+            _, prev_end_id, state_scale, carry = state_seq_rules(
+                seq_idx, b, c, seqlen, CHUNK, prev_end_id, state_scale, carry)
         state_t = _collect(B_c, x_op, state_t, state_scale, carry, x.dtype, operand_dtype)
         through = through * carry
     ct.store(seg_states, index=(b, seg, h, 0, pb), tile=state_t.reshape((1, 1, 1, DSTATE, BLOCK_P)))
