@@ -310,7 +310,6 @@ class Prepared:
     to_outputs: Callable[[Any], dict]  # raw outputs -> {name: JAX array} named like the reference
     chunk_size: int
     notes: str = ""
-    temp_bytes: Optional[Callable[[], int]] = None  # XLA's temporary buffer bytes of the compiled program
     residual_bytes: Optional[Callable[[], int]] = None  # bytes a forward keeps for its backward (jax.vjp)
 
 
@@ -334,7 +333,6 @@ def prepare_ours(backend: str, inputs: dict, weights: dict, chunk_size: int, dir
         fn = jax.jit(forward_backward(forward, weights))
         to_outputs = lambda out: _grad_outputs(out[1])  # noqa: E731
     return Prepared(lambda: fn(*args), time_jax, "block_until_ready", to_outputs, chunk_size,
-                    temp_bytes=lambda: fn.lower(*args).compile().memory_analysis().temp_size_in_bytes,
                     residual_bytes=None if direction == "fwd" else lambda: residual_bytes(forward, args))
 
 
@@ -446,12 +444,11 @@ def measure(impl: str, shape: Shape, inputs: dict, weights: dict, reference: dic
         errors = compare(prepared.to_outputs(out), reference)
         if impl in ("cutile", "cutile_callback"):
             record["tuning"], tune_full = tuning_summary(inputs, prepared.chunk_size)
-            # What the differentiated forward saved for the backward (ssd's JAX_MAMBA2_RECOMPUTE_STATES).
-            record["saved_for_backward"] = "inputs" if ssd_op.recompute_for_backward() else "inputs+states"
-        if prepared.temp_bytes is not None:
-            record["temp_bytes"] = prepared.temp_bytes()
         if prepared.residual_bytes is not None:
             record["residual_bytes"] = prepared.residual_bytes()
+            if impl in ("cutile", "cutile_callback"):
+                # What the differentiated forward kept (ssd's JAX_MAMBA2_RECOMPUTE_STATES).
+                record["saved_for_backward"] = "inputs" if ssd_op.recompute_for_backward() else "inputs+states"
     except Exception as e:  # noqa: BLE001  one failing impl must not end the run
         record["error"] = f"{type(e).__name__}: {e}"[:2000]
         return record, None

@@ -57,8 +57,8 @@ def test_lm_cutile_grads_match_xla():
 
 
 def test_lm_cutile_grads_with_nnx_remat_match_plain(monkeypatch):
-    """nnx.remat around each block replays the cuTile forward in the backward pass; the kernel VJP saves
-    only its inputs, so the gradients are the plain model's up to the rounding of the replayed XLA ops
+    """nnx.remat around each block replays the cuTile forward in the backward pass, which recomputes the
+    states the kernel VJP saves, so the gradients are the plain model's up to the rounding of the replayed XLA ops
     (norms, projections: fused differently under remat). The SSD op alone is bitwise equal under
     jax.checkpoint (tests/bridge); the xla backend is the control."""
     monkeypatch.setenv("JAX_MAMBA2_DETERMINISTIC", "1")
