@@ -2,6 +2,7 @@
 
     python benchmarks/stages.py [--shapes B,L,H,P,N,G ...] [--chunk 64] [--configs default|tuned]
                                 [--layouts staged fused] [--atomic-heads 1 2 4 8] [--deterministic]
+                                [--sum-heads]
                                 [--out DIR]
 
 Each plan runs once eagerly (torch tensors viewing random JAX inputs, ct.launch on a torch stream),
@@ -27,6 +28,7 @@ from benchmarks.environment import environment, gpu_slug  # noqa: E402
 from benchmarks.ssd import GRID, Shape  # noqa: E402
 from jax_mamba2.bridge import eager, tuning  # noqa: E402
 from jax_mamba2.kernels import backward, forward  # noqa: E402
+from jax_mamba2.kernels._block_pass_config import BlockPassConfig  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
 
 
@@ -74,6 +76,9 @@ def main(argv=None) -> int:
                         help="heads per block of the atomic dB/dC passes: one backward plan per value "
                              "(default: the plan's own choice)")
     parser.add_argument("--deterministic", action="store_true", help="also the deterministic backward")
+    parser.add_argument("--sum-heads", action="store_true",
+                        help="also the backward with whole-chunk block passes summing their heads' dCB "
+                             "(SUM_HEADS, latency 2, occupancy 1 and 2; chunk 64)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
@@ -96,6 +101,10 @@ def main(argv=None) -> int:
         if args.deterministic:
             plans["bwd_deterministic", None] = backward.backward_plan(
                 dims, tuning.backward_configs(dims, True) if tuned else None, deterministic=True)
+        for occupancy in (1, 2) if args.sum_heads else ():
+            tiles = BlockPassConfig(BLOCK_M=64, BLOCK_K=64, LOAD_LAT=2, occupancy=occupancy, SUM_HEADS=True)
+            plans[f"bwd_sum_heads_occupancy{occupancy}", None] = backward.backward_plan(
+                dims, {"chunk_scan_bwd_dc": tiles, "chunk_scan_bwd_dx": tiles})
         for (direction, variant), plan in plans.items():
             heads = None if direction == "fwd" else variant
             inputs = tuning.random_inputs(dims, backward=direction != "fwd")

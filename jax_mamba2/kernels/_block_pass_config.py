@@ -11,12 +11,15 @@ from jax_mamba2.kernels._common import SSDDims, check_arch
 @dataclasses.dataclass(frozen=True)
 class BlockPassConfig:
     """BLOCK_M: rows of the chunk one block owns; BLOCK_K: rows of the other side per step (powers of
-    two dividing chunk_size). LOAD_LAT: latency hint on the step loads. occupancy: blocks per SM."""
+    two dividing chunk_size). LOAD_LAT: latency hint on the step loads. occupancy: blocks per SM.
+    SUM_HEADS (BLOCK_M = BLOCK_K = chunk_size only): a block owns whole chunks, computes C·Bᵀ once for
+    all its heads and sums their dCB before one product with B (dC) or C (dB), instead of one per head."""
 
     BLOCK_M: int = 64
     BLOCK_K: int = 64
     LOAD_LAT: int = 4
     occupancy: int = 1
+    SUM_HEADS: bool = False
 
 
 def is_wide(dims: SSDDims) -> bool:
@@ -29,14 +32,17 @@ def is_wide(dims: SSDDims) -> bool:
 
 def block_pass_configs(api: str, dims: SSDDims, arch: str) -> list[BlockPassConfig]:
     """The autotune space (sm_90): 64-row blocks (and 128 when not wide), 32/64-row steps, latency 2/4,
-    occupancy 1/2."""
+    occupancy 1/2; at chunk 64 also whole-chunk blocks summing their heads' dCB (SUM_HEADS), latency
+    2/4, occupancy 1/2."""
     check_arch(api, arch)
     block_ms = (64, 128) if not is_wide(dims) and dims.chunk_size >= 128 else (64,)
+    summing = [BlockPassConfig(BLOCK_M=64, BLOCK_K=64, LOAD_LAT=lat, occupancy=occ, SUM_HEADS=True)
+               for lat in (2, 4) for occ in (1, 2)] if dims.chunk_size == 64 else []
     return [BlockPassConfig(BLOCK_M=bm, BLOCK_K=bk, LOAD_LAT=lat, occupancy=occ)
             for bm in block_ms
             for bk in (32, 64)
             for lat in (2, 4)
-            for occ in (1, 2)]
+            for occ in (1, 2)] + summing
 
 
 def block_pass_default_config(dims: SSDDims) -> BlockPassConfig:
@@ -45,6 +51,14 @@ def block_pass_default_config(dims: SSDDims) -> BlockPassConfig:
     13-15% below occupancy 1."""
     wide = is_wide(dims)
     return BlockPassConfig(BLOCK_M=64, BLOCK_K=32 if wide else 64, LOAD_LAT=4, occupancy=1 if wide else 2)
+
+
+def check_sum_heads(dims: SSDDims, cfg: BlockPassConfig) -> bool:
+    """cfg.SUM_HEADS, after checking that its tiles are the whole chunk."""
+    if cfg.SUM_HEADS and not cfg.BLOCK_M == cfg.BLOCK_K == dims.chunk_size:
+        raise ValueError(f"BlockPassConfig(SUM_HEADS=True) needs BLOCK_M = BLOCK_K = chunk_size "
+                         f"({dims.chunk_size}), got BLOCK_M={cfg.BLOCK_M}, BLOCK_K={cfg.BLOCK_K}")
+    return cfg.SUM_HEADS
 
 
 def adds_atomically(dims: SSDDims, heads_per_block: int) -> bool:

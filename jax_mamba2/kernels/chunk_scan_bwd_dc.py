@@ -30,6 +30,11 @@ T over the key blocks done so far; for key block k it adds Σ_{l >= r} (carry_l 
 to R^intra_r for the r of block k. These per-row-block pieces go to `ddA_intra[b, h, c, m, :]` (only
 entries r < (m+1) BLOCK_M are written) and chunk_cumsum_bwd sums them over m in a fixed order.
 
+SUM_HEADS (BLOCK_M = BLOCK_K = CHUNK): the one key block is the whole chunk, so its B and C·Bᵀ are loaded
+and computed once for all the block's heads, and the heads' dCB are summed in f32 before a single product
+with B (Σ_h dCB_h B = (Σ_h dCB_h) B: one [CHUNK x CHUNK x dstate] product per block instead of one per head;
+the sum is rounded to x's dtype once).
+
 Heads of a group share dC: a block loops over HEADS_PER_BLOCK heads of one group, accumulating dC in f32,
 then adds it to dC atomically (ATOMIC_ADD, zero-initialised dC) or stores it (HEADS_PER_BLOCK = heads per
 group: one block owns the group, bitwise deterministic). C B^T is recomputed per head (the price of not
@@ -53,7 +58,8 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._block_pass_config import (
-    BlockPassConfig, adds_atomically, block_pass_configs, block_pass_default_config, block_pass_grid)
+    BlockPassConfig, adds_atomically, block_pass_configs, block_pass_default_config, block_pass_grid,
+    check_sum_heads)
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, int64_index_kernels, mma_dtype, select_kernel)
 from jax_mamba2.kernels._tiles import (
@@ -79,7 +85,7 @@ def _output_grad_rows(dout, z, b, row_tile, h, BLOCK_M, HEADDIM, HAS_Z):
 def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_idx,
                             dy, dz, dC, ddA_intra, ddA_inter, dD_partials,
                             CHUNK, HEADDIM, DSTATE, BLOCK_M, BLOCK_K, HEADS_PER_BLOCK,
-                            HAS_Z, HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT):
+                            HAS_Z, HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT, SUM_HEADS):
     seqlen = x.shape[1]
     nheads = x.shape[2]
     num_m_blocks = CHUNK // BLOCK_M
@@ -107,6 +113,13 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
         # Key blocks up to the diagonal that hold a valid token (a wholly out-of-bounds load is undefined).
         num_k_blocks = ct.cdiv(ct.minimum((m + 1) * BLOCK_M, seqlen - c * CHUNK), BLOCK_K)
         dC_acc = ct.zeros((BLOCK_M, DSTATE), dtype=ct.float32)              # [BLOCK_M, DSTATE]
+        if SUM_HEADS:
+            # One key block, the whole chunk: its B and C·Bᵀ serve every head, and the heads' dCB are
+            # summed before the one product with B.
+            B_chunk = ct.load(B, index=(b, c, g, 0), shape=(1, CHUNK, 1, DSTATE),
+                              padding_mode=ct.PaddingMode.ZERO).reshape((CHUNK, DSTATE)).astype(op_dtype)
+            cb_chunk = ct.mma(C_m, B_chunk.transpose(), ct.zeros((CHUNK, CHUNK), dtype=ct.float32))
+            dcb_sum = ct.zeros((CHUNK, CHUNK), dtype=ct.float32)
 
         for t in range(HEADS_PER_BLOCK):
             h = first_head + t
@@ -131,9 +144,14 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
             for k in range(num_k_blocks):
                 k_tile = c * (CHUNK // BLOCK_K) + k
                 cols = k * BLOCK_K + ct.arange(BLOCK_K, dtype=ct.int32)
-                B_k = ct.load(B, index=(b, k_tile, g, 0), shape=(1, BLOCK_K, 1, DSTATE),
-                              padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
-                              ).reshape((BLOCK_K, DSTATE)).astype(op_dtype)
+                if SUM_HEADS:
+                    B_k = B_chunk
+                    cb = cb_chunk
+                else:
+                    B_k = ct.load(B, index=(b, k_tile, g, 0), shape=(1, BLOCK_K, 1, DSTATE),
+                                  padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
+                                  ).reshape((BLOCK_K, DSTATE)).astype(op_dtype)
+                    cb = ct.mma(C_m, B_k.transpose(), ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32))
                 x_k = ct.load(x, index=(b, k_tile, h, 0), shape=(1, BLOCK_K, 1, HEADDIM),
                               padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
                               ).reshape((BLOCK_K, HEADDIM)).astype(op_dtype)
@@ -144,10 +162,12 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
                 if HAS_SEQ_IDX:
                     keep = keep & (ids_m[:, None] == row_ids(seq_idx, b, k_tile, BLOCK_K)[None, :])
                 decay_dt = ct.exp(ct.minimum(dA_m[:, None] - dA_k[None, :], 0.0)) * delta_k[None, :]
-                cb = ct.mma(C_m, B_k.transpose(), ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32))
                 dy_x = ct.mma(dy_op, x_k.transpose(), ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32))
                 dcb = ct.where(keep, dy_x * decay_dt, 0.0)                   # dCB[l, s]
-                dC_acc = ct.mma(operand(dcb, x.dtype, op_dtype), B_k, dC_acc)
+                if SUM_HEADS:
+                    dcb_sum = dcb_sum + dcb
+                else:
+                    dC_acc = ct.mma(operand(dcb, x.dtype, op_dtype), B_k, dC_acc)
                 if HAS_Z:
                     scores = ct.where(keep, cb * decay_dt, 0.0)
                     y_m = ct.mma(operand(scores, x.dtype, op_dtype), x_k, y_m)
@@ -172,6 +192,8 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
             ct.store(dD_partials, index=((b * nchunks + c) * num_m_blocks + m, h, 0),
                      tile=ct.sum(dy_m * x_m, axis=0).reshape((1, 1, HEADDIM)))
 
+        if SUM_HEADS:
+            dC_acc = ct.mma(operand(dcb_sum, x.dtype, op_dtype), B_chunk, dC_acc)
         dC_tile = dC_acc.reshape((1, BLOCK_M, 1, DSTATE))
         if ATOMIC_ADD:
             dC.tiled_view((1, BLOCK_M, 1, DSTATE)).atomic_store_add((b, m_tile, g, 0), dC_tile)
@@ -208,11 +230,12 @@ def _make_chunk_scan_bwd_dc_kernel(Big):
         HAS_SEQ_IDX: ConstBool,
         ATOMIC_ADD: ConstBool,
         LOAD_LAT: ConstInt,   # latency hint of the key-loop loads (1..10)
+        SUM_HEADS: ConstBool,  # one whole-chunk key block; C·Bᵀ once, the heads' dCB summed (BlockPassConfig)
     ):
         _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_idx,
                                 dy, dz, dC, ddA_intra, ddA_inter, dD_partials,
                                 CHUNK, HEADDIM, DSTATE, BLOCK_M, BLOCK_K, HEADS_PER_BLOCK,
-                                HAS_Z, HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT)
+                                HAS_Z, HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT, SUM_HEADS)
 
     return chunk_scan_bwd_dc_kernel
 
@@ -253,6 +276,6 @@ def chunk_scan_bwd_dc_launch(dims: SSDDims, cfg: ChunkScanBwdDcConfig | None = N
         args=("x", "B", "C", "D", "z", "dout", "dt_out", "dA_cumsum", "states", "seq_idx",
               "dy", "dz", "dC", "ddA_intra", "ddA_inter", "dD_partials",
               dims.chunk_size, dims.headdim, dims.dstate, cfg.BLOCK_M, cfg.BLOCK_K, heads_per_block,
-              dims.has_z, dims.has_seq_idx, atomic_add, cfg.LOAD_LAT),
+              dims.has_z, dims.has_seq_idx, atomic_add, cfg.LOAD_LAT, check_sum_heads(dims, cfg)),
         writes=writes,
     )

@@ -20,6 +20,10 @@ last valid row (flash-attention-backward style, dK/dV side), computing the trans
 chunk_scan_bwd_dc, HEADS_PER_BLOCK heads of one group share a block and dB is added atomically
 (ATOMIC_ADD, zero-initialised dB) or stored by the one block owning the group (deterministic).
 
+SUM_HEADS (BLOCK_M = BLOCK_K = CHUNK): the one row block is the whole chunk, so its C and B·Cᵀ are loaded
+and computed once for all the block's heads, and the heads' dCB are summed in f32 before a single product
+with C (as in chunk_scan_bwd_dc).
+
 Precision: mma operands in x's dtype (tf32 for f32 inputs); G, the scores and dCB are rounded to x's
 dtype before their products; f32 accumulation and elementwise math.
 
@@ -34,7 +38,8 @@ dummy; dB (batch, seqlen, ngroups, dstate) f32.
 import cuda.tile as ct
 
 from jax_mamba2.kernels._block_pass_config import (
-    BlockPassConfig, adds_atomically, block_pass_configs, block_pass_default_config, block_pass_grid)
+    BlockPassConfig, adds_atomically, block_pass_configs, block_pass_default_config, block_pass_grid,
+    check_sum_heads)
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, int64_index_kernels, mma_dtype, select_kernel)
 from jax_mamba2.kernels._tiles import (
@@ -51,7 +56,7 @@ def _rows(array, b, row_tile, h, BLOCK_M, HEADDIM):
 def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
                             dx, dB, ddt_out, ddA_state,
                             CHUNK, HEADDIM, DSTATE, BLOCK_M, BLOCK_K, HEADS_PER_BLOCK,
-                            HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT):
+                            HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT, SUM_HEADS):
     seqlen = x.shape[1]
     nheads = x.shape[2]
     num_m_blocks = CHUNK // BLOCK_M
@@ -79,6 +84,13 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
         first_k = (m * BLOCK_M) // BLOCK_K
         end_k = ct.cdiv(ct.minimum(seqlen - c * CHUNK, CHUNK), BLOCK_K)
         dB_acc = ct.zeros((BLOCK_M, DSTATE), dtype=ct.float32)              # [BLOCK_M, DSTATE]
+        if SUM_HEADS:
+            # One row block, the whole chunk: its C and B·Cᵀ serve every head, and the heads' dCB are
+            # summed before the one product with C.
+            C_chunk = ct.load(C, index=(b, c, g, 0), shape=(1, CHUNK, 1, DSTATE),
+                              padding_mode=ct.PaddingMode.ZERO).reshape((CHUNK, DSTATE)).astype(op_dtype)
+            bc_chunk = ct.mma(B_s, C_chunk.transpose(), ct.zeros((CHUNK, CHUNK), dtype=ct.float32))
+            dcb_sum = ct.zeros((CHUNK, CHUNK), dtype=ct.float32)
 
         for t in range(HEADS_PER_BLOCK):
             h = first_head + t
@@ -105,9 +117,14 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
             for k in range(first_k, end_k):
                 l_tile = c * (CHUNK // BLOCK_K) + k
                 rows = k * BLOCK_K + ct.arange(BLOCK_K, dtype=ct.int32)
-                C_l = ct.load(C, index=(b, l_tile, g, 0), shape=(1, BLOCK_K, 1, DSTATE),
-                              padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
-                              ).reshape((BLOCK_K, DSTATE)).astype(op_dtype)
+                if SUM_HEADS:
+                    C_l = C_chunk
+                    bc = bc_chunk
+                else:
+                    C_l = ct.load(C, index=(b, l_tile, g, 0), shape=(1, BLOCK_K, 1, DSTATE),
+                                  padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
+                                  ).reshape((BLOCK_K, DSTATE)).astype(op_dtype)
+                    bc = ct.mma(B_s, C_l.transpose(), ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32))
                 dy_l = ct.load(dy, index=(b, l_tile, h, 0), shape=(1, BLOCK_K, 1, HEADDIM),
                                padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
                                ).reshape((BLOCK_K, HEADDIM)).astype(op_dtype)
@@ -116,12 +133,14 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
                 if HAS_SEQ_IDX:
                     keep = keep & (ids_s[:, None] == row_ids(seq_idx, b, l_tile, BLOCK_K)[None, :])
                 decay = ct.exp(ct.minimum(dA_l[None, :] - dA_s[:, None], 0.0))  # Φ[l, s] at [s, l]
-                bc = ct.mma(B_s, C_l.transpose(), ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32))
                 scores = ct.where(keep, bc * decay, 0.0)
                 acc = ct.mma(operand(scores, x.dtype, op_dtype), dy_l, acc)
                 x_dy = ct.mma(x_op, dy_l.transpose(), ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32))
                 dcb = ct.where(keep, x_dy * decay * delta_s[:, None], 0.0)   # dCB[l, s] at [s, l]
-                dB_acc = ct.mma(operand(dcb, x.dtype, op_dtype), C_l, dB_acc)
+                if SUM_HEADS:
+                    dcb_sum = dcb_sum + dcb
+                else:
+                    dB_acc = ct.mma(operand(dcb, x.dtype, op_dtype), C_l, dB_acc)
 
             # Reloaded rather than kept live across the row loop (they would spill).
             x_s = _rows(x, b, s_tile, h, BLOCK_M, HEADDIM)
@@ -131,6 +150,8 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
             ct.store(dx, index=(b, s_tile, h, 0), tile=dx_s.reshape((1, BLOCK_M, 1, HEADDIM)).astype(dx.dtype))
             store_chunk_vector(ddt_out, b, h, c, m, ct.sum(acc * x_s, axis=1), BLOCK_M)
 
+        if SUM_HEADS:
+            dB_acc = ct.mma(operand(dcb_sum, x.dtype, op_dtype), C_chunk, dB_acc)
         dB_tile = dB_acc.reshape((1, BLOCK_M, 1, DSTATE))
         if ATOMIC_ADD:
             dB.tiled_view((1, BLOCK_M, 1, DSTATE)).atomic_store_add((b, s_tile, g, 0), dB_tile)
@@ -163,11 +184,12 @@ def _make_chunk_scan_bwd_dx_kernel(Big):
         HAS_SEQ_IDX: ConstBool,
         ATOMIC_ADD: ConstBool,
         LOAD_LAT: ConstInt,   # latency hint of the row-loop loads (1..10)
+        SUM_HEADS: ConstBool,  # one whole-chunk row block; B·Cᵀ once, the heads' dCB summed (BlockPassConfig)
     ):
         _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
                                 dx, dB, ddt_out, ddA_state,
                                 CHUNK, HEADDIM, DSTATE, BLOCK_M, BLOCK_K, HEADS_PER_BLOCK,
-                                HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT)
+                                HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT, SUM_HEADS)
 
     return chunk_scan_bwd_dx_kernel
 
@@ -201,6 +223,6 @@ def chunk_scan_bwd_dx_launch(dims: SSDDims, cfg: ChunkScanBwdDxConfig | None = N
         args=("x", "B", "C", "D", dy, "dt_out", "dA_cumsum", "dstates", "seq_idx",
               "dx", "dB", "ddt_out", "ddA_state",
               dims.chunk_size, dims.headdim, dims.dstate, cfg.BLOCK_M, cfg.BLOCK_K, heads_per_block,
-              dims.has_seq_idx, atomic_add, cfg.LOAD_LAT),
+              dims.has_seq_idx, atomic_add, cfg.LOAD_LAT, check_sum_heads(dims, cfg)),
         writes=("dx", "dB", "ddt_out", "ddA_state"),
     )

@@ -159,8 +159,28 @@ def test_backward_plan_emulated_with_states_saved_by_the_fused_forward_matches_s
     check_backward(_run_plan_float64, case, "float32", 1e-10, states_from=layout)
 
 
+def _summing_heads(**case):
+    """A case whose block passes own whole chunks and sum their heads' dCB (SUM_HEADS)."""
+    tiles = ChunkScanBwdDcConfig(BLOCK_M=16, BLOCK_K=16, SUM_HEADS=True)
+    configs = tuple((stage, tiles if stage in ("chunk_scan_bwd_dc", "chunk_scan_bwd_dx") else cfg)
+                    for stage, cfg in _SMALL["configs"])
+    return BackwardCase(**{**_SMALL, "configs": configs, **case})
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_backward_plan_emulated_summing_heads_matches_scan_vjp(deterministic):
+    """4 heads per group (2 per atomic block), seq_idx resets, a gate, a partial last chunk."""
+    case = _summing_heads(seqlen=50, nheads=8, ngroups=2, seq_lens=(5, 11, 16, 18))
+    check_backward(_run_plan_float64, case, "float32", 1e-10, deterministic=deterministic,
+                   **({} if deterministic else {"atomic_heads_per_block": 2}))
+
+
 def test_backward_plan_emulated_bf16_within_kernel_tolerance():
     """The kernels' rounding points (bf16 operands, f32 accumulation) at the default tile sizes keep every
     gradient within the GPU tolerance (tf32 is not emulated, so this is the bf16 check)."""
     case = BackwardCase(seqlen=150, nheads=4, ngroups=2, headdim=32, dstate=32, seq_lens=(40, 70, 40))
     check_backward(_run_plan_native, case, "bfloat16", TOLERANCE["kernel_bwd"]["bfloat16"])
+    summing = dataclasses.replace(case, chunk_size=32, configs=tuple(
+        (stage, ChunkScanBwdDcConfig(BLOCK_M=32, BLOCK_K=32, SUM_HEADS=True))
+        for stage in ("chunk_scan_bwd_dc", "chunk_scan_bwd_dx")))
+    check_backward(_run_plan_native, summing, "bfloat16", TOLERANCE["kernel_bwd"]["bfloat16"])

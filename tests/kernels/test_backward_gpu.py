@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jax_mamba2.kernels import chunk_scan_bwd_dc, chunk_scan_bwd_dx, chunk_state_bwd
+from jax_mamba2.kernels._block_pass_config import BlockPassConfig
 from jax_mamba2.kernels.backward import BACKWARD_OUTPUTS
 from tests._helpers import TOLERANCE, rel_l2
 from tests.kernels._backward_checks import BackwardCase, backward_dims, check_backward, run_backward
@@ -55,6 +56,18 @@ SAVED_STATES_CASES = {
 def test_backward_plan_gpu_with_states_saved_by_the_fused_forward_matches_scan_vjp(layout, dtype):
     check_backward(run_plan_gpu, SAVED_STATES_CASES[layout], dtype, TOLERANCE["kernel_bwd"][dtype],
                    states_from=layout)
+
+
+_SUMMING_HEADS = BlockPassConfig(BLOCK_M=64, BLOCK_K=64, SUM_HEADS=True)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_backward_plan_gpu_summing_heads_matches_scan_vjp(dtype, deterministic):
+    """Whole-chunk block passes summing the dCB of a group's heads (4 per group) before one product."""
+    case = BackwardCase(seqlen=300, nheads=8, ngroups=2, seq_lens=(64, 100, 36, 100),
+                        configs=(("chunk_scan_bwd_dc", _SUMMING_HEADS), ("chunk_scan_bwd_dx", _SUMMING_HEADS)))
+    check_backward(run_plan_gpu, case, dtype, TOLERANCE["kernel_bwd"][dtype], deterministic=deterministic)
 
 
 def test_backward_plan_gpu_every_tile_config_matches_scan_vjp():
