@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|sum-heads|train [OUT]
+#   bash benchmarks/gpu_session.sh suites|tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|sum-heads|train [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|sum-heads|train [OUT]}
+part=${1:?usage: gpu_session.sh suites|tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|sum-heads|train [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 source .gpu/gpu-env.sh >/dev/null || exit 1
@@ -20,7 +20,26 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND under a cap, logging to $
   echo "   exit $? ; $(grep -E '(passed|failed|error)' "$out/$name.log" | tail -1)"
 }
 
+sharded() {  # sharded NAME SECONDS SHARDS FILES...: every GPU test of FILES, split over SHARDS processes
+  # sharing the GPU (serially the suites take ~30 minutes, mostly compiling kernels on one CPU core)
+  local name=$1 cap=$2 shards=$3; shift 3
+  python -m pytest -m gpu --collect-only -q -p no:cacheprovider "$@" | grep '::' > "$out/$name.ids"
+  echo "== $name: $(wc -l < "$out/$name.ids") tests in $shards shards (cap ${cap}s)"
+  for i in $(seq 0 $((shards - 1))); do
+    awk -v n="$shards" -v i="$i" 'NR % n == i' "$out/$name.ids" > "$out/$name.$i.ids"
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$cap" xargs -d "\n" -a "$out/$name.$i.ids" \
+      python -m pytest -m gpu -q -rf -p no:cacheprovider > "$out/$name.$i.log" 2>&1 &
+  done
+  wait
+  grep -hE '^(FAILED|ERROR)|(passed|failed|error|skipped)' "$out/$name".*.log
+}
+
 case $part in
+  suites)  # every GPU test (kernels, op, LM) on the visible GPU in parallel shards; default kernel configs
+    export JAX_MAMBA2_AUTOTUNE=0
+    sharded gpu_suites "${CAP:-480}" "${SHARDS:-12}" tests/kernels/test_stages_gpu.py \
+      tests/kernels/test_backward_gpu.py tests/bridge/test_cutile_gpu.py tests/flax_layers/test_lm_gpu.py
+    ;;
   tests)  # the op and the LM on the GPU; default kernel configs (tuning every test shape takes minutes)
     export JAX_MAMBA2_AUTOTUNE=0
     step bridge_gpu 360 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/bridge/test_cutile_gpu.py

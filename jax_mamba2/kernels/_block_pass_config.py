@@ -53,6 +53,22 @@ def block_pass_default_config(dims: SSDDims) -> BlockPassConfig:
     return BlockPassConfig(BLOCK_M=64, BLOCK_K=32 if wide else 64, LOAD_LAT=4, occupancy=1 if wide else 2)
 
 
+def sums_heads_by_default(dims: SSDDims) -> bool:
+    """Whether the default tiles are whole chunks summing their heads' dCB (SUM_HEADS): at chunk 64 for
+    bf16/f16 with headdim <= 64, where it was measured (H200, batch 4, seqlen 8192, 32 heads; per launch,
+    against the per-head defaults): dx 443 -> 343 us at dstate 128, 355 -> 317 at dstate 64, 2080 -> 650 at
+    dstate 256, and 876 -> 667 at (2, 32768); dc only gains at dstate 256 (1413 -> 698 us; 426 -> 502 at
+    dstate 128), see `chunk_scan_bwd_dc_default_config`."""
+    return dims.chunk_size == 64 and dims.dtype != "float32" and dims.headdim <= 64
+
+
+def summing_heads_config(dims: SSDDims) -> BlockPassConfig:
+    """Whole-chunk blocks summing their heads' dCB, latency 2; 2 blocks per SM unless wide (at dstate 256
+    occupancy 1 and 2 measured alike, 650 and 652 us for dx)."""
+    return BlockPassConfig(BLOCK_M=dims.chunk_size, BLOCK_K=dims.chunk_size, LOAD_LAT=2,
+                           occupancy=1 if is_wide(dims) else 2, SUM_HEADS=True)
+
+
 def check_sum_heads(dims: SSDDims, cfg: BlockPassConfig) -> bool:
     """cfg.SUM_HEADS, after checking that its tiles are the whole chunk."""
     if cfg.SUM_HEADS and not cfg.BLOCK_M == cfg.BLOCK_K == dims.chunk_size:

@@ -59,7 +59,7 @@ import cuda.tile as ct
 
 from jax_mamba2.kernels._block_pass_config import (
     BlockPassConfig, adds_atomically, block_pass_configs, block_pass_default_config, block_pass_grid,
-    check_sum_heads)
+    check_sum_heads, summing_heads_config, sums_heads_by_default)
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, int64_index_kernels, mma_dtype, select_kernel)
 from jax_mamba2.kernels._tiles import (
@@ -256,7 +256,11 @@ def chunk_scan_bwd_dc_configs(dims: SSDDims, arch: str = "sm_90") -> list[BlockP
 def chunk_scan_bwd_dc_default_config(dims: SSDDims) -> BlockPassConfig:
     """The shared default with 32-key steps at latency 2: on the H200 shape of `block_pass_default_config`
     32-key steps took this pass from 0.975 to 0.801 ms (four live [rows x keys] f32 products per step
-    here, two in dx), and latency 2 from 452 to 417 us (tuner, 60aa369)."""
+    here, two in dx), and latency 2 from 452 to 417 us (tuner, 60aa369). At dstate >= 256 whole chunks
+    summing their heads' dCB (`sums_heads_by_default`): 1413 -> 698 us there, but slower at dstate 128
+    (426 -> 502) and equal at 64 (430 -> 426, occupancy 2)."""
+    if sums_heads_by_default(dims) and dims.dstate >= 256:
+        return summing_heads_config(dims)
     return dataclasses.replace(block_pass_default_config(dims), BLOCK_K=32, LOAD_LAT=2)
 
 

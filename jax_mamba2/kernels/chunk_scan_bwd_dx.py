@@ -39,7 +39,7 @@ import cuda.tile as ct
 
 from jax_mamba2.kernels._block_pass_config import (
     BlockPassConfig, adds_atomically, block_pass_configs, block_pass_default_config, block_pass_grid,
-    check_sum_heads)
+    check_sum_heads, summing_heads_config, sums_heads_by_default)
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, int64_index_kernels, mma_dtype, select_kernel)
 from jax_mamba2.kernels._tiles import (
@@ -208,7 +208,8 @@ def chunk_scan_bwd_dx_configs(dims: SSDDims, arch: str = "sm_90") -> list[BlockP
 
 
 def chunk_scan_bwd_dx_default_config(dims: SSDDims) -> BlockPassConfig:
-    return block_pass_default_config(dims)
+    """Whole chunks summing their heads' dCB where `sums_heads_by_default`, else the shared default."""
+    return summing_heads_config(dims) if sums_heads_by_default(dims) else block_pass_default_config(dims)
 
 
 def chunk_scan_bwd_dx_launch(dims: SSDDims, cfg: ChunkScanBwdDxConfig | None = None, *,
