@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/gpu_session.sh suites|tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|sum-heads|train [OUT]
+#   bash benchmarks/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|sum-heads|train [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|tests|kernel-tests|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|sum-heads|train [OUT]}
+part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|sum-heads|train [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 source .gpu/gpu-env.sh >/dev/null || exit 1
@@ -39,16 +39,6 @@ case $part in
     export JAX_MAMBA2_AUTOTUNE=0
     sharded gpu_suites "${CAP:-480}" "${SHARDS:-12}" tests/kernels/test_stages_gpu.py \
       tests/kernels/test_backward_gpu.py tests/bridge/test_cutile_gpu.py tests/flax_layers/test_lm_gpu.py
-    ;;
-  tests)  # the op and the LM on the GPU; default kernel configs (tuning every test shape takes minutes)
-    export JAX_MAMBA2_AUTOTUNE=0
-    step bridge_gpu 360 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/bridge/test_cutile_gpu.py
-    step flax_gpu 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/flax_layers/test_lm_gpu.py
-    ;;
-  kernel-tests)  # every forward and backward plan stage against the float64 reference, every tiling
-    export JAX_MAMBA2_AUTOTUNE=0
-    step kernels_fwd_gpu 250 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/kernels/test_stages_gpu.py
-    step kernels_bwd_gpu 280 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/kernels/test_backward_gpu.py
     ;;
   fwd)  # the forward grid with every peer, default configs (tuning every shape does not fit one call)
     step ssd_fwd 540 python benchmarks/ssd.py --tuning off "${peers[@]}" --out "$out"
