@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|sum-heads|train [OUT]
+#   bash benchmarks/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|sum-heads|train [OUT]}
+part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 source .gpu/gpu-env.sh >/dev/null || exit 1
@@ -92,12 +92,14 @@ case $part in
         "$(ls /tmp/trace_"$shape"/plugins/profile/*/perfetto_trace.json.gz | head -1)" --out "$out/profile_$shape.json"
     done
     ;;
-  sum-heads)  # the whole-chunk block passes that sum their heads' dCB: GPU tests, then per-launch times
+  variants)  # backward stage variants not (yet) defaults: their GPU tests, then per-launch times against
+    # the defaults (the whole-dstate reverse state tile: one block per chain, dy read once)
     export JAX_MAMBA2_AUTOTUNE=0
-    step kernels_sum_heads_gpu 200 python -m pytest -m gpu -q -rf -p no:cacheprovider \
-      tests/kernels/test_backward_gpu.py -k summing
-    step stages_sum_heads 300 python benchmarks/stages.py --sum-heads --repeats 10 --out "$out" \
-      --shapes 4,8192,32,64,128,1 2,32768,32,64,128,1 4,8192,32,64,64,1 4,8192,32,64,256,1
+    step kernels_variants_gpu 200 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+      tests/kernels/test_backward_gpu.py -k whole_dstate
+    step stages_variants 300 python benchmarks/stages.py --repeats 10 --out "$out" \
+      --shapes 4,8192,32,64,128,1 2,32768,32,64,128,1 4,8192,80,64,128,1 \
+      --bwd-variant state_64x128:chunk_state_bwd.BLOCK_N=128,chunk_state_bwd.occupancy=2
     ;;
   train)  # issue 7's training check: the same 200 steps with the cuTile and the xla backends
     for backend in cutile xla; do

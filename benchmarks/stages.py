@@ -2,7 +2,7 @@
 
     python benchmarks/stages.py [--shapes B,L,H,P,N,G ...] [--chunk 64] [--configs default|tuned]
                                 [--layouts staged fused] [--atomic-heads 1 2 4 8] [--deterministic]
-                                [--sum-heads]
+                                [--bwd-variant NAME:STAGE.FIELD=VALUE,... ...]
                                 [--out DIR]
 
 Each plan runs once eagerly (torch tensors viewing random JAX inputs, ct.launch on a torch stream),
@@ -14,6 +14,8 @@ are not read.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -28,8 +30,34 @@ from benchmarks.environment import environment, gpu_slug  # noqa: E402
 from benchmarks.ssd import GRID, Shape  # noqa: E402
 from jax_mamba2.bridge import eager, tuning  # noqa: E402
 from jax_mamba2.kernels import backward, forward  # noqa: E402
-from jax_mamba2.kernels._block_pass_config import BlockPassConfig  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, dict[str, int]]]:
+    """"NAME:STAGE.FIELD=VALUE,..." -> (NAME, {stage: {field: int value}}) (booleans as 0/1)."""
+    name, _, assignments = text.partition(":")
+    fields: dict[str, dict[str, int]] = {}
+    for assignment in filter(None, assignments.split(",")):
+        target, _, value = assignment.partition("=")
+        stage, _, field = target.partition(".")
+        if not (stage in backward.BACKWARD_STAGES and field and value):
+            raise argparse.ArgumentTypeError(f"{assignment!r}: expected STAGE.FIELD=VALUE with STAGE one of "
+                                             f"{backward.BACKWARD_STAGES}")
+        fields.setdefault(stage, {})[field] = int(value)
+    if not (name and fields):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:STAGE.FIELD=VALUE,...")
+    return name, fields
+
+
+def variant_configs(dims: SSDDims, fields: dict[str, dict[str, int]]) -> dict[str, object]:
+    """Each named stage's default config for `dims` with the given fields replaced."""
+    configs = {}
+    for stage, values in fields.items():
+        default = getattr(importlib.import_module(f"jax_mamba2.kernels.{stage}"), f"{stage}_default_config")(dims)
+        types = {f.name: f.type for f in dataclasses.fields(default)}
+        configs[stage] = dataclasses.replace(
+            default, **{k: bool(v) if types[k] in (bool, "bool") else v for k, v in values.items()})
+    return configs
 
 
 def dims_of(shape: Shape, chunk_size: int) -> SSDDims:
@@ -76,9 +104,9 @@ def main(argv=None) -> int:
                         help="heads per block of the atomic dB/dC passes: one backward plan per value "
                              "(default: the plan's own choice)")
     parser.add_argument("--deterministic", action="store_true", help="also the deterministic backward")
-    parser.add_argument("--sum-heads", action="store_true",
-                        help="also the backward with whole-chunk block passes summing their heads' dCB "
-                             "(SUM_HEADS, latency 2, occupancy 1 and 2; chunk 64)")
+    parser.add_argument("--bwd-variant", type=parse_variant, nargs="+", default=[],
+                        help="also a backward plan with these stages' default configs changed, e.g. "
+                             "csb128:chunk_state_bwd.BLOCK_N=128,chunk_state_bwd.occupancy=2")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
@@ -101,10 +129,8 @@ def main(argv=None) -> int:
         if args.deterministic:
             plans["bwd_deterministic", None] = backward.backward_plan(
                 dims, tuning.backward_configs(dims, True) if tuned else None, deterministic=True)
-        for occupancy in (1, 2) if args.sum_heads else ():
-            tiles = BlockPassConfig(BLOCK_M=64, BLOCK_K=64, LOAD_LAT=2, occupancy=occupancy, SUM_HEADS=True)
-            plans[f"bwd_sum_heads_occupancy{occupancy}", None] = backward.backward_plan(
-                dims, {"chunk_scan_bwd_dc": tiles, "chunk_scan_bwd_dx": tiles})
+        for name, fields in args.bwd_variant:
+            plans[f"bwd_{name}", None] = backward.backward_plan(dims, variant_configs(dims, fields))
         for (direction, variant), plan in plans.items():
             heads = None if direction == "fwd" else variant
             inputs = tuning.random_inputs(dims, backward=direction != "fwd")

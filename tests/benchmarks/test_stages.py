@@ -16,3 +16,20 @@ def test_stages_plans_cover_every_grid_shape(shape):
     assert len(fwd.launches) == len(forward.FORWARD_LAYOUTS[forward.forward_layout(dims)])
     assert len(bwd.launches) == 7
     assert all(min(launch.grid) >= 1 for launch in fwd.launches + bwd.launches)
+
+
+def test_bwd_variant_replaces_fields_of_the_stage_defaults():
+    name, fields = stages.parse_variant(
+        "wide:chunk_state_bwd.BLOCK_N=128,chunk_scan_bwd_dc.SUM_HEADS=1,chunk_scan_bwd_dc.BLOCK_K=64")
+    assert name == "wide" and fields == {"chunk_state_bwd": {"BLOCK_N": 128},
+                                         "chunk_scan_bwd_dc": {"SUM_HEADS": 1, "BLOCK_K": 64}}
+    dims = stages.dims_of(Shape(4, 8192, 32, 64, 128, 1), 64)
+    configs = stages.variant_configs(dims, fields)
+    assert configs["chunk_state_bwd"].BLOCK_N == 128 and configs["chunk_scan_bwd_dc"].SUM_HEADS is True
+    backward.backward_plan(dims, configs)
+
+
+@pytest.mark.parametrize("text", ["nofields", "x:unknown_stage.BLOCK_N=1", "x:chunk_state_bwd.BLOCK_N"])
+def test_bwd_variant_rejects_malformed_text(text):
+    with pytest.raises(Exception, match="expected"):
+        stages.parse_variant(text)
