@@ -49,10 +49,19 @@ def parse_variant(text: str) -> tuple[str, dict[str, dict[str, int]]]:
     return name, fields
 
 
+# Tile fields and the dimension each must divide.
+_TILE_DIVIDES = {"BLOCK_P": "headdim", "BLOCK_N": "dstate", "BLOCK_M": "chunk_size", "BLOCK_K": "chunk_size"}
+
+
 def variant_configs(dims: SSDDims, fields: dict[str, dict[str, int]]) -> dict[str, object]:
-    """Each named stage's default config for `dims` with the given fields replaced."""
+    """Each named stage's default config for `dims` with the given fields replaced; ValueError where a
+    tile does not divide its dimension of `dims`."""
     configs = {}
     for stage, values in fields.items():
+        for field, value in values.items():
+            dim = _TILE_DIVIDES.get(field)
+            if dim and getattr(dims, dim) % value:
+                raise ValueError(f"{stage}.{field}={value} does not divide {dim}={getattr(dims, dim)}")
         default = getattr(importlib.import_module(f"jax_mamba2.kernels.{stage}"), f"{stage}_default_config")(dims)
         types = {f.name: f.type for f in dataclasses.fields(default)}
         configs[stage] = dataclasses.replace(
@@ -130,7 +139,10 @@ def main(argv=None) -> int:
             plans["bwd_deterministic", None] = backward.backward_plan(
                 dims, tuning.backward_configs(dims, True) if tuned else None, deterministic=True)
         for name, fields in args.bwd_variant:
-            plans[f"bwd_{name}", None] = backward.backward_plan(dims, variant_configs(dims, fields))
+            try:
+                plans[f"bwd_{name}", None] = backward.backward_plan(dims, variant_configs(dims, fields))
+            except ValueError as e:
+                print(f"{shape.label()}: variant {name} skipped ({e})", flush=True)
         for (direction, variant), plan in plans.items():
             heads = None if direction == "fwd" else variant
             inputs = tuning.random_inputs(dims, backward=direction != "fwd")

@@ -33,3 +33,9 @@ def test_bwd_variant_replaces_fields_of_the_stage_defaults():
 def test_bwd_variant_rejects_malformed_text(text):
     with pytest.raises(Exception, match="expected"):
         stages.parse_variant(text)
+
+
+def test_bwd_variant_rejects_a_tile_that_does_not_divide_its_dimension():
+    _, fields = stages.parse_variant("wide:chunk_state_bwd.BLOCK_N=128")
+    with pytest.raises(ValueError, match="BLOCK_N=128 does not divide dstate=64"):
+        stages.variant_configs(stages.dims_of(Shape(4, 8192, 32, 64, 64, 1), 64), fields)
