@@ -20,14 +20,14 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND under a cap, logging to $
   echo "   exit $? ; $(grep -E '(passed|failed|error)' "$out/$name.log" | tail -1)"
 }
 
-sharded() {  # sharded NAME SECONDS SHARDS FILES...: every GPU test of FILES, split over SHARDS processes
-  # sharing the GPU (serially the suites take ~30 minutes, mostly compiling kernels on one CPU core)
+sharded() {  # sharded NAME SECONDS SHARDS FILES... [-k EXPR]: the GPU tests of FILES, split over SHARDS
+  # processes sharing the GPU (serially the suites take ~30 minutes, mostly in compiles and XLA)
   local name=$1 cap=$2 shards=$3; shift 3
   python -m pytest -m gpu --collect-only -q -p no:cacheprovider "$@" | grep '::' > "$out/$name.ids"
   echo "== $name: $(wc -l < "$out/$name.ids") tests in $shards shards (cap ${cap}s)"
   for i in $(seq 0 $((shards - 1))); do
     awk -v n="$shards" -v i="$i" 'NR % n == i' "$out/$name.ids" > "$out/$name.$i.ids"
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$cap" xargs -d "\n" -a "$out/$name.$i.ids" \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$cap" xargs -r -d "\n" -a "$out/$name.$i.ids" \
       python -m pytest -m gpu -q -rf -p no:cacheprovider > "$out/$name.$i.log" 2>&1 &
   done
   wait
@@ -95,8 +95,7 @@ case $part in
   variants)  # backward stage variants not (yet) defaults: their GPU tests, then per-launch times against
     # the defaults (the whole-dstate reverse state tile: one block per chain, dy read once)
     export JAX_MAMBA2_AUTOTUNE=0
-    step kernels_variants_gpu 200 python -m pytest -m gpu -q -rf -p no:cacheprovider \
-      tests/kernels/test_backward_gpu.py -k whole_dstate
+    sharded kernels_variants_gpu 200 4 tests/kernels/test_backward_gpu.py -k whole_dstate
     step stages_variants 300 python benchmarks/stages.py --repeats 10 --out "$out" \
       --shapes 4,8192,32,64,128,1 2,32768,32,64,128,1 4,8192,80,64,128,1 \
       --bwd-variant state_64x128:chunk_state_bwd.BLOCK_N=128,chunk_state_bwd.occupancy=2
