@@ -21,7 +21,7 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND under a cap, logging to $
 }
 
 sharded() {  # sharded NAME SECONDS SHARDS FILES... [-k EXPR]: the GPU tests of FILES, split over SHARDS
-  # processes sharing the GPU (serially the suites take ~30 minutes, mostly in compiles and XLA)
+  # processes sharing the GPU (serially the suites take ~30 minutes)
   local name=$1 cap=$2 shards=$3; shift 3
   python -m pytest -m gpu --collect-only -q -p no:cacheprovider "$@" | grep '::' > "$out/$name.ids"
   echo "== $name: $(wc -l < "$out/$name.ids") tests in $shards shards (cap ${cap}s)"

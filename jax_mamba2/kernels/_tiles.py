@@ -70,6 +70,15 @@ def state_seq_rules(seq_idx, b, c, seqlen, CHUNK, prev_end_id, state_scale, carr
     return ids, end_id, ct.where(ids == end_id, state_scale, 0.0), ct.where(end_id == prev_end_id, carry, 0.0)
 
 
+def group_rows_and_products(array, b, row_tile, g, own_rows, ROWS, BLOCK, DSTATE, LOAD_LAT, op_dtype):
+    """Rows [row_tile*BLOCK, (row_tile+1)*BLOCK) of group g of a (batch, seqlen, ngroups, dstate) array (B
+    or C) as an mma operand [BLOCK, DSTATE] (0 past seqlen), and the products own_rows · rowsᵀ [ROWS, BLOCK]
+    f32 with a block's own rows own_rows [ROWS, DSTATE] (C·Bᵀ in bwd_dc, B·Cᵀ in bwd_dx)."""
+    rows = ct.load(array, index=(b, row_tile, g, 0), shape=(1, BLOCK, 1, DSTATE),
+                   padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT).reshape((BLOCK, DSTATE)).astype(op_dtype)
+    return rows, ct.mma(own_rows, rows.transpose(), ct.zeros((ROWS, BLOCK), dtype=ct.float32))
+
+
 def operand(tile, dtype, mma_dtype):
     """`tile` rounded to the data dtype `dtype` and presented to ct.mma as `mma_dtype` (tf32 for f32
     data), the precision mamba_ssm's backward dots use for their f32 intermediates."""

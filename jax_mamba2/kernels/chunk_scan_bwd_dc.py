@@ -63,7 +63,7 @@ from jax_mamba2.kernels._block_pass_config import (
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, int64_index_kernels, mma_dtype, select_kernel)
 from jax_mamba2.kernels._tiles import (
-    load_chunk_vector, operand, previous_chunk_end_id, row_ids, store_chunk_vector)
+    group_rows_and_products, load_chunk_vector, operand, previous_chunk_end_id, row_ids, store_chunk_vector)
 
 
 def _rows(array, b, row_tile, h, BLOCK_M, HEADDIM):
@@ -116,9 +116,7 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
         if SUM_HEADS:
             # One key block, the whole chunk: its B and C·Bᵀ serve every head, and the heads' dCB are
             # summed before the one product with B.
-            B_chunk = ct.load(B, index=(b, c, g, 0), shape=(1, CHUNK, 1, DSTATE),
-                              padding_mode=ct.PaddingMode.ZERO).reshape((CHUNK, DSTATE)).astype(op_dtype)
-            cb_chunk = ct.mma(C_m, B_chunk.transpose(), ct.zeros((CHUNK, CHUNK), dtype=ct.float32))
+            B_chunk, cb_chunk = group_rows_and_products(B, b, c, g, C_m, CHUNK, CHUNK, DSTATE, LOAD_LAT, op_dtype)
             dcb_sum = ct.zeros((CHUNK, CHUNK), dtype=ct.float32)
 
         for t in range(HEADS_PER_BLOCK):
@@ -145,13 +143,10 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
                 k_tile = c * (CHUNK // BLOCK_K) + k
                 cols = k * BLOCK_K + ct.arange(BLOCK_K, dtype=ct.int32)
                 if SUM_HEADS:
-                    B_k = B_chunk
-                    cb = cb_chunk
+                    B_k, cb = B_chunk, cb_chunk
                 else:
-                    B_k = ct.load(B, index=(b, k_tile, g, 0), shape=(1, BLOCK_K, 1, DSTATE),
-                                  padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
-                                  ).reshape((BLOCK_K, DSTATE)).astype(op_dtype)
-                    cb = ct.mma(C_m, B_k.transpose(), ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32))
+                    B_k, cb = group_rows_and_products(B, b, k_tile, g, C_m, BLOCK_M, BLOCK_K, DSTATE, LOAD_LAT,
+                                                      op_dtype)
                 x_k = ct.load(x, index=(b, k_tile, h, 0), shape=(1, BLOCK_K, 1, HEADDIM),
                               padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
                               ).reshape((BLOCK_K, HEADDIM)).astype(op_dtype)

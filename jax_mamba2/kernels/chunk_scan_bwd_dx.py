@@ -43,7 +43,7 @@ from jax_mamba2.kernels._block_pass_config import (
 from jax_mamba2.kernels._common import (
     ConstBool, ConstInt, Launch, SSDDims, int64_index_kernels, mma_dtype, select_kernel)
 from jax_mamba2.kernels._tiles import (
-    chunk_end_id, load_chunk_vector, operand, row_ids, store_chunk_vector)
+    chunk_end_id, group_rows_and_products, load_chunk_vector, operand, row_ids, store_chunk_vector)
 
 
 def _rows(array, b, row_tile, h, BLOCK_M, HEADDIM):
@@ -87,9 +87,7 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
         if SUM_HEADS:
             # One row block, the whole chunk: its C and B·Cᵀ serve every head, and the heads' dCB are
             # summed before the one product with C.
-            C_chunk = ct.load(C, index=(b, c, g, 0), shape=(1, CHUNK, 1, DSTATE),
-                              padding_mode=ct.PaddingMode.ZERO).reshape((CHUNK, DSTATE)).astype(op_dtype)
-            bc_chunk = ct.mma(B_s, C_chunk.transpose(), ct.zeros((CHUNK, CHUNK), dtype=ct.float32))
+            C_chunk, bc_chunk = group_rows_and_products(C, b, c, g, B_s, CHUNK, CHUNK, DSTATE, LOAD_LAT, op_dtype)
             dcb_sum = ct.zeros((CHUNK, CHUNK), dtype=ct.float32)
 
         for t in range(HEADS_PER_BLOCK):
@@ -118,13 +116,10 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
                 l_tile = c * (CHUNK // BLOCK_K) + k
                 rows = k * BLOCK_K + ct.arange(BLOCK_K, dtype=ct.int32)
                 if SUM_HEADS:
-                    C_l = C_chunk
-                    bc = bc_chunk
+                    C_l, bc = C_chunk, bc_chunk
                 else:
-                    C_l = ct.load(C, index=(b, l_tile, g, 0), shape=(1, BLOCK_K, 1, DSTATE),
-                                  padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
-                                  ).reshape((BLOCK_K, DSTATE)).astype(op_dtype)
-                    bc = ct.mma(B_s, C_l.transpose(), ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32))
+                    C_l, bc = group_rows_and_products(C, b, l_tile, g, B_s, BLOCK_M, BLOCK_K, DSTATE, LOAD_LAT,
+                                                      op_dtype)
                 dy_l = ct.load(dy, index=(b, l_tile, h, 0), shape=(1, BLOCK_K, 1, HEADDIM),
                                padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
                                ).reshape((BLOCK_K, HEADDIM)).astype(op_dtype)
