@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -49,20 +48,12 @@ def parse_variant(text: str) -> tuple[str, dict[str, dict[str, int]]]:
     return name, fields
 
 
-# Tile fields and the dimension each must divide.
-_TILE_DIVIDES = {"BLOCK_P": "headdim", "BLOCK_N": "dstate", "BLOCK_M": "chunk_size", "BLOCK_K": "chunk_size"}
-
-
 def variant_configs(dims: SSDDims, fields: dict[str, dict[str, int]]) -> dict[str, object]:
-    """Each named stage's default config for `dims` with the given fields replaced; ValueError where a
-    tile does not divide its dimension of `dims`."""
+    """Each named stage's default config for `dims` with the given fields replaced (backward_plan says
+    which do not fit `dims`)."""
     configs = {}
     for stage, values in fields.items():
-        for field, value in values.items():
-            dim = _TILE_DIVIDES.get(field)
-            if dim and getattr(dims, dim) % value:
-                raise ValueError(f"{stage}.{field}={value} does not divide {dim}={getattr(dims, dim)}")
-        default = getattr(importlib.import_module(f"jax_mamba2.kernels.{stage}"), f"{stage}_default_config")(dims)
+        default = tuning.stage_default_config(stage, dims)
         types = {f.name: f.type for f in dataclasses.fields(default)}
         configs[stage] = dataclasses.replace(
             default, **{k: bool(v) if types[k] in (bool, "bool") else v for k, v in values.items()})

@@ -361,6 +361,12 @@ def _config_from_entry(stage: str, dims: SSDDims, entry: dict):
         return None
 
 
+def stage_default_config(stage: str, dims: SSDDims):
+    """The configuration `stage` (a name of forward.FORWARD_STAGES or backward.BACKWARD_STAGES) runs with
+    for `dims` when not tuned."""
+    return _STAGES[stage].default_config(dims)
+
+
 def _search_space(stage: str, dims: SSDDims, arch: str) -> list:
     spec = _STAGES[stage]
     space = list(dict.fromkeys(spec.configs(dims, arch)))

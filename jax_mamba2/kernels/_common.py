@@ -145,6 +145,22 @@ def check_arch(api: str, arch: str) -> None:
         raise ValueError(f"{api}: arch={arch!r} must be one of {SUPPORTED_ARCHS}")
 
 
+# Tile fields of the stage configs and the dimension each must divide (one block per tile; 0 means
+# "no tiling" where a config allows it, e.g. ChunkScanConfig.BLOCK_N).
+_TILE_DIMS = {"BLOCK_P": "headdim", "BLOCK_N": "dstate", "BLOCK_M": "chunk_size", "BLOCK_K": "chunk_size"}
+
+
+def check_config_tiles(api: str, configs: dict, dims: SSDDims) -> None:
+    """Raises ValueError naming the stage and field unless every tile field of the given stage configs
+    divides its dimension of `dims` (a larger tile would leave part of the arrays to no block)."""
+    for stage, cfg in configs.items():
+        for field, dim in _TILE_DIMS.items():
+            value = getattr(cfg, field, 0)
+            if value and getattr(dims, dim) % value:
+                raise ValueError(f"{api}: configs[{stage!r}].{field}={value} must divide "
+                                 f"{dim}={getattr(dims, dim)}")
+
+
 def needs_int64_index(dims: SSDDims) -> bool:
     """Whether any array of the problem has 2^31 or more elements, so int32 offsets could overflow.
 

@@ -19,7 +19,7 @@ import math
 from typing import Mapping
 
 from jax_mamba2.kernels._block_pass_config import adds_atomically
-from jax_mamba2.kernels._common import Buffer, Plan, SSDDims
+from jax_mamba2.kernels._common import Buffer, Plan, SSDDims, check_config_tiles
 from jax_mamba2.kernels.chunk_cumsum import chunk_cumsum_fwd_launch
 from jax_mamba2.kernels.chunk_cumsum_bwd import chunk_cumsum_bwd_launch
 from jax_mamba2.kernels.chunk_scan_bwd_dc import chunk_scan_bwd_dc_default_config, chunk_scan_bwd_dc_launch
@@ -88,6 +88,7 @@ def _stage_configs(dims: SSDDims, configs: Mapping[str, object] | None) -> dict[
     unknown = set(configs) - set(BACKWARD_STAGES)
     if unknown:
         raise ValueError(f"backward_plan: configs keys={sorted(unknown)} must be among {BACKWARD_STAGES}")
+    check_config_tiles("backward_plan", configs, dims)
     configs.setdefault("chunk_scan_bwd_dc", chunk_scan_bwd_dc_default_config(dims))
     configs.setdefault("chunk_state_bwd", chunk_state_bwd_default_config(dims))
     return configs

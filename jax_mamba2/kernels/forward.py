@@ -12,7 +12,7 @@ and tests.
 """
 from typing import Mapping
 
-from jax_mamba2.kernels._common import Buffer, Plan, SSDDims
+from jax_mamba2.kernels._common import Buffer, Plan, SSDDims, check_config_tiles
 from jax_mamba2.kernels.chunk_cumsum import chunk_cumsum_fwd_launch
 from jax_mamba2.kernels.chunk_scan import chunk_scan_fwd_launch
 from jax_mamba2.kernels.chunk_state import chunk_state_fwd_launch
@@ -167,6 +167,7 @@ def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, lay
     if unknown:
         raise ValueError(f"forward_plan: configs keys={sorted(unknown)} must be among {stages} "
                          f"(layout={layout!r})")
+    check_config_tiles("forward_plan", configs, dims)
     segment_chunks = fused_segment_chunks(dims) if layout == "segmented" else 0
     launch_of = {
         "chunk_cumsum": chunk_cumsum_fwd_launch, "chunk_state": chunk_state_fwd_launch,

@@ -10,7 +10,9 @@ from jax_mamba2.kernels._block_pass_config import adds_atomically
 from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.backward import (
     BACKWARD_INPUTS, BACKWARD_OUTPUTS, backward_arrays, backward_plan, group_heads_per_block)
+from jax_mamba2.kernels.chunk_state import ChunkStateConfig
 from jax_mamba2.kernels.export import compile_launch
+from jax_mamba2.kernels.forward import forward_plan
 from tests.kernels._plan_checks import assert_plan_well_formed, kernel_name
 from tests.kernels.test_compile import sass_and_resources
 
@@ -97,3 +99,13 @@ def test_backward_plan_output_layouts():
 def test_backward_plan_rejects_unknown_stage():
     with pytest.raises(ValueError, match=r"configs keys=\['chunk_scan'\] must be among"):
         backward_plan(_BASE, {"chunk_scan": None})
+
+
+def test_plans_reject_a_tile_that_does_not_divide_its_dimension():
+    """A tile wider than its dimension (dstate 64 here) would leave part of the arrays to no block."""
+    wide = ChunkStateConfig(BLOCK_P=64, BLOCK_N=128)
+    with pytest.raises(ValueError, match=r"backward_plan: configs\['chunk_state_bwd'\]\.BLOCK_N=128 must divide "
+                                         r"dstate=64"):
+        backward_plan(_BASE, {"chunk_state_bwd": wide})
+    with pytest.raises(ValueError, match=r"forward_plan: configs\['chunk_state'\]\.BLOCK_N=128 must divide"):
+        forward_plan(_BASE, {"chunk_state": wide}, "staged")
