@@ -36,7 +36,7 @@ def block_pass_configs(api: str, dims: SSDDims, arch: str) -> list[BlockPassConf
     2/4, occupancy 1/2."""
     check_arch(api, arch)
     block_ms = (64, 128) if not is_wide(dims) and dims.chunk_size >= 128 else (64,)
-    summing = [BlockPassConfig(BLOCK_M=64, BLOCK_K=64, LOAD_LAT=lat, occupancy=occ, SUM_HEADS=True)
+    summing = [dataclasses.replace(summing_heads_config(dims), LOAD_LAT=lat, occupancy=occ)
                for lat in (2, 4) for occ in (1, 2)] if dims.chunk_size == 64 else []
     return [BlockPassConfig(BLOCK_M=bm, BLOCK_K=bk, LOAD_LAT=lat, occupancy=occ)
             for bm in block_ms
