@@ -93,12 +93,17 @@ case $part in
     done
     ;;
   variants)  # backward stage variants not (yet) defaults: their GPU tests, then per-launch times against
-    # the defaults (the whole-dstate reverse state tile: one block per chain, dy read once)
+    # the defaults (the whole-dstate reverse state tile; bwd_dc with the chunk as its one key block, per
+    # head or summing the heads' dCB, at occupancy 1 and 2)
     export JAX_MAMBA2_AUTOTUNE=0
-    sharded kernels_variants_gpu 200 4 tests/kernels/test_backward_gpu.py -k whole_dstate
-    step stages_variants 300 python benchmarks/stages.py --repeats 10 --out "$out" \
-      --shapes 4,8192,32,64,128,1 2,32768,32,64,128,1 4,8192,80,64,128,1 \
-      --bwd-variant state_64x128:chunk_state_bwd.BLOCK_N=128,chunk_state_bwd.occupancy=2
+    sharded kernels_variants_gpu 200 6 tests/kernels/test_backward_gpu.py -k "whole_dstate or one_key or summing"
+    dc=chunk_scan_bwd_dc
+    step stages_variants 330 python benchmarks/stages.py --repeats 10 --out "$out" \
+      --shapes 4,8192,32,64,128,1 2,32768,32,64,128,1 4,8192,32,64,64,1 4,8192,32,64,256,1 \
+      --bwd-variant state_64x128:chunk_state_bwd.BLOCK_N=128,chunk_state_bwd.occupancy=2 \
+        dc_one_key_block:$dc.BLOCK_K=64,$dc.SUM_HEADS=0,$dc.occupancy=2 \
+        dc_summing_occupancy1:$dc.BLOCK_K=64,$dc.SUM_HEADS=1,$dc.occupancy=1 \
+        dc_summing_occupancy2:$dc.BLOCK_K=64,$dc.SUM_HEADS=1,$dc.occupancy=2
     ;;
   train)  # issue 7's training check: the same 200 steps with the cuTile and the xla backends
     for backend in cutile xla; do

@@ -28,7 +28,13 @@ the pairs that straddle r:
 A block owns rows l of one row block and walks the key blocks up to its diagonal, keeping the row sums of
 T over the key blocks done so far; for key block k it adds Σ_{l >= r} (carry_l + Σ_{s<r, s in k} T[l,s])
 to R^intra_r for the r of block k. These per-row-block pieces go to `ddA_intra[b, h, c, m, :]` (only
-entries r < (m+1) BLOCK_M are written) and chunk_cumsum_bwd sums them over m in a fixed order.
+entries r < (m+1) BLOCK_M are written) and chunk_cumsum_bwd sums them over m in a fixed order. With one
+key block (BLOCK_K = CHUNK) there is no carry and the straddling sum is a product,
+
+    R^intra_r = Σ_s [s < r] Z[r, s],   Z = U T,   U[r, l] = [l >= r]  (l in the row block),
+
+one tf32 mma and a row sum instead of a cumulative sum and a sum across rows (shared memory and
+barriers); the key loop is then static.
 
 SUM_HEADS (BLOCK_M = BLOCK_K = CHUNK): the one key block is the whole chunk, so its B and C·Bᵀ are loaded
 and computed once for all the block's heads, and the heads' dCB are summed in f32 before a single product
@@ -41,8 +47,8 @@ group: one block owns the group, bitwise deterministic). C B^T is recomputed per
 materialising per-head Q x Q matrices).
 
 Precision: mma operands in x's dtype (tf32 for f32 inputs); dy, the states H_c, dCB and the scores are
-rounded to x's dtype before their products, as mamba_ssm does; accumulation and everything elementwise
-in f32.
+rounded to x's dtype before their products, as mamba_ssm does; T enters U T in tf32 (U is exact);
+accumulation and everything elementwise in f32.
 
 Grid: (nheads/HEADS_PER_BLOCK * CHUNK/BLOCK_M * nchunks, batch), head splits fastest, the heaviest row
 blocks (near the chunk end) first. Row blocks wholly past seqlen do nothing.
@@ -113,6 +119,12 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
         # Key blocks up to the diagonal that hold a valid token (a wholly out-of-bounds load is undefined).
         num_k_blocks = ct.cdiv(ct.minimum((m + 1) * BLOCK_M, seqlen - c * CHUNK), BLOCK_K)
         dC_acc = ct.zeros((BLOCK_M, DSTATE), dtype=ct.float32)              # [BLOCK_M, DSTATE]
+        if BLOCK_K == CHUNK:
+            # One key block, so no carry, and R^intra is a product: R_r = Σ_s [s < r] (U T)[r, s] with
+            # U[r, l] = [l >= r] (exact in tf32), instead of a cumulative and a cross-row sum.
+            keys = ct.arange(CHUNK, dtype=ct.int32)
+            suffix_ones = ct.where(rows[None, :] >= keys[:, None], 1.0, 0.0).astype(ct.tfloat32)
+            below_diagonal = keys[None, :] < keys[:, None]                  # [r, s]: s < r
         if SUM_HEADS:
             # One key block, the whole chunk: its B and C·Bᵀ serve every head, and the heads' dCB are
             # summed before the one product with B.
@@ -139,7 +151,9 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
 
             # Intra-chunk term, key blocks up to the diagonal.
             row_carry = ct.zeros((BLOCK_M,), dtype=ct.float32)   # Σ_{s in earlier key blocks} T[l, s]
-            for k in range(num_k_blocks):
+            # With one key block the loop is static (the head loop is then the innermost: tileiras pipelines
+            # its loads, and fewer values stay live; sm_90 cubins spill less).
+            for k in range(1 if BLOCK_K == CHUNK else num_k_blocks):
                 k_tile = c * (CHUNK // BLOCK_K) + k
                 cols = k * BLOCK_K + ct.arange(BLOCK_K, dtype=ct.int32)
                 if SUM_HEADS:
@@ -168,9 +182,14 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
                     y_m = ct.mma(operand(scores, x.dtype, op_dtype), x_k, y_m)
                 # R^intra_r += Σ_{l >= r} (carry_l + Σ_{s < r in this block} T[l, s]), r in this block.
                 t_ls = dcb * cb
-                below_r = ct.cumsum(t_ls, axis=1) - t_ls + row_carry[:, None]
-                ddA_part = ct.sum(ct.where(causal, below_r, 0.0), axis=0)   # [BLOCK_K]
-                row_carry = row_carry + ct.sum(t_ls, axis=1)
+                if BLOCK_K == CHUNK:
+                    suffix_t = ct.mma(suffix_ones, t_ls.astype(ct.tfloat32),
+                                      ct.zeros((CHUNK, CHUNK), dtype=ct.float32))
+                    ddA_part = ct.sum(ct.where(below_diagonal, suffix_t, 0.0), axis=1)
+                else:
+                    below_r = ct.cumsum(t_ls, axis=1) - t_ls + row_carry[:, None]
+                    ddA_part = ct.sum(ct.where(causal, below_r, 0.0), axis=0)   # [BLOCK_K]
+                    row_carry = row_carry + ct.sum(t_ls, axis=1)
                 ct.store(ddA_intra, index=(b, h, c, m, k), tile=ddA_part.reshape((1, 1, 1, 1, BLOCK_K)))
 
             # Reloaded rather than kept live across the key loop (they would spill).

@@ -175,6 +175,16 @@ def test_backward_plan_emulated_summing_heads_matches_scan_vjp(deterministic):
                    **({} if deterministic else {"atomic_heads_per_block": 2}))
 
 
+@pytest.mark.parametrize("block_m", [16, 8], ids=["whole_chunk", "half_chunk_rows"])
+def test_backward_plan_emulated_one_key_block_row_pass_matches_scan_vjp(block_m):
+    """bwd_dc with the chunk as its one key block (R^intra as one product), per head, with blocks of the
+    whole chunk or of half its rows; seq_idx resets, a gate, a partial last chunk."""
+    configs = tuple((stage, ChunkScanBwdDcConfig(BLOCK_M=block_m, BLOCK_K=16) if stage == "chunk_scan_bwd_dc"
+                     else cfg) for stage, cfg in _SMALL["configs"])
+    case = BackwardCase(**{**_SMALL, "configs": configs}, seqlen=50, nheads=4, ngroups=2, seq_lens=(5, 11, 16, 18))
+    check_backward(_run_plan_float64, case, "float32", 1e-10)
+
+
 def test_backward_plan_emulated_bf16_within_kernel_tolerance():
     """The kernels' rounding points (bf16 operands, f32 accumulation) at the default tile sizes keep every
     gradient within the GPU tolerance (tf32 is not emulated, so this is the bf16 check)."""

@@ -71,6 +71,16 @@ def test_backward_plan_gpu_summing_heads_matches_scan_vjp(dtype, deterministic):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("block_m", [64, 32], ids=["whole_chunk", "half_chunk_rows"])
+def test_backward_plan_gpu_one_key_block_row_pass_matches_scan_vjp(block_m, dtype):
+    """bwd_dc per head with the chunk as its one key block (R^intra as one tf32 product)."""
+    tiles = chunk_scan_bwd_dc.ChunkScanBwdDcConfig(BLOCK_M=block_m, BLOCK_K=64)
+    case = BackwardCase(seqlen=300, nheads=8, ngroups=2, seq_lens=(64, 100, 36, 100),
+                        configs=(("chunk_scan_bwd_dc", tiles),))
+    check_backward(run_plan_gpu, case, dtype, TOLERANCE["kernel_bwd"][dtype])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_backward_plan_gpu_whole_dstate_state_tile_matches_scan_vjp(dtype):
     """The reverse state pass with one 64 x 128 tile per (batch, head) chain (in its space at dstate 128)."""
     tile = chunk_state_bwd.ChunkStateBwdConfig(BLOCK_P=64, BLOCK_N=128, LOAD_LAT=6, occupancy=2)
