@@ -99,7 +99,7 @@ case $part in
     sharded kernels_variants_gpu 200 6 tests/kernels/test_backward_gpu.py -k "whole_dstate or one_key or summing"
     dc=chunk_scan_bwd_dc
     step stages_variants 330 python benchmarks/stages.py --repeats 10 --out "$out" \
-      --shapes 4,8192,32,64,128,1 2,32768,32,64,128,1 4,8192,32,64,64,1 4,8192,32,64,256,1 \
+      --shapes 4,8192,32,64,128,1 4,8192,32,64,64,1 4,8192,32,64,256,1 \
       --bwd-variant state_64x128:chunk_state_bwd.BLOCK_N=128,chunk_state_bwd.occupancy=2 \
         dc_one_key_block:$dc.BLOCK_K=64,$dc.SUM_HEADS=0,$dc.occupancy=2 \
         dc_summing_occupancy1:$dc.BLOCK_K=64,$dc.SUM_HEADS=1,$dc.occupancy=1 \
