@@ -57,8 +57,7 @@ def sums_heads_by_default(dims: SSDDims) -> bool:
     """Whether the default tiles are whole chunks summing their heads' dCB (SUM_HEADS): at chunk 64 for
     bf16/f16 with headdim <= 64, where it was measured (H200, batch 4, seqlen 8192, 32 heads; per launch,
     against the per-head defaults): dx 443 -> 343 us at dstate 128, 355 -> 317 at dstate 64, 2080 -> 650 at
-    dstate 256, and 876 -> 667 at (2, 32768); dc only gains at dstate 256 (1413 -> 698 us; 426 -> 502 at
-    dstate 128), see `chunk_scan_bwd_dc_default_config`."""
+    dstate 256, and 876 -> 667 at (2, 32768); dc see `chunk_scan_bwd_dc_default_config`."""
     return dims.chunk_size == 64 and dims.dtype != "float32" and dims.headdim <= 64
 
 

@@ -268,12 +268,13 @@ def chunk_scan_bwd_dc_configs(dims: SSDDims, arch: str = "sm_90") -> list[BlockP
 
 
 def chunk_scan_bwd_dc_default_config(dims: SSDDims) -> BlockPassConfig:
-    """The shared default with 32-key steps at latency 2: on the H200 shape of `block_pass_default_config`
-    32-key steps took this pass from 0.975 to 0.801 ms (four live [rows x keys] f32 products per step
-    here, two in dx), and latency 2 from 452 to 417 us (tuner, 60aa369). At dstate >= 256 whole chunks
-    summing their heads' dCB (`sums_heads_by_default`): 1413 -> 698 us there, but slower at dstate 128
-    (426 -> 502) and equal at 64 (430 -> 426, occupancy 2)."""
-    if sums_heads_by_default(dims) and dims.dstate >= 256:
+    """Whole chunks summing their heads' dCB where `sums_heads_by_default` (with one key block R^intra is a
+    product and the key loop static: on the H200, per launch, 445 -> 297 us at (4,8192,32,64,128,1), 422 ->
+    248 at dstate 64, 848 -> 552 at (2,32768), 1036 -> 699 at 80 heads, 241 -> 165 at (4,16384,8);
+    519 -> 505 at dstate 256, where occupancy 1 and 2 measured alike). Elsewhere the shared default with
+    32-key steps at latency 2 (there 0.975 -> 0.801 ms against 64-key steps: four live [rows x keys] f32
+    products per step here, two in dx; latency 2 417 us against 452 at latency 4)."""
+    if sums_heads_by_default(dims):
         return summing_heads_config(dims)
     return dataclasses.replace(block_pass_default_config(dims), BLOCK_K=32, LOAD_LAT=2)
 

@@ -80,15 +80,6 @@ def test_backward_plan_gpu_one_key_block_row_pass_matches_scan_vjp(block_m, dtyp
     check_backward(run_plan_gpu, case, dtype, TOLERANCE["kernel_bwd"][dtype])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_backward_plan_gpu_whole_dstate_state_tile_matches_scan_vjp(dtype):
-    """The reverse state pass with one 64 x 128 tile per (batch, head) chain (in its space at dstate 128)."""
-    tile = chunk_state_bwd.ChunkStateBwdConfig(BLOCK_P=64, BLOCK_N=128, LOAD_LAT=6, occupancy=2)
-    case = BackwardCase(seqlen=300, dstate=128, z=True, initial_states=True, seq_lens=(64, 100, 36, 100),
-                        configs=(("chunk_state_bwd", tile),))
-    check_backward(run_plan_gpu, case, dtype, TOLERANCE["kernel_bwd"][dtype])
-
-
 def test_backward_plan_gpu_every_tile_config_matches_scan_vjp():
     """Whatever the autotuner picks must be correct: every distinct tiling of each stage's space (the
     others at their defaults); latency and occupancy hints do not change what is computed."""
