@@ -31,6 +31,9 @@ _INT32_MAX = (1 << 31) - 1
 # The dtypes the kernels accept for x, B, C, z (names as numpy/jax spell them).
 KERNEL_DTYPES = ("bfloat16", "float16", "float32")
 
+# Streaming multiprocessors of an H100 / H200 (SXM), the sm_90 parts the defaults were measured on.
+SM90_SMS = 132
+
 
 @dataclasses.dataclass(frozen=True)
 class SSDDims:

@@ -38,8 +38,8 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel,
-    silu_gate)
+    SM90_SMS, ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype,
+    select_kernel, silu_gate)
 from jax_mamba2.kernels._tiles import previous_chunk_end_id, row_ids
 
 
@@ -281,10 +281,6 @@ class ChunkScanConfig:
 _MAX_ACC = 64 * 128
 
 
-# Streaming multiprocessors of an H100 / H200 (SXM): the persistent configs launch occupancy x this.
-_SM90_SMS = 132
-
-
 def _occupancy(dims: SSDDims) -> int:
     # tf32 operands take twice the registers of 16-bit ones: f32 needs the whole register file.
     return 1 if dims.dtype == "float32" else 2
@@ -317,7 +313,7 @@ def chunk_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkScan
              for bm, bk, bn, bp, r in shapes for lat in (2, 4)]
     persistent = [cfg for cfg in space
                   if cfg.LOAD_LAT == 4 and (cfg.BLOCK_N or (cfg.BLOCK_M, cfg.BLOCK_K) == (64, 64))]
-    return space + [dataclasses.replace(cfg, PERSISTENT=cfg.occupancy * _SM90_SMS) for cfg in persistent]
+    return space + [dataclasses.replace(cfg, PERSISTENT=cfg.occupancy * SM90_SMS) for cfg in persistent]
 
 
 def chunk_scan_fwd_default_config(dims: SSDDims) -> ChunkScanConfig:

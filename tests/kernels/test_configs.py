@@ -63,21 +63,33 @@ def test_stage_configs_valid_and_contain_default(stage, problem):
         assert 1 <= getattr(cfg, "LOAD_LAT", 1) <= 10
 
 
-@pytest.mark.parametrize("configs_fn,default_fn", [
-    (chunk_state.chunk_state_fwd_configs, chunk_state.chunk_state_fwd_default_config),
-    (chunk_state_bwd.chunk_state_bwd_configs, chunk_state_bwd.chunk_state_bwd_default_config)],
+@pytest.mark.parametrize("configs_fn,default_fn,default_tile_occupancies", [
+    (chunk_state.chunk_state_fwd_configs, chunk_state.chunk_state_fwd_default_config, (4,)),
+    (chunk_state_bwd.chunk_state_bwd_configs, chunk_state_bwd.chunk_state_bwd_default_config, (4, 5))],
     ids=["chunk_state", "chunk_state_bwd"])
-def test_state_pass_configs_try_every_tile_at_every_latency(configs_fn, default_fn):
-    """Every tile at every latency hint at occupancy 2; the default tile at occupancy 4 too."""
+def test_state_pass_configs_try_every_tile_at_every_latency(configs_fn, default_fn, default_tile_occupancies):
+    """Every tile at every latency hint at occupancy 2; the default tile at the higher occupancies too."""
     dims = PROBLEMS["odd_heads_q128"]
     space, default = configs_fn(dims), default_fn(dims)
     tiles = {(c.BLOCK_P, c.BLOCK_N) for c in space}
     assert (default.BLOCK_P, default.BLOCK_N) in tiles and default.LOAD_LAT in chunk_state.LOAD_LATENCIES
     by_occupancy = {occ: sorted((c.BLOCK_P, c.BLOCK_N, c.LOAD_LAT) for c in space if c.occupancy == occ)
-                    for occ in (2, 4)}
+                    for occ in (2, *default_tile_occupancies)}
     assert by_occupancy[2] == sorted((bp, bn, lat) for bp, bn in tiles for lat in chunk_state.LOAD_LATENCIES)
-    assert by_occupancy[4] == [(default.BLOCK_P, default.BLOCK_N, lat) for lat in chunk_state.LOAD_LATENCIES]
-    assert {c.occupancy for c in space} == {2, 4}
+    for occupancy in default_tile_occupancies:
+        assert by_occupancy[occupancy] == [(default.BLOCK_P, default.BLOCK_N, lat)
+                                           for lat in chunk_state.LOAD_LATENCIES]
+    assert {c.occupancy for c in space} == {2, *default_tile_occupancies}
+
+
+@pytest.mark.parametrize("nheads,dtype,occupancy", [(32, "bfloat16", 4), (80, "bfloat16", 5), (80, "float32", 4)])
+def test_reverse_state_pass_default_takes_occupancy_5_where_it_saves_a_wave(nheads, dtype, occupancy):
+    """batch 4, seqlen 8192, headdim 64, dstate 128: 512 blocks fill one wave at occupancy 4 (132 SMs);
+    1280 blocks take 3 waves at occupancy 4 and 2 at 5 (16-bit inputs only: f32 tiles need more memory)."""
+    dims = SSDDims(batch=4, seqlen=8192, nheads=nheads, headdim=64, ngroups=1, dstate=128, chunk_size=64,
+                   dtype=dtype, dt_dtype=dtype, dt_softplus=True)
+    cfg = chunk_state_bwd.chunk_state_bwd_default_config(dims)
+    assert (cfg.BLOCK_P, cfg.BLOCK_N, cfg.occupancy) == (64, 32, occupancy)
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
