@@ -129,6 +129,7 @@ def main(argv=None) -> int:
         if args.deterministic:
             plans["bwd_deterministic", None] = backward.backward_plan(
                 dims, tuning.backward_configs(dims, True) if tuned else None, deterministic=True)
+        variant_fields = {f"bwd_{name}": fields for name, fields in args.bwd_variant}
         for name, fields in args.bwd_variant:
             try:
                 plans[f"bwd_{name}", None] = backward.backward_plan(dims, variant_configs(dims, fields))
@@ -142,7 +143,8 @@ def main(argv=None) -> int:
                 records.append({**env, "op": "ssd_stage", "direction": direction, "shape": shape._asdict(),
                                 "chunk_size": args.chunk, "configs": args.configs,
                                 "layout": variant if direction == "fwd" else None,
-                                "atomic_heads_per_block": heads, **row})
+                                "atomic_heads_per_block": heads, "bwd_variant": variant_fields.get(direction),
+                                **row})
                 label = (f"fwd({variant})" if direction == "fwd"
                          else f"{direction}(heads/block {heads or 'auto'})")
                 print(f"{shape.label()} Q={args.chunk} {label} {row['kernel']:<28} "
