@@ -92,18 +92,17 @@ case $part in
         "$(ls /tmp/trace_"$shape"/plugins/profile/*/perfetto_trace.json.gz | head -1)" --out "$out/profile_$shape.json"
     done
     ;;
-  variants)  # backward stage variants not (yet) defaults: their GPU tests, then per-launch times against
-    # the defaults (the whole-dstate reverse state tile; bwd_dc with the chunk as its one key block, per
-    # head or summing the heads' dCB, at occupancy 1 and 2)
+  variants)  # the alternatives to the backward defaults (their GPU tests, then per-launch times at $SHAPES,
+    # default issue 7's first three): bwd_dc per head with one key block, and summing heads at occupancy 1;
+    # the reverse state pass at occupancy 4 and 5 (the default takes 5 only where that saves a wave)
     export JAX_MAMBA2_AUTOTUNE=0
-    sharded kernels_variants_gpu 200 6 tests/kernels/test_backward_gpu.py -k "whole_dstate or one_key or summing"
+    sharded kernels_variants_gpu 200 6 tests/kernels/test_backward_gpu.py -k "one_key or summing"
     dc=chunk_scan_bwd_dc
     step stages_variants 330 python benchmarks/stages.py --repeats 10 --out "$out" \
-      --shapes 4,8192,32,64,128,1 4,8192,32,64,64,1 4,8192,32,64,256,1 \
-      --bwd-variant state_64x128:chunk_state_bwd.BLOCK_N=128,chunk_state_bwd.occupancy=2 \
-        dc_one_key_block:$dc.BLOCK_K=64,$dc.SUM_HEADS=0,$dc.occupancy=2 \
+      --shapes ${SHAPES:-4,8192,32,64,128,1 2,32768,32,64,128,1 4,8192,32,64,64,1} \
+      --bwd-variant dc_per_head_one_key_block:$dc.BLOCK_K=64,$dc.SUM_HEADS=0,$dc.occupancy=2 \
         dc_summing_occupancy1:$dc.BLOCK_K=64,$dc.SUM_HEADS=1,$dc.occupancy=1 \
-        dc_summing_occupancy2:$dc.BLOCK_K=64,$dc.SUM_HEADS=1,$dc.occupancy=2
+        state_occupancy4:chunk_state_bwd.occupancy=4 state_occupancy5:chunk_state_bwd.occupancy=5
     ;;
   train)  # issue 7's training check: the same 200 steps with the cuTile and the xla backends
     for backend in cutile xla; do
