@@ -14,6 +14,10 @@ def test_bridge_overhead_programs_chain_one_kernel_call_per_launch():
                             ("callback_plan", "buffer_callback")]:
         program = bridge_overhead._chained_jit(bridge_overhead._jax_step(path), 3)
         assert str(jax.make_jaxpr(program)(x)).count(primitive) == 3, path
+    # Our FFI bridge traces to the very program a bare cutile_call gives: no op of its own per launch.
+    bare, ours = (str(jax.make_jaxpr(bridge_overhead._chained_jit(bridge_overhead._jax_step(path), 3))(x))
+                  for path in ("cutile_call", "ffi_plan"))
+    assert ours == bare
     assert bridge_overhead.fit([1, 32, 128], [10.0, 41.0, 137.0]) == pytest.approx((1.0, 9.0))
     table = bridge_overhead.format_table([
         {"impl": "ffi_plan", "us_median": [10.0, 41.0, 137.0], "us_per_extra_call": 1.0,
