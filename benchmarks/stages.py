@@ -30,6 +30,7 @@ from benchmarks.ssd import GRID, Shape  # noqa: E402
 from jax_mamba2.bridge import eager, tuning  # noqa: E402
 from jax_mamba2.kernels import backward, forward  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
+from jax_mamba2.kernels.stage_spaces import STAGE_SPACES  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, dict[str, int]]]:
@@ -53,7 +54,7 @@ def variant_configs(dims: SSDDims, fields: dict[str, dict[str, int]]) -> dict[st
     which do not fit `dims`)."""
     configs = {}
     for stage, values in fields.items():
-        default = tuning.stage_default_config(stage, dims)
+        default = STAGE_SPACES[stage].default_config(dims)
         types = {f.name: f.type for f in dataclasses.fields(default)}
         configs[stage] = dataclasses.replace(
             default, **{k: bool(v) if types[k] in (bool, "bool") else v for k, v in values.items()})

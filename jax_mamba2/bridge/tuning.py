@@ -16,7 +16,7 @@ for this problem on this GPU. Lookup order, per stage:
    it;
 4. otherwise (tuning off, no GPU, neither torch nor CuPy, or a problem under MIN_TUNED_TOKEN_HEADS
    (token, head) pairs, which is launch-bound) the stage's default config
-   (the stage module's `..._default_config`).
+   (`kernels.stage_spaces.STAGE_SPACES`).
 
 The backward's recompute stages (chunk_cumsum, chunk_state) take the forward's configs when the forward
 runs them (one cache entry serves both passes); under the fused forward layout chunk_state is looked up
@@ -66,11 +66,11 @@ import cuda.tile as ct
 import jax
 import jax.numpy as jnp
 
-from jax_mamba2.kernels import (_common, chunk_cumsum, chunk_cumsum_bwd, chunk_scan, chunk_scan_bwd_dc,
-                                chunk_scan_bwd_dx, chunk_state, chunk_state_bwd, fused_scan, param_grads_bwd)
+from jax_mamba2.kernels import _common, fused_scan
 from jax_mamba2.kernels import backward as backward_kernels
 from jax_mamba2.kernels import forward as forward_kernels
 from jax_mamba2.kernels._common import SUPPORTED_ARCHS, Buffer, Launch, Plan, SSDDims
+from jax_mamba2.kernels.stage_spaces import STAGE_SPACES
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +87,8 @@ CACHE_SCHEMA = 1
 
 @dataclasses.dataclass(frozen=True)
 class _Stage:
-    """How to tune one stage: its kernel module's config functions and cache-key fields."""
+    """How to key one stage's tuning (its space and default: kernels.stage_spaces.STAGE_SPACES)."""
 
-    configs: Callable[[SSDDims, str], list]
-    default_config: Callable[[SSDDims], Any]
     # SSDDims fields (or properties) the stage's kernel specialises on.
     key_fields: tuple[str, ...]
     # The stage's independent work items (its launch width before tiling), bucketed in the key.
@@ -109,58 +107,47 @@ _CUMSUM_KEY = ("chunk_size", "nheads", "dt_dtype", "dt_softplus", "has_dt_limit"
 _STAGES = {
     # Forward (the first two also recompute the chunk quantities in the backward).
     "chunk_cumsum": _Stage(
-        chunk_cumsum.chunk_cumsum_fwd_configs, chunk_cumsum.chunk_cumsum_fwd_default_config,
         key_fields=_CUMSUM_KEY,
         work_items=lambda d: d.batch * d.nchunks * d.nheads),
     "chunk_state": _Stage(
-        chunk_state.chunk_state_fwd_configs, chunk_state.chunk_state_fwd_default_config,
         key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_init", "has_seq_idx"),
         # One block walks all chunks of one (batch, head): the parallelism is batch * nheads.
         work_items=lambda d: d.batch * d.nheads),
     "chunk_scan": _Stage(
-        chunk_scan.chunk_scan_fwd_configs, chunk_scan.chunk_scan_fwd_default_config,
         key_fields=("chunk_size", "headdim", "dstate", "heads_per_group", "dtype", "has_z",
                     "has_seq_idx"),
         work_items=lambda d: d.batch * d.nchunks * d.nheads),
     "fused_scan": _Stage(
-        fused_scan.fused_scan_fwd_configs, fused_scan.fused_scan_fwd_default_config,
         key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_z", "has_init", "has_seq_idx"),
         # One block walks all chunks of one (batch, head, headdim block), as chunk_state.
         work_items=lambda d: d.batch * d.nheads),
     # The segmented layout: the same kernels (and configs) with one block per segment of a chain.
     "segment_states": _Stage(
-        fused_scan.fused_scan_fwd_configs, fused_scan.fused_scan_fwd_default_config,
         key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_seq_idx"),
         work_items=lambda d: d.batch * d.nheads * (_segments(d) - 1)),
     "segmented_scan": _Stage(
-        fused_scan.fused_scan_fwd_configs, fused_scan.fused_scan_fwd_default_config,
         key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_z", "has_init", "has_seq_idx"),
         work_items=lambda d: d.batch * d.nheads * _segments(d)),
     # Backward.
     "chunk_scan_bwd_dc": _Stage(
-        chunk_scan_bwd_dc.chunk_scan_bwd_dc_configs, chunk_scan_bwd_dc.chunk_scan_bwd_dc_default_config,
         key_fields=_BLOCK_PASS_KEY + ("has_z",),
         work_items=lambda d: d.batch * d.nchunks * d.nheads, blocks_span_heads=True),
     "chunk_state_bwd": _Stage(
-        chunk_state_bwd.chunk_state_bwd_configs, chunk_state_bwd.chunk_state_bwd_default_config,
         key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_seq_idx"),
         # The reverse chain over chunks, one (batch, head) per block as in the forward state pass.
         work_items=lambda d: d.batch * d.nheads),
     "chunk_scan_bwd_dx": _Stage(
-        chunk_scan_bwd_dx.chunk_scan_bwd_dx_configs, chunk_scan_bwd_dx.chunk_scan_bwd_dx_default_config,
         key_fields=_BLOCK_PASS_KEY,
         work_items=lambda d: d.batch * d.nchunks * d.nheads, blocks_span_heads=True),
     "chunk_cumsum_bwd": _Stage(
-        chunk_cumsum_bwd.chunk_cumsum_bwd_configs, chunk_cumsum_bwd.chunk_cumsum_bwd_default_config,
         key_fields=_CUMSUM_KEY,
         work_items=lambda d: d.batch * d.nchunks * d.nheads),
     "param_grads_bwd": _Stage(
-        param_grads_bwd.param_grads_bwd_configs, param_grads_bwd.param_grads_bwd_default_config,
         key_fields=("nheads", "headdim"),
         # Each head sums batch * nchunks partial rows.
         work_items=lambda d: d.batch * d.nchunks * d.nheads),
 }
-assert set(forward_kernels.FORWARD_STAGES) | set(backward_kernels.BACKWARD_STAGES) == set(_STAGES)
+assert set(STAGE_SPACES) == set(_STAGES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,21 +341,15 @@ def _config_fields(cfg) -> dict:
 
 def _config_from_entry(stage: str, dims: SSDDims, entry: dict):
     """The stored config as the stage's dataclass, or None if it no longer fits the class."""
-    cls = type(_STAGES[stage].default_config(dims))
+    cls = type(STAGE_SPACES[stage].default_config(dims))
     try:
         return cls(**entry["config"])
     except (KeyError, TypeError):
         return None
 
 
-def stage_default_config(stage: str, dims: SSDDims):
-    """The configuration `stage` (a name of forward.FORWARD_STAGES or backward.BACKWARD_STAGES) runs with
-    for `dims` when not tuned."""
-    return _STAGES[stage].default_config(dims)
-
-
 def _search_space(stage: str, dims: SSDDims, arch: str) -> list:
-    spec = _STAGES[stage]
+    spec = STAGE_SPACES[stage]
     space = list(dict.fromkeys(spec.configs(dims, arch)))
     default = spec.default_config(dims)
     return space if default in space else [default, *space]
@@ -518,7 +499,7 @@ def _tune_one(stage: str, dims: SSDDims, timed: Mapping[Any, _TimedLaunch], libr
                 space, stream, lambda cfg: timed[cfg].launch.grid, kernel_of, args_of, quiet=True)
         seconds = time.perf_counter() - start
     logger.info("jax_mamba2 tuning %s for %s:\n%s", stage, dims, result.summary())
-    default = _STAGES[stage].default_config(dims)
+    default = STAGE_SPACES[stage].default_config(dims)
     default_us = next((m.mean_us for m in result.successes if m.config == default), None)
     return {
         "config": _config_fields(result.best.config),
@@ -587,7 +568,7 @@ def _tuning_disabled_reason(dims: SSDDims) -> Optional[str]:
 
 def _default_choices(dims: SSDDims, stages: Iterable[str], reason: str,
                      keys: dict[str, str]) -> dict[str, StageChoice]:
-    return {s: StageChoice(s, keys[s], _STAGES[s].default_config(dims), "default", reason=reason)
+    return {s: StageChoice(s, keys[s], STAGE_SPACES[s].default_config(dims), "default", reason=reason)
             for s in stages}
 
 
@@ -631,7 +612,7 @@ def _lookup(dims: SSDDims, spec: _PlanSpec, given: Mapping[str, StageChoice], ke
             reason = _tuning_disabled_reason(dims)
             if missing and reason is None:
                 known = {s: c.config for s, c in {**given, **choices}.items()}
-                configs = {s: known[s] if s in known else _STAGES[s].default_config(dims)
+                configs = {s: known[s] if s in known else STAGE_SPACES[s].default_config(dims)
                            for s in spec.stages}
                 choices.update(_tune_into_cache(cache, dims, spec, missing, keys, configs, gpu.arch))
             for choice in choices.values():

@@ -29,12 +29,11 @@ import cuda.tile as ct
 from cuda.tile.compilation import (
     ArrayConstraint, CallingConvention, ConstantConstraint, KernelSignature, export_kernel)
 
-from jax_mamba2.kernels import (
-    chunk_cumsum, chunk_cumsum_bwd, chunk_scan, chunk_scan_bwd_dc, chunk_scan_bwd_dx, chunk_state, chunk_state_bwd,
-    fused_scan, param_grads_bwd, state_update)
+from jax_mamba2.kernels import state_update
 from jax_mamba2.kernels._common import SUPPORTED_ARCHS, Buffer, Launch, SSDDims
-from jax_mamba2.kernels.backward import backward_arrays, backward_plan
-from jax_mamba2.kernels.forward import forward_arrays, forward_layouts, forward_plan
+from jax_mamba2.kernels.backward import BACKWARD_STAGES, backward_arrays, backward_plan
+from jax_mamba2.kernels.forward import FORWARD_LAYOUTS, FORWARD_STAGES, forward_arrays, forward_layouts, forward_plan
+from jax_mamba2.kernels.stage_spaces import STAGE_SPACES
 
 _CT_DTYPES = {
     "bfloat16": ct.bfloat16,
@@ -123,35 +122,28 @@ def _problems(quick: bool) -> Iterator[SSDDims]:
 
 
 def _forward_configs(dims: SSDDims, which: str, arch: str) -> Iterator[tuple[str, dict]]:
-    """(layout, configs) of the forward plans to compile: every layout that can run `dims`."""
+    """(layout, configs) of the forward plans to compile: every layout that can run `dims`; with "all",
+    each stage's space on its own (the others at their defaults: the launches are independent), in the
+    first of those layouts that has the stage."""
     layouts = forward_layouts(dims)
     if which == "default":
         yield from ((layout, {}) for layout in layouts)
         return
-    spaces = {"chunk_cumsum": ("staged", chunk_cumsum.chunk_cumsum_fwd_configs(dims, arch)),
-              "chunk_state": ("staged", chunk_state.chunk_state_fwd_configs(dims, arch)),
-              "chunk_scan": ("staged", chunk_scan.chunk_scan_fwd_configs(dims, arch)),
-              "fused_scan": ("fused", fused_scan.fused_scan_fwd_configs(dims, arch)),
-              "segment_states": ("segmented", fused_scan.fused_scan_fwd_configs(dims, arch)),
-              "segmented_scan": ("segmented", fused_scan.fused_scan_fwd_configs(dims, arch))}
-    # Each stage's space on its own (the others at their defaults): the launches are independent.
-    for stage, (layout, space) in spaces.items():
-        for cfg in space if layout in layouts else ():
-            yield layout, {stage: cfg}
+    for stage in FORWARD_STAGES:
+        homes = [layout for layout in layouts if stage in FORWARD_LAYOUTS[layout]]
+        for cfg in STAGE_SPACES[stage].configs(dims, arch) if homes else ():
+            yield homes[0], {stage: cfg}
 
 
 def _backward_configs(dims: SSDDims, which: str, arch: str) -> Iterator[dict]:
-    """Configs of the backward plans to compile: the defaults, or each stage's space on its own."""
+    """Configs of the backward plans to compile: the defaults, or each backward stage's space on its own
+    (the forward stages it recomputes are compiled with the forward's)."""
     if which == "default":
         yield {}
         return
-    spaces = {"chunk_scan_bwd_dc": chunk_scan_bwd_dc.chunk_scan_bwd_dc_configs(dims, arch),
-              "chunk_state_bwd": chunk_state_bwd.chunk_state_bwd_configs(dims, arch),
-              "chunk_scan_bwd_dx": chunk_scan_bwd_dx.chunk_scan_bwd_dx_configs(dims, arch),
-              "chunk_cumsum_bwd": chunk_cumsum_bwd.chunk_cumsum_bwd_configs(dims, arch),
-              "param_grads_bwd": param_grads_bwd.param_grads_bwd_configs(dims, arch)}
-    for stage, space in spaces.items():
-        yield from ({stage: cfg} for cfg in space)
+    for stage in BACKWARD_STAGES:
+        if stage not in FORWARD_STAGES:
+            yield from ({stage: cfg} for cfg in STAGE_SPACES[stage].configs(dims, arch))
 
 
 def _launches(which: str, quick: bool, arch: str) -> Iterator[tuple[Launch, dict]]:

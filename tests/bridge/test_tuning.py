@@ -23,6 +23,7 @@ from jax_mamba2 import op  # noqa: E402
 from jax_mamba2.bridge import tuning  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
 from jax_mamba2.kernels.backward import BACKWARD_STAGES, backward_inputs, backward_plan  # noqa: E402
+from jax_mamba2.kernels.stage_spaces import STAGE_SPACES  # noqa: E402
 from jax_mamba2.kernels.forward import FORWARD_LAYOUTS, forward_inputs, forward_layout, forward_plan  # noqa: E402
 from tests._helpers import make_ssd_args  # noqa: E402
 
@@ -44,7 +45,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def _non_default_config(stage, dims):
-    spec = tuning._STAGES[stage]
+    spec = STAGE_SPACES[stage]
     default = spec.default_config(dims)
     return next(c for c in reversed(spec.configs(dims, "sm_90")) if c != default)
 
@@ -157,7 +158,7 @@ def test_backward_configs_reuse_forward_recompute_configs_and_tune_the_rest_once
                         **{s: _non_default_config(s, DIMS) for s in BACKWARD_OWN}}
     # The backward stages were tuned after the forward's recompute configs, the others at defaults.
     assert given[1] == {**{s: forward[s] for s in ("chunk_cumsum", "chunk_state")},
-                        **{s: tuning._STAGES[s].default_config(DIMS) for s in BACKWARD_OWN}}
+                        **{s: STAGE_SPACES[s].default_config(DIMS) for s in BACKWARD_OWN}}
     stored = json.loads(tuning.cache_path(FAKE_GPU).read_text())["entries"]
     assert set(stored) == {tuning.stage_key(s, DIMS) for s in FORWARD_STAGES + BACKWARD_STAGES}
 
@@ -274,7 +275,7 @@ def test_tune_stages_times_each_config_on_its_plan_buffers_and_rezeroes_atomic_s
     monkeypatch.setattr(tuning, "ct", fake_ct)
     monkeypatch.setattr(tuning, "_array_library", lambda: _FAKE_LIBRARY)
 
-    start = {s: tuning._STAGES[s].default_config(dims) for s in BACKWARD_STAGES}
+    start = {s: STAGE_SPACES[s].default_config(dims) for s in BACKWARD_STAGES}
     spec = tuning._BACKWARD[False]
     entries = dict(tuning._tune_stages(dims, spec, BACKWARD_OWN, start, "sm_90"))
     assert list(entries) == BACKWARD_OWN
@@ -318,14 +319,14 @@ def test_configs_env_off_uses_defaults(cache_dir, monkeypatch, backward):
     assert tuple(report) == (BACKWARD_STAGES if backward else FORWARD_STAGES)
     for stage, r in report.items():
         assert r["source"] == "default" and r["reason"] == f"{tuning.ENV_AUTOTUNE}=0"
-        assert r["config"] == dataclasses.asdict(tuning._STAGES[stage].default_config(DIMS))
+        assert r["config"] == dataclasses.asdict(STAGE_SPACES[stage].default_config(DIMS))
     assert not list(cache_dir.iterdir())
 
 
 def test_configs_without_gpu_use_defaults(cache_dir, monkeypatch):
     monkeypatch.setattr(tuning, "_gpu_identity", lambda: None)
     monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
-    defaults = {s: spec.default_config(DIMS) for s, spec in tuning._STAGES.items()}
+    defaults = {s: spec.default_config(DIMS) for s, spec in STAGE_SPACES.items()}
     assert tuning.forward_configs(DIMS) == {s: defaults[s] for s in FORWARD_STAGES}
     assert tuning.backward_configs(DIMS, deterministic=True) == {s: defaults[s] for s in BACKWARD_STAGES}
     assert not list(cache_dir.iterdir())
@@ -394,7 +395,7 @@ def test_tuning_cache_concurrent_writers_keep_every_key_and_tune_each_once(tmp_p
 def test_search_spaces_stay_small_and_contain_default(shape):
     b, L, H, P, N, G = shape
     dims = SSDDims(batch=b, seqlen=L, nheads=H, headdim=P, ngroups=G, dstate=N, chunk_size=256)
-    for stage, spec in tuning._STAGES.items():
+    for stage, spec in STAGE_SPACES.items():
         space = tuning._search_space(stage, dims, "sm_90")
         assert 1 <= len(space) <= 25, (stage, len(space))
         assert spec.default_config(dims) in space and len(set(space)) == len(space)
