@@ -146,7 +146,8 @@ def chunk_state_bwd_default_config(dims: SSDDims) -> ChunkStateBwdConfig:
 
 def chunk_state_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkStateBwdConfig]:
     """The autotune space (sm_90): tiles 32..64 x 16..64, each with the forward's `LOAD_LATENCIES` at
-    occupancy 2, and the default tile at occupancy 4 and 5 (see `chunk_state_fwd_configs`). A 64 x 128
+    occupancy 2, and the default tile at occupancy 4 and, for 16-bit inputs, 5 (f32 tiles spill at 5's 48
+    registers; see `chunk_state_fwd_configs`). A 64 x 128
     tile (one block per chain, dy read once) measured 1.9-4.1x slower than the default on the H200 and
     is not in it.
 
@@ -158,7 +159,7 @@ def chunk_state_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkSta
              for bn in (16, 32, 64) if bn <= dims.dstate]
     default = chunk_state_bwd_default_config(dims)
     return [ChunkStateBwdConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, occupancy=occupancy)
-            for occupancy in (2, 4, 5) for bp, bn in tiles
+            for occupancy in ((2, 4) if dims.dtype == "float32" else (2, 4, 5)) for bp, bn in tiles
             if occupancy == 2 or (bp, bn) == (default.BLOCK_P, default.BLOCK_N)
             for lat in LOAD_LATENCIES]
 

@@ -69,7 +69,7 @@ def test_stage_configs_valid_and_contain_default(stage, problem):
     ids=["chunk_state", "chunk_state_bwd"])
 def test_state_pass_configs_try_every_tile_at_every_latency(configs_fn, default_fn, default_tile_occupancies):
     """Every tile at every latency hint at occupancy 2; the default tile at the higher occupancies too."""
-    dims = PROBLEMS["odd_heads_q128"]
+    dims = dataclasses.replace(PROBLEMS["odd_heads_q128"], dtype="bfloat16")
     space, default = configs_fn(dims), default_fn(dims)
     tiles = {(c.BLOCK_P, c.BLOCK_N) for c in space}
     assert (default.BLOCK_P, default.BLOCK_N) in tiles and default.LOAD_LAT in chunk_state.LOAD_LATENCIES
@@ -80,6 +80,12 @@ def test_state_pass_configs_try_every_tile_at_every_latency(configs_fn, default_
         assert by_occupancy[occupancy] == [(default.BLOCK_P, default.BLOCK_N, lat)
                                            for lat in chunk_state.LOAD_LATENCIES]
     assert {c.occupancy for c in space} == {2, *default_tile_occupancies}
+
+
+def test_reverse_state_pass_space_leaves_occupancy_5_to_16_bit_inputs():
+    """f32 tiles spill at occupancy 5's 48 registers (sm_90 cubins)."""
+    dims = PROBLEMS["odd_heads_q128"]
+    assert dims.dtype == "float32" and {c.occupancy for c in chunk_state_bwd.chunk_state_bwd_configs(dims)} == {2, 4}
 
 
 @pytest.mark.parametrize("nheads,dtype,occupancy", [(32, "bfloat16", 4), (80, "bfloat16", 5), (80, "float32", 4)])
