@@ -270,8 +270,8 @@ def chunk_scan_bwd_dc_configs(dims: SSDDims, arch: str = "sm_90") -> list[BlockP
 def chunk_scan_bwd_dc_default_config(dims: SSDDims) -> BlockPassConfig:
     """Whole chunks summing their heads' dCB where `sums_heads_by_default` (with one key block R^intra is a
     product and the key loop static: on the H200, per launch, 445 -> 297 us at (4,8192,32,64,128,1), 422 ->
-    248 at dstate 64, 848 -> 552 at (2,32768), 1036 -> 699 at 80 heads, 241 -> 165 at (4,16384,8);
-    519 -> 505 at dstate 256, where occupancy 1 and 2 measured alike). Elsewhere the shared default with
+    248 at dstate 64, 848 -> 552 at (2,32768), 1036 -> 699 at 80 heads, 241 -> 165 at (4,16384,8); at
+    dstate 256, summing before, 698 -> 519, occupancy 1 and 2 alike). Elsewhere the shared default with
     32-key steps at latency 2 (there 0.975 -> 0.801 ms against 64-key steps: four live [rows x keys] f32
     products per step here, two in dx; latency 2 417 us against 452 at latency 4)."""
     if sums_heads_by_default(dims):
