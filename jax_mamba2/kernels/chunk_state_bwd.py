@@ -134,7 +134,7 @@ def _waves(dims: SSDDims, cfg: ChunkStateBwdConfig) -> int:
 
 def chunk_state_bwd_default_config(dims: SSDDims) -> ChunkStateBwdConfig:
     """The forward's default tile (64 x 32 at occupancy 4), at occupancy 5 for 16-bit inputs where that
-    takes fewer waves of blocks (five blocks of 48 registers and 42 KB shared memory fit an SM). On the
+    takes fewer waves of blocks (five blocks of 48 registers and 42-45 KB shared memory fit an SM). On the
     H200 at 80 heads (1280 blocks: 3 waves at occupancy 4, 2 at 5) 1017 -> 680 us per launch; where the
     waves are as many, occupancy 4 is faster (main shape: 279 against 297 us)."""
     cfg = chunk_state_fwd_default_config(dims)
@@ -147,9 +147,8 @@ def chunk_state_bwd_default_config(dims: SSDDims) -> ChunkStateBwdConfig:
 def chunk_state_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkStateBwdConfig]:
     """The autotune space (sm_90): tiles 32..64 x 16..64, each with the forward's `LOAD_LATENCIES` at
     occupancy 2, and the default tile at occupancy 4 and, for 16-bit inputs, 5 (f32 tiles spill at 5's 48
-    registers; see `chunk_state_fwd_configs`). A 64 x 128
-    tile (one block per chain, dy read once) measured 1.9-4.1x slower than the default on the H200 and
-    is not in it.
+    registers; see `chunk_state_fwd_configs`). A 64 x 128 tile (one block per chain, dy read once)
+    measured 1.9-4.1x slower than the default on the H200 and is not in it.
 
     Like the forward this is a latency-bound chain over chunks with batch * nheads * tiles blocks:
     small tiles give more blocks, large ones reuse each dy/C load more.
