@@ -23,8 +23,8 @@ from jax_mamba2 import op  # noqa: E402
 from jax_mamba2.bridge import tuning  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
 from jax_mamba2.kernels.backward import BACKWARD_STAGES, backward_inputs, backward_plan  # noqa: E402
-from jax_mamba2.kernels.stage_spaces import STAGE_SPACES  # noqa: E402
 from jax_mamba2.kernels.forward import FORWARD_LAYOUTS, forward_inputs, forward_layout, forward_plan  # noqa: E402
+from jax_mamba2.kernels.stage_spaces import STAGE_SPACES  # noqa: E402
 from tests._helpers import make_ssd_args  # noqa: E402
 
 DIMS = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=128, chunk_size=256)
