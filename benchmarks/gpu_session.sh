@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|chunks|train [OUT]
+#   bash benchmarks/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|chunks|train [OUT]}
+part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 source .gpu/gpu-env.sh >/dev/null || exit 1
@@ -103,12 +103,6 @@ case $part in
       --bwd-variant dc_per_head_one_key_block:$dc.BLOCK_K=64,$dc.SUM_HEADS=0,$dc.occupancy=2 \
         dc_summing_occupancy1:$dc.BLOCK_K=64,$dc.SUM_HEADS=1,$dc.occupancy=1 \
         state_occupancy4:chunk_state_bwd.occupancy=4 state_occupancy5:chunk_state_bwd.occupancy=5
-    ;;
-  chunks)  # forward + backward of cutile at chunk 64, 128 and 256 (Mamba2 checkpoints use 256) at $SHAPES
-    for chunk in 64 128 256; do
-      step "ssd_fwd_bwd_chunk$chunk" 150 python benchmarks/ssd.py --direction fwd_bwd --tuning off --chunk "$chunk" \
-        --shapes ${SHAPES:-4,8192,32,64,128,1} --impls cutile --out "$out/chunk$chunk"
-    done
     ;;
   train)  # issue 7's training check: the same 200 steps with the cuTile and the xla backends
     for backend in cutile xla; do

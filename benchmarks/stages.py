@@ -2,7 +2,7 @@
 
     python benchmarks/stages.py [--shapes B,L,H,P,N,G ...] [--chunk 64] [--configs default|tuned]
                                 [--layouts staged fused] [--atomic-heads 1 2 4 8] [--deterministic]
-                                [--bwd-variant NAME:STAGE.FIELD=VALUE,... ...]
+                                [--bwd-variant NAME:STAGE.FIELD=VALUE,... ...] [--forward-only]
                                 [--out DIR]
 
 Each plan runs once eagerly (torch tensors viewing random JAX inputs, ct.launch on a torch stream),
@@ -108,6 +108,7 @@ def main(argv=None) -> int:
     parser.add_argument("--bwd-variant", type=parse_variant, nargs="+", default=[],
                         help="also a backward plan with these stages' default configs changed, e.g. "
                              "csb128:chunk_state_bwd.BLOCK_N=128,chunk_state_bwd.occupancy=2")
+    parser.add_argument("--forward-only", action="store_true", help="time the forward plans only")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
@@ -124,14 +125,14 @@ def main(argv=None) -> int:
         plans = {("fwd", layout or op_layout): forward.forward_plan(
                      dims, configs if (layout or op_layout) == op_layout else None, layout or op_layout)
                  for layout in args.layouts if layout in (None, *forward.forward_layouts(dims))}
-        for heads in args.atomic_heads:
+        for heads in [] if args.forward_only else args.atomic_heads:
             plans["bwd", heads] = backward.backward_plan(
                 dims, tuning.backward_configs(dims, False) if tuned else None, atomic_heads_per_block=heads)
-        if args.deterministic:
+        if args.deterministic and not args.forward_only:
             plans["bwd_deterministic", None] = backward.backward_plan(
                 dims, tuning.backward_configs(dims, True) if tuned else None, deterministic=True)
         variant_fields = {f"bwd_{name}": fields for name, fields in args.bwd_variant}
-        for name, fields in args.bwd_variant:
+        for name, fields in [] if args.forward_only else args.bwd_variant:
             try:
                 plans[f"bwd_{name}", None] = backward.backward_plan(dims, variant_configs(dims, fields))
             except ValueError as e:

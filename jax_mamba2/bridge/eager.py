@@ -134,7 +134,7 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
         raise ValueError(f"eager ssd cannot run this call: {reason}")
     dims = problem.SSDDims(
         batch=x.shape[0], seqlen=x.shape[1], nheads=x.shape[2], headdim=x.shape[3],
-        ngroups=B.shape[2], dstate=B.shape[3], chunk_size=static.chunk_size,
+        ngroups=B.shape[2], dstate=B.shape[3], chunk_size=problem.KERNEL_CHUNK_SIZE,
         dtype=xp.dtype_name(x), dt_dtype="float32", has_z=z is not None,
         has_init=initial_states is not None, has_seq_idx=seq_idx is not None,
         dt_softplus=static.dt_softplus, dt_limit=static.dt_limit)

@@ -46,14 +46,13 @@ def _forward_once(run_plan: RunPlan, inputs, static, save_states: bool):
     dims = problem.kernel_dims(inputs, static)
     plan = forward_kernels.forward_plan(dims, tuning.forward_configs(dims), save_states=save_states)
     out = run_plan(plan, problem.kernel_inputs(inputs, dims))
-    outputs = (out["out"], out["final_states"]) + ((out["states"],) if save_states else ())
-    return _compat.match_varying_axes(outputs, inputs)
+    return _compat.match_varying_axes(tuple(out[name] for name in plan.outputs), inputs)
 
 
 @functools.cache
 def _batchable_forward(run_plan: RunPlan, static, save_states: bool):
-    """(y, final_states), and the chunk-entry states with `save_states`, under a vmap rule."""
-    all_batched = (True,) * (3 if save_states else 2)
+    """(y, final_states), and with `save_states` the forward plan's SAVED_FOR_BACKWARD, under a vmap rule."""
+    all_batched = (True,) * (2 + (len(forward_kernels.SAVED_FOR_BACKWARD) if save_states else 0))
 
     @jax.custom_batching.custom_vmap
     def forward(inputs):
@@ -80,13 +79,14 @@ def make_forward(run_plan: RunPlan):
 
 
 def make_forward_saving(run_plan: RunPlan):
-    """forward_saving(inputs, static) -> ((y, final_states), states): the forward a custom VJP runs. It
+    """forward_saving(inputs, static) -> ((y, final_states), saved): the forward a custom VJP runs. It
     saves the chunk-entry states (batch, nchunks, nheads, headdim, dstate) in x's dtype, dstate /
     chunk_size times x's bytes, which the fused kernels store as they pass and the staged layout writes
-    anyway, so that the backward does not recompute them (a chain pass over all chunks)."""
+    anyway, and the chunk quantities Δ and dA_cumsum (f32, 8 bytes per token and head), so that the
+    backward recomputes neither (a chain pass over all chunks, and the cumsum)."""
     def forward_saving(inputs, static):
-        y, final, states = _batchable_forward(run_plan, static, True)(inputs)
-        return (y, final), states
+        y, final, *saved = _batchable_forward(run_plan, static, True)(inputs)
+        return (y, final), tuple(saved)
     return forward_saving
 
 
@@ -96,16 +96,16 @@ def deterministic_backward() -> bool:
     return os.environ.get("JAX_MAMBA2_DETERMINISTIC", "0") == "1"
 
 
-def _backward_once(run_plan: RunPlan, inputs, static, dy, dfinal, states):
+def _backward_once(run_plan: RunPlan, inputs, static, dy, dfinal, saved):
     dims = problem.kernel_dims(inputs, static)
     arrays = problem.kernel_inputs(inputs, dims)
     arrays["dout"] = dy.astype(dims.dtype)
     arrays["dfinal_states"] = dfinal.astype(jnp.float32)
-    if states is not None:
-        arrays["states"] = states
+    if saved is not None:
+        arrays.update(zip(forward_kernels.SAVED_FOR_BACKWARD, saved))
     deterministic = deterministic_backward()
     plan = backward_kernels.backward_plan(dims, tuning.backward_configs(dims, deterministic),
-                                          deterministic=deterministic, saved_states=states is not None)
+                                          deterministic=deterministic, saved_states=saved is not None)
     out = _compat.match_varying_axes(run_plan(plan, arrays), (inputs, dy, dfinal))
 
     def like(grad, primal):
@@ -124,13 +124,13 @@ def _backward_once(run_plan: RunPlan, inputs, static, dy, dfinal, states):
 @functools.cache
 def _batchable_backward(run_plan: RunPlan, static):
     @jax.custom_batching.custom_vmap
-    def backward(inputs, dy, dfinal, states):
-        return _backward_once(run_plan, inputs, static, dy, dfinal, states)
+    def backward(inputs, dy, dfinal, saved):
+        return _backward_once(run_plan, inputs, static, dy, dfinal, saved)
 
     @backward.def_vmap
-    def backward_vmap(axis_size, in_batched, inputs, dy, dfinal, states):
+    def backward_vmap(axis_size, in_batched, inputs, dy, dfinal, saved):
         # Parameter gradients are sums over the batch, so items cannot share one launch.
-        args = _broadcast_unbatched((inputs, dy, dfinal, states), tuple(in_batched), axis_size)
+        args = _broadcast_unbatched((inputs, dy, dfinal, saved), tuple(in_batched), axis_size)
         grads = jax.lax.map(lambda a: backward(*a), args)
         return grads, jax.tree.map(lambda _: True, grads)
 
@@ -138,10 +138,10 @@ def _batchable_backward(run_plan: RunPlan, static):
 
 
 def make_backward(run_plan: RunPlan):
-    """backward(inputs, static, dy, dfinal_states, states) -> SSDInputs of cotangents, on the cuTile
-    kernels; `states` as `make_forward_saving` saved them, or None (recomputed)."""
-    def backward(inputs, static, dy, dfinal, states=None):
-        return _batchable_backward(run_plan, static)(inputs, dy, dfinal, states)
+    """backward(inputs, static, dy, dfinal_states, saved) -> SSDInputs of cotangents, on the cuTile
+    kernels; `saved` as `make_forward_saving` saved it, or None (recomputed)."""
+    def backward(inputs, static, dy, dfinal, saved=None):
+        return _batchable_backward(run_plan, static)(inputs, dy, dfinal, saved)
     return backward
 
 

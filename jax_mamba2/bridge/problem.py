@@ -16,6 +16,11 @@ from jax_mamba2.bridge import _compat
 from jax_mamba2.kernels._common import KERNEL_DTYPES, SSDDims
 
 CHUNK_SIZES = (64, 128, 256)
+# The chunk the kernels run at, whichever of CHUNK_SIZES the caller asked for: the result is the same up to
+# rounding, and 64 is the fastest on the H200 (cutile forward + backward at (4,8192,32,64,128,1), bf16:
+# 1.255 / 1.908 / 2.628 ms at chunk 64 / 128 / 256, benchmarks/results/ssd_fwd_bwd_chunks_h200.json):
+# the fused forward and the head-summing backward passes exist only up to 64.
+KERNEL_CHUNK_SIZE = 64
 HEAD_DIMS = (16, 32, 64, 128, 256)  # headdim and dstate: powers of two in [16, 256]
 MIN_COMPUTE_CAPABILITY = (9, 0)
 
@@ -75,7 +80,7 @@ def kernel_dims(inputs, static) -> SSDDims:
     dt_dtype = jnp.dtype(inputs.dt.dtype).name
     return SSDDims(
         batch=batch, seqlen=seqlen, nheads=nheads, headdim=headdim, ngroups=ngroups, dstate=dstate,
-        chunk_size=static.chunk_size, dtype=jnp.dtype(inputs.x.dtype).name,
+        chunk_size=KERNEL_CHUNK_SIZE, dtype=jnp.dtype(inputs.x.dtype).name,
         dt_dtype=dt_dtype if dt_dtype in (jnp.dtype(inputs.x.dtype).name, "float32") else "float32",
         has_z=inputs.z is not None, has_init=inputs.initial_states is not None,
         has_seq_idx=inputs.seq_idx is not None, dt_softplus=static.dt_softplus,

@@ -102,6 +102,11 @@ def _segments(dims: SSDDims) -> int:
     return fused_scan.num_segments(dims, forward_kernels.fused_segment_chunks(dims))
 
 
+def _pieces(dims: SSDDims) -> int:
+    return fused_scan.num_pieces(dims, forward_kernels.fused_segment_chunks(dims),
+                                 forward_kernels.state_piece_chunks(dims))
+
+
 _BLOCK_PASS_KEY = ("chunk_size", "headdim", "dstate", "heads_per_group", "dtype", "has_seq_idx")
 _CUMSUM_KEY = ("chunk_size", "nheads", "dt_dtype", "dt_softplus", "has_dt_limit")
 _STAGES = {
@@ -121,10 +126,10 @@ _STAGES = {
         key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_z", "has_init", "has_seq_idx"),
         # One block walks all chunks of one (batch, head, headdim block), as chunk_state.
         work_items=lambda d: d.batch * d.nheads),
-    # The segmented layout: the same kernels (and configs) with one block per segment of a chain.
+    # The segmented layout: the same kernels (and configs) with one block per piece / segment of a chain.
     "segment_states": _Stage(
         key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_seq_idx"),
-        work_items=lambda d: d.batch * d.nheads * (_segments(d) - 1)),
+        work_items=lambda d: d.batch * d.nheads * _pieces(d)),
     "segmented_scan": _Stage(
         key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_z", "has_init", "has_seq_idx"),
         work_items=lambda d: d.batch * d.nheads * _segments(d)),

@@ -2,7 +2,7 @@
 
     1. chunk_cumsum        (forward)  Δ, dA_cumsum
     2. chunk_state         (forward)  chunk-entry states H_c in x's dtype (final_states recomputed, unused);
-                                      skipped when the forward saved them (`saved_states`)
+                                      1 and 2 are skipped when the forward saved them (`saved_states`)
     3. chunk_scan_bwd_dc   dy = dout·silu(z), dz, dC, dD partials, dA_cumsum grads of the output
     4. chunk_state_bwd     reverse state pass: ∂L/∂(chunk end states), dinitial_states, carry's dA grad
     5. chunk_scan_bwd_dx   dx, dB, ∂L/∂Δ (explicit factors), end-state dA grads
@@ -27,7 +27,7 @@ from jax_mamba2.kernels.chunk_scan_bwd_dx import chunk_scan_bwd_dx_launch
 from jax_mamba2.kernels.chunk_state import chunk_state_fwd_launch
 from jax_mamba2.kernels.chunk_state_bwd import (
     chunk_state_bwd_default_config, chunk_state_bwd_launch, chunk_state_bwd_num_tiles)
-from jax_mamba2.kernels.forward import FORWARD_INPUTS, forward_inputs
+from jax_mamba2.kernels.forward import FORWARD_INPUTS, SAVED_FOR_BACKWARD, forward_inputs
 from jax_mamba2.kernels.param_grads_bwd import param_grads_bwd_launch
 
 BACKWARD_INPUTS = FORWARD_INPUTS + ("dout", "dfinal_states")
@@ -67,9 +67,10 @@ def group_heads_per_block(dims: SSDDims, deterministic: bool, atomic_heads_per_b
 def backward_inputs(dims: SSDDims, saved_states: bool = False) -> dict[str, Buffer]:
     """Shape and dtype of each input: the forward's (dummies included), dout (b, L, H, P) in x's dtype
     and dfinal_states (b, H, P, N) f32 (zeros when final_states was not used); with `saved_states`,
-    the forward's chunk-entry states (b, nchunks, H, P, N) in x's dtype."""
+    the forward's SAVED_FOR_BACKWARD: chunk-entry states (b, nchunks, H, P, N) in x's dtype, dt_out and
+    dA_cumsum (b, H, nchunks, chunk_size) f32."""
     b, L, H, P, N = dims.batch, dims.seqlen, dims.nheads, dims.headdim, dims.dstate
-    saved = {"states": _states(dims)} if saved_states else {}
+    saved = dict(zip(SAVED_FOR_BACKWARD, (_states(dims), _per_row(dims), _per_row(dims)))) if saved_states else {}
     return {**forward_inputs(dims),
             "dout": Buffer((b, L, H, P), dims.dtype),
             "dfinal_states": Buffer((b, H, P, N), "float32"),
@@ -81,6 +82,10 @@ def _states(dims: SSDDims) -> Buffer:
     # passes that read them round them to x's dtype for their products anyway, and at chunk 64 each
     # is as large as x times dstate / chunk_size (half the bytes of f32).
     return Buffer((dims.batch, dims.nchunks, dims.nheads, dims.headdim, dims.dstate), dims.dtype)
+
+
+def _per_row(dims: SSDDims) -> Buffer:
+    return Buffer((dims.batch, dims.nheads, dims.nchunks, dims.chunk_size), "float32")
 
 
 def _stage_configs(dims: SSDDims, configs: Mapping[str, object] | None) -> dict[str, object]:
@@ -104,15 +109,13 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
     nc, Q, T = dims.nchunks, dims.chunk_size, dims.dtype
     num_m_blocks = Q // configs["chunk_scan_bwd_dc"].BLOCK_M
     num_state_tiles = chunk_state_bwd_num_tiles(dims, configs["chunk_state_bwd"])
-    per_row = Buffer((b, H, nc, Q), "float32")
+    per_row = _per_row(dims)
     gated = (b, L, H, P) if dims.has_z else (1, 1, 1, 1)
     # Atomic head reductions need zeroed dB/dC; a block owning its whole group stores them.
     atomic = adds_atomically(dims, group_heads_per_block(dims, deterministic, atomic_heads_per_block))
-    recomputed = {} if saved_states else {"states": _states(dims), "final_states": Buffer((b, H, P, N), "float32")}
+    recomputed = {} if saved_states else {"dt_out": per_row, "dA_cumsum": per_row, "states": _states(dims),
+                                          "final_states": Buffer((b, H, P, N), "float32")}
     return {
-        # Forward recompute.
-        "dt_out": per_row,
-        "dA_cumsum": per_row,
         **recomputed,
         # Intermediates of the backward stages (dy and dz are zeroed dummies without a gate: never read,
         # but defined).
@@ -161,8 +164,8 @@ def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
         reproducible outputs.
       atomic_heads_per_block: heads per block of the dB/dC passes when not deterministic (default: see
         `group_heads_per_block`).
-      saved_states: the forward's chunk-entry states are an input ("states", from
-        `forward.forward_plan(..., save_states=True)`) instead of being recomputed.
+      saved_states: the forward's chunk-entry states and chunk quantities are inputs (SAVED_FOR_BACKWARD,
+        from `forward.forward_plan(..., save_states=True)`) instead of being recomputed.
 
     Returns:
       A Plan with inputs BACKWARD_INPUTS and outputs BACKWARD_OUTPUTS: dx (b, L, H, P) and dz (b, L, H, P)
@@ -174,11 +177,10 @@ def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
     dy = "dy" if dims.has_z else "dout"
     dc_config = configs["chunk_scan_bwd_dc"]
     state_config = configs["chunk_state_bwd"]
-    recompute = (chunk_cumsum_fwd_launch(dims, configs.get("chunk_cumsum")),)
-    if not saved_states:
-        recompute += (chunk_state_fwd_launch(dims, configs.get("chunk_state")),)
+    recompute = () if saved_states else (chunk_cumsum_fwd_launch(dims, configs.get("chunk_cumsum")),
+                                         chunk_state_fwd_launch(dims, configs.get("chunk_state")))
     return Plan(
-        inputs=BACKWARD_INPUTS + (("states",) if saved_states else ()),
+        inputs=BACKWARD_INPUTS + (SAVED_FOR_BACKWARD if saved_states else ()),
         buffers=backward_buffers(dims, configs, deterministic, atomic_heads_per_block, saved_states),
         launches=recompute + (
             chunk_scan_bwd_dc_launch(dims, dc_config, heads_per_block=heads_per_block),

@@ -17,11 +17,13 @@ from jax_mamba2.kernels.chunk_cumsum import chunk_cumsum_fwd_launch
 from jax_mamba2.kernels.chunk_scan import chunk_scan_fwd_launch
 from jax_mamba2.kernels.chunk_state import chunk_state_fwd_launch
 from jax_mamba2.kernels.fused_scan import (
-    fused_scan_fwd_default_config, fused_scan_fwd_launch, fused_scan_supported, num_segments,
-    segment_states_launch)
+    fused_scan_fwd_default_config, fused_scan_fwd_launch, fused_scan_supported, num_pieces, segment_states_launch)
 
 FORWARD_INPUTS = ("x", "dt", "A", "dt_bias", "B", "C", "D", "z", "initial_states", "seq_idx")
 FORWARD_OUTPUTS = ("out", "final_states")
+# What a forward saving for the backward outputs besides: the chunk-entry states and the chunk quantities
+# (Δ and dA_cumsum, 8 bytes per token and head), so that the backward recomputes neither.
+SAVED_FOR_BACKWARD = ("states", "dt_out", "dA_cumsum")
 # The stage names `configs` is keyed by, per layout, in launch order.
 FORWARD_LAYOUTS = {
     "staged": ("chunk_cumsum", "chunk_state", "chunk_scan"),
@@ -37,21 +39,45 @@ FORWARD_STAGES = tuple(dict.fromkeys(s for stages in FORWARD_LAYOUTS.values() fo
 FUSED_MIN_BLOCKS = 128
 # The shortest segment the segmented layout cuts a sequence into, in chunks.
 MIN_SEGMENT_CHUNKS = 8
+# The longest piece segment_states walks (one block per piece, from a zero state): the segments before
+# the last are cut into pieces of at most this many chunks, so that pass is many short chains. Measured on
+# the H200 (bf16, chunk 64, segment_states + segmented_scan per launch, ms): one piece per segment (as
+# long as the segment) / 8 / 16 / 32 chunks: (2,32768,32,64,128,1) 0.213 + 0.468 / 0.123 + 0.512 /
+# 0.110 + 0.484 / 0.103 + 0.478; (4,16384,8,...) 0.065 + 0.145 / 0.059 + 0.148 / 0.060 + 0.146 /
+# 0.057 + 0.135; (1,131072,32,...) 0.409 + 0.924 / 0.331 + 1.037 / 0.303 + 0.982 / 0.282 + 0.951
+# (more pieces: more end states for the later segments to fold in).
+MAX_PIECE_CHUNKS = 32
 
 
 def _fused_chains(dims: SSDDims) -> int:
     return dims.batch * dims.nheads * (dims.headdim // fused_scan_fwd_default_config(dims).BLOCK_P)
 
 
+def _pieces_per_segment(segment_chunks: int) -> int:
+    return -(-segment_chunks // MAX_PIECE_CHUNKS)
+
+
 def fused_segment_chunks(dims: SSDDims) -> int:
     """Chunks per segment of the segmented layout: the sequence cut into the fewest power-of-two
-    segments that bring the fused chains to FUSED_MIN_BLOCKS, none shorter than MIN_SEGMENT_CHUNKS;
-    0 where that is one segment (the segmented layout does not apply)."""
+    segments that bring the fused chains to FUSED_MIN_BLOCKS, none shorter than MIN_SEGMENT_CHUNKS,
+    rounded up to a whole number of `state_piece_chunks` pieces; 0 where that is one segment (the
+    segmented layout does not apply)."""
     segments = 1
     while (_fused_chains(dims) * segments < FUSED_MIN_BLOCKS
            and dims.nchunks >= 2 * segments * MIN_SEGMENT_CHUNKS):
         segments *= 2
-    return 0 if segments == 1 else -(-dims.nchunks // segments)
+    if segments == 1:
+        return 0
+    chunks = -(-dims.nchunks // segments)
+    pieces = _pieces_per_segment(chunks)
+    return pieces * -(-chunks // pieces)
+
+
+def state_piece_chunks(dims: SSDDims) -> int:
+    """Chunks per piece of segment_states (a divisor of `fused_segment_chunks(dims)`, at most
+    MAX_PIECE_CHUNKS); 0 without segments."""
+    segment_chunks = fused_segment_chunks(dims)
+    return segment_chunks and segment_chunks // _pieces_per_segment(segment_chunks)
 
 
 def forward_layouts(dims: SSDDims) -> tuple[str, ...]:
@@ -116,8 +142,9 @@ def forward_buffers(dims: SSDDims, layout: str = "staged", save_states: bool = F
     if layout == "fused":
         return {**buffers, "seg_states": Buffer((1, 1, 1, 1, 1), "float32", zero_init=True),
                 "seg_decay": Buffer((1, 1, 1), "float32", zero_init=True)}
-    # Every segment's end state but the last's, as [dstate, headdim] tiles, and its carry-through factor.
-    earlier = num_segments(dims, fused_segment_chunks(dims)) - 1
+    # The end state of every piece of the segments before the last, as [dstate, headdim] tiles, and its
+    # carry-through factor.
+    earlier = num_pieces(dims, fused_segment_chunks(dims), state_piece_chunks(dims))
     return {**buffers, "seg_states": Buffer((b, earlier, H, N, P), "float32"),
             "seg_decay": Buffer((b, H, earlier), "float32")}
 
@@ -145,14 +172,15 @@ def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, lay
         missing stages use their default configuration.
       layout: one of FORWARD_LAYOUTS that can run `dims` (`forward_layouts`); None:
         `configs_layout(dims, configs)`.
-      save_states: also output "states", the chunk-entry states (batch, nchunks, nheads, headdim,
-        dstate) in x's dtype, for `backward.backward_plan(..., saved_states=True)` (the fused kernels
-        store them as they pass; the staged layout has them anyway).
+      save_states: also output SAVED_FOR_BACKWARD for `backward.backward_plan(..., saved_states=True)`:
+        "states", the chunk-entry states (batch, nchunks, nheads, headdim, dstate) in x's dtype (the
+        fused kernels store them as they pass; the staged layout has them anyway), and "dt_out",
+        "dA_cumsum" (batch, nheads, nchunks, chunk_size) f32.
 
     Returns:
       A Plan with inputs FORWARD_INPUTS, buffers dt_out, dA_cumsum, out, final_states, states (a dummy
       in the fused layouts unless saved) and the segmented layout's seg_states, seg_decay, and outputs
-      ("out", "final_states") + ("states",) with save_states.
+      FORWARD_OUTPUTS (+ SAVED_FOR_BACKWARD with save_states).
     """
     configs = dict(configs or {})
     layout = layout or configs_layout(dims, configs)
@@ -169,15 +197,17 @@ def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, lay
                          f"(layout={layout!r})")
     check_config_tiles("forward_plan", configs, dims)
     segment_chunks = fused_segment_chunks(dims) if layout == "segmented" else 0
+    piece_chunks = state_piece_chunks(dims) if layout == "segmented" else 0
     launch_of = {
         "chunk_cumsum": chunk_cumsum_fwd_launch, "chunk_state": chunk_state_fwd_launch,
         "chunk_scan": chunk_scan_fwd_launch,
         "fused_scan": lambda d, cfg: fused_scan_fwd_launch(d, cfg, write_states=save_states),
-        "segment_states": lambda d, cfg: segment_states_launch(d, cfg, segment_chunks),
-        "segmented_scan": lambda d, cfg: fused_scan_fwd_launch(d, cfg, segment_chunks, write_states=save_states)}
+        "segment_states": lambda d, cfg: segment_states_launch(d, cfg, segment_chunks, piece_chunks),
+        "segmented_scan": lambda d, cfg: fused_scan_fwd_launch(d, cfg, segment_chunks, piece_chunks,
+                                                               write_states=save_states)}
     return Plan(
         inputs=FORWARD_INPUTS,
         buffers=forward_buffers(dims, layout, save_states),
         launches=tuple(launch_of[stage](dims, configs.get(stage)) for stage in stages),
-        outputs=FORWARD_OUTPUTS + (("states",) if save_states else ()),
+        outputs=FORWARD_OUTPUTS + (SAVED_FOR_BACKWARD if save_states else ()),
     )

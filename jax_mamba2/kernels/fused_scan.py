@@ -27,10 +27,12 @@ carried state, so the `LOAD_LAT` hint lets them be issued while chunk c computes
 
 Segments (SEGMENT_CHUNKS > 0; one segment, the whole sequence, otherwise): where the chains are too few
 to fill the GPU, each sequence is cut into segments of SEGMENT_CHUNKS chunks with a block each.
-`segment_states_kernel` first walks every segment s but the last from a zero state (state updates only)
-and stores its end state L_s and D_s, the product of its chunks' carries (0 when a sequence starts in it);
-the block of segment s then enters with H = D_{s-1} (... (D_0 H_0 + L_0) ...) + L_{s-1}, the same chunk
-recurrence regrouped.
+`segment_states_kernel` first walks the segments before the last in pieces of PIECE_CHUNKS chunks (a
+divisor of SEGMENT_CHUNKS), one block per piece j, each from a zero state (state updates only), and stores
+the piece's end state L_j and D_j, the product of its chunks' carries (0 when a sequence starts in it);
+the block of segment s then enters with H = D_{J-1} (... (D_0 H_0 + L_0) ...) + L_{J-1} over the
+J = s * SEGMENT_CHUNKS / PIECE_CHUNKS pieces before it, the same chunk recurrence regrouped. The pieces
+are independent short chains: many more blocks than segments, so this pass is not one more long walk.
 
 With WRITE_STATES a block also stores every chunk-entry state H_c it carries, rounded to x's dtype (the
 operand of its C·H product), into `states`: what chunk_state writes in the staged layout and what the
@@ -39,8 +41,8 @@ backward reads, so a differentiated forward can save them instead of the backwar
 Shapes: x, z, out (batch, seqlen, nheads, headdim) T (z a dummy without HAS_Z); B, C (batch, seqlen,
 ngroups, dstate) T; D (nheads, headdim) f32; dt_out, dA_cumsum (batch, nheads, nchunks, chunk_size) f32;
 initial_states, final_states (batch, nheads, headdim, dstate) f32 (initial_states a dummy without
-HAS_INIT); seq_idx (batch, seqlen) int32 or a dummy; seg_states (batch, segments - 1, nheads, dstate,
-headdim) f32 and seg_decay (batch, nheads, segments - 1) f32 (dummies with one segment); states (batch,
+HAS_INIT); seq_idx (batch, seqlen) int32 or a dummy; seg_states (batch, pieces, nheads, dstate, headdim)
+f32 and seg_decay (batch, nheads, pieces) f32 (dummies with one segment); states (batch,
 nchunks, nheads, headdim, dstate) T (a dummy without WRITE_STATES).
 """
 import dataclasses
@@ -78,20 +80,21 @@ def _chunk_vectors(dt_out, dA_cumsum, b, h, c, CHUNK, LOAD_LAT):
 
 
 def _segment_states_body(x, B, dt_out, dA_cumsum, seq_idx, seg_states, seg_decay,
-                         CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, HAS_SEQ_IDX, LOAD_LAT):
-    """Segment s (every one but the last): its end state from a zero start, L_s, and the product of its
-    chunks' carries, the factor any earlier state is multiplied by across it (0 past a sequence start)."""
+                         CHUNK, DSTATE, BLOCK_P, PIECE_CHUNKS, HAS_SEQ_IDX, LOAD_LAT):
+    """Piece j (of the segments before the last): its end state from a zero start, L_j, and the product
+    of its chunks' carries, the factor any earlier state is multiplied by across it (0 past a sequence
+    start)."""
     pb = ct.bid(1)
-    seg = ct.bid(2)
+    piece = ct.bid(2)
     seqlen = x.shape[1]
     b, h, g = batch_head_group(ct.bid(0), x.shape[2], B.shape[2])
     operand_dtype = mma_dtype(x.dtype)
-    first = seg * SEGMENT_CHUNKS
+    first = piece * PIECE_CHUNKS
     state_t = ct.zeros((DSTATE, BLOCK_P), dtype=ct.float32)                # [DSTATE, BLOCK_P] f32
     through = ct.full((1,), 1.0, dtype=ct.float32)
     if HAS_SEQ_IDX:
         prev_end_id = previous_chunk_end_id(seq_idx, b, first, CHUNK)
-    for c in range(first, first + SEGMENT_CHUNKS):
+    for c in range(first, first + PIECE_CHUNKS):
         B_c = _load_rows(B, b, c, 0, g, CHUNK, DSTATE, LOAD_LAT)
         x_op = _load_rows(x, b, c, pb, h, CHUNK, BLOCK_P, LOAD_LAT).astype(operand_dtype)
         _, _, state_scale, carry = _chunk_vectors(dt_out, dA_cumsum, b, h, c, CHUNK, LOAD_LAT)
@@ -100,13 +103,13 @@ def _segment_states_body(x, B, dt_out, dA_cumsum, seq_idx, seg_states, seg_decay
                 seq_idx, b, c, seqlen, CHUNK, prev_end_id, state_scale, carry)
         state_t = _collect(B_c, x_op, state_t, state_scale, carry, x.dtype, operand_dtype)
         through = through * carry
-    ct.store(seg_states, index=(b, seg, h, 0, pb), tile=state_t.reshape((1, 1, 1, DSTATE, BLOCK_P)))
-    ct.store(seg_decay, index=(b, h, seg), tile=through.reshape((1, 1, 1)))
+    ct.store(seg_states, index=(b, piece, h, 0, pb), tile=state_t.reshape((1, 1, 1, DSTATE, BLOCK_P)))
+    ct.store(seg_decay, index=(b, h, piece), tile=through.reshape((1, 1, 1)))
 
 
 def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, seg_states, seg_decay, out,
-                     final_states, states, CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, HAS_Z, HAS_INIT, HAS_SEQ_IDX,
-                     WRITE_STATES, LOAD_LAT):
+                     final_states, states, CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, PIECE_CHUNKS, HAS_Z, HAS_INIT,
+                     HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT):
     pb = ct.bid(1)
     seqlen = x.shape[1]
     b, h, g = batch_head_group(ct.bid(0), x.shape[2], B.shape[2])
@@ -119,14 +122,14 @@ def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, 
     else:
         state_t = ct.zeros((DSTATE, BLOCK_P), dtype=ct.float32)
     if SEGMENT_CHUNKS > 0:
-        # Segment ct.bid(2) of the sequence: its entry state from the earlier segments' end states.
+        # Segment ct.bid(2) of the sequence: its entry state from the end states of the pieces before it.
         seg = ct.bid(2)
         first = seg * SEGMENT_CHUNKS
         last = ct.minimum(first + SEGMENT_CHUNKS, nchunks)
-        for j in range(seg):
-            through = ct.load(seg_decay, index=(b, h, j), shape=(1, 1, 1)).reshape((1,))
-            local = ct.load(seg_states, index=(b, j, h, 0, pb), shape=(1, 1, 1, DSTATE, BLOCK_P)
-                            ).reshape((DSTATE, BLOCK_P))
+        for j in range(seg * (SEGMENT_CHUNKS // PIECE_CHUNKS)):
+            through = ct.load(seg_decay, index=(b, h, j), shape=(1, 1, 1), latency=LOAD_LAT).reshape((1,))
+            local = ct.load(seg_states, index=(b, j, h, 0, pb), shape=(1, 1, 1, DSTATE, BLOCK_P),
+                            latency=LOAD_LAT).reshape((DSTATE, BLOCK_P))
             state_t = state_t * through + local
         prev_end_id = ct.zeros((1,), dtype=ct.int32)
         if HAS_SEQ_IDX:
@@ -189,8 +192,8 @@ def _make_fused_scan_fwd_kernel(Big):
         dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
         initial_states: Big,  # (batch, nheads, headdim, dstate) f32, or a dummy without HAS_INIT
         seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
-        seg_states: Big,      # (batch, segments - 1, nheads, dstate, headdim) f32, or a dummy (one segment)
-        seg_decay: Big,       # (batch, nheads, segments - 1) f32, or a dummy (one segment)
+        seg_states: Big,      # (batch, pieces, nheads, dstate, headdim) f32, or a dummy (one segment)
+        seg_decay: Big,       # (batch, nheads, pieces) f32, or a dummy (one segment)
         out: Big,             # (batch, seqlen, nheads, headdim) T, written
         final_states: Big,    # (batch, nheads, headdim, dstate) f32, written
         states: Big,          # (batch, nchunks, nheads, headdim, dstate) T, written (WRITE_STATES), or a dummy
@@ -198,6 +201,7 @@ def _make_fused_scan_fwd_kernel(Big):
         DSTATE: ConstInt,
         BLOCK_P: ConstInt,    # headdim columns per block
         SEGMENT_CHUNKS: ConstInt,  # chunks per segment (grid axis 2); 0: the whole sequence
+        PIECE_CHUNKS: ConstInt,    # chunks per piece of seg_states (divides SEGMENT_CHUNKS; 0 with it)
         HAS_Z: ConstBool,
         HAS_INIT: ConstBool,
         HAS_SEQ_IDX: ConstBool,
@@ -205,8 +209,8 @@ def _make_fused_scan_fwd_kernel(Big):
         LOAD_LAT: ConstInt,   # latency hint of the per-chunk loads (1..10)
     ):
         _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, seg_states, seg_decay,
-                         out, final_states, states, CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, HAS_Z, HAS_INIT,
-                         HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT)
+                         out, final_states, states, CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, PIECE_CHUNKS, HAS_Z,
+                         HAS_INIT, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT)
 
     return fused_scan_fwd_kernel
 
@@ -219,17 +223,17 @@ def _make_segment_states_kernel(Big):
         dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
         dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
         seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
-        seg_states: Big,      # (batch, segments - 1, nheads, dstate, headdim) f32, written
-        seg_decay: Big,       # (batch, nheads, segments - 1) f32, written
+        seg_states: Big,      # (batch, pieces, nheads, dstate, headdim) f32, written
+        seg_decay: Big,       # (batch, nheads, pieces) f32, written
         CHUNK: ConstInt,
         DSTATE: ConstInt,
         BLOCK_P: ConstInt,
-        SEGMENT_CHUNKS: ConstInt,
+        PIECE_CHUNKS: ConstInt,   # chunks per piece (grid axis 2: one block per piece)
         HAS_SEQ_IDX: ConstBool,
         LOAD_LAT: ConstInt,
     ):
         _segment_states_body(x, B, dt_out, dA_cumsum, seq_idx, seg_states, seg_decay,
-                             CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, HAS_SEQ_IDX, LOAD_LAT)
+                             CHUNK, DSTATE, BLOCK_P, PIECE_CHUNKS, HAS_SEQ_IDX, LOAD_LAT)
 
     return segment_states_kernel
 
@@ -311,20 +315,33 @@ def fused_scan_fwd_default_config(dims: SSDDims) -> FusedScanConfig:
                            worker_warps=8 if width == 64 and dims.dstate < 128 else None)
 
 
+def segment_states_default_config(dims: SSDDims) -> FusedScanConfig:
+    """The fused default's width for the state-only walk of the pieces, at occupancy 2 and latency 4,
+    tileiras' warps: sm_90 wgmma without a stack at dstate 64-256 (128 registers). At the fused default
+    itself (occupancy 1, latency 6) tileiras 13.4 emits no wgmma for this kernel at dstate 128."""
+    return dataclasses.replace(fused_scan_fwd_default_config(dims), LOAD_LAT=4, occupancy=2, worker_warps=None)
+
+
 def num_segments(dims: SSDDims, segment_chunks: int) -> int:
     """Segments of `segment_chunks` chunks per sequence (one for 0: the whole sequence)."""
     return -(-dims.nchunks // segment_chunks) if segment_chunks else 1
+
+
+def num_pieces(dims: SSDDims, segment_chunks: int, piece_chunks: int) -> int:
+    """Pieces of `piece_chunks` chunks (dividing `segment_chunks`) in the segments before the last."""
+    return (num_segments(dims, segment_chunks) - 1) * (segment_chunks // piece_chunks) if segment_chunks else 0
 
 
 def fused_scan_fwd_grid(dims: SSDDims, cfg: FusedScanConfig, segment_chunks: int = 0) -> tuple[int, int, int]:
     return (dims.batch * dims.nheads, dims.headdim // cfg.BLOCK_P, num_segments(dims, segment_chunks))
 
 
-def fused_scan_fwd_launch(dims: SSDDims, cfg: FusedScanConfig | None = None, segment_chunks: int = 0, *,
-                          write_states: bool = False) -> Launch:
+def fused_scan_fwd_launch(dims: SSDDims, cfg: FusedScanConfig | None = None, segment_chunks: int = 0,
+                          piece_chunks: int = 0, *, write_states: bool = False) -> Launch:
     """The launch writing ("out", "final_states"), and "states" (every chunk-entry state in x's dtype, as
     chunk_state writes them) with `write_states`; with `segment_chunks`, one block per segment, each
-    starting from the entry state that "seg_states" and "seg_decay" give (`segment_states_launch`)."""
+    starting from the entry state that the "seg_states" and "seg_decay" of the `piece_chunks`-chunk pieces
+    before it give (`segment_states_launch`)."""
     cfg = cfg or fused_scan_fwd_default_config(dims)
     return Launch(
         kernel=select_kernel(FUSED_SCAN_FWD_KERNELS, dims, occupancy=cfg.occupancy,
@@ -332,19 +349,22 @@ def fused_scan_fwd_launch(dims: SSDDims, cfg: FusedScanConfig | None = None, seg
         grid=fused_scan_fwd_grid(dims, cfg, segment_chunks),
         args=("x", "B", "C", "D", "z", "dt_out", "dA_cumsum", "initial_states", "seq_idx", "seg_states",
               "seg_decay", "out", "final_states", "states", dims.chunk_size, dims.dstate, cfg.BLOCK_P,
-              segment_chunks, dims.has_z, dims.has_init, dims.has_seq_idx, write_states, cfg.LOAD_LAT),
+              segment_chunks, piece_chunks, dims.has_z, dims.has_init, dims.has_seq_idx, write_states,
+              cfg.LOAD_LAT),
         writes=("out", "final_states") + (("states",) if write_states else ()),
     )
 
 
-def segment_states_launch(dims: SSDDims, cfg: FusedScanConfig | None, segment_chunks: int) -> Launch:
-    """The launch writing ("seg_states", "seg_decay") for every segment but the last."""
-    cfg = cfg or fused_scan_fwd_default_config(dims)
+def segment_states_launch(dims: SSDDims, cfg: FusedScanConfig | None, segment_chunks: int,
+                          piece_chunks: int) -> Launch:
+    """The launch writing ("seg_states", "seg_decay") for every `piece_chunks`-chunk piece of the segments
+    but the last, one block per piece."""
+    cfg = cfg or segment_states_default_config(dims)
     return Launch(
         kernel=select_kernel(SEGMENT_STATES_KERNELS, dims, occupancy=cfg.occupancy,
                              num_worker_warps=cfg.worker_warps),
-        grid=(dims.batch * dims.nheads, dims.headdim // cfg.BLOCK_P, num_segments(dims, segment_chunks) - 1),
+        grid=(dims.batch * dims.nheads, dims.headdim // cfg.BLOCK_P, num_pieces(dims, segment_chunks, piece_chunks)),
         args=("x", "B", "dt_out", "dA_cumsum", "seq_idx", "seg_states", "seg_decay", dims.chunk_size,
-              dims.dstate, cfg.BLOCK_P, segment_chunks, dims.has_seq_idx, cfg.LOAD_LAT),
+              dims.dstate, cfg.BLOCK_P, piece_chunks, dims.has_seq_idx, cfg.LOAD_LAT),
         writes=("seg_states", "seg_decay"),
     )

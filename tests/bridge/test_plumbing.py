@@ -51,6 +51,16 @@ def test_cutile_forward_is_three_kernel_calls_with_every_feature():
     assert (final.shape, final.dtype) == ((2, 4, 16, 16), jnp.float32)
 
 
+@pytest.mark.parametrize("chunk_size", [64, 128, 256])
+def test_cutile_runs_its_kernels_at_chunk_64_whatever_chunk_size(chunk_size):
+    """The chunk quantities (batch, nheads, nchunks, chunk) come out at chunk 64 (problem.KERNEL_CHUNK_SIZE)."""
+    args, kwargs = make_ssd_args(0, **DIMS, dt_softplus=True, dtype=jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda *a: _cutile_ssd(*a, chunk_size=chunk_size, **kwargs))(*args)
+    cumsum = _cutile_calls(jaxpr)[0]
+    assert cumsum.params["kernel"]._annotated_function.pyfunc.__name__ == "chunk_cumsum_fwd_kernel"
+    assert {tuple(v.aval.shape) for v in cumsum.outvars} == {(2, 4, 2, 64)}
+
+
 def test_cutile_vmap_folds_into_kernel_batch():
     args, kwargs = make_ssd_args(1, **DIMS)
     xs = jnp.stack([args[0]] * 3)
@@ -102,8 +112,9 @@ def test_cutile_vmap_of_grad_maps_backward_items():
 @pytest.mark.parametrize("layout", ["staged", "fused"])
 def test_cutile_grad_reads_the_states_the_forward_saved_unless_asked_to_recompute(monkeypatch, layout):
     """The custom VJP's forward saves the chunk-entry states (the fused kernel stores them as a third
-    output; 128 chains make the fused layout), so the backward has no chunk_state recompute; with
-    JAX_MAMBA2_RECOMPUTE_STATES=1 it saves only the inputs and recomputes them."""
+    output; 128 chains make the fused layout) and the chunk quantities, so the backward has no chunk_state
+    or chunk_cumsum recompute; with JAX_MAMBA2_RECOMPUTE_STATES=1 it saves only the inputs and recomputes
+    them."""
     dims = dict(DIMS, nheads=64, headdim=64) if layout == "fused" else DIMS
     args, kwargs = make_ssd_args(6, **dims, dtype=jnp.bfloat16)
     def grad():  # a new function per trace: JAX reuses a function's trace (the env is read at tracing)
@@ -114,6 +125,7 @@ def test_cutile_grad_reads_the_states_the_forward_saved_unless_asked_to_recomput
     names = [c.params["kernel"]._annotated_function.pyfunc.__name__ for c in calls]
     assert forward_kernel in names and "chunk_scan_bwd_dx_kernel" in names
     assert names.count("chunk_state_fwd_kernel") == (1 if layout == "staged" else 0), names
+    assert names.count("chunk_cumsum_fwd_kernel") == 1, names
     if layout == "fused":
         (fused,) = [c for c in calls if c.params["kernel"]._annotated_function.pyfunc.__name__ == forward_kernel]
         b, L, H, P, N = dims["batch"], dims["seqlen"], dims["nheads"], dims["headdim"], dims["dstate"]
@@ -122,6 +134,7 @@ def test_cutile_grad_reads_the_states_the_forward_saved_unless_asked_to_recomput
     monkeypatch.setenv("JAX_MAMBA2_RECOMPUTE_STATES", "1")
     names = _kernel_names(jax.make_jaxpr(grad())(args[0]))
     assert names.count("chunk_state_fwd_kernel") == (2 if layout == "staged" else 1), names
+    assert names.count("chunk_cumsum_fwd_kernel") == 2, names
 
 
 def test_cutile_outputs_keep_shard_map_varying_axes():

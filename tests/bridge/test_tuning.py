@@ -20,7 +20,7 @@ import pytest
 ct = pytest.importorskip("cuda.tile")
 
 from jax_mamba2 import op  # noqa: E402
-from jax_mamba2.bridge import tuning  # noqa: E402
+from jax_mamba2.bridge import problem, tuning  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
 from jax_mamba2.kernels.backward import BACKWARD_STAGES, backward_inputs, backward_plan  # noqa: E402
 from jax_mamba2.kernels.forward import FORWARD_LAYOUTS, forward_inputs, forward_layout, forward_plan  # noqa: E402
@@ -417,11 +417,12 @@ def test_cutile_forward_traces_with_the_configs_forward_configs_returns(monkeypa
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_cutile_backward_traces_with_the_configs_backward_configs_returns(monkeypatch, deterministic):
-    """The bridge's backward builds its plan from `backward_configs` in the env's determinism mode."""
+    """The bridge's backward builds its plan from `backward_configs` in the env's determinism mode (at
+    the kernels' chunk, 64, for the op's chunk_size 128)."""
     monkeypatch.setenv("JAX_MAMBA2_DETERMINISTIC", "1" if deterministic else "0")
     args, kwargs = make_ssd_args(0, batch=2, seqlen=256, nheads=4, headdim=32, ngroups=2, dstate=32)
-    dims = SSDDims(batch=2, seqlen=256, nheads=4, headdim=32, ngroups=2, dstate=32, chunk_size=128,
-                   dtype="float32")
+    dims = SSDDims(batch=2, seqlen=256, nheads=4, headdim=32, ngroups=2, dstate=32,
+                   chunk_size=problem.KERNEL_CHUNK_SIZE, dtype="float32")
     chosen = {s: _non_default_config(s, dims) for s in BACKWARD_STAGES}
     seen = []
     monkeypatch.setattr(tuning, "backward_configs", lambda d, det: seen.append(det) or chosen)

@@ -13,7 +13,7 @@ import numpy as np
 from jax_mamba2 import reference
 from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.backward import backward_plan
-from jax_mamba2.kernels.forward import forward_plan
+from jax_mamba2.kernels.forward import SAVED_FOR_BACKWARD, forward_plan
 from tests._helpers import make_ssd_args, rel_l2, to_float64
 
 # Plan output -> the reference argument it is the gradient of.
@@ -101,12 +101,14 @@ def run_backward(run, case: BackwardCase, dtype: str, *, seed: int = 0, states_f
                  **plan_keywords):
     """(every array after running backward_plan(..., **plan_keywords) through `run`, the float64
     reference gradients). `states_from`: a forward layout whose plan, run first with save_states, gives
-    the backward its chunk-entry states (saved_states); None: the backward recomputes them."""
+    the backward its chunk-entry states and chunk quantities (saved_states); None: the backward
+    recomputes them."""
     inputs, want = backward_problem(case, dtype, seed)
     dims = backward_dims(case, dtype)
     if states_from is not None:
         forward = forward_plan(dims, layout=states_from, save_states=True)
-        inputs["states"] = run(forward, {name: inputs[name] for name in forward.inputs})["states"]
+        saved = run(forward, {name: inputs[name] for name in forward.inputs})
+        inputs.update({name: saved[name] for name in SAVED_FOR_BACKWARD})
     plan = backward_plan(dims, dict(case.configs), saved_states=states_from is not None, **plan_keywords)
     return run(plan, inputs), want
 

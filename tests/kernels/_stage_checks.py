@@ -85,13 +85,19 @@ SMALL_CASES = {
         configs=(("fused_scan", FusedScanConfig(BLOCK_P=16)),)),
     "fused_chunk32_seq_idx": Case(seqlen=100, chunk_size=32, seq_lens=(31, 2, 67), z=True, layout="fused"),
     # The segmented layout: 38 chunks of 16 in 4 segments of 10 (the last partial, ending in a partial
-    # chunk); sequences restarting inside a segment, and one starting exactly at a segment boundary.
+    # chunk), one piece each; sequences restarting inside a segment, and one starting exactly at a segment
+    # boundary.
     "segmented_seq_idx_resets_init_groups_z": Case(
         seqlen=600, chunk_size=16, nheads=8, ngroups=2, z=True, initial_states=True,
         seq_lens=(100, 160, 3, 337), layout="segmented"),
     "segmented_sequence_starts_at_segment_boundary": Case(
         seqlen=600, chunk_size=16, seq_lens=(160, 100, 3, 337), initial_states=True, layout="segmented"),
     "segmented_two_segments_chunk32": Case(seqlen=517, chunk_size=32, layout="segmented"),
+    # 141 chunks of 32 chains: 4 segments of 36 chunks, segment_states walking each of the first three in
+    # 2 pieces of 18; one sequence starts exactly at a piece boundary (token 288), two inside pieces.
+    "segmented_pieces_seq_idx_init": Case(
+        seqlen=2250, chunk_size=16, nheads=16, seq_lens=(288, 612, 5, 1345), initial_states=True,
+        layout="segmented"),
     # The fused kernels storing every chunk-entry state for the backward (checked against the reference's).
     "fused_seq_idx_init_saving_states": Case(
         seqlen=150, seq_lens=(10, 70, 3, 67), initial_states=True, layout="fused", save_states=True),

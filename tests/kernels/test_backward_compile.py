@@ -12,7 +12,7 @@ from jax_mamba2.kernels.backward import (
     BACKWARD_INPUTS, BACKWARD_OUTPUTS, backward_arrays, backward_plan, group_heads_per_block)
 from jax_mamba2.kernels.chunk_state import ChunkStateConfig
 from jax_mamba2.kernels.export import compile_launch
-from jax_mamba2.kernels.forward import forward_plan
+from jax_mamba2.kernels.forward import SAVED_FOR_BACKWARD, forward_plan
 from tests.kernels._plan_checks import assert_plan_well_formed, kernel_name
 from tests.kernels.test_compile import sass_and_resources
 
@@ -75,11 +75,12 @@ def test_backward_matmul_stages_use_wgmma(problem, tmp_path):
 def test_backward_plan_well_formed(problem, deterministic, saved_states):
     dims = PLAN_PROBLEMS[problem]
     plan = backward_plan(dims, deterministic=deterministic, saved_states=saved_states)
-    assert plan.inputs == BACKWARD_INPUTS + (("states",) if saved_states else ())
+    assert plan.inputs == BACKWARD_INPUTS + (SAVED_FOR_BACKWARD if saved_states else ())
     assert plan.outputs == BACKWARD_OUTPUTS
     assert_plan_well_formed(plan)
-    recomputes = [kernel_name(launch) == "chunk_state_fwd_kernel" for launch in plan.launches]
-    assert any(recomputes) != saved_states
+    recomputed = {kernel_name(launch) for launch in plan.launches} & {"chunk_cumsum_fwd_kernel",
+                                                                     "chunk_state_fwd_kernel"}
+    assert recomputed == (set() if saved_states else {"chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel"})
     # dB/dC take atomic adds exactly when heads of a group are split over blocks.
     atomic = adds_atomically(dims, group_heads_per_block(dims, deterministic))
     assert plan.buffers["dB"].zero_init == plan.buffers["dC"].zero_init == atomic

@@ -15,7 +15,7 @@ from jax_mamba2.kernels import chunk_scan, chunk_state, chunk_state_bwd, export,
 from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.backward import backward_arrays
 from jax_mamba2.kernels.export import compile_launch
-from jax_mamba2.kernels.forward import forward_arrays, forward_layouts, forward_plan
+from jax_mamba2.kernels.forward import SAVED_FOR_BACKWARD, forward_arrays, forward_layouts, forward_plan
 from jax_mamba2.kernels.state_update import state_update_inputs, state_update_plan
 from tests.kernels._plan_checks import assert_plan_well_formed
 
@@ -60,7 +60,7 @@ def test_forward_and_decode_plans_well_formed(problem):
         assert_plan_well_formed(forward_plan(dims, layout=layout))
         saving = forward_plan(dims, layout=layout, save_states=True)
         assert_plan_well_formed(saving)
-        assert saving.outputs[-1] == "states" and saving.buffers["states"].shape == (
+        assert saving.outputs[2:] == SAVED_FOR_BACKWARD and saving.buffers["states"].shape == (
             dims.batch, dims.nchunks, dims.nheads, dims.headdim, dims.dstate)
     assert_plan_well_formed(state_update_plan(dims))
 

@@ -8,7 +8,7 @@ from jax_mamba2.kernels import chunk_cumsum, chunk_scan, chunk_state, chunk_stat
 from jax_mamba2.kernels._common import SSDDims, is_power_of_2, needs_int64_index
 from jax_mamba2.kernels.forward import (
     FORWARD_LAYOUTS, FORWARD_STAGES, configs_layout, forward_arrays, forward_layout, forward_layouts, forward_plan,
-    fused_segment_chunks)
+    fused_segment_chunks, state_piece_chunks)
 
 PROBLEMS = {
     "small_heads16": SSDDims(batch=1, seqlen=1, nheads=1, headdim=16, ngroups=1, dstate=16, chunk_size=64),
@@ -195,16 +195,16 @@ def test_needs_int64_index_selects_int64_kernels():
 
 def test_segmented_layout_cuts_few_long_chains_into_segments():
     """32 chains of 256 chunks: 4 segments of 64 chunks bring the fused chains to 128, and the rule
-    picks the segmented layout (f32 stays staged)."""
+    picks the segmented layout (f32 stays staged); segment_states walks the first three in pieces of 32."""
     dims = SSDDims(batch=4, seqlen=16384, nheads=8, headdim=64, ngroups=1, dstate=128, chunk_size=64)
     assert forward_layouts(dims) == ("staged", "fused", "segmented")
     assert forward_layout(dims) == "segmented"
     assert forward_layout(dataclasses.replace(dims, dtype="float32", dt_dtype="float32")) == "staged"
-    assert fused_segment_chunks(dims) == 64
+    assert fused_segment_chunks(dims) == 64 and state_piece_chunks(dims) == 32
     plan = forward_plan(dims, layout="segmented")
-    assert [launch.grid for launch in plan.launches[1:]] == [(32, 1, 3), (32, 1, 4)]
-    assert plan.buffers["seg_states"].shape == (4, 3, 8, 128, 64)
-    assert plan.buffers["seg_decay"].shape == (4, 8, 3)
+    assert [launch.grid for launch in plan.launches[1:]] == [(32, 1, 6), (32, 1, 4)]
+    assert plan.buffers["seg_states"].shape == (4, 6, 8, 128, 64)
+    assert plan.buffers["seg_decay"].shape == (4, 8, 6)
     # Enough chains already, or too few chunks to cut: no segmented layout.
     for other in (dataclasses.replace(dims, batch=16), dataclasses.replace(dims, seqlen=15 * 64)):
         assert fused_segment_chunks(other) == 0 and "segmented" not in forward_layouts(other)

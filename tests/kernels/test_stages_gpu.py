@@ -35,10 +35,15 @@ LARGE_CASES = {
     "fused_q64_p64_n64_8_worker_warps": Case(
         seqlen=1000, nheads=4, headdim=64, dstate=64, layout="fused",
         configs=(("fused_scan", fused_scan.FusedScanConfig(BLOCK_P=64, LOAD_LAT=6, worker_warps=8)),)),
-    # 65 chunks of 4 chains in 4 segments, sequences across segment boundaries.
+    # 65 chunks of 4 chains in 8 segments, sequences across segment boundaries.
     "segmented_q64_n128_long_seq_idx_all_inputs": Case(
         seqlen=4096 + 17, nheads=2, headdim=64, dstate=128, z=True, initial_states=True,
         seq_lens=(1000, 1048, 2065), layout="segmented"),
+    # 258 chunks of 16 chains in 8 segments of 34, walked by segment_states in pieces of 17; a sequence
+    # starts at a piece boundary (token 1088).
+    "segmented_q64_n128_pieces_seq_idx": Case(
+        seqlen=16384 + 100, nheads=8, headdim=64, dstate=128, seq_lens=(1088, 5000, 3, 10393),
+        layout="segmented"),
 }
 SWEEP_CASE = Case(seqlen=600, chunk_size=128, nheads=4, headdim=64, ngroups=2, dstate=64, z=True,
                   initial_states=True, seq_lens=(200, 400))
