@@ -332,8 +332,8 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
       A: (nheads,), float, negative (mamba_ssm: -exp(A_log)).
       B, C: (batch, seqlen, ngroups, dstate), float; nheads % ngroups == 0.
       chunk_size: power of two; the chunk length of the chunked algorithm (256 as in mamba_ssm). The
-        result depends on it only through rounding; the cutile backends take 64, 128 or 256 and run
-        their kernels at chunk 64, their fastest.
+        result depends on it only through rounding; the cutile backends run their kernels at chunk 64
+        whatever it is (their fastest).
       D: (nheads,) or (nheads, headdim), optional skip connection.
       z: (batch, seqlen, nheads, headdim), optional gate.
       dt_bias: (nheads,), optional, added to dt before the softplus.

@@ -129,7 +129,7 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
     static = ssd_op.SSDStatic(int(chunk_size), bool(dt_softplus),
                               ssd_op._check_dt_limit("ssd", dt_limit))
     reason = problem.shape_unsupported_reason(dtype=xp.dtype_name(x), headdim=x.shape[3],
-                                              dstate=B.shape[3], chunk_size=static.chunk_size)
+                                              dstate=B.shape[3])
     if reason is not None:
         raise ValueError(f"eager ssd cannot run this call: {reason}")
     dims = problem.SSDDims(

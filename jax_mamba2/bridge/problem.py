@@ -15,8 +15,7 @@ import jax.numpy as jnp
 from jax_mamba2.bridge import _compat
 from jax_mamba2.kernels._common import KERNEL_DTYPES, SSDDims
 
-CHUNK_SIZES = (64, 128, 256)
-# The chunk the kernels run at, whichever of CHUNK_SIZES the caller asked for: the result is the same up to
+# The chunk the kernels run at, whatever chunk_size the caller asked for: the result is the same up to
 # rounding, and 64 is the fastest on the H200 (cutile forward + backward at (4,8192,32,64,128,1), bf16:
 # 1.255 / 1.908 / 2.628 ms at chunk 64 / 128 / 256, benchmarks/results/ssd_fwd_bwd_chunks_h200.json):
 # the fused forward and the head-summing backward passes exist only up to 64.
@@ -47,8 +46,7 @@ def _local_gpu_unavailable_reason() -> Optional[str]:
     return None
 
 
-def shape_unsupported_reason(*, dtype, headdim: int, dstate: int,
-                             chunk_size: Optional[int] = None) -> Optional[str]:
+def shape_unsupported_reason(*, dtype, headdim: int, dstate: int) -> Optional[str]:
     """Why the kernels cannot take these shapes/dtypes (None when they can)."""
     name = jnp.dtype(dtype).name
     if name not in KERNEL_DTYPES:
@@ -58,8 +56,6 @@ def shape_unsupported_reason(*, dtype, headdim: int, dstate: int,
         return f"headdim={headdim} must be a power of two in [16, 256]"
     if dstate not in HEAD_DIMS:
         return f"dstate={dstate} must be a power of two in [16, 256]"
-    if chunk_size is not None and chunk_size not in CHUNK_SIZES:
-        return f"chunk_size={chunk_size} must be one of {CHUNK_SIZES}"
     return None
 
 
@@ -70,7 +66,7 @@ def unsupported_reason(inputs, static) -> Optional[str]:
         if arr is not None and arr.dtype == jnp.float64:
             return f"{name} is float64; the kernels compute in float32: use backend='xla' or cast"
     reason = shape_unsupported_reason(dtype=inputs.x.dtype, headdim=inputs.x.shape[3],
-                                      dstate=inputs.B.shape[3], chunk_size=static.chunk_size)
+                                      dstate=inputs.B.shape[3])
     return reason or gpu_unavailable_reason()
 
 

@@ -77,7 +77,7 @@ def state_piece_chunks(dims: SSDDims) -> int:
     """Chunks per piece of segment_states (a divisor of `fused_segment_chunks(dims)`, at most
     MAX_PIECE_CHUNKS); 0 without segments."""
     segment_chunks = fused_segment_chunks(dims)
-    return segment_chunks and segment_chunks // _pieces_per_segment(segment_chunks)
+    return segment_chunks // _pieces_per_segment(segment_chunks) if segment_chunks else 0
 
 
 def forward_layouts(dims: SSDDims) -> tuple[str, ...]:

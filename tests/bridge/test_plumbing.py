@@ -51,7 +51,7 @@ def test_cutile_forward_is_three_kernel_calls_with_every_feature():
     assert (final.shape, final.dtype) == ((2, 4, 16, 16), jnp.float32)
 
 
-@pytest.mark.parametrize("chunk_size", [64, 128, 256])
+@pytest.mark.parametrize("chunk_size", [16, 64, 128, 256])
 def test_cutile_runs_its_kernels_at_chunk_64_whatever_chunk_size(chunk_size):
     """The chunk quantities (batch, nheads, nchunks, chunk) come out at chunk 64 (problem.KERNEL_CHUNK_SIZE)."""
     args, kwargs = make_ssd_args(0, **DIMS, dt_softplus=True, dtype=jnp.bfloat16)
