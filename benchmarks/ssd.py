@@ -337,6 +337,9 @@ def prepare_ours(backend: str, inputs: dict, weights: dict, chunk_size: int, dir
         fn = jax.jit(forward_backward(forward))
         run = lambda: fn(args, weights)  # noqa: E731
         to_outputs = lambda out: _grad_outputs(out[1])  # noqa: E731
+    if backend.startswith("cutile"):
+        from jax_mamba2.bridge import problem
+        chunk_size = problem.KERNEL_CHUNK_SIZE   # what the kernels run at, whatever chunk_size was asked for
     return Prepared(run, time_jax, "block_until_ready", to_outputs, chunk_size,
                     residual_bytes=None if direction == "fwd" else lambda: residual_bytes(forward, args))
 

@@ -108,3 +108,12 @@ def test_loss_weights_are_arguments_of_the_timed_program_not_constants():
     args, weights = ssd._ordered(ssd.make_inputs(shape)), ssd.loss_weights(shape)
     jaxpr = jax.make_jaxpr(ssd.forward_backward(ssd._ssd_call("xla", 64)))(args, weights)
     assert not [c for c in jaxpr.consts if getattr(c, "size", 0) > 1]
+
+
+def test_cutile_records_the_chunk_its_kernels_run_at():
+    """Asked for chunk 256, the cutile backends run their kernels at 64, and their records say so."""
+    pytest.importorskip("cuda.tile")
+    shape = ssd.Shape(1, 128, 4, 64, 64, 1)
+    inputs, weights = ssd.make_inputs(shape), ssd.loss_weights(shape)
+    assert ssd.prepare_ours("cutile", inputs, weights, 256, "fwd").chunk_size == 64
+    assert ssd.prepare_ours("xla", inputs, weights, 256, "fwd").chunk_size == 256
