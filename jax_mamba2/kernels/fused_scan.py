@@ -322,6 +322,13 @@ def segment_states_default_config(dims: SSDDims) -> FusedScanConfig:
     return dataclasses.replace(fused_scan_fwd_default_config(dims), LOAD_LAT=4, occupancy=2, worker_warps=None)
 
 
+def segment_states_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScanConfig]:
+    """The fused kernel's space plus this walk's default, which the fused space lacks at dstate 256 (its
+    64 columns only with 8 worker warps at occupancy 1; the state-only walk fits them at occupancy 2)."""
+    space = fused_scan_fwd_configs(dims, arch)
+    return list(dict.fromkeys([*space, segment_states_default_config(dims)])) if space else []
+
+
 def num_segments(dims: SSDDims, segment_chunks: int) -> int:
     """Segments of `segment_chunks` chunks per sequence (one for 0: the whole sequence)."""
     return -(-dims.nchunks // segment_chunks) if segment_chunks else 1

@@ -25,9 +25,9 @@ STAGE_SPACES = {
     "chunk_cumsum": StageSpace(chunk_cumsum.chunk_cumsum_fwd_configs, chunk_cumsum.chunk_cumsum_fwd_default_config),
     "chunk_state": StageSpace(chunk_state.chunk_state_fwd_configs, chunk_state.chunk_state_fwd_default_config),
     "chunk_scan": StageSpace(chunk_scan.chunk_scan_fwd_configs, chunk_scan.chunk_scan_fwd_default_config),
-    # The segmented layout runs the fused kernels (segment_states their state-only walk) on segments.
+    # The segmented layout runs the fused kernel on segments, after segment_states' state-only walk of pieces.
     "fused_scan": _FUSED, "segmented_scan": _FUSED,
-    "segment_states": StageSpace(fused_scan.fused_scan_fwd_configs, fused_scan.segment_states_default_config),
+    "segment_states": StageSpace(fused_scan.segment_states_configs, fused_scan.segment_states_default_config),
     "chunk_scan_bwd_dc": StageSpace(chunk_scan_bwd_dc.chunk_scan_bwd_dc_configs,
                                     chunk_scan_bwd_dc.chunk_scan_bwd_dc_default_config),
     "chunk_state_bwd": StageSpace(chunk_state_bwd.chunk_state_bwd_configs,
