@@ -10,10 +10,11 @@
     7. param_grads_bwd     dA, ddt_bias, dD summed over (batch, chunk) in a fixed order
 
 The math of each stage is in its module docstring (notation in _tiles.py). The heads of a group
-share dB and dC: by default each block of the dB/dC passes sums a few heads of a group and adds that
-atomically into zero-initialised f32 buffers (`group_heads_per_block`); `deterministic=True` gives each
-block a whole group instead (no float atomics), and since every other reduction is a fixed-order sum, the
-plan's outputs are then bitwise reproducible.
+share dB and dC: each block of the dB/dC passes sums some heads of a group (`group_heads_per_block`), and
+where a group spans several blocks they add their sums atomically into zero-initialised f32 buffers; a
+block owning a whole group stores its sum in x's dtype (no zero fill, no cast after). `deterministic=True`
+always gives each block a whole group (no float atomics), and since every other reduction is a fixed-order
+sum, the plan's outputs are then bitwise reproducible.
 """
 import math
 from typing import Mapping
@@ -39,9 +40,9 @@ BACKWARD_STAGES = ("chunk_cumsum", "chunk_state", "chunk_scan_bwd_dc", "chunk_st
 
 # The group-reducing passes (chunk_scan_bwd_dc, chunk_scan_bwd_dx) give a block as many heads of a group as
 # keep at least this many blocks in the launch: each block adds one f32 (rows x dstate) tile of dB or dC,
-# so more heads per block divide the atomic traffic, and fewer, longer blocks still fill an H200's 132 SMs
-# twice over at 2 blocks per SM and 4 waves.
-MIN_GROUP_PASS_BLOCKS = 1024
+# so more heads per block divide the atomic traffic (and a whole group per block needs none), and fewer,
+# longer blocks still fill an H200's 132 SMs at 2 blocks per SM in 2 waves.
+MIN_GROUP_PASS_BLOCKS = 512
 
 
 def group_heads_per_block(dims: SSDDims, deterministic: bool, atomic_heads_per_block: int | None = None) -> int:
@@ -122,8 +123,8 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
         "dy": Buffer(gated, T, zero_init=not dims.has_z),
         "ddA_intra": Buffer((b, H, nc, num_m_blocks, Q), "float32"),
         "ddA_inter": per_row,
-        # Zeroed: row blocks wholly past seqlen write no partial row.
-        "dD_partials": Buffer((b * nc * num_m_blocks, H, P), "float32", zero_init=True),
+        # Zeroed where row blocks can lie wholly past seqlen (they write no partial row).
+        "dD_partials": Buffer((b * nc * num_m_blocks, H, P), "float32", zero_init=num_m_blocks > 1),
         "dstates": _states(dims),
         "ddA_chunk": Buffer((b, H, nc, num_state_tiles), "float32"),
         "ddt_out": per_row,
@@ -134,8 +135,8 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
         "dx": Buffer((b, L, H, P), T),
         "ddt": Buffer((b, L, H), "float32"),
         "dA": Buffer((H,), "float32"),
-        "dB": Buffer((b, L, G, N), "float32", zero_init=atomic),
-        "dC": Buffer((b, L, G, N), "float32", zero_init=atomic),
+        "dB": Buffer((b, L, G, N), "float32" if atomic else T, zero_init=atomic),
+        "dC": Buffer((b, L, G, N), "float32" if atomic else T, zero_init=atomic),
         "dD": Buffer((H, P), "float32"),
         "dz": Buffer(gated, T, zero_init=not dims.has_z),
         "ddt_bias": Buffer((H,), "float32"),
@@ -169,8 +170,9 @@ def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
 
     Returns:
       A Plan with inputs BACKWARD_INPUTS and outputs BACKWARD_OUTPUTS: dx (b, L, H, P) and dz (b, L, H, P)
-      (a dummy without a gate) in x's dtype; ddt (b, L, H) w.r.t. the raw dt, dA (H,), dB, dC (b, L, G, N),
-      dD (H, P) (the caller sums over P for a per-head D), ddt_bias (H,), dinitial_states (b, H, P, N), f32.
+      (a dummy without a gate) in x's dtype; dB, dC (b, L, G, N) in f32 where added atomically, else in x's
+      dtype; ddt (b, L, H) w.r.t. the raw dt, dA (H,), dD (H, P) (the caller sums over P for a per-head D),
+      ddt_bias (H,), dinitial_states (b, H, P, N), f32.
     """
     configs = _stage_configs(dims, configs)
     heads_per_block = group_heads_per_block(dims, deterministic, atomic_heads_per_block)

@@ -56,7 +56,7 @@ blocks (near the chunk end) first. Row blocks wholly past seqlen do nothing.
 Shapes: x, z, dout, dy, dz (batch, seqlen, nheads, headdim) T (z, dz and dy are dummies without HAS_Z);
 B, C (batch, seqlen, ngroups, dstate) T; D (nheads, headdim) f32; dt_out, dA_cumsum, ddA_inter
 (batch, nheads, nchunks, CHUNK) f32; states (batch, nchunks, nheads, headdim, dstate) T; seq_idx
-(batch, seqlen) int32 or a dummy; dC (batch, seqlen, ngroups, dstate) f32; ddA_intra (batch, nheads,
+(batch, seqlen) int32 or a dummy; dC (batch, seqlen, ngroups, dstate) f32 if added atomically, else T; ddA_intra (batch, nheads,
 nchunks, CHUNK/BLOCK_M, CHUNK) f32; dD_partials (batch * nchunks * CHUNK/BLOCK_M, nheads, headdim) f32.
 """
 import dataclasses
@@ -212,7 +212,7 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
         if ATOMIC_ADD:
             dC.tiled_view((1, BLOCK_M, 1, DSTATE)).atomic_store_add((b, m_tile, g, 0), dC_tile)
         else:
-            ct.store(dC, index=(b, m_tile, g, 0), tile=dC_tile)
+            ct.store(dC, index=(b, m_tile, g, 0), tile=dC_tile.astype(dC.dtype))
 
 
 def _make_chunk_scan_bwd_dc_kernel(Big):
@@ -230,7 +230,7 @@ def _make_chunk_scan_bwd_dc_kernel(Big):
         seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
         dy: Big,              # (batch, seqlen, nheads, headdim) T, written (HAS_Z), else a dummy
         dz: Big,              # (batch, seqlen, nheads, headdim) T, written (HAS_Z), else a dummy
-        dC: Big,              # (batch, seqlen, ngroups, dstate) f32, written (zero-initialised if ATOMIC_ADD)
+        dC: Big,              # (batch, seqlen, ngroups, dstate) written: f32, zero-initialised, if ATOMIC_ADD, else T
         ddA_intra: Big,       # (batch, nheads, nchunks, CHUNK/BLOCK_M, CHUNK) f32, written
         ddA_inter: Big,       # (batch, nheads, nchunks, CHUNK) f32, written
         dD_partials: Big,     # (batch * nchunks * CHUNK/BLOCK_M, nheads, headdim) f32, written

@@ -33,7 +33,7 @@ blocks (chunk start) first. Column blocks wholly past seqlen do nothing.
 Shapes: x, dy, dx (batch, seqlen, nheads, headdim) T (dy is dout without a gate); B, C (batch, seqlen,
 ngroups, dstate) T; D (nheads, headdim) f32; dt_out, dA_cumsum, ddt_out, ddA_state (batch, nheads, nchunks,
 CHUNK) f32; dstates (batch, nchunks, nheads, headdim, dstate) T; seq_idx (batch, seqlen) int32 or a
-dummy; dB (batch, seqlen, ngroups, dstate) f32.
+dummy; dB (batch, seqlen, ngroups, dstate) f32 if added atomically, else T.
 """
 import cuda.tile as ct
 
@@ -151,7 +151,7 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
         if ATOMIC_ADD:
             dB.tiled_view((1, BLOCK_M, 1, DSTATE)).atomic_store_add((b, s_tile, g, 0), dB_tile)
         else:
-            ct.store(dB, index=(b, s_tile, g, 0), tile=dB_tile)
+            ct.store(dB, index=(b, s_tile, g, 0), tile=dB_tile.astype(dB.dtype))
 
 
 def _make_chunk_scan_bwd_dx_kernel(Big):
@@ -167,7 +167,7 @@ def _make_chunk_scan_bwd_dx_kernel(Big):
         dstates: Big,         # (batch, nchunks, nheads, headdim, dstate) T, ∂L/∂(chunk end states)
         seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
         dx: Big,              # (batch, seqlen, nheads, headdim) T, written
-        dB: Big,              # (batch, seqlen, ngroups, dstate) f32, written (zero-initialised if ATOMIC_ADD)
+        dB: Big,              # (batch, seqlen, ngroups, dstate) written: f32, zero-initialised, if ATOMIC_ADD, else T
         ddt_out: Big,         # (batch, nheads, nchunks, CHUNK) f32, written
         ddA_state: Big,       # (batch, nheads, nchunks, CHUNK) f32, written
         CHUNK: ConstInt,

@@ -28,6 +28,8 @@ from jax_mamba2.kernels.stage_spaces import STAGE_SPACES  # noqa: E402
 from tests._helpers import make_ssd_args  # noqa: E402
 
 DIMS = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=128, chunk_size=256)
+# Half the batch: the atomic backward splits each group over two blocks (see backward.group_heads_per_block).
+GROUP_SPLIT_DIMS = dataclasses.replace(DIMS, batch=2)
 FORWARD_STAGES = FORWARD_LAYOUTS["staged"]      # DIMS's layout (chunk 256)
 FAKE_GPU = tuning.GpuIdentity(name="NVIDIA H200", arch="sm_90")
 
@@ -132,14 +134,16 @@ def test_forward_configs_retunes_only_stale_entries(cache_dir, monkeypatch):
 
 
 def test_stage_key_names_heads_per_block_where_deterministic_changes_the_launch():
-    # 32 heads in one group: deterministic mode gives a block the whole group, the atomic mode 16 heads
-    # (the most that leave backward.MIN_GROUP_PASS_BLOCKS blocks).
-    grouped = DIMS
+    # 32 heads in one group, half DIMS' batch: deterministic mode gives a block the whole group, the atomic
+    # mode 16 heads (the most that leave backward.MIN_GROUP_PASS_BLOCKS blocks).
+    grouped = GROUP_SPLIT_DIMS
     assert tuning.stage_key("chunk_scan_bwd_dc", grouped) == (
         "chunk_scan_bwd_dc/chunk_size=256,headdim=64,dstate=128,heads_per_group=32,dtype=bfloat16,"
-        "has_seq_idx=False,has_z=False,heads_per_block=16,index64=False,work=256")
+        "has_seq_idx=False,has_z=False,heads_per_block=16,index64=False,work=128")
     assert tuning.stage_key("chunk_scan_bwd_dx", grouped, deterministic=True).endswith(
-        "heads_per_block=32,index64=False,work=128")
+        "heads_per_block=32,index64=False,work=64")
+    # At DIMS' batch the atomic mode gives a block the whole group too: one launch, one key, in both modes.
+    assert tuning.stage_key("chunk_scan_bwd_dc", DIMS) == tuning.stage_key("chunk_scan_bwd_dc", DIMS, True)
     for stage in BACKWARD_STAGES:
         differs = tuning.stage_key(stage, grouped) != tuning.stage_key(stage, grouped, True)
         assert differs == (stage in ("chunk_scan_bwd_dc", "chunk_scan_bwd_dx")), stage
@@ -212,11 +216,11 @@ def test_forward_configs_without_measurements_follow_the_layout_rule(cache_dir, 
 
 def test_backward_configs_deterministic_tunes_only_the_group_reducing_stages_again(cache_dir, monkeypatch):
     monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner([]))
-    tuning.backward_configs(DIMS, deterministic=False)
+    tuning.backward_configs(GROUP_SPLIT_DIMS, deterministic=False)
     tuning.clear_memory()
     calls = []
     monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner(calls))
-    report = tuning.tune_report(DIMS, backward=True, deterministic=True)
+    report = tuning.tune_report(GROUP_SPLIT_DIMS, backward=True, deterministic=True)
     assert calls == [["chunk_scan_bwd_dc", "chunk_scan_bwd_dx"]]
     tuned = {s for s, r in report.items() if r["source"] == "tuned"}
     assert tuned == {"chunk_scan_bwd_dc", "chunk_scan_bwd_dx"}
