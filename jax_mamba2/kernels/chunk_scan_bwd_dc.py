@@ -56,8 +56,9 @@ blocks (near the chunk end) first. Row blocks wholly past seqlen do nothing.
 Shapes: x, z, dout, dy, dz (batch, seqlen, nheads, headdim) T (z, dz and dy are dummies without HAS_Z);
 B, C (batch, seqlen, ngroups, dstate) T; D (nheads, headdim) f32; dt_out, dA_cumsum, ddA_inter
 (batch, nheads, nchunks, CHUNK) f32; states (batch, nchunks, nheads, headdim, dstate) T; seq_idx
-(batch, seqlen) int32 or a dummy; dC (batch, seqlen, ngroups, dstate) f32 if added atomically, else T; ddA_intra (batch, nheads,
-nchunks, CHUNK/BLOCK_M, CHUNK) f32; dD_partials (batch * nchunks * CHUNK/BLOCK_M, nheads, headdim) f32.
+(batch, seqlen) int32 or a dummy; dC (batch, seqlen, ngroups, dstate) f32 if added atomically, else T;
+ddA_intra (batch, nheads, nchunks, CHUNK/BLOCK_M, CHUNK) f32; dD_partials (batch * nchunks * CHUNK/BLOCK_M,
+nheads, headdim) f32.
 """
 import dataclasses
 
@@ -230,7 +231,7 @@ def _make_chunk_scan_bwd_dc_kernel(Big):
         seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
         dy: Big,              # (batch, seqlen, nheads, headdim) T, written (HAS_Z), else a dummy
         dz: Big,              # (batch, seqlen, nheads, headdim) T, written (HAS_Z), else a dummy
-        dC: Big,              # (batch, seqlen, ngroups, dstate) written: f32, zero-initialised, if ATOMIC_ADD, else T
+        dC: Big,              # (batch, seqlen, ngroups, dstate) written, f32 zero-initialised if ATOMIC_ADD, else T
         ddA_intra: Big,       # (batch, nheads, nchunks, CHUNK/BLOCK_M, CHUNK) f32, written
         ddA_inter: Big,       # (batch, nheads, nchunks, CHUNK) f32, written
         dD_partials: Big,     # (batch * nchunks * CHUNK/BLOCK_M, nheads, headdim) f32, written

@@ -167,7 +167,7 @@ def _make_chunk_scan_bwd_dx_kernel(Big):
         dstates: Big,         # (batch, nchunks, nheads, headdim, dstate) T, ∂L/∂(chunk end states)
         seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
         dx: Big,              # (batch, seqlen, nheads, headdim) T, written
-        dB: Big,              # (batch, seqlen, ngroups, dstate) written: f32, zero-initialised, if ATOMIC_ADD, else T
+        dB: Big,              # (batch, seqlen, ngroups, dstate) written, f32 zero-initialised if ATOMIC_ADD, else T
         ddt_out: Big,         # (batch, nheads, nchunks, CHUNK) f32, written
         ddA_state: Big,       # (batch, nheads, nchunks, CHUNK) f32, written
         CHUNK: ConstInt,

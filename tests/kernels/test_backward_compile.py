@@ -81,9 +81,11 @@ def test_backward_plan_well_formed(problem, deterministic, saved_states):
     recomputed = {kernel_name(launch) for launch in plan.launches} & {"chunk_cumsum_fwd_kernel",
                                                                      "chunk_state_fwd_kernel"}
     assert recomputed == (set() if saved_states else {"chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel"})
-    # dB/dC take atomic adds exactly when heads of a group are split over blocks.
+    # dB/dC take atomic adds into zeroed f32 exactly when heads of a group are split over blocks; a block
+    # owning its group stores them in x's dtype.
     atomic = adds_atomically(dims, group_heads_per_block(dims, deterministic))
     assert plan.buffers["dB"].zero_init == plan.buffers["dC"].zero_init == atomic
+    assert plan.buffers["dB"].dtype == plan.buffers["dC"].dtype == ("float32" if atomic else dims.dtype)
 
 
 def test_backward_plan_output_layouts():
