@@ -23,7 +23,9 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND under a cap, logging to $
 sharded() {  # sharded NAME SECONDS SHARDS FILES... [-k EXPR]: the GPU tests of FILES, split over SHARDS
   # processes sharing the GPU (serially the suites take ~30 minutes)
   local name=$1 cap=$2 shards=$3; shift 3
-  python -m pytest -m gpu --collect-only -q -p no:cacheprovider "$@" | grep '::' > "$out/$name.ids"
+  # The sweeps over every config ("every_") take minutes each: listed first, they start at once, one per shard.
+  python -m pytest -m gpu --collect-only -q -p no:cacheprovider "$@" | grep '::' \
+    | awk '/every_/ {print; next} {rest[n++] = $0} END {for (i = 0; i < n; i++) print rest[i]}' > "$out/$name.ids"
   echo "== $name: $(wc -l < "$out/$name.ids") tests in $shards shards (cap ${cap}s)"
   for i in $(seq 0 $((shards - 1))); do
     awk -v n="$shards" -v i="$i" 'NR % n == i' "$out/$name.ids" > "$out/$name.$i.ids"
