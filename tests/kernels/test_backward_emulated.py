@@ -194,3 +194,5 @@ def test_backward_plan_emulated_bf16_within_kernel_tolerance():
         (stage, ChunkScanBwdDcConfig(BLOCK_M=32, BLOCK_K=32, SUM_HEADS=True))
         for stage in ("chunk_scan_bwd_dc", "chunk_scan_bwd_dx")))
     check_backward(_run_plan_native, summing, "bfloat16", TOLERANCE["kernel_bwd"]["bfloat16"])
+    # A block owning its whole group stores dB/dC rounded to bf16 itself (no f32 buffer, no cast after).
+    check_backward(_run_plan_native, summing, "bfloat16", TOLERANCE["kernel_bwd"]["bfloat16"], deterministic=True)
