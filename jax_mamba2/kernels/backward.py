@@ -27,7 +27,7 @@ from jax_mamba2.kernels.chunk_scan_bwd_dc import chunk_scan_bwd_dc_default_confi
 from jax_mamba2.kernels.chunk_scan_bwd_dx import chunk_scan_bwd_dx_launch
 from jax_mamba2.kernels.chunk_state import chunk_state_fwd_launch
 from jax_mamba2.kernels.chunk_state_bwd import (
-    chunk_state_bwd_default_config, chunk_state_bwd_launch, chunk_state_bwd_num_tiles)
+    chunk_state_bwd_default_config, chunk_state_bwd_launch, chunk_state_bwd_carry_terms)
 from jax_mamba2.kernels.forward import FORWARD_INPUTS, SAVED_FOR_BACKWARD, forward_inputs
 from jax_mamba2.kernels.param_grads_bwd import param_grads_bwd_launch
 
@@ -109,7 +109,7 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
     b, L, H, P, G, N = dims.batch, dims.seqlen, dims.nheads, dims.headdim, dims.ngroups, dims.dstate
     nc, Q, T = dims.nchunks, dims.chunk_size, dims.dtype
     num_m_blocks = Q // configs["chunk_scan_bwd_dc"].BLOCK_M
-    num_state_tiles = chunk_state_bwd_num_tiles(dims, configs["chunk_state_bwd"])
+    carry_terms = chunk_state_bwd_carry_terms(dims, configs["chunk_state_bwd"])
     per_row = _per_row(dims)
     gated = (b, L, H, P) if dims.has_z else (1, 1, 1, 1)
     # Atomic head reductions need zeroed dB/dC; a block owning its whole group stores them.
@@ -126,7 +126,7 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
         # Zeroed where row blocks can lie wholly past seqlen (they write no partial row).
         "dD_partials": Buffer((b * nc * num_m_blocks, H, P), "float32", zero_init=num_m_blocks > 1),
         "dstates": _states(dims),
-        "ddA_chunk": Buffer((b, H, nc, num_state_tiles), "float32"),
+        "ddA_chunk": Buffer((b, H, nc, carry_terms), "float32"),
         "ddt_out": per_row,
         "ddA_state": per_row,
         "dA_partials": Buffer((b * nc, H), "float32"),
@@ -190,7 +190,7 @@ def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
             chunk_scan_bwd_dx_launch(dims, configs.get("chunk_scan_bwd_dx"), heads_per_block=heads_per_block,
                                      dy=dy),
             chunk_cumsum_bwd_launch(dims, configs.get("chunk_cumsum_bwd"), dc_block_m=dc_config.BLOCK_M,
-                                    num_state_tiles=chunk_state_bwd_num_tiles(dims, state_config)),
+                                    carry_terms=chunk_state_bwd_carry_terms(dims, state_config)),
             param_grads_bwd_launch(dims, configs.get("param_grads_bwd")),
         ),
         outputs=BACKWARD_OUTPUTS,

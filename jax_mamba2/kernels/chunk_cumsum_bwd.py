@@ -16,7 +16,8 @@ decay increment Δ_r A, the chain rule gives
     R_r = Σ_{l>=r} ddA_inter_l        (output's inter-chunk term, chunk_scan_bwd_dc)
         + Σ_{s<r} ddA_state_s         (end state S_c, chunk_scan_bwd_dx)
         + Σ_m ddA_intra[m, r]         (output's intra-chunk term, stable form, chunk_scan_bwd_dc)
-        + Σ_tiles ddA_chunk           (carry of the state passing, ∂L/∂dA_last; chunk_state_bwd)
+        + Σ ddA_chunk                 (carry of the state passing, ∂L/∂dA_last, in row sums of each
+                                       state tile; chunk_state_bwd)
 
 where ddA_intra[m, r] was written by row block m only for r < (m+1) BLOCK_M, and row blocks wholly past
 seqlen wrote nothing (both masked here; every per-row input is masked to valid tokens).
@@ -29,7 +30,7 @@ vectors as (BLOCK_H, CHUNK) tiles, dt and ddt as (CHUNK, BLOCK_H) tiles of the (
 
 Shapes: dt (batch, seqlen, nheads) T or f32; A, dt_bias (nheads,) f32; dt_out, ddt_out, ddA_inter,
 ddA_state (batch, nheads, nchunks, CHUNK) f32; ddA_intra (batch, nheads, nchunks, NUM_M_BLOCKS, CHUNK) f32;
-ddA_chunk (batch, nheads, nchunks, NUM_STATE_TILES) f32; ddt (batch, seqlen, nheads) f32;
+ddA_chunk (batch, nheads, nchunks, NUM_CARRY_TERMS) f32; ddt (batch, seqlen, nheads) f32;
 dA_partials, ddt_bias_partials (batch * nchunks, nheads) f32.
 """
 import cuda.tile as ct
@@ -49,7 +50,7 @@ def _load_heads_rows(array, b, hb, c, BLOCK_H, CHUNK):
 
 def _chunk_cumsum_bwd_body(dt, A, dt_bias, dt_out, ddt_out, ddA_inter, ddA_state, ddA_intra, ddA_chunk,
                            ddt, dA_partials, ddt_bias_partials,
-                           CHUNK, BLOCK_H, BLOCK_M, NUM_M_BLOCKS, NUM_STATE_TILES,
+                           CHUNK, BLOCK_H, BLOCK_M, NUM_M_BLOCKS, NUM_CARRY_TERMS,
                            DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX):
     c = ct.bid(0)
     hb = ct.bid(1)
@@ -66,8 +67,8 @@ def _chunk_cumsum_bwd_body(dt, A, dt_bias, dt_out, ddt_out, ddA_inter, ddA_state
     block = ct.arange(NUM_M_BLOCKS, dtype=ct.int32)[:, None]                 # [NUM_M_BLOCKS, 1]
     written = (c * CHUNK + block * BLOCK_M < seqlen) & (pos[None, :] < (block + 1) * BLOCK_M)
     intra = ct.sum(ct.where(written[None, :, :], intra, 0.0), axis=1)        # [BLOCK_H, CHUNK]
-    carry = ct.load(ddA_chunk, index=(b, hb, c, 0), shape=(1, BLOCK_H, 1, NUM_STATE_TILES),
-                    padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_H, NUM_STATE_TILES))
+    carry = ct.load(ddA_chunk, index=(b, hb, c, 0), shape=(1, BLOCK_H, 1, NUM_CARRY_TERMS),
+                    padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_H, NUM_CARRY_TERMS))
     ddA = (ct.cumsum(inter, axis=1, reverse=True) + (ct.cumsum(state, axis=1) - state) + intra
            + ct.sum(carry, axis=1)[:, None])                                 # R [BLOCK_H, CHUNK]
 
@@ -104,7 +105,7 @@ def _make_chunk_cumsum_bwd_kernel(Big):
         ddA_inter: Big,          # (batch, nheads, nchunks, CHUNK) f32
         ddA_state: Big,          # (batch, nheads, nchunks, CHUNK) f32
         ddA_intra: Big,          # (batch, nheads, nchunks, NUM_M_BLOCKS, CHUNK) f32
-        ddA_chunk: Big,          # (batch, nheads, nchunks, NUM_STATE_TILES) f32
+        ddA_chunk: Big,          # (batch, nheads, nchunks, NUM_CARRY_TERMS) f32
         ddt: Big,                # (batch, seqlen, nheads) f32, written
         dA_partials,             # (batch * nchunks, nheads) f32, written
         ddt_bias_partials,       # (batch * nchunks, nheads) f32, written
@@ -112,7 +113,7 @@ def _make_chunk_cumsum_bwd_kernel(Big):
         BLOCK_H: ConstInt,
         BLOCK_M: ConstInt,       # the row block of chunk_scan_bwd_dc, which wrote ddA_intra
         NUM_M_BLOCKS: ConstInt,  # CHUNK // BLOCK_M
-        NUM_STATE_TILES: ConstInt,
+        NUM_CARRY_TERMS: ConstInt,
         DT_SOFTPLUS: ConstBool,
         HAS_DT_LIMIT: ConstBool,
         DT_MIN: ConstFloat,
@@ -120,7 +121,7 @@ def _make_chunk_cumsum_bwd_kernel(Big):
     ):
         _chunk_cumsum_bwd_body(dt, A, dt_bias, dt_out, ddt_out, ddA_inter, ddA_state, ddA_intra, ddA_chunk,
                                ddt, dA_partials, ddt_bias_partials,
-                               CHUNK, BLOCK_H, BLOCK_M, NUM_M_BLOCKS, NUM_STATE_TILES,
+                               CHUNK, BLOCK_H, BLOCK_M, NUM_M_BLOCKS, NUM_CARRY_TERMS,
                                DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX)
 
     return chunk_cumsum_bwd_kernel
@@ -152,11 +153,11 @@ def chunk_cumsum_bwd_default_config(dims: SSDDims) -> ChunkCumsumBwdConfig:
 
 
 def chunk_cumsum_bwd_launch(dims: SSDDims, cfg: ChunkCumsumBwdConfig | None = None, *,
-                            dc_block_m: int, num_state_tiles: int) -> Launch:
+                            dc_block_m: int, carry_terms: int) -> Launch:
     """The launch writing ("ddt", "dA_partials", "ddt_bias_partials").
 
-    `dc_block_m`: BLOCK_M of the chunk_scan_bwd_dc launch (the layout of ddA_intra); `num_state_tiles`:
-    the state tiles of the chunk_state_bwd launch (the last axis of ddA_chunk).
+    `dc_block_m`: BLOCK_M of the chunk_scan_bwd_dc launch (the layout of ddA_intra); `carry_terms`:
+    the entries per chunk of the chunk_state_bwd launch's ddA_chunk (its last axis).
     """
     cfg = cfg or chunk_cumsum_bwd_default_config(dims)
     dt_min, dt_max = (float(v) for v in dims.dt_limit)
@@ -165,7 +166,7 @@ def chunk_cumsum_bwd_launch(dims: SSDDims, cfg: ChunkCumsumBwdConfig | None = No
         grid=chunk_cumsum_bwd_grid(dims, cfg),
         args=("dt", "A", "dt_bias", "dt_out", "ddt_out", "ddA_inter", "ddA_state", "ddA_intra", "ddA_chunk",
               "ddt", "dA_partials", "ddt_bias_partials",
-              dims.chunk_size, cfg.BLOCK_H, dc_block_m, dims.chunk_size // dc_block_m, num_state_tiles,
+              dims.chunk_size, cfg.BLOCK_H, dc_block_m, dims.chunk_size // dc_block_m, carry_terms,
               dims.dt_softplus, dims.has_dt_limit, dt_min, dt_max),
         writes=("ddt", "dA_partials", "ddt_bias_partials"),
     )
