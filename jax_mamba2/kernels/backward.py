@@ -27,7 +27,7 @@ from jax_mamba2.kernels.chunk_scan_bwd_dc import chunk_scan_bwd_dc_default_confi
 from jax_mamba2.kernels.chunk_scan_bwd_dx import chunk_scan_bwd_dx_launch
 from jax_mamba2.kernels.chunk_state import chunk_state_fwd_launch
 from jax_mamba2.kernels.chunk_state_bwd import (
-    chunk_state_bwd_default_config, chunk_state_bwd_launch, chunk_state_bwd_carry_terms)
+    chunk_state_bwd_carry_terms, chunk_state_bwd_default_config, chunk_state_bwd_launch)
 from jax_mamba2.kernels.forward import FORWARD_INPUTS, SAVED_FOR_BACKWARD, forward_inputs
 from jax_mamba2.kernels.param_grads_bwd import param_grads_bwd_launch
 
