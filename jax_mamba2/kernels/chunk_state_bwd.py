@@ -18,7 +18,7 @@ the row sums of this tile's share of ∂L/∂dA_last,c through the carry (chunk_
 row's terms lie within one warp of the mma layout, so this reduction adds no barrier to the carried chain
 (one scalar per tile took a cross-warp reduction per chunk: 290 -> 251 us per launch at (4,8192,32,64,128,1)
 on the H200).
-H_c comes from the forward's recompute.
+H_c comes from the forward (saved by it, or recomputed by the plan's chunk_state stage).
 
 Precision: dy and the row-scaled C enter the mma in x's dtype (tf32 for f32 inputs); G accumulates in f32
 and is stored in dstates' dtype (x's, as mamba_ssm's `dstates_dtype`), which is what the dx/dB pass
