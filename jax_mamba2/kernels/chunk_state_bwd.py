@@ -12,12 +12,14 @@ carrying G in f32, and writes
 
     dstates[b, c, h]   = G_{c+1}  = ∂L/∂S_c, the gradient of chunk c's END state (read by the dx/dB pass),
     dinitial_states[b, h] = G_0,
-    ddA_chunk[b, h, c, tile * BLOCK_P + p] = m_c exp(dA_last,c) Σ_n G_{c+1}[p, n] H_c[p, n],
+    ddA_chunk[b, h, c, tile * BLOCK_P / R + j] = m_c exp(dA_last,c) Σ_{p = jR}^{jR+R-1} Σ_n G_{c+1}[p, n] H_c[p, n],
 
-the row sums of this tile's share of ∂L/∂dA_last,c through the carry (chunk_cumsum_bwd adds them up). A
-row's terms lie within one warp of the mma layout, so this reduction adds no barrier to the carried chain
+this tile's share of ∂L/∂dA_last,c through the carry in sums over R = SUM_ROWS = min(BLOCK_P, 16) rows
+(chunk_cumsum_bwd adds them up).
+Sixteen rows are one warp's in the sm_90 mma layout, so this reduction adds no barrier to the carried chain
 (one scalar per tile took a cross-warp reduction per chunk: 290 -> 251 us per launch at (4,8192,32,64,128,1)
-on the H200).
+on the H200). A sum per row instead of per warp left chunk_cumsum_bwd 256 terms per chunk to add and took
+733 against 657 us for this pass at (4,8192,80,64,128,1) (same run; equal at the main shape).
 H_c comes from the forward (saved by it, or recomputed by the plan's chunk_state stage).
 
 Precision: dy and the row-scaled C enter the mma in x's dtype (tf32 for f32 inputs); G accumulates in f32
@@ -30,7 +32,7 @@ Grid: (batch * nheads, headdim / BLOCK_P, dstate / BLOCK_N).
 Shapes: C (batch, seqlen, ngroups, dstate) T; dy (batch, seqlen, nheads, headdim) T (dout without a gate);
 dA_cumsum (batch, nheads, nchunks, CHUNK) f32; states, dstates (batch, nchunks, nheads, headdim, dstate) T;
 seq_idx (batch, seqlen) int32 or a dummy; dfinal_states, dinitial_states (batch, nheads, headdim, dstate)
-f32; ddA_chunk (batch, nheads, nchunks, headdim/BLOCK_P * dstate/BLOCK_N * BLOCK_P) f32.
+f32; ddA_chunk (batch, nheads, nchunks, headdim/BLOCK_P * dstate/BLOCK_N * BLOCK_P/SUM_ROWS) f32.
 """
 import dataclasses
 import math
@@ -43,6 +45,10 @@ from jax_mamba2.kernels._tiles import (
     batch_head_group, chunk_end_id, operand, previous_chunk_end_id, row_ids)
 from jax_mamba2.kernels.chunk_state import (
     LOAD_LATENCIES, ChunkStateConfig, chunk_state_fwd_default_config, chunk_state_fwd_grid)
+
+
+# Rows of an sm_90 mma accumulator tile held by one warp: the carry term is summed over them.
+WARP_ROWS = 16
 
 
 def _load_chunk(C, dy, dA_cumsum, states, b, h, g, c, pb, nb, CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT):
@@ -62,7 +68,7 @@ def _load_chunk(C, dy, dA_cumsum, states, b, h, g, c, pb, nb, CHUNK, BLOCK_P, BL
 
 def _chunk_state_bwd_body(C, dy, dA_cumsum, states, seq_idx, dfinal_states,
                           dstates, dinitial_states, ddA_chunk,
-                          CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, LOAD_LAT):
+                          CHUNK, BLOCK_P, BLOCK_N, SUM_ROWS, HAS_SEQ_IDX, LOAD_LAT):
     bh = ct.bid(0)
     pb = ct.bid(1)
     nb = ct.bid(2)
@@ -87,7 +93,8 @@ def _chunk_state_bwd_body(C, dy, dA_cumsum, states, seq_idx, dfinal_states,
             carry = ct.where(chunk_end_id(seq_idx, b, c, seqlen, CHUNK) == prev_end_id, carry, 0.0)
             row_scale = ct.where(row_ids(seq_idx, b, c, CHUNK) == prev_end_id, row_scale, 0.0)
         ddA_rows = carry * ct.sum(grad * H_c.astype(ct.float32), axis=1)    # [BLOCK_P]
-        ct.store(ddA_chunk, index=(b, h, c, tile), tile=ddA_rows.reshape((1, 1, 1, BLOCK_P)))
+        ddA_warps = ct.sum(ddA_rows.reshape((BLOCK_P // SUM_ROWS, SUM_ROWS)), axis=1)
+        ct.store(ddA_chunk, index=(b, h, c, tile), tile=ddA_warps.reshape((1, 1, 1, BLOCK_P // SUM_ROWS)))
         C_scaled = operand(C_c * row_scale[:, None], C.dtype, op_dtype)     # [CHUNK, BLOCK_N]
         dy_t = dy_c.transpose().astype(op_dtype)
         grad = ct.mma(dy_t, C_scaled, grad * carry)
@@ -106,16 +113,17 @@ def _make_chunk_state_bwd_kernel(Big):
         dfinal_states: Big,      # (batch, nheads, headdim, dstate) f32
         dstates: Big,            # (batch, nchunks, nheads, headdim, dstate) T, written
         dinitial_states: Big,    # (batch, nheads, headdim, dstate) f32, written
-        ddA_chunk: Big,          # (batch, nheads, nchunks, state tiles * BLOCK_P) f32, written
+        ddA_chunk: Big,          # (batch, nheads, nchunks, state tiles * BLOCK_P / SUM_ROWS) f32, written
         CHUNK: ConstInt,
         BLOCK_P: ConstInt,
         BLOCK_N: ConstInt,
+        SUM_ROWS: ConstInt,      # rows per entry of ddA_chunk: min(BLOCK_P, WARP_ROWS)
         HAS_SEQ_IDX: ConstBool,
         LOAD_LAT: ConstInt,      # latency hint of the per-chunk loads (1..10)
     ):
         _chunk_state_bwd_body(C, dy, dA_cumsum, states, seq_idx, dfinal_states,
                               dstates, dinitial_states, ddA_chunk,
-                              CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, LOAD_LAT)
+                              CHUNK, BLOCK_P, BLOCK_N, SUM_ROWS, HAS_SEQ_IDX, LOAD_LAT)
 
     return chunk_state_bwd_kernel
 
@@ -168,8 +176,13 @@ def chunk_state_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkSta
 
 
 def chunk_state_bwd_carry_terms(dims: SSDDims, cfg: ChunkStateBwdConfig) -> int:
-    """Entries per (batch, head, chunk) of ddA_chunk (the last axis): a sum per row of each state tile."""
-    return (dims.headdim // cfg.BLOCK_P) * (dims.dstate // cfg.BLOCK_N) * cfg.BLOCK_P
+    """Entries per (batch, head, chunk) of ddA_chunk (the last axis): a sum per `_sum_rows` rows of each
+    state tile."""
+    return (dims.headdim // cfg.BLOCK_P) * (dims.dstate // cfg.BLOCK_N) * (cfg.BLOCK_P // _sum_rows(cfg))
+
+
+def _sum_rows(cfg: ChunkStateBwdConfig) -> int:
+    return min(cfg.BLOCK_P, WARP_ROWS)
 
 
 def chunk_state_bwd_launch(dims: SSDDims, cfg: ChunkStateBwdConfig | None = None, *,
@@ -182,6 +195,6 @@ def chunk_state_bwd_launch(dims: SSDDims, cfg: ChunkStateBwdConfig | None = None
         grid=chunk_state_bwd_grid(dims, cfg),
         args=("C", dy, "dA_cumsum", "states", "seq_idx", "dfinal_states",
               "dstates", "dinitial_states", "ddA_chunk",
-              dims.chunk_size, cfg.BLOCK_P, cfg.BLOCK_N, dims.has_seq_idx, cfg.LOAD_LAT),
+              dims.chunk_size, cfg.BLOCK_P, cfg.BLOCK_N, _sum_rows(cfg), dims.has_seq_idx, cfg.LOAD_LAT),
         writes=("dstates", "dinitial_states", "ddA_chunk"),
     )
