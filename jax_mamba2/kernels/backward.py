@@ -45,19 +45,25 @@ BACKWARD_STAGES = ("chunk_cumsum", "chunk_state", "chunk_scan_bwd_dc", "chunk_st
 MIN_GROUP_PASS_BLOCKS = 512
 
 
-def group_heads_per_block(dims: SSDDims, deterministic: bool, atomic_heads_per_block: int | None = None) -> int:
-    """The heads per block of the group-reducing passes.
+def group_heads_per_block(dims: SSDDims, deterministic: bool, atomic_heads_per_block: int | None = None,
+                          stage: str = "chunk_scan_bwd_dx") -> int:
+    """The heads per block of the group-reducing pass `stage` (chunk_scan_bwd_dc or chunk_scan_bwd_dx).
 
     deterministic: the whole group (no atomics). Otherwise `atomic_heads_per_block` (a power of 2; the
-    largest such divisor of heads_per_group up to it is used), by default the largest that leaves
-    `MIN_GROUP_PASS_BLOCKS` blocks of 64 rows. On an H200 (bf16, batch 4, seqlen 8192, 32 heads, 1 group,
-    headdim 64, dstate 128, chunk 64) 1/2/4/8/32 heads per block took the two passes 1.137 / 1.039 /
-    1.010 / 0.923 / 0.916 ms.
+    largest such divisor of heads_per_group up to it is used), by default: for chunk_scan_bwd_dc the whole
+    group wherever that leaves `MIN_GROUP_PASS_BLOCKS` blocks of 64 rows, whatever the head count; else
+    the largest power of 2 that does. On an H200 (bf16, batch 4, seqlen 8192, 32 heads, 1 group, headdim 64,
+    dstate 128, chunk 64) 1/2/4/8/32 heads per block took the two passes 1.137 / 1.039 / 1.010 / 0.923 /
+    0.916 ms; at 80 heads (one group) bwd_dc took 0.655 ms with all 80 heads per block against 0.703 with
+    16, and bwd_dx 0.885 against 0.814 (same run), so only bwd_dc takes a group of any size whole.
     """
     if deterministic:
         return dims.heads_per_group
+    row_blocks = dims.batch * dims.nchunks * max(1, dims.chunk_size // 64) * dims.nheads
+    if (atomic_heads_per_block is None and stage == "chunk_scan_bwd_dc"
+            and row_blocks // dims.heads_per_group >= MIN_GROUP_PASS_BLOCKS):
+        return dims.heads_per_group
     if atomic_heads_per_block is None:
-        row_blocks = dims.batch * dims.nchunks * max(1, dims.chunk_size // 64) * dims.nheads
         atomic_heads_per_block = 1
         while (dims.heads_per_group % (2 * atomic_heads_per_block) == 0
                and row_blocks // (2 * atomic_heads_per_block) >= MIN_GROUP_PASS_BLOCKS):
@@ -113,7 +119,9 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
     per_row = _per_row(dims)
     gated = (b, L, H, P) if dims.has_z else (1, 1, 1, 1)
     # Atomic head reductions need zeroed dB/dC; a block owning its whole group stores them.
-    atomic = adds_atomically(dims, group_heads_per_block(dims, deterministic, atomic_heads_per_block))
+    atomic_dB, atomic_dC = (adds_atomically(dims, group_heads_per_block(dims, deterministic, atomic_heads_per_block,
+                                                                        stage))
+                            for stage in ("chunk_scan_bwd_dx", "chunk_scan_bwd_dc"))
     recomputed = {} if saved_states else {"dt_out": per_row, "dA_cumsum": per_row, "states": _states(dims),
                                           "final_states": Buffer((b, H, P, N), "float32")}
     return {
@@ -135,8 +143,8 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
         "dx": Buffer((b, L, H, P), T),
         "ddt": Buffer((b, L, H), "float32"),
         "dA": Buffer((H,), "float32"),
-        "dB": Buffer((b, L, G, N), "float32" if atomic else T, zero_init=atomic),
-        "dC": Buffer((b, L, G, N), "float32" if atomic else T, zero_init=atomic),
+        "dB": Buffer((b, L, G, N), "float32" if atomic_dB else T, zero_init=atomic_dB),
+        "dC": Buffer((b, L, G, N), "float32" if atomic_dC else T, zero_init=atomic_dC),
         "dD": Buffer((H, P), "float32"),
         "dz": Buffer(gated, T, zero_init=not dims.has_z),
         "ddt_bias": Buffer((H,), "float32"),
@@ -175,7 +183,8 @@ def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
       ddt_bias (H,), dinitial_states (b, H, P, N), f32.
     """
     configs = _stage_configs(dims, configs)
-    heads_per_block = group_heads_per_block(dims, deterministic, atomic_heads_per_block)
+    dc_heads, dx_heads = (group_heads_per_block(dims, deterministic, atomic_heads_per_block, stage)
+                          for stage in ("chunk_scan_bwd_dc", "chunk_scan_bwd_dx"))
     dy = "dy" if dims.has_z else "dout"
     dc_config = configs["chunk_scan_bwd_dc"]
     state_config = configs["chunk_state_bwd"]
@@ -185,9 +194,9 @@ def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
         inputs=BACKWARD_INPUTS + (SAVED_FOR_BACKWARD if saved_states else ()),
         buffers=backward_buffers(dims, configs, deterministic, atomic_heads_per_block, saved_states),
         launches=recompute + (
-            chunk_scan_bwd_dc_launch(dims, dc_config, heads_per_block=heads_per_block),
+            chunk_scan_bwd_dc_launch(dims, dc_config, heads_per_block=dc_heads),
             chunk_state_bwd_launch(dims, state_config, dy=dy),
-            chunk_scan_bwd_dx_launch(dims, configs.get("chunk_scan_bwd_dx"), heads_per_block=heads_per_block,
+            chunk_scan_bwd_dx_launch(dims, configs.get("chunk_scan_bwd_dx"), heads_per_block=dx_heads,
                                      dy=dy),
             chunk_cumsum_bwd_launch(dims, configs.get("chunk_cumsum_bwd"), dc_block_m=dc_config.BLOCK_M,
                                     carry_terms=chunk_state_bwd_carry_terms(dims, state_config)),

@@ -83,9 +83,26 @@ def test_backward_plan_well_formed(problem, deterministic, saved_states):
     assert recomputed == (set() if saved_states else {"chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel"})
     # dB/dC take atomic adds into zeroed f32 exactly when heads of a group are split over blocks; a block
     # owning its group stores them in x's dtype.
-    atomic = adds_atomically(dims, group_heads_per_block(dims, deterministic))
-    assert plan.buffers["dB"].zero_init == plan.buffers["dC"].zero_init == atomic
-    assert plan.buffers["dB"].dtype == plan.buffers["dC"].dtype == ("float32" if atomic else dims.dtype)
+    for buffer, stage in (("dB", "chunk_scan_bwd_dx"), ("dC", "chunk_scan_bwd_dc")):
+        atomic = adds_atomically(dims, group_heads_per_block(dims, deterministic, stage=stage))
+        assert plan.buffers[buffer].zero_init == atomic
+        assert plan.buffers[buffer].dtype == ("float32" if atomic else dims.dtype)
+
+
+def test_dc_takes_a_group_of_any_size_whole_and_dx_a_power_of_two():
+    # 80 heads in one group: 512 blocks of a whole group for bwd_dc (its dC stored in x's dtype, no atomics),
+    # 16 heads per block for bwd_dx (dB added atomically into zeroed f32).
+    dims = SSDDims(batch=4, seqlen=8192, nheads=80, headdim=64, ngroups=1, dstate=128, chunk_size=64)
+    assert group_heads_per_block(dims, False, stage="chunk_scan_bwd_dc") == 80
+    assert group_heads_per_block(dims, False, stage="chunk_scan_bwd_dx") == 16
+    plan = backward_plan(dims)
+    grids = {kernel_name(launch): launch.grid for launch in plan.launches}
+    assert grids["chunk_scan_bwd_dc_kernel"] == (128, 4) and grids["chunk_scan_bwd_dx_kernel"] == (640, 4)
+    assert (plan.buffers["dC"].dtype, plan.buffers["dC"].zero_init) == (dims.dtype, False)
+    assert (plan.buffers["dB"].dtype, plan.buffers["dB"].zero_init) == ("float32", True)
+    # Too few blocks for a whole group: both passes split it the same way.
+    small = dataclasses.replace(dims, seqlen=1024)
+    assert group_heads_per_block(small, False, stage="chunk_scan_bwd_dc") == group_heads_per_block(small, False) < 80
 
 
 def test_backward_plan_output_layouts():
