@@ -103,6 +103,8 @@ def test_dc_takes_a_group_of_any_size_whole_and_dx_a_power_of_two():
     # Too few blocks for a whole group: both passes split it the same way.
     small = dataclasses.replace(dims, seqlen=1024)
     assert group_heads_per_block(small, False, stage="chunk_scan_bwd_dc") == group_heads_per_block(small, False) < 80
+    with pytest.raises(ValueError, match="stage='chunk_state_bwd'"):
+        group_heads_per_block(dims, False, stage="chunk_state_bwd")
 
 
 def test_backward_plan_output_layouts():
