@@ -16,8 +16,8 @@ decay increment Δ_r A, the chain rule gives
     R_r = Σ_{l>=r} ddA_inter_l        (output's inter-chunk term, chunk_scan_bwd_dc)
         + Σ_{s<r} ddA_state_s         (end state S_c, chunk_scan_bwd_dx)
         + Σ_m ddA_intra[m, r]         (output's intra-chunk term, stable form, chunk_scan_bwd_dc)
-        + Σ ddA_chunk                 (carry of the state passing, ∂L/∂dA_last, in row sums of each
-                                       state tile; chunk_state_bwd)
+        + Σ ddA_chunk                 (carry of the state passing, ∂L/∂dA_last, in sums over each
+                                       state tile's 16-row warp groups; chunk_state_bwd)
 
 where ddA_intra[m, r] was written by row block m only for r < (m+1) BLOCK_M, and row blocks wholly past
 seqlen wrote nothing (both masked here; every per-row input is masked to valid tokens).
