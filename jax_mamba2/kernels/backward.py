@@ -144,7 +144,7 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
         "ddt_bias_partials": Buffer((b * nc, H), "float32"),
         # Outputs.
         "dx": Buffer((b, L, H, P), T),
-        "ddt": Buffer((b, L, H), "float32"),
+        "ddt": Buffer((b, L, H), dims.dt_dtype),
         "dA": Buffer((H,), "float32"),
         "dB": Buffer((b, L, G, N), "float32" if atomic_dB else T, zero_init=atomic_dB),
         "dC": Buffer((b, L, G, N), "float32" if atomic_dC else T, zero_init=atomic_dC),
@@ -182,8 +182,8 @@ def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
     Returns:
       A Plan with inputs BACKWARD_INPUTS and outputs BACKWARD_OUTPUTS: dx (b, L, H, P) and dz (b, L, H, P)
       (a dummy without a gate) in x's dtype; dB, dC (b, L, G, N) in f32 where added atomically, else in x's
-      dtype; ddt (b, L, H) w.r.t. the raw dt, dA (H,), dD (H, P) (the caller sums over P for a per-head D),
-      ddt_bias (H,), dinitial_states (b, H, P, N), f32.
+      dtype; ddt (b, L, H) w.r.t. the raw dt, in dt's dtype; dA (H,), dD (H, P) (the caller sums over P for a
+      per-head D), ddt_bias (H,), dinitial_states (b, H, P, N), f32.
     """
     configs = _stage_configs(dims, configs)
     dc_heads, dx_heads = (group_heads_per_block(dims, deterministic, atomic_heads_per_block, stage)

@@ -30,7 +30,8 @@ vectors as (BLOCK_H, CHUNK) tiles, dt and ddt as (CHUNK, BLOCK_H) tiles of the (
 
 Shapes: dt (batch, seqlen, nheads) T or f32; A, dt_bias (nheads,) f32; dt_out, ddt_out, ddA_inter,
 ddA_state (batch, nheads, nchunks, CHUNK) f32; ddA_intra (batch, nheads, nchunks, NUM_M_BLOCKS, CHUNK) f32;
-ddA_chunk (batch, nheads, nchunks, NUM_CARRY_TERMS) f32; ddt (batch, seqlen, nheads) f32;
+ddA_chunk (batch, nheads, nchunks, NUM_CARRY_TERMS) f32; ddt (batch, seqlen, nheads) in dt's dtype (stored
+rounded from f32: the gradient's own dtype, so no cast follows);
 dA_partials, ddt_bias_partials (batch * nchunks, nheads) f32.
 """
 import cuda.tile as ct
@@ -90,7 +91,7 @@ def _chunk_cumsum_bwd_body(dt, A, dt_bias, dt_out, ddt_out, ddA_inter, ddA_state
     if HAS_DT_LIMIT:
         grad = ct.where((delta_unclipped < DT_MIN) | (delta_unclipped > DT_MAX), 0.0, grad)
     grad = ct.where(valid, grad, 0.0)
-    ct.store(ddt, index=(b, c, hb), tile=grad.transpose().reshape((1, CHUNK, BLOCK_H)))
+    ct.store(ddt, index=(b, c, hb), tile=grad.transpose().reshape((1, CHUNK, BLOCK_H)).astype(ddt.dtype))
     ct.store(ddt_bias_partials, index=(b * nchunks + c, hb), tile=ct.sum(grad, axis=1).reshape((1, BLOCK_H)))
 
 
@@ -106,7 +107,7 @@ def _make_chunk_cumsum_bwd_kernel(Big):
         ddA_state: Big,          # (batch, nheads, nchunks, CHUNK) f32
         ddA_intra: Big,          # (batch, nheads, nchunks, NUM_M_BLOCKS, CHUNK) f32
         ddA_chunk: Big,          # (batch, nheads, nchunks, NUM_CARRY_TERMS) f32
-        ddt: Big,                # (batch, seqlen, nheads) f32, written
+        ddt: Big,                # (batch, seqlen, nheads) in dt's dtype, written
         dA_partials,             # (batch * nchunks, nheads) f32, written
         ddt_bias_partials,       # (batch * nchunks, nheads) f32, written
         CHUNK: ConstInt,

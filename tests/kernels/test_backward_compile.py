@@ -108,9 +108,9 @@ def test_dc_takes_a_group_of_any_size_whole_and_dx_a_power_of_two():
 
 
 def test_backward_plan_output_layouts():
-    dims = dataclasses.replace(PROBLEMS["f32_z_init_seq_idx_atomic"][0], dtype="bfloat16")
+    dims = dataclasses.replace(PROBLEMS["f32_z_init_seq_idx_atomic"][0], dtype="bfloat16", dt_dtype="bfloat16")
     b, L, H, P, G, N = dims.batch, dims.seqlen, dims.nheads, dims.headdim, dims.ngroups, dims.dstate
-    want = {"dx": ((b, L, H, P), "bfloat16"), "dz": ((b, L, H, P), "bfloat16"), "ddt": ((b, L, H), "float32"),
+    want = {"dx": ((b, L, H, P), "bfloat16"), "dz": ((b, L, H, P), "bfloat16"), "ddt": ((b, L, H), "bfloat16"),
             "dA": ((H,), "float32"), "dB": ((b, L, G, N), "float32"), "dC": ((b, L, G, N), "float32"),
             "dD": ((H, P), "float32"), "ddt_bias": ((H,), "float32"),
             "dinitial_states": ((b, H, P, N), "float32")}
