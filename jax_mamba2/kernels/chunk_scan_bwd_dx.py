@@ -82,9 +82,13 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
         if HAS_SEQ_IDX:
             ids_s = row_ids(seq_idx, b, s_tile, BLOCK_M)
             end_id = chunk_end_id(seq_idx, b, c, seqlen, CHUNK)
-        # Row blocks from the one holding the diagonal to the last with a valid row.
-        first_k = (m * BLOCK_M) // BLOCK_K
-        end_k = ct.cdiv(ct.minimum(seqlen - c * CHUNK, CHUNK), BLOCK_K)
+        # Row blocks from the one holding the diagonal to the last with a valid row. With one row block the
+        # loop is static (the head loop is then the innermost, whose loads tileiras pipelines).
+        if BLOCK_K == CHUNK:
+            first_k, end_k = 0, 1
+        else:
+            first_k = (m * BLOCK_M) // BLOCK_K
+            end_k = ct.cdiv(ct.minimum(seqlen - c * CHUNK, CHUNK), BLOCK_K)
         dB_acc = ct.zeros((BLOCK_M, DSTATE), dtype=ct.float32)              # [BLOCK_M, DSTATE]
         if SUM_HEADS:
             # One row block, the whole chunk: its C and B·Cᵀ serve every head, and the heads' dCB are
@@ -95,13 +99,14 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
         for t in range(HEADS_PER_BLOCK):
             h = first_head + t
             x_op = ct.load(x, index=(b, s_tile, h, 0), shape=(1, BLOCK_M, 1, HEADDIM),
-                           padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_M, HEADDIM)).astype(op_dtype)
+                           padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
+                           ).reshape((BLOCK_M, HEADDIM)).astype(op_dtype)
             dA_s = load_chunk_vector(dA_cumsum, b, h, c, m, BLOCK_M)         # [BLOCK_M]
             delta_s = load_chunk_vector(dt_out, b, h, c, m, BLOCK_M)
             dA_last = ct.load(dA_cumsum, index=(b, h, c, CHUNK - 1), shape=(1, 1, 1, 1)).reshape((1,))
 
             # End-state term: acc_s = k_s w_s G B_s, dB_s += k_s w_s Δ_s x_s G, U_s.
-            G = ct.load(dstates, index=(b, c, h, 0, 0), shape=(1, 1, 1, HEADDIM, DSTATE)
+            G = ct.load(dstates, index=(b, c, h, 0, 0), shape=(1, 1, 1, HEADDIM, DSTATE), latency=LOAD_LAT
                         ).reshape((HEADDIM, DSTATE))
             G_op = operand(G, x.dtype, op_dtype)                             # [HEADDIM, DSTATE]
             state_scale = ct.exp(ct.minimum(dA_last - dA_s, 0.0))            # k_s w_s
@@ -180,7 +185,7 @@ def _make_chunk_scan_bwd_dx_kernel(Big):
         HEADS_PER_BLOCK: ConstInt,
         HAS_SEQ_IDX: ConstBool,
         ATOMIC_ADD: ConstBool,
-        LOAD_LAT: ConstInt,   # latency hint of the row-loop loads (1..10)
+        LOAD_LAT: ConstInt,   # latency hint of the row loop's and the head loop's tile loads (1..10)
         SUM_HEADS: ConstBool,  # one whole-chunk row block; B·Cᵀ once, the heads' dCB summed (BlockPassConfig)
     ):
         _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
