@@ -213,7 +213,9 @@ def chunk_scan_bwd_dx_default_config(dims: SSDDims) -> BlockPassConfig:
     """Whole chunks summing their heads' dCB at latency 4 where `sums_heads_by_default`, else the shared
     default. Latency 4 against 2 on the H200 (bf16, same run, per launch): 355 against 371 us at
     (4,8192,32,64,128,1), 672 against 713 at (2,32768,...), never slower at issue 7's six shapes (8 is faster
-    at the main shape only, 6 as 4)."""
+    at the main shape only, 6 as 4). Those runs predate the static row loop of whole-chunk blocks, with which
+    the hint also reaches the head loop's x and dstates loads: 353 -> 338 us at the main shape, 630 -> 590 at
+    dstate 256."""
     if sums_heads_by_default(dims):
         return dataclasses.replace(summing_heads_config(dims), LOAD_LAT=4)
     return block_pass_default_config(dims)
