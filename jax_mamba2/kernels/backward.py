@@ -43,6 +43,8 @@ BACKWARD_STAGES = ("chunk_cumsum", "chunk_state", "chunk_scan_bwd_dc", "chunk_st
 # so more heads per block divide the atomic traffic (and a whole group per block needs none), and fewer,
 # longer blocks still fill an H200's 132 SMs at 2 blocks per SM in 2 waves.
 MIN_GROUP_PASS_BLOCKS = 512
+# The group-reducing passes, by stage name.
+GROUP_PASSES = ("chunk_scan_bwd_dc", "chunk_scan_bwd_dx")
 
 
 def group_heads_per_block(dims: SSDDims, deterministic: bool, atomic_heads_per_block: int | None = None,
@@ -58,8 +60,8 @@ def group_heads_per_block(dims: SSDDims, deterministic: bool, atomic_heads_per_b
     16, and bwd_dx 0.885 against 0.814 (same run), so only bwd_dc takes a group of any size whole (the
     forward + backward there: 3.048 -> 2.995 ms).
     """
-    if stage not in ("chunk_scan_bwd_dc", "chunk_scan_bwd_dx"):
-        raise ValueError(f"group_heads_per_block: stage={stage!r} must be 'chunk_scan_bwd_dc' or 'chunk_scan_bwd_dx'")
+    if stage not in GROUP_PASSES:
+        raise ValueError(f"group_heads_per_block: stage={stage!r} must be one of {GROUP_PASSES}")
     if deterministic:
         return dims.heads_per_group
     row_blocks = dims.batch * dims.nchunks * max(1, dims.chunk_size // 64) * dims.nheads
@@ -72,6 +74,11 @@ def group_heads_per_block(dims: SSDDims, deterministic: bool, atomic_heads_per_b
                and row_blocks // (2 * atomic_heads_per_block) >= MIN_GROUP_PASS_BLOCKS):
             atomic_heads_per_block *= 2
     return math.gcd(atomic_heads_per_block, dims.heads_per_group)
+
+
+def _group_pass_heads(dims: SSDDims, deterministic: bool, atomic_heads_per_block: int | None) -> dict[str, int]:
+    """{stage: heads per block} of the GROUP_PASSES (`group_heads_per_block`)."""
+    return {stage: group_heads_per_block(dims, deterministic, atomic_heads_per_block, stage) for stage in GROUP_PASSES}
 
 
 def backward_inputs(dims: SSDDims, saved_states: bool = False) -> dict[str, Buffer]:
@@ -122,9 +129,9 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
     per_row = _per_row(dims)
     gated = (b, L, H, P) if dims.has_z else (1, 1, 1, 1)
     # Atomic head reductions need zeroed dB/dC; a block owning its whole group stores them.
-    atomic_dB, atomic_dC = (adds_atomically(dims, group_heads_per_block(dims, deterministic, atomic_heads_per_block,
-                                                                        stage))
-                            for stage in ("chunk_scan_bwd_dx", "chunk_scan_bwd_dc"))
+    heads = _group_pass_heads(dims, deterministic, atomic_heads_per_block)
+    atomic_dB = adds_atomically(dims, heads["chunk_scan_bwd_dx"])
+    atomic_dC = adds_atomically(dims, heads["chunk_scan_bwd_dc"])
     recomputed = {} if saved_states else {"dt_out": per_row, "dA_cumsum": per_row, "states": _states(dims),
                                           "final_states": Buffer((b, H, P, N), "float32")}
     return {
@@ -186,8 +193,7 @@ def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
       per-head D), ddt_bias (H,), dinitial_states (b, H, P, N), f32.
     """
     configs = _stage_configs(dims, configs)
-    dc_heads, dx_heads = (group_heads_per_block(dims, deterministic, atomic_heads_per_block, stage)
-                          for stage in ("chunk_scan_bwd_dc", "chunk_scan_bwd_dx"))
+    heads = _group_pass_heads(dims, deterministic, atomic_heads_per_block)
     dy = "dy" if dims.has_z else "dout"
     dc_config = configs["chunk_scan_bwd_dc"]
     state_config = configs["chunk_state_bwd"]
@@ -197,10 +203,10 @@ def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
         inputs=BACKWARD_INPUTS + (SAVED_FOR_BACKWARD if saved_states else ()),
         buffers=backward_buffers(dims, configs, deterministic, atomic_heads_per_block, saved_states),
         launches=recompute + (
-            chunk_scan_bwd_dc_launch(dims, dc_config, heads_per_block=dc_heads),
+            chunk_scan_bwd_dc_launch(dims, dc_config, heads_per_block=heads["chunk_scan_bwd_dc"]),
             chunk_state_bwd_launch(dims, state_config, dy=dy),
-            chunk_scan_bwd_dx_launch(dims, configs.get("chunk_scan_bwd_dx"), heads_per_block=dx_heads,
-                                     dy=dy),
+            chunk_scan_bwd_dx_launch(dims, configs.get("chunk_scan_bwd_dx"),
+                                     heads_per_block=heads["chunk_scan_bwd_dx"], dy=dy),
             chunk_cumsum_bwd_launch(dims, configs.get("chunk_cumsum_bwd"), dc_block_m=dc_config.BLOCK_M,
                                     carry_terms=chunk_state_bwd_carry_terms(dims, state_config)),
             param_grads_bwd_launch(dims, configs.get("param_grads_bwd")),
