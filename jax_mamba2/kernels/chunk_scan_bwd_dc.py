@@ -89,6 +89,13 @@ def _output_grad_rows(dout, z, b, row_tile, h, BLOCK_M, HEADDIM, HAS_Z):
     return dout_m
 
 
+def _store_dD_partial(dD_partials, b, c, m, h, nchunks, num_m_blocks, dy_m, x_rows, HEADDIM):
+    """dD_partials[(b, c, m), h] = Σ_l dy_l ⊙ x_l over the row block: dy_m [BLOCK_M, HEADDIM] f32, x_rows
+    [BLOCK_M, HEADDIM] in x's dtype."""
+    ct.store(dD_partials, index=((b * nchunks + c) * num_m_blocks + m, h, 0),
+             tile=ct.sum(dy_m * x_rows.astype(ct.float32), axis=0).reshape((1, 1, HEADDIM)))
+
+
 def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_idx,
                             dy, dz, dC, ddA_intra, ddA_inter, dD_partials,
                             CHUNK, HEADDIM, DSTATE, BLOCK_M, BLOCK_K, HEADS_PER_BLOCK,
@@ -120,6 +127,9 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
         # Key blocks up to the diagonal that hold a valid token (a wholly out-of-bounds load is undefined).
         num_k_blocks = ct.cdiv(ct.minimum((m + 1) * BLOCK_M, seqlen - c * CHUNK), BLOCK_K)
         dC_acc = ct.zeros((BLOCK_M, DSTATE), dtype=ct.float32)              # [BLOCK_M, DSTATE]
+        # With one whole-chunk key block and no gate, the dD partial is taken from the key rows (they are
+        # the rows l) as they arrive, instead of reloading x and dout after the key loop.
+        DD_FROM_KEYS = BLOCK_M == CHUNK and BLOCK_K == CHUNK and not HAS_Z
         if BLOCK_K == CHUNK:
             # One key block, so no carry, and R^intra is a product: R_r = Σ_s [s < r] (U T)[r, s] with
             # U[r, l] = [l >= r] (exact in tf32), instead of a cumulative and a cross-row sum.
@@ -162,9 +172,11 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
                 else:
                     B_k, cb = group_rows_and_products(B, b, k_tile, g, C_m, BLOCK_M, BLOCK_K, DSTATE, LOAD_LAT,
                                                       op_dtype)
-                x_k = ct.load(x, index=(b, k_tile, h, 0), shape=(1, BLOCK_K, 1, HEADDIM),
-                              padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
-                              ).reshape((BLOCK_K, HEADDIM)).astype(op_dtype)
+                x_rows = ct.load(x, index=(b, k_tile, h, 0), shape=(1, BLOCK_K, 1, HEADDIM),
+                                 padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT).reshape((BLOCK_K, HEADDIM))
+                x_k = x_rows.astype(op_dtype)
+                if DD_FROM_KEYS:
+                    _store_dD_partial(dD_partials, b, c, m, h, nchunks, num_m_blocks, dy_m, x_rows, HEADDIM)
                 dA_k = load_chunk_vector(dA_cumsum, b, h, c, k, BLOCK_K)
                 delta_k = load_chunk_vector(dt_out, b, h, c, k, BLOCK_K)
                 causal = rows[:, None] >= cols[None, :]                      # [BLOCK_M, BLOCK_K]
@@ -193,9 +205,11 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
                     row_carry = row_carry + ct.sum(t_ls, axis=1)
                 ct.store(ddA_intra, index=(b, h, c, m, k), tile=ddA_part.reshape((1, 1, 1, 1, BLOCK_K)))
 
-            # Reloaded rather than kept live across the key loop (they would spill).
-            x_m = _rows(x, b, m_tile, h, BLOCK_M, HEADDIM)
-            dy_m = _output_grad_rows(dout, z, b, m_tile, h, BLOCK_M, HEADDIM, HAS_Z)
+            if not DD_FROM_KEYS:
+                # Reloaded rather than kept live across the key loop (they would spill).
+                x_m = _rows(x, b, m_tile, h, BLOCK_M, HEADDIM)
+                dy_m = _output_grad_rows(dout, z, b, m_tile, h, BLOCK_M, HEADDIM, HAS_Z)
+                _store_dD_partial(dD_partials, b, c, m, h, nchunks, num_m_blocks, dy_m, x_m, HEADDIM)
             if HAS_Z:
                 D_h = ct.load(D, index=(h, 0), shape=(1, HEADDIM)).reshape((HEADDIM,))
                 y_m = y_m + x_m * D_h[None, :]
@@ -204,8 +218,6 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
                 dz_m = _rows(dout, b, m_tile, h, BLOCK_M, HEADDIM) * y_m * sig_z * (1.0 + z_m * (1.0 - sig_z))
                 ct.store(dz, index=(b, m_tile, h, 0), tile=dz_m.reshape((1, BLOCK_M, 1, HEADDIM)).astype(dz.dtype))
                 ct.store(dy, index=(b, m_tile, h, 0), tile=dy_m.reshape((1, BLOCK_M, 1, HEADDIM)).astype(dy.dtype))
-            ct.store(dD_partials, index=((b * nchunks + c) * num_m_blocks + m, h, 0),
-                     tile=ct.sum(dy_m * x_m, axis=0).reshape((1, 1, HEADDIM)))
 
         if SUM_HEADS:
             dC_acc = ct.mma(operand(dcb_sum, x.dtype, op_dtype), B_chunk, dC_acc)

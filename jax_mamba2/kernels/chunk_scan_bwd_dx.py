@@ -89,6 +89,8 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
         else:
             first_k = (m * BLOCK_M) // BLOCK_K
             end_k = ct.cdiv(ct.minimum(seqlen - c * CHUNK, CHUNK), BLOCK_K)
+        # One row block, the whole chunk: the rows l of the intra-chunk term are the rows s.
+        WHOLE_CHUNK = BLOCK_M == CHUNK and BLOCK_K == CHUNK
         dB_acc = ct.zeros((BLOCK_M, DSTATE), dtype=ct.float32)              # [BLOCK_M, DSTATE]
         if SUM_HEADS:
             # One row block, the whole chunk: its C and B·Cᵀ serve every head, and the heads' dCB are
@@ -98,13 +100,15 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
 
         for t in range(HEADS_PER_BLOCK):
             h = first_head + t
-            x_op = ct.load(x, index=(b, s_tile, h, 0), shape=(1, BLOCK_M, 1, HEADDIM),
-                           padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
-                           ).reshape((BLOCK_M, HEADDIM)).astype(op_dtype)
+            x_rows = ct.load(x, index=(b, s_tile, h, 0), shape=(1, BLOCK_M, 1, HEADDIM),
+                             padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT).reshape((BLOCK_M, HEADDIM))
+            x_op = x_rows.astype(op_dtype)
             dA_s = load_chunk_vector(dA_cumsum, b, h, c, m, BLOCK_M)         # [BLOCK_M]
             delta_s = load_chunk_vector(dt_out, b, h, c, m, BLOCK_M)
-            dA_last = ct.load(dA_cumsum, index=(b, h, c, CHUNK - 1), shape=(1, 1, 1, 1)).reshape((1,))
-
+            if BLOCK_M == CHUNK:
+                dA_last = ct.extract(dA_s, index=(CHUNK - 1,), shape=(1,))
+            else:
+                dA_last = ct.load(dA_cumsum, index=(b, h, c, CHUNK - 1), shape=(1, 1, 1, 1)).reshape((1,))
             # End-state term: acc_s = k_s w_s G B_s, dB_s += k_s w_s Δ_s x_s G, U_s.
             G = ct.load(dstates, index=(b, c, h, 0, 0), shape=(1, 1, 1, HEADDIM, DSTATE), latency=LOAD_LAT
                         ).reshape((HEADDIM, DSTATE))
@@ -114,7 +118,7 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
                 state_scale = ct.where((ids_s == end_id) & (end_id >= 0), state_scale, 0.0)
             b_g = ct.mma(B_s, G_op.transpose(), ct.zeros((BLOCK_M, HEADDIM), dtype=ct.float32))
             acc = b_g * state_scale[:, None]                                 # [BLOCK_M, HEADDIM]
-            x_s = _rows(x, b, s_tile, h, BLOCK_M, HEADDIM)
+            x_s = x_rows.astype(ct.float32)
             store_chunk_vector(ddA_state, b, h, c, m, delta_s * ct.sum(acc * x_s, axis=1), BLOCK_M)
             dB_acc = ct.mma(operand(x_s * (state_scale * delta_s)[:, None], x.dtype, op_dtype), G_op, dB_acc)
 
@@ -130,7 +134,10 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
                 dy_l = ct.load(dy, index=(b, l_tile, h, 0), shape=(1, BLOCK_K, 1, HEADDIM),
                                padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
                                ).reshape((BLOCK_K, HEADDIM)).astype(op_dtype)
-                dA_l = load_chunk_vector(dA_cumsum, b, h, c, k, BLOCK_K)
+                if WHOLE_CHUNK:
+                    dA_l = dA_s
+                else:
+                    dA_l = load_chunk_vector(dA_cumsum, b, h, c, k, BLOCK_K)
                 keep = cols[:, None] <= rows[None, :]                        # [BLOCK_M, BLOCK_K]: s <= l
                 if HAS_SEQ_IDX:
                     keep = keep & (ids_s[:, None] == row_ids(seq_idx, b, l_tile, BLOCK_K)[None, :])
