@@ -89,7 +89,10 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
         else:
             first_k = (m * BLOCK_M) // BLOCK_K
             end_k = ct.cdiv(ct.minimum(seqlen - c * CHUNK, CHUNK), BLOCK_K)
-        # One row block, the whole chunk: the rows l of the intra-chunk term are the rows s.
+        # One row block, the whole chunk: the rows l of the intra-chunk term are the rows s, so their dA is
+        # dA_s. With the head's x rows loaded once (operand and f32) and dA_last taken from dA_s, three loads
+        # per head fewer (H200, bf16, per launch: 0.292 -> 0.264 ms at (4,8192,32,64,64,1), 0.323 -> 0.295
+        # at dstate 128).
         WHOLE_CHUNK = BLOCK_M == CHUNK and BLOCK_K == CHUNK
         dB_acc = ct.zeros((BLOCK_M, DSTATE), dtype=ct.float32)              # [BLOCK_M, DSTATE]
         if SUM_HEADS:
