@@ -9,12 +9,12 @@ import pytest
 from jax_mamba2.kernels._block_pass_config import adds_atomically
 from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.backward import (
-    BACKWARD_INPUTS, BACKWARD_OUTPUTS, backward_arrays, backward_plan, group_heads_per_block)
+    BACKWARD_INPUTS, BACKWARD_OUTPUTS, GROUP_PASSES, backward_arrays, backward_plan, group_heads_per_block)
 from jax_mamba2.kernels.chunk_state import ChunkStateConfig
 from jax_mamba2.kernels.export import compile_launch
 from jax_mamba2.kernels.forward import SAVED_FOR_BACKWARD, forward_plan
 from tests.kernels._plan_checks import assert_plan_well_formed, kernel_name
-from tests.kernels.test_compile import sass_and_resources
+from tests.kernels.test_compile import assert_spill_free_with_wgmma_and_tma, sass_and_resources
 
 _BASE = SSDDims(batch=2, seqlen=200, nheads=8, headdim=64, ngroups=2, dstate=64, chunk_size=64,
                 dt_softplus=True)
@@ -131,3 +131,16 @@ def test_plans_reject_a_tile_that_does_not_divide_its_dimension():
         backward_plan(_BASE, {"chunk_state_bwd": wide})
     with pytest.raises(ValueError, match=r"forward_plan: configs\['chunk_state'\]\.BLOCK_N=128 must divide"):
         forward_plan(_BASE, {"chunk_state": wide}, "staged")
+
+
+@pytest.mark.parametrize("stage", GROUP_PASSES)
+def test_whole_chunk_block_passes_at_dstate_64_compile_without_spills(stage, tmp_path):
+    """The measured dstate-64 builds of the two block passes (whole chunks summing a group's heads, bf16, the
+    forward's states saved): wgmma and TMA, no stack. Keeping tiles live to spare a reload spilled here before
+    (benchmarks/NOTES.md, fourteenth session)."""
+    dims = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=64, chunk_size=64,
+                   dtype="bfloat16", dt_dtype="bfloat16", dt_softplus=True)
+    arrays = backward_arrays(dims, saved_states=True)
+    launch = next(launch for launch in backward_plan(dims, saved_states=True).launches
+                  if kernel_name(launch) == f"{stage}_kernel")
+    assert_spill_free_with_wgmma_and_tma(launch, arrays, tmp_path)

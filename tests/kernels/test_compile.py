@@ -131,7 +131,7 @@ def test_state_passes_at_occupancy_4_fit_four_blocks_per_sm_without_spills(laten
     assert 4 * (int(usage["SHARED"]) + 1024) <= 228 * 1024, usage
 
 
-def _assert_spill_free_with_wgmma_and_tma(launch, arrays, tmp_path):
+def assert_spill_free_with_wgmma_and_tma(launch, arrays, tmp_path):
     """The launch's sm_90 SASS has wgmma and TMA loads, and neither local memory nor a stack."""
     _, cubin = compile_launch(launch, arrays, "sm_90")
     sass, resources = sass_and_resources(cubin, tmp_path)
@@ -141,7 +141,7 @@ def _assert_spill_free_with_wgmma_and_tma(launch, arrays, tmp_path):
 
 
 def _assert_chunk_scan_spill_free_with_wgmma_and_tma(dims, cfg, tmp_path):
-    _assert_spill_free_with_wgmma_and_tma(chunk_scan.chunk_scan_fwd_launch(dims, cfg), forward_arrays(dims),
+    assert_spill_free_with_wgmma_and_tma(chunk_scan.chunk_scan_fwd_launch(dims, cfg), forward_arrays(dims),
                                           tmp_path)
 
 
@@ -194,7 +194,7 @@ def test_fused_scan_default_uses_wgmma_and_tma_without_spills(dstate, features, 
                                has_z=features, has_init=features, has_seq_idx=features)
     cfg = fused_scan.fused_scan_fwd_default_config(dims)
     assert (cfg.BLOCK_P, cfg.occupancy) == (64, 1) and cfg in fused_scan.fused_scan_fwd_configs(dims)
-    _assert_spill_free_with_wgmma_and_tma(fused_scan.fused_scan_fwd_launch(dims, cfg, write_states=write_states),
+    assert_spill_free_with_wgmma_and_tma(fused_scan.fused_scan_fwd_launch(dims, cfg, write_states=write_states),
                                           forward_arrays(dims, "fused", write_states), tmp_path)
 
 
@@ -203,5 +203,5 @@ def test_fused_scan_wide_state_with_8_worker_warps_has_no_stack(tmp_path):
     dims = dataclasses.replace(_BASE, batch=4, seqlen=8192, nheads=32, ngroups=1, dstate=256, chunk_size=64)
     cfg = fused_scan.FusedScanConfig(BLOCK_P=64, LOAD_LAT=4, occupancy=1, worker_warps=8)
     assert cfg in fused_scan.fused_scan_fwd_configs(dims)
-    _assert_spill_free_with_wgmma_and_tma(fused_scan.fused_scan_fwd_launch(dims, cfg),
+    assert_spill_free_with_wgmma_and_tma(fused_scan.fused_scan_fwd_launch(dims, cfg),
                                           forward_arrays(dims, "fused"), tmp_path)
