@@ -142,7 +142,7 @@ def assert_spill_free_with_wgmma_and_tma(launch, arrays, tmp_path):
 
 def _assert_chunk_scan_spill_free_with_wgmma_and_tma(dims, cfg, tmp_path):
     assert_spill_free_with_wgmma_and_tma(chunk_scan.chunk_scan_fwd_launch(dims, cfg), forward_arrays(dims),
-                                          tmp_path)
+                                         tmp_path)
 
 
 @pytest.mark.parametrize("heads", [1, 2])
@@ -195,7 +195,7 @@ def test_fused_scan_default_uses_wgmma_and_tma_without_spills(dstate, features, 
     cfg = fused_scan.fused_scan_fwd_default_config(dims)
     assert (cfg.BLOCK_P, cfg.occupancy) == (64, 1) and cfg in fused_scan.fused_scan_fwd_configs(dims)
     assert_spill_free_with_wgmma_and_tma(fused_scan.fused_scan_fwd_launch(dims, cfg, write_states=write_states),
-                                          forward_arrays(dims, "fused", write_states), tmp_path)
+                                         forward_arrays(dims, "fused", write_states), tmp_path)
 
 
 def test_fused_scan_wide_state_with_8_worker_warps_has_no_stack(tmp_path):
@@ -204,4 +204,4 @@ def test_fused_scan_wide_state_with_8_worker_warps_has_no_stack(tmp_path):
     cfg = fused_scan.FusedScanConfig(BLOCK_P=64, LOAD_LAT=4, occupancy=1, worker_warps=8)
     assert cfg in fused_scan.fused_scan_fwd_configs(dims)
     assert_spill_free_with_wgmma_and_tma(fused_scan.fused_scan_fwd_launch(dims, cfg),
-                                          forward_arrays(dims, "fused"), tmp_path)
+                                         forward_arrays(dims, "fused"), tmp_path)
