@@ -17,11 +17,14 @@ The mma operands are in x's dtype (tf32 for f32 inputs): the decay-scaled B is r
 before the product, as mamba_ssm does. The carried state stays f32; `states` is stored in its array's
 dtype (x's dtype in both the forward and the backward's recompute).
 
-Grid: (batch * nheads, headdim / BLOCK_P, dstate / BLOCK_N). One block owns a (BLOCK_P, BLOCK_N) state
-tile and walks all chunks in order; the loads of chunk c+1 do not depend on the carried state, so the
-`LOAD_LAT` latency hint lets the compiler issue them while chunk c's mma runs. (Doing that by hand,
-prefetching chunk c+1's tiles into registers and carrying the state outside the mma accumulator, was 2x
-slower on the H200: benchmarks/NOTES.md.)
+Grid: (batch * nheads * dstate / BLOCK_N, headdim / BLOCK_P), the dstate tiles of one (batch, head)
+adjacent in launch order (`state_tile_of_block`), so that the blocks re-reading one chunk's x tile run
+at once and find it in L2 (where the blocks take more than one wave: at (4,8192,80,64,128), occupancy 5,
+this pass took 0.743 -> 0.377 ms and its reverse 0.771 -> 0.559 on the H200). One block owns a
+(BLOCK_P, BLOCK_N) state tile and walks all chunks in order; the loads of chunk c+1 do not depend on the
+carried state, so the `LOAD_LAT` latency hint lets the compiler issue them while chunk c's mma runs.
+(Doing that by hand, prefetching chunk c+1's tiles into registers and carrying the state outside the mma
+accumulator, was 2x slower on the H200: benchmarks/NOTES.md.)
 
 Shapes: x (batch, seqlen, nheads, headdim) T; B (batch, seqlen, ngroups, dstate) T;
 dt_out, dA_cumsum (batch, nheads, nchunks, chunk_size) f32; initial_states (batch, nheads, headdim,
@@ -51,11 +54,16 @@ def _load_chunk(x, B, dt_out, dA_cumsum, b, h, g, c, pb, nb, CHUNK, BLOCK_P, BLO
     return x_c, B_c, delta, dA
 
 
+def state_tile_of_block(dstate, BLOCK_N):
+    """Device helper: (batch * nheads index, headdim tile, dstate tile) of this block in the state passes' grid
+    (`chunk_state_fwd_grid`): the dstate tiles of one (batch, head) are consecutive blocks."""
+    tiles_n = dstate // BLOCK_N
+    return ct.bid(0) // tiles_n, ct.bid(1), ct.bid(0) % tiles_n
+
+
 def _chunk_state_fwd_body(x, B, dt_out, dA_cumsum, initial_states, seq_idx, states, final_states,
                           CHUNK, BLOCK_P, BLOCK_N, HAS_INIT, HAS_SEQ_IDX, LOAD_LAT):
-    bh = ct.bid(0)
-    pb = ct.bid(1)
-    nb = ct.bid(2)
+    bh, pb, nb = state_tile_of_block(B.shape[3], BLOCK_N)
     seqlen = x.shape[1]
     b, h, g = batch_head_group(bh, x.shape[2], B.shape[2])
     nchunks = ct.cdiv(seqlen, CHUNK)
@@ -161,8 +169,8 @@ def chunk_state_fwd_default_config(dims: SSDDims) -> ChunkStateConfig:
                             occupancy=4)
 
 
-def chunk_state_fwd_grid(dims: SSDDims, cfg: ChunkStateConfig) -> tuple[int, int, int]:
-    return (dims.batch * dims.nheads, dims.headdim // cfg.BLOCK_P, dims.dstate // cfg.BLOCK_N)
+def chunk_state_fwd_grid(dims: SSDDims, cfg: ChunkStateConfig) -> tuple[int, int]:
+    return (dims.batch * dims.nheads * (dims.dstate // cfg.BLOCK_N), dims.headdim // cfg.BLOCK_P)
 
 
 def chunk_state_fwd_launch(dims: SSDDims, cfg: ChunkStateConfig | None = None) -> Launch:

@@ -27,7 +27,8 @@ and is stored in dstates' dtype (x's, as mamba_ssm's `dstates_dtype`), which is 
 rounds it to.
 The loads of chunk c-1 do not depend on the carried G, so the LOAD_LAT hint lets them overlap chunk c.
 
-Grid: (batch * nheads, headdim / BLOCK_P, dstate / BLOCK_N).
+Grid: chunk_state's (`chunk_state.state_tile_of_block`: the dstate tiles of one (batch, head), which all read
+its dy tile, adjacent in launch order).
 
 Shapes: C (batch, seqlen, ngroups, dstate) T; dy (batch, seqlen, nheads, headdim) T (dout without a gate);
 dA_cumsum (batch, nheads, nchunks, CHUNK) f32; states, dstates (batch, nchunks, nheads, headdim, dstate) T;
@@ -44,7 +45,7 @@ from jax_mamba2.kernels._common import (
 from jax_mamba2.kernels._tiles import (
     batch_head_group, chunk_end_id, operand, previous_chunk_end_id, row_ids)
 from jax_mamba2.kernels.chunk_state import (
-    LOAD_LATENCIES, ChunkStateConfig, chunk_state_fwd_default_config, chunk_state_fwd_grid)
+    LOAD_LATENCIES, ChunkStateConfig, chunk_state_fwd_default_config, chunk_state_fwd_grid, state_tile_of_block)
 
 
 # Rows of an sm_90 mma accumulator tile held by one warp: the carry term is summed over them.
@@ -69,9 +70,7 @@ def _load_chunk(C, dy, dA_cumsum, states, b, h, g, c, pb, nb, CHUNK, BLOCK_P, BL
 def _chunk_state_bwd_body(C, dy, dA_cumsum, states, seq_idx, dfinal_states,
                           dstates, dinitial_states, ddA_chunk,
                           CHUNK, BLOCK_P, BLOCK_N, SUM_ROWS, HAS_SEQ_IDX, LOAD_LAT):
-    bh = ct.bid(0)
-    pb = ct.bid(1)
-    nb = ct.bid(2)
+    bh, pb, nb = state_tile_of_block(C.shape[3], BLOCK_N)
     seqlen = dy.shape[1]
     b, h, g = batch_head_group(bh, dy.shape[2], C.shape[2])
     nchunks = ct.cdiv(seqlen, CHUNK)

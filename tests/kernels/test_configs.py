@@ -128,7 +128,7 @@ def test_stage_grids_cover_the_problem():
     dims = PROBLEMS["odd_heads_q128"]  # nchunks 8, nheads 24 (not a power of two)
     assert chunk_cumsum.chunk_cumsum_fwd_grid(dims, chunk_cumsum.ChunkCumsumConfig(BLOCK_H=16)) == (8, 2, 3)
     assert chunk_state.chunk_state_fwd_grid(dims, chunk_state.ChunkStateConfig(BLOCK_P=32, BLOCK_N=64)) \
-        == (3 * 24, 2, 2)
+        == (3 * 24 * 2, 2)
     assert chunk_scan.chunk_scan_fwd_grid(
         dims, chunk_scan.ChunkScanConfig(BLOCK_M=64, BLOCK_P=32, HEADS=1)) == (24 * 2 * 2 * 8, 3)
     assert chunk_scan.chunk_scan_fwd_grid(  # 80 heads, headdim 256, chunk 256, 16 chunks
