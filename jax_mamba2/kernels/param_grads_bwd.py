@@ -24,17 +24,22 @@ from jax_mamba2.kernels._common import (
 def _param_grads_bwd_body(dA_partials, ddt_bias_partials, dD_partials, dA, ddt_bias, dD,
                           HEADDIM, BLOCK_H, BLOCK_R):
     hb = ct.bid(0)
-    dA_acc = ct.zeros((BLOCK_H,), dtype=ct.float32)
-    ddt_bias_acc = ct.zeros((BLOCK_H,), dtype=ct.float32)
+    # Rows are summed elementwise step by step and across the tile once at the end: one cross-warp
+    # reduction per output instead of one per step.
+    dA_rows = ct.zeros((BLOCK_R, BLOCK_H), dtype=ct.float32)
+    ddt_bias_rows = ct.zeros((BLOCK_R, BLOCK_H), dtype=ct.float32)
     for r in range(ct.cdiv(dA_partials.shape[0], BLOCK_R)):
-        dA_acc = dA_acc + ct.sum(ct.load(dA_partials, index=(r, hb), shape=(BLOCK_R, BLOCK_H),
-                                         padding_mode=ct.PaddingMode.ZERO), axis=0)
-        ddt_bias_acc = ddt_bias_acc + ct.sum(ct.load(ddt_bias_partials, index=(r, hb), shape=(BLOCK_R, BLOCK_H),
-                                                     padding_mode=ct.PaddingMode.ZERO), axis=0)
-    dD_acc = ct.zeros((BLOCK_H, HEADDIM), dtype=ct.float32)
+        dA_rows = dA_rows + ct.load(dA_partials, index=(r, hb), shape=(BLOCK_R, BLOCK_H),
+                                    padding_mode=ct.PaddingMode.ZERO)
+        ddt_bias_rows = ddt_bias_rows + ct.load(ddt_bias_partials, index=(r, hb), shape=(BLOCK_R, BLOCK_H),
+                                                padding_mode=ct.PaddingMode.ZERO)
+    dD_rows = ct.zeros((BLOCK_R, BLOCK_H, HEADDIM), dtype=ct.float32)
     for r in range(ct.cdiv(dD_partials.shape[0], BLOCK_R)):
-        dD_acc = dD_acc + ct.sum(ct.load(dD_partials, index=(r, hb, 0), shape=(BLOCK_R, BLOCK_H, HEADDIM),
-                                         padding_mode=ct.PaddingMode.ZERO), axis=0)
+        dD_rows = dD_rows + ct.load(dD_partials, index=(r, hb, 0), shape=(BLOCK_R, BLOCK_H, HEADDIM),
+                                    padding_mode=ct.PaddingMode.ZERO)
+    dA_acc = ct.sum(dA_rows, axis=0)
+    ddt_bias_acc = ct.sum(ddt_bias_rows, axis=0)
+    dD_acc = ct.sum(dD_rows, axis=0)
     ct.store(dA, index=(hb,), tile=dA_acc)
     ct.store(ddt_bias, index=(hb,), tile=ddt_bias_acc)
     ct.store(dD, index=(hb, 0), tile=dD_acc)
