@@ -224,7 +224,7 @@ def stage_key(stage: str, dims: SSDDims, deterministic: bool = False) -> str:
     fields = [f"{name}={getattr(dims, name)}" for name in spec.key_fields]
     work = spec.work_items(dims)
     if spec.blocks_span_heads:
-        heads_per_block = backward_kernels.group_heads_per_block(dims, deterministic, stage=stage)
+        heads_per_block = backward_kernels.group_heads_per_block(dims, deterministic)
         fields.append(f"heads_per_block={heads_per_block}")
         work //= heads_per_block
     fields.append(f"index64={_common.needs_int64_index(dims)}")

@@ -47,26 +47,22 @@ MIN_GROUP_PASS_BLOCKS = 512
 GROUP_PASSES = ("chunk_scan_bwd_dc", "chunk_scan_bwd_dx")
 
 
-def group_heads_per_block(dims: SSDDims, deterministic: bool, atomic_heads_per_block: int | None = None,
-                          stage: str = "chunk_scan_bwd_dx") -> int:
-    """The heads per block of the group-reducing pass `stage` (chunk_scan_bwd_dc or chunk_scan_bwd_dx).
+def group_heads_per_block(dims: SSDDims, deterministic: bool, atomic_heads_per_block: int | None = None) -> int:
+    """The heads per block of the group-reducing passes (GROUP_PASSES: bwd_dc sums dC, bwd_dx dB).
 
     deterministic: the whole group (no atomics). Otherwise `atomic_heads_per_block` (a power of 2; the
-    largest such divisor of heads_per_group up to it is used), by default: for chunk_scan_bwd_dc the whole
-    group wherever that leaves `MIN_GROUP_PASS_BLOCKS` blocks of 64 rows, whatever the head count; else
-    the largest power of 2 that does. On an H200 (bf16, batch 4, seqlen 8192, 32 heads, 1 group, headdim 64,
-    dstate 128, chunk 64) 1/2/4/8/32 heads per block took the two passes 1.137 / 1.039 / 1.010 / 0.923 /
-    0.916 ms; at 80 heads (one group) bwd_dc took 0.655 ms with all 80 heads per block against 0.703 with
-    16, and bwd_dx 0.885 against 0.814 (same run), so only bwd_dc takes a group of any size whole (the
-    forward + backward there: 3.048 -> 2.995 ms).
+    largest such divisor of heads_per_group up to it is used), by default the whole group wherever that
+    leaves `MIN_GROUP_PASS_BLOCKS` blocks of 64 rows, whatever the head count; else the largest power of 2
+    that does. On an H200 (bf16, batch 4, seqlen 8192, 32 heads, 1 group, headdim 64, dstate 128, chunk 64)
+    1/2/4/8/32 heads per block took the two passes 1.137 / 1.039 / 1.010 / 0.923 / 0.916 ms; at 80 heads
+    (one group) all 80 heads per block against 16 took bwd_dc 0.655 against 0.703 ms (run 54) and bwd_dx
+    0.584 against 0.608 (run 68), the forward + backward there 2.749 / 2.757 -> 2.707 / 2.715 ms (run 68,
+    alternating on one GPU).
     """
-    if stage not in GROUP_PASSES:
-        raise ValueError(f"group_heads_per_block: stage={stage!r} must be one of {GROUP_PASSES}")
     if deterministic:
         return dims.heads_per_group
     row_blocks = dims.batch * dims.nchunks * max(1, dims.chunk_size // 64) * dims.nheads
-    if (atomic_heads_per_block is None and stage == "chunk_scan_bwd_dc"
-            and row_blocks // dims.heads_per_group >= MIN_GROUP_PASS_BLOCKS):
+    if atomic_heads_per_block is None and row_blocks // dims.heads_per_group >= MIN_GROUP_PASS_BLOCKS:
         return dims.heads_per_group
     if atomic_heads_per_block is None:
         atomic_heads_per_block = 1
@@ -74,11 +70,6 @@ def group_heads_per_block(dims: SSDDims, deterministic: bool, atomic_heads_per_b
                and row_blocks // (2 * atomic_heads_per_block) >= MIN_GROUP_PASS_BLOCKS):
             atomic_heads_per_block *= 2
     return math.gcd(atomic_heads_per_block, dims.heads_per_group)
-
-
-def _group_pass_heads(dims: SSDDims, deterministic: bool, atomic_heads_per_block: int | None) -> dict[str, int]:
-    """{stage: heads per block} of the GROUP_PASSES (`group_heads_per_block`)."""
-    return {stage: group_heads_per_block(dims, deterministic, atomic_heads_per_block, stage) for stage in GROUP_PASSES}
 
 
 def backward_inputs(dims: SSDDims, saved_states: bool = False) -> dict[str, Buffer]:
@@ -129,9 +120,7 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
     per_row = _per_row(dims)
     gated = (b, L, H, P) if dims.has_z else (1, 1, 1, 1)
     # Atomic head reductions need zeroed dB/dC; a block owning its whole group stores them.
-    heads = _group_pass_heads(dims, deterministic, atomic_heads_per_block)
-    atomic_dB = adds_atomically(dims, heads["chunk_scan_bwd_dx"])
-    atomic_dC = adds_atomically(dims, heads["chunk_scan_bwd_dc"])
+    atomic = adds_atomically(dims, group_heads_per_block(dims, deterministic, atomic_heads_per_block))
     recomputed = {} if saved_states else {"dt_out": per_row, "dA_cumsum": per_row, "states": _states(dims),
                                           "final_states": Buffer((b, H, P, N), "float32")}
     return {
@@ -153,8 +142,8 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
         "dx": Buffer((b, L, H, P), T),
         "ddt": Buffer((b, L, H), dims.dt_dtype),
         "dA": Buffer((H,), "float32"),
-        "dB": Buffer((b, L, G, N), "float32" if atomic_dB else T, zero_init=atomic_dB),
-        "dC": Buffer((b, L, G, N), "float32" if atomic_dC else T, zero_init=atomic_dC),
+        "dB": Buffer((b, L, G, N), "float32" if atomic else T, zero_init=atomic),
+        "dC": Buffer((b, L, G, N), "float32" if atomic else T, zero_init=atomic),
         "dD": Buffer((H, P), "float32"),
         "dz": Buffer(gated, T, zero_init=not dims.has_z),
         "ddt_bias": Buffer((H,), "float32"),
@@ -193,7 +182,7 @@ def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
       per-head D), ddt_bias (H,), dinitial_states (b, H, P, N), f32.
     """
     configs = _stage_configs(dims, configs)
-    heads = _group_pass_heads(dims, deterministic, atomic_heads_per_block)
+    heads = group_heads_per_block(dims, deterministic, atomic_heads_per_block)
     dy = "dy" if dims.has_z else "dout"
     dc_config = configs["chunk_scan_bwd_dc"]
     state_config = configs["chunk_state_bwd"]
@@ -203,10 +192,10 @@ def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
         inputs=BACKWARD_INPUTS + (SAVED_FOR_BACKWARD if saved_states else ()),
         buffers=backward_buffers(dims, configs, deterministic, atomic_heads_per_block, saved_states),
         launches=recompute + (
-            chunk_scan_bwd_dc_launch(dims, dc_config, heads_per_block=heads["chunk_scan_bwd_dc"]),
+            chunk_scan_bwd_dc_launch(dims, dc_config, heads_per_block=heads),
             chunk_state_bwd_launch(dims, state_config, dy=dy),
             chunk_scan_bwd_dx_launch(dims, configs.get("chunk_scan_bwd_dx"),
-                                     heads_per_block=heads["chunk_scan_bwd_dx"], dy=dy),
+                                     heads_per_block=heads, dy=dy),
             chunk_cumsum_bwd_launch(dims, configs.get("chunk_cumsum_bwd"), dc_block_m=dc_config.BLOCK_M,
                                     carry_terms=chunk_state_bwd_carry_terms(dims, state_config)),
             param_grads_bwd_launch(dims, configs.get("param_grads_bwd")),

@@ -83,28 +83,27 @@ def test_backward_plan_well_formed(problem, deterministic, saved_states):
     assert recomputed == (set() if saved_states else {"chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel"})
     # dB/dC take atomic adds into zeroed f32 exactly when heads of a group are split over blocks; a block
     # owning its group stores them in x's dtype.
-    for buffer, stage in (("dB", "chunk_scan_bwd_dx"), ("dC", "chunk_scan_bwd_dc")):
-        atomic = adds_atomically(dims, group_heads_per_block(dims, deterministic, stage=stage))
+    atomic = adds_atomically(dims, group_heads_per_block(dims, deterministic))
+    for buffer in ("dB", "dC"):
         assert plan.buffers[buffer].zero_init == atomic
         assert plan.buffers[buffer].dtype == ("float32" if atomic else dims.dtype)
 
 
-def test_dc_takes_a_group_of_any_size_whole_and_dx_a_power_of_two():
-    # 80 heads in one group: 512 blocks of a whole group for bwd_dc (its dC stored in x's dtype, no atomics),
-    # 16 heads per block for bwd_dx (dB added atomically into zeroed f32).
+def test_group_passes_take_a_group_of_any_size_whole():
+    # 80 heads in one group: 512 blocks of a whole group for bwd_dc and bwd_dx (dB and dC stored in x's
+    # dtype, no atomics).
     dims = SSDDims(batch=4, seqlen=8192, nheads=80, headdim=64, ngroups=1, dstate=128, chunk_size=64)
-    assert group_heads_per_block(dims, False, stage="chunk_scan_bwd_dc") == 80
-    assert group_heads_per_block(dims, False, stage="chunk_scan_bwd_dx") == 16
+    assert group_heads_per_block(dims, False) == 80
     plan = backward_plan(dims)
     grids = {kernel_name(launch): launch.grid for launch in plan.launches}
-    assert grids["chunk_scan_bwd_dc_kernel"] == (128, 4) and grids["chunk_scan_bwd_dx_kernel"] == (640, 4)
-    assert (plan.buffers["dC"].dtype, plan.buffers["dC"].zero_init) == (dims.dtype, False)
-    assert (plan.buffers["dB"].dtype, plan.buffers["dB"].zero_init) == ("float32", True)
-    # Too few blocks for a whole group: both passes split it the same way.
+    assert grids["chunk_scan_bwd_dc_kernel"] == grids["chunk_scan_bwd_dx_kernel"] == (128, 4)
+    for buffer in ("dB", "dC"):
+        assert (plan.buffers[buffer].dtype, plan.buffers[buffer].zero_init) == (dims.dtype, False)
+    # Too few blocks for a whole group: the largest power of 2 that leaves enough, added atomically.
     small = dataclasses.replace(dims, seqlen=1024)
-    assert group_heads_per_block(small, False, stage="chunk_scan_bwd_dc") == group_heads_per_block(small, False) < 80
-    with pytest.raises(ValueError, match="stage='chunk_state_bwd'"):
-        group_heads_per_block(dims, False, stage="chunk_state_bwd")
+    assert group_heads_per_block(small, False) == 8
+    dB = backward_plan(small).buffers["dB"]
+    assert (dB.dtype, dB.zero_init) == ("float32", True)
 
 
 def test_backward_plan_output_layouts():
