@@ -61,10 +61,10 @@ def group_heads_per_block(dims: SSDDims, deterministic: bool, atomic_heads_per_b
     """
     if deterministic:
         return dims.heads_per_group
-    row_blocks = dims.batch * dims.nchunks * max(1, dims.chunk_size // 64) * dims.nheads
-    if atomic_heads_per_block is None and row_blocks // dims.heads_per_group >= MIN_GROUP_PASS_BLOCKS:
-        return dims.heads_per_group
     if atomic_heads_per_block is None:
+        row_blocks = dims.batch * dims.nchunks * max(1, dims.chunk_size // 64) * dims.nheads
+        if row_blocks // dims.heads_per_group >= MIN_GROUP_PASS_BLOCKS:
+            return dims.heads_per_group
         atomic_heads_per_block = 1
         while (dims.heads_per_group % (2 * atomic_heads_per_block) == 0
                and row_blocks // (2 * atomic_heads_per_block) >= MIN_GROUP_PASS_BLOCKS):
