@@ -68,7 +68,7 @@ from jax_mamba2.kernels._block_pass_config import (
     BlockPassConfig, adds_atomically, block_pass_configs, block_pass_default_config, block_pass_grid,
     check_sum_heads, summing_heads_config, sums_heads_by_default)
 from jax_mamba2.kernels._common import (
-    ConstBool, ConstInt, Launch, SSDDims, int64_index_kernels, mma_dtype, select_kernel)
+    LOG2E, ConstBool, ConstInt, Launch, SSDDims, exp2_ftz, int64_index_kernels, mma_dtype, select_kernel)
 from jax_mamba2.kernels._tiles import (
     group_rows_and_products, load_chunk_vector, operand, previous_chunk_end_id, row_ids, store_chunk_vector)
 
@@ -184,7 +184,7 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
                 keep = causal
                 if HAS_SEQ_IDX:
                     keep = keep & (ids_m[:, None] == row_ids(seq_idx, b, k_tile, BLOCK_K)[None, :])
-                decay_dt = ct.exp(ct.minimum(dA_m[:, None] - dA_k[None, :], 0.0)) * delta_k[None, :]
+                decay_dt = exp2_ftz(ct.minimum((dA_m * LOG2E)[:, None] - (dA_k * LOG2E)[None, :], 0.0)) * delta_k[None, :]
                 dy_x = ct.mma(dy_op, x_k.transpose(), ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32))
                 dcb = ct.where(keep, dy_x * decay_dt, 0.0)                   # dCB[l, s]
                 if SUM_HEADS:

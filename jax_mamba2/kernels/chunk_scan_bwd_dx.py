@@ -49,7 +49,7 @@ from jax_mamba2.kernels._block_pass_config import (
     BlockPassConfig, adds_atomically, block_pass_configs, block_pass_default_config, block_pass_grid,
     check_sum_heads, summing_heads_config, sums_heads_by_default)
 from jax_mamba2.kernels._common import (
-    ConstBool, ConstInt, Launch, SSDDims, int64_index_kernels, mma_dtype, select_kernel)
+    LOG2E, ConstBool, ConstInt, Launch, SSDDims, exp2_ftz, int64_index_kernels, mma_dtype, select_kernel)
 from jax_mamba2.kernels._tiles import (
     chunk_end_id, group_rows_and_products, load_chunk_vector, operand, row_ids, store_chunk_vector)
 
@@ -151,7 +151,7 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
                 keep = cols[:, None] <= rows[None, :]                        # [BLOCK_M, BLOCK_K]: s <= l
                 if HAS_SEQ_IDX:
                     keep = keep & (ids_s[:, None] == row_ids(seq_idx, b, l_tile, BLOCK_K)[None, :])
-                decay = ct.exp(ct.minimum(dA_l[None, :] - dA_s[:, None], 0.0))  # Φ[l, s] at [s, l]
+                decay = exp2_ftz(ct.minimum((dA_l * LOG2E)[None, :] - (dA_s * LOG2E)[:, None], 0.0))  # Φ[l, s] at [s, l]
                 scores = operand(ct.where(keep, bc * decay, 0.0), x.dtype, op_dtype)
                 acc = ct.mma(scores, dy_l, acc)
                 x_dy = ct.mma(x_op, dy_l.transpose(), ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32))

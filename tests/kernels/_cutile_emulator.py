@@ -115,7 +115,14 @@ def _quiet(fn):
 
 
 exp = _quiet(np.exp)
-exp2 = _quiet(np.exp2)
+
+
+@_quiet
+def exp2(x, *, flush_to_zero=False):
+    y = np.exp2(x)
+    return np.where(y < np.finfo(np.float32).tiny, np.zeros_like(y), y) if flush_to_zero else y
+
+
 log = _quiet(np.log)
 minimum = np.minimum
 maximum = np.maximum
