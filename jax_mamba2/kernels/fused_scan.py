@@ -50,8 +50,8 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel,
-    silu_gate)
+    LOG2E, ConstBool, ConstInt, Launch, SSDDims, check_arch, exp2_ftz, int64_index_kernels, mma_dtype,
+    select_kernel, silu_gate)
 from jax_mamba2.kernels._tiles import (
     batch_head_group, last_valid_id, previous_chunk_end_id, row_ids, state_seq_rules)
 
@@ -166,7 +166,7 @@ def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, 
                      tile=entry_state_t.transpose().reshape((1, 1, 1, BLOCK_P, DSTATE)))
         acc = ct.mma(C_c, entry_state_t.astype(operand_dtype), ct.zeros((CHUNK, BLOCK_P), dtype=ct.float32))
         acc = acc * inter_scale[:, None]
-        decay = ct.exp(ct.minimum(dA[:, None] - dA[None, :], 0.0))
+        decay = exp2_ftz(ct.minimum(dA[:, None] - dA[None, :], 0.0) * LOG2E)
         scores = ct.where(keep, cb * decay * delta[None, :], 0.0).astype(x.dtype).astype(operand_dtype)
         acc = ct.mma(scores, x_op, acc)
         acc = acc + x_c.astype(ct.float32) * D_p[None, :]
