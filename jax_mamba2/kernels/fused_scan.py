@@ -166,8 +166,8 @@ def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, 
                      tile=entry_state_t.transpose().reshape((1, 1, 1, BLOCK_P, DSTATE)))
         acc = ct.mma(C_c, entry_state_t.astype(operand_dtype), ct.zeros((CHUNK, BLOCK_P), dtype=ct.float32))
         acc = acc * inter_scale[:, None]
-        # The difference is scaled, not dA before the broadcast: a log2-unit dA shared with the state's
-        # weights moved work between tileiras' two warpgroups and ran slower (benchmarks/NOTES.md, runs 70-71).
+        # The difference is scaled, not dA before the broadcast: with a log2-unit dA vector tileiras moved the
+        # state weights' exps into its state warpgroup, which then ran slower (benchmarks/NOTES.md, runs 70-71).
         decay = exp2_ftz(ct.minimum(dA[:, None] - dA[None, :], 0.0) * LOG2E)
         scores = ct.where(keep, cb * decay * delta[None, :], 0.0).astype(x.dtype).astype(operand_dtype)
         acc = ct.mma(scores, x_op, acc)
