@@ -184,7 +184,8 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
                 keep = causal
                 if HAS_SEQ_IDX:
                     keep = keep & (ids_m[:, None] == row_ids(seq_idx, b, k_tile, BLOCK_K)[None, :])
-                decay_dt = exp2_ftz(ct.minimum((dA_m * LOG2E)[:, None] - (dA_k * LOG2E)[None, :], 0.0)) * delta_k[None, :]
+                decay = exp2_ftz(ct.minimum((dA_m * LOG2E)[:, None] - (dA_k * LOG2E)[None, :], 0.0))
+                decay_dt = decay * delta_k[None, :]
                 dy_x = ct.mma(dy_op, x_k.transpose(), ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32))
                 dcb = ct.where(keep, dy_x * decay_dt, 0.0)                   # dCB[l, s]
                 if SUM_HEADS:

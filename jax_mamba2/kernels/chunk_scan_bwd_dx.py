@@ -151,7 +151,8 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
                 keep = cols[:, None] <= rows[None, :]                        # [BLOCK_M, BLOCK_K]: s <= l
                 if HAS_SEQ_IDX:
                     keep = keep & (ids_s[:, None] == row_ids(seq_idx, b, l_tile, BLOCK_K)[None, :])
-                decay = exp2_ftz(ct.minimum((dA_l * LOG2E)[None, :] - (dA_s * LOG2E)[:, None], 0.0))  # Φ[l, s] at [s, l]
+                # Φ[l, s] at [s, l]
+                decay = exp2_ftz(ct.minimum((dA_l * LOG2E)[None, :] - (dA_s * LOG2E)[:, None], 0.0))
                 scores = operand(ct.where(keep, bc * decay, 0.0), x.dtype, op_dtype)
                 acc = ct.mma(scores, dy_l, acc)
                 x_dy = ct.mma(x_op, dy_l.transpose(), ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32))
