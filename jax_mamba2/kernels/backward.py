@@ -43,12 +43,10 @@ BACKWARD_STAGES = ("chunk_cumsum", "chunk_state", "chunk_scan_bwd_dc", "chunk_st
 # so more heads per block divide the atomic traffic (and a whole group per block needs none), and fewer,
 # longer blocks still fill an H200's 132 SMs at 2 blocks per SM in 2 waves.
 MIN_GROUP_PASS_BLOCKS = 512
-# The group-reducing passes, by stage name.
-GROUP_PASSES = ("chunk_scan_bwd_dc", "chunk_scan_bwd_dx")
 
 
 def group_heads_per_block(dims: SSDDims, deterministic: bool, atomic_heads_per_block: int | None = None) -> int:
-    """The heads per block of the group-reducing passes (GROUP_PASSES: bwd_dc sums dC, bwd_dx dB).
+    """The heads per block of the group-reducing passes (chunk_scan_bwd_dc sums dC, chunk_scan_bwd_dx dB).
 
     deterministic: the whole group (no atomics). Otherwise `atomic_heads_per_block` (a power of 2; the
     largest such divisor of heads_per_group up to it is used), by default the whole group wherever that
