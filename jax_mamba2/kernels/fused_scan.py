@@ -23,7 +23,9 @@ headdim block), batch * nheads * headdim / BLOCK_P blocks in all, so it needs th
 (`forward.forward_layout` decides).
 
 Grid: (batch * nheads, headdim / BLOCK_P, segments). The loads of chunk c+1 do not depend on the
-carried state, so the `LOAD_LAT` hint lets them be issued while chunk c computes.
+carried state, so the `LOAD_LAT` hint lets them be issued while chunk c computes. With CHUNKS_PER_ITER
+= 2 the loop takes two chunks per iteration (then an odd last one alone): the two entry states are then
+two values, which tileiras stages in two shared-memory buffers instead of one.
 
 Segments (SEGMENT_CHUNKS > 0; one segment, the whole sequence, otherwise): where the chains are too few
 to fill the GPU, each sequence is cut into segments of SEGMENT_CHUNKS chunks with a block each.
@@ -107,14 +109,54 @@ def _segment_states_body(x, B, dt_out, dA_cumsum, seq_idx, seg_states, seg_decay
     ct.store(seg_decay, index=(b, h, piece), tile=through.reshape((1, 1, 1)))
 
 
+def _fused_chunk(c, state_t, prev_end_id, x, B, C, z, dt_out, dA_cumsum, seq_idx, out, states, b, h, g, pb,
+                 seqlen, D_p, causal, CHUNK, DSTATE, BLOCK_P, HAS_Z, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT):
+    """Chunk c of a fused block: its outputs stored; returns the state entering chunk c+1 and the
+    sequence id its carry continues (seq_idx rules)."""
+    operand_dtype = mma_dtype(x.dtype)
+    C_c = _load_rows(C, b, c, 0, g, CHUNK, DSTATE, LOAD_LAT).astype(operand_dtype)
+    B_c = _load_rows(B, b, c, 0, g, CHUNK, DSTATE, LOAD_LAT)
+    x_c = _load_rows(x, b, c, pb, h, CHUNK, BLOCK_P, LOAD_LAT)
+    delta, dA, state_scale, carry = _chunk_vectors(dt_out, dA_cumsum, b, h, c, CHUNK, LOAD_LAT)
+    inter_scale = ct.exp(dA)                                          # rows H_c reaches
+    keep = causal                                                     # intra-chunk pairs
+    if HAS_SEQ_IDX:
+        ids = row_ids(seq_idx, b, c, CHUNK)
+        end_id = last_valid_id(ids, c, seqlen, CHUNK)
+        inter_scale = ct.where(ids == prev_end_id, inter_scale, 0.0)
+        keep = keep & (ids[:, None] == ids[None, :])
+        state_scale = ct.where(ids == end_id, state_scale, 0.0)
+        carry = ct.where(end_id == prev_end_id, carry, 0.0)
+        prev_end_id = end_id
+
+    x_op = x_c.astype(operand_dtype)
+    cb = ct.mma(C_c, B_c.astype(operand_dtype).transpose(), ct.zeros((CHUNK, CHUNK), dtype=ct.float32))
+    entry_state_t = state_t.astype(x.dtype)                          # H_c^T as chunk_scan reads it
+    if WRITE_STATES:
+        ct.store(states, index=(b, c, h, pb, 0),
+                 tile=entry_state_t.transpose().reshape((1, 1, 1, BLOCK_P, DSTATE)))
+    acc = ct.mma(C_c, entry_state_t.astype(operand_dtype), ct.zeros((CHUNK, BLOCK_P), dtype=ct.float32))
+    acc = acc * inter_scale[:, None]
+    # The difference is scaled, not dA before the broadcast: with a log2-unit dA vector tileiras moved the
+    # state weights' exps into its state warpgroup, which then ran slower (benchmarks/NOTES.md, runs 70-71).
+    decay = exp2_ftz(ct.minimum(dA[:, None] - dA[None, :], 0.0) * LOG2E)
+    scores = ct.where(keep, cb * decay * delta[None, :], 0.0).astype(x.dtype).astype(operand_dtype)
+    acc = ct.mma(scores, x_op, acc)
+    acc = acc + x_c.astype(ct.float32) * D_p[None, :]
+    if HAS_Z:
+        acc = silu_gate(acc, _load_rows(z, b, c, pb, h, CHUNK, BLOCK_P, LOAD_LAT))
+    ct.store(out, index=(b, c, h, pb), tile=acc.reshape((1, CHUNK, 1, BLOCK_P)).astype(out.dtype))
+    state_t = _collect(B_c, x_op, state_t, state_scale, carry, x.dtype, operand_dtype)
+    return state_t, prev_end_id
+
+
 def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, seg_states, seg_decay, out,
                      final_states, states, CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, PIECE_CHUNKS, HAS_Z, HAS_INIT,
-                     HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT):
+                     HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, CHUNKS_PER_ITER):
     pb = ct.bid(1)
     seqlen = x.shape[1]
     b, h, g = batch_head_group(ct.bid(0), x.shape[2], B.shape[2])
     nchunks = ct.cdiv(seqlen, CHUNK)
-    operand_dtype = mma_dtype(x.dtype)
 
     if HAS_INIT:
         state_t = ct.load(initial_states, index=(b, h, pb, 0), shape=(1, 1, BLOCK_P, DSTATE)
@@ -142,40 +184,20 @@ def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, 
     rows = ct.arange(CHUNK, dtype=ct.int32)
     causal = rows[:, None] >= rows[None, :]
 
-    for c in range(first, last):
-        C_c = _load_rows(C, b, c, 0, g, CHUNK, DSTATE, LOAD_LAT).astype(operand_dtype)
-        B_c = _load_rows(B, b, c, 0, g, CHUNK, DSTATE, LOAD_LAT)
-        x_c = _load_rows(x, b, c, pb, h, CHUNK, BLOCK_P, LOAD_LAT)
-        delta, dA, state_scale, carry = _chunk_vectors(dt_out, dA_cumsum, b, h, c, CHUNK, LOAD_LAT)
-        inter_scale = ct.exp(dA)                                          # rows H_c reaches
-        keep = causal                                                     # intra-chunk pairs
-        if HAS_SEQ_IDX:
-            ids = row_ids(seq_idx, b, c, CHUNK)
-            end_id = last_valid_id(ids, c, seqlen, CHUNK)
-            inter_scale = ct.where(ids == prev_end_id, inter_scale, 0.0)
-            keep = keep & (ids[:, None] == ids[None, :])
-            state_scale = ct.where(ids == end_id, state_scale, 0.0)
-            carry = ct.where(end_id == prev_end_id, carry, 0.0)
-            prev_end_id = end_id
-
-        x_op = x_c.astype(operand_dtype)
-        cb = ct.mma(C_c, B_c.astype(operand_dtype).transpose(), ct.zeros((CHUNK, CHUNK), dtype=ct.float32))
-        entry_state_t = state_t.astype(x.dtype)                          # H_c^T as chunk_scan reads it
-        if WRITE_STATES:
-            ct.store(states, index=(b, c, h, pb, 0),
-                     tile=entry_state_t.transpose().reshape((1, 1, 1, BLOCK_P, DSTATE)))
-        acc = ct.mma(C_c, entry_state_t.astype(operand_dtype), ct.zeros((CHUNK, BLOCK_P), dtype=ct.float32))
-        acc = acc * inter_scale[:, None]
-        # The difference is scaled, not dA before the broadcast: with a log2-unit dA vector tileiras moved the
-        # state weights' exps into its state warpgroup, which then ran slower (benchmarks/NOTES.md, runs 70-71).
-        decay = exp2_ftz(ct.minimum(dA[:, None] - dA[None, :], 0.0) * LOG2E)
-        scores = ct.where(keep, cb * decay * delta[None, :], 0.0).astype(x.dtype).astype(operand_dtype)
-        acc = ct.mma(scores, x_op, acc)
-        acc = acc + x_c.astype(ct.float32) * D_p[None, :]
-        if HAS_Z:
-            acc = silu_gate(acc, _load_rows(z, b, c, pb, h, CHUNK, BLOCK_P, LOAD_LAT))
-        ct.store(out, index=(b, c, h, pb), tile=acc.reshape((1, CHUNK, 1, BLOCK_P)).astype(out.dtype))
-        state_t = _collect(B_c, x_op, state_t, state_scale, carry, x.dtype, operand_dtype)
+    chunk_args = (x, B, C, z, dt_out, dA_cumsum, seq_idx, out, states, b, h, g, pb, seqlen, D_p, causal, CHUNK,
+                  DSTATE, BLOCK_P, HAS_Z, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT)
+    if CHUNKS_PER_ITER == 1:
+        for c in range(first, last):
+            state_t, prev_end_id = _fused_chunk(c, state_t, prev_end_id, *chunk_args)
+    else:
+        # Two chunks per iteration make their two entry states two values: tileiras stages them in two shared
+        # buffers, so the state warpgroup can write H_{c+1} while the output warpgroup still reads H_c.
+        pairs_end = first + (last - first) // 2 * 2
+        for c in range(first, pairs_end, 2):
+            state_t, prev_end_id = _fused_chunk(c, state_t, prev_end_id, *chunk_args)
+            state_t, prev_end_id = _fused_chunk(c + 1, state_t, prev_end_id, *chunk_args)
+        for c in range(pairs_end, last):
+            state_t, prev_end_id = _fused_chunk(c, state_t, prev_end_id, *chunk_args)
 
     if last == nchunks:
         ct.store(final_states, index=(b, h, pb, 0),
@@ -209,10 +231,11 @@ def _make_fused_scan_fwd_kernel(Big):
         HAS_SEQ_IDX: ConstBool,
         WRITE_STATES: ConstBool,  # store every chunk-entry state (what the backward would recompute)
         LOAD_LAT: ConstInt,   # latency hint of the per-chunk loads (1..10)
+        CHUNKS_PER_ITER: ConstInt,  # chunks per loop iteration, 1 or 2
     ):
         _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, seg_states, seg_decay,
                          out, final_states, states, CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, PIECE_CHUNKS, HAS_Z,
-                         HAS_INIT, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT)
+                         HAS_INIT, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, CHUNKS_PER_ITER)
 
     return fused_scan_fwd_kernel
 
@@ -253,12 +276,18 @@ class FusedScanConfig:
     BLOCK_P: headdim columns per block (a power of two dividing headdim); the block carries a
     [dstate, BLOCK_P] f32 state. LOAD_LAT: latency hint on the per-chunk loads. occupancy: expected
     blocks per SM. worker_warps: warps of the compute warpgroups (4 or 8; None: tileiras' choice).
+    chunks_per_iter: chunks per iteration of the chain's loop (1 or 2; ignored by segment_states).
     """
 
     BLOCK_P: int = 64
     LOAD_LAT: int = 6
     occupancy: int = 1
     worker_warps: int | None = None
+    chunks_per_iter: int = 1
+
+    def __post_init__(self):
+        if self.chunks_per_iter not in (1, 2):
+            raise ValueError(f"chunks_per_iter must be 1 or 2, got {self.chunks_per_iter}")
 
 
 # The chunk sizes the fused kernel takes: its [CHUNK, CHUNK] f32 C·B^T and [dstate, BLOCK_P] f32 state
@@ -290,15 +319,17 @@ def _wide_state(dims: SSDDims) -> bool:
 
 def fused_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScanConfig]:
     """The autotune space (sm_90): BLOCK_P 32/64 (dividing headdim, state at most 128 x 64 f32),
-    latency 2/4/6, occupancy 1 (tileiras' warps or 8 worker warps) or 2 (tileiras' warps: 8 would cap
-    them at 80 registers); plus 64 columns of a 256 x 64 state (dstate 256) with 8 worker warps at
-    occupancy 1. Empty where `fused_scan_supported(dims)` is false."""
+    latency 2/4/6, occupancy 1 (tileiras' warps or 8 worker warps, the latter also two chunks per
+    iteration) or 2 (tileiras' warps: 8 would cap them at 80 registers); plus 64 columns of a 256 x 64
+    state (dstate 256) with 8 worker warps at occupancy 1. Empty where `fused_scan_supported(dims)` is
+    false."""
     check_arch("fused_scan_fwd_configs", arch)
     if not fused_scan_supported(dims):
         return []
     wide = _wide_state(dims)
-    return [FusedScanConfig(BLOCK_P=bp, LOAD_LAT=lat, occupancy=occ, worker_warps=warps)
-            for bp in _widths(dims) for lat in (2, 4, 6) for occ, warps in ((1, None), (1, 8), (2, None))
+    hints = ((1, None, 1), (1, 8, 1), (1, 8, 2), (2, None, 1))
+    return [FusedScanConfig(BLOCK_P=bp, LOAD_LAT=lat, occupancy=occ, worker_warps=warps, chunks_per_iter=n)
+            for bp in _widths(dims) for lat in (2, 4, 6) for occ, warps, n in hints
             ] + [FusedScanConfig(BLOCK_P=64, LOAD_LAT=lat, occupancy=1, worker_warps=8)
                  for lat in (2, 4, 6) if wide]
 
@@ -308,26 +339,30 @@ def fused_scan_fwd_default_config(dims: SSDDims) -> FusedScanConfig:
     dstate 128: 64 columns, occupancy 1, latency 6, tileiras' warps (213 us; 8 worker warps 344); the
     same at (4,2048,32,...), (4,8192,80,...) and (4,8192,64,...,G=8) (benchmarks/NOTES.md). dstate 64:
     the same with 8 worker warps (223 us against 289: tileiras gives its one warpgroup all 255
-    registers). dstate 256: the 256 x 64 state with 8 worker warps at latency 4 (396 us; 32 columns,
-    two waves of blocks, 532)."""
+    registers) and two chunks per iteration (run 74: 200 us against 229; at dstate 128, tileiras' warps,
+    250 against 218). dstate 256: the 256 x 64 state with 8 worker warps at latency 4 (396 us; 32
+    columns, two waves of blocks, 532)."""
     if _wide_state(dims):
         return FusedScanConfig(BLOCK_P=64, LOAD_LAT=4, occupancy=1, worker_warps=8)
     width = _widths(dims)[-1]
-    return FusedScanConfig(BLOCK_P=width, LOAD_LAT=6, occupancy=1,
-                           worker_warps=8 if width == 64 and dims.dstate < 128 else None)
+    small_state = width == 64 and dims.dstate < 128
+    return FusedScanConfig(BLOCK_P=width, LOAD_LAT=6, occupancy=1, worker_warps=8 if small_state else None,
+                           chunks_per_iter=2 if small_state else 1)
 
 
 def segment_states_default_config(dims: SSDDims) -> FusedScanConfig:
     """The fused default's width for the state-only walk of the pieces, at occupancy 2 and latency 4,
     tileiras' warps: sm_90 wgmma without a stack at dstate 64-256 (128 registers). At the fused default
     itself (occupancy 1, latency 6) tileiras 13.4 emits no wgmma for this kernel at dstate 128."""
-    return dataclasses.replace(fused_scan_fwd_default_config(dims), LOAD_LAT=4, occupancy=2, worker_warps=None)
+    return dataclasses.replace(fused_scan_fwd_default_config(dims), LOAD_LAT=4, occupancy=2, worker_warps=None,
+                               chunks_per_iter=1)
 
 
 def segment_states_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScanConfig]:
-    """The fused kernel's space plus this walk's default, which the fused space lacks at dstate 256 (its
-    64 columns only with 8 worker warps at occupancy 1; the state-only walk fits them at occupancy 2)."""
-    space = fused_scan_fwd_configs(dims, arch)
+    """The fused kernel's space (one chunk per iteration) plus this walk's default, which the fused space
+    lacks at dstate 256 (its 64 columns only with 8 worker warps at occupancy 1; the state-only walk fits
+    them at occupancy 2)."""
+    space = [cfg for cfg in fused_scan_fwd_configs(dims, arch) if cfg.chunks_per_iter == 1]
     return list(dict.fromkeys([*space, segment_states_default_config(dims)])) if space else []
 
 
@@ -359,7 +394,7 @@ def fused_scan_fwd_launch(dims: SSDDims, cfg: FusedScanConfig | None = None, seg
         args=("x", "B", "C", "D", "z", "dt_out", "dA_cumsum", "initial_states", "seq_idx", "seg_states",
               "seg_decay", "out", "final_states", "states", dims.chunk_size, dims.dstate, cfg.BLOCK_P,
               segment_chunks, piece_chunks, dims.has_z, dims.has_init, dims.has_seq_idx, write_states,
-              cfg.LOAD_LAT),
+              cfg.LOAD_LAT, cfg.chunks_per_iter),
         writes=("out", "final_states") + (("states",) if write_states else ()),
     )
 
