@@ -210,10 +210,18 @@ def test_segmented_layout_cuts_few_long_chains_into_segments():
         assert fused_segment_chunks(other) == 0 and "segmented" not in forward_layouts(other)
 
 
-@pytest.mark.parametrize("dstate,want", [(64, (64, 6, 8)), (128, (64, 6, None)), (256, (64, 4, 8))])
+@pytest.mark.parametrize("dstate,want", [(64, (64, 6, 8, 2)), (128, (64, 6, None, 1)), (256, (64, 4, 8, 1))])
 def test_fused_scan_default_is_the_measured_best_and_in_the_space(dstate, want):
-    """(BLOCK_P, LOAD_LAT, worker_warps) of the default at headdim 64: the H200 tuner's pick per dstate."""
+    """(BLOCK_P, LOAD_LAT, worker_warps, chunks_per_iter) of the default at headdim 64: the best measured on
+    the H200 per dstate. segment_states walks one chunk per iteration whatever the fused default does."""
     dims = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=dstate, chunk_size=64)
     cfg = fused_scan.fused_scan_fwd_default_config(dims)
-    assert (cfg.BLOCK_P, cfg.LOAD_LAT, cfg.worker_warps) == want and cfg.occupancy == 1
+    assert (cfg.BLOCK_P, cfg.LOAD_LAT, cfg.worker_warps, cfg.chunks_per_iter) == want and cfg.occupancy == 1
     assert cfg in fused_scan.fused_scan_fwd_configs(dims)
+    assert fused_scan.segment_states_default_config(dims).chunks_per_iter == 1
+    assert {c.chunks_per_iter for c in fused_scan.segment_states_configs(dims)} == {1}
+
+
+def test_fused_scan_config_takes_one_or_two_chunks_per_iteration():
+    with pytest.raises(ValueError, match="chunks_per_iter must be 1 or 2, got 3"):
+        fused_scan.FusedScanConfig(chunks_per_iter=3)
