@@ -340,8 +340,8 @@ def fused_scan_fwd_default_config(dims: SSDDims) -> FusedScanConfig:
     same at (4,2048,32,...), (4,8192,80,...) and (4,8192,64,...,G=8) (benchmarks/NOTES.md). dstate 64:
     the same with 8 worker warps (223 us against 289: tileiras gives its one warpgroup all 255
     registers) and two chunks per iteration (run 74: 200 us against 229; at dstate 128, tileiras' warps,
-    250 against 218). dstate 256: the 256 x 64 state with 8 worker warps at latency 4 (396 us; 32
-    columns, two waves of blocks, 532)."""
+    250 against 218); dstate 16 and 32 take the dstate-64 choice (untimed). dstate 256: the 256 x 64
+    state with 8 worker warps at latency 4 (396 us; 32 columns, two waves of blocks, 532)."""
     if _wide_state(dims):
         return FusedScanConfig(BLOCK_P=64, LOAD_LAT=4, occupancy=1, worker_warps=8)
     width = _widths(dims)[-1]
