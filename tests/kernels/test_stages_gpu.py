@@ -35,6 +35,10 @@ LARGE_CASES = {
     "fused_q64_p64_n64_8_worker_warps": Case(
         seqlen=1000, nheads=4, headdim=64, dstate=64, layout="fused",
         configs=(("fused_scan", fused_scan.FusedScanConfig(BLOCK_P=64, LOAD_LAT=6, worker_warps=8)),)),
+    # The dstate-64 default (8 worker warps, two chunks per iteration): 18 chunks, sequences across a pair.
+    "fused_q64_p64_n64_default_all_inputs": Case(
+        seqlen=1100, nheads=4, headdim=64, dstate=64, z=True, initial_states=True, seq_lens=(300, 800),
+        layout="fused"),
     # 65 chunks of 4 chains in 8 segments, sequences across segment boundaries.
     "segmented_q64_n128_long_seq_idx_all_inputs": Case(
         seqlen=4096 + 17, nheads=2, headdim=64, dstate=128, z=True, initial_states=True,
