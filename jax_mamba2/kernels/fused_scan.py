@@ -55,7 +55,7 @@ from jax_mamba2.kernels._common import (
     LOG2E, ConstBool, ConstInt, Launch, SSDDims, check_arch, exp2_ftz, int64_index_kernels, mma_dtype,
     select_kernel, silu_gate)
 from jax_mamba2.kernels._tiles import (
-    batch_head_group, last_valid_id, previous_chunk_end_id, row_ids, state_seq_rules)
+    batch_head_group, previous_chunk_end_id, state_seq_rules)
 
 
 def _load_rows(array, b, c, col_block, index, CHUNK, WIDTH, LOAD_LAT):
@@ -121,12 +121,10 @@ def _fused_chunk(c, state_t, prev_end_id, x, B, C, z, dt_out, dA_cumsum, seq_idx
     inter_scale = ct.exp(dA)                                          # rows H_c reaches
     keep = causal                                                     # intra-chunk pairs
     if HAS_SEQ_IDX:
-        ids = row_ids(seq_idx, b, c, CHUNK)
-        end_id = last_valid_id(ids, c, seqlen, CHUNK)
+        ids, end_id, state_scale, carry = state_seq_rules(
+            seq_idx, b, c, seqlen, CHUNK, prev_end_id, state_scale, carry)
         inter_scale = ct.where(ids == prev_end_id, inter_scale, 0.0)
         keep = keep & (ids[:, None] == ids[None, :])
-        state_scale = ct.where(ids == end_id, state_scale, 0.0)
-        carry = ct.where(end_id == prev_end_id, carry, 0.0)
         prev_end_id = end_id
 
     x_op = x_c.astype(operand_dtype)
