@@ -145,7 +145,7 @@ def forward_buffers(dims: SSDDims, layout: str = "staged", save_states: bool = F
     # The end state of every piece of the segments before the last, as [dstate, headdim] tiles, and its
     # carry-through factor.
     earlier = num_pieces(dims, fused_segment_chunks(dims), state_piece_chunks(dims))
-    return {**buffers, "seg_states": Buffer((b, earlier, H, N, P), "float32"),
+    return {**buffers, "seg_states": Buffer((b, earlier, H, P, N), "float32"),
             "seg_decay": Buffer((b, H, earlier), "float32")}
 
 

@@ -65,11 +65,26 @@ def _load_rows(array, b, c, col_block, index, CHUNK, WIDTH, LOAD_LAT):
                    padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT).reshape((CHUNK, WIDTH))
 
 
-def _collect(B_c, x_op, state_t, state_scale, carry, dtype, operand_dtype):
-    """H_{c+1}^T = carry * H_c^T + (B_c * state_scale)^T @ x_c, B rounded to x's dtype like mamba_ssm:
-    B_c [CHUNK, DSTATE], x_op [CHUNK, BLOCK_P] (operand dtype), state_t [DSTATE, BLOCK_P] f32."""
+def _oriented(tile, WEIGHT_X):
+    """A [BLOCK_P, DSTATE] tile in the carried state's orientation, or the carried state as [BLOCK_P,
+    DSTATE]: the state is carried as H [BLOCK_P, DSTATE] with WEIGHT_X, as H^T [DSTATE, BLOCK_P] without."""
+    return tile if WEIGHT_X else tile.transpose()
+
+
+def _zero_state(DSTATE, BLOCK_P, WEIGHT_X):
+    return _oriented(ct.zeros((BLOCK_P, DSTATE), dtype=ct.float32), WEIGHT_X)
+
+
+def _collect(B_c, x_c, state, state_scale, carry, dtype, operand_dtype, WEIGHT_X):
+    """The state entering the next chunk, carry * H_c + Σ_s state_scale[s] x_c[s]^T B_c[s], the weighted
+    operand rounded to x's dtype. WEIGHT_X: x's rows take the weights, (x_c * w)^T @ B_c with B straight
+    from shared memory; else B's rows, (B_c * w)^T @ x_c (mamba_ssm's rounding). B_c [CHUNK, DSTATE], x_c
+    [CHUNK, BLOCK_P] (x's dtype), state f32 in its orientation (`_oriented`)."""
+    if WEIGHT_X:
+        x_scaled = (x_c.astype(ct.float32) * state_scale[:, None]).astype(dtype)
+        return ct.mma(x_scaled.transpose().astype(operand_dtype), B_c.astype(operand_dtype), state * carry)
     B_scaled = (B_c.astype(ct.float32) * state_scale[:, None]).astype(dtype)
-    return ct.mma(B_scaled.transpose().astype(operand_dtype), x_op, state_t * carry)
+    return ct.mma(B_scaled.transpose().astype(operand_dtype), x_c.astype(operand_dtype), state * carry)
 
 
 def _chunk_vectors(dt_out, dA_cumsum, b, h, c, CHUNK, LOAD_LAT):
@@ -82,7 +97,7 @@ def _chunk_vectors(dt_out, dA_cumsum, b, h, c, CHUNK, LOAD_LAT):
 
 
 def _segment_states_body(x, B, dt_out, dA_cumsum, seq_idx, seg_states, seg_decay,
-                         CHUNK, DSTATE, BLOCK_P, PIECE_CHUNKS, HAS_SEQ_IDX, LOAD_LAT):
+                         CHUNK, DSTATE, BLOCK_P, PIECE_CHUNKS, HAS_SEQ_IDX, LOAD_LAT, WEIGHT_X):
     """Piece j (of the segments before the last): its end state from a zero start, L_j, and the product
     of its chunks' carries, the factor any earlier state is multiplied by across it (0 past a sequence
     start)."""
@@ -92,25 +107,26 @@ def _segment_states_body(x, B, dt_out, dA_cumsum, seq_idx, seg_states, seg_decay
     b, h, g = batch_head_group(ct.bid(0), x.shape[2], B.shape[2])
     operand_dtype = mma_dtype(x.dtype)
     first = piece * PIECE_CHUNKS
-    state_t = ct.zeros((DSTATE, BLOCK_P), dtype=ct.float32)                # [DSTATE, BLOCK_P] f32
+    state = _zero_state(DSTATE, BLOCK_P, WEIGHT_X)
     through = ct.full((1,), 1.0, dtype=ct.float32)
     if HAS_SEQ_IDX:
         prev_end_id = previous_chunk_end_id(seq_idx, b, first, CHUNK)
     for c in range(first, first + PIECE_CHUNKS):
         B_c = _load_rows(B, b, c, 0, g, CHUNK, DSTATE, LOAD_LAT)
-        x_op = _load_rows(x, b, c, pb, h, CHUNK, BLOCK_P, LOAD_LAT).astype(operand_dtype)
+        x_c = _load_rows(x, b, c, pb, h, CHUNK, BLOCK_P, LOAD_LAT)
         _, _, state_scale, carry = _chunk_vectors(dt_out, dA_cumsum, b, h, c, CHUNK, LOAD_LAT)
         if HAS_SEQ_IDX:
             _, prev_end_id, state_scale, carry = state_seq_rules(
                 seq_idx, b, c, seqlen, CHUNK, prev_end_id, state_scale, carry)
-        state_t = _collect(B_c, x_op, state_t, state_scale, carry, x.dtype, operand_dtype)
+        state = _collect(B_c, x_c, state, state_scale, carry, x.dtype, operand_dtype, WEIGHT_X)
         through = through * carry
-    ct.store(seg_states, index=(b, piece, h, 0, pb), tile=state_t.reshape((1, 1, 1, DSTATE, BLOCK_P)))
+    ct.store(seg_states, index=(b, piece, h, pb, 0),
+             tile=_oriented(state, WEIGHT_X).reshape((1, 1, 1, BLOCK_P, DSTATE)))
     ct.store(seg_decay, index=(b, h, piece), tile=through.reshape((1, 1, 1)))
 
 
-def _fused_chunk(c, state_t, prev_end_id, x, B, C, z, dt_out, dA_cumsum, seq_idx, out, states, b, h, g, pb,
-                 seqlen, D_p, causal, CHUNK, DSTATE, BLOCK_P, HAS_Z, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT):
+def _fused_chunk(c, state, prev_end_id, x, B, C, z, dt_out, dA_cumsum, seq_idx, out, states, b, h, g, pb,
+                 seqlen, D_p, causal, CHUNK, DSTATE, BLOCK_P, HAS_Z, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, WEIGHT_X):
     """Chunk c of a fused block: its outputs stored; returns the state entering chunk c+1 and the
     sequence id its carry continues (seq_idx rules)."""
     operand_dtype = mma_dtype(x.dtype)
@@ -129,10 +145,11 @@ def _fused_chunk(c, state_t, prev_end_id, x, B, C, z, dt_out, dA_cumsum, seq_idx
 
     x_op = x_c.astype(operand_dtype)
     cb = ct.mma(C_c, B_c.astype(operand_dtype).transpose(), ct.zeros((CHUNK, CHUNK), dtype=ct.float32))
-    entry_state_t = state_t.astype(x.dtype)                          # H_c^T as chunk_scan reads it
+    entry_state = state.astype(x.dtype)                              # H_c as chunk_scan reads it
     if WRITE_STATES:
         ct.store(states, index=(b, c, h, pb, 0),
-                 tile=entry_state_t.transpose().reshape((1, 1, 1, BLOCK_P, DSTATE)))
+                 tile=_oriented(entry_state, WEIGHT_X).reshape((1, 1, 1, BLOCK_P, DSTATE)))
+    entry_state_t = entry_state.transpose() if WEIGHT_X else entry_state  # H_c^T [DSTATE, BLOCK_P]
     acc = ct.mma(C_c, entry_state_t.astype(operand_dtype), ct.zeros((CHUNK, BLOCK_P), dtype=ct.float32))
     acc = acc * inter_scale[:, None]
     # The difference is scaled, not dA before the broadcast: with a log2-unit dA vector tileiras moved the
@@ -144,23 +161,23 @@ def _fused_chunk(c, state_t, prev_end_id, x, B, C, z, dt_out, dA_cumsum, seq_idx
     if HAS_Z:
         acc = silu_gate(acc, _load_rows(z, b, c, pb, h, CHUNK, BLOCK_P, LOAD_LAT))
     ct.store(out, index=(b, c, h, pb), tile=acc.reshape((1, CHUNK, 1, BLOCK_P)).astype(out.dtype))
-    state_t = _collect(B_c, x_op, state_t, state_scale, carry, x.dtype, operand_dtype)
-    return state_t, prev_end_id
+    state = _collect(B_c, x_c, state, state_scale, carry, x.dtype, operand_dtype, WEIGHT_X)
+    return state, prev_end_id
 
 
 def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, seg_states, seg_decay, out,
                      final_states, states, CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, PIECE_CHUNKS, HAS_Z, HAS_INIT,
-                     HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, CHUNKS_PER_ITER):
+                     HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, CHUNKS_PER_ITER, WEIGHT_X):
     pb = ct.bid(1)
     seqlen = x.shape[1]
     b, h, g = batch_head_group(ct.bid(0), x.shape[2], B.shape[2])
     nchunks = ct.cdiv(seqlen, CHUNK)
 
     if HAS_INIT:
-        state_t = ct.load(initial_states, index=(b, h, pb, 0), shape=(1, 1, BLOCK_P, DSTATE)
-                          ).reshape((BLOCK_P, DSTATE)).transpose()        # [DSTATE, BLOCK_P] f32
+        state = _oriented(ct.load(initial_states, index=(b, h, pb, 0), shape=(1, 1, BLOCK_P, DSTATE)
+                                  ).reshape((BLOCK_P, DSTATE)), WEIGHT_X)
     else:
-        state_t = ct.zeros((DSTATE, BLOCK_P), dtype=ct.float32)
+        state = _zero_state(DSTATE, BLOCK_P, WEIGHT_X)
     if SEGMENT_CHUNKS > 0:
         # Segment ct.bid(2) of the sequence: its entry state from the end states of the pieces before it.
         seg = ct.bid(2)
@@ -168,9 +185,9 @@ def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, 
         last = ct.minimum(first + SEGMENT_CHUNKS, nchunks)
         for j in range(seg * (SEGMENT_CHUNKS // PIECE_CHUNKS)):
             through = ct.load(seg_decay, index=(b, h, j), shape=(1, 1, 1), latency=LOAD_LAT).reshape((1,))
-            local = ct.load(seg_states, index=(b, j, h, 0, pb), shape=(1, 1, 1, DSTATE, BLOCK_P),
-                            latency=LOAD_LAT).reshape((DSTATE, BLOCK_P))
-            state_t = state_t * through + local
+            local = ct.load(seg_states, index=(b, j, h, pb, 0), shape=(1, 1, 1, BLOCK_P, DSTATE),
+                            latency=LOAD_LAT).reshape((BLOCK_P, DSTATE))
+            state = state * through + _oriented(local, WEIGHT_X)
         prev_end_id = ct.zeros((1,), dtype=ct.int32)
         if HAS_SEQ_IDX:
             prev_end_id = previous_chunk_end_id(seq_idx, b, first, CHUNK)
@@ -183,23 +200,23 @@ def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, 
     causal = rows[:, None] >= rows[None, :]
 
     chunk_args = (x, B, C, z, dt_out, dA_cumsum, seq_idx, out, states, b, h, g, pb, seqlen, D_p, causal, CHUNK,
-                  DSTATE, BLOCK_P, HAS_Z, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT)
+                  DSTATE, BLOCK_P, HAS_Z, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, WEIGHT_X)
     if CHUNKS_PER_ITER == 1:
         for c in range(first, last):
-            state_t, prev_end_id = _fused_chunk(c, state_t, prev_end_id, *chunk_args)
+            state, prev_end_id = _fused_chunk(c, state, prev_end_id, *chunk_args)
     else:
         # Two chunks per iteration make their two entry states two values: tileiras stages them in two shared
         # buffers, so the state warpgroup can write H_{c+1} while the output warpgroup still reads H_c.
         pairs_end = first + (last - first) // 2 * 2
         for c in range(first, pairs_end, 2):
-            state_t, prev_end_id = _fused_chunk(c, state_t, prev_end_id, *chunk_args)
-            state_t, prev_end_id = _fused_chunk(c + 1, state_t, prev_end_id, *chunk_args)
+            state, prev_end_id = _fused_chunk(c, state, prev_end_id, *chunk_args)
+            state, prev_end_id = _fused_chunk(c + 1, state, prev_end_id, *chunk_args)
         for c in range(pairs_end, last):
-            state_t, prev_end_id = _fused_chunk(c, state_t, prev_end_id, *chunk_args)
+            state, prev_end_id = _fused_chunk(c, state, prev_end_id, *chunk_args)
 
     if last == nchunks:
         ct.store(final_states, index=(b, h, pb, 0),
-                 tile=state_t.transpose().reshape((1, 1, BLOCK_P, DSTATE)))
+                 tile=_oriented(state, WEIGHT_X).reshape((1, 1, BLOCK_P, DSTATE)))
 
 
 def _make_fused_scan_fwd_kernel(Big):
@@ -214,7 +231,7 @@ def _make_fused_scan_fwd_kernel(Big):
         dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
         initial_states: Big,  # (batch, nheads, headdim, dstate) f32, or a dummy without HAS_INIT
         seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
-        seg_states: Big,      # (batch, pieces, nheads, dstate, headdim) f32, or a dummy (one segment)
+        seg_states: Big,      # (batch, pieces, nheads, headdim, dstate) f32, or a dummy (one segment)
         seg_decay: Big,       # (batch, nheads, pieces) f32, or a dummy (one segment)
         out: Big,             # (batch, seqlen, nheads, headdim) T, written
         final_states: Big,    # (batch, nheads, headdim, dstate) f32, written
@@ -230,10 +247,11 @@ def _make_fused_scan_fwd_kernel(Big):
         WRITE_STATES: ConstBool,  # store every chunk-entry state (what the backward would recompute)
         LOAD_LAT: ConstInt,   # latency hint of the per-chunk loads (1..10)
         CHUNKS_PER_ITER: ConstInt,  # chunks per loop iteration, 1 or 2
+        WEIGHT_X: ConstBool,  # the state update weights x's rows (state carried [BLOCK_P, DSTATE]), else B's
     ):
         _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, seg_states, seg_decay,
                          out, final_states, states, CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, PIECE_CHUNKS, HAS_Z,
-                         HAS_INIT, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, CHUNKS_PER_ITER)
+                         HAS_INIT, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, CHUNKS_PER_ITER, WEIGHT_X)
 
     return fused_scan_fwd_kernel
 
@@ -246,7 +264,7 @@ def _make_segment_states_kernel(Big):
         dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
         dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
         seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
-        seg_states: Big,      # (batch, pieces, nheads, dstate, headdim) f32, written
+        seg_states: Big,      # (batch, pieces, nheads, headdim, dstate) f32, written
         seg_decay: Big,       # (batch, nheads, pieces) f32, written
         CHUNK: ConstInt,
         DSTATE: ConstInt,
@@ -254,9 +272,10 @@ def _make_segment_states_kernel(Big):
         PIECE_CHUNKS: ConstInt,   # chunks per piece (grid axis 2: one block per piece)
         HAS_SEQ_IDX: ConstBool,
         LOAD_LAT: ConstInt,
+        WEIGHT_X: ConstBool,  # as the fused kernel's
     ):
         _segment_states_body(x, B, dt_out, dA_cumsum, seq_idx, seg_states, seg_decay,
-                             CHUNK, DSTATE, BLOCK_P, PIECE_CHUNKS, HAS_SEQ_IDX, LOAD_LAT)
+                             CHUNK, DSTATE, BLOCK_P, PIECE_CHUNKS, HAS_SEQ_IDX, LOAD_LAT, WEIGHT_X)
 
     return segment_states_kernel
 
@@ -275,6 +294,10 @@ class FusedScanConfig:
     [dstate, BLOCK_P] f32 state. LOAD_LAT: latency hint on the per-chunk loads. occupancy: expected
     blocks per SM. worker_warps: warps of the compute warpgroups (4 or 8; None: tileiras' choice).
     chunks_per_iter: chunks per iteration of the chain's loop (1 or 2; ignored by segment_states).
+    weight_x: the state update weights x's rows, (x * w)^T @ B, B's tile entering the product straight
+    from shared memory (the state carried as [BLOCK_P, dstate]); else B's rows, (B * w)^T @ x, the
+    rounding of mamba_ssm and of the staged chunk_state (either way the weighted operand is rounded to
+    x's dtype).
     """
 
     BLOCK_P: int = 64
@@ -282,6 +305,7 @@ class FusedScanConfig:
     occupancy: int = 1
     worker_warps: int | None = None
     chunks_per_iter: int = 1
+    weight_x: bool = True
 
     def __post_init__(self):
         if self.chunks_per_iter not in (1, 2):
@@ -293,8 +317,8 @@ class FusedScanConfig:
 FUSED_CHUNK_SIZES = (16, 32, 64)
 # Largest carried state (dstate * BLOCK_P f32 values) per block.
 _MAX_STATE = 128 * 64
-# Twice that, a 256 x 64 state, is in the tune space with 8 worker warps only: tileiras 13.4 compiles it
-# to sm_90 without a stack at latency 4 (168 registers, 166 KB shared), with an 80-144 byte stack else.
+# Twice that, a 256 x 64 state, is in the tune space with x weighted at occupancy 1: tileiras 13.4 compiles
+# it to sm_90 without a stack (168 registers; with B weighted and tileiras' warps, a 72-byte stack).
 _WIDE_STATE = 256 * 64
 
 
@@ -317,35 +341,37 @@ def _wide_state(dims: SSDDims) -> bool:
 
 def fused_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScanConfig]:
     """The autotune space (sm_90): BLOCK_P 32/64 (dividing headdim, state at most 128 x 64 f32),
-    latency 2/4/6, occupancy 1 (tileiras' warps or 8 worker warps, the latter also two chunks per
-    iteration) or 2 (tileiras' warps: 8 would cap them at 80 registers); plus 64 columns of a 256 x 64
-    state (dstate 256) with 8 worker warps at occupancy 1. Empty where `fused_scan_supported(dims)` is
-    false."""
+    latency 2/4/6, x weighted at occupancy 1 (tileiras' warps or 8 worker warps, the latter also two
+    chunks per iteration) or 2 (tileiras' warps: 8 would cap them at 80 registers), and B weighted with
+    8 worker warps and two chunks per iteration (the dstate-64 default); plus 64 columns of a 256 x 64
+    state (dstate 256), x weighted at occupancy 1. Empty where `fused_scan_supported(dims)` is false."""
     check_arch("fused_scan_fwd_configs", arch)
     if not fused_scan_supported(dims):
         return []
-    wide = _wide_state(dims)
-    hints = ((1, None, 1), (1, 8, 1), (1, 8, 2), (2, None, 1))
-    return [FusedScanConfig(BLOCK_P=bp, LOAD_LAT=lat, occupancy=occ, worker_warps=warps, chunks_per_iter=n)
-            for bp in _widths(dims) for lat in (2, 4, 6) for occ, warps, n in hints
-            ] + [FusedScanConfig(BLOCK_P=64, LOAD_LAT=lat, occupancy=1, worker_warps=8)
-                 for lat in (2, 4, 6) if wide]
+    # (occupancy, worker_warps, chunks_per_iter, weight_x)
+    hints = ((1, None, 1, True), (1, 8, 1, True), (1, 8, 2, True), (1, 8, 2, False), (2, None, 1, True))
+    space = [(bp, hint) for bp in _widths(dims) for hint in hints]
+    if _wide_state(dims):
+        space += [(64, hint) for hint in hints[:2]]
+    return [FusedScanConfig(BLOCK_P=bp, LOAD_LAT=lat, occupancy=occ, worker_warps=warps, chunks_per_iter=n,
+                            weight_x=weight_x)
+            for bp, (occ, warps, n, weight_x) in space for lat in (2, 4, 6)]
 
 
 def fused_scan_fwd_default_config(dims: SSDDims) -> FusedScanConfig:
-    """The best measured config of the space on the H200 (bf16, chunk 64, (4,8192,32,64,N,1), tuner):
-    dstate 128: 64 columns, occupancy 1, latency 6, tileiras' warps (213 us; 8 worker warps 344); the
-    same at (4,2048,32,...), (4,8192,80,...) and (4,8192,64,...,G=8) (benchmarks/NOTES.md). dstate 64:
-    the same with 8 worker warps (223 us against 289: tileiras gives its one warpgroup all 255
-    registers) and two chunks per iteration (run 74: 200 us against 229; at dstate 128, tileiras' warps,
-    250 against 218); dstate 16 and 32 take the dstate-64 choice (untimed). dstate 256: the 256 x 64
-    state with 8 worker warps at latency 4 (396 us; 32 columns, two waves of blocks, 532)."""
-    if _wide_state(dims):
-        return FusedScanConfig(BLOCK_P=64, LOAD_LAT=4, occupancy=1, worker_warps=8)
-    width = _widths(dims)[-1]
+    """The best measured config of the space on the H200 (bf16, chunk 64, (4,8192,32,64,N,1); per launch,
+    benchmarks/NOTES.md): dstate 128 and 256: 64 columns, occupancy 1, latency 6, tileiras' warps, x
+    weighted (run 81: 199-200 us against 210-213 with B weighted at dstate 128, 8 worker warps 344; 336
+    against 417-427 for dstate 256's earlier default, B weighted with 8 worker warps at latency 4); the
+    same at (4,2048,32,...), (4,8192,80,...) and (4,8192,64,...,G=8). dstate 64: 8 worker warps, two chunks
+    per iteration, B weighted (run 81: 191-195 us; x weighted 214-218, with tileiras' warps 223-234);
+    dstate 16 and 32 take the dstate-64 choice (untimed)."""
+    width = 64 if _wide_state(dims) else _widths(dims)[-1]
     small_state = width == 64 and dims.dstate < 128
-    return FusedScanConfig(BLOCK_P=width, LOAD_LAT=6, occupancy=1, worker_warps=8 if small_state else None,
-                           chunks_per_iter=2 if small_state else 1)
+    if small_state:
+        return FusedScanConfig(BLOCK_P=64, LOAD_LAT=6, occupancy=1, worker_warps=8, chunks_per_iter=2,
+                               weight_x=False)
+    return FusedScanConfig(BLOCK_P=width, LOAD_LAT=6, occupancy=1)
 
 
 def segment_states_default_config(dims: SSDDims) -> FusedScanConfig:
@@ -357,10 +383,9 @@ def segment_states_default_config(dims: SSDDims) -> FusedScanConfig:
 
 
 def segment_states_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScanConfig]:
-    """The fused kernel's space (one chunk per iteration) plus this walk's default, which the fused space
-    lacks at dstate 256 (its 64 columns only with 8 worker warps at occupancy 1; the state-only walk fits
-    them at occupancy 2)."""
-    space = [cfg for cfg in fused_scan_fwd_configs(dims, arch) if cfg.chunks_per_iter == 1]
+    """The fused kernel's space at one chunk per iteration plus this walk's default, which the fused space
+    lacks at dstate 256 (its 64 columns only at occupancy 1; the state-only walk fits them at occupancy 2)."""
+    space = [dataclasses.replace(cfg, chunks_per_iter=1) for cfg in fused_scan_fwd_configs(dims, arch)]
     return list(dict.fromkeys([*space, segment_states_default_config(dims)])) if space else []
 
 
@@ -392,7 +417,7 @@ def fused_scan_fwd_launch(dims: SSDDims, cfg: FusedScanConfig | None = None, seg
         args=("x", "B", "C", "D", "z", "dt_out", "dA_cumsum", "initial_states", "seq_idx", "seg_states",
               "seg_decay", "out", "final_states", "states", dims.chunk_size, dims.dstate, cfg.BLOCK_P,
               segment_chunks, piece_chunks, dims.has_z, dims.has_init, dims.has_seq_idx, write_states,
-              cfg.LOAD_LAT, cfg.chunks_per_iter),
+              cfg.LOAD_LAT, cfg.chunks_per_iter, cfg.weight_x),
         writes=("out", "final_states") + (("states",) if write_states else ()),
     )
 
@@ -407,6 +432,6 @@ def segment_states_launch(dims: SSDDims, cfg: FusedScanConfig | None, segment_ch
                              num_worker_warps=cfg.worker_warps),
         grid=(dims.batch * dims.nheads, dims.headdim // cfg.BLOCK_P, num_pieces(dims, segment_chunks, piece_chunks)),
         args=("x", "B", "dt_out", "dA_cumsum", "seq_idx", "seg_states", "seg_decay", dims.chunk_size,
-              dims.dstate, cfg.BLOCK_P, piece_chunks, dims.has_seq_idx, cfg.LOAD_LAT),
+              dims.dstate, cfg.BLOCK_P, piece_chunks, dims.has_seq_idx, cfg.LOAD_LAT, cfg.weight_x),
         writes=("seg_states", "seg_decay"),
     )

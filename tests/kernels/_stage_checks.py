@@ -104,20 +104,23 @@ SMALL_CASES = {
     "fused_narrow_groups_z_saving_states": Case(
         seqlen=150, nheads=8, ngroups=2, z=True, layout="fused", save_states=True,
         configs=(("fused_scan", FusedScanConfig(BLOCK_P=16)),)),
+    # segment_states weighting B's rows, the segmented scan x's (and the other way round below): the pieces'
+    # end states pass between the two forms.
     "segmented_seq_idx_init_saving_states": Case(
         seqlen=600, chunk_size=16, seq_lens=(160, 100, 3, 337), initial_states=True, layout="segmented",
-        save_states=True),
+        save_states=True, configs=(("segment_states", FusedScanConfig(BLOCK_P=32, weight_x=False)),)),
     # Two chunks per loop iteration: an odd chunk count (a pair, then one), sequences and a carry across the
     # pair's two chunks; in the segments, an odd last segment (33 chunks) after pieces of 18.
     "fused_two_chunks_per_iter_seq_idx_init_z": Case(
         seqlen=150, seq_lens=(10, 70, 3, 67), initial_states=True, z=True, layout="fused",
-        configs=(("fused_scan", FusedScanConfig(BLOCK_P=32, chunks_per_iter=2)),)),
+        configs=(("fused_scan", FusedScanConfig(BLOCK_P=32, chunks_per_iter=2, weight_x=False)),)),
     "fused_two_chunks_per_iter_chunk32_saving_states": Case(
         seqlen=150, chunk_size=32, seq_lens=(31, 2, 117), initial_states=True, layout="fused", save_states=True,
         configs=(("fused_scan", FusedScanConfig(BLOCK_P=32, chunks_per_iter=2)),)),
     "segmented_two_chunks_per_iter_pieces_seq_idx_init": Case(
         seqlen=2250, chunk_size=16, nheads=16, seq_lens=(288, 612, 5, 1345), initial_states=True,
-        layout="segmented", configs=(("segmented_scan", FusedScanConfig(BLOCK_P=32, chunks_per_iter=2)),)),
+        layout="segmented",
+        configs=(("segmented_scan", FusedScanConfig(BLOCK_P=32, chunks_per_iter=2, weight_x=False)),)),
 }
 
 # make_ssd_args draws A so that a 64-token chunk decays by ~e^-30, which hides every cross-chunk path

@@ -203,21 +203,23 @@ def test_segmented_layout_cuts_few_long_chains_into_segments():
     assert fused_segment_chunks(dims) == 64 and state_piece_chunks(dims) == 32
     plan = forward_plan(dims, layout="segmented")
     assert [launch.grid for launch in plan.launches[1:]] == [(32, 1, 6), (32, 1, 4)]
-    assert plan.buffers["seg_states"].shape == (4, 6, 8, 128, 64)
+    assert plan.buffers["seg_states"].shape == (4, 6, 8, 64, 128)
     assert plan.buffers["seg_decay"].shape == (4, 8, 6)
     # Enough chains already, or too few chunks to cut: no segmented layout.
     for other in (dataclasses.replace(dims, batch=16), dataclasses.replace(dims, seqlen=15 * 64)):
         assert fused_segment_chunks(other) == 0 and "segmented" not in forward_layouts(other)
 
 
-@pytest.mark.parametrize("dstate,want", [(64, (64, 6, 8, 2)), (128, (64, 6, None, 1)), (256, (64, 4, 8, 1))])
+@pytest.mark.parametrize("dstate,want", [(64, (64, 6, 8, 2, False)), (128, (64, 6, None, 1, True)),
+                                         (256, (64, 6, None, 1, True))])
 def test_fused_scan_default_is_the_measured_best_and_in_the_space(dstate, want):
-    """(BLOCK_P, LOAD_LAT, worker_warps, chunks_per_iter) of the default at headdim 64: the best measured on
-    the H200 per dstate. segment_states walks one chunk per iteration whatever the fused default does."""
+    """(BLOCK_P, LOAD_LAT, worker_warps, chunks_per_iter, weight_x) of the default at headdim 64: the best
+    measured on the H200 per dstate. segment_states walks one chunk per iteration whatever the fused
+    default does."""
     dims = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=dstate, chunk_size=64)
     cfg = fused_scan.fused_scan_fwd_default_config(dims)
-    assert (cfg.BLOCK_P, cfg.LOAD_LAT, cfg.worker_warps, cfg.chunks_per_iter) == want and cfg.occupancy == 1
-    assert cfg in fused_scan.fused_scan_fwd_configs(dims)
+    assert (cfg.BLOCK_P, cfg.LOAD_LAT, cfg.worker_warps, cfg.chunks_per_iter, cfg.weight_x) == want
+    assert cfg.occupancy == 1 and cfg in fused_scan.fused_scan_fwd_configs(dims)
     assert fused_scan.segment_states_default_config(dims).chunks_per_iter == 1
     assert {c.chunks_per_iter for c in fused_scan.segment_states_configs(dims)} == {1}
 
