@@ -341,18 +341,19 @@ def _wide_state(dims: SSDDims) -> bool:
 
 def fused_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScanConfig]:
     """The autotune space (sm_90): BLOCK_P 32/64 (dividing headdim, state at most 128 x 64 f32),
-    latency 2/4/6, x weighted at occupancy 1 (tileiras' warps or 8 worker warps, the latter also two
-    chunks per iteration) or 2 (tileiras' warps: 8 would cap them at 80 registers), and B weighted with
-    8 worker warps and two chunks per iteration (the dstate-64 default); plus 64 columns of a 256 x 64
-    state (dstate 256), x weighted at occupancy 1. Empty where `fused_scan_supported(dims)` is false."""
+    latency 2/4/6, x weighted at occupancy 1 (tileiras' warps, or 8 worker warps taking two chunks per
+    iteration) or 2 (tileiras' warps: 8 would cap them at 80 registers), and B weighted with 8 worker
+    warps and two chunks per iteration (the dstate-64 default); plus 64 columns of a 256 x 64 state
+    (dstate 256), x weighted at occupancy 1 with tileiras' warps or 8 worker warps. Empty where
+    `fused_scan_supported(dims)` is false."""
     check_arch("fused_scan_fwd_configs", arch)
     if not fused_scan_supported(dims):
         return []
     # (occupancy, worker_warps, chunks_per_iter, weight_x)
-    hints = ((1, None, 1, True), (1, 8, 1, True), (1, 8, 2, True), (1, 8, 2, False), (2, None, 1, True))
+    hints = ((1, None, 1, True), (1, 8, 2, True), (1, 8, 2, False), (2, None, 1, True))
     space = [(bp, hint) for bp in _widths(dims) for hint in hints]
     if _wide_state(dims):
-        space += [(64, hint) for hint in hints[:2]]
+        space += [(64, hint) for hint in ((1, None, 1, True), (1, 8, 1, True))]
     return [FusedScanConfig(BLOCK_P=bp, LOAD_LAT=lat, occupancy=occ, worker_warps=warps, chunks_per_iter=n,
                             weight_x=weight_x)
             for bp, (occ, warps, n, weight_x) in space for lat in (2, 4, 6)]
