@@ -364,21 +364,27 @@ def fused_scan_fwd_default_config(dims: SSDDims) -> FusedScanConfig:
     benchmarks/NOTES.md): dstate 128 and 256: 64 columns, occupancy 1, latency 6, tileiras' warps, x
     weighted (run 81: 199-200 us against 210-213 with B weighted at dstate 128, 8 worker warps 344; 336
     against 417-427 for dstate 256's earlier default, B weighted with 8 worker warps at latency 4); the
-    same at (4,2048,32,...), (4,8192,80,...) and (4,8192,64,...,G=8). dstate 64: 8 worker warps, two chunks
-    per iteration, B weighted (run 81: 191-195 us; x weighted 214-218, with tileiras' warps 223-234);
-    dstate 16 and 32 take the dstate-64 choice (untimed)."""
-    width = 64 if _wide_state(dims) else _widths(dims)[-1]
-    small_state = width == 64 and dims.dstate < 128
-    if small_state:
+    same at (4,2048,32,...), (4,8192,80,...) and (4,8192,64,...,G=8). At dstate 256 with seq_idx, 8
+    worker warps at latency 4 (run 82 with z, initial states and seq_idx: 509 us against 747; seq_idx
+    makes tileiras put the loop in one warpgroup with a 64-byte stack). dstate 64: 8 worker warps, two
+    chunks per iteration, B weighted (run 81: 191-195 us; x weighted 214-218, with tileiras' warps
+    223-234); dstate 16 and 32 take the dstate-64 choice (untimed)."""
+    if _wide_state(dims):
+        return FusedScanConfig(BLOCK_P=64, LOAD_LAT=4, occupancy=1, worker_warps=8) if dims.has_seq_idx else \
+            FusedScanConfig(BLOCK_P=64, LOAD_LAT=6, occupancy=1)
+    width = _widths(dims)[-1]
+    if width == 64 and dims.dstate < 128:
         return FusedScanConfig(BLOCK_P=64, LOAD_LAT=6, occupancy=1, worker_warps=8, chunks_per_iter=2,
                                weight_x=False)
     return FusedScanConfig(BLOCK_P=width, LOAD_LAT=6, occupancy=1)
 
 
 def segment_states_default_config(dims: SSDDims) -> FusedScanConfig:
-    """The fused default's width for the state-only walk of the pieces, at occupancy 2 and latency 4,
-    tileiras' warps: sm_90 wgmma without a stack at dstate 64-256 (128 registers). At the fused default
-    itself (occupancy 1, latency 6) tileiras 13.4 emits no wgmma for this kernel at dstate 128."""
+    """The fused default's width and weighting for the state-only walk of the pieces, at occupancy 2 and
+    latency 4, tileiras' warps: sm_90 wgmma without a stack at dstate 64-256. x weighted at dstate 128, per
+    launch on the H200 (run 82, B weighted in brackets): (2,32768,32,64,128,1) 83 us (108),
+    (4,16384,8,...) 50 (63), (1,131072,32,...) 213 (293). At the fused default itself (occupancy 1,
+    latency 6) tileiras 13.4 emitted no wgmma for this kernel at dstate 128 (B weighted)."""
     return dataclasses.replace(fused_scan_fwd_default_config(dims), LOAD_LAT=4, occupancy=2, worker_warps=None,
                                chunks_per_iter=1)
 

@@ -221,7 +221,18 @@ def test_fused_scan_default_is_the_measured_best_and_in_the_space(dstate, want):
     assert (cfg.BLOCK_P, cfg.LOAD_LAT, cfg.worker_warps, cfg.chunks_per_iter, cfg.weight_x) == want
     assert cfg.occupancy == 1 and cfg in fused_scan.fused_scan_fwd_configs(dims)
     assert fused_scan.segment_states_default_config(dims).chunks_per_iter == 1
+    assert fused_scan.segment_states_default_config(dims).weight_x == cfg.weight_x
     assert {c.chunks_per_iter for c in fused_scan.segment_states_configs(dims)} == {1}
+
+
+def test_fused_scan_default_at_dstate_256_with_seq_idx_takes_8_worker_warps():
+    """With seq_idx tileiras puts the wide state's loop in one warpgroup (with a stack); 8 worker warps
+    measured faster there."""
+    dims = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=256, chunk_size=64,
+                   has_seq_idx=True)
+    cfg = fused_scan.fused_scan_fwd_default_config(dims)
+    assert (cfg.BLOCK_P, cfg.LOAD_LAT, cfg.worker_warps, cfg.weight_x) == (64, 4, 8, True)
+    assert cfg in fused_scan.fused_scan_fwd_configs(dims)
 
 
 def test_fused_scan_config_takes_one_or_two_chunks_per_iteration():
