@@ -75,6 +75,7 @@ def time_launches(plan, arrays: dict, repeats: int) -> list[dict]:
     env = dict(arrays)
     for name, buf in plan.buffers.items():
         env[name] = (xp.zeros if buf.zero_init else xp.empty)(buf.shape, buf.dtype)
+    stream.wait_stream(torch.cuda.current_stream())  # the zero fills above run on the current stream
     rows = []
     for launch in plan.launches:
         args = tuple(env[a] if isinstance(a, str) else a for a in launch.args)
