@@ -1,15 +1,19 @@
 """Stages 2-4 of the SSD forward in one kernel: each block carries its state through the chunks and
 writes the outputs as it goes, so the chunk-entry states never leave the SM.
 
-Computes what chunk_state (+ state passing) followed by chunk_scan compute, with the same rounding
-(the state enters the C·H product in x's dtype, the carried state stays f32). For batch b, head h
-(group g = h // (nheads / ngroups)), chunk c with rows l, s, dA = dA_cumsum[b, h, c], Δ = dt_out[b, h, c]
-and H_c the state entering chunk c, stored transposed as Hᵀ [dstate, headdim] (H_0 = initial_states):
+Computes what chunk_state (+ state passing) followed by chunk_scan compute (the state enters the C·H
+product in x's dtype, the carried state stays f32). For batch b, head h (group g = h // (nheads /
+ngroups)), chunk c with rows l, s, dA = dA_cumsum[b, h, c], Δ = dt_out[b, h, c], the state's token weights
+w[l] = exp(min(dA[Q-1] - dA[l], 0)) Δ[l] and H_c [headdim, dstate] the state entering chunk c (H_0 =
+initial_states):
 
     y[l]     = exp(dA[l]) * (C[l] @ H_c^T) + Σ_{s<=l} (C[l] · B[s]) exp(min(dA[l] - dA[s], 0)) Δ[s] x[s]
                + D[h] * x[l],          out[l] = y[l] * silu(z[l]) if HAS_Z
-    H_{c+1}  = exp(dA[Q-1]) * H_c + x_c^T @ (B_c * exp(min(dA[Q-1] - dA[l], 0)) * Δ[l])
+    H_{c+1}  = exp(dA[Q-1]) * H_c + (x_c * w)^T @ B_c          (WEIGHT_X: carried as H)
+             = exp(dA[Q-1]) * H_c + x_c^T @ (B_c * w)          (else: carried as H^T, chunk_state's rounding)
     final_states[b, h] = H_nchunks
+
+where the weighted operand is rounded to x's dtype.
 
 with chunk_state's and chunk_scan's seq_idx rules (`_tiles.py`): the carry is dropped when a chunk ends in
 another sequence than the previous one, the state only collects tokens of the chunk's last sequence,
@@ -43,7 +47,7 @@ backward reads, so a differentiated forward can save them instead of the backwar
 Shapes: x, z, out (batch, seqlen, nheads, headdim) T (z a dummy without HAS_Z); B, C (batch, seqlen,
 ngroups, dstate) T; D (nheads, headdim) f32; dt_out, dA_cumsum (batch, nheads, nchunks, chunk_size) f32;
 initial_states, final_states (batch, nheads, headdim, dstate) f32 (initial_states a dummy without
-HAS_INIT); seq_idx (batch, seqlen) int32 or a dummy; seg_states (batch, pieces, nheads, dstate, headdim)
+HAS_INIT); seq_idx (batch, seqlen) int32 or a dummy; seg_states (batch, pieces, nheads, headdim, dstate)
 f32 and seg_decay (batch, nheads, pieces) f32 (dummies with one segment); states (batch,
 nchunks, nheads, headdim, dstate) T (a dummy without WRITE_STATES).
 """
@@ -291,7 +295,7 @@ class FusedScanConfig:
     """Tile size and hints of `fused_scan_fwd_kernel`.
 
     BLOCK_P: headdim columns per block (a power of two dividing headdim); the block carries a
-    [dstate, BLOCK_P] f32 state. LOAD_LAT: latency hint on the per-chunk loads. occupancy: expected
+    dstate x BLOCK_P f32 state. LOAD_LAT: latency hint on the per-chunk loads. occupancy: expected
     blocks per SM. worker_warps: warps of the compute warpgroups (4 or 8; None: tileiras' choice).
     chunks_per_iter: chunks per iteration of the chain's loop (1 or 2; ignored by segment_states).
     weight_x: the state update weights x's rows, (x * w)^T @ B, B's tile entering the product straight
@@ -317,8 +321,8 @@ class FusedScanConfig:
 FUSED_CHUNK_SIZES = (16, 32, 64)
 # Largest carried state (dstate * BLOCK_P f32 values) per block.
 _MAX_STATE = 128 * 64
-# Twice that, a 256 x 64 state, is in the tune space with x weighted at occupancy 1: tileiras 13.4 compiles
-# it to sm_90 without a stack (168 registers; with B weighted and tileiras' warps, a 72-byte stack).
+# Twice that, a 256 x 64 state, is in the tune space x weighted at occupancy 1: tileiras 13.4 compiles the
+# defaults to sm_90 without a stack (with B weighted and tileiras' warps, a 72-byte stack).
 _WIDE_STATE = 256 * 64
 
 
