@@ -68,7 +68,8 @@ from jax_mamba2.kernels._block_pass_config import (
     BlockPassConfig, adds_atomically, block_pass_configs, block_pass_default_config, block_pass_grid,
     check_sum_heads, summing_heads_config, sums_heads_by_default)
 from jax_mamba2.kernels._common import (
-    LOG2E, ConstBool, ConstInt, Launch, SSDDims, exp2_ftz, int64_index_kernels, mma_dtype, select_kernel)
+    LOG2E, ConstBool, ConstInt, Launch, SSDDims, exp2_ftz, int64_index_kernels, mma_dtype, select_kernel,
+    silu_gate)
 from jax_mamba2.kernels._tiles import (
     group_rows_and_products, load_chunk_vector, operand, previous_chunk_end_id, row_ids, store_chunk_vector)
 
@@ -84,8 +85,7 @@ def _output_grad_rows(dout, z, b, row_tile, h, BLOCK_M, HEADDIM, HAS_Z):
     """dy = ∂L/∂y of those rows: dout * silu(z) with a gate, else dout -> [BLOCK_M, HEADDIM] f32."""
     dout_m = _rows(dout, b, row_tile, h, BLOCK_M, HEADDIM)
     if HAS_Z:
-        z_m = _rows(z, b, row_tile, h, BLOCK_M, HEADDIM)
-        return dout_m * z_m / (1.0 + ct.exp(-z_m))
+        return silu_gate(dout_m, _rows(z, b, row_tile, h, BLOCK_M, HEADDIM))
     return dout_m
 
 
