@@ -385,7 +385,8 @@ def fused_scan_fwd_default_config(dims: SSDDims) -> FusedScanConfig:
 
 def segment_states_default_config(dims: SSDDims) -> FusedScanConfig:
     """The fused default's width and weighting for the state-only walk of the pieces, at occupancy 2 and
-    latency 4, tileiras' warps: sm_90 wgmma without a stack at dstate 64-256. x weighted at dstate 128, per
+    latency 4, tileiras' warps: sm_90 wgmma without a stack at dstate 64-256 (x weighted at dstate 256 the
+    build takes 219 registers and 228 KB of shared memory, so one block per SM). x weighted at dstate 128, per
     launch on the H200 (run 82, B weighted in brackets): (2,32768,32,64,128,1) 83 us (108),
     (4,16384,8,...) 50 (63), (1,131072,32,...) 213 (293). At the fused default itself (occupancy 1,
     latency 6) tileiras 13.4 emitted no wgmma for this kernel at dstate 128 (B weighted)."""
