@@ -69,7 +69,7 @@ from jax_mamba2.kernels._block_pass_config import (
     check_sum_heads, summing_heads_config, sums_heads_by_default)
 from jax_mamba2.kernels._common import (
     LOG2E, ConstBool, ConstInt, Launch, SSDDims, exp2_ftz, int64_index_kernels, mma_dtype, select_kernel,
-    silu_gate)
+    sigmoid, silu_gate)
 from jax_mamba2.kernels._tiles import (
     group_rows_and_products, load_chunk_vector, operand, previous_chunk_end_id, row_ids, store_chunk_vector)
 
@@ -216,7 +216,7 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
                 D_h = ct.load(D, index=(h, 0), shape=(1, HEADDIM)).reshape((HEADDIM,))
                 y_m = y_m + x_m * D_h[None, :]
                 z_m = _rows(z, b, m_tile, h, BLOCK_M, HEADDIM)
-                sig_z = 1.0 / (1.0 + ct.exp(-z_m))
+                sig_z = sigmoid(z_m)
                 dz_m = _rows(dout, b, m_tile, h, BLOCK_M, HEADDIM) * y_m * sig_z * (1.0 + z_m * (1.0 - sig_z))
                 ct.store(dz, index=(b, m_tile, h, 0), tile=dz_m.reshape((1, BLOCK_M, 1, HEADDIM)).astype(dz.dtype))
                 ct.store(dy, index=(b, m_tile, h, 0), tile=dy_m.reshape((1, BLOCK_M, 1, HEADDIM)).astype(dy.dtype))

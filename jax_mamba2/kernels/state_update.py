@@ -24,7 +24,7 @@ import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
     Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, SSDDims, check_arch, dt_transform,
-    int64_index_kernels, select_kernel)
+    int64_index_kernels, select_kernel, silu_gate)
 from jax_mamba2.kernels._tiles import batch_head_group
 
 STATE_UPDATE_INPUTS = ("state", "x", "dt", "A", "dt_bias", "B", "C", "D", "z")
@@ -54,8 +54,7 @@ def _state_update_body(state, x, dt, A, dt_bias, B, C, D, z, y, new_state, DSTAT
     D_p = ct.load(D, index=(h, pb), shape=(1, BLOCK_P)).reshape((BLOCK_P,))
     y_p = ct.sum(s * C_n[None, :], axis=1) + D_p * x_p                                     # [BLOCK_P] f32
     if HAS_Z:
-        z_p = ct.load(z, index=(b, h, pb), shape=(1, 1, BLOCK_P)).reshape((BLOCK_P,)).astype(ct.float32)
-        y_p = y_p * z_p / (1.0 + ct.exp(-z_p))
+        y_p = silu_gate(y_p, ct.load(z, index=(b, h, pb), shape=(1, 1, BLOCK_P)).reshape((BLOCK_P,)))
     ct.store(y, index=(b, h, pb), tile=y_p.reshape((1, 1, BLOCK_P)).astype(y.dtype))
 
 

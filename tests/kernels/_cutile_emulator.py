@@ -123,6 +123,17 @@ def exp2(x, *, flush_to_zero=False):
     return np.where(y < np.finfo(np.float32).tiny, np.zeros_like(y), y) if flush_to_zero else y
 
 
+@_quiet
+def truediv(x, y, *, rounding_mode=None, flush_to_zero=False):
+    """x / y; the approximate (2 ulp) division of the GPU is within the f32 rounding of the checks."""
+    return np.true_divide(x, y)
+
+
+class RoundingMode:
+    FULL = "full"
+    APPROX = "approx"
+
+
 log = _quiet(np.log)
 minimum = np.minimum
 maximum = np.maximum
