@@ -365,17 +365,17 @@ def fused_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScan
 
 def fused_scan_fwd_default_config(dims: SSDDims) -> FusedScanConfig:
     """The best measured config of the space on the H200 (bf16, chunk 64, (4,8192,32,64,N,1); per launch,
-    benchmarks/NOTES.md): dstate 128 and 256: 64 columns, occupancy 1, latency 6, tileiras' warps, x
-    weighted (run 81: 199-200 us against 210-213 with B weighted at dstate 128, 8 worker warps 344; 336
-    against 417-427 for dstate 256's earlier default, B weighted with 8 worker warps at latency 4); the
-    same at (4,2048,32,...), (4,8192,80,...) and (4,8192,64,...,G=8). At dstate 256 with seq_idx, 8
-    worker warps at latency 4 (run 82 with z, initial states and seq_idx: 509 us against 747; seq_idx
-    makes tileiras put the loop in one warpgroup with a 64-byte stack). dstate 64: 8 worker warps, two
-    chunks per iteration, B weighted (run 81: 191-195 us; x weighted 214-218, with tileiras' warps
-    223-234); dstate 16 and 32 take the dstate-64 choice (untimed)."""
+    benchmarks/NOTES.md): dstate 128: 64 columns, occupancy 1, latency 6, tileiras' warps, x weighted
+    (run 81: 199-200 us against 210-213 with B weighted, 8 worker warps 344; latency 4 / 5 / 8 within
+    noise in run 86); the same at (4,2048,32,...), (4,8192,80,...) and (4,8192,64,...,G=8). dstate 256: the
+    same at latency 4 (runs 85-86: 274-291 us against 333-345 at latency 6, whose build stages the loads in
+    134 KB of shared memory where latency 4 takes 210 KB); with seq_idx 8 worker warps (run 82 with z,
+    initial states and seq_idx: 509 us against 747; seq_idx makes tileiras put the loop in one warpgroup
+    with a 64-byte stack). dstate 64: 8 worker warps, two chunks per iteration, B weighted, latency 6 (run
+    81: 191-195 us; x weighted 214-218, with tileiras' warps 223-234; run 86: latency 4 / 5 / 7 slower);
+    dstate 16 and 32 take the dstate-64 choice (untimed)."""
     if _wide_state(dims):
-        return FusedScanConfig(BLOCK_P=64, LOAD_LAT=4, occupancy=1, worker_warps=8) if dims.has_seq_idx else \
-            FusedScanConfig(BLOCK_P=64, LOAD_LAT=6, occupancy=1)
+        return FusedScanConfig(BLOCK_P=64, LOAD_LAT=4, occupancy=1, worker_warps=8 if dims.has_seq_idx else None)
     width = _widths(dims)[-1]
     if width == 64 and dims.dstate < 128:
         return FusedScanConfig(BLOCK_P=64, LOAD_LAT=6, occupancy=1, worker_warps=8, chunks_per_iter=2,
