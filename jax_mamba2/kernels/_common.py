@@ -5,8 +5,8 @@ sequence of stages forms a `Plan`. The bridge executes a plan in one of three wa
 calls, a zero-copy buffer callback, or eagerly on CuPy/torch arrays) without knowing Mamba math, and
 the kernels never import JAX.
 
-Also shared by every stage: the device helpers `dt_transform`, `silu_gate` and `mma_dtype`, the int32/int64 index
-width choice (`needs_int64_index`, `int64_index_kernels`, `select_kernel`) and `check_arch`.
+Also shared by every stage: the device helpers `dt_transform`, `exp2_ftz`, `sigmoid`, `silu_gate` and `mma_dtype`,
+the int32/int64 index width choice (`needs_int64_index`, `int64_index_kernels`, `select_kernel`) and `check_arch`.
 """
 from __future__ import annotations
 
