@@ -142,7 +142,7 @@ def forward_buffers(dims: SSDDims, layout: str = "staged", save_states: bool = F
     if layout == "fused":
         return {**buffers, "seg_states": Buffer((1, 1, 1, 1, 1), "float32", zero_init=True),
                 "seg_decay": Buffer((1, 1, 1), "float32", zero_init=True)}
-    # The end state of every piece of the segments before the last, as [dstate, headdim] tiles, and its
+    # The end state of every piece of the segments before the last, as [headdim, dstate] tiles, and its
     # carry-through factor.
     earlier = num_pieces(dims, fused_segment_chunks(dims), state_piece_chunks(dims))
     return {**buffers, "seg_states": Buffer((b, earlier, H, P, N), "float32"),

@@ -316,7 +316,7 @@ class FusedScanConfig:
             raise ValueError(f"chunks_per_iter must be 1 or 2, got {self.chunks_per_iter}")
 
 
-# The chunk sizes the fused kernel takes: its [CHUNK, CHUNK] f32 C·B^T and [dstate, BLOCK_P] f32 state
+# The chunk sizes the fused kernel takes: its [CHUNK, CHUNK] f32 C·B^T and dstate x BLOCK_P f32 state
 # live in registers next to each other.
 FUSED_CHUNK_SIZES = (16, 32, 64)
 # Largest carried state (dstate * BLOCK_P f32 values) per block.
