@@ -135,7 +135,7 @@ _STAGES = {
         work_items=lambda d: d.batch * d.nheads * _segments(d)),
     # Backward.
     "chunk_scan_bwd_dc": _Stage(
-        key_fields=_BLOCK_PASS_KEY + ("has_z",),
+        key_fields=_BLOCK_PASS_KEY,
         work_items=lambda d: d.batch * d.nchunks * d.nheads, blocks_span_heads=True),
     "chunk_state_bwd": _Stage(
         key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_seq_idx"),

@@ -5,7 +5,7 @@ sequence of stages forms a `Plan`. The bridge executes a plan in one of three wa
 calls, a zero-copy buffer callback, or eagerly on CuPy/torch arrays) without knowing Mamba math, and
 the kernels never import JAX.
 
-Also shared by every stage: the device helpers `dt_transform`, `exp2_ftz`, `sigmoid`, `silu_gate` and `mma_dtype`,
+Also shared by every stage: the device helpers `dt_transform`, `exp2_ftz`, `silu_gate` and `mma_dtype`,
 the int32/int64 index width choice (`needs_int64_index`, `int64_index_kernels`, `select_kernel`) and `check_arch`.
 """
 from __future__ import annotations
@@ -133,23 +133,13 @@ def dt_transform(v, DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX):
     return v
 
 
-def _over_one_plus_exp_neg(numerator, z32):
-    """numerator / (1 + e^-z) of an f32 tile z with one MUFU.EX2 and an approximate division (2 ulp; e^-z -> inf
-    for very negative z gives 0, never NaN)."""
-    return ct.truediv(numerator, 1.0 + exp2_ftz(-z32 * LOG2E), rounding_mode=ct.RoundingMode.APPROX,
-                      flush_to_zero=True)
-
-
-def sigmoid(z32):
-    """Device helper: sigmoid(z) of an f32 tile."""
-    return _over_one_plus_exp_neg(1.0, z32)
-
-
 def silu_gate(acc, z_tile):
-    """Device helper: acc * silu(z) in f32 (silu(z) as z / (1 + e^-z): as z * sigmoid(z) the sm_90 fused output
-    loop with z took 1464 instructions per chunk instead of 1142)."""
+    """Device helper: acc * silu(z) in f32, silu(z) as z / (1 + e^-z) with one MUFU.EX2 and an approximate
+    division (2 ulp; e^-z -> inf for very negative z gives 0, never NaN). As z * sigmoid(z) the sm_90 fused
+    output loop with z took 1464 instructions per chunk instead of 1142."""
     z32 = z_tile.astype(ct.float32)
-    return acc * _over_one_plus_exp_neg(z32, z32)
+    return acc * ct.truediv(z32, 1.0 + exp2_ftz(-z32 * LOG2E), rounding_mode=ct.RoundingMode.APPROX,
+                            flush_to_zero=True)
 
 
 def mma_dtype(dtype):

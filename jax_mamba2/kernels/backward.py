@@ -3,13 +3,15 @@
     1. chunk_cumsum        (forward)  Δ, dA_cumsum
     2. chunk_state         (forward)  chunk-entry states H_c in x's dtype (final_states recomputed, unused);
                                       1 and 2 are skipped when the forward saved them (`saved_states`)
-    3. chunk_scan_bwd_dc   dy = dout·silu(z), dz, dC, dD partials, dA_cumsum grads of the output
+    3. chunk_scan_bwd_dc   dC, dD partials, dA_cumsum grads of the output
     4. chunk_state_bwd     reverse state pass: ∂L/∂(chunk end states), dinitial_states, carry's dA grad
     5. chunk_scan_bwd_dx   dx, dB, ∂L/∂Δ (explicit factors), end-state dA grads
     6. chunk_cumsum_bwd    ddt through cumsum / dt_limit / softplus; dA, ddt_bias partials
     7. param_grads_bwd     dA, ddt_bias, dD summed over (batch, chunk) in a fixed order
 
-The math of each stage is in its module docstring (notation in _tiles.py). The heads of a group
+The kernels are gate-free: dout is ∂L/∂y of the output before any gate z, whose VJP the caller takes
+(bridge/ops.py applies the gate and its VJP as XLA elementwise ops, with the pre-gate output the forward
+saved). The math of each stage is in its module docstring (notation in _tiles.py). The heads of a group
 share dB and dC: each block of the dB/dC passes sums some heads of a group (`group_heads_per_block`), and
 where a group spans several blocks they add their sums atomically into zero-initialised f32 buffers; a
 block owning a whole group stores its sum in x's dtype (no zero fill, no cast after). `deterministic=True`
@@ -32,7 +34,7 @@ from jax_mamba2.kernels.forward import FORWARD_INPUTS, SAVED_FOR_BACKWARD, forwa
 from jax_mamba2.kernels.param_grads_bwd import param_grads_bwd_launch
 
 BACKWARD_INPUTS = FORWARD_INPUTS + ("dout", "dfinal_states")
-BACKWARD_OUTPUTS = ("dx", "ddt", "dA", "dB", "dC", "dD", "dz", "ddt_bias", "dinitial_states")
+BACKWARD_OUTPUTS = ("dx", "ddt", "dA", "dB", "dC", "dD", "ddt_bias", "dinitial_states")
 # The stage names `configs` is keyed by (the first two are the forward stages it recomputes with).
 BACKWARD_STAGES = ("chunk_cumsum", "chunk_state", "chunk_scan_bwd_dc", "chunk_state_bwd",
                    "chunk_scan_bwd_dx", "chunk_cumsum_bwd", "param_grads_bwd")
@@ -116,16 +118,13 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
     num_m_blocks = Q // configs["chunk_scan_bwd_dc"].BLOCK_M
     carry_terms = chunk_state_bwd_carry_terms(dims, configs["chunk_state_bwd"])
     per_row = _per_row(dims)
-    gated = (b, L, H, P) if dims.has_z else (1, 1, 1, 1)
     # Atomic head reductions need zeroed dB/dC; a block owning its whole group stores them.
     atomic = adds_atomically(dims, group_heads_per_block(dims, deterministic, atomic_heads_per_block))
     recomputed = {} if saved_states else {"dt_out": per_row, "dA_cumsum": per_row, "states": _states(dims),
                                           "final_states": Buffer((b, H, P, N), "float32")}
     return {
         **recomputed,
-        # Intermediates of the backward stages (dy and dz are zeroed dummies without a gate: never read,
-        # but defined).
-        "dy": Buffer(gated, T, zero_init=not dims.has_z),
+        # Intermediates of the backward stages.
         "ddA_intra": Buffer((b, H, nc, num_m_blocks, Q), "float32"),
         "ddA_inter": per_row,
         # Zeroed where row blocks can lie wholly past seqlen (they write no partial row).
@@ -143,7 +142,6 @@ def backward_buffers(dims: SSDDims, configs: Mapping[str, object] | None = None,
         "dB": Buffer((b, L, G, N), "float32" if atomic else T, zero_init=atomic),
         "dC": Buffer((b, L, G, N), "float32" if atomic else T, zero_init=atomic),
         "dD": Buffer((H, P), "float32"),
-        "dz": Buffer(gated, T, zero_init=not dims.has_z),
         "ddt_bias": Buffer((H,), "float32"),
         "dinitial_states": Buffer((b, H, P, N), "float32"),
     }
@@ -174,14 +172,15 @@ def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
         from `forward.forward_plan(..., save_states=True)`) instead of being recomputed.
 
     Returns:
-      A Plan with inputs BACKWARD_INPUTS and outputs BACKWARD_OUTPUTS: dx (b, L, H, P) and dz (b, L, H, P)
-      (a dummy without a gate) in x's dtype; dB, dC (b, L, G, N) in f32 where added atomically, else in x's
+      A Plan with inputs BACKWARD_INPUTS and outputs BACKWARD_OUTPUTS: dx (b, L, H, P) in x's dtype; dB, dC (b, L, G, N) in f32 where added atomically, else in x's
       dtype; ddt (b, L, H) w.r.t. the raw dt, in dt's dtype; dA (H,), dD (H, P) (the caller sums over P for a
       per-head D), ddt_bias (H,), dinitial_states (b, H, P, N), f32.
     """
+    if dims.has_z:
+        raise ValueError("backward_plan: dims.has_z must be False: the backward kernels are gate-free (take "
+                         "the gate's VJP outside them, as bridge/ops.py does)")
     configs = _stage_configs(dims, configs)
     heads = group_heads_per_block(dims, deterministic, atomic_heads_per_block)
-    dy = "dy" if dims.has_z else "dout"
     dc_config = configs["chunk_scan_bwd_dc"]
     state_config = configs["chunk_state_bwd"]
     recompute = () if saved_states else (chunk_cumsum_fwd_launch(dims, configs.get("chunk_cumsum")),
@@ -191,9 +190,8 @@ def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
         buffers=backward_buffers(dims, configs, deterministic, atomic_heads_per_block, saved_states),
         launches=recompute + (
             chunk_scan_bwd_dc_launch(dims, dc_config, heads_per_block=heads),
-            chunk_state_bwd_launch(dims, state_config, dy=dy),
-            chunk_scan_bwd_dx_launch(dims, configs.get("chunk_scan_bwd_dx"),
-                                     heads_per_block=heads, dy=dy),
+            chunk_state_bwd_launch(dims, state_config),
+            chunk_scan_bwd_dx_launch(dims, configs.get("chunk_scan_bwd_dx"), heads_per_block=heads),
             chunk_cumsum_bwd_launch(dims, configs.get("chunk_cumsum_bwd"), dc_block_m=dc_config.BLOCK_M,
                                     carry_terms=chunk_state_bwd_carry_terms(dims, state_config)),
             param_grads_bwd_launch(dims, configs.get("param_grads_bwd")),

@@ -1,15 +1,13 @@
-"""Backward of chunk_scan, row pass: dC, dz, the gate-free output gradient dy, dD and the dA_cumsum
-gradients of the output (see _tiles.py for the notation).
+"""Backward of chunk_scan, row pass: dC, dD and the dA_cumsum gradients of the output (see _tiles.py for
+the notation).
 
 The forward (chunk_scan.py) computes, for the rows l of chunk c of head h,
 
-    y_l   = r_l exp(dA_l) (C_l · H_c)  +  Σ_s M[l,s] (C_l · B_s) Φ[l,s] Δ_s x_s  +  D ⊙ x_l,
-    out_l = y_l ⊙ silu(z_l)                                             (HAS_Z)
+    y_l   = r_l exp(dA_l) (C_l · H_c)  +  Σ_s M[l,s] (C_l · B_s) Φ[l,s] Δ_s x_s  +  D ⊙ x_l
 
-with Φ[l,s] = exp(min(dA_l - dA_s, 0)). Given dout = ∂L/∂out this pass computes, per row l:
+with Φ[l,s] = exp(min(dA_l - dA_s, 0)). Given dy = ∂L/∂y (the backward kernels are gate-free: a gate's
+VJP is taken outside them, see bridge/ops.py) this pass computes, per row l:
 
-    dy_l   = dout_l ⊙ silu(z_l)                          (= dout_l without a gate; stored for later passes)
-    dz_l   = dout_l ⊙ y_l ⊙ σ(z_l) (1 + z_l (1 - σ(z_l)))       (y_l recomputed here, HAS_Z only)
     dCB[l,s] = M[l,s] Φ[l,s] Δ_s (dy_l · x_s)                    (∂L/∂(C_l · B_s) of one head)
     dC_l   = Σ_{h in group} [ r_l exp(dA_l) dy_l H_c  +  Σ_s dCB[l,s] B_s ]
     dD    += Σ_l dy_l ⊙ x_l                                       (per (batch, chunk, row block) partials)
@@ -53,8 +51,7 @@ accumulation and everything elementwise in f32.
 Grid: (nheads/HEADS_PER_BLOCK * CHUNK/BLOCK_M * nchunks, batch), head splits fastest, the heaviest row
 blocks (near the chunk end) first. Row blocks wholly past seqlen do nothing.
 
-Shapes: x, z, dout, dy, dz (batch, seqlen, nheads, headdim) T (z, dz and dy are dummies without HAS_Z);
-B, C (batch, seqlen, ngroups, dstate) T; D (nheads, headdim) f32; dt_out, dA_cumsum, ddA_inter
+Shapes: x, dout (= dy) (batch, seqlen, nheads, headdim) T; B, C (batch, seqlen, ngroups, dstate) T; dt_out, dA_cumsum, ddA_inter
 (batch, nheads, nchunks, CHUNK) f32; states (batch, nchunks, nheads, headdim, dstate) T; seq_idx
 (batch, seqlen) int32 or a dummy; dC (batch, seqlen, ngroups, dstate) f32 if added atomically, else T;
 ddA_intra (batch, nheads, nchunks, CHUNK/BLOCK_M, CHUNK) f32; dD_partials (batch * nchunks * CHUNK/BLOCK_M,
@@ -68,8 +65,7 @@ from jax_mamba2.kernels._block_pass_config import (
     BlockPassConfig, adds_atomically, block_pass_configs, block_pass_default_config, block_pass_grid,
     check_sum_heads, summing_heads_config, sums_heads_by_default)
 from jax_mamba2.kernels._common import (
-    LOG2E, ConstBool, ConstInt, Launch, SSDDims, exp2_ftz, int64_index_kernels, mma_dtype, select_kernel,
-    sigmoid, silu_gate)
+    LOG2E, ConstBool, ConstInt, Launch, SSDDims, exp2_ftz, int64_index_kernels, mma_dtype, select_kernel)
 from jax_mamba2.kernels._tiles import (
     group_rows_and_products, load_chunk_vector, operand, previous_chunk_end_id, row_ids, store_chunk_vector)
 
@@ -81,14 +77,6 @@ def _rows(array, b, row_tile, h, BLOCK_M, HEADDIM):
                    padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_M, HEADDIM)).astype(ct.float32)
 
 
-def _output_grad_rows(dout, z, b, row_tile, h, BLOCK_M, HEADDIM, HAS_Z):
-    """dy = ∂L/∂y of those rows: dout * silu(z) with a gate, else dout -> [BLOCK_M, HEADDIM] f32."""
-    dout_m = _rows(dout, b, row_tile, h, BLOCK_M, HEADDIM)
-    if HAS_Z:
-        return silu_gate(dout_m, _rows(z, b, row_tile, h, BLOCK_M, HEADDIM))
-    return dout_m
-
-
 def _store_dD_partial(dD_partials, b, c, m, h, nchunks, num_m_blocks, dy_m, x_rows, HEADDIM):
     """dD_partials[(b, c, m), h] = Σ_l dy_l ⊙ x_l over the row block: dy_m [BLOCK_M, HEADDIM] f32, x_rows
     [BLOCK_M, HEADDIM] in x's dtype."""
@@ -96,10 +84,10 @@ def _store_dD_partial(dD_partials, b, c, m, h, nchunks, num_m_blocks, dy_m, x_ro
              tile=ct.sum(dy_m * x_rows.astype(ct.float32), axis=0).reshape((1, 1, HEADDIM)))
 
 
-def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_idx,
-                            dy, dz, dC, ddA_intra, ddA_inter, dD_partials,
+def _chunk_scan_bwd_dc_body(x, B, C, dout, dt_out, dA_cumsum, states, seq_idx,
+                            dC, ddA_intra, ddA_inter, dD_partials,
                             CHUNK, HEADDIM, DSTATE, BLOCK_M, BLOCK_K, HEADS_PER_BLOCK,
-                            HAS_Z, HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT, SUM_HEADS):
+                            HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT, SUM_HEADS):
     seqlen = x.shape[1]
     nheads = x.shape[2]
     num_m_blocks = CHUNK // BLOCK_M
@@ -127,10 +115,10 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
         # Key blocks up to the diagonal that hold a valid token (a wholly out-of-bounds load is undefined).
         num_k_blocks = ct.cdiv(ct.minimum((m + 1) * BLOCK_M, seqlen - c * CHUNK), BLOCK_K)
         dC_acc = ct.zeros((BLOCK_M, DSTATE), dtype=ct.float32)              # [BLOCK_M, DSTATE]
-        # With one whole-chunk key block and no gate, the dD partial is taken from the key rows (they are
-        # the rows l) as they arrive, instead of reloading x and dout after the key loop (H200, bf16, per
-        # launch: 0.245 -> 0.220 ms at (4,8192,32,64,64,1), 0.283 either way at dstate 128).
-        DD_FROM_KEYS = BLOCK_M == CHUNK and BLOCK_K == CHUNK and not HAS_Z
+        # With one whole-chunk key block the dD partial is taken from the key rows (they are the rows l) as
+        # they arrive, instead of reloading x and dout after the key loop (H200, bf16, per launch: 0.245 ->
+        # 0.220 ms at (4,8192,32,64,64,1), 0.283 either way at dstate 128).
+        DD_FROM_KEYS = BLOCK_M == CHUNK and BLOCK_K == CHUNK
         if BLOCK_K == CHUNK:
             # One key block, so no carry, and R^intra is a product: R_r = Σ_s [s < r] (U T)[r, s] with
             # U[r, l] = [l >= r] (exact in tf32), instead of a cumulative and a cross-row sum.
@@ -146,7 +134,7 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
         for t in range(HEADS_PER_BLOCK):
             h = first_head + t
             dA_m = load_chunk_vector(dA_cumsum, b, h, c, m, BLOCK_M)         # [BLOCK_M]
-            dy_m = _output_grad_rows(dout, z, b, m_tile, h, BLOCK_M, HEADDIM, HAS_Z)  # [BLOCK_M, HEADDIM] f32
+            dy_m = _rows(dout, b, m_tile, h, BLOCK_M, HEADDIM)              # [BLOCK_M, HEADDIM] f32
             dy_op = operand(dy_m, x.dtype, op_dtype)
 
             # Inter-chunk term: y_l = r_l exp(dA_l) C_l H_c^T, V_l = dy_l · y_l, dC_l += r_l exp(dA_l) dy_l H_c.
@@ -192,9 +180,6 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
                     dcb_sum = dcb_sum + dcb
                 else:
                     dC_acc = ct.mma(operand(dcb, x.dtype, op_dtype), B_k, dC_acc)
-                if HAS_Z:
-                    scores = ct.where(keep, cb * decay_dt, 0.0)
-                    y_m = ct.mma(operand(scores, x.dtype, op_dtype), x_k, y_m)
                 # R^intra_r += Σ_{l >= r} (carry_l + Σ_{s < r in this block} T[l, s]), r in this block.
                 t_ls = dcb * cb
                 if BLOCK_K == CHUNK:
@@ -210,16 +195,8 @@ def _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_
             if not DD_FROM_KEYS:
                 # Reloaded rather than kept live across the key loop (they would spill).
                 x_m = _rows(x, b, m_tile, h, BLOCK_M, HEADDIM)
-                dy_m = _output_grad_rows(dout, z, b, m_tile, h, BLOCK_M, HEADDIM, HAS_Z)
+                dy_m = _rows(dout, b, m_tile, h, BLOCK_M, HEADDIM)
                 _store_dD_partial(dD_partials, b, c, m, h, nchunks, num_m_blocks, dy_m, x_m, HEADDIM)
-            if HAS_Z:
-                D_h = ct.load(D, index=(h, 0), shape=(1, HEADDIM)).reshape((HEADDIM,))
-                y_m = y_m + x_m * D_h[None, :]
-                z_m = _rows(z, b, m_tile, h, BLOCK_M, HEADDIM)
-                sig_z = sigmoid(z_m)
-                dz_m = _rows(dout, b, m_tile, h, BLOCK_M, HEADDIM) * y_m * sig_z * (1.0 + z_m * (1.0 - sig_z))
-                ct.store(dz, index=(b, m_tile, h, 0), tile=dz_m.reshape((1, BLOCK_M, 1, HEADDIM)).astype(dz.dtype))
-                ct.store(dy, index=(b, m_tile, h, 0), tile=dy_m.reshape((1, BLOCK_M, 1, HEADDIM)).astype(dy.dtype))
 
         if SUM_HEADS:
             dC_acc = ct.mma(operand(dcb_sum, x.dtype, op_dtype), B_chunk, dC_acc)
@@ -236,15 +213,11 @@ def _make_chunk_scan_bwd_dc_kernel(Big):
         x: Big,               # (batch, seqlen, nheads, headdim) T
         B: Big,               # (batch, seqlen, ngroups, dstate) T
         C: Big,               # (batch, seqlen, ngroups, dstate) T
-        D,                    # (nheads, headdim) f32
-        z: Big,               # (batch, seqlen, nheads, headdim) T, or a dummy without HAS_Z
-        dout: Big,            # (batch, seqlen, nheads, headdim) T
+        dout: Big,            # (batch, seqlen, nheads, headdim) T, ∂L/∂y
         dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
         dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
         states: Big,          # (batch, nchunks, nheads, headdim, dstate) T, chunk-entry states
         seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
-        dy: Big,              # (batch, seqlen, nheads, headdim) T, written (HAS_Z), else a dummy
-        dz: Big,              # (batch, seqlen, nheads, headdim) T, written (HAS_Z), else a dummy
         dC: Big,              # (batch, seqlen, ngroups, dstate) written, f32 zero-initialised if ATOMIC_ADD, else T
         ddA_intra: Big,       # (batch, nheads, nchunks, CHUNK/BLOCK_M, CHUNK) f32, written
         ddA_inter: Big,       # (batch, nheads, nchunks, CHUNK) f32, written
@@ -255,16 +228,15 @@ def _make_chunk_scan_bwd_dc_kernel(Big):
         BLOCK_M: ConstInt,    # rows per block
         BLOCK_K: ConstInt,    # keys per inner step
         HEADS_PER_BLOCK: ConstInt,
-        HAS_Z: ConstBool,
         HAS_SEQ_IDX: ConstBool,
         ATOMIC_ADD: ConstBool,
         LOAD_LAT: ConstInt,   # latency hint of the key-loop loads (1..10)
         SUM_HEADS: ConstBool,  # one whole-chunk key block; C·Bᵀ once, the heads' dCB summed (BlockPassConfig)
     ):
-        _chunk_scan_bwd_dc_body(x, B, C, D, z, dout, dt_out, dA_cumsum, states, seq_idx,
-                                dy, dz, dC, ddA_intra, ddA_inter, dD_partials,
+        _chunk_scan_bwd_dc_body(x, B, C, dout, dt_out, dA_cumsum, states, seq_idx,
+                                dC, ddA_intra, ddA_inter, dD_partials,
                                 CHUNK, HEADDIM, DSTATE, BLOCK_M, BLOCK_K, HEADS_PER_BLOCK,
-                                HAS_Z, HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT, SUM_HEADS)
+                                HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT, SUM_HEADS)
 
     return chunk_scan_bwd_dc_kernel
 
@@ -296,20 +268,20 @@ def chunk_scan_bwd_dc_default_config(dims: SSDDims) -> BlockPassConfig:
 
 def chunk_scan_bwd_dc_launch(dims: SSDDims, cfg: ChunkScanBwdDcConfig | None = None, *,
                              heads_per_block: int = 1) -> Launch:
-    """The launch writing ("dC", "ddA_intra", "ddA_inter", "dD_partials") and, with a gate, ("dy", "dz").
+    """The launch writing ("dC", "ddA_intra", "ddA_inter", "dD_partials").
 
     `heads_per_block` heads of one group share a block (it must divide heads_per_group); dC is added
     atomically unless one block owns the whole group.
     """
     cfg = cfg or chunk_scan_bwd_dc_default_config(dims)
     atomic_add = adds_atomically(dims, heads_per_block)
-    writes = ("dC", "ddA_intra", "ddA_inter", "dD_partials") + (("dy", "dz") if dims.has_z else ())
+    writes = ("dC", "ddA_intra", "ddA_inter", "dD_partials")
     return Launch(
         kernel=select_kernel(CHUNK_SCAN_BWD_DC_KERNELS, dims, occupancy=cfg.occupancy),
         grid=block_pass_grid(dims, cfg, heads_per_block),
-        args=("x", "B", "C", "D", "z", "dout", "dt_out", "dA_cumsum", "states", "seq_idx",
-              "dy", "dz", "dC", "ddA_intra", "ddA_inter", "dD_partials",
+        args=("x", "B", "C", "dout", "dt_out", "dA_cumsum", "states", "seq_idx",
+              *writes,
               dims.chunk_size, dims.headdim, dims.dstate, cfg.BLOCK_M, cfg.BLOCK_K, heads_per_block,
-              dims.has_z, dims.has_seq_idx, atomic_add, cfg.LOAD_LAT, check_sum_heads(dims, cfg)),
+              dims.has_seq_idx, atomic_add, cfg.LOAD_LAT, check_sum_heads(dims, cfg)),
         writes=writes,
     )

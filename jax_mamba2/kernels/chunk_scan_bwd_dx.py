@@ -241,15 +241,15 @@ def chunk_scan_bwd_dx_default_config(dims: SSDDims) -> BlockPassConfig:
 
 
 def chunk_scan_bwd_dx_launch(dims: SSDDims, cfg: ChunkScanBwdDxConfig | None = None, *,
-                             heads_per_block: int = 1, dy: str = "dy") -> Launch:
-    """The launch writing ("dx", "dB", "ddt_out", "ddA_state"); `dy` names the output gradient array
-    ("dy", or "dout" without a gate). dB is added atomically unless one block owns the whole group."""
+                             heads_per_block: int = 1) -> Launch:
+    """The launch writing ("dx", "dB", "ddt_out", "ddA_state"), reading the output gradient "dout". dB is
+    added atomically unless one block owns the whole group."""
     cfg = cfg or chunk_scan_bwd_dx_default_config(dims)
     atomic_add = adds_atomically(dims, heads_per_block)
     return Launch(
         kernel=select_kernel(CHUNK_SCAN_BWD_DX_KERNELS, dims, occupancy=cfg.occupancy),
         grid=block_pass_grid(dims, cfg, heads_per_block),
-        args=("x", "B", "C", "D", dy, "dt_out", "dA_cumsum", "dstates", "seq_idx",
+        args=("x", "B", "C", "D", "dout", "dt_out", "dA_cumsum", "dstates", "seq_idx",
               "dx", "dB", "ddt_out", "ddA_state",
               dims.chunk_size, dims.headdim, dims.dstate, cfg.BLOCK_M, cfg.BLOCK_K, heads_per_block,
               dims.has_seq_idx, atomic_add, cfg.LOAD_LAT, check_sum_heads(dims, cfg)),

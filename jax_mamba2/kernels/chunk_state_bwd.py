@@ -184,15 +184,13 @@ def _sum_rows(cfg: ChunkStateBwdConfig) -> int:
     return min(cfg.BLOCK_P, WARP_ROWS)
 
 
-def chunk_state_bwd_launch(dims: SSDDims, cfg: ChunkStateBwdConfig | None = None, *,
-                           dy: str = "dy") -> Launch:
-    """The launch writing ("dstates", "dinitial_states", "ddA_chunk"); `dy` names the output gradient
-    array (the gated "dy" buffer, or "dout" itself without a gate)."""
+def chunk_state_bwd_launch(dims: SSDDims, cfg: ChunkStateBwdConfig | None = None) -> Launch:
+    """The launch writing ("dstates", "dinitial_states", "ddA_chunk"), reading the output gradient "dout"."""
     cfg = cfg or chunk_state_bwd_default_config(dims)
     return Launch(
         kernel=select_kernel(CHUNK_STATE_BWD_KERNELS, dims, occupancy=cfg.occupancy),
         grid=chunk_state_bwd_grid(dims, cfg),
-        args=("C", dy, "dA_cumsum", "states", "seq_idx", "dfinal_states",
+        args=("C", "dout", "dA_cumsum", "states", "seq_idx", "dfinal_states",
               "dstates", "dinitial_states", "ddA_chunk",
               dims.chunk_size, cfg.BLOCK_P, cfg.BLOCK_N, _sum_rows(cfg), dims.has_seq_idx, cfg.LOAD_LAT),
         writes=("dstates", "dinitial_states", "ddA_chunk"),

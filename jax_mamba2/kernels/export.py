@@ -149,14 +149,17 @@ def _backward_configs(dims: SSDDims, which: str, arch: str) -> Iterator[dict]:
 def _launches(which: str, quick: bool, arch: str) -> Iterator[tuple[Launch, dict]]:
     """(launch, arrays) for every kernel the problem set uses."""
     for dims in _problems(quick):
+        # A differentiated call runs the kernels gate-free (the gate's VJP is taken outside them).
+        differentiated = dataclasses.replace(dims, has_z=False)
         for layout, configs in _forward_configs(dims, which, arch):
-            for save_states in (False, True):
-                for launch in forward_plan(dims, configs, layout, save_states).launches:
-                    yield launch, forward_arrays(dims, layout, save_states)
-        for configs in _backward_configs(dims, which, arch):
+            for save_states, plan_dims in ((False, dims), (True, differentiated)):
+                for launch in forward_plan(plan_dims, configs, layout, save_states).launches:
+                    yield launch, forward_arrays(plan_dims, layout, save_states)
+        for configs in _backward_configs(differentiated, which, arch):
             for deterministic, saved_states in itertools.product((False, True), (False, True)):
-                plan = backward_plan(dims, configs, deterministic=deterministic, saved_states=saved_states)
-                arrays = backward_arrays(dims, configs, deterministic, saved_states=saved_states)
+                plan = backward_plan(differentiated, configs, deterministic=deterministic,
+                                     saved_states=saved_states)
+                arrays = backward_arrays(differentiated, configs, deterministic, saved_states=saved_states)
                 yield from ((launch, arrays) for launch in plan.launches)
         step_dims = dataclasses.replace(dims, seqlen=1, chunk_size=1, dt_dtype="float32", has_init=False,
                                         has_seq_idx=False)

@@ -11,6 +11,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 pytest.importorskip("cuda.tile")
 
 from jax_mamba2 import op  # noqa: E402
+from jax_mamba2.bridge import ops  # noqa: E402
 from tests._helpers import make_ssd_args  # noqa: E402
 
 assert "cutile" in op.available_backends(), op._load_optional_backends()
@@ -137,6 +138,59 @@ def test_cutile_grad_reads_the_states_the_forward_saved_unless_asked_to_recomput
     assert names.count("chunk_cumsum_fwd_kernel") == 2, names
 
 
+def _kernel_operand_shapes(jaxpr) -> list:
+    return [(c.params["kernel"]._annotated_function.pyfunc.__name__, [tuple(v.aval.shape) for v in c.invars])
+            for c in _cutile_calls(jaxpr)]
+
+
+@pytest.mark.parametrize("recompute", ["0", "1"])
+def test_cutile_differentiated_gate_runs_outside_the_kernels(monkeypatch, recompute):
+    """A forward alone applies z in its output kernel. Differentiated, the kernels and their operands are
+    those of the gate-free call (z never reaches one): the gate and its VJP are XLA elementwise ops on the
+    pre-gate output, which the forward saved; with JAX_MAMBA2_RECOMPUTE_STATES=1 the custom VJP's forward
+    is the gated forward and the backward runs the gate-free forward kernels again for the pre-gate output."""
+    monkeypatch.setenv("JAX_MAMBA2_RECOMPUTE_STATES", recompute)
+    args, kwargs = make_ssd_args(8, **DIMS, z=True, dtype=jnp.bfloat16)
+    z = kwargs["z"]
+
+    def trace(gate, grad=True):
+        def loss(x, z):
+            y = _cutile_ssd(x, *args[1:], z=z if gate else None)[0]
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+        return jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)) if grad else loss)(args[0], z)
+
+    forward_names = ["chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel", "chunk_scan_fwd_kernel"]
+    gated_forward, plain_forward = (_kernel_operand_shapes(trace(gate, grad=False)) for gate in (True, False))
+    assert [name for name, _ in gated_forward] == [name for name, _ in plain_forward] == forward_names
+    # The output kernel's z operand: z itself, not the (1, 1, 1, 1) dummy.
+    assert gated_forward[2][1].count(z.shape) == plain_forward[2][1].count(z.shape) + 1
+    gated, plain = (_kernel_operand_shapes(trace(gate)) for gate in (True, False))
+    if recompute == "0":
+        assert gated == plain
+    else:
+        assert plain[:3] == plain_forward
+        assert gated == gated_forward + plain_forward + plain[3:]
+    assert [a.shape for a in trace(True).out_avals] == [(), args[0].shape, z.shape]
+
+
+def test_gate_vjp_matches_autodiff_of_the_gate():
+    """ops._gate_vjp against jax.vjp of y * silu(z), in f32 and bf16, with z far in both tails."""
+    ky, kz, kd = jax.random.split(jax.random.PRNGKey(9), 3)
+    y = jax.random.normal(ky, (2, 8, 3, 16), jnp.float32)
+    z = 4.0 * jax.random.normal(kz, y.shape, jnp.float32).at[0, 0, 0, :2].set(jnp.array([-200.0, 200.0]))
+    dout = jax.random.normal(kd, y.shape, jnp.float32)
+    out, vjp = jax.vjp(lambda y, z: y * jax.nn.silu(z), y, z)
+    want_dy, want_dz = vjp(dout)
+    for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):
+        cast = [a.astype(dtype) for a in (y, z, dout)]
+        got_dy, got_dz = ops._gate_vjp(*cast)
+        assert got_dy.dtype == got_dz.dtype == dtype
+        for got, want in ((ops._gate(cast[0], cast[1]), out), (got_dy, want_dy), (got_dz, want_dz)):
+            got = got.astype(jnp.float32)
+            assert bool(jnp.all(jnp.isfinite(got)))
+            assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < tol
+
+
 def test_cutile_outputs_keep_shard_map_varying_axes():
     mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,))
     args, kwargs = make_ssd_args(4, **DIMS)
@@ -160,6 +214,22 @@ def test_cutile_outputs_keep_shard_map_varying_axes():
     # The gradient of a replicated parameter (A) through the kernel must type-check under shard_map.
     grads = jax.make_jaxpr(jax.grad(loss, argnums=1))(x, A)
     assert grads.out_avals[0].shape == A.shape
+
+
+def test_cutile_gate_gradients_type_check_under_shard_map():
+    """The gate's VJP (outside the kernels) gives z a cotangent varying as z does, and a replicated D the sum
+    over shards."""
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,))
+    args, kwargs = make_ssd_args(10, **DIMS, D="head", z=True)
+    x, dt, A, B, C = args
+
+    def loss(z, D):
+        f = jax.shard_map(lambda x, dt, B, C, z: _cutile_ssd(x, dt, A, B, C, D=D, z=z)[0], mesh=mesh,
+                          in_specs=P("data"), out_specs=P("data"))
+        return jnp.sum(f(x, dt, B, C, z) ** 2)
+
+    grads = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(kwargs["z"], kwargs["D"])
+    assert [a.shape for a in grads.out_avals] == [kwargs["z"].shape, kwargs["D"].shape]
 
 
 @pytest.mark.parametrize("backend", ["cutile", "cutile_callback"])

@@ -139,7 +139,7 @@ def test_stage_key_names_heads_per_block_where_deterministic_changes_the_launch(
     grouped = GROUP_SPLIT_DIMS
     assert tuning.stage_key("chunk_scan_bwd_dc", grouped) == (
         "chunk_scan_bwd_dc/chunk_size=256,headdim=64,dstate=128,heads_per_group=32,dtype=bfloat16,"
-        "has_seq_idx=False,has_z=False,heads_per_block=16,index64=False,work=128")
+        "has_seq_idx=False,heads_per_block=16,index64=False,work=128")
     assert tuning.stage_key("chunk_scan_bwd_dx", grouped, deterministic=True).endswith(
         "heads_per_block=32,index64=False,work=64")
     # At DIMS' batch the atomic mode gives a block the whole group too: one launch, one key, in both modes.

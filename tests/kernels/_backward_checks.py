@@ -17,14 +17,14 @@ from jax_mamba2.kernels.forward import SAVED_FOR_BACKWARD, forward_plan
 from tests._helpers import make_ssd_args, rel_l2, to_float64
 
 # Plan output -> the reference argument it is the gradient of.
-_GRAD_OF = {"dx": "x", "ddt": "dt", "dA": "A", "dB": "B", "dC": "C", "dD": "D", "dz": "z",
-            "ddt_bias": "dt_bias", "dinitial_states": "initial_states"}
+_GRAD_OF = {"dx": "x", "ddt": "dt", "dA": "A", "dB": "B", "dC": "C", "dD": "D", "ddt_bias": "dt_bias",
+            "dinitial_states": "initial_states"}
 
 
 @dataclasses.dataclass(frozen=True)
 class BackwardCase:
-    """One backward problem. `seq_lens`: lengths of the packed sequences of each row (None: no seq_idx).
-    `configs`: (stage, config) pairs for backward_plan."""
+    """One backward problem, gate-free as the backward kernels are. `seq_lens`: lengths of the packed
+    sequences of each row (None: no seq_idx). `configs`: (stage, config) pairs for backward_plan."""
 
     seqlen: int
     chunk_size: int = 64
@@ -33,7 +33,6 @@ class BackwardCase:
     headdim: int = 64
     dstate: int = 64
     batch: int = 2
-    z: bool = True
     initial_states: bool = True
     dt_softplus: bool = True
     dt_limit: tuple[float, float] = (0.0, math.inf)
@@ -44,7 +43,7 @@ class BackwardCase:
 def backward_dims(case: BackwardCase, dtype: str) -> SSDDims:
     return SSDDims(batch=case.batch, seqlen=case.seqlen, nheads=case.nheads, headdim=case.headdim,
                    ngroups=case.ngroups, dstate=case.dstate, chunk_size=case.chunk_size, dtype=dtype,
-                   dt_dtype=dtype, has_z=case.z, has_init=case.initial_states,
+                   dt_dtype=dtype, has_z=False, has_init=case.initial_states,
                    has_seq_idx=case.seq_lens is not None, dt_softplus=case.dt_softplus, dt_limit=case.dt_limit)
 
 
@@ -57,7 +56,7 @@ def backward_problem(case: BackwardCase, dtype: str, seed: int = 0):
     """
     args, kwargs = make_ssd_args(
         seed, batch=case.batch, seqlen=case.seqlen, nheads=case.nheads, headdim=case.headdim,
-        ngroups=case.ngroups, dstate=case.dstate, dtype=jnp.dtype(dtype), D="headdim", z=case.z,
+        ngroups=case.ngroups, dstate=case.dstate, dtype=jnp.dtype(dtype), D="headdim",
         dt_bias=True, dt_softplus=case.dt_softplus, dt_limit=case.dt_limit, initial_states=True,
         seq_idx=list(case.seq_lens) if case.seq_lens else None)
     if not case.dt_softplus:
@@ -72,13 +71,11 @@ def backward_problem(case: BackwardCase, dtype: str, seed: int = 0):
 
     wrt = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": kwargs["D"], "dt_bias": kwargs["dt_bias"],
            "initial_states": kwargs["initial_states"]}
-    if case.z:
-        wrt["z"] = kwargs["z"]
     seq_idx = kwargs.get("seq_idx")
     with jax.enable_x64(True):
         def scan(p):
             return reference.ssd_scan(
-                p["x"], p["dt"], p["A"], p["B"], p["C"], D=p["D"], z=p.get("z"), dt_bias=p["dt_bias"],
+                p["x"], p["dt"], p["A"], p["B"], p["C"], D=p["D"], dt_bias=p["dt_bias"],
                 dt_softplus=case.dt_softplus, dt_limit=case.dt_limit, initial_states=p["initial_states"],
                 seq_idx=seq_idx)
 
@@ -89,7 +86,7 @@ def backward_problem(case: BackwardCase, dtype: str, seed: int = 0):
     dummy = np.zeros((1, 1, 1, 1), np.asarray(x).dtype)
     inputs = {name: np.asarray(value) for name, value in wrt.items()}
     inputs.update(
-        z=inputs["z"] if case.z else dummy,
+        z=dummy,
         initial_states=inputs["initial_states"].astype(np.float32) if case.initial_states
         else np.zeros((1, 1, 1, 1), np.float32),
         seq_idx=np.asarray(seq_idx) if seq_idx is not None else np.zeros((1, 1), np.int32),
@@ -115,10 +112,8 @@ def run_backward(run, case: BackwardCase, dtype: str, *, seed: int = 0, states_f
 
 def check_backward(run, case: BackwardCase, dtype: str, tolerance: float, **keywords):
     """Asserts every gradient of run_backward(run, case, dtype, **keywords) is within `tolerance` relative
-    L2 of the float64 reference, and that the dz dummy stays zero without a gate."""
+    L2 of the float64 reference."""
     got, want = run_backward(run, case, dtype, **keywords)
     errors = {name: rel_l2(np.asarray(got[name], np.float64), expected) for name, expected in want.items()}
     bad = {name: err for name, err in errors.items() if not err <= tolerance}
     assert not bad, f"{case} {dtype}: relative L2 errors above {tolerance}: {bad} (all: {errors})"
-    if not case.z:
-        assert not np.any(np.asarray(got["dz"], np.float64)), "the dz dummy must stay zero without a gate"

@@ -18,17 +18,17 @@ from tests.kernels.test_compile import assert_spill_free_with_wgmma_and_tma, sas
 
 _BASE = SSDDims(batch=2, seqlen=200, nheads=8, headdim=64, ngroups=2, dstate=64, chunk_size=64,
                 dt_softplus=True)
-_ALL_FLAGS = dict(has_z=True, has_init=True, has_seq_idx=True, dt_limit=(1e-3, 0.5))
+_ALL_FLAGS = dict(has_init=True, has_seq_idx=True, dt_limit=(1e-3, 0.5))
 _ATOMIC, _DETERMINISTIC = dict(deterministic=False), dict(deterministic=True)
 # (dims, backward_plan keywords): bf16 and f32 (tf32 mma), flags all off / all on, both reduction modes,
 # and atomic blocks spanning several heads.
 PROBLEMS = {
     "bf16_plain_atomic": (_BASE, _ATOMIC),
-    "bf16_z_init_seq_idx_dt_limit_deterministic": (dataclasses.replace(_BASE, **_ALL_FLAGS), _DETERMINISTIC),
-    "f32_z_init_seq_idx_atomic": (dataclasses.replace(_BASE, dtype="float32", dt_dtype="float32",
+    "bf16_init_seq_idx_dt_limit_deterministic": (dataclasses.replace(_BASE, **_ALL_FLAGS), _DETERMINISTIC),
+    "f32_init_seq_idx_atomic": (dataclasses.replace(_BASE, dtype="float32", dt_dtype="float32",
                                                       **_ALL_FLAGS), _ATOMIC),
     "f32_plain_deterministic": (dataclasses.replace(_BASE, dtype="float32", dt_dtype="float32"), _DETERMINISTIC),
-    "bf16_z_seq_idx_2_heads_per_atomic_block": (dataclasses.replace(_BASE, **_ALL_FLAGS),
+    "bf16_seq_idx_2_heads_per_atomic_block": (dataclasses.replace(_BASE, **_ALL_FLAGS),
                                                 dict(deterministic=False, atomic_heads_per_block=2)),
 }
 KERNELS = {"chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel", "chunk_scan_bwd_dc_kernel",
@@ -38,7 +38,7 @@ KERNELS = {"chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel", "chunk_scan_bwd_
 PLAN_PROBLEMS = {
     **{name: dims for name, (dims, _) in PROBLEMS.items()},
     "odd_heads_partial_chunk_q256": SSDDims(batch=3, seqlen=1000, nheads=24, headdim=256, ngroups=8,
-                                            dstate=256, chunk_size=256, has_z=True),
+                                            dstate=256, chunk_size=256),
     "one_head_per_group_int64_index": SSDDims(batch=1, seqlen=1 << 20, nheads=32, headdim=64, ngroups=32,
                                               dstate=64, chunk_size=256),
 }
@@ -61,8 +61,8 @@ def test_backward_kernels_compile_to_sm90_cubins(problem):
         assert cubin[:4] == b"\x7fELF", name
 
 
-@pytest.mark.parametrize("problem", ["bf16_plain_atomic", "f32_z_init_seq_idx_atomic",
-                                     "bf16_z_seq_idx_2_heads_per_atomic_block"])
+@pytest.mark.parametrize("problem", ["bf16_plain_atomic", "f32_init_seq_idx_atomic",
+                                     "bf16_seq_idx_2_heads_per_atomic_block"])
 def test_backward_matmul_stages_use_wgmma(problem, tmp_path):
     for name in ("chunk_scan_bwd_dc_kernel", "chunk_state_bwd_kernel", "chunk_scan_bwd_dx_kernel"):
         sass, _ = sass_and_resources(_cubins(problem)[name], tmp_path)
@@ -107,14 +107,19 @@ def test_group_passes_take_a_group_of_any_size_whole():
 
 
 def test_backward_plan_output_layouts():
-    dims = dataclasses.replace(PROBLEMS["f32_z_init_seq_idx_atomic"][0], dtype="bfloat16", dt_dtype="bfloat16")
+    dims = dataclasses.replace(PROBLEMS["f32_init_seq_idx_atomic"][0], dtype="bfloat16", dt_dtype="bfloat16")
     b, L, H, P, G, N = dims.batch, dims.seqlen, dims.nheads, dims.headdim, dims.ngroups, dims.dstate
-    want = {"dx": ((b, L, H, P), "bfloat16"), "dz": ((b, L, H, P), "bfloat16"), "ddt": ((b, L, H), "bfloat16"),
+    want = {"dx": ((b, L, H, P), "bfloat16"), "ddt": ((b, L, H), "bfloat16"),
             "dA": ((H,), "float32"), "dB": ((b, L, G, N), "float32"), "dC": ((b, L, G, N), "float32"),
             "dD": ((H, P), "float32"), "ddt_bias": ((H,), "float32"),
             "dinitial_states": ((b, H, P, N), "float32")}
     buffers = backward_plan(dims).buffers
     assert {name: (buffers[name].shape, buffers[name].dtype) for name in BACKWARD_OUTPUTS} == want
+
+
+def test_backward_plan_rejects_a_gate():
+    with pytest.raises(ValueError, match=r"dims.has_z must be False"):
+        backward_plan(dataclasses.replace(_BASE, has_z=True))
 
 
 def test_backward_plan_rejects_unknown_stage():

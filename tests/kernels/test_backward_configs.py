@@ -13,7 +13,7 @@ PROBLEMS = {
     "odd_heads_q128_f32": SSDDims(batch=3, seqlen=1000, nheads=24, headdim=64, ngroups=8, dstate=128,
                                   chunk_size=128, dtype="float32"),
     "wide_q256": SSDDims(batch=2, seqlen=4096, nheads=80, headdim=256, ngroups=1, dstate=256,
-                         chunk_size=256, has_z=True, has_init=True, has_seq_idx=True),
+                         chunk_size=256, has_init=True, has_seq_idx=True),
 }
 STAGES = {
     "chunk_scan_bwd_dc": (chunk_scan_bwd_dc.chunk_scan_bwd_dc_configs,

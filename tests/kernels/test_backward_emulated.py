@@ -123,13 +123,13 @@ def _run_plan_native(plan, inputs):
 
 
 CASES = {
-    "partial_chunk_z_init_groups": BackwardCase(seqlen=37, **_SMALL),
-    "seq_idx_dt_limit_odd_heads": BackwardCase(seqlen=50, nheads=3, ngroups=1, z=False, dt_limit=(0.05, 0.6),
+    "partial_chunk_init_groups": BackwardCase(seqlen=37, **_SMALL),
+    "seq_idx_dt_limit_odd_heads": BackwardCase(seqlen=50, nheads=3, ngroups=1, dt_limit=(0.05, 0.6),
                                                seq_lens=(5, 11, 16, 18), **_SMALL),
     "one_token": BackwardCase(seqlen=1, **_SMALL),
-    "whole_chunks_plain_dt": BackwardCase(seqlen=32, ngroups=4, z=False, initial_states=False,
+    "whole_chunks_plain_dt": BackwardCase(seqlen=32, ngroups=4, initial_states=False,
                                           dt_softplus=False, **_SMALL),
-    "seq_idx_with_initial_states": BackwardCase(seqlen=50, nheads=3, ngroups=1, z=False,
+    "seq_idx_with_initial_states": BackwardCase(seqlen=50, nheads=3, ngroups=1,
                                                 seq_lens=(5, 11, 16, 18), **_SMALL),
     "one_partial_chunk": BackwardCase(seqlen=9, **_SMALL),
 }
@@ -141,7 +141,7 @@ def test_backward_plan_emulated_float64_matches_scan_vjp(case):
 
 
 def test_backward_plan_emulated_deterministic_mode_matches_scan_vjp():
-    check_backward(_run_plan_float64, CASES["partial_chunk_z_init_groups"], "float32", 1e-10,
+    check_backward(_run_plan_float64, CASES["partial_chunk_init_groups"], "float32", 1e-10,
                    deterministic=True)
 
 

@@ -20,9 +20,9 @@ pytestmark = pytest.mark.gpu
 
 CASES = {
     # seqlen 200, chunk 64: a partial last chunk; 2 heads per group share dB/dC.
-    "partial_chunk_z_init_groups": BackwardCase(seqlen=200),
+    "partial_chunk_init_groups": BackwardCase(seqlen=200),
     # A sequence boundary exactly at a chunk boundary (64), one inside a chunk, a row starting at id 0.
-    "seq_idx_dt_limit": BackwardCase(seqlen=300, nheads=6, ngroups=3, z=False, dt_limit=(0.01, 0.5),
+    "seq_idx_dt_limit": BackwardCase(seqlen=300, nheads=6, ngroups=3, dt_limit=(0.01, 0.5),
                                      seq_lens=(64, 100, 36, 100)),
     # Four row blocks per chunk, Mamba-2-like head sizes.
     "q256_p64_n128_seq_idx": BackwardCase(seqlen=1000, chunk_size=256, nheads=8, headdim=64, dstate=128,
@@ -30,9 +30,9 @@ CASES = {
     # The "wide" tiles (64 x 32), dstate 256.
     "q128_p128_n256": BackwardCase(seqlen=333, chunk_size=128, batch=1, nheads=4, ngroups=1, headdim=128,
                                    dstate=256),
-    # Long, tiny heads, no softplus / gate / initial states.
+    # Long, tiny heads, no softplus / initial states.
     "q64_p16_n16_long_plain": BackwardCase(seqlen=2048 + 17, nheads=2, ngroups=1, headdim=16, dstate=16,
-                                           z=False, initial_states=False, dt_softplus=False),
+                                           initial_states=False, dt_softplus=False),
 }
 SWEEP_CASE = BackwardCase(seqlen=600, chunk_size=128, seq_lens=(200, 400))
 
@@ -96,7 +96,7 @@ def test_backward_plan_gpu_every_tile_config_matches_scan_vjp():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_backward_plan_gpu_deterministic_mode_is_bitwise_reproducible(dtype):
-    case = CASES["partial_chunk_z_init_groups"]
+    case = CASES["partial_chunk_init_groups"]
     first, want = run_backward(run_plan_gpu, case, dtype, deterministic=True)
     errors = {name: rel_l2(np.asarray(first[name], np.float64), expected) for name, expected in want.items()}
     assert all(err <= TOLERANCE["kernel_bwd"][dtype] for err in errors.values()), errors
