@@ -172,9 +172,13 @@ def backward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, *,
         from `forward.forward_plan(..., save_states=True)`) instead of being recomputed.
 
     Returns:
-      A Plan with inputs BACKWARD_INPUTS and outputs BACKWARD_OUTPUTS: dx (b, L, H, P) in x's dtype; dB, dC (b, L, G, N) in f32 where added atomically, else in x's
-      dtype; ddt (b, L, H) w.r.t. the raw dt, in dt's dtype; dA (H,), dD (H, P) (the caller sums over P for a
-      per-head D), ddt_bias (H,), dinitial_states (b, H, P, N), f32.
+      A Plan with inputs BACKWARD_INPUTS and outputs BACKWARD_OUTPUTS: dx (b, L, H, P) in x's dtype; dB, dC
+      (b, L, G, N) in f32 where added atomically, else in x's dtype; ddt (b, L, H) w.r.t. the raw dt, in dt's
+      dtype; dA (H,), dD (H, P) (the caller sums over P for a per-head D), ddt_bias (H,), dinitial_states
+      (b, H, P, N), f32.
+
+    Raises:
+      ValueError: dims.has_z (the caller takes a gate's VJP outside the kernels).
     """
     if dims.has_z:
         raise ValueError("backward_plan: dims.has_z must be False: the backward kernels are gate-free (take "

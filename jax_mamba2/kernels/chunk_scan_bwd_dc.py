@@ -51,9 +51,9 @@ accumulation and everything elementwise in f32.
 Grid: (nheads/HEADS_PER_BLOCK * CHUNK/BLOCK_M * nchunks, batch), head splits fastest, the heaviest row
 blocks (near the chunk end) first. Row blocks wholly past seqlen do nothing.
 
-Shapes: x, dout (= dy) (batch, seqlen, nheads, headdim) T; B, C (batch, seqlen, ngroups, dstate) T; dt_out, dA_cumsum, ddA_inter
-(batch, nheads, nchunks, CHUNK) f32; states (batch, nchunks, nheads, headdim, dstate) T; seq_idx
-(batch, seqlen) int32 or a dummy; dC (batch, seqlen, ngroups, dstate) f32 if added atomically, else T;
+Shapes: x, dout (= dy) (batch, seqlen, nheads, headdim) T; B, C (batch, seqlen, ngroups, dstate) T; dt_out,
+dA_cumsum, ddA_inter (batch, nheads, nchunks, CHUNK) f32; states (batch, nchunks, nheads, headdim, dstate) T;
+seq_idx (batch, seqlen) int32 or a dummy; dC (batch, seqlen, ngroups, dstate) f32 if added atomically, else T;
 ddA_intra (batch, nheads, nchunks, CHUNK/BLOCK_M, CHUNK) f32; dD_partials (batch * nchunks * CHUNK/BLOCK_M,
 nheads, headdim) f32.
 """
