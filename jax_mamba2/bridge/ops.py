@@ -169,8 +169,9 @@ def make_backward(run_plan: RunPlan):
         z, ungated = inputs.z, inputs._replace(z=None)
         if z is None:
             return _batchable_backward(run_plan, static)(ungated, dy, dfinal, saved)
-        if saved is None:
-            y = _batchable_forward(run_plan, static, False)(ungated)[0]
+        if saved is None:  # recomputed: the pre-gate output, and what the backward would recompute anyway
+            y, _, *saved = _batchable_forward(run_plan, static, True)(ungated)
+            saved = tuple(saved)
         else:
             saved, y = saved[:-1], saved[-1]
         dy, dz = _gate_vjp(y, z, dy)

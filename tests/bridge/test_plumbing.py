@@ -148,8 +148,8 @@ def test_cutile_differentiated_gate_runs_outside_the_kernels(monkeypatch, recomp
     """A forward alone applies z in its output kernel. Differentiated, the kernels and their operands are
     those of the gate-free call (z never reaches one): the gate and its VJP are XLA elementwise ops on the
     pre-gate output, which the forward saved; with JAX_MAMBA2_RECOMPUTE_STATES=1 the custom VJP's forward
-    is the gated forward and the backward runs the gate-free forward kernels again for the pre-gate output."""
-    monkeypatch.setenv("JAX_MAMBA2_RECOMPUTE_STATES", recompute)
+    is the gated forward and the backward runs the gate-free saving forward again (for the pre-gate output and
+    the chunk states), then the backward kernels of a call that saved them."""
     args, kwargs = make_ssd_args(8, **DIMS, z=True, dtype=jnp.bfloat16)
     z = kwargs["z"]
 
@@ -164,12 +164,12 @@ def test_cutile_differentiated_gate_runs_outside_the_kernels(monkeypatch, recomp
     assert [name for name, _ in gated_forward] == [name for name, _ in plain_forward] == forward_names
     # The output kernel's z operand: z itself, not the (1, 1, 1, 1) dummy.
     assert gated_forward[2][1].count(z.shape) == plain_forward[2][1].count(z.shape) + 1
-    gated, plain = (_kernel_operand_shapes(trace(gate)) for gate in (True, False))
-    if recompute == "0":
-        assert gated == plain
-    else:
-        assert plain[:3] == plain_forward
-        assert gated == gated_forward + plain_forward + plain[3:]
+    monkeypatch.setenv("JAX_MAMBA2_RECOMPUTE_STATES", "0")
+    plain = _kernel_operand_shapes(trace(False))
+    assert "chunk_state_fwd_kernel" not in [name for name, _ in plain[3:]]  # the saved states are read
+    monkeypatch.setenv("JAX_MAMBA2_RECOMPUTE_STATES", recompute)
+    gated = _kernel_operand_shapes(trace(True))
+    assert gated == (plain if recompute == "0" else gated_forward + plain)
     assert [a.shape for a in trace(True).out_avals] == [(), args[0].shape, z.shape]
 
 
