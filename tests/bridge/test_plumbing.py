@@ -110,6 +110,16 @@ def test_cutile_vmap_of_grad_maps_backward_items():
     assert any("bwd" in n for n in _kernel_names(jaxpr))
 
 
+def test_cutile_vmap_of_grad_with_a_gate_maps_the_gate_around_the_kernels():
+    args, kwargs = make_ssd_args(11, **DIMS, z=True)
+    xs, zs = (jnp.stack([a, -a]) for a in (args[0], kwargs["z"]))
+    grad = jax.grad(lambda x, z: jnp.sum(_cutile_ssd(x, *args[1:], z=z)[0] ** 2), argnums=(0, 1))
+    jaxpr = jax.make_jaxpr(jax.vmap(grad))(xs, zs)
+    assert [a.shape for a in jaxpr.out_avals] == [xs.shape, zs.shape]
+    names = _kernel_names(jaxpr)
+    assert "chunk_scan_bwd_dc_kernel" in names and "chunk_scan_fwd_kernel" in names
+
+
 @pytest.mark.parametrize("layout", ["staged", "fused"])
 def test_cutile_grad_reads_the_states_the_forward_saved_unless_asked_to_recompute(monkeypatch, layout):
     """The custom VJP's forward saves the chunk-entry states (the fused kernel stores them as a third
