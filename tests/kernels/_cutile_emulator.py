@@ -1,8 +1,10 @@
 """A NumPy emulation of the cuda.tile ops our kernels use, to run their bodies block by block on CPU.
 
 It checks what a compile cannot: index math, masks, padding, the order of a Launch's arguments. Inside
-`emulated()` the `ct` name of every loaded `jax_mamba2.kernels` module is this module; `run_plan` then
-calls each launch's Python kernel function once per grid block, on NumPy arrays.
+`emulated()` the `ct` name of every loaded `jax_mamba2.kernels` module is this module (or its float64
+variant); `run_plan` then calls each launch's Python kernel function once per grid block, on NumPy arrays.
+With `float64=True` every float dtype (tf32 included) is float64, so an algorithm's algebra can be checked
+against a float64 reference to ~1e-10.
 
 Semantics follow cuda/tile/_stub.py, made strict where the GPU would be silently wrong:
 - `load` takes a tile index; out-of-bounds elements are 0 with PaddingMode.ZERO and NaN (ints: INT_MIN)
@@ -139,7 +141,9 @@ minimum = np.minimum
 maximum = np.maximum
 
 
-def cumsum(x, axis=0):
+def cumsum(x, axis=0, *, reverse=False):
+    if reverse:
+        return np.flip(np.cumsum(np.flip(x, axis), axis=axis, dtype=x.dtype), axis)
     return np.cumsum(x, axis=axis, dtype=x.dtype)
 
 
@@ -166,15 +170,47 @@ def mma(x, y, acc):
     return (x.astype(np.float64) @ y.astype(np.float64) + acc).astype(acc.dtype)
 
 
+class _EmulatedArray(np.ndarray):
+    """A NumPy array with the `tiled_view(...).atomic_store_add` of a cuda.tile Array."""
+
+    def tiled_view(self, tile_shape, *, padding_mode=None, traversal_steps=None):
+        assert traversal_steps is None
+        return _TiledView(self, tuple(tile_shape))
+
+
+class _TiledView:
+    def __init__(self, array, tile_shape):
+        self.array, self.tile_shape = array, tile_shape
+
+    def atomic_store_add(self, index, update):
+        src, dst = _tile_window(self.array, index, self.tile_shape)
+        self.array[src] += np.broadcast_to(update, self.tile_shape)[dst]
+
+
+def _mma_float64(x, y, acc):
+    assert x.dtype == y.dtype == acc.dtype == float64, (x.dtype, y.dtype, acc.dtype)
+    return x @ y + acc
+
+
+def _float64_namespace():
+    """This emulator with every float dtype (tf32 included) as float64."""
+    ns = types.ModuleType("cutile_float64_emulator")
+    ns.__dict__.update({k: v for k, v in globals().items() if not k.startswith("__")})
+    ns.float16 = ns.bfloat16 = ns.float32 = ns.tfloat32 = float64
+    ns.mma = _mma_float64
+    return ns
+
+
 @contextlib.contextmanager
-def emulated():
-    """Within the block, every loaded jax_mamba2.kernels module sees this emulator as `ct`."""
-    emulator = sys.modules[__name__]
+def emulated(namespace=None):
+    """Within the block, every loaded jax_mamba2.kernels module sees `namespace` (default: this emulator)
+    as `ct`."""
+    namespace = namespace or sys.modules[__name__]
     patched = {name: module for name, module in sys.modules.items()
                if name.startswith("jax_mamba2.kernels") and hasattr(module, "ct")}
     originals = {name: module.ct for name, module in patched.items()}
     for module in patched.values():
-        module.ct = emulator
+        module.ct = namespace
     try:
         yield
     finally:
@@ -187,17 +223,23 @@ def _empty(shape, dtype):
     return np.full(shape, np.nan if dtype.kind == "f" or dtype == bfloat16 else np.iinfo(dtype).min, dtype)
 
 
-def run_plan(plan, inputs):
-    """Runs every launch of `plan` on NumPy `inputs` (name -> array; modified in place when written).
+def run_plan(plan, inputs, *, float64=False):
+    """Runs every launch of `plan` on NumPy `inputs` (name -> array), in the arrays' own dtypes or, with
+    `float64`, every float array and buffer as float64. Buffers start as NaN (ints: INT_MIN), or zeros
+    where zero_init.
 
     Returns:
       name -> array for every input and buffer after the last launch.
     """
-    arrays = dict(inputs)
+    def as_array(a):
+        a = np.asarray(a)
+        return (a.astype(np.float64) if float64 and a.dtype.kind == "f" else a).view(_EmulatedArray)
+
+    arrays = {name: as_array(a) for name, a in inputs.items()}
     for name, buf in plan.buffers.items():
-        arrays[name] = np.zeros(buf.shape, _empty((), buf.dtype).dtype) if buf.zero_init \
-            else _empty(buf.shape, buf.dtype)
-    with emulated():
+        empty = _empty(buf.shape, "float64" if float64 and buf.dtype != "int32" else buf.dtype)
+        arrays[name] = (np.zeros_like(empty) if buf.zero_init else empty).view(_EmulatedArray)
+    with emulated(_float64_namespace() if float64 else None):
         for launch in plan.launches:
             pyfunc = launch.kernel._annotated_function.pyfunc
             args = [arrays[a] if isinstance(a, str) else a for a in launch.args]
@@ -205,4 +247,4 @@ def run_plan(plan, inputs):
             for block in itertools.product(*(range(n) for n in grid)):
                 _block[:] = [block, grid]
                 pyfunc(*args)
-    return arrays
+    return {name: np.asarray(a) for name, a in arrays.items()}

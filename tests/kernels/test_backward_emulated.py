@@ -6,13 +6,8 @@ kernels' index math, masks, partial chunks, seq_idx rules, head splits and the s
 are checked against `jax.vjp` of the float64 `reference.ssd_scan` to ~1e-10: any derivation error shows
 as an O(1) mismatch. (Rounding of the compiled kernels is checked by test_backward_gpu.py.)
 """
-import contextlib
 import dataclasses
-import itertools
-import sys
-import types
 
-import numpy as np
 import pytest
 
 from jax_mamba2.kernels.chunk_cumsum_bwd import ChunkCumsumBwdConfig
@@ -25,8 +20,6 @@ from tests._helpers import TOLERANCE
 from tests.kernels import _cutile_emulator as emulator
 from tests.kernels._backward_checks import BackwardCase, check_backward
 
-_F64 = np.dtype(np.float64)
-
 # Tiny heads, chunks of 16 and small blocks, so that chunks hold several row/key blocks, key steps both
 # shorter and longer than row blocks, several state tiles, and head blocks that do not divide nheads.
 _SMALL = dict(batch=2, headdim=8, dstate=16, chunk_size=16, configs=(
@@ -38,88 +31,13 @@ _SMALL = dict(batch=2, headdim=8, dstate=16, chunk_size=16, configs=(
     ("param_grads_bwd", ParamGradsBwdConfig(BLOCK_H=2, BLOCK_R=4)),
 ))
 
-class _EmulatedArray(np.ndarray):
-    """A NumPy array with the `tiled_view(...).atomic_store_add` of a cuda.tile Array."""
-
-    def tiled_view(self, tile_shape, *, padding_mode=None, traversal_steps=None):
-        assert traversal_steps is None
-        return _TiledView(self, tuple(tile_shape))
-
-
-@dataclasses.dataclass
-class _TiledView:
-    array: np.ndarray
-    tile_shape: tuple
-
-    def atomic_store_add(self, index, update):
-        src, dst = emulator._tile_window(self.array, index, self.tile_shape)
-        self.array[src] += np.broadcast_to(update, self.tile_shape)[dst]
-
-
-def _cumsum(x, axis=0, *, reverse=False):
-    if reverse:
-        return np.flip(np.cumsum(np.flip(x, axis), axis=axis), axis)
-    return np.cumsum(x, axis=axis)
-
-
-def _mma(x, y, acc):
-    assert x.dtype == y.dtype == acc.dtype == _F64, (x.dtype, y.dtype, acc.dtype)
-    return x @ y + acc
-
-
-def _emulated_ct(float64: bool):
-    """The emulator, with reverse cumsums and, if `float64`, every float dtype (tf32 included) as float64."""
-    ns = types.ModuleType("cutile_backward_emulator")
-    ns.__dict__.update({k: v for k, v in vars(emulator).items() if not k.startswith("__")})
-    ns.cumsum = _cumsum
-    if float64:
-        ns.float16 = ns.bfloat16 = ns.float32 = ns.tfloat32 = _F64
-        ns.mma = _mma
-    return ns
-
-
-@contextlib.contextmanager
-def _as_ct(namespace):
-    modules = [m for name, m in sys.modules.items()
-               if name.startswith("jax_mamba2.kernels") and hasattr(m, "ct")]
-    originals = [m.ct for m in modules]
-    for m in modules:
-        m.ct = namespace
-    try:
-        yield
-    finally:
-        for m, original in zip(modules, originals):
-            m.ct = original
-
-
-def _run_plan(plan, inputs, *, float64: bool):
-    """Runs `plan` block by block, in float64 or in the arrays' own dtypes; buffers start as NaN (or
-    zeros when zero_init)."""
-    def as_array(a):
-        a = np.asarray(a)
-        return (a.astype(_F64) if float64 and a.dtype.kind == "f" else a).view(_EmulatedArray)
-
-    arrays = {name: as_array(a) for name, a in inputs.items()}
-    for name, buf in plan.buffers.items():
-        empty = emulator._empty(buf.shape, "float64" if float64 and buf.dtype != "int32" else buf.dtype)
-        arrays[name] = (np.zeros_like(empty) if buf.zero_init else empty).view(_EmulatedArray)
-    with _as_ct(_emulated_ct(float64)):
-        for launch in plan.launches:
-            pyfunc = launch.kernel._annotated_function.pyfunc
-            args = [arrays[a] if isinstance(a, str) else a for a in launch.args]
-            grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
-            for block in itertools.product(*(range(n) for n in grid)):
-                emulator._block[:] = [block, grid]
-                pyfunc(*args)
-    return {name: np.asarray(arrays[name]) for name in plan.outputs}
-
 
 def _run_plan_float64(plan, inputs):
-    return _run_plan(plan, inputs, float64=True)
+    return emulator.run_plan(plan, inputs, float64=True)
 
 
 def _run_plan_native(plan, inputs):
-    return _run_plan(plan, inputs, float64=False)
+    return emulator.run_plan(plan, inputs)
 
 
 CASES = {

@@ -1,0 +1,113 @@
+"""The cuTile op layer end to end on the CPU: bridge/ops.py's forward, saving forward, backward and vmap rules
+(the gate outside the backward kernels, the saved chunk states, the recompute mode, the per-head dD sum) with
+every kernel plan run block by block on the NumPy emulator of tests/kernels/_cutile_emulator.py, in float64,
+through `jax.pure_callback`. Checked against the float64 scan oracle: what the GPU tests check of this glue,
+without a GPU, to the float32 rounding of the arrays passed between the plans and XLA.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("cuda.tile")
+
+from jax_mamba2 import op, reference  # noqa: E402
+from jax_mamba2.bridge import ops  # noqa: E402
+from tests._helpers import make_ssd_args, rel_l2, to_float64  # noqa: E402
+from tests.kernels import _cutile_emulator as emulator  # noqa: E402
+
+# The arrays between the plans and XLA are float32 (the emulated kernels compute in float64): errors ~3e-7.
+TOLERANCE = 2e-6
+DIMS = dict(batch=2, seqlen=100, nheads=4, headdim=16, ngroups=2, dstate=16)
+OPTIONAL = ("D", "z", "dt_bias", "initial_states")
+
+
+def _run_plan_emulated(plan, arrays):
+    """A bridge RunPlan: `plan` on the emulator in float64, its outputs cast to the plan's dtypes."""
+    names = list(plan.inputs)
+    shapes = [jax.ShapeDtypeStruct(arrays[n].shape, arrays[n].dtype) if n in plan.inputs
+              else jax.ShapeDtypeStruct(plan.buffers[n].shape, jnp.dtype(plan.buffers[n].dtype))
+              for n in plan.outputs]
+
+    def host(*values):
+        out = emulator.run_plan(plan, dict(zip(names, map(np.asarray, values))), float64=True)
+        return tuple(out[n].astype(s.dtype) for n, s in zip(plan.outputs, shapes))
+
+    return dict(zip(plan.outputs, jax.pure_callback(host, shapes, *(arrays[n] for n in names))))
+
+
+EMULATED = op.Backend(
+    name="cutile_emulated", forward=ops.make_forward(_run_plan_emulated),
+    forward_saving=ops.make_forward_saving(_run_plan_emulated), backward=ops.make_backward(_run_plan_emulated),
+    unsupported_reason=lambda inputs, static: None)
+
+
+def _emulated_ssd(x, dt, A, B, C, *, dt_softplus=False, dt_limit=(0.0, math.inf), seq_idx=None, **optional):
+    static = op.SSDStatic(64, dt_softplus, tuple(dt_limit))
+    inputs = op.SSDInputs(x, dt, A, B, C, optional.get("D"), optional.get("z"), optional.get("dt_bias"),
+                          optional.get("initial_states"), seq_idx)
+    return op._run_backend(EMULATED, inputs, static)
+
+
+def _problem(seed, D="head", **features):
+    args, kwargs = make_ssd_args(seed, **DIMS, D=D, z=True, dt_bias=True, dt_softplus=True,
+                                 dt_limit=(1e-3, 2.0), initial_states=True, seq_idx=[37, 63], **features)
+    optional = {name: kwargs.pop(name) for name in OPTIONAL}
+    keys = jax.random.split(jax.random.PRNGKey(seed + 100), 2)
+    weights = (jax.random.normal(keys[0], args[0].shape),
+               jax.random.normal(keys[1], optional["initial_states"].shape))
+    return args, optional, kwargs, weights
+
+
+def _loss(fn, weights, kwargs):
+    def loss(args, optional):
+        y, final = fn(*args, **optional, **kwargs)
+        return jnp.sum(y * weights[0]) + jnp.sum(final * weights[1])
+    return loss
+
+
+def _oracle(args, optional, kwargs, weights):
+    with jax.enable_x64(True):
+        loss = _loss(lambda *a, **k: reference.ssd_scan(*a, **k), to_float64(weights), kwargs)
+        y, final = reference.ssd_scan(*to_float64(args), **to_float64(optional), **kwargs)
+        grads = jax.grad(loss, argnums=(0, 1))(to_float64(args), to_float64(optional))
+        return jax.tree.map(np.asarray, ((y, final), grads))
+
+
+@pytest.mark.parametrize("recompute", ["0", "1"], ids=["saved_states", "recomputed_states"])
+@pytest.mark.parametrize("D", ["head", "headdim"], ids=["D_per_head", "D_per_headdim"])
+def test_emulated_op_forward_and_gradients_match_float64_scan(monkeypatch, recompute, D):
+    """Every feature at once (gate, D, dt_bias, softplus, dt_limit, initial states, seq_idx, groups, a partial
+    chunk), the custom VJP with the forward's saved states or recomputing them."""
+    monkeypatch.setenv("JAX_MAMBA2_RECOMPUTE_STATES", recompute)
+    args, optional, kwargs, weights = _problem(1, D=D)
+    (want_y, want_final), (want_args, want_optional) = _oracle(args, optional, kwargs, weights)
+
+    y, final = _emulated_ssd(*args, **optional, **kwargs)
+    got_args, got_optional = jax.grad(_loss(_emulated_ssd, weights, kwargs), argnums=(0, 1))(args, optional)
+    errors = {"y": rel_l2(y, want_y), "final_states": rel_l2(final, want_final)}
+    errors.update({f"d{name}": rel_l2(g, w) for name, g, w in zip("x dt A B C".split(), got_args, want_args)})
+    errors.update({f"d{name}": rel_l2(got_optional[name], want_optional[name]) for name in OPTIONAL})
+    assert max(errors.values()) < TOLERANCE, errors
+    assert got_optional["D"].shape == optional["D"].shape
+
+
+def test_emulated_op_vmap_of_gradients_with_a_gate_matches_a_loop():
+    """vmap folds the mapped axis into the kernels' batch (forward) or maps the backward items; the gate's
+    VJP maps around them."""
+    args, optional, kwargs, weights = _problem(2)
+    x, z = args[0], optional["z"]
+    xs, zs = jnp.stack([x, 0.5 * x]), jnp.stack([z, -z])
+
+    def grad(x, z):
+        def loss(x, z):
+            y, _ = _emulated_ssd(x, *args[1:], **dict(optional, z=z), **kwargs)
+            return jnp.sum(y * weights[0])
+        return jax.grad(loss, argnums=(0, 1))(x, z)
+
+    mapped = jax.vmap(grad)(xs, zs)
+    for i in range(2):
+        for got, want in zip(mapped, grad(xs[i], zs[i])):
+            assert rel_l2(got[i], want) < 1e-6
