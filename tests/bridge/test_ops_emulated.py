@@ -2,7 +2,7 @@
 (the gate outside the backward kernels, the saved chunk states, the recompute mode, the per-head dD sum) with
 every kernel plan run block by block on the NumPy emulator of tests/kernels/_cutile_emulator.py, in float64,
 through `jax.pure_callback`. Checked against the float64 scan oracle: what the GPU tests check of this glue,
-without a GPU, to the float32 rounding of the arrays passed between the plans and XLA.
+without a GPU, to the rounding of the arrays passed between the plans and XLA (their float32 or bfloat16).
 """
 import math
 
@@ -14,7 +14,8 @@ import pytest
 pytest.importorskip("cuda.tile")
 
 from jax_mamba2 import op, reference  # noqa: E402
-from jax_mamba2.bridge import ops  # noqa: E402
+from jax_mamba2.bridge import ops, problem  # noqa: E402
+from jax_mamba2.kernels import forward as forward_kernels  # noqa: E402
 from tests._helpers import make_ssd_args, rel_l2, to_float64  # noqa: E402
 from tests.kernels import _cutile_emulator as emulator  # noqa: E402
 
@@ -44,16 +45,19 @@ EMULATED = op.Backend(
     unsupported_reason=lambda inputs, static: None)
 
 
-def _emulated_ssd(x, dt, A, B, C, *, dt_softplus=False, dt_limit=(0.0, math.inf), seq_idx=None, **optional):
+def _inputs(x, dt, A, B, C, *, dt_softplus=False, dt_limit=(0.0, math.inf), seq_idx=None, **optional):
     static = op.SSDStatic(64, dt_softplus, tuple(dt_limit))
-    inputs = op.SSDInputs(x, dt, A, B, C, optional.get("D"), optional.get("z"), optional.get("dt_bias"),
-                          optional.get("initial_states"), seq_idx)
-    return op._run_backend(EMULATED, inputs, static)
+    return op.SSDInputs(x, dt, A, B, C, optional.get("D"), optional.get("z"), optional.get("dt_bias"),
+                        optional.get("initial_states"), seq_idx), static
 
 
-def _problem(seed, D="head", **features):
-    args, kwargs = make_ssd_args(seed, **DIMS, D=D, z=True, dt_bias=True, dt_softplus=True,
-                                 dt_limit=(1e-3, 2.0), initial_states=True, seq_idx=[37, 63], **features)
+def _emulated_ssd(*args, **kwargs):
+    return op._run_backend(EMULATED, *_inputs(*args, **kwargs))
+
+
+def _problem(seed, D="head", **dims):
+    args, kwargs = make_ssd_args(seed, **{**DIMS, **dims}, D=D, z=True, dt_bias=True, dt_softplus=True,
+                                 dt_limit=(1e-3, 2.0), initial_states=True, seq_idx=[37, 63])
     optional = {name: kwargs.pop(name) for name in OPTIONAL}
     keys = jax.random.split(jax.random.PRNGKey(seed + 100), 2)
     weights = (jax.random.normal(keys[0], args[0].shape),
@@ -76,22 +80,33 @@ def _oracle(args, optional, kwargs, weights):
         return jax.tree.map(np.asarray, ((y, final), grads))
 
 
-@pytest.mark.parametrize("recompute", ["0", "1"], ids=["saved_states", "recomputed_states"])
-@pytest.mark.parametrize("D", ["head", "headdim"], ids=["D_per_head", "D_per_headdim"])
-def test_emulated_op_forward_and_gradients_match_float64_scan(monkeypatch, recompute, D):
-    """Every feature at once (gate, D, dt_bias, softplus, dt_limit, initial states, seq_idx, groups, a partial
-    chunk), the custom VJP with the forward's saved states or recomputing them."""
-    monkeypatch.setenv("JAX_MAMBA2_RECOMPUTE_STATES", recompute)
-    args, optional, kwargs, weights = _problem(1, D=D)
+def _check_forward_and_gradients(args, optional, kwargs, weights, tolerance):
     (want_y, want_final), (want_args, want_optional) = _oracle(args, optional, kwargs, weights)
-
     y, final = _emulated_ssd(*args, **optional, **kwargs)
     got_args, got_optional = jax.grad(_loss(_emulated_ssd, weights, kwargs), argnums=(0, 1))(args, optional)
     errors = {"y": rel_l2(y, want_y), "final_states": rel_l2(final, want_final)}
     errors.update({f"d{name}": rel_l2(g, w) for name, g, w in zip("x dt A B C".split(), got_args, want_args)})
     errors.update({f"d{name}": rel_l2(got_optional[name], want_optional[name]) for name in OPTIONAL})
-    assert max(errors.values()) < TOLERANCE, errors
-    assert got_optional["D"].shape == optional["D"].shape
+    assert max(errors.values()) < tolerance, errors
+    for name in OPTIONAL:
+        assert got_optional[name].shape == optional[name].shape, name
+
+
+@pytest.mark.parametrize("recompute", ["0", "1"], ids=["saved_states", "recomputed_states"])
+@pytest.mark.parametrize("D", ["head", "headdim"], ids=["D_per_head", "D_per_headdim"])
+def test_emulated_op_forward_and_gradients_match_float64_scan(monkeypatch, recompute, D):
+    """Every feature at once (gate, D, dt_bias, softplus, dt_limit, initial states, seq_idx, groups, a partial
+    chunk), the custom VJP with the forward's saved states or recomputing them (the staged layout: f32)."""
+    monkeypatch.setenv("JAX_MAMBA2_RECOMPUTE_STATES", recompute)
+    _check_forward_and_gradients(*_problem(1, D=D), TOLERANCE)
+
+
+def test_emulated_op_gradients_through_the_fused_layout_match_float64_scan():
+    """bf16 with 128 chains: the fused forward stores the chunk states the backward reads (bf16 arrays between
+    the plans and XLA: errors ~3e-3)."""
+    args, optional, kwargs, weights = _problem(3, nheads=64, dtype=jnp.bfloat16)
+    assert forward_kernels.forward_layout(problem.kernel_dims(*_inputs(*args, **optional, **kwargs))) == "fused"
+    _check_forward_and_gradients(args, optional, kwargs, weights, 1e-2)
 
 
 def test_emulated_op_vmap_of_gradients_with_a_gate_matches_a_loop():
@@ -111,3 +126,4 @@ def test_emulated_op_vmap_of_gradients_with_a_gate_matches_a_loop():
     for i in range(2):
         for got, want in zip(mapped, grad(xs[i], zs[i])):
             assert rel_l2(got[i], want) < 1e-6
+

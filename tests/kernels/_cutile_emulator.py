@@ -233,7 +233,8 @@ def run_plan(plan, inputs, *, float64=False):
     """
     def as_array(a):
         a = np.asarray(a)
-        return (a.astype(np.float64) if float64 and a.dtype.kind == "f" else a).view(_EmulatedArray)
+        is_float = a.dtype.kind == "f" or a.dtype == bfloat16
+        return (a.astype(np.float64) if float64 and is_float else a).view(_EmulatedArray)
 
     arrays = {name: as_array(a) for name, a in inputs.items()}
     for name, buf in plan.buffers.items():
