@@ -55,9 +55,9 @@ def _emulated_ssd(*args, **kwargs):
     return op._run_backend(EMULATED, *_inputs(*args, **kwargs))
 
 
-def _problem(seed, D="head", **dims):
+def _problem(seed, D="head", seq_idx=(37, 63), **dims):
     args, kwargs = make_ssd_args(seed, **{**DIMS, **dims}, D=D, z=True, dt_bias=True, dt_softplus=True,
-                                 dt_limit=(1e-3, 2.0), initial_states=True, seq_idx=[37, 63])
+                                 dt_limit=(1e-3, 2.0), initial_states=True, seq_idx=list(seq_idx))
     optional = {name: kwargs.pop(name) for name in OPTIONAL}
     keys = jax.random.split(jax.random.PRNGKey(seed + 100), 2)
     weights = (jax.random.normal(keys[0], args[0].shape),
@@ -101,11 +101,15 @@ def test_emulated_op_forward_and_gradients_match_float64_scan(monkeypatch, recom
     _check_forward_and_gradients(*_problem(1, D=D), TOLERANCE)
 
 
-def test_emulated_op_gradients_through_the_fused_layout_match_float64_scan():
-    """bf16 with 128 chains: the fused forward stores the chunk states the backward reads (bf16 arrays between
-    the plans and XLA: errors ~3e-3)."""
-    args, optional, kwargs, weights = _problem(3, nheads=64, dtype=jnp.bfloat16)
-    assert forward_kernels.forward_layout(problem.kernel_dims(*_inputs(*args, **optional, **kwargs))) == "fused"
+@pytest.mark.parametrize("layout,dims", [
+    ("fused", dict(nheads=64)),
+    ("segmented", dict(batch=1, seqlen=2048, seq_idx=[700, 1348])),  # 2 segments of 16 chunks
+], ids=["fused", "segmented"])
+def test_emulated_op_gradients_through_the_fused_layouts_match_float64_scan(layout, dims):
+    """bf16: 128 chains run fused, 4 long ones segmented; the states the fused kernels store feed the backward
+    (bf16 arrays between the plans and XLA: errors ~3e-3)."""
+    args, optional, kwargs, weights = _problem(3, dtype=jnp.bfloat16, **dims)
+    assert forward_kernels.forward_layout(problem.kernel_dims(*_inputs(*args, **optional, **kwargs))) == layout
     _check_forward_and_gradients(args, optional, kwargs, weights, 1e-2)
 
 
