@@ -56,12 +56,8 @@ def _gate(y, z):
 
 
 def _gate_vjp(y, z, dout):
-    """(∂L/∂y, ∂L/∂z) of out = y * silu(z) for the cotangent dout, in y's and z's dtypes."""
-    y32, z32, dout32 = (a.astype(jnp.float32) for a in (y, z, dout))
-    sig = jax.nn.sigmoid(z32)
-    dy = dout32 * z32 * sig
-    dz = dout32 * y32 * sig * (1.0 + z32 * (1.0 - sig))
-    return dy.astype(y.dtype), _compat.reduce_to_primal_axes(dz.astype(z.dtype), z)
+    """(∂L/∂y, ∂L/∂z) of out = _gate(y, z) for the cotangent dout (in y's dtype), in y's and z's dtypes."""
+    return jax.vjp(_gate, y, z)[1](dout)
 
 
 def _forward_once(run_plan: RunPlan, inputs, static, save_states: bool):

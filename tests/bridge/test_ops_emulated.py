@@ -74,7 +74,7 @@ def _loss(fn, weights, kwargs):
 
 def _oracle(args, optional, kwargs, weights):
     with jax.enable_x64(True):
-        loss = _loss(lambda *a, **k: reference.ssd_scan(*a, **k), to_float64(weights), kwargs)
+        loss = _loss(reference.ssd_scan, to_float64(weights), kwargs)
         y, final = reference.ssd_scan(*to_float64(args), **to_float64(optional), **kwargs)
         grads = jax.grad(loss, argnums=(0, 1))(to_float64(args), to_float64(optional))
         return jax.tree.map(np.asarray, ((y, final), grads))

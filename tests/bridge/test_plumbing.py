@@ -27,6 +27,11 @@ def _cutile_ssd(x, dt, A, B, C, *, chunk_size=64, **kwargs):
     return op._run_backend(op._BACKENDS["cutile"], inputs, static)
 
 
+def _kernel_name(call) -> str:
+    """The kernel function a cutile_call equation launches."""
+    return call.params["kernel"]._annotated_function.pyfunc.__name__
+
+
 def _cutile_calls(jaxpr) -> list:
     found = []
 
@@ -45,7 +50,7 @@ def test_cutile_forward_is_three_kernel_calls_with_every_feature():
                                  initial_states=True, seq_idx=[50, 46], dtype=jnp.bfloat16)
     jaxpr = jax.make_jaxpr(lambda *a: _cutile_ssd(*a, **kwargs))(*args)
     calls = _cutile_calls(jaxpr)
-    assert [c.params["kernel"]._annotated_function.pyfunc.__name__ for c in calls] == [
+    assert [_kernel_name(c) for c in calls] == [
         "chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel", "chunk_scan_fwd_kernel"]
     y, final = jaxpr.out_avals
     assert (y.shape, y.dtype) == (args[0].shape, jnp.bfloat16)
@@ -58,7 +63,7 @@ def test_cutile_runs_its_kernels_at_chunk_64_whatever_chunk_size(chunk_size):
     args, kwargs = make_ssd_args(0, **DIMS, dt_softplus=True, dtype=jnp.bfloat16)
     jaxpr = jax.make_jaxpr(lambda *a: _cutile_ssd(*a, chunk_size=chunk_size, **kwargs))(*args)
     cumsum = _cutile_calls(jaxpr)[0]
-    assert cumsum.params["kernel"]._annotated_function.pyfunc.__name__ == "chunk_cumsum_fwd_kernel"
+    assert _kernel_name(cumsum) == "chunk_cumsum_fwd_kernel"
     assert {tuple(v.aval.shape) for v in cumsum.outvars} == {(2, 4, 2, 64)}
 
 
@@ -83,7 +88,7 @@ def test_cutile_vmap_over_per_head_params_maps_items():
 
 
 def _kernel_names(jaxpr) -> list[str]:
-    return [c.params["kernel"]._annotated_function.pyfunc.__name__ for c in _cutile_calls(jaxpr)]
+    return [_kernel_name(c) for c in _cutile_calls(jaxpr)]
 
 
 def test_cutile_grad_runs_forward_then_backward_kernels():
@@ -133,12 +138,12 @@ def test_cutile_grad_reads_the_states_the_forward_saved_unless_asked_to_recomput
     forward_kernel = "fused_scan_fwd_kernel" if layout == "fused" else "chunk_scan_fwd_kernel"
 
     calls = _cutile_calls(jax.make_jaxpr(grad())(args[0]))
-    names = [c.params["kernel"]._annotated_function.pyfunc.__name__ for c in calls]
+    names = [_kernel_name(c) for c in calls]
     assert forward_kernel in names and "chunk_scan_bwd_dx_kernel" in names
     assert names.count("chunk_state_fwd_kernel") == (1 if layout == "staged" else 0), names
     assert names.count("chunk_cumsum_fwd_kernel") == 1, names
     if layout == "fused":
-        (fused,) = [c for c in calls if c.params["kernel"]._annotated_function.pyfunc.__name__ == forward_kernel]
+        (fused,) = [c for c in calls if _kernel_name(c) == forward_kernel]
         b, L, H, P, N = dims["batch"], dims["seqlen"], dims["nheads"], dims["headdim"], dims["dstate"]
         assert (b, -(-L // 64), H, P, N) in [tuple(v.aval.shape) for v in fused.outvars]
 
@@ -149,7 +154,7 @@ def test_cutile_grad_reads_the_states_the_forward_saved_unless_asked_to_recomput
 
 
 def _kernel_operand_shapes(jaxpr) -> list:
-    return [(c.params["kernel"]._annotated_function.pyfunc.__name__, [tuple(v.aval.shape) for v in c.invars])
+    return [(_kernel_name(c), [tuple(v.aval.shape) for v in c.invars])
             for c in _cutile_calls(jaxpr)]
 
 

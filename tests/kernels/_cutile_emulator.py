@@ -15,6 +15,7 @@ Semantics follow cuda/tile/_stub.py, made strict where the GPU would be silently
 Not emulated: tf32 rounding (tfloat32 is float32), latency/TMA hints, reduction order.
 """
 import contextlib
+import functools
 import itertools
 import sys
 import types
@@ -192,6 +193,7 @@ def _mma_float64(x, y, acc):
     return x @ y + acc
 
 
+@functools.cache
 def _float64_namespace():
     """This emulator with every float dtype (tf32 included) as float64."""
     ns = types.ModuleType("cutile_float64_emulator")
