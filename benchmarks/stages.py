@@ -2,6 +2,7 @@
 
     python benchmarks/stages.py [--shapes B,L,H,P,N,G ...] [--chunk 64] [--configs default|tuned]
                                 [--layouts staged fused] [--atomic-heads 1 2 4 8] [--deterministic]
+                                [--fwd-variant NAME:STAGE.FIELD=VALUE,... ...]
                                 [--bwd-variant NAME:STAGE.FIELD=VALUE,... ...] [--forward-only]
                                 [--out DIR]
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 from pathlib import Path
@@ -33,16 +35,16 @@ from jax_mamba2.kernels._common import SSDDims  # noqa: E402
 from jax_mamba2.kernels.stage_spaces import STAGE_SPACES  # noqa: E402
 
 
-def parse_variant(text: str) -> tuple[str, dict[str, dict[str, int]]]:
-    """"NAME:STAGE.FIELD=VALUE,..." -> (NAME, {stage: {field: int value}}) (booleans as 0/1)."""
+def parse_variant(text: str, stages: tuple[str, ...] = backward.BACKWARD_STAGES) -> tuple[str, dict[str, dict[str, int]]]:
+    """"NAME:STAGE.FIELD=VALUE,..." -> (NAME, {stage: {field: int value}}) (booleans as 0/1), STAGE one of
+    `stages` (a forward or a backward plan's)."""
     name, _, assignments = text.partition(":")
     fields: dict[str, dict[str, int]] = {}
     for assignment in filter(None, assignments.split(",")):
         target, _, value = assignment.partition("=")
         stage, _, field = target.partition(".")
-        if not (stage in backward.BACKWARD_STAGES and field and value):
-            raise argparse.ArgumentTypeError(f"{assignment!r}: expected STAGE.FIELD=VALUE with STAGE one of "
-                                             f"{backward.BACKWARD_STAGES}")
+        if not (stage in stages and field and value):
+            raise argparse.ArgumentTypeError(f"{assignment!r}: expected STAGE.FIELD=VALUE with STAGE one of {stages}")
         fields.setdefault(stage, {})[field] = int(value)
     if not (name and fields):
         raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:STAGE.FIELD=VALUE,...")
@@ -50,8 +52,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, dict[str, int]]]:
 
 
 def variant_configs(dims: SSDDims, fields: dict[str, dict[str, int]]) -> dict[str, object]:
-    """Each named stage's default config for `dims` with the given fields replaced (backward_plan says
-    which do not fit `dims`)."""
+    """Each named stage's default config for `dims` with the given fields replaced (the plan says which do
+    not fit `dims`)."""
     configs = {}
     for stage, values in fields.items():
         default = STAGE_SPACES[stage].default_config(dims)
@@ -106,6 +108,10 @@ def main(argv=None) -> int:
                         help="heads per block of the atomic dB/dC passes: one backward plan per value "
                              "(default: the plan's own choice)")
     parser.add_argument("--deterministic", action="store_true", help="also the deterministic backward")
+    parser.add_argument("--fwd-variant", type=functools.partial(parse_variant, stages=forward.FORWARD_STAGES),
+                        nargs="+", default=[],
+                        help="also a forward plan with these stages' default configs changed (its layout the "
+                             "one these stages run in), e.g. fused_occ2:fused_scan.occupancy=2")
     parser.add_argument("--bwd-variant", type=parse_variant, nargs="+", default=[],
                         help="also a backward plan with these stages' default configs changed, e.g. "
                              "csb128:chunk_state_bwd.BLOCK_N=128,chunk_state_bwd.occupancy=2")
@@ -132,23 +138,29 @@ def main(argv=None) -> int:
         if args.deterministic and not args.forward_only:
             plans["bwd_deterministic", None] = backward.backward_plan(
                 dims, tuning.backward_configs(dims, True) if tuned else None, deterministic=True)
-        variant_fields = {f"bwd_{name}": fields for name, fields in args.bwd_variant}
-        for name, fields in [] if args.forward_only else args.bwd_variant:
-            try:
-                plans[f"bwd_{name}", None] = backward.backward_plan(dims, variant_configs(dims, fields))
-            except ValueError as e:
-                print(f"{shape.label()}: variant {name} skipped ({e})", flush=True)
+        variant_fields = {}
+        for direction, variants in (("fwd", args.fwd_variant), ("bwd", [] if args.forward_only else args.bwd_variant)):
+            for name, fields in variants:
+                try:
+                    configs = variant_configs(dims, fields)
+                    plans[f"{direction}_{name}", None] = (
+                        forward.forward_plan(dims, configs, forward.configs_layout(dims, configs))
+                        if direction == "fwd" else backward.backward_plan(dims, configs))
+                    variant_fields[f"{direction}_{name}"] = fields
+                except ValueError as e:
+                    print(f"{shape.label()}: variant {name} skipped ({e})", flush=True)
         for (direction, variant), plan in plans.items():
-            heads = None if direction == "fwd" else variant
-            inputs = tuning.random_inputs(dims, backward=direction != "fwd")
+            is_forward = direction.startswith("fwd")
+            heads = None if is_forward else variant
+            inputs = tuning.random_inputs(dims, backward=not is_forward)
             arrays = {name: torch.from_dlpack(value) for name, value in inputs.items()}
             for row in time_launches(plan, arrays, args.repeats):
                 records.append({**env, "op": "ssd_stage", "direction": direction, "shape": shape._asdict(),
                                 "chunk_size": args.chunk, "configs": args.configs,
                                 "layout": variant if direction == "fwd" else None,
-                                "atomic_heads_per_block": heads, "bwd_variant": variant_fields.get(direction),
+                                "atomic_heads_per_block": heads, "variant": variant_fields.get(direction),
                                 **row})
-                label = (f"fwd({variant})" if direction == "fwd"
+                label = (f"fwd({variant})" if direction == "fwd" else direction if is_forward
                          else f"{direction}(heads/block {heads or 'auto'})")
                 print(f"{shape.label()} Q={args.chunk} {label} {row['kernel']:<28} "
                       f"grid={tuple(row['grid'])} {row['ms_median']:.3f} ms", flush=True)

@@ -42,3 +42,15 @@ def test_bwd_variant_whose_tile_does_not_fit_is_refused_by_the_plan():
     dims = stages.dims_of(Shape(4, 8192, 32, 64, 64, 1), 64)
     with pytest.raises(ValueError, match=r"configs\['chunk_state_bwd'\]\.BLOCK_N=128 must divide dstate=64"):
         backward.backward_plan(dims, stages.variant_configs(dims, fields))
+
+
+def test_fwd_variant_builds_the_layout_its_stage_runs_in():
+    name, fields = stages.parse_variant("occ2:fused_scan.occupancy=2,fused_scan.LOAD_LAT=4",
+                                        stages=forward.FORWARD_STAGES)
+    dims = stages.dims_of(Shape(4, 8192, 80, 64, 128, 1), 64)
+    configs = stages.variant_configs(dims, fields)
+    assert configs["fused_scan"].occupancy == 2 and configs["fused_scan"].LOAD_LAT == 4
+    plan = forward.forward_plan(dims, configs, forward.configs_layout(dims, configs))
+    assert len(plan.launches) == len(forward.FORWARD_LAYOUTS["fused"])
+    with pytest.raises(argparse.ArgumentTypeError, match="expected"):
+        stages.parse_variant("occ2:chunk_scan_bwd_dc.occupancy=2", stages=forward.FORWARD_STAGES)
