@@ -35,9 +35,10 @@ from jax_mamba2.kernels._common import SSDDims  # noqa: E402
 from jax_mamba2.kernels.stage_spaces import STAGE_SPACES  # noqa: E402
 
 
-def parse_variant(text: str, stages: tuple[str, ...] = backward.BACKWARD_STAGES) -> tuple[str, dict[str, dict[str, int]]]:
-    """"NAME:STAGE.FIELD=VALUE,..." -> (NAME, {stage: {field: int value}}) (booleans as 0/1), STAGE one of
-    `stages` (a forward or a backward plan's)."""
+def parse_variant(text: str, stages: tuple[str, ...] = backward.BACKWARD_STAGES
+                  ) -> tuple[str, dict[str, dict[str, int | None]]]:
+    """"NAME:STAGE.FIELD=VALUE,..." -> (NAME, {stage: {field: int value}}) (booleans as 0/1, "none" as None),
+    STAGE one of `stages` (a forward or a backward plan's)."""
     name, _, assignments = text.partition(":")
     fields: dict[str, dict[str, int]] = {}
     for assignment in filter(None, assignments.split(",")):
@@ -45,13 +46,13 @@ def parse_variant(text: str, stages: tuple[str, ...] = backward.BACKWARD_STAGES)
         stage, _, field = target.partition(".")
         if not (stage in stages and field and value):
             raise argparse.ArgumentTypeError(f"{assignment!r}: expected STAGE.FIELD=VALUE with STAGE one of {stages}")
-        fields.setdefault(stage, {})[field] = int(value)
+        fields.setdefault(stage, {})[field] = None if value == "none" else int(value)
     if not (name and fields):
         raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:STAGE.FIELD=VALUE,...")
     return name, fields
 
 
-def variant_configs(dims: SSDDims, fields: dict[str, dict[str, int]]) -> dict[str, object]:
+def variant_configs(dims: SSDDims, fields: dict[str, dict[str, int | None]]) -> dict[str, object]:
     """Each named stage's default config for `dims` with the given fields replaced (the plan says which do
     not fit `dims`)."""
     configs = {}

@@ -45,11 +45,12 @@ def test_bwd_variant_whose_tile_does_not_fit_is_refused_by_the_plan():
 
 
 def test_fwd_variant_builds_the_layout_its_stage_runs_in():
-    name, fields = stages.parse_variant("occ2:fused_scan.occupancy=2,fused_scan.LOAD_LAT=4",
-                                        stages=forward.FORWARD_STAGES)
-    dims = stages.dims_of(Shape(4, 8192, 80, 64, 128, 1), 64)
+    name, fields = stages.parse_variant(
+        "occ2:fused_scan.occupancy=2,fused_scan.LOAD_LAT=4,fused_scan.worker_warps=none", stages=forward.FORWARD_STAGES)
+    dims = stages.dims_of(Shape(4, 8192, 80, 64, 64, 1), 64)
     configs = stages.variant_configs(dims, fields)
-    assert configs["fused_scan"].occupancy == 2 and configs["fused_scan"].LOAD_LAT == 4
+    cfg = configs["fused_scan"]
+    assert (cfg.occupancy, cfg.LOAD_LAT, cfg.worker_warps, cfg.chunks_per_iter) == (2, 4, None, 2)
     plan = forward.forward_plan(dims, configs, forward.configs_layout(dims, configs))
     assert len(plan.launches) == len(forward.FORWARD_LAYOUTS["fused"])
     with pytest.raises(argparse.ArgumentTypeError, match="expected"):
