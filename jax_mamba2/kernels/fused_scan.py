@@ -130,7 +130,8 @@ def _segment_states_body(x, B, dt_out, dA_cumsum, seq_idx, seg_states, seg_decay
 
 
 def _fused_chunk(c, state, prev_end_id, x, B, C, z, dt_out, dA_cumsum, seq_idx, out, states, b, h, g, pb,
-                 seqlen, D_p, causal, CHUNK, DSTATE, BLOCK_P, HAS_Z, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, WEIGHT_X):
+                 seqlen, D_p, causal, CHUNK, DSTATE, BLOCK_P, HAS_Z, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, WEIGHT_X,
+                 JOINT_OUTPUT):
     """Chunk c of a fused block: its outputs stored; returns the state entering chunk c+1 and the
     sequence id its carry continues (seq_idx rules)."""
     operand_dtype = mma_dtype(x.dtype)
@@ -154,13 +155,19 @@ def _fused_chunk(c, state, prev_end_id, x, B, C, z, dt_out, dA_cumsum, seq_idx, 
         ct.store(states, index=(b, c, h, pb, 0),
                  tile=_oriented(entry_state, WEIGHT_X).reshape((1, 1, 1, BLOCK_P, DSTATE)))
     entry_state_t = entry_state.transpose() if WEIGHT_X else entry_state  # H_c^T [DSTATE, BLOCK_P]
-    acc = ct.mma(C_c, entry_state_t.astype(operand_dtype), ct.zeros((CHUNK, BLOCK_P), dtype=ct.float32))
-    acc = acc * inter_scale[:, None]
     # The difference is scaled, not dA before the broadcast: with a log2-unit dA vector tileiras moved the
     # state weights' exps into its state warpgroup, which then ran slower (benchmarks/NOTES.md, runs 70-71).
     decay = exp2_ftz(ct.minimum(dA[:, None] - dA[None, :], 0.0) * LOG2E)
     scores = ct.where(keep, cb * decay * delta[None, :], 0.0).astype(x.dtype).astype(operand_dtype)
-    acc = ct.mma(scores, x_op, acc)
+    zeros = ct.zeros((CHUNK, BLOCK_P), dtype=ct.float32)
+    if JOINT_OUTPUT:
+        # [exp(dA) C | scores] · [H_c^T ; x], both terms in one product (DSTATE == CHUNK): C's rows scaled
+        # and rounded to x's dtype before it, where the two-product form scales the f32 C·H_c^T after.
+        C_scaled = (C_c.astype(ct.float32) * inter_scale[:, None]).astype(x.dtype).astype(operand_dtype)
+        acc = ct.mma(ct.cat((C_scaled, scores), 1), ct.cat((entry_state_t.astype(operand_dtype), x_op), 0), zeros)
+    else:
+        acc = ct.mma(C_c, entry_state_t.astype(operand_dtype), zeros) * inter_scale[:, None]
+        acc = ct.mma(scores, x_op, acc)
     acc = acc + x_c.astype(ct.float32) * D_p[None, :]
     if HAS_Z:
         acc = silu_gate(acc, _load_rows(z, b, c, pb, h, CHUNK, BLOCK_P, LOAD_LAT))
@@ -171,7 +178,7 @@ def _fused_chunk(c, state, prev_end_id, x, B, C, z, dt_out, dA_cumsum, seq_idx, 
 
 def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, seg_states, seg_decay, out,
                      final_states, states, CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, PIECE_CHUNKS, HAS_Z, HAS_INIT,
-                     HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, CHUNKS_PER_ITER, WEIGHT_X):
+                     HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, CHUNKS_PER_ITER, WEIGHT_X, JOINT_OUTPUT):
     pb = ct.bid(1)
     seqlen = x.shape[1]
     b, h, g = batch_head_group(ct.bid(0), x.shape[2], B.shape[2])
@@ -204,7 +211,7 @@ def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, 
     causal = rows[:, None] >= rows[None, :]
 
     chunk_args = (x, B, C, z, dt_out, dA_cumsum, seq_idx, out, states, b, h, g, pb, seqlen, D_p, causal, CHUNK,
-                  DSTATE, BLOCK_P, HAS_Z, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, WEIGHT_X)
+                  DSTATE, BLOCK_P, HAS_Z, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, WEIGHT_X, JOINT_OUTPUT)
     if CHUNKS_PER_ITER == 1:
         for c in range(first, last):
             state, prev_end_id = _fused_chunk(c, state, prev_end_id, *chunk_args)
@@ -252,10 +259,11 @@ def _make_fused_scan_fwd_kernel(Big):
         LOAD_LAT: ConstInt,   # latency hint of the per-chunk loads (1..10)
         CHUNKS_PER_ITER: ConstInt,  # chunks per loop iteration, 1 or 2
         WEIGHT_X: ConstBool,  # the state update weights x's rows (state carried [BLOCK_P, DSTATE]), else B's
+        JOINT_OUTPUT: ConstBool,  # the output as one product [exp(dA) C | scores]·[H_c^T ; x] (DSTATE == CHUNK)
     ):
         _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, seg_states, seg_decay,
                          out, final_states, states, CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, PIECE_CHUNKS, HAS_Z,
-                         HAS_INIT, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, CHUNKS_PER_ITER, WEIGHT_X)
+                         HAS_INIT, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, CHUNKS_PER_ITER, WEIGHT_X, JOINT_OUTPUT)
 
     return fused_scan_fwd_kernel
 
@@ -301,7 +309,9 @@ class FusedScanConfig:
     weight_x: the state update weights x's rows, (x * w)^T @ B, B's tile entering the product straight
     from shared memory (the state carried as [BLOCK_P, dstate]); else B's rows, (B * w)^T @ x, the
     rounding of mamba_ssm and of the staged chunk_state (either way the weighted operand is rounded to
-    x's dtype).
+    x's dtype). joint_output: the chunk's output as one product [exp(dA) C | scores]·[H_c^T ; x] instead of
+    C·H_c^T scaled, then scores·x accumulated onto it (where dstate equals the chunk size; ignored by
+    segment_states).
     """
 
     BLOCK_P: int = 64
@@ -310,6 +320,7 @@ class FusedScanConfig:
     worker_warps: int | None = None
     chunks_per_iter: int = 1
     weight_x: bool = True
+    joint_output: bool = False
 
     def __post_init__(self):
         if self.chunks_per_iter not in (1, 2):
@@ -422,6 +433,9 @@ def fused_scan_fwd_launch(dims: SSDDims, cfg: FusedScanConfig | None = None, seg
     starting from the entry state that the "seg_states" and "seg_decay" of the `piece_chunks`-chunk pieces
     before it give (`segment_states_launch`)."""
     cfg = cfg or fused_scan_fwd_default_config(dims)
+    if cfg.joint_output and dims.dstate != dims.chunk_size:
+        raise ValueError(f"fused_scan_fwd_launch: joint_output=True needs dstate == chunk_size, got "
+                         f"dstate={dims.dstate}, chunk_size={dims.chunk_size}")
     return Launch(
         kernel=select_kernel(FUSED_SCAN_FWD_KERNELS, dims, occupancy=cfg.occupancy,
                              num_worker_warps=cfg.worker_warps),
@@ -429,7 +443,7 @@ def fused_scan_fwd_launch(dims: SSDDims, cfg: FusedScanConfig | None = None, seg
         args=("x", "B", "C", "D", "z", "dt_out", "dA_cumsum", "initial_states", "seq_idx", "seg_states",
               "seg_decay", "out", "final_states", "states", dims.chunk_size, dims.dstate, cfg.BLOCK_P,
               segment_chunks, piece_chunks, dims.has_z, dims.has_init, dims.has_seq_idx, write_states,
-              cfg.LOAD_LAT, cfg.chunks_per_iter, cfg.weight_x),
+              cfg.LOAD_LAT, cfg.chunks_per_iter, cfg.weight_x, cfg.joint_output),
         writes=("out", "final_states") + (("states",) if write_states else ()),
     )
 

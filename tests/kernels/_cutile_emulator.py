@@ -165,6 +165,12 @@ def extract(x, index, shape):
     return x[tuple(slice(i * s, (i + 1) * s) for i, s in zip(index, shape))].copy()
 
 
+def cat(tiles, axis):
+    first, second = tiles
+    assert first.shape == second.shape and first.dtype == second.dtype, "ct.cat takes two tiles of one shape"
+    return np.concatenate((first, second), axis=axis)
+
+
 def mma(x, y, acc):
     assert x.dtype == y.dtype, f"ct.mma operands must share a dtype, got {x.dtype} and {y.dtype}"
     assert acc.dtype == float32, acc.dtype

@@ -117,6 +117,17 @@ SMALL_CASES = {
     "fused_two_chunks_per_iter_chunk32_saving_states": Case(
         seqlen=150, chunk_size=32, seq_lens=(31, 2, 117), initial_states=True, layout="fused", save_states=True,
         configs=(("fused_scan", FusedScanConfig(BLOCK_P=32, chunks_per_iter=2)),)),
+    # The output as one product [exp(dA) C | scores]·[H_c^T ; x] (dstate == chunk size): sequences, initial
+    # states, z, both weightings, two chunks per iteration, saved states, segments.
+    "fused_joint_output_chunk32_seq_idx_init_z": Case(
+        seqlen=150, chunk_size=32, seq_lens=(10, 70, 3, 67), initial_states=True, z=True, layout="fused",
+        configs=(("fused_scan", FusedScanConfig(BLOCK_P=32, joint_output=True)),)),
+    "fused_joint_output_two_chunks_per_iter_saving_states": Case(
+        seqlen=150, chunk_size=32, nheads=8, ngroups=2, seq_lens=(31, 2, 117), layout="fused", save_states=True,
+        configs=(("fused_scan", FusedScanConfig(BLOCK_P=16, chunks_per_iter=2, weight_x=False, joint_output=True)),)),
+    "segmented_joint_output_seq_idx_init": Case(
+        seqlen=600, chunk_size=16, dstate=16, seq_lens=(160, 100, 3, 337), initial_states=True, layout="segmented",
+        configs=(("segmented_scan", FusedScanConfig(BLOCK_P=32, joint_output=True)),)),
     "segmented_two_chunks_per_iter_pieces_seq_idx_init": Case(
         seqlen=2250, chunk_size=16, nheads=16, seq_lens=(288, 612, 5, 1345), initial_states=True,
         layout="segmented",
