@@ -39,6 +39,15 @@ LARGE_CASES = {
     "fused_q64_p64_n64_default_all_inputs": Case(
         seqlen=1100, nheads=4, headdim=64, dstate=64, z=True, initial_states=True, seq_lens=(300, 800),
         layout="fused"),
+    # The output as one product (dstate == chunk): the dstate-64 default's form, and one chunk per iteration
+    # with tileiras' warps, x weighted.
+    "fused_q64_p64_n64_joint_output_pairs_all_inputs": Case(
+        seqlen=1100, nheads=4, headdim=64, dstate=64, z=True, initial_states=True, seq_lens=(300, 800),
+        layout="fused", configs=(("fused_scan", fused_scan.FusedScanConfig(
+            BLOCK_P=64, LOAD_LAT=6, worker_warps=8, chunks_per_iter=2, weight_x=False, joint_output=True)),)),
+    "fused_q64_p64_n64_joint_output_one_chunk_all_inputs": Case(
+        seqlen=1100, nheads=4, headdim=64, dstate=64, z=True, initial_states=True, seq_lens=(300, 800),
+        layout="fused", configs=(("fused_scan", fused_scan.FusedScanConfig(BLOCK_P=64, joint_output=True)),)),
     # 65 chunks of 4 chains in 8 segments, sequences across segment boundaries.
     "segmented_q64_n128_long_seq_idx_all_inputs": Case(
         seqlen=4096 + 17, nheads=2, headdim=64, dstate=128, z=True, initial_states=True,
