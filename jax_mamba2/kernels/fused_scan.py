@@ -358,20 +358,23 @@ def fused_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScan
     """The autotune space (sm_90): BLOCK_P 32/64 (dividing headdim, state at most 128 x 64 f32),
     latency 2/4/6, x weighted at occupancy 1 (tileiras' warps, or 8 worker warps taking two chunks per
     iteration) or 2 (tileiras' warps: 8 would cap them at 80 registers), and B weighted with 8 worker
-    warps and two chunks per iteration (the dstate-64 default); plus 64 columns of a 256 x 64 state
-    (dstate 256), x weighted at occupancy 1 with tileiras' warps or 8 worker warps. Empty where
-    `fused_scan_supported(dims)` is false."""
+    warps and two chunks per iteration; where dstate equals the chunk size, the widest BLOCK_P B weighted
+    with the output as one product (joint_output), one chunk per iteration, tileiras' warps; plus 64
+    columns of a 256 x 64 state (dstate 256), x weighted at occupancy 1 with tileiras' warps or 8 worker
+    warps. Empty where `fused_scan_supported(dims)` is false."""
     check_arch("fused_scan_fwd_configs", arch)
     if not fused_scan_supported(dims):
         return []
-    # (occupancy, worker_warps, chunks_per_iter, weight_x)
-    hints = ((1, None, 1, True), (1, 8, 2, True), (1, 8, 2, False), (2, None, 1, True))
+    # (occupancy, worker_warps, chunks_per_iter, weight_x, joint_output)
+    hints = ((1, None, 1, True, False), (1, 8, 2, True, False), (1, 8, 2, False, False), (2, None, 1, True, False))
     space = [(bp, hint) for bp in _widths(dims) for hint in hints]
+    if dims.dstate == dims.chunk_size:
+        space.append((_widths(dims)[-1], (1, None, 1, False, True)))
     if _wide_state(dims):
-        space += [(64, hint) for hint in ((1, None, 1, True), (1, 8, 1, True))]
+        space += [(64, hint) for hint in ((1, None, 1, True, False), (1, 8, 1, True, False))]
     return [FusedScanConfig(BLOCK_P=bp, LOAD_LAT=lat, occupancy=occ, worker_warps=warps, chunks_per_iter=n,
-                            weight_x=weight_x)
-            for bp, (occ, warps, n, weight_x) in space for lat in (2, 4, 6)]
+                            weight_x=weight_x, joint_output=joint)
+            for bp, (occ, warps, n, weight_x, joint) in space for lat in (2, 4, 6)]
 
 
 def fused_scan_fwd_default_config(dims: SSDDims) -> FusedScanConfig:
@@ -382,13 +385,18 @@ def fused_scan_fwd_default_config(dims: SSDDims) -> FusedScanConfig:
     same at latency 4 (runs 85-86: 274-291 us against 333-345 at latency 6, whose build stages the loads in
     134 KB of shared memory where latency 4 takes 210 KB); with seq_idx 8 worker warps (run 82 with z,
     initial states and seq_idx: 509 us against 747; seq_idx makes tileiras put the loop in one warpgroup
-    with a 64-byte stack). dstate 64: 8 worker warps, two chunks per iteration, B weighted, latency 6 (run
-    81: 191-195 us; x weighted 214-218, with tileiras' warps 223-234; run 86: latency 4 / 5 / 7 slower);
-    dstate 16 and 32 take the dstate-64 choice (untimed)."""
+    with a 64-byte stack). dstate 64 (= the chunk size), without z and seq_idx: B weighted, the output as
+    one product, one chunk per iteration, tileiras' warps, latency 6 (run 96: 174-175 us against 196-201
+    for the two-chunk form below, 251-253 for one chunk without the joint product, whose build spills);
+    with z or seq_idx that build grows a stack or collapses into one warpgroup, so there: 8 worker warps,
+    two chunks per iteration, B weighted (run 81: 191-195 us; x weighted 214-218, with tileiras' warps
+    223-234; run 86: latency 4 / 5 / 7 slower). dstate 16 and 32 take the dstate-64 choice (untimed)."""
     if _wide_state(dims):
         return FusedScanConfig(BLOCK_P=64, LOAD_LAT=4, occupancy=1, worker_warps=8 if dims.has_seq_idx else None)
     width = _widths(dims)[-1]
     if width == 64 and dims.dstate < 128:
+        if dims.dstate == dims.chunk_size and not (dims.has_z or dims.has_seq_idx):
+            return FusedScanConfig(BLOCK_P=64, LOAD_LAT=6, occupancy=1, weight_x=False, joint_output=True)
         return FusedScanConfig(BLOCK_P=64, LOAD_LAT=6, occupancy=1, worker_warps=8, chunks_per_iter=2,
                                weight_x=False)
     return FusedScanConfig(BLOCK_P=width, LOAD_LAT=6, occupancy=1)
@@ -402,13 +410,15 @@ def segment_states_default_config(dims: SSDDims) -> FusedScanConfig:
     (4,16384,8,...) 50 (63), (1,131072,32,...) 213 (293). At the fused default itself (occupancy 1,
     latency 6) tileiras 13.4 emitted no wgmma for this kernel at dstate 128 (B weighted)."""
     return dataclasses.replace(fused_scan_fwd_default_config(dims), LOAD_LAT=4, occupancy=2, worker_warps=None,
-                               chunks_per_iter=1)
+                               chunks_per_iter=1, joint_output=False)
 
 
 def segment_states_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScanConfig]:
-    """The fused kernel's space at one chunk per iteration plus this walk's default, which the fused space
-    lacks at dstate 256 (its 64 columns only at occupancy 1; the state-only walk fits them at occupancy 2)."""
-    space = [dataclasses.replace(cfg, chunks_per_iter=1) for cfg in fused_scan_fwd_configs(dims, arch)]
+    """The fused kernel's space at one chunk per iteration (its joint-output configs left out: the walk has
+    no output) plus this walk's default, which the fused space lacks at dstate 256 (its 64 columns only at
+    occupancy 1; the state-only walk fits them at occupancy 2)."""
+    space = [dataclasses.replace(cfg, chunks_per_iter=1) for cfg in fused_scan_fwd_configs(dims, arch)
+             if not cfg.joint_output]
     return list(dict.fromkeys([*space, segment_states_default_config(dims)])) if space else []
 
 

@@ -210,19 +210,31 @@ def test_segmented_layout_cuts_few_long_chains_into_segments():
         assert fused_segment_chunks(other) == 0 and "segmented" not in forward_layouts(other)
 
 
-@pytest.mark.parametrize("dstate,want", [(64, (64, 6, 8, 2, False)), (128, (64, 6, None, 1, True)),
-                                         (256, (64, 4, None, 1, True))])
-def test_fused_scan_default_is_the_measured_best_and_in_the_space(dstate, want):
-    """(BLOCK_P, LOAD_LAT, worker_warps, chunks_per_iter, weight_x) of the default at headdim 64: the best
-    measured on the H200 per dstate. segment_states walks one chunk per iteration whatever the fused
-    default does."""
-    dims = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=dstate, chunk_size=64)
+@pytest.mark.parametrize("dstate,features,want", [
+    (64, {}, (64, 6, None, 1, False, True)), (64, {"has_z": True}, (64, 6, 8, 2, False, False)),
+    (64, {"has_seq_idx": True}, (64, 6, 8, 2, False, False)), (128, {}, (64, 6, None, 1, True, False)),
+    (256, {}, (64, 4, None, 1, True, False))])
+def test_fused_scan_default_is_the_measured_best_and_in_the_space(dstate, features, want):
+    """(BLOCK_P, LOAD_LAT, worker_warps, chunks_per_iter, weight_x, joint_output) of the default at headdim
+    64: the best measured on the H200 per dstate (at dstate 64 the joint output only without z and seq_idx,
+    whose builds of it spill). segment_states walks one chunk per iteration, in two products, whatever the
+    fused default does."""
+    dims = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=dstate, chunk_size=64,
+                   **features)
     cfg = fused_scan.fused_scan_fwd_default_config(dims)
-    assert (cfg.BLOCK_P, cfg.LOAD_LAT, cfg.worker_warps, cfg.chunks_per_iter, cfg.weight_x) == want
+    assert (cfg.BLOCK_P, cfg.LOAD_LAT, cfg.worker_warps, cfg.chunks_per_iter, cfg.weight_x, cfg.joint_output) == want
     assert cfg.occupancy == 1 and cfg in fused_scan.fused_scan_fwd_configs(dims)
-    assert fused_scan.segment_states_default_config(dims).chunks_per_iter == 1
-    assert fused_scan.segment_states_default_config(dims).weight_x == cfg.weight_x
-    assert {c.chunks_per_iter for c in fused_scan.segment_states_configs(dims)} == {1}
+    states_default = fused_scan.segment_states_default_config(dims)
+    assert (states_default.chunks_per_iter, states_default.joint_output) == (1, False)
+    assert states_default.weight_x == cfg.weight_x
+    assert {(c.chunks_per_iter, c.joint_output) for c in fused_scan.segment_states_configs(dims)} == {(1, False)}
+
+
+def test_fused_scan_joint_output_needs_dstate_equal_to_the_chunk_size():
+    dims = SSDDims(batch=1, seqlen=256, nheads=2, headdim=64, ngroups=1, dstate=128, chunk_size=64)
+    assert not any(cfg.joint_output for cfg in fused_scan.fused_scan_fwd_configs(dims))
+    with pytest.raises(ValueError, match="joint_output=True needs dstate == chunk_size, got dstate=128, chunk_size=64"):
+        fused_scan.fused_scan_fwd_launch(dims, fused_scan.FusedScanConfig(joint_output=True))
 
 
 def test_fused_scan_default_at_dstate_256_with_seq_idx_takes_8_worker_warps():

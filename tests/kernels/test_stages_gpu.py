@@ -63,10 +63,16 @@ SWEEP_CASE = Case(seqlen=600, chunk_size=128, nheads=4, headdim=64, ngroups=2, d
 # The fused layout takes chunks <= 64; at dstate 256 its space adds 64 columns of a 256 x 64 state.
 FUSED_SWEEP_CASE = dataclasses.replace(SWEEP_CASE, chunk_size=64, dstate=128, layout="fused")
 WIDE_STATE_SWEEP_CASE = dataclasses.replace(FUSED_SWEEP_CASE, dstate=256)
+# dstate = chunk size: the space adds the output as one product.
+JOINT_OUTPUT_SWEEP_CASE = dataclasses.replace(FUSED_SWEEP_CASE, dstate=64)
 
 
 def _wide_state_configs(dims):
     return [cfg for cfg in fused_scan.fused_scan_fwd_configs(dims) if cfg.BLOCK_P * dims.dstate > fused_scan._MAX_STATE]
+
+
+def _joint_output_configs(dims):
+    return [cfg for cfg in fused_scan.fused_scan_fwd_configs(dims) if cfg.joint_output]
 
 
 def _torch():
@@ -111,14 +117,16 @@ def test_forward_plan_gpu_matches_reference(case, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("sweep", ["chunk_state", "chunk_scan", "fused_scan", "fused_scan_wide_state"])
+@pytest.mark.parametrize("sweep", ["chunk_state", "chunk_scan", "fused_scan", "fused_scan_wide_state",
+                                   "fused_scan_joint_output"])
 def test_forward_plan_gpu_every_tuning_config_matches_reference(sweep, dtype):
     """Whatever the autotuner picks must be correct: sweep the stage's space (the others at default)."""
     stage, case, space = {
         "chunk_state": ("chunk_state", SWEEP_CASE, chunk_state.chunk_state_fwd_configs),
         "chunk_scan": ("chunk_scan", SWEEP_CASE, chunk_scan.chunk_scan_fwd_configs),
         "fused_scan": ("fused_scan", FUSED_SWEEP_CASE, fused_scan.fused_scan_fwd_configs),
-        "fused_scan_wide_state": ("fused_scan", WIDE_STATE_SWEEP_CASE, _wide_state_configs)}[sweep]
+        "fused_scan_wide_state": ("fused_scan", WIDE_STATE_SWEEP_CASE, _wide_state_configs),
+        "fused_scan_joint_output": ("fused_scan", JOINT_OUTPUT_SWEEP_CASE, _joint_output_configs)}[sweep]
     configs = space(case_dims(case, dtype))
     assert configs
     for cfg in configs:
