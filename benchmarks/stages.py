@@ -1,6 +1,7 @@
 """Where the time goes: GPU time of every kernel launch of the SSD forward and backward plans.
 
-    python benchmarks/stages.py [--shapes B,L,H,P,N,G ...] [--chunk 64] [--configs default|tuned]
+    python benchmarks/stages.py [--shapes B,L,H,P,N,G ...] [--chunk 64] [--features z initial_states seq_idx]
+                                [--configs default|tuned]
                                 [--layouts staged fused] [--atomic-heads 1 2 4 8] [--deterministic]
                                 [--fwd-variant NAME:STAGE.FIELD=VALUE,... ...]
                                 [--bwd-variant NAME:STAGE.FIELD=VALUE,... ...] [--forward-only]
@@ -64,10 +65,14 @@ def variant_configs(dims: SSDDims, fields: dict[str, dict[str, int | None]]) -> 
     return configs
 
 
-def dims_of(shape: Shape, chunk_size: int) -> SSDDims:
+# --features: optional inputs of the problem, by SSDDims flag.
+FEATURES = {"z": "has_z", "initial_states": "has_init", "seq_idx": "has_seq_idx"}
+
+
+def dims_of(shape: Shape, chunk_size: int, features: tuple[str, ...] = ()) -> SSDDims:
     return SSDDims(batch=shape.batch, seqlen=shape.seqlen, nheads=shape.nheads, headdim=shape.headdim,
                    ngroups=shape.ngroups, dstate=shape.dstate, chunk_size=chunk_size, dtype="bfloat16",
-                   dt_dtype="bfloat16", dt_softplus=True)
+                   dt_dtype="bfloat16", dt_softplus=True, **{FEATURES[f]: True for f in features})
 
 
 def time_launches(plan, arrays: dict, repeats: int) -> list[dict]:
@@ -100,6 +105,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--shapes", nargs="+", type=Shape.parse, help="B,L,H,P,N,G (default: the first 2 of GRID)")
     parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--features", nargs="+", choices=tuple(FEATURES), default=(),
+                        help="optional inputs given (seq_idx: four packed sequences per row)")
     parser.add_argument("--configs", choices=("default", "tuned"), default="default",
                         help="tuned: the autotuner's choice (tunes on first use)")
     parser.add_argument("--layouts", nargs="+", choices=tuple(forward.FORWARD_LAYOUTS), default=[None],
@@ -125,7 +132,7 @@ def main(argv=None) -> int:
     env = environment()
     records = []
     for shape in shapes:
-        dims = dims_of(shape, args.chunk)
+        dims = dims_of(shape, args.chunk, tuple(args.features))
         tuned = args.configs == "tuned"
         # The op's own plan (the tuner's configs pick its layout), and any other layout asked for at defaults.
         configs = tuning.forward_configs(dims) if tuned else {}
@@ -157,7 +164,7 @@ def main(argv=None) -> int:
             arrays = {name: torch.from_dlpack(value) for name, value in inputs.items()}
             for row in time_launches(plan, arrays, args.repeats):
                 records.append({**env, "op": "ssd_stage", "direction": direction, "shape": shape._asdict(),
-                                "chunk_size": args.chunk, "configs": args.configs,
+                                "chunk_size": args.chunk, "features": list(args.features), "configs": args.configs,
                                 "layout": variant if direction == "fwd" else None,
                                 "atomic_heads_per_block": heads, "variant": variant_fields.get(direction),
                                 **row})
