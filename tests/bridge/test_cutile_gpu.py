@@ -70,9 +70,15 @@ def test_cutile_fused_forward_layouts_match_float64_scan(monkeypatch, request, l
     args, kwargs = make_ssd_args(31, batch=2, seqlen=sum(seq_idx), nheads=6, headdim=64, ngroups=3, dstate=128,
                                  dtype=jnp.bfloat16, D="headdim", z=True, dt_bias=True, dt_softplus=True,
                                  initial_states=True, seq_idx=seq_idx)
+    _check_forward_and_grads(args, kwargs)
+    assert layouts and set(layouts) == {layout}
+
+
+def _check_forward_and_grads(args, kwargs):
+    """ssd(backend="cutile") in jit, y, final states and the gradients of x, dt, A, B, C against the float64
+    scan (bf16 tolerances)."""
     y, final = jax.jit(lambda *a: jax_mamba2.ssd(*a, 64, **kwargs, return_final_states=True,
                                                  backend="cutile"))(*args)
-    assert layouts and set(layouts) == {layout}
     y_ref, final_ref = _oracle(args, kwargs)
     tol = TOLERANCE["kernel_fwd"]["bfloat16"]
     errors = (rel_l2(y, y_ref), rel_l2(final, final_ref))
@@ -90,6 +96,28 @@ def test_cutile_fused_forward_layouts_match_float64_scan(monkeypatch, request, l
         expected = jax.grad(functools.partial(loss, scan), argnums=(0, 1, 2, 3, 4))(*args64)
     for name, g, r in zip(["x", "dt", "A", "B", "C"], grads, expected):
         assert rel_l2(g, r) <= TOLERANCE["kernel_bwd"]["bfloat16"], (name, rel_l2(g, r))
+
+
+def test_cutile_fused_joint_output_default_matches_float64_scan(monkeypatch, request):
+    """dstate = chunk size, no z or seq_idx: the fused default computes each chunk's output as one product
+    (joint_output); forward and gradients through the op (the differentiated call's saving forward runs
+    it too), forced into the fused layout on a small problem."""
+    from jax_mamba2.bridge import tuning
+    from jax_mamba2.kernels import forward, fused_scan
+    from jax_mamba2.kernels._common import SSDDims
+    tuning.clear_memory()
+    request.addfinalizer(tuning.clear_memory)
+    monkeypatch.setattr(forward, "FUSED_MIN_BLOCKS", 1)
+    layouts = []
+    pick = forward.forward_layout
+    monkeypatch.setattr(forward, "forward_layout", lambda dims: layouts.append(pick(dims)) or layouts[-1])
+    dims = SSDDims(batch=2, seqlen=300, nheads=4, headdim=64, ngroups=1, dstate=64, chunk_size=64,
+                   dtype="bfloat16", dt_dtype="bfloat16", has_init=True, dt_softplus=True)
+    assert fused_scan.fused_scan_fwd_default_config(dims).joint_output
+    args, kwargs = make_ssd_args(32, batch=2, seqlen=300, nheads=4, headdim=64, dstate=64, dtype=jnp.bfloat16,
+                                 D="head", dt_bias=True, dt_softplus=True, initial_states=True)
+    _check_forward_and_grads(args, kwargs)
+    assert layouts and set(layouts) == {"fused"}
 
 
 @pytest.mark.parametrize("chunk_size", [64, 128, 256])

@@ -45,6 +45,11 @@ LARGE_CASES = {
         seqlen=1100, nheads=4, headdim=64, dstate=64, z=True, initial_states=True, seq_lens=(300, 800),
         layout="fused", configs=(("fused_scan", fused_scan.FusedScanConfig(
             BLOCK_P=64, LOAD_LAT=6, worker_warps=8, chunks_per_iter=2, weight_x=False, joint_output=True)),)),
+    # The dstate-64 default without z and seq_idx (the joint output), fused and segmented.
+    "fused_q64_p64_n64_default_init": Case(seqlen=1100, nheads=4, headdim=64, dstate=64, initial_states=True,
+                                           layout="fused"),
+    "segmented_q64_n64_default_init_groups": Case(seqlen=4096 + 17, nheads=4, headdim=64, ngroups=2, dstate=64,
+                                                  initial_states=True, layout="segmented"),
     "fused_q64_p64_n64_joint_output_one_chunk_all_inputs": Case(
         seqlen=1100, nheads=4, headdim=64, dstate=64, z=True, initial_states=True, seq_lens=(300, 800),
         layout="fused", configs=(("fused_scan", fused_scan.FusedScanConfig(BLOCK_P=64, joint_output=True)),)),
