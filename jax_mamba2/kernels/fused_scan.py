@@ -157,18 +157,19 @@ def _fused_chunk(c, state, prev_end_id, x, B, C, z, dt_out, dA_cumsum, seq_idx, 
         ct.store(states, index=(b, c, h, pb, 0),
                  tile=_oriented(entry_state, WEIGHT_X).reshape((1, 1, 1, BLOCK_P, DSTATE)))
     entry_state_t = entry_state.transpose() if WEIGHT_X else entry_state  # H_c^T [DSTATE, BLOCK_P]
+    zeros = ct.zeros((CHUNK, BLOCK_P), dtype=ct.float32)
+    if not JOINT_OUTPUT:
+        acc = ct.mma(C_c, entry_state_t.astype(operand_dtype), zeros) * inter_scale[:, None]
     # The difference is scaled, not dA before the broadcast: with a log2-unit dA vector tileiras moved the
     # state weights' exps into its state warpgroup, which then ran slower (benchmarks/NOTES.md, runs 70-71).
     decay = exp2_ftz(ct.minimum(dA[:, None] - dA[None, :], 0.0) * LOG2E)
     scores = ct.where(keep, cb * decay * delta[None, :], 0.0).astype(x.dtype).astype(operand_dtype)
-    zeros = ct.zeros((CHUNK, BLOCK_P), dtype=ct.float32)
     if JOINT_OUTPUT:
         # [exp(dA) C | scores] · [H_c^T ; x], both terms in one product (DSTATE == CHUNK): C's rows scaled
         # and rounded to x's dtype before it, where the two-product form scales the f32 C·H_c^T after.
         C_scaled = (C_c.astype(ct.float32) * inter_scale[:, None]).astype(x.dtype).astype(operand_dtype)
         acc = ct.mma(ct.cat((C_scaled, scores), 1), ct.cat((entry_state_t.astype(operand_dtype), x_op), 0), zeros)
     else:
-        acc = ct.mma(C_c, entry_state_t.astype(operand_dtype), zeros) * inter_scale[:, None]
         acc = ct.mma(scores, x_op, acc)
     acc = acc + x_c.astype(ct.float32) * D_p[None, :]
     if HAS_Z:
