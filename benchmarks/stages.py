@@ -106,7 +106,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", nargs="+", type=Shape.parse, help="B,L,H,P,N,G (default: the first 2 of GRID)")
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--features", nargs="+", choices=tuple(FEATURES), default=(),
-                        help="optional inputs given (seq_idx: four packed sequences per row)")
+                        help="optional inputs given (seq_idx: four packed sequences per row; z reaches the forward "
+                             "only: the backward kernels are gate-free)")
     parser.add_argument("--configs", choices=("default", "tuned"), default="default",
                         help="tuned: the autotuner's choice (tunes on first use)")
     parser.add_argument("--layouts", nargs="+", choices=tuple(forward.FORWARD_LAYOUTS), default=[None],
@@ -140,36 +141,39 @@ def main(argv=None) -> int:
         plans = {("fwd", layout or op_layout): forward.forward_plan(
                      dims, configs if (layout or op_layout) == op_layout else None, layout or op_layout)
                  for layout in args.layouts if layout in (None, *forward.forward_layouts(dims))}
+        # The backward kernels are gate-free (the op applies z's VJP outside them).
+        bwd_dims = dataclasses.replace(dims, has_z=False)
         for heads in [] if args.forward_only else args.atomic_heads:
             plans["bwd", heads] = backward.backward_plan(
-                dims, tuning.backward_configs(dims, False) if tuned else None, atomic_heads_per_block=heads)
+                bwd_dims, tuning.backward_configs(bwd_dims, False) if tuned else None, atomic_heads_per_block=heads)
         if args.deterministic and not args.forward_only:
             plans["bwd_deterministic", None] = backward.backward_plan(
-                dims, tuning.backward_configs(dims, True) if tuned else None, deterministic=True)
+                bwd_dims, tuning.backward_configs(bwd_dims, True) if tuned else None, deterministic=True)
         variant_fields = {}
         for direction, variants in (("fwd", args.fwd_variant), ("bwd", [] if args.forward_only else args.bwd_variant)):
             for name, fields in variants:
                 try:
-                    configs = variant_configs(dims, fields)
-                    plans[f"{direction}_{name}", None] = (
-                        forward.forward_plan(dims, configs, forward.configs_layout(dims, configs))
-                        if direction == "fwd" else backward.backward_plan(dims, configs))
+                    if direction == "fwd":
+                        configs = variant_configs(dims, fields)
+                        layout = forward.configs_layout(dims, configs)
+                        plans[f"fwd_{name}", layout] = forward.forward_plan(dims, configs, layout)
+                    else:
+                        plans[f"bwd_{name}", None] = backward.backward_plan(bwd_dims, variant_configs(bwd_dims, fields))
                     variant_fields[f"{direction}_{name}"] = fields
                 except ValueError as e:
                     print(f"{shape.label()}: variant {name} skipped ({e})", flush=True)
         for (direction, variant), plan in plans.items():
             is_forward = direction.startswith("fwd")
             heads = None if is_forward else variant
-            inputs = tuning.random_inputs(dims, backward=not is_forward)
+            inputs = tuning.random_inputs(dims if is_forward else bwd_dims, backward=not is_forward)
             arrays = {name: torch.from_dlpack(value) for name, value in inputs.items()}
             for row in time_launches(plan, arrays, args.repeats):
                 records.append({**env, "op": "ssd_stage", "direction": direction, "shape": shape._asdict(),
                                 "chunk_size": args.chunk, "features": list(args.features), "configs": args.configs,
-                                "layout": variant if direction == "fwd" else None,
+                                "layout": variant if is_forward else None,
                                 "atomic_heads_per_block": heads, "variant": variant_fields.get(direction),
                                 **row})
-                label = (f"fwd({variant})" if direction == "fwd" else direction if is_forward
-                         else f"{direction}(heads/block {heads or 'auto'})")
+                label = (f"{direction}({variant})" if is_forward else f"{direction}(heads/block {heads or 'auto'})")
                 print(f"{shape.label()} Q={args.chunk} {label} {row['kernel']:<28} "
                       f"grid={tuple(row['grid'])} {row['ms_median']:.3f} ms", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,9 @@
 """benchmarks/stages.py builds the forward and backward plans of every grid shape (timing needs a GPU)."""
 import argparse
 import dataclasses
+import json
+import sys
+import types
 
 import pytest
 
@@ -62,3 +65,25 @@ def test_fwd_variant_builds_the_layout_its_stage_runs_in():
 def test_features_set_the_problem_flags():
     dims = stages.dims_of(Shape(4, 8192, 32, 64, 64, 1), 64, ("z", "seq_idx"))
     assert (dims.has_z, dims.has_init, dims.has_seq_idx) == (True, False, True)
+
+
+def test_main_builds_every_asked_plan_and_records_it(monkeypatch, tmp_path):
+    """The plans main() times, with the launches' timing stubbed (it needs a GPU): a forward variant in its
+    layout, the backward plans gate-free under --features z."""
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(from_dlpack=lambda value: value))
+    monkeypatch.setattr(stages.tuning, "random_inputs", lambda dims, backward=False: {})
+    monkeypatch.setattr(stages, "time_launches", lambda plan, arrays, repeats: [
+        {"kernel": launch.kernel._annotated_function.pyfunc.__name__, "grid": list(launch.grid), "ms_median": 1.0}
+        for launch in plan.launches])
+    stages.main(["--shapes", "4,8192,32,64,64,1", "--features", "z", "seq_idx", "--deterministic",
+                 "--fwd-variant", "pairs:fused_scan.chunks_per_iter=2,fused_scan.worker_warps=8",
+                 "--bwd-variant", "occ2:chunk_state_bwd.occupancy=2", "--out", str(tmp_path)])
+    records = json.loads(next(tmp_path.glob("ssd_stages_*.json")).read_text())
+    plans = {(r["direction"], r["layout"]) for r in records}
+    assert plans == {("fwd", "fused"), ("fwd_pairs", "fused"), ("bwd", None), ("bwd_deterministic", None),
+                     ("bwd_occ2", None)}
+    assert all(r["features"] == ["z", "seq_idx"] for r in records)
+    assert {r["kernel"] for r in records if r["direction"] == "fwd_pairs"} == {
+        "chunk_cumsum_fwd_kernel", "fused_scan_fwd_kernel"}
+    variant = next(r["variant"] for r in records if r["direction"] == "fwd_pairs")
+    assert variant == {"fused_scan": {"chunks_per_iter": 2, "worker_warps": 8}}
