@@ -4,6 +4,7 @@ every kernel plan run block by block on the NumPy emulator of tests/kernels/_cut
 through `jax.pure_callback`. Checked against the float64 scan oracle: what the GPU tests check of this glue,
 without a GPU, to the rounding of the arrays passed between the plans and XLA (their float32 or bfloat16).
 """
+import dataclasses
 import math
 
 import jax
@@ -16,6 +17,7 @@ pytest.importorskip("cuda.tile")
 from jax_mamba2 import op, reference  # noqa: E402
 from jax_mamba2.bridge import ops, problem  # noqa: E402
 from jax_mamba2.kernels import forward as forward_kernels  # noqa: E402
+from jax_mamba2.kernels import fused_scan  # noqa: E402
 from tests._helpers import make_ssd_args, rel_l2, to_float64  # noqa: E402
 from tests.kernels import _cutile_emulator as emulator  # noqa: E402
 
@@ -57,7 +59,8 @@ def _emulated_ssd(*args, **kwargs):
 
 def _problem(seed, D="head", seq_idx=(37, 63), **dims):
     args, kwargs = make_ssd_args(seed, **{**DIMS, **dims}, D=D, z=True, dt_bias=True, dt_softplus=True,
-                                 dt_limit=(1e-3, 2.0), initial_states=True, seq_idx=list(seq_idx))
+                                 dt_limit=(1e-3, 2.0), initial_states=True,
+                                 seq_idx=None if seq_idx is None else list(seq_idx))
     optional = {name: kwargs.pop(name) for name in OPTIONAL}
     keys = jax.random.split(jax.random.PRNGKey(seed + 100), 2)
     weights = (jax.random.normal(keys[0], args[0].shape),
@@ -104,12 +107,18 @@ def test_emulated_op_forward_and_gradients_match_float64_scan(monkeypatch, recom
 @pytest.mark.parametrize("layout,dims", [
     ("fused", dict(nheads=64)),
     ("segmented", dict(batch=1, seqlen=2048, seq_idx=[700, 1348])),  # 2 segments of 16 chunks
-], ids=["fused", "segmented"])
+    ("fused", dict(nheads=64, headdim=64, dstate=64, seq_idx=None)),
+], ids=["fused", "segmented", "fused_dstate_equal_chunk"])
 def test_emulated_op_gradients_through_the_fused_layouts_match_float64_scan(layout, dims):
     """bf16: 128 chains run fused, 4 long ones segmented; the states the fused kernels store feed the backward
-    (bf16 arrays between the plans and XLA: errors ~3e-3)."""
+    (bf16 arrays between the plans and XLA: errors ~3e-3). At dstate = chunk without seq_idx the differentiated
+    call's gate-free forward computes each chunk's output as one product (joint_output), the forward alone
+    (with the gate) in two."""
     args, optional, kwargs, weights = _problem(3, dtype=jnp.bfloat16, **dims)
-    assert forward_kernels.forward_layout(problem.kernel_dims(*_inputs(*args, **optional, **kwargs))) == layout
+    kernel_dims = problem.kernel_dims(*_inputs(*args, **optional, **kwargs))
+    assert forward_kernels.forward_layout(kernel_dims) == layout
+    joint = fused_scan.fused_scan_fwd_default_config(dataclasses.replace(kernel_dims, has_z=False)).joint_output
+    assert joint == (kernel_dims.dstate == 64 and not kernel_dims.has_seq_idx)
     _check_forward_and_gradients(args, optional, kwargs, weights, 1e-2)
 
 
