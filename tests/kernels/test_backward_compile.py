@@ -63,9 +63,9 @@ def test_backward_kernels_compile_to_sm90_cubins(problem):
 
 @pytest.mark.parametrize("problem", ["bf16_plain_atomic", "f32_init_seq_idx_atomic",
                                      "bf16_seq_idx_2_heads_per_atomic_block"])
-def test_backward_matmul_stages_use_wgmma(problem, tmp_path):
+def test_backward_matmul_stages_use_wgmma(problem):
     for name in ("chunk_scan_bwd_dc_kernel", "chunk_state_bwd_kernel", "chunk_scan_bwd_dx_kernel"):
-        sass, _ = sass_and_resources(_cubins(problem)[name], tmp_path)
+        sass, _ = sass_and_resources(_cubins(problem)[name])
         assert "HGMMA" in sass, f"{name} ({problem}) has no wgmma instruction"
 
 
@@ -138,7 +138,7 @@ def test_plans_reject_a_tile_that_does_not_divide_its_dimension():
 
 
 @pytest.mark.parametrize("stage", ["chunk_scan_bwd_dc", "chunk_scan_bwd_dx"])
-def test_whole_chunk_block_passes_at_dstate_64_compile_without_spills(stage, tmp_path):
+def test_whole_chunk_block_passes_at_dstate_64_compile_without_spills(stage):
     """The measured dstate-64 builds of the two block passes (whole chunks summing a group's heads, bf16, the
     forward's states saved): wgmma and TMA, no stack. Keeping tiles live to spare a reload spilled here before
     (benchmarks/NOTES.md, fourteenth session)."""
@@ -147,4 +147,4 @@ def test_whole_chunk_block_passes_at_dstate_64_compile_without_spills(stage, tmp
     arrays = backward_arrays(dims, saved_states=True)
     launch = next(launch for launch in backward_plan(dims, saved_states=True).launches
                   if kernel_name(launch) == f"{stage}_kernel")
-    assert_spill_free_with_wgmma_and_tma(launch, arrays, tmp_path)
+    assert_spill_free_with_wgmma_and_tma(launch, arrays)

@@ -2,15 +2,11 @@
 the SASS of the matmul stages uses Hopper wgmma (HGMMA) when cuobjdump is available."""
 import dataclasses
 import functools
-import glob
-import os
 import re
-import shutil
-import site
-import subprocess
 
 import pytest
 
+from benchmarks.sass import disassemble
 from jax_mamba2.kernels import chunk_scan, chunk_state, chunk_state_bwd, export, fused_scan
 from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.backward import backward_arrays
@@ -77,35 +73,19 @@ def test_kernels_compile_to_sm90_cubins(problem):
         assert cubin[:4] == b"\x7fELF", name
 
 
-def _cuobjdump() -> str | None:
-    """cuobjdump from PATH or from the pip nvidia-cuda-cuobjdump package (with nvdisasm beside it)."""
-    found = shutil.which("cuobjdump")
-    if found and shutil.which("nvdisasm"):
-        return found
-    for packages in site.getsitepackages():
-        for path in glob.glob(os.path.join(packages, "nvidia", "*", "bin", "cuobjdump")):
-            if os.path.exists(os.path.join(os.path.dirname(path), "nvdisasm")):
-                return path
-    return None
-
-
-def sass_and_resources(cubin: bytes, tmp_path) -> tuple[str, str]:
+def sass_and_resources(cubin: bytes) -> tuple[str, str]:
     """(cuobjdump -sass, cuobjdump -res-usage) of `cubin`; skips the test without cuobjdump/nvdisasm."""
-    cuobjdump = _cuobjdump()
-    if cuobjdump is None:
-        pytest.skip("cuobjdump/nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-    env = dict(os.environ, PATH=os.path.dirname(cuobjdump) + os.pathsep + os.environ.get("PATH", ""))
-    path = tmp_path / "kernel.cubin"
-    path.write_bytes(cubin)
-    return tuple(subprocess.run([cuobjdump, flag, str(path)], check=True, capture_output=True, text=True,
-                                env=env).stdout for flag in ("-sass", "-res-usage"))
+    try:
+        return disassemble(cubin)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
 
 
 @pytest.mark.parametrize("problem",
                          ["bf16_plain", "f32_z_init_seq_idx", "bf16_z_init_seq_idx"])
-def test_matmul_stages_use_wgmma_and_tma(problem, tmp_path):
+def test_matmul_stages_use_wgmma_and_tma(problem):
     for name in ("chunk_state_fwd_kernel", "chunk_scan_fwd_kernel"):
-        sass, _ = sass_and_resources(_cubins(problem)[name], tmp_path)
+        sass, _ = sass_and_resources(_cubins(problem)[name])
         assert "HGMMA" in sass, f"{name} ({problem}) has no wgmma instruction"
         assert "UTMALDG" in sass, f"{name} ({problem}) has no TMA load"
 
@@ -118,53 +98,52 @@ def _state_pass_launches(dims, cfg):
 
 @pytest.mark.parametrize("stage", ["chunk_state_fwd", "chunk_state_bwd"])
 @pytest.mark.parametrize("latency", chunk_state.LOAD_LATENCIES)
-def test_state_passes_at_occupancy_4_fit_four_blocks_per_sm_without_spills(latency, stage, tmp_path):
+def test_state_passes_at_occupancy_4_fit_four_blocks_per_sm_without_spills(latency, stage):
     """What chunk_state_fwd_configs says of its occupancy-4 entries (the default tile of both state
     passes): <= 64 registers, no local-memory spills, and shared memory for four blocks in an SM's 228 KB."""
     dims = dataclasses.replace(_BASE, batch=4, seqlen=8192, nheads=32, dstate=128, chunk_size=64)
     cfg = chunk_state.ChunkStateConfig(BLOCK_P=64, BLOCK_N=32, LOAD_LAT=latency, occupancy=4)
     launch, arrays = _state_pass_launches(dims, cfg)[stage]
     _, cubin = compile_launch(launch, arrays, "sm_90")
-    sass, resources = sass_and_resources(cubin, tmp_path)
+    sass, resources = sass_and_resources(cubin)
     usage = dict(re.findall(r"(REG|SHARED|LOCAL):(\d+)", resources))
     assert int(usage["REG"]) <= 64 and int(usage["LOCAL"]) == 0 and "LDL" not in sass
     assert 4 * (int(usage["SHARED"]) + 1024) <= 228 * 1024, usage
 
 
-def assert_spill_free_with_wgmma_and_tma(launch, arrays, tmp_path):
+def assert_spill_free_with_wgmma_and_tma(launch, arrays):
     """The launch's sm_90 SASS has wgmma and TMA loads, and neither local memory nor a stack."""
     _, cubin = compile_launch(launch, arrays, "sm_90")
-    sass, resources = sass_and_resources(cubin, tmp_path)
+    sass, resources = sass_and_resources(cubin)
     usage = dict(re.findall(r"(LOCAL|STACK):(\d+)", resources))
     assert "HGMMA" in sass and "UTMALDG" in sass, launch.args
     assert int(usage["LOCAL"]) == 0 and int(usage["STACK"]) == 0, (launch.args, usage)
 
 
-def _assert_chunk_scan_spill_free_with_wgmma_and_tma(dims, cfg, tmp_path):
-    assert_spill_free_with_wgmma_and_tma(chunk_scan.chunk_scan_fwd_launch(dims, cfg), forward_arrays(dims),
-                                         tmp_path)
+def _assert_chunk_scan_spill_free_with_wgmma_and_tma(dims, cfg):
+    assert_spill_free_with_wgmma_and_tma(chunk_scan.chunk_scan_fwd_launch(dims, cfg), forward_arrays(dims))
 
 
 @pytest.mark.parametrize("heads", [1, 2])
 @pytest.mark.parametrize("block_n", [32, 64])
-def test_chunk_scan_state_loop_uses_wgmma_and_tma_without_spills(block_n, heads, tmp_path):
+def test_chunk_scan_state_loop_uses_wgmma_and_tma_without_spills(block_n, heads):
     """chunk_scan's state-loop configs at the H200 benchmark shape: wgmma, TMA loads, no local memory."""
     dims = dataclasses.replace(_BASE, batch=4, seqlen=8192, nheads=32, ngroups=1, dstate=128, chunk_size=64)
     cfg = chunk_scan.ChunkScanConfig(BLOCK_M=64, BLOCK_K=64, BLOCK_N=block_n, BLOCK_P=64, HEADS=heads)
     assert cfg in chunk_scan.chunk_scan_fwd_configs(dims)
-    _assert_chunk_scan_spill_free_with_wgmma_and_tma(dims, cfg, tmp_path)
+    _assert_chunk_scan_spill_free_with_wgmma_and_tma(dims, cfg)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("dstate", [16, 256])
-def test_chunk_scan_default_at_chunk_64_is_a_spill_free_state_loop(dstate, dtype, tmp_path):
+def test_chunk_scan_default_at_chunk_64_is_a_spill_free_state_loop(dstate, dtype):
     """What chunk_scan_fwd_default_config says: at chunk 64 with 16-bit inputs the default is the state
     loop, and it stays spill-free at the extremes of dstate (every key-loop config spills at 256)."""
     dims = dataclasses.replace(_BASE, batch=4, seqlen=8192, nheads=32, ngroups=1, dstate=dstate, chunk_size=64,
                                dtype=dtype, dt_dtype=dtype, has_z=True, has_seq_idx=True)
     cfg = chunk_scan.chunk_scan_fwd_default_config(dims)
     assert cfg.BLOCK_N == min(64, dstate) and cfg.HEADS == 2
-    _assert_chunk_scan_spill_free_with_wgmma_and_tma(dims, cfg, tmp_path)
+    _assert_chunk_scan_spill_free_with_wgmma_and_tma(dims, cfg)
 
 
 def test_export_cli_quick_writes_cubins_and_manifest(tmp_path, capsys):
@@ -186,7 +165,7 @@ _FUSED_SPILL_FREE = [(dstate, features, write_states) for dstate in (64, 256) fo
 
 
 @pytest.mark.parametrize("dstate,features,write_states", _FUSED_SPILL_FREE)
-def test_fused_scan_default_uses_wgmma_and_tma_without_spills(dstate, features, write_states, tmp_path):
+def test_fused_scan_default_uses_wgmma_and_tma_without_spills(dstate, features, write_states):
     """The fused forward's default tile (a [dstate, 64] state per block, occupancy 1) at the H200
     benchmark shape, with or without storing every chunk-entry state for the backward: wgmma, TMA loads,
     no local memory and no stack."""
@@ -195,13 +174,13 @@ def test_fused_scan_default_uses_wgmma_and_tma_without_spills(dstate, features, 
     cfg = fused_scan.fused_scan_fwd_default_config(dims)
     assert (cfg.BLOCK_P, cfg.occupancy) == (64, 1) and cfg in fused_scan.fused_scan_fwd_configs(dims)
     assert_spill_free_with_wgmma_and_tma(fused_scan.fused_scan_fwd_launch(dims, cfg, write_states=write_states),
-                                         forward_arrays(dims, "fused", write_states), tmp_path)
+                                         forward_arrays(dims, "fused", write_states))
 
 
-def test_fused_scan_wide_state_with_8_worker_warps_has_no_stack(tmp_path):
+def test_fused_scan_wide_state_with_8_worker_warps_has_no_stack():
     """The tune space's 256 x 64 state (dstate 256, 64 columns) with 8 worker warps: spill-free at latency 4."""
     dims = dataclasses.replace(_BASE, batch=4, seqlen=8192, nheads=32, ngroups=1, dstate=256, chunk_size=64)
     cfg = fused_scan.FusedScanConfig(BLOCK_P=64, LOAD_LAT=4, occupancy=1, worker_warps=8)
     assert cfg in fused_scan.fused_scan_fwd_configs(dims)
     assert_spill_free_with_wgmma_and_tma(fused_scan.fused_scan_fwd_launch(dims, cfg),
-                                         forward_arrays(dims, "fused"), tmp_path)
+                                         forward_arrays(dims, "fused"))

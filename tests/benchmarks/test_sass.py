@@ -1,0 +1,73 @@
+"""benchmarks/sass.py reads the sm_90 SASS of the forward kernels (compiled here, no GPU)."""
+import json
+
+import pytest
+
+pytest.importorskip("cuda.tile")
+
+from benchmarks import sass  # noqa: E402
+from benchmarks.ssd import Shape  # noqa: E402
+from benchmarks.stages import dims_of  # noqa: E402
+from jax_mamba2.kernels import forward, fused_scan  # noqa: E402
+from jax_mamba2.kernels.export import compile_launch  # noqa: E402
+
+_LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                  /* 0x00000a0000017a02 */
+        /*0010*/                   WARPGROUP.ARRIVE ;                      /* 0x00000000000079c5 */
+        /*0020*/                   HGMMA.64x64x16.F32.BF16 R56, gdesc[UR4], RZ, !UPT ;   /* 0x00e00000043879f0 */
+        /*0030*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;         /* 0x00000000000079c5 */
+        /*0040*/               @P0 BRA 0x10 ;                              /* 0x0000000000000947 */
+        /*0050*/                   BRA 0x60 ;                              /* 0xfffffffc00fc7947 */
+        /*0060*/                   EXIT ;                                  /* 0x000000000000794d */
+        /*0070*/                   BRA 0x30 ;                              /* 0xfffffffc00fc7947 */
+"""
+
+
+def test_loops_count_instructions_hgmma_and_waits_of_each_backward_branch():
+    """The branch back from 0x40 closes a loop; the one past EXIT is a wait stub's return, not a loop."""
+    assert sass.loops(_LISTING) == [sass.Loop(start=0x10, end=0x40, instructions=4, hgmma=1, waits=1)]
+    assert [address for address, _ in sass.instructions(_LISTING)] == list(range(0, 0x80, 0x10))
+
+
+def _fused_cubin(dims, **configs):
+    layout = forward.configs_layout(dims, configs)
+    launch = forward.forward_plan(dims, configs, layout).launches[-1]
+    return compile_launch(launch, forward.forward_arrays(dims, layout))[1]
+
+
+def test_fused_default_at_the_main_shape_has_a_product_loop_with_waits():
+    """The fused kernel's chunk loop at (4,8192,32,64,128,1): wgmma products and at least one wait on them."""
+    try:
+        listing, resources = sass.disassemble(_fused_cubin(dims_of(Shape(4, 8192, 32, 64, 128, 1), 64)))
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    assert "REG:" in resources
+    product_loops = [loop for loop in sass.loops(listing) if loop.hgmma]
+    assert product_loops and all(loop.waits >= 1 for loop in product_loops)
+
+
+def test_code_fingerprint_is_the_machine_code_alone():
+    """Two compiles of one build agree; another config's build does not."""
+    dims = dims_of(Shape(4, 8192, 32, 64, 64, 1), 64)
+    default = _fused_cubin(dims)
+    assert sass.code_fingerprint(default) == sass.code_fingerprint(_fused_cubin(dims))
+    pairs = fused_scan.FusedScanConfig(BLOCK_P=64, worker_warps=8, chunks_per_iter=2, weight_x=False)
+    assert sass.code_fingerprint(default) != sass.code_fingerprint(_fused_cubin(dims, fused_scan=pairs))
+
+
+def test_loops_command_reports_every_launch_of_the_plan(capsys):
+    sass.main(["loops", "4,8192,32,64,64,1", "--config", "fused_scan.chunks_per_iter=2,fused_scan.worker_warps=8"])
+    out = capsys.readouterr().out
+    assert "chunk_cumsum_fwd_kernel (fused: default config)" in out
+    assert "fused_scan_fwd_kernel (fused: FusedScanConfig(" in out and "chunks_per_iter=2" in out
+    assert "HGMMA" in out and "REG:" in out
+
+
+def test_fingerprints_command_names_the_builds_that_differ(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(sass, "fingerprint_builds", lambda: {"a": "1", "b": "2"})
+    before = tmp_path / "before.json"
+    before.write_text(json.dumps({"a": "1", "b": "3"}))
+    assert sass.main(["fingerprints", str(tmp_path / "after.json"), "--compare", str(before)]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "b"
+    assert json.loads((tmp_path / "after.json").read_text()) == {"a": "1", "b": "2"}
+    assert sass.main(["fingerprints", str(tmp_path / "again.json"), "--compare", str(tmp_path / "after.json")]) == 0
