@@ -41,7 +41,7 @@ def parse_variant(text: str, stages: tuple[str, ...] = backward.BACKWARD_STAGES
     """"NAME:STAGE.FIELD=VALUE,..." -> (NAME, {stage: {field: int value}}) (booleans as 0/1, "none" as None),
     STAGE one of `stages` (a forward or a backward plan's)."""
     name, _, assignments = text.partition(":")
-    fields: dict[str, dict[str, int]] = {}
+    fields: dict[str, dict[str, int | None]] = {}
     for assignment in filter(None, assignments.split(",")):
         target, _, value = assignment.partition("=")
         stage, _, field = target.partition(".")

@@ -56,6 +56,8 @@ def test_code_fingerprint_is_the_machine_code_alone():
 
 
 def test_loops_command_reports_every_launch_of_the_plan(capsys):
+    if sass.find_cuobjdump() is None:
+        pytest.skip("cuobjdump/nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     sass.main(["loops", "4,8192,32,64,64,1", "--config", "fused_scan.chunks_per_iter=2,fused_scan.worker_warps=8"])
     out = capsys.readouterr().out
     assert "chunk_cumsum_fwd_kernel (fused: default config)" in out
