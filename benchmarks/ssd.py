@@ -15,11 +15,13 @@ Every output is checked against ssd(backend="xla") run in float32 at HIGHEST mat
 error, max abs error); fwd_bwd checks the gradients of the linear loss sum(y·w_y) + sum(final·w_f).
 
 Timing (compilation, autotuning and the first calls are excluded; the first call's wall time, which
-includes them, is recorded as first_call_s):
+includes them, is recorded as first_call_s; then every implementation runs back to back for
+--warmup-seconds, 2 s by default, so that the GPU's clocks are up, see WARMUP_S):
   JAX impls    per-call wall time of fn(*args) + block_until_ready: median, p20, p80; and
-               ms_pipelined, the mean of N back-to-back calls with one final block_until_ready.
+               ms_pipelined, the median over 5 rounds of the mean of N back-to-back calls with one
+               block_until_ready per round (ms_pipelined_rounds).
   torch peers  CUDA-graph replay after autotuning warm-up, timed with CUDA events: per-replay median,
-               p20, p80; ms_pipelined, the mean of N back-to-back replays.
+               p20, p80; ms_pipelined, the median over 5 rounds of the mean of N back-to-back replays.
 ms_pipelined is the number to compare across implementations (device time, no per-call host sync);
 tflops and gbps are derived from it.
 
@@ -228,24 +230,52 @@ class Timing(NamedTuple):
     ms_p20: float
     ms_p80: float
     ms_pipelined: float
+    ms_pipelined_rounds: tuple[float, ...]
     iters: int
     first_call_s: float
+    warmup_s: float
+
+
+# Every implementation runs back to back for this long before its timed calls. The H200's SM clock idles at
+# 345 MHz (1980 under load); in run 100 a program timed right after its compilation had left the GPU idle for
+# seconds ran 7-12x slower for its first ~800 back-to-back calls (0.5-1.2 s), then at full speed.
+WARMUP_S = 2.0
+# The pipelined time is the median of this many rounds of back-to-back calls.
+PIPELINED_ROUNDS = 5
+# Calls issued between synchronisations while warming up (JAX queues at most 32 executions in flight).
+_WARMUP_BATCH = 16
 
 
 def _iterations(seconds_per_call: float, budget_s: float) -> int:
     return int(min(200, max(5, budget_s / max(seconds_per_call, 1e-6))))
 
 
-def _summary(samples_ms: list[float], pipelined_ms: float, first_call_s: float) -> Timing:
+def _warm_up(call: Callable[[], Any], sync: Callable[[Any], Any], seconds: float) -> float:
+    """Runs `call` back to back, synchronising after every _WARMUP_BATCH calls, for at least `seconds`;
+    returns the wall seconds per call of the last batch."""
+    start = time.perf_counter()
+    while True:
+        batch_start = time.perf_counter()
+        sync([call() for _ in range(_WARMUP_BATCH)])
+        now = time.perf_counter()
+        if now - start >= seconds:
+            return (now - batch_start) / _WARMUP_BATCH
+
+
+def _summary(samples_ms: list[float], rounds_ms: list[float], first_call_s: float, warmup_s: float) -> Timing:
     q = np.percentile(samples_ms, [20, 50, 80])
-    return Timing(float(q[1]), float(q[0]), float(q[2]), pipelined_ms, len(samples_ms), first_call_s)
+    return Timing(float(q[1]), float(q[0]), float(q[2]), float(np.median(rounds_ms)), tuple(rounds_ms),
+                  len(samples_ms), first_call_s, warmup_s)
 
 
-def time_jax(fn: Callable[[], Any], budget_s: float) -> tuple[Timing, Any]:
-    """Per-call block_until_ready times and the pipelined mean; returns (timing, last outputs)."""
+def time_jax(fn: Callable[[], Any], budget_s: float, warmup_s: float = WARMUP_S) -> tuple[Timing, Any]:
+    """After `warmup_s` of back-to-back calls: per-call block_until_ready times, and the pipelined time (the
+    median over PIPELINED_ROUNDS rounds of the mean of back-to-back calls, one block_until_ready per round);
+    returns (timing, last outputs)."""
     start = time.perf_counter()
     out = jax.block_until_ready(fn())  # compiles (and autotunes)
     first_call_s = time.perf_counter() - start
+    seconds_per_call = _warm_up(fn, jax.block_until_ready, warmup_s)
     start = time.perf_counter()
     out = jax.block_until_ready(fn())
     iters = _iterations(time.perf_counter() - start, budget_s)
@@ -254,16 +284,21 @@ def time_jax(fn: Callable[[], Any], budget_s: float) -> tuple[Timing, Any]:
         start = time.perf_counter()
         out = jax.block_until_ready(fn())
         samples.append((time.perf_counter() - start) * 1e3)
-    start = time.perf_counter()
-    for _ in range(iters):
-        out = fn()
-    jax.block_until_ready(out)
-    pipelined = (time.perf_counter() - start) * 1e3 / iters
-    return _summary(samples, pipelined, first_call_s), out
+    rounds = []
+    calls = _iterations(seconds_per_call, budget_s / PIPELINED_ROUNDS)
+    for _ in range(PIPELINED_ROUNDS):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+        rounds.append((time.perf_counter() - start) * 1e3 / calls)
+    return _summary(samples, rounds, first_call_s, warmup_s), out
 
 
-def time_cuda_graph(fn: Callable[[], Any], budget_s: float) -> tuple[Timing, Any]:
-    """CUDA-graph replay of a torch callable after warm-up (which runs Triton's autotuning)."""
+def time_cuda_graph(fn: Callable[[], Any], budget_s: float, warmup_s: float = WARMUP_S) -> tuple[Timing, Any]:
+    """CUDA-graph replay of a torch callable after warm-up (which runs Triton's autotuning) and `warmup_s`
+    of back-to-back replays, timed with CUDA events: per-replay times, and the pipelined time (the median
+    over PIPELINED_ROUNDS rounds of the mean of back-to-back replays)."""
     import torch
 
     start = time.perf_counter()
@@ -279,26 +314,24 @@ def time_cuda_graph(fn: Callable[[], Any], budget_s: float) -> tuple[Timing, Any
     # thread_local: JAX's own threads may touch CUDA while this thread captures.
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    graph.replay()
-    torch.cuda.synchronize()
-    iters = _iterations(time.perf_counter() - start, budget_s)
+    seconds_per_replay = _warm_up(graph.replay, lambda _: torch.cuda.synchronize(), warmup_s)
+    iters = _iterations(seconds_per_replay, budget_s)
+    calls = _iterations(seconds_per_replay, budget_s / PIPELINED_ROUNDS)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(iters + 1)]
+              for _ in range(iters + PIPELINED_ROUNDS)]
     for begin, end in events[:iters]:
         begin.record()
         graph.replay()
         end.record()
-    begin, end = events[iters]
-    begin.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
+    for begin, end in events[iters:]:
+        begin.record()
+        for _ in range(calls):
+            graph.replay()
+        end.record()
     torch.cuda.synchronize()
     samples = [b.elapsed_time(e) for b, e in events[:iters]]
-    return _summary(samples, begin.elapsed_time(end) / iters, first_call_s), out
+    rounds = [b.elapsed_time(e) / calls for b, e in events[iters:]]
+    return _summary(samples, rounds, first_call_s, warmup_s), out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -448,7 +481,7 @@ def measure(impl: str, shape: Shape, inputs: dict, weights: dict, reference: dic
     try:
         prepared = prepare(impl, inputs, weights, args.chunk, args.direction)
         record["chunk_size"] = prepared.chunk_size
-        timing, out = prepared.timer(prepared.run, args.seconds_per_impl)
+        timing, out = prepared.timer(prepared.run, args.seconds_per_impl, args.warmup_seconds)
         errors = compare(prepared.to_outputs(out), reference)
         if impl in ("cutile", "cutile_callback"):
             record["tuning"], tune_full = tuning_summary(inputs, prepared.chunk_size)
@@ -497,6 +530,8 @@ def parse_args(argv=None):
     parser.add_argument("--jla", type=Path, help="directory holding the jla package")
     parser.add_argument("--seconds-per-impl", type=float, default=0.3,
                         help="timed seconds per implementation and shape (each of the two loops)")
+    parser.add_argument("--warmup-seconds", type=float, default=WARMUP_S,
+                        help="back-to-back calls before the timed ones, per implementation and shape")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
     args.shapes = [Shape(*s) for s in GRID[:2 if args.quick else None]] if not args.shapes else args.shapes

@@ -1,6 +1,7 @@
 """benchmarks/ssd.py and benchmarks/report.py: roofline, CLI, JSON records -> table and plot (no GPU)."""
 import json
 import re
+import time
 
 import jax
 import pytest
@@ -71,9 +72,30 @@ def test_plot_writes_a_png_per_result_file(result_file, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _slow_for_a_while(seconds: float):
+    """A program that takes 2 ms per call for its first `seconds` after its first call, then ~nothing: a GPU
+    whose clocks ramp up under load."""
+    first = []
+
+    def fn():
+        first.append(first[0] if first else time.perf_counter())
+        if time.perf_counter() - first[0] < seconds:
+            time.sleep(0.002)
+        return jax.numpy.zeros(())
+    return fn
+
+
+def test_time_jax_times_the_calls_after_its_warm_up():
+    cold = ssd.time_jax(_slow_for_a_while(0.3), budget_s=0.01, warmup_s=0.0)[0]
+    warm = ssd.time_jax(_slow_for_a_while(0.3), budget_s=0.01, warmup_s=0.4)[0]
+    assert cold.ms_pipelined > 1.0 and warm.ms_pipelined < 0.5 and warm.ms_median < 0.5
+    assert len(warm.ms_pipelined_rounds) == ssd.PIPELINED_ROUNDS
+    assert warm.ms_pipelined == sorted(warm.ms_pipelined_rounds)[ssd.PIPELINED_ROUNDS // 2]
+
+
 def test_benchmark_main_writes_records_with_the_fixed_keys(tmp_path, capsys):
     ssd.main(["--impls", "xla", "--shapes", "1,64,2,16,16,1", "--chunk", "32",
-              "--seconds-per-impl", "0.01", "--out", str(tmp_path)])
+              "--seconds-per-impl", "0.01", "--warmup-seconds", "0.01", "--out", str(tmp_path)])
     (path,) = [p for p in tmp_path.glob("ssd_fwd_*.json") if "_tuning_" not in p.name]
     (record,) = report.load_records(path)
     required = {"op", "direction", "impl", "shape", "dtype", "ms_median", "ms_p20", "ms_p80",
