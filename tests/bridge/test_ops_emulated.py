@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, PartitionSpec as P
 
 pytest.importorskip("cuda.tile")
 
@@ -83,10 +84,10 @@ def _oracle(args, optional, kwargs, weights):
         return jax.tree.map(np.asarray, ((y, final), grads))
 
 
-def _check_forward_and_gradients(args, optional, kwargs, weights, tolerance):
+def _check_forward_and_gradients(args, optional, kwargs, weights, tolerance, ssd=_emulated_ssd):
     (want_y, want_final), (want_args, want_optional) = _oracle(args, optional, kwargs, weights)
-    y, final = _emulated_ssd(*args, **optional, **kwargs)
-    got_args, got_optional = jax.grad(_loss(_emulated_ssd, weights, kwargs), argnums=(0, 1))(args, optional)
+    y, final = ssd(*args, **optional, **kwargs)
+    got_args, got_optional = jax.grad(_loss(ssd, weights, kwargs), argnums=(0, 1))(args, optional)
     errors = {"y": rel_l2(y, want_y), "final_states": rel_l2(final, want_final)}
     errors.update({f"d{name}": rel_l2(g, w) for name, g, w in zip("x dt A B C".split(), got_args, want_args)})
     errors.update({f"d{name}": rel_l2(got_optional[name], want_optional[name]) for name in OPTIONAL})
@@ -120,6 +121,21 @@ def test_emulated_op_gradients_through_the_fused_layouts_match_float64_scan(layo
     joint = fused_scan.fused_scan_fwd_default_config(dataclasses.replace(kernel_dims, has_z=False)).joint_output
     assert joint == (kernel_dims.dstate == 64 and not kernel_dims.has_seq_idx)
     _check_forward_and_gradients(args, optional, kwargs, weights, 1e-2)
+
+
+def test_emulated_op_gradients_under_shard_map_match_float64_scan():
+    """The batch split over two devices by shard_map, every feature: the kernels run per shard, the gate's VJP
+    on each shard's z, and the replicated A, D and dt_bias get their gradients summed over the shards."""
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,))
+
+    def sharded_ssd(x, dt, A, B, C, *, D, z, dt_bias, initial_states, seq_idx, **static):
+        def per_shard(x, dt, B, C, z, initial_states, seq_idx):
+            return _emulated_ssd(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
+                                 seq_idx=seq_idx, **static)
+        return jax.shard_map(per_shard, mesh=mesh, in_specs=P("data"), out_specs=P("data"))(
+            x, dt, B, C, z, initial_states, seq_idx)
+
+    _check_forward_and_gradients(*_problem(4), TOLERANCE, ssd=sharded_ssd)
 
 
 def test_emulated_op_vmap_of_gradients_with_a_gate_matches_a_loop():

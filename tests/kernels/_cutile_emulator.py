@@ -18,6 +18,7 @@ import contextlib
 import functools
 import itertools
 import sys
+import threading
 import types
 
 import ml_dtypes
@@ -35,6 +36,7 @@ bool_ = np.dtype(bool)
 PaddingMode = types.SimpleNamespace(UNDETERMINED="undetermined", ZERO="zero")
 
 _block = [(0, 0, 0), (1, 1, 1)]  # (block index, grid)
+_RUN_LOCK = threading.Lock()
 
 
 def bid(axis):
@@ -248,7 +250,9 @@ def run_plan(plan, inputs, *, float64=False):
     for name, buf in plan.buffers.items():
         empty = _empty(buf.shape, "float64" if float64 and buf.dtype != "int32" else buf.dtype)
         arrays[name] = (np.zeros_like(empty) if buf.zero_init else empty).view(_EmulatedArray)
-    with emulated(_float64_namespace() if float64 else None):
+    # One plan at a time: `emulated` swaps the kernel modules' `ct` and `_block` is this module's, and host
+    # callbacks (jax.pure_callback under shard_map) run on several threads at once.
+    with _RUN_LOCK, emulated(_float64_namespace() if float64 else None):
         for launch in plan.launches:
             pyfunc = launch.kernel._annotated_function.pyfunc
             args = [arrays[a] if isinstance(a, str) else a for a in launch.args]
