@@ -334,27 +334,27 @@ class FusedScanConfig:
 # live in registers next to each other.
 FUSED_CHUNK_SIZES = (16, 32, 64)
 # Largest carried state (dstate * BLOCK_P f32 values) per block.
-_MAX_STATE = 128 * 64
+MAX_STATE = 128 * 64
 # Twice that, a 256 x 64 state, is in the tune space x weighted at occupancy 1: tileiras 13.4 compiles the
 # defaults to sm_90 without a stack (with B weighted and tileiras' warps, a 72-byte stack).
-_WIDE_STATE = 256 * 64
+WIDE_STATE = 256 * 64
 
 
 def fused_scan_supported(dims: SSDDims) -> bool:
     """Whether the fused kernel has a configuration for `dims` (chunk size and state size)."""
-    return dims.chunk_size in FUSED_CHUNK_SIZES and dims.dstate * min(16, dims.headdim) <= _MAX_STATE
+    return dims.chunk_size in FUSED_CHUNK_SIZES and dims.dstate * min(16, dims.headdim) <= MAX_STATE
 
 
 def _widths(dims: SSDDims) -> list[int]:
     """BLOCK_P candidates: 32 and 64 where they fit; 16 only where nothing wider does (below 32
     columns the wgmma N side is too narrow: tileiras emits mma.sync, measured 2x slower)."""
-    fits = [bp for bp in (16, 32, 64) if bp <= dims.headdim and dims.dstate * bp <= _MAX_STATE]
+    fits = [bp for bp in (16, 32, 64) if bp <= dims.headdim and dims.dstate * bp <= MAX_STATE]
     return [bp for bp in fits if bp >= 32] or fits
 
 
 def _wide_state(dims: SSDDims) -> bool:
-    """Whether 64 columns make a state over _MAX_STATE but within _WIDE_STATE (dstate 256)."""
-    return 64 <= dims.headdim and _MAX_STATE < dims.dstate * 64 <= _WIDE_STATE
+    """Whether 64 columns make a state over MAX_STATE but within WIDE_STATE (dstate 256)."""
+    return 64 <= dims.headdim and MAX_STATE < dims.dstate * 64 <= WIDE_STATE
 
 
 def fused_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScanConfig]:

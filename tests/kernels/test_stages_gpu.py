@@ -73,7 +73,7 @@ JOINT_OUTPUT_SWEEP_CASE = dataclasses.replace(FUSED_SWEEP_CASE, dstate=64)
 
 
 def _wide_state_configs(dims):
-    return [cfg for cfg in fused_scan.fused_scan_fwd_configs(dims) if cfg.BLOCK_P * dims.dstate > fused_scan._MAX_STATE]
+    return [cfg for cfg in fused_scan.fused_scan_fwd_configs(dims) if cfg.BLOCK_P * dims.dstate > fused_scan.MAX_STATE]
 
 
 def _joint_output_configs(dims):
