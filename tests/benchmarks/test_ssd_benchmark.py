@@ -86,8 +86,8 @@ def _slow_for_a_while(seconds: float):
 
 
 def test_time_jax_times_the_calls_after_its_warm_up():
-    cold = ssd.time_jax(_slow_for_a_while(0.3), budget_s=0.01, warmup_s=0.0)[0]
-    warm = ssd.time_jax(_slow_for_a_while(0.3), budget_s=0.01, warmup_s=0.4)[0]
+    cold = ssd.time_jax(_slow_for_a_while(0.5), budget_s=0.01, warmup_s=0.0)[0]
+    warm = ssd.time_jax(_slow_for_a_while(0.5), budget_s=0.01, warmup_s=0.6)[0]
     assert cold.ms_pipelined > 1.0 and warm.ms_pipelined < 0.5 and warm.ms_median < 0.5
     assert len(warm.ms_pipelined_rounds) == ssd.PIPELINED_ROUNDS
     assert warm.ms_pipelined == sorted(warm.ms_pipelined_rounds)[ssd.PIPELINED_ROUNDS // 2]
