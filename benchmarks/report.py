@@ -110,7 +110,8 @@ def format_table(records: list[dict]) -> str:
     lines.insert(1, "-" * len(lines[0]))
     direction = records[0]["direction"] if records else "fwd"
     lines.append(f"\nms ({direction}). Compare 'pipelined' across impls: after a warm-up, the median over "
-                 "rounds of the mean of back-to-back calls (JAX) or CUDA-graph replays (torch peers). median/p20-p80: per-call wall time with "
+                 "rounds of the mean of back-to-back calls (JAX) or CUDA-graph replays (torch peers). "
+                 "median/p20-p80: per-call wall time with "
                  "block_until_ready (JAX) or per-replay CUDA events (peers). floor: roofline of an "
                  "ideal fused kernel; /best peer: pipelined ms over the fastest peer's (<1 is "
                  "faster); x vs xla: speedup over our plain-JAX chunked path.")

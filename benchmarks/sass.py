@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     loops_parser = commands.add_parser("loops", help="resources and loops of every launch of a forward plan")
     loops_parser.add_argument("shape", type=Shape.parse, help="B,L,H,P,N,G")
     loops_parser.add_argument("--chunk", type=int, default=64)
-    loops_parser.add_argument("--features", nargs="+", choices=("z", "initial_states", "seq_idx"), default=())
+    loops_parser.add_argument("--features", nargs="+", choices=tuple(stages.FEATURES), default=())
     loops_parser.add_argument("--config", help="STAGE.FIELD=VALUE,... on the stages' default configs, e.g. "
                                                "fused_scan.worker_warps=8,fused_scan.weight_x=0")
     loops_parser.add_argument("--all-loops", action="store_true",

@@ -250,7 +250,7 @@ def _iterations(seconds_per_call: float, budget_s: float) -> int:
     return int(min(200, max(5, budget_s / max(seconds_per_call, 1e-6))))
 
 
-def _warm_up(call: Callable[[], Any], sync: Callable[[Any], Any], seconds: float) -> float:
+def warm_up(call: Callable[[], Any], sync: Callable[[Any], Any], seconds: float) -> float:
     """Runs `call` back to back, synchronising after every _WARMUP_BATCH calls, for at least `seconds`;
     returns the wall seconds per call of the last batch."""
     start = time.perf_counter()
@@ -275,7 +275,7 @@ def time_jax(fn: Callable[[], Any], budget_s: float, warmup_s: float = WARMUP_S)
     start = time.perf_counter()
     out = jax.block_until_ready(fn())  # compiles (and autotunes)
     first_call_s = time.perf_counter() - start
-    seconds_per_call = _warm_up(fn, jax.block_until_ready, warmup_s)
+    seconds_per_call = warm_up(fn, jax.block_until_ready, warmup_s)
     start = time.perf_counter()
     out = jax.block_until_ready(fn())
     iters = _iterations(time.perf_counter() - start, budget_s)
@@ -314,7 +314,7 @@ def time_cuda_graph(fn: Callable[[], Any], budget_s: float, warmup_s: float = WA
     # thread_local: JAX's own threads may touch CUDA while this thread captures.
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = fn()
-    seconds_per_replay = _warm_up(graph.replay, lambda _: torch.cuda.synchronize(), warmup_s)
+    seconds_per_replay = warm_up(graph.replay, lambda _: torch.cuda.synchronize(), warmup_s)
     iters = _iterations(seconds_per_replay, budget_s)
     calls = _iterations(seconds_per_replay, budget_s / PIPELINED_ROUNDS)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))

@@ -7,9 +7,9 @@
                                 [--bwd-variant NAME:STAGE.FIELD=VALUE,... ...] [--forward-only]
                                 [--out DIR]
 
-Each plan runs once eagerly (torch tensors viewing random JAX inputs, ct.launch on a torch stream),
-then every launch is timed alone: the median of CUDA-event times over repeated launches on the
-intermediates the earlier launches wrote. Writes <out>/ssd_stages_<gpu>.json and prints a table. Launches
+Each plan runs once eagerly (torch tensors viewing random JAX inputs, ct.launch on a torch stream), then
+back to back for WARMUP_S seconds, then every launch is timed alone: the median of CUDA-event times over
+repeated launches on the intermediates the earlier launches wrote. Writes <out>/ssd_stages_<gpu>.json and prints a table. Launches
 that accumulate atomically (dB/dC) keep accumulating while timed; their times are right, their values
 are not read.
 """
@@ -29,7 +29,7 @@ import cuda.tile as ct  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.environment import environment, gpu_slug  # noqa: E402
-from benchmarks.ssd import GRID, Shape  # noqa: E402
+from benchmarks.ssd import GRID, WARMUP_S, Shape, warm_up  # noqa: E402
 from jax_mamba2.bridge import eager, tuning  # noqa: E402
 from jax_mamba2.kernels import backward, forward  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
@@ -75,8 +75,10 @@ def dims_of(shape: Shape, chunk_size: int, features: tuple[str, ...] = ()) -> SS
                    dt_dtype="bfloat16", dt_softplus=True, **{FEATURES[f]: True for f in features})
 
 
-def time_launches(plan, arrays: dict, repeats: int) -> list[dict]:
-    """Runs `plan` once, then times each launch alone (median ms of `repeats` CUDA-event timings)."""
+def time_launches(plan, arrays: dict, repeats: int, warmup_s: float = WARMUP_S) -> list[dict]:
+    """Runs `plan` once (compiling its kernels), then back to back for `warmup_s` seconds (the GPU's clocks,
+    see benchmarks/ssd.py's WARMUP_S), then times each launch alone (median ms of `repeats` CUDA-event
+    timings)."""
     import torch
     xp = eager.ArrayNamespace("torch")
     stream = torch.cuda.Stream()
@@ -84,10 +86,16 @@ def time_launches(plan, arrays: dict, repeats: int) -> list[dict]:
     for name, buf in plan.buffers.items():
         env[name] = (xp.zeros if buf.zero_init else xp.empty)(buf.shape, buf.dtype)
     stream.wait_stream(torch.cuda.current_stream())  # the zero fills above run on the current stream
+    launches = [(launch, tuple(env[a] if isinstance(a, str) else a for a in launch.args)) for launch in plan.launches]
+
+    def run_plan():
+        for launch, args in launches:
+            ct.launch(stream, launch.grid, launch.kernel, args)
+
+    run_plan()
+    warm_up(run_plan, lambda _: stream.synchronize(), warmup_s)
     rows = []
-    for launch in plan.launches:
-        args = tuple(env[a] if isinstance(a, str) else a for a in launch.args)
-        ct.launch(stream, launch.grid, launch.kernel, args)  # compiles, and writes the next inputs
+    for launch, args in launches:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         samples = []
         for _ in range(repeats):

@@ -87,3 +87,43 @@ def test_main_builds_every_asked_plan_and_records_it(monkeypatch, tmp_path):
         "chunk_cumsum_fwd_kernel", "fused_scan_fwd_kernel"}
     variant = next(r["variant"] for r in records if r["direction"] == "fwd_pairs")
     assert variant == {"fused_scan": {"chunks_per_iter": 2, "worker_warps": 8}}
+
+
+def test_time_launches_warms_the_plan_up_before_timing_each_launch(monkeypatch):
+    """The order of the launches (ct.launch stubbed, torch faked): the plan once, the plan back to back during
+    the warm-up, then each launch `repeats` times alone."""
+    class Event:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self, stream):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 0.5
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+        def synchronize(self):
+            pass
+
+    cuda = types.SimpleNamespace(Stream=Stream, Event=Event, current_stream=lambda: None)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr(stages.eager, "ArrayNamespace", lambda name: types.SimpleNamespace(
+        zeros=lambda shape, dtype: "zeros", empty=lambda shape, dtype: "empty"))
+    names = []
+    monkeypatch.setattr(stages.ct, "launch", lambda stream, grid, kernel, args: names.append(
+        kernel._annotated_function.pyfunc.__name__))
+    plan = forward.forward_plan(stages.dims_of(Shape(4, 8192, 32, 64, 128, 1), 64))
+    kernels = [launch.kernel._annotated_function.pyfunc.__name__ for launch in plan.launches]
+    rows = stages.time_launches(plan, {name: "input" for name in plan.inputs}, repeats=3, warmup_s=0.0)
+    timed = [name for name in kernels for _ in range(3)]
+    warm = names[len(kernels):-len(timed)]
+    assert names[:len(kernels)] == kernels and names[-len(timed):] == timed
+    assert warm and warm == kernels * (len(warm) // len(kernels))
+    assert [(row["kernel"], row["ms_median"]) for row in rows] == [(name, 0.5) for name in kernels]
