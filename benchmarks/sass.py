@@ -81,9 +81,14 @@ def instructions(sass: str) -> list[tuple[int, str]]:
 
 
 def loops(sass: str) -> list[Loop]:
-    """Every loop of `sass`: a branch back to an earlier instruction closes one. Branches past the last
-    unconditional EXIT are left out: they close no loop but send out-of-line wait stubs back to their wait."""
-    listing = instructions(sass)
+    """Every loop of `sass` (cuobjdump text): `listing_loops` of its instructions."""
+    return listing_loops(instructions(sass))
+
+
+def listing_loops(listing: list[tuple[int, str]]) -> list[Loop]:
+    """Every loop of (address, instruction) pairs in address order: a branch back to an earlier instruction
+    closes one. Branches past the last unconditional EXIT are left out: they close no loop but send
+    out-of-line wait stubs back to their wait."""
     index = {address: i for i, (address, _) in enumerate(listing)}
     exits = [i for i, (_, text) in enumerate(listing) if text == "EXIT"]
     found = []
