@@ -4,7 +4,8 @@
 the first, so profile a later one), for ncu to profile one chain launch; `summarize` reads ncu's source
 page of that launch (`--page source --print-source sass --csv`) and, optionally, its details page, and
 writes per loop with wgmma (found as `sass.py loops` finds them) its instructions, its share of all samples,
-the share of each stall reason in its samples and its top stall sites.
+the share of each stall reason in its samples and its top stall sites, as one record of the JSON list at
+`--out` (replacing a record of the same shape and layout).
 
 On the GPU machine:
   ncu --clock-control none --set full --kernel-name regex:fused_scan --launch-skip 2 --launch-count 1 \\
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import re
 import sys
 from collections import Counter
@@ -28,6 +28,8 @@ if __package__ in (None, ""):  # run as a script: benchmarks/ is sys.path[0], th
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import sass  # noqa: E402
+from benchmarks.report import load_records, write_records  # noqa: E402
+from benchmarks.ssd import Shape  # noqa: E402
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
 # Details-page metrics kept in the summary: ncu's name -> the record's key.
@@ -119,12 +121,13 @@ def summarize(args) -> None:
         print(f"loop {loop['offsets'][0]}-{loop['offsets'][1]}: {loop['instructions']} instructions, "
               f"{loop['share_of_all_samples']:.1%} of the samples: {reasons}")
     if args.out:
-        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+        out = Path(args.out)
+        key = (record.get("shape"), record.get("layout"))
+        kept = [r for r in load_records(out) if (r.get("shape"), r.get("layout")) != key] if out.exists() else []
+        write_records(kept + [record], out)
 
 
 def main(argv=None) -> int:
-    from benchmarks.ssd import Shape
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     commands = parser.add_subparsers(dest="command", required=True)
     run_parser = commands.add_parser("run", help="the default forward plan of one shape, launched eagerly")

@@ -56,12 +56,19 @@ def test_kernel_metrics_read_the_details_page():
                                                "registers_per_thread": 168.0}
 
 
-def test_summarize_command_writes_the_record_with_its_fields(tmp_path):
+def test_summarize_command_adds_its_record_to_the_list_replacing_the_same_shape(tmp_path):
     (tmp_path / "source.csv").write_text(_SOURCE)
     (tmp_path / "details.txt").write_text(_DETAILS)
     out = tmp_path / "stalls.json"
-    assert stalls.main(["summarize", str(tmp_path / "source.csv"), "--details", str(tmp_path / "details.txt"),
-                        "--meta", "run=106", "shape=4,8192,32,64,128,1", "--out", str(out)]) == 0
-    record = json.loads(out.read_text())
-    assert (record["run"], record["shape"], record["kernel"]["duration_us"]) == ("106", "4,8192,32,64,128,1", 190.75)
-    assert [loop["offsets"] for loop in record["loops"]] == [["0x10", "0x40"]]
+
+    def summarize(*meta):
+        assert stalls.main(["summarize", str(tmp_path / "source.csv"), "--details", str(tmp_path / "details.txt"),
+                            "--meta", *meta, "layout=fused", "--out", str(out)]) == 0
+        return json.loads(out.read_text())
+
+    summarize("run=106", "shape=4,8192,32,64,128,1")
+    summarize("run=106", "shape=4,8192,32,64,64,1")
+    records = summarize("run=109", "shape=4,8192,32,64,128,1")
+    assert [(r["shape"], r["run"]) for r in records] == [("4,8192,32,64,64,1", "106"), ("4,8192,32,64,128,1", "109")]
+    assert records[1]["kernel"]["duration_us"] == 190.75
+    assert [loop["offsets"] for loop in records[1]["loops"]] == [["0x10", "0x40"]]
