@@ -9,9 +9,9 @@
 
 Each plan runs once eagerly (torch tensors viewing random JAX inputs, ct.launch on a torch stream), then
 back to back for WARMUP_S seconds, then every launch is timed alone: the median of CUDA-event times over
-repeated launches on the intermediates the earlier launches wrote. Writes <out>/ssd_stages_<gpu>.json and prints a table. Launches
-that accumulate atomically (dB/dC) keep accumulating while timed; their times are right, their values
-are not read.
+repeated launches on the intermediates the earlier launches wrote. Writes <out>/ssd_stages_<gpu>.json and
+prints a table. Launches that accumulate atomically (dB/dC) keep accumulating while timed; their times are
+right, their values are not read.
 """
 from __future__ import annotations
 
