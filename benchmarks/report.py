@@ -2,12 +2,15 @@
 
 A record is a dict with op, direction, impl, shape {batch, seqlen, nheads, headdim, dstate, ngroups},
 chunk_size, ms_median, ms_p20, ms_p80, ms_pipelined, tflops, gbps, rel_l2_err, timing, roofline
-{floor_ms, bound, ...}, and "error" (None, or why the implementation did not run).
+{floor_ms, bound, ...}, tuning (the configs the cutile backends ran, by stage) and "error" (None, or why
+the implementation did not run).
 
-  python -m benchmarks.report benchmarks/results/ssd_fwd_h200.json [--png OUT.png] [--merge NEW.json ...]
+  python -m benchmarks.report benchmarks/results/ssd_fwd_h200.json [--png OUT.png] [--markdown]
+                              [--merge NEW.json ...]
 
---merge folds the records of later runs into the file: a new record replaces the one of the same
-(direction, shape, implementation), so a grid measured over several device calls stays one file.
+--png writes the plot the README shows, --markdown prints the README's table of the file. --merge folds
+the records of later runs into the file: a new record replaces the one of the same (direction, shape,
+implementation), so a grid measured over several device calls stays one file.
 """
 from __future__ import annotations
 
@@ -20,6 +23,22 @@ from typing import Optional
 # Implementation names: jax-mamba2's backends, then the peers the ratios compare against.
 OURS = ("cutile", "cutile_callback", "xla")
 PEERS = ("mamba_ssm", "jla")
+# How tables and plots name them, in the one order every panel and table uses.
+DISPLAY_NAMES = {
+    "cutile": "jax-mamba2 cuTile",
+    "cutile_callback": "jax-mamba2 cuTile (callback)",
+    "jla": "jax-linear-attention (Pallas)",
+    "mamba_ssm": "mamba_ssm (Triton)",
+    "xla": "jax-mamba2 XLA (pure JAX)",
+}
+# The README tables' column names (its text says which implementation each is).
+TABLE_NAMES = {"cutile": "cuTile", "cutile_callback": "cuTile (callback)", "jla": "jax-linear-attention",
+               "mamba_ssm": "mamba_ssm", "xla": "XLA"}
+COLORS = {"cutile": "#76b900", "cutile_callback": "#b5dc6e", "jla": "#ff7f0e", "mamba_ssm": "#1f77b4",
+          "xla": "#8c8c8c"}
+# The forward plan the cutile backends ran, read off the stage names their `tuning` record is keyed by.
+_LAYOUT_STAGES = {"fused_scan": "fused", "segmented_scan": "segmented", "chunk_scan": "staged"}
+DIRECTION_TITLES = {"fwd": "forward", "fwd_bwd": "forward + backward"}
 
 
 def write_records(records: list[dict], path: Path) -> Path:
@@ -120,35 +139,110 @@ def format_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def layout(record: dict) -> Optional[str]:
+    """The forward plan ("fused", "segmented", "staged") a cutile record ran, None if it does not say."""
+    stages = record.get("tuning") or {}
+    return next((name for stage, name in _LAYOUT_STAGES.items() if stage in stages), None)
+
+
+def _shape_tuple(label: str) -> str:
+    return label.replace(",", ", ")
+
+
+def _two_line_shape(label: str) -> str:
+    parts = label.strip("()").split(",")
+    return f"({', '.join(parts[:3])},\n{', '.join(parts[3:])})"
+
+
+def _impl_ms(group: list[dict], impl: str) -> Optional[float]:
+    return next((r["ms_pipelined"] for r in group if r["impl"] == impl and _ok(r)), None)
+
+
+def markdown_table(records: list[dict], impls: tuple[str, ...] = ("cutile", "mamba_ssm", "jla", "xla")) -> str:
+    """The README's table of one benchmark file, one row per shape: the forward plan cutile ran, pipelined ms
+    per implementation, cutile's speedup over each peer (the peer's time over cutile's: > 1 means cutile is
+    faster) and the roofline floor in ms. An implementation that did not run a shape reads "n/a"."""
+    groups = _by_shape(records)
+    show_layout = any(layout(r) for r in records if r["impl"] == "cutile")
+    header = ["shape (B, L, H, P, N, G)", *(["plan"] if show_layout else []),
+              *(TABLE_NAMES[i] for i in impls),
+              *(f"speedup vs {TABLE_NAMES[p]}" for p in PEERS if p in impls), "roofline floor"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label, group in groups.items():
+        ours = _impl_ms(group, "cutile")
+        cutile = next((r for r in group if r["impl"] == "cutile"), {})
+        row = [_shape_tuple(label), *([layout(cutile) or "-"] if show_layout else [])]
+        row += ["n/a" if _impl_ms(group, i) is None else f"{_impl_ms(group, i):.3f}" for i in impls]
+        for peer in (p for p in PEERS if p in impls):
+            theirs = _impl_ms(group, peer)
+            row.append(f"{theirs / ours:.2f}x" if theirs and ours else "n/a")
+        floor = next((r["roofline"]["floor_ms"] for r in group if r["impl"] == "cutile" and _ok(r)), None)
+        row.append(_fmt(floor, ".3f"))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def plot_records(records: list[dict], path: Path) -> Path:
-    """One PNG, a bar panel per shape: pipelined ms per impl, median as a dot, roofline floor dashed."""
+    """One PNG in two panels, shapes along x: (top) pipelined ms per implementation on a log axis, every
+    implementation in DISPLAY_NAMES order, the roofline floor of an ideal fused kernel as a black bar across
+    each shape; (bottom) cutile's speedup over each peer (> 1: cutile faster)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     groups = _by_shape(records)
-    cols = min(3, max(len(groups), 1))
-    rows = max(1, math.ceil(len(groups) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
-    colors = {"cutile": "#76b900", "cutile_callback": "#a8d86a", "xla": "#7f7f7f",
-              "mamba_ssm": "#1f77b4", "jla": "#ff7f0e"}
-    for ax, (label, group) in zip(axes.flat, groups.items()):
-        ok = [r for r in group if _ok(r)]
-        names = [r["impl"] for r in ok]
-        ax.bar(names, [r["ms_pipelined"] for r in ok], color=[colors.get(n, "#999999") for n in names])
-        ax.plot(names, [r["ms_median"] for r in ok], "k.", label="median per call")
-        if ok:
-            ax.axhline(ok[0]["roofline"]["floor_ms"], ls="--", c="r", lw=1, label="roofline floor")
-        ax.set_title(f"{label} Q={','.join(sorted({str(r['chunk_size']) for r in ok}))}", fontsize=9)
-        ax.set_ylabel("ms (bars: pipelined)")
-        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
-    for ax in list(axes.flat)[len(groups):]:
-        ax.axis("off")
-    if groups:
-        axes.flat[0].legend(fontsize=7)
+    labels = list(groups)
+    impls = [i for i in DISPLAY_NAMES if any(r["impl"] == i for r in records)]
+    peers = [p for p in PEERS if p in impls]
+    width = 0.8 / max(len(impls), 1)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8.0, 1.45 * len(labels) + 2), 9.0), sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 2]})
+    for k, impl in enumerate(impls):
+        offsets = [x - 0.4 + (k + 0.5) * width for x in range(len(labels))]
+        times = [_impl_ms(groups[label], impl) for label in labels]
+        top.bar([o for o, t in zip(offsets, times) if t], [t for t in times if t], width,
+                color=COLORS.get(impl, "#999999"), label=DISPLAY_NAMES.get(impl, impl))
+        for o, t in zip(offsets, times):
+            if t is None:
+                top.annotate("n/a", (o, 0), xycoords=("data", "axes fraction"), xytext=(0, 3),
+                             textcoords="offset points", ha="center", va="bottom", fontsize=7, rotation=90)
+    floors = []
+    for x, label in enumerate(labels):
+        floor = next((r["roofline"]["floor_ms"] for r in groups[label] if _ok(r)), None)
+        if floor:
+            floors.append(floor)
+            top.hlines(floor, x - 0.42, x + 0.42, colors="k", linewidth=2,
+                       label="roofline floor (ideal fused kernel)" if len(floors) == 1 else None)
+    top.set_yscale("log")
+    if floors:  # room under the lowest floor for the "n/a" marks
+        top.set_ylim(bottom=min(floors) / 3)
+    top.set_ylabel("ms per call (log scale, lower is better)")
+    top.legend(fontsize=8, ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    top.grid(axis="y", which="both", alpha=0.3)
+    pwidth = 0.8 / max(len(peers), 1)
+    for k, peer in enumerate(peers):
+        for x, label in enumerate(labels):
+            ours, theirs = _impl_ms(groups[label], "cutile"), _impl_ms(groups[label], peer)
+            offset = x - 0.4 + (k + 0.5) * pwidth
+            if not (ours and theirs):
+                bottom.text(offset, 0.05, "n/a", ha="center", va="bottom", fontsize=7, rotation=90)
+                continue
+            bottom.bar(offset, theirs / ours, pwidth, color=COLORS[peer],
+                       label=f"vs {DISPLAY_NAMES[peer]}" if x == 0 or not bottom.get_legend_handles_labels()[0]
+                       else None)
+            bottom.text(offset, theirs / ours, f"{theirs / ours:.1f}x", ha="center", va="bottom", fontsize=7)
+    bottom.axhline(1.0, color="k", linewidth=1)
+    bottom.set_ylabel("speedup of jax-mamba2 cuTile\n(peer's time / cuTile's; > 1: cuTile faster)")
+    handles, names = bottom.get_legend_handles_labels()
+    unique = dict(zip(names, handles))
+    bottom.legend(unique.values(), unique.keys(), fontsize=8, loc="upper left")
+    bottom.set_ylim(0, max([b.get_height() for b in bottom.patches] + [1.0]) * 1.2)
+    bottom.set_xticks(range(len(labels)), [_two_line_shape(label) for label in labels], fontsize=8)
+    bottom.set_xlabel("shape (batch, seqlen, nheads, headdim, dstate, ngroups)")
     direction = records[0]["direction"] if records else "fwd"
     gpu = records[0].get("gpu", "") if records else ""
-    fig.suptitle(f"Mamba-2 SSD {direction}, bf16, {gpu}")
+    dtype = records[0].get("dtype", "bfloat16") if records else ""
+    fig.suptitle(f"Mamba-2 SSD {DIRECTION_TITLES.get(direction, direction)}, {dtype}, {gpu}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -158,7 +252,9 @@ def plot_records(records: list[dict], path: Path) -> Path:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Print the table (and plot) of a benchmark JSON.")
     parser.add_argument("path", type=Path)
-    parser.add_argument("--png", type=Path, help="also write the bar plot here")
+    parser.add_argument("--png", type=Path, help="also write the plot here (default: no plot)")
+    parser.add_argument("--markdown", action="store_true", help="print the README's table instead of the "
+                        "full one (default: the full table)")
     parser.add_argument("--merge", type=Path, nargs="+", default=[],
                         help="record files of later runs to fold into PATH (rewritten)")
     args = parser.parse_args(argv)
@@ -167,7 +263,7 @@ def main(argv=None) -> int:
         records = merge_records(records, load_records(newer))
     if args.merge:
         write_records(records, args.path)
-    print(format_table(records))
+    print(markdown_table(records) if args.markdown else format_table(records))
     if args.png:
         print(f"plot: {plot_records(records, args.png)}")
     return 0
