@@ -4,7 +4,7 @@ PATH or from the pip packages nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm of th
     python benchmarks/sass.py loops B,L,H,P,N,G [--chunk 64] [--features z initial_states seq_idx]
                                     [--config STAGE.FIELD=VALUE,...] [--all-loops]
         every launch of the forward plan: registers, stack and shared memory, and per loop with wgmma (a
-        backward branch) its instructions, HGMMA and WARPGROUP.DEPBAR waits, the counts benchmarks/NOTES.md
+        backward branch) its instructions, HGMMA and WARPGROUP.DEPBAR waits, the counts docs/experiments.md
         quotes
     python benchmarks/sass.py fingerprints OUT.json [--compare OTHER.json]
         a hash of the machine code of every fused and segmented forward build (dstate 64 / 128 / 256, five

@@ -82,7 +82,7 @@ class Timing(NamedTuple):
 def time_call(fn: Callable, *args, repeats: int = 10, warmup_s: float = 1.0) -> Timing:
     """Times `fn(*args)`, waiting for the results each time, after one untimed call (compilation) and
     `warmup_s` seconds of untimed calls: a GPU left idle by the compilation runs at low clocks for up to a
-    second of load (benchmarks/NOTES.md, run 100)."""
+    second of load (docs/experiments.md, "Measuring")."""
     jax.block_until_ready(fn(*args))
     warm_until = time.perf_counter() + warmup_s
     while time.perf_counter() < warm_until:

@@ -296,7 +296,7 @@ def chunk_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkScan
     registers): 64-row blocks, 32/64 dstate columns per step (16/32 for f32), 1/2 heads, BLOCK_P 64.
     Latency 2/4.
     Persistent grids (occupancy x 132 blocks) of the state-loop and the 64 x 64 key-loop configs at
-    latency 4 (measured on the H200: 1-2% faster, benchmarks/NOTES.md).
+    latency 4 (measured on the H200: 1-2% faster, docs/experiments.md).
     """
     check_arch("chunk_scan_fwd_configs", arch)
     Q, P, N = dims.chunk_size, dims.headdim, dims.dstate
@@ -321,7 +321,7 @@ def chunk_scan_fwd_default_config(dims: SSDDims) -> ChunkScanConfig:
     registers allow it (16-bit inputs), BLOCK_P <= 64, 64-row blocks, and by chunk size:
 
     - chunk 64, 16-bit inputs: the state loop over 64 dstate columns per step. On the H200 at
-      (4,8192,32,64,128,1) it took 231 us against the key loop's 257 (benchmarks/NOTES.md), and its SASS
+      (4,8192,32,64,128,1) it took 231 us against the key loop's 257 (docs/experiments.md), and its SASS
       stays spill-free up to dstate 256, where every key-loop config spills.
     - otherwise the key loop with 64 x 64 row/key blocks (the causal diagonal wastes at most half a
       block), two heads only up to dstate 128 (beyond, its whole-dstate tiles spill). (f32 has not been

@@ -24,7 +24,7 @@ this pass took 0.743 -> 0.377 ms and its reverse 0.771 -> 0.559 on the H200). On
 (BLOCK_P, BLOCK_N) state tile and walks all chunks in order; the loads of chunk c+1 do not depend on the
 carried state, so the `LOAD_LAT` latency hint lets the compiler issue them while chunk c's mma runs.
 (Doing that by hand, prefetching chunk c+1's tiles into registers and carrying the state outside the mma
-accumulator, was 2x slower on the H200: benchmarks/NOTES.md.)
+accumulator, was 2x slower on the H200: docs/experiments.md.)
 
 Shapes: x (batch, seqlen, nheads, headdim) T; B (batch, seqlen, ngroups, dstate) T;
 dt_out, dA_cumsum (batch, nheads, nchunks, chunk_size) f32; initial_states (batch, nheads, headdim,

@@ -161,7 +161,7 @@ def _fused_chunk(c, state, prev_end_id, x, B, C, z, dt_out, dA_cumsum, seq_idx, 
     if not JOINT_OUTPUT:
         acc = ct.mma(C_c, entry_state_t.astype(operand_dtype), zeros) * inter_scale[:, None]
     # The difference is scaled, not dA before the broadcast: with a log2-unit dA vector tileiras moved the
-    # state weights' exps into its state warpgroup, which then ran slower (benchmarks/NOTES.md, runs 70-71).
+    # state weights' exps into its state warpgroup, which then ran slower (docs/experiments.md).
     decay = exp2_ftz(ct.minimum(dA[:, None] - dA[None, :], 0.0) * LOG2E)
     scores = ct.where(keep, cb * decay * delta[None, :], 0.0).astype(x.dtype).astype(operand_dtype)
     if JOINT_OUTPUT:
@@ -382,7 +382,7 @@ def fused_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScan
 
 def fused_scan_fwd_default_config(dims: SSDDims) -> FusedScanConfig:
     """The best measured config of the space on the H200 (bf16, chunk 64, (4,8192,32,64,N,1); per launch,
-    benchmarks/NOTES.md): dstate 128: 64 columns, occupancy 1, latency 6, tileiras' warps, x weighted
+    docs/design.md): dstate 128: 64 columns, occupancy 1, latency 6, tileiras' warps, x weighted
     (run 81: 199-200 us against 210-213 with B weighted, 8 worker warps 344; latency 4 / 5 / 8 within
     noise in run 86); the same at (4,2048,32,...), (4,8192,80,...) and (4,8192,64,...,G=8). dstate 256: the
     same at latency 4 (runs 85-86: 274-291 us against 333-345 at latency 6, whose build stages the loads in

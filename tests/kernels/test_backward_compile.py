@@ -141,7 +141,7 @@ def test_plans_reject_a_tile_that_does_not_divide_its_dimension():
 def test_whole_chunk_block_passes_at_dstate_64_compile_without_spills(stage):
     """The measured dstate-64 builds of the two block passes (whole chunks summing a group's heads, bf16, the
     forward's states saved): wgmma and TMA, no stack. Keeping tiles live to spare a reload spilled here before
-    (benchmarks/NOTES.md, fourteenth session)."""
+    (docs/experiments.md)."""
     dims = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=64, chunk_size=64,
                    dtype="bfloat16", dt_dtype="bfloat16", dt_softplus=True)
     arrays = backward_arrays(dims, saved_states=True)
