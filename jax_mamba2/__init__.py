@@ -8,7 +8,9 @@ Public API:
   backend_status           for every known backend: whether it can run here and, if not, why.
   Mamba2, Mamba2LMHeadModel, Mamba2Config, generate, load_pretrained, save_pretrained, shard_model
                            the Flax NNX layers and language model (jax_mamba2.flax_layers has the rest).
+  __version__              the installed version (the source tree's, when it is not installed).
 """
+from jax_mamba2._version import __version__
 from jax_mamba2.backends import available_backends, backend_status
 from jax_mamba2.op import ssd, ssd_step
 from jax_mamba2.reference import ssd_chunked, ssd_scan
@@ -16,7 +18,7 @@ from jax_mamba2.flax_layers import (Mamba2, Mamba2Config, Mamba2LMHeadModel, gen
                                     save_pretrained, shard_model)
 
 __all__ = [
-    "ssd", "ssd_step", "ssd_scan", "ssd_chunked", "available_backends", "backend_status",
+    "__version__", "ssd", "ssd_step", "ssd_scan", "ssd_chunked", "available_backends", "backend_status",
     "Mamba2", "Mamba2Config", "Mamba2LMHeadModel", "generate", "load_pretrained", "save_pretrained",
     "shard_model",
 ]
