@@ -15,16 +15,11 @@ import numpy as np
 import jax_mamba2
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
-BACKEND_CHOICES = ("auto", "cutile", "cutile_callback", "xla", "scan")
 
 
 def cutile_unavailable_reason() -> str | None:
     """None when the cuTile kernels can run in this process, else why not (one sentence)."""
-    if jax.default_backend() != "gpu":
-        return f"JAX runs on {jax.default_backend()!r}, not a CUDA GPU"
-    if "cutile" not in jax_mamba2.available_backends():
-        return "cuda-tile is not installed (pip install -e '.[cuda]')"
-    return None
+    return jax_mamba2.backend_status()["cutile"].reason
 
 
 def resolve_backend(requested: str) -> str:
@@ -45,19 +40,24 @@ def resolve_backend(requested: str) -> str:
     return "xla"
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help with the description's line breaks kept (its command lines) and every flag's default shown."""
+
+
 def make_parser(doc: str) -> argparse.ArgumentParser:
-    """An argument parser whose --help prints the example's module docstring (with its GPU command)."""
-    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """An argument parser whose --help prints the example's module docstring (with its GPU command) and
+    every flag's help text with its default."""
+    return argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
 
 
 def add_common_flags(parser: argparse.ArgumentParser, *, backend: bool = True) -> None:
     """--out and --seed for every example, and --backend unless `backend` is False."""
     if backend:
-        parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
-                            help="SSD backend; auto = cutile on a CUDA GPU, else xla (default: auto)")
+        parser.add_argument("--backend", choices=("auto", *jax_mamba2.backend_status()), default="auto",
+                            help="SSD backend; auto = cutile on a CUDA GPU, else xla")
     parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT,
-                        help=f"folder for plots, checkpoints and JSON (default: {DEFAULT_OUT})")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+                        help="folder for plots, checkpoints and JSON")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
 
 
 def output_dir(path: pathlib.Path) -> pathlib.Path:

@@ -8,7 +8,7 @@ for random output cotangents. Backends that cannot run here (cuTile without a GP
 reason. Times are medians of jitted calls after compilation (wall clock, block_until_ready).
 
     python examples/compare_reference.py                      # CPU-sized defaults
-    python examples/compare_reference.py --batch 4 --seqlen 4096 --nheads 32 --headdim 64 \
+    python examples/compare_reference.py --batch 4 --seqlen 4096 --nheads 32 --headdim 64 \\
         --dstate 128 --chunk-size 128 --dtype bfloat16        # a GPU-sized problem
 
 Writes compare_reference.json and compare_reference.png to --out. Exits with status 1 when a
@@ -150,15 +150,16 @@ def save_plot(rows, path, title: str, bound: float) -> None:
 
 def parse_args(argv=None):
     parser = make_parser(__doc__)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seqlen", type=int, default=512)
-    parser.add_argument("--nheads", type=int, default=4)
-    parser.add_argument("--headdim", type=int, default=32)
-    parser.add_argument("--ngroups", type=int, default=1)
-    parser.add_argument("--dstate", type=int, default=32)
-    parser.add_argument("--chunk-size", type=int, default=64)
-    parser.add_argument("--dtype", choices=sorted(MAX_REL_ERR), default="float32")
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls per backend (default: 10)")
+    parser.add_argument("--batch", type=int, default=2, help="sequences")
+    parser.add_argument("--seqlen", type=int, default=512, help="tokens per sequence")
+    parser.add_argument("--nheads", type=int, default=4, help="SSM heads")
+    parser.add_argument("--headdim", type=int, default=32, help="head size P")
+    parser.add_argument("--ngroups", type=int, default=1, help="groups of heads sharing B and C")
+    parser.add_argument("--dstate", type=int, default=32, help="state size N")
+    parser.add_argument("--chunk-size", type=int, default=64, help="SSD chunk length, a power of two")
+    parser.add_argument("--dtype", choices=sorted(MAX_REL_ERR), default="float32",
+                        help="dtype of the inputs (the oracle runs in float64)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per backend")
     add_common_flags(parser, backend=False)  # every backend runs
     return parser.parse_args(argv)
 

@@ -11,7 +11,7 @@ checkpoints use the EleutherAI/gpt-neox-20b tokenizer.
 
     python examples/generate.py                                         # random small model
     python examples/generate.py --model-dir examples/out/train_lm/model --prompt "def "
-    python examples/generate.py --model-dir ~/mamba2-130m --tokenizer ~/gpt-neox-20b/tokenizer.json \
+    python examples/generate.py --model-dir ~/mamba2-130m --tokenizer ~/gpt-neox-20b/tokenizer.json \\
         --prompt "Mamba is" --max-new-tokens 128 --batch 16 --dtype bfloat16          # GPU
 
 Generation is one jitted program (prefill, then a lax.scan of O(1) cached steps); the first call compiles,
@@ -113,21 +113,23 @@ def timed_generate(model, prompt_ids, args, rng):
 
 def parse_args(argv=None):
     parser = make_parser(__doc__)
-    parser.add_argument("--model-dir", type=pathlib.Path, help="HF or mamba_ssm checkpoint directory")
-    parser.add_argument("--tokenizer", type=pathlib.Path, help="HuggingFace tokenizer.json")
-    parser.add_argument("--prompt", default="def fibonacci(n):\n")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--model-dir", type=pathlib.Path,
+                        help="HF or mamba_ssm checkpoint directory; None: a random small byte-level model")
+    parser.add_argument("--tokenizer", type=pathlib.Path,
+                        help="HuggingFace tokenizer.json; None: the one in --model-dir, else bytes")
+    parser.add_argument("--prompt", default="def fibonacci(n):\n", help="text the generation continues (default: %(default)r)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per sequence")
     parser.add_argument("--batch", type=int, default=1, help="copies of the prompt decoded together")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="computation dtype (default: float32)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="sample among the k most likely tokens; None: among all")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="computation dtype")
     random_model = parser.add_argument_group("random model (without --model-dir)")
-    random_model.add_argument("--d-model", type=int, default=256)
-    random_model.add_argument("--layers", type=int, default=4)
-    random_model.add_argument("--d-state", type=int, default=64)
-    random_model.add_argument("--headdim", type=int, default=64)
-    random_model.add_argument("--chunk-size", type=int, default=64)
+    random_model.add_argument("--d-model", type=int, default=256, help="model width")
+    random_model.add_argument("--layers", type=int, default=4, help="Mamba-2 blocks")
+    random_model.add_argument("--d-state", type=int, default=64, help="SSM state size N")
+    random_model.add_argument("--headdim", type=int, default=64, help="SSM head size P")
+    random_model.add_argument("--chunk-size", type=int, default=64, help="SSD chunk length, a power of two")
     add_common_flags(parser)
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.batch < 1:

@@ -9,7 +9,7 @@ and the HLO computation that holds it. Then it times the step against the same m
 backend (the chunked SSD in plain XLA ops).
 
     python examples/jit_model.py                   # CPU: xla only (the cuTile lowering needs a GPU)
-    python examples/jit_model.py --batch 8 --seqlen 4096 --d-model 1024 --layers 4 --d-state 128 \
+    python examples/jit_model.py --batch 8 --seqlen 4096 --d-model 1024 --layers 4 --d-state 128 \\
         --headdim 64 --chunk-size 128 --dtype bfloat16        # GPU
 
 Writes the compiled HLO of each backend (kernel binaries elided) and timings.json to --out/jit_model/.
@@ -148,17 +148,17 @@ def print_custom_calls(backend: str, hlo_text: str) -> int:
 
 def parse_args(argv=None):
     parser = make_parser(__doc__)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seqlen", type=int, default=512)
-    parser.add_argument("--features", type=int, default=16)
-    parser.add_argument("--delay", type=int, default=8, help="the copy lag in steps (default: 8)")
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--d-state", type=int, default=64)
-    parser.add_argument("--headdim", type=int, default=64)
-    parser.add_argument("--chunk-size", type=int, default=128)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--repeats", type=int, default=10, help="timed steps per backend (default: 10)")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per step")
+    parser.add_argument("--seqlen", type=int, default=512, help="steps per sequence")
+    parser.add_argument("--features", type=int, default=16, help="width of the sequence to copy")
+    parser.add_argument("--delay", type=int, default=8, help="the copy lag in steps")
+    parser.add_argument("--d-model", type=int, default=128, help="model width")
+    parser.add_argument("--layers", type=int, default=2, help="Mamba2 layers")
+    parser.add_argument("--d-state", type=int, default=64, help="SSM state size N")
+    parser.add_argument("--headdim", type=int, default=64, help="SSM head size P")
+    parser.add_argument("--chunk-size", type=int, default=128, help="SSD chunk length, a power of two")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="computation dtype")
+    parser.add_argument("--repeats", type=int, default=10, help="timed steps per backend")
     add_common_flags(parser)
     return parser.parse_args(argv)
 

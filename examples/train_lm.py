@@ -3,12 +3,13 @@
 Nothing is downloaded: the corpus is the `*.py` files of the running interpreter's standard library,
 read as bytes (vocabulary 256), split into train and validation by file. The model is a
 `Mamba2LMHeadModel` (Flax NNX) trained with optax AdamW; the loop shows a tqdm bar, evaluates every
---eval-every steps, checkpoints model and optimizer with Orbax (--resume continues from the last one),
-and at the end restores the last checkpoint into a fresh model, checks that it reproduces the
-validation loss, and samples text (greedy and with temperature) through the decode cache.
+--eval-every steps, checkpoints model and optimizer with Orbax (--resume continues from the last one;
+without it, an --out holding an earlier run's checkpoints is refused), and at the end restores this run's
+last checkpoint into a fresh model, checks that it reproduces the validation loss, and samples text
+(greedy and with temperature) through the decode cache.
 
     python examples/train_lm.py                    # CPU: a 2-layer model, about a minute
-    python examples/train_lm.py --d-model 768 --layers 24 --d-state 128 --headdim 64 \
+    python examples/train_lm.py --d-model 768 --layers 24 --d-state 128 --headdim 64 \\
         --chunk-size 256 --seq-len 2048 --batch 8 --steps 2000 --lr 1e-3 --dtype bfloat16   # GPU
 
 On a GPU with cuda-tile installed, --backend auto runs the SSD as cuTile kernels (forward and backward);
@@ -190,25 +191,27 @@ def sample_text(model, prompt: str, max_new_tokens: int, *, temperature: float, 
 
 def parse_args(argv=None):
     parser = make_parser(__doc__)
-    parser.add_argument("--steps", type=int, default=250)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--d-state", type=int, default=32)
-    parser.add_argument("--headdim", type=int, default=32)
-    parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=250, help="training steps in all, a resumed run's included")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
+    parser.add_argument("--d-model", type=int, default=128, help="model width")
+    parser.add_argument("--layers", type=int, default=2, help="Mamba-2 blocks")
+    parser.add_argument("--d-state", type=int, default=32, help="SSM state size N")
+    parser.add_argument("--headdim", type=int, default=32, help="SSM head size P")
+    parser.add_argument("--chunk-size", type=int, default=64, help="SSD chunk length, a power of two")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="computation dtype; parameters stay float32 (default: float32)")
+                        help="computation dtype; parameters stay float32")
     parser.add_argument("--remat", action="store_true", help="rematerialize blocks in the backward pass")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--log-every", type=int, default=10, help="steps between loss read-outs")
-    parser.add_argument("--eval-every", type=int, default=50)
-    parser.add_argument("--eval-batches", type=int, default=4)
-    parser.add_argument("--data-mb", type=float, default=8.0, help="corpus size to read (default: 8 MB)")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
-    parser.add_argument("--prompt", default="def ")
-    parser.add_argument("--sample-tokens", type=int, default=200)
+    parser.add_argument("--eval-every", type=int, default=50, help="steps between validation losses and checkpoints")
+    parser.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation")
+    parser.add_argument("--data-mb", type=float, default=8.0, help="corpus size to read, in MB")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the last checkpoint in --out (without it, --out must hold no "
+                             "checkpoint of an earlier run)")
+    parser.add_argument("--prompt", default="def ", help="text the samples start from (default: %(default)r)")
+    parser.add_argument("--sample-tokens", type=int, default=200, help="bytes sampled after the prompt")
     add_common_flags(parser)
     args = parser.parse_args(argv)
     for name in ("steps", "batch", "seq_len", "log_every", "eval_every", "eval_batches", "sample_tokens"):
@@ -222,6 +225,11 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = output_dir(args.out / "train_lm")
+    manager = checkpoint_manager(out / "checkpoints")
+    if not args.resume and manager.latest_step() is not None:
+        raise SystemExit(f"train_lm.py: {out / 'checkpoints'} holds the checkpoints of an earlier run (steps "
+                         f"{list(manager.all_steps())}); pass --resume to continue it, or choose another --out "
+                         f"(or delete that folder) to start a new run")
     print(f"device: {describe_device()}")
     backend = resolve_backend(args.backend)
     train_data, val_data, summary = load_corpus(int(args.data_mb * 1e6))
@@ -238,7 +246,6 @@ def main(argv=None) -> int:
 
     val_rng = np.random.default_rng(args.seed + 1)
     val_windows = [sample_windows(val_data, val_rng, args.batch, args.seq_len) for _ in range(args.eval_batches)]
-    manager = checkpoint_manager(out / "checkpoints")
     start, history = 0, {"train": [], "eval": []}
     if args.resume and manager.latest_step() is not None:
         start = manager.latest_step()
@@ -249,6 +256,7 @@ def main(argv=None) -> int:
     # Losses stay on the device and are fetched every --log-every steps, so that the host keeps the
     # accelerator's queue full instead of waiting for each step.
     pending, began, excluded = [], None, 0.0
+    saved_step = start  # the checkpoint of this run that the restore check reads
     progress = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train", unit="step")
     for step in progress:
         # The batch depends only on (seed, step): a resumed run sees the same data.
@@ -269,6 +277,7 @@ def main(argv=None) -> int:
             tqdm.write(f"step {step + 1}: train {history['train'][-1][1]:.3f}, validation {val_loss:.3f} "
                        f"nats/byte ({val_loss / np.log(2):.3f} bits/byte)")
             save_checkpoint(manager, step + 1, model, optimizer)
+            saved_step = step + 1
             excluded += time.perf_counter() - eval_began
     progress.close()
     timed_steps = args.steps - start - 1
@@ -281,9 +290,9 @@ def main(argv=None) -> int:
     # Restore into a model built from another seed: only the checkpoint can make it match.
     final_loss = evaluate(model, val_windows)
     restored_model = build_model(args, backend, args.seed + 1)
-    restore_checkpoint(manager, manager.latest_step(), restored_model, build_optimizer(restored_model, args))
+    restore_checkpoint(manager, saved_step, restored_model, build_optimizer(restored_model, args))
     restored_loss = evaluate(restored_model, val_windows)
-    print(f"checkpoint {out / 'checkpoints'} step {manager.latest_step()}: restored model's validation loss "
+    print(f"checkpoint {out / 'checkpoints'} step {saved_step}: restored model's validation loss "
           f"{restored_loss:.4f} vs {final_loss:.4f} trained")
     if not np.isclose(restored_loss, final_loss, rtol=1e-5):
         print("FAILED: the restored model does not reproduce the trained model")

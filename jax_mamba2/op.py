@@ -3,9 +3,9 @@
 `ssd` has the semantics of mamba_ssm's `mamba_chunk_scan_combined`; `ssd_step` those of its
 `selective_state_update` (plus `dt_limit`, so that stepping through a sequence equals the full op).
 
-Backends are entries of one registry. "scan" (lax.scan recurrence, the oracle) and "xla" (chunked pure
-JAX) are always there; "cutile" and "cutile_callback" register themselves from `jax_mamba2.bridge` when
-cuda-tile is installed. "auto" picks cutile on a supported GPU (behind `lax.platform_dependent`, so the
+Backends are entries of the registry in `jax_mamba2.backends`. "scan" (lax.scan recurrence, the oracle)
+and "xla" (chunked pure JAX) are registered here; the kernel backends register themselves from their own
+modules. "auto" picks a kernel backend that supports the call (behind `lax.platform_dependent`, so the
 program still lowers for CPU) and xla otherwise. A backend asked for by name never falls back.
 """
 from __future__ import annotations
@@ -14,12 +14,13 @@ import dataclasses
 import functools
 import math
 import os
-from typing import Any, Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mamba2 import backends as registry
 from jax_mamba2 import reference
 
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
@@ -50,7 +51,7 @@ class SSDStatic:
 
 
 class Dims(NamedTuple):
-    """The sizes `_check_inputs` read off the arguments."""
+    """The sizes `check_inputs` read off the arguments."""
 
     batch: int
     seqlen: int
@@ -58,56 +59,6 @@ class Dims(NamedTuple):
     headdim: int
     ngroups: int
     dstate: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Backend:
-    """One way of computing the op.
-
-    forward(inputs, static) -> (y, final_states). `differentiable` says whether JAX can differentiate
-    `forward` itself; if not, `ssd` wraps it in a custom_vjp whose backward is `backward(inputs, static,
-    dy, dfinal_states, saved) -> SSDInputs of cotangents` or, when None, the VJP of the xla path
-    (recompute). The custom_vjp's forward is `forward_saving(inputs, static) -> ((y, final_states),
-    saved)` when given (what it saves for the backward besides the inputs), else `forward` with saved
-    = None.
-    unsupported_reason(inputs, static) -> None or a sentence saying why this call cannot run here.
-    step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit) -> (y, new_state), optional.
-    """
-
-    name: str
-    forward: Callable[[SSDInputs, SSDStatic], tuple[jax.Array, jax.Array]]
-    unsupported_reason: Callable[[SSDInputs, SSDStatic], Optional[str]]
-    differentiable: bool = False
-    backward: Optional[Callable[..., SSDInputs]] = None
-    forward_saving: Optional[Callable[[SSDInputs, SSDStatic], tuple[tuple[jax.Array, jax.Array], Any]]] = None
-    step: Optional[Callable[..., tuple[jax.Array, jax.Array]]] = None
-    step_unsupported_reason: Optional[Callable[..., Optional[str]]] = None
-    # Preferred by "auto" when supported (kernel backends); ties resolve by registration order.
-    auto_priority: int = 0
-
-
-_BACKENDS: dict[str, Backend] = {}
-
-
-def register_backend(backend: Backend) -> None:
-    """Adds (or replaces) a backend of the op."""
-    _BACKENDS[backend.name] = backend
-
-
-def available_backends() -> tuple[str, ...]:
-    """Names accepted by `ssd(..., backend=...)` in this process, besides "auto"."""
-    _load_optional_backends()
-    return tuple(_BACKENDS)
-
-
-@functools.cache
-def _load_optional_backends() -> Optional[str]:
-    """Imports the bridge, which registers the cuTile backends; returns why it could not, if so."""
-    try:
-        import jax_mamba2.bridge  # noqa: F401
-    except ImportError as e:
-        return f"{e} (pip install 'jax-mamba2[cuda]')"
-    return None
 
 
 def _reference_kwargs(inputs: SSDInputs, static: SSDStatic) -> dict:
@@ -133,10 +84,10 @@ def _reference_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
                               dt_softplus=dt_softplus, dt_limit=dt_limit)
 
 
-register_backend(Backend("xla", _xla_forward, _always_supported, differentiable=True,
-                         step=_reference_step))
-register_backend(Backend("scan", _scan_forward, _always_supported, differentiable=True,
-                         step=_reference_step))
+registry.register_backend(registry.Backend("xla", _xla_forward, _always_supported, differentiable=True,
+                                           step=_reference_step))
+registry.register_backend(registry.Backend("scan", _scan_forward, _always_supported, differentiable=True,
+                                           step=_reference_step))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,7 +113,8 @@ def _check_array(api, name, arr, want_desc, want, *, floating=True):
         _check_float(api, name, arr)
 
 
-def _check_dt_limit(api, dt_limit):
+def check_dt_limit(api, dt_limit) -> tuple[float, float]:
+    """`dt_limit` as a (min, max) pair of floats; TypeError / ValueError naming `api` when it is not one."""
     try:
         lo, hi = (float(v) for v in dt_limit)
     except (TypeError, ValueError):
@@ -186,7 +138,9 @@ def _check_head_options(api, x, D, z, dt_bias):
         _check_array(api, "dt_bias", dt_bias, "(nheads,)", (nheads,))
 
 
-def _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx) -> Dims:
+def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx) -> Dims:
+    """The argument checks of `ssd` (arrays or anything with .shape and .dtype, e.g. ShapeDtypeStruct):
+    raises ValueError / TypeError naming the argument and what it must be; returns the sizes."""
     api = "ssd"
     if not hasattr(x, "shape") or len(x.shape) != 4:
         raise ValueError(f"ssd: x.shape={getattr(x, 'shape', None)} must be "
@@ -223,28 +177,15 @@ def _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq
 # Dispatch
 # ----------------------------------------------------------------------------------------------
 
-def _unknown_backend_error(api, backend):
-    names = ", ".join(repr(n) for n in ("auto", *_BACKENDS))
-    return ValueError(f"{api}: backend={backend!r} is not one of {names}")
-
-
-def _select_backend(backend: str, inputs: SSDInputs, static: SSDStatic) -> list[Backend]:
+def _select_backend(backend: str, inputs: SSDInputs, static: SSDStatic) -> list[registry.Backend]:
     """Returns the backends to use: one, or for "auto" a kernel backend followed by its fallback."""
-    _load_optional_backends()
     if backend == "auto":
-        fallback = _BACKENDS["xla"]
-        kernels = sorted((b for b in _BACKENDS.values() if b.auto_priority > 0),
-                         key=lambda b: -b.auto_priority)
-        for candidate in kernels:
+        fallback = registry.get("xla", "ssd")
+        for candidate in registry.auto_candidates():
             if candidate.unsupported_reason(inputs, static) is None:
                 return [candidate, fallback]
         return [fallback]
-    if backend not in _BACKENDS:
-        if backend in ("cutile", "cutile_callback"):
-            raise ValueError(f"ssd(backend={backend!r}) is unavailable: "
-                             f"{_load_optional_backends()}")
-        raise _unknown_backend_error("ssd", backend)
-    chosen = _BACKENDS[backend]
+    chosen = registry.get(backend, "ssd")
     reason = chosen.unsupported_reason(inputs, static)
     if reason is not None:
         raise ValueError(f"ssd(backend={backend!r}) cannot run this call: {reason}")
@@ -252,7 +193,7 @@ def _select_backend(backend: str, inputs: SSDInputs, static: SSDStatic) -> list[
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _opaque_ssd(backend: Backend, static: SSDStatic, inputs: SSDInputs):
+def _opaque_ssd(backend: registry.Backend, static: SSDStatic, inputs: SSDInputs):
     return backend.forward(inputs, static)
 
 
@@ -268,7 +209,7 @@ def _xla_vjp(inputs: SSDInputs, static: SSDStatic, dy, dfinal, saved=None):
     float_inputs = inputs._replace(seq_idx=None)
 
     def f(float_inputs):
-        return _BACKENDS["xla"].forward(float_inputs._replace(seq_idx=inputs.seq_idx), static)
+        return _xla_forward(float_inputs._replace(seq_idx=inputs.seq_idx), static)
 
     _, vjp = jax.vjp(f, float_inputs)
     (grads,) = vjp((dy, dfinal))
@@ -293,7 +234,7 @@ def recompute_for_backward() -> bool:
     return os.environ.get("JAX_MAMBA2_RECOMPUTE_STATES", "0") == "1"
 
 
-def _run_backend(backend: Backend, inputs: SSDInputs, static: SSDStatic):
+def _run_backend(backend: registry.Backend, inputs: SSDInputs, static: SSDStatic):
     if backend.differentiable:
         return backend.forward(inputs, static)
     if backend.forward_saving is not None and recompute_for_backward():
@@ -343,7 +284,7 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
       seq_idx: (batch, seqlen) int32, optional, nondecreasing along seqlen: packed sequences. The state
         resets where it changes, and initial_states reach only tokens of sequence 0.
       return_final_states: also return the state after the last token.
-      backend: "auto", "cutile", "cutile_callback", "xla" or "scan" (see `available_backends()`).
+      backend: "auto", "cutile", "cutile_callback", "xla" or "scan" (see `jax_mamba2.backend_status()`).
 
     Returns:
       y (batch, seqlen, nheads, headdim) in x.dtype, and with `return_final_states` also
@@ -360,10 +301,10 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
       >>> ssd(x, dt, A, B, C, chunk_size=32, backend="xla").shape
       (1, 64, 2, 16)
     """
-    dims = _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx)
+    dims = check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx)
     if not isinstance(backend, str):
         raise TypeError(f"ssd: backend={backend!r} must be a string")
-    static = SSDStatic(int(chunk_size), bool(dt_softplus), _check_dt_limit("ssd", dt_limit))
+    static = SSDStatic(int(chunk_size), bool(dt_softplus), check_dt_limit("ssd", dt_limit))
     inputs = SSDInputs(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
     backends = _select_backend(backend, inputs, static)
     if dims.batch * dims.seqlen == 0:
@@ -421,20 +362,16 @@ def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus
       token through `ssd_step` gives the same y and final state as `ssd`.
     """
     _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias)
-    limit = _check_dt_limit("ssd_step", dt_limit)
-    _load_optional_backends()
+    limit = check_dt_limit("ssd_step", dt_limit)
     args = (state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), limit)
     if backend == "auto":
-        for candidate in sorted(_BACKENDS.values(), key=lambda b: -b.auto_priority):
-            if candidate.auto_priority > 0 and candidate.step is not None and \
-                    candidate.step_unsupported_reason(*args) is None:
+        for candidate in registry.auto_candidates():
+            if candidate.step is not None and candidate.step_unsupported_reason(*args) is None:
                 return jax.lax.platform_dependent(
                     *args[:9], cuda=lambda *a: candidate.step(*a, *args[9:]),
                     default=lambda *a: _reference_step(*a, *args[9:]))
         return _reference_step(*args)
-    if backend not in _BACKENDS:
-        raise _unknown_backend_error("ssd_step", backend)
-    chosen = _BACKENDS[backend]
+    chosen = registry.get(backend, "ssd_step")
     if chosen.step is None:
         raise ValueError(f"ssd_step(backend={backend!r}) has no decode step; use 'auto' or 'xla'")
     if chosen.step_unsupported_reason is not None:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jax_mamba2
-from jax_mamba2 import op as ssd_module
+from jax_mamba2 import backends
 from tests._helpers import make_ssd_args, rel_l2
 
 SMALL = dict(batch=2, seqlen=40, nheads=4, headdim=8, ngroups=2, dstate=8)
@@ -95,8 +95,8 @@ def test_ssd_cutile_without_gpu_says_why():
 # An opaque backend: JAX must not differentiate or batch through it, so `ssd` wraps it in a custom_vjp.
 # It reuses the xla forward, so every gradient must equal the xla backend's.
 @pytest.fixture
-def opaque_backend():
-    xla = ssd_module._BACKENDS["xla"]
+def opaque_backend(monkeypatch):
+    xla = backends.get("xla", "test")
     calls = []
 
     def forward(inputs, static):
@@ -105,9 +105,8 @@ def opaque_backend():
 
     backend = dataclasses.replace(xla, name="opaque_test", forward=forward, differentiable=False,
                                   step=None)
-    ssd_module.register_backend(backend)
+    monkeypatch.setitem(backends._REGISTRY, backend.name, backend)
     yield calls
-    del ssd_module._BACKENDS["opaque_test"]
 
 
 def test_ssd_opaque_backend_grad_matches_xla(opaque_backend):

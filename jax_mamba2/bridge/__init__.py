@@ -7,21 +7,27 @@
   eager            (module) the same kernels on CuPy / torch / JAX device arrays outside jit.
 
 Raises ImportError when cuda-tile is not installed; `jax_mamba2.ssd` then offers only "xla"/"scan".
+The names of these backends are declared in `jax_mamba2.backends.OPTIONAL_BACKENDS`.
 """
-import cuda.tile  # noqa: F401  (ImportError here means: no cuTile backends)
+try:
+    import cuda.tile  # noqa: F401
+except ModuleNotFoundError as e:
+    if e.name not in ("cuda", "cuda.tile"):
+        raise
+    raise ModuleNotFoundError("cuda-tile is not installed (pip install 'jax-mamba2[cuda]')", name=e.name) from e
 
-from jax_mamba2 import op as _ssd
+from jax_mamba2 import backends
 from jax_mamba2.bridge import callback, ffi, ops, problem
 
-_ssd.register_backend(_ssd.Backend(
+backends.register_backend(backends.Backend(
     name="cutile", forward=ops.make_forward(ffi.run_plan),
     forward_saving=ops.make_forward_saving(ffi.run_plan),
     unsupported_reason=problem.unsupported_reason, backward=ops.make_backward(ffi.run_plan),
     step=ops.make_step(ffi.run_plan), step_unsupported_reason=ops.step_unsupported_reason,
-    auto_priority=2))
-_ssd.register_backend(_ssd.Backend(
+    auto_priority=2, unavailable_reason=problem.gpu_unavailable_reason))
+backends.register_backend(backends.Backend(
     name="cutile_callback", forward=ops.make_forward(callback.run_plan),
     forward_saving=ops.make_forward_saving(callback.run_plan),
     unsupported_reason=problem.unsupported_reason, backward=ops.make_backward(callback.run_plan),
     step=ops.make_step(callback.run_plan),
-    step_unsupported_reason=ops.step_unsupported_reason))
+    step_unsupported_reason=ops.step_unsupported_reason, unavailable_reason=problem.gpu_unavailable_reason))

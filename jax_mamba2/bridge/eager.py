@@ -88,23 +88,6 @@ def run_plan(plan: Plan, arrays: dict, xp: ArrayNamespace, stream=None) -> dict:
     return {name: env[name] for name in plan.outputs}
 
 
-def _kernel_arrays(xp: ArrayNamespace, dims, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx):
-    T = dims.dtype
-    D_hp = xp.zeros((dims.nheads, dims.headdim), "float32")
-    if D is not None:
-        D = xp.cast(D, "float32")
-        D_hp = D_hp + (D[:, None] if len(D.shape) == 1 else D)
-    return dict(
-        x=xp.cast(x, T), dt=xp.cast(dt, dims.dt_dtype), A=xp.cast(A, "float32"),
-        dt_bias=(xp.zeros((dims.nheads,), "float32") if dt_bias is None
-                 else xp.cast(dt_bias, "float32")),
-        B=xp.cast(B, T), C=xp.cast(C, T), D=D_hp,
-        z=xp.zeros((1, 1, 1, 1), T) if z is None else xp.cast(z, T),
-        initial_states=(xp.zeros((1, 1, 1, 1), "float32") if initial_states is None
-                        else xp.cast(initial_states, "float32")),
-        seq_idx=xp.zeros((1, 1), "int32") if seq_idx is None else xp.cast(seq_idx, "int32"))
-
-
 def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_softplus=False,
         dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, return_final_states=False,
         stream: Any = None):
@@ -122,24 +105,17 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
             xp = ArrayNamespace("cupy")
     else:
         xp = ArrayNamespace(source)
-    args = [_to_namespace(a, xp) for a in (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)]
-    x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = args
-    stand_ins = [None if a is None else _shape_dtype(a, xp) for a in args]
-    ssd_op._check_inputs(*stand_ins[:5], chunk_size, *stand_ins[5:])
-    static = ssd_op.SSDStatic(int(chunk_size), bool(dt_softplus),
-                              ssd_op._check_dt_limit("ssd", dt_limit))
-    reason = problem.shape_unsupported_reason(dtype=xp.dtype_name(x), headdim=x.shape[3],
-                                              dstate=B.shape[3])
+    arrays = ssd_op.SSDInputs(*(_to_namespace(a, xp) for a in (x, dt, A, B, C, D, z, dt_bias, initial_states,
+                                                               seq_idx)))
+    stand_ins = ssd_op.SSDInputs(*(None if a is None else _shape_dtype(a, xp) for a in arrays))
+    ssd_op.check_inputs(*stand_ins[:5], chunk_size, *stand_ins[5:])
+    static = ssd_op.SSDStatic(int(chunk_size), bool(dt_softplus), ssd_op.check_dt_limit("ssd", dt_limit))
+    reason = problem.shape_unsupported_reason(dtype=stand_ins.x.dtype, headdim=stand_ins.x.shape[3],
+                                              dstate=stand_ins.B.shape[3])
     if reason is not None:
         raise ValueError(f"eager ssd cannot run this call: {reason}")
-    dims = problem.SSDDims(
-        batch=x.shape[0], seqlen=x.shape[1], nheads=x.shape[2], headdim=x.shape[3],
-        ngroups=B.shape[2], dstate=B.shape[3], chunk_size=problem.KERNEL_CHUNK_SIZE,
-        dtype=xp.dtype_name(x), dt_dtype="float32", has_z=z is not None,
-        has_init=initial_states is not None, has_seq_idx=seq_idx is not None,
-        dt_softplus=static.dt_softplus, dt_limit=static.dt_limit)
-    arrays = _kernel_arrays(xp, dims, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
-    out = run_plan(forward_kernels.forward_plan(dims), arrays, xp, stream)
+    dims = problem.kernel_dims(stand_ins, static)
+    out = run_plan(forward_kernels.forward_plan(dims), problem.kernel_inputs(arrays, dims, xp), xp, stream)
     y, final = out["out"], out["final_states"]
     if source == "jax":
         import jax.dlpack

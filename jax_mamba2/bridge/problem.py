@@ -16,9 +16,8 @@ from jax_mamba2.bridge import _compat
 from jax_mamba2.kernels._common import KERNEL_DTYPES, SSDDims
 
 # The chunk the kernels run at, whatever chunk_size the caller asked for: the result is the same up to
-# rounding, and 64 is the fastest on the H200 (cutile forward + backward at (4,8192,32,64,128,1), bf16:
-# 1.255 / 1.908 / 2.628 ms at chunk 64 / 128 / 256, benchmarks/results/ssd_fwd_bwd_chunks_h200.json):
-# the fused forward and the head-summing backward passes exist only up to 64.
+# rounding, and 64 is the fastest on the H200 (benchmarks/results/ssd_fwd_bwd_chunks_h200.json): the
+# fused forward and the head-summing backward passes exist only up to 64.
 KERNEL_CHUNK_SIZE = 64
 HEAD_DIMS = (16, 32, 64, 128, 256)  # headdim and dstate: powers of two in [16, 256]
 MIN_COMPUTE_CAPABILITY = (9, 0)
@@ -83,30 +82,42 @@ def kernel_dims(inputs, static) -> SSDDims:
         dt_limit=tuple(static.dt_limit))
 
 
-def per_head_dim_D(D, nheads: int, headdim: int):
-    """D as the kernels take it: (nheads, headdim) f32, zeros when absent."""
+class JaxArrays:
+    """The array operations `kernel_inputs` needs, on JAX arrays (bridge/eager.py has torch's and CuPy's)."""
+
+    @staticmethod
+    def zeros(shape, dtype_name: str):
+        return jnp.zeros(shape, dtype_name)
+
+    @staticmethod
+    def cast(arr, dtype_name: str):
+        return arr.astype(dtype_name)
+
+
+def per_head_dim_D(D, nheads: int, headdim: int, xp=JaxArrays):
+    """D as the kernels take it: (nheads, headdim) f32, zeros when absent (arrays of `xp`, see kernel_inputs)."""
     if D is None:
-        return jnp.zeros((nheads, headdim), jnp.float32)
-    D = D.astype(jnp.float32)
-    return jnp.broadcast_to(D[:, None], (nheads, headdim)) if D.ndim == 1 else D
+        return xp.zeros((nheads, headdim), "float32")
+    D = xp.cast(D, "float32")
+    return D if D.ndim == 2 else xp.zeros((nheads, headdim), "float32") + D[:, None]
 
 
-def kernel_inputs(inputs, dims: SSDDims) -> dict:
-    """The forward plan's input arrays (names as in kernels.forward.forward_plan)."""
-    dtype = jnp.dtype(dims.dtype)
+def kernel_inputs(inputs, dims: SSDDims, xp=JaxArrays) -> dict:
+    """The forward plan's input arrays (names as in kernels.forward.forward_plan), built with the array
+    operations of `xp` (zeros(shape, dtype_name), cast(arr, dtype_name)) from `inputs` (an SSDInputs)."""
+    T = dims.dtype
     return dict(
-        x=inputs.x,
-        dt=inputs.dt.astype(dims.dt_dtype),
-        A=inputs.A.astype(jnp.float32),
-        dt_bias=(jnp.zeros((dims.nheads,), jnp.float32) if inputs.dt_bias is None
-                 else inputs.dt_bias.astype(jnp.float32)),
-        B=inputs.B.astype(dtype),
-        C=inputs.C.astype(dtype),
-        D=per_head_dim_D(inputs.D, dims.nheads, dims.headdim),
-        z=jnp.zeros((1, 1, 1, 1), dtype) if inputs.z is None else inputs.z.astype(dtype),
-        initial_states=(jnp.zeros((1, 1, 1, 1), jnp.float32) if inputs.initial_states is None
-                        else inputs.initial_states.astype(jnp.float32)),
-        seq_idx=(jnp.zeros((1, 1), jnp.int32) if inputs.seq_idx is None
-                 else inputs.seq_idx.astype(jnp.int32)),
+        x=xp.cast(inputs.x, T),
+        dt=xp.cast(inputs.dt, dims.dt_dtype),
+        A=xp.cast(inputs.A, "float32"),
+        dt_bias=(xp.zeros((dims.nheads,), "float32") if inputs.dt_bias is None
+                 else xp.cast(inputs.dt_bias, "float32")),
+        B=xp.cast(inputs.B, T),
+        C=xp.cast(inputs.C, T),
+        D=per_head_dim_D(inputs.D, dims.nheads, dims.headdim, xp),
+        z=xp.zeros((1, 1, 1, 1), T) if inputs.z is None else xp.cast(inputs.z, T),
+        initial_states=(xp.zeros((1, 1, 1, 1), "float32") if inputs.initial_states is None
+                        else xp.cast(inputs.initial_states, "float32")),
+        seq_idx=(xp.zeros((1, 1), "int32") if inputs.seq_idx is None
+                 else xp.cast(inputs.seq_idx, "int32")),
     )
-

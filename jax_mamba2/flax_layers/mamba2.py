@@ -10,6 +10,7 @@
 Three entry points share this computation: `__call__` (training / full forward), `prefill` (the same, also
 returning the decode cache) and `step` (one token in O(1) from the cache, through `ssd_step`).
 """
+import functools
 import math
 
 import jax
@@ -17,13 +18,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jax_mamba2 import backends
 from jax_mamba2.flax_layers._tree import param_path
 from jax_mamba2.flax_layers.cache import Mamba2Cache
 from jax_mamba2.flax_layers.conv import CausalConv1d, causal_conv1d, causal_conv1d_step
 from jax_mamba2.flax_layers.initializers import A_log_init, dt_bias_init, torch_uniform
 from jax_mamba2.flax_layers.norm import RMSNorm
 from jax_mamba2.flax_layers.partition import HeadShard, MeshAxes, Segment
-from jax_mamba2.op import available_backends, ssd, ssd_step
+from jax_mamba2.op import ssd, ssd_step
 
 
 def mixer_param_spec(path: tuple[str, ...], model_axis: str) -> P:
@@ -115,8 +117,8 @@ class Mamba2(nnx.Module):
             raise ValueError(f"Mamba2: dt_init_floor={dt_init_floor} must be >= 0")
         if len(dt_limit) != 2 or not 0 <= dt_limit[0] <= dt_limit[1]:
             raise ValueError(f"Mamba2: dt_limit={dt_limit} must be (low, high) with 0 <= low <= high")
-        if backend != "auto" and backend not in available_backends():
-            raise ValueError(f"Mamba2: backend={backend!r} must be 'auto' or one of {available_backends()}")
+        if backend != "auto" and backend not in backends.known_names():
+            raise ValueError(f"Mamba2: backend={backend!r} must be 'auto' or one of {backends.known_names()}")
 
         self.d_model, self.d_state, self.d_conv, self.headdim = d_model, d_state, d_conv, headdim
         self.d_inner, self.d_ssm, self.d_mlp = d_inner, d_ssm, d_inner - d_ssm
@@ -156,7 +158,8 @@ class Mamba2(nnx.Module):
         Returns:
           (batch, seqlen, d_model) in the computation dtype.
         """
-        out, _ = self._run("_forward", (hidden_states, None, seq_idx), want_cache=False)
+        out, _ = self._run(functools.partial(Mamba2._forward, want_cache=False), (hidden_states, None, seq_idx),
+                           returns_cache=False)
         return out
 
     def prefill(self, hidden_states, cache: Mamba2Cache | None = None):
@@ -172,7 +175,8 @@ class Mamba2(nnx.Module):
           `init_cache`'s.
         """
         dtypes = self._cache_dtypes() if cache is None else tuple(a.dtype for a in cache)
-        out, new_cache = self._run("_forward", (hidden_states, cache, None), want_cache=True)
+        out, new_cache = self._run(functools.partial(Mamba2._forward, want_cache=True), (hidden_states, cache, None),
+                                   returns_cache=True)
         return out, Mamba2Cache(*(a.astype(dtype) for a, dtype in zip(new_cache, dtypes)))
 
     def step(self, hidden_states, cache: Mamba2Cache):
@@ -187,7 +191,7 @@ class Mamba2(nnx.Module):
         Returns:
           (out (batch, d_model), new cache in the cache's dtypes).
         """
-        return self._run("_step", (hidden_states, cache))
+        return self._run(Mamba2._step, (hidden_states, cache), returns_cache=True)
 
     def init_cache(self, batch_size: int, dtype=None) -> Mamba2Cache:
         """Zero decode state for `batch_size` rows.
@@ -208,12 +212,12 @@ class Mamba2(nnx.Module):
     # ------------------------------------------------------------------------------------------------
     # One code path for one device and for one shard of the heads (see `partition`)
     # ------------------------------------------------------------------------------------------------
-    def _run(self, method: str, arrays: tuple, **options):
-        """Calls `method(shard, *arrays, **options)` on this device, or per shard of the heads inside
-        `jax.shard_map` when `mesh_axes` is set. arrays = (hidden_states, cache[, seq_idx]); a None cache
-        in or out is passed through."""
+    def _run(self, fn, arrays: tuple, *, returns_cache: bool):
+        """Calls `fn(layer, shard, *arrays) -> (out, cache or None)` on this device, or per shard of the heads
+        inside `jax.shard_map` when `mesh_axes` is set. arrays = (hidden_states, cache[, seq_idx]); a None cache
+        in is passed through; `returns_cache` says whether fn returns a cache (else None)."""
         if self.mesh_axes is None:
-            return getattr(self, method)(HeadShard(), *arrays, **options)
+            return fn(self, HeadShard(), *arrays)
         axes = self.mesh_axes
         graphdef, state = nnx.split(self)
         state_specs = jax.tree_util.tree_map_with_path(
@@ -221,11 +225,9 @@ class Mamba2(nnx.Module):
         rows = P(axes.data_axis)
         cache_specs = Mamba2Cache(conv_state=rows, ssm_state=P(axes.data_axis, axes.model_axis))
         array_specs = tuple(None if a is None else spec for a, spec in zip(arrays, (rows, cache_specs, rows)))
-        returns_cache = options.get("want_cache", True)
 
         def per_shard(state, *arrays):
-            shard = HeadShard(axes.model_axis, axes.model_size)
-            return getattr(nnx.merge(graphdef, state), method)(shard, *arrays, **options)
+            return fn(nnx.merge(graphdef, state), HeadShard(axes.model_axis, axes.model_size), *arrays)
 
         return jax.shard_map(per_shard, mesh=axes.mesh, in_specs=(state_specs, *array_specs),
                              out_specs=(rows, cache_specs if returns_cache else None))(state, *arrays)

@@ -1,8 +1,8 @@
-"""benchmarks/kernel_profile.py folds a Perfetto trace or ncu's raw CSV into per-kernel times per call."""
+"""benchmarks/tools/kernel_profile.py folds a Perfetto trace or ncu's raw CSV into per-kernel times per call."""
 import gzip
 import json
 
-from benchmarks import kernel_profile
+from benchmarks.tools import kernel_profile
 
 
 def _summary(tmp_path, name, payload, calls, capsys):

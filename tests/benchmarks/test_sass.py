@@ -1,13 +1,13 @@
-"""benchmarks/sass.py reads the sm_90 SASS of the forward kernels (compiled here, no GPU)."""
+"""benchmarks/tools/sass.py reads the sm_90 SASS of the forward kernels (compiled here, no GPU)."""
 import json
 
 import pytest
 
 pytest.importorskip("cuda.tile")
 
-from benchmarks import sass  # noqa: E402
 from benchmarks.ssd import Shape  # noqa: E402
-from benchmarks.stages import dims_of  # noqa: E402
+from benchmarks.tools import sass  # noqa: E402
+from benchmarks.tools.stages import dims_of  # noqa: E402
 from jax_mamba2.kernels import forward, fused_scan  # noqa: E402
 from jax_mamba2.kernels.export import compile_launch  # noqa: E402
 

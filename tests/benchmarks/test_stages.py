@@ -1,4 +1,4 @@
-"""benchmarks/stages.py builds the forward and backward plans of every grid shape (timing needs a GPU)."""
+"""benchmarks/tools/stages.py builds the forward and backward plans of every grid shape (timing needs a GPU)."""
 import argparse
 import dataclasses
 import json
@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("cuda.tile")
 
-from benchmarks import stages  # noqa: E402
 from benchmarks.ssd import GRID, Shape  # noqa: E402
+from benchmarks.tools import stages  # noqa: E402
 from jax_mamba2.kernels import backward, forward  # noqa: E402
 from jax_mamba2.kernels.stage_spaces import STAGE_SPACES  # noqa: E402
 

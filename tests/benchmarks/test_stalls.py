@@ -1,4 +1,4 @@
-"""benchmarks/stalls.py folds Nsight Compute's warp-state samples into stalls per SASS loop (no GPU: ncu's
+"""benchmarks/tools/stalls.py folds Nsight Compute's warp-state samples into stalls per SASS loop (no GPU: ncu's
 CSV and details text written here in its format)."""
 import json
 
@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("cuda.tile")
 
-from benchmarks import stalls  # noqa: E402
+from benchmarks.tools import stalls  # noqa: E402
 
 # ncu's source page: the kernel's name on a line of its own, then the header; absolute addresses, branch
 # targets absolute too. A loop 0x10-0x40 with one HGMMA and its wait; the branch past EXIT is a wait stub's.

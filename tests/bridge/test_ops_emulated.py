@@ -15,7 +15,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 pytest.importorskip("cuda.tile")
 
-from jax_mamba2 import op, reference  # noqa: E402
+from jax_mamba2 import backends, op, reference  # noqa: E402
 from jax_mamba2.bridge import ops, problem  # noqa: E402
 from jax_mamba2.kernels import forward as forward_kernels  # noqa: E402
 from jax_mamba2.kernels import fused_scan  # noqa: E402
@@ -42,7 +42,7 @@ def _run_plan_emulated(plan, arrays):
     return dict(zip(plan.outputs, jax.pure_callback(host, shapes, *(arrays[n] for n in names))))
 
 
-EMULATED = op.Backend(
+EMULATED = backends.Backend(
     name="cutile_emulated", forward=ops.make_forward(_run_plan_emulated),
     forward_saving=ops.make_forward_saving(_run_plan_emulated), backward=ops.make_backward(_run_plan_emulated),
     unsupported_reason=lambda inputs, static: None)

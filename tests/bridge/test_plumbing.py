@@ -10,11 +10,11 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 pytest.importorskip("cuda.tile")
 
-from jax_mamba2 import op  # noqa: E402
+from jax_mamba2 import backends, op  # noqa: E402
 from jax_mamba2.bridge import ops  # noqa: E402
 from tests._helpers import make_ssd_args  # noqa: E402
 
-assert "cutile" in op.available_backends(), op._load_optional_backends()
+assert "cutile" in backends.registered(), backends.backend_status()["cutile"].reason
 
 DIMS = dict(batch=2, seqlen=96, nheads=4, headdim=16, ngroups=2, dstate=16)
 
@@ -24,7 +24,7 @@ def _cutile_ssd(x, dt, A, B, C, *, chunk_size=64, **kwargs):
     static = op.SSDStatic(chunk_size, kwargs.pop("dt_softplus", False), (0.0, float("inf")))
     inputs = op.SSDInputs(x, dt, A, B, C, kwargs.get("D"), kwargs.get("z"), kwargs.get("dt_bias"),
                           kwargs.get("initial_states"), kwargs.get("seq_idx"))
-    return op._run_backend(op._BACKENDS["cutile"], inputs, static)
+    return op._run_backend(backends.get("cutile", "test"), inputs, static)
 
 
 def _kernel_name(call) -> str:
@@ -253,7 +253,7 @@ def test_cutile_step_traces_the_state_update_into_a_new_state(backend):
                                  dtype=jnp.bfloat16, D="head", z=True, dt_bias=True, initial_states=True)
     x, dt, A, B, C = (a[:, 0] if a.ndim >= 3 else a for a in args)
     state = kwargs["initial_states"]
-    step = op._BACKENDS[backend].step
+    step = backends.get(backend, "test").step
     jaxpr = jax.make_jaxpr(lambda s, x: step(s, x, dt, A, B, C, kwargs["D"], kwargs["z"][:, 0],
                                              kwargs["dt_bias"], True, (0.0, float("inf"))))(state, x)
     y, new_state = jaxpr.out_avals

@@ -19,7 +19,7 @@ import pytest
 
 ct = pytest.importorskip("cuda.tile")
 
-from jax_mamba2 import op  # noqa: E402
+from jax_mamba2 import backends, op  # noqa: E402
 from jax_mamba2.bridge import problem, tuning  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
 from jax_mamba2.kernels.backward import BACKWARD_STAGES, backward_inputs, backward_plan  # noqa: E402
@@ -419,7 +419,7 @@ def test_cutile_forward_traces_with_the_configs_forward_configs_returns(monkeypa
     monkeypatch.setattr(tuning, "forward_configs", lambda d: chosen)
     static = op.SSDStatic(64, False, (0.0, float("inf")))
     inputs = op.SSDInputs(*args, None, None, None, None, None)
-    jaxpr = jax.make_jaxpr(lambda inp: op._run_backend(op._BACKENDS["cutile"], inp, static))(inputs)
+    jaxpr = jax.make_jaxpr(lambda inp: op._run_backend(backends.get("cutile", "test"), inp, static))(inputs)
     grids = [tuple(e.params["grid"]) for e in _cutile_calls(jaxpr.jaxpr)]
     expected = [launch.grid for launch in forward_plan(dims, chosen).launches]
     assert grids == [g + (1,) * (3 - len(g)) for g in expected]  # cutile_call pads grids to 3-D
@@ -439,7 +439,7 @@ def test_cutile_backward_traces_with_the_configs_backward_configs_returns(monkey
     static = op.SSDStatic(128, False, (0.0, float("inf")))
     inputs = op.SSDInputs(*args, None, None, None, None, None)
     dy, dfinal = jnp.ones_like(args[0]), jnp.ones((2, 4, 32, 32), jnp.float32)
-    backward = op._BACKENDS["cutile"].backward
+    backward = backends.get("cutile", "test").backward
     jaxpr = jax.make_jaxpr(lambda inp, dy, df: backward(inp, static, dy, df))(inputs, dy, dfinal)
     grids = [tuple(e.params["grid"]) for e in _cutile_calls(jaxpr.jaxpr)]
     expected = [launch.grid for launch in backward_plan(dims, chosen, deterministic=deterministic).launches]

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from benchmarks.sass import disassemble
+from benchmarks.tools.sass import disassemble
 from jax_mamba2.kernels import chunk_scan, chunk_state, chunk_state_bwd, export, fused_scan
 from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.backward import backward_arrays

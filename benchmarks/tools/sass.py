@@ -1,12 +1,12 @@
 """The SASS tileiras compiles the forward kernels to for sm_90, read without a GPU (cuobjdump and nvdisasm from
 PATH or from the pip packages nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm of the [dev] extra).
 
-    python benchmarks/sass.py loops B,L,H,P,N,G [--chunk 64] [--features z initial_states seq_idx]
+    python benchmarks/tools/sass.py loops B,L,H,P,N,G [--chunk 64] [--features z initial_states seq_idx]
                                     [--config STAGE.FIELD=VALUE,...] [--all-loops]
         every launch of the forward plan: registers, stack and shared memory, and per loop with wgmma (a
         backward branch) its instructions, HGMMA and WARPGROUP.DEPBAR waits, the counts docs/experiments.md
         quotes
-    python benchmarks/sass.py fingerprints OUT.json [--compare OTHER.json]
+    python benchmarks/tools/sass.py fingerprints OUT.json [--compare OTHER.json]
         a hash of the machine code of every fused and segmented forward build (dstate 64 / 128 / 256, five
         feature sets, saving the states or not); with --compare, the builds whose hash differs (exit 1 if
         any): equal hashes mean a source change left tileiras' output as it was
@@ -28,11 +28,11 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
-if __package__ in (None, ""):  # run as a script: benchmarks/ is sys.path[0], the repo root may not be
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a script: benchmarks/tools/ is sys.path[0], the repo root may not be
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import stages  # noqa: E402
 from benchmarks.ssd import Shape  # noqa: E402
+from benchmarks.tools import stages  # noqa: E402
 from jax_mamba2.kernels import forward  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
 from jax_mamba2.kernels.export import compile_launch  # noqa: E402

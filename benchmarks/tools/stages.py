@@ -1,6 +1,6 @@
 """Where the time goes: GPU time of every kernel launch of the SSD forward and backward plans.
 
-    python benchmarks/stages.py [--shapes B,L,H,P,N,G ...] [--chunk 64] [--features z initial_states seq_idx]
+    python benchmarks/tools/stages.py [--shapes B,L,H,P,N,G ...] [--chunk 64] [--features z initial_states seq_idx]
                                 [--configs default|tuned]
                                 [--layouts staged fused] [--atomic-heads 1 2 4 8] [--deterministic]
                                 [--fwd-variant NAME:STAGE.FIELD=VALUE,... ...]
@@ -22,8 +22,8 @@ import json
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: benchmarks/ is sys.path[0], the repo root may not be
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a script: benchmarks/tools/ is sys.path[0], the repo root may not be
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cuda.tile as ct  # noqa: E402
 import numpy as np  # noqa: E402
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
                              "csb128:chunk_state_bwd.BLOCK_N=128,chunk_state_bwd.occupancy=2")
     parser.add_argument("--forward-only", action="store_true", help="time the forward plans only")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     args = parser.parse_args(argv)
     import torch
     shapes = args.shapes or [Shape(*s) for s in GRID[:2]]

@@ -9,8 +9,8 @@ launches and microseconds per call, and for a trace the span from the first kern
 one's end per call (what the program takes on the GPU, gaps included).
 
 On the GPU machine:
-  python benchmarks/kernel_profile.py run --shape 4,8192,32,64,128,1 --trace /tmp/trace
-  python benchmarks/kernel_profile.py summarize /tmp/trace/plugins/profile/*/perfetto_trace.json.gz --calls 4
+  python benchmarks/tools/kernel_profile.py run --shape 4,8192,32,64,128,1 --trace /tmp/trace
+  python benchmarks/tools/kernel_profile.py summarize /tmp/trace/plugins/profile/*/perfetto_trace.json.gz --calls 4
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def run(args) -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
@@ -49,7 +49,7 @@ case $part in
     step ssd_fwd_long 540 python benchmarks/ssd.py --tuning off --shapes 1,131072,32,64,128,1 "${peers[@]}" \
       --out "$out"
     ;;
-  fwd-bwd-1|fwd-bwd-2|fwd-bwd-3)  # forward + backward on issue 7's grid, 2 shapes per call, one step each:
+  fwd-bwd-1|fwd-bwd-2|fwd-bwd-3)  # forward + backward on the six-shape grid, 2 shapes per call, one step each:
     # a shape takes 4-5 minutes (first calls: cutile ~50 s, xla ~40 s, mamba_ssm's Triton autotune ~100 s)
     case $part in
       fwd-bwd-1) shapes=(4,8192,32,64,128,1 2,32768,32,64,128,1) ;;
@@ -69,14 +69,14 @@ case $part in
     export JAX_MAMBA2_AUTOTUNE=0
     step kernels_segmented_gpu 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/kernels/test_stages_gpu.py \
       -k "segmented"
-    step stages_segmented 200 python benchmarks/stages.py --layouts staged fused segmented \
+    step stages_segmented 200 python benchmarks/tools/stages.py --layouts staged fused segmented \
       --shapes 4,16384,8,64,128,1 2,32768,32,64,128,1 1,131072,32,64,128,1 --out "$out"
     ;;
   tuned)  # autotuned forward + backward at the main shape, every stage's launch time, the bridge overhead
     export JAX_MAMBA2_CACHE_DIR=${JAX_MAMBA2_CACHE_DIR:-$out/tuning}
     step ssd_tuned 300 python benchmarks/ssd.py --direction fwd_bwd --shapes 4,8192,32,64,128,1 \
       --impls cutile --out "$out"
-    step stages 120 python benchmarks/stages.py --shapes 4,8192,32,64,128,1 --configs tuned --deterministic \
+    step stages 120 python benchmarks/tools/stages.py --shapes 4,8192,32,64,128,1 --configs tuned --deterministic \
       --out "$out"
     step bridge_overhead 60 python benchmarks/bridge_overhead.py --out "$out"
     ;;
@@ -89,24 +89,24 @@ case $part in
   profile)  # per-kernel GPU time of one jitted training step (JAX profiler trace) at the shapes in $SHAPES
     export JAX_MAMBA2_AUTOTUNE=0
     for shape in ${SHAPES:-4,8192,32,64,128,1}; do
-      step "trace_$shape" 150 python benchmarks/kernel_profile.py run --shape "$shape" --trace "/tmp/trace_$shape"
-      step "profile_$shape" 30 python benchmarks/kernel_profile.py summarize \
+      step "trace_$shape" 150 python benchmarks/tools/kernel_profile.py run --shape "$shape" --trace "/tmp/trace_$shape"
+      step "profile_$shape" 30 python benchmarks/tools/kernel_profile.py summarize \
         "$(ls /tmp/trace_"$shape"/plugins/profile/*/perfetto_trace.json.gz | head -1)" --out "$out/profile_$shape.json"
     done
     ;;
   variants)  # the alternatives to the backward defaults (their GPU tests, then per-launch times at $SHAPES,
-    # default issue 7's first three): bwd_dc per head with one key block, and summing heads at occupancy 1;
+    # default the first three fwd-bwd shapes): bwd_dc per head with one key block, and summing heads at occupancy 1;
     # the reverse state pass at occupancy 4 and 5 (the default takes 5 only where that saves a wave)
     export JAX_MAMBA2_AUTOTUNE=0
     sharded kernels_variants_gpu 200 6 tests/kernels/test_backward_gpu.py -k "one_key or summing"
     dc=chunk_scan_bwd_dc
-    step stages_variants 330 python benchmarks/stages.py --repeats 10 --out "$out" \
+    step stages_variants 330 python benchmarks/tools/stages.py --repeats 10 --out "$out" \
       --shapes ${SHAPES:-4,8192,32,64,128,1 2,32768,32,64,128,1 4,8192,32,64,64,1} \
       --bwd-variant dc_per_head_one_key_block:$dc.BLOCK_K=64,$dc.SUM_HEADS=0,$dc.occupancy=2 \
         dc_summing_occupancy1:$dc.BLOCK_K=64,$dc.SUM_HEADS=1,$dc.occupancy=1 \
         state_occupancy4:chunk_state_bwd.occupancy=4 state_occupancy5:chunk_state_bwd.occupancy=5
     ;;
-  train)  # issue 7's training check: the same 200 steps with the cuTile and the xla backends
+  train)  # the training check: the same 200 steps with the cuTile and the xla backends
     for backend in cutile xla; do
       step "train_$backend" 200 python examples/train_lm.py --steps 200 --d-model 256 --layers 4 \
         --d-state 64 --headdim 64 --chunk-size 64 --seq-len 512 --batch 16 --dtype bfloat16 \

@@ -9,10 +9,10 @@ the share of each stall reason in its samples and its top stall sites, as one re
 
 On the GPU machine:
   ncu --clock-control none --set full --kernel-name regex:fused_scan --launch-skip 2 --launch-count 1 \\
-      -o /tmp/fused python benchmarks/stalls.py run 4,8192,32,64,128,1 --runs 3
+      -o /tmp/fused python benchmarks/tools/stalls.py run 4,8192,32,64,128,1 --runs 3
   ncu -i /tmp/fused.ncu-rep --page source --print-source sass --csv > /tmp/fused_source.csv
   ncu -i /tmp/fused.ncu-rep --page details > /tmp/fused_details.txt
-  python benchmarks/stalls.py summarize /tmp/fused_source.csv --details /tmp/fused_details.txt --out OUT.json
+  python benchmarks/tools/stalls.py summarize /tmp/fused_source.csv --details /tmp/fused_details.txt --out OUT.json
 """
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: benchmarks/ is sys.path[0], the repo root may not be
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a script: benchmarks/tools/ is sys.path[0], the repo root may not be
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import sass  # noqa: E402
 from benchmarks.report import load_records, write_records  # noqa: E402
 from benchmarks.ssd import Shape  # noqa: E402
+from benchmarks.tools import sass  # noqa: E402
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
 # Details-page metrics kept in the summary: ncu's name -> the record's key.
@@ -46,7 +46,7 @@ TOP_SITES = 8
 def run(args) -> None:
     import torch
 
-    from benchmarks import stages
+    from benchmarks.tools import stages
     from jax_mamba2.bridge import eager, tuning
     from jax_mamba2.kernels import forward
 
