@@ -4,7 +4,7 @@
 the weights (`model.safetensors`, sharded safetensors with `model.safetensors.index.json`, or
 `pytorch_model.bin` when torch is installed), in mamba_ssm naming (`backbone.embedding.weight`,
 `backbone.layers.{i}.mixer.in_proj.weight`, ...) or HF naming (`backbone.embeddings.weight`).
-`save_pretrained(model, path)` writes an HF-compatible `config.json` and `model.safetensors`.
+`save_pretrained(model, path)` writes an HF-compatible `config.json` and `model.safetensors`, atomically.
 
 Training checkpoints (any model, any sharding) are better kept as NNX state with Orbax:
 
@@ -20,13 +20,17 @@ Training checkpoints (any model, any sharding) are better kept as NNX state with
 Restoring into an abstract state whose leaves carry shardings places each array on its devices.)
 """
 import json
+import os
 import pathlib
 import re
+import secrets
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from jax_mamba2.flax_layers._tree import param_path
@@ -100,18 +104,51 @@ def _checkpoint_name(path: tuple[str, ...], layer: int | None) -> tuple[str, str
     return f"backbone.layers.{layer}.{name}", layout
 
 
+# Keys that tell the two config.json formats apart.
+_MAMBA_SSM_KEYS = ("d_model", "n_layer", "ssm_cfg")
+_HF_KEYS = ("hidden_size", "num_hidden_layers", "model_type")
+
+
+def _read_json(file: pathlib.Path):
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"load_pretrained: {file} is not valid JSON: {e}") from e
+
+
 def load_config(path) -> Mamba2Config:
-    """Reads `config.json` of a checkpoint directory: mamba_ssm format (has "d_model") or HF transformers
-    format (has "hidden_size")."""
+    """Reads `config.json` of a checkpoint directory: mamba_ssm format (has "d_model", "n_layer" or
+    "ssm_cfg") or HF transformers format (has "hidden_size", "num_hidden_layers" or "model_type").
+
+    Raises:
+      FileNotFoundError: if there is no config.json.
+      ValueError, TypeError: for a file that is not JSON or not a Mamba-2 configuration, naming the file and
+        the offending key.
+    """
     config_file = pathlib.Path(path) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"load_pretrained: {config_file} does not exist")
-    raw = json.loads(config_file.read_text())
-    if "d_model" in raw:
-        return Mamba2Config.from_mamba_ssm(raw)
-    if "hidden_size" in raw:
-        return Mamba2Config.from_hf(raw)
-    raise ValueError(f"load_pretrained: {config_file} has neither 'd_model' (mamba_ssm) nor 'hidden_size' (HF)")
+    raw = _read_json(config_file)
+    if not isinstance(raw, dict):
+        raise ValueError(f"load_pretrained: {config_file} must hold a JSON object, not {type(raw).__name__}")
+    if any(key in raw for key in _MAMBA_SSM_KEYS):
+        parse = Mamba2Config.from_mamba_ssm
+    elif any(key in raw for key in _HF_KEYS):
+        parse = Mamba2Config.from_hf
+    else:
+        raise ValueError(f"load_pretrained: {config_file} has none of the keys {list(_MAMBA_SSM_KEYS)} "
+                         f"(mamba_ssm) or {list(_HF_KEYS)} (HF transformers)")
+    try:
+        return parse(raw)
+    except (ValueError, TypeError) as e:
+        raise (TypeError if isinstance(e, TypeError) else ValueError)(f"load_pretrained: {config_file}: {e}") from e
+
+
+def _load_safetensors(file: pathlib.Path) -> dict[str, np.ndarray]:
+    try:
+        return load_file(file)
+    except SafetensorError as e:
+        raise ValueError(f"load_pretrained: {file} is not a readable safetensors file: {e}") from e
 
 
 def load_hf_state(path) -> dict[str, np.ndarray]:
@@ -119,15 +156,27 @@ def load_hf_state(path) -> dict[str, np.ndarray]:
 
     Looks for `model.safetensors`, then `model.safetensors.index.json` (sharded), then `pytorch_model.bin`
     (needs torch).
+
+    Raises:
+      FileNotFoundError: if there are no weights, or a shard named by the index is missing.
+      ValueError: for an index without a `weight_map` object or a file that safetensors cannot read.
     """
     path = pathlib.Path(path)
     if (path / "model.safetensors").is_file():
-        return load_file(path / "model.safetensors")
+        return _load_safetensors(path / "model.safetensors")
     index = path / "model.safetensors.index.json"
     if index.is_file():
+        index_content = _read_json(index)
+        weight_map = index_content.get("weight_map") if isinstance(index_content, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
+            raise ValueError(f"load_pretrained: {index} must have the key 'weight_map' holding an object "
+                             "{tensor name: shard file name}")
         tensors = {}
-        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-            tensors.update(load_file(path / shard))
+        for shard in sorted(set(weight_map.values())):
+            if not (path / shard).is_file():
+                raise FileNotFoundError(f"load_pretrained: {path / shard}, a shard in {index}'s weight_map, "
+                                        "does not exist")
+            tensors.update(_load_safetensors(path / shard))
         return tensors
     if (path / "pytorch_model.bin").is_file():
         try:
@@ -200,10 +249,22 @@ def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
     """Writes `config.json` (HF transformers `Mamba2Config`) and `model.safetensors` (HF names, PyTorch
     layouts, parameter dtypes) into directory `path` (created if needed). Tied embeddings are written once.
 
+    The save is atomic: the checkpoint is written into a new hidden directory beside `path`, which then
+    replaces `path`; should the save fail or the process die before that, `path` keeps the previous
+    checkpoint (or does not exist, if it did not), never a mix. (A process killed between the two renames of
+    the swap leaves the previous checkpoint, complete, in `.{name}.old-*` beside `path`.) Other files in
+    `path` (a tokenizer, ...) are carried over as hard links (copies where the file system has none).
+
+    An unbounded `time_step_limit` is written as `[low, Infinity]`, the form mamba_ssm and transformers 4.x
+    write and every transformers release reads.
+
     Raises:
-      ValueError: if the model uses mixer options HF transformers cannot express (see `Mamba2Config.to_hf`).
+      ValueError: if the model uses mixer options HF transformers cannot express (see `Mamba2Config.to_hf`),
+        or `path` exists and is not a directory.
     """
-    path = pathlib.Path(path)
+    path = pathlib.Path(path).resolve()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"save_pretrained: {path} exists and is not a directory")
     hf_config = model.config.to_hf()
     tensors = {}
     for tree_path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
@@ -212,7 +273,69 @@ def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
         for layer in layers:
             name, layout = _checkpoint_name(model_path, layer)
             tensors[name] = _to_checkpoint_layout(array if layer is None else array[layer], layout)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = _sibling_path(path, "tmp")
+    os.mkdir(staging)  # mode from the umask (tempfile.mkdtemp would make it private)
+    try:
+        if path.is_dir():
+            shutil.copymode(path, staging)
+            _carry_over(path, staging, skip=("config.json", "model.safetensors"))
+        (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+        save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+        for file in ("config.json", "model.safetensors"):
+            _fsync(staging / file)
+        _replace_dir(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _sibling_path(path: pathlib.Path, kind: str) -> pathlib.Path:
+    """A fresh hidden name beside `path` (same file system, so renames between them are atomic)."""
+    return path.with_name(f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _carry_over(source: pathlib.Path, target: pathlib.Path, *, skip: tuple[str, ...]) -> None:
+    """Hard-links (or copies) every entry of directory `source` but `skip` into directory `target`."""
+    for entry in source.iterdir():
+        if entry.name in skip:
+            continue
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry), target / entry.name)
+        elif entry.is_dir():
+            shutil.copytree(entry, target / entry.name, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, target / entry.name)
+
+
+def _link_or_copy(source, target) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def _fsync(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_dir(new: pathlib.Path, path: pathlib.Path) -> None:
+    """Puts directory `new` at `path`. An existing `path` is first renamed aside and deleted only once `new`
+    is in place (renamed back if that fails): `path` never holds a mix of both."""
+    if not path.exists():
+        os.replace(new, path)
+    else:
+        old = _sibling_path(path, "old")
+        os.replace(path, old)
+        try:
+            os.replace(new, path)
+        except BaseException:
+            os.replace(old, path)
+            raise
+        shutil.rmtree(old)
+    _fsync(path.parent)  # make the renames durable
 

@@ -6,7 +6,8 @@ checkpoints); `ssm_cfg` holds the keyword arguments of the `Mamba2` mixer. `from
 """
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from numbers import Real
 from typing import Any
 
 from flax.core import FrozenDict
@@ -23,6 +24,55 @@ MIXER_DEFAULTS = FrozenDict(
     D_has_hdim=False, rmsnorm=True, norm_before_gate=False, dt_min=0.001, dt_max=0.1, dt_init_floor=1e-4,
     dt_limit=(0.0, math.inf), bias=False, conv_bias=True, chunk_size=256,
 )
+
+
+# How config.json files encode the unbounded upper end of `time_step_limit` (HF) / `ssm_cfg["dt_limit"]`
+# (mamba_ssm): Python's json (mamba_ssm, transformers 4.x) writes the non-standard literal `Infinity`, which
+# json.loads reads as inf; transformers 5.x writes standard JSON, {"__float__": "Infinity"}; JSON sanitizers
+# write a string ("inf", "Infinity"), null, or a huge number (1e308, float32's largest value).
+_FLOAT_TAG = "__float__"
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _parse_limit_bound(value, default: float, api: str, key: str) -> float:
+    if value is None:
+        return default
+    if isinstance(value, Mapping) and set(value) == {_FLOAT_TAG}:
+        value = value[_FLOAT_TAG]
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    elif isinstance(value, Real) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(f"{api}: {key} has the entry {value!r}; each must be a number, null, or an encoding of "
+                     "infinity ('inf', 'Infinity', {'__float__': 'Infinity'})")
+
+
+def parse_dt_limit(value, api: str, key: str) -> tuple[float, float]:
+    """The time-step clip (low, high) from any of its config.json encodings (see above).
+
+    None, or a null entry, means no clip on that side; an upper bound of at least float32's largest value clips
+    nothing (the time step is computed in float32 or wider) and is read as inf, so equal models compare equal.
+
+    Raises:
+      ValueError: naming `key`, for anything but a pair of such bounds with 0 <= low <= high.
+    """
+    if value is None:
+        return 0.0, math.inf
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence) or len(value) != 2:
+        raise ValueError(f"{api}: {key}={value!r} must be a pair [low, high]")
+    low, high = (_parse_limit_bound(v, default, api, key) for v, default in zip(value, (0.0, math.inf)))
+    if math.isnan(low) or math.isnan(high) or not 0 <= low <= high:
+        raise ValueError(f"{api}: {key}={value!r} must satisfy 0 <= low <= high")
+    return low, math.inf if high >= _FLOAT32_MAX else high
+
+
+def _require_keys(config: Mapping[str, Any], keys: Sequence[str], api: str) -> None:
+    missing = [key for key in keys if key not in config]
+    if missing:
+        raise ValueError(f"{api}: missing required keys {missing}")
 
 
 def _freeze(value):
@@ -81,6 +131,10 @@ class Mamba2Config:
         unknown = sorted(set(ssm_cfg) - set(MIXER_OPTIONS))
         if unknown:
             raise ValueError(f"Mamba2Config: ssm_cfg has unknown keys {unknown}; allowed: {list(MIXER_OPTIONS)}")
+        if "dt_limit" in ssm_cfg:
+            ssm_cfg["dt_limit"] = parse_dt_limit(ssm_cfg["dt_limit"], "Mamba2Config", "ssm_cfg['dt_limit']")
+        if ssm_cfg.get("d_ssm") == ssm_cfg.get("expand", MIXER_DEFAULTS["expand"]) * self.d_model:
+            del ssm_cfg["d_ssm"]  # the default (d_inner) spelled out
         # Canonical form: only options that differ from mamba_ssm's defaults, so equal models compare equal.
         options = {k: _freeze(v) for k, v in sorted(ssm_cfg.items()) if _freeze(v) != MIXER_DEFAULTS[k]}
         object.__setattr__(self, "ssm_cfg", FrozenDict(options))
@@ -105,9 +159,10 @@ class Mamba2Config:
         """From a mamba_ssm `config.json` dict (the `state-spaces/mamba2-*` format).
 
         Raises:
-          ValueError: for attention layers (`attn_layer_idx`), which this package does not implement, or for
-            keys that are not `MambaConfig` fields.
+          ValueError: for a missing d_model, n_layer or vocab_size, for attention layers (`attn_layer_idx`),
+            which this package does not implement, or for keys that are not `MambaConfig` fields.
         """
+        _require_keys(config, ("d_model", "n_layer", "vocab_size"), "Mamba2Config.from_mamba_ssm")
         config = dict(config)
         attn_layer_idx = config.pop("attn_layer_idx", [])
         config.pop("attn_cfg", None)
@@ -125,12 +180,20 @@ class Mamba2Config:
         """From a HuggingFace transformers `Mamba2Config` dict (`model_type` "mamba2").
 
         HF stores the padded vocabulary size in `vocab_size`; it is kept as is (with
-        `pad_vocab_size_multiple` when the dict has it). HF's gated norm is full-width in its PyTorch path even
-        for n_groups > 1; this package follows mamba_ssm (group-wise), as HF's CUDA path does.
+        `pad_vocab_size_multiple` when the dict has it) unless the dict also has `to_hf`'s extra keys
+        (`unpadded_vocab_size`, ...), which restore the exact configuration. `time_step_limit` may be in any
+        of its encodings (see `parse_dt_limit`). HF's gated norm is full-width in its PyTorch path even for
+        n_groups > 1; this package follows mamba_ssm (group-wise), as HF's CUDA path does.
 
         Raises:
-          ValueError: if `num_heads * head_dim != expand * hidden_size` (HF's own invariant).
+          ValueError: for a missing hidden_size, num_hidden_layers or vocab_size, a model_type other than
+            "mamba2", `num_heads * head_dim != expand * hidden_size` (HF's own invariant), or an
+            unpadded_vocab_size that does not pad to vocab_size.
         """
+        api = "Mamba2Config.from_hf"
+        _require_keys(config, ("hidden_size", "num_hidden_layers", "vocab_size"), api)
+        if config.get("model_type", "mamba2") != "mamba2":
+            raise ValueError(f"{api}: model_type={config['model_type']!r} must be 'mamba2'")
         get = config.get
         d_model, expand, head_dim = config["hidden_size"], get("expand", 2), get("head_dim", 64)
         if "num_heads" in config and config["num_heads"] * head_dim != expand * d_model:
@@ -139,18 +202,30 @@ class Mamba2Config:
         ssm_cfg = dict(
             d_state=get("state_size", 128), d_conv=get("conv_kernel", 4), expand=expand, headdim=head_dim,
             ngroups=get("n_groups", 1), dt_min=get("time_step_min", 0.001), dt_max=get("time_step_max", 0.1),
-            dt_init_floor=get("time_step_floor", 1e-4), dt_limit=get("time_step_limit", (0.0, math.inf)),
+            dt_init_floor=get("time_step_floor", 1e-4),
+            dt_limit=parse_dt_limit(get("time_step_limit"), api, "time_step_limit"),
             bias=get("use_bias", False), conv_bias=get("use_conv_bias", True), chunk_size=get("chunk_size", 256),
+            A_init_range=get("A_init_range", MIXER_DEFAULTS["A_init_range"]),
         )
-        return cls(
-            d_model=d_model, n_layer=config["num_hidden_layers"], vocab_size=config["vocab_size"],
-            ssm_cfg=ssm_cfg, rms_norm=get("rms_norm", True), residual_in_fp32=get("residual_in_fp32", True),
-            pad_vocab_size_multiple=get("pad_vocab_size_multiple", 1),
+        result = cls(
+            d_model=d_model, n_layer=config["num_hidden_layers"],
+            vocab_size=get("unpadded_vocab_size", config["vocab_size"]), ssm_cfg=ssm_cfg,
+            rms_norm=get("rms_norm", True), residual_in_fp32=get("residual_in_fp32", True),
+            fused_add_norm=get("fused_add_norm", True), pad_vocab_size_multiple=get("pad_vocab_size_multiple", 1),
             tie_embeddings=get("tie_word_embeddings", False), norm_epsilon=get("layer_norm_epsilon", 1e-5),
         )
+        if result.padded_vocab_size != config["vocab_size"]:
+            unpadded_key = "unpadded_vocab_size" if "unpadded_vocab_size" in config else "vocab_size"
+            raise ValueError(f"{api}: vocab_size={config['vocab_size']} (the embedding rows) must equal "
+                             f"{unpadded_key}={result.vocab_size} rounded up to a multiple of "
+                             f"pad_vocab_size_multiple={result.pad_vocab_size_multiple}, which is "
+                             f"{result.padded_vocab_size}")
+        return result
 
     def to_hf(self) -> dict[str, Any]:
-        """A HuggingFace transformers `Mamba2Config` dict (for `config.json`), vocabulary padded.
+        """A HuggingFace transformers `Mamba2Config` dict (for `config.json`), vocabulary padded, plus the
+        keys HF has no field for (`unpadded_vocab_size`, `pad_vocab_size_multiple`, `A_init_range`,
+        `fused_add_norm`), so that `from_hf(to_hf(config)) == config`.
 
         Raises:
           ValueError: for mixer options HF's Mamba2 cannot express (norm_before_gate=True, D_has_hdim=True,
@@ -169,7 +244,6 @@ class Mamba2Config:
         return {
             "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2",
             "hidden_size": self.d_model, "num_hidden_layers": self.n_layer, "vocab_size": self.padded_vocab_size,
-            "pad_vocab_size_multiple": self.pad_vocab_size_multiple,
             "state_size": mixer["d_state"], "conv_kernel": mixer["d_conv"], "expand": mixer["expand"],
             "head_dim": mixer["headdim"], "num_heads": d_inner // mixer["headdim"], "n_groups": mixer["ngroups"],
             "time_step_min": mixer["dt_min"], "time_step_max": mixer["dt_max"],
@@ -178,6 +252,10 @@ class Mamba2Config:
             "rms_norm": self.rms_norm, "residual_in_fp32": self.residual_in_fp32,
             "tie_word_embeddings": self.tie_embeddings, "layer_norm_epsilon": self.norm_epsilon,
             "hidden_act": "silu",
+            # Fields HF's Mamba2Config lacks (its vocab_size is the padded one): HF keeps unknown config.json
+            # keys as attributes and writes them back, and `from_hf` reads them.
+            "unpadded_vocab_size": self.vocab_size, "pad_vocab_size_multiple": self.pad_vocab_size_multiple,
+            "A_init_range": list(mixer["A_init_range"]), "fused_add_norm": self.fused_add_norm,
         }
 
 

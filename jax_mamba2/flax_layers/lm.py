@@ -8,8 +8,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers.cache import Mamba2Cache
 from jax_mamba2.flax_layers.config import Mamba2Config
 from jax_mamba2.flax_layers.initializers import torch_uniform
@@ -45,19 +47,33 @@ class Mamba2Block(nnx.Module):
             residual = residual.astype(jnp.promote_types(jnp.float32, residual.dtype))
         return self.norm(residual).astype(hidden_states.dtype), residual
 
+    def _check_inputs(self, api: str, hidden_states, residual, cache, *, sequence: bool) -> None:
+        """hidden_states and residual: (batch, seqlen, d_model) (or (batch, d_model) for a step), floating;
+        cache, unless None, of the mixer's shapes for that batch."""
+        names = ("batch", "seqlen", "d_model") if sequence else ("batch", "d_model")
+        shape = _checks.check_array(api, "hidden_states", hidden_states,
+                                    tuple((n, self.mixer.d_model if n == "d_model" else None) for n in names),
+                                    kind="floating")
+        _checks.check_array(api, "residual", residual, tuple(zip(names, shape)), kind="floating")
+        if cache is not None:
+            _checks.check_cache(api, cache, *self.mixer._cache_axes(shape[0]))
+
     def __call__(self, hidden_states, residual):
         """hidden_states, residual: (batch, seqlen, d_model) -> (hidden_states, residual)."""
+        self._check_inputs("Mamba2Block.__call__", hidden_states, residual, None, sequence=True)
         normed, residual = self._add_norm(hidden_states, residual)
         return self.mixer(normed), residual
 
     def prefill(self, hidden_states, residual, cache: Mamba2Cache | None = None):
         """As `__call__`, also returning the mixer's cache (see `Mamba2.prefill`)."""
+        self._check_inputs("Mamba2Block.prefill", hidden_states, residual, cache, sequence=True)
         normed, residual = self._add_norm(hidden_states, residual)
         out, cache = self.mixer.prefill(normed, cache)
         return out, residual, cache
 
     def step(self, hidden_states, residual, cache: Mamba2Cache):
         """One token: hidden_states, residual (batch, d_model) -> (hidden_states, residual, cache)."""
+        self._check_inputs("Mamba2Block.step", hidden_states, residual, cache, sequence=False)
         normed, residual = self._add_norm(hidden_states, residual)
         out, cache = self.mixer.step(normed, cache)
         return out, residual, cache
@@ -116,7 +132,14 @@ class Mamba2LMHeadModel(nnx.Module):
                                    rngs=rngs))
 
     def __call__(self, input_ids):
-        """input_ids (batch, seqlen) int -> logits (batch, seqlen, padded_vocab)."""
+        """input_ids (batch, seqlen) int -> logits (batch, seqlen, padded_vocab).
+
+        Ids are not range-checked here (under jit they cannot be read); `generate` checks concrete prompts.
+
+        Raises:
+          ValueError, TypeError: for input_ids that are not a 2-D integer array.
+        """
+        self._check_inputs("Mamba2LMHeadModel.__call__", input_ids, None, sequence=True)
         hidden, residual = self._embed(input_ids)
 
         def block_forward(carry, block):
@@ -137,20 +160,41 @@ class Mamba2LMHeadModel(nnx.Module):
 
         Returns:
           (logits (batch, seqlen, padded_vocab), cache with a leading (n_layer,) axis).
+
+        Raises:
+          ValueError, TypeError: for input_ids or a cache of the wrong shape or dtype.
         """
+        self._check_inputs("Mamba2LMHeadModel.prefill", input_ids, cache, sequence=True)
         hidden, residual, cache = self._scan_layers_with_cache("prefill", input_ids, cache)
         return self._logits(hidden, residual), cache
 
     def step(self, input_ids, cache: Mamba2Cache):
-        """One token per row: input_ids (batch,) int -> (logits (batch, padded_vocab), new cache)."""
+        """One token per row: input_ids (batch,) int -> (logits (batch, padded_vocab), new cache).
+
+        Raises:
+          ValueError, TypeError: for input_ids or a cache of the wrong shape or dtype.
+        """
+        self._check_inputs("Mamba2LMHeadModel.step", input_ids, cache, sequence=False)
         hidden, residual, cache = self._scan_layers_with_cache("step", input_ids, cache)
         return self._logits(hidden, residual), cache
 
     def init_cache(self, batch_size: int, dtype=None) -> Mamba2Cache:
         """Zero decode state of all layers: conv_state (n_layer, batch, conv_dim, d_conv), ssm_state
         (n_layer, batch, nheads, headdim, d_state); dtype as in `Mamba2.init_cache`."""
+        _checks.check_positive_int("Mamba2LMHeadModel.init_cache", "batch_size", batch_size)
+        _checks.check_float_dtype("Mamba2LMHeadModel.init_cache", "dtype", dtype)
         per_layer = self.layers.mixer.init_cache(batch_size, dtype)
         return jax.tree.map(lambda a: jnp.zeros((self.config.n_layer, *a.shape), a.dtype), per_layer)
+
+    def _check_inputs(self, api: str, input_ids, cache, *, sequence: bool) -> None:
+        """input_ids: (batch, seqlen) (or (batch,) for a step), integer; cache, unless None, of the stacked
+        mixers' shapes (leading (n_layer,) axis) for that batch."""
+        axes = (("batch", None), ("seqlen", None)) if sequence else (("batch", None),)
+        batch = _checks.check_array(api, "input_ids", input_ids, axes, kind="integer")[0]
+        if cache is not None:
+            layer_axes = (("n_layer", self.config.n_layer),)
+            conv_axes, ssm_axes = self.layers.mixer._cache_axes(batch)
+            _checks.check_cache(api, cache, layer_axes + conv_axes, layer_axes + ssm_axes)
 
     def _scan_layers_with_cache(self, method: str, input_ids, cache):
         """Embeds, then runs `Mamba2Block.<method>` ("prefill" or "step") over the stacked layers, each with
@@ -186,7 +230,9 @@ def generate(model: Mamba2LMHeadModel, prompt_ids, max_new_tokens: int, *, tempe
 
     Args:
       model: the language model.
-      prompt_ids: (batch, prompt_len) int, prompt_len >= 1.
+      prompt_ids: (batch, prompt_len) int, prompt_len >= 1, ids in [0, config.vocab_size). Concrete ids are
+        range-checked; traced ones (generate called inside jit) cannot be read and are not: there an id past
+        the embedding's rows gives NaN logits and a negative one counts from the end.
       max_new_tokens: number of tokens to generate (>= 1).
       temperature: 0 for greedy decoding (deterministic); > 0 samples from softmax(logits / temperature).
       top_k: when sampling, only the top_k most likely tokens are candidates (default: None, all).
@@ -197,14 +243,20 @@ def generate(model: Mamba2LMHeadModel, prompt_ids, max_new_tokens: int, *, tempe
       from the first `config.vocab_size` ids (padding rows of the embedding are never produced).
 
     Raises:
-      ValueError: on a non-positive max_new_tokens, a negative temperature, a top_k outside
-        [1, vocab_size], or a missing rng when sampling.
+      ValueError: on a non-positive max_new_tokens, prompt ids outside [0, vocab_size), a negative
+        temperature, a top_k outside [1, vocab_size], or a missing rng when sampling.
+      TypeError: on prompt ids that are not integers.
     """
     vocab_size = model.config.vocab_size
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens!r} must be a positive int")
-    if prompt_ids.ndim != 2 or prompt_ids.shape[1] < 1:
+    if not hasattr(prompt_ids, "dtype"):  # a nested list of ids
+        prompt_ids = np.asarray(prompt_ids)
+    _checks.check_array("generate", "prompt_ids", prompt_ids, (("batch", None), ("prompt_len", None)),
+                        kind="integer")
+    if prompt_ids.shape[1] < 1:
         raise ValueError(f"generate: prompt_ids.shape={prompt_ids.shape} must be (batch, prompt_len >= 1)")
+    _checks.check_token_ids_in_range("generate", "prompt_ids", prompt_ids, vocab_size)
     if not temperature >= 0:
         raise ValueError(f"generate: temperature={temperature} must be >= 0")
     if top_k is not None and not 1 <= top_k <= vocab_size:

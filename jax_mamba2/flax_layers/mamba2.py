@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jax_mamba2 import backends
+from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers._tree import param_path
 from jax_mamba2.flax_layers.cache import Mamba2Cache
 from jax_mamba2.flax_layers.conv import CausalConv1d, causal_conv1d, causal_conv1d_step
@@ -76,7 +77,7 @@ class Mamba2(nnx.Module):
       rngs: parameter initialization keys.
 
     Raises:
-      ValueError: on an inconsistent configuration, naming the option and its value.
+      ValueError, TypeError: on an inconsistent configuration, naming the option and its value.
 
     Example:
       >>> layer = Mamba2(64, d_state=16, headdim=16, chunk_size=16, rngs=nnx.Rngs(0))
@@ -109,14 +110,12 @@ class Mamba2(nnx.Module):
             raise ValueError(f"Mamba2: nheads=d_ssm//headdim={nheads} must be divisible by ngroups={ngroups}")
         if chunk_size & (chunk_size - 1):
             raise ValueError(f"Mamba2: chunk_size={chunk_size} must be a power of two")
-        if not 0 < A_init_range[0] <= A_init_range[1]:
-            raise ValueError(f"Mamba2: A_init_range={A_init_range} must satisfy 0 < low <= high")
+        _checks.check_range("Mamba2", "A_init_range", A_init_range, low_min=0.0, strict_low=True)
         if not 0 < dt_min <= dt_max:
             raise ValueError(f"Mamba2: dt_min={dt_min}, dt_max={dt_max} must satisfy 0 < dt_min <= dt_max")
         if not dt_init_floor >= 0:
             raise ValueError(f"Mamba2: dt_init_floor={dt_init_floor} must be >= 0")
-        if len(dt_limit) != 2 or not 0 <= dt_limit[0] <= dt_limit[1]:
-            raise ValueError(f"Mamba2: dt_limit={dt_limit} must be (low, high) with 0 <= low <= high")
+        dt_limit = _checks.check_range("Mamba2", "dt_limit", dt_limit, low_min=0.0)
         if backend != "auto" and backend not in backends.known_names():
             raise ValueError(f"Mamba2: backend={backend!r} must be 'auto' or one of {backends.known_names()}")
 
@@ -124,7 +123,7 @@ class Mamba2(nnx.Module):
         self.d_inner, self.d_ssm, self.d_mlp = d_inner, d_ssm, d_inner - d_ssm
         self.nheads, self.ngroups = nheads, ngroups
         self.conv_dim = d_ssm + 2 * ngroups * d_state
-        self.D_has_hdim, self.rmsnorm, self.dt_limit = D_has_hdim, rmsnorm, tuple(float(v) for v in dt_limit)
+        self.D_has_hdim, self.rmsnorm, self.dt_limit = D_has_hdim, rmsnorm, dt_limit
         self.chunk_size, self.backend, self.dtype = chunk_size, backend, dtype
         # Set by `shard_model`: run head-parallel inside jax.shard_map over this mesh.
         self.mesh_axes: MeshAxes | None = None
@@ -151,13 +150,20 @@ class Mamba2(nnx.Module):
         """Full forward.
 
         Args:
-          hidden_states: (batch, seqlen, d_model).
+          hidden_states: (batch, seqlen, d_model), floating; seqlen may be 0.
           seq_idx: optional (batch, seqlen) int32 ids of packed sequences (nondecreasing along seqlen): the
             conv and the SSM state restart at every change.
 
         Returns:
           (batch, seqlen, d_model) in the computation dtype.
+
+        Raises:
+          ValueError, TypeError: for arguments of the wrong shape or dtype, naming the expected one.
         """
+        batch, seqlen = self._check_hidden_states("Mamba2.__call__", hidden_states)
+        if seq_idx is not None:
+            _checks.check_array("Mamba2.__call__", "seq_idx", seq_idx, (("batch", batch), ("seqlen", seqlen)),
+                                kind="integer")
         out, _ = self._run(functools.partial(Mamba2._forward, want_cache=False), (hidden_states, None, seq_idx),
                            returns_cache=False)
         return out
@@ -166,14 +172,20 @@ class Mamba2(nnx.Module):
         """Full forward that also returns the decode cache.
 
         Args:
-          hidden_states: (batch, seqlen, d_model).
+          hidden_states: (batch, seqlen, d_model), floating; seqlen may be 0 (the state passes through).
           cache: optional state left by earlier tokens (chunked prefill); None starts from zeros.
 
         Returns:
           (out (batch, seqlen, d_model), cache): conv_state = the last d_conv pre-conv xBC columns
           (left-zero-padded), ssm_state = the SSD's final state; in the given cache's dtypes, else
           `init_cache`'s.
+
+        Raises:
+          ValueError, TypeError: for arguments of the wrong shape or dtype, naming the expected one.
         """
+        batch, _ = self._check_hidden_states("Mamba2.prefill", hidden_states)
+        if cache is not None:
+            _checks.check_cache("Mamba2.prefill", cache, *self._cache_axes(batch))
         dtypes = self._cache_dtypes() if cache is None else tuple(a.dtype for a in cache)
         out, new_cache = self._run(functools.partial(Mamba2._forward, want_cache=True), (hidden_states, cache, None),
                                    returns_cache=True)
@@ -185,12 +197,18 @@ class Mamba2(nnx.Module):
         Unlike mamba_ssm's `step`, dt_limit is applied, so that stepping equals the full forward.
 
         Args:
-          hidden_states: (batch, d_model), one token per row.
+          hidden_states: (batch, d_model), floating: one token per row.
           cache: the state after the previous tokens.
 
         Returns:
           (out (batch, d_model), new cache in the cache's dtypes).
+
+        Raises:
+          ValueError, TypeError: for arguments of the wrong shape or dtype, naming the expected one.
         """
+        batch, _ = _checks.check_array("Mamba2.step", "hidden_states", hidden_states,
+                                       (("batch", None), ("d_model", self.d_model)), kind="floating")
+        _checks.check_cache("Mamba2.step", cache, *self._cache_axes(batch))
         return self._run(Mamba2._step, (hidden_states, cache), returns_cache=True)
 
     def init_cache(self, batch_size: int, dtype=None) -> Mamba2Cache:
@@ -200,14 +218,31 @@ class Mamba2(nnx.Module):
           batch_size: number of sequences.
           dtype: dtype of both fields (default: None: conv_state in conv1d's parameter dtype, ssm_state in
             in_proj's, as mamba_ssm allocates them).
+
+        Raises:
+          TypeError, ValueError: for a batch_size that is not a positive int or a dtype that is not floating.
         """
+        _checks.check_positive_int("Mamba2.init_cache", "batch_size", batch_size)
+        _checks.check_float_dtype("Mamba2.init_cache", "dtype", dtype)
+        conv_axes, ssm_axes = self._cache_axes(batch_size)
         conv_dtype, ssm_dtype = self._cache_dtypes(dtype)
-        return Mamba2Cache(
-            conv_state=jnp.zeros((batch_size, self.conv_dim, self.d_conv), conv_dtype),
-            ssm_state=jnp.zeros((batch_size, self.nheads, self.headdim, self.d_state), ssm_dtype))
+        return Mamba2Cache(conv_state=jnp.zeros(tuple(size for _, size in conv_axes), conv_dtype),
+                           ssm_state=jnp.zeros(tuple(size for _, size in ssm_axes), ssm_dtype))
 
     def _cache_dtypes(self, dtype=None):
         return dtype or self.conv1d.kernel.dtype, dtype or self.in_proj.kernel.dtype
+
+    def _cache_axes(self, batch: int | None) -> tuple[_checks.Axes, _checks.Axes]:
+        """The named shapes of `Mamba2Cache`'s conv_state and ssm_state for `batch` rows."""
+        return ((("batch", batch), ("conv_dim", self.conv_dim), ("d_conv", self.d_conv)),
+                (("batch", batch), ("nheads", self.nheads), ("headdim", self.headdim), ("d_state", self.d_state)))
+
+    def _check_hidden_states(self, api: str, hidden_states) -> tuple[int, int]:
+        """hidden_states must be (batch, seqlen, d_model), floating; returns (batch, seqlen)."""
+        batch, seqlen, _ = _checks.check_array(api, "hidden_states", hidden_states,
+                                               (("batch", None), ("seqlen", None), ("d_model", self.d_model)),
+                                               kind="floating")
+        return batch, seqlen
 
     # ------------------------------------------------------------------------------------------------
     # One code path for one device and for one shard of the heads (see `partition`)
@@ -240,10 +275,10 @@ class Mamba2(nnx.Module):
             lambda xBC, state, kernel, bias: causal_conv1d(xBC, kernel, bias, state, seq_idx=seq_idx,
                                                             dtype=xBC.dtype))
         A, D, dt_bias = self._ssm_params()
-        nheads = A.shape[0]
+        nheads, ngroups = A.shape[0], B.shape[-1] // self.d_state  # this shard's heads and groups
         y, ssm_state = ssd(
             x.reshape(batch, seqlen, nheads, self.headdim), dt, A,
-            B.reshape(batch, seqlen, -1, self.d_state), C.reshape(batch, seqlen, -1, self.d_state),
+            B.reshape(batch, seqlen, ngroups, self.d_state), C.reshape(batch, seqlen, ngroups, self.d_state),
             self.chunk_size, D=D, z=None if self.rmsnorm else z.reshape(batch, seqlen, nheads, self.headdim),
             dt_bias=dt_bias, dt_softplus=True, dt_limit=self.dt_limit, seq_idx=seq_idx,
             initial_states=None if cache is None else cache.ssm_state.astype(A.dtype),
@@ -258,10 +293,10 @@ class Mamba2(nnx.Module):
             shard, x, B, C, cache.conv_state, True,
             lambda xBC, state, kernel, bias: causal_conv1d_step(xBC, state, kernel, bias, dtype=xBC.dtype))
         A, D, dt_bias = self._ssm_params()
-        nheads = A.shape[0]
+        nheads, ngroups = A.shape[0], B.shape[-1] // self.d_state  # this shard's heads and groups
         y, ssm_state = ssd_step(
             cache.ssm_state, x.reshape(batch, nheads, self.headdim), dt, A,
-            B.reshape(batch, -1, self.d_state), C.reshape(batch, -1, self.d_state), D=D,
+            B.reshape(batch, ngroups, self.d_state), C.reshape(batch, ngroups, self.d_state), D=D,
             z=None if self.rmsnorm else z.reshape(batch, nheads, self.headdim), dt_bias=dt_bias,
             dt_softplus=True, dt_limit=self.dt_limit, backend=self.backend)
         return self._output(shard, y, z, z0, x0), Mamba2Cache(conv_state, ssm_state)
@@ -341,7 +376,7 @@ class Mamba2(nnx.Module):
 
     def _output(self, shard: HeadShard, y, z, z0, x0):
         """Gated norm, MLP branch and out_proj; y (..., local nheads, headdim) -> (..., d_model)."""
-        y = y.reshape(*y.shape[:-2], -1)
+        y = y.reshape(*y.shape[:-2], y.shape[-2] * y.shape[-1])
         if self.rmsnorm:
             y = self.norm(y, z, sum_groups=shard.sum_split_groups(self.d_ssm // self.ngroups, y.shape[-1]))
         if self.d_mlp:

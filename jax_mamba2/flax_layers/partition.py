@@ -87,8 +87,9 @@ class HeadShard:
         replicated = [p for p, seg in zip(pieces, segments) if not seg.sharded]
         rank_major = jnp.concatenate([p.reshape(*lead, self.size, p.shape[-1] // self.size) for p in sharded],
                                      axis=-1)
+        rank_major = rank_major.reshape(*lead, self.size * rank_major.shape[-1])  # no -1: lead may hold a 0
         local_sharded = iter(jnp.split(
-            lax.psum_scatter(rank_major.reshape(*lead, -1), self.axis, scatter_dimension=len(lead), tiled=True),
+            lax.psum_scatter(rank_major, self.axis, scatter_dimension=len(lead), tiled=True),
             _offsets([Segment(p.shape[-1] // self.size, True) for p in sharded]), axis=-1))
         local_replicated = iter(jnp.split(lax.psum(jnp.concatenate(replicated, axis=-1), self.axis),
                                           _offsets([Segment(p.shape[-1], False) for p in replicated]), axis=-1)

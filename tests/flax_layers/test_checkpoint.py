@@ -1,5 +1,8 @@
 """Tests of load_pretrained / save_pretrained and Orbax checkpoints (jax_mamba2/flax_layers/checkpoint.py)."""
+import dataclasses
 import json
+import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +12,9 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from jax_mamba2.flax_layers import Mamba2LMHeadModel, load_pretrained, save_pretrained
+from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, load_pretrained, save_pretrained
+from jax_mamba2.flax_layers import checkpoint as checkpoint_module
+from jax_mamba2.flax_layers.config import MIXER_OPTIONS
 
 
 def _random_model(config):
@@ -120,3 +125,270 @@ def test_checkpoint_orbax_round_trip(tmp_path, tiny_config):
         tiny_config, backend="xla", rngs=nnx.Rngs(0))))
     restored = nnx.merge(graphdef, checkpointer.restore(tmp_path / "state", abstract_state))
     _assert_same_params(restored, model)
+
+
+
+# ------------------------------------------------------------------------------------------------
+# time_step_limit in every encoding that config.json writers use
+# ------------------------------------------------------------------------------------------------
+def _hf_config_text(config, time_step_limit_json: str) -> str:
+    """config.json as transformers writes it (sorted keys, transformers-only fields), with `time_step_limit`
+    spelled as the raw JSON text given."""
+    hf = {key: value for key, value in config.to_hf().items()  # without the keys only this package writes
+          if key not in ("unpadded_vocab_size", "pad_vocab_size_multiple", "A_init_range", "fused_add_norm")}
+    hf |= {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "initializer_range": 0.1,
+           "rescale_prenorm_residual": False, "time_step_rank": "auto", "use_cache": True,
+           "dtype": "float32", "transformers_version": "5.0.0", "time_step_limit": "__LIMIT__"}
+    return json.dumps(hf, indent=2, sort_keys=True).replace('"__LIMIT__"', time_step_limit_json) + "\n"
+
+
+def _mamba_ssm_config_text(config, dt_limit_json: str) -> str:
+    """config.json as mamba_ssm's save_pretrained writes it (json.dump of MambaConfig.__dict__)."""
+    raw = {"d_model": config.d_model, "d_intermediate": 0, "n_layer": config.n_layer,
+           "vocab_size": config.vocab_size, "ssm_cfg": {"layer": "Mamba2", **config.ssm_cfg, "dt_limit": "__LIMIT__"},
+           "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True, "residual_in_fp32": True,
+           "fused_add_norm": True, "pad_vocab_size_multiple": config.pad_vocab_size_multiple,
+           "tie_embeddings": True}
+    return json.dumps(raw, indent=4).replace('"__LIMIT__"', dt_limit_json)
+
+
+NO_LIMIT = (0.0, math.inf)
+
+
+@pytest.mark.parametrize("limit_json, expected", [
+    pytest.param("[0.0, Infinity]", NO_LIMIT, id="python_json_literal"),  # mamba_ssm, transformers 4.x
+    pytest.param('[0.0, {"__float__": "Infinity"}]', NO_LIMIT, id="transformers5_tag"),
+    pytest.param('[{"__float__": "0.0"}, {"__float__": "Infinity"}]', NO_LIMIT, id="tag_both"),
+    pytest.param('[0.0, "inf"]', NO_LIMIT, id="string_inf"),
+    pytest.param('[0.0, "Infinity"]', NO_LIMIT, id="string_Infinity"),
+    pytest.param("[0.0, 1e308]", NO_LIMIT, id="large_float"),
+    pytest.param("[0.0, 3.4028234663852886e+38]", NO_LIMIT, id="float32_max"),
+    pytest.param("[0.0, 1e999]", NO_LIMIT, id="overflowing_float"),
+    pytest.param("[0.0, null]", NO_LIMIT, id="null_bound"),
+    pytest.param("null", NO_LIMIT, id="null"),
+    pytest.param("[0, 1e308]", NO_LIMIT, id="int_low"),
+    pytest.param("[0.001, 10.0]", (0.001, 10.0), id="finite"),
+])
+@pytest.mark.parametrize("format_", ["hf", "mamba_ssm"])
+def test_checkpoint_loads_every_time_step_limit_encoding(tmp_path, tiny_config, format_, limit_json, expected):
+    model = _random_model(tiny_config)
+    save_pretrained(model, tmp_path)
+    write = _hf_config_text if format_ == "hf" else _mamba_ssm_config_text
+    (tmp_path / "config.json").write_text(write(tiny_config, limit_json))
+    loaded = load_pretrained(tmp_path, backend="xla")
+    assert loaded.config.mixer_options["dt_limit"] == expected
+    assert loaded.layers.mixer.dt_limit == expected
+    config = tiny_config.replace(ssm_cfg={**tiny_config.ssm_cfg, "dt_limit": expected})
+    if format_ == "hf":  # HF's vocab_size is the padded one
+        config = config.replace(vocab_size=config.padded_vocab_size, pad_vocab_size_multiple=1)
+    assert loaded.config == config
+    _assert_same_params(loaded, model)
+
+
+@pytest.mark.parametrize("limit_json, message", [
+    pytest.param('[0.0, "unbounded"]', r"time_step_limit has the entry 'unbounded'; each must be a number, null, "
+                                       r"or an encoding of infinity", id="bad_string"),
+    pytest.param('[0.0, {"__float__": "NaN"}]', r"time_step_limit=\[0.0, \{'__float__': 'NaN'\}\] must satisfy "
+                                                r"0 <= low <= high", id="nan"),
+    pytest.param("[1.0, 0.5]", r"time_step_limit=\[1.0, 0.5\] must satisfy 0 <= low <= high", id="decreasing"),
+    pytest.param("[0.0]", r"time_step_limit=\[0.0\] must be a pair \[low, high\]", id="one_value"),
+    pytest.param('"inf"', r"time_step_limit='inf' must be a pair \[low, high\]", id="scalar"),
+    pytest.param("[0.0, true]", r"time_step_limit has the entry True", id="bool"),
+])
+def test_checkpoint_rejects_bad_time_step_limit(tmp_path, tiny_config, limit_json, message):
+    (tmp_path / "config.json").write_text(_hf_config_text(tiny_config, limit_json))
+    with pytest.raises(ValueError, match=rf"load_pretrained: {tmp_path / 'config.json'}: Mamba2Config.from_hf: "
+                                         + message):
+        load_pretrained(tmp_path)
+
+
+def test_checkpoint_loads_what_transformers_saves_and_transformers_loads_ours(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    hf_config = transformers.Mamba2Config(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8, head_dim=8, num_heads=8, expand=2,
+        n_groups=1, conv_kernel=4, chunk_size=8, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf_model = transformers.Mamba2ForCausalLM(hf_config).eval()
+    with torch.no_grad():
+        for parameter in hf_model.parameters():
+            parameter.normal_(0.0, 0.2)
+    hf_model.save_pretrained(tmp_path / "hf")
+    ids = np.random.default_rng(0).integers(0, 64, (2, 16))  # int64, as torch's embedding expects
+    with torch.no_grad():
+        expected = hf_model(torch.from_numpy(ids)).logits.numpy()
+
+    model = load_pretrained(tmp_path / "hf", backend="xla")
+    assert model.config.vocab_size == 64 and model.config.mixer_options["dt_limit"] == NO_LIMIT
+    np.testing.assert_allclose(model(jnp.asarray(ids)), expected, rtol=1e-4, atol=1e-4)
+
+    save_pretrained(model, tmp_path / "ours")
+    reloaded = transformers.Mamba2ForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(reloaded(torch.from_numpy(ids)).logits.numpy(), expected, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Round trips keep the configuration
+# ------------------------------------------------------------------------------------------------
+# Mixer options HF transformers has no equivalent for (save_pretrained raises on non-default values).
+HF_INEXPRESSIBLE = {"d_ssm", "D_has_hdim", "rmsnorm", "norm_before_gate"}
+SINGLE_VALUED_FIELDS = {"d_intermediate", "rms_norm"}  # only 0 and True are supported
+
+
+def test_checkpoint_round_trip_keeps_every_config_field(tmp_path):
+    config = Mamba2Config(
+        d_model=48, n_layer=2, vocab_size=50,
+        ssm_cfg=dict(d_state=8, d_conv=3, expand=3, headdim=16, ngroups=3, A_init_range=(2.0, 8.0),
+                     dt_min=0.002, dt_max=0.05, dt_init_floor=2e-4, dt_limit=(0.001, 10.0), bias=True,
+                     conv_bias=False, chunk_size=16),
+        residual_in_fp32=False, fused_add_norm=False, pad_vocab_size_multiple=16, tie_embeddings=False,
+        norm_epsilon=1e-6)
+    # Every field and every expressible mixer option differs from its default, so none can be lost silently.
+    for field in dataclasses.fields(Mamba2Config):
+        if field.default is not dataclasses.MISSING and field.name not in SINGLE_VALUED_FIELDS | {"ssm_cfg"}:
+            assert getattr(config, field.name) != field.default, field.name
+    assert set(config.ssm_cfg) == set(MIXER_OPTIONS) - HF_INEXPRESSIBLE  # ssm_cfg holds only non-defaults
+
+    model = _random_model(config)
+    save_pretrained(model, tmp_path)
+    loaded = load_pretrained(tmp_path, backend="xla")
+    assert dataclasses.asdict(loaded.config) == dataclasses.asdict(config)
+    assert loaded.config == config and loaded.config.vocab_size == 50 and loaded.config.padded_vocab_size == 64
+    _assert_same_params(loaded, model)
+
+
+# ------------------------------------------------------------------------------------------------
+# Atomic saves
+# ------------------------------------------------------------------------------------------------
+def _failing_writer(tensors, filename, metadata=None):
+    with open(filename, "wb") as f:
+        f.write(b"\x00" * 64)  # a partial file, as a crash mid-write leaves
+    raise OSError("No space left on device")
+
+
+def _snapshot(directory):
+    return {p.relative_to(directory): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_checkpoint_save_crash_keeps_the_old_checkpoint(tmp_path, tiny_config, monkeypatch):
+    target = tmp_path / "ckpt"
+    old = _random_model(tiny_config)
+    save_pretrained(old, target)
+    (target / "tokenizer.json").write_text("{}")
+    before = _snapshot(target)
+
+    monkeypatch.setattr(checkpoint_module, "save_file", _failing_writer)
+    new = _random_model(tiny_config.replace(vocab_size=50, tie_embeddings=False))
+    with pytest.raises(OSError, match="No space left on device"):
+        save_pretrained(new, target)
+    assert _snapshot(target) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging directory left behind
+    loaded = load_pretrained(target, backend="xla")
+    assert loaded.config == tiny_config
+    _assert_same_params(loaded, old)
+
+    fresh = tmp_path / "fresh"
+    with pytest.raises(OSError, match="No space left on device"):
+        save_pretrained(new, fresh)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # neither the target nor a staging dir
+
+
+def test_checkpoint_save_failed_swap_restores_the_old_checkpoint(tmp_path, tiny_config, monkeypatch):
+    target = tmp_path / "ckpt"
+    save_pretrained(_random_model(tiny_config), target)
+    before = _snapshot(target)
+    real_replace, calls = os.replace, []
+
+    def replace(source, destination):  # the old checkpoint moves aside, then the new one fails to move in
+        calls.append((source, destination))
+        if len(calls) == 2:
+            raise OSError("rename failed")
+        real_replace(source, destination)
+
+    monkeypatch.setattr(checkpoint_module.os, "replace", replace)
+    with pytest.raises(OSError, match="rename failed"):
+        save_pretrained(_random_model(tiny_config.replace(vocab_size=50)), target)
+    assert len(calls) == 3  # aside, in (failed), back
+    assert _snapshot(target) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_checkpoint_save_replaces_the_checkpoint_and_keeps_other_files(tmp_path, tiny_config):
+    target = tmp_path / "ckpt"
+    save_pretrained(_random_model(tiny_config), target)
+    (target / "tokenizer.json").write_text('{"model": "bpe"}')
+    (target / "state").mkdir()
+    (target / "state" / "step").write_text("7")
+    new = _random_model(tiny_config.replace(vocab_size=50))
+    save_pretrained(new, target)
+    assert (target / "tokenizer.json").read_text() == '{"model": "bpe"}'
+    assert (target / "state" / "step").read_text() == "7"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    probe = tmp_path / "probe"
+    probe.mkdir()  # the mode a plain mkdir gives under this umask
+    assert (target.stat().st_mode & 0o777) == (probe.stat().st_mode & 0o777)
+    loaded = load_pretrained(target, backend="xla")
+    assert loaded.config.vocab_size == 50
+    _assert_same_params(loaded, new)
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"save_pretrained: .*file exists and is not a directory"):
+        save_pretrained(new, tmp_path / "file")
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors from bad checkpoint files name the file and the key
+# ------------------------------------------------------------------------------------------------
+MAMBA_SSM_TINY = {"d_model": 32, "n_layer": 3, "vocab_size": 61,
+                  "ssm_cfg": {"d_state": 8, "headdim": 8, "ngroups": 2, "chunk_size": 8}}
+
+
+@pytest.mark.parametrize("text, error, message", [
+    pytest.param('{"d_model": 32,', ValueError, r"config.json is not valid JSON: Expecting property name",
+                 id="truncated_json"),
+    pytest.param("[1, 2]", ValueError, r"config.json must hold a JSON object, not list", id="not_an_object"),
+    pytest.param(json.dumps({k: v for k, v in MAMBA_SSM_TINY.items() if k != "n_layer"}), ValueError,
+                 r"config.json: Mamba2Config.from_mamba_ssm: missing required keys \['n_layer'\]", id="no_n_layer"),
+    pytest.param(json.dumps({k: v for k, v in MAMBA_SSM_TINY.items() if k != "d_model"}), ValueError,
+                 r"config.json: Mamba2Config.from_mamba_ssm: missing required keys \['d_model'\]", id="no_d_model"),
+    pytest.param(json.dumps({**MAMBA_SSM_TINY, "n_layer": "3"}), ValueError,
+                 r"config.json: Mamba2Config: n_layer='3' must be a positive int", id="n_layer_string"),
+    pytest.param(json.dumps({"model_type": "mamba2", "hidden_size": 32, "vocab_size": 64}), ValueError,
+                 r"config.json: Mamba2Config.from_hf: missing required keys \['num_hidden_layers'\]",
+                 id="hf_no_num_hidden_layers"),
+    pytest.param(json.dumps({"model_type": "mamba", "hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 64}),
+                 ValueError, r"config.json: Mamba2Config.from_hf: model_type='mamba' must be 'mamba2'",
+                 id="hf_mamba1"),
+    pytest.param(json.dumps({"architectures": ["LlamaForCausalLM"]}), ValueError,
+                 r"config.json has none of the keys \['d_model', 'n_layer', 'ssm_cfg'\]", id="unknown_format"),
+])
+def test_checkpoint_bad_config_file_errors_name_file_and_key(tmp_path, text, error, message):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(error, match=rf"load_pretrained: {tmp_path}/{message}"):
+        load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("index, error, message", [
+    pytest.param({"metadata": {}}, ValueError, r"model.safetensors.index.json must have the key 'weight_map'",
+                 id="no_weight_map"),
+    pytest.param({"weight_map": ["a"]}, ValueError, r"model.safetensors.index.json must have the key 'weight_map'",
+                 id="weight_map_list"),
+    pytest.param({"weight_map": {"backbone.norm_f.weight": "model-00001-of-00002.safetensors"}}, FileNotFoundError,
+                 r"model-00001-of-00002.safetensors, a shard in .*model.safetensors.index.json's weight_map, does "
+                 r"not exist", id="missing_shard"),
+    pytest.param("{", ValueError, r"model.safetensors.index.json is not valid JSON", id="truncated_json"),
+])
+def test_checkpoint_bad_index_errors_name_file_and_key(tmp_path, tiny_config, index, error, message):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
+    (tmp_path / "model.safetensors.index.json").write_text(index if isinstance(index, str) else json.dumps(index))
+    with pytest.raises(error, match=rf"load_pretrained: {tmp_path}/{message}"):
+        load_pretrained(tmp_path)
+
+
+def test_checkpoint_truncated_weights_error_names_the_file(tmp_path, tiny_config):
+    save_pretrained(_random_model(tiny_config), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=rf"load_pretrained: {weights} is not a readable safetensors file"):
+        load_pretrained(tmp_path)

@@ -1,4 +1,5 @@
 """Tests of Mamba2Config (jax_mamba2/flax_layers/config.py)."""
+import json
 import math
 
 import jax
@@ -62,3 +63,22 @@ def test_config_rejects_hybrid_attention_and_hf_inexpressible_options():
         Mamba2Config.from_mamba_ssm({**MAMBA_SSM_130M, "attn_layer_idx": [9, 18]})
     with pytest.raises(ValueError, match=r"to_hf: ssm_cfg options \['D_has_hdim', 'norm_before_gate'\]"):
         mamba2_130m(ssm_cfg={"norm_before_gate": True, "D_has_hdim": True}).to_hf()
+
+
+def test_config_hf_dict_round_trip_keeps_unpadded_vocab_and_every_mixer_option():
+    config = mamba2_130m(vocab_size=50, pad_vocab_size_multiple=16, fused_add_norm=False,
+                         ssm_cfg={"A_init_range": (2.0, 8.0), "dt_limit": (0.001, 10.0), "d_conv": 3})
+    hf = config.to_hf()
+    assert hf["vocab_size"] == 64 and hf["unpadded_vocab_size"] == 50
+    assert Mamba2Config.from_hf(hf) == config
+    assert Mamba2Config.from_hf(json.loads(json.dumps(hf))) == config  # through JSON (lists, not tuples)
+    with pytest.raises(ValueError, match=r"from_hf: vocab_size=80 \(the embedding rows\) must equal "
+                                         r"unpadded_vocab_size=50 rounded up to a multiple of "
+                                         r"pad_vocab_size_multiple=16, which is 64"):
+        Mamba2Config.from_hf({**hf, "vocab_size": 80})  # e.g. resized by transformers after our save
+
+
+def test_config_canonical_form_drops_options_spelled_as_their_defaults():
+    assert mamba2_130m(ssm_cfg={"d_ssm": 2 * 768, "dt_limit": [0.0, "inf"]}) == mamba2_130m()
+    assert mamba2_130m(ssm_cfg={"dt_limit": None}).ssm_cfg == {}
+    assert mamba2_130m(ssm_cfg={"d_ssm": 768}).ssm_cfg == {"d_ssm": 768}

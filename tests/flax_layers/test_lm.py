@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_mamba2.flax_layers import Mamba2LMHeadModel, generate
+from jax_mamba2.flax_layers import Mamba2Block, Mamba2Config, Mamba2LMHeadModel, generate
 
 BATCH, SEQLEN = 2, 12
 
@@ -108,3 +108,91 @@ def test_lm_generate_rejects_bad_arguments(tiny_config, kwargs, message):
     model = _model(tiny_config)
     with pytest.raises(ValueError, match=message):
         generate(model, jnp.zeros((1, 3), jnp.int32), **{"max_new_tokens": 2, **kwargs})
+
+
+@pytest.mark.parametrize("prompt, error, message", [
+    pytest.param([[3, 999, 5]], ValueError,
+                 r"generate: prompt_ids must be in \[0, vocab_size=61\); prompt_ids\[0, 1\]=999 \(1 ids out",
+                 id="id_past_vocab"),
+    pytest.param([[3, 4], [61, 62]], ValueError, r"prompt_ids\[1, 0\]=61 \(2 ids out of range\)",
+                 id="padding_ids"),
+    pytest.param([[3, -1, 5]], ValueError, r"generate: prompt_ids must be in .*prompt_ids\[0, 1\]=-1", id="negative"),
+    pytest.param(jnp.array([[3.0, 4.7]]), TypeError, r"generate: prompt_ids.dtype=float32 must be integer",
+                 id="float_array"),
+    pytest.param([[3.0, 4.7]], TypeError, r"generate: prompt_ids.dtype=float64 must be integer", id="float_list"),
+    pytest.param(jnp.array([3, 4]), ValueError, r"generate: prompt_ids.shape=\(2,\) must be \(batch, prompt_len\)",
+                 id="1d"),
+])
+def test_lm_generate_rejects_bad_prompts(tiny_config, prompt, error, message):
+    with pytest.raises(error, match=message):
+        generate(_model(tiny_config), prompt, 2)
+
+
+def test_lm_generate_accepts_a_list_prompt(tiny_config):
+    model = _model(tiny_config)
+    prompt = [[1, 2, 3], [60, 0, 7]]  # 60 = vocab_size - 1, the largest id
+    np.testing.assert_array_equal(generate(model, prompt, 3), generate(model, jnp.array(prompt), 3))
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    """tiny_config's model: 3 layers, conv_dim = 64 + 2 * 2 * 8 = 96, 8 heads of headdim 8, d_state 8."""
+    config = Mamba2Config(d_model=32, n_layer=3, vocab_size=61,
+                          ssm_cfg=dict(d_state=8, headdim=8, ngroups=2, chunk_size=8))
+    return _model(config)
+
+
+def _lm_cache(model, batch=BATCH, **shapes):
+    return model.init_cache(batch)._replace(**{k: jnp.zeros(v) for k, v in shapes.items()})
+
+
+def _block(model):
+    return Mamba2Block(model.config, backend="xla", rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("call, error, message", [
+    pytest.param(lambda m: m(jnp.zeros((BATCH, SEQLEN))), TypeError,
+                 r"Mamba2LMHeadModel.__call__: input_ids.dtype=float32 must be integer", id="call_float"),
+    pytest.param(lambda m: m(jnp.zeros((SEQLEN,), jnp.int32)), ValueError,
+                 r"Mamba2LMHeadModel.__call__: input_ids.shape=\(12,\) must be \(batch, seqlen\)", id="call_1d"),
+    pytest.param(lambda m: m.prefill(jnp.zeros((BATCH, SEQLEN, 1), jnp.int32)), ValueError,
+                 r"Mamba2LMHeadModel.prefill: input_ids.shape=\(2, 12, 1\) must be \(batch, seqlen\)",
+                 id="prefill_3d"),
+    pytest.param(lambda m: m.prefill(jnp.zeros((BATCH, SEQLEN), jnp.int32), m.init_cache(3)), ValueError,
+                 r"Mamba2LMHeadModel.prefill: cache.conv_state.shape=\(3, 3, 96, 4\) must be "
+                 r"\(n_layer, batch, conv_dim, d_conv\)=\(3, 2, 96, 4\)", id="prefill_cache_batch"),
+    pytest.param(lambda m: m.prefill(jnp.zeros((BATCH, SEQLEN), jnp.int32), m.layers.mixer.init_cache(BATCH)),
+                 ValueError, r"Mamba2LMHeadModel.prefill: cache.conv_state.shape=\(2, 96, 4\) must be "
+                 r"\(n_layer, batch, conv_dim, d_conv\)", id="prefill_one_layer_cache"),
+    pytest.param(lambda m: m.step(jnp.zeros((BATCH, 1), jnp.int32), m.init_cache(BATCH)), ValueError,
+                 r"Mamba2LMHeadModel.step: input_ids.shape=\(2, 1\) must be \(batch\)", id="step_2d"),
+    pytest.param(lambda m: m.step(jnp.zeros((BATCH,), jnp.int32), _lm_cache(m, ssm_state=(2, BATCH, 8, 8, 8))),
+                 ValueError, r"Mamba2LMHeadModel.step: cache.ssm_state.shape=\(2, 2, 8, 8, 8\) must be "
+                 r"\(n_layer, batch, nheads, headdim, d_state\)=\(3, 2, 8, 8, 8\)", id="step_cache_n_layer"),
+    pytest.param(lambda m: m.step(jnp.zeros((BATCH,)), m.init_cache(BATCH)), TypeError,
+                 r"Mamba2LMHeadModel.step: input_ids.dtype=float32 must be integer", id="step_float"),
+    pytest.param(lambda m: m.init_cache(-1), ValueError,
+                 r"Mamba2LMHeadModel.init_cache: batch_size=-1 must be a positive int", id="init_cache"),
+    pytest.param(lambda m: _block(m)(jnp.ones((BATCH, SEQLEN, 32)), jnp.ones((BATCH, SEQLEN - 1, 32))), ValueError,
+                 r"Mamba2Block.__call__: residual.shape=\(2, 11, 32\) must be \(batch, seqlen, d_model\)="
+                 r"\(2, 12, 32\)", id="block_residual"),
+    pytest.param(lambda m: _block(m).prefill(jnp.ones((BATCH, SEQLEN, 16)), jnp.ones((BATCH, SEQLEN, 16))),
+                 ValueError, r"Mamba2Block.prefill: hidden_states.shape=\(2, 12, 16\) must be "
+                 r"\(batch, seqlen, d_model\)=\(batch, seqlen, 32\)", id="block_prefill_d_model"),
+    pytest.param(lambda m: _block(m).step(jnp.ones((BATCH, 32)), jnp.ones((BATCH, 32)), m.init_cache(BATCH)),
+                 ValueError, r"Mamba2Block.step: cache.conv_state.shape=\(3, 2, 96, 4\) must be "
+                 r"\(batch, conv_dim, d_conv\)=\(2, 96, 4\)", id="block_step_lm_cache"),
+])
+def test_lm_rejects_bad_inputs(tiny_lm, call, error, message):
+    with pytest.raises(error, match=message):
+        call(tiny_lm)
+
+
+def test_lm_empty_sequence_gives_empty_logits_and_keeps_the_cache(tiny_lm):
+    empty = jnp.zeros((BATCH, 0), jnp.int32)
+    assert tiny_lm(empty).shape == (BATCH, 0, 64)
+    cache = jax.tree.map(lambda a: jax.random.normal(jax.random.key(0), a.shape, a.dtype), tiny_lm.init_cache(BATCH))
+    logits, same = tiny_lm.prefill(empty, cache)
+    assert logits.shape == (BATCH, 0, 64)
+    for kept, given in zip(same, cache):
+        np.testing.assert_array_equal(kept, given)

@@ -212,3 +212,86 @@ def test_mamba2_grads_finite_under_jit_and_remat():
 def test_mamba2_rejects_bad_config(options, message):
     with pytest.raises(ValueError, match=message):
         Mamba2(D_MODEL, **{**TINY, **options}, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("options, error, message", [
+    (dict(dt_limit=1.0), TypeError, r"Mamba2: dt_limit=1.0 must be a pair of numbers \(low, high\)"),
+    (dict(dt_limit=(0.5, 0.1)), ValueError, r"Mamba2: dt_limit=\(0.5, 0.1\) must satisfy 0.0 <= low <= high"),
+    (dict(dt_limit=(-1.0, math.inf)), ValueError, r"Mamba2: dt_limit=\(-1.0, inf\) must satisfy"),
+    (dict(A_init_range=16), TypeError, r"Mamba2: A_init_range=16 must be a pair of numbers"),
+])
+def test_mamba2_rejects_bad_ranges(options, error, message):
+    with pytest.raises(error, match=message):
+        Mamba2(D_MODEL, **{**TINY, **options}, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def tiny_layer():
+    return Mamba2(D_MODEL, **TINY, backend="xla", rngs=nnx.Rngs(0))  # 8 heads, conv_dim 64 + 2 * 8 = 80
+
+
+def _cache_of(layer, batch=BATCH, **replace):
+    return layer.init_cache(batch)._replace(**{k: jnp.zeros(v) for k, v in replace.items()})
+
+
+@pytest.mark.parametrize("call, error, message", [
+    pytest.param(lambda m: m(jnp.ones((BATCH, D_MODEL))), ValueError,
+                 r"Mamba2.__call__: hidden_states.shape=\(2, 32\) must be \(batch, seqlen, d_model\)="
+                 r"\(batch, seqlen, 32\)", id="call_2d"),
+    pytest.param(lambda m: m(jnp.ones((BATCH, SEQLEN, 16))), ValueError,
+                 r"Mamba2.__call__: hidden_states.shape=\(2, 13, 16\) must be .*\(batch, seqlen, 32\)",
+                 id="call_wrong_d_model"),
+    pytest.param(lambda m: m(jnp.ones((BATCH, SEQLEN, D_MODEL), jnp.int32)), TypeError,
+                 r"Mamba2.__call__: hidden_states.dtype=int32 must be floating", id="call_int"),
+    pytest.param(lambda m: m(np.ones((BATCH, SEQLEN, D_MODEL)).tolist()), TypeError,
+                 r"Mamba2.__call__: hidden_states must be an array of shape .* got list", id="call_list"),
+    pytest.param(lambda m: m(jnp.ones((BATCH, SEQLEN, D_MODEL)), seq_idx=jnp.zeros((1, SEQLEN), jnp.int32)),
+                 ValueError, r"Mamba2.__call__: seq_idx.shape=\(1, 13\) must be \(batch, seqlen\)=\(2, 13\)",
+                 id="seq_idx_batch"),
+    pytest.param(lambda m: m(jnp.ones((BATCH, SEQLEN, D_MODEL)), seq_idx=jnp.zeros((BATCH, SEQLEN))),
+                 TypeError, r"Mamba2.__call__: seq_idx.dtype=float32 must be integer", id="seq_idx_float"),
+    pytest.param(lambda m: m.prefill(jnp.ones((BATCH, SEQLEN, D_MODEL)), m.init_cache(3)), ValueError,
+                 r"Mamba2.prefill: cache.conv_state.shape=\(3, 80, 4\) must be \(batch, conv_dim, d_conv\)="
+                 r"\(2, 80, 4\)", id="prefill_cache_batch"),
+    pytest.param(lambda m: m.prefill(jnp.ones((BATCH, SEQLEN, D_MODEL)), _cache_of(m, ssm_state=(2, 8, 8, 16))),
+                 ValueError, r"Mamba2.prefill: cache.ssm_state.shape=\(2, 8, 8, 16\) must be "
+                 r"\(batch, nheads, headdim, d_state\)=\(2, 8, 8, 8\)", id="prefill_cache_d_state"),
+    pytest.param(lambda m: m.prefill(jnp.ones((BATCH, SEQLEN, D_MODEL)), {"conv_state": 0}), TypeError,
+                 r"Mamba2.prefill: cache must be a Mamba2Cache \(conv_state, ssm_state\), got dict",
+                 id="prefill_cache_dict"),
+    pytest.param(lambda m: m.prefill(jnp.ones((BATCH, D_MODEL))), ValueError,
+                 r"Mamba2.prefill: hidden_states.shape=\(2, 32\) must be \(batch, seqlen, d_model\)",
+                 id="prefill_2d"),
+    pytest.param(lambda m: m.step(jnp.ones((BATCH, 1, D_MODEL)), m.init_cache(BATCH)), ValueError,
+                 r"Mamba2.step: hidden_states.shape=\(2, 1, 32\) must be \(batch, d_model\)=\(batch, 32\)",
+                 id="step_3d"),
+    pytest.param(lambda m: m.step(jnp.ones((BATCH, D_MODEL)), m.init_cache(3)), ValueError,
+                 r"Mamba2.step: cache.conv_state.shape=\(3, 80, 4\) must be .*=\(2, 80, 4\)", id="step_cache_batch"),
+    pytest.param(lambda m: m.step(jnp.ones((BATCH, D_MODEL)), _cache_of(m, conv_state=(2, 80, 3))), ValueError,
+                 r"Mamba2.step: cache.conv_state.shape=\(2, 80, 3\)", id="step_cache_d_conv"),
+    pytest.param(lambda m: m.init_cache(0), ValueError, r"Mamba2.init_cache: batch_size=0 must be a positive int",
+                 id="init_cache_zero"),
+    pytest.param(lambda m: m.init_cache(2.0), TypeError, r"Mamba2.init_cache: batch_size=2.0 must be a positive",
+                 id="init_cache_float"),
+    pytest.param(lambda m: m.init_cache(2, jnp.int32), TypeError,
+                 r"Mamba2.init_cache: dtype=.*int32.* must be None or a floating dtype", id="init_cache_int"),
+])
+def test_mamba2_rejects_bad_inputs(tiny_layer, call, error, message):
+    with pytest.raises(error, match=message):
+        call(tiny_layer)
+
+
+@pytest.mark.parametrize("backend", ["xla", "scan"])
+def test_mamba2_empty_sequence_gives_empty_output_and_keeps_the_cache(backend):
+    layer = Mamba2(D_MODEL, **TINY, ngroups=2, backend=backend, rngs=nnx.Rngs(0))
+    empty = jnp.ones((BATCH, 0, D_MODEL))
+    out = layer(empty, seq_idx=jnp.zeros((BATCH, 0), jnp.int32))
+    assert out.shape == (BATCH, 0, D_MODEL) and out.dtype == jnp.float32
+    cache = jax.tree.map(lambda a: jax.random.normal(jax.random.key(0), a.shape, a.dtype), layer.init_cache(BATCH))
+    out, same = layer.prefill(empty, cache)
+    assert out.shape == (BATCH, 0, D_MODEL)
+    for kept, given in zip(same, cache):
+        np.testing.assert_array_equal(kept, given)
+    _, zeros = layer.prefill(empty)
+    for state in zeros:
+        np.testing.assert_array_equal(state, 0.0)

@@ -82,3 +82,10 @@ def test_shard_model_rejects_unsplittable_models(tiny_config, mesh):
     explicit = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     with pytest.raises(ValueError, match=r"shard_model: mesh axis 'data' has type .*Explicit"):
         shard_model(_model(tiny_config), explicit)
+
+
+def test_shard_model_empty_sequence_gives_empty_logits(tiny_config, mesh):
+    model = shard_model(_model(tiny_config.replace(n_layer=1)), mesh)
+    _, sharded_ids = _ids(tiny_config, mesh, length=0)
+    logits = model(sharded_ids)
+    assert logits.shape == (BATCH, 0, tiny_config.padded_vocab_size)

@@ -1,0 +1,101 @@
+"""Argument checks of the layers' entry points (`Mamba2`, `Mamba2Block`, `Mamba2LMHeadModel`, `generate`).
+
+Each check raises before any computation, with a message `"<api>: <name>=<value> must be <expected>"` as
+`jax_mamba2.op.ssd` words its own. Shapes are static under jit, so these checks also hold for traced arrays.
+
+An expected shape is a tuple of (axis name, size) pairs; a size of None accepts any length, e.g.
+`(("batch", None), ("seqlen", None), ("d_model", 64))`.
+"""
+import math
+from numbers import Integral, Real
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Axes = tuple[tuple[str, int | None], ...]
+
+
+def _shape_text(axes: Axes) -> str:
+    names = ", ".join(name for name, _ in axes)
+    sizes = ", ".join(name if size is None else str(size) for name, size in axes)
+    return f"({names})=({sizes})" if names != sizes else f"({names})"
+
+
+def check_array(api: str, name: str, value, axes: Axes, *, kind: str) -> tuple[int, ...]:
+    """Checks that `value` is an array of shape `axes` whose dtype is of `kind` ("floating" or "integer").
+
+    Returns:
+      The shape.
+
+    Raises:
+      TypeError: if `value` has no shape and dtype, or a dtype of another kind.
+      ValueError: if the rank or a sized axis differs.
+    """
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        raise TypeError(f"{api}: {name} must be an array of shape {_shape_text(axes)}, got "
+                        f"{type(value).__name__}")
+    shape = tuple(value.shape)
+    if len(shape) != len(axes) or any(size is not None and n != size for n, (_, size) in zip(shape, axes)):
+        raise ValueError(f"{api}: {name}.shape={shape} must be {_shape_text(axes)}")
+    if not jnp.issubdtype(value.dtype, getattr(jnp, kind)):
+        raise TypeError(f"{api}: {name}.dtype={value.dtype} must be {kind}")
+    return shape
+
+
+def check_cache(api: str, cache, conv_axes: Axes, ssm_axes: Axes) -> None:
+    """Checks a `Mamba2Cache` (or any pair with fields conv_state and ssm_state) against the expected shapes."""
+    if not all(hasattr(cache, field) for field in ("conv_state", "ssm_state")):
+        raise TypeError(f"{api}: cache must be a Mamba2Cache (conv_state, ssm_state), got {type(cache).__name__}")
+    check_array(api, "cache.conv_state", cache.conv_state, conv_axes, kind="floating")
+    check_array(api, "cache.ssm_state", cache.ssm_state, ssm_axes, kind="floating")
+
+
+def check_positive_int(api: str, name: str, value) -> None:
+    """Raises TypeError for a non-integer (bool included), ValueError for an integer < 1."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{api}: {name}={value!r} must be a positive int")
+    if value < 1:
+        raise ValueError(f"{api}: {name}={value!r} must be a positive int")
+
+
+def check_float_dtype(api: str, name: str, dtype) -> None:
+    """`dtype` must be None or a floating dtype."""
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{api}: {name}={dtype!r} must be None or a floating dtype")
+
+
+def check_range(api: str, name: str, value, *, low_min: float, strict_low: bool = False) -> tuple[float, float]:
+    """A pair (low, high) of real numbers with low_min <= low <= high (low_min < low if strict_low).
+
+    Returns:
+      (low, high) as floats.
+    """
+    try:
+        pair = () if isinstance(value, (str, bytes)) else tuple(value)
+    except TypeError:
+        pair = ()
+    if len(pair) != 2 or not all(isinstance(v, Real) and not isinstance(v, bool) for v in pair):
+        raise TypeError(f"{api}: {name}={value!r} must be a pair of numbers (low, high)")
+    low, high = (float(v) for v in pair)
+    low_ok = low > low_min if strict_low else low >= low_min
+    if math.isnan(low) or math.isnan(high) or not low_ok or low > high:
+        raise ValueError(f"{api}: {name}={value!r} must satisfy {low_min} {'<' if strict_low else '<='} low "
+                         "<= high")
+    return low, high
+
+
+def check_token_ids_in_range(api: str, name: str, ids, vocab_size: int) -> None:
+    """Concrete ids must lie in [0, vocab_size); traced ids (under jit) cannot be read and are not checked.
+
+    Raises:
+      ValueError: naming the first offending id and its index.
+    """
+    if isinstance(ids, jax.core.Tracer):
+        return
+    values = np.asarray(ids)
+    bad = np.argwhere((values < 0) | (values >= vocab_size))
+    if bad.size:
+        index = tuple(int(i) for i in bad[0])
+        raise ValueError(f"{api}: {name} must be in [0, vocab_size={vocab_size}); {name}"
+                         f"[{', '.join(map(str, index))}]={values[index]} ({len(bad)} ids out of range)")
