@@ -18,6 +18,9 @@ CATEGORIES = ("matrix products", "SSD", "conv", "norms", "loss", "optimizer", "c
 _SSD_KERNEL = re.compile(r"^(chunk_cumsum|chunk_state|chunk_scan|fused_scan|param_grads|state_update)\w*_kernel")
 _MATMUL_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|wgmma|matmul|^dot|_dot_", re.IGNORECASE)
 _COPY_KERNEL = re.compile(r"memcpy|memset|^copy|^transpose|^wrapped_transpose", re.IGNORECASE)
+# Kernels of other ops by their own names (cuTile or library kernels carry no HLO instruction name).
+_NAMED_KERNELS = (("conv", re.compile(r"conv", re.IGNORECASE)), ("norms", re.compile(r"norm", re.IGNORECASE)),
+                  ("loss", re.compile(r"cross_entropy|softmax_xent|_loss", re.IGNORECASE)))
 _SSD_SOURCES = ("jax_mamba2/op.py", "jax_mamba2/reference.py", "jax_mamba2/bridge/")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*metadata=\{([^}]*)\}")
 
@@ -81,7 +84,7 @@ def category(kernel: str, source: Optional[Source]) -> str:
     if _MATMUL_KERNEL.search(kernel):
         return "matrix products"
     if source is None:
-        return "elementwise"
+        return next((cat for cat, pattern in _NAMED_KERNELS if pattern.search(kernel)), "elementwise")
     file = source.file.replace("\\", "/")
     if _in_scope(source.op_name, "loss") or "loss" in file.rsplit("/", 1)[-1]:
         return "loss"

@@ -11,6 +11,7 @@ Nothing here imports JAX or torch at module level: a torch worker must not start
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -250,3 +251,38 @@ def merge_results(path: Path, benchmark: str, records: list[dict], key: Callable
                "records": list(merged.values())}
     write_json(path, results)
     return results
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line and figures
+# ----------------------------------------------------------------------------------------------
+
+def make_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser whose --help shows the script's docstring (its first line, then the rest as written)."""
+    return argparse.ArgumentParser(description=doc.split("\n", 1)[0], epilog=doc.split("\n", 2)[2],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_peer_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mamba-ssm", type=Path, help="directory holding the mamba_ssm package (source tree)")
+    parser.add_argument("--causal-conv1d", type=Path,
+                        help="directory holding a built causal_conv1d (its CUDA kernels for mamba_ssm)")
+
+
+def peer_paths(args) -> dict:
+    """The peers' directories of parsed arguments, as a job's fields."""
+    return {"mamba_ssm": str(args.mamba_ssm) if args.mamba_ssm else None,
+            "causal_conv1d": str(args.causal_conv1d) if args.causal_conv1d else None}
+
+
+def save_figure(fig, path: Path, title: str, records: list[dict]) -> Path:
+    """Titles `fig` with `title` and the GPU the records ran on, writes it to `path` and closes it."""
+    import matplotlib.pyplot as plt
+
+    gpu = next((r["environment"].get("gpu") or r["environment"].get("device") for r in records
+                if r.get("environment")), "")
+    fig.suptitle(f"{title}, {gpu}" if gpu else title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

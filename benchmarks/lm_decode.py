@@ -30,14 +30,14 @@ fills the cache and takes the last token's logits (mamba_ssm's prefill), median 
 On the GPU machine (each line < 10 minutes; add JAX_MAMBA2_GIT_SHA=<commit>):
   source .gpu/gpu-env.sh
   JAX_MAMBA2_AUTOTUNE=0 python benchmarks/lm_decode.py --configs d1024-l24 --mamba-ssm .peers --out $OUT
-  JAX_MAMBA2_AUTOTUNE=0 python benchmarks/lm_decode.py --configs mamba2-370m --command-buffers default off \
-      --mamba-ssm .peers --out $OUT
+  JAX_MAMBA2_AUTOTUNE=0 python benchmarks/lm_decode.py --configs mamba2-370m --mamba-ssm .peers --out $OUT
+  JAX_MAMBA2_AUTOTUNE=0 python benchmarks/lm_decode.py --configs d1024-l24 --impls cutile --command-buffers off loop \\
+      --out $OUT
 Writes <out>/lm_decode_h200.json (records merged by (config, impl, param_dtype, command_buffers) with earlier
 runs of the same file) and lm_decode_h200.png, then prints the table.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
@@ -133,8 +133,13 @@ def decode_ours(job: dict) -> dict:
         first_s, short_ms = _timed_generate(model, prompt, 1, job["repeats"], job["warmup_seconds"])
         _, long_ms = _timed_generate(model, prompt, 1 + job["decode_steps"], job["repeats"], job["warmup_seconds"])
         step_ms = (long_ms - short_ms) / job["decode_steps"]
-        batches[str(batch)] = {"ms_per_token": step_ms, "tokens_per_s": batch / step_ms * 1e3,
-                               "generate_1_ms": short_ms, "generate_long_ms": long_ms, "first_call_s": first_s}
+        row = {"generate_1_ms": short_ms, "generate_long_ms": long_ms, "first_call_s": first_s}
+        if step_ms > 0:
+            row.update(ms_per_token=step_ms, tokens_per_s=batch / step_ms * 1e3)
+        else:  # the decode steps took less than the timing noise of the prefill: no step time to report
+            row.update(ms_per_token=None, tokens_per_s=None,
+                       error="the decode steps are within the prefill's timing noise: raise --decode-steps")
+        batches[str(batch)] = row
     prefill = {}
     for length in job["prompt_lengths"]:
         prompt = jax.random.randint(jax.random.key(length), (1, length), 0, vocab, jnp.int32)
@@ -272,7 +277,8 @@ def derive(record: dict) -> dict:
         return record
     for batch, row in record["batches"].items():
         row["floor"] = floors(record["weight_bytes"], record["state_bytes_per_row"], int(batch), rates["copy_gbps"])
-        row["x_weights_floor"] = row["ms_per_token"] / row["floor"]["weights_ms"]
+        row["x_weights_floor"] = (row["ms_per_token"] / row["floor"]["weights_ms"]
+                                  if row["ms_per_token"] is not None else None)
     return record
 
 
@@ -292,13 +298,17 @@ def format_table(records: list[dict]) -> str:
             continue
         prefill = ", ".join(f"{k}: {v:.1f}" for k, v in r["prefill_ms"].items())
         for i, (batch, row) in enumerate(r["batches"].items()):
-            rows.append((r["config"], r["label"], batch, f"{row['ms_per_token']:.3f}",
-                         f"{row['tokens_per_s']:,.0f}", f"{row.get('x_weights_floor', float('nan')):.1f}",
+            rows.append((r["config"], r["label"], batch, _fmt(row["ms_per_token"], ".3f"),
+                         _fmt(row["tokens_per_s"], ",.0f"), _fmt(row.get("x_weights_floor"), ".1f"),
                          prefill if i == 0 else ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def plot(records: list[dict], path: Path) -> Path:
@@ -314,7 +324,8 @@ def plot(records: list[dict], path: Path) -> Path:
         floors_drawn = set()
         for r in (r for r in records if r["config"] == config and not r.get("error")):
             batches = sorted(r["batches"], key=int)
-            ax.plot([int(b) for b in batches], [r["batches"][b]["tokens_per_s"] for b in batches], "o-",
+            timed = [b for b in batches if r["batches"][b]["tokens_per_s"] is not None]
+            ax.plot([int(b) for b in timed], [r["batches"][b]["tokens_per_s"] for b in timed], "o-",
                     label=r["label"], lw=1.2, ms=4)
             if r["param_dtype"] not in floors_drawn and "floor" in r["batches"][batches[0]]:
                 floors_drawn.add(r["param_dtype"])
@@ -328,18 +339,11 @@ def plot(records: list[dict], path: Path) -> Path:
         ax.set_ylabel("tokens/s (higher is better)")
         ax.set_title(config, fontsize=10)
         ax.legend(fontsize=6)
-    gpu = next((r["environment"].get("gpu") or r["environment"].get("device") for r in records
-                if r.get("environment")), "")
-    fig.suptitle(f"Mamba-2 decoding, one token step per row, bf16 compute, {gpu}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return lm_bench.save_figure(fig, path, "Mamba-2 decoding, one token step per row, bf16 compute", records)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0], epilog=__doc__.split("\n", 2)[2],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = lm_bench.make_parser(__doc__)
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS),
                         help=f"{', '.join(DEFAULT_CONFIGS)} or d<width>-l<layers> (default: all four)")
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=["cutile", "mamba_ssm"],
@@ -353,8 +357,7 @@ def parse_args(argv=None):
     parser.add_argument("--decode-steps", type=int, default=128, help="timed token steps per round (default: 128)")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (default: 5)")
     parser.add_argument("--warmup-seconds", type=float, default=2.0, help="untimed rounds first (default: 2 s)")
-    parser.add_argument("--mamba-ssm", type=Path, help="directory holding the mamba_ssm package (source tree)")
-    parser.add_argument("--causal-conv1d", type=Path, help="directory holding a built causal_conv1d")
+    lm_bench.add_peer_flags(parser)
     parser.add_argument("--worker-timeout", type=float, default=540, help="seconds per process (default: 540)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
@@ -370,8 +373,7 @@ def jobs(args) -> list[tuple[dict, dict]]:
     """(job, extra environment) per process."""
     common = {"batches": args.batches, "prompt_lengths": args.prompt_lengths, "decode_steps": args.decode_steps,
               "repeats": args.repeats, "warmup_seconds": args.warmup_seconds}
-    peers = {"mamba_ssm": str(args.mamba_ssm) if args.mamba_ssm else None,
-             "causal_conv1d": str(args.causal_conv1d) if args.causal_conv1d else None}
+    peers = lm_bench.peer_paths(args)
     out = []
     for config in args.configs:
         for param_dtype in args.param_dtypes:

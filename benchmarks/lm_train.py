@@ -42,7 +42,6 @@ lm_train_h200.png, then prints the table.
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import gzip
 import json
@@ -419,24 +418,16 @@ def plot(records: list[dict], path: Path) -> Path:
         ax.set_xticks(range(len(configs)), configs, rotation=20, fontsize=8)
         ax.set_title(title, fontsize=10)
     axes[0].legend(fontsize=7, loc="upper left")
-    gpu = next((r.get("environment", {}).get("gpu") for r in records if r.get("environment")), "")
-    fig.suptitle(f"Mamba-2 LM training step (bf16 compute, f32 params, AdamW) {gpu}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return lm_bench.save_figure(fig, path, "Mamba-2 LM training step (bf16 compute, f32 params, AdamW)", records)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0], epilog=__doc__.split("\n", 2)[2],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = lm_bench.make_parser(__doc__)
     parser.add_argument("--configs", nargs="+", default=[DEFAULT_CONFIG],
                         help=f"config names or 'all' (default: {DEFAULT_CONFIG}); one of {', '.join(CONFIGS)}")
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=["cutile", "xla", "mamba_ssm"],
                         help="default: cutile xla mamba_ssm")
-    parser.add_argument("--mamba-ssm", type=Path, help="directory holding the mamba_ssm package (source tree)")
-    parser.add_argument("--causal-conv1d", type=Path,
-                        help="directory holding a built causal_conv1d (then mamba_ssm's fused path)")
+    lm_bench.add_peer_flags(parser)
     parser.add_argument("--steps", type=int, default=20, help="timed steps (default: 20)")
     parser.add_argument("--warmup-seconds", type=float, default=5.0, help="untimed steps first (default: 5 s)")
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps of ours (default: 3)")
@@ -458,8 +449,7 @@ def parse_args(argv=None):
 
 
 def jobs(args) -> list[dict]:
-    peers = {"mamba_ssm": str(args.mamba_ssm) if args.mamba_ssm else None,
-             "causal_conv1d": str(args.causal_conv1d) if args.causal_conv1d else None}
+    peers = lm_bench.peer_paths(args)
     return [{"config": config, "impl": impl, "steps": args.steps, "warmup_seconds": args.warmup_seconds,
              "profile_steps": 0 if args.no_profile or impl not in OURS else args.profile_steps,
              "loss": args.loss, **(peers if impl not in OURS else {})}

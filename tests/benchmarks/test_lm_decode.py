@@ -36,7 +36,7 @@ def test_jobs_set_xla_flags_per_process_for_ours_only():
 @pytest.mark.slow
 def test_the_jax_worker_writes_step_times_prefill_and_floors(tmp_path):
     argv = ["--configs", "d64-l1", "--impls", "xla", "--param-dtypes", "bfloat16", "--batches", "1", "2",
-            "--prompt-lengths", "32", "--decode-steps", "4", "--repeats", "2", "--warmup-seconds", "0",
+            "--prompt-lengths", "32", "--decode-steps", "64", "--repeats", "2", "--warmup-seconds", "0",
             "--command-buffers", "off", "--out", str(tmp_path)]
     assert lm_decode.main(argv) == 0
     (record,) = json.loads((tmp_path / "lm_decode_h200.json").read_text())["records"]
