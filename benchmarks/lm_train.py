@@ -411,7 +411,7 @@ def plot(records: list[dict], path: Path) -> Path:
                     xs.append(i + (j - (len(labels) - 1) / 2) * width)
                     ys.append(match[0]["timing"]["ms_median"] if field == "ms" else match[0]["tokens_per_s"])
                 elif match:
-                    ax.text(i + (j - (len(labels) - 1) / 2) * width, 1, "failed", rotation=90, fontsize=7,
+                    ax.text(i + (j - (len(labels) - 1) / 2) * width, 0.02, "failed", rotation=90, fontsize=7,
                             ha="center", va="bottom", transform=ax.get_xaxis_transform())
             ax.bar(xs, ys, width, label=name)
         ax.set_yscale("log")
