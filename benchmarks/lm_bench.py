@@ -117,14 +117,16 @@ def time_calls(call: Callable[[], Any], sync: Callable[[Any], Any], *, steps: in
                       warmup_seconds, warmup_calls)
 
 
-def _median_ms(call: Callable[[], Any], sync: Callable[[Any], Any], repeats: int = 10) -> float:
+def _median_ms(call: Callable[[], Any], sync: Callable[[Any], Any], repeats: int = 10, calls: int = 10) -> float:
+    """Median over `repeats` samples of the mean ms of `calls` back-to-back calls (one sync per sample)."""
     import numpy as np
     sync(call())
     samples = []
     for _ in range(repeats):
         began = time.perf_counter()
-        sync(call())
-        samples.append((time.perf_counter() - began) * 1e3)
+        results = [call() for _ in range(calls)]
+        sync(results[-1])
+        samples.append((time.perf_counter() - began) * 1e3 / calls)
     return float(np.median(samples))
 
 
@@ -133,8 +135,8 @@ SMALL_MATMUL_SIZE, SMALL_COPY_BYTES = 256, 1 << 22
 
 
 def jax_device_rates() -> dict:
-    """This process's GPU as JAX sees it: the bf16 matrix rate of a large jnp.dot (TFLOP/s, f32
-    accumulation, bf16 result) and the bandwidth of a device-to-device copy (GB/s, bytes read + written)."""
+    """This process's GPU as JAX sees it: the bf16 matrix rate of a large jnp.dot (TFLOP/s) and the
+    bandwidth of a device-to-device copy (GB/s, bytes read + written)."""
     import jax
     import jax.numpy as jnp
 
@@ -142,7 +144,7 @@ def jax_device_rates() -> dict:
     matmul_size, copy_bytes = (MATMUL_SIZE, COPY_BYTES) if on_gpu else (SMALL_MATMUL_SIZE, SMALL_COPY_BYTES)
 
     a, b = (jax.random.normal(jax.random.key(i), (matmul_size, matmul_size), jnp.bfloat16) for i in (0, 1))
-    matmul = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    matmul = jax.jit(jnp.dot)  # bf16 in and out; the GPU's matrix units accumulate in float32
     matmul_ms = _median_ms(lambda: matmul(a, b), jax.block_until_ready)
     src = jnp.ones((copy_bytes // 4,), jnp.float32)
     copy = jax.jit(lambda x: x + 0.0 * x[0])  # one full read and write; XLA cannot elide it
