@@ -12,11 +12,14 @@ checkpoints use the EleutherAI/gpt-neox-20b tokenizer.
     python examples/generate.py                                         # random small model
     python examples/generate.py --model-dir examples/out/train_lm/model --prompt "def "
     python examples/generate.py --model-dir ~/mamba2-130m --tokenizer ~/gpt-neox-20b/tokenizer.json \\
-        --prompt "Mamba is" --max-new-tokens 128 --batch 16 --dtype bfloat16          # GPU
+        --prompt "Mamba is" --max-new-tokens 128 --batch 16                           # GPU
 
-Generation is one jitted program (prefill, then a lax.scan of O(1) cached steps); the first call compiles,
-the second is timed. A greedy run is also checked against the full (uncached) forward pass. Writes
-generate.json to --out/generate/.
+Generation is one jitted program (prefill, then a lax.scan of O(1) cached steps). The fast path is the
+default: on a GPU the cuTile kernels, bfloat16 computation and bfloat16 weights, converted once when the
+model is loaded so that no token step converts them again (--dtype / --param-dtype float32 for exact
+float32). It reports decoding tokens/s without the prefill (generate with 1 and with --max-new-tokens new
+tokens, differenced; the first calls compile) and the prefill's time. A greedy run is also checked against
+the full (uncached) forward pass. Writes generate.json to --out/generate/.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from _common import add_common_flags, describe_device, make_parser, output_dir, resolve_backend
-from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, generate, load_pretrained
+from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, cast_params, generate, load_pretrained
 
 BYTE_VOCAB = 256
 
@@ -77,15 +80,23 @@ def pick_tokenizer(vocab_size: int, tokenizer_file: pathlib.Path | None, model_d
                      "EleutherAI/gpt-neox-20b tokenizer)")
 
 
-def load_model(args, backend: str) -> Mamba2LMHeadModel:
-    dtype = jnp.dtype(args.dtype)
+def resolve_dtypes(args) -> tuple[jnp.dtype, jnp.dtype]:
+    """(computation dtype, parameter dtype): "auto" is bfloat16 on a GPU and float32 elsewhere; the
+    parameters follow the computation unless --param-dtype says otherwise."""
+    dtype = jnp.dtype(("bfloat16" if jax.default_backend() == "gpu" else "float32") if args.dtype == "auto"
+                      else args.dtype)
+    return dtype, dtype if args.param_dtype == "auto" else jnp.dtype(args.param_dtype)
+
+
+def load_model(args, backend: str, dtype, param_dtype) -> Mamba2LMHeadModel:
     if args.model_dir is not None:
         print(f"loading {args.model_dir}")
-        return load_pretrained(args.model_dir, dtype=dtype, backend=backend)
+        return load_pretrained(args.model_dir, dtype=dtype, param_dtype=param_dtype, backend=backend)
     config = Mamba2Config(d_model=args.d_model, n_layer=args.layers, vocab_size=BYTE_VOCAB,
                           ssm_cfg=dict(d_state=args.d_state, headdim=args.headdim, chunk_size=args.chunk_size))
     print("no --model-dir: a randomly initialized byte-level model (its text is noise)")
-    return Mamba2LMHeadModel(config, backend=backend, dtype=dtype, rngs=nnx.Rngs(params=args.seed))
+    model = Mamba2LMHeadModel(config, backend=backend, dtype=dtype, rngs=nnx.Rngs(params=args.seed))
+    return cast_params(model, param_dtype)  # initialized in float32, converted once
 
 
 @nnx.jit
@@ -100,14 +111,14 @@ def cache_agreement(model, tokens, prompt_len: int) -> float:
     return float(jnp.mean(predicted == tokens[:, prompt_len:]))
 
 
-def timed_generate(model, prompt_ids, args, rng):
+def timed_generate(model, prompt_ids, new_tokens: int, args, rng):
     """Generates twice (compile, then timed): (tokens, compile+run seconds, run seconds)."""
     kwargs = dict(temperature=args.temperature, top_k=args.top_k, rng=rng if args.temperature > 0 else None)
     began = time.perf_counter()
-    jax.block_until_ready(generate(model, prompt_ids, args.max_new_tokens, **kwargs))
+    jax.block_until_ready(generate(model, prompt_ids, new_tokens, **kwargs))
     first = time.perf_counter() - began
     began = time.perf_counter()
-    tokens = jax.block_until_ready(generate(model, prompt_ids, args.max_new_tokens, **kwargs))
+    tokens = jax.block_until_ready(generate(model, prompt_ids, new_tokens, **kwargs))
     return tokens, first, time.perf_counter() - began
 
 
@@ -118,12 +129,15 @@ def parse_args(argv=None):
     parser.add_argument("--tokenizer", type=pathlib.Path,
                         help="HuggingFace tokenizer.json; None: the one in --model-dir, else bytes")
     parser.add_argument("--prompt", default="def fibonacci(n):\n", help="text the generation continues (default: %(default)r)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per sequence")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per sequence, >= 2")
     parser.add_argument("--batch", type=int, default=1, help="copies of the prompt decoded together")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     parser.add_argument("--top-k", type=int, default=None,
                         help="sample among the k most likely tokens; None: among all")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="computation dtype")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="computation dtype; auto = bfloat16 on a GPU, float32 elsewhere")
+    parser.add_argument("--param-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="the weights' dtype, converted once at load; auto = the computation dtype")
     random_model = parser.add_argument_group("random model (without --model-dir)")
     random_model.add_argument("--d-model", type=int, default=256, help="model width")
     random_model.add_argument("--layers", type=int, default=4, help="Mamba-2 blocks")
@@ -132,8 +146,8 @@ def parse_args(argv=None):
     random_model.add_argument("--chunk-size", type=int, default=64, help="SSD chunk length, a power of two")
     add_common_flags(parser)
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1 or args.batch < 1:
-        parser.error("--max-new-tokens and --batch must be >= 1")
+    if args.max_new_tokens < 2 or args.batch < 1:
+        parser.error("--max-new-tokens must be >= 2 and --batch >= 1")
     if args.model_dir is not None and not args.model_dir.is_dir():
         parser.error(f"--model-dir={args.model_dir} is not a directory")
     return args
@@ -144,24 +158,37 @@ def main(argv=None) -> int:
     out = output_dir(args.out / "generate")
     print(f"device: {describe_device()}")
     backend = resolve_backend(args.backend)
-    model = load_model(args, backend)
+    dtype, param_dtype = resolve_dtypes(args)
+    print(f"computation {dtype.name}, weights {param_dtype.name}")
+    model = load_model(args, backend, dtype, param_dtype)
     tokenizer = pick_tokenizer(model.config.vocab_size, args.tokenizer, args.model_dir)
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise SystemExit("generate.py: --prompt encodes to no tokens")
     prompt_ids = jnp.asarray([prompt] * args.batch, jnp.int32)
 
-    tokens, first_s, run_s = timed_generate(model, prompt_ids, args, jax.random.key(args.seed))
-    new_tokens = args.batch * args.max_new_tokens
+    rng = jax.random.key(args.seed)
+    _, _, prefill_s = timed_generate(model, prompt_ids, 1, args, rng)  # the prefill and the first token
+    tokens, first_s, run_s = timed_generate(model, prompt_ids, args.max_new_tokens, args, rng)
+    decode_s, steps = run_s - prefill_s, args.max_new_tokens - 1
     print(f"generated {args.batch} x {args.max_new_tokens} tokens after a {len(prompt)}-token prompt: "
-          f"{new_tokens / run_s:,.0f} tokens/s ({run_s * 1e3 / args.max_new_tokens:.2f} ms per step for the "
-          f"batch, prefill included); first call with compilation {first_s:.1f} s")
+          f"{args.batch * args.max_new_tokens / run_s:,.0f} tokens/s with the prefill "
+          f"({prefill_s * 1e3:.1f} ms, first token included); first call with compilation {first_s:.1f} s")
+    if decode_s > 0:
+        print(f"decoding alone: {args.batch * steps / decode_s:,.0f} tokens/s "
+              f"({decode_s * 1e3 / steps:.3f} ms per token step for the batch)")
+    else:
+        print("decoding alone: too short to time apart from the prefill (raise --max-new-tokens)")
     text = tokenizer.decode(np.asarray(tokens[0]))
     print(f"--- sample (temperature {args.temperature}) ---\n{text}\n---")
 
     record = {"device": describe_device(), "backend": backend, "model_dir": str(args.model_dir),
-              "prompt_tokens": len(prompt), "batch": args.batch, "max_new_tokens": args.max_new_tokens,
-              "tokens_per_s": new_tokens / run_s, "first_call_s": first_s, "text": text}
+              "dtype": dtype.name, "param_dtype": param_dtype.name, "prompt_tokens": len(prompt),
+              "batch": args.batch, "max_new_tokens": args.max_new_tokens,
+              "tokens_per_s": args.batch * args.max_new_tokens / run_s,
+              "decode_tokens_per_s": args.batch * steps / decode_s if decode_s > 0 else None,
+              "ms_per_token_step": decode_s * 1e3 / steps if decode_s > 0 else None, "prefill_ms": prefill_s * 1e3,
+              "first_call_s": first_s, "text": text}
     if args.temperature == 0:
         agreement = cache_agreement(model, tokens, len(prompt))
         print(f"cached decoding vs full forward: {agreement:.1%} of greedy tokens agree")

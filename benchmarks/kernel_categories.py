@@ -1,0 +1,128 @@
+"""Folds a profiled program's GPU kernels into what they compute: matrix products, SSD, conv, norms, loss,
+optimizer, copies, elementwise.
+
+A kernel's name says what library ran it (cuBLAS, a cuTile SSD kernel, a memcpy); for XLA's own fusions the
+name is the fusion's HLO instruction, whose metadata in the compiled module's text names the JAX op and,
+through the module's stack-frame tables, the Python file that created it (flax_layers/conv.py,
+flax_layers/norm.py, the SSD's op.py / reference.py, optax). `jax.named_scope("loss")` and
+`jax.named_scope("optimizer")` in the profiled program mark the rest.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import NamedTuple, Optional
+
+CATEGORIES = ("matrix products", "SSD", "conv", "norms", "loss", "optimizer", "copies", "elementwise")
+# cuTile SSD kernels (jax_mamba2.kernels) and the libraries' matrix-product kernels, by kernel name.
+_SSD_KERNEL = re.compile(r"^(chunk_cumsum|chunk_state|chunk_scan|fused_scan|param_grads|state_update)\w*_kernel")
+_MATMUL_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|wgmma|matmul|^dot|_dot_", re.IGNORECASE)
+_COPY_KERNEL = re.compile(r"memcpy|memset|^copy|^transpose|^wrapped_transpose", re.IGNORECASE)
+# Kernels of other ops by their own names (cuTile or library kernels carry no HLO instruction name).
+_NAMED_KERNELS = (("conv", re.compile(r"conv", re.IGNORECASE)), ("norms", re.compile(r"norm", re.IGNORECASE)),
+                  ("loss", re.compile(r"cross_entropy|softmax_xent|_loss", re.IGNORECASE)))
+_SSD_SOURCES = ("jax_mamba2/op.py", "jax_mamba2/reference.py", "jax_mamba2/bridge/")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*metadata=\{([^}]*)\}")
+
+
+class Source(NamedTuple):
+    op_name: str   # the JAX name stack, e.g. "jit(step)/jvp(loss_fn)/while/body/mul"
+    file: str      # the innermost Python file of the op's traceback ("" if unknown)
+
+
+def _table(text: str, header: str) -> dict[int, str]:
+    """One of the compiled module's tables ("FileNames", "FileLocations", "StackFrames"): id -> entry text."""
+    match = re.search(rf"^{header}\n((?:\d+ .*\n)+)", text, re.MULTILINE)
+    if not match:
+        return {}
+    return {int(line.split(" ", 1)[0]): line.split(" ", 1)[1] for line in match.group(1).splitlines()}
+
+
+def _field(entry: str, name: str) -> Optional[int]:
+    match = re.search(rf"\b{name}=(\d+)", entry)
+    return int(match.group(1)) if match else None
+
+
+def sanitized(name: str) -> str:
+    """A kernel name as XLA derives it from an HLO instruction name (dots and dashes become underscores)."""
+    return re.sub(r"[.\-]", "_", name)
+
+
+def hlo_sources(hlo_text: str) -> dict[str, Source]:
+    """Sanitized instruction name -> Source, for every instruction of a compiled module with metadata."""
+    files = {i: entry.strip('"') for i, entry in _table(hlo_text, "FileNames").items()}
+    locations = {i: files.get(_field(entry, "file_name_id"), "")
+                 for i, entry in _table(hlo_text, "FileLocations").items()}
+    frames = {i: locations.get(_field(entry, "file_location_id"), "")
+              for i, entry in _table(hlo_text, "StackFrames").items()}
+    sources = {}
+    for line in hlo_text.splitlines():
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        metadata = match.group(2)
+        op_name = re.search(r'op_name="([^"]*)"', metadata)
+        inline_file = re.search(r'source_file="([^"]*)"', metadata)  # older XLA: the file inline
+        frame = _field(metadata, "stack_frame_id")
+        file = inline_file.group(1) if inline_file else frames.get(frame, "")
+        sources[sanitized(match.group(1))] = Source(op_name.group(1) if op_name else "", file)
+    return sources
+
+
+def _in_scope(op_name: str, scope: str) -> bool:
+    """Whether a JAX name stack passes through `jax.named_scope(scope)`, also as transformed by jvp /
+    transpose ("jvp(loss)", "transpose(jvp(loss))")."""
+    return any(re.fullmatch(rf"(?:\w+\()*{scope}\)*", part) for part in op_name.split("/"))
+
+
+def category(kernel: str, source: Optional[Source]) -> str:
+    """The category (one of CATEGORIES) of a kernel named `kernel`, whose HLO instruction is `source`."""
+    if _SSD_KERNEL.match(kernel):
+        return "SSD"
+    if _COPY_KERNEL.search(kernel):
+        return "copies"
+    if _MATMUL_KERNEL.search(kernel):
+        return "matrix products"
+    if source is None:
+        return next((cat for cat, pattern in _NAMED_KERNELS if pattern.search(kernel)), "elementwise")
+    file = source.file.replace("\\", "/")
+    if _in_scope(source.op_name, "loss") or "loss" in file.rsplit("/", 1)[-1]:
+        return "loss"
+    if _in_scope(source.op_name, "optimizer") or "/optax/" in file:
+        return "optimizer"
+    if any(part in file for part in _SSD_SOURCES):
+        return "SSD"
+    if file.endswith("flax_layers/conv.py"):
+        return "conv"
+    if file.endswith("flax_layers/norm.py"):
+        return "norms"
+    return "elementwise"
+
+
+def fold(kernels: list[tuple[str, float, float]], hlo_text: str, calls: int, top: int = 15) -> dict:
+    """Per call: microseconds and launches per category, and the `top` kernels by time with their category.
+
+    Args:
+      kernels: (name, start_us, duration_us) per launch (benchmarks/kernel_profile.py reads them from a trace).
+      hlo_text: the profiled executable's `compiled.as_text()`.
+      calls: how many calls of the program the kernels cover.
+    """
+    sources = hlo_sources(hlo_text)
+    us, launches = defaultdict(float), defaultdict(float)
+    by_kernel: dict[str, list] = {}
+    for name, _, duration in kernels:
+        source = sources.get(sanitized(name)) or sources.get(sanitized(name.split("(")[0]))
+        cat = category(name, source)
+        us[cat] += duration / calls
+        launches[cat] += 1 / calls
+        entry = by_kernel.setdefault(name, [cat, 0.0, 0.0])
+        entry[1] += duration / calls
+        entry[2] += 1 / calls
+    busy = sum(us.values())
+    return {
+        "calls": calls, "busy_us": busy,
+        "categories": {c: {"us": us[c], "launches": launches[c], "fraction": us[c] / busy if busy else None}
+                       for c in CATEGORIES if c in us},
+        "top_kernels": [{"kernel": name[:160], "category": cat, "us": t, "launches": n}
+                        for name, (cat, t, n) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:top]],
+    }

@@ -1,0 +1,290 @@
+"""What the whole-model benchmarks (lm_train.py, lm_decode.py) share.
+
+- One process per measurement ("worker"): JAX and PyTorch each take the GPU's memory their own way, and a
+  worker's peak memory is then its own. The driver starts `python SCRIPT --worker JOB.json` per job, with
+  the job's extra environment (XLA_FLAGS), and reads back the record the worker wrote.
+- The peers' source trees on sys.path (--mamba-ssm, --causal-conv1d) and what could be imported from them.
+- Timing by wall clock after a warm-up by time, the device's measured bf16 matrix rate and copy bandwidth,
+  records merged into one JSON file per benchmark (written atomically).
+
+Nothing here imports JAX or torch at module level: a torch worker must not start JAX on the GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+# mamba_ssm's Mamba2 module and its fused add + RMSNorm: what the PyTorch peer LM is built from.
+MAMBA_SSM_MODULES = ("mamba_ssm.modules.mamba2", "mamba_ssm.ops.triton.layer_norm")
+# The H200's bf16 dense matrix rate as measured on this project's machine (benchmarks/ssd.py's figure).
+NOMINAL_BF16_TFLOPS = 790.0
+# The square bf16 matrix product timed for the measured rate: 2 * 8192^3 FLOPs, about 2 ms on an H200.
+MATMUL_SIZE = 8192
+# Bytes copied device to device for the measured bandwidth (1 GiB: far beyond the 50 MB L2).
+COPY_BYTES = 1 << 30
+
+
+def git_sha() -> str:
+    """JAX_MAMBA2_GIT_SHA (the device copy of the tree has no .git), else `git rev-parse HEAD`."""
+    if os.environ.get("JAX_MAMBA2_GIT_SHA"):
+        return os.environ["JAX_MAMBA2_GIT_SHA"]
+    try:
+        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# ----------------------------------------------------------------------------------------------
+# Peers
+# ----------------------------------------------------------------------------------------------
+
+def add_peer_paths(mamba_ssm: Optional[Path], causal_conv1d: Optional[Path]) -> None:
+    """Puts the peers' directories first on sys.path (each holds the package folder of that name)."""
+    for path in (causal_conv1d, mamba_ssm):
+        if path is not None:
+            sys.path.insert(0, str(Path(path).resolve()))
+
+
+def mamba_ssm_unavailable_reason() -> Optional[str]:
+    """None when mamba_ssm's Mamba2 module and fused add + RMSNorm import here, else why not."""
+    for module in MAMBA_SSM_MODULES:
+        try:
+            __import__(module)
+        except Exception as e:  # noqa: BLE001  any failure (missing torch, triton, CUDA) means: not runnable
+            return f"cannot import {module}: {type(e).__name__}: {e}"
+    return None
+
+
+def causal_conv1d_version() -> Optional[str]:
+    """The importable causal_conv1d's version (its CUDA extension loads), else None."""
+    try:
+        import causal_conv1d
+        import causal_conv1d_cuda  # noqa: F401  the compiled extension mamba_ssm's fused path calls
+    except Exception:  # noqa: BLE001
+        return None
+    return getattr(causal_conv1d, "__version__", "unknown")
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing and device rates
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class StepTiming:
+    """Wall milliseconds of synchronised calls after the warm-up."""
+
+    ms_median: float
+    ms_p20: float
+    ms_p80: float
+    ms_min: float
+    steps: int
+    first_call_s: float   # the first call: compilation, autotuning
+    warmup_s: float
+    warmup_calls: int
+
+
+def time_calls(call: Callable[[], Any], sync: Callable[[Any], Any], *, steps: int,
+               warmup_seconds: float) -> StepTiming:
+    """Times `steps` calls of `call`, each followed by `sync(result)`, after one untimed first call and
+    `warmup_seconds` of untimed calls (the GPU's clocks idle low after a compilation; see ssd.WARMUP_S)."""
+    import numpy as np
+
+    began = time.perf_counter()
+    sync(call())
+    first_call_s = time.perf_counter() - began
+    began, warmup_calls = time.perf_counter(), 0
+    while time.perf_counter() - began < warmup_seconds:
+        sync(call())
+        warmup_calls += 1
+    samples = []
+    for _ in range(steps):
+        began = time.perf_counter()
+        sync(call())
+        samples.append((time.perf_counter() - began) * 1e3)
+    p20, median, p80 = np.percentile(samples, [20, 50, 80])
+    return StepTiming(float(median), float(p20), float(p80), float(min(samples)), steps, first_call_s,
+                      warmup_seconds, warmup_calls)
+
+
+def _median_ms(call: Callable[[], Any], sync: Callable[[Any], Any], repeats: int = 10, calls: int = 10) -> float:
+    """Median over `repeats` samples of the mean ms of `calls` back-to-back calls (one sync per sample)."""
+    import numpy as np
+    sync(call())
+    samples = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        results = [call() for _ in range(calls)]
+        sync(results[-1])
+        samples.append((time.perf_counter() - began) * 1e3 / calls)
+    return float(np.median(samples))
+
+
+# Off the GPU (a CPU check of the benchmarks) the rates are measured on small arrays, in seconds.
+SMALL_MATMUL_SIZE, SMALL_COPY_BYTES = 256, 1 << 22
+
+
+def jax_device_rates() -> dict:
+    """This process's GPU as JAX sees it: the bf16 matrix rate of a large jnp.dot (TFLOP/s) and the
+    bandwidth of a device-to-device copy (GB/s, bytes read + written)."""
+    import jax
+    import jax.numpy as jnp
+
+    on_gpu = jax.default_backend() == "gpu"
+    matmul_size, copy_bytes = (MATMUL_SIZE, COPY_BYTES) if on_gpu else (SMALL_MATMUL_SIZE, SMALL_COPY_BYTES)
+
+    a, b = (jax.random.normal(jax.random.key(i), (matmul_size, matmul_size), jnp.bfloat16) for i in (0, 1))
+    matmul = jax.jit(jnp.dot)  # bf16 in and out; the GPU's matrix units accumulate in float32
+    matmul_ms = _median_ms(lambda: matmul(a, b), jax.block_until_ready)
+    src = jnp.ones((copy_bytes // 4,), jnp.float32)
+    copy = jax.jit(lambda x: x + 0.0 * x[0])  # one full read and write; XLA cannot elide it
+    copy_ms = _median_ms(lambda: copy(src), jax.block_until_ready)
+    del a, b, src
+    return {"matmul_tflops": 2 * matmul_size ** 3 / (matmul_ms * 1e-3) / 1e12, "matmul_size": matmul_size,
+            "copy_gbps": 2 * copy_bytes / (copy_ms * 1e-3) / 1e9, "copy_bytes": copy_bytes}
+
+
+def torch_device_rates(device) -> dict:
+    """As `jax_device_rates`, measured with torch on `device`."""
+    import torch
+
+    on_gpu = device.type == "cuda"
+    matmul_size, copy_bytes = (MATMUL_SIZE, COPY_BYTES) if on_gpu else (SMALL_MATMUL_SIZE, SMALL_COPY_BYTES)
+    sync = (lambda _: torch.cuda.synchronize()) if on_gpu else (lambda _: None)
+    a, b = (torch.randn(matmul_size, matmul_size, device=device, dtype=torch.bfloat16) for _ in range(2))
+    matmul_ms = _median_ms(lambda: a @ b, sync)
+    src = torch.ones(copy_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = _median_ms(lambda: dst.copy_(src), sync)
+    del a, b, src, dst
+    return {"matmul_tflops": 2 * matmul_size ** 3 / (matmul_ms * 1e-3) / 1e12, "matmul_size": matmul_size,
+            "copy_gbps": 2 * copy_bytes / (copy_ms * 1e-3) / 1e9, "copy_bytes": copy_bytes}
+
+
+def jax_peak_bytes() -> Optional[int]:
+    """The JAX allocator's peak bytes in use on device 0 since the process started (None where the backend
+    keeps no statistics, e.g. the CPU)."""
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+# ----------------------------------------------------------------------------------------------
+# Workers and records
+# ----------------------------------------------------------------------------------------------
+
+def run_worker(script: Path, job: dict, *, env: Optional[dict] = None, timeout_s: float = 600) -> dict:
+    """Runs `python SCRIPT --worker JOB.json` and returns the record it wrote; a worker that fails, times out
+    or writes nothing becomes {**job, "error": what happened}."""
+    with tempfile.TemporaryDirectory(prefix="lm_bench_") as tmp:
+        job_file, record_file = Path(tmp) / "job.json", Path(tmp) / "record.json"
+        job_file.write_text(json.dumps({**job, "record_file": str(record_file)}))
+        command = [sys.executable, str(script), "--worker", str(job_file)]
+        began = time.perf_counter()
+        try:
+            result = subprocess.run(command, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                                    timeout=timeout_s)
+        except subprocess.TimeoutExpired as e:
+            return {**job, "error": f"worker timed out after {timeout_s:.0f} s", "log_tail": _tail(e.stderr)}
+        if record_file.is_file():
+            record = json.loads(record_file.read_text())
+        else:
+            record = {**job, "error": f"worker exited {result.returncode} without a record"}
+        record.setdefault("error", None)
+        record["worker_wall_s"] = time.perf_counter() - began
+        if record["error"] is not None or result.returncode != 0:
+            record["log_tail"] = _tail(result.stderr) + _tail(result.stdout)
+        return record
+
+
+def _tail(text, chars: int = 3000) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return (text or "")[-chars:]
+
+
+def worker_main(argv: list[str], work: Callable[[dict], dict]) -> bool:
+    """If argv is `--worker JOB.json`: runs `work(job)` and writes its record (or the error it raised) where
+    the job says; returns True. Otherwise returns False (the caller is the driver)."""
+    if len(argv) != 2 or argv[0] != "--worker":
+        return False
+    job = json.loads(Path(argv[1]).read_text())
+    record_file = Path(job.pop("record_file"))
+    try:
+        record = {**job, **work(job), "error": None}
+    except Exception as e:  # noqa: BLE001  the record says what failed (an out-of-memory, a missing peer)
+        import traceback
+        traceback.print_exc()
+        record = {**job, "error": f"{type(e).__name__}: {e}"[:2000]}
+    write_json(record_file, record)
+    return True
+
+
+def write_json(path: Path, data) -> Path:
+    """Writes `data` as JSON through a temporary file and a rename: readers see the old or the new file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(data, indent=1, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def merge_results(path: Path, benchmark: str, records: list[dict], key: Callable[[dict], tuple]) -> dict:
+    """The results file at `path` with `records` in place of the earlier ones of the same key (a grid run
+    over several device calls stays one file), written back; returns its content."""
+    path = Path(path)
+    old = json.loads(path.read_text())["records"] if path.is_file() else []
+    merged = {key(r): r for r in old}
+    merged.update({key(r): r for r in records})
+    results = {"benchmark": benchmark, "git_sha": git_sha(),
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "records": list(merged.values())}
+    write_json(path, results)
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line and figures
+# ----------------------------------------------------------------------------------------------
+
+def make_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser whose --help shows the script's docstring (its first line, then the rest as written)."""
+    return argparse.ArgumentParser(description=doc.split("\n", 1)[0], epilog=doc.split("\n", 2)[2],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_peer_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mamba-ssm", type=Path, help="directory holding the mamba_ssm package (source tree)")
+    parser.add_argument("--causal-conv1d", type=Path,
+                        help="directory holding a built causal_conv1d (its CUDA kernels for mamba_ssm)")
+
+
+def peer_paths(args) -> dict:
+    """The peers' directories of parsed arguments, as a job's fields."""
+    return {"mamba_ssm": str(args.mamba_ssm) if args.mamba_ssm else None,
+            "causal_conv1d": str(args.causal_conv1d) if args.causal_conv1d else None}
+
+
+def save_figure(fig, path: Path, title: str, records: list[dict]) -> Path:
+    """Titles `fig` with `title` and the GPU the records ran on, writes it to `path` and closes it."""
+    import matplotlib.pyplot as plt
+
+    gpu = next((r["environment"].get("gpu") or r["environment"].get("device") for r in records
+                if r.get("environment")), "")
+    fig.suptitle(f"{title}, {gpu}" if gpu else title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,414 @@
+"""Generation speed: ms per token step and tokens/s of ours against mamba_ssm's step under a CUDA graph and
+against the memory floor, and prefill on its own; one process per measurement.
+
+Models (--configs): d1024-l24 (the training benchmark's LM: d_model 1024, 24 layers, vocab 50280) and the
+mamba2-370m, -780m and -1.3b presets (48 layers, vocab 50288), random weights; d_state 128, headdim 64.
+Parameters (--param-dtypes) float32 or bfloat16, computation in bfloat16 either way: float32 parameters are
+converted inside every step (what a model built with float32 parameters does), bfloat16 ones were converted
+once (`cast_params`). The decode state is allocated in the parameters' dtype, as mamba_ssm does.
+
+Implementations (--impls):
+  cutile, xla  jax-mamba2's `generate` (one jitted program: prefill, then a lax.scan of cached steps). The
+               step time is the difference of generate with 1 and with 1 + --decode-steps new tokens (the
+               prefill and the first token cancel), divided by --decode-steps. --command-buffers runs each
+               of them with XLA's command buffers (CUDA graphs) as XLA defaults them ("default"), off
+               ("off": --xla_gpu_enable_command_buffer=) or extended to the decode loop itself ("loop":
+               +WHILE,+CONDITIONAL, --xla_gpu_graph_min_graph_size=1), each in its own process.
+  mamba_ssm    mamba_ssm's `Mamba2.step` for every layer (`allocate_inference_cache`, with causal_conv1d's
+               update kernel when --causal-conv1d is given) in a PyTorch LM of the same shape
+               (benchmarks/torch_lm.py), one token step with its greedy argmax captured once in a
+               torch.cuda.CUDAGraph and replayed (what mamba_ssm's own generation does), timed with CUDA
+               events over rounds of --decode-steps replays. float32 parameters run under
+               torch.autocast(bfloat16) (cache off, so the cast is captured in the graph).
+Per batch in --batches (default 1 8 64 256): the median ms per token step over --repeats rounds after
+--warmup-seconds of untimed rounds, and tokens/s = batch / step time.
+Floor: the weights' bytes (and, as a second figure, plus the decode state read and written once) over the
+HBM bandwidth of a 1 GiB device-to-device copy measured in the same process.
+Prefill (--prompt-lengths, default 512 2048, batch 1): ours `generate(prompt, 1)`, mamba_ssm the forward that
+fills the cache and takes the last token's logits (mamba_ssm's prefill), median wall ms.
+
+On the GPU machine (each line < 10 minutes; add JAX_MAMBA2_GIT_SHA=<commit>):
+  source .gpu/gpu-env.sh
+  JAX_MAMBA2_AUTOTUNE=0 python benchmarks/lm_decode.py --configs d1024-l24 --mamba-ssm .peers --out $OUT
+  JAX_MAMBA2_AUTOTUNE=0 python benchmarks/lm_decode.py --configs mamba2-370m --mamba-ssm .peers --out $OUT
+  JAX_MAMBA2_AUTOTUNE=0 python benchmarks/lm_decode.py --configs d1024-l24 --impls cutile --command-buffers off loop \\
+      --out $OUT
+Writes <out>/lm_decode_h200.json (records merged by (config, impl, param_dtype, command_buffers) with earlier
+runs of the same file) and lm_decode_h200.png, then prints the table.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the repository root on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import lm_bench  # noqa: E402
+
+IMPLS = ("cutile", "xla", "mamba_ssm")
+OURS = ("cutile", "xla")
+PRESETS = ("mamba2-370m", "mamba2-780m", "mamba2-1.3b")
+DEFAULT_CONFIGS = ("d1024-l24", *PRESETS)
+PROMPT_TOKENS = 16  # the prompt before the timed decode steps
+COMMAND_BUFFER_FLAGS = {
+    "default": "",
+    "off": "--xla_gpu_enable_command_buffer=",
+    "loop": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1",
+}
+LABELS = {"cutile": "jax-mamba2 generate, cuTile", "xla": "jax-mamba2 generate, XLA",
+          "mamba_ssm": "mamba_ssm Mamba2.step, CUDA graph (PyTorch)"}
+
+
+def lm_config(name: str):
+    """The `Mamba2Config` of a config name: a preset, or d{width}-l{layers} (vocab 50280, mixer defaults)."""
+    from jax_mamba2 import flax_layers
+
+    presets = {"mamba2-370m": flax_layers.mamba2_370m, "mamba2-780m": flax_layers.mamba2_780m,
+               "mamba2-1.3b": flax_layers.mamba2_1_3b}
+    if name in presets:
+        return presets[name]()
+    match = re.fullmatch(r"d(\d+)-l(\d+)", name)
+    if not match:
+        raise ValueError(f"lm_decode: config {name!r} must be one of {PRESETS} or d<width>-l<layers>")
+    return flax_layers.Mamba2Config(d_model=int(match.group(1)), n_layer=int(match.group(2)), vocab_size=50280,
+                                    pad_vocab_size_multiple=8)
+
+
+def floors(weight_bytes: int, state_bytes_per_row: int, batch: int, copy_gbps: float) -> dict:
+    """ms per token step when only the weights (and also the decode state, read and written) move once."""
+    to_ms = 1e3 / (copy_gbps * 1e9)
+    return {"weights_ms": weight_bytes * to_ms,
+            "weights_and_state_ms": (weight_bytes + 2 * batch * state_bytes_per_row) * to_ms}
+
+
+def _median(values) -> float:
+    import numpy as np
+    return float(np.median(values))
+
+
+# ----------------------------------------------------------------------------------------------
+# Ours
+# ----------------------------------------------------------------------------------------------
+
+def ours_model(job: dict):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_mamba2.flax_layers import Mamba2LMHeadModel, cast_params
+
+    model = Mamba2LMHeadModel(lm_config(job["config"]), backend=job["impl"], dtype=jnp.bfloat16,
+                              param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    return cast_params(model, jnp.bfloat16) if job["param_dtype"] == "bfloat16" else model
+
+
+def _timed_generate(model, prompt, new_tokens: int, repeats: int, warmup_seconds: float) -> tuple[float, float]:
+    """(first call s, median wall ms of generate after warm-up)."""
+    import jax
+
+    from jax_mamba2.flax_layers import generate
+
+    timing = lm_bench.time_calls(lambda: generate(model, prompt, new_tokens), jax.block_until_ready,
+                                 steps=repeats, warmup_seconds=warmup_seconds)
+    return timing.first_call_s, timing.ms_median
+
+
+def decode_ours(job: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from benchmarks.environment import environment
+
+    model = ours_model(job)
+    vocab = model.config.vocab_size
+    weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(model.init_cache(1)))
+    batches = {}
+    for batch in job["batches"]:
+        prompt = jax.random.randint(jax.random.key(batch), (batch, PROMPT_TOKENS), 0, vocab, jnp.int32)
+        first_s, short_ms = _timed_generate(model, prompt, 1, job["repeats"], job["warmup_seconds"])
+        _, long_ms = _timed_generate(model, prompt, 1 + job["decode_steps"], job["repeats"], job["warmup_seconds"])
+        step_ms = (long_ms - short_ms) / job["decode_steps"]
+        row = {"generate_1_ms": short_ms, "generate_long_ms": long_ms, "first_call_s": first_s}
+        if step_ms > 0:
+            row.update(ms_per_token=step_ms, tokens_per_s=batch / step_ms * 1e3)
+        else:  # the decode steps took less than the timing noise of the prefill: no step time to report
+            row.update(ms_per_token=None, tokens_per_s=None,
+                       error="the decode steps are within the prefill's timing noise: raise --decode-steps")
+        batches[str(batch)] = row
+    prefill = {}
+    for length in job["prompt_lengths"]:
+        prompt = jax.random.randint(jax.random.key(length), (1, length), 0, vocab, jnp.int32)
+        _, prefill[str(length)] = _timed_generate(model, prompt, 1, job["repeats"], job["warmup_seconds"])
+    peak = lm_bench.jax_peak_bytes()
+    del model
+    return {"batches": batches, "prefill_ms": prefill, "weight_bytes": weight_bytes,
+            "state_bytes_per_row": state_bytes, "peak_memory_bytes": peak,
+            "device_rates": lm_bench.jax_device_rates(), "environment": environment(),
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch
+# ----------------------------------------------------------------------------------------------
+
+def _autocast(device, dtype):
+    """torch.autocast to `dtype` (None: a no-op context). Its weight cache is off: a CUDA graph must
+    capture the casts (and a cache would outlive the capture)."""
+    import contextlib
+
+    import torch
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=False) if dtype else contextlib.nullcontext()
+
+
+def _torch_step_call(model, batch: int, device, autocast_dtype):
+    """A callable running one greedy token step of `model` for `batch` rows (the next token fed back), as a
+    replayed CUDA graph on a GPU, eagerly elsewhere."""
+    import torch
+
+    caches = model.allocate_inference_cache(batch)
+    ids = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def step():
+        with _autocast(device, autocast_dtype):
+            logits = model.step(ids, caches)
+        ids.copy_(logits.argmax(-1))
+
+    if device.type != "cuda":
+        return step
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # Triton's autotuning and compilation, before the capture
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        step()
+    return graph.replay
+
+
+def decode_torch_model(job: dict, model, device) -> dict:
+    """The peer's measurements for `model` (a benchmarks/torch_lm.TorchLM) on `device`."""
+    import torch
+
+    from benchmarks import torch_lm
+
+    cuda = device.type == "cuda"
+    autocast_dtype = torch.bfloat16 if job["param_dtype"] == "float32" else None
+    if job["param_dtype"] == "bfloat16":
+        model = model.to(torch.bfloat16)
+    vocab = model.embedding.num_embeddings
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    state_bytes = sum(t.numel() * t.element_size() for cache in model.allocate_inference_cache(1) for t in cache)
+    sync = (lambda _: torch.cuda.synchronize()) if cuda else (lambda _: None)
+    steps = job["decode_steps"]
+    batches = {}
+    with torch.inference_mode():
+        for batch in job["batches"]:
+            replay = _torch_step_call(model, batch, device, autocast_dtype)
+
+            def round_of_steps():
+                for _ in range(steps):
+                    replay()
+
+            timing = lm_bench.time_calls(round_of_steps, sync, steps=job["repeats"],
+                                         warmup_seconds=job["warmup_seconds"])
+            batches[str(batch)] = {"ms_per_token": timing.ms_median / steps,
+                                   "tokens_per_s": batch / timing.ms_median * steps * 1e3,
+                                   "first_call_s": timing.first_call_s}
+        prefill = {}
+        for length in job["prompt_lengths"]:
+            ids = torch.randint(0, vocab, (1, length), device=device)
+
+            def prefill_call():
+                with _autocast(device, autocast_dtype):
+                    cache = torch_lm.PrefillCache(max_seqlen=length, max_batch_size=1)
+                    return model(ids, inference_params=cache, last_only=True).argmax(-1)
+
+            prefill[str(length)] = lm_bench.time_calls(prefill_call, sync, steps=job["repeats"],
+                                                       warmup_seconds=job["warmup_seconds"]).ms_median
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    del model
+    return {"batches": batches, "prefill_ms": prefill, "weight_bytes": weight_bytes,
+            "state_bytes_per_row": state_bytes, "peak_memory_bytes": peak,
+            "device_rates": lm_bench.torch_device_rates(device),
+            "environment": {"device": torch.cuda.get_device_name() if cuda else str(device),
+                            "torch": torch.__version__, "git_sha": lm_bench.git_sha()}}
+
+
+def decode_mamba_ssm(job: dict) -> dict:
+    import torch
+
+    from benchmarks import torch_lm
+
+    lm_bench.add_peer_paths(job.get("mamba_ssm"), job.get("causal_conv1d"))
+    reason = lm_bench.mamba_ssm_unavailable_reason()
+    if reason:
+        raise RuntimeError(reason)
+    config, device = lm_config(job["config"]), torch.device("cuda")
+    options = config.mixer_options
+    parts = torch_lm.mamba_ssm_parts(config.d_model, d_state=options["d_state"], headdim=options["headdim"],
+                                     expand=options["expand"], chunk_size=options["chunk_size"],
+                                     use_mem_eff_path=False, device=device)
+    torch.manual_seed(0)
+    model = torch_lm.TorchLM(d_model=config.d_model, n_layer=config.n_layer,
+                             vocab_size=config.padded_vocab_size, **parts).to(device)
+    return {**decode_torch_model(job, model, device), "causal_conv1d": lm_bench.causal_conv1d_version()}
+
+
+def work(job: dict) -> dict:
+    return decode_ours(job) if job["impl"] in OURS else decode_mamba_ssm(job)
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------------------------
+
+def derive(record: dict) -> dict:
+    """Adds the floors per batch and the label."""
+    record = {**record, "label": label(record)}
+    rates = record.get("device_rates")
+    if record.get("error") or not rates:
+        return record
+    for batch, row in record["batches"].items():
+        row["floor"] = floors(record["weight_bytes"], record["state_bytes_per_row"], int(batch), rates["copy_gbps"])
+        row["x_weights_floor"] = (row["ms_per_token"] / row["floor"]["weights_ms"]
+                                  if row["ms_per_token"] is not None else None)
+    return record
+
+
+def label(record: dict) -> str:
+    text = f"{LABELS[record['impl']]}, {record['param_dtype']} params"
+    if record["impl"] in OURS:
+        return f"{text}, command buffers {record['command_buffers']}"
+    conv = record.get("causal_conv1d")
+    return f"{text}, {'causal_conv1d ' + conv if conv else 'no causal_conv1d'}"
+
+
+def format_table(records: list[dict]) -> str:
+    rows = [("config", "implementation", "batch", "ms/token", "tokens/s", "x floor(weights)", "prefill ms")]
+    for r in records:
+        if r.get("error"):
+            rows.append((r["config"], r["label"], "-", "-", "-", "-", str(r["error"]).splitlines()[0][:70]))
+            continue
+        prefill = ", ".join(f"{k}: {v:.1f}" for k, v in r["prefill_ms"].items())
+        for i, (batch, row) in enumerate(r["batches"].items()):
+            rows.append((r["config"], r["label"], batch, _fmt(row["ms_per_token"], ".3f"),
+                         _fmt(row["tokens_per_s"], ",.0f"), _fmt(row.get("x_weights_floor"), ".1f"),
+                         prefill if i == 0 else ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def plot(records: list[dict], path: Path) -> Path:
+    """A panel per config: tokens/s against batch (log-log), a line per implementation, the weights floor of
+    each parameter dtype dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys(r["config"] for r in records))
+    fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4.6), squeeze=False)
+    for ax, config in zip(axes[0], configs):
+        floors_drawn = set()
+        for r in (r for r in records if r["config"] == config and not r.get("error")):
+            batches = sorted(r["batches"], key=int)
+            timed = [b for b in batches if r["batches"][b]["tokens_per_s"] is not None]
+            ax.plot([int(b) for b in timed], [r["batches"][b]["tokens_per_s"] for b in timed], "o-",
+                    label=r["label"], lw=1.2, ms=4)
+            if r["param_dtype"] not in floors_drawn and "floor" in r["batches"][batches[0]]:
+                floors_drawn.add(r["param_dtype"])
+                ax.plot([int(b) for b in batches],
+                        [int(b) / r["batches"][b]["floor"]["weights_ms"] * 1e3 for b in batches], "k--", lw=0.8,
+                        alpha=0.5 if r["param_dtype"] == "float32" else 0.9,
+                        label=f"floor: {r['param_dtype']} weights read once")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("tokens/s (higher is better)")
+        ax.set_title(config, fontsize=10)
+        ax.legend(fontsize=6)
+    return lm_bench.save_figure(fig, path, "Mamba-2 decoding, one token step per row, bf16 compute", records)
+
+
+def parse_args(argv=None):
+    parser = lm_bench.make_parser(__doc__)
+    parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS),
+                        help=f"{', '.join(DEFAULT_CONFIGS)} or d<width>-l<layers> (default: all four)")
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=["cutile", "mamba_ssm"],
+                        help="default: cutile mamba_ssm")
+    parser.add_argument("--param-dtypes", nargs="+", choices=("float32", "bfloat16"),
+                        default=["float32", "bfloat16"])
+    parser.add_argument("--command-buffers", nargs="+", choices=tuple(COMMAND_BUFFER_FLAGS), default=["default"],
+                        help="ours: XLA command buffers per process (default: default)")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
+    parser.add_argument("--prompt-lengths", nargs="*", type=int, default=[512, 2048])
+    parser.add_argument("--decode-steps", type=int, default=128, help="timed token steps per round (default: 128)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (default: 5)")
+    parser.add_argument("--warmup-seconds", type=float, default=2.0, help="untimed rounds first (default: 2 s)")
+    lm_bench.add_peer_flags(parser)
+    parser.add_argument("--worker-timeout", type=float, default=540, help="seconds per process (default: 540)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+    for name in args.configs:
+        if name not in PRESETS and not re.fullmatch(r"d\d+-l\d+", name):
+            parser.error(f"--configs {name!r}: one of {PRESETS} or d<width>-l<layers>")
+    if min(args.batches) < 1 or args.decode_steps < 1 or args.repeats < 1:
+        parser.error("--batches, --decode-steps and --repeats must be >= 1")
+    return args
+
+
+def jobs(args) -> list[tuple[dict, dict]]:
+    """(job, extra environment) per process."""
+    common = {"batches": args.batches, "prompt_lengths": args.prompt_lengths, "decode_steps": args.decode_steps,
+              "repeats": args.repeats, "warmup_seconds": args.warmup_seconds}
+    peers = lm_bench.peer_paths(args)
+    out = []
+    for config in args.configs:
+        for param_dtype in args.param_dtypes:
+            for impl in args.impls:
+                if impl not in OURS:
+                    out.append(({**common, **peers, "config": config, "impl": impl, "param_dtype": param_dtype,
+                                 "command_buffers": None}, {}))
+                    continue
+                for buffers in args.command_buffers:
+                    flags = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), COMMAND_BUFFER_FLAGS[buffers]]))
+                    out.append(({**common, "config": config, "impl": impl, "param_dtype": param_dtype,
+                                 "command_buffers": buffers}, {"XLA_FLAGS": flags} if flags else {}))
+    return out
+
+
+def main(argv=None) -> int:
+    if lm_bench.worker_main(sys.argv[1:] if argv is None else argv, work):
+        return 0
+    args = parse_args(argv)
+    path = args.out / "lm_decode_h200.json"
+    records = []
+    for job, env in jobs(args):
+        print(f"{job['config']} {job['impl']} {job['param_dtype']} command buffers {job['command_buffers']} ...",
+              flush=True)
+        began = time.perf_counter()
+        record = derive(lm_bench.run_worker(Path(__file__), job, env=env, timeout_s=args.worker_timeout))
+        records.append(record)
+        print(format_table([record]) + f"\n({time.perf_counter() - began:.0f} s)", flush=True)
+        results = lm_bench.merge_results(
+            path, "lm_decode", records,
+            key=lambda r: (r["config"], r["impl"], r["param_dtype"], r.get("command_buffers")))
+    print(f"\nwrote {path}\n\n{format_table(results['records'])}")
+    print(f"plot: {plot(results['records'], args.out / 'lm_decode_h200.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

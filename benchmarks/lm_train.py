@@ -1,0 +1,477 @@
+"""The whole LM training step, ours against mamba_ssm's Mamba2 modules in PyTorch, one process per measurement.
+
+The step: a Mamba-2 LM (embedding, n_layer blocks of fused add + RMSNorm -> Mamba2 mixer, final norm, tied
+head; d_state 128, headdim 64, expand 2, chunk 256, vocab 50280), float32 parameters, bfloat16 compute,
+next-token cross-entropy on (batch, seqlen) random tokens, the gradients and one AdamW update
+(lr 1e-4, betas 0.9 / 0.95, weight decay 0.1, every parameter).
+
+Implementations (--impls):
+  cutile             jax-mamba2 `Mamba2LMHeadModel(backend="cutile")`, the step under jax.jit (buffers donated)
+  xla                the same with backend="xla" (the chunked SSD in plain JAX; needs the most memory)
+  mamba_ssm          mamba_ssm's `Mamba2` + Triton add/RMSNorm in a PyTorch LM of the same shape
+                     (benchmarks/torch_lm.py), f32 parameters under torch.autocast(bfloat16), fused AdamW.
+                     With --causal-conv1d its fused path (use_mem_eff_path=True: conv, SSD, gated norm and
+                     out_proj in one autograd function), else use_mem_eff_path=False (torch conv1d, Triton SSD
+                     and gated norm); the record's "use_mem_eff_path" and "causal_conv1d" say which.
+  mamba_ssm_unfused  use_mem_eff_path=False even when causal_conv1d is there.
+
+Configs (--configs, default the first; "all" for every one): the widths of mamba2-370m (d_model 1024) and
+mamba2-780m (1536) at 24 and 48 layers, batch x seqlen 8 x 2048 and 2 x 8192. Named d{width}-l{layers}-
+{batch}x{seqlen}.
+
+Measured per (config, impl), in its own process: the first step (compilation, autotuning), then steps back to
+back for --warmup-seconds, then --steps steps each synchronised: median / p20 / p80 wall ms per step,
+tokens/s, peak memory (JAX: the allocator's peak_bytes_in_use since the process started, and XLA's
+memory_analysis of the step; torch: max_memory_allocated over the timed steps), the bf16 matrix rate of a
+large matrix product measured in the same process, and MFU = (6 x parameters x tokens + the SSD's forward
+and backward FLOPs (benchmarks/ssd.py's roofline at chunk 256) x n_layer) / step time, against that measured
+rate and against 790 TFLOP/s. For ours, unless --no-profile, a jax.profiler trace of --profile-steps steps
+folded into categories (benchmarks/kernel_categories.py): matrix products, SSD, conv, norms, loss,
+optimizer, copies, elementwise.
+
+--loss (ours): "plain" takes the logits and optax's softmax cross-entropy in float32; "model" calls
+`Mamba2LMHeadModel.loss(input_ids, targets)` (the LM's own chunked loss, where the package has it); "auto"
+(default) the latter when it exists.
+
+On the GPU machine (each line < 10 minutes; add JAX_MAMBA2_GIT_SHA=<commit>):
+  source .gpu/gpu-env.sh
+  JAX_MAMBA2_AUTOTUNE=0 python benchmarks/lm_train.py --mamba-ssm .peers --causal-conv1d /tmp/ccsite --out $OUT
+  JAX_MAMBA2_AUTOTUNE=0 python benchmarks/lm_train.py --configs d1024-l48-8x2048 d1024-l24-2x8192 ... --out $OUT
+Writes <out>/lm_train_h200.json (records merged by (config, impl) with earlier runs of the same file) and
+lm_train_h200.png, then prints the table.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+if __package__ in (None, ""):  # run as a script: the repository root on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import lm_bench  # noqa: E402
+
+D_STATE, HEADDIM, EXPAND, CHUNK, VOCAB, D_CONV = 128, 64, 2, 256, 50280, 4
+LR, BETAS, WEIGHT_DECAY, EPS = 1e-4, (0.9, 0.95), 0.1, 1e-8
+IMPLS = ("cutile", "xla", "mamba_ssm", "mamba_ssm_unfused")
+OURS = ("cutile", "xla")
+LABELS = {
+    "cutile": "jax-mamba2 Mamba2LMHeadModel, cuTile SSD",
+    "xla": "jax-mamba2 Mamba2LMHeadModel, XLA SSD",
+    "mamba_ssm": "mamba_ssm Mamba2 modules (PyTorch)",
+    "mamba_ssm_unfused": "mamba_ssm Mamba2 modules (PyTorch), use_mem_eff_path=False",
+}
+
+
+class TrainConfig(NamedTuple):
+    d_model: int
+    n_layer: int
+    batch: int
+    seqlen: int
+
+    @property
+    def name(self) -> str:
+        return f"d{self.d_model}-l{self.n_layer}-{self.batch}x{self.seqlen}"
+
+    @property
+    def nheads(self) -> int:
+        return EXPAND * self.d_model // HEADDIM
+
+    @classmethod
+    def parse(cls, name: str) -> "TrainConfig":
+        """From a name d{width}-l{layers}-{batch}x{seqlen} (any sizes, e.g. tiny ones for a CPU check)."""
+        match = re.fullmatch(r"d(\d+)-l(\d+)-(\d+)x(\d+)", name)
+        if not match:
+            raise ValueError(f"lm_train: config {name!r} must be d<width>-l<layers>-<batch>x<seqlen>")
+        return cls(*(int(v) for v in match.groups()))
+
+
+CONFIGS = {c.name: c for c in (TrainConfig(d, layers, b, L) for d in (1024, 1536) for layers in (24, 48)
+                               for b, L in ((8, 2048), (2, 8192)))}
+DEFAULT_CONFIG = "d1024-l24-8x2048"
+
+
+def parameter_count(config: TrainConfig) -> int:
+    """Parameters of the LM (tied head), from the shapes of mamba_ssm's Mamba2 (ngroups 1, no biases but
+    the conv's)."""
+    d, d_inner, H = config.d_model, EXPAND * config.d_model, config.nheads
+    conv_dim = d_inner + 2 * D_STATE
+    per_layer = (d * (2 * d_inner + 2 * D_STATE + H)      # in_proj
+                 + conv_dim * (D_CONV + 1)                # conv1d weight and bias
+                 + 3 * H                                   # dt_bias, A_log, D
+                 + d_inner + d_inner * d                   # gated norm, out_proj
+                 + d)                                      # the block's norm
+    return VOCAB * d + config.n_layer * per_layer + d
+
+
+def model_flops(config: TrainConfig) -> dict:
+    """FLOPs of one training step: 6 x parameters x tokens (forward + backward of the matrix products) and
+    the SSD's forward + backward (benchmarks/ssd.py's roofline, chunk 256) in every layer."""
+    from benchmarks import ssd
+
+    tokens = config.batch * config.seqlen
+    shape = ssd.Shape(config.batch, config.seqlen, config.nheads, HEADDIM, D_STATE, 1)
+    ssd_flops = config.n_layer * ssd.roofline(shape, CHUNK, "fwd_bwd")["flops"]
+    dense = 6 * parameter_count(config) * tokens
+    return {"parameters": parameter_count(config), "tokens": tokens, "dense_flops": dense,
+            "ssd_flops": ssd_flops, "flops": dense + ssd_flops}
+
+
+# ----------------------------------------------------------------------------------------------
+# Ours
+# ----------------------------------------------------------------------------------------------
+
+def mamba2_config(config: TrainConfig):
+    from jax_mamba2.flax_layers import Mamba2Config
+    return Mamba2Config(d_model=config.d_model, n_layer=config.n_layer, vocab_size=VOCAB,
+                        pad_vocab_size_multiple=8, tie_embeddings=True,
+                        ssm_cfg=dict(d_state=D_STATE, headdim=HEADDIM, expand=EXPAND, chunk_size=CHUNK))
+
+
+def choose_loss(requested: str, model_class) -> str:
+    """"plain" or "model" (Mamba2LMHeadModel.loss) for --loss auto|plain|model."""
+    has_loss = callable(getattr(model_class, "loss", None))
+    if requested == "model" and not has_loss:
+        raise ValueError("--loss model: this jax_mamba2 has no Mamba2LMHeadModel.loss; use --loss plain")
+    if requested == "auto":
+        return "model" if has_loss else "plain"
+    return requested
+
+
+def next_token_loss(model, inputs, targets, loss_impl: str):
+    """Mean next-token cross-entropy; the loss's own ops under jax.named_scope("loss") for the profile."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    if loss_impl == "model":
+        with jax.named_scope("loss"):
+            return model.loss(inputs, targets)
+    logits = model(inputs)
+    with jax.named_scope("loss"):
+        logits = logits[..., :model.config.vocab_size].astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def build_ours(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0):
+    """(compiled step (params, opt_state, inputs, targets) -> (params, opt_state, loss), params, opt_state,
+    inputs, targets): the model's parameters and AdamW state donated to every call."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from jax_mamba2.flax_layers import Mamba2LMHeadModel
+
+    model = Mamba2LMHeadModel(mamba2_config(config), backend=backend, dtype=jnp.bfloat16,
+                              param_dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
+    opt_state = tx.init(params)
+
+    def step(params, opt_state, inputs, targets):
+        def loss_fn(params):
+            return next_token_loss(nnx.merge(graphdef, params, rest), inputs, targets, loss_impl)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        return params, opt_state, loss
+
+    ids = jax.random.randint(jax.random.key(seed + 1), (config.batch, config.seqlen + 1), 0, VOCAB, jnp.int32)
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, inputs, targets).compile()
+    return compiled, params, opt_state, inputs, targets
+
+
+def _trace_kernels(trace_dir: str) -> list:
+    """(name, start_us, duration_us) of the GPU kernels in the Perfetto trace under trace_dir."""
+    try:
+        from benchmarks.tools import kernel_profile
+    except ImportError:
+        from benchmarks import kernel_profile
+    paths = glob.glob(f"{trace_dir}/plugins/profile/*/perfetto_trace.json.gz")
+    if not paths:
+        return []
+    return kernel_profile._trace_kernels(json.loads(gzip.decompress(Path(paths[0]).read_bytes())))
+
+
+def profile_ours(call, hlo_text: str, steps: int) -> dict:
+    """The categories of `steps` calls under jax.profiler (benchmarks/kernel_categories.py)."""
+    import jax
+
+    from benchmarks import kernel_categories
+
+    with tempfile.TemporaryDirectory(prefix="lm_train_trace_") as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(steps):
+                jax.block_until_ready(call())
+        kernels = _trace_kernels(trace_dir)
+    return {"source": "jax.profiler trace (CUPTI)", "kernel_launches": len(kernels) / steps,
+            **kernel_categories.fold(kernels, hlo_text, steps)}
+
+
+def train_ours(job: dict) -> dict:
+    import time
+
+    import jax
+
+    from benchmarks.environment import environment
+    from jax_mamba2.flax_layers import Mamba2LMHeadModel
+
+    config = TrainConfig.parse(job["config"])
+    loss_impl = choose_loss(job["loss"], Mamba2LMHeadModel)
+    began = time.perf_counter()
+    compiled, params, opt_state, inputs, targets = build_ours(config, job["impl"], loss_impl)
+    compile_s = time.perf_counter() - began
+    state = {"params": params, "opt_state": opt_state}
+    losses = []
+
+    def call():
+        state["params"], state["opt_state"], loss = compiled(state["params"], state["opt_state"], inputs, targets)
+        losses.append(loss)
+        return loss
+
+    timing = lm_bench.time_calls(call, jax.block_until_ready, steps=job["steps"],
+                                 warmup_seconds=job["warmup_seconds"])
+    memory = compiled.memory_analysis()
+    record = {
+        "timing": timing.__dict__, "compile_s": compile_s, "loss_impl": loss_impl,
+        "loss_first": float(losses[0]), "loss_last": float(losses[-1]),
+        "peak_memory_bytes": lm_bench.jax_peak_bytes(), "peak_memory_source": "jax peak_bytes_in_use (process)",
+        "memory_analysis": None if memory is None else {
+            k: getattr(memory, k, None) for k in ("argument_size_in_bytes", "output_size_in_bytes",
+                                                  "alias_size_in_bytes", "temp_size_in_bytes")},
+        "environment": environment(),
+    }
+    if job["profile_steps"]:
+        record["profile"] = profile_ours(call, compiled.as_text(), job["profile_steps"])
+    del state, inputs, targets, compiled
+    record["device_rates"] = lm_bench.jax_device_rates()
+    return record
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch
+# ----------------------------------------------------------------------------------------------
+
+def train_torch_model(job: dict, parts: dict, device) -> dict:
+    """Times the PyTorch LM built from `parts` (benchmarks/torch_lm.py's make_mixer / make_norm / add_norm)
+    on `device`; the same step and measurements as ours."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks import torch_lm
+
+    config = TrainConfig.parse(job["config"])
+    torch.manual_seed(0)
+    model = torch_lm.TorchLM(d_model=config.d_model, n_layer=config.n_layer, vocab_size=VOCAB, **parts).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                                  fused=True)
+    ids = torch.randint(0, VOCAB, (config.batch, config.seqlen + 1), device=device)
+    inputs, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    cuda = device.type == "cuda"
+    sync = (lambda _: torch.cuda.synchronize()) if cuda else (lambda _: None)
+    losses = []
+
+    def call():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(inputs)
+        loss = F.cross_entropy(logits.float().view(-1, VOCAB), targets.view(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        return loss
+
+    began = time.perf_counter()
+    sync(call())  # Triton's autotuning; allocates the optimizer state, so that the peak below is the steady state's
+    first_step_s = time.perf_counter() - began
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    timing = lm_bench.time_calls(call, sync, steps=job["steps"], warmup_seconds=job["warmup_seconds"])
+    record = {
+        "timing": timing.__dict__, "first_step_s": first_step_s, "loss_impl": "logits + F.cross_entropy (float32)",
+        "loss_first": float(losses[0]), "loss_last": float(losses[-1]),
+        "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "peak_memory_source": "torch max_memory_allocated (timed steps)",
+        "parameters_counted": torch_lm.parameter_count(model),
+        "environment": {"device": torch.cuda.get_device_name() if cuda else str(device),
+                        "torch": torch.__version__, "git_sha": lm_bench.git_sha()},
+    }
+    del model, optimizer, ids, inputs, targets
+    record["device_rates"] = lm_bench.torch_device_rates(device)
+    return record
+
+
+def train_mamba_ssm(job: dict) -> dict:
+    import torch
+
+    from benchmarks import torch_lm
+
+    lm_bench.add_peer_paths(job.get("mamba_ssm"), job.get("causal_conv1d"))
+    reason = lm_bench.mamba_ssm_unavailable_reason()
+    if reason:
+        raise RuntimeError(reason)
+    conv_version = lm_bench.causal_conv1d_version()
+    fused = job["impl"] == "mamba_ssm" and conv_version is not None
+    device = torch.device("cuda")
+    parts = torch_lm.mamba_ssm_parts(TrainConfig.parse(job["config"]).d_model, d_state=D_STATE, headdim=HEADDIM,
+                                     expand=EXPAND, chunk_size=CHUNK, use_mem_eff_path=fused, device=device)
+    return {**train_torch_model(job, parts, device), "use_mem_eff_path": fused, "causal_conv1d": conv_version}
+
+
+def work(job: dict) -> dict:
+    return train_ours(job) if job["impl"] in OURS else train_mamba_ssm(job)
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver: records, table, plot
+# ----------------------------------------------------------------------------------------------
+
+def derive(record: dict) -> dict:
+    """tokens/s and MFU of a worker's record (None where it failed)."""
+    flops = model_flops(TrainConfig.parse(record["config"]))
+    timing = record.get("timing")
+    if record.get("error") or not timing:
+        return {**record, "model_flops": flops}
+    seconds = timing["ms_median"] * 1e-3
+    achieved = flops["flops"] / seconds / 1e12
+    measured = (record.get("device_rates") or {}).get("matmul_tflops")
+    return {**record, "model_flops": flops, "tokens_per_s": flops["tokens"] / seconds,
+            "achieved_tflops": achieved, "mfu_measured": achieved / measured if measured else None,
+            "mfu_nominal": achieved / lm_bench.NOMINAL_BF16_TFLOPS, "label": label(record)}
+
+
+def label(record: dict) -> str:
+    """The implementation named in full, with mamba_ssm's path."""
+    if record["impl"].startswith("mamba_ssm") and "use_mem_eff_path" in record:
+        path = ("fused path (use_mem_eff_path=True), causal_conv1d " + str(record.get("causal_conv1d"))
+                if record["use_mem_eff_path"] else "use_mem_eff_path=False" +
+                ("" if record.get("causal_conv1d") else ", no causal_conv1d"))
+        return f"mamba_ssm Mamba2 modules (PyTorch), {path}"
+    return LABELS[record["impl"]]
+
+
+def format_table(records: list[dict]) -> str:
+    rows = [("config", "implementation", "step ms (p20-p80)", "tokens/s", "MFU meas./790", "peak GiB", "note")]
+    for r in records:
+        if r.get("error"):
+            rows.append((r["config"], LABELS.get(r["impl"], r["impl"]), "-", "-", "-", "-",
+                         str(r["error"]).splitlines()[0][:70]))
+            continue
+        t = r["timing"]
+        peak = r.get("peak_memory_bytes")
+        rows.append((r["config"], r["label"], f"{t['ms_median']:.1f} ({t['ms_p20']:.1f}-{t['ms_p80']:.1f})",
+                     f"{r['tokens_per_s'] / 1e3:.0f}K",
+                     f"{_pct(r.get('mfu_measured'))}/{_pct(r['mfu_nominal'])}",
+                     "-" if peak is None else f"{peak / 2 ** 30:.1f}", f"loss {r.get('loss_impl')}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    for r in records:
+        profile = r.get("profile")
+        if profile and profile.get("busy_us"):
+            parts = ", ".join(f"{c} {v['us'] / 1e3:.1f}" for c, v in profile["categories"].items())
+            lines.append(f"{r['config']} {r['impl']}: GPU ms per step by category ({profile['busy_us'] / 1e3:.1f} "
+                         f"busy, {profile['kernel_launches']:.0f} launches): {parts}")
+    return "\n".join(lines)
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def plot(records: list[dict], path: Path) -> Path:
+    """Two panels, step ms and tokens/s (log axes), grouped by config, a bar per implementation."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys(r["config"] for r in records))
+    labels = sorted({r.get("label") or LABELS[r["impl"]] for r in records},
+                    key=lambda s: (not s.startswith("jax-mamba2"), s))
+    fig, axes = plt.subplots(1, 2, figsize=(max(9, 2.2 * len(configs) + 5), 4.8))
+    width = 0.8 / max(len(labels), 1)
+    for ax, field, title in ((axes[0], "ms", "step (ms, median; lower is better)"),
+                             (axes[1], "tokens_per_s", "tokens/s (higher is better)")):
+        for j, name in enumerate(labels):
+            xs, ys = [], []
+            for i, config in enumerate(configs):
+                match = [r for r in records if r["config"] == config and (r.get("label") or LABELS[r["impl"]]) == name]
+                if match and not match[0].get("error"):
+                    xs.append(i + (j - (len(labels) - 1) / 2) * width)
+                    ys.append(match[0]["timing"]["ms_median"] if field == "ms" else match[0]["tokens_per_s"])
+                elif match:
+                    ax.text(i + (j - (len(labels) - 1) / 2) * width, 0.02, "failed", rotation=90, fontsize=7,
+                            ha="center", va="bottom", transform=ax.get_xaxis_transform())
+            ax.bar(xs, ys, width, label=name)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(configs)), configs, rotation=20, fontsize=8)
+        ax.set_title(title, fontsize=10)
+    axes[0].legend(fontsize=7, loc="upper left")
+    return lm_bench.save_figure(fig, path, "Mamba-2 LM training step (bf16 compute, f32 params, AdamW)", records)
+
+
+def parse_args(argv=None):
+    parser = lm_bench.make_parser(__doc__)
+    parser.add_argument("--configs", nargs="+", default=[DEFAULT_CONFIG],
+                        help=f"config names or 'all' (default: {DEFAULT_CONFIG}); one of {', '.join(CONFIGS)}")
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=["cutile", "xla", "mamba_ssm"],
+                        help="default: cutile xla mamba_ssm")
+    lm_bench.add_peer_flags(parser)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (default: 20)")
+    parser.add_argument("--warmup-seconds", type=float, default=5.0, help="untimed steps first (default: 5 s)")
+    parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps of ours (default: 3)")
+    parser.add_argument("--no-profile", action="store_true", help="no per-kernel profile")
+    parser.add_argument("--loss", choices=("auto", "plain", "model"), default="auto",
+                        help="ours: the loss implementation (default: auto)")
+    parser.add_argument("--worker-timeout", type=float, default=540, help="seconds per process (default: 540)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+    args.configs = list(CONFIGS) if args.configs == ["all"] else args.configs
+    for name in args.configs:
+        try:
+            TrainConfig.parse(name)
+        except ValueError as e:
+            parser.error(str(e))
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    return args
+
+
+def jobs(args) -> list[dict]:
+    peers = lm_bench.peer_paths(args)
+    return [{"config": config, "impl": impl, "steps": args.steps, "warmup_seconds": args.warmup_seconds,
+             "profile_steps": 0 if args.no_profile or impl not in OURS else args.profile_steps,
+             "loss": args.loss, **(peers if impl not in OURS else {})}
+            for config in args.configs for impl in args.impls]
+
+
+def main(argv=None) -> int:
+    if lm_bench.worker_main(sys.argv[1:] if argv is None else argv, work):
+        return 0
+    args = parse_args(argv)
+    path = args.out / "lm_train_h200.json"
+    records = []
+    for job in jobs(args):
+        print(f"{job['config']} {job['impl']} ...", flush=True)
+        record = derive(lm_bench.run_worker(Path(__file__), job, timeout_s=args.worker_timeout))
+        records.append(record)
+        print(format_table([record]), flush=True)
+        results = lm_bench.merge_results(path, "lm_train", records, key=lambda r: (r["config"], r["impl"]))
+    print(f"\nwrote {path}\n\n{format_table(results['records'])}")
+    print(f"plot: {plot(results['records'], args.out / 'lm_train_h200.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

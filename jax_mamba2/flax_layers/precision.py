@@ -1,0 +1,42 @@
+"""`cast_params`: a model's parameters converted to another dtype once, instead of at every use.
+
+A model whose parameters are float32 but which computes in bfloat16 (`dtype=jnp.bfloat16`) converts every
+weight matrix to bfloat16 inside every call: during decoding, each token step then reads the float32
+weights and writes a bfloat16 copy before the matrix products read that copy. Converting the parameters
+once gives the model `param_dtype=dtype` would have built (and `load_pretrained(..., param_dtype=dtype)`
+loads), whose steps read each weight once, in its own dtype.
+"""
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def cast_params(model: nnx.Module, dtype) -> nnx.Module:
+    """A copy of `model` whose floating-point `nnx.Param`s are in `dtype`; other state is shared.
+
+    The computation dtype the model was built with (`dtype=` of its layers) is unchanged; with None it is
+    inferred from the parameters, so it becomes `dtype` too. The decode cache a cast model allocates by
+    default (`init_cache`) follows its parameters, as in mamba_ssm.
+
+    Args:
+      model: any NNX module, e.g. a `Mamba2LMHeadModel`.
+      dtype: a floating dtype, e.g. jnp.bfloat16.
+
+    Returns:
+      A new module of the same structure; `model` itself is not modified.
+
+    Raises:
+      TypeError: if `dtype` is not a floating dtype.
+
+    Example:
+      >>> model = Mamba2LMHeadModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))  # doctest: +SKIP
+      >>> tokens = generate(cast_params(model, jnp.bfloat16), prompt_ids, 64)      # doctest: +SKIP
+    """
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise TypeError(f"cast_params: dtype={dtype!r} must be a floating dtype such as jnp.bfloat16")
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def cast(leaf):
+        return leaf.astype(dtype) if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf
+
+    return nnx.merge(graphdef, jax.tree.map(cast, params), rest)

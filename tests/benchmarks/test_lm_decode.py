@@ -1,0 +1,71 @@
+"""benchmarks/lm_decode.py on the CPU: configs, floors, the JAX worker end to end (a tiny model, the xla
+backend, command buffers set per process), the PyTorch peer's decode and prefill with a stand-in mixer."""
+import json
+
+import pytest
+
+from benchmarks import lm_decode
+
+
+def test_configs_are_the_presets_and_the_training_lm():
+    assert lm_decode.lm_config("mamba2-780m").d_model == 1536 and lm_decode.lm_config("mamba2-1.3b").n_layer == 48
+    config = lm_decode.lm_config("d1024-l24")
+    assert (config.d_model, config.n_layer, config.padded_vocab_size) == (1024, 24, 50280)
+    with pytest.raises(ValueError, match="must be one of"):
+        lm_decode.lm_config("mamba2-7b")
+
+
+def test_floors_count_weights_once_and_the_state_read_and_written():
+    floor = lm_decode.floors(weight_bytes=4_000_000_000, state_bytes_per_row=1_000_000, batch=8, copy_gbps=4000)
+    assert floor["weights_ms"] == pytest.approx(1.0)
+    assert floor["weights_and_state_ms"] == pytest.approx(1.0 + 2 * 8 * 1e6 / 4e12 * 1e3)
+
+
+def test_jobs_set_xla_flags_per_process_for_ours_only():
+    args = lm_decode.parse_args(["--configs", "d64-l1", "--impls", "cutile", "mamba_ssm", "--param-dtypes",
+                                 "bfloat16", "--command-buffers", "default", "off", "loop"])
+    jobs = lm_decode.jobs(args)
+    assert [(j["impl"], j["command_buffers"]) for j, _ in jobs] == [
+        ("cutile", "default"), ("cutile", "off"), ("cutile", "loop"), ("mamba_ssm", None)]
+    envs = [env.get("XLA_FLAGS", "") for _, env in jobs]
+    assert "--xla_gpu_enable_command_buffer=" not in envs[0]
+    assert envs[1].endswith("--xla_gpu_enable_command_buffer=")
+    assert "+WHILE,+CONDITIONAL" in envs[2] and envs[3] == ""
+
+
+@pytest.mark.slow
+def test_the_jax_worker_writes_step_times_prefill_and_floors(tmp_path):
+    argv = ["--configs", "d64-l1", "--impls", "xla", "--param-dtypes", "bfloat16", "--batches", "1", "2",
+            "--prompt-lengths", "32", "--decode-steps", "64", "--repeats", "2", "--warmup-seconds", "0",
+            "--command-buffers", "off", "--out", str(tmp_path)]
+    assert lm_decode.main(argv) == 0
+    (record,) = json.loads((tmp_path / "lm_decode_h200.json").read_text())["records"]
+    assert record["error"] is None, record.get("log_tail")
+    assert record["xla_flags"].endswith("--xla_gpu_enable_command_buffer=")
+    assert set(record["batches"]) == {"1", "2"} and set(record["prefill_ms"]) == {"32"}
+    row = record["batches"]["2"]
+    assert row["generate_long_ms"] > row["generate_1_ms"] > 0
+    assert row["tokens_per_s"] == pytest.approx(2 / row["ms_per_token"] * 1e3)
+    assert row["floor"]["weights_ms"] > 0 and row["x_weights_floor"] > 0
+    # bf16 parameters: 2 bytes per parameter (embedding 50280 x 64 dominates)
+    assert 2 * 50280 * 64 < record["weight_bytes"] < 2 * 50280 * 64 * 1.5
+    assert record["label"] == "jax-mamba2 generate, XLA, bfloat16 params, command buffers off"
+    assert (tmp_path / "lm_decode_h200.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_the_torch_decode_runs_the_peer_lm_with_a_stand_in_mixer(param_dtype):
+    torch = pytest.importorskip("torch")
+    from benchmarks import torch_lm
+    from tests.benchmarks._torch_stand_in import stand_in_parts
+
+    model = torch_lm.TorchLM(d_model=32, n_layer=2, vocab_size=64, **stand_in_parts(32))
+    job = {"config": "d32-l2", "impl": "mamba_ssm", "param_dtype": param_dtype, "command_buffers": None,
+           "batches": [1, 3], "prompt_lengths": [8], "decode_steps": 3, "repeats": 2, "warmup_seconds": 0.0}
+    record = lm_decode.derive({**job, **lm_decode.decode_torch_model(job, model, torch.device("cpu")),
+                               "causal_conv1d": None, "error": None})
+    assert record["weight_bytes"] == sum(p.numel() for p in model.parameters()) * (4 if param_dtype == "float32"
+                                                                                     else 2)
+    assert set(record["batches"]) == {"1", "3"} and record["prefill_ms"]["8"] > 0
+    assert record["batches"]["3"]["ms_per_token"] > 0 and record["batches"]["3"]["floor"]["weights_ms"] > 0
+    assert record["label"] == f"mamba_ssm Mamba2.step, CUDA graph (PyTorch), {param_dtype} params, no causal_conv1d"

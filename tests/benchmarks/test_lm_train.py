@@ -1,0 +1,113 @@
+"""benchmarks/lm_train.py on the CPU: FLOP count, kernel categories, the JAX worker end to end (a tiny config,
+the xla backend, one process per measurement), the PyTorch peer's step with a stand-in mixer."""
+import json
+
+import jax
+import pytest
+from flax import nnx
+
+from benchmarks import kernel_categories, lm_train
+
+TINY = "d64-l1-2x64"
+
+
+def test_parameter_count_is_the_model_s():
+    for name in (lm_train.DEFAULT_CONFIG, "d1536-l48-2x8192", "d64-l2-1x8"):
+        config = lm_train.TrainConfig.parse(name)
+        from jax_mamba2.flax_layers import Mamba2LMHeadModel
+        abstract = nnx.eval_shape(lambda: Mamba2LMHeadModel(lm_train.mamba2_config(config), rngs=nnx.Rngs(0)))
+        counted = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+        assert lm_train.parameter_count(config) == counted, name
+
+
+def test_model_flops_add_the_ssd_to_six_params_per_token():
+    config = lm_train.CONFIGS[lm_train.DEFAULT_CONFIG]
+    flops = lm_train.model_flops(config)
+    assert flops["tokens"] == 8 * 2048
+    assert flops["dense_flops"] == 6 * flops["parameters"] * flops["tokens"]
+    assert 0 < flops["ssd_flops"] < flops["dense_flops"]  # the SSD is a minor share at d_model 1024
+    assert 180e6 < flops["parameters"] < 240e6           # the issue's "210M parameters"
+
+
+def test_config_names_parse_and_the_grid_has_eight():
+    assert len(lm_train.CONFIGS) == 8 and lm_train.DEFAULT_CONFIG in lm_train.CONFIGS
+    assert lm_train.TrainConfig.parse("d1536-l48-2x8192") == lm_train.TrainConfig(1536, 48, 2, 8192)
+    with pytest.raises(ValueError, match="must be d<width>-l<layers>-<batch>x<seqlen>"):
+        lm_train.TrainConfig.parse("370m")
+
+
+def test_loss_choice_follows_what_the_model_offers():
+    class WithLoss:
+        def loss(self, inputs, targets):
+            return 0.0
+
+    assert lm_train.choose_loss("auto", WithLoss) == "model"
+    assert lm_train.choose_loss("auto", object) == "plain"
+    assert lm_train.choose_loss("plain", WithLoss) == "plain"
+    with pytest.raises(ValueError, match="no Mamba2LMHeadModel.loss"):
+        lm_train.choose_loss("model", object)
+
+
+def test_kernels_fold_into_categories_through_the_compiled_module():
+    compiled, *_ = lm_train.build_ours(lm_train.TrainConfig.parse("d64-l1-1x32"), "xla", "plain")
+    hlo = compiled.as_text()
+    sources = kernel_categories.hlo_sources(hlo)
+    by_file = {}
+    for name, source in sources.items():
+        by_file.setdefault(source.file.rsplit("/", 2)[-1], name)
+        if kernel_categories._in_scope(source.op_name, "loss"):
+            by_file.setdefault("loss scope", name)
+        if kernel_categories._in_scope(source.op_name, "optimizer"):
+            by_file.setdefault("optimizer scope", name)
+    kernels = [(by_file["conv.py"], 0.0, 10.0), (by_file["norm.py"], 0.0, 20.0),
+               (by_file["reference.py"], 0.0, 30.0), (by_file["loss scope"], 0.0, 5.0),
+               (by_file["optimizer scope"], 0.0, 6.0),
+               ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", 0.0, 40.0),
+               ("chunk_scan_fwd_kernel_Kt2_A4bf16", 0.0, 50.0), ("Memcpy DtoD (Device -> Device)", 0.0, 2.0),
+               ("causal_conv1d_fwd_kernel_Kt1", 0.0, 1.0)]  # a kernel of another op, known by its name
+    folded = kernel_categories.fold(kernels * 2, hlo, calls=2)
+    us = {c: v["us"] for c, v in folded["categories"].items()}
+    assert us == {"conv": 11.0, "norms": 20.0, "SSD": 80.0, "loss": 5.0, "optimizer": 6.0,
+                  "matrix products": 40.0, "copies": 2.0}
+    assert folded["busy_us"] == pytest.approx(164.0)
+    assert folded["top_kernels"][0]["category"] == "SSD" and folded["top_kernels"][0]["launches"] == 1.0
+
+
+@pytest.mark.slow
+def test_the_jax_worker_writes_a_record_table_and_plot(tmp_path, capsys):
+    argv = ["--configs", TINY, "--impls", "xla", "--steps", "2", "--warmup-seconds", "0", "--profile-steps", "1",
+            "--loss", "plain", "--out", str(tmp_path)]
+    assert lm_train.main(argv) == 0
+    results = json.loads((tmp_path / "lm_train_h200.json").read_text())
+    (record,) = results["records"]
+    assert record["error"] is None, record.get("log_tail")
+    assert record["config"] == TINY and record["impl"] == "xla" and record["loss_impl"] == "plain"
+    assert record["timing"]["steps"] == 2 and record["timing"]["ms_median"] > 0
+    assert record["tokens_per_s"] == pytest.approx(2 * 64 / (record["timing"]["ms_median"] * 1e-3))
+    assert record["device_rates"]["matmul_tflops"] > 0 and record["mfu_measured"] > 0
+    assert record["loss_first"] == pytest.approx(10.8, abs=0.5)  # ln(50280): a random model's loss
+    assert record["memory_analysis"]["temp_size_in_bytes"] > 0
+    assert "busy_us" in record["profile"]  # the CPU trace has no GPU kernels: the categories stay empty
+    assert (tmp_path / "lm_train_h200.png").read_bytes()[:4] == b"\x89PNG"
+    assert "jax-mamba2 Mamba2LMHeadModel, XLA SSD" in capsys.readouterr().out
+    # A second run of the same (config, impl) replaces the record; another impl is added beside it.
+    failing = ["--configs", TINY, "--impls", "cutile", "--steps", "1", "--warmup-seconds", "0", "--no-profile",
+               "--out", str(tmp_path)]
+    assert lm_train.main(failing) == 0
+    records = json.loads((tmp_path / "lm_train_h200.json").read_text())["records"]
+    assert [r["impl"] for r in records] == ["xla", "cutile"]
+    assert "cutile" in records[1]["error"] and records[1]["log_tail"]  # no GPU here: the worker says why
+
+
+def test_the_torch_step_runs_the_peer_lm_with_a_stand_in_mixer():
+    torch = pytest.importorskip("torch")
+    from tests.benchmarks._torch_stand_in import stand_in_parts
+
+    job = {"config": "d32-l2-2x16", "impl": "mamba_ssm", "steps": 2, "warmup_seconds": 0.0}
+    record = lm_train.train_torch_model(job, stand_in_parts(32), torch.device("cpu"))
+    assert record["timing"]["steps"] == 2 and record["timing"]["ms_median"] > 0
+    assert record["loss_first"] == pytest.approx(10.8, abs=0.5)
+    assert record["device_rates"]["matmul_tflops"] > 0
+    derived = lm_train.derive({**job, **record, "use_mem_eff_path": False, "causal_conv1d": None, "error": None})
+    assert derived["label"] == "mamba_ssm Mamba2 modules (PyTorch), use_mem_eff_path=False, no causal_conv1d"
+    assert derived["tokens_per_s"] > 0

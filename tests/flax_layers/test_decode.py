@@ -1,0 +1,136 @@
+"""Decoding in the parameters' own dtype, and prefill through the full-sequence SSD (programs traced on the CPU).
+
+- A bfloat16-parameter model's token step converts no weight matrix; a float32-parameter model computing
+  in bfloat16 does, until `cast_params` (or `load_pretrained(..., param_dtype=)`) converts it once.
+- `generate` runs its prompt through the chunked SSD (the cuTile forward kernels, or the xla path's chunks),
+  never token by token, and its decode loop through the O(1) step.
+- Greedy tokens with bfloat16 parameters are the argmax of the uncached forward (up to exact ties).
+The cuTile programs are traced for sm_90 (`aot.cuda_target`), which needs no GPU.
+"""
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_mamba2.flax_layers import (Mamba2Config, Mamba2LMHeadModel, cast_params, generate, load_pretrained,
+                                    save_pretrained)
+from tests.flax_layers._programs import cutile_launches, loop_lengths, weight_conversions
+
+# Kernel-compatible sizes (headdim and d_state powers of two >= 16): 4 heads, 3 layers, chunks of 8.
+CONFIG = Mamba2Config(d_model=32, n_layer=3, vocab_size=64, ssm_cfg=dict(d_state=16, headdim=16, chunk_size=8))
+BATCH = 3  # no weight has an axis of 3, so a converted (3, ...) array is an activation
+PROMPT_LEN, NEW_TOKENS = 40, 7  # 5 chunks of 8; the decode loop runs 6 steps: no loop length repeats
+
+
+def _traced_for(backend):
+    """A context in which `backend` traces as on an H200 (cutile), or a no-op."""
+    if backend != "cutile":
+        return contextlib.nullcontext()
+    aot = pytest.importorskip("jax_mamba2.bridge.aot")
+    return aot.cuda_target("sm_90")
+
+
+def _model(backend="xla", **kwargs):
+    return Mamba2LMHeadModel(CONFIG, backend=backend, rngs=nnx.Rngs(0), **kwargs)
+
+
+def _step_jaxpr(model):
+    graphdef, state = nnx.split(model)
+
+    def step(state, token, cache):
+        return nnx.merge(graphdef, state).step(token, cache)
+
+    return jax.make_jaxpr(step)(state, jnp.zeros((BATCH,), jnp.int32), model.init_cache(BATCH))
+
+
+def _prompt(seed=0, length=PROMPT_LEN):
+    return jax.random.randint(jax.random.key(seed), (BATCH, length), 0, CONFIG.vocab_size)
+
+
+@pytest.mark.parametrize("backend", ["xla", "cutile"])
+def test_bf16_parameter_decode_step_converts_no_weight(backend):
+    with _traced_for(backend):
+        model = _model(backend, param_dtype=jnp.bfloat16)
+        jaxpr = _step_jaxpr(model)
+    assert weight_conversions(jaxpr, model) == []
+    if backend == "cutile":
+        assert [name for name, _ in cutile_launches(jaxpr)] == ["state_update_kernel"]
+
+
+def test_float32_parameters_under_bf16_compute_convert_once_with_cast_params():
+    model = _model(dtype=jnp.bfloat16)
+    converted = {shape for shape, _, to in weight_conversions(_step_jaxpr(model), model) if to == "bfloat16"}
+    # Every step converts the embedding (tied head) and both projections: what cast_params removes.
+    assert {(64, 32), (32, 164), (64, 32)} <= converted
+    cast = cast_params(model, jnp.bfloat16)
+    assert weight_conversions(_step_jaxpr(cast), cast) == []
+    for (path, before), after in zip(nnx.to_flat_state(nnx.state(model, nnx.Param)),
+                                     jax.tree.leaves(nnx.state(cast, nnx.Param))):
+        assert before[...].dtype == jnp.float32, path  # the original model is untouched
+        assert after.dtype == jnp.bfloat16, path
+        np.testing.assert_array_equal(np.asarray(after, np.float32),
+                                      np.asarray(before[...].astype(jnp.bfloat16), np.float32))
+    assert cast.init_cache(BATCH).ssm_state.dtype == jnp.bfloat16
+
+
+def test_cast_params_rejects_a_non_floating_dtype():
+    with pytest.raises(TypeError, match=r"cast_params: dtype=.*int32.* must be a floating dtype"):
+        cast_params(_model(), jnp.int32)
+
+
+def test_load_pretrained_in_bf16_decodes_without_weight_conversions(tmp_path):
+    model = _model()
+    save_pretrained(model, tmp_path)
+    loaded = load_pretrained(tmp_path, param_dtype=jnp.bfloat16, backend="xla")
+    assert {leaf.dtype for leaf in jax.tree.leaves(nnx.state(loaded, nnx.Param))} == {jnp.dtype(jnp.bfloat16)}
+    assert weight_conversions(_step_jaxpr(loaded), loaded) == []
+    np.testing.assert_array_equal(
+        np.asarray(loaded.layers.mixer.in_proj.kernel[...], np.float32),
+        np.asarray(model.layers.mixer.in_proj.kernel[...].astype(jnp.bfloat16), np.float32))
+
+
+def test_generate_prefills_with_the_cutile_forward_kernels_and_decodes_with_the_step_kernel():
+    with _traced_for("cutile"):
+        model = _model("cutile", param_dtype=jnp.bfloat16)
+        jaxpr = jax.make_jaxpr(lambda prompt: generate(model, prompt, NEW_TOKENS))(_prompt())
+    layers, decode = ("scan", CONFIG.n_layer), ("scan", NEW_TOKENS - 1)
+    launches = cutile_launches(jaxpr)
+    prefill = [name for name, loops in launches if loops == (layers,)]
+    steps = [name for name, loops in launches if loops == (decode, layers)]
+    # One launch per stage of the forward plan for the whole prompt, in the scan over layers; no other launch.
+    assert prefill == ["chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel", "chunk_scan_fwd_kernel"]
+    assert steps == ["state_update_kernel"]
+    assert len(launches) == 4
+    assert ("scan", PROMPT_LEN) not in loop_lengths(jaxpr)
+
+
+def test_generate_prefills_through_the_chunked_xla_path_not_token_by_token():
+    model = _model("xla", param_dtype=jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda prompt: generate(model, prompt, NEW_TOKENS))(_prompt())
+    lengths = loop_lengths(jaxpr)
+    nchunks = PROMPT_LEN // CONFIG.mixer_options["chunk_size"]
+    # The layers (prefill and each decode step), the state passing over the prompt's chunks, the decode loop.
+    assert sorted(set(lengths)) == sorted({("scan", CONFIG.n_layer), ("scan", nchunks), ("scan", NEW_TOKENS - 1)})
+    assert lengths.count(("scan", nchunks)) == 1
+
+
+@pytest.mark.slow
+def test_greedy_tokens_are_the_uncached_forward_argmax_with_bf16_parameters_up_to_ties():
+    """In bfloat16 the forward's logits tie often (this tiny model's are ~0.1, 2**-9 apart at best), and
+    argmax takes the first of equal values: every generated token is the forward's argmax or ties with it.
+    (float32 parameters: test_lm.py checks exact equality.)"""
+    model, prompt_len = _model(param_dtype=jnp.bfloat16), 5
+    forward = nnx.jit(lambda m, ids: m(ids))
+    matches = []
+    for seed in range(2):
+        tokens = generate(model, _prompt(seed, prompt_len), 12)
+        logits = forward(model, tokens[:, :-1])[:, prompt_len - 1:, :CONFIG.vocab_size]
+        tokens = tokens[:, prompt_len:]
+        assert logits.dtype == jnp.bfloat16
+        chosen = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
+        np.testing.assert_array_equal(chosen, logits.max(axis=-1))
+        matches.append(np.asarray(jnp.argmax(logits, axis=-1) == tokens))
+    assert np.mean(matches) > 0.9

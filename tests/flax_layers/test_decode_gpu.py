@@ -1,0 +1,71 @@
+"""Decoding on the cuTile backend in the parameters' dtype (run on the H200; skipped elsewhere): the compiled
+token step converts no weight matrix, generate launches only the forward kernels and the step kernel, and
+greedy tokens are the uncached forward's argmax."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, cast_params, generate
+from tests.flax_layers._programs import hlo_weight_conversions
+
+pytestmark = pytest.mark.gpu
+
+CONFIG = Mamba2Config(d_model=256, n_layer=2, vocab_size=256, pad_vocab_size_multiple=8,
+                      ssm_cfg=dict(d_state=64, headdim=64, chunk_size=64))
+BATCH = 3
+
+
+def _model(**kwargs):
+    return Mamba2LMHeadModel(CONFIG, backend="cutile", rngs=nnx.Rngs(0), **kwargs)
+
+
+def _compiled_step_hlo(model) -> str:
+    graphdef, state = nnx.split(model)
+
+    def step(state, token, cache):
+        return nnx.merge(graphdef, state).step(token, cache)
+
+    return jax.jit(step).lower(state, jnp.zeros((BATCH,), jnp.int32), model.init_cache(BATCH)).compile().as_text()
+
+
+def _prompt(seed, length):
+    return jax.random.randint(jax.random.key(seed), (BATCH, length), 0, CONFIG.vocab_size)
+
+
+def test_compiled_bf16_decode_step_converts_no_weight():
+    model = _model(param_dtype=jnp.bfloat16)
+    assert hlo_weight_conversions(_compiled_step_hlo(model), model) == []
+
+
+def test_compiled_step_of_a_cast_model_converts_no_weight():
+    model = _model(dtype=jnp.bfloat16)
+    assert hlo_weight_conversions(_compiled_step_hlo(model), model)  # float32 weights: converted every step
+    cast = cast_params(model, jnp.bfloat16)
+    assert hlo_weight_conversions(_compiled_step_hlo(cast), cast) == []
+
+
+def test_compiled_generate_launches_the_forward_kernels_and_the_step_kernel_only():
+    model = _model(param_dtype=jnp.bfloat16)
+    hlo = jax.jit(lambda prompt: generate(model, prompt, 8)).lower(_prompt(0, 200)).compile().as_text()
+    launches = [line for line in hlo.splitlines() if 'custom_call_target="cutile_launch"' in line]
+    kernels = [re.search(r'function_name\s*=\s*\\?"([^"\\]+)', line).group(1) for line in launches]
+    steps = [k for k in kernels if k.startswith("state_update_kernel")]
+    forward = [k for k in kernels if not k.startswith("state_update_kernel")]
+    assert steps, kernels  # the decode loop
+    assert forward and all("fwd" in k for k in forward), kernels  # the prompt: forward kernels, no backward
+
+
+def test_greedy_bf16_tokens_are_the_uncached_forward_argmax_up_to_ties():
+    model, prompt_len = _model(param_dtype=jnp.bfloat16), 100
+    tokens = generate(model, _prompt(1, prompt_len), 16)
+    logits = nnx.jit(lambda m, ids: m(ids))(model, tokens[:, :-1])[:, prompt_len - 1:, :CONFIG.vocab_size]
+    tokens = tokens[:, prompt_len:]
+    chosen = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
+    # A generated token ties with the forward's maximum up to one bfloat16 rounding step of the logits.
+    np.testing.assert_allclose(np.asarray(chosen, np.float32), np.asarray(logits.max(axis=-1), np.float32),
+                               rtol=2 ** -7, atol=0)
+    assert float(jnp.mean(jnp.argmax(logits, axis=-1) == tokens)) > 0.9
