@@ -55,7 +55,8 @@ def _kernel_backends() -> tuple[dict, Optional[str]]:
 # Checks
 # ----------------------------------------------------------------------------------------------
 
-def _check_float_array(name, arr, want_desc, want):
+def _check_array(name, arr, want_desc, want):
+    """`arr` is a floating array whose shape is one of `want`."""
     if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
         raise TypeError(f"{_API}: {name} must be an array, got {type(arr).__name__}")
     if tuple(arr.shape) not in want:
@@ -70,17 +71,17 @@ def _check_inputs(inputs: ConvInputs, activation, backend, return_final_states) 
     if not hasattr(x, "shape") or len(x.shape) != 3:
         raise ValueError(f"{_API}: x.shape={getattr(x, 'shape', None)} must be (batch, seqlen, channels)")
     batch, seqlen, channels = x.shape
-    _check_float_array("x", x, "(batch, seqlen, channels)", [tuple(x.shape)])
+    _check_array("x", x, "(batch, seqlen, channels)", [(batch, seqlen, channels)])
     if not hasattr(kernel, "shape") or len(kernel.shape) != 2 or kernel.shape[0] < 1:
         raise ValueError(f"{_API}: kernel.shape={getattr(kernel, 'shape', None)} must be (d_conv, channels) "
                          f"with d_conv >= 1 and channels={channels}")
     d_conv = kernel.shape[0]
-    _check_float_array("kernel", kernel, "(d_conv, channels)", [(d_conv, channels)])
+    _check_array("kernel", kernel, "(d_conv, channels)", [(d_conv, channels)])
     if bias is not None:
-        _check_float_array("bias", bias, "(channels,)", [(channels,)])
+        _check_array("bias", bias, "(channels,)", [(channels,)])
     if initial_states is not None:
-        _check_float_array("initial_states", initial_states, "(batch, channels, d_conv - 1 or d_conv)",
-                           [(batch, channels, d_conv - 1), (batch, channels, d_conv)])
+        _check_array("initial_states", initial_states, "(batch, channels, d_conv - 1 or d_conv)",
+                     [(batch, channels, d_conv - 1), (batch, channels, d_conv)])
     if seq_idx is not None:
         if not hasattr(seq_idx, "shape") or tuple(seq_idx.shape) != (batch, seqlen):
             raise ValueError(f"{_API}: seq_idx.shape={getattr(seq_idx, 'shape', None)} must be "

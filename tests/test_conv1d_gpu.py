@@ -85,7 +85,8 @@ def test_conv_cutile_vmap_of_gradients_matches_a_loop():
     xs = jnp.stack([x, -0.5 * x, 2.0 * x])
 
     def grads(x):
-        loss = lambda x, k, b: jnp.sum(conv1d.causal_conv1d_silu(x, k, b, backend="cutile") * weights)  # noqa: E731
+        def loss(x, kernel, bias):
+            return jnp.sum(conv1d.causal_conv1d_silu(x, kernel, bias, backend="cutile") * weights)
         return jax.grad(loss, argnums=(0, 1, 2))(x, kernel, bias)
 
     mapped = jax.jit(jax.vmap(grads))(xs)
@@ -102,7 +103,7 @@ def test_mamba2_layer_on_the_conv_kernels_matches_xla():
     weights = jax.random.normal(jax.random.key(28), u.shape)
     out = {b: nnx.jit(lambda m, u: m.prefill(u))(m, u) for b, m in layers.items()}
     assert rel_l2(out["cutile"][0], out["xla"][0]) < 5e-3
-    np.testing.assert_array_equal(np.asarray(out["cutile"][1].conv_state), np.asarray(out["xla"][1].conv_state))
+    assert rel_l2(out["cutile"][1].conv_state, out["xla"][1].conv_state) < 1e-5
     grads = {b: nnx.to_flat_state(nnx.jit(nnx.grad(lambda m: jnp.sum(m(u) * weights)))(m))
              for b, m in layers.items()}
     for (path, g_cutile), (_, g_xla) in zip(grads["cutile"], grads["xla"]):

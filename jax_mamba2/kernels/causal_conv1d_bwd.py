@@ -38,11 +38,13 @@ import cuda.tile as ct
 from jax_mamba2.kernels._common import (
     Buffer, ConstBool, ConstInt, Launch, Plan, int64_index_kernels, next_power_of_2)
 from jax_mamba2.kernels.causal_conv1d import (
-    CONV_INPUTS, ConvDims, check_block_c, conv_arrays, halo_rows, masked_taps, needs_int64_index, preactivation, sigmoid,
-    token_ids, token_rows, weight_rows, widened)
+    CONV_INPUTS, ConvDims, check_block_c, conv_arrays, halo_rows, masked_taps, needs_int64_index, preactivation,
+    sigmoid, token_ids, token_rows, weight_rows, widened)
 
 CONV_BWD_INPUTS = (*CONV_INPUTS, "dy")
 CONV_BWD_OUTPUTS = ("dx", "dweight", "dbias", "dinitial_states")
+# About the occupancy hint's 2 blocks per SM of an H100 / H200 (132 SMs), for the default segments.
+MIN_BLOCKS = 256
 
 
 def _zero_rows(count, BLOCK_C):
@@ -262,15 +264,21 @@ class ConvBwdConfig:
 
 
 def conv_bwd_default_config(dims: ConvDims) -> ConvBwdConfig:
-    """Steps of 16 rows (8 with seq_idx) of up to 256 channels, 256 tokens per block: 2 channels per thread of
-    the block's 128 (x, dy and dx move 4 bytes per row and thread at bf16), which keeps a step's x, dy and g
-    rows and the next step's prefetched x and dy in registers without spills at d_conv 4 (tileiras 13.4,
-    sm_90: ~214 registers, ~241 with seq_idx, whose ids and masks spill at 16 rows) within the occupancy
-    hint of 2 blocks per SM. At (8, 2048, 2304) that is 8 x 9 x 8 = 576 blocks and 3 MB of partials. The
-    reduction sums 512 channels per block."""
+    """Steps of 16 rows (8 with seq_idx) of up to 256 channels: 2 channels per thread of the block's 128 (x,
+    dy and dx move 4 bytes per row and thread at bf16), which keeps a step's x, dy and g rows and the next
+    step's prefetched x and dy in registers without spills at d_conv 4 (tileiras 13.4, sm_90: ~214
+    registers, ~241 with seq_idx, whose ids and masks spill at 16 rows) within the occupancy hint of 2
+    blocks per SM. Segments of 256 tokens, halved (down to one step) while the grid has fewer than
+    MIN_BLOCKS blocks: at (8, 2048) that is 576 blocks for 2304 channels and 512 for 2048, with 3 MB of
+    partials, and 64-token segments (256 blocks, 1.3 MB of partials) for the layer's 256 [B, C] channels.
+    The reduction sums 512 channels per block."""
     block_l = 8 if dims.has_seq_idx else 16
-    return ConvBwdConfig(BLOCK_L=block_l, SEGMENT_TILES=256 // block_l,
-                         BLOCK_C=min(256, max(16, next_power_of_2(dims.channels))),
+    block_c = min(256, max(16, next_power_of_2(dims.channels)))
+    rows = dims.batch * -(-dims.channels // block_c)
+    steps = 256 // block_l
+    while steps > 1 and rows * -(-dims.seqlen // (steps * block_l)) < MIN_BLOCKS:
+        steps //= 2
+    return ConvBwdConfig(BLOCK_L=block_l, SEGMENT_TILES=steps, BLOCK_C=block_c,
                          REDUCE_BLOCK_C=min(512, max(16, next_power_of_2(dims.channels))))
 
 

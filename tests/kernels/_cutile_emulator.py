@@ -23,6 +23,8 @@ import sys
 import threading
 import types
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -299,9 +301,6 @@ def jax_run_plan(plan, arrays):
     """A bridge RunPlan (name -> jax.Array in, name -> jax.Array out) that runs `plan` on this emulator in
     float64 through `jax.pure_callback`, its outputs cast to the plan's dtypes: the cuTile backends' glue
     end to end on the CPU, to the rounding of the arrays between the plan and XLA."""
-    import jax
-    import jax.numpy as jnp
-
     names = list(plan.inputs)
     shapes = [jax.ShapeDtypeStruct(arrays[n].shape, arrays[n].dtype) if n in plan.inputs
               else jax.ShapeDtypeStruct(plan.buffers[n].shape, jnp.dtype(plan.buffers[n].dtype))
