@@ -9,11 +9,11 @@ import pytest
 
 pytest.importorskip("cuda.tile")
 
+from benchmarks.sass import disassemble  # noqa: E402
 from jax_mamba2.kernels.causal_conv1d import ConvDims, conv_arrays, conv_fwd_plan  # noqa: E402
 from jax_mamba2.kernels.causal_conv1d_bwd import conv_bwd_arrays, conv_bwd_plan  # noqa: E402
 from jax_mamba2.kernels.export import compile_launch  # noqa: E402
 from tests.kernels._plan_checks import kernel_name  # noqa: E402
-from tests.kernels.test_compile import sass_and_resources  # noqa: E402
 
 # The mixer of the LM at d_model 1024, batch 8 x 2048: conv_dim = 2304 channels, convolved as x (2048) and
 # [B, C] (256) in the layer.
@@ -50,6 +50,14 @@ def _compiled(problem: str) -> dict[str, tuple[str, str]]:
 def test_conv_kernels_compile_to_sm90_cubins(problem):
     assert set(_compiled(problem)) == {"causal_conv1d_fwd_kernel", "causal_conv1d_bwd_kernel",
                                        "conv_grads_reduce_kernel"}
+
+
+def sass_and_resources(cubin: bytes) -> tuple[str, str]:
+    """(cuobjdump -sass, cuobjdump -res-usage) of `cubin`; skips the test without cuobjdump/nvdisasm."""
+    try:
+        return disassemble(cubin)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
 
 
 def _usage(resources: str) -> dict[str, int]:
