@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_mamba2.bridge import _compat, problem, tuning
+from jax_mamba2.bridge.batching import broadcast_unbatched, fold, unfold
 from jax_mamba2.kernels import backward as backward_kernels
 from jax_mamba2.kernels import forward as forward_kernels
 from jax_mamba2.kernels import state_update as step_kernels
@@ -31,22 +32,6 @@ RunPlan = Callable[..., dict]
 # Arrays with a leading batch axis: a vmapped axis over them folds into the kernel batch.
 _PER_ROW = ("x", "dt", "B", "C", "z", "initial_states", "seq_idx")
 _PER_HEAD = ("A", "D", "dt_bias")
-
-
-def _fold(arr, batched: bool, axis_size: int):
-    if not batched:
-        arr = jnp.broadcast_to(arr[None], (axis_size, *arr.shape))
-    return arr.reshape((axis_size * arr.shape[1], *arr.shape[2:]))
-
-
-def _unfold(arr, axis_size: int):
-    return arr.reshape((axis_size, arr.shape[0] // axis_size, *arr.shape[1:]))
-
-
-def _broadcast_unbatched(tree, batched_tree, axis_size: int):
-    return jax.tree.map(
-        lambda a, b: a if b else jnp.broadcast_to(a[None], (axis_size, *a.shape)),
-        tree, batched_tree)
 
 
 def _gate(y, z):
@@ -81,10 +66,10 @@ def _batchable_forward(run_plan: RunPlan, static, save_states: bool):
         batched = in_batched[0]
         if any(getattr(batched, n) for n in _PER_HEAD):
             # Per-item parameters cannot share one launch: map over the items instead.
-            return jax.lax.map(forward, _broadcast_unbatched(inputs, batched, axis_size)), all_batched
-        folded = inputs._replace(**{n: _fold(getattr(inputs, n), getattr(batched, n), axis_size)
+            return jax.lax.map(forward, broadcast_unbatched(inputs, batched, axis_size)), all_batched
+        folded = inputs._replace(**{n: fold(getattr(inputs, n), getattr(batched, n), axis_size)
                                     for n in _PER_ROW if getattr(inputs, n) is not None})
-        return tuple(_unfold(out, axis_size) for out in forward(folded)), all_batched
+        return tuple(unfold(out, axis_size) for out in forward(folded)), all_batched
 
     return forward
 
@@ -151,7 +136,7 @@ def _batchable_backward(run_plan: RunPlan, static):
     @backward.def_vmap
     def backward_vmap(axis_size, in_batched, inputs, dy, dfinal, saved):
         # Parameter gradients are sums over the batch, so items cannot share one launch.
-        args = _broadcast_unbatched((inputs, dy, dfinal, saved), tuple(in_batched), axis_size)
+        args = broadcast_unbatched((inputs, dy, dfinal, saved), tuple(in_batched), axis_size)
         grads = jax.lax.map(lambda a: backward(*a), args)
         return grads, jax.tree.map(lambda _: True, grads)
 

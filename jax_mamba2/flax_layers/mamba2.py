@@ -19,14 +19,21 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jax_mamba2 import backends
+from jax_mamba2.conv1d import causal_conv1d_silu
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers._tree import param_path
 from jax_mamba2.flax_layers.cache import Mamba2Cache
-from jax_mamba2.flax_layers.conv import CausalConv1d, causal_conv1d, causal_conv1d_step
+from jax_mamba2.flax_layers.conv import CausalConv1d, causal_conv1d_step
 from jax_mamba2.flax_layers.initializers import A_log_init, dt_bias_init, torch_uniform
 from jax_mamba2.flax_layers.norm import RMSNorm
 from jax_mamba2.flax_layers.partition import HeadShard, MeshAxes, Segment
 from jax_mamba2.op import ssd, ssd_step
+
+
+def _silu_output(conv):
+    """(silu(y), state) of a conv's (y, state)."""
+    y, state = conv
+    return jax.nn.silu(y), state
 
 
 def mixer_param_spec(path: tuple[str, ...], model_axis: str) -> P:
@@ -272,8 +279,9 @@ class Mamba2(nnx.Module):
         z0, x0, z, x, B, C, dt = self._project(shard, hidden_states)
         x, B, C, conv_state = self._convolve(
             shard, x, B, C, None if cache is None else cache.conv_state, want_cache,
-            lambda xBC, state, kernel, bias: causal_conv1d(xBC, kernel, bias, state, seq_idx=seq_idx,
-                                                            dtype=xBC.dtype))
+            lambda xBC, state, kernel, bias: causal_conv1d_silu(
+                xBC, kernel, bias, seq_idx=seq_idx, initial_states=state, return_final_states=True,
+                backend="xla" if self.backend in ("xla", "scan") else self.backend))
         A, D, dt_bias = self._ssm_params()
         nheads, ngroups = A.shape[0], B.shape[-1] // self.d_state  # this shard's heads and groups
         y, ssm_state = ssd(
@@ -291,7 +299,8 @@ class Mamba2(nnx.Module):
         z0, x0, z, x, B, C, dt = self._project(shard, hidden_states)
         x, B, C, conv_state = self._convolve(
             shard, x, B, C, cache.conv_state, True,
-            lambda xBC, state, kernel, bias: causal_conv1d_step(xBC, state, kernel, bias, dtype=xBC.dtype))
+            lambda xBC, state, kernel, bias: _silu_output(causal_conv1d_step(xBC, state, kernel, bias,
+                                                                             dtype=xBC.dtype)))
         A, D, dt_bias = self._ssm_params()
         nheads, ngroups = A.shape[0], B.shape[-1] // self.d_state  # this shard's heads and groups
         y, ssm_state = ssd_step(
@@ -340,7 +349,8 @@ class Mamba2(nnx.Module):
           x, B, C: in_proj outputs, (..., local width) each.
           conv_state: the cache's (batch, conv_dim, d_conv) state or None.
           want_state: also assemble the new full conv_state (see `HeadShard.gather`).
-          apply: (inputs, local conv_state or None, kernel, bias or None) -> (conv output, new local state).
+          apply: (inputs, local conv_state or None, kernel, bias or None) -> (silu(conv output), new local
+            state).
 
         Returns:
           (x, B, C, conv_state): B and C reduced to the groups of this shard's heads; conv_state None unless
@@ -357,7 +367,7 @@ class Mamba2(nnx.Module):
         x, x_state = apply(x, states[0], params[0][0], params[1][0])
         BC, BC_state = apply(jnp.concatenate([B, C], axis=-1), concat(states[1:], axis=1),
                              concat(params[0][1:], axis=-1), concat(params[1][1:], axis=-1))
-        x, (B, C) = jax.nn.silu(x), jnp.split(jax.nn.silu(BC), 2, axis=-1)
+        B, C = jnp.split(BC, 2, axis=-1)
         if not self._groups_sharded(shard):  # all groups here: keep the one of this shard's heads
             start = (shard.rank() // (shard.size // self.ngroups)) * self.d_state
             B, C = (jax.lax.dynamic_slice_in_dim(a, start, self.d_state, axis=-1) for a in (B, C))

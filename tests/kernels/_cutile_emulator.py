@@ -11,6 +11,8 @@ Semantics follow cuda/tile/_stub.py, made strict where the GPU would be silently
   without it, so an unpadded out-of-bounds read poisons the result; a tile lying wholly outside the
   array raises (undefined behaviour on the GPU).
 - `store` drops out-of-bounds elements; plan buffers start as NaN, so a value never written shows up.
+- `gather` / `scatter` take element indices: out of bounds (negative too) or masked off, a gather gives
+  padding_value and a scatter writes nothing.
 - `mma` requires equal operand dtypes and accumulates in float64 (then casts to the accumulator dtype).
 Not emulated: tf32 rounding (tfloat32 is float32), latency/TMA hints, reduction order.
 """
@@ -21,6 +23,8 @@ import sys
 import threading
 import types
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -94,6 +98,36 @@ def store(array, index, tile, *, order="C", check_bounds=True, latency=None, all
     tile = np.asarray(tile)
     src, dst = _tile_window(array, index, tile.shape)
     array[src] = tile[dst].astype(array.dtype)
+
+
+def _element_indices(array, indices, mask):
+    """(broadcast index arrays, in-bounds-and-mask selector) of a gather / scatter."""
+    indices = indices if isinstance(indices, tuple) else (indices,)
+    assert len(indices) == array.ndim, (len(indices), array.shape)
+    indices = np.broadcast_arrays(*(np.asarray(i, np.int64) for i in indices))
+    ok = np.ones(indices[0].shape, bool) if mask is None else np.broadcast_to(np.asarray(mask), indices[0].shape)
+    for i, n in zip(indices, array.shape):
+        ok = ok & (i >= 0) & (i < n)
+    return indices, ok
+
+
+def gather(array, indices, *, mask=None, padding_value=0, check_bounds=True, latency=None):
+    """array[indices] element-wise; padding_value where masked off or out of bounds (negative too)."""
+    indices, ok = _element_indices(array, indices, mask)
+    tile = np.full(indices[0].shape, padding_value, dtype=array.dtype)
+    tile[ok] = array[tuple(i[ok] for i in indices)]
+    return tile
+
+
+def scatter(array, indices, value, *, mask=None, check_bounds=True, latency=None):
+    """array[indices] = value element-wise, dropping what is masked off or out of bounds."""
+    indices, ok = _element_indices(array, indices, mask)
+    value = np.broadcast_to(np.asarray(value), indices[0].shape)
+    array[tuple(i[ok] for i in indices)] = value[ok].astype(array.dtype)
+
+
+def static_iter(iterable):
+    return iterable
 
 
 def zeros(shape, dtype):
@@ -261,3 +295,19 @@ def run_plan(plan, inputs, *, float64=False):
                 _block[:] = [block, grid]
                 pyfunc(*args)
     return {name: np.asarray(a) for name, a in arrays.items()}
+
+
+def jax_run_plan(plan, arrays):
+    """A bridge RunPlan (name -> jax.Array in, name -> jax.Array out) that runs `plan` on this emulator in
+    float64 through `jax.pure_callback`, its outputs cast to the plan's dtypes: the cuTile backends' glue
+    end to end on the CPU, to the rounding of the arrays between the plan and XLA."""
+    names = list(plan.inputs)
+    shapes = [jax.ShapeDtypeStruct(arrays[n].shape, arrays[n].dtype) if n in plan.inputs
+              else jax.ShapeDtypeStruct(plan.buffers[n].shape, jnp.dtype(plan.buffers[n].dtype))
+              for n in plan.outputs]
+
+    def host(*values):
+        out = run_plan(plan, dict(zip(names, map(np.asarray, values))), float64=True)
+        return tuple(out[n].astype(s.dtype) for n, s in zip(plan.outputs, shapes))
+
+    return dict(zip(plan.outputs, jax.pure_callback(host, shapes, *(arrays[n] for n in names))))

@@ -1,0 +1,77 @@
+"""Pure-JAX reference of the depthwise causal conv1d over the sequence (mamba_ssm `causal_conv1d_fn` /
+`causal_conv1d_update`), the float64-capable oracle of `jax_mamba2.causal_conv1d_silu`.
+
+  y[t, c] = bias[c] + sum_{k<d_conv} kernel[k, c] * x[t - d_conv + 1 + k, c]
+
+with x left-padded by the d_conv - 1 columns before the sequence (zeros, or the cached ones). The sum runs in
+float32 (float64 for float64 inputs) and the result is cast to the computation dtype, as the CUDA kernels do.
+Nothing here validates its arguments: `jax_mamba2.causal_conv1d_silu` does.
+"""
+import jax.numpy as jnp
+
+
+def causal_conv1d(x, kernel, bias=None, conv_state=None, *, seq_idx=None, dtype=None):
+    """Convolves a sequence.
+
+    Args:
+      x: (batch, seqlen, channels).
+      kernel: (d_conv, channels); bias: (channels,) or None.
+      conv_state: optional (batch, channels, width) input columns before x, width d_conv (a
+        `Mamba2Cache.conv_state`) or d_conv - 1; only its last d_conv - 1 columns are read. None means zeros.
+      seq_idx: optional (batch, seqlen) int sequence ids of packed rows: a tap never crosses into an
+        earlier sequence (it reads zero instead). Not combinable with conv_state.
+      dtype: computation dtype (default: promoted from x and kernel).
+
+    Returns:
+      (y (batch, seqlen, channels) in dtype, `final_conv_state(x, d_conv, conv_state)`).
+    """
+    d_conv = kernel.shape[0]
+    seqlen = x.shape[1]
+    window = _window(x, d_conv, conv_state)
+    # window[:, d_conv + t] is input column t; output t reads window columns t+1 .. t+d_conv.
+    taps = [window[:, k + 1: k + 1 + seqlen] for k in range(d_conv)]
+    if seq_idx is not None:
+        padded_idx = jnp.pad(seq_idx, ((0, 0), (d_conv, 0)), constant_values=-1)
+        taps = [jnp.where((padded_idx[:, k + 1: k + 1 + seqlen] == seq_idx)[..., None], tap, 0)
+                for k, tap in enumerate(taps)]
+    y = _weighted_sum(taps, kernel, bias, dtype)
+    return y, final_conv_state(x, d_conv, conv_state)
+
+
+def final_conv_state(x, d_conv, conv_state=None):
+    """The state after the sequence: the last d_conv columns of x left-extended by conv_state (as in
+    `causal_conv1d`), (batch, channels, d_conv) in conv_state's dtype (x's when None)."""
+    state_dtype = x.dtype if conv_state is None else conv_state.dtype
+    return jnp.swapaxes(_window(x, d_conv, conv_state)[:, -d_conv:], 1, 2).astype(state_dtype)
+
+
+def _window(x, d_conv, conv_state):
+    """x (batch, seqlen, channels) left-extended by conv_state's columns as (batch, d_conv + seqlen, channels)
+    in x's dtype; a (d_conv - 1)-column state gets a zero column first (it is never read)."""
+    batch, _, channels = x.shape
+    if conv_state is None:
+        conv_state = jnp.zeros((batch, channels, d_conv), x.dtype)
+    conv_state = jnp.pad(conv_state, ((0, 0), (0, 0), (d_conv - conv_state.shape[-1], 0)))
+    return jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(x.dtype), x], axis=1)
+
+
+def causal_conv1d_step(x, conv_state, kernel, bias=None, *, dtype=None):
+    """One token: x (batch, channels), conv_state (batch, channels, d_conv) -> (y (batch, channels),
+    new conv_state), equal to `causal_conv1d` on a length-1 sequence."""
+    d_conv = kernel.shape[0]
+    new_state = jnp.concatenate([conv_state[..., 1:], x[..., None].astype(conv_state.dtype)], axis=-1)
+    return _weighted_sum([new_state[..., k] for k in range(d_conv)], kernel, bias, dtype), new_state
+
+
+def _weighted_sum(taps, kernel, bias, dtype):
+    """bias + sum_k kernel[k] * taps[k], rounded to dtype like the operands and accumulated in >= float32."""
+    dtype = dtype or jnp.result_type(taps[0], kernel)
+    acc_dtype = jnp.promote_types(jnp.float32, dtype)
+
+    def widen(a):
+        return a.astype(dtype).astype(acc_dtype)
+
+    acc = sum(widen(tap) * widen(kernel[k]) for k, tap in enumerate(taps))
+    if bias is not None:
+        acc = acc + widen(bias)
+    return acc.astype(dtype)

@@ -1,0 +1,341 @@
+"""The backward of the causal depthwise conv1d (+ SiLU): dx, dweight, dbias and d initial_states.
+
+With the notation of causal_conv1d.py (K = WIDTH taps, x̃ the left-extended input, masks m_k[t]) and
+g[t, c] = dy[t, c] · silu'(pre[t, c]) (g = dy without SILU), silu'(p) = σ(p) (1 + p (1 - σ(p))):
+
+    dx̃[s, c]       = Σ_k weight[k, c] · g[s + K - 1 - k, c] · m_k[s + K - 1 - k]   (s < 0: d initial_states)
+    dweight[k, c] = Σ_{b, t} g[t, c] · x̃[t - K + 1 + k, c] · m_k[t]
+    dbias[c]      = Σ_{b, t} g[t, c]
+
+The pre-activation is recomputed from x rather than saved: dweight needs x anyway, so saving it would only
+add bytes. Bytes (the floor): x and dy read once, dx written once, 3 · itemsize(x) per element, 226 MB
+(47 µs at 4.8 TB/s) at (8, 2048, 2304) bf16; the per-block weight partials add
+batch · cdiv(seqlen, SEGMENT) · (K + 1) · channels f32 (3 MB there).
+
+Layout. A block owns SEGMENT = SEGMENT_TILES · BLOCK_L tokens of BLOCK_C channels of one batch row and walks
+them BLOCK_L rows at a time (rows as tuples of [BLOCK_C] tiles, as in the forward). It computes g of each
+token once and carries, from one step to the next, the last K - 1 rows of x̃, of their ids and of g, so
+that dx lags g by K - 1 tokens: step i writes dx of tokens t0 - K + 1 .. t0 + BLOCK_L - K. The lagging rows
+of the first step belong to the previous segment and are not written, except in segment 0, where they are
+the tokens -K + 1 .. -1: d initial_states. After the last step the block recomputes g of the K - 1 tokens
+after its segment (not summed into dweight) for the dx of its last K - 1 tokens. dweight and dbias
+accumulate in f32 over the segment and are written as one partial per block; `conv_grads_reduce_kernel`
+sums the partials in a fixed order (deterministic, no atomics).
+
+Grids: (cdiv(seqlen, SEGMENT), cdiv(channels, BLOCK_C), batch) and (cdiv(channels, BLOCK_C), items).
+
+Shapes: x, dy, dx (batch, seqlen, channels) T; weight (WIDTH, channels), bias (channels,) T; initial_states
+(batch, channels, INIT_WIDTH) T or a dummy; seq_idx (batch, seqlen) int32 or a dummy; dinitial_states
+(batch, channels, INIT_WIDTH) f32 (zero-initialised; a dummy (1, 1, 1) without HAS_INIT); dweight_partials
+(partials, WIDTH, channels) and dbias_partials (partials, channels) f32 with partials = batch · segments;
+dweight (items, WIDTH, channels) and dbias (items, channels) f32, item i summing the partials of batch rows
+[i · batch / items, (i + 1) · batch / items) (items > 1 under vmap).
+"""
+import dataclasses
+
+import cuda.tile as ct
+
+from jax_mamba2.kernels._common import (
+    Buffer, ConstBool, ConstInt, Launch, Plan, int64_index_kernels, next_power_of_2)
+from jax_mamba2.kernels.causal_conv1d import (
+    CONV_INPUTS, ConvDims, check_block_c, conv_arrays, halo_rows, masked_taps, needs_int64_index, preactivation,
+    sigmoid, token_ids, token_rows, weight_rows, widened)
+
+CONV_BWD_INPUTS = (*CONV_INPUTS, "dy")
+CONV_BWD_OUTPUTS = ("dx", "dweight", "dbias", "dinitial_states")
+# About the occupancy hint's 2 blocks per SM of an H100 / H200 (132 SMs), for the default segments.
+MIN_BLOCKS = 256
+
+
+def _zero_rows(count, BLOCK_C):
+    rows = ()
+    for _ in ct.static_iter(range(count)):
+        rows += (ct.zeros((BLOCK_C,), ct.float32),)
+    return rows
+
+
+def _first(rows, count):
+    """The first `count` entries of a tuple."""
+    head = ()
+    for j in ct.static_iter(range(count)):
+        head += (rows[j],)
+    return head
+
+
+def _last(rows, count, total):
+    """The last `count` entries of a tuple of `total` entries."""
+    tail = ()
+    for j in ct.static_iter(range(total - count, total)):
+        tail += (rows[j],)
+    return tail
+
+
+def _output_grads(rows, ids, dys, weights, bias_row, count, dweight, dbias, ACCUMULATE, WIDTH, HAS_SEQ_IDX,
+                  SILU):
+    """g of output rows r < count of a window (`rows` and `ids` start WIDTH - 1 tokens before the first
+    output; dys[r] is dy of output r), and with ACCUMULATE dweight, dbias plus this window's terms."""
+    gs = ()
+    for r in ct.static_iter(range(count)):
+        taps = masked_taps(rows, ids, r, WIDTH, HAS_SEQ_IDX)
+        g = dys[r]
+        if SILU:
+            pre = preactivation(taps, weights, bias_row, WIDTH)
+            s = sigmoid(pre)
+            g = g * s * (1.0 + pre * (1.0 - s))
+        gs += (g,)
+        if ACCUMULATE:
+            summed = ()
+            for k in ct.static_iter(range(WIDTH)):
+                summed += (dweight[k] + g * taps[k],)
+            dweight = summed
+            dbias = dbias + g
+    return gs, dweight, dbias
+
+
+def _input_grads(gs, ids, weights, count, WIDTH, HAS_SEQ_IDX):
+    """dx̃ of rows r < count: Σ_k weight[k] · gs[r + WIDTH - 1 - k], where gs[j] is g of the window's token
+    j (row r's token is the window's token r; ids aligned with gs)."""
+    dxs = ()
+    for r in ct.static_iter(range(count)):
+        acc = ct.zeros(weights[0].shape, ct.float32)
+        for k in ct.static_iter(range(WIDTH)):
+            g = gs[r + WIDTH - 1 - k]
+            if HAS_SEQ_IDX:
+                g = ct.where(ids[r + WIDTH - 1 - k] == ids[r], g, 0.0)
+            acc = acc + weights[k] * g
+        dxs += (acc,)
+    return dxs
+
+
+def _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy, dx, dinitial_states, dweight_partials,
+                   dbias_partials, WIDTH, INIT_WIDTH, BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX,
+                   SILU):
+    seg = ct.bid(0)
+    b = ct.bid(2)
+    cols = ct.bid(1) * BLOCK_C + ct.arange(BLOCK_C, dtype=ct.int32)
+    seqlen = x.shape[1]
+    HALO = WIDTH - 1
+    start = seg * (SEGMENT_TILES * BLOCK_L)
+
+    weights = weight_rows(weight, cols, WIDTH)
+    bias_row = ct.gather(bias, cols).astype(ct.float32)
+    # Carried from step to step: x̃, ids and g of the HALO tokens before the step's first.
+    x_halo = halo_rows(x, initial_states, b, start - HALO, HALO, cols, HAS_INIT, INIT_WIDTH)
+    id_halo = ()
+    if HAS_SEQ_IDX:
+        id_halo = token_ids(seq_idx, b, start - HALO, HALO)
+    g_halo = _zero_rows(HALO, BLOCK_C)  # g of tokens before the segment: only segment 0's lag rows use them
+    dweight = _zero_rows(WIDTH, BLOCK_C)
+    dbias = ct.zeros((BLOCK_C,), ct.float32)
+
+    steps = ct.cdiv(ct.minimum(start + SEGMENT_TILES * BLOCK_L, seqlen) - start, BLOCK_L)
+    # Each step's x, dy (and ids) are loaded one step ahead, so that their latency overlaps the compute of
+    # the step before (the stores of a step end in barriers, which no load is hoisted across).
+    next_x = token_rows(x, b, start, BLOCK_L, cols)
+    next_dy = token_rows(dy, b, start, BLOCK_L, cols)
+    next_ids = ()
+    if HAS_SEQ_IDX:
+        next_ids = token_ids(seq_idx, b, start, BLOCK_L)
+    for i in range(steps):
+        t0 = start + i * BLOCK_L
+        rows = x_halo + widened(next_x)
+        dys = widened(next_dy)
+        ids = id_halo + next_ids
+        next_x = token_rows(x, b, t0 + BLOCK_L, BLOCK_L, cols)
+        next_dy = token_rows(dy, b, t0 + BLOCK_L, BLOCK_L, cols)
+        if HAS_SEQ_IDX:
+            next_ids = token_ids(seq_idx, b, t0 + BLOCK_L, BLOCK_L)
+        gs, dweight, dbias = _output_grads(rows, ids, dys, weights, bias_row, BLOCK_L, dweight, dbias, True,
+                                           WIDTH, HAS_SEQ_IDX, SILU)
+        gs = g_halo + gs
+        dxs = _input_grads(gs, ids, weights, BLOCK_L, WIDTH, HAS_SEQ_IDX)
+        for r in ct.static_iter(range(BLOCK_L)):
+            s = t0 - HALO + r
+            if r < HALO:
+                # Lagging rows: the previous segment's tokens on the first step (not written), or in segment 0
+                # the tokens before the sequence, whose dx̃ is d initial_states (outside it for s >= 0).
+                ct.scatter(dx, (b, s, cols), dxs[r].astype(dx.dtype), mask=s >= start)
+                if HAS_INIT:
+                    ct.scatter(dinitial_states, (b, cols, INIT_WIDTH + s), dxs[r])
+            else:
+                ct.scatter(dx, (b, s, cols), dxs[r].astype(dx.dtype))
+        x_halo = _last(rows, HALO, BLOCK_L + HALO)
+        if HAS_SEQ_IDX:
+            id_halo = _last(ids, HALO, BLOCK_L + HALO)
+        g_halo = _last(gs, HALO, BLOCK_L + HALO)
+
+    # dx of the last HALO tokens of the steps needs g of the HALO tokens after them (0 past seqlen), the
+    # first rows of the prefetched step. The steps cover whole BLOCK_L rows, past seqlen in the last segment
+    # (where g is 0 and dx is dropped).
+    stop = start + steps * BLOCK_L
+    rows = x_halo + widened(_first(next_x, HALO))
+    ids = id_halo
+    if HAS_SEQ_IDX:
+        ids = id_halo + _first(next_ids, HALO)
+    gs, dweight, dbias = _output_grads(rows, ids, widened(_first(next_dy, HALO)), weights, bias_row, HALO,
+                                       dweight, dbias, False, WIDTH, HAS_SEQ_IDX, SILU)
+    dxs = _input_grads(g_halo + gs, ids, weights, HALO, WIDTH, HAS_SEQ_IDX)
+    for r in ct.static_iter(range(HALO)):
+        ct.scatter(dx, (b, stop - HALO + r, cols), dxs[r].astype(dx.dtype))
+
+    part = b * ct.num_blocks(0) + seg
+    for k in ct.static_iter(range(WIDTH)):
+        ct.scatter(dweight_partials, (part, k, cols), dweight[k])
+    ct.scatter(dbias_partials, (part, cols), dbias)
+
+
+def _make_conv_bwd_kernel(Big):
+    @ct.kernel(occupancy=2)
+    def causal_conv1d_bwd_kernel(
+        x: Big,                 # (batch, seqlen, channels) T
+        weight,                 # (WIDTH, channels) T
+        bias,                   # (channels,) T
+        initial_states: Big,    # (batch, channels, INIT_WIDTH) T, or a dummy
+        seq_idx,                # (batch, seqlen) int32, or a dummy
+        dy: Big,                # (batch, seqlen, channels) T
+        dx: Big,                # (batch, seqlen, channels) T, written
+        dinitial_states: Big,   # (batch, channels, INIT_WIDTH) f32, zero-initialised, written; or a dummy
+        dweight_partials: Big,  # (partials, WIDTH, channels) f32, written
+        dbias_partials: Big,    # (partials, channels) f32, written
+        WIDTH: ConstInt,
+        INIT_WIDTH: ConstInt,
+        BLOCK_L: ConstInt,
+        SEGMENT_TILES: ConstInt,
+        BLOCK_C: ConstInt,
+        HAS_INIT: ConstBool,
+        HAS_SEQ_IDX: ConstBool,
+        SILU: ConstBool,
+    ):
+        _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy, dx, dinitial_states, dweight_partials,
+                       dbias_partials, WIDTH, INIT_WIDTH, BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX,
+                       SILU)
+
+    return causal_conv1d_bwd_kernel
+
+
+def _conv_grads_reduce_body(dweight_partials, dbias_partials, dweight, dbias, WIDTH_TILE, BLOCK_C):
+    cb = ct.bid(0)
+    item = ct.bid(1)
+    parts = dweight_partials.shape[0] // dweight.shape[0]
+    dw = ct.zeros((WIDTH_TILE, BLOCK_C), ct.float32)
+    db = ct.zeros((BLOCK_C,), ct.float32)
+    for p in range(item * parts, (item + 1) * parts):
+        dw = dw + ct.load(dweight_partials, index=(p, 0, cb), shape=(1, WIDTH_TILE, BLOCK_C),
+                          padding_mode=ct.PaddingMode.ZERO).reshape((WIDTH_TILE, BLOCK_C))
+        db = db + ct.load(dbias_partials, index=(p, cb), shape=(1, BLOCK_C),
+                          padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_C,))
+    # Rows past WIDTH (WIDTH_TILE is its power of two) fall outside dweight and are dropped.
+    ct.store(dweight, index=(item, 0, cb), tile=dw.reshape((1, WIDTH_TILE, BLOCK_C)))
+    ct.store(dbias, index=(item, cb), tile=db.reshape((1, BLOCK_C)))
+
+
+def _make_conv_grads_reduce_kernel(Big):
+    @ct.kernel
+    def conv_grads_reduce_kernel(
+        dweight_partials: Big,  # (partials, WIDTH, channels) f32
+        dbias_partials: Big,    # (partials, channels) f32
+        dweight,                # (items, WIDTH, channels) f32, written
+        dbias,                  # (items, channels) f32, written
+        WIDTH_TILE: ConstInt,
+        BLOCK_C: ConstInt,
+    ):
+        _conv_grads_reduce_body(dweight_partials, dbias_partials, dweight, dbias, WIDTH_TILE, BLOCK_C)
+
+    return conv_grads_reduce_kernel
+
+
+CONV_BWD_KERNELS = int64_index_kernels(_make_conv_bwd_kernel)
+CONV_GRADS_REDUCE_KERNELS = int64_index_kernels(_make_conv_grads_reduce_kernel)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvBwdConfig:
+    """Tiles of the backward: BLOCK_L tokens per step (unrolled rows), SEGMENT_TILES steps per block,
+    BLOCK_C channels (powers of two), and the channels per block of the partials' reduction."""
+
+    BLOCK_L: int
+    SEGMENT_TILES: int
+    BLOCK_C: int
+    REDUCE_BLOCK_C: int
+
+    @property
+    def segment(self) -> int:
+        return self.BLOCK_L * self.SEGMENT_TILES
+
+
+def conv_bwd_default_config(dims: ConvDims) -> ConvBwdConfig:
+    """Steps of 16 rows (8 with seq_idx) of up to 256 channels: 2 channels per thread of the block's 128 (x,
+    dy and dx move 4 bytes per row and thread at bf16), which keeps a step's x, dy and g rows and the next
+    step's prefetched x and dy in registers without spills at d_conv 4 (tileiras 13.4, sm_90: ~214
+    registers, ~241 with seq_idx, whose ids and masks spill at 16 rows) within the occupancy hint of 2
+    blocks per SM. Segments of 256 tokens, halved (down to one step) while the grid has fewer than
+    MIN_BLOCKS blocks: at (8, 2048) that is 576 blocks for 2304 channels and 512 for 2048, with 3 MB of
+    partials, and 64-token segments (256 blocks, 1.3 MB of partials) for the layer's 256 [B, C] channels.
+    The reduction sums 512 channels per block."""
+    block_l = 8 if dims.has_seq_idx else 16
+    block_c = min(256, max(16, next_power_of_2(dims.channels)))
+    rows = dims.batch * -(-dims.channels // block_c)
+    steps = 256 // block_l
+    while steps > 1 and rows * -(-dims.seqlen // (steps * block_l)) < MIN_BLOCKS:
+        steps //= 2
+    return ConvBwdConfig(BLOCK_L=block_l, SEGMENT_TILES=steps, BLOCK_C=block_c,
+                         REDUCE_BLOCK_C=min(512, max(16, next_power_of_2(dims.channels))))
+
+
+def conv_bwd_grid(dims: ConvDims, cfg: ConvBwdConfig) -> tuple[int, int, int]:
+    return (-(-dims.seqlen // cfg.segment), -(-dims.channels // cfg.BLOCK_C), dims.batch)
+
+
+def conv_bwd_arrays(dims: ConvDims, cfg: ConvBwdConfig | None = None, items: int = 1) -> dict[str, Buffer]:
+    """Shape and dtype of every input and buffer of `conv_bwd_plan(dims, cfg, items)`."""
+    return {**conv_arrays(dims), "dy": Buffer((dims.batch, dims.seqlen, dims.channels), dims.dtype),
+            **conv_bwd_plan(dims, cfg, items).buffers}
+
+
+def conv_bwd_plan(dims: ConvDims, cfg: ConvBwdConfig | None = None, items: int = 1) -> Plan:
+    """The backward for `dims` from inputs CONV_BWD_INPUTS (CONV_INPUTS and "dy", x's shape and dtype).
+
+    Args:
+      dims: the problem.
+      cfg: tiles (default `conv_bwd_default_config`).
+      items: how many equal groups of batch rows get their own dweight / dbias (vmap folds its axis into
+        the batch); must divide dims.batch.
+
+    Returns:
+      A Plan with outputs CONV_BWD_OUTPUTS: dx (x's shape and dtype), dweight (items, WIDTH, channels) and
+      dbias (items, channels) f32, dinitial_states (batch, channels, init_width) f32 (a dummy without initial
+      states).
+    """
+    if items < 1 or dims.batch % items:
+        raise ValueError(f"conv_bwd_plan: items={items} must divide batch={dims.batch}")
+    cfg = cfg or conv_bwd_default_config(dims)
+    check_block_c("conv_bwd_plan", cfg.BLOCK_C)
+    check_block_c("conv_bwd_plan", cfg.REDUCE_BLOCK_C)
+    if cfg.BLOCK_L < dims.width - 1:
+        # dx lags g by width - 1 tokens within a step.
+        raise ValueError(f"conv_bwd_plan: BLOCK_L={cfg.BLOCK_L} must be at least width - 1={dims.width - 1}")
+    grid = conv_bwd_grid(dims, cfg)
+    partials = dims.batch * grid[0]
+    big = needs_int64_index(dims, partials)
+    C = dims.channels
+    buffers = {
+        "dx": Buffer((dims.batch, dims.seqlen, C), dims.dtype),
+        "dinitial_states": Buffer((dims.batch, C, dims.init_width) if dims.has_init else (1, 1, 1), "float32",
+                                  zero_init=True),
+        "dweight_partials": Buffer((partials, dims.width, C), "float32"),
+        "dbias_partials": Buffer((partials, C), "float32"),
+        "dweight": Buffer((items, dims.width, C), "float32"),
+        "dbias": Buffer((items, C), "float32"),
+    }
+    main = Launch(
+        kernel=CONV_BWD_KERNELS[1 if big else 0], grid=grid,
+        args=(*CONV_BWD_INPUTS, "dx", "dinitial_states", "dweight_partials", "dbias_partials", dims.width,
+              dims.init_width, cfg.BLOCK_L, cfg.SEGMENT_TILES, cfg.BLOCK_C, dims.has_init, dims.has_seq_idx,
+              dims.silu),
+        writes=("dx", "dinitial_states", "dweight_partials", "dbias_partials"))
+    reduce = Launch(
+        kernel=CONV_GRADS_REDUCE_KERNELS[1 if big else 0], grid=(-(-C // cfg.REDUCE_BLOCK_C), items),
+        args=("dweight_partials", "dbias_partials", "dweight", "dbias", next_power_of_2(dims.width),
+              cfg.REDUCE_BLOCK_C),
+        writes=("dweight", "dbias"))
+    return Plan(inputs=CONV_BWD_INPUTS, buffers=buffers, launches=(main, reduce), outputs=CONV_BWD_OUTPUTS)

@@ -1,0 +1,235 @@
+"""The conv op `causal_conv1d_silu` (jax_mamba2/conv1d.py): its checks and dispatch, and its composition (jit, grad,
+vmap, shard_map, remat) on the cutile path with every kernel plan run on the NumPy emulator of
+tests/kernels/_cutile_emulator.py through `jax.pure_callback` (the bridge's glue end to end, without a GPU),
+against the float64 reference."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, PartitionSpec as P
+
+from jax_mamba2 import conv1d
+from tests._helpers import rel_l2
+from tests.kernels._conv_checks import float64_reference, make_conv_args, reference_conv
+
+conv_ops = pytest.importorskip("jax_mamba2.bridge.conv_ops")
+from tests.kernels import _cutile_emulator as emulator  # noqa: E402
+
+# The arrays between the plans and XLA are float32 (the emulated kernels compute in float64).
+TOLERANCE = 1e-5
+
+
+class _EmulatedKernels(conv_ops.ConvKernels):
+    @staticmethod
+    def unsupported_reason(inputs):
+        return None
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """backend="cutile" runs the kernels on the emulator ("auto" still takes the xla branch on the CPU)."""
+    kernels = {"cutile": _EmulatedKernels("cutile_emulated", emulator.jax_run_plan)}
+    monkeypatch.setattr(conv1d, "_kernel_backends", lambda: (kernels, None))
+
+
+def _loss(fn, weights, **options):
+    def loss(x, kernel, bias, init, seq_idx):
+        return jnp.sum(fn(x, kernel, bias, seq_idx=seq_idx, initial_states=init, **options) * weights)
+    return loss
+
+
+def _check_forward_and_grads(args, fn, tolerance=TOLERANCE, **options):
+    x, kernel, bias, init, seq_idx, weights = args
+    want_y, want_grads = float64_reference(*args, silu=options.get("activation", "silu") == "silu")
+    y = fn(x, kernel, bias, seq_idx=seq_idx, initial_states=init, **options)
+    argnums = tuple(i for i, a in enumerate((x, kernel, bias, init)) if a is not None)
+    grads = jax.grad(_loss(fn, weights, **options), argnums=argnums)(x, kernel, bias, init, seq_idx)
+    errors = {"y": rel_l2(y, want_y)}
+    errors.update({f"d{'x kernel bias init'.split()[i]}": rel_l2(g, want_grads[i]) for i, g in zip(argnums, grads)})
+    assert max(errors.values()) < tolerance, errors
+    for i, g in zip(argnums, grads):
+        assert g.shape == args[i].shape and g.dtype == args[i].dtype
+
+
+def _cutile(x, kernel, bias=None, **options):
+    return conv1d.causal_conv1d_silu(x, kernel, bias, backend="cutile", **options)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks and dispatch
+# ----------------------------------------------------------------------------------------------
+
+_X, _KERNEL = jnp.zeros((2, 5, 8)), jnp.zeros((4, 8))
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(x=jnp.zeros((5, 8))), ValueError, r"x.shape=\(5, 8\) must be \(batch, seqlen, channels\)"),
+    (dict(x=jnp.zeros((2, 5, 8), jnp.int32)), TypeError, "x.dtype=int32"),
+    (dict(kernel=jnp.zeros((4, 7))), ValueError, r"kernel.shape=\(4, 7\) must be \(d_conv, channels\)"),
+    (dict(kernel=jnp.zeros((0, 8))), ValueError, "kernel.shape=.* d_conv >= 1"),
+    (dict(bias=jnp.zeros((7,))), ValueError, r"bias.shape=\(7,\) must be \(channels,\)"),
+    (dict(initial_states=jnp.zeros((2, 8, 2))), ValueError,
+     r"initial_states.shape=\(2, 8, 2\) must be \(batch, channels, d_conv - 1 or d_conv\)"),
+    (dict(seq_idx=jnp.zeros((2, 4), jnp.int32)), ValueError, r"seq_idx.shape=\(2, 4\) must be \(batch, seqlen\)"),
+    (dict(seq_idx=jnp.zeros((2, 5))), TypeError, "seq_idx.dtype=float32 must be an integer dtype"),
+    (dict(seq_idx=jnp.zeros((2, 5), jnp.int32), initial_states=jnp.zeros((2, 8, 3))), ValueError,
+     "seq_idx and initial_states cannot be combined"),
+    (dict(activation="gelu"), ValueError, "activation='gelu' must be 'silu' or None"),
+    (dict(backend="triton"), ValueError, "backend='triton' must be one of"),
+    (dict(return_final_states=1), TypeError, "return_final_states=1 must be a bool"),
+])
+def test_invalid_arguments_raise_naming_them(kwargs, error, message):
+    args = dict(x=_X, kernel=_KERNEL, bias=None)
+    args.update({k: kwargs.pop(k) for k in list(kwargs) if k in args})
+    with pytest.raises(error, match=message):
+        conv1d.causal_conv1d_silu(args["x"], args["kernel"], args["bias"], **kwargs)
+
+
+def test_explicit_cutile_without_a_gpu_says_why():
+    with pytest.raises(ValueError, match="backend='cutile'.* cannot run this call: no CUDA device"):
+        conv1d.causal_conv1d_silu(_X, _KERNEL, backend="cutile")
+
+
+def test_explicit_cutile_on_float64_says_why(monkeypatch):
+    monkeypatch.setattr(conv1d, "_kernel_backends", lambda: (conv_ops.BACKENDS, None))
+    with jax.enable_x64(True):
+        with pytest.raises(ValueError, match="x is float64; the kernels compute in float32"):
+            conv1d.causal_conv1d_silu(_X.astype(jnp.float64), _KERNEL, backend="cutile")
+
+
+def test_auto_on_the_cpu_is_the_xla_reference():
+    x, kernel, bias, init, _, _ = make_conv_args(0, init_width=3)
+    want = reference_conv(x, kernel, bias, init, None)
+    got = conv1d.causal_conv1d_silu(x, kernel, bias, initial_states=init)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_auto_puts_the_kernels_behind_platform_dependent(emulated):
+    """With a kernel backend that can run, "auto" lowers a platform switch (on the CPU its default branch)."""
+    jaxpr = jax.make_jaxpr(lambda x, k: conv1d.causal_conv1d_silu(x, k, backend="auto"))(_X, _KERNEL)
+    assert "platform_index" in str(jaxpr)
+
+
+@pytest.mark.parametrize("init_width", [0, 3, 4])
+def test_final_states_are_the_last_d_conv_input_columns(init_width):
+    x, kernel, bias, init, _, _ = make_conv_args(1, seqlen=2, init_width=init_width)
+    _, final = conv1d.causal_conv1d_silu(x, kernel, bias, initial_states=init, return_final_states=True,
+                                         backend="xla")
+    state = jnp.zeros((2, 40, 4)) if init is None else jnp.pad(init, ((0, 0), (0, 0), (4 - init_width, 0)))
+    want = jnp.concatenate([state, jnp.swapaxes(x, 1, 2)], axis=-1)[..., -4:]
+    np.testing.assert_array_equal(np.asarray(final), np.asarray(want))
+
+
+def test_initial_states_of_d_conv_minus_1_or_d_conv_columns_agree():
+    x, kernel, bias, init, _, _ = make_conv_args(2, init_width=3)
+    wide = jnp.concatenate([jnp.full(init.shape[:2] + (1,), 7.0), init], axis=-1)  # column 0 is never read
+    a = conv1d.causal_conv1d_silu(x, kernel, bias, initial_states=init, backend="xla")
+    b = conv1d.causal_conv1d_silu(x, kernel, bias, initial_states=wide, backend="xla")
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_empty_sequence_launches_nothing(emulated):
+    x = jnp.zeros((2, 0, 8))
+    y, final = _cutile(x, _KERNEL, return_final_states=True)
+    assert y.shape == (2, 0, 8) and final.shape == (2, 8, 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Composition on the emulated cutile path
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("options", [dict(), dict(init_width=4), dict(seq_idx=[7, 12], bias=False),
+                                     dict(d_conv=3, init_width=2)],
+                         ids=["plain", "initial_states", "seq_idx_no_bias", "width_3"])
+def test_emulated_cutile_forward_and_gradients_match_float64_reference(emulated, options):
+    args = make_conv_args(3, seqlen=19, channels=24, **options)
+    _check_forward_and_grads(args, jax.jit(_cutile))
+
+
+def test_emulated_cutile_without_activation_matches_float64_reference(emulated):
+    args = make_conv_args(4, seqlen=19, channels=24)
+    _check_forward_and_grads(args, _cutile, activation=None)
+
+
+def test_emulated_cutile_under_remat_matches_float64_reference(emulated):
+    """jax.checkpoint and nnx.remat around the op: the backward recomputes the forward kernel, then runs its own."""
+    args = make_conv_args(5, seqlen=19, channels=24, init_width=3)
+    _check_forward_and_grads(args, jax.checkpoint(_cutile))
+
+    class Conv(nnx.Module):
+        def __init__(self, kernel, bias):
+            self.kernel, self.bias = nnx.Param(kernel), nnx.Param(bias)
+
+        def __call__(self, x, init):
+            return _cutile(x, self.kernel[...], self.bias[...], initial_states=init)
+
+    x, kernel, bias, init, _, weights = args
+    model = Conv(kernel, bias)
+    grads = nnx.grad(lambda m: jnp.sum(nnx.remat(lambda m, x: m(x, init))(m, x) * weights))(model)
+    _, (_, dkernel, dbias, _) = float64_reference(*args)
+    assert rel_l2(grads.kernel[...], dkernel) < TOLERANCE and rel_l2(grads.bias[...], dbias) < TOLERANCE
+
+
+def test_emulated_cutile_vmap_of_gradients_folds_items_into_one_launch(emulated):
+    """vmap over x: the forward folds the mapped axis into the batch and the backward sums each item's weight
+    partials apart; vmap over the kernel too maps the items instead. Both equal a Python loop."""
+    x, kernel, bias, _, _, weights = make_conv_args(6, seqlen=19, channels=24)
+    xs, kernels = jnp.stack([x, -0.5 * x]), jnp.stack([kernel, 2.0 * kernel])
+
+    def grads(x, kernel):
+        loss = _loss(_cutile, weights)
+        return jax.grad(loss, argnums=(0, 1, 2))(x, kernel, bias, None, None)
+
+    loop = [grads(xs[i], kernels[i]) for i in range(2)]
+    shared = jax.vmap(grads, in_axes=(0, None))(xs, kernel)
+    mapped = jax.vmap(grads)(xs, kernels)
+    for i in range(2):
+        for got, want in zip(mapped, loop[i]):
+            assert rel_l2(got[i], want) < 1e-6
+        for got, want in zip(shared, grads(xs[i], kernel)):
+            assert rel_l2(got[i], want) < 1e-6
+    jaxpr = str(jax.make_jaxpr(jax.vmap(grads, in_axes=(0, None)))(xs, kernel))
+    assert jaxpr.count("pure_callback") == 2  # one forward, one backward plan: no loop over items
+
+
+@pytest.mark.parametrize("split", ["batch", "channels"])
+def test_emulated_cutile_under_shard_map_matches_float64_reference(emulated, split):
+    """Batch over "data" (the replicated kernel and bias get the shards' gradients summed) or channels over
+    "model" (every parameter split with its channels), on two CPU devices."""
+    mesh = jax.make_mesh((2,), ("axis",), axis_types=(AxisType.Auto,))
+    if split == "batch":
+        x_spec, kernel_spec, bias_spec, ids_spec = P("axis"), P(), P(), P("axis")
+    else:
+        x_spec, kernel_spec, bias_spec, ids_spec = P(None, None, "axis"), P(None, "axis"), P("axis"), P()
+
+    def sharded(x, kernel, bias, *, seq_idx, initial_states):
+        assert initial_states is None
+        return jax.shard_map(lambda x, k, b, ids: _cutile(x, k, b, seq_idx=ids), mesh=mesh,
+                             in_specs=(x_spec, kernel_spec, bias_spec, ids_spec), out_specs=x_spec)(
+                                 x, kernel, bias, seq_idx)
+
+    args = make_conv_args(7, seqlen=19, channels=32, seq_idx=[11, 8])
+    _check_forward_and_grads(args, sharded)
+
+
+# ----------------------------------------------------------------------------------------------
+# The FFI path lowered for CUDA on this machine
+# ----------------------------------------------------------------------------------------------
+
+def test_aot_export_lowers_the_conv_kernels_for_sm90():
+    """jax.export for CUDA of a value_and_grad through "auto" (cubins compiled by tileiras with the
+    constraints JAX derives): the forward, backward and reduction launches, with seq_idx."""
+    import re
+
+    from jax_mamba2.bridge import aot
+
+    x, kernel, bias, _, seq_idx, _ = make_conv_args(8, seqlen=100, channels=48, dtype=jnp.bfloat16,
+                                                    seq_idx=[60, 40])
+
+    def loss(x, kernel, bias):
+        return jnp.sum(conv1d.causal_conv1d_silu(x, kernel, bias, seq_idx=seq_idx).astype(jnp.float32) ** 2)
+
+    exported = aot.export_for_cuda(jax.value_and_grad(loss, argnums=(0, 1, 2)), x, kernel, bias)
+    names = [re.sub(r"_Kt\d.*", "", n) for n in re.findall(r'function_name = "([^"]+)"', exported.mlir_module())]
+    assert names == ["causal_conv1d_fwd_kernel", "causal_conv1d_bwd_kernel", "conv_grads_reduce_kernel"], names

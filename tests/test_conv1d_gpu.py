@@ -1,0 +1,110 @@
+"""The conv op on the cuTile kernels on the GPU (run on the H200; skipped elsewhere): forward and gradients
+against the float64 reference, determinism, dispatch, vmap, and the Mamba2 layer on the kernels against xla."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_mamba2 import conv1d
+from jax_mamba2.flax_layers import Mamba2
+from tests._helpers import rel_l2
+from tests.kernels._conv_checks import float64_reference, make_conv_args
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2, "float16": 2e-3}
+CASES = {
+    "odd": dict(batch=2, seqlen=1001, channels=300),
+    "seq_idx": dict(batch=2, seqlen=1001, channels=300, seq_idx=[1, 500, 250, 250]),
+    "init": dict(batch=3, seqlen=77, channels=136, init_width=4),
+    "init_width_3_no_bias": dict(batch=3, seqlen=77, channels=136, d_conv=3, init_width=2, bias=False),
+    "width_2": dict(batch=1, seqlen=513, channels=64, d_conv=2),
+}
+
+
+def _grads(backend, args, activation="silu"):
+    """(y, grads of sum(y * weights) in x, kernel, bias and initial_states where present), jitted."""
+    x, kernel, bias, init, seq_idx, weights = args
+    argnums = tuple(i for i, a in enumerate((x, kernel, bias, init)) if a is not None)
+
+    def f(x, kernel, bias, init):
+        return conv1d.causal_conv1d_silu(x, kernel, bias, seq_idx=seq_idx, initial_states=init,
+                                         activation=activation, backend=backend)
+
+    def loss(*a):
+        return jnp.sum(f(*a).astype(jnp.float32) * weights.astype(jnp.float32))
+
+    run = jax.jit(lambda *a: (f(*a), jax.grad(loss, argnums=argnums)(*a)))
+    y, grads = run(x, kernel, bias, init)
+    return y, dict(zip(argnums, grads))
+
+
+def _check(backend, args, dtype, activation="silu"):
+    y, grads = _grads(backend, args, activation)
+    want_y, want_grads = float64_reference(*args, silu=activation == "silu")
+    errors = {"y": rel_l2(y, want_y)}
+    errors.update({f"d{'x kernel bias init'.split()[i]}": rel_l2(g, want_grads[i]) for i, g in grads.items()})
+    assert max(errors.values()) < TOLERANCE[dtype], errors
+    assert y.dtype == args[0].dtype and all(g.dtype == args[i].dtype for i, g in grads.items())
+
+
+@pytest.mark.parametrize("backend", ["cutile", "cutile_callback"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_conv_cutile_matches_float64_reference(backend, dtype, case):
+    _check(backend, make_conv_args(21, dtype=jnp.dtype(dtype), **CASES[case]), dtype)
+
+
+@pytest.mark.parametrize("channels", [2304, 2048, 256], ids=["conv_dim", "x", "BC"])
+def test_conv_cutile_at_the_lm_training_shape_matches_float64_reference(channels):
+    """(8, 2048) tokens of the LM at d_model 1024 in bf16: conv_dim and the two pieces the layer convolves."""
+    _check("cutile", make_conv_args(22, batch=8, seqlen=2048, channels=channels, dtype=jnp.bfloat16), "bfloat16")
+
+
+def test_conv_cutile_without_activation_matches_float64_reference():
+    _check("cutile", make_conv_args(23, **CASES["seq_idx"]), "float32", activation=None)
+
+
+def test_conv_cutile_gradients_are_deterministic():
+    """The weight partials are reduced in a fixed order (no atomics): two runs agree bitwise."""
+    args = make_conv_args(24, batch=4, seqlen=4096, channels=512, dtype=jnp.bfloat16)
+    first, second = (_grads("cutile", args)[1] for _ in range(2))
+    for i in first:
+        np.testing.assert_array_equal(np.asarray(first[i]), np.asarray(second[i]))
+
+
+def test_conv_auto_runs_the_kernels_on_the_gpu():
+    x, kernel, bias, *_ = make_conv_args(25, dtype=jnp.bfloat16)
+    hlo = jax.jit(lambda *a: conv1d.causal_conv1d_silu(*a)).lower(x, kernel, bias).compile().as_text()
+    assert "cutile_launch" in hlo
+
+
+def test_conv_cutile_vmap_of_gradients_matches_a_loop():
+    x, kernel, bias, _, _, weights = make_conv_args(26, seqlen=300, channels=96)
+    xs = jnp.stack([x, -0.5 * x, 2.0 * x])
+
+    def grads(x):
+        def loss(x, kernel, bias):
+            return jnp.sum(conv1d.causal_conv1d_silu(x, kernel, bias, backend="cutile") * weights)
+        return jax.grad(loss, argnums=(0, 1, 2))(x, kernel, bias)
+
+    mapped = jax.jit(jax.vmap(grads))(xs)
+    for i in range(3):
+        for got, want in zip(mapped, jax.jit(grads)(xs[i])):
+            assert rel_l2(got[i], want) < 1e-6
+
+
+def test_mamba2_layer_on_the_conv_kernels_matches_xla():
+    """The layer's `_convolve` runs the op with the layer's backend: forward, prefill's cache and gradients."""
+    layers = {b: Mamba2(256, d_state=64, headdim=64, ngroups=2, chunk_size=64, backend=b, rngs=nnx.Rngs(0))
+              for b in ("cutile", "xla")}
+    u = jax.random.normal(jax.random.key(27), (2, 150, 256))
+    weights = jax.random.normal(jax.random.key(28), u.shape)
+    out = {b: nnx.jit(lambda m, u: m.prefill(u))(m, u) for b, m in layers.items()}
+    assert rel_l2(out["cutile"][0], out["xla"][0]) < 5e-3
+    assert rel_l2(out["cutile"][1].conv_state, out["xla"][1].conv_state) < 1e-5
+    grads = {b: nnx.to_flat_state(nnx.jit(nnx.grad(lambda m: jnp.sum(m(u) * weights)))(m))
+             for b, m in layers.items()}
+    for (path, g_cutile), (_, g_xla) in zip(grads["cutile"], grads["xla"]):
+        assert rel_l2(g_cutile[...], g_xla[...]) < 2e-2, path
