@@ -62,7 +62,8 @@ def _gate_vjp(y, z, dout):
 
 def _forward_once(run_plan: RunPlan, inputs, static, save_states: bool):
     dims = problem.kernel_dims(inputs, static)
-    plan = forward_kernels.forward_plan(dims, tuning.forward_configs(dims), save_states=save_states)
+    layout, configs = tuning.forward_configs(dims)
+    plan = forward_kernels.forward_plan(dims, configs, layout, save_states=save_states)
     out = run_plan(plan, problem.kernel_inputs(inputs, dims))
     return _compat.match_varying_axes(tuple(out[name] for name in plan.outputs), inputs)
 

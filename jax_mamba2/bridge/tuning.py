@@ -1,8 +1,8 @@
 """Kernel configs per problem for the SSD forward and backward: in-process dict -> on-disk cache -> autotune.
 
-`forward_configs(dims)` returns the config of every stage of the forward's layout (FORWARD_LAYOUTS[layout];
-where both layouts can run a problem, both are resolved and the one whose stages measured faster in sum
-wins, else kernels.forward.forward_layout's rule) and
+`forward_configs(dims)` returns the forward's layout and the config of each of its stages
+(FORWARD_LAYOUTS[layout]; where several layouts can run a problem, each is resolved and the one whose
+stages measured faster in sum wins, else kernels.forward.forward_layout's rule) and
 `backward_configs(dims, deterministic)` that of every backward stage (kernels.backward.BACKWARD_STAGES)
 for this problem on this GPU. Lookup order, per stage:
 
@@ -15,8 +15,7 @@ for this problem on this GPU. Lookup order, per stage:
    viewed zero-copy as torch/CuPy arrays), store the winner and what every config measured, and use
    it;
 4. otherwise (tuning off, no GPU, neither torch nor CuPy, or a problem under MIN_TUNED_TOKEN_HEADS
-   (token, head) pairs, which is launch-bound) the stage's default config
-   (`kernels.stage_spaces.STAGE_SPACES`).
+   (token, head) pairs, which is launch-bound) the stage's default config (its kernels Stage declaration).
 
 The backward's recompute stages (chunk_cumsum, chunk_state) take the forward's configs when the forward
 runs them (one cache entry serves both passes); under the fused forward layout chunk_state is looked up
@@ -27,7 +26,7 @@ of the chosen chunk_scan_bwd_dc and chunk_state_bwd tilings, although its key do
 `JAX_MAMBA2_AUTOTUNE=0` turns off tuning, not the cache: point `JAX_MAMBA2_CACHE_DIR` at an empty
 directory as well to get the defaults everywhere.
 
-Cache keys name the stage, the SSDDims fields that stage's kernel specialises on (see `_STAGES`), the
+Cache keys name the stage, the SSDDims fields its kernel specialises on (its Stage's key_fields), the
 heads per block of the backward's group-reducing stages (which deterministic mode changes), the index
 width, and a power-of-two bucket of the stage's independent work items. Batch and seqlen are
 deliberately not in the keys (as in mamba_ssm's Triton autotune keys): only their bucket is, so a
@@ -66,11 +65,10 @@ import cuda.tile as ct
 import jax
 import jax.numpy as jnp
 
-from jax_mamba2.kernels import _common, fused_scan
+from jax_mamba2.kernels import _common
 from jax_mamba2.kernels import backward as backward_kernels
 from jax_mamba2.kernels import forward as forward_kernels
 from jax_mamba2.kernels._common import SUPPORTED_ARCHS, Buffer, Launch, Plan, SSDDims
-from jax_mamba2.kernels.stage_spaces import STAGE_SPACES
 
 logger = logging.getLogger(__name__)
 
@@ -85,74 +83,8 @@ MIN_TUNED_TOKEN_HEADS = 1 << 17
 CACHE_SCHEMA = 1
 
 
-@dataclasses.dataclass(frozen=True)
-class _Stage:
-    """How to key one stage's tuning (its space and default: kernels.stage_spaces.STAGE_SPACES)."""
-
-    # SSDDims fields (or properties) the stage's kernel specialises on.
-    key_fields: tuple[str, ...]
-    # The stage's independent work items (its launch width before tiling), bucketed in the key.
-    work_items: Callable[[SSDDims], int]
-    # Whether the launch gives a block several heads of a group (`heads_per_block`, which deterministic
-    # mode raises to heads_per_group): then that count is in the key and divides the work items.
-    blocks_span_heads: bool = False
-
-
-def _segments(dims: SSDDims) -> int:
-    return fused_scan.num_segments(dims, forward_kernels.fused_segment_chunks(dims))
-
-
-def _pieces(dims: SSDDims) -> int:
-    return fused_scan.num_pieces(dims, forward_kernels.fused_segment_chunks(dims),
-                                 forward_kernels.state_piece_chunks(dims))
-
-
-_BLOCK_PASS_KEY = ("chunk_size", "headdim", "dstate", "heads_per_group", "dtype", "has_seq_idx")
-_CUMSUM_KEY = ("chunk_size", "nheads", "dt_dtype", "dt_softplus", "has_dt_limit")
-_STAGES = {
-    # Forward (the first two also recompute the chunk quantities in the backward).
-    "chunk_cumsum": _Stage(
-        key_fields=_CUMSUM_KEY,
-        work_items=lambda d: d.batch * d.nchunks * d.nheads),
-    "chunk_state": _Stage(
-        key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_init", "has_seq_idx"),
-        # One block walks all chunks of one (batch, head): the parallelism is batch * nheads.
-        work_items=lambda d: d.batch * d.nheads),
-    "chunk_scan": _Stage(
-        key_fields=("chunk_size", "headdim", "dstate", "heads_per_group", "dtype", "has_z",
-                    "has_seq_idx"),
-        work_items=lambda d: d.batch * d.nchunks * d.nheads),
-    "fused_scan": _Stage(
-        key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_z", "has_init", "has_seq_idx"),
-        # One block walks all chunks of one (batch, head, headdim block), as chunk_state.
-        work_items=lambda d: d.batch * d.nheads),
-    # The segmented layout: the same kernels (and configs) with one block per piece / segment of a chain.
-    "segment_states": _Stage(
-        key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_seq_idx"),
-        work_items=lambda d: d.batch * d.nheads * _pieces(d)),
-    "segmented_scan": _Stage(
-        key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_z", "has_init", "has_seq_idx"),
-        work_items=lambda d: d.batch * d.nheads * _segments(d)),
-    # Backward.
-    "chunk_scan_bwd_dc": _Stage(
-        key_fields=_BLOCK_PASS_KEY,
-        work_items=lambda d: d.batch * d.nchunks * d.nheads, blocks_span_heads=True),
-    "chunk_state_bwd": _Stage(
-        key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_seq_idx"),
-        # The reverse chain over chunks, one (batch, head) per block as in the forward state pass.
-        work_items=lambda d: d.batch * d.nheads),
-    "chunk_scan_bwd_dx": _Stage(
-        key_fields=_BLOCK_PASS_KEY,
-        work_items=lambda d: d.batch * d.nchunks * d.nheads, blocks_span_heads=True),
-    "chunk_cumsum_bwd": _Stage(
-        key_fields=_CUMSUM_KEY,
-        work_items=lambda d: d.batch * d.nchunks * d.nheads),
-    "param_grads_bwd": _Stage(
-        key_fields=("nheads", "headdim"),
-        # Each head sums batch * nchunks partial rows.
-        work_items=lambda d: d.batch * d.nchunks * d.nheads),
-}
-assert set(STAGE_SPACES) == set(_STAGES)
+# Every stage the plans run, by name: its declaration (config type, space, default, key fields).
+_STAGES = {**forward_kernels.STAGES, **backward_kernels.STAGES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +111,7 @@ _BACKWARD = {
                    backward_kernels.backward_inputs, deterministic=det)
     for det in (False, True)}
 # The backward stages that recompute forward quantities: they take the forward's configs.
-_RECOMPUTED = tuple(s for s in backward_kernels.BACKWARD_STAGES if s in forward_kernels.FORWARD_STAGES)
+_RECOMPUTED = tuple(s for s in backward_kernels.STAGES if s in forward_kernels.STAGES)
 
 
 class GpuIdentity(NamedTuple):
@@ -346,7 +278,7 @@ def _config_fields(cfg) -> dict:
 
 def _config_from_entry(stage: str, dims: SSDDims, entry: dict):
     """The stored config as the stage's dataclass, or None if it no longer fits the class."""
-    cls = type(STAGE_SPACES[stage].default_config(dims))
+    cls = _STAGES[stage].config_type
     try:
         return cls(**entry["config"])
     except (KeyError, TypeError):
@@ -354,9 +286,9 @@ def _config_from_entry(stage: str, dims: SSDDims, entry: dict):
 
 
 def _search_space(stage: str, dims: SSDDims, arch: str) -> list:
-    spec = STAGE_SPACES[stage]
-    space = list(dict.fromkeys(spec.configs(dims, arch)))
-    default = spec.default_config(dims)
+    spec = _STAGES[stage]
+    space = list(dict.fromkeys(spec.space(dims, arch)))
+    default = spec.default(dims)
     return space if default in space else [default, *space]
 
 
@@ -504,7 +436,7 @@ def _tune_one(stage: str, dims: SSDDims, timed: Mapping[Any, _TimedLaunch], libr
                 space, stream, lambda cfg: timed[cfg].launch.grid, kernel_of, args_of, quiet=True)
         seconds = time.perf_counter() - start
     logger.info("jax_mamba2 tuning %s for %s:\n%s", stage, dims, result.summary())
-    default = STAGE_SPACES[stage].default_config(dims)
+    default = _STAGES[stage].default(dims)
     default_us = next((m.mean_us for m in result.successes if m.config == default), None)
     return {
         "config": _config_fields(result.best.config),
@@ -573,7 +505,7 @@ def _tuning_disabled_reason(dims: SSDDims) -> Optional[str]:
 
 def _default_choices(dims: SSDDims, stages: Iterable[str], reason: str,
                      keys: dict[str, str]) -> dict[str, StageChoice]:
-    return {s: StageChoice(s, keys[s], STAGE_SPACES[s].default_config(dims), "default", reason=reason)
+    return {s: StageChoice(s, keys[s], _STAGES[s].default(dims), "default", reason=reason)
             for s in stages}
 
 
@@ -617,7 +549,7 @@ def _lookup(dims: SSDDims, spec: _PlanSpec, given: Mapping[str, StageChoice], ke
             reason = _tuning_disabled_reason(dims)
             if missing and reason is None:
                 known = {s: c.config for s, c in {**given, **choices}.items()}
-                configs = {s: known[s] if s in known else STAGE_SPACES[s].default_config(dims)
+                configs = {s: known[s] if s in known else _STAGES[s].default(dims)
                            for s in spec.stages}
                 choices.update(_tune_into_cache(cache, dims, spec, missing, keys, configs, gpu.arch))
             for choice in choices.values():
@@ -666,15 +598,17 @@ def _layout_choices(dims: SSDDims) -> dict[str, dict[str, StageChoice]]:
     return {layout: _resolve(dims, _FORWARD[layout]) for layout in forward_kernels.forward_layouts(dims)}
 
 
-def _forward_choices(dims: SSDDims) -> dict[str, StageChoice]:
-    """The stage choices of the forward, in its faster layout: when every layout has a measured time
-    for every stage (tuned here or read from the cache), the one with the smaller sum of its stages'
-    times; otherwise `forward_layout`'s rule decides."""
+def _forward_choices(dims: SSDDims) -> tuple[str, dict[str, StageChoice]]:
+    """The forward's faster layout and its stage choices: when every layout has a measured time for
+    every stage (tuned here or read from the cache), the one with the smaller sum of its stages' times;
+    otherwise `forward_layout`'s rule decides."""
     layouts = _layout_choices(dims)
     times = {layout: _plan_us(choices) for layout, choices in layouts.items()}
     if len(layouts) > 1 and None not in times.values():
-        return layouts[min(times, key=times.get)]
-    return layouts[forward_kernels.forward_layout(dims)]
+        layout = min(times, key=times.get)
+    else:
+        layout = forward_kernels.forward_layout(dims)
+    return layout, layouts[layout]
 
 
 def forward_layout_times(dims: SSDDims) -> dict[str, Optional[float]]:
@@ -684,26 +618,28 @@ def forward_layout_times(dims: SSDDims) -> dict[str, Optional[float]]:
 
 
 def _choices(dims: SSDDims, backward: bool, deterministic: bool) -> dict[str, StageChoice]:
-    forward = _forward_choices(dims)
+    _, forward = _forward_choices(dims)
     if not backward:
         return forward
     return _resolve(dims, _BACKWARD[deterministic], {s: forward[s] for s in _RECOMPUTED if s in forward})
 
 
-def forward_configs(dims: SSDDims) -> dict[str, Any]:
-    """The config of every forward stage for `dims` on this GPU (see the module docstring).
+def forward_configs(dims: SSDDims) -> forward_kernels.ForwardConfigs:
+    """The forward's layout and the config of each of its stages for `dims` on this GPU (see the module
+    docstring).
 
     Args:
       dims: the problem, as `kernels.forward.forward_plan` takes it.
 
     Returns:
-      {stage: config} for every stage of the forward's layout (the module docstring says which), ready
-      for `forward_plan(dims, configs)`, which infers the layout from the stage names.
+      (layout, {stage: config} for every stage of that layout), ready for
+      `forward_plan(dims, configs, layout)`.
 
     Raises:
       ValueError: when $JAX_MAMBA2_AUTOTUNE is neither "0" nor "1".
     """
-    return {stage: choice.config for stage, choice in _choices(dims, False, False).items()}
+    layout, choices = _forward_choices(dims)
+    return forward_kernels.ForwardConfigs(layout, {stage: choice.config for stage, choice in choices.items()})
 
 
 def backward_configs(dims: SSDDims, deterministic: bool = False) -> dict[str, Any]:

@@ -22,9 +22,10 @@ ct = pytest.importorskip("cuda.tile")
 from jax_mamba2 import op  # noqa: E402
 from jax_mamba2.bridge import problem, tuning  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
+from jax_mamba2.kernels import backward, forward  # noqa: E402
 from jax_mamba2.kernels.backward import BACKWARD_STAGES, backward_inputs, backward_plan  # noqa: E402
-from jax_mamba2.kernels.forward import FORWARD_LAYOUTS, forward_inputs, forward_layout, forward_plan  # noqa: E402
-from jax_mamba2.kernels.stage_spaces import STAGE_SPACES  # noqa: E402
+from jax_mamba2.kernels.forward import (  # noqa: E402
+    FORWARD_LAYOUTS, ForwardConfigs, forward_inputs, forward_layout, forward_plan)
 from tests._helpers import make_ssd_args  # noqa: E402
 
 DIMS = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=128, chunk_size=256)
@@ -32,6 +33,8 @@ DIMS = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=12
 GROUP_SPLIT_DIMS = dataclasses.replace(DIMS, batch=2)
 FORWARD_STAGES = FORWARD_LAYOUTS["staged"]      # DIMS's layout (chunk 256)
 FAKE_GPU = tuning.GpuIdentity(name="NVIDIA H200", arch="sm_90")
+# Every stage's declaration, by name.
+STAGES = {**forward.STAGES, **backward.STAGES}
 
 
 @pytest.fixture
@@ -47,9 +50,9 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def _non_default_config(stage, dims):
-    spec = STAGE_SPACES[stage]
-    default = spec.default_config(dims)
-    return next(c for c in reversed(spec.configs(dims, "sm_90")) if c != default)
+    spec = STAGES[stage]
+    default = spec.default(dims)
+    return next(c for c in reversed(spec.space(dims, "sm_90")) if c != default)
 
 
 BACKWARD_OWN = [s for s in BACKWARD_STAGES if s not in FORWARD_STAGES]
@@ -100,7 +103,7 @@ def test_forward_configs_tunes_once_then_reads_disk(cache_dir, monkeypatch):
     monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner(calls))
     configs = tuning.forward_configs(DIMS)
     expected = {s: _non_default_config(s, DIMS) for s in FORWARD_STAGES}
-    assert configs == expected
+    assert configs == ForwardConfigs("staged", expected)
     assert calls == [list(FORWARD_STAGES)]
     assert {r["source"] for r in tuning.tune_report(DIMS).values()} == {"tuned"}
 
@@ -111,7 +114,7 @@ def test_forward_configs_tunes_once_then_reads_disk(cache_dir, monkeypatch):
     # A new process (no memory): the disk answers and nothing is tuned.
     tuning.clear_memory()
     monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
-    assert tuning.forward_configs(DIMS) == expected
+    assert tuning.forward_configs(DIMS) == ForwardConfigs("staged", expected)
     report = tuning.tune_report(DIMS)
     assert {r["source"] for r in report.values()} == {"disk"}
     assert report["chunk_scan"]["config"] == dataclasses.asdict(expected["chunk_scan"])
@@ -155,14 +158,14 @@ def test_stage_key_names_heads_per_block_where_deterministic_changes_the_launch(
 def test_backward_configs_reuse_forward_recompute_configs_and_tune_the_rest_once(cache_dir, monkeypatch):
     calls, given = [], []
     monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner(calls, given))
-    forward = tuning.forward_configs(DIMS)
+    forward = tuning.forward_configs(DIMS).configs
     backward = tuning.backward_configs(DIMS)
     assert calls == [list(FORWARD_STAGES), BACKWARD_OWN]
     assert backward == {**{s: forward[s] for s in ("chunk_cumsum", "chunk_state")},
                         **{s: _non_default_config(s, DIMS) for s in BACKWARD_OWN}}
     # The backward stages were tuned after the forward's recompute configs, the others at defaults.
     assert given[1] == {**{s: forward[s] for s in ("chunk_cumsum", "chunk_state")},
-                        **{s: STAGE_SPACES[s].default_config(DIMS) for s in BACKWARD_OWN}}
+                        **{s: STAGES[s].default(DIMS) for s in BACKWARD_OWN}}
     stored = json.loads(tuning.cache_path(FAKE_GPU).read_text())["entries"]
     assert set(stored) == {tuning.stage_key(s, DIMS) for s in FORWARD_STAGES + BACKWARD_STAGES}
 
@@ -190,13 +193,13 @@ def test_forward_configs_tune_both_layouts_and_keep_the_faster(cache_dir, monkey
     forward = tuning.forward_configs(fused_dims)
     # staged: 3 stages x 1 us; fused: 1 + fused_us. chunk_cumsum is tuned once and shared.
     assert calls == [["chunk_cumsum", "chunk_state", "chunk_scan"], ["fused_scan"]]
-    assert set(forward) == set(FORWARD_LAYOUTS[want])
-    assert len(forward_plan(fused_dims, forward).launches) == len(FORWARD_LAYOUTS[want])
+    assert forward.layout == want and set(forward.configs) == set(FORWARD_LAYOUTS[want])
+    assert len(forward_plan(fused_dims, forward.configs, forward.layout).launches) == len(FORWARD_LAYOUTS[want])
     # The backward's recompute takes the forward's chunk_cumsum and the chunk_state tuned with the
     # staged layout (from the cache), tuning only its own stages.
     backward = tuning.backward_configs(fused_dims)
     assert calls[2:] == [BACKWARD_OWN]
-    assert backward["chunk_cumsum"] == forward["chunk_cumsum"]
+    assert backward["chunk_cumsum"] == forward.configs["chunk_cumsum"]
     assert backward["chunk_state"] == _non_default_config("chunk_state", fused_dims)
     # A new process reads both layouts from disk and makes the same choice.
     tuning.clear_memory()
@@ -207,11 +210,13 @@ def test_forward_configs_tune_both_layouts_and_keep_the_faster(cache_dir, monkey
 def test_forward_configs_without_measurements_follow_the_layout_rule(cache_dir, monkeypatch):
     monkeypatch.setenv(tuning.ENV_AUTOTUNE, "0")
     fused_dims = dataclasses.replace(DIMS, chunk_size=64)
-    assert set(tuning.forward_configs(fused_dims)) == set(FORWARD_LAYOUTS["fused"])
+    assert set(tuning.forward_configs(fused_dims).configs) == set(FORWARD_LAYOUTS["fused"])
     few_chains = dataclasses.replace(fused_dims, batch=1)
-    assert set(tuning.forward_configs(few_chains)) == set(FORWARD_LAYOUTS[forward_layout(few_chains)])
-    assert set(tuning.forward_configs(dataclasses.replace(fused_dims, dtype="float32", dt_dtype="float32"))
-               ) == set(FORWARD_LAYOUTS["staged"])
+    assert set(tuning.forward_configs(few_chains).configs) == set(FORWARD_LAYOUTS[forward_layout(few_chains)])
+    assert set(tuning.forward_configs(dataclasses.replace(fused_dims, dtype="float32", dt_dtype="float32")
+                                      ).configs) == set(FORWARD_LAYOUTS["staged"])
+    assert [tuning.forward_configs(d).layout for d in (fused_dims, few_chains)] == [
+        "fused", forward_layout(few_chains)]
 
 
 def test_backward_configs_deterministic_tunes_only_the_group_reducing_stages_again(cache_dir, monkeypatch):
@@ -279,7 +284,7 @@ def test_tune_stages_times_each_config_on_its_plan_buffers_and_rezeroes_atomic_s
     monkeypatch.setattr(tuning, "ct", fake_ct)
     monkeypatch.setattr(tuning, "_array_library", lambda: _FAKE_LIBRARY)
 
-    start = {s: STAGE_SPACES[s].default_config(dims) for s in BACKWARD_STAGES}
+    start = {s: STAGES[s].default(dims) for s in BACKWARD_STAGES}
     spec = tuning._BACKWARD[False]
     entries = dict(tuning._tune_stages(dims, spec, BACKWARD_OWN, start, "sm_90"))
     assert list(entries) == BACKWARD_OWN
@@ -323,15 +328,15 @@ def test_configs_env_off_uses_defaults(cache_dir, monkeypatch, backward):
     assert tuple(report) == (BACKWARD_STAGES if backward else FORWARD_STAGES)
     for stage, r in report.items():
         assert r["source"] == "default" and r["reason"] == f"{tuning.ENV_AUTOTUNE}=0"
-        assert r["config"] == dataclasses.asdict(STAGE_SPACES[stage].default_config(DIMS))
+        assert r["config"] == dataclasses.asdict(STAGES[stage].default(DIMS))
     assert not list(cache_dir.iterdir())
 
 
 def test_configs_without_gpu_use_defaults(cache_dir, monkeypatch):
     monkeypatch.setattr(tuning, "_gpu_identity", lambda: None)
     monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
-    defaults = {s: spec.default_config(DIMS) for s, spec in STAGE_SPACES.items()}
-    assert tuning.forward_configs(DIMS) == {s: defaults[s] for s in FORWARD_STAGES}
+    defaults = {s: spec.default(DIMS) for s, spec in STAGES.items()}
+    assert tuning.forward_configs(DIMS) == ForwardConfigs("staged", {s: defaults[s] for s in FORWARD_STAGES})
     assert tuning.backward_configs(DIMS, deterministic=True) == {s: defaults[s] for s in BACKWARD_STAGES}
     assert not list(cache_dir.iterdir())
 
@@ -403,12 +408,12 @@ def test_search_spaces_stay_small_and_contain_default(shape, chunk_size):
     (at chunk 64 the staged chunk_scan space of headdim 128 has 27)."""
     b, L, H, P, N, G = shape
     dims = SSDDims(batch=b, seqlen=L, nheads=H, headdim=P, ngroups=G, dstate=N, chunk_size=chunk_size)
-    for stage, spec in STAGE_SPACES.items():
+    for stage, spec in STAGES.items():
         space = tuning._search_space(stage, dims, "sm_90")
         assert 1 <= len(space) <= (25 if chunk_size == 256 else 27), (stage, len(space))
         assert len(set(space)) == len(space)
-        own = spec.configs(dims, "sm_90")
-        assert not own or spec.default_config(dims) in own, stage
+        own = spec.space(dims, "sm_90")
+        assert not own or spec.default(dims) in own, stage
 
 
 def test_cutile_forward_traces_with_the_configs_forward_configs_returns(monkeypatch):
@@ -416,12 +421,12 @@ def test_cutile_forward_traces_with_the_configs_forward_configs_returns(monkeypa
     args, kwargs = make_ssd_args(0, batch=2, seqlen=128, nheads=4, headdim=32, dstate=32)
     dims = SSDDims(batch=2, seqlen=128, nheads=4, headdim=32, ngroups=1, dstate=32, chunk_size=64)
     chosen = {s: _non_default_config(s, dims) for s in FORWARD_STAGES}
-    monkeypatch.setattr(tuning, "forward_configs", lambda d: chosen)
+    monkeypatch.setattr(tuning, "forward_configs", lambda d: ForwardConfigs("staged", chosen))
     static = op.SSDStatic(64, False, (0.0, float("inf")))
     inputs = op.SSDInputs(*args, None, None, None, None, None)
     jaxpr = jax.make_jaxpr(lambda inp: op._run_backend(op._BACKENDS["cutile"], inp, static))(inputs)
     grids = [tuple(e.params["grid"]) for e in _cutile_calls(jaxpr.jaxpr)]
-    expected = [launch.grid for launch in forward_plan(dims, chosen).launches]
+    expected = [launch.grid for launch in forward_plan(dims, chosen, "staged").launches]
     assert grids == [g + (1,) * (3 - len(g)) for g in expected]  # cutile_call pads grids to 3-D
 
 
@@ -506,4 +511,4 @@ def test_forward_layout_times_report_what_the_layout_choice_compares(cache_dir, 
     tuning.clear_memory()
     monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner([]))   # 1 us per stage
     assert tuning.forward_layout_times(fused_dims) == {"staged": 3.0, "fused": 2.0}
-    assert set(tuning.forward_configs(fused_dims)) == set(FORWARD_LAYOUTS["fused"])
+    assert tuning.forward_configs(fused_dims).layout == "fused"
