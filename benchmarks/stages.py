@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 from benchmarks.environment import environment, gpu_slug  # noqa: E402
 from benchmarks.ssd import GRID, WARMUP_S, Shape, warm_up  # noqa: E402
 from jax_mamba2.bridge import eager, tuning  # noqa: E402
+from jax_mamba2.bridge.tuning import timing  # noqa: E402
 from jax_mamba2.kernels import backward, forward  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
 
@@ -182,7 +183,7 @@ def main(argv=None) -> int:
         for (direction, variant), plan in plans.items():
             is_forward = direction.startswith("fwd")
             heads = None if is_forward else variant
-            inputs = tuning.random_inputs(dims if is_forward else bwd_dims, backward=not is_forward)
+            inputs = timing.random_inputs(dims if is_forward else bwd_dims, backward=not is_forward)
             arrays = {name: torch.from_dlpack(value) for name, value in inputs.items()}
             for row in time_launches(plan, arrays, args.repeats):
                 records.append({**env, "op": "ssd_stage", "direction": direction, "shape": shape._asdict(),

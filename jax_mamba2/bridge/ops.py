@@ -2,7 +2,7 @@
 
 Adds what raw kernel calls lack: a vmap rule (the mapped axis folds into the kernel's batch axis),
 outputs that keep shard_map's varying axes, and kernel configs chosen per problem (forward and
-backward, see tuning.py).
+backward, see the tuning package).
 
 The gate z: a forward alone applies it inside the forward kernels. A differentiated call runs them gate-free,
 applies y * silu(z) as an XLA elementwise op and saves y for the gate's VJP (as mamba_ssm saves its pre-gate

@@ -70,7 +70,7 @@ def test_main_builds_every_asked_plan_and_records_it(monkeypatch, tmp_path):
     """The plans main() times, with the launches' timing stubbed (it needs a GPU): a forward variant in its
     layout, the backward plans gate-free under --features z."""
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(from_dlpack=lambda value: value))
-    monkeypatch.setattr(stages.tuning, "random_inputs", lambda dims, backward=False: {})
+    monkeypatch.setattr(stages.timing, "random_inputs", lambda dims, backward=False: {})
     monkeypatch.setattr(stages, "time_launches", lambda plan, arrays, repeats: [
         {"kernel": launch.kernel._annotated_function.pyfunc.__name__, "grid": list(launch.grid), "ms_median": 1.0}
         for launch in plan.launches])

@@ -19,10 +19,12 @@ import pytest
 
 ct = pytest.importorskip("cuda.tile")
 
+from benchmarks.ssd import forward_layout_times  # noqa: E402
 from jax_mamba2 import op  # noqa: E402
 from jax_mamba2.bridge import problem, tuning  # noqa: E402
+from jax_mamba2.bridge.tuning import cache_file, cache_keys, layout_choice, lookup, timing  # noqa: E402
+from jax_mamba2.bridge.tuning.cache_keys import STAGES  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
-from jax_mamba2.kernels import backward, forward  # noqa: E402
 from jax_mamba2.kernels.backward import BACKWARD_STAGES, backward_inputs, backward_plan  # noqa: E402
 from jax_mamba2.kernels.forward import (  # noqa: E402
     FORWARD_LAYOUTS, ForwardConfigs, forward_inputs, forward_layout, forward_plan)
@@ -32,21 +34,26 @@ DIMS = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=12
 # Half the batch: the atomic backward splits each group over two blocks (see backward.group_heads_per_block).
 GROUP_SPLIT_DIMS = dataclasses.replace(DIMS, batch=2)
 FORWARD_STAGES = FORWARD_LAYOUTS["staged"]      # DIMS's layout (chunk 256)
-FAKE_GPU = tuning.GpuIdentity(name="NVIDIA H200", arch="sm_90")
-# Every stage's declaration, by name.
-STAGES = {**forward.STAGES, **backward.STAGES}
+FAKE_GPU = cache_keys.GpuIdentity(name="NVIDIA H200", arch="sm_90")
 
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     """A fresh cache directory, tuning enabled, a fake H200, and no process-local choices."""
-    monkeypatch.setenv(tuning.ENV_CACHE_DIR, str(tmp_path))
-    monkeypatch.setenv(tuning.ENV_AUTOTUNE, "1")
-    monkeypatch.setattr(tuning, "_gpu_identity", lambda: FAKE_GPU)
-    monkeypatch.setattr(tuning, "_array_library_missing_reason", lambda: None)
+    monkeypatch.setenv(cache_keys.ENV_CACHE_DIR, str(tmp_path))
+    monkeypatch.setenv(lookup.ENV_AUTOTUNE, "1")
+    monkeypatch.setattr(cache_keys, "gpu_identity", lambda: FAKE_GPU)
+    monkeypatch.setattr(timing, "array_library_missing_reason", lambda: None)
     tuning.clear_memory()
     yield tmp_path
     tuning.clear_memory()
+
+
+def _choices(dims, backward=False, deterministic=False):
+    """{stage: StageChoice} of the forward (its chosen layout's stages) or of the backward in one mode."""
+    if backward:
+        return layout_choice.backward_choices(dims, deterministic)
+    return layout_choice.forward_choices(dims)[1]
 
 
 def _non_default_config(stage, dims):
@@ -76,62 +83,62 @@ def _refuse_tuning(dims, spec, stages, configs, arch):
 
 
 def test_stage_key_is_stable_and_names_what_the_stage_specialises_on():
-    assert tuning.stage_key("chunk_state", DIMS) == (
+    assert cache_keys.stage_key("chunk_state", DIMS) == (
         "chunk_state/chunk_size=256,headdim=64,dstate=128,dtype=bfloat16,has_init=False,"
         "has_seq_idx=False,index64=False,work=128")
     # seqlen is not a chunk_state key field and batch * nheads stays 128: same key.
     same = dataclasses.replace(DIMS, seqlen=2048)
-    assert tuning.stage_key("chunk_state", same) == tuning.stage_key("chunk_state", DIMS)
+    assert cache_keys.stage_key("chunk_state", same) == cache_keys.stage_key("chunk_state", DIMS)
     for field, value in [("dstate", 64), ("dtype", "float16"), ("has_z", True), ("chunk_size", 128)]:
         changed = dataclasses.replace(DIMS, **{field: value})
-        assert tuning.stage_key("chunk_scan", changed) != tuning.stage_key("chunk_scan", DIMS), field
+        assert cache_keys.stage_key("chunk_scan", changed) != cache_keys.stage_key("chunk_scan", DIMS), field
     # The work bucket: 4x the chunks is a new bucket for chunk_scan, not for chunk_state.
     longer = dataclasses.replace(DIMS, seqlen=4 * DIMS.seqlen)
-    assert tuning.stage_key("chunk_scan", longer) != tuning.stage_key("chunk_scan", DIMS)
-    assert tuning.stage_key("chunk_state", longer) == tuning.stage_key("chunk_state", DIMS)
+    assert cache_keys.stage_key("chunk_scan", longer) != cache_keys.stage_key("chunk_scan", DIMS)
+    assert cache_keys.stage_key("chunk_state", longer) == cache_keys.stage_key("chunk_state", DIMS)
 
 
 def test_cache_path_names_gpu_versions_and_kernel_source(cache_dir):
-    name = tuning.cache_path(FAKE_GPU).name
-    assert tuning.cache_path(FAKE_GPU).parent == cache_dir
+    name = cache_keys.cache_path(FAKE_GPU).name
+    assert cache_keys.cache_path(FAKE_GPU).parent == cache_dir
     assert name.startswith("NVIDIA_H200-sm_90-cuda_tile_") and "-jax_mamba2_" in name
     assert "-kernels_" in name and name.endswith(".json")
 
 
 def test_forward_configs_tunes_once_then_reads_disk(cache_dir, monkeypatch):
     calls = []
-    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner(calls))
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner(calls))
     configs = tuning.forward_configs(DIMS)
     expected = {s: _non_default_config(s, DIMS) for s in FORWARD_STAGES}
     assert configs == ForwardConfigs("staged", expected)
     assert calls == [list(FORWARD_STAGES)]
-    assert {r["source"] for r in tuning.tune_report(DIMS).values()} == {"tuned"}
+    assert {c.source for c in _choices(DIMS).values()} == {"tuned"}
 
-    stored = json.loads(tuning.cache_path(FAKE_GPU).read_text())
-    assert stored["schema"] == tuning.CACHE_SCHEMA
-    assert set(stored["entries"]) == {tuning.stage_key(s, DIMS) for s in FORWARD_STAGES}
+    stored = json.loads(cache_keys.cache_path(FAKE_GPU).read_text())
+    assert stored["schema"] == cache_keys.CACHE_SCHEMA
+    assert set(stored["entries"]) == {cache_keys.stage_key(s, DIMS) for s in FORWARD_STAGES}
 
     # A new process (no memory): the disk answers and nothing is tuned.
     tuning.clear_memory()
-    monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
+    monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
     assert tuning.forward_configs(DIMS) == ForwardConfigs("staged", expected)
-    report = tuning.tune_report(DIMS)
-    assert {r["source"] for r in report.values()} == {"disk"}
-    assert report["chunk_scan"]["config"] == dataclasses.asdict(expected["chunk_scan"])
+    report = _choices(DIMS)
+    assert {c.source for c in report.values()} == {"disk"}
+    assert report["chunk_scan"].config == expected["chunk_scan"]
 
 
 def test_forward_configs_retunes_only_stale_entries(cache_dir, monkeypatch):
-    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner([]))
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner([]))
     tuning.forward_configs(DIMS)
-    path = tuning.cache_path(FAKE_GPU)
+    path = cache_keys.cache_path(FAKE_GPU)
     stored = json.loads(path.read_text())
-    stored["entries"][tuning.stage_key("chunk_scan", DIMS)]["config"] = {"NO_SUCH_FIELD": 1}
+    stored["entries"][cache_keys.stage_key("chunk_scan", DIMS)]["config"] = {"NO_SUCH_FIELD": 1}
     path.write_text(json.dumps(stored))
 
     tuning.clear_memory()
     calls = []
-    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner(calls))
-    sources = {s: r["source"] for s, r in tuning.tune_report(DIMS).items()}
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner(calls))
+    sources = {s: c.source for s, c in _choices(DIMS).items()}
     assert calls == [["chunk_scan"]]
     assert sources == {"chunk_cumsum": "disk", "chunk_state": "disk", "chunk_scan": "tuned"}
 
@@ -140,24 +147,24 @@ def test_stage_key_names_heads_per_block_where_deterministic_changes_the_launch(
     # 32 heads in one group, half DIMS' batch: deterministic mode gives a block the whole group, the atomic
     # mode 16 heads (the most that leave backward.MIN_GROUP_PASS_BLOCKS blocks).
     grouped = GROUP_SPLIT_DIMS
-    assert tuning.stage_key("chunk_scan_bwd_dc", grouped) == (
+    assert cache_keys.stage_key("chunk_scan_bwd_dc", grouped) == (
         "chunk_scan_bwd_dc/chunk_size=256,headdim=64,dstate=128,heads_per_group=32,dtype=bfloat16,"
         "has_seq_idx=False,heads_per_block=16,index64=False,work=128")
-    assert tuning.stage_key("chunk_scan_bwd_dx", grouped, deterministic=True).endswith(
+    assert cache_keys.stage_key("chunk_scan_bwd_dx", grouped, deterministic=True).endswith(
         "heads_per_block=32,index64=False,work=64")
     # At DIMS' batch the atomic mode gives a block the whole group too: one launch, one key, in both modes.
-    assert tuning.stage_key("chunk_scan_bwd_dc", DIMS) == tuning.stage_key("chunk_scan_bwd_dc", DIMS, True)
+    assert cache_keys.stage_key("chunk_scan_bwd_dc", DIMS) == cache_keys.stage_key("chunk_scan_bwd_dc", DIMS, True)
     for stage in BACKWARD_STAGES:
-        differs = tuning.stage_key(stage, grouped) != tuning.stage_key(stage, grouped, True)
+        differs = cache_keys.stage_key(stage, grouped) != cache_keys.stage_key(stage, grouped, True)
         assert differs == (stage in ("chunk_scan_bwd_dc", "chunk_scan_bwd_dx")), stage
     # One head per group: both modes launch the same kernels, so they share every key.
     per_head = dataclasses.replace(DIMS, ngroups=DIMS.nheads)
-    assert all(tuning.stage_key(s, per_head) == tuning.stage_key(s, per_head, True) for s in BACKWARD_STAGES)
+    assert all(cache_keys.stage_key(s, per_head) == cache_keys.stage_key(s, per_head, True) for s in BACKWARD_STAGES)
 
 
 def test_backward_configs_reuse_forward_recompute_configs_and_tune_the_rest_once(cache_dir, monkeypatch):
     calls, given = [], []
-    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner(calls, given))
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner(calls, given))
     forward = tuning.forward_configs(DIMS).configs
     backward = tuning.backward_configs(DIMS)
     assert calls == [list(FORWARD_STAGES), BACKWARD_OWN]
@@ -166,14 +173,14 @@ def test_backward_configs_reuse_forward_recompute_configs_and_tune_the_rest_once
     # The backward stages were tuned after the forward's recompute configs, the others at defaults.
     assert given[1] == {**{s: forward[s] for s in ("chunk_cumsum", "chunk_state")},
                         **{s: STAGES[s].default(DIMS) for s in BACKWARD_OWN}}
-    stored = json.loads(tuning.cache_path(FAKE_GPU).read_text())["entries"]
-    assert set(stored) == {tuning.stage_key(s, DIMS) for s in FORWARD_STAGES + BACKWARD_STAGES}
+    stored = json.loads(cache_keys.cache_path(FAKE_GPU).read_text())["entries"]
+    assert set(stored) == {cache_keys.stage_key(s, DIMS) for s in FORWARD_STAGES + BACKWARD_STAGES}
 
     # A new process: the disk answers for both passes.
     tuning.clear_memory()
-    monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
+    monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
     assert tuning.backward_configs(DIMS) == backward
-    assert {r["source"] for r in tuning.tune_report(DIMS, backward=True).values()} == {"disk"}
+    assert {c.source for c in _choices(DIMS, backward=True).values()} == {"disk"}
 
 
 @pytest.mark.parametrize("fused_us,want", [(1.0, "fused"), (5.0, "staged")])
@@ -189,7 +196,7 @@ def test_forward_configs_tune_both_layouts_and_keep_the_faster(cache_dir, monkey
             entry = {"config": dataclasses.asdict(_non_default_config(stage, dims)), "measured": []}
             yield stage, {**entry, "mean_us": times.get(stage, 1.0)}
 
-    monkeypatch.setattr(tuning, "_tune_stages", tune_stages)
+    monkeypatch.setattr(timing, "tune_stages", tune_stages)
     forward = tuning.forward_configs(fused_dims)
     # staged: 3 stages x 1 us; fused: 1 + fused_us. chunk_cumsum is tuned once and shared.
     assert calls == [["chunk_cumsum", "chunk_state", "chunk_scan"], ["fused_scan"]]
@@ -203,12 +210,12 @@ def test_forward_configs_tune_both_layouts_and_keep_the_faster(cache_dir, monkey
     assert backward["chunk_state"] == _non_default_config("chunk_state", fused_dims)
     # A new process reads both layouts from disk and makes the same choice.
     tuning.clear_memory()
-    monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
+    monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
     assert tuning.forward_configs(fused_dims) == forward
 
 
 def test_forward_configs_without_measurements_follow_the_layout_rule(cache_dir, monkeypatch):
-    monkeypatch.setenv(tuning.ENV_AUTOTUNE, "0")
+    monkeypatch.setenv(lookup.ENV_AUTOTUNE, "0")
     fused_dims = dataclasses.replace(DIMS, chunk_size=64)
     assert set(tuning.forward_configs(fused_dims).configs) == set(FORWARD_LAYOUTS["fused"])
     few_chains = dataclasses.replace(fused_dims, batch=1)
@@ -220,16 +227,16 @@ def test_forward_configs_without_measurements_follow_the_layout_rule(cache_dir, 
 
 
 def test_backward_configs_deterministic_tunes_only_the_group_reducing_stages_again(cache_dir, monkeypatch):
-    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner([]))
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner([]))
     tuning.backward_configs(GROUP_SPLIT_DIMS, deterministic=False)
     tuning.clear_memory()
     calls = []
-    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner(calls))
-    report = tuning.tune_report(GROUP_SPLIT_DIMS, backward=True, deterministic=True)
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner(calls))
+    report = _choices(GROUP_SPLIT_DIMS, backward=True, deterministic=True)
     assert calls == [["chunk_scan_bwd_dc", "chunk_scan_bwd_dx"]]
-    tuned = {s for s, r in report.items() if r["source"] == "tuned"}
+    tuned = {s for s, c in report.items() if c.source == "tuned"}
     assert tuned == {"chunk_scan_bwd_dc", "chunk_scan_bwd_dx"}
-    assert "heads_per_block=32" in report["chunk_scan_bwd_dc"]["key"]
+    assert "heads_per_block=32" in report["chunk_scan_bwd_dc"].key
 
 
 class _FakeStream:
@@ -281,12 +288,12 @@ def test_tune_stages_times_each_config_on_its_plan_buffers_and_rezeroes_atomic_s
 
     fake_ct = types.SimpleNamespace(launch=launch, compiler_timeout=lambda s: contextlib.nullcontext(),
                                     tune=types.SimpleNamespace(exhaustive_search=exhaustive_search))
-    monkeypatch.setattr(tuning, "ct", fake_ct)
-    monkeypatch.setattr(tuning, "_array_library", lambda: _FAKE_LIBRARY)
+    monkeypatch.setattr(timing, "ct", fake_ct)
+    monkeypatch.setattr(timing, "array_library", lambda: _FAKE_LIBRARY)
 
     start = {s: STAGES[s].default(dims) for s in BACKWARD_STAGES}
-    spec = tuning._BACKWARD[False]
-    entries = dict(tuning._tune_stages(dims, spec, BACKWARD_OWN, start, "sm_90"))
+    spec = layout_choice.BACKWARD[False]
+    entries = dict(timing.tune_stages(dims, spec, BACKWARD_OWN, start, "sm_90"))
     assert list(entries) == BACKWARD_OWN
 
     configs, i = dict(start), 0
@@ -302,7 +309,7 @@ def test_tune_stages_times_each_config_on_its_plan_buffers_and_rezeroes_atomic_s
             i += 1
         kind, runs = events[i]
         i += 1
-        assert kind == "search" and list(runs) == tuning._search_space(stage, dims, "sm_90")
+        assert kind == "search" and list(runs) == timing.search_space(stage, dims, "sm_90")
         for cfg, cfg_runs in runs.items():
             plan = backward_plan(dims, {**configs, stage: cfg})
             timed, arrays = plan.launches[index], {**backward_inputs(dims), **plan.buffers}
@@ -322,19 +329,19 @@ def test_tune_stages_times_each_config_on_its_plan_buffers_and_rezeroes_atomic_s
 
 @pytest.mark.parametrize("backward", [False, True])
 def test_configs_env_off_uses_defaults(cache_dir, monkeypatch, backward):
-    monkeypatch.setenv(tuning.ENV_AUTOTUNE, "0")
-    monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
-    report = tuning.tune_report(DIMS, backward=backward)
+    monkeypatch.setenv(lookup.ENV_AUTOTUNE, "0")
+    monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
+    report = _choices(DIMS, backward=backward)
     assert tuple(report) == (BACKWARD_STAGES if backward else FORWARD_STAGES)
     for stage, r in report.items():
-        assert r["source"] == "default" and r["reason"] == f"{tuning.ENV_AUTOTUNE}=0"
-        assert r["config"] == dataclasses.asdict(STAGES[stage].default(DIMS))
+        assert r.source == "default" and r.reason == f"{lookup.ENV_AUTOTUNE}=0"
+        assert r.config == STAGES[stage].default(DIMS)
     assert not list(cache_dir.iterdir())
 
 
 def test_configs_without_gpu_use_defaults(cache_dir, monkeypatch):
-    monkeypatch.setattr(tuning, "_gpu_identity", lambda: None)
-    monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
+    monkeypatch.setattr(cache_keys, "gpu_identity", lambda: None)
+    monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
     defaults = {s: spec.default(DIMS) for s, spec in STAGES.items()}
     assert tuning.forward_configs(DIMS) == ForwardConfigs("staged", {s: defaults[s] for s in FORWARD_STAGES})
     assert tuning.backward_configs(DIMS, deterministic=True) == {s: defaults[s] for s in BACKWARD_STAGES}
@@ -347,25 +354,25 @@ def test_configs_tuning_failure_warns_and_uses_defaults(cache_dir, monkeypatch, 
         raise RuntimeError("out of memory")
         yield  # a generator, like the real tuner
 
-    monkeypatch.setattr(tuning, "_tune_stages", broken)
+    monkeypatch.setattr(timing, "tune_stages", broken)
     with pytest.warns(RuntimeWarning, match="autotuning .* failed .*out of memory"):
-        report = tuning.tune_report(DIMS, backward=backward)
-    assert {r["source"] for r in report.values()} == {"default"}
-    assert tuning._TuningCache(tuning.cache_path(FAKE_GPU)).read() == {}
+        report = _choices(DIMS, backward=backward)
+    assert {c.source for c in report.values()} == {"default"}
+    assert cache_file.TuningCache(cache_keys.cache_path(FAKE_GPU)).read() == {}
 
 
 def test_autotune_env_rejects_other_values(monkeypatch):
-    monkeypatch.setenv(tuning.ENV_AUTOTUNE, "yes")
+    monkeypatch.setenv(lookup.ENV_AUTOTUNE, "yes")
     with pytest.raises(ValueError, match="JAX_MAMBA2_AUTOTUNE='yes' must be '0' or '1'"):
-        tuning.autotune_enabled()
+        lookup.autotune_enabled()
 
 
 def test_tuning_cache_ignores_corrupt_and_foreign_files(tmp_path):
     path = tmp_path / "cache.json"
-    cache = tuning._TuningCache(path)
+    cache = cache_file.TuningCache(path)
     path.write_text("{not json")
     assert cache.read() == {}
-    path.write_text(json.dumps({"schema": tuning.CACHE_SCHEMA + 1, "entries": {"k": {}}}))
+    path.write_text(json.dumps({"schema": cache_keys.CACHE_SCHEMA + 1, "entries": {"k": {}}}))
     assert cache.read() == {}
     assert cache.fill(["k"], lambda keys: iter([("k", {"config": {}})])) == {"k": {"config": {}}}
     assert cache.read() == {"k": {"config": {}}}
@@ -381,7 +388,7 @@ def _fill_from_process(path, key, log_path, barrier):
             yield k, {"config": {"by": key}}
 
     barrier.wait()
-    tuning._TuningCache(path).fill([key], slow_tune)
+    cache_file.TuningCache(path).fill([key], slow_tune)
 
 
 def test_tuning_cache_concurrent_writers_keep_every_key_and_tune_each_once(tmp_path):
@@ -395,7 +402,7 @@ def test_tuning_cache_concurrent_writers_keep_every_key_and_tune_each_once(tmp_p
     for p in procs:
         p.join(timeout=120)
     assert [p.exitcode for p in procs] == [0] * len(keys)
-    assert set(tuning._TuningCache(path).read()) == {"stage_a/x=1", "stage_b/x=2"}
+    assert set(cache_file.TuningCache(path).read()) == {"stage_a/x=1", "stage_b/x=2"}
     assert sorted(log_path.read_text().split()) == ["stage_a/x=1", "stage_b/x=2"]
 
 
@@ -409,7 +416,7 @@ def test_search_spaces_stay_small_and_contain_default(shape, chunk_size):
     b, L, H, P, N, G = shape
     dims = SSDDims(batch=b, seqlen=L, nheads=H, headdim=P, ngroups=G, dstate=N, chunk_size=chunk_size)
     for stage, spec in STAGES.items():
-        space = tuning._search_space(stage, dims, "sm_90")
+        space = timing.search_space(stage, dims, "sm_90")
         assert 1 <= len(space) <= (25 if chunk_size == 256 else 27), (stage, len(space))
         assert len(set(space)) == len(space)
         own = spec.space(dims, "sm_90")
@@ -466,11 +473,11 @@ def test_random_inputs_match_plan_inputs_with_realistic_values():
     dims = SSDDims(batch=2, seqlen=100, nheads=4, headdim=16, ngroups=2, dstate=16, chunk_size=64,
                    has_z=True, has_init=True, has_seq_idx=True)
     for backward, specs in [(False, forward_inputs(dims)), (True, backward_inputs(dims))]:
-        inputs = tuning.random_inputs(dims, backward=backward)
+        inputs = timing.random_inputs(dims, backward=backward)
         assert list(inputs) == list(specs)
         for name, buf in specs.items():
             assert (inputs[name].shape, inputs[name].dtype) == (buf.shape, jnp.dtype(buf.dtype)), name
-    arrays = tuning.random_inputs(dims, backward=True)
+    arrays = timing.random_inputs(dims, backward=True)
     assert float(jnp.abs(arrays["dout"].astype(jnp.float32)).mean()) > 0.5
     assert float(jnp.abs(arrays["dfinal_states"]).mean()) > 0.5
     # Without dt_softplus, dt is Δ itself: softplus(N(-3, 1)), positive with median ~0.05.
@@ -487,7 +494,7 @@ def test_random_inputs_are_concrete_inside_a_jit_trace():
     seen = {}
 
     def traced(x):
-        seen.update(tuning.random_inputs(dims))
+        seen.update(timing.random_inputs(dims))
         return x
 
     jax.jit(traced)(jnp.zeros(()))
@@ -496,19 +503,19 @@ def test_random_inputs_are_concrete_inside_a_jit_trace():
 
 
 def test_forward_configs_small_problems_use_defaults_untuned(cache_dir, monkeypatch):
-    monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
+    monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
     small = dataclasses.replace(DIMS, batch=1, seqlen=1024, nheads=8)
-    report = tuning.tune_report(small)
-    assert {r["source"] for r in report.values()} == {"default"}
-    assert "too small to be worth tuning" in report["chunk_scan"]["reason"]
+    report = _choices(small)
+    assert {c.source for c in report.values()} == {"default"}
+    assert "too small to be worth tuning" in report["chunk_scan"].reason
 
 
 def test_forward_layout_times_report_what_the_layout_choice_compares(cache_dir, monkeypatch):
     fused_dims = dataclasses.replace(DIMS, chunk_size=64)
-    monkeypatch.setenv(tuning.ENV_AUTOTUNE, "0")
-    assert tuning.forward_layout_times(fused_dims) == {"staged": None, "fused": None}   # defaults: no times
-    monkeypatch.setenv(tuning.ENV_AUTOTUNE, "1")
+    monkeypatch.setenv(lookup.ENV_AUTOTUNE, "0")
+    assert forward_layout_times(fused_dims) == {"staged": None, "fused": None}   # defaults: no times
+    monkeypatch.setenv(lookup.ENV_AUTOTUNE, "1")
     tuning.clear_memory()
-    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner([]))   # 1 us per stage
-    assert tuning.forward_layout_times(fused_dims) == {"staged": 3.0, "fused": 2.0}
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner([]))   # 1 us per stage
+    assert forward_layout_times(fused_dims) == {"staged": 3.0, "fused": 2.0}
     assert tuning.forward_configs(fused_dims).layout == "fused"
