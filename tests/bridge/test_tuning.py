@@ -8,6 +8,8 @@ import contextlib
 import dataclasses
 import json
 import multiprocessing
+import os
+import stat
 import time
 import types
 
@@ -370,12 +372,100 @@ def test_autotune_env_rejects_other_values(monkeypatch):
 def test_tuning_cache_ignores_corrupt_and_foreign_files(tmp_path):
     path = tmp_path / "cache.json"
     cache = cache_file.TuningCache(path)
+    assert cache.read() == {}                                   # no file yet: nothing to say
     path.write_text("{not json")
-    assert cache.read() == {}
+    with pytest.warns(RuntimeWarning, match="not readable as JSON .*; the file is ignored"):
+        assert cache.read() == {}
     path.write_text(json.dumps({"schema": cache_keys.CACHE_SCHEMA + 1, "entries": {"k": {}}}))
-    assert cache.read() == {}
+    with pytest.warns(RuntimeWarning, match="schema=2, not 1; the file is ignored"):
+        assert cache.read() == {}
     assert cache.fill(["k"], lambda keys: iter([("k", {"config": {}})])) == {"k": {"config": {}}}
     assert cache.read() == {"k": {"config": {}}}
+
+
+@pytest.mark.parametrize("data", [{"entries": 5}, {"schema": 1, "entries": 5}, [1, 2], {"schema": 1}])
+def test_tuning_cache_ignores_files_of_another_shape(tmp_path, data):
+    path = tmp_path / "cache.json"
+    path.write_text(json.dumps(data))
+    with pytest.warns(RuntimeWarning, match='not a JSON object with an "entries" object; the file is ignored'):
+        assert cache_file.TuningCache(path).read() == {}
+
+
+def test_tuning_cache_ignores_entries_of_another_shape_and_drops_them_on_the_next_write(tmp_path):
+    path = tmp_path / "cache.json"
+    good = {"config": {"BLOCK_H": 8}, "mean_us": 3.5, "default_mean_us": None}
+    entries = {"good": good, "text_time": {"config": {}, "mean_us": "fast"}, "none_time": {"config": {}, "mean_us": None},
+               "no_config": {"mean_us": 1.0}, "list_config": {"config": [1]}, "not_object": 7,
+               "bool_time": {"config": {}, "tuning_s": True}, "inf_time": {"config": {}, "default_mean_us": 1e999}}
+    path.write_text(json.dumps({"schema": cache_keys.CACHE_SCHEMA, "entries": entries}))
+    cache = cache_file.TuningCache(path)
+    with pytest.warns(RuntimeWarning) as caught:
+        assert cache.read() == {"good": good}
+    messages = "\n".join(str(w.message) for w in caught)
+    for key in set(entries) - {"good"}:
+        assert f"entry {key!r}" in messages, key
+    assert "mean_us='fast', not a finite number" in messages
+    with pytest.warns(RuntimeWarning):
+        cache.fill(["new"], lambda keys: iter([("new", {"config": {}})]))
+    assert set(json.loads(path.read_text())["entries"]) == {"good", "new"}
+
+
+def test_tuning_cache_files_take_the_permissions_the_umask_leaves(tmp_path):
+    previous = os.umask(0o002)
+    try:
+        path = tmp_path / "sub" / "cache.json"
+        cache_file.TuningCache(path).fill(["k"], lambda keys: iter([("k", {"config": {}})]))
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o664
+    assert stat.S_IMODE(path.with_name("cache.json.lock").stat().st_mode) == 0o664
+    assert sorted(p.name for p in path.parent.iterdir()) == ["cache.json", "cache.json.lock"]   # no temp file
+
+
+@pytest.mark.parametrize("data", ['{"entries": 5}', '{"schema": 1, "entries": 5}', "[]", "{broken"])
+def test_configs_survive_a_cache_file_of_another_shape(cache_dir, monkeypatch, data):
+    """The lookup warns and goes on (tuning here, into a rewritten file), inside the trace of a call."""
+    path = cache_keys.cache_path(FAKE_GPU)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(data)
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner([]))
+    with pytest.warns(RuntimeWarning, match="the file is ignored"):
+        assert tuning.forward_configs(DIMS).configs == {s: _non_default_config(s, DIMS) for s in FORWARD_STAGES}
+    assert set(json.loads(path.read_text())["entries"]) == {cache_keys.stage_key(s, DIMS) for s in FORWARD_STAGES}
+
+
+@pytest.mark.parametrize("autotune", ["0", "1"])
+def test_configs_ignore_a_stored_time_that_is_no_number_and_a_config_outside_the_space(cache_dir, monkeypatch,
+                                                                                       autotune):
+    """A non-numeric time and a config the tune space does not hold (valid fields, another tile) are ignored
+    with a warning: the stage is tuned again where tuning is on, else it runs its default."""
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner([]))
+    tuning.forward_configs(DIMS)
+    path = cache_keys.cache_path(FAKE_GPU)
+    stored = json.loads(path.read_text())
+    stored["entries"][cache_keys.stage_key("chunk_state", DIMS)]["mean_us"] = "fast"
+    outside = dataclasses.replace(STAGES["chunk_scan"].default(DIMS), BLOCK_M=48)
+    stored["entries"][cache_keys.stage_key("chunk_scan", DIMS)]["config"] = dataclasses.asdict(outside)
+    path.write_text(json.dumps(stored))
+
+    tuning.clear_memory()
+    monkeypatch.setenv(lookup.ENV_AUTOTUNE, autotune)
+    calls = []
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner(calls))
+    with pytest.warns(RuntimeWarning) as caught:
+        choices = _choices(DIMS)
+    messages = "\n".join(str(w.message) for w in caught)
+    assert "mean_us='fast', not a finite number; that entry is ignored" in messages
+    assert "outside the tune space of chunk_scan; that entry is ignored" in messages
+    assert choices["chunk_cumsum"].source == "disk"
+    if autotune == "1":
+        assert calls == [["chunk_state", "chunk_scan"]]
+        assert {s: choices[s].source for s in ("chunk_state", "chunk_scan")} == {"chunk_state": "tuned",
+                                                                                 "chunk_scan": "tuned"}
+    else:
+        assert calls == []
+        assert {s: (choices[s].source, choices[s].config) for s in ("chunk_state", "chunk_scan")} == {
+            s: ("default", STAGES[s].default(DIMS)) for s in ("chunk_state", "chunk_scan")}
 
 
 def _fill_from_process(path, key, log_path, barrier):

@@ -2,17 +2,23 @@
 
 Writers hold an fcntl lock on `<file>.lock`, re-read the file under it, tune only the keys still missing
 and replace the file atomically (temp file + os.replace), so concurrent processes never corrupt it nor tune
-one key twice; readers need no lock.
+one key twice; readers need no lock. Files are created with the permissions the umask leaves (0666 & ~umask).
+
+Reading trusts nothing: a file that is not the expected JSON object, and each entry that is not an object
+with a "config" object and (where present) finite numeric times, is ignored with a RuntimeWarning, and a
+later write leaves it out. Whether an entry's config fits its stage is the lookup's check.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import json
+import math
 import os
-import tempfile
+import secrets
+import warnings
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Optional
 
 from jax_mamba2.bridge.tuning.cache_keys import CACHE_SCHEMA
 
@@ -24,14 +30,34 @@ class TuningCache:
         self.path = Path(path)
 
     def read(self) -> dict[str, dict]:
-        """The stored entries ({} when the file is missing, unreadable or of another schema)."""
+        """The valid stored entries: {} when the file is missing, unreadable, malformed or of another
+        schema (a warning says which, except for a missing file); malformed entries left out, with a
+        warning."""
         try:
             data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+        except FileNotFoundError:
             return {}
-        if not isinstance(data, dict) or data.get("schema") != CACHE_SCHEMA:
+        except (OSError, ValueError) as e:
+            self._ignored(f"not readable as JSON ({type(e).__name__}: {e})", "the file")
             return {}
-        return dict(data.get("entries", {}))
+        if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+            self._ignored('not a JSON object with an "entries" object', "the file")
+            return {}
+        if data.get("schema") != CACHE_SCHEMA:
+            self._ignored(f"schema={data.get('schema')!r}, not {CACHE_SCHEMA}", "the file")
+            return {}
+        entries = {}
+        for key, entry in data["entries"].items():
+            problem = _entry_problem(entry)
+            if problem is None:
+                entries[key] = entry
+            else:
+                self._ignored(f"entry {key!r} {problem}", "that entry")
+        return entries
+
+    def _ignored(self, problem: str, what: str) -> None:
+        warnings.warn(f"jax_mamba2 tuning cache {self.path}: {problem}; {what} is ignored", RuntimeWarning,
+                      stacklevel=4)
 
     @contextlib.contextmanager
     def _locked(self):
@@ -44,7 +70,9 @@ class TuningCache:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _write(self, entries: dict[str, dict]) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+        # os.open applies the umask to 0666, as open() does for any user file (mkstemp would make it 0600).
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump({"schema": CACHE_SCHEMA, "entries": entries}, f, indent=1, sort_keys=True)
@@ -73,3 +101,21 @@ class TuningCache:
                     entries[key] = entry
                     self._write(entries)
         return {k: entries[k] for k in keys if k in entries}
+
+
+# The entry fields that hold times (us): each, where present, a finite number (or None where a
+# measurement may be missing).
+_TIMES = {"mean_us": False, "default_mean_us": True, "tuning_s": False}
+
+
+def _entry_problem(entry) -> Optional[str]:
+    """What is wrong with a stored entry's form (None when nothing is)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
+        return 'is not an object with a "config" object'
+    for field, may_be_none in _TIMES.items():
+        if field not in entry or (may_be_none and entry[field] is None):
+            continue
+        value = entry[field]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"has {field}={value!r}, not a finite number"
+    return None

@@ -81,9 +81,16 @@ def _default_choices(dims: SSDDims, stages: Iterable[str], reason: str,
             for s in stages}
 
 
-def _stored_choice(stage: str, dims: SSDDims, key: str, entry: dict, source: str):
-    config = config_from_entry(stage, dims, entry)
-    return None if config is None else StageChoice(stage, key, config, source, entry=entry)
+def _stored_choice(stage: str, dims: SSDDims, key: str, entry: dict, source: str,
+                   arch: str) -> Optional[StageChoice]:
+    """The choice a stored entry makes, or None (with a warning) where its config fits no member of the
+    stage's search space."""
+    config = config_from_entry(stage, dims, entry, arch)
+    if config is None:
+        warnings.warn(f"jax_mamba2 tuning cache: entry {key!r} has config={entry.get('config')!r}, outside "
+                      f"the tune space of {stage}; that entry is ignored", RuntimeWarning, stacklevel=2)
+        return None
+    return StageChoice(stage, key, config, source, entry=entry)
 
 
 def resolve(dims: SSDDims, spec: PlanSpec,
@@ -114,7 +121,7 @@ def _lookup(dims: SSDDims, spec: PlanSpec, given: Mapping[str, StageChoice], key
             stored = cache.read()
             for stage, key in keys.items():
                 if stage not in choices and key in stored:
-                    choice = _stored_choice(stage, dims, key, stored[key], "disk")
+                    choice = _stored_choice(stage, dims, key, stored[key], "disk", gpu.arch)
                     if choice is not None:
                         choices[stage] = choice
             missing = [s for s in keys if s not in choices]
@@ -145,7 +152,7 @@ def _tune_into_cache(cache: TuningCache, dims: SSDDims, spec: PlanSpec, stages: 
     try:
         entries = cache.fill(
             stage_of, tune,
-            usable=lambda key, entry: config_from_entry(stage_of[key], dims, entry) is not None)
+            usable=lambda key, entry: config_from_entry(stage_of[key], dims, entry, arch) is not None)
     except Exception as e:  # noqa: BLE001  tuning is an optimisation: never fail the program
         warnings.warn(f"jax_mamba2: autotuning {sorted(stages)} failed ({type(e).__name__}: {e}); "
                       f"using the default configs", RuntimeWarning, stacklevel=2)
@@ -153,11 +160,10 @@ def _tune_into_cache(cache: TuningCache, dims: SSDDims, spec: PlanSpec, stages: 
     choices = {}
     for key, entry in entries.items():
         source = "tuned" if key in tuned_here else "disk"
-        choice = _stored_choice(stage_of[key], dims, key, entry, source)
+        choice = _stored_choice(stage_of[key], dims, key, entry, source, arch)
         if choice is not None:
             choices[stage_of[key]] = choice
     return choices
-
 
 
 def clear_memory() -> None:

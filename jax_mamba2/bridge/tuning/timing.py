@@ -52,13 +52,16 @@ def config_fields(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def config_from_entry(stage: str, dims: SSDDims, entry: dict):
-    """The stored config as the stage's dataclass, or None if it no longer fits the class."""
-    cls = STAGES[stage].config_type
+def config_from_entry(stage: str, dims: SSDDims, entry: dict, arch: str):
+    """The config a cache entry names, as the member of the stage's search space for `dims` and `arch`
+    that equals it; None where it fits no member (fields of another config class, or values the space
+    does not hold)."""
     try:
-        return cls(**entry["config"])
-    except (KeyError, TypeError):
+        config = STAGES[stage].config_type(**entry["config"])
+    except (KeyError, TypeError, ValueError):
         return None
+    space = search_space(stage, dims, arch)
+    return space[space.index(config)] if config in space else None
 
 
 def search_space(stage: str, dims: SSDDims, arch: str) -> list:
@@ -256,7 +259,7 @@ def tune_stages(dims: SSDDims, spec: PlanSpec, stages: list[str], configs: Mappi
         timed = {cfg: _timed_launch(spec.plan(dims, {**configs, stage: cfg}), index, inputs, pool)
                  for cfg in search_space(stage, dims, arch)}
         entry = _tune_one(stage, dims, timed, library, stream)
-        configs[stage] = config_from_entry(stage, dims, entry)
+        configs[stage] = config_from_entry(stage, dims, entry, arch)
         yield stage, entry
     stream.synchronize()
 
