@@ -546,7 +546,8 @@ def parse_args(argv=None):
     parser.add_argument("--direction", choices=("fwd", "fwd_bwd"), default="fwd")
     parser.add_argument("--chunk", type=int, default=64, help="chunk size of our backends")
     parser.add_argument("--tuning", choices=("auto", "off"), default="auto",
-                        help="off: default kernel configs (no autotuning, an empty cache)")
+                        help="auto: autotune on first use (JAX_MAMBA2_AUTOTUNE=1); off: default kernel configs (no "
+                             "autotuning, an empty cache)")
     parser.add_argument("--mamba-ssm", type=Path, help="directory holding the mamba_ssm package")
     parser.add_argument("--jla", type=Path, help="directory holding the jla package")
     parser.add_argument("--seconds-per-impl", type=float, default=0.3,
@@ -566,8 +567,9 @@ def _free_torch_memory() -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # Read once, at the first kernel config lookup: set before any.
+    os.environ["JAX_MAMBA2_AUTOTUNE"] = "0" if args.tuning == "off" else "1"
     if args.tuning == "off":
-        os.environ["JAX_MAMBA2_AUTOTUNE"] = "0"
         os.environ["JAX_MAMBA2_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_mamba2_no_tuning_")
     for path in (args.mamba_ssm, args.jla):
         if path is not None:

@@ -128,7 +128,7 @@ def main(argv=None) -> int:
                         help="optional inputs given (seq_idx: four packed sequences per row; z reaches the forward "
                              "only: the backward kernels are gate-free)")
     parser.add_argument("--configs", choices=("default", "tuned"), default="default",
-                        help="tuned: the autotuner's choice (tunes on first use)")
+                        help="tuned: the autotuner's choice (tunes on first use: JAX_MAMBA2_AUTOTUNE=1)")
     parser.add_argument("--layouts", nargs="+", choices=tuple(forward.FORWARD_LAYOUTS), default=[None],
                         help="forward layouts to time (default: the op's own; other layouts run at default "
                              "configs); a layout the problem does not support is skipped")

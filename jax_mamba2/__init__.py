@@ -5,15 +5,17 @@ Public API:
                            single-token decode step.
   ssd_scan, ssd_chunked    pure-JAX reference paths (lax.scan oracle, chunked algorithm).
   available_backends       names of the registered SSD backends.
+  autotune                 tune the cuTile kernel configs of a program's SSD calls ahead of time.
   Mamba2, Mamba2LMHeadModel, Mamba2Config, generate, load_pretrained, save_pretrained, shard_model
                            the Flax NNX layers and language model (jax_mamba2.flax_layers has the rest).
 """
+from jax_mamba2.autotuning import autotune
 from jax_mamba2.op import available_backends, ssd, ssd_step
 from jax_mamba2.reference import ssd_chunked, ssd_scan
 from jax_mamba2.flax_layers import (Mamba2, Mamba2Config, Mamba2LMHeadModel, generate, load_pretrained,
                                     save_pretrained, shard_model)
 
 __all__ = [
-    "ssd", "ssd_step", "ssd_scan", "ssd_chunked", "available_backends", "Mamba2", "Mamba2Config",
+    "ssd", "ssd_step", "ssd_scan", "ssd_chunked", "available_backends", "autotune", "Mamba2", "Mamba2Config",
     "Mamba2LMHeadModel", "generate", "load_pretrained", "save_pretrained", "shard_model",
 ]

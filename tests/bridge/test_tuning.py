@@ -1,4 +1,5 @@
-"""Kernel config lookup: cache keys, the on-disk cache, concurrent writers, env switches, fallbacks.
+"""Kernel config lookup: cache keys, the on-disk cache, concurrent writers, env switches, fallbacks, and
+`jax_mamba2.autotune`'s discovery of a program's SSD plans.
 
 Tuning itself needs a GPU; here the GPU identity and the tuner (or the search, launches and array
 library under it) are replaced by fakes, so the lookup order, the file format, the locking and what
@@ -22,14 +23,15 @@ import pytest
 ct = pytest.importorskip("cuda.tile")
 
 from benchmarks.ssd import forward_layout_times  # noqa: E402
+import jax_mamba2  # noqa: E402
 from jax_mamba2 import op  # noqa: E402
-from jax_mamba2.bridge import problem, tuning  # noqa: E402
+from jax_mamba2.bridge import aot, problem, tuning  # noqa: E402
 from jax_mamba2.bridge.tuning import cache_file, cache_keys, layout_choice, lookup, timing  # noqa: E402
 from jax_mamba2.bridge.tuning.cache_keys import STAGES  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
 from jax_mamba2.kernels.backward import BACKWARD_STAGES, backward_inputs, backward_plan  # noqa: E402
 from jax_mamba2.kernels.forward import (  # noqa: E402
-    FORWARD_LAYOUTS, ForwardConfigs, forward_inputs, forward_layout, forward_plan)
+    FORWARD_LAYOUTS, ForwardConfigs, forward_inputs, forward_layout, forward_layouts, forward_plan)
 from tests._helpers import make_ssd_args  # noqa: E402
 
 DIMS = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=128, chunk_size=256)
@@ -39,16 +41,26 @@ FORWARD_STAGES = FORWARD_LAYOUTS["staged"]      # DIMS's layout (chunk 256)
 FAKE_GPU = cache_keys.GpuIdentity(name="NVIDIA H200", arch="sm_90")
 
 
+def _set_autotune(monkeypatch, value):
+    """Sets $JAX_MAMBA2_AUTOTUNE (None: unsets it) and makes the lookup read it again (it reads it once)."""
+    if value is None:
+        monkeypatch.delenv(lookup.ENV_AUTOTUNE, raising=False)
+    else:
+        monkeypatch.setenv(lookup.ENV_AUTOTUNE, value)
+    lookup.autotune_enabled.cache_clear()
+
+
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
-    """A fresh cache directory, tuning enabled, a fake H200, and no process-local choices."""
+    """A fresh cache directory, tuning on ($JAX_MAMBA2_AUTOTUNE=1), a fake H200, and no process-local choices."""
     monkeypatch.setenv(cache_keys.ENV_CACHE_DIR, str(tmp_path))
-    monkeypatch.setenv(lookup.ENV_AUTOTUNE, "1")
+    _set_autotune(monkeypatch, "1")
     monkeypatch.setattr(cache_keys, "gpu_identity", lambda: FAKE_GPU)
     monkeypatch.setattr(timing, "array_library_missing_reason", lambda: None)
     tuning.clear_memory()
     yield tmp_path
     tuning.clear_memory()
+    lookup.autotune_enabled.cache_clear()
 
 
 def _choices(dims, backward=False, deterministic=False):
@@ -217,7 +229,7 @@ def test_forward_configs_tune_both_layouts_and_keep_the_faster(cache_dir, monkey
 
 
 def test_forward_configs_without_measurements_follow_the_layout_rule(cache_dir, monkeypatch):
-    monkeypatch.setenv(lookup.ENV_AUTOTUNE, "0")
+    _set_autotune(monkeypatch, "0")
     fused_dims = dataclasses.replace(DIMS, chunk_size=64)
     assert set(tuning.forward_configs(fused_dims).configs) == set(FORWARD_LAYOUTS["fused"])
     few_chains = dataclasses.replace(fused_dims, batch=1)
@@ -331,7 +343,7 @@ def test_tune_stages_times_each_config_on_its_plan_buffers_and_rezeroes_atomic_s
 
 @pytest.mark.parametrize("backward", [False, True])
 def test_configs_env_off_uses_defaults(cache_dir, monkeypatch, backward):
-    monkeypatch.setenv(lookup.ENV_AUTOTUNE, "0")
+    _set_autotune(monkeypatch, "0")
     monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
     report = _choices(DIMS, backward=backward)
     assert tuple(report) == (BACKWARD_STAGES if backward else FORWARD_STAGES)
@@ -364,9 +376,65 @@ def test_configs_tuning_failure_warns_and_uses_defaults(cache_dir, monkeypatch, 
 
 
 def test_autotune_env_rejects_other_values(monkeypatch):
-    monkeypatch.setenv(lookup.ENV_AUTOTUNE, "yes")
+    _set_autotune(monkeypatch, "yes")
     with pytest.raises(ValueError, match="JAX_MAMBA2_AUTOTUNE='yes' must be '0' or '1'"):
         lookup.autotune_enabled()
+    lookup.autotune_enabled.cache_clear()
+
+
+def test_autotune_env_is_read_once_and_off_unless_set_to_1(monkeypatch):
+    _set_autotune(monkeypatch, None)
+    assert not lookup.autotune_enabled()
+    monkeypatch.setenv(lookup.ENV_AUTOTUNE, "1")         # after the first read: no effect
+    assert not lookup.autotune_enabled()
+    _set_autotune(monkeypatch, "1")
+    assert lookup.autotune_enabled()
+    lookup.autotune_enabled.cache_clear()
+
+
+def test_first_use_without_tuning_runs_the_defaults_in_milliseconds(cache_dir, monkeypatch):
+    """$JAX_MAMBA2_AUTOTUNE unset: every stage of both passes takes its declared default (nothing is tuned,
+    no file is written), the forward in the rule's layout, at the cost of a lookup."""
+    _set_autotune(monkeypatch, None)
+    monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
+    fused_dims = dataclasses.replace(DIMS, chunk_size=64)
+    start = time.perf_counter()
+    forward_cfgs, backward_cfgs = tuning.forward_configs(fused_dims), tuning.backward_configs(fused_dims)
+    assert time.perf_counter() - start < 1.0
+    assert forward_cfgs == ForwardConfigs(forward_layout(fused_dims), {
+        s: STAGES[s].default(fused_dims) for s in FORWARD_LAYOUTS[forward_layout(fused_dims)]})
+    assert backward_cfgs == {s: STAGES[s].default(fused_dims) for s in BACKWARD_STAGES}
+    reasons = {c.reason for c in _choices(fused_dims).values()}
+    assert reasons == {"autotuning is off (JAX_MAMBA2_AUTOTUNE=1 or jax_mamba2.autotune turns it on)"}
+    assert not list(cache_dir.iterdir())
+
+
+def _kernel_copy(tmp_path, name, edit=None):
+    """A copy of the kernel modules in tmp_path/name, `edit(text) -> text` applied to fused_scan.py."""
+    directory = tmp_path / name
+    directory.mkdir()
+    for path in cache_keys.KERNELS_DIR.glob("*.py"):
+        text = path.read_text()
+        (directory / path.name).write_text(edit(text) if edit and path.name == "fused_scan.py" else text)
+    return directory
+
+
+def test_cache_key_fingerprint_ignores_comments_and_docstrings_not_code(tmp_path):
+    original = cache_keys.kernels_fingerprint(_kernel_copy(tmp_path, "original"))
+    assert original == cache_keys.kernels_fingerprint(cache_keys.KERNELS_DIR)
+
+    def reword(text):
+        text = text.replace("# The chunk sizes the fused kernel takes", "# Chunk sizes the fused kernel\n# accepts")
+        text = text.replace('"""Whether the fused kernel has a configuration', '"""Whether the fused kernel has\n    a config')
+        return text.replace("FUSED_CHUNK_SIZES = (16, 32, 64)", "FUSED_CHUNK_SIZES = (16,   32, 64)  # powers of 2")
+
+    def recode(text):
+        return text.replace("MAX_PIECE_CHUNKS = 32", "MAX_PIECE_CHUNKS = 16")
+
+    assert reword(cache_keys.KERNELS_DIR.joinpath("fused_scan.py").read_text()) != \
+        cache_keys.KERNELS_DIR.joinpath("fused_scan.py").read_text()
+    assert cache_keys.kernels_fingerprint(_kernel_copy(tmp_path, "reworded", reword)) == original
+    assert cache_keys.kernels_fingerprint(_kernel_copy(tmp_path, "recoded", recode)) != original
 
 
 def test_tuning_cache_ignores_corrupt_and_foreign_files(tmp_path):
@@ -449,7 +517,7 @@ def test_configs_ignore_a_stored_time_that_is_no_number_and_a_config_outside_the
     path.write_text(json.dumps(stored))
 
     tuning.clear_memory()
-    monkeypatch.setenv(lookup.ENV_AUTOTUNE, autotune)
+    _set_autotune(monkeypatch, autotune)
     calls = []
     monkeypatch.setattr(timing, "tune_stages", _fake_tuner(calls))
     with pytest.warns(RuntimeWarning) as caught:
@@ -602,10 +670,87 @@ def test_forward_configs_small_problems_use_defaults_untuned(cache_dir, monkeypa
 
 def test_forward_layout_times_report_what_the_layout_choice_compares(cache_dir, monkeypatch):
     fused_dims = dataclasses.replace(DIMS, chunk_size=64)
-    monkeypatch.setenv(lookup.ENV_AUTOTUNE, "0")
+    _set_autotune(monkeypatch, "0")
     assert forward_layout_times(fused_dims) == {"staged": None, "fused": None}   # defaults: no times
-    monkeypatch.setenv(lookup.ENV_AUTOTUNE, "1")
+    _set_autotune(monkeypatch, "1")
     tuning.clear_memory()
     monkeypatch.setattr(timing, "tune_stages", _fake_tuner([]))   # 1 us per stage
     assert forward_layout_times(fused_dims) == {"staged": 3.0, "fused": 2.0}
     assert tuning.forward_configs(fused_dims).layout == "fused"
+
+
+def _train_step_args(batch=4, seqlen=8192, nheads=32, headdim=64, dstate=128):
+    """Abstract arguments of an SSD call big enough to be tuned (autotune traces, nothing runs)."""
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    return (jax.ShapeDtypeStruct((batch, seqlen, nheads, headdim), bf16),
+            jax.ShapeDtypeStruct((batch, seqlen, nheads), f32), jax.ShapeDtypeStruct((nheads,), f32),
+            jax.ShapeDtypeStruct((batch, seqlen, 1, dstate), bf16), jax.ShapeDtypeStruct((batch, seqlen, 1, dstate), bf16),
+            jax.ShapeDtypeStruct((batch, seqlen, nheads, headdim), bf16))
+
+
+def _cutile_loss(x, dt, A, B, C, z):
+    y = jax_mamba2.ssd(x, dt, A, B, C, 256, z=z, dt_softplus=True, backend="cutile")
+    return jnp.sum(y.astype(jnp.float32))
+
+
+def test_autotune_finds_every_ssd_plan_of_a_program_and_tunes_each_ahead_of_time(cache_dir, monkeypatch):
+    """A training step (forward in a loss, its gradient, and a forward alone of another shape) traced on the
+    CPU for sm_90, the timing harness faked: autotune finds the differentiated call's gate-free saving
+    forward, its backward and the plain forward, tunes each once (both layouts of the fused-capable ones)
+    whatever $JAX_MAMBA2_AUTOTUNE says, clears JAX's caches (before finding, and after tuning since configs
+    changed), and the later lookups answer from memory."""
+    _set_autotune(monkeypatch, "0")
+    calls = []
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner(calls))
+    cleared, clear_caches = [], jax.clear_caches
+    monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(True) or clear_caches())
+    args = _train_step_args()
+    other = _train_step_args(batch=2)
+
+    def step(args, other):
+        loss, grads = jax.value_and_grad(_cutile_loss, argnums=(0, 1, 2, 3, 4))(*args)
+        return loss, grads, _cutile_loss(*other)
+
+    with aot.cuda_target("sm_90"):
+        plans = jax_mamba2.autotune(jax.jit(step), args, other)
+    dims = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=128,
+                   chunk_size=problem.KERNEL_CHUNK_SIZE, dtype="bfloat16", dt_dtype="float32", dt_softplus=True)
+    saving = dims                                              # differentiated: gate-free
+    alone = dataclasses.replace(dims, batch=2, has_z=True)
+    assert [p.request for p in plans] == [
+        layout_choice.PlanRequest(saving), layout_choice.PlanRequest(saving, backward=True),
+        layout_choice.PlanRequest(alone)]
+    # The fake tuner measures 1 us per stage: the fused layout's two stages sum least.
+    assert forward_layouts(saving) == ("staged", "fused") and "segmented" in forward_layouts(alone)
+    assert [p.layout for p in plans] == ["fused", None, "fused"]
+    assert all(set(p.sources.values()) <= {"tuned", "disk"} for p in plans)
+    # Every layout of each forward is tuned once (chunk_cumsum shared), the backward's own stages once.
+    own = [s for s in BACKWARD_STAGES if s not in FORWARD_LAYOUTS["staged"]]
+    assert sorted(map(tuple, calls)) == sorted(
+        [("chunk_cumsum", "chunk_state", "chunk_scan"), ("fused_scan",)] * 2 + [("segment_states", "segmented_scan"),
+                                                                                 tuple(own)])
+    assert plans[1].configs == {**{s: plans[1].configs[s] for s in ("chunk_cumsum", "chunk_state")},
+                                **{s: _non_default_config(s, saving) for s in own}}
+    assert len(cleared) == 2                  # before the discovery (no stale trace), after tuning
+    # The later trace of the step reads the tuned configs from memory: nothing is tuned again.
+    monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
+    assert tuning.forward_configs(saving) == ForwardConfigs(plans[0].layout, plans[0].configs)
+    assert tuning.backward_configs(saving) == plans[1].configs
+    # A second autotune of the same program finds everything tuned: no search, no cache clearing.
+    with aot.cuda_target("sm_90"):
+        again = jax_mamba2.autotune(jax.jit(step), args, other)
+    assert [p.configs for p in again] == [p.configs for p in plans] and len(cleared) == 3
+
+
+def test_autotune_of_a_program_without_cutile_calls_tunes_nothing(cache_dir, monkeypatch):
+    monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
+    x = jnp.ones((1, 64, 2, 16))
+    assert jax_mamba2.autotune(lambda x: jax_mamba2.ssd(x, x[..., 0], -jnp.ones(2), x[:, :, :1], x[:, :, :1], 64,
+                                                        backend="xla"), x) == []
+
+
+def test_autotune_says_why_it_cannot_tune_here(cache_dir, monkeypatch):
+    monkeypatch.setattr(cache_keys, "gpu_identity", lambda: None)
+    with aot.cuda_target("sm_90"), pytest.raises(RuntimeError, match="cannot tune the 1 SSD plans of the program "
+                                                                     "here: no CUDA GPU is visible to JAX"):
+        jax_mamba2.autotune(_cutile_loss, *_train_step_args())

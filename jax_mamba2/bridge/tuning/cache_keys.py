@@ -1,8 +1,8 @@
 """Where a tuned config is stored: the cache file of a GPU and code version, and the key of a stage's entry.
 
 One file per GPU name and arch, cuda-tile version, jax-mamba2 version and a fingerprint of the kernels'
-source (a changed kernel must not inherit configs tuned for the old one), in `$JAX_MAMBA2_CACHE_DIR`
-(default `~/.cache/jax_mamba2/`).
+code (a changed kernel must not inherit configs tuned for the old one; a changed comment or docstring
+changes nothing), in `$JAX_MAMBA2_CACHE_DIR` (default `~/.cache/jax_mamba2/`).
 
 A key names the stage, the SSDDims fields its kernel specialises on (its Stage declaration's key_fields),
 the heads per block of the backward's group-reducing stages (which deterministic mode changes), the index
@@ -12,6 +12,8 @@ varying lengths tunes once per bucket, not once per call.
 """
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
 import importlib.metadata
 import os
@@ -77,11 +79,29 @@ def _package_version() -> str:
         return "src"
 
 
-def _kernels_fingerprint() -> str:
-    """A hash of the kernels' source: tuned configs are only valid for the code they ran."""
+KERNELS_DIR = Path(_common.__file__).parent
+
+
+def _code_of(source: str) -> str:
+    """The syntax tree of Python `source` without its comments, docstrings and layout (ast.dump of the
+    tree with every module, class and function docstring removed, no line numbers)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and \
+                    isinstance(first.value.value, str):
+                node.body = node.body[1:]
+    return ast.dump(tree, include_attributes=False)
+
+
+@functools.cache
+def kernels_fingerprint(directory: Path = KERNELS_DIR) -> str:
+    """A hash of the code of the kernel modules in `directory`: tuned configs are only valid for the code
+    they ran, but an edit of comments or docstrings alone keeps the fingerprint (and every user's cache)."""
     digest = hashlib.sha256()
-    for path in sorted(Path(_common.__file__).parent.glob("*.py")):
-        digest.update(path.read_bytes())
+    for path in sorted(Path(directory).glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + _code_of(path.read_text()).encode() + b"\0")
     return digest.hexdigest()[:12]
 
 
@@ -94,5 +114,5 @@ def cache_path(gpu: GpuIdentity) -> Path:
     """The cache file for `gpu` with this cuda-tile, jax-mamba2 and kernel source."""
     gpu_slug = re.sub(r"[^A-Za-z0-9.]+", "_", gpu.name).strip("_")
     name = (f"{gpu_slug}-{gpu.arch}-cuda_tile_{ct.__version__}-jax_mamba2_{_package_version()}"
-            f"-kernels_{_kernels_fingerprint()}.json")
+            f"-kernels_{kernels_fingerprint()}.json")
     return cache_dir() / name

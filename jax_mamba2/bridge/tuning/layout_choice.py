@@ -8,8 +8,10 @@ fused forward layout chunk_state is looked up or tuned with the backward.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, NamedTuple, Optional
 
 from jax_mamba2.bridge.tuning.lookup import StageChoice, resolve
 from jax_mamba2.bridge.tuning.timing import PlanSpec
@@ -28,6 +30,36 @@ BACKWARD = {
     for det in (False, True)}
 # The backward stages that recompute forward quantities: they take the forward's configs.
 _RECOMPUTED = tuple(s for s in backward_kernels.STAGES if s in forward_kernels.STAGES)
+
+
+class PlanRequest(NamedTuple):
+    """A plan the bridge asked configs for: the forward (backward False) or the backward in one mode."""
+
+    dims: SSDDims
+    backward: bool = False
+    deterministic: bool = False
+
+
+# Set by `recording_requests`: where the requests made within are appended.
+_REQUESTS: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("jax_mamba2_requests", default=None)
+
+
+@contextlib.contextmanager
+def recording_requests() -> Iterator[list[PlanRequest]]:
+    """Within, every `forward_configs` / `backward_configs` call appends its PlanRequest to the list
+    yielded (in call order, repeats included)."""
+    requests: list[PlanRequest] = []
+    token = _REQUESTS.set(requests)
+    try:
+        yield requests
+    finally:
+        _REQUESTS.reset(token)
+
+
+def _record(request: PlanRequest) -> None:
+    requests = _REQUESTS.get()
+    if requests is not None:
+        requests.append(request)
 
 
 def plan_us(choices: Mapping[str, StageChoice]) -> Optional[float]:
@@ -69,8 +101,9 @@ def forward_configs(dims: SSDDims) -> forward_kernels.ForwardConfigs:
       `forward_plan(dims, configs, layout)`.
 
     Raises:
-      ValueError: when $JAX_MAMBA2_AUTOTUNE is neither "0" nor "1".
+      ValueError: when $JAX_MAMBA2_AUTOTUNE is set to neither "0" nor "1".
     """
+    _record(PlanRequest(dims))
     layout, choices = forward_choices(dims)
     return forward_kernels.ForwardConfigs(layout, {stage: choice.config for stage, choice in choices.items()})
 
@@ -91,6 +124,7 @@ def backward_configs(dims: SSDDims, deterministic: bool = False) -> dict[str, An
       `backward_plan(dims, configs, deterministic=deterministic)`.
 
     Raises:
-      ValueError: when $JAX_MAMBA2_AUTOTUNE is neither "0" nor "1".
+      ValueError: when $JAX_MAMBA2_AUTOTUNE is set to neither "0" nor "1".
     """
+    _record(PlanRequest(dims, backward=True, deterministic=deterministic))
     return {stage: choice.config for stage, choice in backward_choices(dims, deterministic).items()}

@@ -4,22 +4,29 @@ Per stage, in order:
 
 1. an in-process dict (every choice made in this process, so the disk is read once per key);
 2. the cache file of this GPU and code version (`cache_keys`);
-3. if tuning is allowed (`$JAX_MAMBA2_AUTOTUNE` unset or "1") and a CUDA GPU with torch or CuPy is present:
-   tune now (`timing`), store the winner and what every config measured, and use it;
+3. where tuning is on and a CUDA GPU with torch or CuPy is present: tune now (`timing`), store the winner
+   and what every config measured, and use it;
 4. otherwise (tuning off, no GPU, neither torch nor CuPy, or a problem under MIN_TUNED_TOKEN_HEADS
-   (token, head) pairs, which is launch-bound) the stage's default config (its kernels Stage declaration).
+   (token, head) pairs, which is launch-bound) the stage's default config: its kernels Stage declaration's,
+   the configuration measured best for that class of shapes on an H200 (sm_90), chosen in microseconds.
 
-`JAX_MAMBA2_AUTOTUNE=0` turns off tuning, not the cache: point `JAX_MAMBA2_CACHE_DIR` at an empty directory
-as well to get the defaults everywhere. A tuning failure (no memory, a compiler error in every config) warns
-and falls back to the defaults: it never breaks the program.
+Tuning is off unless asked for: `$JAX_MAMBA2_AUTOTUNE=1` turns it on for the process (read once, at the
+first lookup: set it before the first cutile call), and `jax_mamba2.autotune(fn, *args)` tunes the SSD
+calls of one program ahead of time whatever the variable says (`tuning_on`). The cache file is read either
+way: point `$JAX_MAMBA2_CACHE_DIR` at an empty directory to get the defaults everywhere. A tuning failure
+(no memory, a compiler error in every config) warns and falls back to the defaults: it never breaks the
+program.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import functools
 import os
 import threading
 import warnings
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 from jax_mamba2.bridge.tuning import cache_keys, timing
 from jax_mamba2.bridge.tuning.cache_file import TuningCache
@@ -31,7 +38,6 @@ ENV_AUTOTUNE = "JAX_MAMBA2_AUTOTUNE"
 # Problems with fewer (token, head) pairs use the defaults untuned: they are launch-bound (a few us
 # per kernel), and tuning one costs minutes of compiles, which would dominate small jobs and tests.
 MIN_TUNED_TOKEN_HEADS = 1 << 17
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,20 +60,53 @@ class StageChoice:
 # (cache file, key) -> choice: every process-local hit, so disk is read once per key.
 _MEMORY: dict[tuple[str, str], StageChoice] = {}
 _MEMORY_LOCK = threading.RLock()
+# Set by `tuning_on` for the lookups it encloses: whether to tune, whatever $JAX_MAMBA2_AUTOTUNE says.
+_TUNING_ON: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("jax_mamba2_tuning_on", default=None)
 
 
-
+@functools.cache
 def autotune_enabled() -> bool:
-    """Whether `$JAX_MAMBA2_AUTOTUNE` allows tuning (unset or "1"; "0" disables)."""
-    value = os.environ.get(ENV_AUTOTUNE, "1")
+    """Whether `$JAX_MAMBA2_AUTOTUNE` turns tuning on for the process ("1"; unset or "0": off), read once.
+
+    Raises:
+      ValueError: when it is set to anything else.
+    """
+    value = os.environ.get(ENV_AUTOTUNE, "0")
     if value not in ("0", "1"):
         raise ValueError(f"jax_mamba2 tuning: {ENV_AUTOTUNE}={value!r} must be '0' or '1'")
     return value == "1"
 
 
+@contextlib.contextmanager
+def tuning_on(enabled: bool) -> Iterator[None]:
+    """Within: lookups tune missing configs (`enabled`) or never do, whatever $JAX_MAMBA2_AUTOTUNE says."""
+    token = _TUNING_ON.set(enabled)
+    try:
+        yield
+    finally:
+        _TUNING_ON.reset(token)
+
+
+def tuning_unavailable_reason() -> Optional[str]:
+    """Why nothing can be tuned in this process (None when a supported GPU and torch or CuPy are here)."""
+    return _gpu_unsupported_reason(cache_keys.gpu_identity()) or timing.array_library_missing_reason()
+
+
+def _gpu_unsupported_reason(gpu: Optional[GpuIdentity]) -> Optional[str]:
+    if gpu is None:
+        return "no CUDA GPU is visible to JAX"
+    if gpu.arch not in SUPPORTED_ARCHS:
+        return f"no tuning space for arch={gpu.arch}"
+    return None
+
+
 def _tuning_disabled_reason(dims: SSDDims) -> Optional[str]:
-    if not autotune_enabled():
-        return f"{ENV_AUTOTUNE}=0"
+    enabled = _TUNING_ON.get()
+    if enabled is None and not autotune_enabled():
+        return (f"{ENV_AUTOTUNE}=0" if os.environ.get(ENV_AUTOTUNE) == "0" else
+                f"autotuning is off ({ENV_AUTOTUNE}=1 or jax_mamba2.autotune turns it on)")
+    if enabled is False:
+        return "not tuned while jax_mamba2.autotune finds the SSD calls"
     token_heads = dims.batch * dims.seqlen * dims.nheads
     if token_heads < MIN_TUNED_TOKEN_HEADS:
         return (f"batch * seqlen * nheads={token_heads} is below {MIN_TUNED_TOKEN_HEADS}: "
@@ -100,10 +139,9 @@ def resolve(dims: SSDDims, spec: PlanSpec,
     own = [s for s in spec.stages if s not in given]
     keys = {s: stage_key(s, dims, spec.deterministic) for s in own}
     gpu = cache_keys.gpu_identity()
-    if gpu is None:
-        choices = _default_choices(dims, own, "no CUDA GPU is visible to JAX", keys)
-    elif gpu.arch not in SUPPORTED_ARCHS:
-        choices = _default_choices(dims, own, f"no tuning space for arch={gpu.arch}", keys)
+    unsupported = _gpu_unsupported_reason(gpu)
+    if unsupported is not None:
+        choices = _default_choices(dims, own, unsupported, keys)
     else:
         choices = _lookup(dims, spec, given, keys, gpu)
     choices.update(given)

@@ -197,12 +197,37 @@ def _measurement_record(measurement) -> dict:
             "error_us": measurement.error_margin_us, "samples": measurement.num_samples}
 
 
+class _LoggedProgress:
+    """What stands in for a tqdm bar without tqdm: a log line at the start and at the end."""
+
+    def __init__(self, total: int, desc: str, unit: str):
+        self.total, self.desc, self.unit, self.n = total, desc, unit, 0
+
+    def __enter__(self):
+        logger.info("%s: %d %ss", self.desc, self.total, self.unit)
+        return self
+
+    def __exit__(self, *exc):
+        logger.info("%s: %d of %d %ss done", self.desc, self.n, self.total, self.unit)
+        return False
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+
+def progress_bar(total: int, desc: str, unit: str):
+    """A tqdm progress bar (a context manager with `update(n)`) where tqdm is installed, else log lines."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _LoggedProgress(total, desc, unit)
+    return tqdm(total=total, desc=desc, unit=unit)
+
+
 def _tune_one(stage: str, dims: SSDDims, timed: Mapping[Any, _TimedLaunch], library, stream) -> dict:
     """Runs exhaustive_search over `timed` (config -> its launch) on the GPU; returns the cache entry."""
-    from tqdm.auto import tqdm
-
     space = list(timed)
-    with tqdm(total=len(space), desc=f"jax_mamba2 tuning {stage}", unit="config") as bar:
+    with progress_bar(len(space), f"jax_mamba2 tuning {stage}", "config") as bar:
         def kernel_of(cfg):  # called once per config, before its compile: drives the bar
             bar.update(1)
             return timed[cfg].launch.kernel
