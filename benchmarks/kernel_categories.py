@@ -103,7 +103,7 @@ def fold(kernels: list[tuple[str, float, float]], hlo_text: str, calls: int, top
     """Per call: microseconds and launches per category, and the `top` kernels by time with their category.
 
     Args:
-      kernels: (name, start_us, duration_us) per launch (benchmarks/kernel_profile.py reads them from a trace).
+      kernels: (name, start_us, duration_us) per launch (benchmarks/tools/kernel_profile.py reads them from a trace).
       hlo_text: the profiled executable's `compiled.as_text()`.
       calls: how many calls of the program the kernels cover.
     """

@@ -195,7 +195,7 @@ def _trace_kernels(trace_dir: str) -> list:
     try:
         from benchmarks.tools import kernel_profile
     except ImportError:
-        from benchmarks import kernel_profile
+        from benchmarks.tools import kernel_profile
     paths = glob.glob(f"{trace_dir}/plugins/profile/*/perfetto_trace.json.gz")
     if not paths:
         return []

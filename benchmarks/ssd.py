@@ -452,19 +452,40 @@ def prepare(impl: str, inputs: dict, weights: dict, chunk_size: int, direction: 
     return prepare_jla(inputs, weights, chunk_size, direction)
 
 
+def tune_report(dims) -> dict[str, dict]:
+    """What the cutile forward runs for `dims` (kernels.SSDDims) and what was measured, per stage of its
+    layout (JSON-ready): "key", "source" ("tuned", "disk" or "default"), "reason" (for defaults), "config"
+    (field dict) and, for tuned or cached choices, the cache entry's "mean_us", "default_mean_us",
+    "measured" (every config's mean/error in us), "failures" and "tuning_s"."""
+    from jax_mamba2.bridge.tuning import layout_choice, timing
+
+    _, choices = layout_choice.forward_choices(dims)
+    return {stage: {"key": choice.key, "source": choice.source, "reason": choice.reason, **(choice.entry or {}),
+                    "config": timing.config_fields(choice.config)}
+            for stage, choice in choices.items()}
+
+
+def forward_layout_times(dims) -> dict[str, Optional[float]]:
+    """What the forward's layout choice compares: per layout that can run `dims`, the summed measured time
+    of its stages' chosen configs (us), None where a stage has no measurement (tuning off or no GPU)."""
+    from jax_mamba2.bridge.tuning import layout_choice
+
+    return {layout: layout_choice.plan_us(choices) for layout, choices in layout_choice.layout_choices(dims).items()}
+
+
 def tuning_summary(inputs: dict, chunk_size: int) -> tuple[dict, dict]:
     """(compact per-stage summary for the record, full tune report) of the cutile forward configs, each
     with "layout_us": the summed stage times (us) of every forward layout the tuner compared."""
-    from jax_mamba2.bridge import problem, tuning
+    from jax_mamba2.bridge import problem
 
     ssd_inputs = ssd_op.SSDInputs(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"],
                                   inputs["D"], None, inputs["dt_bias"], None, None)
     static = ssd_op.SSDStatic(chunk_size, True, (0.0, math.inf))
     dims = problem.kernel_dims(ssd_inputs, static)
-    full = tuning.tune_report(dims)
+    full = tune_report(dims)
     compact = {stage: {k: r.get(k) for k in ("source", "reason", "config", "mean_us", "default_mean_us")}
                for stage, r in full.items()}
-    layouts = tuning.forward_layout_times(dims)   # the summed stage times the layout choice compared
+    layouts = forward_layout_times(dims)
     return {**compact, "layout_us": layouts}, {**full, "layout_us": layouts}
 
 
@@ -525,7 +546,8 @@ def parse_args(argv=None):
     parser.add_argument("--direction", choices=("fwd", "fwd_bwd"), default="fwd")
     parser.add_argument("--chunk", type=int, default=64, help="chunk size of our backends")
     parser.add_argument("--tuning", choices=("auto", "off"), default="auto",
-                        help="off: default kernel configs (no autotuning, an empty cache)")
+                        help="auto: autotune on first use (JAX_MAMBA2_AUTOTUNE=1); off: default kernel configs (no "
+                             "autotuning, an empty cache)")
     parser.add_argument("--mamba-ssm", type=Path, help="directory holding the mamba_ssm package")
     parser.add_argument("--jla", type=Path, help="directory holding the jla package")
     parser.add_argument("--seconds-per-impl", type=float, default=0.3,
@@ -545,8 +567,9 @@ def _free_torch_memory() -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # Read once, at the first kernel config lookup: set before any.
+    os.environ["JAX_MAMBA2_AUTOTUNE"] = "0" if args.tuning == "off" else "1"
     if args.tuning == "off":
-        os.environ["JAX_MAMBA2_AUTOTUNE"] = "0"
         os.environ["JAX_MAMBA2_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_mamba2_no_tuning_")
     for path in (args.mamba_ssm, args.jla):
         if path is not None:

@@ -7,12 +7,14 @@ Public API:
   causal_conv1d_silu       the mixer's causal depthwise conv1d + SiLU (causal_conv1d's `causal_conv1d_fn`).
   available_backends       names of the SSD backends that can run in this process.
   backend_status           for every known backend: whether it can run here and, if not, why.
+  autotune                 tune the cuTile kernel configs of a program's SSD calls ahead of time.
   Mamba2, Mamba2LMHeadModel, Mamba2Config, generate, load_pretrained, save_pretrained, shard_model
                            the Flax NNX layers and language model (jax_mamba2.flax_layers has the rest).
   __version__              the installed version (the source tree's, when it is not installed).
 """
 from jax_mamba2._version import __version__
 from jax_mamba2.conv1d import causal_conv1d_silu
+from jax_mamba2.autotuning import autotune
 from jax_mamba2.backends import available_backends, backend_status
 from jax_mamba2.op import ssd, ssd_step
 from jax_mamba2.reference import ssd_chunked, ssd_scan
@@ -21,6 +23,6 @@ from jax_mamba2.flax_layers import (Mamba2, Mamba2Config, Mamba2LMHeadModel, gen
 
 __all__ = [
     "__version__", "ssd", "ssd_step", "ssd_scan", "ssd_chunked", "causal_conv1d_silu", "available_backends",
-    "backend_status", "Mamba2", "Mamba2Config", "Mamba2LMHeadModel", "generate", "load_pretrained", "save_pretrained",
-    "shard_model",
+    "backend_status", "autotune", "Mamba2", "Mamba2Config", "Mamba2LMHeadModel", "generate", "load_pretrained",
+    "save_pretrained", "shard_model",
 ]

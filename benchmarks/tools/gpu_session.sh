@@ -73,7 +73,7 @@ case $part in
       --shapes 4,16384,8,64,128,1 2,32768,32,64,128,1 1,131072,32,64,128,1 --out "$out"
     ;;
   tuned)  # autotuned forward + backward at the main shape, every stage's launch time, the bridge overhead
-    export JAX_MAMBA2_CACHE_DIR=${JAX_MAMBA2_CACHE_DIR:-$out/tuning}
+    export JAX_MAMBA2_CACHE_DIR=${JAX_MAMBA2_CACHE_DIR:-$out/tuning} JAX_MAMBA2_AUTOTUNE=1
     step ssd_tuned 300 python benchmarks/ssd.py --direction fwd_bwd --shapes 4,8192,32,64,128,1 \
       --impls cutile --out "$out"
     step stages 120 python benchmarks/tools/stages.py --shapes 4,8192,32,64,128,1 --configs tuned --deterministic \
@@ -81,7 +81,7 @@ case $part in
     step bridge_overhead 60 python benchmarks/bridge_overhead.py --out "$out"
     ;;
   tuned-fwd)  # the autotuned forward (every layout and config measured) at the shapes in $SHAPES, cutile alone
-    export JAX_MAMBA2_CACHE_DIR=${JAX_MAMBA2_CACHE_DIR:-$out/tuning}
+    export JAX_MAMBA2_CACHE_DIR=${JAX_MAMBA2_CACHE_DIR:-$out/tuning} JAX_MAMBA2_AUTOTUNE=1
     for shape in ${SHAPES:?set SHAPES to B,L,H,P,N,G ...}; do
       step "ssd_fwd_tuned_$shape" 280 python benchmarks/ssd.py --shapes "$shape" --impls cutile --out "$out/$shape"
     done

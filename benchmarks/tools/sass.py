@@ -152,7 +152,7 @@ def _loops_report(args) -> int:
     if args.config:
         _, fields = stages.parse_variant(f"config:{args.config}", stages=forward.FORWARD_STAGES)
         configs = stages.variant_configs(dims, fields)
-    layout = forward.configs_layout(dims, configs)
+    layout = stages.variant_layout(dims, configs)
     arrays = forward.forward_arrays(dims, layout)
     for stage, launch in zip(forward.FORWARD_LAYOUTS[layout], forward.forward_plan(dims, configs, layout).launches):
         sass, resources = disassemble(compile_launch(launch, arrays)[1])

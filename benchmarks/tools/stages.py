@@ -31,9 +31,12 @@ import numpy as np  # noqa: E402
 from benchmarks.environment import environment, gpu_slug  # noqa: E402
 from benchmarks.ssd import GRID, WARMUP_S, Shape, warm_up  # noqa: E402
 from jax_mamba2.bridge import eager, tuning  # noqa: E402
+from jax_mamba2.bridge.tuning import timing  # noqa: E402
 from jax_mamba2.kernels import backward, forward  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
-from jax_mamba2.kernels.stage_spaces import STAGE_SPACES  # noqa: E402
+
+# Every stage's declaration, by name.
+STAGES = {**forward.STAGES, **backward.STAGES}
 
 
 def parse_variant(text: str, stages: tuple[str, ...] = backward.BACKWARD_STAGES
@@ -58,11 +61,19 @@ def variant_configs(dims: SSDDims, fields: dict[str, dict[str, int | None]]) -> 
     not fit `dims`)."""
     configs = {}
     for stage, values in fields.items():
-        default = STAGE_SPACES[stage].default_config(dims)
+        default = STAGES[stage].default(dims)
         types = {f.name: f.type for f in dataclasses.fields(default)}
         configs[stage] = dataclasses.replace(
             default, **{k: bool(v) if types[k] in (bool, "bool") else v for k, v in values.items()})
     return configs
+
+
+def variant_layout(dims: SSDDims, configs: dict[str, object]) -> str:
+    """The forward layout a variant runs in: the one whose own stages (those not shared by every layout) its
+    configs name, else `forward.forward_layout(dims)`."""
+    shared = set.intersection(*(set(stages) for stages in forward.FORWARD_LAYOUTS.values()))
+    named = [name for name, stages in forward.FORWARD_LAYOUTS.items() if set(configs) & (set(stages) - shared)]
+    return named[0] if len(named) == 1 else forward.forward_layout(dims)
 
 
 # --features: optional inputs of the problem, by SSDDims flag.
@@ -117,7 +128,7 @@ def main(argv=None) -> int:
                         help="optional inputs given (seq_idx: four packed sequences per row; z reaches the forward "
                              "only: the backward kernels are gate-free)")
     parser.add_argument("--configs", choices=("default", "tuned"), default="default",
-                        help="tuned: the autotuner's choice (tunes on first use)")
+                        help="tuned: the autotuner's choice (tunes on first use: JAX_MAMBA2_AUTOTUNE=1)")
     parser.add_argument("--layouts", nargs="+", choices=tuple(forward.FORWARD_LAYOUTS), default=[None],
                         help="forward layouts to time (default: the op's own; other layouts run at default "
                              "configs); a layout the problem does not support is skipped")
@@ -144,8 +155,7 @@ def main(argv=None) -> int:
         dims = dims_of(shape, args.chunk, tuple(args.features))
         tuned = args.configs == "tuned"
         # The op's own plan (the tuner's configs pick its layout), and any other layout asked for at defaults.
-        configs = tuning.forward_configs(dims) if tuned else {}
-        op_layout = forward.configs_layout(dims, configs)
+        op_layout, configs = tuning.forward_configs(dims) if tuned else (forward.forward_layout(dims), {})
         plans = {("fwd", layout or op_layout): forward.forward_plan(
                      dims, configs if (layout or op_layout) == op_layout else None, layout or op_layout)
                  for layout in args.layouts if layout in (None, *forward.forward_layouts(dims))}
@@ -163,7 +173,7 @@ def main(argv=None) -> int:
                 try:
                     if direction == "fwd":
                         configs = variant_configs(dims, fields)
-                        layout = forward.configs_layout(dims, configs)
+                        layout = variant_layout(dims, configs)
                         plans[f"fwd_{name}", layout] = forward.forward_plan(dims, configs, layout)
                     else:
                         plans[f"bwd_{name}", None] = backward.backward_plan(bwd_dims, variant_configs(bwd_dims, fields))
@@ -173,7 +183,7 @@ def main(argv=None) -> int:
         for (direction, variant), plan in plans.items():
             is_forward = direction.startswith("fwd")
             heads = None if is_forward else variant
-            inputs = tuning.random_inputs(dims if is_forward else bwd_dims, backward=not is_forward)
+            inputs = timing.random_inputs(dims if is_forward else bwd_dims, backward=not is_forward)
             arrays = {name: torch.from_dlpack(value) for name, value in inputs.items()}
             for row in time_launches(plan, arrays, args.repeats):
                 records.append({**env, "op": "ssd_stage", "direction": direction, "shape": shape._asdict(),

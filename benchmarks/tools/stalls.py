@@ -47,11 +47,12 @@ def run(args) -> None:
     import torch
 
     from benchmarks.tools import stages
-    from jax_mamba2.bridge import eager, tuning
+    from jax_mamba2.bridge import eager
+    from jax_mamba2.bridge.tuning import timing
     from jax_mamba2.kernels import forward
 
     dims = stages.dims_of(args.shape, args.chunk)
-    arrays = {name: torch.from_dlpack(value) for name, value in tuning.random_inputs(dims).items()}
+    arrays = {name: torch.from_dlpack(value) for name, value in timing.random_inputs(dims).items()}
     layout = forward.forward_layout(dims)
     plan = forward.forward_plan(dims, {}, layout)
     xp = eager.ArrayNamespace("torch")

@@ -2,7 +2,7 @@
 
 Adds what raw kernel calls lack: a vmap rule (the mapped axis folds into the kernel's batch axis),
 outputs that keep shard_map's varying axes, and kernel configs chosen per problem (forward and
-backward, see tuning.py).
+backward, see the tuning package).
 
 The gate z: a forward alone applies it inside the forward kernels. A differentiated call runs them gate-free,
 applies y * silu(z) as an XLA elementwise op and saves y for the gate's VJP (as mamba_ssm saves its pre-gate
@@ -47,7 +47,8 @@ def _gate_vjp(y, z, dout):
 
 def _forward_once(run_plan: RunPlan, inputs, static, save_states: bool):
     dims = problem.kernel_dims(inputs, static)
-    plan = forward_kernels.forward_plan(dims, tuning.forward_configs(dims), save_states=save_states)
+    layout, configs = tuning.forward_configs(dims)
+    plan = forward_kernels.forward_plan(dims, configs, layout, save_states=save_states)
     out = run_plan(plan, problem.kernel_inputs(inputs, dims))
     return _compat.match_varying_axes(tuple(out[name] for name in plan.outputs), inputs)
 

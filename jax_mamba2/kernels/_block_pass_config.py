@@ -22,6 +22,15 @@ class BlockPassConfig:
     SUM_HEADS: bool = False
 
 
+# What both passes specialise on (their cache-key fields); the heads per block are keyed besides.
+BLOCK_PASS_KEY_FIELDS = ("chunk_size", "headdim", "dstate", "heads_per_group", "dtype", "has_seq_idx")
+
+
+def block_pass_work_items(dims: SSDDims) -> int:
+    """One (batch, chunk, head) triple per work item, before the row tiling and the head grouping."""
+    return dims.batch * dims.nchunks * dims.nheads
+
+
 def is_wide(dims: SSDDims) -> bool:
     """Whether a block's f32 accumulators crowd the register file: f32 (tf32) inputs, headdim >= 128 or
     dstate >= 256. Measured on sm_90 cubins (cuobjdump -res-usage): 64 x 64 tiles are spill-free for

@@ -1,7 +1,9 @@
 """Shared vocabulary of the cuTile kernels: problem dimensions and launch plans.
 
 A kernel stage describes *what* to launch as data (`Launch`: kernel, grid, argument names) and a
-sequence of stages forms a `Plan`. The bridge executes a plan in one of three ways (XLA FFI custom
+sequence of stages forms a `Plan`. Each stage module declares its stage once (`Stage`: config type, tune
+space, default config, launch builder, cache-key fields), next to its kernel; the plans, the tuner
+(bridge/tuning), the AOT export and the tests all read that declaration. The bridge executes a plan in one of three ways (XLA FFI custom
 calls, a zero-copy buffer callback, or eagerly on CuPy/torch arrays) without knowing Mamba math, and
 the kernels never import JAX.
 
@@ -93,6 +95,32 @@ class Launch:
     grid: tuple[int, ...]
     args: tuple[Arg, ...]
     writes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One kernel stage of a plan, declared next to its kernel.
+
+    name: the key of the stage's config in a plan's `configs` and in the tuning cache.
+    config_type: the frozen dataclass of its tiles and hints.
+    space(dims, arch) -> [config]: the autotune space for an sm arch (one of SUPPORTED_ARCHS).
+    default(dims) -> config: the configuration used untuned.
+    launch(dims, cfg, **options) -> Launch: the launch for a config (None: the default); `options` are what
+      the plan decides besides the config (e.g. heads_per_block), keyword-only.
+    key_fields: the SSDDims fields (or properties) the kernel specialises on, named in its cache key.
+    work_items(dims): its independent work items (the launch width before tiling), bucketed in the key.
+    blocks_span_heads: the launch gives a block several heads of a group (`heads_per_block`, which the
+      backward's deterministic mode raises to heads_per_group), so that count is in the key too.
+    """
+
+    name: str
+    config_type: type
+    space: Callable[[SSDDims, str], list]
+    default: Callable[[SSDDims], Any]
+    launch: Callable[..., Launch]
+    key_fields: tuple[str, ...]
+    work_items: Callable[[SSDDims], int]
+    blocks_span_heads: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

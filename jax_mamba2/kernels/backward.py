@@ -23,21 +23,24 @@ from typing import Mapping
 
 from jax_mamba2.kernels._block_pass_config import adds_atomically
 from jax_mamba2.kernels._common import Buffer, Plan, SSDDims, check_config_tiles
-from jax_mamba2.kernels.chunk_cumsum import chunk_cumsum_fwd_launch
-from jax_mamba2.kernels.chunk_cumsum_bwd import chunk_cumsum_bwd_launch
-from jax_mamba2.kernels.chunk_scan_bwd_dc import chunk_scan_bwd_dc_default_config, chunk_scan_bwd_dc_launch
-from jax_mamba2.kernels.chunk_scan_bwd_dx import chunk_scan_bwd_dx_launch
-from jax_mamba2.kernels.chunk_state import chunk_state_fwd_launch
+from jax_mamba2.kernels.chunk_cumsum import CHUNK_CUMSUM_STAGE, chunk_cumsum_fwd_launch
+from jax_mamba2.kernels.chunk_cumsum_bwd import CHUNK_CUMSUM_BWD_STAGE, chunk_cumsum_bwd_launch
+from jax_mamba2.kernels.chunk_scan_bwd_dc import (
+    CHUNK_SCAN_BWD_DC_STAGE, chunk_scan_bwd_dc_default_config, chunk_scan_bwd_dc_launch)
+from jax_mamba2.kernels.chunk_scan_bwd_dx import CHUNK_SCAN_BWD_DX_STAGE, chunk_scan_bwd_dx_launch
+from jax_mamba2.kernels.chunk_state import CHUNK_STATE_STAGE, chunk_state_fwd_launch
 from jax_mamba2.kernels.chunk_state_bwd import (
-    chunk_state_bwd_carry_terms, chunk_state_bwd_default_config, chunk_state_bwd_launch)
+    CHUNK_STATE_BWD_STAGE, chunk_state_bwd_carry_terms, chunk_state_bwd_default_config, chunk_state_bwd_launch)
 from jax_mamba2.kernels.forward import FORWARD_INPUTS, SAVED_FOR_BACKWARD, forward_inputs
-from jax_mamba2.kernels.param_grads_bwd import param_grads_bwd_launch
+from jax_mamba2.kernels.param_grads_bwd import PARAM_GRADS_BWD_STAGE, param_grads_bwd_launch
 
 BACKWARD_INPUTS = FORWARD_INPUTS + ("dout", "dfinal_states")
 BACKWARD_OUTPUTS = ("dx", "ddt", "dA", "dB", "dC", "dD", "ddt_bias", "dinitial_states")
-# The stage names `configs` is keyed by (the first two are the forward stages it recomputes with).
-BACKWARD_STAGES = ("chunk_cumsum", "chunk_state", "chunk_scan_bwd_dc", "chunk_state_bwd",
-                   "chunk_scan_bwd_dx", "chunk_cumsum_bwd", "param_grads_bwd")
+# Every backward stage by name, in launch order (the first two are the forward stages it recomputes with).
+STAGES = {stage.name: stage for stage in (
+    CHUNK_CUMSUM_STAGE, CHUNK_STATE_STAGE, CHUNK_SCAN_BWD_DC_STAGE, CHUNK_STATE_BWD_STAGE, CHUNK_SCAN_BWD_DX_STAGE,
+    CHUNK_CUMSUM_BWD_STAGE, PARAM_GRADS_BWD_STAGE)}
+BACKWARD_STAGES = tuple(STAGES)
 
 
 # The group-reducing passes (chunk_scan_bwd_dc, chunk_scan_bwd_dx) give a block as many heads of a group as

@@ -24,7 +24,7 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    ConstBool, ConstFloat, ConstInt, Launch, SSDDims, check_arch, dt_transform, int64_index_kernels,
+    ConstBool, ConstFloat, ConstInt, Launch, SSDDims, Stage, check_arch, dt_transform, int64_index_kernels,
     next_power_of_2, select_kernel)
 
 
@@ -113,3 +113,13 @@ def chunk_cumsum_fwd_launch(dims: SSDDims, cfg: ChunkCumsumConfig | None = None)
               dims.dt_softplus, dims.has_dt_limit, dt_min, dt_max),
         writes=("dt_out", "dA_cumsum"),
     )
+
+
+# Keyed by what its kernel specialises on (the dt transform's flags, the head count it tiles); its work is
+# one (chunk, head) row pair of dt per item.
+CUMSUM_KEY_FIELDS = ("chunk_size", "nheads", "dt_dtype", "dt_softplus", "has_dt_limit")
+
+CHUNK_CUMSUM_STAGE = Stage(
+    name="chunk_cumsum", config_type=ChunkCumsumConfig, space=chunk_cumsum_fwd_configs,
+    default=chunk_cumsum_fwd_default_config, launch=chunk_cumsum_fwd_launch, key_fields=CUMSUM_KEY_FIELDS,
+    work_items=lambda d: d.batch * d.nchunks * d.nheads)

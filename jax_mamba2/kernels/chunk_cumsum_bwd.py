@@ -37,9 +37,9 @@ dA_partials, ddt_bias_partials (batch * nchunks, nheads) f32.
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    ConstBool, ConstFloat, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, next_power_of_2,
+    ConstBool, ConstFloat, ConstInt, Launch, SSDDims, Stage, check_arch, int64_index_kernels, next_power_of_2,
     select_kernel)
-from jax_mamba2.kernels.chunk_cumsum import ChunkCumsumConfig, chunk_cumsum_fwd_grid
+from jax_mamba2.kernels.chunk_cumsum import CUMSUM_KEY_FIELDS, ChunkCumsumConfig, chunk_cumsum_fwd_grid
 
 
 def _load_heads_rows(array, b, hb, c, BLOCK_H, CHUNK):
@@ -171,3 +171,9 @@ def chunk_cumsum_bwd_launch(dims: SSDDims, cfg: ChunkCumsumBwdConfig | None = No
               dims.dt_softplus, dims.has_dt_limit, dt_min, dt_max),
         writes=("ddt", "dA_partials", "ddt_bias_partials"),
     )
+
+
+CHUNK_CUMSUM_BWD_STAGE = Stage(
+    name="chunk_cumsum_bwd", config_type=ChunkCumsumBwdConfig, space=chunk_cumsum_bwd_configs,
+    default=chunk_cumsum_bwd_default_config, launch=chunk_cumsum_bwd_launch, key_fields=CUMSUM_KEY_FIELDS,
+    work_items=lambda d: d.batch * d.nchunks * d.nheads)

@@ -38,7 +38,7 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    SM90_SMS, ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype,
+    SM90_SMS, ConstBool, ConstInt, Launch, SSDDims, Stage, check_arch, int64_index_kernels, mma_dtype,
     select_kernel, silu_gate)
 from jax_mamba2.kernels._tiles import previous_chunk_end_id, row_ids
 
@@ -357,3 +357,10 @@ def chunk_scan_fwd_launch(dims: SSDDims, cfg: ChunkScanConfig | None = None) -> 
               dims.has_z, dims.has_seq_idx, cfg.LOAD_LAT, cfg.PERSISTENT > 0),
         writes=("out",),
     )
+
+
+CHUNK_SCAN_STAGE = Stage(
+    name="chunk_scan", config_type=ChunkScanConfig, space=chunk_scan_fwd_configs,
+    default=chunk_scan_fwd_default_config, launch=chunk_scan_fwd_launch,
+    key_fields=("chunk_size", "headdim", "dstate", "heads_per_group", "dtype", "has_z", "has_seq_idx"),
+    work_items=lambda d: d.batch * d.nchunks * d.nheads)

@@ -62,10 +62,10 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._block_pass_config import (
-    BlockPassConfig, adds_atomically, block_pass_configs, block_pass_default_config, block_pass_grid,
-    check_sum_heads, summing_heads_config, sums_heads_by_default)
+    BLOCK_PASS_KEY_FIELDS, BlockPassConfig, adds_atomically, block_pass_configs, block_pass_default_config,
+    block_pass_grid, block_pass_work_items, check_sum_heads, summing_heads_config, sums_heads_by_default)
 from jax_mamba2.kernels._common import (
-    LOG2E, ConstBool, ConstInt, Launch, SSDDims, exp2_ftz, int64_index_kernels, mma_dtype, select_kernel)
+    LOG2E, ConstBool, ConstInt, Launch, SSDDims, Stage, exp2_ftz, int64_index_kernels, mma_dtype, select_kernel)
 from jax_mamba2.kernels._tiles import (
     group_rows_and_products, load_chunk_vector, operand, previous_chunk_end_id, row_ids, store_chunk_vector)
 
@@ -285,3 +285,9 @@ def chunk_scan_bwd_dc_launch(dims: SSDDims, cfg: ChunkScanBwdDcConfig | None = N
               dims.has_seq_idx, atomic_add, cfg.LOAD_LAT, check_sum_heads(dims, cfg)),
         writes=writes,
     )
+
+
+CHUNK_SCAN_BWD_DC_STAGE = Stage(
+    name="chunk_scan_bwd_dc", config_type=BlockPassConfig, space=chunk_scan_bwd_dc_configs,
+    default=chunk_scan_bwd_dc_default_config, launch=chunk_scan_bwd_dc_launch, key_fields=BLOCK_PASS_KEY_FIELDS,
+    work_items=block_pass_work_items, blocks_span_heads=True)

@@ -36,7 +36,7 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
+    ConstBool, ConstInt, Launch, SSDDims, Stage, check_arch, int64_index_kernels, mma_dtype, select_kernel)
 from jax_mamba2.kernels._tiles import batch_head_group, state_seq_rules
 
 
@@ -183,3 +183,11 @@ def chunk_state_fwd_launch(dims: SSDDims, cfg: ChunkStateConfig | None = None) -
               dims.chunk_size, cfg.BLOCK_P, cfg.BLOCK_N, dims.has_init, dims.has_seq_idx, cfg.LOAD_LAT),
         writes=("states", "final_states"),
     )
+
+
+CHUNK_STATE_STAGE = Stage(
+    name="chunk_state", config_type=ChunkStateConfig, space=chunk_state_fwd_configs,
+    default=chunk_state_fwd_default_config, launch=chunk_state_fwd_launch,
+    key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_init", "has_seq_idx"),
+    # One block walks all chunks of one (batch, head): the parallelism is batch * nheads.
+    work_items=lambda d: d.batch * d.nheads)

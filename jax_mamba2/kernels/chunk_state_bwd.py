@@ -41,7 +41,7 @@ import math
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    SM90_SMS, ConstBool, ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, mma_dtype, select_kernel)
+    SM90_SMS, ConstBool, ConstInt, Launch, SSDDims, Stage, check_arch, int64_index_kernels, mma_dtype, select_kernel)
 from jax_mamba2.kernels._tiles import (
     batch_head_group, chunk_end_id, operand, previous_chunk_end_id, row_ids)
 from jax_mamba2.kernels.chunk_state import (
@@ -195,3 +195,11 @@ def chunk_state_bwd_launch(dims: SSDDims, cfg: ChunkStateBwdConfig | None = None
               dims.chunk_size, cfg.BLOCK_P, cfg.BLOCK_N, _sum_rows(cfg), dims.has_seq_idx, cfg.LOAD_LAT),
         writes=("dstates", "dinitial_states", "ddA_chunk"),
     )
+
+
+CHUNK_STATE_BWD_STAGE = Stage(
+    name="chunk_state_bwd", config_type=ChunkStateBwdConfig, space=chunk_state_bwd_configs,
+    default=chunk_state_bwd_default_config, launch=chunk_state_bwd_launch,
+    key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_seq_idx"),
+    # The reverse chain over chunks, one (batch, head) per block as in the forward state pass.
+    work_items=lambda d: d.batch * d.nheads)

@@ -29,11 +29,8 @@ import cuda.tile as ct
 from cuda.tile.compilation import (
     ArrayConstraint, CallingConvention, ConstantConstraint, KernelSignature, export_kernel)
 
-from jax_mamba2.kernels import state_update
+from jax_mamba2.kernels import backward, forward, state_update
 from jax_mamba2.kernels._common import SUPPORTED_ARCHS, Buffer, Launch, SSDDims
-from jax_mamba2.kernels.backward import BACKWARD_STAGES, backward_arrays, backward_plan
-from jax_mamba2.kernels.forward import FORWARD_LAYOUTS, FORWARD_STAGES, forward_arrays, forward_layouts, forward_plan
-from jax_mamba2.kernels.stage_spaces import STAGE_SPACES
 
 _CT_DTYPES = {
     "bfloat16": ct.bfloat16,
@@ -125,14 +122,14 @@ def _forward_configs(dims: SSDDims, which: str, arch: str) -> Iterator[tuple[str
     """(layout, configs) of the forward plans to compile: every layout that can run `dims`; with "all",
     each stage's space on its own (the others at their defaults: the launches are independent), in the
     first of those layouts that has the stage."""
-    layouts = forward_layouts(dims)
+    layouts = forward.forward_layouts(dims)
     if which == "default":
         yield from ((layout, {}) for layout in layouts)
         return
-    for stage in FORWARD_STAGES:
-        homes = [layout for layout in layouts if stage in FORWARD_LAYOUTS[layout]]
-        for cfg in STAGE_SPACES[stage].configs(dims, arch) if homes else ():
-            yield homes[0], {stage: cfg}
+    for name, stage in forward.STAGES.items():
+        homes = [layout for layout in layouts if name in forward.FORWARD_LAYOUTS[layout]]
+        for cfg in stage.space(dims, arch) if homes else ():
+            yield homes[0], {name: cfg}
 
 
 def _backward_configs(dims: SSDDims, which: str, arch: str) -> Iterator[dict]:
@@ -141,9 +138,9 @@ def _backward_configs(dims: SSDDims, which: str, arch: str) -> Iterator[dict]:
     if which == "default":
         yield {}
         return
-    for stage in BACKWARD_STAGES:
-        if stage not in FORWARD_STAGES:
-            yield from ({stage: cfg} for cfg in STAGE_SPACES[stage].configs(dims, arch))
+    for name, stage in backward.STAGES.items():
+        if name not in forward.STAGES:
+            yield from ({name: cfg} for cfg in stage.space(dims, arch))
 
 
 def _launches(which: str, quick: bool, arch: str) -> Iterator[tuple[Launch, dict]]:
@@ -153,18 +150,18 @@ def _launches(which: str, quick: bool, arch: str) -> Iterator[tuple[Launch, dict
         differentiated = dataclasses.replace(dims, has_z=False)
         for layout, configs in _forward_configs(dims, which, arch):
             for save_states, plan_dims in ((False, dims), (True, differentiated)):
-                for launch in forward_plan(plan_dims, configs, layout, save_states).launches:
-                    yield launch, forward_arrays(plan_dims, layout, save_states)
+                for launch in forward.forward_plan(plan_dims, configs, layout, save_states).launches:
+                    yield launch, forward.forward_arrays(plan_dims, layout, save_states)
         for configs in _backward_configs(differentiated, which, arch):
             for deterministic, saved_states in itertools.product((False, True), (False, True)):
-                plan = backward_plan(differentiated, configs, deterministic=deterministic,
-                                     saved_states=saved_states)
-                arrays = backward_arrays(differentiated, configs, deterministic, saved_states=saved_states)
+                plan = backward.backward_plan(differentiated, configs, deterministic=deterministic,
+                                              saved_states=saved_states)
+                arrays = backward.backward_arrays(differentiated, configs, deterministic,
+                                                  saved_states=saved_states)
                 yield from ((launch, arrays) for launch in plan.launches)
         step_dims = dataclasses.replace(dims, seqlen=1, chunk_size=1, dt_dtype="float32", has_init=False,
                                         has_seq_idx=False)
-        step_configs = ([None] if which == "default"
-                        else state_update.state_update_configs(step_dims, arch))
+        step_configs = [None] if which == "default" else state_update.STATE_UPDATE_STAGE.space(step_dims, arch)
         for cfg in step_configs:
             for state_dtype in sorted({"float32", dims.dtype}):
                 plan = state_update.state_update_plan(step_dims, cfg, state_dtype)

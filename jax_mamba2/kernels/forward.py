@@ -10,74 +10,39 @@
 of every array a layout's plan names (inputs as the bridge passes them, dummies included), for AOT export
 and tests.
 """
-from typing import Mapping
+from typing import Any, Mapping, NamedTuple
 
+from jax_mamba2.kernels import fused_scan
 from jax_mamba2.kernels._common import Buffer, Plan, SSDDims, check_config_tiles
-from jax_mamba2.kernels.chunk_cumsum import chunk_cumsum_fwd_launch
-from jax_mamba2.kernels.chunk_scan import chunk_scan_fwd_launch
-from jax_mamba2.kernels.chunk_state import chunk_state_fwd_launch
+from jax_mamba2.kernels.chunk_cumsum import CHUNK_CUMSUM_STAGE
+from jax_mamba2.kernels.chunk_scan import CHUNK_SCAN_STAGE
+from jax_mamba2.kernels.chunk_state import CHUNK_STATE_STAGE
 from jax_mamba2.kernels.fused_scan import (
-    fused_scan_fwd_default_config, fused_scan_fwd_launch, fused_scan_supported, num_pieces, segment_states_launch)
+    FUSED_SCAN_STAGE, SEGMENT_STATES_STAGE, SEGMENTED_SCAN_STAGE, fused_chains, fused_scan_supported,
+    fused_segment_chunks, num_pieces, state_piece_chunks)
 
 FORWARD_INPUTS = ("x", "dt", "A", "dt_bias", "B", "C", "D", "z", "initial_states", "seq_idx")
 FORWARD_OUTPUTS = ("out", "final_states")
 # What a forward saving for the backward outputs besides: the chunk-entry states and the chunk quantities
 # (Δ and dA_cumsum, 8 bytes per token and head), so that the backward recomputes neither.
 SAVED_FOR_BACKWARD = ("states", "dt_out", "dA_cumsum")
-# The stage names `configs` is keyed by, per layout, in launch order.
+# Every forward stage by name (the key of its config in `configs`).
+STAGES = {stage.name: stage for stage in (CHUNK_CUMSUM_STAGE, CHUNK_STATE_STAGE, CHUNK_SCAN_STAGE,
+                                          FUSED_SCAN_STAGE, SEGMENT_STATES_STAGE, SEGMENTED_SCAN_STAGE)}
+FORWARD_STAGES = tuple(STAGES)
+# The stages of each layout, in launch order.
 FORWARD_LAYOUTS = {
     "staged": ("chunk_cumsum", "chunk_state", "chunk_scan"),
     "fused": ("chunk_cumsum", "fused_scan"),
     "segmented": ("chunk_cumsum", "segment_states", "segmented_scan"),
 }
-FORWARD_STAGES = tuple(dict.fromkeys(s for stages in FORWARD_LAYOUTS.values() for s in stages))
-# The fused layout's blocks are sequential chains over the chunks: with fewer than this many (at its
-# default tile) the staged layout's chunk-parallel launches win. Measured on the H200 (132 SMs), chunk
-# 64, bf16: 128 blocks fused 0.236 vs staged 0.431 ms at (4,8192,32,64,128,1), 0.090 vs 0.137 at
-# (4,2048,...); 64 blocks even at (2,32768,...) (0.868 vs 0.854); 32 blocks staged at (4,16384,8,...)
-# (0.465 vs 0.311) and (1,131072,32,...) (3.39 vs 2.02).
-FUSED_MIN_BLOCKS = 128
-# The shortest segment the segmented layout cuts a sequence into, in chunks.
-MIN_SEGMENT_CHUNKS = 8
-# The longest piece segment_states walks (one block per piece, from a zero state): the segments before
-# the last are cut into pieces of at most this many chunks, so that pass is many short chains. Measured on
-# the H200 (bf16, chunk 64, segment_states + segmented_scan per launch, ms): one piece per segment (as
-# long as the segment) / 8 / 16 / 32 chunks: (2,32768,32,64,128,1) 0.213 + 0.468 / 0.123 + 0.512 /
-# 0.110 + 0.484 / 0.103 + 0.478; (4,16384,8,...) 0.065 + 0.145 / 0.059 + 0.148 / 0.060 + 0.146 /
-# 0.057 + 0.135; (1,131072,32,...) 0.409 + 0.924 / 0.331 + 1.037 / 0.303 + 0.982 / 0.282 + 0.951
-# (more pieces: more end states for the later segments to fold in).
-MAX_PIECE_CHUNKS = 32
 
 
-def _fused_chains(dims: SSDDims) -> int:
-    return dims.batch * dims.nheads * (dims.headdim // fused_scan_fwd_default_config(dims).BLOCK_P)
+class ForwardConfigs(NamedTuple):
+    """A forward plan's layout (one of FORWARD_LAYOUTS) and the config of each of its stages, by name."""
 
-
-def _pieces_per_segment(segment_chunks: int) -> int:
-    return -(-segment_chunks // MAX_PIECE_CHUNKS)
-
-
-def fused_segment_chunks(dims: SSDDims) -> int:
-    """Chunks per segment of the segmented layout: the sequence cut into the fewest power-of-two
-    segments that bring the fused chains to FUSED_MIN_BLOCKS, none shorter than MIN_SEGMENT_CHUNKS,
-    rounded up to a whole number of `state_piece_chunks` pieces; 0 where that is one segment (the
-    segmented layout does not apply)."""
-    segments = 1
-    while (_fused_chains(dims) * segments < FUSED_MIN_BLOCKS
-           and dims.nchunks >= 2 * segments * MIN_SEGMENT_CHUNKS):
-        segments *= 2
-    if segments == 1:
-        return 0
-    chunks = -(-dims.nchunks // segments)
-    pieces = _pieces_per_segment(chunks)
-    return pieces * -(-chunks // pieces)
-
-
-def state_piece_chunks(dims: SSDDims) -> int:
-    """Chunks per piece of segment_states (a divisor of `fused_segment_chunks(dims)`, at most
-    MAX_PIECE_CHUNKS); 0 without segments."""
-    segment_chunks = fused_segment_chunks(dims)
-    return segment_chunks // _pieces_per_segment(segment_chunks) if segment_chunks else 0
+    layout: str
+    configs: Mapping[str, Any]
 
 
 def forward_layouts(dims: SSDDims) -> tuple[str, ...]:
@@ -91,15 +56,14 @@ def forward_layouts(dims: SSDDims) -> tuple[str, ...]:
 
 def forward_layout(dims: SSDDims) -> str:
     """The layout used without measurements: for 16-bit inputs the fused kernel supports (chunk <= 64),
-    "fused" when its default tile gives at least FUSED_MIN_BLOCKS sequential chains, else "segmented"
-    where the sequences are long enough to cut; "staged" otherwise (and for f32 inputs, untimed in the
-    fused kernel: only the tuner picks that, by measurement). On the H200 (bf16, chunk 64, per launch)
-    segmented took (4,16384,8,64,128,1) 0.301 -> 0.220 ms, (2,32768,32,...) 0.826 -> 0.720 and
-    (1,131072,32,...) 1.99 -> 1.36 against staged (fused: 0.452, 0.855, 3.26)."""
+    "fused" when its default tile gives at least `fused_scan.FUSED_MIN_BLOCKS` sequential chains, else
+    "segmented" where the sequences are long enough to cut (more blocks than the fused chains, fewer bytes
+    than the staged layout's entry states); "staged" otherwise (and for f32 inputs, untimed in the fused
+    kernel: only the tuner picks that, by measurement)."""
     layouts = forward_layouts(dims)
     if "fused" not in layouts or dims.dtype == "float32":
         return "staged"
-    if _fused_chains(dims) >= FUSED_MIN_BLOCKS:
+    if fused_chains(dims) >= fused_scan.FUSED_MIN_BLOCKS:
         return "fused"
     return "segmented" if "segmented" in layouts else "staged"
 
@@ -154,14 +118,6 @@ def forward_arrays(dims: SSDDims, layout: str = "staged", save_states: bool = Fa
     return {**forward_inputs(dims), **forward_buffers(dims, layout, save_states)}
 
 
-def configs_layout(dims: SSDDims, configs: Mapping[str, object]) -> str:
-    """The layout whose own stages (those not shared by every layout) `configs` names, as the tuner's
-    `forward_configs` returns them; `forward_layout(dims)` when they name none (or several)."""
-    shared = set.intersection(*(set(stages) for stages in FORWARD_LAYOUTS.values()))
-    named = [name for name, stages in FORWARD_LAYOUTS.items() if set(configs) & (set(stages) - shared)]
-    return named[0] if len(named) == 1 else forward_layout(dims)
-
-
 def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, layout: str | None = None,
                  save_states: bool = False) -> Plan:
     """The SSD forward for `dims`.
@@ -170,8 +126,7 @@ def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, lay
       dims: the problem.
       configs: optional stage name (one of the layout's FORWARD_LAYOUTS stages) -> that stage's config;
         missing stages use their default configuration.
-      layout: one of FORWARD_LAYOUTS that can run `dims` (`forward_layouts`); None:
-        `configs_layout(dims, configs)`.
+      layout: one of FORWARD_LAYOUTS that can run `dims` (`forward_layouts`); None: `forward_layout(dims)`.
       save_states: also output SAVED_FOR_BACKWARD for `backward.backward_plan(..., saved_states=True)`:
         "states", the chunk-entry states (batch, nchunks, nheads, headdim, dstate) in x's dtype (the
         fused kernels store them as they pass; the staged layout has them anyway), and "dt_out",
@@ -183,12 +138,12 @@ def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, lay
       FORWARD_OUTPUTS (+ SAVED_FOR_BACKWARD with save_states).
     """
     configs = dict(configs or {})
-    layout = layout or configs_layout(dims, configs)
+    layout = layout or forward_layout(dims)
     if layout not in FORWARD_LAYOUTS:
         raise ValueError(f"forward_plan: layout={layout!r} must be one of {tuple(FORWARD_LAYOUTS)}")
     if layout not in forward_layouts(dims):
         raise ValueError(f"forward_plan: layout={layout!r} cannot run chunk_size={dims.chunk_size}, "
-                         f"dstate={dims.dstate}, {_fused_chains(dims)} chains of {dims.nchunks} chunks: "
+                         f"dstate={dims.dstate}, {fused_chains(dims)} chains of {dims.nchunks} chunks: "
                          f"the layouts for it are {forward_layouts(dims)}")
     stages = FORWARD_LAYOUTS[layout]
     unknown = set(configs) - set(stages)
@@ -196,18 +151,12 @@ def forward_plan(dims: SSDDims, configs: Mapping[str, object] | None = None, lay
         raise ValueError(f"forward_plan: configs keys={sorted(unknown)} must be among {stages} "
                          f"(layout={layout!r})")
     check_config_tiles("forward_plan", configs, dims)
-    segment_chunks = fused_segment_chunks(dims) if layout == "segmented" else 0
-    piece_chunks = state_piece_chunks(dims) if layout == "segmented" else 0
-    launch_of = {
-        "chunk_cumsum": chunk_cumsum_fwd_launch, "chunk_state": chunk_state_fwd_launch,
-        "chunk_scan": chunk_scan_fwd_launch,
-        "fused_scan": lambda d, cfg: fused_scan_fwd_launch(d, cfg, write_states=save_states),
-        "segment_states": lambda d, cfg: segment_states_launch(d, cfg, segment_chunks, piece_chunks),
-        "segmented_scan": lambda d, cfg: fused_scan_fwd_launch(d, cfg, segment_chunks, piece_chunks,
-                                                               write_states=save_states)}
+    # The fused kernels store the entry states only when asked (the staged chunk_state always does).
+    options = {"fused_scan": {"write_states": save_states}, "segmented_scan": {"write_states": save_states}}
     return Plan(
         inputs=FORWARD_INPUTS,
         buffers=forward_buffers(dims, layout, save_states),
-        launches=tuple(launch_of[stage](dims, configs.get(stage)) for stage in stages),
+        launches=tuple(STAGES[stage].launch(dims, configs.get(stage), **options.get(stage, {}))
+                       for stage in stages),
         outputs=FORWARD_OUTPUTS + (SAVED_FOR_BACKWARD if save_states else ()),
     )

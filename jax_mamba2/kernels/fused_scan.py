@@ -58,7 +58,7 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    LOG2E, ConstBool, ConstInt, Launch, SSDDims, check_arch, exp2_ftz, int64_index_kernels, mma_dtype,
+    LOG2E, ConstBool, ConstInt, Launch, SSDDims, Stage, check_arch, exp2_ftz, int64_index_kernels, mma_dtype,
     select_kernel, silu_gate)
 from jax_mamba2.kernels._tiles import (
     batch_head_group, previous_chunk_end_id, state_seq_rules)
@@ -425,6 +425,49 @@ def segment_states_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScan
     return list(dict.fromkeys([*space, segment_states_default_config(dims)])) if space else []
 
 
+# The fused layout's blocks are sequential chains over the chunks: with fewer than this many (at its
+# default tile) the staged layout's chunk-parallel launches win (forward.forward_layout).
+FUSED_MIN_BLOCKS = 128
+# The shortest segment the segmented layout cuts a sequence into, in chunks.
+MIN_SEGMENT_CHUNKS = 8
+# The longest piece segment_states walks (one block per piece, from a zero state): the segments before
+# the last are cut into pieces of at most this many chunks, so that pass is many short chains (more pieces:
+# more end states for the later segments to fold in).
+MAX_PIECE_CHUNKS = 32
+
+
+def fused_chains(dims: SSDDims) -> int:
+    """The sequential chains of the fused layout at its default tile: (batch, head, headdim block) triples."""
+    return dims.batch * dims.nheads * (dims.headdim // fused_scan_fwd_default_config(dims).BLOCK_P)
+
+
+def _pieces_per_segment(segment_chunks: int) -> int:
+    return -(-segment_chunks // MAX_PIECE_CHUNKS)
+
+
+def fused_segment_chunks(dims: SSDDims) -> int:
+    """Chunks per segment of the segmented layout: the sequence cut into the fewest power-of-two
+    segments that bring the fused chains to FUSED_MIN_BLOCKS, none shorter than MIN_SEGMENT_CHUNKS,
+    rounded up to a whole number of `state_piece_chunks` pieces; 0 where that is one segment (the
+    segmented layout does not apply)."""
+    segments = 1
+    while (fused_chains(dims) * segments < FUSED_MIN_BLOCKS
+           and dims.nchunks >= 2 * segments * MIN_SEGMENT_CHUNKS):
+        segments *= 2
+    if segments == 1:
+        return 0
+    chunks = -(-dims.nchunks // segments)
+    pieces = _pieces_per_segment(chunks)
+    return pieces * -(-chunks // pieces)
+
+
+def state_piece_chunks(dims: SSDDims) -> int:
+    """Chunks per piece of segment_states (a divisor of `fused_segment_chunks(dims)`, at most
+    MAX_PIECE_CHUNKS); 0 without segments."""
+    segment_chunks = fused_segment_chunks(dims)
+    return segment_chunks // _pieces_per_segment(segment_chunks) if segment_chunks else 0
+
+
 def num_segments(dims: SSDDims, segment_chunks: int) -> int:
     """Segments of `segment_chunks` chunks per sequence (one for 0: the whole sequence)."""
     return -(-dims.nchunks // segment_chunks) if segment_chunks else 1
@@ -461,11 +504,19 @@ def fused_scan_fwd_launch(dims: SSDDims, cfg: FusedScanConfig | None = None, seg
     )
 
 
-def segment_states_launch(dims: SSDDims, cfg: FusedScanConfig | None, segment_chunks: int,
-                          piece_chunks: int) -> Launch:
-    """The launch writing ("seg_states", "seg_decay") for every `piece_chunks`-chunk piece of the segments
-    but the last, one block per piece."""
+def segmented_scan_launch(dims: SSDDims, cfg: FusedScanConfig | None = None, *,
+                          write_states: bool = False) -> Launch:
+    """`fused_scan_fwd_launch` with one block per `fused_segment_chunks(dims)`-chunk segment (the
+    segmented layout), reading the "seg_states" and "seg_decay" of `segment_states_launch`."""
+    return fused_scan_fwd_launch(dims, cfg, fused_segment_chunks(dims), state_piece_chunks(dims),
+                                 write_states=write_states)
+
+
+def segment_states_launch(dims: SSDDims, cfg: FusedScanConfig | None = None) -> Launch:
+    """The launch writing ("seg_states", "seg_decay") for every `state_piece_chunks(dims)`-chunk piece of
+    the segments but the last, one block per piece."""
     cfg = cfg or segment_states_default_config(dims)
+    segment_chunks, piece_chunks = fused_segment_chunks(dims), state_piece_chunks(dims)
     return Launch(
         kernel=select_kernel(SEGMENT_STATES_KERNELS, dims, occupancy=cfg.occupancy,
                              num_worker_warps=cfg.worker_warps),
@@ -474,3 +525,23 @@ def segment_states_launch(dims: SSDDims, cfg: FusedScanConfig | None, segment_ch
               dims.dstate, cfg.BLOCK_P, piece_chunks, dims.has_seq_idx, cfg.LOAD_LAT, cfg.weight_x),
         writes=("seg_states", "seg_decay"),
     )
+
+
+# The fused kernel's key: no heads_per_group (a block owns one head), but the initial state it loads.
+_FUSED_KEY_FIELDS = ("chunk_size", "headdim", "dstate", "dtype", "has_z", "has_init", "has_seq_idx")
+
+FUSED_SCAN_STAGE = Stage(
+    name="fused_scan", config_type=FusedScanConfig, space=fused_scan_fwd_configs,
+    default=fused_scan_fwd_default_config, launch=fused_scan_fwd_launch, key_fields=_FUSED_KEY_FIELDS,
+    # One block walks all chunks of one (batch, head, headdim block), as chunk_state.
+    work_items=lambda d: d.batch * d.nheads)
+# The segmented layout: the same kernels (and config types) with one block per piece / segment of a chain.
+SEGMENT_STATES_STAGE = Stage(
+    name="segment_states", config_type=FusedScanConfig, space=segment_states_configs,
+    default=segment_states_default_config, launch=segment_states_launch,
+    key_fields=("chunk_size", "headdim", "dstate", "dtype", "has_seq_idx"),
+    work_items=lambda d: d.batch * d.nheads * num_pieces(d, fused_segment_chunks(d), state_piece_chunks(d)))
+SEGMENTED_SCAN_STAGE = Stage(
+    name="segmented_scan", config_type=FusedScanConfig, space=fused_scan_fwd_configs,
+    default=fused_scan_fwd_default_config, launch=segmented_scan_launch, key_fields=_FUSED_KEY_FIELDS,
+    work_items=lambda d: d.batch * d.nheads * num_segments(d, fused_segment_chunks(d)))

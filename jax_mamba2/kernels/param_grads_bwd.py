@@ -18,7 +18,7 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    ConstInt, Launch, SSDDims, check_arch, int64_index_kernels, next_power_of_2, select_kernel)
+    ConstInt, Launch, SSDDims, Stage, check_arch, int64_index_kernels, next_power_of_2, select_kernel)
 
 
 def _param_grads_bwd_body(dA_partials, ddt_bias_partials, dD_partials, dA, ddt_bias, dD,
@@ -106,3 +106,10 @@ def param_grads_bwd_launch(dims: SSDDims, cfg: ParamGradsBwdConfig | None = None
               dims.headdim, cfg.BLOCK_H, cfg.BLOCK_R),
         writes=("dA", "ddt_bias", "dD"),
     )
+
+
+PARAM_GRADS_BWD_STAGE = Stage(
+    name="param_grads_bwd", config_type=ParamGradsBwdConfig, space=param_grads_bwd_configs,
+    default=param_grads_bwd_default_config, launch=param_grads_bwd_launch, key_fields=("nheads", "headdim"),
+    # Each head sums batch * nchunks partial rows.
+    work_items=lambda d: d.batch * d.nchunks * d.nheads)

@@ -23,7 +23,7 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, SSDDims, check_arch, dt_transform,
+    Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, SSDDims, Stage, check_arch, dt_transform,
     int64_index_kernels, select_kernel, silu_gate)
 from jax_mamba2.kernels._tiles import batch_head_group
 
@@ -133,6 +133,19 @@ def state_update_inputs(dims: SSDDims, state_dtype: str = "float32") -> dict[str
     }
 
 
+def state_update_launch(dims: SSDDims, cfg: StateUpdateConfig | None = None) -> Launch:
+    """The launch writing ("y", "new_state") (the state's dtype is the arrays': the kernel is compiled per dtype)."""
+    cfg = cfg or state_update_default_config(dims)
+    dt_min, dt_max = (float(v) for v in dims.dt_limit)
+    return Launch(
+        kernel=select_kernel(STATE_UPDATE_KERNELS, dims, occupancy=cfg.occupancy),
+        grid=state_update_grid(dims, cfg),
+        args=("state", "x", "dt", "A", "dt_bias", "B", "C", "D", "z", "y", "new_state", dims.dstate,
+              cfg.BLOCK_P, dims.has_z, dims.dt_softplus, dims.has_dt_limit, dt_min, dt_max),
+        writes=("y", "new_state"),
+    )
+
+
 def state_update_plan(dims: SSDDims, cfg: StateUpdateConfig | None = None,
                       state_dtype: str = "float32") -> Plan:
     """One decode step for `dims` (seqlen and chunk_size are ignored) on a state of `state_dtype`.
@@ -141,19 +154,18 @@ def state_update_plan(dims: SSDDims, cfg: StateUpdateConfig | None = None,
       A Plan with inputs STATE_UPDATE_INPUTS, the buffers "y" (x's dtype) and "new_state" (`state_dtype`),
       and outputs STATE_UPDATE_OUTPUTS.
     """
-    cfg = cfg or state_update_default_config(dims)
-    dt_min, dt_max = (float(v) for v in dims.dt_limit)
-    launch = Launch(
-        kernel=select_kernel(STATE_UPDATE_KERNELS, dims, occupancy=cfg.occupancy),
-        grid=state_update_grid(dims, cfg),
-        args=("state", "x", "dt", "A", "dt_bias", "B", "C", "D", "z", "y", "new_state", dims.dstate,
-              cfg.BLOCK_P, dims.has_z, dims.dt_softplus, dims.has_dt_limit, dt_min, dt_max),
-        writes=("y", "new_state"),
-    )
     return Plan(
         inputs=STATE_UPDATE_INPUTS,
         buffers={"y": Buffer((dims.batch, dims.nheads, dims.headdim), dims.dtype),
                  "new_state": Buffer((dims.batch, dims.nheads, dims.headdim, dims.dstate), state_dtype)},
-        launches=(launch,),
+        launches=(state_update_launch(dims, cfg),),
         outputs=STATE_UPDATE_OUTPUTS,
     )
+
+
+# The decode step runs its default config (it is not tuned: one launch per token, bandwidth-bound).
+STATE_UPDATE_STAGE = Stage(
+    name="state_update", config_type=StateUpdateConfig, space=state_update_configs,
+    default=state_update_default_config, launch=state_update_launch,
+    key_fields=("headdim", "dstate", "dtype", "has_z", "dt_softplus", "has_dt_limit"),
+    work_items=lambda d: d.batch * d.nheads)

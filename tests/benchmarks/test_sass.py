@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("cuda.tile")
 
 from benchmarks.ssd import Shape  # noqa: E402
-from benchmarks.tools import sass  # noqa: E402
+from benchmarks.tools import sass, stages  # noqa: E402
 from benchmarks.tools.stages import dims_of  # noqa: E402
 from jax_mamba2.kernels import forward, fused_scan  # noqa: E402
 from jax_mamba2.kernels.export import compile_launch  # noqa: E402
@@ -30,7 +30,7 @@ def test_loops_count_instructions_hgmma_and_waits_of_each_backward_branch():
 
 
 def _fused_cubin(dims, **configs):
-    layout = forward.configs_layout(dims, configs)
+    layout = stages.variant_layout(dims, configs)
     launch = forward.forward_plan(dims, configs, layout).launches[-1]
     return compile_launch(launch, forward.forward_arrays(dims, layout))[1]
 

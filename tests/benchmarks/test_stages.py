@@ -12,7 +12,6 @@ pytest.importorskip("cuda.tile")
 from benchmarks.ssd import GRID, Shape  # noqa: E402
 from benchmarks.tools import stages  # noqa: E402
 from jax_mamba2.kernels import backward, forward  # noqa: E402
-from jax_mamba2.kernels.stage_spaces import STAGE_SPACES  # noqa: E402
 
 
 @pytest.mark.parametrize("shape", [Shape(*s) for s in GRID], ids=lambda s: s.label())
@@ -54,9 +53,9 @@ def test_fwd_variant_builds_the_layout_its_stage_runs_in():
         "occ2:fused_scan.occupancy=2,fused_scan.LOAD_LAT=4,fused_scan.worker_warps=none", stages=forward.FORWARD_STAGES)
     dims = stages.dims_of(Shape(4, 8192, 80, 64, 64, 1), 64)
     configs = stages.variant_configs(dims, fields)
-    default = STAGE_SPACES["fused_scan"].default_config(dims)
+    default = forward.STAGES["fused_scan"].default(dims)
     assert configs["fused_scan"] == dataclasses.replace(default, occupancy=2, LOAD_LAT=4, worker_warps=None)
-    plan = forward.forward_plan(dims, configs, forward.configs_layout(dims, configs))
+    plan = forward.forward_plan(dims, configs, stages.variant_layout(dims, configs))
     assert len(plan.launches) == len(forward.FORWARD_LAYOUTS["fused"])
     with pytest.raises(argparse.ArgumentTypeError, match="expected"):
         stages.parse_variant("occ2:chunk_scan_bwd_dc.occupancy=2", stages=forward.FORWARD_STAGES)
@@ -71,7 +70,7 @@ def test_main_builds_every_asked_plan_and_records_it(monkeypatch, tmp_path):
     """The plans main() times, with the launches' timing stubbed (it needs a GPU): a forward variant in its
     layout, the backward plans gate-free under --features z."""
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(from_dlpack=lambda value: value))
-    monkeypatch.setattr(stages.tuning, "random_inputs", lambda dims, backward=False: {})
+    monkeypatch.setattr(stages.timing, "random_inputs", lambda dims, backward=False: {})
     monkeypatch.setattr(stages, "time_launches", lambda plan, arrays, repeats: [
         {"kernel": launch.kernel._annotated_function.pyfunc.__name__, "grid": list(launch.grid), "ms_median": 1.0}
         for launch in plan.launches])

@@ -55,16 +55,16 @@ def test_cutile_fused_forward_layouts_match_float64_scan(monkeypatch, request, l
     gradients (the backward reads the states the fused kernel stored). The two cases differ in seqlen:
     JAX caches the traced op per shape, which would replay the first case's plan."""
     from jax_mamba2.bridge import tuning
-    from jax_mamba2.kernels import forward
+    from jax_mamba2.kernels import forward, fused_scan
     layouts = []
     pick = forward.forward_layout
     tuning.clear_memory()            # no layout choice made before (or forced here) outlives the test
     request.addfinalizer(tuning.clear_memory)
     if layout == "fused":
-        monkeypatch.setattr(forward, "FUSED_MIN_BLOCKS", 1)
+        monkeypatch.setattr(fused_scan, "FUSED_MIN_BLOCKS", 1)
     else:
-        monkeypatch.setattr(forward, "FUSED_MIN_BLOCKS", 10 ** 6)
-        monkeypatch.setattr(forward, "MIN_SEGMENT_CHUNKS", 1)
+        monkeypatch.setattr(fused_scan, "FUSED_MIN_BLOCKS", 10 ** 6)
+        monkeypatch.setattr(fused_scan, "MIN_SEGMENT_CHUNKS", 1)
     monkeypatch.setattr(forward, "forward_layout", lambda dims: layouts.append(pick(dims)) or layouts[-1])
     seq_idx = [100, 33, 200] if layout == "fused" else [100, 97, 200]
     args, kwargs = make_ssd_args(31, batch=2, seqlen=sum(seq_idx), nheads=6, headdim=64, ngroups=3, dstate=128,
@@ -107,7 +107,7 @@ def test_cutile_fused_joint_output_default_matches_float64_scan(monkeypatch, req
     from jax_mamba2.kernels._common import SSDDims
     tuning.clear_memory()
     request.addfinalizer(tuning.clear_memory)
-    monkeypatch.setattr(forward, "FUSED_MIN_BLOCKS", 1)
+    monkeypatch.setattr(fused_scan, "FUSED_MIN_BLOCKS", 1)
     layouts = []
     pick = forward.forward_layout
     monkeypatch.setattr(forward, "forward_layout", lambda dims: layouts.append(pick(dims)) or layouts[-1])

@@ -1,4 +1,5 @@
-"""Kernel config lookup: cache keys, the on-disk cache, concurrent writers, env switches, fallbacks.
+"""Kernel config lookup: cache keys, the on-disk cache, concurrent writers, env switches, fallbacks, and
+`jax_mamba2.autotune`'s discovery of a program's SSD plans.
 
 Tuning itself needs a GPU; here the GPU identity and the tuner (or the search, launches and array
 library under it) are replaced by fakes, so the lookup order, the file format, the locking and what
@@ -8,6 +9,8 @@ import contextlib
 import dataclasses
 import json
 import multiprocessing
+import os
+import stat
 import time
 import types
 
@@ -19,37 +22,58 @@ import pytest
 
 ct = pytest.importorskip("cuda.tile")
 
+from benchmarks.ssd import forward_layout_times  # noqa: E402
+import jax_mamba2  # noqa: E402
 from jax_mamba2 import backends, op  # noqa: E402
-from jax_mamba2.bridge import problem, tuning  # noqa: E402
+from jax_mamba2.bridge import aot, problem, tuning  # noqa: E402
+from jax_mamba2.bridge.tuning import cache_file, cache_keys, layout_choice, lookup, timing  # noqa: E402
+from jax_mamba2.bridge.tuning.cache_keys import STAGES  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims  # noqa: E402
 from jax_mamba2.kernels.backward import BACKWARD_STAGES, backward_inputs, backward_plan  # noqa: E402
-from jax_mamba2.kernels.forward import FORWARD_LAYOUTS, forward_inputs, forward_layout, forward_plan  # noqa: E402
-from jax_mamba2.kernels.stage_spaces import STAGE_SPACES  # noqa: E402
+from jax_mamba2.kernels.forward import (  # noqa: E402
+    FORWARD_LAYOUTS, ForwardConfigs, forward_inputs, forward_layout, forward_layouts, forward_plan)
 from tests._helpers import make_ssd_args  # noqa: E402
 
 DIMS = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=128, chunk_size=256)
 # Half the batch: the atomic backward splits each group over two blocks (see backward.group_heads_per_block).
 GROUP_SPLIT_DIMS = dataclasses.replace(DIMS, batch=2)
 FORWARD_STAGES = FORWARD_LAYOUTS["staged"]      # DIMS's layout (chunk 256)
-FAKE_GPU = tuning.GpuIdentity(name="NVIDIA H200", arch="sm_90")
+FAKE_GPU = cache_keys.GpuIdentity(name="NVIDIA H200", arch="sm_90")
+
+
+def _set_autotune(monkeypatch, value):
+    """Sets $JAX_MAMBA2_AUTOTUNE (None: unsets it) and makes the lookup read it again (it reads it once)."""
+    if value is None:
+        monkeypatch.delenv(lookup.ENV_AUTOTUNE, raising=False)
+    else:
+        monkeypatch.setenv(lookup.ENV_AUTOTUNE, value)
+    lookup.autotune_enabled.cache_clear()
 
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
-    """A fresh cache directory, tuning enabled, a fake H200, and no process-local choices."""
-    monkeypatch.setenv(tuning.ENV_CACHE_DIR, str(tmp_path))
-    monkeypatch.setenv(tuning.ENV_AUTOTUNE, "1")
-    monkeypatch.setattr(tuning, "_gpu_identity", lambda: FAKE_GPU)
-    monkeypatch.setattr(tuning, "_array_library_missing_reason", lambda: None)
+    """A fresh cache directory, tuning on ($JAX_MAMBA2_AUTOTUNE=1), a fake H200, and no process-local choices."""
+    monkeypatch.setenv(cache_keys.ENV_CACHE_DIR, str(tmp_path))
+    _set_autotune(monkeypatch, "1")
+    monkeypatch.setattr(cache_keys, "gpu_identity", lambda: FAKE_GPU)
+    monkeypatch.setattr(timing, "array_library_missing_reason", lambda: None)
     tuning.clear_memory()
     yield tmp_path
     tuning.clear_memory()
+    lookup.autotune_enabled.cache_clear()
+
+
+def _choices(dims, backward=False, deterministic=False):
+    """{stage: StageChoice} of the forward (its chosen layout's stages) or of the backward in one mode."""
+    if backward:
+        return layout_choice.backward_choices(dims, deterministic)
+    return layout_choice.forward_choices(dims)[1]
 
 
 def _non_default_config(stage, dims):
-    spec = STAGE_SPACES[stage]
-    default = spec.default_config(dims)
-    return next(c for c in reversed(spec.configs(dims, "sm_90")) if c != default)
+    spec = STAGES[stage]
+    default = spec.default(dims)
+    return next(c for c in reversed(spec.space(dims, "sm_90")) if c != default)
 
 
 BACKWARD_OWN = [s for s in BACKWARD_STAGES if s not in FORWARD_STAGES]
@@ -73,62 +97,62 @@ def _refuse_tuning(dims, spec, stages, configs, arch):
 
 
 def test_stage_key_is_stable_and_names_what_the_stage_specialises_on():
-    assert tuning.stage_key("chunk_state", DIMS) == (
+    assert cache_keys.stage_key("chunk_state", DIMS) == (
         "chunk_state/chunk_size=256,headdim=64,dstate=128,dtype=bfloat16,has_init=False,"
         "has_seq_idx=False,index64=False,work=128")
     # seqlen is not a chunk_state key field and batch * nheads stays 128: same key.
     same = dataclasses.replace(DIMS, seqlen=2048)
-    assert tuning.stage_key("chunk_state", same) == tuning.stage_key("chunk_state", DIMS)
+    assert cache_keys.stage_key("chunk_state", same) == cache_keys.stage_key("chunk_state", DIMS)
     for field, value in [("dstate", 64), ("dtype", "float16"), ("has_z", True), ("chunk_size", 128)]:
         changed = dataclasses.replace(DIMS, **{field: value})
-        assert tuning.stage_key("chunk_scan", changed) != tuning.stage_key("chunk_scan", DIMS), field
+        assert cache_keys.stage_key("chunk_scan", changed) != cache_keys.stage_key("chunk_scan", DIMS), field
     # The work bucket: 4x the chunks is a new bucket for chunk_scan, not for chunk_state.
     longer = dataclasses.replace(DIMS, seqlen=4 * DIMS.seqlen)
-    assert tuning.stage_key("chunk_scan", longer) != tuning.stage_key("chunk_scan", DIMS)
-    assert tuning.stage_key("chunk_state", longer) == tuning.stage_key("chunk_state", DIMS)
+    assert cache_keys.stage_key("chunk_scan", longer) != cache_keys.stage_key("chunk_scan", DIMS)
+    assert cache_keys.stage_key("chunk_state", longer) == cache_keys.stage_key("chunk_state", DIMS)
 
 
 def test_cache_path_names_gpu_versions_and_kernel_source(cache_dir):
-    name = tuning.cache_path(FAKE_GPU).name
-    assert tuning.cache_path(FAKE_GPU).parent == cache_dir
+    name = cache_keys.cache_path(FAKE_GPU).name
+    assert cache_keys.cache_path(FAKE_GPU).parent == cache_dir
     assert name.startswith("NVIDIA_H200-sm_90-cuda_tile_") and "-jax_mamba2_" in name
     assert "-kernels_" in name and name.endswith(".json")
 
 
 def test_forward_configs_tunes_once_then_reads_disk(cache_dir, monkeypatch):
     calls = []
-    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner(calls))
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner(calls))
     configs = tuning.forward_configs(DIMS)
     expected = {s: _non_default_config(s, DIMS) for s in FORWARD_STAGES}
-    assert configs == expected
+    assert configs == ForwardConfigs("staged", expected)
     assert calls == [list(FORWARD_STAGES)]
-    assert {r["source"] for r in tuning.tune_report(DIMS).values()} == {"tuned"}
+    assert {c.source for c in _choices(DIMS).values()} == {"tuned"}
 
-    stored = json.loads(tuning.cache_path(FAKE_GPU).read_text())
-    assert stored["schema"] == tuning.CACHE_SCHEMA
-    assert set(stored["entries"]) == {tuning.stage_key(s, DIMS) for s in FORWARD_STAGES}
+    stored = json.loads(cache_keys.cache_path(FAKE_GPU).read_text())
+    assert stored["schema"] == cache_keys.CACHE_SCHEMA
+    assert set(stored["entries"]) == {cache_keys.stage_key(s, DIMS) for s in FORWARD_STAGES}
 
     # A new process (no memory): the disk answers and nothing is tuned.
     tuning.clear_memory()
-    monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
-    assert tuning.forward_configs(DIMS) == expected
-    report = tuning.tune_report(DIMS)
-    assert {r["source"] for r in report.values()} == {"disk"}
-    assert report["chunk_scan"]["config"] == dataclasses.asdict(expected["chunk_scan"])
+    monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
+    assert tuning.forward_configs(DIMS) == ForwardConfigs("staged", expected)
+    report = _choices(DIMS)
+    assert {c.source for c in report.values()} == {"disk"}
+    assert report["chunk_scan"].config == expected["chunk_scan"]
 
 
 def test_forward_configs_retunes_only_stale_entries(cache_dir, monkeypatch):
-    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner([]))
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner([]))
     tuning.forward_configs(DIMS)
-    path = tuning.cache_path(FAKE_GPU)
+    path = cache_keys.cache_path(FAKE_GPU)
     stored = json.loads(path.read_text())
-    stored["entries"][tuning.stage_key("chunk_scan", DIMS)]["config"] = {"NO_SUCH_FIELD": 1}
+    stored["entries"][cache_keys.stage_key("chunk_scan", DIMS)]["config"] = {"NO_SUCH_FIELD": 1}
     path.write_text(json.dumps(stored))
 
     tuning.clear_memory()
     calls = []
-    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner(calls))
-    sources = {s: r["source"] for s, r in tuning.tune_report(DIMS).items()}
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner(calls))
+    sources = {s: c.source for s, c in _choices(DIMS).items()}
     assert calls == [["chunk_scan"]]
     assert sources == {"chunk_cumsum": "disk", "chunk_state": "disk", "chunk_scan": "tuned"}
 
@@ -137,40 +161,40 @@ def test_stage_key_names_heads_per_block_where_deterministic_changes_the_launch(
     # 32 heads in one group, half DIMS' batch: deterministic mode gives a block the whole group, the atomic
     # mode 16 heads (the most that leave backward.MIN_GROUP_PASS_BLOCKS blocks).
     grouped = GROUP_SPLIT_DIMS
-    assert tuning.stage_key("chunk_scan_bwd_dc", grouped) == (
+    assert cache_keys.stage_key("chunk_scan_bwd_dc", grouped) == (
         "chunk_scan_bwd_dc/chunk_size=256,headdim=64,dstate=128,heads_per_group=32,dtype=bfloat16,"
         "has_seq_idx=False,heads_per_block=16,index64=False,work=128")
-    assert tuning.stage_key("chunk_scan_bwd_dx", grouped, deterministic=True).endswith(
+    assert cache_keys.stage_key("chunk_scan_bwd_dx", grouped, deterministic=True).endswith(
         "heads_per_block=32,index64=False,work=64")
     # At DIMS' batch the atomic mode gives a block the whole group too: one launch, one key, in both modes.
-    assert tuning.stage_key("chunk_scan_bwd_dc", DIMS) == tuning.stage_key("chunk_scan_bwd_dc", DIMS, True)
+    assert cache_keys.stage_key("chunk_scan_bwd_dc", DIMS) == cache_keys.stage_key("chunk_scan_bwd_dc", DIMS, True)
     for stage in BACKWARD_STAGES:
-        differs = tuning.stage_key(stage, grouped) != tuning.stage_key(stage, grouped, True)
+        differs = cache_keys.stage_key(stage, grouped) != cache_keys.stage_key(stage, grouped, True)
         assert differs == (stage in ("chunk_scan_bwd_dc", "chunk_scan_bwd_dx")), stage
     # One head per group: both modes launch the same kernels, so they share every key.
     per_head = dataclasses.replace(DIMS, ngroups=DIMS.nheads)
-    assert all(tuning.stage_key(s, per_head) == tuning.stage_key(s, per_head, True) for s in BACKWARD_STAGES)
+    assert all(cache_keys.stage_key(s, per_head) == cache_keys.stage_key(s, per_head, True) for s in BACKWARD_STAGES)
 
 
 def test_backward_configs_reuse_forward_recompute_configs_and_tune_the_rest_once(cache_dir, monkeypatch):
     calls, given = [], []
-    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner(calls, given))
-    forward = tuning.forward_configs(DIMS)
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner(calls, given))
+    forward = tuning.forward_configs(DIMS).configs
     backward = tuning.backward_configs(DIMS)
     assert calls == [list(FORWARD_STAGES), BACKWARD_OWN]
     assert backward == {**{s: forward[s] for s in ("chunk_cumsum", "chunk_state")},
                         **{s: _non_default_config(s, DIMS) for s in BACKWARD_OWN}}
     # The backward stages were tuned after the forward's recompute configs, the others at defaults.
     assert given[1] == {**{s: forward[s] for s in ("chunk_cumsum", "chunk_state")},
-                        **{s: STAGE_SPACES[s].default_config(DIMS) for s in BACKWARD_OWN}}
-    stored = json.loads(tuning.cache_path(FAKE_GPU).read_text())["entries"]
-    assert set(stored) == {tuning.stage_key(s, DIMS) for s in FORWARD_STAGES + BACKWARD_STAGES}
+                        **{s: STAGES[s].default(DIMS) for s in BACKWARD_OWN}}
+    stored = json.loads(cache_keys.cache_path(FAKE_GPU).read_text())["entries"]
+    assert set(stored) == {cache_keys.stage_key(s, DIMS) for s in FORWARD_STAGES + BACKWARD_STAGES}
 
     # A new process: the disk answers for both passes.
     tuning.clear_memory()
-    monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
+    monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
     assert tuning.backward_configs(DIMS) == backward
-    assert {r["source"] for r in tuning.tune_report(DIMS, backward=True).values()} == {"disk"}
+    assert {c.source for c in _choices(DIMS, backward=True).values()} == {"disk"}
 
 
 @pytest.mark.parametrize("fused_us,want", [(1.0, "fused"), (5.0, "staged")])
@@ -186,45 +210,47 @@ def test_forward_configs_tune_both_layouts_and_keep_the_faster(cache_dir, monkey
             entry = {"config": dataclasses.asdict(_non_default_config(stage, dims)), "measured": []}
             yield stage, {**entry, "mean_us": times.get(stage, 1.0)}
 
-    monkeypatch.setattr(tuning, "_tune_stages", tune_stages)
+    monkeypatch.setattr(timing, "tune_stages", tune_stages)
     forward = tuning.forward_configs(fused_dims)
     # staged: 3 stages x 1 us; fused: 1 + fused_us. chunk_cumsum is tuned once and shared.
     assert calls == [["chunk_cumsum", "chunk_state", "chunk_scan"], ["fused_scan"]]
-    assert set(forward) == set(FORWARD_LAYOUTS[want])
-    assert len(forward_plan(fused_dims, forward).launches) == len(FORWARD_LAYOUTS[want])
+    assert forward.layout == want and set(forward.configs) == set(FORWARD_LAYOUTS[want])
+    assert len(forward_plan(fused_dims, forward.configs, forward.layout).launches) == len(FORWARD_LAYOUTS[want])
     # The backward's recompute takes the forward's chunk_cumsum and the chunk_state tuned with the
     # staged layout (from the cache), tuning only its own stages.
     backward = tuning.backward_configs(fused_dims)
     assert calls[2:] == [BACKWARD_OWN]
-    assert backward["chunk_cumsum"] == forward["chunk_cumsum"]
+    assert backward["chunk_cumsum"] == forward.configs["chunk_cumsum"]
     assert backward["chunk_state"] == _non_default_config("chunk_state", fused_dims)
     # A new process reads both layouts from disk and makes the same choice.
     tuning.clear_memory()
-    monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
+    monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
     assert tuning.forward_configs(fused_dims) == forward
 
 
 def test_forward_configs_without_measurements_follow_the_layout_rule(cache_dir, monkeypatch):
-    monkeypatch.setenv(tuning.ENV_AUTOTUNE, "0")
+    _set_autotune(monkeypatch, "0")
     fused_dims = dataclasses.replace(DIMS, chunk_size=64)
-    assert set(tuning.forward_configs(fused_dims)) == set(FORWARD_LAYOUTS["fused"])
+    assert set(tuning.forward_configs(fused_dims).configs) == set(FORWARD_LAYOUTS["fused"])
     few_chains = dataclasses.replace(fused_dims, batch=1)
-    assert set(tuning.forward_configs(few_chains)) == set(FORWARD_LAYOUTS[forward_layout(few_chains)])
-    assert set(tuning.forward_configs(dataclasses.replace(fused_dims, dtype="float32", dt_dtype="float32"))
-               ) == set(FORWARD_LAYOUTS["staged"])
+    assert set(tuning.forward_configs(few_chains).configs) == set(FORWARD_LAYOUTS[forward_layout(few_chains)])
+    assert set(tuning.forward_configs(dataclasses.replace(fused_dims, dtype="float32", dt_dtype="float32")
+                                      ).configs) == set(FORWARD_LAYOUTS["staged"])
+    assert [tuning.forward_configs(d).layout for d in (fused_dims, few_chains)] == [
+        "fused", forward_layout(few_chains)]
 
 
 def test_backward_configs_deterministic_tunes_only_the_group_reducing_stages_again(cache_dir, monkeypatch):
-    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner([]))
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner([]))
     tuning.backward_configs(GROUP_SPLIT_DIMS, deterministic=False)
     tuning.clear_memory()
     calls = []
-    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner(calls))
-    report = tuning.tune_report(GROUP_SPLIT_DIMS, backward=True, deterministic=True)
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner(calls))
+    report = _choices(GROUP_SPLIT_DIMS, backward=True, deterministic=True)
     assert calls == [["chunk_scan_bwd_dc", "chunk_scan_bwd_dx"]]
-    tuned = {s for s, r in report.items() if r["source"] == "tuned"}
+    tuned = {s for s, c in report.items() if c.source == "tuned"}
     assert tuned == {"chunk_scan_bwd_dc", "chunk_scan_bwd_dx"}
-    assert "heads_per_block=32" in report["chunk_scan_bwd_dc"]["key"]
+    assert "heads_per_block=32" in report["chunk_scan_bwd_dc"].key
 
 
 class _FakeStream:
@@ -276,12 +302,12 @@ def test_tune_stages_times_each_config_on_its_plan_buffers_and_rezeroes_atomic_s
 
     fake_ct = types.SimpleNamespace(launch=launch, compiler_timeout=lambda s: contextlib.nullcontext(),
                                     tune=types.SimpleNamespace(exhaustive_search=exhaustive_search))
-    monkeypatch.setattr(tuning, "ct", fake_ct)
-    monkeypatch.setattr(tuning, "_array_library", lambda: _FAKE_LIBRARY)
+    monkeypatch.setattr(timing, "ct", fake_ct)
+    monkeypatch.setattr(timing, "array_library", lambda: _FAKE_LIBRARY)
 
-    start = {s: STAGE_SPACES[s].default_config(dims) for s in BACKWARD_STAGES}
-    spec = tuning._BACKWARD[False]
-    entries = dict(tuning._tune_stages(dims, spec, BACKWARD_OWN, start, "sm_90"))
+    start = {s: STAGES[s].default(dims) for s in BACKWARD_STAGES}
+    spec = layout_choice.BACKWARD[False]
+    entries = dict(timing.tune_stages(dims, spec, BACKWARD_OWN, start, "sm_90"))
     assert list(entries) == BACKWARD_OWN
 
     configs, i = dict(start), 0
@@ -297,7 +323,7 @@ def test_tune_stages_times_each_config_on_its_plan_buffers_and_rezeroes_atomic_s
             i += 1
         kind, runs = events[i]
         i += 1
-        assert kind == "search" and list(runs) == tuning._search_space(stage, dims, "sm_90")
+        assert kind == "search" and list(runs) == timing.search_space(stage, dims, "sm_90")
         for cfg, cfg_runs in runs.items():
             plan = backward_plan(dims, {**configs, stage: cfg})
             timed, arrays = plan.launches[index], {**backward_inputs(dims), **plan.buffers}
@@ -317,21 +343,21 @@ def test_tune_stages_times_each_config_on_its_plan_buffers_and_rezeroes_atomic_s
 
 @pytest.mark.parametrize("backward", [False, True])
 def test_configs_env_off_uses_defaults(cache_dir, monkeypatch, backward):
-    monkeypatch.setenv(tuning.ENV_AUTOTUNE, "0")
-    monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
-    report = tuning.tune_report(DIMS, backward=backward)
+    _set_autotune(monkeypatch, "0")
+    monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
+    report = _choices(DIMS, backward=backward)
     assert tuple(report) == (BACKWARD_STAGES if backward else FORWARD_STAGES)
     for stage, r in report.items():
-        assert r["source"] == "default" and r["reason"] == f"{tuning.ENV_AUTOTUNE}=0"
-        assert r["config"] == dataclasses.asdict(STAGE_SPACES[stage].default_config(DIMS))
+        assert r.source == "default" and r.reason == f"{lookup.ENV_AUTOTUNE}=0"
+        assert r.config == STAGES[stage].default(DIMS)
     assert not list(cache_dir.iterdir())
 
 
 def test_configs_without_gpu_use_defaults(cache_dir, monkeypatch):
-    monkeypatch.setattr(tuning, "_gpu_identity", lambda: None)
-    monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
-    defaults = {s: spec.default_config(DIMS) for s, spec in STAGE_SPACES.items()}
-    assert tuning.forward_configs(DIMS) == {s: defaults[s] for s in FORWARD_STAGES}
+    monkeypatch.setattr(cache_keys, "gpu_identity", lambda: None)
+    monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
+    defaults = {s: spec.default(DIMS) for s, spec in STAGES.items()}
+    assert tuning.forward_configs(DIMS) == ForwardConfigs("staged", {s: defaults[s] for s in FORWARD_STAGES})
     assert tuning.backward_configs(DIMS, deterministic=True) == {s: defaults[s] for s in BACKWARD_STAGES}
     assert not list(cache_dir.iterdir())
 
@@ -342,28 +368,172 @@ def test_configs_tuning_failure_warns_and_uses_defaults(cache_dir, monkeypatch, 
         raise RuntimeError("out of memory")
         yield  # a generator, like the real tuner
 
-    monkeypatch.setattr(tuning, "_tune_stages", broken)
+    monkeypatch.setattr(timing, "tune_stages", broken)
     with pytest.warns(RuntimeWarning, match="autotuning .* failed .*out of memory"):
-        report = tuning.tune_report(DIMS, backward=backward)
-    assert {r["source"] for r in report.values()} == {"default"}
-    assert tuning._TuningCache(tuning.cache_path(FAKE_GPU)).read() == {}
+        report = _choices(DIMS, backward=backward)
+    assert {c.source for c in report.values()} == {"default"}
+    assert cache_file.TuningCache(cache_keys.cache_path(FAKE_GPU)).read() == {}
 
 
 def test_autotune_env_rejects_other_values(monkeypatch):
-    monkeypatch.setenv(tuning.ENV_AUTOTUNE, "yes")
+    _set_autotune(monkeypatch, "yes")
     with pytest.raises(ValueError, match="JAX_MAMBA2_AUTOTUNE='yes' must be '0' or '1'"):
-        tuning.autotune_enabled()
+        lookup.autotune_enabled()
+    lookup.autotune_enabled.cache_clear()
+
+
+def test_autotune_env_is_read_once_and_off_unless_set_to_1(monkeypatch):
+    _set_autotune(monkeypatch, None)
+    assert not lookup.autotune_enabled()
+    monkeypatch.setenv(lookup.ENV_AUTOTUNE, "1")         # after the first read: no effect
+    assert not lookup.autotune_enabled()
+    _set_autotune(monkeypatch, "1")
+    assert lookup.autotune_enabled()
+    lookup.autotune_enabled.cache_clear()
+
+
+def test_first_use_without_tuning_runs_the_defaults_in_milliseconds(cache_dir, monkeypatch):
+    """$JAX_MAMBA2_AUTOTUNE unset: every stage of both passes takes its declared default (nothing is tuned,
+    no file is written), the forward in the rule's layout, at the cost of a lookup."""
+    _set_autotune(monkeypatch, None)
+    monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
+    fused_dims = dataclasses.replace(DIMS, chunk_size=64)
+    start = time.perf_counter()
+    forward_cfgs, backward_cfgs = tuning.forward_configs(fused_dims), tuning.backward_configs(fused_dims)
+    assert time.perf_counter() - start < 1.0
+    assert forward_cfgs == ForwardConfigs(forward_layout(fused_dims), {
+        s: STAGES[s].default(fused_dims) for s in FORWARD_LAYOUTS[forward_layout(fused_dims)]})
+    assert backward_cfgs == {s: STAGES[s].default(fused_dims) for s in BACKWARD_STAGES}
+    reasons = {c.reason for c in _choices(fused_dims).values()}
+    assert reasons == {"autotuning is off (JAX_MAMBA2_AUTOTUNE=1 or jax_mamba2.autotune turns it on)"}
+    assert not list(cache_dir.iterdir())
+
+
+def _kernel_copy(tmp_path, name, edit=None):
+    """A copy of the kernel modules in tmp_path/name, `edit(text) -> text` applied to fused_scan.py."""
+    directory = tmp_path / name
+    directory.mkdir()
+    for path in cache_keys.KERNELS_DIR.glob("*.py"):
+        text = path.read_text()
+        (directory / path.name).write_text(edit(text) if edit and path.name == "fused_scan.py" else text)
+    return directory
+
+
+def test_cache_key_fingerprint_ignores_comments_and_docstrings_not_code(tmp_path):
+    original = cache_keys.kernels_fingerprint(_kernel_copy(tmp_path, "original"))
+    assert original == cache_keys.kernels_fingerprint(cache_keys.KERNELS_DIR)
+
+    def reword(text):
+        text = text.replace("# The chunk sizes the fused kernel takes", "# Chunk sizes the fused kernel\n# accepts")
+        text = text.replace('"""Whether the fused kernel has a configuration', '"""Whether the fused kernel has\n    a config')
+        return text.replace("FUSED_CHUNK_SIZES = (16, 32, 64)", "FUSED_CHUNK_SIZES = (16,   32, 64)  # powers of 2")
+
+    def recode(text):
+        return text.replace("MAX_PIECE_CHUNKS = 32", "MAX_PIECE_CHUNKS = 16")
+
+    assert reword(cache_keys.KERNELS_DIR.joinpath("fused_scan.py").read_text()) != \
+        cache_keys.KERNELS_DIR.joinpath("fused_scan.py").read_text()
+    assert cache_keys.kernels_fingerprint(_kernel_copy(tmp_path, "reworded", reword)) == original
+    assert cache_keys.kernels_fingerprint(_kernel_copy(tmp_path, "recoded", recode)) != original
 
 
 def test_tuning_cache_ignores_corrupt_and_foreign_files(tmp_path):
     path = tmp_path / "cache.json"
-    cache = tuning._TuningCache(path)
+    cache = cache_file.TuningCache(path)
+    assert cache.read() == {}                                   # no file yet: nothing to say
     path.write_text("{not json")
-    assert cache.read() == {}
-    path.write_text(json.dumps({"schema": tuning.CACHE_SCHEMA + 1, "entries": {"k": {}}}))
-    assert cache.read() == {}
+    with pytest.warns(RuntimeWarning, match="not readable as JSON .*; the file is ignored"):
+        assert cache.read() == {}
+    path.write_text(json.dumps({"schema": cache_keys.CACHE_SCHEMA + 1, "entries": {"k": {}}}))
+    with pytest.warns(RuntimeWarning, match="schema=2, not 1; the file is ignored"):
+        assert cache.read() == {}
     assert cache.fill(["k"], lambda keys: iter([("k", {"config": {}})])) == {"k": {"config": {}}}
     assert cache.read() == {"k": {"config": {}}}
+
+
+@pytest.mark.parametrize("data", [{"entries": 5}, {"schema": 1, "entries": 5}, [1, 2], {"schema": 1}])
+def test_tuning_cache_ignores_files_of_another_shape(tmp_path, data):
+    path = tmp_path / "cache.json"
+    path.write_text(json.dumps(data))
+    with pytest.warns(RuntimeWarning, match='not a JSON object with an "entries" object; the file is ignored'):
+        assert cache_file.TuningCache(path).read() == {}
+
+
+def test_tuning_cache_ignores_entries_of_another_shape_and_drops_them_on_the_next_write(tmp_path):
+    path = tmp_path / "cache.json"
+    good = {"config": {"BLOCK_H": 8}, "mean_us": 3.5, "default_mean_us": None}
+    entries = {"good": good, "text_time": {"config": {}, "mean_us": "fast"}, "none_time": {"config": {}, "mean_us": None},
+               "no_config": {"mean_us": 1.0}, "list_config": {"config": [1]}, "not_object": 7,
+               "bool_time": {"config": {}, "tuning_s": True}, "inf_time": {"config": {}, "default_mean_us": 1e999}}
+    path.write_text(json.dumps({"schema": cache_keys.CACHE_SCHEMA, "entries": entries}))
+    cache = cache_file.TuningCache(path)
+    with pytest.warns(RuntimeWarning) as caught:
+        assert cache.read() == {"good": good}
+    messages = "\n".join(str(w.message) for w in caught)
+    for key in set(entries) - {"good"}:
+        assert f"entry {key!r}" in messages, key
+    assert "mean_us='fast', not a finite number" in messages
+    with pytest.warns(RuntimeWarning):
+        cache.fill(["new"], lambda keys: iter([("new", {"config": {}})]))
+    assert set(json.loads(path.read_text())["entries"]) == {"good", "new"}
+
+
+def test_tuning_cache_files_take_the_permissions_the_umask_leaves(tmp_path):
+    previous = os.umask(0o002)
+    try:
+        path = tmp_path / "sub" / "cache.json"
+        cache_file.TuningCache(path).fill(["k"], lambda keys: iter([("k", {"config": {}})]))
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o664
+    assert stat.S_IMODE(path.with_name("cache.json.lock").stat().st_mode) == 0o664
+    assert sorted(p.name for p in path.parent.iterdir()) == ["cache.json", "cache.json.lock"]   # no temp file
+
+
+@pytest.mark.parametrize("data", ['{"entries": 5}', '{"schema": 1, "entries": 5}', "[]", "{broken"])
+def test_configs_survive_a_cache_file_of_another_shape(cache_dir, monkeypatch, data):
+    """The lookup warns and goes on (tuning here, into a rewritten file), inside the trace of a call."""
+    path = cache_keys.cache_path(FAKE_GPU)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(data)
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner([]))
+    with pytest.warns(RuntimeWarning, match="the file is ignored"):
+        assert tuning.forward_configs(DIMS).configs == {s: _non_default_config(s, DIMS) for s in FORWARD_STAGES}
+    assert set(json.loads(path.read_text())["entries"]) == {cache_keys.stage_key(s, DIMS) for s in FORWARD_STAGES}
+
+
+@pytest.mark.parametrize("autotune", ["0", "1"])
+def test_configs_ignore_a_stored_time_that_is_no_number_and_a_config_outside_the_space(cache_dir, monkeypatch,
+                                                                                       autotune):
+    """A non-numeric time and a config the tune space does not hold (valid fields, another tile) are ignored
+    with a warning: the stage is tuned again where tuning is on, else it runs its default."""
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner([]))
+    tuning.forward_configs(DIMS)
+    path = cache_keys.cache_path(FAKE_GPU)
+    stored = json.loads(path.read_text())
+    stored["entries"][cache_keys.stage_key("chunk_state", DIMS)]["mean_us"] = "fast"
+    outside = dataclasses.replace(STAGES["chunk_scan"].default(DIMS), BLOCK_M=48)
+    stored["entries"][cache_keys.stage_key("chunk_scan", DIMS)]["config"] = dataclasses.asdict(outside)
+    path.write_text(json.dumps(stored))
+
+    tuning.clear_memory()
+    _set_autotune(monkeypatch, autotune)
+    calls = []
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner(calls))
+    with pytest.warns(RuntimeWarning) as caught:
+        choices = _choices(DIMS)
+    messages = "\n".join(str(w.message) for w in caught)
+    assert "mean_us='fast', not a finite number; that entry is ignored" in messages
+    assert "outside the tune space of chunk_scan; that entry is ignored" in messages
+    assert choices["chunk_cumsum"].source == "disk"
+    if autotune == "1":
+        assert calls == [["chunk_state", "chunk_scan"]]
+        assert {s: choices[s].source for s in ("chunk_state", "chunk_scan")} == {"chunk_state": "tuned",
+                                                                                 "chunk_scan": "tuned"}
+    else:
+        assert calls == []
+        assert {s: (choices[s].source, choices[s].config) for s in ("chunk_state", "chunk_scan")} == {
+            s: ("default", STAGES[s].default(DIMS)) for s in ("chunk_state", "chunk_scan")}
 
 
 def _fill_from_process(path, key, log_path, barrier):
@@ -376,7 +546,7 @@ def _fill_from_process(path, key, log_path, barrier):
             yield k, {"config": {"by": key}}
 
     barrier.wait()
-    tuning._TuningCache(path).fill([key], slow_tune)
+    cache_file.TuningCache(path).fill([key], slow_tune)
 
 
 def test_tuning_cache_concurrent_writers_keep_every_key_and_tune_each_once(tmp_path):
@@ -390,7 +560,7 @@ def test_tuning_cache_concurrent_writers_keep_every_key_and_tune_each_once(tmp_p
     for p in procs:
         p.join(timeout=120)
     assert [p.exitcode for p in procs] == [0] * len(keys)
-    assert set(tuning._TuningCache(path).read()) == {"stage_a/x=1", "stage_b/x=2"}
+    assert set(cache_file.TuningCache(path).read()) == {"stage_a/x=1", "stage_b/x=2"}
     assert sorted(log_path.read_text().split()) == ["stage_a/x=1", "stage_b/x=2"]
 
 
@@ -403,12 +573,12 @@ def test_search_spaces_stay_small_and_contain_default(shape, chunk_size):
     (at chunk 64 the staged chunk_scan space of headdim 128 has 27)."""
     b, L, H, P, N, G = shape
     dims = SSDDims(batch=b, seqlen=L, nheads=H, headdim=P, ngroups=G, dstate=N, chunk_size=chunk_size)
-    for stage, spec in STAGE_SPACES.items():
-        space = tuning._search_space(stage, dims, "sm_90")
+    for stage, spec in STAGES.items():
+        space = timing.search_space(stage, dims, "sm_90")
         assert 1 <= len(space) <= (25 if chunk_size == 256 else 27), (stage, len(space))
         assert len(set(space)) == len(space)
-        own = spec.configs(dims, "sm_90")
-        assert not own or spec.default_config(dims) in own, stage
+        own = spec.space(dims, "sm_90")
+        assert not own or spec.default(dims) in own, stage
 
 
 def test_cutile_forward_traces_with_the_configs_forward_configs_returns(monkeypatch):
@@ -416,12 +586,12 @@ def test_cutile_forward_traces_with_the_configs_forward_configs_returns(monkeypa
     args, kwargs = make_ssd_args(0, batch=2, seqlen=128, nheads=4, headdim=32, dstate=32)
     dims = SSDDims(batch=2, seqlen=128, nheads=4, headdim=32, ngroups=1, dstate=32, chunk_size=64)
     chosen = {s: _non_default_config(s, dims) for s in FORWARD_STAGES}
-    monkeypatch.setattr(tuning, "forward_configs", lambda d: chosen)
+    monkeypatch.setattr(tuning, "forward_configs", lambda d: ForwardConfigs("staged", chosen))
     static = op.SSDStatic(64, False, (0.0, float("inf")))
     inputs = op.SSDInputs(*args, None, None, None, None, None)
     jaxpr = jax.make_jaxpr(lambda inp: op._run_backend(backends.get("cutile", "test"), inp, static))(inputs)
     grids = [tuple(e.params["grid"]) for e in _cutile_calls(jaxpr.jaxpr)]
-    expected = [launch.grid for launch in forward_plan(dims, chosen).launches]
+    expected = [launch.grid for launch in forward_plan(dims, chosen, "staged").launches]
     assert grids == [g + (1,) * (3 - len(g)) for g in expected]  # cutile_call pads grids to 3-D
 
 
@@ -461,11 +631,11 @@ def test_random_inputs_match_plan_inputs_with_realistic_values():
     dims = SSDDims(batch=2, seqlen=100, nheads=4, headdim=16, ngroups=2, dstate=16, chunk_size=64,
                    has_z=True, has_init=True, has_seq_idx=True)
     for backward, specs in [(False, forward_inputs(dims)), (True, backward_inputs(dims))]:
-        inputs = tuning.random_inputs(dims, backward=backward)
+        inputs = timing.random_inputs(dims, backward=backward)
         assert list(inputs) == list(specs)
         for name, buf in specs.items():
             assert (inputs[name].shape, inputs[name].dtype) == (buf.shape, jnp.dtype(buf.dtype)), name
-    arrays = tuning.random_inputs(dims, backward=True)
+    arrays = timing.random_inputs(dims, backward=True)
     assert float(jnp.abs(arrays["dout"].astype(jnp.float32)).mean()) > 0.5
     assert float(jnp.abs(arrays["dfinal_states"]).mean()) > 0.5
     # Without dt_softplus, dt is Δ itself: softplus(N(-3, 1)), positive with median ~0.05.
@@ -482,7 +652,7 @@ def test_random_inputs_are_concrete_inside_a_jit_trace():
     seen = {}
 
     def traced(x):
-        seen.update(tuning.random_inputs(dims))
+        seen.update(timing.random_inputs(dims))
         return x
 
     jax.jit(traced)(jnp.zeros(()))
@@ -491,19 +661,96 @@ def test_random_inputs_are_concrete_inside_a_jit_trace():
 
 
 def test_forward_configs_small_problems_use_defaults_untuned(cache_dir, monkeypatch):
-    monkeypatch.setattr(tuning, "_tune_stages", _refuse_tuning)
+    monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
     small = dataclasses.replace(DIMS, batch=1, seqlen=1024, nheads=8)
-    report = tuning.tune_report(small)
-    assert {r["source"] for r in report.values()} == {"default"}
-    assert "too small to be worth tuning" in report["chunk_scan"]["reason"]
+    report = _choices(small)
+    assert {c.source for c in report.values()} == {"default"}
+    assert "too small to be worth tuning" in report["chunk_scan"].reason
 
 
 def test_forward_layout_times_report_what_the_layout_choice_compares(cache_dir, monkeypatch):
     fused_dims = dataclasses.replace(DIMS, chunk_size=64)
-    monkeypatch.setenv(tuning.ENV_AUTOTUNE, "0")
-    assert tuning.forward_layout_times(fused_dims) == {"staged": None, "fused": None}   # defaults: no times
-    monkeypatch.setenv(tuning.ENV_AUTOTUNE, "1")
+    _set_autotune(monkeypatch, "0")
+    assert forward_layout_times(fused_dims) == {"staged": None, "fused": None}   # defaults: no times
+    _set_autotune(monkeypatch, "1")
     tuning.clear_memory()
-    monkeypatch.setattr(tuning, "_tune_stages", _fake_tuner([]))   # 1 us per stage
-    assert tuning.forward_layout_times(fused_dims) == {"staged": 3.0, "fused": 2.0}
-    assert set(tuning.forward_configs(fused_dims)) == set(FORWARD_LAYOUTS["fused"])
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner([]))   # 1 us per stage
+    assert forward_layout_times(fused_dims) == {"staged": 3.0, "fused": 2.0}
+    assert tuning.forward_configs(fused_dims).layout == "fused"
+
+
+def _train_step_args(batch=4, seqlen=8192, nheads=32, headdim=64, dstate=128):
+    """Abstract arguments of an SSD call big enough to be tuned (autotune traces, nothing runs)."""
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    return (jax.ShapeDtypeStruct((batch, seqlen, nheads, headdim), bf16),
+            jax.ShapeDtypeStruct((batch, seqlen, nheads), f32), jax.ShapeDtypeStruct((nheads,), f32),
+            jax.ShapeDtypeStruct((batch, seqlen, 1, dstate), bf16), jax.ShapeDtypeStruct((batch, seqlen, 1, dstate), bf16),
+            jax.ShapeDtypeStruct((batch, seqlen, nheads, headdim), bf16))
+
+
+def _cutile_loss(x, dt, A, B, C, z):
+    y = jax_mamba2.ssd(x, dt, A, B, C, 256, z=z, dt_softplus=True, backend="cutile")
+    return jnp.sum(y.astype(jnp.float32))
+
+
+def test_autotune_finds_every_ssd_plan_of_a_program_and_tunes_each_ahead_of_time(cache_dir, monkeypatch):
+    """A training step (forward in a loss, its gradient, and a forward alone of another shape) traced on the
+    CPU for sm_90, the timing harness faked: autotune finds the differentiated call's gate-free saving
+    forward, its backward and the plain forward, tunes each once (both layouts of the fused-capable ones)
+    whatever $JAX_MAMBA2_AUTOTUNE says, clears JAX's caches (before finding, and after tuning since configs
+    changed), and the later lookups answer from memory."""
+    _set_autotune(monkeypatch, "0")
+    calls = []
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner(calls))
+    cleared, clear_caches = [], jax.clear_caches
+    monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(True) or clear_caches())
+    args = _train_step_args()
+    other = _train_step_args(batch=2)
+
+    def step(args, other):
+        loss, grads = jax.value_and_grad(_cutile_loss, argnums=(0, 1, 2, 3, 4))(*args)
+        return loss, grads, _cutile_loss(*other)
+
+    with aot.cuda_target("sm_90"):
+        plans = jax_mamba2.autotune(jax.jit(step), args, other)
+    dims = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=128,
+                   chunk_size=problem.KERNEL_CHUNK_SIZE, dtype="bfloat16", dt_dtype="float32", dt_softplus=True)
+    saving = dims                                              # differentiated: gate-free
+    alone = dataclasses.replace(dims, batch=2, has_z=True)
+    assert [p.request for p in plans] == [
+        layout_choice.PlanRequest(saving), layout_choice.PlanRequest(saving, backward=True),
+        layout_choice.PlanRequest(alone)]
+    # The fake tuner measures 1 us per stage: the fused layout's two stages sum least.
+    assert forward_layouts(saving) == ("staged", "fused") and "segmented" in forward_layouts(alone)
+    assert [p.layout for p in plans] == ["fused", None, "fused"]
+    assert all(set(p.sources.values()) <= {"tuned", "disk"} for p in plans)
+    # Every layout of each forward is tuned once (chunk_cumsum shared), the backward's own stages once.
+    own = [s for s in BACKWARD_STAGES if s not in FORWARD_LAYOUTS["staged"]]
+    assert sorted(map(tuple, calls)) == sorted(
+        [("chunk_cumsum", "chunk_state", "chunk_scan"), ("fused_scan",)] * 2 + [("segment_states", "segmented_scan"),
+                                                                                 tuple(own)])
+    assert plans[1].configs == {**{s: plans[1].configs[s] for s in ("chunk_cumsum", "chunk_state")},
+                                **{s: _non_default_config(s, saving) for s in own}}
+    assert len(cleared) == 2                  # before the discovery (no stale trace), after tuning
+    # The later trace of the step reads the tuned configs from memory: nothing is tuned again.
+    monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
+    assert tuning.forward_configs(saving) == ForwardConfigs(plans[0].layout, plans[0].configs)
+    assert tuning.backward_configs(saving) == plans[1].configs
+    # A second autotune of the same program finds everything tuned: no search, no cache clearing.
+    with aot.cuda_target("sm_90"):
+        again = jax_mamba2.autotune(jax.jit(step), args, other)
+    assert [p.configs for p in again] == [p.configs for p in plans] and len(cleared) == 3
+
+
+def test_autotune_of_a_program_without_cutile_calls_tunes_nothing(cache_dir, monkeypatch):
+    monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
+    x = jnp.ones((1, 64, 2, 16))
+    assert jax_mamba2.autotune(lambda x: jax_mamba2.ssd(x, x[..., 0], -jnp.ones(2), x[:, :, :1], x[:, :, :1], 64,
+                                                        backend="xla"), x) == []
+
+
+def test_autotune_says_why_it_cannot_tune_here(cache_dir, monkeypatch):
+    monkeypatch.setattr(cache_keys, "gpu_identity", lambda: None)
+    with aot.cuda_target("sm_90"), pytest.raises(RuntimeError, match="cannot tune the 1 SSD plans of the program "
+                                                                     "here: no CUDA GPU is visible to JAX"):
+        jax_mamba2.autotune(_cutile_loss, *_train_step_args())

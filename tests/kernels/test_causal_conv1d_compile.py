@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("cuda.tile")
 
-from benchmarks.sass import disassemble  # noqa: E402
+from benchmarks.tools.sass import disassemble  # noqa: E402
 from jax_mamba2.kernels.causal_conv1d import ConvDims, conv_arrays, conv_fwd_plan  # noqa: E402
 from jax_mamba2.kernels.causal_conv1d_bwd import conv_bwd_arrays, conv_bwd_plan  # noqa: E402
 from jax_mamba2.kernels.export import compile_launch  # noqa: E402

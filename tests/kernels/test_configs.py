@@ -7,8 +7,8 @@ import pytest
 from jax_mamba2.kernels import chunk_cumsum, chunk_scan, chunk_state, chunk_state_bwd, fused_scan, state_update
 from jax_mamba2.kernels._common import SSDDims, is_power_of_2, needs_int64_index
 from jax_mamba2.kernels.forward import (
-    FORWARD_LAYOUTS, FORWARD_STAGES, configs_layout, forward_arrays, forward_layout, forward_layouts, forward_plan,
-    fused_segment_chunks, state_piece_chunks)
+    FORWARD_LAYOUTS, FORWARD_STAGES, forward_arrays, forward_layout, forward_layouts, forward_plan)
+from jax_mamba2.kernels.fused_scan import fused_segment_chunks, state_piece_chunks
 
 PROBLEMS = {
     "small_heads16": SSDDims(batch=1, seqlen=1, nheads=1, headdim=16, ngroups=1, dstate=16, chunk_size=64),
@@ -17,18 +17,10 @@ PROBLEMS = {
     "wide_q256": SSDDims(batch=2, seqlen=4096, nheads=80, headdim=256, ngroups=1, dstate=256,
                          chunk_size=256, has_z=True, has_init=True, has_seq_idx=True),
 }
-STAGES = {
-    "chunk_cumsum": (chunk_cumsum.chunk_cumsum_fwd_configs, chunk_cumsum.chunk_cumsum_fwd_default_config,
-                     chunk_cumsum.chunk_cumsum_fwd_launch),
-    "chunk_state": (chunk_state.chunk_state_fwd_configs, chunk_state.chunk_state_fwd_default_config,
-                    chunk_state.chunk_state_fwd_launch),
-    "chunk_scan": (chunk_scan.chunk_scan_fwd_configs, chunk_scan.chunk_scan_fwd_default_config,
-                   chunk_scan.chunk_scan_fwd_launch),
-    "fused_scan": (fused_scan.fused_scan_fwd_configs, fused_scan.fused_scan_fwd_default_config,
-                   fused_scan.fused_scan_fwd_launch),
-    "state_update": (state_update.state_update_configs, state_update.state_update_default_config,
-                     lambda dims, cfg: state_update.state_update_plan(dims, cfg).launches[0]),
-}
+# The stages whose launch takes nothing but the config (their declarations, as the plans read them).
+STAGES = {stage.name: stage for stage in (
+    chunk_cumsum.CHUNK_CUMSUM_STAGE, chunk_state.CHUNK_STATE_STAGE, chunk_scan.CHUNK_SCAN_STAGE,
+    fused_scan.FUSED_SCAN_STAGE, state_update.STATE_UPDATE_STAGE)}
 # Tile fields and what each must divide (None: only a power of two).
 _DIVIDES = {"BLOCK_P": "headdim", "BLOCK_N": "dstate", "BLOCK_M": "chunk_size", "BLOCK_K": "chunk_size",
             "BLOCK_H": None, "HEADS": None}
@@ -44,9 +36,9 @@ def _tiles(cfg):
 @pytest.mark.parametrize("problem", list(PROBLEMS), ids=list(PROBLEMS))
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_stage_configs_valid_and_contain_default(stage, problem):
-    configs_fn, default_fn, _ = STAGES[stage]
+    configs_fn, default_fn = STAGES[stage].space, STAGES[stage].default
     dims = PROBLEMS[problem]
-    space = configs_fn(dims)
+    space = configs_fn(dims, "sm_90")
     if stage == "fused_scan" and not fused_scan.fused_scan_supported(dims):
         assert space == []
         return
@@ -101,17 +93,17 @@ def test_reverse_state_pass_default_takes_occupancy_5_where_it_saves_a_wave(nhea
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_stage_configs_reject_unknown_arch(stage):
     with pytest.raises(ValueError, match="arch='sm_80' must be one of"):
-        STAGES[stage][0](PROBLEMS["small_heads16"], "sm_80")
+        STAGES[stage].space(PROBLEMS["small_heads16"], "sm_80")
 
 
 @pytest.mark.parametrize("problem", list(PROBLEMS), ids=list(PROBLEMS))
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_stage_launch_args_match_kernel_parameters(stage, problem):
-    configs_fn, _, launch_fn = STAGES[stage]
+    configs_fn, launch_fn = STAGES[stage].space, STAGES[stage].launch
     dims = PROBLEMS[problem]
     arrays = {**forward_arrays(dims, "staged"), **forward_arrays(dims, "fused"),
               **state_update.state_update_inputs(dims), "y": None, "new_state": None}
-    for cfg in configs_fn(dims):
+    for cfg in configs_fn(dims, "sm_90"):
         launch = launch_fn(dims, cfg)
         annotations = launch.kernel._annotated_function.parameter_annotations
         params = list(inspect.signature(launch.kernel._annotated_function.pyfunc).parameters)
@@ -175,10 +167,12 @@ def test_fused_forward_plan_keeps_states_in_the_kernel_and_is_picked_by_its_rule
         assert forward_layout(other) == "staged"
     with pytest.raises(ValueError, match="layout='fused' cannot run chunk_size=128"):
         forward_plan(dataclasses.replace(dims, chunk_size=128), layout="fused")
-    # Without a layout, the configs' own stages name it (as the tuner returns them).
-    staged = forward_plan(dims, {"chunk_scan": chunk_scan.chunk_scan_fwd_default_config(dims)})
+    # The layout is given with the configs (as the tuner returns them); without one, the rule picks it.
+    staged = forward_plan(dims, {"chunk_scan": chunk_scan.chunk_scan_fwd_default_config(dims)}, "staged")
     assert "states" in staged.buffers and len(staged.launches) == 3
-    assert configs_layout(dims, {"chunk_cumsum": None}) == "fused"
+    assert len(forward_plan(dims, {"chunk_cumsum": None}).launches) == len(FORWARD_LAYOUTS["fused"])
+    with pytest.raises(ValueError, match="configs keys=\\['chunk_scan'\\] must be among"):
+        forward_plan(dims, {"chunk_scan": chunk_scan.chunk_scan_fwd_default_config(dims)})
     with pytest.raises(ValueError, match="configs keys=\\['fused_scan'\\] must be among"):
         forward_plan(dims, {"fused_scan": cfg}, layout="staged")
 
@@ -250,3 +244,21 @@ def test_fused_scan_default_at_dstate_256_with_seq_idx_takes_8_worker_warps():
 def test_fused_scan_config_takes_one_or_two_chunks_per_iteration():
     with pytest.raises(ValueError, match="chunks_per_iter must be 1 or 2, got 3"):
         fused_scan.FusedScanConfig(chunks_per_iter=3)
+
+
+def test_every_stage_declaration_is_coherent():
+    """Each plan stage is declared once, next to its kernel: its default is of its config type and in its
+    space, its key fields are problem fields, and the plans key their configs by its name."""
+    from jax_mamba2.kernels import backward, forward
+    stages = {**forward.STAGES, **backward.STAGES, "state_update": state_update.STATE_UPDATE_STAGE}
+    assert forward.FORWARD_STAGES == tuple(forward.STAGES) and backward.BACKWARD_STAGES == tuple(backward.STAGES)
+    assert {s for layout in FORWARD_LAYOUTS.values() for s in layout} == set(forward.STAGES)
+    dims = SSDDims(batch=4, seqlen=16384, nheads=8, headdim=64, ngroups=1, dstate=128, chunk_size=64)
+    assert forward.forward_layouts(dims) == tuple(FORWARD_LAYOUTS)       # every stage has work here
+    for name, stage in stages.items():
+        assert stage.name == name
+        default = stage.default(dims)
+        assert isinstance(default, stage.config_type), name
+        assert default in stage.space(dims, "sm_90"), name
+        assert all(hasattr(dims, field) for field in stage.key_fields), name
+        assert stage.work_items(dims) >= 1, name
