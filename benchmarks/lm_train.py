@@ -192,10 +192,7 @@ def build_ours(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0)
 
 def _trace_kernels(trace_dir: str) -> list:
     """(name, start_us, duration_us) of the GPU kernels in the Perfetto trace under trace_dir."""
-    try:
-        from benchmarks.tools import kernel_profile
-    except ImportError:
-        from benchmarks.tools import kernel_profile
+    from benchmarks.tools import kernel_profile
     paths = glob.glob(f"{trace_dir}/plugins/profile/*/perfetto_trace.json.gz")
     if not paths:
         return []
