@@ -6,12 +6,15 @@
                    to ct.launch zero-copy on the callback's stream.
   eager            (module) the same kernels on CuPy / torch / JAX device arrays outside jit.
 
+It also registers the fused Mamba2 decode step (`jax_mamba2.decode_step`, backend "cutile") on the FFI path.
+
 Raises ImportError when cuda-tile is not installed; `jax_mamba2.ssd` then offers only "xla"/"scan".
 """
 import cuda.tile  # noqa: F401  (ImportError here means: no cuTile backends)
 
+from jax_mamba2 import decode_step as _decode_step
 from jax_mamba2 import op as _ssd
-from jax_mamba2.bridge import callback, ffi, ops, problem
+from jax_mamba2.bridge import callback, decode_ops, ffi, ops, problem
 
 _ssd.register_backend(_ssd.Backend(
     name="cutile", forward=ops.make_forward(ffi.run_plan),
@@ -25,3 +28,5 @@ _ssd.register_backend(_ssd.Backend(
     unsupported_reason=problem.unsupported_reason, backward=ops.make_backward(callback.run_plan),
     step=ops.make_step(callback.run_plan),
     step_unsupported_reason=ops.step_unsupported_reason))
+_decode_step.register_kernel("cutile", _decode_step.DecodeKernel(
+    run=decode_ops.make_decode_step(ffi.run_plan), unsupported_reason=decode_ops.unsupported_reason))
