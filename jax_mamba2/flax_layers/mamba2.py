@@ -178,7 +178,8 @@ class Mamba2(nnx.Module):
         return out, Mamba2Cache(*(a.astype(dtype) for a, dtype in zip(new_cache, dtypes)))
 
     def step(self, hidden_states, cache: Mamba2Cache):
-        """One decode step in O(1): `ssd_step` on the cached state, no padding to a chunk.
+        """One decode step in O(1): `ssd_step` on the cached state, no padding to a chunk. Where the backend
+        resolves to cutile, everything between in_proj and out_proj is one kernel (`mamba2_decode_step`).
 
         Unlike mamba_ssm's `step`, dt_limit is applied, so that stepping equals the full forward.
 

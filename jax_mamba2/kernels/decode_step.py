@@ -182,7 +182,9 @@ def _make_decode_step_kernel(Big):
             partial = ct.sum(statistic * statistic, axis=0, keepdims=True)                    # [1]
             ct.store(sumsq, index=(b, g, (h % heads_per_group) * pieces_per_head + pb),
                      tile=partial.reshape((1, 1, 1)))
-            ticket = ct.atomic_add(arrivals, (b, g), 1)
+            # Release this block's writes and acquire those of the blocks before it.
+            ticket = ct.atomic_add(arrivals, (b, g), 1, memory_order=ct.MemoryOrder.ACQ_REL,
+                                   memory_scope=ct.MemoryScope.DEVICE)
             if ticket == heads_per_group * pieces_per_head - 1:
                 _normalize_group(y, unscaled, sumsq, b, g, heads_per_group * HEADDIM, NORM_BLOCK,
                                  PARTIALS_TILE, EPS)

@@ -35,6 +35,8 @@ int64 = np.dtype(np.int64)
 bool_ = np.dtype(bool)
 
 PaddingMode = types.SimpleNamespace(UNDETERMINED="undetermined", ZERO="zero")
+MemoryOrder = types.SimpleNamespace(ACQ_REL="acq_rel")
+MemoryScope = types.SimpleNamespace(DEVICE="device")
 
 _block = [(0, 0, 0), (1, 1, 1)]  # (block index, grid)
 _RUN_LOCK = threading.Lock()
