@@ -2,8 +2,8 @@
 
 Adds what the raw kernel call lacks: a vmap rule (the mapped axis folds into the kernel's batch axis, as in
 ops.py), outputs that keep shard_map's varying axes, and a derivative rule that says there is none. Arrays go
-to the kernel in their own dtypes (it converts on load), and absent options become NumPy constants, so the
-step adds no XLA op of its own besides zeroing the group norm's arrival counters.
+to the kernel in their own dtypes (it converts on load) and absent options become literal constants of the
+program, so the step adds no XLA op of its own besides zeroing the group norm's arrival counters.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ _PER_ROW = ("z", "xBC", "dt", "conv_state", "ssm_state")
 
 
 def kernel_dims(inputs, static) -> kernels.DecodeStepDims:
+    """What the kernel specialises on, from the op's checked arguments (DecodeStepInputs, DecodeStepStatic)."""
     batch, nheads, headdim, dstate = inputs.ssm_state.shape
     conv_dim, d_conv = inputs.conv_state.shape[1:]
     return kernels.DecodeStepDims(
