@@ -5,6 +5,7 @@ Public API:
                            single-token decode step.
   ssd_scan, ssd_chunked    pure-JAX reference paths (lax.scan oracle, chunked algorithm).
   causal_conv1d_silu       the mixer's causal depthwise conv1d + SiLU (causal_conv1d's `causal_conv1d_fn`).
+  mamba2_decode_step       one decode step of a Mamba2 layer between in_proj and out_proj (one kernel).
   available_backends       names of the SSD backends that can run in this process.
   backend_status           for every known backend: whether it can run here and, if not, why.
   autotune                 tune the cuTile kernel configs of a program's SSD calls ahead of time.
@@ -18,11 +19,12 @@ from jax_mamba2.autotuning import autotune
 from jax_mamba2.backends import available_backends, backend_status
 from jax_mamba2.op import ssd, ssd_step
 from jax_mamba2.reference import ssd_chunked, ssd_scan
+from jax_mamba2.decode_step import mamba2_decode_step
 from jax_mamba2.flax_layers import (Mamba2, Mamba2Config, Mamba2LMHeadModel, generate, load_pretrained,
                                     save_pretrained, shard_model)
 
 __all__ = [
-    "__version__", "ssd", "ssd_step", "ssd_scan", "ssd_chunked", "causal_conv1d_silu", "available_backends",
-    "backend_status", "autotune", "Mamba2", "Mamba2Config", "Mamba2LMHeadModel", "generate", "load_pretrained",
+    "__version__", "ssd", "ssd_step", "ssd_scan", "ssd_chunked", "causal_conv1d_silu", "mamba2_decode_step",
+    "available_backends", "backend_status", "autotune", "Mamba2", "Mamba2Config", "Mamba2LMHeadModel", "generate", "load_pretrained",
     "save_pretrained", "shard_model",
 ]
