@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mamba2.bridge import _compat, problem
-from jax_mamba2.bridge.ops import RunPlan, _broadcast_unbatched, _fold, _unfold
+from jax_mamba2.bridge.batching import broadcast_unbatched, fold, unfold
+from jax_mamba2.bridge.ops import RunPlan
 from jax_mamba2.kernels import decode_step as kernels
 from jax_mamba2.kernels._common import KERNEL_DTYPES
 
@@ -86,10 +87,10 @@ def _batchable_step(run_plan: RunPlan, static):
         batched = in_batched[0]
         if any(getattr(batched, name) for name in inputs._fields if name not in _PER_ROW):
             # Per-item parameters cannot share one launch: map over the items instead.
-            return jax.lax.map(step, _broadcast_unbatched(inputs, batched, axis_size)), all_batched
-        folded = inputs._replace(**{name: _fold(getattr(inputs, name), getattr(batched, name), axis_size)
+            return jax.lax.map(step, broadcast_unbatched(inputs, batched, axis_size)), all_batched
+        folded = inputs._replace(**{name: fold(getattr(inputs, name), getattr(batched, name), axis_size)
                                     for name in _PER_ROW})
-        return tuple(_unfold(out, axis_size) for out in step(folded)), all_batched
+        return tuple(unfold(out, axis_size) for out in step(folded)), all_batched
 
     @jax.custom_jvp
     def inference_only(inputs):
