@@ -27,7 +27,7 @@ from typing import Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from jax_mamba2 import op, reference
+from jax_mamba2 import backends, op, reference
 
 _API = "mamba2_decode_step"
 _BACKENDS = ("auto", "cutile", "xla")
@@ -168,12 +168,12 @@ def pack_arguments(z, xBC, dt, conv_state, ssm_state, conv_weight, A, *, conv_bi
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
         raise ValueError(f"{_API}: eps={eps!r} must be a positive float")
     static = DecodeStepStatic(bool(norm_before_gate), float(eps), bool(dt_softplus),
-                              op._check_dt_limit(_API, dt_limit))
+                              op.check_dt_limit(_API, dt_limit))
     return inputs, static, _checked_sizes(inputs)
 
 
 def _kernel_reason(inputs: DecodeStepInputs, static: DecodeStepStatic) -> Optional[str]:
-    op.available_backends()  # imports the bridge, which registers the kernel
+    backends.registered()  # imports the bridge, which registers the kernel
     kernel = _KERNELS.get("cutile")
     if kernel is None:
         return "cuda-tile is not installed (pip install 'jax-mamba2[cuda]')"

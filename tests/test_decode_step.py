@@ -24,7 +24,7 @@ from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel  # noqa: E402
 from tests._decode_step_helpers import (  # noqa: E402
     decode_step_float64, decode_through_layer_scan, make_decode_args)
 from tests._helpers import rel_l2  # noqa: E402
-from tests.bridge.test_ops_emulated import _run_plan_emulated  # noqa: E402
+from tests.kernels._cutile_emulator import jax_run_plan as _run_plan_emulated  # noqa: E402
 
 # The arrays between the plan and XLA are float32 (the emulated kernel computes in float64).
 TOLERANCE = 2e-6

@@ -19,7 +19,7 @@ from jax_mamba2 import decode_step  # noqa: E402
 from jax_mamba2.bridge import decode_ops  # noqa: E402
 from jax_mamba2.flax_layers import Mamba2, Mamba2Cache, Mamba2LMHeadModel, shard_model  # noqa: E402
 from tests._helpers import rel_l2  # noqa: E402
-from tests.bridge.test_ops_emulated import _run_plan_emulated  # noqa: E402
+from tests.kernels._cutile_emulator import jax_run_plan as _run_plan_emulated  # noqa: E402
 
 D_MODEL, BATCH = 32, 2
 TINY = dict(d_state=8, headdim=8, chunk_size=8)
