@@ -1,6 +1,6 @@
 """Pure-JAX reference paths of the Mamba-2 SSD op: the lax.scan oracle and the chunked algorithm.
 
-Semantics follow mamba_ssm's `mamba_chunk_scan_combined` (see notes/mamba2.md §1). Per (batch, head), with
+Semantics follow mamba_ssm's `mamba_chunk_scan_combined`. Per (batch, head), with
 head h reading group h // (nheads // ngroups):
 
     Δ_t = dt_transform(dt_t)

@@ -46,7 +46,7 @@ def match_varying_axes(outputs, inputs):
 
     cutile_call's abstract eval builds plain ShapedArrays, which drop shard_map's varying-axes type:
     the forward values are right, but custom_vjp then rejects (or, with check_vma=False, silently
-    mis-sums) the gradients. See notes jax_bridge.md §7.
+    mis-sums) the gradients.
     """
     axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(inputs)))
     if not axes:

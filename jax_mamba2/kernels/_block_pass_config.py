@@ -4,8 +4,9 @@ Both walk a chunk in blocks of BLOCK_M rows (dc: output rows, dx: source rows) a
 side in steps of BLOCK_K; their register pressure, spill behaviour and tune spaces are the same.
 """
 import dataclasses
+from typing import Any
 
-from jax_mamba2.kernels._common import SSDDims, check_arch
+from jax_mamba2.kernels._common import Launch, SSDDims, check_arch, kernel_launch, select_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,11 +40,11 @@ def is_wide(dims: SSDDims) -> bool:
     return dims.dtype == "float32" or dims.headdim >= 128 or dims.dstate >= 256
 
 
-def block_pass_configs(api: str, dims: SSDDims, arch: str) -> list[BlockPassConfig]:
-    """The autotune space (sm_90): 64-row blocks (and 128 when not wide), 32/64-row steps, latency 2/4,
-    occupancy 1/2; at chunk 64 also whole-chunk blocks summing their heads' dCB (SUM_HEADS), latency
-    2/4, occupancy 1/2."""
-    check_arch(api, arch)
+def block_pass_configs(dims: SSDDims, arch: str = "sm_90") -> list[BlockPassConfig]:
+    """The autotune space of either pass (sm_90): 64-row blocks (and 128 when not wide), 32/64-row steps,
+    latency 2/4, occupancy 1/2; at chunk 64 also whole-chunk blocks summing their heads' dCB (SUM_HEADS),
+    latency 2/4, occupancy 1/2."""
+    check_arch("block_pass_configs", arch)
     block_ms = (64, 128) if not is_wide(dims) and dims.chunk_size >= 128 else (64,)
     summing = [dataclasses.replace(summing_heads_config(dims), LOAD_LAT=lat, occupancy=occ)
                for lat in (2, 4) for occ in (1, 2)] if dims.chunk_size == 64 else []
@@ -55,24 +56,22 @@ def block_pass_configs(api: str, dims: SSDDims, arch: str) -> list[BlockPassConf
 
 
 def block_pass_default_config(dims: SSDDims) -> BlockPassConfig:
-    """64 x 64 tiles at 2 blocks per SM; 64 x 32 at 1 when wide (see `is_wide`). On an H200 (bf16,
-    batch 4, seqlen 8192, 32 heads, headdim 64, dstate 128, chunk 64) occupancy 2 took both passes
-    13-15% below occupancy 1."""
+    """64 x 64 tiles at 2 blocks per SM (two blocks hide each other's per-head chain: measured faster than
+    one); 64 x 32 at 1 when wide (see `is_wide`)."""
     wide = is_wide(dims)
     return BlockPassConfig(BLOCK_M=64, BLOCK_K=32 if wide else 64, LOAD_LAT=4, occupancy=1 if wide else 2)
 
 
 def sums_heads_by_default(dims: SSDDims) -> bool:
     """Whether the default tiles are whole chunks summing their heads' dCB (SUM_HEADS): at chunk 64 for
-    bf16/f16 with headdim <= 64, where it was measured (H200, batch 4, seqlen 8192, 32 heads; per launch,
-    against the per-head defaults): dx 443 -> 343 us at dstate 128, 355 -> 317 at dstate 64, 2080 -> 650 at
-    dstate 256, and 876 -> 667 at (2, 32768); dc see `chunk_scan_bwd_dc_default_config`."""
+    bf16/f16 with headdim <= 64, where it measured faster than the per-head tiles for both passes at every
+    dstate (one [CHUNK x CHUNK x dstate] product per block instead of one per head)."""
     return dims.chunk_size == 64 and dims.dtype != "float32" and dims.headdim <= 64
 
 
 def summing_heads_config(dims: SSDDims) -> BlockPassConfig:
-    """Whole-chunk blocks summing their heads' dCB, latency 2; 2 blocks per SM unless wide (at dstate 256
-    occupancy 1 and 2 measured alike, 650 and 652 us for dx)."""
+    """Whole-chunk blocks summing their heads' dCB, latency 2; 2 blocks per SM unless wide (where 1 and 2
+    measured alike)."""
     return BlockPassConfig(BLOCK_M=dims.chunk_size, BLOCK_K=dims.chunk_size, LOAD_LAT=2,
                            occupancy=1 if is_wide(dims) else 2, SUM_HEADS=True)
 
@@ -96,3 +95,16 @@ def block_pass_grid(dims: SSDDims, cfg: BlockPassConfig, heads_per_block: int) -
     """(head blocks * row blocks per chunk * nchunks, batch)."""
     splits = dims.nheads // heads_per_block
     return (splits * (dims.chunk_size // cfg.BLOCK_M) * dims.nchunks, dims.batch)
+
+
+def block_pass_launch(kernels: tuple[Any, Any], dims: SSDDims, cfg: BlockPassConfig, heads_per_block: int, *,
+                      writes: tuple[str, ...], arrays: dict[str, str] | None = None) -> Launch:
+    """The launch of either pass (`kernels`: its int32/int64 pair) for `cfg`, `heads_per_block` heads of a
+    group per block, adding the group's sum atomically unless one block owns the whole group; `writes` and
+    `arrays` as `kernel_launch` takes them."""
+    return kernel_launch(
+        select_kernel(kernels, dims, occupancy=cfg.occupancy), block_pass_grid(dims, cfg, heads_per_block),
+        writes=writes, arrays=arrays, CHUNK=dims.chunk_size, HEADDIM=dims.headdim, DSTATE=dims.dstate,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, HEADS_PER_BLOCK=heads_per_block, HAS_SEQ_IDX=dims.has_seq_idx,
+        ATOMIC_ADD=adds_atomically(dims, heads_per_block), LOAD_LAT=cfg.LOAD_LAT,
+        SUM_HEADS=check_sum_heads(dims, cfg))

@@ -1,20 +1,23 @@
 """Shared vocabulary of the cuTile kernels: problem dimensions and launch plans.
 
-A kernel stage describes *what* to launch as data (`Launch`: kernel, grid, argument names) and a
-sequence of stages forms a `Plan`. Each stage module declares its stage once (`Stage`: config type, tune
-space, default config, launch builder, cache-key fields), next to its kernel; the plans, the tuner
-(bridge/tuning), the AOT export and the tests all read that declaration. The bridge executes a plan in one of three ways (XLA FFI custom
-calls, a zero-copy buffer callback, or eagerly on CuPy/torch arrays) without knowing Mamba math, and
-the kernels never import JAX.
+A kernel stage describes *what* to launch as data (`Launch`: kernel, grid, argument names, built by
+`kernel_launch` from the kernel's own signature) and a sequence of stages forms a `Plan`. Each stage module
+declares its stage once (`Stage`: config type, tune space, default config, launch builder, cache-key
+fields), next to its kernel; the plans, the tuner (bridge/tuning), the AOT export and the tests all read
+that declaration. The bridge executes a plan in one of three ways (XLA FFI custom calls, a zero-copy
+buffer callback, or eagerly on CuPy/torch arrays) without knowing Mamba math, and the kernels never
+import JAX.
 
 Also shared by every stage: the device helpers `dt_transform`, `exp2_ftz`, `silu_gate` and `mma_dtype`,
-the int32/int64 index width choice (`needs_int64_index`, `int64_index_kernels`, `select_kernel`) and `check_arch`.
+the int32/int64 index width choice (`needs_int64_index`, `int64_index_kernels`, `select_kernel`) and
+`check_arch`.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+import types
 from typing import Any, Callable, Union
 
 import cuda.tile as ct
@@ -95,6 +98,37 @@ class Launch:
     grid: tuple[int, ...]
     args: tuple[Arg, ...]
     writes: tuple[str, ...]
+
+
+def kernel_launch(kernel: Any, grid: tuple[int, ...], *, writes: tuple[str, ...],
+                  arrays: dict[str, str] | None = None, **constants: Arg) -> Launch:
+    """The Launch of `kernel` with its arguments in the order of its signature, each named once.
+
+    Args:
+      kernel: a `ct.kernel`.
+      grid: the launch grid.
+      writes: the plan arrays the kernel writes.
+      arrays: the plan array an array parameter reads, where it is not the parameter's own name (e.g.
+        {"dy": "dout"}); every other array parameter reads the plan array of its name.
+      **constants: the value of every ct.Constant parameter, by name.
+
+    Raises:
+      TypeError: a ct.Constant parameter without a value, or a name that is no parameter of the kernel.
+    """
+    function = kernel._annotated_function
+    arrays, constants = dict(arrays or {}), dict(constants)
+    args = []
+    for name, annotation in zip(function.pysig.parameters, function.parameter_annotations):
+        if not annotation.constant:
+            args.append(arrays.pop(name, name))
+        elif name in constants:
+            args.append(constants.pop(name))
+        else:
+            raise TypeError(f"kernel_launch: {function.pyfunc.__name__} needs a value for its constant {name}")
+    if arrays or constants:
+        raise TypeError(f"kernel_launch: {function.pyfunc.__name__} has no parameter "
+                        f"{sorted({**arrays, **constants})}")
+    return Launch(kernel=kernel, grid=tuple(grid), args=tuple(args), writes=tuple(writes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,13 +247,25 @@ def needs_int64_index(dims: SSDDims) -> bool:
     return largest > _INT32_MAX
 
 
-def int64_index_kernels(make_kernel: Callable[[Any], Any]) -> tuple[Any, Any]:
-    """Builds the (int32-indexed, int64-indexed) pair of one kernel body.
+class Big:
+    """The annotation of a kernel parameter that may be an array of 2^31 or more elements: `ct.Array` (shapes
+    and strides as int32, the fast default) or `ct.IndexedWithInt64` in the two kernels
+    `int64_index_kernels` makes of one kernel function."""
 
-    `make_kernel(Big)` defines a `@ct.kernel` whose large arrays are annotated `Big`; it is called with
-    `ct.Array` (shapes and strides as int32, the fast default) and with `ct.IndexedWithInt64`.
-    """
-    return make_kernel(ct.Array), make_kernel(ct.IndexedWithInt64)
+
+def int64_index_kernels(function: Callable[..., None]) -> tuple[Any, Any]:
+    """The (int32-indexed, int64-indexed) `ct.kernel`s of one kernel function whose large arrays are
+    annotated `Big`: each compiles a copy of `function` (same code, so the same source for cuTile) with
+    `Big` replaced by `ct.Array`, resp. `ct.IndexedWithInt64`."""
+    def kernel(array_type):
+        copy = types.FunctionType(function.__code__, function.__globals__, function.__name__,
+                                  function.__defaults__, function.__closure__)
+        copy.__qualname__, copy.__doc__ = function.__qualname__, function.__doc__
+        copy.__annotations__ = {name: array_type if annotation is Big else annotation
+                                for name, annotation in function.__annotations__.items()}
+        return ct.kernel(copy)
+
+    return kernel(ct.Array), kernel(ct.IndexedWithInt64)
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,6 +1,6 @@
 """Device helpers shared by the kernel stages: per-chunk vectors and the seq_idx rules.
 
-Notation of every backward docstring (mamba2.md §1, §3): batch b, head h, group g = h // (nheads/ngroups),
+Notation of every backward docstring: batch b, head h, group g = h // (nheads/ngroups),
 chunk c of Q = CHUNK tokens with local rows l, s; dA = dA_cumsum[b, h, c] (natural-log units, flat past
 seqlen), Δ = dt_out[b, h, c] (0 past seqlen), H_c = states[b, c, h] the chunk-ENTRY state, y the pre-gate
 output, dy = ∂L/∂y (= dout * silu(z) with a gate, else dout). With seq_idx, ids_l is the id of row l,
@@ -83,3 +83,41 @@ def operand(tile, dtype, mma_dtype):
     """`tile` rounded to the data dtype `dtype` and presented to ct.mma as `mma_dtype` (tf32 for f32
     data), the precision mamba_ssm's backward dots use for their f32 intermediates."""
     return tile.astype(dtype).astype(mma_dtype)
+
+
+def head_rows(array, b, row_tile, h, BLOCK_M, HEADDIM):
+    """Rows [row_tile*BLOCK_M, (row_tile+1)*BLOCK_M) of head h of a (batch, seqlen, nheads, headdim)
+    array -> [BLOCK_M, HEADDIM] f32 (0 past seqlen)."""
+    return ct.load(array, index=(b, row_tile, h, 0), shape=(1, BLOCK_M, 1, HEADDIM),
+                   padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_M, HEADDIM)).astype(ct.float32)
+
+
+def block_pass_tile(nheads, ngroups, CHUNK, BLOCK_M, HEADS_PER_BLOCK, LAST_FIRST):
+    """Device helper: (b, c, m, first_head, g) of this block in the grid of the intra-chunk backward passes
+    (`_block_pass_config.block_pass_grid`): batch row, chunk, row block of the chunk, the first of the block's
+    HEADS_PER_BLOCK heads and their group. Head splits vary fastest, then the row blocks (the chunk's last
+    first with LAST_FIRST), then the chunks; batch rows on grid axis 1."""
+    num_m_blocks = CHUNK // BLOCK_M
+    tile_id = ct.bid(0)
+    num_splits = nheads // HEADS_PER_BLOCK
+    split = tile_id % num_splits
+    tile_id = tile_id // num_splits
+    if LAST_FIRST:
+        m = num_m_blocks - 1 - tile_id % num_m_blocks
+    else:
+        m = tile_id % num_m_blocks
+    c = tile_id // num_m_blocks
+    b = ct.bid(1)
+    first_head = split * HEADS_PER_BLOCK
+    return b, c, m, first_head, first_head // (nheads // ngroups)
+
+
+def store_group_sum(array, acc, b, row_tile, g, BLOCK_M, DSTATE, ATOMIC_ADD):
+    """Writes a block's sum over its heads of group g's rows [BLOCK_M, DSTATE] f32 (dB or dC) into `array`:
+    added atomically (ATOMIC_ADD: the group spans several blocks; f32, zero-initialised), else stored in the
+    array's dtype (the block owns the group)."""
+    tile = acc.reshape((1, BLOCK_M, 1, DSTATE))
+    if ATOMIC_ADD:
+        array.tiled_view((1, BLOCK_M, 1, DSTATE)).atomic_store_add((b, row_tile, g, 0), tile)
+    else:
+        ct.store(array, index=(b, row_tile, g, 0), tile=tile.astype(array.dtype))

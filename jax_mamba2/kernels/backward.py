@@ -56,11 +56,8 @@ def group_heads_per_block(dims: SSDDims, deterministic: bool, atomic_heads_per_b
     deterministic: the whole group (no atomics). Otherwise `atomic_heads_per_block` (a power of 2; the
     largest such divisor of heads_per_group up to it is used), by default the whole group wherever that
     leaves `MIN_GROUP_PASS_BLOCKS` blocks of 64 rows, whatever the head count; else the largest power of 2
-    that does. On an H200 (bf16, batch 4, seqlen 8192, 32 heads, 1 group, headdim 64, dstate 128, chunk 64)
-    1/2/4/8/32 heads per block took the two passes 1.137 / 1.039 / 1.010 / 0.923 / 0.916 ms; at 80 heads
-    (one group) all 80 heads per block against 16 took bwd_dc 0.655 against 0.703 ms (run 54) and bwd_dx
-    0.584 against 0.608 (run 68), the forward + backward there 2.749 / 2.757 -> 2.707 / 2.715 ms (run 68,
-    alternating on one GPU).
+    that does. More heads per block measured faster at every count up to the whole group, also where that
+    leaves fewer blocks than heads (80 heads of one group).
     """
     if deterministic:
         return dims.heads_per_group

@@ -24,12 +24,23 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    ConstBool, ConstFloat, ConstInt, Launch, SSDDims, Stage, check_arch, dt_transform, int64_index_kernels,
-    next_power_of_2, select_kernel)
+    Big, ConstBool, ConstFloat, ConstInt, Launch, SSDDims, Stage, check_arch, dt_transform, int64_index_kernels,
+    kernel_launch, next_power_of_2, select_kernel)
 
 
-def _chunk_cumsum_fwd_body(dt, A, dt_bias, dt_out, dA_cumsum, CHUNK, BLOCK_H, DT_SOFTPLUS,
-                           HAS_DT_LIMIT, DT_MIN, DT_MAX):
+def chunk_cumsum_fwd_kernel(
+    dt: Big,              # (batch, seqlen, nheads) bf16/f16/f32
+    A,                    # (nheads,) f32
+    dt_bias,              # (nheads,) f32
+    dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32, written
+    dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32, written
+    CHUNK: ConstInt,
+    BLOCK_H: ConstInt,
+    DT_SOFTPLUS: ConstBool,
+    HAS_DT_LIMIT: ConstBool,
+    DT_MIN: ConstFloat,
+    DT_MAX: ConstFloat,
+):
     c = ct.bid(0)
     hb = ct.bid(1)
     b = ct.bid(2)
@@ -49,30 +60,7 @@ def _chunk_cumsum_fwd_body(dt, A, dt_bias, dt_out, dA_cumsum, CHUNK, BLOCK_H, DT
     ct.store(dA_cumsum, index=(b, hb, c, 0), tile=dA_cs.transpose().reshape((1, BLOCK_H, 1, CHUNK)))
 
 
-def _make_chunk_cumsum_fwd_kernel(Big):
-    @ct.kernel
-    def chunk_cumsum_fwd_kernel(
-        dt: Big,              # (batch, seqlen, nheads) bf16/f16/f32
-        A,                    # (nheads,) f32
-        dt_bias,              # (nheads,) f32
-        dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32, written
-        dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32, written
-        CHUNK: ConstInt,
-        BLOCK_H: ConstInt,
-        DT_SOFTPLUS: ConstBool,
-        HAS_DT_LIMIT: ConstBool,
-        DT_MIN: ConstFloat,
-        DT_MAX: ConstFloat,
-    ):
-        _chunk_cumsum_fwd_body(dt, A, dt_bias, dt_out, dA_cumsum, CHUNK, BLOCK_H, DT_SOFTPLUS,
-                               HAS_DT_LIMIT, DT_MIN, DT_MAX)
-
-    return chunk_cumsum_fwd_kernel
-
-
-# (int32-indexed, int64-indexed) entries of the one body.
-CHUNK_CUMSUM_FWD_KERNELS = int64_index_kernels(_make_chunk_cumsum_fwd_kernel)
-chunk_cumsum_fwd_kernel = CHUNK_CUMSUM_FWD_KERNELS[0]
+CHUNK_CUMSUM_FWD_KERNELS = int64_index_kernels(chunk_cumsum_fwd_kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,13 +94,10 @@ def chunk_cumsum_fwd_launch(dims: SSDDims, cfg: ChunkCumsumConfig | None = None)
     """The launch writing ("dt_out", "dA_cumsum") from inputs ("dt", "A", "dt_bias")."""
     cfg = cfg or chunk_cumsum_fwd_default_config(dims)
     dt_min, dt_max = (float(v) for v in dims.dt_limit)
-    return Launch(
-        kernel=select_kernel(CHUNK_CUMSUM_FWD_KERNELS, dims, occupancy=cfg.occupancy),
-        grid=chunk_cumsum_fwd_grid(dims, cfg),
-        args=("dt", "A", "dt_bias", "dt_out", "dA_cumsum", dims.chunk_size, cfg.BLOCK_H,
-              dims.dt_softplus, dims.has_dt_limit, dt_min, dt_max),
-        writes=("dt_out", "dA_cumsum"),
-    )
+    return kernel_launch(
+        select_kernel(CHUNK_CUMSUM_FWD_KERNELS, dims, occupancy=cfg.occupancy), chunk_cumsum_fwd_grid(dims, cfg),
+        writes=("dt_out", "dA_cumsum"), CHUNK=dims.chunk_size, BLOCK_H=cfg.BLOCK_H, DT_SOFTPLUS=dims.dt_softplus,
+        HAS_DT_LIMIT=dims.has_dt_limit, DT_MIN=dt_min, DT_MAX=dt_max)
 
 
 # Keyed by what its kernel specialises on (the dt transform's flags, the head count it tiles); its work is

@@ -37,8 +37,8 @@ dA_partials, ddt_bias_partials (batch * nchunks, nheads) f32.
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    ConstBool, ConstFloat, ConstInt, Launch, SSDDims, Stage, check_arch, int64_index_kernels, next_power_of_2,
-    select_kernel)
+    Big, ConstBool, ConstFloat, ConstInt, Launch, SSDDims, Stage, check_arch, int64_index_kernels, kernel_launch,
+    next_power_of_2, select_kernel)
 from jax_mamba2.kernels.chunk_cumsum import CUMSUM_KEY_FIELDS, ChunkCumsumConfig, chunk_cumsum_fwd_grid
 
 
@@ -49,10 +49,29 @@ def _load_heads_rows(array, b, hb, c, BLOCK_H, CHUNK):
                    padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_H, CHUNK))
 
 
-def _chunk_cumsum_bwd_body(dt, A, dt_bias, dt_out, ddt_out, ddA_inter, ddA_state, ddA_intra, ddA_chunk,
-                           ddt, dA_partials, ddt_bias_partials,
-                           CHUNK, BLOCK_H, BLOCK_M, NUM_M_BLOCKS, NUM_CARRY_TERMS,
-                           DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX):
+def chunk_cumsum_bwd_kernel(
+    dt: Big,                 # (batch, seqlen, nheads) T or f32, raw
+    A,                       # (nheads,) f32
+    dt_bias,                 # (nheads,) f32
+    dt_out: Big,             # (batch, nheads, nchunks, CHUNK) f32, Δ
+    ddt_out: Big,            # (batch, nheads, nchunks, CHUNK) f32
+    ddA_inter: Big,          # (batch, nheads, nchunks, CHUNK) f32
+    ddA_state: Big,          # (batch, nheads, nchunks, CHUNK) f32
+    ddA_intra: Big,          # (batch, nheads, nchunks, NUM_M_BLOCKS, CHUNK) f32
+    ddA_chunk: Big,          # (batch, nheads, nchunks, NUM_CARRY_TERMS) f32
+    ddt: Big,                # (batch, seqlen, nheads) in dt's dtype, written
+    dA_partials,             # (batch * nchunks, nheads) f32, written
+    ddt_bias_partials,       # (batch * nchunks, nheads) f32, written
+    CHUNK: ConstInt,
+    BLOCK_H: ConstInt,
+    BLOCK_M: ConstInt,       # the row block of chunk_scan_bwd_dc, which wrote ddA_intra
+    NUM_M_BLOCKS: ConstInt,  # CHUNK // BLOCK_M
+    NUM_CARRY_TERMS: ConstInt,
+    DT_SOFTPLUS: ConstBool,
+    HAS_DT_LIMIT: ConstBool,
+    DT_MIN: ConstFloat,
+    DT_MAX: ConstFloat,
+):
     c = ct.bid(0)
     hb = ct.bid(1)
     b = ct.bid(2)
@@ -95,42 +114,7 @@ def _chunk_cumsum_bwd_body(dt, A, dt_bias, dt_out, ddt_out, ddA_inter, ddA_state
     ct.store(ddt_bias_partials, index=(b * nchunks + c, hb), tile=ct.sum(grad, axis=1).reshape((1, BLOCK_H)))
 
 
-def _make_chunk_cumsum_bwd_kernel(Big):
-    @ct.kernel
-    def chunk_cumsum_bwd_kernel(
-        dt: Big,                 # (batch, seqlen, nheads) T or f32, raw
-        A,                       # (nheads,) f32
-        dt_bias,                 # (nheads,) f32
-        dt_out: Big,             # (batch, nheads, nchunks, CHUNK) f32, Δ
-        ddt_out: Big,            # (batch, nheads, nchunks, CHUNK) f32
-        ddA_inter: Big,          # (batch, nheads, nchunks, CHUNK) f32
-        ddA_state: Big,          # (batch, nheads, nchunks, CHUNK) f32
-        ddA_intra: Big,          # (batch, nheads, nchunks, NUM_M_BLOCKS, CHUNK) f32
-        ddA_chunk: Big,          # (batch, nheads, nchunks, NUM_CARRY_TERMS) f32
-        ddt: Big,                # (batch, seqlen, nheads) in dt's dtype, written
-        dA_partials,             # (batch * nchunks, nheads) f32, written
-        ddt_bias_partials,       # (batch * nchunks, nheads) f32, written
-        CHUNK: ConstInt,
-        BLOCK_H: ConstInt,
-        BLOCK_M: ConstInt,       # the row block of chunk_scan_bwd_dc, which wrote ddA_intra
-        NUM_M_BLOCKS: ConstInt,  # CHUNK // BLOCK_M
-        NUM_CARRY_TERMS: ConstInt,
-        DT_SOFTPLUS: ConstBool,
-        HAS_DT_LIMIT: ConstBool,
-        DT_MIN: ConstFloat,
-        DT_MAX: ConstFloat,
-    ):
-        _chunk_cumsum_bwd_body(dt, A, dt_bias, dt_out, ddt_out, ddA_inter, ddA_state, ddA_intra, ddA_chunk,
-                               ddt, dA_partials, ddt_bias_partials,
-                               CHUNK, BLOCK_H, BLOCK_M, NUM_M_BLOCKS, NUM_CARRY_TERMS,
-                               DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX)
-
-    return chunk_cumsum_bwd_kernel
-
-
-# (int32-indexed, int64-indexed) entries of the one body.
-CHUNK_CUMSUM_BWD_KERNELS = int64_index_kernels(_make_chunk_cumsum_bwd_kernel)
-chunk_cumsum_bwd_kernel = CHUNK_CUMSUM_BWD_KERNELS[0]
+CHUNK_CUMSUM_BWD_KERNELS = int64_index_kernels(chunk_cumsum_bwd_kernel)
 
 
 # The forward's per-(chunk, head block) layout: its config and grid.
@@ -162,15 +146,11 @@ def chunk_cumsum_bwd_launch(dims: SSDDims, cfg: ChunkCumsumBwdConfig | None = No
     """
     cfg = cfg or chunk_cumsum_bwd_default_config(dims)
     dt_min, dt_max = (float(v) for v in dims.dt_limit)
-    return Launch(
-        kernel=select_kernel(CHUNK_CUMSUM_BWD_KERNELS, dims, occupancy=cfg.occupancy),
-        grid=chunk_cumsum_bwd_grid(dims, cfg),
-        args=("dt", "A", "dt_bias", "dt_out", "ddt_out", "ddA_inter", "ddA_state", "ddA_intra", "ddA_chunk",
-              "ddt", "dA_partials", "ddt_bias_partials",
-              dims.chunk_size, cfg.BLOCK_H, dc_block_m, dims.chunk_size // dc_block_m, carry_terms,
-              dims.dt_softplus, dims.has_dt_limit, dt_min, dt_max),
-        writes=("ddt", "dA_partials", "ddt_bias_partials"),
-    )
+    return kernel_launch(
+        select_kernel(CHUNK_CUMSUM_BWD_KERNELS, dims, occupancy=cfg.occupancy), chunk_cumsum_bwd_grid(dims, cfg),
+        writes=("ddt", "dA_partials", "ddt_bias_partials"), CHUNK=dims.chunk_size, BLOCK_H=cfg.BLOCK_H,
+        BLOCK_M=dc_block_m, NUM_M_BLOCKS=dims.chunk_size // dc_block_m, NUM_CARRY_TERMS=carry_terms,
+        DT_SOFTPLUS=dims.dt_softplus, HAS_DT_LIMIT=dims.has_dt_limit, DT_MIN=dt_min, DT_MAX=dt_max)
 
 
 CHUNK_CUMSUM_BWD_STAGE = Stage(

@@ -34,12 +34,13 @@ ngroups, dstate) T; D (nheads, headdim) f32; dt_out, dA_cumsum (batch, nheads, n
 states (batch, nchunks, nheads, headdim, dstate) T or f32; seq_idx (batch, seqlen) int32 or a dummy.
 """
 import dataclasses
+from typing import Any
 
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    SM90_SMS, ConstBool, ConstInt, Launch, SSDDims, Stage, check_arch, int64_index_kernels, mma_dtype,
-    select_kernel, silu_gate)
+    SM90_SMS, Big, ConstBool, ConstInt, Launch, SSDDims, Stage, check_arch, int64_index_kernels, kernel_launch,
+    mma_dtype, select_kernel, silu_gate)
 from jax_mamba2.kernels._tiles import previous_chunk_end_id, row_ids
 
 
@@ -85,8 +86,42 @@ def _decayed_scores(cb, dA_m, dA_k, delta_k, keep, dtype, operand_dtype):
     return scores.astype(dtype).astype(operand_dtype)
 
 
-def _finish_rows(acc, x_m, D, z, out, b, m_tile, hb, pb, HEADS, BLOCK_M, BLOCK_P, HAS_Z):
+@dataclasses.dataclass(frozen=True)
+class _ScanArrays:
+    """The arrays of a work tile (the kernel's parameters of the same names)."""
+
+    x: Any
+    B: Any
+    C: Any
+    D: Any
+    z: Any
+    dt_out: Any
+    dA_cumsum: Any
+    states: Any
+    seq_idx: Any
+    out: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScanSpec:
+    """The compile-time constants of a work tile (the kernel's parameters of the same names)."""
+
+    CHUNK: int
+    DSTATE: int
+    HEADS: int
+    BLOCK_M: int
+    BLOCK_K: int
+    BLOCK_N: int
+    BLOCK_P: int
+    HAS_Z: bool
+    HAS_SEQ_IDX: bool
+    LOAD_LAT: int
+
+
+def _finish_rows(acc, x_m, arrays, b, m_tile, hb, pb, spec):
     """out = (acc + D * x) [* silu(z)] for the block's rows: acc, x_m [HEADS, BLOCK_M, BLOCK_P]."""
+    D, z, out = arrays.D, arrays.z, arrays.out
+    HEADS, BLOCK_M, BLOCK_P, HAS_Z = spec.HEADS, spec.BLOCK_M, spec.BLOCK_P, spec.HAS_Z
     D_p = ct.load(D, index=(hb, pb), shape=(HEADS, BLOCK_P))
     acc = acc + x_m.astype(ct.float32) * D_p[:, None, :]
     if HAS_Z:
@@ -95,9 +130,13 @@ def _finish_rows(acc, x_m, D, z, out, b, m_tile, hb, pb, HEADS, BLOCK_M, BLOCK_P
              tile=ct.permute(acc, (1, 0, 2)).reshape((1, BLOCK_M, HEADS, BLOCK_P)).astype(out.dtype))
 
 
-def _key_loop_body(tile_id, x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, out, CHUNK, DSTATE, HEADS,
-                   BLOCK_M, BLOCK_K, BLOCK_P, HAS_Z, HAS_SEQ_IDX, LOAD_LAT):
+def _key_loop_body(tile_id, arrays, spec):
     """Whole-dstate C·H_c^T first, then the key blocks up to the diagonal (flash-attention style)."""
+    x, B, C, dt_out, dA_cumsum, states, seq_idx = (
+        arrays.x, arrays.B, arrays.C, arrays.dt_out, arrays.dA_cumsum, arrays.states, arrays.seq_idx)
+    CHUNK, DSTATE, HEADS, BLOCK_M, BLOCK_K, BLOCK_P = (
+        spec.CHUNK, spec.DSTATE, spec.HEADS, spec.BLOCK_M, spec.BLOCK_K, spec.BLOCK_P)
+    HAS_SEQ_IDX, LOAD_LAT = spec.HAS_SEQ_IDX, spec.LOAD_LAT
     seqlen = x.shape[1]
     b, c, m, hb, pb, g = _tile_coordinates(tile_id, x, B, HEADS, BLOCK_M, BLOCK_P, CHUNK)
     operand_dtype = mma_dtype(x.dtype)
@@ -149,14 +188,18 @@ def _key_loop_body(tile_id, x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, o
             acc = ct.mma(_decayed_scores(cb, dA_m, dA_k, delta_k, keep, x.dtype, operand_dtype), x_k, acc)
 
         x_m = _load_heads(x, b, m_tile, hb, pb, BLOCK_M, HEADS, BLOCK_P)      # [HEADS, BLOCK_M, BLOCK_P]
-        _finish_rows(acc, x_m, D, z, out, b, m_tile, hb, pb, HEADS, BLOCK_M, BLOCK_P, HAS_Z)
+        _finish_rows(acc, x_m, arrays, b, m_tile, hb, pb, spec)
 
 
-def _state_loop_body(tile_id, x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, out, CHUNK, DSTATE, HEADS,
-                     BLOCK_M, BLOCK_N, BLOCK_P, HAS_Z, HAS_SEQ_IDX, LOAD_LAT):
+def _state_loop_body(tile_id, arrays, spec):
     """All of the chunk's keys at once (BLOCK_K = CHUNK): one loop over dstate tiles of BLOCK_N columns
     accumulates both C·B^T [BLOCK_M, CHUNK] and C·H_c^T, so the C, B and H_c loads stream through a
     pipelined loop (TileGym's compute_out); then one causal mma with x."""
+    x, B, C, dt_out, dA_cumsum, states, seq_idx = (
+        arrays.x, arrays.B, arrays.C, arrays.dt_out, arrays.dA_cumsum, arrays.states, arrays.seq_idx)
+    CHUNK, DSTATE, HEADS, BLOCK_M, BLOCK_N, BLOCK_P = (
+        spec.CHUNK, spec.DSTATE, spec.HEADS, spec.BLOCK_M, spec.BLOCK_N, spec.BLOCK_P)
+    HAS_SEQ_IDX, LOAD_LAT = spec.HAS_SEQ_IDX, spec.LOAD_LAT
     seqlen = x.shape[1]
     b, c, m, hb, pb, g = _tile_coordinates(tile_id, x, B, HEADS, BLOCK_M, BLOCK_P, CHUNK)
     operand_dtype = mma_dtype(x.dtype)
@@ -199,59 +242,50 @@ def _state_loop_body(tile_id, x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx,
             x_m = x_c                                    # the block's rows are the chunk's keys
         else:
             x_m = _load_heads(x, b, m_tile, hb, pb, BLOCK_M, HEADS, BLOCK_P)
-        _finish_rows(acc, x_m, D, z, out, b, m_tile, hb, pb, HEADS, BLOCK_M, BLOCK_P, HAS_Z)
+        _finish_rows(acc, x_m, arrays, b, m_tile, hb, pb, spec)
 
 
-def _scan_tile(tile_id, x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, out, CHUNK, DSTATE, HEADS,
-               BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_P, HAS_Z, HAS_SEQ_IDX, LOAD_LAT):
+def _scan_tile(tile_id, arrays, spec):
     """Work tile `tile_id` with the loop structure BLOCK_N selects."""
-    if BLOCK_N == 0:
-        _key_loop_body(tile_id, x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, out, CHUNK, DSTATE, HEADS,
-                       BLOCK_M, BLOCK_K, BLOCK_P, HAS_Z, HAS_SEQ_IDX, LOAD_LAT)
+    if spec.BLOCK_N == 0:
+        _key_loop_body(tile_id, arrays, spec)
     else:
-        _state_loop_body(tile_id, x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, out, CHUNK, DSTATE, HEADS,
-                         BLOCK_M, BLOCK_N, BLOCK_P, HAS_Z, HAS_SEQ_IDX, LOAD_LAT)
+        _state_loop_body(tile_id, arrays, spec)
 
 
-def _make_chunk_scan_fwd_kernel(Big):
-    @ct.kernel
-    def chunk_scan_fwd_kernel(
-        x: Big,               # (batch, seqlen, nheads, headdim) T
-        B: Big,               # (batch, seqlen, ngroups, dstate) T
-        C: Big,               # (batch, seqlen, ngroups, dstate) T
-        D,                    # (nheads, headdim) f32
-        z: Big,               # (batch, seqlen, nheads, headdim) T, or a dummy without HAS_Z
-        dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
-        dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
-        states: Big,          # (batch, nchunks, nheads, headdim, dstate) T or f32
-        seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
-        out: Big,             # (batch, seqlen, nheads, headdim) T, written
-        CHUNK: ConstInt,
-        DSTATE: ConstInt,
-        HEADS: ConstInt,      # heads per block, all of one group (they share C B^T)
-        BLOCK_M: ConstInt,    # rows per block
-        BLOCK_K: ConstInt,    # keys per inner step of the key loop
-        BLOCK_N: ConstInt,    # dstate columns per step of the state loop; 0: the key loop
-        BLOCK_P: ConstInt,    # headdim columns per block
-        HAS_Z: ConstBool,
-        HAS_SEQ_IDX: ConstBool,
-        LOAD_LAT: ConstInt,   # latency hint of the loop's loads (1..10)
-        PERSISTENT: ConstBool,  # a fixed grid whose blocks stride over the work tiles
-    ):
-        args = (x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, out, CHUNK, DSTATE, HEADS, BLOCK_M,
-                BLOCK_K, BLOCK_N, BLOCK_P, HAS_Z, HAS_SEQ_IDX, LOAD_LAT)
-        if PERSISTENT:
-            for tile_id in range(ct.bid(0), _num_tiles(x, HEADS, BLOCK_M, BLOCK_P, CHUNK), ct.num_blocks(0)):
-                _scan_tile(tile_id, *args)
-        else:
-            _scan_tile(ct.bid(0) + ct.bid(1) * ct.num_blocks(0), *args)
-
-    return chunk_scan_fwd_kernel
+def chunk_scan_fwd_kernel(
+    x: Big,               # (batch, seqlen, nheads, headdim) T
+    B: Big,               # (batch, seqlen, ngroups, dstate) T
+    C: Big,               # (batch, seqlen, ngroups, dstate) T
+    D,                    # (nheads, headdim) f32
+    z: Big,               # (batch, seqlen, nheads, headdim) T, or a dummy without HAS_Z
+    dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
+    dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
+    states: Big,          # (batch, nchunks, nheads, headdim, dstate) T or f32
+    seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
+    out: Big,             # (batch, seqlen, nheads, headdim) T, written
+    CHUNK: ConstInt,
+    DSTATE: ConstInt,
+    HEADS: ConstInt,      # heads per block, all of one group (they share C B^T)
+    BLOCK_M: ConstInt,    # rows per block
+    BLOCK_K: ConstInt,    # keys per inner step of the key loop
+    BLOCK_N: ConstInt,    # dstate columns per step of the state loop; 0: the key loop
+    BLOCK_P: ConstInt,    # headdim columns per block
+    HAS_Z: ConstBool,
+    HAS_SEQ_IDX: ConstBool,
+    LOAD_LAT: ConstInt,   # latency hint of the loop's loads (1..10)
+    PERSISTENT: ConstBool,  # a fixed grid whose blocks stride over the work tiles
+):
+    arrays = _ScanArrays(x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, out)
+    spec = _ScanSpec(CHUNK, DSTATE, HEADS, BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_P, HAS_Z, HAS_SEQ_IDX, LOAD_LAT)
+    if PERSISTENT:
+        for tile_id in range(ct.bid(0), _num_tiles(x, HEADS, BLOCK_M, BLOCK_P, CHUNK), ct.num_blocks(0)):
+            _scan_tile(tile_id, arrays, spec)
+    else:
+        _scan_tile(ct.bid(0) + ct.bid(1) * ct.num_blocks(0), arrays, spec)
 
 
-# (int32-indexed, int64-indexed) entries of the one body.
-CHUNK_SCAN_FWD_KERNELS = int64_index_kernels(_make_chunk_scan_fwd_kernel)
-chunk_scan_fwd_kernel = CHUNK_SCAN_FWD_KERNELS[0]
+CHUNK_SCAN_FWD_KERNELS = int64_index_kernels(chunk_scan_fwd_kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,12 +325,11 @@ def chunk_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkScan
 
     Key loop: 64-row blocks with 32/64-key steps or 128-row blocks with 64-key steps; BLOCK_P 64 (or all
     of a headdim <= 128 with one head); 1/2/4 heads per block, the accumulator at most 64 x 128. (Four
-    heads of 32 columns, twice the C B^T sharing at the same accumulator size, were 25-30% slower than
-    two heads of 64 on the H200.) State loop, for chunks <= 128 (its [64, chunk] f32 C B^T stays in
-    registers): 64-row blocks, 32/64 dstate columns per step (16/32 for f32), 1/2 heads, BLOCK_P 64.
-    Latency 2/4.
+    heads of 32 columns, twice the C B^T sharing at the same accumulator size, measured slower than two
+    heads of 64.) State loop, for chunks <= 128 (its [64, chunk] f32 C B^T stays in registers): 64-row
+    blocks, 32/64 dstate columns per step (16/32 for f32), 1/2 heads, BLOCK_P 64. Latency 2/4.
     Persistent grids (occupancy x 132 blocks) of the state-loop and the 64 x 64 key-loop configs at
-    latency 4 (measured on the H200: 1-2% faster, docs/experiments.md).
+    latency 4 (slightly faster at some shapes).
     """
     check_arch("chunk_scan_fwd_configs", arch)
     Q, P, N = dims.chunk_size, dims.headdim, dims.dstate
@@ -320,9 +353,8 @@ def chunk_scan_fwd_default_config(dims: SSDDims) -> ChunkScanConfig:
     """Two heads per block (halving the C B^T work) when a group has an even number of heads and the
     registers allow it (16-bit inputs), BLOCK_P <= 64, 64-row blocks, and by chunk size:
 
-    - chunk 64, 16-bit inputs: the state loop over 64 dstate columns per step. On the H200 at
-      (4,8192,32,64,128,1) it took 231 us against the key loop's 257 (docs/experiments.md), and its SASS
-      stays spill-free up to dstate 256, where every key-loop config spills.
+    - chunk 64, 16-bit inputs: the state loop over 64 dstate columns per step: measured faster than the
+      key loop, and its SASS stays spill-free up to dstate 256, where every key-loop config spills.
     - otherwise the key loop with 64 x 64 row/key blocks (the causal diagonal wastes at most half a
       block), two heads only up to dstate 128 (beyond, its whole-dstate tiles spill). (f32 has not been
       timed with the state loop.)
@@ -349,14 +381,11 @@ def chunk_scan_fwd_grid(dims: SSDDims, cfg: ChunkScanConfig) -> tuple[int, int]:
 def chunk_scan_fwd_launch(dims: SSDDims, cfg: ChunkScanConfig | None = None) -> Launch:
     """The launch writing "out"."""
     cfg = cfg or chunk_scan_fwd_default_config(dims)
-    return Launch(
-        kernel=select_kernel(CHUNK_SCAN_FWD_KERNELS, dims, occupancy=cfg.occupancy),
-        grid=chunk_scan_fwd_grid(dims, cfg),
-        args=("x", "B", "C", "D", "z", "dt_out", "dA_cumsum", "states", "seq_idx", "out",
-              dims.chunk_size, dims.dstate, cfg.HEADS, cfg.BLOCK_M, cfg.BLOCK_K, cfg.BLOCK_N, cfg.BLOCK_P,
-              dims.has_z, dims.has_seq_idx, cfg.LOAD_LAT, cfg.PERSISTENT > 0),
-        writes=("out",),
-    )
+    return kernel_launch(
+        select_kernel(CHUNK_SCAN_FWD_KERNELS, dims, occupancy=cfg.occupancy), chunk_scan_fwd_grid(dims, cfg),
+        writes=("out",), CHUNK=dims.chunk_size, DSTATE=dims.dstate, HEADS=cfg.HEADS, BLOCK_M=cfg.BLOCK_M,
+        BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N, BLOCK_P=cfg.BLOCK_P, HAS_Z=dims.has_z,
+        HAS_SEQ_IDX=dims.has_seq_idx, LOAD_LAT=cfg.LOAD_LAT, PERSISTENT=cfg.PERSISTENT > 0)
 
 
 CHUNK_SCAN_STAGE = Stage(

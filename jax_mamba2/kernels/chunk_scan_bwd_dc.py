@@ -62,19 +62,13 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._block_pass_config import (
-    BLOCK_PASS_KEY_FIELDS, BlockPassConfig, adds_atomically, block_pass_configs, block_pass_default_config,
-    block_pass_grid, block_pass_work_items, check_sum_heads, summing_heads_config, sums_heads_by_default)
+    BLOCK_PASS_KEY_FIELDS, BlockPassConfig, block_pass_configs, block_pass_default_config, block_pass_launch,
+    block_pass_work_items, summing_heads_config, sums_heads_by_default)
 from jax_mamba2.kernels._common import (
-    LOG2E, ConstBool, ConstInt, Launch, SSDDims, Stage, exp2_ftz, int64_index_kernels, mma_dtype, select_kernel)
+    LOG2E, Big, ConstBool, ConstInt, Launch, SSDDims, Stage, exp2_ftz, int64_index_kernels, mma_dtype)
 from jax_mamba2.kernels._tiles import (
-    group_rows_and_products, load_chunk_vector, operand, previous_chunk_end_id, row_ids, store_chunk_vector)
-
-
-def _rows(array, b, row_tile, h, BLOCK_M, HEADDIM):
-    """Rows [row_tile*BLOCK_M, (row_tile+1)*BLOCK_M) of head h of a (batch, seqlen, nheads, headdim)
-    array -> [BLOCK_M, HEADDIM] f32 (0 past seqlen)."""
-    return ct.load(array, index=(b, row_tile, h, 0), shape=(1, BLOCK_M, 1, HEADDIM),
-                   padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_M, HEADDIM)).astype(ct.float32)
+    block_pass_tile, group_rows_and_products, head_rows, load_chunk_vector, operand, previous_chunk_end_id,
+    row_ids, store_chunk_vector, store_group_sum)
 
 
 def _store_dD_partial(dD_partials, b, c, m, h, nchunks, num_m_blocks, dy_m, x_rows, HEADDIM):
@@ -84,22 +78,33 @@ def _store_dD_partial(dD_partials, b, c, m, h, nchunks, num_m_blocks, dy_m, x_ro
              tile=ct.sum(dy_m * x_rows.astype(ct.float32), axis=0).reshape((1, 1, HEADDIM)))
 
 
-def _chunk_scan_bwd_dc_body(x, B, C, dout, dt_out, dA_cumsum, states, seq_idx,
-                            dC, ddA_intra, ddA_inter, dD_partials,
-                            CHUNK, HEADDIM, DSTATE, BLOCK_M, BLOCK_K, HEADS_PER_BLOCK,
-                            HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT, SUM_HEADS):
+def chunk_scan_bwd_dc_kernel(
+    x: Big,               # (batch, seqlen, nheads, headdim) T
+    B: Big,               # (batch, seqlen, ngroups, dstate) T
+    C: Big,               # (batch, seqlen, ngroups, dstate) T
+    dout: Big,            # (batch, seqlen, nheads, headdim) T, ∂L/∂y
+    dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
+    dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
+    states: Big,          # (batch, nchunks, nheads, headdim, dstate) T, chunk-entry states
+    seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
+    dC: Big,              # (batch, seqlen, ngroups, dstate) written, f32 zero-initialised if ATOMIC_ADD, else T
+    ddA_intra: Big,       # (batch, nheads, nchunks, CHUNK/BLOCK_M, CHUNK) f32, written
+    ddA_inter: Big,       # (batch, nheads, nchunks, CHUNK) f32, written
+    dD_partials: Big,     # (batch * nchunks * CHUNK/BLOCK_M, nheads, headdim) f32, written
+    CHUNK: ConstInt,
+    HEADDIM: ConstInt,
+    DSTATE: ConstInt,
+    BLOCK_M: ConstInt,    # rows per block
+    BLOCK_K: ConstInt,    # keys per inner step
+    HEADS_PER_BLOCK: ConstInt,
+    HAS_SEQ_IDX: ConstBool,
+    ATOMIC_ADD: ConstBool,
+    LOAD_LAT: ConstInt,   # latency hint of the key-loop loads (1..10)
+    SUM_HEADS: ConstBool,  # one whole-chunk key block; C·Bᵀ once, the heads' dCB summed (BlockPassConfig)
+):
     seqlen = x.shape[1]
-    nheads = x.shape[2]
     num_m_blocks = CHUNK // BLOCK_M
-    tile_id = ct.bid(0)
-    num_splits = nheads // HEADS_PER_BLOCK
-    split = tile_id % num_splits
-    tile_id = tile_id // num_splits
-    m = num_m_blocks - 1 - tile_id % num_m_blocks
-    c = tile_id // num_m_blocks
-    b = ct.bid(1)
-    first_head = split * HEADS_PER_BLOCK
-    g = first_head // (nheads // C.shape[2])
+    b, c, m, first_head, g = block_pass_tile(x.shape[2], C.shape[2], CHUNK, BLOCK_M, HEADS_PER_BLOCK, True)
     nchunks = ct.cdiv(seqlen, CHUNK)
     op_dtype = mma_dtype(x.dtype)
 
@@ -116,8 +121,7 @@ def _chunk_scan_bwd_dc_body(x, B, C, dout, dt_out, dA_cumsum, states, seq_idx,
         num_k_blocks = ct.cdiv(ct.minimum((m + 1) * BLOCK_M, seqlen - c * CHUNK), BLOCK_K)
         dC_acc = ct.zeros((BLOCK_M, DSTATE), dtype=ct.float32)              # [BLOCK_M, DSTATE]
         # With one whole-chunk key block the dD partial is taken from the key rows (they are the rows l) as
-        # they arrive, instead of reloading x and dout after the key loop (H200, bf16, per launch: 0.245 ->
-        # 0.220 ms at (4,8192,32,64,64,1), 0.283 either way at dstate 128).
+        # they arrive, instead of reloading x and dout after the key loop (two loads fewer per head).
         DD_FROM_KEYS = BLOCK_M == CHUNK and BLOCK_K == CHUNK
         if BLOCK_K == CHUNK:
             # One key block, so no carry, and R^intra is a product: R_r = Σ_s [s < r] (U T)[r, s] with
@@ -134,7 +138,7 @@ def _chunk_scan_bwd_dc_body(x, B, C, dout, dt_out, dA_cumsum, states, seq_idx,
         for t in range(HEADS_PER_BLOCK):
             h = first_head + t
             dA_m = load_chunk_vector(dA_cumsum, b, h, c, m, BLOCK_M)         # [BLOCK_M]
-            dy_m = _rows(dout, b, m_tile, h, BLOCK_M, HEADDIM)              # [BLOCK_M, HEADDIM] f32
+            dy_m = head_rows(dout, b, m_tile, h, BLOCK_M, HEADDIM)          # [BLOCK_M, HEADDIM] f32
             dy_op = operand(dy_m, x.dtype, op_dtype)
 
             # Inter-chunk term: y_l = r_l exp(dA_l) C_l H_c^T, V_l = dy_l · y_l, dC_l += r_l exp(dA_l) dy_l H_c.
@@ -194,73 +198,27 @@ def _chunk_scan_bwd_dc_body(x, B, C, dout, dt_out, dA_cumsum, states, seq_idx,
 
             if not DD_FROM_KEYS:
                 # Reloaded rather than kept live across the key loop (they would spill).
-                x_m = _rows(x, b, m_tile, h, BLOCK_M, HEADDIM)
-                dy_m = _rows(dout, b, m_tile, h, BLOCK_M, HEADDIM)
+                x_m = head_rows(x, b, m_tile, h, BLOCK_M, HEADDIM)
+                dy_m = head_rows(dout, b, m_tile, h, BLOCK_M, HEADDIM)
                 _store_dD_partial(dD_partials, b, c, m, h, nchunks, num_m_blocks, dy_m, x_m, HEADDIM)
 
         if SUM_HEADS:
             dC_acc = ct.mma(operand(dcb_sum, x.dtype, op_dtype), B_chunk, dC_acc)
-        dC_tile = dC_acc.reshape((1, BLOCK_M, 1, DSTATE))
-        if ATOMIC_ADD:
-            dC.tiled_view((1, BLOCK_M, 1, DSTATE)).atomic_store_add((b, m_tile, g, 0), dC_tile)
-        else:
-            ct.store(dC, index=(b, m_tile, g, 0), tile=dC_tile.astype(dC.dtype))
+        store_group_sum(dC, dC_acc, b, m_tile, g, BLOCK_M, DSTATE, ATOMIC_ADD)
 
 
-def _make_chunk_scan_bwd_dc_kernel(Big):
-    @ct.kernel
-    def chunk_scan_bwd_dc_kernel(
-        x: Big,               # (batch, seqlen, nheads, headdim) T
-        B: Big,               # (batch, seqlen, ngroups, dstate) T
-        C: Big,               # (batch, seqlen, ngroups, dstate) T
-        dout: Big,            # (batch, seqlen, nheads, headdim) T, ∂L/∂y
-        dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
-        dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
-        states: Big,          # (batch, nchunks, nheads, headdim, dstate) T, chunk-entry states
-        seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
-        dC: Big,              # (batch, seqlen, ngroups, dstate) written, f32 zero-initialised if ATOMIC_ADD, else T
-        ddA_intra: Big,       # (batch, nheads, nchunks, CHUNK/BLOCK_M, CHUNK) f32, written
-        ddA_inter: Big,       # (batch, nheads, nchunks, CHUNK) f32, written
-        dD_partials: Big,     # (batch * nchunks * CHUNK/BLOCK_M, nheads, headdim) f32, written
-        CHUNK: ConstInt,
-        HEADDIM: ConstInt,
-        DSTATE: ConstInt,
-        BLOCK_M: ConstInt,    # rows per block
-        BLOCK_K: ConstInt,    # keys per inner step
-        HEADS_PER_BLOCK: ConstInt,
-        HAS_SEQ_IDX: ConstBool,
-        ATOMIC_ADD: ConstBool,
-        LOAD_LAT: ConstInt,   # latency hint of the key-loop loads (1..10)
-        SUM_HEADS: ConstBool,  # one whole-chunk key block; C·Bᵀ once, the heads' dCB summed (BlockPassConfig)
-    ):
-        _chunk_scan_bwd_dc_body(x, B, C, dout, dt_out, dA_cumsum, states, seq_idx,
-                                dC, ddA_intra, ddA_inter, dD_partials,
-                                CHUNK, HEADDIM, DSTATE, BLOCK_M, BLOCK_K, HEADS_PER_BLOCK,
-                                HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT, SUM_HEADS)
-
-    return chunk_scan_bwd_dc_kernel
-
-
-# (int32-indexed, int64-indexed) entries of the one body.
-CHUNK_SCAN_BWD_DC_KERNELS = int64_index_kernels(_make_chunk_scan_bwd_dc_kernel)
-chunk_scan_bwd_dc_kernel = CHUNK_SCAN_BWD_DC_KERNELS[0]
+CHUNK_SCAN_BWD_DC_KERNELS = int64_index_kernels(chunk_scan_bwd_dc_kernel)
 
 
 # The row pass's tiles; see _block_pass_config.py.
 ChunkScanBwdDcConfig = BlockPassConfig
 
 
-def chunk_scan_bwd_dc_configs(dims: SSDDims, arch: str = "sm_90") -> list[BlockPassConfig]:
-    return block_pass_configs("chunk_scan_bwd_dc_configs", dims, arch)
-
-
 def chunk_scan_bwd_dc_default_config(dims: SSDDims) -> BlockPassConfig:
     """Whole chunks summing their heads' dCB where `sums_heads_by_default` (with one key block R^intra is a
-    product and the key loop static: on the H200, per launch, 445 -> 297 us at (4,8192,32,64,128,1), 422 ->
-    248 at dstate 64, 848 -> 552 at (2,32768), 1036 -> 699 at 80 heads, 241 -> 165 at (4,16384,8); at
-    dstate 256, summing before, 698 -> 519, occupancy 1 and 2 alike). Elsewhere the shared default with
-    32-key steps at latency 2 (there 0.975 -> 0.801 ms against 64-key steps: four live [rows x keys] f32
-    products per step here, two in dx; latency 2 417 us against 452 at latency 4)."""
+    product and the key loop static). Elsewhere the shared default with 32-key steps at latency 2: this pass
+    keeps four live [rows x keys] f32 products per step (two in dx), so smaller steps and a shorter
+    pipeline measured faster."""
     if sums_heads_by_default(dims):
         return summing_heads_config(dims)
     return dataclasses.replace(block_pass_default_config(dims), BLOCK_K=32, LOAD_LAT=2)
@@ -273,21 +231,11 @@ def chunk_scan_bwd_dc_launch(dims: SSDDims, cfg: ChunkScanBwdDcConfig | None = N
     `heads_per_block` heads of one group share a block (it must divide heads_per_group); dC is added
     atomically unless one block owns the whole group.
     """
-    cfg = cfg or chunk_scan_bwd_dc_default_config(dims)
-    atomic_add = adds_atomically(dims, heads_per_block)
-    writes = ("dC", "ddA_intra", "ddA_inter", "dD_partials")
-    return Launch(
-        kernel=select_kernel(CHUNK_SCAN_BWD_DC_KERNELS, dims, occupancy=cfg.occupancy),
-        grid=block_pass_grid(dims, cfg, heads_per_block),
-        args=("x", "B", "C", "dout", "dt_out", "dA_cumsum", "states", "seq_idx",
-              *writes,
-              dims.chunk_size, dims.headdim, dims.dstate, cfg.BLOCK_M, cfg.BLOCK_K, heads_per_block,
-              dims.has_seq_idx, atomic_add, cfg.LOAD_LAT, check_sum_heads(dims, cfg)),
-        writes=writes,
-    )
+    return block_pass_launch(CHUNK_SCAN_BWD_DC_KERNELS, dims, cfg or chunk_scan_bwd_dc_default_config(dims),
+                             heads_per_block, writes=("dC", "ddA_intra", "ddA_inter", "dD_partials"))
 
 
 CHUNK_SCAN_BWD_DC_STAGE = Stage(
-    name="chunk_scan_bwd_dc", config_type=BlockPassConfig, space=chunk_scan_bwd_dc_configs,
+    name="chunk_scan_bwd_dc", config_type=BlockPassConfig, space=block_pass_configs,
     default=chunk_scan_bwd_dc_default_config, launch=chunk_scan_bwd_dc_launch, key_fields=BLOCK_PASS_KEY_FIELDS,
     work_items=block_pass_work_items, blocks_span_heads=True)

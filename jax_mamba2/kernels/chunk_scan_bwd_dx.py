@@ -13,9 +13,8 @@ S_c = Σ_s k_s w_s Δ_s x_s ⊗ B_s with w_s = exp(min(dA_last - dA_s, 0)). With
 
 ddt_out_s is summed as the block computes its terms, k_s w_s (G B_s) · x_s plus Σ_l scores[s, l] (x_s · dy_l)
 with the rounded scores and the x·dyᵀ tile the dB term needs anyway, so x_s is not reloaded after the row
-loop (the same products summed in another f32 order; on the H200 bwd_dx took 0.255 -> 0.227 ms per launch
-at (4,8192,32,64,64), fwd_bwd 0.918 -> 0.878 there and 1.127 -> 1.080 at dstate 128; 0.518 -> 0.540 per
-launch at dstate 256, whose sm_90 build then keeps a 720-byte stack).
+loop (the same products summed in another f32 order; faster but at dstate 256, where the build keeps a
+stack).
 
 U_s is the dA gradient of the end state: ∂L/∂dA_s = -U_s and ∂L/∂dA_last += Σ_s U_s, whose reverse cumsum
 over the chunk is the exclusive prefix sum Σ_{s<r} U_s, taken by chunk_cumsum_bwd.
@@ -46,37 +45,43 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._block_pass_config import (
-    BLOCK_PASS_KEY_FIELDS, BlockPassConfig, adds_atomically, block_pass_configs, block_pass_default_config,
-    block_pass_grid, block_pass_work_items, check_sum_heads, summing_heads_config, sums_heads_by_default)
+    BLOCK_PASS_KEY_FIELDS, BlockPassConfig, block_pass_configs, block_pass_default_config, block_pass_launch,
+    block_pass_work_items, summing_heads_config, sums_heads_by_default)
 from jax_mamba2.kernels._common import (
-    LOG2E, ConstBool, ConstInt, Launch, SSDDims, Stage, exp2_ftz, int64_index_kernels, mma_dtype, select_kernel)
+    LOG2E, Big, ConstBool, ConstInt, Launch, SSDDims, Stage, exp2_ftz, int64_index_kernels, mma_dtype)
 from jax_mamba2.kernels._tiles import (
-    chunk_end_id, group_rows_and_products, load_chunk_vector, operand, row_ids, store_chunk_vector)
+    block_pass_tile, chunk_end_id, group_rows_and_products, head_rows, load_chunk_vector, operand, row_ids,
+    store_chunk_vector, store_group_sum)
 
 
-def _rows(array, b, row_tile, h, BLOCK_M, HEADDIM):
-    """Rows [row_tile*BLOCK_M, (row_tile+1)*BLOCK_M) of head h of a (batch, seqlen, nheads, headdim)
-    array -> [BLOCK_M, HEADDIM] f32 (0 past seqlen)."""
-    return ct.load(array, index=(b, row_tile, h, 0), shape=(1, BLOCK_M, 1, HEADDIM),
-                   padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_M, HEADDIM)).astype(ct.float32)
-
-
-def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
-                            dx, dB, ddt_out, ddA_state,
-                            CHUNK, HEADDIM, DSTATE, BLOCK_M, BLOCK_K, HEADS_PER_BLOCK,
-                            HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT, SUM_HEADS):
+def chunk_scan_bwd_dx_kernel(
+    x: Big,               # (batch, seqlen, nheads, headdim) T
+    B: Big,               # (batch, seqlen, ngroups, dstate) T
+    C: Big,               # (batch, seqlen, ngroups, dstate) T
+    D,                    # (nheads, headdim) f32
+    dy: Big,              # (batch, seqlen, nheads, headdim) T
+    dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
+    dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
+    dstates: Big,         # (batch, nchunks, nheads, headdim, dstate) T, ∂L/∂(chunk end states)
+    seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
+    dx: Big,              # (batch, seqlen, nheads, headdim) T, written
+    dB: Big,              # (batch, seqlen, ngroups, dstate) written, f32 zero-initialised if ATOMIC_ADD, else T
+    ddt_out: Big,         # (batch, nheads, nchunks, CHUNK) f32, written
+    ddA_state: Big,       # (batch, nheads, nchunks, CHUNK) f32, written
+    CHUNK: ConstInt,
+    HEADDIM: ConstInt,
+    DSTATE: ConstInt,
+    BLOCK_M: ConstInt,    # source rows s per block
+    BLOCK_K: ConstInt,    # output rows l per inner step
+    HEADS_PER_BLOCK: ConstInt,
+    HAS_SEQ_IDX: ConstBool,
+    ATOMIC_ADD: ConstBool,
+    LOAD_LAT: ConstInt,   # latency hint of the row loop's and the head loop's tile loads (1..10)
+    SUM_HEADS: ConstBool,  # one whole-chunk row block; B·Cᵀ once, the heads' dCB summed (BlockPassConfig)
+):
     seqlen = x.shape[1]
-    nheads = x.shape[2]
     num_m_blocks = CHUNK // BLOCK_M
-    tile_id = ct.bid(0)
-    num_splits = nheads // HEADS_PER_BLOCK
-    split = tile_id % num_splits
-    tile_id = tile_id // num_splits
-    m = tile_id % num_m_blocks
-    c = tile_id // num_m_blocks
-    b = ct.bid(1)
-    first_head = split * HEADS_PER_BLOCK
-    g = first_head // (nheads // B.shape[2])
+    b, c, m, first_head, g = block_pass_tile(x.shape[2], B.shape[2], CHUNK, BLOCK_M, HEADS_PER_BLOCK, False)
     op_dtype = mma_dtype(x.dtype)
 
     # A column block wholly past seqlen has nothing to write, and its loads would lie outside the arrays.
@@ -97,8 +102,7 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
             end_k = ct.cdiv(ct.minimum(seqlen - c * CHUNK, CHUNK), BLOCK_K)
         # One row block, the whole chunk: the rows l of the intra-chunk term are the rows s, so their dA is
         # dA_s. With the head's x rows loaded once (operand and f32) and dA_last taken from dA_s, three loads
-        # per head fewer (H200, bf16, per launch: 0.292 -> 0.264 ms at (4,8192,32,64,64,1), 0.323 -> 0.295
-        # at dstate 128).
+        # per head fewer.
         WHOLE_CHUNK = BLOCK_M == CHUNK and BLOCK_K == CHUNK
         dB_acc = ct.zeros((BLOCK_M, DSTATE), dtype=ct.float32)              # [BLOCK_M, DSTATE]
         if SUM_HEADS:
@@ -165,7 +169,7 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
                     dB_acc = ct.mma(operand(dcb, x.dtype, op_dtype), C_l, dB_acc)
 
             # Reloaded rather than kept live across the row loop (it would spill).
-            dy_s = _rows(dy, b, s_tile, h, BLOCK_M, HEADDIM)
+            dy_s = head_rows(dy, b, s_tile, h, BLOCK_M, HEADDIM)
             D_h = ct.load(D, index=(h, 0), shape=(1, HEADDIM)).reshape((HEADDIM,))
             dx_s = acc * delta_s[:, None] + dy_s * D_h[None, :]
             ct.store(dx, index=(b, s_tile, h, 0), tile=dx_s.reshape((1, BLOCK_M, 1, HEADDIM)).astype(dx.dtype))
@@ -173,68 +177,20 @@ def _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
 
         if SUM_HEADS:
             dB_acc = ct.mma(operand(dcb_sum, x.dtype, op_dtype), C_chunk, dB_acc)
-        dB_tile = dB_acc.reshape((1, BLOCK_M, 1, DSTATE))
-        if ATOMIC_ADD:
-            dB.tiled_view((1, BLOCK_M, 1, DSTATE)).atomic_store_add((b, s_tile, g, 0), dB_tile)
-        else:
-            ct.store(dB, index=(b, s_tile, g, 0), tile=dB_tile.astype(dB.dtype))
+        store_group_sum(dB, dB_acc, b, s_tile, g, BLOCK_M, DSTATE, ATOMIC_ADD)
 
 
-def _make_chunk_scan_bwd_dx_kernel(Big):
-    @ct.kernel
-    def chunk_scan_bwd_dx_kernel(
-        x: Big,               # (batch, seqlen, nheads, headdim) T
-        B: Big,               # (batch, seqlen, ngroups, dstate) T
-        C: Big,               # (batch, seqlen, ngroups, dstate) T
-        D,                    # (nheads, headdim) f32
-        dy: Big,              # (batch, seqlen, nheads, headdim) T
-        dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
-        dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
-        dstates: Big,         # (batch, nchunks, nheads, headdim, dstate) T, ∂L/∂(chunk end states)
-        seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
-        dx: Big,              # (batch, seqlen, nheads, headdim) T, written
-        dB: Big,              # (batch, seqlen, ngroups, dstate) written, f32 zero-initialised if ATOMIC_ADD, else T
-        ddt_out: Big,         # (batch, nheads, nchunks, CHUNK) f32, written
-        ddA_state: Big,       # (batch, nheads, nchunks, CHUNK) f32, written
-        CHUNK: ConstInt,
-        HEADDIM: ConstInt,
-        DSTATE: ConstInt,
-        BLOCK_M: ConstInt,    # source rows s per block
-        BLOCK_K: ConstInt,    # output rows l per inner step
-        HEADS_PER_BLOCK: ConstInt,
-        HAS_SEQ_IDX: ConstBool,
-        ATOMIC_ADD: ConstBool,
-        LOAD_LAT: ConstInt,   # latency hint of the row loop's and the head loop's tile loads (1..10)
-        SUM_HEADS: ConstBool,  # one whole-chunk row block; B·Cᵀ once, the heads' dCB summed (BlockPassConfig)
-    ):
-        _chunk_scan_bwd_dx_body(x, B, C, D, dy, dt_out, dA_cumsum, dstates, seq_idx,
-                                dx, dB, ddt_out, ddA_state,
-                                CHUNK, HEADDIM, DSTATE, BLOCK_M, BLOCK_K, HEADS_PER_BLOCK,
-                                HAS_SEQ_IDX, ATOMIC_ADD, LOAD_LAT, SUM_HEADS)
-
-    return chunk_scan_bwd_dx_kernel
-
-
-# (int32-indexed, int64-indexed) entries of the one body.
-CHUNK_SCAN_BWD_DX_KERNELS = int64_index_kernels(_make_chunk_scan_bwd_dx_kernel)
-chunk_scan_bwd_dx_kernel = CHUNK_SCAN_BWD_DX_KERNELS[0]
+CHUNK_SCAN_BWD_DX_KERNELS = int64_index_kernels(chunk_scan_bwd_dx_kernel)
 
 
 # The row pass's tiles; see _block_pass_config.py.
 ChunkScanBwdDxConfig = BlockPassConfig
 
 
-def chunk_scan_bwd_dx_configs(dims: SSDDims, arch: str = "sm_90") -> list[BlockPassConfig]:
-    return block_pass_configs("chunk_scan_bwd_dx_configs", dims, arch)
-
-
 def chunk_scan_bwd_dx_default_config(dims: SSDDims) -> BlockPassConfig:
     """Whole chunks summing their heads' dCB at latency 4 where `sums_heads_by_default`, else the shared
-    default. Latency 4 against 2 on the H200 (bf16, same run, per launch): 355 against 371 us at
-    (4,8192,32,64,128,1), 672 against 713 at (2,32768,...), never slower at issue 7's six shapes (8 is faster
-    at the main shape only, 6 as 4). Those runs predate the static row loop of whole-chunk blocks, with which
-    the hint also reaches the head loop's x and dstates loads: 353 -> 338 us at the main shape, 630 -> 590 at
-    dstate 256."""
+    default. Latency 4 measured faster than 2 (and never slower at the benchmark shapes): with the static row
+    loop of whole-chunk blocks the hint also reaches the head loop's x and dstates loads."""
     if sums_heads_by_default(dims):
         return dataclasses.replace(summing_heads_config(dims), LOAD_LAT=4)
     return block_pass_default_config(dims)
@@ -244,20 +200,11 @@ def chunk_scan_bwd_dx_launch(dims: SSDDims, cfg: ChunkScanBwdDxConfig | None = N
                              heads_per_block: int = 1) -> Launch:
     """The launch writing ("dx", "dB", "ddt_out", "ddA_state"), reading the output gradient "dout". dB is
     added atomically unless one block owns the whole group."""
-    cfg = cfg or chunk_scan_bwd_dx_default_config(dims)
-    atomic_add = adds_atomically(dims, heads_per_block)
-    return Launch(
-        kernel=select_kernel(CHUNK_SCAN_BWD_DX_KERNELS, dims, occupancy=cfg.occupancy),
-        grid=block_pass_grid(dims, cfg, heads_per_block),
-        args=("x", "B", "C", "D", "dout", "dt_out", "dA_cumsum", "dstates", "seq_idx",
-              "dx", "dB", "ddt_out", "ddA_state",
-              dims.chunk_size, dims.headdim, dims.dstate, cfg.BLOCK_M, cfg.BLOCK_K, heads_per_block,
-              dims.has_seq_idx, atomic_add, cfg.LOAD_LAT, check_sum_heads(dims, cfg)),
-        writes=("dx", "dB", "ddt_out", "ddA_state"),
-    )
+    return block_pass_launch(CHUNK_SCAN_BWD_DX_KERNELS, dims, cfg or chunk_scan_bwd_dx_default_config(dims),
+                             heads_per_block, writes=("dx", "dB", "ddt_out", "ddA_state"), arrays={"dy": "dout"})
 
 
 CHUNK_SCAN_BWD_DX_STAGE = Stage(
-    name="chunk_scan_bwd_dx", config_type=BlockPassConfig, space=chunk_scan_bwd_dx_configs,
+    name="chunk_scan_bwd_dx", config_type=BlockPassConfig, space=block_pass_configs,
     default=chunk_scan_bwd_dx_default_config, launch=chunk_scan_bwd_dx_launch, key_fields=BLOCK_PASS_KEY_FIELDS,
     work_items=block_pass_work_items, blocks_span_heads=True)

@@ -19,12 +19,12 @@ dtype (x's dtype in both the forward and the backward's recompute).
 
 Grid: (batch * nheads * dstate / BLOCK_N, headdim / BLOCK_P), the dstate tiles of one (batch, head)
 adjacent in launch order (`state_tile_of_block`), so that the blocks re-reading one chunk's x tile run
-at once and find it in L2 (where the blocks take more than one wave: at (4,8192,80,64,128), occupancy 5,
-this pass took 0.743 -> 0.377 ms and its reverse 0.771 -> 0.559 on the H200). One block owns a
+at once and find it in L2 (where the blocks take more than one wave, that halved this pass's time). One
+block owns a
 (BLOCK_P, BLOCK_N) state tile and walks all chunks in order; the loads of chunk c+1 do not depend on the
 carried state, so the `LOAD_LAT` latency hint lets the compiler issue them while chunk c's mma runs.
 (Doing that by hand, prefetching chunk c+1's tiles into registers and carrying the state outside the mma
-accumulator, was 2x slower on the H200: docs/experiments.md.)
+accumulator, measured slower.)
 
 Shapes: x (batch, seqlen, nheads, headdim) T; B (batch, seqlen, ngroups, dstate) T;
 dt_out, dA_cumsum (batch, nheads, nchunks, chunk_size) f32; initial_states (batch, nheads, headdim,
@@ -32,55 +32,84 @@ dstate) f32 (HAS_INIT) else a dummy; seq_idx (batch, seqlen) int32 (HAS_SEQ_IDX)
 states (batch, nchunks, nheads, headdim, dstate) T or f32; final_states (batch, nheads, headdim, dstate) f32.
 """
 import dataclasses
+from typing import Any
 
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    ConstBool, ConstInt, Launch, SSDDims, Stage, check_arch, int64_index_kernels, mma_dtype, select_kernel)
+    Big, ConstBool, ConstInt, Launch, SSDDims, Stage, check_arch, int64_index_kernels, kernel_launch, mma_dtype,
+    select_kernel)
 from jax_mamba2.kernels._tiles import batch_head_group, state_seq_rules
 
 
-def _load_chunk(x, B, dt_out, dA_cumsum, b, h, g, c, pb, nb, CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT):
-    """Chunk c's operands: x_c [CHUNK, BLOCK_P] and B_c [CHUNK, BLOCK_N] in x's dtype (zero past
+@dataclasses.dataclass(frozen=True)
+class StateTile:
+    """Device values of a block of the state passes: batch row b, head h and its group g, and the headdim /
+    dstate tile (pb, nb) of the state it carries."""
+
+    b: Any
+    h: Any
+    g: Any
+    pb: Any
+    nb: Any
+
+
+def state_tile_of_block(nheads, ngroups, dstate, BLOCK_N) -> StateTile:
+    """Device helper: this block's StateTile in the state passes' grid (`chunk_state_fwd_grid`): the dstate
+    tiles of one (batch, head) are consecutive blocks."""
+    tiles_n = dstate // BLOCK_N
+    bh, pb, nb = ct.bid(0) // tiles_n, ct.bid(1), ct.bid(0) % tiles_n
+    b, h, g = batch_head_group(bh, nheads, ngroups)
+    return StateTile(b, h, g, pb, nb)
+
+
+def _load_chunk(x, B, dt_out, dA_cumsum, tile, c, CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT):
+    """Chunk c's operands for `tile`: x_c [CHUNK, BLOCK_P] and B_c [CHUNK, BLOCK_N] in x's dtype (zero past
     seqlen), Δ and dA [CHUNK] f32."""
-    x_c = ct.load(x, index=(b, c, h, pb), shape=(1, CHUNK, 1, BLOCK_P),
+    x_c = ct.load(x, index=(tile.b, c, tile.h, tile.pb), shape=(1, CHUNK, 1, BLOCK_P),
                   padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT).reshape((CHUNK, BLOCK_P))
-    B_c = ct.load(B, index=(b, c, g, nb), shape=(1, CHUNK, 1, BLOCK_N),
+    B_c = ct.load(B, index=(tile.b, c, tile.g, tile.nb), shape=(1, CHUNK, 1, BLOCK_N),
                   padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT).reshape((CHUNK, BLOCK_N))
-    delta = ct.load(dt_out, index=(b, h, c, 0), shape=(1, 1, 1, CHUNK),
+    delta = ct.load(dt_out, index=(tile.b, tile.h, c, 0), shape=(1, 1, 1, CHUNK),
                     latency=LOAD_LAT).reshape((CHUNK,))
-    dA = ct.load(dA_cumsum, index=(b, h, c, 0), shape=(1, 1, 1, CHUNK),
+    dA = ct.load(dA_cumsum, index=(tile.b, tile.h, c, 0), shape=(1, 1, 1, CHUNK),
                  latency=LOAD_LAT).reshape((CHUNK,))
     return x_c, B_c, delta, dA
 
 
-def state_tile_of_block(dstate, BLOCK_N):
-    """Device helper: (batch * nheads index, headdim tile, dstate tile) of this block in the state passes' grid
-    (`chunk_state_fwd_grid`): the dstate tiles of one (batch, head) are consecutive blocks."""
-    tiles_n = dstate // BLOCK_N
-    return ct.bid(0) // tiles_n, ct.bid(1), ct.bid(0) % tiles_n
-
-
-def _chunk_state_fwd_body(x, B, dt_out, dA_cumsum, initial_states, seq_idx, states, final_states,
-                          CHUNK, BLOCK_P, BLOCK_N, HAS_INIT, HAS_SEQ_IDX, LOAD_LAT):
-    bh, pb, nb = state_tile_of_block(B.shape[3], BLOCK_N)
+def chunk_state_fwd_kernel(
+    x: Big,               # (batch, seqlen, nheads, headdim) T
+    B: Big,               # (batch, seqlen, ngroups, dstate) T
+    dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
+    dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
+    initial_states: Big,  # (batch, nheads, headdim, dstate) f32, or a dummy without HAS_INIT
+    seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
+    states: Big,          # (batch, nchunks, nheads, headdim, dstate) T or f32, written
+    final_states: Big,    # (batch, nheads, headdim, dstate) f32, written
+    CHUNK: ConstInt,
+    BLOCK_P: ConstInt,
+    BLOCK_N: ConstInt,
+    HAS_INIT: ConstBool,
+    HAS_SEQ_IDX: ConstBool,
+    LOAD_LAT: ConstInt,   # latency hint of the per-chunk loads (1..10)
+):
+    tile = state_tile_of_block(x.shape[2], B.shape[2], B.shape[3], BLOCK_N)
+    b, h = tile.b, tile.h
     seqlen = x.shape[1]
-    b, h, g = batch_head_group(bh, x.shape[2], B.shape[2])
     nchunks = ct.cdiv(seqlen, CHUNK)
     operand_dtype = mma_dtype(x.dtype)
 
     if HAS_INIT:
-        state = ct.load(initial_states, index=(b, h, pb, nb), shape=(1, 1, BLOCK_P, BLOCK_N)
+        state = ct.load(initial_states, index=(b, h, tile.pb, tile.nb), shape=(1, 1, BLOCK_P, BLOCK_N)
                         ).reshape((BLOCK_P, BLOCK_N)).astype(ct.float32)
     else:
         state = ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32)           # [BLOCK_P, BLOCK_N] f32
     prev_end_id = ct.zeros((1,), dtype=ct.int32)                          # e_{-1} = 0
 
     for c in range(nchunks):
-        ct.store(states, index=(b, c, h, pb, nb),
+        ct.store(states, index=(b, c, h, tile.pb, tile.nb),
                  tile=state.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(states.dtype))
-        x_c, B_c, delta, dA = _load_chunk(x, B, dt_out, dA_cumsum, b, h, g, c, pb, nb,
-                                          CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
+        x_c, B_c, delta, dA = _load_chunk(x, B, dt_out, dA_cumsum, tile, c, CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
         dA_last = ct.extract(dA, index=(CHUNK - 1,), shape=(1,))         # flat past seqlen: last valid
         scale = ct.exp(ct.minimum(dA_last - dA, 0.0)) * delta             # [CHUNK]
         carry = ct.exp(dA_last)                                           # [1]
@@ -90,36 +119,10 @@ def _chunk_state_fwd_body(x, B, dt_out, dA_cumsum, initial_states, seq_idx, stat
         x_t = x_c.transpose().astype(operand_dtype)
         state = ct.mma(x_t, B_scaled.astype(operand_dtype), state * carry)
 
-    ct.store(final_states, index=(b, h, pb, nb), tile=state.reshape((1, 1, BLOCK_P, BLOCK_N)))
+    ct.store(final_states, index=(b, h, tile.pb, tile.nb), tile=state.reshape((1, 1, BLOCK_P, BLOCK_N)))
 
 
-def _make_chunk_state_fwd_kernel(Big):
-    @ct.kernel
-    def chunk_state_fwd_kernel(
-        x: Big,               # (batch, seqlen, nheads, headdim) T
-        B: Big,               # (batch, seqlen, ngroups, dstate) T
-        dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
-        dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
-        initial_states: Big,  # (batch, nheads, headdim, dstate) f32, or a dummy without HAS_INIT
-        seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
-        states: Big,          # (batch, nchunks, nheads, headdim, dstate) T or f32, written
-        final_states: Big,    # (batch, nheads, headdim, dstate) f32, written
-        CHUNK: ConstInt,
-        BLOCK_P: ConstInt,
-        BLOCK_N: ConstInt,
-        HAS_INIT: ConstBool,
-        HAS_SEQ_IDX: ConstBool,
-        LOAD_LAT: ConstInt,   # latency hint of the per-chunk loads (1..10)
-    ):
-        _chunk_state_fwd_body(x, B, dt_out, dA_cumsum, initial_states, seq_idx, states, final_states,
-                              CHUNK, BLOCK_P, BLOCK_N, HAS_INIT, HAS_SEQ_IDX, LOAD_LAT)
-
-    return chunk_state_fwd_kernel
-
-
-# (int32-indexed, int64-indexed) entries of the one body.
-CHUNK_STATE_FWD_KERNELS = int64_index_kernels(_make_chunk_state_fwd_kernel)
-chunk_state_fwd_kernel = CHUNK_STATE_FWD_KERNELS[0]
+CHUNK_STATE_FWD_KERNELS = int64_index_kernels(chunk_state_fwd_kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +166,8 @@ def chunk_state_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkSta
 
 def chunk_state_fwd_default_config(dims: SSDDims) -> ChunkStateConfig:
     """TileGym's tile, BLOCK_P = min(64, headdim) x BLOCK_N = min(32, dstate), at occupancy 4 and
-    latency 6: the best of both state passes' spaces on the H200 at (4,8192,32,64,128,1), chunk 64
-    (forward 153 us vs 185 at TileGym's occupancy 2 and latency 4; backward 276 vs 326 us)."""
+    latency 6: the best of both state passes' spaces in the tuning runs (TileGym uses occupancy 2 and
+    latency 4)."""
     return ChunkStateConfig(BLOCK_P=min(64, dims.headdim), BLOCK_N=min(32, dims.dstate), LOAD_LAT=6,
                             occupancy=4)
 
@@ -176,13 +179,10 @@ def chunk_state_fwd_grid(dims: SSDDims, cfg: ChunkStateConfig) -> tuple[int, int
 def chunk_state_fwd_launch(dims: SSDDims, cfg: ChunkStateConfig | None = None) -> Launch:
     """The launch writing ("states", "final_states")."""
     cfg = cfg or chunk_state_fwd_default_config(dims)
-    return Launch(
-        kernel=select_kernel(CHUNK_STATE_FWD_KERNELS, dims, occupancy=cfg.occupancy),
-        grid=chunk_state_fwd_grid(dims, cfg),
-        args=("x", "B", "dt_out", "dA_cumsum", "initial_states", "seq_idx", "states", "final_states",
-              dims.chunk_size, cfg.BLOCK_P, cfg.BLOCK_N, dims.has_init, dims.has_seq_idx, cfg.LOAD_LAT),
-        writes=("states", "final_states"),
-    )
+    return kernel_launch(
+        select_kernel(CHUNK_STATE_FWD_KERNELS, dims, occupancy=cfg.occupancy), chunk_state_fwd_grid(dims, cfg),
+        writes=("states", "final_states"), CHUNK=dims.chunk_size, BLOCK_P=cfg.BLOCK_P, BLOCK_N=cfg.BLOCK_N,
+        HAS_INIT=dims.has_init, HAS_SEQ_IDX=dims.has_seq_idx, LOAD_LAT=cfg.LOAD_LAT)
 
 
 CHUNK_STATE_STAGE = Stage(

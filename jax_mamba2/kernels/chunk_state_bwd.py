@@ -17,9 +17,8 @@ carrying G in f32, and writes
 this tile's share of ∂L/∂dA_last,c through the carry in sums over R = SUM_ROWS = min(BLOCK_P, 16) rows
 (chunk_cumsum_bwd adds them up).
 Sixteen rows are one warp's in the sm_90 mma layout, so this reduction adds no barrier to the carried chain
-(one scalar per tile took a cross-warp reduction per chunk: 290 -> 251 us per launch at (4,8192,32,64,128,1)
-on the H200). A sum per row instead of per warp left chunk_cumsum_bwd 256 terms per chunk to add and took
-733 against 657 us for this pass at (4,8192,80,64,128,1) (same run; equal at the main shape).
+(one scalar per tile took a cross-warp reduction per chunk, measured slower). A sum per row instead of per
+warp left chunk_cumsum_bwd 256 terms per chunk to add, slower at 80 heads and equal elsewhere.
 H_c comes from the forward (saved by it, or recomputed by the plan's chunk_state stage).
 
 Precision: dy and the row-scaled C enter the mma in x's dtype (tf32 for f32 inputs); G accumulates in f32
@@ -41,9 +40,9 @@ import math
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    SM90_SMS, ConstBool, ConstInt, Launch, SSDDims, Stage, check_arch, int64_index_kernels, mma_dtype, select_kernel)
-from jax_mamba2.kernels._tiles import (
-    batch_head_group, chunk_end_id, operand, previous_chunk_end_id, row_ids)
+    SM90_SMS, Big, ConstBool, ConstInt, Launch, SSDDims, Stage, check_arch, int64_index_kernels, kernel_launch,
+    mma_dtype, select_kernel)
+from jax_mamba2.kernels._tiles import chunk_end_id, operand, previous_chunk_end_id, row_ids
 from jax_mamba2.kernels.chunk_state import (
     LOAD_LATENCIES, ChunkStateConfig, chunk_state_fwd_default_config, chunk_state_fwd_grid, state_tile_of_block)
 
@@ -52,39 +51,53 @@ from jax_mamba2.kernels.chunk_state import (
 WARP_ROWS = 16
 
 
-def _load_chunk(C, dy, dA_cumsum, states, b, h, g, c, pb, nb, CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT):
-    """Chunk c's operands: H_c [BLOCK_P, BLOCK_N] in states' dtype, dA [CHUNK] f32, dy_c [CHUNK, BLOCK_P] in dy's
-    dtype and C_c [CHUNK, BLOCK_N] f32 (both zero past seqlen)."""
-    H_c = ct.load(states, index=(b, c, h, pb, nb), shape=(1, 1, 1, BLOCK_P, BLOCK_N),
+def _load_chunk(C, dy, dA_cumsum, states, tile, c, CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT):
+    """Chunk c's operands for the StateTile `tile`: H_c [BLOCK_P, BLOCK_N] in states' dtype, dA [CHUNK] f32,
+    dy_c [CHUNK, BLOCK_P] in dy's dtype and C_c [CHUNK, BLOCK_N] f32 (both zero past seqlen)."""
+    H_c = ct.load(states, index=(tile.b, c, tile.h, tile.pb, tile.nb), shape=(1, 1, 1, BLOCK_P, BLOCK_N),
                   latency=LOAD_LAT).reshape((BLOCK_P, BLOCK_N))
-    dA = ct.load(dA_cumsum, index=(b, h, c, 0), shape=(1, 1, 1, CHUNK),
+    dA = ct.load(dA_cumsum, index=(tile.b, tile.h, c, 0), shape=(1, 1, 1, CHUNK),
                  latency=LOAD_LAT).reshape((CHUNK,))
-    dy_c = ct.load(dy, index=(b, c, h, pb), shape=(1, CHUNK, 1, BLOCK_P),
+    dy_c = ct.load(dy, index=(tile.b, c, tile.h, tile.pb), shape=(1, CHUNK, 1, BLOCK_P),
                    padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT).reshape((CHUNK, BLOCK_P))
-    C_c = ct.load(C, index=(b, c, g, nb), shape=(1, CHUNK, 1, BLOCK_N),
+    C_c = ct.load(C, index=(tile.b, c, tile.g, tile.nb), shape=(1, CHUNK, 1, BLOCK_N),
                   padding_mode=ct.PaddingMode.ZERO, latency=LOAD_LAT
                   ).reshape((CHUNK, BLOCK_N)).astype(ct.float32)
     return H_c, dA, dy_c, C_c
 
 
-def _chunk_state_bwd_body(C, dy, dA_cumsum, states, seq_idx, dfinal_states,
-                          dstates, dinitial_states, ddA_chunk,
-                          CHUNK, BLOCK_P, BLOCK_N, SUM_ROWS, HAS_SEQ_IDX, LOAD_LAT):
-    bh, pb, nb = state_tile_of_block(C.shape[3], BLOCK_N)
+def chunk_state_bwd_kernel(
+    C: Big,                  # (batch, seqlen, ngroups, dstate) T
+    dy: Big,                 # (batch, seqlen, nheads, headdim) T
+    dA_cumsum: Big,          # (batch, nheads, nchunks, CHUNK) f32
+    states: Big,             # (batch, nchunks, nheads, headdim, dstate) T, chunk-entry states
+    seq_idx: Big,            # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
+    dfinal_states: Big,      # (batch, nheads, headdim, dstate) f32
+    dstates: Big,            # (batch, nchunks, nheads, headdim, dstate) T, written
+    dinitial_states: Big,    # (batch, nheads, headdim, dstate) f32, written
+    ddA_chunk: Big,          # (batch, nheads, nchunks, state tiles * BLOCK_P / SUM_ROWS) f32, written
+    CHUNK: ConstInt,
+    BLOCK_P: ConstInt,
+    BLOCK_N: ConstInt,
+    SUM_ROWS: ConstInt,      # rows per entry of ddA_chunk: min(BLOCK_P, WARP_ROWS)
+    HAS_SEQ_IDX: ConstBool,
+    LOAD_LAT: ConstInt,      # latency hint of the per-chunk loads (1..10)
+):
+    state_tile = state_tile_of_block(dy.shape[2], C.shape[2], C.shape[3], BLOCK_N)
+    b, h = state_tile.b, state_tile.h
     seqlen = dy.shape[1]
-    b, h, g = batch_head_group(bh, dy.shape[2], C.shape[2])
     nchunks = ct.cdiv(seqlen, CHUNK)
-    tile = pb * (C.shape[3] // BLOCK_N) + nb
+    tile = state_tile.pb * (C.shape[3] // BLOCK_N) + state_tile.nb          # this tile's ddA_chunk entries
     op_dtype = mma_dtype(dy.dtype)
 
-    grad = ct.load(dfinal_states, index=(b, h, pb, nb), shape=(1, 1, BLOCK_P, BLOCK_N)
+    grad = ct.load(dfinal_states, index=(b, h, state_tile.pb, state_tile.nb), shape=(1, 1, BLOCK_P, BLOCK_N)
                    ).reshape((BLOCK_P, BLOCK_N))                            # [BLOCK_P, BLOCK_N] f32
     for i in range(nchunks):
         c = nchunks - 1 - i
-        ct.store(dstates, index=(b, c, h, pb, nb),
+        ct.store(dstates, index=(b, c, h, state_tile.pb, state_tile.nb),
                  tile=grad.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(dstates.dtype))
-        H_c, dA, dy_c, C_c = _load_chunk(C, dy, dA_cumsum, states, b, h, g, c, pb, nb,
-                                         CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
+        H_c, dA, dy_c, C_c = _load_chunk(C, dy, dA_cumsum, states, state_tile, c, CHUNK, BLOCK_P, BLOCK_N,
+                                         LOAD_LAT)
         carry = ct.exp(ct.extract(dA, index=(CHUNK - 1,), shape=(1,)))      # [1]
         row_scale = ct.exp(dA)                                              # [CHUNK]
         if HAS_SEQ_IDX:
@@ -98,38 +111,11 @@ def _chunk_state_bwd_body(C, dy, dA_cumsum, states, seq_idx, dfinal_states,
         dy_t = dy_c.transpose().astype(op_dtype)
         grad = ct.mma(dy_t, C_scaled, grad * carry)
 
-    ct.store(dinitial_states, index=(b, h, pb, nb), tile=grad.reshape((1, 1, BLOCK_P, BLOCK_N)))
+    ct.store(dinitial_states, index=(b, h, state_tile.pb, state_tile.nb),
+             tile=grad.reshape((1, 1, BLOCK_P, BLOCK_N)))
 
 
-def _make_chunk_state_bwd_kernel(Big):
-    @ct.kernel
-    def chunk_state_bwd_kernel(
-        C: Big,                  # (batch, seqlen, ngroups, dstate) T
-        dy: Big,                 # (batch, seqlen, nheads, headdim) T
-        dA_cumsum: Big,          # (batch, nheads, nchunks, CHUNK) f32
-        states: Big,             # (batch, nchunks, nheads, headdim, dstate) T, chunk-entry states
-        seq_idx: Big,            # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
-        dfinal_states: Big,      # (batch, nheads, headdim, dstate) f32
-        dstates: Big,            # (batch, nchunks, nheads, headdim, dstate) T, written
-        dinitial_states: Big,    # (batch, nheads, headdim, dstate) f32, written
-        ddA_chunk: Big,          # (batch, nheads, nchunks, state tiles * BLOCK_P / SUM_ROWS) f32, written
-        CHUNK: ConstInt,
-        BLOCK_P: ConstInt,
-        BLOCK_N: ConstInt,
-        SUM_ROWS: ConstInt,      # rows per entry of ddA_chunk: min(BLOCK_P, WARP_ROWS)
-        HAS_SEQ_IDX: ConstBool,
-        LOAD_LAT: ConstInt,      # latency hint of the per-chunk loads (1..10)
-    ):
-        _chunk_state_bwd_body(C, dy, dA_cumsum, states, seq_idx, dfinal_states,
-                              dstates, dinitial_states, ddA_chunk,
-                              CHUNK, BLOCK_P, BLOCK_N, SUM_ROWS, HAS_SEQ_IDX, LOAD_LAT)
-
-    return chunk_state_bwd_kernel
-
-
-# (int32-indexed, int64-indexed) entries of the one body.
-CHUNK_STATE_BWD_KERNELS = int64_index_kernels(_make_chunk_state_bwd_kernel)
-chunk_state_bwd_kernel = CHUNK_STATE_BWD_KERNELS[0]
+CHUNK_STATE_BWD_KERNELS = int64_index_kernels(chunk_state_bwd_kernel)
 
 
 # The same state tile walk as the forward state pass: its config and grid.
@@ -144,9 +130,8 @@ def _waves(dims: SSDDims, cfg: ChunkStateBwdConfig) -> int:
 
 def chunk_state_bwd_default_config(dims: SSDDims) -> ChunkStateBwdConfig:
     """The forward's default tile (64 x 32 at occupancy 4), at occupancy 5 for 16-bit inputs where that
-    takes fewer waves of blocks (five blocks of 48 registers and 42-45 KB shared memory fit an SM). On the
-    H200 at 80 heads (1280 blocks: 3 waves at occupancy 4, 2 at 5) 1017 -> 680 us per launch; where the
-    waves are as many, occupancy 4 is faster (main shape: 279 against 297 us)."""
+    takes fewer waves of blocks (five blocks of 48 registers and 42-45 KB shared memory fit an SM); where
+    the waves are as many, occupancy 4 measured faster."""
     cfg = chunk_state_fwd_default_config(dims)
     five = dataclasses.replace(cfg, occupancy=5)
     if dims.dtype != "float32" and _waves(dims, five) < _waves(dims, cfg):
@@ -158,11 +143,10 @@ def chunk_state_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkSta
     """The autotune space (sm_90): tiles 32..64 x 16..64, each with the forward's `LOAD_LATENCIES` at
     occupancy 2, and the default tile at occupancy 4 and, for 16-bit inputs, 5 (f32 tiles spill at 5's 48
     registers; see `chunk_state_fwd_configs`). A 64 x 128 tile (one block per chain, dy read once)
-    measured 1.9-4.1x slower than the default on the H200 and is not in it.
+    measured several times slower than the default and is not in it.
 
     Like the forward this is a chain over chunks with batch * nheads * tiles blocks: small tiles give more
-    blocks, large ones reuse each dy/C load more (its loads are half its time: 279 -> 150 us without them at
-    (4,8192,32,64,128,1) on the H200, timing-only probe).
+    blocks, large ones reuse each dy/C load more (its loads take about half its time).
     """
     check_arch("chunk_state_bwd_configs", arch)
     tiles = [(bp, bn) for bp in sorted({min(32, dims.headdim), min(64, dims.headdim)})
@@ -187,14 +171,11 @@ def _sum_rows(cfg: ChunkStateBwdConfig) -> int:
 def chunk_state_bwd_launch(dims: SSDDims, cfg: ChunkStateBwdConfig | None = None) -> Launch:
     """The launch writing ("dstates", "dinitial_states", "ddA_chunk"), reading the output gradient "dout"."""
     cfg = cfg or chunk_state_bwd_default_config(dims)
-    return Launch(
-        kernel=select_kernel(CHUNK_STATE_BWD_KERNELS, dims, occupancy=cfg.occupancy),
-        grid=chunk_state_bwd_grid(dims, cfg),
-        args=("C", "dout", "dA_cumsum", "states", "seq_idx", "dfinal_states",
-              "dstates", "dinitial_states", "ddA_chunk",
-              dims.chunk_size, cfg.BLOCK_P, cfg.BLOCK_N, _sum_rows(cfg), dims.has_seq_idx, cfg.LOAD_LAT),
-        writes=("dstates", "dinitial_states", "ddA_chunk"),
-    )
+    return kernel_launch(
+        select_kernel(CHUNK_STATE_BWD_KERNELS, dims, occupancy=cfg.occupancy), chunk_state_bwd_grid(dims, cfg),
+        writes=("dstates", "dinitial_states", "ddA_chunk"), arrays={"dy": "dout"}, CHUNK=dims.chunk_size,
+        BLOCK_P=cfg.BLOCK_P, BLOCK_N=cfg.BLOCK_N, SUM_ROWS=_sum_rows(cfg), HAS_SEQ_IDX=dims.has_seq_idx,
+        LOAD_LAT=cfg.LOAD_LAT)
 
 
 CHUNK_STATE_BWD_STAGE = Stage(

@@ -54,12 +54,13 @@ f32 and seg_decay (batch, nheads, pieces) f32 (dummies with one segment); states
 nchunks, nheads, headdim, dstate) T (a dummy without WRITE_STATES).
 """
 import dataclasses
+from typing import Any
 
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    LOG2E, ConstBool, ConstInt, Launch, SSDDims, Stage, check_arch, exp2_ftz, int64_index_kernels, mma_dtype,
-    select_kernel, silu_gate)
+    LOG2E, Big, ConstBool, ConstInt, Launch, SSDDims, Stage, check_arch, exp2_ftz, int64_index_kernels,
+    kernel_launch, mma_dtype, select_kernel, silu_gate)
 from jax_mamba2.kernels._tiles import (
     batch_head_group, previous_chunk_end_id, state_seq_rules)
 
@@ -102,40 +103,60 @@ def _chunk_vectors(dt_out, dA_cumsum, b, h, c, CHUNK, LOAD_LAT):
     return delta, dA, ct.exp(ct.minimum(dA_last - dA, 0.0)) * delta, ct.exp(dA_last)
 
 
-def _segment_states_body(x, B, dt_out, dA_cumsum, seq_idx, seg_states, seg_decay,
-                         CHUNK, DSTATE, BLOCK_P, PIECE_CHUNKS, HAS_SEQ_IDX, LOAD_LAT, WEIGHT_X):
-    """Piece j (of the segments before the last): its end state from a zero start, L_j, and the product
-    of its chunks' carries, the factor any earlier state is multiplied by across it (0 past a sequence
-    start)."""
-    pb = ct.bid(1)
-    piece = ct.bid(2)
-    seqlen = x.shape[1]
-    b, h, g = batch_head_group(ct.bid(0), x.shape[2], B.shape[2])
-    operand_dtype = mma_dtype(x.dtype)
-    first = piece * PIECE_CHUNKS
-    state = _zero_state(DSTATE, BLOCK_P, WEIGHT_X)
-    through = ct.full((1,), 1.0, dtype=ct.float32)
-    if HAS_SEQ_IDX:
-        prev_end_id = previous_chunk_end_id(seq_idx, b, first, CHUNK)
-    for c in range(first, first + PIECE_CHUNKS):
-        B_c = _load_rows(B, b, c, 0, g, CHUNK, DSTATE, LOAD_LAT)
-        x_c = _load_rows(x, b, c, pb, h, CHUNK, BLOCK_P, LOAD_LAT)
-        _, _, state_scale, carry = _chunk_vectors(dt_out, dA_cumsum, b, h, c, CHUNK, LOAD_LAT)
-        if HAS_SEQ_IDX:
-            _, prev_end_id, state_scale, carry = state_seq_rules(
-                seq_idx, b, c, seqlen, CHUNK, prev_end_id, state_scale, carry)
-        state = _collect(B_c, x_c, state, state_scale, carry, x.dtype, operand_dtype, WEIGHT_X)
-        through = through * carry
-    ct.store(seg_states, index=(b, piece, h, pb, 0),
-             tile=_oriented(state, WEIGHT_X).reshape((1, 1, 1, BLOCK_P, DSTATE)))
-    ct.store(seg_decay, index=(b, h, piece), tile=through.reshape((1, 1, 1)))
+@dataclasses.dataclass(frozen=True)
+class _ChunkArrays:
+    """The arrays `_fused_chunk` reads and writes (the kernel's parameters of the same names)."""
+
+    x: Any
+    B: Any
+    C: Any
+    z: Any
+    dt_out: Any
+    dA_cumsum: Any
+    seq_idx: Any
+    out: Any
+    states: Any
 
 
-def _fused_chunk(c, state, prev_end_id, x, B, C, z, dt_out, dA_cumsum, seq_idx, out, states, b, h, g, pb,
-                 seqlen, D_p, causal, CHUNK, DSTATE, BLOCK_P, HAS_Z, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, WEIGHT_X,
-                 JOINT_OUTPUT):
+@dataclasses.dataclass(frozen=True)
+class _Chain:
+    """A fused block's chain: batch row b, head h and its group g, headdim block pb, the sequence length,
+    D's [BLOCK_P] columns for the head and the [CHUNK, CHUNK] causal mask."""
+
+    b: Any
+    h: Any
+    g: Any
+    pb: Any
+    seqlen: Any
+    D_p: Any
+    causal: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _ChunkSpec:
+    """The compile-time constants of `_fused_chunk` (the kernel's parameters of the same names)."""
+
+    CHUNK: int
+    DSTATE: int
+    BLOCK_P: int
+    LOAD_LAT: int
+    HAS_Z: bool
+    HAS_SEQ_IDX: bool
+    WRITE_STATES: bool
+    WEIGHT_X: bool
+    JOINT_OUTPUT: bool
+
+
+def _fused_chunk(c, state, prev_end_id, arrays, chain, spec):
     """Chunk c of a fused block: its outputs stored; returns the state entering chunk c+1 and the
     sequence id its carry continues (seq_idx rules)."""
+    x, B, C, z, dt_out, dA_cumsum, seq_idx, out, states = (
+        arrays.x, arrays.B, arrays.C, arrays.z, arrays.dt_out, arrays.dA_cumsum, arrays.seq_idx, arrays.out,
+        arrays.states)
+    b, h, g, pb, seqlen, D_p, causal = chain.b, chain.h, chain.g, chain.pb, chain.seqlen, chain.D_p, chain.causal
+    CHUNK, DSTATE, BLOCK_P, LOAD_LAT = spec.CHUNK, spec.DSTATE, spec.BLOCK_P, spec.LOAD_LAT
+    HAS_Z, HAS_SEQ_IDX, WRITE_STATES = spec.HAS_Z, spec.HAS_SEQ_IDX, spec.WRITE_STATES
+    WEIGHT_X, JOINT_OUTPUT = spec.WEIGHT_X, spec.JOINT_OUTPUT
     operand_dtype = mma_dtype(x.dtype)
     C_c = _load_rows(C, b, c, 0, g, CHUNK, DSTATE, LOAD_LAT).astype(operand_dtype)
     B_c = _load_rows(B, b, c, 0, g, CHUNK, DSTATE, LOAD_LAT)
@@ -161,7 +182,7 @@ def _fused_chunk(c, state, prev_end_id, x, B, C, z, dt_out, dA_cumsum, seq_idx, 
     if not JOINT_OUTPUT:
         acc = ct.mma(C_c, entry_state_t.astype(operand_dtype), zeros) * inter_scale[:, None]
     # The difference is scaled, not dA before the broadcast: with a log2-unit dA vector tileiras moved the
-    # state weights' exps into its state warpgroup, which then ran slower (docs/experiments.md).
+    # state weights' exps into its state warpgroup, which then ran slower.
     decay = exp2_ftz(ct.minimum(dA[:, None] - dA[None, :], 0.0) * LOG2E)
     scores = ct.where(keep, cb * decay * delta[None, :], 0.0).astype(x.dtype).astype(operand_dtype)
     if JOINT_OUTPUT:
@@ -179,9 +200,35 @@ def _fused_chunk(c, state, prev_end_id, x, B, C, z, dt_out, dA_cumsum, seq_idx, 
     return state, prev_end_id
 
 
-def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, seg_states, seg_decay, out,
-                     final_states, states, CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, PIECE_CHUNKS, HAS_Z, HAS_INIT,
-                     HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, CHUNKS_PER_ITER, WEIGHT_X, JOINT_OUTPUT):
+def fused_scan_fwd_kernel(
+    x: Big,               # (batch, seqlen, nheads, headdim) T
+    B: Big,               # (batch, seqlen, ngroups, dstate) T
+    C: Big,               # (batch, seqlen, ngroups, dstate) T
+    D,                    # (nheads, headdim) f32
+    z: Big,               # (batch, seqlen, nheads, headdim) T, or a dummy without HAS_Z
+    dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
+    dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
+    initial_states: Big,  # (batch, nheads, headdim, dstate) f32, or a dummy without HAS_INIT
+    seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
+    seg_states: Big,      # (batch, pieces, nheads, headdim, dstate) f32, or a dummy (one segment)
+    seg_decay: Big,       # (batch, nheads, pieces) f32, or a dummy (one segment)
+    out: Big,             # (batch, seqlen, nheads, headdim) T, written
+    final_states: Big,    # (batch, nheads, headdim, dstate) f32, written
+    states: Big,          # (batch, nchunks, nheads, headdim, dstate) T, written (WRITE_STATES), or a dummy
+    CHUNK: ConstInt,
+    DSTATE: ConstInt,
+    BLOCK_P: ConstInt,    # headdim columns per block
+    SEGMENT_CHUNKS: ConstInt,  # chunks per segment (grid axis 2); 0: the whole sequence
+    PIECE_CHUNKS: ConstInt,    # chunks per piece of seg_states (divides SEGMENT_CHUNKS; 0 with it)
+    HAS_Z: ConstBool,
+    HAS_INIT: ConstBool,
+    HAS_SEQ_IDX: ConstBool,
+    WRITE_STATES: ConstBool,  # store every chunk-entry state (what the backward would recompute)
+    LOAD_LAT: ConstInt,   # latency hint of the per-chunk loads (1..10)
+    CHUNKS_PER_ITER: ConstInt,  # chunks per loop iteration, 1 or 2
+    WEIGHT_X: ConstBool,  # the state update weights x's rows (state carried [BLOCK_P, DSTATE]), else B's
+    JOINT_OUTPUT: ConstBool,  # the output as one product [exp(dA) C | scores]·[H_c^T ; x] (DSTATE == CHUNK)
+):
     pb = ct.bid(1)
     seqlen = x.shape[1]
     b, h, g = batch_head_group(ct.bid(0), x.shape[2], B.shape[2])
@@ -213,8 +260,10 @@ def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, 
     rows = ct.arange(CHUNK, dtype=ct.int32)
     causal = rows[:, None] >= rows[None, :]
 
-    chunk_args = (x, B, C, z, dt_out, dA_cumsum, seq_idx, out, states, b, h, g, pb, seqlen, D_p, causal, CHUNK,
-                  DSTATE, BLOCK_P, HAS_Z, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, WEIGHT_X, JOINT_OUTPUT)
+    chunk_args = (_ChunkArrays(x, B, C, z, dt_out, dA_cumsum, seq_idx, out, states),
+                  _Chain(b, h, g, pb, seqlen, D_p, causal),
+                  _ChunkSpec(CHUNK, DSTATE, BLOCK_P, LOAD_LAT, HAS_Z, HAS_SEQ_IDX, WRITE_STATES, WEIGHT_X,
+                             JOINT_OUTPUT))
     if CHUNKS_PER_ITER == 1:
         for c in range(first, last):
             state, prev_end_id = _fused_chunk(c, state, prev_end_id, *chunk_args)
@@ -233,72 +282,51 @@ def _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, 
                  tile=_oriented(state, WEIGHT_X).reshape((1, 1, BLOCK_P, DSTATE)))
 
 
-def _make_fused_scan_fwd_kernel(Big):
-    @ct.kernel
-    def fused_scan_fwd_kernel(
-        x: Big,               # (batch, seqlen, nheads, headdim) T
-        B: Big,               # (batch, seqlen, ngroups, dstate) T
-        C: Big,               # (batch, seqlen, ngroups, dstate) T
-        D,                    # (nheads, headdim) f32
-        z: Big,               # (batch, seqlen, nheads, headdim) T, or a dummy without HAS_Z
-        dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
-        dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
-        initial_states: Big,  # (batch, nheads, headdim, dstate) f32, or a dummy without HAS_INIT
-        seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
-        seg_states: Big,      # (batch, pieces, nheads, headdim, dstate) f32, or a dummy (one segment)
-        seg_decay: Big,       # (batch, nheads, pieces) f32, or a dummy (one segment)
-        out: Big,             # (batch, seqlen, nheads, headdim) T, written
-        final_states: Big,    # (batch, nheads, headdim, dstate) f32, written
-        states: Big,          # (batch, nchunks, nheads, headdim, dstate) T, written (WRITE_STATES), or a dummy
-        CHUNK: ConstInt,
-        DSTATE: ConstInt,
-        BLOCK_P: ConstInt,    # headdim columns per block
-        SEGMENT_CHUNKS: ConstInt,  # chunks per segment (grid axis 2); 0: the whole sequence
-        PIECE_CHUNKS: ConstInt,    # chunks per piece of seg_states (divides SEGMENT_CHUNKS; 0 with it)
-        HAS_Z: ConstBool,
-        HAS_INIT: ConstBool,
-        HAS_SEQ_IDX: ConstBool,
-        WRITE_STATES: ConstBool,  # store every chunk-entry state (what the backward would recompute)
-        LOAD_LAT: ConstInt,   # latency hint of the per-chunk loads (1..10)
-        CHUNKS_PER_ITER: ConstInt,  # chunks per loop iteration, 1 or 2
-        WEIGHT_X: ConstBool,  # the state update weights x's rows (state carried [BLOCK_P, DSTATE]), else B's
-        JOINT_OUTPUT: ConstBool,  # the output as one product [exp(dA) C | scores]·[H_c^T ; x] (DSTATE == CHUNK)
-    ):
-        _fused_scan_body(x, B, C, D, z, dt_out, dA_cumsum, initial_states, seq_idx, seg_states, seg_decay,
-                         out, final_states, states, CHUNK, DSTATE, BLOCK_P, SEGMENT_CHUNKS, PIECE_CHUNKS, HAS_Z,
-                         HAS_INIT, HAS_SEQ_IDX, WRITE_STATES, LOAD_LAT, CHUNKS_PER_ITER, WEIGHT_X, JOINT_OUTPUT)
-
-    return fused_scan_fwd_kernel
-
-
-def _make_segment_states_kernel(Big):
-    @ct.kernel
-    def segment_states_kernel(
-        x: Big,               # (batch, seqlen, nheads, headdim) T
-        B: Big,               # (batch, seqlen, ngroups, dstate) T
-        dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
-        dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
-        seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
-        seg_states: Big,      # (batch, pieces, nheads, headdim, dstate) f32, written
-        seg_decay: Big,       # (batch, nheads, pieces) f32, written
-        CHUNK: ConstInt,
-        DSTATE: ConstInt,
-        BLOCK_P: ConstInt,
-        PIECE_CHUNKS: ConstInt,   # chunks per piece (grid axis 2: one block per piece)
-        HAS_SEQ_IDX: ConstBool,
-        LOAD_LAT: ConstInt,
-        WEIGHT_X: ConstBool,  # as the fused kernel's
-    ):
-        _segment_states_body(x, B, dt_out, dA_cumsum, seq_idx, seg_states, seg_decay,
-                             CHUNK, DSTATE, BLOCK_P, PIECE_CHUNKS, HAS_SEQ_IDX, LOAD_LAT, WEIGHT_X)
-
-    return segment_states_kernel
+def segment_states_kernel(
+    x: Big,               # (batch, seqlen, nheads, headdim) T
+    B: Big,               # (batch, seqlen, ngroups, dstate) T
+    dt_out: Big,          # (batch, nheads, nchunks, CHUNK) f32
+    dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
+    seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
+    seg_states: Big,      # (batch, pieces, nheads, headdim, dstate) f32, written
+    seg_decay: Big,       # (batch, nheads, pieces) f32, written
+    CHUNK: ConstInt,
+    DSTATE: ConstInt,
+    BLOCK_P: ConstInt,
+    PIECE_CHUNKS: ConstInt,   # chunks per piece (grid axis 2: one block per piece)
+    HAS_SEQ_IDX: ConstBool,
+    LOAD_LAT: ConstInt,
+    WEIGHT_X: ConstBool,  # as the fused kernel's
+):
+    """A block per piece j (of the segments before the last): its end state from a zero start, L_j, and the
+    product of its chunks' carries, the factor any earlier state is multiplied by across it (0 past a
+    sequence start)."""
+    pb = ct.bid(1)
+    piece = ct.bid(2)
+    seqlen = x.shape[1]
+    b, h, g = batch_head_group(ct.bid(0), x.shape[2], B.shape[2])
+    operand_dtype = mma_dtype(x.dtype)
+    first = piece * PIECE_CHUNKS
+    state = _zero_state(DSTATE, BLOCK_P, WEIGHT_X)
+    through = ct.full((1,), 1.0, dtype=ct.float32)
+    if HAS_SEQ_IDX:
+        prev_end_id = previous_chunk_end_id(seq_idx, b, first, CHUNK)
+    for c in range(first, first + PIECE_CHUNKS):
+        B_c = _load_rows(B, b, c, 0, g, CHUNK, DSTATE, LOAD_LAT)
+        x_c = _load_rows(x, b, c, pb, h, CHUNK, BLOCK_P, LOAD_LAT)
+        _, _, state_scale, carry = _chunk_vectors(dt_out, dA_cumsum, b, h, c, CHUNK, LOAD_LAT)
+        if HAS_SEQ_IDX:
+            _, prev_end_id, state_scale, carry = state_seq_rules(
+                seq_idx, b, c, seqlen, CHUNK, prev_end_id, state_scale, carry)
+        state = _collect(B_c, x_c, state, state_scale, carry, x.dtype, operand_dtype, WEIGHT_X)
+        through = through * carry
+    ct.store(seg_states, index=(b, piece, h, pb, 0),
+             tile=_oriented(state, WEIGHT_X).reshape((1, 1, 1, BLOCK_P, DSTATE)))
+    ct.store(seg_decay, index=(b, h, piece), tile=through.reshape((1, 1, 1)))
 
 
-# (int32-indexed, int64-indexed) entries of each body.
-FUSED_SCAN_FWD_KERNELS = int64_index_kernels(_make_fused_scan_fwd_kernel)
-fused_scan_fwd_kernel = FUSED_SCAN_FWD_KERNELS[0]
-SEGMENT_STATES_KERNELS = int64_index_kernels(_make_segment_states_kernel)
+FUSED_SCAN_FWD_KERNELS = int64_index_kernels(fused_scan_fwd_kernel)
+SEGMENT_STATES_KERNELS = int64_index_kernels(segment_states_kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,7 +375,7 @@ def fused_scan_supported(dims: SSDDims) -> bool:
 
 def _widths(dims: SSDDims) -> list[int]:
     """BLOCK_P candidates: 32 and 64 where they fit; 16 only where nothing wider does (below 32
-    columns the wgmma N side is too narrow: tileiras emits mma.sync, measured 2x slower)."""
+    columns the wgmma N side is too narrow: tileiras emits mma.sync, measured much slower)."""
     fits = [bp for bp in (16, 32, 64) if bp <= dims.headdim and dims.dstate * bp <= MAX_STATE]
     return [bp for bp in fits if bp >= 32] or fits
 
@@ -381,19 +409,14 @@ def fused_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScan
 
 
 def fused_scan_fwd_default_config(dims: SSDDims) -> FusedScanConfig:
-    """The best measured config of the space on the H200 (bf16, chunk 64, (4,8192,32,64,N,1); per launch,
-    docs/design.md): dstate 128: 64 columns, occupancy 1, latency 6, tileiras' warps, x weighted
-    (run 81: 199-200 us against 210-213 with B weighted, 8 worker warps 344; latency 4 / 5 / 8 within
-    noise in run 86); the same at (4,2048,32,...), (4,8192,80,...) and (4,8192,64,...,G=8). dstate 256: the
-    same at latency 4 (runs 85-86: 274-291 us against 333-345 at latency 6, whose build stages the loads in
-    134 KB of shared memory where latency 4 takes 210 KB); with seq_idx 8 worker warps (run 82 with z,
-    initial states and seq_idx: 509 us against 747; seq_idx makes tileiras put the loop in one warpgroup
-    with a 64-byte stack). dstate 64 (= the chunk size), without z and seq_idx: B weighted, the output as
-    one product, one chunk per iteration, tileiras' warps, latency 6 (run 96: 174-175 us against 196-201
-    for the two-chunk form below, 251-253 for one chunk without the joint product, whose build spills);
-    with z or seq_idx that build grows a stack or collapses into one warpgroup, so there: 8 worker warps,
-    two chunks per iteration, B weighted (run 81: 191-195 us; x weighted 214-218, with tileiras' warps
-    223-234; run 86: latency 4 / 5 / 7 slower). dstate 16 and 32 take the dstate-64 choice (untimed)."""
+    """The best measured config of the space (bf16, chunk 64, per dstate): dstate 128: 64 columns,
+    occupancy 1, latency 6, tileiras' warps, x weighted (at every head count and group count timed).
+    dstate 256: the same at latency 4 (latency 6's build stages the loads in less shared memory and ran
+    slower); with seq_idx 8 worker warps (seq_idx makes tileiras put the loop in one warpgroup with a
+    stack). dstate 64 (= the chunk size), without z and seq_idx: B weighted, the output as one product,
+    one chunk per iteration, tileiras' warps, latency 6 (the build without the joint product spills); with
+    z or seq_idx that build grows a stack or collapses into one warpgroup, so there: 8 worker warps, two
+    chunks per iteration, B weighted. dstate 16 and 32 take the dstate-64 choice (untimed)."""
     if _wide_state(dims):
         return FusedScanConfig(BLOCK_P=64, LOAD_LAT=4, occupancy=1, worker_warps=8 if dims.has_seq_idx else None)
     width = _widths(dims)[-1]
@@ -408,10 +431,9 @@ def fused_scan_fwd_default_config(dims: SSDDims) -> FusedScanConfig:
 def segment_states_default_config(dims: SSDDims) -> FusedScanConfig:
     """The fused default's width and weighting for the state-only walk of the pieces, at occupancy 2 and
     latency 4, tileiras' warps: sm_90 wgmma without a stack at dstate 64-256 (x weighted at dstate 256 the
-    build takes 219 registers and 228 KB of shared memory, so one block per SM). x weighted at dstate 128, per
-    launch on the H200 (run 82, B weighted in brackets): (2,32768,32,64,128,1) 83 us (108),
-    (4,16384,8,...) 50 (63), (1,131072,32,...) 213 (293). At the fused default itself (occupancy 1,
-    latency 6) tileiras 13.4 emitted no wgmma for this kernel at dstate 128 (B weighted)."""
+    build takes 219 registers and 228 KB of shared memory, so one block per SM). x weighted measured faster
+    than B weighted at dstate 128. At the fused default itself (occupancy 1, latency 6) tileiras 13.4
+    emitted no wgmma for this kernel at dstate 128 (B weighted)."""
     return dataclasses.replace(fused_scan_fwd_default_config(dims), LOAD_LAT=4, occupancy=2, worker_warps=None,
                                chunks_per_iter=1, joint_output=False)
 
@@ -492,16 +514,14 @@ def fused_scan_fwd_launch(dims: SSDDims, cfg: FusedScanConfig | None = None, seg
     if cfg.joint_output and dims.dstate != dims.chunk_size:
         raise ValueError(f"fused_scan_fwd_launch: joint_output=True needs dstate == chunk_size, got "
                          f"dstate={dims.dstate}, chunk_size={dims.chunk_size}")
-    return Launch(
-        kernel=select_kernel(FUSED_SCAN_FWD_KERNELS, dims, occupancy=cfg.occupancy,
-                             num_worker_warps=cfg.worker_warps),
-        grid=fused_scan_fwd_grid(dims, cfg, segment_chunks),
-        args=("x", "B", "C", "D", "z", "dt_out", "dA_cumsum", "initial_states", "seq_idx", "seg_states",
-              "seg_decay", "out", "final_states", "states", dims.chunk_size, dims.dstate, cfg.BLOCK_P,
-              segment_chunks, piece_chunks, dims.has_z, dims.has_init, dims.has_seq_idx, write_states,
-              cfg.LOAD_LAT, cfg.chunks_per_iter, cfg.weight_x, cfg.joint_output),
-        writes=("out", "final_states") + (("states",) if write_states else ()),
-    )
+    return kernel_launch(
+        select_kernel(FUSED_SCAN_FWD_KERNELS, dims, occupancy=cfg.occupancy, num_worker_warps=cfg.worker_warps),
+        fused_scan_fwd_grid(dims, cfg, segment_chunks),
+        writes=("out", "final_states") + (("states",) if write_states else ()), CHUNK=dims.chunk_size,
+        DSTATE=dims.dstate, BLOCK_P=cfg.BLOCK_P, SEGMENT_CHUNKS=segment_chunks, PIECE_CHUNKS=piece_chunks,
+        HAS_Z=dims.has_z, HAS_INIT=dims.has_init, HAS_SEQ_IDX=dims.has_seq_idx, WRITE_STATES=write_states,
+        LOAD_LAT=cfg.LOAD_LAT, CHUNKS_PER_ITER=cfg.chunks_per_iter, WEIGHT_X=cfg.weight_x,
+        JOINT_OUTPUT=cfg.joint_output)
 
 
 def segmented_scan_launch(dims: SSDDims, cfg: FusedScanConfig | None = None, *,
@@ -517,14 +537,11 @@ def segment_states_launch(dims: SSDDims, cfg: FusedScanConfig | None = None) -> 
     the segments but the last, one block per piece."""
     cfg = cfg or segment_states_default_config(dims)
     segment_chunks, piece_chunks = fused_segment_chunks(dims), state_piece_chunks(dims)
-    return Launch(
-        kernel=select_kernel(SEGMENT_STATES_KERNELS, dims, occupancy=cfg.occupancy,
-                             num_worker_warps=cfg.worker_warps),
-        grid=(dims.batch * dims.nheads, dims.headdim // cfg.BLOCK_P, num_pieces(dims, segment_chunks, piece_chunks)),
-        args=("x", "B", "dt_out", "dA_cumsum", "seq_idx", "seg_states", "seg_decay", dims.chunk_size,
-              dims.dstate, cfg.BLOCK_P, piece_chunks, dims.has_seq_idx, cfg.LOAD_LAT, cfg.weight_x),
-        writes=("seg_states", "seg_decay"),
-    )
+    return kernel_launch(
+        select_kernel(SEGMENT_STATES_KERNELS, dims, occupancy=cfg.occupancy, num_worker_warps=cfg.worker_warps),
+        (dims.batch * dims.nheads, dims.headdim // cfg.BLOCK_P, num_pieces(dims, segment_chunks, piece_chunks)),
+        writes=("seg_states", "seg_decay"), CHUNK=dims.chunk_size, DSTATE=dims.dstate, BLOCK_P=cfg.BLOCK_P,
+        PIECE_CHUNKS=piece_chunks, HAS_SEQ_IDX=dims.has_seq_idx, LOAD_LAT=cfg.LOAD_LAT, WEIGHT_X=cfg.weight_x)
 
 
 # The fused kernel's key: no heads_per_group (a block owns one head), but the initial state it loads.

@@ -18,11 +18,21 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    ConstInt, Launch, SSDDims, Stage, check_arch, int64_index_kernels, next_power_of_2, select_kernel)
+    Big, ConstInt, Launch, SSDDims, Stage, check_arch, int64_index_kernels, kernel_launch, next_power_of_2,
+    select_kernel)
 
 
-def _param_grads_bwd_body(dA_partials, ddt_bias_partials, dD_partials, dA, ddt_bias, dD,
-                          HEADDIM, BLOCK_H, BLOCK_R):
+def param_grads_bwd_kernel(
+    dA_partials: Big,        # (batch * nchunks, nheads) f32
+    ddt_bias_partials: Big,  # (batch * nchunks, nheads) f32
+    dD_partials: Big,        # (batch * nchunks * row blocks, nheads, headdim) f32
+    dA,                      # (nheads,) f32, written
+    ddt_bias,                # (nheads,) f32, written
+    dD,                      # (nheads, headdim) f32, written
+    HEADDIM: ConstInt,
+    BLOCK_H: ConstInt,       # heads per block
+    BLOCK_R: ConstInt,       # partial rows per step
+):
     hb = ct.bid(0)
     # Rows are summed elementwise step by step and across the tile once at the end: one cross-warp
     # reduction per output instead of one per step.
@@ -45,28 +55,7 @@ def _param_grads_bwd_body(dA_partials, ddt_bias_partials, dD_partials, dA, ddt_b
     ct.store(dD, index=(hb, 0), tile=dD_acc)
 
 
-def _make_param_grads_bwd_kernel(Big):
-    @ct.kernel
-    def param_grads_bwd_kernel(
-        dA_partials: Big,        # (batch * nchunks, nheads) f32
-        ddt_bias_partials: Big,  # (batch * nchunks, nheads) f32
-        dD_partials: Big,        # (batch * nchunks * row blocks, nheads, headdim) f32
-        dA,                      # (nheads,) f32, written
-        ddt_bias,                # (nheads,) f32, written
-        dD,                      # (nheads, headdim) f32, written
-        HEADDIM: ConstInt,
-        BLOCK_H: ConstInt,       # heads per block
-        BLOCK_R: ConstInt,       # partial rows per step
-    ):
-        _param_grads_bwd_body(dA_partials, ddt_bias_partials, dD_partials, dA, ddt_bias, dD,
-                              HEADDIM, BLOCK_H, BLOCK_R)
-
-    return param_grads_bwd_kernel
-
-
-# (int32-indexed, int64-indexed) entries of the one body.
-PARAM_GRADS_BWD_KERNELS = int64_index_kernels(_make_param_grads_bwd_kernel)
-param_grads_bwd_kernel = PARAM_GRADS_BWD_KERNELS[0]
+PARAM_GRADS_BWD_KERNELS = int64_index_kernels(param_grads_bwd_kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,13 +88,9 @@ def param_grads_bwd_grid(dims: SSDDims, cfg: ParamGradsBwdConfig) -> tuple[int]:
 def param_grads_bwd_launch(dims: SSDDims, cfg: ParamGradsBwdConfig | None = None) -> Launch:
     """The launch writing ("dA", "ddt_bias", "dD")."""
     cfg = cfg or param_grads_bwd_default_config(dims)
-    return Launch(
-        kernel=select_kernel(PARAM_GRADS_BWD_KERNELS, dims, occupancy=cfg.occupancy),
-        grid=param_grads_bwd_grid(dims, cfg),
-        args=("dA_partials", "ddt_bias_partials", "dD_partials", "dA", "ddt_bias", "dD",
-              dims.headdim, cfg.BLOCK_H, cfg.BLOCK_R),
-        writes=("dA", "ddt_bias", "dD"),
-    )
+    return kernel_launch(
+        select_kernel(PARAM_GRADS_BWD_KERNELS, dims, occupancy=cfg.occupancy), param_grads_bwd_grid(dims, cfg),
+        writes=("dA", "ddt_bias", "dD"), HEADDIM=dims.headdim, BLOCK_H=cfg.BLOCK_H, BLOCK_R=cfg.BLOCK_R)
 
 
 PARAM_GRADS_BWD_STAGE = Stage(

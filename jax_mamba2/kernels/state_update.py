@@ -9,7 +9,7 @@ group g = h // (nheads / ngroups), all in f32:
     new_state[b, h] = state' rounded to the state's dtype; y is computed from the f32 state'.
 
 The next state goes to its own buffer instead of overwriting `state` through an aliased in-place
-custom-call operand: that in-place form passed a single jitted step on the H200 but drifted from the second
+custom-call operand: that in-place form passed a single jitted step on the GPU but drifted from the second
 step on when the LM scanned its layers with the cache, and a separate output moves no extra bytes.
 
 Grid: (batch * nheads, headdim / BLOCK_P). Purely bandwidth-bound (the state is read and written once).
@@ -23,16 +23,34 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, SSDDims, Stage, check_arch, dt_transform,
-    int64_index_kernels, select_kernel, silu_gate)
+    Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, SSDDims, Stage, check_arch, dt_transform,
+    int64_index_kernels, kernel_launch, select_kernel, silu_gate)
 from jax_mamba2.kernels._tiles import batch_head_group
 
 STATE_UPDATE_INPUTS = ("state", "x", "dt", "A", "dt_bias", "B", "C", "D", "z")
 STATE_UPDATE_OUTPUTS = ("y", "new_state")
 
 
-def _state_update_body(state, x, dt, A, dt_bias, B, C, D, z, y, new_state, DSTATE, BLOCK_P, HAS_Z, DT_SOFTPLUS,
-                       HAS_DT_LIMIT, DT_MIN, DT_MAX):
+def state_update_kernel(
+    state: Big,           # (batch, nheads, headdim, dstate) f32 or T
+    x,                    # (batch, nheads, headdim) T
+    dt,                   # (batch, nheads) T or f32
+    A,                    # (nheads,) f32
+    dt_bias,              # (nheads,) f32
+    B,                    # (batch, ngroups, dstate) T
+    C,                    # (batch, ngroups, dstate) T
+    D,                    # (nheads, headdim) f32
+    z,                    # (batch, nheads, headdim) T, or a dummy without HAS_Z
+    y,                    # (batch, nheads, headdim) T, written
+    new_state: Big,       # (batch, nheads, headdim, dstate) state's dtype, written
+    DSTATE: ConstInt,
+    BLOCK_P: ConstInt,
+    HAS_Z: ConstBool,
+    DT_SOFTPLUS: ConstBool,
+    HAS_DT_LIMIT: ConstBool,
+    DT_MIN: ConstFloat,
+    DT_MAX: ConstFloat,
+):
     bh = ct.bid(0)
     pb = ct.bid(1)
     b, h, g = batch_head_group(bh, x.shape[1], B.shape[1])
@@ -58,37 +76,7 @@ def _state_update_body(state, x, dt, A, dt_bias, B, C, D, z, y, new_state, DSTAT
     ct.store(y, index=(b, h, pb), tile=y_p.reshape((1, 1, BLOCK_P)).astype(y.dtype))
 
 
-def _make_state_update_kernel(Big):
-    @ct.kernel
-    def state_update_kernel(
-        state: Big,           # (batch, nheads, headdim, dstate) f32 or T
-        x,                    # (batch, nheads, headdim) T
-        dt,                   # (batch, nheads) T or f32
-        A,                    # (nheads,) f32
-        dt_bias,              # (nheads,) f32
-        B,                    # (batch, ngroups, dstate) T
-        C,                    # (batch, ngroups, dstate) T
-        D,                    # (nheads, headdim) f32
-        z,                    # (batch, nheads, headdim) T, or a dummy without HAS_Z
-        y,                    # (batch, nheads, headdim) T, written
-        new_state: Big,       # (batch, nheads, headdim, dstate) state's dtype, written
-        DSTATE: ConstInt,
-        BLOCK_P: ConstInt,
-        HAS_Z: ConstBool,
-        DT_SOFTPLUS: ConstBool,
-        HAS_DT_LIMIT: ConstBool,
-        DT_MIN: ConstFloat,
-        DT_MAX: ConstFloat,
-    ):
-        _state_update_body(state, x, dt, A, dt_bias, B, C, D, z, y, new_state, DSTATE, BLOCK_P, HAS_Z, DT_SOFTPLUS,
-                           HAS_DT_LIMIT, DT_MIN, DT_MAX)
-
-    return state_update_kernel
-
-
-# (int32-indexed, int64-indexed) entries of the one body.
-STATE_UPDATE_KERNELS = int64_index_kernels(_make_state_update_kernel)
-state_update_kernel = STATE_UPDATE_KERNELS[0]
+STATE_UPDATE_KERNELS = int64_index_kernels(state_update_kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,13 +125,10 @@ def state_update_launch(dims: SSDDims, cfg: StateUpdateConfig | None = None) -> 
     """The launch writing ("y", "new_state") (the state's dtype is the arrays': the kernel is compiled per dtype)."""
     cfg = cfg or state_update_default_config(dims)
     dt_min, dt_max = (float(v) for v in dims.dt_limit)
-    return Launch(
-        kernel=select_kernel(STATE_UPDATE_KERNELS, dims, occupancy=cfg.occupancy),
-        grid=state_update_grid(dims, cfg),
-        args=("state", "x", "dt", "A", "dt_bias", "B", "C", "D", "z", "y", "new_state", dims.dstate,
-              cfg.BLOCK_P, dims.has_z, dims.dt_softplus, dims.has_dt_limit, dt_min, dt_max),
-        writes=("y", "new_state"),
-    )
+    return kernel_launch(
+        select_kernel(STATE_UPDATE_KERNELS, dims, occupancy=cfg.occupancy), state_update_grid(dims, cfg),
+        writes=("y", "new_state"), DSTATE=dims.dstate, BLOCK_P=cfg.BLOCK_P, HAS_Z=dims.has_z,
+        DT_SOFTPLUS=dims.dt_softplus, HAS_DT_LIMIT=dims.has_dt_limit, DT_MIN=dt_min, DT_MAX=dt_max)
 
 
 def state_update_plan(dims: SSDDims, cfg: StateUpdateConfig | None = None,

@@ -3,8 +3,7 @@ import dataclasses
 
 import pytest
 
-from jax_mamba2.kernels import chunk_cumsum_bwd, chunk_scan_bwd_dc, chunk_scan_bwd_dx, chunk_state_bwd
-from jax_mamba2.kernels import param_grads_bwd
+from jax_mamba2.kernels import backward, forward
 from jax_mamba2.kernels._common import SSDDims, is_power_of_2
 from jax_mamba2.kernels.backward import backward_plan
 
@@ -15,15 +14,8 @@ PROBLEMS = {
     "wide_q256": SSDDims(batch=2, seqlen=4096, nheads=80, headdim=256, ngroups=1, dstate=256,
                          chunk_size=256, has_init=True, has_seq_idx=True),
 }
-STAGES = {
-    "chunk_scan_bwd_dc": (chunk_scan_bwd_dc.chunk_scan_bwd_dc_configs,
-                          chunk_scan_bwd_dc.chunk_scan_bwd_dc_default_config),
-    "chunk_state_bwd": (chunk_state_bwd.chunk_state_bwd_configs, chunk_state_bwd.chunk_state_bwd_default_config),
-    "chunk_scan_bwd_dx": (chunk_scan_bwd_dx.chunk_scan_bwd_dx_configs,
-                          chunk_scan_bwd_dx.chunk_scan_bwd_dx_default_config),
-    "chunk_cumsum_bwd": (chunk_cumsum_bwd.chunk_cumsum_bwd_configs, chunk_cumsum_bwd.chunk_cumsum_bwd_default_config),
-    "param_grads_bwd": (param_grads_bwd.param_grads_bwd_configs, param_grads_bwd.param_grads_bwd_default_config),
-}
+# The backward's own stages (the recomputed forward ones are checked with the forward's), as declared.
+STAGES = {name: stage for name, stage in backward.STAGES.items() if name not in forward.STAGES}
 # Tile fields and the dimension each must divide (None: only a power of two).
 _DIVIDES = {"BLOCK_P": "headdim", "BLOCK_N": "dstate", "BLOCK_M": "chunk_size", "BLOCK_K": "chunk_size",
             "BLOCK_H": None, "BLOCK_R": None}
@@ -32,9 +24,9 @@ _DIVIDES = {"BLOCK_P": "headdim", "BLOCK_N": "dstate", "BLOCK_M": "chunk_size", 
 @pytest.mark.parametrize("problem", list(PROBLEMS))
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_backward_stage_configs_valid_and_contain_default(stage, problem):
-    configs_fn, default_fn = STAGES[stage]
+    configs_fn, default_fn = STAGES[stage].space, STAGES[stage].default
     dims = PROBLEMS[problem]
-    space = configs_fn(dims)
+    space = configs_fn(dims, "sm_90")
     assert 0 < len(space) <= 24 and len(set(space)) == len(space)
     assert default_fn(dims) in space
     for cfg in space:
@@ -52,4 +44,4 @@ def test_backward_stage_configs_valid_and_contain_default(stage, problem):
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_backward_stage_configs_reject_unknown_arch(stage):
     with pytest.raises(ValueError, match="arch='sm_80' must be one of"):
-        STAGES[stage][0](PROBLEMS["small_heads16"], "sm_80")
+        STAGES[stage].space(PROBLEMS["small_heads16"], "sm_80")

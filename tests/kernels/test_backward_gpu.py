@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jax_mamba2.kernels import chunk_scan_bwd_dc, chunk_scan_bwd_dx, chunk_state_bwd
+from jax_mamba2.kernels import backward, chunk_scan_bwd_dc
 from jax_mamba2.kernels._block_pass_config import BlockPassConfig
 from jax_mamba2.kernels.backward import BACKWARD_OUTPUTS
 from tests._helpers import TOLERANCE, rel_l2
@@ -84,9 +84,8 @@ def test_backward_plan_gpu_every_tile_config_matches_scan_vjp():
     """Whatever the autotuner picks must be correct: every distinct tiling of each stage's space (the
     others at their defaults); latency and occupancy hints do not change what is computed."""
     dims = backward_dims(SWEEP_CASE, "bfloat16")
-    spaces = {"chunk_scan_bwd_dc": chunk_scan_bwd_dc.chunk_scan_bwd_dc_configs(dims),
-              "chunk_state_bwd": chunk_state_bwd.chunk_state_bwd_configs(dims),
-              "chunk_scan_bwd_dx": chunk_scan_bwd_dx.chunk_scan_bwd_dx_configs(dims)}
+    spaces = {stage: backward.STAGES[stage].space(dims, "sm_90")
+              for stage in ("chunk_scan_bwd_dc", "chunk_state_bwd", "chunk_scan_bwd_dx")}
     for stage, space in spaces.items():
         tilings = {dataclasses.replace(cfg, LOAD_LAT=4, occupancy=1) for cfg in space}
         for cfg in sorted(tilings, key=repr):

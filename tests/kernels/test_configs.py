@@ -262,3 +262,19 @@ def test_every_stage_declaration_is_coherent():
         assert default in stage.space(dims, "sm_90"), name
         assert all(hasattr(dims, field) for field in stage.key_fields), name
         assert stage.work_items(dims) >= 1, name
+
+
+def test_kernel_launch_orders_the_arguments_by_the_kernel_signature_and_checks_them():
+    """Each parameter named once: arrays read the plan array of their name (or the one `arrays` gives),
+    constants take their keyword's value, in the kernel's own order; a missing or unknown name is refused."""
+    from jax_mamba2.kernels._common import kernel_launch
+    from jax_mamba2.kernels.chunk_state_bwd import CHUNK_STATE_BWD_KERNELS
+    kernel = CHUNK_STATE_BWD_KERNELS[0]
+    constants = dict(CHUNK=64, BLOCK_P=64, BLOCK_N=32, SUM_ROWS=16, HAS_SEQ_IDX=False, LOAD_LAT=6)
+    launch = kernel_launch(kernel, (4, 1), writes=("dstates",), arrays={"dy": "dout"}, **constants)
+    assert launch.args == ("C", "dout", "dA_cumsum", "states", "seq_idx", "dfinal_states", "dstates",
+                           "dinitial_states", "ddA_chunk", 64, 64, 32, 16, False, 6)
+    with pytest.raises(TypeError, match="chunk_state_bwd_kernel needs a value for its constant LOAD_LAT"):
+        kernel_launch(kernel, (4, 1), writes=(), **{k: v for k, v in constants.items() if k != "LOAD_LAT"})
+    with pytest.raises(TypeError, match=r"chunk_state_bwd_kernel has no parameter \['BLOCK_Q'\]"):
+        kernel_launch(kernel, (4, 1), writes=(), BLOCK_Q=1, **constants)
