@@ -162,10 +162,10 @@ def loss_weights(shape: Shape, seed: int = 1) -> dict[str, jax.Array]:
             "final": jax.random.normal(kf, (b, H, P, N), jnp.float32)}
 
 
-def _ssd_call(backend: str, chunk_size: int):
+def _ssd_call(backend: str, chunk_size: int, save_chunk_states: bool = True):
     def call(x, dt, A, B, C, D, dt_bias):
         return jax_mamba2.ssd(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=True,
-                              return_final_states=True, backend=backend)
+                              return_final_states=True, backend=backend, save_chunk_states=save_chunk_states)
     return call
 
 
@@ -359,9 +359,10 @@ def residual_bytes(forward, args) -> int:
     return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(vjp) if hasattr(leaf, "nbytes"))
 
 
-def prepare_ours(backend: str, inputs: dict, weights: dict, chunk_size: int, direction: str):
+def prepare_ours(backend: str, inputs: dict, weights: dict, chunk_size: int, direction: str,
+                 save_chunk_states: bool = True):
     args = _ordered(inputs)
-    forward = _ssd_call(backend, chunk_size)
+    forward = _ssd_call(backend, chunk_size, save_chunk_states)
     if direction == "fwd":
         fn = jax.jit(forward)
         run = lambda: fn(*args)  # noqa: E731
@@ -444,9 +445,10 @@ def prepare_jla(inputs: dict, weights: dict, chunk_size: int, direction: str):
                     JLA_CHUNK, notes="D skip and dt softplus in plain JAX around the kernels")
 
 
-def prepare(impl: str, inputs: dict, weights: dict, chunk_size: int, direction: str) -> Prepared:
+def prepare(impl: str, inputs: dict, weights: dict, chunk_size: int, direction: str,
+            save_chunk_states: bool = True) -> Prepared:
     if impl in report.OURS:
-        return prepare_ours(impl, inputs, weights, chunk_size, direction)
+        return prepare_ours(impl, inputs, weights, chunk_size, direction, save_chunk_states)
     if impl == "mamba_ssm":
         return prepare_mamba_ssm(inputs, weights, chunk_size, direction)
     return prepare_jla(inputs, weights, chunk_size, direction)
@@ -500,7 +502,7 @@ def measure(impl: str, shape: Shape, inputs: dict, weights: dict, reference: dic
               "dtype": "bfloat16", "chunk_size": None, "error": None, **env}
     tune_full = None
     try:
-        prepared = prepare(impl, inputs, weights, args.chunk, args.direction)
+        prepared = prepare(impl, inputs, weights, args.chunk, args.direction, not args.recompute_chunk_states)
         record["chunk_size"] = prepared.chunk_size
         timing, out = prepared.timer(prepared.run, args.seconds_per_impl, args.warmup_seconds)
         errors = compare(prepared.to_outputs(out), reference)
@@ -509,8 +511,8 @@ def measure(impl: str, shape: Shape, inputs: dict, weights: dict, reference: dic
         if prepared.residual_bytes is not None:
             record["residual_bytes"] = prepared.residual_bytes()
             if impl in ("cutile", "cutile_callback"):
-                # What the differentiated forward kept (ssd's JAX_MAMBA2_RECOMPUTE_STATES).
-                record["saved_for_backward"] = "inputs" if ssd_op.recompute_for_backward() else "inputs+states"
+                # What the differentiated forward kept (ssd's save_chunk_states).
+                record["saved_for_backward"] = "inputs" if args.recompute_chunk_states else "inputs+states"
     except Exception as e:  # noqa: BLE001  one failing impl must not end the run
         record["error"] = f"{type(e).__name__}: {e}"[:2000]
         return record, None
@@ -545,6 +547,8 @@ def parse_args(argv=None):
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     parser.add_argument("--direction", choices=("fwd", "fwd_bwd"), default="fwd")
     parser.add_argument("--chunk", type=int, default=64, help="chunk size of our backends")
+    parser.add_argument("--recompute-chunk-states", action="store_true",
+                        help="ssd(save_chunk_states=False): the cutile backward recomputes the chunk states")
     parser.add_argument("--tuning", choices=("auto", "off"), default="auto",
                         help="auto: autotune on first use (JAX_MAMBA2_AUTOTUNE=1); off: default kernel configs (no "
                              "autotuning, an empty cache)")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from typing import NamedTuple, Optional
 
 import jax
@@ -43,11 +42,14 @@ class SSDInputs(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class SSDStatic:
-    """The static options of the op (hashable: a custom_vjp nondiff argument)."""
+    """The static options of the op (hashable: a custom_vjp nondiff argument, so each value of each option
+    is a program of its own). See `ssd` for their meaning."""
 
     chunk_size: int
     dt_softplus: bool
     dt_limit: tuple[float, float]
+    deterministic_backward: bool = False
+    save_chunk_states: bool = True
 
 
 class Dims(NamedTuple):
@@ -173,6 +175,42 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
     return dims
 
 
+def _is_concrete(a) -> bool:
+    return a is not None and not isinstance(a, jax.core.Tracer) and np.size(a) > 0
+
+
+def _check_values(api, A, dt, dt_bias, dt_softplus, dt_limit, seq_idx=None):
+    """The preconditions on values, for the arrays that are concrete (a tracer's values are unknown).
+
+    A <= 0 and Δ >= 0 keep every decay exp(Δ A) <= 1, which the chunked algorithms assume (they clamp
+    exp(min(dA_l - dA_s, 0))); a decreasing seq_idx would make them and the scan reset at different
+    tokens. The reductions run where the arrays live (also for concrete arrays closed over by a traced
+    function); one host transfer fetches their results.
+    """
+    checks = {}
+    with jax.ensure_compile_time_eval():
+        if _is_concrete(A):
+            checks["A"] = jnp.max(A)
+        # Δ = dt (+ dt_bias) as given unless the softplus or a dt_limit clip (min >= 0) makes it >= 0.
+        if not dt_softplus and tuple(dt_limit) == (0.0, math.inf) and _is_concrete(dt) and \
+                (dt_bias is None or _is_concrete(dt_bias)):
+            checks["dt"] = jnp.min(dt if dt_bias is None else jnp.add(dt, dt_bias))
+        if _is_concrete(seq_idx) and seq_idx.shape[1] > 1:
+            checks["seq_idx"] = jnp.min(jnp.diff(seq_idx, axis=1))
+    if not checks:
+        return
+    found = jax.device_get(checks)
+    if "A" in found and found["A"] > 0:
+        raise ValueError(f"{api}: A must be <= 0 (mamba_ssm's A = -exp(A_log)); got max(A)={found['A']}")
+    if "dt" in found and found["dt"] < 0:
+        what = "dt" if dt_bias is None else "dt + dt_bias"
+        raise ValueError(f"{api}: {what} must be >= 0 without dt_softplus or a dt_limit (it is the time step "
+                         f"Δ); got min({what})={found['dt']}")
+    if "seq_idx" in found and found["seq_idx"] < 0:
+        raise ValueError(f"{api}: seq_idx must be nondecreasing along seqlen; it decreases by "
+                         f"{-int(found['seq_idx'])}")
+
+
 # ----------------------------------------------------------------------------------------------
 # Dispatch
 # ----------------------------------------------------------------------------------------------
@@ -198,7 +236,7 @@ def _opaque_ssd(backend: registry.Backend, static: SSDStatic, inputs: SSDInputs)
 
 
 def _opaque_ssd_fwd(backend, static, inputs):
-    if backend.forward_saving is None:
+    if backend.forward_saving is None or not static.save_chunk_states:
         return backend.forward(inputs, static), (inputs, None)
     outputs, saved = backend.forward_saving(inputs, static)
     return outputs, (inputs, saved)
@@ -227,18 +265,9 @@ def _opaque_ssd_bwd(backend, static, residuals, cotangents):
 _opaque_ssd.defvjp(_opaque_ssd_fwd, _opaque_ssd_bwd)
 
 
-def recompute_for_backward() -> bool:
-    """True when env JAX_MAMBA2_RECOMPUTE_STATES=1: differentiated calls then save only their inputs
-    (what a backend's `forward_saving` would save, the backward recomputes). Read when a call is traced:
-    JAX reuses the trace of a custom VJP, so it takes part in that trace's key (the backend)."""
-    return os.environ.get("JAX_MAMBA2_RECOMPUTE_STATES", "0") == "1"
-
-
 def _run_backend(backend: registry.Backend, inputs: SSDInputs, static: SSDStatic):
     if backend.differentiable:
         return backend.forward(inputs, static)
-    if backend.forward_saving is not None and recompute_for_backward():
-        backend = dataclasses.replace(backend, forward_saving=None)
     return _opaque_ssd(backend, static, inputs)
 
 
@@ -252,9 +281,15 @@ def _empty_result(inputs: SSDInputs, dims: Dims):
     return y, final
 
 
+def _check_flag(api, name, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{api}: {name}={value!r} must be a bool")
+    return bool(value)
+
+
 def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_softplus=False,
         dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, return_final_states=False,
-        backend="auto"):
+        backend="auto", deterministic_backward=False, save_chunk_states=True):
     """Mamba-2 SSD (structured state space duality), as mamba_ssm's `mamba_chunk_scan_combined`.
 
     Per batch row b and head h, with Δ_t = clip(softplus(dt_t + dt_bias), dt_limit) (softplus only
@@ -262,15 +297,23 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
         h_t = exp(Δ_t A_h) h_{t-1} + Δ_t x_t ⊗ B_t,g(h);   y_t = h_t C_t,g(h) + D_h x_t;
         y_t *= silu(z_t) if z is given (the gate comes after D).
     dt math, decays, states and accumulation run in float32 (float64 for float64 inputs).
-    Differentiable in every float argument, also through final_states (the cuTile backends run cuTile
-    backward kernels; JAX_MAMBA2_DETERMINISTIC=1 makes their gradients bitwise reproducible; their
-    differentiated forward keeps the chunk states, dstate / chunk_size times x's bytes, for the backward,
-    JAX_MAMBA2_RECOMPUTE_STATES=1 keeps only the inputs), and composes with jit, vmap and shard_map.
+    Differentiable in reverse mode in every float argument, also through final_states (the cuTile
+    backends run cuTile backward kernels), and composes with jit, vmap and shard_map.
+
+    Preconditions: A <= 0; Δ >= 0 (dt + dt_bias >= 0 unless dt_softplus or a dt_limit makes it so);
+    seq_idx nondecreasing. They are checked, raising ValueError, on the arrays that are concrete, which
+    costs a reduction over them and one host sync per call. Under jit, vmap or grad the arrays are tracers
+    and go unchecked: the backends then disagree (the chunked ones assume decays exp(Δ A) <= 1).
+
+    Non-finite values: a NaN or inf in an input of one token reaches that token's head from that token to
+    the end of its sequence (and the final state when it is the last one), as in the recurrence; never
+    another packed sequence, an earlier token, or their gradients (backends "xla" and "scan"; the cuTile
+    kernels mix the tokens of a chunk in matrix products, which carry a NaN to the whole chunk and on).
 
     Args:
       x: (batch, seqlen, nheads, headdim), bf16/f16/f32/f64.
       dt: (batch, seqlen, nheads), float; raw time steps.
-      A: (nheads,), float, negative (mamba_ssm: -exp(A_log)).
+      A: (nheads,), float, <= 0 (mamba_ssm: -exp(A_log); 0 is no decay).
       B, C: (batch, seqlen, ngroups, dstate), float; nheads % ngroups == 0.
       chunk_size: power of two; the chunk length of the chunked algorithm (256 as in mamba_ssm). The
         result depends on it only through rounding; the cutile backends run their kernels at chunk 64
@@ -285,6 +328,12 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
         resets where it changes, and initial_states reach only tokens of sequence 0.
       return_final_states: also return the state after the last token.
       backend: "auto", "cutile", "cutile_callback", "xla" or "scan" (see `jax_mamba2.backend_status()`).
+      deterministic_backward: make the cuTile backward bitwise reproducible run to run: no float
+        atomics, the heads of a group summed by one block in order (slower where that leaves few blocks).
+        The other backends are deterministic anyway.
+      save_chunk_states: let a differentiated cuTile forward keep the chunk-entry states (dstate / 64
+        times x's bytes) and the chunk quantities Δ and dA_cumsum for the backward; False keeps only the
+        inputs and the backward recomputes them (less memory, a longer backward). No effect elsewhere.
 
     Returns:
       y (batch, seqlen, nheads, headdim) in x.dtype, and with `return_final_states` also
@@ -292,7 +341,8 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
 
     Raises:
       ValueError / TypeError: on a wrong shape, dtype or option, naming the argument, before any
-        computation; ValueError when a named backend cannot run the call, saying why.
+        computation; ValueError when a concrete A, dt or seq_idx breaks a precondition, or when a named
+        backend cannot run the call, saying why.
 
     Example:
       >>> b, L, H, P, G, N = 1, 64, 2, 16, 1, 16
@@ -304,7 +354,10 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
     dims = check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx)
     if not isinstance(backend, str):
         raise TypeError(f"ssd: backend={backend!r} must be a string")
-    static = SSDStatic(int(chunk_size), bool(dt_softplus), check_dt_limit("ssd", dt_limit))
+    static = SSDStatic(int(chunk_size), bool(dt_softplus), check_dt_limit("ssd", dt_limit),
+                       _check_flag("ssd", "deterministic_backward", deterministic_backward),
+                       _check_flag("ssd", "save_chunk_states", save_chunk_states))
+    _check_values("ssd", A, dt, dt_bias, static.dt_softplus, static.dt_limit, seq_idx)
     inputs = SSDInputs(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
     backends = _select_backend(backend, inputs, static)
     if dims.batch * dims.seqlen == 0:
@@ -360,9 +413,15 @@ def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus
     Returns:
       (y (batch, nheads, headdim) in x.dtype, new_state in state.dtype). Feeding a sequence token by
       token through `ssd_step` gives the same y and final state as `ssd`.
+
+    Raises:
+      ValueError / TypeError: on a wrong shape, dtype or option, naming the argument; ValueError when A
+        or Δ break `ssd`'s preconditions (A <= 0, Δ >= 0), checked on concrete arrays only (under jit,
+        vmap or grad they are tracers and go unchecked).
     """
     _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias)
     limit = check_dt_limit("ssd_step", dt_limit)
+    _check_values("ssd_step", A, dt, dt_bias, bool(dt_softplus), limit)
     args = (state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), limit)
     if backend == "auto":
         for candidate in registry.auto_candidates():

@@ -1,7 +1,7 @@
 """Pure-JAX reference paths of the Mamba-2 SSD op: the lax.scan oracle and the chunked algorithm.
 
-Semantics follow mamba_ssm's `mamba_chunk_scan_combined`. Per (batch, head), with
-head h reading group h // (nheads // ngroups):
+Semantics follow mamba_ssm's `mamba_chunk_scan_combined`. Per (batch, head), with head h reading group
+h // (nheads // ngroups):
 
     Δ_t = dt_transform(dt_t)
     h_t = exp(Δ_t A) h_{t-1} + Δ_t x_t ⊗ B_t        (state h_t: (headdim, dstate))
@@ -18,6 +18,12 @@ the compute dtype. Nothing here validates user input: `jax_mamba2.ssd` does that
 `chunk_state`, `state_passing`, `chunk_scan`. Stages take unpadded (batch, seqlen, ...) operands and pad
 seqlen to a multiple of chunk_size internally. Heads are contracted in grouped form (g, r) with
 r = nheads // ngroups, so B and C are never repeated to all heads.
+
+Non-finite values reach what the recurrence carries them to and nothing else. The scan does this by itself.
+The chunked algorithm mixes every token of a chunk in its matrix products, where a masked-out NaN or inf
+still spoils the sum (0 * NaN = NaN), in the forward and in the transposed products of the backward; so
+`ssd_chunked` runs the stages on the finite part of its inputs and adds a cheap per-(token, head) term that
+is NaN from a non-finite input to the end of its sequence (see `_nonfinite_reach`).
 """
 from __future__ import annotations
 
@@ -319,6 +325,12 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, entry_states, D=None, z=None, seq_idx
     Returns:
       y: (batch, seqlen, nheads, headdim) in x.dtype.
     """
+    y = _chunk_scan_ssm(B, C, x, dt_out, dA_cumsum, entry_states, seq_idx)
+    return _skip_and_gate(y, x, D, z)
+
+
+def _chunk_scan_ssm(B, C, x, dt_out, dA_cumsum, entry_states, seq_idx):
+    """`chunk_scan` before the D skip and the gate: (batch, seqlen, nheads, headdim) in the compute dtype."""
     cdt = dt_out.dtype
     batch, seqlen, nheads, headdim = x.shape
     _, _, nchunks, chunk_size = dt_out.shape
@@ -347,30 +359,138 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, entry_states, D=None, z=None, seq_idx
         previous_end_ids = jnp.pad(ids[:, :-1, -1], ((0, 0), (1, 0)))  # (b, c)
         row_scale = jnp.where((ids == previous_end_ids[:, :, None])[..., None, None], row_scale, 0.0)
     y = y + y_inter * row_scale[..., None]
+    return y.reshape(batch, nchunks * chunk_size, nheads, headdim)[:, :seqlen]
 
-    y = y.reshape(batch, nchunks * chunk_size, nheads, headdim)[:, :seqlen]
-    return _skip_and_gate(y, x, D, z)
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _finite_part(a: jax.Array | None) -> jax.Array | None:
+    """a with its non-finite entries replaced by 0 (a select: no NaN reaches the gradient of the others)."""
+    return None if a is None else jnp.where(jnp.isfinite(a), a, 0.0)
+
+
+@jax.custom_vjp
+def _finite_cotangent(a: jax.Array) -> jax.Array:
+    """The identity, whose backward zeroes non-finite cotangents.
+
+    Placed on the outputs of the stages run on finite inputs: their backward is a chain of dense products
+    over the tokens of a chunk, in which one NaN cotangent would reach every token. Non-finite cotangents
+    travel back through `_nonfinite_reach` instead, which keeps them in their sequence. (A custom VJP, so
+    the chunked path, like the kernel backends, supports reverse-mode differentiation only.)
+    """
+    return a
+
+
+def _finite_cotangent_fwd(a):
+    return a, None
+
+
+def _finite_cotangent_bwd(_, cotangent):
+    return (jnp.where(jnp.isfinite(cotangent), cotangent, 0.0),)
+
+
+_finite_cotangent.defvjp(_finite_cotangent_fwd, _finite_cotangent_bwd)
+
+
+def _segment_cumsum(values: jax.Array, starts: jax.Array | None) -> jax.Array:
+    """Inclusive cumsum along axis 1 that restarts where `starts` (batch, seqlen) is True.
+
+    The restart is a select, so a NaN of one segment never enters another (forward and backward), which a
+    difference of plain cumsums would not give.
+    """
+    if starts is None:
+        return jnp.cumsum(values, axis=1)
+
+    def combine(left, right):
+        (left_sum, left_start), (right_sum, right_start) = left, right
+        return jnp.where(right_start, right_sum, left_sum + right_sum), left_start | right_start
+
+    flags = starts.reshape(starts.shape + (1,) * (values.ndim - 2))
+    return jax.lax.associative_scan(combine, (values, flags), axis=1)[0]
+
+
+def _nonfinite_reach(x, delta, A, B, C, initial_states, seq_idx):
+    """Where the recurrence carries the non-finite entries of its inputs: 0 there is finite, NaN not.
+
+    Per (token, head): a non-finite x, Δ or B of token s (B of the head's group) reaches token s and every
+    later token of its sequence (through the state); a non-finite C only its own token; a non-finite
+    initial state the tokens before the first sequence start; a non-finite A every token. The final state
+    of a head is reached by what reaches the last token, C excepted. (Coarser than the recurrence within
+    a head: a NaN in one headdim or dstate entry marks all of the head's entries.)
+
+    `0 * v` is 0 where v is finite and NaN where not, and passes a cotangent on as 0 * cotangent, so a
+    non-finite cotangent travels back to the same inputs, within the same sequence, and a finite one adds
+    exactly 0.
+
+    Args:
+      x: (b, L, h, p); delta: (b, L, h); A: (h,); B, C: (b, L, g, n); initial_states: (b, h, p, n) or None;
+        seq_idx: (b, L) int or None. Floats in the compute dtype.
+
+    Returns:
+      (reach_y (b, L, h), reach_final (b, h)).
+    """
+    batch, seqlen, nheads, _ = x.shape
+    ngroups = B.shape[2]
+
+    def per_head(group_term):  # (b, L, g) -> (b, L, h)
+        return jnp.repeat(group_term, nheads // ngroups, axis=2)
+
+    carried = jnp.sum(0 * x, axis=3) + 0 * delta + per_head(jnp.sum(0 * B, axis=3))
+    starts = None
+    if seq_idx is not None:
+        starts = seq_idx != jnp.pad(seq_idx[:, :-1], ((0, 0), (1, 0)))  # the id before token 0 is 0
+    reach_y = _segment_cumsum(carried, starts) + 0 * A
+    reach_final = reach_y[:, -1]
+    reach_y = reach_y + per_head(jnp.sum(0 * C, axis=3))
+    if initial_states is not None:
+        initial = jnp.sum(0 * initial_states, axis=(2, 3))  # (b, h)
+        if starts is None:
+            reach_y, reach_final = reach_y + initial[:, None], reach_final + initial
+        else:
+            before_first_start = jnp.cumsum(starts, axis=1) == 0  # (b, L)
+            reach_y = reach_y + jnp.where(before_first_start[..., None], initial[:, None], 0.0)
+            reach_final = reach_final + jnp.where(before_first_start[:, -1:], initial, 0.0)
+    return reach_y, reach_final
 
 
 def ssd_chunked(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias=None, dt_softplus=False,
                 dt_limit=_DEFAULT_DT_LIMIT, initial_states=None, seq_idx=None):
     """The chunked SSD algorithm in pure JAX (mamba_ssm's forward pipeline); O(seqlen) memory, any seqlen.
 
+    The stages run on the finite part of the inputs; `_nonfinite_reach` marks with NaN what the non-finite
+    part reaches (its token's head from that token to the end of its sequence, and the final state when
+    that is the last sequence). Gradients stay finite wherever the recurrence's do, and a non-finite
+    cotangent reaches only the inputs of its own sequence. The gradient at a non-finite input itself is
+    unspecified. Differentiable in reverse mode.
+
     Args:
       x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx: as in `ssd_scan`.
-      chunk_size: Q, the chunk length (static int); seqlen needs not be a multiple of it.
+      chunk_size: Q, the chunk length (static int); seqlen needs not be a multiple of it. A chunk longer
+        than the sequence would only pad it, so Q is capped at the smallest power of two >= seqlen (the
+        intra-chunk products are Q x Q per chunk and head).
 
     Returns:
       (y (batch, seqlen, nheads, headdim) in x.dtype,
        final_states (batch, nheads, headdim, dstate) in the compute dtype).
     """
     cdt = _compute_dtype(x.dtype)
-    dt_out, dA_cumsum = chunk_cumsum(dt.astype(cdt), A.astype(cdt), chunk_size, dt_bias, dt_softplus,
-                                     dt_limit)
-    states = chunk_state(B, x, dt_out, dA_cumsum, seq_idx)
+    chunk_size = min(chunk_size, _pow2_at_least(x.shape[1]))
+    x_c, A_c, B_c, C_c = (a.astype(cdt) for a in (x, A, B, C))
+    h0 = None if initial_states is None else initial_states.astype(cdt)
+    delta = dt_transform(dt.astype(cdt), dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+
+    x_f, delta_f, A_f, B_f, C_f, h0_f = map(_finite_part, (x_c, delta, A_c, B_c, C_c, h0))
+    dt_out, dA_cumsum = chunk_cumsum(delta_f, A_f, chunk_size)  # delta is transformed already
+    states = chunk_state(B_f, x_f, dt_out, dA_cumsum, seq_idx)
     seq_idx_chunk_end = None
     if seq_idx is not None:
         seq_idx_chunk_end = _seq_idx_chunks(seq_idx, dt_out.shape[2], chunk_size)[:, :, -1]
-    entry_states, final_states = state_passing(states, dA_cumsum[..., -1], initial_states, seq_idx_chunk_end)
-    y = chunk_scan(B, C, x, dt_out, dA_cumsum, entry_states, D, z, seq_idx)
-    return y, final_states
+    entry_states, final_states = state_passing(states, dA_cumsum[..., -1], h0_f, seq_idx_chunk_end)
+    y = _chunk_scan_ssm(B_f, C_f, x_f, dt_out, dA_cumsum, entry_states, seq_idx)
+
+    reach_y, reach_final = _nonfinite_reach(x_c, delta, A_c, B_c, C_c, h0, seq_idx)
+    y = _finite_cotangent(y) + reach_y[..., None]
+    final_states = _finite_cotangent(final_states) + reach_final[..., None, None]
+    return _skip_and_gate(y, x, D, z), final_states

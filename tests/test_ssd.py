@@ -51,8 +51,8 @@ def test_ssd_empty_sequence_returns_initial_states(seqlen):
 
 
 def _bad_call(**changes):
-    args, kwargs = make_ssd_args(4, **SMALL, D="head", z=True, dt_bias=True, initial_states=True,
-                                 seq_idx=[20, 20])
+    args, kwargs = make_ssd_args(4, **SMALL, D="head", z=True, dt_bias=True, dt_softplus=True,
+                                 initial_states=True, seq_idx=[20, 20])
     call = dict(zip("x dt A B C".split(), args), chunk_size=16, **kwargs)
     call.update(changes)
     return call
@@ -79,11 +79,51 @@ def _bad_call(**changes):
     (dict(dt_limit=(1.0, 0.5)), ValueError, r"dt_limit=\(1.0, 0.5\) must satisfy 0 <= min <= max"),
     (dict(dt_limit=0.5), TypeError, r"dt_limit=0.5 must be a pair of floats"),
     (dict(backend="triton"), ValueError, r"backend='triton' is not one of 'auto', 'xla', 'scan'"),
+    (dict(deterministic_backward=1), TypeError, r"deterministic_backward=1 must be a bool"),
+    (dict(save_chunk_states="no"), TypeError, r"save_chunk_states='no' must be a bool"),
+    (dict(A=jnp.array([-1.0, 0.5, -2.0, 0.0])), ValueError, r"ssd: A must be <= 0 .* got max\(A\)=0.5"),
+    (dict(dt_softplus=False, dt=jnp.full((2, 40, 4), -0.75)), ValueError,
+     r"ssd: dt \+ dt_bias must be >= 0 without dt_softplus or a dt_limit .* got min\(dt \+ dt_bias\)=-0\.7"),
+    (dict(dt_softplus=False, dt_bias=None, dt=jnp.full((2, 40, 4), -0.25)), ValueError,
+     r"ssd: dt must be >= 0 .* got min\(dt\)=-0.25"),
+    (dict(seq_idx=jnp.asarray(np.r_[[0] * 20, [1] * 10, [0] * 10][None].repeat(2, 0), jnp.int32)), ValueError,
+     r"ssd: seq_idx must be nondecreasing along seqlen; it decreases by 1"),
 ])
 def test_ssd_rejects_bad_arguments(changes, error, message):
     call = _bad_call(**changes)
     with pytest.raises(error, match=message):
         jax_mamba2.ssd(**call)
+
+
+def test_ssd_accepts_values_within_the_preconditions():
+    """A == 0 (no decay); negative raw dt that the softplus or a dt_limit turns into Δ >= 0."""
+    base = _bad_call()
+    ok = [dict(A=jnp.zeros((4,))), dict(dt=-jnp.ones((2, 40, 4))),
+          dict(dt_softplus=False, dt=-jnp.ones((2, 40, 4)), dt_limit=(0.01, 1.0))]
+    for changes in ok:
+        y = jax_mamba2.ssd(**dict(base, **changes), backend="xla")
+        assert bool(jnp.all(jnp.isfinite(y))), changes
+
+
+def test_ssd_does_not_check_the_values_of_traced_arrays():
+    """Under jit the preconditions cannot be read: a positive A goes unchecked, as documented."""
+    call = _bad_call()
+    A = -call.pop("A")
+    y = jax.jit(lambda A: jax_mamba2.ssd(A=A, **call, backend="xla"))(A)
+    assert y.shape == call["x"].shape
+    with pytest.raises(ValueError, match="A must be <= 0"):
+        jax_mamba2.ssd(A=A, **call, backend="xla")
+
+
+def test_ssd_step_rejects_values_outside_the_preconditions():
+    state, x, dt = jnp.ones((2, 4, 8, 8)), jnp.ones((2, 4, 8)), jnp.ones((2, 4))
+    B = C = jnp.ones((2, 1, 8))
+    with pytest.raises(ValueError, match=r"ssd_step: A must be <= 0"):
+        jax_mamba2.ssd_step(state, x, dt, jnp.ones((4,)), B, C)
+    with pytest.raises(ValueError, match=r"ssd_step: dt must be >= 0"):
+        jax_mamba2.ssd_step(state, x, -dt, -jnp.ones((4,)), B, C)
+    y, _ = jax_mamba2.ssd_step(state, x, -dt, -jnp.ones((4,)), B, C, dt_softplus=True)
+    assert y.shape == x.shape
 
 
 def test_ssd_cutile_without_gpu_says_why():

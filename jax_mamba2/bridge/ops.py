@@ -12,7 +12,6 @@ recomputed y and compiled to twice the registers, and the forward + backward ran
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable
 
 import jax
@@ -95,12 +94,6 @@ def make_forward_saving(run_plan: RunPlan):
     return forward_saving
 
 
-def deterministic_backward() -> bool:
-    """True when env JAX_MAMBA2_DETERMINISTIC=1: the backward then uses no float atomics and is
-    bitwise reproducible run to run (the heads of a group are summed by one block, in order)."""
-    return os.environ.get("JAX_MAMBA2_DETERMINISTIC", "0") == "1"
-
-
 def _backward_once(run_plan: RunPlan, inputs, static, dy, dfinal, saved):
     dims = problem.kernel_dims(inputs, static)
     arrays = problem.kernel_inputs(inputs, dims)
@@ -108,7 +101,7 @@ def _backward_once(run_plan: RunPlan, inputs, static, dy, dfinal, saved):
     arrays["dfinal_states"] = dfinal.astype(jnp.float32)
     if saved is not None:
         arrays.update(zip(forward_kernels.SAVED_FOR_BACKWARD, saved))
-    deterministic = deterministic_backward()
+    deterministic = static.deterministic_backward  # no float atomics: bitwise reproducible
     plan = backward_kernels.backward_plan(dims, tuning.backward_configs(dims, deterministic),
                                           deterministic=deterministic, saved_states=saved is not None)
     out = _compat.match_varying_axes(run_plan(plan, arrays), (inputs, dy, dfinal))

@@ -27,19 +27,20 @@ class Mamba2Block(nnx.Module):
 
     Args:
       config: model configuration (d_model, norm_epsilon, residual_in_fp32 and the mixer's `ssm_cfg`).
-      backend: SSD backend of the mixer (default: "auto").
+      backend, deterministic_backward, save_chunk_states: the mixer's SSD options (see `Mamba2`).
       dtype: computation dtype (default: None, inferred).
       param_dtype: parameter dtype (default: float32).
       rngs: parameter initialization keys.
     """
 
-    def __init__(self, config: Mamba2Config, *, backend: str = "auto", dtype=None, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+    def __init__(self, config: Mamba2Config, *, backend: str = "auto", deterministic_backward: bool = False,
+                 save_chunk_states: bool = True, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.residual_in_fp32 = config.residual_in_fp32
         self.norm = RMSNorm(config.d_model, eps=config.norm_epsilon, dtype=dtype, param_dtype=param_dtype,
                             rngs=rngs)
-        self.mixer = Mamba2(config.d_model, **config.mixer_options, backend=backend, dtype=dtype,
-                            param_dtype=param_dtype, rngs=rngs)
+        self.mixer = Mamba2(config.d_model, **config.mixer_options, backend=backend,
+                            deterministic_backward=deterministic_backward, save_chunk_states=save_chunk_states,
+                            dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def _add_norm(self, hidden_states, residual):
         residual = hidden_states + residual
@@ -91,7 +92,7 @@ class Mamba2LMHeadModel(nnx.Module):
 
     Args:
       config: the model configuration.
-      backend: SSD backend of every mixer (default: "auto").
+      backend, deterministic_backward, save_chunk_states: every mixer's SSD options (see `Mamba2`).
       remat: rematerialize each block in the backward pass (`nnx.remat`), trading compute for memory.
       dtype: computation dtype (default: None, inferred; e.g. jnp.bfloat16 with float32 parameters).
       param_dtype: parameter dtype (default: float32).
@@ -105,8 +106,9 @@ class Mamba2LMHeadModel(nnx.Module):
       (2, 10, 104)
     """
 
-    def __init__(self, config: Mamba2Config, *, backend: str = "auto", remat: bool = False, dtype=None,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, config: Mamba2Config, *, backend: str = "auto", deterministic_backward: bool = False,
+                 save_chunk_states: bool = True, remat: bool = False, dtype=None, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         self.config, self.remat, self.dtype = config, remat, dtype
         vocab = config.padded_vocab_size
         self.embedding = nnx.Embed(vocab, config.d_model, dtype=dtype, param_dtype=param_dtype,
@@ -115,7 +117,9 @@ class Mamba2LMHeadModel(nnx.Module):
         @nnx.split_rngs(splits=config.n_layer)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_layers(rngs):
-            block = Mamba2Block(config, backend=backend, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            block = Mamba2Block(config, backend=backend, deterministic_backward=deterministic_backward,
+                                save_chunk_states=save_chunk_states, dtype=dtype, param_dtype=param_dtype,
+                                rngs=rngs)
             out_proj = block.mixer.out_proj
             out_proj.kernel[...] = out_proj.kernel[...] / jnp.sqrt(config.n_layer).astype(param_dtype)
             for linear in (block.mixer.in_proj, out_proj):

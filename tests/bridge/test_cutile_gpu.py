@@ -162,6 +162,11 @@ _GRAD_OPTIONALS = ("D", "z", "dt_bias", "initial_states")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("feature", list(GRAD_FEATURES))
 def test_cutile_grad_matches_float64_scan_grad(feature, dtype):
+    _check_cutile_grad_against_float64_scan(feature, dtype)
+
+
+def _check_cutile_grad_against_float64_scan(feature, dtype, **options):
+    """options: keyword options of the cutile ssd call (deterministic_backward, save_chunk_states)."""
     opts = dict(GRAD_FEATURES[feature])
     args, kwargs = make_ssd_args(15, batch=2, seqlen=160, nheads=4, headdim=64, dstate=64,
                                  dtype=jnp.dtype(dtype), **opts)
@@ -174,7 +179,7 @@ def test_cutile_grad_matches_float64_scan_grad(feature, dtype):
     def loss(backend, *operands):
         kw = dict(kwargs_static, **dict(zip(names, operands[5:])))
         fn = reference.ssd_scan if backend == "scan" else functools.partial(
-            jax_mamba2.ssd, chunk_size=64, return_final_states=True, backend=backend)
+            jax_mamba2.ssd, chunk_size=64, return_final_states=True, backend=backend, **options)
         y, final = fn(*operands[:5], **kw)
         return jnp.sum(y.astype(jnp.float32) * weights[0]) + jnp.sum(final * weights[1])
 
@@ -190,17 +195,16 @@ def test_cutile_grad_matches_float64_scan_grad(feature, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cutile_grad_recomputing_the_states_matches_float64_scan_grad(monkeypatch, dtype):
-    """JAX_MAMBA2_RECOMPUTE_STATES=1: the forward saves only its inputs, the backward recomputes."""
-    monkeypatch.setenv("JAX_MAMBA2_RECOMPUTE_STATES", "1")
-    test_cutile_grad_matches_float64_scan_grad("seq_idx", dtype)
+def test_cutile_grad_recomputing_the_states_matches_float64_scan_grad(dtype):
+    """save_chunk_states=False: the forward saves only its inputs, the backward recomputes."""
+    _check_cutile_grad_against_float64_scan("seq_idx", dtype, save_chunk_states=False)
 
 
-def test_cutile_deterministic_backward_is_bitwise_reproducible(monkeypatch):
-    monkeypatch.setenv("JAX_MAMBA2_DETERMINISTIC", "1")
+def test_cutile_deterministic_backward_is_bitwise_reproducible():
     args, kwargs = make_ssd_args(21, batch=2, seqlen=256, nheads=8, headdim=64, ngroups=2, dstate=64,
                                  dtype=jnp.bfloat16, D="head", z=True, dt_softplus=True)
-    grad = jax.jit(jax.grad(lambda *a: jnp.sum(jax_mamba2.ssd(*a, 64, **kwargs, backend="cutile")
+    grad = jax.jit(jax.grad(lambda *a: jnp.sum(jax_mamba2.ssd(*a, 64, **kwargs, backend="cutile",
+                                                              deterministic_backward=True)
                                                .astype(jnp.float32) ** 2), argnums=(0, 1, 2, 3, 4)))
     runs = [jax.device_get(grad(*args)) for _ in range(5)]
     for run in runs[1:]:
@@ -209,17 +213,16 @@ def test_cutile_deterministic_backward_is_bitwise_reproducible(monkeypatch):
 
 
 @pytest.mark.parametrize("policy", ["nothing_saveable", "dots_with_no_batch_dims_saveable"])
-def test_cutile_grad_under_jax_checkpoint_equals_plain_grad(monkeypatch, policy):
+def test_cutile_grad_under_jax_checkpoint_equals_plain_grad(policy):
     """Rematerialisation replays the forward; the kernel backward sees the same inputs, so with the
     deterministic backward the gradients are bitwise those of the plain program."""
-    monkeypatch.setenv("JAX_MAMBA2_DETERMINISTIC", "1")
     args, kwargs = make_ssd_args(22, batch=2, seqlen=192, nheads=4, headdim=64, dstate=64,
                                  dtype=jnp.bfloat16, D="head", dt_bias=True, dt_softplus=True)
     w = jax.random.normal(jax.random.PRNGKey(7), (64, 64), jnp.bfloat16)
 
     def loss(x, *rest):
         h = jnp.tanh(x @ w)   # a dot for the policy to save or drop
-        y = jax_mamba2.ssd(h, *rest, 64, **kwargs, backend="cutile")
+        y = jax_mamba2.ssd(h, *rest, 64, **kwargs, backend="cutile", deterministic_backward=True)
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     remat = jax.checkpoint(loss, policy=getattr(jax.checkpoint_policies, policy))

@@ -5,6 +5,7 @@ through `jax.pure_callback`. Checked against the float64 scan oracle: what the G
 without a GPU, to the rounding of the arrays passed between the plans and XLA (their float32 or bfloat16).
 """
 import dataclasses
+import functools
 import math
 
 import jax
@@ -20,7 +21,7 @@ from jax_mamba2.bridge import ops, problem  # noqa: E402
 from jax_mamba2.kernels import forward as forward_kernels  # noqa: E402
 from jax_mamba2.kernels import fused_scan  # noqa: E402
 from tests._helpers import make_ssd_args, rel_l2, to_float64  # noqa: E402
-from tests.kernels import _cutile_emulator as emulator  # noqa: E402
+from tests.bridge._emulated_backend import EMULATED  # noqa: E402
 
 # The arrays between the plans and XLA are float32 (the emulated kernels compute in float64): errors ~3e-7.
 TOLERANCE = 2e-6
@@ -35,8 +36,9 @@ EMULATED = backends.Backend(
     unsupported_reason=lambda inputs, static: None)
 
 
-def _inputs(x, dt, A, B, C, *, dt_softplus=False, dt_limit=(0.0, math.inf), seq_idx=None, **optional):
-    static = op.SSDStatic(64, dt_softplus, tuple(dt_limit))
+def _inputs(x, dt, A, B, C, *, dt_softplus=False, dt_limit=(0.0, math.inf), seq_idx=None,
+            save_chunk_states=True, **optional):
+    static = op.SSDStatic(64, dt_softplus, tuple(dt_limit), save_chunk_states=save_chunk_states)
     return op.SSDInputs(x, dt, A, B, C, optional.get("D"), optional.get("z"), optional.get("dt_bias"),
                         optional.get("initial_states"), seq_idx), static
 
@@ -83,13 +85,13 @@ def _check_forward_and_gradients(args, optional, kwargs, weights, tolerance, ssd
         assert got_optional[name].shape == optional[name].shape, name
 
 
-@pytest.mark.parametrize("recompute", ["0", "1"], ids=["saved_states", "recomputed_states"])
+@pytest.mark.parametrize("save_chunk_states", [True, False], ids=["saved_states", "recomputed_states"])
 @pytest.mark.parametrize("D", ["head", "headdim"], ids=["D_per_head", "D_per_headdim"])
-def test_emulated_op_forward_and_gradients_match_float64_scan(monkeypatch, recompute, D):
+def test_emulated_op_forward_and_gradients_match_float64_scan(save_chunk_states, D):
     """Every feature at once (gate, D, dt_bias, softplus, dt_limit, initial states, seq_idx, groups, a partial
     chunk), the custom VJP with the forward's saved states or recomputing them (the staged layout: f32)."""
-    monkeypatch.setenv("JAX_MAMBA2_RECOMPUTE_STATES", recompute)
-    _check_forward_and_gradients(*_problem(1, D=D), TOLERANCE)
+    _check_forward_and_gradients(*_problem(1, D=D), TOLERANCE,
+                                 ssd=functools.partial(_emulated_ssd, save_chunk_states=save_chunk_states))
 
 
 @pytest.mark.parametrize("layout,dims", [

@@ -19,9 +19,10 @@ assert "cutile" in backends.registered(), backends.backend_status()["cutile"].re
 DIMS = dict(batch=2, seqlen=96, nheads=4, headdim=16, ngroups=2, dstate=16)
 
 
-def _cutile_ssd(x, dt, A, B, C, *, chunk_size=64, **kwargs):
+def _cutile_ssd(x, dt, A, B, C, *, chunk_size=64, save_chunk_states=True, **kwargs):
     """`ssd(backend="cutile")` without the GPU check (tracing only)."""
-    static = op.SSDStatic(chunk_size, kwargs.pop("dt_softplus", False), (0.0, float("inf")))
+    static = op.SSDStatic(chunk_size, kwargs.pop("dt_softplus", False), (0.0, float("inf")),
+                          save_chunk_states=save_chunk_states)
     inputs = op.SSDInputs(x, dt, A, B, C, kwargs.get("D"), kwargs.get("z"), kwargs.get("dt_bias"),
                           kwargs.get("initial_states"), kwargs.get("seq_idx"))
     return op._run_backend(backends.get("cutile", "test"), inputs, static)
@@ -126,15 +127,16 @@ def test_cutile_vmap_of_grad_with_a_gate_maps_the_gate_around_the_kernels():
 
 
 @pytest.mark.parametrize("layout", ["staged", "fused"])
-def test_cutile_grad_reads_the_states_the_forward_saved_unless_asked_to_recompute(monkeypatch, layout):
+def test_cutile_grad_reads_the_states_the_forward_saved_unless_asked_to_recompute(layout):
     """The custom VJP's forward saves the chunk-entry states (the fused kernel stores them as a third
     output; 128 chains make the fused layout) and the chunk quantities, so the backward has no chunk_state
-    or chunk_cumsum recompute; with JAX_MAMBA2_RECOMPUTE_STATES=1 it saves only the inputs and recomputes
-    them."""
+    or chunk_cumsum recompute; with save_chunk_states=False it saves only the inputs and recomputes them."""
     dims = dict(DIMS, nheads=64, headdim=64) if layout == "fused" else DIMS
     args, kwargs = make_ssd_args(6, **dims, dtype=jnp.bfloat16)
-    def grad():  # a new function per trace: JAX reuses a function's trace (the env is read at tracing)
-        return jax.grad(lambda x: jnp.sum(_cutile_ssd(x, *args[1:])[0].astype(jnp.float32) ** 2))
+
+    def grad(save_chunk_states=True):
+        return jax.grad(lambda x: jnp.sum(_cutile_ssd(x, *args[1:], save_chunk_states=save_chunk_states)[0]
+                                          .astype(jnp.float32) ** 2))
     forward_kernel = "fused_scan_fwd_kernel" if layout == "fused" else "chunk_scan_fwd_kernel"
 
     calls = _cutile_calls(jax.make_jaxpr(grad())(args[0]))
@@ -147,8 +149,7 @@ def test_cutile_grad_reads_the_states_the_forward_saved_unless_asked_to_recomput
         b, L, H, P, N = dims["batch"], dims["seqlen"], dims["nheads"], dims["headdim"], dims["dstate"]
         assert (b, -(-L // 64), H, P, N) in [tuple(v.aval.shape) for v in fused.outvars]
 
-    monkeypatch.setenv("JAX_MAMBA2_RECOMPUTE_STATES", "1")
-    names = _kernel_names(jax.make_jaxpr(grad())(args[0]))
+    names = _kernel_names(jax.make_jaxpr(grad(save_chunk_states=False))(args[0]))
     assert names.count("chunk_state_fwd_kernel") == (2 if layout == "staged" else 1), names
     assert names.count("chunk_cumsum_fwd_kernel") == 2, names
 
@@ -158,19 +159,19 @@ def _kernel_operand_shapes(jaxpr) -> list:
             for c in _cutile_calls(jaxpr)]
 
 
-@pytest.mark.parametrize("recompute", ["0", "1"])
-def test_cutile_differentiated_gate_runs_outside_the_kernels(monkeypatch, recompute):
+@pytest.mark.parametrize("save_chunk_states", [True, False], ids=["saved", "recomputed"])
+def test_cutile_differentiated_gate_runs_outside_the_kernels(save_chunk_states):
     """A forward alone applies z in its output kernel. Differentiated, the kernels and their operands are
     those of the gate-free call (z never reaches one): the gate and its VJP are XLA elementwise ops on the
-    pre-gate output, which the forward saved; with JAX_MAMBA2_RECOMPUTE_STATES=1 the custom VJP's forward
+    pre-gate output, which the forward saved; with save_chunk_states=False the custom VJP's forward
     is the gated forward and the backward runs the gate-free saving forward again (for the pre-gate output and
     the chunk states), then the backward kernels of a call that saved them."""
     args, kwargs = make_ssd_args(8, **DIMS, z=True, dtype=jnp.bfloat16)
     z = kwargs["z"]
 
-    def trace(gate, grad=True):
+    def trace(gate, grad=True, save_chunk_states=True):
         def loss(x, z):
-            y = _cutile_ssd(x, *args[1:], z=z if gate else None)[0]
+            y = _cutile_ssd(x, *args[1:], z=z if gate else None, save_chunk_states=save_chunk_states)[0]
             return jnp.sum(y.astype(jnp.float32) ** 2)
         return jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)) if grad else loss)(args[0], z)
 
@@ -179,12 +180,10 @@ def test_cutile_differentiated_gate_runs_outside_the_kernels(monkeypatch, recomp
     assert [name for name, _ in gated_forward] == [name for name, _ in plain_forward] == forward_names
     # The output kernel's z operand: z itself, not the (1, 1, 1, 1) dummy.
     assert gated_forward[2][1].count(z.shape) == plain_forward[2][1].count(z.shape) + 1
-    monkeypatch.setenv("JAX_MAMBA2_RECOMPUTE_STATES", "0")
     plain = _kernel_operand_shapes(trace(False))
     assert "chunk_state_fwd_kernel" not in [name for name, _ in plain[3:]]  # the saved states are read
-    monkeypatch.setenv("JAX_MAMBA2_RECOMPUTE_STATES", recompute)
-    gated = _kernel_operand_shapes(trace(True))
-    assert gated == (plain if recompute == "0" else gated_forward + plain)
+    gated = _kernel_operand_shapes(trace(True, save_chunk_states=save_chunk_states))
+    assert gated == (plain if save_chunk_states else gated_forward + plain)
     assert [a.shape for a in trace(True).out_avals] == [(), args[0].shape, z.shape]
 
 

@@ -597,16 +597,15 @@ def test_cutile_forward_traces_with_the_configs_forward_configs_returns(monkeypa
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_cutile_backward_traces_with_the_configs_backward_configs_returns(monkeypatch, deterministic):
-    """The bridge's backward builds its plan from `backward_configs` in the env's determinism mode (at
+    """The bridge's backward builds its plan from `backward_configs` in the call's determinism mode (at
     the kernels' chunk, 64, for the op's chunk_size 128)."""
-    monkeypatch.setenv("JAX_MAMBA2_DETERMINISTIC", "1" if deterministic else "0")
     args, kwargs = make_ssd_args(0, batch=2, seqlen=256, nheads=4, headdim=32, ngroups=2, dstate=32)
     dims = SSDDims(batch=2, seqlen=256, nheads=4, headdim=32, ngroups=2, dstate=32,
                    chunk_size=problem.KERNEL_CHUNK_SIZE, dtype="float32")
     chosen = {s: _non_default_config(s, dims) for s in BACKWARD_STAGES}
     seen = []
     monkeypatch.setattr(tuning, "backward_configs", lambda d, det: seen.append(det) or chosen)
-    static = op.SSDStatic(128, False, (0.0, float("inf")))
+    static = op.SSDStatic(128, False, (0.0, float("inf")), deterministic_backward=deterministic)
     inputs = op.SSDInputs(*args, None, None, None, None, None)
     dy, dfinal = jnp.ones_like(args[0]), jnp.ones((2, 4, 32, 32), jnp.float32)
     backward = backends.get("cutile", "test").backward
