@@ -363,9 +363,8 @@ class Mamba2(nnx.Module):
         """in_proj, split into this shard's (z0, x0, z, x, B, C, dt), each (..., local width)."""
         kernel = self.in_proj.kernel[...]  # (d_model / shard.size, d_in_proj): this shard's input rows
         dtype = self.dtype or jnp.result_type(hidden_states, kernel)
-        rows = shard.slice(hidden_states.astype(dtype), axis=-1)
         segments = self._in_proj_segments(shard)
-        pieces = shard.reduce_split(jnp.einsum("...d,de->...e", rows, kernel.astype(dtype)), segments)
+        pieces = shard.project(hidden_states.astype(dtype), kernel.astype(dtype), segments)
         if self.in_proj.bias is not None:
             pieces = [p + b.astype(dtype) for p, b in zip(pieces, shard.split(self.in_proj.bias[...], segments))]
         return pieces

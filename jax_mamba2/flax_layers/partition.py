@@ -5,9 +5,13 @@ head-sharded segments (z0, x0, z, x, dt: split over the "model" mesh axis) with 
 ngroups % model_size == 0 and otherwise replicated. A contiguous split of a fused axis cannot follow these
 segments, so the mixer keeps the mamba_ssm layout and partitions differently:
 
-- in_proj.kernel (d_model, d_in_proj) is split over its *input* rows. Each device multiplies its rows of
-  d_model and the partial products are reduce-scattered segment by segment (`HeadShard.reduce_split`), so
-  each device receives exactly its heads' z, x, dt (and its groups' B, C, or all of them).
+- in_proj.kernel (d_model, d_in_proj) is split over its *input* rows. `HeadShard.project` gives each device
+  exactly its heads' z, x, dt (and its groups' B, C, or all of them) in one of two ways, whichever moves
+  fewer bytes: for inputs of fewer tokens than d_model (decode steps, short prefills) each device multiplies
+  its rows of d_model and the partial products are reduce-scattered segment by segment (`reduce_split`);
+  for more tokens (training, long prefills) the kernel's columns are brought to the devices that need them
+  (weights move, activations do not) and each device multiplies the whole input. The latter also keeps the
+  backward free of an all-gather of activations (the transpose of a reduce-scatter).
 - out_proj.kernel (d_inner, d_model) is split over its input rows (= heads); its partial products are summed.
 - conv1d (tiny) is replicated; A_log, dt_bias, D and norm.scale are split over heads.
 
@@ -15,6 +19,7 @@ segments, so the mixer keeps the mamba_ssm layout and partitions differently:
 helper is the identity or a plain split, so the mixer has one code path.
 """
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -36,16 +41,18 @@ class MeshAxes:
     Attributes:
       mesh: a `jax.sharding.Mesh` with AxisType.Auto axes.
       data_axis: mesh axis that splits the batch.
-      model_axis: mesh axis that splits the heads.
+      model_axis: mesh axis that splits the heads, or None when the heads stay whole (a model axis of size 1:
+        naming it would type every value as varying over it, and `shard_map` would refuse the replicated
+        outputs).
     """
 
     mesh: jax.sharding.Mesh
     data_axis: str = "data"
-    model_axis: str = "model"
+    model_axis: str | None = "model"
 
     @property
     def model_size(self) -> int:
-        return self.mesh.shape[self.model_axis]
+        return 1 if self.model_axis is None else self.mesh.shape[self.model_axis]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +101,47 @@ class HeadShard:
         local_replicated = iter(jnp.split(lax.psum(jnp.concatenate(replicated, axis=-1), self.axis),
                                           _offsets([Segment(p.shape[-1], False) for p in replicated]), axis=-1)
                                 if replicated else [])
+        return [next(local_sharded) if seg.sharded else next(local_replicated) for seg in segments]
+
+    def project(self, inputs, kernel_rows, segments) -> list:
+        """The local pieces of `inputs @ kernel` for a kernel split over its input rows (in_proj).
+
+        Args:
+          inputs: (..., d_in), whole on every device of the model axis.
+          kernel_rows: (d_in / size, d_out), this device's rows, in the dtype of `inputs`.
+          segments: the fused output axis (d_out).
+
+        Returns:
+          One array (..., local width) per segment: a sharded segment's block of this device, a replicated
+          one whole.
+
+        Per device, a reduce-scatter of the partial products moves ~tokens x d_out values (and its transpose,
+        in the backward, all-gathers as many), while bringing the kernel's columns moves ~d_in x d_out / size
+        weights (an all-to-all, whose transpose is an all-to-all of the kernel's gradient). So the weights
+        move when there are more tokens than input features, the activations otherwise. Replicated segments
+        (B, C when groups span devices) are summed over the model axis either way, which JAX types as
+        replicated (see `gather`).
+        """
+        tokens = math.prod(inputs.shape[:-1])
+        d_in = kernel_rows.shape[0] * self.size
+        if self.size == 1 or tokens < d_in:
+            return self.reduce_split(jnp.einsum("...d,de->...e", self.slice(inputs, axis=-1), kernel_rows),
+                                     segments)
+        pieces = jnp.split(kernel_rows, _offsets(segments), axis=-1)
+        sharded = [p for p, seg in zip(pieces, segments) if seg.sharded]
+        # Column blocks in rank-major order: the all-to-all sends block r of every segment to device r and
+        # stacks the d_in / size rows received from each device in rank order, i.e. all d_in rows.
+        rank_major = jnp.concatenate([p.reshape(p.shape[0], self.size, p.shape[1] // self.size) for p in sharded],
+                                     axis=-1)
+        local_columns = lax.all_to_all(rank_major.reshape(rank_major.shape[0], -1), self.axis, split_axis=1,
+                                       concat_axis=0, tiled=True)  # (d_in, local sharded width)
+        local_sharded = iter(jnp.split(jnp.einsum("...d,de->...e", inputs, local_columns),
+                                       _offsets([Segment(p.shape[1] // self.size, True) for p in sharded]), axis=-1))
+        replicated = [p for p, seg in zip(pieces, segments) if not seg.sharded]
+        if replicated:
+            whole = self.gather([jnp.concatenate(replicated, axis=-1)], [Segment(d_in, True)], axis=0)
+            local_replicated = iter(jnp.split(jnp.einsum("...d,de->...e", inputs, whole),
+                                              _offsets([Segment(p.shape[1], False) for p in replicated]), axis=-1))
         return [next(local_sharded) if seg.sharded else next(local_replicated) for seg in segments]
 
     def gather(self, pieces, segments, axis: int = -1):

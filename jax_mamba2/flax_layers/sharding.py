@@ -4,9 +4,12 @@ Batch rows are split over the "data" axis and heads over the "model" axis. Every
 inside `jax.shard_map` with explicit collectives (see `partition` for the layout and why in_proj is split
 over its input rows):
 
-  in_proj    partial product of this device's d_model rows, then ONE reduce-scatter that leaves each device
-             its heads' z, x, dt (B/C: reduce-scattered by group when ngroups % model == 0, else all-reduced
-             and each device keeps the group of its heads)
+  in_proj    each device gets its heads' z, x, dt (B/C: by group when ngroups % model == 0, else all of
+             them, and it keeps the group of its heads). Below d_model tokens per call (decode steps): a
+             partial product of this device's d_model rows, then ONE reduce-scatter. From d_model tokens on
+             (training): the kernel's columns come by ONE all-to-all of weights and each device multiplies
+             the whole input (the backward then all-reduces the input's gradient instead of all-gathering
+             the partial products' one).
   conv, ssd  local (the SSD op runs on this device's heads; A_log, D, dt_bias, norm.scale are head-split)
   norm       local, plus an all-reduce of per-group sums of squares when a group spans devices (ngroups=1)
   out_proj   partial product of this device's heads, then an all-reduce (psum) over "model"
@@ -64,7 +67,7 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, *, data_axis: str = 
     for path, module in nnx.iter_modules(model):
         if isinstance(module, Mamba2):
             _check_splittable(module, size)
-            module.mesh_axes = MeshAxes(mesh, data_axis, model_axis)
+            module.mesh_axes = MeshAxes(mesh, data_axis, model_axis if size > 1 else None)
             mixer_paths.append(tuple(str(p) for p in path))
 
     def spec_of(tree_path, leaf):

@@ -1,4 +1,4 @@
-"""Tests of shard_model on 8 fake CPU devices (tests/conftest.py sets XLA_FLAGS): a (data=2, model=4) mesh."""
+"""Tests of shard_model on 8 fake CPU devices (tests/conftest.py sets XLA_FLAGS): mostly a (data=2, model=4) mesh."""
 import re
 
 import jax
@@ -10,6 +10,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_mamba2.flax_layers import Mamba2LMHeadModel, shard_model
+from jax_mamba2.flax_layers.partition import HeadShard, Segment
 
 BATCH, SEQLEN = 4, 12
 
@@ -89,3 +90,43 @@ def test_shard_model_empty_sequence_gives_empty_logits(tiny_config, mesh):
     _, sharded_ids = _ids(tiny_config, mesh, length=0)
     logits = model(sharded_ids)
     assert logits.shape == (BATCH, 0, tiny_config.padded_vocab_size)
+@pytest.mark.parametrize("tokens, collective", [(3, "reduce-scatter"), (12, "all-to-all")])
+def test_head_shard_project_moves_activations_for_few_tokens_and_weights_for_many(tokens, collective):
+    # in_proj's product on 2 devices: below d_in tokens the partial products are reduce-scattered, from d_in
+    # on the kernel's columns come by an all-to-all; both give each device its pieces, and the same gradients.
+    d_in, size = 8, 2
+    segments = (Segment(6, True), Segment(4, False), Segment(2, True))  # sharded, replicated, sharded
+    mesh = jax.make_mesh((size,), ("model",), axis_types=(AxisType.Auto,), devices=jax.devices()[:size])
+    inputs, kernel, weights = (jax.random.normal(k, shape) for k, shape in zip(
+        jax.random.split(jax.random.key(0), 3), [(tokens, d_in), (d_in, 12), (size, tokens, 3 + 4 + 1)]))
+
+    def per_device(inputs, kernel_rows):
+        return jnp.concatenate(HeadShard("model", size).project(inputs, kernel_rows, segments), axis=-1)[None]
+
+    project = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("model", None)), out_specs=P("model"))
+
+    def expected(inputs, kernel):  # device r: block r of each sharded segment, the replicated one whole
+        full = jnp.split(inputs @ kernel, [6, 10], axis=-1)
+        return jnp.stack([jnp.concatenate([full[0][:, 3 * r:3 * r + 3], full[1], full[2][:, r:r + 1]], axis=-1)
+                          for r in range(size)])
+
+    hlo = jax.jit(project).lower(inputs, kernel).compile().as_text()
+    assert collective in hlo and "all-gather" not in hlo
+    np.testing.assert_allclose(project(inputs, kernel), expected(inputs, kernel), rtol=1e-5, atol=1e-6)
+    grads = jax.grad(lambda *a: jnp.sum(project(*a) * weights), argnums=(0, 1))(inputs, kernel)
+    expected_grads = jax.grad(lambda *a: jnp.sum(expected(*a) * weights), argnums=(0, 1))(inputs, kernel)
+    for got, want in zip(grads, expected_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_shard_model_on_a_model_axis_of_size_one_is_data_parallel(tiny_config):
+    # A size-1 model axis is not named inside the mixers: values there are then not typed as varying over
+    # it, and shard_map accepts the replicated outputs.
+    mesh = jax.make_mesh((2, 1), ("data", "model"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:2])
+    config = tiny_config.replace(n_layer=1)
+    ids, _ = _ids(config, mesh)
+    expected = nnx.jit(lambda m, ids: m(ids))(_model(config), ids)
+    model = shard_model(_model(config), mesh)
+    assert model.layers.mixer.mesh_axes.model_axis is None
+    logits = nnx.jit(lambda m, ids: m(ids))(model, jax.device_put(ids, NamedSharding(mesh, P("data"))))
+    np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5)
