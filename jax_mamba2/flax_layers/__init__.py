@@ -10,7 +10,7 @@ Public API:
   load_pretrained, save_pretrained
                               mamba_ssm / HF transformers checkpoint directories.
   shard_model                 run on a (data, model) mesh: batch over "data", heads over "model".
-  RMSNorm                     (gated, grouped) RMSNorm.
+  RMSNorm                     (gated, grouped) RMSNorm, and the fused residual add + RMSNorm.
 """
 from jax_mamba2.flax_layers.cache import Mamba2Cache
 from jax_mamba2.flax_layers.checkpoint import load_pretrained, save_pretrained

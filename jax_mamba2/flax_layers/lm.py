@@ -14,18 +14,18 @@ from jax_mamba2.flax_layers.cache import Mamba2Cache
 from jax_mamba2.flax_layers.config import Mamba2Config
 from jax_mamba2.flax_layers.initializers import torch_uniform
 from jax_mamba2.flax_layers.mamba2 import Mamba2
-from jax_mamba2.flax_layers.norm import RMSNorm
+from jax_mamba2.flax_layers.norm import RMSNorm, norm_backend
 
 
 class Mamba2Block(nnx.Module):
     """Add -> RMSNorm -> Mamba2 (mamba_ssm `Block` with fused_add_norm semantics).
 
     `(hidden, residual) -> (mixer(norm(hidden + residual)), hidden + residual)`: the residual stream is carried
-    separately and kept in float32 when `residual_in_fp32`.
+    separately and kept in float32 when `residual_in_fp32`; the add and the norm are one `add_rms_norm`.
 
     Args:
       config: model configuration (d_model, norm_epsilon, residual_in_fp32 and the mixer's `ssm_cfg`).
-      backend: SSD backend of the mixer (default: "auto").
+      backend: SSD backend of the mixer (default: "auto"); the norms follow it (see `norm_backend`).
       dtype: computation dtype (default: None, inferred).
       param_dtype: parameter dtype (default: float32).
       rngs: parameter initialization keys.
@@ -34,16 +34,17 @@ class Mamba2Block(nnx.Module):
     def __init__(self, config: Mamba2Config, *, backend: str = "auto", dtype=None, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         self.residual_in_fp32 = config.residual_in_fp32
-        self.norm = RMSNorm(config.d_model, eps=config.norm_epsilon, dtype=dtype, param_dtype=param_dtype,
-                            rngs=rngs)
+        self.norm = RMSNorm(config.d_model, eps=config.norm_epsilon, backend=norm_backend(backend), dtype=dtype,
+                            param_dtype=param_dtype, rngs=rngs)
         self.mixer = Mamba2(config.d_model, **config.mixer_options, backend=backend, dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs)
 
     def _add_norm(self, hidden_states, residual):
-        residual = hidden_states + residual
+        residual_dtype = jnp.result_type(hidden_states, residual)
         if self.residual_in_fp32:
-            residual = residual.astype(jnp.promote_types(jnp.float32, residual.dtype))
-        return self.norm(residual).astype(hidden_states.dtype), residual
+            residual_dtype = jnp.promote_types(jnp.float32, residual_dtype)
+        normed, residual = self.norm.add_norm(hidden_states, residual, residual_dtype=residual_dtype)
+        return normed.astype(hidden_states.dtype), residual
 
     def __call__(self, hidden_states, residual):
         """hidden_states, residual: (batch, seqlen, d_model) -> (hidden_states, residual)."""
@@ -108,8 +109,8 @@ class Mamba2LMHeadModel(nnx.Module):
             return block
 
         self.layers = make_layers(rngs)
-        self.norm_f = RMSNorm(config.d_model, eps=config.norm_epsilon, dtype=dtype, param_dtype=param_dtype,
-                              rngs=rngs)
+        self.norm_f = RMSNorm(config.d_model, eps=config.norm_epsilon, backend=norm_backend(backend), dtype=dtype,
+                              param_dtype=param_dtype, rngs=rngs)
         self.lm_head = (nnx.data(None) if config.tie_embeddings else
                         nnx.Linear(config.d_model, vocab, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                                    kernel_init=torch_uniform(config.d_model),
@@ -117,6 +118,10 @@ class Mamba2LMHeadModel(nnx.Module):
 
     def __call__(self, input_ids):
         """input_ids (batch, seqlen) int -> logits (batch, seqlen, padded_vocab)."""
+        return self._head(self._final_hidden(input_ids))
+
+    def _final_hidden(self, input_ids):
+        """input_ids (batch, seqlen) -> the final norm's output (batch, seqlen, d_model)."""
         hidden, residual = self._embed(input_ids)
 
         def block_forward(carry, block):
@@ -126,7 +131,7 @@ class Mamba2LMHeadModel(nnx.Module):
             block_forward = nnx.remat(block_forward)
         hidden, residual = nnx.scan(block_forward, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
             (hidden, residual), self.layers)
-        return self._logits(hidden, residual)
+        return self._final_norm(hidden, residual)
 
     def prefill(self, input_ids, cache: Mamba2Cache | None = None):
         """Forward that also fills the cache.
@@ -170,11 +175,16 @@ class Mamba2LMHeadModel(nnx.Module):
         residual_dtype = jnp.promote_types(jnp.float32, hidden.dtype) if self.config.residual_in_fp32 else hidden.dtype
         return hidden, jnp.zeros(hidden.shape, residual_dtype)
 
-    def _logits(self, hidden, residual):
-        hidden = self.norm_f(hidden + residual).astype(hidden.dtype)
+    def _final_norm(self, hidden, residual):
+        return self.norm_f.add_norm(hidden, residual, return_residual=False).astype(hidden.dtype)
+
+    def _head(self, hidden):
         if self.lm_head is None:
             return self.embedding.attend(hidden)
         return self.lm_head(hidden)
+
+    def _logits(self, hidden, residual):
+        return self._head(self._final_norm(hidden, residual))
 
 
 def generate(model: Mamba2LMHeadModel, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,

@@ -28,24 +28,10 @@ DIMS = dict(batch=2, seqlen=100, nheads=4, headdim=16, ngroups=2, dstate=16)
 OPTIONAL = ("D", "z", "dt_bias", "initial_states")
 
 
-def _run_plan_emulated(plan, arrays):
-    """A bridge RunPlan: `plan` on the emulator in float64, its outputs cast to the plan's dtypes."""
-    names = list(plan.inputs)
-    shapes = [jax.ShapeDtypeStruct(arrays[n].shape, arrays[n].dtype) if n in plan.inputs
-              else jax.ShapeDtypeStruct(plan.buffers[n].shape, jnp.dtype(plan.buffers[n].dtype))
-              for n in plan.outputs]
-
-    def host(*values):
-        out = emulator.run_plan(plan, dict(zip(names, map(np.asarray, values))), float64=True)
-        return tuple(out[n].astype(s.dtype) for n, s in zip(plan.outputs, shapes))
-
-    return dict(zip(plan.outputs, jax.pure_callback(host, shapes, *(arrays[n] for n in names))))
-
-
 EMULATED = op.Backend(
-    name="cutile_emulated", forward=ops.make_forward(_run_plan_emulated),
-    forward_saving=ops.make_forward_saving(_run_plan_emulated), backward=ops.make_backward(_run_plan_emulated),
-    unsupported_reason=lambda inputs, static: None)
+    name="cutile_emulated", forward=ops.make_forward(emulator.jax_run_plan),
+    forward_saving=ops.make_forward_saving(emulator.jax_run_plan),
+    backward=ops.make_backward(emulator.jax_run_plan), unsupported_reason=lambda inputs, static: None)
 
 
 def _inputs(x, dt, A, B, C, *, dt_softplus=False, dt_limit=(0.0, math.inf), seq_idx=None, **optional):
