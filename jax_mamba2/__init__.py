@@ -6,17 +6,17 @@ Public API:
   ssd_scan, ssd_chunked    pure-JAX reference paths (lax.scan oracle, chunked algorithm).
   rms_norm, add_rms_norm   the gated, grouped RMSNorm and the residual add + RMSNorm (cuTile kernels on a GPU).
   available_backends       names of the registered SSD backends.
-  Mamba2, Mamba2LMHeadModel, Mamba2Config, generate, load_pretrained, save_pretrained, shard_model
-                           the Flax NNX layers and language model (jax_mamba2.flax_layers has the rest).
+  Mamba2, Mamba2LMHeadModel, Mamba2Config, generate, load_pretrained, save_pretrained, shard_model,
+  chunked_cross_entropy    the Flax NNX layers, language model and its loss (jax_mamba2.flax_layers has the rest).
 """
 from jax_mamba2.norm import add_rms_norm, rms_norm
 from jax_mamba2.op import available_backends, ssd, ssd_step
 from jax_mamba2.reference import ssd_chunked, ssd_scan
-from jax_mamba2.flax_layers import (Mamba2, Mamba2Config, Mamba2LMHeadModel, generate, load_pretrained,
-                                    save_pretrained, shard_model)
+from jax_mamba2.flax_layers import (Mamba2, Mamba2Config, Mamba2LMHeadModel, chunked_cross_entropy, generate,
+                                    load_pretrained, save_pretrained, shard_model)
 
 __all__ = [
     "ssd", "ssd_step", "ssd_scan", "ssd_chunked", "available_backends", "Mamba2", "Mamba2Config",
     "Mamba2LMHeadModel", "generate", "load_pretrained", "save_pretrained", "shard_model", "rms_norm",
-    "add_rms_norm",
+    "add_rms_norm", "chunked_cross_entropy",
 ]

@@ -14,6 +14,7 @@ from jax_mamba2.flax_layers.cache import Mamba2Cache
 from jax_mamba2.flax_layers.config import Mamba2Config
 from jax_mamba2.flax_layers.initializers import torch_uniform
 from jax_mamba2.flax_layers.mamba2 import Mamba2
+from jax_mamba2.flax_layers.loss import chunked_cross_entropy
 from jax_mamba2.flax_layers.norm import RMSNorm, norm_backend
 
 
@@ -72,7 +73,8 @@ class Mamba2LMHeadModel(nnx.Module):
     `lm_head.kernel` (d_model, padded_vocab) unless `tie_embeddings`. Initialization follows mamba_ssm's
     `_init_weights`: embedding N(0, 0.02), Linear biases zero, out_proj kernels divided by sqrt(n_layer).
 
-    Logits cover the padded vocabulary (as in mamba_ssm); `generate` samples from the first `vocab_size`.
+    Logits cover the padded vocabulary (as in mamba_ssm); `generate` samples from the first `vocab_size`, and
+    `loss` (the training objective: the LM head fused with a chunked cross-entropy) normalizes over them only.
 
     Args:
       config: the model configuration.
@@ -119,6 +121,41 @@ class Mamba2LMHeadModel(nnx.Module):
     def __call__(self, input_ids):
         """input_ids (batch, seqlen) int -> logits (batch, seqlen, padded_vocab)."""
         return self._head(self._final_hidden(input_ids))
+
+    def loss(self, input_ids, labels=None, *, shift_labels=None, chunk_tokens: int = 2048, ignore_index: int = -100):
+        """Mean next-token cross-entropy, never materializing the whole batch's logits (`chunked_cross_entropy`).
+
+        As HF transformers' causal-LM loss: `labels` (default: input_ids) are aligned with input_ids and shifted
+        here, so position t is scored on labels[:, t + 1] (the last position on nothing); `shift_labels` gives
+        the targets already shifted instead (shift_labels[:, t] scores position t; e.g. input_ids =
+        tokens[:, :-1] with shift_labels = tokens[:, 1:]). Positions whose target is `ignore_index` do not count.
+        The softmax runs over the first `config.vocab_size` columns (the padding columns are excluded).
+
+        Args:
+          input_ids: (batch, seqlen) int.
+          labels: optional (batch, seqlen) int, unshifted.
+          shift_labels: optional (batch, seqlen) int, already shifted; not together with labels.
+          chunk_tokens: tokens per chunk of the fused head + loss (default 2048).
+          ignore_index: target value of positions left out (default -100).
+
+        Returns:
+          The scalar mean loss (float32; float64 for a float64 model).
+        """
+        if labels is not None and shift_labels is not None:
+            raise ValueError("Mamba2LMHeadModel.loss: pass labels (unshifted) or shift_labels, not both")
+        if shift_labels is None:
+            labels = input_ids if labels is None else labels
+            name, targets = "labels", jnp.pad(labels[:, 1:], ((0, 0), (0, 1)), constant_values=ignore_index)
+        else:
+            name, labels, targets = "shift_labels", shift_labels, shift_labels
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"Mamba2LMHeadModel.loss: {name}.shape={labels.shape} must be "
+                             f"input_ids.shape={input_ids.shape}")
+        weight = (dict(embedding=self.embedding.embedding[...]) if self.lm_head is None else
+                  dict(head_weight=self.lm_head.kernel[...]))
+        hidden = self._final_hidden(input_ids)
+        return chunked_cross_entropy(hidden, targets, **weight, vocab_size=self.config.vocab_size,
+                                     chunk_tokens=chunk_tokens, ignore_index=ignore_index, dtype=self.dtype)
 
     def _final_hidden(self, input_ids):
         """input_ids (batch, seqlen) -> the final norm's output (batch, seqlen, d_model)."""

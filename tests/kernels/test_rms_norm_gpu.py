@@ -1,6 +1,7 @@
 """The RMSNorm kernels on the GPU (run on the H200; skipped elsewhere): jax_mamba2.rms_norm / add_rms_norm with the
 "cutile" and "cutile_callback" backends, forward and backward against the float64 reference on fresh random
-inputs, at the test cases and at the LM's shapes; the weight gradient bitwise reproducible.
+inputs, at the test cases and at the LM's shapes; the weight gradient bitwise reproducible; the LM's norms
+and loss on the kernels.
 
     python -m pytest -m gpu tests/kernels/test_rms_norm_gpu.py
 """
@@ -10,8 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jax_mamba2
+from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel
 from tests._helpers import rel_l2
 from tests.kernels._norm_checks import CASES, EPS, NormCase, make_inputs, oracle
 
@@ -76,3 +79,25 @@ def test_weight_gradient_is_bitwise_reproducible():
     for other in grads[1:]:
         assert np.array_equal(np.asarray(grads[0][3]), np.asarray(other[3]))
 
+
+def test_lm_runs_its_norms_on_the_kernels_and_its_loss_matches_xla():
+    """A bf16 LM: the compiled training step holds the norm kernels' custom calls, and its chunked loss and
+    gradients agree with the pure-JAX backend's."""
+    config = Mamba2Config(d_model=256, n_layer=2, vocab_size=1000, pad_vocab_size_multiple=16,
+                          ssm_cfg=dict(d_state=64, headdim=64, ngroups=2, chunk_size=64))
+    ids = jax.random.randint(jax.random.key(3), (2, 256), 0, config.vocab_size)
+    results = {}
+    for backend in ("cutile", "xla"):
+        model = Mamba2LMHeadModel(config, backend=backend, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        step = nnx.jit(nnx.value_and_grad(lambda m: m.loss(ids, chunk_tokens=128)))
+        results[backend] = step(model)
+        if backend == "cutile":
+            graphdef, state = nnx.split(model)
+            hlo = jax.jit(lambda s: nnx.value_and_grad(lambda m: m.loss(ids))(nnx.merge(graphdef, s))).lower(
+                state).compile().as_text()
+            for kernel in ("rms_norm_fwd_kernel", "rms_norm_bwd_kernel", "rms_norm_dweight_kernel"):
+                assert kernel in hlo, kernel
+    (loss, grads), (want, want_grads) = results["cutile"], results["xla"]
+    assert abs(float(loss) - float(want)) < 1e-2 * abs(float(want))
+    for (path, g), (_, w) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(want_grads)):
+        assert rel_l2(g[...], w[...]) < 3e-2, path
