@@ -6,25 +6,27 @@ Public API:
   ssd_scan, ssd_chunked    pure-JAX reference paths (lax.scan oracle, chunked algorithm).
   causal_conv1d_silu       the mixer's causal depthwise conv1d + SiLU (causal_conv1d's `causal_conv1d_fn`).
   mamba2_decode_step       one decode step of a Mamba2 layer between in_proj and out_proj (one kernel).
+  rms_norm, add_rms_norm   the gated, grouped RMSNorm and the residual add + RMSNorm (cuTile kernels on a GPU).
   available_backends       names of the SSD backends that can run in this process.
   backend_status           for every known backend: whether it can run here and, if not, why.
   autotune                 tune the cuTile kernel configs of a program's SSD calls ahead of time.
-  Mamba2, Mamba2LMHeadModel, Mamba2Config, generate, load_pretrained, save_pretrained, shard_model
-                           the Flax NNX layers and language model (jax_mamba2.flax_layers has the rest).
+  Mamba2, Mamba2LMHeadModel, Mamba2Config, generate, load_pretrained, save_pretrained, shard_model,
+  chunked_cross_entropy    the Flax NNX layers, language model and its loss (jax_mamba2.flax_layers has the rest).
   __version__              the installed version (the source tree's, when it is not installed).
 """
 from jax_mamba2._version import __version__
 from jax_mamba2.conv1d import causal_conv1d_silu
 from jax_mamba2.autotuning import autotune
 from jax_mamba2.backends import available_backends, backend_status
+from jax_mamba2.norm import add_rms_norm, rms_norm
 from jax_mamba2.op import ssd, ssd_step
 from jax_mamba2.reference import ssd_chunked, ssd_scan
 from jax_mamba2.decode_step import mamba2_decode_step
-from jax_mamba2.flax_layers import (Mamba2, Mamba2Config, Mamba2LMHeadModel, generate, load_pretrained,
-                                    save_pretrained, shard_model)
+from jax_mamba2.flax_layers import (Mamba2, Mamba2Config, Mamba2LMHeadModel, chunked_cross_entropy, generate,
+                                    load_pretrained, save_pretrained, shard_model)
 
 __all__ = [
     "__version__", "ssd", "ssd_step", "ssd_scan", "ssd_chunked", "causal_conv1d_silu", "mamba2_decode_step",
     "available_backends", "backend_status", "autotune", "Mamba2", "Mamba2Config", "Mamba2LMHeadModel", "generate", "load_pretrained",
-    "save_pretrained", "shard_model",
+    "save_pretrained", "shard_model", "rms_norm", "add_rms_norm", "chunked_cross_entropy",
 ]

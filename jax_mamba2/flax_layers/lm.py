@@ -16,18 +16,20 @@ from jax_mamba2.flax_layers.cache import Mamba2Cache
 from jax_mamba2.flax_layers.config import Mamba2Config
 from jax_mamba2.flax_layers.initializers import torch_uniform
 from jax_mamba2.flax_layers.mamba2 import Mamba2
-from jax_mamba2.flax_layers.norm import RMSNorm
+from jax_mamba2.flax_layers.loss import chunked_cross_entropy
+from jax_mamba2.flax_layers.norm import RMSNorm, norm_backend
 
 
 class Mamba2Block(nnx.Module):
     """Add -> RMSNorm -> Mamba2 (mamba_ssm `Block` with fused_add_norm semantics).
 
     `(hidden, residual) -> (mixer(norm(hidden + residual)), hidden + residual)`: the residual stream is carried
-    separately and kept in float32 when `residual_in_fp32`.
+    separately and kept in float32 when `residual_in_fp32`; the add and the norm are one `add_rms_norm`.
 
     Args:
       config: model configuration (d_model, norm_epsilon, residual_in_fp32 and the mixer's `ssm_cfg`).
-      backend, deterministic_backward, save_chunk_states: the mixer's SSD options (see `Mamba2`).
+      backend, deterministic_backward, save_chunk_states: the mixer's SSD options (see `Mamba2`); the norms
+        follow the backend (see `norm_backend`).
       dtype: computation dtype (default: None, inferred).
       param_dtype: parameter dtype (default: float32).
       rngs: parameter initialization keys.
@@ -36,17 +38,18 @@ class Mamba2Block(nnx.Module):
     def __init__(self, config: Mamba2Config, *, backend: str = "auto", deterministic_backward: bool = False,
                  save_chunk_states: bool = True, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.residual_in_fp32 = config.residual_in_fp32
-        self.norm = RMSNorm(config.d_model, eps=config.norm_epsilon, dtype=dtype, param_dtype=param_dtype,
-                            rngs=rngs)
+        self.norm = RMSNorm(config.d_model, eps=config.norm_epsilon, backend=norm_backend(backend), dtype=dtype,
+                            param_dtype=param_dtype, rngs=rngs)
         self.mixer = Mamba2(config.d_model, **config.mixer_options, backend=backend,
                             deterministic_backward=deterministic_backward, save_chunk_states=save_chunk_states,
                             dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def _add_norm(self, hidden_states, residual):
-        residual = hidden_states + residual
+        residual_dtype = jnp.result_type(hidden_states, residual)
         if self.residual_in_fp32:
-            residual = residual.astype(jnp.promote_types(jnp.float32, residual.dtype))
-        return self.norm(residual).astype(hidden_states.dtype), residual
+            residual_dtype = jnp.promote_types(jnp.float32, residual_dtype)
+        normed, residual = self.norm.add_norm(hidden_states, residual, residual_dtype=residual_dtype)
+        return normed.astype(hidden_states.dtype), residual
 
     def _check_inputs(self, api: str, hidden_states, residual, cache, *, sequence: bool) -> None:
         """hidden_states and residual: (batch, seqlen, d_model) (or (batch, d_model) for a step), floating;
@@ -88,7 +91,8 @@ class Mamba2LMHeadModel(nnx.Module):
     `lm_head.kernel` (d_model, padded_vocab) unless `tie_embeddings`. Initialization follows mamba_ssm's
     `_init_weights`: embedding N(0, 0.02), Linear biases zero, out_proj kernels divided by sqrt(n_layer).
 
-    Logits cover the padded vocabulary (as in mamba_ssm); `generate` samples from the first `vocab_size`.
+    Logits cover the padded vocabulary (as in mamba_ssm); `generate` samples from the first `vocab_size`, and
+    `loss` (the training objective: the LM head fused with a chunked cross-entropy) normalizes over them only.
 
     Args:
       config: the model configuration.
@@ -128,8 +132,8 @@ class Mamba2LMHeadModel(nnx.Module):
             return block
 
         self.layers = make_layers(rngs)
-        self.norm_f = RMSNorm(config.d_model, eps=config.norm_epsilon, dtype=dtype, param_dtype=param_dtype,
-                              rngs=rngs)
+        self.norm_f = RMSNorm(config.d_model, eps=config.norm_epsilon, backend=norm_backend(backend), dtype=dtype,
+                              param_dtype=param_dtype, rngs=rngs)
         self.lm_head = (nnx.data(None) if config.tie_embeddings else
                         nnx.Linear(config.d_model, vocab, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                                    kernel_init=torch_uniform(config.d_model),
@@ -144,6 +148,46 @@ class Mamba2LMHeadModel(nnx.Module):
           ValueError, TypeError: for input_ids that are not a 2-D integer array.
         """
         self._check_inputs("Mamba2LMHeadModel.__call__", input_ids, None, sequence=True)
+        return self._head(self._final_hidden(input_ids))
+
+    def loss(self, input_ids, labels=None, *, shift_labels=None, chunk_tokens: int = 2048, ignore_index: int = -100):
+        """Mean next-token cross-entropy, never materializing the whole batch's logits (`chunked_cross_entropy`).
+
+        As HF transformers' causal-LM loss: `labels` (default: input_ids) are aligned with input_ids and shifted
+        here, so position t is scored on labels[:, t + 1] (the last position on nothing); `shift_labels` gives
+        the targets already shifted instead (shift_labels[:, t] scores position t; e.g. input_ids =
+        tokens[:, :-1] with shift_labels = tokens[:, 1:]). Positions whose target is `ignore_index` do not count.
+        The softmax runs over the first `config.vocab_size` columns (the padding columns are excluded).
+
+        Args:
+          input_ids: (batch, seqlen) int.
+          labels: optional (batch, seqlen) int, unshifted.
+          shift_labels: optional (batch, seqlen) int, already shifted; not together with labels.
+          chunk_tokens: tokens per chunk of the fused head + loss (default 2048).
+          ignore_index: target value of positions left out (default -100).
+
+        Returns:
+          The scalar mean loss (float32; float64 for a float64 model).
+        """
+        self._check_inputs("Mamba2LMHeadModel.loss", input_ids, None, sequence=True)
+        if labels is not None and shift_labels is not None:
+            raise ValueError("Mamba2LMHeadModel.loss: pass labels (unshifted) or shift_labels, not both")
+        if shift_labels is None:
+            labels = input_ids if labels is None else labels
+            name, targets = "labels", jnp.pad(labels[:, 1:], ((0, 0), (0, 1)), constant_values=ignore_index)
+        else:
+            name, labels, targets = "shift_labels", shift_labels, shift_labels
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"Mamba2LMHeadModel.loss: {name}.shape={labels.shape} must be "
+                             f"input_ids.shape={input_ids.shape}")
+        weight = (dict(embedding=self.embedding.embedding[...]) if self.lm_head is None else
+                  dict(head_weight=self.lm_head.kernel[...]))
+        hidden = self._final_hidden(input_ids)
+        return chunked_cross_entropy(hidden, targets, **weight, vocab_size=self.config.vocab_size,
+                                     chunk_tokens=chunk_tokens, ignore_index=ignore_index, dtype=self.dtype)
+
+    def _final_hidden(self, input_ids):
+        """input_ids (batch, seqlen) -> the final norm's output (batch, seqlen, d_model)."""
         hidden, residual = self._embed(input_ids)
 
         def block_forward(carry, block):
@@ -153,7 +197,7 @@ class Mamba2LMHeadModel(nnx.Module):
             block_forward = nnx.remat(block_forward)
         hidden, residual = nnx.scan(block_forward, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
             (hidden, residual), self.layers)
-        return self._logits(hidden, residual)
+        return self._final_norm(hidden, residual)
 
     def prefill(self, input_ids, cache: Mamba2Cache | None = None):
         """Forward that also fills the cache.
@@ -218,11 +262,16 @@ class Mamba2LMHeadModel(nnx.Module):
         residual_dtype = jnp.promote_types(jnp.float32, hidden.dtype) if self.config.residual_in_fp32 else hidden.dtype
         return hidden, jnp.zeros(hidden.shape, residual_dtype)
 
-    def _logits(self, hidden, residual):
-        hidden = self.norm_f(hidden + residual).astype(hidden.dtype)
+    def _final_norm(self, hidden, residual):
+        return self.norm_f.add_norm(hidden, residual, return_residual=False).astype(hidden.dtype)
+
+    def _head(self, hidden):
         if self.lm_head is None:
             return self.embedding.attend(hidden)
         return self.lm_head(hidden)
+
+    def _logits(self, hidden, residual):
+        return self._head(self._final_norm(hidden, residual))
 
 
 def generate(model: Mamba2LMHeadModel, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,

@@ -27,7 +27,7 @@ from jax_mamba2.flax_layers._tree import param_path
 from jax_mamba2.flax_layers.cache import Mamba2Cache
 from jax_mamba2.flax_layers.conv import CausalConv1d, causal_conv1d_step
 from jax_mamba2.flax_layers.initializers import A_log_init, dt_bias_init, torch_uniform
-from jax_mamba2.flax_layers.norm import RMSNorm
+from jax_mamba2.flax_layers.norm import RMSNorm, norm_backend
 from jax_mamba2.flax_layers.partition import HeadShard, MeshAxes, Segment
 from jax_mamba2.op import ssd, ssd_step
 
@@ -79,7 +79,8 @@ class Mamba2(nnx.Module):
       bias: biases in in_proj and out_proj (default: False).
       conv_bias: bias in conv1d (default: True).
       chunk_size: chunk length of the SSD (power of two; default: 256).
-      backend: SSD backend, "auto" | "cutile" | "cutile_callback" | "xla" | "scan" (default: "auto").
+      backend: SSD backend, "auto" | "cutile" | "cutile_callback" | "xla" | "scan" (default: "auto"); the
+        gated norm follows it (`norm_backend`: "xla" and "scan" keep it in pure JAX).
       deterministic_backward, save_chunk_states: options of the SSD's cuTile backward (see `ssd`; defaults
         False and True). Not named `deterministic`: `nnx.Module.eval()` sets every such attribute.
       dtype: computation dtype (default: None, promoted from inputs and parameters). The dt/state math of the
@@ -152,7 +153,8 @@ class Mamba2(nnx.Module):
         self.A_log = nnx.Param(A_log_init(rngs.params(), nheads, A_init_range=A_init_range, dtype=param_dtype))
         self.D = nnx.Param(jnp.ones((d_ssm,) if D_has_hdim else (nheads,), param_dtype))
         self.norm = (RMSNorm(d_ssm, eps=1e-5, group_size=d_ssm // ngroups, norm_before_gate=norm_before_gate,
-                             param_dtype=param_dtype, rngs=rngs) if rmsnorm else nnx.data(None))
+                             backend=norm_backend(backend), param_dtype=param_dtype, rngs=rngs)
+                     if rmsnorm else nnx.data(None))
         self.out_proj = nnx.Linear(d_inner, d_model, use_bias=bias, param_dtype=param_dtype,
                                    kernel_init=torch_uniform(d_inner), bias_init=torch_uniform(d_inner), rngs=rngs)
 

@@ -1,57 +1,24 @@
-"""RMSNorm with mamba_ssm's optional SiLU gate and group-wise statistics (`mamba_ssm.ops.triton.layernorm_gated`).
+"""`RMSNorm`: the block, final and (gated, grouped) mixer norms as an NNX layer over `jax_mamba2.rms_norm`.
 
-One function serves the block/final norms (no gate, one group) and the mixer's gated norm:
-
-  x <- x * silu(z)                    if z is given and not norm_before_gate
-  y  = x / sqrt(mean_group(x^2) + eps) * weight
-  y <- y * silu(z)                    if z is given and norm_before_gate
-
-computed in float32 (float64 for float64 inputs) and returned in the input's dtype.
+The math is `jax_mamba2.norm_reference` (mamba_ssm `RMSNorm` / `RMSNormGated` and the fused residual add +
+norm of `Block`); the op runs it as cuTile kernels on a GPU ("auto") or in pure JAX ("xla").
 """
-import math
 from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_mamba2 import norm as norm_op
 
-def rms_norm(x, weight, z=None, *, eps, group_size=None, norm_before_gate=False, sum_groups=None):
-    """Gated, grouped RMSNorm over the last axis.
 
-    Args:
-      x: (..., features), any float dtype.
-      weight: (features,).
-      z: optional gate, same shape as x.
-      eps: added to the mean square.
-      group_size: statistics over consecutive groups of this many features (None: all features).
-      norm_before_gate: gate after normalizing (True) or before (False, Mamba-2's default).
-      sum_groups: for a group split across devices (the tensor-parallel mixer): maps the local sums of squares
-        (..., features // gcd(group_size, features)), one per piece of a group, to the whole group's sums.
-
-    Returns:
-      (..., features) in x.dtype.
-    """
-    compute_dtype = jnp.promote_types(jnp.float32, x.dtype)
-    features = x.shape[-1]
-    group_size = features if group_size is None else group_size
-    h = x.astype(compute_dtype)
-    if z is not None and not norm_before_gate:
-        h = h * jax.nn.silu(z.astype(compute_dtype))
-    piece = math.gcd(group_size, features)  # == group_size unless a group spans several devices
-    grouped = h.reshape(*h.shape[:-1], features // piece, piece)
-    sum_sq = jnp.sum(jnp.square(grouped), axis=-1)
-    if sum_groups is not None:
-        sum_sq = sum_groups(sum_sq)
-    rstd = jax.lax.rsqrt(sum_sq / group_size + eps)
-    y = (grouped * rstd[..., None]).reshape(h.shape) * weight.astype(compute_dtype)
-    if z is not None and norm_before_gate:
-        y = y * jax.nn.silu(z.astype(compute_dtype))
-    return y.astype(x.dtype)
+def norm_backend(ssd_backend: str) -> str:
+    """The norm op's backend for a layer built with SSD backend `ssd_backend`: "auto" and the kernel backends
+    carry over, the pure-JAX SSD paths ("xla", "scan") keep the norms in pure JAX too."""
+    return ssd_backend if ssd_backend in norm_op.BACKENDS else "xla"
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm layer (mamba_ssm `RMSNorm` / `RMSNormGated`); see `rms_norm` for the math.
+    """RMSNorm layer (mamba_ssm `RMSNorm` / `RMSNormGated`); see `jax_mamba2.rms_norm` for the math.
 
     The scale parameter is `scale` (NNX naming; mamba_ssm calls it `weight`), shape (features,), init ones.
 
@@ -60,21 +27,35 @@ class RMSNorm(nnx.Module):
       eps: added to the mean square (default: 1e-5).
       group_size: features per statistics group (default: None, all features); must divide `features`.
       norm_before_gate: gate placement when called with `z` (default: False).
+      backend: the op's backend, "auto" | "cutile" | "cutile_callback" | "xla" (default: "auto").
       dtype: output dtype (default: None, the input's dtype).
       param_dtype: dtype of `scale` (default: float32).
       rngs: unused by the initializer; accepted for NNX's constructor convention.
     """
 
     def __init__(self, features: int, *, eps: float = 1e-5, group_size: int | None = None,
-                 norm_before_gate: bool = False, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 norm_before_gate: bool = False, backend: str = "auto", dtype=None, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         del rngs  # ones init needs no randomness
         if group_size is not None and (group_size < 1 or features % group_size):
             raise ValueError(f"RMSNorm: group_size={group_size} must be a positive divisor of {features=}")
+        if backend not in norm_op.BACKENDS:
+            raise ValueError(f"RMSNorm: backend={backend!r} must be one of {norm_op.BACKENDS}")
         self.eps, self.group_size, self.norm_before_gate, self.dtype = eps, group_size, norm_before_gate, dtype
+        self.backend = backend
         self.scale = nnx.Param(jnp.ones((features,), param_dtype))
 
     def __call__(self, x, z=None, *, sum_groups: Callable | None = None):
-        """Normalizes x (..., features), gated by z if given; `sum_groups` as in `rms_norm`."""
-        y = rms_norm(x, self.scale[...], z, eps=self.eps, group_size=self.group_size,
-                     norm_before_gate=self.norm_before_gate, sum_groups=sum_groups)
+        """Normalizes x (..., features), gated by z if given; `sum_groups` as in `jax_mamba2.rms_norm` (it
+        runs the XLA path)."""
+        y = norm_op.rms_norm(x, self.scale[...], z, eps=self.eps, group_size=self.group_size,
+                             norm_before_gate=self.norm_before_gate, sum_groups=sum_groups, backend=self.backend)
         return y if self.dtype is None else y.astype(self.dtype)
+
+    def add_norm(self, x, residual, *, residual_dtype=None, return_residual: bool = True):
+        """The fused residual add + norm: (norm(h), h) with h = x + residual in `residual_dtype` (default: the
+        result type of x and residual); the output in `dtype`, else x's. Ungated, one group (the block and
+        final norms). With return_residual=False only norm(h)."""
+        return norm_op.add_rms_norm(x, residual, self.scale[...], eps=self.eps, residual_dtype=residual_dtype,
+                                    out_dtype=self.dtype or x.dtype, return_residual=return_residual,
+                                    backend=self.backend)

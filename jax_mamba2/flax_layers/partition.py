@@ -170,7 +170,7 @@ class HeadShard:
 
     def sum_split_groups(self, group_size: int, local_features: int):
         """For a norm group larger than this device's features (it spans devices): a function mapping the
-        local per-piece sums of squares (..., pieces) to the whole groups' sums (see `norm.rms_norm`).
+        local per-piece sums of squares (..., pieces) to the whole groups' sums (see `jax_mamba2.rms_norm`).
         None when every group is local."""
         if group_size <= local_features:
             return None

@@ -32,7 +32,7 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    LOG2E, Buffer, ConstBool, ConstInt, Launch, Plan, exp2_ftz, int64_index_kernels, is_power_of_2,
+    LOG2E, Big, Buffer, ConstBool, ConstInt, Launch, Plan, exp2_ftz, int64_index_kernels, is_power_of_2,
     next_power_of_2)
 
 _INT32_MAX = (1 << 31) - 1
@@ -186,31 +186,28 @@ def _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y, WIDTH, INIT_WIDT
         ct.scatter(y, (b, l * BLOCK_L + r, cols), out.astype(y.dtype))
 
 
-def _make_conv_fwd_kernel(Big):
-    @ct.kernel(occupancy=3)
-    def causal_conv1d_fwd_kernel(
-        x: Big,                # (batch, seqlen, channels) T
-        weight,                # (WIDTH, channels) T
-        bias,                  # (channels,) T
-        initial_states: Big,   # (batch, channels, INIT_WIDTH) T, or a dummy
-        seq_idx,               # (batch, seqlen) int32, or a dummy
-        y: Big,                # (batch, seqlen, channels) T, written
-        WIDTH: ConstInt,
-        INIT_WIDTH: ConstInt,
-        BLOCK_L: ConstInt,
-        BLOCK_C: ConstInt,
-        HAS_INIT: ConstBool,
-        HAS_SEQ_IDX: ConstBool,
-        SILU: ConstBool,
-    ):
-        _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y, WIDTH, INIT_WIDTH, BLOCK_L, BLOCK_C,
-                       HAS_INIT, HAS_SEQ_IDX, SILU)
-
-    return causal_conv1d_fwd_kernel
+def causal_conv1d_fwd_kernel(
+    x: Big,                # (batch, seqlen, channels) T
+    weight,                # (WIDTH, channels) T
+    bias,                  # (channels,) T
+    initial_states: Big,   # (batch, channels, INIT_WIDTH) T, or a dummy
+    seq_idx,               # (batch, seqlen) int32, or a dummy
+    y: Big,                # (batch, seqlen, channels) T, written
+    WIDTH: ConstInt,
+    INIT_WIDTH: ConstInt,
+    BLOCK_L: ConstInt,
+    BLOCK_C: ConstInt,
+    HAS_INIT: ConstBool,
+    HAS_SEQ_IDX: ConstBool,
+    SILU: ConstBool,
+):
+    _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y, WIDTH, INIT_WIDTH, BLOCK_L, BLOCK_C,
+                   HAS_INIT, HAS_SEQ_IDX, SILU)
 
 
 # (int32-indexed, int64-indexed) entries of the one body.
-CONV_FWD_KERNELS = int64_index_kernels(_make_conv_fwd_kernel)
+# Three blocks per SM: the forward is memory-bound, and more blocks in flight hide the gathers' latency.
+CONV_FWD_KERNELS = tuple(k.replace_hints(occupancy=3) for k in int64_index_kernels(causal_conv1d_fwd_kernel))
 
 
 @dataclasses.dataclass(frozen=True)

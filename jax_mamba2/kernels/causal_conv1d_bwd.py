@@ -36,7 +36,7 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    Buffer, ConstBool, ConstInt, Launch, Plan, int64_index_kernels, next_power_of_2)
+    Big, Buffer, ConstBool, ConstInt, Launch, Plan, int64_index_kernels, next_power_of_2)
 from jax_mamba2.kernels.causal_conv1d import (
     CONV_INPUTS, ConvDims, check_block_c, conv_arrays, halo_rows, masked_taps, needs_int64_index, preactivation,
     sigmoid, token_ids, token_rows, weight_rows, widened)
@@ -184,33 +184,29 @@ def _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy, dx, dinitial_st
     ct.scatter(dbias_partials, (part, cols), dbias)
 
 
-def _make_conv_bwd_kernel(Big):
-    @ct.kernel(occupancy=2)
-    def causal_conv1d_bwd_kernel(
-        x: Big,                 # (batch, seqlen, channels) T
-        weight,                 # (WIDTH, channels) T
-        bias,                   # (channels,) T
-        initial_states: Big,    # (batch, channels, INIT_WIDTH) T, or a dummy
-        seq_idx,                # (batch, seqlen) int32, or a dummy
-        dy: Big,                # (batch, seqlen, channels) T
-        dx: Big,                # (batch, seqlen, channels) T, written
-        dinitial_states: Big,   # (batch, channels, INIT_WIDTH) f32, zero-initialised, written; or a dummy
-        dweight_partials: Big,  # (partials, WIDTH, channels) f32, written
-        dbias_partials: Big,    # (partials, channels) f32, written
-        WIDTH: ConstInt,
-        INIT_WIDTH: ConstInt,
-        BLOCK_L: ConstInt,
-        SEGMENT_TILES: ConstInt,
-        BLOCK_C: ConstInt,
-        HAS_INIT: ConstBool,
-        HAS_SEQ_IDX: ConstBool,
-        SILU: ConstBool,
-    ):
-        _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy, dx, dinitial_states, dweight_partials,
-                       dbias_partials, WIDTH, INIT_WIDTH, BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX,
-                       SILU)
-
-    return causal_conv1d_bwd_kernel
+def causal_conv1d_bwd_kernel(
+    x: Big,                 # (batch, seqlen, channels) T
+    weight,                 # (WIDTH, channels) T
+    bias,                   # (channels,) T
+    initial_states: Big,    # (batch, channels, INIT_WIDTH) T, or a dummy
+    seq_idx,                # (batch, seqlen) int32, or a dummy
+    dy: Big,                # (batch, seqlen, channels) T
+    dx: Big,                # (batch, seqlen, channels) T, written
+    dinitial_states: Big,   # (batch, channels, INIT_WIDTH) f32, zero-initialised, written; or a dummy
+    dweight_partials: Big,  # (partials, WIDTH, channels) f32, written
+    dbias_partials: Big,    # (partials, channels) f32, written
+    WIDTH: ConstInt,
+    INIT_WIDTH: ConstInt,
+    BLOCK_L: ConstInt,
+    SEGMENT_TILES: ConstInt,
+    BLOCK_C: ConstInt,
+    HAS_INIT: ConstBool,
+    HAS_SEQ_IDX: ConstBool,
+    SILU: ConstBool,
+):
+    _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy, dx, dinitial_states, dweight_partials,
+                   dbias_partials, WIDTH, INIT_WIDTH, BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX,
+                   SILU)
 
 
 def _conv_grads_reduce_body(dweight_partials, dbias_partials, dweight, dbias, WIDTH_TILE, BLOCK_C):
@@ -229,23 +225,19 @@ def _conv_grads_reduce_body(dweight_partials, dbias_partials, dweight, dbias, WI
     ct.store(dbias, index=(item, cb), tile=db.reshape((1, BLOCK_C)))
 
 
-def _make_conv_grads_reduce_kernel(Big):
-    @ct.kernel
-    def conv_grads_reduce_kernel(
-        dweight_partials: Big,  # (partials, WIDTH, channels) f32
-        dbias_partials: Big,    # (partials, channels) f32
-        dweight,                # (items, WIDTH, channels) f32, written
-        dbias,                  # (items, channels) f32, written
-        WIDTH_TILE: ConstInt,
-        BLOCK_C: ConstInt,
-    ):
-        _conv_grads_reduce_body(dweight_partials, dbias_partials, dweight, dbias, WIDTH_TILE, BLOCK_C)
-
-    return conv_grads_reduce_kernel
+def conv_grads_reduce_kernel(
+    dweight_partials: Big,  # (partials, WIDTH, channels) f32
+    dbias_partials: Big,    # (partials, channels) f32
+    dweight,                # (items, WIDTH, channels) f32, written
+    dbias,                  # (items, channels) f32, written
+    WIDTH_TILE: ConstInt,
+    BLOCK_C: ConstInt,
+):
+    _conv_grads_reduce_body(dweight_partials, dbias_partials, dweight, dbias, WIDTH_TILE, BLOCK_C)
 
 
-CONV_BWD_KERNELS = int64_index_kernels(_make_conv_bwd_kernel)
-CONV_GRADS_REDUCE_KERNELS = int64_index_kernels(_make_conv_grads_reduce_kernel)
+CONV_BWD_KERNELS = tuple(k.replace_hints(occupancy=2) for k in int64_index_kernels(causal_conv1d_bwd_kernel))
+CONV_GRADS_REDUCE_KERNELS = int64_index_kernels(conv_grads_reduce_kernel)
 
 
 @dataclasses.dataclass(frozen=True)

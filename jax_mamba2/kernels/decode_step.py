@@ -40,7 +40,7 @@ import math
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    KERNEL_DTYPES, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, SSDDims, dt_transform,
+    KERNEL_DTYPES, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, SSDDims, dt_transform,
     int64_index_kernels, next_power_of_2, select_kernel, silu_gate)
 from jax_mamba2.kernels._tiles import batch_head_group
 
@@ -99,103 +99,99 @@ def _normalize_group(y, unscaled, sumsq, b, g, GROUP_SIZE, NORM_BLOCK, PARTIALS_
         ct.store(y, index=index, tile=(piece * rstd).astype(y.dtype))
 
 
-def _make_decode_step_kernel(Big):
-    @ct.kernel
-    def decode_step_kernel(
-        z,                    # (batch, d_ssm) T
-        xBC,                  # (batch, conv_dim) T
-        dt,                   # (batch, nheads) T or f32
-        conv_state: Big,      # (batch, conv_dim, d_conv)
-        conv_weight,          # (d_conv, conv_dim)
-        conv_bias,            # (conv_dim,), or a dummy without HAS_CONV_BIAS
-        ssm_state: Big,       # (batch, nheads, headdim, dstate) f32 or T
-        A,                    # (nheads,) f32
-        D,                    # (nheads, headdim) with D_HAS_HDIM, else (nheads,)
-        dt_bias,              # (nheads,)
-        norm_weight,          # (d_ssm,), or a dummy without RMSNORM
-        y,                    # (batch, d_ssm) T, written
-        new_conv_state: Big,  # like conv_state, written
-        new_ssm_state: Big,   # like ssm_state, written
-        unscaled,             # (batch, d_ssm) f32 workspace, or a dummy without RMSNORM
-        sumsq,                # (batch, ngroups, blocks per group) f32 workspace, or a dummy
-        arrivals,             # (batch, ngroups) int32, zeros, or a dummy
-        NHEADS: ConstInt,
-        HEADDIM: ConstInt,
-        DSTATE: ConstInt,
-        NGROUPS: ConstInt,
-        D_CONV: ConstInt,
-        DCONV_TILE: ConstInt,        # next power of two >= D_CONV
-        BLOCK_P: ConstInt,
-        NORM_BLOCK: ConstInt,        # features per load of the normalizing block (divides the group size)
-        PARTIALS_TILE: ConstInt,     # next power of two >= blocks per group
-        HAS_CONV_BIAS: ConstBool,
-        D_HAS_HDIM: ConstBool,
-        RMSNORM: ConstBool,
-        NORM_BEFORE_GATE: ConstBool,
-        EPS: ConstFloat,
-        DT_SOFTPLUS: ConstBool,
-        HAS_DT_LIMIT: ConstBool,
-        DT_MIN: ConstFloat,
-        DT_MAX: ConstFloat,
-    ):
-        b, h, g = batch_head_group(ct.bid(0), NHEADS, NGROUPS)
-        pb = ct.bid(1)
-        heads_per_group = NHEADS // NGROUPS
-        pieces_per_head = HEADDIM // BLOCK_P
-        piece = h * pieces_per_head + pb                  # this block's BLOCK_P-wide piece of d_ssm
-        bc_start = NHEADS * HEADDIM + g * DSTATE          # group g's B channels; its C channels NGROUPS * DSTATE on
-        first_of_group = (h % heads_per_group == 0) & (pb == 0)
+def decode_step_kernel(
+    z,                    # (batch, d_ssm) T
+    xBC,                  # (batch, conv_dim) T
+    dt,                   # (batch, nheads) T or f32
+    conv_state: Big,      # (batch, conv_dim, d_conv)
+    conv_weight,          # (d_conv, conv_dim)
+    conv_bias,            # (conv_dim,), or a dummy without HAS_CONV_BIAS
+    ssm_state: Big,       # (batch, nheads, headdim, dstate) f32 or T
+    A,                    # (nheads,) f32
+    D,                    # (nheads, headdim) with D_HAS_HDIM, else (nheads,)
+    dt_bias,              # (nheads,)
+    norm_weight,          # (d_ssm,), or a dummy without RMSNORM
+    y,                    # (batch, d_ssm) T, written
+    new_conv_state: Big,  # like conv_state, written
+    new_ssm_state: Big,   # like ssm_state, written
+    unscaled,             # (batch, d_ssm) f32 workspace, or a dummy without RMSNORM
+    sumsq,                # (batch, ngroups, blocks per group) f32 workspace, or a dummy
+    arrivals,             # (batch, ngroups) int32, zeros, or a dummy
+    NHEADS: ConstInt,
+    HEADDIM: ConstInt,
+    DSTATE: ConstInt,
+    NGROUPS: ConstInt,
+    D_CONV: ConstInt,
+    DCONV_TILE: ConstInt,        # next power of two >= D_CONV
+    BLOCK_P: ConstInt,
+    NORM_BLOCK: ConstInt,        # features per load of the normalizing block (divides the group size)
+    PARTIALS_TILE: ConstInt,     # next power of two >= blocks per group
+    HAS_CONV_BIAS: ConstBool,
+    D_HAS_HDIM: ConstBool,
+    RMSNORM: ConstBool,
+    NORM_BEFORE_GATE: ConstBool,
+    EPS: ConstFloat,
+    DT_SOFTPLUS: ConstBool,
+    HAS_DT_LIMIT: ConstBool,
+    DT_MIN: ConstFloat,
+    DT_MAX: ConstFloat,
+):
+    b, h, g = batch_head_group(ct.bid(0), NHEADS, NGROUPS)
+    pb = ct.bid(1)
+    heads_per_group = NHEADS // NGROUPS
+    pieces_per_head = HEADDIM // BLOCK_P
+    piece = h * pieces_per_head + pb                  # this block's BLOCK_P-wide piece of d_ssm
+    bc_start = NHEADS * HEADDIM + g * DSTATE          # group g's B channels; its C channels NGROUPS * DSTATE on
+    first_of_group = (h % heads_per_group == 0) & (pb == 0)
 
-        x_p = _convolve_channels(xBC, conv_state, conv_weight, conv_bias, new_conv_state, b, piece * BLOCK_P,
-                                 BLOCK_P, D_CONV, DCONV_TILE, HAS_CONV_BIAS, True)               # [BLOCK_P]
-        B_n = _convolve_channels(xBC, conv_state, conv_weight, conv_bias, new_conv_state, b, bc_start, DSTATE,
-                                 D_CONV, DCONV_TILE, HAS_CONV_BIAS, first_of_group)              # [DSTATE]
-        C_n = _convolve_channels(xBC, conv_state, conv_weight, conv_bias, new_conv_state, b,
-                                 bc_start + NGROUPS * DSTATE, DSTATE, D_CONV, DCONV_TILE, HAS_CONV_BIAS,
-                                 first_of_group)                                                 # [DSTATE]
+    x_p = _convolve_channels(xBC, conv_state, conv_weight, conv_bias, new_conv_state, b, piece * BLOCK_P,
+                             BLOCK_P, D_CONV, DCONV_TILE, HAS_CONV_BIAS, True)               # [BLOCK_P]
+    B_n = _convolve_channels(xBC, conv_state, conv_weight, conv_bias, new_conv_state, b, bc_start, DSTATE,
+                             D_CONV, DCONV_TILE, HAS_CONV_BIAS, first_of_group)              # [DSTATE]
+    C_n = _convolve_channels(xBC, conv_state, conv_weight, conv_bias, new_conv_state, b,
+                             bc_start + NGROUPS * DSTATE, DSTATE, D_CONV, DCONV_TILE, HAS_CONV_BIAS,
+                             first_of_group)                                                 # [DSTATE]
 
-        dt_v = ct.load(dt, index=(b, h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
-        bias = ct.load(dt_bias, index=(h,), shape=(1,)).astype(ct.float32)
-        delta = dt_transform(dt_v + bias, DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX)          # [1]
-        decay = ct.exp(delta * ct.load(A, index=(h,), shape=(1,)).astype(ct.float32))        # [1]
-        s = ct.load(ssm_state, index=(b, h, pb, 0), shape=(1, 1, BLOCK_P, DSTATE)
-                    ).reshape((BLOCK_P, DSTATE)).astype(ct.float32)
-        s = s * decay + (delta * x_p)[:, None] * B_n[None, :]                                  # [BLOCK_P, DSTATE]
-        ct.store(new_ssm_state, index=(b, h, pb, 0),
-                 tile=s.reshape((1, 1, BLOCK_P, DSTATE)).astype(new_ssm_state.dtype))
-        if D_HAS_HDIM:
-            D_p = ct.load(D, index=(h, pb), shape=(1, BLOCK_P)).reshape((BLOCK_P,)).astype(ct.float32)
+    dt_v = ct.load(dt, index=(b, h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
+    bias = ct.load(dt_bias, index=(h,), shape=(1,)).astype(ct.float32)
+    delta = dt_transform(dt_v + bias, DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX)          # [1]
+    decay = ct.exp(delta * ct.load(A, index=(h,), shape=(1,)).astype(ct.float32))        # [1]
+    s = ct.load(ssm_state, index=(b, h, pb, 0), shape=(1, 1, BLOCK_P, DSTATE)
+                ).reshape((BLOCK_P, DSTATE)).astype(ct.float32)
+    s = s * decay + (delta * x_p)[:, None] * B_n[None, :]                                  # [BLOCK_P, DSTATE]
+    ct.store(new_ssm_state, index=(b, h, pb, 0),
+             tile=s.reshape((1, 1, BLOCK_P, DSTATE)).astype(new_ssm_state.dtype))
+    if D_HAS_HDIM:
+        D_p = ct.load(D, index=(h, pb), shape=(1, BLOCK_P)).reshape((BLOCK_P,)).astype(ct.float32)
+    else:
+        D_p = ct.load(D, index=(h,), shape=(1,)).astype(ct.float32)
+    y_p = ct.sum(s * C_n[None, :], axis=1) + D_p * x_p                                     # [BLOCK_P] f32
+    z_p = ct.load(z, index=(b, piece), shape=(1, BLOCK_P)).reshape((BLOCK_P,))
+
+    if RMSNORM:
+        y_p = _widen(y_p, xBC.dtype)
+        gated = silu_gate(y_p, z_p)
+        if NORM_BEFORE_GATE:
+            statistic = y_p
         else:
-            D_p = ct.load(D, index=(h,), shape=(1,)).astype(ct.float32)
-        y_p = ct.sum(s * C_n[None, :], axis=1) + D_p * x_p                                     # [BLOCK_P] f32
-        z_p = ct.load(z, index=(b, piece), shape=(1, BLOCK_P)).reshape((BLOCK_P,))
-
-        if RMSNORM:
-            y_p = _widen(y_p, xBC.dtype)
-            gated = silu_gate(y_p, z_p)
-            if NORM_BEFORE_GATE:
-                statistic = y_p
-            else:
-                statistic = gated
-            weight = ct.load(norm_weight, index=(piece,), shape=(BLOCK_P,)).astype(ct.float32)
-            ct.store(unscaled, index=(b, piece), tile=(gated * weight).reshape((1, BLOCK_P)))
-            partial = ct.sum(statistic * statistic, axis=0, keepdims=True)                    # [1]
-            ct.store(sumsq, index=(b, g, (h % heads_per_group) * pieces_per_head + pb),
-                     tile=partial.reshape((1, 1, 1)))
-            # Release this block's writes and acquire those of the blocks before it.
-            ticket = ct.atomic_add(arrivals, (b, g), 1, memory_order=ct.MemoryOrder.ACQ_REL,
-                                   memory_scope=ct.MemoryScope.DEVICE)
-            if ticket == heads_per_group * pieces_per_head - 1:
-                _normalize_group(y, unscaled, sumsq, b, g, heads_per_group * HEADDIM, NORM_BLOCK,
-                                 PARTIALS_TILE, EPS)
-        else:
-            ct.store(y, index=(b, piece), tile=silu_gate(y_p, z_p).reshape((1, BLOCK_P)).astype(y.dtype))
-
-    return decode_step_kernel
+            statistic = gated
+        weight = ct.load(norm_weight, index=(piece,), shape=(BLOCK_P,)).astype(ct.float32)
+        ct.store(unscaled, index=(b, piece), tile=(gated * weight).reshape((1, BLOCK_P)))
+        partial = ct.sum(statistic * statistic, axis=0, keepdims=True)                    # [1]
+        ct.store(sumsq, index=(b, g, (h % heads_per_group) * pieces_per_head + pb),
+                 tile=partial.reshape((1, 1, 1)))
+        # Release this block's writes and acquire those of the blocks before it.
+        ticket = ct.atomic_add(arrivals, (b, g), 1, memory_order=ct.MemoryOrder.ACQ_REL,
+                               memory_scope=ct.MemoryScope.DEVICE)
+        if ticket == heads_per_group * pieces_per_head - 1:
+            _normalize_group(y, unscaled, sumsq, b, g, heads_per_group * HEADDIM, NORM_BLOCK,
+                             PARTIALS_TILE, EPS)
+    else:
+        ct.store(y, index=(b, piece), tile=silu_gate(y_p, z_p).reshape((1, BLOCK_P)).astype(y.dtype))
 
 
 # (int32-indexed, int64-indexed) entries of the one body.
-DECODE_STEP_KERNELS = int64_index_kernels(_make_decode_step_kernel)
+DECODE_STEP_KERNELS = int64_index_kernels(decode_step_kernel)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -323,17 +323,20 @@ def run_plan(plan, inputs, *, float64=False):
     return {name: np.asarray(a) for name, a in arrays.items()}
 
 
-def jax_run_plan(plan, arrays):
-    """A bridge RunPlan (name -> jax.Array in, name -> jax.Array out) that runs `plan` on this emulator in
-    float64 through `jax.pure_callback`, its outputs cast to the plan's dtypes: the cuTile backends' glue
-    end to end on the CPU, to the rounding of the arrays between the plan and XLA."""
+def jax_run_plan(plan, arrays, *, float64=True):
+    """A bridge RunPlan (jax_mamba2.bridge.ffi.run_plan's signature): `plan` on this emulator through
+    `jax.pure_callback` (in float64 by default), its outputs cast to the plan's dtypes. Works under jit, vmap
+    rules, shard_map (per shard) and remat like the FFI path."""
+    import jax
+    import jax.numpy as jnp
+
     names = list(plan.inputs)
     shapes = [jax.ShapeDtypeStruct(arrays[n].shape, arrays[n].dtype) if n in plan.inputs
               else jax.ShapeDtypeStruct(plan.buffers[n].shape, jnp.dtype(plan.buffers[n].dtype))
               for n in plan.outputs]
 
     def host(*values):
-        out = run_plan(plan, dict(zip(names, map(np.asarray, values))), float64=True)
+        out = run_plan(plan, dict(zip(names, map(np.asarray, values))), float64=float64)
         return tuple(out[n].astype(s.dtype) for n, s in zip(plan.outputs, shapes))
 
     return dict(zip(plan.outputs, jax.pure_callback(host, shapes, *(arrays[n] for n in names))))

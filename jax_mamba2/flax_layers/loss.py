@@ -1,0 +1,207 @@
+"""`chunked_cross_entropy`: the LM head fused with a token-mean cross-entropy, never materializing the logits
+of the whole batch.
+
+The plain loss `softmax_cross_entropy(hidden @ W)` holds (tokens, vocab) logits in the compute dtype, their
+float32 copy, the softmax and its gradient at once: at 8 x 2048 tokens and a 50280-word vocabulary that is
+3.3 GB per float32 copy. Here the tokens are cut into chunks of `chunk_tokens`: the forward computes each
+chunk's logits (float32 accumulation), its logsumexp and target logit and keeps only the logsumexp (4 bytes
+per token); a custom VJP recomputes each chunk's logits in the backward and accumulates the weight gradient
+chunk by chunk. Peak memory is one chunk's logits and their gradient, at the price of the head matmul run
+twice in the forward direction (one more (tokens x d_model x vocab) product: the backward runs three instead
+of two).
+
+Padded vocabulary columns (an embedding of `padded_vocab_size` > `vocab_size` rows) are excluded from the
+softmax: they are not tokens, so the loss does not depend on the padding multiple and their rows get zero
+gradient. (mamba_ssm's LM returns the padded logits and leaves the loss to the user; HF transformers'
+Mamba2ForCausalLM takes the softmax over all of them. The examples here have always sliced them off.)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_mamba2._vma import reduce_to_primal_axes, varying_axes
+
+
+@dataclasses.dataclass(frozen=True)
+class _LossStatic:
+    chunk_tokens: int
+    ignore_index: int
+    vocab_size: int
+    embedding_layout: bool  # weight is (vocab, d) (a tied embedding), else (d, vocab)
+    dtype: str               # the matmul operands' dtype
+
+
+def _accumulation_dtype(dtype) -> jnp.dtype:
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+def _logits(static: _LossStatic, hidden, weight):
+    """(chunk, d) x weight -> (chunk, padded vocab) logits in the accumulation dtype, padded columns -inf."""
+    contract = (1,) if static.embedding_layout else (0,)
+    logits = jax.lax.dot_general(hidden.astype(static.dtype), weight, (((1,), contract), ((), ())),
+                                 preferred_element_type=_accumulation_dtype(static.dtype))
+    if static.vocab_size < logits.shape[-1]:
+        columns = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+        logits = jnp.where(columns < static.vocab_size, logits, -jnp.inf)
+    return logits
+
+
+def _label_masks(static: _LossStatic, labels):
+    """(counted, out of range) per token: counted tokens enter the mean; a counted label outside
+    [0, vocab_size) makes the loss (and its gradient) NaN instead of reading another column."""
+    counted = labels != static.ignore_index
+    return counted, counted & ((labels < 0) | (labels >= static.vocab_size))
+
+
+def _chunked(static: _LossStatic, hidden, labels):
+    """hidden (tokens, d) and labels (tokens,) cut into (nchunks, chunk, ...), the tail padded with ignored
+    tokens."""
+    tokens = hidden.shape[0]
+    chunk = min(static.chunk_tokens, tokens)
+    nchunks = -(-tokens // chunk)
+    pad = nchunks * chunk - tokens
+    hidden = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(nchunks, chunk, hidden.shape[1])
+    labels = jnp.pad(labels, (0, pad), constant_values=static.ignore_index).reshape(nchunks, chunk)
+    return hidden, labels
+
+
+def _loss_and_logsumexp(static: _LossStatic, hidden, weight, labels):
+    """(mean loss, per-token logsumexp (nchunks, chunk), counted-token count)."""
+    weight = weight.astype(static.dtype)
+
+    def chunk_loss(args):
+        h, y = args
+        logits = _logits(static, h, weight)
+        logsumexp = jax.nn.logsumexp(logits, axis=-1)
+        target = jnp.take_along_axis(logits, jnp.clip(y, 0, logits.shape[-1] - 1)[:, None], axis=-1)[:, 0]
+        counted, out_of_range = _label_masks(static, y)
+        per_token = jnp.where(out_of_range, jnp.nan, logsumexp - target)
+        return logsumexp, jnp.sum(jnp.where(counted, per_token, 0.0))
+
+    logsumexp, sums = jax.lax.map(chunk_loss, _chunked(static, hidden, labels))
+    count = jnp.maximum(jnp.sum(labels != static.ignore_index), 1)
+    return jnp.sum(sums) / count, logsumexp, count
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked_loss(static: _LossStatic, hidden, weight, labels):
+    return _loss_and_logsumexp(static, hidden, weight, labels)[0]
+
+
+def _chunked_loss_fwd(static, hidden, weight, labels):
+    loss, logsumexp, count = _loss_and_logsumexp(static, hidden, weight, labels)
+    return loss, (hidden, weight, labels, logsumexp, count)
+
+
+def _chunked_loss_bwd(static, saved, dloss):
+    hidden, weight, labels, logsumexp, count = saved
+    acc_dtype = _accumulation_dtype(static.dtype)
+    operand = weight.astype(static.dtype)
+    scale = (dloss / count).astype(acc_dtype)
+    # Under shard_map the chunks vary over the axes the tokens do: so does the accumulated gradient.
+    axes = tuple(sorted(varying_axes(hidden) | varying_axes(labels) | varying_axes(dloss)))
+    dweight = jnp.zeros(weight.shape, acc_dtype)
+    if axes:
+        dweight = jax.lax.pcast(dweight, axes, to="varying")
+
+    def chunk_grads(dweight, args):
+        h, y, lse = args
+        logits = _logits(static, h, operand)
+        counted, out_of_range = _label_masks(static, y)
+        columns = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+        dlogits = (jnp.exp(logits - lse[:, None]) - (columns == y[:, None])) * jnp.where(counted, scale, 0)[:, None]
+        dlogits = jnp.where(out_of_range[:, None], jnp.nan, dlogits).astype(static.dtype)
+        h = h.astype(static.dtype)
+        # dh = dlogits . weight^T; dweight += h^T . dlogits (or dlogits^T . h for the (vocab, d) layout).
+        dh = jax.lax.dot_general(dlogits, operand, (((1,), (0 if static.embedding_layout else 1,)), ((), ())),
+                                 preferred_element_type=acc_dtype)
+        if static.embedding_layout:
+            step = jax.lax.dot_general(dlogits, h, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
+        else:
+            step = jax.lax.dot_general(h, dlogits, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
+        return dweight + step, dh.astype(hidden.dtype)
+
+    h_chunks, y_chunks = _chunked(static, hidden, labels)
+    dweight, dhidden = jax.lax.scan(chunk_grads, dweight, (h_chunks, y_chunks, logsumexp))
+    dhidden = dhidden.reshape(-1, hidden.shape[1])[:hidden.shape[0]]
+    dweight = reduce_to_primal_axes(dweight.astype(weight.dtype), weight)
+    return dhidden, dweight, None
+
+
+_chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
+
+
+def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, vocab_size: Optional[int] = None,
+                          chunk_tokens: int = 2048, ignore_index: int = -100, dtype=None):
+    """Mean next-token cross-entropy of `hidden @ head_weight` (or `hidden @ embedding.T`), chunk by chunk.
+
+    Equals `optax.softmax_cross_entropy_with_integer_labels(logits[..., :vocab_size], labels)` averaged over
+    the tokens whose label is not `ignore_index` (as torch's / HF's CrossEntropyLoss(ignore_index=-100)),
+    with float32 logits, and its gradient, without holding more than one chunk's logits. Composes with jit,
+    grad, vmap, jax.checkpoint and shard_map (tokens split over a data axis: each shard's mean; the weight
+    gradient is summed over the shards it is replicated on).
+
+    Args:
+      hidden: (..., d) float, the final hidden states.
+      labels: (...) int, the target token of each position; `ignore_index` marks positions left out.
+      head_weight: (d, padded_vocab) float, an untied LM head's kernel (NNX layout) ...
+      embedding: (padded_vocab, d) float ... or a tied embedding matrix; exactly one of the two.
+      vocab_size: the softmax's columns are the first vocab_size (default: all padded_vocab); the others are
+        padding and excluded.
+      chunk_tokens: tokens per chunk (default 2048: 412 MB of float32 logits at a 50280-word vocabulary).
+      ignore_index: label of positions that do not count (default -100).
+      dtype: the matmul operands' dtype (default: the result type of hidden and the weight); logits
+        accumulate in float32 (float64 for float64).
+
+    Returns:
+      The scalar mean loss in float32 (float64 for float64), 0 when no position counts; NaN when a counted
+      label lies outside [0, vocab_size).
+
+    Raises:
+      ValueError / TypeError: on wrong shapes, dtypes or options, naming the argument.
+    """
+    api = "chunked_cross_entropy"
+    if (head_weight is None) == (embedding is None):
+        raise TypeError(f"{api}: pass exactly one of head_weight=(d, vocab) or embedding=(vocab, d)")
+    weight, name = (head_weight, "head_weight") if embedding is None else (embedding, "embedding")
+    for arg, arg_name in ((hidden, "hidden"), (weight, name), (labels, "labels")):
+        if not hasattr(arg, "shape") or not hasattr(arg, "dtype"):
+            raise TypeError(f"{api}: {arg_name} must be an array, got {type(arg).__name__}")
+    for arg, arg_name in ((hidden, "hidden"), (weight, name)):
+        if not jnp.issubdtype(arg.dtype, jnp.floating):
+            raise TypeError(f"{api}: {arg_name}.dtype={arg.dtype} must be a float dtype")
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"{api}: labels.dtype={labels.dtype} must be an integer dtype")
+    if hidden.ndim < 1 or tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"{api}: labels.shape={tuple(labels.shape)} must be hidden.shape[:-1]="
+                         f"{tuple(hidden.shape[:-1])}")
+    d = hidden.shape[-1]
+    if weight.ndim != 2 or weight.shape[1 if embedding is not None else 0] != d:
+        want = "(vocab, d)" if embedding is not None else "(d, vocab)"
+        raise ValueError(f"{api}: {name}.shape={tuple(weight.shape)} must be {want} with d=hidden.shape[-1]={d}")
+    padded_vocab = weight.shape[0 if embedding is not None else 1]
+    vocab_size = padded_vocab if vocab_size is None else vocab_size
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or \
+            not 1 <= vocab_size <= padded_vocab:
+        raise ValueError(f"{api}: vocab_size={vocab_size!r} must be an int in [1, {padded_vocab}] (the weight's "
+                         f"vocabulary)")
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, (int, np.integer)) or chunk_tokens < 1:
+        raise ValueError(f"{api}: chunk_tokens={chunk_tokens!r} must be a positive int")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
+        raise TypeError(f"{api}: ignore_index={ignore_index!r} must be an int")
+    dtype = jnp.result_type(hidden, weight) if dtype is None else jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{api}: dtype={dtype} must be a float dtype")
+    acc_dtype = _accumulation_dtype(dtype)
+    tokens = int(np.prod(labels.shape))
+    if tokens == 0:
+        return jnp.zeros((), acc_dtype)
+    static = _LossStatic(int(chunk_tokens), int(ignore_index), int(vocab_size), embedding is not None,
+                         jnp.dtype(dtype).name)
+    return _chunked_loss(static, hidden.reshape(tokens, d), weight, labels.reshape(tokens).astype(jnp.int32))

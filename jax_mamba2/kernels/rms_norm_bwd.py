@@ -1,0 +1,186 @@
+"""Backward of the gated, grouped RMSNorm and of the residual add + RMSNorm (kernels/rms_norm.py): two kernels.
+
+Per row and group, with h the norm's input (x, or x * silu(z) when the gate comes first), rstd and
+xhat = h * rstd recomputed from the loaded rows, s = sigmoid(z), silu'(z) = s (1 + z (1 - s)), and dy the
+cotangent of the output:
+
+    gate after the norm (NORM_BEFORE_GATE):  dz = dy * xhat * w * silu'(z);   dy <- dy * silu(z)
+    dweight += dy * xhat                     (summed over rows)
+    dxhat = dy * w;    dh = rstd * (dxhat - xhat * mean_g(dxhat * xhat))
+    gate before the norm:                    dz = dh * x * silu'(z);          dh <- dh * silu(z)
+    add + norm (HAS_RESIDUAL):               dh <- dh + dresidual_out;  dresidual = dh
+    dx = dh
+
+For the add + norm the kernel's `x` is the residual stream h = residual_out that the forward stored (the
+norm's input), and dx, dresidual are the gradients of the block input and of the residual (the same values,
+in their two dtypes).
+
+1. rms_norm_bwd_kernel, grid (programs, ngroups): program p walks row blocks p, p + programs, ... of its
+   group (a persistent loop, so that the weight gradient is summed in registers over many rows) and writes
+   its partial weight gradient to dweight_partial[p, g] (f32). programs = min(row blocks, occupancy x SMs //
+   ngroups): one wave of resident blocks (bwd_programs).
+2. rms_norm_dweight_kernel, grid (cdiv(G, BLOCK_F), ngroups): dweight[g] = sum over p of dweight_partial[p, g],
+   in a fixed order: no atomics, so the weight gradient is bitwise reproducible.
+
+Memory-bound: the gated norm reads x, z, dy and writes dx, dz (10 bytes per element in bf16); the add + norm
+reads h (f32), dy (bf16), dresidual_out (f32) and writes dx (bf16) and dresidual (f32), 16 bytes. At the LM's
+shapes (16384 rows of 2048 / 1024 features) that is 335 / 268 MB, 84 / 67 us at 4 TB/s; the partial
+weight gradients add 2 * programs * F * 4 bytes (4 MB each).
+"""
+
+from typing import Optional
+
+import cuda.tile as ct
+
+from jax_mamba2.kernels._common import SM90_SMS, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, \
+    int64_index_kernels
+from jax_mamba2.kernels.rms_norm import (
+    NormConfig, NormDims, inverse_rms, load_rows, load_weight, norm_default_config, row_block_count,
+    select_norm_kernel, sigmoid, store_rows)
+
+# The weight-gradient reduction's tile: BLOCK_P partial rows by BLOCK_F features (128-byte rows; narrow, so
+# that a 1024-wide group still spreads over 32 blocks).
+DWEIGHT_BLOCK_P = 64
+DWEIGHT_BLOCK_F = 32
+
+RMS_NORM_BWD_INPUTS = ("x", "z", "weight", "dout", "dresidual_out")
+RMS_NORM_BWD_OUTPUTS = ("dx", "dresidual", "dz", "dweight")
+
+
+def _rms_norm_bwd_body(x, z, weight, dout, dresidual_out, dx, dresidual, dz, dweight_partial, GROUP_SIZE, WIDTH,
+                       BLOCK_ROWS, HAS_Z, NORM_BEFORE_GATE, HAS_RESIDUAL, EPS):
+    program = ct.bid(0)
+    g = ct.bid(1)
+    w = load_weight(weight, g, WIDTH)
+    # Summed elementwise over the row blocks and across the tile's rows once at the end.
+    dw = ct.zeros((BLOCK_ROWS, WIDTH), dtype=ct.float32)
+    for row_block in range(program, ct.cdiv(x.shape[0], BLOCK_ROWS), ct.num_blocks(0)):
+        x_in = load_rows(x, row_block, g, BLOCK_ROWS, WIDTH)
+        dy = load_rows(dout, row_block, g, BLOCK_ROWS, WIDTH)
+        h = x_in
+        if HAS_Z:
+            z32 = load_rows(z, row_block, g, BLOCK_ROWS, WIDTH)
+            s = sigmoid(z32)
+            gate = z32 * s
+            dgate = s * (1.0 + z32 * (1.0 - s))
+            if not NORM_BEFORE_GATE:
+                h = x_in * gate
+        rstd = inverse_rms(h, GROUP_SIZE, EPS)
+        xhat = h * rstd
+        if HAS_Z:
+            if NORM_BEFORE_GATE:
+                store_rows(dz, row_block, g, dy * xhat * w * dgate, BLOCK_ROWS, WIDTH)
+                dy = dy * gate
+        dw = dw + dy * xhat
+        dxhat = dy * w
+        dh = rstd * (dxhat - xhat * (ct.sum(dxhat * xhat, axis=1, keepdims=True) / GROUP_SIZE))
+        if HAS_Z:
+            if not NORM_BEFORE_GATE:
+                store_rows(dz, row_block, g, dh * x_in * dgate, BLOCK_ROWS, WIDTH)
+                dh = dh * gate
+        if HAS_RESIDUAL:
+            dh = dh + load_rows(dresidual_out, row_block, g, BLOCK_ROWS, WIDTH)
+            store_rows(dresidual, row_block, g, dh, BLOCK_ROWS, WIDTH)
+        store_rows(dx, row_block, g, dh, BLOCK_ROWS, WIDTH)
+    ct.store(dweight_partial, index=(program, g, 0), tile=ct.sum(dw, axis=0, keepdims=True).reshape((1, 1, WIDTH)))
+
+
+def _make_rms_norm_bwd_kernel(Big):
+    @ct.kernel
+    def rms_norm_bwd_kernel(
+        x: Big,               # (rows, ngroups, G) the norm's input: x (T), or h = residual_out (Tr)
+        z: Big,               # (rows, ngroups, G) Tz, or a dummy without HAS_Z
+        weight,               # (ngroups, G) f32
+        dout: Big,            # (rows, ngroups, G) T_out
+        dresidual_out: Big,   # (rows, ngroups, G) Tr, or a dummy without HAS_RESIDUAL
+        dx: Big,              # (rows, ngroups, G) T, written
+        dresidual: Big,       # (rows, ngroups, G) Tr, written with HAS_RESIDUAL, else a dummy
+        dz: Big,              # (rows, ngroups, G) Tz, written with HAS_Z, else a dummy
+        dweight_partial,      # (programs, ngroups, G) f32, written
+        GROUP_SIZE: ConstInt,
+        WIDTH: ConstInt,
+        BLOCK_ROWS: ConstInt,
+        HAS_Z: ConstBool,
+        NORM_BEFORE_GATE: ConstBool,
+        HAS_RESIDUAL: ConstBool,
+        EPS: ConstFloat,
+    ):
+        _rms_norm_bwd_body(x, z, weight, dout, dresidual_out, dx, dresidual, dz, dweight_partial, GROUP_SIZE,
+                           WIDTH, BLOCK_ROWS, HAS_Z, NORM_BEFORE_GATE, HAS_RESIDUAL, EPS)
+
+    return rms_norm_bwd_kernel
+
+
+RMS_NORM_BWD_KERNELS = int64_index_kernels(_make_rms_norm_bwd_kernel)
+
+
+@ct.kernel
+def rms_norm_dweight_kernel(
+    dweight_partial,     # (programs, ngroups, G) f32
+    dweight,             # (ngroups, G) f32, written
+    BLOCK_P: ConstInt,
+    BLOCK_F: ConstInt,
+):
+    f = ct.bid(0)
+    g = ct.bid(1)
+    acc = ct.zeros((BLOCK_P, BLOCK_F), dtype=ct.float32)
+    for p in range(ct.cdiv(dweight_partial.shape[0], BLOCK_P)):
+        acc = acc + ct.load(dweight_partial, index=(p, g, f), shape=(BLOCK_P, 1, BLOCK_F),
+                            padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_F))
+    ct.store(dweight, index=(g, f), tile=ct.sum(acc, axis=0, keepdims=True))
+
+
+def bwd_programs(dims: NormDims, cfg: NormConfig) -> int:
+    """Blocks per group of the backward's persistent grid: one wave of resident blocks of an H200 (occupancy x
+    SMs over all groups), fewer when there are fewer row blocks."""
+    return max(1, min(row_block_count(dims, cfg), cfg.bwd_occupancy * SM90_SMS // dims.ngroups))
+
+
+def rms_norm_bwd_inputs(dims: NormDims) -> dict[str, Buffer]:
+    """Shape and dtype of each backward input as the bridge passes it (dummies where absent)."""
+    return {
+        "x": Buffer(dims.row_shape(), dims.residual_dtype or dims.dtype),
+        "z": Buffer(dims.row_shape(dims.has_z), dims.z_dtype or dims.dtype),
+        "weight": Buffer((dims.ngroups, dims.group_size), "float32"),
+        "dout": Buffer(dims.row_shape(), dims.out_dtype),
+        "dresidual_out": Buffer(dims.row_shape(dims.has_residual), dims.residual_dtype or dims.dtype),
+    }
+
+
+def rms_norm_bwd_plan(dims: NormDims, cfg: Optional[NormConfig] = None) -> Plan:
+    """The backward for `dims`.
+
+    Returns:
+      A Plan with inputs RMS_NORM_BWD_INPUTS (x: the forward's x, or its residual_out for the add + norm) and
+      outputs RMS_NORM_BWD_OUTPUTS: "dx" in x's dtype, "dresidual" in residual_dtype, "dz" in z's dtype (both
+      (1, 1, 1) dummies where absent) and "dweight" (ngroups, G) f32.
+    """
+    cfg = cfg or norm_default_config(dims)
+    programs = bwd_programs(dims, cfg)
+    block_f = min(dims.width, DWEIGHT_BLOCK_F)
+    norm_launch = Launch(
+        kernel=select_norm_kernel(RMS_NORM_BWD_KERNELS, dims, cfg.bwd_occupancy),
+        grid=(programs, dims.ngroups),
+        args=("x", "z", "weight", "dout", "dresidual_out", "dx", "dresidual", "dz", "dweight_partial",
+              dims.group_size, dims.width, cfg.BLOCK_ROWS, dims.has_z, dims.has_z and dims.norm_before_gate,
+              dims.has_residual, float(dims.eps)),
+        writes=("dx", "dresidual", "dz", "dweight_partial"),
+    )
+    reduce_launch = Launch(
+        kernel=rms_norm_dweight_kernel,
+        grid=(-(-dims.group_size // block_f), dims.ngroups),
+        args=("dweight_partial", "dweight", DWEIGHT_BLOCK_P, block_f),
+        writes=("dweight",),
+    )
+    return Plan(
+        inputs=RMS_NORM_BWD_INPUTS,
+        buffers={
+            "dx": Buffer(dims.row_shape(), dims.dtype),
+            "dresidual": Buffer(dims.row_shape(dims.has_residual), dims.residual_dtype or dims.dtype),
+            "dz": Buffer(dims.row_shape(dims.has_z), dims.z_dtype or dims.dtype),
+            "dweight_partial": Buffer((programs, dims.ngroups, dims.group_size), "float32"),
+            "dweight": Buffer((dims.ngroups, dims.group_size), "float32"),
+        },
+        launches=(norm_launch, reduce_launch),
+        outputs=RMS_NORM_BWD_OUTPUTS,
+    )

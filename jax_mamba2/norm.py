@@ -1,0 +1,242 @@
+"""The RMSNorm ops of Mamba-2: input checks, backend dispatch and the custom VJP of the cuTile kernels.
+
+  rms_norm       the gated, grouped RMSNorm (the mixer's `norm`; without z the block and final norms):
+                 mamba_ssm `layernorm_gated.rmsnorm_fn`.
+  add_rms_norm   the residual add + RMSNorm of a block (mamba_ssm `layer_norm_fn(..., residual=,
+                 prenorm=True)`): returns the normalized output and the new residual stream.
+
+Both have the semantics of `jax_mamba2.norm_reference`, which is the "xla" backend. "cutile" runs one cuTile
+kernel forward and two backward (kernels/rms_norm.py, rms_norm_bwd.py) as XLA FFI custom calls,
+"cutile_callback" the same kernels in a buffer callback; "auto" picks cutile on a supported GPU (behind
+`lax.platform_dependent`, so the program still lowers for CPU) and xla otherwise. A kernel backend asked for
+by name never falls back: it raises saying why it cannot run.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_mamba2 import norm_reference as reference
+
+BACKENDS = ("auto", "cutile", "cutile_callback", "xla")
+_FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+
+
+@functools.cache
+def _kernel_module():
+    """(jax_mamba2.bridge.norm_ops, None), or (None, why it cannot be imported)."""
+    try:
+        from jax_mamba2.bridge import norm_ops
+    except ImportError as e:
+        return None, f"{e} (pip install 'jax-mamba2[cuda]')"
+    return norm_ops, None
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks
+# ----------------------------------------------------------------------------------------------
+
+def _check_float_array(api, name, arr, shape=None, shape_desc=None):
+    if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+        raise TypeError(f"{api}: {name} must be an array, got {type(arr).__name__}")
+    if not any(arr.dtype == d for d in _FLOAT_DTYPES):
+        raise TypeError(f"{api}: {name}.dtype={arr.dtype} must be one of bfloat16, float16, float32, float64")
+    if shape is not None and tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"{api}: {name}.shape={tuple(arr.shape)} must be {shape_desc}={tuple(shape)}")
+
+
+def _check_common(api, x, weight, eps, backend):
+    _check_float_array(api, "x", x)
+    if len(x.shape) < 1:
+        raise ValueError(f"{api}: x.shape={tuple(x.shape)} must be (..., features) with at least one axis")
+    _check_float_array(api, "weight", weight, (x.shape[-1],), "(features,)")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not 0 < eps < math.inf:
+        raise ValueError(f"{api}: eps={eps!r} must be a positive finite float")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"{api}: backend={backend!r} must be one of {BACKENDS}")
+
+
+def _float_dtype(api, name, dtype) -> jnp.dtype:
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{api}: {name}={dtype!r} must be a float dtype") from None
+    if not any(dtype == d for d in _FLOAT_DTYPES):
+        raise TypeError(f"{api}: {name}={dtype} must be one of bfloat16, float16, float32, float64")
+    return dtype
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel path and dispatch
+# ----------------------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _kernel_norm(kernels, dims, x, z, residual, weight):
+    """(out, residual_out or None) on the kernels; arrays in their (rows, ngroups, group_size) layout, weight
+    (ngroups, group_size) f32."""
+    return kernels.forward(dims, x, z, residual, weight)
+
+
+def _kernel_norm_fwd(kernels, dims, x, z, residual, weight):
+    out, residual_out = kernels.forward(dims, x, z, residual, weight)
+    norm_ops, _ = _kernel_module()
+    # The add + norm keeps only the residual stream it normalized (the next block keeps it anyway), plus
+    # zero-size slices of x and the residual that carry their dtypes and varying axes.
+    saved = norm_ops.NormSaved(
+        x=x if residual is None else residual_out, z=z, weight=weight, x_like=x[:0],
+        residual_like=None if residual is None else residual[:0])
+    return (out, residual_out), saved
+
+
+def _kernel_norm_bwd(kernels, dims, saved, cotangents):
+    dout, dresidual_out = cotangents
+    return kernels.backward(dims, saved, dout, dresidual_out)
+
+
+_kernel_norm.defvjp(_kernel_norm_fwd, _kernel_norm_bwd)
+
+
+def _run_kernels(kernels, dims, x, z, residual, weight):
+    """The kernel path on (..., features) arrays: -> (out, residual_out or None) of x's shape."""
+    rows = (dims.rows, dims.ngroups, dims.group_size)
+
+    def as_rows(a):
+        return None if a is None else a.reshape(rows)
+
+    out, residual_out = _kernel_norm(kernels, dims, as_rows(x), as_rows(z), as_rows(residual),
+                                     weight.astype(jnp.float32).reshape(rows[1:]))
+    return out.reshape(x.shape), None if residual_out is None else residual_out.reshape(x.shape)
+
+
+def _dispatch(api: str, backend: str, reference_fn: Callable, x, z, residual, weight, **dims_kwargs):
+    """Runs the norm on `backend` ("auto" picks the kernels where they can run); reference_fn(x, z, residual,
+    weight) is the xla path. Returns (out, residual_out or None)."""
+    if backend == "xla" or x.size == 0:
+        return reference_fn(x, z, residual, weight)
+    module, reason = _kernel_module()
+    if module is not None:
+        dims = module.norm_dims(x, z, residual, **dims_kwargs)
+        reason = module.unsupported_reason(dims)
+    if reason is not None:
+        if backend == "auto":
+            return reference_fn(x, z, residual, weight)
+        raise ValueError(f"{api}(backend={backend!r}) cannot run this call: {reason}")
+    if backend != "auto":
+        return _run_kernels(module.KERNELS[backend], dims, x, z, residual, weight)
+    kernels = module.KERNELS["cutile"]
+    return jax.lax.platform_dependent(
+        x, z, residual, weight,
+        cuda=lambda *a: _run_kernels(kernels, dims, *a), default=reference_fn)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public ops
+# ----------------------------------------------------------------------------------------------
+
+def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] = None,
+             norm_before_gate: bool = False, sum_groups: Optional[Callable] = None, backend: str = "auto"):
+    """Gated, grouped RMSNorm over the last axis (mamba_ssm `rmsnorm_fn`).
+
+        h = x * silu(z) if z is given and not norm_before_gate, else x
+        y = h / sqrt(mean_group(h^2) + eps) * weight;   y *= silu(z) if z is given and norm_before_gate
+
+    computed in float32 (float64 for float64 x). Differentiable in x, weight and z; the cuTile backward
+    recomputes the statistics from x and z (nothing is saved besides the inputs) and sums the weight
+    gradient without atomics (bitwise reproducible).
+
+    Args:
+      x: (..., features), bf16/f16/f32/f64.
+      weight: (features,), float.
+      z: optional gate, x's shape, float.
+      eps: added to the mean square (default 1e-5).
+      group_size: statistics over consecutive groups of this many features (default: all features); must
+        divide features.
+      norm_before_gate: gate after normalizing (True) or before (False, Mamba-2's default).
+      sum_groups: for a group split across devices (the tensor-parallel mixer with fewer groups than devices):
+        maps the local sums of squares (..., features // gcd(group_size, features)) to the whole groups'.
+        Such a call always runs the XLA path: the kernels keep a group on one device.
+      backend: "auto", "cutile", "cutile_callback" or "xla".
+
+    Returns:
+      (..., features) in x.dtype.
+
+    Raises:
+      ValueError / TypeError: on a wrong shape, dtype or option, naming the argument; ValueError when a named
+        kernel backend cannot run the call (float64, a group wider than 8192 features, no GPU), saying why.
+    """
+    api = "rms_norm"
+    _check_common(api, x, weight, eps, backend)
+    features = x.shape[-1]
+    if z is not None:
+        _check_float_array(api, "z", z, x.shape, "x.shape")
+    if sum_groups is not None and not callable(sum_groups):
+        raise TypeError(f"rms_norm: sum_groups={sum_groups!r} must be a callable or None")
+    if group_size is None:
+        group_size = features
+    elif isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)):
+        raise TypeError(f"rms_norm: group_size={group_size!r} must be an int or None")
+    elif sum_groups is None and (group_size < 1 or features % group_size):
+        raise ValueError(f"rms_norm: group_size={group_size} must be a positive divisor of features={features}")
+    elif group_size < 1 or (group_size % features and features % group_size):
+        raise ValueError(f"rms_norm: group_size={group_size} must divide features={features} or be a multiple "
+                         f"of it (a group split across devices)")
+
+    def reference_fn(x, z, residual, weight):
+        del residual
+        return reference.rms_norm(x, weight, z, eps=eps, group_size=group_size,
+                                  norm_before_gate=norm_before_gate, sum_groups=sum_groups), None
+
+    if sum_groups is not None:
+        backend = "xla"
+    out, _ = _dispatch(api, backend, reference_fn, x, z, None, weight, group_size=group_size,
+                       norm_before_gate=norm_before_gate, eps=eps, out_dtype=x.dtype, residual_dtype=None)
+    return out
+
+
+def add_rms_norm(x, residual, weight, *, eps: float = 1e-5, residual_dtype=None, out_dtype=None,
+                 return_residual: bool = True, backend: str = "auto"):
+    """Residual add + RMSNorm (mamba_ssm's fused add-norm of `Block`).
+
+        h   = x + residual, added in float32 (float64 for float64 operands), rounded to residual_dtype
+        out = h / sqrt(mean(h^2) + eps) * weight, normalized from the rounded h, in out_dtype
+
+    Differentiable in x, residual and weight (the gradients of x and residual are equal, in their dtypes); the
+    cuTile backward reads the h the forward stored.
+
+    Args:
+      x: (..., features), the block input, bf16/f16/f32/f64.
+      residual: (..., features), the residual stream so far, float.
+      weight: (features,), float.
+      eps: added to the mean square (default 1e-5).
+      residual_dtype: dtype of h (default: the result type of x and residual); float32 for mamba_ssm's
+        residual_in_fp32.
+      out_dtype: dtype of the normalized output (default: x.dtype).
+      return_residual: also return h (default True; False for the final norm, whose h nothing reads).
+      backend: "auto", "cutile", "cutile_callback" or "xla".
+
+    Returns:
+      (out, h) with return_residual, else out; both (..., features).
+
+    Raises:
+      ValueError / TypeError: as `rms_norm`.
+    """
+    api = "add_rms_norm"
+    _check_common(api, x, weight, eps, backend)
+    _check_float_array(api, "residual", residual, x.shape, "x.shape")
+    residual_dtype = _float_dtype(api, "residual_dtype", jnp.result_type(x, residual) if residual_dtype is None
+                                  else residual_dtype)
+    out_dtype = _float_dtype(api, "out_dtype", x.dtype if out_dtype is None else out_dtype)
+
+    def reference_fn(x, z, residual, weight):
+        del z
+        return reference.add_rms_norm(x, residual, weight, eps=eps, residual_dtype=residual_dtype,
+                                      out_dtype=out_dtype)
+
+    out, h = _dispatch(api, backend, reference_fn, x, None, residual, weight, group_size=x.shape[-1],
+                       norm_before_gate=False, eps=eps, out_dtype=out_dtype, residual_dtype=residual_dtype)
+    return (out, h) if return_residual else out

@@ -1,0 +1,154 @@
+"""The RMSNorm ops' kernel path end to end on the CPU: jax_mamba2.rms_norm / add_rms_norm with backend="cutile",
+whose plans (bridge/norm_ops.py) run block by block on the NumPy emulator in float64 through jax.pure_callback.
+Checked against the float64 reference, and composed with jit, grad, vmap, shard_map over a data axis and
+nnx.remat, and inside the LM block (both of its norms on the kernels)."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, PartitionSpec as P
+
+pytest.importorskip("cuda.tile")
+
+import jax_mamba2  # noqa: E402
+from jax_mamba2.bridge import norm_ops  # noqa: E402
+from jax_mamba2.flax_layers import Mamba2Block, Mamba2Config  # noqa: E402
+from tests._helpers import rel_l2  # noqa: E402
+from tests.kernels import _cutile_emulator as emulator  # noqa: E402
+from tests.kernels._norm_checks import CASES, EPS, make_inputs, oracle  # noqa: E402
+
+# The arrays between the plans and XLA are float32 (the emulated kernels compute in float64).
+TOLERANCE = 2e-6
+
+
+@pytest.fixture(autouse=True)
+def emulated_kernels(monkeypatch):
+    """backend="cutile" runs the emulated plans, as if on a GPU."""
+    monkeypatch.setitem(norm_ops.KERNELS, "cutile", norm_ops.make_kernels(emulator.jax_run_plan))
+    monkeypatch.setattr(norm_ops, "gpu_unavailable_reason", lambda: None)
+
+
+def _op(case):
+    """(x, z, residual, weight) -> (out, residual_out or None) of the case on backend="cutile"."""
+    def op(x, z, residual, weight):
+        if case.residual:
+            return jax_mamba2.add_rms_norm(x, residual, weight, eps=EPS, residual_dtype=jnp.float32, backend="cutile")
+        return jax_mamba2.rms_norm(x, weight, z, eps=EPS, group_size=case.group_size,
+                                   norm_before_gate=case.norm_before_gate, backend="cutile"), None
+    return op
+
+
+def _primals(arrays):
+    return tuple(None if arrays.get(n) is None else jnp.asarray(arrays[n]) for n in ("x", "z", "residual", "weight"))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_emulated_op_forward_and_gradients_match_float64_reference(name):
+    case = CASES[name]
+    arrays = make_inputs(case, seed=3)
+    primals = _primals(arrays)
+    cotangents = (jnp.asarray(arrays["dout"]), None if not case.residual else jnp.asarray(arrays["dresidual_out"]))
+
+    @jax.jit
+    def forward_and_vjp(*primals):
+        outputs, vjp = jax.vjp(_op(case), *primals)
+        return outputs, vjp(cotangents)
+
+    (out, residual_out), (dx, dz, dresidual, dweight) = forward_and_vjp(*primals)
+    assert "pure_callback" in str(jax.make_jaxpr(forward_and_vjp)(*primals))  # the kernels ran, not XLA
+    want = oracle(case, arrays)
+    got = dict(out=out, residual_out=residual_out, dx=dx, dz=dz, dresidual=dresidual, dweight=dweight)
+    errors = {k: rel_l2(got[k], want[k]) for k in want}
+    assert max(errors.values()) < TOLERANCE, errors
+    assert {k for k, v in got.items() if v is not None} == set(want)
+
+
+def test_emulated_final_norm_without_its_residual_matches_float64_reference():
+    """add_rms_norm(return_residual=False), the LM's final norm: the backward gets a zero residual cotangent."""
+    case = CASES["add_norm"]
+    arrays = make_inputs(case, seed=13)
+    x, _, residual, w = _primals(arrays)
+
+    def loss(x, residual, w):
+        out = jax_mamba2.add_rms_norm(x, residual, w, eps=EPS, residual_dtype=jnp.float32, return_residual=False,
+                                      backend="cutile")
+        return jnp.sum(out * jnp.asarray(arrays["dout"]))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, residual, w)
+    want = oracle(case, {**arrays, "dresidual_out": np.zeros_like(arrays["dresidual_out"])})
+    errors = {n: rel_l2(g, want[n]) for n, g in zip(("dx", "dresidual", "dweight"), grads)}
+    assert max(errors.values()) < TOLERANCE, errors
+
+
+def test_emulated_op_vmap_of_forward_and_gradients_matches_a_loop():
+    """vmap folds the mapped axis into the kernels' rows (forward) or maps the backward items; a batched
+    weight maps the forward too."""
+    case = CASES["gate_before_groups3"]
+    arrays = make_inputs(case, seed=5)
+    x, z, _, w = _primals(arrays)
+    xs, zs, ws = jnp.stack([x, 0.5 * x]), jnp.stack([z, -z]), jnp.stack([w, 2 * w])
+
+    def loss(x, z, w):
+        return jnp.sum(_op(case)(x, z, None, w)[0] * jnp.asarray(arrays["dout"]))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    for in_axes, weights in (((0, 0, None), w), ((0, 0, 0), ws)):
+        mapped_out = jax.vmap(lambda x, z, w: _op(case)(x, z, None, w)[0], in_axes)(xs, zs, weights)
+        mapped_grads = jax.vmap(grad, in_axes)(xs, zs, weights)
+        for i in range(2):
+            wi = weights if in_axes[2] is None else weights[i]
+            assert rel_l2(mapped_out[i], _op(case)(xs[i], zs[i], None, wi)[0]) < 1e-6
+            for got, want in zip(mapped_grads, grad(xs[i], zs[i], wi)):
+                assert rel_l2(got[i], want) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["gate_after_groups3", "add_norm"])
+def test_emulated_op_gradients_under_shard_map_match_float64_reference(name):
+    """Rows split over two devices by shard_map: the kernels run per shard and the replicated weight's
+    gradient is the sum of the shards' (the plain norm's x and the add + norm's residual are split too)."""
+    case = dataclasses.replace(CASES[name], rows=38)
+    arrays = make_inputs(case, seed=9)
+    x, z, residual, w = _primals(arrays)
+    dout = jnp.asarray(arrays["dout"])
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,))
+
+    def loss(x, z, residual, w):
+        def per_shard(x, z, residual, dout):
+            out, h = _op(case)(x, z, residual, w)
+            local = jnp.sum(out * dout) + (0.0 if h is None else jnp.sum(h * dout))
+            return jax.lax.psum(local, "data")
+        return jax.shard_map(per_shard, mesh=mesh, in_specs=P("data"), out_specs=P())(x, z, residual, dout)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, z, residual, w)
+    want = oracle(case, {**arrays, "dresidual_out": arrays["dout"]} if case.residual else arrays)
+    names = ("dx", "dz", "dresidual", "dweight")
+    errors = {n: rel_l2(g, want[n]) for n, g in zip(names, grads) if n in want}
+    assert max(errors.values()) < TOLERANCE, errors
+
+
+def test_emulated_block_norms_under_remat_match_the_xla_block():
+    """A Mamba2Block with both norms (the add + norm and the mixer's gated norm) on the kernels, its forward and
+    parameter gradients under nnx.remat, against the same block on pure JAX."""
+    config = Mamba2Config(d_model=32, n_layer=1, vocab_size=8,
+                          ssm_cfg=dict(d_state=8, headdim=8, ngroups=2, chunk_size=8))
+    reference = Mamba2Block(config, backend="xla", rngs=nnx.Rngs(0))
+    kernels = Mamba2Block(config, backend="xla", rngs=nnx.Rngs(0))
+    kernels.norm.backend = kernels.mixer.norm.backend = "cutile"
+    hidden = jax.random.normal(jax.random.key(1), (2, 12, 32))
+    residual = jax.random.normal(jax.random.key(2), (2, 12, 32))
+
+    def loss(block, hidden, residual):
+        out, new_residual = nnx.remat(lambda b, h, r: b(h, r))(block, hidden, residual)
+        return jnp.sum(out * jnp.cos(hidden)) + jnp.sum(new_residual ** 2)
+
+    (value, grads), (want_value, want_grads) = (
+        nnx.jit(nnx.value_and_grad(loss))(block, hidden, residual) for block in (kernels, reference))
+    assert rel_l2(value, want_value) < 1e-5
+    flat, want_flat = (jax.tree.leaves(nnx.state(g, nnx.Param)) for g in (grads, want_grads))
+    assert len(flat) == len(want_flat) and max(rel_l2(g, w) for g, w in zip(flat, want_flat)) < 1e-4
+    graphdef, state = nnx.split(kernels)
+    jaxpr = str(jax.make_jaxpr(lambda s, h, r: loss(nnx.merge(graphdef, s), h, r))(state, hidden, residual))
+    assert jaxpr.count("pure_callback") >= 2  # both norms ran on the kernels

@@ -1,0 +1,169 @@
+"""The chunked LM-head cross-entropy (jax_mamba2/flax_layers/loss.py) and `Mamba2LMHeadModel.loss`: equal to the
+plain loss over materialized logits and to its gradient in float64, composing with jit, grad, vmap,
+jax.checkpoint and shard_map, and holding less memory than the plain loss (compiled memory analysis)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, PartitionSpec as P
+
+from jax_mamba2.flax_layers import Mamba2LMHeadModel, chunked_cross_entropy
+from tests._helpers import rel_l2
+
+TOKENS, D, PADDED_VOCAB, VOCAB = 70, 16, 40, 37
+
+
+def plain_loss(hidden, weight, labels, *, vocab=VOCAB, embedding=False, ignore_index=-100):
+    """The reference: the whole batch's logits, softmax over the first `vocab` columns, mean over the counted
+    tokens."""
+    logits = (hidden @ (weight.T if embedding else weight))[..., :vocab]
+    counted = labels != ignore_index
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(counted, labels, 0))
+    return jnp.sum(jnp.where(counted, per_token, 0.0)) / jnp.sum(counted)
+
+
+def _problem(seed, tokens=TOKENS, dtype=jnp.float64):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    hidden = jax.random.normal(keys[0], (tokens, D), dtype)
+    weight = jax.random.normal(keys[1], (D, PADDED_VOCAB), dtype)
+    labels = jax.random.randint(keys[2], (tokens,), 0, VOCAB).at[::7].set(-100)
+    return hidden, weight, labels
+
+
+def _assert_value_and_grads_equal(f, g, args, tolerance=1e-12):
+    (value, grads), (want, want_grads) = (jax.value_and_grad(fn, argnums=(0, 1))(*args) for fn in (f, g))
+    assert abs(float(value - want)) < tolerance * abs(float(want))
+    for got, expected in zip(grads, want_grads):
+        assert rel_l2(got, expected) < tolerance
+
+
+@pytest.mark.parametrize("chunk_tokens", [16, 70, 4096], ids=["partial_last_chunk", "one_exact_chunk", "large"])
+@pytest.mark.parametrize("layout", ["head_weight", "embedding"])
+def test_chunked_loss_and_gradient_equal_the_plain_loss_in_float64(x64, layout, chunk_tokens):
+    hidden, weight, labels = _problem(0)
+    embedding = layout == "embedding"
+    weight = weight.T if embedding else weight
+
+    def chunked(hidden, weight):
+        return chunked_cross_entropy(hidden, labels, **{layout: weight}, vocab_size=VOCAB, chunk_tokens=chunk_tokens)
+
+    _assert_value_and_grads_equal(jax.jit(chunked), lambda h, w: plain_loss(h, w, labels, embedding=embedding),
+                                  (hidden, weight))
+
+
+def test_padded_columns_are_excluded_and_get_no_gradient(x64):
+    """Against a plain loss over all padded columns (what HF's Mamba2ForCausalLM computes) the loss differs;
+    the padding columns' weights get exactly zero gradient."""
+    hidden, weight, labels = _problem(1)
+    loss, grad = jax.value_and_grad(
+        lambda w: chunked_cross_entropy(hidden, labels, head_weight=w, vocab_size=VOCAB, chunk_tokens=32))(weight)
+    assert float(loss) < float(plain_loss(hidden, weight, labels, vocab=PADDED_VOCAB))
+    assert np.all(np.asarray(grad[:, VOCAB:]) == 0) and np.all(np.abs(np.asarray(grad[:, :VOCAB])).sum(0) > 0)
+
+
+def test_batched_shapes_ignored_labels_and_bad_labels(x64):
+    hidden, weight, labels = _problem(2, tokens=2 * 35)
+    batched = chunked_cross_entropy(hidden.reshape(2, 35, D), labels.reshape(2, 35), head_weight=weight,
+                                    vocab_size=VOCAB, chunk_tokens=16)
+    assert abs(float(batched - plain_loss(hidden, weight, labels))) < 1e-12
+    none_counted = chunked_cross_entropy(hidden, jnp.full_like(labels, -100), head_weight=weight)
+    assert float(none_counted) == 0.0
+    out_of_range = labels.at[3].set(VOCAB)
+    value, grad = jax.value_and_grad(lambda h: chunked_cross_entropy(
+        h, out_of_range, head_weight=weight, vocab_size=VOCAB, chunk_tokens=16))(hidden)
+    assert np.isnan(float(value)) and np.isnan(np.asarray(grad[3])).all() and np.isfinite(np.asarray(grad[4])).all()
+
+
+def test_vmap_and_checkpoint_compose(x64):
+    hidden, weight, labels = _problem(3)
+    hiddens, label_sets = jnp.stack([hidden, 2 * hidden]), jnp.stack([labels, labels[::-1]])
+
+    def chunked(h, w, y):
+        return chunked_cross_entropy(h, y, head_weight=w, vocab_size=VOCAB, chunk_tokens=16)
+
+    got = jax.vmap(jax.grad(jax.checkpoint(chunked), argnums=(0, 1)), in_axes=(0, None, 0))(hiddens, weight, label_sets)
+    want = jax.vmap(jax.grad(plain_loss, argnums=(0, 1)), in_axes=(0, None, 0))(hiddens, weight, label_sets)
+    assert max(rel_l2(g, w) for g, w in zip(got, want)) < 1e-12
+
+
+def test_shard_map_over_a_data_axis_sums_the_weight_gradient(x64):
+    """Tokens split over two devices, the weight replicated: each shard's mean, averaged with pmean, has the
+    whole batch's value and gradients (the shards count equally many tokens)."""
+    hidden, weight, _ = _problem(4, tokens=72)
+    labels = jax.random.randint(jax.random.key(5), (72,), 0, VOCAB)
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,))
+
+    def sharded(hidden, weight):
+        def per_shard(hidden, labels):
+            local = chunked_cross_entropy(hidden, labels, head_weight=weight, vocab_size=VOCAB, chunk_tokens=16)
+            return jax.lax.pmean(local, "data")
+        return jax.shard_map(per_shard, mesh=mesh, in_specs=P("data"), out_specs=P())(hidden, labels)
+
+    _assert_value_and_grads_equal(jax.jit(sharded), lambda h, w: plain_loss(h, w, labels), (hidden, weight))
+
+
+def test_compiled_peak_memory_is_a_fraction_of_the_plain_loss():
+    """jit(value_and_grad) at 4096 tokens x 8000 words (bf16 hidden, f32 weight): the plain loss holds the
+    whole batch's logits several times; the chunked one a 512-token chunk's."""
+    hidden = jax.ShapeDtypeStruct((4096, 64), jnp.bfloat16)
+    weight = jax.ShapeDtypeStruct((64, 8000), jnp.float32)
+    labels = jax.ShapeDtypeStruct((4096,), jnp.int32)
+
+    def plain(h, w, y):
+        logits = jnp.dot(h, w.astype(jnp.bfloat16)).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def chunked(h, w, y):
+        return chunked_cross_entropy(h, y, head_weight=w, chunk_tokens=512)
+
+    temp = {name: jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(hidden, weight, labels).compile()
+            .memory_analysis().temp_size_in_bytes for name, fn in (("plain", plain), ("chunked", chunked))}
+    logits_bytes = 4096 * 8000 * 4
+    assert temp["plain"] >= logits_bytes and temp["chunked"] < logits_bytes / 4, temp
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(), TypeError, r"pass exactly one of head_weight=\(d, vocab\) or embedding=\(vocab, d\)"),
+    (dict(head_weight=jnp.ones((8, 40))), ValueError, r"head_weight.shape=\(8, 40\) must be \(d, vocab\) with d="),
+    (dict(embedding=jnp.ones((40, 8))), ValueError, r"embedding.shape=\(40, 8\) must be \(vocab, d\)"),
+    (dict(head_weight=jnp.ones((16, 40)), vocab_size=41), ValueError, r"vocab_size=41 must be an int in \[1, 40\]"),
+    (dict(head_weight=jnp.ones((16, 40)), chunk_tokens=0), ValueError, r"chunk_tokens=0 must be a positive int"),
+    (dict(head_weight=jnp.ones((16, 40), jnp.int32)), TypeError, r"head_weight.dtype=int32 must be a float"),
+])
+def test_invalid_arguments_raise_naming_them(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        chunked_cross_entropy(jnp.ones((4, 16)), jnp.zeros((4,), jnp.int32), **kwargs)
+    with pytest.raises(ValueError, match=r"labels.shape=\(3,\) must be hidden.shape\[:-1\]=\(4,\)"):
+        chunked_cross_entropy(jnp.ones((4, 16)), jnp.zeros((3,), jnp.int32), head_weight=jnp.ones((16, 40)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_lm_loss_equals_the_loss_of_its_logits_in_float64(x64, tiny_config, tied):
+    """Mamba2LMHeadModel.loss against softmax cross-entropy over model(ids)'s first vocab_size columns, values and
+    parameter gradients; HF-style labels (shifted inside, -100 ignored, default input_ids) and already-shifted
+    targets."""
+    config = tiny_config.replace(tie_embeddings=tied, n_layer=1)
+    model = Mamba2LMHeadModel(config, backend="xla", param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+    ids = jax.random.randint(jax.random.key(1), (2, 12), 0, config.vocab_size)
+    labels = ids.at[0, 5].set(-100)
+
+    def shifted(labels):
+        return jnp.pad(labels[:, 1:], ((0, 0), (0, 1)), constant_values=-100)
+
+    def plain(model, labels):
+        return plain_loss(model(ids), jnp.eye(config.padded_vocab_size), shifted(labels), vocab=config.vocab_size)
+
+    grad = nnx.jit(nnx.value_and_grad(lambda m, loss: loss(m), argnums=0), static_argnums=1)
+    (want, want_grads), (value, grads) = (grad(model, fn) for fn in (
+        lambda m: plain(m, labels), lambda m: m.loss(ids, labels, chunk_tokens=10)))
+    assert abs(float(value - want)) < 1e-12
+    got, expected = (jax.tree.leaves(nnx.state(g, nnx.Param)) for g in (grads, want_grads))
+    assert max(rel_l2(g, w) for g, w in zip(got, expected) if np.any(w)) < 1e-10
+    pre_shifted, next_token, want_next_token = nnx.jit(lambda m: (
+        m.loss(ids, shift_labels=shifted(labels)), m.loss(ids), plain(m, ids)))(model)
+    assert abs(float(pre_shifted - want)) < 1e-12 and abs(float(next_token - want_next_token)) < 1e-12
+    with pytest.raises(ValueError, match="pass labels \\(unshifted\\) or shift_labels, not both"):
+        model.loss(ids, labels, shift_labels=labels)

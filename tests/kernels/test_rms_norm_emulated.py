@@ -1,0 +1,109 @@
+"""The RMSNorm kernels' forward and backward plans, run block by block on the NumPy emulator of cuda.tile
+(tests/kernels/_cutile_emulator.py) against the float64 reference (jax_mamba2.norm_reference) on fresh random
+inputs: every gate placement, several groups, a group that is not a power of two, odd row counts, the residual
+add + norm, and the backward's persistent loop over several row blocks per block."""
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+pytest.importorskip("cuda.tile")
+
+from jax_mamba2.kernels.rms_norm import NormConfig, norm_default_config, rms_norm_fwd_plan  # noqa: E402
+from jax_mamba2.kernels.rms_norm_bwd import bwd_programs, rms_norm_bwd_plan  # noqa: E402
+from tests._helpers import rel_l2  # noqa: E402
+from tests.kernels import _cutile_emulator as emulator  # noqa: E402
+from tests.kernels._norm_checks import CASES, NormCase, make_inputs, oracle  # noqa: E402
+from tests.kernels._plan_checks import assert_plan_well_formed  # noqa: E402
+
+
+def _rows(dims, a):
+    return a.reshape(dims.rows, dims.ngroups, dims.group_size)
+
+
+def _dummy(dtype):
+    return np.zeros((1, 1, 1), dtype)
+
+
+def run_kernels(case: NormCase, arrays: dict, cfg=None, *, float64: bool = True) -> dict:
+    """The forward then the backward plan on the emulator -> out, residual_out, dx, dz, dresidual, dweight as
+    (rows, features) / (features,) arrays (absent ones left out)."""
+    dims = case.dims()
+    x_dtype = arrays["x"].dtype
+    fwd = emulator.run_plan(rms_norm_fwd_plan(dims, cfg), dict(
+        x=_rows(dims, arrays["x"]), z=_rows(dims, arrays["z"]) if case.gate else _dummy(x_dtype),
+        residual=_rows(dims, arrays["residual"]) if case.residual else _dummy(x_dtype),
+        weight=arrays["weight"].reshape(dims.ngroups, dims.group_size)), float64=float64)
+    bwd = emulator.run_plan(rms_norm_bwd_plan(dims, cfg), dict(
+        x=fwd["residual_out"] if case.residual else _rows(dims, arrays["x"]),
+        z=_rows(dims, arrays["z"]) if case.gate else _dummy(x_dtype),
+        weight=arrays["weight"].reshape(dims.ngroups, dims.group_size), dout=_rows(dims, arrays["dout"]),
+        dresidual_out=_rows(dims, arrays["dresidual_out"]) if case.residual else _dummy(x_dtype)), float64=float64)
+    shape = (case.rows, case.features)
+    result = dict(out=fwd["out"].reshape(shape), dx=bwd["dx"].reshape(shape),
+                  dweight=bwd["dweight"].reshape(case.features))
+    if case.gate:
+        result["dz"] = bwd["dz"].reshape(shape)
+    if case.residual:
+        result["residual_out"] = fwd["residual_out"].reshape(shape)
+        result["dresidual"] = bwd["dresidual"].reshape(shape)
+    return result
+
+
+def assert_matches_oracle(case, arrays, got, tolerance):
+    want = oracle(case, arrays)
+    assert set(got) == set(want)
+    errors = {name: rel_l2(got[name], want[name]) for name in want}
+    assert max(errors.values()) < tolerance, errors
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_emulated_forward_and_backward_match_float64_reference(name):
+    """In float64 the kernels' algebra is exact to ~1e-15: what differs from the reference is a bug."""
+    case = CASES[name]
+    arrays = make_inputs(case, seed=hash(name) % 1000)
+    assert_matches_oracle(case, arrays, run_kernels(case, arrays), 1e-10)
+
+
+@pytest.mark.parametrize("name", ["gate_before_groups3", "gate_after_groups3", "add_norm"])
+def test_emulated_backward_loops_over_row_blocks(name):
+    """One row per block at occupancy 1 on 300 rows: 132 / ngroups programs each walk two or three row blocks
+    (the persistent loop and the weight gradient's partial sums), the last program fewer."""
+    case = dataclasses.replace(CASES[name], rows=300)
+    cfg = NormConfig(BLOCK_ROWS=1, fwd_occupancy=1, bwd_occupancy=1)
+    dims = case.dims()
+    assert bwd_programs(dims, cfg) < dims.rows
+    arrays = make_inputs(case, seed=7)
+    assert_matches_oracle(case, arrays, run_kernels(case, arrays, cfg), 1e-10)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("bfloat16", 2e-2), ("float16", 3e-3), ("float32", 1e-5)])
+@pytest.mark.parametrize("name", ["gate_before_groups3", "gate_after_one_group", "add_norm"])
+def test_emulated_kernels_in_their_dtypes_match_float64_reference(name, dtype, tolerance):
+    """The arrays in their own dtypes (f32 math on 16-bit inputs, the residual stream rounded to float32)."""
+    case = dataclasses.replace(CASES[name], dtype=dtype)
+    arrays = make_inputs(case, seed=11)
+    got = run_kernels(case, arrays, float64=False)
+    assert got["out"].dtype == (ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype))
+    assert got["dx"].dtype == got["out"].dtype and got["dweight"].dtype == np.float32
+    assert_matches_oracle(case, arrays, got, tolerance)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_norm_plans_well_formed(name):
+    dims = CASES[name].dims()
+    for plan in (rms_norm_fwd_plan(dims), rms_norm_bwd_plan(dims)):
+        assert_plan_well_formed(plan)
+
+
+@pytest.mark.parametrize("case,rows,occupancies", [
+    (NormCase(rows=100, features=2048, gate="before"), 1, (8, 2)),
+    (NormCase(rows=100, features=64, gate="after"), 32, (8, 2)),
+    (NormCase(rows=100, features=8192, gate="before"), 1, (2, 1)),
+    (NormCase(rows=100, features=1024, residual=True), 2, (8, 4)),
+], ids=["gated_2048", "gated_64", "gated_8192", "add_norm_1024"])
+def test_default_config_fills_a_tile_of_2048_values(case, rows, occupancies):
+    """The documented defaults: rows up to 2048 values per tile, the occupancies that compile spill-free."""
+    cfg = norm_default_config(case.dims())
+    assert (cfg.BLOCK_ROWS, (cfg.fwd_occupancy, cfg.bwd_occupancy)) == (rows, occupancies)

@@ -1,0 +1,96 @@
+"""The RMSNorm ops' public API on the CPU (jax_mamba2/norm.py): argument checks, the "xla" path against the
+float64 reference, what "auto" picks without a GPU, empty inputs, and an explicit kernel backend that cannot run."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_mamba2
+from jax_mamba2 import norm_reference
+from tests._helpers import rel_l2
+
+X = jax.random.normal(jax.random.key(0), (3, 5, 32), jnp.float32)
+Z = jax.random.normal(jax.random.key(1), X.shape, jnp.float32)
+W = 1 + 0.1 * jax.random.normal(jax.random.key(2), (32,))
+
+
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+@pytest.mark.parametrize("group_size", [None, 8])
+def test_xla_and_auto_on_cpu_are_the_reference(group_size, norm_before_gate):
+    """Without a GPU "auto" traces the reference alone (no platform switch, no custom VJP)."""
+    options = dict(group_size=group_size, norm_before_gate=norm_before_gate)
+    want = jax.jit(lambda x, z, w: norm_reference.rms_norm(x, w, z, eps=1e-5, **options))(X, Z, W)
+    for backend in ("xla", "auto"):
+        op = jax.jit(lambda x, z, w, backend=backend: jax_mamba2.rms_norm(x, w, z, **options, backend=backend))
+        assert rel_l2(op(X, Z, W), want) == 0.0
+        jaxpr = str(jax.make_jaxpr(op)(X, Z, W))
+        assert "custom_vjp" not in jaxpr and "platform_index" not in jaxpr
+
+
+def test_add_rms_norm_matches_its_definition_in_float64():
+    """h = x + residual (added in float64, kept in float64), out = rms_norm(h); gradients through both."""
+    with jax.enable_x64(True):
+        x, r, w = (a.astype(jnp.float64) for a in (X, Z, W))
+
+        def f(x, r, w):
+            out, h = jax_mamba2.add_rms_norm(x, r, w, eps=1e-6, backend="xla")
+            return jnp.sum(out * jnp.cos(x)) + jnp.sum(h ** 2)
+
+        def g(x, r, w):
+            h = x + r
+            return jnp.sum(norm_reference.rms_norm(h, w, eps=1e-6) * jnp.cos(x)) + jnp.sum(h ** 2)
+
+        for got, want in zip(jax.grad(f, argnums=(0, 1, 2))(x, r, w), jax.grad(g, argnums=(0, 1, 2))(x, r, w)):
+            assert rel_l2(got, want) < 1e-14
+
+
+def test_add_rms_norm_dtypes():
+    out, h = jax_mamba2.add_rms_norm(X.astype(jnp.bfloat16), Z, W, residual_dtype=jnp.float32)
+    assert out.dtype == jnp.bfloat16 and h.dtype == jnp.float32
+    out = jax_mamba2.add_rms_norm(X.astype(jnp.bfloat16), Z.astype(jnp.bfloat16), W, out_dtype=jnp.float32,
+                                  return_residual=False)
+    assert out.dtype == jnp.float32
+
+
+def test_empty_inputs_give_empty_outputs():
+    x = jnp.zeros((0, 32), jnp.bfloat16)
+    assert jax_mamba2.rms_norm(x, W, x).shape == (0, 32)
+    out, h = jax_mamba2.add_rms_norm(x, x.astype(jnp.float32), W)
+    assert out.shape == h.shape == (0, 32)
+
+
+def test_sum_groups_runs_the_xla_path_whatever_the_backend():
+    """A group split across devices: the reference's sum_groups hook, also under backend="cutile"."""
+    doubled = jax_mamba2.rms_norm(X[..., :16], W[:16], group_size=32, sum_groups=lambda s: 2 * s, backend="cutile")
+    want = norm_reference.rms_norm(jnp.concatenate([X[..., :16]] * 2, -1), jnp.concatenate([W[:16]] * 2), eps=1e-5)
+    assert rel_l2(doubled, want[..., :16]) < 1e-6
+
+
+def test_explicit_kernel_backend_without_gpu_says_why():
+    pytest.importorskip("cuda.tile")
+    with pytest.raises(ValueError, match=r"rms_norm\(backend='cutile'\) cannot run this call: no CUDA device"):
+        jax_mamba2.rms_norm(X, W, backend="cutile")
+    with pytest.raises(ValueError, match=r"add_rms_norm\(backend='cutile_callback'\) cannot run this call: x is "
+                                         r"float64"):
+        with jax.enable_x64(True):
+            jax_mamba2.add_rms_norm(X.astype(jnp.float64), Z, W, backend="cutile_callback")
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: jax_mamba2.rms_norm(X, W[:16]), ValueError, r"rms_norm: weight.shape=\(16,\) must be \(features,\)"),
+    (lambda: jax_mamba2.rms_norm(X, W, Z[..., :8]), ValueError, r"rms_norm: z.shape=\(3, 5, 8\) must be x.shape"),
+    (lambda: jax_mamba2.rms_norm(X.astype(jnp.int32), W), TypeError, r"rms_norm: x.dtype=int32 must be one of"),
+    (lambda: jax_mamba2.rms_norm(X, W, group_size=5), ValueError,
+     r"rms_norm: group_size=5 must be a positive divisor of features=32"),
+    (lambda: jax_mamba2.rms_norm(X, W, group_size=2.0), TypeError, r"rms_norm: group_size=2.0 must be an int"),
+    (lambda: jax_mamba2.rms_norm(X, W, eps=0.0), ValueError, r"rms_norm: eps=0.0 must be a positive finite float"),
+    (lambda: jax_mamba2.rms_norm(X, W, backend="scan"), ValueError, r"rms_norm: backend='scan' must be one of"),
+    (lambda: jax_mamba2.rms_norm(X, W, sum_groups=3), TypeError, r"rms_norm: sum_groups=3 must be a callable"),
+    (lambda: jax_mamba2.add_rms_norm(X, Z[:1], W), ValueError, r"add_rms_norm: residual.shape=\(1, 5, 32\) must be"),
+    (lambda: jax_mamba2.add_rms_norm(X, Z, W, residual_dtype=jnp.int8), TypeError,
+     r"add_rms_norm: residual_dtype=int8 must be one of"),
+    (lambda: jax_mamba2.add_rms_norm(X, Z, np.ones(32, np.int32)), TypeError, r"add_rms_norm: weight.dtype=int32 must"),
+])
+def test_invalid_arguments_raise_naming_them(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
