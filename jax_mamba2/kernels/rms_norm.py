@@ -27,7 +27,7 @@ from typing import Optional
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    LOG2E, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, _with_hints, exp2_ftz, int64_index_kernels,
+    LOG2E, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, _with_hints, exp2_ftz, int64_index_kernels,
     next_power_of_2)
 
 _INT32_MAX = (1 << 31) - 1
@@ -185,31 +185,27 @@ def _rms_norm_fwd_body(x, z, residual, weight, out, residual_out, GROUP_SIZE, WI
     store_rows(out, row_block, g, y, BLOCK_ROWS, WIDTH)
 
 
-def _make_rms_norm_fwd_kernel(Big):
-    @ct.kernel
-    def rms_norm_fwd_kernel(
-        x: Big,              # (rows, ngroups, G) T
-        z: Big,              # (rows, ngroups, G) Tz, or a dummy without HAS_Z
-        residual: Big,       # (rows, ngroups, G) Tr_in, or a dummy without HAS_RESIDUAL
-        weight,              # (ngroups, G) f32
-        out: Big,            # (rows, ngroups, G) T_out, written
-        residual_out: Big,   # (rows, ngroups, G) Tr, written with HAS_RESIDUAL, else a dummy
-        GROUP_SIZE: ConstInt,
-        WIDTH: ConstInt,
-        BLOCK_ROWS: ConstInt,
-        HAS_Z: ConstBool,
-        NORM_BEFORE_GATE: ConstBool,
-        HAS_RESIDUAL: ConstBool,
-        EPS: ConstFloat,
-    ):
-        _rms_norm_fwd_body(x, z, residual, weight, out, residual_out, GROUP_SIZE, WIDTH, BLOCK_ROWS, HAS_Z,
-                           NORM_BEFORE_GATE, HAS_RESIDUAL, EPS)
-
-    return rms_norm_fwd_kernel
+def rms_norm_fwd_kernel(
+    x: Big,              # (rows, ngroups, G) T
+    z: Big,              # (rows, ngroups, G) Tz, or a dummy without HAS_Z
+    residual: Big,       # (rows, ngroups, G) Tr_in, or a dummy without HAS_RESIDUAL
+    weight,              # (ngroups, G) f32
+    out: Big,            # (rows, ngroups, G) T_out, written
+    residual_out: Big,   # (rows, ngroups, G) Tr, written with HAS_RESIDUAL, else a dummy
+    GROUP_SIZE: ConstInt,
+    WIDTH: ConstInt,
+    BLOCK_ROWS: ConstInt,
+    HAS_Z: ConstBool,
+    NORM_BEFORE_GATE: ConstBool,
+    HAS_RESIDUAL: ConstBool,
+    EPS: ConstFloat,
+):
+    _rms_norm_fwd_body(x, z, residual, weight, out, residual_out, GROUP_SIZE, WIDTH, BLOCK_ROWS, HAS_Z,
+                       NORM_BEFORE_GATE, HAS_RESIDUAL, EPS)
 
 
 # (int32-indexed, int64-indexed) entries of the one body.
-RMS_NORM_FWD_KERNELS = int64_index_kernels(_make_rms_norm_fwd_kernel)
+RMS_NORM_FWD_KERNELS = int64_index_kernels(rms_norm_fwd_kernel)
 
 
 def rms_norm_fwd_inputs(dims: NormDims) -> dict[str, Buffer]:

@@ -32,8 +32,8 @@ from typing import Optional
 
 import cuda.tile as ct
 
-from jax_mamba2.kernels._common import SM90_SMS, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, \
-    int64_index_kernels
+from jax_mamba2.kernels._common import (
+    SM90_SMS, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, int64_index_kernels)
 from jax_mamba2.kernels.rms_norm import (
     NormConfig, NormDims, inverse_rms, load_rows, load_weight, norm_default_config, row_block_count,
     select_norm_kernel, sigmoid, store_rows)
@@ -85,33 +85,29 @@ def _rms_norm_bwd_body(x, z, weight, dout, dresidual_out, dx, dresidual, dz, dwe
     ct.store(dweight_partial, index=(program, g, 0), tile=ct.sum(dw, axis=0, keepdims=True).reshape((1, 1, WIDTH)))
 
 
-def _make_rms_norm_bwd_kernel(Big):
-    @ct.kernel
-    def rms_norm_bwd_kernel(
-        x: Big,               # (rows, ngroups, G) the norm's input: x (T), or h = residual_out (Tr)
-        z: Big,               # (rows, ngroups, G) Tz, or a dummy without HAS_Z
-        weight,               # (ngroups, G) f32
-        dout: Big,            # (rows, ngroups, G) T_out
-        dresidual_out: Big,   # (rows, ngroups, G) Tr, or a dummy without HAS_RESIDUAL
-        dx: Big,              # (rows, ngroups, G) T, written
-        dresidual: Big,       # (rows, ngroups, G) Tr, written with HAS_RESIDUAL, else a dummy
-        dz: Big,              # (rows, ngroups, G) Tz, written with HAS_Z, else a dummy
-        dweight_partial,      # (programs, ngroups, G) f32, written
-        GROUP_SIZE: ConstInt,
-        WIDTH: ConstInt,
-        BLOCK_ROWS: ConstInt,
-        HAS_Z: ConstBool,
-        NORM_BEFORE_GATE: ConstBool,
-        HAS_RESIDUAL: ConstBool,
-        EPS: ConstFloat,
-    ):
-        _rms_norm_bwd_body(x, z, weight, dout, dresidual_out, dx, dresidual, dz, dweight_partial, GROUP_SIZE,
-                           WIDTH, BLOCK_ROWS, HAS_Z, NORM_BEFORE_GATE, HAS_RESIDUAL, EPS)
-
-    return rms_norm_bwd_kernel
+def rms_norm_bwd_kernel(
+    x: Big,               # (rows, ngroups, G) the norm's input: x (T), or h = residual_out (Tr)
+    z: Big,               # (rows, ngroups, G) Tz, or a dummy without HAS_Z
+    weight,               # (ngroups, G) f32
+    dout: Big,            # (rows, ngroups, G) T_out
+    dresidual_out: Big,   # (rows, ngroups, G) Tr, or a dummy without HAS_RESIDUAL
+    dx: Big,              # (rows, ngroups, G) T, written
+    dresidual: Big,       # (rows, ngroups, G) Tr, written with HAS_RESIDUAL, else a dummy
+    dz: Big,              # (rows, ngroups, G) Tz, written with HAS_Z, else a dummy
+    dweight_partial,      # (programs, ngroups, G) f32, written
+    GROUP_SIZE: ConstInt,
+    WIDTH: ConstInt,
+    BLOCK_ROWS: ConstInt,
+    HAS_Z: ConstBool,
+    NORM_BEFORE_GATE: ConstBool,
+    HAS_RESIDUAL: ConstBool,
+    EPS: ConstFloat,
+):
+    _rms_norm_bwd_body(x, z, weight, dout, dresidual_out, dx, dresidual, dz, dweight_partial, GROUP_SIZE,
+                       WIDTH, BLOCK_ROWS, HAS_Z, NORM_BEFORE_GATE, HAS_RESIDUAL, EPS)
 
 
-RMS_NORM_BWD_KERNELS = int64_index_kernels(_make_rms_norm_bwd_kernel)
+RMS_NORM_BWD_KERNELS = int64_index_kernels(rms_norm_bwd_kernel)
 
 
 @ct.kernel
