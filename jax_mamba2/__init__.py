@@ -5,7 +5,6 @@ Public API:
                            single-token decode step.
   ssd_scan, ssd_chunked    pure-JAX reference paths (lax.scan oracle, chunked algorithm).
   causal_conv1d_silu       the mixer's causal depthwise conv1d + SiLU (causal_conv1d's `causal_conv1d_fn`).
-  mamba2_decode_step       one decode step of a Mamba2 layer between in_proj and out_proj (one kernel).
   rms_norm, add_rms_norm   the gated, grouped RMSNorm and the residual add + RMSNorm (cuTile kernels on a GPU).
   available_backends       names of the SSD backends that can run in this process.
   backend_status           for every known backend: whether it can run here and, if not, why.
@@ -21,12 +20,11 @@ from jax_mamba2.backends import available_backends, backend_status
 from jax_mamba2.norm import add_rms_norm, rms_norm
 from jax_mamba2.op import ssd, ssd_step
 from jax_mamba2.reference import ssd_chunked, ssd_scan
-from jax_mamba2.decode_step import mamba2_decode_step
 from jax_mamba2.flax_layers import (Mamba2, Mamba2Config, Mamba2LMHeadModel, chunked_cross_entropy, generate,
                                     load_pretrained, save_pretrained, shard_model)
 
 __all__ = [
-    "__version__", "ssd", "ssd_step", "ssd_scan", "ssd_chunked", "causal_conv1d_silu", "mamba2_decode_step",
+    "__version__", "ssd", "ssd_step", "ssd_scan", "ssd_chunked", "causal_conv1d_silu",
     "available_backends", "backend_status", "autotune", "Mamba2", "Mamba2Config", "Mamba2LMHeadModel", "generate", "load_pretrained",
     "save_pretrained", "shard_model", "rms_norm", "add_rms_norm", "chunked_cross_entropy",
 ]

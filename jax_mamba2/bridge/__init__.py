@@ -6,8 +6,6 @@
                    to ct.launch zero-copy on the callback's stream.
   eager            (module) the same kernels on CuPy / torch / JAX device arrays outside jit.
 
-It also registers the fused Mamba2 decode step (`jax_mamba2.decode_step`, backend "cutile") on the FFI path.
-
 Raises ImportError when cuda-tile is not installed; `jax_mamba2.ssd` then offers only "xla"/"scan".
 The names of these backends are declared in `jax_mamba2.backends.OPTIONAL_BACKENDS`.
 """
@@ -19,8 +17,7 @@ except ModuleNotFoundError as e:
     raise ModuleNotFoundError("cuda-tile is not installed (pip install 'jax-mamba2[cuda]')", name=e.name) from e
 
 from jax_mamba2 import backends
-from jax_mamba2 import decode_step as _decode_step
-from jax_mamba2.bridge import callback, decode_ops, ffi, ops, problem
+from jax_mamba2.bridge import callback, ffi, ops, problem
 
 backends.register_backend(backends.Backend(
     name="cutile", forward=ops.make_forward(ffi.run_plan),
@@ -34,5 +31,3 @@ backends.register_backend(backends.Backend(
     unsupported_reason=problem.unsupported_reason, backward=ops.make_backward(callback.run_plan),
     step=ops.make_step(callback.run_plan),
     step_unsupported_reason=ops.step_unsupported_reason, unavailable_reason=problem.gpu_unavailable_reason))
-_decode_step.register_kernel("cutile", _decode_step.DecodeKernel(
-    run=decode_ops.make_decode_step(ffi.run_plan), unsupported_reason=decode_ops.unsupported_reason))

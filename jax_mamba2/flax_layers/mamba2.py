@@ -8,8 +8,7 @@
   out    = out_proj(y)
 
 Three entry points share this computation: `__call__` (training / full forward), `prefill` (the same, also
-returning the decode cache) and `step` (one token in O(1) from the cache, through `ssd_step`; where the backend
-resolves to cutile, everything between in_proj and out_proj is one kernel, `mamba2_decode_step`).
+returning the decode cache) and `step` (one token in O(1) from the cache, through `ssd_step`).
 """
 import functools
 import math
@@ -21,7 +20,6 @@ from jax.sharding import PartitionSpec as P
 
 from jax_mamba2 import backends
 from jax_mamba2.conv1d import causal_conv1d_silu
-from jax_mamba2.decode_step import kernel_unsupported_reason, mamba2_decode_step
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers._tree import param_path
 from jax_mamba2.flax_layers.cache import Mamba2Cache
@@ -207,8 +205,7 @@ class Mamba2(nnx.Module):
         return out, Mamba2Cache(*(a.astype(dtype) for a, dtype in zip(new_cache, dtypes)))
 
     def step(self, hidden_states, cache: Mamba2Cache):
-        """One decode step in O(1): `ssd_step` on the cached state, no padding to a chunk. Where the backend
-        resolves to cutile, everything between in_proj and out_proj is one kernel (`mamba2_decode_step`).
+        """One decode step in O(1): `ssd_step` on the cached state, no padding to a chunk.
 
         Unlike mamba_ssm's `step`, dt_limit is applied, so that stepping equals the full forward.
 
@@ -307,10 +304,6 @@ class Mamba2(nnx.Module):
     def _step(self, shard: HeadShard, hidden_states, cache: Mamba2Cache):
         batch, _ = hidden_states.shape
         z0, x0, z, x, B, C, dt = self._project(shard, hidden_states)
-        fused = self._fused_step(shard, z, x, B, C, dt, cache)
-        if fused is not None:
-            y, new_cache = fused
-            return self._output(shard, y, z, z0, x0, normed=True), new_cache
         x, B, C, conv_state = self._convolve(
             shard, x, B, C, cache.conv_state, True,
             lambda xBC, state, kernel, bias: _silu_output(causal_conv1d_step(xBC, state, kernel, bias,
@@ -323,25 +316,6 @@ class Mamba2(nnx.Module):
             z=None if self.rmsnorm else z.reshape(batch, nheads, self.headdim), dt_bias=dt_bias,
             dt_softplus=True, dt_limit=self.dt_limit, backend=self.backend)
         return self._output(shard, y, z, z0, x0), Mamba2Cache(conv_state, ssm_state)
-
-    def _fused_step(self, shard: HeadShard, z, x, B, C, dt, cache: Mamba2Cache):
-        """The step from in_proj's output to out_proj's input as one cuTile kernel (`mamba2_decode_step`):
-        (y (batch, d_ssm), new cache), or None where it does not apply and `_step` runs the pieces: another
-        backend, head parallelism (a norm group may span devices), or what the kernel cannot take here."""
-        if self.backend not in ("auto", "cutile") or shard.size > 1:
-            return None
-        A, D, dt_bias = self._ssm_params()
-        args = (z, jnp.concatenate([x, B, C], axis=-1), dt, cache.conv_state, cache.ssm_state,
-                self.conv1d.kernel[...], A)
-        kwargs = dict(conv_bias=None if self.conv1d.bias is None else self.conv1d.bias[...], D=D, dt_bias=dt_bias,
-                      dt_limit=self.dt_limit)
-        if self.rmsnorm:
-            kwargs.update(norm_weight=self.norm.scale[...], norm_before_gate=self.norm.norm_before_gate,
-                          eps=self.norm.eps)
-        if kernel_unsupported_reason(*args, **kwargs) is not None:
-            return None
-        y, conv_state, ssm_state = mamba2_decode_step(*args, **kwargs, backend=self.backend)
-        return y, Mamba2Cache(conv_state, ssm_state)
 
     # ------------------------------------------------------------------------------------------------
     # Pieces
@@ -416,13 +390,11 @@ class Mamba2(nnx.Module):
             D = D.reshape(-1, self.headdim)
         return A, D, self.dt_bias[...]
 
-    def _output(self, shard: HeadShard, y, z, z0, x0, *, normed: bool = False):
-        """Gated norm, MLP branch and out_proj; y (..., local nheads, headdim) -> (..., d_model). With `normed`,
-        y (..., d_ssm) is already gated and normed."""
-        if not normed:
-            y = y.reshape(*y.shape[:-2], y.shape[-2] * y.shape[-1])
-            if self.rmsnorm:
-                y = self.norm(y, z, sum_groups=shard.sum_split_groups(self.d_ssm // self.ngroups, y.shape[-1]))
+    def _output(self, shard: HeadShard, y, z, z0, x0):
+        """Gated norm, MLP branch and out_proj; y (..., local nheads, headdim) -> (..., d_model)."""
+        y = y.reshape(*y.shape[:-2], y.shape[-2] * y.shape[-1])
+        if self.rmsnorm:
+            y = self.norm(y, z, sum_groups=shard.sum_split_groups(self.d_ssm // self.ngroups, y.shape[-1]))
         if self.d_mlp:
             y = jnp.concatenate([jax.nn.silu(z0) * x0, y], axis=-1)
         kernel = self.out_proj.kernel[...]  # (d_inner / shard.size, d_model): this shard's heads' rows
