@@ -305,10 +305,11 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
     costs a reduction over them and one host sync per call. Under jit, vmap or grad the arrays are tracers
     and go unchecked: the backends then disagree (the chunked ones assume decays exp(Δ A) <= 1).
 
-    Non-finite values: a NaN or inf in an input of one token reaches that token's head from that token to
-    the end of its sequence (and the final state when it is the last one), as in the recurrence; never
-    another packed sequence, an earlier token, or their gradients (backends "xla" and "scan"; the cuTile
-    kernels mix the tokens of a chunk in matrix products, which carry a NaN to the whole chunk and on).
+    Non-finite values: a NaN or inf in an input of one token reaches that token's head (a group's heads
+    for B and C) from that token to the end of its sequence, and the final state when that is the last
+    one, as in the recurrence; never another packed sequence, an earlier token, or their gradients
+    (backends "xla" and "scan"). The cuTile kernels mix the tokens of a chunk in matrix products, which
+    carry a NaN to the whole chunk and, through the states, to the rest of its batch row.
 
     Args:
       x: (batch, seqlen, nheads, headdim), bf16/f16/f32/f64.

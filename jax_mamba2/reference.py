@@ -394,21 +394,41 @@ def _finite_cotangent_bwd(_, cotangent):
 _finite_cotangent.defvjp(_finite_cotangent_fwd, _finite_cotangent_bwd)
 
 
-def _segment_cumsum(values: jax.Array, starts: jax.Array | None) -> jax.Array:
-    """Inclusive cumsum along axis 1 that restarts where `starts` (batch, seqlen) is True.
+@jax.custom_vjp
+def _spread_nonfinite(marks: jax.Array, starts: jax.Array) -> jax.Array:
+    """NaN from each non-finite entry of `marks` (b, L, h) to the end of its segment, 0 elsewhere.
 
-    The restart is a select, so a NaN of one segment never enters another (forward and backward), which a
-    difference of plain cumsums would not give.
+    Segments of axis 1 begin where `starts` (b, L) is True. The backward spreads each non-finite cotangent
+    back to the start of its segment in the same way (0 elsewhere): used on marks that are `0 * v`, whose
+    cotangent only says whether it is finite, this is the derivative. Both directions compare positions
+    (two running maxima), so no NaN crosses a segment start, which differences of cumsums would not give.
     """
-    if starts is None:
-        return jnp.cumsum(values, axis=1)
+    return _spread_forward(marks, starts)
 
-    def combine(left, right):
-        (left_sum, left_start), (right_sum, right_start) = left, right
-        return jnp.where(right_start, right_sum, left_sum + right_sum), left_start | right_start
 
-    flags = starts.reshape(starts.shape + (1,) * (values.ndim - 2))
-    return jax.lax.associative_scan(combine, (values, flags), axis=1)[0]
+def _spread_forward(marks, starts):
+    positions = jnp.arange(marks.shape[1])[None, :]
+    last_nonfinite = jax.lax.cummax(jnp.where(~jnp.isfinite(marks), positions[..., None], -1), axis=1)
+    segment_start = jax.lax.cummax(jnp.where(starts, positions, 0), axis=1)
+    return jnp.where(last_nonfinite >= segment_start[..., None], jnp.nan, 0.0).astype(marks.dtype)
+
+
+def _spread_nonfinite_fwd(marks, starts):
+    return _spread_forward(marks, starts), starts
+
+
+def _spread_nonfinite_bwd(starts, cotangent):
+    seqlen = cotangent.shape[1]
+    positions = jnp.arange(seqlen)[None, :]
+    ends = jnp.pad(starts[:, 1:], ((0, 0), (0, 1)), constant_values=True)  # the last token of a segment
+    next_nonfinite = jax.lax.cummin(jnp.where(~jnp.isfinite(cotangent), positions[..., None], seqlen),
+                                    axis=1, reverse=True)
+    segment_end = jax.lax.cummin(jnp.where(ends, positions, seqlen - 1), axis=1, reverse=True)
+    spread = jnp.where(next_nonfinite <= segment_end[..., None], jnp.nan, 0.0).astype(cotangent.dtype)
+    return spread, None
+
+
+_spread_nonfinite.defvjp(_spread_nonfinite_fwd, _spread_nonfinite_bwd)
 
 
 def _nonfinite_reach(x, delta, A, B, C, initial_states, seq_idx):
@@ -421,8 +441,8 @@ def _nonfinite_reach(x, delta, A, B, C, initial_states, seq_idx):
     a head: a NaN in one headdim or dstate entry marks all of the head's entries.)
 
     `0 * v` is 0 where v is finite and NaN where not, and passes a cotangent on as 0 * cotangent, so a
-    non-finite cotangent travels back to the same inputs, within the same sequence, and a finite one adds
-    exactly 0.
+    non-finite cotangent travels back to the same inputs, within the same sequence (`_spread_nonfinite`),
+    and a finite one adds exactly 0.
 
     Args:
       x: (b, L, h, p); delta: (b, L, h); A: (h,); B, C: (b, L, g, n); initial_states: (b, h, p, n) or None;
@@ -438,20 +458,18 @@ def _nonfinite_reach(x, delta, A, B, C, initial_states, seq_idx):
         return jnp.repeat(group_term, nheads // ngroups, axis=2)
 
     carried = jnp.sum(0 * x, axis=3) + 0 * delta + per_head(jnp.sum(0 * B, axis=3))
-    starts = None
-    if seq_idx is not None:
+    if seq_idx is None:
+        starts = jnp.zeros((batch, seqlen), bool)
+    else:
         starts = seq_idx != jnp.pad(seq_idx[:, :-1], ((0, 0), (1, 0)))  # the id before token 0 is 0
-    reach_y = _segment_cumsum(carried, starts) + 0 * A
+    reach_y = _spread_nonfinite(carried, starts) + 0 * A
     reach_final = reach_y[:, -1]
     reach_y = reach_y + per_head(jnp.sum(0 * C, axis=3))
     if initial_states is not None:
         initial = jnp.sum(0 * initial_states, axis=(2, 3))  # (b, h)
-        if starts is None:
-            reach_y, reach_final = reach_y + initial[:, None], reach_final + initial
-        else:
-            before_first_start = jnp.cumsum(starts, axis=1) == 0  # (b, L)
-            reach_y = reach_y + jnp.where(before_first_start[..., None], initial[:, None], 0.0)
-            reach_final = reach_final + jnp.where(before_first_start[:, -1:], initial, 0.0)
+        before_first_start = jnp.cumsum(starts, axis=1) == 0  # (b, L)
+        reach_y = reach_y + jnp.where(before_first_start[..., None], initial[:, None], 0.0)
+        reach_final = reach_final + jnp.where(before_first_start[:, -1:], initial, 0.0)
     return reach_y, reach_final
 
 

@@ -243,6 +243,21 @@ def test_ssd_chunked_has_no_nchunks_squared_intermediate():
     assert not [shape for shape in all_shapes if list(shape).count(nchunks) > 1]
 
 
+def test_ssd_chunked_caps_a_chunk_longer_than_the_sequence():
+    """chunk_size 16384 at seqlen 48 runs at chunk 64 (the next power of two): the same program and
+    results, no 16384 x 16384 intermediate, and the compiled temporaries of chunk 64."""
+    (x, dt, A, B, C), _ = _make_inputs(0, seqlen=48, batch=1, dtype=jnp.float32)
+    programs = {chunk: jax.jit(functools.partial(reference.ssd_chunked, chunk_size=chunk))
+                for chunk in (64, 16384)}
+    for got, want in zip(programs[16384](x, dt, A, B, C), programs[64](x, dt, A, B, C)):
+        np.testing.assert_array_equal(got, want)
+    jaxpr = jax.make_jaxpr(functools.partial(reference.ssd_chunked, chunk_size=16384))(x, dt, A, B, C)
+    assert max(d for eqn in jaxpr.eqns for v in eqn.outvars for d in v.aval.shape) <= 64
+    memory = [programs[c].lower(x, dt, A, B, C).compile().memory_analysis() for c in (64, 16384)]
+    if all(m is not None for m in memory):  # None where the backend does not report it
+        assert memory[1].temp_size_in_bytes == memory[0].temp_size_in_bytes
+
+
 def test_ssd_step_chain_matches_scan_and_chunked(x64):
     case = dict(_CASES["L37_Q16_all_features"], seqlen=9, chunk_size=4)
     del case["seq_idx"]

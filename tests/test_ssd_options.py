@@ -1,0 +1,94 @@
+"""The backward options of `ssd` (deterministic_backward, save_chunk_states) are static arguments: each value
+is a program of its own, traced once and then reused; the Flax layers pass them through."""
+import dataclasses
+import functools
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import jax_mamba2
+from jax_mamba2 import op
+from jax_mamba2.flax_layers import Mamba2, Mamba2Config, Mamba2LMHeadModel
+from jax_mamba2.flax_layers import mamba2 as mamba2_module
+from tests._helpers import make_ssd_args
+
+DIMS = dict(batch=2, seqlen=96, nheads=4, headdim=16, ngroups=2, dstate=16)
+
+
+def _cutile_calls(jaxpr) -> list[str]:
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cutile_call_ffi":
+            names.append(eqn.params["kernel"]._annotated_function.pyfunc.__name__)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names.extend(_cutile_calls(sub))
+    return names
+
+
+def test_backward_options_change_the_program_and_each_is_traced_once(monkeypatch):
+    """The cuTile backward traced on the CPU (lowering it would need a GPU): a new option value is a new
+    trace with other kernels or plans, a repeated one reuses the cached trace."""
+    pytest.importorskip("cuda.tile")
+    from jax_mamba2.bridge import tuning
+
+    traced_backend = dataclasses.replace(op._BACKENDS["cutile"], name="cutile_traced", auto_priority=0,
+                                         unsupported_reason=lambda inputs, static: None)
+    monkeypatch.setitem(op._BACKENDS, traced_backend.name, traced_backend)
+    planned = []
+    backward_configs = tuning.backward_configs
+    monkeypatch.setattr(tuning, "backward_configs", lambda dims, det: planned.append(det) or
+                        backward_configs(dims, det))
+    args, _ = make_ssd_args(6, **DIMS, dtype=jnp.bfloat16)
+    traces = []
+
+    @functools.partial(jax.jit, static_argnames=("deterministic_backward", "save_chunk_states"))
+    def grad(x, *, deterministic_backward, save_chunk_states):
+        traces.append((deterministic_backward, save_chunk_states))
+
+        def loss(x):
+            y = jax_mamba2.ssd(x, *args[1:], 64, backend="cutile_traced",
+                               deterministic_backward=deterministic_backward, save_chunk_states=save_chunk_states)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+        return jax.grad(loss)(x)
+
+    def program(deterministic_backward, save_chunk_states):
+        return grad.trace(args[0], deterministic_backward=deterministic_backward,
+                          save_chunk_states=save_chunk_states).jaxpr
+
+    default = program(False, True)
+    assert str(program(False, True)) == str(default)
+    deterministic, recomputing = program(True, True), program(False, False)
+    assert str(program(True, True)) == str(deterministic)
+    assert traces == [(False, True), (True, True), (False, False)]
+    assert planned == [False, True, False]  # the backward plans follow the option
+    assert str(deterministic) != str(default)
+    kernels = {name: _cutile_calls(j.jaxpr) for name, j in
+               (("default", default), ("recomputing", recomputing))}
+    # Without saved states the backward recomputes them: one more chunk_state and chunk_cumsum launch.
+    for kernel in ("chunk_state_fwd_kernel", "chunk_cumsum_fwd_kernel"):
+        assert kernels["recomputing"].count(kernel) == kernels["default"].count(kernel) + 1, kernels
+
+
+def test_layers_pass_the_backward_options_to_ssd_and_eval_leaves_them(monkeypatch):
+    """Mamba2 hands its options to every ssd call; the LM passes them to each mixer; `nnx.Module.eval()`
+    (which sets attributes named `deterministic`) leaves them alone."""
+    seen = []
+
+    def recording_ssd(*args, **kwargs):
+        seen.append((kwargs["deterministic_backward"], kwargs["save_chunk_states"]))
+        return jax_mamba2.ssd(*args, **kwargs)
+
+    monkeypatch.setattr(mamba2_module, "ssd", recording_ssd)
+    layer = Mamba2(32, d_state=8, headdim=8, chunk_size=16, backend="xla", deterministic_backward=True,
+                   save_chunk_states=False, rngs=nnx.Rngs(0))
+    layer.eval()
+    assert (layer.deterministic_backward, layer.save_chunk_states) == (True, False)
+    layer(jnp.ones((1, 8, 32)))
+    config = Mamba2Config(d_model=32, n_layer=2, vocab_size=16, ssm_cfg=dict(d_state=8, headdim=8, chunk_size=16))
+    model = Mamba2LMHeadModel(config, backend="xla", deterministic_backward=True, save_chunk_states=False,
+                              rngs=nnx.Rngs(0))
+    model(jnp.zeros((1, 8), jnp.int32))
+    assert seen and set(seen) == {(True, False)}
