@@ -324,3 +324,43 @@ def test_cutile_step_matches_reference_step(dtype):
     y_ref, state_ref = reference.ssd_step(state, x, dt, A, B, C, **kwargs)
     assert rel_l2(y, y_ref) <= TOLERANCE["kernel_fwd"][dtype]
     assert rel_l2(new_state, state_ref) <= 1e-5
+
+
+@pytest.mark.slow
+def test_cutile_autotune_tunes_a_training_step_ahead_of_time_and_the_step_stays_correct(monkeypatch, tmp_path):
+    """jax_mamba2.autotune on the GPU (a fresh cache, $JAX_MAMBA2_AUTOTUNE=0): every plan of a loss-and-grad
+    step is tuned (each stage measured here, or found tuned), the cache file holds them, and the step then
+    traced with the tuned configs matches the float64 scan's forward and gradients."""
+    from jax_mamba2.bridge import tuning
+    from jax_mamba2.bridge.tuning import cache_keys, lookup
+    monkeypatch.setenv(cache_keys.ENV_CACHE_DIR, str(tmp_path))
+    monkeypatch.setenv(lookup.ENV_AUTOTUNE, "0")
+    lookup.autotune_enabled.cache_clear()
+    tuning.clear_memory()
+    try:
+        # 1 x 4096 x 32 (token, head) pairs: the smallest problem tuned.
+        args, kwargs = make_ssd_args(41, batch=1, seqlen=4096, nheads=32, headdim=64, dstate=64,
+                                     dtype=jnp.bfloat16, dt_softplus=True)
+        weights = jax.random.normal(jax.random.PRNGKey(42), args[0].shape)
+
+        def loss(fn, *operands):
+            return jnp.sum(fn(*operands).astype(jnp.float32) * weights)
+
+        cutile = lambda *a: jax_mamba2.ssd(*a, 64, **kwargs, backend="cutile")  # noqa: E731
+        step = jax.jit(jax.value_and_grad(functools.partial(loss, cutile), argnums=(0, 1, 2, 3, 4)))
+        plans = jax_mamba2.autotune(step, *args)
+        assert [p.request.backward for p in plans] == [False, True]
+        assert all(source in ("tuned", "disk") for p in plans for source in p.sources.values()), plans
+        assert list(tmp_path.glob("*.json"))
+        value, grads = step(*args)
+        with jax.enable_x64(True):
+            args64, kwargs64 = to_float64((args, kwargs))
+            scan = lambda *a: reference.ssd_scan(*a, **kwargs64)  # noqa: E731
+            want_value, want_grads = jax.value_and_grad(functools.partial(loss, scan), argnums=(0, 1, 2, 3, 4))(
+                *args64)
+        assert rel_l2(value, want_value) <= TOLERANCE["kernel_fwd"]["bfloat16"]
+        for name, g, r in zip(["x", "dt", "A", "B", "C"], grads, want_grads):
+            assert rel_l2(g, r) <= TOLERANCE["kernel_bwd"]["bfloat16"], (name, rel_l2(g, r))
+    finally:
+        tuning.clear_memory()
+        lookup.autotune_enabled.cache_clear()
