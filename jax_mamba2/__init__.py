@@ -24,7 +24,7 @@ from jax_mamba2.flax_layers import (Mamba2, Mamba2Config, Mamba2LMHeadModel, chu
                                     load_pretrained, save_pretrained, shard_model)
 
 __all__ = [
-    "__version__", "ssd", "ssd_step", "ssd_scan", "ssd_chunked", "causal_conv1d_silu",
-    "available_backends", "backend_status", "autotune", "Mamba2", "Mamba2Config", "Mamba2LMHeadModel", "generate", "load_pretrained",
-    "save_pretrained", "shard_model", "rms_norm", "add_rms_norm", "chunked_cross_entropy",
+    "__version__", "ssd", "ssd_step", "ssd_scan", "ssd_chunked", "causal_conv1d_silu", "rms_norm", "add_rms_norm",
+    "available_backends", "backend_status", "autotune", "Mamba2", "Mamba2Config", "Mamba2LMHeadModel", "generate",
+    "load_pretrained", "save_pretrained", "shard_model", "chunked_cross_entropy",
 ]

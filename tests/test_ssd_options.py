@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import jax_mamba2
-from jax_mamba2 import op
+from jax_mamba2 import backends, op
 from jax_mamba2.flax_layers import Mamba2, Mamba2Config, Mamba2LMHeadModel
 from jax_mamba2.flax_layers import mamba2 as mamba2_module
 from tests._helpers import make_ssd_args
@@ -34,9 +34,9 @@ def test_backward_options_change_the_program_and_each_is_traced_once(monkeypatch
     pytest.importorskip("cuda.tile")
     from jax_mamba2.bridge import tuning
 
-    traced_backend = dataclasses.replace(op._BACKENDS["cutile"], name="cutile_traced", auto_priority=0,
+    traced_backend = dataclasses.replace(backends.get("cutile", "test"), name="cutile_traced", auto_priority=0,
                                          unsupported_reason=lambda inputs, static: None)
-    monkeypatch.setitem(op._BACKENDS, traced_backend.name, traced_backend)
+    monkeypatch.setitem(backends._REGISTRY, traced_backend.name, traced_backend)
     planned = []
     backward_configs = tuning.backward_configs
     monkeypatch.setattr(tuning, "backward_configs", lambda dims, det: planned.append(det) or

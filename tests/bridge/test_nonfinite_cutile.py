@@ -16,7 +16,7 @@ import jax_mamba2
 
 pytest.importorskip("cuda.tile")
 
-from jax_mamba2 import op  # noqa: E402
+from jax_mamba2 import backends, op  # noqa: E402
 from tests._helpers import TOLERANCE  # noqa: E402
 from tests._nonfinite_checks import FLOAT_ARGS, SPOILS, assert_confined_like_scan, make_problem, \
     outputs_and_grads, scan_oracle  # noqa: E402
@@ -30,7 +30,7 @@ CASES = ["x_nan", "initial_states_nan", "cotangent_nan"]
 
 @pytest.fixture
 def emulated(monkeypatch):
-    monkeypatch.setitem(op._BACKENDS, EMULATED.name, EMULATED)
+    monkeypatch.setitem(backends._REGISTRY, EMULATED.name, EMULATED)
     return functools.partial(jax_mamba2.ssd, chunk_size=64, return_final_states=True, backend=EMULATED.name)
 
 

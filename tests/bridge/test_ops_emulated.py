@@ -29,11 +29,6 @@ DIMS = dict(batch=2, seqlen=100, nheads=4, headdim=16, ngroups=2, dstate=16)
 OPTIONAL = ("D", "z", "dt_bias", "initial_states")
 
 
-EMULATED = backends.Backend(
-    name="cutile_emulated", forward=ops.make_forward(emulator.jax_run_plan),
-    forward_saving=ops.make_forward_saving(emulator.jax_run_plan),
-    backward=ops.make_backward(emulator.jax_run_plan),
-    unsupported_reason=lambda inputs, static: None)
 
 
 def _inputs(x, dt, A, B, C, *, dt_softplus=False, dt_limit=(0.0, math.inf), seq_idx=None,
