@@ -3,8 +3,8 @@ optimizer, copies, elementwise.
 
 A kernel's name says what library ran it (cuBLAS, a cuTile SSD kernel, a memcpy); for XLA's own fusions the
 name is the fusion's HLO instruction, whose metadata in the compiled module's text names the JAX op and,
-through the module's stack-frame tables, the Python file that created it (flax_layers/conv.py,
-flax_layers/norm.py, the SSD's op.py / reference.py, optax). `jax.named_scope("loss")` and
+through the module's stack-frame tables, the Python file that created it (the conv's and the norms' op and
+reference modules, the SSD's op.py / reference.py, optax). `jax.named_scope("loss")` and
 `jax.named_scope("optimizer")` in the profiled program mark the rest.
 """
 from __future__ import annotations
@@ -21,7 +21,11 @@ _COPY_KERNEL = re.compile(r"memcpy|memset|^copy|^transpose|^wrapped_transpose", 
 # Kernels of other ops by their own names (cuTile or library kernels carry no HLO instruction name).
 _NAMED_KERNELS = (("conv", re.compile(r"conv", re.IGNORECASE)), ("norms", re.compile(r"norm", re.IGNORECASE)),
                   ("loss", re.compile(r"cross_entropy|softmax_xent|_loss", re.IGNORECASE)))
-_SSD_SOURCES = ("jax_mamba2/op.py", "jax_mamba2/reference.py", "jax_mamba2/bridge/")
+_SSD_SOURCES = ("jax_mamba2/op.py", "jax_mamba2/reference.py", "jax_mamba2/bridge/ops.py")
+_CONV_SOURCES = ("jax_mamba2/flax_layers/conv.py", "jax_mamba2/conv1d.py", "jax_mamba2/conv1d_reference.py",
+                 "jax_mamba2/bridge/conv_ops.py")
+_NORM_SOURCES = ("jax_mamba2/flax_layers/norm.py", "jax_mamba2/norm.py", "jax_mamba2/norm_reference.py",
+                 "jax_mamba2/bridge/norm_ops.py")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*metadata=\{([^}]*)\}")
 
 
@@ -90,12 +94,12 @@ def category(kernel: str, source: Optional[Source]) -> str:
         return "loss"
     if _in_scope(source.op_name, "optimizer") or "/optax/" in file:
         return "optimizer"
-    if any(part in file for part in _SSD_SOURCES):
-        return "SSD"
-    if file.endswith("flax_layers/conv.py"):
+    if file.endswith(_CONV_SOURCES):
         return "conv"
-    if file.endswith("flax_layers/norm.py"):
+    if file.endswith(_NORM_SOURCES):
         return "norms"
+    if file.endswith(_SSD_SOURCES):
+        return "SSD"
     return "elementwise"
 
 

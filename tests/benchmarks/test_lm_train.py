@@ -59,7 +59,7 @@ def test_kernels_fold_into_categories_through_the_compiled_module():
             by_file.setdefault("loss scope", name)
         if kernel_categories._in_scope(source.op_name, "optimizer"):
             by_file.setdefault("optimizer scope", name)
-    kernels = [(by_file["conv.py"], 0.0, 10.0), (by_file["norm.py"], 0.0, 20.0),
+    kernels = [(by_file["conv1d_reference.py"], 0.0, 10.0), (by_file["norm_reference.py"], 0.0, 20.0),
                (by_file["reference.py"], 0.0, 30.0), (by_file["loss scope"], 0.0, 5.0),
                (by_file["optimizer scope"], 0.0, 6.0),
                ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", 0.0, 40.0),
