@@ -93,12 +93,13 @@ def test_data_parallel_step_all_reduces_every_gradient_once_and_gathers_nothing(
     for matrix in [(D_MODEL, d_in_proj), (2 * D_MODEL, D_MODEL), (_config(1).padded_vocab_size, D_MODEL)]:
         assert matrix in reduced, (matrix, [c.describe() for c in found])
     leaves = _train(ONE, "float32", _cpu(1)).initial
-    # Bytes per step: the f32 gradients once, plus the loss, plus (on the CPU pipeline, which does not
-    # reassociate all-reduces) the tied embedding's second gradient term before the two are added.
+    # Bytes per step: the f32 gradients once, plus a few scalars (the loss and the chunked loss's count of
+    # scored tokens), plus (on the CPU pipeline, which does not reassociate all-reduces) the tied embedding's
+    # second gradient term before the two are added.
     gradient_bytes = sum(leaf.size * 4 for leaf in leaves)
     embedding_bytes = _config(1).padded_vocab_size * D_MODEL * 4
     moved = hlo_collectives.totals(found)["all-reduce"]["bytes"]
-    assert gradient_bytes <= moved <= gradient_bytes + embedding_bytes + 64, (moved, gradient_bytes)
+    assert gradient_bytes <= moved <= gradient_bytes + embedding_bytes + 256, (moved, gradient_bytes)
 
 
 @slow
