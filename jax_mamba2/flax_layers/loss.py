@@ -136,8 +136,8 @@ def _chunked_loss_fwd(static, hidden, weight, labels):
         # d loss / d logits; the padded columns' softmax is exp(-inf) = 0 and no label selects them.
         dlogits = (jnp.exp(logits - logsumexp[:, None]) - (columns == y[:, None])) * \
             jnp.where(counted, scale, 0)[:, None]
-        # Both gradient products take their operands in the compute dtype (as the forward product does;
-        # mamba_ssm and Liger-Kernel do the same) and accumulate in float32.
+        # Both gradient products take their operands in the compute dtype (as the forward product does, and
+        # Liger-Kernel's) and accumulate in float32.
         dlogits = jnp.where(out_of_range[:, None], jnp.nan, dlogits).astype(static.dtype)
         # dh = dlogits . weight^T; dweight += h^T . dlogits (or dlogits^T . h for the (vocab, d) layout).
         dh = jax.lax.dot_general(dlogits, operand, (((1,), (0 if static.embedding_layout else 1,)), ((), ())),
