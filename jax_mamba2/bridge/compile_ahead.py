@@ -1,9 +1,9 @@
 """Compiles the cuTile kernels of a program concurrently, while it is lowered.
 
-`cutile_call` compiles a kernel to a cubin inside its lowering rule, one launch after another: a program
-of 19 distinct kernels (the LM's training step) waited for 19 compiles in a row. Each compile has two
+`cutile_call` compiles a kernel to a cubin inside its lowering rule, one launch after another, so a program
+of many distinct kernels (the LM's training step) waited for each compile in turn. Each compile has two
 parts, cuTile's Python front end (Tile IR bytecode, under a process-wide lock and the GIL) and tileiras
-(a subprocess: a second or more of optimising code generation). Here the plan executor *notes* every launch
+(a subprocess, the larger part: docs/design.md, "Compile time"). Here the plan executor *notes* every launch
 while the program is traced (its constraints, computed as the lowering will compute them); at the first
 compile the lowering asks for, every noted launch not yet compiled is submitted to a thread pool. The
 front ends still run one at a time, but each tileiras runs beside the next front ends and the other
@@ -71,7 +71,8 @@ class KernelCompiler:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     def note(self, kernel, args) -> None:
-        """Records a `cutile_call(grid, kernel, args)` about to be traced, for a later lowering."""
+        """Records a `cutile_call(grid, kernel, args)` about to be traced, for a later lowering (no compile
+        starts before a lowering asks for one)."""
         constraints = _compat.launch_constraints(kernel, args)
         key = (_compat.sm_arch(), _compat.compile_key(kernel, constraints))
         with self._lock:
@@ -80,27 +81,25 @@ class KernelCompiler:
 
     def compile(self, kernel, constraints) -> tuple[str, bytes]:
         """(symbol, cubin): what a lowering calls on a miss of cuda.tile.jax's cache. Submits every noted
-        launch (this one first), then waits for this one, or compiles it here if no worker has begun it
-        (the pool may be busy with launches the lowering needs later, or never)."""
+        launch to the pool, then waits for this one, or compiles it in this thread if no worker has begun
+        it (the pool may be busy with launches the lowering needs later, or never). A compile that failed
+        is tried again, as cuda.tile.jax would."""
         arch = _compat.sm_arch()
         key = (arch, _compat.compile_key(kernel, constraints))
         with self._lock:
-            if key not in self._futures:
-                self._pending.pop(key, None)
-                self._submit(key, kernel, constraints)
-                for other, (other_kernel, other_constraints) in self._pending.items():
-                    self._submit(other, other_kernel, other_constraints)
-                self._pending.clear()
-            queued = self._futures[key]
-            inline = queued.cancel()
-            if inline:  # a running future: no later caller cancels it in turn
-                self._futures[key] = concurrent.futures.Future()
-                self._futures[key].set_running_or_notify_cancel()
-            future = self._futures[key]
+            self._pending.pop(key, None)
+            future = self._futures.get(key)
+            inline = future is None or future.cancel() or (future.done() and future.exception() is not None)
+            if inline:  # a running future: no other caller cancels it in turn
+                future = self._futures[key] = concurrent.futures.Future()
+                future.set_running_or_notify_cancel()
+            for other, (other_kernel, other_constraints) in self._pending.items():
+                self._submit(other, other_kernel, other_constraints)
+            self._pending.clear()
         if inline:
             try:
                 future.set_result(self._run(arch, kernel, constraints))
-            except BaseException as error:  # the lowering and any later one get the compiler's error
+            except BaseException as error:  # noqa: BLE001  re-raised below, to every caller waiting for it
                 future.set_exception(error)
         return future.result()
 
