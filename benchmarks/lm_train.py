@@ -19,8 +19,10 @@ Configs (--configs, default the first; "all" for every one): the widths of mamba
 mamba2-780m (1536) at 24 and 48 layers, batch x seqlen 8 x 2048 and 2 x 8192. Named d{width}-l{layers}-
 {batch}x{seqlen}.
 
-Measured per (config, impl), in its own process: the first step (compilation, autotuning), then steps back to
-back for --warmup-seconds, then --steps steps each synchronised: median / p20 / p80 wall ms per step,
+Measured per (config, impl), in its own process: the first step (compilation, autotuning; for ours also its
+stages apart under "first_step": trace, lower with the cuTile kernels' compiles, XLA compile, the cubins
+compiled, and the first run), then steps back to back for --warmup-seconds, then --steps steps each
+synchronised: median / p20 / p80 wall ms per step,
 tokens/s, peak memory (JAX: the allocator's peak_bytes_in_use since the process started, and XLA's
 memory_analysis of the step; torch: max_memory_allocated over the timed steps), the bf16 matrix rate of a
 large matrix product measured in the same process, and MFU = (6 x parameters x tokens + the SSD's forward
