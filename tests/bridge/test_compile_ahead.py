@@ -90,6 +90,29 @@ def test_compile_ahead_lm_step_compiles_each_kernel_once_concurrently():
                                                           "causal_conv1d_bwd_kernel", "rms_norm_bwd_kernel"}
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_compile_ahead_notes_every_ssd_kernel_the_lowering_compiles(deterministic):
+    import jax_mamba2
+    from tests._helpers import make_ssd_args
+
+    args, kwargs = make_ssd_args(0, batch=2, seqlen=100, nheads=4, headdim=32, ngroups=2, dstate=32,
+                                 dtype=jnp.bfloat16, D="head", z=True, dt_bias=True, dt_softplus=True,
+                                 initial_states=True, seq_idx=[60, 40])
+
+    def loss(x, dt, A, B, C):
+        y, final = jax_mamba2.ssd(x, dt, A, B, C, 64, **kwargs, return_final_states=True,
+                                  deterministic_backward=deterministic)
+        return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(final)
+
+    fake = FakeCompiler()
+    compiler = NotingCompiler(compile_fn=fake, max_workers=4)
+    with aot.cuda_target("sm_90"), compile_ahead.using(compiler):
+        jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(lowering_platforms=("cuda",))
+    assert len(compiler.asked) >= 8
+    assert set(compiler.asked) <= compiler.noted
+    assert len(fake.keys) == len(set(fake.keys))
+
+
 def test_compile_ahead_count_does_not_grow_with_layers():
     asked = []
     for n_layer in (2, 24):
