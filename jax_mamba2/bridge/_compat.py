@@ -2,9 +2,18 @@
 from __future__ import annotations
 
 import contextlib
+import tempfile
+import time
+from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+import cuda.tile as ct
 import cuda.tile._compile as cutile_compile
+import jax
+from cuda.tile._cext import default_tile_context
+from cuda.tile.compilation import ConstantConstraint, KernelSignature
+from cuda.tile.jax import InputOutput, OutputPlaceholder
+from cuda.tile.jax import _jax as cutile_jax
 
 # Re-exported: the bridge's outputs and gradients under shard_map (pure JAX, shared with the layers' loss).
 from jax_mamba2._vma import match_varying_axes, reduce_to_primal_axes, varying_axes  # noqa: F401
@@ -34,7 +43,6 @@ def cuda_target(arch: str) -> Iterator[None]:
         _cuda_target, cutile_compile.get_sm_arch = previous_target, previous_query
 
 
-
 # --- Compiling the kernels of cutile_call lowerings (cuda-tile 1.7: cuda/tile/jax/_jax.py, _compile.py) ---
 
 def launch_constraints(kernel, args) -> tuple:
@@ -45,12 +53,6 @@ def launch_constraints(kernel, args) -> tuple:
     Built with cuda.tile.jax's own `_array_constraint`, so that these constraints, and `compile_key` of
     them, are the ones the lowering derives from the avals later.
     """
-    import cuda.tile as ct
-    import jax
-    from cuda.tile.compilation import ConstantConstraint
-    from cuda.tile.jax import InputOutput, OutputPlaceholder
-    from cuda.tile.jax import _jax as cutile_jax
-
     # An array passed for several parameters is one alias group, named by its first input position.
     inputs = [a.array if isinstance(a, InputOutput) else a for a in args if isinstance(a, (InputOutput, jax.Array))]
     positions: dict[int, list[int]] = {}
@@ -73,14 +75,11 @@ def launch_constraints(kernel, args) -> tuple:
 
 def compile_key(kernel, constraints) -> tuple:
     """The key under which cuda.tile.jax memoizes the cubin of (kernel, constraints) in the process."""
-    from cuda.tile.jax import _jax as cutile_jax
     return id(kernel), tuple(cutile_jax._constraint_cache_key(c) for c in constraints)
 
 
 def kernel_signature(kernel, constraints):
     """The `KernelSignature` (calling convention, mangled symbol) cuda.tile.jax compiles `kernel` with."""
-    from cuda.tile.compilation import KernelSignature
-    from cuda.tile.jax import _jax as cutile_jax
     return KernelSignature(list(constraints), cutile_jax._calling_convention_for(constraints)).with_mangled_symbol(
         kernel._annotated_function.pyfunc.__name__)
 
@@ -95,14 +94,9 @@ def tileiras(bytecode: bytes, compiler_options, arch: str, symbol: str) -> bytes
 
     This is the second half of `cuda.tile._compile.compile_tile` (cache key, lookup, tileiras, store),
     which runs the whole compile under one process-wide lock; called on its own, tileiras runs outside
-    that lock, so several compile at once. The kernels use no preview features or tile libraries.
+    that lock, so several compile at once. It passes tileiras no --preview or -l flags: none of the kernels
+    makes the foreign calls that need them.
     """
-    import tempfile
-    import time
-    from pathlib import Path
-
-    from cuda.tile._cext import default_tile_context
-
     config = default_tile_context.config
     version = cutile_compile._get_compiler_version_string()
     opt_level, device_debug = cutile_compile._tileiras_effective_opt_and_device_debug(compiler_options, arch)
@@ -131,14 +125,12 @@ def tileiras(bytecode: bytes, compiler_options, arch: str, symbol: str) -> bytes
 def route_lowering_compiles(compile_kernel: Callable) -> None:
     """Makes every `cutile_call` lowering compile through `compile_kernel(kernel, constraints) ->
     (symbol, cubin)` on a miss of cuda.tile.jax's in-process cache (which still memoizes the result)."""
-    from cuda.tile.jax import _jax as cutile_jax
     cutile_jax.compile_kernel = compile_kernel
 
 
 @contextlib.contextmanager
 def empty_lowering_cache() -> Iterator[None]:
     """cuda.tile.jax's in-process cubin cache emptied for the duration (tests), restored after."""
-    from cuda.tile.jax import _jax as cutile_jax
     saved = dict(cutile_jax._COMPILE_CACHE)
     cutile_jax._COMPILE_CACHE.clear()
     try:

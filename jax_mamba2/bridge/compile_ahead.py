@@ -27,6 +27,8 @@ import threading
 import time
 from typing import Callable, Iterator
 
+from cuda.tile.compilation import export_kernel
+
 from jax_mamba2.bridge import _compat
 
 # compile_fn(kernel, constraints, arch) -> (symbol, cubin)
@@ -36,8 +38,6 @@ CompileFn = Callable[..., tuple[str, bytes]]
 def compile_cubin(kernel, constraints, arch: str) -> tuple[str, bytes]:
     """(symbol, cubin) of `kernel` for `constraints` on `arch`, as cuda.tile.jax compiles it at lowering:
     the front end (cuTile's lock) to Tile IR bytecode, then tileiras outside that lock."""
-    from cuda.tile.compilation import export_kernel
-
     signature = _compat.kernel_signature(kernel, constraints)
     bytecode = io.BytesIO()
     export_kernel(kernel, [signature], bytecode, gpu_code=arch, output_format="tileir_bytecode")
