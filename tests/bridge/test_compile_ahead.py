@@ -113,6 +113,28 @@ def test_compile_ahead_notes_every_ssd_kernel_the_lowering_compiles(deterministi
     assert len(fake.keys) == len(set(fake.keys))
 
 
+def test_compile_ahead_notes_the_local_launches_under_shard_map():
+    import jax_mamba2
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from tests._helpers import make_ssd_args
+
+    args, _ = make_ssd_args(0, batch=4, seqlen=128, nheads=4, headdim=32, ngroups=1, dstate=32, dtype=jnp.bfloat16)
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    specs = (P("data"), P("data"), P(), P("data"), P("data"))
+    args = [jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip(args, specs)]
+
+    def loss(x, dt, A, B, C):
+        return jnp.sum(jax_mamba2.ssd(x, dt, A, B, C, 64).astype(jnp.float32) ** 2)
+
+    sharded = jax.shard_map(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), mesh=mesh, in_specs=specs, out_specs=specs)
+    compiler = NotingCompiler(compile_fn=FakeCompiler())
+    with aot.cuda_target("sm_90"), compile_ahead.using(compiler):
+        aot.export_for_cuda(sharded, *args)
+    assert len(compiler.asked) >= 5
+    assert set(compiler.asked) <= compiler.noted
+
+
 def test_compile_ahead_count_does_not_grow_with_layers():
     asked = []
     for n_layer in (2, 24):
