@@ -65,19 +65,18 @@ class KernelCompiler:
         self._compile_fn = compile_fn
         self._max_workers = max_workers or os.cpu_count() or 1
         self._lock = threading.Lock()
-        self._pending: dict[tuple, tuple] = {}   # key -> (kernel, constraints), in the order noted
+        # cuda.tile.jax's key -> (kernel, constraints), in the order noted; (arch, that key) -> its compile.
+        self._pending: dict[tuple, tuple] = {}
         self._futures: dict[tuple, concurrent.futures.Future] = {}
         self._log: list[Compiled] = []
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     def note(self, kernel, args) -> None:
         """Records a `cutile_call(grid, kernel, args)` about to be traced, for a later lowering (no compile
-        starts before a lowering asks for one)."""
+        starts before a lowering asks for one, nor needs a GPU: the lowering's arch applies)."""
         constraints = _compat.launch_constraints(kernel, args)
-        key = (_compat.sm_arch(), _compat.compile_key(kernel, constraints))
         with self._lock:
-            if key not in self._futures:
-                self._pending.setdefault(key, (kernel, constraints))
+            self._pending.setdefault(_compat.compile_key(kernel, constraints), (kernel, constraints))
 
     def compile(self, kernel, constraints) -> tuple[str, bytes]:
         """(symbol, cubin): what a lowering calls on a miss of cuda.tile.jax's cache. Submits every noted
@@ -87,14 +86,15 @@ class KernelCompiler:
         arch = _compat.sm_arch()
         key = (arch, _compat.compile_key(kernel, constraints))
         with self._lock:
-            self._pending.pop(key, None)
+            self._pending.pop(key[1], None)
             future = self._futures.get(key)
             inline = future is None or future.cancel() or (future.done() and future.exception() is not None)
             if inline:  # a running future: no other caller cancels it in turn
                 future = self._futures[key] = concurrent.futures.Future()
                 future.set_running_or_notify_cancel()
             for other, (other_kernel, other_constraints) in self._pending.items():
-                self._submit(other, other_kernel, other_constraints)
+                if (arch, other) not in self._futures:
+                    self._submit((arch, other), other_kernel, other_constraints)
             self._pending.clear()
         if inline:
             try:

@@ -31,8 +31,9 @@ class FakeCompiler:
         self.keys, self.peak, self._running, self._lock = [], 0, 0, threading.Lock()
 
     def __call__(self, kernel, constraints, arch):
+        assert arch == "sm_90"
         with self._lock:
-            self.keys.append((arch, _compat.compile_key(kernel, constraints)))
+            self.keys.append(_compat.compile_key(kernel, constraints))
             self._running += 1
             self.peak = max(self.peak, self._running)
         time.sleep(FAKE_SECONDS)
@@ -49,11 +50,11 @@ class NotingCompiler(compile_ahead.KernelCompiler):
         self.noted, self.asked = set(), []
 
     def note(self, kernel, args):
-        self.noted.add((_compat.sm_arch(), _compat.compile_key(kernel, _compat.launch_constraints(kernel, args))))
+        self.noted.add(_compat.compile_key(kernel, _compat.launch_constraints(kernel, args)))
         super().note(kernel, args)
 
     def compile(self, kernel, constraints):
-        self.asked.append((_compat.sm_arch(), _compat.compile_key(kernel, constraints)))
+        self.asked.append(_compat.compile_key(kernel, constraints))
         return super().compile(kernel, constraints)
 
 
