@@ -19,8 +19,10 @@ Configs (--configs, default the first; "all" for every one): the widths of mamba
 mamba2-780m (1536) at 24 and 48 layers, batch x seqlen 8 x 2048 and 2 x 8192. Named d{width}-l{layers}-
 {batch}x{seqlen}.
 
-Measured per (config, impl), in its own process: the first step (compilation, autotuning), then steps back to
-back for --warmup-seconds, then --steps steps each synchronised: median / p20 / p80 wall ms per step,
+Measured per (config, impl), in its own process: the first step (compilation, autotuning; for ours also its
+stages apart under "first_step": trace, lower with the cuTile kernels' compiles, XLA compile, the cubins
+compiled, and the first run), then steps back to back for --warmup-seconds, then --steps steps each
+synchronised: median / p20 / p80 wall ms per step,
 tokens/s, peak memory (JAX: the allocator's peak_bytes_in_use since the process started, and XLA's
 memory_analysis of the step; torch: max_memory_allocated over the timed steps), the bf16 matrix rate of a
 large matrix product measured in the same process, and MFU = (6 x parameters x tokens + the SSD's forward
@@ -158,9 +160,9 @@ def next_token_loss(model, inputs, targets, loss_impl: str):
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def build_ours(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0):
-    """(compiled step (params, opt_state, inputs, targets) -> (params, opt_state, loss), params, opt_state,
-    inputs, targets): the model's parameters and AdamW state donated to every call."""
+def make_train_step(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0, abstract: bool = False):
+    """(step (params, opt_state, inputs, targets) -> (params, opt_state, loss), params, opt_state, inputs,
+    targets); with `abstract`, the arrays are ShapeDtypeStructs (nothing allocated: enough to lower)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -168,11 +170,14 @@ def build_ours(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0)
 
     from jax_mamba2.flax_layers import Mamba2LMHeadModel
 
-    model = Mamba2LMHeadModel(mamba2_config(config), backend=backend, dtype=jnp.bfloat16,
-                              param_dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    def make_model():
+        return Mamba2LMHeadModel(mamba2_config(config), backend=backend, dtype=jnp.bfloat16,
+                                 param_dtype=jnp.float32, rngs=nnx.Rngs(seed))
+
+    model = nnx.eval_shape(make_model) if abstract else make_model()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
-    opt_state = tx.init(params)
+    opt_state = jax.eval_shape(tx.init, params) if abstract else tx.init(params)
 
     def step(params, opt_state, inputs, targets):
         def loss_fn(params):
@@ -184,10 +189,55 @@ def build_ours(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0)
             params = optax.apply_updates(params, updates)
         return params, opt_state, loss
 
-    ids = jax.random.randint(jax.random.key(seed + 1), (config.batch, config.seqlen + 1), 0, VOCAB, jnp.int32)
-    inputs, targets = ids[:, :-1], ids[:, 1:]
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, inputs, targets).compile()
-    return compiled, params, opt_state, inputs, targets
+    if abstract:
+        inputs = targets = jax.ShapeDtypeStruct((config.batch, config.seqlen), jnp.int32)
+    else:
+        ids = jax.random.randint(jax.random.key(seed + 1), (config.batch, config.seqlen + 1), 0, VOCAB, jnp.int32)
+        inputs, targets = ids[:, :-1], ids[:, 1:]
+    return step, params, opt_state, inputs, targets
+
+
+def compile_step(step, *args, platform: str | None = None) -> tuple:
+    """(compiled step or None, seconds): `step` jitted with the parameters and AdamW state donated, timed
+    stage by stage: trace (Python, to a jaxpr), lower (to StableHLO: every cuTile kernel compiles to a
+    cubin here), compile (XLA), and the cubins this process compiled meanwhile. With `platform` (e.g.
+    "cuda" on a machine without that GPU) it lowers for it and stops there (compiled None)."""
+    import time
+
+    import jax
+
+    cubins_before = _cubins_compiled()
+    began = time.perf_counter()
+    traced = jax.jit(step, donate_argnums=(0, 1)).trace(*args)
+    traced_at = time.perf_counter()
+    lowered = traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()
+    lowered_at = time.perf_counter()
+    compiled = None if platform else lowered.compile()
+    compiled_at = time.perf_counter()
+    cubins = _cubins_compiled()[len(cubins_before):]
+    return compiled, {
+        "trace_s": traced_at - began, "lower_s": lowered_at - traced_at,
+        "xla_compile_s": None if platform else compiled_at - lowered_at, "cubins_compiled": len(cubins),
+        "cubin_compile_s": {c.kernel: round(sum(d.seconds for d in cubins if d.kernel == c.kernel), 3)
+                            for c in cubins}}
+
+
+def _cubins_compiled() -> list:
+    """The cubins `jax_mamba2.bridge.compile_ahead` compiled in this process (none without cuda-tile)."""
+    try:
+        from jax_mamba2.bridge import compile_ahead
+    except ImportError:
+        return []
+    return compile_ahead.compile_log()
+
+
+def build_ours(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0):
+    """(compiled step (params, opt_state, inputs, targets) -> (params, opt_state, loss), params, opt_state,
+    inputs, targets, the seconds of `compile_step`): the model's parameters and AdamW state donated to
+    every call."""
+    step, params, opt_state, inputs, targets = make_train_step(config, backend, loss_impl, seed)
+    compiled, seconds = compile_step(step, params, opt_state, inputs, targets)
+    return compiled, params, opt_state, inputs, targets, seconds
 
 
 def _trace_kernels(trace_dir: str) -> list:
@@ -225,7 +275,7 @@ def train_ours(job: dict) -> dict:
     config = TrainConfig.parse(job["config"])
     loss_impl = choose_loss(job["loss"], Mamba2LMHeadModel)
     began = time.perf_counter()
-    compiled, params, opt_state, inputs, targets = build_ours(config, job["impl"], loss_impl)
+    compiled, params, opt_state, inputs, targets, first_step = build_ours(config, job["impl"], loss_impl)
     compile_s = time.perf_counter() - began
     state = {"params": params, "opt_state": opt_state}
     losses = []
@@ -239,7 +289,8 @@ def train_ours(job: dict) -> dict:
                                  warmup_seconds=job["warmup_seconds"])
     memory = compiled.memory_analysis()
     record = {
-        "timing": timing.__dict__, "compile_s": compile_s, "loss_impl": loss_impl,
+        "timing": timing.__dict__, "compile_s": compile_s,
+        "first_step": {**first_step, "run_s": timing.first_call_s}, "loss_impl": loss_impl,
         "loss_first": float(losses[0]), "loss_last": float(losses[-1]),
         "peak_memory_bytes": lm_bench.jax_peak_bytes(), "peak_memory_source": "jax peak_bytes_in_use (process)",
         "memory_analysis": None if memory is None else {

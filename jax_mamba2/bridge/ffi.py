@@ -3,13 +3,15 @@
 Each launch becomes one custom call: arrays the launch writes for the first time become
 `OutputPlaceholder`s (XLA allocates them), arrays written again become `InputOutput`s (aliased in
 place), everything else is a read-only input. Kernels are compiled to cubins when the jitted program
-is lowered; the cubin travels inside the HLO.
+is lowered, all of a program's at once (`compile_ahead`: each launch is noted as it is traced); the
+cubin travels inside the HLO.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 from cuda.tile.jax import InputOutput, OutputPlaceholder, cutile_call
 
+from jax_mamba2.bridge import compile_ahead
 from jax_mamba2.kernels._common import Plan
 
 
@@ -33,6 +35,7 @@ def run_plan(plan: Plan, arrays: dict) -> dict:
                     args.append(OutputPlaceholder(buf.shape, jnp.dtype(buf.dtype)))
             else:
                 args.append(env[arg])
+        compile_ahead.note(launch.kernel, args)
         results = cutile_call(launch.grid, launch.kernel, tuple(args))
         if len(written) == 1:
             results = (results,)
