@@ -103,6 +103,12 @@ class KernelCompiler:
                 future.set_exception(error)
         return future.result()
 
+    def discard_pending(self) -> None:
+        """Forgets the launches noted but not yet submitted: programs that were traced and will not be
+        lowered (so that a later lowering does not compile their kernels too)."""
+        with self._lock:
+            self._pending.clear()
+
     def compile_log(self) -> list[Compiled]:
         """The cubins compiled so far, in the order they finished."""
         with self._lock:
@@ -129,6 +135,11 @@ _active = KernelCompiler()
 def note(kernel, args) -> None:
     """`KernelCompiler.note` on the active compiler."""
     _active.note(kernel, args)
+
+
+def discard_pending() -> None:
+    """`KernelCompiler.discard_pending` on the active compiler."""
+    _active.discard_pending()
 
 
 def compile_log() -> list[Compiled]:

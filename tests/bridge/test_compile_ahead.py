@@ -248,3 +248,19 @@ def test_compile_ahead_gpu_lm_grads_with_fresh_cubins_match_xla():
     assert len(compiled) >= 10 and {"chunk_scan_bwd_dx_kernel", "causal_conv1d_bwd_kernel"} <= set(compiled)
     for (path, g_cutile), (_, g_xla) in zip(cutile, grads("xla")):
         assert rel_l2(g_cutile[...], g_xla[...]) < 2e-2, path
+
+
+def test_discarded_notes_of_a_program_only_traced_are_not_compiled_by_a_later_lowering():
+    fake = FakeCompiler()
+    compiler = NotingCompiler(compile_fn=fake, max_workers=4)
+    config = Mamba2Config(d_model=32, n_layer=1, vocab_size=64, ssm_cfg=dict(d_state=16, headdim=16, chunk_size=8))
+    with aot.cuda_target("sm_90"), compile_ahead.using(compiler):
+        model = nnx.eval_shape(lambda: Mamba2LMHeadModel(config, backend="cutile", rngs=nnx.Rngs(0)))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        ids = jax.ShapeDtypeStruct((2, 40), jnp.int32)
+        jax.make_jaxpr(jax.grad(lambda p, i: nnx.merge(graphdef, p, rest).loss(i)))(params, ids)
+        assert compiler.noted, "tracing the step noted no launch"
+        compiler.discard_pending()
+        jax.jit(lambda p, i: nnx.merge(graphdef, p, rest)(i)).trace(params, ids).lower(
+            lowering_platforms=("cuda",))
+    assert set(fake.keys) == set(compiler.asked), "a launch of the discarded program was compiled"
