@@ -48,18 +48,18 @@ RMS_NORM_BWD_OUTPUTS = ("dx", "dresidual", "dz", "dweight")
 
 
 def _rms_norm_bwd_body(x, z, weight, dout, dresidual_out, dx, dresidual, dz, dweight_partial, GROUP_SIZE, WIDTH,
-                       BLOCK_ROWS, HAS_Z, NORM_BEFORE_GATE, HAS_RESIDUAL, EPS):
+                       BLOCK_ROWS, HAS_Z, NORM_BEFORE_GATE, HAS_RESIDUAL, EPS, LOAD_LAT):
     program = ct.bid(0)
     g = ct.bid(1)
     w = load_weight(weight, g, WIDTH)
     # Summed elementwise over the row blocks and across the tile's rows once at the end.
     dw = ct.zeros((BLOCK_ROWS, WIDTH), dtype=ct.float32)
     for row_block in range(program, ct.cdiv(x.shape[0], BLOCK_ROWS), ct.num_blocks(0)):
-        x_in = load_rows(x, row_block, g, BLOCK_ROWS, WIDTH)
-        dy = load_rows(dout, row_block, g, BLOCK_ROWS, WIDTH)
+        x_in = load_rows(x, row_block, g, BLOCK_ROWS, WIDTH, LOAD_LAT)
+        dy = load_rows(dout, row_block, g, BLOCK_ROWS, WIDTH, LOAD_LAT)
         h = x_in
         if HAS_Z:
-            z32 = load_rows(z, row_block, g, BLOCK_ROWS, WIDTH)
+            z32 = load_rows(z, row_block, g, BLOCK_ROWS, WIDTH, LOAD_LAT)
             s = sigmoid(z32)
             gate = z32 * s
             dgate = s * (1.0 + z32 * (1.0 - s))
@@ -79,7 +79,7 @@ def _rms_norm_bwd_body(x, z, weight, dout, dresidual_out, dx, dresidual, dz, dwe
                 store_rows(dz, row_block, g, dh * x_in * dgate, BLOCK_ROWS, WIDTH)
                 dh = dh * gate
         if HAS_RESIDUAL:
-            dh = dh + load_rows(dresidual_out, row_block, g, BLOCK_ROWS, WIDTH)
+            dh = dh + load_rows(dresidual_out, row_block, g, BLOCK_ROWS, WIDTH, LOAD_LAT)
             store_rows(dresidual, row_block, g, dh, BLOCK_ROWS, WIDTH)
         store_rows(dx, row_block, g, dh, BLOCK_ROWS, WIDTH)
     ct.store(dweight_partial, index=(program, g, 0), tile=ct.sum(dw, axis=0, keepdims=True).reshape((1, 1, WIDTH)))
@@ -102,9 +102,10 @@ def rms_norm_bwd_kernel(
     NORM_BEFORE_GATE: ConstBool,
     HAS_RESIDUAL: ConstBool,
     EPS: ConstFloat,
+    LOAD_LAT: ConstInt,   # latency hint of the loop's row loads (1..10), 0 for none
 ):
     _rms_norm_bwd_body(x, z, weight, dout, dresidual_out, dx, dresidual, dz, dweight_partial, GROUP_SIZE,
-                       WIDTH, BLOCK_ROWS, HAS_Z, NORM_BEFORE_GATE, HAS_RESIDUAL, EPS)
+                       WIDTH, BLOCK_ROWS, HAS_Z, NORM_BEFORE_GATE, HAS_RESIDUAL, EPS, LOAD_LAT)
 
 
 RMS_NORM_BWD_KERNELS = int64_index_kernels(rms_norm_bwd_kernel)
@@ -159,7 +160,7 @@ def rms_norm_bwd_plan(dims: NormDims, cfg: Optional[NormConfig] = None) -> Plan:
         grid=(programs, dims.ngroups),
         args=("x", "z", "weight", "dout", "dresidual_out", "dx", "dresidual", "dz", "dweight_partial",
               dims.group_size, dims.width, cfg.BLOCK_ROWS, dims.has_z, dims.has_z and dims.norm_before_gate,
-              dims.has_residual, float(dims.eps)),
+              dims.has_residual, float(dims.eps), cfg.bwd_latency),
         writes=("dx", "dresidual", "dz", "dweight_partial"),
     )
     reduce_launch = Launch(
