@@ -24,15 +24,18 @@ over 5 rounds of back-to-back calls, is the number to compare; gbps is floor byt
 
 Run on the GPU machine:
   source .gpu/gpu-env.sh
-  python benchmarks/norm.py --out $OUT                       # cutile and xla, both directions
-  python benchmarks/norm.py --configs sweep --impls --out $OUT  # the kernels' config sweep only
-Writes <out>/norm_<direction>_<gpu>.json (a list of records) and prints one line per record.
+  python benchmarks/norm.py --out $OUT                                   # cutile and xla, both directions
+  python benchmarks/norm.py --configs sweep --impls --cases add_norm --out $OUT   # the sweep, a case at a time
+Writes <out>/norm_<direction>_<gpu>.json (a list of records; records of an earlier run in the same file are kept
+unless remeasured) and prints one line per record. A record takes about 4 s (compile, 2 s of warm-up, the
+budget): the whole sweep is about 120 records, so run it a case at a time.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import itertools
+import json
 import os
 import sys
 from pathlib import Path
@@ -267,10 +270,21 @@ def main(argv=None) -> int:
                         for config in configs_for(CASES[name], args.configs, direction)]
         if not records:
             continue
-        report.write_records(records, Path(args.out) / f"norm_{direction}_{gpu_slug(records[0]['gpu'])}.json")
+        path = Path(args.out) / f"norm_{direction}_{gpu_slug(records[0]['gpu'])}.json"
+        report.write_records(merge(report.load_records(path) if path.exists() else [], records), path)
         for r in records:
             print(format_line(r))
     return 0
+
+
+def merge(records: list[dict], newer: list[dict]) -> list[dict]:
+    """`records` with each of `newer` in place of the one of the same (case, rows, impl, config), new ones
+    appended: runs of parts of a sweep (one command per case) add up in one file."""
+    def key(r):
+        return r["case"], r["shape"][0], r["impl"], json.dumps(r["config"], sort_keys=True)
+    merged = {key(r): r for r in records}
+    merged.update({key(r): r for r in newer})
+    return list(merged.values())
 
 
 if __name__ == "__main__":

@@ -49,6 +49,11 @@ def test_cli_writes_records_with_errors_against_float32(tmp_path, capsys):
             assert r["impl"] == "xla" and r["config"] is None and r["ms_pipelined"] > 0
             assert set(r["errors"]) == want and max(r["errors"].values()) < 1e-2
     assert capsys.readouterr().out.count(" xla ") == 6
+    # A second run of one case replaces that case's records and keeps the others.
+    assert norm.main(["--impls", "xla", "--rows", "37", "--cases", "add_norm", "--direction", "fwd",
+                      "--budget-seconds", "0.05", "--out", str(tmp_path)]) == 0
+    (path,) = [p for p in tmp_path.glob("norm_fwd_*.json") if not p.name.startswith("norm_fwd_bwd")]
+    assert [r["case"] for r in json.loads(path.read_text())] == list(norm.CASES)
 
 
 @pytest.mark.parametrize("name", list(norm.CASES))
