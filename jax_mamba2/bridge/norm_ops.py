@@ -114,11 +114,12 @@ def _batchable_forward(run_plan: RunPlan, config: ChooseConfig, dims: NormDims):
 
 
 def _backward_once(run_plan: RunPlan, config: ChooseConfig, dims: NormDims, saved: NormSaved, dout, dresidual_out):
+    has_dresidual_out = dresidual_out is not None
     arrays = _with_dummies(dict(
         x=saved.x, z=saved.z, weight=saved.weight, dout=dout.astype(dims.out_dtype),
         dresidual_out=None if dresidual_out is None else dresidual_out.astype(dims.residual_dtype)),
-        bwd_kernels.rms_norm_bwd_inputs(dims))
-    out = run_plan(bwd_kernels.rms_norm_bwd_plan(dims, config(dims)), arrays)
+        bwd_kernels.rms_norm_bwd_inputs(dims, has_dresidual_out))
+    out = run_plan(bwd_kernels.rms_norm_bwd_plan(dims, config(dims), has_dresidual_out), arrays)
     out = _compat.match_varying_axes(out, (saved.x, saved.z, saved.weight, dout, dresidual_out))
     grads = (out["dx"].astype(saved.x_like.dtype),
              None if saved.z is None else out["dz"],
@@ -149,7 +150,8 @@ class NormKernels:
 
     forward(dims, x, z, residual, weight) -> (out, residual_out or None);
     backward(dims, saved: NormSaved, dout, dresidual_out or None) -> (dx, dz, dresidual, dweight), None where
-    the primal is absent, each in its primal's dtype (dweight f32).
+    the primal is absent, each in its primal's dtype (dweight f32); dresidual_out None for the add + norm
+    means a zero cotangent of the residual stream (not read).
     """
 
     forward: Callable

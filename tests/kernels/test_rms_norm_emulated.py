@@ -130,3 +130,24 @@ def test_config_rejects_invalid_fields_naming_them(field, value, expected):
     fields = dict(BLOCK_ROWS=1, fwd_occupancy=8, bwd_occupancy=2)
     with pytest.raises(ValueError, match=expected):
         NormConfig(**{**fields, field: value})
+
+
+def test_emulated_add_norm_backward_without_the_residual_cotangent_matches_float64_reference():
+    """has_dresidual_out=False (the final norm, whose residual stream feeds nothing): the kernel never reads the
+    dummy and its gradients are those of a zero residual cotangent."""
+    case = CASES["add_norm"]
+    dims = case.dims()
+    arrays = {**make_inputs(case, seed=19)}
+    arrays["dresidual_out"] = np.zeros_like(arrays["dresidual_out"])
+    want = oracle(case, arrays)
+    plan = rms_norm_bwd_plan(dims, has_dresidual_out=False)
+    assert_plan_well_formed(plan)
+    # NaN in the dummy: a kernel that read it would return NaN.
+    bwd = emulator.run_plan(plan, dict(
+        x=want["residual_out"].reshape(dims.rows, 1, dims.group_size), z=_dummy(np.float32),
+        weight=arrays["weight"].reshape(1, -1), dout=_rows(dims, arrays["dout"]),
+        dresidual_out=np.full((1, 1, 1), np.nan, np.float32)), float64=True)
+    got = dict(dx=bwd["dx"].reshape(want["dx"].shape), dresidual=bwd["dresidual"].reshape(want["dx"].shape),
+               dweight=bwd["dweight"].reshape(-1))
+    errors = {name: rel_l2(got[name], want[name]) for name in got}
+    assert max(errors.values()) < 1e-10, errors
