@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from jax_mamba2 import norm_reference as reference
 
@@ -83,6 +84,8 @@ def _kernel_norm(kernels, dims, x, z, residual, weight):
 
 
 def _kernel_norm_fwd(kernels, dims, x, z, residual, weight):
+    # symbolic_zeros: the primals arrive wrapped (CustomVJPPrimal), absent ones as None.
+    x, z, residual, weight = (None if a is None else a.value for a in (x, z, residual, weight))
     out, residual_out = kernels.forward(dims, x, z, residual, weight)
     norm_ops, _ = _kernel_module()
     # The add + norm keeps only the residual stream it normalized (the next block keeps it anyway), plus
@@ -95,10 +98,16 @@ def _kernel_norm_fwd(kernels, dims, x, z, residual, weight):
 
 def _kernel_norm_bwd(kernels, dims, saved, cotangents):
     dout, dresidual_out = cotangents
+    if isinstance(dout, SymbolicZero):  # only the residual stream is used: the kernels still read dy
+        dout = jnp.zeros(dout.shape, dout.dtype)
+    # A residual stream nothing reads (the final norm's) has a symbolic zero cotangent: the kernel skips it
+    # instead of reading a zero array XLA would write.
+    if isinstance(dresidual_out, SymbolicZero):
+        dresidual_out = None
     return kernels.backward(dims, saved, dout, dresidual_out)
 
 
-_kernel_norm.defvjp(_kernel_norm_fwd, _kernel_norm_bwd)
+_kernel_norm.defvjp(_kernel_norm_fwd, _kernel_norm_bwd, symbolic_zeros=True)
 
 
 def _run_kernels(kernels, dims, x, z, residual, weight):

@@ -21,9 +21,11 @@ from jax_mamba2.bridge.problem import gpu_unavailable_reason
 from jax_mamba2.kernels import rms_norm as fwd_kernels
 from jax_mamba2.kernels import rms_norm_bwd as bwd_kernels
 from jax_mamba2.kernels._common import KERNEL_DTYPES
-from jax_mamba2.kernels.rms_norm import NormDims
+from jax_mamba2.kernels.rms_norm import NormConfig, NormDims, norm_default_config
 
 RunPlan = Callable[..., dict]
+# The kernels' tile and hint choice for a problem (the default: norm_default_config).
+ChooseConfig = Callable[[NormDims], NormConfig]
 
 
 class NormSaved(NamedTuple):
@@ -71,9 +73,9 @@ def _with_dummies(arrays: dict, specs: dict) -> dict:
     return {name: jnp.zeros(specs[name].shape, specs[name].dtype) if a is None else a for name, a in arrays.items()}
 
 
-def _forward_once(run_plan: RunPlan, dims: NormDims, x, z, residual, weight):
+def _forward_once(run_plan: RunPlan, config: ChooseConfig, dims: NormDims, x, z, residual, weight):
     arrays = _with_dummies(dict(x=x, z=z, residual=residual, weight=weight), fwd_kernels.rms_norm_fwd_inputs(dims))
-    out = run_plan(fwd_kernels.rms_norm_fwd_plan(dims), arrays)
+    out = run_plan(fwd_kernels.rms_norm_fwd_plan(dims, config(dims)), arrays)
     outputs = (out["out"], out["residual_out"] if dims.has_residual else None)
     return _compat.match_varying_axes(outputs, (x, z, residual, weight))
 
@@ -91,10 +93,10 @@ def _broadcast_unbatched(tree, batched_tree, axis_size: int):
 
 
 @functools.cache
-def _batchable_forward(run_plan: RunPlan, dims: NormDims):
+def _batchable_forward(run_plan: RunPlan, config: ChooseConfig, dims: NormDims):
     @jax.custom_batching.custom_vmap
     def forward(x, z, residual, weight):
-        return _forward_once(run_plan, dims, x, z, residual, weight)
+        return _forward_once(run_plan, config, dims, x, z, residual, weight)
 
     @forward.def_vmap
     def forward_vmap(axis_size, in_batched, x, z, residual, weight):
@@ -104,19 +106,20 @@ def _batchable_forward(run_plan: RunPlan, dims: NormDims):
             return jax.lax.map(lambda a: forward(*a), args), out_batched
         rows = [None if a is None else _fold(a, b, axis_size) for a, b in zip((x, z, residual), in_batched)]
         folded = dataclasses.replace(dims, rows=axis_size * dims.rows)
-        outputs = _forward_once(run_plan, folded, *rows, weight)
+        outputs = _forward_once(run_plan, config, folded, *rows, weight)
         return tuple(None if o is None else o.reshape((axis_size, dims.rows, *o.shape[1:]))
                      for o in outputs), out_batched
 
     return forward
 
 
-def _backward_once(run_plan: RunPlan, dims: NormDims, saved: NormSaved, dout, dresidual_out):
+def _backward_once(run_plan: RunPlan, config: ChooseConfig, dims: NormDims, saved: NormSaved, dout, dresidual_out):
+    has_dresidual_out = dresidual_out is not None
     arrays = _with_dummies(dict(
         x=saved.x, z=saved.z, weight=saved.weight, dout=dout.astype(dims.out_dtype),
         dresidual_out=None if dresidual_out is None else dresidual_out.astype(dims.residual_dtype)),
-        bwd_kernels.rms_norm_bwd_inputs(dims))
-    out = run_plan(bwd_kernels.rms_norm_bwd_plan(dims), arrays)
+        bwd_kernels.rms_norm_bwd_inputs(dims, has_dresidual_out))
+    out = run_plan(bwd_kernels.rms_norm_bwd_plan(dims, config(dims), has_dresidual_out), arrays)
     out = _compat.match_varying_axes(out, (saved.x, saved.z, saved.weight, dout, dresidual_out))
     grads = (out["dx"].astype(saved.x_like.dtype),
              None if saved.z is None else out["dz"],
@@ -126,10 +129,10 @@ def _backward_once(run_plan: RunPlan, dims: NormDims, saved: NormSaved, dout, dr
 
 
 @functools.cache
-def _batchable_backward(run_plan: RunPlan, dims: NormDims):
+def _batchable_backward(run_plan: RunPlan, config: ChooseConfig, dims: NormDims):
     @jax.custom_batching.custom_vmap
     def backward(saved, dout, dresidual_out):
-        return _backward_once(run_plan, dims, saved, dout, dresidual_out)
+        return _backward_once(run_plan, config, dims, saved, dout, dresidual_out)
 
     @backward.def_vmap
     def backward_vmap(axis_size, in_batched, saved, dout, dresidual_out):
@@ -147,20 +150,23 @@ class NormKernels:
 
     forward(dims, x, z, residual, weight) -> (out, residual_out or None);
     backward(dims, saved: NormSaved, dout, dresidual_out or None) -> (dx, dz, dresidual, dweight), None where
-    the primal is absent, each in its primal's dtype (dweight f32).
+    the primal is absent, each in its primal's dtype (dweight f32); dresidual_out None for the add + norm
+    means a zero cotangent of the residual stream (not read).
     """
 
     forward: Callable
     backward: Callable
 
 
-def make_kernels(run_plan: RunPlan) -> NormKernels:
-    """The norm ops' kernel path with every plan run by `run_plan` (ffi.run_plan, callback.run_plan, ...)."""
+def make_kernels(run_plan: RunPlan, config: ChooseConfig = norm_default_config) -> NormKernels:
+    """The norm ops' kernel path with every plan run by `run_plan` (ffi.run_plan, callback.run_plan, ...) in
+    the tiles and hints `config(dims)` chooses (benchmarks/norm.py passes its sweep's). Keep one `config`
+    object per choice: the traced kernels are cached per (run_plan, config, dims)."""
     def forward(dims, x, z, residual, weight):
-        return _batchable_forward(run_plan, dims)(x, z, residual, weight)
+        return _batchable_forward(run_plan, config, dims)(x, z, residual, weight)
 
     def backward(dims, saved, dout, dresidual_out):
-        return _batchable_backward(run_plan, dims)(saved, dout, dresidual_out)
+        return _batchable_backward(run_plan, config, dims)(saved, dout, dresidual_out)
 
     return NormKernels(forward, backward)
 

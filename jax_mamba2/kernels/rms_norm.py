@@ -28,7 +28,7 @@ import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
     LOG2E, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, _with_hints, exp2_ftz, int64_index_kernels,
-    next_power_of_2)
+    is_power_of_2, next_power_of_2)
 
 _INT32_MAX = (1 << 31) - 1
 # The widest group (rounded up to a power of two) a block holds: every per-element array lives in registers
@@ -85,12 +85,31 @@ class NormDims:
 
 @dataclasses.dataclass(frozen=True)
 class NormConfig:
-    """BLOCK_ROWS: rows per block (a power of two); fwd_occupancy / bwd_occupancy: the occupancy hints of the
-    forward and backward kernels (blocks per SM the compiler budgets registers for)."""
+    """The tile and hint choices of the norm kernels (what `benchmarks/norm.py --configs` sweeps).
+
+    BLOCK_ROWS: rows per block (a power of two; BLOCK_ROWS x WIDTH f32 values live in registers).
+    fwd_occupancy / bwd_occupancy: the occupancy hints of the forward and backward kernels (blocks per SM the
+      compiler budgets registers for); the backward's persistent grid has bwd_occupancy x 132 blocks.
+    fwd_latency / bwd_latency: the latency hint (1..10) of the per-row loads of the forward and of the
+      backward's loop (a deeper prefetch: in the loop, the next row block's loads issue before this one's
+      math), or 0 to leave the loads to the compiler.
+    """
 
     BLOCK_ROWS: int
     fwd_occupancy: int
     bwd_occupancy: int
+    fwd_latency: int = 0
+    bwd_latency: int = 0
+
+    def __post_init__(self):
+        if not is_power_of_2(self.BLOCK_ROWS) or self.BLOCK_ROWS > MAX_BLOCK_ROWS:
+            raise ValueError(f"NormConfig: BLOCK_ROWS={self.BLOCK_ROWS} must be a power of two <= {MAX_BLOCK_ROWS}")
+        for name in ("fwd_occupancy", "bwd_occupancy"):
+            if not 1 <= getattr(self, name) <= 32:
+                raise ValueError(f"NormConfig: {name}={getattr(self, name)} must be in [1, 32]")
+        for name in ("fwd_latency", "bwd_latency"):
+            if not 0 <= getattr(self, name) <= 10:
+                raise ValueError(f"NormConfig: {name}={getattr(self, name)} must be 0 (no hint) or in [1, 10]")
 
 
 def norm_default_config(dims: NormDims) -> NormConfig:
@@ -136,11 +155,16 @@ def sigmoid(z):
     return ct.truediv(1.0, 1.0 + exp2_ftz(-z * LOG2E), rounding_mode=ct.RoundingMode.APPROX, flush_to_zero=True)
 
 
-def load_rows(array, row_block, g, BLOCK_ROWS, WIDTH):
+def load_rows(array, row_block, g, BLOCK_ROWS, WIDTH, LATENCY):
     """Rows [row_block*BLOCK_ROWS, ...) of group g of a (rows, ngroups, G) array -> (BLOCK_ROWS, WIDTH) f32,
-    zero past the last row and past G."""
-    return ct.load(array, index=(row_block, g, 0), shape=(BLOCK_ROWS, 1, WIDTH),
-                   padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_ROWS, WIDTH)).astype(ct.float32)
+    zero past the last row and past G; LATENCY the load's latency hint (0: none, the compiler's choice)."""
+    if LATENCY:
+        tile = ct.load(array, index=(row_block, g, 0), shape=(BLOCK_ROWS, 1, WIDTH),
+                       padding_mode=ct.PaddingMode.ZERO, latency=LATENCY)
+    else:
+        tile = ct.load(array, index=(row_block, g, 0), shape=(BLOCK_ROWS, 1, WIDTH),
+                       padding_mode=ct.PaddingMode.ZERO)
+    return tile.reshape((BLOCK_ROWS, WIDTH)).astype(ct.float32)
 
 
 def store_rows(array, row_block, g, tile, BLOCK_ROWS, WIDTH):
@@ -164,17 +188,17 @@ def inverse_rms(h, GROUP_SIZE, EPS):
 # ------------------------------------------------------------------------------------------------
 
 def _rms_norm_fwd_body(x, z, residual, weight, out, residual_out, GROUP_SIZE, WIDTH, BLOCK_ROWS, HAS_Z,
-                       NORM_BEFORE_GATE, HAS_RESIDUAL, EPS):
+                       NORM_BEFORE_GATE, HAS_RESIDUAL, EPS, LOAD_LAT):
     row_block = ct.bid(0)
     g = ct.bid(1)
-    h = load_rows(x, row_block, g, BLOCK_ROWS, WIDTH)
+    h = load_rows(x, row_block, g, BLOCK_ROWS, WIDTH, LOAD_LAT)
     if HAS_RESIDUAL:
         # The norm reads h as stored, so that it normalizes exactly the residual stream the next block gets.
-        h = (h + load_rows(residual, row_block, g, BLOCK_ROWS, WIDTH)).astype(residual_out.dtype)
+        h = (h + load_rows(residual, row_block, g, BLOCK_ROWS, WIDTH, LOAD_LAT)).astype(residual_out.dtype)
         store_rows(residual_out, row_block, g, h, BLOCK_ROWS, WIDTH)
         h = h.astype(ct.float32)
     if HAS_Z:
-        z32 = load_rows(z, row_block, g, BLOCK_ROWS, WIDTH)
+        z32 = load_rows(z, row_block, g, BLOCK_ROWS, WIDTH, LOAD_LAT)
         gate = z32 * sigmoid(z32)
         if not NORM_BEFORE_GATE:
             h = h * gate
@@ -199,9 +223,10 @@ def rms_norm_fwd_kernel(
     NORM_BEFORE_GATE: ConstBool,
     HAS_RESIDUAL: ConstBool,
     EPS: ConstFloat,
+    LOAD_LAT: ConstInt,  # latency hint of the row loads (1..10), 0 for none
 ):
     _rms_norm_fwd_body(x, z, residual, weight, out, residual_out, GROUP_SIZE, WIDTH, BLOCK_ROWS, HAS_Z,
-                       NORM_BEFORE_GATE, HAS_RESIDUAL, EPS)
+                       NORM_BEFORE_GATE, HAS_RESIDUAL, EPS, LOAD_LAT)
 
 
 # (int32-indexed, int64-indexed) entries of the one body.
@@ -231,7 +256,7 @@ def rms_norm_fwd_plan(dims: NormDims, cfg: Optional[NormConfig] = None) -> Plan:
         grid=(row_block_count(dims, cfg), dims.ngroups),
         args=("x", "z", "residual", "weight", "out", "residual_out", dims.group_size, dims.width,
               cfg.BLOCK_ROWS, dims.has_z, dims.has_z and dims.norm_before_gate, dims.has_residual,
-              float(dims.eps)),
+              float(dims.eps), cfg.fwd_latency),
         writes=("out", "residual_out"),
     )
     return Plan(

@@ -8,7 +8,7 @@ cotangent of the output:
     dweight += dy * xhat                     (summed over rows)
     dxhat = dy * w;    dh = rstd * (dxhat - xhat * mean_g(dxhat * xhat))
     gate before the norm:                    dz = dh * x * silu'(z);          dh <- dh * silu(z)
-    add + norm (HAS_RESIDUAL):               dh <- dh + dresidual_out;  dresidual = dh
+    add + norm (HAS_RESIDUAL):               dh <- dh + dresidual_out (if HAS_DRESIDUAL_OUT);  dresidual = dh
     dx = dh
 
 For the add + norm the kernel's `x` is the residual stream h = residual_out that the forward stored (the
@@ -48,18 +48,18 @@ RMS_NORM_BWD_OUTPUTS = ("dx", "dresidual", "dz", "dweight")
 
 
 def _rms_norm_bwd_body(x, z, weight, dout, dresidual_out, dx, dresidual, dz, dweight_partial, GROUP_SIZE, WIDTH,
-                       BLOCK_ROWS, HAS_Z, NORM_BEFORE_GATE, HAS_RESIDUAL, EPS):
+                       BLOCK_ROWS, HAS_Z, NORM_BEFORE_GATE, HAS_RESIDUAL, HAS_DRESIDUAL_OUT, EPS, LOAD_LAT):
     program = ct.bid(0)
     g = ct.bid(1)
     w = load_weight(weight, g, WIDTH)
     # Summed elementwise over the row blocks and across the tile's rows once at the end.
     dw = ct.zeros((BLOCK_ROWS, WIDTH), dtype=ct.float32)
     for row_block in range(program, ct.cdiv(x.shape[0], BLOCK_ROWS), ct.num_blocks(0)):
-        x_in = load_rows(x, row_block, g, BLOCK_ROWS, WIDTH)
-        dy = load_rows(dout, row_block, g, BLOCK_ROWS, WIDTH)
+        x_in = load_rows(x, row_block, g, BLOCK_ROWS, WIDTH, LOAD_LAT)
+        dy = load_rows(dout, row_block, g, BLOCK_ROWS, WIDTH, LOAD_LAT)
         h = x_in
         if HAS_Z:
-            z32 = load_rows(z, row_block, g, BLOCK_ROWS, WIDTH)
+            z32 = load_rows(z, row_block, g, BLOCK_ROWS, WIDTH, LOAD_LAT)
             s = sigmoid(z32)
             gate = z32 * s
             dgate = s * (1.0 + z32 * (1.0 - s))
@@ -79,7 +79,8 @@ def _rms_norm_bwd_body(x, z, weight, dout, dresidual_out, dx, dresidual, dz, dwe
                 store_rows(dz, row_block, g, dh * x_in * dgate, BLOCK_ROWS, WIDTH)
                 dh = dh * gate
         if HAS_RESIDUAL:
-            dh = dh + load_rows(dresidual_out, row_block, g, BLOCK_ROWS, WIDTH)
+            if HAS_DRESIDUAL_OUT:
+                dh = dh + load_rows(dresidual_out, row_block, g, BLOCK_ROWS, WIDTH, LOAD_LAT)
             store_rows(dresidual, row_block, g, dh, BLOCK_ROWS, WIDTH)
         store_rows(dx, row_block, g, dh, BLOCK_ROWS, WIDTH)
     ct.store(dweight_partial, index=(program, g, 0), tile=ct.sum(dw, axis=0, keepdims=True).reshape((1, 1, WIDTH)))
@@ -90,7 +91,7 @@ def rms_norm_bwd_kernel(
     z: Big,               # (rows, ngroups, G) Tz, or a dummy without HAS_Z
     weight,               # (ngroups, G) f32
     dout: Big,            # (rows, ngroups, G) T_out
-    dresidual_out: Big,   # (rows, ngroups, G) Tr, or a dummy without HAS_RESIDUAL
+    dresidual_out: Big,   # (rows, ngroups, G) Tr, or a dummy without HAS_DRESIDUAL_OUT
     dx: Big,              # (rows, ngroups, G) T, written
     dresidual: Big,       # (rows, ngroups, G) Tr, written with HAS_RESIDUAL, else a dummy
     dz: Big,              # (rows, ngroups, G) Tz, written with HAS_Z, else a dummy
@@ -101,10 +102,12 @@ def rms_norm_bwd_kernel(
     HAS_Z: ConstBool,
     NORM_BEFORE_GATE: ConstBool,
     HAS_RESIDUAL: ConstBool,
+    HAS_DRESIDUAL_OUT: ConstBool,  # the residual stream's cotangent is nonzero (else it is not read)
     EPS: ConstFloat,
+    LOAD_LAT: ConstInt,   # latency hint of the loop's row loads (1..10), 0 for none
 ):
     _rms_norm_bwd_body(x, z, weight, dout, dresidual_out, dx, dresidual, dz, dweight_partial, GROUP_SIZE,
-                       WIDTH, BLOCK_ROWS, HAS_Z, NORM_BEFORE_GATE, HAS_RESIDUAL, EPS)
+                       WIDTH, BLOCK_ROWS, HAS_Z, NORM_BEFORE_GATE, HAS_RESIDUAL, HAS_DRESIDUAL_OUT, EPS, LOAD_LAT)
 
 
 RMS_NORM_BWD_KERNELS = int64_index_kernels(rms_norm_bwd_kernel)
@@ -132,19 +135,21 @@ def bwd_programs(dims: NormDims, cfg: NormConfig) -> int:
     return max(1, min(row_block_count(dims, cfg), cfg.bwd_occupancy * SM90_SMS // dims.ngroups))
 
 
-def rms_norm_bwd_inputs(dims: NormDims) -> dict[str, Buffer]:
+def rms_norm_bwd_inputs(dims: NormDims, has_dresidual_out: bool = True) -> dict[str, Buffer]:
     """Shape and dtype of each backward input as the bridge passes it (dummies where absent)."""
     return {
         "x": Buffer(dims.row_shape(), dims.residual_dtype or dims.dtype),
         "z": Buffer(dims.row_shape(dims.has_z), dims.z_dtype or dims.dtype),
         "weight": Buffer((dims.ngroups, dims.group_size), "float32"),
         "dout": Buffer(dims.row_shape(), dims.out_dtype),
-        "dresidual_out": Buffer(dims.row_shape(dims.has_residual), dims.residual_dtype or dims.dtype),
+        "dresidual_out": Buffer(dims.row_shape(dims.has_residual and has_dresidual_out),
+                                dims.residual_dtype or dims.dtype),
     }
 
 
-def rms_norm_bwd_plan(dims: NormDims, cfg: Optional[NormConfig] = None) -> Plan:
-    """The backward for `dims`.
+def rms_norm_bwd_plan(dims: NormDims, cfg: Optional[NormConfig] = None, has_dresidual_out: bool = True) -> Plan:
+    """The backward for `dims`; for the add + norm without `has_dresidual_out` the residual stream's cotangent
+    is zero (h feeds nothing, as in the LM's final norm) and dresidual_out a dummy the kernel never reads.
 
     Returns:
       A Plan with inputs RMS_NORM_BWD_INPUTS (x: the forward's x, or its residual_out for the add + norm) and
@@ -159,7 +164,7 @@ def rms_norm_bwd_plan(dims: NormDims, cfg: Optional[NormConfig] = None) -> Plan:
         grid=(programs, dims.ngroups),
         args=("x", "z", "weight", "dout", "dresidual_out", "dx", "dresidual", "dz", "dweight_partial",
               dims.group_size, dims.width, cfg.BLOCK_ROWS, dims.has_z, dims.has_z and dims.norm_before_gate,
-              dims.has_residual, float(dims.eps)),
+              dims.has_residual, dims.has_residual and has_dresidual_out, float(dims.eps), cfg.bwd_latency),
         writes=("dx", "dresidual", "dz", "dweight_partial"),
     )
     reduce_launch = Launch(

@@ -15,6 +15,7 @@ pytest.importorskip("cuda.tile")
 
 import jax_mamba2  # noqa: E402
 from jax_mamba2.bridge import norm_ops  # noqa: E402
+from jax_mamba2.kernels.rms_norm import NormConfig  # noqa: E402
 from jax_mamba2.flax_layers import Mamba2Block, Mamba2Config  # noqa: E402
 from tests._helpers import rel_l2  # noqa: E402
 from tests.kernels import _cutile_emulator as emulator  # noqa: E402
@@ -103,6 +104,38 @@ def test_emulated_op_vmap_of_forward_and_gradients_matches_a_loop():
             assert rel_l2(mapped_out[i], _op(case)(xs[i], zs[i], None, wi)[0]) < 1e-6
             for got, want in zip(mapped_grads, grad(xs[i], zs[i], wi)):
                 assert rel_l2(got[i], want) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["gate_before_groups3", "add_norm"])
+def test_emulated_kernels_in_a_chosen_config_match_float64_reference_also_vmapped(monkeypatch, name):
+    """make_kernels(run_plan, config): the plans of every call, the vmapped forward's folded rows included, take
+    the config the function chooses for their dims (4 rows per block, latency hints, one program per SM)."""
+    chosen = []
+
+    def config(dims):
+        chosen.append(dims.rows)
+        return NormConfig(BLOCK_ROWS=4, fwd_occupancy=2, bwd_occupancy=1, fwd_latency=2, bwd_latency=3)
+
+    monkeypatch.setitem(norm_ops.KERNELS, "cutile", norm_ops.make_kernels(emulator.jax_run_plan, config))
+    case = CASES[name]
+    arrays = make_inputs(case, seed=17)
+    primals = _primals(arrays)
+    cotangents = (jnp.asarray(arrays["dout"]), None if not case.residual else jnp.asarray(arrays["dresidual_out"]))
+
+    def forward_and_vjp(*primals):
+        outputs, vjp = jax.vjp(_op(case), *primals)
+        return outputs, vjp(cotangents)
+
+    (out, residual_out), (dx, dz, dresidual, dweight) = jax.jit(forward_and_vjp)(*primals)
+    got = dict(out=out, residual_out=residual_out, dx=dx, dz=dz, dresidual=dresidual, dweight=dweight)
+    want = oracle(case, arrays)
+    errors = {k: rel_l2(got[k], want[k]) for k in want}
+    assert max(errors.values()) < TOLERANCE, errors
+    assert chosen == [case.rows, case.rows]  # the forward's plan and the backward's
+    stacked = jax.jit(jax.vmap(lambda *p: _op(case)(*p)[0], in_axes=(0, 0, 0, None)))(
+        *(None if a is None else jnp.stack([a, -a]) for a in primals[:3]), primals[3])
+    assert chosen[-1] == 2 * case.rows  # one launch on the folded rows
+    assert rel_l2(stacked[0], want["out"]) < TOLERANCE
 
 
 @pytest.mark.parametrize("name", ["gate_after_groups3", "add_norm"])

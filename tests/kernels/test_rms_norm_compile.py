@@ -1,5 +1,6 @@
 """The RMSNorm kernels compile to sm_90 cubins on this machine (no GPU needed) with the constraints JAX uses, and
 at the LM's shapes their default configurations run without spilling registers (cuobjdump, when available)."""
+import dataclasses
 import re
 
 import pytest
@@ -7,7 +8,8 @@ import pytest
 pytest.importorskip("cuda.tile")
 
 from jax_mamba2.kernels.export import compile_launch  # noqa: E402
-from jax_mamba2.kernels.rms_norm import NormDims, needs_int64_index, rms_norm_fwd_inputs, rms_norm_fwd_plan  # noqa
+from jax_mamba2.kernels.rms_norm import (  # noqa: E402
+    NormDims, needs_int64_index, norm_default_config, rms_norm_fwd_inputs, rms_norm_fwd_plan)
 from jax_mamba2.kernels.rms_norm_bwd import rms_norm_bwd_inputs, rms_norm_bwd_plan  # noqa: E402
 from tests.kernels.test_compile import sass_and_resources  # noqa: E402
 
@@ -25,11 +27,11 @@ LM_PROBLEMS = {
 }
 
 
-def _cubins(dims: NormDims) -> dict[str, bytes]:
-    """kernel name -> sm_90 cubin of every launch of the forward and backward plans of `dims`."""
+def _cubins(dims: NormDims, cfg=None) -> dict[str, bytes]:
+    """kernel name -> sm_90 cubin of every launch of the forward and backward plans of `dims` (in `cfg`)."""
     cubins = {}
-    for plan, inputs in ((rms_norm_fwd_plan(dims), rms_norm_fwd_inputs(dims)),
-                         (rms_norm_bwd_plan(dims), rms_norm_bwd_inputs(dims))):
+    for plan, inputs in ((rms_norm_fwd_plan(dims, cfg), rms_norm_fwd_inputs(dims)),
+                         (rms_norm_bwd_plan(dims, cfg), rms_norm_bwd_inputs(dims))):
         for launch in plan.launches:
             name = launch.kernel._annotated_function.pyfunc.__name__
             cubins[name] = compile_launch(launch, {**inputs, **plan.buffers}, "sm_90")[1]
@@ -51,6 +53,19 @@ def test_kernels_compile_to_sm90_cubins_float32_and_int64_indexed():
 def test_default_configs_at_lm_shapes_have_no_spills(problem):
     """What norm_default_config says: spill-free (no local memory, no stack) at the LM's shapes."""
     for name, cubin in _cubins(LM_PROBLEMS[problem]).items():
+        sass, resources = sass_and_resources(cubin)
+        usage = dict(re.findall(r"(LOCAL|STACK):(\d+)", resources))
+        assert int(usage["LOCAL"]) == 0 and int(usage["STACK"]) == 0 and "LDL" not in sass, (name, usage)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("problem", ["gated_before_2048", "add_norm_1024"])
+def test_latency_hints_keep_the_default_tiles_spill_free(problem):
+    """The benchmark sweep's deepest prefetch (forward latency 3, backward loop latency 4) at the default tiles
+    and occupancies still fits the registers."""
+    dims = LM_PROBLEMS[problem]
+    cfg = dataclasses.replace(norm_default_config(dims), fwd_latency=3, bwd_latency=4)
+    for name, cubin in _cubins(dims, cfg).items():
         sass, resources = sass_and_resources(cubin)
         usage = dict(re.findall(r"(LOCAL|STACK):(\d+)", resources))
         assert int(usage["LOCAL"]) == 0 and int(usage["STACK"]) == 0 and "LDL" not in sass, (name, usage)

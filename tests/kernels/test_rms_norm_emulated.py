@@ -107,3 +107,47 @@ def test_default_config_fills_a_tile_of_2048_values(case, rows, occupancies):
     """The documented defaults: rows up to 2048 values per tile, the occupancies that compile spill-free."""
     cfg = norm_default_config(case.dims())
     assert (cfg.BLOCK_ROWS, (cfg.fwd_occupancy, cfg.bwd_occupancy)) == (rows, occupancies)
+
+
+@pytest.mark.parametrize("name", ["gate_before_groups3", "gate_after_one_group", "add_norm"])
+def test_emulated_configs_with_latency_hints_and_wider_blocks_match_float64_reference(name):
+    """What the benchmark sweeps: 4 rows per block (the last one partial) and latency hints on the loads; at
+    occupancy 1 the backward's 132 / ngroups programs walk 151 row blocks (some two, the loop's prefetch)."""
+    case = dataclasses.replace(CASES[name], rows=601)
+    cfg = NormConfig(BLOCK_ROWS=4, fwd_occupancy=4, bwd_occupancy=1, fwd_latency=3, bwd_latency=4)
+    assert bwd_programs(case.dims(), cfg) < 151
+    arrays = make_inputs(case, seed=5)
+    assert_matches_oracle(case, arrays, run_kernels(case, arrays, cfg), 1e-10)
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("BLOCK_ROWS", 3, "BLOCK_ROWS=3 must be a power of two <= 64"),
+    ("BLOCK_ROWS", 128, "BLOCK_ROWS=128 must be a power of two <= 64"),
+    ("bwd_occupancy", 0, r"bwd_occupancy=0 must be in \[1, 32\]"),
+    ("fwd_latency", 11, r"fwd_latency=11 must be 0 \(no hint\) or in \[1, 10\]"),
+])
+def test_config_rejects_invalid_fields_naming_them(field, value, expected):
+    fields = dict(BLOCK_ROWS=1, fwd_occupancy=8, bwd_occupancy=2)
+    with pytest.raises(ValueError, match=expected):
+        NormConfig(**{**fields, field: value})
+
+
+def test_emulated_add_norm_backward_without_the_residual_cotangent_matches_float64_reference():
+    """has_dresidual_out=False (the final norm, whose residual stream feeds nothing): the kernel never reads the
+    dummy and its gradients are those of a zero residual cotangent."""
+    case = CASES["add_norm"]
+    dims = case.dims()
+    arrays = {**make_inputs(case, seed=19)}
+    arrays["dresidual_out"] = np.zeros_like(arrays["dresidual_out"])
+    want = oracle(case, arrays)
+    plan = rms_norm_bwd_plan(dims, has_dresidual_out=False)
+    assert_plan_well_formed(plan)
+    # NaN in the dummy: a kernel that read it would return NaN.
+    bwd = emulator.run_plan(plan, dict(
+        x=want["residual_out"].reshape(dims.rows, 1, dims.group_size), z=_dummy(np.float32),
+        weight=arrays["weight"].reshape(1, -1), dout=_rows(dims, arrays["dout"]),
+        dresidual_out=np.full((1, 1, 1), np.nan, np.float32)), float64=True)
+    got = dict(dx=bwd["dx"].reshape(want["dx"].shape), dresidual=bwd["dresidual"].reshape(want["dx"].shape),
+               dweight=bwd["dweight"].reshape(-1))
+    errors = {name: rel_l2(got[name], want[name]) for name in got}
+    assert max(errors.values()) < 1e-10, errors

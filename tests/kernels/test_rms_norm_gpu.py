@@ -70,6 +70,43 @@ def test_kernels_at_lm_shapes_match_float64_reference(name):
     _check(LM_CASES[name], "cutile", seed=1)
 
 
+# Configs away from the default, as benchmarks/norm.py sweeps them: wider row blocks, other occupancies, latency
+# hints on the forward's and the backward loop's loads.
+SWEPT_CONFIGS = {
+    "block_rows_x2_latency": dict(BLOCK_ROWS=2, fwd_occupancy=4, bwd_occupancy=2, fwd_latency=3, bwd_latency=4),
+    "block_rows_x4_occupancy_1": dict(BLOCK_ROWS=4, fwd_occupancy=4, bwd_occupancy=1, fwd_latency=0, bwd_latency=2),
+}
+
+
+@pytest.mark.parametrize("config", list(SWEPT_CONFIGS))
+@pytest.mark.parametrize("name", ["gated_before_16384x2048", "gated_after_16384x2048", "add_norm_16384x1024"])
+def test_kernels_in_swept_configs_at_lm_shapes_match_float64_reference(monkeypatch, name, config):
+    from jax_mamba2.bridge import ffi, norm_ops
+    from jax_mamba2.kernels.rms_norm import NormConfig
+
+    cfg = NormConfig(**SWEPT_CONFIGS[config])
+    monkeypatch.setitem(norm_ops.KERNELS, "cutile", norm_ops.make_kernels(ffi.run_plan, lambda dims: cfg))
+    _check(LM_CASES[name], "cutile", seed=4)
+
+
+def test_final_norm_without_its_residual_skips_the_zero_cotangent_and_matches_float64_reference():
+    """add_rms_norm(return_residual=False) at the LM's shape: the backward kernel runs without dresidual_out (a
+    symbolic zero) and its gradients are those of a zero residual cotangent."""
+    case = LM_CASES["add_norm_16384x1024"]
+    arrays = make_inputs(case, seed=5)
+    x, residual, w, dout = (jnp.asarray(arrays[n]) for n in ("x", "residual", "weight", "dout"))
+
+    def loss(x, residual, w):
+        out = jax_mamba2.add_rms_norm(x, residual, w, eps=EPS, residual_dtype=jnp.float32, return_residual=False,
+                                      backend="cutile")
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, residual, w)
+    want = oracle(case, {**arrays, "dresidual_out": np.zeros_like(arrays["dresidual_out"])})
+    errors = {n: rel_l2(g, want[n]) for n, g in zip(("dx", "dresidual", "dweight"), grads)}
+    assert max(errors.values()) < TOLERANCE[case.dtype], errors
+
+
 def test_weight_gradient_is_bitwise_reproducible():
     case = LM_CASES["gated_before_16384x2048"]
     arrays = make_inputs(case, seed=2)
