@@ -76,19 +76,14 @@ def _scan_forward(inputs: SSDInputs, static: SSDStatic):
     return reference.ssd_scan(*inputs[:5], **_reference_kwargs(inputs, static))
 
 
-def _always_supported(inputs, static):
-    del inputs, static
-    return None
-
-
 def _reference_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
     return reference.ssd_step(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
                               dt_softplus=dt_softplus, dt_limit=dt_limit)
 
 
-registry.register_backend(registry.Backend("xla", _xla_forward, _always_supported, differentiable=True,
+registry.register_backend(registry.Backend("xla", _xla_forward, registry.always_supported, differentiable=True,
                                            step=_reference_step))
-registry.register_backend(registry.Backend("scan", _scan_forward, _always_supported, differentiable=True,
+registry.register_backend(registry.Backend("scan", _scan_forward, registry.always_supported, differentiable=True,
                                            step=_reference_step))
 
 
@@ -215,21 +210,6 @@ def _check_values(api, A, dt, dt_bias, dt_softplus, dt_limit, seq_idx=None):
 # Dispatch
 # ----------------------------------------------------------------------------------------------
 
-def _select_backend(backend: str, inputs: SSDInputs, static: SSDStatic) -> list[registry.Backend]:
-    """Returns the backends to use: one, or for "auto" a kernel backend followed by its fallback."""
-    if backend == "auto":
-        fallback = registry.get("xla", "ssd")
-        for candidate in registry.auto_candidates():
-            if candidate.unsupported_reason(inputs, static) is None:
-                return [candidate, fallback]
-        return [fallback]
-    chosen = registry.get(backend, "ssd")
-    reason = chosen.unsupported_reason(inputs, static)
-    if reason is not None:
-        raise ValueError(f"ssd(backend={backend!r}) cannot run this call: {reason}")
-    return [chosen]
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _opaque_ssd(backend: registry.Backend, static: SSDStatic, inputs: SSDInputs):
     return backend.forward(inputs, static)
@@ -353,24 +333,16 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
       (1, 64, 2, 16)
     """
     dims = check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx)
-    if not isinstance(backend, str):
-        raise TypeError(f"ssd: backend={backend!r} must be a string")
     static = SSDStatic(int(chunk_size), bool(dt_softplus), check_dt_limit("ssd", dt_limit),
                        _check_flag("ssd", "deterministic_backward", deterministic_backward),
                        _check_flag("ssd", "save_chunk_states", save_chunk_states))
     _check_values("ssd", A, dt, dt_bias, static.dt_softplus, static.dt_limit, seq_idx)
     inputs = SSDInputs(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
-    backends = _select_backend(backend, inputs, static)
+    selected = registry.select(backend, "ssd", lambda b: b.unsupported_reason(inputs, static))
     if dims.batch * dims.seqlen == 0:
         y, final = _empty_result(inputs, dims)
-    elif len(backends) == 1:
-        y, final = _run_backend(backends[0], inputs, static)
     else:
-        kernel, fallback = backends
-        y, final = jax.lax.platform_dependent(
-            inputs,
-            cuda=lambda inp: _run_backend(kernel, inp, static),
-            default=lambda inp: _run_backend(fallback, inp, static))
+        y, final = registry.run_selected(selected, lambda b, inp: _run_backend(b, inp, static), inputs)
     return (y, final) if return_final_states else y
 
 
@@ -399,6 +371,12 @@ def _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias):
     _check_head_options(api, x, D, z, dt_bias)
 
 
+def _step_unsupported_reason(backend: registry.Backend, args) -> Optional[str]:
+    if backend.step is None:
+        return "it has no decode step; use 'auto' or 'xla'"
+    return None if backend.step_unsupported_reason is None else backend.step_unsupported_reason(*args)
+
+
 def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
              dt_limit=(0.0, math.inf), backend="auto"):
     """One decode step of the SSD recurrence (mamba_ssm `selective_state_update`, plus dt_limit).
@@ -424,19 +402,5 @@ def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus
     limit = check_dt_limit("ssd_step", dt_limit)
     _check_values("ssd_step", A, dt, dt_bias, bool(dt_softplus), limit)
     args = (state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), limit)
-    if backend == "auto":
-        for candidate in registry.auto_candidates():
-            if candidate.step is not None and candidate.step_unsupported_reason(*args) is None:
-                return jax.lax.platform_dependent(
-                    *args[:9], cuda=lambda *a: candidate.step(*a, *args[9:]),
-                    default=lambda *a: _reference_step(*a, *args[9:]))
-        return _reference_step(*args)
-    chosen = registry.get(backend, "ssd_step")
-    if chosen.step is None:
-        raise ValueError(f"ssd_step(backend={backend!r}) has no decode step; use 'auto' or 'xla'")
-    if chosen.step_unsupported_reason is not None:
-        reason = chosen.step_unsupported_reason(*args)
-        if reason is not None:
-            raise ValueError(f"ssd_step(backend={backend!r}) cannot run this call: {reason}")
-    return chosen.step(*args)
-
+    selected = registry.select(backend, "ssd_step", lambda b: _step_unsupported_reason(b, args))
+    return registry.run_selected(selected, lambda b, *arrays: b.step(*arrays, *args[9:]), *args[:9])

@@ -36,7 +36,7 @@ def test_backward_options_change_the_program_and_each_is_traced_once(monkeypatch
 
     traced_backend = dataclasses.replace(backends.get("cutile", "test"), name="cutile_traced", auto_priority=0,
                                          unsupported_reason=lambda inputs, static: None)
-    monkeypatch.setitem(backends._REGISTRY, traced_backend.name, traced_backend)
+    monkeypatch.setitem(backends._REGISTRY["ssd"], traced_backend.name, traced_backend)
     planned = []
     backward_configs = tuning.backward_configs
     monkeypatch.setattr(tuning, "backward_configs", lambda dims, det: planned.append(det) or

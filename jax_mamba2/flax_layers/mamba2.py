@@ -19,13 +19,15 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jax_mamba2 import backends
+from jax_mamba2 import conv1d as conv_op
+from jax_mamba2 import norm as norm_op
 from jax_mamba2.conv1d import causal_conv1d_silu
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers._tree import param_path
 from jax_mamba2.flax_layers.cache import Mamba2Cache
 from jax_mamba2.flax_layers.conv import CausalConv1d, causal_conv1d_step
 from jax_mamba2.flax_layers.initializers import A_log_init, dt_bias_init, torch_uniform
-from jax_mamba2.flax_layers.norm import RMSNorm, norm_backend
+from jax_mamba2.flax_layers.norm import RMSNorm
 from jax_mamba2.flax_layers.partition import HeadShard, MeshAxes, Segment
 from jax_mamba2.op import ssd, ssd_step
 
@@ -78,7 +80,7 @@ class Mamba2(nnx.Module):
       conv_bias: bias in conv1d (default: True).
       chunk_size: chunk length of the SSD (power of two; default: 256).
       backend: SSD backend, "auto" | "cutile" | "cutile_callback" | "xla" | "scan" (default: "auto"); the
-        gated norm follows it (`norm_backend`: "xla" and "scan" keep it in pure JAX).
+        conv and the gated norm follow it (`backends.for_op`: "xla" and "scan" keep them in pure JAX).
       deterministic_backward, save_chunk_states: options of the SSD's cuTile backward (see `ssd`; defaults
         False and True). Not named `deterministic`: `nnx.Module.eval()` sets every such attribute.
       dtype: computation dtype (default: None, promoted from inputs and parameters). The dt/state math of the
@@ -127,8 +129,7 @@ class Mamba2(nnx.Module):
         if not dt_init_floor >= 0:
             raise ValueError(f"Mamba2: dt_init_floor={dt_init_floor} must be >= 0")
         dt_limit = _checks.check_range("Mamba2", "dt_limit", dt_limit, low_min=0.0)
-        if backend != "auto" and backend not in backends.known_names():
-            raise ValueError(f"Mamba2: backend={backend!r} must be 'auto' or one of {backends.known_names()}")
+        backends.check_name(backend, "Mamba2")
 
         self.d_model, self.d_state, self.d_conv, self.headdim = d_model, d_state, d_conv, headdim
         self.d_inner, self.d_ssm, self.d_mlp = d_inner, d_ssm, d_inner - d_ssm
@@ -151,7 +152,7 @@ class Mamba2(nnx.Module):
         self.A_log = nnx.Param(A_log_init(rngs.params(), nheads, A_init_range=A_init_range, dtype=param_dtype))
         self.D = nnx.Param(jnp.ones((d_ssm,) if D_has_hdim else (nheads,), param_dtype))
         self.norm = (RMSNorm(d_ssm, eps=1e-5, group_size=d_ssm // ngroups, norm_before_gate=norm_before_gate,
-                             backend=norm_backend(backend), param_dtype=param_dtype, rngs=rngs)
+                             backend=backends.for_op(backend, norm_op.OP), param_dtype=param_dtype, rngs=rngs)
                      if rmsnorm else nnx.data(None))
         self.out_proj = nnx.Linear(d_inner, d_model, use_bias=bias, param_dtype=param_dtype,
                                    kernel_init=torch_uniform(d_inner), bias_init=torch_uniform(d_inner), rngs=rngs)
@@ -287,7 +288,7 @@ class Mamba2(nnx.Module):
             shard, x, B, C, None if cache is None else cache.conv_state, want_cache,
             lambda xBC, state, kernel, bias: causal_conv1d_silu(
                 xBC, kernel, bias, seq_idx=seq_idx, initial_states=state, return_final_states=True,
-                backend="xla" if self.backend in ("xla", "scan") else self.backend))
+                backend=backends.for_op(self.backend, conv_op.OP)))
         A, D, dt_bias = self._ssm_params()
         nheads, ngroups = A.shape[0], B.shape[-1] // self.d_state  # this shard's heads and groups
         y, ssm_state = ssd(
