@@ -62,7 +62,7 @@ class Mamba2Block(nnx.Module):
                                     kind="floating")
         _checks.check_array(api, "residual", residual, tuple(zip(names, shape)), kind="floating")
         if cache is not None:
-            _checks.check_cache(api, cache, *self.mixer._cache_axes(shape[0]))
+            _checks.check_cache(api, cache, *self.mixer.cache_axes(shape[0]))
 
     def __call__(self, hidden_states, residual):
         """hidden_states, residual: (batch, seqlen, d_model) -> (hidden_states, residual)."""
@@ -243,7 +243,7 @@ class Mamba2LMHeadModel(nnx.Module):
         batch = _checks.check_array(api, "input_ids", input_ids, axes, kind="integer")[0]
         if cache is not None:
             layer_axes = (("n_layer", self.config.n_layer),)
-            conv_axes, ssm_axes = self.layers.mixer._cache_axes(batch)
+            conv_axes, ssm_axes = self.layers.mixer.cache_axes(batch)
             _checks.check_cache(api, cache, layer_axes + conv_axes, layer_axes + ssm_axes)
 
     def _scan_layers_with_cache(self, method: str, input_ids, cache):

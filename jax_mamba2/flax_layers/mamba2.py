@@ -199,7 +199,7 @@ class Mamba2(nnx.Module):
         """
         batch, _ = self._check_hidden_states("Mamba2.prefill", hidden_states)
         if cache is not None:
-            _checks.check_cache("Mamba2.prefill", cache, *self._cache_axes(batch))
+            _checks.check_cache("Mamba2.prefill", cache, *self.cache_axes(batch))
         dtypes = self._cache_dtypes() if cache is None else tuple(a.dtype for a in cache)
         out, new_cache = self._run(functools.partial(Mamba2._forward, want_cache=True), (hidden_states, cache, None),
                                    returns_cache=True)
@@ -222,7 +222,7 @@ class Mamba2(nnx.Module):
         """
         batch, _ = _checks.check_array("Mamba2.step", "hidden_states", hidden_states,
                                        (("batch", None), ("d_model", self.d_model)), kind="floating")
-        _checks.check_cache("Mamba2.step", cache, *self._cache_axes(batch))
+        _checks.check_cache("Mamba2.step", cache, *self.cache_axes(batch))
         return self._run(Mamba2._step, (hidden_states, cache), returns_cache=True)
 
     def init_cache(self, batch_size: int, dtype=None) -> Mamba2Cache:
@@ -238,7 +238,7 @@ class Mamba2(nnx.Module):
         """
         _checks.check_positive_int("Mamba2.init_cache", "batch_size", batch_size)
         _checks.check_float_dtype("Mamba2.init_cache", "dtype", dtype)
-        conv_axes, ssm_axes = self._cache_axes(batch_size)
+        conv_axes, ssm_axes = self.cache_axes(batch_size)
         conv_dtype, ssm_dtype = self._cache_dtypes(dtype)
         return Mamba2Cache(conv_state=jnp.zeros(tuple(size for _, size in conv_axes), conv_dtype),
                            ssm_state=jnp.zeros(tuple(size for _, size in ssm_axes), ssm_dtype))
@@ -246,7 +246,7 @@ class Mamba2(nnx.Module):
     def _cache_dtypes(self, dtype=None):
         return dtype or self.conv1d.kernel.dtype, dtype or self.in_proj.kernel.dtype
 
-    def _cache_axes(self, batch: int | None) -> tuple[_checks.Axes, _checks.Axes]:
+    def cache_axes(self, batch: int | None) -> tuple[_checks.Axes, _checks.Axes]:
         """The named shapes of `Mamba2Cache`'s conv_state and ssm_state for `batch` rows."""
         return ((("batch", batch), ("conv_dim", self.conv_dim), ("d_conv", self.d_conv)),
                 (("batch", batch), ("nheads", self.nheads), ("headdim", self.headdim), ("d_state", self.d_state)))

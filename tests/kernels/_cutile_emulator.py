@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jax_mamba2.kernels._common import kernel_signature
+
 float16 = np.dtype(np.float16)
 float32 = np.dtype(np.float32)
 float64 = np.dtype(np.float64)
@@ -314,7 +316,7 @@ def run_plan(plan, inputs, *, float64=False):
     # callbacks (jax.pure_callback under shard_map) run on several threads at once.
     with _RUN_LOCK, emulated(_float64_namespace() if float64 else None):
         for launch in plan.launches:
-            pyfunc = launch.kernel._annotated_function.pyfunc
+            pyfunc = kernel_signature(launch.kernel).pyfunc
             args = [arrays[a] if isinstance(a, str) else a for a in launch.args]
             grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
             for block in itertools.product(*(range(n) for n in grid)):

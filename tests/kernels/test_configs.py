@@ -5,7 +5,7 @@ import inspect
 import pytest
 
 from jax_mamba2.kernels import chunk_cumsum, chunk_scan, chunk_state, chunk_state_bwd, fused_scan, state_update
-from jax_mamba2.kernels._common import SSDDims, is_power_of_2, needs_int64_index
+from jax_mamba2.kernels._common import SSDDims, is_power_of_2, kernel_signature, needs_int64_index
 from jax_mamba2.kernels.forward import (
     FORWARD_LAYOUTS, FORWARD_STAGES, forward_arrays, forward_layout, forward_layouts, forward_plan)
 from jax_mamba2.kernels.fused_scan import fused_segment_chunks, state_piece_chunks
@@ -105,8 +105,8 @@ def test_stage_launch_args_match_kernel_parameters(stage, problem):
               **state_update.state_update_inputs(dims), "y": None, "new_state": None}
     for cfg in configs_fn(dims, "sm_90"):
         launch = launch_fn(dims, cfg)
-        annotations = launch.kernel._annotated_function.parameter_annotations
-        params = list(inspect.signature(launch.kernel._annotated_function.pyfunc).parameters)
+        annotations = kernel_signature(launch.kernel).parameter_annotations
+        params = list(inspect.signature(kernel_signature(launch.kernel).pyfunc).parameters)
         assert len(launch.args) == len(params)
         for arg, name, annotation in zip(launch.args, params, annotations):
             # Arrays are passed by name, ct.Constant parameters by value.
@@ -183,7 +183,7 @@ def test_needs_int64_index_selects_int64_kernels():
     assert not needs_int64_index(small) and needs_int64_index(big)
     for dims, want in ((small, False), (big, True)):
         for launch in forward_plan(dims).launches:
-            x_annotation = launch.kernel._annotated_function.parameter_annotations[0]
+            x_annotation = kernel_signature(launch.kernel).parameter_annotations[0]
             assert (x_annotation.array is not None) == want
 
 
