@@ -28,7 +28,7 @@ from jax_mamba2.flax_layers.cache import Mamba2Cache
 from jax_mamba2.flax_layers.conv import CausalConv1d, causal_conv1d_step
 from jax_mamba2.flax_layers.initializers import A_log_init, dt_bias_init, torch_uniform
 from jax_mamba2.flax_layers.norm import RMSNorm
-from jax_mamba2.flax_layers.partition import HeadShard, MeshAxes, Segment
+from jax_mamba2.flax_layers.partition import HeadShard, MeshAxes, Segment, mixer_param_spec
 from jax_mamba2.op import ssd, ssd_step
 
 
@@ -36,17 +36,6 @@ def _silu_output(conv):
     """(silu(y), state) of a conv's (y, state)."""
     y, state = conv
     return jax.nn.silu(y), state
-
-
-def mixer_param_spec(path: tuple[str, ...], model_axis: str) -> P:
-    """PartitionSpec of a `Mamba2` parameter (path relative to the mixer, e.g. ("in_proj", "kernel")) under
-    head parallelism (see `partition`): in_proj/out_proj kernels split over their input rows, per-head
-    parameters over heads, the rest replicated."""
-    if path in (("in_proj", "kernel"), ("out_proj", "kernel")):
-        return P(model_axis, None)
-    if path in (("dt_bias",), ("A_log",), ("D",), ("norm", "scale")):
-        return P(model_axis)
-    return P()
 
 
 class Mamba2(nnx.Module):
