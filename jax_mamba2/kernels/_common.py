@@ -206,6 +206,12 @@ def dt_transform(v, DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX):
     return v
 
 
+def dt_transform_constants(dims: SSDDims) -> dict[str, Any]:
+    """The ct.Constant values of `dt_transform`'s flags for `dims`, as a kernel that calls it declares them."""
+    dt_min, dt_max = (float(v) for v in dims.dt_limit)
+    return dict(DT_SOFTPLUS=dims.dt_softplus, HAS_DT_LIMIT=dims.has_dt_limit, DT_MIN=dt_min, DT_MAX=dt_max)
+
+
 def silu_gate(acc, z_tile):
     """Device helper: acc * silu(z) in f32, silu(z) as z / (1 + e^-z) with one MUFU.EX2 and an approximate
     division (2 ulp; e^-z -> inf for very negative z gives 0, never NaN). As z * sigmoid(z) the sm_90 fused
