@@ -19,10 +19,10 @@ import jax.numpy as jnp
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import conv1d_reference
+from jax_mamba2.checks import check_array, check_flag, check_ndim, check_seq_idx
 
 OP = "causal_conv1d"
 ACTIVATIONS = ("silu", None)
-_FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 _API = "causal_conv1d_silu"
 
 
@@ -47,46 +47,28 @@ class ConvStatic:
 # Checks
 # ----------------------------------------------------------------------------------------------
 
-def _check_array(name, arr, want_desc, want):
-    """`arr` is a floating array whose shape is one of `want`."""
-    if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
-        raise TypeError(f"{_API}: {name} must be an array, got {type(arr).__name__}")
-    if tuple(arr.shape) not in want:
-        raise ValueError(f"{_API}: {name}.shape={tuple(arr.shape)} must be {want_desc}="
-                         f"{' or '.join(str(w) for w in want)}")
-    if not any(arr.dtype == d for d in _FLOAT_DTYPES):
-        raise TypeError(f"{_API}: {name}.dtype={arr.dtype} must be one of bfloat16, float16, float32, float64")
-
-
 def _check_inputs(inputs: ConvInputs, activation, return_final_states) -> None:
     x, kernel, bias, initial_states, seq_idx = inputs
-    if not hasattr(x, "shape") or len(x.shape) != 3:
-        raise ValueError(f"{_API}: x.shape={getattr(x, 'shape', None)} must be (batch, seqlen, channels)")
-    batch, seqlen, channels = x.shape
-    _check_array("x", x, "(batch, seqlen, channels)", [(batch, seqlen, channels)])
+    batch, seqlen, channels = check_ndim(_API, "x", x, 3, "(batch, seqlen, channels)")
+    check_array(_API, "x", x)
     if not hasattr(kernel, "shape") or len(kernel.shape) != 2 or kernel.shape[0] < 1:
         raise ValueError(f"{_API}: kernel.shape={getattr(kernel, 'shape', None)} must be (d_conv, channels) "
                          f"with d_conv >= 1 and channels={channels}")
     d_conv = kernel.shape[0]
-    _check_array("kernel", kernel, "(d_conv, channels)", [(d_conv, channels)])
+    check_array(_API, "kernel", kernel, "(d_conv, channels)", (d_conv, channels))
     if bias is not None:
-        _check_array("bias", bias, "(channels,)", [(channels,)])
+        check_array(_API, "bias", bias, "(channels,)", (channels,))
     if initial_states is not None:
-        _check_array("initial_states", initial_states, "(batch, channels, d_conv - 1 or d_conv)",
-                     [(batch, channels, d_conv - 1), (batch, channels, d_conv)])
+        check_array(_API, "initial_states", initial_states, "(batch, channels, d_conv - 1 or d_conv)",
+                    (batch, channels, d_conv - 1), (batch, channels, d_conv))
     if seq_idx is not None:
-        if not hasattr(seq_idx, "shape") or tuple(seq_idx.shape) != (batch, seqlen):
-            raise ValueError(f"{_API}: seq_idx.shape={getattr(seq_idx, 'shape', None)} must be "
-                             f"(batch, seqlen)={(batch, seqlen)}")
-        if not jnp.issubdtype(seq_idx.dtype, jnp.integer):
-            raise TypeError(f"{_API}: seq_idx.dtype={seq_idx.dtype} must be an integer dtype (int32)")
+        check_seq_idx(_API, seq_idx, batch, seqlen)
         if initial_states is not None:
             raise ValueError(f"{_API}: seq_idx and initial_states cannot be combined (as in causal_conv1d): "
                              f"the states would belong to no sequence")
     if activation not in ACTIVATIONS:
         raise ValueError(f"{_API}: activation={activation!r} must be 'silu' or None")
-    if not isinstance(return_final_states, bool):
-        raise TypeError(f"{_API}: return_final_states={return_final_states!r} must be a bool")
+    check_flag(_API, "return_final_states", return_final_states)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -24,9 +24,9 @@ import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import norm_reference as reference
+from jax_mamba2.checks import check_array, float_dtype
 
 OP = "rms_norm"
-_FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 
 
 def _bridge():
@@ -40,32 +40,13 @@ def _bridge():
 # Checks
 # ----------------------------------------------------------------------------------------------
 
-def _check_float_array(api, name, arr, shape=None, shape_desc=None):
-    if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
-        raise TypeError(f"{api}: {name} must be an array, got {type(arr).__name__}")
-    if not any(arr.dtype == d for d in _FLOAT_DTYPES):
-        raise TypeError(f"{api}: {name}.dtype={arr.dtype} must be one of bfloat16, float16, float32, float64")
-    if shape is not None and tuple(arr.shape) != tuple(shape):
-        raise ValueError(f"{api}: {name}.shape={tuple(arr.shape)} must be {shape_desc}={tuple(shape)}")
-
-
 def _check_common(api, x, weight, eps):
-    _check_float_array(api, "x", x)
+    check_array(api, "x", x)
     if len(x.shape) < 1:
         raise ValueError(f"{api}: x.shape={tuple(x.shape)} must be (..., features) with at least one axis")
-    _check_float_array(api, "weight", weight, (x.shape[-1],), "(features,)")
+    check_array(api, "weight", weight, "(features,)", (x.shape[-1],))
     if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not 0 < eps < math.inf:
         raise ValueError(f"{api}: eps={eps!r} must be a positive finite float")
-
-
-def _float_dtype(api, name, dtype) -> jnp.dtype:
-    try:
-        dtype = jnp.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"{api}: {name}={dtype!r} must be a float dtype") from None
-    if not any(dtype == d for d in _FLOAT_DTYPES):
-        raise TypeError(f"{api}: {name}={dtype} must be one of bfloat16, float16, float32, float64")
-    return dtype
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,7 +150,7 @@ def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] 
     _check_common(api, x, weight, eps)
     features = x.shape[-1]
     if z is not None:
-        _check_float_array(api, "z", z, x.shape, "x.shape")
+        check_array(api, "z", z, "x.shape", x.shape)
     if sum_groups is not None and not callable(sum_groups):
         raise TypeError(f"rms_norm: sum_groups={sum_groups!r} must be a callable or None")
     if group_size is None:
@@ -223,10 +204,10 @@ def add_rms_norm(x, residual, weight, *, eps: float = 1e-5, residual_dtype=None,
     """
     api = "add_rms_norm"
     _check_common(api, x, weight, eps)
-    _check_float_array(api, "residual", residual, x.shape, "x.shape")
-    residual_dtype = _float_dtype(api, "residual_dtype", jnp.result_type(x, residual) if residual_dtype is None
+    check_array(api, "residual", residual, "x.shape", x.shape)
+    residual_dtype = float_dtype(api, "residual_dtype", jnp.result_type(x, residual) if residual_dtype is None
                                   else residual_dtype)
-    out_dtype = _float_dtype(api, "out_dtype", x.dtype if out_dtype is None else out_dtype)
+    out_dtype = float_dtype(api, "out_dtype", x.dtype if out_dtype is None else out_dtype)
 
     def reference_fn(x, z, residual, weight):
         del z

@@ -21,8 +21,7 @@ import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import reference
-
-_FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+from jax_mamba2.checks import check_array, check_flag, check_float, check_ndim, check_seq_idx
 
 
 class SSDInputs(NamedTuple):
@@ -91,25 +90,6 @@ registry.register_backend(registry.Backend("scan", _scan_forward, registry.alway
 # Checks
 # ----------------------------------------------------------------------------------------------
 
-def _shape_error(api, name, arr, want_desc, want):
-    return ValueError(f"{api}: {name}.shape={tuple(arr.shape)} must be {want_desc}={tuple(want)}")
-
-
-def _check_float(api, name, arr):
-    if not any(arr.dtype == d for d in _FLOAT_DTYPES):
-        raise TypeError(f"{api}: {name}.dtype={arr.dtype} must be one of bfloat16, float16, float32, "
-                        f"float64")
-
-
-def _check_array(api, name, arr, want_desc, want, *, floating=True):
-    if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
-        raise TypeError(f"{api}: {name} must be an array, got {type(arr).__name__}")
-    if tuple(arr.shape) != tuple(want):
-        raise _shape_error(api, name, arr, want_desc, want)
-    if floating:
-        _check_float(api, name, arr)
-
-
 def check_dt_limit(api, dt_limit) -> tuple[float, float]:
     """`dt_limit` as a (min, max) pair of floats; TypeError / ValueError naming `api` when it is not one."""
     try:
@@ -128,31 +108,25 @@ def _check_head_options(api, x, D, z, dt_bias):
         if not hasattr(D, "shape") or tuple(D.shape) not in ((nheads,), (nheads, headdim)):
             raise ValueError(f"{api}: D.shape={getattr(D, 'shape', None)} must be (nheads,)=({nheads},) "
                              f"or (nheads, headdim)=({nheads}, {headdim})")
-        _check_float(api, "D", D)
+        check_float(api, "D", D)
     if z is not None:
-        _check_array(api, "z", z, "x.shape", x.shape)
+        check_array(api, "z", z, "x.shape", x.shape)
     if dt_bias is not None:
-        _check_array(api, "dt_bias", dt_bias, "(nheads,)", (nheads,))
+        check_array(api, "dt_bias", dt_bias, "(nheads,)", (nheads,))
 
 
 def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx) -> Dims:
     """The argument checks of `ssd` (arrays or anything with .shape and .dtype, e.g. ShapeDtypeStruct):
     raises ValueError / TypeError naming the argument and what it must be; returns the sizes."""
     api = "ssd"
-    if not hasattr(x, "shape") or len(x.shape) != 4:
-        raise ValueError(f"ssd: x.shape={getattr(x, 'shape', None)} must be "
-                         f"(batch, seqlen, nheads, headdim)")
-    _check_float(api, "x", x)
-    batch, seqlen, nheads, headdim = x.shape
-    if not hasattr(B, "shape") or len(B.shape) != 4:
-        raise ValueError(f"ssd: B.shape={getattr(B, 'shape', None)} must be "
-                         f"(batch, seqlen, ngroups, dstate)")
-    ngroups, dstate = B.shape[2], B.shape[3]
+    batch, seqlen, nheads, headdim = check_ndim(api, "x", x, 4, "(batch, seqlen, nheads, headdim)")
+    check_float(api, "x", x)
+    ngroups, dstate = check_ndim(api, "B", B, 4, "(batch, seqlen, ngroups, dstate)")[2:]
     dims = Dims(batch, seqlen, nheads, headdim, ngroups, dstate)
-    _check_array(api, "dt", dt, "(batch, seqlen, nheads)", (batch, seqlen, nheads))
-    _check_array(api, "A", A, "(nheads,)", (nheads,))
-    _check_array(api, "B", B, "(batch, seqlen, ngroups, dstate)", (batch, seqlen, ngroups, dstate))
-    _check_array(api, "C", C, "(batch, seqlen, ngroups, dstate)", (batch, seqlen, ngroups, dstate))
+    check_array(api, "dt", dt, "(batch, seqlen, nheads)", (batch, seqlen, nheads))
+    check_array(api, "A", A, "(nheads,)", (nheads,))
+    check_array(api, "B", B, "(batch, seqlen, ngroups, dstate)", (batch, seqlen, ngroups, dstate))
+    check_array(api, "C", C, "(batch, seqlen, ngroups, dstate)", (batch, seqlen, ngroups, dstate))
     if ngroups < 1 or nheads % ngroups:
         raise ValueError(f"ssd: nheads={nheads} must be divisible by ngroups={ngroups}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
@@ -161,12 +135,10 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
         raise ValueError(f"ssd: chunk_size={chunk_size} must be a power of two")
     _check_head_options(api, x, D, z, dt_bias)
     if initial_states is not None:
-        _check_array(api, "initial_states", initial_states, "(batch, nheads, headdim, dstate)",
+        check_array(api, "initial_states", initial_states, "(batch, nheads, headdim, dstate)",
                      (batch, nheads, headdim, dstate))
     if seq_idx is not None:
-        _check_array(api, "seq_idx", seq_idx, "(batch, seqlen)", (batch, seqlen), floating=False)
-        if not jnp.issubdtype(seq_idx.dtype, jnp.integer):
-            raise TypeError(f"ssd: seq_idx.dtype={seq_idx.dtype} must be an integer dtype (int32)")
+        check_seq_idx(api, seq_idx, batch, seqlen)
     return dims
 
 
@@ -261,12 +233,6 @@ def _empty_result(inputs: SSDInputs, dims: Dims):
     return y, final
 
 
-def _check_flag(api, name, value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{api}: {name}={value!r} must be a bool")
-    return bool(value)
-
-
 def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_softplus=False,
         dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, return_final_states=False,
         backend="auto", deterministic_backward=False, save_chunk_states=True):
@@ -334,8 +300,8 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
     """
     dims = check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx)
     static = SSDStatic(int(chunk_size), bool(dt_softplus), check_dt_limit("ssd", dt_limit),
-                       _check_flag("ssd", "deterministic_backward", deterministic_backward),
-                       _check_flag("ssd", "save_chunk_states", save_chunk_states))
+                       check_flag("ssd", "deterministic_backward", deterministic_backward),
+                       check_flag("ssd", "save_chunk_states", save_chunk_states))
     _check_values("ssd", A, dt, dt_bias, static.dt_softplus, static.dt_limit, seq_idx)
     inputs = SSDInputs(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
     selected = registry.select(backend, "ssd", lambda b: b.unsupported_reason(inputs, static))
@@ -352,20 +318,14 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
 
 def _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias):
     api = "ssd_step"
-    if not hasattr(state, "shape") or len(state.shape) != 4:
-        raise ValueError(f"ssd_step: state.shape={getattr(state, 'shape', None)} must be "
-                         f"(batch, nheads, headdim, dstate)")
-    _check_float(api, "state", state)
-    batch, nheads, headdim, dstate = state.shape
-    _check_array(api, "x", x, "(batch, nheads, headdim)", (batch, nheads, headdim))
-    _check_array(api, "dt", dt, "(batch, nheads)", (batch, nheads))
-    _check_array(api, "A", A, "(nheads,)", (nheads,))
-    if not hasattr(B, "shape") or len(B.shape) != 3:
-        raise ValueError(f"ssd_step: B.shape={getattr(B, 'shape', None)} must be "
-                         f"(batch, ngroups, dstate)")
-    ngroups = B.shape[1]
-    _check_array(api, "B", B, "(batch, ngroups, dstate)", (batch, ngroups, dstate))
-    _check_array(api, "C", C, "(batch, ngroups, dstate)", (batch, ngroups, dstate))
+    batch, nheads, headdim, dstate = check_ndim(api, "state", state, 4, "(batch, nheads, headdim, dstate)")
+    check_float(api, "state", state)
+    check_array(api, "x", x, "(batch, nheads, headdim)", (batch, nheads, headdim))
+    check_array(api, "dt", dt, "(batch, nheads)", (batch, nheads))
+    check_array(api, "A", A, "(nheads,)", (nheads,))
+    ngroups = check_ndim(api, "B", B, 3, "(batch, ngroups, dstate)")[1]
+    check_array(api, "B", B, "(batch, ngroups, dstate)", (batch, ngroups, dstate))
+    check_array(api, "C", C, "(batch, ngroups, dstate)", (batch, ngroups, dstate))
     if ngroups < 1 or nheads % ngroups:
         raise ValueError(f"ssd_step: nheads={nheads} must be divisible by ngroups={ngroups}")
     _check_head_options(api, x, D, z, dt_bias)
