@@ -63,7 +63,7 @@ class LayerBackend:
     `kernels` runs the op; its interface is the op module's (`bridge.conv_ops.ConvKernels` for the conv,
     `bridge.norm_ops.NormKernels` for the norms), and None is the op's pure-JAX path.
     unsupported_reason(problem) -> None or a sentence saying why this call cannot run here, for the op module's
-    description of the call (the conv's ConvInputs, the norms' `bridge.norm_ops.NormDims`).
+    description of the call (the conv's ConvInputs, the norms' NormDims from `bridge.norm_ops.norm_dims`).
     """
 
     name: str
