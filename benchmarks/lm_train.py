@@ -246,7 +246,7 @@ def _trace_kernels(trace_dir: str) -> list:
     paths = glob.glob(f"{trace_dir}/plugins/profile/*/perfetto_trace.json.gz")
     if not paths:
         return []
-    return kernel_profile._trace_kernels(json.loads(gzip.decompress(Path(paths[0]).read_bytes())))
+    return kernel_profile.trace_kernels(json.loads(gzip.decompress(Path(paths[0]).read_bytes())))
 
 
 def profile_ours(call, hlo_text: str, steps: int) -> dict:

@@ -1,9 +1,13 @@
-"""The registry of SSD backends: what each one computes with, which exist, and which can run here.
+"""The registry of backends of every op: what each one computes with, which exist, which can run here, and
+which one runs a call.
 
-"xla" and "scan" (pure JAX, registered by `jax_mamba2.op`) run everywhere. The optional backends register
-themselves when their module is imported; that module needs optional dependencies (the [cuda] extra), so
-the registry imports it on first use and keeps why it could not. Whether a registered backend can run in
-this process (a GPU) is its own `unavailable_reason`; whether it can run one call is `unsupported_reason`.
+The ops are "ssd" (`jax_mamba2.op`: `ssd`, `ssd_step`), "causal_conv1d" (`jax_mamba2.conv1d`) and "rms_norm"
+(`jax_mamba2.norm`: `rms_norm`, `add_rms_norm`). Each op module registers its pure-JAX backends ("xla", and
+"scan" for the SSD), which run everywhere. The optional backends register themselves, for every op, when their
+module is imported; that module needs optional dependencies (the [cuda] extra), so the registry imports it on
+first use and keeps why it could not. Whether a registered backend can run in this process (a GPU) is its own
+`unavailable_reason`; whether it can run one call is `unsupported_reason`. `select` resolves a backend name
+for a call the same way for every op.
 """
 from __future__ import annotations
 
@@ -12,18 +16,20 @@ import functools
 import importlib
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
-if TYPE_CHECKING:
-    import jax
+import jax
 
+if TYPE_CHECKING:
     from jax_mamba2.op import SSDInputs, SSDStatic
 
-# The backends that a module of optional dependencies registers when it is imported: name -> module.
+# The ops that have backends, by the name their modules register them under.
+OPS = ("ssd", "causal_conv1d", "rms_norm")
+# The backends that a module of optional dependencies registers (for every op) when it is imported: name -> module.
 OPTIONAL_BACKENDS = {"cutile": "jax_mamba2.bridge", "cutile_callback": "jax_mamba2.bridge"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """One way of computing the op.
+    """One way of computing the SSD op.
 
     forward(inputs, static) -> (y, final_states). `differentiable` says whether JAX can differentiate
     `forward` itself; if not, `ssd` wraps it in a custom_vjp whose backward is `backward(inputs, static,
@@ -50,6 +56,29 @@ class Backend:
     unavailable_reason: Optional[Callable[[], Optional[str]]] = None
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerBackend:
+    """One way of computing a layer op of the mixer (the conv, the norms).
+
+    `kernels` runs the op; its interface is the op module's (`bridge.conv_ops.ConvKernels` for the conv,
+    `bridge.norm_ops.NormKernels` for the norms), and None is the op's pure-JAX path.
+    unsupported_reason(problem) -> None or a sentence saying why this call cannot run here, for the op module's
+    description of the call (the conv's ConvInputs, the norms' NormDims from `bridge.norm_ops.norm_dims`).
+    """
+
+    name: str
+    kernels: Any
+    unsupported_reason: Callable[[Any], Optional[str]]
+    # Preferred by "auto" when supported (kernel backends); ties resolve by registration order.
+    auto_priority: int = 0
+
+
+def always_supported(*problem) -> None:
+    """The `unsupported_reason` of a backend that runs every call (the pure-JAX paths)."""
+    del problem
+    return None
+
+
 class BackendStatus(NamedTuple):
     """Whether a backend can run in this process; `reason` says why not (None when it can)."""
 
@@ -57,12 +86,12 @@ class BackendStatus(NamedTuple):
     reason: Optional[str]
 
 
-_REGISTRY: dict[str, Backend] = {}
+_REGISTRY: dict[str, dict[str, Any]] = {op: {} for op in OPS}
 
 
-def register_backend(backend: Backend) -> None:
-    """Adds (or replaces) a backend of the op."""
-    _REGISTRY[backend.name] = backend
+def register_backend(backend: Backend | LayerBackend, op: str = "ssd") -> None:
+    """Adds (or replaces) a backend of `op` (one of OPS)."""
+    _REGISTRY[op][backend.name] = backend
 
 
 @functools.cache
@@ -75,16 +104,16 @@ def _import_failure(module: str) -> Optional[str]:
     return None
 
 
-def registered() -> dict[str, Backend]:
-    """The registered backends by name, in registration order, once the optional ones have been tried."""
+def registered(op: str = "ssd") -> dict[str, Any]:
+    """The registered backends of `op` by name, in registration order, once the optional ones have been tried."""
     for module in dict.fromkeys(OPTIONAL_BACKENDS.values()):
         _import_failure(module)
-    return dict(_REGISTRY)
+    return dict(_REGISTRY[op])
 
 
-def known_names() -> tuple[str, ...]:
-    """Every backend name `ssd(..., backend=...)` knows besides "auto", runnable here or not."""
-    return tuple(dict.fromkeys((*registered(), *OPTIONAL_BACKENDS)))
+def known_names(op: str = "ssd") -> tuple[str, ...]:
+    """Every backend name the calls of `op` know besides "auto", runnable here or not."""
+    return tuple(dict.fromkeys((*registered(op), *OPTIONAL_BACKENDS)))
 
 
 def _missing_reason(name: str) -> str:
@@ -92,25 +121,77 @@ def _missing_reason(name: str) -> str:
     return _import_failure(module) or f"importing {module} did not register it"
 
 
-def get(name: str, api: str) -> Backend:
-    """The backend called `name`. Raises ValueError naming `api` when no backend has that name, or when
-    it is an optional backend whose module cannot be imported (saying why)."""
-    backends = registered()
-    if name in backends:
+def _unknown_name_error(name, api: str, op: str) -> ValueError:
+    names = ", ".join(repr(n) for n in ("auto", *known_names(op)))
+    return ValueError(f"{api}: backend={name!r} must be one of {names}")
+
+
+def check_name(name, api: str, op: str = "ssd") -> str:
+    """`name` when it is "auto" or a known backend of `op` (see `known_names`); else ValueError naming `api`
+    and listing the names (for constructors that keep a backend name for later calls)."""
+    if not isinstance(name, str) or name not in ("auto", *known_names(op)):
+        raise _unknown_name_error(name, api, op)
+    return name
+
+
+def get(name, api: str, op: str = "ssd") -> Any:
+    """The backend of `op` called `name`. Raises ValueError naming `api` when no backend has that name, or
+    when it is an optional backend whose module cannot be imported (saying why)."""
+    backends = registered(op)
+    if isinstance(name, str) and name in backends:
         return backends[name]
-    if name in OPTIONAL_BACKENDS:
+    if isinstance(name, str) and name in OPTIONAL_BACKENDS:
         raise ValueError(f"{api}(backend={name!r}) is unavailable: {_missing_reason(name)}")
-    names = ", ".join(repr(n) for n in ("auto", *known_names()))
-    raise ValueError(f"{api}: backend={name!r} is not one of {names}")
+    raise _unknown_name_error(name, api, op)
 
 
-def auto_candidates() -> list[Backend]:
-    """The backends "auto" tries before the xla path, most preferred first."""
-    return sorted((b for b in registered().values() if b.auto_priority > 0), key=lambda b: -b.auto_priority)
+def for_op(ssd_backend: str, op: str) -> str:
+    """The backend of `op` in a layer built with SSD backend `ssd_backend`: "auto" and the kernel backends carry
+    over; a name that `op` has no backend of (the SSD's "scan" oracle) keeps `op` in pure JAX ("xla")."""
+    return ssd_backend if ssd_backend in ("auto", *known_names(op)) else "xla"
+
+
+def auto_candidates(op: str = "ssd") -> list[Any]:
+    """The backends of `op` that "auto" tries before the xla path, most preferred first."""
+    return sorted((b for b in registered(op).values() if b.auto_priority > 0), key=lambda b: -b.auto_priority)
+
+
+def select(name, api: str, unsupported_reason: Callable[[Any], Optional[str]], op: str = "ssd") -> list[Any]:
+    """The backends of `op` to run one call on: [the one called `name`], or for "auto" [the most preferred
+    kernel backend that supports the call, then "xla" as its fallback] (the op puts them behind
+    `lax.platform_dependent`) or ["xla"] alone.
+
+    unsupported_reason(backend) -> None or why `backend` cannot run this call. A backend asked for by name
+    never falls back: ValueError naming `api` when the name is unknown, the backend cannot be imported or it
+    cannot run this call (saying why).
+    """
+    if name == "auto":
+        fallback = get("xla", api, op)
+        for candidate in auto_candidates(op):
+            if unsupported_reason(candidate) is None:
+                return [candidate, fallback]
+        return [fallback]
+    chosen = get(name, api, op)
+    reason = unsupported_reason(chosen)
+    if reason is not None:
+        raise ValueError(f"{api}(backend={name!r}) cannot run this call: {reason}")
+    return [chosen]
+
+
+def run_selected(selected: list[Any], run: Callable[..., Any], *operands):
+    """run(backend, *operands) on what `select` chose: its one backend, or for "auto"'s [kernel, fallback] the
+    kernel on CUDA and the fallback elsewhere, behind `lax.platform_dependent` (so the program still lowers for
+    every platform)."""
+    if len(selected) == 1:
+        return run(selected[0], *operands)
+    kernel, fallback = selected
+    return jax.lax.platform_dependent(*operands, cuda=lambda *a: run(kernel, *a),
+                                      default=lambda *a: run(fallback, *a))
 
 
 def backend_status() -> dict[str, BackendStatus]:
-    """For every known backend: whether it can run in this process and, if not, why.
+    """For every known SSD backend (the other ops have the same names, and each kernel backend needs the same
+    GPU): whether it can run in this process and, if not, why.
 
     Example (a CPU machine with cuda-tile installed):
       {'xla': BackendStatus(runnable=True, reason=None), 'scan': ...,

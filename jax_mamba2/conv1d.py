@@ -1,9 +1,10 @@
 """The causal depthwise conv1d (+ SiLU) op of the Mamba-2 mixer: input checks, backend dispatch, custom VJP.
 
 `causal_conv1d_silu` has the semantics of causal_conv1d's `causal_conv1d_fn` (channels-last, as in_proj
-produces it) followed by SiLU, with `conv1d_reference.causal_conv1d` as the reference. Backends: "xla" (the
-reference, differentiated by JAX), "cutile" (kernels/causal_conv1d*.py as XLA FFI custom calls) and
-"cutile_callback" (the same kernels in one buffer callback). "auto" picks cutile on a supported GPU behind
+produces it) followed by SiLU, with `conv1d_reference.causal_conv1d` as the reference. Backends are the
+"causal_conv1d" entries of the registry in `jax_mamba2.backends`: "xla" (the reference, differentiated by JAX,
+registered here), "cutile" (kernels/causal_conv1d*.py as XLA FFI custom calls) and "cutile_callback" (the same
+kernels in one buffer callback), registered by the bridge. "auto" picks cutile on a supported GPU behind
 `lax.platform_dependent` (so the program still lowers for CPU) and xla otherwise; a kernel backend asked
 for by name never falls back.
 """
@@ -16,11 +17,12 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from jax_mamba2 import backends as registry
 from jax_mamba2 import conv1d_reference
+from jax_mamba2.checks import check_array, check_flag, check_ndim, check_seq_idx
 
-BACKENDS = ("auto", "cutile", "cutile_callback", "xla")
+OP = "causal_conv1d"
 ACTIVATIONS = ("silu", None)
-_FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 _API = "causal_conv1d_silu"
 
 
@@ -41,62 +43,32 @@ class ConvStatic:
     silu: bool
 
 
-@functools.cache
-def _kernel_backends() -> tuple[dict, Optional[str]]:
-    """The cuTile backends (name -> bridge.conv_ops.ConvKernels) and why there are none, if so."""
-    try:
-        from jax_mamba2.bridge import conv_ops
-    except ImportError as e:
-        return {}, f"{e} (pip install 'jax-mamba2[cuda]')"
-    return conv_ops.BACKENDS, None
-
-
 # ----------------------------------------------------------------------------------------------
 # Checks
 # ----------------------------------------------------------------------------------------------
 
-def _check_array(name, arr, want_desc, want):
-    """`arr` is a floating array whose shape is one of `want`."""
-    if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
-        raise TypeError(f"{_API}: {name} must be an array, got {type(arr).__name__}")
-    if tuple(arr.shape) not in want:
-        raise ValueError(f"{_API}: {name}.shape={tuple(arr.shape)} must be {want_desc}="
-                         f"{' or '.join(str(w) for w in want)}")
-    if not any(arr.dtype == d for d in _FLOAT_DTYPES):
-        raise TypeError(f"{_API}: {name}.dtype={arr.dtype} must be one of bfloat16, float16, float32, float64")
-
-
-def _check_inputs(inputs: ConvInputs, activation, backend, return_final_states) -> None:
+def _check_inputs(inputs: ConvInputs, activation, return_final_states) -> None:
     x, kernel, bias, initial_states, seq_idx = inputs
-    if not hasattr(x, "shape") or len(x.shape) != 3:
-        raise ValueError(f"{_API}: x.shape={getattr(x, 'shape', None)} must be (batch, seqlen, channels)")
-    batch, seqlen, channels = x.shape
-    _check_array("x", x, "(batch, seqlen, channels)", [(batch, seqlen, channels)])
+    batch, seqlen, channels = check_ndim(_API, "x", x, 3, "(batch, seqlen, channels)")
+    check_array(_API, "x", x)
     if not hasattr(kernel, "shape") or len(kernel.shape) != 2 or kernel.shape[0] < 1:
         raise ValueError(f"{_API}: kernel.shape={getattr(kernel, 'shape', None)} must be (d_conv, channels) "
                          f"with d_conv >= 1 and channels={channels}")
     d_conv = kernel.shape[0]
-    _check_array("kernel", kernel, "(d_conv, channels)", [(d_conv, channels)])
+    check_array(_API, "kernel", kernel, "(d_conv, channels)", (d_conv, channels))
     if bias is not None:
-        _check_array("bias", bias, "(channels,)", [(channels,)])
+        check_array(_API, "bias", bias, "(channels,)", (channels,))
     if initial_states is not None:
-        _check_array("initial_states", initial_states, "(batch, channels, d_conv - 1 or d_conv)",
-                     [(batch, channels, d_conv - 1), (batch, channels, d_conv)])
+        check_array(_API, "initial_states", initial_states, "(batch, channels, d_conv - 1 or d_conv)",
+                    (batch, channels, d_conv - 1), (batch, channels, d_conv))
     if seq_idx is not None:
-        if not hasattr(seq_idx, "shape") or tuple(seq_idx.shape) != (batch, seqlen):
-            raise ValueError(f"{_API}: seq_idx.shape={getattr(seq_idx, 'shape', None)} must be "
-                             f"(batch, seqlen)={(batch, seqlen)}")
-        if not jnp.issubdtype(seq_idx.dtype, jnp.integer):
-            raise TypeError(f"{_API}: seq_idx.dtype={seq_idx.dtype} must be an integer dtype (int32)")
+        check_seq_idx(_API, seq_idx, batch, seqlen)
         if initial_states is not None:
             raise ValueError(f"{_API}: seq_idx and initial_states cannot be combined (as in causal_conv1d): "
                              f"the states would belong to no sequence")
     if activation not in ACTIVATIONS:
         raise ValueError(f"{_API}: activation={activation!r} must be 'silu' or None")
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"{_API}: backend={backend!r} must be one of {BACKENDS}")
-    if not isinstance(return_final_states, bool):
-        raise TypeError(f"{_API}: return_final_states={return_final_states!r} must be a bool")
+    check_flag(_API, "return_final_states", return_final_states)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,31 +97,13 @@ def _kernel_conv_bwd(kernels, static, inputs, dy):
 
 _kernel_conv.defvjp(_kernel_conv_fwd, _kernel_conv_bwd)
 
-
-def _select_kernels(backend: str, inputs: ConvInputs):
-    """The kernel backend to run (None: the xla reference), raising where a named one cannot run."""
-    kernels, import_error = _kernel_backends()
-    if backend == "xla":
-        return None
-    if backend == "auto":
-        chosen = kernels.get("cutile")
-        return chosen if chosen is not None and chosen.unsupported_reason(inputs) is None else None
-    if backend not in kernels:
-        raise ValueError(f"{_API}(backend={backend!r}) is unavailable: {import_error}")
-    reason = kernels[backend].unsupported_reason(inputs)
-    if reason is not None:
-        raise ValueError(f"{_API}(backend={backend!r}) cannot run this call: {reason}")
-    return kernels[backend]
+registry.register_backend(registry.LayerBackend("xla", None, registry.always_supported), op=OP)
 
 
-def _apply(kernels, inputs: ConvInputs, static: ConvStatic, *, fallback: bool):
-    """y from `kernels` (custom VJP), behind platform_dependent with the xla reference when `fallback`."""
-    if kernels is None:
+def _run(backend: registry.LayerBackend, inputs: ConvInputs, static: ConvStatic):
+    if backend.kernels is None:
         return _xla_conv(inputs, static)
-    if not fallback:
-        return _kernel_conv(kernels, static, inputs)
-    return jax.lax.platform_dependent(inputs, cuda=lambda inp: _kernel_conv(kernels, static, inp),
-                                      default=lambda inp: _xla_conv(inp, static))
+    return _kernel_conv(backend.kernels, static, inputs)
 
 
 def causal_conv1d_silu(x, kernel, bias=None, *, seq_idx=None, initial_states=None, activation="silu",
@@ -191,13 +145,13 @@ def causal_conv1d_silu(x, kernel, bias=None, *, seq_idx=None, initial_states=Non
       (1, 8, 4)
     """
     inputs = ConvInputs(x, kernel, bias, initial_states, seq_idx)
-    _check_inputs(inputs, activation, backend, return_final_states)
+    _check_inputs(inputs, activation, return_final_states)
     static = ConvStatic(silu=activation == "silu")
-    kernels = _select_kernels(backend, inputs)
+    selected = registry.select(backend, _API, lambda b: b.unsupported_reason(inputs), op=OP)
     if x.size == 0:
         y = jnp.zeros(x.shape, x.dtype)
     else:
-        y = _apply(kernels, inputs, static, fallback=backend == "auto")
+        y = registry.run_selected(selected, lambda b, inp: _run(b, inp, static), inputs)
     if not return_final_states:
         return y
     return y, conv1d_reference.final_conv_state(x, kernel.shape[0], initial_states)

@@ -5,11 +5,12 @@
   add_rms_norm   the residual add + RMSNorm of a block (mamba_ssm `layer_norm_fn(..., residual=,
                  prenorm=True)`): returns the normalized output and the new residual stream.
 
-Both have the semantics of `jax_mamba2.norm_reference`, which is the "xla" backend. "cutile" runs one cuTile
-kernel forward and two backward (kernels/rms_norm.py, rms_norm_bwd.py) as XLA FFI custom calls,
-"cutile_callback" the same kernels in a buffer callback; "auto" picks cutile on a supported GPU (behind
-`lax.platform_dependent`, so the program still lowers for CPU) and xla otherwise. A kernel backend asked for
-by name never falls back: it raises saying why it cannot run.
+Both have the semantics of `jax_mamba2.norm_reference`, which is the "xla" backend. Backends are the
+"rms_norm" entries of the registry in `jax_mamba2.backends`: "xla" (registered here), "cutile" (one cuTile
+kernel forward and two backward, kernels/rms_norm.py, rms_norm_bwd.py, as XLA FFI custom calls) and
+"cutile_callback" (the same kernels in a buffer callback), registered by the bridge. "auto" picks cutile on a
+supported GPU (behind `lax.platform_dependent`, so the program still lowers for CPU) and xla otherwise. A
+kernel backend asked for by name never falls back: it raises saying why it cannot run.
 """
 from __future__ import annotations
 
@@ -22,54 +23,31 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
+from jax_mamba2 import backends as registry
 from jax_mamba2 import norm_reference as reference
+from jax_mamba2.checks import check_array, float_dtype
 
-BACKENDS = ("auto", "cutile", "cutile_callback", "xla")
-_FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+OP = "rms_norm"
 
 
-@functools.cache
-def _kernel_module():
-    """(jax_mamba2.bridge.norm_ops, None), or (None, why it cannot be imported)."""
-    try:
-        from jax_mamba2.bridge import norm_ops
-    except ImportError as e:
-        return None, f"{e} (pip install 'jax-mamba2[cuda]')"
-    return norm_ops, None
+def _bridge():
+    """jax_mamba2.bridge.norm_ops: how the kernels describe a call (`norm_dims`) and what their backward reads
+    (`NormSaved`). Called only once a kernel backend was selected, whose registration imported it."""
+    from jax_mamba2.bridge import norm_ops
+    return norm_ops
 
 
 # ----------------------------------------------------------------------------------------------
 # Checks
 # ----------------------------------------------------------------------------------------------
 
-def _check_float_array(api, name, arr, shape=None, shape_desc=None):
-    if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
-        raise TypeError(f"{api}: {name} must be an array, got {type(arr).__name__}")
-    if not any(arr.dtype == d for d in _FLOAT_DTYPES):
-        raise TypeError(f"{api}: {name}.dtype={arr.dtype} must be one of bfloat16, float16, float32, float64")
-    if shape is not None and tuple(arr.shape) != tuple(shape):
-        raise ValueError(f"{api}: {name}.shape={tuple(arr.shape)} must be {shape_desc}={tuple(shape)}")
-
-
-def _check_common(api, x, weight, eps, backend):
-    _check_float_array(api, "x", x)
+def _check_common(api, x, weight, eps):
+    check_array(api, "x", x)
     if len(x.shape) < 1:
         raise ValueError(f"{api}: x.shape={tuple(x.shape)} must be (..., features) with at least one axis")
-    _check_float_array(api, "weight", weight, (x.shape[-1],), "(features,)")
+    check_array(api, "weight", weight, "(features,)", (x.shape[-1],))
     if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not 0 < eps < math.inf:
         raise ValueError(f"{api}: eps={eps!r} must be a positive finite float")
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"{api}: backend={backend!r} must be one of {BACKENDS}")
-
-
-def _float_dtype(api, name, dtype) -> jnp.dtype:
-    try:
-        dtype = jnp.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"{api}: {name}={dtype!r} must be a float dtype") from None
-    if not any(dtype == d for d in _FLOAT_DTYPES):
-        raise TypeError(f"{api}: {name}={dtype} must be one of bfloat16, float16, float32, float64")
-    return dtype
 
 
 # ----------------------------------------------------------------------------------------------
@@ -87,10 +65,9 @@ def _kernel_norm_fwd(kernels, dims, x, z, residual, weight):
     # symbolic_zeros: the primals arrive wrapped (CustomVJPPrimal), absent ones as None.
     x, z, residual, weight = (None if a is None else a.value for a in (x, z, residual, weight))
     out, residual_out = kernels.forward(dims, x, z, residual, weight)
-    norm_ops, _ = _kernel_module()
     # The add + norm keeps only the residual stream it normalized (the next block keeps it anyway), plus
     # zero-size slices of x and the residual that carry their dtypes and varying axes.
-    saved = norm_ops.NormSaved(
+    saved = _bridge().NormSaved(
         x=x if residual is None else residual_out, z=z, weight=weight, x_like=x[:0],
         residual_like=None if residual is None else residual[:0])
     return (out, residual_out), saved
@@ -122,25 +99,25 @@ def _run_kernels(kernels, dims, x, z, residual, weight):
     return out.reshape(x.shape), None if residual_out is None else residual_out.reshape(x.shape)
 
 
+registry.register_backend(registry.LayerBackend("xla", None, registry.always_supported), op=OP)
+
+
 def _dispatch(api: str, backend: str, reference_fn: Callable, x, z, residual, weight, **dims_kwargs):
     """Runs the norm on `backend` ("auto" picks the kernels where they can run); reference_fn(x, z, residual,
     weight) is the xla path. Returns (out, residual_out or None)."""
-    if backend == "xla" or x.size == 0:
-        return reference_fn(x, z, residual, weight)
-    module, reason = _kernel_module()
-    if module is not None:
-        dims = module.norm_dims(x, z, residual, **dims_kwargs)
-        reason = module.unsupported_reason(dims)
-    if reason is not None:
-        if backend == "auto":
+    def kernel_dims():  # the kernels' description of the call (only a kernel backend needs it)
+        return _bridge().norm_dims(x, z, residual, **dims_kwargs)
+
+    def run(b, x, z, residual, weight):
+        if b.kernels is None:
             return reference_fn(x, z, residual, weight)
-        raise ValueError(f"{api}(backend={backend!r}) cannot run this call: {reason}")
-    if backend != "auto":
-        return _run_kernels(module.KERNELS[backend], dims, x, z, residual, weight)
-    kernels = module.KERNELS["cutile"]
-    return jax.lax.platform_dependent(
-        x, z, residual, weight,
-        cuda=lambda *a: _run_kernels(kernels, dims, *a), default=reference_fn)
+        return _run_kernels(b.kernels, kernel_dims(), x, z, residual, weight)
+
+    selected = registry.select(
+        backend, api, lambda b: b.unsupported_reason(None if b.kernels is None else kernel_dims()), op=OP)
+    if x.size == 0:
+        return reference_fn(x, z, residual, weight)
+    return registry.run_selected(selected, run, x, z, residual, weight)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -179,10 +156,10 @@ def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] 
         kernel backend cannot run the call (float64, a group wider than 8192 features, no GPU), saying why.
     """
     api = "rms_norm"
-    _check_common(api, x, weight, eps, backend)
+    _check_common(api, x, weight, eps)
     features = x.shape[-1]
     if z is not None:
-        _check_float_array(api, "z", z, x.shape, "x.shape")
+        check_array(api, "z", z, "x.shape", x.shape)
     if sum_groups is not None and not callable(sum_groups):
         raise TypeError(f"rms_norm: sum_groups={sum_groups!r} must be a callable or None")
     if group_size is None:
@@ -235,11 +212,11 @@ def add_rms_norm(x, residual, weight, *, eps: float = 1e-5, residual_dtype=None,
       ValueError / TypeError: as `rms_norm`.
     """
     api = "add_rms_norm"
-    _check_common(api, x, weight, eps, backend)
-    _check_float_array(api, "residual", residual, x.shape, "x.shape")
-    residual_dtype = _float_dtype(api, "residual_dtype", jnp.result_type(x, residual) if residual_dtype is None
+    _check_common(api, x, weight, eps)
+    check_array(api, "residual", residual, "x.shape", x.shape)
+    residual_dtype = float_dtype(api, "residual_dtype", jnp.result_type(x, residual) if residual_dtype is None
                                   else residual_dtype)
-    out_dtype = _float_dtype(api, "out_dtype", x.dtype if out_dtype is None else out_dtype)
+    out_dtype = float_dtype(api, "out_dtype", x.dtype if out_dtype is None else out_dtype)
 
     def reference_fn(x, z, residual, weight):
         del z

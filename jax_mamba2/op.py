@@ -21,8 +21,7 @@ import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import reference
-
-_FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+from jax_mamba2.checks import check_array, check_flag, check_float, check_ndim, check_seq_idx
 
 
 class SSDInputs(NamedTuple):
@@ -76,44 +75,20 @@ def _scan_forward(inputs: SSDInputs, static: SSDStatic):
     return reference.ssd_scan(*inputs[:5], **_reference_kwargs(inputs, static))
 
 
-def _always_supported(inputs, static):
-    del inputs, static
-    return None
-
-
 def _reference_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
     return reference.ssd_step(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
                               dt_softplus=dt_softplus, dt_limit=dt_limit)
 
 
-registry.register_backend(registry.Backend("xla", _xla_forward, _always_supported, differentiable=True,
+registry.register_backend(registry.Backend("xla", _xla_forward, registry.always_supported, differentiable=True,
                                            step=_reference_step))
-registry.register_backend(registry.Backend("scan", _scan_forward, _always_supported, differentiable=True,
+registry.register_backend(registry.Backend("scan", _scan_forward, registry.always_supported, differentiable=True,
                                            step=_reference_step))
 
 
 # ----------------------------------------------------------------------------------------------
 # Checks
 # ----------------------------------------------------------------------------------------------
-
-def _shape_error(api, name, arr, want_desc, want):
-    return ValueError(f"{api}: {name}.shape={tuple(arr.shape)} must be {want_desc}={tuple(want)}")
-
-
-def _check_float(api, name, arr):
-    if not any(arr.dtype == d for d in _FLOAT_DTYPES):
-        raise TypeError(f"{api}: {name}.dtype={arr.dtype} must be one of bfloat16, float16, float32, "
-                        f"float64")
-
-
-def _check_array(api, name, arr, want_desc, want, *, floating=True):
-    if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
-        raise TypeError(f"{api}: {name} must be an array, got {type(arr).__name__}")
-    if tuple(arr.shape) != tuple(want):
-        raise _shape_error(api, name, arr, want_desc, want)
-    if floating:
-        _check_float(api, name, arr)
-
 
 def check_dt_limit(api, dt_limit) -> tuple[float, float]:
     """`dt_limit` as a (min, max) pair of floats; TypeError / ValueError naming `api` when it is not one."""
@@ -133,31 +108,25 @@ def _check_head_options(api, x, D, z, dt_bias):
         if not hasattr(D, "shape") or tuple(D.shape) not in ((nheads,), (nheads, headdim)):
             raise ValueError(f"{api}: D.shape={getattr(D, 'shape', None)} must be (nheads,)=({nheads},) "
                              f"or (nheads, headdim)=({nheads}, {headdim})")
-        _check_float(api, "D", D)
+        check_float(api, "D", D)
     if z is not None:
-        _check_array(api, "z", z, "x.shape", x.shape)
+        check_array(api, "z", z, "x.shape", x.shape)
     if dt_bias is not None:
-        _check_array(api, "dt_bias", dt_bias, "(nheads,)", (nheads,))
+        check_array(api, "dt_bias", dt_bias, "(nheads,)", (nheads,))
 
 
 def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx) -> Dims:
     """The argument checks of `ssd` (arrays or anything with .shape and .dtype, e.g. ShapeDtypeStruct):
     raises ValueError / TypeError naming the argument and what it must be; returns the sizes."""
     api = "ssd"
-    if not hasattr(x, "shape") or len(x.shape) != 4:
-        raise ValueError(f"ssd: x.shape={getattr(x, 'shape', None)} must be "
-                         f"(batch, seqlen, nheads, headdim)")
-    _check_float(api, "x", x)
-    batch, seqlen, nheads, headdim = x.shape
-    if not hasattr(B, "shape") or len(B.shape) != 4:
-        raise ValueError(f"ssd: B.shape={getattr(B, 'shape', None)} must be "
-                         f"(batch, seqlen, ngroups, dstate)")
-    ngroups, dstate = B.shape[2], B.shape[3]
+    batch, seqlen, nheads, headdim = check_ndim(api, "x", x, 4, "(batch, seqlen, nheads, headdim)")
+    check_float(api, "x", x)
+    ngroups, dstate = check_ndim(api, "B", B, 4, "(batch, seqlen, ngroups, dstate)")[2:]
     dims = Dims(batch, seqlen, nheads, headdim, ngroups, dstate)
-    _check_array(api, "dt", dt, "(batch, seqlen, nheads)", (batch, seqlen, nheads))
-    _check_array(api, "A", A, "(nheads,)", (nheads,))
-    _check_array(api, "B", B, "(batch, seqlen, ngroups, dstate)", (batch, seqlen, ngroups, dstate))
-    _check_array(api, "C", C, "(batch, seqlen, ngroups, dstate)", (batch, seqlen, ngroups, dstate))
+    check_array(api, "dt", dt, "(batch, seqlen, nheads)", (batch, seqlen, nheads))
+    check_array(api, "A", A, "(nheads,)", (nheads,))
+    check_array(api, "B", B, "(batch, seqlen, ngroups, dstate)", (batch, seqlen, ngroups, dstate))
+    check_array(api, "C", C, "(batch, seqlen, ngroups, dstate)", (batch, seqlen, ngroups, dstate))
     if ngroups < 1 or nheads % ngroups:
         raise ValueError(f"ssd: nheads={nheads} must be divisible by ngroups={ngroups}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
@@ -166,12 +135,10 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
         raise ValueError(f"ssd: chunk_size={chunk_size} must be a power of two")
     _check_head_options(api, x, D, z, dt_bias)
     if initial_states is not None:
-        _check_array(api, "initial_states", initial_states, "(batch, nheads, headdim, dstate)",
+        check_array(api, "initial_states", initial_states, "(batch, nheads, headdim, dstate)",
                      (batch, nheads, headdim, dstate))
     if seq_idx is not None:
-        _check_array(api, "seq_idx", seq_idx, "(batch, seqlen)", (batch, seqlen), floating=False)
-        if not jnp.issubdtype(seq_idx.dtype, jnp.integer):
-            raise TypeError(f"ssd: seq_idx.dtype={seq_idx.dtype} must be an integer dtype (int32)")
+        check_seq_idx(api, seq_idx, batch, seqlen)
     return dims
 
 
@@ -214,21 +181,6 @@ def _check_values(api, A, dt, dt_bias, dt_softplus, dt_limit, seq_idx=None):
 # ----------------------------------------------------------------------------------------------
 # Dispatch
 # ----------------------------------------------------------------------------------------------
-
-def _select_backend(backend: str, inputs: SSDInputs, static: SSDStatic) -> list[registry.Backend]:
-    """Returns the backends to use: one, or for "auto" a kernel backend followed by its fallback."""
-    if backend == "auto":
-        fallback = registry.get("xla", "ssd")
-        for candidate in registry.auto_candidates():
-            if candidate.unsupported_reason(inputs, static) is None:
-                return [candidate, fallback]
-        return [fallback]
-    chosen = registry.get(backend, "ssd")
-    reason = chosen.unsupported_reason(inputs, static)
-    if reason is not None:
-        raise ValueError(f"ssd(backend={backend!r}) cannot run this call: {reason}")
-    return [chosen]
-
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _opaque_ssd(backend: registry.Backend, static: SSDStatic, inputs: SSDInputs):
@@ -279,12 +231,6 @@ def _empty_result(inputs: SSDInputs, dims: Dims):
     else:
         final = jnp.zeros((dims.batch, dims.nheads, dims.headdim, dims.dstate), state_dtype)
     return y, final
-
-
-def _check_flag(api, name, value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{api}: {name}={value!r} must be a bool")
-    return bool(value)
 
 
 def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_softplus=False,
@@ -353,24 +299,16 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
       (1, 64, 2, 16)
     """
     dims = check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx)
-    if not isinstance(backend, str):
-        raise TypeError(f"ssd: backend={backend!r} must be a string")
     static = SSDStatic(int(chunk_size), bool(dt_softplus), check_dt_limit("ssd", dt_limit),
-                       _check_flag("ssd", "deterministic_backward", deterministic_backward),
-                       _check_flag("ssd", "save_chunk_states", save_chunk_states))
+                       check_flag("ssd", "deterministic_backward", deterministic_backward),
+                       check_flag("ssd", "save_chunk_states", save_chunk_states))
     _check_values("ssd", A, dt, dt_bias, static.dt_softplus, static.dt_limit, seq_idx)
     inputs = SSDInputs(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
-    backends = _select_backend(backend, inputs, static)
+    selected = registry.select(backend, "ssd", lambda b: b.unsupported_reason(inputs, static))
     if dims.batch * dims.seqlen == 0:
         y, final = _empty_result(inputs, dims)
-    elif len(backends) == 1:
-        y, final = _run_backend(backends[0], inputs, static)
     else:
-        kernel, fallback = backends
-        y, final = jax.lax.platform_dependent(
-            inputs,
-            cuda=lambda inp: _run_backend(kernel, inp, static),
-            default=lambda inp: _run_backend(fallback, inp, static))
+        y, final = registry.run_selected(selected, lambda b, inp: _run_backend(b, inp, static), inputs)
     return (y, final) if return_final_states else y
 
 
@@ -380,23 +318,23 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
 
 def _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias):
     api = "ssd_step"
-    if not hasattr(state, "shape") or len(state.shape) != 4:
-        raise ValueError(f"ssd_step: state.shape={getattr(state, 'shape', None)} must be "
-                         f"(batch, nheads, headdim, dstate)")
-    _check_float(api, "state", state)
-    batch, nheads, headdim, dstate = state.shape
-    _check_array(api, "x", x, "(batch, nheads, headdim)", (batch, nheads, headdim))
-    _check_array(api, "dt", dt, "(batch, nheads)", (batch, nheads))
-    _check_array(api, "A", A, "(nheads,)", (nheads,))
-    if not hasattr(B, "shape") or len(B.shape) != 3:
-        raise ValueError(f"ssd_step: B.shape={getattr(B, 'shape', None)} must be "
-                         f"(batch, ngroups, dstate)")
-    ngroups = B.shape[1]
-    _check_array(api, "B", B, "(batch, ngroups, dstate)", (batch, ngroups, dstate))
-    _check_array(api, "C", C, "(batch, ngroups, dstate)", (batch, ngroups, dstate))
+    batch, nheads, headdim, dstate = check_ndim(api, "state", state, 4, "(batch, nheads, headdim, dstate)")
+    check_float(api, "state", state)
+    check_array(api, "x", x, "(batch, nheads, headdim)", (batch, nheads, headdim))
+    check_array(api, "dt", dt, "(batch, nheads)", (batch, nheads))
+    check_array(api, "A", A, "(nheads,)", (nheads,))
+    ngroups = check_ndim(api, "B", B, 3, "(batch, ngroups, dstate)")[1]
+    check_array(api, "B", B, "(batch, ngroups, dstate)", (batch, ngroups, dstate))
+    check_array(api, "C", C, "(batch, ngroups, dstate)", (batch, ngroups, dstate))
     if ngroups < 1 or nheads % ngroups:
         raise ValueError(f"ssd_step: nheads={nheads} must be divisible by ngroups={ngroups}")
     _check_head_options(api, x, D, z, dt_bias)
+
+
+def _step_unsupported_reason(backend: registry.Backend, args) -> Optional[str]:
+    if backend.step is None:
+        return "it has no decode step; use 'auto' or 'xla'"
+    return None if backend.step_unsupported_reason is None else backend.step_unsupported_reason(*args)
 
 
 def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
@@ -424,19 +362,5 @@ def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus
     limit = check_dt_limit("ssd_step", dt_limit)
     _check_values("ssd_step", A, dt, dt_bias, bool(dt_softplus), limit)
     args = (state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), limit)
-    if backend == "auto":
-        for candidate in registry.auto_candidates():
-            if candidate.step is not None and candidate.step_unsupported_reason(*args) is None:
-                return jax.lax.platform_dependent(
-                    *args[:9], cuda=lambda *a: candidate.step(*a, *args[9:]),
-                    default=lambda *a: _reference_step(*a, *args[9:]))
-        return _reference_step(*args)
-    chosen = registry.get(backend, "ssd_step")
-    if chosen.step is None:
-        raise ValueError(f"ssd_step(backend={backend!r}) has no decode step; use 'auto' or 'xla'")
-    if chosen.step_unsupported_reason is not None:
-        reason = chosen.step_unsupported_reason(*args)
-        if reason is not None:
-            raise ValueError(f"ssd_step(backend={backend!r}) cannot run this call: {reason}")
-    return chosen.step(*args)
-
+    selected = registry.select(backend, "ssd_step", lambda b: _step_unsupported_reason(b, args))
+    return registry.run_selected(selected, lambda b, *arrays: b.step(*arrays, *args[9:]), *args[:9])

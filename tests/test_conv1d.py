@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec as P
 
-from jax_mamba2 import conv1d
+from jax_mamba2 import backends, conv1d
 from tests._helpers import rel_l2
 from tests.kernels._conv_checks import float64_reference, make_conv_args, reference_conv
 
@@ -20,17 +20,12 @@ from tests.kernels import _cutile_emulator as emulator  # noqa: E402
 TOLERANCE = 1e-5
 
 
-class _EmulatedKernels(conv_ops.ConvKernels):
-    @staticmethod
-    def unsupported_reason(inputs):
-        return None
-
-
 @pytest.fixture
 def emulated(monkeypatch):
     """backend="cutile" runs the kernels on the emulator ("auto" still takes the xla branch on the CPU)."""
-    kernels = {"cutile": _EmulatedKernels("cutile_emulated", emulator.jax_run_plan)}
-    monkeypatch.setattr(conv1d, "_kernel_backends", lambda: (kernels, None))
+    kernels = conv_ops.ConvKernels("cutile_emulated", emulator.jax_run_plan)
+    monkeypatch.setitem(backends._REGISTRY[conv1d.OP], "cutile",
+                        backends.LayerBackend("cutile", kernels, backends.always_supported, auto_priority=2))
 
 
 def _loss(fn, weights, **options):
@@ -76,7 +71,8 @@ _X, _KERNEL = jnp.zeros((2, 5, 8)), jnp.zeros((4, 8))
     (dict(seq_idx=jnp.zeros((2, 5), jnp.int32), initial_states=jnp.zeros((2, 8, 3))), ValueError,
      "seq_idx and initial_states cannot be combined"),
     (dict(activation="gelu"), ValueError, "activation='gelu' must be 'silu' or None"),
-    (dict(backend="triton"), ValueError, "backend='triton' must be one of"),
+    (dict(backend="triton"), ValueError, "backend='triton' must be one of 'auto', 'xla', 'cutile', 'cutile_callback'$"),
+    (dict(backend="scan"), ValueError, "backend='scan' must be one of"),
     (dict(return_final_states=1), TypeError, "return_final_states=1 must be a bool"),
 ])
 def test_invalid_arguments_raise_naming_them(kwargs, error, message):
@@ -91,8 +87,7 @@ def test_explicit_cutile_without_a_gpu_says_why():
         conv1d.causal_conv1d_silu(_X, _KERNEL, backend="cutile")
 
 
-def test_explicit_cutile_on_float64_says_why(monkeypatch):
-    monkeypatch.setattr(conv1d, "_kernel_backends", lambda: (conv_ops.BACKENDS, None))
+def test_explicit_cutile_on_float64_says_why():
     with jax.enable_x64(True):
         with pytest.raises(ValueError, match="x is float64; the kernels compute in float32"):
             conv1d.causal_conv1d_silu(_X.astype(jnp.float64), _KERNEL, backend="cutile")

@@ -61,7 +61,7 @@ def _ncu_kernels(text: str) -> list[tuple[str, float, float]]:
     return kernels
 
 
-def _trace_kernels(trace: dict) -> list[tuple[str, float, float]]:
+def trace_kernels(trace: dict) -> list[tuple[str, float, float]]:
     """(name, start_us, duration_us) of each event on a GPU stream of a Perfetto trace."""
     gpu_pids = {e["pid"] for e in trace["traceEvents"]
                 if e.get("ph") == "M" and e.get("name") == "process_name"
@@ -73,7 +73,7 @@ def _trace_kernels(trace: dict) -> list[tuple[str, float, float]]:
 def summarize(args) -> None:
     """One row per kernel: launches and microseconds per call, largest first."""
     if args.record.endswith(".json.gz"):
-        kernels = _trace_kernels(json.loads(gzip.decompress(Path(args.record).read_bytes())))
+        kernels = trace_kernels(json.loads(gzip.decompress(Path(args.record).read_bytes())))
     else:
         kernels = _ncu_kernels(Path(args.record).read_text())
     launches, total_us = defaultdict(int), defaultdict(float)

@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: benchmarks/tools/ is sys.path[
 from benchmarks.ssd import Shape  # noqa: E402
 from benchmarks.tools import stages  # noqa: E402
 from jax_mamba2.kernels import forward  # noqa: E402
-from jax_mamba2.kernels._common import SSDDims  # noqa: E402
+from jax_mamba2.kernels._common import SSDDims, kernel_name  # noqa: E402
 from jax_mamba2.kernels.export import compile_launch  # noqa: E402
 
 _INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -122,7 +122,7 @@ def _resource_line(resources: str) -> str:
 
 
 def _kernel_name(launch) -> str:
-    return launch.kernel._annotated_function.pyfunc.__name__
+    return kernel_name(launch.kernel)
 
 
 def fingerprint_builds() -> dict[str, str]:

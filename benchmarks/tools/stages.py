@@ -33,7 +33,7 @@ from benchmarks.ssd import GRID, WARMUP_S, Shape, warm_up  # noqa: E402
 from jax_mamba2.bridge import eager, tuning  # noqa: E402
 from jax_mamba2.bridge.tuning import timing  # noqa: E402
 from jax_mamba2.kernels import backward, forward  # noqa: E402
-from jax_mamba2.kernels._common import SSDDims  # noqa: E402
+from jax_mamba2.kernels._common import SSDDims, kernel_name  # noqa: E402
 
 # Every stage's declaration, by name.
 STAGES = {**forward.STAGES, **backward.STAGES}
@@ -115,7 +115,7 @@ def time_launches(plan, arrays: dict, repeats: int, warmup_s: float = WARMUP_S) 
             end.record(stream)
             end.synchronize()
             samples.append(start.elapsed_time(end))
-        rows.append({"kernel": launch.kernel._annotated_function.pyfunc.__name__,
+        rows.append({"kernel": kernel_name(launch.kernel),
                      "grid": list(launch.grid), "ms_median": float(np.median(samples))})
     return rows
 

@@ -1,4 +1,5 @@
-"""Runs the cuTile kernels from JAX; importing it registers the "cutile" backends of `ssd`.
+"""Runs the cuTile kernels from JAX; importing it registers the "cutile" backends of every op (`ssd`, the conv,
+the norms).
 
   cutile           each kernel launch is an XLA FFI custom call (cuda.tile.jax.cutile_call) on XLA's
                    stream; compiled when the program is lowered; CUDA-graph compatible.
@@ -17,7 +18,7 @@ except ModuleNotFoundError as e:
     raise ModuleNotFoundError("cuda-tile is not installed (pip install 'jax-mamba2[cuda]')", name=e.name) from e
 
 from jax_mamba2 import backends
-from jax_mamba2.bridge import callback, ffi, ops, problem
+from jax_mamba2.bridge import callback, conv_ops, ffi, norm_ops, ops, problem
 
 backends.register_backend(backends.Backend(
     name="cutile", forward=ops.make_forward(ffi.run_plan),
@@ -31,3 +32,13 @@ backends.register_backend(backends.Backend(
     unsupported_reason=problem.unsupported_reason, backward=ops.make_backward(callback.run_plan),
     step=ops.make_step(callback.run_plan),
     step_unsupported_reason=ops.step_unsupported_reason, unavailable_reason=problem.gpu_unavailable_reason))
+
+# The layer ops' kernels, on the same two executors; "auto" prefers "cutile", as for the SSD.
+backends.register_backend(backends.LayerBackend("cutile", conv_ops.BACKENDS["cutile"], conv_ops.unsupported_reason,
+                                                auto_priority=2), op="causal_conv1d")
+backends.register_backend(backends.LayerBackend("cutile_callback", conv_ops.BACKENDS["cutile_callback"],
+                                                conv_ops.unsupported_reason), op="causal_conv1d")
+backends.register_backend(backends.LayerBackend("cutile", norm_ops.KERNELS["cutile"], norm_ops.unsupported_reason,
+                                                auto_priority=2), op="rms_norm")
+backends.register_backend(backends.LayerBackend("cutile_callback", norm_ops.KERNELS["cutile_callback"],
+                                                norm_ops.unsupported_reason), op="rms_norm")

@@ -11,13 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_mamba2 import backends
+from jax_mamba2 import norm as norm_op
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers.cache import Mamba2Cache
 from jax_mamba2.flax_layers.config import Mamba2Config
 from jax_mamba2.flax_layers.initializers import torch_uniform
 from jax_mamba2.flax_layers.mamba2 import Mamba2
 from jax_mamba2.flax_layers.loss import chunked_cross_entropy
-from jax_mamba2.flax_layers.norm import RMSNorm, norm_backend
+from jax_mamba2.flax_layers.norm import RMSNorm
 
 
 class Mamba2Block(nnx.Module):
@@ -29,7 +31,7 @@ class Mamba2Block(nnx.Module):
     Args:
       config: model configuration (d_model, norm_epsilon, residual_in_fp32 and the mixer's `ssm_cfg`).
       backend, deterministic_backward, save_chunk_states: the mixer's SSD options (see `Mamba2`); the norms
-        follow the backend (see `norm_backend`).
+        follow the backend (see `backends.for_op`).
       dtype: computation dtype (default: None, inferred).
       param_dtype: parameter dtype (default: float32).
       rngs: parameter initialization keys.
@@ -38,8 +40,8 @@ class Mamba2Block(nnx.Module):
     def __init__(self, config: Mamba2Config, *, backend: str = "auto", deterministic_backward: bool = False,
                  save_chunk_states: bool = True, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.residual_in_fp32 = config.residual_in_fp32
-        self.norm = RMSNorm(config.d_model, eps=config.norm_epsilon, backend=norm_backend(backend), dtype=dtype,
-                            param_dtype=param_dtype, rngs=rngs)
+        self.norm = RMSNorm(config.d_model, eps=config.norm_epsilon, backend=backends.for_op(backend, norm_op.OP),
+                            dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.mixer = Mamba2(config.d_model, **config.mixer_options, backend=backend,
                             deterministic_backward=deterministic_backward, save_chunk_states=save_chunk_states,
                             dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -60,7 +62,7 @@ class Mamba2Block(nnx.Module):
                                     kind="floating")
         _checks.check_array(api, "residual", residual, tuple(zip(names, shape)), kind="floating")
         if cache is not None:
-            _checks.check_cache(api, cache, *self.mixer._cache_axes(shape[0]))
+            _checks.check_cache(api, cache, *self.mixer.cache_axes(shape[0]))
 
     def __call__(self, hidden_states, residual):
         """hidden_states, residual: (batch, seqlen, d_model) -> (hidden_states, residual)."""
@@ -132,8 +134,8 @@ class Mamba2LMHeadModel(nnx.Module):
             return block
 
         self.layers = make_layers(rngs)
-        self.norm_f = RMSNorm(config.d_model, eps=config.norm_epsilon, backend=norm_backend(backend), dtype=dtype,
-                              param_dtype=param_dtype, rngs=rngs)
+        self.norm_f = RMSNorm(config.d_model, eps=config.norm_epsilon, backend=backends.for_op(backend, norm_op.OP),
+                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.lm_head = (nnx.data(None) if config.tie_embeddings else
                         nnx.Linear(config.d_model, vocab, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                                    kernel_init=torch_uniform(config.d_model),
@@ -243,7 +245,7 @@ class Mamba2LMHeadModel(nnx.Module):
         batch = _checks.check_array(api, "input_ids", input_ids, axes, kind="integer")[0]
         if cache is not None:
             layer_axes = (("n_layer", self.config.n_layer),)
-            conv_axes, ssm_axes = self.layers.mixer._cache_axes(batch)
+            conv_axes, ssm_axes = self.layers.mixer.cache_axes(batch)
             _checks.check_cache(api, cache, layer_axes + conv_axes, layer_axes + ssm_axes)
 
     def _scan_layers_with_cache(self, method: str, input_ids, cache):

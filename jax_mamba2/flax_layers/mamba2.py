@@ -19,14 +19,16 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jax_mamba2 import backends
+from jax_mamba2 import conv1d as conv_op
+from jax_mamba2 import norm as norm_op
 from jax_mamba2.conv1d import causal_conv1d_silu
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers._tree import param_path
 from jax_mamba2.flax_layers.cache import Mamba2Cache
 from jax_mamba2.flax_layers.conv import CausalConv1d, causal_conv1d_step
 from jax_mamba2.flax_layers.initializers import A_log_init, dt_bias_init, torch_uniform
-from jax_mamba2.flax_layers.norm import RMSNorm, norm_backend
-from jax_mamba2.flax_layers.partition import HeadShard, MeshAxes, Segment
+from jax_mamba2.flax_layers.norm import RMSNorm
+from jax_mamba2.flax_layers.partition import HeadShard, MeshAxes, Segment, mixer_param_spec
 from jax_mamba2.op import ssd, ssd_step
 
 
@@ -34,17 +36,6 @@ def _silu_output(conv):
     """(silu(y), state) of a conv's (y, state)."""
     y, state = conv
     return jax.nn.silu(y), state
-
-
-def mixer_param_spec(path: tuple[str, ...], model_axis: str) -> P:
-    """PartitionSpec of a `Mamba2` parameter (path relative to the mixer, e.g. ("in_proj", "kernel")) under
-    head parallelism (see `partition`): in_proj/out_proj kernels split over their input rows, per-head
-    parameters over heads, the rest replicated."""
-    if path in (("in_proj", "kernel"), ("out_proj", "kernel")):
-        return P(model_axis, None)
-    if path in (("dt_bias",), ("A_log",), ("D",), ("norm", "scale")):
-        return P(model_axis)
-    return P()
 
 
 class Mamba2(nnx.Module):
@@ -78,7 +69,7 @@ class Mamba2(nnx.Module):
       conv_bias: bias in conv1d (default: True).
       chunk_size: chunk length of the SSD (power of two; default: 256).
       backend: SSD backend, "auto" | "cutile" | "cutile_callback" | "xla" | "scan" (default: "auto"); the
-        gated norm follows it (`norm_backend`: "xla" and "scan" keep it in pure JAX).
+        conv and the gated norm follow it (`backends.for_op`: "xla" and "scan" keep them in pure JAX).
       deterministic_backward, save_chunk_states: options of the SSD's cuTile backward (see `ssd`; defaults
         False and True). Not named `deterministic`: `nnx.Module.eval()` sets every such attribute.
       dtype: computation dtype (default: None, promoted from inputs and parameters). The dt/state math of the
@@ -127,8 +118,7 @@ class Mamba2(nnx.Module):
         if not dt_init_floor >= 0:
             raise ValueError(f"Mamba2: dt_init_floor={dt_init_floor} must be >= 0")
         dt_limit = _checks.check_range("Mamba2", "dt_limit", dt_limit, low_min=0.0)
-        if backend != "auto" and backend not in backends.known_names():
-            raise ValueError(f"Mamba2: backend={backend!r} must be 'auto' or one of {backends.known_names()}")
+        backends.check_name(backend, "Mamba2")
 
         self.d_model, self.d_state, self.d_conv, self.headdim = d_model, d_state, d_conv, headdim
         self.d_inner, self.d_ssm, self.d_mlp = d_inner, d_ssm, d_inner - d_ssm
@@ -151,7 +141,7 @@ class Mamba2(nnx.Module):
         self.A_log = nnx.Param(A_log_init(rngs.params(), nheads, A_init_range=A_init_range, dtype=param_dtype))
         self.D = nnx.Param(jnp.ones((d_ssm,) if D_has_hdim else (nheads,), param_dtype))
         self.norm = (RMSNorm(d_ssm, eps=1e-5, group_size=d_ssm // ngroups, norm_before_gate=norm_before_gate,
-                             backend=norm_backend(backend), param_dtype=param_dtype, rngs=rngs)
+                             backend=backends.for_op(backend, norm_op.OP), param_dtype=param_dtype, rngs=rngs)
                      if rmsnorm else nnx.data(None))
         self.out_proj = nnx.Linear(d_inner, d_model, use_bias=bias, param_dtype=param_dtype,
                                    kernel_init=torch_uniform(d_inner), bias_init=torch_uniform(d_inner), rngs=rngs)
@@ -198,7 +188,7 @@ class Mamba2(nnx.Module):
         """
         batch, _ = self._check_hidden_states("Mamba2.prefill", hidden_states)
         if cache is not None:
-            _checks.check_cache("Mamba2.prefill", cache, *self._cache_axes(batch))
+            _checks.check_cache("Mamba2.prefill", cache, *self.cache_axes(batch))
         dtypes = self._cache_dtypes() if cache is None else tuple(a.dtype for a in cache)
         out, new_cache = self._run(functools.partial(Mamba2._forward, want_cache=True), (hidden_states, cache, None),
                                    returns_cache=True)
@@ -221,7 +211,7 @@ class Mamba2(nnx.Module):
         """
         batch, _ = _checks.check_array("Mamba2.step", "hidden_states", hidden_states,
                                        (("batch", None), ("d_model", self.d_model)), kind="floating")
-        _checks.check_cache("Mamba2.step", cache, *self._cache_axes(batch))
+        _checks.check_cache("Mamba2.step", cache, *self.cache_axes(batch))
         return self._run(Mamba2._step, (hidden_states, cache), returns_cache=True)
 
     def init_cache(self, batch_size: int, dtype=None) -> Mamba2Cache:
@@ -237,7 +227,7 @@ class Mamba2(nnx.Module):
         """
         _checks.check_positive_int("Mamba2.init_cache", "batch_size", batch_size)
         _checks.check_float_dtype("Mamba2.init_cache", "dtype", dtype)
-        conv_axes, ssm_axes = self._cache_axes(batch_size)
+        conv_axes, ssm_axes = self.cache_axes(batch_size)
         conv_dtype, ssm_dtype = self._cache_dtypes(dtype)
         return Mamba2Cache(conv_state=jnp.zeros(tuple(size for _, size in conv_axes), conv_dtype),
                            ssm_state=jnp.zeros(tuple(size for _, size in ssm_axes), ssm_dtype))
@@ -245,7 +235,7 @@ class Mamba2(nnx.Module):
     def _cache_dtypes(self, dtype=None):
         return dtype or self.conv1d.kernel.dtype, dtype or self.in_proj.kernel.dtype
 
-    def _cache_axes(self, batch: int | None) -> tuple[_checks.Axes, _checks.Axes]:
+    def cache_axes(self, batch: int | None) -> tuple[_checks.Axes, _checks.Axes]:
         """The named shapes of `Mamba2Cache`'s conv_state and ssm_state for `batch` rows."""
         return ((("batch", batch), ("conv_dim", self.conv_dim), ("d_conv", self.d_conv)),
                 (("batch", batch), ("nheads", self.nheads), ("headdim", self.headdim), ("d_state", self.d_state)))
@@ -287,7 +277,7 @@ class Mamba2(nnx.Module):
             shard, x, B, C, None if cache is None else cache.conv_state, want_cache,
             lambda xBC, state, kernel, bias: causal_conv1d_silu(
                 xBC, kernel, bias, seq_idx=seq_idx, initial_states=state, return_final_states=True,
-                backend="xla" if self.backend in ("xla", "scan") else self.backend))
+                backend=backends.for_op(self.backend, conv_op.OP)))
         A, D, dt_bias = self._ssm_params()
         nheads, ngroups = A.shape[0], B.shape[-1] // self.d_state  # this shard's heads and groups
         y, ssm_state = ssd(

@@ -8,13 +8,8 @@ from collections.abc import Callable
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_mamba2 import backends
 from jax_mamba2 import norm as norm_op
-
-
-def norm_backend(ssd_backend: str) -> str:
-    """The norm op's backend for a layer built with SSD backend `ssd_backend`: "auto" and the kernel backends
-    carry over, the pure-JAX SSD paths ("xla", "scan") keep the norms in pure JAX too."""
-    return ssd_backend if ssd_backend in norm_op.BACKENDS else "xla"
 
 
 class RMSNorm(nnx.Module):
@@ -39,8 +34,7 @@ class RMSNorm(nnx.Module):
         del rngs  # ones init needs no randomness
         if group_size is not None and (group_size < 1 or features % group_size):
             raise ValueError(f"RMSNorm: group_size={group_size} must be a positive divisor of {features=}")
-        if backend not in norm_op.BACKENDS:
-            raise ValueError(f"RMSNorm: backend={backend!r} must be one of {norm_op.BACKENDS}")
+        backends.check_name(backend, "RMSNorm", norm_op.OP)
         self.eps, self.group_size, self.norm_before_gate, self.dtype = eps, group_size, norm_before_gate, dtype
         self.backend = backend
         self.scale = nnx.Param(jnp.ones((features,), param_dtype))

@@ -25,6 +25,18 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
+
+
+def mixer_param_spec(path: tuple[str, ...], model_axis: str) -> P:
+    """PartitionSpec of a `Mamba2` parameter (path relative to the mixer, e.g. ("in_proj", "kernel")) under
+    head parallelism (see `partition`): in_proj/out_proj kernels split over their input rows, per-head
+    parameters over heads, the rest replicated."""
+    if path in (("in_proj", "kernel"), ("out_proj", "kernel")):
+        return P(model_axis, None)
+    if path in (("dt_bias",), ("A_log",), ("D",), ("norm", "scale")):
+        return P(model_axis)
+    return P()
 
 
 class Segment(NamedTuple):

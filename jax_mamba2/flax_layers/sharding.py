@@ -30,8 +30,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_mamba2.flax_layers._tree import param_path
-from jax_mamba2.flax_layers.mamba2 import Mamba2, mixer_param_spec
-from jax_mamba2.flax_layers.partition import MeshAxes
+from jax_mamba2.flax_layers.mamba2 import Mamba2
+from jax_mamba2.flax_layers.partition import MeshAxes, mixer_param_spec
 
 
 def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, *, data_axis: str = "data",

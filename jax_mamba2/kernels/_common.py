@@ -100,6 +100,17 @@ class Launch:
     writes: tuple[str, ...]
 
 
+def kernel_signature(kernel: Any) -> Any:
+    """The parsed signature of a `ct.kernel` (`.pyfunc`, `.pysig`, `.parameter_annotations`). cuda.tile keeps
+    it in a private attribute, read here alone so that a cuda.tile upgrade that moves it breaks one place."""
+    return kernel._annotated_function
+
+
+def kernel_name(kernel: Any) -> str:
+    """The name of a `ct.kernel`'s Python function (e.g. "chunk_state_fwd_kernel")."""
+    return kernel_signature(kernel).pyfunc.__name__
+
+
 def kernel_launch(kernel: Any, grid: tuple[int, ...], *, writes: tuple[str, ...],
                   arrays: dict[str, str] | None = None, **constants: Arg) -> Launch:
     """The Launch of `kernel` with its arguments in the order of its signature, each named once.
@@ -115,7 +126,7 @@ def kernel_launch(kernel: Any, grid: tuple[int, ...], *, writes: tuple[str, ...]
     Raises:
       TypeError: a ct.Constant parameter without a value, or a name that is no parameter of the kernel.
     """
-    function = kernel._annotated_function
+    function = kernel_signature(kernel)
     arrays, constants = dict(arrays or {}), dict(constants)
     args = []
     for name, annotation in zip(function.pysig.parameters, function.parameter_annotations):
@@ -193,6 +204,12 @@ def dt_transform(v, DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX):
     if HAS_DT_LIMIT:
         v = ct.minimum(ct.maximum(v, DT_MIN), DT_MAX)
     return v
+
+
+def dt_transform_constants(dims: SSDDims) -> dict[str, Any]:
+    """The ct.Constant values of `dt_transform`'s flags for `dims`, as a kernel that calls it declares them."""
+    dt_min, dt_max = (float(v) for v in dims.dt_limit)
+    return dict(DT_SOFTPLUS=dims.dt_softplus, HAS_DT_LIMIT=dims.has_dt_limit, DT_MIN=dt_min, DT_MAX=dt_max)
 
 
 def silu_gate(acc, z_tile):

@@ -24,8 +24,8 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    Big, ConstBool, ConstFloat, ConstInt, Launch, SSDDims, Stage, check_arch, dt_transform, int64_index_kernels,
-    kernel_launch, next_power_of_2, select_kernel)
+    Big, ConstBool, ConstFloat, ConstInt, Launch, SSDDims, Stage, check_arch, dt_transform, dt_transform_constants,
+    int64_index_kernels, kernel_launch, next_power_of_2, select_kernel)
 
 
 def chunk_cumsum_fwd_kernel(
@@ -93,11 +93,9 @@ def chunk_cumsum_fwd_grid(dims: SSDDims, cfg: ChunkCumsumConfig) -> tuple[int, i
 def chunk_cumsum_fwd_launch(dims: SSDDims, cfg: ChunkCumsumConfig | None = None) -> Launch:
     """The launch writing ("dt_out", "dA_cumsum") from inputs ("dt", "A", "dt_bias")."""
     cfg = cfg or chunk_cumsum_fwd_default_config(dims)
-    dt_min, dt_max = (float(v) for v in dims.dt_limit)
     return kernel_launch(
         select_kernel(CHUNK_CUMSUM_FWD_KERNELS, dims, occupancy=cfg.occupancy), chunk_cumsum_fwd_grid(dims, cfg),
-        writes=("dt_out", "dA_cumsum"), CHUNK=dims.chunk_size, BLOCK_H=cfg.BLOCK_H, DT_SOFTPLUS=dims.dt_softplus,
-        HAS_DT_LIMIT=dims.has_dt_limit, DT_MIN=dt_min, DT_MAX=dt_max)
+        writes=("dt_out", "dA_cumsum"), CHUNK=dims.chunk_size, BLOCK_H=cfg.BLOCK_H, **dt_transform_constants(dims))
 
 
 # Keyed by what its kernel specialises on (the dt transform's flags, the head count it tiles); its work is

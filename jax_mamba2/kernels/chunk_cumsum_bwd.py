@@ -37,8 +37,8 @@ dA_partials, ddt_bias_partials (batch * nchunks, nheads) f32.
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    Big, ConstBool, ConstFloat, ConstInt, Launch, SSDDims, Stage, check_arch, int64_index_kernels, kernel_launch,
-    next_power_of_2, select_kernel)
+    Big, ConstBool, ConstFloat, ConstInt, Launch, SSDDims, Stage, check_arch, dt_transform_constants,
+    int64_index_kernels, kernel_launch, next_power_of_2, select_kernel)
 from jax_mamba2.kernels.chunk_cumsum import CUMSUM_KEY_FIELDS, ChunkCumsumConfig, chunk_cumsum_fwd_grid
 
 
@@ -145,12 +145,11 @@ def chunk_cumsum_bwd_launch(dims: SSDDims, cfg: ChunkCumsumBwdConfig | None = No
     the entries per chunk of the chunk_state_bwd launch's ddA_chunk (its last axis).
     """
     cfg = cfg or chunk_cumsum_bwd_default_config(dims)
-    dt_min, dt_max = (float(v) for v in dims.dt_limit)
     return kernel_launch(
         select_kernel(CHUNK_CUMSUM_BWD_KERNELS, dims, occupancy=cfg.occupancy), chunk_cumsum_bwd_grid(dims, cfg),
         writes=("ddt", "dA_partials", "ddt_bias_partials"), CHUNK=dims.chunk_size, BLOCK_H=cfg.BLOCK_H,
         BLOCK_M=dc_block_m, NUM_M_BLOCKS=dims.chunk_size // dc_block_m, NUM_CARRY_TERMS=carry_terms,
-        DT_SOFTPLUS=dims.dt_softplus, HAS_DT_LIMIT=dims.has_dt_limit, DT_MIN=dt_min, DT_MAX=dt_max)
+        **dt_transform_constants(dims))
 
 
 CHUNK_CUMSUM_BWD_STAGE = Stage(

@@ -30,7 +30,7 @@ from cuda.tile.compilation import (
     ArrayConstraint, CallingConvention, ConstantConstraint, KernelSignature, export_kernel)
 
 from jax_mamba2.kernels import backward, forward, state_update
-from jax_mamba2.kernels._common import SUPPORTED_ARCHS, Buffer, Launch, SSDDims
+from jax_mamba2.kernels._common import SUPPORTED_ARCHS, Buffer, Launch, SSDDims, kernel_name, kernel_signature
 
 _CT_DTYPES = {
     "bfloat16": ct.bfloat16,
@@ -75,7 +75,7 @@ def array_constraint(shape: tuple[int, ...], dtype: str, index_dtype=ct.int32) -
 
 def _kernel_index_dtypes(kernel) -> list:
     """Per parameter: the index dtype its annotation asks for (int32 unless ct.IndexedWithInt64)."""
-    nodes = kernel._annotated_function.parameter_annotations
+    nodes = kernel_signature(kernel).parameter_annotations
     return [ct.int64 if getattr(n, "array", None) is not None and n.array.index_dtype == ct.int64
             else ct.int32 for n in nodes]
 
@@ -93,7 +93,7 @@ def launch_signature(launch: Launch, arrays: Mapping[str, Buffer]) -> KernelSign
     needs_v2 = any(isinstance(p, ArrayConstraint) and any(d is not None for d in p.shape_constant)
                    for p in params)
     convention = CallingConvention.cutile_python_v2() if needs_v2 else CallingConvention.cutile_python_v1()
-    name = launch.kernel._annotated_function.pyfunc.__name__
+    name = kernel_name(launch.kernel)
     return KernelSignature(params, convention).with_mangled_symbol(name)
 
 
@@ -192,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         symbol, cubin = compile_launch(launch, arrays, args.arch)
         seconds = time.perf_counter() - t0
-        kernel_name = launch.kernel._annotated_function.pyfunc.__name__
-        name = f"{kernel_name}_{hashlib.sha1(repr(key).encode()).hexdigest()[:12]}.cubin"
+        name = f"{kernel_name(launch.kernel)}_{hashlib.sha1(repr(key).encode()).hexdigest()[:12]}.cubin"
         with open(os.path.join(args.out, name), "wb") as f:
             f.write(cubin)
         manifest.append(f"{name}\t{symbol}")

@@ -24,7 +24,7 @@ import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
     Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, SSDDims, Stage, check_arch, dt_transform,
-    int64_index_kernels, kernel_launch, select_kernel, silu_gate)
+    dt_transform_constants, int64_index_kernels, kernel_launch, select_kernel, silu_gate)
 from jax_mamba2.kernels._tiles import batch_head_group
 
 STATE_UPDATE_INPUTS = ("state", "x", "dt", "A", "dt_bias", "B", "C", "D", "z")
@@ -124,11 +124,10 @@ def state_update_inputs(dims: SSDDims, state_dtype: str = "float32") -> dict[str
 def state_update_launch(dims: SSDDims, cfg: StateUpdateConfig | None = None) -> Launch:
     """The launch writing ("y", "new_state") (the state's dtype is the arrays': the kernel is compiled per dtype)."""
     cfg = cfg or state_update_default_config(dims)
-    dt_min, dt_max = (float(v) for v in dims.dt_limit)
     return kernel_launch(
         select_kernel(STATE_UPDATE_KERNELS, dims, occupancy=cfg.occupancy), state_update_grid(dims, cfg),
         writes=("y", "new_state"), DSTATE=dims.dstate, BLOCK_P=cfg.BLOCK_P, HAS_Z=dims.has_z,
-        DT_SOFTPLUS=dims.dt_softplus, HAS_DT_LIMIT=dims.has_dt_limit, DT_MIN=dt_min, DT_MAX=dt_max)
+        **dt_transform_constants(dims))
 
 
 def state_update_plan(dims: SSDDims, cfg: StateUpdateConfig | None = None,

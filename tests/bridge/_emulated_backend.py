@@ -1,6 +1,6 @@
 """The cuTile backend with every kernel plan run on the NumPy emulator of tests/kernels/_cutile_emulator.py
 (float64, through `jax.pure_callback`): bridge/ops.py's forward, saving forward, backward and vmap rules
-without a GPU. Register it (`monkeypatch.setitem(backends._REGISTRY, ...)`) to reach it through
+without a GPU. Register it (`monkeypatch.setitem(backends._REGISTRY["ssd"], ...)`) to reach it through
 `ssd(backend="cutile_emulated")`.
 """
 from jax_mamba2 import backends

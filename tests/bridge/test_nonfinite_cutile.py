@@ -30,7 +30,7 @@ CASES = ["x_nan", "initial_states_nan", "cotangent_nan"]
 
 @pytest.fixture
 def emulated(monkeypatch):
-    monkeypatch.setitem(backends._REGISTRY, EMULATED.name, EMULATED)
+    monkeypatch.setitem(backends._REGISTRY["ssd"], EMULATED.name, EMULATED)
     return functools.partial(jax_mamba2.ssd, chunk_size=64, return_final_states=True, backend=EMULATED.name)
 
 

@@ -14,6 +14,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 pytest.importorskip("cuda.tile")
 
 import jax_mamba2  # noqa: E402
+from jax_mamba2 import backends, norm  # noqa: E402
 from jax_mamba2.bridge import norm_ops  # noqa: E402
 from jax_mamba2.kernels.rms_norm import NormConfig  # noqa: E402
 from jax_mamba2.flax_layers import Mamba2Block, Mamba2Config  # noqa: E402
@@ -28,7 +29,9 @@ TOLERANCE = 2e-6
 @pytest.fixture(autouse=True)
 def emulated_kernels(monkeypatch):
     """backend="cutile" runs the emulated plans, as if on a GPU."""
-    monkeypatch.setitem(norm_ops.KERNELS, "cutile", norm_ops.make_kernels(emulator.jax_run_plan))
+    emulated = backends.LayerBackend("cutile", norm_ops.make_kernels(emulator.jax_run_plan),
+                                     norm_ops.unsupported_reason, auto_priority=2)
+    monkeypatch.setitem(backends._REGISTRY[norm.OP], "cutile", emulated)
     monkeypatch.setattr(norm_ops, "gpu_unavailable_reason", lambda: None)
 
 

@@ -21,7 +21,8 @@ def walk(jaxpr, loops=()):
 
 def cutile_launches(jaxpr) -> list[tuple[str, tuple]]:
     """(kernel function name, enclosing loops) of every cuTile kernel launch."""
-    return [(eqn.params["kernel"]._annotated_function.pyfunc.__name__, loops)
+    from jax_mamba2.kernels._common import kernel_name  # needs cuda.tile, which only these programs have
+    return [(kernel_name(eqn.params["kernel"]), loops)
             for eqn, loops in walk(jaxpr) if eqn.primitive.name == "cutile_call_ffi"]
 
 

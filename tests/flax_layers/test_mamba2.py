@@ -207,7 +207,7 @@ def test_mamba2_grads_finite_under_jit_and_remat():
     (dict(chunk_size=12), r"Mamba2: chunk_size=12 must be a power of two"),
     (dict(dt_min=0.5), r"Mamba2: dt_min=0.5, dt_max=0.1 must satisfy"),
     (dict(A_init_range=(0, 16)), r"Mamba2: A_init_range=\(0, 16\)"),
-    (dict(backend="cuda"), r"Mamba2: backend='cuda' must be 'auto' or one of"),
+    (dict(backend="cuda"), r"Mamba2: backend='cuda' must be one of 'auto', 'xla'"),
 ])
 def test_mamba2_rejects_bad_config(options, message):
     with pytest.raises(ValueError, match=message):

@@ -14,7 +14,8 @@ Semantics follow cuda/tile/_stub.py, made strict where the GPU would be silently
 - `gather` / `scatter` take element indices: out of bounds (negative too) or masked off, a gather gives
   padding_value and a scatter writes nothing.
 - `mma` requires equal operand dtypes and accumulates in float64 (then casts to the accumulator dtype).
-- `atomic_add` returns the old values; blocks run one at a time in grid order, so no ordering is exercised.
+- `tiled_view(...).atomic_store_add` adds in place; blocks run one at a time in grid order, so no ordering
+  is exercised.
 Not emulated: tf32 rounding (tfloat32 is float32), latency/TMA hints, reduction order.
 """
 import contextlib
@@ -29,6 +30,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jax_mamba2.kernels._common import kernel_signature
+
 float16 = np.dtype(np.float16)
 float32 = np.dtype(np.float32)
 float64 = np.dtype(np.float64)
@@ -36,11 +39,8 @@ bfloat16 = np.dtype(ml_dtypes.bfloat16)
 tfloat32 = float32
 int32 = np.dtype(np.int32)
 int64 = np.dtype(np.int64)
-bool_ = np.dtype(bool)
 
 PaddingMode = types.SimpleNamespace(UNDETERMINED="undetermined", ZERO="zero")
-MemoryOrder = types.SimpleNamespace(ACQ_REL="acq_rel")
-MemoryScope = types.SimpleNamespace(DEVICE="device")
 
 _block = [(0, 0, 0), (1, 1, 1)]  # (block index, grid)
 _RUN_LOCK = threading.Lock()
@@ -224,14 +224,7 @@ def mma(x, y, acc):
 
 
 class _EmulatedArray(np.ndarray):
-    """A NumPy array with the `tiled_view(...).atomic_store_add` and the `slice` view of a cuda.tile Array."""
-
-    def slice(self, axis, start, stop):
-        """The view of elements [start, stop) along `axis` (writes go to this array)."""
-        assert 0 <= start < self.shape[axis] and start <= stop <= self.shape[axis], (axis, start, stop, self.shape)
-        index = [slice(None)] * self.ndim
-        index[axis] = slice(int(start), int(stop))
-        return self[tuple(index)]
+    """A NumPy array with the `tiled_view(...).atomic_store_add` of a cuda.tile Array."""
 
     def tiled_view(self, tile_shape, *, padding_mode=None, traversal_steps=None):
         assert traversal_steps is None
@@ -245,15 +238,6 @@ class _TiledView:
     def atomic_store_add(self, index, update):
         src, dst = _tile_window(self.array, index, self.tile_shape)
         self.array[src] += np.broadcast_to(update, self.tile_shape)[dst]
-
-
-def atomic_add(array, indices, update, *, check_bounds=True, memory_order=None, memory_scope=None):
-    """array[indices] += update element-wise; returns the values before (the blocks run one at a time, so
-    the block emulated last draws the last ticket)."""
-    indices = tuple(int(i) for i in indices)
-    old = np.asarray(array[indices]).copy()
-    array[indices] = old + update
-    return old
 
 
 def _mma_float64(x, y, acc):
@@ -314,7 +298,7 @@ def run_plan(plan, inputs, *, float64=False):
     # callbacks (jax.pure_callback under shard_map) run on several threads at once.
     with _RUN_LOCK, emulated(_float64_namespace() if float64 else None):
         for launch in plan.launches:
-            pyfunc = launch.kernel._annotated_function.pyfunc
+            pyfunc = kernel_signature(launch.kernel).pyfunc
             args = [arrays[a] if isinstance(a, str) else a for a in launch.args]
             grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
             for block in itertools.product(*(range(n) for n in grid)):

@@ -1,9 +1,12 @@
 """Structural checks of a kernel `Plan` (no compilation, no GPU)."""
 import inspect
 
+from jax_mamba2.kernels._common import kernel_signature
+from jax_mamba2.kernels._common import kernel_name as _function_name
+
 
 def kernel_name(launch) -> str:
-    return launch.kernel._annotated_function.pyfunc.__name__
+    return _function_name(launch.kernel)
 
 
 def assert_plan_well_formed(plan) -> None:
@@ -14,7 +17,7 @@ def assert_plan_well_formed(plan) -> None:
     defined = set(plan.inputs) | {name for name, buf in plan.buffers.items() if buf.zero_init}
     for launch in plan.launches:
         names = [a for a in launch.args if isinstance(a, str)]
-        params = inspect.signature(launch.kernel._annotated_function.pyfunc).parameters
+        params = inspect.signature(kernel_signature(launch.kernel).pyfunc).parameters
         assert len(launch.args) == len(params), kernel_name(launch)
         assert set(names) <= set(plan.inputs) | set(plan.buffers), kernel_name(launch)
         assert set(launch.writes) <= set(names) and set(launch.writes) <= set(plan.buffers)

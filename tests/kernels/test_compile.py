@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.tools.sass import disassemble
 from jax_mamba2.kernels import chunk_scan, chunk_state, chunk_state_bwd, export, fused_scan
-from jax_mamba2.kernels._common import SSDDims
+from jax_mamba2.kernels._common import SSDDims, kernel_name
 from jax_mamba2.kernels.backward import backward_arrays
 from jax_mamba2.kernels.export import compile_launch
 from jax_mamba2.kernels.forward import SAVED_FOR_BACKWARD, forward_arrays, forward_layouts, forward_plan
@@ -45,7 +45,7 @@ def _cubins(problem: str) -> dict[str, bytes]:
                 for launch in forward_plan(dims, layout=layout, save_states=save_states).launches]
     step = state_update_plan(dims)
     launches.append((step.launches[0], {**state_update_inputs(dims, "float32"), **step.buffers}))
-    return {launch.kernel._annotated_function.pyfunc.__name__: compile_launch(launch, arrays, "sm_90")[1]
+    return {kernel_name(launch.kernel): compile_launch(launch, arrays, "sm_90")[1]
             for launch, arrays in launches}
 
 

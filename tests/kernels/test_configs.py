@@ -4,8 +4,9 @@ import inspect
 
 import pytest
 
-from jax_mamba2.kernels import chunk_cumsum, chunk_scan, chunk_state, chunk_state_bwd, fused_scan, state_update
-from jax_mamba2.kernels._common import SSDDims, is_power_of_2, needs_int64_index
+from jax_mamba2.kernels import (chunk_cumsum, chunk_scan, chunk_state, chunk_state_bwd, forward, fused_scan,
+                                state_update)
+from jax_mamba2.kernels._common import SSDDims, is_power_of_2, kernel_signature, needs_int64_index
 from jax_mamba2.kernels.forward import (
     FORWARD_LAYOUTS, FORWARD_STAGES, forward_arrays, forward_layout, forward_layouts, forward_plan)
 from jax_mamba2.kernels.fused_scan import fused_segment_chunks, state_piece_chunks
@@ -17,10 +18,9 @@ PROBLEMS = {
     "wide_q256": SSDDims(batch=2, seqlen=4096, nheads=80, headdim=256, ngroups=1, dstate=256,
                          chunk_size=256, has_z=True, has_init=True, has_seq_idx=True),
 }
-# The stages whose launch takes nothing but the config (their declarations, as the plans read them).
-STAGES = {stage.name: stage for stage in (
-    chunk_cumsum.CHUNK_CUMSUM_STAGE, chunk_state.CHUNK_STATE_STAGE, chunk_scan.CHUNK_SCAN_STAGE,
-    fused_scan.FUSED_SCAN_STAGE, state_update.STATE_UPDATE_STAGE)}
+# The forward's stages and the decode step, as declared next to their kernels (the backward's own stages are
+# checked in test_backward_configs.py).
+STAGES = {**forward.STAGES, state_update.STATE_UPDATE_STAGE.name: state_update.STATE_UPDATE_STAGE}
 # Tile fields and what each must divide (None: only a power of two).
 _DIVIDES = {"BLOCK_P": "headdim", "BLOCK_N": "dstate", "BLOCK_M": "chunk_size", "BLOCK_K": "chunk_size",
             "BLOCK_H": None, "HEADS": None}
@@ -39,8 +39,8 @@ def test_stage_configs_valid_and_contain_default(stage, problem):
     configs_fn, default_fn = STAGES[stage].space, STAGES[stage].default
     dims = PROBLEMS[problem]
     space = configs_fn(dims, "sm_90")
-    if stage == "fused_scan" and not fused_scan.fused_scan_supported(dims):
-        assert space == []
+    if STAGES[stage].config_type is fused_scan.FusedScanConfig and not fused_scan.fused_scan_supported(dims):
+        assert space == []  # the fused kernel's stages (fused, segmented) have no space where it cannot run
         return
     assert 0 < len(space) <= 24 and len(set(space)) == len(space)
     assert default_fn(dims) in space
@@ -105,8 +105,8 @@ def test_stage_launch_args_match_kernel_parameters(stage, problem):
               **state_update.state_update_inputs(dims), "y": None, "new_state": None}
     for cfg in configs_fn(dims, "sm_90"):
         launch = launch_fn(dims, cfg)
-        annotations = launch.kernel._annotated_function.parameter_annotations
-        params = list(inspect.signature(launch.kernel._annotated_function.pyfunc).parameters)
+        annotations = kernel_signature(launch.kernel).parameter_annotations
+        params = list(inspect.signature(kernel_signature(launch.kernel).pyfunc).parameters)
         assert len(launch.args) == len(params)
         for arg, name, annotation in zip(launch.args, params, annotations):
             # Arrays are passed by name, ct.Constant parameters by value.
@@ -183,7 +183,7 @@ def test_needs_int64_index_selects_int64_kernels():
     assert not needs_int64_index(small) and needs_int64_index(big)
     for dims, want in ((small, False), (big, True)):
         for launch in forward_plan(dims).launches:
-            x_annotation = launch.kernel._annotated_function.parameter_annotations[0]
+            x_annotation = kernel_signature(launch.kernel).parameter_annotations[0]
             assert (x_annotation.array is not None) == want
 
 
@@ -249,8 +249,8 @@ def test_fused_scan_config_takes_one_or_two_chunks_per_iteration():
 def test_every_stage_declaration_is_coherent():
     """Each plan stage is declared once, next to its kernel: its default is of its config type and in its
     space, its key fields are problem fields, and the plans key their configs by its name."""
-    from jax_mamba2.kernels import backward, forward
-    stages = {**forward.STAGES, **backward.STAGES, "state_update": state_update.STATE_UPDATE_STAGE}
+    from jax_mamba2.kernels import backward
+    stages = {**STAGES, **backward.STAGES}
     assert forward.FORWARD_STAGES == tuple(forward.STAGES) and backward.BACKWARD_STAGES == tuple(backward.STAGES)
     assert {s for layout in FORWARD_LAYOUTS.values() for s in layout} == set(forward.STAGES)
     dims = SSDDims(batch=4, seqlen=16384, nheads=8, headdim=64, ngroups=1, dstate=128, chunk_size=64)

@@ -1,0 +1,64 @@
+"""The argument checks the ops share (`op`, `conv1d`, `norm`).
+
+Each raises before anything runs, as "<api>: <name>... must be <requirement>", naming the argument and what it
+must be: TypeError for a wrong type or dtype, ValueError for a wrong shape or value. An "array" is anything
+with .shape and .dtype (also a ShapeDtypeStruct).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+_FLOAT_NAMES = "bfloat16, float16, float32, float64"
+
+
+def check_float(api: str, name: str, arr) -> None:
+    """arr.dtype is one of FLOAT_DTYPES."""
+    if not any(arr.dtype == d for d in FLOAT_DTYPES):
+        raise TypeError(f"{api}: {name}.dtype={arr.dtype} must be one of {_FLOAT_NAMES}")
+
+
+def check_ndim(api: str, name: str, arr, ndim: int, axes: str) -> tuple[int, ...]:
+    """`arr` has `ndim` axes, named in the error by `axes` (e.g. "(batch, seqlen, channels)"); returns its shape."""
+    shape = getattr(arr, "shape", None)
+    if shape is None or len(shape) != ndim:
+        raise ValueError(f"{api}: {name}.shape={shape} must be {axes}")
+    return tuple(shape)
+
+
+def check_array(api: str, name: str, arr, want_desc: str = "", *want: tuple[int, ...], floating: bool = True) -> None:
+    """`arr` is an array whose shape is one of `want` (any shape when none is given), described by `want_desc`
+    (e.g. "(batch, seqlen, nheads)"), and floating unless `floating` is False."""
+    if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+        raise TypeError(f"{api}: {name} must be an array, got {type(arr).__name__}")
+    if want and tuple(arr.shape) not in [tuple(w) for w in want]:
+        raise ValueError(f"{api}: {name}.shape={tuple(arr.shape)} must be {want_desc}="
+                         f"{' or '.join(str(tuple(w)) for w in want)}")
+    if floating:
+        check_float(api, name, arr)
+
+
+def check_seq_idx(api: str, seq_idx, batch: int, seqlen: int) -> None:
+    """seq_idx is a (batch, seqlen) integer array (the ids of packed sequences)."""
+    check_array(api, "seq_idx", seq_idx, "(batch, seqlen)", (batch, seqlen), floating=False)
+    if not jnp.issubdtype(seq_idx.dtype, jnp.integer):
+        raise TypeError(f"{api}: seq_idx.dtype={seq_idx.dtype} must be an integer dtype (int32)")
+
+
+def check_flag(api: str, name: str, value) -> bool:
+    """`value` is a bool (NumPy's too); returns it as a Python bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{api}: {name}={value!r} must be a bool")
+    return bool(value)
+
+
+def float_dtype(api: str, name: str, dtype) -> jnp.dtype:
+    """`dtype` (an option naming a dtype) as one of FLOAT_DTYPES."""
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{api}: {name}={dtype!r} must be a float dtype") from None
+    if not any(dtype == d for d in FLOAT_DTYPES):
+        raise TypeError(f"{api}: {name}={dtype} must be one of {_FLOAT_NAMES}")
+    return dtype
