@@ -119,7 +119,8 @@ def test_emulated_kernels_in_a_chosen_config_match_float64_reference_also_vmappe
         chosen.append(dims.rows)
         return NormConfig(BLOCK_ROWS=4, fwd_occupancy=2, bwd_occupancy=1, fwd_latency=2, bwd_latency=3)
 
-    monkeypatch.setitem(norm_ops.KERNELS, "cutile", norm_ops.make_kernels(emulator.jax_run_plan, config))
+    monkeypatch.setitem(backends._REGISTRY[norm.OP], "cutile", backends.LayerBackend(
+        "cutile", norm_ops.make_kernels(emulator.jax_run_plan, config), norm_ops.unsupported_reason, auto_priority=2))
     case = CASES[name]
     arrays = make_inputs(case, seed=17)
     primals = _primals(arrays)

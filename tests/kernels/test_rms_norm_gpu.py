@@ -81,11 +81,14 @@ SWEPT_CONFIGS = {
 @pytest.mark.parametrize("config", list(SWEPT_CONFIGS))
 @pytest.mark.parametrize("name", ["gated_before_16384x2048", "gated_after_16384x2048", "add_norm_16384x1024"])
 def test_kernels_in_swept_configs_at_lm_shapes_match_float64_reference(monkeypatch, name, config):
+    from jax_mamba2 import backends, norm
     from jax_mamba2.bridge import ffi, norm_ops
     from jax_mamba2.kernels.rms_norm import NormConfig
 
     cfg = NormConfig(**SWEPT_CONFIGS[config])
-    monkeypatch.setitem(norm_ops.KERNELS, "cutile", norm_ops.make_kernels(ffi.run_plan, lambda dims: cfg))
+    monkeypatch.setitem(backends._REGISTRY[norm.OP], "cutile", backends.LayerBackend(
+        "cutile", norm_ops.make_kernels(ffi.run_plan, lambda dims: cfg), norm_ops.unsupported_reason,
+        auto_priority=2))
     _check(LM_CASES[name], "cutile", seed=4)
 
 
