@@ -311,9 +311,9 @@ def conv_bwd_plan(dims: ConvDims, cfg: ConvBwdConfig | None = None, items: int =
         the batch); must divide dims.batch.
 
     Returns:
-      A Plan with outputs CONV_BWD_OUTPUTS: dx (batch, seqlen, channels) in x's dtype, dweight (items, WIDTH, channels) and
-      dbias (items, channels) f32, dinitial_states (batch, channels, init_width) f32 (a dummy without initial
-      states).
+      A Plan with outputs CONV_BWD_OUTPUTS: dx (batch, seqlen, channels) in x's dtype, dweight (items,
+      WIDTH, channels) and dbias (items, channels) f32, dinitial_states (batch, channels, init_width) f32 (a
+      dummy without initial states).
     """
     if items < 1 or dims.batch % items:
         raise ValueError(f"conv_bwd_plan: items={items} must divide batch={dims.batch}")
