@@ -16,12 +16,12 @@ from jax_mamba2.kernels.export import compile_launch  # noqa: E402
 from tests.kernels._plan_checks import kernel_name  # noqa: E402
 
 # The mixer of the LM at d_model 1024, batch 8 x 2048: conv_dim = 2304 channels, convolved in one launch from
-# in_proj's output [z, xBC, dt] (2048 + 2304 + 16 channels) into x (2048), B and C (128 each) on one device,
+# in_proj's output [z, xBC, dt] (2048 + 2304 + 32 channels) into x (2048), B and C (128 each) on one device,
 # as x (2048) and [B, C] (256) apart under head parallelism.
 _LM = ConvDims(batch=8, seqlen=2048, channels=2304, width=4)
 PROBLEMS = {
     "bf16_lm": _LM,
-    "bf16_lm_layout": dataclasses.replace(_LM, in_offset=2048, in_width=4368, split=(2048, 128, 128)),
+    "bf16_lm_layout": dataclasses.replace(_LM, in_offset=2048, in_width=4384, split=(2048, 128, 128)),
     "bf16_lm_x": dataclasses.replace(_LM, channels=2048),
     "bf16_lm_bc": dataclasses.replace(_LM, channels=256),
     "bf16_seq_idx": dataclasses.replace(_LM, has_seq_idx=True),
