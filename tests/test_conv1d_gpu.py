@@ -209,7 +209,7 @@ def test_mamba2_layer_compiled_training_step_has_no_copy_around_the_conv():
     itself, writing x, B, C) and one conv backward launch; no slice / concatenate / copy fusion of
     activation size consumes the conv's outputs (tests/flax_layers/test_mamba2_conv.py checks the same on
     the emulator, where the whole graph is also pinned)."""
-    from tests.flax_layers.test_mamba2_conv import _copies, _elements, _instructions, _source
+    from tests.flax_layers.test_mamba2_conv import _computes_a_matmul, _copies, _elements, _instructions, _source
 
     batch, seqlen = 2, 2048
     layer = Mamba2(1024, backend="cutile", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -223,14 +223,14 @@ def test_mamba2_layer_compiled_training_step_has_no_copy_around_the_conv():
     entry = _instructions(hlo)
     pieces = [("bf16", f"{batch},{seqlen},{w}") for w in (2048, 128, 128)]
     forward = [n for n, i in entry.items() if i["op"] == "custom-call" and
-               re.findall(r"(\w+)\[([\d,]*)\]", i["shape"]) == pieces]
+               re.findall(r"(\w+)\[([\d,]*)\]", i["shape"])[:3] == pieces]
     backward = [n for n, i in entry.items() if i["op"] == "custom-call" and
                 i["shape"].startswith(f"(bf16[{batch},{seqlen},2304]")]
     assert len(forward) == 1 and len(backward) == 1, (forward, backward)
     in_proj = _source(entry, entry[forward[0]]["operands"][0])
     assert entry[in_proj]["shape"].startswith(f"bf16[{batch},{seqlen},4384]") or \
         f"bf16[{batch * seqlen},4384]" in entry[in_proj]["shape"], entry[in_proj]
-    assert not _copies(hlo, entry, in_proj), entry[in_proj]
+    assert _computes_a_matmul(hlo, entry, in_proj), entry[in_proj]
     conv_values = {*forward, *backward} | {n for n, i in entry.items() if i["op"] in ("bitcast", "get-tuple-element")
                                           and _source(entry, n) in (*forward, *backward)}
     for name, inst in entry.items():
