@@ -5,6 +5,7 @@ Public API:
                            single-token decode step.
   ssd_scan, ssd_chunked    pure-JAX reference paths (lax.scan oracle, chunked algorithm).
   causal_conv1d_silu       the mixer's causal depthwise conv1d + SiLU (causal_conv1d's `causal_conv1d_fn`).
+  causal_conv1d_silu_split the same on a channel window of a wider input (in_proj's output), in pieces.
   rms_norm, add_rms_norm   the gated, grouped RMSNorm and the residual add + RMSNorm (cuTile kernels on a GPU).
   available_backends       names of the SSD backends that can run in this process.
   backend_status           for every known backend: whether it can run here and, if not, why.
@@ -14,7 +15,7 @@ Public API:
   __version__              the installed version (the source tree's, when it is not installed).
 """
 from jax_mamba2._version import __version__
-from jax_mamba2.conv1d import causal_conv1d_silu
+from jax_mamba2.conv1d import causal_conv1d_silu, causal_conv1d_silu_split
 from jax_mamba2.autotuning import autotune
 from jax_mamba2.backends import available_backends, backend_status
 from jax_mamba2.norm import add_rms_norm, rms_norm
@@ -24,7 +25,8 @@ from jax_mamba2.flax_layers import (Mamba2, Mamba2Config, Mamba2LMHeadModel, chu
                                     load_pretrained, save_pretrained, shard_model)
 
 __all__ = [
-    "__version__", "ssd", "ssd_step", "ssd_scan", "ssd_chunked", "causal_conv1d_silu", "rms_norm", "add_rms_norm",
+    "__version__", "ssd", "ssd_step", "ssd_scan", "ssd_chunked", "causal_conv1d_silu", "causal_conv1d_silu_split",
+    "rms_norm", "add_rms_norm",
     "available_backends", "backend_status", "autotune", "Mamba2", "Mamba2Config", "Mamba2LMHeadModel", "generate",
     "load_pretrained", "save_pretrained", "shard_model", "chunked_cross_entropy",
 ]

@@ -1,7 +1,9 @@
 """The causal depthwise conv1d (+ SiLU) op of the Mamba-2 mixer: input checks, backend dispatch, custom VJP.
 
 `causal_conv1d_silu` has the semantics of causal_conv1d's `causal_conv1d_fn` (channels-last, as in_proj
-produces it) followed by SiLU, with `conv1d_reference.causal_conv1d` as the reference. Backends are the
+produces it) followed by SiLU, with `conv1d_reference.causal_conv1d` as the reference.
+`causal_conv1d_silu_split` is the same conv on a channel window of a wider input, returned in pieces: the
+mixer's in_proj output in, x, B and C out, with no copy between them on the kernel backends. Backends are the
 "causal_conv1d" entries of the registry in `jax_mamba2.backends`: "xla" (the reference, differentiated by JAX,
 registered here), "cutile" (kernels/causal_conv1d*.py as XLA FFI custom calls) and "cutile_callback" (the same
 kernels in one buffer callback), registered by the bridge. "auto" picks cutile on a supported GPU behind
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -24,6 +27,9 @@ from jax_mamba2.checks import check_array, check_flag, check_ndim, check_seq_idx
 OP = "causal_conv1d"
 ACTIVATIONS = ("silu", None)
 _API = "causal_conv1d_silu"
+_SPLIT_API = "causal_conv1d_silu_split"
+# The output pieces of `causal_conv1d_silu_split`, at most (the mixer's x, B, C; the kernels' outputs).
+MAX_PIECES = 3
 
 
 class ConvInputs(NamedTuple):
@@ -38,9 +44,13 @@ class ConvInputs(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class ConvStatic:
-    """The static options of the op (hashable: a custom_vjp nondiff argument)."""
+    """The static options of the op (hashable: a custom_vjp nondiff argument): the activation, and the
+    channels of x convolved (offset .. offset + channels - 1) and the widths of the output pieces (split ():
+    one output of all channels)."""
 
     silu: bool
+    offset: int = 0
+    split: tuple[int, ...] = ()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -75,24 +85,32 @@ def _check_inputs(inputs: ConvInputs, activation, return_final_states) -> None:
 # Backends
 # ----------------------------------------------------------------------------------------------
 
+def _window(x, kernel, offset: int):
+    """The channels of x that the conv reads."""
+    return x if x.shape[-1] == kernel.shape[1] else x[..., offset:offset + kernel.shape[1]]
+
+
 def _xla_conv(inputs: ConvInputs, static: ConvStatic):
-    pre, _ = conv1d_reference.causal_conv1d(inputs.x, inputs.kernel, inputs.bias, inputs.initial_states,
-                                            seq_idx=inputs.seq_idx, dtype=inputs.x.dtype)
-    return jax.nn.silu(pre) if static.silu else pre
+    """The output pieces (a tuple) from the reference."""
+    pre, _ = conv1d_reference.causal_conv1d(_window(inputs.x, inputs.kernel, static.offset), inputs.kernel,
+                                            inputs.bias, inputs.initial_states, seq_idx=inputs.seq_idx,
+                                            dtype=inputs.x.dtype)
+    y = jax.nn.silu(pre) if static.silu else pre
+    return tuple(jnp.split(y, list(itertools.accumulate(static.split[:-1])), axis=-1)) if static.split else (y,)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _kernel_conv(kernels: Any, static: ConvStatic, inputs: ConvInputs):
-    return kernels.forward(inputs, static.silu)
+    return kernels.forward(inputs, static.silu, static.offset, static.split)
 
 
 def _kernel_conv_fwd(kernels, static, inputs):
     # The backward recomputes the pre-activation from x, which it reads anyway for dkernel.
-    return kernels.forward(inputs, static.silu), inputs
+    return kernels.forward(inputs, static.silu, static.offset, static.split), inputs
 
 
-def _kernel_conv_bwd(kernels, static, inputs, dy):
-    return (kernels.backward(inputs, static.silu, dy),)
+def _kernel_conv_bwd(kernels, static, inputs, dys):
+    return (kernels.backward(inputs, static.silu, dys, static.offset, static.split),)
 
 
 _kernel_conv.defvjp(_kernel_conv_fwd, _kernel_conv_bwd)
@@ -151,7 +169,78 @@ def causal_conv1d_silu(x, kernel, bias=None, *, seq_idx=None, initial_states=Non
     if x.size == 0:
         y = jnp.zeros(x.shape, x.dtype)
     else:
-        y = registry.run_selected(selected, lambda b, inp: _run(b, inp, static), inputs)
+        (y,) = registry.run_selected(selected, lambda b, inp: _run(b, inp, static), inputs)
     if not return_final_states:
         return y
     return y, conv1d_reference.final_conv_state(x, kernel.shape[0], initial_states)
+
+
+def _check_layout(x, kernel, channel_offset, split) -> int:
+    """The channel window and the pieces fit x and the kernel; returns the conv's channels."""
+    if not hasattr(x, "shape") or len(x.shape) != 3:
+        raise ValueError(f"{_SPLIT_API}: x.shape={getattr(x, 'shape', None)} must be (batch, seqlen, width)")
+    if not hasattr(kernel, "shape") or len(kernel.shape) != 2 or kernel.shape[0] < 1:
+        raise ValueError(f"{_SPLIT_API}: kernel.shape={getattr(kernel, 'shape', None)} must be (d_conv, channels) "
+                         f"with d_conv >= 1")
+    channels, width = kernel.shape[1], x.shape[-1]
+    if not isinstance(channel_offset, int) or not 0 <= channel_offset <= width - channels:
+        raise ValueError(f"{_SPLIT_API}: channel_offset={channel_offset!r} must be an int in [0, x.shape[-1] - "
+                         f"channels]=[0, {width - channels}] (x.shape[-1]={width}, channels={channels})")
+    if (not isinstance(split, tuple) or not 1 <= len(split) <= MAX_PIECES
+            or not all(isinstance(w, int) and w >= 1 for w in split) or sum(split) != channels):
+        raise ValueError(f"{_SPLIT_API}: split={split!r} must be a tuple of 1 to {MAX_PIECES} positive ints "
+                         f"summing to channels={channels}")
+    return channels
+
+
+def causal_conv1d_silu_split(x, kernel, bias=None, *, channel_offset, split, seq_idx=None, initial_states=None,
+                             activation="silu", return_final_states=False, backend="auto"):
+    """`causal_conv1d_silu` of channels channel_offset .. channel_offset + channels - 1 of x, in pieces.
+
+    The same conv as `causal_conv1d_silu(x[..., channel_offset:channel_offset + channels], ...)` split along
+    the channels into pieces of the widths `split`. The kernel backends read the channels in place and write
+    each piece as its own array (and their backward takes each piece's cotangent as it comes), so that
+    in_proj's output feeds the conv, and the conv the SSD, without a slice, concatenate or split copy. The
+    cotangent of x is zero outside the window.
+
+    Args:
+      x: (batch, seqlen, width), bf16/f16/f32/f64, channels-last (e.g. in_proj's [z, xBC, dt]).
+      kernel: (d_conv, channels) float; bias: (channels,) float, optional.
+      channel_offset: the first channel of x convolved (an int; 0 <= channel_offset <= width - channels).
+        Offsets and widths that are multiples of 16 bytes keep the kernels' loads and stores vectorised.
+      split: the widths of the output pieces, a tuple of 1 to MAX_PIECES positive ints summing to channels
+        (e.g. (d_ssm, ngroups * d_state, ngroups * d_state)).
+      seq_idx, initial_states, activation, backend: as in `causal_conv1d_silu` (initial_states over the
+        conv's channels).
+      return_final_states: also return the state after the sequence (batch, channels, d_conv).
+
+    Returns:
+      A tuple of len(split) arrays (batch, seqlen, split[i]) in x.dtype; with `return_final_states`, (pieces,
+      final_states).
+
+    Raises:
+      ValueError / TypeError: on a wrong shape, dtype, layout or option, naming the argument, before any
+        computation; ValueError when a named kernel backend cannot run the call, saying why.
+
+    Example:
+      >>> zxbcdt = jnp.ones((1, 8, 12)); kernel = jnp.full((4, 6), 0.25)
+      >>> [p.shape for p in causal_conv1d_silu_split(zxbcdt, kernel, channel_offset=4, split=(4, 1, 1),
+      ...                                            backend="xla")]
+      [(1, 8, 4), (1, 8, 1), (1, 8, 1)]
+    """
+    channels = _check_layout(x, kernel, channel_offset, split)
+    inputs = ConvInputs(x, kernel, bias, initial_states, seq_idx)
+    # The remaining checks see the window's shape; x itself is checked for its dtype.
+    check_array(_SPLIT_API, "x", x)
+    window = jax.ShapeDtypeStruct((*x.shape[:2], channels), x.dtype)
+    _check_inputs(inputs._replace(x=window), activation, return_final_states)
+    static = ConvStatic(silu=activation == "silu", offset=channel_offset, split=split)
+    selected = registry.select(backend, _SPLIT_API, lambda b: b.unsupported_reason(inputs), op=OP)
+    if x.size == 0:
+        pieces = tuple(jnp.zeros((*x.shape[:2], w), x.dtype) for w in split)
+    else:
+        pieces = registry.run_selected(selected, lambda b, inp: _run(b, inp, static), inputs)
+    if not return_final_states:
+        return pieces
+    window = _window(x, kernel, channel_offset)
+    return pieces, conv1d_reference.final_conv_state(window, kernel.shape[0], initial_states)

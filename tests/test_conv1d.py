@@ -228,3 +228,139 @@ def test_aot_export_lowers_the_conv_kernels_for_sm90():
     exported = aot.export_for_cuda(jax.value_and_grad(loss, argnums=(0, 1, 2)), x, kernel, bias)
     names = [re.sub(r"_Kt\d.*", "", n) for n in re.findall(r'function_name = "([^"]+)"', exported.mlir_module())]
     assert names == ["causal_conv1d_fwd_kernel", "causal_conv1d_bwd_kernel", "conv_grads_reduce_kernel"], names
+
+
+# ----------------------------------------------------------------------------------------------
+# causal_conv1d_silu_split: a channel window of a wider input, in pieces
+# ----------------------------------------------------------------------------------------------
+
+# The mixer's layout scaled down: in_proj's [z (24), xBC (16 + 4 + 4), dt (3)], xBC at offset 24.
+_OFFSET, _WIDTH, _SPLIT = 24, 51, (16, 4, 4)
+
+
+def _in_source(x, seed=31):
+    """x (batch, seqlen, 24) inside random channels of in_proj's width at _OFFSET."""
+    wide = jax.random.normal(jax.random.key(seed), (*x.shape[:2], _WIDTH), x.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(wide, x, _OFFSET, axis=-1)
+
+
+def _split_cutile(source, kernel, bias=None, **options):
+    return conv1d.causal_conv1d_silu_split(source, kernel, bias, channel_offset=_OFFSET, split=_SPLIT,
+                                           backend="cutile", **options)
+
+
+def _check_split(args, fn, tolerance=TOLERANCE, **options):
+    """fn's pieces and the gradients of sum(concat(pieces) * weights) against the float64 reference of the
+    window; the source's cotangent is zero outside it."""
+    x, kernel, bias, init, seq_idx, weights = args
+    source = _in_source(x)
+    want_y, want_grads = float64_reference(*args)
+
+    def loss(source, kernel, bias, init):
+        pieces = fn(source, kernel, bias, seq_idx=seq_idx, initial_states=init, **options)
+        assert [p.shape[-1] for p in pieces] == list(_SPLIT)
+        return jnp.sum(jnp.concatenate(pieces, axis=-1) * weights)
+
+    pieces = fn(source, kernel, bias, seq_idx=seq_idx, initial_states=init, **options)
+    argnums = tuple(i for i, a in enumerate((source, kernel, bias, init)) if a is not None)
+    grads = dict(zip(argnums, jax.grad(loss, argnums=argnums)(source, kernel, bias, init)))
+    dsource = np.asarray(grads.pop(0))
+    errors = {"y": rel_l2(jnp.concatenate(pieces, axis=-1), want_y),
+              "dx": rel_l2(dsource[..., _OFFSET:_OFFSET + x.shape[-1]], want_grads[0])}
+    errors.update({f"d{'x kernel bias init'.split()[i]}": rel_l2(g, want_grads[i]) for i, g in grads.items()})
+    assert max(errors.values()) < tolerance, errors
+    np.testing.assert_array_equal(dsource[..., :_OFFSET], 0.0)
+    np.testing.assert_array_equal(dsource[..., _OFFSET + x.shape[-1]:], 0.0)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(channel_offset=28), r"channel_offset=28 must be an int in \[0, x.shape\[-1\] - channels\]=\[0, 27\]"),
+    (dict(channel_offset=-1), r"channel_offset=-1 must be an int"),
+    (dict(split=(16, 4)), r"split=\(16, 4\) must be a tuple of 1 to 3 positive ints summing to channels=24"),
+    (dict(split=[16, 4, 4]), r"split=\[16, 4, 4\] must be a tuple"),
+    (dict(split=(8, 8, 4, 4)), r"split=\(8, 8, 4, 4\) must be a tuple of 1 to 3"),
+    (dict(bias=jnp.zeros((51,))), r"bias.shape=\(51,\) must be \(channels,\)=\(24,\)"),
+    (dict(initial_states=jnp.zeros((2, 51, 4))), r"initial_states.shape=\(2, 51, 4\) must be"),
+])
+def test_split_invalid_arguments_raise_naming_them(kwargs, message):
+    args = dict(channel_offset=_OFFSET, split=_SPLIT, bias=None)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        conv1d.causal_conv1d_silu_split(jnp.zeros((2, 5, _WIDTH)), jnp.zeros((4, 24)), args.pop("bias"), **args)
+
+
+@pytest.mark.parametrize("init_width", [0, 4])
+def test_split_xla_is_the_conv_of_the_window_in_pieces(init_width):
+    x, kernel, bias, init, _, _ = make_conv_args(30, channels=24, init_width=init_width)
+    source = _in_source(x)
+    pieces, final = conv1d.causal_conv1d_silu_split(source, kernel, bias, channel_offset=_OFFSET, split=_SPLIT,
+                                                    initial_states=init, return_final_states=True, backend="xla")
+    want, want_final = conv1d.causal_conv1d_silu(x, kernel, bias, initial_states=init, return_final_states=True,
+                                                 backend="xla")
+    np.testing.assert_array_equal(np.asarray(jnp.concatenate(pieces, axis=-1)), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(final), np.asarray(want_final))
+
+
+@pytest.mark.parametrize("options", [dict(), dict(init_width=4), dict(seq_idx=[7, 12], bias=False)],
+                         ids=["plain", "initial_states", "seq_idx_no_bias"])
+def test_emulated_split_forward_and_gradients_match_float64_reference(emulated, options):
+    _check_split(make_conv_args(32, seqlen=19, channels=24, **options), jax.jit(_split_cutile))
+
+
+def test_emulated_split_runs_one_forward_and_one_backward_plan(emulated):
+    """[x, B, C] in one launch each way: the pieces and their cotangents never meet in XLA."""
+    x, kernel, bias, _, _, weights = make_conv_args(33, seqlen=19, channels=24)
+
+    def loss(source, kernel, bias):
+        return jnp.sum(jnp.concatenate(_split_cutile(source, kernel, bias), axis=-1) * weights)
+
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(_in_source(x), kernel, bias))
+    assert jaxpr.count("pure_callback") == 2
+
+
+def test_emulated_split_under_remat_matches_float64_reference(emulated):
+    args = make_conv_args(34, seqlen=19, channels=24, init_width=3)
+    _check_split(args, jax.checkpoint(_split_cutile))
+
+    class Conv(nnx.Module):
+        def __init__(self, kernel, bias):
+            self.kernel, self.bias = nnx.Param(kernel), nnx.Param(bias)
+
+        def __call__(self, source, init):
+            return jnp.concatenate(_split_cutile(source, self.kernel[...], self.bias[...], initial_states=init), -1)
+
+    x, kernel, bias, init, _, weights = args
+    grads = nnx.grad(lambda m: jnp.sum(nnx.remat(lambda m, s: m(s, init))(m, _in_source(x)) * weights))(
+        Conv(kernel, bias))
+    _, (_, dkernel, dbias, _) = float64_reference(*args)
+    assert rel_l2(grads.kernel[...], dkernel) < TOLERANCE and rel_l2(grads.bias[...], dbias) < TOLERANCE
+
+
+def test_emulated_split_vmap_of_gradients_matches_a_loop(emulated):
+    x, kernel, bias, _, _, weights = make_conv_args(35, seqlen=19, channels=24)
+    sources = jnp.stack([_in_source(x), -0.5 * _in_source(x, seed=36)])
+
+    def grads(source):
+        def loss(source, kernel, bias):
+            return jnp.sum(jnp.concatenate(_split_cutile(source, kernel, bias), axis=-1) * weights)
+        return jax.grad(loss, argnums=(0, 1, 2))(source, kernel, bias)
+
+    mapped = jax.vmap(grads)(sources)
+    for i in range(2):
+        for got, want in zip(mapped, grads(sources[i])):
+            assert rel_l2(got[i], want) < 1e-6
+    assert str(jax.make_jaxpr(jax.vmap(grads))(sources)).count("pure_callback") == 2
+
+
+def test_emulated_split_under_shard_map_over_the_batch_matches_float64_reference(emulated):
+    """The layer's data-parallel path: rows over "data", the kernel and bias replicated (their gradients are
+    the shards' sum)."""
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,))
+
+    def sharded(source, kernel, bias, *, seq_idx, initial_states):
+        assert initial_states is None
+        return jax.shard_map(lambda s, k, b, ids: _split_cutile(s, k, b, seq_idx=ids), mesh=mesh,
+                             in_specs=(P("data"), P(), P(), P("data")), out_specs=P("data"))(
+                                 source, kernel, bias, seq_idx)
+
+    _check_split(make_conv_args(37, seqlen=19, channels=24, seq_idx=[11, 8]), sharded)

@@ -1,5 +1,7 @@
 """The conv op on the cuTile kernels on the GPU (run on the H200; skipped elsewhere): forward and gradients
 against the float64 reference, determinism, dispatch, vmap, and the Mamba2 layer on the kernels against xla."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,3 +110,131 @@ def test_mamba2_layer_on_the_conv_kernels_matches_xla():
              for b, m in layers.items()}
     for (path, g_cutile), (_, g_xla) in zip(grads["cutile"], grads["xla"]):
         assert rel_l2(g_cutile[...], g_xla[...]) < 2e-2, path
+
+
+# ----------------------------------------------------------------------------------------------
+# causal_conv1d_silu_split: the mixer's layout (tests/test_conv1d.py runs the same on the emulator)
+# ----------------------------------------------------------------------------------------------
+
+# (make_conv_args options, channel offset, input width, split).
+SPLIT_CASES = {
+    # The LM at d_model 1024: in_proj's [z (2048), xBC (2304), dt (32)], 8 x 2048 tokens.
+    "lm": (dict(batch=8, seqlen=2048, channels=2304), 2048, 4384, (2048, 128, 128)),
+    "odd_seq_idx": (dict(batch=2, seqlen=1001, channels=300, seq_idx=[1, 500, 250, 250]), 40, 357, (200, 50, 50)),
+    "unaligned_offset_init": (dict(batch=3, seqlen=77, channels=136, init_width=4), 5, 150, (100, 36)),
+    "one_piece_width_3": (dict(batch=1, seqlen=513, channels=64, d_conv=3), 64, 130, (64,)),
+}
+
+
+def _split_source(x, offset, width, seed=41):
+    wide = jax.random.normal(jax.random.key(seed), (*x.shape[:2], width), jnp.float32).astype(x.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(wide, x, offset, axis=-1)
+
+
+def _check_split(backend, args, dtype, offset, width, split, transform=lambda f: f):
+    x, kernel, bias, init, seq_idx, weights = args
+    source = _split_source(x, offset, width)
+
+    def f(source, kernel, bias, init):
+        pieces = conv1d.causal_conv1d_silu_split(source, kernel, bias, channel_offset=offset, split=split,
+                                                 seq_idx=seq_idx, initial_states=init, backend=backend)
+        return jnp.concatenate(pieces, axis=-1)
+
+    f = transform(f)
+    argnums = tuple(i for i, a in enumerate((source, kernel, bias, init)) if a is not None)
+
+    def loss(*a):
+        return jnp.sum(f(*a).astype(jnp.float32) * weights.astype(jnp.float32))
+
+    y, grads = jax.jit(lambda *a: (f(*a), jax.grad(loss, argnums=argnums)(*a)))(source, kernel, bias, init)
+    grads = dict(zip(argnums, grads))
+    want_y, want_grads = float64_reference(*args)
+    dsource = np.asarray(grads.pop(0).astype(jnp.float32))
+    errors = {"y": rel_l2(y, want_y), "dx": rel_l2(dsource[..., offset:offset + x.shape[-1]], want_grads[0])}
+    errors.update({f"d{'x kernel bias init'.split()[i]}": rel_l2(g, want_grads[i]) for i, g in grads.items()})
+    assert max(errors.values()) < TOLERANCE[dtype], errors
+    np.testing.assert_array_equal(dsource[..., :offset], 0.0)
+    np.testing.assert_array_equal(dsource[..., offset + x.shape[-1]:], 0.0)
+
+
+@pytest.mark.parametrize("backend", ["cutile", "cutile_callback"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_conv_split_cutile_matches_float64_reference(backend, dtype, case):
+    options, offset, width, split = SPLIT_CASES[case]
+    _check_split(backend, make_conv_args(42, dtype=jnp.dtype(dtype), **options), dtype, offset, width, split)
+
+
+def test_conv_split_cutile_under_remat_matches_float64_reference():
+    options, offset, width, split = SPLIT_CASES["unaligned_offset_init"]
+    _check_split("cutile", make_conv_args(43, **options), "float32", offset, width, split, jax.checkpoint)
+
+
+def test_conv_split_cutile_vmap_of_gradients_matches_a_loop():
+    options, offset, width, split = SPLIT_CASES["odd_seq_idx"]
+    x, kernel, bias, _, _, weights = make_conv_args(44, **{**options, "seq_idx": None})
+    sources = jnp.stack([_split_source(x, offset, width), -0.5 * _split_source(x, offset, width, seed=45)])
+
+    def grads(source):
+        def loss(source, kernel, bias):
+            pieces = conv1d.causal_conv1d_silu_split(source, kernel, bias, channel_offset=offset, split=split,
+                                                     backend="cutile")
+            return jnp.sum(jnp.concatenate(pieces, axis=-1) * weights)
+        return jax.grad(loss, argnums=(0, 1, 2))(source, kernel, bias)
+
+    mapped = jax.jit(jax.vmap(grads))(sources)
+    for i in range(2):
+        for got, want in zip(mapped, jax.jit(grads)(sources[i])):
+            assert rel_l2(got[i], want) < 1e-6
+
+
+def test_conv_split_cutile_gradients_are_deterministic():
+    options, offset, width, split = SPLIT_CASES["lm"]
+    x, kernel, bias, _, _, weights = make_conv_args(46, dtype=jnp.bfloat16, **options)
+    source = _split_source(x, offset, width)
+
+    def loss(source, kernel, bias):
+        pieces = conv1d.causal_conv1d_silu_split(source, kernel, bias, channel_offset=offset, split=split,
+                                                 backend="cutile")
+        return jnp.sum(jnp.concatenate(pieces, axis=-1).astype(jnp.float32) * weights.astype(jnp.float32))
+
+    run = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    first, second = run(source, kernel, bias), run(source, kernel, bias)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+def test_mamba2_layer_compiled_training_step_has_no_copy_around_the_conv():
+    """The LM's mixer at d_model 1024 in bf16 on one GPU: one conv forward launch (reading in_proj's product
+    itself, writing x, B, C) and one conv backward launch; no slice / concatenate / copy fusion of
+    activation size consumes the conv's outputs (tests/flax_layers/test_mamba2_conv.py checks the same on
+    the emulator, where the whole graph is also pinned)."""
+    from tests.flax_layers.test_mamba2_conv import _computes_a_matmul, _copies, _elements, _instructions, _source
+
+    batch, seqlen = 2, 2048
+    layer = Mamba2(1024, backend="cutile", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    u = jax.random.normal(jax.random.key(47), (batch, seqlen, 1024), jnp.bfloat16)
+    graphdef, state = nnx.split(layer)
+
+    def loss(state, u):
+        return jnp.sum(nnx.merge(graphdef, state)(u).astype(jnp.float32) ** 2)
+
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(state, u).compile().as_text()
+    entry = _instructions(hlo)
+    pieces = [("bf16", f"{batch},{seqlen},{w}") for w in (2048, 128, 128)]
+    forward = [n for n, i in entry.items() if i["op"] == "custom-call" and
+               re.findall(r"(\w+)\[([\d,]*)\]", i["shape"])[:3] == pieces]
+    backward = [n for n, i in entry.items() if i["op"] == "custom-call" and
+                i["shape"].startswith(f"(bf16[{batch},{seqlen},2304]")]
+    assert len(forward) == 1 and len(backward) == 1, (forward, backward)
+    in_proj = _source(entry, entry[forward[0]]["operands"][0])
+    assert entry[in_proj]["shape"].startswith(f"bf16[{batch},{seqlen},4384]") or \
+        f"bf16[{batch * seqlen},4384]" in entry[in_proj]["shape"], entry[in_proj]
+    assert _computes_a_matmul(hlo, entry, in_proj), entry[in_proj]
+    conv_values = {*forward, *backward} | {n for n, i in entry.items() if i["op"] in ("bitcast", "get-tuple-element")
+                                          and _source(entry, n) in (*forward, *backward)}
+    for name, inst in entry.items():
+        if f",{4384}]" in inst["shape"]:  # the cotangent of in_proj's output, assembled once for its matmuls
+            continue
+        if set(inst["operands"]) & conv_values and _elements(inst["shape"]) >= batch * seqlen * 128:
+            assert not _copies(hlo, entry, name), (name, inst)

@@ -6,13 +6,16 @@ rules (the mapped axis folds into the kernels' batch; the backward's weight part
 mapped item, so vmap of a gradient is one launch too), outputs that keep shard_map's varying axes, and
 parameter gradients summed over the shards that share the parameters.
 
-`inputs` are the op's `ConvInputs` (x, kernel, bias, initial_states, seq_idx; None where absent).
+`inputs` are the op's `ConvInputs` (x, kernel, bias, initial_states, seq_idx; None where absent); with a
+channel offset and a split (`Layout`) the conv reads channels offset .. offset + channels - 1 of x (which
+may be wider) and returns its output in pieces of the split's widths, so that the mixer's in_proj output
+goes in and x, B, C come out without a copy (see kernels/causal_conv1d.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +23,8 @@ import jax.numpy as jnp
 from jax_mamba2.bridge import _compat, callback, ffi, problem
 from jax_mamba2.bridge.batching import broadcast_unbatched, fold, unfold
 from jax_mamba2.kernels._common import KERNEL_DTYPES
-from jax_mamba2.kernels.causal_conv1d import ConvDims, conv_fwd_plan
-from jax_mamba2.kernels.causal_conv1d_bwd import conv_bwd_plan
+from jax_mamba2.kernels.causal_conv1d import MAX_OUTPUTS, ConvDims, ConvFwdConfig, conv_fwd_plan
+from jax_mamba2.kernels.causal_conv1d_bwd import COTANGENTS, ConvBwdConfig, conv_bwd_plan
 
 RunPlan = Callable[..., dict]
 
@@ -29,6 +32,14 @@ RunPlan = Callable[..., dict]
 MAX_WIDTH = 8
 # Arrays with a leading batch axis: a vmapped axis over them folds into the kernels' batch.
 _PER_ROW = ("x", "initial_states", "seq_idx")
+
+
+class Layout(NamedTuple):
+    """Which channels of x the conv reads (offset .. offset + channels - 1) and the widths of its output
+    pieces; split () is one output of all the kernel's channels."""
+
+    offset: int = 0
+    split: tuple[int, ...] = ()
 
 
 def unsupported_reason(inputs) -> Optional[str]:
@@ -45,24 +56,41 @@ def unsupported_reason(inputs) -> Optional[str]:
     return problem.gpu_unavailable_reason()
 
 
-def _dims(inputs, silu: bool) -> ConvDims:
-    batch, seqlen, channels = inputs.x.shape
+def _dims(inputs, silu: bool, layout: Layout) -> ConvDims:
+    batch, seqlen, in_width = inputs.x.shape
+    channels = inputs.kernel.shape[1]
     init = inputs.initial_states
     return ConvDims(batch=batch, seqlen=seqlen, channels=channels, width=inputs.kernel.shape[0],
                     dtype=jnp.dtype(inputs.x.dtype).name, init_width=0 if init is None else init.shape[-1],
-                    has_seq_idx=inputs.seq_idx is not None, silu=silu)
+                    has_seq_idx=inputs.seq_idx is not None, silu=silu, in_offset=layout.offset,
+                    in_width=0 if in_width == channels else in_width, split=layout.split)
 
 
 def _kernel_arrays(inputs) -> dict:
     """The plan inputs (names as in kernels.causal_conv1d.CONV_INPUTS)."""
     x = inputs.x
+    channels = inputs.kernel.shape[1]
     return dict(
         x=x,
         weight=inputs.kernel.astype(x.dtype),
-        bias=jnp.zeros(x.shape[-1:], x.dtype) if inputs.bias is None else inputs.bias.astype(x.dtype),
+        bias=jnp.zeros((channels,), x.dtype) if inputs.bias is None else inputs.bias.astype(x.dtype),
         initial_states=(jnp.zeros((1, 1, 1), x.dtype) if inputs.initial_states is None
                         else inputs.initial_states.astype(x.dtype)),
         seq_idx=jnp.zeros((1, 1), jnp.int32) if inputs.seq_idx is None else inputs.seq_idx.astype(jnp.int32))
+
+
+def _cotangent_arrays(dys, dtype) -> dict:
+    """The backward's dy0, dy1, dy2 from the pieces' cotangents (dummies past them)."""
+    dys = [dy.astype(dtype) for dy in dys] + [jnp.zeros((1, 1, 1), dtype)] * (MAX_OUTPUTS - len(dys))
+    return dict(zip(COTANGENTS, dys))
+
+
+def _source_cotangent(dx, x, layout: Layout):
+    """The cotangent of x from dx of the conv's channels: zero in the channels the conv does not read."""
+    if dx.shape == x.shape:
+        return dx
+    pad = ((0, 0),) * (dx.ndim - 1) + ((layout.offset, x.shape[-1] - layout.offset - dx.shape[-1]),)
+    return jnp.pad(dx, pad)
 
 
 def _fold_rows(inputs, batched, axis_size: int):
@@ -75,49 +103,54 @@ def _weights_batched(batched) -> bool:
 
 
 @functools.cache
-def _batchable_forward(run_plan: RunPlan, silu: bool):
-    """y of the conv (+ SiLU) under a vmap rule."""
+def _batchable_forward(run_plan: RunPlan, silu: bool, layout: Layout, cfg: Optional[ConvFwdConfig]):
+    """The output pieces of the conv (+ SiLU), a tuple, under a vmap rule."""
 
     @jax.custom_batching.custom_vmap
     def forward(inputs):
-        out = run_plan(conv_fwd_plan(_dims(inputs, silu)), _kernel_arrays(inputs))
-        return _compat.match_varying_axes(out["y"], inputs)
+        plan = conv_fwd_plan(_dims(inputs, silu, layout), cfg)
+        out = run_plan(plan, _kernel_arrays(inputs))
+        return _compat.match_varying_axes(tuple(out[name] for name in plan.outputs), inputs)
 
     @forward.def_vmap
     def forward_vmap(axis_size, in_batched, inputs):
         batched = in_batched[0]
         if _weights_batched(batched):  # per-item weights cannot share one launch: map over the items
-            return jax.lax.map(forward, broadcast_unbatched(inputs, batched, axis_size)), True
-        return unfold(forward(_fold_rows(inputs, batched, axis_size)), axis_size), True
+            pieces = jax.lax.map(forward, broadcast_unbatched(inputs, batched, axis_size))
+        else:
+            pieces = tuple(unfold(y, axis_size) for y in forward(_fold_rows(inputs, batched, axis_size)))
+        return pieces, tuple(True for _ in pieces)
 
     return forward
 
 
 @functools.cache
-def _batchable_backward(run_plan: RunPlan, silu: bool, items: int):
-    """(dx, dkernel (items, d_conv, channels), dbias (items, channels) or None, dinitial_states or None) of
-    the conv (+ SiLU) for the cotangent dy, item i of the weight gradients summing batch rows
-    [i * batch / items, (i + 1) * batch / items), under a vmap rule."""
+def _batchable_backward(run_plan: RunPlan, silu: bool, layout: Layout, cfg: Optional[ConvBwdConfig],
+                        items: int):
+    """(dx (batch, seqlen, channels), dkernel (items, d_conv, channels), dbias (items, channels) or None,
+    dinitial_states or None) of the conv (+ SiLU) for the cotangents `dys` of its output pieces, item i of
+    the weight gradients summing batch rows [i * batch / items, (i + 1) * batch / items), under a vmap rule."""
 
     @jax.custom_batching.custom_vmap
-    def backward(inputs, dy):
-        arrays = {**_kernel_arrays(inputs), "dy": dy.astype(inputs.x.dtype)}
-        out = run_plan(conv_bwd_plan(_dims(inputs, silu), items=items), arrays)
-        out = _compat.match_varying_axes(out, (inputs, dy))
+    def backward(inputs, dys):
+        arrays = {**_kernel_arrays(inputs), **_cotangent_arrays(dys, inputs.x.dtype)}
+        out = run_plan(conv_bwd_plan(_dims(inputs, silu, layout), cfg, items=items), arrays)
+        out = _compat.match_varying_axes(out, (inputs, dys))
         init, bias = inputs.initial_states, inputs.bias
         return (out["dx"].astype(inputs.x.dtype), out["dweight"].astype(inputs.kernel.dtype),
                 None if bias is None else out["dbias"].astype(bias.dtype),
                 None if init is None else out["dinitial_states"].astype(init.dtype))
 
     @backward.def_vmap
-    def backward_vmap(axis_size, in_batched, inputs, dy):
-        batched, dy_batched = in_batched
+    def backward_vmap(axis_size, in_batched, inputs, dys):
+        batched, dys_batched = in_batched
         if _weights_batched(batched):
-            args = broadcast_unbatched((inputs, dy), (batched, dy_batched), axis_size)
+            args = broadcast_unbatched((inputs, dys), (batched, dys_batched), axis_size)
             grads = jax.lax.map(lambda a: backward(*a), args)
             return grads, jax.tree.map(lambda _: True, grads)
         folded = _fold_rows(inputs, batched, axis_size)
-        grads = _batchable_backward(run_plan, silu, items * axis_size)(folded, fold(dy, dy_batched, axis_size))
+        folded_dys = tuple(fold(dy, b, axis_size) for dy, b in zip(dys, dys_batched))
+        grads = _batchable_backward(run_plan, silu, layout, cfg, items * axis_size)(folded, folded_dys)
         grads = jax.tree.map(lambda g: unfold(g, axis_size), grads)
         return grads, jax.tree.map(lambda _: True, grads)
 
@@ -126,19 +159,26 @@ def _batchable_backward(run_plan: RunPlan, silu: bool, items: int):
 
 @dataclasses.dataclass(frozen=True)
 class ConvKernels:
-    """The op on one plan executor: forward(inputs, silu) -> y and backward(inputs, silu, dy) -> the
-    cotangents of `inputs` (the same NamedTuple, seq_idx None)."""
+    """The op on one plan executor: forward(inputs, silu, offset, split) -> the output pieces (a tuple) and
+    backward(inputs, silu, dys, offset, split) -> the cotangents of `inputs` (the same NamedTuple, seq_idx
+    None) for the pieces' cotangents `dys`; see `Layout` for offset and split. `fwd_config` / `bwd_config`
+    replace the kernels' default tiles (None: `conv_fwd_default_config` / `conv_bwd_default_config` of each
+    problem)."""
 
     name: str
     run_plan: RunPlan
+    fwd_config: Optional[ConvFwdConfig] = None
+    bwd_config: Optional[ConvBwdConfig] = None
 
-    def forward(self, inputs, silu: bool):
-        return _batchable_forward(self.run_plan, silu)(inputs)
+    def forward(self, inputs, silu: bool, offset: int = 0, split: tuple[int, ...] = ()):
+        return _batchable_forward(self.run_plan, silu, Layout(offset, split), self.fwd_config)(inputs)
 
-    def backward(self, inputs, silu: bool, dy):
-        dx, dkernel, dbias, dinit = _batchable_backward(self.run_plan, silu, 1)(inputs, dy)
-        grads = inputs._replace(x=dx, kernel=dkernel[0], bias=None if dbias is None else dbias[0],
-                                initial_states=dinit, seq_idx=None)
+    def backward(self, inputs, silu: bool, dys, offset: int = 0, split: tuple[int, ...] = ()):
+        layout = Layout(offset, split)
+        dx, dkernel, dbias, dinit = _batchable_backward(self.run_plan, silu, layout, self.bwd_config, 1)(
+            inputs, tuple(dys))
+        grads = inputs._replace(x=_source_cotangent(dx, inputs.x, layout), kernel=dkernel[0],
+                                bias=None if dbias is None else dbias[0], initial_states=dinit, seq_idx=None)
         return _compat.reduce_to_primal_axes(grads, inputs._replace(seq_idx=None))
 
     unsupported_reason = staticmethod(unsupported_reason)

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from jax_mamba2 import backends
 from jax_mamba2 import conv1d as conv_op
 from jax_mamba2 import norm as norm_op
-from jax_mamba2.conv1d import causal_conv1d_silu
+from jax_mamba2.conv1d import causal_conv1d_silu, causal_conv1d_silu_split
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers._tree import param_path
 from jax_mamba2.flax_layers.cache import Mamba2Cache
@@ -272,12 +272,16 @@ class Mamba2(nnx.Module):
 
     def _forward(self, shard: HeadShard, hidden_states, cache, seq_idx, *, want_cache: bool):
         batch, seqlen, _ = hidden_states.shape
-        z0, x0, z, x, B, C, dt = self._project(shard, hidden_states)
-        x, B, C, conv_state = self._convolve(
-            shard, x, B, C, None if cache is None else cache.conv_state, want_cache,
-            lambda xBC, state, kernel, bias: causal_conv1d_silu(
-                xBC, kernel, bias, seq_idx=seq_idx, initial_states=state, return_final_states=True,
-                backend=backends.for_op(self.backend, conv_op.OP)))
+        conv_state = None if cache is None else cache.conv_state
+        if shard.size == 1:
+            z0, x0, z, x, B, C, dt, conv_state = self._project_and_convolve(hidden_states, conv_state, seq_idx)
+        else:
+            z0, x0, z, x, B, C, dt = self._project(shard, hidden_states)
+            x, B, C, conv_state = self._convolve(
+                shard, x, B, C, conv_state, want_cache,
+                lambda xBC, state, kernel, bias: causal_conv1d_silu(
+                    xBC, kernel, bias, seq_idx=seq_idx, initial_states=state, return_final_states=True,
+                    backend=backends.for_op(self.backend, conv_op.OP)))
         A, D, dt_bias = self._ssm_params()
         nheads, ngroups = A.shape[0], B.shape[-1] // self.d_state  # this shard's heads and groups
         y, ssm_state = ssd(
@@ -335,8 +339,39 @@ class Mamba2(nnx.Module):
             pieces = [p + b.astype(dtype) for p, b in zip(pieces, shard.split(self.in_proj.bias[...], segments))]
         return pieces
 
+    def _conv_backend(self) -> str:
+        """The conv's backend: the layer's, or "xla" for the pure-JAX SSD backends."""
+        return "xla" if self.backend in ("xla", "scan") else self.backend
+
+    def _project_and_convolve(self, hidden_states, conv_state, seq_idx):
+        """in_proj and the causal conv + SiLU of the whole layer (one device, no head split).
+
+        The conv reads xBC straight from in_proj's output (batch, seqlen, d_in_proj) and writes x, B and C as
+        separate arrays (`causal_conv1d_silu_split`): one launch each way on the kernel backends, and no slice,
+        concatenate or split copy between in_proj, the conv and the SSD.
+
+        Returns:
+          (z0, x0, z, x, B, C, dt, conv_state): (..., width) each, and the new (batch, conv_dim, d_conv)
+          conv state.
+        """
+        kernel = self.in_proj.kernel[...]
+        dtype = self.dtype or jnp.result_type(hidden_states, kernel)
+        zxbcdt = jnp.einsum("...d,de->...e", hidden_states.astype(dtype), kernel.astype(dtype))
+        if self.in_proj.bias is not None:
+            zxbcdt = zxbcdt + self.in_proj.bias[...].astype(dtype)
+        bias = self.conv1d.bias
+        xbc_offset = 2 * self.d_mlp + self.d_ssm  # [z0, x0, z, xBC, dt]
+        bc = self.ngroups * self.d_state
+        (x, B, C), conv_state = causal_conv1d_silu_split(
+            zxbcdt, self.conv1d.kernel[...], None if bias is None else bias[...], channel_offset=xbc_offset,
+            split=(self.d_ssm, bc, bc), seq_idx=seq_idx, initial_states=conv_state, return_final_states=True,
+            backend=self._conv_backend())
+        z0, x0, z = jnp.split(zxbcdt[..., :xbc_offset], [self.d_mlp, 2 * self.d_mlp], axis=-1)
+        return z0, x0, z, x, B, C, zxbcdt[..., xbc_offset + self.conv_dim:], conv_state
+
     def _convolve(self, shard: HeadShard, x, B, C, conv_state, want_state: bool, apply):
-        """The causal conv + SiLU on this shard's channels [x, B, C].
+        """The causal conv + SiLU on this shard's channels [x, B, C] (the head-parallel path and decode steps;
+        one device's full forward takes `_project_and_convolve`).
 
         x and [B, C] are convolved separately: under head parallelism x is split over devices while B and C
         may be replicated, and keeping them apart keeps the replicated part provably replicated.

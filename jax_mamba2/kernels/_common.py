@@ -290,6 +290,11 @@ def _with_hints(kernel: Any, hints: tuple[tuple[str, int], ...]) -> Any:
     return kernel.replace_hints(**dict(hints))
 
 
+def with_hints(kernel: Any, **hints: int) -> Any:
+    """`kernel.replace_hints(**hints)`, cached: the same (kernel, hints) is the same object, compiled once."""
+    return _with_hints(kernel, tuple(sorted(hints.items())))
+
+
 def select_kernel(kernels: tuple[Any, Any], dims: SSDDims, **hints: int | None) -> Any:
     """The int32 or int64 variant for `dims` with `hints` (occupancy, num_worker_warps, ...) applied; a
     hint given as None is left to the compiler.

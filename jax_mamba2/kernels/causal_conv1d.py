@@ -10,6 +10,14 @@ x̃ is x left-extended by the last K - 1 columns of `initial_states` (zeros with
 m_k[t] = (ids[t - K + 1 + k] == ids[t]) with ids = -1 before the sequence: a tap never reads an earlier
 packed sequence (nor the initial states). Without seq_idx every m_k is 1.
 
+Channels in, pieces out. x may be wider than the conv: the kernels read channels IN_OFFSET .. IN_OFFSET +
+channels - 1 of each token (the mixer passes in_proj's whole output, [z, xBC, dt], and the offset of xBC), and
+the forward writes channels [0, SPLIT1), [SPLIT1, SPLIT2), [SPLIT2, channels) to up to OUTPUTS = 3 separate
+arrays (the mixer's x, B and C, in the layouts the SSD takes), so that XLA copies nothing around the launch:
+no slice of the input, no concatenate of [B, C], no split of the output. A block's channels may straddle a
+split; it stores to every output its channels meet (`if` on the block index, so a block within one output
+issues the stores of that one only).
+
 Layout and loads. cuTile tiles have power-of-two dims and `ct.load` offsets are whole tiles, so a tile of
 rows shifted by one token cannot be formed from an aligned tile. Each block therefore handles BLOCK_L
 tokens of BLOCK_C channels as a Python tuple of rows: it gathers the BLOCK_L + K - 1 rows of its window once
@@ -23,7 +31,8 @@ re-reads that hit L2, the weights and seq_idx are noise.
 
 Grid: (cdiv(seqlen, BLOCK_L), cdiv(channels, BLOCK_C), batch).
 
-Shapes: x, y (batch, seqlen, channels) T in {bf16, f16, f32}; weight (WIDTH, channels) and bias (channels,)
+Shapes: x (batch, seqlen, in_width) T in {bf16, f16, f32} with IN_OFFSET + channels <= in_width; y0, y1, y2
+(batch, seqlen, width of the piece) T, dummies (1, 1, 1) past OUTPUTS; weight (WIDTH, channels) and bias (channels,)
 T (the op rounds them to x's dtype, as the reference does); initial_states (batch, channels, INIT_WIDTH) T
 (a dummy (1, 1, 1) without HAS_INIT); seq_idx (batch, seqlen) int32 (a dummy (1, 1) without HAS_SEQ_IDX).
 """
@@ -32,20 +41,25 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    LOG2E, Big, Buffer, ConstBool, ConstInt, Launch, Plan, exp2_ftz, int64_index_kernels, is_power_of_2,
-    next_power_of_2)
+    LOG2E, Big, Buffer, ConstBool, ConstInt, Plan, exp2_ftz, int64_index_kernels, is_power_of_2, kernel_launch,
+    next_power_of_2, with_hints)
 
 _INT32_MAX = (1 << 31) - 1
 
 CONV_INPUTS = ("x", "weight", "bias", "initial_states", "seq_idx")
+# The pieces of the conv's output channels, at most this many (the mixer's x, B, C).
+MAX_OUTPUTS = 3
+CONV_OUTPUTS = tuple(f"y{i}" for i in range(MAX_OUTPUTS))
 
 
 @dataclasses.dataclass(frozen=True)
 class ConvDims:
     """Static description of one conv problem (everything the kernels specialise on).
 
-    x is (batch, seqlen, channels) of `dtype`; `width` is d_conv (the number of taps); `init_width` the
-    number of columns of initial_states (width - 1 or width; 0 without them).
+    The conv reads channels in_offset .. in_offset + channels - 1 of x (batch, seqlen, in_width) of `dtype`
+    (in_width 0: x is (batch, seqlen, channels)); `width` is d_conv (the number of taps); `init_width` the
+    number of columns of initial_states (width - 1 or width; 0 without them); `split` the widths of the
+    output pieces, summing to channels (empty: one output of all channels).
     """
 
     batch: int
@@ -56,25 +70,64 @@ class ConvDims:
     init_width: int = 0
     has_seq_idx: bool = False
     silu: bool = True
+    in_offset: int = 0
+    in_width: int = 0
+    split: tuple[int, ...] = ()
 
     @property
     def has_init(self) -> bool:
         return self.init_width > 0
 
+    @property
+    def source_width(self) -> int:
+        """The channels of x (the conv's and any others)."""
+        return self.in_width or self.channels
+
+    @property
+    def pieces(self) -> tuple[int, ...]:
+        """The widths of the outputs."""
+        return self.split or (self.channels,)
+
+    @property
+    def split_points(self) -> tuple[int, int]:
+        """(SPLIT1, SPLIT2): where outputs 1 and 2 start (channels where there is none)."""
+        starts = [sum(self.pieces[:i]) for i in range(1, MAX_OUTPUTS)]
+        return tuple(starts[i] if i + 1 < len(self.pieces) else self.channels for i in range(MAX_OUTPUTS - 1))
+
+
+def check_dims(api: str, dims: ConvDims) -> None:
+    """Raises ValueError unless the channel layout fits: the read window inside x, 1 to MAX_OUTPUTS positive
+    pieces summing to the channels."""
+    if dims.in_offset < 0 or dims.in_offset + dims.channels > dims.source_width:
+        raise ValueError(f"{api}: in_offset={dims.in_offset} + channels={dims.channels} must be within "
+                         f"in_width={dims.source_width}")
+    pieces = dims.pieces
+    if not 1 <= len(pieces) <= MAX_OUTPUTS or min(pieces) < 1 or sum(pieces) != dims.channels:
+        raise ValueError(f"{api}: split={dims.split} must be 1 to {MAX_OUTPUTS} positive widths summing to "
+                         f"channels={dims.channels}")
+
 
 def needs_int64_index(dims: ConvDims, partials: int = 0) -> bool:
     """Whether an array of the problem (x, or `partials` rows of per-block weight sums) has 2^31 or more
     elements, so that int32 element offsets could overflow."""
-    largest = max(dims.batch * dims.seqlen * dims.channels, max(partials, 1) * dims.width * dims.channels,
+    largest = max(dims.batch * dims.seqlen * dims.source_width, max(partials, 1) * dims.width * dims.channels,
                   dims.batch * dims.channels * max(dims.init_width, 1))
     return largest > _INT32_MAX
+
+
+def piece_arrays(dims: ConvDims, prefix: str) -> dict[str, Buffer]:
+    """The MAX_OUTPUTS arrays <prefix>0.. of the output pieces (batch, seqlen, width) in x's dtype, dummies
+    (1, 1, 1) past the pieces."""
+    widths = dims.pieces + (0,) * (MAX_OUTPUTS - len(dims.pieces))
+    return {f"{prefix}{i}": Buffer((dims.batch, dims.seqlen, w) if w else (1, 1, 1), dims.dtype)
+            for i, w in enumerate(widths)}
 
 
 def conv_arrays(dims: ConvDims) -> dict[str, Buffer]:
     """Shape and dtype of each plan input as the bridge passes it (dummies for absent options)."""
     b, L, C, T = dims.batch, dims.seqlen, dims.channels, dims.dtype
     return {
-        "x": Buffer((b, L, C), T),
+        "x": Buffer((b, L, dims.source_width), T),
         "weight": Buffer((dims.width, C), T),
         "bias": Buffer((C,), T),
         "initial_states": Buffer((b, C, dims.init_width) if dims.has_init else (1, 1, 1), T),
@@ -110,11 +163,12 @@ def widened(rows):
     return wide
 
 
-def halo_rows(x, initial_states, b, first, count, cols, HAS_INIT, INIT_WIDTH):
+def halo_rows(x, initial_states, b, first, count, x_cols, cols, HAS_INIT, INIT_WIDTH):
     """The rows of tokens first .. first + count - 1 of x̃ (x left-extended by the initial states' last
-    columns) as a tuple of f32 [BLOCK_C] tiles. A token t < 0 reads initial_states[b, cols, INIT_WIDTH + t]
-    (x's gather is 0 there, and the states' is 0 for t >= 0, so the two add up without a branch)."""
-    rows = widened(token_rows(x, b, first, count, cols))
+    columns) as a tuple of f32 [BLOCK_C] tiles, channels `cols` (x's channels `x_cols`). A token t < 0 reads
+    initial_states[b, cols, INIT_WIDTH + t] (x's gather is 0 there, and the states' is 0 for t >= 0, so the
+    two add up without a branch)."""
+    rows = widened(token_rows(x, b, first, count, x_cols))
     if HAS_INIT:
         extended = ()
         for j in ct.static_iter(range(count)):
@@ -122,6 +176,56 @@ def halo_rows(x, initial_states, b, first, count, cols, HAS_INIT, INIT_WIDTH):
             extended += (rows[j] + state,)
         rows = extended
     return rows
+
+
+def piece_rows(y0, y1, y2, b, first, count, cols, OUTPUTS, SPLIT1, SPLIT2, BLOCK_C):
+    """`token_rows` of the conv's channels `cols` (the block's, from ct.bid(1) * BLOCK_C) stored as pieces:
+    channel c < SPLIT1 in y0, < SPLIT2 in y1 (at c - SPLIT1), else in y2 (at c - SPLIT2). A piece outside
+    the block's channels is not read; where the block straddles a split, each piece's gather is 0 outside
+    its own channels (out of bounds), so the sum of the pieces' rows is exact."""
+    if OUTPUTS == 1:
+        return token_rows(y0, b, first, count, cols)
+    c0 = ct.bid(1) * BLOCK_C
+    rows = ()
+    for _ in ct.static_iter(range(count)):
+        rows += (ct.zeros((BLOCK_C,), y0.dtype),)
+    for i in ct.static_iter(range(OUTPUTS)):
+        y, lo, hi = _piece(y0, y1, y2, i, SPLIT1, SPLIT2)
+        if c0 < hi:
+            if c0 + BLOCK_C > lo:
+                summed = ()
+                for j in ct.static_iter(range(count)):
+                    summed += (rows[j] + ct.gather(y, (b, first + j, cols - lo)),)
+                rows = summed
+    return rows
+
+
+def scatter_pieces(y0, y1, y2, b, first, rows, cols, OUTPUTS, SPLIT1, SPLIT2, BLOCK_C):
+    """Stores rows (tokens first, first + 1, ... of channels `cols`, the block's) into the pieces y0, y1, y2
+    (see `piece_rows`); tokens past seqlen and channels past a piece fall outside it and are dropped."""
+    if OUTPUTS == 1:
+        for r in ct.static_iter(range(len(rows))):
+            ct.scatter(y0, (b, first + r, cols), rows[r].astype(y0.dtype))
+    else:
+        c0 = ct.bid(1) * BLOCK_C
+        for i in ct.static_iter(range(OUTPUTS)):
+            y, lo, hi = _piece(y0, y1, y2, i, SPLIT1, SPLIT2)
+            if c0 < hi:
+                if c0 + BLOCK_C > lo:
+                    # Channels of an earlier piece have negative indices here: masked rather than left to
+                    # the bounds check.
+                    for r in ct.static_iter(range(len(rows))):
+                        ct.scatter(y, (b, first + r, cols - lo), rows[r].astype(y.dtype), mask=cols >= lo)
+
+
+def _piece(y0, y1, y2, i, SPLIT1, SPLIT2):
+    """(array, first channel, end channel) of piece i (a compile-time index); the last piece's end is past
+    every channel, its array's bounds end it."""
+    if i == 0:
+        return y0, 0, SPLIT1
+    if i == 1:
+        return y1, SPLIT1, SPLIT2
+    return y2, SPLIT2, _INT32_MAX
 
 
 def token_ids(seq_idx, b, first, count):
@@ -164,65 +268,73 @@ def preactivation(taps, weights, bias_row, WIDTH):
 # Forward kernel
 # ----------------------------------------------------------------------------------------------
 
-def _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y, WIDTH, INIT_WIDTH, BLOCK_L, BLOCK_C, HAS_INIT,
-                   HAS_SEQ_IDX, SILU):
+def _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS,
+                   SPLIT1, SPLIT2, BLOCK_L, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU):
     l = ct.bid(0)
     b = ct.bid(2)
     cols = ct.bid(1) * BLOCK_C + ct.arange(BLOCK_C, dtype=ct.int32)
     first = l * BLOCK_L - (WIDTH - 1)
 
-    rows = halo_rows(x, initial_states, b, first, WIDTH - 1, cols, HAS_INIT, INIT_WIDTH) + \
-        widened(token_rows(x, b, l * BLOCK_L, BLOCK_L, cols))
+    rows = halo_rows(x, initial_states, b, first, WIDTH - 1, cols + IN_OFFSET, cols, HAS_INIT, INIT_WIDTH) + \
+        widened(token_rows(x, b, l * BLOCK_L, BLOCK_L, cols + IN_OFFSET))
     ids = ()
     if HAS_SEQ_IDX:
         ids = token_ids(seq_idx, b, first, BLOCK_L + WIDTH - 1)
     weights = weight_rows(weight, cols, WIDTH)
     bias_row = ct.gather(bias, cols).astype(ct.float32)
 
+    outs = ()
     for r in ct.static_iter(range(BLOCK_L)):
         pre = preactivation(masked_taps(rows, ids, r, WIDTH, HAS_SEQ_IDX), weights, bias_row, WIDTH)
-        out = pre * sigmoid(pre) if SILU else pre
-        # Rows past seqlen and channels past the last fall outside y and are dropped.
-        ct.scatter(y, (b, l * BLOCK_L + r, cols), out.astype(y.dtype))
+        outs += (pre * sigmoid(pre) if SILU else pre,)
+    scatter_pieces(y0, y1, y2, b, l * BLOCK_L, outs, cols, OUTPUTS, SPLIT1, SPLIT2, BLOCK_C)
 
 
 def causal_conv1d_fwd_kernel(
-    x: Big,                # (batch, seqlen, channels) T
+    x: Big,                # (batch, seqlen, in_width) T: channels IN_OFFSET .. IN_OFFSET + channels - 1 read
     weight,                # (WIDTH, channels) T
     bias,                  # (channels,) T
     initial_states: Big,   # (batch, channels, INIT_WIDTH) T, or a dummy
     seq_idx,               # (batch, seqlen) int32, or a dummy
-    y: Big,                # (batch, seqlen, channels) T, written
+    y0: Big,               # (batch, seqlen, SPLIT1) T, written: channels [0, SPLIT1)
+    y1: Big,               # (batch, seqlen, SPLIT2 - SPLIT1) T, written (OUTPUTS > 1), or a dummy
+    y2: Big,               # (batch, seqlen, channels - SPLIT2) T, written (OUTPUTS == 3), or a dummy
     WIDTH: ConstInt,
     INIT_WIDTH: ConstInt,
+    IN_OFFSET: ConstInt,
+    OUTPUTS: ConstInt,
+    SPLIT1: ConstInt,
+    SPLIT2: ConstInt,
     BLOCK_L: ConstInt,
     BLOCK_C: ConstInt,
     HAS_INIT: ConstBool,
     HAS_SEQ_IDX: ConstBool,
     SILU: ConstBool,
 ):
-    _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y, WIDTH, INIT_WIDTH, BLOCK_L, BLOCK_C,
-                   HAS_INIT, HAS_SEQ_IDX, SILU)
+    _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS,
+                   SPLIT1, SPLIT2, BLOCK_L, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU)
 
 
-# (int32-indexed, int64-indexed) entries of the one body.
-# Three blocks per SM: the forward is memory-bound, and more blocks in flight hide the gathers' latency.
-CONV_FWD_KERNELS = tuple(k.replace_hints(occupancy=3) for k in int64_index_kernels(causal_conv1d_fwd_kernel))
+# (int32-indexed, int64-indexed) entries of the one body; the occupancy hint comes from the config.
+CONV_FWD_KERNELS = int64_index_kernels(causal_conv1d_fwd_kernel)
 
 
 @dataclasses.dataclass(frozen=True)
 class ConvFwdConfig:
-    """Tile of `causal_conv1d_fwd_kernel`: BLOCK_L tokens (unrolled rows) x BLOCK_C channels (powers of two)."""
+    """Tile of `causal_conv1d_fwd_kernel`: BLOCK_L tokens (unrolled rows) x BLOCK_C channels (powers of two),
+    and the occupancy hint (blocks per SM the compiler budgets registers for)."""
 
     BLOCK_L: int
     BLOCK_C: int
+    OCCUPANCY: int = 3
 
 
 def conv_fwd_default_config(dims: ConvDims) -> ConvFwdConfig:
     """16 rows of up to 512 channels: 4 channels per thread of the block's 128, one 8-byte load per row at
     bf16 (16 bytes at f32), ~167 registers and no shared or local memory at d_conv 4 (tileiras 13.4, sm_90),
     within the occupancy hint of 3 blocks (12 warps) per SM: 3 x 19 rows x 1 KB = 57 KB of loads in flight
-    per SM. Fewer channels take a narrower tile (at least 16)."""
+    per SM (the forward is memory-bound: more blocks in flight hide the gathers' latency). Fewer channels
+    take a narrower tile (at least 16)."""
     return ConvFwdConfig(BLOCK_L=16, BLOCK_C=min(512, max(16, next_power_of_2(dims.channels))))
 
 
@@ -237,14 +349,17 @@ def check_block_c(api: str, block_c: int) -> None:
 
 
 def conv_fwd_plan(dims: ConvDims, cfg: ConvFwdConfig | None = None) -> Plan:
-    """The forward for `dims`: inputs CONV_INPUTS (see `conv_arrays`), output "y" (x's shape and dtype)."""
+    """The forward for `dims`: inputs CONV_INPUTS (see `conv_arrays`), outputs y0 .. (one per piece of
+    `dims.pieces`, (batch, seqlen, width) in x's dtype)."""
     cfg = cfg or conv_fwd_default_config(dims)
+    check_dims("conv_fwd_plan", dims)
     check_block_c("conv_fwd_plan", cfg.BLOCK_C)
-    kernel = CONV_FWD_KERNELS[1 if needs_int64_index(dims) else 0]
-    launch = Launch(
-        kernel=kernel, grid=conv_fwd_grid(dims, cfg),
-        args=(*CONV_INPUTS, "y", dims.width, dims.init_width, cfg.BLOCK_L, cfg.BLOCK_C, dims.has_init,
-              dims.has_seq_idx, dims.silu),
-        writes=("y",))
-    return Plan(inputs=CONV_INPUTS, buffers={"y": Buffer((dims.batch, dims.seqlen, dims.channels), dims.dtype)},
-                launches=(launch,), outputs=("y",))
+    split1, split2 = dims.split_points
+    launch = kernel_launch(
+        with_hints(CONV_FWD_KERNELS[1 if needs_int64_index(dims) else 0], occupancy=cfg.OCCUPANCY),
+        conv_fwd_grid(dims, cfg), writes=CONV_OUTPUTS,  # the dummies too: every array needs a buffer
+        WIDTH=dims.width, INIT_WIDTH=dims.init_width, IN_OFFSET=dims.in_offset, OUTPUTS=len(dims.pieces),
+        SPLIT1=split1, SPLIT2=split2, BLOCK_L=cfg.BLOCK_L, BLOCK_C=cfg.BLOCK_C, HAS_INIT=dims.has_init,
+        HAS_SEQ_IDX=dims.has_seq_idx, SILU=dims.silu)
+    return Plan(inputs=CONV_INPUTS, buffers=piece_arrays(dims, "y"), launches=(launch,),
+                outputs=CONV_OUTPUTS[:len(dims.pieces)])

@@ -22,9 +22,14 @@ after its segment (not summed into dweight) for the dx of its last K - 1 tokens.
 accumulate in f32 over the segment and are written as one partial per block; `conv_grads_reduce_kernel`
 sums the partials in a fixed order (deterministic, no atomics).
 
+The layout of the forward (causal_conv1d.py): x's channels IN_OFFSET .., and dy in up to three pieces
+dy0, dy1, dy2 (the cotangents of the forward's y0, y1, y2, split at SPLIT1, SPLIT2); dx is one array of the
+conv's channels.
+
 Grids: (cdiv(seqlen, SEGMENT), cdiv(channels, BLOCK_C), batch) and (cdiv(channels, BLOCK_C), items).
 
-Shapes: x, dy, dx (batch, seqlen, channels) T; weight (WIDTH, channels), bias (channels,) T; initial_states
+Shapes: x (batch, seqlen, in_width) T; dy0, dy1, dy2 as the forward's y0, y1, y2; dx (batch, seqlen,
+channels) T; weight (WIDTH, channels), bias (channels,) T; initial_states
 (batch, channels, INIT_WIDTH) T or a dummy; seq_idx (batch, seqlen) int32 or a dummy; dinitial_states
 (batch, channels, INIT_WIDTH) f32 (zero-initialised; a dummy (1, 1, 1) without HAS_INIT); dweight_partials
 (partials, WIDTH, channels) and dbias_partials (partials, channels) f32 with partials = batch · segments;
@@ -36,12 +41,14 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    Big, Buffer, ConstBool, ConstInt, Launch, Plan, int64_index_kernels, next_power_of_2)
+    Big, Buffer, ConstBool, ConstInt, Plan, int64_index_kernels, kernel_launch, next_power_of_2, with_hints)
 from jax_mamba2.kernels.causal_conv1d import (
-    CONV_INPUTS, ConvDims, check_block_c, conv_arrays, halo_rows, masked_taps, needs_int64_index, preactivation,
-    sigmoid, token_ids, token_rows, weight_rows, widened)
+    CONV_INPUTS, MAX_OUTPUTS, ConvDims, check_block_c, check_dims, conv_arrays, halo_rows, masked_taps,
+    needs_int64_index, piece_arrays, piece_rows, preactivation, sigmoid, token_ids, token_rows, weight_rows,
+    widened)
 
-CONV_BWD_INPUTS = (*CONV_INPUTS, "dy")
+COTANGENTS = tuple(f"dy{i}" for i in range(MAX_OUTPUTS))
+CONV_BWD_INPUTS = (*CONV_INPUTS, *COTANGENTS)
 CONV_BWD_OUTPUTS = ("dx", "dweight", "dbias", "dinitial_states")
 # About the occupancy hint's 2 blocks per SM of an H100 / H200 (132 SMs), for the default segments.
 MIN_BLOCKS = 256
@@ -107,9 +114,9 @@ def _input_grads(gs, ids, weights, count, WIDTH, HAS_SEQ_IDX):
     return dxs
 
 
-def _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy, dx, dinitial_states, dweight_partials,
-                   dbias_partials, WIDTH, INIT_WIDTH, BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX,
-                   SILU):
+def _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, dinitial_states,
+                   dweight_partials, dbias_partials, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS, SPLIT1, SPLIT2,
+                   BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU):
     seg = ct.bid(0)
     b = ct.bid(2)
     cols = ct.bid(1) * BLOCK_C + ct.arange(BLOCK_C, dtype=ct.int32)
@@ -120,7 +127,8 @@ def _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy, dx, dinitial_st
     weights = weight_rows(weight, cols, WIDTH)
     bias_row = ct.gather(bias, cols).astype(ct.float32)
     # Carried from step to step: x̃, ids and g of the HALO tokens before the step's first.
-    x_halo = halo_rows(x, initial_states, b, start - HALO, HALO, cols, HAS_INIT, INIT_WIDTH)
+    x_cols = cols + IN_OFFSET
+    x_halo = halo_rows(x, initial_states, b, start - HALO, HALO, x_cols, cols, HAS_INIT, INIT_WIDTH)
     id_halo = ()
     if HAS_SEQ_IDX:
         id_halo = token_ids(seq_idx, b, start - HALO, HALO)
@@ -131,8 +139,8 @@ def _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy, dx, dinitial_st
     steps = ct.cdiv(ct.minimum(start + SEGMENT_TILES * BLOCK_L, seqlen) - start, BLOCK_L)
     # Each step's x, dy (and ids) are loaded one step ahead, so that their latency overlaps the compute of
     # the step before (the stores of a step end in barriers, which no load is hoisted across).
-    next_x = token_rows(x, b, start, BLOCK_L, cols)
-    next_dy = token_rows(dy, b, start, BLOCK_L, cols)
+    next_x = token_rows(x, b, start, BLOCK_L, x_cols)
+    next_dy = piece_rows(dy0, dy1, dy2, b, start, BLOCK_L, cols, OUTPUTS, SPLIT1, SPLIT2, BLOCK_C)
     next_ids = ()
     if HAS_SEQ_IDX:
         next_ids = token_ids(seq_idx, b, start, BLOCK_L)
@@ -141,8 +149,8 @@ def _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy, dx, dinitial_st
         rows = x_halo + widened(next_x)
         dys = widened(next_dy)
         ids = id_halo + next_ids
-        next_x = token_rows(x, b, t0 + BLOCK_L, BLOCK_L, cols)
-        next_dy = token_rows(dy, b, t0 + BLOCK_L, BLOCK_L, cols)
+        next_x = token_rows(x, b, t0 + BLOCK_L, BLOCK_L, x_cols)
+        next_dy = piece_rows(dy0, dy1, dy2, b, t0 + BLOCK_L, BLOCK_L, cols, OUTPUTS, SPLIT1, SPLIT2, BLOCK_C)
         if HAS_SEQ_IDX:
             next_ids = token_ids(seq_idx, b, t0 + BLOCK_L, BLOCK_L)
         gs, dweight, dbias = _output_grads(rows, ids, dys, weights, bias_row, BLOCK_L, dweight, dbias, True,
@@ -185,18 +193,24 @@ def _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy, dx, dinitial_st
 
 
 def causal_conv1d_bwd_kernel(
-    x: Big,                 # (batch, seqlen, channels) T
+    x: Big,                 # (batch, seqlen, in_width) T: channels IN_OFFSET .. IN_OFFSET + channels - 1 read
     weight,                 # (WIDTH, channels) T
     bias,                   # (channels,) T
     initial_states: Big,    # (batch, channels, INIT_WIDTH) T, or a dummy
     seq_idx,                # (batch, seqlen) int32, or a dummy
-    dy: Big,                # (batch, seqlen, channels) T
+    dy0: Big,               # (batch, seqlen, SPLIT1) T: dy of channels [0, SPLIT1)
+    dy1: Big,               # (batch, seqlen, SPLIT2 - SPLIT1) T (OUTPUTS > 1), or a dummy
+    dy2: Big,               # (batch, seqlen, channels - SPLIT2) T (OUTPUTS == 3), or a dummy
     dx: Big,                # (batch, seqlen, channels) T, written
     dinitial_states: Big,   # (batch, channels, INIT_WIDTH) f32, zero-initialised, written; or a dummy
     dweight_partials: Big,  # (partials, WIDTH, channels) f32, written
     dbias_partials: Big,    # (partials, channels) f32, written
     WIDTH: ConstInt,
     INIT_WIDTH: ConstInt,
+    IN_OFFSET: ConstInt,
+    OUTPUTS: ConstInt,
+    SPLIT1: ConstInt,
+    SPLIT2: ConstInt,
     BLOCK_L: ConstInt,
     SEGMENT_TILES: ConstInt,
     BLOCK_C: ConstInt,
@@ -204,9 +218,9 @@ def causal_conv1d_bwd_kernel(
     HAS_SEQ_IDX: ConstBool,
     SILU: ConstBool,
 ):
-    _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy, dx, dinitial_states, dweight_partials,
-                   dbias_partials, WIDTH, INIT_WIDTH, BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX,
-                   SILU)
+    _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, dinitial_states,
+                   dweight_partials, dbias_partials, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS, SPLIT1, SPLIT2,
+                   BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU)
 
 
 def _conv_grads_reduce_body(dweight_partials, dbias_partials, dweight, dbias, WIDTH_TILE, BLOCK_C):
@@ -236,19 +250,22 @@ def conv_grads_reduce_kernel(
     _conv_grads_reduce_body(dweight_partials, dbias_partials, dweight, dbias, WIDTH_TILE, BLOCK_C)
 
 
-CONV_BWD_KERNELS = tuple(k.replace_hints(occupancy=2) for k in int64_index_kernels(causal_conv1d_bwd_kernel))
+# The occupancy hint of the main kernel comes from the config.
+CONV_BWD_KERNELS = int64_index_kernels(causal_conv1d_bwd_kernel)
 CONV_GRADS_REDUCE_KERNELS = int64_index_kernels(conv_grads_reduce_kernel)
 
 
 @dataclasses.dataclass(frozen=True)
 class ConvBwdConfig:
     """Tiles of the backward: BLOCK_L tokens per step (unrolled rows), SEGMENT_TILES steps per block,
-    BLOCK_C channels (powers of two), and the channels per block of the partials' reduction."""
+    BLOCK_C channels (powers of two), the main kernel's occupancy hint, and the channels per block of the
+    partials' reduction."""
 
     BLOCK_L: int
     SEGMENT_TILES: int
     BLOCK_C: int
     REDUCE_BLOCK_C: int
+    OCCUPANCY: int = 2
 
     @property
     def segment(self) -> int:
@@ -280,12 +297,12 @@ def conv_bwd_grid(dims: ConvDims, cfg: ConvBwdConfig) -> tuple[int, int, int]:
 
 def conv_bwd_arrays(dims: ConvDims, cfg: ConvBwdConfig | None = None, items: int = 1) -> dict[str, Buffer]:
     """Shape and dtype of every input and buffer of `conv_bwd_plan(dims, cfg, items)`."""
-    return {**conv_arrays(dims), "dy": Buffer((dims.batch, dims.seqlen, dims.channels), dims.dtype),
-            **conv_bwd_plan(dims, cfg, items).buffers}
+    return {**conv_arrays(dims), **piece_arrays(dims, "dy"), **conv_bwd_plan(dims, cfg, items).buffers}
 
 
 def conv_bwd_plan(dims: ConvDims, cfg: ConvBwdConfig | None = None, items: int = 1) -> Plan:
-    """The backward for `dims` from inputs CONV_BWD_INPUTS (CONV_INPUTS and "dy", x's shape and dtype).
+    """The backward for `dims` from inputs CONV_BWD_INPUTS: CONV_INPUTS and the cotangents dy0, dy1, dy2 of
+    the forward's pieces (dummies (1, 1, 1) past `dims.pieces`, see `conv_bwd_arrays`).
 
     Args:
       dims: the problem.
@@ -294,13 +311,14 @@ def conv_bwd_plan(dims: ConvDims, cfg: ConvBwdConfig | None = None, items: int =
         the batch); must divide dims.batch.
 
     Returns:
-      A Plan with outputs CONV_BWD_OUTPUTS: dx (x's shape and dtype), dweight (items, WIDTH, channels) and
-      dbias (items, channels) f32, dinitial_states (batch, channels, init_width) f32 (a dummy without initial
-      states).
+      A Plan with outputs CONV_BWD_OUTPUTS: dx (batch, seqlen, channels) in x's dtype, dweight (items,
+      WIDTH, channels) and dbias (items, channels) f32, dinitial_states (batch, channels, init_width) f32 (a
+      dummy without initial states).
     """
     if items < 1 or dims.batch % items:
         raise ValueError(f"conv_bwd_plan: items={items} must divide batch={dims.batch}")
     cfg = cfg or conv_bwd_default_config(dims)
+    check_dims("conv_bwd_plan", dims)
     check_block_c("conv_bwd_plan", cfg.BLOCK_C)
     check_block_c("conv_bwd_plan", cfg.REDUCE_BLOCK_C)
     if cfg.BLOCK_L < dims.width - 1:
@@ -319,15 +337,14 @@ def conv_bwd_plan(dims: ConvDims, cfg: ConvBwdConfig | None = None, items: int =
         "dweight": Buffer((items, dims.width, C), "float32"),
         "dbias": Buffer((items, C), "float32"),
     }
-    main = Launch(
-        kernel=CONV_BWD_KERNELS[1 if big else 0], grid=grid,
-        args=(*CONV_BWD_INPUTS, "dx", "dinitial_states", "dweight_partials", "dbias_partials", dims.width,
-              dims.init_width, cfg.BLOCK_L, cfg.SEGMENT_TILES, cfg.BLOCK_C, dims.has_init, dims.has_seq_idx,
-              dims.silu),
-        writes=("dx", "dinitial_states", "dweight_partials", "dbias_partials"))
-    reduce = Launch(
-        kernel=CONV_GRADS_REDUCE_KERNELS[1 if big else 0], grid=(-(-C // cfg.REDUCE_BLOCK_C), items),
-        args=("dweight_partials", "dbias_partials", "dweight", "dbias", next_power_of_2(dims.width),
-              cfg.REDUCE_BLOCK_C),
-        writes=("dweight", "dbias"))
+    split1, split2 = dims.split_points
+    main = kernel_launch(
+        with_hints(CONV_BWD_KERNELS[1 if big else 0], occupancy=cfg.OCCUPANCY), grid,
+        writes=("dx", "dinitial_states", "dweight_partials", "dbias_partials"),
+        WIDTH=dims.width, INIT_WIDTH=dims.init_width, IN_OFFSET=dims.in_offset, OUTPUTS=len(dims.pieces),
+        SPLIT1=split1, SPLIT2=split2, BLOCK_L=cfg.BLOCK_L, SEGMENT_TILES=cfg.SEGMENT_TILES, BLOCK_C=cfg.BLOCK_C,
+        HAS_INIT=dims.has_init, HAS_SEQ_IDX=dims.has_seq_idx, SILU=dims.silu)
+    reduce = kernel_launch(
+        CONV_GRADS_REDUCE_KERNELS[1 if big else 0], (-(-C // cfg.REDUCE_BLOCK_C), items),
+        writes=("dweight", "dbias"), WIDTH_TILE=next_power_of_2(dims.width), BLOCK_C=cfg.REDUCE_BLOCK_C)
     return Plan(inputs=CONV_BWD_INPUTS, buffers=buffers, launches=(main, reduce), outputs=CONV_BWD_OUTPUTS)

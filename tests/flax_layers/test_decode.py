@@ -101,9 +101,10 @@ def test_generate_prefills_with_the_cutile_forward_kernels_and_decodes_with_the_
     launches = cutile_launches(jaxpr)
     prefill = [name for name, loops in launches if loops == (layers,)]
     steps = [name for name, loops in launches if loops == (decode, layers)]
-    # In the scan over layers, once for the whole prompt: the norms, the conv of x and of [B, C], and one launch
-    # per stage of the SSD's forward plan; per token: the norms and the SSD's step kernel; no backward kernel.
-    assert prefill == ["rms_norm_fwd_kernel", "causal_conv1d_fwd_kernel", "causal_conv1d_fwd_kernel",
+    # In the scan over layers, once for the whole prompt: the norms, the conv of [x, B, C] (one launch), and one
+    # launch per stage of the SSD's forward plan; per token: the norms and the SSD's step kernel; no backward
+    # kernel.
+    assert prefill == ["rms_norm_fwd_kernel", "causal_conv1d_fwd_kernel",
                        "chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel", "chunk_scan_fwd_kernel",
                        "rms_norm_fwd_kernel"]
     assert steps == ["rms_norm_fwd_kernel", "state_update_kernel", "rms_norm_fwd_kernel"]

@@ -15,11 +15,13 @@ from jax_mamba2.kernels.causal_conv1d_bwd import conv_bwd_arrays, conv_bwd_plan 
 from jax_mamba2.kernels.export import compile_launch  # noqa: E402
 from tests.kernels._plan_checks import kernel_name  # noqa: E402
 
-# The mixer of the LM at d_model 1024, batch 8 x 2048: conv_dim = 2304 channels, convolved as x (2048) and
-# [B, C] (256) in the layer.
+# The mixer of the LM at d_model 1024, batch 8 x 2048: conv_dim = 2304 channels, convolved in one launch from
+# in_proj's output [z, xBC, dt] (2048 + 2304 + 32 channels) into x (2048), B and C (128 each) on one device,
+# as x (2048) and [B, C] (256) apart under head parallelism.
 _LM = ConvDims(batch=8, seqlen=2048, channels=2304, width=4)
 PROBLEMS = {
     "bf16_lm": _LM,
+    "bf16_lm_layout": dataclasses.replace(_LM, in_offset=2048, in_width=4384, split=(2048, 128, 128)),
     "bf16_lm_x": dataclasses.replace(_LM, channels=2048),
     "bf16_lm_bc": dataclasses.replace(_LM, channels=256),
     "bf16_seq_idx": dataclasses.replace(_LM, has_seq_idx=True),
@@ -64,7 +66,8 @@ def _usage(resources: str) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(REG|SHARED|LOCAL|STACK):(\d+)", resources)}
 
 
-@pytest.mark.parametrize("problem,loads", [("bf16_lm", "LDG.E.64"), ("bf16_lm_bc", "LDG.E ")])
+@pytest.mark.parametrize("problem,loads", [("bf16_lm", "LDG.E.64"), ("bf16_lm_bc", "LDG.E "),
+                                           ("bf16_lm_layout", "LDG.E.64")])
 def test_conv_forward_default_tile_is_spill_free_with_vector_rows(problem, loads):
     """16 rows x 512 channels (256 for [B, C]): a vector load / store per row and thread, no shared or local
     memory, no stack, and at most 168 registers, which fits the occupancy hint of 3 blocks of 128 threads."""
@@ -75,7 +78,7 @@ def test_conv_forward_default_tile_is_spill_free_with_vector_rows(problem, loads
     assert loads in sass and loads.replace("LDG", "STG") in sass
 
 
-@pytest.mark.parametrize("problem", ["bf16_lm", "bf16_seq_idx", "f32_width3_init"])
+@pytest.mark.parametrize("problem", ["bf16_lm", "bf16_lm_layout", "bf16_seq_idx", "f32_width3_init"])
 def test_conv_backward_default_tile_is_spill_free(problem):
     """The backward's step keeps its rows in registers: no local memory or stack at the occupancy hint of 2."""
     for name in ("causal_conv1d_bwd_kernel", "conv_grads_reduce_kernel"):

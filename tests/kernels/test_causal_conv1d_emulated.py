@@ -1,6 +1,7 @@
 """kernels/causal_conv1d*.py block by block on the NumPy emulator (tests/kernels/_cutile_emulator.py), against the
 float64 reference on fresh random inputs: in float64 (the algebra, index math, halos, masks and partials to
-~1e-13) and in the kernels' own dtypes (bf16 / f32 rounding)."""
+~1e-13) and in the kernels' own dtypes (bf16 / f32 rounding); also with the mixer's layout (the channels read
+at an offset of a wider input, the outputs and their cotangents in pieces)."""
 import dataclasses
 
 import jax.numpy as jnp
@@ -21,34 +22,56 @@ SMALL_BWD = conv_bwd.ConvBwdConfig(BLOCK_L=4, SEGMENT_TILES=3, BLOCK_C=16, REDUC
 SMALL_FWD = conv_fwd.ConvFwdConfig(BLOCK_L=4, BLOCK_C=16)
 
 
-def _dims(x, kernel, init, seq_idx, silu=True):
+def _dims(x, kernel, init, seq_idx, silu=True, layout=None):
     batch, seqlen, channels = x.shape
+    in_offset, in_width, split = layout or (0, 0, ())
     return conv_fwd.ConvDims(batch=batch, seqlen=seqlen, channels=channels, width=kernel.shape[0],
                              dtype=jnp.dtype(x.dtype).name, init_width=0 if init is None else init.shape[-1],
-                             has_seq_idx=seq_idx is not None, silu=silu)
+                             has_seq_idx=seq_idx is not None, silu=silu, in_offset=in_offset, in_width=in_width,
+                             split=split)
 
 
-def _plan_inputs(x, kernel, bias, init, seq_idx, dy=None):
+def _pieces(a, dims):
+    """`a` (batch, seqlen, channels) split like the outputs, with the dummies past them."""
+    pieces = np.split(np.asarray(a), np.cumsum(dims.pieces)[:-1], axis=-1)
+    return pieces + [np.zeros((1, 1, 1), a.dtype)] * (conv_fwd.MAX_OUTPUTS - len(pieces))
+
+
+def _source(x, dims, seed=11):
+    """x inside random channels of dims.source_width at dims.in_offset (what the kernels must not read)."""
+    if dims.source_width == dims.channels:
+        return np.asarray(x)
+    wide = np.random.default_rng(seed).standard_normal(x.shape[:2] + (dims.source_width,)).astype(x.dtype)
+    wide[..., dims.in_offset:dims.in_offset + dims.channels] = np.asarray(x)
+    return wide
+
+
+def _plan_inputs(dims, x, kernel, bias, init, seq_idx, dy=None):
     """What the bridge passes (bridge/conv_ops.py `_kernel_arrays`), as NumPy arrays."""
     arrays = dict(
-        x=x, weight=kernel.astype(x.dtype), bias=jnp.zeros(x.shape[-1:], x.dtype) if bias is None else bias,
+        x=_source(x, dims), weight=kernel.astype(x.dtype),
+        bias=jnp.zeros(x.shape[-1:], x.dtype) if bias is None else bias,
         initial_states=jnp.zeros((1, 1, 1), x.dtype) if init is None else init,
         seq_idx=jnp.zeros((1, 1), jnp.int32) if seq_idx is None else seq_idx)
     if dy is not None:
-        arrays["dy"] = dy
+        arrays.update(zip(conv_bwd.COTANGENTS, _pieces(dy, dims)))
     return {name: np.asarray(a) for name, a in arrays.items()}
 
 
-def _run(args, *, float64, silu=True, fwd_cfg=SMALL_FWD, bwd_cfg=SMALL_BWD, items=1):
+def _run(args, *, float64, silu=True, fwd_cfg=SMALL_FWD, bwd_cfg=SMALL_BWD, items=1, layout=None):
+    """(y, the backward's outputs) of the plans: y is the outputs' pieces concatenated."""
     x, kernel, bias, init, seq_idx, dy = args
-    dims = _dims(x, kernel, init, seq_idx, silu)
+    dims = _dims(x, kernel, init, seq_idx, silu, layout)
     fwd_plan = conv_fwd.conv_fwd_plan(dims, fwd_cfg)
     bwd_plan = conv_bwd.conv_bwd_plan(dims, bwd_cfg, items=items)
     assert_plan_well_formed(fwd_plan)
     assert_plan_well_formed(bwd_plan)
-    y = emulator.run_plan(fwd_plan, _plan_inputs(*args[:5]), float64=float64)["y"]
-    out = emulator.run_plan(bwd_plan, _plan_inputs(*args), float64=float64)
-    return y, out
+    out = emulator.run_plan(fwd_plan, _plan_inputs(dims, *args[:5]), float64=float64)
+    assert fwd_plan.outputs == conv_fwd.CONV_OUTPUTS[:len(dims.pieces)]
+    for name, width in zip(fwd_plan.outputs, dims.pieces):
+        assert out[name].shape == x.shape[:2] + (width,), name
+    y = np.concatenate([out[name] for name in fwd_plan.outputs], axis=-1)
+    return y, emulator.run_plan(bwd_plan, _plan_inputs(dims, *args), float64=float64)
 
 
 def _errors(args, y, out, silu=True):
@@ -80,6 +103,49 @@ def test_conv_kernels_match_float64_reference_in_float64(case):
     args = make_conv_args(1, **CASES[case])
     errors = _errors(args, *_run(args, float64=True))
     assert max(errors.values()) < 1e-12, errors
+
+
+# (in_offset, in_width, split) with the small tiles' 16 channels per block: x inside a wider input (in_proj's
+# [z, xBC, dt]) and written as pieces, blocks straddling one or two splits, a piece narrower than a block,
+# a piece ending mid-block and the input ending with the conv's channels.
+LAYOUTS = {
+    "mixer": (24, 80, (24, 8, 8)),
+    "two_pieces_unaligned_offset": (5, 50, (19, 21)),
+    "one_piece_at_the_end": (10, 50, ()),
+    "three_pieces_in_one_block": (0, 40, (3, 2, 35)),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("case", ["plain", "seq_idx", "init_dconv"])
+def test_conv_kernels_in_the_mixer_layout_match_float64_reference(layout, case):
+    args = make_conv_args(6, **CASES[case])
+    errors = _errors(args, *_run(args, float64=True, layout=LAYOUTS[layout]))
+    assert max(errors.values()) < 1e-12, errors
+
+
+def test_conv_kernels_in_the_mixer_layout_at_default_tiles_match_float64_reference():
+    """The LM's layout scaled down: [z, x, B, C, dt] with x of 1024 channels and B, C of 128 (the default
+    512-channel forward block and 256-channel backward block straddle B and C)."""
+    args = make_conv_args(7, batch=1, seqlen=40, channels=1280, seq_idx=[25, 15])
+    layout = (1024, 1024 + 1280 + 16, (1024, 128, 128))
+    dims = _dims(*(args[i] for i in (0, 1, 3, 4)), layout=layout)
+    errors = _errors(args, *_run(args, float64=True, fwd_cfg=conv_fwd.conv_fwd_default_config(dims),
+                                 bwd_cfg=conv_bwd.conv_bwd_default_config(dims), layout=layout))
+    assert max(errors.values()) < 1e-12, errors
+
+
+@pytest.mark.parametrize("layout,message", [
+    ((30, 60, ()), "in_offset=30 . channels=40 must be within in_width=60"),
+    ((0, 0, (20, 10)), r"split=\(20, 10\) must be 1 to 3 positive widths summing to channels=40"),
+    ((0, 0, (10, 10, 10, 10)), "must be 1 to 3 positive widths"),
+])
+def test_conv_plans_reject_a_layout_that_does_not_fit(layout, message):
+    dims = conv_fwd.ConvDims(batch=1, seqlen=8, channels=40, width=4, in_offset=layout[0], in_width=layout[1],
+                             split=layout[2])
+    for plan in (conv_fwd.conv_fwd_plan, conv_bwd.conv_bwd_plan):
+        with pytest.raises(ValueError, match=message):
+            plan(dims)
 
 
 @pytest.mark.parametrize("silu", [True, False], ids=["silu", "no_activation"])

@@ -1,0 +1,205 @@
+"""The Mamba2 mixer's causal conv on the kernel path (conv and SSD plans on the NumPy emulator of
+tests/kernels/_cutile_emulator.py, through `jax.pure_callback`): one device convolves [x, B, C] in one launch
+each way, straight from in_proj's output into the SSD's inputs (pinned on the compiled HLO of the layer's
+forward + backward); head parallelism keeps x and [B, C] apart. Both against the xla layer."""
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+
+from jax_mamba2 import backends, conv1d
+from jax_mamba2.flax_layers import Mamba2, shard_model
+from tests._helpers import rel_l2
+
+conv_ops = pytest.importorskip("jax_mamba2.bridge.conv_ops")
+from tests.bridge._emulated_backend import EMULATED  # noqa: E402
+from tests.kernels import _cutile_emulator as emulator  # noqa: E402
+
+# 8 heads of 16, d_ssm 128, one group of d_state 16: conv_dim 160, d_in_proj 2 * 128 + 32 + 8 = 296. No
+# gated norm: its kernels are not emulated here (z gates the SSD's output inside the SSD instead).
+MIXER = dict(d_state=16, headdim=16, chunk_size=16, rmsnorm=False)
+D_MODEL, BATCH, SEQLEN = 64, 2, 32
+
+
+class _EmulatedConv(conv_ops.ConvKernels):
+    @staticmethod
+    def unsupported_reason(inputs):
+        return None
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """backend="cutile" runs the conv and SSD plans on the emulator."""
+    kernels = {"cutile": _EmulatedConv("cutile_emulated", emulator.jax_run_plan)}
+    monkeypatch.setattr(conv1d, "_kernel_backends", lambda: (kernels, None))
+    monkeypatch.setitem(backends._REGISTRY, "cutile", dataclasses.replace(EMULATED, name="cutile"))
+
+
+def _layer(backend, **options):
+    return Mamba2(D_MODEL, **{**MIXER, **options}, backend=backend, rngs=nnx.Rngs(0))
+
+
+def _inputs():
+    u = jax.random.normal(jax.random.key(1), (BATCH, SEQLEN, D_MODEL))
+    return u, jax.random.normal(jax.random.key(2), u.shape)
+
+
+def _loss(layer, u, weights):
+    return jnp.sum(layer(u) * weights)
+
+
+# ----------------------------------------------------------------------------------------------
+# The compiled program: what lies between in_proj, the conv and the SSD
+# ----------------------------------------------------------------------------------------------
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ")
+
+
+def _instructions(hlo: str, computation: str = "ENTRY") -> dict[str, dict]:
+    """name -> {shape, op, operands, calls, line} of the instructions of one computation of HLO text."""
+    lines = hlo.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(computation + " ") or
+                 line.startswith(f"%{computation} "))
+    out = {}
+    for line in lines[start + 1:]:
+        if line.startswith("}"):
+            break
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        rest = line[match.end():]
+        depth, end = 0, 0
+        for end, ch in enumerate(rest):  # the shape: a tuple in parentheses, or up to the first space
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0 and ch in (")", " "):
+                break
+        shape, rest = rest[:end + 1].strip(), rest[end + 1:].lstrip()
+        op = rest[:rest.index("(")]
+        args = rest[rest.index("(") + 1:]
+        depth = 1
+        for end, ch in enumerate(args):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                break
+        calls = re.search(r"calls=%([\w.\-]+)", line)
+        out[match.group(1)] = dict(shape=shape, op=op, operands=re.findall(r"%([\w.\-]+)", args[:end]),
+                                   calls=calls.group(1) if calls else None, line=line)
+    return out
+
+
+def _elements(shape: str) -> int:
+    """Elements of the largest array of an HLO shape (a tuple's largest)."""
+    return max((int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"\[([\d,]*)\]", shape)),
+               default=0)
+
+
+def _copies(hlo: str, entry: dict, name: str) -> set[str]:
+    """The copying ops (slice, concatenate, copy, dynamic-slice) that instruction `name` is or whose fused
+    computation contains."""
+    moving = {"slice", "concatenate", "copy", "dynamic-slice"}
+    inst = entry[name]
+    if inst["op"] != "fusion":
+        return {inst["op"]} & moving
+    return {i["op"] for i in _instructions(hlo, inst["calls"]).values()} & moving
+
+
+def _computes_a_matmul(hlo: str, entry: dict, name: str) -> bool:
+    """Whether instruction `name` is a matrix product: a dot, a GEMM custom call, or a fusion around a dot."""
+    inst = entry[name]
+    if inst["op"] == "fusion":
+        return any(i["op"] == "dot" for i in _instructions(hlo, inst["calls"]).values())
+    return inst["op"] == "dot" or (inst["op"] == "custom-call" and "gemm" in inst["line"].lower())
+
+
+def _source(entry: dict, name: str) -> str:
+    """What `name` is a view of: bitcasts and get-tuple-elements followed back."""
+    while entry[name]["op"] in ("bitcast", "get-tuple-element"):
+        name = entry[name]["operands"][0]
+    return name
+
+
+def test_one_device_layer_convolves_in_proj_output_in_place_in_one_launch_each_way(emulated):
+    """In the compiled forward + backward of the layer: the conv's forward reads in_proj's product itself and
+    its outputs are the SSD forward's x, B, C (views, no copy); its backward takes the SSD backward's dx, dB,
+    dC as they come; one conv launch each way; no slice / concatenate / copy fusion of activation size
+    reads or writes an activation of the conv. (The cotangent of in_proj's output is assembled once, a pad
+    of the conv's dx into the sum of the pieces' cotangents, for in_proj's backward matmuls.)"""
+    layer, (u, weights) = _layer("cutile"), _inputs()
+    graphdef, state = nnx.split(layer)
+    grad = jax.jit(jax.grad(lambda state, u: _loss(nnx.merge(graphdef, state), u, weights), argnums=(0, 1)))
+    hlo = grad.lower(state, u).compile().as_text()
+    entry = _instructions(hlo)
+    calls = {n: i for n, i in entry.items() if i["op"] == "custom-call"}
+    d_in_proj, conv_dim = 2 * layer.d_inner + 2 * layer.d_state + layer.nheads, layer.conv_dim
+    in_proj_shape = f"f32[{BATCH},{SEQLEN},{d_in_proj}]"
+    forward = [n for n, i in calls.items() if i["shape"].count(f"[{BATCH},{SEQLEN},") == 3 and
+               i["shape"].startswith(f"(f32[{BATCH},{SEQLEN},{layer.d_ssm}]") and
+               entry[i["operands"][0]]["shape"].startswith(in_proj_shape)]
+    backward = [n for n, i in calls.items() if i["shape"].startswith(f"(f32[{BATCH},{SEQLEN},{conv_dim}]")]
+    assert len(forward) == 1 and len(backward) == 1, (forward, backward)
+    (fwd,), (bwd,) = forward, backward
+
+    # The forward's input is in_proj's matmul output itself, not a copy of its slice.
+    assert _computes_a_matmul(hlo, entry, _source(entry, calls[fwd]["operands"][0]))
+    # The SSD's forward and backward custom calls take x, B, C as views of the conv's outputs.
+    ssd_calls = [n for n, i in calls.items() if n not in (fwd, bwd) and
+                 sum(_source(entry, o) == fwd for o in i["operands"]) == 3]
+    assert len(ssd_calls) == 2, ssd_calls  # the SSD's forward and backward plans
+    # The conv's backward takes dx, dB, dC straight from the SSD's backward.
+    activation = BATCH * SEQLEN * layer.d_state  # the smallest activation: B or C
+    dys = [_source(entry, o) for o in calls[bwd]["operands"] if _elements(entry[o]["shape"]) >= activation]
+    assert len(dys) == 4 and dys[0] == _source(entry, calls[fwd]["operands"][0]), dys  # in_proj's product, dy's
+    assert len(set(dys[1:])) == 1 and dys[1] in ssd_calls, dys
+    # Nothing around the conv moves activations: no slice / concatenate / copy fusion consumes its outputs.
+    conv_values = {fwd, bwd} | {n for n, i in entry.items() if i["op"] in ("bitcast", "get-tuple-element") and
+                                _source(entry, n) in (fwd, bwd)}
+    for name, inst in entry.items():
+        if f",{d_in_proj}]" in inst["shape"]:  # the cotangent of in_proj's output, assembled once (see above)
+            continue
+        if set(inst["operands"]) & conv_values and _elements(inst["shape"]) >= activation:
+            assert not _copies(hlo, entry, name), (name, inst)
+
+
+def test_one_device_layer_on_the_emulated_kernels_matches_xla(emulated):
+    """Forward, prefill (the conv state from the same launch) and gradients, with seq_idx."""
+    layers = {b: _layer(b) for b in ("cutile", "xla")}
+    u, weights = _inputs()
+    seq_idx = jnp.asarray(np.repeat([[0] * 20 + [1] * 12], BATCH, axis=0), jnp.int32)
+    out = {b: m(u, seq_idx=seq_idx) for b, m in layers.items()}
+    assert rel_l2(out["cutile"], out["xla"]) < 1e-5
+    prefill = {b: m.prefill(u) for b, m in layers.items()}
+    assert rel_l2(prefill["cutile"][0], prefill["xla"][0]) < 1e-5
+    np.testing.assert_allclose(prefill["cutile"][1].conv_state, prefill["xla"][1].conv_state, rtol=1e-6)
+    grads = {b: nnx.to_flat_state(nnx.grad(lambda m: _loss(m, u, weights))(m)) for b, m in layers.items()}
+    for (path, g_cutile), (_, g_xla) in zip(grads["cutile"], grads["xla"]):
+        assert rel_l2(g_cutile[...], g_xla[...]) < 1e-5, path
+
+
+def test_one_device_layer_under_remat_matches_xla(emulated):
+    layers = {b: _layer(b) for b in ("cutile", "xla")}
+    u, weights = _inputs()
+    grads = {b: nnx.to_flat_state(nnx.grad(lambda m: jnp.sum(nnx.remat(lambda m, u: m(u))(m, u) * weights))(m))
+             for b, m in layers.items()}
+    for (path, g_cutile), (_, g_xla) in zip(grads["cutile"], grads["xla"]):
+        assert rel_l2(g_cutile[...], g_xla[...]) < 1e-5, path
+
+
+@pytest.mark.parametrize("model_size,ngroups", [(2, 1), (2, 2), (1, 1)],
+                         ids=["heads_split_groups_replicated", "heads_and_groups_split", "data_parallel"])
+def test_sharded_layer_on_the_emulated_kernels_matches_one_device(emulated, model_size, ngroups):
+    """Under head parallelism (model axis of 2) the conv runs as x and [B, C] apart; with a model axis of
+    size 1 it is the one-launch path inside shard_map over the data axis."""
+    mesh = jax.make_mesh((2, model_size), ("data", "model"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[:2 * model_size])
+    u, weights = _inputs()
+    one, sharded = _layer("cutile", ngroups=ngroups), shard_model(_layer("cutile", ngroups=ngroups), mesh)
+    loss = nnx.jit(nnx.value_and_grad(lambda m: _loss(m, u, weights)))
+    (want, want_grads), (got, got_grads) = loss(one), loss(sharded)
+    assert rel_l2(got, want) < 1e-5
+    for (path, g), (_, e) in zip(nnx.to_flat_state(got_grads), nnx.to_flat_state(want_grads)):
+        assert rel_l2(g[...], e[...]) < 1e-5, path
