@@ -26,18 +26,13 @@ MIXER = dict(d_state=16, headdim=16, chunk_size=16, rmsnorm=False)
 D_MODEL, BATCH, SEQLEN = 64, 2, 32
 
 
-class _EmulatedConv(conv_ops.ConvKernels):
-    @staticmethod
-    def unsupported_reason(inputs):
-        return None
-
-
 @pytest.fixture
 def emulated(monkeypatch):
     """backend="cutile" runs the conv and SSD plans on the emulator."""
-    kernels = {"cutile": _EmulatedConv("cutile_emulated", emulator.jax_run_plan)}
-    monkeypatch.setattr(conv1d, "_kernel_backends", lambda: (kernels, None))
-    monkeypatch.setitem(backends._REGISTRY, "cutile", dataclasses.replace(EMULATED, name="cutile"))
+    kernels = conv_ops.ConvKernels("cutile_emulated", emulator.jax_run_plan)
+    monkeypatch.setitem(backends._REGISTRY[conv1d.OP], "cutile",
+                        backends.LayerBackend("cutile", kernels, backends.always_supported, auto_priority=2))
+    monkeypatch.setitem(backends._REGISTRY["ssd"], "cutile", dataclasses.replace(EMULATED, name="cutile"))
 
 
 def _layer(backend, **options):
