@@ -20,11 +20,13 @@ The intermediates round where the composed step (conv1d_reference.causal_conv1d_
 stores them: the conv's taps, weights and bias in T, its output and x/B/C in T, y in T; the conv sum, the state
 update and the gate run in f32.
 
-Grid: (batch * nheads, headdim / BLOCK_P). A block convolves its BLOCK_P x channels and its group's B and C
-(2 dstate channels, recomputed by every block of the group from L2), updates rows [pb BLOCK_P, (pb + 1)
-BLOCK_P) of one head's state as `state_update.py` does, and gates them. The first block of a group writes the
-group's B/C conv state. `decode_step_default_config` sizes BLOCK_P so that small batches still fill the GPU and
-large ones recompute B and C rarely.
+Grid: (batch * nheads / HEADS_PER_BLOCK, headdim / BLOCK_P). A block convolves its group's B and C (2 dstate
+channels, recomputed by each block of the group from L2), then, for each of its HEADS_PER_BLOCK heads in turn,
+convolves the head's BLOCK_P x channels, updates rows [pb BLOCK_P, (pb + 1) BLOCK_P) of the head's state as
+`state_update.py` does (BLOCK_P x dstate values: about 2K keep everything in registers) and gates them. The
+first block of a group writes the group's B/C conv state. `decode_step_default_config` narrows BLOCK_P so that
+small batches still fill the GPU and gives large ones several heads per block, so that B and C are recomputed
+rarely.
 
 Shapes: zxbcdt (batch, 2 d_mlp + d_ssm + conv_dim + nheads) T; conv_state, new_conv_state (batch, conv_dim,
 d_conv); conv_weight (d_conv, conv_dim), conv_bias (conv_dim,) (a dummy (1,) without HAS_CONV_BIAS); ssm_state,
@@ -102,6 +104,7 @@ def decode_step_kernel(
     NGROUPS: ConstInt,
     D_CONV: ConstInt,
     BLOCK_P: ConstInt,
+    HEADS_PER_BLOCK: ConstInt,   # heads of one group per block, in turn (a divisor of nheads / ngroups)
     HAS_CONV_BIAS: ConstBool,
     HAS_D: ConstBool,
     D_HAS_HDIM: ConstBool,
@@ -113,23 +116,39 @@ def decode_step_kernel(
     DT_MIN: ConstFloat,
     DT_MAX: ConstFloat,
 ):
-    b, h, g = batch_head_group(ct.bid(0), NHEADS, NGROUPS)
+    b, head_block, g = batch_head_group(ct.bid(0), NHEADS // HEADS_PER_BLOCK, NGROUPS)
     pb = ct.bid(1)
     d_ssm = NHEADS * HEADDIM
     z_start = 2 * D_MLP
     xbc_start = z_start + d_ssm
-    dt_start = xbc_start + d_ssm + 2 * NGROUPS * DSTATE
-    pieces_per_head = HEADDIM // BLOCK_P
-    piece = h * pieces_per_head + pb                 # this block's BLOCK_P-wide piece of d_ssm
     bc_start = d_ssm + g * DSTATE                    # group g's B channels; its C channels NGROUPS * DSTATE on
-    first_of_group = (h % (NHEADS // NGROUPS) == 0) & (pb == 0)
+    first_head = head_block * HEADS_PER_BLOCK
+    first_of_group = (first_head % (NHEADS // NGROUPS) == 0) & (pb == 0)
 
-    x_p = _convolve_channels(zxbcdt, conv_state, conv_weight, conv_bias, new_conv_state, b, xbc_start,
-                             piece * BLOCK_P, BLOCK_P, D_CONV, HAS_CONV_BIAS, True)              # [BLOCK_P]
+    # The block's heads share their group's B and C: convolved once per block.
     B_n = _convolve_channels(zxbcdt, conv_state, conv_weight, conv_bias, new_conv_state, b, xbc_start,
                              bc_start, DSTATE, D_CONV, HAS_CONV_BIAS, first_of_group)           # [DSTATE]
     C_n = _convolve_channels(zxbcdt, conv_state, conv_weight, conv_bias, new_conv_state, b, xbc_start,
                              bc_start + NGROUPS * DSTATE, DSTATE, D_CONV, HAS_CONV_BIAS, first_of_group)
+    for i in range(HEADS_PER_BLOCK):
+        _update_head(zxbcdt, conv_state, conv_weight, conv_bias, ssm_state, A_log, D, dt_bias, gated, sumsq,
+                     new_conv_state, new_ssm_state, B_n, C_n, b, first_head + i, pb, D_MLP, NHEADS, HEADDIM,
+                     DSTATE, NGROUPS, D_CONV, BLOCK_P, HAS_CONV_BIAS, HAS_D, D_HAS_HDIM, HAS_DT_BIAS, RMSNORM,
+                     NORM_BEFORE_GATE, DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX)
+
+
+def _update_head(zxbcdt, conv_state, conv_weight, conv_bias, ssm_state, A_log, D, dt_bias, gated, sumsq,
+                 new_conv_state, new_ssm_state, B_n, C_n, b, h, pb, D_MLP, NHEADS, HEADDIM, DSTATE, NGROUPS,
+                 D_CONV, BLOCK_P, HAS_CONV_BIAS, HAS_D, D_HAS_HDIM, HAS_DT_BIAS, RMSNORM, NORM_BEFORE_GATE,
+                 DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX):
+    """Device helper: rows [pb BLOCK_P, (pb + 1) BLOCK_P) of head h of row b, given its group's B_n, C_n."""
+    d_ssm = NHEADS * HEADDIM
+    z_start = 2 * D_MLP
+    xbc_start = z_start + d_ssm
+    dt_start = xbc_start + d_ssm + 2 * NGROUPS * DSTATE
+    piece = h * (HEADDIM // BLOCK_P) + pb            # this piece of d_ssm, BLOCK_P wide
+    x_p = _convolve_channels(zxbcdt, conv_state, conv_weight, conv_bias, new_conv_state, b, xbc_start,
+                             piece * BLOCK_P, BLOCK_P, D_CONV, HAS_CONV_BIAS, True)              # [BLOCK_P]
 
     heads = ct.full((1,), h, dtype=ct.int32)
     v = ct.gather(zxbcdt, (b, dt_start + heads)).astype(ct.float32)                            # [1]
@@ -231,28 +250,37 @@ def decode_step_unsupported_reason(dims: DecodeStepDims) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeStepConfig:
-    """BLOCK_P: headdim rows of the state per block (a power of two dividing headdim)."""
+    """BLOCK_P: headdim rows of the state per block and head (a power of two dividing headdim);
+    HEADS_PER_BLOCK: heads per block (a divisor of nheads / ngroups)."""
 
     BLOCK_P: int
+    HEADS_PER_BLOCK: int = 1
     occupancy: int = 4
 
 
 def decode_step_default_config(dims: DecodeStepDims) -> DecodeStepConfig:
-    """The widest BLOCK_P (at most headdim) that still launches about 2 blocks per SM, at least 8 rows.
+    """About 2K state values per head and block (the register budget of `state_update.py`'s default; a
+    64 x 128 f32 tile spills to the stack), narrowed to at least 2 blocks per SM (at least 8 rows), then as
+    many heads per block as keep 4 blocks per SM (the occupancy hint).
 
-    Every block re-convolves its group's 2 dstate B/C channels (d_conv taps and weights each) besides its
-    BLOCK_P x dstate state values, so narrow blocks waste bandwidth (at BLOCK_P 16 and dstate 128 the B/C
-    reads equal the state's); but a batch-1 step has only nheads heads to spread over the SMs. At the
-    24-layer LM (32 heads of 64, dstate 128): BLOCK_P 8 at batch 1 (256 blocks), 64 from batch 8 on.
+    Every block re-convolves its group's 2 dstate B/C channels (d_conv taps and weights each), as many values
+    as a 16 x 128 piece of the state: several heads per block share them. At the 24-layer LM (32 heads of 64,
+    dstate 128): batch 1 runs 256 blocks of 8 rows and one head, batch 64 1024 blocks of 16 rows and 8 heads.
     """
-    block_p = dims.headdim
-    while block_p > 8 and dims.batch * dims.nheads * (dims.headdim // block_p) < 2 * SM90_SMS:
+    def blocks(block_p, heads_per_block=1):
+        return dims.batch * dims.nheads // heads_per_block * (dims.headdim // block_p)
+
+    block_p = min(dims.headdim, max(8, 2048 // dims.dstate))
+    while block_p > 8 and blocks(block_p) < 2 * SM90_SMS:
         block_p //= 2
-    return DecodeStepConfig(BLOCK_P=block_p)
+    heads = 1
+    while (dims.nheads // dims.ngroups) % (2 * heads) == 0 and blocks(block_p, 2 * heads) >= 4 * SM90_SMS:
+        heads *= 2
+    return DecodeStepConfig(BLOCK_P=block_p, HEADS_PER_BLOCK=heads)
 
 
 def decode_step_grid(dims: DecodeStepDims, cfg: DecodeStepConfig) -> tuple[int, int]:
-    return (dims.batch * dims.nheads, dims.headdim // cfg.BLOCK_P)
+    return (dims.batch * dims.nheads // cfg.HEADS_PER_BLOCK, dims.headdim // cfg.BLOCK_P)
 
 
 def decode_step_inputs(dims: DecodeStepDims, param_dtype: str = "float32") -> dict[str, Buffer]:
@@ -280,19 +308,24 @@ def decode_step_plan(dims: DecodeStepDims, cfg: DecodeStepConfig | None = None) 
       dummy without rmsnorm) and the next conv and SSM states in their states' dtypes.
 
     Raises:
-      ValueError: unless cfg.BLOCK_P is a power of two dividing headdim.
+      ValueError: unless cfg.BLOCK_P is a power of two dividing headdim and cfg.HEADS_PER_BLOCK divides
+        nheads / ngroups.
     """
     cfg = cfg or decode_step_default_config(dims)
     if not is_power_of_2(cfg.BLOCK_P) or dims.headdim % cfg.BLOCK_P:
         raise ValueError(f"decode_step_plan: cfg.BLOCK_P={cfg.BLOCK_P} must be a power of two dividing "
                          f"headdim={dims.headdim}")
+    heads_per_group = dims.nheads // dims.ngroups
+    if not 1 <= cfg.HEADS_PER_BLOCK <= heads_per_group or heads_per_group % cfg.HEADS_PER_BLOCK:
+        raise ValueError(f"decode_step_plan: cfg.HEADS_PER_BLOCK={cfg.HEADS_PER_BLOCK} must divide "
+                         f"nheads / ngroups={heads_per_group}")
     b = dims.batch
     dt_min, dt_max = (float(v) for v in dims.dt_limit)
     launch = kernel_launch(
         select_kernel(DECODE_STEP_KERNELS, dims.ssd_dims(), occupancy=cfg.occupancy),
         decode_step_grid(dims, cfg), writes=DECODE_STEP_OUTPUTS,
         D_MLP=dims.d_mlp, NHEADS=dims.nheads, HEADDIM=dims.headdim, DSTATE=dims.dstate, NGROUPS=dims.ngroups,
-        D_CONV=dims.d_conv, BLOCK_P=cfg.BLOCK_P, HAS_CONV_BIAS=dims.has_conv_bias, HAS_D=dims.has_D,
+        D_CONV=dims.d_conv, BLOCK_P=cfg.BLOCK_P, HEADS_PER_BLOCK=cfg.HEADS_PER_BLOCK, HAS_CONV_BIAS=dims.has_conv_bias, HAS_D=dims.has_D,
         D_HAS_HDIM=dims.D_has_hdim, HAS_DT_BIAS=dims.has_dt_bias, RMSNORM=dims.rmsnorm,
         NORM_BEFORE_GATE=dims.norm_before_gate, DT_SOFTPLUS=dims.dt_softplus, HAS_DT_LIMIT=dims.has_dt_limit,
         DT_MIN=dt_min, DT_MAX=dt_max)

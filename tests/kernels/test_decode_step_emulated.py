@@ -74,13 +74,13 @@ def test_decode_step_in_the_kernels_own_dtypes(monkeypatch, dtype, param_dtype, 
     _assert_close(got, float64_reference(args, kwargs), TOLERANCE[jnp.dtype(dtype).name])
 
 
-@pytest.mark.parametrize("block_p", [4, 8, 16])
-def test_every_block_width_writes_the_same_step(block_p):
-    """Blocks of 4..16 rows of a 16-row head: pieces of heads, the first block of each group writing its B/C
-    conv state, one partial sum of squares per block."""
+@pytest.mark.parametrize("block_p,heads_per_block", [(4, 1), (8, 2), (16, 2)])
+def test_every_block_shape_writes_the_same_step(block_p, heads_per_block):
+    """Blocks of 4..16 rows of a 16-row head, one or both heads of a group: pieces of heads, the first block of
+    each group writing its B/C conv state, one partial sum of squares per head and block."""
     args, kwargs = make_decode_args(3, ngroups=2)
     inputs, static, _ = pack_arguments(*args, **kwargs)
-    plan, arrays = decode_ops.kernel_plan(inputs, static, kernels.DecodeStepConfig(BLOCK_P=block_p))
+    plan, arrays = decode_ops.kernel_plan(inputs, static, kernels.DecodeStepConfig(BLOCK_P=block_p, HEADS_PER_BLOCK=heads_per_block))
     assert_plan_well_formed(plan)
     out = emulator.run_plan(plan, {name: np.asarray(a) for name, a in arrays.items()}, float64=True)
     assert out["sumsq"].shape == (3, 64 // block_p)
@@ -90,12 +90,21 @@ def test_every_block_width_writes_the_same_step(block_p):
     assert np.isfinite(out["gated"]).all() and np.isfinite(out["sumsq"]).all()
 
 
-def test_default_block_width_fills_the_gpu_at_batch_1_and_takes_whole_heads_at_large_batches():
-    def block_p(batch):
+def test_default_blocks_fill_the_gpu_at_batch_1_and_share_b_c_over_heads_at_large_batches():
+    def block(batch):
         dims = kernels.DecodeStepDims(batch=batch, nheads=32, headdim=64, ngroups=1, dstate=128, d_conv=4)
-        return kernels.decode_step_default_config(dims).BLOCK_P
+        cfg = kernels.decode_step_default_config(dims)
+        return cfg.BLOCK_P, cfg.HEADS_PER_BLOCK, kernels.decode_step_grid(dims, cfg)
 
-    assert [block_p(b) for b in (1, 8, 64)] == [8, 32, 64]
+    assert [block(b) for b in (1, 8, 64)] == [(8, 1, (32, 8)), (16, 1, (256, 4)), (16, 8, (256, 4))]
+
+
+def test_block_shapes_are_checked():
+    dims = kernels.DecodeStepDims(batch=1, nheads=4, headdim=16, ngroups=2, dstate=16, d_conv=4)
+    with pytest.raises(ValueError, match=r"cfg.BLOCK_P=12 must be a power of two dividing headdim=16"):
+        kernels.decode_step_plan(dims, kernels.DecodeStepConfig(BLOCK_P=12))
+    with pytest.raises(ValueError, match=r"cfg.HEADS_PER_BLOCK=4 must divide nheads / ngroups=2"):
+        kernels.decode_step_plan(dims, kernels.DecodeStepConfig(BLOCK_P=8, HEADS_PER_BLOCK=4))
 
 
 def test_vmap_folds_into_the_kernel_batch(emulated):
