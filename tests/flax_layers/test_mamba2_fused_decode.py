@@ -16,7 +16,7 @@ from jax_mamba2 import backends  # noqa: E402
 from jax_mamba2.flax_layers import Mamba2, Mamba2Config, Mamba2LMHeadModel, shard_model  # noqa: E402
 from tests._helpers import rel_l2  # noqa: E402
 from tests.bridge._emulated_backend import EMULATED  # noqa: E402
-from tests.flax_layers._programs import cutile_launches  # noqa: E402
+from tests.flax_layers._programs import cutile_launches, while_body_launches  # noqa: E402
 
 # Kernel-compatible sizes: headdim and d_state powers of two.
 CONFIG = Mamba2Config(d_model=32, n_layer=2, vocab_size=64, ssm_cfg=dict(d_state=16, headdim=16, chunk_size=8))
@@ -106,6 +106,27 @@ def test_head_parallel_step_runs_the_composed_kernels():
         model = shard_model(Mamba2LMHeadModel(CONFIG, backend="cutile", rngs=nnx.Rngs(0)), mesh)
         names = _step_launches(model)
     assert "decode_step_kernel" not in names and "state_update_kernel" in names
+
+
+def _compiled_step_launches(model, batch=3):
+    graphdef, state = nnx.split(model)
+
+    def step(state, token, cache):
+        return nnx.merge(graphdef, state).step(token, cache)
+
+    hlo = jax.jit(step).lower(state, jnp.zeros((batch,), jnp.int32), model.init_cache(batch)).compile().as_text()
+    return [name for category, name in while_body_launches(hlo) if category == "compute"]
+
+
+def test_compiled_lm_step_launches_per_layer():
+    """The body of the compiled scan over layers (CPU; the kernel is the emulator's host callback, the norms
+    XLA's): the block's residual add and norm (3 on this backend, 1 cuTile kernel on a GPU), in_proj, the
+    kernel, the grouped norm's scale (2: statistic and product) and out_proj, against 20 composed."""
+    fused = _compiled_step_launches(Mamba2LMHeadModel(CONFIG, backend=EMULATED.name, rngs=nnx.Rngs(0)))
+    composed = _compiled_step_launches(Mamba2LMHeadModel(CONFIG, backend="xla", rngs=nnx.Rngs(0)))
+    assert len([name for name in fused if "callback" in name]) == 1, fused
+    assert len(fused) <= 8, fused
+    assert len(composed) >= len(fused) + 8, (fused, composed)
 
 
 def test_decode_kernel_is_checked():
