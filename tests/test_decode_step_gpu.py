@@ -41,7 +41,7 @@ def _assert_close(got, want, tolerance):
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "defaults")
 def test_decode_step_matches_the_float64_composed_step(backend, options):
     args, kwargs = make_decode_args(1, **options)
-    got = jax.jit(functools.partial(mamba2_decode_step, backend=backend))(*args, **kwargs)
+    got = jax.jit(lambda *a: mamba2_decode_step(*a, **kwargs, backend=backend))(*args)
     _assert_close(got, float64_reference(args, kwargs), TOLERANCE["float32"])
 
 
@@ -53,7 +53,7 @@ def test_decode_step_matches_the_float64_composed_step(backend, options):
 def test_decode_step_in_bf16(dtype, param_dtype, state_dtype, batch):
     args, kwargs = make_decode_args(2, **{**LM, "batch": batch}, dtype=dtype, param_dtype=param_dtype,
                                     state_dtype=state_dtype)
-    got = jax.jit(functools.partial(mamba2_decode_step, backend="cutile"))(*args, **kwargs)
+    got = jax.jit(lambda *a: mamba2_decode_step(*a, **kwargs, backend="cutile"))(*args)
     assert [a.dtype for a in got] == [dtype, state_dtype, state_dtype]
     _assert_close(got, float64_reference(args, kwargs), TOLERANCE["bfloat16"])
 
@@ -94,5 +94,5 @@ def test_vmap_and_grad():
 
 def test_auto_takes_the_kernel_on_the_gpu():
     args, kwargs = make_decode_args(5, **LM)
-    hlo = jax.jit(mamba2_decode_step).lower(*args, **kwargs).compile().as_text()
+    hlo = jax.jit(lambda *a: mamba2_decode_step(*a, **kwargs)).lower(*args).compile().as_text()
     assert "decode_step_kernel" in hlo

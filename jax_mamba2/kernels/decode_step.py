@@ -325,7 +325,8 @@ def decode_step_plan(dims: DecodeStepDims, cfg: DecodeStepConfig | None = None) 
         select_kernel(DECODE_STEP_KERNELS, dims.ssd_dims(), occupancy=cfg.occupancy),
         decode_step_grid(dims, cfg), writes=DECODE_STEP_OUTPUTS,
         D_MLP=dims.d_mlp, NHEADS=dims.nheads, HEADDIM=dims.headdim, DSTATE=dims.dstate, NGROUPS=dims.ngroups,
-        D_CONV=dims.d_conv, BLOCK_P=cfg.BLOCK_P, HEADS_PER_BLOCK=cfg.HEADS_PER_BLOCK, HAS_CONV_BIAS=dims.has_conv_bias, HAS_D=dims.has_D,
+        D_CONV=dims.d_conv, BLOCK_P=cfg.BLOCK_P, HEADS_PER_BLOCK=cfg.HEADS_PER_BLOCK,
+        HAS_CONV_BIAS=dims.has_conv_bias, HAS_D=dims.has_D,
         D_HAS_HDIM=dims.D_has_hdim, HAS_DT_BIAS=dims.has_dt_bias, RMSNORM=dims.rmsnorm,
         NORM_BEFORE_GATE=dims.norm_before_gate, DT_SOFTPLUS=dims.dt_softplus, HAS_DT_LIMIT=dims.has_dt_limit,
         DT_MIN=dt_min, DT_MAX=dt_max)

@@ -64,8 +64,9 @@ def test_decode_step_matches_the_float64_composed_step(emulated, options):
 ])
 @pytest.mark.parametrize("norm_before_gate", [False, True])
 def test_decode_step_in_the_kernels_own_dtypes(monkeypatch, dtype, param_dtype, state_dtype, norm_before_gate):
-    own_dtypes = dataclasses.replace(EMULATED, name="cutile_emulated_own_dtypes", decode_step=decode_ops.make_decode_step(
-        functools.partial(emulator.jax_run_plan, float64=False)))
+    own_dtypes = dataclasses.replace(
+        EMULATED, name="cutile_emulated_own_dtypes",
+        decode_step=decode_ops.make_decode_step(functools.partial(emulator.jax_run_plan, float64=False)))
     monkeypatch.setitem(backends._REGISTRY, own_dtypes.name, own_dtypes)
     args, kwargs = make_decode_args(2, ngroups=2, dtype=dtype, param_dtype=param_dtype, state_dtype=state_dtype,
                                     norm_before_gate=norm_before_gate)
@@ -80,7 +81,8 @@ def test_every_block_shape_writes_the_same_step(block_p, heads_per_block):
     each group writing its B/C conv state, one partial sum of squares per head and block."""
     args, kwargs = make_decode_args(3, ngroups=2)
     inputs, static, _ = pack_arguments(*args, **kwargs)
-    plan, arrays = decode_ops.kernel_plan(inputs, static, kernels.DecodeStepConfig(BLOCK_P=block_p, HEADS_PER_BLOCK=heads_per_block))
+    cfg = kernels.DecodeStepConfig(BLOCK_P=block_p, HEADS_PER_BLOCK=heads_per_block)
+    plan, arrays = decode_ops.kernel_plan(inputs, static, cfg)
     assert_plan_well_formed(plan)
     out = emulator.run_plan(plan, {name: np.asarray(a) for name, a in arrays.items()}, float64=True)
     assert out["sumsq"].shape == (3, 64 // block_p)
