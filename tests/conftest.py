@@ -34,7 +34,111 @@ def _gpu_unavailable_reason():
     return None
 
 
+# CPU tests that take more than ~5 s each on a 2-core machine (compiles to cubins, emulated kernels, compiled
+# training steps). `-m "not slow"` (the quick subset) keeps the first case of each parametrized one and leaves
+# the rest out; the full suite runs them all.
+_LONG_TESTS = frozenset({
+    "tests/benchmarks/test_conv1d_benchmark.py::test_cli_writes_records_with_errors_against_float32",
+    "tests/benchmarks/test_lm_decode.py::test_the_jax_worker_writes_step_times_prefill_and_floors",
+    "tests/benchmarks/test_lm_train.py::test_the_jax_worker_writes_a_record_table_and_plot",
+    "tests/benchmarks/test_lm_train_mesh.py::test_a_failed_worker_becomes_a_record_with_its_error",
+    "tests/benchmarks/test_lm_train_mesh.py::test_the_benchmark_on_two_fake_devices",
+    "tests/benchmarks/test_sass.py::test_loops_command_reports_every_launch_of_the_plan",
+    "tests/benchmarks/test_ssd_benchmark.py::test_benchmark_main_writes_records_with_the_fixed_keys",
+    "tests/benchmarks/test_ssd_benchmark.py::test_forward_backward_program_runs_the_forward_kernels",
+    "tests/bridge/test_aot.py::test_aot_export_lowers_forward_and_backward_kernels_for_sm90",
+    "tests/bridge/test_eager.py::test_eager_forward_matches_float64_scan",
+    "tests/bridge/test_nonfinite_cutile.py::test_emulated_cutile_confines_nonfinite_values_like_the_scan",
+    "tests/bridge/test_norm_ops_emulated.py::test_emulated_op_forward_and_gradients_match_float64_reference",
+    "tests/bridge/test_norm_ops_emulated.py::test_emulated_op_gradients_under_shard_map_match_float64_reference",
+    "tests/bridge/test_norm_ops_emulated.py::test_emulated_op_vmap_of_forward_and_gradients_matches_a_loop",
+    "tests/bridge/test_ops_emulated.py::test_emulated_op_forward_and_gradients_match_float64_scan",
+    "tests/bridge/test_ops_emulated.py::test_emulated_op_gradients_through_the_fused_layouts_match_float64_scan",
+    "tests/bridge/test_ops_emulated.py::test_emulated_op_gradients_under_shard_map_match_float64_scan",
+    "tests/bridge/test_ops_emulated.py::test_emulated_op_vmap_of_gradients_with_a_gate_matches_a_loop",
+    "tests/bridge/test_plumbing.py::test_cutile_forward_is_three_kernel_calls_with_every_feature",
+    "tests/bridge/test_plumbing.py::test_cutile_step_traces_the_state_update_into_a_new_state",
+    "tests/bridge/test_plumbing.py::test_gate_vjp_matches_autodiff_of_the_gate",
+    "tests/bridge/test_tuning.py::test_autotune_finds_every_ssd_plan_of_a_program_and_tunes_each_ahead_of_time",
+    "tests/bridge/test_tuning.py::test_cutile_backward_traces_with_the_configs_backward_configs_returns",
+    "tests/bridge/test_tuning.py::test_cutile_forward_traces_with_the_configs_forward_configs_returns",
+    "tests/bridge/test_tuning.py::test_random_inputs_are_concrete_inside_a_jit_trace",
+    "tests/bridge/test_tuning.py::test_random_inputs_match_plan_inputs_with_realistic_values",
+    "tests/bridge/test_tuning.py::test_tune_stages_times_each_config_on_its_plan_buffers_and_rezeroes_atomic_sums",
+    "tests/bridge/test_tuning.py::test_tuning_cache_concurrent_writers_keep_every_key_and_tune_each_once",
+    "tests/flax_layers/test_checkpoint.py::test_checkpoint_save_crash_keeps_the_old_checkpoint",
+    "tests/flax_layers/test_checkpoint.py::test_checkpoint_save_load_round_trip_is_exact",
+    "tests/flax_layers/test_decode.py::test_bf16_parameter_decode_step_converts_no_weight",
+    "tests/flax_layers/test_decode.py::test_greedy_tokens_are_the_uncached_forward_argmax_with_bf16_parameters_up_to_ties",
+    "tests/flax_layers/test_lm.py::test_lm_empty_sequence_gives_empty_logits_and_keeps_the_cache",
+    "tests/flax_layers/test_lm.py::test_lm_generate_accepts_a_list_prompt",
+    "tests/flax_layers/test_lm.py::test_lm_generate_greedy_is_deterministic_and_follows_forward_argmax",
+    "tests/flax_layers/test_lm.py::test_lm_generate_sampling_respects_top_k",
+    "tests/flax_layers/test_lm.py::test_lm_grads_finite_and_equal_with_remat",
+    "tests/flax_layers/test_lm.py::test_lm_prefill_then_steps_match_forward",
+    "tests/flax_layers/test_lm.py::test_lm_rejects_bad_inputs",
+    "tests/flax_layers/test_lm.py::test_lm_shapes_dtypes_and_init",
+    "tests/flax_layers/test_loss.py::test_batched_shapes_ignored_labels_and_bad_labels",
+    "tests/flax_layers/test_loss.py::test_chunked_loss_and_gradient_equal_the_plain_loss_in_float64",
+    "tests/flax_layers/test_loss.py::test_lm_loss_equals_the_loss_of_its_logits_in_float64",
+    "tests/flax_layers/test_loss.py::test_padded_columns_are_excluded_and_get_no_gradient",
+    "tests/flax_layers/test_loss.py::test_shard_map_over_a_data_axis_sums_the_weight_gradient",
+    "tests/flax_layers/test_loss.py::test_vmap_and_checkpoint_compose",
+    "tests/flax_layers/test_mamba2.py::test_mamba2_empty_sequence_gives_empty_output_and_keeps_the_cache",
+    "tests/flax_layers/test_mamba2.py::test_mamba2_init_matches_mamba_ssm_formulas",
+    "tests/flax_layers/test_mamba2.py::test_mamba2_matches_numpy_float64",
+    "tests/flax_layers/test_mamba2.py::test_mamba2_param_and_output_shapes_and_dtypes",
+    "tests/flax_layers/test_mamba2.py::test_mamba2_prefill_then_steps_match_forward",
+    "tests/flax_layers/test_mamba2.py::test_mamba2_seq_idx_equals_separate_sequences",
+    "tests/flax_layers/test_sharded_training.py::test_bfloat16_training_matches_one_device_to_bf16_rounding",
+    "tests/flax_layers/test_sharded_training.py::test_data_parallel_step_all_reduces_every_gradient_once_and_gathers_nothing",
+    "tests/flax_layers/test_sharded_training.py::test_float32_training_matches_one_device",
+    "tests/flax_layers/test_sharded_training.py::test_head_parallel_step_reduces_after_out_proj_and_gathers_no_activation",
+    "tests/flax_layers/test_sharding.py::test_head_shard_project_moves_activations_for_few_tokens_and_weights_for_many",
+    "tests/flax_layers/test_sharding.py::test_shard_model_empty_sequence_gives_empty_logits",
+    "tests/flax_layers/test_sharding.py::test_shard_model_grads_match_single_device_with_groups_split",
+    "tests/flax_layers/test_sharding.py::test_shard_model_lm_matches_single_device_without_all_gather",
+    "tests/flax_layers/test_sharding.py::test_shard_model_on_a_model_axis_of_size_one_is_data_parallel",
+    "tests/kernels/test_backward_compile.py::test_backward_kernels_compile_to_sm90_cubins",
+    "tests/kernels/test_backward_compile.py::test_backward_matmul_stages_use_wgmma",
+    "tests/kernels/test_backward_compile.py::test_whole_chunk_block_passes_at_dstate_64_compile_without_spills",
+    "tests/kernels/test_backward_emulated.py::test_backward_plan_emulated_atomic_blocks_of_several_heads_match_scan_vjp",
+    "tests/kernels/test_backward_emulated.py::test_backward_plan_emulated_bf16_within_kernel_tolerance",
+    "tests/kernels/test_backward_emulated.py::test_backward_plan_emulated_deterministic_mode_matches_scan_vjp",
+    "tests/kernels/test_backward_emulated.py::test_backward_plan_emulated_float64_matches_scan_vjp",
+    "tests/kernels/test_backward_emulated.py::test_backward_plan_emulated_one_key_block_row_pass_matches_scan_vjp",
+    "tests/kernels/test_backward_emulated.py::test_backward_plan_emulated_summing_heads_matches_scan_vjp",
+    "tests/kernels/test_backward_emulated.py::test_backward_plan_emulated_with_states_saved_by_the_fused_forward_matches_scan_vjp",
+    "tests/kernels/test_causal_conv1d_compile.py::test_conv_backward_default_tile_is_spill_free",
+    "tests/kernels/test_causal_conv1d_compile.py::test_conv_forward_default_tile_is_spill_free_with_vector_rows",
+    "tests/kernels/test_causal_conv1d_compile.py::test_conv_kernels_compile_to_sm90_cubins",
+    "tests/kernels/test_causal_conv1d_emulated.py::test_conv_backward_sums_weight_gradients_per_item",
+    "tests/kernels/test_causal_conv1d_emulated.py::test_conv_kernels_at_default_tiles_match_float64_reference",
+    "tests/kernels/test_causal_conv1d_emulated.py::test_conv_kernels_in_their_dtype_match_float64_reference",
+    "tests/kernels/test_causal_conv1d_emulated.py::test_conv_kernels_match_float64_reference_in_float64",
+    "tests/kernels/test_causal_conv1d_emulated.py::test_conv_kernels_without_activation_match_float64_reference",
+    "tests/kernels/test_compile.py::test_chunk_scan_default_at_chunk_64_is_a_spill_free_state_loop",
+    "tests/kernels/test_compile.py::test_chunk_scan_state_loop_uses_wgmma_and_tma_without_spills",
+    "tests/kernels/test_compile.py::test_kernels_compile_to_sm90_cubins",
+    "tests/kernels/test_compile.py::test_matmul_stages_use_wgmma_and_tma",
+    "tests/kernels/test_compile.py::test_state_passes_at_occupancy_4_fit_four_blocks_per_sm_without_spills",
+})
+
+
+def _mark_long_tests_slow(items) -> None:
+    first_case_seen = set()
+    for item in items:
+        function = item.nodeid.split("[", 1)[0]
+        if function not in _LONG_TESTS:
+            continue
+        if "[" in item.nodeid and function not in first_case_seen:
+            first_case_seen.add(function)
+            continue
+        item.add_marker(pytest.mark.slow)
+
+
 def pytest_collection_modifyitems(config, items):
+    _mark_long_tests_slow(items)
     reason = _gpu_unavailable_reason()
     if reason is None:
         return
