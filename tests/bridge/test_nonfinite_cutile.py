@@ -79,6 +79,27 @@ def test_emulated_cutile_confines_nonfinite_values_under_remat_and_shard_map(ssd
     _check_confined(ssd_fn, SPOILS["x_nan"], EMULATED_TOLERANCE)
 
 
+def _conds(jaxpr):
+    """(predicate aval, names of the primitives in its branches) of every cond in a jaxpr, nested ones too."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            yield eqn.invars[0].aval, set().union(*(_primitives(b.jaxpr) for b in eqn.params["branches"]))
+        for sub in jaxprs_in_params(eqn.params):
+            yield from _conds(sub)
+
+
+def test_emulated_cutile_recompute_with_a_collective_is_taken_by_every_shard_or_none():
+    """The backward's recompute sums the replicated parameters' gradients over the shards (a psum): its cond's
+    predicate must be the same on every shard, else one shard would wait in the psum for the others."""
+    inputs, weights = make_problem(0)
+    program = jax.make_jaxpr(functools.partial(outputs_and_grads, _sharded_ssd, nonlinear=True))(inputs, weights)
+    with_collectives = [aval for aval, names in _conds(program.jaxpr) if any("psum" in n for n in names)]
+    assert with_collectives
+    for aval in with_collectives:
+        manual = getattr(aval, "manual_axis_type", None)
+        assert not (manual.varying if manual is not None else getattr(aval, "vma", ())), aval
+
+
 def test_emulated_cutile_nan_without_seq_idx_spares_the_earlier_tokens_of_its_chunk():
     spoil = Spoil("x", (1, 37, 0, 0))  # inside the kernels' first 64-token chunk
     (y, _), _ = _check_confined(EMULATED_SSD, spoil, EMULATED_TOLERANCE, segmented=False, seed=1)
