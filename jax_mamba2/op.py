@@ -280,9 +280,16 @@ def _unless_nonfinite(kernel_result, recompute: Callable, *operands, same_on_eve
     types as `kernel_result`). `same_on_every_shard`: under shard_map, take the recompute on every shard
     when one shard needs it (required when `recompute` holds a collective, which every shard must join)."""
     finite = _all_finite(kernel_result)
-    axes = tuple(sorted(varying_axes(finite)))
-    if same_on_every_shard and axes:
-        finite = jax.lax.psum(jnp.logical_not(finite).astype(jnp.int32), axes) == 0
+    if same_on_every_shard and varying_axes(finite):
+        # The shard-local arrays' verdict is summed over the shards; it does not wait for the replicated
+        # arrays (themselves sums over the shards, alike on all), so XLA may combine the two all-reduces.
+        leaves = jax.tree.leaves(kernel_result)
+        local = [leaf for leaf in leaves if varying_axes(leaf)]
+        axes = tuple(sorted(frozenset().union(*map(varying_axes, local))))
+        finite = jax.lax.psum(jnp.logical_not(_all_finite(local)).astype(jnp.int32), axes) == 0
+        shared = [leaf for leaf in leaves if not varying_axes(leaf)]
+        if shared:
+            finite = finite & _all_finite(shared)
     return jax.lax.cond(finite, lambda result, _: result,
                         lambda _, operands: recompute(*operands), kernel_result, operands)
 
