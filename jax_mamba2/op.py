@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ import numpy as np
 from jax_mamba2 import backends as registry
 from jax_mamba2 import reference
 from jax_mamba2.checks import check_array, check_flag, check_float, check_ndim, check_seq_idx
+from jax_mamba2._vma import varying_axes
 
 
 class SSDInputs(NamedTuple):
@@ -182,17 +183,6 @@ def _check_values(api, A, dt, dt_bias, dt_softplus, dt_limit, seq_idx=None):
 # Dispatch
 # ----------------------------------------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _opaque_ssd(backend: registry.Backend, static: SSDStatic, inputs: SSDInputs):
-    return backend.forward(inputs, static)
-
-
-def _opaque_ssd_fwd(backend, static, inputs):
-    if backend.forward_saving is None or not static.save_chunk_states:
-        return backend.forward(inputs, static), (inputs, None)
-    outputs, saved = backend.forward_saving(inputs, static)
-    return outputs, (inputs, saved)
-
 
 def _xla_vjp(inputs: SSDInputs, static: SSDStatic, dy, dfinal, saved=None):
     del saved  # the xla path recomputes what it needs
@@ -206,12 +196,112 @@ def _xla_vjp(inputs: SSDInputs, static: SSDStatic, dy, dfinal, saved=None):
     return grads
 
 
+# Non-finite values. The kernels mix the tokens of a chunk in matrix products and mask by multiplying with 0,
+# so a NaN or inf reaches other tokens and packed sequences of its batch row. Rather than sanitize every input
+# (a pass over all of them on every call), each kernel call is checked after the fact: outputs that are all
+# finite had no NaN or inf to spread and are returned as they are; otherwise the call is recomputed on the xla
+# path, which confines them as the recurrence does, one batch row at a time so that the branch XLA reserves
+# memory for stays a fraction of the xla path's whole-batch temporaries (docs/design.md §2).
+
+_PER_ROW = ("x", "dt", "B", "C", "z", "initial_states", "seq_idx")
+# The recompute's chunk, at most the kernels' (bridge/problem.py's KERNEL_CHUNK_SIZE): its (chunk, chunk)
+# score blocks dominate the xla path's memory, which the cond reserves whichever branch runs.
+_RECOMPUTE_CHUNK_SIZE = 64
+
+
+def _recompute_static(static: SSDStatic) -> SSDStatic:
+    return dataclasses.replace(static, chunk_size=min(static.chunk_size, _RECOMPUTE_CHUNK_SIZE))
+
+
+@jax.custom_batching.custom_vmap
+def _all_finite(tree) -> jax.Array:
+    """() bool: whether every entry of every array in `tree` is finite.
+
+    Under vmap the answer covers every mapped item, so it stays unbatched and a `lax.cond` on it remains a
+    branch rather than becoming a select that would run both sides."""
+    return jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree)]))
+
+
+@_all_finite.def_vmap
+def _all_finite_vmap(axis_size, in_batched, tree):
+    del axis_size, in_batched
+    return _all_finite(tree), False
+
+
+def _unless_nonfinite(kernel_result, recompute: Callable, *operands, same_on_every_shard: bool = False):
+    """`kernel_result` if every entry of it is finite, else `recompute(*operands)` (arrays, of the same
+    types as `kernel_result`). `same_on_every_shard`: under shard_map, take the recompute on every shard
+    when one shard needs it (required when `recompute` holds a collective, which every shard must join)."""
+    finite = _all_finite(kernel_result)
+    if same_on_every_shard and varying_axes(finite):
+        # The shard-local arrays' verdict is summed over the shards; it does not wait for the replicated
+        # arrays (themselves sums over the shards, alike on all), so XLA may combine the two all-reduces.
+        leaves = jax.tree.leaves(kernel_result)
+        local = [leaf for leaf in leaves if varying_axes(leaf)]
+        axes = tuple(sorted(frozenset().union(*map(varying_axes, local))))
+        finite = jax.lax.psum(jnp.logical_not(_all_finite(local)).astype(jnp.int32), axes) == 0
+        shared = [leaf for leaf in leaves if not varying_axes(leaf)]
+        if shared:
+            finite = finite & _all_finite(shared)
+    return jax.lax.cond(finite, lambda result, _: result,
+                        lambda _, operands: recompute(*operands), kernel_result, operands)
+
+
+def _rows(inputs: SSDInputs) -> dict:
+    """The per-row arrays of `inputs`, each (batch, 1, ...): `lax.map` hands out one-row batches."""
+    return {n: getattr(inputs, n)[:, None] for n in _PER_ROW if getattr(inputs, n) is not None}
+
+
+def _xla_forward_by_rows(inputs: SSDInputs, static: SSDStatic):
+    """`_xla_forward` one batch row at a time, at the recompute's chunk: (y, final_states) of the batch."""
+    static = _recompute_static(static)
+
+    def row(arrays):
+        return _xla_forward(inputs._replace(**arrays), static)
+    return jax.tree.map(lambda a: a[:, 0], jax.lax.map(row, _rows(inputs)))
+
+
+def _xla_vjp_by_rows(inputs: SSDInputs, static: SSDStatic, dy, dfinal):
+    """`_xla_vjp`, one batch row at a time; the per-head parameters' gradients summed over the rows."""
+    static = _recompute_static(static)
+
+    def row(args):
+        arrays, dy, dfinal = args
+        return _xla_vjp(inputs._replace(**arrays), static, dy, dfinal)
+    grads = jax.lax.map(row, (_rows(inputs), dy[:, None], dfinal[:, None]))
+
+    def combine(name, g):
+        if g is None or name in _PER_ROW:
+            return None if g is None else g[:, 0]
+        return g.astype(jnp.promote_types(g.dtype, jnp.float32)).sum(axis=0).astype(g.dtype)
+    return SSDInputs(*(combine(name, g) for name, g in zip(SSDInputs._fields, grads)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _opaque_ssd(backend: registry.Backend, static: SSDStatic, inputs: SSDInputs):
+    return _unless_nonfinite(backend.forward(inputs, static),
+                             lambda inputs: _xla_forward_by_rows(inputs, static), inputs)
+
+
+def _opaque_ssd_fwd(backend, static, inputs):
+    if backend.forward_saving is None or not static.save_chunk_states:
+        outputs, saved = backend.forward(inputs, static), None
+    else:
+        outputs, saved = backend.forward_saving(inputs, static)
+    # `saved` stays the kernels': where the outputs were not finite, the backward's will not be either.
+    outputs = _unless_nonfinite(outputs, lambda inputs: _xla_forward_by_rows(inputs, static), inputs)
+    return outputs, (inputs, saved)
+
+
 def _opaque_ssd_bwd(backend, static, residuals, cotangents):
     inputs, saved = residuals
     dy, dfinal = cotangents
-    backward = backend.backward or _xla_vjp
-    grads = backward(inputs, static, dy, dfinal, saved)
-    return (grads._replace(seq_idx=None),)
+    if backend.backward is None:
+        return (_xla_vjp(inputs, static, dy, dfinal),)
+    grads = backend.backward(inputs, static, dy, dfinal, saved)._replace(seq_idx=None)
+    # Under shard_map the recompute sums the replicated parameters' gradients over the shards.
+    return (_unless_nonfinite(grads, lambda inputs, dy, dfinal: _xla_vjp_by_rows(inputs, static, dy, dfinal),
+                              inputs, dy, dfinal, same_on_every_shard=True),)
 
 
 _opaque_ssd.defvjp(_opaque_ssd_fwd, _opaque_ssd_bwd)
@@ -253,9 +343,11 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
 
     Non-finite values: a NaN or inf in an input of one token reaches that token's head (a group's heads
     for B and C) from that token to the end of its sequence, and the final state when that is the last
-    one, as in the recurrence; never another packed sequence, an earlier token, or their gradients
-    (backends "xla" and "scan"). The cuTile kernels mix the tokens of a chunk in matrix products, which
-    carry a NaN to the whole chunk and, through the states, to the rest of its batch row.
+    one, as in the recurrence; never another packed sequence, an earlier token, or their gradients, on
+    every backend. The cuTile kernels would carry it further (they mix the tokens of a chunk in matrix
+    products), so a kernel call whose outputs (forward: y and final_states; backward: the gradients) are
+    not all finite is recomputed on the xla path, one batch row at a time (under vmap: every item, when one
+    needs it); an all-finite call returns the kernels' outputs as they are.
 
     Args:
       x: (batch, seqlen, nheads, headdim), bf16/f16/f32/f64.

@@ -1,69 +1,255 @@
 """NaN and inf through the cuTile backend, on the NumPy emulator (CPU) and on the GPU, against the float64
 scan (see tests/_nonfinite_checks.py).
 
-The kernels do not confine a non-finite value to its sequence: they mix the tokens of a 64-token chunk in
-matrix products (the intra-chunk scores times x, the chunk state as x times the weighted B, the entry state
-times C, and their transposes in the backward), where a token's 0 weight times another's NaN is NaN, so a
-NaN reaches the whole chunk and, through the chunk states, the rest of the batch row. The confinement tests
-are strict xfails that record this; what does hold is that batch rows stay apart.
+The kernels alone do not confine a non-finite value to its sequence: they mix the tokens of a 64-token
+chunk in matrix products, where a token's 0 weight times another's NaN is NaN. The op checks each kernel
+call's outputs (forward: y and the final states; backward: every gradient) and recomputes a call whose
+outputs are not all finite on the xla path (jax_mamba2/op.py), so through `ssd` a NaN stays where the
+recurrence puts it, and an all-finite call returns the kernels' outputs themselves.
 """
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
+from jax.sharding import AxisType, PartitionSpec as P
 
 import jax_mamba2
 
 pytest.importorskip("cuda.tile")
 
-from jax_mamba2 import backends, op  # noqa: E402
+from jax_mamba2 import backends, op, reference  # noqa: E402
+from jax_mamba2.bridge import ops  # noqa: E402
 from tests._helpers import TOLERANCE  # noqa: E402
-from tests._nonfinite_checks import FLOAT_ARGS, SPOILS, assert_confined_like_scan, make_problem, \
+from tests._nonfinite_checks import FLOAT_ARGS, SPOILS, Spoil, assert_confined_like_scan, make_problem, \
     outputs_and_grads, scan_oracle  # noqa: E402
 from tests.bridge._emulated_backend import EMULATED  # noqa: E402
+from tests.kernels import _cutile_emulator as emulator  # noqa: E402
 
-KERNELS_MIX_A_CHUNK = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="the kernels' matrix products carry a masked-out NaN across the tokens of a chunk")
-CASES = ["x_nan", "initial_states_nan", "cotangent_nan"]
+CASES = ["x_nan", "x_inf", "dt_nan", "dt_inf", "B_nan", "C_nan", "z_nan", "initial_states_nan",
+         "cotangent_nan"]
+EMULATED_TOLERANCE = 1e-4  # float64 kernels or the float32 xla path, float32 arrays between them and XLA
+GPU_TOLERANCE = TOLERANCE["kernel_bwd"]["float32"]
 
 
-@pytest.fixture
-def emulated(monkeypatch):
+@pytest.fixture(autouse=True)
+def _register_emulated(monkeypatch):
     monkeypatch.setitem(backends._REGISTRY["ssd"], EMULATED.name, EMULATED)
-    return functools.partial(jax_mamba2.ssd, chunk_size=64, return_final_states=True, backend=EMULATED.name)
 
 
-def _check_confined(ssd_fn, case, tolerance):
-    spoil = SPOILS[case]
-    inputs, weights = make_problem(0, spoil=spoil)
+EMULATED_SSD = functools.partial(jax_mamba2.ssd, chunk_size=64, return_final_states=True, backend=EMULATED.name)
+CUTILE_SSD = functools.partial(jax_mamba2.ssd, chunk_size=64, return_final_states=True, backend="cutile")
+CALLBACK_SSD = functools.partial(jax_mamba2.ssd, chunk_size=64, return_final_states=True,
+                                 backend="cutile_callback")
+
+
+def _check_confined(ssd_fn, spoil, tolerance, *, segmented=True, seed=0):
+    inputs, weights = make_problem(seed, segmented=segmented, spoil=spoil)
     got = outputs_and_grads(ssd_fn, inputs, weights, nonlinear=True)
     spoiled = {} if spoil.name == "weight_y" else {spoil.name: spoil.index}
     assert_confined_like_scan(got, scan_oracle(inputs, weights, nonlinear=True), spoiled, tolerance,
                               inputs["seq_idx"])
+    return got
 
 
-@KERNELS_MIX_A_CHUNK
+def _remat_ssd(*args, **kwargs):
+    return jax.checkpoint(lambda *a: EMULATED_SSD(*a, **kwargs))(*args)
+
+
+def _sharded_ssd(x, dt, A, B, C, *, D, z, dt_bias, initial_states, seq_idx, **static):
+    """The batch rows on two devices: the check and the fallback run per shard."""
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,))
+
+    def per_shard(x, dt, B, C, z, initial_states, seq_idx):
+        return EMULATED_SSD(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
+                            seq_idx=seq_idx, **static)
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=P("data"), out_specs=P("data"))(
+        x, dt, B, C, z, initial_states, seq_idx)
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_emulated_cutile_confines_nonfinite_values_like_the_scan(emulated, case):
-    _check_confined(emulated, case, 1e-4)  # float64 kernels, float32 arrays between them and XLA
+def test_emulated_cutile_confines_nonfinite_values_like_the_scan(case):
+    _check_confined(EMULATED_SSD, SPOILS[case], EMULATED_TOLERANCE)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_emulated_cutile_keeps_nonfinite_values_in_their_batch_row(emulated, case):
-    """Every spoil is in row 0: row 1's outputs and the row-1 entries of every per-row gradient stay finite."""
-    inputs, weights = make_problem(0, spoil=SPOILS[case])
-    (y, final), grads = outputs_and_grads(emulated, inputs, weights, nonlinear=True)
-    assert np.isfinite(np.asarray(y[1])).all() and np.isfinite(np.asarray(final[1])).all()
-    for name in FLOAT_ARGS:
-        if name not in ("A", "D", "dt_bias"):  # shared by the rows
-            assert np.isfinite(np.asarray(grads[name][1])).all(), name
-    assert not np.isfinite(np.asarray(y[0])).all() or case == "cotangent_nan"
+@pytest.mark.parametrize("ssd_fn", [_remat_ssd, _sharded_ssd], ids=["remat", "shard_map"])
+def test_emulated_cutile_confines_nonfinite_values_under_remat_and_shard_map(ssd_fn):
+    _check_confined(ssd_fn, SPOILS["x_nan"], EMULATED_TOLERANCE)
+
+
+def _conds(jaxpr):
+    """(predicate aval, names of the primitives in its branches) of every cond in a jaxpr, nested ones too."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            yield eqn.invars[0].aval, set().union(*(_primitives(b.jaxpr) for b in eqn.params["branches"]))
+        for sub in jaxprs_in_params(eqn.params):
+            yield from _conds(sub)
+
+
+def test_emulated_cutile_recompute_with_a_collective_is_taken_by_every_shard_or_none():
+    """The backward's recompute sums the replicated parameters' gradients over the shards (a psum): its cond's
+    predicate must be the same on every shard, else one shard would wait in the psum for the others."""
+    inputs, weights = make_problem(0)
+    program = jax.make_jaxpr(functools.partial(outputs_and_grads, _sharded_ssd, nonlinear=True))(inputs, weights)
+    with_collectives = [aval for aval, names in _conds(program.jaxpr) if any("psum" in n for n in names)]
+    assert with_collectives
+    for aval in with_collectives:
+        manual = getattr(aval, "manual_axis_type", None)
+        assert not (manual.varying if manual is not None else getattr(aval, "vma", ())), aval
+
+
+def test_emulated_cutile_nan_without_seq_idx_spares_the_earlier_tokens_of_its_chunk():
+    spoil = Spoil("x", (1, 37, 0, 0))  # inside the kernels' first 64-token chunk
+    (y, _), _ = _check_confined(EMULATED_SSD, spoil, EMULATED_TOLERANCE, segmented=False, seed=1)
+    assert np.isfinite(np.asarray(y[1, :37])).all() and not np.isfinite(np.asarray(y[1, 37:, 0])).any()
+    assert np.isfinite(np.asarray(y[0])).all()
+
+
+def test_emulated_cutile_nan_in_one_packed_sequence_leaves_the_next_finite():
+    """The reproduction: a NaN at token 5 of the sequence 0-19; tokens 20.. (and 0-4) stay finite, as do
+    the final state and the gradients of the second sequence's inputs."""
+    L = 64
+    x = jnp.ones((1, L, 2, 16)).at[0, 5].set(jnp.nan)
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    dt = jax.random.uniform(keys[0], (1, L, 2), minval=0.01, maxval=0.5)
+    A = -jnp.ones((2,))
+    B, C = (jax.random.normal(k, (1, L, 1, 16)) for k in keys[1:])
+    seq_idx = (jnp.arange(L) >= 20)[None].astype(jnp.int32)
+
+    def loss(x, dt, B, C):
+        y, final = EMULATED_SSD(x, dt, A, B, C, seq_idx=seq_idx)
+        return jnp.sum(jnp.sin(y)) + jnp.sum(final)
+
+    y, final = jax.jit(EMULATED_SSD)(x, dt, A, B, C, seq_idx=seq_idx)
+    assert np.isfinite(np.asarray(y[0, :5])).all() and np.isfinite(np.asarray(y[0, 20:])).all()
+    assert not np.isfinite(np.asarray(y[0, 5:20])).any()
+    assert np.isfinite(np.asarray(final)).all()
+    for grad in jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, dt, B, C):
+        assert np.isfinite(np.asarray(grad[0, 20:])).all()
+
+
+def _primitives(jaxpr) -> set:
+    """The names of every primitive in a (closed) jaxpr, its sub-jaxprs included."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jaxprs_in_params(eqn.params):
+            names |= _primitives(sub)
+    return names
+
+
+def _unguarded_outputs_and_grads(inputs, weights):
+    """The emulated kernels' forward and backward called without the op's check, as `outputs_and_grads`."""
+    static = op.SSDStatic(64, True, (0.0, float("inf")))
+    float_args = {name: inputs[name] for name in FLOAT_ARGS}
+    ssd_inputs = op.SSDInputs(**float_args, seq_idx=inputs["seq_idx"])
+    outputs = EMULATED.forward(ssd_inputs, static)
+    (y, final), saved = EMULATED.forward_saving(ssd_inputs, static)
+    grads = EMULATED.backward(ssd_inputs, static, jnp.cos(y) * weights["y"], jnp.cos(final) * weights["final"],
+                              saved)
+    return outputs, {name: getattr(grads, name) for name in FLOAT_ARGS}
+
+
+def test_emulated_cutile_all_finite_call_returns_the_kernels_outputs_bit_for_bit():
+    """The xla path is in the program (a cond per direction) but an all-finite call gets the kernels' own
+    outputs and gradients, not the xla path's (which differ from them in rounding)."""
+    inputs, weights = make_problem(2)
+    got = outputs_and_grads(EMULATED_SSD, inputs, weights, nonlinear=True)
+    kernels = jax.jit(_unguarded_outputs_and_grads)(inputs, weights)
+    xla = outputs_and_grads(functools.partial(EMULATED_SSD, backend="xla", chunk_size=64), inputs, weights,
+                            nonlinear=True)
+    for got_leaf, kernel_leaf, xla_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(kernels),
+                                               jax.tree.leaves(xla)):
+        np.testing.assert_array_equal(got_leaf, kernel_leaf)
+        assert np.isfinite(np.asarray(got_leaf)).all()
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(xla)))
+    program = jax.make_jaxpr(functools.partial(outputs_and_grads, EMULATED_SSD, nonlinear=True))(inputs, weights)
+    assert "cond" in _primitives(program.jaxpr)
+
+
+def test_emulated_cutile_vmap_keeps_the_check_a_branch_and_confines_per_item():
+    """Under vmap the check covers every item (the cond stays a cond: no select running both paths), and a
+    NaN in one item stays where the scan puts it while the other item matches its own call."""
+    clean, _ = make_problem(3)
+    spoiled, _ = make_problem(3, spoil=SPOILS["x_nan"])
+    stacked = jax.tree.map(lambda *a: None if a[0] is None else jnp.stack(a), clean, spoiled,
+                           is_leaf=lambda v: v is None)
+
+    def run(inputs):
+        return EMULATED_SSD(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], D=inputs["D"],
+                            z=inputs["z"], dt_bias=inputs["dt_bias"], dt_softplus=True,
+                            initial_states=inputs["initial_states"], seq_idx=inputs["seq_idx"])
+
+    mapped = jax.jit(jax.vmap(run))
+    # A batched predicate would have turned the cond into a select of both paths' results.
+    assert "cond" in _primitives(jax.make_jaxpr(jax.vmap(run))(stacked).jaxpr)
+    y, final = mapped(stacked)
+    for i, item in enumerate((clean, spoiled)):
+        want_y, want_final = jax.jit(run)(item)
+        np.testing.assert_array_equal(np.isfinite(y[i]), np.isfinite(want_y))
+        np.testing.assert_array_equal(np.isfinite(final[i]), np.isfinite(want_final))
+        finite = np.isfinite(np.asarray(want_y))
+        np.testing.assert_allclose(np.asarray(y[i])[finite], np.asarray(want_y)[finite], rtol=1e-5, atol=1e-5)
+    assert np.isfinite(np.asarray(y[0])).all() and not np.isfinite(np.asarray(y[1])).all()
+
+
+def test_emulated_cutile_step_keeps_a_nonfinite_value_in_its_batch_row_and_head():
+    """The decode kernel computes each (batch row, head) on its own: a NaN time step of one head of row 0
+    stays in that head's y and state, exactly where the reference step puts it."""
+    keys = jax.random.split(jax.random.PRNGKey(4), 6)
+    batch, nheads, headdim, ngroups, dstate = 2, 4, 16, 2, 16
+    state = jax.random.normal(keys[0], (batch, nheads, headdim, dstate))
+    x = jax.random.normal(keys[1], (batch, nheads, headdim))
+    dt = jax.random.uniform(keys[2], (batch, nheads), minval=-3.0, maxval=1.0).at[0, 1].set(jnp.nan)
+    A = -jnp.exp(jax.random.uniform(keys[3], (nheads,), minval=-2.0, maxval=1.0))
+    B, C = (jax.random.normal(k, (batch, ngroups, dstate)) for k in keys[4:])
+    args = (state, x, dt, A, B, C, jnp.ones((nheads,)), None, None, True, (0.0, float("inf")))
+    y, new_state = jax.jit(lambda *a: ops.make_step(emulator.jax_run_plan)(*a, *args[9:]))(*args[:9])
+    want_y, want_state = reference.ssd_step(*args[:6], D=args[6], dt_softplus=True)
+    for got, want in ((y, want_y), (new_state, want_state)):
+        got, want = np.asarray(got), np.asarray(want)
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+        assert not np.isfinite(want[0, 1]).any() and np.isfinite(np.delete(want, 1, axis=1)).all()
+        np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
-@KERNELS_MIX_A_CHUNK
+@pytest.mark.parametrize("ssd_fn", [CUTILE_SSD, CALLBACK_SSD], ids=["cutile", "cutile_callback"])
 @pytest.mark.parametrize("case", CASES)
-def test_cutile_confines_nonfinite_values_like_the_scan(case):
-    ssd = functools.partial(jax_mamba2.ssd, chunk_size=64, return_final_states=True, backend="cutile")
-    _check_confined(ssd, case, TOLERANCE["kernel_bwd"]["float32"])
+def test_cutile_confines_nonfinite_values_like_the_scan(case, ssd_fn):
+    _check_confined(ssd_fn, SPOILS[case], GPU_TOLERANCE)
+
+
+@pytest.mark.gpu
+def test_cutile_nan_without_seq_idx_spares_the_earlier_tokens_of_its_chunk():
+    spoil = Spoil("x", (1, 37, 0, 0))
+    (y, _), _ = _check_confined(CUTILE_SSD, spoil, GPU_TOLERANCE, segmented=False, seed=1)
+    assert np.isfinite(np.asarray(y[1, :37])).all() and not np.isfinite(np.asarray(y[1, 37:, 0])).any()
+
+
+@pytest.mark.gpu
+def test_cutile_all_finite_call_returns_the_kernels_outputs_bit_for_bit():
+    """As the emulated test: through `ssd` the kernels' outputs and gradients, bit for bit, and not the xla
+    path's. The kernels' float atomics are the only run-to-run difference: deterministic_backward."""
+    inputs, weights = make_problem(2)
+    float_args = {name: inputs[name] for name in FLOAT_ARGS}
+    kernel = backends.get("cutile", "test")
+    static = op.SSDStatic(64, True, (0.0, float("inf")), deterministic_backward=True)
+
+    @jax.jit
+    def unguarded(float_args, seq_idx, weights):
+        ssd_inputs = op.SSDInputs(**float_args, seq_idx=seq_idx)
+        outputs = kernel.forward(ssd_inputs, static)
+        (y, final), saved = kernel.forward_saving(ssd_inputs, static)
+        grads = kernel.backward(ssd_inputs, static, jnp.cos(y) * weights["y"],
+                                jnp.cos(final) * weights["final"], saved)
+        return outputs, {name: getattr(grads, name) for name in FLOAT_ARGS}
+
+    ssd = functools.partial(CUTILE_SSD, deterministic_backward=True)
+    got = outputs_and_grads(ssd, inputs, weights, nonlinear=True)
+    for got_leaf, kernel_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(unguarded(float_args,
+                                                                                     inputs["seq_idx"],
+                                                                                     weights))):
+        np.testing.assert_array_equal(got_leaf, kernel_leaf)
