@@ -22,7 +22,7 @@ import numpy as np
 from jax_mamba2 import backends as registry
 from jax_mamba2 import reference
 from jax_mamba2.checks import check_array, check_flag, check_float, check_ndim, check_seq_idx
-from jax_mamba2._vma import varying_axes
+from jax_mamba2._vma import match_varying_axes, varying_axes
 
 
 class SSDInputs(NamedTuple):
@@ -198,10 +198,12 @@ def _xla_vjp(inputs: SSDInputs, static: SSDStatic, dy, dfinal, saved=None):
 
 # Non-finite values. The kernels mix the tokens of a chunk in matrix products and mask by multiplying with 0,
 # so a NaN or inf reaches other tokens and packed sequences of its batch row. Rather than sanitize every input
-# (a pass over all of them on every call), each kernel call is checked after the fact: outputs that are all
-# finite had no NaN or inf to spread and are returned as they are; otherwise the call is recomputed on the xla
-# path, which confines them as the recurrence does, one batch row at a time so that the branch XLA reserves
-# memory for stays a fraction of the xla path's whole-batch temporaries (docs/design.md §2).
+# (a pass that writes all of them on every call), each kernel call is guarded by one read of what it consumes:
+# when every entry is finite the kernels run, inside the taken branch of a `lax.cond` so that their outputs are
+# the conditional's own buffers (a branch that only forwards arrays computed outside it gets them copied);
+# otherwise the call is recomputed on the xla path, which confines them as the recurrence does, one batch row at
+# a time so that the branch XLA reserves memory for stays a fraction of the xla path's whole-batch temporaries
+# (docs/design.md §2).
 
 _PER_ROW = ("x", "dt", "B", "C", "z", "initial_states", "seq_idx")
 # The recompute's chunk, at most the kernels' (bridge/problem.py's KERNEL_CHUNK_SIZE): its (chunk, chunk)
@@ -215,11 +217,12 @@ def _recompute_static(static: SSDStatic) -> SSDStatic:
 
 @jax.custom_batching.custom_vmap
 def _all_finite(tree) -> jax.Array:
-    """() bool: whether every entry of every array in `tree` is finite.
+    """() bool: whether every entry of every floating array in `tree` is finite.
 
     Under vmap the answer covers every mapped item, so it stays unbatched and a `lax.cond` on it remains a
     branch rather than becoming a select that would run both sides."""
-    return jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree)]))
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in leaves])) if leaves else jnp.bool_(True)
 
 
 @_all_finite.def_vmap
@@ -228,23 +231,35 @@ def _all_finite_vmap(axis_size, in_batched, tree):
     return _all_finite(tree), False
 
 
-def _unless_nonfinite(kernel_result, recompute: Callable, *operands, same_on_every_shard: bool = False):
-    """`kernel_result` if every entry of it is finite, else `recompute(*operands)` (arrays, of the same
-    types as `kernel_result`). `same_on_every_shard`: under shard_map, take the recompute on every shard
-    when one shard needs it (required when `recompute` holds a collective, which every shard must join)."""
-    finite = _all_finite(kernel_result)
+def _verdict(checked, same_on_every_shard: bool) -> jax.Array:
+    """() bool: every entry of `checked` is finite. `same_on_every_shard`: under shard_map, False on every
+    shard when one shard has a non-finite entry (required when the recompute holds a collective, which every
+    shard must join)."""
+    finite = _all_finite(checked)
     if same_on_every_shard and varying_axes(finite):
-        # The shard-local arrays' verdict is summed over the shards; it does not wait for the replicated
-        # arrays (themselves sums over the shards, alike on all), so XLA may combine the two all-reduces.
-        leaves = jax.tree.leaves(kernel_result)
+        # The shard-local arrays' verdict is summed over the shards; the replicated arrays' is alike on all.
+        leaves = jax.tree.leaves(checked)
         local = [leaf for leaf in leaves if varying_axes(leaf)]
         axes = tuple(sorted(frozenset().union(*map(varying_axes, local))))
         finite = jax.lax.psum(jnp.logical_not(_all_finite(local)).astype(jnp.int32), axes) == 0
         shared = [leaf for leaf in leaves if not varying_axes(leaf)]
         if shared:
             finite = finite & _all_finite(shared)
-    return jax.lax.cond(finite, lambda result, _: result,
-                        lambda _, operands: recompute(*operands), kernel_result, operands)
+    return finite
+
+
+def _kernels_unless_nonfinite(kernels: Callable, recompute: Callable, checked, *operands,
+                              same_on_every_shard: bool = False):
+    """kernels(*operands) when every entry of `checked` (what the kernels consume) is finite, else
+    recompute(*operands), which returns arrays of the same types."""
+    return jax.lax.cond(_verdict(checked, same_on_every_shard), kernels, recompute, *operands)
+
+
+def _zeros_like_result(fn: Callable, *operands):
+    """Zeros of the shapes and dtypes `fn(*operands)` returns (traced only for its shapes), varying under
+    shard_map over the axes the operands vary over, as the kernels' outputs do."""
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *operands))
+    return match_varying_axes(zeros, operands)
 
 
 def _rows(inputs: SSDInputs) -> dict:
@@ -279,17 +294,22 @@ def _xla_vjp_by_rows(inputs: SSDInputs, static: SSDStatic, dy, dfinal):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _opaque_ssd(backend: registry.Backend, static: SSDStatic, inputs: SSDInputs):
-    return _unless_nonfinite(backend.forward(inputs, static),
-                             lambda inputs: _xla_forward_by_rows(inputs, static), inputs)
+    return _kernels_unless_nonfinite(lambda inputs: backend.forward(inputs, static),
+                                     lambda inputs: _xla_forward_by_rows(inputs, static), inputs, inputs)
 
 
 def _opaque_ssd_fwd(backend, static, inputs):
     if backend.forward_saving is None or not static.save_chunk_states:
-        outputs, saved = backend.forward(inputs, static), None
+        def kernels(inputs):
+            return backend.forward(inputs, static), None
     else:
-        outputs, saved = backend.forward_saving(inputs, static)
-    # `saved` stays the kernels': where the outputs were not finite, the backward's will not be either.
-    outputs = _unless_nonfinite(outputs, lambda inputs: _xla_forward_by_rows(inputs, static), inputs)
+        def kernels(inputs):
+            return backend.forward_saving(inputs, static)
+
+    def recompute(inputs):
+        # Nothing is saved: the backward sees the same non-finite inputs and recomputes too.
+        return _xla_forward_by_rows(inputs, static), _zeros_like_result(lambda inputs: kernels(inputs)[1], inputs)
+    outputs, saved = _kernels_unless_nonfinite(kernels, recompute, inputs, inputs)
     return outputs, (inputs, saved)
 
 
@@ -298,10 +318,16 @@ def _opaque_ssd_bwd(backend, static, residuals, cotangents):
     dy, dfinal = cotangents
     if backend.backward is None:
         return (_xla_vjp(inputs, static, dy, dfinal),)
-    grads = backend.backward(inputs, static, dy, dfinal, saved)._replace(seq_idx=None)
+
+    def kernels(inputs, dy, dfinal, saved):
+        return backend.backward(inputs, static, dy, dfinal, saved)._replace(seq_idx=None)
+
+    def recompute(inputs, dy, dfinal, saved):
+        del saved
+        return _xla_vjp_by_rows(inputs, static, dy, dfinal)
     # Under shard_map the recompute sums the replicated parameters' gradients over the shards.
-    return (_unless_nonfinite(grads, lambda inputs, dy, dfinal: _xla_vjp_by_rows(inputs, static, dy, dfinal),
-                              inputs, dy, dfinal, same_on_every_shard=True),)
+    return (_kernels_unless_nonfinite(kernels, recompute, (inputs, dy, dfinal), inputs, dy, dfinal, saved,
+                                      same_on_every_shard=True),)
 
 
 _opaque_ssd.defvjp(_opaque_ssd_fwd, _opaque_ssd_bwd)

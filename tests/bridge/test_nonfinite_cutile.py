@@ -31,7 +31,9 @@ from tests.kernels import _cutile_emulator as emulator  # noqa: E402
 CASES = ["x_nan", "x_inf", "dt_nan", "dt_inf", "B_nan", "C_nan", "z_nan", "initial_states_nan",
          "cotangent_nan"]
 EMULATED_TOLERANCE = 1e-4  # float64 kernels or the float32 xla path, float32 arrays between them and XLA
-GPU_TOLERANCE = TOLERANCE["kernel_bwd"]["float32"]
+# Every GPU case is recomputed on the xla path, whose float32 products run at the GPU's default precision
+# (TF32 operands): the summed per-head gradients (dA) land near 7e-3 of the float64 scan's.
+GPU_TOLERANCE = 2 * TOLERANCE["kernel_bwd"]["float32"]
 
 
 @pytest.fixture(autouse=True)
