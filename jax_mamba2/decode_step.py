@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 
 from jax_mamba2 import backends as registry
-from jax_mamba2 import checks
 from jax_mamba2 import conv1d_reference, norm_reference, op, reference
 
 _API = "mamba2_decode_step"
@@ -78,12 +77,12 @@ def _checked_sizes(inputs: DecodeStepInputs) -> DecodeStepSizes:
     ngroups is read off conv_state (conv_dim = nheads * headdim + 2 * ngroups * dstate) and d_mlp off zxbcdt
     (its width is 2 * d_mlp + nheads * headdim + conv_dim + nheads).
     """
-    check = checks.check_array
+    check = op._check_array
     state = inputs.ssm_state
     if not hasattr(state, "shape") or len(state.shape) != 4:
         raise ValueError(f"{_API}: ssm_state.shape={getattr(state, 'shape', None)} must be "
                          f"(batch, nheads, headdim, dstate)")
-    checks.check_float(_API, "ssm_state", state)
+    op._check_float(_API, "ssm_state", state)
     batch, nheads, headdim, dstate = state.shape
     d_ssm = nheads * headdim
     conv_state = inputs.conv_state
@@ -116,7 +115,7 @@ def _checked_sizes(inputs: DecodeStepInputs) -> DecodeStepSizes:
         if not hasattr(D, "shape") or tuple(D.shape) not in ((nheads,), (nheads, headdim)):
             raise ValueError(f"{_API}: D.shape={getattr(D, 'shape', None)} must be (nheads,)=({nheads},) "
                              f"or (nheads, headdim)=({nheads}, {headdim})")
-        checks.check_float(_API, "D", D)
+        op._check_float(_API, "D", D)
     if inputs.dt_bias is not None:
         check(_API, "dt_bias", inputs.dt_bias, "(nheads,)", (nheads,))
     if inputs.norm_weight is not None:

@@ -24,7 +24,7 @@ CONFIG = Mamba2Config(d_model=32, n_layer=2, vocab_size=64, ssm_cfg=dict(d_state
 
 @pytest.fixture(autouse=True)
 def emulated_backend(monkeypatch):
-    monkeypatch.setitem(backends._REGISTRY["ssd"], EMULATED.name, EMULATED)
+    monkeypatch.setitem(backends._REGISTRY, EMULATED.name, EMULATED)
 
 
 def _layers(**options):

@@ -30,7 +30,7 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 
 @pytest.fixture
 def emulated(monkeypatch):
-    monkeypatch.setitem(backends._REGISTRY["ssd"], EMULATED.name, EMULATED)
+    monkeypatch.setitem(backends._REGISTRY, EMULATED.name, EMULATED)
     return functools.partial(mamba2_decode_step, backend=EMULATED.name)
 
 
@@ -67,7 +67,7 @@ def test_decode_step_in_the_kernels_own_dtypes(monkeypatch, dtype, param_dtype, 
     own_dtypes = dataclasses.replace(
         EMULATED, name="cutile_emulated_own_dtypes",
         decode_step=decode_ops.make_decode_step(functools.partial(emulator.jax_run_plan, float64=False)))
-    monkeypatch.setitem(backends._REGISTRY["ssd"], own_dtypes.name, own_dtypes)
+    monkeypatch.setitem(backends._REGISTRY, own_dtypes.name, own_dtypes)
     args, kwargs = make_decode_args(2, ngroups=2, dtype=dtype, param_dtype=param_dtype, state_dtype=state_dtype,
                                     norm_before_gate=norm_before_gate)
     got = mamba2_decode_step(*args, **kwargs, backend=own_dtypes.name)
