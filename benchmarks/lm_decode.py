@@ -14,9 +14,6 @@ Implementations (--impls):
                of them with XLA's command buffers (CUDA graphs) as XLA defaults them ("default"), off
                ("off": --xla_gpu_enable_command_buffer=) or extended to the decode loop itself ("loop":
                +WHILE,+CONDITIONAL, --xla_gpu_graph_min_graph_size=1), each in its own process.
-               --decode-kernels picks how each layer's token step runs (the model's `decode_kernel`):
-               "fused" (one cuTile kernel between in_proj and out_proj) and/or "composed" (the conv, SSD-step
-               and norm ops), each in its own process; recorded as "decode_kernel".
   mamba_ssm    mamba_ssm's `Mamba2.step` for every layer (`allocate_inference_cache`, with causal_conv1d's
                update kernel when --causal-conv1d is given) in a PyTorch LM of the same shape
                (benchmarks/torch_lm.py), one token step with its greedy argmax captured once in a
@@ -36,10 +33,8 @@ On the GPU machine (each line < 10 minutes; add JAX_MAMBA2_GIT_SHA=<commit>):
   JAX_MAMBA2_AUTOTUNE=0 python benchmarks/lm_decode.py --configs mamba2-370m --mamba-ssm .peers --out $OUT
   JAX_MAMBA2_AUTOTUNE=0 python benchmarks/lm_decode.py --configs d1024-l24 --impls cutile --command-buffers off loop \\
       --out $OUT
-  JAX_MAMBA2_AUTOTUNE=0 python benchmarks/lm_decode.py --configs d1024-l24 --impls cutile \\
-      --decode-kernels fused composed --prompt-lengths --out $OUT
-Writes <out>/lm_decode_h200.json (records merged by (config, impl, param_dtype, command_buffers, decode_kernel)
-with earlier runs of the same file) and lm_decode_h200.png, then prints the table.
+Writes <out>/lm_decode_h200.json (records merged by (config, impl, param_dtype, command_buffers) with earlier
+runs of the same file) and lm_decode_h200.png, then prints the table.
 """
 from __future__ import annotations
 
@@ -64,8 +59,6 @@ COMMAND_BUFFER_FLAGS = {
     "off": "--xla_gpu_enable_command_buffer=",
     "loop": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1",
 }
-# The model's `decode_kernel` options (jax_mamba2.flax_layers.mamba2.DECODE_KERNELS).
-DECODE_KERNELS = ("fused", "composed")
 LABELS = {"cutile": "jax-mamba2 generate, cuTile", "xla": "jax-mamba2 generate, XLA",
           "mamba_ssm": "mamba_ssm Mamba2.step, CUDA graph (PyTorch)"}
 
@@ -108,8 +101,7 @@ def ours_model(job: dict):
     from jax_mamba2.flax_layers import Mamba2LMHeadModel, cast_params
 
     model = Mamba2LMHeadModel(lm_config(job["config"]), backend=job["impl"], dtype=jnp.bfloat16,
-                              param_dtype=jnp.float32, decode_kernel=job.get("decode_kernel") or "fused",
-                              rngs=nnx.Rngs(0))
+                              param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     return cast_params(model, jnp.bfloat16) if job["param_dtype"] == "bfloat16" else model
 
 
@@ -293,8 +285,7 @@ def derive(record: dict) -> dict:
 def label(record: dict) -> str:
     text = f"{LABELS[record['impl']]}, {record['param_dtype']} params"
     if record["impl"] in OURS:
-        text = f"{text}, command buffers {record['command_buffers']}"
-        return f"{text}, {record['decode_kernel']} step" if record.get("decode_kernel") else text
+        return f"{text}, command buffers {record['command_buffers']}"
     conv = record.get("causal_conv1d")
     return f"{text}, {'causal_conv1d ' + conv if conv else 'no causal_conv1d'}"
 
@@ -361,8 +352,6 @@ def parse_args(argv=None):
                         default=["float32", "bfloat16"])
     parser.add_argument("--command-buffers", nargs="+", choices=tuple(COMMAND_BUFFER_FLAGS), default=["default"],
                         help="ours: XLA command buffers per process (default: default)")
-    parser.add_argument("--decode-kernels", nargs="+", choices=DECODE_KERNELS, default=["fused"],
-                        help="ours: how each layer's token step runs, one process each (default: fused)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
     parser.add_argument("--prompt-lengths", nargs="*", type=int, default=[512, 2048])
     parser.add_argument("--decode-steps", type=int, default=128, help="timed token steps per round (default: 128)")
@@ -395,11 +384,8 @@ def jobs(args) -> list[tuple[dict, dict]]:
                     continue
                 for buffers in args.command_buffers:
                     flags = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), COMMAND_BUFFER_FLAGS[buffers]]))
-                    # The xla backend always composes the step.
-                    for decode_kernel in args.decode_kernels if impl == "cutile" else [None]:
-                        out.append(({**common, "config": config, "impl": impl, "param_dtype": param_dtype,
-                                     "command_buffers": buffers, "decode_kernel": decode_kernel},
-                                    {"XLA_FLAGS": flags} if flags else {}))
+                    out.append(({**common, "config": config, "impl": impl, "param_dtype": param_dtype,
+                                 "command_buffers": buffers}, {"XLA_FLAGS": flags} if flags else {}))
     return out
 
 
@@ -410,16 +396,15 @@ def main(argv=None) -> int:
     path = args.out / "lm_decode_h200.json"
     records = []
     for job, env in jobs(args):
-        print(f"{job['config']} {job['impl']} {job['param_dtype']} command buffers {job['command_buffers']} "
-              f"{job.get('decode_kernel') or ''} ...", flush=True)
+        print(f"{job['config']} {job['impl']} {job['param_dtype']} command buffers {job['command_buffers']} ...",
+              flush=True)
         began = time.perf_counter()
         record = derive(lm_bench.run_worker(Path(__file__), job, env=env, timeout_s=args.worker_timeout))
         records.append(record)
         print(format_table([record]) + f"\n({time.perf_counter() - began:.0f} s)", flush=True)
         results = lm_bench.merge_results(
             path, "lm_decode", records,
-            key=lambda r: (r["config"], r["impl"], r["param_dtype"], r.get("command_buffers"),
-                           r.get("decode_kernel")))
+            key=lambda r: (r["config"], r["impl"], r["param_dtype"], r.get("command_buffers")))
     print(f"\nwrote {path}\n\n{format_table(results['records'])}")
     print(f"plot: {plot(results['records'], args.out / 'lm_decode_h200.png')}")
     return 0

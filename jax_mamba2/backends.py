@@ -39,9 +39,6 @@ class Backend:
     = None.
     unsupported_reason(inputs, static) -> None or a sentence saying why this call cannot run here.
     step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit) -> (y, new_state), optional.
-    decode_step(inputs, static) -> the fused Mamba2 decode step's outputs, optional (see
-    `jax_mamba2.decode_step`: DecodeStepInputs, DecodeStepStatic); decode_step_unsupported_reason(inputs,
-    static) says why it cannot run a call.
     unavailable_reason() -> None or a sentence saying why no call can run in this process (e.g. no GPU);
     None (the field) for a backend that runs everywhere.
     """
@@ -54,8 +51,6 @@ class Backend:
     forward_saving: Optional[Callable[[SSDInputs, SSDStatic], tuple[tuple[jax.Array, jax.Array], Any]]] = None
     step: Optional[Callable[..., tuple[jax.Array, jax.Array]]] = None
     step_unsupported_reason: Optional[Callable[..., Optional[str]]] = None
-    decode_step: Optional[Callable[..., dict]] = None
-    decode_step_unsupported_reason: Optional[Callable[..., Optional[str]]] = None
     # Preferred by "auto" when supported (kernel backends); ties resolve by registration order.
     auto_priority: int = 0
     unavailable_reason: Optional[Callable[[], Optional[str]]] = None

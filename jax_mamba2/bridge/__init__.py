@@ -18,24 +18,20 @@ except ModuleNotFoundError as e:
     raise ModuleNotFoundError("cuda-tile is not installed (pip install 'jax-mamba2[cuda]')", name=e.name) from e
 
 from jax_mamba2 import backends
-from jax_mamba2.bridge import callback, conv_ops, decode_ops, ffi, norm_ops, ops, problem
+from jax_mamba2.bridge import callback, conv_ops, ffi, norm_ops, ops, problem
 
 backends.register_backend(backends.Backend(
     name="cutile", forward=ops.make_forward(ffi.run_plan),
     forward_saving=ops.make_forward_saving(ffi.run_plan),
     unsupported_reason=problem.unsupported_reason, backward=ops.make_backward(ffi.run_plan),
     step=ops.make_step(ffi.run_plan), step_unsupported_reason=ops.step_unsupported_reason,
-    decode_step=decode_ops.make_decode_step(ffi.run_plan),
-    decode_step_unsupported_reason=decode_ops.unsupported_reason,
     auto_priority=2, unavailable_reason=problem.gpu_unavailable_reason))
 backends.register_backend(backends.Backend(
     name="cutile_callback", forward=ops.make_forward(callback.run_plan),
     forward_saving=ops.make_forward_saving(callback.run_plan),
     unsupported_reason=problem.unsupported_reason, backward=ops.make_backward(callback.run_plan),
     step=ops.make_step(callback.run_plan),
-    step_unsupported_reason=ops.step_unsupported_reason,
-    decode_step=decode_ops.make_decode_step(callback.run_plan),
-    decode_step_unsupported_reason=decode_ops.unsupported_reason, unavailable_reason=problem.gpu_unavailable_reason))
+    step_unsupported_reason=ops.step_unsupported_reason, unavailable_reason=problem.gpu_unavailable_reason))
 
 # The layer ops' kernels, on the same two executors; "auto" prefers "cutile", as for the SSD.
 backends.register_backend(backends.LayerBackend("cutile", conv_ops.BACKENDS["cutile"], conv_ops.unsupported_reason,

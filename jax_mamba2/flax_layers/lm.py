@@ -32,21 +32,19 @@ class Mamba2Block(nnx.Module):
       config: model configuration (d_model, norm_epsilon, residual_in_fp32 and the mixer's `ssm_cfg`).
       backend, deterministic_backward, save_chunk_states: the mixer's SSD options (see `Mamba2`); the norms
         follow the backend (see `backends.for_op`).
-      decode_kernel: how the mixer's `step` runs, "fused" (default) or "composed" (see `Mamba2`).
       dtype: computation dtype (default: None, inferred).
       param_dtype: parameter dtype (default: float32).
       rngs: parameter initialization keys.
     """
 
     def __init__(self, config: Mamba2Config, *, backend: str = "auto", deterministic_backward: bool = False,
-                 save_chunk_states: bool = True, decode_kernel: str = "fused", dtype=None, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 save_chunk_states: bool = True, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.residual_in_fp32 = config.residual_in_fp32
         self.norm = RMSNorm(config.d_model, eps=config.norm_epsilon, backend=backends.for_op(backend, norm_op.OP),
                             dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.mixer = Mamba2(config.d_model, **config.mixer_options, backend=backend,
                             deterministic_backward=deterministic_backward, save_chunk_states=save_chunk_states,
-                            decode_kernel=decode_kernel, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                            dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def _add_norm(self, hidden_states, residual):
         residual_dtype = jnp.result_type(hidden_states, residual)
@@ -101,8 +99,6 @@ class Mamba2LMHeadModel(nnx.Module):
     Args:
       config: the model configuration.
       backend, deterministic_backward, save_chunk_states: every mixer's SSD options (see `Mamba2`).
-      decode_kernel: how every mixer's token step runs in `step` / `generate`: "fused" (default), one cuTile
-        kernel between in_proj and out_proj, or "composed" (see `Mamba2`).
       remat: rematerialize each block in the backward pass (`nnx.remat`), trading compute for memory.
       dtype: computation dtype (default: None, inferred; e.g. jnp.bfloat16 with float32 parameters).
       param_dtype: parameter dtype (default: float32).
@@ -117,8 +113,8 @@ class Mamba2LMHeadModel(nnx.Module):
     """
 
     def __init__(self, config: Mamba2Config, *, backend: str = "auto", deterministic_backward: bool = False,
-                 save_chunk_states: bool = True, remat: bool = False, decode_kernel: str = "fused", dtype=None,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 save_chunk_states: bool = True, remat: bool = False, dtype=None, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         self.config, self.remat, self.dtype = config, remat, dtype
         vocab = config.padded_vocab_size
         self.embedding = nnx.Embed(vocab, config.d_model, dtype=dtype, param_dtype=param_dtype,
@@ -128,8 +124,8 @@ class Mamba2LMHeadModel(nnx.Module):
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_layers(rngs):
             block = Mamba2Block(config, backend=backend, deterministic_backward=deterministic_backward,
-                                save_chunk_states=save_chunk_states, decode_kernel=decode_kernel, dtype=dtype,
-                                param_dtype=param_dtype, rngs=rngs)
+                                save_chunk_states=save_chunk_states, dtype=dtype, param_dtype=param_dtype,
+                                rngs=rngs)
             out_proj = block.mixer.out_proj
             out_proj.kernel[...] = out_proj.kernel[...] / jnp.sqrt(config.n_layer).astype(param_dtype)
             for linear in (block.mixer.in_proj, out_proj):

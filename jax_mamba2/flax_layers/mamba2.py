@@ -8,9 +8,7 @@
   out    = out_proj(y)
 
 Three entry points share this computation: `__call__` (training / full forward), `prefill` (the same, also
-returning the decode cache) and `step` (one token in O(1) from the cache). The step runs either composed
-(`causal_conv1d_step`, `ssd_step`, the gated norm: a handful of launches) or, with decode_kernel="fused" where a
-kernel backend runs, everything between in_proj and out_proj as one cuTile kernel (`mamba2_decode_step`).
+returning the decode cache) and `step` (one token in O(1) from the cache, through `ssd_step`).
 """
 import functools
 import math
@@ -22,7 +20,6 @@ from jax.sharding import PartitionSpec as P
 
 from jax_mamba2 import backends
 from jax_mamba2 import conv1d as conv_op
-from jax_mamba2 import decode_step as fused_decode
 from jax_mamba2 import norm as norm_op
 from jax_mamba2.conv1d import causal_conv1d_silu, causal_conv1d_silu_split
 from jax_mamba2.flax_layers import _checks
@@ -33,10 +30,6 @@ from jax_mamba2.flax_layers.initializers import A_log_init, dt_bias_init, torch_
 from jax_mamba2.flax_layers.norm import RMSNorm
 from jax_mamba2.flax_layers.partition import HeadShard, MeshAxes, Segment, mixer_param_spec
 from jax_mamba2.op import ssd, ssd_step
-
-
-# The ways `Mamba2.step` can run (see the `decode_kernel` argument).
-DECODE_KERNELS = ("fused", "composed")
 
 
 def _silu_output(conv):
@@ -79,10 +72,6 @@ class Mamba2(nnx.Module):
         conv and the gated norm follow it (`backends.for_op`: "xla" and "scan" keep them in pure JAX).
       deterministic_backward, save_chunk_states: options of the SSD's cuTile backward (see `ssd`; defaults
         False and True). Not named `deterministic`: `nnx.Module.eval()` sets every such attribute.
-      decode_kernel: how `step` runs where the backend resolves to a cuTile one (default: "fused"): "fused",
-        one kernel from in_proj's output to out_proj's input (`mamba2_decode_step`; the composed step where
-        that kernel cannot run, e.g. under head parallelism), or "composed", the conv, SSD-step and norm ops.
-        Both compute the same step; the pure-JAX backends always compose.
       dtype: computation dtype (default: None, promoted from inputs and parameters). The dt/state math of the
         SSD and the norms always run in float32 or wider.
       param_dtype: parameter dtype (default: float32).
@@ -107,8 +96,8 @@ class Mamba2(nnx.Module):
                  rmsnorm: bool = True, norm_before_gate: bool = False, dt_min: float = 0.001,
                  dt_max: float = 0.1, dt_init_floor: float = 1e-4, dt_limit=(0.0, math.inf), bias: bool = False,
                  conv_bias: bool = True, chunk_size: int = 256, backend: str = "auto",
-                 deterministic_backward: bool = False, save_chunk_states: bool = True,
-                 decode_kernel: str = "fused", dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 deterministic_backward: bool = False, save_chunk_states: bool = True, dtype=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
         for name, value in dict(d_model=d_model, d_state=d_state, d_conv=d_conv, expand=expand, headdim=headdim,
                                 ngroups=ngroups, chunk_size=chunk_size).items():
             if not isinstance(value, int) or value < 1:
@@ -130,8 +119,6 @@ class Mamba2(nnx.Module):
             raise ValueError(f"Mamba2: dt_init_floor={dt_init_floor} must be >= 0")
         dt_limit = _checks.check_range("Mamba2", "dt_limit", dt_limit, low_min=0.0)
         backends.check_name(backend, "Mamba2")
-        if decode_kernel not in DECODE_KERNELS:
-            raise ValueError(f"Mamba2: decode_kernel={decode_kernel!r} must be one of {DECODE_KERNELS}")
 
         self.d_model, self.d_state, self.d_conv, self.headdim = d_model, d_state, d_conv, headdim
         self.d_inner, self.d_ssm, self.d_mlp = d_inner, d_ssm, d_inner - d_ssm
@@ -140,7 +127,6 @@ class Mamba2(nnx.Module):
         self.D_has_hdim, self.rmsnorm, self.dt_limit = D_has_hdim, rmsnorm, dt_limit
         self.chunk_size, self.backend, self.dtype = chunk_size, backend, dtype
         self.deterministic_backward, self.save_chunk_states = deterministic_backward, save_chunk_states
-        self.decode_kernel = decode_kernel
         # Set by `shard_model`: run head-parallel inside jax.shard_map over this mesh.
         self.mesh_axes: MeshAxes | None = None
 
@@ -310,9 +296,6 @@ class Mamba2(nnx.Module):
         return out, (Mamba2Cache(conv_state, ssm_state) if want_cache else None)
 
     def _step(self, shard: HeadShard, hidden_states, cache: Mamba2Cache):
-        fused = self._fused_step(shard, hidden_states, cache)
-        if fused is not None:
-            return fused
         batch, _ = hidden_states.shape
         z0, x0, z, x, B, C, dt = self._project(shard, hidden_states)
         x, B, C, conv_state = self._convolve(
@@ -327,33 +310,6 @@ class Mamba2(nnx.Module):
             z=None if self.rmsnorm else z.reshape(batch, nheads, self.headdim), dt_bias=dt_bias,
             dt_softplus=True, dt_limit=self.dt_limit, backend=self.backend)
         return self._output(shard, y, z, z0, x0), Mamba2Cache(conv_state, ssm_state)
-
-    def _fused_step(self, shard: HeadShard, hidden_states, cache: Mamba2Cache):
-        """The step with one kernel between in_proj and out_proj (`mamba2_decode_step`): (out, new cache), or
-        None where `_step` composes it instead: decode_kernel="composed", a pure-JAX backend, head parallelism
-        (a norm group and the B, C columns may span devices), or a call the kernel cannot take here."""
-        if self.decode_kernel != "fused" or shard.size > 1 or self.backend in ("xla", "scan"):
-            return None
-        kernel = self.in_proj.kernel[...]
-        dtype = self.dtype or jnp.result_type(hidden_states, kernel)
-        # One product for all of in_proj's output: the kernel reads z, xBC and dt off it, so no slice is copied.
-        zxbcdt = jnp.einsum("bd,de->be", hidden_states.astype(dtype), kernel.astype(dtype))
-        if self.in_proj.bias is not None:
-            zxbcdt = zxbcdt + self.in_proj.bias[...].astype(dtype)
-        D = self.D[...]
-        args = (zxbcdt, cache.conv_state, cache.ssm_state, self.conv1d.kernel[...], self.A_log[...])
-        kwargs = dict(conv_bias=None if self.conv1d.bias is None else self.conv1d.bias[...],
-                      D=D.reshape(self.nheads, self.headdim) if self.D_has_hdim else D, dt_bias=self.dt_bias[...],
-                      dt_limit=self.dt_limit)
-        if self.rmsnorm:
-            kwargs.update(norm_weight=self.norm.scale[...], norm_before_gate=self.norm.norm_before_gate,
-                          eps=self.norm.eps)
-        backend = self.backend
-        if fused_decode.kernel_unsupported_reason(backend, *fused_decode.pack_arguments(*args, **kwargs)[:2]):
-            return None
-        y, conv_state, ssm_state = fused_decode.mamba2_decode_step(*args, **kwargs, backend=backend)
-        z0, x0 = jnp.split(zxbcdt[:, :2 * self.d_mlp], 2, axis=-1)
-        return self._project_out(shard, y, z0, x0), Mamba2Cache(conv_state, ssm_state)
 
     # ------------------------------------------------------------------------------------------------
     # Pieces
@@ -383,6 +339,10 @@ class Mamba2(nnx.Module):
             pieces = [p + b.astype(dtype) for p, b in zip(pieces, shard.split(self.in_proj.bias[...], segments))]
         return pieces
 
+    def _conv_backend(self) -> str:
+        """The conv's backend: the layer's, or "xla" for the pure-JAX SSD backends."""
+        return "xla" if self.backend in ("xla", "scan") else self.backend
+
     def _project_and_convolve(self, hidden_states, conv_state, seq_idx):
         """in_proj and the causal conv + SiLU of the whole layer (one device, no head split).
 
@@ -405,7 +365,7 @@ class Mamba2(nnx.Module):
         (x, B, C), conv_state = causal_conv1d_silu_split(
             zxbcdt, self.conv1d.kernel[...], None if bias is None else bias[...], channel_offset=xbc_offset,
             split=(self.d_ssm, bc, bc), seq_idx=seq_idx, initial_states=conv_state, return_final_states=True,
-            backend=backends.for_op(self.backend, conv_op.OP))
+            backend=self._conv_backend())
         z0, x0, z = jnp.split(zxbcdt[..., :xbc_offset], [self.d_mlp, 2 * self.d_mlp], axis=-1)
         return z0, x0, z, x, B, C, zxbcdt[..., xbc_offset + self.conv_dim:], conv_state
 
@@ -460,10 +420,6 @@ class Mamba2(nnx.Module):
         y = y.reshape(*y.shape[:-2], y.shape[-2] * y.shape[-1])
         if self.rmsnorm:
             y = self.norm(y, z, sum_groups=shard.sum_split_groups(self.d_ssm // self.ngroups, y.shape[-1]))
-        return self._project_out(shard, y, z0, x0)
-
-    def _project_out(self, shard: HeadShard, y, z0, x0):
-        """The MLP branch and out_proj; y (..., local d_ssm) -> (..., d_model)."""
         if self.d_mlp:
             y = jnp.concatenate([jax.nn.silu(z0) * x0, y], axis=-1)
         kernel = self.out_proj.kernel[...]  # (d_inner / shard.size, d_model): this shard's heads' rows

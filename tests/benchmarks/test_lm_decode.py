@@ -33,15 +33,6 @@ def test_jobs_set_xla_flags_per_process_for_ours_only():
     assert "+WHILE,+CONDITIONAL" in envs[2] and envs[3] == ""
 
 
-def test_jobs_time_each_decode_kernel_of_the_cutile_backend_in_its_own_process():
-    args = lm_decode.parse_args(["--configs", "d64-l1", "--impls", "cutile", "xla", "--param-dtypes", "bfloat16",
-                                 "--decode-kernels", "fused", "composed"])
-    assert [(j["impl"], j["decode_kernel"]) for j, _ in lm_decode.jobs(args)] == [
-        ("cutile", "fused"), ("cutile", "composed"), ("xla", None)]
-    record = {"impl": "cutile", "param_dtype": "bfloat16", "command_buffers": "default", "decode_kernel": "composed"}
-    assert lm_decode.label(record).endswith("command buffers default, composed step")
-
-
 @pytest.mark.slow
 def test_the_jax_worker_writes_step_times_prefill_and_floors(tmp_path):
     argv = ["--configs", "d64-l1", "--impls", "xla", "--param-dtypes", "bfloat16", "--batches", "1", "2",

@@ -1,5 +1,4 @@
-"""Reading traced and compiled programs of the LM: loops, cuTile launches, dtype conversions of weights, the
-launches per layer of a compiled scan over layers."""
+"""Reading traced and compiled programs of the LM: loops, cuTile launches, dtype conversions of weights."""
 import re
 
 import jax
@@ -83,44 +82,3 @@ def hlo_weight_conversions(hlo_text: str, model) -> list[str]:
         if operand and _squeezed(dims) in shapes:
             converts.append((line.strip(), dtype, operand.group(1)))
     return [line for line, dtype, operand in converts if dtypes.get(operand, dtype) != dtype]
-
-
-_HLO_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_HLO_OP = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\([^=]*\)|\S+)\s+([\w\-]+)\(")
-# Instructions that launch nothing: they name or reinterpret buffers.
-_NO_LAUNCH = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
-# What a fusion of the scan's own work holds: the layer's slice of a stacked array, or its write-back.
-_SCAN_OPS = {"parameter", "constant", "bitcast", "reshape", "copy", "dynamic-slice", "dynamic-update-slice",
-             "tuple", "get-tuple-element"}
-
-
-def _hlo_computations(hlo_text: str) -> dict[str, list[tuple[str, str, str]]]:
-    """name -> its instructions as (name, result type, opcode, line)."""
-    computations, current = {}, None
-    for line in hlo_text.splitlines():
-        header = _HLO_COMPUTATION.match(line)
-        if header and not line.startswith(" "):
-            current = computations.setdefault(header.group(1), [])
-        elif line.strip() == "}":
-            current = None
-        elif current is not None and (op := _HLO_OP.match(line)):
-            current.append((op.group(1), op.group(2), op.group(3), line))
-    return computations
-
-
-def while_body_launches(hlo_text: str) -> list[tuple[str, str]]:
-    """(category, instruction name) of every instruction that launches work in the body of the (first) while
-    loop of an optimized HLO module: "scan" for the loop's own work (the layer's slices of the stacked weights
-    and cache, their write-back, copies, the trip counter), "compute" for the rest."""
-    computations = _hlo_computations(hlo_text)
-    body = re.search(r"\swhile\(.*?body=%?([\w.\-]+)", hlo_text).group(1)
-    launches = []
-    for name, result, opcode, line in computations[body]:
-        if opcode in _NO_LAUNCH:
-            continue
-        scan = opcode == "copy" or result.startswith("s32[]")
-        if opcode == "fusion":
-            called = re.search(r"calls=%?([\w.\-]+)", line).group(1)
-            scan = scan or {op for _, _, op, _ in computations[called]} <= _SCAN_OPS
-        launches.append(("scan" if scan else "compute", name))
-    return launches

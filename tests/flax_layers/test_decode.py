@@ -56,9 +56,9 @@ def test_bf16_parameter_decode_step_converts_no_weight(backend):
         model = _model(backend, param_dtype=jnp.bfloat16)
         jaxpr = _step_jaxpr(model)
     assert weight_conversions(jaxpr, model) == []
-    if backend == "cutile":  # the fused decode step kernel, and the block and final norms' forward kernels
+    if backend == "cutile":  # the SSD's step kernel, and the block and gated norms' forward kernels
         names = [name for name, _ in cutile_launches(jaxpr)]
-        assert [n for n in names if n != "rms_norm_fwd_kernel"] == ["decode_step_kernel"]
+        assert [n for n in names if n != "rms_norm_fwd_kernel"] == ["state_update_kernel"]
 
 
 def test_float32_parameters_under_bf16_compute_convert_once_with_cast_params():
@@ -93,7 +93,7 @@ def test_load_pretrained_in_bf16_decodes_without_weight_conversions(tmp_path):
         np.asarray(model.layers.mixer.in_proj.kernel[...].astype(jnp.bfloat16), np.float32))
 
 
-def test_generate_prefills_with_the_cutile_forward_kernels_and_decodes_with_the_fused_step_kernel():
+def test_generate_prefills_with_the_cutile_forward_kernels_and_decodes_with_the_step_kernel():
     with _traced_for("cutile"):
         model = _model("cutile", param_dtype=jnp.bfloat16)
         jaxpr = jax.make_jaxpr(lambda prompt: generate(model, prompt, NEW_TOKENS))(_prompt())
@@ -107,8 +107,8 @@ def test_generate_prefills_with_the_cutile_forward_kernels_and_decodes_with_the_
     assert prefill == ["rms_norm_fwd_kernel", "causal_conv1d_fwd_kernel",
                        "chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel", "chunk_scan_fwd_kernel",
                        "rms_norm_fwd_kernel"]
-    assert steps == ["rms_norm_fwd_kernel", "decode_step_kernel"]
-    assert all("fwd" in name or name == "decode_step_kernel" for name, _ in launches)
+    assert steps == ["rms_norm_fwd_kernel", "state_update_kernel", "rms_norm_fwd_kernel"]
+    assert all("fwd" in name or name == "state_update_kernel" for name, _ in launches)
     assert ("scan", PROMPT_LEN) not in loop_lengths(jaxpr)
 
 
