@@ -153,8 +153,7 @@ class Mamba2LMHeadModel(nnx.Module):
         return self._head(self._final_hidden(input_ids))
 
     def loss(self, input_ids, labels=None, *, shift_labels=None, chunk_tokens: int = 2048, ignore_index: int = -100):
-        """Mean next-token cross-entropy, never materializing the whole batch's logits (`chunked_cross_entropy`:
-        differentiated, it takes the head's gradients in the forward pass from each chunk's logits).
+        """Mean next-token cross-entropy, never materializing the whole batch's logits (`chunked_cross_entropy`).
 
         As HF transformers' causal-LM loss: `labels` (default: input_ids) are aligned with input_ids and shifted
         here, so position t is scored on labels[:, t + 1] (the last position on nothing); `shift_labels` gives
@@ -166,8 +165,7 @@ class Mamba2LMHeadModel(nnx.Module):
           input_ids: (batch, seqlen) int.
           labels: optional (batch, seqlen) int, unshifted.
           shift_labels: optional (batch, seqlen) int, already shifted; not together with labels.
-          chunk_tokens: tokens per chunk of the fused head + loss (default 2048); one chunk's float32 logits
-            are the loss's largest array.
+          chunk_tokens: tokens per chunk of the fused head + loss (default 2048).
           ignore_index: target value of positions left out (default -100).
 
         Returns:

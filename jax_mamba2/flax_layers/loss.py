@@ -3,16 +3,12 @@ of the whole batch.
 
 The plain loss `softmax_cross_entropy(hidden @ W)` holds (tokens, vocab) logits in the compute dtype, their
 float32 copy, the softmax and its gradient at once: at 8 x 2048 tokens and a 50280-word vocabulary that is
-3.3 GB per float32 copy. Here the tokens are cut into chunks of `chunk_tokens` and no array larger than one
-chunk's logits exists.
-
-Undifferentiated, each chunk's logits give its logsumexp and target logits, and nothing else is kept. Under
-differentiation the custom VJP's forward also takes the gradient there, while the chunk's logits are at hand
-(the "fused linear cross-entropy" of Liger-Kernel): dlogits = (softmax - onehot) / count, the chunk's
-d_hidden = dlogits @ W^T, and d_weight += hidden^T @ dlogits in a float32 carry. The backward only scales the
-two by the incoming cotangent. So a training step runs the head's (tokens x d_model x vocab) product three
-times, as the plain loss does, and holds one chunk's logits plus the float32 d_weight (and d_hidden, the size
-of hidden, in its place).
+3.3 GB per float32 copy. Here the tokens are cut into chunks of `chunk_tokens`: the forward computes each
+chunk's logits (float32 accumulation), its logsumexp and target logit and keeps only the logsumexp (4 bytes
+per token); a custom VJP recomputes each chunk's logits in the backward and accumulates the weight gradient
+chunk by chunk. Peak memory is one chunk's logits and their gradient, at the price of the head matmul run
+twice in the forward direction (one more (tokens x d_model x vocab) product: the backward runs three instead
+of two).
 
 Padded vocabulary columns (an embedding of `padded_vocab_size` > `vocab_size` rows) are excluded from the
 softmax: they are not tokens, so the loss does not depend on the padding multiple and their rows get zero
@@ -46,8 +42,7 @@ def _accumulation_dtype(dtype) -> jnp.dtype:
 
 
 def _logits(static: _LossStatic, hidden, weight):
-    """(chunk, d) x weight (in the compute dtype) -> (chunk, padded vocab) logits in the accumulation dtype,
-    padded columns -inf."""
+    """(chunk, d) x weight -> (chunk, padded vocab) logits in the accumulation dtype, padded columns -inf."""
     contract = (1,) if static.embedding_layout else (0,)
     logits = jax.lax.dot_general(hidden.astype(static.dtype), weight, (((1,), contract), ((), ())),
                                  preferred_element_type=_accumulation_dtype(static.dtype))
@@ -64,27 +59,6 @@ def _label_masks(static: _LossStatic, labels):
     return counted, counted & ((labels < 0) | (labels >= static.vocab_size))
 
 
-def _chunk_loss_sum(static: _LossStatic, logits, hidden, weight, labels):
-    """A chunk's (summed loss over its counted tokens, (chunk,) logsumexp), from its (chunk, padded vocab)
-    logits, its hidden (chunk, d) and the weight, both in the compute dtype, and its labels (chunk,).
-
-    The target logit is h . W[:, label] from a gather of the label's weights (chunk x d values) rather than
-    a gather from the logits: so the logits have no reader after the gradient, which then overwrites them
-    (one chunk-sized buffer instead of two)."""
-    logsumexp = jax.nn.logsumexp(logits, axis=-1)
-    rows = jnp.clip(labels, 0, logits.shape[-1] - 1)
-    target_weights = jnp.take(weight, rows, axis=0) if static.embedding_layout else jnp.take(weight, rows, axis=1).T
-    target = jnp.sum(hidden.astype(logits.dtype) * target_weights.astype(logits.dtype), axis=-1)
-    counted, out_of_range = _label_masks(static, labels)
-    per_token = jnp.where(out_of_range, jnp.nan, logsumexp - target)
-    return jnp.sum(jnp.where(counted, per_token, 0.0)), logsumexp
-
-
-def _count(static: _LossStatic, labels):
-    """The number of counted tokens, at least 1 (no counted token: loss and gradients 0)."""
-    return jnp.maximum(jnp.sum(labels != static.ignore_index), 1)
-
-
 def _chunked(static: _LossStatic, hidden, labels):
     """hidden (tokens, d) and labels (tokens,) cut into (nchunks, chunk, ...), the tail padded with ignored
     tokens."""
@@ -97,70 +71,66 @@ def _chunked(static: _LossStatic, hidden, labels):
     return hidden, labels
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked_loss(static: _LossStatic, hidden, weight, labels):
-    """The mean loss alone: one head product per chunk, each chunk's logits dropped after its logsumexp."""
-    operand = weight.astype(static.dtype)
+def _loss_and_logsumexp(static: _LossStatic, hidden, weight, labels):
+    """(mean loss, per-token logsumexp (nchunks, chunk), counted-token count)."""
+    weight = weight.astype(static.dtype)
 
     def chunk_loss(args):
         h, y = args
-        h = h.astype(static.dtype)
-        return _chunk_loss_sum(static, _logits(static, h, operand), h, operand, y)[0]
+        logits = _logits(static, h, weight)
+        logsumexp = jax.nn.logsumexp(logits, axis=-1)
+        target = jnp.take_along_axis(logits, jnp.clip(y, 0, logits.shape[-1] - 1)[:, None], axis=-1)[:, 0]
+        counted, out_of_range = _label_masks(static, y)
+        per_token = jnp.where(out_of_range, jnp.nan, logsumexp - target)
+        return logsumexp, jnp.sum(jnp.where(counted, per_token, 0.0))
 
-    sums = jax.lax.map(chunk_loss, _chunked(static, hidden, labels))
-    return jnp.sum(sums) / _count(static, labels)
+    logsumexp, sums = jax.lax.map(chunk_loss, _chunked(static, hidden, labels))
+    count = jnp.maximum(jnp.sum(labels != static.ignore_index), 1)
+    return jnp.sum(sums) / count, logsumexp, count
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked_loss(static: _LossStatic, hidden, weight, labels):
+    return _loss_and_logsumexp(static, hidden, weight, labels)[0]
 
 
 def _chunked_loss_fwd(static, hidden, weight, labels):
-    """The mean loss and, chunk by chunk from the same logits, its gradients at dloss = 1: d_hidden in hidden's
-    dtype and d_weight in the accumulation dtype (the residuals; the weight rides along for its dtype and
-    shard_map type, at no cost: the caller holds it)."""
+    loss, logsumexp, count = _loss_and_logsumexp(static, hidden, weight, labels)
+    return loss, (hidden, weight, labels, logsumexp, count)
+
+
+def _chunked_loss_bwd(static, saved, dloss):
+    hidden, weight, labels, logsumexp, count = saved
     acc_dtype = _accumulation_dtype(static.dtype)
     operand = weight.astype(static.dtype)
-    count = _count(static, labels)
-    scale = 1 / count.astype(acc_dtype)
-    # Under shard_map the chunks vary over the axes the tokens (and the weight) do, so does every chunk's
-    # d_weight term; a scan carry must keep its type, so the zero it starts from is cast to those axes.
-    axes = tuple(sorted(varying_axes(hidden) | varying_axes(labels) | varying_axes(weight)))
+    scale = (dloss / count).astype(acc_dtype)
+    # Under shard_map the chunks vary over the axes the tokens do: so does the accumulated gradient.
+    axes = tuple(sorted(varying_axes(hidden) | varying_axes(labels) | varying_axes(dloss)))
     dweight = jnp.zeros(weight.shape, acc_dtype)
     if axes:
         dweight = jax.lax.pcast(dweight, axes, to="varying")
 
-    def chunk_step(dweight, args):
-        h, y = args
-        h = h.astype(static.dtype)
+    def chunk_grads(dweight, args):
+        h, y, lse = args
         logits = _logits(static, h, operand)
-        loss_sum, logsumexp = _chunk_loss_sum(static, logits, h, operand, y)
         counted, out_of_range = _label_masks(static, y)
         columns = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-        # d loss / d logits; the padded columns' softmax is exp(-inf) = 0 and no label selects them.
-        dlogits = (jnp.exp(logits - logsumexp[:, None]) - (columns == y[:, None])) * \
-            jnp.where(counted, scale, 0)[:, None]
-        # Both gradient products take their operands in the compute dtype (as the forward product does, and
-        # Liger-Kernel's) and accumulate in float32.
+        dlogits = (jnp.exp(logits - lse[:, None]) - (columns == y[:, None])) * jnp.where(counted, scale, 0)[:, None]
         dlogits = jnp.where(out_of_range[:, None], jnp.nan, dlogits).astype(static.dtype)
+        h = h.astype(static.dtype)
         # dh = dlogits . weight^T; dweight += h^T . dlogits (or dlogits^T . h for the (vocab, d) layout).
         dh = jax.lax.dot_general(dlogits, operand, (((1,), (0 if static.embedding_layout else 1,)), ((), ())),
                                  preferred_element_type=acc_dtype)
         if static.embedding_layout:
-            term = jax.lax.dot_general(dlogits, h, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
+            step = jax.lax.dot_general(dlogits, h, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
         else:
-            term = jax.lax.dot_general(h, dlogits, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
-        return dweight + term, (loss_sum, dh.astype(hidden.dtype))
+            step = jax.lax.dot_general(h, dlogits, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
+        return dweight + step, dh.astype(hidden.dtype)
 
-    dweight, (sums, dhidden) = jax.lax.scan(chunk_step, dweight, _chunked(static, hidden, labels))
+    h_chunks, y_chunks = _chunked(static, hidden, labels)
+    dweight, dhidden = jax.lax.scan(chunk_grads, dweight, (h_chunks, y_chunks, logsumexp))
     dhidden = dhidden.reshape(-1, hidden.shape[1])[:hidden.shape[0]]
-    return jnp.sum(sums) / count, (dhidden, dweight, weight)
-
-
-def _chunked_loss_bwd(static, residuals, dloss):
-    """The forward's gradients times dloss (a loss used twice, or scaled, gets dloss != 1)."""
-    del static
-    dhidden, dweight, weight = residuals
-    # dloss is in the accumulation dtype (the loss's): both products are formed there, then rounded once.
-    dhidden = (dhidden * dloss).astype(dhidden.dtype)
-    # A weight replicated over the axes the tokens are split on gets the sum of every shard's term.
-    dweight = reduce_to_primal_axes((dweight * dloss).astype(weight.dtype), weight)
+    dweight = reduce_to_primal_axes(dweight.astype(weight.dtype), weight)
     return dhidden, dweight, None
 
 
@@ -173,12 +143,9 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
 
     Equals `optax.softmax_cross_entropy_with_integer_labels(logits[..., :vocab_size], labels)` averaged over
     the tokens whose label is not `ignore_index` (as torch's / HF's CrossEntropyLoss(ignore_index=-100)),
-    with float32 logits, and its gradient, without holding more than one chunk's logits. Differentiated, the
-    forward pass also computes the gradients w.r.t. hidden and the weight from each chunk's logits (three
-    head products in all, none recomputed) and keeps them, in hidden's dtype and in float32, until the
-    backward pass scales them by the cotangent. Composes with jit, grad, vmap, jax.checkpoint and shard_map
-    (tokens split over a data axis: each shard's mean; the weight gradient is summed over the shards it is
-    replicated on).
+    with float32 logits, and its gradient, without holding more than one chunk's logits. Composes with jit,
+    grad, vmap, jax.checkpoint and shard_map (tokens split over a data axis: each shard's mean; the weight
+    gradient is summed over the shards it is replicated on).
 
     Args:
       hidden: (..., d) float, the final hidden states.
