@@ -197,7 +197,7 @@ def make_train_step(config: TrainConfig, backend: str, loss_impl: str, seed: int
     return step, params, opt_state, inputs, targets
 
 
-def compile_step(step, *args, platform: str | None = None) -> tuple:
+def compile_step(step, *args, platform: str | None = None, xla_options: dict | None = None) -> tuple:
     """(compiled step or None, seconds): `step` jitted with the parameters and AdamW state donated, timed
     stage by stage: trace (Python, to a jaxpr), lower (to StableHLO: every cuTile kernel compiles to a
     cubin here), compile (XLA), and the cubins this process compiled meanwhile. With `platform` (e.g.
@@ -212,7 +212,7 @@ def compile_step(step, *args, platform: str | None = None) -> tuple:
     traced_at = time.perf_counter()
     lowered = traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()
     lowered_at = time.perf_counter()
-    compiled = None if platform else lowered.compile()
+    compiled = None if platform else lowered.compile(xla_options or None)
     compiled_at = time.perf_counter()
     cubins = _cubins_compiled()[len(cubins_before):]
     return compiled, {
@@ -231,12 +231,12 @@ def _cubins_compiled() -> list:
     return compile_ahead.compile_log()
 
 
-def build_ours(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0):
+def build_ours(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0, xla_options: dict | None = None):
     """(compiled step (params, opt_state, inputs, targets) -> (params, opt_state, loss), params, opt_state,
     inputs, targets, the seconds of `compile_step`): the model's parameters and AdamW state donated to
     every call."""
     step, params, opt_state, inputs, targets = make_train_step(config, backend, loss_impl, seed)
-    compiled, seconds = compile_step(step, params, opt_state, inputs, targets)
+    compiled, seconds = compile_step(step, params, opt_state, inputs, targets, xla_options=xla_options)
     return compiled, params, opt_state, inputs, targets, seconds
 
 
@@ -275,7 +275,8 @@ def train_ours(job: dict) -> dict:
     config = TrainConfig.parse(job["config"])
     loss_impl = choose_loss(job["loss"], Mamba2LMHeadModel)
     began = time.perf_counter()
-    compiled, params, opt_state, inputs, targets, first_step = build_ours(config, job["impl"], loss_impl)
+    compiled, params, opt_state, inputs, targets, first_step = build_ours(config, job["impl"], loss_impl,
+                                                                          xla_options=job.get("xla_options"))
     compile_s = time.perf_counter() - began
     state = {"params": params, "opt_state": opt_state}
     losses = []
@@ -296,7 +297,7 @@ def train_ours(job: dict) -> dict:
         "memory_analysis": None if memory is None else {
             k: getattr(memory, k, None) for k in ("argument_size_in_bytes", "output_size_in_bytes",
                                                   "alias_size_in_bytes", "temp_size_in_bytes")},
-        "environment": environment(),
+        "environment": environment(), "xla_options": job.get("xla_options") or {},
     }
     if job["profile_steps"]:
         record["profile"] = profile_ours(call, compiled.as_text(), job["profile_steps"])
@@ -406,7 +407,8 @@ def label(record: dict) -> str:
                 if record["use_mem_eff_path"] else "use_mem_eff_path=False" +
                 ("" if record.get("causal_conv1d") else ", no causal_conv1d"))
         return f"mamba_ssm Mamba2 modules (PyTorch), {path}"
-    return LABELS[record["impl"]]
+    options = record.get("xla_options") or {}
+    return LABELS[record["impl"]] + "".join(f", {k}={v}" for k, v in sorted(options.items()))
 
 
 def format_table(records: list[dict]) -> str:
@@ -482,6 +484,9 @@ def parse_args(argv=None):
     parser.add_argument("--no-profile", action="store_true", help="no per-kernel profile")
     parser.add_argument("--loss", choices=("auto", "plain", "model"), default="auto",
                         help="ours: the loss implementation (default: auto)")
+    parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="ours: an XLA compiler option of the step, e.g. "
+                             "xla_gpu_enable_dynamic_slice_fusion=false (repeatable; default: none)")
     parser.add_argument("--worker-timeout", type=float, default=540, help="seconds per process (default: 540)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
@@ -496,11 +501,26 @@ def parse_args(argv=None):
     return args
 
 
+def xla_options(specs: list[str]) -> dict:
+    """NAME=VALUE strings as XLA compiler options: true / false as bools, integers as ints."""
+    options = {}
+    for spec in specs:
+        name, _, value = spec.partition("=")
+        lowered = value.lower()
+        options[name] = (lowered == "true") if lowered in ("true", "false") else int(value) if value.isdigit() else value
+    return options
+
+
+def record_key(record: dict) -> tuple:
+    """What a record measured: config, implementation and the XLA options of ours (a rerun replaces it)."""
+    return record["config"], record["impl"], tuple(sorted((record.get("xla_options") or {}).items()))
+
+
 def jobs(args) -> list[dict]:
     peers = lm_bench.peer_paths(args)
     return [{"config": config, "impl": impl, "steps": args.steps, "warmup_seconds": args.warmup_seconds,
              "profile_steps": 0 if args.no_profile or impl not in OURS else args.profile_steps,
-             "loss": args.loss, **(peers if impl not in OURS else {})}
+             "loss": args.loss, **(peers if impl not in OURS else {"xla_options": xla_options(args.xla_option)})}
             for config in args.configs for impl in args.impls]
 
 
@@ -515,7 +535,7 @@ def main(argv=None) -> int:
         record = derive(lm_bench.run_worker(Path(__file__), job, timeout_s=args.worker_timeout))
         records.append(record)
         print(format_table([record]), flush=True)
-        results = lm_bench.merge_results(path, "lm_train", records, key=lambda r: (r["config"], r["impl"]))
+        results = lm_bench.merge_results(path, "lm_train", records, key=record_key)
     print(f"\nwrote {path}\n\n{format_table(results['records'])}")
     print(f"plot: {plot(results['records'], args.out / 'lm_train_h200.png')}")
     return 0

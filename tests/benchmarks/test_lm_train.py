@@ -111,3 +111,22 @@ def test_the_torch_step_runs_the_peer_lm_with_a_stand_in_mixer():
     derived = lm_train.derive({**job, **record, "use_mem_eff_path": False, "causal_conv1d": None, "error": None})
     assert derived["label"] == "mamba_ssm Mamba2 modules (PyTorch), use_mem_eff_path=False, no causal_conv1d"
     assert derived["tokens_per_s"] > 0
+
+
+def test_xla_options_reach_the_compile_and_key_the_record():
+    assert lm_train.xla_options(["xla_gpu_enable_dynamic_slice_fusion=false", "xla_gpu_autotune_level=0"]) == {
+        "xla_gpu_enable_dynamic_slice_fusion": False, "xla_gpu_autotune_level": 0}
+    args = lm_train.parse_args(["--impls", "cutile", "mamba_ssm", "--xla-option",
+                                "xla_gpu_enable_dynamic_slice_fusion=false"])
+    ours, peer = lm_train.jobs(args)
+    assert ours["xla_options"] == {"xla_gpu_enable_dynamic_slice_fusion": False} and "xla_options" not in peer
+    plain = {"config": "d1024-l24-8x2048", "impl": "cutile"}
+    assert lm_train.record_key(plain) != lm_train.record_key({**plain, "xla_options": ours["xla_options"]})
+    assert lm_train.label({**plain, "xla_options": ours["xla_options"]}).endswith(
+        ", xla_gpu_enable_dynamic_slice_fusion=False")
+
+    def step(params, opt_state, x):
+        return params * 2, opt_state, x
+    ones = jax.numpy.ones(3)
+    compiled, _ = lm_train.compile_step(step, ones, ones, ones, xla_options={"xla_gpu_autotune_level": 0})
+    assert float(compiled(jax.numpy.ones(3), jax.numpy.ones(3), ones)[0][0]) == 2.0
