@@ -172,3 +172,27 @@ SPOILS = {
     "initial_states_nan": Spoil("initial_states", (0, 1, 2, 5)),
     "cotangent_nan": Spoil("weight_y", (0, 30, 2)),
 }
+
+
+def assert_packed_reproduction_confined(ssd_fn: Callable, *, headdim: int, dstate: int) -> None:
+    """The reproduction: a NaN at token 5 of the packed sequence 0-19 of a 64-token row; tokens 0-4 and 20..
+    stay finite, as do the final state and the gradients of the second sequence's inputs.
+    `ssd_fn(x, dt, A, B, C, seq_idx=) -> (y, final_states)`."""
+    L = 64
+    x = jnp.ones((1, L, 2, headdim)).at[0, 5].set(jnp.nan)
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    dt = jax.random.uniform(keys[0], (1, L, 2), minval=0.01, maxval=0.5)
+    A = -jnp.ones((2,))
+    B, C = (jax.random.normal(k, (1, L, 1, dstate)) for k in keys[1:])
+    seq_idx = (jnp.arange(L) >= 20)[None].astype(jnp.int32)
+
+    def loss(x, dt, B, C):
+        y, final = ssd_fn(x, dt, A, B, C, seq_idx=seq_idx)
+        return jnp.sum(jnp.sin(y)) + jnp.sum(final)
+
+    y, final = jax.jit(ssd_fn)(x, dt, A, B, C, seq_idx=seq_idx)
+    assert np.isfinite(np.asarray(y[0, :5])).all() and np.isfinite(np.asarray(y[0, 20:])).all()
+    assert not np.isfinite(np.asarray(y[0, 5:20])).any()
+    assert np.isfinite(np.asarray(final)).all()
+    for grad in jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, dt, B, C):
+        assert np.isfinite(np.asarray(grad[0, 20:])).all()
