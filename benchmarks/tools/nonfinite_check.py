@@ -1,9 +1,9 @@
 """What the op's non-finite check costs a kernel backend: XLA's temporary memory, the check's fusions and the
 time of one jitted SSD forward and forward+backward, with the check and with it taken out.
 
-`ssd` checks each kernel call's outputs and recomputes a call that is not all finite on the xla path
+`ssd` checks what each kernel call consumes and recomputes a call given a NaN or inf on the xla path
 (jax_mamba2/op.py, docs/design.md §2). The program without the check is this tool's replacement of
-`op._unless_nonfinite` by the kernel result itself, for the measurement only. Inputs are the benchmark's
+`op._kernels_unless_nonfinite` by a plain call of the kernels, for the measurement only. Inputs are the benchmark's
 (benchmarks/ssd.py: bf16, D, dt_bias, softplus): all finite, so the timed programs run the kernel branch.
 
 On the GPU machine:
@@ -23,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 @contextlib.contextmanager
 def _unchecked():
     from jax_mamba2 import op
-    checked = op._unless_nonfinite
-    op._unless_nonfinite = lambda kernel_result, *_, **__: kernel_result
+    checked = op._kernels_unless_nonfinite
+    op._kernels_unless_nonfinite = lambda kernels, recompute, checked, *operands, **_: kernels(*operands)
     try:
         yield
     finally:
-        op._unless_nonfinite = checked
+        op._kernels_unless_nonfinite = checked
 
 
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
