@@ -145,22 +145,24 @@ def choose_loss(requested: str, model_class) -> str:
     return requested
 
 
-def next_token_loss(model, inputs, targets, loss_impl: str):
-    """Mean next-token cross-entropy; the loss's own ops under jax.named_scope("loss") for the profile."""
+def next_token_loss(model, inputs, targets, loss_impl: str, logits_dtype: str | None = None):
+    """Mean next-token cross-entropy; the loss's own ops under jax.named_scope("loss") for the profile.
+    `logits_dtype` (the model loss only): the dtype its logits are stored in (default float32)."""
     import jax
     import jax.numpy as jnp
     import optax
 
     if loss_impl == "model":
         with jax.named_scope("loss"):
-            return model.loss(inputs, targets)
+            return model.loss(inputs, targets, logits_dtype=logits_dtype)
     logits = model(inputs)
     with jax.named_scope("loss"):
         logits = logits[..., :model.config.vocab_size].astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def make_train_step(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0, abstract: bool = False):
+def make_train_step(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0, abstract: bool = False,
+                    logits_dtype: str | None = None):
     """(step (params, opt_state, inputs, targets) -> (params, opt_state, loss), params, opt_state, inputs,
     targets); with `abstract`, the arrays are ShapeDtypeStructs (nothing allocated: enough to lower)."""
     import jax
@@ -181,7 +183,7 @@ def make_train_step(config: TrainConfig, backend: str, loss_impl: str, seed: int
 
     def step(params, opt_state, inputs, targets):
         def loss_fn(params):
-            return next_token_loss(nnx.merge(graphdef, params, rest), inputs, targets, loss_impl)
+            return next_token_loss(nnx.merge(graphdef, params, rest), inputs, targets, loss_impl, logits_dtype)
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         with jax.named_scope("optimizer"):
@@ -231,11 +233,13 @@ def _cubins_compiled() -> list:
     return compile_ahead.compile_log()
 
 
-def build_ours(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0, xla_options: dict | None = None):
+def build_ours(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0, xla_options: dict | None = None,
+               logits_dtype: str | None = None):
     """(compiled step (params, opt_state, inputs, targets) -> (params, opt_state, loss), params, opt_state,
     inputs, targets, the seconds of `compile_step`): the model's parameters and AdamW state donated to
     every call."""
-    step, params, opt_state, inputs, targets = make_train_step(config, backend, loss_impl, seed)
+    step, params, opt_state, inputs, targets = make_train_step(config, backend, loss_impl, seed,
+                                                               logits_dtype=logits_dtype)
     compiled, seconds = compile_step(step, params, opt_state, inputs, targets, xla_options=xla_options)
     return compiled, params, opt_state, inputs, targets, seconds
 
@@ -276,7 +280,8 @@ def train_ours(job: dict) -> dict:
     loss_impl = choose_loss(job["loss"], Mamba2LMHeadModel)
     began = time.perf_counter()
     compiled, params, opt_state, inputs, targets, first_step = build_ours(config, job["impl"], loss_impl,
-                                                                          xla_options=job.get("xla_options"))
+                                                                          xla_options=job.get("xla_options"),
+                                                                          logits_dtype=job.get("logits_dtype"))
     compile_s = time.perf_counter() - began
     state = {"params": params, "opt_state": opt_state}
     losses = []
@@ -298,6 +303,7 @@ def train_ours(job: dict) -> dict:
             k: getattr(memory, k, None) for k in ("argument_size_in_bytes", "output_size_in_bytes",
                                                   "alias_size_in_bytes", "temp_size_in_bytes")},
         "environment": environment(), "xla_options": job.get("xla_options") or {},
+        "logits_dtype": job.get("logits_dtype") if loss_impl == "model" else None,
     }
     if job["profile_steps"]:
         record["profile"] = profile_ours(call, compiled.as_text(), job["profile_steps"])
@@ -408,7 +414,8 @@ def label(record: dict) -> str:
                 ("" if record.get("causal_conv1d") else ", no causal_conv1d"))
         return f"mamba_ssm Mamba2 modules (PyTorch), {path}"
     options = record.get("xla_options") or {}
-    return LABELS[record["impl"]] + "".join(f", {k}={v}" for k, v in sorted(options.items()))
+    logits = f", {record['logits_dtype']} logits" if record.get("logits_dtype") else ""
+    return LABELS[record["impl"]] + logits + "".join(f", {k}={v}" for k, v in sorted(options.items()))
 
 
 def format_table(records: list[dict]) -> str:
@@ -484,6 +491,9 @@ def parse_args(argv=None):
     parser.add_argument("--no-profile", action="store_true", help="no per-kernel profile")
     parser.add_argument("--loss", choices=("auto", "plain", "model"), default="auto",
                         help="ours: the loss implementation (default: auto)")
+    parser.add_argument("--logits-dtype", choices=("float32", "bfloat16"), default=None,
+                        help="ours, --loss model: the dtype the loss stores its logits in (default: the model "
+                             "loss's own, float32)")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="ours: an XLA compiler option of the step, e.g. "
                              "xla_gpu_enable_dynamic_slice_fusion=false (repeatable; default: none)")
@@ -512,15 +522,18 @@ def xla_options(specs: list[str]) -> dict:
 
 
 def record_key(record: dict) -> tuple:
-    """What a record measured: config, implementation and the XLA options of ours (a rerun replaces it)."""
-    return record["config"], record["impl"], tuple(sorted((record.get("xla_options") or {}).items()))
+    """What a record measured: config, implementation, the XLA options and logits dtype of ours (a rerun
+    replaces it)."""
+    return (record["config"], record["impl"], tuple(sorted((record.get("xla_options") or {}).items())),
+            record.get("logits_dtype"))
 
 
 def jobs(args) -> list[dict]:
     peers = lm_bench.peer_paths(args)
     return [{"config": config, "impl": impl, "steps": args.steps, "warmup_seconds": args.warmup_seconds,
              "profile_steps": 0 if args.no_profile or impl not in OURS else args.profile_steps,
-             "loss": args.loss, **(peers if impl not in OURS else {"xla_options": xla_options(args.xla_option)})}
+             "loss": args.loss, **(peers if impl not in OURS else {"xla_options": xla_options(args.xla_option),
+                                                          "logits_dtype": args.logits_dtype})}
             for config in args.configs for impl in args.impls]
 
 

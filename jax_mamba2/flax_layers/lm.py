@@ -152,7 +152,8 @@ class Mamba2LMHeadModel(nnx.Module):
         self._check_inputs("Mamba2LMHeadModel.__call__", input_ids, None, sequence=True)
         return self._head(self._final_hidden(input_ids))
 
-    def loss(self, input_ids, labels=None, *, shift_labels=None, chunk_tokens: int = 2048, ignore_index: int = -100):
+    def loss(self, input_ids, labels=None, *, shift_labels=None, chunk_tokens: int = 2048, ignore_index: int = -100,
+             logits_dtype=None):
         """Mean next-token cross-entropy, never materializing the whole batch's logits (`chunked_cross_entropy`).
 
         As HF transformers' causal-LM loss: `labels` (default: input_ids) are aligned with input_ids and shifted
@@ -167,6 +168,8 @@ class Mamba2LMHeadModel(nnx.Module):
           shift_labels: optional (batch, seqlen) int, already shifted; not together with labels.
           chunk_tokens: tokens per chunk of the fused head + loss (default 2048).
           ignore_index: target value of positions left out (default -100).
+          logits_dtype: dtype the logits are stored in before the float32 softmax (default float32;
+            `jnp.bfloat16` halves the loss's memory traffic, as an autocast PyTorch LM rounds its logits).
 
         Returns:
           The scalar mean loss (float32; float64 for a float64 model).
@@ -186,7 +189,8 @@ class Mamba2LMHeadModel(nnx.Module):
                   dict(head_weight=self.lm_head.kernel[...]))
         hidden = self._final_hidden(input_ids)
         return chunked_cross_entropy(hidden, targets, **weight, vocab_size=self.config.vocab_size,
-                                     chunk_tokens=chunk_tokens, ignore_index=ignore_index, dtype=self.dtype)
+                                     chunk_tokens=chunk_tokens, ignore_index=ignore_index, dtype=self.dtype,
+                                     logits_dtype=logits_dtype)
 
     def _final_hidden(self, input_ids):
         """input_ids (batch, seqlen) -> the final norm's output (batch, seqlen, d_model)."""

@@ -35,6 +35,7 @@ class _LossStatic:
     vocab_size: int
     embedding_layout: bool  # weight is (vocab, d) (a tied embedding), else (d, vocab)
     dtype: str               # the matmul operands' dtype
+    logits_dtype: str        # the head product's result dtype; softmax math runs in the accumulation dtype
 
 
 def _accumulation_dtype(dtype) -> jnp.dtype:
@@ -42,10 +43,15 @@ def _accumulation_dtype(dtype) -> jnp.dtype:
 
 
 def _logits(static: _LossStatic, hidden, weight):
-    """(chunk, d) x weight -> (chunk, padded vocab) logits in the accumulation dtype, padded columns -inf."""
+    """(chunk, d) x weight -> (chunk, padded vocab) logits in the accumulation dtype, padded columns -inf.
+
+    The product accumulates in float32 and is stored as `static.logits_dtype`: a bfloat16 store halves the
+    bytes each chunk's logits cost to write and read back (what mixed-precision PyTorch LMs compute) and is
+    widened again inside the fusions that take the softmax."""
     contract = (1,) if static.embedding_layout else (0,)
     logits = jax.lax.dot_general(hidden.astype(static.dtype), weight, (((1,), contract), ((), ())),
-                                 preferred_element_type=_accumulation_dtype(static.dtype))
+                                 preferred_element_type=static.logits_dtype)
+    logits = logits.astype(_accumulation_dtype(static.dtype))
     if static.vocab_size < logits.shape[-1]:
         columns = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
         logits = jnp.where(columns < static.vocab_size, logits, -jnp.inf)
@@ -138,7 +144,7 @@ _chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
 
 
 def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, vocab_size: Optional[int] = None,
-                          chunk_tokens: int = 2048, ignore_index: int = -100, dtype=None):
+                          chunk_tokens: int = 2048, ignore_index: int = -100, dtype=None, logits_dtype=None):
     """Mean next-token cross-entropy of `hidden @ head_weight` (or `hidden @ embedding.T`), chunk by chunk.
 
     Equals `optax.softmax_cross_entropy_with_integer_labels(logits[..., :vocab_size], labels)` averaged over
@@ -158,6 +164,10 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
       ignore_index: label of positions that do not count (default -100).
       dtype: the matmul operands' dtype (default: the result type of hidden and the weight); logits
         accumulate in float32 (float64 for float64).
+      logits_dtype: the dtype each chunk's logits are stored in between the head product and the softmax
+        (default: the accumulation dtype, float32). bfloat16 rounds them as a PyTorch LM under autocast does
+        (logits in bf16, then `.float()` for the loss): half the logits' memory traffic; the softmax, the
+        logsumexp and the gradient's arithmetic stay in float32.
 
     Returns:
       The scalar mean loss in float32 (float64 for float64), 0 when no position counts; NaN when a counted
@@ -199,9 +209,15 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{api}: dtype={dtype} must be a float dtype")
     acc_dtype = _accumulation_dtype(dtype)
+    try:
+        logits_dtype = acc_dtype if logits_dtype is None else jnp.dtype(logits_dtype)
+    except TypeError:
+        raise TypeError(f"{api}: logits_dtype={logits_dtype!r} must be a float dtype") from None
+    if not jnp.issubdtype(logits_dtype, jnp.floating):
+        raise TypeError(f"{api}: logits_dtype={logits_dtype} must be a float dtype")
     tokens = int(np.prod(labels.shape))
     if tokens == 0:
         return jnp.zeros((), acc_dtype)
     static = _LossStatic(int(chunk_tokens), int(ignore_index), int(vocab_size), embedding is not None,
-                         jnp.dtype(dtype).name)
+                         jnp.dtype(dtype).name, logits_dtype.name)
     return _chunked_loss(static, hidden.reshape(tokens, d), weight, labels.reshape(tokens).astype(jnp.int32))

@@ -3,6 +3,7 @@ the xla backend, one process per measurement), the PyTorch peer's step with a st
 import json
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -130,3 +131,19 @@ def test_xla_options_reach_the_compile_and_key_the_record():
     ones = jax.numpy.ones(3)
     compiled, _ = lm_train.compile_step(step, ones, ones, ones, xla_options={"xla_gpu_autotune_level": 0})
     assert float(compiled(jax.numpy.ones(3), jax.numpy.ones(3), ones)[0][0]) == 2.0
+
+
+def test_logits_dtype_reaches_the_model_loss_and_keys_the_record():
+    args = lm_train.parse_args(["--impls", "cutile", "mamba_ssm", "--logits-dtype", "bfloat16"])
+    ours, peer = lm_train.jobs(args)
+    assert ours["logits_dtype"] == "bfloat16" and "logits_dtype" not in peer
+    plain = {"config": "d1024-l24-8x2048", "impl": "cutile"}
+    assert lm_train.record_key(plain) != lm_train.record_key({**plain, "logits_dtype": "bfloat16"})
+    assert lm_train.label({**plain, "logits_dtype": "bfloat16"}).endswith(", bfloat16 logits")
+    config = lm_train.TrainConfig.parse("d64-l1-1x32")
+    losses = {}
+    for dtype in (None, "bfloat16"):
+        step, params, opt_state, inputs, targets = lm_train.make_train_step(config, "xla", "model",
+                                                                            logits_dtype=dtype)
+        losses[dtype] = float(jax.jit(step)(params, opt_state, inputs, targets)[2])
+    assert np.isfinite(losses[None]) and abs(losses["bfloat16"] - losses[None]) < 1e-2 * losses[None]

@@ -104,6 +104,35 @@ def test_shard_map_over_a_data_axis_sums_the_weight_gradient(x64):
     _assert_value_and_grads_equal(jax.jit(sharded), lambda h, w: plain_loss(h, w, labels), (hidden, weight))
 
 
+@pytest.mark.parametrize("layout", ["head_weight", "embedding"])
+def test_bfloat16_logits_equal_the_plain_loss_over_rounded_logits(layout):
+    """logits_dtype=bfloat16 (float32 operands): the loss and its gradients equal the plain loss over the float32
+    logits rounded to bfloat16 and widened again (an autocast PyTorch LM's `logits.float()`), and differ from
+    the float32-logits loss by about bfloat16's rounding. The rounding passes the gradient straight through:
+    the float32 operands' dlogits stay float32 (bfloat16 operands round them anyway, as autocast does)."""
+    hidden, weight, labels = _problem(5, dtype=jnp.float32)
+    hidden = 4 * hidden  # logits of a few units, where bf16 rounding shows in the loss
+    embedding = layout == "embedding"
+    weight = weight.T if embedding else weight
+
+    def rounded(h, w):
+        logits = h @ (w.T if embedding else w)
+        logits = logits + jax.lax.stop_gradient(logits.astype(jnp.bfloat16).astype(jnp.float32) - logits)
+        return plain_loss(logits, jnp.eye(PADDED_VOCAB), labels)
+
+    def chunked(h, w, logits_dtype):
+        return chunked_cross_entropy(h, labels, **{layout: w}, vocab_size=VOCAB, chunk_tokens=16,
+                                     logits_dtype=logits_dtype)
+
+    (value, grads), (want, want_grads), (full, _) = (
+        jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(hidden, weight) for fn in (
+            lambda h, w: chunked(h, w, jnp.bfloat16), rounded, lambda h, w: chunked(h, w, None)))
+    assert abs(float(value - want)) < 1e-5 * abs(float(want))
+    for got, expected in zip(grads, want_grads):
+        assert rel_l2(got, expected) < 1e-5
+    assert 1e-6 < abs(float(value - full)) / abs(float(full)) < 1e-2
+
+
 def test_compiled_peak_memory_is_a_fraction_of_the_plain_loss():
     """jit(value_and_grad) at 4096 tokens x 8000 words (bf16 hidden, f32 weight): the plain loss holds the
     whole batch's logits several times; the chunked one a 512-token chunk's."""
@@ -131,6 +160,8 @@ def test_compiled_peak_memory_is_a_fraction_of_the_plain_loss():
     (dict(head_weight=jnp.ones((16, 40)), vocab_size=41), ValueError, r"vocab_size=41 must be an int in \[1, 40\]"),
     (dict(head_weight=jnp.ones((16, 40)), chunk_tokens=0), ValueError, r"chunk_tokens=0 must be a positive int"),
     (dict(head_weight=jnp.ones((16, 40), jnp.int32)), TypeError, r"head_weight.dtype=int32 must be a float"),
+    (dict(head_weight=jnp.ones((16, 40)), logits_dtype=jnp.int8), TypeError, r"logits_dtype=int8 must be a float"),
+    (dict(head_weight=jnp.ones((16, 40)), logits_dtype="nope"), TypeError, r"logits_dtype='nope' must be a float"),
 ])
 def test_invalid_arguments_raise_naming_them(kwargs, error, message):
     with pytest.raises(error, match=message):
