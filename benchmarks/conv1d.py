@@ -4,10 +4,10 @@ Implementations (--impls):
   cutile         causal_conv1d_silu(backend="cutile") in jax.jit (kernels/causal_conv1d*.py); with --fwd-configs /
                  --bwd-configs, the kernels' plans at each listed tile (bridge/conv_ops.ConvKernels with those
                  configs: the same launches as the op, without its checks) to choose the defaults from
-  xla            causal_conv1d_silu(backend="xla") in jax.jit (the reference, what the layer ran before)
+  xla            causal_conv1d_silu(backend="xla") in jax.jit (the reference: the sum of shifted taps in plain JAX)
   causal_conv1d  causal_conv1d's CUDA `causal_conv1d_fn` (channels-last, activation="silu"), the kernel of
-                 mamba_ssm's fused path; `--causal-conv1d PATH` puts a built copy on sys.path (notes
-                 peers.md says how to build it); timed by CUDA-graph replay
+                 mamba_ssm's fused path; `--causal-conv1d PATH` puts a built copy on sys.path
+                 (benchmarks/README.md says how to build it); timed by CUDA-graph replay
 
 Layouts (--layouts): "plain" convolves x (batch, seqlen, channels) into one y; "mixer" is the layer's
 one-device path (causal_conv1d_silu_split): x is in_proj's whole output [z, xBC, dt] of d_ssm + channels +

@@ -237,8 +237,9 @@ class Timing(NamedTuple):
 
 
 # Every implementation runs back to back for this long before its timed calls. The H200's SM clock idles at
-# 345 MHz (1980 under load); in run 100 a program timed right after its compilation had left the GPU idle for
-# seconds ran 7-12x slower for its first ~800 back-to-back calls (0.5-1.2 s), then at full speed.
+# 345 MHz (1980 under load): a program timed right after its compilation had left the GPU idle for seconds
+# ran 7-12x slower for its first ~800 back-to-back calls (0.5-1.2 s), then at full speed
+# (docs/experiments.md, "Measuring").
 WARMUP_S = 2.0
 # The pipelined time is the median of this many rounds of back-to-back calls.
 PIPELINED_ROUNDS = 5
