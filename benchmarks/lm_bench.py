@@ -277,14 +277,15 @@ def peer_paths(args) -> dict:
             "causal_conv1d": str(args.causal_conv1d) if args.causal_conv1d else None}
 
 
-def save_figure(fig, path: Path, title: str, records: list[dict]) -> Path:
-    """Titles `fig` with `title` and the GPU the records ran on, writes it to `path` and closes it."""
+def save_figure(fig, path: Path, title: str, records: list[dict], bottom: float = 0.0) -> Path:
+    """Titles `fig` with `title` and the GPU the records ran on, writes it to `path` and closes it; `bottom`:
+    the fraction of the height kept below the axes (for a figure legend)."""
     import matplotlib.pyplot as plt
 
     gpu = next((r["environment"].get("gpu") or r["environment"].get("device") for r in records
                 if r.get("environment")), "")
     fig.suptitle(f"{title}, {gpu}" if gpu else title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)

@@ -447,16 +447,25 @@ def _pct(value) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
 
+def _default_ours(record: dict) -> bool:
+    """A record of ours as a user runs it: the cutile backend, no XLA options, the loss's own logits dtype."""
+    return record["impl"] == "cutile" and not record.get("xla_options") and not record.get("logits_dtype")
+
+
 def plot(records: list[dict], path: Path) -> Path:
-    """Two panels, step ms and tokens/s (log axes), grouped by config, a bar per implementation."""
+    """Three panels: step ms and tokens/s (log axes), grouped by config in CONFIGS' order, a bar per
+    implementation in one order (ours first); and the speedup of ours (cutile, defaults) over mamba_ssm's fused
+    path per config."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    configs = list(dict.fromkeys(r["config"] for r in records))
+    ok = [r for r in records if not r.get("error")]
+    configs = [c for c in CONFIGS if any(r["config"] == c for r in records)]
     labels = sorted({r.get("label") or LABELS[r["impl"]] for r in records},
                     key=lambda s: (not s.startswith("jax-mamba2"), s))
-    fig, axes = plt.subplots(1, 2, figsize=(max(9, 2.2 * len(configs) + 5), 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(max(12, 1.4 * len(configs) + 8), 6.0),
+                             gridspec_kw={"width_ratios": [2, 2, 1.2]})
     width = 0.8 / max(len(labels), 1)
     for ax, field, title in ((axes[0], "ms", "step (ms, median; lower is better)"),
                              (axes[1], "tokens_per_s", "tokens/s (higher is better)")):
@@ -470,12 +479,27 @@ def plot(records: list[dict], path: Path) -> Path:
                 elif match:
                     ax.text(i + (j - (len(labels) - 1) / 2) * width, 0.02, "failed", rotation=90, fontsize=7,
                             ha="center", va="bottom", transform=ax.get_xaxis_transform())
-            ax.bar(xs, ys, width, label=name)
+            ax.bar(xs, ys, width, label=name, color=f"C{j}")
         ax.set_yscale("log")
-        ax.set_xticks(range(len(configs)), configs, rotation=20, fontsize=8)
+        ax.set_xticks(range(len(configs)), configs, rotation=25, fontsize=8)
         ax.set_title(title, fontsize=10)
-    axes[0].legend(fontsize=7, loc="upper left")
-    return lm_bench.save_figure(fig, path, "Mamba-2 LM training step (bf16 compute, f32 params, AdamW)", records)
+    speedups = []
+    for config in configs:
+        ours = [r for r in ok if r["config"] == config and _default_ours(r)]
+        peer = [r for r in ok if r["config"] == config and r["impl"] == "mamba_ssm"]
+        if ours and peer:
+            speedups.append((config, peer[0]["timing"]["ms_median"] / ours[0]["timing"]["ms_median"]))
+    ax = axes[2]
+    ax.barh([c for c, _ in speedups][::-1], [v for _, v in speedups][::-1], color="C0")
+    for k, (_, v) in enumerate(speedups[::-1]):
+        ax.text(v, k, f" {v:.2f}x", va="center", fontsize=8)
+    ax.axvline(1.0, color="k", linewidth=0.8)
+    ax.set_xlim(0, max([v for _, v in speedups] + [1.0]) * 1.25)
+    ax.tick_params(axis="y", labelsize=8)
+    ax.set_title("speedup of jax-mamba2 over mamba_ssm (fused path)", fontsize=10)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=8, frameon=False)
+    return lm_bench.save_figure(fig, path, "Mamba-2 LM training step (bf16 compute, f32 params, AdamW)", records,
+                                bottom=0.05 + 0.035 * -(-len(labels) // 2))
 
 
 def parse_args(argv=None):
