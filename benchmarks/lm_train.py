@@ -268,6 +268,22 @@ def profile_ours(call, hlo_text: str, steps: int) -> dict:
             **kernel_categories.fold(kernels, hlo_text, steps)}
 
 
+def record_name(job: dict) -> str:
+    """A file name for what a job measures: config, implementation, logits dtype and XLA options."""
+    options = "".join(f"-{k}={v}" for k, v in sorted((job.get("xla_options") or {}).items()))
+    logits = f"-{job['logits_dtype']}-logits" if job.get("logits_dtype") else ""
+    return f"{job['config']}-{job['impl']}{logits}{options}"
+
+
+def save_hlo(text: str, directory: Path, name: str) -> Path:
+    """Writes the compiled step's HLO text, gzipped, as directory/name.hlo.txt.gz (for reading the copies,
+    fusions and loops XLA made of the step)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.hlo.txt.gz"
+    path.write_bytes(gzip.compress(text.encode()))
+    return path
+
+
 def train_ours(job: dict) -> dict:
     import time
 
@@ -305,8 +321,11 @@ def train_ours(job: dict) -> dict:
         "environment": environment(), "xla_options": job.get("xla_options") or {},
         "logits_dtype": job.get("logits_dtype") if loss_impl == "model" else None,
     }
+    hlo_text = compiled.as_text() if job["profile_steps"] or job.get("hlo_dir") else None
+    if job.get("hlo_dir"):
+        record["hlo_path"] = str(save_hlo(hlo_text, Path(job["hlo_dir"]), record_name(job)))
     if job["profile_steps"]:
-        record["profile"] = profile_ours(call, compiled.as_text(), job["profile_steps"])
+        record["profile"] = profile_ours(call, hlo_text, job["profile_steps"])
     del state, inputs, targets, compiled
     record["device_rates"] = lm_bench.jax_device_rates()
     return record
@@ -521,6 +540,8 @@ def parse_args(argv=None):
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="ours: an XLA compiler option of the step, e.g. "
                              "xla_gpu_enable_dynamic_slice_fusion=false (repeatable; default: none)")
+    parser.add_argument("--hlo-dir", type=Path, default=None,
+                        help="ours: write each compiled step's HLO text there, gzipped (default: not written)")
     parser.add_argument("--worker-timeout", type=float, default=540, help="seconds per process (default: 540)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
@@ -557,7 +578,8 @@ def jobs(args) -> list[dict]:
     return [{"config": config, "impl": impl, "steps": args.steps, "warmup_seconds": args.warmup_seconds,
              "profile_steps": 0 if args.no_profile or impl not in OURS else args.profile_steps,
              "loss": args.loss, **(peers if impl not in OURS else {"xla_options": xla_options(args.xla_option),
-                                                          "logits_dtype": args.logits_dtype})}
+                                                          "logits_dtype": args.logits_dtype,
+                                                          "hlo_dir": args.hlo_dir and str(args.hlo_dir)})}
             for config in args.configs for impl in args.impls]
 
 

@@ -1,5 +1,6 @@
 """benchmarks/lm_train.py on the CPU: FLOP count, kernel categories, the JAX worker end to end (a tiny config,
 the xla backend, one process per measurement), the PyTorch peer's step with a stand-in mixer."""
+import gzip
 import json
 
 import jax
@@ -77,7 +78,7 @@ def test_kernels_fold_into_categories_through_the_compiled_module():
 @pytest.mark.slow
 def test_the_jax_worker_writes_a_record_table_and_plot(tmp_path, capsys):
     argv = ["--configs", TINY, "--impls", "xla", "--steps", "2", "--warmup-seconds", "0", "--profile-steps", "1",
-            "--loss", "plain", "--out", str(tmp_path)]
+            "--loss", "plain", "--out", str(tmp_path), "--hlo-dir", str(tmp_path / "hlo")]
     assert lm_train.main(argv) == 0
     results = json.loads((tmp_path / "lm_train_h200.json").read_text())
     (record,) = results["records"]
@@ -89,6 +90,8 @@ def test_the_jax_worker_writes_a_record_table_and_plot(tmp_path, capsys):
     assert record["loss_first"] == pytest.approx(10.8, abs=0.5)  # ln(50280): a random model's loss
     assert record["memory_analysis"]["temp_size_in_bytes"] > 0
     assert "busy_us" in record["profile"]  # the CPU trace has no GPU kernels: the categories stay empty
+    assert record["hlo_path"] == str(tmp_path / "hlo" / f"{TINY}-xla.hlo.txt.gz")
+    assert gzip.decompress((tmp_path / "hlo" / f"{TINY}-xla.hlo.txt.gz").read_bytes()).startswith(b"HloModule")
     assert (tmp_path / "lm_train_h200.png").read_bytes()[:4] == b"\x89PNG"
     assert "jax-mamba2 Mamba2LMHeadModel, XLA SSD" in capsys.readouterr().out
     # A second run of the same (config, impl) replaces the record; another impl is added beside it.
