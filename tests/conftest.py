@@ -41,8 +41,11 @@ def _gpu_unavailable_reason():
 
 
 # CPU tests that take more than ~5 s each on a 2-core machine (compiles to cubins, emulated kernels, compiled
-# training steps). `-m "not slow"` (the quick subset) keeps the first case of each parametrized one and leaves
-# the rest out; the full suite runs them all.
+# training steps) and whose paths a cheaper test of the quick subset also takes (e.g. the export CLI's whole
+# cubin set: each kernel's compile stays quick in test_kernels_compile_to_sm90_cubins and
+# test_backward_kernels_compile_to_sm90_cubins; train_lm.py: the jit_model example and test_checkpoint.py).
+# `-m "not slow"` (the quick subset) keeps the first case of each parametrized one and leaves the rest out;
+# the full suite runs them all.
 _LONG_TESTS = frozenset({
     "tests/benchmarks/test_conv1d_benchmark.py::test_cli_writes_records_with_errors_against_float32",
     "tests/benchmarks/test_lm_decode.py::test_the_jax_worker_writes_step_times_prefill_and_floors",
@@ -172,7 +175,8 @@ _QUICK_CASES = {
         "segmented_seq_idx_resets_init_groups_z-bfloat16"),
     "tests/kernels/test_stages_emulated.py::test_state_update_plan_emulated_matches_reference": (
         "bfloat16-bfloat16",),
-    # The fused forward's saved states feeding the backward stay quick in test_backward_emulated.py.
+    # The fused and segmented forwards stay quick in test_stages_emulated.py, the fused forward's saved
+    # states feeding the backward in test_backward_emulated.py, the op's glue in the test above.
     "tests/bridge/test_ops_emulated.py::test_emulated_op_gradients_through_the_fused_layouts_match_float64_scan": (),
     # Summing heads' gradients is the plain path of test_backward_plan_emulated_float64_matches_scan_vjp.
     "tests/kernels/test_backward_emulated.py::test_backward_plan_emulated_summing_heads_matches_scan_vjp": (),
@@ -191,7 +195,7 @@ def _mark_long_tests_slow(items) -> None:
     for item in items:
         function, _, case = item.nodeid.partition("[")
         if function in _QUICK_CASES:
-            if case.rstrip("]") not in _QUICK_CASES[function]:
+            if case[:-1] not in _QUICK_CASES[function]:
                 item.add_marker(pytest.mark.slow)
             continue
         if function not in _LONG_TESTS:
