@@ -60,12 +60,22 @@ def _loss(fn, weights, kwargs):
     return loss
 
 
+@functools.partial(jax.jit, static_argnames="static")
+def _jitted_oracle(args, optional, seq_idx, weights, static):
+    kwargs = dict(static, seq_idx=seq_idx)
+    loss = _loss(reference.ssd_scan, weights, kwargs)
+    return reference.ssd_scan(*args, **optional, **kwargs), jax.grad(loss, argnums=(0, 1))(args, optional)
+
+
 def _oracle(args, optional, kwargs, weights):
+    """The float64 scan's outputs and gradients, compiled as one program (op by op, the scan and its
+    gradient compile each operation at every new shape, most of a check's time)."""
+    kwargs = dict(kwargs)
+    seq_idx = kwargs.pop("seq_idx", None)
+    static = tuple(sorted((name, tuple(v) if isinstance(v, list) else v) for name, v in kwargs.items()))
     with jax.enable_x64(True):
-        loss = _loss(reference.ssd_scan, to_float64(weights), kwargs)
-        y, final = reference.ssd_scan(*to_float64(args), **to_float64(optional), **kwargs)
-        grads = jax.grad(loss, argnums=(0, 1))(to_float64(args), to_float64(optional))
-        return jax.tree.map(np.asarray, ((y, final), grads))
+        out = _jitted_oracle(to_float64(args), to_float64(optional), seq_idx, to_float64(weights), static)
+        return jax.tree.map(np.asarray, out)
 
 
 def _check_forward_and_gradients(args, optional, kwargs, weights, tolerance, ssd=_emulated_ssd):

@@ -4,6 +4,7 @@ A runner is `run(plan, inputs) -> arrays` taking and returning NumPy arrays (nam
 CPU emulation (test_backward_emulated.py) or ct.launch on the GPU (test_backward_gpu.py).
 """
 import dataclasses
+import functools
 import math
 
 import jax
@@ -47,6 +48,20 @@ def backward_dims(case: BackwardCase, dtype: str) -> SSDDims:
                    has_seq_idx=case.seq_lens is not None, dt_softplus=case.dt_softplus, dt_limit=case.dt_limit)
 
 
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit"))
+def _scan_vjp(wrt, seq_idx, cotangents, dt_softplus, dt_limit):
+    """jax.vjp of the scan oracle at `wrt`, applied to (dout, dfinal_states): one compiled program (op by op,
+    the oracle and its transpose compile each operation at every new shape, most of a check's time)."""
+    def scan(p):
+        return reference.ssd_scan(
+            p["x"], p["dt"], p["A"], p["B"], p["C"], D=p["D"], dt_bias=p["dt_bias"], dt_softplus=dt_softplus,
+            dt_limit=dt_limit, initial_states=p["initial_states"], seq_idx=seq_idx)
+
+    _, vjp = jax.vjp(scan, wrt)
+    (grads,) = vjp(cotangents)
+    return grads
+
+
 def backward_problem(case: BackwardCase, dtype: str, seed: int = 0):
     """(plan inputs as NumPy arrays in the kernels' dtypes, float64 reference gradients by plan output).
 
@@ -73,14 +88,8 @@ def backward_problem(case: BackwardCase, dtype: str, seed: int = 0):
            "initial_states": kwargs["initial_states"]}
     seq_idx = kwargs.get("seq_idx")
     with jax.enable_x64(True):
-        def scan(p):
-            return reference.ssd_scan(
-                p["x"], p["dt"], p["A"], p["B"], p["C"], D=p["D"], dt_bias=p["dt_bias"],
-                dt_softplus=case.dt_softplus, dt_limit=case.dt_limit, initial_states=p["initial_states"],
-                seq_idx=seq_idx)
-
-        _, vjp = jax.vjp(scan, to_float64(wrt))
-        (grads,) = vjp(to_float64((dout, dfinal)))
+        grads = _scan_vjp(to_float64(wrt), seq_idx, to_float64((dout, dfinal)), case.dt_softplus,
+                          tuple(case.dt_limit))
         want = {out: np.asarray(grads[arg]) for out, arg in _GRAD_OF.items() if arg in grads}
 
     dummy = np.zeros((1, 1, 1, 1), np.asarray(x).dtype)

@@ -5,6 +5,7 @@ emulator (`_cutile_emulator.run_plan`) or ct.launch on CuPy arrays (test_stages_
 compares every stage's output with the same-named `jax_mamba2.reference` stage function.
 """
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -201,6 +202,23 @@ def _reference_stages(args, kwargs, chunk_size):
             "out": out}
 
 
+@functools.partial(jax.jit, static_argnames=("chunk_size", "static"))
+def _jitted_reference_outputs(args, arrays, chunk_size, static):
+    kwargs = {**arrays, **dict(static)}
+    y_scan, final_scan = reference.ssd_scan(*args, **kwargs)
+    return _reference_stages(args, kwargs, chunk_size), y_scan, final_scan
+
+
+def _reference_outputs(args, kwargs, chunk_size):
+    """(_reference_stages, y and final states of the scan), in float64 (call under jax.enable_x64). One
+    compiled program: run op by op, the reference compiles each of its operations at every new shape, which
+    took most of a check's time; its float64 inputs let the float32 and bfloat16 cases of a problem share
+    the program."""
+    arrays = {name: value for name, value in kwargs.items() if isinstance(value, jax.Array)}
+    static = tuple(sorted((name, value) for name, value in kwargs.items() if name not in arrays))
+    return _jitted_reference_outputs(to_float64(args), to_float64(arrays), chunk_size, static)
+
+
 def check_forward(run, case: Case, dtype: str, seed: int = 0):
     """Runs forward_plan through `run` and asserts each stage matches the float64 reference."""
     args, kwargs = _ssd_args(case, getattr(jnp, dtype), seed)
@@ -209,9 +227,8 @@ def check_forward(run, case: Case, dtype: str, seed: int = 0):
     got = run(plan, forward_inputs_np(args, kwargs))
     written = {name for launch in plan.launches for name in launch.writes}
     with jax.enable_x64(True):
-        want = {name: value for name, value in _reference_stages(args, kwargs, case.chunk_size).items()
-                if name in written}
-        y_scan, final_scan = reference.ssd_scan(*to_float64(args), **to_float64(kwargs))
+        stages, y_scan, final_scan = _reference_outputs(args, kwargs, case.chunk_size)
+        want = {name: value for name, value in stages.items() if name in written}
     tol = TOLERANCE["kernel_fwd"][dtype]
     errors = {name: _error(got[name], want[name]) for name in want}
     errors["out_vs_scan"] = rel_l2(got["out"], y_scan)
