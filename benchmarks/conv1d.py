@@ -234,9 +234,9 @@ def parse_args(argv=None):
     parser.add_argument("--direction", choices=("fwd", "fwd_bwd", "both"), default="both")
     parser.add_argument("--layouts", nargs="+", default=["plain"], choices=LAYOUTS)
     parser.add_argument("--fwd-configs", nargs="+", default=[], metavar="LxCxOCC",
-                        help="forward tiles to time besides the default: BLOCK_L x BLOCK_C x occupancy")
+                        help="forward tiles to time besides the default: BLOCK_L x BLOCK_C x OCCUPANCY")
     parser.add_argument("--bwd-configs", nargs="+", default=[], metavar="LxSxCxOCC",
-                        help="backward tiles: BLOCK_L x SEGMENT_TILES x BLOCK_C x occupancy")
+                        help="backward tiles: BLOCK_L x SEGMENT_TILES x BLOCK_C x OCCUPANCY")
     parser.add_argument("--budget-seconds", type=float, default=2.0, help="timing budget per record")
     parser.add_argument("--out", required=True, help="output folder")
     return parser.parse_args(argv)

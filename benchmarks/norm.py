@@ -11,7 +11,7 @@ Implementations (--impls):
   xla      the op with backend="xla" (norm_reference: what XLA fuses)
 With --configs, every case is also run on the kernels (bridge/norm_ops.py, the op's custom VJP spelled out) in
 each given config: "sweep" for the grid of `sweep_configs` (BLOCK_ROWS, occupancy and latency hints around the
-default), or specs "BLOCK_ROWS=2,fwd_occupancy=8,bwd_occupancy=4,fwd_latency=0,bwd_latency=2" (unnamed fields
+default), or specs "BLOCK_ROWS=2,FWD_OCCUPANCY=8,BWD_OCCUPANCY=4,FWD_LATENCY=0,BWD_LATENCY=2" (unnamed fields
 keep the default's). Those records are impl "cutile" with the config in "config".
 
 Inputs: bf16 x, z, dy ~ N(0, 1), a float32 weight 1 + N(0, 0.1^2), a float32 residual and its cotangent
@@ -189,9 +189,9 @@ def sweep_configs(case: Case, direction: str) -> list:
     width = 1 << (case.features - 1).bit_length()
     block_rows = [base.BLOCK_ROWS * k for k in (1, 2, 4) if base.BLOCK_ROWS * k * width <= 8192]
     if direction == "fwd":
-        return [dataclasses.replace(base, BLOCK_ROWS=r, fwd_occupancy=o, fwd_latency=lat)
+        return [dataclasses.replace(base, BLOCK_ROWS=r, FWD_OCCUPANCY=o, FWD_LATENCY=lat)
                 for r, o, lat in itertools.product(block_rows, (4, 8), (0, 3))]
-    return [dataclasses.replace(base, BLOCK_ROWS=r, bwd_occupancy=o, bwd_latency=lat)
+    return [dataclasses.replace(base, BLOCK_ROWS=r, BWD_OCCUPANCY=o, BWD_LATENCY=lat)
             for r, o, lat in itertools.product(block_rows, (1, 2, 4), (0, 2, 4))]
 
 

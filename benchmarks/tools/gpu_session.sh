@@ -102,9 +102,9 @@ case $part in
     dc=chunk_scan_bwd_dc
     step stages_variants 330 python benchmarks/tools/stages.py --repeats 10 --out "$out" \
       --shapes ${SHAPES:-4,8192,32,64,128,1 2,32768,32,64,128,1 4,8192,32,64,64,1} \
-      --bwd-variant dc_per_head_one_key_block:$dc.BLOCK_K=64,$dc.SUM_HEADS=0,$dc.occupancy=2 \
-        dc_summing_occupancy1:$dc.BLOCK_K=64,$dc.SUM_HEADS=1,$dc.occupancy=1 \
-        state_occupancy4:chunk_state_bwd.occupancy=4 state_occupancy5:chunk_state_bwd.occupancy=5
+      --bwd-variant dc_per_head_one_key_block:$dc.BLOCK_K=64,$dc.SUM_HEADS=0,$dc.OCCUPANCY=2 \
+        dc_summing_occupancy1:$dc.BLOCK_K=64,$dc.SUM_HEADS=1,$dc.OCCUPANCY=1 \
+        state_occupancy4:chunk_state_bwd.OCCUPANCY=4 state_occupancy5:chunk_state_bwd.OCCUPANCY=5
     ;;
   train)  # the training check: the same 200 steps with the cuTile and the xla backends
     for backend in cutile xla; do

@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     loops_parser.add_argument("--chunk", type=int, default=64)
     loops_parser.add_argument("--features", nargs="+", choices=tuple(stages.FEATURES), default=())
     loops_parser.add_argument("--config", help="STAGE.FIELD=VALUE,... on the stages' default configs, e.g. "
-                                               "fused_scan.worker_warps=8,fused_scan.weight_x=0")
+                                               "fused_scan.WORKER_WARPS=8,fused_scan.WEIGHT_X=0")
     loops_parser.add_argument("--all-loops", action="store_true",
                               help="also the loops without wgmma (barrier and spin waits, prologue copies)")
     prints_parser = commands.add_parser("fingerprints", help="machine-code hashes of every fused / segmented forward "

@@ -139,10 +139,10 @@ def main(argv=None) -> int:
     parser.add_argument("--fwd-variant", type=functools.partial(parse_variant, stages=forward.FORWARD_STAGES),
                         nargs="+", default=[],
                         help="also a forward plan with these stages' default configs changed (its layout the "
-                             "one these stages run in), e.g. fused_occ2:fused_scan.occupancy=2")
+                             "one these stages run in), e.g. fused_occ2:fused_scan.OCCUPANCY=2")
     parser.add_argument("--bwd-variant", type=parse_variant, nargs="+", default=[],
                         help="also a backward plan with these stages' default configs changed, e.g. "
-                             "csb128:chunk_state_bwd.BLOCK_N=128,chunk_state_bwd.occupancy=2")
+                             "csb128:chunk_state_bwd.BLOCK_N=128,chunk_state_bwd.OCCUPANCY=2")
     parser.add_argument("--forward-only", action="store_true", help="time the forward plans only")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")

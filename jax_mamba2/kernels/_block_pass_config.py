@@ -12,14 +12,14 @@ from jax_mamba2.kernels._common import Launch, SSDDims, check_arch, kernel_launc
 @dataclasses.dataclass(frozen=True)
 class BlockPassConfig:
     """BLOCK_M: rows of the chunk one block owns; BLOCK_K: rows of the other side per step (powers of
-    two dividing chunk_size). LOAD_LAT: latency hint on the step loads. occupancy: blocks per SM.
+    two dividing chunk_size). LOAD_LAT: latency hint on the step loads. OCCUPANCY: blocks per SM.
     SUM_HEADS (BLOCK_M = BLOCK_K = chunk_size only): a block owns whole chunks, computes C·Bᵀ once for
     all its heads and sums their dCB before one product with B (dC) or C (dB), instead of one per head."""
 
     BLOCK_M: int = 64
     BLOCK_K: int = 64
     LOAD_LAT: int = 4
-    occupancy: int = 1
+    OCCUPANCY: int = 1
     SUM_HEADS: bool = False
 
 
@@ -46,9 +46,9 @@ def block_pass_configs(dims: SSDDims, arch: str = "sm_90") -> list[BlockPassConf
     latency 2/4, occupancy 1/2."""
     check_arch("block_pass_configs", arch)
     block_ms = (64, 128) if not is_wide(dims) and dims.chunk_size >= 128 else (64,)
-    summing = [dataclasses.replace(summing_heads_config(dims), LOAD_LAT=lat, occupancy=occ)
+    summing = [dataclasses.replace(summing_heads_config(dims), LOAD_LAT=lat, OCCUPANCY=occ)
                for lat in (2, 4) for occ in (1, 2)] if dims.chunk_size == 64 else []
-    return [BlockPassConfig(BLOCK_M=bm, BLOCK_K=bk, LOAD_LAT=lat, occupancy=occ)
+    return [BlockPassConfig(BLOCK_M=bm, BLOCK_K=bk, LOAD_LAT=lat, OCCUPANCY=occ)
             for bm in block_ms
             for bk in (32, 64)
             for lat in (2, 4)
@@ -59,7 +59,7 @@ def block_pass_default_config(dims: SSDDims) -> BlockPassConfig:
     """64 x 64 tiles at 2 blocks per SM (two blocks hide each other's per-head chain: measured faster than
     one); 64 x 32 at 1 when wide (see `is_wide`)."""
     wide = is_wide(dims)
-    return BlockPassConfig(BLOCK_M=64, BLOCK_K=32 if wide else 64, LOAD_LAT=4, occupancy=1 if wide else 2)
+    return BlockPassConfig(BLOCK_M=64, BLOCK_K=32 if wide else 64, LOAD_LAT=4, OCCUPANCY=1 if wide else 2)
 
 
 def sums_heads_by_default(dims: SSDDims) -> bool:
@@ -73,7 +73,7 @@ def summing_heads_config(dims: SSDDims) -> BlockPassConfig:
     """Whole-chunk blocks summing their heads' dCB, latency 2; 2 blocks per SM unless wide (where 1 and 2
     measured alike)."""
     return BlockPassConfig(BLOCK_M=dims.chunk_size, BLOCK_K=dims.chunk_size, LOAD_LAT=2,
-                           occupancy=1 if is_wide(dims) else 2, SUM_HEADS=True)
+                           OCCUPANCY=1 if is_wide(dims) else 2, SUM_HEADS=True)
 
 
 def check_sum_heads(dims: SSDDims, cfg: BlockPassConfig) -> bool:
@@ -103,7 +103,7 @@ def block_pass_launch(kernels: tuple[Any, Any], dims: SSDDims, cfg: BlockPassCon
     group per block, adding the group's sum atomically unless one block owns the whole group; `writes` and
     `arrays` as `kernel_launch` takes them."""
     return kernel_launch(
-        select_kernel(kernels, dims, occupancy=cfg.occupancy), block_pass_grid(dims, cfg, heads_per_block),
+        select_kernel(kernels, dims, occupancy=cfg.OCCUPANCY), block_pass_grid(dims, cfg, heads_per_block),
         writes=writes, arrays=arrays, CHUNK=dims.chunk_size, HEADDIM=dims.headdim, DSTATE=dims.dstate,
         BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, HEADS_PER_BLOCK=heads_per_block, HAS_SEQ_IDX=dims.has_seq_idx,
         ATOMIC_ADD=adds_atomically(dims, heads_per_block), LOAD_LAT=cfg.LOAD_LAT,

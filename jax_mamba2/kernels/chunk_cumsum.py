@@ -68,22 +68,22 @@ class ChunkCumsumConfig:
     """Tile sizes and hints of `chunk_cumsum_fwd_kernel`. BLOCK_H: heads per block (power of two)."""
 
     BLOCK_H: int = 8
-    occupancy: int = 4
+    OCCUPANCY: int = 4
 
 
 def chunk_cumsum_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkCumsumConfig]:
     """The autotune space (sm_90): BLOCK_H 2..16 up to the (padded) head count, occupancy 2/4/8."""
     check_arch("chunk_cumsum_fwd_configs", arch)
     max_block_h = min(next_power_of_2(dims.nheads), 16)
-    return [ChunkCumsumConfig(BLOCK_H=bh, occupancy=occ)
+    return [ChunkCumsumConfig(BLOCK_H=bh, OCCUPANCY=occ)
             for bh in (2, 4, 8, 16) if bh <= max_block_h
-            for occ in (2, 4, 8)] or [ChunkCumsumConfig(BLOCK_H=1, occupancy=4)]
+            for occ in (2, 4, 8)] or [ChunkCumsumConfig(BLOCK_H=1, OCCUPANCY=4)]
 
 
 def chunk_cumsum_fwd_default_config(dims: SSDDims) -> ChunkCumsumConfig:
     """Small enough that a (CHUNK, BLOCK_H) tile stays ~2K f32 values; enough blocks to fill the GPU."""
     return ChunkCumsumConfig(BLOCK_H=min(next_power_of_2(dims.nheads), 16, 2048 // dims.chunk_size),
-                             occupancy=4)
+                             OCCUPANCY=4)
 
 
 def chunk_cumsum_fwd_grid(dims: SSDDims, cfg: ChunkCumsumConfig) -> tuple[int, int, int]:
@@ -94,7 +94,7 @@ def chunk_cumsum_fwd_launch(dims: SSDDims, cfg: ChunkCumsumConfig | None = None)
     """The launch writing ("dt_out", "dA_cumsum") from inputs ("dt", "A", "dt_bias")."""
     cfg = cfg or chunk_cumsum_fwd_default_config(dims)
     return kernel_launch(
-        select_kernel(CHUNK_CUMSUM_FWD_KERNELS, dims, occupancy=cfg.occupancy), chunk_cumsum_fwd_grid(dims, cfg),
+        select_kernel(CHUNK_CUMSUM_FWD_KERNELS, dims, occupancy=cfg.OCCUPANCY), chunk_cumsum_fwd_grid(dims, cfg),
         writes=("dt_out", "dA_cumsum"), CHUNK=dims.chunk_size, BLOCK_H=cfg.BLOCK_H, **dt_transform_constants(dims))
 
 

@@ -126,7 +126,7 @@ def chunk_cumsum_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkCu
     """The autotune space (sm_90): BLOCK_H 1..8 up to the (padded) head count, occupancy 2/4/8."""
     check_arch("chunk_cumsum_bwd_configs", arch)
     max_block_h = min(next_power_of_2(dims.nheads), 8)
-    return [ChunkCumsumBwdConfig(BLOCK_H=bh, occupancy=occ)
+    return [ChunkCumsumBwdConfig(BLOCK_H=bh, OCCUPANCY=occ)
             for bh in (1, 2, 4, 8) if bh <= max_block_h
             for occ in (2, 4, 8)]
 
@@ -134,7 +134,7 @@ def chunk_cumsum_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkCu
 def chunk_cumsum_bwd_default_config(dims: SSDDims) -> ChunkCumsumBwdConfig:
     """BLOCK_H so that one (BLOCK_H, CHUNK) tile holds at most 1K f32 values (8 heads at most)."""
     return ChunkCumsumBwdConfig(BLOCK_H=min(next_power_of_2(dims.nheads), max(1024 // dims.chunk_size, 1), 8),
-                                occupancy=4)
+                                OCCUPANCY=4)
 
 
 def chunk_cumsum_bwd_launch(dims: SSDDims, cfg: ChunkCumsumBwdConfig | None = None, *,
@@ -146,7 +146,7 @@ def chunk_cumsum_bwd_launch(dims: SSDDims, cfg: ChunkCumsumBwdConfig | None = No
     """
     cfg = cfg or chunk_cumsum_bwd_default_config(dims)
     return kernel_launch(
-        select_kernel(CHUNK_CUMSUM_BWD_KERNELS, dims, occupancy=cfg.occupancy), chunk_cumsum_bwd_grid(dims, cfg),
+        select_kernel(CHUNK_CUMSUM_BWD_KERNELS, dims, occupancy=cfg.OCCUPANCY), chunk_cumsum_bwd_grid(dims, cfg),
         writes=("ddt", "dA_partials", "ddt_bias_partials"), CHUNK=dims.chunk_size, BLOCK_H=cfg.BLOCK_H,
         BLOCK_M=dc_block_m, NUM_M_BLOCKS=dims.chunk_size // dc_block_m, NUM_CARRY_TERMS=carry_terms,
         **dt_transform_constants(dims))

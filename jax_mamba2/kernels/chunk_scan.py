@@ -306,7 +306,7 @@ class ChunkScanConfig:
     BLOCK_P: int = 64
     HEADS: int = 1
     LOAD_LAT: int = 4
-    occupancy: int = 2
+    OCCUPANCY: int = 2
     PERSISTENT: int = 0
 
 
@@ -342,11 +342,11 @@ def chunk_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkScan
               for r in heads
               if (bp == min(64, P) or (r == 1 and bn == 0)) and r * bm * bp <= _MAX_ACC and (bn == 0 or r <= 2)]
     space = [ChunkScanConfig(BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn, BLOCK_P=bp, HEADS=r, LOAD_LAT=lat,
-                             occupancy=_occupancy(dims))
+                             OCCUPANCY=_occupancy(dims))
              for bm, bk, bn, bp, r in shapes for lat in (2, 4)]
     persistent = [cfg for cfg in space
                   if cfg.LOAD_LAT == 4 and (cfg.BLOCK_N or (cfg.BLOCK_M, cfg.BLOCK_K) == (64, 64))]
-    return space + [dataclasses.replace(cfg, PERSISTENT=cfg.occupancy * SM90_SMS) for cfg in persistent]
+    return space + [dataclasses.replace(cfg, PERSISTENT=cfg.OCCUPANCY * SM90_SMS) for cfg in persistent]
 
 
 def chunk_scan_fwd_default_config(dims: SSDDims) -> ChunkScanConfig:
@@ -363,10 +363,10 @@ def chunk_scan_fwd_default_config(dims: SSDDims) -> ChunkScanConfig:
     bp = min(64, dims.headdim)
     if dims.chunk_size == 64 and dims.dtype != "float32":
         return ChunkScanConfig(BLOCK_M=64, BLOCK_K=64, BLOCK_N=min(64, dims.dstate), BLOCK_P=bp,
-                               HEADS=2 if two_heads else 1, LOAD_LAT=4, occupancy=_occupancy(dims))
+                               HEADS=2 if two_heads else 1, LOAD_LAT=4, OCCUPANCY=_occupancy(dims))
     two_heads = two_heads and dims.dstate <= 128
     return ChunkScanConfig(BLOCK_M=64, BLOCK_K=64, BLOCK_P=bp, HEADS=2 if two_heads else 1, LOAD_LAT=4,
-                           occupancy=_occupancy(dims))
+                           OCCUPANCY=_occupancy(dims))
 
 
 def chunk_scan_fwd_grid(dims: SSDDims, cfg: ChunkScanConfig) -> tuple[int, int]:
@@ -382,7 +382,7 @@ def chunk_scan_fwd_launch(dims: SSDDims, cfg: ChunkScanConfig | None = None) -> 
     """The launch writing "out"."""
     cfg = cfg or chunk_scan_fwd_default_config(dims)
     return kernel_launch(
-        select_kernel(CHUNK_SCAN_FWD_KERNELS, dims, occupancy=cfg.occupancy), chunk_scan_fwd_grid(dims, cfg),
+        select_kernel(CHUNK_SCAN_FWD_KERNELS, dims, occupancy=cfg.OCCUPANCY), chunk_scan_fwd_grid(dims, cfg),
         writes=("out",), CHUNK=dims.chunk_size, DSTATE=dims.dstate, HEADS=cfg.HEADS, BLOCK_M=cfg.BLOCK_M,
         BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N, BLOCK_P=cfg.BLOCK_P, HAS_Z=dims.has_z,
         HAS_SEQ_IDX=dims.has_seq_idx, LOAD_LAT=cfg.LOAD_LAT, PERSISTENT=cfg.PERSISTENT > 0)

@@ -130,13 +130,13 @@ class ChunkStateConfig:
     """Tile sizes and hints of `chunk_state_fwd_kernel`.
 
     BLOCK_P, BLOCK_N: the state tile one block carries (powers of two dividing headdim, dstate).
-    LOAD_LAT: latency hint on the per-chunk loads. occupancy: expected blocks per SM.
+    LOAD_LAT: latency hint on the per-chunk loads. OCCUPANCY: expected blocks per SM.
     """
 
     BLOCK_P: int = 64
     BLOCK_N: int = 32
     LOAD_LAT: int = 6
-    occupancy: int = 4
+    OCCUPANCY: int = 4
 
 
 # Latency hints on the in-loop loads in the state passes' autotune spaces.
@@ -158,9 +158,9 @@ def chunk_state_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkSta
     check_arch("chunk_state_fwd_configs", arch)
     tiles = [(bp, bn) for bp in sorted({min(64, dims.headdim), min(128, dims.headdim)})
              for bn in (16, 32, 64) if bn <= dims.dstate and bp * bn <= 64 * 64]
-    return [ChunkStateConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, occupancy=occupancy)
-            for occupancy in (2, 4) for bp, bn in tiles
-            if occupancy == 2 or (bp, bn) == (min(64, dims.headdim), min(32, dims.dstate))
+    return [ChunkStateConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, OCCUPANCY=occ)
+            for occ in (2, 4) for bp, bn in tiles
+            if occ == 2 or (bp, bn) == (min(64, dims.headdim), min(32, dims.dstate))
             for lat in LOAD_LATENCIES]
 
 
@@ -169,7 +169,7 @@ def chunk_state_fwd_default_config(dims: SSDDims) -> ChunkStateConfig:
     latency 6: the best of both state passes' spaces in the tuning runs (TileGym uses occupancy 2 and
     latency 4)."""
     return ChunkStateConfig(BLOCK_P=min(64, dims.headdim), BLOCK_N=min(32, dims.dstate), LOAD_LAT=6,
-                            occupancy=4)
+                            OCCUPANCY=4)
 
 
 def chunk_state_fwd_grid(dims: SSDDims, cfg: ChunkStateConfig) -> tuple[int, int]:
@@ -180,7 +180,7 @@ def chunk_state_fwd_launch(dims: SSDDims, cfg: ChunkStateConfig | None = None) -
     """The launch writing ("states", "final_states")."""
     cfg = cfg or chunk_state_fwd_default_config(dims)
     return kernel_launch(
-        select_kernel(CHUNK_STATE_FWD_KERNELS, dims, occupancy=cfg.occupancy), chunk_state_fwd_grid(dims, cfg),
+        select_kernel(CHUNK_STATE_FWD_KERNELS, dims, occupancy=cfg.OCCUPANCY), chunk_state_fwd_grid(dims, cfg),
         writes=("states", "final_states"), CHUNK=dims.chunk_size, BLOCK_P=cfg.BLOCK_P, BLOCK_N=cfg.BLOCK_N,
         HAS_INIT=dims.has_init, HAS_SEQ_IDX=dims.has_seq_idx, LOAD_LAT=cfg.LOAD_LAT)
 

@@ -124,8 +124,8 @@ chunk_state_bwd_grid = chunk_state_fwd_grid
 
 
 def _waves(dims: SSDDims, cfg: ChunkStateBwdConfig) -> int:
-    """Rounds of cfg.occupancy blocks per SM the grid takes on an sm_90 part."""
-    return math.ceil(math.prod(chunk_state_bwd_grid(dims, cfg)) / (cfg.occupancy * SM90_SMS))
+    """Rounds of cfg.OCCUPANCY blocks per SM the grid takes on an sm_90 part."""
+    return math.ceil(math.prod(chunk_state_bwd_grid(dims, cfg)) / (cfg.OCCUPANCY * SM90_SMS))
 
 
 def chunk_state_bwd_default_config(dims: SSDDims) -> ChunkStateBwdConfig:
@@ -133,7 +133,7 @@ def chunk_state_bwd_default_config(dims: SSDDims) -> ChunkStateBwdConfig:
     takes fewer waves of blocks (five blocks of 48 registers and 42-45 KB shared memory fit an SM); where
     the waves are as many, occupancy 4 measured faster."""
     cfg = chunk_state_fwd_default_config(dims)
-    five = dataclasses.replace(cfg, occupancy=5)
+    five = dataclasses.replace(cfg, OCCUPANCY=5)
     if dims.dtype != "float32" and _waves(dims, five) < _waves(dims, cfg):
         return five
     return cfg
@@ -152,9 +152,9 @@ def chunk_state_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ChunkSta
     tiles = [(bp, bn) for bp in sorted({min(32, dims.headdim), min(64, dims.headdim)})
              for bn in (16, 32, 64) if bn <= dims.dstate]
     default = chunk_state_bwd_default_config(dims)
-    return [ChunkStateBwdConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, occupancy=occupancy)
-            for occupancy in ((2, 4) if dims.dtype == "float32" else (2, 4, 5)) for bp, bn in tiles
-            if occupancy == 2 or (bp, bn) == (default.BLOCK_P, default.BLOCK_N)
+    return [ChunkStateBwdConfig(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=lat, OCCUPANCY=occ)
+            for occ in ((2, 4) if dims.dtype == "float32" else (2, 4, 5)) for bp, bn in tiles
+            if occ == 2 or (bp, bn) == (default.BLOCK_P, default.BLOCK_N)
             for lat in LOAD_LATENCIES]
 
 
@@ -172,7 +172,7 @@ def chunk_state_bwd_launch(dims: SSDDims, cfg: ChunkStateBwdConfig | None = None
     """The launch writing ("dstates", "dinitial_states", "ddA_chunk"), reading the output gradient "dout"."""
     cfg = cfg or chunk_state_bwd_default_config(dims)
     return kernel_launch(
-        select_kernel(CHUNK_STATE_BWD_KERNELS, dims, occupancy=cfg.occupancy), chunk_state_bwd_grid(dims, cfg),
+        select_kernel(CHUNK_STATE_BWD_KERNELS, dims, occupancy=cfg.OCCUPANCY), chunk_state_bwd_grid(dims, cfg),
         writes=("dstates", "dinitial_states", "ddA_chunk"), arrays={"dy": "dout"}, CHUNK=dims.chunk_size,
         BLOCK_P=cfg.BLOCK_P, BLOCK_N=cfg.BLOCK_N, SUM_ROWS=_sum_rows(cfg), HAS_SEQ_IDX=dims.has_seq_idx,
         LOAD_LAT=cfg.LOAD_LAT)

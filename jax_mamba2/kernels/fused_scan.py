@@ -334,28 +334,28 @@ class FusedScanConfig:
     """Tile size and hints of `fused_scan_fwd_kernel`.
 
     BLOCK_P: headdim columns per block (a power of two dividing headdim); the block carries a
-    dstate x BLOCK_P f32 state. LOAD_LAT: latency hint on the per-chunk loads. occupancy: expected
-    blocks per SM. worker_warps: warps of the compute warpgroups (4 or 8; None: tileiras' choice).
-    chunks_per_iter: chunks per iteration of the chain's loop (1 or 2; ignored by segment_states).
-    weight_x: the state update weights x's rows, (x * w)^T @ B, B's tile entering the product straight
+    dstate x BLOCK_P f32 state. LOAD_LAT: latency hint on the per-chunk loads. OCCUPANCY: expected
+    blocks per SM. WORKER_WARPS: warps of the compute warpgroups (4 or 8; None: tileiras' choice).
+    CHUNKS_PER_ITER: chunks per iteration of the chain's loop (1 or 2; ignored by segment_states).
+    WEIGHT_X: the state update weights x's rows, (x * w)^T @ B, B's tile entering the product straight
     from shared memory (the state carried as [BLOCK_P, dstate]); else B's rows, (B * w)^T @ x, the
     rounding of mamba_ssm and of the staged chunk_state (either way the weighted operand is rounded to
-    x's dtype). joint_output: the chunk's output as one product [exp(dA) C | scores]·[H_c^T ; x] instead of
+    x's dtype). JOINT_OUTPUT: the chunk's output as one product [exp(dA) C | scores]·[H_c^T ; x] instead of
     C·H_c^T scaled, then scores·x accumulated onto it (where dstate equals the chunk size; ignored by
     segment_states).
     """
 
     BLOCK_P: int = 64
     LOAD_LAT: int = 6
-    occupancy: int = 1
-    worker_warps: int | None = None
-    chunks_per_iter: int = 1
-    weight_x: bool = True
-    joint_output: bool = False
+    OCCUPANCY: int = 1
+    WORKER_WARPS: int | None = None
+    CHUNKS_PER_ITER: int = 1
+    WEIGHT_X: bool = True
+    JOINT_OUTPUT: bool = False
 
     def __post_init__(self):
-        if self.chunks_per_iter not in (1, 2):
-            raise ValueError(f"chunks_per_iter must be 1 or 2, got {self.chunks_per_iter}")
+        if self.CHUNKS_PER_ITER not in (1, 2):
+            raise ValueError(f"CHUNKS_PER_ITER must be 1 or 2, got {self.CHUNKS_PER_ITER}")
 
 
 # The chunk sizes the fused kernel takes: its [CHUNK, CHUNK] f32 C·B^T and dstate x BLOCK_P f32 state
@@ -390,22 +390,22 @@ def fused_scan_fwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScan
     latency 2/4/6, x weighted at occupancy 1 (tileiras' warps, or 8 worker warps taking two chunks per
     iteration) or 2 (tileiras' warps: 8 would cap them at 80 registers), and B weighted with 8 worker
     warps and two chunks per iteration; where dstate equals the chunk size, the widest BLOCK_P B weighted
-    with the output as one product (joint_output), one chunk per iteration, tileiras' warps; plus 64
+    with the output as one product (JOINT_OUTPUT), one chunk per iteration, tileiras' warps; plus 64
     columns of a 256 x 64 state (dstate 256), x weighted at occupancy 1 with tileiras' warps or 8 worker
     warps. Empty where `fused_scan_supported(dims)` is false."""
     check_arch("fused_scan_fwd_configs", arch)
     if not fused_scan_supported(dims):
         return []
-    # (occupancy, worker_warps, chunks_per_iter, weight_x, joint_output)
+    # (OCCUPANCY, WORKER_WARPS, CHUNKS_PER_ITER, WEIGHT_X, JOINT_OUTPUT)
     hints = ((1, None, 1, True, False), (1, 8, 2, True, False), (1, 8, 2, False, False), (2, None, 1, True, False))
     space = [(bp, hint) for bp in _widths(dims) for hint in hints]
     if dims.dstate == dims.chunk_size:
         space.append((_widths(dims)[-1], (1, None, 1, False, True)))
     if _wide_state(dims):
         space += [(64, hint) for hint in ((1, None, 1, True, False), (1, 8, 1, True, False))]
-    return [FusedScanConfig(BLOCK_P=bp, LOAD_LAT=lat, occupancy=occ, worker_warps=warps, chunks_per_iter=n,
-                            weight_x=weight_x, joint_output=joint)
-            for bp, (occ, warps, n, weight_x, joint) in space for lat in (2, 4, 6)]
+    return [FusedScanConfig(BLOCK_P=bp, LOAD_LAT=lat, OCCUPANCY=occ, WORKER_WARPS=warps, CHUNKS_PER_ITER=n,
+                            WEIGHT_X=weighted, JOINT_OUTPUT=joint)
+            for bp, (occ, warps, n, weighted, joint) in space for lat in (2, 4, 6)]
 
 
 def fused_scan_fwd_default_config(dims: SSDDims) -> FusedScanConfig:
@@ -418,14 +418,14 @@ def fused_scan_fwd_default_config(dims: SSDDims) -> FusedScanConfig:
     z or seq_idx that build grows a stack or collapses into one warpgroup, so there: 8 worker warps, two
     chunks per iteration, B weighted. dstate 16 and 32 take the dstate-64 choice (untimed)."""
     if _wide_state(dims):
-        return FusedScanConfig(BLOCK_P=64, LOAD_LAT=4, occupancy=1, worker_warps=8 if dims.has_seq_idx else None)
+        return FusedScanConfig(BLOCK_P=64, LOAD_LAT=4, OCCUPANCY=1, WORKER_WARPS=8 if dims.has_seq_idx else None)
     width = _widths(dims)[-1]
     if width == 64 and dims.dstate < 128:
         if dims.dstate == dims.chunk_size and not (dims.has_z or dims.has_seq_idx):
-            return FusedScanConfig(BLOCK_P=64, LOAD_LAT=6, occupancy=1, weight_x=False, joint_output=True)
-        return FusedScanConfig(BLOCK_P=64, LOAD_LAT=6, occupancy=1, worker_warps=8, chunks_per_iter=2,
-                               weight_x=False)
-    return FusedScanConfig(BLOCK_P=width, LOAD_LAT=6, occupancy=1)
+            return FusedScanConfig(BLOCK_P=64, LOAD_LAT=6, OCCUPANCY=1, WEIGHT_X=False, JOINT_OUTPUT=True)
+        return FusedScanConfig(BLOCK_P=64, LOAD_LAT=6, OCCUPANCY=1, WORKER_WARPS=8, CHUNKS_PER_ITER=2,
+                               WEIGHT_X=False)
+    return FusedScanConfig(BLOCK_P=width, LOAD_LAT=6, OCCUPANCY=1)
 
 
 def segment_states_default_config(dims: SSDDims) -> FusedScanConfig:
@@ -434,16 +434,16 @@ def segment_states_default_config(dims: SSDDims) -> FusedScanConfig:
     build takes 219 registers and 228 KB of shared memory, so one block per SM). x weighted measured faster
     than B weighted at dstate 128. At the fused default itself (occupancy 1, latency 6) tileiras 13.4
     emitted no wgmma for this kernel at dstate 128 (B weighted)."""
-    return dataclasses.replace(fused_scan_fwd_default_config(dims), LOAD_LAT=4, occupancy=2, worker_warps=None,
-                               chunks_per_iter=1, joint_output=False)
+    return dataclasses.replace(fused_scan_fwd_default_config(dims), LOAD_LAT=4, OCCUPANCY=2, WORKER_WARPS=None,
+                               CHUNKS_PER_ITER=1, JOINT_OUTPUT=False)
 
 
 def segment_states_configs(dims: SSDDims, arch: str = "sm_90") -> list[FusedScanConfig]:
     """The fused kernel's space at one chunk per iteration (its joint-output configs left out: the walk has
     no output) plus this walk's default, which the fused space lacks at dstate 256 (its 64 columns only at
     occupancy 1; the state-only walk fits them at occupancy 2)."""
-    space = [dataclasses.replace(cfg, chunks_per_iter=1) for cfg in fused_scan_fwd_configs(dims, arch)
-             if not cfg.joint_output]
+    space = [dataclasses.replace(cfg, CHUNKS_PER_ITER=1) for cfg in fused_scan_fwd_configs(dims, arch)
+             if not cfg.JOINT_OUTPUT]
     return list(dict.fromkeys([*space, segment_states_default_config(dims)])) if space else []
 
 
@@ -511,17 +511,17 @@ def fused_scan_fwd_launch(dims: SSDDims, cfg: FusedScanConfig | None = None, seg
     starting from the entry state that the "seg_states" and "seg_decay" of the `piece_chunks`-chunk pieces
     before it give (`segment_states_launch`)."""
     cfg = cfg or fused_scan_fwd_default_config(dims)
-    if cfg.joint_output and dims.dstate != dims.chunk_size:
-        raise ValueError(f"fused_scan_fwd_launch: joint_output=True needs dstate == chunk_size, got "
+    if cfg.JOINT_OUTPUT and dims.dstate != dims.chunk_size:
+        raise ValueError(f"fused_scan_fwd_launch: JOINT_OUTPUT=True needs dstate == chunk_size, got "
                          f"dstate={dims.dstate}, chunk_size={dims.chunk_size}")
     return kernel_launch(
-        select_kernel(FUSED_SCAN_FWD_KERNELS, dims, occupancy=cfg.occupancy, num_worker_warps=cfg.worker_warps),
+        select_kernel(FUSED_SCAN_FWD_KERNELS, dims, occupancy=cfg.OCCUPANCY, num_worker_warps=cfg.WORKER_WARPS),
         fused_scan_fwd_grid(dims, cfg, segment_chunks),
         writes=("out", "final_states") + (("states",) if write_states else ()), CHUNK=dims.chunk_size,
         DSTATE=dims.dstate, BLOCK_P=cfg.BLOCK_P, SEGMENT_CHUNKS=segment_chunks, PIECE_CHUNKS=piece_chunks,
         HAS_Z=dims.has_z, HAS_INIT=dims.has_init, HAS_SEQ_IDX=dims.has_seq_idx, WRITE_STATES=write_states,
-        LOAD_LAT=cfg.LOAD_LAT, CHUNKS_PER_ITER=cfg.chunks_per_iter, WEIGHT_X=cfg.weight_x,
-        JOINT_OUTPUT=cfg.joint_output)
+        LOAD_LAT=cfg.LOAD_LAT, CHUNKS_PER_ITER=cfg.CHUNKS_PER_ITER, WEIGHT_X=cfg.WEIGHT_X,
+        JOINT_OUTPUT=cfg.JOINT_OUTPUT)
 
 
 def segmented_scan_launch(dims: SSDDims, cfg: FusedScanConfig | None = None, *,
@@ -538,10 +538,10 @@ def segment_states_launch(dims: SSDDims, cfg: FusedScanConfig | None = None) -> 
     cfg = cfg or segment_states_default_config(dims)
     segment_chunks, piece_chunks = fused_segment_chunks(dims), state_piece_chunks(dims)
     return kernel_launch(
-        select_kernel(SEGMENT_STATES_KERNELS, dims, occupancy=cfg.occupancy, num_worker_warps=cfg.worker_warps),
+        select_kernel(SEGMENT_STATES_KERNELS, dims, occupancy=cfg.OCCUPANCY, num_worker_warps=cfg.WORKER_WARPS),
         (dims.batch * dims.nheads, dims.headdim // cfg.BLOCK_P, num_pieces(dims, segment_chunks, piece_chunks)),
         writes=("seg_states", "seg_decay"), CHUNK=dims.chunk_size, DSTATE=dims.dstate, BLOCK_P=cfg.BLOCK_P,
-        PIECE_CHUNKS=piece_chunks, HAS_SEQ_IDX=dims.has_seq_idx, LOAD_LAT=cfg.LOAD_LAT, WEIGHT_X=cfg.weight_x)
+        PIECE_CHUNKS=piece_chunks, HAS_SEQ_IDX=dims.has_seq_idx, LOAD_LAT=cfg.LOAD_LAT, WEIGHT_X=cfg.WEIGHT_X)
 
 
 # The fused kernel's key: no heads_per_group (a block owns one head), but the initial state it loads.

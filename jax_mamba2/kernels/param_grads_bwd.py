@@ -64,7 +64,7 @@ class ParamGradsBwdConfig:
 
     BLOCK_H: int = 4
     BLOCK_R: int = 32
-    occupancy: int = 4
+    OCCUPANCY: int = 4
 
 
 def param_grads_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ParamGradsBwdConfig]:
@@ -78,7 +78,7 @@ def param_grads_bwd_configs(dims: SSDDims, arch: str = "sm_90") -> list[ParamGra
 
 def param_grads_bwd_default_config(dims: SSDDims) -> ParamGradsBwdConfig:
     """One head per block (nheads blocks), 64 partial rows per step."""
-    return ParamGradsBwdConfig(BLOCK_H=1, BLOCK_R=64, occupancy=4)
+    return ParamGradsBwdConfig(BLOCK_H=1, BLOCK_R=64, OCCUPANCY=4)
 
 
 def param_grads_bwd_grid(dims: SSDDims, cfg: ParamGradsBwdConfig) -> tuple[int]:
@@ -89,7 +89,7 @@ def param_grads_bwd_launch(dims: SSDDims, cfg: ParamGradsBwdConfig | None = None
     """The launch writing ("dA", "ddt_bias", "dD")."""
     cfg = cfg or param_grads_bwd_default_config(dims)
     return kernel_launch(
-        select_kernel(PARAM_GRADS_BWD_KERNELS, dims, occupancy=cfg.occupancy), param_grads_bwd_grid(dims, cfg),
+        select_kernel(PARAM_GRADS_BWD_KERNELS, dims, occupancy=cfg.OCCUPANCY), param_grads_bwd_grid(dims, cfg),
         writes=("dA", "ddt_bias", "dD"), HEADDIM=dims.headdim, BLOCK_H=cfg.BLOCK_H, BLOCK_R=cfg.BLOCK_R)
 
 

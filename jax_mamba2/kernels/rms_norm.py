@@ -88,26 +88,26 @@ class NormConfig:
     """The tile and hint choices of the norm kernels (what `benchmarks/norm.py --configs` sweeps).
 
     BLOCK_ROWS: rows per block (a power of two; BLOCK_ROWS x WIDTH f32 values live in registers).
-    fwd_occupancy / bwd_occupancy: the occupancy hints of the forward and backward kernels (blocks per SM the
-      compiler budgets registers for); the backward's persistent grid has bwd_occupancy x 132 blocks.
-    fwd_latency / bwd_latency: the latency hint (1..10) of the per-row loads of the forward and of the
+    FWD_OCCUPANCY / BWD_OCCUPANCY: the occupancy hints of the forward and backward kernels (blocks per SM the
+      compiler budgets registers for); the backward's persistent grid has BWD_OCCUPANCY x 132 blocks.
+    FWD_LATENCY / BWD_LATENCY: the latency hint (1..10) of the per-row loads of the forward and of the
       backward's loop (a deeper prefetch: in the loop, the next row block's loads issue before this one's
       math), or 0 to leave the loads to the compiler.
     """
 
     BLOCK_ROWS: int
-    fwd_occupancy: int
-    bwd_occupancy: int
-    fwd_latency: int = 0
-    bwd_latency: int = 0
+    FWD_OCCUPANCY: int
+    BWD_OCCUPANCY: int
+    FWD_LATENCY: int = 0
+    BWD_LATENCY: int = 0
 
     def __post_init__(self):
         if not is_power_of_2(self.BLOCK_ROWS) or self.BLOCK_ROWS > MAX_BLOCK_ROWS:
             raise ValueError(f"NormConfig: BLOCK_ROWS={self.BLOCK_ROWS} must be a power of two <= {MAX_BLOCK_ROWS}")
-        for name in ("fwd_occupancy", "bwd_occupancy"):
+        for name in ("FWD_OCCUPANCY", "BWD_OCCUPANCY"):
             if not 1 <= getattr(self, name) <= 32:
                 raise ValueError(f"NormConfig: {name}={getattr(self, name)} must be in [1, 32]")
-        for name in ("fwd_latency", "bwd_latency"):
+        for name in ("FWD_LATENCY", "BWD_LATENCY"):
             if not 0 <= getattr(self, name) <= 10:
                 raise ValueError(f"NormConfig: {name}={getattr(self, name)} must be 0 (no hint) or in [1, 10]")
 
@@ -126,8 +126,8 @@ def norm_default_config(dims: NormDims) -> NormConfig:
     rows = max(1, min(MAX_BLOCK_ROWS, TILE_ELEMENTS // dims.width))
     tile = rows * dims.width
     budget = 4096 if dims.has_z else 8192
-    return NormConfig(BLOCK_ROWS=rows, fwd_occupancy=max(1, min(8, 16384 // tile)),
-                      bwd_occupancy=max(1, min(4, budget // tile)))
+    return NormConfig(BLOCK_ROWS=rows, FWD_OCCUPANCY=max(1, min(8, 16384 // tile)),
+                      BWD_OCCUPANCY=max(1, min(4, budget // tile)))
 
 
 def needs_int64_index(dims: NormDims) -> bool:
@@ -252,11 +252,11 @@ def rms_norm_fwd_plan(dims: NormDims, cfg: Optional[NormConfig] = None) -> Plan:
     """
     cfg = cfg or norm_default_config(dims)
     launch = Launch(
-        kernel=select_norm_kernel(RMS_NORM_FWD_KERNELS, dims, cfg.fwd_occupancy),
+        kernel=select_norm_kernel(RMS_NORM_FWD_KERNELS, dims, cfg.FWD_OCCUPANCY),
         grid=(row_block_count(dims, cfg), dims.ngroups),
         args=("x", "z", "residual", "weight", "out", "residual_out", dims.group_size, dims.width,
               cfg.BLOCK_ROWS, dims.has_z, dims.has_z and dims.norm_before_gate, dims.has_residual,
-              float(dims.eps), cfg.fwd_latency),
+              float(dims.eps), cfg.FWD_LATENCY),
         writes=("out", "residual_out"),
     )
     return Plan(

@@ -132,7 +132,7 @@ def rms_norm_dweight_kernel(
 def bwd_programs(dims: NormDims, cfg: NormConfig) -> int:
     """Blocks per group of the backward's persistent grid: one wave of resident blocks of an H200 (occupancy x
     SMs over all groups), fewer when there are fewer row blocks."""
-    return max(1, min(row_block_count(dims, cfg), cfg.bwd_occupancy * SM90_SMS // dims.ngroups))
+    return max(1, min(row_block_count(dims, cfg), cfg.BWD_OCCUPANCY * SM90_SMS // dims.ngroups))
 
 
 def rms_norm_bwd_inputs(dims: NormDims, has_dresidual_out: bool = True) -> dict[str, Buffer]:
@@ -160,11 +160,11 @@ def rms_norm_bwd_plan(dims: NormDims, cfg: Optional[NormConfig] = None, has_dres
     programs = bwd_programs(dims, cfg)
     block_f = min(dims.width, DWEIGHT_BLOCK_F)
     norm_launch = Launch(
-        kernel=select_norm_kernel(RMS_NORM_BWD_KERNELS, dims, cfg.bwd_occupancy),
+        kernel=select_norm_kernel(RMS_NORM_BWD_KERNELS, dims, cfg.BWD_OCCUPANCY),
         grid=(programs, dims.ngroups),
         args=("x", "z", "weight", "dout", "dresidual_out", "dx", "dresidual", "dz", "dweight_partial",
               dims.group_size, dims.width, cfg.BLOCK_ROWS, dims.has_z, dims.has_z and dims.norm_before_gate,
-              dims.has_residual, dims.has_residual and has_dresidual_out, float(dims.eps), cfg.bwd_latency),
+              dims.has_residual, dims.has_residual and has_dresidual_out, float(dims.eps), cfg.BWD_LATENCY),
         writes=("dx", "dresidual", "dz", "dweight_partial"),
     )
     reduce_launch = Launch(

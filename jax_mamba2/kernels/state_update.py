@@ -84,21 +84,21 @@ class StateUpdateConfig:
     """BLOCK_P: headdim rows of the state per block (a power of two dividing headdim)."""
 
     BLOCK_P: int = 16
-    occupancy: int = 4
+    OCCUPANCY: int = 4
 
 
 def state_update_configs(dims: SSDDims, arch: str = "sm_90") -> list[StateUpdateConfig]:
     """The autotune space (sm_90): BLOCK_P 4..64 (more, smaller blocks hide more DRAM latency),
     occupancy 2/4/8."""
     check_arch("state_update_configs", arch)
-    return [StateUpdateConfig(BLOCK_P=bp, occupancy=occ)
+    return [StateUpdateConfig(BLOCK_P=bp, OCCUPANCY=occ)
             for bp in (4, 8, 16, 32, 64) if bp <= dims.headdim
             for occ in (2, 4, 8)]
 
 
 def state_update_default_config(dims: SSDDims) -> StateUpdateConfig:
     """About 2K state values per block."""
-    return StateUpdateConfig(BLOCK_P=min(dims.headdim, 64, max(4, 2048 // dims.dstate)), occupancy=4)
+    return StateUpdateConfig(BLOCK_P=min(dims.headdim, 64, max(4, 2048 // dims.dstate)), OCCUPANCY=4)
 
 
 def state_update_grid(dims: SSDDims, cfg: StateUpdateConfig) -> tuple[int, int]:
@@ -125,7 +125,7 @@ def state_update_launch(dims: SSDDims, cfg: StateUpdateConfig | None = None) -> 
     """The launch writing ("y", "new_state") (the state's dtype is the arrays': the kernel is compiled per dtype)."""
     cfg = cfg or state_update_default_config(dims)
     return kernel_launch(
-        select_kernel(STATE_UPDATE_KERNELS, dims, occupancy=cfg.occupancy), state_update_grid(dims, cfg),
+        select_kernel(STATE_UPDATE_KERNELS, dims, occupancy=cfg.OCCUPANCY), state_update_grid(dims, cfg),
         writes=("y", "new_state"), DSTATE=dims.dstate, BLOCK_P=cfg.BLOCK_P, HAS_Z=dims.has_z,
         **dt_transform_constants(dims))
 

@@ -27,11 +27,11 @@ def test_sweep_varies_one_pass_around_the_default():
         base = norm.default_config(case)
         fwd, bwd = norm.sweep_configs(case, "fwd"), norm.sweep_configs(case, "fwd_bwd")
         assert base in fwd and base in bwd and len(set(fwd)) == len(fwd) and len(set(bwd)) == len(bwd)
-        assert {(c.bwd_occupancy, c.bwd_latency) for c in fwd} == {(base.bwd_occupancy, base.bwd_latency)}
-        assert {(c.fwd_occupancy, c.fwd_latency) for c in bwd} == {(base.fwd_occupancy, base.fwd_latency)}
+        assert {(c.BWD_OCCUPANCY, c.BWD_LATENCY) for c in fwd} == {(base.BWD_OCCUPANCY, base.BWD_LATENCY)}
+        assert {(c.FWD_OCCUPANCY, c.FWD_LATENCY) for c in bwd} == {(base.FWD_OCCUPANCY, base.FWD_LATENCY)}
         assert max(c.BLOCK_ROWS for c in fwd) * case.features <= 8192
-    spec = norm.parse_config("BLOCK_ROWS=4,bwd_latency=2", norm.CASES["add_norm"])
-    assert spec == dataclasses.replace(norm.default_config(norm.CASES["add_norm"]), BLOCK_ROWS=4, bwd_latency=2)
+    spec = norm.parse_config("BLOCK_ROWS=4,BWD_LATENCY=2", norm.CASES["add_norm"])
+    assert spec == dataclasses.replace(norm.default_config(norm.CASES["add_norm"]), BLOCK_ROWS=4, BWD_LATENCY=2)
     with pytest.raises(ValueError, match="BLOCKROWS=4"):
         norm.parse_config("BLOCKROWS=4", norm.CASES["add_norm"])
 
@@ -67,7 +67,7 @@ def test_kernels_in_a_config_match_xla_on_the_emulator(monkeypatch, name):
     monkeypatch.setattr(ffi, "run_plan", emulator.jax_run_plan)
     case = norm.CASES[name]._replace(features=norm.CASES[name].features // 64)
     inputs = jax.tree.map(lambda a: a.astype(jnp.float32), norm.make_inputs(case, rows=9, seed=3))
-    config = dataclasses.replace(norm.default_config(case), BLOCK_ROWS=2, bwd_latency=2)
+    config = dataclasses.replace(norm.default_config(case), BLOCK_ROWS=2, BWD_LATENCY=2)
     for direction in ("fwd", "fwd_bwd"):
         got = norm.jax_call(inputs, direction, *norm.kernel_forward_and_backward(case, config))()
         want = norm.jax_call(inputs, direction, norm.op_forward(case, "xla"))()

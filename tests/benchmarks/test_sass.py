@@ -51,17 +51,17 @@ def test_code_fingerprint_is_the_machine_code_alone():
     dims = dims_of(Shape(4, 8192, 32, 64, 64, 1), 64)
     default = _fused_cubin(dims)
     assert sass.code_fingerprint(default) == sass.code_fingerprint(_fused_cubin(dims))
-    pairs = fused_scan.FusedScanConfig(BLOCK_P=64, worker_warps=8, chunks_per_iter=2, weight_x=False)
+    pairs = fused_scan.FusedScanConfig(BLOCK_P=64, WORKER_WARPS=8, CHUNKS_PER_ITER=2, WEIGHT_X=False)
     assert sass.code_fingerprint(default) != sass.code_fingerprint(_fused_cubin(dims, fused_scan=pairs))
 
 
 def test_loops_command_reports_every_launch_of_the_plan(capsys):
     if sass.find_cuobjdump() is None:
         pytest.skip("cuobjdump/nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-    sass.main(["loops", "4,8192,32,64,64,1", "--config", "fused_scan.chunks_per_iter=2,fused_scan.worker_warps=8"])
+    sass.main(["loops", "4,8192,32,64,64,1", "--config", "fused_scan.CHUNKS_PER_ITER=2,fused_scan.WORKER_WARPS=8"])
     out = capsys.readouterr().out
     assert "chunk_cumsum_fwd_kernel (fused: default config)" in out
-    assert "fused_scan_fwd_kernel (fused: FusedScanConfig(" in out and "chunks_per_iter=2" in out
+    assert "fused_scan_fwd_kernel (fused: FusedScanConfig(" in out and "CHUNKS_PER_ITER=2" in out
     assert "HGMMA" in out and "REG:" in out
 
 

@@ -50,15 +50,15 @@ def test_bwd_variant_whose_tile_does_not_fit_is_refused_by_the_plan():
 
 def test_fwd_variant_builds_the_layout_its_stage_runs_in():
     name, fields = stages.parse_variant(
-        "occ2:fused_scan.occupancy=2,fused_scan.LOAD_LAT=4,fused_scan.worker_warps=none", stages=forward.FORWARD_STAGES)
+        "occ2:fused_scan.OCCUPANCY=2,fused_scan.LOAD_LAT=4,fused_scan.WORKER_WARPS=none", stages=forward.FORWARD_STAGES)
     dims = stages.dims_of(Shape(4, 8192, 80, 64, 64, 1), 64)
     configs = stages.variant_configs(dims, fields)
     default = forward.STAGES["fused_scan"].default(dims)
-    assert configs["fused_scan"] == dataclasses.replace(default, occupancy=2, LOAD_LAT=4, worker_warps=None)
+    assert configs["fused_scan"] == dataclasses.replace(default, OCCUPANCY=2, LOAD_LAT=4, WORKER_WARPS=None)
     plan = forward.forward_plan(dims, configs, stages.variant_layout(dims, configs))
     assert len(plan.launches) == len(forward.FORWARD_LAYOUTS["fused"])
     with pytest.raises(argparse.ArgumentTypeError, match="expected"):
-        stages.parse_variant("occ2:chunk_scan_bwd_dc.occupancy=2", stages=forward.FORWARD_STAGES)
+        stages.parse_variant("occ2:chunk_scan_bwd_dc.OCCUPANCY=2", stages=forward.FORWARD_STAGES)
 
 
 def test_features_set_the_problem_flags():
@@ -75,8 +75,8 @@ def test_main_builds_every_asked_plan_and_records_it(monkeypatch, tmp_path):
         {"kernel": launch.kernel._annotated_function.pyfunc.__name__, "grid": list(launch.grid), "ms_median": 1.0}
         for launch in plan.launches])
     stages.main(["--shapes", "4,8192,32,64,64,1", "--features", "z", "seq_idx", "--deterministic",
-                 "--fwd-variant", "pairs:fused_scan.chunks_per_iter=2,fused_scan.worker_warps=8",
-                 "--bwd-variant", "occ2:chunk_state_bwd.occupancy=2", "--out", str(tmp_path)])
+                 "--fwd-variant", "pairs:fused_scan.CHUNKS_PER_ITER=2,fused_scan.WORKER_WARPS=8",
+                 "--bwd-variant", "occ2:chunk_state_bwd.OCCUPANCY=2", "--out", str(tmp_path)])
     records = json.loads(next(tmp_path.glob("ssd_stages_*.json")).read_text())
     plans = {(r["direction"], r["layout"]) for r in records}
     assert plans == {("fwd", "fused"), ("fwd_pairs", "fused"), ("bwd", None), ("bwd_deterministic", None),
@@ -85,7 +85,7 @@ def test_main_builds_every_asked_plan_and_records_it(monkeypatch, tmp_path):
     assert {r["kernel"] for r in records if r["direction"] == "fwd_pairs"} == {
         "chunk_cumsum_fwd_kernel", "fused_scan_fwd_kernel"}
     variant = next(r["variant"] for r in records if r["direction"] == "fwd_pairs")
-    assert variant == {"fused_scan": {"chunks_per_iter": 2, "worker_warps": 8}}
+    assert variant == {"fused_scan": {"CHUNKS_PER_ITER": 2, "WORKER_WARPS": 8}}
 
 
 def test_time_launches_warms_the_plan_up_before_timing_each_launch(monkeypatch):

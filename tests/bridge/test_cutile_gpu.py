@@ -100,7 +100,7 @@ def _check_forward_and_grads(args, kwargs):
 
 def test_cutile_fused_joint_output_default_matches_float64_scan(monkeypatch, request):
     """dstate = chunk size, no z or seq_idx: the fused default computes each chunk's output as one product
-    (joint_output); forward and gradients through the op (the differentiated call's saving forward runs
+    (JOINT_OUTPUT); forward and gradients through the op (the differentiated call's saving forward runs
     it too), forced into the fused layout on a small problem."""
     from jax_mamba2.bridge import tuning
     from jax_mamba2.kernels import forward, fused_scan
@@ -113,7 +113,7 @@ def test_cutile_fused_joint_output_default_matches_float64_scan(monkeypatch, req
     monkeypatch.setattr(forward, "forward_layout", lambda dims: layouts.append(pick(dims)) or layouts[-1])
     dims = SSDDims(batch=2, seqlen=300, nheads=4, headdim=64, ngroups=1, dstate=64, chunk_size=64,
                    dtype="bfloat16", dt_dtype="bfloat16", has_init=True, dt_softplus=True)
-    assert fused_scan.fused_scan_fwd_default_config(dims).joint_output
+    assert fused_scan.fused_scan_fwd_default_config(dims).JOINT_OUTPUT
     args, kwargs = make_ssd_args(32, batch=2, seqlen=300, nheads=4, headdim=64, dstate=64, dtype=jnp.bfloat16,
                                  D="head", dt_bias=True, dt_softplus=True, initial_states=True)
     _check_forward_and_grads(args, kwargs)

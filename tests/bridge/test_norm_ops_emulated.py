@@ -117,7 +117,7 @@ def test_emulated_kernels_in_a_chosen_config_match_float64_reference_also_vmappe
 
     def config(dims):
         chosen.append(dims.rows)
-        return NormConfig(BLOCK_ROWS=4, fwd_occupancy=2, bwd_occupancy=1, fwd_latency=2, bwd_latency=3)
+        return NormConfig(BLOCK_ROWS=4, FWD_OCCUPANCY=2, BWD_OCCUPANCY=1, FWD_LATENCY=2, BWD_LATENCY=3)
 
     monkeypatch.setitem(backends._REGISTRY[norm.OP], "cutile", backends.LayerBackend(
         "cutile", norm_ops.make_kernels(emulator.jax_run_plan, config), norm_ops.unsupported_reason, auto_priority=2))

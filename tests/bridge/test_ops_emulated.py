@@ -107,12 +107,12 @@ def test_emulated_op_forward_and_gradients_match_float64_scan(save_chunk_states,
 def test_emulated_op_gradients_through_the_fused_layouts_match_float64_scan(layout, dims):
     """bf16: 128 chains run fused, 4 long ones segmented; the states the fused kernels store feed the backward
     (bf16 arrays between the plans and XLA: errors ~3e-3). At dstate = chunk without seq_idx the differentiated
-    call's gate-free forward computes each chunk's output as one product (joint_output), the forward alone
+    call's gate-free forward computes each chunk's output as one product (JOINT_OUTPUT), the forward alone
     (with the gate) in two."""
     args, optional, kwargs, weights = _problem(3, dtype=jnp.bfloat16, **dims)
     kernel_dims = problem.kernel_dims(*_inputs(*args, **optional, **kwargs))
     assert forward_kernels.forward_layout(kernel_dims) == layout
-    joint = fused_scan.fused_scan_fwd_default_config(dataclasses.replace(kernel_dims, has_z=False)).joint_output
+    joint = fused_scan.fused_scan_fwd_default_config(dataclasses.replace(kernel_dims, has_z=False)).JOINT_OUTPUT
     assert joint == (kernel_dims.dstate == 64 and not kernel_dims.has_seq_idx)
     _check_forward_and_gradients(args, optional, kwargs, weights, 1e-2)
 

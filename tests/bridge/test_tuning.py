@@ -141,18 +141,30 @@ def test_forward_configs_tunes_once_then_reads_disk(cache_dir, monkeypatch):
     assert report["chunk_scan"].config == expected["chunk_scan"]
 
 
-def test_forward_configs_retunes_only_stale_entries(cache_dir, monkeypatch):
+def _lower_case_fields(config: dict) -> dict:
+    """`config` as cache schema 1 stored it: OCCUPANCY (and FusedScanConfig's flags) in lower case."""
+    old = {"OCCUPANCY", "WORKER_WARPS", "CHUNKS_PER_ITER", "WEIGHT_X", "JOINT_OUTPUT"}
+    return {name.lower() if name in old else name: value for name, value in config.items()}
+
+
+@pytest.mark.parametrize("stale", ["unknown_field", "lower_case_fields"])
+def test_forward_configs_retunes_only_stale_entries(cache_dir, monkeypatch, stale):
+    """An entry whose config names fields its stage's config lacks (an unknown one, or the lower-case
+    names of cache schema 1) is tuned again; the other entries are read."""
     monkeypatch.setattr(timing, "tune_stages", _fake_tuner([]))
     tuning.forward_configs(DIMS)
     path = cache_keys.cache_path(FAKE_GPU)
     stored = json.loads(path.read_text())
-    stored["entries"][cache_keys.stage_key("chunk_scan", DIMS)]["config"] = {"NO_SUCH_FIELD": 1}
+    entry = stored["entries"][cache_keys.stage_key("chunk_scan", DIMS)]
+    entry["config"] = {"NO_SUCH_FIELD": 1} if stale == "unknown_field" else _lower_case_fields(entry["config"])
+    assert stale == "unknown_field" or "occupancy" in entry["config"]
     path.write_text(json.dumps(stored))
 
     tuning.clear_memory()
     calls = []
     monkeypatch.setattr(timing, "tune_stages", _fake_tuner(calls))
-    sources = {s: c.source for s, c in _choices(DIMS).items()}
+    with pytest.warns(RuntimeWarning, match="outside the tune space of chunk_scan; that entry is ignored"):
+        sources = {s: c.source for s, c in _choices(DIMS).items()}
     assert calls == [["chunk_scan"]]
     assert sources == {"chunk_cumsum": "disk", "chunk_state": "disk", "chunk_scan": "tuned"}
 
@@ -447,7 +459,8 @@ def test_tuning_cache_ignores_corrupt_and_foreign_files(tmp_path):
     with pytest.warns(RuntimeWarning, match="not readable as JSON .*; the file is ignored"):
         assert cache.read() == {}
     path.write_text(json.dumps({"schema": cache_keys.CACHE_SCHEMA + 1, "entries": {"k": {}}}))
-    with pytest.warns(RuntimeWarning, match="schema=2, not 1; the file is ignored"):
+    with pytest.warns(RuntimeWarning, match=f"schema={cache_keys.CACHE_SCHEMA + 1}, not {cache_keys.CACHE_SCHEMA}; "
+                                            f"the file is ignored"):
         assert cache.read() == {}
     assert cache.fill(["k"], lambda keys: iter([("k", {"config": {}})])) == {"k": {"config": {}}}
     assert cache.read() == {"k": {"config": {}}}
@@ -503,6 +516,31 @@ def test_configs_survive_a_cache_file_of_another_shape(cache_dir, monkeypatch, d
     with pytest.warns(RuntimeWarning, match="the file is ignored"):
         assert tuning.forward_configs(DIMS).configs == {s: _non_default_config(s, DIMS) for s in FORWARD_STAGES}
     assert set(json.loads(path.read_text())["entries"]) == {cache_keys.stage_key(s, DIMS) for s in FORWARD_STAGES}
+
+
+def test_configs_ignore_a_cache_file_of_schema_1_with_its_lower_case_config_fields(cache_dir, monkeypatch):
+    """Schema 2 made every config field upper-case: a schema-1 file (occupancy, weight_x, ...) warns, is ignored
+    as a whole and is rewritten with the stages tuned again."""
+    assert cache_keys.CACHE_SCHEMA == 2
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner([]))
+    tuning.forward_configs(DIMS)
+    path = cache_keys.cache_path(FAKE_GPU)
+    stored = json.loads(path.read_text())
+    for entry in stored["entries"].values():
+        entry["config"] = _lower_case_fields(entry["config"])
+    path.write_text(json.dumps({"schema": 1, "entries": stored["entries"]}))
+
+    tuning.clear_memory()
+    calls = []
+    monkeypatch.setattr(timing, "tune_stages", _fake_tuner(calls))
+    with pytest.warns(RuntimeWarning, match="schema=1, not 2; the file is ignored"):
+        choices = _choices(DIMS)
+    assert calls == [list(FORWARD_STAGES)]
+    assert {c.source for c in choices.values()} == {"tuned"}
+    rewritten = json.loads(path.read_text())
+    assert rewritten["schema"] == 2
+    assert all("OCCUPANCY" in entry["config"] and "occupancy" not in entry["config"]
+               for entry in rewritten["entries"].values())
 
 
 @pytest.mark.parametrize("autotune", ["0", "1"])

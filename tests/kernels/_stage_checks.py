@@ -109,30 +109,30 @@ SMALL_CASES = {
     # end states pass between the two forms.
     "segmented_seq_idx_init_saving_states": Case(
         seqlen=600, chunk_size=16, seq_lens=(160, 100, 3, 337), initial_states=True, layout="segmented",
-        save_states=True, configs=(("segment_states", FusedScanConfig(BLOCK_P=32, weight_x=False)),)),
+        save_states=True, configs=(("segment_states", FusedScanConfig(BLOCK_P=32, WEIGHT_X=False)),)),
     # Two chunks per loop iteration: an odd chunk count (a pair, then one), sequences and a carry across the
     # pair's two chunks; in the segments, an odd last segment (33 chunks) after pieces of 18.
     "fused_two_chunks_per_iter_seq_idx_init_z": Case(
         seqlen=150, seq_lens=(10, 70, 3, 67), initial_states=True, z=True, layout="fused",
-        configs=(("fused_scan", FusedScanConfig(BLOCK_P=32, chunks_per_iter=2, weight_x=False)),)),
+        configs=(("fused_scan", FusedScanConfig(BLOCK_P=32, CHUNKS_PER_ITER=2, WEIGHT_X=False)),)),
     "fused_two_chunks_per_iter_chunk32_saving_states": Case(
         seqlen=150, chunk_size=32, seq_lens=(31, 2, 117), initial_states=True, layout="fused", save_states=True,
-        configs=(("fused_scan", FusedScanConfig(BLOCK_P=32, chunks_per_iter=2)),)),
+        configs=(("fused_scan", FusedScanConfig(BLOCK_P=32, CHUNKS_PER_ITER=2)),)),
     # The output as one product [exp(dA) C | scores]·[H_c^T ; x] (dstate == chunk size): sequences, initial
     # states, z, both weightings, two chunks per iteration, saved states, segments.
     "fused_joint_output_chunk32_seq_idx_init_z": Case(
         seqlen=150, chunk_size=32, seq_lens=(10, 70, 3, 67), initial_states=True, z=True, layout="fused",
-        configs=(("fused_scan", FusedScanConfig(BLOCK_P=32, joint_output=True)),)),
+        configs=(("fused_scan", FusedScanConfig(BLOCK_P=32, JOINT_OUTPUT=True)),)),
     "fused_joint_output_two_chunks_per_iter_saving_states": Case(
         seqlen=150, chunk_size=32, nheads=8, ngroups=2, seq_lens=(31, 2, 117), layout="fused", save_states=True,
-        configs=(("fused_scan", FusedScanConfig(BLOCK_P=16, chunks_per_iter=2, weight_x=False, joint_output=True)),)),
+        configs=(("fused_scan", FusedScanConfig(BLOCK_P=16, CHUNKS_PER_ITER=2, WEIGHT_X=False, JOINT_OUTPUT=True)),)),
     "segmented_joint_output_seq_idx_init": Case(
         seqlen=600, chunk_size=16, dstate=16, seq_lens=(160, 100, 3, 337), initial_states=True, layout="segmented",
-        configs=(("segmented_scan", FusedScanConfig(BLOCK_P=32, joint_output=True)),)),
+        configs=(("segmented_scan", FusedScanConfig(BLOCK_P=32, JOINT_OUTPUT=True)),)),
     "segmented_two_chunks_per_iter_pieces_seq_idx_init": Case(
         seqlen=2250, chunk_size=16, nheads=16, seq_lens=(288, 612, 5, 1345), initial_states=True,
         layout="segmented",
-        configs=(("segmented_scan", FusedScanConfig(BLOCK_P=32, chunks_per_iter=2, weight_x=False)),)),
+        configs=(("segmented_scan", FusedScanConfig(BLOCK_P=32, CHUNKS_PER_ITER=2, WEIGHT_X=False)),)),
 }
 
 # make_ssd_args draws A so that a 64-token chunk decays by ~e^-30, which hides every cross-chunk path

@@ -87,7 +87,7 @@ def test_backward_plan_gpu_every_tile_config_matches_scan_vjp():
     spaces = {stage: backward.STAGES[stage].space(dims, "sm_90")
               for stage in ("chunk_scan_bwd_dc", "chunk_state_bwd", "chunk_scan_bwd_dx")}
     for stage, space in spaces.items():
-        tilings = {dataclasses.replace(cfg, LOAD_LAT=4, occupancy=1) for cfg in space}
+        tilings = {dataclasses.replace(cfg, LOAD_LAT=4, OCCUPANCY=1) for cfg in space}
         for cfg in sorted(tilings, key=repr):
             case = dataclasses.replace(SWEEP_CASE, configs=((stage, cfg),))
             check_backward(run_plan_gpu, case, "bfloat16", TOLERANCE["kernel_bwd"]["bfloat16"])

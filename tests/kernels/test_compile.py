@@ -102,7 +102,7 @@ def test_state_passes_at_occupancy_4_fit_four_blocks_per_sm_without_spills(laten
     """What chunk_state_fwd_configs says of its occupancy-4 entries (the default tile of both state
     passes): <= 64 registers, no local-memory spills, and shared memory for four blocks in an SM's 228 KB."""
     dims = dataclasses.replace(_BASE, batch=4, seqlen=8192, nheads=32, dstate=128, chunk_size=64)
-    cfg = chunk_state.ChunkStateConfig(BLOCK_P=64, BLOCK_N=32, LOAD_LAT=latency, occupancy=4)
+    cfg = chunk_state.ChunkStateConfig(BLOCK_P=64, BLOCK_N=32, LOAD_LAT=latency, OCCUPANCY=4)
     launch, arrays = _state_pass_launches(dims, cfg)[stage]
     _, cubin = compile_launch(launch, arrays, "sm_90")
     sass, resources = sass_and_resources(cubin)
@@ -172,7 +172,7 @@ def test_fused_scan_default_uses_wgmma_and_tma_without_spills(dstate, features, 
     dims = dataclasses.replace(_BASE, batch=4, seqlen=8192, nheads=32, ngroups=1, dstate=dstate, chunk_size=64,
                                has_z=features, has_init=features, has_seq_idx=features)
     cfg = fused_scan.fused_scan_fwd_default_config(dims)
-    assert (cfg.BLOCK_P, cfg.occupancy) == (64, 1) and cfg in fused_scan.fused_scan_fwd_configs(dims)
+    assert (cfg.BLOCK_P, cfg.OCCUPANCY) == (64, 1) and cfg in fused_scan.fused_scan_fwd_configs(dims)
     assert_spill_free_with_wgmma_and_tma(fused_scan.fused_scan_fwd_launch(dims, cfg, write_states=write_states),
                                          forward_arrays(dims, "fused", write_states))
 
@@ -180,7 +180,7 @@ def test_fused_scan_default_uses_wgmma_and_tma_without_spills(dstate, features, 
 def test_fused_scan_wide_state_with_8_worker_warps_has_no_stack():
     """The tune space's 256 x 64 state (dstate 256, 64 columns) with 8 worker warps: spill-free at latency 4."""
     dims = dataclasses.replace(_BASE, batch=4, seqlen=8192, nheads=32, ngroups=1, dstate=256, chunk_size=64)
-    cfg = fused_scan.FusedScanConfig(BLOCK_P=64, LOAD_LAT=4, occupancy=1, worker_warps=8)
+    cfg = fused_scan.FusedScanConfig(BLOCK_P=64, LOAD_LAT=4, OCCUPANCY=1, WORKER_WARPS=8)
     assert cfg in fused_scan.fused_scan_fwd_configs(dims)
     assert_spill_free_with_wgmma_and_tma(fused_scan.fused_scan_fwd_launch(dims, cfg),
                                          forward_arrays(dims, "fused"))

@@ -1,6 +1,8 @@
 """Config spaces, grids and launch argument tuples of every kernel stage (no compile, no GPU)."""
 import dataclasses
+import importlib
 import inspect
+import pkgutil
 
 import pytest
 
@@ -31,6 +33,28 @@ def _tiles(cfg):
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
             if f.name in _DIVIDES and not (f.name == "BLOCK_N" and isinstance(cfg, chunk_scan.ChunkScanConfig)
                                            and cfg.BLOCK_N == 0)}
+
+
+def _kernel_config_types() -> dict[str, type]:
+    """Every config dataclass of the kernel modules (their classes named *Config), by qualified name."""
+    import jax_mamba2.kernels as kernels
+    found = {}
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"{kernels.__name__}.{info.name}")
+        for name, obj in vars(module).items():
+            if dataclasses.is_dataclass(obj) and isinstance(obj, type) and obj.__name__.endswith("Config"):
+                found[f"{obj.__module__}.{obj.__name__}"] = obj
+    return found
+
+
+def test_every_kernel_config_field_is_upper_case():
+    """The naming rule of design.md §11: config fields are UPPER_CASE, as cuTile kernel constants are."""
+    types = _kernel_config_types()
+    assert {"jax_mamba2.kernels.fused_scan.FusedScanConfig", "jax_mamba2.kernels.rms_norm.NormConfig",
+            "jax_mamba2.kernels._block_pass_config.BlockPassConfig"} <= set(types)
+    lower = {name: [f.name for f in dataclasses.fields(cls) if f.name != f.name.upper()]
+             for name, cls in types.items()}
+    assert {name: fields for name, fields in lower.items() if fields} == {}
 
 
 @pytest.mark.parametrize("problem", list(PROBLEMS), ids=list(PROBLEMS))
@@ -65,19 +89,19 @@ def test_state_pass_configs_try_every_tile_at_every_latency(configs_fn, default_
     space, default = configs_fn(dims), default_fn(dims)
     tiles = {(c.BLOCK_P, c.BLOCK_N) for c in space}
     assert (default.BLOCK_P, default.BLOCK_N) in tiles and default.LOAD_LAT in chunk_state.LOAD_LATENCIES
-    by_occupancy = {occ: sorted((c.BLOCK_P, c.BLOCK_N, c.LOAD_LAT) for c in space if c.occupancy == occ)
+    by_occupancy = {occ: sorted((c.BLOCK_P, c.BLOCK_N, c.LOAD_LAT) for c in space if c.OCCUPANCY == occ)
                     for occ in (2, *default_tile_occupancies)}
     assert by_occupancy[2] == sorted((bp, bn, lat) for bp, bn in tiles for lat in chunk_state.LOAD_LATENCIES)
     for occupancy in default_tile_occupancies:
         assert by_occupancy[occupancy] == [(default.BLOCK_P, default.BLOCK_N, lat)
                                            for lat in chunk_state.LOAD_LATENCIES]
-    assert {c.occupancy for c in space} == {2, *default_tile_occupancies}
+    assert {c.OCCUPANCY for c in space} == {2, *default_tile_occupancies}
 
 
 def test_reverse_state_pass_space_leaves_occupancy_5_to_16_bit_inputs():
     """f32 tiles spill at occupancy 5's 48 registers (sm_90 cubins)."""
     dims = PROBLEMS["odd_heads_q128"]
-    assert dims.dtype == "float32" and {c.occupancy for c in chunk_state_bwd.chunk_state_bwd_configs(dims)} == {2, 4}
+    assert dims.dtype == "float32" and {c.OCCUPANCY for c in chunk_state_bwd.chunk_state_bwd_configs(dims)} == {2, 4}
 
 
 @pytest.mark.parametrize("nheads,dtype,occupancy", [(32, "bfloat16", 4), (80, "bfloat16", 5), (80, "float32", 4)])
@@ -87,7 +111,7 @@ def test_reverse_state_pass_default_takes_occupancy_5_where_it_saves_a_wave(nhea
     dims = SSDDims(batch=4, seqlen=8192, nheads=nheads, headdim=64, ngroups=1, dstate=128, chunk_size=64,
                    dtype=dtype, dt_dtype=dtype, dt_softplus=True)
     cfg = chunk_state_bwd.chunk_state_bwd_default_config(dims)
-    assert (cfg.BLOCK_P, cfg.BLOCK_N, cfg.occupancy) == (64, 32, occupancy)
+    assert (cfg.BLOCK_P, cfg.BLOCK_N, cfg.OCCUPANCY) == (64, 32, occupancy)
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
@@ -209,26 +233,26 @@ def test_segmented_layout_cuts_few_long_chains_into_segments():
     (64, {"has_seq_idx": True}, (64, 6, 8, 2, False, False)), (128, {}, (64, 6, None, 1, True, False)),
     (256, {}, (64, 4, None, 1, True, False))])
 def test_fused_scan_default_is_the_measured_best_and_in_the_space(dstate, features, want):
-    """(BLOCK_P, LOAD_LAT, worker_warps, chunks_per_iter, weight_x, joint_output) of the default at headdim
+    """(BLOCK_P, LOAD_LAT, WORKER_WARPS, CHUNKS_PER_ITER, WEIGHT_X, JOINT_OUTPUT) of the default at headdim
     64: the best measured on the H200 per dstate (at dstate 64 the joint output only without z and seq_idx,
     whose builds of it spill). segment_states walks one chunk per iteration, in two products, whatever the
     fused default does."""
     dims = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=dstate, chunk_size=64,
                    **features)
     cfg = fused_scan.fused_scan_fwd_default_config(dims)
-    assert (cfg.BLOCK_P, cfg.LOAD_LAT, cfg.worker_warps, cfg.chunks_per_iter, cfg.weight_x, cfg.joint_output) == want
-    assert cfg.occupancy == 1 and cfg in fused_scan.fused_scan_fwd_configs(dims)
+    assert (cfg.BLOCK_P, cfg.LOAD_LAT, cfg.WORKER_WARPS, cfg.CHUNKS_PER_ITER, cfg.WEIGHT_X, cfg.JOINT_OUTPUT) == want
+    assert cfg.OCCUPANCY == 1 and cfg in fused_scan.fused_scan_fwd_configs(dims)
     states_default = fused_scan.segment_states_default_config(dims)
-    assert (states_default.chunks_per_iter, states_default.joint_output) == (1, False)
-    assert states_default.weight_x == cfg.weight_x
-    assert {(c.chunks_per_iter, c.joint_output) for c in fused_scan.segment_states_configs(dims)} == {(1, False)}
+    assert (states_default.CHUNKS_PER_ITER, states_default.JOINT_OUTPUT) == (1, False)
+    assert states_default.WEIGHT_X == cfg.WEIGHT_X
+    assert {(c.CHUNKS_PER_ITER, c.JOINT_OUTPUT) for c in fused_scan.segment_states_configs(dims)} == {(1, False)}
 
 
 def test_fused_scan_joint_output_needs_dstate_equal_to_the_chunk_size():
     dims = SSDDims(batch=1, seqlen=256, nheads=2, headdim=64, ngroups=1, dstate=128, chunk_size=64)
-    assert not any(cfg.joint_output for cfg in fused_scan.fused_scan_fwd_configs(dims))
-    with pytest.raises(ValueError, match="joint_output=True needs dstate == chunk_size, got dstate=128, chunk_size=64"):
-        fused_scan.fused_scan_fwd_launch(dims, fused_scan.FusedScanConfig(joint_output=True))
+    assert not any(cfg.JOINT_OUTPUT for cfg in fused_scan.fused_scan_fwd_configs(dims))
+    with pytest.raises(ValueError, match="JOINT_OUTPUT=True needs dstate == chunk_size, got dstate=128, chunk_size=64"):
+        fused_scan.fused_scan_fwd_launch(dims, fused_scan.FusedScanConfig(JOINT_OUTPUT=True))
 
 
 def test_fused_scan_default_at_dstate_256_with_seq_idx_takes_8_worker_warps():
@@ -237,13 +261,13 @@ def test_fused_scan_default_at_dstate_256_with_seq_idx_takes_8_worker_warps():
     dims = SSDDims(batch=4, seqlen=8192, nheads=32, headdim=64, ngroups=1, dstate=256, chunk_size=64,
                    has_seq_idx=True)
     cfg = fused_scan.fused_scan_fwd_default_config(dims)
-    assert (cfg.BLOCK_P, cfg.LOAD_LAT, cfg.worker_warps, cfg.weight_x) == (64, 4, 8, True)
+    assert (cfg.BLOCK_P, cfg.LOAD_LAT, cfg.WORKER_WARPS, cfg.WEIGHT_X) == (64, 4, 8, True)
     assert cfg in fused_scan.fused_scan_fwd_configs(dims)
 
 
 def test_fused_scan_config_takes_one_or_two_chunks_per_iteration():
-    with pytest.raises(ValueError, match="chunks_per_iter must be 1 or 2, got 3"):
-        fused_scan.FusedScanConfig(chunks_per_iter=3)
+    with pytest.raises(ValueError, match="CHUNKS_PER_ITER must be 1 or 2, got 3"):
+        fused_scan.FusedScanConfig(CHUNKS_PER_ITER=3)
 
 
 def test_every_stage_declaration_is_coherent():

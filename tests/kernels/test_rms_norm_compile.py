@@ -64,7 +64,7 @@ def test_latency_hints_keep_the_default_tiles_spill_free(problem):
     """The benchmark sweep's deepest prefetch (forward latency 3, backward loop latency 4) at the default tiles
     and occupancies still fits the registers."""
     dims = LM_PROBLEMS[problem]
-    cfg = dataclasses.replace(norm_default_config(dims), fwd_latency=3, bwd_latency=4)
+    cfg = dataclasses.replace(norm_default_config(dims), FWD_LATENCY=3, BWD_LATENCY=4)
     for name, cubin in _cubins(dims, cfg).items():
         sass, resources = sass_and_resources(cubin)
         usage = dict(re.findall(r"(LOCAL|STACK):(\d+)", resources))

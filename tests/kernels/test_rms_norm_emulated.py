@@ -71,7 +71,7 @@ def test_emulated_backward_loops_over_row_blocks(name):
     """One row per block at occupancy 1 on 300 rows: 132 / ngroups programs each walk two or three row blocks
     (the persistent loop and the weight gradient's partial sums), the last program fewer."""
     case = dataclasses.replace(CASES[name], rows=300)
-    cfg = NormConfig(BLOCK_ROWS=1, fwd_occupancy=1, bwd_occupancy=1)
+    cfg = NormConfig(BLOCK_ROWS=1, FWD_OCCUPANCY=1, BWD_OCCUPANCY=1)
     dims = case.dims()
     assert bwd_programs(dims, cfg) < dims.rows
     arrays = make_inputs(case, seed=7)
@@ -106,7 +106,7 @@ def test_norm_plans_well_formed(name):
 def test_default_config_fills_a_tile_of_2048_values(case, rows, occupancies):
     """The documented defaults: rows up to 2048 values per tile, the occupancies that compile spill-free."""
     cfg = norm_default_config(case.dims())
-    assert (cfg.BLOCK_ROWS, (cfg.fwd_occupancy, cfg.bwd_occupancy)) == (rows, occupancies)
+    assert (cfg.BLOCK_ROWS, (cfg.FWD_OCCUPANCY, cfg.BWD_OCCUPANCY)) == (rows, occupancies)
 
 
 @pytest.mark.parametrize("name", ["gate_before_groups3", "gate_after_one_group", "add_norm"])
@@ -114,7 +114,7 @@ def test_emulated_configs_with_latency_hints_and_wider_blocks_match_float64_refe
     """What the benchmark sweeps: 4 rows per block (the last one partial) and latency hints on the loads; at
     occupancy 1 the backward's 132 / ngroups programs walk 151 row blocks (some two, the loop's prefetch)."""
     case = dataclasses.replace(CASES[name], rows=601)
-    cfg = NormConfig(BLOCK_ROWS=4, fwd_occupancy=4, bwd_occupancy=1, fwd_latency=3, bwd_latency=4)
+    cfg = NormConfig(BLOCK_ROWS=4, FWD_OCCUPANCY=4, BWD_OCCUPANCY=1, FWD_LATENCY=3, BWD_LATENCY=4)
     assert bwd_programs(case.dims(), cfg) < 151
     arrays = make_inputs(case, seed=5)
     assert_matches_oracle(case, arrays, run_kernels(case, arrays, cfg), 1e-10)
@@ -123,11 +123,11 @@ def test_emulated_configs_with_latency_hints_and_wider_blocks_match_float64_refe
 @pytest.mark.parametrize("field,value,expected", [
     ("BLOCK_ROWS", 3, "BLOCK_ROWS=3 must be a power of two <= 64"),
     ("BLOCK_ROWS", 128, "BLOCK_ROWS=128 must be a power of two <= 64"),
-    ("bwd_occupancy", 0, r"bwd_occupancy=0 must be in \[1, 32\]"),
-    ("fwd_latency", 11, r"fwd_latency=11 must be 0 \(no hint\) or in \[1, 10\]"),
+    ("BWD_OCCUPANCY", 0, r"BWD_OCCUPANCY=0 must be in \[1, 32\]"),
+    ("FWD_LATENCY", 11, r"FWD_LATENCY=11 must be 0 \(no hint\) or in \[1, 10\]"),
 ])
 def test_config_rejects_invalid_fields_naming_them(field, value, expected):
-    fields = dict(BLOCK_ROWS=1, fwd_occupancy=8, bwd_occupancy=2)
+    fields = dict(BLOCK_ROWS=1, FWD_OCCUPANCY=8, BWD_OCCUPANCY=2)
     with pytest.raises(ValueError, match=expected):
         NormConfig(**{**fields, field: value})
 

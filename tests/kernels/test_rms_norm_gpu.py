@@ -73,8 +73,8 @@ def test_kernels_at_lm_shapes_match_float64_reference(name):
 # Configs away from the default, as benchmarks/norm.py sweeps them: wider row blocks, other occupancies, latency
 # hints on the forward's and the backward loop's loads.
 SWEPT_CONFIGS = {
-    "block_rows_x2_latency": dict(BLOCK_ROWS=2, fwd_occupancy=4, bwd_occupancy=2, fwd_latency=3, bwd_latency=4),
-    "block_rows_x4_occupancy_1": dict(BLOCK_ROWS=4, fwd_occupancy=4, bwd_occupancy=1, fwd_latency=0, bwd_latency=2),
+    "block_rows_x2_latency": dict(BLOCK_ROWS=2, FWD_OCCUPANCY=4, BWD_OCCUPANCY=2, FWD_LATENCY=3, BWD_LATENCY=4),
+    "block_rows_x4_occupancy_1": dict(BLOCK_ROWS=4, FWD_OCCUPANCY=4, BWD_OCCUPANCY=1, FWD_LATENCY=0, BWD_LATENCY=2),
 }
 
 

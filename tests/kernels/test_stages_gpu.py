@@ -31,10 +31,10 @@ LARGE_CASES = {
     "fused_q64_p64_n256_wide_state_all_inputs": Case(
         seqlen=1000, nheads=4, headdim=64, dstate=256, z=True, initial_states=True, seq_lens=(300, 700),
         layout="fused", configs=(("fused_scan", fused_scan.FusedScanConfig(BLOCK_P=64, LOAD_LAT=4,
-                                                                            worker_warps=8)),)),
+                                                                            WORKER_WARPS=8)),)),
     "fused_q64_p64_n64_8_worker_warps": Case(
         seqlen=1000, nheads=4, headdim=64, dstate=64, layout="fused",
-        configs=(("fused_scan", fused_scan.FusedScanConfig(BLOCK_P=64, LOAD_LAT=6, worker_warps=8)),)),
+        configs=(("fused_scan", fused_scan.FusedScanConfig(BLOCK_P=64, LOAD_LAT=6, WORKER_WARPS=8)),)),
     # The dstate-64 default (8 worker warps, two chunks per iteration): 18 chunks, sequences across a pair.
     "fused_q64_p64_n64_default_all_inputs": Case(
         seqlen=1100, nheads=4, headdim=64, dstate=64, z=True, initial_states=True, seq_lens=(300, 800),
@@ -44,7 +44,7 @@ LARGE_CASES = {
     "fused_q64_p64_n64_joint_output_pairs_all_inputs": Case(
         seqlen=1100, nheads=4, headdim=64, dstate=64, z=True, initial_states=True, seq_lens=(300, 800),
         layout="fused", configs=(("fused_scan", fused_scan.FusedScanConfig(
-            BLOCK_P=64, LOAD_LAT=6, worker_warps=8, chunks_per_iter=2, weight_x=False, joint_output=True)),)),
+            BLOCK_P=64, LOAD_LAT=6, WORKER_WARPS=8, CHUNKS_PER_ITER=2, WEIGHT_X=False, JOINT_OUTPUT=True)),)),
     # The dstate-64 default without z and seq_idx (the joint output), fused and segmented.
     "fused_q64_p64_n64_default_init": Case(seqlen=1100, nheads=4, headdim=64, dstate=64, initial_states=True,
                                            layout="fused"),
@@ -52,7 +52,7 @@ LARGE_CASES = {
                                                   initial_states=True, layout="segmented"),
     "fused_q64_p64_n64_joint_output_one_chunk_all_inputs": Case(
         seqlen=1100, nheads=4, headdim=64, dstate=64, z=True, initial_states=True, seq_lens=(300, 800),
-        layout="fused", configs=(("fused_scan", fused_scan.FusedScanConfig(BLOCK_P=64, joint_output=True)),)),
+        layout="fused", configs=(("fused_scan", fused_scan.FusedScanConfig(BLOCK_P=64, JOINT_OUTPUT=True)),)),
     # 65 chunks of 4 chains in 8 segments, sequences across segment boundaries.
     "segmented_q64_n128_long_seq_idx_all_inputs": Case(
         seqlen=4096 + 17, nheads=2, headdim=64, dstate=128, z=True, initial_states=True,
@@ -77,7 +77,7 @@ def _wide_state_configs(dims):
 
 
 def _joint_output_configs(dims):
-    return [cfg for cfg in fused_scan.fused_scan_fwd_configs(dims) if cfg.joint_output]
+    return [cfg for cfg in fused_scan.fused_scan_fwd_configs(dims) if cfg.JOINT_OUTPUT]
 
 
 def _torch():

@@ -31,8 +31,9 @@ from jax_mamba2.kernels._common import SSDDims
 
 ENV_CACHE_DIR = "JAX_MAMBA2_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/jax_mamba2")
-# The layout of the cache file ({"schema", "entries": {key: entry}}); files of another schema are ignored.
-CACHE_SCHEMA = 1
+# The layout of the cache file ({"schema", "entries": {key: entry}}) and of its entries' configs; files of
+# another schema are ignored. 2: the config fields all upper-case (schema 1 had occupancy, weight_x, ...).
+CACHE_SCHEMA = 2
 
 # Every stage the plans run, by name: its declaration (config type, space, default, key fields).
 STAGES = {**forward_kernels.STAGES, **backward_kernels.STAGES}
