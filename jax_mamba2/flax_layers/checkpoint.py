@@ -33,6 +33,8 @@ from flax import nnx
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
+from jax_mamba2 import backends
+from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers._tree import param_path
 from jax_mamba2.flax_layers.config import Mamba2Config
 from jax_mamba2.flax_layers.lm import Mamba2LMHeadModel
@@ -208,11 +210,21 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
     Raises:
       ValueError: listing the checkpoint tensors that match no parameter (unknown keys) and the parameters
         (with layer indices) that no tensor assigned, or a tensor of the wrong shape.
+      ValueError, TypeError: for a config.json that is not a Mamba-2 configuration (see `load_config`) or
+        whose mixer options `Mamba2` rejects, naming the file and the option; for an unknown backend or a
+        dtype that is not floating.
     """
+    backends.check_name(backend, "load_pretrained")  # the arguments first: errors below are config.json's
+    _checks.check_float_dtype("load_pretrained", "dtype", dtype)
+    _checks.check_float_dtype("load_pretrained", "param_dtype", param_dtype)
     config = load_config(path)
-    tensors = load_hf_state(path)
-    abstract = nnx.eval_shape(lambda: Mamba2LMHeadModel(config, backend=backend, dtype=dtype,
-                                                        param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+    try:
+        abstract = nnx.eval_shape(lambda: Mamba2LMHeadModel(config, backend=backend, dtype=dtype,
+                                                            param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+    except (ValueError, TypeError) as e:  # a mixer option of config.json that Mamba2 rejects, named by it
+        raise (TypeError if isinstance(e, TypeError) else ValueError)(
+            f"load_pretrained: {pathlib.Path(path) / 'config.json'}: {e}") from e
+    tensors = load_hf_state(path)  # after the config is known to build a model: weights can be large
     graphdef, abstract_state = nnx.split(abstract)
     shapes = {param_path(p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(abstract_state)}
     buffers = {path: np.zeros(shape, np.dtype(param_dtype)) for path, shape in shapes.items()}

@@ -75,6 +75,14 @@ def _require_keys(config: Mapping[str, Any], keys: Sequence[str], api: str) -> N
         raise ValueError(f"{api}: missing required keys {missing}")
 
 
+def _require_positive_ints(config: Mapping[str, Any], keys: Sequence[str], api: str) -> None:
+    """Each of `keys` that `config` has must be a positive int (checked before sizes are multiplied)."""
+    for key in keys:
+        value = config.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{api}: {key}={value!r} must be a positive int")
+
+
 def _freeze(value):
     """JSON lists become tuples so that the config stays hashable (it is static data under jit)."""
     return tuple(_freeze(v) for v in value) if isinstance(value, (list, tuple)) else value
@@ -98,6 +106,10 @@ class Mamba2Config:
       pad_vocab_size_multiple: the embedding rows are rounded up to a multiple of this.
       tie_embeddings: the LM head reuses the embedding matrix.
       norm_epsilon: epsilon of the block and final RMSNorms.
+
+    Raises:
+      ValueError, TypeError: for a field of the wrong type or value, naming it (the mixer options in
+        `ssm_cfg` are checked by name here, by value when `Mamba2` is built from them).
     """
 
     d_model: int
@@ -117,6 +129,14 @@ class Mamba2Config:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Mamba2Config: {name}={value!r} must be a positive int")
+        if not isinstance(self.ssm_cfg, Mapping):
+            raise TypeError(f"Mamba2Config: ssm_cfg={self.ssm_cfg!r} must be a mapping of Mamba2 options (a JSON "
+                            "object)")
+        for name in ("rms_norm", "residual_in_fp32", "fused_add_norm", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Mamba2Config: {name}={getattr(self, name)!r} must be a bool")
+        if isinstance(self.norm_epsilon, bool) or not isinstance(self.norm_epsilon, Real):
+            raise TypeError(f"Mamba2Config: norm_epsilon={self.norm_epsilon!r} must be a number > 0")
         if self.d_intermediate != 0:
             raise ValueError(f"Mamba2Config: d_intermediate={self.d_intermediate} must be 0 (MLP sub-blocks "
                              "are not supported)")
@@ -186,12 +206,15 @@ class Mamba2Config:
         n_groups > 1; this package follows mamba_ssm (group-wise), as HF's CUDA path does.
 
         Raises:
-          ValueError: for a missing hidden_size, num_hidden_layers or vocab_size, a model_type other than
-            "mamba2", `num_heads * head_dim != expand * hidden_size` (HF's own invariant), or an
-            unpadded_vocab_size that does not pad to vocab_size.
+          ValueError: for a missing hidden_size, num_hidden_layers or vocab_size, a size that is not a
+            positive int (hidden_size, num_hidden_layers, vocab_size, expand, head_dim, num_heads, ...), a
+            model_type other than "mamba2", `num_heads * head_dim != expand * hidden_size` (HF's own
+            invariant), or an unpadded_vocab_size that does not pad to vocab_size.
         """
         api = "Mamba2Config.from_hf"
         _require_keys(config, ("hidden_size", "num_hidden_layers", "vocab_size"), api)
+        _require_positive_ints(config, ("hidden_size", "num_hidden_layers", "vocab_size", "expand", "head_dim",
+                                        "num_heads", "unpadded_vocab_size", "pad_vocab_size_multiple"), api)
         if config.get("model_type", "mamba2") != "mamba2":
             raise ValueError(f"{api}: model_type={config['model_type']!r} must be 'mamba2'")
         get = config.get

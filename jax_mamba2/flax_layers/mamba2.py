@@ -12,6 +12,7 @@ returning the decode cache) and `step` (one token in O(1) from the cache, throug
 """
 import functools
 import math
+from numbers import Real
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +114,9 @@ class Mamba2(nnx.Module):
         if chunk_size & (chunk_size - 1):
             raise ValueError(f"Mamba2: chunk_size={chunk_size} must be a power of two")
         _checks.check_range("Mamba2", "A_init_range", A_init_range, low_min=0.0, strict_low=True)
+        for name, value in dict(dt_min=dt_min, dt_max=dt_max, dt_init_floor=dt_init_floor).items():
+            if isinstance(value, bool) or not isinstance(value, Real):
+                raise TypeError(f"Mamba2: {name}={value!r} must be a number")
         if not 0 < dt_min <= dt_max:
             raise ValueError(f"Mamba2: dt_min={dt_min}, dt_max={dt_max} must satisfy 0 < dt_min <= dt_max")
         if not dt_init_floor >= 0:

@@ -342,6 +342,7 @@ def test_checkpoint_save_replaces_the_checkpoint_and_keeps_other_files(tmp_path,
 # ------------------------------------------------------------------------------------------------
 MAMBA_SSM_TINY = {"d_model": 32, "n_layer": 3, "vocab_size": 61,
                   "ssm_cfg": {"d_state": 8, "headdim": 8, "ngroups": 2, "chunk_size": 8}}
+HF_TINY = Mamba2Config.from_mamba_ssm(MAMBA_SSM_TINY).to_hf()
 
 
 @pytest.mark.parametrize("text, error, message", [
@@ -362,6 +363,20 @@ MAMBA_SSM_TINY = {"d_model": 32, "n_layer": 3, "vocab_size": 61,
                  id="hf_mamba1"),
     pytest.param(json.dumps({"architectures": ["LlamaForCausalLM"]}), ValueError,
                  r"config.json has none of the keys \['d_model', 'n_layer', 'ssm_cfg'\]", id="unknown_format"),
+    pytest.param(json.dumps({**MAMBA_SSM_TINY, "ssm_cfg": [8, 8]}), TypeError,
+                 r"config.json: Mamba2Config: ssm_cfg=\[8, 8\] must be a mapping", id="ssm_cfg_list"),
+    pytest.param(json.dumps({**MAMBA_SSM_TINY, "ssm_cfg": {"d_state": "8"}}), ValueError,
+                 r"config.json: Mamba2: d_state='8' must be a positive int", id="mixer_option_string"),
+    pytest.param(json.dumps({**MAMBA_SSM_TINY, "ssm_cfg": {"chunk_size": 12}}), ValueError,
+                 r"config.json: Mamba2: chunk_size=12 must be a power of two", id="mixer_option_value"),
+    pytest.param(json.dumps({**MAMBA_SSM_TINY, "tie_embeddings": "false"}), TypeError,
+                 r"config.json: Mamba2Config: tie_embeddings='false' must be a bool", id="bool_string"),
+    pytest.param(json.dumps({**HF_TINY, "head_dim": "8"}), ValueError,
+                 r"config.json: Mamba2Config.from_hf: head_dim='8' must be a positive int", id="hf_size_string"),
+    pytest.param(json.dumps({**HF_TINY, "layer_norm_epsilon": "1e-5"}), TypeError,
+                 r"config.json: Mamba2Config: norm_epsilon='1e-5' must be a number", id="hf_epsilon_string"),
+    pytest.param(json.dumps({**HF_TINY, "time_step_min": "0.001"}), TypeError,
+                 r"config.json: Mamba2: dt_min='0.001' must be a number", id="hf_mixer_option_string"),
 ])
 def test_checkpoint_bad_config_file_errors_name_file_and_key(tmp_path, text, error, message):
     (tmp_path / "config.json").write_text(text)
@@ -384,6 +399,13 @@ def test_checkpoint_bad_index_errors_name_file_and_key(tmp_path, tiny_config, in
     (tmp_path / "model.safetensors.index.json").write_text(index if isinstance(index, str) else json.dumps(index))
     with pytest.raises(error, match=rf"load_pretrained: {tmp_path}/{message}"):
         load_pretrained(tmp_path)
+
+
+def test_checkpoint_load_rejects_bad_arguments_before_reading_the_directory(tmp_path):
+    with pytest.raises(ValueError, match=r"load_pretrained: backend='cuda' must be one of 'auto'"):
+        load_pretrained(tmp_path, backend="cuda")
+    with pytest.raises(TypeError, match=r"load_pretrained: param_dtype=.*int8.* must be None or a floating"):
+        load_pretrained(tmp_path, param_dtype=jnp.int8)
 
 
 def test_checkpoint_truncated_weights_error_names_the_file(tmp_path, tiny_config):

@@ -58,6 +58,24 @@ def test_config_rejects_bad_fields(changes, message):
         mamba2_130m(**changes)
 
 
+@pytest.mark.parametrize("changes, message", [
+    (dict(ssm_cfg=[("d_state", 8)]), r"Mamba2Config: ssm_cfg=\[\('d_state', 8\)\] must be a mapping"),
+    (dict(tie_embeddings="false"), r"Mamba2Config: tie_embeddings='false' must be a bool"),
+    (dict(residual_in_fp32=1), r"Mamba2Config: residual_in_fp32=1 must be a bool"),
+    (dict(norm_epsilon="1e-5"), r"Mamba2Config: norm_epsilon='1e-5' must be a number > 0"),
+])
+def test_config_rejects_fields_of_the_wrong_type(changes, message):
+    with pytest.raises(TypeError, match=message):
+        mamba2_130m(**changes)
+
+
+@pytest.mark.parametrize("key, value", [("hidden_size", "32"), ("num_heads", 24.0), ("expand", True),
+                                        ("unpadded_vocab_size", 0)])
+def test_config_from_hf_rejects_sizes_that_are_not_positive_ints(key, value):
+    with pytest.raises(ValueError, match=rf"Mamba2Config.from_hf: {key}={value!r} must be a positive int"):
+        Mamba2Config.from_hf({**HF_130M, key: value})
+
+
 def test_config_rejects_hybrid_attention_and_hf_inexpressible_options():
     with pytest.raises(ValueError, match=r"from_mamba_ssm: attn_layer_idx=\[9, 18\] must be empty"):
         Mamba2Config.from_mamba_ssm({**MAMBA_SSM_130M, "attn_layer_idx": [9, 18]})

@@ -219,6 +219,8 @@ def test_mamba2_rejects_bad_config(options, message):
     (dict(dt_limit=(0.5, 0.1)), ValueError, r"Mamba2: dt_limit=\(0.5, 0.1\) must satisfy 0.0 <= low <= high"),
     (dict(dt_limit=(-1.0, math.inf)), ValueError, r"Mamba2: dt_limit=\(-1.0, inf\) must satisfy"),
     (dict(A_init_range=16), TypeError, r"Mamba2: A_init_range=16 must be a pair of numbers"),
+    (dict(dt_min="0.001"), TypeError, r"Mamba2: dt_min='0.001' must be a number"),
+    (dict(dt_init_floor=None), TypeError, r"Mamba2: dt_init_floor=None must be a number"),
 ])
 def test_mamba2_rejects_bad_ranges(options, error, message):
     with pytest.raises(error, match=message):
