@@ -83,6 +83,25 @@ def _require_positive_ints(config: Mapping[str, Any], keys: Sequence[str], api: 
             raise ValueError(f"{api}: {key}={value!r} must be a positive int")
 
 
+def _require_bools(config: Mapping[str, Any], keys: Sequence[str], api: str) -> None:
+    """Each of `keys` that `config` has must be a bool (a JSON "false" string must not read as true)."""
+    for key in keys:
+        if key in config and not isinstance(config[key], bool):
+            raise TypeError(f"{api}: {key}={config[key]!r} must be a bool")
+
+
+def _require_positive_numbers(config: Mapping[str, Any], keys: Sequence[str], api: str) -> None:
+    """Each of `keys` that `config` has must be a positive int or float."""
+    for key in keys:
+        if key not in config:
+            continue
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{api}: {key}={value!r} must be a number")
+        if not value > 0:
+            raise ValueError(f"{api}: {key}={value!r} must be positive")
+
+
 def _freeze(value):
     """JSON lists become tuples so that the config stays hashable (it is static data under jit)."""
     return tuple(_freeze(v) for v in value) if isinstance(value, (list, tuple)) else value
@@ -206,15 +225,24 @@ class Mamba2Config:
         n_groups > 1; this package follows mamba_ssm (group-wise), as HF's CUDA path does.
 
         Raises:
+          TypeError: naming HF's key, for a flag that is not a bool (use_bias, tie_word_embeddings, ...) or a
+            time step / epsilon that is not a number.
           ValueError: for a missing hidden_size, num_hidden_layers or vocab_size, a size that is not a
-            positive int (hidden_size, num_hidden_layers, vocab_size, expand, head_dim, num_heads, ...), a
+            positive int (hidden_size, num_hidden_layers, vocab_size, expand, head_dim, num_heads, state_size,
+            conv_kernel, n_groups, chunk_size, ...), a time step or epsilon that is not positive, a
             model_type other than "mamba2", `num_heads * head_dim != expand * hidden_size` (HF's own
             invariant), or an unpadded_vocab_size that does not pad to vocab_size.
         """
         api = "Mamba2Config.from_hf"
         _require_keys(config, ("hidden_size", "num_hidden_layers", "vocab_size"), api)
+        # Checked under HF's own key names, before they are renamed into the mixer's options.
         _require_positive_ints(config, ("hidden_size", "num_hidden_layers", "vocab_size", "expand", "head_dim",
-                                        "num_heads", "unpadded_vocab_size", "pad_vocab_size_multiple"), api)
+                                        "num_heads", "unpadded_vocab_size", "pad_vocab_size_multiple",
+                                        "state_size", "conv_kernel", "n_groups", "chunk_size"), api)
+        _require_bools(config, ("use_bias", "use_conv_bias", "rms_norm", "residual_in_fp32", "fused_add_norm",
+                                "tie_word_embeddings"), api)
+        _require_positive_numbers(config, ("time_step_min", "time_step_max", "time_step_floor",
+                                           "layer_norm_epsilon"), api)
         if config.get("model_type", "mamba2") != "mamba2":
             raise ValueError(f"{api}: model_type={config['model_type']!r} must be 'mamba2'")
         get = config.get

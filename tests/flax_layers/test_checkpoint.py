@@ -374,9 +374,18 @@ HF_TINY = Mamba2Config.from_mamba_ssm(MAMBA_SSM_TINY).to_hf()
     pytest.param(json.dumps({**HF_TINY, "head_dim": "8"}), ValueError,
                  r"config.json: Mamba2Config.from_hf: head_dim='8' must be a positive int", id="hf_size_string"),
     pytest.param(json.dumps({**HF_TINY, "layer_norm_epsilon": "1e-5"}), TypeError,
-                 r"config.json: Mamba2Config: norm_epsilon='1e-5' must be a number", id="hf_epsilon_string"),
+                 r"config.json: Mamba2Config.from_hf: layer_norm_epsilon='1e-5' must be a number",
+                 id="hf_epsilon_string"),
     pytest.param(json.dumps({**HF_TINY, "time_step_min": "0.001"}), TypeError,
-                 r"config.json: Mamba2: dt_min='0.001' must be a number", id="hf_mixer_option_string"),
+                 r"config.json: Mamba2Config.from_hf: time_step_min='0.001' must be a number",
+                 id="hf_mixer_option_string"),
+    pytest.param(json.dumps({**HF_TINY, "time_step_floor": 0}), ValueError,
+                 r"config.json: Mamba2Config.from_hf: time_step_floor=0 must be positive", id="hf_number_zero"),
+    pytest.param(json.dumps({**HF_TINY, "state_size": "8"}), ValueError,
+                 r"config.json: Mamba2Config.from_hf: state_size='8' must be a positive int", id="hf_state_size"),
+    pytest.param(json.dumps({**HF_TINY, "tie_word_embeddings": "false"}), TypeError,
+                 r"config.json: Mamba2Config.from_hf: tie_word_embeddings='false' must be a bool",
+                 id="hf_bool_string"),
 ])
 def test_checkpoint_bad_config_file_errors_name_file_and_key(tmp_path, text, error, message):
     (tmp_path / "config.json").write_text(text)
