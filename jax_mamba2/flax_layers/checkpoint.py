@@ -25,6 +25,7 @@ import pathlib
 import re
 import secrets
 import shutil
+import socket
 
 import jax
 import jax.numpy as jnp
@@ -264,7 +265,8 @@ def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
     The save is atomic: the checkpoint is written into a new hidden directory beside `path`, which then
     replaces `path`; should the save fail or the process die before that, `path` keeps the previous
     checkpoint (or does not exist, if it did not), never a mix. (A process killed between the two renames of
-    the swap leaves the previous checkpoint, complete, in `.{name}.old-*` beside `path`.) Other files in
+    the swap leaves the previous checkpoint, complete, in `.{name}.old-*` beside `path`; the staging
+    directory of a killed save is deleted by the next save on the same host.) Other files in
     `path` (a tokenizer, ...) are carried over as hard links (copies where the file system has none).
 
     An unbounded `time_step_limit` is written as `[low, Infinity]`, the form mamba_ssm and transformers 4.x
@@ -286,6 +288,7 @@ def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
             name, layout = _checkpoint_name(model_path, layer)
             tensors[name] = _to_checkpoint_layout(array if layer is None else array[layer], layout)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_staging(path)
     staging = _sibling_path(path, "tmp")
     os.mkdir(staging)  # mode from the umask (tempfile.mkdtemp would make it private)
     try:
@@ -303,8 +306,34 @@ def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
 
 
 def _sibling_path(path: pathlib.Path, kind: str) -> pathlib.Path:
-    """A fresh hidden name beside `path` (same file system, so renames between them are atomic)."""
-    return path.with_name(f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+    """A fresh hidden name beside `path` (same file system, so renames between them are atomic), naming the
+    host and process that writes it."""
+    return path.with_name(f".{path.name}.{kind}-{_host_tag()}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname()) or "host"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _remove_abandoned_staging(path: pathlib.Path) -> None:
+    """Deletes the staging directories beside `path` that a save killed mid-way left behind: those written
+    on this host by a process that no longer runs (another host's, or a live process's, may still be in
+    use). The `.old-*` directories are kept: they hold a complete previous checkpoint."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.tmp-{re.escape(_host_tag())}-(\d+)-[0-9a-f]{{8}}")
+    for entry in path.parent.iterdir():
+        match = pattern.fullmatch(entry.name)
+        if match and entry.is_dir() and not _process_alive(int(match.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _carry_over(source: pathlib.Path, target: pathlib.Path, *, skip: tuple[str, ...]) -> None:

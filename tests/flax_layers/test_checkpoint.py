@@ -294,6 +294,28 @@ def test_checkpoint_save_crash_keeps_the_old_checkpoint(tmp_path, tiny_config, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # neither the target nor a staging dir
 
 
+def test_checkpoint_save_removes_only_staging_that_a_killed_save_left(tmp_path, tiny_config):
+    """A save killed mid-way leaves its staging directory; the next save on the host deletes it when its
+    process is gone, and keeps a live process's, another host's and a previous checkpoint set aside."""
+    import subprocess
+    import sys
+
+    target = tmp_path / "ckpt"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    host = checkpoint_module._host_tag()
+    names = {"abandoned": f".ckpt.tmp-{host}-{dead}-0123abcd", "live": f".ckpt.tmp-{host}-{os.getpid()}-4567cdef",
+             "other_host": f".ckpt.tmp-{host}x-{dead}-89abcdef", "set_aside": f".ckpt.old-{host}-{dead}-0123abcd",
+             "other_target": f".ckpt2.tmp-{host}-{dead}-0123abcd"}
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"partial")
+    save_pretrained(_random_model(tiny_config), target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", *(n for k, n in names.items()
+                                                                          if k != "abandoned")])
+    assert load_pretrained(target, backend="xla").config == tiny_config
+
+
 def test_checkpoint_save_failed_swap_restores_the_old_checkpoint(tmp_path, tiny_config, monkeypatch):
     target = tmp_path / "ckpt"
     save_pretrained(_random_model(tiny_config), target)
