@@ -137,3 +137,9 @@ def test_package_ships_its_type_marker_and_license():
     assert (REPO / "jax_mamba2" / "py.typed").is_file()
     assert "Apache License\n                           Version 2.0" in (REPO / "LICENSE").read_text()
     assert "License :: OSI Approved :: Apache Software License" in project["project"]["classifiers"]
+
+
+def test_package_metadata_has_keywords_and_https_urls():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert {"jax", "mamba2", "cutile"} <= set(project["keywords"])
+    assert project["urls"] and all(url.startswith("https://") for url in project["urls"].values())
