@@ -162,7 +162,7 @@ def next_token_loss(model, inputs, targets, loss_impl: str, logits_dtype: str | 
 
 
 def make_train_step(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0, abstract: bool = False,
-                    logits_dtype: str | None = None):
+                    logits_dtype: str | None = None, scan_layers: bool = True):
     """(step (params, opt_state, inputs, targets) -> (params, opt_state, loss), params, opt_state, inputs,
     targets); with `abstract`, the arrays are ShapeDtypeStructs (nothing allocated: enough to lower)."""
     import jax
@@ -174,7 +174,8 @@ def make_train_step(config: TrainConfig, backend: str, loss_impl: str, seed: int
 
     def make_model():
         return Mamba2LMHeadModel(mamba2_config(config), backend=backend, dtype=jnp.bfloat16,
-                                 param_dtype=jnp.float32, rngs=nnx.Rngs(seed))
+                                 param_dtype=jnp.float32, rngs=nnx.Rngs(seed),
+                                 **({} if scan_layers else {"scan_layers": False}))
 
     model = nnx.eval_shape(make_model) if abstract else make_model()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -234,12 +235,12 @@ def _cubins_compiled() -> list:
 
 
 def build_ours(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0, xla_options: dict | None = None,
-               logits_dtype: str | None = None):
+               logits_dtype: str | None = None, scan_layers: bool = True):
     """(compiled step (params, opt_state, inputs, targets) -> (params, opt_state, loss), params, opt_state,
     inputs, targets, the seconds of `compile_step`): the model's parameters and AdamW state donated to
     every call."""
     step, params, opt_state, inputs, targets = make_train_step(config, backend, loss_impl, seed,
-                                                               logits_dtype=logits_dtype)
+                                                               logits_dtype=logits_dtype, scan_layers=scan_layers)
     compiled, seconds = compile_step(step, params, opt_state, inputs, targets, xla_options=xla_options)
     return compiled, params, opt_state, inputs, targets, seconds
 
@@ -272,7 +273,8 @@ def record_name(job: dict) -> str:
     """A file name for what a job measures: config, implementation, logits dtype and XLA options."""
     options = "".join(f"-{k}={v}" for k, v in sorted((job.get("xla_options") or {}).items()))
     logits = f"-{job['logits_dtype']}-logits" if job.get("logits_dtype") else ""
-    return f"{job['config']}-{job['impl']}{logits}{options}"
+    layers = "-unrolled" if job.get("scan_layers") is False else ""
+    return f"{job['config']}-{job['impl']}{logits}{layers}{options}"
 
 
 def save_hlo(text: str, directory: Path, name: str) -> Path:
@@ -297,7 +299,8 @@ def train_ours(job: dict) -> dict:
     began = time.perf_counter()
     compiled, params, opt_state, inputs, targets, first_step = build_ours(config, job["impl"], loss_impl,
                                                                           xla_options=job.get("xla_options"),
-                                                                          logits_dtype=job.get("logits_dtype"))
+                                                                          logits_dtype=job.get("logits_dtype"),
+                                                                          scan_layers=job.get("scan_layers", True))
     compile_s = time.perf_counter() - began
     state = {"params": params, "opt_state": opt_state}
     losses = []
@@ -320,6 +323,7 @@ def train_ours(job: dict) -> dict:
                                                   "alias_size_in_bytes", "temp_size_in_bytes")},
         "environment": environment(), "xla_options": job.get("xla_options") or {},
         "logits_dtype": job.get("logits_dtype") if loss_impl == "model" else None,
+        "scan_layers": job.get("scan_layers", True),
     }
     hlo_text = compiled.as_text() if job["profile_steps"] or job.get("hlo_dir") else None
     if job.get("hlo_dir"):
@@ -434,7 +438,8 @@ def label(record: dict) -> str:
         return f"mamba_ssm Mamba2 modules (PyTorch), {path}"
     options = record.get("xla_options") or {}
     logits = f", {record['logits_dtype']} logits" if record.get("logits_dtype") else ""
-    return LABELS[record["impl"]] + logits + "".join(f", {k}={v}" for k, v in sorted(options.items()))
+    layers = ", layers unrolled" if record.get("scan_layers") is False else ""
+    return LABELS[record["impl"]] + logits + layers + "".join(f", {k}={v}" for k, v in sorted(options.items()))
 
 
 def format_table(records: list[dict]) -> str:
@@ -467,8 +472,10 @@ def _pct(value) -> str:
 
 
 def _default_ours(record: dict) -> bool:
-    """A record of ours as a user runs it: the cutile backend, no XLA options, the loss's own logits dtype."""
-    return record["impl"] == "cutile" and not record.get("xla_options") and not record.get("logits_dtype")
+    """A record of ours as a user runs it: the cutile backend, no XLA options, the loss's own logits dtype,
+    the layer scan."""
+    return (record["impl"] == "cutile" and not record.get("xla_options") and not record.get("logits_dtype")
+            and record.get("scan_layers") is not False)
 
 
 def plot(records: list[dict], path: Path) -> Path:
@@ -537,6 +544,8 @@ def parse_args(argv=None):
     parser.add_argument("--logits-dtype", choices=("float32", "bfloat16"), default=None,
                         help="ours, --loss model: the dtype the loss stores its logits in (default: the model "
                              "loss's own, float32)")
+    parser.add_argument("--unroll-layers", action="store_true",
+                        help="ours: Mamba2LMHeadModel(scan_layers=False), the blocks unrolled (default: one scan)")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="ours: an XLA compiler option of the step, e.g. "
                              "xla_gpu_enable_dynamic_slice_fusion=false (repeatable; default: none)")
@@ -567,10 +576,10 @@ def xla_options(specs: list[str]) -> dict:
 
 
 def record_key(record: dict) -> tuple:
-    """What a record measured: config, implementation, the XLA options and logits dtype of ours (a rerun
-    replaces it)."""
+    """What a record measured: config, implementation, the XLA options, logits dtype and layer unrolling of
+    ours (a rerun replaces it)."""
     return (record["config"], record["impl"], tuple(sorted((record.get("xla_options") or {}).items())),
-            record.get("logits_dtype"))
+            record.get("logits_dtype"), record.get("scan_layers") is False)
 
 
 def jobs(args) -> list[dict]:
@@ -579,6 +588,7 @@ def jobs(args) -> list[dict]:
              "profile_steps": 0 if args.no_profile or impl not in OURS else args.profile_steps,
              "loss": args.loss, **(peers if impl not in OURS else {"xla_options": xla_options(args.xla_option),
                                                           "logits_dtype": args.logits_dtype,
+                                                          "scan_layers": not args.unroll_layers,
                                                           "hlo_dir": args.hlo_dir and str(args.hlo_dir)})}
             for config in args.configs for impl in args.impls]
 

@@ -13,6 +13,7 @@ from flax import nnx
 
 from jax_mamba2 import backends
 from jax_mamba2 import norm as norm_op
+from jax_mamba2.checks import check_flag
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers.cache import Mamba2Cache
 from jax_mamba2.flax_layers.config import Mamba2Config
@@ -100,6 +101,10 @@ class Mamba2LMHeadModel(nnx.Module):
       config: the model configuration.
       backend, deterministic_backward, save_chunk_states: every mixer's SSD options (see `Mamba2`).
       remat: rematerialize each block in the backward pass (`nnx.remat`), trading compute for memory.
+      scan_layers: run the blocks as one `nnx.scan` over the stacked layers (default: XLA compiles one
+        block), or unrolled, each block on its slice of the stacked parameters (False: XLA compiles every
+        block, so compiling takes longer; the program has no layer loop, so the activations the backward
+        keeps need not be copied into per-layer stacks, and a decode step is one straight-line program).
       dtype: computation dtype (default: None, inferred; e.g. jnp.bfloat16 with float32 parameters).
       param_dtype: parameter dtype (default: float32).
       rngs: parameter initialization keys.
@@ -113,9 +118,11 @@ class Mamba2LMHeadModel(nnx.Module):
     """
 
     def __init__(self, config: Mamba2Config, *, backend: str = "auto", deterministic_backward: bool = False,
-                 save_chunk_states: bool = True, remat: bool = False, dtype=None, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
-        self.config, self.remat, self.dtype = config, remat, dtype
+                 save_chunk_states: bool = True, remat: bool = False, scan_layers: bool = True, dtype=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        remat, scan_layers = (check_flag("Mamba2LMHeadModel", name, value)
+                              for name, value in (("remat", remat), ("scan_layers", scan_layers)))
+        self.config, self.remat, self.scan_layers, self.dtype = config, remat, scan_layers, dtype
         vocab = config.padded_vocab_size
         self.embedding = nnx.Embed(vocab, config.d_model, dtype=dtype, param_dtype=param_dtype,
                                    embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
@@ -201,8 +208,12 @@ class Mamba2LMHeadModel(nnx.Module):
 
         if self.remat:
             block_forward = nnx.remat(block_forward)
-        hidden, residual = nnx.scan(block_forward, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
-            (hidden, residual), self.layers)
+        if self.scan_layers:
+            hidden, residual = nnx.scan(block_forward, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
+                (hidden, residual), self.layers)
+        else:
+            hidden, residual = self._unrolled(lambda carry, block: (block_forward(carry, block), None),
+                                              (hidden, residual))[0]
         return self._final_norm(hidden, residual)
 
     def prefill(self, input_ids, cache: Mamba2Cache | None = None):
@@ -259,9 +270,25 @@ class Mamba2LMHeadModel(nnx.Module):
             hidden, residual, layer_cache = getattr(block, method)(*carry, layer_cache)
             return (hidden, residual), layer_cache
 
-        (hidden, residual), cache = nnx.scan(block_call, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))(
-            (hidden, residual), self.layers, cache)
+        if self.scan_layers:
+            (hidden, residual), cache = nnx.scan(block_call, in_axes=(nnx.Carry, 0, 0),
+                                                 out_axes=(nnx.Carry, 0))((hidden, residual), self.layers, cache)
+        else:
+            (hidden, residual), cache = self._unrolled(block_call, (hidden, residual), cache)
         return hidden, residual, cache
+
+    def _unrolled(self, fn, carry, *per_layer):
+        """`fn(carry, block, *slices) -> (carry, out)` for each layer in turn, `block` built on the layer's
+        slice of the stacked parameters and `slices` the layers' slices of `per_layer` (leading (n_layer,)
+        axis); returns (carry, the outs stacked on a leading (n_layer,) axis, or None)."""
+        graphdef, state = nnx.split(self.layers)
+        outs = []
+        for layer in range(self.config.n_layer):
+            block = nnx.merge(graphdef, jax.tree.map(lambda a: a[layer], state))
+            carry, out = fn(carry, block, *jax.tree.map(lambda a: a[layer], per_layer))
+            outs.append(out)
+        stacked = None if outs[0] is None else jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+        return carry, stacked
 
     def _embed(self, input_ids):
         hidden = self.embedding(input_ids)

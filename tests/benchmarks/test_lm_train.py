@@ -152,3 +152,17 @@ def test_logits_dtype_reaches_the_model_loss_and_keys_the_record():
         text = str(jax.make_jaxpr(step)(*args))
         bf16_products[dtype] = text.count("preferred_element_type=bfloat16")
     assert bf16_products["bfloat16"] == bf16_products[None] + 2
+
+
+def test_unroll_layers_reaches_the_model_and_keys_the_record():
+    args = lm_train.parse_args(["--impls", "cutile", "mamba_ssm", "--unroll-layers"])
+    ours, peer = lm_train.jobs(args)
+    assert ours["scan_layers"] is False and "scan_layers" not in peer
+    plain = {"config": "d1024-l24-8x2048", "impl": "cutile"}
+    assert lm_train.record_key(plain) != lm_train.record_key({**plain, "scan_layers": False})
+    assert lm_train.record_key(plain) == lm_train.record_key({**plain, "scan_layers": True})
+    assert lm_train.label({**plain, "scan_layers": False}).endswith(", layers unrolled")
+    config = lm_train.TrainConfig.parse("d64-l2-1x32")
+    step, *step_args = lm_train.make_train_step(config, "xla", "model", abstract=True, scan_layers=False)
+    assert "length=2" not in str(jax.make_jaxpr(step)(*step_args))  # no scan over the two layers
+
