@@ -33,7 +33,7 @@ On the GPU machine (each line < 10 minutes; add JAX_MAMBA2_GIT_SHA=<commit>):
   JAX_MAMBA2_AUTOTUNE=0 python benchmarks/lm_decode.py --configs mamba2-370m --mamba-ssm .peers --out $OUT
   JAX_MAMBA2_AUTOTUNE=0 python benchmarks/lm_decode.py --configs d1024-l24 --impls cutile --command-buffers off loop \\
       --out $OUT
-Writes <out>/lm_decode_h200.json (records merged by (config, impl, param_dtype, command_buffers) with earlier
+Writes <out>/lm_decode_h200.json (records merged by (config, impl, param_dtype, command_buffers, unrolled) with earlier
 runs of the same file) and lm_decode_h200.png, then prints the table.
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ def ours_model(job: dict):
     from jax_mamba2.flax_layers import Mamba2LMHeadModel, cast_params
 
     model = Mamba2LMHeadModel(lm_config(job["config"]), backend=job["impl"], dtype=jnp.bfloat16,
-                              param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+                              param_dtype=jnp.float32, scan_layers=job.get("scan_layers", True), rngs=nnx.Rngs(0))
     return cast_params(model, jnp.bfloat16) if job["param_dtype"] == "bfloat16" else model
 
 
@@ -285,7 +285,8 @@ def derive(record: dict) -> dict:
 def label(record: dict) -> str:
     text = f"{LABELS[record['impl']]}, {record['param_dtype']} params"
     if record["impl"] in OURS:
-        return f"{text}, command buffers {record['command_buffers']}"
+        layers = ", layers unrolled" if record.get("scan_layers") is False else ""
+        return f"{text}, command buffers {record['command_buffers']}{layers}"
     conv = record.get("causal_conv1d")
     return f"{text}, {'causal_conv1d ' + conv if conv else 'no causal_conv1d'}"
 
@@ -352,6 +353,8 @@ def parse_args(argv=None):
                         default=["float32", "bfloat16"])
     parser.add_argument("--command-buffers", nargs="+", choices=tuple(COMMAND_BUFFER_FLAGS), default=["default"],
                         help="ours: XLA command buffers per process (default: default)")
+    parser.add_argument("--unroll-layers", action="store_true",
+                        help="ours: Mamba2LMHeadModel(scan_layers=False), the blocks unrolled (default: one scan)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
     parser.add_argument("--prompt-lengths", nargs="*", type=int, default=[512, 2048])
     parser.add_argument("--decode-steps", type=int, default=128, help="timed token steps per round (default: 128)")
@@ -385,8 +388,16 @@ def jobs(args) -> list[tuple[dict, dict]]:
                 for buffers in args.command_buffers:
                     flags = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), COMMAND_BUFFER_FLAGS[buffers]]))
                     out.append(({**common, "config": config, "impl": impl, "param_dtype": param_dtype,
-                                 "command_buffers": buffers}, {"XLA_FLAGS": flags} if flags else {}))
+                                 "command_buffers": buffers, "scan_layers": not args.unroll_layers},
+                                {"XLA_FLAGS": flags} if flags else {}))
     return out
+
+
+def record_key(record: dict) -> tuple:
+    """What a record measured (a rerun replaces it): config, implementation, parameter dtype, command buffers
+    and, for ours, whether the layers were unrolled."""
+    return (record["config"], record["impl"], record["param_dtype"], record.get("command_buffers"),
+            record.get("scan_layers") is False)
 
 
 def main(argv=None) -> int:
@@ -404,7 +415,7 @@ def main(argv=None) -> int:
         print(format_table([record]) + f"\n({time.perf_counter() - began:.0f} s)", flush=True)
         results = lm_bench.merge_results(
             path, "lm_decode", records,
-            key=lambda r: (r["config"], r["impl"], r["param_dtype"], r.get("command_buffers")))
+            key=record_key)
     print(f"\nwrote {path}\n\n{format_table(results['records'])}")
     print(f"plot: {plot(results['records'], args.out / 'lm_decode_h200.png')}")
     return 0

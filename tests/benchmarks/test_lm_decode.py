@@ -34,6 +34,17 @@ def test_jobs_set_xla_flags_per_process_for_ours_only():
 
 
 @pytest.mark.slow
+def test_unroll_layers_reaches_ours_and_keys_the_record():
+    args = lm_decode.parse_args(["--configs", "d64-l1", "--impls", "cutile", "mamba_ssm", "--unroll-layers",
+                                 "--param-dtypes", "bfloat16"])
+    (ours, _), (peer, _) = lm_decode.jobs(args)
+    assert ours["scan_layers"] is False and "scan_layers" not in peer
+    plain = {"config": "d64-l1", "impl": "cutile", "param_dtype": "bfloat16", "command_buffers": "default"}
+    assert lm_decode.record_key(plain) != lm_decode.record_key({**plain, "scan_layers": False})
+    assert lm_decode.label({**plain, "scan_layers": False}).endswith(", layers unrolled")
+    assert not lm_decode.ours_model({**plain, "impl": "xla", "scan_layers": False}).scan_layers
+
+
 def test_the_jax_worker_writes_step_times_prefill_and_floors(tmp_path):
     argv = ["--configs", "d64-l1", "--impls", "xla", "--param-dtypes", "bfloat16", "--batches", "1", "2",
             "--prompt-lengths", "32", "--decode-steps", "64", "--repeats", "2", "--warmup-seconds", "0",
