@@ -174,8 +174,7 @@ def make_train_step(config: TrainConfig, backend: str, loss_impl: str, seed: int
 
     def make_model():
         return Mamba2LMHeadModel(mamba2_config(config), backend=backend, dtype=jnp.bfloat16,
-                                 param_dtype=jnp.float32, rngs=nnx.Rngs(seed),
-                                 **({} if scan_layers else {"scan_layers": False}))
+                                 param_dtype=jnp.float32, scan_layers=scan_layers, rngs=nnx.Rngs(seed))
 
     model = nnx.eval_shape(make_model) if abstract else make_model()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -323,7 +322,6 @@ def train_ours(job: dict) -> dict:
                                                   "alias_size_in_bytes", "temp_size_in_bytes")},
         "environment": environment(), "xla_options": job.get("xla_options") or {},
         "logits_dtype": job.get("logits_dtype") if loss_impl == "model" else None,
-        "scan_layers": job.get("scan_layers", True),
     }
     hlo_text = compiled.as_text() if job["profile_steps"] or job.get("hlo_dir") else None
     if job.get("hlo_dir"):
