@@ -16,7 +16,7 @@ On the GPU machine:
   python benchmarks/first_step.py --cutile-cache /tmp/cubins --out $OUT      # twice: the second process
 On a machine without a GPU, --lower-only traces and lowers for sm_90 with abstract parameters (no model,
 XLA compile or run). Adds one record to <out>/first_step.json, in place of an earlier one of the same
-config, impl, lower_only and cache state (empty or not).
+config, impl, lower_only, cache state (empty or not) and layer mode (--unroll-layers).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _cache_entries(folder: str) -> int:
     return sum(1 for _ in cache_entries(folder)) if os.path.isfile(os.path.join(folder, "cache.db")) else 0
 
 
-def first_step(config_name: str, impl: str, lower_only: bool, cutile_cache: str) -> dict:
+def first_step(config_name: str, impl: str, lower_only: bool, cutile_cache: str, scan_layers: bool = True) -> dict:
     """The record of one first step (see the module docstring); cuda.tile must not be imported yet."""
     os.environ["CUDA_TILE_CACHE_DIR"] = cutile_cache  # read once, when cuda.tile is imported
     import contextlib
@@ -51,11 +51,12 @@ def first_step(config_name: str, impl: str, lower_only: bool, cutile_cache: str)
 
     config = lm_train.TrainConfig.parse(config_name)
     record = {"config": config_name, "impl": impl, "lower_only": lower_only, "cutile_cache": cutile_cache,
-              "cutile_cache_entries_before": _cache_entries(cutile_cache), "cpu_count": os.cpu_count()}
+              "cutile_cache_entries_before": _cache_entries(cutile_cache), "cpu_count": os.cpu_count(),
+              "scan_layers": scan_layers}
     loss_impl = lm_train.choose_loss("auto", Mamba2LMHeadModel)
     with aot.cuda_target("sm_90") if lower_only else contextlib.nullcontext():
         began = time.perf_counter()
-        step, *args = lm_train.make_train_step(config, impl, loss_impl, abstract=lower_only)
+        step, *args = lm_train.make_train_step(config, impl, loss_impl, abstract=lower_only, scan_layers=scan_layers)
         if not lower_only:
             jax.block_until_ready(args)
         record["model_s"] = time.perf_counter() - began
@@ -78,6 +79,8 @@ def main(argv=None) -> int:
                         help=f"d<width>-l<layers>-<batch>x<seqlen> (default: {lm_train.DEFAULT_CONFIG})")
     parser.add_argument("--impl", choices=lm_train.OURS, default="cutile", help="the SSD backend (default: cutile)")
     parser.add_argument("--lower-only", action="store_true", help="trace and lower for sm_90 only (no GPU needed)")
+    parser.add_argument("--unroll-layers", action="store_true",
+                        help="Mamba2LMHeadModel(scan_layers=False), the blocks unrolled (default: one scan)")
     parser.add_argument("--cutile-cache", help="cuTile's disk cache folder (default: a new empty one)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
@@ -86,15 +89,17 @@ def main(argv=None) -> int:
     except ValueError as e:
         parser.error(str(e))
     with tempfile.TemporaryDirectory(prefix="cutile_cache_") as empty:
-        record = first_step(args.config, args.impl, args.lower_only, args.cutile_cache or empty)
+        record = first_step(args.config, args.impl, args.lower_only, args.cutile_cache or empty,
+                            scan_layers=not args.unroll_layers)
     if not args.cutile_cache:
         record["cutile_cache"] = "a new empty folder"
     path = args.out / "first_step.json"
     lm_bench.merge_results(path, "first_step", [record], key=lambda r: (
-        r["config"], r["impl"], r["lower_only"], r["cutile_cache_entries_before"] > 0))
+        r["config"], r["impl"], r["lower_only"], r["cutile_cache_entries_before"] > 0, r.get("scan_layers", True)))
     stages = ", ".join(f"{k} {record[k]:.2f}" for k in ("model_s", "trace_s", "lower_s", "xla_compile_s", "run_s")
                        if record.get(k) is not None)
-    print(f"{args.config} {args.impl}: first step {record['first_step_s']:.1f} s ({stages}); "
+    layers = ", layers unrolled" if args.unroll_layers else ""
+    print(f"{args.config} {args.impl}{layers}: first step {record['first_step_s']:.1f} s ({stages}); "
           f"{record['cubins_compiled']} cubins compiled\nwrote {path}")
     return 0
 
