@@ -43,12 +43,13 @@ def run_example(name: str, *args: str) -> str:
 
 @pytest.fixture(scope="module")
 def trained_lm(tmp_path_factory):
-    """examples/train_lm.py run for 2 steps, then resumed to 3: (out folder, stdout of the resumed run)."""
+    """examples/train_lm.py run for 2 steps, then resumed to 3 with the blocks unrolled (the checkpoint holds the
+    same stacked parameters either way): (out folder, stdout of the resumed run)."""
     out = tmp_path_factory.mktemp("examples")
     flags = [*TINY_LM, "--eval-every", "2", "--eval-batches", "1", "--sample-tokens", "8", "--data-mb", "0.3",
              "--out", str(out)]
     run_example("train_lm", "--steps", "2", *flags)
-    return out, run_example("train_lm", "--steps", "3", "--resume", *flags)
+    return out, run_example("train_lm", "--steps", "3", "--resume", "--unroll-layers", *flags)
 
 
 def test_train_lm_trains_checkpoints_restores_and_samples(trained_lm):
