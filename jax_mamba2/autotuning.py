@@ -14,7 +14,8 @@ def autotune(fn: Callable, *args, **kwargs) -> list:
     and stored in the tuning cache (`$JAX_MAMBA2_CACHE_DIR`, default ~/.cache/jax_mamba2/), so that the
     later `jax.jit(fn)` runs the tuned configs. JAX's caches are cleared before the trace (a program
     traced before would not ask for its configs again) and after tuning where a config changed.
-    Tuning a plan takes minutes of kernel compiles the first time, nothing once cached. Problems of fewer
+    Tuning a plan takes kernel compiles (each stage's configs compiled concurrently, then timed) the first
+    time, nothing once cached. Problems of fewer
     than 2^17 (token, head) pairs keep their defaults (launch-bound: not worth tuning).
 
     Example:

@@ -312,6 +312,11 @@ def test_tune_stages_times_each_config_on_its_plan_buffers_and_rezeroes_atomic_s
                     for i, c in enumerate(reversed(space))]
         return ct.tune.TuningResult(best=measured[0], successes=measured, failures=[])
 
+    def record_compiles(launches, launch_fn):  # what the search's concurrent compiles are given
+        events.append(("precompile", [(grid, [np.shape(a) for a in args]) for _, grid, args in launches]))
+        return []
+
+    monkeypatch.setattr(timing.precompile, "record_compiles", record_compiles)
     fake_ct = types.SimpleNamespace(launch=launch, compiler_timeout=lambda s: contextlib.nullcontext(),
                                     tune=types.SimpleNamespace(exhaustive_search=exhaustive_search))
     monkeypatch.setattr(timing, "ct", fake_ct)
@@ -333,8 +338,16 @@ def test_tune_stages_times_each_config_on_its_plan_buffers_and_rezeroes_atomic_s
             assert events[i][:3] == ("launch", launch_.grid, launch_.kernel), (stage, events[i][:3])
             assert events[i][3] == [arrays[a].shape if isinstance(a, str) else () for a in launch_.args]
             i += 1
-        kind, runs = events[i]
-        i += 1
+        # Every config's launch of the stage was handed to the concurrent compiles first.
+        expected = []
+        for cfg in timing.search_space(stage, dims, "sm_90"):
+            plan = backward_plan(dims, {**configs, stage: cfg})
+            arrays = {**backward_inputs(dims), **plan.buffers}
+            timed = plan.launches[index]
+            expected.append((timed.grid, [arrays[a].shape if isinstance(a, str) else () for a in timed.args]))
+        assert events[i] == ("precompile", expected), stage
+        kind, runs = events[i + 1]
+        i += 2
         assert kind == "search" and list(runs) == timing.search_space(stage, dims, "sm_90")
         for cfg, cfg_runs in runs.items():
             plan = backward_plan(dims, {**configs, stage: cfg})

@@ -22,6 +22,7 @@ import cuda.tile as ct
 import jax
 import jax.numpy as jnp
 
+from jax_mamba2.bridge.tuning import precompile
 from jax_mamba2.bridge.tuning.cache_keys import STAGES
 from jax_mamba2.kernels import backward as backward_kernels
 from jax_mamba2.kernels import forward as forward_kernels
@@ -237,7 +238,9 @@ def _tune_one(stage: str, dims: SSDDims, timed: Mapping[Any, _TimedLaunch], libr
             return _launch_args(timed[cfg].launch, timed[cfg].arrays)
 
         start = time.perf_counter()
-        with ct.compiler_timeout(COMPILE_TIMEOUT_S):
+        with ct.compiler_timeout(COMPILE_TIMEOUT_S), precompile.compiled_ahead(
+                [(t.launch.kernel, t.launch.grid, _launch_args(t.launch, t.arrays)) for t in timed.values()],
+                lambda kernel, grid, args: ct.launch(stream, grid, kernel, args)):
             result = ct.tune.exhaustive_search(
                 space, stream, lambda cfg: timed[cfg].launch.grid, kernel_of, args_of, quiet=True)
         seconds = time.perf_counter() - start
