@@ -1,5 +1,5 @@
 """Runs the cuTile kernels from JAX; importing it registers the "cutile" backends of every op (`ssd`, the conv,
-the norms).
+the norms, the LM loss's softmax).
 
   cutile           each kernel launch is an XLA FFI custom call (cuda.tile.jax.cutile_call) on XLA's
                    stream; compiled when the program is lowered; CUDA-graph compatible.
@@ -18,7 +18,7 @@ except ModuleNotFoundError as e:
     raise ModuleNotFoundError("cuda-tile is not installed (pip install 'jax-mamba2[cuda]')", name=e.name) from e
 
 from jax_mamba2 import backends
-from jax_mamba2.bridge import callback, conv_ops, ffi, norm_ops, ops, problem
+from jax_mamba2.bridge import callback, conv_ops, ffi, loss_ops, norm_ops, ops, problem
 
 backends.register_backend(backends.Backend(
     name="cutile", forward=ops.make_forward(ffi.run_plan),
@@ -42,3 +42,7 @@ backends.register_backend(backends.LayerBackend("cutile", norm_ops.KERNELS["cuti
                                                 auto_priority=2), op="rms_norm")
 backends.register_backend(backends.LayerBackend("cutile_callback", norm_ops.KERNELS["cutile_callback"],
                                                 norm_ops.unsupported_reason), op="rms_norm")
+backends.register_backend(backends.LayerBackend("cutile", loss_ops.KERNELS["cutile"], loss_ops.unsupported_reason,
+                                                auto_priority=2), op="cross_entropy")
+backends.register_backend(backends.LayerBackend("cutile_callback", loss_ops.KERNELS["cutile_callback"],
+                                                loss_ops.unsupported_reason), op="cross_entropy")

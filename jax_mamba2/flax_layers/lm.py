@@ -15,11 +15,11 @@ from jax_mamba2 import backends
 from jax_mamba2 import norm as norm_op
 from jax_mamba2.checks import check_flag
 from jax_mamba2.flax_layers import _checks
+from jax_mamba2.flax_layers import loss as loss_op
 from jax_mamba2.flax_layers.cache import Mamba2Cache
 from jax_mamba2.flax_layers.config import Mamba2Config
 from jax_mamba2.flax_layers.initializers import torch_uniform
 from jax_mamba2.flax_layers.mamba2 import Mamba2
-from jax_mamba2.flax_layers.loss import chunked_cross_entropy
 from jax_mamba2.flax_layers.norm import RMSNorm
 
 
@@ -99,7 +99,8 @@ class Mamba2LMHeadModel(nnx.Module):
 
     Args:
       config: the model configuration.
-      backend, deterministic_backward, save_chunk_states: every mixer's SSD options (see `Mamba2`).
+      backend, deterministic_backward, save_chunk_states: every mixer's SSD options (see `Mamba2`); the norms
+        and the loss's softmax follow the backend (see `backends.for_op`).
       remat: rematerialize each block in the backward pass (`nnx.remat`), trading compute for memory.
       scan_layers: run the blocks as one `nnx.scan` over the stacked layers (default: XLA compiles one
         block), or unrolled, each block on its slice of the stacked parameters (False: XLA compiles every
@@ -123,6 +124,7 @@ class Mamba2LMHeadModel(nnx.Module):
         remat, scan_layers = (check_flag("Mamba2LMHeadModel", name, value)
                               for name, value in (("remat", remat), ("scan_layers", scan_layers)))
         self.config, self.remat, self.scan_layers, self.dtype = config, remat, scan_layers, dtype
+        self.loss_backend = backends.for_op(backend, loss_op.OP)
         vocab = config.padded_vocab_size
         self.embedding = nnx.Embed(vocab, config.d_model, dtype=dtype, param_dtype=param_dtype,
                                    embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
@@ -195,9 +197,9 @@ class Mamba2LMHeadModel(nnx.Module):
         weight = (dict(embedding=self.embedding.embedding[...]) if self.lm_head is None else
                   dict(head_weight=self.lm_head.kernel[...]))
         hidden = self._final_hidden(input_ids)
-        return chunked_cross_entropy(hidden, targets, **weight, vocab_size=self.config.vocab_size,
-                                     chunk_tokens=chunk_tokens, ignore_index=ignore_index, dtype=self.dtype,
-                                     logits_dtype=logits_dtype)
+        return loss_op.chunked_cross_entropy(hidden, targets, **weight, vocab_size=self.config.vocab_size,
+                                             chunk_tokens=chunk_tokens, ignore_index=ignore_index, dtype=self.dtype,
+                                             logits_dtype=logits_dtype, backend=self.loss_backend)
 
     def _final_hidden(self, input_ids):
         """input_ids (batch, seqlen) -> the final norm's output (batch, seqlen, d_model)."""

@@ -14,6 +14,12 @@ Padded vocabulary columns (an embedding of `padded_vocab_size` > `vocab_size` ro
 softmax: they are not tokens, so the loss does not depend on the padding multiple and their rows get zero
 gradient. (mamba_ssm's LM returns the padded logits and leaves the loss to the user; HF transformers'
 Mamba2ForCausalLM takes the softmax over all of them. The examples here have always sliced them off.)
+
+The softmax of each chunk (its logsumexp and target logit forward, its gradient backward) is the op
+"cross_entropy" of `jax_mamba2.backends`: "xla" (the fusions below, registered here) or the cuTile kernels
+("cutile", "cutile_callback": kernels/cross_entropy.py, cross_entropy_bwd.py, registered by the bridge), which
+read a chunk's logits once forward and read them once and write their gradient once backward. The head
+matmuls, the chunking and the custom VJP are the same for every backend.
 """
 from __future__ import annotations
 
@@ -25,7 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mamba2 import backends as registry
 from jax_mamba2._vma import reduce_to_primal_axes, varying_axes
+
+OP = "cross_entropy"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,21 +45,27 @@ class _LossStatic:
     embedding_layout: bool  # weight is (vocab, d) (a tied embedding), else (d, vocab)
     dtype: str               # the matmul operands' dtype
     logits_dtype: str        # the head product's result dtype; softmax math runs in the accumulation dtype
+    # The softmax's backends as `backends.select` chose them: [one], or "auto"'s [kernel, xla fallback].
+    backends: tuple = ()
 
 
 def _accumulation_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
 
 
-def _logits(static: _LossStatic, hidden, weight):
-    """(chunk, d) x weight -> (chunk, padded vocab) logits in the accumulation dtype, padded columns -inf.
+def _head_logits(static: _LossStatic, hidden, weight):
+    """(chunk, d) x weight -> (chunk, padded vocab) logits as the head product stores them.
 
     The product accumulates in float32 and is stored as `static.logits_dtype`: a bfloat16 store halves the
     bytes each chunk's logits cost to write and read back (what mixed-precision PyTorch LMs compute) and is
-    widened again inside the fusions that take the softmax."""
+    widened again where the softmax is taken."""
     contract = (1,) if static.embedding_layout else (0,)
-    logits = jax.lax.dot_general(hidden.astype(static.dtype), weight, (((1,), contract), ((), ())),
-                                 preferred_element_type=static.logits_dtype)
+    return jax.lax.dot_general(hidden.astype(static.dtype), weight, (((1,), contract), ((), ())),
+                               preferred_element_type=static.logits_dtype)
+
+
+def _softmax_logits(static: _LossStatic, logits):
+    """Stored logits -> the accumulation dtype, padded columns -inf (outside the softmax)."""
     logits = logits.astype(_accumulation_dtype(static.dtype))
     if static.vocab_size < logits.shape[-1]:
         columns = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
@@ -77,18 +92,64 @@ def _chunked(static: _LossStatic, hidden, labels):
     return hidden, labels
 
 
+def _xla_softmax_loss(static: _LossStatic, logits, labels):
+    """(chunk, padded vocab) stored logits, (chunk,) labels -> (logsumexp, per-token loss), both (chunk,) in the
+    accumulation dtype; the loss 0 where the label is ignored and NaN where a counted label is out of range."""
+    logits = _softmax_logits(static, logits)
+    logsumexp = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, jnp.clip(labels, 0, logits.shape[-1] - 1)[:, None], axis=-1)[:, 0]
+    counted, out_of_range = _label_masks(static, labels)
+    per_token = jnp.where(out_of_range, jnp.nan, logsumexp - target)
+    return logsumexp, jnp.where(counted, per_token, 0.0)
+
+
+def _xla_softmax_grad(static: _LossStatic, logits, labels, logsumexp, scale):
+    """The gradient of sum(scale * per-token loss) in the logits: (chunk, padded vocab) in the matmul dtype,
+    exact zeros in ignored rows and padded columns (a where, not a product with 0, so that a non-finite logit
+    there gives no NaN), NaN rows where a counted label is out of range; scale (chunk,)."""
+    logits = _softmax_logits(static, logits)
+    counted, out_of_range = _label_masks(static, labels)
+    columns = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+    dlogits = (jnp.exp(logits - logsumexp[:, None]) - (columns == labels[:, None])) * scale[:, None]
+    dlogits = jnp.where(counted[:, None] & (columns < static.vocab_size), dlogits, 0)
+    return jnp.where(out_of_range[:, None], jnp.nan, dlogits).astype(static.dtype)
+
+
+# The pure-JAX backend of the softmax: the two functions above.
+registry.register_backend(registry.LayerBackend("xla", None, registry.always_supported), op=OP)
+
+
+def _kernel_dims(static: _LossStatic, logits):
+    """The kernels' description of a chunk's softmax (only a kernel backend needs it)."""
+    from jax_mamba2.bridge import loss_ops  # imported by the registration of any kernel backend
+    return loss_ops.loss_dims(logits, vocab_size=static.vocab_size, ignore_index=static.ignore_index,
+                              grad_dtype=static.dtype)
+
+
+def _softmax_loss(static: _LossStatic, backend, logits, labels):
+    """(logsumexp, per-token loss) of a chunk on `backend` (a registered "cross_entropy" backend)."""
+    if backend.kernels is None:
+        return _xla_softmax_loss(static, logits, labels)
+    return backend.kernels.forward(_kernel_dims(static, logits), logits, labels)
+
+
+def _softmax_grad(static: _LossStatic, backend, logits, labels, logsumexp, scale):
+    """The logits' gradient of a chunk on `backend`, as `_xla_softmax_grad`."""
+    if backend.kernels is None:
+        return _xla_softmax_grad(static, logits, labels, logsumexp, scale)
+    return backend.kernels.backward(_kernel_dims(static, logits), logits, labels, logsumexp,
+                                    scale.astype(jnp.float32))
+
+
 def _loss_and_logsumexp(static: _LossStatic, hidden, weight, labels):
     """(mean loss, per-token logsumexp (nchunks, chunk), counted-token count)."""
     weight = weight.astype(static.dtype)
 
     def chunk_loss(args):
         h, y = args
-        logits = _logits(static, h, weight)
-        logsumexp = jax.nn.logsumexp(logits, axis=-1)
-        target = jnp.take_along_axis(logits, jnp.clip(y, 0, logits.shape[-1] - 1)[:, None], axis=-1)[:, 0]
-        counted, out_of_range = _label_masks(static, y)
-        per_token = jnp.where(out_of_range, jnp.nan, logsumexp - target)
-        return logsumexp, jnp.sum(jnp.where(counted, per_token, 0.0))
+        logsumexp, per_token = registry.run_selected(list(static.backends), functools.partial(_softmax_loss, static),
+                                                     _head_logits(static, h, weight), y)
+        return logsumexp, jnp.sum(per_token)
 
     logsumexp, sums = jax.lax.map(chunk_loss, _chunked(static, hidden, labels))
     count = jnp.maximum(jnp.sum(labels != static.ignore_index), 1)
@@ -118,11 +179,9 @@ def _chunked_loss_bwd(static, saved, dloss):
 
     def chunk_grads(dweight, args):
         h, y, lse = args
-        logits = _logits(static, h, operand)
-        counted, out_of_range = _label_masks(static, y)
-        columns = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-        dlogits = (jnp.exp(logits - lse[:, None]) - (columns == y[:, None])) * jnp.where(counted, scale, 0)[:, None]
-        dlogits = jnp.where(out_of_range[:, None], jnp.nan, dlogits).astype(static.dtype)
+        dlogits = registry.run_selected(list(static.backends), functools.partial(_softmax_grad, static),
+                                        _head_logits(static, h, operand), y, lse,
+                                        jnp.broadcast_to(scale, y.shape))
         h = h.astype(static.dtype)
         # dh = dlogits . weight^T; dweight += h^T . dlogits (or dlogits^T . h for the (vocab, d) layout).
         dh = jax.lax.dot_general(dlogits, operand, (((1,), (0 if static.embedding_layout else 1,)), ((), ())),
@@ -144,7 +203,8 @@ _chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
 
 
 def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, vocab_size: Optional[int] = None,
-                          chunk_tokens: int = 2048, ignore_index: int = -100, dtype=None, logits_dtype=None):
+                          chunk_tokens: int = 2048, ignore_index: int = -100, dtype=None, logits_dtype=None,
+                          backend: str = "xla"):
     """Mean next-token cross-entropy of `hidden @ head_weight` (or `hidden @ embedding.T`), chunk by chunk.
 
     Equals `optax.softmax_cross_entropy_with_integer_labels(logits[..., :vocab_size], labels)` averaged over
@@ -168,13 +228,18 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
         (default: the accumulation dtype, float32). bfloat16 rounds them as a PyTorch LM under autocast does
         (logits in bf16, then `.float()` for the loss): half the logits' memory traffic; the softmax, the
         logsumexp and the gradient's arithmetic stay in float32.
+      backend: the softmax's backend (the op "cross_entropy" of `jax_mamba2.backends`): "xla" (default),
+        "cutile", "cutile_callback" (the cuTile kernels: one read of each chunk's logits forward, one read and
+        one write of their gradient backward) or "auto" (cutile on a supported GPU behind
+        `lax.platform_dependent`, else xla). The kernels take bfloat16/float16/float32 logits and dtype.
 
     Returns:
       The scalar mean loss in float32 (float64 for float64), 0 when no position counts; NaN when a counted
       label lies outside [0, vocab_size).
 
     Raises:
-      ValueError / TypeError: on wrong shapes, dtypes or options, naming the argument.
+      ValueError / TypeError: on wrong shapes, dtypes or options, naming the argument; ValueError when a named
+        kernel backend cannot run the call (a float64 dtype or logits_dtype, no GPU), saying why.
     """
     api = "chunked_cross_entropy"
     if (head_weight is None) == (embedding is None):
@@ -216,8 +281,13 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
     if not jnp.issubdtype(logits_dtype, jnp.floating):
         raise TypeError(f"{api}: logits_dtype={logits_dtype} must be a float dtype")
     tokens = int(np.prod(labels.shape))
-    if tokens == 0:
-        return jnp.zeros((), acc_dtype)
     static = _LossStatic(int(chunk_tokens), int(ignore_index), int(vocab_size), embedding is not None,
                          jnp.dtype(dtype).name, logits_dtype.name)
+    chunk_logits = jax.ShapeDtypeStruct((max(1, min(static.chunk_tokens, tokens)), padded_vocab), logits_dtype)
+    selected = registry.select(
+        backend, api, lambda b: b.unsupported_reason(None if b.kernels is None else _kernel_dims(static, chunk_logits)),
+        op=OP)
+    if tokens == 0:
+        return jnp.zeros((), acc_dtype)
+    static = dataclasses.replace(static, backends=tuple(selected))
     return _chunked_loss(static, hidden.reshape(tokens, d), weight, labels.reshape(tokens).astype(jnp.int32))

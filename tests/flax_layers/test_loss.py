@@ -198,3 +198,46 @@ def test_lm_loss_equals_the_loss_of_its_logits_in_float64(x64, tiny_config, tied
     assert abs(float(pre_shifted - want)) < 1e-12 and abs(float(next_token - want_next_token)) < 1e-12
     with pytest.raises(ValueError, match="pass labels \\(unshifted\\) or shift_labels, not both"):
         model.loss(ids, labels, shift_labels=labels)
+
+
+def test_backend_names_are_checked_and_a_kernel_backend_named_on_the_cpu_raises_saying_why():
+    """A kernel backend asked for by name never falls back: on a machine without a GPU (or without cuda-tile) it
+    raises before anything runs, naming the backend and the reason; an unknown name lists the known ones."""
+    hidden, weight, labels = _problem(7, dtype=jnp.float32)
+    for backend in ("cutile", "cutile_callback"):
+        with pytest.raises(ValueError, match=rf"chunked_cross_entropy\(backend='{backend}'\) "
+                                             r"(cannot run this call: no CUDA device|is unavailable: cuda-tile)"):
+            chunked_cross_entropy(hidden, labels, head_weight=weight, vocab_size=VOCAB, backend=backend)
+    with pytest.raises(ValueError, match=r"backend='nope' must be one of 'auto', 'xla'"):
+        chunked_cross_entropy(hidden, labels, head_weight=weight, backend="nope")
+
+
+def test_a_kernel_backend_rejects_float64_naming_the_dtype(x64):
+    pytest.importorskip("cuda.tile")
+    hidden, weight, labels = _problem(8)
+    with pytest.raises(ValueError, match=r"cannot run this call: dtype is float64; the kernels take bfloat16"):
+        chunked_cross_entropy(hidden, labels, head_weight=weight, logits_dtype=jnp.float32, backend="cutile")
+    with pytest.raises(ValueError, match=r"cannot run this call: logits_dtype is float64"):
+        chunked_cross_entropy(hidden, labels, head_weight=weight, backend="cutile")
+
+
+def test_auto_lowers_on_the_cpu_and_equals_xla():
+    """"auto" without a usable GPU is the xla path: the same value and gradients, and the program lowers."""
+    hidden, weight, labels = _problem(9, dtype=jnp.float32)
+
+    def value_and_grads(backend):
+        return jax.jit(jax.value_and_grad(lambda h, w: chunked_cross_entropy(
+            h, labels, head_weight=w, vocab_size=VOCAB, chunk_tokens=16, backend=backend), argnums=(0, 1)))
+
+    assert "dot_general" in value_and_grads("auto").lower(hidden, weight).as_text()
+    (value, grads), (want, want_grads) = (value_and_grads(b)(hidden, weight) for b in ("auto", "xla"))
+    assert float(value) == float(want)
+    assert all(np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(grads, want_grads))
+
+
+@pytest.mark.parametrize("backend,loss_backend", [("auto", "auto"), ("xla", "xla"), ("scan", "xla")])
+def test_lm_loss_follows_the_model_backend(tiny_config, backend, loss_backend):
+    """The loss's softmax follows the model's backend as the norms do (backends.for_op): "auto" and the kernel
+    backends carry over, the SSD's "scan" oracle keeps it in XLA."""
+    model = Mamba2LMHeadModel(tiny_config.replace(n_layer=1), backend=backend, rngs=nnx.Rngs(0))
+    assert model.loss_backend == loss_backend
