@@ -89,14 +89,15 @@ def nan_rows(case: LossCase, labels: np.ndarray) -> np.ndarray:
 
 
 def assert_close(got: dict, want: dict, tolerance: float) -> None:
-    """NaN exactly where the oracle has NaN, and the rest within `tolerance` by relative L2 per output."""
+    """The oracle's non-finite values (NaN, +-inf) exactly where it has them, and the rest within `tolerance` by
+    relative L2 per output."""
     errors = {}
     for name, expected in want.items():
         actual = np.asarray(got[name], np.float64)
         expected = np.asarray(expected, np.float64)
         assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
-        assert np.array_equal(np.isnan(actual), np.isnan(expected)), name
-        finite = ~np.isnan(expected)
+        finite = np.isfinite(expected)
+        assert np.array_equal(actual[~finite], expected[~finite], equal_nan=True), name
         errors[name] = float(np.linalg.norm(actual[finite] - expected[finite]) /
                              max(np.linalg.norm(expected[finite]), 1e-300))
     assert max(errors.values()) < tolerance, errors

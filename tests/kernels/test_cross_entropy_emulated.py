@@ -60,6 +60,7 @@ def test_emulated_kernels_in_their_dtypes_match_float64_reference(name, dtype, g
         assert_close({output: got[output]}, {output: want[output]}, bound)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy on the non-finite inputs
 def test_emulated_padding_columns_and_ignored_rows_are_exact_zeros_even_for_nonfinite_logits():
     """NaN / inf logits in the padding columns and in an ignored row: no NaN reaches the loss or dlogits."""
     case = CASES["padded_vocab_tiles_of_64"]
@@ -76,6 +77,20 @@ def test_emulated_padding_columns_and_ignored_rows_are_exact_zeros_even_for_nonf
     assert_close(got, want, 1e-12)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy on the non-finite inputs
+def test_emulated_row_of_minus_inf_logits_has_minus_inf_logsumexp_as_xla():
+    """A counted row whose vocabulary logits are all -inf: lse = -inf (no NaN from the running max's start), and
+    the NaN loss and gradient of XLA's -inf - (-inf); the other rows unchanged."""
+    case = CASES["padded_vocab_tiles_of_64"]
+    arrays = make_inputs(case, seed=4)
+    row = 0  # a counted in-range row
+    arrays["logits"][row, :case.vocab_size] = -np.inf
+    got, want = run_kernels(case, arrays), oracle(case, arrays)
+    assert got["lse"][row] == -np.inf and np.isnan(got["loss"][row])
+    assert_close(got, want, 1e-12)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy on the non-finite inputs
 def test_emulated_nan_logit_stays_in_its_row():
     """A NaN logit of a counted row makes that row's lse, loss and gradient NaN (its vocabulary columns; the
     padding columns stay 0) and no other row's."""
@@ -93,6 +108,7 @@ def test_emulated_nan_logit_stays_in_its_row():
     assert_close(got, oracle(case, arrays), 1e-12)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy on the non-finite inputs
 def test_emulated_plans_read_only_the_vocabulary_columns_forward():
     """The forward reads the column tiles holding vocabulary columns only: NaN past them changes nothing."""
     case = CASES["padded_vocab_tiles_of_64"]  # vocab 190: tiles 0..2; tile 3 (columns 192..199) is padding
