@@ -11,16 +11,15 @@ over the columns c < VOCAB (the columns past VOCAB are padding, excluded from th
 
 The column tiles are walked once: each (BLOCK_ROWS, BLOCK_V) tile updates m <- max(m, max_c x) and
 s <- s * exp(m_old - m) + sum_c exp(x - m), and picks up the target logit where its column is the label
-(m is kept in log2 units, m = max_c x * log2(e), so that each exponential is one exp2).
-XLA's fusions read the chunk's logits once for the max and once for the sum (plus a gather of the target);
-this reads them once. m starts at -FLT_MAX rather than -inf, so that the first rescale is exp(-huge) = 0,
+(m is kept in log2 units, m = max_c x * log2(e), so that each exponential is one exp2). jax.nn.logsumexp
+is a max and then a sum over the logits, the second reduction depending on the first, plus a gather of the
+target; this carries all three in one read. m starts at -FLT_MAX rather than -inf, so that the first rescale is exp(-huge) = 0,
 never exp(-inf + inf) = NaN; a row whose counted columns are all -inf gets lse = -inf, as XLA's.
 
 Layout: logits (rows, padded_vocab) bf16/f16/f32, the head product as stored (padded_vocab >= VOCAB, not a
 power of two: the last column tile runs past it, loaded as zeros and masked with the columns >= VOCAB);
 labels (rows,) int32. Grid (cdiv(rows, BLOCK_ROWS),): a block owns BLOCK_ROWS rows and loops over
-cdiv(VOCAB, BLOCK_V) column tiles (the padding columns past the last tile holding a vocabulary column are
-never read). Rows are independent: a NaN in one row's logits reaches that row's lse and loss only.
+cdiv(VOCAB, BLOCK_V) column tiles (the column tiles wholly in the padding are never read). Rows are independent: a NaN in one row's logits reaches that row's lse and loss only.
 
 Memory-bound: it reads the logits once (2 bytes per element in bf16) and writes 8 bytes per row. At the LM's
 chunk of 2048 rows x 50280 columns that is 206 MB of bf16.

@@ -3,11 +3,11 @@
 Mirrors the inner computation of `jax_mamba2.flax_layers.loss` (`chunk_grads`). Per row r with label y_r,
 the forward's lse[r] and the row's cotangent scale[r] (dloss / count), in f32:
 
-    dlogits[r, c] = (exp(logits[r, c] - lse[r]) - [c == y_r]) * scale[r]     for c < VOCAB
-                  = 0                                                         for c >= VOCAB (padding)
-                  = 0                                                         if y_r == IGNORE_INDEX
-                  = NaN                                                       if y_r is counted but outside
+    dlogits[r, c] = NaN (every column)                                       if y_r is counted but outside
                                                                               [0, VOCAB)
+                  = 0                                                         else if y_r == IGNORE_INDEX
+                                                                              or c >= VOCAB (padding)
+                  = (exp(logits[r, c] - lse[r]) - [c == y_r]) * scale[r]     otherwise
 
 stored in dlogits' dtype (the head matmul's operand dtype). Ignored rows and padding columns are written as
 exact zeros (a where, not a product with 0): a non-finite logit there gives no NaN.
@@ -15,11 +15,11 @@ exact zeros (a where, not a product with 0): a non-finite logit there gives no N
 Layout as the forward's: logits (rows, padded_vocab) bf16/f16/f32, labels (rows,) int32, lse and scale
 (rows,) f32, dlogits (rows, padded_vocab) bf16/f16/f32. Grid (cdiv(rows, BLOCK_ROWS),): a block owns
 BLOCK_ROWS rows and walks all cdiv(padded_vocab, BLOCK_V) column tiles, so that every column of dlogits is
-written (the padding ones as zeros); the padding columns past VOCAB are not read.
+written (the padding ones as zeros); the column tiles wholly in the padding are written without being read.
+The exponential is exp2(logit * log2(e) - lse * log2(e)), one FMA and one exp2 per element.
 
 Memory-bound: one read of the logits and one write of dlogits, 4 bytes per element in bf16 (412 MB at the
-LM's chunk of 2048 x 50280), where XLA's fusions recompute the softmax from the logits after reading them for
-the max and the sum again (the forward's lse is saved, so one read suffices).
+LM's chunk of 2048 x 50280): the forward's lse is saved, so the softmax needs no second pass.
 """
 
 from typing import Optional
