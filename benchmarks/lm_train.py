@@ -162,7 +162,7 @@ def next_token_loss(model, inputs, targets, loss_impl: str, logits_dtype: str | 
 
 
 def make_train_step(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0, abstract: bool = False,
-                    logits_dtype: str | None = None, scan_layers: bool = True):
+                    logits_dtype: str | None = None, scan_layers: bool = True, loss_backend: str = "xla"):
     """(step (params, opt_state, inputs, targets) -> (params, opt_state, loss), params, opt_state, inputs,
     targets); with `abstract`, the arrays are ShapeDtypeStructs (nothing allocated: enough to lower)."""
     import jax
@@ -174,7 +174,8 @@ def make_train_step(config: TrainConfig, backend: str, loss_impl: str, seed: int
 
     def make_model():
         return Mamba2LMHeadModel(mamba2_config(config), backend=backend, dtype=jnp.bfloat16,
-                                 param_dtype=jnp.float32, scan_layers=scan_layers, rngs=nnx.Rngs(seed))
+                                 param_dtype=jnp.float32, scan_layers=scan_layers, loss_backend=loss_backend,
+                                 rngs=nnx.Rngs(seed))
 
     model = nnx.eval_shape(make_model) if abstract else make_model()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -234,12 +235,13 @@ def _cubins_compiled() -> list:
 
 
 def build_ours(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0, xla_options: dict | None = None,
-               logits_dtype: str | None = None, scan_layers: bool = True):
+               logits_dtype: str | None = None, scan_layers: bool = True, loss_backend: str = "xla"):
     """(compiled step (params, opt_state, inputs, targets) -> (params, opt_state, loss), params, opt_state,
     inputs, targets, the seconds of `compile_step`): the model's parameters and AdamW state donated to
     every call."""
     step, params, opt_state, inputs, targets = make_train_step(config, backend, loss_impl, seed,
-                                                               logits_dtype=logits_dtype, scan_layers=scan_layers)
+                                                               logits_dtype=logits_dtype, scan_layers=scan_layers,
+                                                               loss_backend=loss_backend)
     compiled, seconds = compile_step(step, params, opt_state, inputs, targets, xla_options=xla_options)
     return compiled, params, opt_state, inputs, targets, seconds
 
@@ -273,7 +275,8 @@ def record_name(job: dict) -> str:
     options = "".join(f"-{k}={v}" for k, v in sorted((job.get("xla_options") or {}).items()))
     logits = f"-{job['logits_dtype']}-logits" if job.get("logits_dtype") else ""
     layers = "-unrolled" if job.get("scan_layers") is False else ""
-    return f"{job['config']}-{job['impl']}{logits}{layers}{options}"
+    softmax = f"-{job['loss_backend']}-softmax" if job.get("loss_backend", "xla") != "xla" else ""
+    return f"{job['config']}-{job['impl']}{logits}{layers}{softmax}{options}"
 
 
 def save_hlo(text: str, directory: Path, name: str) -> Path:
@@ -299,7 +302,8 @@ def train_ours(job: dict) -> dict:
     compiled, params, opt_state, inputs, targets, first_step = build_ours(config, job["impl"], loss_impl,
                                                                           xla_options=job.get("xla_options"),
                                                                           logits_dtype=job.get("logits_dtype"),
-                                                                          scan_layers=job.get("scan_layers", True))
+                                                                          scan_layers=job.get("scan_layers", True),
+                                                                          loss_backend=job.get("loss_backend", "xla"))
     compile_s = time.perf_counter() - began
     state = {"params": params, "opt_state": opt_state}
     losses = []
@@ -437,7 +441,9 @@ def label(record: dict) -> str:
     options = record.get("xla_options") or {}
     logits = f", {record['logits_dtype']} logits" if record.get("logits_dtype") else ""
     layers = ", layers unrolled" if record.get("scan_layers") is False else ""
-    return LABELS[record["impl"]] + logits + layers + "".join(f", {k}={v}" for k, v in sorted(options.items()))
+    softmax = (f", loss softmax {record['loss_backend']}" if record.get("loss_backend", "xla") != "xla" else "")
+    return (LABELS[record["impl"]] + logits + layers + softmax
+            + "".join(f", {k}={v}" for k, v in sorted(options.items())))
 
 
 def format_table(records: list[dict]) -> str:
@@ -472,7 +478,8 @@ def _pct(value) -> str:
 def _user_ours(record: dict) -> bool:
     """A record of ours as a user runs it: the cutile backend, no XLA options, the loss's own logits dtype
     (the layer scan or unrolled blocks, both model options)."""
-    return record["impl"] == "cutile" and not record.get("xla_options") and not record.get("logits_dtype")
+    return (record["impl"] == "cutile" and not record.get("xla_options") and not record.get("logits_dtype")
+            and record.get("loss_backend", "xla") == "xla")
 
 
 def plot(records: list[dict], path: Path) -> Path:
@@ -543,6 +550,8 @@ def parse_args(argv=None):
                              "loss's own, float32)")
     parser.add_argument("--unroll-layers", action="store_true",
                         help="ours: Mamba2LMHeadModel(scan_layers=False), the blocks unrolled (default: one scan)")
+    parser.add_argument("--loss-backend", choices=("xla", "cutile", "cutile_callback", "auto"), default="xla",
+                        help="ours: Mamba2LMHeadModel(loss_backend=), where the loss's softmax runs (default: xla)")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="ours: an XLA compiler option of the step, e.g. "
                              "xla_gpu_enable_dynamic_slice_fusion=false (repeatable; default: none)")
@@ -573,10 +582,10 @@ def xla_options(specs: list[str]) -> dict:
 
 
 def record_key(record: dict) -> tuple:
-    """What a record measured: config, implementation, the XLA options, logits dtype and layer unrolling of
-    ours (a rerun replaces it)."""
+    """What a record measured: config, implementation, the XLA options, logits dtype, layer unrolling and loss
+    softmax backend of ours (a rerun replaces it)."""
     return (record["config"], record["impl"], tuple(sorted((record.get("xla_options") or {}).items())),
-            record.get("logits_dtype"), record.get("scan_layers") is False)
+            record.get("logits_dtype"), record.get("scan_layers") is False, record.get("loss_backend", "xla"))
 
 
 def jobs(args) -> list[dict]:
@@ -586,6 +595,7 @@ def jobs(args) -> list[dict]:
              "loss": args.loss, **(peers if impl not in OURS else {"xla_options": xla_options(args.xla_option),
                                                           "logits_dtype": args.logits_dtype,
                                                           "scan_layers": not args.unroll_layers,
+                                                          "loss_backend": args.loss_backend,
                                                           "hlo_dir": args.hlo_dir and str(args.hlo_dir)})}
             for config in args.configs for impl in args.impls]
 

@@ -100,7 +100,9 @@ class Mamba2LMHeadModel(nnx.Module):
     Args:
       config: the model configuration.
       backend, deterministic_backward, save_chunk_states: every mixer's SSD options (see `Mamba2`); the norms
-        and the loss's softmax follow the backend (see `backends.for_op`).
+        follow the backend (see `backends.for_op`).
+      loss_backend: where `loss` takes the softmax over each chunk's logits (`chunked_cross_entropy`'s
+        backend): "xla" (default: XLA fusions) or the cuTile kernels, "auto", "cutile" or "cutile_callback".
       remat: rematerialize each block in the backward pass (`nnx.remat`), trading compute for memory.
       scan_layers: run the blocks as one `nnx.scan` over the stacked layers (default: XLA compiles one
         block), or unrolled, each block on its slice of the stacked parameters (False: XLA compiles every
@@ -119,12 +121,15 @@ class Mamba2LMHeadModel(nnx.Module):
     """
 
     def __init__(self, config: Mamba2Config, *, backend: str = "auto", deterministic_backward: bool = False,
-                 save_chunk_states: bool = True, remat: bool = False, scan_layers: bool = True, dtype=None,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 save_chunk_states: bool = True, remat: bool = False, scan_layers: bool = True,
+                 loss_backend: str = "xla", dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         remat, scan_layers = (check_flag("Mamba2LMHeadModel", name, value)
                               for name, value in (("remat", remat), ("scan_layers", scan_layers)))
         self.config, self.remat, self.scan_layers, self.dtype = config, remat, scan_layers, dtype
-        self.loss_backend = backends.for_op(backend, loss_op.OP)
+        loss_backends = ("auto", *backends.known_names(loss_op.OP))
+        if loss_backend not in loss_backends:
+            raise ValueError(f"Mamba2LMHeadModel: loss_backend={loss_backend!r} must be one of {loss_backends}")
+        self.loss_backend = loss_backend
         vocab = config.padded_vocab_size
         self.embedding = nnx.Embed(vocab, config.d_model, dtype=dtype, param_dtype=param_dtype,
                                    embedding_init=nnx.initializers.normal(0.02), rngs=rngs)

@@ -166,3 +166,22 @@ def test_unroll_layers_reaches_the_model_and_keys_the_record():
     step, *step_args = lm_train.make_train_step(config, "xla", "model", abstract=True, scan_layers=False)
     assert "length=2" not in str(jax.make_jaxpr(step)(*step_args))  # no scan over the two layers
 
+
+def test_loss_backend_reaches_the_model_and_keys_the_record():
+    args = lm_train.parse_args(["--impls", "cutile", "mamba_ssm", "--loss-backend", "cutile"])
+    ours, peer = lm_train.jobs(args)
+    assert ours["loss_backend"] == "cutile" and "loss_backend" not in peer
+    plain = {"config": "d1024-l24-8x2048", "impl": "cutile"}
+    assert lm_train.record_key(plain) != lm_train.record_key({**plain, "loss_backend": "cutile"})
+    assert lm_train.record_key(plain) == lm_train.record_key({**plain, "loss_backend": "xla"})
+    assert lm_train.label({**plain, "loss_backend": "cutile"}).endswith(", loss softmax cutile")
+    pytest.importorskip("cuda.tile")
+    from jax_mamba2.bridge import aot
+    config = lm_train.TrainConfig.parse("d64-l1-1x32")
+    calls = {}
+    with aot.cuda_target("sm_90"):  # traced for the GPU, the SSD in XLA: only the loss may call kernels
+        for loss_backend in ("xla", "cutile"):
+            step, *step_args = lm_train.make_train_step(config, "xla", "model", abstract=True,
+                                                        loss_backend=loss_backend)
+            calls[loss_backend] = str(jax.make_jaxpr(step)(*step_args)).count("custom_vmap_call")
+    assert calls == {"xla": 0, "cutile": 2}  # the softmax's forward and backward kernels

@@ -235,9 +235,15 @@ def test_auto_lowers_on_the_cpu_and_equals_xla():
     assert all(np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(grads, want_grads))
 
 
-@pytest.mark.parametrize("backend,loss_backend", [("auto", "auto"), ("xla", "xla"), ("scan", "xla")])
-def test_lm_loss_follows_the_model_backend(tiny_config, backend, loss_backend):
-    """The loss's softmax follows the model's backend as the norms do (backends.for_op): "auto" and the kernel
-    backends carry over, the SSD's "scan" oracle keeps it in XLA."""
+@pytest.mark.parametrize("backend", ["auto", "xla", "scan"])
+def test_lm_loss_backend_is_an_option_of_its_own(tiny_config, backend):
+    """The loss's softmax stays in XLA whatever the SSD's backend, unless the model is told otherwise."""
     model = Mamba2LMHeadModel(tiny_config.replace(n_layer=1), backend=backend, rngs=nnx.Rngs(0))
-    assert model.loss_backend == loss_backend
+    assert model.loss_backend == "xla"
+    model = Mamba2LMHeadModel(tiny_config.replace(n_layer=1), backend=backend, loss_backend="auto", rngs=nnx.Rngs(0))
+    assert model.loss_backend == "auto"
+
+
+def test_lm_rejects_an_unknown_loss_backend(tiny_config):
+    with pytest.raises(ValueError, match=r"Mamba2LMHeadModel: loss_backend='triton' must be one of \('auto', 'xla'"):
+        Mamba2LMHeadModel(tiny_config.replace(n_layer=1), loss_backend="triton", rngs=nnx.Rngs(0))

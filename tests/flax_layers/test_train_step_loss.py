@@ -44,7 +44,7 @@ def test_lm_training_step_runs_the_loss_softmax_on_its_kernels():
     config = Mamba2Config(d_model=32, n_layer=2, vocab_size=61, pad_vocab_size_multiple=8,
                           ssm_cfg=dict(d_state=16, headdim=16, chunk_size=8))
     with aot.cuda_target("sm_90"):
-        model = Mamba2LMHeadModel(config, backend="cutile", dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        model = Mamba2LMHeadModel(config, backend="cutile", loss_backend="cutile", dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         ids = jax.random.randint(jax.random.key(0), (BATCH, SEQLEN), 0, config.vocab_size)
         jaxpr = jax.make_jaxpr(jax.value_and_grad(

@@ -122,7 +122,7 @@ def test_lm_loss_runs_on_the_kernels_and_matches_the_xla_softmax():
     config = Mamba2Config(d_model=256, n_layer=2, vocab_size=1000, pad_vocab_size_multiple=16,
                           ssm_cfg=dict(d_state=64, headdim=64, ngroups=2, chunk_size=64))
     ids = jax.random.randint(jax.random.key(3), (2, 256), 0, config.vocab_size)
-    model = Mamba2LMHeadModel(config, backend="cutile", dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    model = Mamba2LMHeadModel(config, backend="cutile", loss_backend="cutile", dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     assert model.loss_backend == "cutile"
     graphdef, state = nnx.split(model)
     hlo = jax.jit(lambda s: nnx.value_and_grad(lambda m: m.loss(ids))(nnx.merge(graphdef, s))).lower(
