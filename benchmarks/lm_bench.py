@@ -33,6 +33,21 @@ MATMUL_SIZE = 8192
 # Bytes copied device to device for the measured bandwidth (1 GiB: far beyond the 50 MB L2).
 COPY_BYTES = 1 << 30
 
+# XLA's command buffers (CUDA graphs) per process, as XLA_FLAGS: as XLA defaults them, off, or extended to
+# loops and conditionals (the decode loop; the SSD's non-finite guards and the loss's chunk loops of a training
+# step), which otherwise run from the host between graphs (a conditional reads its predicate back first).
+COMMAND_BUFFER_FLAGS = {
+    "default": "",
+    "off": "--xla_gpu_enable_command_buffer=",
+    "loop": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1",
+}
+
+
+def command_buffer_env(buffers: str) -> dict:
+    """The worker environment of a command-buffer setting: XLA_FLAGS with its flags appended ({} for none)."""
+    flags = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), COMMAND_BUFFER_FLAGS[buffers]]))
+    return {"XLA_FLAGS": flags} if flags else {}
+
 
 def git_sha() -> str:
     """JAX_MAMBA2_GIT_SHA (the device copy of the tree has no .git), else `git rev-parse HEAD`."""

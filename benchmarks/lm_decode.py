@@ -54,11 +54,7 @@ OURS = ("cutile", "xla")
 PRESETS = ("mamba2-370m", "mamba2-780m", "mamba2-1.3b")
 DEFAULT_CONFIGS = ("d1024-l24", *PRESETS)
 PROMPT_TOKENS = 16  # the prompt before the timed decode steps
-COMMAND_BUFFER_FLAGS = {
-    "default": "",
-    "off": "--xla_gpu_enable_command_buffer=",
-    "loop": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1",
-}
+COMMAND_BUFFER_FLAGS = lm_bench.COMMAND_BUFFER_FLAGS
 LABELS = {"cutile": "jax-mamba2 generate, cuTile", "xla": "jax-mamba2 generate, XLA",
           "mamba_ssm": "mamba_ssm Mamba2.step, CUDA graph (PyTorch)"}
 
@@ -386,10 +382,9 @@ def jobs(args) -> list[tuple[dict, dict]]:
                                  "command_buffers": None}, {}))
                     continue
                 for buffers in args.command_buffers:
-                    flags = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), COMMAND_BUFFER_FLAGS[buffers]]))
                     out.append(({**common, "config": config, "impl": impl, "param_dtype": param_dtype,
                                  "command_buffers": buffers, "scan_layers": not args.unroll_layers},
-                                {"XLA_FLAGS": flags} if flags else {}))
+                                lm_bench.command_buffer_env(buffers)))
     return out
 
 

@@ -276,7 +276,8 @@ def record_name(job: dict) -> str:
     logits = f"-{job['logits_dtype']}-logits" if job.get("logits_dtype") else ""
     layers = "-unrolled" if job.get("scan_layers") is False else ""
     softmax = f"-{job['loss_backend']}-softmax" if job.get("loss_backend", "xla") != "xla" else ""
-    return f"{job['config']}-{job['impl']}{logits}{layers}{softmax}{options}"
+    buffers = f"-command-buffers-{job['command_buffers']}" if job.get("command_buffers", "default") != "default" else ""
+    return f"{job['config']}-{job['impl']}{logits}{layers}{softmax}{buffers}{options}"
 
 
 def save_hlo(text: str, directory: Path, name: str) -> Path:
@@ -442,7 +443,9 @@ def label(record: dict) -> str:
     logits = f", {record['logits_dtype']} logits" if record.get("logits_dtype") else ""
     layers = ", layers unrolled" if record.get("scan_layers") is False else ""
     softmax = (f", loss softmax {record['loss_backend']}" if record.get("loss_backend", "xla") != "xla" else "")
-    return (LABELS[record["impl"]] + logits + layers + softmax
+    buffers = (f", command buffers {record['command_buffers']}"
+               if record.get("command_buffers", "default") != "default" else "")
+    return (LABELS[record["impl"]] + logits + layers + softmax + buffers
             + "".join(f", {k}={v}" for k, v in sorted(options.items())))
 
 
@@ -479,7 +482,7 @@ def _user_ours(record: dict) -> bool:
     """A record of ours as a user runs it: the cutile backend, no XLA options, the loss's own logits dtype
     (the layer scan or unrolled blocks, both model options)."""
     return (record["impl"] == "cutile" and not record.get("xla_options") and not record.get("logits_dtype")
-            and record.get("loss_backend", "xla") == "xla")
+            and record.get("loss_backend", "xla") == "xla" and record.get("command_buffers", "default") == "default")
 
 
 def plot(records: list[dict], path: Path) -> Path:
@@ -550,6 +553,9 @@ def parse_args(argv=None):
                              "loss's own, float32)")
     parser.add_argument("--unroll-layers", action="store_true",
                         help="ours: Mamba2LMHeadModel(scan_layers=False), the blocks unrolled (default: one scan)")
+    parser.add_argument("--command-buffers", choices=tuple(lm_bench.COMMAND_BUFFER_FLAGS), default="default",
+                        help="ours: XLA's command buffers as XLA defaults them, off, or also over loops and "
+                             "conditionals (the non-finite guards, the loss's chunk loops) (default: default)")
     parser.add_argument("--loss-backend", choices=("xla", "cutile", "cutile_callback", "auto"), default="xla",
                         help="ours: Mamba2LMHeadModel(loss_backend=), where the loss's softmax runs (default: xla)")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
@@ -582,10 +588,11 @@ def xla_options(specs: list[str]) -> dict:
 
 
 def record_key(record: dict) -> tuple:
-    """What a record measured: config, implementation, the XLA options, logits dtype, layer unrolling and loss
-    softmax backend of ours (a rerun replaces it)."""
+    """What a record measured: config, implementation, the XLA options, logits dtype, layer unrolling, loss
+    softmax backend and command buffers of ours (a rerun replaces it)."""
     return (record["config"], record["impl"], tuple(sorted((record.get("xla_options") or {}).items())),
-            record.get("logits_dtype"), record.get("scan_layers") is False, record.get("loss_backend", "xla"))
+            record.get("logits_dtype"), record.get("scan_layers") is False, record.get("loss_backend", "xla"),
+            record.get("command_buffers", "default"))
 
 
 def jobs(args) -> list[dict]:
@@ -596,6 +603,7 @@ def jobs(args) -> list[dict]:
                                                           "logits_dtype": args.logits_dtype,
                                                           "scan_layers": not args.unroll_layers,
                                                           "loss_backend": args.loss_backend,
+                                                          "command_buffers": args.command_buffers,
                                                           "hlo_dir": args.hlo_dir and str(args.hlo_dir)})}
             for config in args.configs for impl in args.impls]
 
@@ -608,7 +616,8 @@ def main(argv=None) -> int:
     records = []
     for job in jobs(args):
         print(f"{job['config']} {job['impl']} ...", flush=True)
-        record = derive(lm_bench.run_worker(Path(__file__), job, timeout_s=args.worker_timeout))
+        env = lm_bench.command_buffer_env(job["command_buffers"]) if job["impl"] in OURS else {}
+        record = derive(lm_bench.run_worker(Path(__file__), job, env=env, timeout_s=args.worker_timeout))
         records.append(record)
         print(format_table([record]), flush=True)
         results = lm_bench.merge_results(path, "lm_train", records, key=record_key)

@@ -7,7 +7,7 @@ import jax
 import pytest
 from flax import nnx
 
-from benchmarks import kernel_categories, lm_train
+from benchmarks import kernel_categories, lm_bench, lm_train
 
 TINY = "d64-l1-2x64"
 
@@ -185,3 +185,19 @@ def test_loss_backend_reaches_the_model_and_keys_the_record():
                                                         loss_backend=loss_backend)
             calls[loss_backend] = str(jax.make_jaxpr(step)(*step_args)).count("custom_vmap_call")
     assert calls == {"xla": 0, "cutile": 2}  # the softmax's forward and backward kernels
+
+
+def test_command_buffers_reach_the_worker_environment_and_key_the_record(monkeypatch):
+    args = lm_train.parse_args(["--impls", "cutile", "mamba_ssm", "--command-buffers", "loop"])
+    ours, peer = lm_train.jobs(args)
+    assert ours["command_buffers"] == "loop" and "command_buffers" not in peer
+    plain = {"config": "d1024-l24-8x2048", "impl": "cutile"}
+    assert lm_train.record_key(plain) != lm_train.record_key({**plain, "command_buffers": "loop"})
+    assert lm_train.record_key(plain) == lm_train.record_key({**plain, "command_buffers": "default"})
+    assert lm_train.label({**plain, "command_buffers": "loop"}).endswith(", command buffers loop")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    assert lm_bench.command_buffer_env("loop") == {"XLA_FLAGS": "--xla_dump_to=/tmp/x "
+                                                   "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL "
+                                                   "--xla_gpu_graph_min_graph_size=1"}
+    monkeypatch.delenv("XLA_FLAGS")
+    assert lm_bench.command_buffer_env("default") == {}
