@@ -67,7 +67,7 @@ _FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 @pytest.mark.slow
-@settings(max_examples=25, deadline=None, derandomize=True)
+@settings(max_examples=15, deadline=None, derandomize=True)
 @given(problems(), st.integers(0, 2 ** 16))
 def test_xla_matches_float64_scan_on_random_problems(problem, seed):
     options, chunk_size = problem

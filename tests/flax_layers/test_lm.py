@@ -213,10 +213,10 @@ def test_unrolled_layers_compute_what_the_layer_scan_does(tiny_config):
         for g, u in zip(jax.tree.leaves(nnx.state(grads)), jax.tree.leaves(nnx.state(nnx.jit(nnx.grad(loss))(model)))):
             np.testing.assert_allclose(u, g, rtol=1e-5, atol=1e-7)
 
-    def prefill_then_steps(model):
+    def prefill_then_steps(model):  # three decode steps after the prompt (each one more copy of the step)
         logits, cache = model.prefill(ids[:, :5])
         pieces = [logits]
-        for t in range(5, SEQLEN):
+        for t in range(5, 8):
             logits, cache = model.step(ids[:, t], cache)
             pieces.append(logits[:, None])
         return jnp.concatenate(pieces, axis=1), cache
