@@ -102,9 +102,8 @@ class CrossEntropyConfig:
 
 def cross_entropy_default_config(dims: CrossEntropyDims) -> CrossEntropyConfig:
     """One row per block, TILE_ELEMENTS columns per tile (fewer for a smaller vocabulary), occupancy 4 in
-    both kernels, no latency hints. Not tuned (the GPU measurement is pending); from sm_90 compiles at the
-    LM's chunk (2048 x 50280, bf16): both kernels are spill-free at occupancy 4 (forward 64 registers,
-    backward 112), while the forward at occupancy 8 (32 registers) spills 72 bytes of stack."""
+    both kernels (the highest at which both compile without spills at the LM's chunk: docs/norms_and_loss.md),
+    no latency hints."""
     return CrossEntropyConfig(BLOCK_ROWS=1, BLOCK_V=max(16, min(TILE_ELEMENTS, next_power_of_2(dims.vocab_size))),
                               FWD_OCCUPANCY=4, BWD_OCCUPANCY=4)
 

@@ -1,8 +1,8 @@
 """Compiling the configs of a tune space concurrently, before the search times them.
 
 `cuda.tile.tune.exhaustive_search` compiles each config at its first launch, one after another, and
-cuda-tile's JIT compiles under one process-wide lock, tileiras included, so a stage's space of 10-30
-configs waits for each compile in turn; a training step's plans hold about 240 of them. Here each config's
+cuda-tile's JIT compiles under one process-wide lock, tileiras included, so a stage's space waits for each
+compile in turn (docs/design.md §7). Here each config's
 launch is first *recorded*: launched with `TileKernel._compile` (what cuda-tile's launch calls on a miss of
 its in-memory cache) replaced by a recorder that keeps the `KernelSignature` the launch derived from its
 arguments and raises before anything compiles or runs. The recorded signatures then compile on a thread
