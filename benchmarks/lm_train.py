@@ -51,7 +51,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 if __package__ in (None, ""):  # run as a script: the repository root on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -270,14 +270,35 @@ def profile_ours(call, hlo_text: str, steps: int) -> dict:
             **kernel_categories.fold(kernels, hlo_text, steps)}
 
 
+class Variant(NamedTuple):
+    """An option of ours a record may have changed from its default: its field in jobs and records, the
+    default, and how a file name and a label spell a changed value."""
+
+    field: str
+    default: Any
+    name: str   # format of the value for record_name
+    label: str  # format of the value for label
+
+
+VARIANTS = (
+    Variant("logits_dtype", None, "-{}-logits", ", {} logits"),
+    Variant("scan_layers", True, "-unrolled", ", layers unrolled"),
+    Variant("loss_backend", "xla", "-{}-softmax", ", loss softmax {}"),
+    Variant("command_buffers", "default", "-command-buffers-{}", ", command buffers {}"),
+)
+
+
+def changed_variants(record: dict) -> list[tuple[Variant, Any]]:
+    """(variant, value) of every variant `record` (or a job) sets to other than its default, in VARIANTS order."""
+    values = ((v, record.get(v.field, v.default)) for v in VARIANTS)
+    return [(v, value) for v, value in values if value != v.default]
+
+
 def record_name(job: dict) -> str:
-    """A file name for what a job measures: config, implementation, logits dtype and XLA options."""
+    """A file name for what a job measures: config, implementation, changed variants and XLA options."""
     options = "".join(f"-{k}={v}" for k, v in sorted((job.get("xla_options") or {}).items()))
-    logits = f"-{job['logits_dtype']}-logits" if job.get("logits_dtype") else ""
-    layers = "-unrolled" if job.get("scan_layers") is False else ""
-    softmax = f"-{job['loss_backend']}-softmax" if job.get("loss_backend", "xla") != "xla" else ""
-    buffers = f"-command-buffers-{job['command_buffers']}" if job.get("command_buffers", "default") != "default" else ""
-    return f"{job['config']}-{job['impl']}{logits}{layers}{softmax}{buffers}{options}"
+    variants = "".join(v.name.format(value) for v, value in changed_variants(job))
+    return f"{job['config']}-{job['impl']}{variants}{options}"
 
 
 def save_hlo(text: str, directory: Path, name: str) -> Path:
@@ -440,12 +461,7 @@ def label(record: dict) -> str:
                 ("" if record.get("causal_conv1d") else ", no causal_conv1d"))
         return f"mamba_ssm Mamba2 modules (PyTorch), {path}"
     options = record.get("xla_options") or {}
-    logits = f", {record['logits_dtype']} logits" if record.get("logits_dtype") else ""
-    layers = ", layers unrolled" if record.get("scan_layers") is False else ""
-    softmax = (f", loss softmax {record['loss_backend']}" if record.get("loss_backend", "xla") != "xla" else "")
-    buffers = (f", command buffers {record['command_buffers']}"
-               if record.get("command_buffers", "default") != "default" else "")
-    return (LABELS[record["impl"]] + logits + layers + softmax + buffers
+    return (LABELS[record["impl"]] + "".join(v.label.format(value) for v, value in changed_variants(record))
             + "".join(f", {k}={v}" for k, v in sorted(options.items())))
 
 
@@ -479,10 +495,10 @@ def _pct(value) -> str:
 
 
 def _user_ours(record: dict) -> bool:
-    """A record of ours as a user runs it: the cutile backend, no XLA options, the loss's own logits dtype
-    (the layer scan or unrolled blocks, both model options)."""
-    return (record["impl"] == "cutile" and not record.get("xla_options") and not record.get("logits_dtype")
-            and record.get("loss_backend", "xla") == "xla" and record.get("command_buffers", "default") == "default")
+    """A record of ours as a user runs it: the cutile backend, no XLA options, every variant at its default
+    but the layer mode (the layer scan or unrolled blocks, both model options)."""
+    return (record["impl"] == "cutile" and not record.get("xla_options")
+            and all(v.field == "scan_layers" for v, _ in changed_variants(record)))
 
 
 def plot(records: list[dict], path: Path) -> Path:
@@ -588,11 +604,10 @@ def xla_options(specs: list[str]) -> dict:
 
 
 def record_key(record: dict) -> tuple:
-    """What a record measured: config, implementation, the XLA options, logits dtype, layer unrolling, loss
-    softmax backend and command buffers of ours (a rerun replaces it)."""
+    """What a record measured: config, implementation, the XLA options and the variants of ours (a rerun
+    replaces it)."""
     return (record["config"], record["impl"], tuple(sorted((record.get("xla_options") or {}).items())),
-            record.get("logits_dtype"), record.get("scan_layers") is False, record.get("loss_backend", "xla"),
-            record.get("command_buffers", "default"))
+            *(record.get(v.field, v.default) for v in VARIANTS))
 
 
 def jobs(args) -> list[dict]:

@@ -124,16 +124,16 @@ def _missing_reason(name: str) -> str:
     return _import_failure(module) or f"importing {module} did not register it"
 
 
-def _unknown_name_error(name, api: str, op: str) -> ValueError:
+def _unknown_name_error(name, api: str, op: str, argument: str = "backend") -> ValueError:
     names = ", ".join(repr(n) for n in ("auto", *known_names(op)))
-    return ValueError(f"{api}: backend={name!r} must be one of {names}")
+    return ValueError(f"{api}: {argument}={name!r} must be one of {names}")
 
 
-def check_name(name, api: str, op: str = "ssd") -> str:
+def check_name(name, api: str, op: str = "ssd", argument: str = "backend") -> str:
     """`name` when it is "auto" or a known backend of `op` (see `known_names`); else ValueError naming `api`
-    and listing the names (for constructors that keep a backend name for later calls)."""
+    and `argument` and listing the names (for constructors that keep a backend name for later calls)."""
     if not isinstance(name, str) or name not in ("auto", *known_names(op)):
-        raise _unknown_name_error(name, api, op)
+        raise _unknown_name_error(name, api, op, argument)
     return name
 
 

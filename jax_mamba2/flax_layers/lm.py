@@ -126,10 +126,7 @@ class Mamba2LMHeadModel(nnx.Module):
         remat, scan_layers = (check_flag("Mamba2LMHeadModel", name, value)
                               for name, value in (("remat", remat), ("scan_layers", scan_layers)))
         self.config, self.remat, self.scan_layers, self.dtype = config, remat, scan_layers, dtype
-        loss_backends = ("auto", *backends.known_names(loss_op.OP))
-        if loss_backend not in loss_backends:
-            raise ValueError(f"Mamba2LMHeadModel: loss_backend={loss_backend!r} must be one of {loss_backends}")
-        self.loss_backend = loss_backend
+        self.loss_backend = backends.check_name(loss_backend, "Mamba2LMHeadModel", loss_op.OP, "loss_backend")
         vocab = config.padded_vocab_size
         self.embedding = nnx.Embed(vocab, config.d_model, dtype=dtype, param_dtype=param_dtype,
                                    embedding_init=nnx.initializers.normal(0.02), rngs=rngs)

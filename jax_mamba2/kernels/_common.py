@@ -9,8 +9,8 @@ buffer callback, or eagerly on CuPy/torch arrays) without knowing Mamba math, an
 import JAX.
 
 Also shared by every stage: the device helpers `dt_transform`, `exp2_ftz`, `silu_gate` and `mma_dtype`,
-the int32/int64 index width choice (`needs_int64_index`, `int64_index_kernels`, `select_kernel`) and
-`check_arch`.
+the int32/int64 index width choice (`needs_int64_index`, `int64_index_kernels`, `index_width_variant`,
+`select_kernel`) and `check_arch`.
 """
 from __future__ import annotations
 
@@ -290,17 +290,16 @@ def _with_hints(kernel: Any, hints: tuple[tuple[str, int], ...]) -> Any:
     return kernel.replace_hints(**dict(hints))
 
 
-def with_hints(kernel: Any, **hints: int) -> Any:
-    """`kernel.replace_hints(**hints)`, cached: the same (kernel, hints) is the same object, compiled once."""
-    return _with_hints(kernel, tuple(sorted(hints.items())))
-
-
-def select_kernel(kernels: tuple[Any, Any], dims: SSDDims, **hints: int | None) -> Any:
-    """The int32 or int64 variant for `dims` with `hints` (occupancy, num_worker_warps, ...) applied; a
-    hint given as None is left to the compiler.
+def index_width_variant(kernels: tuple[Any, Any], int64: bool, **hints: int | None) -> Any:
+    """The int64-indexed (`int64`) or int32-indexed kernel of an `int64_index_kernels` pair, with `hints`
+    (occupancy, num_worker_warps, ...) applied; a hint given as None is left to the compiler.
 
     `replace_hints` returns a new kernel with its own compile cache, so the result is cached: the same
     (kernel, hints) always returns the same object and never recompiles.
     """
-    kernel = kernels[1] if needs_int64_index(dims) else kernels[0]
-    return _with_hints(kernel, tuple(sorted((k, v) for k, v in hints.items() if v is not None)))
+    return _with_hints(kernels[1 if int64 else 0], tuple(sorted((k, v) for k, v in hints.items() if v is not None)))
+
+
+def select_kernel(kernels: tuple[Any, Any], dims: SSDDims, **hints: int | None) -> Any:
+    """`index_width_variant` for an SSD problem `dims`."""
+    return index_width_variant(kernels, needs_int64_index(dims), **hints)

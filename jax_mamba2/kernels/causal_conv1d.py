@@ -41,8 +41,8 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    LOG2E, Big, Buffer, ConstBool, ConstInt, Plan, exp2_ftz, int64_index_kernels, is_power_of_2, kernel_launch,
-    next_power_of_2, with_hints)
+    LOG2E, Big, Buffer, ConstBool, ConstInt, Plan, exp2_ftz, index_width_variant, int64_index_kernels,
+    is_power_of_2, kernel_launch, next_power_of_2)
 
 _INT32_MAX = (1 << 31) - 1
 
@@ -356,7 +356,7 @@ def conv_fwd_plan(dims: ConvDims, cfg: ConvFwdConfig | None = None) -> Plan:
     check_block_c("conv_fwd_plan", cfg.BLOCK_C)
     split1, split2 = dims.split_points
     launch = kernel_launch(
-        with_hints(CONV_FWD_KERNELS[1 if needs_int64_index(dims) else 0], occupancy=cfg.OCCUPANCY),
+        index_width_variant(CONV_FWD_KERNELS, needs_int64_index(dims), occupancy=cfg.OCCUPANCY),
         conv_fwd_grid(dims, cfg), writes=CONV_OUTPUTS,  # the dummies too: every array needs a buffer
         WIDTH=dims.width, INIT_WIDTH=dims.init_width, IN_OFFSET=dims.in_offset, OUTPUTS=len(dims.pieces),
         SPLIT1=split1, SPLIT2=split2, BLOCK_L=cfg.BLOCK_L, BLOCK_C=cfg.BLOCK_C, HAS_INIT=dims.has_init,

@@ -41,7 +41,7 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    Big, Buffer, ConstBool, ConstInt, Plan, int64_index_kernels, kernel_launch, next_power_of_2, with_hints)
+    Big, Buffer, ConstBool, ConstInt, Plan, index_width_variant, int64_index_kernels, kernel_launch, next_power_of_2)
 from jax_mamba2.kernels.causal_conv1d import (
     CONV_INPUTS, MAX_OUTPUTS, ConvDims, check_block_c, check_dims, conv_arrays, halo_rows, masked_taps,
     needs_int64_index, piece_arrays, piece_rows, preactivation, sigmoid, token_ids, token_rows, weight_rows,
@@ -339,7 +339,7 @@ def conv_bwd_plan(dims: ConvDims, cfg: ConvBwdConfig | None = None, items: int =
     }
     split1, split2 = dims.split_points
     main = kernel_launch(
-        with_hints(CONV_BWD_KERNELS[1 if big else 0], occupancy=cfg.OCCUPANCY), grid,
+        index_width_variant(CONV_BWD_KERNELS, big, occupancy=cfg.OCCUPANCY), grid,
         writes=("dx", "dinitial_states", "dweight_partials", "dbias_partials"),
         WIDTH=dims.width, INIT_WIDTH=dims.init_width, IN_OFFSET=dims.in_offset, OUTPUTS=len(dims.pieces),
         SPLIT1=split1, SPLIT2=split2, BLOCK_L=cfg.BLOCK_L, SEGMENT_TILES=cfg.SEGMENT_TILES, BLOCK_C=cfg.BLOCK_C,

@@ -13,13 +13,14 @@ The column tiles are walked once: each (BLOCK_ROWS, BLOCK_V) tile updates m <- m
 s <- s * exp(m_old - m) + sum_c exp(x - m), and picks up the target logit where its column is the label
 (m is kept in log2 units, m = max_c x * log2(e), so that each exponential is one exp2). jax.nn.logsumexp
 is a max and then a sum over the logits, the second reduction depending on the first, plus a gather of the
-target; this carries all three in one read. m starts at -FLT_MAX rather than -inf, so that the first rescale is exp(-huge) = 0,
-never exp(-inf + inf) = NaN; a row whose counted columns are all -inf gets lse = -inf, as XLA's.
+target; this carries all three in one read. m starts at -FLT_MAX rather than -inf, so that the first rescale
+is exp(-huge) = 0, never exp(-inf + inf) = NaN; a row whose counted columns are all -inf gets lse = -inf, as XLA's.
 
 Layout: logits (rows, padded_vocab) bf16/f16/f32, the head product as stored (padded_vocab >= VOCAB, not a
 power of two: the last column tile runs past it, loaded as zeros and masked with the columns >= VOCAB);
 labels (rows,) int32. Grid (cdiv(rows, BLOCK_ROWS),): a block owns BLOCK_ROWS rows and loops over
-cdiv(VOCAB, BLOCK_V) column tiles (the column tiles wholly in the padding are never read). Rows are independent: a NaN in one row's logits reaches that row's lse and loss only.
+cdiv(VOCAB, BLOCK_V) column tiles (the column tiles wholly in the padding are never read). Rows are
+independent: a NaN in one row's logits reaches that row's lse and loss only.
 
 Memory-bound: it reads the logits once (2 bytes per element in bf16) and writes 8 bytes per row. At the LM's
 chunk of 2048 rows x 50280 columns that is 206 MB of bf16.
@@ -34,7 +35,7 @@ from typing import NamedTuple, Optional
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    LOG2E, Big, Buffer, ConstInt, Launch, Plan, _with_hints, exp2_ftz, int64_index_kernels, is_power_of_2,
+    LOG2E, Big, Buffer, ConstInt, Launch, Plan, exp2_ftz, index_width_variant, int64_index_kernels, is_power_of_2,
     next_power_of_2)
 
 _INT32_MAX = (1 << 31) - 1
@@ -111,12 +112,6 @@ def cross_entropy_default_config(dims: CrossEntropyDims) -> CrossEntropyConfig:
 def needs_int64_index(dims: CrossEntropyDims) -> bool:
     """Whether the logits have 2^31 or more elements (int32 element offsets could overflow)."""
     return dims.rows * dims.padded_vocab > _INT32_MAX
-
-
-def select_loss_kernel(kernels: tuple, dims: CrossEntropyDims, occupancy: int):
-    """The int32- or int64-indexed variant of a kernel pair for `dims`, with its occupancy hint (cached: the
-    same arguments always give the same kernel object, which never recompiles)."""
-    return _with_hints(kernels[1] if needs_int64_index(dims) else kernels[0], (("occupancy", occupancy),))
 
 
 def row_block_count(dims: CrossEntropyDims, cfg: CrossEntropyConfig) -> int:
@@ -225,7 +220,7 @@ def cross_entropy_fwd_plan(dims: CrossEntropyDims, cfg: Optional[CrossEntropyCon
     """
     cfg = cfg or cross_entropy_default_config(dims)
     launch = Launch(
-        kernel=select_loss_kernel(CROSS_ENTROPY_FWD_KERNELS, dims, cfg.FWD_OCCUPANCY),
+        kernel=index_width_variant(CROSS_ENTROPY_FWD_KERNELS, needs_int64_index(dims), occupancy=cfg.FWD_OCCUPANCY),
         grid=(row_block_count(dims, cfg),),
         args=("logits", "labels", "lse", "loss", dims.vocab_size, dims.ignore_index, cfg.BLOCK_ROWS, cfg.BLOCK_V,
               cfg.FWD_LATENCY),

@@ -26,10 +26,11 @@ from typing import Optional
 
 import cuda.tile as ct
 
-from jax_mamba2.kernels._common import LOG2E, Big, Buffer, ConstInt, Launch, Plan, exp2_ftz, int64_index_kernels
+from jax_mamba2.kernels._common import (
+    LOG2E, Big, Buffer, ConstInt, Launch, Plan, exp2_ftz, index_width_variant, int64_index_kernels)
 from jax_mamba2.kernels.cross_entropy import (
     NAN, CrossEntropyConfig, CrossEntropyDims, columns, cross_entropy_default_config, label_masks, load_logits,
-    load_row_vector, row_block_count, select_loss_kernel)
+    load_row_vector, needs_int64_index, row_block_count)
 
 CROSS_ENTROPY_BWD_INPUTS = ("logits", "labels", "lse", "scale")
 CROSS_ENTROPY_BWD_OUTPUTS = ("dlogits",)
@@ -91,7 +92,7 @@ def cross_entropy_bwd_plan(dims: CrossEntropyDims, cfg: Optional[CrossEntropyCon
     """
     cfg = cfg or cross_entropy_default_config(dims)
     launch = Launch(
-        kernel=select_loss_kernel(CROSS_ENTROPY_BWD_KERNELS, dims, cfg.BWD_OCCUPANCY),
+        kernel=index_width_variant(CROSS_ENTROPY_BWD_KERNELS, needs_int64_index(dims), occupancy=cfg.BWD_OCCUPANCY),
         grid=(row_block_count(dims, cfg),),
         args=("logits", "labels", "lse", "scale", "dlogits", dims.vocab_size, dims.ignore_index, cfg.BLOCK_ROWS,
               cfg.BLOCK_V, cfg.BWD_LATENCY),

@@ -27,8 +27,8 @@ from typing import Optional
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    LOG2E, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, _with_hints, exp2_ftz, int64_index_kernels,
-    is_power_of_2, next_power_of_2)
+    LOG2E, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, exp2_ftz, index_width_variant,
+    int64_index_kernels, is_power_of_2, next_power_of_2)
 
 _INT32_MAX = (1 << 31) - 1
 # The widest group (rounded up to a power of two) a block holds: every per-element array lives in registers
@@ -133,12 +133,6 @@ def norm_default_config(dims: NormDims) -> NormConfig:
 def needs_int64_index(dims: NormDims) -> bool:
     """Whether a per-row array has 2^31 or more elements (int32 element offsets could overflow)."""
     return dims.rows * dims.features > _INT32_MAX
-
-
-def select_norm_kernel(kernels: tuple, dims: NormDims, occupancy: int):
-    """The int32- or int64-indexed variant of a kernel pair for `dims`, with its occupancy hint (cached: the
-    same arguments always give the same kernel object, which never recompiles)."""
-    return _with_hints(kernels[1] if needs_int64_index(dims) else kernels[0], (("occupancy", occupancy),))
 
 
 def row_block_count(dims: NormDims, cfg: NormConfig) -> int:
@@ -252,7 +246,7 @@ def rms_norm_fwd_plan(dims: NormDims, cfg: Optional[NormConfig] = None) -> Plan:
     """
     cfg = cfg or norm_default_config(dims)
     launch = Launch(
-        kernel=select_norm_kernel(RMS_NORM_FWD_KERNELS, dims, cfg.FWD_OCCUPANCY),
+        kernel=index_width_variant(RMS_NORM_FWD_KERNELS, needs_int64_index(dims), occupancy=cfg.FWD_OCCUPANCY),
         grid=(row_block_count(dims, cfg), dims.ngroups),
         args=("x", "z", "residual", "weight", "out", "residual_out", dims.group_size, dims.width,
               cfg.BLOCK_ROWS, dims.has_z, dims.has_z and dims.norm_before_gate, dims.has_residual,

@@ -33,10 +33,10 @@ from typing import Optional
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    SM90_SMS, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, int64_index_kernels)
+    SM90_SMS, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, index_width_variant, int64_index_kernels)
 from jax_mamba2.kernels.rms_norm import (
-    NormConfig, NormDims, inverse_rms, load_rows, load_weight, norm_default_config, row_block_count,
-    select_norm_kernel, sigmoid, store_rows)
+    NormConfig, NormDims, inverse_rms, load_rows, load_weight, needs_int64_index, norm_default_config,
+    row_block_count, sigmoid, store_rows)
 
 # The weight-gradient reduction's tile: BLOCK_P partial rows by BLOCK_F features (128-byte rows; narrow, so
 # that a 1024-wide group still spreads over 32 blocks).
@@ -160,7 +160,7 @@ def rms_norm_bwd_plan(dims: NormDims, cfg: Optional[NormConfig] = None, has_dres
     programs = bwd_programs(dims, cfg)
     block_f = min(dims.width, DWEIGHT_BLOCK_F)
     norm_launch = Launch(
-        kernel=select_norm_kernel(RMS_NORM_BWD_KERNELS, dims, cfg.BWD_OCCUPANCY),
+        kernel=index_width_variant(RMS_NORM_BWD_KERNELS, needs_int64_index(dims), occupancy=cfg.BWD_OCCUPANCY),
         grid=(programs, dims.ngroups),
         args=("x", "z", "weight", "dout", "dresidual_out", "dx", "dresidual", "dz", "dweight_partial",
               dims.group_size, dims.width, cfg.BLOCK_ROWS, dims.has_z, dims.has_z and dims.norm_before_gate,

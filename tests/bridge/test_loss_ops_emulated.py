@@ -11,11 +11,10 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 pytest.importorskip("cuda.tile")
 
-from jax_mamba2 import backends  # noqa: E402
 from jax_mamba2.bridge import loss_ops  # noqa: E402
 from jax_mamba2.flax_layers import chunked_cross_entropy, loss  # noqa: E402
 from tests._helpers import rel_l2  # noqa: E402
-from tests.kernels import _cutile_emulator as emulator  # noqa: E402
+from tests.bridge._emulated_backend import emulate_layer_kernels  # noqa: E402
 
 TOKENS, D, PADDED_VOCAB, VOCAB, CHUNK = 26, 16, 200, 190, 8  # 4 chunks, the last partial
 # The arrays between the plans and XLA are float32 (the emulated kernels compute in float64).
@@ -25,10 +24,7 @@ TOLERANCE = 1e-5
 @pytest.fixture(autouse=True)
 def emulated_kernels(monkeypatch):
     """backend="cutile" runs the emulated plans, as if on a GPU."""
-    emulated = backends.LayerBackend("cutile", loss_ops.make_kernels(emulator.jax_run_plan),
-                                     loss_ops.unsupported_reason, auto_priority=2)
-    monkeypatch.setitem(backends._REGISTRY[loss.OP], "cutile", emulated)
-    monkeypatch.setattr(loss_ops, "gpu_unavailable_reason", lambda: None)
+    emulate_layer_kernels(monkeypatch, loss.OP, loss_ops)
 
 
 def _problem(seed, tokens=TOKENS):

@@ -19,6 +19,7 @@ from jax_mamba2.bridge import norm_ops  # noqa: E402
 from jax_mamba2.kernels.rms_norm import NormConfig  # noqa: E402
 from jax_mamba2.flax_layers import Mamba2Block, Mamba2Config  # noqa: E402
 from tests._helpers import rel_l2  # noqa: E402
+from tests.bridge._emulated_backend import emulate_layer_kernels  # noqa: E402
 from tests.kernels import _cutile_emulator as emulator  # noqa: E402
 from tests.kernels._norm_checks import CASES, EPS, make_inputs, oracle  # noqa: E402
 
@@ -29,10 +30,7 @@ TOLERANCE = 2e-6
 @pytest.fixture(autouse=True)
 def emulated_kernels(monkeypatch):
     """backend="cutile" runs the emulated plans, as if on a GPU."""
-    emulated = backends.LayerBackend("cutile", norm_ops.make_kernels(emulator.jax_run_plan),
-                                     norm_ops.unsupported_reason, auto_priority=2)
-    monkeypatch.setitem(backends._REGISTRY[norm.OP], "cutile", emulated)
-    monkeypatch.setattr(norm_ops, "gpu_unavailable_reason", lambda: None)
+    emulate_layer_kernels(monkeypatch, norm.OP, norm_ops)
 
 
 def _op(case):

@@ -49,6 +49,12 @@ def _cubins(problem: str) -> dict[str, bytes]:
             for launch, arrays in launches}
 
 
+def plan_cubins(*plans_and_inputs) -> dict[str, bytes]:
+    """kernel name -> sm_90 cubin of every launch of each (plan, its inputs' specs) pair."""
+    return {kernel_name(launch.kernel): compile_launch(launch, {**inputs, **plan.buffers}, "sm_90")[1]
+            for plan, inputs in plans_and_inputs for launch in plan.launches}
+
+
 @pytest.mark.parametrize("problem", list(PROBLEMS))
 def test_forward_and_decode_plans_well_formed(problem):
     dims = PROBLEMS[problem]

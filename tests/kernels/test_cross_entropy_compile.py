@@ -11,8 +11,7 @@ pytest.importorskip("cuda.tile")
 from jax_mamba2.kernels.cross_entropy import (  # noqa: E402
     CrossEntropyConfig, CrossEntropyDims, cross_entropy_fwd_inputs, cross_entropy_fwd_plan, needs_int64_index)
 from jax_mamba2.kernels.cross_entropy_bwd import cross_entropy_bwd_inputs, cross_entropy_bwd_plan  # noqa: E402
-from jax_mamba2.kernels.export import compile_launch  # noqa: E402
-from tests.kernels.test_compile import sass_and_resources  # noqa: E402
+from tests.kernels.test_compile import plan_cubins, sass_and_resources  # noqa: E402
 
 # The LM's chunk: 2048 tokens of mamba2's 50280-word vocabulary padded to a multiple of 16, bf16 logits and
 # matmul operands.
@@ -21,13 +20,8 @@ LM_DIMS = CrossEntropyDims(rows=2048, padded_vocab=50288, vocab_size=50280)
 
 def _cubins(dims: CrossEntropyDims, cfg=None) -> dict[str, bytes]:
     """kernel name -> sm_90 cubin of the forward and backward plans' launches for `dims` (in `cfg`)."""
-    cubins = {}
-    for plan, inputs in ((cross_entropy_fwd_plan(dims, cfg), cross_entropy_fwd_inputs(dims)),
-                         (cross_entropy_bwd_plan(dims, cfg), cross_entropy_bwd_inputs(dims))):
-        for launch in plan.launches:
-            name = launch.kernel._annotated_function.pyfunc.__name__
-            cubins[name] = compile_launch(launch, {**inputs, **plan.buffers}, "sm_90")[1]
-    return cubins
+    return plan_cubins((cross_entropy_fwd_plan(dims, cfg), cross_entropy_fwd_inputs(dims)),
+                       (cross_entropy_bwd_plan(dims, cfg), cross_entropy_bwd_inputs(dims)))
 
 
 @pytest.mark.parametrize("dims,cfg", [

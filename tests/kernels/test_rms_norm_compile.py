@@ -7,11 +7,10 @@ import pytest
 
 pytest.importorskip("cuda.tile")
 
-from jax_mamba2.kernels.export import compile_launch  # noqa: E402
 from jax_mamba2.kernels.rms_norm import (  # noqa: E402
     NormDims, needs_int64_index, norm_default_config, rms_norm_fwd_inputs, rms_norm_fwd_plan)
 from jax_mamba2.kernels.rms_norm_bwd import rms_norm_bwd_inputs, rms_norm_bwd_plan  # noqa: E402
-from tests.kernels.test_compile import sass_and_resources  # noqa: E402
+from tests.kernels.test_compile import plan_cubins, sass_and_resources  # noqa: E402
 
 ROWS = 8 * 2048  # the LM benchmark's batch x seqlen
 LM_PROBLEMS = {
@@ -29,13 +28,8 @@ LM_PROBLEMS = {
 
 def _cubins(dims: NormDims, cfg=None) -> dict[str, bytes]:
     """kernel name -> sm_90 cubin of every launch of the forward and backward plans of `dims` (in `cfg`)."""
-    cubins = {}
-    for plan, inputs in ((rms_norm_fwd_plan(dims, cfg), rms_norm_fwd_inputs(dims)),
-                         (rms_norm_bwd_plan(dims, cfg), rms_norm_bwd_inputs(dims))):
-        for launch in plan.launches:
-            name = launch.kernel._annotated_function.pyfunc.__name__
-            cubins[name] = compile_launch(launch, {**inputs, **plan.buffers}, "sm_90")[1]
-    return cubins
+    return plan_cubins((rms_norm_fwd_plan(dims, cfg), rms_norm_fwd_inputs(dims)),
+                       (rms_norm_bwd_plan(dims, cfg), rms_norm_bwd_inputs(dims)))
 
 
 def test_kernels_compile_to_sm90_cubins_float32_and_int64_indexed():
