@@ -103,8 +103,10 @@ def category(kernel: str, source: Optional[Source]) -> str:
     return "elementwise"
 
 
-def fold(kernels: list[tuple[str, float, float]], hlo_text: str, calls: int, top: int = 15) -> dict:
-    """Per call: microseconds and launches per category, and the `top` kernels by time with their category.
+def fold(kernels: list[tuple[str, float, float]], hlo_text: str, calls: int, top: int = 15,
+         top_per_category: int = 5) -> dict:
+    """Per call: microseconds and launches per category, the `top` kernels by time with their category, and
+    each category's `top_per_category` kernels (what a category's time is made of).
 
     Args:
       kernels: (name, start_us, duration_us) per launch (benchmarks/tools/kernel_profile.py reads them from a trace).
@@ -123,10 +125,13 @@ def fold(kernels: list[tuple[str, float, float]], hlo_text: str, calls: int, top
         entry[1] += duration / calls
         entry[2] += 1 / calls
     busy = sum(us.values())
+    ranked = [{"kernel": name[:160], "category": cat, "us": t, "launches": n}
+              for name, (cat, t, n) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])]
     return {
         "calls": calls, "busy_us": busy,
         "categories": {c: {"us": us[c], "launches": launches[c], "fraction": us[c] / busy if busy else None}
                        for c in CATEGORIES if c in us},
-        "top_kernels": [{"kernel": name[:160], "category": cat, "us": t, "launches": n}
-                        for name, (cat, t, n) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:top]],
+        "top_kernels": ranked[:top],
+        "top_kernels_by_category": {c: [k for k in ranked if k["category"] == c][:top_per_category]
+                                    for c in CATEGORIES if c in us},
     }

@@ -146,15 +146,16 @@ def choose_loss(requested: str, model_class) -> str:
 
 
 def next_token_loss(model, inputs, targets, loss_impl: str, logits_dtype: str | None = None):
-    """Mean next-token cross-entropy; the loss's own ops under jax.named_scope("loss") for the profile.
+    """Mean next-token cross-entropy. For the profile, the plain loss's own ops are under
+    jax.named_scope("loss"); the model loss's are found by their file (flax_layers/loss.py), since a scope
+    around `model.loss` would hold the whole model's forward and backward too.
     `logits_dtype` (the model loss only): the dtype its logits are stored in (default float32)."""
     import jax
     import jax.numpy as jnp
     import optax
 
     if loss_impl == "model":
-        with jax.named_scope("loss"):
-            return model.loss(inputs, targets, logits_dtype=logits_dtype)
+        return model.loss(inputs, targets, logits_dtype=logits_dtype)
     logits = model(inputs)
     with jax.named_scope("loss"):
         logits = logits[..., :model.config.vocab_size].astype(jnp.float32)

@@ -72,6 +72,24 @@ def test_kernels_fold_into_categories_through_the_compiled_module():
                   "matrix products": 40.0, "copies": 2.0}
     assert folded["busy_us"] == pytest.approx(164.0)
     assert folded["top_kernels"][0]["category"] == "SSD" and folded["top_kernels"][0]["launches"] == 1.0
+    by_category = folded["top_kernels_by_category"]
+    assert set(by_category) == set(us) and [k["us"] for k in by_category["SSD"]] == [50.0, 30.0]
+
+
+def test_the_model_loss_profiles_only_its_own_ops_as_loss():
+    """With the model's loss, the XLA ops of the layers keep their categories (conv, norms, SSD, the mixer's
+    elementwise glue) and only those of flax_layers/loss.py count as loss."""
+    compiled, *_ = lm_train.build_ours(lm_train.TrainConfig.parse("d64-l1-1x32"), "xla", "model")
+    categories = {}
+    for name, source in kernel_categories.hlo_sources(compiled.as_text()).items():
+        file = source.file.rsplit("/", 1)[-1]
+        if file:
+            categories.setdefault(file, set()).add(kernel_categories.category(name, source))
+    assert "loss" in categories["loss.py"]
+    assert not {file for file, found in categories.items() if "loss" in found and file != "loss.py"}, categories
+    for file, want in (("conv1d_reference.py", "conv"), ("norm_reference.py", "norms"), ("reference.py", "SSD"),
+                       ("mamba2.py", "elementwise")):
+        assert want in categories[file], (file, categories[file])
 
 
 @pytest.mark.slow
