@@ -163,7 +163,8 @@ def next_token_loss(model, inputs, targets, loss_impl: str, logits_dtype: str | 
 
 
 def make_train_step(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0, abstract: bool = False,
-                    logits_dtype: str | None = None, scan_layers: bool = True, loss_backend: str = "xla"):
+                    logits_dtype: str | None = None, scan_layers: bool = True, loss_backend: str = "xla",
+                    check_finite: bool = True):
     """(step (params, opt_state, inputs, targets) -> (params, opt_state, loss), params, opt_state, inputs,
     targets); with `abstract`, the arrays are ShapeDtypeStructs (nothing allocated: enough to lower)."""
     import jax
@@ -176,6 +177,7 @@ def make_train_step(config: TrainConfig, backend: str, loss_impl: str, seed: int
     def make_model():
         return Mamba2LMHeadModel(mamba2_config(config), backend=backend, dtype=jnp.bfloat16,
                                  param_dtype=jnp.float32, scan_layers=scan_layers, loss_backend=loss_backend,
+                                 check_finite=check_finite,
                                  rngs=nnx.Rngs(seed))
 
     model = nnx.eval_shape(make_model) if abstract else make_model()
@@ -236,13 +238,14 @@ def _cubins_compiled() -> list:
 
 
 def build_ours(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0, xla_options: dict | None = None,
-               logits_dtype: str | None = None, scan_layers: bool = True, loss_backend: str = "xla"):
+               logits_dtype: str | None = None, scan_layers: bool = True, loss_backend: str = "xla",
+               check_finite: bool = True):
     """(compiled step (params, opt_state, inputs, targets) -> (params, opt_state, loss), params, opt_state,
     inputs, targets, the seconds of `compile_step`): the model's parameters and AdamW state donated to
     every call."""
     step, params, opt_state, inputs, targets = make_train_step(config, backend, loss_impl, seed,
                                                                logits_dtype=logits_dtype, scan_layers=scan_layers,
-                                                               loss_backend=loss_backend)
+                                                               loss_backend=loss_backend, check_finite=check_finite)
     compiled, seconds = compile_step(step, params, opt_state, inputs, targets, xla_options=xla_options)
     return compiled, params, opt_state, inputs, targets, seconds
 
@@ -285,6 +288,7 @@ VARIANTS = (
     Variant("logits_dtype", None, "-{}-logits", ", {} logits"),
     Variant("scan_layers", True, "-unrolled", ", layers unrolled"),
     Variant("loss_backend", "xla", "-{}-softmax", ", loss softmax {}"),
+    Variant("check_finite", True, "-unchecked", ", SSD inputs unchecked"),
     Variant("command_buffers", "default", "-command-buffers-{}", ", command buffers {}"),
 )
 
@@ -326,7 +330,8 @@ def train_ours(job: dict) -> dict:
                                                                           xla_options=job.get("xla_options"),
                                                                           logits_dtype=job.get("logits_dtype"),
                                                                           scan_layers=job.get("scan_layers", True),
-                                                                          loss_backend=job.get("loss_backend", "xla"))
+                                                                          loss_backend=job.get("loss_backend", "xla"),
+                                                                          check_finite=job.get("check_finite", True))
     compile_s = time.perf_counter() - began
     state = {"params": params, "opt_state": opt_state}
     losses = []
@@ -575,6 +580,9 @@ def parse_args(argv=None):
                              "conditionals (the non-finite guards, the loss's chunk loops) (default: default)")
     parser.add_argument("--loss-backend", choices=("xla", "cutile", "cutile_callback", "auto"), default="xla",
                         help="ours: Mamba2LMHeadModel(loss_backend=), where the loss's softmax runs (default: xla)")
+    parser.add_argument("--no-check-finite", action="store_true",
+                        help="ours: Mamba2LMHeadModel(check_finite=False), the SSD kernels run without the "
+                             "check of their inputs for NaN and inf (default: checked)")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="ours: an XLA compiler option of the step, e.g. "
                              "xla_gpu_enable_dynamic_slice_fusion=false (repeatable; default: none)")
@@ -619,6 +627,7 @@ def jobs(args) -> list[dict]:
                                                           "logits_dtype": args.logits_dtype,
                                                           "scan_layers": not args.unroll_layers,
                                                           "loss_backend": args.loss_backend,
+                                                          "check_finite": not args.no_check_finite,
                                                           "command_buffers": args.command_buffers,
                                                           "hlo_dir": args.hlo_dir and str(args.hlo_dir)})}
             for config in args.configs for impl in args.impls]

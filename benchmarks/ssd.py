@@ -162,10 +162,11 @@ def loss_weights(shape: Shape, seed: int = 1) -> dict[str, jax.Array]:
             "final": jax.random.normal(kf, (b, H, P, N), jnp.float32)}
 
 
-def _ssd_call(backend: str, chunk_size: int, save_chunk_states: bool = True):
+def _ssd_call(backend: str, chunk_size: int, save_chunk_states: bool = True, check_finite: bool = True):
     def call(x, dt, A, B, C, D, dt_bias):
         return jax_mamba2.ssd(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=True,
-                              return_final_states=True, backend=backend, save_chunk_states=save_chunk_states)
+                              return_final_states=True, backend=backend, save_chunk_states=save_chunk_states,
+                              check_finite=check_finite)
     return call
 
 

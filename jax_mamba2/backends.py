@@ -192,6 +192,14 @@ def run_selected(selected: list[Any], run: Callable[..., Any], *operands):
                                       default=lambda *a: run(fallback, *a))
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def run_compiled(selected: tuple, run: Callable[..., Any], static, *operands):
+    """`run_selected` of run(backend, *operands, static) as one jitted program, keyed by the backends, `run`
+    (a module-level function) and the hashable `static`: a call made outside jit then compiles once per
+    shapes and options and runs as one executable, not op by op; inside jit it is inlined."""
+    return run_selected(list(selected), lambda backend, *arrays: run(backend, *arrays, static), *operands)
+
+
 def backend_status() -> dict[str, BackendStatus]:
     """For every known SSD backend (the other ops have the same names, and each kernel backend needs the same
     GPU): whether it can run in this process and, if not, why.

@@ -169,7 +169,7 @@ def causal_conv1d_silu(x, kernel, bias=None, *, seq_idx=None, initial_states=Non
     if x.size == 0:
         y = jnp.zeros(x.shape, x.dtype)
     else:
-        (y,) = registry.run_selected(selected, lambda b, inp: _run(b, inp, static), inputs)
+        (y,) = registry.run_compiled(tuple(selected), _run, static, inputs)
     if not return_final_states:
         return y
     return y, conv1d_reference.final_conv_state(x, kernel.shape[0], initial_states)
@@ -239,7 +239,7 @@ def causal_conv1d_silu_split(x, kernel, bias=None, *, channel_offset, split, seq
     if x.size == 0:
         pieces = tuple(jnp.zeros((*x.shape[:2], w), x.dtype) for w in split)
     else:
-        pieces = registry.run_selected(selected, lambda b, inp: _run(b, inp, static), inputs)
+        pieces = registry.run_compiled(tuple(selected), _run, static, inputs)
     if not return_final_states:
         return pieces
     window = _window(x, kernel, channel_offset)

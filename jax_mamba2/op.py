@@ -50,6 +50,7 @@ class SSDStatic:
     dt_limit: tuple[float, float]
     deterministic_backward: bool = False
     save_chunk_states: bool = True
+    check_finite: bool = True
 
 
 class Dims(NamedTuple):
@@ -248,10 +249,13 @@ def _verdict(checked, same_on_every_shard: bool) -> jax.Array:
     return finite
 
 
-def _kernels_unless_nonfinite(kernels: Callable, recompute: Callable, checked, *operands,
+def _kernels_unless_nonfinite(static: SSDStatic, kernels: Callable, recompute: Callable, checked, *operands,
                               same_on_every_shard: bool = False):
     """kernels(*operands) when every entry of `checked` (what the kernels consume) is finite, else
-    recompute(*operands), which returns arrays of the same types."""
+    recompute(*operands), which returns arrays of the same types; kernels(*operands) unchecked without
+    `static.check_finite`."""
+    if not static.check_finite:
+        return kernels(*operands)
     return jax.lax.cond(_verdict(checked, same_on_every_shard), kernels, recompute, *operands)
 
 
@@ -294,7 +298,7 @@ def _xla_vjp_by_rows(inputs: SSDInputs, static: SSDStatic, dy, dfinal):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _opaque_ssd(backend: registry.Backend, static: SSDStatic, inputs: SSDInputs):
-    return _kernels_unless_nonfinite(lambda inputs: backend.forward(inputs, static),
+    return _kernels_unless_nonfinite(static, lambda inputs: backend.forward(inputs, static),
                                      lambda inputs: _xla_forward_by_rows(inputs, static), inputs, inputs)
 
 
@@ -309,7 +313,7 @@ def _opaque_ssd_fwd(backend, static, inputs):
     def recompute(inputs):
         # Nothing is saved: the backward sees the same non-finite inputs and recomputes too.
         return _xla_forward_by_rows(inputs, static), _zeros_like_result(lambda inputs: kernels(inputs)[1], inputs)
-    outputs, saved = _kernels_unless_nonfinite(kernels, recompute, inputs, inputs)
+    outputs, saved = _kernels_unless_nonfinite(static, kernels, recompute, inputs, inputs)
     return outputs, (inputs, saved)
 
 
@@ -326,8 +330,8 @@ def _opaque_ssd_bwd(backend, static, residuals, cotangents):
         del saved
         return _xla_vjp_by_rows(inputs, static, dy, dfinal)
     # Under shard_map the recompute sums the replicated parameters' gradients over the shards.
-    return (_kernels_unless_nonfinite(kernels, recompute, (inputs, dy, dfinal), inputs, dy, dfinal, saved,
-                                      same_on_every_shard=True),)
+    return (_kernels_unless_nonfinite(static, kernels, recompute, (inputs, dy, dfinal), inputs, dy, dfinal,
+                                      saved, same_on_every_shard=True),)
 
 
 _opaque_ssd.defvjp(_opaque_ssd_fwd, _opaque_ssd_bwd)
@@ -351,7 +355,7 @@ def _empty_result(inputs: SSDInputs, dims: Dims):
 
 def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_softplus=False,
         dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, return_final_states=False,
-        backend="auto", deterministic_backward=False, save_chunk_states=True):
+        backend="auto", deterministic_backward=False, save_chunk_states=True, check_finite=True):
     """Mamba-2 SSD (structured state space duality), as mamba_ssm's `mamba_chunk_scan_combined`.
 
     Per batch row b and head h, with Δ_t = clip(softplus(dt_t + dt_bias), dt_limit) (softplus only
@@ -371,9 +375,10 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
     for B and C) from that token to the end of its sequence, and the final state when that is the last
     one, as in the recurrence; never another packed sequence, an earlier token, or their gradients, on
     every backend. The cuTile kernels would carry it further (they mix the tokens of a chunk in matrix
-    products), so a kernel call whose outputs (forward: y and final_states; backward: the gradients) are
-    not all finite is recomputed on the xla path, one batch row at a time (under vmap: every item, when one
-    needs it); an all-finite call returns the kernels' outputs as they are.
+    products), so a kernel call given a value that is not finite (forward: in its inputs; backward: in its
+    inputs or cotangents) is recomputed on the xla path, one batch row at a time (under vmap: every item,
+    when one needs it); an all-finite call returns the kernels' outputs as they are. `check_finite=False`
+    skips that check.
 
     Args:
       x: (batch, seqlen, nheads, headdim), bf16/f16/f32/f64.
@@ -399,6 +404,11 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
       save_chunk_states: let a differentiated cuTile forward keep the chunk-entry states (dstate / 64
         times x's bytes) and the chunk quantities Δ and dA_cumsum for the backward; False keeps only the
         inputs and the backward recomputes them (less memory, a longer backward). No effect elsewhere.
+      check_finite: on the cuTile backends, check each kernel call's inputs (and in the backward its
+        cotangents) for NaN and inf and recompute a call that has one on the xla path (above). False runs
+        the kernels unchecked, one read of the inputs and one conditional per call fewer: a NaN or inf may
+        then reach the other tokens of its chunk and the later chunks of its batch row, other packed
+        sequences included. No effect elsewhere.
 
     Returns:
       y (batch, seqlen, nheads, headdim) in x.dtype, and with `return_final_states` also
@@ -419,14 +429,15 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
     dims = check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx)
     static = SSDStatic(int(chunk_size), bool(dt_softplus), check_dt_limit("ssd", dt_limit),
                        check_flag("ssd", "deterministic_backward", deterministic_backward),
-                       check_flag("ssd", "save_chunk_states", save_chunk_states))
+                       check_flag("ssd", "save_chunk_states", save_chunk_states),
+                       check_flag("ssd", "check_finite", check_finite))
     _check_values("ssd", A, dt, dt_bias, static.dt_softplus, static.dt_limit, seq_idx)
     inputs = SSDInputs(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
     selected = registry.select(backend, "ssd", lambda b: b.unsupported_reason(inputs, static))
     if dims.batch * dims.seqlen == 0:
         y, final = _empty_result(inputs, dims)
     else:
-        y, final = registry.run_selected(selected, lambda b, inp: _run_backend(b, inp, static), inputs)
+        y, final = registry.run_compiled(tuple(selected), _run_backend, static, inputs)
     return (y, final) if return_final_states else y
 
 
@@ -455,6 +466,11 @@ def _step_unsupported_reason(backend: registry.Backend, args) -> Optional[str]:
     return None if backend.step_unsupported_reason is None else backend.step_unsupported_reason(*args)
 
 
+def _run_step(backend: registry.Backend, *arrays_and_options):
+    *arrays, options = arrays_and_options
+    return backend.step(*arrays, *options)
+
+
 def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
              dt_limit=(0.0, math.inf), backend="auto"):
     """One decode step of the SSD recurrence (mamba_ssm `selective_state_update`, plus dt_limit).
@@ -481,4 +497,4 @@ def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus
     _check_values("ssd_step", A, dt, dt_bias, bool(dt_softplus), limit)
     args = (state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), limit)
     selected = registry.select(backend, "ssd_step", lambda b: _step_unsupported_reason(b, args))
-    return registry.run_selected(selected, lambda b, *arrays: b.step(*arrays, *args[9:]), *args[:9])
+    return registry.run_compiled(tuple(selected), _run_step, args[9:], *args[:9])

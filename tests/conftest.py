@@ -51,6 +51,7 @@ _LONG_TESTS = frozenset({
     "tests/benchmarks/test_lm_decode.py::test_the_jax_worker_writes_step_times_prefill_and_floors",
     "tests/benchmarks/test_lm_train.py::test_kernels_fold_into_categories_through_the_compiled_module",
     "tests/benchmarks/test_lm_train.py::test_the_jax_worker_writes_a_record_table_and_plot",
+    "tests/benchmarks/test_lm_train.py::test_the_model_loss_profiles_only_its_own_ops_as_loss",
     "tests/benchmarks/test_lm_train_mesh.py::test_a_failed_worker_becomes_a_record_with_its_error",
     "tests/benchmarks/test_lm_train_mesh.py::test_the_benchmark_on_two_fake_devices",
     "tests/benchmarks/test_norm_benchmark.py::test_cli_writes_records_with_errors_against_float32",
@@ -100,6 +101,7 @@ _LONG_TESTS = frozenset({
     "tests/flax_layers/test_lm.py::test_lm_prefill_then_steps_match_forward",
     "tests/flax_layers/test_lm.py::test_lm_rejects_bad_inputs",
     "tests/flax_layers/test_lm.py::test_lm_shapes_dtypes_and_init",
+    "tests/flax_layers/test_lm.py::test_unrolled_layers_remat_decode_and_generate_like_the_layer_scan",
     "tests/flax_layers/test_loss.py::test_batched_shapes_ignored_labels_and_bad_labels",
     "tests/flax_layers/test_loss.py::test_chunked_loss_and_gradient_equal_the_plain_loss_in_float64",
     "tests/flax_layers/test_loss.py::test_lm_loss_equals_the_loss_of_its_logits_in_float64",
@@ -162,7 +164,7 @@ _LONG_TESTS = frozenset({
     "tests/test_reference.py::test_ssd_chunked_grads_match_finite_differences",
     "tests/test_reference.py::test_ssd_scan_matches_numpy_loop",
     "tests/test_ssd.py::test_ssd_opaque_backend_vmap_matches_loop",
-    "tests/test_ssd_options.py::test_layers_pass_the_backward_options_to_ssd_and_eval_leaves_them",
+    "tests/test_ssd_options.py::test_layers_pass_the_kernel_options_to_ssd_and_eval_leaves_them",
 })
 
 

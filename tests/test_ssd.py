@@ -37,8 +37,12 @@ def test_ssd_auto_on_cpu_runs_xla_path():
 
 def test_ssd_returns_final_states_only_when_asked():
     args, kwargs = make_ssd_args(2, **SMALL)
-    assert isinstance(jax_mamba2.ssd(*args, 16, **kwargs, backend="xla"), jax.Array)
-    assert len(jax_mamba2.ssd(*args, 16, **kwargs, backend="xla", return_final_states=True)) == 2
+
+    def call(return_final_states):  # jitted: the eager path is another test's
+        return jax.jit(lambda *a: jax_mamba2.ssd(*a, 16, **kwargs, backend="xla",
+                                                 return_final_states=return_final_states))(*args)
+    assert isinstance(call(False), jax.Array)
+    assert len(call(True)) == 2
 
 
 @pytest.mark.parametrize("seqlen", [0])
@@ -81,6 +85,7 @@ def _bad_call(**changes):
     (dict(backend="triton"), ValueError, r"backend='triton' must be one of 'auto', 'xla', 'scan'"),
     (dict(deterministic_backward=1), TypeError, r"deterministic_backward=1 must be a bool"),
     (dict(save_chunk_states="no"), TypeError, r"save_chunk_states='no' must be a bool"),
+    (dict(check_finite=None), TypeError, r"check_finite=None must be a bool"),
     (dict(A=jnp.array([-1.0, 0.5, -2.0, 0.0])), ValueError, r"ssd: A must be <= 0 .* got max\(A\)=0.5"),
     (dict(dt_softplus=False, dt=jnp.full((2, 40, 4), -0.75)), ValueError,
      r"ssd: dt \+ dt_bias must be >= 0 without dt_softplus or a dt_limit .* got min\(dt \+ dt_bias\)=-0\.7"),

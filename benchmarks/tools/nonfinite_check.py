@@ -2,9 +2,9 @@
 time of one jitted SSD forward and forward+backward, with the check and with it taken out.
 
 `ssd` checks what each kernel call consumes and recomputes a call given a NaN or inf on the xla path
-(jax_mamba2/op.py, docs/design.md §2). The program without the check is this tool's replacement of
-`op._kernels_unless_nonfinite` by a plain call of the kernels, for the measurement only. Inputs are the benchmark's
-(benchmarks/ssd.py: bf16, D, dt_bias, softplus): all finite, so the timed programs run the kernel branch.
+(jax_mamba2/op.py, docs/design.md §2); the program without the check is `ssd(..., check_finite=False)`.
+Inputs are the benchmark's (benchmarks/ssd.py: bf16, D, dt_bias, softplus): all finite, so the timed
+programs run the kernel branch.
 
 On the GPU machine:
   python benchmarks/tools/nonfinite_check.py --shape 8,2048,32,64,128,1 --backend cutile
@@ -12,23 +12,11 @@ On the GPU machine:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-
-@contextlib.contextmanager
-def _unchecked():
-    from jax_mamba2 import op
-    checked = op._kernels_unless_nonfinite
-    op._kernels_unless_nonfinite = lambda kernels, recompute, checked, *operands, **_: kernels(*operands)
-    try:
-        yield
-    finally:
-        op._kernels_unless_nonfinite = checked
 
 
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
@@ -69,13 +57,12 @@ def measure(shape, backend: str, chunk_size: int, budget_s: float) -> list[dict]
 
     inputs, weights = bench.make_inputs(shape), bench.loss_weights(shape)
     args = bench._ordered(inputs)
-    forward = bench._ssd_call(backend, chunk_size)
-    programs = {"fwd": (forward, args), "fwd_bwd": (bench.forward_backward(forward), (args, weights))}
     rows = []
-    for direction, (fn, fn_args) in programs.items():
+    for direction in ("fwd", "fwd_bwd"):
         for checked in (True, False):
-            with contextlib.nullcontext() if checked else _unchecked():
-                compiled = jax.jit(fn).lower(*fn_args).compile()
+            forward = bench._ssd_call(backend, chunk_size, check_finite=checked)
+            fn, fn_args = (forward, args) if direction == "fwd" else (bench.forward_backward(forward), (args, weights))
+            compiled = jax.jit(fn).lower(*fn_args).compile()
             memory = compiled.memory_analysis()
             timing, _ = bench.time_jax(lambda: compiled(*fn_args), budget_s)
             rows.append(dict(direction=direction, checked=checked,

@@ -31,21 +31,22 @@ class Mamba2Block(nnx.Module):
 
     Args:
       config: model configuration (d_model, norm_epsilon, residual_in_fp32 and the mixer's `ssm_cfg`).
-      backend, deterministic_backward, save_chunk_states: the mixer's SSD options (see `Mamba2`); the norms
-        follow the backend (see `backends.for_op`).
+      backend, deterministic_backward, save_chunk_states, check_finite: the mixer's SSD options (see
+        `Mamba2`); the norms follow the backend (see `backends.for_op`).
       dtype: computation dtype (default: None, inferred).
       param_dtype: parameter dtype (default: float32).
       rngs: parameter initialization keys.
     """
 
     def __init__(self, config: Mamba2Config, *, backend: str = "auto", deterministic_backward: bool = False,
-                 save_chunk_states: bool = True, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 save_chunk_states: bool = True, check_finite: bool = True, dtype=None, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         self.residual_in_fp32 = config.residual_in_fp32
         self.norm = RMSNorm(config.d_model, eps=config.norm_epsilon, backend=backends.for_op(backend, norm_op.OP),
                             dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.mixer = Mamba2(config.d_model, **config.mixer_options, backend=backend,
                             deterministic_backward=deterministic_backward, save_chunk_states=save_chunk_states,
-                            dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                            check_finite=check_finite, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def _add_norm(self, hidden_states, residual):
         residual_dtype = jnp.result_type(hidden_states, residual)
@@ -99,8 +100,8 @@ class Mamba2LMHeadModel(nnx.Module):
 
     Args:
       config: the model configuration.
-      backend, deterministic_backward, save_chunk_states: every mixer's SSD options (see `Mamba2`); the norms
-        follow the backend (see `backends.for_op`).
+      backend, deterministic_backward, save_chunk_states, check_finite: every mixer's SSD options (see
+        `Mamba2`); the norms follow the backend (see `backends.for_op`).
       loss_backend: where `loss` takes the softmax over each chunk's logits (`chunked_cross_entropy`'s
         backend): "xla" (default: XLA fusions) or the cuTile kernels, "auto", "cutile" or "cutile_callback".
       remat: rematerialize each block in the backward pass (`nnx.remat`), trading compute for memory.
@@ -121,8 +122,9 @@ class Mamba2LMHeadModel(nnx.Module):
     """
 
     def __init__(self, config: Mamba2Config, *, backend: str = "auto", deterministic_backward: bool = False,
-                 save_chunk_states: bool = True, remat: bool = False, scan_layers: bool = True,
-                 loss_backend: str = "xla", dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 save_chunk_states: bool = True, check_finite: bool = True, remat: bool = False,
+                 scan_layers: bool = True, loss_backend: str = "xla", dtype=None, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         remat, scan_layers = (check_flag("Mamba2LMHeadModel", name, value)
                               for name, value in (("remat", remat), ("scan_layers", scan_layers)))
         self.config, self.remat, self.scan_layers, self.dtype = config, remat, scan_layers, dtype
@@ -135,8 +137,8 @@ class Mamba2LMHeadModel(nnx.Module):
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_layers(rngs):
             block = Mamba2Block(config, backend=backend, deterministic_backward=deterministic_backward,
-                                save_chunk_states=save_chunk_states, dtype=dtype, param_dtype=param_dtype,
-                                rngs=rngs)
+                                save_chunk_states=save_chunk_states, check_finite=check_finite, dtype=dtype,
+                                param_dtype=param_dtype, rngs=rngs)
             out_proj = block.mixer.out_proj
             out_proj.kernel[...] = out_proj.kernel[...] / jnp.sqrt(config.n_layer).astype(param_dtype)
             for linear in (block.mixer.in_proj, out_proj):

@@ -71,8 +71,9 @@ class Mamba2(nnx.Module):
       chunk_size: chunk length of the SSD (power of two; default: 256).
       backend: SSD backend, "auto" | "cutile" | "cutile_callback" | "xla" | "scan" (default: "auto"); the
         conv and the gated norm follow it (`backends.for_op`: "xla" and "scan" keep them in pure JAX).
-      deterministic_backward, save_chunk_states: options of the SSD's cuTile backward (see `ssd`; defaults
-        False and True). Not named `deterministic`: `nnx.Module.eval()` sets every such attribute.
+      deterministic_backward, save_chunk_states, check_finite: options of the SSD's cuTile backends (see
+        `ssd`; defaults False, True and True). Not named `deterministic`: `nnx.Module.eval()` sets every such
+        attribute.
       dtype: computation dtype (default: None, promoted from inputs and parameters). The dt/state math of the
         SSD and the norms always run in float32 or wider.
       param_dtype: parameter dtype (default: float32).
@@ -97,8 +98,8 @@ class Mamba2(nnx.Module):
                  rmsnorm: bool = True, norm_before_gate: bool = False, dt_min: float = 0.001,
                  dt_max: float = 0.1, dt_init_floor: float = 1e-4, dt_limit=(0.0, math.inf), bias: bool = False,
                  conv_bias: bool = True, chunk_size: int = 256, backend: str = "auto",
-                 deterministic_backward: bool = False, save_chunk_states: bool = True, dtype=None,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 deterministic_backward: bool = False, save_chunk_states: bool = True, check_finite: bool = True,
+                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         for name, value in dict(d_model=d_model, d_state=d_state, d_conv=d_conv, expand=expand, headdim=headdim,
                                 ngroups=ngroups, chunk_size=chunk_size).items():
             if not isinstance(value, int) or value < 1:
@@ -131,6 +132,7 @@ class Mamba2(nnx.Module):
         self.D_has_hdim, self.rmsnorm, self.dt_limit = D_has_hdim, rmsnorm, dt_limit
         self.chunk_size, self.backend, self.dtype = chunk_size, backend, dtype
         self.deterministic_backward, self.save_chunk_states = deterministic_backward, save_chunk_states
+        self.check_finite = check_finite
         # Set by `shard_model`: run head-parallel inside jax.shard_map over this mesh.
         self.mesh_axes: MeshAxes | None = None
 
@@ -295,7 +297,7 @@ class Mamba2(nnx.Module):
             dt_bias=dt_bias, dt_softplus=True, dt_limit=self.dt_limit, seq_idx=seq_idx,
             initial_states=None if cache is None else cache.ssm_state.astype(A.dtype),
             return_final_states=True, backend=self.backend, deterministic_backward=self.deterministic_backward,
-            save_chunk_states=self.save_chunk_states)
+            save_chunk_states=self.save_chunk_states, check_finite=self.check_finite)
         out = self._output(shard, y, z, z0, x0)
         return out, (Mamba2Cache(conv_state, ssm_state) if want_cache else None)
 

@@ -205,6 +205,26 @@ def test_loss_backend_reaches_the_model_and_keys_the_record():
     assert calls == {"xla": 0, "cutile": 2}  # the softmax's forward and backward kernels
 
 
+def test_no_check_finite_reaches_the_model_and_keys_the_record():
+    args = lm_train.parse_args(["--impls", "cutile", "mamba_ssm", "--no-check-finite"])
+    ours, peer = lm_train.jobs(args)
+    assert ours["check_finite"] is False and "check_finite" not in peer
+    plain = {"config": "d1024-l24-8x2048", "impl": "cutile"}
+    assert lm_train.record_key(plain) != lm_train.record_key({**plain, "check_finite": False})
+    assert lm_train.record_key(plain) == lm_train.record_key({**plain, "check_finite": True})
+    assert lm_train.label({**plain, "check_finite": False}).endswith(", SSD inputs unchecked")
+    pytest.importorskip("cuda.tile")
+    from jax_mamba2.bridge import aot
+    config = lm_train.TrainConfig.parse("d64-l1-1x32")
+    conds = {}
+    with aot.cuda_target("sm_90"):  # traced for the GPU: the SSD on the kernels, checked or not
+        for check_finite in (True, False):
+            step, *step_args = lm_train.make_train_step(config, "cutile", "model", abstract=True,
+                                                        check_finite=check_finite)
+            conds[check_finite] = str(jax.make_jaxpr(step)(*step_args)).count(" cond[")
+    assert conds == {True: 2, False: 0}  # the forward's and the backward's guard
+
+
 def test_command_buffers_reach_the_worker_environment_and_key_the_record(monkeypatch):
     args = lm_train.parse_args(["--impls", "cutile", "mamba_ssm", "--command-buffers", "loop"])
     ours, peer = lm_train.jobs(args)

@@ -198,20 +198,39 @@ def test_lm_empty_sequence_gives_empty_logits_and_keeps_the_cache(tiny_lm):
         np.testing.assert_array_equal(kept, given)
 
 
+def _assert_same_gradients(tiny_config, ids, scanned, *unrolled):
+    def loss(model):
+        return model.loss(ids)
+    grads = nnx.jit(nnx.grad(loss))(scanned)
+    for model in unrolled:
+        for g, u in zip(jax.tree.leaves(nnx.state(grads)), jax.tree.leaves(nnx.state(nnx.jit(nnx.grad(loss))(model)))):
+            np.testing.assert_allclose(u, g, rtol=1e-5, atol=1e-7)
+
+
 def test_unrolled_layers_compute_what_the_layer_scan_does(tiny_config):
-    """scan_layers=False: logits, gradients (with and without remat), prefill + steps and greedy generation
-    equal the layer scan's, and the traced forward holds no loop over the layers."""
+    """scan_layers=False: logits and gradients equal the layer scan's, and the traced forward holds no loop
+    over the layers."""
     ids = _token_ids(tiny_config, seed=3)
     scanned, unrolled = (_model(tiny_config, scan_layers=flag) for flag in (True, False))
     forward = nnx.jit(lambda m, ids: m(ids))
     np.testing.assert_allclose(forward(unrolled, ids), forward(scanned, ids), rtol=1e-6, atol=1e-6)
+    _assert_same_gradients(tiny_config, ids, scanned, unrolled)
 
-    def loss(model):
-        return model.loss(ids)
-    grads = nnx.jit(nnx.grad(loss))(scanned)
-    for model in (unrolled, _model(tiny_config, scan_layers=False, remat=True)):
-        for g, u in zip(jax.tree.leaves(nnx.state(grads)), jax.tree.leaves(nnx.state(nnx.jit(nnx.grad(loss))(model)))):
-            np.testing.assert_allclose(u, g, rtol=1e-5, atol=1e-7)
+    def layer_loops(model):  # scans of n_layer steps in the traced forward (the SSD's own scans are shorter)
+        graphdef, state = nnx.split(model)
+        jaxpr = jax.make_jaxpr(lambda state: nnx.merge(graphdef, state)(ids))(state)
+        return str(jaxpr).count(f"length={tiny_config.n_layer}")
+    assert layer_loops(scanned) >= 1 and layer_loops(unrolled) == 0
+    with pytest.raises(TypeError, match="scan_layers=1 must be a bool"):
+        _model(tiny_config, scan_layers=1)
+
+
+def test_unrolled_layers_remat_decode_and_generate_like_the_layer_scan(tiny_config):
+    """scan_layers=False: gradients under remat, prefill + steps and greedy generation equal the layer
+    scan's."""
+    ids = _token_ids(tiny_config, seed=3)
+    scanned, unrolled = (_model(tiny_config, scan_layers=flag) for flag in (True, False))
+    _assert_same_gradients(tiny_config, ids, scanned, _model(tiny_config, scan_layers=False, remat=True))
 
     def prefill_then_steps(model):  # three decode steps after the prompt (each one more copy of the step)
         logits, cache = model.prefill(ids[:, :5])
@@ -225,11 +244,3 @@ def test_unrolled_layers_compute_what_the_layer_scan_does(tiny_config):
     for g, w in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
     assert (generate(unrolled, ids[:1, :4], 6) == generate(scanned, ids[:1, :4], 6)).all()
-
-    def layer_loops(model):  # scans of n_layer steps in the traced forward (the SSD's own scans are shorter)
-        graphdef, state = nnx.split(model)
-        jaxpr = jax.make_jaxpr(lambda state: nnx.merge(graphdef, state)(ids))(state)
-        return str(jaxpr).count(f"length={tiny_config.n_layer}")
-    assert layer_loops(scanned) >= 1 and layer_loops(unrolled) == 0
-    with pytest.raises(TypeError, match="scan_layers=1 must be a bool"):
-        _model(tiny_config, scan_layers=1)
