@@ -192,12 +192,22 @@ def run_selected(selected: list[Any], run: Callable[..., Any], *operands):
                                       default=lambda *a: run(fallback, *a))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def run_compiled(selected: tuple, run: Callable[..., Any], static, *operands):
-    """`run_selected` of run(backend, *operands, static) as one jitted program, keyed by the backends, `run`
-    (a module-level function) and the hashable `static`: a call made outside jit then compiles once per
-    shapes and options and runs as one executable, not op by op; inside jit it is inlined."""
+    """`run_selected` of run(backend, *operands, static). Called on concrete arrays (outside jit, grad, vmap),
+    as one jitted program keyed by the backends, `run` (a module-level function) and the hashable `static`,
+    so that an eager call compiles once per shapes and options and runs as one executable, not op by op.
+    Called on tracers, directly: a jit there would make differentiation trace the primal of the kernels'
+    custom_vjp too, which the program never runs but compile_ahead and autotune would then compile and tune."""
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(operands)):
+        return _run_with_static(selected, run, static, *operands)
+    return _run_compiled(selected, run, static, *operands)
+
+
+def _run_with_static(selected: tuple, run: Callable[..., Any], static, *operands):
     return run_selected(list(selected), lambda backend, *arrays: run(backend, *arrays, static), *operands)
+
+
+_run_compiled = jax.jit(_run_with_static, static_argnums=(0, 1, 2))
 
 
 def backend_status() -> dict[str, BackendStatus]:
