@@ -166,7 +166,8 @@ def test_cutile_grad_matches_float64_scan_grad(feature, dtype):
 
 
 def _check_cutile_grad_against_float64_scan(feature, dtype, **options):
-    """options: keyword options of the cutile ssd call (deterministic_backward, save_chunk_states)."""
+    """options: keyword options of the cutile ssd call (deterministic_backward, save_chunk_states,
+    check_finite)."""
     opts = dict(GRAD_FEATURES[feature])
     args, kwargs = make_ssd_args(15, batch=2, seqlen=160, nheads=4, headdim=64, dstate=64,
                                  dtype=jnp.dtype(dtype), **opts)
@@ -198,6 +199,11 @@ def _check_cutile_grad_against_float64_scan(feature, dtype, **options):
 def test_cutile_grad_recomputing_the_states_matches_float64_scan_grad(dtype):
     """save_chunk_states=False: the forward saves only its inputs, the backward recomputes."""
     _check_cutile_grad_against_float64_scan("seq_idx", dtype, save_chunk_states=False)
+
+
+def test_cutile_grad_without_the_finiteness_check_matches_float64_scan_grad():
+    """check_finite=False: the same kernels with no conditional around them, forward and backward."""
+    _check_cutile_grad_against_float64_scan("seq_idx", "bfloat16", check_finite=False)
 
 
 def test_cutile_deterministic_backward_is_bitwise_reproducible():
