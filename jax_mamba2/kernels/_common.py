@@ -236,6 +236,25 @@ def check_arch(api: str, arch: str) -> None:
         raise ValueError(f"{api}: arch={arch!r} must be one of {SUPPORTED_ARCHS}")
 
 
+# Rows per block of the row-block kernels (the norms, the loss's softmax).
+MAX_BLOCK_ROWS = 64
+
+
+def check_row_block_config(config) -> None:
+    """Raises ValueError naming the config and field unless, as the row-block kernels' configs need, its
+    BLOCK_ROWS is a power of two <= MAX_BLOCK_ROWS, its FWD_/BWD_OCCUPANCY hints are in [1, 32] and its
+    FWD_/BWD_LATENCY hints 0 (no hint) or in [1, 10]."""
+    api = type(config).__name__
+    if not is_power_of_2(config.BLOCK_ROWS) or config.BLOCK_ROWS > MAX_BLOCK_ROWS:
+        raise ValueError(f"{api}: BLOCK_ROWS={config.BLOCK_ROWS} must be a power of two <= {MAX_BLOCK_ROWS}")
+    for name in ("FWD_OCCUPANCY", "BWD_OCCUPANCY"):
+        if not 1 <= getattr(config, name) <= 32:
+            raise ValueError(f"{api}: {name}={getattr(config, name)} must be in [1, 32]")
+    for name in ("FWD_LATENCY", "BWD_LATENCY"):
+        if not 0 <= getattr(config, name) <= 10:
+            raise ValueError(f"{api}: {name}={getattr(config, name)} must be 0 (no hint) or in [1, 10]")
+
+
 # Tile fields of the stage configs and the dimension each must divide (one block per tile; 0 means
 # "no tiling" where a config allows it, e.g. ChunkScanConfig.BLOCK_N).
 _TILE_DIMS = {"BLOCK_P": "headdim", "BLOCK_N": "dstate", "BLOCK_M": "chunk_size", "BLOCK_K": "chunk_size"}

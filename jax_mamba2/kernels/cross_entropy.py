@@ -35,8 +35,8 @@ from typing import NamedTuple, Optional
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    LOG2E, Big, Buffer, ConstInt, Launch, Plan, exp2_ftz, index_width_variant, int64_index_kernels, is_power_of_2,
-    next_power_of_2)
+    LOG2E, Big, Buffer, ConstInt, Launch, Plan, check_row_block_config, exp2_ftz, index_width_variant,
+    int64_index_kernels, is_power_of_2, next_power_of_2)
 
 _INT32_MAX = (1 << 31) - 1
 # The running max's start: below every finite f32, so the first rescale exp(start - m) underflows to 0
@@ -45,7 +45,6 @@ NEG_FLT_MAX = -3.4028234663852886e38
 NEG_INF = float("-inf")
 LN2 = 0.6931471805599453
 NAN = float("nan")
-MAX_BLOCK_ROWS = 64
 # f32 elements of a (BLOCK_ROWS, BLOCK_V) tile in the defaults (the norms' tile size, kernels/rms_norm.py).
 TILE_ELEMENTS = 2048
 
@@ -87,18 +86,9 @@ class CrossEntropyConfig:
     BWD_LATENCY: int = 0
 
     def __post_init__(self):
-        if not is_power_of_2(self.BLOCK_ROWS) or self.BLOCK_ROWS > MAX_BLOCK_ROWS:
-            raise ValueError(f"CrossEntropyConfig: BLOCK_ROWS={self.BLOCK_ROWS} must be a power of two "
-                             f"<= {MAX_BLOCK_ROWS}")
+        check_row_block_config(self)
         if not is_power_of_2(self.BLOCK_V) or not 16 <= self.BLOCK_V <= 16384:
             raise ValueError(f"CrossEntropyConfig: BLOCK_V={self.BLOCK_V} must be a power of two in [16, 16384]")
-        for name in ("FWD_OCCUPANCY", "BWD_OCCUPANCY"):
-            if not 1 <= getattr(self, name) <= 32:
-                raise ValueError(f"CrossEntropyConfig: {name}={getattr(self, name)} must be in [1, 32]")
-        for name in ("FWD_LATENCY", "BWD_LATENCY"):
-            if not 0 <= getattr(self, name) <= 10:
-                raise ValueError(f"CrossEntropyConfig: {name}={getattr(self, name)} must be 0 (no hint) or "
-                                 f"in [1, 10]")
 
 
 def cross_entropy_default_config(dims: CrossEntropyDims) -> CrossEntropyConfig:

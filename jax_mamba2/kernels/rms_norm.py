@@ -27,8 +27,8 @@ from typing import Optional
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    LOG2E, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, exp2_ftz, index_width_variant,
-    int64_index_kernels, is_power_of_2, next_power_of_2)
+    LOG2E, MAX_BLOCK_ROWS, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, check_row_block_config,
+    exp2_ftz, index_width_variant, int64_index_kernels, next_power_of_2)
 
 _INT32_MAX = (1 << 31) - 1
 # The widest group (rounded up to a power of two) a block holds: every per-element array lives in registers
@@ -36,7 +36,6 @@ _INT32_MAX = (1 << 31) - 1
 MAX_WIDTH = 8192
 # f32 elements per (BLOCK_ROWS, WIDTH) tile: rows are added to a block until it holds this many.
 TILE_ELEMENTS = 2048
-MAX_BLOCK_ROWS = 64
 
 RMS_NORM_FWD_INPUTS = ("x", "z", "residual", "weight")
 RMS_NORM_FWD_OUTPUTS = ("out", "residual_out")
@@ -102,14 +101,7 @@ class NormConfig:
     BWD_LATENCY: int = 0
 
     def __post_init__(self):
-        if not is_power_of_2(self.BLOCK_ROWS) or self.BLOCK_ROWS > MAX_BLOCK_ROWS:
-            raise ValueError(f"NormConfig: BLOCK_ROWS={self.BLOCK_ROWS} must be a power of two <= {MAX_BLOCK_ROWS}")
-        for name in ("FWD_OCCUPANCY", "BWD_OCCUPANCY"):
-            if not 1 <= getattr(self, name) <= 32:
-                raise ValueError(f"NormConfig: {name}={getattr(self, name)} must be in [1, 32]")
-        for name in ("FWD_LATENCY", "BWD_LATENCY"):
-            if not 0 <= getattr(self, name) <= 10:
-                raise ValueError(f"NormConfig: {name}={getattr(self, name)} must be 0 (no hint) or in [1, 10]")
+        check_row_block_config(self)
 
 
 def norm_default_config(dims: NormDims) -> NormConfig:

@@ -153,13 +153,20 @@ def test_xla_options_reach_the_compile_and_key_the_record():
     assert float(compiled(jax.numpy.ones(3), jax.numpy.ones(3), ones)[0][0]) == 2.0
 
 
-def test_logits_dtype_reaches_the_model_loss_and_keys_the_record():
-    args = lm_train.parse_args(["--impls", "cutile", "mamba_ssm", "--logits-dtype", "bfloat16"])
-    ours, peer = lm_train.jobs(args)
-    assert ours["logits_dtype"] == "bfloat16" and "logits_dtype" not in peer
+def _assert_variant_reaches_ours_and_keys_the_record(flags, field, value, default, label_end):
+    """`flags` set `field` to `value` in the job of ours only; the record key tells it from `default` (and a
+    record that spells the default keys as one that omits it); the label ends with `label_end`."""
+    ours, peer = lm_train.jobs(lm_train.parse_args(["--impls", "cutile", "mamba_ssm", *flags]))
+    assert ours[field] == value and type(ours[field]) is type(value) and field not in peer
     plain = {"config": "d1024-l24-8x2048", "impl": "cutile"}
-    assert lm_train.record_key(plain) != lm_train.record_key({**plain, "logits_dtype": "bfloat16"})
-    assert lm_train.label({**plain, "logits_dtype": "bfloat16"}).endswith(", bfloat16 logits")
+    assert lm_train.record_key(plain) != lm_train.record_key({**plain, field: value})
+    assert lm_train.record_key(plain) == lm_train.record_key({**plain, field: default})
+    assert lm_train.label({**plain, field: value}).endswith(label_end)
+
+
+def test_logits_dtype_reaches_the_model_loss_and_keys_the_record():
+    _assert_variant_reaches_ours_and_keys_the_record(["--logits-dtype", "bfloat16"], "logits_dtype", "bfloat16",
+                                                     None, ", bfloat16 logits")
     # The step's two head products that store logits (the loss's forward and its backward's recompute) are
     # the only ones that change their result dtype (traced, not compiled: the loss's numerics have their own
     # tests in tests/flax_layers/test_loss.py).
@@ -173,26 +180,16 @@ def test_logits_dtype_reaches_the_model_loss_and_keys_the_record():
 
 
 def test_unroll_layers_reaches_the_model_and_keys_the_record():
-    args = lm_train.parse_args(["--impls", "cutile", "mamba_ssm", "--unroll-layers"])
-    ours, peer = lm_train.jobs(args)
-    assert ours["scan_layers"] is False and "scan_layers" not in peer
-    plain = {"config": "d1024-l24-8x2048", "impl": "cutile"}
-    assert lm_train.record_key(plain) != lm_train.record_key({**plain, "scan_layers": False})
-    assert lm_train.record_key(plain) == lm_train.record_key({**plain, "scan_layers": True})
-    assert lm_train.label({**plain, "scan_layers": False}).endswith(", layers unrolled")
+    _assert_variant_reaches_ours_and_keys_the_record(["--unroll-layers"], "scan_layers", False, True,
+                                                     ", layers unrolled")
     config = lm_train.TrainConfig.parse("d64-l2-1x32")
     step, *step_args = lm_train.make_train_step(config, "xla", "model", abstract=True, scan_layers=False)
     assert "length=2" not in str(jax.make_jaxpr(step)(*step_args))  # no scan over the two layers
 
 
 def test_loss_backend_reaches_the_model_and_keys_the_record():
-    args = lm_train.parse_args(["--impls", "cutile", "mamba_ssm", "--loss-backend", "cutile"])
-    ours, peer = lm_train.jobs(args)
-    assert ours["loss_backend"] == "cutile" and "loss_backend" not in peer
-    plain = {"config": "d1024-l24-8x2048", "impl": "cutile"}
-    assert lm_train.record_key(plain) != lm_train.record_key({**plain, "loss_backend": "cutile"})
-    assert lm_train.record_key(plain) == lm_train.record_key({**plain, "loss_backend": "xla"})
-    assert lm_train.label({**plain, "loss_backend": "cutile"}).endswith(", loss softmax cutile")
+    _assert_variant_reaches_ours_and_keys_the_record(["--loss-backend", "cutile"], "loss_backend", "cutile", "xla",
+                                                     ", loss softmax cutile")
     pytest.importorskip("cuda.tile")
     from jax_mamba2.bridge import aot
     config = lm_train.TrainConfig.parse("d64-l1-1x32")
@@ -206,13 +203,8 @@ def test_loss_backend_reaches_the_model_and_keys_the_record():
 
 
 def test_no_check_finite_reaches_the_model_and_keys_the_record():
-    args = lm_train.parse_args(["--impls", "cutile", "mamba_ssm", "--no-check-finite"])
-    ours, peer = lm_train.jobs(args)
-    assert ours["check_finite"] is False and "check_finite" not in peer
-    plain = {"config": "d1024-l24-8x2048", "impl": "cutile"}
-    assert lm_train.record_key(plain) != lm_train.record_key({**plain, "check_finite": False})
-    assert lm_train.record_key(plain) == lm_train.record_key({**plain, "check_finite": True})
-    assert lm_train.label({**plain, "check_finite": False}).endswith(", SSD inputs unchecked")
+    _assert_variant_reaches_ours_and_keys_the_record(["--no-check-finite"], "check_finite", False, True,
+                                                     ", SSD inputs unchecked")
     pytest.importorskip("cuda.tile")
     from jax_mamba2.bridge import aot
     config = lm_train.TrainConfig.parse("d64-l1-1x32")
@@ -226,13 +218,8 @@ def test_no_check_finite_reaches_the_model_and_keys_the_record():
 
 
 def test_command_buffers_reach_the_worker_environment_and_key_the_record(monkeypatch):
-    args = lm_train.parse_args(["--impls", "cutile", "mamba_ssm", "--command-buffers", "loop"])
-    ours, peer = lm_train.jobs(args)
-    assert ours["command_buffers"] == "loop" and "command_buffers" not in peer
-    plain = {"config": "d1024-l24-8x2048", "impl": "cutile"}
-    assert lm_train.record_key(plain) != lm_train.record_key({**plain, "command_buffers": "loop"})
-    assert lm_train.record_key(plain) == lm_train.record_key({**plain, "command_buffers": "default"})
-    assert lm_train.label({**plain, "command_buffers": "loop"}).endswith(", command buffers loop")
+    _assert_variant_reaches_ours_and_keys_the_record(["--command-buffers", "loop"], "command_buffers", "loop",
+                                                     "default", ", command buffers loop")
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
     assert lm_bench.command_buffer_env("loop") == {"XLA_FLAGS": "--xla_dump_to=/tmp/x "
                                                    "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL "
