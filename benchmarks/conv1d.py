@@ -27,7 +27,7 @@ Run on the GPU machine:
   source .gpu/gpu-env.sh
   python benchmarks/conv1d.py [--causal-conv1d /tmp/ccsite] --out $OUT
   python benchmarks/conv1d.py --impls cutile --layouts mixer --shapes 8,2048,2304 \
-      --fwd-configs 16x512x3 8x512x3 16x256x4 32x256x2 16x1024x2 --bwd-configs 16x16x256x2 8x32x256x2 16x16x128x3 \
+      --fwd-configs 16x512x3 8x512x3 16x256x4 32x256x2 16x1024x2 --bwd-configs 16x16x256x2 8x32x256x3 8x32x128x4 \
       --out $OUT        (a sweep: every forward config with the default backward, then the backward ones)
 Writes <out>/conv1d_<direction>_<gpu>.json (a list of records) and prints one line per record.
 """
