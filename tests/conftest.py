@@ -9,12 +9,17 @@ import os
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = _flags = (_flags + " --xla_force_host_platform_device_count=8").strip()
-# Most CPU tests' time is XLA compiling small programs, not running them: without LLVM's optimizations the
-# suite compiles about twice as fast, and float results stay equal to within rounding (every check holds a
-# tolerance against a float64 reference, or compares two programs compiled alike). Subprocesses (examples,
-# benchmark CLIs) inherit the setting. Only without a GPU: there it would slow the kernels XLA generates.
-if "xla_backend_optimization_level" not in _flags and not os.path.exists("/dev/nvidiactl"):
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_backend_optimization_level=0").strip()
+# Most CPU tests' time is XLA compiling small programs, not running them: without LLVM's optimizations, and
+# with the CPU backend's older fusion emitters (its MLIR ones cost more compile time on these programs), the
+# suite takes about half the CPU time, and float results stay equal to within rounding (every check holds a
+# tolerance against a float64 reference, or compares two programs compiled alike).
+# Subprocesses (examples, benchmark CLIs) inherit the setting. Only without a GPU: there it would slow the
+# kernels XLA generates.
+if not os.path.exists("/dev/nvidiactl"):
+    for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+        if _flag.split("=")[0] not in _flags:
+            _flags = (_flags + " " + _flag).strip()
+    os.environ["XLA_FLAGS"] = _flags
 
 # Parallel workers (pytest -n) share the one GPU: none may reserve most of its memory up front.
 if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -80,8 +80,12 @@ def _oracle(args, optional, kwargs, weights):
 
 def _check_forward_and_gradients(args, optional, kwargs, weights, tolerance, ssd=_emulated_ssd):
     (want_y, want_final), (want_args, want_optional) = _oracle(args, optional, kwargs, weights)
-    y, final = ssd(*args, **optional, **kwargs)
-    got_args, got_optional = jax.grad(_loss(ssd, weights, kwargs), argnums=(0, 1))(args, optional)
+
+    @jax.jit  # one program: op by op, every operation around the kernels compiles on its own
+    def outputs_and_gradients(args, optional):
+        return (ssd(*args, **optional, **kwargs),
+                jax.grad(_loss(ssd, weights, kwargs), argnums=(0, 1))(args, optional))
+    (y, final), (got_args, got_optional) = outputs_and_gradients(args, optional)
     errors = {"y": rel_l2(y, want_y), "final_states": rel_l2(final, want_final)}
     errors.update({f"d{name}": rel_l2(g, w) for name, g, w in zip("x dt A B C".split(), got_args, want_args)})
     errors.update({f"d{name}": rel_l2(got_optional[name], want_optional[name]) for name in OPTIONAL})
@@ -145,8 +149,8 @@ def test_emulated_op_vmap_of_gradients_with_a_gate_matches_a_loop():
             return jnp.sum(y * weights[0])
         return jax.grad(loss, argnums=(0, 1))(x, z)
 
-    mapped = jax.vmap(grad)(xs, zs)
+    mapped = jax.jit(jax.vmap(grad))(xs, zs)
     for i in range(2):
-        for got, want in zip(mapped, grad(xs[i], zs[i])):
+        for got, want in zip(mapped, jax.jit(grad)(xs[i], zs[i])):
             assert rel_l2(got[i], want) < 1e-6
 

@@ -180,12 +180,14 @@ def test_one_device_layer_on_the_emulated_kernels_matches_xla(emulated):
     layers = {b: _layer(b) for b in ("cutile", "xla")}
     u, weights = _inputs()
     seq_idx = jnp.asarray(np.repeat([[0] * 20 + [1] * 12], BATCH, axis=0), jnp.int32)
-    out = {b: m(u, seq_idx=seq_idx) for b, m in layers.items()}
+    forward = nnx.jit(lambda m: m(u, seq_idx=seq_idx))
+    out = {b: forward(m) for b, m in layers.items()}
     assert rel_l2(out["cutile"], out["xla"]) < 1e-5
-    prefill = {b: m.prefill(u) for b, m in layers.items()}
+    prefill = {b: nnx.jit(lambda m: m.prefill(u))(m) for b, m in layers.items()}
     assert rel_l2(prefill["cutile"][0], prefill["xla"][0]) < 1e-5
     np.testing.assert_allclose(prefill["cutile"][1].conv_state, prefill["xla"][1].conv_state, rtol=1e-6)
-    grads = {b: nnx.to_flat_state(nnx.grad(lambda m: _loss(m, u, weights))(m)) for b, m in layers.items()}
+    grad = nnx.jit(nnx.grad(lambda m: _loss(m, u, weights)))
+    grads = {b: nnx.to_flat_state(grad(m)) for b, m in layers.items()}
     for (path, g_cutile), (_, g_xla) in zip(grads["cutile"], grads["xla"]):
         assert rel_l2(g_cutile[...], g_xla[...]) < 1e-5, path
 
@@ -193,8 +195,8 @@ def test_one_device_layer_on_the_emulated_kernels_matches_xla(emulated):
 def test_one_device_layer_under_remat_matches_xla(emulated):
     layers = {b: _layer(b) for b in ("cutile", "xla")}
     u, weights = _inputs()
-    grads = {b: nnx.to_flat_state(nnx.grad(lambda m: jnp.sum(nnx.remat(lambda m, u: m(u))(m, u) * weights))(m))
-             for b, m in layers.items()}
+    grad = nnx.jit(nnx.grad(lambda m: jnp.sum(nnx.remat(lambda m, u: m(u))(m, u) * weights)))
+    grads = {b: nnx.to_flat_state(grad(m)) for b, m in layers.items()}
     for (path, g_cutile), (_, g_xla) in zip(grads["cutile"], grads["xla"]):
         assert rel_l2(g_cutile[...], g_xla[...]) < 1e-5, path
 
