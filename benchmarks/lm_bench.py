@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import glob
+import gzip
 import json
 import os
 import subprocess
@@ -130,6 +132,31 @@ def time_calls(call: Callable[[], Any], sync: Callable[[Any], Any], *, steps: in
     p20, median, p80 = np.percentile(samples, [20, 50, 80])
     return StepTiming(float(median), float(p20), float(p80), float(min(samples)), steps, first_call_s,
                       warmup_seconds, warmup_calls)
+
+
+def _trace_kernels(trace_dir: str) -> list:
+    """(name, start_us, duration_us) of the GPU kernels in the Perfetto trace under trace_dir."""
+    from benchmarks.tools import kernel_profile
+    paths = glob.glob(f"{trace_dir}/plugins/profile/*/perfetto_trace.json.gz")
+    if not paths:
+        return []
+    return kernel_profile.trace_kernels(json.loads(gzip.decompress(Path(paths[0]).read_bytes())))
+
+
+def profile_calls(call: Callable[[], Any], hlo_text: str, calls: int) -> dict:
+    """The GPU kernels of `calls` calls of a compiled JAX program under jax.profiler, per call and folded into
+    categories (benchmarks/kernel_categories.py); `hlo_text` is the program's `compiled.as_text()`."""
+    import jax
+
+    from benchmarks import kernel_categories
+
+    with tempfile.TemporaryDirectory(prefix="lm_bench_trace_") as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(calls):
+                jax.block_until_ready(call())
+        kernels = _trace_kernels(trace_dir)
+    return {"source": "jax.profiler trace (CUPTI)", "kernel_launches": len(kernels) / calls,
+            **kernel_categories.fold(kernels, hlo_text, calls)}
 
 
 def _median_ms(call: Callable[[], Any], sync: Callable[[Any], Any], repeats: int = 10, calls: int = 10) -> float:

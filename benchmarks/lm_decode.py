@@ -26,6 +26,9 @@ Floor: the weights' bytes (and, as a second figure, plus the decode state read a
 HBM bandwidth of a 1 GiB device-to-device copy measured in the same process.
 Prefill (--prompt-lengths, default 512 2048, batch 1): ours `generate(prompt, 1)`, mamba_ssm the forward that
 fills the cache and takes the last token's logits (mamba_ssm's prefill), median wall ms.
+--profile (ours): per batch, one call each of generate with 1 and with 1 + --decode-steps new tokens under
+jax.profiler; their difference over --decode-steps is a token step's GPU time and launches per kernel category
+(benchmarks/kernel_categories.py: matrix products, SSD, conv, norms, copies, elementwise), under "profile".
 
 On the GPU machine (each line < 10 minutes; add JAX_MAMBA2_GIT_SHA=<commit>):
   source .gpu/gpu-env.sh
@@ -112,6 +115,37 @@ def _timed_generate(model, prompt, new_tokens: int, repeats: int, warmup_seconds
     return timing.first_call_s, timing.ms_median
 
 
+def per_token_profile(short: dict, long: dict, decode_steps: int) -> dict:
+    """A token step's share of two profiles (`lm_bench.profile_calls`) of generate with 1 and with
+    1 + decode_steps new tokens: per category microseconds and launches, their difference over decode_steps
+    (the prompt's prefill and the first token cancel). The long call's top kernels come along as they are."""
+    def per_step(field: str, category: str) -> float:
+        return (long["categories"].get(category, {}).get(field, 0.0)
+                - short["categories"].get(category, {}).get(field, 0.0)) / decode_steps
+    categories = {c: {"us": per_step("us", c), "launches": per_step("launches", c)} for c in long["categories"]}
+    return {"source": long["source"], "decode_steps": decode_steps,
+            "busy_us": (long["busy_us"] - short["busy_us"]) / decode_steps,
+            "kernel_launches": (long["kernel_launches"] - short["kernel_launches"]) / decode_steps,
+            "categories": categories, "top_kernels_long_call": long["top_kernels"]}
+
+
+def _profile_generate(model, prompt, decode_steps: int) -> dict:
+    """`per_token_profile` of generate on `prompt`, each length compiled as its own program for its HLO text."""
+    import jax
+    from flax import nnx
+
+    from jax_mamba2.flax_layers import generate
+
+    graphdef, state = nnx.split(model)
+    profiles = []
+    for new_tokens in (1, 1 + decode_steps):
+        program = jax.jit(lambda state, prompt, n=new_tokens: generate(nnx.merge(graphdef, state), prompt, n))
+        compiled = program.lower(state, prompt).compile()
+        jax.block_until_ready(compiled(state, prompt))  # warm: the profile holds the steady state only
+        profiles.append(lm_bench.profile_calls(lambda: compiled(state, prompt), compiled.as_text(), calls=1))
+    return per_token_profile(*profiles, decode_steps)
+
+
 def decode_ours(job: dict) -> dict:
     import jax
     import jax.numpy as jnp
@@ -135,6 +169,8 @@ def decode_ours(job: dict) -> dict:
         else:  # the decode steps took less than the timing noise of the prefill: no step time to report
             row.update(ms_per_token=None, tokens_per_s=None,
                        error="the decode steps are within the prefill's timing noise: raise --decode-steps")
+        if job.get("profile"):
+            row["profile"] = _profile_generate(model, prompt, job["decode_steps"])
         batches[str(batch)] = row
     prefill = {}
     for length in job["prompt_lengths"]:
@@ -301,6 +337,14 @@ def format_table(records: list[dict]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "-" * len(lines[0]))
+    for r in records:
+        for batch, row in ({} if r.get("error") else r["batches"]).items():
+            profile = row.get("profile")
+            if profile:
+                parts = ", ".join(f"{c} {v['us']:.1f} ({v['launches']:.0f})" for c, v in profile["categories"].items())
+                lines.append(f"{r['config']} {r['label']}, batch {batch}: GPU us per token step by category "
+                             f"(launches): {profile['busy_us']:.1f} busy, {profile['kernel_launches']:.0f} launches; "
+                             f"{parts}")
     return "\n".join(lines)
 
 
@@ -356,6 +400,8 @@ def parse_args(argv=None):
     parser.add_argument("--decode-steps", type=int, default=128, help="timed token steps per round (default: 128)")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (default: 5)")
     parser.add_argument("--warmup-seconds", type=float, default=2.0, help="untimed rounds first (default: 2 s)")
+    parser.add_argument("--profile", action="store_true",
+                        help="ours: a token step's GPU time per kernel category, from jax.profiler (default: off)")
     lm_bench.add_peer_flags(parser)
     parser.add_argument("--worker-timeout", type=float, default=540, help="seconds per process (default: 540)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -383,7 +429,8 @@ def jobs(args) -> list[tuple[dict, dict]]:
                     continue
                 for buffers in args.command_buffers:
                     out.append(({**common, "config": config, "impl": impl, "param_dtype": param_dtype,
-                                 "command_buffers": buffers, "scan_layers": not args.unroll_layers},
+                                 "command_buffers": buffers, "scan_layers": not args.unroll_layers,
+                                 "profile": args.profile},
                                 lm_bench.command_buffer_env(buffers)))
     return out
 

@@ -44,12 +44,9 @@ lm_train_h200.png, then prints the table.
 """
 from __future__ import annotations
 
-import glob
 import gzip
-import json
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -250,30 +247,6 @@ def build_ours(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0,
     return compiled, params, opt_state, inputs, targets, seconds
 
 
-def _trace_kernels(trace_dir: str) -> list:
-    """(name, start_us, duration_us) of the GPU kernels in the Perfetto trace under trace_dir."""
-    from benchmarks.tools import kernel_profile
-    paths = glob.glob(f"{trace_dir}/plugins/profile/*/perfetto_trace.json.gz")
-    if not paths:
-        return []
-    return kernel_profile.trace_kernels(json.loads(gzip.decompress(Path(paths[0]).read_bytes())))
-
-
-def profile_ours(call, hlo_text: str, steps: int) -> dict:
-    """The categories of `steps` calls under jax.profiler (benchmarks/kernel_categories.py)."""
-    import jax
-
-    from benchmarks import kernel_categories
-
-    with tempfile.TemporaryDirectory(prefix="lm_train_trace_") as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            for _ in range(steps):
-                jax.block_until_ready(call())
-        kernels = _trace_kernels(trace_dir)
-    return {"source": "jax.profiler trace (CUPTI)", "kernel_launches": len(kernels) / steps,
-            **kernel_categories.fold(kernels, hlo_text, steps)}
-
-
 class Variant(NamedTuple):
     """An option of ours a record may have changed from its default: its field in jobs and records, the
     default, and how a file name and a label spell a changed value."""
@@ -359,7 +332,7 @@ def train_ours(job: dict) -> dict:
     if job.get("hlo_dir"):
         record["hlo_path"] = str(save_hlo(hlo_text, Path(job["hlo_dir"]), record_name(job)))
     if job["profile_steps"]:
-        record["profile"] = profile_ours(call, hlo_text, job["profile_steps"])
+        record["profile"] = lm_bench.profile_calls(call, hlo_text, job["profile_steps"])
     del state, inputs, targets, compiled
     record["device_rates"] = lm_bench.jax_device_rates()
     return record

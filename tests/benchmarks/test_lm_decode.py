@@ -48,7 +48,7 @@ def test_unroll_layers_reaches_ours_and_keys_the_record():
 def test_the_jax_worker_writes_step_times_prefill_and_floors(tmp_path):
     argv = ["--configs", "d64-l1", "--impls", "xla", "--param-dtypes", "bfloat16", "--batches", "1", "2",
             "--prompt-lengths", "32", "--decode-steps", "64", "--repeats", "2", "--warmup-seconds", "0",
-            "--command-buffers", "off", "--out", str(tmp_path)]
+            "--command-buffers", "off", "--profile", "--out", str(tmp_path)]
     assert lm_decode.main(argv) == 0
     (record,) = json.loads((tmp_path / "lm_decode_h200.json").read_text())["records"]
     assert record["error"] is None, record.get("log_tail")
@@ -58,10 +58,29 @@ def test_the_jax_worker_writes_step_times_prefill_and_floors(tmp_path):
     assert row["generate_long_ms"] > row["generate_1_ms"] > 0
     assert row["tokens_per_s"] == pytest.approx(2 / row["ms_per_token"] * 1e3)
     assert row["floor"]["weights_ms"] > 0 and row["x_weights_floor"] > 0
+    # The profile ran (on the CPU its trace holds no GPU kernels, so it has nothing to fold).
+    assert row["profile"]["decode_steps"] == 64 and isinstance(row["profile"]["categories"], dict)
     # bf16 parameters: 2 bytes per parameter (embedding 50280 x 64 dominates)
     assert 2 * 50280 * 64 < record["weight_bytes"] < 2 * 50280 * 64 * 1.5
     assert record["label"] == "jax-mamba2 generate, XLA, bfloat16 params, command buffers off"
     assert (tmp_path / "lm_decode_h200.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_token_step_profile_is_the_two_calls_difference_over_the_steps():
+    def fold(busy, launches, categories):
+        return {"source": "trace", "busy_us": busy, "kernel_launches": launches, "top_kernels": [{"kernel": "k"}],
+                "categories": {c: {"us": us, "launches": n} for c, (us, n) in categories.items()}}
+    short = fold(50.0, 20, {"matrix products": (30.0, 10), "SSD": (20.0, 10)})
+    long = fold(50.0 + 4 * 12.5, 20 + 4 * 6, {"matrix products": (30.0 + 4 * 8.0, 10 + 4 * 3),
+                                             "SSD": (20.0 + 4 * 4.0, 10 + 4 * 2), "copies": (4 * 0.5, 4)})
+    step = lm_decode.per_token_profile(short, long, decode_steps=4)
+    assert step["busy_us"] == pytest.approx(12.5) and step["kernel_launches"] == pytest.approx(6)
+    assert step["categories"] == {"matrix products": {"us": 8.0, "launches": 3.0}, "SSD": {"us": 4.0, "launches": 2.0},
+                                  "copies": {"us": 0.5, "launches": 1.0}}
+    assert step["decode_steps"] == 4 and step["top_kernels_long_call"] == [{"kernel": "k"}]
+    table = lm_decode.format_table([{"config": "d64-l1", "label": "ours", "prefill_ms": {}, "batches": {
+        "1": {"ms_per_token": 0.5, "tokens_per_s": 2000.0, "profile": step}}}])
+    assert "batch 1: GPU us per token step by category (launches): 12.5 busy, 6 launches; matrix products 8.0 (3)" in table
 
 
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
