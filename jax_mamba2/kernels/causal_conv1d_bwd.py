@@ -276,11 +276,10 @@ def conv_bwd_default_config(dims: ConvDims) -> ConvBwdConfig:
     """Steps of 8 rows of up to 128 channels: one channel per thread of the block's 128, which keeps a step's
     x, dy and g rows and the next step's prefetched x and dy in registers without spills at d_conv 4, with or
     without seq_idx (tileiras 13.4, sm_90: ~113 registers, 128 with seq_idx), within the occupancy hint of 4
-    blocks per SM. Against 16-row steps of 256 channels at occupancy 2 (254 registers) it runs the layer's
-    forward + backward 7% faster on the H200 and its cubin is half the size. Segments of 256 tokens, halved
-    (down to one step) while the grid has fewer than MIN_BLOCKS blocks: at (8, 2048) that is 1152 blocks for
-    2304 channels and 1024 for 2048, and 128-token segments (256 blocks) for the layer's 256 [B, C] channels.
-    The reduction sums 512 channels per block."""
+    blocks per SM; docs/conv1d.md (Configurations) has the timings that chose it over wider steps at lower
+    occupancy. Segments of 256 tokens, halved (down to one step) while the grid has fewer than MIN_BLOCKS
+    blocks: at (8, 2048) that is 1152 blocks for 2304 channels and 1024 for 2048, and 128-token segments (256
+    blocks) for the layer's 256 [B, C] channels. The reduction sums 512 channels per block."""
     block_l = 8
     block_c = min(128, max(16, next_power_of_2(dims.channels)))
     rows = dims.batch * -(-dims.channels // block_c)
