@@ -4,6 +4,8 @@ Tests marked `@pytest.mark.gpu` need a CUDA device and the cuTile compiler; with
 skipped with the reason, never counted as passing.
 """
 import os
+import subprocess
+import sys
 
 # Must happen before jax initialises its backends.
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -15,10 +17,21 @@ if "xla_force_host_platform_device_count" not in _flags:
 # tolerance against a float64 reference, or compares two programs compiled alike).
 # Subprocesses (examples, benchmark CLIs) inherit the setting. Only without a GPU: there it would slow the
 # kernels XLA generates.
+
+
+def _xla_knows(flag: str) -> bool:
+    """Whether this jaxlib's XLA accepts `flag` (it exits on an unknown one): probed in a subprocess, once
+    per run, since pytest-xdist's workers inherit the XLA_FLAGS set here."""
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True,
+                           env={**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"})
+    return probe.returncode == 0
+
+
 if not os.path.exists("/dev/nvidiactl"):
-    for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
-        if _flag.split("=")[0] not in _flags:
-            _flags = (_flags + " " + _flag).strip()
+    if "xla_backend_optimization_level" not in _flags:
+        _flags = (_flags + " --xla_backend_optimization_level=0").strip()
+    if "xla_cpu_use_fusion_emitters" not in _flags and _xla_knows("--xla_cpu_use_fusion_emitters=false"):
+        _flags = (_flags + " --xla_cpu_use_fusion_emitters=false").strip()
     os.environ["XLA_FLAGS"] = _flags
 
 # Parallel workers (pytest -n) share the one GPU: none may reserve most of its memory up front.
