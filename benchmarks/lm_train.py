@@ -161,7 +161,7 @@ def next_token_loss(model, inputs, targets, loss_impl: str, logits_dtype: str | 
 
 def make_train_step(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0, abstract: bool = False,
                     logits_dtype: str | None = None, scan_layers: bool = True, loss_backend: str = "xla",
-                    check_finite: bool = True):
+                    check_finite: bool = True, save_chunk_states: bool = True):
     """(step (params, opt_state, inputs, targets) -> (params, opt_state, loss), params, opt_state, inputs,
     targets); with `abstract`, the arrays are ShapeDtypeStructs (nothing allocated: enough to lower)."""
     import jax
@@ -174,7 +174,7 @@ def make_train_step(config: TrainConfig, backend: str, loss_impl: str, seed: int
     def make_model():
         return Mamba2LMHeadModel(mamba2_config(config), backend=backend, dtype=jnp.bfloat16,
                                  param_dtype=jnp.float32, scan_layers=scan_layers, loss_backend=loss_backend,
-                                 check_finite=check_finite,
+                                 check_finite=check_finite, save_chunk_states=save_chunk_states,
                                  rngs=nnx.Rngs(seed))
 
     model = nnx.eval_shape(make_model) if abstract else make_model()
@@ -236,13 +236,14 @@ def _cubins_compiled() -> list:
 
 def build_ours(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0, xla_options: dict | None = None,
                logits_dtype: str | None = None, scan_layers: bool = True, loss_backend: str = "xla",
-               check_finite: bool = True):
+               check_finite: bool = True, save_chunk_states: bool = True):
     """(compiled step (params, opt_state, inputs, targets) -> (params, opt_state, loss), params, opt_state,
     inputs, targets, the seconds of `compile_step`): the model's parameters and AdamW state donated to
     every call."""
     step, params, opt_state, inputs, targets = make_train_step(config, backend, loss_impl, seed,
                                                                logits_dtype=logits_dtype, scan_layers=scan_layers,
-                                                               loss_backend=loss_backend, check_finite=check_finite)
+                                                               loss_backend=loss_backend, check_finite=check_finite,
+                                                               save_chunk_states=save_chunk_states)
     compiled, seconds = compile_step(step, params, opt_state, inputs, targets, xla_options=xla_options)
     return compiled, params, opt_state, inputs, targets, seconds
 
@@ -262,6 +263,7 @@ VARIANTS = (
     Variant("scan_layers", True, "-unrolled", ", layers unrolled"),
     Variant("loss_backend", "xla", "-{}-softmax", ", loss softmax {}"),
     Variant("check_finite", True, "-unchecked", ", SSD inputs unchecked"),
+    Variant("save_chunk_states", True, "-recomputed-states", ", chunk states recomputed"),
     Variant("command_buffers", "default", "-command-buffers-{}", ", command buffers {}"),
 )
 
@@ -304,7 +306,9 @@ def train_ours(job: dict) -> dict:
                                                                           logits_dtype=job.get("logits_dtype"),
                                                                           scan_layers=job.get("scan_layers", True),
                                                                           loss_backend=job.get("loss_backend", "xla"),
-                                                                          check_finite=job.get("check_finite", True))
+                                                                          check_finite=job.get("check_finite", True),
+                                                                          save_chunk_states=job.get("save_chunk_states",
+                                                                                                    True))
     compile_s = time.perf_counter() - began
     state = {"params": params, "opt_state": opt_state}
     losses = []
@@ -556,6 +560,9 @@ def parse_args(argv=None):
     parser.add_argument("--no-check-finite", action="store_true",
                         help="ours: Mamba2LMHeadModel(check_finite=False), the SSD kernels run without the "
                              "check of their inputs for NaN and inf (default: checked)")
+    parser.add_argument("--recompute-chunk-states", action="store_true",
+                        help="ours: Mamba2LMHeadModel(save_chunk_states=False), the SSD backward recomputes the "
+                             "chunk states instead of keeping them from the forward (default: kept)")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="ours: an XLA compiler option of the step, e.g. "
                              "xla_gpu_enable_dynamic_slice_fusion=false (repeatable; default: none)")
@@ -601,6 +608,7 @@ def jobs(args) -> list[dict]:
                                                           "scan_layers": not args.unroll_layers,
                                                           "loss_backend": args.loss_backend,
                                                           "check_finite": not args.no_check_finite,
+                                                          "save_chunk_states": not args.recompute_chunk_states,
                                                           "command_buffers": args.command_buffers,
                                                           "hlo_dir": args.hlo_dir and str(args.hlo_dir)})}
             for config in args.configs for impl in args.impls]

@@ -217,6 +217,21 @@ def test_no_check_finite_reaches_the_model_and_keys_the_record():
     assert conds == {True: 2, False: 0}  # the forward's and the backward's guard
 
 
+def test_recompute_chunk_states_reaches_the_model_and_keys_the_record():
+    _assert_variant_reaches_ours_and_keys_the_record(["--recompute-chunk-states"], "save_chunk_states", False, True,
+                                                     ", chunk states recomputed")
+    pytest.importorskip("cuda.tile")
+    from jax_mamba2.bridge import aot
+    config = lm_train.TrainConfig.parse("d64-l1-1x32")  # 2 heads of 64, d_state 128, one chunk
+    states = {}
+    with aot.cuda_target("sm_90"):  # traced for the GPU: the SSD on the kernels
+        for save in (True, False):
+            step, *step_args = lm_train.make_train_step(config, "cutile", "model", abstract=True,
+                                                        save_chunk_states=save)
+            states[save] = str(jax.make_jaxpr(step)(*step_args)).count("bf16[1,1,2,64,128]")
+    assert 0 < states[False] < states[True]  # the forward no longer hands its bf16 chunk states to the backward
+
+
 def test_command_buffers_reach_the_worker_environment_and_key_the_record(monkeypatch):
     _assert_variant_reaches_ours_and_keys_the_record(["--command-buffers", "loop"], "command_buffers", "loop",
                                                      "default", ", command buffers loop")
