@@ -160,10 +160,10 @@ def next_token_loss(model, inputs, targets, loss_impl: str, logits_dtype: str | 
 
 
 def make_train_step(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0, abstract: bool = False,
-                    logits_dtype: str | None = None, scan_layers: bool = True, loss_backend: str = "xla",
-                    check_finite: bool = True, save_chunk_states: bool = True):
+                    logits_dtype: str | None = None, **model_options):
     """(step (params, opt_state, inputs, targets) -> (params, opt_state, loss), params, opt_state, inputs,
-    targets); with `abstract`, the arrays are ShapeDtypeStructs (nothing allocated: enough to lower)."""
+    targets); with `abstract`, the arrays are ShapeDtypeStructs (nothing allocated: enough to lower).
+    `model_options`: options of `Mamba2LMHeadModel` (MODEL_OPTIONS) that differ from its defaults."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -173,9 +173,7 @@ def make_train_step(config: TrainConfig, backend: str, loss_impl: str, seed: int
 
     def make_model():
         return Mamba2LMHeadModel(mamba2_config(config), backend=backend, dtype=jnp.bfloat16,
-                                 param_dtype=jnp.float32, scan_layers=scan_layers, loss_backend=loss_backend,
-                                 check_finite=check_finite, save_chunk_states=save_chunk_states,
-                                 rngs=nnx.Rngs(seed))
+                                 param_dtype=jnp.float32, **model_options, rngs=nnx.Rngs(seed))
 
     model = nnx.eval_shape(make_model) if abstract else make_model()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -235,15 +233,12 @@ def _cubins_compiled() -> list:
 
 
 def build_ours(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0, xla_options: dict | None = None,
-               logits_dtype: str | None = None, scan_layers: bool = True, loss_backend: str = "xla",
-               check_finite: bool = True, save_chunk_states: bool = True):
+               logits_dtype: str | None = None, **model_options):
     """(compiled step (params, opt_state, inputs, targets) -> (params, opt_state, loss), params, opt_state,
     inputs, targets, the seconds of `compile_step`): the model's parameters and AdamW state donated to
     every call."""
     step, params, opt_state, inputs, targets = make_train_step(config, backend, loss_impl, seed,
-                                                               logits_dtype=logits_dtype, scan_layers=scan_layers,
-                                                               loss_backend=loss_backend, check_finite=check_finite,
-                                                               save_chunk_states=save_chunk_states)
+                                                               logits_dtype=logits_dtype, **model_options)
     compiled, seconds = compile_step(step, params, opt_state, inputs, targets, xla_options=xla_options)
     return compiled, params, opt_state, inputs, targets, seconds
 
@@ -266,6 +261,16 @@ VARIANTS = (
     Variant("save_chunk_states", True, "-recomputed-states", ", chunk states recomputed"),
     Variant("command_buffers", "default", "-command-buffers-{}", ", command buffers {}"),
 )
+
+
+# The variants that are options of Mamba2LMHeadModel itself (the others: the loss's logits dtype, the
+# process's XLA command buffers).
+MODEL_OPTIONS = ("scan_layers", "loss_backend", "check_finite", "save_chunk_states")
+
+
+def model_options(job: dict) -> dict:
+    """The Mamba2LMHeadModel options `job` sets (MODEL_OPTIONS), as keyword arguments."""
+    return {field: job[field] for field in MODEL_OPTIONS if field in job}
 
 
 def changed_variants(record: dict) -> list[tuple[Variant, Any]]:
@@ -304,11 +309,7 @@ def train_ours(job: dict) -> dict:
     compiled, params, opt_state, inputs, targets, first_step = build_ours(config, job["impl"], loss_impl,
                                                                           xla_options=job.get("xla_options"),
                                                                           logits_dtype=job.get("logits_dtype"),
-                                                                          scan_layers=job.get("scan_layers", True),
-                                                                          loss_backend=job.get("loss_backend", "xla"),
-                                                                          check_finite=job.get("check_finite", True),
-                                                                          save_chunk_states=job.get("save_chunk_states",
-                                                                                                    True))
+                                                                          **model_options(job))
     compile_s = time.perf_counter() - began
     state = {"params": params, "opt_state": opt_state}
     losses = []

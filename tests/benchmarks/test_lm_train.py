@@ -158,6 +158,8 @@ def _assert_variant_reaches_ours_and_keys_the_record(flags, field, value, defaul
     record that spells the default keys as one that omits it); the label ends with `label_end`."""
     ours, peer = lm_train.jobs(lm_train.parse_args(["--impls", "cutile", "mamba_ssm", *flags]))
     assert ours[field] == value and type(ours[field]) is type(value) and field not in peer
+    if field in lm_train.MODEL_OPTIONS:  # what the worker hands to Mamba2LMHeadModel
+        assert lm_train.model_options(ours)[field] == value
     plain = {"config": "d1024-l24-8x2048", "impl": "cutile"}
     assert lm_train.record_key(plain) != lm_train.record_key({**plain, field: value})
     assert lm_train.record_key(plain) == lm_train.record_key({**plain, field: default})

@@ -198,7 +198,7 @@ def test_lm_empty_sequence_gives_empty_logits_and_keeps_the_cache(tiny_lm):
         np.testing.assert_array_equal(kept, given)
 
 
-def _assert_same_gradients(tiny_config, ids, scanned, *unrolled):
+def _assert_same_gradients(ids, scanned, *unrolled):
     def loss(model):
         return model.loss(ids)
     grads = nnx.jit(nnx.grad(loss))(scanned)
@@ -214,7 +214,7 @@ def test_unrolled_layers_compute_what_the_layer_scan_does(tiny_config):
     scanned, unrolled = (_model(tiny_config, scan_layers=flag) for flag in (True, False))
     forward = nnx.jit(lambda m, ids: m(ids))
     np.testing.assert_allclose(forward(unrolled, ids), forward(scanned, ids), rtol=1e-6, atol=1e-6)
-    _assert_same_gradients(tiny_config, ids, scanned, unrolled)
+    _assert_same_gradients(ids, scanned, unrolled)
 
     def layer_loops(model):  # scans of n_layer steps in the traced forward (the SSD's own scans are shorter)
         graphdef, state = nnx.split(model)
@@ -230,7 +230,7 @@ def test_unrolled_layers_remat_decode_and_generate_like_the_layer_scan(tiny_conf
     scan's."""
     ids = _token_ids(tiny_config, seed=3)
     scanned, unrolled = (_model(tiny_config, scan_layers=flag) for flag in (True, False))
-    _assert_same_gradients(tiny_config, ids, scanned, _model(tiny_config, scan_layers=False, remat=True))
+    _assert_same_gradients(ids, scanned, _model(tiny_config, scan_layers=False, remat=True))
 
     def prefill_then_steps(model):  # three decode steps after the prompt (each one more copy of the step)
         logits, cache = model.prefill(ids[:, :5])
