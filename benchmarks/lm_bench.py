@@ -143,9 +143,10 @@ def _trace_kernels(trace_dir: str) -> list:
     return kernel_profile.trace_kernels(json.loads(gzip.decompress(Path(paths[0]).read_bytes())))
 
 
-def profile_calls(call: Callable[[], Any], hlo_text: str, calls: int) -> dict:
+def profile_calls(call: Callable[[], Any], hlo_text: str, calls: int, top: int = 15) -> dict:
     """The GPU kernels of `calls` calls of a compiled JAX program under jax.profiler, per call and folded into
-    categories (benchmarks/kernel_categories.py); `hlo_text` is the program's `compiled.as_text()`."""
+    categories (benchmarks/kernel_categories.py), with the `top` kernels by time; `hlo_text` is the program's
+    `compiled.as_text()`."""
     import jax
 
     from benchmarks import kernel_categories
@@ -156,7 +157,7 @@ def profile_calls(call: Callable[[], Any], hlo_text: str, calls: int) -> dict:
                 jax.block_until_ready(call())
         kernels = _trace_kernels(trace_dir)
     return {"source": "jax.profiler trace (CUPTI)", "kernel_launches": len(kernels) / calls,
-            **kernel_categories.fold(kernels, hlo_text, calls)}
+            **kernel_categories.fold(kernels, hlo_text, calls, top=top)}
 
 
 def _median_ms(call: Callable[[], Any], sync: Callable[[Any], Any], repeats: int = 10, calls: int = 10) -> float:

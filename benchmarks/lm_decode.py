@@ -57,6 +57,7 @@ OURS = ("cutile", "xla")
 PRESETS = ("mamba2-370m", "mamba2-780m", "mamba2-1.3b")
 DEFAULT_CONFIGS = ("d1024-l24", *PRESETS)
 PROMPT_TOKENS = 16  # the prompt before the timed decode steps
+PROFILE_TOP_KERNELS = 40  # a token step's kernels listed by time in --profile's record (about 18 per layer)
 COMMAND_BUFFER_FLAGS = lm_bench.COMMAND_BUFFER_FLAGS
 LABELS = {"cutile": "jax-mamba2 generate, cuTile", "xla": "jax-mamba2 generate, XLA",
           "mamba_ssm": "mamba_ssm Mamba2.step, CUDA graph (PyTorch)"}
@@ -142,7 +143,8 @@ def _profile_generate(model, prompt, decode_steps: int) -> dict:
         program = jax.jit(lambda state, prompt, n=new_tokens: generate(nnx.merge(graphdef, state), prompt, n))
         compiled = program.lower(state, prompt).compile()
         jax.block_until_ready(compiled(state, prompt))  # warm: the profile holds the steady state only
-        profiles.append(lm_bench.profile_calls(lambda: compiled(state, prompt), compiled.as_text(), calls=1))
+        profiles.append(lm_bench.profile_calls(lambda: compiled(state, prompt), compiled.as_text(), calls=1,
+                                              top=PROFILE_TOP_KERNELS))
     return per_token_profile(*profiles, decode_steps)
 
 

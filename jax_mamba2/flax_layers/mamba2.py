@@ -30,6 +30,7 @@ from jax_mamba2.flax_layers.conv import CausalConv1d, causal_conv1d_step
 from jax_mamba2.flax_layers.initializers import A_log_init, dt_bias_init, torch_uniform
 from jax_mamba2.flax_layers.norm import RMSNorm
 from jax_mamba2.flax_layers.partition import HeadShard, MeshAxes, Segment, mixer_param_spec
+from jax_mamba2.flax_layers.projection import project
 from jax_mamba2.op import ssd, ssd_step
 
 
@@ -362,7 +363,7 @@ class Mamba2(nnx.Module):
         """
         kernel = self.in_proj.kernel[...]
         dtype = self.dtype or jnp.result_type(hidden_states, kernel)
-        zxbcdt = jnp.einsum("...d,de->...e", hidden_states.astype(dtype), kernel.astype(dtype))
+        zxbcdt = project(hidden_states.astype(dtype), kernel.astype(dtype))
         if self.in_proj.bias is not None:
             zxbcdt = zxbcdt + self.in_proj.bias[...].astype(dtype)
         bias = self.conv1d.bias
@@ -430,7 +431,7 @@ class Mamba2(nnx.Module):
             y = jnp.concatenate([jax.nn.silu(z0) * x0, y], axis=-1)
         kernel = self.out_proj.kernel[...]  # (d_inner / shard.size, d_model): this shard's heads' rows
         dtype = self.dtype or jnp.result_type(y, kernel)
-        out = shard.psum(jnp.einsum("...e,ed->...d", y.astype(dtype), kernel.astype(dtype)))
+        out = shard.psum(project(y.astype(dtype), kernel.astype(dtype)))
         if self.out_proj.bias is not None:
             out = out + self.out_proj.bias[...].astype(dtype)
         return out

@@ -27,6 +27,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jax_mamba2.flax_layers.projection import project
+
 
 def mixer_param_spec(path: tuple[str, ...], model_axis: str) -> P:
     """PartitionSpec of a `Mamba2` parameter (path relative to the mixer, e.g. ("in_proj", "kernel")) under
@@ -137,7 +139,7 @@ class HeadShard:
         tokens = math.prod(inputs.shape[:-1])
         d_in = kernel_rows.shape[0] * self.size
         if self.size == 1 or tokens < d_in:
-            return self.reduce_split(jnp.einsum("...d,de->...e", self.slice(inputs, axis=-1), kernel_rows),
+            return self.reduce_split(project(self.slice(inputs, axis=-1), kernel_rows),
                                      segments)
         pieces = jnp.split(kernel_rows, _offsets(segments), axis=-1)
         sharded = [p for p, seg in zip(pieces, segments) if seg.sharded]
@@ -147,12 +149,12 @@ class HeadShard:
                                      axis=-1)
         local_columns = lax.all_to_all(rank_major.reshape(rank_major.shape[0], -1), self.axis, split_axis=1,
                                        concat_axis=0, tiled=True)  # (d_in, local sharded width)
-        local_sharded = iter(jnp.split(jnp.einsum("...d,de->...e", inputs, local_columns),
+        local_sharded = iter(jnp.split(project(inputs, local_columns),
                                        _offsets([Segment(p.shape[1] // self.size, True) for p in sharded]), axis=-1))
         replicated = [p for p, seg in zip(pieces, segments) if not seg.sharded]
         if replicated:
             whole = self.gather([jnp.concatenate(replicated, axis=-1)], [Segment(d_in, True)], axis=0)
-            local_replicated = iter(jnp.split(jnp.einsum("...d,de->...e", inputs, whole),
+            local_replicated = iter(jnp.split(project(inputs, whole),
                                               _offsets([Segment(p.shape[1], False) for p in replicated]), axis=-1))
         return [next(local_sharded) if seg.sharded else next(local_replicated) for seg in segments]
 
