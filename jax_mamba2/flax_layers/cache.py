@@ -6,6 +6,7 @@ methods); nothing is mutated in place, so it can be donated to jit and carried t
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 
 class Mamba2Cache(NamedTuple):
@@ -19,3 +20,13 @@ class Mamba2Cache(NamedTuple):
 
     conv_state: jax.Array  # (batch, conv_dim, d_conv)
     ssm_state: jax.Array  # (batch, nheads, headdim, d_state)
+
+
+def unstack_layers(cache: Mamba2Cache) -> list[Mamba2Cache]:
+    """The per-layer caches of an LM's stacked cache (leading (n_layer,) axis)."""
+    return [Mamba2Cache(*fields) for fields in zip(*(list(a) for a in cache))]
+
+
+def stack_layers(caches: list[Mamba2Cache]) -> Mamba2Cache:
+    """The LM's stacked cache (leading (n_layer,) axis) of per-layer caches."""
+    return jax.tree.map(lambda *layers: jnp.stack(layers), *caches)

@@ -16,7 +16,7 @@ from jax_mamba2 import norm as norm_op
 from jax_mamba2.checks import check_flag
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers import loss as loss_op
-from jax_mamba2.flax_layers.cache import Mamba2Cache
+from jax_mamba2.flax_layers.cache import Mamba2Cache, stack_layers, unstack_layers
 from jax_mamba2.flax_layers.config import Mamba2Config
 from jax_mamba2.flax_layers.initializers import torch_uniform
 from jax_mamba2.flax_layers.mamba2 import Mamba2
@@ -271,30 +271,36 @@ class Mamba2LMHeadModel(nnx.Module):
         """Embeds, then runs `Mamba2Block.<method>` ("prefill" or "step") over the stacked layers, each with
         its slice of the cache; returns (hidden, residual, new cache)."""
         hidden, residual = self._embed(input_ids)
-
-        def block_call(carry, block, layer_cache):
-            hidden, residual, layer_cache = getattr(block, method)(*carry, layer_cache)
-            return (hidden, residual), layer_cache
-
+        block_call = _cached_block_call(method)
         if self.scan_layers:
             (hidden, residual), cache = nnx.scan(block_call, in_axes=(nnx.Carry, 0, 0),
                                                  out_axes=(nnx.Carry, 0))((hidden, residual), self.layers, cache)
         else:
-            (hidden, residual), cache = self._unrolled(block_call, (hidden, residual), cache)
+            layer_caches = [None] * self.config.n_layer if cache is None else unstack_layers(cache)
+            (hidden, residual), layer_caches = self._unrolled(block_call, (hidden, residual), layer_caches)
+            cache = stack_layers(layer_caches)
         return hidden, residual, cache
 
-    def _unrolled(self, fn, carry, *per_layer):
-        """`fn(carry, block, *slices) -> (carry, out)` for each layer in turn, `block` built on the layer's
-        slice of the stacked parameters and `slices` the layers' slices of `per_layer` (leading (n_layer,)
-        axis); returns (carry, the outs stacked on a leading (n_layer,) axis, or None)."""
+    def _step_unstacked(self, input_ids, layer_caches: list):
+        """`step` with the blocks unrolled and the cache as one `Mamba2Cache` per layer: the form of
+        `generate`'s decode loop for a model with scan_layers=False, which then never stacks (copies) the
+        whole decode state at a token. Returns (logits, the new per-layer caches)."""
+        hidden, residual = self._embed(input_ids)
+        (hidden, residual), layer_caches = self._unrolled(_cached_block_call("step"), (hidden, residual),
+                                                          layer_caches)
+        return self._logits(hidden, residual), layer_caches
+
+    def _unrolled(self, fn, carry, per_layer=None):
+        """`fn(carry, block[, item]) -> (carry, out)` for each layer in turn, `block` built on the layer's
+        slice of the stacked parameters and `item` the layer's entry of the list `per_layer`; returns (carry,
+        the list of outs)."""
         graphdef, state = nnx.split(self.layers)
         outs = []
         for layer in range(self.config.n_layer):
             block = nnx.merge(graphdef, jax.tree.map(lambda a: a[layer], state))
-            carry, out = fn(carry, block, *jax.tree.map(lambda a: a[layer], per_layer))
+            carry, out = fn(carry, block) if per_layer is None else fn(carry, block, per_layer[layer])
             outs.append(out)
-        stacked = None if outs[0] is None else jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
-        return carry, stacked
+        return carry, outs
 
     def _embed(self, input_ids):
         hidden = self.embedding(input_ids)
@@ -311,6 +317,15 @@ class Mamba2LMHeadModel(nnx.Module):
 
     def _logits(self, hidden, residual):
         return self._head(self._final_norm(hidden, residual))
+
+
+def _cached_block_call(method: str):
+    """(carry, block, layer cache) -> (carry, new layer cache) of `Mamba2Block.<method>` ("prefill" or "step"),
+    carry = (hidden, residual): the body of the loops over layers."""
+    def block_call(carry, block, layer_cache):
+        hidden, residual, layer_cache = getattr(block, method)(*carry, layer_cache)
+        return (hidden, residual), layer_cache
+    return block_call
 
 
 def generate(model: Mamba2LMHeadModel, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,
@@ -381,10 +396,15 @@ def _generate(graphdef, state, prompt_ids, rng, temperature, *, max_new_tokens, 
     hidden, residual, cache = model._scan_layers_with_cache("prefill", prompt_ids, None)
     first = next_token(model._logits(hidden[:, -1], residual[:, -1]), keys[0])
 
+    if not model.scan_layers:  # the loop carries one cache per layer: no step stacks the whole state
+        cache = unstack_layers(cache)
+
     def decode(carry, key):
         token, cache = carry
         # NNX Variables belong to the trace that created them: rebuild the model from fresh ones here.
-        logits, cache = nnx.merge(graphdef, jax.tree.map(lambda a: a, state)).step(token, cache)
+        step_model = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+        logits, cache = (step_model.step(token, cache) if model.scan_layers else
+                         step_model._step_unstacked(token, cache))
         token_next = next_token(logits, key)
         return (token_next, cache), token_next
 

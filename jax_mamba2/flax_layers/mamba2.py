@@ -304,11 +304,14 @@ class Mamba2(nnx.Module):
 
     def _step(self, shard: HeadShard, hidden_states, cache: Mamba2Cache):
         batch, _ = hidden_states.shape
-        z0, x0, z, x, B, C, dt = self._project(shard, hidden_states)
-        x, B, C, conv_state = self._convolve(
-            shard, x, B, C, cache.conv_state, True,
-            lambda xBC, state, kernel, bias: _silu_output(causal_conv1d_step(xBC, state, kernel, bias,
-                                                                             dtype=xBC.dtype)))
+        if shard.size == 1:
+            z0, x0, z, x, B, C, dt, conv_state = self._project_and_convolve_step(hidden_states, cache.conv_state)
+        else:
+            z0, x0, z, x, B, C, dt = self._project(shard, hidden_states)
+            x, B, C, conv_state = self._convolve(
+                shard, x, B, C, cache.conv_state, True,
+                lambda xBC, state, kernel, bias: _silu_output(causal_conv1d_step(xBC, state, kernel, bias,
+                                                                                 dtype=xBC.dtype)))
         A, D, dt_bias = self._ssm_params()
         nheads, ngroups = A.shape[0], B.shape[-1] // self.d_state  # this shard's heads and groups
         y, ssm_state = ssd_step(
@@ -361,24 +364,47 @@ class Mamba2(nnx.Module):
           (z0, x0, z, x, B, C, dt, conv_state): (..., width) each, and the new (batch, conv_dim, d_conv)
           conv state.
         """
+        zxbcdt = self._in_proj_whole(hidden_states)
+        bias = self.conv1d.bias
+        bc = self.ngroups * self.d_state
+        (x, B, C), conv_state = causal_conv1d_silu_split(
+            zxbcdt, self.conv1d.kernel[...], None if bias is None else bias[...], channel_offset=self._xbc_offset,
+            split=(self.d_ssm, bc, bc), seq_idx=seq_idx, initial_states=conv_state, return_final_states=True,
+            backend=self._conv_backend())
+        return (*self._gates(zxbcdt), x, B, C, zxbcdt[..., self._xbc_offset + self.conv_dim:], conv_state)
+
+    def _project_and_convolve_step(self, hidden_states, conv_state):
+        """`_project_and_convolve` for one token per row, (batch, d_model): the conv step runs on in_proj's
+        xBC columns whole (one fused XLA pass, no concatenate of B and C), then splits them into x, B, C."""
+        zxbcdt = self._in_proj_whole(hidden_states)
+        bias = self.conv1d.bias
+        xBC = zxbcdt[..., self._xbc_offset:self._xbc_offset + self.conv_dim]
+        xBC, conv_state = _silu_output(causal_conv1d_step(xBC, conv_state, self.conv1d.kernel[...],
+                                                          None if bias is None else bias[...], dtype=xBC.dtype))
+        x, B, C = jnp.split(xBC, [self.d_ssm, self.d_ssm + self.ngroups * self.d_state], axis=-1)
+        return (*self._gates(zxbcdt), x, B, C, zxbcdt[..., self._xbc_offset + self.conv_dim:], conv_state)
+
+    @property
+    def _xbc_offset(self) -> int:
+        """Where xBC starts in in_proj's output [z0, x0, z, xBC, dt]."""
+        return 2 * self.d_mlp + self.d_ssm
+
+    def _in_proj_whole(self, hidden_states):
+        """in_proj's whole output (..., d_in_proj) = [z0, x0, z, xBC, dt] in the computation dtype."""
         kernel = self.in_proj.kernel[...]
         dtype = self.dtype or jnp.result_type(hidden_states, kernel)
         zxbcdt = project(hidden_states.astype(dtype), kernel.astype(dtype))
         if self.in_proj.bias is not None:
             zxbcdt = zxbcdt + self.in_proj.bias[...].astype(dtype)
-        bias = self.conv1d.bias
-        xbc_offset = 2 * self.d_mlp + self.d_ssm  # [z0, x0, z, xBC, dt]
-        bc = self.ngroups * self.d_state
-        (x, B, C), conv_state = causal_conv1d_silu_split(
-            zxbcdt, self.conv1d.kernel[...], None if bias is None else bias[...], channel_offset=xbc_offset,
-            split=(self.d_ssm, bc, bc), seq_idx=seq_idx, initial_states=conv_state, return_final_states=True,
-            backend=self._conv_backend())
-        z0, x0, z = jnp.split(zxbcdt[..., :xbc_offset], [self.d_mlp, 2 * self.d_mlp], axis=-1)
-        return z0, x0, z, x, B, C, zxbcdt[..., xbc_offset + self.conv_dim:], conv_state
+        return zxbcdt
+
+    def _gates(self, zxbcdt) -> tuple:
+        """(z0, x0, z) of in_proj's output."""
+        return tuple(jnp.split(zxbcdt[..., :self._xbc_offset], [self.d_mlp, 2 * self.d_mlp], axis=-1))
 
     def _convolve(self, shard: HeadShard, x, B, C, conv_state, want_state: bool, apply):
-        """The causal conv + SiLU on this shard's channels [x, B, C] (the head-parallel path and decode steps;
-        one device's full forward takes `_project_and_convolve`).
+        """The causal conv + SiLU on this shard's channels [x, B, C] under head parallelism (one device takes
+        `_project_and_convolve` and `_project_and_convolve_step`).
 
         x and [B, C] are convolved separately: under head parallelism x is split over devices while B and C
         may be replicated, and keeping them apart keeps the replicated part provably replicated.

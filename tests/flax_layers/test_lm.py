@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from jax_mamba2.flax_layers import Mamba2Block, Mamba2Config, Mamba2LMHeadModel, generate
+from tests.flax_layers._programs import walk
 
 BATCH, SEQLEN = 2, 12
 
@@ -244,3 +245,26 @@ def test_unrolled_layers_remat_decode_and_generate_like_the_layer_scan(tiny_conf
     for g, w in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
     assert (generate(unrolled, ids[:1, :4], 6) == generate(scanned, ids[:1, :4], 6)).all()
+
+
+def test_unrolled_generate_carries_one_cache_per_layer_through_the_decode_loop(tiny_config):
+    """scan_layers=False: generate's decode loop carries each layer's state as its own array, so no token
+    step stacks (copies) the whole decode state; the layer scan carries the stacked cache."""
+    ids = _token_ids(tiny_config, seed=4)[:2, :4]
+    scanned, unrolled = (_model(tiny_config, scan_layers=flag) for flag in (True, False))
+    ssm_shape = scanned.layers.mixer.init_cache(2).ssm_state.shape
+
+    def decode_loop_carry_shapes(model):  # the avals carried by generate's outer scan (the decode loop)
+        graphdef, state = nnx.split(model)
+        jaxpr = jax.make_jaxpr(lambda state: generate(nnx.merge(graphdef, state), ids, 5))(state)
+        shapes = []
+        for eqn, _ in walk(jaxpr):
+            if eqn.primitive.name == "scan" and eqn.params["length"] == 4:  # the 4 decode steps after the first
+                shapes.append([tuple(v.aval.shape) for v in eqn.invars[eqn.params["num_consts"]:]])
+        assert len(shapes) == 1
+        return shapes[0]
+
+    assert decode_loop_carry_shapes(scanned).count((tiny_config.n_layer, *ssm_shape)) == 1
+    unrolled_carry = decode_loop_carry_shapes(unrolled)
+    assert unrolled_carry.count(ssm_shape) == tiny_config.n_layer
+    assert (tiny_config.n_layer, *ssm_shape) not in unrolled_carry
