@@ -320,7 +320,8 @@ def label(record: dict) -> str:
     text = f"{LABELS[record['impl']]}, {record['param_dtype']} params"
     if record["impl"] in OURS:
         layers = ", layers unrolled" if record.get("scan_layers") is False else ""
-        return f"{text}, command buffers {record['command_buffers']}{layers}"
+        flags = f", XLA_FLAGS={user_xla_flags(record)}" if user_xla_flags(record) else ""
+        return f"{text}, command buffers {record['command_buffers']}{layers}{flags}"
     conv = record.get("causal_conv1d")
     return f"{text}, {'causal_conv1d ' + conv if conv else 'no causal_conv1d'}"
 
@@ -437,11 +438,17 @@ def jobs(args) -> list[tuple[dict, dict]]:
     return out
 
 
+def user_xla_flags(record: dict) -> str:
+    """The XLA flags a record ran under beyond those of its command-buffer setting (which this benchmark sets)."""
+    own = set(COMMAND_BUFFER_FLAGS[record.get("command_buffers") or "default"].split())
+    return " ".join(f for f in record.get("xla_flags", "").split() if f not in own)
+
+
 def record_key(record: dict) -> tuple:
-    """What a record measured (a rerun replaces it): config, implementation, parameter dtype, command buffers
-    and, for ours, whether the layers were unrolled."""
+    """What a record measured (a rerun replaces it): config, implementation, parameter dtype, command buffers,
+    for ours whether the layers were unrolled, and the XLA flags it ran under."""
     return (record["config"], record["impl"], record["param_dtype"], record.get("command_buffers"),
-            record.get("scan_layers") is False)
+            record.get("scan_layers") is False, user_xla_flags(record))
 
 
 def main(argv=None) -> int:
