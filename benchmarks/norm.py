@@ -119,20 +119,21 @@ def kernel_forward_and_backward(case: Case, config):
 
     kernels = norm_ops.make_kernels(ffi.run_plan, lambda dims: config)
 
-    def dims_of(x, z, residual):
-        return norm_ops.norm_dims(x, z, residual, group_size=case.features, norm_before_gate=case.gate == "after",
-                                  eps=EPS, out_dtype=x.dtype, residual_dtype=None if residual is None else jnp.float32)
+    def dims_of(x, z, residual, weight):
+        return norm_ops.norm_dims(x, z, residual, weight, group_size=case.features,
+                                  norm_before_gate=case.gate == "after", eps=EPS, out_dtype=x.dtype,
+                                  residual_dtype=None if residual is None else jnp.float32)
 
     def as_rows(a):
         return None if a is None else a.reshape(a.shape[0], 1, a.shape[1])
 
     def forward(x, z, residual, weight):
-        dims = dims_of(x, z, residual)
+        dims = dims_of(x, z, residual, weight)
         out, residual_out = kernels.forward(dims, as_rows(x), as_rows(z), as_rows(residual), weight.reshape(1, -1))
         return out.reshape(x.shape), None if residual_out is None else residual_out.reshape(x.shape)
 
     def fwd_bwd(x, z, residual, weight, dout, dresidual_out):
-        dims = dims_of(x, z, residual)
+        dims = dims_of(x, z, residual, weight)
         rows = [as_rows(a) for a in (x, z, residual)]
         out, residual_out = kernels.forward(dims, *rows, weight.reshape(1, -1))
         saved = norm_ops.NormSaved(x=rows[0] if residual is None else residual_out, z=rows[1],

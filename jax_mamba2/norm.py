@@ -57,7 +57,7 @@ def _check_common(api, x, weight, eps):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _kernel_norm(kernels, dims, x, z, residual, weight):
     """(out, residual_out or None) on the kernels; arrays in their (rows, ngroups, group_size) layout, weight
-    (ngroups, group_size) f32."""
+    (ngroups, group_size) in its own dtype."""
     return kernels.forward(dims, x, z, residual, weight)
 
 
@@ -95,7 +95,7 @@ def _run_kernels(kernels, dims, x, z, residual, weight):
         return None if a is None else a.reshape(rows)
 
     out, residual_out = _kernel_norm(kernels, dims, as_rows(x), as_rows(z), as_rows(residual),
-                                     weight.astype(jnp.float32).reshape(rows[1:]))
+                                     weight.reshape(rows[1:]))
     return out.reshape(x.shape), None if residual_out is None else residual_out.reshape(x.shape)
 
 
@@ -106,7 +106,7 @@ def _dispatch(api: str, backend: str, reference_fn: Callable, x, z, residual, we
     """Runs the norm on `backend` ("auto" picks the kernels where they can run); reference_fn(x, z, residual,
     weight) is the xla path. Returns (out, residual_out or None)."""
     def kernel_dims():  # the kernels' description of the call (only a kernel backend needs it)
-        return _bridge().norm_dims(x, z, residual, **dims_kwargs)
+        return _bridge().norm_dims(x, z, residual, weight, **dims_kwargs)
 
     def run(b, x, z, residual, weight):
         if b.kernels is None:

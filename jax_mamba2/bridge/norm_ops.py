@@ -3,8 +3,8 @@
 Adds what raw kernel calls lack: a vmap rule (the mapped axis folds into the kernels' rows), outputs that keep
 shard_map's varying axes, and gradients reduced to their primals' (a weight replicated over shard_map's
 shards gets the sum of every shard's partial gradient). `jax_mamba2.norm` calls `KERNELS[backend]` inside
-its custom VJP; arrays arrive in the kernels' (rows, ngroups, group_size) layout with an f32
-(ngroups, group_size) weight.
+its custom VJP; arrays arrive in the kernels' (rows, ngroups, group_size) layout with the (ngroups, group_size)
+weight in its own dtype (the kernels widen it to f32 as they load it).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ ChooseConfig = Callable[[NormDims], NormConfig]
 
 class NormSaved(NamedTuple):
     """What the forward keeps for the backward: the norm's input (x, or the residual stream h for the add +
-    norm), the gate, the f32 weight, and zero-size stand-ins of x and the residual input (for the add + norm)
+    norm), the gate, the weight, and zero-size stand-ins of x and the residual input (for the add + norm)
     that carry their dtypes and shard_map varying axes to the gradients."""
 
     x: jax.Array
@@ -40,9 +40,10 @@ class NormSaved(NamedTuple):
     residual_like: Optional[jax.Array]
 
 
-def norm_dims(x, z, residual, *, group_size: int, norm_before_gate: bool, eps: float, out_dtype,
+def norm_dims(x, z, residual, weight, *, group_size: int, norm_before_gate: bool, eps: float, out_dtype,
               residual_dtype) -> NormDims:
-    """The kernels' problem for x, z, residual (..., features) (z, residual optional) and the op's options."""
+    """The kernels' problem for x, z, residual (..., features) (z, residual optional), the weight and the op's
+    options."""
     def name(dtype):
         return jnp.dtype(dtype).name
 
@@ -51,13 +52,13 @@ def norm_dims(x, z, residual, *, group_size: int, norm_before_gate: bool, eps: f
         dtype=name(x.dtype), out_dtype=name(out_dtype), z_dtype=None if z is None else name(z.dtype),
         residual_dtype=None if residual is None else name(residual_dtype),
         residual_in_dtype=None if residual is None else name(residual.dtype),
-        norm_before_gate=bool(norm_before_gate) and z is not None, eps=float(eps))
+        norm_before_gate=bool(norm_before_gate) and z is not None, eps=float(eps), weight_dtype=name(weight.dtype))
 
 
 def unsupported_reason(dims: NormDims) -> Optional[str]:
     """Why the kernels cannot run this norm here (None when they can)."""
     dtypes = {"x": dims.dtype, "z": dims.z_dtype, "residual": dims.residual_in_dtype,
-              "residual_dtype": dims.residual_dtype, "out_dtype": dims.out_dtype}
+              "residual_dtype": dims.residual_dtype, "out_dtype": dims.out_dtype, "weight": dims.weight_dtype}
     for name, dtype in dtypes.items():
         if dtype is not None and dtype not in KERNEL_DTYPES:
             return (f"{name} is {dtype}; the kernels take bfloat16, float16 or float32: use backend='xla' "
@@ -124,7 +125,7 @@ def _backward_once(run_plan: RunPlan, config: ChooseConfig, dims: NormDims, save
     grads = (out["dx"].astype(saved.x_like.dtype),
              None if saved.z is None else out["dz"],
              None if saved.residual_like is None else out["dresidual"].astype(saved.residual_like.dtype),
-             out["dweight"])
+             out["dweight"].astype(saved.weight.dtype))
     return _compat.reduce_to_primal_axes(grads, (saved.x_like, saved.z, saved.residual_like, saved.weight))
 
 
@@ -150,7 +151,7 @@ class NormKernels:
 
     forward(dims, x, z, residual, weight) -> (out, residual_out or None);
     backward(dims, saved: NormSaved, dout, dresidual_out or None) -> (dx, dz, dresidual, dweight), None where
-    the primal is absent, each in its primal's dtype (dweight f32); dresidual_out None for the add + norm
+    the primal is absent, each in its primal's dtype; dresidual_out None for the add + norm
     means a zero cotangent of the residual stream (not read).
     """
 

@@ -22,7 +22,7 @@ from jax_mamba2.bridge.batching import broadcast_unbatched, fold, unfold
 from jax_mamba2.kernels import backward as backward_kernels
 from jax_mamba2.kernels import forward as forward_kernels
 from jax_mamba2.kernels import state_update as step_kernels
-from jax_mamba2.kernels._common import SSDDims
+from jax_mamba2.kernels._common import KERNEL_DTYPES, SSDDims
 
 RunPlan = Callable[..., dict]
 
@@ -161,21 +161,66 @@ def step_unsupported_reason(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, d
     return reason or problem.gpu_unavailable_reason()
 
 
+def _step_param_dtype(dt_bias, D):
+    """The dtype the decode kernel reads dt_bias and D in: their common type if the kernels load it (bf16, f16,
+    f32), else float32 (an absent one counts as neither)."""
+    present = [a.dtype for a in (dt_bias, D) if a is not None]
+    dtype = jnp.result_type(*present) if present else jnp.float32
+    return dtype if jnp.dtype(dtype).name in KERNEL_DTYPES else jnp.float32
+
+
+def _step_once(run_plan: RunPlan, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
+    batch, nheads, headdim, dstate = state.shape
+    dims = SSDDims(
+        batch=batch, seqlen=1, nheads=nheads, headdim=headdim, ngroups=B.shape[1], dstate=dstate,
+        chunk_size=1, dtype=jnp.dtype(x.dtype).name, dt_dtype="float32", has_z=z is not None,
+        dt_softplus=dt_softplus, dt_limit=dt_limit)
+    # dt_bias and D go in as the model holds them (a bf16 model's parameters are widened in the kernel, not
+    # converted before each token): in one dtype, that of the wider of the two.
+    param_dtype = _step_param_dtype(dt_bias, D)
+    arrays = dict(
+        state=state, x=x, dt=dt.astype(jnp.float32), A=A.astype(jnp.float32),
+        dt_bias=jnp.zeros((nheads,), param_dtype) if dt_bias is None else dt_bias.astype(param_dtype),
+        B=B.astype(x.dtype), C=C.astype(x.dtype),
+        D=jnp.zeros((nheads,), param_dtype) if D is None else D.astype(param_dtype),
+        z=jnp.zeros((1, 1, 1), x.dtype) if z is None else z.astype(x.dtype))
+    plan = step_kernels.state_update_plan(dims, state_dtype=jnp.dtype(state.dtype).name,
+                                          d_per_channel=D is not None and D.ndim == 2)
+    out = run_plan(plan, arrays)
+    return _compat.match_varying_axes((out["y"], out["new_state"]), (state, x))
+
+
+@functools.cache
+def _batchable_step(run_plan: RunPlan, dt_softplus: bool, dt_limit: tuple):
+    """step(state, x, dt, A, B, C, D, z, dt_bias) -> (y, new_state) under a vmap rule: a mapped axis folds
+    into the batch rows (one launch), unless a per-head parameter (A, D, dt_bias) is mapped too."""
+    @jax.custom_batching.custom_vmap
+    def step(state, x, dt, A, B, C, D, z, dt_bias):
+        return _step_once(run_plan, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
+
+    @step.def_vmap
+    def step_vmap(axis_size, in_batched, state, x, dt, A, B, C, D, z, dt_bias):
+        args = (state, x, dt, A, B, C, D, z, dt_bias)
+        per_head = (3, 6, 8)
+        if any(in_batched[i] for i in per_head):  # per-item parameters cannot share one launch
+            present = [i for i, a in enumerate(args) if a is not None]
+            mapped = broadcast_unbatched([args[i] for i in present], [in_batched[i] for i in present], axis_size)
+
+            def one(items):
+                full = list(args)
+                for i, a in zip(present, items):
+                    full[i] = a
+                return step(*full)
+            return jax.lax.map(one, mapped), (True, True)
+        folded = [a if i in per_head or a is None else fold(a, in_batched[i], axis_size)
+                  for i, a in enumerate(args)]
+        return tuple(unfold(out, axis_size) for out in step(*folded)), (True, True)
+
+    return step
+
+
 def make_step(run_plan: RunPlan):
     """step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit) -> (y, new_state)."""
     def step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
-        batch, nheads, headdim, dstate = state.shape
-        dims = SSDDims(
-            batch=batch, seqlen=1, nheads=nheads, headdim=headdim, ngroups=B.shape[1], dstate=dstate,
-            chunk_size=1, dtype=jnp.dtype(x.dtype).name, dt_dtype="float32", has_z=z is not None,
-            dt_softplus=dt_softplus, dt_limit=tuple(dt_limit))
-        arrays = dict(
-            state=state, x=x, dt=dt.astype(jnp.float32), A=A.astype(jnp.float32),
-            dt_bias=(jnp.zeros((nheads,), jnp.float32) if dt_bias is None
-                     else dt_bias.astype(jnp.float32)),
-            B=B.astype(x.dtype), C=C.astype(x.dtype),
-            D=problem.per_head_dim_D(D, nheads, headdim),
-            z=jnp.zeros((1, 1, 1), x.dtype) if z is None else z.astype(x.dtype))
-        out = run_plan(step_kernels.state_update_plan(dims, state_dtype=jnp.dtype(state.dtype).name), arrays)
-        return _compat.match_varying_axes((out["y"], out["new_state"]), (state, x))
+        return _batchable_step(run_plan, bool(dt_softplus), tuple(dt_limit))(state, x, dt, A, B, C, D, z, dt_bias)
     return step

@@ -164,9 +164,11 @@ def _launches(which: str, quick: bool, arch: str) -> Iterator[tuple[Launch, dict
         step_configs = [None] if which == "default" else state_update.STATE_UPDATE_STAGE.space(step_dims, arch)
         for cfg in step_configs:
             for state_dtype in sorted({"float32", dims.dtype}):
-                plan = state_update.state_update_plan(step_dims, cfg, state_dtype)
-                arrays = {**state_update.state_update_inputs(step_dims, state_dtype), **plan.buffers}
-                yield plan.launches[0], arrays
+                for d_per_channel in (False, True):  # the mixer's D: one per head (mamba_ssm's default) or channel
+                    plan = state_update.state_update_plan(step_dims, cfg, state_dtype, d_per_channel)
+                    arrays = {**state_update.state_update_inputs(step_dims, state_dtype, d_per_channel=d_per_channel),
+                              **plan.buffers}
+                    yield plan.launches[0], arrays
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,8 @@ all in f32:
     out   = h * rstd * weight[g];   out *= silu(z)                              if HAS_Z and NORM_BEFORE_GATE
 
 Layout: every per-row array is viewed as (rows, ngroups, G) (a free reshape of (..., F)), so a group is one
-tile row whatever G is; weight is (ngroups, G) f32. Grid (cdiv(rows, BLOCK_ROWS), ngroups): a block owns one
+tile row whatever G is; weight is (ngroups, G) in its own dtype (the parameter's: no conversion pass before the
+kernel), widened to f32 as it is loaded. Grid (cdiv(rows, BLOCK_ROWS), ngroups): a block owns one
 (BLOCK_ROWS, WIDTH) tile, WIDTH = next_power_of_2(G) (tiles are powers of two); features past G and rows past
 the end are loaded as zeros and never stored. Nothing is saved for the backward: it reloads x (and z) and
 recomputes rstd, which costs no extra bytes since it reads them anyway.
@@ -47,7 +48,8 @@ class NormDims:
 
     Per-row arrays are (rows, ngroups, group_size). `dtype` is x's, `out_dtype` the output's; `z_dtype` is
     None without a gate; `residual_dtype` is None for a plain or gated norm, else the dtype of the residual
-    stream h = x + residual (residual_out), and `residual_in_dtype` that of the residual input.
+    stream h = x + residual (residual_out), and `residual_in_dtype` that of the residual input; `weight_dtype`
+    is the weight's.
     """
 
     rows: int
@@ -60,6 +62,7 @@ class NormDims:
     residual_in_dtype: Optional[str] = None
     norm_before_gate: bool = False
     eps: float = 1e-5
+    weight_dtype: str = "float32"
 
     @property
     def has_z(self) -> bool:
@@ -160,8 +163,8 @@ def store_rows(array, row_block, g, tile, BLOCK_ROWS, WIDTH):
 
 
 def load_weight(weight, g, WIDTH):
-    """weight[g] of the (ngroups, G) f32 weight -> (1, WIDTH), zero past G."""
-    return ct.load(weight, index=(g, 0), shape=(1, WIDTH), padding_mode=ct.PaddingMode.ZERO)
+    """weight[g] of the (ngroups, G) weight -> (1, WIDTH) f32, zero past G."""
+    return ct.load(weight, index=(g, 0), shape=(1, WIDTH), padding_mode=ct.PaddingMode.ZERO).astype(ct.float32)
 
 
 def inverse_rms(h, GROUP_SIZE, EPS):
@@ -199,7 +202,7 @@ def rms_norm_fwd_kernel(
     x: Big,              # (rows, ngroups, G) T
     z: Big,              # (rows, ngroups, G) Tz, or a dummy without HAS_Z
     residual: Big,       # (rows, ngroups, G) Tr_in, or a dummy without HAS_RESIDUAL
-    weight,              # (ngroups, G) f32
+    weight,              # (ngroups, G) in its dtype
     out: Big,            # (rows, ngroups, G) T_out, written
     residual_out: Big,   # (rows, ngroups, G) Tr, written with HAS_RESIDUAL, else a dummy
     GROUP_SIZE: ConstInt,
@@ -225,7 +228,7 @@ def rms_norm_fwd_inputs(dims: NormDims) -> dict[str, Buffer]:
         "x": Buffer(dims.row_shape(), dims.dtype),
         "z": Buffer(dims.row_shape(dims.has_z), dims.z_dtype or dims.dtype),
         "residual": Buffer(dims.row_shape(dims.has_residual), dims.residual_in_dtype or dims.dtype),
-        "weight": Buffer((dims.ngroups, dims.group_size), "float32"),
+        "weight": Buffer((dims.ngroups, dims.group_size), dims.weight_dtype),
     }
 
 

@@ -89,7 +89,7 @@ def _rms_norm_bwd_body(x, z, weight, dout, dresidual_out, dx, dresidual, dz, dwe
 def rms_norm_bwd_kernel(
     x: Big,               # (rows, ngroups, G) the norm's input: x (T), or h = residual_out (Tr)
     z: Big,               # (rows, ngroups, G) Tz, or a dummy without HAS_Z
-    weight,               # (ngroups, G) f32
+    weight,               # (ngroups, G) in its dtype
     dout: Big,            # (rows, ngroups, G) T_out
     dresidual_out: Big,   # (rows, ngroups, G) Tr, or a dummy without HAS_DRESIDUAL_OUT
     dx: Big,              # (rows, ngroups, G) T, written
@@ -140,7 +140,7 @@ def rms_norm_bwd_inputs(dims: NormDims, has_dresidual_out: bool = True) -> dict[
     return {
         "x": Buffer(dims.row_shape(), dims.residual_dtype or dims.dtype),
         "z": Buffer(dims.row_shape(dims.has_z), dims.z_dtype or dims.dtype),
-        "weight": Buffer((dims.ngroups, dims.group_size), "float32"),
+        "weight": Buffer((dims.ngroups, dims.group_size), dims.weight_dtype),
         "dout": Buffer(dims.row_shape(), dims.out_dtype),
         "dresidual_out": Buffer(dims.row_shape(dims.has_residual and has_dresidual_out),
                                 dims.residual_dtype or dims.dtype),

@@ -5,7 +5,7 @@ group g = h // (nheads / ngroups), all in f32:
 
     Δ        = clip(softplus(dt[b, h] + dt_bias[h]))        (softplus / clip per DT_SOFTPLUS, HAS_DT_LIMIT)
     state'   = exp(Δ A[h]) * state[b, h] + (Δ x[b, h])[:, None] * B[b, g][None, :]      (headdim, dstate)
-    y        = state' @ C[b, g] + D[h] * x[b, h];   y *= silu(z[b, h]) if HAS_Z
+    y        = state' @ C[b, g] + D[h] * x[b, h];   y *= silu(z[b, h]) if HAS_Z       (D[h] per channel or one)
     new_state[b, h] = state' rounded to the state's dtype; y is computed from the f32 state'.
 
 The next state goes to its own buffer instead of overwriting `state` through an aliased in-place
@@ -15,8 +15,10 @@ step on when the LM scanned its layers with the cache, and a separate output mov
 Grid: (batch * nheads, headdim / BLOCK_P). Purely bandwidth-bound (the state is read and written once).
 
 Shapes: state, new_state (batch, nheads, headdim, dstate) f32 or T; x, z, y (batch, nheads,
-headdim) T (z a dummy (1, 1, 1) without HAS_Z); dt (batch, nheads) T or f32; A, dt_bias (nheads,) f32;
-B, C (batch, ngroups, dstate) T; D (nheads, headdim) f32.
+headdim) T (z a dummy (1, 1, 1) without HAS_Z); dt (batch, nheads) T or f32; A (nheads,) f32; dt_bias (nheads,)
+and D (nheads, headdim) with D_PER_CHANNEL, else (nheads,), both in the parameters' dtype (f32, bf16 or f16: a
+bf16 model's parameters go in as they are, widened to f32 as they are loaded, with no conversion pass per token);
+B, C (batch, ngroups, dstate) T.
 """
 import dataclasses
 
@@ -36,16 +38,17 @@ def state_update_kernel(
     x,                    # (batch, nheads, headdim) T
     dt,                   # (batch, nheads) T or f32
     A,                    # (nheads,) f32
-    dt_bias,              # (nheads,) f32
+    dt_bias,              # (nheads,) parameter dtype
     B,                    # (batch, ngroups, dstate) T
     C,                    # (batch, ngroups, dstate) T
-    D,                    # (nheads, headdim) f32
+    D,                    # (nheads, headdim) with D_PER_CHANNEL, else (nheads,); parameter dtype
     z,                    # (batch, nheads, headdim) T, or a dummy without HAS_Z
     y,                    # (batch, nheads, headdim) T, written
     new_state: Big,       # (batch, nheads, headdim, dstate) state's dtype, written
     DSTATE: ConstInt,
     BLOCK_P: ConstInt,
     HAS_Z: ConstBool,
+    D_PER_CHANNEL: ConstBool,
     DT_SOFTPLUS: ConstBool,
     HAS_DT_LIMIT: ConstBool,
     DT_MIN: ConstFloat,
@@ -56,7 +59,7 @@ def state_update_kernel(
     b, h, g = batch_head_group(bh, x.shape[1], B.shape[1])
 
     dt_v = ct.load(dt, index=(b, h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
-    bias = ct.load(dt_bias, index=(h,), shape=(1,))
+    bias = ct.load(dt_bias, index=(h,), shape=(1,)).astype(ct.float32)
     delta = dt_transform(dt_v + bias, DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX)           # [1]
     decay = ct.exp(delta * ct.load(A, index=(h,), shape=(1,)))                              # [1]
 
@@ -69,7 +72,10 @@ def state_update_kernel(
     s = s * decay + (delta * x_p)[:, None] * B_n[None, :]                                 # [BLOCK_P, DSTATE]
     ct.store(new_state, index=(b, h, pb, 0), tile=s.reshape((1, 1, BLOCK_P, DSTATE)).astype(new_state.dtype))
 
-    D_p = ct.load(D, index=(h, pb), shape=(1, BLOCK_P)).reshape((BLOCK_P,))
+    if D_PER_CHANNEL:
+        D_p = ct.load(D, index=(h, pb), shape=(1, BLOCK_P)).reshape((BLOCK_P,)).astype(ct.float32)
+    else:
+        D_p = ct.load(D, index=(h,), shape=(1,)).astype(ct.float32)                      # [1], broadcast
     y_p = ct.sum(s * C_n[None, :], axis=1) + D_p * x_p                                     # [BLOCK_P] f32
     if HAS_Z:
         y_p = silu_gate(y_p, ct.load(z, index=(b, h, pb), shape=(1, 1, BLOCK_P)).reshape((BLOCK_P,)))
@@ -105,34 +111,39 @@ def state_update_grid(dims: SSDDims, cfg: StateUpdateConfig) -> tuple[int, int]:
     return (dims.batch * dims.nheads, dims.headdim // cfg.BLOCK_P)
 
 
-def state_update_inputs(dims: SSDDims, state_dtype: str = "float32") -> dict[str, Buffer]:
-    """Shape and dtype of each input as the bridge passes it (z a dummy without has_z)."""
+def state_update_inputs(dims: SSDDims, state_dtype: str = "float32", param_dtype: str = "float32",
+                        d_per_channel: bool = True) -> dict[str, Buffer]:
+    """Shape and dtype of each input as the bridge passes it (z a dummy without has_z): dt_bias and D in
+    `param_dtype`, D (nheads, headdim) when `d_per_channel`, else (nheads,)."""
     b, H, P, G, N, T = dims.batch, dims.nheads, dims.headdim, dims.ngroups, dims.dstate, dims.dtype
     return {
         "state": Buffer((b, H, P, N), state_dtype),
         "x": Buffer((b, H, P), T),
         "dt": Buffer((b, H), dims.dt_dtype),
         "A": Buffer((H,), "float32"),
-        "dt_bias": Buffer((H,), "float32"),
+        "dt_bias": Buffer((H,), param_dtype),
         "B": Buffer((b, G, N), T),
         "C": Buffer((b, G, N), T),
-        "D": Buffer((H, P), "float32"),
+        "D": Buffer((H, P) if d_per_channel else (H,), param_dtype),
         "z": Buffer((b, H, P) if dims.has_z else (1, 1, 1), T),
     }
 
 
-def state_update_launch(dims: SSDDims, cfg: StateUpdateConfig | None = None) -> Launch:
-    """The launch writing ("y", "new_state") (the state's dtype is the arrays': the kernel is compiled per dtype)."""
+def state_update_launch(dims: SSDDims, cfg: StateUpdateConfig | None = None,
+                        d_per_channel: bool = True) -> Launch:
+    """The launch writing ("y", "new_state") (the state's and the parameters' dtypes are the arrays': the kernel
+    is compiled per dtype)."""
     cfg = cfg or state_update_default_config(dims)
     return kernel_launch(
         select_kernel(STATE_UPDATE_KERNELS, dims, occupancy=cfg.OCCUPANCY), state_update_grid(dims, cfg),
         writes=("y", "new_state"), DSTATE=dims.dstate, BLOCK_P=cfg.BLOCK_P, HAS_Z=dims.has_z,
-        **dt_transform_constants(dims))
+        D_PER_CHANNEL=d_per_channel, **dt_transform_constants(dims))
 
 
 def state_update_plan(dims: SSDDims, cfg: StateUpdateConfig | None = None,
-                      state_dtype: str = "float32") -> Plan:
-    """One decode step for `dims` (seqlen and chunk_size are ignored) on a state of `state_dtype`.
+                      state_dtype: str = "float32", d_per_channel: bool = True) -> Plan:
+    """One decode step for `dims` (seqlen and chunk_size are ignored) on a state of `state_dtype`, D per
+    channel (nheads, headdim) or per head (nheads,).
 
     Returns:
       A Plan with inputs STATE_UPDATE_INPUTS, the buffers "y" (x's dtype) and "new_state" (`state_dtype`),
@@ -142,7 +153,7 @@ def state_update_plan(dims: SSDDims, cfg: StateUpdateConfig | None = None,
         inputs=STATE_UPDATE_INPUTS,
         buffers={"y": Buffer((dims.batch, dims.nheads, dims.headdim), dims.dtype),
                  "new_state": Buffer((dims.batch, dims.nheads, dims.headdim, dims.dstate), state_dtype)},
-        launches=(state_update_launch(dims, cfg),),
+        launches=(state_update_launch(dims, cfg, d_per_channel),),
         outputs=STATE_UPDATE_OUTPUTS,
     )
 

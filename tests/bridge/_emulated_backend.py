@@ -1,6 +1,6 @@
 """The cuTile backends with every kernel plan run on the NumPy emulator of tests/kernels/_cutile_emulator.py
 (float64, through `jax.pure_callback`), without a GPU: `EMULATED`, bridge/ops.py's forward, saving forward,
-backward and vmap rules (register it, `monkeypatch.setitem(backends._REGISTRY["ssd"], ...)`, to reach it
+backward, decode step and vmap rules (register it, `monkeypatch.setitem(backends._REGISTRY["ssd"], ...)`, to reach it
 through `ssd(backend="cutile_emulated")`), and `emulate_layer_kernels` for the ops of the layers.
 """
 from jax_mamba2 import backends
@@ -10,7 +10,8 @@ from tests.kernels import _cutile_emulator as emulator
 EMULATED = backends.Backend(
     name="cutile_emulated", forward=ops.make_forward(emulator.jax_run_plan),
     forward_saving=ops.make_forward_saving(emulator.jax_run_plan),
-    backward=ops.make_backward(emulator.jax_run_plan), unsupported_reason=lambda inputs, static: None)
+    backward=ops.make_backward(emulator.jax_run_plan), unsupported_reason=lambda inputs, static: None,
+    step=ops.make_step(emulator.jax_run_plan))
 
 
 def emulate_layer_kernels(monkeypatch, op: str, ops_module) -> None:

@@ -332,6 +332,30 @@ def test_cutile_step_matches_reference_step(dtype):
     assert rel_l2(new_state, state_ref) <= 1e-5
 
 
+def test_cutile_step_vmaps_over_rows_and_over_per_item_parameters():
+    """vmap of the decode step: mapped rows fold into one launch; a mapped A maps the items."""
+    args, kwargs = make_ssd_args(21, batch=2, seqlen=1, nheads=4, headdim=64, ngroups=2, dstate=64,
+                                 dtype=jnp.bfloat16, D="head", z=False, dt_bias=True, dt_softplus=True,
+                                 initial_states=True)
+    x, dt, A, B, C = (a[:, 0] if a.ndim >= 3 else a for a in args)
+    state = kwargs.pop("initial_states")
+
+    def step(state, x, dt, A, B, C):
+        return jax_mamba2.ssd_step(state, x, dt, A, B, C, **kwargs, backend="cutile")
+
+    rows = (jnp.stack([state, -state]), jnp.stack([x, 0.5 * x]), jnp.stack([dt, dt]), jnp.stack([A, 0.5 * A]),
+            jnp.stack([B, -B]), jnp.stack([C, C]))
+    for A_axis in (None, 0):
+        in_axes = (0, 0, 0, A_axis, 0, 0)
+        mapped_args = (*rows[:3], A if A_axis is None else rows[3], *rows[4:])
+        mapped = jax.jit(jax.vmap(step, in_axes))(*mapped_args)
+        for i in range(2):
+            one = reference.ssd_step(*(a if axis is None else a[i] for a, axis in zip(mapped_args, in_axes)),
+                                     **kwargs)
+            assert rel_l2(mapped[0][i], one[0]) <= TOLERANCE["kernel_fwd"]["bfloat16"]
+            assert rel_l2(mapped[1][i], one[1]) <= 1e-5
+
+
 @pytest.mark.slow
 def test_cutile_autotune_tunes_a_training_step_ahead_of_time_and_the_step_stays_correct(monkeypatch, tmp_path):
     """jax_mamba2.autotune on the GPU (a fresh cache, $JAX_MAMBA2_AUTOTUNE=0): every plan of a loss-and-grad

@@ -187,3 +187,28 @@ def test_emulated_block_norms_under_remat_match_the_xla_block():
     graphdef, state = nnx.split(kernels)
     jaxpr = str(jax.make_jaxpr(lambda s, h, r: loss(nnx.merge(graphdef, s), h, r))(state, hidden, residual))
     assert jaxpr.count("pure_callback") >= 2  # both norms ran on the kernels
+
+
+@pytest.mark.parametrize("name", ["gate_before_groups3", "add_norm"])
+def test_emulated_op_takes_a_bf16_weight_without_converting_it(name):
+    """A bf16 model's norm scale reaches the kernels as it is: the traced program converts no (features,)
+    array (the kernels widen the weight as they load it), and the weight's gradient comes back in bf16."""
+    case = dataclasses.replace(CASES[name], dtype="bfloat16", weight_dtype="bfloat16")
+    arrays = make_inputs(case, seed=21)
+    primals = _primals(arrays)
+    cotangents = (jnp.asarray(arrays["dout"]), None if not case.residual else jnp.asarray(arrays["dresidual_out"]))
+
+    def forward_and_vjp(*primals):
+        outputs, vjp = jax.vjp(_op(case), *primals)
+        return outputs, vjp(cotangents)
+
+    jaxpr = jax.make_jaxpr(forward_and_vjp)(*primals)
+    weight_converts = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "convert_element_type"
+                       and e.invars[0].aval.shape == (case.features,)]
+    assert weight_converts == []
+    (out, residual_out), (dx, dz, dresidual, dweight) = jax.jit(forward_and_vjp)(*primals)
+    assert dweight.dtype == jnp.bfloat16
+    got = dict(out=out, residual_out=residual_out, dx=dx, dz=dz, dresidual=dresidual, dweight=dweight)
+    want = oracle(case, arrays)
+    errors = {k: rel_l2(got[k], want[k]) for k in want}
+    assert max(errors.values()) < 2e-2, errors

@@ -154,3 +154,47 @@ def test_emulated_op_vmap_of_gradients_with_a_gate_matches_a_loop():
         for got, want in zip(mapped, jax.jit(grad)(xs[i], zs[i])):
             assert rel_l2(got[i], want) < 1e-6
 
+
+
+def _step_problem(seed, batch=3, D_shape="head", param_dtype=jnp.float32):
+    """A decode step's arguments (state, x, dt, A, B, C) and options (D, z, dt_bias, dt_softplus, dt_limit),
+    dt_bias and D in `param_dtype`."""
+    nheads, headdim, ngroups, dstate = DIMS["nheads"], DIMS["headdim"], DIMS["ngroups"], DIMS["dstate"]
+    args, kwargs = make_ssd_args(seed, batch=batch, seqlen=1, nheads=nheads, headdim=headdim, ngroups=ngroups,
+                                 dstate=dstate, dtype=jnp.bfloat16, D=D_shape, z=True, dt_bias=True,
+                                 dt_softplus=True, dt_limit=(1e-3, 2.0))
+    x, dt, A, B, C = args[0][:, 0], args[1][:, 0], args[2], args[3][:, 0], args[4][:, 0]
+    state = jax.random.normal(jax.random.key(seed + 7), (batch, nheads, headdim, dstate), jnp.float32)
+    options = dict(D=kwargs["D"].astype(param_dtype), z=kwargs["z"][:, 0],
+                   dt_bias=kwargs["dt_bias"].astype(param_dtype), dt_softplus=True, dt_limit=kwargs["dt_limit"])
+    return (state, x, dt, A, B, C), options
+
+
+@pytest.mark.parametrize("D_shape,param_dtype", [("head", jnp.bfloat16), ("headdim", jnp.float32)],
+                         ids=["D_per_head_bf16", "D_per_channel_f32"])
+def test_emulated_decode_step_matches_float64_reference_and_vmaps(D_shape, param_dtype):
+    """The decode step's plan (dt_bias and D as given: per head or per channel, bf16 or f32) against the float64
+    step; under vmap, mapped rows fold into one launch and a mapped per-head parameter maps the items."""
+    args, options = _step_problem(4, D_shape=D_shape, param_dtype=param_dtype)
+
+    def step(state, x, dt, A, B, C):
+        return EMULATED.step(state, x, dt, A, B, C, options["D"], options["z"], options["dt_bias"],
+                             options["dt_softplus"], options["dt_limit"])
+
+    y, new_state = jax.jit(step)(*args)
+    with jax.enable_x64(True):
+        want_y, want_state = reference.ssd_step(*to_float64(args), **to_float64(options))
+    assert rel_l2(y, want_y) < 1e-2 and rel_l2(new_state, want_state) < TOLERANCE  # y is bf16
+    state, x, dt, A, B, C = args
+    stacked = (jnp.stack([state, -state]), jnp.stack([x, 0.5 * x]), jnp.stack([dt, dt]), jnp.stack([A, 0.5 * A]),
+               jnp.stack([B, -B]), jnp.stack([C, C]))
+    for A_axis in (None, 0):
+        in_axes = (0, 0, 0, A_axis, 0, 0)
+        mapped_args = (*stacked[:3], A if A_axis is None else stacked[3], *stacked[4:])
+        folded = "scan" not in str(jax.make_jaxpr(jax.vmap(step, in_axes))(*mapped_args))
+        assert folded == (A_axis is None)  # one launch on the folded rows, else a map over the items
+        mapped = jax.jit(jax.vmap(step, in_axes))(*mapped_args)
+        for i in range(2):
+            one = jax.jit(step)(*(a if axis is None else a[i] for a, axis in zip(mapped_args, in_axes)))
+            for got, want in zip(mapped, one):
+                assert rel_l2(got[i], want) < 1e-6

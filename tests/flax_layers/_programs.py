@@ -44,11 +44,12 @@ def weight_matrix_shapes(model, min_axis: int = 16) -> set[tuple[int, ...]]:
     return shapes
 
 
-def weight_conversions(jaxpr, model) -> list[tuple[tuple[int, ...], str, str]]:
-    """(shape, from dtype, to dtype) of every convert_element_type whose operand has a weight matrix's shape.
+def weight_conversions(jaxpr, model, shapes=None) -> list[tuple[tuple[int, ...], str, str]]:
+    """(shape, from dtype, to dtype) of every convert_element_type whose operand has a weight matrix's shape
+    (or one of `shapes`).
 
     Activations in the tests have a batch axis that no weight has, so a match is a conversion of a weight."""
-    shapes = weight_matrix_shapes(model)
+    shapes = weight_matrix_shapes(model) if shapes is None else shapes
     found = []
     for eqn, _ in walk(jaxpr):
         if eqn.primitive.name == "convert_element_type":

@@ -59,6 +59,12 @@ def test_bf16_parameter_decode_step_converts_no_weight(backend):
     if backend == "cutile":  # the SSD's step kernel, and the block and gated norms' forward kernels
         names = [name for name, _ in cutile_launches(jaxpr)]
         assert [n for n in names if n != "rms_norm_fwd_kernel"] == ["state_update_kernel"]
+        # The norm and step kernels read their bf16 scales, dt_bias and D as they are (no conversion before
+        # each launch); of the per-head parameters only A_log is converted, for A = -exp(A_log) in float32.
+        mixer = model.layers.mixer
+        scale_shapes = {(CONFIG.d_model,), (mixer.d_ssm,)}
+        assert weight_conversions(jaxpr, model, scale_shapes) == []
+        assert len(weight_conversions(jaxpr, model, {(mixer.nheads,)})) == 1
 
 
 def test_float32_parameters_under_bf16_compute_convert_once_with_cast_params():

@@ -17,7 +17,8 @@ EPS = 1e-5
 @dataclasses.dataclass(frozen=True)
 class NormCase:
     """One norm problem: `gate` None, "before" (x * silu(z) is normalized, Mamba-2's default) or "after"
-    (norm_before_gate); `residual`: the add + norm (ungated, one group), the residual stream in float32."""
+    (norm_before_gate); `residual`: the add + norm (ungated, one group), the residual stream in float32;
+    `weight_dtype`: the weight's (a bf16 model's parameters)."""
 
     rows: int
     features: int
@@ -25,6 +26,7 @@ class NormCase:
     gate: Optional[str] = None
     residual: bool = False
     dtype: str = "float32"
+    weight_dtype: str = "float32"
 
     @property
     def norm_before_gate(self) -> bool:
@@ -37,7 +39,8 @@ class NormCase:
     def dims(self) -> NormDims:
         shape_only = jax.ShapeDtypeStruct((self.rows, self.features), jnp.dtype(self.dtype))
         residual = jax.ShapeDtypeStruct(shape_only.shape, jnp.float32) if self.residual else None
-        return norm_ops.norm_dims(shape_only, shape_only if self.gate else None, residual,
+        weight = jax.ShapeDtypeStruct((self.features,), jnp.dtype(self.weight_dtype))
+        return norm_ops.norm_dims(shape_only, shape_only if self.gate else None, residual, weight,
                                   group_size=self.group_size or self.features, norm_before_gate=self.norm_before_gate,
                                   eps=EPS, out_dtype=self.out_dtype, residual_dtype="float32")
 
@@ -60,7 +63,8 @@ def make_inputs(case: NormCase, seed: int) -> dict[str, np.ndarray]:
     shape = (case.rows, case.features)
     normal = lambda key, shape, dtype: np.asarray(jax.random.normal(key, shape, jnp.float32).astype(dtype))  # noqa
     arrays = dict(x=normal(keys[0], shape, case.dtype),
-                  weight=np.asarray(1.0 + 0.2 * jax.random.normal(keys[2], (case.features,)), np.float32),
+                  weight=np.asarray((1.0 + 0.2 * jax.random.normal(keys[2], (case.features,)))
+                                    .astype(case.weight_dtype)),
                   dout=normal(keys[4], shape, case.out_dtype))
     if case.gate:
         arrays["z"] = normal(keys[1], shape, case.dtype)

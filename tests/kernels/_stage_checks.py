@@ -249,13 +249,16 @@ def step_dims(dtype: str, *, ngroups: int = 2, z: bool = True) -> SSDDims:
 
 
 def check_state_update(run, dtype: str, state_dtype: str, *, ngroups: int = 2, z: bool = True, cfg=None,
-                       seed: int = 0):
-    """Runs state_update_plan(cfg) through `run`; asserts y and the new state match reference.ssd_step."""
+                       seed: int = 0, param_dtype: str = "float32", d_per_channel: bool = True):
+    """Runs state_update_plan(cfg) through `run`; asserts y and the new state match reference.ssd_step.
+    dt_bias and D in `param_dtype`, D (nheads, headdim) when `d_per_channel`, else (nheads,)."""
     dims = step_dims(dtype, ngroups=ngroups, z=z)
     batch, nheads, headdim, dstate = dims.batch, dims.nheads, dims.headdim, dims.dstate
     args, kwargs = make_ssd_args(seed, batch=batch, seqlen=1, nheads=nheads, headdim=headdim,
-                                 ngroups=ngroups, dstate=dstate, dtype=getattr(jnp, dtype), D="headdim",
-                                 z=z, dt_bias=True, dt_softplus=True, dt_limit=dims.dt_limit)
+                                 ngroups=ngroups, dstate=dstate, dtype=getattr(jnp, dtype),
+                                 D="headdim" if d_per_channel else "head", z=z, dt_bias=True, dt_softplus=True,
+                                 dt_limit=dims.dt_limit)
+    kwargs.update({name: kwargs[name].astype(param_dtype) for name in ("D", "dt_bias")})
     x, dt, A, B, C = args[0][:, 0], args[1][:, 0], args[2], args[3][:, 0], args[4][:, 0]
     if z:
         kwargs["z"] = kwargs["z"][:, 0]
@@ -264,7 +267,7 @@ def check_state_update(run, dtype: str, state_dtype: str, *, ngroups: int = 2, z
     inputs = {"state": _np(state).copy(), "x": _np(x), "dt": _np(dt), "A": _np(A), "B": _np(B),
               "C": _np(C), "dt_bias": _np(kwargs["dt_bias"]), "D": _np(kwargs["D"]),
               "z": _np(kwargs["z"]) if z else np.zeros((1, 1, 1), _np(x).dtype)}
-    got = run(state_update_plan(dims, cfg, state_dtype), inputs)
+    got = run(state_update_plan(dims, cfg, state_dtype, d_per_channel), inputs)
     with jax.enable_x64(True):
         y_ref, state_ref = reference.ssd_step(*to_float64((state, x, dt, A, B, C)), **to_float64(kwargs))
     tol = TOLERANCE["kernel_fwd"][dtype]

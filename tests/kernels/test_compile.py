@@ -79,6 +79,16 @@ def test_kernels_compile_to_sm90_cubins(problem):
         assert cubin[:4] == b"\x7fELF", name
 
 
+def test_decode_step_compiles_with_bf16_parameters_per_head():
+    """A bf16 model's decode step: dt_bias and D (one per head) in bf16, as the mixer holds them."""
+    dims = PROBLEMS["bf16_plain"]
+    step = state_update_plan(dims, d_per_channel=False)
+    inputs = state_update_inputs(dims, "float32", param_dtype="bfloat16", d_per_channel=False)
+    assert inputs["D"].shape == (dims.nheads,) and inputs["D"].dtype == inputs["dt_bias"].dtype == "bfloat16"
+    cubin = plan_cubins((step, inputs))["state_update_kernel"]
+    assert cubin[:4] == b"\x7fELF"
+
+
 def sass_and_resources(cubin: bytes) -> tuple[str, str]:
     """(cuobjdump -sass, cuobjdump -res-usage) of `cubin`; skips the test without cuobjdump/nvdisasm."""
     try:

@@ -10,8 +10,9 @@ import pytest
 
 pytest.importorskip("cuda.tile")
 
-from jax_mamba2.kernels.rms_norm import NormConfig, norm_default_config, rms_norm_fwd_plan  # noqa: E402
-from jax_mamba2.kernels.rms_norm_bwd import bwd_programs, rms_norm_bwd_plan  # noqa: E402
+from jax_mamba2.kernels.rms_norm import (NormConfig, norm_default_config, rms_norm_fwd_inputs,  # noqa: E402
+                                         rms_norm_fwd_plan)
+from jax_mamba2.kernels.rms_norm_bwd import bwd_programs, rms_norm_bwd_inputs, rms_norm_bwd_plan  # noqa: E402
 from tests._helpers import rel_l2  # noqa: E402
 from tests.kernels import _cutile_emulator as emulator  # noqa: E402
 from tests.kernels._norm_checks import CASES, NormCase, make_inputs, oracle  # noqa: E402
@@ -88,6 +89,21 @@ def test_emulated_kernels_in_their_dtypes_match_float64_reference(name, dtype, t
     assert got["out"].dtype == (ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype))
     assert got["dx"].dtype == got["out"].dtype and got["dweight"].dtype == np.float32
     assert_matches_oracle(case, arrays, got, tolerance)
+
+
+@pytest.mark.parametrize("weight_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", ["gate_before_groups3", "add_norm"])
+def test_emulated_kernels_take_the_weight_in_its_own_16_bit_dtype(name, weight_dtype):
+    """A bf16 model's norm scale goes to the kernels as it is (no conversion before the launch): they widen it
+    as they load it, and the weight gradient comes out in f32 (the op rounds it to the weight's dtype)."""
+    case = dataclasses.replace(CASES[name], dtype="bfloat16", weight_dtype=weight_dtype)
+    dims = case.dims()
+    assert rms_norm_fwd_inputs(dims)["weight"].dtype == rms_norm_bwd_inputs(dims)["weight"].dtype == weight_dtype
+    arrays = make_inputs(case, seed=13)
+    assert arrays["weight"].dtype == (ml_dtypes.bfloat16 if weight_dtype == "bfloat16" else np.float16)
+    got = run_kernels(case, arrays, float64=False)
+    assert got["dweight"].dtype == np.float32
+    assert_matches_oracle(case, arrays, got, 2e-2)
 
 
 @pytest.mark.parametrize("name", list(CASES))

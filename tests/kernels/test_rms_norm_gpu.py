@@ -55,7 +55,7 @@ def _check(case, backend, seed=0):
     want = oracle(case, arrays)
     errors = {k: rel_l2(got[k], want[k]) for k in want}
     assert max(errors.values()) < TOLERANCE[case.dtype], errors
-    assert out.dtype == jnp.dtype(case.dtype) and dweight.dtype == jnp.float32
+    assert out.dtype == jnp.dtype(case.dtype) and dweight.dtype == jnp.dtype(case.weight_dtype)
 
 
 @pytest.mark.parametrize("backend", ["cutile", "cutile_callback"])
@@ -63,6 +63,12 @@ def _check(case, backend, seed=0):
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernels_match_float64_reference(name, dtype, backend):
     _check(dataclasses.replace(CASES[name], dtype=dtype), backend)
+
+
+@pytest.mark.parametrize("name", ["gate_before_groups3", "add_norm"])
+def test_kernels_take_a_bf16_weight_as_it_is(name):
+    """A bf16 model's norm scale: the kernels read it in bf16 and its gradient comes back in bf16."""
+    _check(dataclasses.replace(CASES[name], dtype="bfloat16", weight_dtype="bfloat16"), "cutile")
 
 
 @pytest.mark.parametrize("name", list(LM_CASES))

@@ -16,3 +16,9 @@ def test_forward_plan_emulated_matches_reference(case, dtype):
 @pytest.mark.parametrize("dtype,state_dtype", [("float32", "float32"), ("bfloat16", "bfloat16")])
 def test_state_update_plan_emulated_matches_reference(dtype, state_dtype):
     check_state_update(run_plan, dtype, state_dtype)
+
+
+@pytest.mark.parametrize("param_dtype,d_per_channel", [("bfloat16", False), ("bfloat16", True), ("float32", False)])
+def test_state_update_plan_emulated_takes_the_parameters_as_the_model_holds_them(param_dtype, d_per_channel):
+    """dt_bias and D of a bf16 model read as they are (the kernel widens them), D per head or per channel."""
+    check_state_update(run_plan, "bfloat16", "float32", param_dtype=param_dtype, d_per_channel=d_per_channel)

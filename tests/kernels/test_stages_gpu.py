@@ -144,6 +144,11 @@ def test_state_update_plan_gpu_matches_reference(dtype, state_dtype):
     check_state_update(run_plan_gpu, dtype, state_dtype)
 
 
+@pytest.mark.parametrize("d_per_channel", [False, True])
+def test_state_update_plan_gpu_takes_bf16_parameters_as_they_are(d_per_channel):
+    check_state_update(run_plan_gpu, "bfloat16", "float32", param_dtype="bfloat16", d_per_channel=d_per_channel)
+
+
 def test_state_update_plan_gpu_every_tuning_config_matches_reference():
     for cfg in state_update.state_update_configs(step_dims("bfloat16")):
         check_state_update(run_plan_gpu, "bfloat16", "float32", cfg=cfg)
