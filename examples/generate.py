@@ -91,11 +91,13 @@ def resolve_dtypes(args) -> tuple[jnp.dtype, jnp.dtype]:
 def load_model(args, backend: str, dtype, param_dtype) -> Mamba2LMHeadModel:
     if args.model_dir is not None:
         print(f"loading {args.model_dir}")
-        return load_pretrained(args.model_dir, dtype=dtype, param_dtype=param_dtype, backend=backend)
+        return load_pretrained(args.model_dir, dtype=dtype, param_dtype=param_dtype, backend=backend,
+                               scan_layers=not args.unroll_layers)
     config = Mamba2Config(d_model=args.d_model, n_layer=args.layers, vocab_size=BYTE_VOCAB,
                           ssm_cfg=dict(d_state=args.d_state, headdim=args.headdim, chunk_size=args.chunk_size))
     print("no --model-dir: a randomly initialized byte-level model (its text is noise)")
-    model = Mamba2LMHeadModel(config, backend=backend, dtype=dtype, rngs=nnx.Rngs(params=args.seed))
+    model = Mamba2LMHeadModel(config, backend=backend, dtype=dtype, scan_layers=not args.unroll_layers,
+                              rngs=nnx.Rngs(params=args.seed))
     return cast_params(model, param_dtype)  # initialized in float32, converted once
 
 
@@ -138,6 +140,8 @@ def parse_args(argv=None):
                         help="computation dtype; auto = bfloat16 on a GPU, float32 elsewhere")
     parser.add_argument("--param-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="the weights' dtype, converted once at load; auto = the computation dtype")
+    parser.add_argument("--unroll-layers", action="store_true",
+                        help="scan_layers=False: a longer compile, faster decoding at large batches")
     random_model = parser.add_argument_group("random model (without --model-dir)")
     random_model.add_argument("--d-model", type=int, default=256, help="model width")
     random_model.add_argument("--layers", type=int, default=4, help="Mamba-2 blocks")

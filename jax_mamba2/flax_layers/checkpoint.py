@@ -35,6 +35,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from jax_mamba2 import backends
+from jax_mamba2.checks import check_flag
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers._tree import param_path
 from jax_mamba2.flax_layers.config import Mamba2Config
@@ -193,7 +194,8 @@ def load_hf_state(path) -> dict[str, np.ndarray]:
                             "or pytorch_model.bin")
 
 
-def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str = "auto") -> Mamba2LMHeadModel:
+def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str = "auto",
+                    scan_layers: bool = True) -> Mamba2LMHeadModel:
     """Builds a `Mamba2LMHeadModel` from a local mamba_ssm or HF transformers checkpoint directory.
 
     The model is created abstractly (`nnx.eval_shape`, no random init), every parameter is assigned from the
@@ -204,6 +206,8 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
       dtype: computation dtype of the model (default: None, inferred from the parameters).
       param_dtype: parameter dtype; checkpoint tensors are cast to it (default: float32).
       backend: SSD backend of the mixers (default: "auto").
+      scan_layers: as `Mamba2LMHeadModel`'s (default: True, one layer scan); False unrolls the blocks, which
+        compiles longer and decodes large batches faster (`generate` then carries one cache per layer).
 
     Returns:
       The model, on the default device.
@@ -216,12 +220,14 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
         dtype that is not floating.
     """
     backends.check_name(backend, "load_pretrained")  # the arguments first: errors below are config.json's
+    check_flag("load_pretrained", "scan_layers", scan_layers)
     _checks.check_float_dtype("load_pretrained", "dtype", dtype)
     _checks.check_float_dtype("load_pretrained", "param_dtype", param_dtype)
     config = load_config(path)
     try:
         abstract = nnx.eval_shape(lambda: Mamba2LMHeadModel(config, backend=backend, dtype=dtype,
-                                                            param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+                                                            param_dtype=param_dtype, scan_layers=scan_layers,
+                                                            rngs=nnx.Rngs(0)))
     except (ValueError, TypeError) as e:  # a mixer option of config.json that Mamba2 rejects, named by it
         raise (TypeError if isinstance(e, TypeError) else ValueError)(
             f"load_pretrained: {pathlib.Path(path) / 'config.json'}: {e}") from e

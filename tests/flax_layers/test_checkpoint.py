@@ -15,6 +15,7 @@ from safetensors.numpy import save_file
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, load_pretrained, save_pretrained
 from jax_mamba2.flax_layers import checkpoint as checkpoint_module
 from jax_mamba2.flax_layers.config import MIXER_OPTIONS
+from tests._helpers import rel_l2
 
 
 def _random_model(config):
@@ -68,6 +69,21 @@ def test_checkpoint_save_load_round_trip_is_exact(tmp_path, tiny_config):
     _assert_same_params(loaded, model)
     ids = jnp.arange(16).reshape(2, 8)
     np.testing.assert_array_equal(nnx.jit(lambda m: m(ids))(loaded), nnx.jit(lambda m: m(ids))(model))
+
+
+def test_load_pretrained_builds_the_unrolled_model_on_request(tmp_path, tiny_config):
+    """scan_layers=False: the same parameters (stacked as always) and logits, the blocks unrolled; a flag that
+    is no bool is refused before config.json is read."""
+    model = _random_model(tiny_config)
+    save_pretrained(model, tmp_path)
+    unrolled = load_pretrained(tmp_path, backend="xla", scan_layers=False)
+    assert unrolled.scan_layers is False and load_pretrained(tmp_path, backend="xla").scan_layers is True
+    _assert_same_params(unrolled, model)
+    ids = jnp.arange(16).reshape(2, 8)
+    # the same math in another program: rounding differs, not the values (all parameters random here)
+    assert rel_l2(nnx.jit(lambda m: m(ids))(unrolled), nnx.jit(lambda m: m(ids))(model)) < 1e-5
+    with pytest.raises(TypeError, match="load_pretrained: scan_layers=1 must be a bool"):
+        load_pretrained(tmp_path / "missing", scan_layers=1)
 
 
 def test_checkpoint_loads_mamba_ssm_and_hf_named_state_dicts(tmp_path, tiny_config):
