@@ -259,13 +259,14 @@ VARIANTS = (
     Variant("loss_backend", "xla", "-{}-softmax", ", loss softmax {}"),
     Variant("check_finite", True, "-unchecked", ", SSD inputs unchecked"),
     Variant("save_chunk_states", True, "-recomputed-states", ", chunk states recomputed"),
+    Variant("remat", False, "-remat-{}", ", remat {}"),
     Variant("command_buffers", "default", "-command-buffers-{}", ", command buffers {}"),
 )
 
 
 # The variants that are options of Mamba2LMHeadModel itself (the others: the loss's logits dtype, the
 # process's XLA command buffers).
-MODEL_OPTIONS = ("scan_layers", "loss_backend", "check_finite", "save_chunk_states")
+MODEL_OPTIONS = ("scan_layers", "loss_backend", "check_finite", "save_chunk_states", "remat")
 
 
 def model_options(job: dict) -> dict:
@@ -564,6 +565,9 @@ def parse_args(argv=None):
     parser.add_argument("--recompute-chunk-states", action="store_true",
                         help="ours: Mamba2LMHeadModel(save_chunk_states=False), the SSD backward recomputes the "
                              "chunk states instead of keeping them from the forward (default: kept)")
+    parser.add_argument("--remat", choices=("matmuls", "full"), default=None,
+                        help="ours: Mamba2LMHeadModel(remat=): keep only in_proj's output (matmuls) or only each "
+                             "block's inputs (full) for the backward (default: everything it reads)")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="ours: an XLA compiler option of the step, e.g. "
                              "xla_gpu_enable_dynamic_slice_fusion=false (repeatable; default: none)")
@@ -610,6 +614,8 @@ def jobs(args) -> list[dict]:
                                                           "loss_backend": args.loss_backend,
                                                           "check_finite": not args.no_check_finite,
                                                           "save_chunk_states": not args.recompute_chunk_states,
+                                                          "remat": {None: False, "full": True}.get(
+                                                              args.remat, args.remat),
                                                           "command_buffers": args.command_buffers,
                                                           "hlo_dir": args.hlo_dir and str(args.hlo_dir)})}
             for config in args.configs for impl in args.impls]

@@ -4,7 +4,8 @@ the operation that made it, per layer and over the model's layers, as JAX's auto
 The block is traced, not run: with `--backend cutile` for an H200 (sm_90) on any machine, so the kernels' custom
 VJPs save what they save on the GPU. The block's parameters and its inputs (hidden states, residual stream) are
 listed too: a layer scan keeps each block's inputs for the backward, and the parameters live anyway.
-`--remat dots` wraps the block in `jax.checkpoint(policy=dots_saveable)` to show what a policy would keep.
+`--remat matmuls` wraps the block in the policy of `Mamba2LMHeadModel(remat="matmuls")` (only in_proj's output
+besides the inputs), `--remat dots` in `jax.checkpoint(policy=dots_saveable)`.
 
   python benchmarks/tools/saved_activations.py --d-model 1536 --batch 8 --seqlen 2048 --layers 48
 """
@@ -43,7 +44,8 @@ def parse_saved(printed: str) -> list[dict]:
 def block_saved(d_model: int, batch: int, seqlen: int, *, d_state: int = 128, headdim: int = 64,
                 backend: str = "cutile", remat: str = "none") -> list[dict]:
     """`parse_saved` of one `Mamba2Block`'s forward (bf16 compute, f32 parameters and residual stream) for
-    (batch, seqlen, d_model) inputs; remat "none" or "dots" (jax.checkpoint with dots_saveable)."""
+    (batch, seqlen, d_model) inputs; remat "none", "matmuls" (the LM's policy of that name) or "dots"
+    (jax.checkpoint with dots_saveable)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -51,6 +53,7 @@ def block_saved(d_model: int, batch: int, seqlen: int, *, d_state: int = 128, he
 
     from jax_mamba2.bridge import aot
     from jax_mamba2.flax_layers import Mamba2Block, Mamba2Config
+    from jax_mamba2.flax_layers.mamba2 import IN_PROJ_OUTPUT
 
     config = Mamba2Config(d_model=d_model, n_layer=1, vocab_size=256,
                           ssm_cfg=dict(d_state=d_state, headdim=headdim, chunk_size=64))
@@ -61,8 +64,10 @@ def block_saved(d_model: int, batch: int, seqlen: int, *, d_state: int = 128, he
         def block(state, hidden, residual):
             return nnx.merge(graphdef, state)(hidden, residual)
 
-        if remat == "dots":
-            block = jax.checkpoint(block, policy=jax.checkpoint_policies.dots_saveable)
+        policies = {"dots": jax.checkpoint_policies.dots_saveable,
+                    "matmuls": jax.checkpoint_policies.save_only_these_names(IN_PROJ_OUTPUT)}
+        if remat in policies:
+            block = jax.checkpoint(block, policy=policies[remat])
 
         def loss(state, hidden, residual):
             out, new_residual = block(state, hidden, residual)
@@ -91,7 +96,7 @@ def main(argv=None) -> int:
     parser.add_argument("--headdim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=24, help="layers the per-layer bytes are multiplied by")
     parser.add_argument("--backend", choices=("cutile", "xla"), default="cutile")
-    parser.add_argument("--remat", choices=("none", "dots"), default="none")
+    parser.add_argument("--remat", choices=("none", "matmuls", "dots"), default="none")
     parser.add_argument("--min-mib", type=float, default=1.0, help="list arrays of at least this many MiB")
     parser.add_argument("--json", type=Path, help="also write the arrays and the summary here")
     args = parser.parse_args(argv)

@@ -19,8 +19,19 @@ from jax_mamba2.flax_layers import loss as loss_op
 from jax_mamba2.flax_layers.cache import Mamba2Cache, stack_layers, unstack_layers
 from jax_mamba2.flax_layers.config import Mamba2Config
 from jax_mamba2.flax_layers.initializers import torch_uniform
-from jax_mamba2.flax_layers.mamba2 import Mamba2
+from jax_mamba2.flax_layers.mamba2 import IN_PROJ_OUTPUT, Mamba2
 from jax_mamba2.flax_layers.norm import RMSNorm
+
+
+def _check_remat(remat) -> bool | str:
+    """The `remat` option: a bool (keep everything / only the block's inputs) or "matmuls" (in_proj's output)."""
+    if isinstance(remat, str):
+        if remat != "matmuls":
+            raise ValueError(f'Mamba2LMHeadModel: remat={remat!r} must be False, "matmuls" or True')
+        return remat
+    if not isinstance(remat, (bool, np.bool_)):
+        raise TypeError(f'Mamba2LMHeadModel: remat={remat!r} must be False, "matmuls" or True')
+    return bool(remat)
 
 
 class Mamba2Block(nnx.Module):
@@ -104,7 +115,11 @@ class Mamba2LMHeadModel(nnx.Module):
         `Mamba2`); the norms follow the backend (see `backends.for_op`).
       loss_backend: where `loss` takes the softmax over each chunk's logits (`chunked_cross_entropy`'s
         backend): "xla" (default: XLA fusions) or the cuTile kernels, "auto", "cutile" or "cutile_callback".
-      remat: rematerialize each block in the backward pass (`nnx.remat`), trading compute for memory.
+      remat: what each block keeps for the backward pass (`nnx.remat`), trading compute for memory: False
+        (default) everything its backward reads; "matmuls" only in_proj's output besides the block's inputs,
+        the norms, the conv and the SSD forward recomputed in the backward (no matrix product is; a few times
+        less activation memory, see docs/design.md §12); True only the block's inputs, the whole block
+        recomputed.
       scan_layers: run the blocks as one `nnx.scan` over the stacked layers (default: XLA compiles one
         block), or unrolled, each block on its slice of the stacked parameters (False: XLA compiles every
         block, so compiling takes longer; the program has no layer loop, so the activations the backward
@@ -122,11 +137,11 @@ class Mamba2LMHeadModel(nnx.Module):
     """
 
     def __init__(self, config: Mamba2Config, *, backend: str = "auto", deterministic_backward: bool = False,
-                 save_chunk_states: bool = True, check_finite: bool = True, remat: bool = False,
+                 save_chunk_states: bool = True, check_finite: bool = True, remat: bool | str = False,
                  scan_layers: bool = True, loss_backend: str = "xla", dtype=None, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
-        remat, scan_layers = (check_flag("Mamba2LMHeadModel", name, value)
-                              for name, value in (("remat", remat), ("scan_layers", scan_layers)))
+        scan_layers = check_flag("Mamba2LMHeadModel", "scan_layers", scan_layers)
+        remat = _check_remat(remat)
         self.config, self.remat, self.scan_layers, self.dtype = config, remat, scan_layers, dtype
         self.loss_backend = backends.check_name(loss_backend, "Mamba2LMHeadModel", loss_op.OP, "loss_backend")
         vocab = config.padded_vocab_size
@@ -212,7 +227,10 @@ class Mamba2LMHeadModel(nnx.Module):
         def block_forward(carry, block):
             return block(*carry)
 
-        if self.remat:
+        if self.remat == "matmuls":
+            block_forward = nnx.remat(block_forward, policy=jax.checkpoint_policies.save_only_these_names(
+                IN_PROJ_OUTPUT))
+        elif self.remat:
             block_forward = nnx.remat(block_forward)
         if self.scan_layers:
             hidden, residual = nnx.scan(block_forward, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(

@@ -17,6 +17,7 @@ from numbers import Real
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jax_mamba2 import backends
@@ -32,6 +33,10 @@ from jax_mamba2.flax_layers.norm import RMSNorm
 from jax_mamba2.flax_layers.partition import HeadShard, MeshAxes, Segment, mixer_param_spec
 from jax_mamba2.flax_layers.projection import project
 from jax_mamba2.op import ssd, ssd_step
+
+
+# The checkpoint name of in_proj's output, what `Mamba2LMHeadModel(remat="matmuls")` keeps for the backward.
+IN_PROJ_OUTPUT = "mamba2_in_proj_output"
 
 
 def _silu_output(conv):
@@ -347,7 +352,7 @@ class Mamba2(nnx.Module):
         pieces = shard.project(hidden_states.astype(dtype), kernel.astype(dtype), segments)
         if self.in_proj.bias is not None:
             pieces = [p + b.astype(dtype) for p, b in zip(pieces, shard.split(self.in_proj.bias[...], segments))]
-        return pieces
+        return [checkpoint_name(p, IN_PROJ_OUTPUT) for p in pieces]
 
     def _conv_backend(self) -> str:
         """The conv's backend: the layer's, or "xla" for the pure-JAX SSD backends."""
@@ -396,7 +401,7 @@ class Mamba2(nnx.Module):
         zxbcdt = project(hidden_states.astype(dtype), kernel.astype(dtype))
         if self.in_proj.bias is not None:
             zxbcdt = zxbcdt + self.in_proj.bias[...].astype(dtype)
-        return zxbcdt
+        return checkpoint_name(zxbcdt, IN_PROJ_OUTPUT)
 
     def _gates(self, zxbcdt) -> tuple:
         """(z0, x0, z) of in_proj's output."""

@@ -234,6 +234,11 @@ def test_recompute_chunk_states_reaches_the_model_and_keys_the_record():
     assert 0 < states[False] < states[True]  # the forward no longer hands its bf16 chunk states to the backward
 
 
+@pytest.mark.parametrize("flag,value", [("matmuls", "matmuls"), ("full", True)])
+def test_remat_reaches_the_model_and_keys_the_record(flag, value):
+    _assert_variant_reaches_ours_and_keys_the_record(["--remat", flag], "remat", value, False, f", remat {value}")
+
+
 def test_command_buffers_reach_the_worker_environment_and_key_the_record(monkeypatch):
     _assert_variant_reaches_ours_and_keys_the_record(["--command-buffers", "loop"], "command_buffers", "loop",
                                                      "default", ", command buffers loop")

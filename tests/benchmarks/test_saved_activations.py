@@ -1,4 +1,6 @@
 """benchmarks/tools/saved_activations.py: the arrays a block keeps for its backward, parsed and summed."""
+import pytest
+
 from benchmarks.tools import saved_activations
 
 
@@ -31,3 +33,15 @@ def test_the_cli_prints_the_arrays_and_the_total(capsys, tmp_path):
                                    "--json", str(tmp_path / "saved.json")]) == 0
     out = capsys.readouterr().out
     assert "activations kept per layer" in out and (tmp_path / "saved.json").stat().st_size > 0
+
+
+def test_remat_matmuls_on_the_kernels_keeps_in_proj_output_and_inputs_only():
+    """Traced for sm_90 (the cuTile kernels' custom VJPs): the LM's "matmuls" policy keeps in_proj's output and
+    the block's inputs, none of the kernels' own residuals (the SSD's chunk states, the norms' and the conv's
+    outputs: recomputed in the backward)."""
+    pytest.importorskip("cuda.tile")
+    everything = saved_activations.block_saved(64, 2, 128, d_state=16, headdim=16)
+    matmuls = saved_activations.block_saved(64, 2, 128, d_state=16, headdim=16, remat="matmuls")
+    kept = [s for s in matmuls if not s["source"].startswith("from the argument")]
+    assert [s["shape"] for s in kept] == [(2, 128, 296)] and "named 'mamba2_in_proj_output'" in kept[0]["source"]
+    assert len([s for s in everything if not s["is_input"]]) > 5

@@ -1,4 +1,6 @@
 """Tests of Mamba2Block, Mamba2LMHeadModel and generate (jax_mamba2/flax_layers/lm.py)."""
+import contextlib
+import io
 import math
 
 import jax
@@ -6,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
 
 from jax_mamba2.flax_layers import Mamba2Block, Mamba2Config, Mamba2LMHeadModel, generate
+from benchmarks.tools import saved_activations
 from tests.flax_layers._programs import walk
 
 BATCH, SEQLEN = 2, 12
@@ -58,7 +62,8 @@ def test_lm_prefill_then_steps_match_forward(tiny_config):
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, rtol=1e-5, atol=1e-5)
 
 
-def test_lm_grads_finite_and_equal_with_remat(tiny_config):
+@pytest.mark.parametrize("remat", [True, "matmuls"])
+def test_lm_grads_finite_and_equal_with_remat(tiny_config, remat):
     ids = _token_ids(tiny_config, seed=2)
 
     def loss(model):
@@ -67,10 +72,37 @@ def test_lm_grads_finite_and_equal_with_remat(tiny_config):
 
     # The "scan" backend keeps the two backward compilations short; the mixer test covers "xla" grads.
     grads = nnx.jit(nnx.grad(loss))(_model(tiny_config, backend="scan"))
-    remat_grads = nnx.jit(nnx.grad(loss))(_model(tiny_config, backend="scan", remat=True))
+    remat_grads = nnx.jit(nnx.grad(loss))(_model(tiny_config, backend="scan", remat=remat))
     for (path, g), r in zip(nnx.to_flat_state(grads), jax.tree.leaves(remat_grads)):
         assert bool(jnp.isfinite(g[...]).all()) and float(jnp.abs(g[...]).max()) > 0, path
         np.testing.assert_allclose(r, g[...], rtol=1e-4, atol=1e-6)
+
+
+def test_remat_matmuls_keeps_in_proj_output_for_the_backward_and_less_than_without_remat(tiny_config):
+    """remat="matmuls" keeps in_proj's output and the blocks' inputs; True only the inputs; False all
+    that the backward reads. Bytes of the activations the loss's backward keeps (the parameters left out)."""
+    ids = _token_ids(tiny_config, seed=5)
+
+    def saved(remat):
+        graphdef, state = nnx.split(_model(tiny_config, remat=remat))
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            print_saved_residuals(lambda state: nnx.merge(graphdef, state).loss(ids), state)
+        return [s for s in saved_activations.parse_saved(printed.getvalue())
+                if not s["source"].startswith("from the argument")]
+
+    kept = {remat: saved(remat) for remat in (False, "matmuls", True)}
+    total = {remat: sum(s["bytes"] for s in arrays) for remat, arrays in kept.items()}
+    assert total[True] < total["matmuls"] < total[False]
+    # in_proj's output of every layer, stacked by the layer scan: (n_layer, batch, seqlen, d_in_proj)
+    mixer = _model(tiny_config).layers.mixer
+    in_proj = (tiny_config.n_layer, *ids.shape, mixer.in_proj.kernel.shape[-1])
+    assert [s["shape"] for s in kept["matmuls"]].count(in_proj) == 1
+    assert in_proj not in [s["shape"] for s in kept[True]]
+    with pytest.raises(ValueError, match='remat=\'dots\' must be False, "matmuls" or True'):
+        _model(tiny_config, remat="dots")
+    with pytest.raises(TypeError, match='remat=1 must be False, "matmuls" or True'):
+        _model(tiny_config, remat=1)
 
 
 def test_lm_generate_greedy_is_deterministic_and_follows_forward_argmax(tiny_config):

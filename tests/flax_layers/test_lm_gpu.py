@@ -57,8 +57,8 @@ def test_lm_cutile_grads_match_xla():
 
 
 def test_lm_cutile_grads_with_nnx_remat_match_plain():
-    """nnx.remat around each block replays the cuTile forward in the backward pass, which recomputes the
-    states the kernel VJP saves, so the gradients are the plain model's up to the rounding of the replayed XLA ops
+    """nnx.remat around each block (remat=True, and "matmuls", which keeps in_proj's output) replays the cuTile
+    forward in the backward pass, which recomputes the states the kernel VJP saves, so the gradients are the plain model's up to the rounding of the replayed XLA ops
     (norms, projections: fused differently under remat). The SSD op alone is bitwise equal under
     jax.checkpoint (tests/bridge); the xla backend is the control."""
     ids = _ids(4)
@@ -71,9 +71,10 @@ def test_lm_cutile_grads_with_nnx_remat_match_plain():
         grads = [nnx.to_flat_state(nnx.jit(nnx.grad(loss))(
             Mamba2LMHeadModel(CONFIG, backend=backend, deterministic_backward=True, remat=remat,
                               rngs=nnx.Rngs(0))))
-            for remat in (False, True)]
-        for (path, g_plain), (_, g_remat) in zip(*grads):
+            for remat in (False, True, "matmuls")]
+        for (path, g_plain), (_, g_remat), (_, g_matmuls) in zip(*grads):
             assert rel_l2(g_remat[...], g_plain[...]) < 2e-3, (backend, path, rel_l2(g_remat[...], g_plain[...]))
+            assert rel_l2(g_matmuls[...], g_plain[...]) < 2e-3, (backend, path, "matmuls")
 
 
 def test_lm_cutile_generate_runs_greedy():
