@@ -82,7 +82,8 @@ def build_model(args, backend: str, seed: int) -> Mamba2LMHeadModel:
     config = Mamba2Config(
         d_model=args.d_model, n_layer=args.layers, vocab_size=VOCAB_SIZE, pad_vocab_size_multiple=8,
         ssm_cfg=dict(d_state=args.d_state, headdim=args.headdim, chunk_size=args.chunk_size, expand=2))
-    return Mamba2LMHeadModel(config, backend=backend, remat=args.remat, scan_layers=not args.unroll_layers,
+    remat = {None: False, "full": True}.get(args.remat, args.remat)
+    return Mamba2LMHeadModel(config, backend=backend, remat=remat, scan_layers=not args.unroll_layers,
                              dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(params=seed))
 
 
@@ -201,7 +202,9 @@ def parse_args(argv=None):
     parser.add_argument("--chunk-size", type=int, default=64, help="SSD chunk length, a power of two")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="computation dtype; parameters stay float32")
-    parser.add_argument("--remat", action="store_true", help="rematerialize blocks in the backward pass")
+    parser.add_argument("--remat", nargs="?", const="full", choices=("full", "matmuls"), default=None,
+                        help="rematerialize blocks in the backward pass: all of each block (--remat, full) or all "
+                             "but in_proj's output (matmuls) (default: off)")
     parser.add_argument("--unroll-layers", action="store_true",
                         help="unroll the blocks (scan_layers=False): faster steps, longer compile (default: one scan)")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")

@@ -149,3 +149,18 @@ def test_example_help_shows_every_flag_with_its_default_and_keeps_the_command_li
     assert len(entries) >= 8
     for entry in entries:
         assert "(default: " in entry, f"{name}.py --help: no help text or default in {entry!r}"
+
+
+def test_train_lm_remat_flag_sets_the_model_option():
+    """--remat (all of each block), --remat matmuls (all but in_proj's output), or neither."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_lm_example", REPO / "examples" / "train_lm.py")
+    train_lm = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        spec.loader.exec_module(train_lm)
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    for flags, remat in (([], False), (["--remat"], True), (["--remat", "matmuls"], "matmuls")):
+        model = train_lm.build_model(train_lm.parse_args([*TINY_LM, *flags]), "xla", seed=0)
+        assert model.remat == remat and type(model.remat) is type(remat), flags
