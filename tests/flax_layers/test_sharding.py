@@ -57,7 +57,9 @@ def test_shard_model_lm_matches_single_device_without_all_gather(tiny_config, me
     np.testing.assert_allclose(step_logits, expected_step, rtol=1e-5, atol=1e-5)
 
 
-def test_shard_model_grads_match_single_device_with_groups_split(tiny_config, mesh):
+@pytest.mark.parametrize("remat", [False, "matmuls"])
+def test_shard_model_grads_match_single_device_with_groups_split(tiny_config, mesh, remat):
+    """Also with remat="matmuls" on the sharded model (in_proj's pieces of each shard kept, the rest replayed)."""
     config = tiny_config.replace(n_layer=2, ssm_cfg={**tiny_config.ssm_cfg, "ngroups": 4})  # 1 group per shard
     ids, sharded_ids = _ids(config, mesh)
 
@@ -67,7 +69,8 @@ def test_shard_model_grads_match_single_device_with_groups_split(tiny_config, me
 
     value_and_grad = nnx.jit(nnx.value_and_grad(loss))
     expected_loss, expected_grads = value_and_grad(_model(config), ids)
-    sharded_loss, sharded_grads = value_and_grad(shard_model(_model(config), mesh), sharded_ids)
+    sharded = shard_model(Mamba2LMHeadModel(config, backend="xla", remat=remat, rngs=nnx.Rngs(0)), mesh)
+    sharded_loss, sharded_grads = value_and_grad(sharded, sharded_ids)
     np.testing.assert_allclose(sharded_loss, expected_loss, rtol=1e-6)
     for (path, g), e in zip(nnx.to_flat_state(sharded_grads), jax.tree.leaves(expected_grads)):
         np.testing.assert_allclose(g[...], e, rtol=1e-4, atol=1e-7, err_msg=str(path))
