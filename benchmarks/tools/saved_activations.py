@@ -53,7 +53,7 @@ def block_saved(d_model: int, batch: int, seqlen: int, *, d_state: int = 128, he
 
     from jax_mamba2.bridge import aot
     from jax_mamba2.flax_layers import Mamba2Block, Mamba2Config
-    from jax_mamba2.flax_layers.mamba2 import IN_PROJ_OUTPUT
+    from jax_mamba2.flax_layers.lm import remat_policy
 
     config = Mamba2Config(d_model=d_model, n_layer=1, vocab_size=256,
                           ssm_cfg=dict(d_state=d_state, headdim=headdim, chunk_size=64))
@@ -65,7 +65,7 @@ def block_saved(d_model: int, batch: int, seqlen: int, *, d_state: int = 128, he
             return nnx.merge(graphdef, state)(hidden, residual)
 
         policies = {"dots": jax.checkpoint_policies.dots_saveable,
-                    "matmuls": jax.checkpoint_policies.save_only_these_names(IN_PROJ_OUTPUT)}
+                    "matmuls": remat_policy("matmuls")}
         if remat in policies:
             block = jax.checkpoint(block, policy=policies[remat])
 

@@ -23,6 +23,13 @@ from jax_mamba2.flax_layers.mamba2 import IN_PROJ_OUTPUT, Mamba2
 from jax_mamba2.flax_layers.norm import RMSNorm
 
 
+def remat_policy(remat: str):
+    """The `jax.checkpoint` policy of a named `remat` mode: "matmuls" saves in_proj's output only."""
+    if remat != "matmuls":
+        raise ValueError(f'remat_policy: remat={remat!r} must be "matmuls"')
+    return jax.checkpoint_policies.save_only_these_names(IN_PROJ_OUTPUT)
+
+
 def _check_remat(remat) -> bool | str:
     """The `remat` option: a bool (keep everything / only the block's inputs) or "matmuls" (in_proj's output)."""
     if isinstance(remat, str):
@@ -227,11 +234,8 @@ class Mamba2LMHeadModel(nnx.Module):
         def block_forward(carry, block):
             return block(*carry)
 
-        if self.remat == "matmuls":
-            block_forward = nnx.remat(block_forward, policy=jax.checkpoint_policies.save_only_these_names(
-                IN_PROJ_OUTPUT))
-        elif self.remat:
-            block_forward = nnx.remat(block_forward)
+        if self.remat:
+            block_forward = nnx.remat(block_forward, policy=None if self.remat is True else remat_policy(self.remat))
         if self.scan_layers:
             hidden, residual = nnx.scan(block_forward, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
                 (hidden, residual), self.layers)

@@ -47,18 +47,22 @@ def _primals(arrays):
     return tuple(None if arrays.get(n) is None else jnp.asarray(arrays[n]) for n in ("x", "z", "residual", "weight"))
 
 
+def _forward_and_vjp(case, arrays):
+    """(primals, f): the case's primals and f(*primals) -> (outputs, their VJP of the case's cotangents)."""
+    cotangents = (jnp.asarray(arrays["dout"]), None if not case.residual else jnp.asarray(arrays["dresidual_out"]))
+
+    def forward_and_vjp(*primals):
+        outputs, vjp = jax.vjp(_op(case), *primals)
+        return outputs, vjp(cotangents)
+    return _primals(arrays), forward_and_vjp
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_emulated_op_forward_and_gradients_match_float64_reference(name):
     case = CASES[name]
     arrays = make_inputs(case, seed=3)
-    primals = _primals(arrays)
-    cotangents = (jnp.asarray(arrays["dout"]), None if not case.residual else jnp.asarray(arrays["dresidual_out"]))
-
-    @jax.jit
-    def forward_and_vjp(*primals):
-        outputs, vjp = jax.vjp(_op(case), *primals)
-        return outputs, vjp(cotangents)
-
+    primals, forward_and_vjp = _forward_and_vjp(case, arrays)
+    forward_and_vjp = jax.jit(forward_and_vjp)
     (out, residual_out), (dx, dz, dresidual, dweight) = forward_and_vjp(*primals)
     assert "pure_callback" in str(jax.make_jaxpr(forward_and_vjp)(*primals))  # the kernels ran, not XLA
     want = oracle(case, arrays)
@@ -121,13 +125,7 @@ def test_emulated_kernels_in_a_chosen_config_match_float64_reference_also_vmappe
         "cutile", norm_ops.make_kernels(emulator.jax_run_plan, config), norm_ops.unsupported_reason, auto_priority=2))
     case = CASES[name]
     arrays = make_inputs(case, seed=17)
-    primals = _primals(arrays)
-    cotangents = (jnp.asarray(arrays["dout"]), None if not case.residual else jnp.asarray(arrays["dresidual_out"]))
-
-    def forward_and_vjp(*primals):
-        outputs, vjp = jax.vjp(_op(case), *primals)
-        return outputs, vjp(cotangents)
-
+    primals, forward_and_vjp = _forward_and_vjp(case, arrays)
     (out, residual_out), (dx, dz, dresidual, dweight) = jax.jit(forward_and_vjp)(*primals)
     got = dict(out=out, residual_out=residual_out, dx=dx, dz=dz, dresidual=dresidual, dweight=dweight)
     want = oracle(case, arrays)
@@ -195,13 +193,7 @@ def test_emulated_op_takes_a_bf16_weight_without_converting_it(name):
     array (the kernels widen the weight as they load it), and the weight's gradient comes back in bf16."""
     case = dataclasses.replace(CASES[name], dtype="bfloat16", weight_dtype="bfloat16")
     arrays = make_inputs(case, seed=21)
-    primals = _primals(arrays)
-    cotangents = (jnp.asarray(arrays["dout"]), None if not case.residual else jnp.asarray(arrays["dresidual_out"]))
-
-    def forward_and_vjp(*primals):
-        outputs, vjp = jax.vjp(_op(case), *primals)
-        return outputs, vjp(cotangents)
-
+    primals, forward_and_vjp = _forward_and_vjp(case, arrays)
     jaxpr = jax.make_jaxpr(forward_and_vjp)(*primals)
     weight_converts = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "convert_element_type"
                        and e.invars[0].aval.shape == (case.features,)]
