@@ -7,6 +7,8 @@ Public API:
   causal_conv1d_silu       the mixer's causal depthwise conv1d + SiLU (causal_conv1d's `causal_conv1d_fn`).
   causal_conv1d_silu_split the same on a channel window of a wider input (in_proj's output), in pieces.
   rms_norm, add_rms_norm   the gated, grouped RMSNorm and the residual add + RMSNorm (cuTile kernels on a GPU).
+  norm_project, mixer_step the fused ops of a decode step: (add +) norm + projection, and the mixer's conv step
+                           + SSD state update; three launches per layer on a GPU.
   available_backends       names of the SSD backends that can run in this process.
   backend_status           for every known backend: whether it can run here and, if not, why.
   autotune                 tune the cuTile kernel configs of a program's SSD calls ahead of time.
@@ -16,6 +18,7 @@ Public API:
 """
 from jax_mamba2._version import __version__
 from jax_mamba2.conv1d import causal_conv1d_silu, causal_conv1d_silu_split
+from jax_mamba2.decode import mixer_step, norm_project
 from jax_mamba2.autotuning import autotune
 from jax_mamba2.backends import available_backends, backend_status
 from jax_mamba2.norm import add_rms_norm, rms_norm
@@ -26,7 +29,7 @@ from jax_mamba2.flax_layers import (Mamba2, Mamba2Config, Mamba2LMHeadModel, chu
 
 __all__ = [
     "__version__", "ssd", "ssd_step", "ssd_scan", "ssd_chunked", "causal_conv1d_silu", "causal_conv1d_silu_split",
-    "rms_norm", "add_rms_norm",
+    "rms_norm", "add_rms_norm", "norm_project", "mixer_step",
     "available_backends", "backend_status", "autotune", "Mamba2", "Mamba2Config", "Mamba2LMHeadModel", "generate",
     "load_pretrained", "save_pretrained", "shard_model", "chunked_cross_entropy",
 ]

@@ -2,8 +2,9 @@
 which one runs a call.
 
 The ops are "ssd" (`jax_mamba2.op`: `ssd`, `ssd_step`), "causal_conv1d" (`jax_mamba2.conv1d`), "rms_norm"
-(`jax_mamba2.norm`: `rms_norm`, `add_rms_norm`) and "cross_entropy" (the softmax of the LM loss,
-`jax_mamba2.flax_layers.loss.chunked_cross_entropy`). Each op module registers its pure-JAX backends ("xla", and
+(`jax_mamba2.norm`: `rms_norm`, `add_rms_norm`), "cross_entropy" (the softmax of the LM loss,
+`jax_mamba2.flax_layers.loss.chunked_cross_entropy`) and "decode" (`jax_mamba2.decode`: `norm_project`,
+`mixer_step`, the fused ops of a decode step). Each op module registers its pure-JAX backends ("xla", and
 "scan" for the SSD), which run everywhere. The optional backends register themselves, for every op, when their
 module is imported; that module needs optional dependencies (the [cuda] extra), so the registry imports it on
 first use and keeps why it could not. Whether a registered backend can run in this process (a GPU) is its own
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from jax_mamba2.op import SSDInputs, SSDStatic
 
 # The ops that have backends, by the name their modules register them under.
-OPS = ("ssd", "causal_conv1d", "rms_norm", "cross_entropy")
+OPS = ("ssd", "causal_conv1d", "rms_norm", "cross_entropy", "decode")
 # The backends that a module of optional dependencies registers (for every op) when it is imported: name -> module.
 OPTIONAL_BACKENDS = {"cutile": "jax_mamba2.bridge", "cutile_callback": "jax_mamba2.bridge"}
 

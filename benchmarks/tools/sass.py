@@ -64,6 +64,16 @@ def find_cuobjdump() -> str | None:
 
 def disassemble(cubin: bytes) -> tuple[str, str]:
     """(cuobjdump -sass, cuobjdump -res-usage) of `cubin`. Raises FileNotFoundError without cuobjdump."""
+    return _cuobjdump(cubin, "-sass"), resource_usage(cubin)
+
+
+def resource_usage(cubin: bytes) -> str:
+    """cuobjdump -res-usage of `cubin` (registers, shared memory, stack and local memory per function); needs no
+    disassembler. Raises FileNotFoundError without cuobjdump."""
+    return _cuobjdump(cubin, "-res-usage")
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     cuobjdump = find_cuobjdump()
     if cuobjdump is None:
         raise FileNotFoundError("cuobjdump/nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
@@ -71,8 +81,8 @@ def disassemble(cubin: bytes) -> tuple[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.cubin"
         path.write_bytes(cubin)
-        return tuple(subprocess.run([cuobjdump, flag, str(path)], check=True, capture_output=True, text=True,
-                                    env=env).stdout for flag in ("-sass", "-res-usage"))
+        return subprocess.run([cuobjdump, flag, str(path)], check=True, capture_output=True, text=True,
+                              env=env).stdout
 
 
 def instructions(sass: str) -> list[tuple[int, str]]:

@@ -18,7 +18,7 @@ except ModuleNotFoundError as e:
     raise ModuleNotFoundError("cuda-tile is not installed (pip install 'jax-mamba2[cuda]')", name=e.name) from e
 
 from jax_mamba2 import backends
-from jax_mamba2.bridge import callback, conv_ops, ffi, loss_ops, norm_ops, ops, problem
+from jax_mamba2.bridge import callback, conv_ops, decode_ops, ffi, loss_ops, norm_ops, ops, problem
 
 backends.register_backend(backends.Backend(
     name="cutile", forward=ops.make_forward(ffi.run_plan),
@@ -46,3 +46,7 @@ backends.register_backend(backends.LayerBackend("cutile", loss_ops.KERNELS["cuti
                                                 auto_priority=2), op="cross_entropy")
 backends.register_backend(backends.LayerBackend("cutile_callback", loss_ops.KERNELS["cutile_callback"],
                                                 loss_ops.unsupported_reason), op="cross_entropy")
+backends.register_backend(backends.LayerBackend("cutile", decode_ops.KERNELS["cutile"], decode_ops.unsupported_reason,
+                                                auto_priority=2), op="decode")
+backends.register_backend(backends.LayerBackend("cutile_callback", decode_ops.KERNELS["cutile_callback"],
+                                                decode_ops.unsupported_reason), op="decode")

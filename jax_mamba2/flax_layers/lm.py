@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from jax_mamba2 import backends
+from jax_mamba2 import decode as decode_op
 from jax_mamba2 import norm as norm_op
 from jax_mamba2.checks import check_flag
 from jax_mamba2.flax_layers import _checks
@@ -66,11 +67,14 @@ class Mamba2Block(nnx.Module):
                             deterministic_backward=deterministic_backward, save_chunk_states=save_chunk_states,
                             check_finite=check_finite, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
+    def residual_dtype(self, hidden_dtype, residual_dtype):
+        """The dtype of the residual stream hidden + residual: float32 or wider with residual_in_fp32."""
+        dtype = jnp.result_type(hidden_dtype, residual_dtype)
+        return jnp.promote_types(jnp.float32, dtype) if self.residual_in_fp32 else dtype
+
     def _add_norm(self, hidden_states, residual):
-        residual_dtype = jnp.result_type(hidden_states, residual)
-        if self.residual_in_fp32:
-            residual_dtype = jnp.promote_types(jnp.float32, residual_dtype)
-        normed, residual = self.norm.add_norm(hidden_states, residual, residual_dtype=residual_dtype)
+        normed, residual = self.norm.add_norm(hidden_states, residual,
+                                              residual_dtype=self.residual_dtype(hidden_states.dtype, residual.dtype))
         return normed.astype(hidden_states.dtype), residual
 
     def _check_inputs(self, api: str, hidden_states, residual, cache, *, sequence: bool) -> None:
@@ -268,8 +272,34 @@ class Mamba2LMHeadModel(nnx.Module):
           ValueError, TypeError: for input_ids or a cache of the wrong shape or dtype.
         """
         self._check_inputs("Mamba2LMHeadModel.step", input_ids, cache, sequence=False)
+        if self.layers.mixer.decodes_fused:
+            return self._decode_step(input_ids, cache)
         hidden, residual, cache = self._scan_layers_with_cache("step", input_ids, cache)
         return self._logits(hidden, residual), cache
+
+    def _decode_step(self, input_ids, cache: Mamba2Cache):
+        """`step` on the fused decode ops: per layer the block's add + norm with in_proj, the mixer's conv step
+        and state update, its gated norm with out_proj (`Mamba2.decode_step`: three kernel launches on a GPU),
+        then the final add + norm with the LM head (one more). The layers run one after the other on their
+        entries of the stacked parameters and cache, read in place: no layer loop, no slice of a weight, the
+        SSM state stack updated in place (when XLA may reuse its buffer: inside `generate`'s loop, or donated).
+        The same values as the composed step (`_scan_layers_with_cache`)."""
+        hidden, residual = self.embedding(input_ids), None
+        residual_dtype = self._embed_residual_dtype(hidden.dtype)
+        ssm_state, conv_states = cache.ssm_state, []
+        for layer in range(self.config.n_layer):
+            residual_dtype = self.layers.residual_dtype(hidden.dtype, residual_dtype)
+            hidden, residual, conv_state, ssm_state = self.layers.mixer.decode_step(
+                hidden, cache.conv_state, ssm_state, layer=layer, pre_norm=(self.layers.norm, residual, residual_dtype))
+            conv_states.append(conv_state)
+        head = (dict(weight=self.embedding.embedding[...], transpose_weight=True) if self.lm_head is None
+                else dict(weight=self.lm_head.kernel[...]))
+        logits, _ = decode_op.norm_project(
+            hidden, **head, norm_weight=self.norm_f.scale[...], residual=residual,
+            residual_dtype=jnp.result_type(hidden, residual), eps=self.norm_f.eps,
+            dtype=self.dtype or jnp.result_type(hidden, head["weight"]),
+            backend=backends.for_op(self.layers.mixer.backend, decode_op.OP))
+        return logits, Mamba2Cache(jnp.stack(conv_states), ssm_state)
 
     def init_cache(self, batch_size: int, dtype=None) -> Mamba2Cache:
         """Zero decode state of all layers: conv_state (n_layer, batch, conv_dim, d_conv), ssm_state
@@ -326,8 +356,11 @@ class Mamba2LMHeadModel(nnx.Module):
 
     def _embed(self, input_ids):
         hidden = self.embedding(input_ids)
-        residual_dtype = jnp.promote_types(jnp.float32, hidden.dtype) if self.config.residual_in_fp32 else hidden.dtype
-        return hidden, jnp.zeros(hidden.shape, residual_dtype)
+        return hidden, jnp.zeros(hidden.shape, self._embed_residual_dtype(hidden.dtype))
+
+    def _embed_residual_dtype(self, hidden_dtype):
+        """The dtype of the residual stream before the first block (zeros)."""
+        return jnp.promote_types(jnp.float32, hidden_dtype) if self.config.residual_in_fp32 else hidden_dtype
 
     def _final_norm(self, hidden, residual):
         return self.norm_f.add_norm(hidden, residual, return_residual=False).astype(hidden.dtype)
@@ -418,15 +451,17 @@ def _generate(graphdef, state, prompt_ids, rng, temperature, *, max_new_tokens, 
     hidden, residual, cache = model._scan_layers_with_cache("prefill", prompt_ids, None)
     first = next_token(model._logits(hidden[:, -1], residual[:, -1]), keys[0])
 
-    if not model.scan_layers:  # the loop carries one cache per layer: no step stacks the whole state
+    # The composed step of unrolled layers carries one cache per layer, so that no step stacks the whole
+    # state; the fused step updates the stacked SSM state in place.
+    per_layer = not model.scan_layers and not model.layers.mixer.decodes_fused
+    if per_layer:
         cache = unstack_layers(cache)
 
     def decode(carry, key):
         token, cache = carry
         # NNX Variables belong to the trace that created them: rebuild the model from fresh ones here.
         step_model = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
-        logits, cache = (step_model.step(token, cache) if model.scan_layers else
-                         step_model._step_unstacked(token, cache))
+        logits, cache = step_model._step_unstacked(token, cache) if per_layer else step_model.step(token, cache)
         token_next = next_token(logits, key)
         return (token_next, cache), token_next
 

@@ -8,7 +8,8 @@
   out    = out_proj(y)
 
 Three entry points share this computation: `__call__` (training / full forward), `prefill` (the same, also
-returning the decode cache) and `step` (one token in O(1) from the cache, through `ssd_step`).
+returning the decode cache) and `step` (one token in O(1) from the cache: on one device the three fused ops of
+`jax_mamba2.decode` (`decode_step`), under head parallelism the composed ops with `ssd_step`).
 """
 import functools
 import math
@@ -22,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_mamba2 import backends
 from jax_mamba2 import conv1d as conv_op
+from jax_mamba2 import decode as decode_op
 from jax_mamba2 import norm as norm_op
 from jax_mamba2.conv1d import causal_conv1d_silu, causal_conv1d_silu_split
 from jax_mamba2.flax_layers import _checks
@@ -31,12 +33,17 @@ from jax_mamba2.flax_layers.conv import CausalConv1d, causal_conv1d_step
 from jax_mamba2.flax_layers.initializers import A_log_init, dt_bias_init, torch_uniform
 from jax_mamba2.flax_layers.norm import RMSNorm
 from jax_mamba2.flax_layers.partition import HeadShard, MeshAxes, Segment, mixer_param_spec
-from jax_mamba2.flax_layers.projection import project
+from jax_mamba2.projection import project
 from jax_mamba2.op import ssd, ssd_step
 
 
 # The checkpoint name of in_proj's output, what `Mamba2LMHeadModel(remat="matmuls")` keeps for the backward.
 IN_PROJ_OUTPUT = "mamba2_in_proj_output"
+
+
+def _param(variable):
+    """A parameter's value, or None for an absent one (a bias the layer was built without)."""
+    return None if variable is None else variable[...]
 
 
 def _silu_output(conv):
@@ -308,6 +315,9 @@ class Mamba2(nnx.Module):
         return out, (Mamba2Cache(conv_state, ssm_state) if want_cache else None)
 
     def _step(self, shard: HeadShard, hidden_states, cache: Mamba2Cache):
+        if self.decodes_fused:
+            out, _, conv_state, ssm_state = self.decode_step(hidden_states, cache.conv_state, cache.ssm_state)
+            return out, Mamba2Cache(conv_state, ssm_state)
         batch, _ = hidden_states.shape
         if shard.size == 1:
             z0, x0, z, x, B, C, dt, conv_state = self._project_and_convolve_step(hidden_states, cache.conv_state)
@@ -325,6 +335,60 @@ class Mamba2(nnx.Module):
             z=None if self.rmsnorm else z.reshape(batch, nheads, self.headdim), dt_bias=dt_bias,
             dt_softplus=True, dt_limit=self.dt_limit, backend=self.backend)
         return self._output(shard, y, z, z0, x0), Mamba2Cache(conv_state, ssm_state)
+
+    @property
+    def decodes_fused(self) -> bool:
+        """Whether a decode step runs on the fused decode ops (`decode_step`): on one device (head parallelism
+        takes the composed step) and without the gated MLP branch (d_ssm == d_inner, as in every Mamba-2
+        checkpoint)."""
+        return self.mesh_axes is None and not self.d_mlp
+
+    def decode_step(self, hidden_states, conv_state, ssm_state, *, layer=None, pre_norm=None):
+        """One token through the mixer on the fused decode ops (`jax_mamba2.decode`): in_proj (after the block's
+        add + norm, with `pre_norm`), the conv step + SSD state update, the gated norm + out_proj: three kernel
+        launches on a GPU. The same values as the composed step; see `decodes_fused` for when it applies.
+
+        Args:
+          hidden_states: (batch, d_model).
+          conv_state, ssm_state: the layer's cache fields, or with `layer` the stacks of every layer's (leading
+            (n_layer,) axis) of a module whose parameters are stacks (the LM's layers).
+          layer: None, or which layer of the stacked parameters and cache to run (an int or an int32 scalar).
+          pre_norm: None, or (norm, residual, residual_dtype): the block's `RMSNorm` (its scale a stack with
+            `layer`) applied to hidden_states + residual (None: no residual yet) in the residual stream's dtype,
+            fused into in_proj's launch.
+
+        Returns:
+          (out (batch, d_model), the new residual stream (None without pre_norm), the layer's new conv_state
+          (batch, conv_dim, d_conv), ssm_state with the layer's state advanced (the whole stack with `layer`)).
+        """
+        backend = backends.for_op(self.backend, decode_op.OP)
+        in_kernel = self.in_proj.kernel[...]
+        residual = None
+        if pre_norm is None:
+            zxbcdt = decode_op.norm_project(hidden_states, in_kernel, bias=_param(self.in_proj.bias), layer=layer,
+                                            dtype=self.dtype or jnp.result_type(hidden_states, in_kernel),
+                                            backend=backend)
+        else:
+            norm, residual, residual_dtype = pre_norm
+            zxbcdt, residual = decode_op.norm_project(
+                hidden_states, in_kernel, norm_weight=norm.scale[...], residual=residual,
+                residual_dtype=residual_dtype, eps=norm.eps, bias=_param(self.in_proj.bias), layer=layer,
+                dtype=self.dtype or jnp.result_type(hidden_states, in_kernel), backend=backend)
+        D = self.D[...]
+        if self.D_has_hdim:
+            D = D.reshape(*D.shape[:-1], self.nheads, self.headdim)
+        y, ssm_state, conv_state = decode_op.mixer_step(
+            zxbcdt, conv_state, ssm_state, self.conv1d.kernel[...], _param(self.conv1d.bias), self.A_log[...],
+            self.dt_bias[...], D, nheads=self.nheads, headdim=self.headdim, ngroups=self.ngroups,
+            dstate=self.d_state, xbc_offset=self._xbc_offset, dt_offset=self._xbc_offset + self.conv_dim,
+            z_offset=None if self.rmsnorm else 2 * self.d_mlp, dt_limit=self.dt_limit, layer=layer, backend=backend)
+        out_kernel = self.out_proj.kernel[...]
+        norm = {} if not self.rmsnorm else dict(
+            norm_weight=self.norm.scale[...], z=zxbcdt, z_offset=2 * self.d_mlp, group_size=self.norm.group_size,
+            norm_before_gate=self.norm.norm_before_gate, eps=self.norm.eps)
+        out = decode_op.norm_project(y, out_kernel, **norm, bias=_param(self.out_proj.bias), layer=layer,
+                                     dtype=self.dtype or jnp.result_type(y, out_kernel), backend=backend)
+        return out, residual, conv_state, ssm_state
 
     # ------------------------------------------------------------------------------------------------
     # Pieces

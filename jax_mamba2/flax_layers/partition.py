@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_mamba2.flax_layers.projection import project
+from jax_mamba2.projection import project
 
 
 def mixer_param_spec(path: tuple[str, ...], model_axis: str) -> P:

@@ -309,14 +309,17 @@ def _with_hints(kernel: Any, hints: tuple[tuple[str, int], ...]) -> Any:
     return kernel.replace_hints(**dict(hints))
 
 
+def with_hints(kernel: Any, **hints: int | None) -> Any:
+    """`kernel` with `hints` (occupancy, num_worker_warps, ...) applied; a hint given as None is left to the
+    compiler. `replace_hints` returns a new kernel with its own compile cache, so the result is cached: the same
+    (kernel, hints) always returns the same object and never recompiles."""
+    return _with_hints(kernel, tuple(sorted((k, v) for k, v in hints.items() if v is not None)))
+
+
 def index_width_variant(kernels: tuple[Any, Any], int64: bool, **hints: int | None) -> Any:
     """The int64-indexed (`int64`) or int32-indexed kernel of an `int64_index_kernels` pair, with `hints`
-    (occupancy, num_worker_warps, ...) applied; a hint given as None is left to the compiler.
-
-    `replace_hints` returns a new kernel with its own compile cache, so the result is cached: the same
-    (kernel, hints) always returns the same object and never recompiles.
-    """
-    return _with_hints(kernels[1 if int64 else 0], tuple(sorted((k, v) for k, v in hints.items() if v is not None)))
+    applied (see `with_hints`)."""
+    return with_hints(kernels[1 if int64 else 0], **hints)
 
 
 def select_kernel(kernels: tuple[Any, Any], dims: SSDDims, **hints: int | None) -> Any:

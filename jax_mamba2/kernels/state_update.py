@@ -61,25 +61,29 @@ def state_update_kernel(
     dt_v = ct.load(dt, index=(b, h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
     bias = ct.load(dt_bias, index=(h,), shape=(1,)).astype(ct.float32)
     delta = dt_transform(dt_v + bias, DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX)           # [1]
-    decay = ct.exp(delta * ct.load(A, index=(h,), shape=(1,)))                              # [1]
-
     s = ct.load(state, index=(b, h, pb, 0), shape=(1, 1, BLOCK_P, DSTATE)
                 ).reshape((BLOCK_P, DSTATE)).astype(ct.float32)
     x_p = ct.load(x, index=(b, h, pb), shape=(1, 1, BLOCK_P)).reshape((BLOCK_P,)).astype(ct.float32)
     B_n = ct.load(B, index=(b, g, 0), shape=(1, 1, DSTATE)).reshape((DSTATE,)).astype(ct.float32)
     C_n = ct.load(C, index=(b, g, 0), shape=(1, 1, DSTATE)).reshape((DSTATE,)).astype(ct.float32)
-
-    s = s * decay + (delta * x_p)[:, None] * B_n[None, :]                                 # [BLOCK_P, DSTATE]
-    ct.store(new_state, index=(b, h, pb, 0), tile=s.reshape((1, 1, BLOCK_P, DSTATE)).astype(new_state.dtype))
-
     if D_PER_CHANNEL:
         D_p = ct.load(D, index=(h, pb), shape=(1, BLOCK_P)).reshape((BLOCK_P,)).astype(ct.float32)
     else:
         D_p = ct.load(D, index=(h,), shape=(1,)).astype(ct.float32)                      # [1], broadcast
-    y_p = ct.sum(s * C_n[None, :], axis=1) + D_p * x_p                                     # [BLOCK_P] f32
+
+    s, y_p = state_step(s, x_p, delta, ct.load(A, index=(h,), shape=(1,)), B_n, C_n, D_p)
+    ct.store(new_state, index=(b, h, pb, 0), tile=s.reshape((1, 1, BLOCK_P, DSTATE)).astype(new_state.dtype))
     if HAS_Z:
         y_p = silu_gate(y_p, ct.load(z, index=(b, h, pb), shape=(1, 1, BLOCK_P)).reshape((BLOCK_P,)))
     ct.store(y, index=(b, h, pb), tile=y_p.reshape((1, 1, BLOCK_P)).astype(y.dtype))
+
+
+def state_step(s, x_p, delta, A_h, B_n, C_n, D_p):
+    """Device helper: one token of the recurrence for a (BLOCK_P, DSTATE) f32 state tile s of one head, all f32:
+    x_p (BLOCK_P,), delta and A_h (1,), B_n and C_n (DSTATE,), D_p (BLOCK_P,) or (1,). Returns (state', y) with
+    state' = exp(delta A_h) s + (delta x_p) B_n^T and y = state' C_n + D_p x_p (BLOCK_P,)."""
+    s = s * ct.exp(delta * A_h) + (delta * x_p)[:, None] * B_n[None, :]
+    return s, ct.sum(s * C_n[None, :], axis=1) + D_p * x_p
 
 
 STATE_UPDATE_KERNELS = int64_index_kernels(state_update_kernel)

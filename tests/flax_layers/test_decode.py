@@ -17,7 +17,7 @@ from flax import nnx
 
 from jax_mamba2.flax_layers import (Mamba2Config, Mamba2LMHeadModel, cast_params, generate, load_pretrained,
                                     save_pretrained)
-from tests.flax_layers._programs import cutile_launches, loop_lengths, weight_conversions
+from tests.flax_layers._programs import cutile_launches, loop_lengths, walk, weight_conversions
 
 # Kernel-compatible sizes (headdim and d_state powers of two >= 16): 4 heads, 3 layers, chunks of 8.
 CONFIG = Mamba2Config(d_model=32, n_layer=3, vocab_size=64, ssm_cfg=dict(d_state=16, headdim=16, chunk_size=8))
@@ -56,15 +56,20 @@ def test_bf16_parameter_decode_step_converts_no_weight(backend):
         model = _model(backend, param_dtype=jnp.bfloat16)
         jaxpr = _step_jaxpr(model)
     assert weight_conversions(jaxpr, model) == []
-    if backend == "cutile":  # the SSD's step kernel, and the block and gated norms' forward kernels
-        names = [name for name, _ in cutile_launches(jaxpr)]
-        assert [n for n in names if n != "rms_norm_fwd_kernel"] == ["state_update_kernel"]
-        # The norm and step kernels read their bf16 scales, dt_bias and D as they are (no conversion before
-        # each launch); of the per-head parameters only A_log is converted, for A = -exp(A_log) in float32.
-        mixer = model.layers.mixer
-        scale_shapes = {(CONFIG.d_model,), (mixer.d_ssm,)}
-        assert weight_conversions(jaxpr, model, scale_shapes) == []
-        assert len(weight_conversions(jaxpr, model, {(mixer.nheads,)})) == 1
+    if backend == "cutile":  # three fused launches per layer, one for the final norm and the head
+        launches = cutile_launches(jaxpr)
+        assert [name for name, _ in launches] == (
+            ["norm_project_kernel", "mixer_step_kernel", "norm_project_kernel"] * CONFIG.n_layer
+            + ["norm_project_kernel"])
+        assert all(loops == () for _, loops in launches)  # the layers unrolled on their stacked parameters
+        # The kernels read the bf16 scales, conv weights, A_log, dt_bias and D as they are, stacked: nothing of
+        # any parameter is converted, sliced out of its stack or copied before a launch.
+        params = jax.tree.leaves(nnx.state(model, nnx.Param))
+        shapes = {tuple(p.shape) for p in params} | {tuple(p.shape[1:]) for p in params}
+        assert weight_conversions(jaxpr, model, shapes) == []
+        sliced = [eqn for eqn, _ in walk(jaxpr) if eqn.primitive.name in ("slice", "dynamic_slice", "gather")
+                  and tuple(eqn.invars[0].aval.shape) in shapes]
+        assert [eqn.invars[0].aval.shape for eqn in sliced] == [model.embedding.embedding.shape]  # the lookup
 
 
 def test_float32_parameters_under_bf16_compute_convert_once_with_cast_params():
@@ -99,22 +104,24 @@ def test_load_pretrained_in_bf16_decodes_without_weight_conversions(tmp_path):
         np.asarray(model.layers.mixer.in_proj.kernel[...].astype(jnp.bfloat16), np.float32))
 
 
-def test_generate_prefills_with_the_cutile_forward_kernels_and_decodes_with_the_step_kernel():
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_generate_prefills_with_the_cutile_forward_kernels_and_decodes_with_the_fused_step(scan_layers):
     with _traced_for("cutile"):
-        model = _model("cutile", param_dtype=jnp.bfloat16)
+        model = _model("cutile", param_dtype=jnp.bfloat16, scan_layers=scan_layers)
         jaxpr = jax.make_jaxpr(lambda prompt: generate(model, prompt, NEW_TOKENS))(_prompt())
-    layers, decode = ("scan", CONFIG.n_layer), ("scan", NEW_TOKENS - 1)
+    decode = ("scan", NEW_TOKENS - 1)
     launches = cutile_launches(jaxpr)
-    prefill = [name for name, loops in launches if loops == (layers,)]
-    steps = [name for name, loops in launches if loops == (decode, layers)]
-    # In the scan over layers, once for the whole prompt: the norms, the conv of [x, B, C] (one launch), and one
-    # launch per stage of the SSD's forward plan; per token: the norms and the SSD's step kernel; no backward
-    # kernel.
-    assert prefill == ["rms_norm_fwd_kernel", "causal_conv1d_fwd_kernel",
-                       "chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel", "chunk_scan_fwd_kernel",
-                       "rms_norm_fwd_kernel"]
-    assert steps == ["rms_norm_fwd_kernel", "state_update_kernel", "rms_norm_fwd_kernel"]
-    assert all("fwd" in name or name == "state_update_kernel" for name, _ in launches)
+    prefill = [name for name, loops in launches if decode not in loops]
+    steps = [name for name, loops in launches if loops == (decode,)]
+    # Once for the whole prompt (in the scan over layers, or once per layer unrolled): the norms, the conv of
+    # [x, B, C] (one launch), and one launch per stage of the SSD's forward plan; per token, with no loop over
+    # the layers: three fused launches per layer and one for the head; no backward kernel.
+    assert prefill == (["rms_norm_fwd_kernel", "causal_conv1d_fwd_kernel", "chunk_cumsum_fwd_kernel",
+                        "chunk_state_fwd_kernel", "chunk_scan_fwd_kernel", "rms_norm_fwd_kernel"]
+                       * (1 if scan_layers else CONFIG.n_layer) + ["rms_norm_fwd_kernel"])
+    assert steps == (["norm_project_kernel", "mixer_step_kernel", "norm_project_kernel"] * CONFIG.n_layer
+                     + ["norm_project_kernel"])
+    assert len(steps) + len(prefill) == len(launches)
     assert ("scan", PROMPT_LEN) not in loop_lengths(jaxpr)
 
 

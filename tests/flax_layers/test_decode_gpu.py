@@ -1,5 +1,5 @@
 """Decoding on the cuTile backend in the parameters' dtype (run on the H200; skipped elsewhere): the compiled
-token step converts no weight matrix, generate launches only the forward kernels and the step kernel, and
+token step converts no weight matrix, generate launches only the forward kernels and the fused step's, and
 greedy tokens are the uncached forward's argmax."""
 import re
 
@@ -48,14 +48,14 @@ def test_compiled_step_of_a_cast_model_converts_no_weight():
     assert hlo_weight_conversions(_compiled_step_hlo(cast), cast) == []
 
 
-def test_compiled_generate_launches_the_forward_kernels_and_the_step_kernel_only():
+def test_compiled_generate_launches_the_forward_kernels_and_the_fused_step_only():
     model = _model(param_dtype=jnp.bfloat16)
     hlo = jax.jit(lambda prompt: generate(model, prompt, 8)).lower(_prompt(0, 200)).compile().as_text()
     launches = [line for line in hlo.splitlines() if 'custom_call_target="cutile_launch"' in line]
     kernels = [re.search(r'function_name\s*=\s*\\?"([^"\\]+)', line).group(1) for line in launches]
-    steps = [k for k in kernels if k.startswith("state_update_kernel")]
-    forward = [k for k in kernels if not k.startswith("state_update_kernel")]
-    assert steps, kernels  # the decode loop
+    steps = [k for k in kernels if k.startswith(("norm_project_kernel", "mixer_step_kernel"))]
+    forward = [k for k in kernels if k not in steps]
+    assert len(steps) == 3 * CONFIG.n_layer + 1, kernels  # the decode loop: three per layer and the head
     assert forward and all("fwd" in k for k in forward), kernels  # the prompt: forward kernels, no backward
 
 

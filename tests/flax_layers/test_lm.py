@@ -1,5 +1,6 @@
 """Tests of Mamba2Block, Mamba2LMHeadModel and generate (jax_mamba2/flax_layers/lm.py)."""
 import contextlib
+import dataclasses
 import io
 import math
 
@@ -279,12 +280,13 @@ def test_unrolled_layers_remat_decode_and_generate_like_the_layer_scan(tiny_conf
     assert (generate(unrolled, ids[:1, :4], 6) == generate(scanned, ids[:1, :4], 6)).all()
 
 
-def test_unrolled_generate_carries_one_cache_per_layer_through_the_decode_loop(tiny_config):
-    """scan_layers=False: generate's decode loop carries each layer's state as its own array, so no token
-    step stacks (copies) the whole decode state; the layer scan carries the stacked cache."""
+def test_generate_carries_the_decode_state_without_stacking_it_per_token(tiny_config):
+    """generate's decode loop never stacks (copies) the whole SSM state at a token: the fused step (one device,
+    no MLP branch) carries the stacked state and updates each layer's entry in place, scanned or unrolled; the
+    composed step of unrolled layers (here: a model with an MLP branch) carries each layer's state as its own
+    array; the composed layer scan carries the stack."""
     ids = _token_ids(tiny_config, seed=4)[:2, :4]
-    scanned, unrolled = (_model(tiny_config, scan_layers=flag) for flag in (True, False))
-    ssm_shape = scanned.layers.mixer.init_cache(2).ssm_state.shape
+    mlp_config = dataclasses.replace(tiny_config, ssm_cfg={**tiny_config.ssm_cfg, "d_ssm": tiny_config.d_model})
 
     def decode_loop_carry_shapes(model):  # the avals carried by generate's outer scan (the decode loop)
         graphdef, state = nnx.split(model)
@@ -296,7 +298,12 @@ def test_unrolled_generate_carries_one_cache_per_layer_through_the_decode_loop(t
         assert len(shapes) == 1
         return shapes[0]
 
-    assert decode_loop_carry_shapes(scanned).count((tiny_config.n_layer, *ssm_shape)) == 1
-    unrolled_carry = decode_loop_carry_shapes(unrolled)
-    assert unrolled_carry.count(ssm_shape) == tiny_config.n_layer
-    assert (tiny_config.n_layer, *ssm_shape) not in unrolled_carry
+    for config, scan_layers, fused in ((tiny_config, True, True), (tiny_config, False, True),
+                                       (mlp_config, True, False), (mlp_config, False, False)):
+        model = _model(config, scan_layers=scan_layers)
+        assert model.layers.mixer.decodes_fused == fused
+        ssm_shape = model.layers.mixer.init_cache(2).ssm_state.shape
+        carry = decode_loop_carry_shapes(model)
+        per_layer = not scan_layers and not fused
+        assert carry.count(ssm_shape) == (config.n_layer if per_layer else 0), (scan_layers, fused)
+        assert carry.count((config.n_layer, *ssm_shape)) == (0 if per_layer else 1), (scan_layers, fused)

@@ -1,4 +1,5 @@
-"""`project`: the layers' dense projection equals the plain product, and one row stays a matrix product."""
+"""`project`: the layers' (and the decode ops' xla path's) dense projection equals the plain product, and one
+row stays a matrix product."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +7,7 @@ import pytest
 from flax import nnx
 
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel
-from jax_mamba2.flax_layers.projection import MIN_MATMUL_ROWS, project
+from jax_mamba2.projection import MIN_MATMUL_ROWS, project
 from tests.flax_layers._programs import walk
 
 
@@ -41,5 +42,5 @@ def test_a_batch_one_decode_step_runs_the_mixer_projections_as_matrix_products()
     mixer = model.layers.mixer
     weights = {tuple(mixer.in_proj.kernel.shape[1:]), tuple(mixer.out_proj.kernel.shape[1:])}  # per layer
     rows = _lhs_rows_of_products(jaxpr, weights)
-    assert len(rows) == 2  # in_proj and out_proj in the layer scan's body
+    assert len(rows) == 2 * config.n_layer  # in_proj and out_proj of each layer (the fused step unrolls them)
     assert min(rows) >= MIN_MATMUL_ROWS

@@ -1,0 +1,234 @@
+"""The decode step's fused kernels (`jax_mamba2.decode`) at an LM's shapes, against their bandwidth floor; a sweep of
+the projection kernel's tiles and hints.
+
+Cases, for the LM of --d-model (24 layers, d_state 128, headdim 64, expand 2, vocab 50280):
+  in_proj   norm_project: the block's residual add + RMSNorm, then x @ in_proj (d_model x d_in_proj)
+  out_proj  norm_project: the gated RMSNorm (gate read from in_proj's output), then y @ out_proj (d_inner x d_model)
+  head      norm_project: the final add + RMSNorm, then x @ embedding^T (the tied LM head, one layer)
+  mixer     mixer_step: the conv step + SSD state update of one layer (state in the parameters' dtype)
+Parameters (--param-dtypes) bfloat16 or float32; activations bfloat16; rows = --batches.
+
+Timing: one jitted program launches the kernel once for each of the 24 layers of the stacked parameters (the head
+24 times), as a decode step does, so each launch reads weights no other launch of the round left in L2; the time
+per launch is the program's pipelined time (benchmarks/ssd.py `time_jax`) over 24. Floor: the bytes the launch
+must move (its layer's weights, the state read and written, the rows) at 4.8 TB/s. --sweep also times every
+projection config of `sweep_configs` (the default's record has "default": true).
+
+Run on the GPU machine:
+  source .gpu/gpu-env.sh
+  python benchmarks/decode_kernels.py --sweep --out $OUT
+Writes <out>/decode_kernels_<gpu>.json (records of an earlier run in the same file are kept unless remeasured)
+and prints one line per record.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+if __package__ in (None, ""):  # run as a script: benchmarks/ is sys.path[0], the repo root may not be
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.environment import environment, gpu_slug  # noqa: E402
+from benchmarks.ssd import PEAK_HBM_TBPS, time_jax  # noqa: E402
+from jax_mamba2 import decode  # noqa: E402
+
+LAYERS = 24
+VOCAB = 50280
+CASES = ("in_proj", "out_proj", "head", "mixer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    d_model: int
+    d_state: int = 128
+    headdim: int = 64
+
+    @property
+    def d_inner(self) -> int:
+        return 2 * self.d_model
+
+    @property
+    def nheads(self) -> int:
+        return self.d_inner // self.headdim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.d_state
+
+    @property
+    def d_in_proj(self) -> int:
+        return 2 * self.d_inner + 2 * self.d_state + self.nheads
+
+
+def sweep_configs():
+    """The projection tiles and hints the sweep times."""
+    from jax_mamba2.kernels.decode_projection import ProjectionConfig
+    return [ProjectionConfig(BLOCK_N=n, BLOCK_K=k, LATENCY=lat)
+            for n, k, lat in itertools.product((16, 32, 64, 128), (64, 128, 256), (0, 4))
+            if not (n == 16 and k > 64)]  # 16 columns with a longer K step spill (test_decode_compile)
+
+
+def _arrays(case: str, s: Shapes, rows: int, param_dtype, key):
+    """The case's inputs: (fn(layer, **arrays) -> outputs, arrays, floor bytes per launch)."""
+    keys = iter(jax.random.split(key, 12))
+
+    def normal(shape, dtype, scale=1.0):
+        return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+    bf16, itemsize = jnp.bfloat16, jnp.dtype(param_dtype).itemsize
+    if case == "in_proj":
+        arrays = dict(x=normal((rows, s.d_model), bf16), residual=normal((rows, s.d_model), jnp.float32),
+                      weight=normal((LAYERS, s.d_model, s.d_in_proj), param_dtype, s.d_model ** -0.5),
+                      norm_weight=normal((LAYERS, s.d_model), param_dtype, 0.1) + 1)
+        floor = s.d_model * s.d_in_proj * itemsize + rows * (s.d_model * 10 + s.d_in_proj * 2)
+        return (lambda layer, x, residual, weight, norm_weight: decode.norm_project(
+            x, weight, norm_weight=norm_weight, residual=residual, residual_dtype=jnp.float32, layer=layer,
+            dtype=bf16)), arrays, floor
+    if case == "out_proj":
+        arrays = dict(y=normal((rows, s.d_inner), bf16), z=normal((rows, s.d_in_proj), bf16),
+                      weight=normal((LAYERS, s.d_inner, s.d_model), param_dtype, s.d_inner ** -0.5),
+                      norm_weight=normal((LAYERS, s.d_inner), param_dtype, 0.1) + 1)
+        floor = s.d_inner * s.d_model * itemsize + rows * (s.d_inner * 4 + s.d_model * 2)
+        return (lambda layer, y, z, weight, norm_weight: decode.norm_project(
+            y, weight, norm_weight=norm_weight, z=z, layer=layer, dtype=bf16)), arrays, floor
+    if case == "head":
+        arrays = dict(x=normal((rows, s.d_model), bf16), residual=normal((rows, s.d_model), jnp.float32),
+                      embedding=normal((VOCAB, s.d_model), param_dtype, 0.02),
+                      norm_weight=normal((s.d_model,), param_dtype, 0.1) + 1)
+        floor = VOCAB * s.d_model * itemsize + rows * (s.d_model * 6 + VOCAB * 2)
+        return (lambda layer, x, residual, embedding, norm_weight: decode.norm_project(
+            x, embedding, norm_weight=norm_weight, residual=residual, residual_dtype=jnp.float32,
+            transpose_weight=True, dtype=bf16)[0]), arrays, floor
+    conv_shape = (LAYERS, rows, s.conv_dim, 4)
+    state_shape = (LAYERS, rows, s.nheads, s.headdim, s.d_state)
+    arrays = dict(zxbcdt=normal((rows, s.d_in_proj), bf16), conv_state=normal(conv_shape, param_dtype),
+                  ssm_state=normal(state_shape, param_dtype), conv_weight=normal((LAYERS, 4, s.conv_dim), param_dtype),
+                  conv_bias=normal((LAYERS, s.conv_dim), param_dtype),
+                  A_log=normal((LAYERS, s.nheads), param_dtype), dt_bias=normal((LAYERS, s.nheads), param_dtype) - 3,
+                  D=normal((LAYERS, s.nheads), param_dtype))
+    state_bytes = rows * s.nheads * s.headdim * s.d_state * itemsize
+    floor = 2 * state_bytes + rows * (s.conv_dim * (2 + 8 * itemsize) + s.d_inner * 2)
+    return (lambda layer, zxbcdt, conv_state, ssm_state, **params: decode.mixer_step(
+        zxbcdt, conv_state, ssm_state, params["conv_weight"], params["conv_bias"], params["A_log"],
+        params["dt_bias"], params["D"], nheads=s.nheads, headdim=s.headdim, ngroups=1, dstate=s.d_state,
+        xbc_offset=s.d_inner, dt_offset=s.d_inner + s.conv_dim, layer=layer)), arrays, floor
+
+
+def _program(fn, case: str):
+    """call(arrays) -> outputs: one jitted program launching fn for each of the LAYERS layers; the mixer threads
+    its SSM state stack through the launches and the calls (donated, so that it is updated in place)."""
+    if case != "mixer":
+        run = jax.jit(lambda arrays: [fn(layer, **arrays) for layer in range(LAYERS)])
+        return run
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def run_mixer(arrays, ssm_state):
+        outs = []
+        for layer in range(LAYERS):
+            y, ssm_state, conv_state = fn(layer, ssm_state=ssm_state, **arrays)
+            outs.append((y, conv_state))
+        return outs, ssm_state
+
+    held = {}
+
+    def call(arrays):
+        state = held.pop("ssm_state", arrays["ssm_state"])
+        outs, held["ssm_state"] = run_mixer({k: v for k, v in arrays.items() if k != "ssm_state"}, state)
+        return outs
+    return call
+
+
+def measure(case: str, s: Shapes, rows: int, param_dtype, config=None, budget_s: float = 0.5) -> dict:
+    """One record: microseconds per launch, the floor and the achieved bandwidth."""
+    from jax_mamba2.bridge import decode_ops, ffi
+    from jax_mamba2.kernels import decode_projection
+
+    fn, arrays, floor_bytes = _arrays(case, s, rows, param_dtype, jax.random.key(0))
+    record = dict(case=case, d_model=s.d_model, rows=rows, param_dtype=jnp.dtype(param_dtype).name,
+                  config=None if config is None else dataclasses.asdict(config),
+                  default=config is None, floor_us=floor_bytes / (PEAK_HBM_TBPS * 1e12) * 1e6)
+    if config is not None:
+        kernels = decode_ops.make_kernels(ffi.run_plan, projection_config=lambda dims, c=config: c)
+        original = decode_ops.KERNELS["cutile"]
+        decode_ops.KERNELS["cutile"] = kernels
+    try:
+        run = _program(fn, case)
+        timing, _ = time_jax(lambda: run(arrays), budget_s, warmup_s=0.5)
+    finally:
+        if config is not None:
+            decode_ops.KERNELS["cutile"] = original
+    us = timing.ms_pipelined * 1e3 / LAYERS
+    record.update(us_per_launch=us, gbps=floor_bytes / (us * 1e-6) / 1e9, timing=timing._asdict())
+    if config is None and case != "mixer":
+        record["config"] = dataclasses.asdict(decode_projection.projection_default_config(
+            _projection_dims(case, s, rows, param_dtype)))
+    return record
+
+
+def _projection_dims(case, s, rows, param_dtype):
+    from jax_mamba2.kernels.decode_projection import ProjectionDims
+    name = jnp.dtype(param_dtype).name
+    if case == "in_proj":
+        return ProjectionDims(rows=rows, features=s.d_model, out_features=s.d_in_proj, layers=LAYERS, has_norm=True,
+                              has_residual=True, write_residual=True, residual_dtype="float32",
+                              residual_in_dtype="float32", weight_dtype=name, norm_weight_dtype=name)
+    if case == "out_proj":
+        return ProjectionDims(rows=rows, features=s.d_inner, out_features=s.d_model, layers=LAYERS, has_norm=True,
+                              z_width=s.d_in_proj, weight_dtype=name, norm_weight_dtype=name)
+    return ProjectionDims(rows=rows, features=s.d_model, out_features=VOCAB, has_norm=True, has_residual=True,
+                          write_residual=True, residual_dtype="float32", residual_in_dtype="float32",
+                          transpose_weight=True, weight_dtype=name, norm_weight_dtype=name)
+
+
+def _key(record):
+    return (record["case"], record["d_model"], record["rows"], record["param_dtype"],
+            json.dumps(record["config"], sort_keys=True), record["default"])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 64])
+    parser.add_argument("--param-dtypes", nargs="+", choices=("bfloat16", "float32"), default=["bfloat16"])
+    parser.add_argument("--sweep", action="store_true", help="also every projection config of sweep_configs")
+    parser.add_argument("--sweep-cases", nargs="+", choices=CASES[:3], default=["in_proj", "out_proj"])
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+
+    shapes = Shapes(args.d_model)
+    records = []
+    for case, rows, dtype in itertools.product(args.cases, args.batches, args.param_dtypes):
+        configs = [None] + (sweep_configs() if args.sweep and case in args.sweep_cases else [])
+        for config in configs:
+            try:
+                record = measure(case, shapes, rows, jnp.dtype(dtype), config)
+            except Exception as e:  # a config that does not compile or run: recorded, not fatal
+                record = dict(case=case, d_model=shapes.d_model, rows=rows, param_dtype=dtype, default=config is None,
+                              config=None if config is None else dataclasses.asdict(config), error=repr(e)[:500])
+            record["environment_commit"] = os.environ.get("JAX_MAMBA2_GIT_SHA", "unknown")
+            records.append(record)
+            print(json.dumps({k: record.get(k) for k in ("case", "rows", "param_dtype", "config", "us_per_launch",
+                                                          "floor_us", "gbps", "error")}), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"decode_kernels_{gpu_slug(environment().get('gpu', 'gpu'))}.json"
+    old = json.loads(path.read_text())["records"] if path.exists() else []
+    fresh = {_key(r) for r in records}
+    merged = [r for r in old if _key(r) not in fresh] + records
+    path.write_text(json.dumps({"benchmark": "decode_kernels", "environment": environment(), "records": merged},
+                               indent=1, default=str) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The decode step's fused ops (`jax_mamba2.decode`) on the cuTile kernels (kernels/decode_projection.py,
+decode_mixer.py), for any plan executor.
+
+Adds what raw kernel calls lack: vmap rules (a mapped axis of the rows folds into the projection's rows; the mixer
+step, whose state stacks carry the rows on their second axis, runs mapped items one launch each) and outputs that
+keep shard_map's varying axes. `jax_mamba2.decode` calls `KERNELS[backend]` with the per-layer arrays as stacks
+(leading (L,) axis) and the layer as a (1,) int32 array; the arrays go to the kernels in their own dtypes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_mamba2.bridge import _compat, callback, ffi
+from jax_mamba2.bridge.batching import broadcast_unbatched, fold, unfold
+from jax_mamba2.bridge.problem import gpu_unavailable_reason
+from jax_mamba2.kernels import decode_mixer, decode_projection
+from jax_mamba2.kernels._common import KERNEL_DTYPES
+from jax_mamba2.kernels.decode_mixer import MixerStepDims
+from jax_mamba2.kernels.decode_projection import ProjectionDims
+
+RunPlan = Callable[..., dict]
+# The kernels' tile and hint choices for a problem (the defaults: the kernel modules' *_default_config).
+ChooseProjectionConfig = Callable[[ProjectionDims], decode_projection.ProjectionConfig]
+ChooseMixerConfig = Callable[[MixerStepDims], decode_mixer.MixerStepConfig]
+
+
+def _name(dtype) -> str:
+    return jnp.dtype(dtype).name
+
+
+def _dtypes_unsupported_reason(dtypes: dict) -> Optional[str]:
+    for name, dtype in dtypes.items():
+        if dtype is not None and dtype not in KERNEL_DTYPES:
+            return f"{name} is {dtype}; the kernels take bfloat16, float16 or float32: use backend='xla' or cast"
+    return None
+
+
+def projection_unsupported_reason(dims: ProjectionDims) -> Optional[str]:
+    """Why the projection kernel cannot run this call here (None when it can)."""
+    reason = _dtypes_unsupported_reason({
+        "x": dims.dtype, "dtype": dims.out_dtype, "weight": dims.weight_dtype,
+        "norm_weight": dims.norm_weight_dtype if dims.has_norm else None, "z": dims.z_dtype if dims.has_z else None,
+        "residual": dims.residual_in_dtype, "residual_dtype": dims.residual_dtype})
+    return reason or decode_projection.projection_unsupported_reason(dims) or gpu_unavailable_reason()
+
+
+def mixer_unsupported_reason(dims: MixerStepDims) -> Optional[str]:
+    """Why the mixer step kernel cannot run this call here (None when it can)."""
+    reason = _dtypes_unsupported_reason({
+        "zxbcdt": dims.dtype, "conv_state": dims.conv_state_dtype, "ssm_state": dims.ssm_state_dtype,
+        "conv_weight": dims.conv_weight_dtype, "A_log": dims.A_log_dtype, "dt_bias": dims.dt_bias_dtype,
+        "D": dims.D_dtype})
+    return reason or decode_mixer.mixer_step_unsupported_reason(dims) or gpu_unavailable_reason()
+
+
+def _dummy(shape, dtype):
+    return jnp.zeros(shape, dtype)
+
+
+def _projection_once(run_plan: RunPlan, config: ChooseProjectionConfig, dims: ProjectionDims, layer_index, x,
+                     residual, z, norm_weight, weight, bias):
+    specs = decode_projection.norm_project_inputs(dims)
+    arrays = dict(layer_index=layer_index, x=x, residual=residual, z=z, norm_weight=norm_weight, weight=weight,
+                  bias=bias)
+    arrays = {name: _dummy(specs[name].shape, specs[name].dtype) if a is None else a for name, a in arrays.items()}
+    out = run_plan(decode_projection.norm_project_plan(dims, config(dims)), arrays)
+    outputs = (out["out"], out["residual_out"] if dims.write_residual else None)
+    return _compat.match_varying_axes(outputs, (x, residual, z, weight))
+
+
+@functools.cache
+def _batchable_projection(run_plan: RunPlan, config: ChooseProjectionConfig, dims: ProjectionDims):
+    @jax.custom_batching.custom_vmap
+    def project(layer_index, x, residual, z, norm_weight, weight, bias):
+        return _projection_once(run_plan, config, dims, layer_index, x, residual, z, norm_weight, weight, bias)
+
+    @project.def_vmap
+    def project_vmap(axis_size, in_batched, layer_index, x, residual, z, norm_weight, weight, bias):
+        args = (layer_index, x, residual, z, norm_weight, weight, bias)
+        out_batched = (True, True if dims.write_residual else None)
+        if any(in_batched[i] for i in (0, 4, 5, 6)):  # a layer or weights per item: one launch each
+            present = [i for i, a in enumerate(args) if a is not None]
+            mapped = broadcast_unbatched([args[i] for i in present], [in_batched[i] for i in present], axis_size)
+
+            def one(items):
+                full = list(args)
+                for i, a in zip(present, items):
+                    full[i] = a
+                return project(*full)
+            return jax.lax.map(one, mapped), out_batched
+        rows = [None if a is None else fold(a, b, axis_size) for a, b in zip(args[1:4], in_batched[1:4])]
+        outputs = _batchable_projection(run_plan, config, dataclasses.replace(dims, rows=axis_size * dims.rows))(
+            layer_index, *rows, norm_weight, weight, bias)
+        return tuple(None if o is None else unfold(o, axis_size) for o in outputs), out_batched
+
+    return project
+
+
+def _mixer_once(run_plan: RunPlan, config: ChooseMixerConfig, dims: MixerStepDims, layer_index, zxbcdt, conv_state,
+                conv_weight, conv_bias, A_log, dt_bias, D, ssm_state):
+    arrays = dict(layer_index=layer_index, zxbcdt=zxbcdt, conv_state=conv_state, conv_weight=conv_weight,
+                  conv_bias=_dummy((1, 1), conv_weight.dtype) if conv_bias is None else conv_bias, A_log=A_log,
+                  dt_bias=dt_bias, D=D, ssm_state=ssm_state)
+    out = run_plan(decode_mixer.mixer_step_plan(dims, config(dims)), arrays)
+    outputs = (out["y"], out["ssm_state"], out["new_conv_state"])
+    return _compat.match_varying_axes(outputs, (zxbcdt, conv_state, ssm_state))
+
+
+@functools.cache
+def _batchable_mixer(run_plan: RunPlan, config: ChooseMixerConfig, dims: MixerStepDims):
+    @jax.custom_batching.custom_vmap
+    def step(layer_index, zxbcdt, conv_state, conv_weight, conv_bias, A_log, dt_bias, D, ssm_state):
+        return _mixer_once(run_plan, config, dims, layer_index, zxbcdt, conv_state, conv_weight, conv_bias, A_log,
+                           dt_bias, D, ssm_state)
+
+    @step.def_vmap
+    def step_vmap(axis_size, in_batched, *args):
+        # The state stacks hold the rows on their second axis: mapped items run one launch each rather than
+        # moving the whole stacks to fold them in.
+        present = [i for i, a in enumerate(args) if a is not None]
+        mapped = broadcast_unbatched([args[i] for i in present], [in_batched[i] for i in present], axis_size)
+
+        def one(items):
+            full = list(args)
+            for i, a in zip(present, items):
+                full[i] = a
+            return step(*full)
+        return jax.lax.map(one, mapped), (True, True, True)
+
+    return step
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeKernels:
+    """The kernel path of the decode ops for one plan executor.
+
+    project(dims, layer_index, x, residual, z, norm_weight, weight, bias) -> (out, residual_out or None), with
+    the per-layer arrays as stacks (norm_weight (L, NGROUPS, GROUP_SIZE)) and None for absent ones;
+    mixer_step(dims, layer_index, zxbcdt, conv_state, conv_weight, conv_bias, A_log, dt_bias, D, ssm_state) ->
+    (y (M, H, P), the ssm_state stack updated, the layer's new conv state (M, CONV_DIM, D_CONV)).
+    """
+
+    project: Callable
+    mixer_step: Callable
+
+
+def make_kernels(run_plan: RunPlan,
+                 projection_config: ChooseProjectionConfig = decode_projection.projection_default_config,
+                 mixer_config: ChooseMixerConfig = decode_mixer.mixer_step_default_config) -> DecodeKernels:
+    """The decode ops' kernel path with every plan run by `run_plan` (ffi.run_plan, callback.run_plan, ...) in the
+    tiles and hints the config functions choose (benchmarks/decode_kernels.py passes its sweep's). Keep one
+    function object per choice: the traced kernels are cached per (run_plan, config, dims)."""
+    def project(dims, *arrays):
+        return _batchable_projection(run_plan, projection_config, dims)(*arrays)
+
+    def mixer_step(dims, *arrays):
+        return _batchable_mixer(run_plan, mixer_config, dims)(*arrays)
+
+    return DecodeKernels(project, mixer_step)
+
+
+KERNELS = {"cutile": make_kernels(ffi.run_plan), "cutile_callback": make_kernels(callback.run_plan)}
+
+
+def projection_dims(x, residual, z, norm_weight, weight, bias, *, group_size: int, norm_before_gate: bool,
+                    eps: float, z_offset: int, transpose_weight: bool, residual_dtype, dtype) -> ProjectionDims:
+    """The projection kernel's problem for `jax_mamba2.decode.norm_project`'s arrays (per-layer ones stacked,
+    norm_weight (L, ngroups, group_size)) and options."""
+    layers = weight.shape[0]
+    features = x.shape[1]
+    return ProjectionDims(
+        rows=x.shape[0], features=features, out_features=weight.shape[1] if transpose_weight else weight.shape[2],
+        layers=layers, ngroups=features // group_size, group_size=group_size, has_norm=norm_weight is not None,
+        has_residual=residual is not None, write_residual=residual_dtype is not None,
+        z_width=0 if z is None else z.shape[1], z_offset=z_offset, norm_before_gate=norm_before_gate,
+        transpose_weight=transpose_weight, has_bias=bias is not None, eps=eps, dtype=_name(x.dtype),
+        out_dtype=_name(dtype), weight_dtype=_name(weight.dtype),
+        norm_weight_dtype=_name(weight.dtype if norm_weight is None else norm_weight.dtype),
+        z_dtype=_name(x.dtype if z is None else z.dtype),
+        residual_dtype=None if residual_dtype is None else _name(residual_dtype),
+        residual_in_dtype=None if residual is None else _name(residual.dtype))
+
+
+def mixer_dims(zxbcdt, conv_state, conv_weight, conv_bias, A_log, dt_bias, D, ssm_state, *, nheads: int,
+               headdim: int, ngroups: int, dstate: int, xbc_offset: int, dt_offset: int, z_offset, dt_limit
+               ) -> MixerStepDims:
+    """The mixer step kernel's problem for `jax_mamba2.decode.mixer_step`'s arrays (stacked) and options."""
+    return MixerStepDims(
+        rows=zxbcdt.shape[0], nheads=nheads, headdim=headdim, ngroups=ngroups, dstate=dstate,
+        in_width=zxbcdt.shape[1], xbc_offset=xbc_offset, dt_offset=dt_offset, layers=conv_state.shape[0],
+        d_conv=conv_state.shape[-1], z_offset=z_offset, d_per_channel=D.ndim == 3,
+        has_conv_bias=conv_bias is not None, dt_softplus=True, dt_limit=tuple(dt_limit), dtype=_name(zxbcdt.dtype),
+        conv_state_dtype=_name(conv_state.dtype), ssm_state_dtype=_name(ssm_state.dtype),
+        conv_weight_dtype=_name(conv_weight.dtype), A_log_dtype=_name(A_log.dtype),
+        dt_bias_dtype=_name(dt_bias.dtype), D_dtype=_name(D.dtype))
+
+
+def unsupported_reason(dims) -> Optional[str]:
+    """Why the kernels cannot run a decode op's call (its ProjectionDims or MixerStepDims) here."""
+    if isinstance(dims, ProjectionDims):
+        return projection_unsupported_reason(dims)
+    return mixer_unsupported_reason(dims)

@@ -1,0 +1,387 @@
+"""The fused ops of a decode step: input checks, backend dispatch and their VJP.
+
+  norm_project   a few rows, optionally added to the residual stream and RMS-normalized (grouped, gated), times
+                 a weight matrix: a block's add + norm + in_proj, the mixer's gated norm + out_proj, the final
+                 norm + LM head. One kernel launch each.
+  mixer_step     one token of the mixer between its projections: the conv step + SiLU on in_proj's xBC columns,
+                 the SSD state update with D and, for a mixer without the gated norm, the gate. One launch.
+
+With these a decode step runs three kernels per layer (`Mamba2LMHeadModel.step`). Per-layer arrays may be stacks
+of every layer (a leading (L,) axis: the LM's parameters and its cache) with `layer` naming the one to use: the
+kernels then read that layer where it lies in the stack, and write the layer's SSM state in place, so that a step
+over the layers slices nothing out of the stacks and copies no weight.
+
+Semantics are those of `jax_mamba2.decode_reference`, which is the "xla" backend. Backends are the "decode"
+entries of the registry in `jax_mamba2.backends`: "xla" (registered here), "cutile" (the kernels in
+kernels/decode_projection.py and decode_mixer.py as XLA FFI custom calls) and "cutile_callback" (the same kernels
+in a buffer callback), registered by the bridge; "auto" picks cutile on a supported GPU (behind
+`lax.platform_dependent`) and xla otherwise. A kernel backend asked for by name never falls back: it raises
+saying why it cannot run. Both ops are differentiable on every backend: their VJP is the reference's (decoding
+never differentiates, and the kernels have no backward of their own).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from numbers import Integral
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_mamba2 import backends as registry
+from jax_mamba2 import decode_reference as reference
+from jax_mamba2.checks import check_array, check_flag, float_dtype
+
+OP = "decode"
+
+
+def _bridge():
+    """jax_mamba2.bridge.decode_ops: how the kernels describe a call. Called only once a kernel backend was
+    selected, whose registration imported it."""
+    from jax_mamba2.bridge import decode_ops
+    return decode_ops
+
+
+registry.register_backend(registry.LayerBackend("xla", None, registry.always_supported), op=OP)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers of stacked arrays
+# ----------------------------------------------------------------------------------------------
+
+def _check_layer(api: str, layer, layers: Optional[int]):
+    """`layer` (None, an int in [0, layers), or an integer scalar array) as a (1,) int32 array, 0 for None."""
+    if layer is None:
+        return jnp.zeros((1,), jnp.int32)
+    if isinstance(layer, (bool, np.bool_)):
+        raise TypeError(f"{api}: layer={layer!r} must be an int or an integer scalar array")
+    if isinstance(layer, Integral):
+        if not 0 <= layer < layers:
+            raise ValueError(f"{api}: layer={layer} must be in [0, {layers})")
+        return jnp.full((1,), layer, jnp.int32)
+    if not hasattr(layer, "dtype") or not jnp.issubdtype(layer.dtype, jnp.integer) or math.prod(layer.shape) != 1:
+        raise TypeError(f"{api}: layer={layer!r} must be an int or an integer scalar array")
+    return jnp.asarray(layer, jnp.int32).reshape(1)
+
+
+def _stacked(a):
+    """One layer's array as a stack of one (a leading axis of 1), or None."""
+    return None if a is None else a[None]
+
+
+def _take(stack, layer_index):
+    """stack[layer_index[0]] of a stacked array (None passes)."""
+    return None if stack is None else jax.lax.dynamic_index_in_dim(stack, layer_index[0], 0, keepdims=False)
+
+
+class _Options(dict):
+    """An op's static options (keyword -> value), hashable: the custom VJPs take them as a non-differentiable
+    argument."""
+
+    def __hash__(self):
+        return hash(tuple(sorted(self.items())))
+
+
+def _select(api: str, backend: str, dims_fn):
+    """The backends to run on (see `registry.select`); dims_fn(bridge) -> the kernels' description of the call."""
+    def unsupported(b):
+        if b.kernels is None:
+            return None
+        return b.unsupported_reason(dims_fn(_bridge()))
+    return registry.select(backend, api, unsupported, op=OP)
+
+
+# ----------------------------------------------------------------------------------------------
+# norm_project
+# ----------------------------------------------------------------------------------------------
+
+def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=None, z=None, z_offset: int = 0,
+                 group_size: Optional[int] = None, norm_before_gate: bool = False, eps: float = 1e-5, bias=None,
+                 transpose_weight: bool = False, layer=None, dtype=None, backend: str = "auto"):
+    """A decode projection: (residual add, gated grouped RMSNorm,) then the product with a weight matrix.
+
+        h   = x (+ residual), rounded to residual_dtype: the new residual stream (when residual_dtype is given)
+        a   = rms_norm(h, norm_weight, z, group_size, norm_before_gate, eps) in x.dtype (when norm_weight is given)
+        out = a @ weight (+ bias), in dtype, accumulated in float32 (float64 for float64)
+
+    Args:
+      x: (rows, K), float.
+      weight: (K, N), or (N, K) with transpose_weight (a tied embedding as the LM head); with `layer`, a stack
+        (L, K, N) / (L, N, K) of which layer `layer` is used.
+      norm_weight: optional (K,) (with layer: (L, K)): normalize first.
+      residual: optional (rows, K) added to x; needs residual_dtype.
+      residual_dtype: the residual stream's dtype: h is rounded to it and returned.
+      z: optional gate (rows, ZW): its columns [z_offset, z_offset + K) gate the norm (needs norm_weight).
+      z_offset: where the gate's columns start in z (in_proj's output holds z among other columns).
+      group_size: the norm's groups of features (default: all K); norm_before_gate, eps: as `rms_norm`.
+      bias: optional (N,) (with layer: (L, N)).
+      transpose_weight: weight is (N, K).
+      layer: None (unstacked arrays), or the layer of the stacked ones: an int or an integer scalar array.
+      dtype: the computation and output dtype (default: the result type of x and weight); the weight is rounded
+        to it (float32 products run as TF32 on the kernels).
+      backend: "auto", "cutile", "cutile_callback" or "xla".
+
+    Returns:
+      out (rows, N) in dtype, or (out, h (rows, K) in residual_dtype) when residual_dtype is given.
+
+    Raises:
+      ValueError / TypeError: on a wrong shape, dtype or option, naming the argument; ValueError when a named
+        kernel backend cannot run the call, saying why.
+    """
+    api = "norm_project"
+    check_array(api, "x", x)
+    if len(x.shape) != 2:
+        raise ValueError(f"{api}: x.shape={tuple(x.shape)} must be (rows, features)")
+    rows, features = x.shape
+    stack = () if layer is None else (None,)
+    check_array(api, "weight", weight)
+    if len(weight.shape) != 2 + len(stack):
+        raise ValueError(f"{api}: weight.shape={tuple(weight.shape)} must be "
+                         f"{'(layers, ' if stack else '('}{'out_features, features' if transpose_weight else 'features, out_features'})")
+    layers = weight.shape[0] if stack else 1
+    out_features = weight.shape[-2] if transpose_weight else weight.shape[-1]
+    if weight.shape[-1 if transpose_weight else -2] != features:
+        raise ValueError(f"{api}: weight.shape={tuple(weight.shape)} must have x's features={features} on its "
+                         f"{'last' if transpose_weight else 'input'} axis")
+    lead = (layers,) if stack else ()
+    lead_text = "(layers, " if stack else "("
+    if norm_weight is not None:
+        check_array(api, "norm_weight", norm_weight, f"{lead_text}features)", (*lead, features))
+    if residual is not None:
+        check_array(api, "residual", residual, "x.shape", x.shape)
+        if residual_dtype is None:
+            raise ValueError(f"{api}: residual needs residual_dtype (the residual stream's dtype)")
+    if residual_dtype is not None:
+        residual_dtype = float_dtype(api, "residual_dtype", residual_dtype)
+    if z is not None:
+        check_array(api, "z", z)
+        if norm_weight is None:
+            raise ValueError(f"{api}: z gates the norm and needs norm_weight")
+        if (len(z.shape) != 2 or z.shape[0] != rows or isinstance(z_offset, bool) or not isinstance(z_offset, int)
+                or z_offset < 0 or z_offset + features > z.shape[1]):
+            raise ValueError(f"{api}: z.shape={tuple(z.shape)} with z_offset={z_offset!r} must be (rows={rows}, "
+                             f">= z_offset + {features}) with an int z_offset >= 0")
+    if group_size is None:
+        group_size = features
+    elif isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size < 1 \
+            or features % group_size:
+        raise ValueError(f"{api}: group_size={group_size!r} must be a positive divisor of features={features}")
+    if bias is not None:
+        check_array(api, "bias", bias, f"{lead_text}out_features)", (*lead, out_features))
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not 0 < eps < math.inf:
+        raise ValueError(f"{api}: eps={eps!r} must be a positive finite float")
+    norm_before_gate = check_flag(api, "norm_before_gate", norm_before_gate)
+    transpose_weight = check_flag(api, "transpose_weight", transpose_weight)
+    dtype = float_dtype(api, "dtype", jnp.result_type(x, weight) if dtype is None else dtype)
+    layer_index = _check_layer(api, layer, layers)
+    if not stack:
+        weight, norm_weight, bias = _stacked(weight), _stacked(norm_weight), _stacked(bias)
+    if norm_weight is not None:
+        norm_weight = norm_weight.reshape(layers, features // group_size, group_size)
+    options = _Options(group_size=group_size, norm_before_gate=norm_before_gate, eps=float(eps), z_offset=z_offset,
+                       transpose_weight=transpose_weight, residual_dtype=residual_dtype, dtype=dtype)
+
+    def dims(bridge):
+        return bridge.projection_dims(x, residual, z, norm_weight, weight, bias, **options)
+
+    selected = _select(api, backend, dims)
+    out, residual_out = registry.run_selected(
+        selected, lambda b, *arrays: _project(b.kernels, dims, options, *arrays),
+        layer_index, x, residual, z, norm_weight, weight, bias)
+    return out if residual_dtype is None else (out, residual_out)
+
+
+def _project_reference(options, layer_index, x, residual, z, norm_weight, weight, bias):
+    """The xla path on stacked arrays: reference.norm_project on layer layer_index[0]."""
+    z_offset, features = options["z_offset"], x.shape[1]
+    norm_weight = _take(norm_weight, layer_index)
+    return reference.norm_project(
+        x, _take(weight, layer_index), norm_weight=None if norm_weight is None else norm_weight.reshape(features),
+        residual=residual, residual_dtype=options["residual_dtype"],
+        z=None if z is None else z[:, z_offset:z_offset + features], group_size=options["group_size"],
+        norm_before_gate=options["norm_before_gate"], eps=options["eps"], bias=_take(bias, layer_index),
+        transpose_weight=options["transpose_weight"], dtype=options["dtype"])
+
+
+def _project(kernels, dims_fn, options, *arrays):
+    if kernels is None:
+        return _project_reference(options, *arrays)
+    return _kernel_project(kernels, dims_fn(_bridge()), options, *arrays)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _kernel_project(kernels, dims, options, layer_index, x, residual, z, norm_weight, weight, bias):
+    return kernels.project(dims, layer_index, x, residual, z, norm_weight, weight, bias)
+
+
+def _kernel_project_fwd(kernels, dims, options, *arrays):
+    return _kernel_project(kernels, dims, options, *arrays), arrays
+
+
+def _kernel_project_bwd(kernels, dims, options, arrays, cotangents):
+    return _reference_vjp(functools.partial(_project_reference, options), arrays, cotangents)
+
+
+_kernel_project.defvjp(_kernel_project_fwd, _kernel_project_bwd)
+
+
+def _reference_vjp(fn, arrays, cotangents):
+    """The cotangents of `arrays` (None for absent ones, float0 for integer ones) through fn(*arrays)."""
+    present = [i for i, a in enumerate(arrays) if a is not None]
+
+    def call(*values):
+        full = list(arrays)
+        for i, v in zip(present, values):
+            full[i] = v
+        return fn(*full)
+
+    _, vjp = jax.vjp(call, *(arrays[i] for i in present))
+    grads = vjp(cotangents)
+    full = [None] * len(arrays)
+    for i, g in zip(present, grads):
+        full[i] = g
+    return tuple(full)
+
+
+# ----------------------------------------------------------------------------------------------
+# mixer_step
+# ----------------------------------------------------------------------------------------------
+
+def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias, D, *, nheads: int,
+               headdim: int, ngroups: int, dstate: int, xbc_offset: int, dt_offset: int,
+               z_offset: Optional[int] = None, dt_limit=(0.0, math.inf), layer=None, backend: str = "auto"):
+    """One token of a Mamba-2 mixer between in_proj and the gated norm (mamba_ssm `Mamba2.step`'s middle).
+
+    Computes `decode_reference.mixer_step`: the causal conv step + SiLU on xBC, then the SSD state update with
+    Δ = clip(softplus(dt + dt_bias), *dt_limit), A = -exp(A_log), the D skip and, with z_offset, the gate.
+
+    Args:
+      zxbcdt: (rows, in_width), in_proj's output: xBC (conv_dim = nheads * headdim + 2 * ngroups * dstate
+        columns) from xbc_offset, dt (nheads columns) from dt_offset, z (nheads * headdim) from z_offset.
+      conv_state: (rows, conv_dim, d_conv); ssm_state: (rows, nheads, headdim, dstate); with `layer`, stacks
+        (L, rows, ...) of every layer's.
+      conv_weight: (d_conv, conv_dim); conv_bias: (conv_dim,) or None; A_log, dt_bias: (nheads,); D: (nheads,) or
+        (nheads, headdim); with `layer`, stacks with a leading (L,) axis. Each in its own float dtype.
+      nheads, headdim, ngroups, dstate: the mixer's shape.
+      xbc_offset, dt_offset, z_offset: where xBC, dt and (for a gate in the step) z start in zxbcdt's columns.
+      dt_limit: (min, max) clip of the time step.
+      layer: None (unstacked arrays), or the layer of the stacked ones: an int or an integer scalar array.
+      backend: "auto", "cutile", "cutile_callback" or "xla".
+
+    Returns:
+      (y (rows, nheads * headdim) in zxbcdt's dtype, ssm_state with the layer's state advanced (the stack, with
+      `layer`; on the kernels updated in place where XLA can reuse its buffer: donate it, or carry it through a
+      loop), the layer's new conv state (rows, conv_dim, d_conv) in conv_state's dtype).
+
+    Raises:
+      ValueError / TypeError: as `norm_project`.
+    """
+    api = "mixer_step"
+    sizes = dict(nheads=nheads, headdim=headdim, ngroups=ngroups, dstate=dstate, xbc_offset=xbc_offset,
+                 dt_offset=dt_offset)
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name.endswith("offset") else 1):
+            raise ValueError(f"{api}: {name}={value!r} must be a {'non-negative' if 'offset' in name else 'positive'} int")
+    if nheads % ngroups:
+        raise ValueError(f"{api}: nheads={nheads} must be a multiple of ngroups={ngroups}")
+    d_ssm = nheads * headdim
+    conv_dim = d_ssm + 2 * ngroups * dstate
+    check_array(api, "zxbcdt", zxbcdt)
+    if len(zxbcdt.shape) != 2:
+        raise ValueError(f"{api}: zxbcdt.shape={tuple(zxbcdt.shape)} must be (rows, in_width)")
+    rows, in_width = zxbcdt.shape
+    spans = {"xBC": (xbc_offset, conv_dim), "dt": (dt_offset, nheads)}
+    if z_offset is not None:
+        if isinstance(z_offset, bool) or not isinstance(z_offset, int) or z_offset < 0:
+            raise ValueError(f"{api}: z_offset={z_offset!r} must be None or a non-negative int")
+        spans["z"] = (z_offset, d_ssm)
+    for name, (start, width) in spans.items():
+        if start + width > in_width:
+            raise ValueError(f"{api}: {name}'s columns [{start}, {start + width}) must lie inside zxbcdt's "
+                             f"in_width={in_width}")
+    stack = () if layer is None else (None,)
+    layers = 1
+    if stack:
+        check_array(api, "conv_weight", conv_weight)
+        layers = conv_weight.shape[0]
+    lead, lead_text = ((layers,), "(layers, ") if stack else ((), "(")
+    check_array(api, "conv_state", conv_state)
+    if len(conv_state.shape) != 3 + len(lead) or tuple(conv_state.shape[:-1]) != (*lead, rows, conv_dim):
+        raise ValueError(f"{api}: conv_state.shape={tuple(conv_state.shape)} must be {lead_text}rows={rows}, "
+                         f"conv_dim={conv_dim}, d_conv)")
+    d_conv = conv_state.shape[-1]
+    check_array(api, "ssm_state", ssm_state, f"{lead_text}rows, nheads, headdim, dstate)",
+                (*lead, rows, nheads, headdim, dstate))
+    check_array(api, "conv_weight", conv_weight, f"{lead_text}d_conv, conv_dim)", (*lead, d_conv, conv_dim))
+    if conv_bias is not None:
+        check_array(api, "conv_bias", conv_bias, f"{lead_text}conv_dim)", (*lead, conv_dim))
+    check_array(api, "A_log", A_log, f"{lead_text}nheads)", (*lead, nheads))
+    check_array(api, "dt_bias", dt_bias, f"{lead_text}nheads)", (*lead, nheads))
+    check_array(api, "D", D, f"{lead_text}nheads) or {lead_text}nheads, headdim)", (*lead, nheads),
+                (*lead, nheads, headdim))
+    dt_limit = _check_dt_limit(api, dt_limit)
+    layer_index = _check_layer(api, layer, layers)
+    arrays = (zxbcdt, conv_state, conv_weight, conv_bias, A_log, dt_bias, D, ssm_state)
+    if not stack:
+        arrays = tuple(a if i == 0 else _stacked(a) for i, a in enumerate(arrays))
+    options = _Options(**sizes, z_offset=z_offset, dt_limit=dt_limit)
+
+    def dims(bridge):
+        return bridge.mixer_dims(*arrays, **options)
+
+    selected = _select(api, backend, dims)
+    y, new_ssm_state, new_conv_state = registry.run_selected(
+        selected, lambda b, *a: _mixer(b.kernels, dims, options, *a), layer_index, *arrays)
+    return y, (new_ssm_state if stack else new_ssm_state[0]), new_conv_state
+
+
+def _check_dt_limit(api: str, dt_limit) -> tuple[float, float]:
+    try:
+        low, high = (float(v) for v in dt_limit)
+    except (TypeError, ValueError):
+        raise ValueError(f"{api}: dt_limit={dt_limit!r} must be a (min, max) pair of floats") from None
+    if not 0 <= low < high:
+        raise ValueError(f"{api}: dt_limit={dt_limit!r} must have 0 <= min < max")
+    return low, high
+
+
+def _mixer_reference(options, layer_index, zxbcdt, conv_state, conv_weight, conv_bias, A_log, dt_bias, D,
+                     ssm_state):
+    """The xla path on stacked arrays: reference.mixer_step on layer layer_index[0], its SSM state written
+    back into the stack."""
+    def take(a):
+        return _take(a, layer_index)
+
+    y, new_state, new_conv_state = reference.mixer_step(
+        zxbcdt, take(conv_state), take(ssm_state), take(conv_weight), take(conv_bias), take(A_log), take(dt_bias),
+        take(D), **options)
+    ssm_state = jax.lax.dynamic_update_index_in_dim(ssm_state, new_state.astype(ssm_state.dtype), layer_index[0], 0)
+    return y, ssm_state, new_conv_state
+
+
+def _mixer(kernels, dims_fn, options, *arrays):
+    if kernels is None:
+        return _mixer_reference(options, *arrays)
+    return _kernel_mixer(kernels, dims_fn(_bridge()), options, *arrays)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _kernel_mixer(kernels, dims, options, layer_index, zxbcdt, conv_state, conv_weight, conv_bias, A_log, dt_bias,
+                  D, ssm_state):
+    y, ssm_state, new_conv_state = kernels.mixer_step(dims, layer_index, zxbcdt, conv_state, conv_weight,
+                                                      conv_bias, A_log, dt_bias, D, ssm_state)
+    return y.reshape(zxbcdt.shape[0], -1), ssm_state, new_conv_state
+
+
+def _kernel_mixer_fwd(kernels, dims, options, *arrays):
+    return _kernel_mixer(kernels, dims, options, *arrays), arrays
+
+
+def _kernel_mixer_bwd(kernels, dims, options, arrays, cotangents):
+    return _reference_vjp(functools.partial(_mixer_reference, options), arrays, cotangents)
+
+
+_kernel_mixer.defvjp(_kernel_mixer_fwd, _kernel_mixer_bwd)
+

@@ -1,0 +1,88 @@
+"""Pure-JAX reference of the decode step's fused ops (`jax_mamba2.decode`): the float64-capable oracle of their
+kernels and the "xla" backend.
+
+  norm_project   an optional residual add and (gated, grouped) RMSNorm of a few rows, then their product with a
+                 weight matrix: the block norm + in_proj, the gated norm + out_proj, the final norm + LM head.
+  mixer_step     the mixer between its projections for one token: the conv step + SiLU on in_proj's xBC
+                 columns, then the SSD state update (`reference.ssd_step`) with D and, without the gated norm,
+                 the gate.
+
+Both compose the references of the ops the full forward uses (`norm_reference`, `conv1d_reference`, `reference`),
+with the roundings of the layers' composed decode step, so that a model decodes the same on every backend. They
+take one layer's arrays (no stacks) and validate nothing: `jax_mamba2.decode` does.
+"""
+import jax
+import jax.numpy as jnp
+
+from jax_mamba2 import conv1d_reference, norm_reference, reference
+from jax_mamba2.projection import project
+
+
+def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=None, z=None, group_size=None,
+                 norm_before_gate=False, eps=1e-5, bias=None, transpose_weight=False, dtype=None):
+    """(out, residual_out) of one decode projection.
+
+        h   = x (+ residual), rounded to residual_dtype (when given: the new residual stream, residual_out)
+        a   = rms_norm(h, norm_weight, z, ...) in x.dtype when norm_weight is given, else x
+        out = a.astype(dtype) @ weight.astype(dtype) (+ bias.astype(dtype)), in dtype
+
+    Args:
+      x: (rows, K).
+      weight: (K, N), or (N, K) with transpose_weight.
+      norm_weight: (K,) or None (no norm); z: optional gate (rows, K); group_size, norm_before_gate, eps: the
+        norm's (see `norm_reference.rms_norm`).
+      residual: optional (rows, K) added to x; residual_dtype: the residual stream's dtype (None: no residual
+        stream, residual_out is None).
+      bias: optional (N,).
+      dtype: the computation dtype (default: the result type of x and weight).
+
+    Returns:
+      (out (rows, N) in dtype, residual_out (rows, K) in residual_dtype or None).
+    """
+    dtype = dtype or jnp.result_type(x, weight)
+    residual_out = None
+    a = x
+    if residual_dtype is not None:
+        compute = jnp.promote_types(jnp.float32, x.dtype if residual is None else jnp.result_type(x, residual))
+        h = x.astype(compute) if residual is None else x.astype(compute) + residual.astype(compute)
+        residual_out = h.astype(residual_dtype)
+        a = residual_out
+    if norm_weight is not None:
+        a = norm_reference.rms_norm(a, norm_weight, z, eps=eps, group_size=group_size,
+                                    norm_before_gate=norm_before_gate).astype(x.dtype)
+    out = project(a.astype(dtype), (weight.T if transpose_weight else weight).astype(dtype))
+    if bias is not None:
+        out = out + bias.astype(dtype)
+    return out, residual_out
+
+
+def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias, D, *, nheads, headdim,
+               ngroups, dstate, xbc_offset, dt_offset, z_offset=None, dt_limit=(0.0, float("inf"))):
+    """One token of the mixer between in_proj and the gated norm.
+
+    Args:
+      zxbcdt: (rows, in_width), in_proj's output: xBC (conv_dim = nheads * headdim + 2 * ngroups * dstate
+        columns) from xbc_offset, dt (nheads) from dt_offset, and the gate z (nheads * headdim) from z_offset
+        when the step applies it (a mixer without the gated norm; None otherwise).
+      conv_state: (rows, conv_dim, d_conv); ssm_state: (rows, nheads, headdim, dstate).
+      conv_weight: (d_conv, conv_dim); conv_bias: (conv_dim,) or None.
+      A_log, dt_bias: (nheads,); D: (nheads,) or (nheads, headdim).
+      dt_limit: the clip of softplus(dt + dt_bias).
+
+    Returns:
+      (y (rows, nheads * headdim) in zxbcdt's dtype, the new ssm_state in its dtype, the new conv_state in its
+      dtype).
+    """
+    rows = zxbcdt.shape[0]
+    d_ssm, bc = nheads * headdim, ngroups * dstate
+    xBC = zxbcdt[:, xbc_offset:xbc_offset + d_ssm + 2 * bc]
+    u, new_conv_state = conv1d_reference.causal_conv1d_step(xBC, conv_state, conv_weight, conv_bias,
+                                                            dtype=xBC.dtype)
+    x, B, C = jnp.split(jax.nn.silu(u), [d_ssm, d_ssm + bc], axis=-1)
+    dt = zxbcdt[:, dt_offset:dt_offset + nheads]
+    A = -jnp.exp(A_log.astype(jnp.promote_types(jnp.float32, A_log.dtype)))
+    z = None if z_offset is None else zxbcdt[:, z_offset:z_offset + d_ssm].reshape(rows, nheads, headdim)
+    y, new_ssm_state = reference.ssd_step(
+        ssm_state, x.reshape(rows, nheads, headdim), dt, A, B.reshape(rows, ngroups, dstate),
+        C.reshape(rows, ngroups, dstate), D=D, z=z, dt_bias=dt_bias, dt_softplus=True, dt_limit=dt_limit)
+    return y.reshape(rows, d_ssm), new_ssm_state, new_conv_state

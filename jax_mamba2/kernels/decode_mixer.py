@@ -1,0 +1,276 @@
+"""The decode step of a Mamba-2 mixer between its two projections, as one cuTile kernel: the causal conv's step
+and SiLU on in_proj's xBC columns, then the SSD state update (mamba_ssm `selective_state_update`), the D skip and,
+for a mixer without the gated norm, the silu(z) gate.
+
+Mirrors `jax_mamba2.decode_reference.mixer_step`. Per row b, head h of group g = h // (H / G), l = layer_index[0]:
+
+    window[c] = conv_state[l, b, c, 1:] ++ xBC[b, c]                       (d_conv inputs, conv state's dtype)
+    u[c]      = silu(bias[l, c] + sum_j w[l, j, c] window[c, j])          taps, weights, bias and the sum
+                                                                          rounded to T as the composed step does
+    x, B, C   = u's channels [0, d_ssm), [d_ssm, + G N), [d_ssm + G N, + G N)
+    Δ         = dt_transform(dt[b, h] + dt_bias[l, h]),   A = -exp(A_log[l, h])
+    state'    = exp(Δ A) ssm_state[l, b, h] + Δ x[h] ⊗ B[g]               (headdim, dstate), f32
+    y[b, h]   = state' C[g] + D[l, h] x[h];   y *= silu(z[b, h]) with HAS_Z
+    ssm_state[l, b, h] <- state' (in place);   new_conv_state[b, c] = window[c]
+
+xBC, dt and z are columns of in_proj's output zxbcdt (M, IN_WIDTH), read where they lie (no slice of it is
+copied): xBC from XBC_OFFSET, dt from DT_OFFSET, z from Z_OFFSET. As everywhere in the decode kernels, the
+per-layer arrays are the model's stacks (leading (L,) axis) indexed by layer_index.
+
+Grid (M * H, P / BLOCK_P). A block convolves its BLOCK_P channels of x and, for the update, all 2 N channels of
+its group's B and C (every block of the group recomputes them: d_conv multiply-adds each); the first block of a
+group's first head writes B's and C's new conv state. The new conv state is its own (one layer's) buffer rather
+than conv_state updated in place, since every block of a group reads B's and C's old window, which one of them
+could otherwise overwrite first; the SSM state is updated in place: each block reads and writes only its own
+(BLOCK_P, N) tile, and the stack moves no other bytes.
+
+Arrays: zxbcdt (M, IN_WIDTH) T; conv_state (L, M, CONV_DIM, D_CONV), new_conv_state (M, CONV_DIM, D_CONV) Tc;
+conv_weight (L, D_CONV,
+CONV_DIM), conv_bias (L, CONV_DIM) (a dummy without HAS_CONV_BIAS), A_log, dt_bias (L, H), D (L, H, P) with
+D_PER_CHANNEL else (L, H), each in its own dtype; ssm_state (L, M, H, P, N) Ts, read and written; y (M, H, P) T.
+"""
+import dataclasses
+import math
+from typing import Optional
+
+import cuda.tile as ct
+
+from jax_mamba2.kernels._common import (
+    Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, dt_transform, is_power_of_2, next_power_of_2,
+    silu_gate, with_hints)
+from jax_mamba2.kernels.rms_norm import sigmoid
+from jax_mamba2.kernels.state_update import state_step
+
+MIXER_STEP_INPUTS = ("layer_index", "zxbcdt", "conv_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D",
+                     "ssm_state")
+MIXER_STEP_OUTPUTS = ("y", "ssm_state", "new_conv_state")
+_INT32_MAX = (1 << 31) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class MixerStepDims:
+    """Static description of one mixer decode step (what the kernel specialises on).
+
+    rows: M, the sequences; layers: L; nheads, headdim, ngroups, dstate, d_conv: the mixer's; in_width: in_proj's
+    output width and xbc_offset, dt_offset, z_offset (None without a gate in the step) where xBC, dt and z start in
+    it. Dtypes as numpy names: dtype is zxbcdt's (T), the others the arrays'.
+    """
+
+    rows: int
+    nheads: int
+    headdim: int
+    ngroups: int
+    dstate: int
+    in_width: int
+    xbc_offset: int
+    dt_offset: int
+    layers: int = 1
+    d_conv: int = 4
+    z_offset: Optional[int] = None
+    d_per_channel: bool = False
+    has_conv_bias: bool = True
+    dt_softplus: bool = True
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    dtype: str = "bfloat16"
+    conv_state_dtype: str = "bfloat16"
+    ssm_state_dtype: str = "bfloat16"
+    conv_weight_dtype: str = "float32"
+    A_log_dtype: str = "float32"
+    dt_bias_dtype: str = "float32"
+    D_dtype: str = "float32"
+
+    @property
+    def d_ssm(self) -> int:
+        return self.nheads * self.headdim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_ssm + 2 * self.ngroups * self.dstate
+
+    @property
+    def has_z(self) -> bool:
+        return self.z_offset is not None
+
+    @property
+    def has_dt_limit(self) -> bool:
+        return tuple(self.dt_limit) != (0.0, math.inf)
+
+
+@dataclasses.dataclass(frozen=True)
+class MixerStepConfig:
+    """BLOCK_P: headdim rows of the state per block (a power of two dividing headdim); OCCUPANCY: blocks per SM
+    the compiler budgets registers for."""
+
+    BLOCK_P: int = 16
+    OCCUPANCY: int = 4
+
+
+def mixer_step_default_config(dims: MixerStepDims) -> MixerStepConfig:
+    """About 2K state values per block, as the decode step of `ssd_step` (state_update_default_config)."""
+    return MixerStepConfig(BLOCK_P=min(dims.headdim, 64, max(4, 2048 // dims.dstate)))
+
+
+def mixer_step_unsupported_reason(dims: MixerStepDims) -> Optional[str]:
+    """Why the kernel cannot run `dims` (None when it can)."""
+    for name in ("headdim", "dstate"):
+        value = getattr(dims, name)
+        if not is_power_of_2(value) or not 16 <= value <= 256:
+            return f"{name}={value} must be a power of two in [16, 256]"
+    if dims.nheads % dims.ngroups:
+        return f"nheads={dims.nheads} must be a multiple of ngroups={dims.ngroups}"
+    # Columns are read as tiles: each segment must start on a multiple of its tile.
+    if dims.xbc_offset % math.lcm(dims.headdim, dims.dstate) or dims.d_ssm % dims.dstate:
+        return (f"xBC's offset {dims.xbc_offset} must be a multiple of headdim={dims.headdim} and "
+                f"dstate={dims.dstate}, and d_ssm={dims.d_ssm} of dstate")
+    if dims.has_z and dims.z_offset % dims.headdim:
+        return f"z's offset {dims.z_offset} must be a multiple of headdim={dims.headdim}"
+    largest = dims.layers * dims.rows * dims.d_ssm * dims.dstate
+    if largest > _INT32_MAX:
+        return f"an SSM state stack of {largest} elements needs 64-bit indices, which the decode kernels do not take"
+    return None
+
+
+def _conv_silu(zxbcdt, conv_state, conv_weight, conv_bias, layer, b, channel_block, column_block, WIDTH, D_CONV,
+               D_CONV_TILE, HAS_CONV_BIAS):
+    """(u, window) of conv channels [channel_block * WIDTH, + WIDTH), whose inputs are zxbcdt's columns
+    [column_block * WIDTH, + WIDTH): u (WIDTH,) f32 = silu(conv) rounded to zxbcdt's dtype T, window (WIDTH,
+    D_CONV_TILE) the new conv state's columns in its dtype (columns past D_CONV zero)."""
+    cols = ct.arange(D_CONV_TILE, dtype=ct.int32)
+    channels = channel_block * WIDTH + ct.arange(WIDTH, dtype=ct.int32)
+    # The old window shifted left by one: column j holds conv_state[..., j + 1] (0 past the state's d_conv).
+    shifted = ct.gather(conv_state, (layer, b, channels[:, None], cols[None, :] + 1), padding_value=0)
+    new = ct.load(zxbcdt, index=(b, column_block), shape=(1, WIDTH)).reshape((WIDTH, 1)).astype(conv_state.dtype)
+    window = ct.where(cols[None, :] == D_CONV - 1, new, shifted)
+    weight = ct.load(conv_weight, index=(layer, 0, channel_block), shape=(1, D_CONV_TILE, WIDTH),
+                     padding_mode=ct.PaddingMode.ZERO).reshape((D_CONV_TILE, WIDTH))
+    T = zxbcdt.dtype
+    taps = window.astype(T).astype(ct.float32) * ct.permute(weight, (1, 0)).astype(T).astype(ct.float32)
+    acc = ct.sum(taps, axis=1)
+    if HAS_CONV_BIAS:
+        bias = ct.load(conv_bias, index=(layer, channel_block), shape=(1, WIDTH)).reshape((WIDTH,))
+        acc = acc + bias.astype(T).astype(ct.float32)
+    u = acc.astype(T).astype(ct.float32)
+    return (u * sigmoid(u)).astype(T).astype(ct.float32), window
+
+
+def mixer_step_kernel(
+    layer_index,        # (1,) int32
+    zxbcdt,             # (M, IN_WIDTH) T
+    conv_state,         # (L, M, CONV_DIM, D_CONV) Tc
+    conv_weight,        # (L, D_CONV, CONV_DIM) in its dtype
+    conv_bias,          # (L, CONV_DIM) in its dtype, or a dummy without HAS_CONV_BIAS
+    A_log,              # (L, H) in its dtype
+    dt_bias,            # (L, H) in its dtype
+    D,                  # (L, H, P) with D_PER_CHANNEL, else (L, H); in its dtype
+    ssm_state,          # (L, M, H, P, N) Ts, read and written in place
+    new_conv_state,     # (M, CONV_DIM, D_CONV) Tc, written
+    y,                  # (M, H, P) T, written
+    NGROUPS: ConstInt,
+    DSTATE: ConstInt,
+    BLOCK_P: ConstInt,
+    D_CONV: ConstInt,
+    D_CONV_TILE: ConstInt,  # next_power_of_2(D_CONV)
+    XBC_OFFSET: ConstInt,
+    DT_OFFSET: ConstInt,
+    HAS_Z: ConstBool,
+    Z_OFFSET: ConstInt,
+    HAS_CONV_BIAS: ConstBool,
+    D_PER_CHANNEL: ConstBool,
+    DT_SOFTPLUS: ConstBool,
+    HAS_DT_LIMIT: ConstBool,
+    DT_MIN: ConstFloat,
+    DT_MAX: ConstFloat,
+):
+    nheads = y.shape[1]
+    headdim = y.shape[2]
+    bh = ct.bid(0)
+    pb = ct.bid(1)
+    b = bh // nheads
+    h = bh % nheads
+    heads_per_group = nheads // NGROUPS
+    g = h // heads_per_group
+    layer = ct.load(layer_index, index=(0,), shape=(1,)).item()
+    d_ssm = nheads * headdim
+    p_blocks = headdim // BLOCK_P
+
+    # x: this block's BLOCK_P channels (conv channel h * headdim + pb * BLOCK_P + i).
+    x_block = h * p_blocks + pb
+    x_p, x_window = _conv_silu(zxbcdt, conv_state, conv_weight, conv_bias, layer, b, x_block,
+                               XBC_OFFSET // BLOCK_P + x_block, BLOCK_P, D_CONV, D_CONV_TILE, HAS_CONV_BIAS)
+    ct.store(new_conv_state, index=(b, x_block, 0), tile=x_window.reshape((1, BLOCK_P, D_CONV_TILE)))
+    # B and C of the group: conv channels d_ssm + g * DSTATE and d_ssm + (NGROUPS + g) * DSTATE onwards.
+    b_block = d_ssm // DSTATE + g
+    c_block = b_block + NGROUPS
+    B_n, B_window = _conv_silu(zxbcdt, conv_state, conv_weight, conv_bias, layer, b, b_block,
+                               XBC_OFFSET // DSTATE + b_block, DSTATE, D_CONV, D_CONV_TILE, HAS_CONV_BIAS)
+    C_n, C_window = _conv_silu(zxbcdt, conv_state, conv_weight, conv_bias, layer, b, c_block,
+                               XBC_OFFSET // DSTATE + c_block, DSTATE, D_CONV, D_CONV_TILE, HAS_CONV_BIAS)
+    if h % heads_per_group == 0:
+        if pb == 0:
+            ct.store(new_conv_state, index=(b, b_block, 0), tile=B_window.reshape((1, DSTATE, D_CONV_TILE)))
+            ct.store(new_conv_state, index=(b, c_block, 0), tile=C_window.reshape((1, DSTATE, D_CONV_TILE)))
+
+    dt_v = ct.load(zxbcdt, index=(b, DT_OFFSET + h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
+    bias = ct.load(dt_bias, index=(layer, h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
+    delta = dt_transform(dt_v + bias, DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX)
+    A_h = -ct.exp(ct.load(A_log, index=(layer, h), shape=(1, 1)).reshape((1,)).astype(ct.float32))
+    if D_PER_CHANNEL:
+        D_p = ct.load(D, index=(layer, h, pb), shape=(1, 1, BLOCK_P)).reshape((BLOCK_P,)).astype(ct.float32)
+    else:
+        D_p = ct.load(D, index=(layer, h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
+    s = ct.load(ssm_state, index=(layer, b, h, pb, 0), shape=(1, 1, 1, BLOCK_P, DSTATE)
+                ).reshape((BLOCK_P, DSTATE)).astype(ct.float32)
+    s, y_p = state_step(s, x_p, delta, A_h, B_n, C_n, D_p)
+    ct.store(ssm_state, index=(layer, b, h, pb, 0),
+             tile=s.reshape((1, 1, 1, BLOCK_P, DSTATE)).astype(ssm_state.dtype))
+    if HAS_Z:
+        z = ct.load(zxbcdt, index=(b, Z_OFFSET // BLOCK_P + x_block), shape=(1, BLOCK_P)).reshape((BLOCK_P,))
+        y_p = silu_gate(y_p, z)
+    ct.store(y, index=(b, h, pb), tile=y_p.reshape((1, 1, BLOCK_P)).astype(y.dtype))
+
+
+MIXER_STEP_KERNEL = ct.kernel(mixer_step_kernel)
+
+
+def mixer_step_inputs(dims: MixerStepDims) -> dict[str, Buffer]:
+    """Shape and dtype of each input as the bridge passes it (a dummy conv_bias without one)."""
+    L, M, H, P = dims.layers, dims.rows, dims.nheads, dims.headdim
+    return {
+        "layer_index": Buffer((1,), "int32"),
+        "zxbcdt": Buffer((M, dims.in_width), dims.dtype),
+        "conv_state": Buffer((L, M, dims.conv_dim, dims.d_conv), dims.conv_state_dtype),
+        "conv_weight": Buffer((L, dims.d_conv, dims.conv_dim), dims.conv_weight_dtype),
+        "conv_bias": Buffer((L, dims.conv_dim) if dims.has_conv_bias else (1, 1), dims.conv_weight_dtype),
+        "A_log": Buffer((L, H), dims.A_log_dtype),
+        "dt_bias": Buffer((L, H), dims.dt_bias_dtype),
+        "D": Buffer((L, H, P) if dims.d_per_channel else (L, H), dims.D_dtype),
+        "ssm_state": Buffer((L, M, H, P, dims.dstate), dims.ssm_state_dtype),
+    }
+
+
+def mixer_step_plan(dims: MixerStepDims, cfg: Optional[MixerStepConfig] = None) -> Plan:
+    """The mixer's decode step for `dims`.
+
+    Returns:
+      A Plan with inputs MIXER_STEP_INPUTS and outputs MIXER_STEP_OUTPUTS: "y" (M, H, P) in dims.dtype,
+      "ssm_state" (the input stack, its layer updated in place) and "new_conv_state" (M, CONV_DIM, D_CONV), the
+      layer's next conv state.
+    """
+    cfg = cfg or mixer_step_default_config(dims)
+    dt_min, dt_max = (float(v) for v in dims.dt_limit)
+    launch = Launch(
+        kernel=with_hints(MIXER_STEP_KERNEL, occupancy=cfg.OCCUPANCY),
+        grid=(dims.rows * dims.nheads, dims.headdim // cfg.BLOCK_P),
+        args=("layer_index", "zxbcdt", "conv_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D",
+              "ssm_state", "new_conv_state", "y", dims.ngroups, dims.dstate, cfg.BLOCK_P, dims.d_conv,
+              next_power_of_2(dims.d_conv), dims.xbc_offset, dims.dt_offset, dims.has_z, dims.z_offset or 0,
+              dims.has_conv_bias, dims.d_per_channel, dims.dt_softplus, dims.has_dt_limit, dt_min, dt_max),
+        writes=("ssm_state", "new_conv_state", "y"),
+    )
+    return Plan(
+        inputs=MIXER_STEP_INPUTS,
+        buffers={"y": Buffer((dims.rows, dims.nheads, dims.headdim), dims.dtype),
+                 "new_conv_state": Buffer((dims.rows, dims.conv_dim, dims.d_conv), dims.conv_state_dtype)},
+        launches=(launch,),
+        outputs=MIXER_STEP_OUTPUTS,
+    )

@@ -1,0 +1,297 @@
+"""The decode step's projections: a few rows, optionally added to the residual stream and RMS-normalized (grouped,
+gated), times one layer's weight matrix, as one cuTile kernel.
+
+Mirrors `jax_mamba2.decode_reference.norm_project`. Per row r, in f32 up to the product:
+
+    h      = x[r] (+ residual[r] with HAS_RESIDUAL); rounded to residual_out's dtype and stored there
+             (WRITE_RESIDUAL: the residual stream the next block adds to)
+    h     *= silu(z[r])                                      HAS_Z and not NORM_BEFORE_GATE
+    h      = h / sqrt(mean_g(h^2) + EPS) * norm_weight[l, g]   HAS_NORM, per group g of GROUP_SIZE features
+    h     *= silu(z[r])                                      HAS_Z and NORM_BEFORE_GATE
+    a      = h rounded to x's dtype, then to out's (the computation dtype)
+    out[r] = a @ weight[l] (+ bias[l] with HAS_BIAS): f32 accumulation, rounded to out's dtype
+
+with l = layer_index[0]: every per-layer array is the model's stack of all layers (leading (L,) axis), so a layer
+loop passes the parameters as they are stored and never copies one layer's slice out of the stack. weight is
+(L, K, N), or (L, N, K) with TRANSPOSE_W (a tied embedding (vocab, d_model) as the LM head), in its own dtype,
+rounded to out's dtype as it is loaded (what `x @ w.astype(dtype)` computes); f32 products run as TF32.
+
+Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)); a block computes a (BLOCK_M, BLOCK_N) tile of out over all K. With
+HAS_NORM it first sums each group's squares over its rows (one pass over their K features), then runs the
+product, normalizing each (BLOCK_M, BLOCK_K) chunk as it goes. The rows are few (one per sequence at a decode
+step) and every column block rereads them from L2; the weight is read once, so the kernel is bound by the
+weight's bytes: K x N x its itemsize per layer.
+
+Arrays: x, residual, residual_out (M, K); z (M, ZW), the gate being columns [Z_BLOCK * BLOCK_K, + K) (in_proj's
+output, whose z columns come first); norm_weight (L, NGROUPS, GROUP_SIZE); bias (L, N); out (M, N). Absent
+optional arrays are (1, 1) / (1, 1, 1) dummies the kernel never touches.
+"""
+import dataclasses
+from typing import Optional
+
+import cuda.tile as ct
+
+from jax_mamba2.kernels._common import (
+    Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, is_power_of_2, mma_dtype, next_power_of_2, with_hints)
+from jax_mamba2.kernels.rms_norm import sigmoid
+
+NORM_PROJECT_INPUTS = ("layer_index", "x", "residual", "z", "norm_weight", "weight", "bias")
+NORM_PROJECT_OUTPUTS = ("out", "residual_out")
+# Rows per block: the product's M tile (a power of two >= 16, the smallest tensor-core tile).
+MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
+_INT32_MAX = (1 << 31) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectionDims:
+    """Static description of one decode projection (what the kernel specialises on).
+
+    rows: M, the rows projected (a decode step's batch); features: K; out_features: N; layers: L, the leading
+    axis of the per-layer arrays. ngroups, group_size: the norm's groups (K = ngroups * group_size; one group
+    without has_norm). z_width: the gate array's columns (0 without a gate) and z_offset where the gate starts.
+    Dtypes as numpy names: dtype x's, out_dtype the output's (the computation dtype), weight_dtype the
+    weight's (and the bias's), norm_weight_dtype the norm weight's, residual_dtype the residual stream's (None
+    without write_residual), residual_in_dtype the residual input's (None without has_residual).
+    """
+
+    rows: int
+    features: int
+    out_features: int
+    layers: int = 1
+    ngroups: int = 1
+    group_size: Optional[int] = None
+    has_norm: bool = False
+    has_residual: bool = False
+    write_residual: bool = False
+    z_width: int = 0
+    z_offset: int = 0
+    norm_before_gate: bool = False
+    transpose_weight: bool = False
+    has_bias: bool = False
+    eps: float = 1e-5
+    dtype: str = "bfloat16"
+    out_dtype: str = "bfloat16"
+    weight_dtype: str = "bfloat16"
+    norm_weight_dtype: str = "float32"
+    z_dtype: str = "bfloat16"
+    residual_dtype: Optional[str] = None
+    residual_in_dtype: Optional[str] = None
+
+    @property
+    def has_z(self) -> bool:
+        return self.z_width > 0
+
+    @property
+    def group(self) -> int:
+        return self.features // self.ngroups if self.group_size is None else self.group_size
+
+    @property
+    def block_m(self) -> int:
+        return min(MAX_BLOCK_M, max(MIN_BLOCK_M, next_power_of_2(self.rows)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectionConfig:
+    """BLOCK_N: output columns per block; BLOCK_K: the product's K step (a power of two; at most the largest
+    power of two dividing the group, see `block_k`); LATENCY: the weight loads' latency hint (1..10, 0 none);
+    OCCUPANCY: blocks per SM the compiler budgets registers for (None: its choice)."""
+
+    BLOCK_N: int = 32
+    BLOCK_K: int = 128
+    LATENCY: int = 4
+    OCCUPANCY: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("BLOCK_N", "BLOCK_K"):
+            value = getattr(self, name)
+            if not is_power_of_2(value) or not 16 <= value <= 256:
+                raise ValueError(f"ProjectionConfig: {name}={value} must be a power of two in [16, 256]")
+        if not 0 <= self.LATENCY <= 10:
+            raise ValueError(f"ProjectionConfig: LATENCY={self.LATENCY} must be 0 (no hint) or in [1, 10]")
+        if self.OCCUPANCY is not None and not 1 <= self.OCCUPANCY <= 32:
+            raise ValueError(f"ProjectionConfig: OCCUPANCY={self.OCCUPANCY} must be None or in [1, 32]")
+
+
+def block_k(dims: ProjectionDims, cfg: ProjectionConfig) -> int:
+    """The K step: cfg.BLOCK_K, lowered to the largest power of two that divides the group (so a step never
+    spans two groups and the gate's columns start on a step)."""
+    return min(cfg.BLOCK_K, dims.group & -dims.group)
+
+
+def projection_unsupported_reason(dims: ProjectionDims) -> Optional[str]:
+    """Why the kernel cannot run `dims` (None when it can)."""
+    if dims.features % 16 or dims.group % 16:
+        return f"features={dims.features} and the norm's group ({dims.group}) must be multiples of 16"
+    if dims.ngroups * dims.group != dims.features:
+        return f"ngroups={dims.ngroups} x group_size={dims.group} must be features={dims.features}"
+    if dims.has_z and (dims.z_offset % 16 or dims.z_offset + dims.features > dims.z_width):
+        return (f"the gate's columns [{dims.z_offset}, +{dims.features}) must start at a multiple of 16 inside "
+                f"z's {dims.z_width}")
+    if (dims.has_z or dims.has_residual or dims.write_residual) and not dims.has_norm:
+        return "a gate or a residual stream comes with the norm"
+    largest = max(dims.rows * max(dims.features, dims.out_features, dims.z_width),
+                  dims.layers * dims.features * dims.out_features)
+    if largest > _INT32_MAX:
+        return f"an array of {largest} elements needs 64-bit indices, which the decode kernels do not take"
+    return None
+
+
+def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
+    """The widest BLOCK_N (64, 32) that still gives two blocks per SM of an H200 (264), else 16 columns with a
+    K step of 64: at 16 columns the compiler runs the product without tensor cores, and a longer step spills."""
+    m_blocks = -(-dims.rows // dims.block_m)
+    for block_n in (64, 32):
+        if m_blocks * -(-dims.out_features // block_n) >= 264:
+            return ProjectionConfig(BLOCK_N=block_n)
+    return ProjectionConfig(BLOCK_N=16, BLOCK_K=64)
+
+
+def _load_rows(array, m, k, BLOCK_M, BLOCK_K):
+    """Rows [m*BLOCK_M, ...) x features [k*BLOCK_K, ...) of a (rows, features) array -> f32, zero outside."""
+    return ct.load(array, index=(m, k), shape=(BLOCK_M, BLOCK_K), padding_mode=ct.PaddingMode.ZERO
+                   ).astype(ct.float32)
+
+
+def _norm_input(x, residual, residual_out, m, k, BLOCK_M, BLOCK_K, HAS_RESIDUAL, WRITE_RESIDUAL):
+    """The norm's input h of a (BLOCK_M, BLOCK_K) chunk: x (+ residual), as the residual stream stores it."""
+    h = _load_rows(x, m, k, BLOCK_M, BLOCK_K)
+    if HAS_RESIDUAL:
+        h = h + _load_rows(residual, m, k, BLOCK_M, BLOCK_K)
+    if WRITE_RESIDUAL:
+        h = h.astype(residual_out.dtype).astype(ct.float32)
+    return h
+
+
+def _gate(z, m, k, BLOCK_M, BLOCK_K, Z_BLOCK):
+    z32 = _load_rows(z, m, Z_BLOCK + k, BLOCK_M, BLOCK_K)
+    return z32 * sigmoid(z32)
+
+
+def _weight_tile(weight, layer, k, n, BLOCK_K, BLOCK_N, TRANSPOSE_W, LATENCY):
+    """weight[layer] rows [k*BLOCK_K, ...) x columns [n*BLOCK_N, ...) as (BLOCK_K, BLOCK_N), zero outside."""
+    if TRANSPOSE_W:
+        shape, index = (1, BLOCK_N, BLOCK_K), (layer, n, k)
+    else:
+        shape, index = (1, BLOCK_K, BLOCK_N), (layer, k, n)
+    if LATENCY:
+        tile = ct.load(weight, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO, latency=LATENCY)
+    else:
+        tile = ct.load(weight, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO)
+    if TRANSPOSE_W:
+        return ct.permute(tile.reshape((BLOCK_N, BLOCK_K)), (1, 0))
+    return tile.reshape((BLOCK_K, BLOCK_N))
+
+
+def norm_project_kernel(
+    layer_index,         # (1,) int32
+    x,                   # (M, K) T
+    residual,            # (M, K) Tr_in, or a dummy without HAS_RESIDUAL
+    z,                   # (M, ZW) Tz, or a dummy without HAS_Z
+    norm_weight,         # (L, NGROUPS, GROUP_SIZE) in its dtype, or a dummy without HAS_NORM
+    weight,              # (L, K, N), or (L, N, K) with TRANSPOSE_W, in its dtype
+    bias,                # (L, N) in the weight's dtype, or a dummy without HAS_BIAS
+    out,                 # (M, N) T_out, written
+    residual_out,        # (M, K) Tr, written with WRITE_RESIDUAL (by the blocks of column 0), else a dummy
+    NGROUPS: ConstInt,
+    GROUP_SIZE: ConstInt,
+    BLOCK_M: ConstInt,
+    BLOCK_N: ConstInt,
+    BLOCK_K: ConstInt,
+    HAS_NORM: ConstBool,
+    HAS_RESIDUAL: ConstBool,
+    WRITE_RESIDUAL: ConstBool,
+    HAS_Z: ConstBool,
+    Z_BLOCK: ConstInt,   # the gate's first column in units of BLOCK_K
+    NORM_BEFORE_GATE: ConstBool,
+    TRANSPOSE_W: ConstBool,
+    HAS_BIAS: ConstBool,
+    EPS: ConstFloat,
+    LATENCY: ConstInt,   # latency hint of the weight loads (1..10), 0 for none
+):
+    m = ct.bid(0)
+    n = ct.bid(1)
+    layer = ct.load(layer_index, index=(0,), shape=(1,)).item()
+    steps = GROUP_SIZE // BLOCK_K
+    mma_type = mma_dtype(out.dtype)
+    acc = ct.zeros((BLOCK_M, BLOCK_N), ct.float32)
+    for g in range(NGROUPS):
+        if HAS_NORM:
+            sum_sq = ct.zeros((BLOCK_M, 1), ct.float32)
+            for s in range(steps):
+                k = g * steps + s
+                h = _norm_input(x, residual, residual_out, m, k, BLOCK_M, BLOCK_K, HAS_RESIDUAL, WRITE_RESIDUAL)
+                if WRITE_RESIDUAL:
+                    if n == 0:
+                        ct.store(residual_out, index=(m, k), tile=h.astype(residual_out.dtype))
+                if HAS_Z:
+                    if not NORM_BEFORE_GATE:
+                        h = h * _gate(z, m, k, BLOCK_M, BLOCK_K, Z_BLOCK)
+                sum_sq = sum_sq + ct.sum(h * h, axis=1, keepdims=True)
+            rstd = ct.rsqrt(sum_sq / GROUP_SIZE + EPS)
+        for s in range(steps):
+            k = g * steps + s
+            h = _norm_input(x, residual, residual_out, m, k, BLOCK_M, BLOCK_K, HAS_RESIDUAL, WRITE_RESIDUAL)
+            if HAS_NORM:
+                if HAS_Z:
+                    gate = _gate(z, m, k, BLOCK_M, BLOCK_K, Z_BLOCK)
+                    if not NORM_BEFORE_GATE:
+                        h = h * gate
+                scale = ct.load(norm_weight, index=(layer, g, s), shape=(1, 1, BLOCK_K)).reshape((1, BLOCK_K))
+                h = h * rstd * scale.astype(ct.float32)
+                if HAS_Z:
+                    if NORM_BEFORE_GATE:
+                        h = h * gate
+            a = h.astype(x.dtype).astype(out.dtype).astype(mma_type)
+            w = _weight_tile(weight, layer, k, n, BLOCK_K, BLOCK_N, TRANSPOSE_W, LATENCY)
+            acc = ct.mma(a, w.astype(out.dtype).astype(mma_type), acc)
+    if HAS_BIAS:
+        b = ct.load(bias, index=(layer, n), shape=(1, BLOCK_N), padding_mode=ct.PaddingMode.ZERO)
+        acc = acc + b.astype(out.dtype).astype(ct.float32)
+    ct.store(out, index=(m, n), tile=acc.astype(out.dtype))
+
+
+# int32-indexed only: projection_unsupported_reason refuses arrays of 2^31 elements or more.
+NORM_PROJECT_KERNEL = ct.kernel(norm_project_kernel)
+
+
+def norm_project_inputs(dims: ProjectionDims) -> dict[str, Buffer]:
+    """Shape and dtype of each input as the bridge passes it (dummies where absent)."""
+    M, K, N, L = dims.rows, dims.features, dims.out_features, dims.layers
+    return {
+        "layer_index": Buffer((1,), "int32"),
+        "x": Buffer((M, K), dims.dtype),
+        "residual": Buffer((M, K) if dims.has_residual else (1, 1), dims.residual_in_dtype or dims.dtype),
+        "z": Buffer((M, dims.z_width) if dims.has_z else (1, 1), dims.z_dtype),
+        "norm_weight": Buffer((L, dims.ngroups, dims.group) if dims.has_norm else (1, 1, 1), dims.norm_weight_dtype),
+        "weight": Buffer((L, N, K) if dims.transpose_weight else (L, K, N), dims.weight_dtype),
+        "bias": Buffer((L, N) if dims.has_bias else (1, 1), dims.weight_dtype),
+    }
+
+
+def norm_project_plan(dims: ProjectionDims, cfg: Optional[ProjectionConfig] = None) -> Plan:
+    """The projection for `dims`.
+
+    Returns:
+      A Plan with inputs NORM_PROJECT_INPUTS and outputs NORM_PROJECT_OUTPUTS: "out" (M, N) in out_dtype and
+      "residual_out" (M, K) in residual_dtype (a (1, 1) dummy without write_residual).
+    """
+    cfg = cfg or projection_default_config(dims)
+    bk = block_k(dims, cfg)
+    launch = Launch(
+        kernel=with_hints(NORM_PROJECT_KERNEL, occupancy=cfg.OCCUPANCY),
+        grid=(-(-dims.rows // dims.block_m), -(-dims.out_features // cfg.BLOCK_N)),
+        args=("layer_index", "x", "residual", "z", "norm_weight", "weight", "bias", "out", "residual_out",
+              dims.ngroups, dims.group, dims.block_m, cfg.BLOCK_N, bk, dims.has_norm, dims.has_residual,
+              dims.write_residual, dims.has_z, dims.z_offset // bk, dims.has_z and dims.norm_before_gate,
+              dims.transpose_weight, dims.has_bias, float(dims.eps), cfg.LATENCY),
+        writes=("out", "residual_out"),
+    )
+    return Plan(
+        inputs=NORM_PROJECT_INPUTS,
+        buffers={"out": Buffer((dims.rows, dims.out_features), dims.out_dtype),
+                 "residual_out": Buffer((dims.rows, dims.features) if dims.write_residual else (1, 1),
+                                        dims.residual_dtype or dims.dtype)},
+        launches=(launch,),
+        outputs=NORM_PROJECT_OUTPUTS,
+    )
+

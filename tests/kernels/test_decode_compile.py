@@ -1,0 +1,74 @@
+"""The decode kernels compile to sm_90 cubins on this machine (no GPU needed) with the constraints JAX uses, and at
+the decode shapes of the LM benchmark's model (d_model 1024: in_proj 1024 x 4384, out_proj 2048 x 1024, the tied
+head 50280 x 1024, 24 stacked layers) their default configurations run without spilling registers."""
+import re
+
+import pytest
+
+pytest.importorskip("cuda.tile")
+
+from benchmarks.tools.sass import resource_usage  # noqa: E402
+from jax_mamba2.kernels import decode_mixer, decode_projection  # noqa: E402
+from jax_mamba2.kernels._common import kernel_name  # noqa: E402
+from jax_mamba2.kernels.decode_mixer import MixerStepDims  # noqa: E402
+from jax_mamba2.kernels.decode_projection import ProjectionDims  # noqa: E402
+from tests.kernels.test_compile import plan_cubins  # noqa: E402
+
+LAYERS = 24
+
+
+def _projections(rows: int, param_dtype: str) -> dict[str, ProjectionDims]:
+    common = dict(rows=rows, layers=LAYERS, weight_dtype=param_dtype, norm_weight_dtype=param_dtype)
+    return {
+        "in_proj": ProjectionDims(features=1024, out_features=4384, has_norm=True, has_residual=True,
+                                  write_residual=True, residual_dtype="float32", residual_in_dtype="float32",
+                                  **common),
+        "out_proj": ProjectionDims(features=2048, out_features=1024, has_norm=True, z_width=4384, **common),
+        "head": ProjectionDims(**{**common, "layers": 1}, features=1024, out_features=50280, has_norm=True,
+                               has_residual=True, write_residual=True, residual_dtype="float32",
+                               residual_in_dtype="float32", transpose_weight=True),
+    }
+
+
+def _mixer(rows: int, param_dtype: str) -> MixerStepDims:
+    return MixerStepDims(rows=rows, nheads=32, headdim=64, ngroups=1, dstate=128, in_width=4384, xbc_offset=2048,
+                         dt_offset=4352, layers=LAYERS, conv_state_dtype=param_dtype, ssm_state_dtype=param_dtype,
+                         conv_weight_dtype=param_dtype, A_log_dtype=param_dtype, dt_bias_dtype=param_dtype,
+                         D_dtype=param_dtype)
+
+
+def _cubins(rows: int, param_dtype: str) -> dict[str, bytes]:
+    cubins = {}
+    for name, dims in _projections(rows, param_dtype).items():
+        assert decode_projection.projection_unsupported_reason(dims) is None
+        plan = decode_projection.norm_project_plan(dims)
+        cubins[name] = plan_cubins((plan, decode_projection.norm_project_inputs(dims)))[kernel_name(
+            plan.launches[0].kernel)]
+    dims = _mixer(rows, param_dtype)
+    assert decode_mixer.mixer_step_unsupported_reason(dims) is None
+    cubins["mixer"] = plan_cubins((decode_mixer.mixer_step_plan(dims), decode_mixer.mixer_step_inputs(dims)))[
+        "mixer_step_kernel"]
+    return cubins
+
+
+def _assert_spill_free(cubins):
+    """No stack frame and no local memory: nothing spilled (read from the resource usage: nvdisasm cannot
+    disassemble every one of these cubins)."""
+    for name, cubin in cubins.items():
+        assert cubin[:4] == b"\x7fELF", name
+        try:
+            resources = resource_usage(cubin)
+        except FileNotFoundError as e:
+            pytest.skip(str(e))
+        usage = dict(re.findall(r"(LOCAL|STACK):(\d+)", resources))
+        assert int(usage["LOCAL"]) == 0 and int(usage["STACK"]) == 0, (name, usage)
+
+
+def test_default_configs_compile_spill_free_at_batch_one_bf16():
+    _assert_spill_free(_cubins(1, "bfloat16"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows, param_dtype", [(64, "bfloat16"), (256, "bfloat16"), (1, "float32"), (64, "float32")])
+def test_default_configs_compile_spill_free(rows, param_dtype):
+    _assert_spill_free(_cubins(rows, param_dtype))

@@ -1,0 +1,140 @@
+"""The decode kernels' plans (kernels/decode_projection.py, decode_mixer.py) run block by block on the NumPy emulator
+of cuda.tile against the float64 reference (jax_mamba2.decode_reference) on fresh random inputs: every norm and
+gate placement, groups, the residual stream written with and without an input, bias, a transposed (tied) weight,
+two row blocks, columns past the last full tile, a conv of width 3, groups of one head, and the layer picked out
+of stacked arrays (the other layers' SSM states untouched); in float64 (the algebra) and in the arrays' own dtypes
+(the roundings)."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cuda.tile")
+
+from jax_mamba2.bridge import decode_ops  # noqa: E402
+from jax_mamba2.kernels import decode_mixer, decode_projection  # noqa: E402
+from tests._helpers import rel_l2  # noqa: E402
+from tests.kernels import _cutile_emulator as emulator  # noqa: E402
+from tests.kernels._decode_checks import (MIXER_CASES, PROJECTION_CASES, mixer_inputs, mixer_oracle,  # noqa: E402
+                                          projection_inputs, projection_oracle)
+from tests.kernels._plan_checks import assert_plan_well_formed  # noqa: E402
+
+# Float64 emulation checks the algebra; the arrays' own dtypes check the roundings.
+TOLERANCE = {True: 1e-12, False: {"float32": 1e-5, "bfloat16": 2e-2}}
+
+
+def _projection_dims(case, arrays):
+    norm_weight = arrays["norm_weight"]
+    group = case.group_size or case.features
+    if norm_weight is not None:
+        norm_weight = norm_weight.reshape(case.layers, case.features // group, group)
+    kw = case.kwargs()
+    return decode_ops.projection_dims(
+        arrays["x"], arrays["residual"], arrays["z"], norm_weight, arrays["weight"], arrays["bias"],
+        group_size=group, norm_before_gate=kw["norm_before_gate"], eps=1e-5, z_offset=case.z_offset,
+        transpose_weight=case.transpose_weight, residual_dtype=kw["residual_dtype"],
+        dtype=np.dtype(case.dtype) if case.dtype != "bfloat16" else arrays["x"].dtype)
+
+
+def run_projection(case, arrays, cfg=None, *, float64=True) -> dict:
+    dims = _projection_dims(case, arrays)
+    assert decode_projection.projection_unsupported_reason(dims) is None
+    plan = decode_projection.norm_project_plan(dims, cfg)
+    specs = decode_projection.norm_project_inputs(dims)
+    inputs = {name: np.zeros(spec.shape, np.float32) if arrays.get(name) is None else arrays[name]
+              for name, spec in specs.items() if name != "layer_index"}
+    if inputs["norm_weight"].ndim == 2:
+        inputs["norm_weight"] = inputs["norm_weight"].reshape(specs["norm_weight"].shape)
+    inputs["layer_index"] = np.array([case.layer], np.int32)
+    for name, spec in specs.items():
+        assert inputs[name].shape == spec.shape, (name, inputs[name].shape, spec.shape)
+    out = emulator.run_plan(plan, inputs, float64=float64)
+    result = {"out": out["out"]}
+    if dims.write_residual:
+        result["residual_out"] = out["residual_out"]
+    return result
+
+
+def run_mixer(case, arrays, cfg=None, *, float64=True) -> dict:
+    dims = decode_ops.mixer_dims(*(arrays[k] for k in ("zxbcdt", "conv_state", "conv_weight", "conv_bias",
+                                                       "A_log", "dt_bias", "D", "ssm_state")), **case.layout())
+    assert decode_mixer.mixer_step_unsupported_reason(dims) is None
+    plan = decode_mixer.mixer_step_plan(dims, cfg)
+    inputs = dict(arrays, layer_index=np.array([case.layer], np.int32))
+    if inputs["conv_bias"] is None:
+        inputs["conv_bias"] = np.zeros((1, 1), np.float32)
+    inputs["ssm_state"] = inputs["ssm_state"].copy()  # written in place
+    out = emulator.run_plan(plan, inputs, float64=float64)
+    return {"y": out["y"].reshape(case.rows, -1), "ssm_state": out["ssm_state"],
+            "new_conv_state": out["new_conv_state"]}
+
+
+def _assert_close(got, want, tolerance):
+    assert set(got) == set(want)
+    errors = {name: rel_l2(got[name], want[name]) for name in want}
+    assert max(errors.values()) < tolerance, errors
+
+
+@pytest.mark.parametrize("float64", [True, False])
+@pytest.mark.parametrize("name", list(PROJECTION_CASES))
+def test_projection_matches_float64_reference(name, float64):
+    case = PROJECTION_CASES[name]
+    arrays = projection_inputs(case, seed=11)
+    tolerance = TOLERANCE[True] if float64 else TOLERANCE[False][case.dtype]
+    _assert_close(run_projection(case, arrays, float64=float64), projection_oracle(case, arrays), tolerance)
+
+
+@pytest.mark.parametrize("cfg", [decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=16, LATENCY=0),
+                                 decode_projection.ProjectionConfig(BLOCK_N=64, BLOCK_K=64, LATENCY=2)])
+def test_projection_tiles_and_hints_leave_the_values(cfg):
+    """A K step smaller than a group (several steps per group) and one larger than the rows' features."""
+    case = PROJECTION_CASES["gated_norm_out_proj"]
+    arrays = projection_inputs(case, seed=12)
+    _assert_close(run_projection(case, arrays, cfg), projection_oracle(case, arrays), TOLERANCE[True])
+
+
+@pytest.mark.parametrize("float64", [True, False])
+@pytest.mark.parametrize("name", list(MIXER_CASES))
+def test_mixer_step_matches_float64_reference(name, float64):
+    case = MIXER_CASES[name]
+    arrays = mixer_inputs(case, seed=21)
+    got = run_mixer(case, arrays, float64=float64)
+    want = mixer_oracle(case, arrays)
+    others = [i for i in range(case.layers) if i != case.layer]
+    np.testing.assert_array_equal(got["ssm_state"][others], arrays["ssm_state"][others])  # untouched
+    tolerance = TOLERANCE[True] if float64 else TOLERANCE[False][case.dtype]
+    _assert_close(got, want, tolerance)
+
+
+@pytest.mark.parametrize("block_p", [4, 16])
+def test_mixer_step_state_tiles_leave_the_values(block_p):
+    case = MIXER_CASES["gate_in_step"]
+    arrays = mixer_inputs(case, seed=22)
+    got = run_mixer(case, arrays, decode_mixer.MixerStepConfig(BLOCK_P=block_p))
+    _assert_close(got, mixer_oracle(case, arrays), TOLERANCE[True])
+
+
+def test_plans_are_well_formed():
+    for name, case in PROJECTION_CASES.items():
+        dims = _projection_dims(case, projection_inputs(case, seed=0))
+        assert_plan_well_formed(decode_projection.norm_project_plan(dims))
+    for case in MIXER_CASES.values():
+        arrays = mixer_inputs(case, seed=0)
+        dims = decode_ops.mixer_dims(*(arrays[k] for k in ("zxbcdt", "conv_state", "conv_weight", "conv_bias",
+                                                           "A_log", "dt_bias", "D", "ssm_state")), **case.layout())
+        assert_plan_well_formed(decode_mixer.mixer_step_plan(dims))
+
+
+def test_unsupported_layouts_say_why():
+    case = PROJECTION_CASES["add_norm_in_proj"]
+    dims = _projection_dims(case, projection_inputs(case, seed=0))
+    assert "multiples of 16" in decode_projection.projection_unsupported_reason(dataclasses.replace(dims, features=60))
+    assert "comes with the norm" in decode_projection.projection_unsupported_reason(
+        dataclasses.replace(dims, has_norm=False))
+    mixer = decode_mixer.MixerStepDims(rows=1, nheads=4, headdim=16, ngroups=1, dstate=16, in_width=200,
+                                       xbc_offset=64, dt_offset=160)
+    assert decode_mixer.mixer_step_unsupported_reason(mixer) is None
+    assert "offset" in decode_mixer.mixer_step_unsupported_reason(dataclasses.replace(mixer, xbc_offset=72))
+    assert "headdim=12" in decode_mixer.mixer_step_unsupported_reason(dataclasses.replace(mixer, headdim=12))
+    with pytest.raises(ValueError, match="BLOCK_N=24"):
+        decode_projection.ProjectionConfig(BLOCK_N=24)

@@ -1,0 +1,195 @@
+"""The decode ops (`jax_mamba2.norm_project`, `mixer_step`) on the CPU: the xla path against the float64 reference
+on stacked and single-layer arrays, the layer as an int or a traced array, jit, vmap and grad, the checks that
+name the argument, and the backend choice ("auto" runs xla without a GPU; a named kernel backend says why not)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_mamba2
+from jax_mamba2 import backends
+from tests._helpers import rel_l2
+from tests.kernels._decode_checks import (MIXER_CASES, PROJECTION_CASES, mixer_inputs, mixer_oracle,
+                                          projection_inputs, projection_oracle)
+
+TOLERANCE = {"float32": 2e-6, "bfloat16": 2e-2}
+
+
+def _jnp(arrays):
+    return {k: None if v is None else jnp.asarray(v) for k, v in arrays.items()}
+
+
+def project(case, arrays, *, layer=None, backend="xla"):
+    """norm_project of a case's arrays -> {"out", "residual_out"?}; layer None: the case's layer as one."""
+    a = _jnp(arrays)
+    if layer is None:  # one layer's arrays, no stacks
+        layer_arrays = {k: a[k] if k in ("x", "residual", "z") or a[k] is None else a[k][case.layer]
+                        for k in a}
+        a, layer = layer_arrays, None
+    result = jax_mamba2.norm_project(
+        a["x"], a["weight"], norm_weight=a["norm_weight"], residual=a["residual"], z=a["z"], bias=a["bias"],
+        eps=1e-5, layer=layer, dtype=a["x"].dtype, backend=backend, **case.kwargs())
+    out, residual_out = result if case.residual != "none" else (result, None)
+    return {"out": out} if residual_out is None else {"out": out, "residual_out": residual_out}
+
+
+def step(case, arrays, *, layer=None, backend="xla"):
+    a = _jnp(arrays)
+    names = ("zxbcdt", "conv_state", "ssm_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D")
+    if layer is None:
+        args = [a[n] if n == "zxbcdt" or a[n] is None else a[n][case.layer] for n in names]
+    else:
+        args = [a[n] for n in names]
+    y, ssm_state, conv_state = jax_mamba2.mixer_step(*args, **case.layout(), layer=layer, backend=backend)
+    return {"y": y, "ssm_state": ssm_state, "new_conv_state": conv_state}
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("name", list(PROJECTION_CASES))
+def test_norm_project_xla_matches_float64_reference(name, stacked):
+    case = PROJECTION_CASES[name]
+    arrays = projection_inputs(case, seed=1)
+    got = project(case, arrays, layer=case.layer if stacked else None)
+    want = projection_oracle(case, arrays)
+    assert set(got) == set(want)
+    assert got["out"].dtype == jnp.dtype(case.dtype) and got["out"].shape == want["out"].shape
+    assert max(rel_l2(got[k], want[k]) for k in want) < TOLERANCE[case.dtype]
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("name", list(MIXER_CASES))
+def test_mixer_step_xla_matches_float64_reference(name, stacked):
+    case = MIXER_CASES[name]
+    arrays = mixer_inputs(case, seed=2)
+    got = step(case, arrays, layer=case.layer if stacked else None)
+    want = mixer_oracle(case, arrays)
+    if not stacked:
+        want["ssm_state"] = want["ssm_state"][case.layer]
+    assert got["ssm_state"].dtype == arrays["ssm_state"].dtype
+    assert got["new_conv_state"].dtype == arrays["conv_state"].dtype
+    assert max(rel_l2(got[k], want[k]) for k in want) < TOLERANCE[case.dtype]
+
+
+def test_a_traced_layer_picks_the_same_layer_as_an_int():
+    case = PROJECTION_CASES["add_norm_in_proj"]
+    arrays = _jnp(projection_inputs(case, seed=3))
+
+    @jax.jit
+    def traced(layer):
+        return jax_mamba2.norm_project(arrays["x"], arrays["weight"], norm_weight=arrays["norm_weight"],
+                                       residual=arrays["residual"], residual_dtype=jnp.float32, layer=layer)
+    for layer in range(case.layers):
+        want = project(case, projection_inputs(case, seed=3), layer=layer)
+        got = traced(jnp.int32(layer))
+        np.testing.assert_allclose(got[0], want["out"], rtol=1e-6, atol=1e-6)
+
+    mixer = MIXER_CASES["gated_norm_mixer"]
+    m = _jnp(mixer_inputs(mixer, seed=4))
+    run = jax.jit(lambda layer: jax_mamba2.mixer_step(
+        m["zxbcdt"], m["conv_state"], m["ssm_state"], m["conv_weight"], m["conv_bias"], m["A_log"], m["dt_bias"],
+        m["D"], **mixer.layout(), layer=layer))
+    for got, want in zip(run(jnp.int32(2)), step(mixer, mixer_inputs(mixer, seed=4), layer=2).values()):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_vmap_over_rows_equals_the_loop():
+    case = PROJECTION_CASES["gated_norm_out_proj"]
+    a = _jnp(projection_inputs(case, seed=5))
+    xs = jnp.stack([a["x"], 2 * a["x"]])
+    zs = jnp.stack([a["z"], -a["z"]])
+
+    def one(x, z):
+        return jax_mamba2.norm_project(x, a["weight"], norm_weight=a["norm_weight"], z=z, layer=case.layer,
+                                       **{k: v for k, v in case.kwargs().items() if k != "residual_dtype"})
+    batched = jax.vmap(one)(xs, zs)
+    for i in range(2):
+        np.testing.assert_allclose(batched[i], one(xs[i], zs[i]), rtol=1e-6, atol=1e-6)
+
+
+def test_gradients_flow_through_both_ops():
+    case = PROJECTION_CASES["add_norm_in_proj"]
+    a = _jnp(projection_inputs(case, seed=6))
+
+    def loss(x, weight):
+        out, h = jax_mamba2.norm_project(x, weight, norm_weight=a["norm_weight"], residual=a["residual"],
+                                         residual_dtype=jnp.float32, layer=1)
+        return jnp.sum(out ** 2) + jnp.sum(h)
+    dx, dweight = jax.grad(loss, argnums=(0, 1))(a["x"], a["weight"])
+    assert jnp.all(jnp.isfinite(dx)) and jnp.abs(dweight[1]).sum() > 0 and jnp.abs(dweight[0]).sum() == 0
+
+    mixer = MIXER_CASES["gated_norm_mixer"]
+    m = _jnp(mixer_inputs(mixer, seed=7))
+
+    def mixer_loss(zxbcdt, ssm_state):
+        y, state, conv = jax_mamba2.mixer_step(zxbcdt, m["conv_state"], ssm_state, m["conv_weight"],
+                                               m["conv_bias"], m["A_log"], m["dt_bias"], m["D"], **mixer.layout(),
+                                               layer=1)
+        return jnp.sum(y ** 2) + jnp.sum(state[1] ** 2) + jnp.sum(conv)
+    dz, dstate = jax.grad(mixer_loss, argnums=(0, 1))(m["zxbcdt"], m["ssm_state"])
+    assert jnp.abs(dz).sum() > 0 and jnp.abs(dstate[1]).sum() > 0
+    np.testing.assert_array_equal(dstate[0], 0)  # only layer 1's state is read
+
+
+def test_auto_runs_xla_without_a_gpu_and_a_named_kernel_backend_says_why():
+    case = PROJECTION_CASES["plain_with_bias"]
+    arrays = projection_inputs(case, seed=8)
+    np.testing.assert_array_equal(project(case, arrays, backend="auto")["out"],
+                                  project(case, arrays, backend="xla")["out"])
+    if backends.backend_status()["cutile"].runnable:
+        pytest.skip("a GPU is present")
+    with pytest.raises(ValueError, match=r"norm_project\(backend='cutile'\)"):
+        project(case, arrays, backend="cutile")
+    mixer = MIXER_CASES["gated_norm_mixer"]
+    with pytest.raises(ValueError, match=r"mixer_step\(backend='cutile'\)"):
+        step(mixer, mixer_inputs(mixer, seed=8), backend="cutile")
+
+
+def _projection_args():
+    case = PROJECTION_CASES["add_norm_in_proj"]
+    return _jnp(projection_inputs(case, seed=9))
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(x=jnp.ones((3,))), ValueError, r"x.shape=\(3,\) must be \(rows, features\)"),
+    (dict(x=jnp.ones((3, 64), jnp.int32)), TypeError, "x.dtype=int32"),
+    (dict(weight=jnp.ones((3, 63, 200))), ValueError, "features=64"),
+    (dict(norm_weight=jnp.ones((3, 63))), ValueError, "norm_weight.shape"),
+    (dict(residual_dtype=None), ValueError, "residual needs residual_dtype"),
+    (dict(layer=3), ValueError, r"layer=3 must be in \[0, 3\)"),
+    (dict(layer=1.0), TypeError, "layer=1.0 must be an int"),
+    (dict(group_size=48), ValueError, "group_size=48 must be a positive divisor"),
+    (dict(z=jnp.ones((3, 60))), ValueError, "z.shape"),
+    (dict(bias=jnp.ones((200,))), ValueError, "bias.shape"),
+    (dict(eps=0.0), ValueError, "eps=0.0"),
+    (dict(dtype=jnp.int8), TypeError, "dtype=int8"),
+    (dict(backend="triton"), ValueError, "backend='triton' must be one of"),
+])
+def test_norm_project_checks_name_the_argument(change, error, message):
+    a = _projection_args()
+    kwargs = dict(norm_weight=a["norm_weight"], residual=a["residual"], residual_dtype=jnp.float32, layer=1)
+    kwargs.update({k: v for k, v in change.items() if k not in ("x", "weight")})
+    with pytest.raises(error, match=message):
+        jax_mamba2.norm_project(change.get("x", a["x"]), change.get("weight", a["weight"]), **kwargs)
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(nheads=6), ValueError, "nheads=6 must be a multiple of ngroups=4"),
+    (dict(headdim=0), ValueError, "headdim=0 must be a positive int"),
+    (dict(dt_offset=10_000), ValueError, r"dt's columns \[10000, 10004\) must lie inside"),
+    (dict(z_offset=-1), ValueError, "z_offset=-1"),
+    (dict(dt_limit=(0.5, 0.1)), ValueError, "dt_limit"),
+    (dict(ssm_state=jnp.ones((3, 2, 4, 32, 16))), ValueError, "ssm_state.shape"),
+    (dict(conv_state=jnp.ones((3, 2, 10, 4))), ValueError, "conv_state.shape"),
+    (dict(D=jnp.ones((3, 5))), ValueError, "D.shape"),
+    (dict(A_log=jnp.ones((3, 4), jnp.int32)), TypeError, "A_log.dtype=int32"),
+    (dict(layer=jnp.ones((2,), jnp.int32)), TypeError, "must be an int or an integer scalar array"),
+])
+def test_mixer_step_checks_name_the_argument(change, error, message):
+    case = MIXER_CASES["one_head_per_group"]
+    a = _jnp(mixer_inputs(case, seed=10))
+    layout = {**case.layout(), **{k: v for k, v in change.items() if k in case.layout()}}
+    arrays = {k: change.get(k, a[k]) for k in a}
+    with pytest.raises(error, match=message):
+        jax_mamba2.mixer_step(arrays["zxbcdt"], arrays["conv_state"], arrays["ssm_state"], arrays["conv_weight"],
+                              arrays["conv_bias"], arrays["A_log"], arrays["dt_bias"], arrays["D"], **layout,
+                              layer=change.get("layer", 0))

@@ -1,0 +1,93 @@
+"""The decode ops' kernels on the GPU (run on the H200; skipped elsewhere): jax_mamba2.norm_project and mixer_step
+with the "cutile" and "cutile_callback" backends against the float64 reference on fresh random inputs, at the test
+cases and at the LM's decode shapes (24 stacked layers of d_model 1024, the tied 50280-row head, batches 1 to
+256); and the LM's fused step over many tokens (the SSM state stack updated in place, launch after launch)
+against the same model on xla.
+
+    python -m pytest -m gpu tests/test_decode_ops_gpu.py
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, generate
+from tests._helpers import rel_l2
+from tests.kernels._decode_checks import (MIXER_CASES, PROJECTION_CASES, MixerCase, ProjectionCase, mixer_inputs,
+                                          mixer_oracle, projection_inputs, projection_oracle)
+from tests.test_decode_ops import project, step
+
+pytestmark = pytest.mark.gpu
+
+# float32 products run as TF32 on the kernels (as mamba_ssm's Triton); bf16 arrays round every output.
+TOLERANCE = {"float32": 2e-3, "bfloat16": 2e-2}
+LM_PROJECTIONS = {
+    "in_proj_add_norm": ProjectionCase(rows=1, features=1024, out_features=4384, layers=24, layer=7, residual="add",
+                                       dtype="bfloat16", weight_dtype="bfloat16"),
+    "in_proj_first_block_b64": ProjectionCase(rows=64, features=1024, out_features=4384, layers=24, layer=0,
+                                              residual="first", dtype="bfloat16", weight_dtype="bfloat16"),
+    "out_proj_gated_b256": ProjectionCase(rows=256, features=2048, out_features=1024, layers=24, layer=23,
+                                          gate="before", z_offset=0, dtype="bfloat16", weight_dtype="float32"),
+    "tied_head_b8": ProjectionCase(rows=8, features=1024, out_features=50280, layers=1, layer=0, residual="add",
+                                   transpose_weight=True, dtype="bfloat16", weight_dtype="bfloat16"),
+}
+LM_MIXERS = {
+    "mixer_b1": MixerCase(rows=1, nheads=32, headdim=64, ngroups=1, dstate=128, layers=24, layer=5,
+                          dtype="bfloat16", state_dtype="bfloat16"),
+    "mixer_b64_f32_state": MixerCase(rows=64, nheads=32, headdim=64, ngroups=1, dstate=128, layers=4, layer=3,
+                                     dtype="bfloat16", state_dtype="float32"),
+}
+
+
+@pytest.mark.parametrize("backend", ["cutile", "cutile_callback"])
+@pytest.mark.parametrize("name", list(PROJECTION_CASES) + list(LM_PROJECTIONS))
+def test_norm_project_matches_float64_reference(name, backend):
+    case = {**PROJECTION_CASES, **LM_PROJECTIONS}[name]
+    arrays = projection_inputs(case, seed=41)
+    got = project(case, arrays, layer=case.layer, backend=backend)
+    want = projection_oracle(case, arrays)
+    errors = {k: rel_l2(got[k], want[k]) for k in want}
+    assert max(errors.values()) < TOLERANCE[case.dtype], errors
+
+
+@pytest.mark.parametrize("backend", ["cutile", "cutile_callback"])
+@pytest.mark.parametrize("name", list(MIXER_CASES) + list(LM_MIXERS))
+def test_mixer_step_matches_float64_reference(name, backend):
+    case = {**MIXER_CASES, **LM_MIXERS}[name]
+    arrays = mixer_inputs(case, seed=42)
+    got = step(case, arrays, layer=case.layer, backend=backend)
+    want = mixer_oracle(case, arrays)
+    others = [i for i in range(case.layers) if i != case.layer]
+    np.testing.assert_array_equal(np.asarray(got["ssm_state"])[others], arrays["ssm_state"][others])
+    errors = {k: rel_l2(got[k], want[k]) for k in want}
+    assert max(errors.values()) < TOLERANCE[case.dtype], errors
+
+
+CONFIG = Mamba2Config(d_model=256, n_layer=4, vocab_size=512, pad_vocab_size_multiple=8,
+                      ssm_cfg=dict(d_state=64, headdim=64, chunk_size=64))
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_fused_decode_matches_xla_over_many_tokens(scan_layers):
+    """float32 parameters, 48 greedy tokens: each token of the fused cuTile step is the argmax of the uncached
+    xla forward (up to the products' TF32 rounding), and fed the same tokens, the fused step's logits and final
+    decode state match the xla step's (an in-place update that lost a write or raced would drift)."""
+    models = {b: Mamba2LMHeadModel(CONFIG, backend=b, scan_layers=scan_layers, rngs=nnx.Rngs(0))
+              for b in ("cutile", "xla")}
+    prompt_len = 20
+    prompt = jax.random.randint(jax.random.key(3), (3, prompt_len), 0, CONFIG.vocab_size)
+    tokens = generate(models["cutile"], prompt, 48)
+    logits = nnx.jit(lambda m, ids: m(ids))(models["xla"], tokens[:, :-1])[:, prompt_len - 1:, :CONFIG.vocab_size]
+    chosen = jnp.take_along_axis(logits, tokens[:, prompt_len:, None], axis=-1)[..., 0]
+    np.testing.assert_allclose(chosen, logits.max(axis=-1), rtol=0, atol=2e-3 * float(jnp.abs(logits).max()))
+
+    steps = {b: nnx.jit(lambda m, t, c: m.step(t, c), donate_argnums=2) for b in models}
+    caches = {b: m.prefill(prompt)[1] for b, m in models.items()}
+    for token in tokens[:, prompt_len:].T:
+        step_logits = {}
+        for b, model in models.items():
+            step_logits[b], caches[b] = steps[b](model, token, caches[b])
+        assert rel_l2(step_logits["cutile"], step_logits["xla"]) < 2e-3
+    for got, want in zip(caches["cutile"], caches["xla"]):
+        assert rel_l2(got, want) < 2e-3
