@@ -9,8 +9,9 @@ Cases, for the LM of --d-model (24 layers, d_state 128, headdim 64, expand 2, vo
 Parameters (--param-dtypes) bfloat16 or float32; activations bfloat16; rows = --batches.
 
 Timing: one jitted program launches the kernel once for each of the 24 layers of the stacked parameters (the head
-24 times), as a decode step does, so each launch reads weights no other launch of the round left in L2; the time
-per launch is the program's pipelined time (benchmarks/ssd.py `time_jax`) over 24. Floor: the bytes the launch
+on a stack of 24 embeddings), as a decode step does, so each launch reads weights no other launch of the round
+left in L2; us_per_launch is the program's pipelined time (benchmarks/ssd.py `time_jax`) over 24, kernel_us the
+kernel's mean GPU time in a profiler trace of one call (with the program's other kernels, under "others"). Floor: the bytes the launch
 must move (its layer's weights, the state read and written, the rows) at 4.8 TB/s. --sweep also times every
 projection config of `sweep_configs` (the default's record has "default": true).
 
@@ -72,8 +73,8 @@ class Shapes:
 def sweep_configs():
     """The projection tiles and hints the sweep times."""
     from jax_mamba2.kernels.decode_projection import ProjectionConfig
-    return [ProjectionConfig(BLOCK_N=n, BLOCK_K=k, LATENCY=lat)
-            for n, k, lat in itertools.product((16, 32, 64, 128), (64, 128, 256), (0, 4))
+    return [ProjectionConfig(BLOCK_N=n, BLOCK_K=k, LATENCY=4)
+            for n, k in itertools.product((16, 32, 64, 128), (64, 128, 256))
             if not (n == 16 and k > 64)]  # 16 columns with a longer K step spill (test_decode_compile)
 
 
@@ -100,14 +101,14 @@ def _arrays(case: str, s: Shapes, rows: int, param_dtype, key):
         floor = s.d_inner * s.d_model * itemsize + rows * (s.d_inner * 4 + s.d_model * 2)
         return (lambda layer, y, z, weight, norm_weight: decode.norm_project(
             y, weight, norm_weight=norm_weight, z=z, layer=layer, dtype=bf16)), arrays, floor
-    if case == "head":
+    if case == "head":  # a stack of LAYERS embeddings: every launch reads its own (no two are the same call)
         arrays = dict(x=normal((rows, s.d_model), bf16), residual=normal((rows, s.d_model), jnp.float32),
-                      embedding=normal((VOCAB, s.d_model), param_dtype, 0.02),
-                      norm_weight=normal((s.d_model,), param_dtype, 0.1) + 1)
+                      embedding=normal((LAYERS, VOCAB, s.d_model), param_dtype, 0.02),
+                      norm_weight=normal((LAYERS, s.d_model), param_dtype, 0.1) + 1)
         floor = VOCAB * s.d_model * itemsize + rows * (s.d_model * 6 + VOCAB * 2)
         return (lambda layer, x, residual, embedding, norm_weight: decode.norm_project(
             x, embedding, norm_weight=norm_weight, residual=residual, residual_dtype=jnp.float32,
-            transpose_weight=True, dtype=bf16)[0]), arrays, floor
+            transpose_weight=True, layer=layer, dtype=bf16)[0]), arrays, floor
     conv_shape = (LAYERS, rows, s.conv_dim, 4)
     state_shape = (LAYERS, rows, s.nheads, s.headdim, s.d_state)
     arrays = dict(zxbcdt=normal((rows, s.d_in_proj), bf16), conv_state=normal(conv_shape, param_dtype),
@@ -163,15 +164,37 @@ def measure(case: str, s: Shapes, rows: int, param_dtype, config=None, budget_s:
     try:
         run = _program(fn, case)
         timing, _ = time_jax(lambda: run(arrays), budget_s, warmup_s=0.5)
+        traced = _profile(lambda: run(arrays))
     finally:
         if config is not None:
             decode_ops.KERNELS["cutile"] = original
     us = timing.ms_pipelined * 1e3 / LAYERS
-    record.update(us_per_launch=us, gbps=floor_bytes / (us * 1e-6) / 1e9, timing=timing._asdict())
+    ours = [d for name, _, d in traced if name.startswith(("norm_project_kernel", "mixer_step_kernel"))]
+    kernel_us = sum(ours) / len(ours) if ours else None
+    others = {}
+    for name, _, duration in traced:
+        if not name.startswith(("norm_project_kernel", "mixer_step_kernel")):
+            others[name[:60]] = others.get(name[:60], 0.0) + duration
+    record.update(us_per_launch=us, gbps=floor_bytes / (us * 1e-6) / 1e9, timing=timing._asdict(),
+                  kernel_us=kernel_us, kernel_launches=len(ours),
+                  kernel_gbps=None if not kernel_us else floor_bytes / (kernel_us * 1e-6) / 1e9,
+                  others_us=dict(sorted(others.items(), key=lambda kv: -kv[1])[:8]))
     if config is None and case != "mixer":
         record["config"] = dataclasses.asdict(decode_projection.projection_default_config(
             _projection_dims(case, s, rows, param_dtype)))
     return record
+
+
+def _profile(call) -> list:
+    """(name, start_us, duration_us) of the GPU kernels of one call under jax.profiler."""
+    import tempfile
+
+    from benchmarks import lm_bench
+
+    with tempfile.TemporaryDirectory(prefix="decode_kernels_trace_") as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            jax.block_until_ready(call())
+        return lm_bench._trace_kernels(trace_dir)
 
 
 def _projection_dims(case, s, rows, param_dtype):
@@ -184,7 +207,8 @@ def _projection_dims(case, s, rows, param_dtype):
     if case == "out_proj":
         return ProjectionDims(rows=rows, features=s.d_inner, out_features=s.d_model, layers=LAYERS, has_norm=True,
                               z_width=s.d_in_proj, weight_dtype=name, norm_weight_dtype=name)
-    return ProjectionDims(rows=rows, features=s.d_model, out_features=VOCAB, has_norm=True, has_residual=True,
+    return ProjectionDims(rows=rows, features=s.d_model, out_features=VOCAB, layers=LAYERS, has_norm=True,
+                          has_residual=True,
                           write_residual=True, residual_dtype="float32", residual_in_dtype="float32",
                           transpose_weight=True, weight_dtype=name, norm_weight_dtype=name)
 
@@ -218,7 +242,8 @@ def main(argv=None) -> int:
             record["environment_commit"] = os.environ.get("JAX_MAMBA2_GIT_SHA", "unknown")
             records.append(record)
             print(json.dumps({k: record.get(k) for k in ("case", "rows", "param_dtype", "config", "us_per_launch",
-                                                          "floor_us", "gbps", "error")}), flush=True)
+                                                          "kernel_us", "floor_us", "kernel_gbps", "error")}),
+                  flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"decode_kernels_{gpu_slug(environment().get('gpu', 'gpu'))}.json"
     old = json.loads(path.read_text())["records"] if path.exists() else []

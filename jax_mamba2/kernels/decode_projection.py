@@ -16,11 +16,12 @@ loop passes the parameters as they are stored and never copies one layer's slice
 (L, K, N), or (L, N, K) with TRANSPOSE_W (a tied embedding (vocab, d_model) as the LM head), in its own dtype,
 rounded to out's dtype as it is loaded (what `x @ w.astype(dtype)` computes); f32 products run as TF32.
 
-Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)); a block computes a (BLOCK_M, BLOCK_N) tile of out over all K. With
-HAS_NORM it first sums each group's squares over its rows (one pass over their K features), then runs the
-product, normalizing each (BLOCK_M, BLOCK_K) chunk as it goes. The rows are few (one per sequence at a decode
-step) and every column block rereads them from L2; the weight is read once, so the kernel is bound by the
-weight's bytes: K x N x its itemsize per layer.
+Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)); a block computes a (BLOCK_M, BLOCK_N) tile of out over all K in
+one pass: 1 / rms is one factor per row and group, so each group's product runs on h * norm_weight and is
+scaled by it at the group's end, the squares summed from the same loads. (So the product's operand is rounded
+to T before the row's scale, not after as in the composed step: the same relative rounding.) The rows are few
+(one per sequence at a decode step) and every column block rereads them from L2; the weight is read once, so
+the kernel is bound by the weight's bytes: K x N x its itemsize per layer.
 
 Arrays: x, residual, residual_out (M, K); z (M, ZW), the gate being columns [Z_BLOCK * BLOCK_K, + K) (in_proj's
 output, whose z columns come first); norm_weight (L, NGROUPS, GROUP_SIZE); bias (L, N); out (M, N). Absent
@@ -146,40 +147,24 @@ def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
     return ProjectionConfig(BLOCK_N=16, BLOCK_K=64)
 
 
-def _load_rows(array, m, k, BLOCK_M, BLOCK_K):
+def _load(array, index, shape, LATENCY):
+    """A zero-padded tile load, with the latency hint LATENCY (0: none, the compiler's choice)."""
+    if LATENCY:
+        return ct.load(array, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO, latency=LATENCY)
+    return ct.load(array, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO)
+
+
+def _load_rows(array, m, k, BLOCK_M, BLOCK_K, LATENCY):
     """Rows [m*BLOCK_M, ...) x features [k*BLOCK_K, ...) of a (rows, features) array -> f32, zero outside."""
-    return ct.load(array, index=(m, k), shape=(BLOCK_M, BLOCK_K), padding_mode=ct.PaddingMode.ZERO
-                   ).astype(ct.float32)
-
-
-def _norm_input(x, residual, residual_out, m, k, BLOCK_M, BLOCK_K, HAS_RESIDUAL, WRITE_RESIDUAL):
-    """The norm's input h of a (BLOCK_M, BLOCK_K) chunk: x (+ residual), as the residual stream stores it."""
-    h = _load_rows(x, m, k, BLOCK_M, BLOCK_K)
-    if HAS_RESIDUAL:
-        h = h + _load_rows(residual, m, k, BLOCK_M, BLOCK_K)
-    if WRITE_RESIDUAL:
-        h = h.astype(residual_out.dtype).astype(ct.float32)
-    return h
-
-
-def _gate(z, m, k, BLOCK_M, BLOCK_K, Z_BLOCK):
-    z32 = _load_rows(z, m, Z_BLOCK + k, BLOCK_M, BLOCK_K)
-    return z32 * sigmoid(z32)
+    return _load(array, (m, k), (BLOCK_M, BLOCK_K), LATENCY).astype(ct.float32)
 
 
 def _weight_tile(weight, layer, k, n, BLOCK_K, BLOCK_N, TRANSPOSE_W, LATENCY):
     """weight[layer] rows [k*BLOCK_K, ...) x columns [n*BLOCK_N, ...) as (BLOCK_K, BLOCK_N), zero outside."""
     if TRANSPOSE_W:
-        shape, index = (1, BLOCK_N, BLOCK_K), (layer, n, k)
-    else:
-        shape, index = (1, BLOCK_K, BLOCK_N), (layer, k, n)
-    if LATENCY:
-        tile = ct.load(weight, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO, latency=LATENCY)
-    else:
-        tile = ct.load(weight, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO)
-    if TRANSPOSE_W:
+        tile = _load(weight, (layer, n, k), (1, BLOCK_N, BLOCK_K), LATENCY)
         return ct.permute(tile.reshape((BLOCK_N, BLOCK_K)), (1, 0))
-    return tile.reshape((BLOCK_K, BLOCK_N))
+    return _load(weight, (layer, k, n), (1, BLOCK_K, BLOCK_N), LATENCY).reshape((BLOCK_K, BLOCK_N))
 
 
 def norm_project_kernel(
@@ -206,7 +191,7 @@ def norm_project_kernel(
     TRANSPOSE_W: ConstBool,
     HAS_BIAS: ConstBool,
     EPS: ConstFloat,
-    LATENCY: ConstInt,   # latency hint of the weight loads (1..10), 0 for none
+    LATENCY: ConstInt,   # latency hint of the loads in the K loop (1..10), 0 for none
 ):
     m = ct.bid(0)
     n = ct.bid(1)
@@ -214,36 +199,39 @@ def norm_project_kernel(
     steps = GROUP_SIZE // BLOCK_K
     mma_type = mma_dtype(out.dtype)
     acc = ct.zeros((BLOCK_M, BLOCK_N), ct.float32)
+    # One pass over K: a row's 1 / rms is one factor per row and group, so each group's product runs on the
+    # unnormalized (weighted) rows and is scaled by it afterwards, while the same loads sum the squares.
     for g in range(NGROUPS):
-        if HAS_NORM:
-            sum_sq = ct.zeros((BLOCK_M, 1), ct.float32)
-            for s in range(steps):
-                k = g * steps + s
-                h = _norm_input(x, residual, residual_out, m, k, BLOCK_M, BLOCK_K, HAS_RESIDUAL, WRITE_RESIDUAL)
-                if WRITE_RESIDUAL:
-                    if n == 0:
-                        ct.store(residual_out, index=(m, k), tile=h.astype(residual_out.dtype))
-                if HAS_Z:
-                    if not NORM_BEFORE_GATE:
-                        h = h * _gate(z, m, k, BLOCK_M, BLOCK_K, Z_BLOCK)
-                sum_sq = sum_sq + ct.sum(h * h, axis=1, keepdims=True)
-            rstd = ct.rsqrt(sum_sq / GROUP_SIZE + EPS)
+        group_acc = ct.zeros((BLOCK_M, BLOCK_N), ct.float32)
+        sum_sq = ct.zeros((BLOCK_M, 1), ct.float32)
         for s in range(steps):
             k = g * steps + s
-            h = _norm_input(x, residual, residual_out, m, k, BLOCK_M, BLOCK_K, HAS_RESIDUAL, WRITE_RESIDUAL)
+            h = _load_rows(x, m, k, BLOCK_M, BLOCK_K, LATENCY)
+            if HAS_RESIDUAL:
+                h = h + _load_rows(residual, m, k, BLOCK_M, BLOCK_K, LATENCY)
+            if WRITE_RESIDUAL:  # the norm reads h as the residual stream stores it
+                h = h.astype(residual_out.dtype).astype(ct.float32)
+                if n == 0:
+                    ct.store(residual_out, index=(m, k), tile=h.astype(residual_out.dtype))
             if HAS_NORM:
                 if HAS_Z:
-                    gate = _gate(z, m, k, BLOCK_M, BLOCK_K, Z_BLOCK)
+                    z32 = _load_rows(z, m, Z_BLOCK + k, BLOCK_M, BLOCK_K, LATENCY)
+                    gate = z32 * sigmoid(z32)
                     if not NORM_BEFORE_GATE:
                         h = h * gate
-                scale = ct.load(norm_weight, index=(layer, g, s), shape=(1, 1, BLOCK_K)).reshape((1, BLOCK_K))
-                h = h * rstd * scale.astype(ct.float32)
+                sum_sq = sum_sq + ct.sum(h * h, axis=1, keepdims=True)
+                scale = _load(norm_weight, (layer, g, s), (1, 1, BLOCK_K), LATENCY).reshape((1, BLOCK_K))
+                h = h * scale.astype(ct.float32)
                 if HAS_Z:
                     if NORM_BEFORE_GATE:
                         h = h * gate
             a = h.astype(x.dtype).astype(out.dtype).astype(mma_type)
             w = _weight_tile(weight, layer, k, n, BLOCK_K, BLOCK_N, TRANSPOSE_W, LATENCY)
-            acc = ct.mma(a, w.astype(out.dtype).astype(mma_type), acc)
+            group_acc = ct.mma(a, w.astype(out.dtype).astype(mma_type), group_acc)
+        if HAS_NORM:
+            acc = acc + group_acc * ct.rsqrt(sum_sq / GROUP_SIZE + EPS)
+        else:
+            acc = acc + group_acc
     if HAS_BIAS:
         b = ct.load(bias, index=(layer, n), shape=(1, BLOCK_N), padding_mode=ct.PaddingMode.ZERO)
         acc = acc + b.astype(out.dtype).astype(ct.float32)
