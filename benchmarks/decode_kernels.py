@@ -13,7 +13,7 @@ on a stack of 24 embeddings), as a decode step does, so each launch reads weight
 left in L2; us_per_launch is the program's pipelined time (benchmarks/ssd.py `time_jax`) over 24, kernel_us the
 kernel's mean GPU time in a profiler trace of one call (with the program's other kernels, under "others"). Floor: the bytes the launch
 must move (its layer's weights, the state read and written, the rows) at 4.8 TB/s. --sweep also times every
-projection config of `sweep_configs` (the default's record has "default": true).
+projection and mixer config of `sweep_configs` (the default's record has "default": true).
 
 Run on the GPU machine:
   source .gpu/gpu-env.sh
@@ -70,12 +70,18 @@ class Shapes:
         return 2 * self.d_inner + 2 * self.d_state + self.nheads
 
 
-def sweep_configs():
-    """The projection tiles and hints the sweep times."""
+def sweep_configs(case: str, rows: int):
+    """The tiles and hints the sweep times: the projection's (at one row also 1-row blocks, without tensor
+    cores), or the mixer step's state rows per block."""
+    from jax_mamba2.kernels.decode_mixer import MixerStepConfig
     from jax_mamba2.kernels.decode_projection import ProjectionConfig
-    return [ProjectionConfig(BLOCK_N=n, BLOCK_K=k, LATENCY=4)
-            for n, k in itertools.product((16, 32, 64, 128), (64, 128, 256))
-            if not (n == 16 and k > 64)]  # 16 columns with a longer K step spill (test_decode_compile)
+    if case == "mixer":
+        return [MixerStepConfig(BLOCK_P=p, OCCUPANCY=occ) for p, occ in ((32, 4), (64, 2), (64, 4))]
+    tiles = [ProjectionConfig(BLOCK_N=n, BLOCK_K=k, LATENCY=4)
+             for n, k in itertools.product((16, 32, 64, 128), (64, 128, 256))
+             if not (n == 16 and k > 64)]  # 16 columns with a longer K step spill (test_decode_compile)
+    one_row = [ProjectionConfig(BLOCK_N=n, BLOCK_K=k, BLOCK_M=1) for n, k in itertools.product((32, 64, 128), (128, 256))]
+    return tiles + (one_row if rows == 1 else [])
 
 
 def _arrays(case: str, s: Shapes, rows: int, param_dtype, key):
@@ -151,14 +157,15 @@ def _program(fn, case: str):
 def measure(case: str, s: Shapes, rows: int, param_dtype, config=None, budget_s: float = 0.5) -> dict:
     """One record: microseconds per launch, the floor and the achieved bandwidth."""
     from jax_mamba2.bridge import decode_ops, ffi
-    from jax_mamba2.kernels import decode_projection
+    from jax_mamba2.kernels import decode_mixer, decode_projection
 
     fn, arrays, floor_bytes = _arrays(case, s, rows, param_dtype, jax.random.key(0))
     record = dict(case=case, d_model=s.d_model, rows=rows, param_dtype=jnp.dtype(param_dtype).name,
                   config=None if config is None else dataclasses.asdict(config),
                   default=config is None, floor_us=floor_bytes / (PEAK_HBM_TBPS * 1e12) * 1e6)
     if config is not None:
-        kernels = decode_ops.make_kernels(ffi.run_plan, projection_config=lambda dims, c=config: c)
+        choice = {"mixer_config" if case == "mixer" else "projection_config": lambda dims, c=config: c}
+        kernels = decode_ops.make_kernels(ffi.run_plan, **choice)
         original = decode_ops.KERNELS["cutile"]
         decode_ops.KERNELS["cutile"] = kernels
     try:
@@ -179,10 +186,17 @@ def measure(case: str, s: Shapes, rows: int, param_dtype, config=None, budget_s:
                   kernel_us=kernel_us, kernel_launches=len(ours),
                   kernel_gbps=None if not kernel_us else floor_bytes / (kernel_us * 1e-6) / 1e9,
                   others_us=dict(sorted(others.items(), key=lambda kv: -kv[1])[:8]))
-    if config is None and case != "mixer":
-        record["config"] = dataclasses.asdict(decode_projection.projection_default_config(
-            _projection_dims(case, s, rows, param_dtype)))
+    if config is None:
+        record["config"] = dataclasses.asdict(
+            decode_mixer.mixer_step_default_config(_mixer_dims(s, rows)) if case == "mixer" else
+            decode_projection.projection_default_config(_projection_dims(case, s, rows, param_dtype)))
     return record
+
+
+def _mixer_dims(s, rows):
+    from jax_mamba2.kernels.decode_mixer import MixerStepDims
+    return MixerStepDims(rows=rows, nheads=s.nheads, headdim=s.headdim, ngroups=1, dstate=s.d_state,
+                         in_width=s.d_in_proj, xbc_offset=s.d_inner, dt_offset=s.d_inner + s.conv_dim, layers=LAYERS)
 
 
 def _profile(call) -> list:
@@ -224,15 +238,17 @@ def main(argv=None) -> int:
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 64])
     parser.add_argument("--param-dtypes", nargs="+", choices=("bfloat16", "float32"), default=["bfloat16"])
-    parser.add_argument("--sweep", action="store_true", help="also every projection config of sweep_configs")
-    parser.add_argument("--sweep-cases", nargs="+", choices=CASES[:3], default=["in_proj", "out_proj"])
+    parser.add_argument("--sweep", action="store_true", help="also every config of sweep_configs")
+    parser.add_argument("--sweep-cases", nargs="+", choices=CASES, default=["in_proj", "out_proj", "mixer"])
+    parser.add_argument("--sweep-batches", nargs="+", type=int, default=[1, 64])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
 
     shapes = Shapes(args.d_model)
     records = []
     for case, rows, dtype in itertools.product(args.cases, args.batches, args.param_dtypes):
-        configs = [None] + (sweep_configs() if args.sweep and case in args.sweep_cases else [])
+        configs = [None] + (sweep_configs(case, rows) if args.sweep and case in args.sweep_cases and rows in
+                            args.sweep_batches else [])
         for config in configs:
             try:
                 record = measure(case, shapes, rows, jnp.dtype(dtype), config)

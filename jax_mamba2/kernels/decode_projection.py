@@ -94,19 +94,24 @@ class ProjectionDims:
 @dataclasses.dataclass(frozen=True)
 class ProjectionConfig:
     """BLOCK_N: output columns per block; BLOCK_K: the product's K step (a power of two; at most the largest
-    power of two dividing the group, see `block_k`); LATENCY: the weight loads' latency hint (1..10, 0 none);
-    OCCUPANCY: blocks per SM the compiler budgets registers for (None: its choice)."""
+    power of two dividing the group, see `block_k`); LATENCY: the loads' latency hint (1..10, 0 none);
+    OCCUPANCY: blocks per SM the compiler budgets registers for (None: its choice); BLOCK_M: rows per block
+    (None: `ProjectionDims.block_m`; below 16 the product runs without tensor cores)."""
 
     BLOCK_N: int = 32
     BLOCK_K: int = 128
     LATENCY: int = 4
     OCCUPANCY: Optional[int] = None
+    BLOCK_M: Optional[int] = None
 
     def __post_init__(self):
         for name in ("BLOCK_N", "BLOCK_K"):
             value = getattr(self, name)
             if not is_power_of_2(value) or not 16 <= value <= 256:
                 raise ValueError(f"ProjectionConfig: {name}={value} must be a power of two in [16, 256]")
+        if self.BLOCK_M is not None and (not is_power_of_2(self.BLOCK_M) or self.BLOCK_M > MAX_BLOCK_M):
+            raise ValueError(f"ProjectionConfig: BLOCK_M={self.BLOCK_M} must be None or a power of two <= "
+                             f"{MAX_BLOCK_M}")
         if not 0 <= self.LATENCY <= 10:
             raise ValueError(f"ProjectionConfig: LATENCY={self.LATENCY} must be 0 (no hint) or in [1, 10]")
         if self.OCCUPANCY is not None and not 1 <= self.OCCUPANCY <= 32:
@@ -265,11 +270,12 @@ def norm_project_plan(dims: ProjectionDims, cfg: Optional[ProjectionConfig] = No
     """
     cfg = cfg or projection_default_config(dims)
     bk = block_k(dims, cfg)
+    bm = cfg.BLOCK_M or dims.block_m
     launch = Launch(
         kernel=with_hints(NORM_PROJECT_KERNEL, occupancy=cfg.OCCUPANCY),
-        grid=(-(-dims.rows // dims.block_m), -(-dims.out_features // cfg.BLOCK_N)),
+        grid=(-(-dims.rows // bm), -(-dims.out_features // cfg.BLOCK_N)),
         args=("layer_index", "x", "residual", "z", "norm_weight", "weight", "bias", "out", "residual_out",
-              dims.ngroups, dims.group, dims.block_m, cfg.BLOCK_N, bk, dims.has_norm, dims.has_residual,
+              dims.ngroups, dims.group, bm, cfg.BLOCK_N, bk, dims.has_norm, dims.has_residual,
               dims.write_residual, dims.has_z, dims.z_offset // bk, dims.has_z and dims.norm_before_gate,
               dims.transpose_weight, dims.has_bias, float(dims.eps), cfg.LATENCY),
         writes=("out", "residual_out"),

@@ -85,9 +85,12 @@ def test_projection_matches_float64_reference(name, float64):
 
 
 @pytest.mark.parametrize("cfg", [decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=16, LATENCY=0),
-                                 decode_projection.ProjectionConfig(BLOCK_N=64, BLOCK_K=64, LATENCY=2)])
+                                 decode_projection.ProjectionConfig(BLOCK_N=64, BLOCK_K=64, LATENCY=2),
+                                 decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=32, BLOCK_M=1),
+                                 decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=32, BLOCK_M=2)])
 def test_projection_tiles_and_hints_leave_the_values(cfg):
-    """A K step smaller than a group (several steps per group) and one larger than the rows' features."""
+    """K steps of several per group and of a whole group, and blocks of fewer rows than the case has (1-row blocks
+    run without tensor cores)."""
     case = PROJECTION_CASES["gated_norm_out_proj"]
     arrays = projection_inputs(case, seed=12)
     _assert_close(run_projection(case, arrays, cfg), projection_oracle(case, arrays), TOLERANCE[True])
