@@ -106,7 +106,11 @@ class MixerStepConfig:
 
 
 def mixer_step_default_config(dims: MixerStepDims) -> MixerStepConfig:
-    """About 2K state values per block, as the decode step of `ssd_step` (state_update_default_config)."""
+    """Every block recomputes its group's B and C conv (2 dstate channels): whole heads per block (fewer blocks,
+    less of that) once there are two blocks per SM of an H200 (264); otherwise about 2K state values per block,
+    as `ssd_step`'s kernel, so that a small batch still spreads over the SMs."""
+    if dims.rows * dims.nheads >= 264:
+        return MixerStepConfig(BLOCK_P=min(dims.headdim, 64), OCCUPANCY=4)
     return MixerStepConfig(BLOCK_P=min(dims.headdim, 64, max(4, 2048 // dims.dstate)))
 
 
