@@ -18,8 +18,8 @@ projection and mixer config of `sweep_configs` (the default's record has "defaul
 Run on the GPU machine:
   source .gpu/gpu-env.sh
   python benchmarks/decode_kernels.py --sweep --out $OUT
-Writes <out>/decode_kernels_<gpu>.json (records of an earlier run in the same file are kept unless remeasured)
-and prints one line per record.
+Writes <out>/decode_kernels_<gpu>.json after every record (records of an earlier run in the same file are kept
+unless remeasured) and prints one line per record.
 """
 from __future__ import annotations
 
@@ -259,15 +259,19 @@ def main(argv=None) -> int:
             print(json.dumps({k: record.get(k) for k in ("case", "rows", "param_dtype", "config", "us_per_launch",
                                                           "kernel_us", "floor_us", "kernel_gbps", "error")}),
                   flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"decode_kernels_{gpu_slug(environment().get('gpu', 'gpu'))}.json"
+            _write(args.out, records)  # after every record: a run stopped by a time cap keeps what it measured
+    return 0
+
+
+def _write(out: Path, records: list[dict]) -> None:
+    """Merges `records` into <out>/decode_kernels_<gpu>.json (a remeasured record replaces the earlier one)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"decode_kernels_{gpu_slug(environment().get('gpu', 'gpu'))}.json"
     old = json.loads(path.read_text())["records"] if path.exists() else []
     fresh = {_key(r) for r in records}
     merged = [r for r in old if _key(r) not in fresh] + records
     path.write_text(json.dumps({"benchmark": "decode_kernels", "environment": environment(), "records": merged},
                                indent=1, default=str) + "\n")
-    print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":

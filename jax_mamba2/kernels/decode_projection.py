@@ -144,9 +144,8 @@ def projection_unsupported_reason(dims: ProjectionDims) -> Optional[str]:
 
 def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
     """64 columns per block where that still gives two blocks per SM of an H200 (264: an LM head), else 32, with
-    a K step of 128 (64 for float32 weights: the same bytes per step, and spill-free). Fewer columns leave the product without tensor cores: on the H200, 16-column blocks ran
-    in_proj's decode projection (1024 x 4384, bf16) at 220 us per launch at batch 1, 64-column blocks the
-    50280-row head at 65 us (benchmarks/results/decode_kernels_h200.json)."""
+    a K step of 128 (64 for float32 weights: the same bytes per step, and spill-free). Fewer columns leave the
+    product without tensor cores, which the H200 runs many times slower (docs/design.md, "Decode")."""
     m_blocks = -(-dims.rows // dims.block_m)
     block_n = 64 if m_blocks * -(-dims.out_features // 64) >= 264 else 32
     return ProjectionConfig(BLOCK_N=block_n, BLOCK_K=64 if dims.weight_dtype == "float32" else 128)
