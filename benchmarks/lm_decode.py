@@ -275,7 +275,6 @@ def decode_torch_model(job: dict, model, device) -> dict:
     peak = torch.cuda.max_memory_allocated() if cuda else None
     del model
     return {"batches": batches, "prefill_ms": prefill, "weight_bytes": weight_bytes,
-            "fused_decode_min_batch": mamba2_module.FUSED_DECODE_MIN_BATCH,
             "state_bytes_per_row": state_bytes, "peak_memory_bytes": peak,
             "device_rates": lm_bench.torch_device_rates(device),
             "environment": {"device": torch.cuda.get_device_name() if cuda else str(device),

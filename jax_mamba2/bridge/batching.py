@@ -24,3 +24,17 @@ def broadcast_unbatched(tree, batched_tree, axis_size: int):
     return jax.tree.map(
         lambda a, b: a if b else jnp.broadcast_to(a[None], (axis_size, *a.shape)),
         tree, batched_tree)
+
+
+def map_items(fn, args, in_batched, axis_size: int):
+    """fn(*args) for each item of the mapped axis, one call each under `jax.lax.map` (items that cannot share one
+    launch); `args` may hold None for absent arrays, which pass through as None."""
+    present = [i for i, a in enumerate(args) if a is not None]
+    mapped = broadcast_unbatched([args[i] for i in present], [in_batched[i] for i in present], axis_size)
+
+    def one(items):
+        full = list(args)
+        for i, a in zip(present, items):
+            full[i] = a
+        return fn(*full)
+    return jax.lax.map(one, mapped)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_mamba2.bridge import _compat, callback, ffi
-from jax_mamba2.bridge.batching import broadcast_unbatched, fold, unfold
+from jax_mamba2.bridge.batching import fold, map_items, unfold
 from jax_mamba2.bridge.problem import gpu_unavailable_reason
 from jax_mamba2.kernels import decode_mixer, decode_projection
 from jax_mamba2.kernels._common import KERNEL_DTYPES
@@ -84,15 +84,7 @@ def _batchable_projection(run_plan: RunPlan, config: ChooseProjectionConfig, dim
         args = (layer_index, x, residual, z, norm_weight, weight, bias)
         out_batched = (True, True if dims.write_residual else None)
         if any(in_batched[i] for i in (0, 4, 5, 6)):  # a layer or weights per item: one launch each
-            present = [i for i, a in enumerate(args) if a is not None]
-            mapped = broadcast_unbatched([args[i] for i in present], [in_batched[i] for i in present], axis_size)
-
-            def one(items):
-                full = list(args)
-                for i, a in zip(present, items):
-                    full[i] = a
-                return project(*full)
-            return jax.lax.map(one, mapped), out_batched
+            return map_items(project, args, in_batched, axis_size), out_batched
         rows = [None if a is None else fold(a, b, axis_size) for a, b in zip(args[1:4], in_batched[1:4])]
         outputs = _batchable_projection(run_plan, config, dataclasses.replace(dims, rows=axis_size * dims.rows))(
             layer_index, *rows, norm_weight, weight, bias)
@@ -122,15 +114,7 @@ def _batchable_mixer(run_plan: RunPlan, config: ChooseMixerConfig, dims: MixerSt
     def step_vmap(axis_size, in_batched, *args):
         # The state stacks hold the rows on their second axis: mapped items run one launch each rather than
         # moving the whole stacks to fold them in.
-        present = [i for i, a in enumerate(args) if a is not None]
-        mapped = broadcast_unbatched([args[i] for i in present], [in_batched[i] for i in present], axis_size)
-
-        def one(items):
-            full = list(args)
-            for i, a in zip(present, items):
-                full[i] = a
-            return step(*full)
-        return jax.lax.map(one, mapped), (True, True, True)
+        return map_items(step, args, in_batched, axis_size), (True, True, True)
 
     return step
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_mamba2.bridge import _compat, problem, tuning
-from jax_mamba2.bridge.batching import broadcast_unbatched, fold, unfold
+from jax_mamba2.bridge.batching import broadcast_unbatched, fold, map_items, unfold
 from jax_mamba2.kernels import backward as backward_kernels
 from jax_mamba2.kernels import forward as forward_kernels
 from jax_mamba2.kernels import state_update as step_kernels
@@ -203,15 +203,7 @@ def _batchable_step(run_plan: RunPlan, dt_softplus: bool, dt_limit: tuple):
         args = (state, x, dt, A, B, C, D, z, dt_bias)
         per_head = (3, 6, 8)
         if any(in_batched[i] for i in per_head):  # per-item parameters cannot share one launch
-            present = [i for i, a in enumerate(args) if a is not None]
-            mapped = broadcast_unbatched([args[i] for i in present], [in_batched[i] for i in present], axis_size)
-
-            def one(items):
-                full = list(args)
-                for i, a in zip(present, items):
-                    full[i] = a
-                return step(*full)
-            return jax.lax.map(one, mapped), (True, True)
+            return map_items(step, args, in_batched, axis_size), (True, True)
         folded = [a if i in per_head or a is None else fold(a, in_batched[i], axis_size)
                   for i, a in enumerate(args)]
         return tuple(unfold(out, axis_size) for out in step(*folded)), (True, True)

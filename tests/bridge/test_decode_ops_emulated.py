@@ -5,7 +5,6 @@ inside the layers: `Mamba2.step` and the LM's fused step over several tokens (th
 through every layer's launch) against the same models on xla."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
