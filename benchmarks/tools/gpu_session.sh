@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|decode [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train [OUT]}
+part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|decode [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 source .gpu/gpu-env.sh >/dev/null || exit 1
@@ -116,6 +116,17 @@ case $part in
       "$out/xla/train_lm/metrics.json" --png "$out/train_curves_h200.png"
     rm -rf "$out"/*/train_lm/checkpoints "$out"/*/train_lm/model   # large, and not evidence
     step jit_model 60 python examples/jit_model.py --out "$out"
+    ;;
+  decode)  # the decode ops: their GPU tests, each kernel against its floor and the tile sweep, the LM's token step
+    # at batches 1-256 against mamba_ssm's with a profile (about 9 minutes)
+    export JAX_MAMBA2_AUTOTUNE=0
+    step decode_gpu_tests 240 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider tests/test_decode_ops_gpu.py \
+      tests/flax_layers/test_decode_gpu.py
+    step decode_kernels 170 python benchmarks/decode_kernels.py --sweep --out "$out"
+    lm_peer=(); [ -d .peers ] && lm_peer=(--mamba-ssm .peers)
+    step lm_decode 170 python benchmarks/lm_decode.py --configs d1024-l24 --impls cutile mamba_ssm \
+      --param-dtypes bfloat16 --batches 1 8 64 256 --prompt-lengths --profile "${lm_peer[@]}" --worker-timeout 160 \
+      --out "$out"
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
