@@ -15,8 +15,9 @@ from flax import nnx
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, generate
 from jax_mamba2.flax_layers import mamba2 as mamba2_module
 from tests._helpers import rel_l2
-from tests.kernels._decode_checks import (MIXER_CASES, PROJECTION_CASES, MixerCase, ProjectionCase, mixer_inputs,
-                                          mixer_oracle, projection_inputs, projection_oracle)
+from tests.kernels._decode_checks import (MIXER_CASES, PROJECTION_CASES, MixerCase, ProjectionCase,
+                                          assert_lm_steps_match, mixer_inputs, mixer_oracle, projection_inputs,
+                                          projection_oracle)
 from tests.test_decode_ops import project, step
 
 pytestmark = pytest.mark.gpu
@@ -84,12 +85,5 @@ def test_fused_decode_matches_xla_over_many_tokens(scan_layers, monkeypatch):
     chosen = jnp.take_along_axis(logits, tokens[:, prompt_len:, None], axis=-1)[..., 0]
     np.testing.assert_allclose(chosen, logits.max(axis=-1), rtol=0, atol=2e-3 * float(jnp.abs(logits).max()))
 
-    steps = {b: nnx.jit(lambda m, t, c: m.step(t, c), donate_argnums=2) for b in models}
-    caches = {b: m.prefill(prompt)[1] for b, m in models.items()}
-    for token in tokens[:, prompt_len:].T:
-        step_logits = {}
-        for b, model in models.items():
-            step_logits[b], caches[b] = steps[b](model, token, caches[b])
-        assert rel_l2(step_logits["cutile"], step_logits["xla"]) < 2e-3
-    for got, want in zip(caches["cutile"], caches["xla"]):
-        assert rel_l2(got, want) < 2e-3
+    assert_lm_steps_match(models, {b: m.prefill(prompt)[1] for b, m in models.items()}, tokens[:, prompt_len:].T,
+                          2e-3, donate=True)

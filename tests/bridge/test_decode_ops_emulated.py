@@ -17,8 +17,8 @@ from jax_mamba2.flax_layers import Mamba2, Mamba2Config, Mamba2LMHeadModel  # no
 from jax_mamba2.flax_layers import mamba2 as mamba2_module  # noqa: E402
 from tests._helpers import rel_l2  # noqa: E402
 from tests.bridge._emulated_backend import emulate_layer_kernels  # noqa: E402
-from tests.kernels._decode_checks import (MIXER_CASES, PROJECTION_CASES, mixer_inputs,  # noqa: E402
-                                          projection_inputs)
+from tests.kernels._decode_checks import (MIXER_CASES, PROJECTION_CASES, assert_lm_steps_match,  # noqa: E402
+                                          mixer_inputs, projection_inputs)
 from tests.test_decode_ops import project, step  # noqa: E402
 
 # The arrays between the plans and XLA are in their own dtypes (the emulated kernels compute in float64).
@@ -107,15 +107,9 @@ def test_emulated_mixer_step_matches_xla_over_several_tokens():
 def test_emulated_lm_step_matches_xla_over_several_tokens():
     """The fused step's launches thread the stacked SSM state through all layers, token after token."""
     models = {b: Mamba2LMHeadModel(CONFIG, backend=b, rngs=nnx.Rngs(0)) for b in ("cutile", "xla")}
-    steps = {b: nnx.jit(lambda m, t, c: m.step(t, c)) for b in models}
-    caches = {b: m.init_cache(2) for b, m in models.items()}
-    for token in jax.random.randint(jax.random.key(2), (4, 2), 0, CONFIG.vocab_size):
-        logits = {}
-        for b, model in models.items():
-            logits[b], caches[b] = steps[b](model, token, caches[b])
-        assert rel_l2(logits["cutile"], logits["xla"]) < 1e-5
-    for got, want in zip(caches["cutile"], caches["xla"]):
-        assert rel_l2(got, want) < 1e-5
+    tokens = jax.random.randint(jax.random.key(2), (4, 2), 0, CONFIG.vocab_size)
+    assert_lm_steps_match(models, {b: m.init_cache(2) for b, m in models.items()}, tokens, 1e-5)
     graphdef, state = nnx.split(models["cutile"])
-    jaxpr = jax.make_jaxpr(lambda s, t, c: nnx.merge(graphdef, s).step(t, c))(state, token, caches["cutile"])
+    jaxpr = jax.make_jaxpr(lambda s, t, c: nnx.merge(graphdef, s).step(t, c))(
+        state, tokens[0], models["cutile"].init_cache(2))
     assert str(jaxpr).count("pure_callback") == 3 * CONFIG.n_layer + 1

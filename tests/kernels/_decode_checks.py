@@ -170,3 +170,21 @@ def mixer_oracle(case: MixerCase, arrays: dict) -> dict:
         stack = np.array(np.asarray(arrays["ssm_state"], np.float64))
         stack[layer] = np.asarray(state)
         return {"y": np.asarray(y), "ssm_state": stack, "new_conv_state": np.asarray(conv)}
+
+
+def assert_lm_steps_match(models: dict, caches: dict, tokens, tolerance: float, donate: bool = False) -> None:
+    """Feeds the same tokens (steps, batch) through the `step` of `models["cutile"]` and `models["xla"]` from their
+    `caches`: the logits of every step and the final decode states agree within `tolerance` (relative L2)."""
+    from flax import nnx
+
+    from tests._helpers import rel_l2
+
+    steps = {b: nnx.jit(lambda m, t, c: m.step(t, c), donate_argnums=2 if donate else ()) for b in models}
+    caches = dict(caches)
+    for token in tokens:
+        logits = {}
+        for b, model in models.items():
+            logits[b], caches[b] = steps[b](model, token, caches[b])
+        assert rel_l2(logits["cutile"], logits["xla"]) < tolerance
+    for got, want in zip(caches["cutile"], caches["xla"]):
+        assert rel_l2(got, want) < tolerance
