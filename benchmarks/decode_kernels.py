@@ -11,7 +11,8 @@ Parameters (--param-dtypes) bfloat16 or float32; activations bfloat16; rows = --
 Timing: one jitted program launches the kernel once for each of the 24 layers of the stacked parameters (the head
 on a stack of 24 embeddings), as a decode step does, so each launch reads weights no other launch of the round
 left in L2; us_per_launch is the program's pipelined time (benchmarks/ssd.py `time_jax`) over 24, kernel_us the
-kernel's mean GPU time in a profiler trace of one call (with the program's other kernels, under "others"). Floor: the bytes the launch
+GPU time of the op's kernels per call (a projection's norm and product launches together) in a profiler trace of
+one program (with the program's other kernels, under "others"). Floor: the bytes the launch
 must move (its layer's weights, the state read and written, the rows) at 4.8 TB/s. --sweep also times every
 projection and mixer config of `sweep_configs` (the default's record has "default": true).
 
@@ -43,6 +44,8 @@ from benchmarks.ssd import PEAK_HBM_TBPS, time_jax  # noqa: E402
 from jax_mamba2 import backends, decode  # noqa: E402
 
 LAYERS = 24
+# The decode ops' kernels: a projection launches the first two (the second alone without a norm).
+DECODE_KERNELS = ("decode_norm_kernel", "decode_project_kernel", "mixer_step_kernel")
 VOCAB = 50280
 CASES = ("in_proj", "out_proj", "head", "mixer")
 
@@ -71,17 +74,14 @@ class Shapes:
 
 
 def sweep_configs(case: str, rows: int):
-    """The tiles and hints the sweep times: the projection's (at one row also 1-row blocks, without tensor
-    cores), or the mixer step's state rows per block."""
+    """The tiles and hints the sweep times: the projection product's columns, K step with its latency hint and
+    occupancy hint, or the mixer step's state rows per block and occupancy hint."""
     from jax_mamba2.kernels.decode_mixer import MixerStepConfig
     from jax_mamba2.kernels.decode_projection import ProjectionConfig
     if case == "mixer":
-        return [MixerStepConfig(BLOCK_P=p, OCCUPANCY=occ) for p, occ in ((32, 4), (64, 2), (64, 4))]
-    tiles = [ProjectionConfig(BLOCK_N=n, BLOCK_K=k, LATENCY=4)
-             for n, k in itertools.product((16, 32, 64, 128), (64, 128, 256))
-             if not (n == 16 and k > 64)]  # 16 columns with a longer K step spill (test_decode_compile)
-    one_row = [ProjectionConfig(BLOCK_N=n, BLOCK_K=k, BLOCK_M=1) for n, k in itertools.product((32, 64, 128), (128, 256))]
-    return tiles + (one_row if rows == 1 else [])
+        return [MixerStepConfig(BLOCK_P=p, OCCUPANCY=occ) for p, occ in itertools.product((32, 64), (2, 4, 8))]
+    return [ProjectionConfig(BLOCK_N=n, BLOCK_K=k, LATENCY=latency, OCCUPANCY=occupancy)
+            for n, (k, latency), occupancy in itertools.product((32, 64, 128), ((128, 4), (256, 2)), (None, 2))]
 
 
 def _arrays(case: str, s: Shapes, rows: int, param_dtype, key):
@@ -175,11 +175,11 @@ def measure(case: str, s: Shapes, rows: int, param_dtype, config=None, budget_s:
     finally:
         backends.register_backend(registered, op=decode.OP)
     us = timing.ms_pipelined * 1e3 / LAYERS
-    ours = [d for name, _, d in traced if name.startswith(("norm_project_kernel", "mixer_step_kernel"))]
-    kernel_us = sum(ours) / len(ours) if ours else None
+    ours = [d for name, _, d in traced if name.startswith(DECODE_KERNELS)]
+    kernel_us = sum(ours) / LAYERS if ours else None  # the op's kernels per call: one or two launches
     others = {}
     for name, _, duration in traced:
-        if not name.startswith(("norm_project_kernel", "mixer_step_kernel")):
+        if not name.startswith(DECODE_KERNELS):
             others[name[:60]] = others.get(name[:60], 0.0) + duration
     record.update(us_per_launch=us, gbps=floor_bytes / (us * 1e-6) / 1e9, timing=timing._asdict(),
                   kernel_us=kernel_us, kernel_launches=len(ours),

@@ -1,5 +1,5 @@
 """The decode step's projections: a few rows, optionally added to the residual stream and RMS-normalized (grouped,
-gated), times one layer's weight matrix, as one cuTile kernel.
+gated), times one layer's weight matrix, as two cuTile kernels of one plan.
 
 Mirrors `jax_mamba2.decode_reference.norm_project`. Per row r, in f32 up to the product:
 
@@ -8,7 +8,7 @@ Mirrors `jax_mamba2.decode_reference.norm_project`. Per row r, in f32 up to the 
     h     *= silu(z[r])                                      HAS_Z and not NORM_BEFORE_GATE
     h      = h / sqrt(mean_g(h^2) + EPS) * norm_weight[l, g]   HAS_NORM, per group g of GROUP_SIZE features
     h     *= silu(z[r])                                      HAS_Z and NORM_BEFORE_GATE
-    a      = h rounded to x's dtype, then to out's (the computation dtype)
+    a      = h rounded to the stream's dtype, then x's (normed, an (M, K) buffer), then out's (the computation dtype)
     out[r] = a @ weight[l] (+ bias[l] with HAS_BIAS): f32 accumulation, rounded to out's dtype
 
 with l = layer_index[0]: every per-layer array is the model's stack of all layers (leading (L,) axis), so a layer
@@ -16,16 +16,19 @@ loop passes the parameters as they are stored and never copies one layer's slice
 (L, K, N), or (L, N, K) with TRANSPOSE_W (a tied embedding (vocab, d_model) as the LM head), in its own dtype,
 rounded to out's dtype as it is loaded (what `x @ w.astype(dtype)` computes); f32 products run as TF32.
 
-Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)); a block computes a (BLOCK_M, BLOCK_N) tile of out over all K in
-one pass: 1 / rms is one factor per row and group, so each group's product runs on h * norm_weight and is
-scaled by it at the group's end, the squares summed from the same loads. (So the product's operand is rounded
-to T before the row's scale, not after as in the composed step: the same relative rounding.) The rows are few
-(one per sequence at a decode step) and every column block rereads them from L2; the weight is read once, so
-the kernel is bound by the weight's bytes: K x N x its itemsize per layer.
+Two launches (one without the norm):
+- `decode_norm_kernel`, grid (M, NGROUPS): a block normalizes one row's group in two passes over it (the sum of
+  squares, then the scaled rows), NORM_BLOCK_K features per step (the whole group when it is a power of two up to
+  2048: one load); it writes the normalized rows (M x K, a few KB) and the residual stream.
+- `decode_project_kernel`, grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)): a block computes a (BLOCK_M, BLOCK_N) tile
+  of out over all K, rows and weight tiles pipelined by the loads' latency hint; the rows are few and every
+  column block rereads them from L2, the weight is read once, so it is bound by the weight's bytes.
+Folding the norm into the product's K loop (one launch) put a row reduction and four more loads on every step's
+critical path and measured 2-4x slower on the H200 than the two launches (docs/design.md, "Decode").
 
-Arrays: x, residual, residual_out (M, K); z (M, ZW), the gate being columns [Z_BLOCK * BLOCK_K, + K) (in_proj's
-output, whose z columns come first); norm_weight (L, NGROUPS, GROUP_SIZE); bias (L, N); out (M, N). Absent
-optional arrays are (1, 1) / (1, 1, 1) dummies the kernel never touches.
+Arrays: x, residual, residual_out, normed (M, K); z (M, ZW), the gate being columns [Z_BLOCK * NORM_BLOCK_K, + K)
+(in_proj's output, whose z columns come first); norm_weight (L, NGROUPS, GROUP_SIZE); bias (L, N); out (M, N).
+Absent optional arrays are (1, 1) / (1, 1, 1) dummies the kernels never touch.
 """
 import dataclasses
 from typing import Optional
@@ -37,9 +40,12 @@ from jax_mamba2.kernels._common import (
 from jax_mamba2.kernels.rms_norm import sigmoid
 
 NORM_PROJECT_INPUTS = ("layer_index", "x", "residual", "z", "norm_weight", "weight", "bias")
-NORM_PROJECT_OUTPUTS = ("out", "residual_out")
 # Rows per block: the product's M tile (a power of two >= 16, the smallest tensor-core tile).
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
+# The norm pass's widest step: a (1, MAX_NORM_BLOCK_K) f32 tile per loaded array.
+MAX_NORM_BLOCK_K = 2048
+# Product blocks in one wave of an H200: 132 SMs, one block each.
+WAVE_BLOCKS = 132
 _INT32_MAX = (1 << 31) - 1
 
 
@@ -93,12 +99,12 @@ class ProjectionDims:
 
 @dataclasses.dataclass(frozen=True)
 class ProjectionConfig:
-    """BLOCK_N: output columns per block; BLOCK_K: the product's K step (a power of two; at most the largest
-    power of two dividing the group, see `block_k`); LATENCY: the loads' latency hint (1..10, 0 none);
-    OCCUPANCY: blocks per SM the compiler budgets registers for (None: its choice); BLOCK_M: rows per block
-    (None: `ProjectionDims.block_m`; below 16 the product runs without tensor cores)."""
+    """The product's tiles: BLOCK_N output columns per block; BLOCK_K its K step (a power of two); LATENCY the
+    loads' latency hint (1..10, 0 none); OCCUPANCY blocks per SM the compiler budgets registers for (None: its
+    choice); BLOCK_M rows per block (None: `ProjectionDims.block_m`; below 16 the product runs without tensor
+    cores). The norm's pass has no tile to choose (`norm_block_k`)."""
 
-    BLOCK_N: int = 32
+    BLOCK_N: int = 64
     BLOCK_K: int = 128
     LATENCY: int = 4
     OCCUPANCY: Optional[int] = None
@@ -118,14 +124,15 @@ class ProjectionConfig:
             raise ValueError(f"ProjectionConfig: OCCUPANCY={self.OCCUPANCY} must be None or in [1, 32]")
 
 
-def block_k(dims: ProjectionDims, cfg: ProjectionConfig) -> int:
-    """The K step: cfg.BLOCK_K, lowered to the largest power of two that divides the group (so a step never
-    spans two groups and the gate's columns start on a step)."""
-    return min(cfg.BLOCK_K, dims.group & -dims.group)
+def norm_block_k(dims: ProjectionDims) -> int:
+    """The norm pass's step: the largest power of two, up to MAX_NORM_BLOCK_K, that divides the group and the
+    gate's offset (so a step never spans two groups and the gate's columns start on a step)."""
+    step = min(MAX_NORM_BLOCK_K, dims.group & -dims.group)
+    return min(step, dims.z_offset & -dims.z_offset) if dims.z_offset else step
 
 
 def projection_unsupported_reason(dims: ProjectionDims) -> Optional[str]:
-    """Why the kernel cannot run `dims` (None when it can)."""
+    """Why the kernels cannot run `dims` (None when they can)."""
     if dims.features % 16 or dims.group % 16:
         return f"features={dims.features} and the norm's group ({dims.group}) must be multiples of 16"
     if dims.ngroups * dims.group != dims.features:
@@ -143,11 +150,12 @@ def projection_unsupported_reason(dims: ProjectionDims) -> Optional[str]:
 
 
 def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
-    """64 columns per block where that still gives two blocks per SM of an H200 (264: an LM head), else 32, with
-    a K step of 128 (64 for float32 weights: the same bytes per step, and spill-free). Fewer columns leave the
-    product without tensor cores, which the H200 runs many times slower (docs/design.md, "Decode")."""
+    """The product's columns per block: the fewest (down to 32) whose blocks still fit one wave of an H200 (132
+    SMs, a block per SM), so that every block streams its weight columns at once; 128 when even those are more
+    than a wave (an LM head). K step 128 (64 for float32 weights: the same bytes per step, and spill-free).
+    Fewer than 32 columns leave the product without tensor cores, which the H200 runs many times slower."""
     m_blocks = -(-dims.rows // dims.block_m)
-    block_n = 64 if m_blocks * -(-dims.out_features // 64) >= 264 else 32
+    block_n = next((n for n in (32, 64, 128) if m_blocks * -(-dims.out_features // n) <= WAVE_BLOCKS), 128)
     return ProjectionConfig(BLOCK_N=block_n, BLOCK_K=64 if dims.weight_dtype == "float32" else 128)
 
 
@@ -158,11 +166,6 @@ def _load(array, index, shape, LATENCY):
     return ct.load(array, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO)
 
 
-def _load_rows(array, m, k, BLOCK_M, BLOCK_K, LATENCY):
-    """Rows [m*BLOCK_M, ...) x features [k*BLOCK_K, ...) of a (rows, features) array -> f32, zero outside."""
-    return _load(array, (m, k), (BLOCK_M, BLOCK_K), LATENCY).astype(ct.float32)
-
-
 def _weight_tile(weight, layer, k, n, BLOCK_K, BLOCK_N, TRANSPOSE_W, LATENCY):
     """weight[layer] rows [k*BLOCK_K, ...) x columns [n*BLOCK_N, ...) as (BLOCK_K, BLOCK_N), zero outside."""
     if TRANSPOSE_W:
@@ -171,71 +174,104 @@ def _weight_tile(weight, layer, k, n, BLOCK_K, BLOCK_N, TRANSPOSE_W, LATENCY):
     return _load(weight, (layer, k, n), (1, BLOCK_K, BLOCK_N), LATENCY).reshape((BLOCK_K, BLOCK_N))
 
 
-def norm_project_kernel(
+def _norm_input(x, residual, z, residual_out, row, k, BLOCK_K, HAS_RESIDUAL, WRITE_RESIDUAL, HAS_Z, Z_BLOCK,
+                NORM_BEFORE_GATE, STORE_RESIDUAL):
+    """(h, gate) of one row's features [k*BLOCK_K, +BLOCK_K), (1, BLOCK_K) f32: h = x (+ residual) as the residual
+    stream stores it (stored there with STORE_RESIDUAL), gated unless NORM_BEFORE_GATE; gate = silu(z) (h when
+    there is no gate)."""
+    h = ct.load(x, index=(row, k), shape=(1, BLOCK_K)).astype(ct.float32)
+    if HAS_RESIDUAL:
+        h = h + ct.load(residual, index=(row, k), shape=(1, BLOCK_K)).astype(ct.float32)
+    if WRITE_RESIDUAL:  # the norm reads h as the residual stream stores it
+        h = h.astype(residual_out.dtype)
+        if STORE_RESIDUAL:
+            ct.store(residual_out, index=(row, k), tile=h)
+        h = h.astype(ct.float32)
+    gate = h
+    if HAS_Z:
+        z32 = ct.load(z, index=(row, Z_BLOCK + k), shape=(1, BLOCK_K)).astype(ct.float32)
+        gate = z32 * sigmoid(z32)
+        if not NORM_BEFORE_GATE:
+            h = h * gate
+    return h, gate
+
+
+def _store_normed(norm_weight, normed, residual_out, layer, row, g, s, steps, h, gate, rstd, BLOCK_K, HAS_Z,
+                  NORM_BEFORE_GATE, WRITE_RESIDUAL):
+    """normed[row, step s of group g] = h * rstd * norm_weight[layer, g, step s] (* gate), rounded to the residual
+    stream's dtype with WRITE_RESIDUAL (the dtype the reference normalizes in and returns) and then to normed's."""
+    scale = ct.load(norm_weight, index=(layer, g, s), shape=(1, 1, BLOCK_K)).reshape((1, BLOCK_K))
+    y = h * rstd * scale.astype(ct.float32)
+    if HAS_Z:
+        if NORM_BEFORE_GATE:
+            y = y * gate
+    if WRITE_RESIDUAL:
+        y = y.astype(residual_out.dtype)
+    ct.store(normed, index=(row, g * steps + s), tile=y.astype(normed.dtype))
+
+
+def decode_norm_kernel(
     layer_index,         # (1,) int32
     x,                   # (M, K) T
     residual,            # (M, K) Tr_in, or a dummy without HAS_RESIDUAL
     z,                   # (M, ZW) Tz, or a dummy without HAS_Z
-    norm_weight,         # (L, NGROUPS, GROUP_SIZE) in its dtype, or a dummy without HAS_NORM
-    weight,              # (L, K, N), or (L, N, K) with TRANSPOSE_W, in its dtype
-    bias,                # (L, N) in the weight's dtype, or a dummy without HAS_BIAS
-    out,                 # (M, N) T_out, written
-    residual_out,        # (M, K) Tr, written with WRITE_RESIDUAL (by the blocks of column 0), else a dummy
-    NGROUPS: ConstInt,
+    norm_weight,         # (L, NGROUPS, GROUP_SIZE) in its dtype
+    normed,              # (M, K) T, written
+    residual_out,        # (M, K) Tr, written with WRITE_RESIDUAL, else a dummy
     GROUP_SIZE: ConstInt,
-    BLOCK_M: ConstInt,
-    BLOCK_N: ConstInt,
-    BLOCK_K: ConstInt,
-    HAS_NORM: ConstBool,
+    BLOCK_K: ConstInt,   # norm_block_k: divides GROUP_SIZE
     HAS_RESIDUAL: ConstBool,
     WRITE_RESIDUAL: ConstBool,
     HAS_Z: ConstBool,
     Z_BLOCK: ConstInt,   # the gate's first column in units of BLOCK_K
     NORM_BEFORE_GATE: ConstBool,
+    EPS: ConstFloat,
+):
+    row = ct.bid(0)
+    g = ct.bid(1)
+    layer = ct.load(layer_index, index=(0,), shape=(1,)).item()
+    steps = GROUP_SIZE // BLOCK_K
+    h, gate = _norm_input(x, residual, z, residual_out, row, g * steps, BLOCK_K, HAS_RESIDUAL, WRITE_RESIDUAL,
+                          HAS_Z, Z_BLOCK, NORM_BEFORE_GATE, True)
+    sum_sq = ct.sum(h * h, axis=1, keepdims=True)
+    for s in range(1, steps):
+        h_s, _ = _norm_input(x, residual, z, residual_out, row, g * steps + s, BLOCK_K, HAS_RESIDUAL,
+                             WRITE_RESIDUAL, HAS_Z, Z_BLOCK, NORM_BEFORE_GATE, True)
+        sum_sq = sum_sq + ct.sum(h_s * h_s, axis=1, keepdims=True)
+    rstd = ct.rsqrt(sum_sq / GROUP_SIZE + EPS)
+    # The first step's rows are still in registers; later steps reread theirs (from L2: a few KB per row).
+    _store_normed(norm_weight, normed, residual_out, layer, row, g, 0, steps, h, gate, rstd, BLOCK_K, HAS_Z,
+                  NORM_BEFORE_GATE, WRITE_RESIDUAL)
+    for s in range(1, steps):
+        h_s, gate_s = _norm_input(x, residual, z, residual_out, row, g * steps + s, BLOCK_K, HAS_RESIDUAL,
+                                  WRITE_RESIDUAL, HAS_Z, Z_BLOCK, NORM_BEFORE_GATE, False)
+        _store_normed(norm_weight, normed, residual_out, layer, row, g, s, steps, h_s, gate_s, rstd, BLOCK_K, HAS_Z,
+                      NORM_BEFORE_GATE, WRITE_RESIDUAL)
+
+
+def decode_project_kernel(
+    layer_index,         # (1,) int32
+    a,                   # (M, K) the rows: the normalized rows (T), or x itself without a norm
+    weight,              # (L, K, N), or (L, N, K) with TRANSPOSE_W, in its dtype
+    bias,                # (L, N) in the weight's dtype, or a dummy without HAS_BIAS
+    out,                 # (M, N) T_out, written
+    BLOCK_M: ConstInt,
+    BLOCK_N: ConstInt,
+    BLOCK_K: ConstInt,
+    K_STEPS: ConstInt,   # cdiv(K, BLOCK_K): the last step's features past K load as zeros
     TRANSPOSE_W: ConstBool,
     HAS_BIAS: ConstBool,
-    EPS: ConstFloat,
     LATENCY: ConstInt,   # latency hint of the loads in the K loop (1..10), 0 for none
 ):
     m = ct.bid(0)
     n = ct.bid(1)
     layer = ct.load(layer_index, index=(0,), shape=(1,)).item()
-    steps = GROUP_SIZE // BLOCK_K
     mma_type = mma_dtype(out.dtype)
     acc = ct.zeros((BLOCK_M, BLOCK_N), ct.float32)
-    # One pass over K: a row's 1 / rms is one factor per row and group, so each group's product runs on the
-    # unnormalized (weighted) rows and is scaled by it afterwards, while the same loads sum the squares.
-    for g in range(NGROUPS):
-        group_acc = ct.zeros((BLOCK_M, BLOCK_N), ct.float32)
-        sum_sq = ct.zeros((BLOCK_M, 1), ct.float32)
-        for s in range(steps):
-            k = g * steps + s
-            h = _load_rows(x, m, k, BLOCK_M, BLOCK_K, LATENCY)
-            if HAS_RESIDUAL:
-                h = h + _load_rows(residual, m, k, BLOCK_M, BLOCK_K, LATENCY)
-            if WRITE_RESIDUAL:  # the norm reads h as the residual stream stores it
-                h = h.astype(residual_out.dtype).astype(ct.float32)
-                if n == 0:
-                    ct.store(residual_out, index=(m, k), tile=h.astype(residual_out.dtype))
-            if HAS_NORM:
-                if HAS_Z:
-                    z32 = _load_rows(z, m, Z_BLOCK + k, BLOCK_M, BLOCK_K, LATENCY)
-                    gate = z32 * sigmoid(z32)
-                    if not NORM_BEFORE_GATE:
-                        h = h * gate
-                sum_sq = sum_sq + ct.sum(h * h, axis=1, keepdims=True)
-                scale = _load(norm_weight, (layer, g, s), (1, 1, BLOCK_K), LATENCY).reshape((1, BLOCK_K))
-                h = h * scale.astype(ct.float32)
-                if HAS_Z:
-                    if NORM_BEFORE_GATE:
-                        h = h * gate
-            a = h.astype(x.dtype).astype(out.dtype).astype(mma_type)
-            w = _weight_tile(weight, layer, k, n, BLOCK_K, BLOCK_N, TRANSPOSE_W, LATENCY)
-            group_acc = ct.mma(a, w.astype(out.dtype).astype(mma_type), group_acc)
-        if HAS_NORM:
-            acc = acc + group_acc * ct.rsqrt(sum_sq / GROUP_SIZE + EPS)
-        else:
-            acc = acc + group_acc
+    for k in range(K_STEPS):
+        rows = _load(a, (m, k), (BLOCK_M, BLOCK_K), LATENCY).astype(out.dtype).astype(mma_type)
+        w = _weight_tile(weight, layer, k, n, BLOCK_K, BLOCK_N, TRANSPOSE_W, LATENCY)
+        acc = ct.mma(rows, w.astype(out.dtype).astype(mma_type), acc)
     if HAS_BIAS:
         b = ct.load(bias, index=(layer, n), shape=(1, BLOCK_N), padding_mode=ct.PaddingMode.ZERO)
         acc = acc + b.astype(out.dtype).astype(ct.float32)
@@ -243,7 +279,8 @@ def norm_project_kernel(
 
 
 # int32-indexed only: projection_unsupported_reason refuses arrays of 2^31 elements or more.
-NORM_PROJECT_KERNEL = ct.kernel(norm_project_kernel)
+DECODE_NORM_KERNEL = ct.kernel(decode_norm_kernel)
+DECODE_PROJECT_KERNEL = ct.kernel(decode_project_kernel)
 
 
 def norm_project_inputs(dims: ProjectionDims) -> dict[str, Buffer]:
@@ -260,31 +297,47 @@ def norm_project_inputs(dims: ProjectionDims) -> dict[str, Buffer]:
     }
 
 
+def _norm_launch(dims: ProjectionDims) -> Launch:
+    step = norm_block_k(dims)
+    return Launch(
+        kernel=DECODE_NORM_KERNEL,
+        grid=(dims.rows, dims.ngroups),
+        args=("layer_index", "x", "residual", "z", "norm_weight", "normed", "residual_out", dims.group, step,
+              dims.has_residual, dims.write_residual, dims.has_z, dims.z_offset // step,
+              dims.has_z and dims.norm_before_gate, float(dims.eps)),
+        writes=("normed", "residual_out"),
+    )
+
+
+def _project_launch(dims: ProjectionDims, cfg: ProjectionConfig, rows: str) -> Launch:
+    bm = cfg.BLOCK_M or dims.block_m
+    return Launch(
+        kernel=with_hints(DECODE_PROJECT_KERNEL, occupancy=cfg.OCCUPANCY),
+        grid=(-(-dims.rows // bm), -(-dims.out_features // cfg.BLOCK_N)),
+        args=("layer_index", rows, "weight", "bias", "out", bm, cfg.BLOCK_N, cfg.BLOCK_K,
+              -(-dims.features // cfg.BLOCK_K), dims.transpose_weight, dims.has_bias, cfg.LATENCY),
+        writes=("out",),
+    )
+
+
 def norm_project_plan(dims: ProjectionDims, cfg: Optional[ProjectionConfig] = None) -> Plan:
-    """The projection for `dims`.
+    """The projection for `dims`: the norm's launch (with has_norm) and the product's.
 
     Returns:
-      A Plan with inputs NORM_PROJECT_INPUTS and outputs NORM_PROJECT_OUTPUTS: "out" (M, N) in out_dtype and
-      "residual_out" (M, K) in residual_dtype (a (1, 1) dummy without write_residual).
+      A Plan with inputs NORM_PROJECT_INPUTS and outputs "out" (M, N) in out_dtype and, with write_residual,
+      "residual_out" (M, K) in residual_dtype.
     """
     cfg = cfg or projection_default_config(dims)
-    bk = block_k(dims, cfg)
-    bm = cfg.BLOCK_M or dims.block_m
-    launch = Launch(
-        kernel=with_hints(NORM_PROJECT_KERNEL, occupancy=cfg.OCCUPANCY),
-        grid=(-(-dims.rows // bm), -(-dims.out_features // cfg.BLOCK_N)),
-        args=("layer_index", "x", "residual", "z", "norm_weight", "weight", "bias", "out", "residual_out",
-              dims.ngroups, dims.group, bm, cfg.BLOCK_N, bk, dims.has_norm, dims.has_residual,
-              dims.write_residual, dims.has_z, dims.z_offset // bk, dims.has_z and dims.norm_before_gate,
-              dims.transpose_weight, dims.has_bias, float(dims.eps), cfg.LATENCY),
-        writes=("out", "residual_out"),
-    )
+    buffers = {"out": Buffer((dims.rows, dims.out_features), dims.out_dtype)}
+    if not dims.has_norm:
+        return Plan(inputs=NORM_PROJECT_INPUTS, buffers=buffers, launches=(_project_launch(dims, cfg, "x"),),
+                    outputs=("out",))
+    buffers["normed"] = Buffer((dims.rows, dims.features), dims.dtype)
+    buffers["residual_out"] = Buffer((dims.rows, dims.features) if dims.write_residual else (1, 1),
+                                     dims.residual_dtype or dims.dtype)
     return Plan(
         inputs=NORM_PROJECT_INPUTS,
-        buffers={"out": Buffer((dims.rows, dims.out_features), dims.out_dtype),
-                 "residual_out": Buffer((dims.rows, dims.features) if dims.write_residual else (1, 1),
-                                        dims.residual_dtype or dims.dtype)},
-        launches=(launch,),
-        outputs=NORM_PROJECT_OUTPUTS,
+        buffers=buffers,
+        launches=(_norm_launch(dims), _project_launch(dims, cfg, "normed")),
+        outputs=("out", "residual_out") if dims.write_residual else ("out",),
     )
-

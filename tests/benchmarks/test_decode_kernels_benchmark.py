@@ -8,14 +8,14 @@ import pytest
 from benchmarks import decode_kernels
 
 
-def test_sweep_configs_are_distinct_and_compile_spill_free_tiles_only():
+def test_sweep_configs_are_distinct_tensor_core_tiles():
     pytest.importorskip("cuda.tile")
     for rows in (1, 64):
         configs = decode_kernels.sweep_configs("in_proj", rows)
         assert len(set(configs)) == len(configs)
-        assert not any(c.BLOCK_N == 16 and c.BLOCK_K > 64 for c in configs)
-        assert any(c.BLOCK_M == 1 for c in configs) == (rows == 1)
-    assert {c.BLOCK_P for c in decode_kernels.sweep_configs("mixer", 64)} == {32, 64}
+        assert all(c.BLOCK_N >= 32 and c.BLOCK_M is None for c in configs)  # 16-column or 1-row tiles: no mma
+    mixer = decode_kernels.sweep_configs("mixer", 64)
+    assert {c.BLOCK_P for c in mixer} == {32, 64} and {c.OCCUPANCY for c in mixer} == {2, 4, 8}
 
 
 def test_cli_writes_a_record_per_case_and_merges_reruns(tmp_path, capsys):

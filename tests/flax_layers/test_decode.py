@@ -21,6 +21,8 @@ from jax_mamba2.flax_layers import mamba2 as mamba2_module
 from tests.flax_layers._programs import cutile_launches, loop_lengths, walk, weight_conversions
 
 # Kernel-compatible sizes (headdim and d_state powers of two >= 16): 4 heads, 3 layers, chunks of 8.
+# A projection of the fused step: the norm kernel, then the product kernel.
+PROJECTION = ["decode_norm_kernel", "decode_project_kernel"]
 CONFIG = Mamba2Config(d_model=32, n_layer=3, vocab_size=64, ssm_cfg=dict(d_state=16, headdim=16, chunk_size=8))
 BATCH = 3  # no weight has an axis of 3, so a converted (3, ...) array is an activation
 PROMPT_LEN, NEW_TOKENS = 40, 7  # 5 chunks of 8; the decode loop runs 6 steps: no loop length repeats
@@ -67,8 +69,8 @@ def test_bf16_parameter_decode_step_converts_no_weight(backend):
     if backend == "cutile":  # three fused launches per layer, one for the final norm and the head
         launches = cutile_launches(jaxpr)
         assert [name for name, _ in launches] == (
-            ["norm_project_kernel", "mixer_step_kernel", "norm_project_kernel"] * CONFIG.n_layer
-            + ["norm_project_kernel"])
+            [*PROJECTION, "mixer_step_kernel", *PROJECTION] * CONFIG.n_layer
+            + PROJECTION)
         assert all(loops == () for _, loops in launches)  # the layers unrolled on their stacked parameters
         # The kernels read the bf16 scales, conv weights, A_log, dt_bias and D as they are, stacked: nothing of
         # any parameter is converted, sliced out of its stack or copied before a launch.
@@ -128,8 +130,8 @@ def test_generate_prefills_with_the_cutile_forward_kernels_and_decodes_with_the_
     assert prefill == (["rms_norm_fwd_kernel", "causal_conv1d_fwd_kernel", "chunk_cumsum_fwd_kernel",
                         "chunk_state_fwd_kernel", "chunk_scan_fwd_kernel", "rms_norm_fwd_kernel"]
                        * (1 if scan_layers else CONFIG.n_layer) + ["rms_norm_fwd_kernel"])
-    assert steps == (["norm_project_kernel", "mixer_step_kernel", "norm_project_kernel"] * CONFIG.n_layer
-                     + ["norm_project_kernel"])
+    assert steps == ([*PROJECTION, "mixer_step_kernel", *PROJECTION] * CONFIG.n_layer
+                     + PROJECTION)
     assert len(steps) + len(prefill) == len(launches)
     assert ("scan", PROMPT_LEN) not in loop_lengths(jaxpr)
 
@@ -148,8 +150,8 @@ def test_the_fused_step_runs_from_its_smallest_batch():
                 assert names == ["rms_norm_fwd_kernel", "state_update_kernel", "rms_norm_fwd_kernel",
                                  "rms_norm_fwd_kernel"]
             else:
-                assert names == (["norm_project_kernel", "mixer_step_kernel", "norm_project_kernel"]
-                                 * CONFIG.n_layer + ["norm_project_kernel"])
+                assert names == ([*PROJECTION, "mixer_step_kernel", *PROJECTION]
+                                 * CONFIG.n_layer + PROJECTION)
 
 
 def test_generate_prefills_through_the_chunked_xla_path_not_token_by_token():

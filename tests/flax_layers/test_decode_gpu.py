@@ -55,9 +55,9 @@ def test_compiled_generate_launches_the_forward_kernels_and_the_fused_step_only(
     hlo = jax.jit(lambda prompt: generate(model, prompt, 8)).lower(_prompt(0, 200)).compile().as_text()
     launches = [line for line in hlo.splitlines() if 'custom_call_target="cutile_launch"' in line]
     kernels = [re.search(r'function_name\s*=\s*\\?"([^"\\]+)', line).group(1) for line in launches]
-    steps = [k for k in kernels if k.startswith(("norm_project_kernel", "mixer_step_kernel"))]
+    steps = [k for k in kernels if k.startswith(("decode_norm_kernel", "decode_project_kernel", "mixer_step_kernel"))]
     forward = [k for k in kernels if k not in steps]
-    assert len(steps) == 3 * CONFIG.n_layer + 1, kernels  # the decode loop: three per layer and the head
+    assert len(steps) == 5 * CONFIG.n_layer + 2, kernels  # the decode loop: five per layer and two for the head
     assert forward and all("fwd" in k for k in forward), kernels  # the prompt: forward kernels, no backward
 
 

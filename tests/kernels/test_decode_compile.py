@@ -9,7 +9,6 @@ pytest.importorskip("cuda.tile")
 
 from benchmarks.tools.sass import resource_usage  # noqa: E402
 from jax_mamba2.kernels import decode_mixer, decode_projection  # noqa: E402
-from jax_mamba2.kernels._common import kernel_name  # noqa: E402
 from jax_mamba2.kernels.decode_mixer import MixerStepDims  # noqa: E402
 from jax_mamba2.kernels.decode_projection import ProjectionDims  # noqa: E402
 from tests.kernels.test_compile import plan_cubins  # noqa: E402
@@ -42,8 +41,8 @@ def _cubins(rows: int, param_dtype: str) -> dict[str, bytes]:
     for name, dims in _projections(rows, param_dtype).items():
         assert decode_projection.projection_unsupported_reason(dims) is None
         plan = decode_projection.norm_project_plan(dims)
-        cubins[name] = plan_cubins((plan, decode_projection.norm_project_inputs(dims)))[kernel_name(
-            plan.launches[0].kernel)]
+        for kernel, cubin in plan_cubins((plan, decode_projection.norm_project_inputs(dims))).items():
+            cubins[f"{name} {kernel}"] = cubin
     dims = _mixer(rows, param_dtype)
     assert decode_mixer.mixer_step_unsupported_reason(dims) is None
     cubins["mixer"] = plan_cubins((decode_mixer.mixer_step_plan(dims), decode_mixer.mixer_step_inputs(dims)))[
