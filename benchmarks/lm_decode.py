@@ -22,7 +22,7 @@ Implementations (--impls):
                torch.autocast(bfloat16) (cache off, so the cast is captured in the graph).
 Per batch in --batches (default 1 8 64 256): the median ms per token step over --repeats rounds after
 --warmup-seconds of untimed rounds, tokens/s = batch / step time, and which step ours ran ("fused": the decode
-ops, from FUSED_DECODE_MIN_BATCH rows, which --fused-decode-min-batch sets; else "composed").
+ops, on one device; "composed" otherwise).
 Floor: the weights' bytes (and, as a second figure, plus the decode state read and written once) over the
 HBM bandwidth of a 1 GiB device-to-device copy measured in the same process.
 Prefill (--prompt-lengths, default 512 2048, batch 1): ours `generate(prompt, 1)`, mamba_ssm the forward that
@@ -155,11 +155,9 @@ def decode_ours(job: dict) -> dict:
     from flax import nnx
 
     from benchmarks.environment import environment
-    from jax_mamba2.flax_layers import mamba2 as mamba2_module
 
-    if job.get("fused_decode_min_batch") is not None:  # this process's choice of step per batch
-        mamba2_module.FUSED_DECODE_MIN_BATCH = job["fused_decode_min_batch"]
     model = ours_model(job)
+    decode_step = "fused" if model.layers.mixer.decodes_fused() else "composed"
     vocab = model.config.vocab_size
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
     state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(model.init_cache(1)))
@@ -170,7 +168,7 @@ def decode_ours(job: dict) -> dict:
         _, long_ms = _timed_generate(model, prompt, 1 + job["decode_steps"], job["repeats"], job["warmup_seconds"])
         step_ms = (long_ms - short_ms) / job["decode_steps"]
         row = {"generate_1_ms": short_ms, "generate_long_ms": long_ms, "first_call_s": first_s,
-               "step": "fused" if model.layers.mixer.decodes_fused(batch) else "composed"}
+               "step": decode_step}
         if step_ms > 0:
             row.update(ms_per_token=step_ms, tokens_per_s=batch / step_ms * 1e3)
         else:  # the decode steps took less than the timing noise of the prefill: no step time to report
@@ -186,7 +184,7 @@ def decode_ours(job: dict) -> dict:
     peak = lm_bench.jax_peak_bytes()
     del model
     return {"batches": batches, "prefill_ms": prefill, "weight_bytes": weight_bytes,
-            "fused_decode_min_batch": mamba2_module.FUSED_DECODE_MIN_BATCH,
+            "decode_step": decode_step,
             "state_bytes_per_row": state_bytes, "peak_memory_bytes": peak,
             "device_rates": lm_bench.jax_device_rates(), "environment": environment(),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
@@ -327,8 +325,9 @@ def label(record: dict) -> str:
     if record["impl"] in OURS:
         layers = ", layers unrolled" if record.get("scan_layers") is False else ""
         flags = f", XLA_FLAGS={user_xla_flags(record)}" if user_xla_flags(record) else ""
-        fused = record.get("fused_decode_min_batch")
-        step = "" if fused is None else f", fused step from batch {fused}"
+        fused = record.get("fused_decode_min_batch")  # records of a fused step that ran from some batch on
+        step = f", fused step from batch {fused}" if fused is not None else (
+            ", fused step" if record.get("decode_step") == "fused" else "")
         return f"{text}, command buffers {record['command_buffers']}{layers}{flags}{step}"
     conv = record.get("causal_conv1d")
     return f"{text}, {'causal_conv1d ' + conv if conv else 'no causal_conv1d'}"
@@ -406,9 +405,6 @@ def parse_args(argv=None):
                         help="ours: XLA command buffers per process (default: default)")
     parser.add_argument("--unroll-layers", action="store_true",
                         help="ours: Mamba2LMHeadModel(scan_layers=False), the blocks unrolled (default: one scan)")
-    parser.add_argument("--fused-decode-min-batch", type=int, default=None,
-                        help="ours: the smallest batch decoded by the fused step (default: the package's "
-                             "FUSED_DECODE_MIN_BATCH; 1: every batch fused, a large value: every batch composed)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
     parser.add_argument("--prompt-lengths", nargs="*", type=int, default=[512, 2048])
     parser.add_argument("--decode-steps", type=int, default=128, help="timed token steps per round (default: 128)")
@@ -444,7 +440,7 @@ def jobs(args) -> list[tuple[dict, dict]]:
                 for buffers in args.command_buffers:
                     out.append(({**common, "config": config, "impl": impl, "param_dtype": param_dtype,
                                  "command_buffers": buffers, "scan_layers": not args.unroll_layers,
-                                 "profile": args.profile, "fused_decode_min_batch": args.fused_decode_min_batch},
+                                 "profile": args.profile},
                                 lm_bench.command_buffer_env(buffers)))
     return out
 
@@ -457,10 +453,12 @@ def user_xla_flags(record: dict) -> str:
 
 def record_key(record: dict) -> tuple:
     """What a record measured (a rerun replaces it): config, implementation, parameter dtype, command buffers,
-    for ours whether the layers were unrolled, the XLA flags it ran under and from which batch it decoded with
-    the fused step (None: records from before the fused step existed)."""
+    for ours whether the layers were unrolled, the XLA flags it ran under and its decode step: "fused" or
+    "composed" (records from when the fused step ran from some batch on carry that batch instead; None: records
+    from before the fused step existed)."""
     return (record["config"], record["impl"], record["param_dtype"], record.get("command_buffers"),
-            record.get("scan_layers") is False, user_xla_flags(record), record.get("fused_decode_min_batch"))
+            record.get("scan_layers") is False, user_xla_flags(record),
+            record.get("fused_decode_min_batch", record.get("decode_step")))
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,6 @@ import pytest
 from flax import nnx
 
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, generate
-from jax_mamba2.flax_layers import mamba2 as mamba2_module
 from tests._helpers import rel_l2
 from tests.kernels._decode_checks import (MIXER_CASES, PROJECTION_CASES, MixerCase, ProjectionCase,
                                           assert_lm_steps_match, mixer_inputs, mixer_oracle, projection_inputs,
@@ -71,11 +70,10 @@ CONFIG = Mamba2Config(d_model=256, n_layer=4, vocab_size=512, pad_vocab_size_mul
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
-def test_fused_decode_matches_xla_over_many_tokens(scan_layers, monkeypatch):
+def test_fused_decode_matches_xla_over_many_tokens(scan_layers):
     """float32 parameters, 48 greedy tokens: each token of the fused cuTile step is the argmax of the uncached
     xla forward (up to the products' TF32 rounding), and fed the same tokens, the fused step's logits and final
     decode state match the xla step's (an in-place update that lost a write or raced would drift)."""
-    monkeypatch.setattr(mamba2_module, "FUSED_DECODE_MIN_BATCH", 1)  # at this test's 3 rows too
     models = {b: Mamba2LMHeadModel(CONFIG, backend=b, scan_layers=scan_layers, rngs=nnx.Rngs(0))
               for b in ("cutile", "xla")}
     prompt_len = 20

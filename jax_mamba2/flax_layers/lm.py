@@ -272,7 +272,7 @@ class Mamba2LMHeadModel(nnx.Module):
           ValueError, TypeError: for input_ids or a cache of the wrong shape or dtype.
         """
         self._check_inputs("Mamba2LMHeadModel.step", input_ids, cache, sequence=False)
-        if self.layers.mixer.decodes_fused(input_ids.shape[0]):
+        if self.layers.mixer.decodes_fused():
             return self._decode_step(input_ids, cache)
         hidden, residual, cache = self._scan_layers_with_cache("step", input_ids, cache)
         return self._logits(hidden, residual), cache
@@ -453,7 +453,7 @@ def _generate(graphdef, state, prompt_ids, rng, temperature, *, max_new_tokens, 
 
     # The composed step of unrolled layers carries one cache per layer, so that no step stacks the whole
     # state; the fused step updates the stacked SSM state in place.
-    per_layer = not model.scan_layers and not model.layers.mixer.decodes_fused(prompt_ids.shape[0])
+    per_layer = not model.scan_layers and not model.layers.mixer.decodes_fused()
     if per_layer:
         cache = unstack_layers(cache)
 

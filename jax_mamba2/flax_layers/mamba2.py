@@ -37,11 +37,6 @@ from jax_mamba2.projection import project
 from jax_mamba2.op import ssd, ssd_step
 
 
-# The smallest batch whose decode steps run on the fused decode ops. Below it the composed step is the faster:
-# each launch of the fused projection kernel takes longer than XLA's small products, which then outweighs the
-# launches and copies the fused step saves (docs/design.md, "Decode").
-FUSED_DECODE_MIN_BATCH = 64
-
 # The checkpoint name of in_proj's output, what `Mamba2LMHeadModel(remat="matmuls")` keeps for the backward.
 IN_PROJ_OUTPUT = "mamba2_in_proj_output"
 
@@ -320,7 +315,7 @@ class Mamba2(nnx.Module):
         return out, (Mamba2Cache(conv_state, ssm_state) if want_cache else None)
 
     def _step(self, shard: HeadShard, hidden_states, cache: Mamba2Cache):
-        if self.decodes_fused(hidden_states.shape[0]):
+        if self.decodes_fused():
             out, _, conv_state, ssm_state = self.decode_step(hidden_states, cache.conv_state, cache.ssm_state)
             return out, Mamba2Cache(conv_state, ssm_state)
         batch, _ = hidden_states.shape
@@ -341,11 +336,10 @@ class Mamba2(nnx.Module):
             dt_softplus=True, dt_limit=self.dt_limit, backend=self.backend)
         return self._output(shard, y, z, z0, x0), Mamba2Cache(conv_state, ssm_state)
 
-    def decodes_fused(self, batch: int) -> bool:
-        """Whether a decode step of `batch` rows runs on the fused decode ops (`decode_step`): on one device (head
-        parallelism takes the composed step), without the gated MLP branch (d_ssm == d_inner, as in every
-        Mamba-2 checkpoint), and from FUSED_DECODE_MIN_BATCH rows (below, the composed step is the faster)."""
-        return self.mesh_axes is None and not self.d_mlp and batch >= FUSED_DECODE_MIN_BATCH
+    def decodes_fused(self) -> bool:
+        """Whether decode steps run on the fused decode ops (`decode_step`): on one device (head parallelism takes
+        the composed step) and without the gated MLP branch (d_ssm == d_inner, as in every Mamba-2 checkpoint)."""
+        return self.mesh_axes is None and not self.d_mlp
 
     def decode_step(self, hidden_states, conv_state, ssm_state, *, layer=None, pre_norm=None):
         """One token through the mixer on the fused decode ops (`jax_mamba2.decode`): in_proj (after the block's

@@ -14,7 +14,6 @@ import jax_mamba2  # noqa: E402
 from jax_mamba2 import decode  # noqa: E402
 from jax_mamba2.bridge import decode_ops  # noqa: E402
 from jax_mamba2.flax_layers import Mamba2, Mamba2Config, Mamba2LMHeadModel  # noqa: E402
-from jax_mamba2.flax_layers import mamba2 as mamba2_module  # noqa: E402
 from tests._helpers import rel_l2  # noqa: E402
 from tests.bridge._emulated_backend import emulate_layer_kernels  # noqa: E402
 from tests.kernels._decode_checks import (MIXER_CASES, PROJECTION_CASES, assert_lm_steps_match,  # noqa: E402
@@ -27,9 +26,8 @@ TOLERANCE = {"float32": 2e-6, "bfloat16": 1e-2}
 
 @pytest.fixture(autouse=True)
 def emulated_kernels(monkeypatch):
-    """backend="cutile" runs the emulated plans, as if on a GPU; the layers take the fused step at any batch."""
+    """backend="cutile" runs the emulated plans, as if on a GPU."""
     emulate_layer_kernels(monkeypatch, decode.OP, decode_ops)
-    monkeypatch.setattr(mamba2_module, "FUSED_DECODE_MIN_BATCH", 1)
 
 
 def _callbacks(fn, *args) -> int:

@@ -8,6 +8,7 @@
 The cuTile programs are traced for sm_90 (`aot.cuda_target`), which needs no GPU.
 """
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,6 @@ from flax import nnx
 
 from jax_mamba2.flax_layers import (Mamba2Config, Mamba2LMHeadModel, cast_params, generate, load_pretrained,
                                     save_pretrained)
-from jax_mamba2.flax_layers import mamba2 as mamba2_module
 from tests.flax_layers._programs import cutile_launches, loop_lengths, walk, weight_conversions
 
 # Kernel-compatible sizes (headdim and d_state powers of two >= 16): 4 heads, 3 layers, chunks of 8.
@@ -26,12 +26,6 @@ PROJECTION = ["decode_norm_kernel", "decode_project_kernel"]
 CONFIG = Mamba2Config(d_model=32, n_layer=3, vocab_size=64, ssm_cfg=dict(d_state=16, headdim=16, chunk_size=8))
 BATCH = 3  # no weight has an axis of 3, so a converted (3, ...) array is an activation
 PROMPT_LEN, NEW_TOKENS = 40, 7  # 5 chunks of 8; the decode loop runs 6 steps: no loop length repeats
-
-
-@pytest.fixture
-def fused_at_any_batch(monkeypatch):
-    """The fused decode step at the tests' small batches (it runs from FUSED_DECODE_MIN_BATCH rows)."""
-    monkeypatch.setattr(mamba2_module, "FUSED_DECODE_MIN_BATCH", 1)
 
 
 def _traced_for(backend):
@@ -59,7 +53,6 @@ def _prompt(seed=0, length=PROMPT_LEN):
     return jax.random.randint(jax.random.key(seed), (BATCH, length), 0, CONFIG.vocab_size)
 
 
-@pytest.mark.usefixtures("fused_at_any_batch")
 @pytest.mark.parametrize("backend", ["xla", "cutile"])
 def test_bf16_parameter_decode_step_converts_no_weight(backend):
     with _traced_for(backend):
@@ -114,7 +107,6 @@ def test_load_pretrained_in_bf16_decodes_without_weight_conversions(tmp_path):
         np.asarray(model.layers.mixer.in_proj.kernel[...].astype(jnp.bfloat16), np.float32))
 
 
-@pytest.mark.usefixtures("fused_at_any_batch")
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_generate_prefills_with_the_cutile_forward_kernels_and_decodes_with_the_fused_step(scan_layers):
     with _traced_for("cutile"):
@@ -136,22 +128,20 @@ def test_generate_prefills_with_the_cutile_forward_kernels_and_decodes_with_the_
     assert ("scan", PROMPT_LEN) not in loop_lengths(jaxpr)
 
 
-def test_the_fused_step_runs_from_its_smallest_batch():
-    """Below FUSED_DECODE_MIN_BATCH rows the composed step (the norms' kernels and the SSD's step kernel in the
-    scan over layers, the final norm's), from it the fused one (three launches per layer, one for the head)."""
+def test_the_step_is_fused_at_every_batch_and_composed_with_an_mlp_branch():
+    """On one device the fused step runs at any batch (five launches per layer, two for the head); a mixer with the
+    gated MLP branch takes the composed step (the norms' kernels and the SSD's step kernel in the scan over layers,
+    the final norm's)."""
+    mlp = dataclasses.replace(CONFIG, ssm_cfg={**CONFIG.ssm_cfg, "d_ssm": CONFIG.d_model})
+    fused = [*PROJECTION, "mixer_step_kernel", *PROJECTION] * CONFIG.n_layer + PROJECTION
+    composed = ["rms_norm_fwd_kernel", "state_update_kernel", "rms_norm_fwd_kernel", "rms_norm_fwd_kernel"]
     with _traced_for("cutile"):
-        model = _model("cutile", param_dtype=jnp.bfloat16)
-        for batch in (mamba2_module.FUSED_DECODE_MIN_BATCH - 1, mamba2_module.FUSED_DECODE_MIN_BATCH):
+        for config, batch, expected in ((CONFIG, 1, fused), (CONFIG, 300, fused), (mlp, 1, composed)):
+            model = Mamba2LMHeadModel(config, backend="cutile", param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
             graphdef, state = nnx.split(model)
             jaxpr = jax.make_jaxpr(lambda s, t, c: nnx.merge(graphdef, s).step(t, c))(
                 state, jnp.zeros((batch,), jnp.int32), model.init_cache(batch))
-            names = [name for name, _ in cutile_launches(jaxpr)]
-            if batch < mamba2_module.FUSED_DECODE_MIN_BATCH:
-                assert names == ["rms_norm_fwd_kernel", "state_update_kernel", "rms_norm_fwd_kernel",
-                                 "rms_norm_fwd_kernel"]
-            else:
-                assert names == ([*PROJECTION, "mixer_step_kernel", *PROJECTION]
-                                 * CONFIG.n_layer + PROJECTION)
+            assert [name for name, _ in cutile_launches(jaxpr)] == expected, (config.ssm_cfg, batch)
 
 
 def test_generate_prefills_through_the_chunked_xla_path_not_token_by_token():

@@ -10,7 +10,6 @@ import pytest
 from flax import nnx
 
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, cast_params, generate
-from jax_mamba2.flax_layers import mamba2 as mamba2_module
 from tests.flax_layers._programs import hlo_weight_conversions
 
 pytestmark = pytest.mark.gpu
@@ -49,8 +48,7 @@ def test_compiled_step_of_a_cast_model_converts_no_weight():
     assert hlo_weight_conversions(_compiled_step_hlo(cast), cast) == []
 
 
-def test_compiled_generate_launches_the_forward_kernels_and_the_fused_step_only(monkeypatch):
-    monkeypatch.setattr(mamba2_module, "FUSED_DECODE_MIN_BATCH", 1)  # at this test's 3 rows too
+def test_compiled_generate_launches_the_forward_kernels_and_the_fused_step_only():
     model = _model(param_dtype=jnp.bfloat16)
     hlo = jax.jit(lambda prompt: generate(model, prompt, 8)).lower(_prompt(0, 200)).compile().as_text()
     launches = [line for line in hlo.splitlines() if 'custom_call_target="cutile_launch"' in line]

@@ -12,7 +12,6 @@ from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
 from jax_mamba2.flax_layers import Mamba2Block, Mamba2Config, Mamba2LMHeadModel, generate
-from jax_mamba2.flax_layers import mamba2 as mamba2_module
 from benchmarks.tools import saved_activations
 from tests.flax_layers._programs import walk
 
@@ -281,12 +280,11 @@ def test_unrolled_layers_remat_decode_and_generate_like_the_layer_scan(tiny_conf
     assert (generate(unrolled, ids[:1, :4], 6) == generate(scanned, ids[:1, :4], 6)).all()
 
 
-def test_generate_carries_the_decode_state_without_stacking_it_per_token(tiny_config, monkeypatch):
+def test_generate_carries_the_decode_state_without_stacking_it_per_token(tiny_config):
     """generate's decode loop never stacks (copies) the whole SSM state at a token: the fused step (one device,
-    no MLP branch, enough rows) carries the stacked state and updates each layer's entry in place, scanned or
+    no MLP branch) carries the stacked state and updates each layer's entry in place, scanned or
     unrolled; the composed step of unrolled layers (here: a model with an MLP branch) carries each layer's state
     as its own array; the composed layer scan carries the stack."""
-    monkeypatch.setattr(mamba2_module, "FUSED_DECODE_MIN_BATCH", 1)
     ids = _token_ids(tiny_config, seed=4)[:2, :4]
     mlp_config = dataclasses.replace(tiny_config, ssm_cfg={**tiny_config.ssm_cfg, "d_ssm": tiny_config.d_model})
 
@@ -303,7 +301,7 @@ def test_generate_carries_the_decode_state_without_stacking_it_per_token(tiny_co
     for config, scan_layers, fused in ((tiny_config, True, True), (tiny_config, False, True),
                                        (mlp_config, True, False), (mlp_config, False, False)):
         model = _model(config, scan_layers=scan_layers)
-        assert model.layers.mixer.decodes_fused(2) == fused
+        assert model.layers.mixer.decodes_fused() == fused
         ssm_shape = model.layers.mixer.init_cache(2).ssm_state.shape
         carry = decode_loop_carry_shapes(model)
         per_layer = not scan_layers and not fused

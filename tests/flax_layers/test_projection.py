@@ -7,7 +7,6 @@ import pytest
 from flax import nnx
 
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel
-from jax_mamba2.flax_layers import mamba2 as mamba2_module
 from jax_mamba2.projection import MIN_MATMUL_ROWS, project
 from tests.flax_layers._programs import walk
 
@@ -34,8 +33,7 @@ def _lhs_rows_of_products(jaxpr, weight_shapes) -> list[int]:
             if eqn.primitive.name == "dot_general" and tuple(eqn.invars[1].aval.shape) in weight_shapes]
 
 
-def test_a_batch_one_decode_step_runs_the_mixer_projections_as_matrix_products(monkeypatch):
-    monkeypatch.setattr(mamba2_module, "FUSED_DECODE_MIN_BATCH", 1)  # the fused step's xla path, at one row
+def test_a_batch_one_decode_step_runs_the_mixer_projections_as_matrix_products():
     config = Mamba2Config(d_model=32, n_layer=2, vocab_size=64, ssm_cfg=dict(d_state=16, headdim=16, chunk_size=8))
     model = Mamba2LMHeadModel(config, backend="xla", rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
