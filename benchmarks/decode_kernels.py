@@ -40,6 +40,7 @@ if __package__ in (None, ""):  # run as a script: benchmarks/ is sys.path[0], th
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.environment import environment, gpu_slug  # noqa: E402
+from benchmarks.lm_bench import write_json  # noqa: E402
 from benchmarks.ssd import PEAK_HBM_TBPS, time_jax  # noqa: E402
 from jax_mamba2 import backends, decode  # noqa: E402
 
@@ -270,8 +271,7 @@ def _write(out: Path, records: list[dict]) -> None:
     old = json.loads(path.read_text())["records"] if path.exists() else []
     fresh = {_key(r) for r in records}
     merged = [r for r in old if _key(r) not in fresh] + records
-    path.write_text(json.dumps({"benchmark": "decode_kernels", "environment": environment(), "records": merged},
-                               indent=1, default=str) + "\n")
+    write_json(path, {"benchmark": "decode_kernels", "environment": environment(), "records": merged})
 
 
 if __name__ == "__main__":

@@ -141,7 +141,8 @@ def parse_args(argv=None):
     parser.add_argument("--param-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="the weights' dtype, converted once at load; auto = the computation dtype")
     parser.add_argument("--unroll-layers", action="store_true",
-                        help="scan_layers=False: a longer compile, faster decoding at large batches")
+                        help="scan_layers=False: the prompt's blocks unrolled (a longer compile); the fused "
+                             "decode step runs its layers unrolled either way")
     random_model = parser.add_argument_group("random model (without --model-dir)")
     random_model.add_argument("--d-model", type=int, default=256, help="model width")
     random_model.add_argument("--layers", type=int, default=4, help="Mamba-2 blocks")

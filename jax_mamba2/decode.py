@@ -2,11 +2,11 @@
 
   norm_project   a few rows, optionally added to the residual stream and RMS-normalized (grouped, gated), times
                  a weight matrix: a block's add + norm + in_proj, the mixer's gated norm + out_proj, the final
-                 norm + LM head. One kernel launch each.
+                 norm + LM head. Two kernel launches (the norm's and the product's; one without a norm).
   mixer_step     one token of the mixer between its projections: the conv step + SiLU on in_proj's xBC columns,
                  the SSD state update with D and, for a mixer without the gated norm, the gate. One launch.
 
-With these a decode step runs three kernels per layer (`Mamba2LMHeadModel.step`). Per-layer arrays may be stacks
+With these a decode step runs five kernels per layer (`Mamba2LMHeadModel.step`). Per-layer arrays may be stacks
 of every layer (a leading (L,) axis: the LM's parameters and its cache) with `layer` naming the one to use: the
 kernels then read that layer where it lies in the stack, and write the layer's SSM state in place, so that a step
 over the layers slices nothing out of the stacks and copies no weight.

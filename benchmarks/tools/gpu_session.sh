@@ -117,15 +117,15 @@ case $part in
     rm -rf "$out"/*/train_lm/checkpoints "$out"/*/train_lm/model   # large, and not evidence
     step jit_model 60 python examples/jit_model.py --out "$out"
     ;;
-  decode)  # the decode ops: their GPU tests, each kernel against its floor and the tile sweep, the LM's token step
-    # at batches 1-256 against mamba_ssm's with a profile (about 9 minutes)
+  decode)  # the decode ops: their GPU tests, every plan and config timed outside JAX, the LM's token step at batches
+    # 1-256 against mamba_ssm's with a profile (about 9 minutes)
     export JAX_MAMBA2_AUTOTUNE=0
-    step decode_gpu_tests 240 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider tests/test_decode_ops_gpu.py \
+    step decode_gpu_tests 150 python -m pytest -m gpu -q -rf -n 6 -p no:cacheprovider tests/test_decode_ops_gpu.py \
       tests/flax_layers/test_decode_gpu.py
-    step decode_kernels 170 python benchmarks/decode_kernels.py --sweep --out "$out"
+    step decode_launches 200 python benchmarks/tools/decode_launches.py --out "$out"
     lm_peer=(); [ -d .peers ] && lm_peer=(--mamba-ssm .peers)
-    step lm_decode 170 python benchmarks/lm_decode.py --configs d1024-l24 --impls cutile mamba_ssm \
-      --param-dtypes bfloat16 --batches 1 8 64 256 --prompt-lengths --profile "${lm_peer[@]}" --worker-timeout 160 \
+    step lm_decode 190 python benchmarks/lm_decode.py --configs d1024-l24 --impls cutile mamba_ssm \
+      --param-dtypes bfloat16 --batches 1 8 64 256 --prompt-lengths --profile "${lm_peer[@]}" --worker-timeout 180 \
       --out "$out"
     ;;
   *) echo "unknown part $part"; exit 2 ;;

@@ -8,7 +8,7 @@
   out    = out_proj(y)
 
 Three entry points share this computation: `__call__` (training / full forward), `prefill` (the same, also
-returning the decode cache) and `step` (one token in O(1) from the cache: on one device the three fused ops of
+returning the decode cache) and `step` (one token in O(1) from the cache: on one device the fused ops of
 `jax_mamba2.decode` (`decode_step`), under head parallelism the composed ops with `ssd_step`).
 """
 import functools
@@ -343,8 +343,8 @@ class Mamba2(nnx.Module):
 
     def decode_step(self, hidden_states, conv_state, ssm_state, *, layer=None, pre_norm=None):
         """One token through the mixer on the fused decode ops (`jax_mamba2.decode`): in_proj (after the block's
-        add + norm, with `pre_norm`), the conv step + SSD state update, the gated norm + out_proj: three kernel
-        launches on a GPU. The same values as the composed step; see `decodes_fused` for when it applies.
+        add + norm, with `pre_norm`), the conv step + SSD state update, the gated norm + out_proj: five kernel
+        launches on a GPU (each projection's norm and product, the mixer step). The same values as the composed step; see `decodes_fused` for when it applies.
 
         Args:
           hidden_states: (batch, d_model).

@@ -59,7 +59,7 @@ def test_bf16_parameter_decode_step_converts_no_weight(backend):
         model = _model(backend, param_dtype=jnp.bfloat16)
         jaxpr = _step_jaxpr(model)
     assert weight_conversions(jaxpr, model) == []
-    if backend == "cutile":  # three fused launches per layer, one for the final norm and the head
+    if backend == "cutile":  # five fused launches per layer, two for the final norm and the head
         launches = cutile_launches(jaxpr)
         assert [name for name, _ in launches] == (
             [*PROJECTION, "mixer_step_kernel", *PROJECTION] * CONFIG.n_layer
@@ -118,7 +118,7 @@ def test_generate_prefills_with_the_cutile_forward_kernels_and_decodes_with_the_
     steps = [name for name, loops in launches if loops == (decode,)]
     # Once for the whole prompt (in the scan over layers, or once per layer unrolled): the norms, the conv of
     # [x, B, C] (one launch), and one launch per stage of the SSD's forward plan; per token, with no loop over
-    # the layers: three fused launches per layer and one for the head; no backward kernel.
+    # the layers: five fused launches per layer and two for the head; no backward kernel.
     assert prefill == (["rms_norm_fwd_kernel", "causal_conv1d_fwd_kernel", "chunk_cumsum_fwd_kernel",
                         "chunk_state_fwd_kernel", "chunk_scan_fwd_kernel", "rms_norm_fwd_kernel"]
                        * (1 if scan_layers else CONFIG.n_layer) + ["rms_norm_fwd_kernel"])

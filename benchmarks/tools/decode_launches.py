@@ -1,0 +1,178 @@
+"""GPU time per launch of the decode ops' kernels outside JAX, for choosing their tiles: each plan of
+`jax_mamba2.kernels.decode_projection` / `decode_mixer` at the LM's decode shapes (d_model 1024: in_proj 1024 x 4384,
+out_proj 2048 x 1024, the tied head 50280 x 1024, the mixer of 32 heads x 64 x d_state 128; 24 stacked layers,
+bf16) runs through `ct.launch` on torch tensors, 50 launches captured in one CUDA graph, the graph replayed 20
+times: the median replay over 50 is a launch's GPU time with no host launch cost. A projection's norm and product
+kernels are also timed apart. Every product config of `projection_configs` at rows 1 and 64 (the default alone at
+8 and 256), every mixer config of `mixer_configs` (with the default).
+
+On the GPU machine (torch and cuda-tile):
+  source .gpu/gpu-env.sh
+  python benchmarks/tools/decode_launches.py --out $OUT
+Writes <out>/decode_launches_<gpu>.json (one record per plan and config; "default": true for the defaults) and
+prints one line per record.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the repository root on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from jax_mamba2.kernels import decode_mixer, decode_projection  # noqa: E402
+from jax_mamba2.kernels._common import kernel_name  # noqa: E402
+
+LAYERS, PEAK_HBM_TBPS = 24, 4.3
+SWEPT_ROWS = (1, 64)
+
+
+def projection_dims(case: str, rows: int) -> decode_projection.ProjectionDims:
+    """in_proj (residual add + norm), out_proj (the gated norm, z in in_proj's output) or the head (final norm, the
+    tied embedding transposed) of the d_model 1024 LM."""
+    common = dict(rows=rows, layers=LAYERS, weight_dtype="bfloat16", norm_weight_dtype="bfloat16")
+    stream = dict(has_residual=True, write_residual=True, residual_dtype="float32", residual_in_dtype="float32")
+    if case == "in_proj":
+        return decode_projection.ProjectionDims(features=1024, out_features=4384, has_norm=True, **stream, **common)
+    if case == "out_proj":
+        return decode_projection.ProjectionDims(features=2048, out_features=1024, has_norm=True, z_width=4384,
+                                                **common)
+    return decode_projection.ProjectionDims(**{**common, "layers": 1}, features=1024, out_features=50280,
+                                            has_norm=True, transpose_weight=True, **stream)
+
+
+def mixer_dims(rows: int) -> decode_mixer.MixerStepDims:
+    bf16 = "bfloat16"
+    return decode_mixer.MixerStepDims(rows=rows, nheads=32, headdim=64, ngroups=1, dstate=128, in_width=4384,
+                                      xbc_offset=2048, dt_offset=4352, layers=LAYERS, conv_state_dtype=bf16,
+                                      ssm_state_dtype=bf16, conv_weight_dtype=bf16, A_log_dtype=bf16,
+                                      dt_bias_dtype=bf16, D_dtype=bf16)
+
+
+def projection_configs(case: str) -> list[decode_projection.ProjectionConfig]:
+    """The product's columns per block (256 for the head alone), K step with its latency hint, occupancy hint."""
+    columns = (32, 64, 128, 256) if case == "head" else (32, 64, 128)
+    return [decode_projection.ProjectionConfig(BLOCK_N=n, BLOCK_K=k, LATENCY=latency, OCCUPANCY=occupancy)
+            for n, (k, latency), occupancy in itertools.product(columns, ((128, 4), (256, 2)), (None, 2))]
+
+
+def mixer_configs(rows: int) -> list[decode_mixer.MixerStepConfig]:
+    blocks = (16, 32) if rows <= 8 else (32, 64)
+    return [decode_mixer.MixerStepConfig(BLOCK_P=p, OCCUPANCY=o) for p, o in itertools.product(blocks, (2, 4, 8))]
+
+
+def cases(rows_list=(1, 8, 64, 256)):
+    """(name, dims, plan builder, inputs, configs with the default first) of every timed plan."""
+    out = []
+    for case, rows in itertools.product(("in_proj", "out_proj", "head"), rows_list):
+        dims = projection_dims(case, rows)
+        default = decode_projection.projection_default_config(dims)
+        swept = projection_configs(case) if rows in SWEPT_ROWS else []
+        out.append((case, dims, decode_projection.norm_project_plan, decode_projection.norm_project_inputs(dims),
+                    [default] + [c for c in swept if c != default]))
+    for rows in rows_list:
+        dims = mixer_dims(rows)
+        default = decode_mixer.mixer_step_default_config(dims)
+        out.append(("mixer", dims, decode_mixer.mixer_step_plan, decode_mixer.mixer_step_inputs(dims),
+                    [default] + [c for c in mixer_configs(rows) if c != default]))
+    return out
+
+
+def _graph_us(torch, launch, reps=50, replays=20) -> float:
+    """Median GPU microseconds per launch: `reps` launches in one CUDA graph, replayed."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            launch(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(reps):
+            launch(torch.cuda.current_stream())
+    times = []
+    for _ in range(replays + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    times = sorted(times[3:])
+    return times[len(times) // 2]
+
+
+def _tensors(torch, inputs, buffers):
+    """Random inputs (the layer index 5, the SSM state scaled to stay small), empty buffers."""
+    tensors = {}
+    for name, buf in {**inputs, **buffers}.items():
+        dtype = getattr(torch, buf.dtype)
+        if name == "layer_index":
+            tensors[name] = torch.tensor([5], device="cuda", dtype=torch.int32)
+        elif name in inputs:
+            scale = 0.05 if name == "ssm_state" else 0.5
+            tensors[name] = (torch.randn(*buf.shape, device="cuda") * scale).to(dtype)
+        else:
+            tensors[name] = torch.empty(*buf.shape, device="cuda", dtype=dtype)
+    return tensors
+
+
+def time_plan(torch, ct, plan, tensors) -> dict:
+    """plan_us (all launches) and, for a plan of several, each kernel's us and grid."""
+    launches = [(launch, tuple(tensors[a] if isinstance(a, str) else a for a in launch.args))
+                for launch in plan.launches]
+
+    def run_all(stream):
+        for launch, args in launches:
+            ct.launch(stream, launch.grid, launch.kernel, args)
+
+    out = {"plan_us": _graph_us(torch, run_all)}
+    for launch, args in launches:
+        name = kernel_name(launch.kernel)
+        out[f"{name}_grid"] = list(launch.grid)
+        if len(launches) > 1:
+            out[f"{name}_us"] = _graph_us(
+                torch, lambda stream, launch=launch, args=args: ct.launch(stream, launch.grid, launch.kernel, args))
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 64, 256])
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
+    args = parser.parse_args(argv)
+    import cuda.tile as ct
+    import torch
+
+    from benchmarks.environment import environment, gpu_slug
+    from benchmarks.lm_bench import write_json
+
+    warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(30):  # the clocks idle low: raise them first
+        warm @ warm
+    torch.cuda.synchronize()
+    env, records = environment(), []
+    path = args.out / f"decode_launches_{gpu_slug(env.get('gpu', 'gpu'))}.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    for case, dims, make_plan, inputs, configs in cases(args.rows):
+        for i, cfg in enumerate(configs):
+            plan = make_plan(dims, cfg)
+            record = dict(case=case, rows=dims.rows, config=dataclasses.asdict(cfg), default=i == 0)
+            if case == "mixer":
+                record["floor_us"] = 2 * dims.rows * dims.d_ssm * dims.dstate * 2 / (PEAK_HBM_TBPS * 1e6)
+            try:
+                record.update(time_plan(torch, ct, plan, _tensors(torch, inputs, plan.buffers)))
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is a record too
+                record["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            print(json.dumps(record), flush=True)
+            records.append(record)
+        write_json(path, {"benchmark": "decode_launches", "environment": env, "method": __doc__,
+                          "records": records})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

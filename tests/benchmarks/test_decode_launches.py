@@ -1,0 +1,22 @@
+"""benchmarks/tools/decode_launches.py on the CPU: the plans it times are well formed, each case's default config
+comes first and no config repeats."""
+import pytest
+
+pytest.importorskip("cuda.tile")
+
+from benchmarks.tools import decode_launches  # noqa: E402
+from tests.kernels._plan_checks import assert_plan_well_formed  # noqa: E402
+
+
+def test_cases_time_well_formed_plans_default_first():
+    cases = decode_launches.cases()
+    assert {name for name, *_ in cases} == {"in_proj", "out_proj", "head", "mixer"}
+    for name, dims, make_plan, _, configs in cases:
+        assert len(set(configs)) == len(configs)
+        swept = name != "mixer" and dims.rows not in decode_launches.SWEPT_ROWS
+        assert len(configs) == 1 if swept else len(configs) > 1
+        for cfg in configs:
+            plan = make_plan(dims, cfg)
+            assert_plan_well_formed(plan)
+            if name != "mixer":  # the norm's launch, then the product's
+                assert len(plan.launches) == 2 and cfg.BLOCK_N >= 32
