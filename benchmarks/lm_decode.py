@@ -363,17 +363,20 @@ def _fmt(value, spec: str) -> str:
 
 
 def plot(records: list[dict], path: Path) -> Path:
-    """A panel per config: tokens/s against batch (log-log), a line per implementation, the weights floor of
-    each parameter dtype dashed."""
+    """A panel per config: tokens/s against batch (log-log), a line per implementation and parameter dtype (its
+    latest record: the last in `records` of each (config, impl, parameter dtype)), the weights floor of each
+    parameter dtype dashed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    latest = {(r["config"], r["impl"], r["param_dtype"]): r for r in records if not r.get("error")}
+    records = list(latest.values())
     configs = list(dict.fromkeys(r["config"] for r in records))
     fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4.6), squeeze=False)
     for ax, config in zip(axes[0], configs):
         floors_drawn = set()
-        for r in (r for r in records if r["config"] == config and not r.get("error")):
+        for r in (r for r in records if r["config"] == config):
             batches = sorted(r["batches"], key=int)
             timed = [b for b in batches if r["batches"][b]["tokens_per_s"] is not None]
             ax.plot([int(b) for b in timed], [r["batches"][b]["tokens_per_s"] for b in timed], "o-",
