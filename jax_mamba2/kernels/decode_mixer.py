@@ -109,7 +109,8 @@ def mixer_step_default_config(dims: MixerStepDims) -> MixerStepConfig:
     """Every block recomputes its group's B and C conv (2 dstate channels), so the fewer blocks the less of that
     while the grid still spreads over the SMs: whole heads (up to 64 rows) per block once the heads alone give two
     blocks per SM of an H200 (264), half heads (32 rows) from one per SM (132), else about 2K state values per
-    block, as `ssd_step`'s kernel. Occupancy 4 (8 measured slower at every batch, docs/design.md "Decode")."""
+    block, as `ssd_step`'s kernel. Occupancy 4: the fastest config of every batch measured had it (docs/design.md,
+    "Decode")."""
     heads = dims.rows * dims.nheads
     if heads >= 132:
         return MixerStepConfig(BLOCK_P=min(dims.headdim, 64 if heads >= 264 else 32), OCCUPANCY=4)

@@ -22,9 +22,10 @@ Two launches (one without the norm):
   2048: one load); it writes the normalized rows (M x K, a few KB) and the residual stream.
 - `decode_project_kernel`, grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)): a block computes a (BLOCK_M, BLOCK_N) tile
   of out over all K, rows and weight tiles pipelined by the loads' latency hint; the rows are few and every
-  column block rereads them from L2, the weight is read once, so it is bound by the weight's bytes.
+  column block rereads them from L2, the weight is read once: its bytes are the floor (at a few rows a block's
+  chain of K steps sets the time, hence as many blocks as one wave holds: `projection_default_config`).
 Folding the norm into the product's K loop (one launch) put a row reduction and four more loads on every step's
-critical path and measured 2-4x slower on the H200 than the two launches (docs/design.md, "Decode").
+critical path and measured 1.8-2.8x slower on the H200 than the two launches (docs/design.md, "Decode").
 
 Arrays: x, residual, residual_out, normed (M, K); z (M, ZW), the gate being columns [Z_BLOCK * NORM_BLOCK_K, + K)
 (in_proj's output, whose z columns come first); norm_weight (L, NGROUPS, GROUP_SIZE); bias (L, N); out (M, N).
