@@ -45,8 +45,9 @@ from benchmarks.ssd import PEAK_HBM_TBPS, time_jax  # noqa: E402
 from jax_mamba2 import backends, decode  # noqa: E402
 
 LAYERS = 24
-# The decode ops' kernels: a projection launches the first two (the second alone without a norm).
-DECODE_KERNELS = ("decode_norm_kernel", "decode_project_kernel", "mixer_step_kernel")
+# The decode ops' kernels: a projection launches the first two (the second alone without a norm, the third after
+# it with a split K).
+DECODE_KERNELS = ("decode_norm_kernel", "decode_project_kernel", "decode_split_sum_kernel", "mixer_step_kernel")
 VOCAB = 50280
 CASES = ("in_proj", "out_proj", "head", "mixer")
 

@@ -15,11 +15,11 @@ from typing import NamedTuple, Optional
 
 CATEGORIES = ("matrix products", "SSD", "conv", "norms", "loss", "optimizer", "copies", "elementwise")
 # cuTile SSD kernels (jax_mamba2.kernels) and the libraries' matrix-product kernels, by kernel name.
-# The decode step's mixer kernel (conv step + state update) counts as SSD, its projection's product kernel as a
-# matrix product (its norm kernel is a norm by name).
+# The decode step's mixer kernel (conv step + state update) counts as SSD, its projection's product kernels
+# (with a split K, the sum of the splits too) as matrix products (its norm kernel is a norm by name).
 _SSD_KERNEL = re.compile(
     r"^(chunk_cumsum|chunk_state|chunk_scan|fused_scan|param_grads|state_update|mixer_step)\w*_kernel")
-_MATMUL_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|wgmma|matmul|^dot|_dot_|^decode_project", re.IGNORECASE)
+_MATMUL_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|wgmma|matmul|^dot|_dot_|^decode_(project|split_sum)", re.IGNORECASE)
 _COPY_KERNEL = re.compile(r"memcpy|memset|^copy|^transpose|^wrapped_transpose", re.IGNORECASE)
 # Kernels of other ops by their own names (cuTile or library kernels carry no HLO instruction name).
 _NAMED_KERNELS = (("conv", re.compile(r"conv", re.IGNORECASE)), ("norms", re.compile(r"norm", re.IGNORECASE)),

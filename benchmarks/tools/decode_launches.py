@@ -3,7 +3,7 @@
 out_proj 2048 x 1024, the tied head 50280 x 1024, the mixer of 32 heads x 64 x d_state 128; 24 stacked layers,
 bf16) runs through `ct.launch` on torch tensors, 50 launches captured in one CUDA graph, the graph replayed 20
 times: the median replay over 50 is a launch's GPU time with no host launch cost. A projection's norm and product
-kernels are also timed apart. Every product config of `projection_configs` at rows 1 and 64 (the default alone at
+kernels (and a split K's sum) are also timed apart. Every product config of `projection_configs` at rows 1 and 64 (the default alone at
 8 and 256), every mixer config of `mixer_configs` (with the default).
 
 On the GPU machine (torch and cuda-tile):
@@ -54,10 +54,14 @@ def mixer_dims(rows: int) -> decode_mixer.MixerStepDims:
 
 
 def projection_configs(case: str) -> list[decode_projection.ProjectionConfig]:
-    """The product's columns per block (256 for the head alone), K step with its latency hint, occupancy hint."""
+    """The product's columns per block (256 for the head alone), K step with its latency hint, occupancy hint;
+    for in_proj and out_proj also K split over 2 or 4 blocks at 32 and 64 columns."""
     columns = (32, 64, 128, 256) if case == "head" else (32, 64, 128)
-    return [decode_projection.ProjectionConfig(BLOCK_N=n, BLOCK_K=k, LATENCY=latency, OCCUPANCY=occupancy)
-            for n, (k, latency), occupancy in itertools.product(columns, ((128, 4), (256, 2)), (None, 2))]
+    tiles = [decode_projection.ProjectionConfig(BLOCK_N=n, BLOCK_K=k, LATENCY=latency, OCCUPANCY=occupancy)
+             for n, (k, latency), occupancy in itertools.product(columns, ((128, 4), (256, 2)), (None, 2))]
+    splits = [decode_projection.ProjectionConfig(BLOCK_N=n, SPLIT_K=split)
+              for n, split in itertools.product((32, 64), (2, 4))]
+    return tiles + ([] if case == "head" else splits)
 
 
 def mixer_configs(rows: int) -> list[decode_mixer.MixerStepConfig]:

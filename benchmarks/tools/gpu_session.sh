@@ -122,7 +122,7 @@ case $part in
     export JAX_MAMBA2_AUTOTUNE=0
     step decode_gpu_tests 150 python -m pytest -m gpu -q -rf -n 6 -p no:cacheprovider tests/test_decode_ops_gpu.py \
       tests/flax_layers/test_decode_gpu.py
-    step decode_launches 200 python benchmarks/tools/decode_launches.py --out "$out"
+    step decode_launches 220 python benchmarks/tools/decode_launches.py --out "$out"
     lm_peer=(); [ -d .peers ] && lm_peer=(--mamba-ssm .peers)
     step lm_decode 190 python benchmarks/lm_decode.py --configs d1024-l24 --impls cutile mamba_ssm \
       --param-dtypes bfloat16 --batches 1 8 64 256 --prompt-lengths --profile "${lm_peer[@]}" --worker-timeout 180 \

@@ -16,19 +16,22 @@ loop passes the parameters as they are stored and never copies one layer's slice
 (L, K, N), or (L, N, K) with TRANSPOSE_W (a tied embedding (vocab, d_model) as the LM head), in its own dtype,
 rounded to out's dtype as it is loaded (what `x @ w.astype(dtype)` computes); f32 products run as TF32.
 
-Two launches (one without the norm):
+Two launches (one without the norm, three with a split K):
 - `decode_norm_kernel`, grid (M, NGROUPS): a block normalizes one row's group in two passes over it (the sum of
   squares, then the scaled rows), NORM_BLOCK_K features per step (the whole group when it is a power of two up to
   2048: one load); it writes the normalized rows (M x K, a few KB) and the residual stream.
-- `decode_project_kernel`, grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)): a block computes a (BLOCK_M, BLOCK_N) tile
+- `decode_project_kernel`, grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K): a block computes a (BLOCK_M, BLOCK_N) tile
   of out over all K, rows and weight tiles pipelined by the loads' latency hint; the rows are few and every
   column block rereads them from L2, the weight is read once: its bytes are the floor (at a few rows a block's
-  chain of K steps sets the time, hence as many blocks as one wave holds: `projection_default_config`).
+  chain of K steps sets the time, hence as many blocks as one wave holds: `projection_default_config`). With
+  SPLIT_K > 1 the grid gains a third axis over shares of K, each writing an f32 partial product, and
+  `decode_split_sum_kernel` sums them into out.
 Folding the norm into the product's K loop (one launch) put a row reduction and four more loads on every step's
 critical path and measured 1.8-2.8x slower on the H200 than the two launches (docs/design.md, "Decode").
 
 Arrays: x, residual, residual_out, normed (M, K); z (M, ZW), the gate being columns [Z_BLOCK * NORM_BLOCK_K, + K)
-(in_proj's output, whose z columns come first); norm_weight (L, NGROUPS, GROUP_SIZE); bias (L, N); out (M, N).
+(in_proj's output, whose z columns come first); norm_weight (L, NGROUPS, GROUP_SIZE); bias (L, N); out (M, N);
+partials (SPLIT_K, M, N) f32.
 Absent optional arrays are (1, 1) / (1, 1, 1) dummies the kernels never touch.
 """
 import dataclasses
@@ -43,6 +46,8 @@ from jax_mamba2.kernels.rms_norm import sigmoid
 NORM_PROJECT_INPUTS = ("layer_index", "x", "residual", "z", "norm_weight", "weight", "bias")
 # Rows per block: the product's M tile (a power of two >= 16, the smallest tensor-core tile).
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
+# The most blocks one output tile's K steps split over.
+MAX_SPLIT_K = 16
 # The norm pass's widest step: a (1, MAX_NORM_BLOCK_K) f32 tile per loaded array.
 MAX_NORM_BLOCK_K = 2048
 # Product blocks in one wave of an H200: 132 SMs, one block each (as measured: a block's pipelined loads hold
@@ -104,13 +109,16 @@ class ProjectionConfig:
     """The product's tiles: BLOCK_N output columns per block; BLOCK_K its K step (a power of two); LATENCY the
     loads' latency hint (1..10, 0 none); OCCUPANCY blocks per SM the compiler budgets registers for (None: its
     choice); BLOCK_M rows per block (None: `ProjectionDims.block_m`; below 16 the product runs without tensor
-    cores). The norm's pass has no tile to choose (`norm_block_k`)."""
+    cores); SPLIT_K blocks per output tile, each over its share of the K steps (a power of two, see `split_k`;
+    above 1 their f32 partial products go to a buffer that one more launch sums: more blocks, shorter chains, for
+    a few rows and a long K). The norm's pass has no tile to choose (`norm_block_k`)."""
 
     BLOCK_N: int = 64
     BLOCK_K: int = 128
     LATENCY: int = 4
     OCCUPANCY: Optional[int] = None
     BLOCK_M: Optional[int] = None
+    SPLIT_K: int = 1
 
     def __post_init__(self):
         for name in ("BLOCK_N", "BLOCK_K"):
@@ -124,6 +132,20 @@ class ProjectionConfig:
             raise ValueError(f"ProjectionConfig: LATENCY={self.LATENCY} must be 0 (no hint) or in [1, 10]")
         if self.OCCUPANCY is not None and not 1 <= self.OCCUPANCY <= 32:
             raise ValueError(f"ProjectionConfig: OCCUPANCY={self.OCCUPANCY} must be None or in [1, 32]")
+        if not is_power_of_2(self.SPLIT_K) or self.SPLIT_K > MAX_SPLIT_K:
+            raise ValueError(f"ProjectionConfig: SPLIT_K={self.SPLIT_K} must be a power of two <= {MAX_SPLIT_K}")
+
+
+def _k_steps(dims: ProjectionDims, cfg: ProjectionConfig) -> int:
+    """The product's K steps, cdiv(K, BLOCK_K): the last one's features past K load as zeros."""
+    return -(-dims.features // cfg.BLOCK_K)
+
+
+def split_k(dims: ProjectionDims, cfg: ProjectionConfig) -> int:
+    """The product's splits: cfg.SPLIT_K, lowered to the largest power of two that divides its K steps (so that
+    every split runs the same steps, none past K)."""
+    steps = _k_steps(dims, cfg)
+    return min(cfg.SPLIT_K, steps & -steps)
 
 
 def norm_block_k(dims: ProjectionDims) -> int:
@@ -256,33 +278,66 @@ def decode_project_kernel(
     a,                   # (M, K) the rows: the normalized rows (T), or x itself without a norm
     weight,              # (L, K, N), or (L, N, K) with TRANSPOSE_W, in its dtype
     bias,                # (L, N) in the weight's dtype, or a dummy without HAS_BIAS
-    out,                 # (M, N) T_out, written
+    out,                 # (M, N) T_out, written with SPLIT_K == 1, else a dummy
+    partials,            # (SPLIT_K, M, N) f32, written with SPLIT_K > 1 (each split's product), else a dummy
     BLOCK_M: ConstInt,
     BLOCK_N: ConstInt,
     BLOCK_K: ConstInt,
-    K_STEPS: ConstInt,   # cdiv(K, BLOCK_K): the last step's features past K load as zeros
+    SPLIT_STEPS: ConstInt,  # K steps per split: cdiv(K, BLOCK_K) / SPLIT_K (features past K load as zeros)
+    SPLIT_K: ConstInt,
     TRANSPOSE_W: ConstBool,
     HAS_BIAS: ConstBool,
     LATENCY: ConstInt,   # latency hint of the loads in the K loop (1..10), 0 for none
 ):
     m = ct.bid(0)
     n = ct.bid(1)
+    split = ct.bid(2)
     layer = ct.load(layer_index, index=(0,), shape=(1,)).item()
     mma_type = mma_dtype(out.dtype)
     acc = ct.zeros((BLOCK_M, BLOCK_N), ct.float32)
-    for k in range(K_STEPS):
+    for i in range(SPLIT_STEPS):
+        k = split * SPLIT_STEPS + i
         rows = _load(a, (m, k), (BLOCK_M, BLOCK_K), LATENCY).astype(out.dtype).astype(mma_type)
         w = _weight_tile(weight, layer, k, n, BLOCK_K, BLOCK_N, TRANSPOSE_W, LATENCY)
         acc = ct.mma(rows, w.astype(out.dtype).astype(mma_type), acc)
+    if SPLIT_K > 1:
+        ct.store(partials, index=(split, m, n), tile=acc.reshape((1, BLOCK_M, BLOCK_N)))
+    else:
+        _store_out(out, bias, layer, m, n, acc, BLOCK_N, HAS_BIAS)
+
+
+def _store_out(out, bias, layer, m, n, acc, BLOCK_N, HAS_BIAS):
+    """out[m, n] tile = acc (+ bias[layer, n]), rounded to out's dtype."""
     if HAS_BIAS:
         b = ct.load(bias, index=(layer, n), shape=(1, BLOCK_N), padding_mode=ct.PaddingMode.ZERO)
         acc = acc + b.astype(out.dtype).astype(ct.float32)
     ct.store(out, index=(m, n), tile=acc.astype(out.dtype))
 
 
+def decode_split_sum_kernel(
+    layer_index,         # (1,) int32
+    partials,            # (SPLIT_K, M, N) f32
+    bias,                # (L, N) in the weight's dtype, or a dummy without HAS_BIAS
+    out,                 # (M, N) T_out, written
+    BLOCK_M: ConstInt,
+    BLOCK_N: ConstInt,
+    SPLIT_K: ConstInt,
+    HAS_BIAS: ConstBool,
+):
+    m = ct.bid(0)
+    n = ct.bid(1)
+    layer = ct.load(layer_index, index=(0,), shape=(1,)).item()
+    acc = ct.zeros((BLOCK_M, BLOCK_N), ct.float32)
+    for split in range(SPLIT_K):
+        tile = ct.load(partials, index=(split, m, n), shape=(1, BLOCK_M, BLOCK_N), padding_mode=ct.PaddingMode.ZERO)
+        acc = acc + tile.reshape((BLOCK_M, BLOCK_N))
+    _store_out(out, bias, layer, m, n, acc, BLOCK_N, HAS_BIAS)
+
+
 # int32-indexed only: projection_unsupported_reason refuses arrays of 2^31 elements or more.
 DECODE_NORM_KERNEL = ct.kernel(decode_norm_kernel)
 DECODE_PROJECT_KERNEL = ct.kernel(decode_project_kernel)
+DECODE_SPLIT_SUM_KERNEL = ct.kernel(decode_split_sum_kernel)
 
 
 def norm_project_inputs(dims: ProjectionDims) -> dict[str, Buffer]:
@@ -311,28 +366,43 @@ def _norm_launch(dims: ProjectionDims) -> Launch:
     )
 
 
-def _project_launch(dims: ProjectionDims, cfg: ProjectionConfig, rows: str) -> Launch:
+def _product_launches(dims: ProjectionDims, cfg: ProjectionConfig, rows: str) -> tuple[Launch, ...]:
+    """The product of `rows` (an input or buffer name) and the layer's weight into "out": one launch, or with
+    SPLIT_K > 1 the splits into "partials" and their sum."""
     bm = cfg.BLOCK_M or dims.block_m
-    return Launch(
+    tiles = (-(-dims.rows // bm), -(-dims.out_features // cfg.BLOCK_N))
+    splits = split_k(dims, cfg)
+    product = Launch(
         kernel=with_hints(DECODE_PROJECT_KERNEL, occupancy=cfg.OCCUPANCY),
-        grid=(-(-dims.rows // bm), -(-dims.out_features // cfg.BLOCK_N)),
-        args=("layer_index", rows, "weight", "bias", "out", bm, cfg.BLOCK_N, cfg.BLOCK_K,
-              -(-dims.features // cfg.BLOCK_K), dims.transpose_weight, dims.has_bias, cfg.LATENCY),
+        grid=(*tiles, splits),
+        args=("layer_index", rows, "weight", "bias", "out", "partials", bm, cfg.BLOCK_N, cfg.BLOCK_K,
+              _k_steps(dims, cfg) // splits, splits, dims.transpose_weight, dims.has_bias, cfg.LATENCY),
+        writes=("out", "partials"),  # one of them, the other a dummy: out without a split, else partials
+    )
+    if splits == 1:
+        return (product,)
+    return product, Launch(
+        kernel=DECODE_SPLIT_SUM_KERNEL,
+        grid=tiles,
+        args=("layer_index", "partials", "bias", "out", bm, cfg.BLOCK_N, splits, dims.has_bias),
         writes=("out",),
     )
 
 
 def norm_project_plan(dims: ProjectionDims, cfg: Optional[ProjectionConfig] = None) -> Plan:
-    """The projection for `dims`: the norm's launch (with has_norm) and the product's.
+    """The projection for `dims`: the norm's launch (with has_norm) and the product's (with cfg.SPLIT_K > 1 two:
+    the splits and their sum).
 
     Returns:
       A Plan with inputs NORM_PROJECT_INPUTS and outputs "out" (M, N) in out_dtype and, with write_residual,
       "residual_out" (M, K) in residual_dtype.
     """
     cfg = cfg or projection_default_config(dims)
-    buffers = {"out": Buffer((dims.rows, dims.out_features), dims.out_dtype)}
+    splits = split_k(dims, cfg)
+    buffers = {"out": Buffer((dims.rows, dims.out_features), dims.out_dtype),
+               "partials": Buffer((splits, dims.rows, dims.out_features) if splits > 1 else (1, 1, 1), "float32")}
     if not dims.has_norm:
-        return Plan(inputs=NORM_PROJECT_INPUTS, buffers=buffers, launches=(_project_launch(dims, cfg, "x"),),
+        return Plan(inputs=NORM_PROJECT_INPUTS, buffers=buffers, launches=_product_launches(dims, cfg, "x"),
                     outputs=("out",))
     buffers["normed"] = Buffer((dims.rows, dims.features), dims.dtype)
     buffers["residual_out"] = Buffer((dims.rows, dims.features) if dims.write_residual else (1, 1),
@@ -340,6 +410,6 @@ def norm_project_plan(dims: ProjectionDims, cfg: Optional[ProjectionConfig] = No
     return Plan(
         inputs=NORM_PROJECT_INPUTS,
         buffers=buffers,
-        launches=(_norm_launch(dims), _project_launch(dims, cfg, "normed")),
+        launches=(_norm_launch(dims), *_product_launches(dims, cfg, "normed")),
         outputs=("out", "residual_out") if dims.write_residual else ("out",),
     )

@@ -71,3 +71,17 @@ def test_default_configs_compile_spill_free_at_batch_one_bf16():
 @pytest.mark.parametrize("rows, param_dtype", [(64, "bfloat16"), (256, "bfloat16"), (1, "float32"), (64, "float32")])
 def test_default_configs_compile_spill_free(rows, param_dtype):
     _assert_spill_free(_cubins(rows, param_dtype))
+
+
+def test_split_k_products_compile_spill_free():
+    """out_proj's product with K split over 4 blocks, and the sum of the splits, at batch 1 and 64."""
+    cubins = {}
+    for rows in (1, 64):
+        dims = _projections(rows, "bfloat16")["out_proj"]
+        cfg = decode_projection.ProjectionConfig(BLOCK_N=32, SPLIT_K=4)
+        plan = decode_projection.norm_project_plan(dims, cfg)
+        for kernel, cubin in plan_cubins((plan, decode_projection.norm_project_inputs(dims))).items():
+            cubins[f"{rows} {kernel}"] = cubin
+    assert {name.split()[1] for name in cubins} == {"decode_norm_kernel", "decode_project_kernel",
+                                                    "decode_split_sum_kernel"}
+    _assert_spill_free(cubins)

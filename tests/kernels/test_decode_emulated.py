@@ -13,6 +13,7 @@ pytest.importorskip("cuda.tile")
 
 from jax_mamba2.bridge import decode_ops  # noqa: E402
 from jax_mamba2.kernels import decode_mixer, decode_projection  # noqa: E402
+from jax_mamba2.kernels._common import kernel_name  # noqa: E402
 from tests._helpers import rel_l2  # noqa: E402
 from tests.kernels import _cutile_emulator as emulator  # noqa: E402
 from tests.kernels._decode_checks import (MIXER_CASES, PROJECTION_CASES, mixer_inputs, mixer_oracle,  # noqa: E402
@@ -84,14 +85,20 @@ def test_projection_matches_float64_reference(name, float64):
     _assert_close(run_projection(case, arrays, float64=float64), projection_oracle(case, arrays), tolerance)
 
 
-@pytest.mark.parametrize("cfg", [decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=16, LATENCY=0),
-                                 decode_projection.ProjectionConfig(BLOCK_N=64, BLOCK_K=64, LATENCY=2),
-                                 decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=32, BLOCK_M=1),
-                                 decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=32, BLOCK_M=2)])
-def test_projection_tiles_and_hints_leave_the_values(cfg):
-    """K steps of several per group and of a whole group, and blocks of fewer rows than the case has (1-row blocks
-    run without tensor cores)."""
-    case = PROJECTION_CASES["gated_norm_out_proj"]
+@pytest.mark.parametrize("name, cfg", [
+    ("gated_norm_out_proj", decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=16, LATENCY=0)),
+    ("gated_norm_out_proj", decode_projection.ProjectionConfig(BLOCK_N=64, BLOCK_K=64, LATENCY=2)),
+    ("gated_norm_out_proj", decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=32, BLOCK_M=1)),
+    ("gated_norm_out_proj", decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=32, BLOCK_M=2)),
+    ("gated_norm_out_proj", decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=16, SPLIT_K=2)),
+    ("gated_norm_out_proj", decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=16, SPLIT_K=8)),
+    ("plain_with_bias", decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=16, SPLIT_K=2)),
+    ("tied_head", decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=32, SPLIT_K=2))])
+def test_projection_tiles_and_hints_leave_the_values(name, cfg):
+    """K steps of several per row and of the whole row, blocks of fewer rows than the case has (1-row blocks run
+    without tensor cores), and K split over 2 or 4 blocks (8 asked of 4 steps: lowered to 4), the bias and a
+    transposed weight with it."""
+    case = PROJECTION_CASES[name]
     arrays = projection_inputs(case, seed=12)
     _assert_close(run_projection(case, arrays, cfg), projection_oracle(case, arrays), TOLERANCE[True])
 
@@ -141,3 +148,16 @@ def test_unsupported_layouts_say_why():
     assert "headdim=12" in decode_mixer.mixer_step_unsupported_reason(dataclasses.replace(mixer, headdim=12))
     with pytest.raises(ValueError, match="BLOCK_N=24"):
         decode_projection.ProjectionConfig(BLOCK_N=24)
+    with pytest.raises(ValueError, match="SPLIT_K=3"):
+        decode_projection.ProjectionConfig(SPLIT_K=3)
+
+
+def test_split_k_is_lowered_to_divide_the_k_steps():
+    dims = decode_projection.ProjectionDims(rows=1, features=64, out_features=32)
+    split = [decode_projection.split_k(dims, decode_projection.ProjectionConfig(BLOCK_K=16, SPLIT_K=s))
+             for s in (1, 2, 4, 8)]
+    assert split == [1, 2, 4, 4]  # 4 K steps
+    odd = dataclasses.replace(dims, features=48)  # 3 K steps: no split runs the same steps
+    plan = decode_projection.norm_project_plan(odd, decode_projection.ProjectionConfig(BLOCK_K=16, SPLIT_K=4))
+    assert decode_projection.split_k(odd, decode_projection.ProjectionConfig(BLOCK_K=16, SPLIT_K=4)) == 1
+    assert [kernel_name(launch.kernel) for launch in plan.launches] == ["decode_project_kernel"]
