@@ -3,8 +3,8 @@
 out_proj 2048 x 1024, the tied head 50280 x 1024, the mixer of 32 heads x 64 x d_state 128; 24 stacked layers,
 bf16) runs through `ct.launch` on torch tensors, 50 launches captured in one CUDA graph, the graph replayed 20
 times: the median replay over 50 is a launch's GPU time with no host launch cost. A projection's norm and product
-kernels (and a split K's sum) are also timed apart. Every product config of `projection_configs` at rows 1 and 64 (the default alone at
-8 and 256), every mixer config of `mixer_configs` (with the default).
+kernels (and a split K's sum) are also timed apart. Every product config of `projection_configs` at rows 1 and 64
+(the default alone at 8 and 256), every mixer config of `mixer_configs` (with the default).
 
 On the GPU machine (torch and cuda-tile):
   source .gpu/gpu-env.sh

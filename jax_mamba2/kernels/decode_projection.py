@@ -20,8 +20,8 @@ Two launches (one without the norm, three with a split K):
 - `decode_norm_kernel`, grid (M, NGROUPS): a block normalizes one row's group in two passes over it (the sum of
   squares, then the scaled rows), NORM_BLOCK_K features per step (the whole group when it is a power of two up to
   2048: one load); it writes the normalized rows (M x K, a few KB) and the residual stream.
-- `decode_project_kernel`, grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K): a block computes a (BLOCK_M, BLOCK_N) tile
-  of out over all K, rows and weight tiles pipelined by the loads' latency hint; the rows are few and every
+- `decode_project_kernel`, grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K): a block computes a (BLOCK_M,
+  BLOCK_N) tile of out over all K, rows and weight tiles pipelined by the loads' latency hint; the rows are few and every
   column block rereads them from L2, the weight is read once: its bytes are the floor (at a few rows a block's
   chain of K steps sets the time, hence as many blocks as one wave holds: `projection_default_config`). With
   SPLIT_K > 1 the grid gains a third axis over shares of K, each writing an f32 partial product, and
