@@ -21,8 +21,8 @@ Two launches (one without the norm, three with a split K):
   squares, then the scaled rows), NORM_BLOCK_K features per step (the whole group when it is a power of two up to
   2048: one load); it writes the normalized rows (M x K, a few KB) and the residual stream.
 - `decode_project_kernel`, grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K): a block computes a (BLOCK_M,
-  BLOCK_N) tile of out over all K, rows and weight tiles pipelined by the loads' latency hint; the rows are few and every
-  column block rereads them from L2, the weight is read once: its bytes are the floor (at a few rows a block's
+  BLOCK_N) tile of out over all K, rows and weight tiles pipelined by the loads' latency hint; the rows are few
+  and every column block rereads them from L2, the weight is read once: its bytes are the floor (at a few rows a block's
   chain of K steps sets the time, hence as many blocks as one wave holds: `projection_default_config`). With
   SPLIT_K > 1 the grid gains a third axis over shares of K, each writing an f32 partial product, and
   `decode_split_sum_kernel` sums them into out.
@@ -223,7 +223,8 @@ def _norm_input(x, residual, z, residual_out, row, k, BLOCK_K, HAS_RESIDUAL, WRI
 def _store_normed(norm_weight, normed, residual_out, layer, row, g, s, steps, h, gate, rstd, BLOCK_K, HAS_Z,
                   NORM_BEFORE_GATE, WRITE_RESIDUAL):
     """normed[row, step s of group g] = h * rstd * norm_weight[layer, g, step s] (* gate), rounded to the residual
-    stream's dtype with WRITE_RESIDUAL (the dtype the reference normalizes in and returns) and then to normed's."""
+    stream's dtype with WRITE_RESIDUAL (the dtype the reference returns the normalized rows in) and then to
+    normed's."""
     scale = ct.load(norm_weight, index=(layer, g, s), shape=(1, 1, BLOCK_K)).reshape((1, BLOCK_K))
     y = h * rstd * scale.astype(ct.float32)
     if HAS_Z:
