@@ -189,15 +189,19 @@ def measure(case: str, s: Shapes, rows: int, param_dtype, config=None, budget_s:
                   others_us=dict(sorted(others.items(), key=lambda kv: -kv[1])[:8]))
     if config is None:
         record["config"] = dataclasses.asdict(
-            decode_mixer.mixer_step_default_config(_mixer_dims(s, rows)) if case == "mixer" else
-            decode_projection.projection_default_config(_projection_dims(case, s, rows, param_dtype)))
+            decode_mixer.mixer_step_default_config(mixer_dims(s, rows, param_dtype)) if case == "mixer" else
+            decode_projection.projection_default_config(projection_dims(case, s, rows, param_dtype)))
     return record
 
 
-def _mixer_dims(s, rows):
+def mixer_dims(s: Shapes, rows: int, param_dtype):
+    """The mixer step of the LM of `s` at `rows` rows, its state and parameters in `param_dtype`."""
     from jax_mamba2.kernels.decode_mixer import MixerStepDims
+    name = jnp.dtype(param_dtype).name
     return MixerStepDims(rows=rows, nheads=s.nheads, headdim=s.headdim, ngroups=1, dstate=s.d_state,
-                         in_width=s.d_in_proj, xbc_offset=s.d_inner, dt_offset=s.d_inner + s.conv_dim, layers=LAYERS)
+                         in_width=s.d_in_proj, xbc_offset=s.d_inner, dt_offset=s.d_inner + s.conv_dim, layers=LAYERS,
+                         conv_state_dtype=name, ssm_state_dtype=name, conv_weight_dtype=name, A_log_dtype=name,
+                         dt_bias_dtype=name, D_dtype=name)
 
 
 def _profile(call) -> list:
@@ -212,7 +216,8 @@ def _profile(call) -> list:
         return lm_bench._trace_kernels(trace_dir)
 
 
-def _projection_dims(case, s, rows, param_dtype):
+def projection_dims(case: str, s: Shapes, rows: int, param_dtype):
+    """in_proj, out_proj or the head (on a stack of LAYERS embeddings) of the LM of `s` at `rows` rows."""
     from jax_mamba2.kernels.decode_projection import ProjectionDims
     name = jnp.dtype(param_dtype).name
     if case == "in_proj":

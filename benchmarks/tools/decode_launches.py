@@ -1,7 +1,7 @@
 """GPU time per launch of the decode ops' kernels outside JAX, for choosing their tiles: each plan of
-`jax_mamba2.kernels.decode_projection` / `decode_mixer` at the LM's decode shapes (d_model 1024: in_proj 1024 x 4384,
-out_proj 2048 x 1024, the tied head 50280 x 1024, the mixer of 32 heads x 64 x d_state 128; 24 stacked layers,
-bf16) runs through `ct.launch` on torch tensors, 50 launches captured in one CUDA graph, the graph replayed 20
+`jax_mamba2.kernels.decode_projection` / `decode_mixer` at the LM's decode shapes (`benchmarks/decode_kernels.py`'s,
+d_model 1024: in_proj 1024 x 4384, out_proj 2048 x 1024, the tied head 50280 x 1024, the mixer of 32 heads x 64 x
+d_state 128; 24 stacked layers, bf16) runs through `ct.launch` on torch tensors, 50 launches captured in one CUDA graph, the graph replayed 20
 times: the median replay over 50 is a launch's GPU time with no host launch cost. A projection's norm and product
 kernels (and a split K's sum) are also timed apart. Every product config of `projection_configs` at rows 1 and 64
 (the default alone at 8 and 256), every mixer config of `mixer_configs` (with the default).
@@ -24,33 +24,13 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: the repository root on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.decode_kernels import Shapes, mixer_dims, projection_dims  # noqa: E402
+from benchmarks.ssd import PEAK_HBM_TBPS  # noqa: E402
 from jax_mamba2.kernels import decode_mixer, decode_projection  # noqa: E402
 from jax_mamba2.kernels._common import kernel_name  # noqa: E402
 
-LAYERS, PEAK_HBM_TBPS = 24, 4.3
+SHAPES = Shapes(1024)  # the LM of the decode benchmarks: d_model 1024, 24 layers
 SWEPT_ROWS = (1, 64)
-
-
-def projection_dims(case: str, rows: int) -> decode_projection.ProjectionDims:
-    """in_proj (residual add + norm), out_proj (the gated norm, z in in_proj's output) or the head (final norm, the
-    tied embedding transposed) of the d_model 1024 LM."""
-    common = dict(rows=rows, layers=LAYERS, weight_dtype="bfloat16", norm_weight_dtype="bfloat16")
-    stream = dict(has_residual=True, write_residual=True, residual_dtype="float32", residual_in_dtype="float32")
-    if case == "in_proj":
-        return decode_projection.ProjectionDims(features=1024, out_features=4384, has_norm=True, **stream, **common)
-    if case == "out_proj":
-        return decode_projection.ProjectionDims(features=2048, out_features=1024, has_norm=True, z_width=4384,
-                                                **common)
-    return decode_projection.ProjectionDims(**{**common, "layers": 1}, features=1024, out_features=50280,
-                                            has_norm=True, transpose_weight=True, **stream)
-
-
-def mixer_dims(rows: int) -> decode_mixer.MixerStepDims:
-    bf16 = "bfloat16"
-    return decode_mixer.MixerStepDims(rows=rows, nheads=32, headdim=64, ngroups=1, dstate=128, in_width=4384,
-                                      xbc_offset=2048, dt_offset=4352, layers=LAYERS, conv_state_dtype=bf16,
-                                      ssm_state_dtype=bf16, conv_weight_dtype=bf16, A_log_dtype=bf16,
-                                      dt_bias_dtype=bf16, D_dtype=bf16)
 
 
 def projection_configs(case: str) -> list[decode_projection.ProjectionConfig]:
@@ -73,13 +53,13 @@ def cases(rows_list=(1, 8, 64, 256)):
     """(name, dims, plan builder, inputs, configs with the default first) of every timed plan."""
     out = []
     for case, rows in itertools.product(("in_proj", "out_proj", "head"), rows_list):
-        dims = projection_dims(case, rows)
+        dims = projection_dims(case, SHAPES, rows, "bfloat16")
         default = decode_projection.projection_default_config(dims)
         swept = projection_configs(case) if rows in SWEPT_ROWS else []
         out.append((case, dims, decode_projection.norm_project_plan, decode_projection.norm_project_inputs(dims),
                     [default] + [c for c in swept if c != default]))
     for rows in rows_list:
-        dims = mixer_dims(rows)
+        dims = mixer_dims(SHAPES, rows, "bfloat16")
         default = decode_mixer.mixer_step_default_config(dims)
         out.append(("mixer", dims, decode_mixer.mixer_step_plan, decode_mixer.mixer_step_inputs(dims),
                     [default] + [c for c in mixer_configs(rows) if c != default]))
@@ -109,13 +89,13 @@ def _graph_us(torch, launch, reps=50, replays=20) -> float:
     return times[len(times) // 2]
 
 
-def _tensors(torch, inputs, buffers):
-    """Random inputs (the layer index 5, the SSM state scaled to stay small), empty buffers."""
+def _tensors(torch, inputs, buffers, layer: int):
+    """Random inputs (the layer index `layer`, the SSM state scaled to stay small), empty buffers."""
     tensors = {}
     for name, buf in {**inputs, **buffers}.items():
         dtype = getattr(torch, buf.dtype)
         if name == "layer_index":
-            tensors[name] = torch.tensor([5], device="cuda", dtype=torch.int32)
+            tensors[name] = torch.tensor([layer], device="cuda", dtype=torch.int32)
         elif name in inputs:
             scale = 0.05 if name == "ssm_state" else 0.5
             tensors[name] = (torch.randn(*buf.shape, device="cuda") * scale).to(dtype)
@@ -168,7 +148,7 @@ def main(argv=None) -> int:
             if case == "mixer":
                 record["floor_us"] = 2 * dims.rows * dims.d_ssm * dims.dstate * 2 / (PEAK_HBM_TBPS * 1e6)
             try:
-                record.update(time_plan(torch, ct, plan, _tensors(torch, inputs, plan.buffers)))
+                record.update(time_plan(torch, ct, plan, _tensors(torch, inputs, plan.buffers, dims.layers // 2)))
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is a record too
                 record["error"] = f"{type(exc).__name__}: {exc}"[:300]
             print(json.dumps(record), flush=True)

@@ -279,7 +279,7 @@ def decode_project_kernel(
     a,                   # (M, K) the rows: the normalized rows (T), or x itself without a norm
     weight,              # (L, K, N), or (L, N, K) with TRANSPOSE_W, in its dtype
     bias,                # (L, N) in the weight's dtype, or a dummy without HAS_BIAS
-    out,                 # (M, N) T_out, written with SPLIT_K == 1, else a dummy
+    out,                 # (M, N) T_out, written with SPLIT_K == 1 (else by decode_split_sum_kernel)
     partials,            # (SPLIT_K, M, N) f32, written with SPLIT_K > 1 (each split's product), else a dummy
     BLOCK_M: ConstInt,
     BLOCK_N: ConstInt,
