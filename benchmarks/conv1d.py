@@ -12,7 +12,9 @@ Implementations (--impls):
 Layouts (--layouts): "plain" convolves x (batch, seqlen, channels) into one y; "mixer" is the layer's
 one-device path (causal_conv1d_silu_split): x is in_proj's whole output [z, xBC, dt] of d_ssm + channels +
 nheads channels (d_ssm = channels - 256, d_state 128, one group, headdim 64), xBC read at offset d_ssm, and
-y written as x, B, C (dy taken as dx, dB, dC). Both move the same bytes.
+y written as x, B, C (dy taken as dx, dB, dC). Both move the same bytes. "mixer_whole" is the mixer layout
+with pass_through (what the layer runs): z and dt come out too, dy covers x's whole width and dx is x's whole
+cotangent; the floor adds the copy of the cotangents of z and dt (a read and a write).
 
 Inputs: bf16 x, dy ~ N(0, 1), an f32 kernel ~ N(0, 1/d_conv) and bias ~ N(0, 1) rounded to bf16 (what the
 layer passes), no seq_idx. fwd_bwd runs the forward and the VJP of a given dy (dx, dkernel, dbias), no loss
@@ -50,14 +52,14 @@ from benchmarks import report  # noqa: E402
 from benchmarks.environment import environment, gpu_slug  # noqa: E402
 from benchmarks.ssd import time_cuda_graph, time_jax  # noqa: E402
 from jax_mamba2 import causal_conv1d_silu, causal_conv1d_silu_split  # noqa: E402
-from jax_mamba2.conv1d import ConvInputs  # noqa: E402
+from jax_mamba2.conv1d import ConvInputs, ConvStatic  # noqa: E402
 
 # (batch, seqlen, channels): the LM at d_model 1024 (conv_dim 2304, and the layer's x and [B, C] pieces) and
 # at d_model 1536 (mamba2-780m: 3328) with 2 x 8192 tokens.
 GRID = ((8, 2048, 2304), (8, 2048, 2048), (8, 2048, 256), (2, 8192, 3328))
 D_CONV = 4
 IMPLS = ("cutile", "xla", "causal_conv1d")
-LAYOUTS = ("plain", "mixer")
+LAYOUTS = ("plain", "mixer", "mixer_whole")
 # A streaming copy's bandwidth on the H200 (HBM3e, 4.8 TB/s peak): what a memory-bound kernel can reach.
 STREAM_HBM_TBPS = 4.3
 # The mixer layout's B and C (d_state 128, one group) and head size.
@@ -71,56 +73,70 @@ def mixer_layout(channels: int) -> tuple[int, int, tuple[int, int, int]]:
 
 
 def make_inputs(shape, seed: int = 0, layout: str = "plain") -> dict:
-    """x (in the layout's width), kernel, bias and dy (the conv's channels)."""
+    """x (in the layout's width), kernel, bias and dy (the conv's channels; x's whole width in mixer_whole)."""
     batch, seqlen, channels = shape
     width = channels if layout == "plain" else mixer_layout(channels)[1]
     keys = jax.random.split(jax.random.key(seed), 4)
     return dict(x=jax.random.normal(keys[0], (batch, seqlen, width), jnp.bfloat16),
                 kernel=(jax.random.normal(keys[1], (D_CONV, channels)) / np.sqrt(D_CONV)).astype(jnp.bfloat16),
                 bias=jax.random.normal(keys[2], (channels,)).astype(jnp.bfloat16),
-                dy=jax.random.normal(keys[3], (batch, seqlen, channels), jnp.bfloat16))
+                dy=jax.random.normal(keys[3], (batch, seqlen, width if layout == "mixer_whole" else channels),
+                                     jnp.bfloat16))
 
 
-def floor_bytes(shape, direction: str, itemsize: int = 2) -> int:
+def floor_bytes(shape, direction: str, itemsize: int = 2, layout: str = "plain") -> int:
     elements = int(np.prod(shape))
-    return (2 + (3 if direction == "fwd_bwd" else 0)) * itemsize * elements
+    total = (2 + (3 if direction == "fwd_bwd" else 0)) * itemsize * elements
+    if layout == "mixer_whole" and direction == "fwd_bwd":
+        batch, seqlen, channels = shape
+        total += 2 * itemsize * batch * seqlen * (mixer_layout(channels)[1] - channels)
+    return total
 
 
 def parse_config(text: str, config_type):
     """A config from its fields' values joined by "x" (e.g. 16x512x3 for ConvFwdConfig's BLOCK_L, BLOCK_C,
-    OCCUPANCY; ConvBwdConfig: BLOCK_L, SEGMENT_TILES, BLOCK_C, OCCUPANCY, with REDUCE_BLOCK_C 512)."""
+    OCCUPANCY; ConvBwdConfig: BLOCK_L, SEGMENT_TILES, BLOCK_C, OCCUPANCY, with the default REDUCE_BLOCK_C)."""
     names = [f for f in ("BLOCK_L", "SEGMENT_TILES", "BLOCK_C", "OCCUPANCY")
              if f in {field.name for field in dataclasses.fields(config_type)}]
     values = [int(v) for v in text.split("x")]
     if len(values) != len(names):
         raise SystemExit(f"conv1d.py: config {text!r} must be {'x'.join(names)}")
-    extra = {} if "SEGMENT_TILES" not in names else {"REDUCE_BLOCK_C": 512}
+    from jax_mamba2.kernels.causal_conv1d_bwd import REDUCE_BLOCK_C
+    extra = {} if "SEGMENT_TILES" not in names else {"REDUCE_BLOCK_C": REDUCE_BLOCK_C}
     return config_type(**dict(zip(names, values)), **extra)
 
 
 def _pieces(y, layout: str, channels: int):
-    """y (batch, seqlen, channels) as the layout's outputs (a tuple)."""
+    """y (batch, seqlen, channels; x's whole width in mixer_whole) as the layout's outputs (a tuple)."""
     if layout == "plain":
         return (y,)
-    split = mixer_layout(channels)[2]
+    offset, _, split = mixer_layout(channels)
+    if layout == "mixer_whole":
+        split = (offset, *split, y.shape[-1] - offset - channels)
     return tuple(jnp.split(y, list(np.cumsum(split[:-1])), axis=-1))
 
 
 def jax_call(backend: str, inputs: dict, direction: str, layout: str = "plain", kernels=None):
     """A no-argument function returning (y, dx, dkernel, dbias) of the op (y and dx over the conv's
-    channels, concatenated in the mixer layout); with `kernels` (a bridge ConvKernels), its plans."""
+    channels, concatenated in the mixer layout; over x's whole width in mixer_whole); with `kernels` (a
+    bridge ConvKernels), its plans."""
     channels = inputs["kernel"].shape[1]
-    offset, _, split = mixer_layout(channels) if layout == "mixer" else (0, channels, ())
+    offset, _, split = mixer_layout(channels) if layout != "plain" else (0, channels, ())
+    static = ConvStatic(silu=True, offset=offset, split=split, pass_through=layout == "mixer_whole")
 
     def forward(x, kernel, bias):
         if kernels is not None:
-            return kernels.forward(ConvInputs(x, kernel, bias, None, None), True, offset, split)
+            pieces = kernels.forward(ConvInputs(x, kernel, bias, None, None), static)
+            if static.pass_through:
+                pieces = (x[..., :offset], *pieces, x[..., offset + channels:])
+            return pieces
         if layout == "plain":
             return (causal_conv1d_silu(x, kernel, bias, backend=backend),)
-        return causal_conv1d_silu_split(x, kernel, bias, channel_offset=offset, split=split, backend=backend)
+        return causal_conv1d_silu_split(x, kernel, bias, channel_offset=offset, split=split,
+                                        pass_through=static.pass_through, backend=backend)
 
     def window(dx):
-        return dx[..., offset:offset + channels]
+        return dx if static.pass_through else dx[..., offset:offset + channels]
 
     if direction == "fwd":
         run = jax.jit(lambda *a: (jnp.concatenate(forward(*a), axis=-1),))
@@ -130,7 +146,7 @@ def jax_call(backend: str, inputs: dict, direction: str, layout: str = "plain", 
         dys = _pieces(dy, layout, channels)
         if kernels is not None:  # the custom VJP's two plans
             y = forward(x, kernel, bias)
-            grads = kernels.backward(ConvInputs(x, kernel, bias, None, None), True, dys, offset, split)
+            grads = kernels.backward(ConvInputs(x, kernel, bias, None, None), static, dys)
             return jnp.concatenate(y, axis=-1), window(grads.x), grads.kernel, grads.bias
         y, vjp = jax.vjp(forward, x, kernel, bias)
         dx, dkernel, dbias = vjp(dys)
@@ -190,7 +206,7 @@ def measure(impl: str, shape, direction: str, budget_s: float, layout: str = "pl
                                           bwd_config=bwd_config)
         timing, outputs = time_jax(jax_call(impl, inputs, direction, layout, kernels), budget_s)
     names = ("y", "dx", "dkernel", "dbias")[:len(outputs)]
-    floor = floor_bytes(shape, direction)
+    floor = floor_bytes(shape, direction, layout=layout)
     config = {k: dataclasses.asdict(c) if c is not None else None
               for k, c in (("fwd", fwd_config), ("bwd", bwd_config))} if configured else None
     return dict(impl=impl, shape=list(shape), d_conv=D_CONV, direction=direction, dtype="bfloat16", layout=layout,

@@ -44,13 +44,14 @@ class ConvInputs(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class ConvStatic:
-    """The static options of the op (hashable: a custom_vjp nondiff argument): the activation, and the
-    channels of x convolved (offset .. offset + channels - 1) and the widths of the output pieces (split ():
-    one output of all channels)."""
+    """The static options of the op (hashable: a custom_vjp nondiff argument): the activation, the channels
+    of x convolved (offset .. offset + channels - 1), the widths of the output pieces (split (): one output
+    of all channels), and whether x's channels outside the window are returned too (pass_through)."""
 
     silu: bool
     offset: int = 0
     split: tuple[int, ...] = ()
+    pass_through: bool = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -90,27 +91,44 @@ def _window(x, kernel, offset: int):
     return x if x.shape[-1] == kernel.shape[1] else x[..., offset:offset + kernel.shape[1]]
 
 
+def _outside(x, static: ConvStatic, channels: int) -> tuple:
+    """x's channels before and after the window: the outputs that pass_through adds around the pieces."""
+    return x[..., :static.offset], x[..., static.offset + channels:]
+
+
 def _xla_conv(inputs: ConvInputs, static: ConvStatic):
-    """The output pieces (a tuple) from the reference."""
+    """The outputs (a tuple) from the reference."""
     pre, _ = conv1d_reference.causal_conv1d(_window(inputs.x, inputs.kernel, static.offset), inputs.kernel,
                                             inputs.bias, inputs.initial_states, seq_idx=inputs.seq_idx,
                                             dtype=inputs.x.dtype)
     y = jax.nn.silu(pre) if static.silu else pre
-    return tuple(jnp.split(y, list(itertools.accumulate(static.split[:-1])), axis=-1)) if static.split else (y,)
+    pieces = tuple(jnp.split(y, list(itertools.accumulate(static.split[:-1])), axis=-1)) if static.split else (y,)
+    if not static.pass_through:
+        return pieces
+    before, after = _outside(inputs.x, static, inputs.kernel.shape[1])
+    return (before, *pieces, after)
+
+
+def _kernel_outputs(kernels, static: ConvStatic, inputs: ConvInputs):
+    pieces = kernels.forward(inputs, static)
+    if not static.pass_through:
+        return pieces
+    before, after = _outside(inputs.x, static, inputs.kernel.shape[1])
+    return (before, *pieces, after)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _kernel_conv(kernels: Any, static: ConvStatic, inputs: ConvInputs):
-    return kernels.forward(inputs, static.silu, static.offset, static.split)
+    return _kernel_outputs(kernels, static, inputs)
 
 
 def _kernel_conv_fwd(kernels, static, inputs):
     # The backward recomputes the pre-activation from x, which it reads anyway for dkernel.
-    return kernels.forward(inputs, static.silu, static.offset, static.split), inputs
+    return _kernel_outputs(kernels, static, inputs), inputs
 
 
 def _kernel_conv_bwd(kernels, static, inputs, dys):
-    return (kernels.backward(inputs, static.silu, dys, static.offset, static.split),)
+    return (kernels.backward(inputs, static, dys),)
 
 
 _kernel_conv.defvjp(_kernel_conv_fwd, _kernel_conv_bwd)
@@ -194,7 +212,7 @@ def _check_layout(x, kernel, channel_offset, split) -> int:
 
 
 def causal_conv1d_silu_split(x, kernel, bias=None, *, channel_offset, split, seq_idx=None, initial_states=None,
-                             activation="silu", return_final_states=False, backend="auto"):
+                             activation="silu", return_final_states=False, pass_through=False, backend="auto"):
     """`causal_conv1d_silu` of channels channel_offset .. channel_offset + channels - 1 of x, in pieces.
 
     The same conv as `causal_conv1d_silu(x[..., channel_offset:channel_offset + channels], ...)` split along
@@ -213,10 +231,15 @@ def causal_conv1d_silu_split(x, kernel, bias=None, *, channel_offset, split, seq
       seq_idx, initial_states, activation, backend: as in `causal_conv1d_silu` (initial_states over the
         conv's channels).
       return_final_states: also return the state after the sequence (batch, channels, d_conv).
+      pass_through: also return x's channels outside the window, unchanged, before and after the pieces. The
+        outputs then cover all of x, and the kernel backward writes x's whole cotangent in its one pass (the
+        cotangents of the passed-through channels copied in) where XLA would pad the pieces' and add them:
+        the mixer passes in_proj's z and dt columns through, so in_proj's output cotangent is one array.
 
     Returns:
-      A tuple of len(split) arrays (batch, seqlen, split[i]) in x.dtype; with `return_final_states`, (pieces,
-      final_states).
+      A tuple of len(split) arrays (batch, seqlen, split[i]) in x.dtype (with `pass_through` len(split) + 2:
+      x[..., :channel_offset] first and x[..., channel_offset + channels:] last, either of width 0 where
+      the window touches that end); with `return_final_states`, (pieces, final_states).
 
     Raises:
       ValueError / TypeError: on a wrong shape, dtype, layout or option, naming the argument, before any
@@ -234,10 +257,14 @@ def causal_conv1d_silu_split(x, kernel, bias=None, *, channel_offset, split, seq
     check_array(_SPLIT_API, "x", x)
     window = jax.ShapeDtypeStruct((*x.shape[:2], channels), x.dtype)
     _check_inputs(inputs._replace(x=window), activation, return_final_states)
-    static = ConvStatic(silu=activation == "silu", offset=channel_offset, split=split)
+    check_flag(_SPLIT_API, "pass_through", pass_through)
+    static = ConvStatic(silu=activation == "silu", offset=channel_offset, split=split, pass_through=pass_through)
     selected = registry.select(backend, _SPLIT_API, lambda b: b.unsupported_reason(inputs), op=OP)
     if x.size == 0:
         pieces = tuple(jnp.zeros((*x.shape[:2], w), x.dtype) for w in split)
+        if pass_through:
+            before, after = _outside(x, static, channels)
+            pieces = (before, *pieces, after)
     else:
         pieces = registry.run_compiled(tuple(selected), _run, static, inputs)
     if not return_final_states:

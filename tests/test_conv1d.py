@@ -2,6 +2,8 @@
 vmap, shard_map, remat) on the cutile path with every kernel plan run on the NumPy emulator of
 tests/kernels/_cutile_emulator.py through `jax.pure_callback` (the bridge's glue end to end, without a GPU),
 against the float64 reference."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -251,17 +253,28 @@ def _split_cutile(source, kernel, bias=None, **options):
 
 def _check_split(args, fn, tolerance=TOLERANCE, **options):
     """fn's pieces and the gradients of sum(concat(pieces) * weights) against the float64 reference of the
-    window; the source's cotangent is zero outside it."""
+    window; the source's cotangent is zero outside it. With pass_through=True fn also returns the channels
+    before and after the window, which the loss weighs too: they come back unchanged, and the source's
+    cotangent there is their weights."""
     x, kernel, bias, init, seq_idx, weights = args
     source = _in_source(x)
     want_y, want_grads = float64_reference(*args)
+    passed = options.get("pass_through", False)
+    outside = [jax.random.normal(jax.random.key(38 + i), (*x.shape[:2], w), x.dtype)
+               for i, w in enumerate((_OFFSET, _WIDTH - _OFFSET - x.shape[-1]))]
+
+    def split_outputs(source, kernel, bias, init):
+        outputs = fn(source, kernel, bias, seq_idx=seq_idx, initial_states=init, **options)
+        pieces = outputs[1:-1] if passed else outputs
+        assert [p.shape[-1] for p in pieces] == list(_SPLIT) and len(outputs) == len(_SPLIT) + 2 * passed
+        return (outputs[0], outputs[-1]) if passed else (), pieces
 
     def loss(source, kernel, bias, init):
-        pieces = fn(source, kernel, bias, seq_idx=seq_idx, initial_states=init, **options)
-        assert [p.shape[-1] for p in pieces] == list(_SPLIT)
-        return jnp.sum(jnp.concatenate(pieces, axis=-1) * weights)
+        around, pieces = split_outputs(source, kernel, bias, init)
+        return (jnp.sum(jnp.concatenate(pieces, axis=-1) * weights)
+                + sum(jnp.sum(a * w) for a, w in zip(around, outside)))
 
-    pieces = fn(source, kernel, bias, seq_idx=seq_idx, initial_states=init, **options)
+    around, pieces = split_outputs(source, kernel, bias, init)
     argnums = tuple(i for i, a in enumerate((source, kernel, bias, init)) if a is not None)
     grads = dict(zip(argnums, jax.grad(loss, argnums=argnums)(source, kernel, bias, init)))
     dsource = np.asarray(grads.pop(0))
@@ -269,8 +282,12 @@ def _check_split(args, fn, tolerance=TOLERANCE, **options):
               "dx": rel_l2(dsource[..., _OFFSET:_OFFSET + x.shape[-1]], want_grads[0])}
     errors.update({f"d{'x kernel bias init'.split()[i]}": rel_l2(g, want_grads[i]) for i, g in grads.items()})
     assert max(errors.values()) < tolerance, errors
-    np.testing.assert_array_equal(dsource[..., :_OFFSET], 0.0)
-    np.testing.assert_array_equal(dsource[..., _OFFSET + x.shape[-1]:], 0.0)
+    before, after = (outside if passed else (0.0, 0.0))
+    np.testing.assert_array_equal(dsource[..., :_OFFSET], before)
+    np.testing.assert_array_equal(dsource[..., _OFFSET + x.shape[-1]:], after)
+    if passed:
+        np.testing.assert_array_equal(around[0], source[..., :_OFFSET])
+        np.testing.assert_array_equal(around[1], source[..., _OFFSET + x.shape[-1]:])
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -306,6 +323,34 @@ def test_split_xla_is_the_conv_of_the_window_in_pieces(init_width):
                          ids=["plain", "initial_states", "seq_idx_no_bias"])
 def test_emulated_split_forward_and_gradients_match_float64_reference(emulated, options):
     _check_split(make_conv_args(32, seqlen=19, channels=24, **options), jax.jit(_split_cutile))
+
+
+@pytest.mark.parametrize("backend", ["xla", "emulated"])
+@pytest.mark.parametrize("options", [dict(), dict(seq_idx=[7, 12])], ids=["plain", "seq_idx"])
+def test_split_passes_the_other_channels_through(emulated, backend, options):
+    """pass_through: the channels outside the window come out unchanged and their cotangents go into the
+    source's; on the kernels the backward plan writes the source's whole cotangent."""
+    fn = _split_cutile if backend == "emulated" else functools.partial(
+        conv1d.causal_conv1d_silu_split, channel_offset=_OFFSET, split=_SPLIT, backend="xla")
+    _check_split(make_conv_args(39, seqlen=19, channels=24, **options), jax.jit(fn, static_argnames="pass_through"),
+                 pass_through=True)
+
+
+def test_emulated_split_vmap_of_gradients_with_pass_through_matches_a_loop(emulated):
+    x, kernel, bias, _, _, weights = make_conv_args(40, seqlen=19, channels=24)
+    sources = jnp.stack([_in_source(x), -0.5 * _in_source(x, seed=36)])
+
+    def grads(source):
+        def loss(source, kernel, bias):
+            before, *pieces, after = _split_cutile(source, kernel, bias, pass_through=True)
+            return jnp.sum(jnp.concatenate(pieces, axis=-1) * weights) + jnp.sum(before ** 2) - jnp.sum(after)
+        return jax.grad(loss, argnums=(0, 1, 2))(source, kernel, bias)
+
+    mapped = jax.vmap(grads)(sources)
+    for i in range(2):
+        for got, want in zip(mapped, grads(sources[i])):
+            assert rel_l2(got[i], want) < 1e-6
+    assert str(jax.make_jaxpr(jax.vmap(grads))(sources)).count("pure_callback") == 2
 
 
 def test_emulated_split_runs_one_forward_and_one_backward_plan(emulated):

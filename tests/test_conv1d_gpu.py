@@ -131,30 +131,42 @@ def _split_source(x, offset, width, seed=41):
     return jax.lax.dynamic_update_slice_in_dim(wide, x, offset, axis=-1)
 
 
-def _check_split(backend, args, dtype, offset, width, split, transform=lambda f: f):
+def _check_split(backend, args, dtype, offset, width, split, transform=lambda f: f, pass_through=False):
+    """The pieces and gradients against the float64 reference of the window; with pass_through the channels
+    outside it come out unchanged and the source's cotangent there is their weights in the loss (else 0)."""
     x, kernel, bias, init, seq_idx, weights = args
     source = _split_source(x, offset, width)
+    outside = [jax.random.normal(jax.random.key(47 + i), (*x.shape[:2], w), x.dtype)
+               for i, w in enumerate((offset, width - offset - x.shape[-1]))]
 
     def f(source, kernel, bias, init):
-        pieces = conv1d.causal_conv1d_silu_split(source, kernel, bias, channel_offset=offset, split=split,
-                                                 seq_idx=seq_idx, initial_states=init, backend=backend)
-        return jnp.concatenate(pieces, axis=-1)
+        outputs = conv1d.causal_conv1d_silu_split(source, kernel, bias, channel_offset=offset, split=split,
+                                                  seq_idx=seq_idx, initial_states=init, pass_through=pass_through,
+                                                  backend=backend)
+        pieces = outputs[1:-1] if pass_through else outputs
+        return jnp.concatenate(pieces, axis=-1), (outputs[0], outputs[-1]) if pass_through else ()
 
     f = transform(f)
     argnums = tuple(i for i, a in enumerate((source, kernel, bias, init)) if a is not None)
 
     def loss(*a):
-        return jnp.sum(f(*a).astype(jnp.float32) * weights.astype(jnp.float32))
+        y, around = f(*a)
+        return (jnp.sum(y.astype(jnp.float32) * weights.astype(jnp.float32))
+                + sum(jnp.sum(p.astype(jnp.float32) * w.astype(jnp.float32)) for p, w in zip(around, outside)))
 
-    y, grads = jax.jit(lambda *a: (f(*a), jax.grad(loss, argnums=argnums)(*a)))(source, kernel, bias, init)
+    (y, around), grads = jax.jit(lambda *a: (f(*a), jax.grad(loss, argnums=argnums)(*a)))(source, kernel, bias, init)
     grads = dict(zip(argnums, grads))
     want_y, want_grads = float64_reference(*args)
     dsource = np.asarray(grads.pop(0).astype(jnp.float32))
     errors = {"y": rel_l2(y, want_y), "dx": rel_l2(dsource[..., offset:offset + x.shape[-1]], want_grads[0])}
     errors.update({f"d{'x kernel bias init'.split()[i]}": rel_l2(g, want_grads[i]) for i, g in grads.items()})
     assert max(errors.values()) < TOLERANCE[dtype], errors
-    np.testing.assert_array_equal(dsource[..., :offset], 0.0)
-    np.testing.assert_array_equal(dsource[..., offset + x.shape[-1]:], 0.0)
+    before, after = ((np.asarray(w.astype(jnp.float32)) for w in outside) if pass_through else (0.0, 0.0))
+    np.testing.assert_array_equal(dsource[..., :offset], before)
+    np.testing.assert_array_equal(dsource[..., offset + x.shape[-1]:], after)
+    if pass_through:
+        np.testing.assert_array_equal(np.asarray(around[0]), np.asarray(source[..., :offset]))
+        np.testing.assert_array_equal(np.asarray(around[1]), np.asarray(source[..., offset + x.shape[-1]:]))
 
 
 @pytest.mark.parametrize("backend", ["cutile", "cutile_callback"])
@@ -163,6 +175,16 @@ def _check_split(backend, args, dtype, offset, width, split, transform=lambda f:
 def test_conv_split_cutile_matches_float64_reference(backend, dtype, case):
     options, offset, width, split = SPLIT_CASES[case]
     _check_split(backend, make_conv_args(42, dtype=jnp.dtype(dtype), **options), dtype, offset, width, split)
+
+
+@pytest.mark.parametrize("backend", ["cutile", "cutile_callback"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_conv_split_cutile_passes_the_other_channels_through(backend, dtype, case):
+    """pass_through (the mixer's z and dt): the backward kernel writes the source's whole cotangent."""
+    options, offset, width, split = SPLIT_CASES[case]
+    _check_split(backend, make_conv_args(48, dtype=jnp.dtype(dtype), **options), dtype, offset, width, split,
+                 pass_through=True)
 
 
 def test_conv_split_cutile_under_remat_matches_float64_reference():

@@ -24,7 +24,7 @@ from jax_mamba2.bridge import _compat, callback, ffi, problem
 from jax_mamba2.bridge.batching import broadcast_unbatched, fold, unfold
 from jax_mamba2.kernels._common import KERNEL_DTYPES
 from jax_mamba2.kernels.causal_conv1d import MAX_OUTPUTS, ConvDims, ConvFwdConfig, conv_fwd_plan
-from jax_mamba2.kernels.causal_conv1d_bwd import COTANGENTS, ConvBwdConfig, conv_bwd_plan
+from jax_mamba2.kernels.causal_conv1d_bwd import COTANGENTS, PASSED_COTANGENTS, ConvBwdConfig, conv_bwd_plan
 
 RunPlan = Callable[..., dict]
 
@@ -36,10 +36,12 @@ _PER_ROW = ("x", "initial_states", "seq_idx")
 
 class Layout(NamedTuple):
     """Which channels of x the conv reads (offset .. offset + channels - 1) and the widths of its output
-    pieces; split () is one output of all the kernel's channels."""
+    pieces; split () is one output of all the kernel's channels. With pass_through the op also returns x's
+    channels outside the window unchanged, and the backward writes x's whole cotangent, theirs copied in."""
 
     offset: int = 0
     split: tuple[int, ...] = ()
+    pass_through: bool = False
 
 
 def unsupported_reason(inputs) -> Optional[str]:
@@ -63,7 +65,8 @@ def _dims(inputs, silu: bool, layout: Layout) -> ConvDims:
     return ConvDims(batch=batch, seqlen=seqlen, channels=channels, width=inputs.kernel.shape[0],
                     dtype=jnp.dtype(inputs.x.dtype).name, init_width=0 if init is None else init.shape[-1],
                     has_seq_idx=inputs.seq_idx is not None, silu=silu, in_offset=layout.offset,
-                    in_width=0 if in_width == channels else in_width, split=layout.split)
+                    in_width=0 if in_width == channels else in_width, split=layout.split,
+                    pass_through=layout.pass_through)
 
 
 def _kernel_arrays(inputs) -> dict:
@@ -79,14 +82,22 @@ def _kernel_arrays(inputs) -> dict:
         seq_idx=jnp.zeros((1, 1), jnp.int32) if inputs.seq_idx is None else inputs.seq_idx.astype(jnp.int32))
 
 
-def _cotangent_arrays(dys, dtype) -> dict:
-    """The backward's dy0, dy1, dy2 from the pieces' cotangents (dummies past them)."""
-    dys = [dy.astype(dtype) for dy in dys] + [jnp.zeros((1, 1, 1), dtype)] * (MAX_OUTPUTS - len(dys))
-    return dict(zip(COTANGENTS, dys))
+def _cotangent_arrays(dys, dtype, layout: Layout) -> dict:
+    """The backward's dy0, dy1, dy2 from the pieces' cotangents (dummies past them), and dbefore, dafter: with
+    pass_through `dys` starts and ends with the cotangents of the channels before and after the window
+    (dummies for a width 0 and without pass_through)."""
+    dummy = jnp.zeros((1, 1, 1), dtype)
+    passed = [dummy, dummy]
+    if layout.pass_through:
+        passed = [dy.astype(dtype) if dy.shape[-1] else dummy for dy in (dys[0], dys[-1])]
+        dys = dys[1:-1]
+    dys = [dy.astype(dtype) for dy in dys] + [dummy] * (MAX_OUTPUTS - len(dys))
+    return {**dict(zip(COTANGENTS, dys)), **dict(zip(PASSED_COTANGENTS, passed))}
 
 
 def _source_cotangent(dx, x, layout: Layout):
-    """The cotangent of x from dx of the conv's channels: zero in the channels the conv does not read."""
+    """The cotangent of x from the kernels' dx: zero in the channels the conv does not read (dx is already
+    whole with pass_through)."""
     if dx.shape == x.shape:
         return dx
     pad = ((0, 0),) * (dx.ndim - 1) + ((layout.offset, x.shape[-1] - layout.offset - dx.shape[-1]),)
@@ -133,7 +144,7 @@ def _batchable_backward(run_plan: RunPlan, silu: bool, layout: Layout, cfg: Opti
 
     @jax.custom_batching.custom_vmap
     def backward(inputs, dys):
-        arrays = {**_kernel_arrays(inputs), **_cotangent_arrays(dys, inputs.x.dtype)}
+        arrays = {**_kernel_arrays(inputs), **_cotangent_arrays(dys, inputs.x.dtype, layout)}
         out = run_plan(conv_bwd_plan(_dims(inputs, silu, layout), cfg, items=items), arrays)
         out = _compat.match_varying_axes(out, (inputs, dys))
         init, bias = inputs.initial_states, inputs.bias
@@ -159,9 +170,10 @@ def _batchable_backward(run_plan: RunPlan, silu: bool, layout: Layout, cfg: Opti
 
 @dataclasses.dataclass(frozen=True)
 class ConvKernels:
-    """The op on one plan executor: forward(inputs, silu, offset, split) -> the output pieces (a tuple) and
-    backward(inputs, silu, dys, offset, split) -> the cotangents of `inputs` (the same NamedTuple, seq_idx
-    None) for the pieces' cotangents `dys`; see `Layout` for offset and split. `fwd_config` / `bwd_config`
+    """The op on one plan executor: forward(inputs, static) -> the output pieces (a tuple) and
+    backward(inputs, static, dys) -> the cotangents of `inputs` (the same NamedTuple, seq_idx None) for the
+    pieces' cotangents `dys` (with pass_through, those of the channels before and after the window first and
+    last). `static` is the op's `conv1d.ConvStatic`: silu and the fields of `Layout`. `fwd_config` / `bwd_config`
     replace the kernels' default tiles (None: `conv_fwd_default_config` / `conv_bwd_default_config` of each
     problem)."""
 
@@ -170,12 +182,14 @@ class ConvKernels:
     fwd_config: Optional[ConvFwdConfig] = None
     bwd_config: Optional[ConvBwdConfig] = None
 
-    def forward(self, inputs, silu: bool, offset: int = 0, split: tuple[int, ...] = ()):
-        return _batchable_forward(self.run_plan, silu, Layout(offset, split), self.fwd_config)(inputs)
+    def forward(self, inputs, static):
+        # The kernels' forward is the same with or without pass_through (the op slices the other channels).
+        layout = Layout(static.offset, static.split)
+        return _batchable_forward(self.run_plan, static.silu, layout, self.fwd_config)(inputs)
 
-    def backward(self, inputs, silu: bool, dys, offset: int = 0, split: tuple[int, ...] = ()):
-        layout = Layout(offset, split)
-        dx, dkernel, dbias, dinit = _batchable_backward(self.run_plan, silu, layout, self.bwd_config, 1)(
+    def backward(self, inputs, static, dys):
+        layout = Layout(static.offset, static.split, static.pass_through)
+        dx, dkernel, dbias, dinit = _batchable_backward(self.run_plan, static.silu, layout, self.bwd_config, 1)(
             inputs, tuple(dys))
         grads = inputs._replace(x=_source_cotangent(dx, inputs.x, layout), kernel=dkernel[0],
                                 bias=None if dbias is None else dbias[0], initial_states=dinit, seq_idx=None)

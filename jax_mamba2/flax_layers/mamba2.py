@@ -426,7 +426,8 @@ class Mamba2(nnx.Module):
 
         The conv reads xBC straight from in_proj's output (batch, seqlen, d_in_proj) and writes x, B and C as
         separate arrays (`causal_conv1d_silu_split`): one launch each way on the kernel backends, and no slice,
-        concatenate or split copy between in_proj, the conv and the SSD.
+        concatenate or split copy between in_proj, the conv and the SSD. The gates and dt pass through the op,
+        so that its backward kernel writes in_proj's whole output cotangent (no pad and add of three pieces).
 
         Returns:
           (z0, x0, z, x, B, C, dt, conv_state): (..., width) each, and the new (batch, conv_dim, d_conv)
@@ -435,11 +436,11 @@ class Mamba2(nnx.Module):
         zxbcdt = self._in_proj_whole(hidden_states)
         bias = self.conv1d.bias
         bc = self.ngroups * self.d_state
-        (x, B, C), conv_state = causal_conv1d_silu_split(
+        (gates, x, B, C, dt), conv_state = causal_conv1d_silu_split(
             zxbcdt, self.conv1d.kernel[...], None if bias is None else bias[...], channel_offset=self._xbc_offset,
             split=(self.d_ssm, bc, bc), seq_idx=seq_idx, initial_states=conv_state, return_final_states=True,
-            backend=self._conv_backend())
-        return (*self._gates(zxbcdt), x, B, C, zxbcdt[..., self._xbc_offset + self.conv_dim:], conv_state)
+            pass_through=True, backend=self._conv_backend())
+        return (*self._gates(gates), x, B, C, dt, conv_state)
 
     def _project_and_convolve_step(self, hidden_states, conv_state):
         """`_project_and_convolve` for one token per row, (batch, d_model): the conv step runs on in_proj's
@@ -467,7 +468,7 @@ class Mamba2(nnx.Module):
         return checkpoint_name(zxbcdt, IN_PROJ_OUTPUT)
 
     def _gates(self, zxbcdt) -> tuple:
-        """(z0, x0, z) of in_proj's output."""
+        """(z0, x0, z) of in_proj's output (or of its columns before xBC)."""
         return tuple(jnp.split(zxbcdt[..., :self._xbc_offset], [self.d_mlp, 2 * self.d_mlp], axis=-1))
 
     def _convolve(self, shard: HeadShard, x, B, C, conv_state, want_state: bool, apply):

@@ -59,7 +59,9 @@ class ConvDims:
     The conv reads channels in_offset .. in_offset + channels - 1 of x (batch, seqlen, in_width) of `dtype`
     (in_width 0: x is (batch, seqlen, channels)); `width` is d_conv (the number of taps); `init_width` the
     number of columns of initial_states (width - 1 or width; 0 without them); `split` the widths of the
-    output pieces, summing to channels (empty: one output of all channels).
+    output pieces, summing to channels (empty: one output of all channels); `pass_through`: the backward
+    writes x's whole cotangent, the channels outside the window copied from their own cotangents
+    (causal_conv1d_bwd.py; the forward ignores it).
     """
 
     batch: int
@@ -73,6 +75,7 @@ class ConvDims:
     in_offset: int = 0
     in_width: int = 0
     split: tuple[int, ...] = ()
+    pass_through: bool = False
 
     @property
     def has_init(self) -> bool:
@@ -82,6 +85,11 @@ class ConvDims:
     def source_width(self) -> int:
         """The channels of x (the conv's and any others)."""
         return self.in_width or self.channels
+
+    @property
+    def outside_widths(self) -> tuple[int, int]:
+        """The channels of x before and after the conv's window."""
+        return self.in_offset, self.source_width - self.in_offset - self.channels
 
     @property
     def pieces(self) -> tuple[int, ...]:

@@ -24,12 +24,19 @@ sums the partials in a fixed order (deterministic, no atomics).
 
 The layout of the forward (causal_conv1d.py): x's channels IN_OFFSET .., and dy in up to three pieces
 dy0, dy1, dy2 (the cotangents of the forward's y0, y1, y2, split at SPLIT1, SPLIT2); dx is one array of the
-conv's channels.
+conv's channels. With PASS_THROUGH, dx is x's whole cotangent (batch, seqlen, in_width): the conv's dx in
+channels IN_OFFSET .., and the cotangents `dbefore` and `dafter` of the channels before and after the window
+(which the op passes through unchanged, the mixer's z and dt) copied into the rest. The copies are blocks of
+their own after the conv's on the channel axis of the grid; they are pure bandwidth, which the conv blocks,
+bound by their loads' latency, leave unused. XLA would otherwise pad the three cotangents to in_width and add
+them: a read and a write of the whole width more.
 
-Grids: (cdiv(seqlen, SEGMENT), cdiv(channels, BLOCK_C), batch) and (cdiv(channels, BLOCK_C), items).
+Grids: (cdiv(seqlen, SEGMENT), cdiv(channels, BLOCK_C) [+ cdiv(IN_OFFSET, BLOCK_C) + cdiv(after, BLOCK_C) with
+PASS_THROUGH], batch) and (cdiv(channels, BLOCK_C), items).
 
-Shapes: x (batch, seqlen, in_width) T; dy0, dy1, dy2 as the forward's y0, y1, y2; dx (batch, seqlen,
-channels) T; weight (WIDTH, channels), bias (channels,) T; initial_states
+Shapes: x (batch, seqlen, in_width) T; dy0, dy1, dy2 as the forward's y0, y1, y2; dbefore (batch, seqlen,
+IN_OFFSET) and dafter (batch, seqlen, in_width - IN_OFFSET - channels) T, or dummies (1, 1, 1) (without
+PASS_THROUGH, or a width 0); dx (batch, seqlen, channels), with PASS_THROUGH (batch, seqlen, in_width), T; weight (WIDTH, channels), bias (channels,) T; initial_states
 (batch, channels, INIT_WIDTH) T or a dummy; seq_idx (batch, seqlen) int32 or a dummy; dinitial_states
 (batch, channels, INIT_WIDTH) f32 (zero-initialised; a dummy (1, 1, 1) without HAS_INIT); dweight_partials
 (partials, WIDTH, channels) and dbias_partials (partials, channels) f32 with partials = batch · segments;
@@ -48,10 +55,18 @@ from jax_mamba2.kernels.causal_conv1d import (
     widened)
 
 COTANGENTS = tuple(f"dy{i}" for i in range(MAX_OUTPUTS))
-CONV_BWD_INPUTS = (*CONV_INPUTS, *COTANGENTS)
+# The cotangents of x's channels before and after the conv's window (PASS_THROUGH).
+PASSED_COTANGENTS = ("dbefore", "dafter")
+CONV_BWD_INPUTS = (*CONV_INPUTS, *COTANGENTS, *PASSED_COTANGENTS)
 CONV_BWD_OUTPUTS = ("dx", "dweight", "dbias", "dinitial_states")
 # About the occupancy hint's 2 blocks per SM of an H100 / H200 (132 SMs), for the default segments.
 MIN_BLOCKS = 256
+# The reduction of the weight partials loads up to this many partials at once (16 x 4 taps x 32 channels f32:
+# 16 registers per thread of 128).
+MAX_PART_TILE = 16
+# Channels per block of that reduction: the partials are few, so its time is its loads' latency, which more
+# blocks hide (72 blocks for 2304 channels).
+REDUCE_BLOCK_C = 32
 
 
 def _zero_rows(count, BLOCK_C):
@@ -116,10 +131,16 @@ def _input_grads(gs, ids, weights, count, WIDTH, HAS_SEQ_IDX):
 
 def _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, dinitial_states,
                    dweight_partials, dbias_partials, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS, SPLIT1, SPLIT2,
-                   BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU):
+                   BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU, PASS_THROUGH):
     seg = ct.bid(0)
     b = ct.bid(2)
     cols = ct.bid(1) * BLOCK_C + ct.arange(BLOCK_C, dtype=ct.int32)
+    # dx's channels: the window's within x's whole width with PASS_THROUGH; the mask keeps a block's channels
+    # past the conv's out of the channels after the window.
+    dx_cols = cols
+    if PASS_THROUGH:
+        dx_cols = cols + IN_OFFSET
+    in_window = cols < weight.shape[1]
     seqlen = x.shape[1]
     HALO = WIDTH - 1
     start = seg * (SEGMENT_TILES * BLOCK_L)
@@ -162,11 +183,11 @@ def _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, 
             if r < HALO:
                 # Lagging rows: the previous segment's tokens on the first step (not written), or in segment 0
                 # the tokens before the sequence, whose dx̃ is d initial_states (outside it for s >= 0).
-                ct.scatter(dx, (b, s, cols), dxs[r].astype(dx.dtype), mask=s >= start)
+                ct.scatter(dx, (b, s, dx_cols), dxs[r].astype(dx.dtype), mask=in_window & (s >= start))
                 if HAS_INIT:
                     ct.scatter(dinitial_states, (b, cols, INIT_WIDTH + s), dxs[r])
             else:
-                ct.scatter(dx, (b, s, cols), dxs[r].astype(dx.dtype))
+                ct.scatter(dx, (b, s, dx_cols), dxs[r].astype(dx.dtype), mask=in_window)
         x_halo = _last(rows, HALO, BLOCK_L + HALO)
         if HAS_SEQ_IDX:
             id_halo = _last(ids, HALO, BLOCK_L + HALO)
@@ -184,12 +205,36 @@ def _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, 
                                        dweight, dbias, False, WIDTH, HAS_SEQ_IDX, SILU)
     dxs = _input_grads(g_halo + gs, ids, weights, HALO, WIDTH, HAS_SEQ_IDX)
     for r in ct.static_iter(range(HALO)):
-        ct.scatter(dx, (b, stop - HALO + r, cols), dxs[r].astype(dx.dtype))
+        ct.scatter(dx, (b, stop - HALO + r, dx_cols), dxs[r].astype(dx.dtype), mask=in_window)
 
     part = b * ct.num_blocks(0) + seg
     for k in ct.static_iter(range(WIDTH)):
         ct.scatter(dweight_partials, (part, k, cols), dweight[k])
     ct.scatter(dbias_partials, (part, cols), dbias)
+
+
+def _copy_segment(src, dx, b, seg, cols, out_offset, BLOCK_L, SEGMENT_TILES):
+    """dx[b, t, out_offset + cols] = src[b, t, cols] for the tokens of segment `seg`, cols within src."""
+    start = seg * (SEGMENT_TILES * BLOCK_L)
+    steps = ct.cdiv(ct.minimum(start + SEGMENT_TILES * BLOCK_L, dx.shape[1]) - start, BLOCK_L)
+    inside = cols < src.shape[2]
+    for i in range(steps):
+        t0 = start + i * BLOCK_L
+        rows = token_rows(src, b, t0, BLOCK_L, cols)
+        for r in ct.static_iter(range(BLOCK_L)):
+            ct.scatter(dx, (b, t0 + r, cols + out_offset), rows[r], mask=inside)
+
+
+def _pass_through_body(dbefore, dafter, dx, block, channels, IN_OFFSET, BLOCK_L, SEGMENT_TILES, BLOCK_C):
+    """Copies the cotangents of the channels outside the conv's window into dx: `block` counts the channel
+    blocks after the conv's, those of the channels before the window first."""
+    lanes = ct.arange(BLOCK_C, dtype=ct.int32)
+    before_blocks = (IN_OFFSET + BLOCK_C - 1) // BLOCK_C
+    if block < before_blocks:
+        _copy_segment(dbefore, dx, ct.bid(2), ct.bid(0), block * BLOCK_C + lanes, 0, BLOCK_L, SEGMENT_TILES)
+    else:
+        _copy_segment(dafter, dx, ct.bid(2), ct.bid(0), (block - before_blocks) * BLOCK_C + lanes,
+                      IN_OFFSET + channels, BLOCK_L, SEGMENT_TILES)
 
 
 def causal_conv1d_bwd_kernel(
@@ -201,7 +246,9 @@ def causal_conv1d_bwd_kernel(
     dy0: Big,               # (batch, seqlen, SPLIT1) T: dy of channels [0, SPLIT1)
     dy1: Big,               # (batch, seqlen, SPLIT2 - SPLIT1) T (OUTPUTS > 1), or a dummy
     dy2: Big,               # (batch, seqlen, channels - SPLIT2) T (OUTPUTS == 3), or a dummy
-    dx: Big,                # (batch, seqlen, channels) T, written
+    dbefore: Big,           # (batch, seqlen, IN_OFFSET) T (PASS_THROUGH, IN_OFFSET > 0), or a dummy
+    dafter: Big,            # (batch, seqlen, in_width - IN_OFFSET - channels) T (PASS_THROUGH), or a dummy
+    dx: Big,                # (batch, seqlen, channels), with PASS_THROUGH (batch, seqlen, in_width) T, written
     dinitial_states: Big,   # (batch, channels, INIT_WIDTH) f32, zero-initialised, written; or a dummy
     dweight_partials: Big,  # (partials, WIDTH, channels) f32, written
     dbias_partials: Big,    # (partials, channels) f32, written
@@ -217,23 +264,31 @@ def causal_conv1d_bwd_kernel(
     HAS_INIT: ConstBool,
     HAS_SEQ_IDX: ConstBool,
     SILU: ConstBool,
+    PASS_THROUGH: ConstBool,
 ):
-    _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, dinitial_states,
-                   dweight_partials, dbias_partials, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS, SPLIT1, SPLIT2,
-                   BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU)
+    conv_blocks = ct.cdiv(weight.shape[1], BLOCK_C)
+    if ct.bid(1) < conv_blocks:
+        _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, dinitial_states,
+                       dweight_partials, dbias_partials, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS, SPLIT1, SPLIT2,
+                       BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU, PASS_THROUGH)
+    else:
+        _pass_through_body(dbefore, dafter, dx, ct.bid(1) - conv_blocks, weight.shape[1], IN_OFFSET, BLOCK_L,
+                           SEGMENT_TILES, BLOCK_C)
 
 
-def _conv_grads_reduce_body(dweight_partials, dbias_partials, dweight, dbias, WIDTH_TILE, BLOCK_C):
+def _conv_grads_reduce_body(dweight_partials, dbias_partials, dweight, dbias, WIDTH_TILE, PART_TILE, BLOCK_C):
     cb = ct.bid(0)
     item = ct.bid(1)
-    parts = dweight_partials.shape[0] // dweight.shape[0]
+    # PART_TILE partials per load, summed in a fixed order: the loop is as many loads deep as the partials
+    # over PART_TILE, not as the partials (one dependent load per partial left the reduction latency-bound).
+    tiles = dweight_partials.shape[0] // (dweight.shape[0] * PART_TILE)
     dw = ct.zeros((WIDTH_TILE, BLOCK_C), ct.float32)
     db = ct.zeros((BLOCK_C,), ct.float32)
-    for p in range(item * parts, (item + 1) * parts):
-        dw = dw + ct.load(dweight_partials, index=(p, 0, cb), shape=(1, WIDTH_TILE, BLOCK_C),
-                          padding_mode=ct.PaddingMode.ZERO).reshape((WIDTH_TILE, BLOCK_C))
-        db = db + ct.load(dbias_partials, index=(p, cb), shape=(1, BLOCK_C),
-                          padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_C,))
+    for p in range(item * tiles, (item + 1) * tiles):
+        dw = dw + ct.sum(ct.load(dweight_partials, index=(p, 0, cb), shape=(PART_TILE, WIDTH_TILE, BLOCK_C),
+                                 padding_mode=ct.PaddingMode.ZERO), axis=0)
+        db = db + ct.sum(ct.load(dbias_partials, index=(p, cb), shape=(PART_TILE, BLOCK_C),
+                                 padding_mode=ct.PaddingMode.ZERO), axis=0)
     # Rows past WIDTH (WIDTH_TILE is its power of two) fall outside dweight and are dropped.
     ct.store(dweight, index=(item, 0, cb), tile=dw.reshape((1, WIDTH_TILE, BLOCK_C)))
     ct.store(dbias, index=(item, cb), tile=db.reshape((1, BLOCK_C)))
@@ -245,9 +300,19 @@ def conv_grads_reduce_kernel(
     dweight,                # (items, WIDTH, channels) f32, written
     dbias,                  # (items, channels) f32, written
     WIDTH_TILE: ConstInt,
+    PART_TILE: ConstInt,
     BLOCK_C: ConstInt,
 ):
-    _conv_grads_reduce_body(dweight_partials, dbias_partials, dweight, dbias, WIDTH_TILE, BLOCK_C)
+    _conv_grads_reduce_body(dweight_partials, dbias_partials, dweight, dbias, WIDTH_TILE, PART_TILE, BLOCK_C)
+
+
+def reduce_part_tile(partials_per_item: int) -> int:
+    """Partials per load of the reduction: the largest power of two up to MAX_PART_TILE dividing an item's
+    partials (so that a load never reaches the next item's)."""
+    tile = 1
+    while tile < MAX_PART_TILE and partials_per_item % (2 * tile) == 0:
+        tile *= 2
+    return tile
 
 
 # The occupancy hint of the main kernel comes from the config.
@@ -279,7 +344,7 @@ def conv_bwd_default_config(dims: ConvDims) -> ConvBwdConfig:
     blocks per SM; docs/conv1d.md (Configurations) has the timings that chose it over wider steps at lower
     occupancy. Segments of 256 tokens, halved (down to one step) while the grid has fewer than MIN_BLOCKS
     blocks: at (8, 2048) that is 1152 blocks for 2304 channels and 1024 for 2048, and 128-token segments (256
-    blocks) for the layer's 256 [B, C] channels. The reduction sums 512 channels per block."""
+    blocks) for the layer's 256 [B, C] channels. The reduction sums REDUCE_BLOCK_C channels per block."""
     block_l = 8
     block_c = min(128, max(16, next_power_of_2(dims.channels)))
     rows = dims.batch * -(-dims.channels // block_c)
@@ -287,21 +352,33 @@ def conv_bwd_default_config(dims: ConvDims) -> ConvBwdConfig:
     while steps > 1 and rows * -(-dims.seqlen // (steps * block_l)) < MIN_BLOCKS:
         steps //= 2
     return ConvBwdConfig(BLOCK_L=block_l, SEGMENT_TILES=steps, BLOCK_C=block_c,
-                         REDUCE_BLOCK_C=min(512, max(16, next_power_of_2(dims.channels))), OCCUPANCY=4)
+                         REDUCE_BLOCK_C=min(REDUCE_BLOCK_C, max(16, next_power_of_2(dims.channels))), OCCUPANCY=4)
 
 
 def conv_bwd_grid(dims: ConvDims, cfg: ConvBwdConfig) -> tuple[int, int, int]:
-    return (-(-dims.seqlen // cfg.segment), -(-dims.channels // cfg.BLOCK_C), dims.batch)
+    blocks = -(-dims.channels // cfg.BLOCK_C)
+    if dims.pass_through:
+        blocks += sum(-(-w // cfg.BLOCK_C) for w in dims.outside_widths)
+    return (-(-dims.seqlen // cfg.segment), blocks, dims.batch)
+
+
+def passed_cotangent_arrays(dims: ConvDims) -> dict[str, Buffer]:
+    """dbefore and dafter: the cotangents of x's channels before and after the window (batch, seqlen, width)
+    in x's dtype with `dims.pass_through`, dummies (1, 1, 1) without it or for a width 0."""
+    return {name: Buffer((dims.batch, dims.seqlen, w) if dims.pass_through and w else (1, 1, 1), dims.dtype)
+            for name, w in zip(PASSED_COTANGENTS, dims.outside_widths)}
 
 
 def conv_bwd_arrays(dims: ConvDims, cfg: ConvBwdConfig | None = None, items: int = 1) -> dict[str, Buffer]:
     """Shape and dtype of every input and buffer of `conv_bwd_plan(dims, cfg, items)`."""
-    return {**conv_arrays(dims), **piece_arrays(dims, "dy"), **conv_bwd_plan(dims, cfg, items).buffers}
+    return {**conv_arrays(dims), **piece_arrays(dims, "dy"), **passed_cotangent_arrays(dims),
+            **conv_bwd_plan(dims, cfg, items).buffers}
 
 
 def conv_bwd_plan(dims: ConvDims, cfg: ConvBwdConfig | None = None, items: int = 1) -> Plan:
-    """The backward for `dims` from inputs CONV_BWD_INPUTS: CONV_INPUTS and the cotangents dy0, dy1, dy2 of
-    the forward's pieces (dummies (1, 1, 1) past `dims.pieces`, see `conv_bwd_arrays`).
+    """The backward for `dims` from inputs CONV_BWD_INPUTS: CONV_INPUTS, the cotangents dy0, dy1, dy2 of the
+    forward's pieces (dummies (1, 1, 1) past `dims.pieces`) and dbefore, dafter (`passed_cotangent_arrays`);
+    see `conv_bwd_arrays`.
 
     Args:
       dims: the problem.
@@ -310,7 +387,8 @@ def conv_bwd_plan(dims: ConvDims, cfg: ConvBwdConfig | None = None, items: int =
         the batch); must divide dims.batch.
 
     Returns:
-      A Plan with outputs CONV_BWD_OUTPUTS: dx (batch, seqlen, channels) in x's dtype, dweight (items,
+      A Plan with outputs CONV_BWD_OUTPUTS: dx (batch, seqlen, channels), with `dims.pass_through` x's whole
+      cotangent (batch, seqlen, in_width), in x's dtype, dweight (items,
       WIDTH, channels) and dbias (items, channels) f32, dinitial_states (batch, channels, init_width) f32 (a
       dummy without initial states).
     """
@@ -328,7 +406,7 @@ def conv_bwd_plan(dims: ConvDims, cfg: ConvBwdConfig | None = None, items: int =
     big = needs_int64_index(dims, partials)
     C = dims.channels
     buffers = {
-        "dx": Buffer((dims.batch, dims.seqlen, C), dims.dtype),
+        "dx": Buffer((dims.batch, dims.seqlen, dims.source_width if dims.pass_through else C), dims.dtype),
         "dinitial_states": Buffer((dims.batch, C, dims.init_width) if dims.has_init else (1, 1, 1), "float32",
                                   zero_init=True),
         "dweight_partials": Buffer((partials, dims.width, C), "float32"),
@@ -342,8 +420,9 @@ def conv_bwd_plan(dims: ConvDims, cfg: ConvBwdConfig | None = None, items: int =
         writes=("dx", "dinitial_states", "dweight_partials", "dbias_partials"),
         WIDTH=dims.width, INIT_WIDTH=dims.init_width, IN_OFFSET=dims.in_offset, OUTPUTS=len(dims.pieces),
         SPLIT1=split1, SPLIT2=split2, BLOCK_L=cfg.BLOCK_L, SEGMENT_TILES=cfg.SEGMENT_TILES, BLOCK_C=cfg.BLOCK_C,
-        HAS_INIT=dims.has_init, HAS_SEQ_IDX=dims.has_seq_idx, SILU=dims.silu)
+        HAS_INIT=dims.has_init, HAS_SEQ_IDX=dims.has_seq_idx, SILU=dims.silu, PASS_THROUGH=dims.pass_through)
     reduce = kernel_launch(
         CONV_GRADS_REDUCE_KERNELS[1 if big else 0], (-(-C // cfg.REDUCE_BLOCK_C), items),
-        writes=("dweight", "dbias"), WIDTH_TILE=next_power_of_2(dims.width), BLOCK_C=cfg.REDUCE_BLOCK_C)
+        writes=("dweight", "dbias"), WIDTH_TILE=next_power_of_2(dims.width),
+        PART_TILE=reduce_part_tile(partials // items), BLOCK_C=cfg.REDUCE_BLOCK_C)
     return Plan(inputs=CONV_BWD_INPUTS, buffers=buffers, launches=(main, reduce), outputs=CONV_BWD_OUTPUTS)

@@ -5,7 +5,7 @@ import pytest
 
 from benchmarks import conv1d
 from jax_mamba2.kernels.causal_conv1d import ConvFwdConfig
-from jax_mamba2.kernels.causal_conv1d_bwd import ConvBwdConfig
+from jax_mamba2.kernels.causal_conv1d_bwd import REDUCE_BLOCK_C, ConvBwdConfig
 
 
 def test_floor_bytes_count_one_pass_over_each_tensor():
@@ -42,7 +42,7 @@ def test_cli_times_the_mixer_layout_against_the_same_reference(tmp_path):
 def test_configs_parse_from_their_fields():
     assert conv1d.parse_config("8x1024x2", ConvFwdConfig) == ConvFwdConfig(BLOCK_L=8, BLOCK_C=1024, OCCUPANCY=2)
     assert conv1d.parse_config("16x8x128x3", ConvBwdConfig) == ConvBwdConfig(
-        BLOCK_L=16, SEGMENT_TILES=8, BLOCK_C=128, REDUCE_BLOCK_C=512, OCCUPANCY=3)
+        BLOCK_L=16, SEGMENT_TILES=8, BLOCK_C=128, REDUCE_BLOCK_C=REDUCE_BLOCK_C, OCCUPANCY=3)
     with pytest.raises(SystemExit, match="config '16x512' must be BLOCK_LxSEGMENT_TILESxBLOCK_CxOCCUPANCY"):
         conv1d.parse_config("16x512", ConvBwdConfig)
 

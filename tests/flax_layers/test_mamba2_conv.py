@@ -131,9 +131,9 @@ def _operands_through_tuples(entry: dict, name: str) -> list[str]:
 def test_one_device_layer_convolves_in_proj_output_in_place_in_one_launch_each_way(emulated):
     """In the compiled forward + backward of the layer: the conv's forward reads in_proj's product itself and
     its outputs are the SSD forward's x, B, C (views, no copy); its backward takes the SSD backward's dx, dB,
-    dC as they come; one conv launch each way; no slice / concatenate / copy fusion of activation size
-    reads or writes an activation of the conv. (The cotangent of in_proj's output is assembled once, a pad
-    of the conv's dx into the sum of the pieces' cotangents, for in_proj's backward matmuls.)"""
+    dC and the gated norm's dz as they come and writes the whole cotangent of in_proj's output, which in_proj's
+    backward matmuls read as it is; one conv launch each way; no slice / concatenate / copy fusion of
+    activation size reads or writes an activation of the conv."""
     layer, (u, weights) = _layer("cutile"), _inputs()
     graphdef, state = nnx.split(layer)
     grad = jax.jit(jax.grad(lambda state, u: _loss(nnx.merge(graphdef, state), u, weights), argnums=(0, 1)))
@@ -145,7 +145,7 @@ def test_one_device_layer_convolves_in_proj_output_in_place_in_one_launch_each_w
     forward = [n for n, i in calls.items() if i["shape"].count(f"[{BATCH},{SEQLEN},") == 3 and
                i["shape"].startswith(f"(f32[{BATCH},{SEQLEN},{layer.d_ssm}]") and
                entry[i["operands"][0]]["shape"].startswith(in_proj_shape)]
-    backward = [n for n, i in calls.items() if i["shape"].startswith(f"(f32[{BATCH},{SEQLEN},{conv_dim}]")]
+    backward = [n for n, i in calls.items() if i["shape"].startswith(f"(f32[{BATCH},{SEQLEN},{d_in_proj}]")]
     assert len(forward) == 1 and len(backward) == 1, (forward, backward)
     (fwd,), (bwd,) = forward, backward
 
@@ -157,10 +157,10 @@ def test_one_device_layer_convolves_in_proj_output_in_place_in_one_launch_each_w
     ssd_calls = [n for n, i in entry.items() if i["op"] in ("custom-call", "conditional") and n not in (fwd, bwd)
                  and sum(_source(entry, o) == fwd for o in _operands_through_tuples(entry, n)) >= 3]
     assert len(ssd_calls) == 2, ssd_calls  # the SSD's forward and backward plans
-    # The conv's backward takes dx, dB, dC straight from the SSD's backward.
+    # The conv's backward takes dx, dB, dC straight from the SSD's backward (and dz from the norm's).
     activation = BATCH * SEQLEN * layer.d_state  # the smallest activation: B or C
     dys = [_source(entry, o) for o in calls[bwd]["operands"] if _elements(entry[o]["shape"]) >= activation]
-    assert len(dys) == 4 and dys[0] == _source(entry, calls[fwd]["operands"][0]), dys  # in_proj's product, dy's
+    assert len(dys) == 5 and dys[0] == _source(entry, calls[fwd]["operands"][0]), dys  # in_proj's product, dy's
     # dx comes as the SSD backward wrote it; dB and dC may pass through one layout copy each: the guard's
     # conditional returns them in the layout XLA picks for both its branches (B-sized, not x-sized).
     through_copy = [d if entry[d]["op"] != "fusion" else _source(entry, entry[d]["operands"][0]) for d in dys[2:]]
@@ -168,8 +168,20 @@ def test_one_device_layer_convolves_in_proj_output_in_place_in_one_launch_each_w
     # Nothing around the conv moves activations: no slice / concatenate / copy fusion consumes its outputs.
     conv_values = {fwd, bwd} | {n for n, i in entry.items() if i["op"] in ("bitcast", "get-tuple-element") and
                                 _source(entry, n) in (fwd, bwd)}
+    # in_proj's output cotangent is the backward's dx as it wrote it: only matrix products (its weight and
+    # input gradients) read it, on the CPU through a layout copy for the weight gradient's transposed
+    # operand; no pad or add assembles it from pieces.
+    dx = {n for n, i in entry.items() if i["op"] in ("get-tuple-element", "bitcast") and _source(entry, n) == bwd
+          and not i["shape"].startswith("(") and _elements(i["shape"]) == BATCH * SEQLEN * d_in_proj}
+
+    def readers(names):  # past views
+        return [n for n, i in entry.items() if set(i["operands"]) & set(names) and n not in dx]
+
+    layout_copies = [n for n in readers(dx) if not _computes_a_matmul(hlo, entry, n)]
+    assert readers(dx) and all(_copies(hlo, entry, n) == {"copy"} for n in layout_copies), layout_copies
+    assert all(_computes_a_matmul(hlo, entry, n) for n in readers(layout_copies)), layout_copies
     for name, inst in entry.items():
-        if f",{d_in_proj}]" in inst["shape"]:  # the cotangent of in_proj's output, assembled once (see above)
+        if name in layout_copies:
             continue
         if set(inst["operands"]) & conv_values and _elements(inst["shape"]) >= activation:
             assert not _copies(hlo, entry, name), (name, inst)

@@ -55,6 +55,8 @@ def _plan_inputs(dims, x, kernel, bias, init, seq_idx, dy=None):
         seq_idx=jnp.zeros((1, 1), jnp.int32) if seq_idx is None else seq_idx)
     if dy is not None:
         arrays.update(zip(conv_bwd.COTANGENTS, _pieces(dy, dims)))
+        arrays.update({name: np.zeros(buf.shape, x.dtype)
+                       for name, buf in conv_bwd.passed_cotangent_arrays(dims).items()})
     return {name: np.asarray(a) for name, a in arrays.items()}
 
 
@@ -122,6 +124,35 @@ def test_conv_kernels_in_the_mixer_layout_match_float64_reference(layout, case):
     args = make_conv_args(6, **CASES[case])
     errors = _errors(args, *_run(args, float64=True, layout=LAYOUTS[layout]))
     assert max(errors.values()) < 1e-12, errors
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_conv_backward_writes_the_whole_cotangent_with_pass_through(layout):
+    """With pass_through, dx is x's whole cotangent: the conv's dx in the window and the given cotangents of
+    the channels before and after it copied, bit for bit (one side is absent in two of the layouts)."""
+    args = make_conv_args(8, **CASES["seq_idx"])
+    x, kernel, bias, init, seq_idx, dy = args
+    dims = dataclasses.replace(_dims(x, kernel, init, seq_idx, layout=LAYOUTS[layout]), pass_through=True)
+    rng = np.random.default_rng(9)
+    passed = {name: (rng.standard_normal(buf.shape).astype(np.float64) if buf.shape != (1, 1, 1)
+                     else np.zeros((1, 1, 1)))
+              for name, buf in conv_bwd.passed_cotangent_arrays(dims).items()}
+    plan = conv_bwd.conv_bwd_plan(dims, SMALL_BWD)
+    assert_plan_well_formed(plan)
+    out = emulator.run_plan(plan, {**_plan_inputs(dims, *args), **passed}, float64=True)
+    _, (want_dx, want_dkernel, want_dbias, _) = float64_reference(*args)
+    before, after = dims.outside_widths
+    assert out["dx"].shape == x.shape[:2] + (dims.source_width,)
+    if before:
+        np.testing.assert_array_equal(out["dx"][..., :before], passed["dbefore"])
+    if after:
+        np.testing.assert_array_equal(out["dx"][..., before + dims.channels:], passed["dafter"])
+    assert rel_l2(out["dx"][..., before:before + dims.channels], want_dx) < 1e-12
+    assert rel_l2(out["dweight"][0], want_dkernel) < 1e-12 and rel_l2(out["dbias"][0], want_dbias) < 1e-12
+
+
+def test_conv_weight_partials_reduce_in_tiles_that_stay_within_an_item():
+    assert [conv_bwd.reduce_part_tile(n) for n in (64, 48, 12, 3, 1)] == [16, 16, 4, 1, 1]
 
 
 def test_conv_kernels_in_the_mixer_layout_at_default_tiles_match_float64_reference():
