@@ -27,12 +27,12 @@ dy0, dy1, dy2 (the cotangents of the forward's y0, y1, y2, split at SPLIT1, SPLI
 conv's channels. With PASS_THROUGH, dx is x's whole cotangent (batch, seqlen, in_width): the conv's dx in
 channels IN_OFFSET .., and the cotangents `dbefore` and `dafter` of the channels before and after the window
 (which the op passes through unchanged, the mixer's z and dt) copied into the rest. The copies are blocks of
-their own after the conv's on the channel axis of the grid; they are pure bandwidth, which the conv blocks,
-bound by their loads' latency, leave unused. XLA would otherwise pad the three cotangents to in_width and add
+their own (PASS_BLOCK_C channels wide) after the conv's on the channel axis of the grid; they are pure
+bandwidth, which the conv blocks, bound by their loads' latency, leave unused. XLA would otherwise pad the three cotangents to in_width and add
 them: a read and a write of the whole width more.
 
-Grids: (cdiv(seqlen, SEGMENT), cdiv(channels, BLOCK_C) [+ cdiv(IN_OFFSET, BLOCK_C) + cdiv(after, BLOCK_C) with
-PASS_THROUGH], batch) and (cdiv(channels, BLOCK_C), items).
+Grids: (cdiv(seqlen, SEGMENT), cdiv(channels, BLOCK_C) [+ cdiv(IN_OFFSET, PASS_BLOCK_C) + cdiv(after,
+PASS_BLOCK_C) with PASS_THROUGH], batch) and (cdiv(channels, BLOCK_C), items).
 
 Shapes: x (batch, seqlen, in_width) T; dy0, dy1, dy2 as the forward's y0, y1, y2; dbefore (batch, seqlen,
 IN_OFFSET) and dafter (batch, seqlen, in_width - IN_OFFSET - channels) T, or dummies (1, 1, 1) (without
@@ -64,6 +64,9 @@ MIN_BLOCKS = 256
 # The reduction of the weight partials loads up to this many partials at once (16 x 4 taps x 32 channels f32:
 # 16 registers per thread of 128).
 MAX_PART_TILE = 16
+# Channels per copy block of PASS_THROUGH: 8 per thread of 128, a 16-byte vector in bf16 (at the conv's
+# BLOCK_C of 128 a copy moved 2 bytes per thread and instruction and took 3x the time).
+PASS_BLOCK_C = 1024
 # Channels per block of that reduction: the partials are few, so its time is its loads' latency, which more
 # blocks hide (72 blocks for 2304 channels).
 REDUCE_BLOCK_C = 32
@@ -225,15 +228,15 @@ def _copy_segment(src, dx, b, seg, cols, out_offset, BLOCK_L, SEGMENT_TILES):
             ct.scatter(dx, (b, t0 + r, cols + out_offset), rows[r], mask=inside)
 
 
-def _pass_through_body(dbefore, dafter, dx, block, channels, IN_OFFSET, BLOCK_L, SEGMENT_TILES, BLOCK_C):
-    """Copies the cotangents of the channels outside the conv's window into dx: `block` counts the channel
-    blocks after the conv's, those of the channels before the window first."""
-    lanes = ct.arange(BLOCK_C, dtype=ct.int32)
-    before_blocks = (IN_OFFSET + BLOCK_C - 1) // BLOCK_C
+def _pass_through_body(dbefore, dafter, dx, block, channels, IN_OFFSET, BLOCK_L, SEGMENT_TILES):
+    """Copies the cotangents of the channels outside the conv's window into dx: `block` counts the
+    PASS_BLOCK_C-wide blocks after the conv's, those of the channels before the window first."""
+    lanes = ct.arange(PASS_BLOCK_C, dtype=ct.int32)
+    before_blocks = (IN_OFFSET + PASS_BLOCK_C - 1) // PASS_BLOCK_C
     if block < before_blocks:
-        _copy_segment(dbefore, dx, ct.bid(2), ct.bid(0), block * BLOCK_C + lanes, 0, BLOCK_L, SEGMENT_TILES)
+        _copy_segment(dbefore, dx, ct.bid(2), ct.bid(0), block * PASS_BLOCK_C + lanes, 0, BLOCK_L, SEGMENT_TILES)
     else:
-        _copy_segment(dafter, dx, ct.bid(2), ct.bid(0), (block - before_blocks) * BLOCK_C + lanes,
+        _copy_segment(dafter, dx, ct.bid(2), ct.bid(0), (block - before_blocks) * PASS_BLOCK_C + lanes,
                       IN_OFFSET + channels, BLOCK_L, SEGMENT_TILES)
 
 
@@ -273,7 +276,7 @@ def causal_conv1d_bwd_kernel(
                        BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU, PASS_THROUGH)
     else:
         _pass_through_body(dbefore, dafter, dx, ct.bid(1) - conv_blocks, weight.shape[1], IN_OFFSET, BLOCK_L,
-                           SEGMENT_TILES, BLOCK_C)
+                           SEGMENT_TILES)
 
 
 def _conv_grads_reduce_body(dweight_partials, dbias_partials, dweight, dbias, WIDTH_TILE, PART_TILE, BLOCK_C):
@@ -358,7 +361,7 @@ def conv_bwd_default_config(dims: ConvDims) -> ConvBwdConfig:
 def conv_bwd_grid(dims: ConvDims, cfg: ConvBwdConfig) -> tuple[int, int, int]:
     blocks = -(-dims.channels // cfg.BLOCK_C)
     if dims.pass_through:
-        blocks += sum(-(-w // cfg.BLOCK_C) for w in dims.outside_widths)
+        blocks += sum(-(-w // PASS_BLOCK_C) for w in dims.outside_widths)
     return (-(-dims.seqlen // cfg.segment), blocks, dims.batch)
 
 

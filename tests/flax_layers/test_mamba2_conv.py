@@ -140,7 +140,7 @@ def test_one_device_layer_convolves_in_proj_output_in_place_in_one_launch_each_w
     hlo = grad.lower(state, u).compile().as_text()
     entry = _instructions(hlo)
     calls = {n: i for n, i in entry.items() if i["op"] == "custom-call"}
-    d_in_proj, conv_dim = 2 * layer.d_inner + 2 * layer.d_state + layer.nheads, layer.conv_dim
+    d_in_proj = 2 * layer.d_inner + 2 * layer.d_state + layer.nheads
     in_proj_shape = f"f32[{BATCH},{SEQLEN},{d_in_proj}]"
     forward = [n for n, i in calls.items() if i["shape"].count(f"[{BATCH},{SEQLEN},") == 3 and
                i["shape"].startswith(f"(f32[{BATCH},{SEQLEN},{layer.d_ssm}]") and
