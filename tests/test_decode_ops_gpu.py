@@ -85,3 +85,28 @@ def test_fused_decode_matches_xla_over_many_tokens(scan_layers):
 
     assert_lm_steps_match(models, {b: m.prefill(prompt)[1] for b, m in models.items()}, tokens[:, prompt_len:].T,
                           2e-3, donate=True)
+
+
+@pytest.mark.parametrize("split_k", [2, 4])
+@pytest.mark.parametrize("name", ["in_proj_add_norm", "out_proj_gated_b256"])
+def test_norm_project_with_split_k_matches_float64_reference(name, split_k):
+    """K split over blocks (f32 partials summed by a second launch) at the LM's shapes."""
+    import dataclasses
+
+    from jax_mamba2 import backends, decode
+    from jax_mamba2.bridge import decode_ops, ffi
+    from jax_mamba2.kernels import decode_projection
+
+    case = LM_PROJECTIONS[name]
+    arrays = projection_inputs(case, seed=43)
+    config = decode_projection.ProjectionConfig(BLOCK_N=64, SPLIT_K=split_k)
+    registered = backends.registered(decode.OP)["cutile"]
+    backends.register_backend(dataclasses.replace(registered, kernels=decode_ops.make_kernels(
+        ffi.run_plan, projection_config=lambda dims: config)), op=decode.OP)
+    try:
+        got = project(case, arrays, layer=case.layer, backend="cutile")
+    finally:
+        backends.register_backend(registered, op=decode.OP)
+    want = projection_oracle(case, arrays)
+    errors = {k: rel_l2(got[k], want[k]) for k in want}
+    assert max(errors.values()) < TOLERANCE[case.dtype], errors
