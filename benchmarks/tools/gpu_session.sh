@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|decode [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|decode|conv-ncu [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|decode [OUT]}
+part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|decode|conv-ncu [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 source .gpu/gpu-env.sh >/dev/null || exit 1
@@ -127,6 +127,14 @@ case $part in
     step lm_decode 190 python benchmarks/lm_decode.py --configs d1024-l24 --impls cutile mamba_ssm \
       --param-dtypes bfloat16 --batches 1 8 64 256 --prompt-lengths --profile "${lm_peer[@]}" --worker-timeout 180 \
       --out "$out"
+    ;;
+  conv-ncu)  # Nsight Compute's full set of the conv kernels (forward and backward, the LM's layout at d_model 1024),
+    # to see what bounds them at 3-4x their bandwidth floor: details as CSV (the .ncu-rep stays on the machine)
+    XLA_PYTHON_CLIENT_PREALLOCATE=false step conv_ncu 300 ncu --target-processes all --kernel-name regex:'causal_conv1d_(fwd|bwd)_kernel' \
+      --launch-skip 4 --launch-count 2 --set full -o /tmp/conv_ncu -f python benchmarks/conv1d.py --impls cutile \
+      --layouts mixer_whole --shapes 8,2048,2304 --direction fwd_bwd --budget-seconds 0.2 --out /tmp/conv_ncu_out
+    step conv_ncu_csv 60 ncu --import /tmp/conv_ncu.ncu-rep --page details --csv
+    cp "$out/conv_ncu_csv.log" "$out/conv_ncu_h200.csv"
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
