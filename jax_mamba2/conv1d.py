@@ -91,9 +91,11 @@ def _window(x, kernel, offset: int):
     return x if x.shape[-1] == kernel.shape[1] else x[..., offset:offset + kernel.shape[1]]
 
 
-def _outside(x, static: ConvStatic, channels: int) -> tuple:
-    """x's channels before and after the window: the outputs that pass_through adds around the pieces."""
-    return x[..., :static.offset], x[..., static.offset + channels:]
+def _outputs(x, static: ConvStatic, channels: int, pieces: tuple) -> tuple:
+    """The op's outputs: the pieces, with pass_through between x's channels before and after the window."""
+    if not static.pass_through:
+        return pieces
+    return (x[..., :static.offset], *pieces, x[..., static.offset + channels:])
 
 
 def _xla_conv(inputs: ConvInputs, static: ConvStatic):
@@ -103,18 +105,11 @@ def _xla_conv(inputs: ConvInputs, static: ConvStatic):
                                             dtype=inputs.x.dtype)
     y = jax.nn.silu(pre) if static.silu else pre
     pieces = tuple(jnp.split(y, list(itertools.accumulate(static.split[:-1])), axis=-1)) if static.split else (y,)
-    if not static.pass_through:
-        return pieces
-    before, after = _outside(inputs.x, static, inputs.kernel.shape[1])
-    return (before, *pieces, after)
+    return _outputs(inputs.x, static, inputs.kernel.shape[1], pieces)
 
 
 def _kernel_outputs(kernels, static: ConvStatic, inputs: ConvInputs):
-    pieces = kernels.forward(inputs, static)
-    if not static.pass_through:
-        return pieces
-    before, after = _outside(inputs.x, static, inputs.kernel.shape[1])
-    return (before, *pieces, after)
+    return _outputs(inputs.x, static, inputs.kernel.shape[1], kernels.forward(inputs, static))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -261,10 +256,7 @@ def causal_conv1d_silu_split(x, kernel, bias=None, *, channel_offset, split, seq
     static = ConvStatic(silu=activation == "silu", offset=channel_offset, split=split, pass_through=pass_through)
     selected = registry.select(backend, _SPLIT_API, lambda b: b.unsupported_reason(inputs), op=OP)
     if x.size == 0:
-        pieces = tuple(jnp.zeros((*x.shape[:2], w), x.dtype) for w in split)
-        if pass_through:
-            before, after = _outside(x, static, channels)
-            pieces = (before, *pieces, after)
+        pieces = _outputs(x, static, channels, tuple(jnp.zeros((*x.shape[:2], w), x.dtype) for w in split))
     else:
         pieces = registry.run_compiled(tuple(selected), _run, static, inputs)
     if not return_final_states:
