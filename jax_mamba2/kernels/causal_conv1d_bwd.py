@@ -28,18 +28,19 @@ conv's channels. With PASS_THROUGH, dx is x's whole cotangent (batch, seqlen, in
 channels IN_OFFSET .., and the cotangents `dbefore` and `dafter` of the channels before and after the window
 (which the op passes through unchanged, the mixer's z and dt) copied into the rest. The copies are blocks of
 their own (PASS_BLOCK_C channels wide) after the conv's on the channel axis of the grid; they are pure
-bandwidth, which the conv blocks, bound by their loads' latency, leave unused. XLA would otherwise pad the three cotangents to in_width and add
-them: a read and a write of the whole width more.
+bandwidth, which the conv blocks, bound by their loads' latency, leave unused. XLA would otherwise pad the
+three cotangents to in_width and add them: a read and a write of the whole width more.
 
 Grids: (cdiv(seqlen, SEGMENT), cdiv(channels, BLOCK_C) [+ cdiv(IN_OFFSET, PASS_BLOCK_C) + cdiv(after,
 PASS_BLOCK_C) with PASS_THROUGH], batch) and (cdiv(channels, BLOCK_C), items).
 
 Shapes: x (batch, seqlen, in_width) T; dy0, dy1, dy2 as the forward's y0, y1, y2; dbefore (batch, seqlen,
 IN_OFFSET) and dafter (batch, seqlen, in_width - IN_OFFSET - channels) T, or dummies (1, 1, 1) (without
-PASS_THROUGH, or a width 0); dx (batch, seqlen, channels), with PASS_THROUGH (batch, seqlen, in_width), T; weight (WIDTH, channels), bias (channels,) T; initial_states
-(batch, channels, INIT_WIDTH) T or a dummy; seq_idx (batch, seqlen) int32 or a dummy; dinitial_states
-(batch, channels, INIT_WIDTH) f32 (zero-initialised; a dummy (1, 1, 1) without HAS_INIT); dweight_partials
-(partials, WIDTH, channels) and dbias_partials (partials, channels) f32 with partials = batch · segments;
+PASS_THROUGH, or a width 0); dx (batch, seqlen, channels), with PASS_THROUGH (batch, seqlen, in_width), T;
+weight (WIDTH, channels), bias (channels,) T; initial_states (batch, channels, INIT_WIDTH) T or a dummy;
+seq_idx (batch, seqlen) int32 or a dummy; dinitial_states (batch, channels, INIT_WIDTH) f32 (zero-initialised;
+a dummy (1, 1, 1) without HAS_INIT); dweight_partials (partials, WIDTH, channels) and dbias_partials
+(partials, channels) f32 with partials = batch · segments;
 dweight (items, WIDTH, channels) and dbias (items, channels) f32, item i summing the partials of batch rows
 [i · batch / items, (i + 1) · batch / items) (items > 1 under vmap).
 """
@@ -64,12 +65,12 @@ MIN_BLOCKS = 256
 # The reduction of the weight partials loads up to this many partials at once (16 x 4 taps x 32 channels f32:
 # 16 registers per thread of 128).
 MAX_PART_TILE = 16
-# Channels per copy block of PASS_THROUGH: 8 per thread of 128, a 16-byte vector in bf16 (at the conv's
-# BLOCK_C of 128 a copy moved 2 bytes per thread and instruction and took 3x the time).
-PASS_BLOCK_C = 1024
 # Channels per block of that reduction: the partials are few, so its time is its loads' latency, which more
 # blocks hide (72 blocks for 2304 channels).
 REDUCE_BLOCK_C = 32
+# Channels per copy block of PASS_THROUGH: 8 per thread of 128, a 16-byte vector in bf16 (copies of the conv's
+# 128 channels, 2 bytes per thread and instruction, did not hide behind the conv blocks).
+PASS_BLOCK_C = 1024
 
 
 def _zero_rows(count, BLOCK_C):
