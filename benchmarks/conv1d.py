@@ -13,8 +13,9 @@ Layouts (--layouts): "plain" convolves x (batch, seqlen, channels) into one y; "
 one-device path (causal_conv1d_silu_split): x is in_proj's whole output [z, xBC, dt] of d_ssm + channels +
 nheads channels (d_ssm = channels - 256, d_state 128, one group, headdim 64), xBC read at offset d_ssm, and
 y written as x, B, C (dy taken as dx, dB, dC). Both move the same bytes. "mixer_whole" is the mixer layout
-with pass_through (what the layer runs): z and dt come out too, dy covers x's whole width and dx is x's whole
-cotangent; the floor adds the copy of the cotangents of z and dt (a read and a write).
+with pass_through (what the layer runs): z and dt come out too (copied by the forward kernel), dy covers x's
+whole width and dx is x's whole cotangent; the floor adds the copies of z and dt and of their cotangents (a
+read and a write each).
 
 Inputs: bf16 x, dy ~ N(0, 1), an f32 kernel ~ N(0, 1/d_conv) and bias ~ N(0, 1) rounded to bf16 (what the
 layer passes), no seq_idx. fwd_bwd runs the forward and the VJP of a given dy (dx, dkernel, dbias), no loss
@@ -87,9 +88,10 @@ def make_inputs(shape, seed: int = 0, layout: str = "plain") -> dict:
 def floor_bytes(shape, direction: str, itemsize: int = 2, layout: str = "plain") -> int:
     elements = int(np.prod(shape))
     total = (2 + (3 if direction == "fwd_bwd" else 0)) * itemsize * elements
-    if layout == "mixer_whole" and direction == "fwd_bwd":
+    if layout == "mixer_whole":
         batch, seqlen, channels = shape
-        total += 2 * itemsize * batch * seqlen * (mixer_layout(channels)[1] - channels)
+        copies = 2 if direction == "fwd_bwd" else 1
+        total += copies * 2 * itemsize * batch * seqlen * (mixer_layout(channels)[1] - channels)
     return total
 
 
@@ -126,10 +128,7 @@ def jax_call(backend: str, inputs: dict, direction: str, layout: str = "plain", 
 
     def forward(x, kernel, bias):
         if kernels is not None:
-            pieces = kernels.forward(ConvInputs(x, kernel, bias, None, None), static)
-            if static.pass_through:
-                pieces = (x[..., :offset], *pieces, x[..., offset + channels:])
-            return pieces
+            return kernels.forward(ConvInputs(x, kernel, bias, None, None), static)
         if layout == "plain":
             return (causal_conv1d_silu(x, kernel, bias, backend=backend),)
         return causal_conv1d_silu_split(x, kernel, bias, channel_offset=offset, split=split,

@@ -108,18 +108,14 @@ def _xla_conv(inputs: ConvInputs, static: ConvStatic):
     return _outputs(inputs.x, static, inputs.kernel.shape[1], pieces)
 
 
-def _kernel_outputs(kernels, static: ConvStatic, inputs: ConvInputs):
-    return _outputs(inputs.x, static, inputs.kernel.shape[1], kernels.forward(inputs, static))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _kernel_conv(kernels: Any, static: ConvStatic, inputs: ConvInputs):
-    return _kernel_outputs(kernels, static, inputs)
+    return kernels.forward(inputs, static)
 
 
 def _kernel_conv_fwd(kernels, static, inputs):
     # The backward recomputes the pre-activation from x, which it reads anyway for dkernel.
-    return _kernel_outputs(kernels, static, inputs), inputs
+    return kernels.forward(inputs, static), inputs
 
 
 def _kernel_conv_bwd(kernels, static, inputs, dys):
@@ -227,9 +223,11 @@ def causal_conv1d_silu_split(x, kernel, bias=None, *, channel_offset, split, seq
         conv's channels).
       return_final_states: also return the state after the sequence (batch, channels, d_conv).
       pass_through: also return x's channels outside the window, unchanged, before and after the pieces. The
-        outputs then cover all of x, and the kernel backward writes x's whole cotangent in its one pass (the
-        cotangents of the passed-through channels copied in) where XLA would pad the pieces' and add them:
-        the mixer passes in_proj's z and dt columns through, so in_proj's output cotangent is one array.
+        outputs then cover all of x: the kernel forward copies those channels out in the same launch (no XLA
+        slice of x), and the kernel backward writes x's whole cotangent in its one pass (the cotangents of the
+        passed-through channels copied in) where XLA would pad the pieces' and add them. The mixer passes
+        in_proj's z and dt columns through, so in_proj's output is read and its cotangent written by the
+        conv's launches alone.
 
     Returns:
       A tuple of len(split) arrays (batch, seqlen, split[i]) in x.dtype (with `pass_through` len(split) + 2:

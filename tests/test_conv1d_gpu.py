@@ -228,10 +228,11 @@ def test_conv_split_cutile_gradients_are_deterministic():
 
 def test_mamba2_layer_compiled_training_step_has_no_copy_around_the_conv():
     """The LM's mixer at d_model 1024 in bf16 on one GPU: one conv forward launch (reading in_proj's product
-    itself, writing x, B, C) and one conv backward launch, which writes in_proj's whole output cotangent
-    that only in_proj's backward matrix products read (no pad, add or layout copy); no slice / concatenate /
-    copy fusion of activation size consumes the conv's outputs (tests/flax_layers/test_mamba2_conv.py checks
-    the same on the emulator, where the whole graph is also pinned)."""
+    itself, writing x, B, C and copying z and dt) and one conv backward launch, which writes in_proj's whole
+    output cotangent that only in_proj's backward matrix products read (no pad, add or layout copy); no
+    slice / concatenate / copy fusion of activation size consumes in_proj's product or the conv's outputs
+    (tests/flax_layers/test_mamba2_conv.py checks the same on the emulator, where the whole graph is also
+    pinned)."""
     from tests.flax_layers.test_mamba2_conv import _computes_a_matmul, _copies, _elements, _instructions, _source
 
     batch, seqlen = 2, 2048
@@ -254,6 +255,9 @@ def test_mamba2_layer_compiled_training_step_has_no_copy_around_the_conv():
     assert entry[in_proj]["shape"].startswith(f"bf16[{batch},{seqlen},4384]") or \
         f"bf16[{batch * seqlen},4384]" in entry[in_proj]["shape"], entry[in_proj]
     assert _computes_a_matmul(hlo, entry, in_proj), entry[in_proj]
+    in_proj_views = {n for n in entry if _source(entry, n) == in_proj}
+    in_proj_readers = [n for n, i in entry.items() if set(i["operands"]) & in_proj_views and n not in in_proj_views]
+    assert not any(_copies(hlo, entry, n) for n in in_proj_readers), in_proj_readers  # z and dt: the conv's copies
     conv_values = {*forward, *backward} | {n for n, i in entry.items() if i["op"] in ("bitcast", "get-tuple-element")
                                           and _source(entry, n) in (*forward, *backward)}
     for name, inst in entry.items():

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from jax_mamba2.bridge import _compat, callback, ffi, problem
 from jax_mamba2.bridge.batching import broadcast_unbatched, fold, unfold
 from jax_mamba2.kernels._common import KERNEL_DTYPES
-from jax_mamba2.kernels.causal_conv1d import MAX_OUTPUTS, ConvDims, ConvFwdConfig, conv_fwd_plan
+from jax_mamba2.kernels.causal_conv1d import (
+    CONV_OUTPUTS, MAX_OUTPUTS, OUTSIDE, ConvDims, ConvFwdConfig, conv_fwd_plan)
 from jax_mamba2.kernels.causal_conv1d_bwd import COTANGENTS, PASSED_COTANGENTS, ConvBwdConfig, conv_bwd_plan
 
 RunPlan = Callable[..., dict]
@@ -115,13 +116,19 @@ def _weights_batched(batched) -> bool:
 
 @functools.cache
 def _batchable_forward(run_plan: RunPlan, silu: bool, layout: Layout, cfg: Optional[ConvFwdConfig]):
-    """The output pieces of the conv (+ SiLU), a tuple, under a vmap rule."""
+    """The outputs of the conv (+ SiLU), a tuple, under a vmap rule: its pieces, with pass_through between
+    x's channels before and after the window (copied by the kernel; width-0 ones made here)."""
 
     @jax.custom_batching.custom_vmap
     def forward(inputs):
-        plan = conv_fwd_plan(_dims(inputs, silu, layout), cfg)
-        out = run_plan(plan, _kernel_arrays(inputs))
-        return _compat.match_varying_axes(tuple(out[name] for name in plan.outputs), inputs)
+        dims = _dims(inputs, silu, layout)
+        out = run_plan(conv_fwd_plan(dims, cfg), _kernel_arrays(inputs))
+        outputs = tuple(out[name] for name in CONV_OUTPUTS[:len(dims.pieces)])
+        if layout.pass_through:
+            before, after = (out[name] if w else jnp.zeros((dims.batch, dims.seqlen, 0), inputs.x.dtype)
+                             for name, w in zip(OUTSIDE, dims.outside_widths))
+            outputs = (before, *outputs, after)
+        return _compat.match_varying_axes(outputs, inputs)
 
     @forward.def_vmap
     def forward_vmap(axis_size, in_batched, inputs):
@@ -170,10 +177,9 @@ def _batchable_backward(run_plan: RunPlan, silu: bool, layout: Layout, cfg: Opti
 
 @dataclasses.dataclass(frozen=True)
 class ConvKernels:
-    """The op on one plan executor: forward(inputs, static) -> the output pieces (a tuple) and
-    backward(inputs, static, dys) -> the cotangents of `inputs` (the same NamedTuple, seq_idx None) for the
-    pieces' cotangents `dys` (with pass_through, those of the channels before and after the window first and
-    last). `static` is the op's `conv1d.ConvStatic`: silu and the fields of `Layout`. `fwd_config` / `bwd_config`
+    """The op on one plan executor: forward(inputs, static) -> the outputs (a tuple: the pieces, with
+    pass_through between x's channels before and after the window) and backward(inputs, static, dys) -> the
+    cotangents of `inputs` (the same NamedTuple, seq_idx None) for the outputs' cotangents `dys`. `static` is the op's `conv1d.ConvStatic`: silu and the fields of `Layout`. `fwd_config` / `bwd_config`
     replace the kernels' default tiles (None: `conv_fwd_default_config` / `conv_bwd_default_config` of each
     problem)."""
 
@@ -183,8 +189,7 @@ class ConvKernels:
     bwd_config: Optional[ConvBwdConfig] = None
 
     def forward(self, inputs, static):
-        # The kernels' forward is the same with or without pass_through (the op slices the other channels).
-        layout = Layout(static.offset, static.split)
+        layout = Layout(static.offset, static.split, static.pass_through)
         return _batchable_forward(self.run_plan, static.silu, layout, self.fwd_config)(inputs)
 
     def backward(self, inputs, static, dys):

@@ -29,10 +29,19 @@ Bytes (the floor of this memory-bound op): one read of x and one write of y, 2 Â
 element, e.g. 151 MB (31 Âµs at the H200's 4.8 TB/s) at (8, 2048, 2304) bf16; the halo adds (K - 1) / BLOCK_L
 re-reads that hit L2, the weights and seq_idx are noise.
 
-Grid: (cdiv(seqlen, BLOCK_L), cdiv(channels, BLOCK_C), batch).
+Pass-through (PASS_THROUGH, the op's `pass_through`): the channels of x before and after the window (the
+mixer's z and dt) are copied to arrays of their own, `before` and `after`, by blocks after the conv's on the
+grid's channel axis (PASS_BLOCK_C channels each), so that the layer gets them as outputs of this launch and XLA
+copies no slice of x. The copies are bandwidth the conv blocks, bound by their gathers' latency, leave unused
+(the backward copies their cotangents the same way, causal_conv1d_bwd.py).
+
+Grid: (cdiv(seqlen, BLOCK_L), cdiv(channels, BLOCK_C) [+ cdiv(IN_OFFSET, PASS_BLOCK_C) + cdiv(after,
+PASS_BLOCK_C) with PASS_THROUGH], batch).
 
 Shapes: x (batch, seqlen, in_width) T in {bf16, f16, f32} with IN_OFFSET + channels <= in_width; y0, y1, y2
-(batch, seqlen, width of the piece) T, dummies (1, 1, 1) past OUTPUTS; weight (WIDTH, channels) and bias (channels,)
+(batch, seqlen, width of the piece) T, dummies (1, 1, 1) past OUTPUTS; before (batch, seqlen, IN_OFFSET) and
+after (batch, seqlen, in_width - IN_OFFSET - channels) T with PASS_THROUGH, dummies (1, 1, 1) without it or
+for a width 0; weight (WIDTH, channels) and bias (channels,)
 T (the op rounds them to x's dtype, as the reference does); initial_states (batch, channels, INIT_WIDTH) T
 (a dummy (1, 1, 1) without HAS_INIT); seq_idx (batch, seqlen) int32 (a dummy (1, 1) without HAS_SEQ_IDX).
 """
@@ -50,6 +59,12 @@ CONV_INPUTS = ("x", "weight", "bias", "initial_states", "seq_idx")
 # The pieces of the conv's output channels, at most this many (the mixer's x, B, C).
 MAX_OUTPUTS = 3
 CONV_OUTPUTS = tuple(f"y{i}" for i in range(MAX_OUTPUTS))
+# x's channels before and after the window as arrays of their own (PASS_THROUGH): the forward's copies of them;
+# the backward's cotangents of them are "d" + these.
+OUTSIDE = ("before", "after")
+# Channels per copy block of PASS_THROUGH: 8 per thread of 128, a 16-byte vector in bf16 (copies of the conv's
+# 128 channels, 2 bytes per thread and instruction, did not hide behind the conv blocks of the backward).
+PASS_BLOCK_C = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +74,9 @@ class ConvDims:
     The conv reads channels in_offset .. in_offset + channels - 1 of x (batch, seqlen, in_width) of `dtype`
     (in_width 0: x is (batch, seqlen, channels)); `width` is d_conv (the number of taps); `init_width` the
     number of columns of initial_states (width - 1 or width; 0 without them); `split` the widths of the
-    output pieces, summing to channels (empty: one output of all channels); `pass_through`: the backward
-    writes x's whole cotangent, the channels outside the window copied from their own cotangents
-    (causal_conv1d_bwd.py; the forward ignores it).
+    output pieces, summing to channels (empty: one output of all channels); `pass_through`: the forward also
+    copies x's channels outside the window to arrays of their own, and the backward writes x's whole
+    cotangent, theirs copied in.
     """
 
     batch: int
@@ -131,6 +146,22 @@ def piece_arrays(dims: ConvDims, prefix: str) -> dict[str, Buffer]:
             for i, w in enumerate(widths)}
 
 
+def outside_arrays(dims: ConvDims, prefix: str = "") -> dict[str, Buffer]:
+    """The arrays <prefix>before and <prefix>after of x's channels outside the window, (batch, seqlen, width) in
+    x's dtype with `dims.pass_through`, dummies (1, 1, 1) without it or for a width 0."""
+    return {prefix + name: Buffer((dims.batch, dims.seqlen, w) if dims.pass_through and w else (1, 1, 1), dims.dtype)
+            for name, w in zip(OUTSIDE, dims.outside_widths)}
+
+
+def channel_blocks(dims: ConvDims, block_c: int) -> int:
+    """The grid's channel axis: the conv's blocks of block_c channels, then with pass_through the copy blocks of
+    the channels before and after the window."""
+    blocks = -(-dims.channels // block_c)
+    if dims.pass_through:
+        blocks += sum(-(-w // PASS_BLOCK_C) for w in dims.outside_widths)
+    return blocks
+
+
 def conv_arrays(dims: ConvDims) -> dict[str, Buffer]:
     """Shape and dtype of each plan input as the bridge passes it (dummies for absent options)."""
     b, L, C, T = dims.batch, dims.seqlen, dims.channels, dims.dtype
@@ -161,6 +192,34 @@ def token_rows(x, b, first, count, cols):
     for j in ct.static_iter(range(count)):
         rows += (ct.gather(x, (b, first + j, cols)),)
     return rows
+
+
+def copy_rows(src, dst, b, first, count, src_cols, dst_cols, inside):
+    """dst[b, t, dst_cols] = src[b, t, src_cols] for tokens first .. first + count - 1 (all loads first), where
+    `inside`; tokens past seqlen are dropped."""
+    rows = token_rows(src, b, first, count, src_cols)
+    for j in ct.static_iter(range(count)):
+        ct.scatter(dst, (b, first + j, dst_cols), rows[j], mask=inside)
+
+
+def copy_outside(x, before, after, block, channels, b, first, count, IN_OFFSET, INTO_X):
+    """Copies tokens first .. first + count - 1 of one PASS_BLOCK_C-wide block of x's channels outside the window
+    (`block` counts those before the window first, then those after it) from x to before / after, or with
+    INTO_X from before / after into x (the backward's cotangents)."""
+    lanes = ct.arange(PASS_BLOCK_C, dtype=ct.int32)
+    before_blocks = (IN_OFFSET + PASS_BLOCK_C - 1) // PASS_BLOCK_C
+    if block < before_blocks:
+        cols = block * PASS_BLOCK_C + lanes
+        if INTO_X:
+            copy_rows(before, x, b, first, count, cols, cols, cols < IN_OFFSET)
+        else:
+            copy_rows(x, before, b, first, count, cols, cols, cols < IN_OFFSET)
+    else:
+        cols = (block - before_blocks) * PASS_BLOCK_C + lanes
+        if INTO_X:
+            copy_rows(after, x, b, first, count, cols, cols + IN_OFFSET + channels, cols < after.shape[2])
+        else:
+            copy_rows(x, after, b, first, count, cols + IN_OFFSET + channels, cols, cols < after.shape[2])
 
 
 def widened(rows):
@@ -307,6 +366,8 @@ def causal_conv1d_fwd_kernel(
     y0: Big,               # (batch, seqlen, SPLIT1) T, written: channels [0, SPLIT1)
     y1: Big,               # (batch, seqlen, SPLIT2 - SPLIT1) T, written (OUTPUTS > 1), or a dummy
     y2: Big,               # (batch, seqlen, channels - SPLIT2) T, written (OUTPUTS == 3), or a dummy
+    before: Big,           # (batch, seqlen, IN_OFFSET) T, written (PASS_THROUGH, IN_OFFSET > 0), or a dummy
+    after: Big,            # (batch, seqlen, in_width - IN_OFFSET - channels) T, written (PASS_THROUGH), or a dummy
     WIDTH: ConstInt,
     INIT_WIDTH: ConstInt,
     IN_OFFSET: ConstInt,
@@ -318,9 +379,17 @@ def causal_conv1d_fwd_kernel(
     HAS_INIT: ConstBool,
     HAS_SEQ_IDX: ConstBool,
     SILU: ConstBool,
+    PASS_THROUGH: ConstBool,
 ):
-    _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS,
-                   SPLIT1, SPLIT2, BLOCK_L, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU)
+    # The copy blocks exist only with PASS_THROUGH: without it their code (gathers from the dummies) is not
+    # compiled at all, since it would take a shared-memory layout change that sizes every block's footprint.
+    conv_blocks = ct.cdiv(weight.shape[1], BLOCK_C)
+    if PASS_THROUGH and ct.bid(1) >= conv_blocks:
+        copy_outside(x, before, after, ct.bid(1) - conv_blocks, weight.shape[1], ct.bid(2), ct.bid(0) * BLOCK_L,
+                     BLOCK_L, IN_OFFSET, False)
+    else:
+        _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS,
+                       SPLIT1, SPLIT2, BLOCK_L, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU)
 
 
 # (int32-indexed, int64-indexed) entries of the one body; the occupancy hint comes from the config.
@@ -347,7 +416,7 @@ def conv_fwd_default_config(dims: ConvDims) -> ConvFwdConfig:
 
 
 def conv_fwd_grid(dims: ConvDims, cfg: ConvFwdConfig) -> tuple[int, int, int]:
-    return (-(-dims.seqlen // cfg.BLOCK_L), -(-dims.channels // cfg.BLOCK_C), dims.batch)
+    return (-(-dims.seqlen // cfg.BLOCK_L), channel_blocks(dims, cfg.BLOCK_C), dims.batch)
 
 
 def check_block_c(api: str, block_c: int) -> None:
@@ -358,16 +427,18 @@ def check_block_c(api: str, block_c: int) -> None:
 
 def conv_fwd_plan(dims: ConvDims, cfg: ConvFwdConfig | None = None) -> Plan:
     """The forward for `dims`: inputs CONV_INPUTS (see `conv_arrays`), outputs y0 .. (one per piece of
-    `dims.pieces`, (batch, seqlen, width) in x's dtype)."""
+    `dims.pieces`, (batch, seqlen, width) in x's dtype), then with `dims.pass_through` before and after (those
+    of width > 0: x's channels before and after the window)."""
     cfg = cfg or conv_fwd_default_config(dims)
     check_dims("conv_fwd_plan", dims)
     check_block_c("conv_fwd_plan", cfg.BLOCK_C)
     split1, split2 = dims.split_points
     launch = kernel_launch(
         index_width_variant(CONV_FWD_KERNELS, needs_int64_index(dims), occupancy=cfg.OCCUPANCY),
-        conv_fwd_grid(dims, cfg), writes=CONV_OUTPUTS,  # the dummies too: every array needs a buffer
+        conv_fwd_grid(dims, cfg), writes=CONV_OUTPUTS + OUTSIDE,  # the dummies too: every array needs a buffer
         WIDTH=dims.width, INIT_WIDTH=dims.init_width, IN_OFFSET=dims.in_offset, OUTPUTS=len(dims.pieces),
         SPLIT1=split1, SPLIT2=split2, BLOCK_L=cfg.BLOCK_L, BLOCK_C=cfg.BLOCK_C, HAS_INIT=dims.has_init,
-        HAS_SEQ_IDX=dims.has_seq_idx, SILU=dims.silu)
-    return Plan(inputs=CONV_INPUTS, buffers=piece_arrays(dims, "y"), launches=(launch,),
-                outputs=CONV_OUTPUTS[:len(dims.pieces)])
+        HAS_SEQ_IDX=dims.has_seq_idx, SILU=dims.silu, PASS_THROUGH=dims.pass_through)
+    outside = tuple(name for name, w in zip(OUTSIDE, dims.outside_widths) if dims.pass_through and w)
+    return Plan(inputs=CONV_INPUTS, buffers={**piece_arrays(dims, "y"), **outside_arrays(dims)}, launches=(launch,),
+                outputs=CONV_OUTPUTS[:len(dims.pieces)] + outside)

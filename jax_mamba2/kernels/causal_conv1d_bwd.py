@@ -26,10 +26,9 @@ The layout of the forward (causal_conv1d.py): x's channels IN_OFFSET .., and dy 
 dy0, dy1, dy2 (the cotangents of the forward's y0, y1, y2, split at SPLIT1, SPLIT2); dx is one array of the
 conv's channels. With PASS_THROUGH, dx is x's whole cotangent (batch, seqlen, in_width): the conv's dx in
 channels IN_OFFSET .., and the cotangents `dbefore` and `dafter` of the channels before and after the window
-(which the op passes through unchanged, the mixer's z and dt) copied into the rest. The copies are blocks of
-their own (PASS_BLOCK_C channels wide) after the conv's on the channel axis of the grid; they are pure
-bandwidth, which the conv blocks, bound by their loads' latency, leave unused. XLA would otherwise pad the
-three cotangents to in_width and add them: a read and a write of the whole width more.
+(which the op passes through unchanged, the mixer's z and dt) copied into the rest, by copy blocks as in the
+forward (causal_conv1d.py, Pass-through). XLA would otherwise pad the three cotangents to in_width and add
+them: a read and a write of the whole width more.
 
 Grids: (cdiv(seqlen, SEGMENT), cdiv(channels, BLOCK_C) [+ cdiv(IN_OFFSET, PASS_BLOCK_C) + cdiv(after,
 PASS_BLOCK_C) with PASS_THROUGH], batch) and (cdiv(channels, BLOCK_C), items).
@@ -51,13 +50,13 @@ import cuda.tile as ct
 from jax_mamba2.kernels._common import (
     Big, Buffer, ConstBool, ConstInt, Plan, index_width_variant, int64_index_kernels, kernel_launch, next_power_of_2)
 from jax_mamba2.kernels.causal_conv1d import (
-    CONV_INPUTS, MAX_OUTPUTS, ConvDims, check_block_c, check_dims, conv_arrays, halo_rows, masked_taps,
-    needs_int64_index, piece_arrays, piece_rows, preactivation, sigmoid, token_ids, token_rows, weight_rows,
-    widened)
+    CONV_INPUTS, MAX_OUTPUTS, OUTSIDE, ConvDims, channel_blocks, check_block_c, check_dims, conv_arrays,
+    copy_outside, halo_rows, masked_taps, needs_int64_index, outside_arrays, piece_arrays, piece_rows,
+    preactivation, sigmoid, token_ids, token_rows, weight_rows, widened)
 
 COTANGENTS = tuple(f"dy{i}" for i in range(MAX_OUTPUTS))
 # The cotangents of x's channels before and after the conv's window (PASS_THROUGH).
-PASSED_COTANGENTS = ("dbefore", "dafter")
+PASSED_COTANGENTS = tuple("d" + name for name in OUTSIDE)
 CONV_BWD_INPUTS = (*CONV_INPUTS, *COTANGENTS, *PASSED_COTANGENTS)
 CONV_BWD_OUTPUTS = ("dx", "dweight", "dbias", "dinitial_states")
 # About the occupancy hint's 2 blocks per SM of an H100 / H200 (132 SMs), for the default segments.
@@ -68,9 +67,6 @@ MAX_PART_TILE = 16
 # Channels per block of that reduction: the partials are few, so its time is its loads' latency, which more
 # blocks hide (72 blocks for 2304 channels).
 REDUCE_BLOCK_C = 32
-# Channels per copy block of PASS_THROUGH: 8 per thread of 128, a 16-byte vector in bf16 (copies of the conv's
-# 128 channels, 2 bytes per thread and instruction, did not hide behind the conv blocks).
-PASS_BLOCK_C = 1024
 
 
 def _zero_rows(count, BLOCK_C):
@@ -217,28 +213,13 @@ def _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, 
     ct.scatter(dbias_partials, (part, cols), dbias)
 
 
-def _copy_segment(src, dx, b, seg, cols, out_offset, BLOCK_L, SEGMENT_TILES):
-    """dx[b, t, out_offset + cols] = src[b, t, cols] for the tokens of segment `seg`, cols within src."""
-    start = seg * (SEGMENT_TILES * BLOCK_L)
-    steps = ct.cdiv(ct.minimum(start + SEGMENT_TILES * BLOCK_L, dx.shape[1]) - start, BLOCK_L)
-    inside = cols < src.shape[2]
-    for i in range(steps):
-        t0 = start + i * BLOCK_L
-        rows = token_rows(src, b, t0, BLOCK_L, cols)
-        for r in ct.static_iter(range(BLOCK_L)):
-            ct.scatter(dx, (b, t0 + r, cols + out_offset), rows[r], mask=inside)
-
-
 def _pass_through_body(dbefore, dafter, dx, block, channels, IN_OFFSET, BLOCK_L, SEGMENT_TILES):
-    """Copies the cotangents of the channels outside the conv's window into dx: `block` counts the
-    PASS_BLOCK_C-wide blocks after the conv's, those of the channels before the window first."""
-    lanes = ct.arange(PASS_BLOCK_C, dtype=ct.int32)
-    before_blocks = (IN_OFFSET + PASS_BLOCK_C - 1) // PASS_BLOCK_C
-    if block < before_blocks:
-        _copy_segment(dbefore, dx, ct.bid(2), ct.bid(0), block * PASS_BLOCK_C + lanes, 0, BLOCK_L, SEGMENT_TILES)
-    else:
-        _copy_segment(dafter, dx, ct.bid(2), ct.bid(0), (block - before_blocks) * PASS_BLOCK_C + lanes,
-                      IN_OFFSET + channels, BLOCK_L, SEGMENT_TILES)
+    """Copies the cotangents of the channels outside the conv's window into dx for the tokens of this block's
+    segment: `block` counts the PASS_BLOCK_C-wide blocks after the conv's (see `copy_outside`)."""
+    start = ct.bid(0) * (SEGMENT_TILES * BLOCK_L)
+    steps = ct.cdiv(ct.minimum(start + SEGMENT_TILES * BLOCK_L, dx.shape[1]) - start, BLOCK_L)
+    for i in range(steps):
+        copy_outside(dx, dbefore, dafter, block, channels, ct.bid(2), start + i * BLOCK_L, BLOCK_L, IN_OFFSET, True)
 
 
 def causal_conv1d_bwd_kernel(
@@ -271,13 +252,13 @@ def causal_conv1d_bwd_kernel(
     PASS_THROUGH: ConstBool,
 ):
     conv_blocks = ct.cdiv(weight.shape[1], BLOCK_C)
-    if ct.bid(1) < conv_blocks:
+    if PASS_THROUGH and ct.bid(1) >= conv_blocks:  # copy blocks compiled only with PASS_THROUGH, as forward
+        _pass_through_body(dbefore, dafter, dx, ct.bid(1) - conv_blocks, weight.shape[1], IN_OFFSET, BLOCK_L,
+                           SEGMENT_TILES)
+    else:
         _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, dinitial_states,
                        dweight_partials, dbias_partials, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS, SPLIT1, SPLIT2,
                        BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU, PASS_THROUGH)
-    else:
-        _pass_through_body(dbefore, dafter, dx, ct.bid(1) - conv_blocks, weight.shape[1], IN_OFFSET, BLOCK_L,
-                           SEGMENT_TILES)
 
 
 def _conv_grads_reduce_body(dweight_partials, dbias_partials, dweight, dbias, WIDTH_TILE, PART_TILE, BLOCK_C):
@@ -360,17 +341,12 @@ def conv_bwd_default_config(dims: ConvDims) -> ConvBwdConfig:
 
 
 def conv_bwd_grid(dims: ConvDims, cfg: ConvBwdConfig) -> tuple[int, int, int]:
-    blocks = -(-dims.channels // cfg.BLOCK_C)
-    if dims.pass_through:
-        blocks += sum(-(-w // PASS_BLOCK_C) for w in dims.outside_widths)
-    return (-(-dims.seqlen // cfg.segment), blocks, dims.batch)
+    return (-(-dims.seqlen // cfg.segment), channel_blocks(dims, cfg.BLOCK_C), dims.batch)
 
 
 def passed_cotangent_arrays(dims: ConvDims) -> dict[str, Buffer]:
-    """dbefore and dafter: the cotangents of x's channels before and after the window (batch, seqlen, width)
-    in x's dtype with `dims.pass_through`, dummies (1, 1, 1) without it or for a width 0."""
-    return {name: Buffer((dims.batch, dims.seqlen, w) if dims.pass_through and w else (1, 1, 1), dims.dtype)
-            for name, w in zip(PASSED_COTANGENTS, dims.outside_widths)}
+    """dbefore and dafter: the cotangents of x's channels before and after the window (`outside_arrays`)."""
+    return outside_arrays(dims, "d")
 
 
 def conv_bwd_arrays(dims: ConvDims, cfg: ConvBwdConfig | None = None, items: int = 1) -> dict[str, Buffer]:

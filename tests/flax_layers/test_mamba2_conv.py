@@ -130,7 +130,8 @@ def _operands_through_tuples(entry: dict, name: str) -> list[str]:
 
 def test_one_device_layer_convolves_in_proj_output_in_place_in_one_launch_each_way(emulated):
     """In the compiled forward + backward of the layer: the conv's forward reads in_proj's product itself and
-    its outputs are the SSD forward's x, B, C (views, no copy); its backward takes the SSD backward's dx, dB,
+    its outputs are the SSD forward's x, B, C (views, no copy), with z and dt (copied by the same launch: no
+    slice of in_proj's product anywhere); its backward takes the SSD backward's dx, dB,
     dC and the gated norm's dz as they come and writes the whole cotangent of in_proj's output, which in_proj's
     backward matmuls read as it is; one conv launch each way; no slice / concatenate / copy fusion of
     activation size reads or writes an activation of the conv."""
@@ -142,15 +143,19 @@ def test_one_device_layer_convolves_in_proj_output_in_place_in_one_launch_each_w
     calls = {n: i for n, i in entry.items() if i["op"] == "custom-call"}
     d_in_proj = 2 * layer.d_inner + 2 * layer.d_state + layer.nheads
     in_proj_shape = f"f32[{BATCH},{SEQLEN},{d_in_proj}]"
-    forward = [n for n, i in calls.items() if i["shape"].count(f"[{BATCH},{SEQLEN},") == 3 and
+    forward = [n for n, i in calls.items() if i["shape"].count(f"[{BATCH},{SEQLEN},") == 5 and
                i["shape"].startswith(f"(f32[{BATCH},{SEQLEN},{layer.d_ssm}]") and
                entry[i["operands"][0]]["shape"].startswith(in_proj_shape)]
     backward = [n for n, i in calls.items() if i["shape"].startswith(f"(f32[{BATCH},{SEQLEN},{d_in_proj}]")]
     assert len(forward) == 1 and len(backward) == 1, (forward, backward)
     (fwd,), (bwd,) = forward, backward
 
-    # The forward's input is in_proj's matmul output itself, not a copy of its slice.
-    assert _computes_a_matmul(hlo, entry, _source(entry, calls[fwd]["operands"][0]))
+    # The forward's input is in_proj's matmul output itself, not a copy of its slice, and nothing slices it.
+    in_proj = _source(entry, calls[fwd]["operands"][0])
+    assert _computes_a_matmul(hlo, entry, in_proj)
+    in_proj_views = {n for n in entry if _source(entry, n) == in_proj}
+    readers = [n for n, i in entry.items() if set(i["operands"]) & in_proj_views and n not in in_proj_views]
+    assert readers and not any(_copies(hlo, entry, n) for n in readers), readers
     # The SSD's forward and backward take x, B, C as views of the conv's outputs: each a conditional (the op's
     # non-finite guard) whose branches run the kernels or the recompute on them (each branch's operands hold
     # the views, some reshaped).

@@ -22,6 +22,9 @@ _LM = ConvDims(batch=8, seqlen=2048, channels=2304, width=4)
 PROBLEMS = {
     "bf16_lm": _LM,
     "bf16_lm_layout": dataclasses.replace(_LM, in_offset=2048, in_width=4384, split=(2048, 128, 128)),
+    # The layer's call: z and dt copied through by blocks of their own.
+    "bf16_lm_pass_through": dataclasses.replace(_LM, in_offset=2048, in_width=4384, split=(2048, 128, 128),
+                                                pass_through=True),
     "bf16_lm_x": dataclasses.replace(_LM, channels=2048),
     "bf16_lm_bc": dataclasses.replace(_LM, channels=256),
     "bf16_seq_idx": dataclasses.replace(_LM, has_seq_idx=True),
@@ -67,10 +70,11 @@ def _usage(resources: str) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("problem,loads", [("bf16_lm", "LDG.E.64"), ("bf16_lm_bc", "LDG.E "),
-                                           ("bf16_lm_layout", "LDG.E.64")])
+                                           ("bf16_lm_layout", "LDG.E.64"), ("bf16_lm_pass_through", "LDG.E.128")])
 def test_conv_forward_default_tile_is_spill_free_with_vector_rows(problem, loads):
     """16 rows x 512 channels (256 for [B, C]): a vector load / store per row and thread, no shared or local
-    memory, no stack, and at most 168 registers, which fits the occupancy hint of 3 blocks of 128 threads."""
+    memory, no stack, and at most 168 registers, which fits the occupancy hint of 3 blocks of 128 threads; the
+    pass-through copies move 16 bytes per thread and row."""
     sass, resources = sass_and_resources(_compiled(problem)["causal_conv1d_fwd_kernel"])
     usage = _usage(resources)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and usage["SHARED"] == 0 and "LDL" not in sass, usage
@@ -78,12 +82,14 @@ def test_conv_forward_default_tile_is_spill_free_with_vector_rows(problem, loads
     assert loads in sass and loads.replace("LDG", "STG") in sass
 
 
-@pytest.mark.parametrize("problem", ["bf16_lm", "bf16_lm_layout", "bf16_seq_idx", "f32_width3_init"])
+@pytest.mark.parametrize("problem", ["bf16_lm", "bf16_lm_layout", "bf16_lm_pass_through", "bf16_seq_idx",
+                                     "f32_width3_init"])
 def test_conv_backward_default_tile_is_spill_free(problem):
-    """The backward's step keeps its rows in registers: no local memory or stack, and at most 128 registers,
-    which fits the occupancy hint of 4 blocks of 128 threads."""
+    """The backward's step keeps its rows in registers: no shared or local memory or stack, and at most 128
+    registers, which fits the occupancy hint of 4 blocks of 128 threads."""
     for name in ("causal_conv1d_bwd_kernel", "conv_grads_reduce_kernel"):
         sass, resources = sass_and_resources(_compiled(problem)[name])
         usage = _usage(resources)
         assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and "LDL" not in sass, (name, usage)
+        assert name != "causal_conv1d_bwd_kernel" or usage["SHARED"] == 0, usage
         assert name != "causal_conv1d_bwd_kernel" or usage["REG"] <= 128, usage

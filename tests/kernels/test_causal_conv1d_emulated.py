@@ -127,21 +127,35 @@ def test_conv_kernels_in_the_mixer_layout_match_float64_reference(layout, case):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_conv_backward_writes_the_whole_cotangent_with_pass_through(layout):
-    """With pass_through, dx is x's whole cotangent: the conv's dx in the window and the given cotangents of
-    the channels before and after it copied, bit for bit (one side is absent in two of the layouts)."""
+def test_conv_kernels_pass_the_other_channels_through(layout):
+    """With pass_through the forward also copies x's channels before and after the window to their own arrays,
+    and the backward's dx is x's whole cotangent: the conv's dx in the window and the given cotangents of the
+    channels before and after it, copies bit for bit (one side is absent in two of the layouts)."""
     args = make_conv_args(8, **CASES["seq_idx"])
     x, kernel, bias, init, seq_idx, dy = args
     dims = dataclasses.replace(_dims(x, kernel, init, seq_idx, layout=LAYOUTS[layout]), pass_through=True)
+    before, after = dims.outside_widths
+    fwd_plan = conv_fwd.conv_fwd_plan(dims, SMALL_FWD)
+    assert_plan_well_formed(fwd_plan)
+    inputs = _plan_inputs(dims, *args)
+    out = emulator.run_plan(fwd_plan, inputs, float64=True)
+    assert fwd_plan.outputs == conv_fwd.CONV_OUTPUTS[:len(dims.pieces)] + (("before",) if before else ()) + (
+        ("after",) if after else ())
+    if before:
+        np.testing.assert_array_equal(out["before"], inputs["x"][..., :before])
+    if after:
+        np.testing.assert_array_equal(out["after"], inputs["x"][..., before + dims.channels:])
+    want_y, (want_dx, want_dkernel, want_dbias, _) = float64_reference(*args)
+    y = np.concatenate([out[name] for name in conv_fwd.CONV_OUTPUTS[:len(dims.pieces)]], axis=-1)
+    assert rel_l2(y, want_y) < 1e-12
+
     rng = np.random.default_rng(9)
     passed = {name: (rng.standard_normal(buf.shape).astype(np.float64) if buf.shape != (1, 1, 1)
                      else np.zeros((1, 1, 1)))
               for name, buf in conv_bwd.passed_cotangent_arrays(dims).items()}
     plan = conv_bwd.conv_bwd_plan(dims, SMALL_BWD)
     assert_plan_well_formed(plan)
-    out = emulator.run_plan(plan, {**_plan_inputs(dims, *args), **passed}, float64=True)
-    _, (want_dx, want_dkernel, want_dbias, _) = float64_reference(*args)
-    before, after = dims.outside_widths
+    out = emulator.run_plan(plan, {**inputs, **passed}, float64=True)
     assert out["dx"].shape == x.shape[:2] + (dims.source_width,)
     if before:
         np.testing.assert_array_equal(out["dx"][..., :before], passed["dbefore"])
