@@ -106,10 +106,36 @@ def category(kernel: str, source: Optional[Source]) -> str:
     return "elementwise"
 
 
+def idle_gaps(kernels: list[tuple[str, float, float]], calls: int, top: int = 10) -> dict:
+    """Where the GPU waits inside a call: the idle time between consecutive launches (overlapping launches
+    merged), per call, and the `top` gaps by total time, named by the launch before each ("previous": the one
+    ending last) and after it ("next"). The calls - 1 longest gaps are taken as the host's syncs between calls
+    and left out."""
+    intervals = []  # [start, end, name of the launch ending last, name of the first launch]
+    for name, start, duration in sorted(kernels, key=lambda k: k[1]):
+        if intervals and start <= intervals[-1][1]:
+            if start + duration > intervals[-1][1]:
+                intervals[-1][1:3] = [start + duration, name]
+        else:
+            intervals.append([start, start + duration, name, name])
+    gaps = sorted(((after[0] - before[1], before[2], after[3]) for before, after in zip(intervals, intervals[1:])),
+                  reverse=True)[max(calls - 1, 0):]
+    by_pair: dict[tuple, list] = {}
+    for gap, before, after in gaps:
+        entry = by_pair.setdefault((before[:80], after[:80]), [0.0, 0])
+        entry[0] += gap / calls
+        entry[1] += 1 / calls
+    ranked = sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"idle_us": sum(g for g, _, _ in gaps) / calls,
+            "top_gaps": [{"previous": previous, "next": next_, "us": t, "count": n}
+                         for (previous, next_), (t, n) in ranked]}
+
+
 def fold(kernels: list[tuple[str, float, float]], hlo_text: str, calls: int, top: int = 15,
          top_per_category: int = 5) -> dict:
-    """Per call: microseconds and launches per category, the `top` kernels by time with their category, and
-    each category's `top_per_category` kernels (what a category's time is made of).
+    """Per call: microseconds and launches per category, the `top` kernels by time with their category, each
+    category's `top_per_category` kernels (what a category's time is made of), and the GPU's idle time between
+    launches with its largest gaps (`idle_gaps`).
 
     Args:
       kernels: (name, start_us, duration_us) per launch (benchmarks/tools/kernel_profile.py reads them from a trace).
@@ -131,7 +157,7 @@ def fold(kernels: list[tuple[str, float, float]], hlo_text: str, calls: int, top
     ranked = [{"kernel": name[:160], "category": cat, "us": t, "launches": n}
               for name, (cat, t, n) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])]
     return {
-        "calls": calls, "busy_us": busy,
+        "calls": calls, "busy_us": busy, **idle_gaps(kernels, calls, top),
         "categories": {c: {"us": us[c], "launches": launches[c], "fraction": us[c] / busy if busy else None}
                        for c in CATEGORIES if c in us},
         "top_kernels": ranked[:top],

@@ -120,7 +120,8 @@ def _timed_generate(model, prompt, new_tokens: int, repeats: int, warmup_seconds
 def per_token_profile(short: dict, long: dict, decode_steps: int) -> dict:
     """A token step's share of two profiles (`lm_bench.profile_calls`) of generate with 1 and with
     1 + decode_steps new tokens: per category microseconds and launches, their difference over decode_steps
-    (the prompt's prefill and the first token cancel). The long call's top kernels come along as they are."""
+    (the prompt's prefill and the first token cancel), the same of the GPU's idle time between launches. The
+    long call's top kernels and gaps come along as they are."""
     def per_step(field: str, category: str) -> float:
         return (long["categories"].get(category, {}).get(field, 0.0)
                 - short["categories"].get(category, {}).get(field, 0.0)) / decode_steps
@@ -128,7 +129,9 @@ def per_token_profile(short: dict, long: dict, decode_steps: int) -> dict:
     return {"source": long["source"], "decode_steps": decode_steps,
             "busy_us": (long["busy_us"] - short["busy_us"]) / decode_steps,
             "kernel_launches": (long["kernel_launches"] - short["kernel_launches"]) / decode_steps,
-            "categories": categories, "top_kernels_long_call": long["top_kernels"]}
+            "idle_us": (long["idle_us"] - short["idle_us"]) / decode_steps,
+            "categories": categories, "top_kernels_long_call": long["top_kernels"],
+            "top_gaps_long_call": long["top_gaps"]}
 
 
 def _profile_generate(model, prompt, decode_steps: int) -> dict:
@@ -353,7 +356,8 @@ def format_table(records: list[dict]) -> str:
             if profile:
                 parts = ", ".join(f"{c} {v['us']:.1f} ({v['launches']:.0f})" for c, v in profile["categories"].items())
                 lines.append(f"{r['config']} {r['label']}, batch {batch}: GPU us per token step by category "
-                             f"(launches): {profile['busy_us']:.1f} busy, {profile['kernel_launches']:.0f} launches; "
+                             f"(launches): {profile['busy_us']:.1f} busy, {profile.get('idle_us', 0.0):.1f} idle, "
+                             f"{profile['kernel_launches']:.0f} launches; "
                              f"{parts}")
     return "\n".join(lines)
 

@@ -74,20 +74,24 @@ def test_the_jax_worker_writes_step_times_prefill_and_floors(tmp_path):
 
 
 def test_a_token_step_profile_is_the_two_calls_difference_over_the_steps():
-    def fold(busy, launches, categories):
-        return {"source": "trace", "busy_us": busy, "kernel_launches": launches, "top_kernels": [{"kernel": "k"}],
+    def fold(busy, idle, launches, categories):
+        return {"source": "trace", "busy_us": busy, "idle_us": idle, "kernel_launches": launches,
+                "top_kernels": [{"kernel": "k"}], "top_gaps": [{"previous": "k", "next": "k", "us": idle}],
                 "categories": {c: {"us": us, "launches": n} for c, (us, n) in categories.items()}}
-    short = fold(50.0, 20, {"matrix products": (30.0, 10), "SSD": (20.0, 10)})
-    long = fold(50.0 + 4 * 12.5, 20 + 4 * 6, {"matrix products": (30.0 + 4 * 8.0, 10 + 4 * 3),
-                                             "SSD": (20.0 + 4 * 4.0, 10 + 4 * 2), "copies": (4 * 0.5, 4)})
+    short = fold(50.0, 3.0, 20, {"matrix products": (30.0, 10), "SSD": (20.0, 10)})
+    long = fold(50.0 + 4 * 12.5, 3.0 + 4 * 1.5, 20 + 4 * 6, {"matrix products": (30.0 + 4 * 8.0, 10 + 4 * 3),
+                                                            "SSD": (20.0 + 4 * 4.0, 10 + 4 * 2),
+                                                            "copies": (4 * 0.5, 4)})
     step = lm_decode.per_token_profile(short, long, decode_steps=4)
     assert step["busy_us"] == pytest.approx(12.5) and step["kernel_launches"] == pytest.approx(6)
+    assert step["idle_us"] == pytest.approx(1.5) and step["top_gaps_long_call"][0]["us"] == pytest.approx(9.0)
     assert step["categories"] == {"matrix products": {"us": 8.0, "launches": 3.0}, "SSD": {"us": 4.0, "launches": 2.0},
                                   "copies": {"us": 0.5, "launches": 1.0}}
     assert step["decode_steps"] == 4 and step["top_kernels_long_call"] == [{"kernel": "k"}]
     table = lm_decode.format_table([{"config": "d64-l1", "label": "ours", "prefill_ms": {}, "batches": {
         "1": {"ms_per_token": 0.5, "tokens_per_s": 2000.0, "profile": step}}}])
-    assert "batch 1: GPU us per token step by category (launches): 12.5 busy, 6 launches; matrix products 8.0 (3)" in table
+    assert ("batch 1: GPU us per token step by category (launches): 12.5 busy, 1.5 idle, 6 launches; "
+            "matrix products 8.0 (3)") in table
 
 
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])

@@ -76,6 +76,18 @@ def test_kernels_fold_into_categories_through_the_compiled_module():
     assert set(by_category) == set(us) and [k["us"] for k in by_category["SSD"]] == [50.0, 30.0]
 
 
+def test_idle_gaps_are_the_waits_inside_a_call_named_by_their_neighbours():
+    """Two calls of a, b, c with a 2 us wait between a and b and b, c overlapping; the 100 us between the calls
+    is the host's sync and left out."""
+    call = [("a", 0.0, 10.0), ("b", 12.0, 8.0), ("c", 18.0, 7.0), ("d", 30.0, 1.0)]
+    kernels = call + [(name, start + 125.0, duration) for name, start, duration in call]
+    gaps = kernel_categories.idle_gaps(kernels, calls=2)
+    assert gaps["idle_us"] == pytest.approx(7.0)
+    assert gaps["top_gaps"] == [{"previous": "c", "next": "d", "us": pytest.approx(5.0), "count": 1.0},
+                                {"previous": "a", "next": "b", "us": pytest.approx(2.0), "count": 1.0}]
+    assert kernel_categories.fold(kernels, "HloModule m\n", calls=2)["idle_us"] == pytest.approx(7.0)
+
+
 def test_the_model_loss_profiles_only_its_own_ops_as_loss():
     """With the model's loss, the XLA ops of the layers keep their categories (conv, norms, SSD, the mixer's
     elementwise glue) and only those of flax_layers/loss.py count as loss."""
