@@ -306,6 +306,15 @@ def test_split_invalid_arguments_raise_naming_them(kwargs, message):
         conv1d.causal_conv1d_silu_split(jnp.zeros((2, 5, _WIDTH)), jnp.zeros((4, 24)), args.pop("bias"), **args)
 
 
+def test_split_pass_through_must_be_a_bool_and_covers_an_empty_sequence():
+    with pytest.raises(TypeError, match="causal_conv1d_silu_split: pass_through='yes' must be a bool"):
+        conv1d.causal_conv1d_silu_split(jnp.zeros((2, 5, _WIDTH)), jnp.zeros((4, 24)), channel_offset=_OFFSET,
+                                        split=_SPLIT, pass_through="yes")
+    outputs = conv1d.causal_conv1d_silu_split(jnp.zeros((2, 0, _WIDTH)), jnp.zeros((4, 24)), channel_offset=_OFFSET,
+                                              split=_SPLIT, pass_through=True, backend="xla")
+    assert [o.shape for o in outputs] == [(2, 0, w) for w in (_OFFSET, *_SPLIT, _WIDTH - _OFFSET - 24)]
+
+
 @pytest.mark.parametrize("init_width", [0, 4])
 def test_split_xla_is_the_conv_of_the_window_in_pieces(init_width):
     x, kernel, bias, init, _, _ = make_conv_args(30, channels=24, init_width=init_width)
