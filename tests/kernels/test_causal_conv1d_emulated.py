@@ -126,16 +126,25 @@ def test_conv_kernels_in_the_mixer_layout_match_float64_reference(layout, case):
     assert max(errors.values()) < 1e-12, errors
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# The LM's layout scaled down, at the default tiles: 1024 channels before the window (one copy block) and 16
+# after it (a copy block mostly outside dt).
+_LM_SCALED = (dict(batch=1, seqlen=40, channels=1280, seq_idx=[25, 15]), (1024, 1024 + 1280 + 16, (1024, 128, 128)))
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "lm_scaled_default_tiles"])
 def test_conv_kernels_pass_the_other_channels_through(layout):
     """With pass_through the forward also copies x's channels before and after the window to their own arrays,
     and the backward's dx is x's whole cotangent: the conv's dx in the window and the given cotangents of the
     channels before and after it, copies bit for bit (one side is absent in two of the layouts)."""
-    args = make_conv_args(8, **CASES["seq_idx"])
+    options, channel_layout = _LM_SCALED if layout not in LAYOUTS else (CASES["seq_idx"], LAYOUTS[layout])
+    args = make_conv_args(8, **options)
     x, kernel, bias, init, seq_idx, dy = args
-    dims = dataclasses.replace(_dims(x, kernel, init, seq_idx, layout=LAYOUTS[layout]), pass_through=True)
+    dims = dataclasses.replace(_dims(x, kernel, init, seq_idx, layout=channel_layout), pass_through=True)
+    fwd_cfg, bwd_cfg = SMALL_FWD, SMALL_BWD
+    if layout not in LAYOUTS:
+        fwd_cfg, bwd_cfg = conv_fwd.conv_fwd_default_config(dims), conv_bwd.conv_bwd_default_config(dims)
     before, after = dims.outside_widths
-    fwd_plan = conv_fwd.conv_fwd_plan(dims, SMALL_FWD)
+    fwd_plan = conv_fwd.conv_fwd_plan(dims, fwd_cfg)
     assert_plan_well_formed(fwd_plan)
     inputs = _plan_inputs(dims, *args)
     out = emulator.run_plan(fwd_plan, inputs, float64=True)
@@ -153,7 +162,7 @@ def test_conv_kernels_pass_the_other_channels_through(layout):
     passed = {name: (rng.standard_normal(buf.shape).astype(np.float64) if buf.shape != (1, 1, 1)
                      else np.zeros((1, 1, 1)))
               for name, buf in conv_bwd.passed_cotangent_arrays(dims).items()}
-    plan = conv_bwd.conv_bwd_plan(dims, SMALL_BWD)
+    plan = conv_bwd.conv_bwd_plan(dims, bwd_cfg)
     assert_plan_well_formed(plan)
     out = emulator.run_plan(plan, {**inputs, **passed}, float64=True)
     assert out["dx"].shape == x.shape[:2] + (dims.source_width,)
@@ -172,8 +181,8 @@ def test_conv_weight_partials_reduce_in_tiles_that_stay_within_an_item():
 def test_conv_kernels_in_the_mixer_layout_at_default_tiles_match_float64_reference():
     """The LM's layout scaled down: [z, x, B, C, dt] with x of 1024 channels and B, C of 128 (the default
     512-channel forward block and 256-channel backward block straddle B and C)."""
-    args = make_conv_args(7, batch=1, seqlen=40, channels=1280, seq_idx=[25, 15])
-    layout = (1024, 1024 + 1280 + 16, (1024, 128, 128))
+    args = make_conv_args(7, **_LM_SCALED[0])
+    layout = _LM_SCALED[1]
     dims = _dims(*(args[i] for i in (0, 1, 3, 4)), layout=layout)
     errors = _errors(args, *_run(args, float64=True, fwd_cfg=conv_fwd.conv_fwd_default_config(dims),
                                  bwd_cfg=conv_bwd.conv_bwd_default_config(dims), layout=layout))
