@@ -355,10 +355,10 @@ def format_table(records: list[dict]) -> str:
             profile = row.get("profile")
             if profile:
                 parts = ", ".join(f"{c} {v['us']:.1f} ({v['launches']:.0f})" for c, v in profile["categories"].items())
+                idle = f"{profile['idle_us']:.1f} idle, " if "idle_us" in profile else ""  # older records: none
                 lines.append(f"{r['config']} {r['label']}, batch {batch}: GPU us per token step by category "
-                             f"(launches): {profile['busy_us']:.1f} busy, {profile.get('idle_us', 0.0):.1f} idle, "
-                             f"{profile['kernel_launches']:.0f} launches; "
-                             f"{parts}")
+                             f"(launches): {profile['busy_us']:.1f} busy, {idle}{profile['kernel_launches']:.0f} "
+                             f"launches; {parts}")
     return "\n".join(lines)
 
 

@@ -470,9 +470,9 @@ def format_table(records: list[dict]) -> str:
         profile = r.get("profile")
         if profile and profile.get("busy_us"):
             parts = ", ".join(f"{c} {v['us'] / 1e3:.1f}" for c, v in profile["categories"].items())
+            idle = f"{profile['idle_us'] / 1e3:.1f} idle, " if "idle_us" in profile else ""  # older records: none
             lines.append(f"{r['config']} {r['impl']}: GPU ms per step by category ({profile['busy_us'] / 1e3:.1f} "
-                         f"busy, {profile.get('idle_us', 0.0) / 1e3:.1f} idle, {profile['kernel_launches']:.0f} "
-                         f"launches): {parts}")
+                         f"busy, {idle}{profile['kernel_launches']:.0f} launches): {parts}")
     return "\n".join(lines)
 
 

@@ -6,7 +6,8 @@
   mixer_step     one token of the mixer between its projections: the conv step + SiLU on in_proj's xBC columns,
                  the SSD state update with D and, for a mixer without the gated norm, the gate. One launch.
 
-With these a decode step runs five kernels per layer (`Mamba2LMHeadModel.step`). Per-layer arrays may be stacks
+With these a decode step runs five kernels per layer (`Mamba2LMHeadModel.step`; six at a few rows, where
+out_proj's K is split over blocks: `kernels/decode_projection.py`). Per-layer arrays may be stacks
 of every layer (a leading (L,) axis: the LM's parameters and its cache) with `layer` naming the one to use: the
 kernels then read that layer where it lies in the stack, and write the layer's SSM state in place, so that a step
 over the layers slices nothing out of the stacks and copies no weight.

@@ -6,12 +6,15 @@ against the same model on xla.
 
     python -m pytest -m gpu tests/test_decode_ops_gpu.py
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from jax_mamba2 import backends, decode
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, generate
 from tests._helpers import rel_l2
 from tests.kernels._decode_checks import (MIXER_CASES, PROJECTION_CASES, MixerCase, ProjectionCase,
@@ -91,10 +94,7 @@ def test_fused_decode_matches_xla_over_many_tokens(scan_layers):
 @pytest.mark.parametrize("name", ["in_proj_add_norm", "out_proj_gated_b256"])
 def test_norm_project_with_split_k_matches_float64_reference(name, split_k):
     """K split over blocks (f32 partials summed by a second launch) at the LM's shapes."""
-    import dataclasses
-
-    from jax_mamba2 import backends, decode
-    from jax_mamba2.bridge import decode_ops, ffi
+    from jax_mamba2.bridge import decode_ops, ffi  # needs cuda.tile: imported where the test runs
     from jax_mamba2.kernels import decode_projection
 
     case = LM_PROJECTIONS[name]

@@ -1,10 +1,11 @@
 """GPU time per launch of the decode ops' kernels outside JAX, for choosing their tiles: each plan of
 `jax_mamba2.kernels.decode_projection` / `decode_mixer` at the LM's decode shapes (`benchmarks/decode_kernels.py`'s,
 d_model 1024: in_proj 1024 x 4384, out_proj 2048 x 1024, the tied head 50280 x 1024, the mixer of 32 heads x 64 x
-d_state 128; 24 stacked layers, bf16) runs through `ct.launch` on torch tensors, 50 launches captured in one CUDA graph, the graph replayed 20
-times: the median replay over 50 is a launch's GPU time with no host launch cost. A projection's norm and product
-kernels (and a split K's sum) are also timed apart. Every product config of `projection_configs` at rows 1 and 64
-(the default alone at 8 and 256), every mixer config of `mixer_configs` (with the default).
+d_state 128; 24 stacked layers, bf16) runs through `ct.launch` on torch tensors, 50 launches captured in one CUDA
+graph, the graph replayed (`benchmarks.ssd.time_cuda_graph`): the median replay over 50 is a launch's GPU time with
+no host launch cost. A projection's norm and product kernels (and a split K's sum) are also timed apart. Every
+product config of `projection_configs` at rows 1 and 64 (the default alone at 8 and 256), every mixer config of
+`mixer_configs` (with the default).
 
 On the GPU machine (torch and cuda-tile):
   source .gpu/gpu-env.sh
@@ -25,12 +26,14 @@ if __package__ in (None, ""):  # run as a script: the repository root on sys.pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.decode_kernels import Shapes, mixer_dims, projection_dims  # noqa: E402
-from benchmarks.ssd import PEAK_HBM_TBPS  # noqa: E402
+from benchmarks.ssd import PEAK_HBM_TBPS, time_cuda_graph  # noqa: E402
 from jax_mamba2.kernels import decode_mixer, decode_projection  # noqa: E402
 from jax_mamba2.kernels._common import kernel_name  # noqa: E402
 
 SHAPES = Shapes(1024)  # the LM of the decode benchmarks: d_model 1024, 24 layers
 SWEPT_ROWS = (1, 64)
+# Per timing: replays timed, and back-to-back replays first (the clocks are raised once, in main).
+BUDGET_S, WARMUP_S = 0.05, 0.05
 
 
 def projection_configs(case: str) -> list[decode_projection.ProjectionConfig]:
@@ -66,27 +69,14 @@ def cases(rows_list=(1, 8, 64, 256)):
     return out
 
 
-def _graph_us(torch, launch, reps=50, replays=20) -> float:
-    """Median GPU microseconds per launch: `reps` launches in one CUDA graph, replayed."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            launch(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(reps):
-            launch(torch.cuda.current_stream())
-    times = []
-    for _ in range(replays + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    times = sorted(times[3:])
-    return times[len(times) // 2]
+def _graph_us(launch, reps=50) -> float:
+    """Median GPU microseconds per launch: `reps` launches captured in one CUDA graph, replayed
+    (`benchmarks.ssd.time_cuda_graph`)."""
+    import torch
+
+    timing, _ = time_cuda_graph(lambda: [launch(torch.cuda.current_stream()) for _ in range(reps)], BUDGET_S,
+                                warmup_s=WARMUP_S)
+    return timing.ms_median * 1e3 / reps
 
 
 def _tensors(torch, inputs, buffers, layer: int):
@@ -104,7 +94,7 @@ def _tensors(torch, inputs, buffers, layer: int):
     return tensors
 
 
-def time_plan(torch, ct, plan, tensors) -> dict:
+def time_plan(ct, plan, tensors) -> dict:
     """plan_us (all launches) and, for a plan of several, each kernel's us and grid."""
     launches = [(launch, tuple(tensors[a] if isinstance(a, str) else a for a in launch.args))
                 for launch in plan.launches]
@@ -113,13 +103,13 @@ def time_plan(torch, ct, plan, tensors) -> dict:
         for launch, args in launches:
             ct.launch(stream, launch.grid, launch.kernel, args)
 
-    out = {"plan_us": _graph_us(torch, run_all)}
+    out = {"plan_us": _graph_us(run_all)}
     for launch, args in launches:
         name = kernel_name(launch.kernel)
         out[f"{name}_grid"] = list(launch.grid)
         if len(launches) > 1:
             out[f"{name}_us"] = _graph_us(
-                torch, lambda stream, launch=launch, args=args: ct.launch(stream, launch.grid, launch.kernel, args))
+                lambda stream, launch=launch, args=args: ct.launch(stream, launch.grid, launch.kernel, args))
     return out
 
 
@@ -148,7 +138,7 @@ def main(argv=None) -> int:
             if case == "mixer":
                 record["floor_us"] = 2 * dims.rows * dims.d_ssm * dims.dstate * 2 / (PEAK_HBM_TBPS * 1e6)
             try:
-                record.update(time_plan(torch, ct, plan, _tensors(torch, inputs, plan.buffers, dims.layers // 2)))
+                record.update(time_plan(ct, plan, _tensors(torch, inputs, plan.buffers, dims.layers // 2)))
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is a record too
                 record["error"] = f"{type(exc).__name__}: {exc}"[:300]
             print(json.dumps(record), flush=True)

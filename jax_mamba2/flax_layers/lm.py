@@ -279,7 +279,7 @@ class Mamba2LMHeadModel(nnx.Module):
 
     def _decode_step(self, input_ids, cache: Mamba2Cache):
         """`step` on the fused decode ops: per layer the block's add + norm with in_proj, the mixer's conv step
-        and state update, its gated norm with out_proj (`Mamba2.decode_step`: five kernel launches on a GPU),
+        and state update, its gated norm with out_proj (`Mamba2.decode_step`: five or six kernel launches on a GPU),
         then the final add + norm with the LM head (two more). The layers run one after the other on their
         entries of the stacked parameters and cache, read in place: no layer loop, no slice of a weight, the
         SSM state stack updated in place (when XLA may reuse its buffer: inside `generate`'s loop, or donated).

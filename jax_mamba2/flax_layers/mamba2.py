@@ -344,7 +344,8 @@ class Mamba2(nnx.Module):
     def decode_step(self, hidden_states, conv_state, ssm_state, *, layer=None, pre_norm=None):
         """One token through the mixer on the fused decode ops (`jax_mamba2.decode`): in_proj (after the block's
         add + norm, with `pre_norm`), the conv step + SSD state update, the gated norm + out_proj: five kernel
-        launches on a GPU (each projection's norm and product, the mixer step). The same values as the composed
+        launches on a GPU (each projection's norm and product, the mixer step; six at a few rows, where
+        out_proj's K is split and its partial products summed). The same values as the composed
         step; see `decodes_fused` for when it applies.
 
         Args:

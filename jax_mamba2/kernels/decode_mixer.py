@@ -36,8 +36,8 @@ from typing import Optional
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, dt_transform, is_power_of_2, next_power_of_2,
-    silu_gate, with_hints)
+    SM90_SMS, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, dt_transform, is_power_of_2,
+    next_power_of_2, silu_gate, with_hints)
 from jax_mamba2.kernels.rms_norm import sigmoid
 from jax_mamba2.kernels.state_update import state_step
 
@@ -112,8 +112,8 @@ def mixer_step_default_config(dims: MixerStepDims) -> MixerStepConfig:
     block, as `ssd_step`'s kernel. Occupancy 4: the fastest config of every batch measured had it (docs/design.md,
     "Decode")."""
     heads = dims.rows * dims.nheads
-    if heads >= 132:
-        return MixerStepConfig(BLOCK_P=min(dims.headdim, 64 if heads >= 264 else 32), OCCUPANCY=4)
+    if heads >= SM90_SMS:
+        return MixerStepConfig(BLOCK_P=min(dims.headdim, 64 if heads >= 2 * SM90_SMS else 32), OCCUPANCY=4)
     return MixerStepConfig(BLOCK_P=min(dims.headdim, 64, max(4, 2048 // dims.dstate)))
 
 

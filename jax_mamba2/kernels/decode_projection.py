@@ -40,7 +40,8 @@ from typing import Optional
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, is_power_of_2, mma_dtype, next_power_of_2, with_hints)
+    SM90_SMS, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, is_power_of_2, mma_dtype, next_power_of_2,
+    with_hints)
 from jax_mamba2.kernels.rms_norm import sigmoid
 
 NORM_PROJECT_INPUTS = ("layer_index", "x", "residual", "z", "norm_weight", "weight", "bias")
@@ -50,9 +51,9 @@ MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
 MAX_SPLIT_K = 16
 # The norm pass's widest step: a (1, MAX_NORM_BLOCK_K) f32 tile per loaded array.
 MAX_NORM_BLOCK_K = 2048
-# Product blocks in one wave of an H200: 132 SMs, one block each (as measured: a block's pipelined loads hold
-# 76-167 KB of shared memory at the default tiles).
-WAVE_BLOCKS = 132
+# Product blocks in one wave of an H200: one block per SM (as measured: a block's pipelined loads hold 76-167 KB
+# of shared memory at the default tiles).
+WAVE_BLOCKS = SM90_SMS
 # Up to this many rows a product streams its weight as one row does (out_proj took 8.9 us at 8 rows, 8.8 at
 # one), so the default splits a narrow product's K there (see projection_default_config).
 SPLIT_ROWS = 8

@@ -14,6 +14,7 @@ import jax_mamba2  # noqa: E402
 from jax_mamba2 import decode  # noqa: E402
 from jax_mamba2.bridge import decode_ops  # noqa: E402
 from jax_mamba2.flax_layers import Mamba2, Mamba2Config, Mamba2LMHeadModel  # noqa: E402
+from jax_mamba2.kernels import decode_projection  # noqa: E402
 from tests._helpers import rel_l2  # noqa: E402
 from tests.bridge._emulated_backend import emulate_layer_kernels  # noqa: E402
 from tests.kernels._decode_checks import (MIXER_CASES, PROJECTION_CASES, assert_lm_steps_match,  # noqa: E402
@@ -102,12 +103,24 @@ def test_emulated_mixer_step_matches_xla_over_several_tokens():
         assert rel_l2(got, want) < 1e-5
 
 
-def test_emulated_lm_step_matches_xla_over_several_tokens():
-    """The fused step's launches thread the stacked SSM state through all layers, token after token."""
-    models = {b: Mamba2LMHeadModel(CONFIG, backend=b, rngs=nnx.Rngs(0)) for b in ("cutile", "xla")}
-    tokens = jax.random.randint(jax.random.key(2), (4, 2), 0, CONFIG.vocab_size)
+# Wide enough that the default projections of two rows split K (out_proj's 256 features: 4 steps of 64 in f32).
+SPLIT_CONFIG = Mamba2Config(d_model=128, n_layer=2, vocab_size=256,
+                            ssm_cfg=dict(d_state=16, headdim=16, chunk_size=8))
+
+
+@pytest.mark.parametrize("config", [CONFIG, SPLIT_CONFIG], ids=["one_k_step", "k_split"])
+def test_emulated_lm_step_matches_xla_over_several_tokens(config):
+    """The fused step's launches thread the stacked SSM state through all layers, token after token (with the
+    projections' K split over blocks and summed where the defaults split it)."""
+    models = {b: Mamba2LMHeadModel(config, backend=b, rngs=nnx.Rngs(0)) for b in ("cutile", "xla")}
+    out_proj = models["cutile"].layers.mixer.out_proj.kernel
+    dims = decode_projection.ProjectionDims(rows=2, features=out_proj.shape[-2], out_features=out_proj.shape[-1],
+                                            weight_dtype=out_proj.dtype.name)
+    splits = decode_projection.split_k(dims, decode_projection.projection_default_config(dims))
+    assert splits == (1 if config is CONFIG else 4)
+    tokens = jax.random.randint(jax.random.key(2), (4, 2), 0, config.vocab_size)
     assert_lm_steps_match(models, {b: m.init_cache(2) for b, m in models.items()}, tokens, 1e-5)
     graphdef, state = nnx.split(models["cutile"])
     jaxpr = jax.make_jaxpr(lambda s, t, c: nnx.merge(graphdef, s).step(t, c))(
         state, tokens[0], models["cutile"].init_cache(2))
-    assert str(jaxpr).count("pure_callback") == 3 * CONFIG.n_layer + 1
+    assert str(jaxpr).count("pure_callback") == 3 * config.n_layer + 1

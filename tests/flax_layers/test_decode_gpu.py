@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from benchmarks.decode_kernels import DECODE_KERNELS
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, cast_params, generate
 from tests.flax_layers._programs import hlo_weight_conversions
 
@@ -53,9 +54,14 @@ def test_compiled_generate_launches_the_forward_kernels_and_the_fused_step_only(
     hlo = jax.jit(lambda prompt: generate(model, prompt, 8)).lower(_prompt(0, 200)).compile().as_text()
     launches = [line for line in hlo.splitlines() if 'custom_call_target="cutile_launch"' in line]
     kernels = [re.search(r'function_name\s*=\s*\\?"([^"\\]+)', line).group(1) for line in launches]
-    steps = [k for k in kernels if k.startswith(("decode_norm_kernel", "decode_project_kernel", "mixer_step_kernel"))]
+    steps = [k for k in kernels if k.startswith(DECODE_KERNELS)]
     forward = [k for k in kernels if k not in steps]
-    assert len(steps) == 5 * CONFIG.n_layer + 2, kernels  # the decode loop: five per layer and two for the head
+    # The decode loop: per layer the two projections' norm and product kernels and the mixer step, the head's
+    # norm and product; at these 3 rows the projections' K is split, each product's partials summed once more.
+    count = {name: sum(k.startswith(name) for k in steps) for name in DECODE_KERNELS}
+    projections = 2 * CONFIG.n_layer + 1
+    assert count == {"decode_norm_kernel": projections, "decode_project_kernel": projections,
+                     "decode_split_sum_kernel": projections, "mixer_step_kernel": CONFIG.n_layer}, kernels
     assert forward and all("fwd" in k for k in forward), kernels  # the prompt: forward kernels, no backward
 
 
