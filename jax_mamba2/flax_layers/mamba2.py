@@ -427,8 +427,9 @@ class Mamba2(nnx.Module):
 
         The conv reads xBC straight from in_proj's output (batch, seqlen, d_in_proj) and writes x, B and C as
         separate arrays (`causal_conv1d_silu_split`): one launch each way on the kernel backends, and no slice,
-        concatenate or split copy between in_proj, the conv and the SSD. The gates and dt pass through the op,
-        so that its backward kernel writes in_proj's whole output cotangent (no pad and add of three pieces).
+        concatenate or split copy between in_proj, the conv and the SSD. The gates and dt pass through the op
+        (`pass_through`): its forward launch copies them out, and its backward kernel writes in_proj's whole
+        output cotangent (no XLA slice of in_proj's output, no pad and add of three cotangents).
 
         Returns:
           (z0, x0, z, x, B, C, dt, conv_state): (..., width) each, and the new (batch, conv_dim, d_conv)
