@@ -35,6 +35,12 @@ from jax_mamba2 import backends as registry
 from jax_mamba2._vma import reduce_to_primal_axes, varying_axes
 
 OP = "cross_entropy"
+# The head's vocabulary is padded (zero weight rows, columns outside the softmax) to a multiple of this once per
+# call. XLA's GPU compiler pads the contraction dimension of the hidden states' gradient product (the vocabulary)
+# to a multiple of 16 at bf16; left to it, that pad is two passes per chunk, one over the weight and one over the
+# chunk's logits' gradient (1.5 ms of a d1024 training step at 8 x 2048 tokens, docs/design.md §12). 64 covers
+# every dtype's multiple at a cost of at most 63 columns.
+_VOCAB_MULTIPLE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,9 +147,18 @@ def _softmax_grad(static: _LossStatic, backend, logits, labels, logsumexp, scale
                                     scale.astype(jnp.float32))
 
 
+def _head_operand(static: _LossStatic, weight):
+    """The weight in the matmul dtype, its vocabulary axis zero-padded to a multiple of _VOCAB_MULTIPLE."""
+    axis = 0 if static.embedding_layout else 1
+    pad = -weight.shape[axis] % _VOCAB_MULTIPLE
+    widths = [(0, 0), (0, 0)]
+    widths[axis] = (0, pad)
+    return jnp.pad(weight.astype(static.dtype), widths)
+
+
 def _loss_and_logsumexp(static: _LossStatic, hidden, weight, labels):
     """(mean loss, per-token logsumexp (nchunks, chunk), counted-token count)."""
-    weight = weight.astype(static.dtype)
+    weight = _head_operand(static, weight)
 
     def chunk_loss(args):
         h, y = args
@@ -169,11 +184,11 @@ def _chunked_loss_fwd(static, hidden, weight, labels):
 def _chunked_loss_bwd(static, saved, dloss):
     hidden, weight, labels, logsumexp, count = saved
     acc_dtype = _accumulation_dtype(static.dtype)
-    operand = weight.astype(static.dtype)
+    operand = _head_operand(static, weight)
     scale = (dloss / count).astype(acc_dtype)
     # Under shard_map the chunks vary over the axes the tokens do: so does the accumulated gradient.
     axes = tuple(sorted(varying_axes(hidden) | varying_axes(labels) | varying_axes(dloss)))
-    dweight = jnp.zeros(weight.shape, acc_dtype)
+    dweight = jnp.zeros(operand.shape, acc_dtype)
     if axes:
         dweight = jax.lax.pcast(dweight, axes, to="varying")
 
@@ -195,6 +210,7 @@ def _chunked_loss_bwd(static, saved, dloss):
     h_chunks, y_chunks = _chunked(static, hidden, labels)
     dweight, dhidden = jax.lax.scan(chunk_grads, dweight, (h_chunks, y_chunks, logsumexp))
     dhidden = dhidden.reshape(-1, hidden.shape[1])[:hidden.shape[0]]
+    dweight = dweight[:weight.shape[0], :weight.shape[1]]  # the padded vocabulary's rows dropped
     dweight = reduce_to_primal_axes(dweight.astype(weight.dtype), weight)
     return dhidden, dweight, None
 
@@ -283,7 +299,8 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
     tokens = int(np.prod(labels.shape))
     static = _LossStatic(int(chunk_tokens), int(ignore_index), int(vocab_size), embedding is not None,
                          jnp.dtype(dtype).name, logits_dtype.name)
-    chunk_logits = jax.ShapeDtypeStruct((max(1, min(static.chunk_tokens, tokens)), padded_vocab), logits_dtype)
+    chunk_logits = jax.ShapeDtypeStruct((max(1, min(static.chunk_tokens, tokens)),
+                                         padded_vocab + -padded_vocab % _VOCAB_MULTIPLE), logits_dtype)
     selected = registry.select(
         backend, api, lambda b: b.unsupported_reason(None if b.kernels is None else _kernel_dims(static, chunk_logits)),
         op=OP)

@@ -11,6 +11,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from jax_mamba2.flax_layers import Mamba2LMHeadModel, chunked_cross_entropy
 from tests._helpers import rel_l2
+from tests.flax_layers._programs import walk
 
 TOKENS, D, PADDED_VOCAB, VOCAB = 70, 16, 40, 37
 
@@ -61,6 +62,30 @@ def test_padded_columns_are_excluded_and_get_no_gradient(x64):
         lambda w: chunked_cross_entropy(hidden, labels, head_weight=w, vocab_size=VOCAB, chunk_tokens=32))(weight)
     assert float(loss) < float(plain_loss(hidden, weight, labels, vocab=PADDED_VOCAB))
     assert np.all(np.asarray(grad[:, VOCAB:]) == 0) and np.all(np.abs(np.asarray(grad[:, :VOCAB])).sum(0) > 0)
+
+
+@pytest.mark.parametrize("layout", ["head_weight", "embedding"])
+def test_the_vocabulary_is_padded_once_outside_the_chunk_loops(layout):
+    """XLA's GPU compiler pads a product's contraction dimension to its multiple (16 at bf16): left to it, the
+    hidden states' gradient product (contracting over the vocabulary) was padded in every chunk. The loss pads
+    the weight once, so every product in the chunk loops sees a vocabulary multiple of 64 and no pad runs there."""
+    hidden, weight, labels = _problem(2, dtype=jnp.float32)
+    weight = weight.T if layout == "embedding" else weight
+
+    def loss(hidden, weight):
+        return chunked_cross_entropy(hidden, labels, **{layout: weight}, vocab_size=VOCAB, chunk_tokens=16,
+                                     dtype=jnp.bfloat16)
+
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(hidden, weight)
+    looped = [eqn for eqn, loops in walk(jaxpr) if loops]
+    products = [eqn for eqn in looped if eqn.primitive.name == "dot_general"]
+    assert len(products) == 4  # the forward's logits; the backward's logits, dh and the weight's step
+    for eqn in products:
+        vocab_dims = [n for var in eqn.invars for n in var.aval.shape if n >= PADDED_VOCAB]
+        assert vocab_dims and all(n == 64 for n in vocab_dims), (eqn, vocab_dims)
+    assert not [eqn for eqn in looped if eqn.primitive.name == "pad"]
+    grads = jax.grad(loss, argnums=1)(hidden, weight)
+    assert grads.shape == weight.shape
 
 
 def test_batched_shapes_ignored_labels_and_bad_labels(x64):
