@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|decode|conv-ncu [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|decode|conv-ncu [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|decode|conv-ncu [OUT]}
+part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|decode|conv-ncu [OUT]}
 out=${2:-${OUT:-gpu_out}}
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+if [ "$part" = lm-step ]; then  # the peer's build needs the machine's CUDA toolkit, which gpu-env.sh hides
+  ( cd .peers && CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=16 NVCC_THREADS=2 timeout 420 python3 -m pip install \
+      --no-build-isolation --no-deps --no-index ./cc --target /tmp/ccsite > "$out/causal_conv1d_build.log" 2>&1 ) &
+  peer_build=$!
+fi
 source .gpu/gpu-env.sh >/dev/null || exit 1
 # The device copy of the tree has no .git: pass the commit, JAX_MAMBA2_GIT_SHA=$(git rev-parse --short HEAD).
 export JAX_MAMBA2_GIT_SHA=${JAX_MAMBA2_GIT_SHA:-unknown}
@@ -116,6 +121,21 @@ case $part in
       "$out/xla/train_lm/metrics.json" --png "$out/train_curves_h200.png"
     rm -rf "$out"/*/train_lm/checkpoints "$out"/*/train_lm/model   # large, and not evidence
     step jit_model 60 python examples/jit_model.py --out "$out"
+    ;;
+  lm-step)  # the LM training step at d1024-l24-8x2048 against mamba_ssm's fused path in one call (~9 minutes):
+    # causal_conv1d built in the background (above) from .peers/cc (its source with setup.py's -gencode list cut to
+    # sm_90, ../shared/notes/peers.md), meanwhile ours profiled without the guard and with the layer scan, then the
+    # peer and ours unrolled (the README's row) once the build is done
+    export JAX_MAMBA2_AUTOTUNE=0
+    step lm_step_unchecked 170 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --unroll-layers \
+      --no-check-finite --worker-timeout 160 --out "$out"
+    step lm_step_scan 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --no-profile \
+      --worker-timeout 100 --out "$out"
+    wait "$peer_build"
+    step lm_step_peer 170 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls mamba_ssm --mamba-ssm .peers \
+      --causal-conv1d /tmp/ccsite --worker-timeout 160 --out "$out"
+    step lm_step_unrolled 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --unroll-layers \
+      --no-profile --worker-timeout 100 --out "$out"
     ;;
   decode)  # the decode ops: their GPU tests, every plan and config timed outside JAX, the LM's token step at batches
     # 1-256 against mamba_ssm's with a profile (about 9 minutes)
