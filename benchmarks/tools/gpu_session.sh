@@ -149,13 +149,16 @@ case $part in
       --out "$out"
     ;;
   conv-ncu)  # Nsight Compute's full set of the conv kernels (forward and backward, the LM's layout at d_model 1024),
-    # to see what bounds them at 3-4x their bandwidth floor: details as CSV (the .ncu-rep stays on the machine)
+    # to see what bounds them at 3-4x their bandwidth floor: details and the SASS with its stall samples per
+    # instruction as CSV (the .ncu-rep stays on the machine)
     XLA_PYTHON_CLIENT_PREALLOCATE=false step conv_ncu 300 ncu --target-processes all \
       --kernel-name regex:'causal_conv1d_(fwd|bwd)_kernel' --launch-skip 4 --launch-count 2 --set full \
       -o /tmp/conv_ncu -f python benchmarks/conv1d.py --impls cutile --layouts mixer_whole --shapes 8,2048,2304 \
       --direction fwd_bwd --budget-seconds 0.2 --out /tmp/conv_ncu_out
     step conv_ncu_csv 60 ncu --import /tmp/conv_ncu.ncu-rep --page details --csv
     cp "$out/conv_ncu_csv.log" "$out/conv_ncu_h200.csv"
+    step conv_ncu_sass 60 ncu --import /tmp/conv_ncu.ncu-rep --page source --csv --print-source sass
+    cp "$out/conv_ncu_sass.log" "$out/conv_ncu_sass_h200.csv"
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
