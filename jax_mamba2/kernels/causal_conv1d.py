@@ -65,8 +65,6 @@ OUTSIDE = ("before", "after")
 # Channels per copy block of PASS_THROUGH: 8 per thread of 128, a 16-byte vector in bf16 (copies of the conv's
 # 128 channels, 2 bytes per thread and instruction, did not hide behind the conv blocks of the backward).
 PASS_BLOCK_C = 1024
-# Tokens a forward copy block moves at once (its loads, 8 values per thread and token, then its stores).
-PASS_ROWS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,10 +153,13 @@ def outside_arrays(dims: ConvDims, prefix: str = "") -> dict[str, Buffer]:
             for name, w in zip(OUTSIDE, dims.outside_widths)}
 
 
-def pass_blocks(dims: ConvDims) -> int:
-    """The copy blocks of PASS_THROUGH on the grid's channel axis, after the conv's: the channels before the
-    window, then those after it, PASS_BLOCK_C each (0 without pass_through)."""
-    return sum(-(-w // PASS_BLOCK_C) for w in dims.outside_widths) if dims.pass_through else 0
+def channel_blocks(dims: ConvDims, block_c: int) -> int:
+    """The grid's channel axis: the conv's blocks of block_c channels, then with pass_through the copy blocks of
+    the channels before and after the window."""
+    blocks = -(-dims.channels // block_c)
+    if dims.pass_through:
+        blocks += sum(-(-w // PASS_BLOCK_C) for w in dims.outside_widths)
+    return blocks
 
 
 def conv_arrays(dims: ConvDims) -> dict[str, Buffer]:
@@ -266,6 +267,24 @@ def piece_rows(y0, y1, y2, b, first, count, cols, OUTPUTS, SPLIT1, SPLIT2, BLOCK
     return rows
 
 
+def scatter_pieces(y0, y1, y2, b, first, rows, cols, OUTPUTS, SPLIT1, SPLIT2, BLOCK_C):
+    """Stores rows (tokens first, first + 1, ... of channels `cols`, the block's) into the pieces y0, y1, y2
+    (see `piece_rows`); tokens past seqlen and channels past a piece fall outside it and are dropped."""
+    if OUTPUTS == 1:
+        for r in ct.static_iter(range(len(rows))):
+            ct.scatter(y0, (b, first + r, cols), rows[r].astype(y0.dtype))
+    else:
+        c0 = ct.bid(1) * BLOCK_C
+        for i in ct.static_iter(range(OUTPUTS)):
+            y, lo, hi = _piece(y0, y1, y2, i, SPLIT1, SPLIT2)
+            if c0 < hi:
+                if c0 + BLOCK_C > lo:
+                    # Channels of an earlier piece have negative indices here: masked rather than left to
+                    # the bounds check.
+                    for r in ct.static_iter(range(len(rows))):
+                        ct.scatter(y, (b, first + r, cols - lo), rows[r].astype(y.dtype), mask=cols >= lo)
+
+
 def _piece(y0, y1, y2, i, SPLIT1, SPLIT2):
     """(array, first channel, end channel) of piece i (a compile-time index); the last piece's end is past
     every channel, its array's bounds end it."""
@@ -316,108 +335,26 @@ def preactivation(taps, weights, bias_row, WIDTH):
 # Forward kernel
 # ----------------------------------------------------------------------------------------------
 
-def piece_blocks(dims: ConvDims, block_c: int) -> tuple[int, ...]:
-    """The forward's channel blocks of each output piece (a block lies within one piece)."""
-    return tuple(-(-w // block_c) for w in dims.pieces)
-
-
-def _shifted_tile(x, k, rows, b, l, j, BLOCK_L, BLOCK_C):
-    """f32 [BLOCK_L, BLOCK_C]: x[b, l * BLOCK_L + k + r, j * BLOCK_C + c] (row r, column c) of a view x of
-    `rows` + k tokens and the piece's channels, 0 past its bounds: one 2-D tile load of the view shifted by
-    k tokens."""
-    view = x.slice(1, k, rows + k)
-    return ct.load(view, (b, l, j), (1, BLOCK_L, BLOCK_C), padding_mode=ct.PaddingMode.ZERO).reshape(
-        (BLOCK_L, BLOCK_C)).astype(ct.float32)
-
-
-def _shifted_ids(seq_idx, k, rows, b, l, BLOCK_L):
-    """int32 [BLOCK_L, 1]: seq_idx[b, l * BLOCK_L + k + r] (0 past the view's rows, whose outputs are not
-    stored)."""
-    view = seq_idx.slice(1, k, rows + k)
-    return ct.load(view, (b, l), (1, BLOCK_L), padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_L, 1))
-
-
-def _conv_fwd_rows(xp, seq_idx, weight, bias, y, lo, b, l, j, WIDTH, BLOCK_L, BLOCK_C, HAS_SEQ_IDX, SILU):
-    """Tokens WIDTH - 1 + l * BLOCK_L .. (+ BLOCK_L - 1) of one piece (xp: x's channels of the piece; weight
-    and bias of the conv's channels, the piece's from `lo`): WIDTH tile loads of xp shifted by 0 .. WIDTH - 1
-    tokens (rows of one another's tiles, which L1 / L2 serve again), one tile store into y shifted by
-    WIDTH - 1. Every tap of these tokens lies within x (t - WIDTH + 1 + k >= 0), so neither the initial
-    states nor the left padding enter."""
-    rows = xp.shape[1] - (WIDTH - 1)
-    hi = lo + xp.shape[2]
-    wp = weight.slice(1, lo, hi)
-    acc = ct.load(bias.slice(0, lo, hi), (j,), (BLOCK_C,), padding_mode=ct.PaddingMode.ZERO).astype(ct.float32).reshape(
-        (1, BLOCK_C))
-    last_ids = _shifted_ids(seq_idx, WIDTH - 1, rows, b, l, BLOCK_L) if HAS_SEQ_IDX else None
-    for k in ct.static_iter(range(WIDTH)):
-        tap = _shifted_tile(xp, k, rows, b, l, j, BLOCK_L, BLOCK_C)
-        if HAS_SEQ_IDX:
-            tap = ct.where(_shifted_ids(seq_idx, k, rows, b, l, BLOCK_L) == last_ids, tap, 0.0)
-        acc = acc + tap * ct.load(wp, (k, j), (1, BLOCK_C), padding_mode=ct.PaddingMode.ZERO).astype(ct.float32)
-    out = acc * sigmoid(acc) if SILU else acc
-    ct.store(y.slice(1, WIDTH - 1, rows + WIDTH - 1), (b, l, j), out.reshape((1, BLOCK_L, BLOCK_C)).astype(y.dtype))
-
-
-def _conv_fwd_edge(x, weight, bias, initial_states, seq_idx, y, lo, b, j, WIDTH, INIT_WIDTH, IN_OFFSET, BLOCK_C,
-                   HAS_INIT, HAS_SEQ_IDX, SILU):
-    """Tokens 0 .. WIDTH - 2 of one piece, whose taps reach before x (the initial states or the left padding):
-    one row gather per token of x̃'s 2 (WIDTH - 1) rows from -(WIDTH - 1), as `halo_rows` forms them."""
-    cols = lo + j * BLOCK_C + ct.arange(BLOCK_C, dtype=ct.int32)
-    count = WIDTH - 1
-    rows = halo_rows(x, initial_states, b, -count, 2 * count, cols + IN_OFFSET, cols, HAS_INIT, INIT_WIDTH)
-    ids = token_ids(seq_idx, b, -count, 2 * count) if HAS_SEQ_IDX else ()
-    weights = weight_rows(weight, cols, WIDTH)
-    bias_row = ct.gather(bias, cols).astype(ct.float32)
-    for r in ct.static_iter(range(count)):
-        pre = preactivation(masked_taps(rows, ids, r, WIDTH, HAS_SEQ_IDX), weights, bias_row, WIDTH)
-        out = pre * sigmoid(pre) if SILU else pre
-        # Channels past the piece (its last block's) fall outside y and are dropped.
-        ct.scatter(y, (b, r, cols - lo), out.astype(y.dtype))
-
-
-def _conv_fwd_piece(x, weight, bias, initial_states, seq_idx, y, lo, hi, j, WIDTH, INIT_WIDTH, IN_OFFSET,
-                    BLOCK_L, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU):
-    """Block (ct.bid(0), j-th of the piece, ct.bid(2)) of the piece of channels [lo, hi) written to y."""
-    l = ct.bid(0)
-    b = ct.bid(2)
-    # A block past the shifted view's rows (seqlen - WIDTH + 1 of them) has no token of its own: the grid
-    # counts the copies' blocks from token 0.
-    if l * BLOCK_L < x.shape[1] - (WIDTH - 1):
-        xp = x.slice(2, IN_OFFSET + lo, IN_OFFSET + hi)
-        _conv_fwd_rows(xp, seq_idx, weight, bias, y, lo, b, l, j, WIDTH, BLOCK_L, BLOCK_C, HAS_SEQ_IDX, SILU)
-    if WIDTH > 1:
-        if l == 0:
-            _conv_fwd_edge(x, weight, bias, initial_states, seq_idx, y, lo, b, j, WIDTH, INIT_WIDTH, IN_OFFSET,
-                           BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU)
-
-
-def _piece_block_count(channels, OUTPUTS, SPLIT1, SPLIT2, BLOCK_C):
-    """The conv blocks on the grid's channel axis: `piece_blocks` on the device."""
-    if OUTPUTS == 1:
-        return ct.cdiv(channels, BLOCK_C)
-    first = (SPLIT1 + BLOCK_C - 1) // BLOCK_C
-    if OUTPUTS == 2:
-        return first + ct.cdiv(channels - SPLIT1, BLOCK_C)
-    return first + (SPLIT2 - SPLIT1 + BLOCK_C - 1) // BLOCK_C + ct.cdiv(channels - SPLIT2, BLOCK_C)
-
-
 def _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS,
                    SPLIT1, SPLIT2, BLOCK_L, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU):
-    """The conv blocks: ct.bid(1) counts piece 0's blocks, then piece 1's, then piece 2's."""
-    blocks0 = (SPLIT1 + BLOCK_C - 1) // BLOCK_C
-    blocks1 = (SPLIT2 - SPLIT1 + BLOCK_C - 1) // BLOCK_C
-    j = ct.bid(1)
-    args = (WIDTH, INIT_WIDTH, IN_OFFSET, BLOCK_L, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU)
-    if OUTPUTS == 1:
-        _conv_fwd_piece(x, weight, bias, initial_states, seq_idx, y0, 0, weight.shape[1], j, *args)
-    elif j < blocks0:
-        _conv_fwd_piece(x, weight, bias, initial_states, seq_idx, y0, 0, SPLIT1, j, *args)
-    elif OUTPUTS == 2 or j < blocks0 + blocks1:
-        end = weight.shape[1] if OUTPUTS == 2 else SPLIT2
-        _conv_fwd_piece(x, weight, bias, initial_states, seq_idx, y1, SPLIT1, end, j - blocks0, *args)
-    else:
-        _conv_fwd_piece(x, weight, bias, initial_states, seq_idx, y2, SPLIT2, weight.shape[1], j - blocks0 - blocks1,
-                        *args)
+    l = ct.bid(0)
+    b = ct.bid(2)
+    cols = ct.bid(1) * BLOCK_C + ct.arange(BLOCK_C, dtype=ct.int32)
+    first = l * BLOCK_L - (WIDTH - 1)
+
+    rows = halo_rows(x, initial_states, b, first, WIDTH - 1, cols + IN_OFFSET, cols, HAS_INIT, INIT_WIDTH) + \
+        widened(token_rows(x, b, l * BLOCK_L, BLOCK_L, cols + IN_OFFSET))
+    ids = ()
+    if HAS_SEQ_IDX:
+        ids = token_ids(seq_idx, b, first, BLOCK_L + WIDTH - 1)
+    weights = weight_rows(weight, cols, WIDTH)
+    bias_row = ct.gather(bias, cols).astype(ct.float32)
+
+    outs = ()
+    for r in ct.static_iter(range(BLOCK_L)):
+        pre = preactivation(masked_taps(rows, ids, r, WIDTH, HAS_SEQ_IDX), weights, bias_row, WIDTH)
+        outs += (pre * sigmoid(pre) if SILU else pre,)
+    scatter_pieces(y0, y1, y2, b, l * BLOCK_L, outs, cols, OUTPUTS, SPLIT1, SPLIT2, BLOCK_C)
 
 
 def causal_conv1d_fwd_kernel(
@@ -443,16 +380,13 @@ def causal_conv1d_fwd_kernel(
     HAS_SEQ_IDX: ConstBool,
     SILU: ConstBool,
     PASS_THROUGH: ConstBool,
-    COPY_ROWS: ConstInt,
 ):
     # The copy blocks exist only with PASS_THROUGH: without it their code (gathers from the dummies) is not
     # compiled at all, since it would take a shared-memory layout change that sizes every block's footprint.
-    conv_blocks = _piece_block_count(weight.shape[1], OUTPUTS, SPLIT1, SPLIT2, BLOCK_C)
+    conv_blocks = ct.cdiv(weight.shape[1], BLOCK_C)
     if PASS_THROUGH and ct.bid(1) >= conv_blocks:
-        # COPY_ROWS tokens at a time: all of a block's rows at once would hold BLOCK_L x 8 values per thread.
-        for part in ct.static_iter(range(BLOCK_L // COPY_ROWS)):
-            copy_outside(x, before, after, ct.bid(1) - conv_blocks, weight.shape[1], ct.bid(2),
-                         ct.bid(0) * BLOCK_L + part * COPY_ROWS, COPY_ROWS, IN_OFFSET, False)
+        copy_outside(x, before, after, ct.bid(1) - conv_blocks, weight.shape[1], ct.bid(2), ct.bid(0) * BLOCK_L,
+                     BLOCK_L, IN_OFFSET, False)
     else:
         _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS,
                        SPLIT1, SPLIT2, BLOCK_L, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU)
@@ -473,16 +407,16 @@ class ConvFwdConfig:
 
 
 def conv_fwd_default_config(dims: ConvDims) -> ConvFwdConfig:
-    """32 tokens x up to 128 channels: per tap one 16-byte load per thread and 8 tokens at bf16, 167 registers
-    and no local memory at d_conv 4 (tileiras 13.4, sm_90), within the occupancy hint of 3 blocks per SM.
-    Fewer channels take a narrower tile (at least 16)."""
-    return ConvFwdConfig(BLOCK_L=32, BLOCK_C=min(128, max(16, next_power_of_2(dims.channels))))
+    """16 rows of up to 512 channels: 4 channels per thread of the block's 128, one 8-byte load per row at
+    bf16 (16 bytes at f32), ~167 registers and no shared or local memory at d_conv 4 (tileiras 13.4, sm_90),
+    within the occupancy hint of 3 blocks (12 warps) per SM: 3 x 19 rows x 1 KB = 57 KB of loads in flight
+    per SM (the forward is memory-bound: more blocks in flight hide the gathers' latency). Fewer channels
+    take a narrower tile (at least 16)."""
+    return ConvFwdConfig(BLOCK_L=16, BLOCK_C=min(512, max(16, next_power_of_2(dims.channels))))
 
 
 def conv_fwd_grid(dims: ConvDims, cfg: ConvFwdConfig) -> tuple[int, int, int]:
-    """Blocks of BLOCK_L tokens (the copies' from token 0, the conv's from token WIDTH - 1: the last may hold
-    none), the pieces' conv blocks then the copy blocks, batch."""
-    return (-(-dims.seqlen // cfg.BLOCK_L), sum(piece_blocks(dims, cfg.BLOCK_C)) + pass_blocks(dims), dims.batch)
+    return (-(-dims.seqlen // cfg.BLOCK_L), channel_blocks(dims, cfg.BLOCK_C), dims.batch)
 
 
 def check_block_c(api: str, block_c: int) -> None:
@@ -498,16 +432,13 @@ def conv_fwd_plan(dims: ConvDims, cfg: ConvFwdConfig | None = None) -> Plan:
     cfg = cfg or conv_fwd_default_config(dims)
     check_dims("conv_fwd_plan", dims)
     check_block_c("conv_fwd_plan", cfg.BLOCK_C)
-    if not is_power_of_2(cfg.BLOCK_L):
-        raise ValueError(f"conv_fwd_plan: BLOCK_L={cfg.BLOCK_L} must be a power of two")
     split1, split2 = dims.split_points
     launch = kernel_launch(
         index_width_variant(CONV_FWD_KERNELS, needs_int64_index(dims), occupancy=cfg.OCCUPANCY),
         conv_fwd_grid(dims, cfg), writes=CONV_OUTPUTS + OUTSIDE,  # the dummies too: every array needs a buffer
         WIDTH=dims.width, INIT_WIDTH=dims.init_width, IN_OFFSET=dims.in_offset, OUTPUTS=len(dims.pieces),
         SPLIT1=split1, SPLIT2=split2, BLOCK_L=cfg.BLOCK_L, BLOCK_C=cfg.BLOCK_C, HAS_INIT=dims.has_init,
-        HAS_SEQ_IDX=dims.has_seq_idx, SILU=dims.silu, PASS_THROUGH=dims.pass_through,
-        COPY_ROWS=min(cfg.BLOCK_L, PASS_ROWS))
+        HAS_SEQ_IDX=dims.has_seq_idx, SILU=dims.silu, PASS_THROUGH=dims.pass_through)
     outside = tuple(name for name, w in zip(OUTSIDE, dims.outside_widths) if dims.pass_through and w)
     return Plan(inputs=CONV_INPUTS, buffers={**piece_arrays(dims, "y"), **outside_arrays(dims)}, launches=(launch,),
                 outputs=CONV_OUTPUTS[:len(dims.pieces)] + outside)

@@ -50,8 +50,8 @@ import cuda.tile as ct
 from jax_mamba2.kernels._common import (
     Big, Buffer, ConstBool, ConstInt, Plan, index_width_variant, int64_index_kernels, kernel_launch, next_power_of_2)
 from jax_mamba2.kernels.causal_conv1d import (
-    CONV_INPUTS, MAX_OUTPUTS, OUTSIDE, ConvDims, check_block_c, check_dims, conv_arrays,
-    copy_outside, halo_rows, masked_taps, needs_int64_index, outside_arrays, pass_blocks, piece_arrays, piece_rows,
+    CONV_INPUTS, MAX_OUTPUTS, OUTSIDE, ConvDims, channel_blocks, check_block_c, check_dims, conv_arrays,
+    copy_outside, halo_rows, masked_taps, needs_int64_index, outside_arrays, piece_arrays, piece_rows,
     preactivation, sigmoid, token_ids, token_rows, weight_rows, widened)
 
 COTANGENTS = tuple(f"dy{i}" for i in range(MAX_OUTPUTS))
@@ -341,7 +341,7 @@ def conv_bwd_default_config(dims: ConvDims) -> ConvBwdConfig:
 
 
 def conv_bwd_grid(dims: ConvDims, cfg: ConvBwdConfig) -> tuple[int, int, int]:
-    return (-(-dims.seqlen // cfg.segment), -(-dims.channels // cfg.BLOCK_C) + pass_blocks(dims), dims.batch)
+    return (-(-dims.seqlen // cfg.segment), channel_blocks(dims, cfg.BLOCK_C), dims.batch)
 
 
 def passed_cotangent_arrays(dims: ConvDims) -> dict[str, Buffer]:

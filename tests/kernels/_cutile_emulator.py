@@ -224,13 +224,7 @@ def mma(x, y, acc):
 
 
 class _EmulatedArray(np.ndarray):
-    """A NumPy array with the `slice` and `tiled_view(...).atomic_store_add` of a cuda.tile Array."""
-
-    def slice(self, axis, start, stop):
-        """A view of [start, stop) along `axis` (writes reach the array), bounds as the stub states them."""
-        n = self.shape[axis]
-        assert 0 <= start < n and start <= stop <= n, f"slice [{start}, {stop}) of an axis of {n}"
-        return self[(slice(None),) * (axis % self.ndim) + (slice(start, stop),)]
+    """A NumPy array with the `tiled_view(...).atomic_store_add` of a cuda.tile Array."""
 
     def tiled_view(self, tile_shape, *, padding_mode=None, traversal_steps=None):
         assert traversal_steps is None
