@@ -516,7 +516,7 @@ def plot(records: list[dict], path: Path) -> Path:
                 elif match:
                     ax.text(i + (j - (len(labels) - 1) / 2) * width, 0.02, "failed", rotation=90, fontsize=7,
                             ha="center", va="bottom", transform=ax.get_xaxis_transform())
-            ax.bar(xs, ys, width, label=name, color=f"C{j}")
+            ax.bar(xs, ys, width, label=name, color=plt.cm.tab20(j % 20))  # more labels than tab10 has colours
         ax.set_yscale("log")
         ax.set_xticks(range(len(configs)), configs, rotation=25, fontsize=8)
         ax.set_title(title, fontsize=10)
