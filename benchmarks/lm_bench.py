@@ -99,7 +99,7 @@ def causal_conv1d_version() -> Optional[str]:
 
 @dataclasses.dataclass
 class StepTiming:
-    """Wall milliseconds of synchronised calls after the warm-up."""
+    """Wall milliseconds of synchronised calls after the warm-up; with `pipelined`, also of calls back to back."""
 
     ms_median: float
     ms_p20: float
@@ -109,12 +109,21 @@ class StepTiming:
     first_call_s: float   # the first call: compilation, autotuning
     warmup_s: float
     warmup_calls: int
+    # The median over rounds of the mean of `pipelined` calls issued back to back with one sync at the end (a
+    # training loop that does not wait for each step): the host's dispatch of one call overlaps the device's work
+    # on the one before. None when not measured.
+    ms_pipelined: Optional[float] = None
+
+
+# Rounds of back-to-back calls whose median is StepTiming.ms_pipelined.
+PIPELINED_ROUNDS = 3
 
 
 def time_calls(call: Callable[[], Any], sync: Callable[[Any], Any], *, steps: int,
-               warmup_seconds: float) -> StepTiming:
+               warmup_seconds: float, pipelined: int = 0) -> StepTiming:
     """Times `steps` calls of `call`, each followed by `sync(result)`, after one untimed first call and
-    `warmup_seconds` of untimed calls (the GPU's clocks idle low after a compilation; see ssd.WARMUP_S)."""
+    `warmup_seconds` of untimed calls (the GPU's clocks idle low after a compilation; see ssd.WARMUP_S); then,
+    with `pipelined` > 0, PIPELINED_ROUNDS rounds of that many calls back to back (ms_pipelined)."""
     import numpy as np
 
     began = time.perf_counter()
@@ -130,8 +139,9 @@ def time_calls(call: Callable[[], Any], sync: Callable[[Any], Any], *, steps: in
         sync(call())
         samples.append((time.perf_counter() - began) * 1e3)
     p20, median, p80 = np.percentile(samples, [20, 50, 80])
+    pipelined_ms = _median_ms(call, sync, repeats=PIPELINED_ROUNDS, calls=pipelined) if pipelined else None
     return StepTiming(float(median), float(p20), float(p80), float(min(samples)), steps, first_call_s,
-                      warmup_seconds, warmup_calls)
+                      warmup_seconds, warmup_calls, pipelined_ms)
 
 
 def _trace_kernels(trace_dir: str) -> list:

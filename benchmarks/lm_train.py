@@ -22,8 +22,10 @@ mamba2-780m (1536) at 24 and 48 layers, batch x seqlen 8 x 2048 and 2 x 8192. Na
 Measured per (config, impl), in its own process: the first step (compilation, autotuning; for ours also its
 stages apart under "first_step": trace, lower with the cuTile kernels' compiles, XLA compile, the cubins
 compiled, and the first run), then steps back to back for --warmup-seconds, then --steps steps each
-synchronised: median / p20 / p80 wall ms per step,
-tokens/s, peak memory (JAX: the allocator's peak_bytes_in_use since the process started, and XLA's
+synchronised: median / p20 / p80 wall ms per step, then --pipelined-steps steps back to back with one sync
+(three rounds, the median of their mean ms per step: what a training loop that does not wait on each step's loss
+sees, the host dispatching one step while the GPU runs the one before; "ms_pipelined"),
+tokens/s (from the synchronised median), peak memory (JAX: the allocator's peak_bytes_in_use since the process started, and XLA's
 memory_analysis of the step; torch: max_memory_allocated over the timed steps), the bf16 matrix rate of a
 large matrix product measured in the same process, and MFU = (6 x parameters x tokens + the SSD's forward
 and backward FLOPs (benchmarks/ssd.py's roofline at chunk 256) x n_layer) / step time, against that measured
@@ -321,7 +323,7 @@ def train_ours(job: dict) -> dict:
         return loss
 
     timing = lm_bench.time_calls(call, jax.block_until_ready, steps=job["steps"],
-                                 warmup_seconds=job["warmup_seconds"])
+                                 warmup_seconds=job["warmup_seconds"], pipelined=job.get("pipelined_steps", 0))
     memory = compiled.memory_analysis()
     record = {
         "timing": timing.__dict__, "compile_s": compile_s,
@@ -384,7 +386,8 @@ def train_torch_model(job: dict, parts: dict, device) -> dict:
     first_step_s = time.perf_counter() - began
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    timing = lm_bench.time_calls(call, sync, steps=job["steps"], warmup_seconds=job["warmup_seconds"])
+    timing = lm_bench.time_calls(call, sync, steps=job["steps"], warmup_seconds=job["warmup_seconds"],
+                                 pipelined=job.get("pipelined_steps", 0))
     record = {
         "timing": timing.__dict__, "first_step_s": first_step_s, "loss_impl": "logits + F.cross_entropy (float32)",
         "loss_first": float(losses[0]), "loss_last": float(losses[-1]),
@@ -451,16 +454,18 @@ def label(record: dict) -> str:
 
 
 def format_table(records: list[dict]) -> str:
-    rows = [("config", "implementation", "step ms (p20-p80)", "tokens/s", "MFU meas./790", "peak GiB", "note")]
+    rows = [("config", "implementation", "step ms (p20-p80)", "pipelined", "tokens/s", "MFU meas./790", "peak GiB",
+             "note")]
     for r in records:
         if r.get("error"):
-            rows.append((r["config"], LABELS.get(r["impl"], r["impl"]), "-", "-", "-", "-",
+            rows.append((r["config"], LABELS.get(r["impl"], r["impl"]), "-", "-", "-", "-", "-",
                          str(r["error"]).splitlines()[0][:70]))
             continue
         t = r["timing"]
         peak = r.get("peak_memory_bytes")
+        pipelined = t.get("ms_pipelined")  # older records: none
         rows.append((r["config"], r["label"], f"{t['ms_median']:.1f} ({t['ms_p20']:.1f}-{t['ms_p80']:.1f})",
-                     f"{r['tokens_per_s'] / 1e3:.0f}K",
+                     "-" if pipelined is None else f"{pipelined:.1f}", f"{r['tokens_per_s'] / 1e3:.0f}K",
                      f"{_pct(r.get('mfu_measured'))}/{_pct(r['mfu_nominal'])}",
                      "-" if peak is None else f"{peak / 2 ** 30:.1f}", f"loss {r.get('loss_impl')}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -547,6 +552,9 @@ def parse_args(argv=None):
                         help="default: cutile xla mamba_ssm")
     lm_bench.add_peer_flags(parser)
     parser.add_argument("--steps", type=int, default=20, help="timed steps (default: 20)")
+    parser.add_argument("--pipelined-steps", type=int, default=8,
+                        help="steps per round of back-to-back steps, one sync each (timing.ms_pipelined, median of "
+                             f"{lm_bench.PIPELINED_ROUNDS} rounds); 0: not measured (default: 8)")
     parser.add_argument("--warmup-seconds", type=float, default=5.0, help="untimed steps first (default: 5 s)")
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps of ours (default: 3)")
     parser.add_argument("--no-profile", action="store_true", help="no per-kernel profile")
@@ -610,6 +618,7 @@ def record_key(record: dict) -> tuple:
 def jobs(args) -> list[dict]:
     peers = lm_bench.peer_paths(args)
     return [{"config": config, "impl": impl, "steps": args.steps, "warmup_seconds": args.warmup_seconds,
+             "pipelined_steps": args.pipelined_steps,
              "profile_steps": 0 if args.no_profile or impl not in OURS else args.profile_steps,
              "loss": args.loss, **(peers if impl not in OURS else {"xla_options": xla_options(args.xla_option),
                                                           "logits_dtype": args.logits_dtype,

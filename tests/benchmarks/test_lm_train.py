@@ -107,13 +107,14 @@ def test_the_model_loss_profiles_only_its_own_ops_as_loss():
 @pytest.mark.slow
 def test_the_jax_worker_writes_a_record_table_and_plot(tmp_path, capsys):
     argv = ["--configs", TINY, "--impls", "xla", "--steps", "2", "--warmup-seconds", "0", "--profile-steps", "1",
-            "--loss", "plain", "--out", str(tmp_path), "--hlo-dir", str(tmp_path / "hlo")]
+            "--pipelined-steps", "2", "--loss", "plain", "--out", str(tmp_path), "--hlo-dir", str(tmp_path / "hlo")]
     assert lm_train.main(argv) == 0
     results = json.loads((tmp_path / "lm_train_h200.json").read_text())
     (record,) = results["records"]
     assert record["error"] is None, record.get("log_tail")
     assert record["config"] == TINY and record["impl"] == "xla" and record["loss_impl"] == "plain"
     assert record["timing"]["steps"] == 2 and record["timing"]["ms_median"] > 0
+    assert record["timing"]["ms_pipelined"] > 0  # rounds of two steps back to back
     assert record["tokens_per_s"] == pytest.approx(2 * 64 / (record["timing"]["ms_median"] * 1e-3))
     assert record["device_rates"]["matmul_tflops"] > 0 and record["mfu_measured"] > 0
     assert record["loss_first"] == pytest.approx(10.8, abs=0.5)  # ln(50280): a random model's loss
@@ -136,9 +137,10 @@ def test_the_torch_step_runs_the_peer_lm_with_a_stand_in_mixer():
     torch = pytest.importorskip("torch")
     from tests.benchmarks._torch_stand_in import stand_in_parts
 
-    job = {"config": "d32-l2-2x16", "impl": "mamba_ssm", "steps": 2, "warmup_seconds": 0.0}
+    job = {"config": "d32-l2-2x16", "impl": "mamba_ssm", "steps": 2, "warmup_seconds": 0.0, "pipelined_steps": 2}
     record = lm_train.train_torch_model(job, stand_in_parts(32), torch.device("cpu"))
     assert record["timing"]["steps"] == 2 and record["timing"]["ms_median"] > 0
+    assert record["timing"]["ms_pipelined"] > 0
     assert record["loss_first"] == pytest.approx(10.8, abs=0.5)
     assert record["device_rates"]["matmul_tflops"] > 0
     derived = lm_train.derive({**job, **record, "use_mem_eff_path": False, "causal_conv1d": None, "error": None})
