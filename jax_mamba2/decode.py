@@ -6,8 +6,9 @@
   mixer_step     one token of the mixer between its projections: the conv step + SiLU on in_proj's xBC columns,
                  the SSD state update with D and, for a mixer without the gated norm, the gate. One launch.
 
-With these a decode step runs five kernels per layer (`Mamba2LMHeadModel.step`; six at a few rows, where
-out_proj's K is split over blocks: `kernels/decode_projection.py`). Per-layer arrays may be stacks
+With these a decode step runs five kernels per layer (`Mamba2LMHeadModel.step`): at a few rows out_proj's K is
+split over blocks (`kernels/decode_projection.py`), and it returns their partial products (`return_partials`),
+which the next layer's norm kernel sums rather than a launch of their own. Per-layer arrays may be stacks
 of every layer (a leading (L,) axis: the LM's parameters and its cache) with `layer` naming the one to use: the
 kernels then read that layer where it lies in the stack, and write the layer's SSM state in place, so that a step
 over the layers slices nothing out of the stacks and copies no weight.
@@ -100,7 +101,8 @@ def _select(api: str, backend: str, dims_fn):
 
 def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=None, z=None, z_offset: int = 0,
                  group_size: Optional[int] = None, norm_before_gate: bool = False, eps: float = 1e-5, bias=None,
-                 transpose_weight: bool = False, layer=None, dtype=None, backend: str = "auto"):
+                 transpose_weight: bool = False, layer=None, dtype=None, x_dtype=None, return_partials: bool = False,
+                 backend: str = "auto"):
     """A decode projection: (residual add, gated grouped RMSNorm,) then the product with a weight matrix.
 
         h   = x (+ residual), rounded to residual_dtype: the new residual stream (when residual_dtype is given)
@@ -108,7 +110,8 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
         out = a @ weight (+ bias), in dtype, accumulated in float32 (float64 for float64)
 
     Args:
-      x: (rows, K), float.
+      x: (rows, K), float; or (parts, rows, K) float32 partial sums of x (what `return_partials` returns), whose
+        sum rounded to x_dtype is x (needs norm_weight).
       weight: (K, N), or (N, K) with transpose_weight (a tied embedding as the LM head); with `layer`, a stack
         (L, K, N) / (L, N, K) of which layer `layer` is used.
       norm_weight: optional (K,) (with layer: (L, K)): normalize first.
@@ -122,10 +125,16 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
       layer: None (unstacked arrays), or the layer of the stacked ones: an int or an integer scalar array.
       dtype: the computation and output dtype (default: the result type of x and weight); the weight is rounded
         to it (float32 products run as TF32 on the kernels).
+      x_dtype: x's dtype when x is given as partial sums (required then).
+      return_partials: return out as (parts, rows, N) partial sums in float32 (float64 for dtype float64), the
+        bias included, whose sum rounded to dtype is out: a following norm_project takes them as its x and sums
+        them in its norm kernel, so that a product whose K is split over blocks needs no launch of its own to
+        sum them (parts: that split, 1 on the xla backend).
       backend: "auto", "cutile", "cutile_callback" or "xla".
 
     Returns:
-      out (rows, N) in dtype, or (out, h (rows, K) in residual_dtype) when residual_dtype is given.
+      out (rows, N) in dtype (its partial sums with return_partials), or (out, h (rows, K) in residual_dtype)
+      when residual_dtype is given.
 
     Raises:
       ValueError / TypeError: on a wrong shape, dtype or option, naming the argument; ValueError when a named
@@ -133,9 +142,18 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
     """
     api = "norm_project"
     check_array(api, "x", x)
-    if len(x.shape) != 2:
-        raise ValueError(f"{api}: x.shape={tuple(x.shape)} must be (rows, features)")
-    rows, features = x.shape
+    if len(x.shape) not in (2, 3):
+        raise ValueError(f"{api}: x.shape={tuple(x.shape)} must be (rows, features) or (parts, rows, features)")
+    if len(x.shape) == 3:
+        if x.dtype not in (jnp.float32, jnp.float64):
+            raise TypeError(f"{api}: x of shape (parts, rows, features) must be float32 (or float64) partial sums, "
+                            f"got {x.dtype}")
+        if x_dtype is None or norm_weight is None:
+            raise ValueError(f"{api}: x given as partial sums needs x_dtype (the dtype of their sum) and norm_weight")
+        x_dtype = float_dtype(api, "x_dtype", x_dtype)
+    elif x_dtype is not None:
+        raise ValueError(f"{api}: x_dtype={x_dtype!r} is for x given as partial sums (parts, rows, features)")
+    rows, features = x.shape[-2:]
     stack = () if layer is None else (None,)
     check_array(api, "weight", weight)
     if len(weight.shape) != 2 + len(stack):
@@ -151,7 +169,7 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
     if norm_weight is not None:
         check_array(api, "norm_weight", norm_weight, f"{lead_text}features)", (*lead, features))
     if residual is not None:
-        check_array(api, "residual", residual, "x.shape", x.shape)
+        check_array(api, "residual", residual, "(rows, features)", (rows, features))
         if residual_dtype is None:
             raise ValueError(f"{api}: residual needs residual_dtype (the residual stream's dtype)")
     if residual_dtype is not None:
@@ -175,14 +193,16 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
         raise ValueError(f"{api}: eps={eps!r} must be a positive finite float")
     norm_before_gate = check_flag(api, "norm_before_gate", norm_before_gate)
     transpose_weight = check_flag(api, "transpose_weight", transpose_weight)
-    dtype = float_dtype(api, "dtype", jnp.result_type(x, weight) if dtype is None else dtype)
+    return_partials = check_flag(api, "return_partials", return_partials)
+    dtype = float_dtype(api, "dtype", jnp.result_type(x if x_dtype is None else x_dtype, weight) if dtype is None else dtype)
     layer_index = _check_layer(api, layer, layers)
     if not stack:
         weight, norm_weight, bias = _stacked(weight), _stacked(norm_weight), _stacked(bias)
     if norm_weight is not None:
         norm_weight = norm_weight.reshape(layers, features // group_size, group_size)
     options = _Options(group_size=group_size, norm_before_gate=norm_before_gate, eps=float(eps), z_offset=z_offset,
-                       transpose_weight=transpose_weight, residual_dtype=residual_dtype, dtype=dtype)
+                       transpose_weight=transpose_weight, residual_dtype=residual_dtype, dtype=dtype, x_dtype=x_dtype,
+                       return_partials=return_partials)
 
     def dims(bridge):
         return bridge.projection_dims(x, residual, z, norm_weight, weight, bias, **options)
@@ -196,14 +216,15 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
 
 def _project_reference(options, layer_index, x, residual, z, norm_weight, weight, bias):
     """The xla path on stacked arrays: reference.norm_project on layer layer_index[0]."""
-    z_offset, features = options["z_offset"], x.shape[1]
+    z_offset, features = options["z_offset"], x.shape[-1]
     norm_weight = _take(norm_weight, layer_index)
     return reference.norm_project(
         x, _take(weight, layer_index), norm_weight=None if norm_weight is None else norm_weight.reshape(features),
         residual=residual, residual_dtype=options["residual_dtype"],
         z=None if z is None else z[:, z_offset:z_offset + features], group_size=options["group_size"],
         norm_before_gate=options["norm_before_gate"], eps=options["eps"], bias=_take(bias, layer_index),
-        transpose_weight=options["transpose_weight"], dtype=options["dtype"])
+        transpose_weight=options["transpose_weight"], dtype=options["dtype"], x_dtype=options["x_dtype"],
+        partials=options["return_partials"])
 
 
 def _project(kernels, dims_fn, options, *arrays):

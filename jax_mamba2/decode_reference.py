@@ -19,7 +19,8 @@ from jax_mamba2.projection import project
 
 
 def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=None, z=None, group_size=None,
-                 norm_before_gate=False, eps=1e-5, bias=None, transpose_weight=False, dtype=None):
+                 norm_before_gate=False, eps=1e-5, bias=None, transpose_weight=False, dtype=None, x_dtype=None,
+                 partials=False):
     """(out, residual_out) of one decode projection.
 
         h   = x (+ residual), rounded to residual_dtype (when given: the new residual stream, residual_out)
@@ -27,7 +28,8 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
         out = a.astype(dtype) @ weight.astype(dtype) (+ bias.astype(dtype)), in dtype
 
     Args:
-      x: (rows, K).
+      x: (rows, K), or (parts, rows, K) partial sums whose sum rounded to x_dtype is x (an earlier
+        projection's output with `partials`).
       weight: (K, N), or (N, K) with transpose_weight.
       norm_weight: (K,) or None (no norm); z: optional gate (rows, K); group_size, norm_before_gate, eps: the
         norm's (see `norm_reference.rms_norm`).
@@ -35,10 +37,16 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
         stream, residual_out is None).
       bias: optional (N,).
       dtype: the computation dtype (default: the result type of x and weight).
+      x_dtype: the dtype of x's sum when x is partial sums.
+      partials: return out as (1, rows, N) partial sums in the product's accumulation dtype (float32, float64
+        for float64), the bias added and nothing rounded to dtype: rounding their sum to dtype gives out.
 
     Returns:
-      (out (rows, N) in dtype, residual_out (rows, K) in residual_dtype or None).
+      (out (rows, N) in dtype, or its partial sums with `partials`; residual_out (rows, K) in residual_dtype or
+      None).
     """
+    if x.ndim == 3:
+        x = x.sum(axis=0).astype(x_dtype)
     dtype = dtype or jnp.result_type(x, weight)
     residual_out = None
     a = x
@@ -50,7 +58,14 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
     if norm_weight is not None:
         a = norm_reference.rms_norm(a, norm_weight, z, eps=eps, group_size=group_size,
                                     norm_before_gate=norm_before_gate).astype(x.dtype)
-    out = project(a.astype(dtype), (weight.T if transpose_weight else weight).astype(dtype))
+    weight = (weight.T if transpose_weight else weight).astype(dtype)
+    if partials:
+        accumulation = jnp.promote_types(jnp.float32, dtype)
+        out = project(a.astype(dtype), weight, preferred_element_type=accumulation)
+        if bias is not None:
+            out = out + bias.astype(dtype).astype(accumulation)
+        return out[None], residual_out
+    out = project(a.astype(dtype), weight)
     if bias is not None:
         out = out + bias.astype(dtype)
     return out, residual_out

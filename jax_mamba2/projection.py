@@ -15,14 +15,16 @@ import jax.numpy as jnp
 MIN_MATMUL_ROWS = 2
 
 
-def project(inputs, kernel):
-    """inputs (..., d_in) @ kernel (d_in, d_out) -> (..., d_out), in the operands' result dtype.
+def project(inputs, kernel, preferred_element_type=None):
+    """inputs (..., d_in) @ kernel (d_in, d_out) -> (..., d_out), in the operands' result dtype (or
+    preferred_element_type: the product's accumulation, unrounded).
 
     The same values as `jnp.einsum("...d,de->...e", inputs, kernel)`; a single row (every leading axis of
     size 1) is computed as the first row of a two-row product (see the module docstring).
     """
     rows = math.prod(inputs.shape[:-1])
     if rows != 1:
-        return jnp.einsum("...d,de->...e", inputs, kernel)
+        return jnp.einsum("...d,de->...e", inputs, kernel, preferred_element_type=preferred_element_type)
     padded = jnp.pad(inputs.reshape(1, inputs.shape[-1]), ((0, MIN_MATMUL_ROWS - 1), (0, 0)))
-    return (padded @ kernel)[:1].reshape(*inputs.shape[:-1], kernel.shape[-1])
+    product = jnp.matmul(padded, kernel, preferred_element_type=preferred_element_type)
+    return product[:1].reshape(*inputs.shape[:-1], kernel.shape[-1])

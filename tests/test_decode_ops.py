@@ -163,6 +163,10 @@ def _projection_args():
     (dict(eps=0.0), ValueError, "eps=0.0"),
     (dict(dtype=jnp.int8), TypeError, "dtype=int8"),
     (dict(backend="triton"), ValueError, "backend='triton' must be one of"),
+    (dict(x=jnp.ones((2, 3, 64))), ValueError, "partial sums needs x_dtype"),
+    (dict(x=jnp.ones((2, 3, 64), jnp.bfloat16), x_dtype=jnp.float32), TypeError, "must be float32"),
+    (dict(x_dtype=jnp.float32), ValueError, "x_dtype=.* is for x given as partial sums"),
+    (dict(return_partials=1), TypeError, "return_partials"),
 ])
 def test_norm_project_checks_name_the_argument(change, error, message):
     a = _projection_args()
@@ -193,3 +197,27 @@ def test_mixer_step_checks_name_the_argument(change, error, message):
         jax_mamba2.mixer_step(arrays["zxbcdt"], arrays["conv_state"], arrays["ssm_state"], arrays["conv_weight"],
                               arrays["conv_bias"], arrays["A_log"], arrays["dt_bias"], arrays["D"], **layout,
                               layer=change.get("layer", 0))
+
+
+def test_partial_sums_out_and_in_give_the_projections_values():
+    """return_partials gives out_proj's output as float32 partial sums (one on xla) that round to out exactly; the
+    next projection takes them as x (x_dtype: their sum's dtype) and returns what it returns for out itself."""
+    out_case, in_case = PROJECTION_CASES["gated_norm_out_proj"], PROJECTION_CASES["add_norm_in_proj"]
+    a, b = _jnp(projection_inputs(out_case, seed=41)), _jnp(projection_inputs(in_case, seed=42))
+    gated = dict(norm_weight=a["norm_weight"], z=a["z"], eps=1e-5, layer=out_case.layer, dtype=jnp.bfloat16,
+                 **out_case.kwargs())
+    x = jnp.asarray(a["x"], jnp.bfloat16)
+    out = jax_mamba2.norm_project(x, a["weight"], **gated)
+    parts = jax_mamba2.norm_project(x, a["weight"], **gated, return_partials=True)
+    assert parts.shape == (1, *out.shape) and parts.dtype == jnp.float32 and out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(parts.sum(axis=0).astype(out.dtype), np.float32),
+                                  np.asarray(out, np.float32))
+    weight = b["weight"][:, :48]  # in_proj of out_proj's 48 features
+    nxt = dict(norm_weight=b["norm_weight"][:, :48], residual=b["residual"][:, :48], residual_dtype=jnp.float32,
+               layer=in_case.layer)
+    want = jax_mamba2.norm_project(out, weight, **nxt)
+    split = jnp.stack([parts[0] - 1.0, jnp.ones_like(parts[0])])  # two parts, the same sum
+    for given in (parts, split):
+        got = jax_mamba2.norm_project(given, weight, **nxt, x_dtype=jnp.bfloat16)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-6, atol=1e-6)

@@ -69,8 +69,14 @@ def _projection_once(run_plan: RunPlan, config: ChooseProjectionConfig, dims: Pr
                   bias=bias)
     arrays = {name: _dummy(specs[name].shape, specs[name].dtype) if a is None else a for name, a in arrays.items()}
     out = run_plan(decode_projection.norm_project_plan(dims, config(dims)), arrays)
-    outputs = (out["out"], out["residual_out"] if dims.write_residual else None)
+    outputs = (out["partials" if dims.out_parts else "out"], out["residual_out"] if dims.write_residual else None)
     return _compat.match_varying_axes(outputs, (x, residual, z, weight))
+
+
+def _parts_last(x, batched: bool, axis_size: int):
+    """Partial sums (items, parts, rows, K) (or unmapped (parts, rows, K)) with the parts axis last, so that the
+    items fold into the rows as they do for (rows, K) arrays."""
+    return jnp.moveaxis(x, 1 if batched else 0, -1)
 
 
 @functools.cache
@@ -85,10 +91,18 @@ def _batchable_projection(run_plan: RunPlan, config: ChooseProjectionConfig, dim
         out_batched = (True, True if dims.write_residual else None)
         if any(in_batched[i] for i in (0, 4, 5, 6)):  # a layer or weights per item: one launch each
             return map_items(project, args, in_batched, axis_size), out_batched
-        rows = [None if a is None else fold(a, b, axis_size) for a, b in zip(args[1:4], in_batched[1:4])]
+        # The items fold into the rows: x's and the partials' rows are their second axis with partial sums.
+        x = _parts_last(x, in_batched[1], axis_size) if dims.x_parts else x
+        rows = [None if a is None else fold(a, b, axis_size) for a, b in zip((x, *args[2:4]), in_batched[1:4])]
+        if dims.x_parts:
+            rows[0] = jnp.moveaxis(rows[0], -1, 0)
         outputs = _batchable_projection(run_plan, config, dataclasses.replace(dims, rows=axis_size * dims.rows))(
             layer_index, *rows, norm_weight, weight, bias)
-        return tuple(None if o is None else unfold(o, axis_size) for o in outputs), out_batched
+        out, residual_out = (None if o is None else unfold(jnp.moveaxis(o, 0, -1) if dims.out_parts and i == 0
+                                                           else o, axis_size) for i, o in enumerate(outputs))
+        if dims.out_parts:
+            out = jnp.moveaxis(out, -1, 1)
+        return (out, residual_out), out_batched
 
     return project
 
@@ -152,20 +166,21 @@ KERNELS = {"cutile": make_kernels(ffi.run_plan), "cutile_callback": make_kernels
 
 
 def projection_dims(x, residual, z, norm_weight, weight, bias, *, group_size: int, norm_before_gate: bool,
-                    eps: float, z_offset: int, transpose_weight: bool, residual_dtype, dtype) -> ProjectionDims:
+                    eps: float, z_offset: int, transpose_weight: bool, residual_dtype, dtype, x_dtype=None,
+                    return_partials: bool = False) -> ProjectionDims:
     """The projection kernel's problem for `jax_mamba2.decode.norm_project`'s arrays (per-layer ones stacked,
-    norm_weight (L, ngroups, group_size)) and options."""
+    norm_weight (L, ngroups, group_size); x (rows, K) or (parts, rows, K) partial sums) and options."""
     layers = weight.shape[0]
-    features = x.shape[1]
+    rows, features = x.shape[-2:]
     return ProjectionDims(
-        rows=x.shape[0], features=features, out_features=weight.shape[1] if transpose_weight else weight.shape[2],
+        rows=rows, features=features, x_parts=x.shape[0] if x.ndim == 3 else 0, out_parts=return_partials, out_features=weight.shape[1] if transpose_weight else weight.shape[2],
         layers=layers, ngroups=features // group_size, group_size=group_size, has_norm=norm_weight is not None,
         has_residual=residual is not None, write_residual=residual_dtype is not None,
         z_width=0 if z is None else z.shape[1], z_offset=z_offset, norm_before_gate=norm_before_gate,
-        transpose_weight=transpose_weight, has_bias=bias is not None, eps=eps, dtype=_name(x.dtype),
+        transpose_weight=transpose_weight, has_bias=bias is not None, eps=eps, dtype=_name(x.dtype if x_dtype is None else x_dtype),
         out_dtype=_name(dtype), weight_dtype=_name(weight.dtype),
         norm_weight_dtype=_name(weight.dtype if norm_weight is None else norm_weight.dtype),
-        z_dtype=_name(x.dtype if z is None else z.dtype),
+        z_dtype=_name(z.dtype if z is not None else x.dtype if x_dtype is None else x_dtype),
         residual_dtype=None if residual_dtype is None else _name(residual_dtype),
         residual_in_dtype=None if residual is None else _name(residual.dtype))
 

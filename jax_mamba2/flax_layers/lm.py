@@ -279,25 +279,32 @@ class Mamba2LMHeadModel(nnx.Module):
 
     def _decode_step(self, input_ids, cache: Mamba2Cache):
         """`step` on the fused decode ops: per layer the block's add + norm with in_proj, the mixer's conv step
-        and state update, its gated norm with out_proj (`Mamba2.decode_step`: five or six kernel launches on a GPU),
-        then the final add + norm with the LM head (two more). The layers run one after the other on their
+        and state update, its gated norm with out_proj (`Mamba2.decode_step`: five kernel launches on a GPU; out_proj
+        returns its partial products, which the next layer's norm kernel sums), then the final add + norm with
+        the LM head (two more). The layers run one after the other on their
         entries of the stacked parameters and cache, read in place: no layer loop, no slice of a weight, the
         SSM state stack updated in place (when XLA may reuse its buffer: inside `generate`'s loop, or donated).
         The same values as the composed step (`_scan_layers_with_cache`)."""
         hidden, residual = self.embedding(input_ids), None
+        hidden_dtype = None  # after the first layer: hidden holds out_proj's partial sums of this dtype
         residual_dtype = self._embed_residual_dtype(hidden.dtype)
         ssm_state, conv_states = cache.ssm_state, []
+        mixer = self.layers.mixer
         for layer in range(self.config.n_layer):
-            residual_dtype = self.layers.residual_dtype(hidden.dtype, residual_dtype)
-            hidden, residual, conv_state, ssm_state = self.layers.mixer.decode_step(
-                hidden, cache.conv_state, ssm_state, layer=layer, pre_norm=(self.layers.norm, residual, residual_dtype))
+            residual_dtype = self.layers.residual_dtype(hidden.dtype if hidden_dtype is None else hidden_dtype,
+                                                        residual_dtype)
+            out_dtype = mixer.decode_out_dtype(hidden.dtype if hidden_dtype is None else hidden_dtype)
+            hidden, residual, conv_state, ssm_state = mixer.decode_step(
+                hidden, cache.conv_state, ssm_state, layer=layer, pre_norm=(self.layers.norm, residual, residual_dtype),
+                hidden_dtype=hidden_dtype, return_partials=True)
+            hidden_dtype = out_dtype
             conv_states.append(conv_state)
         head = (dict(weight=self.embedding.embedding[...], transpose_weight=True) if self.lm_head is None
                 else dict(weight=self.lm_head.kernel[...]))
         logits, _ = decode_op.norm_project(
             hidden, **head, norm_weight=self.norm_f.scale[...], residual=residual,
-            residual_dtype=jnp.result_type(hidden, residual), eps=self.norm_f.eps,
-            dtype=self.dtype or jnp.result_type(hidden, head["weight"]),
+            residual_dtype=jnp.result_type(hidden_dtype, residual), eps=self.norm_f.eps,
+            dtype=self.dtype or jnp.result_type(hidden_dtype, head["weight"]), x_dtype=hidden_dtype,
             backend=backends.for_op(self.layers.mixer.backend, decode_op.OP))
         return logits, Mamba2Cache(jnp.stack(conv_states), ssm_state)
 

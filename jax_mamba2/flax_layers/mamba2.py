@@ -341,12 +341,13 @@ class Mamba2(nnx.Module):
         the composed step) and without the gated MLP branch (d_ssm == d_inner, as in every Mamba-2 checkpoint)."""
         return self.mesh_axes is None and not self.d_mlp
 
-    def decode_step(self, hidden_states, conv_state, ssm_state, *, layer=None, pre_norm=None):
+    def decode_step(self, hidden_states, conv_state, ssm_state, *, layer=None, pre_norm=None, hidden_dtype=None,
+                    return_partials=False):
         """One token through the mixer on the fused decode ops (`jax_mamba2.decode`): in_proj (after the block's
         add + norm, with `pre_norm`), the conv step + SSD state update, the gated norm + out_proj: five kernel
-        launches on a GPU (each projection's norm and product, the mixer step; six at a few rows, where
-        out_proj's K is split and its partial products summed). The same values as the composed
-        step; see `decodes_fused` for when it applies.
+        launches on a GPU (each projection's norm and product, the mixer step; at a few rows, where out_proj's K
+        is split over blocks, a sixth sums its partial products, unless `return_partials` leaves that to the next
+        layer's norm). The same values as the composed step; see `decodes_fused` for when it applies.
 
         Args:
           hidden_states: (batch, d_model).
@@ -356,24 +357,30 @@ class Mamba2(nnx.Module):
           pre_norm: None, or (norm, residual, residual_dtype): the block's `RMSNorm` (its scale a stack with
             `layer`) applied to hidden_states + residual (None: no residual yet) in the residual stream's dtype,
             fused into in_proj's launch.
+          hidden_dtype: with pre_norm, hidden_states may be (parts, batch, d_model) float32 partial sums (the
+            previous layer's out with return_partials) whose sum rounded to hidden_dtype is the input.
+          return_partials: out as (parts, batch, d_model) float32 partial sums whose sum rounded to
+            `decode_out_dtype(hidden dtype)` is out (`jax_mamba2.decode.norm_project`): the next layer's norm
+            sums them, so out_proj's split K needs no launch of its own.
 
         Returns:
-          (out (batch, d_model), the new residual stream (None without pre_norm), the layer's new conv_state
-          (batch, conv_dim, d_conv), ssm_state with the layer's state advanced (the whole stack with `layer`)).
+          (out (batch, d_model) (partial sums with return_partials), the new residual stream (None without
+          pre_norm), the layer's new conv_state (batch, conv_dim, d_conv), ssm_state with the layer's state advanced
+          (the whole stack with `layer`)).
         """
         backend = backends.for_op(self.backend, decode_op.OP)
         in_kernel = self.in_proj.kernel[...]
+        in_dtype = self.dtype or jnp.result_type(hidden_states.dtype if hidden_dtype is None else hidden_dtype, in_kernel)
         residual = None
         if pre_norm is None:
             zxbcdt = decode_op.norm_project(hidden_states, in_kernel, bias=_param(self.in_proj.bias), layer=layer,
-                                            dtype=self.dtype or jnp.result_type(hidden_states, in_kernel),
-                                            backend=backend)
+                                            dtype=in_dtype, backend=backend)
         else:
             norm, residual, residual_dtype = pre_norm
             zxbcdt, residual = decode_op.norm_project(
                 hidden_states, in_kernel, norm_weight=norm.scale[...], residual=residual,
                 residual_dtype=residual_dtype, eps=norm.eps, bias=_param(self.in_proj.bias), layer=layer,
-                dtype=self.dtype or jnp.result_type(hidden_states, in_kernel), backend=backend)
+                dtype=in_dtype, x_dtype=hidden_dtype, backend=backend)
         D = self.D[...]
         if self.D_has_hdim:
             D = D.reshape(*D.shape[:-1], self.nheads, self.headdim)
@@ -387,8 +394,15 @@ class Mamba2(nnx.Module):
             norm_weight=self.norm.scale[...], z=zxbcdt, z_offset=2 * self.d_mlp, group_size=self.norm.group_size,
             norm_before_gate=self.norm.norm_before_gate, eps=self.norm.eps)
         out = decode_op.norm_project(y, out_kernel, **norm, bias=_param(self.out_proj.bias), layer=layer,
-                                     dtype=self.dtype or jnp.result_type(y, out_kernel), backend=backend)
+                                     dtype=self.dtype or jnp.result_type(y, out_kernel),
+                                     return_partials=return_partials, backend=backend)
         return out, residual, conv_state, ssm_state
+
+    def decode_out_dtype(self, hidden_dtype):
+        """The dtype of `decode_step`'s out (of the sum of its partial sums) for hidden states of hidden_dtype: the
+        mixer's compute dtype, else the result type of its input and its projections' weights."""
+        in_dtype = self.dtype or jnp.result_type(hidden_dtype, self.in_proj.kernel[...].dtype)
+        return self.dtype or jnp.result_type(in_dtype, self.out_proj.kernel[...].dtype)
 
     # ------------------------------------------------------------------------------------------------
     # Pieces

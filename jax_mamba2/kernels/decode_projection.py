@@ -69,7 +69,11 @@ class ProjectionDims:
     without has_norm). z_width: the gate array's columns (0 without a gate) and z_offset where the gate starts.
     Dtypes as numpy names: dtype x's, out_dtype the output's (the computation dtype), weight_dtype the
     weight's (and the bias's), norm_weight_dtype the norm weight's, residual_dtype the residual stream's (None
-    without write_residual), residual_in_dtype the residual input's (None without has_residual).
+    without write_residual), residual_in_dtype the residual input's (None without has_residual). x_parts: 0, or
+    x comes as (x_parts, M, K) float32 partial sums (an earlier projection's with out_parts) whose sum, rounded to
+    dtype, is the input (needs has_norm); out_parts: the product's float32 partial sums (one per split of K, the
+    bias in the first) are the output instead of out, for the next projection's norm to sum (no launch of their
+    own).
     """
 
     rows: int
@@ -94,6 +98,8 @@ class ProjectionDims:
     z_dtype: str = "bfloat16"
     residual_dtype: Optional[str] = None
     residual_in_dtype: Optional[str] = None
+    x_parts: int = 0
+    out_parts: bool = False
 
     @property
     def has_z(self) -> bool:
@@ -168,9 +174,10 @@ def projection_unsupported_reason(dims: ProjectionDims) -> Optional[str]:
     if dims.has_z and (dims.z_offset % 16 or dims.z_offset + dims.features > dims.z_width):
         return (f"the gate's columns [{dims.z_offset}, +{dims.features}) must start at a multiple of 16 inside "
                 f"z's {dims.z_width}")
-    if (dims.has_z or dims.has_residual or dims.write_residual) and not dims.has_norm:
-        return "a gate or a residual stream comes with the norm"
-    largest = max(dims.rows * max(dims.features, dims.out_features, dims.z_width),
+    if (dims.has_z or dims.has_residual or dims.write_residual or dims.x_parts) and not dims.has_norm:
+        return "a gate, a residual stream or partial sums of x come with the norm"
+    largest = max(max(dims.x_parts, MAX_SPLIT_K if dims.out_parts else 1) * dims.rows
+                  * max(dims.features, dims.out_features, dims.z_width),
                   dims.layers * dims.features * dims.out_features)
     if largest > _INT32_MAX:
         return f"an array of {largest} elements needs 64-bit indices, which the decode kernels do not take"
@@ -211,12 +218,19 @@ def _weight_tile(weight, layer, k, n, BLOCK_K, BLOCK_N, TRANSPOSE_W, LATENCY):
     return _load(weight, (layer, k, n), (1, BLOCK_K, BLOCK_N), LATENCY).reshape((BLOCK_K, BLOCK_N))
 
 
-def _norm_input(x, residual, z, residual_out, row, k, BLOCK_K, HAS_RESIDUAL, WRITE_RESIDUAL, HAS_Z, Z_BLOCK,
-                NORM_BEFORE_GATE, STORE_RESIDUAL):
+def _norm_input(x, residual, z, residual_out, normed, row, k, BLOCK_K, X_PARTS, HAS_RESIDUAL, WRITE_RESIDUAL,
+                HAS_Z, Z_BLOCK, NORM_BEFORE_GATE, STORE_RESIDUAL):
     """(h, gate) of one row's features [k*BLOCK_K, +BLOCK_K), (1, BLOCK_K) f32: h = x (+ residual) as the residual
     stream stores it (stored there with STORE_RESIDUAL), gated unless NORM_BEFORE_GATE; gate = silu(z) (h when
-    there is no gate)."""
-    h = ct.load(x, index=(row, k), shape=(1, BLOCK_K)).astype(ct.float32)
+    there is no gate). With X_PARTS, x is the sum of its X_PARTS f32 partials rounded to normed's dtype (what
+    the projection that wrote them would have stored)."""
+    if X_PARTS:
+        h = ct.load(x, index=(0, row, k), shape=(1, 1, BLOCK_K)).reshape((1, BLOCK_K))
+        for part in range(1, X_PARTS):
+            h = h + ct.load(x, index=(part, row, k), shape=(1, 1, BLOCK_K)).reshape((1, BLOCK_K))
+        h = h.astype(normed.dtype).astype(ct.float32)
+    else:
+        h = ct.load(x, index=(row, k), shape=(1, BLOCK_K)).astype(ct.float32)
     if HAS_RESIDUAL:
         h = h + ct.load(residual, index=(row, k), shape=(1, BLOCK_K)).astype(ct.float32)
     if WRITE_RESIDUAL:  # the norm reads h as the residual stream stores it
@@ -250,7 +264,7 @@ def _store_normed(norm_weight, normed, residual_out, layer, row, g, s, steps, h,
 
 def decode_norm_kernel(
     layer_index,         # (1,) int32
-    x,                   # (M, K) T
+    x,                   # (M, K) T, or (X_PARTS, M, K) f32 partial sums
     residual,            # (M, K) Tr_in, or a dummy without HAS_RESIDUAL
     z,                   # (M, ZW) Tz, or a dummy without HAS_Z
     norm_weight,         # (L, NGROUPS, GROUP_SIZE) in its dtype
@@ -258,6 +272,7 @@ def decode_norm_kernel(
     residual_out,        # (M, K) Tr, written with WRITE_RESIDUAL, else a dummy
     GROUP_SIZE: ConstInt,
     BLOCK_K: ConstInt,   # norm_block_k: divides GROUP_SIZE
+    X_PARTS: ConstInt,   # 0: x is (M, K); else its partial sums
     HAS_RESIDUAL: ConstBool,
     WRITE_RESIDUAL: ConstBool,
     HAS_Z: ConstBool,
@@ -269,20 +284,20 @@ def decode_norm_kernel(
     g = ct.bid(1)
     layer = ct.load(layer_index, index=(0,), shape=(1,)).item()
     steps = GROUP_SIZE // BLOCK_K
-    h, gate = _norm_input(x, residual, z, residual_out, row, g * steps, BLOCK_K, HAS_RESIDUAL, WRITE_RESIDUAL,
-                          HAS_Z, Z_BLOCK, NORM_BEFORE_GATE, True)
+    h, gate = _norm_input(x, residual, z, residual_out, normed, row, g * steps, BLOCK_K, X_PARTS, HAS_RESIDUAL,
+                          WRITE_RESIDUAL, HAS_Z, Z_BLOCK, NORM_BEFORE_GATE, True)
     sum_sq = ct.sum(h * h, axis=1, keepdims=True)
     for s in range(1, steps):
-        h_s, _ = _norm_input(x, residual, z, residual_out, row, g * steps + s, BLOCK_K, HAS_RESIDUAL,
-                             WRITE_RESIDUAL, HAS_Z, Z_BLOCK, NORM_BEFORE_GATE, True)
+        h_s, _ = _norm_input(x, residual, z, residual_out, normed, row, g * steps + s, BLOCK_K, X_PARTS,
+                             HAS_RESIDUAL, WRITE_RESIDUAL, HAS_Z, Z_BLOCK, NORM_BEFORE_GATE, True)
         sum_sq = sum_sq + ct.sum(h_s * h_s, axis=1, keepdims=True)
     rstd = ct.rsqrt(sum_sq / GROUP_SIZE + EPS)
     # The first step's rows are still in registers; later steps reread theirs (from L2: a few KB per row).
     _store_normed(norm_weight, normed, residual_out, layer, row, g, 0, steps, h, gate, rstd, BLOCK_K, HAS_Z,
                   NORM_BEFORE_GATE, WRITE_RESIDUAL)
     for s in range(1, steps):
-        h_s, gate_s = _norm_input(x, residual, z, residual_out, row, g * steps + s, BLOCK_K, HAS_RESIDUAL,
-                                  WRITE_RESIDUAL, HAS_Z, Z_BLOCK, NORM_BEFORE_GATE, False)
+        h_s, gate_s = _norm_input(x, residual, z, residual_out, normed, row, g * steps + s, BLOCK_K, X_PARTS,
+                                  HAS_RESIDUAL, WRITE_RESIDUAL, HAS_Z, Z_BLOCK, NORM_BEFORE_GATE, False)
         _store_normed(norm_weight, normed, residual_out, layer, row, g, s, steps, h_s, gate_s, rstd, BLOCK_K, HAS_Z,
                       NORM_BEFORE_GATE, WRITE_RESIDUAL)
 
@@ -292,13 +307,15 @@ def decode_project_kernel(
     a,                   # (M, K) the rows: the normalized rows (T), or x itself without a norm
     weight,              # (L, K, N), or (L, N, K) with TRANSPOSE_W, in its dtype
     bias,                # (L, N) in the weight's dtype, or a dummy without HAS_BIAS
-    out,                 # (M, N) T_out, written with SPLIT_K == 1 (else by decode_split_sum_kernel)
-    partials,            # (SPLIT_K, M, N) f32, written with SPLIT_K > 1 (each split's product), else a dummy
+    out,                 # (M, N) T_out, written with SPLIT_K == 1 and not OUT_PARTS, else a dummy or the sum's
+    partials,            # (SPLIT_K, M, N) f32 each split's product, written with SPLIT_K > 1 or OUT_PARTS, else a
+                         # dummy
     BLOCK_M: ConstInt,
     BLOCK_N: ConstInt,
     BLOCK_K: ConstInt,
     SPLIT_STEPS: ConstInt,  # K steps per split: cdiv(K, BLOCK_K) / SPLIT_K (features past K load as zeros)
     SPLIT_K: ConstInt,
+    OUT_PARTS: ConstBool,  # the partials are the output: the bias goes into split 0's
     TRANSPOSE_W: ConstBool,
     HAS_BIAS: ConstBool,
     LATENCY: ConstInt,   # latency hint of the loads in the K loop (1..10), 0 for none
@@ -314,17 +331,27 @@ def decode_project_kernel(
         rows = _load(a, (m, k), (BLOCK_M, BLOCK_K), LATENCY).astype(out.dtype).astype(mma_type)
         w = _weight_tile(weight, layer, k, n, BLOCK_K, BLOCK_N, TRANSPOSE_W, LATENCY)
         acc = ct.mma(rows, w.astype(out.dtype).astype(mma_type), acc)
-    if SPLIT_K > 1:
+    if OUT_PARTS:
+        if HAS_BIAS:
+            if split == 0:
+                acc = acc + _bias_tile(out, bias, layer, n, BLOCK_N)
+        ct.store(partials, index=(split, m, n), tile=acc.reshape((1, BLOCK_M, BLOCK_N)))
+    elif SPLIT_K > 1:
         ct.store(partials, index=(split, m, n), tile=acc.reshape((1, BLOCK_M, BLOCK_N)))
     else:
         _store_out(out, bias, layer, m, n, acc, BLOCK_N, HAS_BIAS)
 
 
+def _bias_tile(out, bias, layer, n, BLOCK_N):
+    """(1, BLOCK_N) f32: bias[layer, n] tile rounded to out's dtype (what the reference adds)."""
+    b = ct.load(bias, index=(layer, n), shape=(1, BLOCK_N), padding_mode=ct.PaddingMode.ZERO)
+    return b.astype(out.dtype).astype(ct.float32)
+
+
 def _store_out(out, bias, layer, m, n, acc, BLOCK_N, HAS_BIAS):
     """out[m, n] tile = acc (+ bias[layer, n]), rounded to out's dtype."""
     if HAS_BIAS:
-        b = ct.load(bias, index=(layer, n), shape=(1, BLOCK_N), padding_mode=ct.PaddingMode.ZERO)
-        acc = acc + b.astype(out.dtype).astype(ct.float32)
+        acc = acc + _bias_tile(out, bias, layer, n, BLOCK_N)
     ct.store(out, index=(m, n), tile=acc.astype(out.dtype))
 
 
@@ -359,7 +386,7 @@ def norm_project_inputs(dims: ProjectionDims) -> dict[str, Buffer]:
     M, K, N, L = dims.rows, dims.features, dims.out_features, dims.layers
     return {
         "layer_index": Buffer((1,), "int32"),
-        "x": Buffer((M, K), dims.dtype),
+        "x": Buffer((dims.x_parts, M, K), "float32") if dims.x_parts else Buffer((M, K), dims.dtype),
         "residual": Buffer((M, K) if dims.has_residual else (1, 1), dims.residual_in_dtype or dims.dtype),
         "z": Buffer((M, dims.z_width) if dims.has_z else (1, 1), dims.z_dtype),
         "norm_weight": Buffer((L, dims.ngroups, dims.group) if dims.has_norm else (1, 1, 1), dims.norm_weight_dtype),
@@ -374,7 +401,7 @@ def _norm_launch(dims: ProjectionDims) -> Launch:
         kernel=DECODE_NORM_KERNEL,
         grid=(dims.rows, dims.ngroups),
         args=("layer_index", "x", "residual", "z", "norm_weight", "normed", "residual_out", dims.group, step,
-              dims.has_residual, dims.write_residual, dims.has_z, dims.z_offset // step,
+              dims.x_parts, dims.has_residual, dims.write_residual, dims.has_z, dims.z_offset // step,
               dims.has_z and dims.norm_before_gate, float(dims.eps)),
         writes=("normed", "residual_out"),
     )
@@ -382,7 +409,7 @@ def _norm_launch(dims: ProjectionDims) -> Launch:
 
 def _product_launches(dims: ProjectionDims, cfg: ProjectionConfig, rows: str) -> tuple[Launch, ...]:
     """The product of `rows` (an input or buffer name) and the layer's weight into "out": one launch, or with
-    SPLIT_K > 1 the splits into "partials" and their sum."""
+    SPLIT_K > 1 the splits into "partials" and their sum; with out_parts one launch into "partials"."""
     bm = cfg.BLOCK_M or dims.block_m
     tiles = (-(-dims.rows // bm), -(-dims.out_features // cfg.BLOCK_N))
     splits = split_k(dims, cfg)
@@ -390,10 +417,10 @@ def _product_launches(dims: ProjectionDims, cfg: ProjectionConfig, rows: str) ->
         kernel=with_hints(DECODE_PROJECT_KERNEL, occupancy=cfg.OCCUPANCY),
         grid=(*tiles, splits),
         args=("layer_index", rows, "weight", "bias", "out", "partials", bm, cfg.BLOCK_N, cfg.BLOCK_K,
-              _k_steps(dims, cfg) // splits, splits, dims.transpose_weight, dims.has_bias, cfg.LATENCY),
-        writes=("out", "partials"),  # one of them, the other a dummy: out without a split, else partials
+              _k_steps(dims, cfg) // splits, splits, dims.out_parts, dims.transpose_weight, dims.has_bias, cfg.LATENCY),
+        writes=("out", "partials"),  # one of them, the other a dummy: out without a split or out_parts, else partials
     )
-    if splits == 1:
+    if splits == 1 or dims.out_parts:
         return (product,)
     return product, Launch(
         kernel=DECODE_SPLIT_SUM_KERNEL,
@@ -405,19 +432,22 @@ def _product_launches(dims: ProjectionDims, cfg: ProjectionConfig, rows: str) ->
 
 def norm_project_plan(dims: ProjectionDims, cfg: Optional[ProjectionConfig] = None) -> Plan:
     """The projection for `dims`: the norm's launch (with has_norm) and the product's (with cfg.SPLIT_K > 1 two:
-    the splits and their sum).
+    the splits and their sum; with out_parts one, the splits being the output).
 
     Returns:
-      A Plan with inputs NORM_PROJECT_INPUTS and outputs "out" (M, N) in out_dtype and, with write_residual,
-      "residual_out" (M, K) in residual_dtype.
+      A Plan with inputs NORM_PROJECT_INPUTS and outputs "out" (M, N) in out_dtype, or with out_parts "partials"
+      (splits, M, N) float32 (see `output_parts`), and with write_residual "residual_out" (M, K) in
+      residual_dtype.
     """
     cfg = cfg or projection_default_config(dims)
     splits = split_k(dims, cfg)
-    buffers = {"out": Buffer((dims.rows, dims.out_features), dims.out_dtype),
-               "partials": Buffer((splits, dims.rows, dims.out_features) if splits > 1 else (1, 1, 1), "float32")}
+    buffers = {"out": Buffer((1, 1) if dims.out_parts else (dims.rows, dims.out_features), dims.out_dtype),
+               "partials": Buffer((splits, dims.rows, dims.out_features) if splits > 1 or dims.out_parts
+                                  else (1, 1, 1), "float32")}
+    out = ("partials",) if dims.out_parts else ("out",)
     if not dims.has_norm:
         return Plan(inputs=NORM_PROJECT_INPUTS, buffers=buffers, launches=_product_launches(dims, cfg, "x"),
-                    outputs=("out",))
+                    outputs=out)
     buffers["normed"] = Buffer((dims.rows, dims.features), dims.dtype)
     buffers["residual_out"] = Buffer((dims.rows, dims.features) if dims.write_residual else (1, 1),
                                      dims.residual_dtype or dims.dtype)
@@ -425,5 +455,10 @@ def norm_project_plan(dims: ProjectionDims, cfg: Optional[ProjectionConfig] = No
         inputs=NORM_PROJECT_INPUTS,
         buffers=buffers,
         launches=(_norm_launch(dims), *_product_launches(dims, cfg, "normed")),
-        outputs=("out", "residual_out") if dims.write_residual else ("out",),
+        outputs=out + ("residual_out",) if dims.write_residual else out,
     )
+
+
+def output_parts(dims: ProjectionDims, cfg: Optional[ProjectionConfig] = None) -> int:
+    """How many float32 partial sums the plan of `dims` with out_parts returns: the product's splits of K."""
+    return split_k(dims, cfg or projection_default_config(dims))

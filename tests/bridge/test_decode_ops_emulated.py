@@ -86,6 +86,34 @@ def test_emulated_vmap_folds_the_rows_into_one_launch():
             assert rel_l2(g[i], w) < 1e-6
 
 
+def test_emulated_partial_sums_match_xla_also_under_vmap():
+    """out_proj's partial sums out of the kernels (K split in 4 at these 3 rows: 4 parts, no launch to sum them)
+    and into the next projection's norm kernel give the xla path's values, also with the rows under vmap (the
+    parts axis kept ahead of the folded rows)."""
+    keys = jax.random.split(jax.random.key(35), 7)
+    x, z = jax.random.normal(keys[0], (3, 512)), jax.random.normal(keys[1], (3, 512))
+    norm_weight = 1 + 0.5 * jax.random.normal(keys[2], (3, 512))
+    weight = jax.random.normal(keys[3], (3, 512, 1024)) / 24  # out_proj's shape class: its K split at a few rows
+    in_weight = jax.random.normal(keys[4], (3, 1024, 96)) / 32
+
+    def chain(x, z, residual, backend):
+        parts = jax_mamba2.norm_project(x, weight, norm_weight=norm_weight, z=z, group_size=256, layer=1,
+                                        return_partials=True, backend=backend)
+        out = jax_mamba2.norm_project(parts, in_weight, norm_weight=jnp.ones((3, 1024)), residual=residual,
+                                      residual_dtype=jnp.float32, x_dtype=jnp.float32, layer=1, backend=backend)
+        return parts.shape[0], out
+    residual = jax.random.normal(keys[5], (3, 1024))
+    (parts, got), (_, want) = (chain(x, z, residual, backend) for backend in ("cutile", "xla"))
+    assert parts == 4
+    for g, w in zip(got, want):
+        assert rel_l2(g, w) < 1e-6
+    xs, zs, rs = jnp.stack([x, -x]), jnp.stack([z, z]), jnp.stack([residual, 2 * residual])
+    batched = jax.vmap(lambda x, z, r: chain(x, z, r, "cutile")[1])(xs, zs, rs)
+    for i in range(2):
+        for g, w in zip(batched, chain(xs[i], zs[i], rs[i], "xla")[1]):
+            assert rel_l2(g[i], w) < 1e-6
+
+
 CONFIG = Mamba2Config(d_model=32, n_layer=3, vocab_size=64, ssm_cfg=dict(d_state=16, headdim=16, chunk_size=8))
 
 

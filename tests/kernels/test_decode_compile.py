@@ -1,6 +1,7 @@
 """The decode kernels compile to sm_90 cubins on this machine (no GPU needed) with the constraints JAX uses, and at
 the decode shapes of the LM benchmark's model (d_model 1024: in_proj 1024 x 4384, out_proj 2048 x 1024, the tied
 head 50280 x 1024, 24 stacked layers) their default configurations run without spilling registers."""
+import dataclasses
 import re
 
 import pytest
@@ -17,15 +18,19 @@ LAYERS = 24
 
 
 def _projections(rows: int, param_dtype: str) -> dict[str, ProjectionDims]:
+    """The LM's fused step: out_proj returns its partial sums, which the next in_proj's (or the head's) norm sums."""
     common = dict(rows=rows, layers=LAYERS, weight_dtype=param_dtype, norm_weight_dtype=param_dtype)
+    out_proj = ProjectionDims(features=2048, out_features=1024, has_norm=True, z_width=4384, out_parts=True,
+                              **common)
+    parts = decode_projection.output_parts(out_proj)
     return {
         "in_proj": ProjectionDims(features=1024, out_features=4384, has_norm=True, has_residual=True,
                                   write_residual=True, residual_dtype="float32", residual_in_dtype="float32",
-                                  **common),
-        "out_proj": ProjectionDims(features=2048, out_features=1024, has_norm=True, z_width=4384, **common),
+                                  x_parts=parts, **common),
+        "out_proj": out_proj,
         "head": ProjectionDims(**{**common, "layers": 1}, features=1024, out_features=50280, has_norm=True,
                                has_residual=True, write_residual=True, residual_dtype="float32",
-                               residual_in_dtype="float32", transpose_weight=True),
+                               residual_in_dtype="float32", transpose_weight=True, x_parts=parts),
     }
 
 
@@ -77,7 +82,7 @@ def test_split_k_products_compile_spill_free():
     """out_proj's product with K split over 4 blocks, and the sum of the splits, at batch 1 and 64."""
     cubins = {}
     for rows in (1, 64):
-        dims = _projections(rows, "bfloat16")["out_proj"]
+        dims = dataclasses.replace(_projections(rows, "bfloat16")["out_proj"], out_parts=False)  # their sum's launch
         cfg = decode_projection.ProjectionConfig(BLOCK_N=32, SPLIT_K=4)
         plan = decode_projection.norm_project_plan(dims, cfg)
         for kernel, cubin in plan_cubins((plan, decode_projection.norm_project_inputs(dims))).items():

@@ -41,15 +41,7 @@ def run_projection(case, arrays, cfg=None, *, float64=True) -> dict:
     dims = _projection_dims(case, arrays)
     assert decode_projection.projection_unsupported_reason(dims) is None
     plan = decode_projection.norm_project_plan(dims, cfg)
-    specs = decode_projection.norm_project_inputs(dims)
-    inputs = {name: np.zeros(spec.shape, np.float32) if arrays.get(name) is None else arrays[name]
-              for name, spec in specs.items() if name != "layer_index"}
-    if inputs["norm_weight"].ndim == 2:
-        inputs["norm_weight"] = inputs["norm_weight"].reshape(specs["norm_weight"].shape)
-    inputs["layer_index"] = np.array([case.layer], np.int32)
-    for name, spec in specs.items():
-        assert inputs[name].shape == spec.shape, (name, inputs[name].shape, spec.shape)
-    out = emulator.run_plan(plan, inputs, float64=float64)
+    out = emulator.run_plan(plan, _plan_inputs(case, arrays, dims), float64=float64)
     result = {"out": out["out"]}
     if dims.write_residual:
         result["residual_out"] = out["residual_out"]
@@ -103,6 +95,58 @@ def test_projection_tiles_and_hints_leave_the_values(name, cfg):
     _assert_close(run_projection(case, arrays, cfg), projection_oracle(case, arrays), TOLERANCE[True])
 
 
+@pytest.mark.parametrize("name, cfg", [
+    ("gated_norm_out_proj", decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=16, SPLIT_K=4)),
+    ("gated_norm_out_proj", decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=16)),
+    ("plain_with_bias", decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=16, SPLIT_K=2)),
+    ("tied_head", decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=32, SPLIT_K=2))])
+def test_projection_partial_sums_out_add_up_to_the_output(name, cfg):
+    """With out_parts the plan's output is the product's partial sums, one per split of K (one unsplit), the
+    bias in the first: one launch fewer than summing them, and their sum is the projection's output."""
+    case = PROJECTION_CASES[name]
+    arrays = projection_inputs(case, seed=13)
+    dims = dataclasses.replace(_projection_dims(case, arrays), out_parts=True)
+    plan = decode_projection.norm_project_plan(dims, cfg)
+    assert "decode_split_sum_kernel" not in [kernel_name(launch.kernel) for launch in plan.launches]
+    out = emulator.run_plan(plan, _plan_inputs(case, arrays, dims), float64=True)
+    parts = decode_projection.output_parts(dims, cfg)
+    assert plan.outputs[0] == "partials" and out["partials"].shape == (parts, case.rows, case.out_features)
+    np.testing.assert_allclose(out["partials"].sum(axis=0), projection_oracle(case, arrays)["out"], rtol=1e-12,
+                               atol=1e-12)
+
+
+@pytest.mark.parametrize("float64", [True, False])
+@pytest.mark.parametrize("name", ["add_norm_in_proj", "first_block_in_proj", "tied_head", "bf16"])
+def test_projection_norm_sums_partial_sums_of_x(name, float64):
+    """x given as three float32 partial sums (what the previous projection's out_parts wrote): the norm kernel sums
+    them and rounds the sum to x's dtype, then runs as with x itself."""
+    case = PROJECTION_CASES[name]
+    arrays = projection_inputs(case, seed=14)
+    rng = np.random.default_rng(15)
+    parts = rng.standard_normal((3, case.rows, case.features)).astype(np.float32)
+    x = parts.astype(np.float64).sum(axis=0)  # in float64 emulation the sum is not rounded
+    if not float64:
+        x = x.astype(np.float32).astype(arrays["x"].dtype)
+    dims = dataclasses.replace(_projection_dims(case, arrays), x_parts=3)
+    got = emulator.run_plan(decode_projection.norm_project_plan(dims), _plan_inputs(case, {**arrays, "x": parts}, dims),
+                            float64=float64)
+    want = projection_oracle(case, {**arrays, "x": x})
+    tolerance = TOLERANCE[True] if float64 else TOLERANCE[False][case.dtype]
+    _assert_close({name: got[name] for name in want}, want, tolerance)
+
+
+def _plan_inputs(case, arrays, dims) -> dict:
+    """The plan's inputs of `dims` from a case's arrays: dummies for absent ones, the case's layer."""
+    specs = decode_projection.norm_project_inputs(dims)
+    inputs = {name: np.zeros(spec.shape, np.float32) if arrays.get(name) is None else arrays[name]
+              for name, spec in specs.items() if name != "layer_index"}
+    inputs["norm_weight"] = inputs["norm_weight"].reshape(specs["norm_weight"].shape)
+    inputs["layer_index"] = np.array([case.layer], np.int32)
+    for name, spec in specs.items():
+        assert inputs[name].shape == spec.shape, (name, inputs[name].shape, spec.shape)
+    return inputs
+
+
 @pytest.mark.parametrize("float64", [True, False])
 @pytest.mark.parametrize("name", list(MIXER_CASES))
 def test_mixer_step_matches_float64_reference(name, float64):
@@ -139,7 +183,7 @@ def test_unsupported_layouts_say_why():
     case = PROJECTION_CASES["add_norm_in_proj"]
     dims = _projection_dims(case, projection_inputs(case, seed=0))
     assert "multiples of 16" in decode_projection.projection_unsupported_reason(dataclasses.replace(dims, features=60))
-    assert "comes with the norm" in decode_projection.projection_unsupported_reason(
+    assert "come with the norm" in decode_projection.projection_unsupported_reason(
         dataclasses.replace(dims, has_norm=False))
     mixer = decode_mixer.MixerStepDims(rows=1, nheads=4, headdim=16, ngroups=1, dstate=16, in_width=200,
                                        xbc_offset=64, dt_offset=160)
