@@ -4,8 +4,6 @@ packed sequence or their gradients; a non-finite initial state reaches only the 
 """
 import functools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import jax_mamba2
-from jax_mamba2 import backends, op
+from jax_mamba2 import backends
 from jax_mamba2.flax_layers import Mamba2, Mamba2Config, Mamba2LMHeadModel
 from jax_mamba2.flax_layers import mamba2 as mamba2_module
 from tests._helpers import make_ssd_args
