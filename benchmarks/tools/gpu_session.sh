@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|decode|conv-ncu [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|decode|decode-matrix|conv-ncu [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|decode|conv-ncu [OUT]}
+part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|decode|decode-matrix|conv-ncu [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
-if [ "$part" = lm-step ]; then  # the peer's build needs the machine's CUDA toolkit, which gpu-env.sh hides
+if [ "$part" = lm-step ] || [ "$part" = decode-matrix ]; then  # the peer's build needs the machine's CUDA
+  # toolkit, which gpu-env.sh hides
   ( cd .peers && CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=16 NVCC_THREADS=2 timeout 420 python3 -m pip install \
       --no-build-isolation --no-deps --no-index ./cc --target /tmp/ccsite > "$out/causal_conv1d_build.log" 2>&1 ) &
   peer_build=$!
@@ -147,6 +148,20 @@ case $part in
     step lm_decode 190 python benchmarks/lm_decode.py --configs d1024-l24 --impls cutile mamba_ssm \
       --param-dtypes bfloat16 --batches 1 8 64 256 --prompt-lengths --profile "${lm_peer[@]}" --worker-timeout 180 \
       --out "$out"
+    ;;
+  decode-matrix)  # the LM decode benchmark at batches 1-256 with prefills of 512 and 2048 tokens for the configs in
+    # $DECODE_CONFIGS (default d1024-l24 mamba2-370m; mamba2-780m mamba2-1.3b in a second call), parameters in
+    # $PARAM_DTYPE (default bfloat16): the LM decode GPU tests, ours, then mamba_ssm's step with causal_conv1d's
+    # update kernel once its build is done (about 9 minutes)
+    export JAX_MAMBA2_AUTOTUNE=0
+    read -r -a configs <<< "${DECODE_CONFIGS:-d1024-l24 mamba2-370m}"
+    dtype=${PARAM_DTYPE:-bfloat16}
+    step decode_gpu_tests 100 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider tests/flax_layers/test_decode_gpu.py
+    step lm_decode_ours 200 python benchmarks/lm_decode.py --configs "${configs[@]}" --impls cutile \
+      --param-dtypes "$dtype" --worker-timeout 120 --out "$out"
+    wait "$peer_build"
+    step lm_decode_peer 200 python benchmarks/lm_decode.py --configs "${configs[@]}" --impls mamba_ssm \
+      --param-dtypes "$dtype" --mamba-ssm .peers --causal-conv1d /tmp/ccsite --worker-timeout 120 --out "$out"
     ;;
   conv-ncu)  # Nsight Compute's full set of the conv kernels (forward and backward, the LM's layout at d_model 1024),
     # to see what bounds them at 3-4x their bandwidth floor: details and the SASS with its stall samples per
