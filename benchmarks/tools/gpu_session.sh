@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|decode|decode-matrix|conv-ncu [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|decode|decode-matrix|conv-ncu [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|decode|decode-matrix|conv-ncu [OUT]}
+part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|decode|decode-matrix|conv-ncu [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 if [ "$part" = lm-step ] || [ "$part" = decode-matrix ]; then  # the peer's build needs the machine's CUDA
@@ -137,6 +137,16 @@ case $part in
       --causal-conv1d /tmp/ccsite --worker-timeout 160 --out "$out"
     step lm_step_unrolled 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --unroll-layers \
       --no-profile --worker-timeout 100 --out "$out"
+    ;;
+  lm-scan)  # the default layer scan at d1024-l24-8x2048, what its copies cost: as it is, with the chunk states
+    # recomputed in the backward (the guard's conditional then returns no saved state to stack), without the guard
+    export JAX_MAMBA2_AUTOTUNE=0
+    step lm_scan 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --worker-timeout 100 \
+      --out "$out"
+    step lm_scan_recompute 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
+      --recompute-chunk-states --worker-timeout 100 --out "$out"
+    step lm_scan_unchecked 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
+      --no-check-finite --no-profile --worker-timeout 100 --out "$out"
     ;;
   decode)  # the decode ops: their GPU tests, every plan and config timed outside JAX, the LM's token step at batches
     # 1-256 against mamba_ssm's with a profile (about 9 minutes)
