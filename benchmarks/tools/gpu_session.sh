@@ -141,10 +141,10 @@ case $part in
   lm-scan)  # the default layer scan at d1024-l24-8x2048, what its copies cost: as it is, with the chunk states
     # recomputed in the backward (the guard's conditional then returns no saved state to stack), without the guard
     export JAX_MAMBA2_AUTOTUNE=0
-    step lm_scan 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --worker-timeout 100 \
+    step lm_scan 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --worker-timeout 140 \
       --out "$out"
-    step lm_scan_recompute 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
-      --recompute-chunk-states --worker-timeout 100 --out "$out"
+    step lm_scan_recompute 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
+      --recompute-chunk-states --worker-timeout 140 --out "$out"
     step lm_scan_unchecked 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
       --no-check-finite --no-profile --worker-timeout 100 --out "$out"
     ;;
