@@ -194,7 +194,9 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
     norm_before_gate = check_flag(api, "norm_before_gate", norm_before_gate)
     transpose_weight = check_flag(api, "transpose_weight", transpose_weight)
     return_partials = check_flag(api, "return_partials", return_partials)
-    dtype = float_dtype(api, "dtype", jnp.result_type(x if x_dtype is None else x_dtype, weight) if dtype is None else dtype)
+    if dtype is None:
+        dtype = jnp.result_type(x if x_dtype is None else x_dtype, weight)
+    dtype = float_dtype(api, "dtype", dtype)
     layer_index = _check_layer(api, layer, layers)
     if not stack:
         weight, norm_weight, bias = _stacked(weight), _stacked(norm_weight), _stacked(bias)

@@ -98,11 +98,12 @@ def _batchable_projection(run_plan: RunPlan, config: ChooseProjectionConfig, dim
             rows[0] = jnp.moveaxis(rows[0], -1, 0)
         outputs = _batchable_projection(run_plan, config, dataclasses.replace(dims, rows=axis_size * dims.rows))(
             layer_index, *rows, norm_weight, weight, bias)
-        out, residual_out = (None if o is None else unfold(jnp.moveaxis(o, 0, -1) if dims.out_parts and i == 0
-                                                           else o, axis_size) for i, o in enumerate(outputs))
-        if dims.out_parts:
-            out = jnp.moveaxis(out, -1, 1)
-        return (out, residual_out), out_batched
+        out, residual_out = outputs
+        if dims.out_parts:  # (parts, items * rows, N) -> (items, parts, rows, N)
+            out = jnp.moveaxis(unfold(jnp.moveaxis(out, 0, -1), axis_size), -1, 1)
+        else:
+            out = unfold(out, axis_size)
+        return (out, None if residual_out is None else unfold(residual_out, axis_size)), out_batched
 
     return project
 
@@ -173,14 +174,15 @@ def projection_dims(x, residual, z, norm_weight, weight, bias, *, group_size: in
     layers = weight.shape[0]
     rows, features = x.shape[-2:]
     return ProjectionDims(
-        rows=rows, features=features, x_parts=x.shape[0] if x.ndim == 3 else 0, out_parts=return_partials, out_features=weight.shape[1] if transpose_weight else weight.shape[2],
+        rows=rows, features=features, out_features=weight.shape[1] if transpose_weight else weight.shape[2],
+        x_parts=x.shape[0] if x.ndim == 3 else 0, out_parts=return_partials,
         layers=layers, ngroups=features // group_size, group_size=group_size, has_norm=norm_weight is not None,
         has_residual=residual is not None, write_residual=residual_dtype is not None,
         z_width=0 if z is None else z.shape[1], z_offset=z_offset, norm_before_gate=norm_before_gate,
-        transpose_weight=transpose_weight, has_bias=bias is not None, eps=eps, dtype=_name(x.dtype if x_dtype is None else x_dtype),
+        transpose_weight=transpose_weight, has_bias=bias is not None, eps=eps, dtype=_name(x_dtype or x.dtype),
         out_dtype=_name(dtype), weight_dtype=_name(weight.dtype),
         norm_weight_dtype=_name(weight.dtype if norm_weight is None else norm_weight.dtype),
-        z_dtype=_name(z.dtype if z is not None else x.dtype if x_dtype is None else x_dtype),
+        z_dtype=_name((x_dtype or x.dtype) if z is None else z.dtype),
         residual_dtype=None if residual_dtype is None else _name(residual_dtype),
         residual_in_dtype=None if residual is None else _name(residual.dtype))
 

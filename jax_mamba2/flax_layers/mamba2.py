@@ -370,7 +370,7 @@ class Mamba2(nnx.Module):
         """
         backend = backends.for_op(self.backend, decode_op.OP)
         in_kernel = self.in_proj.kernel[...]
-        in_dtype = self.dtype or jnp.result_type(hidden_states.dtype if hidden_dtype is None else hidden_dtype, in_kernel)
+        in_dtype = self.decode_in_dtype(hidden_states.dtype if hidden_dtype is None else hidden_dtype)
         residual = None
         if pre_norm is None:
             zxbcdt = decode_op.norm_project(hidden_states, in_kernel, bias=_param(self.in_proj.bias), layer=layer,
@@ -398,11 +398,15 @@ class Mamba2(nnx.Module):
                                      return_partials=return_partials, backend=backend)
         return out, residual, conv_state, ssm_state
 
+    def decode_in_dtype(self, hidden_dtype):
+        """The dtype of `decode_step`'s in_proj output (and of its mixer step) for hidden states of hidden_dtype:
+        the mixer's compute dtype, else the result type of the input and in_proj's weight."""
+        return self.dtype or jnp.result_type(hidden_dtype, self.in_proj.kernel[...].dtype)
+
     def decode_out_dtype(self, hidden_dtype):
         """The dtype of `decode_step`'s out (of the sum of its partial sums) for hidden states of hidden_dtype: the
         mixer's compute dtype, else the result type of its input and its projections' weights."""
-        in_dtype = self.dtype or jnp.result_type(hidden_dtype, self.in_proj.kernel[...].dtype)
-        return self.dtype or jnp.result_type(in_dtype, self.out_proj.kernel[...].dtype)
+        return self.dtype or jnp.result_type(self.decode_in_dtype(hidden_dtype), self.out_proj.kernel[...].dtype)
 
     # ------------------------------------------------------------------------------------------------
     # Pieces

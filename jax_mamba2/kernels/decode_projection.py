@@ -417,8 +417,10 @@ def _product_launches(dims: ProjectionDims, cfg: ProjectionConfig, rows: str) ->
         kernel=with_hints(DECODE_PROJECT_KERNEL, occupancy=cfg.OCCUPANCY),
         grid=(*tiles, splits),
         args=("layer_index", rows, "weight", "bias", "out", "partials", bm, cfg.BLOCK_N, cfg.BLOCK_K,
-              _k_steps(dims, cfg) // splits, splits, dims.out_parts, dims.transpose_weight, dims.has_bias, cfg.LATENCY),
-        writes=("out", "partials"),  # one of them, the other a dummy: out without a split or out_parts, else partials
+              _k_steps(dims, cfg) // splits, splits, dims.out_parts, dims.transpose_weight, dims.has_bias,
+              cfg.LATENCY),
+        writes=("out", "partials"),  # one of them, the other a dummy: out without a split or out_parts, else
+                                     # partials
     )
     if splits == 1 or dims.out_parts:
         return (product,)
