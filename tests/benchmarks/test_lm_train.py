@@ -262,3 +262,14 @@ def test_command_buffers_reach_the_worker_environment_and_key_the_record(monkeyp
                                                    "--xla_gpu_graph_min_graph_size=1"}
     monkeypatch.delenv("XLA_FLAGS")
     assert lm_bench.command_buffer_env("default") == {}
+
+
+def test_the_speedup_takes_the_peer_of_ours_commit_where_there_is_one():
+    def record(impl, ms, sha, **extra):
+        return {"config": "d8-l1-1x8", "impl": impl, "timing": {"ms_median": ms}, "environment": {"git_sha": sha},
+                **extra}
+    ours = record("cutile", 10.0, "b")
+    older_peer, same_run_peer = record("mamba_ssm", 40.0, "a"), record("mamba_ssm", 30.0, "b")
+    assert lm_train._speedup([ours, same_run_peer, older_peer], "d8-l1-1x8") == ("d8-l1-1x8", 3.0, True)
+    assert lm_train._speedup([ours, older_peer], "d8-l1-1x8") == ("d8-l1-1x8", 4.0, False)
+    assert lm_train._speedup([ours], "d8-l1-1x8") is None
