@@ -144,6 +144,37 @@ def test_the_step_is_fused_at_every_batch_and_composed_with_an_mlp_branch():
             assert [name for name, _ in cutile_launches(jaxpr)] == expected, (config.ssm_cfg, batch)
 
 
+def test_out_proj_split_partials_are_summed_by_the_next_norm_not_a_launch_of_their_own():
+    """Where the defaults split out_proj's K over blocks (a few rows, a narrow product), the step launches no sum of
+    its partial products: the next layer's norm kernel (and the head's) sums them; in_proj's and the head's own
+    splits are still summed by a launch each."""
+    from jax_mamba2.kernels import decode_projection
+
+    config = Mamba2Config(d_model=256, n_layer=2, vocab_size=256, pad_vocab_size_multiple=8,
+                          ssm_cfg=dict(d_state=64, headdim=64, chunk_size=64))
+    with _traced_for("cutile"):
+        model = Mamba2LMHeadModel(config, backend="cutile", param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(model)
+        jaxpr = jax.make_jaxpr(lambda s, t, c: nnx.merge(graphdef, s).step(t, c))(
+            state, jnp.zeros((1,), jnp.int32), model.init_cache(1))
+
+    def split(layer):
+        kernel = layer.kernel[...]
+        dims = decode_projection.ProjectionDims(rows=1, features=kernel.shape[-2], out_features=kernel.shape[-1],
+                                                weight_dtype="bfloat16")
+        return decode_projection.split_k(dims, decode_projection.projection_default_config(dims)) > 1
+
+    mixer = model.layers.mixer
+    assert split(mixer.out_proj)  # the case this test is about
+    summed = ["decode_split_sum_kernel"]
+    in_proj = PROJECTION + (summed if split(mixer.in_proj) else [])
+    head_dims = decode_projection.ProjectionDims(rows=1, features=256, out_features=256, weight_dtype="bfloat16")
+    head = PROJECTION + (summed if decode_projection.split_k(
+        head_dims, decode_projection.projection_default_config(head_dims)) > 1 else [])
+    expected = [*in_proj, "mixer_step_kernel", *PROJECTION] * config.n_layer + head
+    assert [name for name, _ in cutile_launches(jaxpr)] == expected
+
+
 def test_generate_prefills_through_the_chunked_xla_path_not_token_by_token():
     model = _model("xla", param_dtype=jnp.bfloat16)
     jaxpr = jax.make_jaxpr(lambda prompt: generate(model, prompt, NEW_TOKENS))(_prompt())
