@@ -45,6 +45,10 @@ MIXER_STEP_INPUTS = ("layer_index", "zxbcdt", "conv_state", "conv_weight", "conv
                      "ssm_state")
 MIXER_STEP_OUTPUTS = ("y", "ssm_state", "new_conv_state")
 _INT32_MAX = (1 << 31) - 1
+# A block's SSM state tile at most this many bytes (BLOCK_P x dstate): the compiler stages it in shared memory with
+# the block's other operands (51.0 KB at 32 x 128 f32, 83.7 KB at 64 x 128 f32; sm_90), and four blocks of that
+# fit an H200 SM's 228 KB.
+MAX_STATE_TILE_BYTES = 16 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,10 +114,13 @@ def mixer_step_default_config(dims: MixerStepDims) -> MixerStepConfig:
     while the grid still spreads over the SMs: whole heads (up to 64 rows) per block once the heads alone give two
     blocks per SM of an H200 (264), half heads (32 rows) from one per SM (132), else about 2K state values per
     block, as `ssd_step`'s kernel. Occupancy 4: the fastest config of every batch measured had it (docs/design.md,
-    "Decode")."""
+    "Decode"); so a block's state tile stays within MAX_STATE_TILE_BYTES, which keeps 4 blocks' shared memory
+    within an SM (a whole head of an f32 state, 64 x 128, would take 83.7 KB: 2 blocks per SM)."""
     heads = dims.rows * dims.nheads
     if heads >= SM90_SMS:
-        return MixerStepConfig(BLOCK_P=min(dims.headdim, 64 if heads >= 2 * SM90_SMS else 32), OCCUPANCY=4)
+        rows_that_fit = MAX_STATE_TILE_BYTES // (dims.dstate * (4 if dims.ssm_state_dtype == "float32" else 2))
+        block_p = min(dims.headdim, 64 if heads >= 2 * SM90_SMS else 32, max(16, rows_that_fit))
+        return MixerStepConfig(BLOCK_P=block_p, OCCUPANCY=4)
     return MixerStepConfig(BLOCK_P=min(dims.headdim, 64, max(4, 2048 // dims.dstate)))
 
 

@@ -90,3 +90,23 @@ def test_split_k_products_compile_spill_free():
     assert {name.split()[1] for name in cubins} == {"decode_norm_kernel", "decode_project_kernel",
                                                     "decode_split_sum_kernel"}
     _assert_spill_free(cubins)
+
+
+# Shared memory of an H200 SM available to its blocks.
+SM90_SHARED_BYTES = 228 * 1024
+
+
+@pytest.mark.parametrize("rows, state_dtype", [(64, "bfloat16"), (64, "float32"), (8, "float32")])
+def test_the_mixer_step_default_fits_its_occupancy(rows, state_dtype):
+    """The default block's shared memory and registers let OCCUPANCY blocks share an SM: a whole head of an f32
+    state would hold 83.7 KB, so the occupancy hint could not be met (the compiler then takes 255 registers)."""
+    dims = _mixer(rows, state_dtype)
+    cfg = decode_mixer.mixer_step_default_config(dims)
+    cubin = plan_cubins((decode_mixer.mixer_step_plan(dims, cfg), decode_mixer.mixer_step_inputs(dims)))[
+        "mixer_step_kernel"]
+    try:
+        usage = {k: int(v) for k, v in re.findall(r"(REG|SHARED):(\d+)", resource_usage(cubin))}
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    assert usage["SHARED"] * cfg.OCCUPANCY <= SM90_SHARED_BYTES, (cfg, usage)
+    assert usage["REG"] * 128 * cfg.OCCUPANCY <= 65536, (cfg, usage)
