@@ -157,8 +157,8 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
     stack = () if layer is None else (None,)
     check_array(api, "weight", weight)
     if len(weight.shape) != 2 + len(stack):
-        raise ValueError(f"{api}: weight.shape={tuple(weight.shape)} must be "
-                         f"{'(layers, ' if stack else '('}{'out_features, features' if transpose_weight else 'features, out_features'})")
+        axes = "out_features, features" if transpose_weight else "features, out_features"
+        raise ValueError(f"{api}: weight.shape={tuple(weight.shape)} must be {'(layers, ' if stack else '('}{axes})")
     layers = weight.shape[0] if stack else 1
     out_features = weight.shape[-2] if transpose_weight else weight.shape[-1]
     if weight.shape[-1 if transpose_weight else -2] != features:
@@ -307,7 +307,8 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
                  dt_offset=dt_offset)
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name.endswith("offset") else 1):
-            raise ValueError(f"{api}: {name}={value!r} must be a {'non-negative' if 'offset' in name else 'positive'} int")
+            kind = "non-negative" if "offset" in name else "positive"
+            raise ValueError(f"{api}: {name}={value!r} must be a {kind} int")
     if nheads % ngroups:
         raise ValueError(f"{api}: nheads={nheads} must be a multiple of ngroups={ngroups}")
     d_ssm = nheads * headdim

@@ -179,8 +179,9 @@ def _batchable_backward(run_plan: RunPlan, silu: bool, layout: Layout, cfg: Opti
 class ConvKernels:
     """The op on one plan executor: forward(inputs, static) -> the outputs (a tuple: the pieces, with
     pass_through between x's channels before and after the window) and backward(inputs, static, dys) -> the
-    cotangents of `inputs` (the same NamedTuple, seq_idx None) for the outputs' cotangents `dys`. `static` is the op's `conv1d.ConvStatic`: silu and the fields of `Layout`. `fwd_config` / `bwd_config`
-    replace the kernels' default tiles (None: `conv_fwd_default_config` / `conv_bwd_default_config` of each
+    cotangents of `inputs` (the same NamedTuple, seq_idx None) for the outputs' cotangents `dys`. `static` is the
+    op's `conv1d.ConvStatic`: silu and the fields of `Layout`. `fwd_config` / `bwd_config` replace the kernels'
+    default tiles (None: `conv_fwd_default_config` / `conv_bwd_default_config` of each
     problem)."""
 
     name: str
