@@ -25,13 +25,13 @@ compiled, and the first run), then steps back to back for --warmup-seconds, then
 synchronised: median / p20 / p80 wall ms per step, then --pipelined-steps steps back to back with one sync
 (three rounds, the median of their mean ms per step: what a training loop that does not wait on each step's loss
 sees, the host dispatching one step while the GPU runs the one before; "ms_pipelined"),
-tokens/s (from the synchronised median), peak memory (JAX: the allocator's peak_bytes_in_use since the process started, and XLA's
-memory_analysis of the step; torch: max_memory_allocated over the timed steps), the bf16 matrix rate of a
-large matrix product measured in the same process, and MFU = (6 x parameters x tokens + the SSD's forward
-and backward FLOPs (benchmarks/ssd.py's roofline at chunk 256) x n_layer) / step time, against that measured
-rate and against 790 TFLOP/s. For ours, unless --no-profile, a jax.profiler trace of --profile-steps steps
-folded into categories (benchmarks/kernel_categories.py): matrix products, SSD, conv, norms, loss,
-optimizer, copies, elementwise.
+tokens/s (from the synchronised median), peak memory (JAX: the allocator's peak_bytes_in_use since the process
+started, and XLA's memory_analysis of the step; torch: max_memory_allocated over the timed steps), the bf16 matrix
+rate of a large matrix product measured in the same process, and MFU = (6 x parameters x tokens + the SSD's forward
+and backward FLOPs (benchmarks/ssd.py's roofline at chunk 256) x n_layer) / step time, against that measured rate
+and against 790 TFLOP/s. For ours, unless --no-profile, a jax.profiler trace of --profile-steps steps folded into
+categories (benchmarks/kernel_categories.py): matrix products, SSD, conv, norms, loss, optimizer, copies,
+elementwise.
 
 --loss (ours): "plain" takes the logits and optax's softmax cross-entropy in float32; "model" calls
 `Mamba2LMHeadModel.loss(input_ids, targets)` (the LM's own chunked loss, where the package has it); "auto"

@@ -58,17 +58,11 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
     if norm_weight is not None:
         a = norm_reference.rms_norm(a, norm_weight, z, eps=eps, group_size=group_size,
                                     norm_before_gate=norm_before_gate).astype(x.dtype)
-    weight = (weight.T if transpose_weight else weight).astype(dtype)
-    if partials:
-        accumulation = jnp.promote_types(jnp.float32, dtype)
-        out = project(a.astype(dtype), weight, preferred_element_type=accumulation)
-        if bias is not None:
-            out = out + bias.astype(dtype).astype(accumulation)
-        return out[None], residual_out
-    out = project(a.astype(dtype), weight)
+    out = project(a.astype(dtype), (weight.T if transpose_weight else weight).astype(dtype),
+                  preferred_element_type=jnp.promote_types(jnp.float32, dtype) if partials else None)
     if bias is not None:
-        out = out + bias.astype(dtype)
-    return out, residual_out
+        out = out + bias.astype(dtype).astype(out.dtype)
+    return (out[None] if partials else out), residual_out
 
 
 def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias, D, *, nheads, headdim,

@@ -291,13 +291,12 @@ class Mamba2LMHeadModel(nnx.Module):
         ssm_state, conv_states = cache.ssm_state, []
         mixer = self.layers.mixer
         for layer in range(self.config.n_layer):
-            residual_dtype = self.layers.residual_dtype(hidden.dtype if hidden_dtype is None else hidden_dtype,
-                                                        residual_dtype)
-            out_dtype = mixer.decode_out_dtype(hidden.dtype if hidden_dtype is None else hidden_dtype)
+            input_dtype = hidden.dtype if hidden_dtype is None else hidden_dtype
+            residual_dtype = self.layers.residual_dtype(input_dtype, residual_dtype)
             hidden, residual, conv_state, ssm_state = mixer.decode_step(
                 hidden, cache.conv_state, ssm_state, layer=layer, pre_norm=(self.layers.norm, residual, residual_dtype),
                 hidden_dtype=hidden_dtype, return_partials=True)
-            hidden_dtype = out_dtype
+            hidden_dtype = mixer.decode_out_dtype(input_dtype)
             conv_states.append(conv_state)
         head = (dict(weight=self.embedding.embedding[...], transpose_weight=True) if self.lm_head is None
                 else dict(weight=self.lm_head.kernel[...]))

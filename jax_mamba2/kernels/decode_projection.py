@@ -331,12 +331,10 @@ def decode_project_kernel(
         rows = _load(a, (m, k), (BLOCK_M, BLOCK_K), LATENCY).astype(out.dtype).astype(mma_type)
         w = _weight_tile(weight, layer, k, n, BLOCK_K, BLOCK_N, TRANSPOSE_W, LATENCY)
         acc = ct.mma(rows, w.astype(out.dtype).astype(mma_type), acc)
-    if OUT_PARTS:
-        if HAS_BIAS:
+    if OUT_PARTS or SPLIT_K > 1:
+        if OUT_PARTS and HAS_BIAS:  # no sum launch adds it: split 0 does
             if split == 0:
                 acc = acc + _bias_tile(out, bias, layer, n, BLOCK_N)
-        ct.store(partials, index=(split, m, n), tile=acc.reshape((1, BLOCK_M, BLOCK_N)))
-    elif SPLIT_K > 1:
         ct.store(partials, index=(split, m, n), tile=acc.reshape((1, BLOCK_M, BLOCK_N)))
     else:
         _store_out(out, bias, layer, m, n, acc, BLOCK_N, HAS_BIAS)

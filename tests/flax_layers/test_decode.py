@@ -158,19 +158,16 @@ def test_out_proj_split_partials_are_summed_by_the_next_norm_not_a_launch_of_the
         jaxpr = jax.make_jaxpr(lambda s, t, c: nnx.merge(graphdef, s).step(t, c))(
             state, jnp.zeros((1,), jnp.int32), model.init_cache(1))
 
-    def split(layer):
-        kernel = layer.kernel[...]
-        dims = decode_projection.ProjectionDims(rows=1, features=kernel.shape[-2], out_features=kernel.shape[-1],
+    def split(features, out_features):
+        dims = decode_projection.ProjectionDims(rows=1, features=features, out_features=out_features,
                                                 weight_dtype="bfloat16")
         return decode_projection.split_k(dims, decode_projection.projection_default_config(dims)) > 1
 
     mixer = model.layers.mixer
-    assert split(mixer.out_proj)  # the case this test is about
+    assert split(*mixer.out_proj.kernel.shape[-2:])  # the case this test is about
     summed = ["decode_split_sum_kernel"]
-    in_proj = PROJECTION + (summed if split(mixer.in_proj) else [])
-    head_dims = decode_projection.ProjectionDims(rows=1, features=256, out_features=256, weight_dtype="bfloat16")
-    head = PROJECTION + (summed if decode_projection.split_k(
-        head_dims, decode_projection.projection_default_config(head_dims)) > 1 else [])
+    in_proj = PROJECTION + (summed if split(*mixer.in_proj.kernel.shape[-2:]) else [])
+    head = PROJECTION + (summed if split(config.d_model, model.embedding.embedding.shape[0]) else [])
     expected = [*in_proj, "mixer_step_kernel", *PROJECTION] * config.n_layer + head
     assert [name for name, _ in cutile_launches(jaxpr)] == expected
 
