@@ -3,7 +3,7 @@
 The model (input projection, pre-norm residual `Mamba2` layers, output projection) learns a delayed copy
 of its input sequence. The script jits one training step (forward, backward, AdamW update) as a pure
 function of the model state, compiles it, and lists every custom call in the compiled HLO: for the
-cuTile backend each SSD kernel launch is an XLA custom call ("cutile_launch") with its kernel name,
+cuTile backend each SSD kernel launch is an XLA custom call ("jax_mamba2_cutile_launch") with its kernel name,
 grid, output shapes, the JAX name stack it came from (forward or transposed/backward, which layer),
 and the HLO computation that holds it. Then it times the step against the same model on the "xla"
 backend (the chunked SSD in plain XLA ops).
@@ -31,7 +31,7 @@ from _common import (add_common_flags, describe_device, make_parser, output_dir,
                      time_call)
 from jax_mamba2.flax_layers import Mamba2
 
-CUTILE_TARGET = "cutile_launch"
+CUTILE_TARGET = "jax_mamba2_cutile_launch"  # jax_mamba2.bridge.aot.CUTILE_CUSTOM_CALL
 
 
 class DelayedCopyModel(nnx.Module):

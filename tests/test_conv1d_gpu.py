@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from jax_mamba2 import conv1d
+from jax_mamba2.bridge.aot import CUTILE_CUSTOM_CALL
 from jax_mamba2.flax_layers import Mamba2
 from tests._helpers import rel_l2
 from tests.kernels._conv_checks import float64_reference, make_conv_args
@@ -79,7 +80,7 @@ def test_conv_cutile_gradients_are_deterministic():
 def test_conv_auto_runs_the_kernels_on_the_gpu():
     x, kernel, bias, *_ = make_conv_args(25, dtype=jnp.bfloat16)
     hlo = jax.jit(lambda *a: conv1d.causal_conv1d_silu(*a)).lower(x, kernel, bias).compile().as_text()
-    assert "cutile_launch" in hlo
+    assert CUTILE_CUSTOM_CALL in hlo
 
 
 def test_conv_cutile_vmap_of_gradients_matches_a_loop():

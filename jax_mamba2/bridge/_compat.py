@@ -8,12 +8,16 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import cuda.tile as ct
+import cuda.tile._cext as cutile_cext
 import cuda.tile._compile as cutile_compile
 import jax
 from cuda.tile._cext import default_tile_context
 from cuda.tile.compilation import ConstantConstraint, KernelSignature
 from cuda.tile.jax import InputOutput, OutputPlaceholder
 from cuda.tile.jax import _jax as cutile_jax
+from jax.interpreters import mlir
+from jax._src.lib.mlir import ir
+from jaxlib.xla_client import CustomCallTargetTraits
 
 # Re-exported: the bridge's outputs and gradients under shard_map (pure JAX, shared with the layers' loss).
 from jax_mamba2._vma import match_varying_axes, reduce_to_primal_axes, varying_axes  # noqa: F401
@@ -138,3 +142,35 @@ def empty_lowering_cache() -> Iterator[None]:
     finally:
         cutile_jax._COMPILE_CACHE.clear()
         cutile_jax._COMPILE_CACHE.update(saved)
+
+
+# --- Launches XLA may record into its command buffers (cuda-tile 1.7: cuda/tile/jax/_jax.py, register_ffi) ---
+
+COMMAND_BUFFER_TARGET = "jax_mamba2_cutile_launch"
+_OUR_KERNELS = "jax_mamba2."
+
+
+def register_command_buffer_launches() -> None:
+    """Lets XLA record this package's cuTile launches into its command buffers (CUDA graphs).
+
+    cuda.tile.jax registers its FFI launch handler ("cutile_launch") without the command-buffer trait, so XLA
+    launches each of its custom calls on its own from the host and cuts every command buffer there. Here the
+    same handler (it only launches the kernel on the stream it is given, which a stream capture records) is
+    registered a second time as COMMAND_BUFFER_TARGET with that trait, and cuda.tile.jax's lowering rule is
+    wrapped so that the calls of this package's kernels name it: a sequence of them and XLA's own kernels then
+    becomes one graph launch wherever XLA's flags enable command buffers for custom calls (the default). Other
+    libraries' cuTile kernels keep their target. A program lowered so needs this module imported (it registers
+    the target) wherever it is deserialized and run.
+    """
+    handler = cutile_cext.xla_ffi_get_call_handler()
+    jax.ffi.register_ffi_target(COMMAND_BUFFER_TARGET, {"instantiate": handler, "execute": handler},
+                                platform="CUDA", traits=CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
+    lower = cutile_jax._cutile_call_ffi_p_lower
+
+    def lowering(ctx, *args, kernel, **params):
+        results = lower(ctx, *args, kernel=kernel, **params)
+        if kernel._annotated_function.pyfunc.__module__.startswith(_OUR_KERNELS):
+            results[0].owner.attributes["call_target_name"] = ir.StringAttr.get(COMMAND_BUFFER_TARGET)
+        return results
+
+    mlir.register_lowering(cutile_jax.cutile_call_ffi_p, lowering, platform="cuda")

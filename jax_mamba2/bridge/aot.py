@@ -3,8 +3,8 @@
 `export_for_cuda(fun, *args)` lowers `fun` for CUDA with `jax.export`, compiling every cuTile kernel it
 launches to cubins for `arch` with the local tileiras: no GPU is needed, the kernels get exactly the
 constraints JAX derives at lowering, and the serialized program carries the cubins. Load it on the GPU
-with `jax.export.deserialize(...)` after `import cuda.tile.jax` (which registers the "cutile_launch"
-FFI target).
+with `jax.export.deserialize(...)` after `import jax_mamba2.bridge` (which registers the FFI target of its
+launches, CUTILE_CUSTOM_CALL).
 
 Example:
   >>> exported = export_for_cuda(lambda x, dt, A, B, C: jax_mamba2.ssd(x, dt, A, B, C, 64), *args)
@@ -17,9 +17,10 @@ from typing import Callable
 import jax
 from jax import export
 
-from jax_mamba2.bridge._compat import cuda_target
+from jax_mamba2.bridge._compat import COMMAND_BUFFER_TARGET, cuda_target
 
-CUTILE_CUSTOM_CALL = "cutile_launch"
+# The custom-call target of every cuTile launch of this package (registered by jax_mamba2.bridge).
+CUTILE_CUSTOM_CALL = COMMAND_BUFFER_TARGET
 
 __all__ = ["export_for_cuda", "cuda_target", "CUTILE_CUSTOM_CALL"]
 

@@ -1,6 +1,7 @@
 """Executes a kernel `Plan` as XLA FFI custom calls (`cuda.tile.jax.cutile_call`) on XLA's stream.
 
-Each launch becomes one custom call: arrays the launch writes for the first time become
+Each launch becomes one custom call, of a target XLA may record into its command buffers (CUDA graphs) with the
+kernels around it (`_compat.register_command_buffer_launches`, done on import): arrays the launch writes for the first time become
 `OutputPlaceholder`s (XLA allocates them), arrays written again become `InputOutput`s (aliased in
 place), everything else is a read-only input. Kernels are compiled to cubins when the jitted program
 is lowered, all of a program's at once (`compile_ahead`: each launch is noted as it is traced); the
@@ -11,8 +12,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from cuda.tile.jax import InputOutput, OutputPlaceholder, cutile_call
 
-from jax_mamba2.bridge import compile_ahead
+from jax_mamba2.bridge import _compat, compile_ahead
 from jax_mamba2.kernels._common import Plan
+
+_compat.register_command_buffer_launches()
 
 
 def run_plan(plan: Plan, arrays: dict) -> dict:

@@ -8,8 +8,12 @@ import pytest
 
 pytest.importorskip("cuda.tile")
 
+import cuda.tile as ct  # noqa: E402
+from cuda.tile.jax import OutputPlaceholder, cutile_call  # noqa: E402
+from jaxlib import xla_client  # noqa: E402
+
 import jax_mamba2  # noqa: E402
-from jax_mamba2.bridge import aot  # noqa: E402
+from jax_mamba2.bridge import _compat, aot, compile_ahead  # noqa: E402
 from tests._helpers import make_ssd_args  # noqa: E402
 
 
@@ -34,6 +38,8 @@ def test_aot_export_lowers_forward_and_backward_kernels_for_sm90():
             "chunk_cumsum_bwd_kernel", "param_grads_bwd_kernel"} <= set(kernels), kernels
     assert exported.platforms == ("cuda",)
     assert len(exported.serialize()) > 0
+    # Every launch names the target XLA may record into a command buffer.
+    assert set(re.findall(r"stablehlo.custom_call @(\w+)\(", exported.mlir_module())) == {aot.CUTILE_CUSTOM_CALL}
 
 
 def test_aot_target_is_scoped():
@@ -41,3 +47,29 @@ def test_aot_target_is_scoped():
     with aot.cuda_target("sm_90"):
         assert problem.gpu_unavailable_reason() is None
     assert problem.gpu_unavailable_reason() is not None  # this CPU machine
+
+
+def test_the_launch_target_is_registered_for_command_buffers():
+    # On this CPU-only jaxlib the CUDA registrations wait in xla_client's queue, traits included.
+    pending = {name: traits for name, _, _, traits in xla_client._custom_callback.get("CUDA", [])}
+    assert pending[aot.CUTILE_CUSTOM_CALL] == xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+    assert pending["cutile_launch"] == xla_client.CustomCallTargetTraits.DEFAULT  # cuda.tile.jax's own
+
+
+def copy_kernel(x, out, TILE: ct.Constant[int]):
+    """A cuTile kernel of another package (this module): out = x."""
+    ct.store(out, index=(ct.bid(0),), tile=ct.load(x, index=(ct.bid(0),), shape=(TILE,)))
+
+
+COPY_KERNEL = ct.kernel(copy_kernel)
+
+
+def test_a_cutile_kernel_of_another_package_keeps_cutile_s_own_target():
+    def compile_fn(kernel, constraints, arch):
+        return _compat.kernel_signature(kernel, constraints).symbol, b"not a cubin"
+
+    x = jnp.ones((64,), jnp.float32)
+    with aot.cuda_target("sm_90"), compile_ahead.using(compile_ahead.KernelCompiler(compile_fn=compile_fn)):
+        text = jax.jit(lambda x: cutile_call((4,), COPY_KERNEL, (x, OutputPlaceholder((64,), jnp.float32), 16))
+                       ).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"stablehlo.custom_call @(\w+)\(", text) == ["cutile_launch"]

@@ -8,7 +8,8 @@ import pytest
 
 import jax_mamba2
 from jax_mamba2 import reference
-from tests._helpers import TOLERANCE, make_ssd_args, rel_l2, to_float64
+from jax_mamba2.bridge.aot import CUTILE_CUSTOM_CALL
+from tests._helpers import TOLERANCE, hlo_launch_computations, make_ssd_args, rel_l2, to_float64
 
 pytestmark = pytest.mark.gpu
 
@@ -143,7 +144,7 @@ def test_cutile_ffi_and_callback_agree_bitwise():
 def test_cutile_auto_picks_kernel_and_matches_xla():
     args, kwargs = make_ssd_args(14, batch=2, seqlen=256, nheads=4, headdim=64, dstate=64)
     f = jax.jit(lambda *a: jax_mamba2.ssd(*a, 64, **kwargs))
-    assert "cutile_launch" in f.lower(*args).as_text()
+    assert CUTILE_CUSTOM_CALL in f.lower(*args).as_text()
     y_xla = jax_mamba2.ssd(*args, 64, **kwargs, backend="xla")
     assert rel_l2(f(*args), y_xla) < 5e-3
 
@@ -396,3 +397,23 @@ def test_cutile_autotune_tunes_a_training_step_ahead_of_time_and_the_step_stays_
     finally:
         tuning.clear_memory()
         lookup.autotune_enabled.cache_clear()
+
+
+def test_xla_records_the_kernel_launches_in_command_buffers():
+    """The forward and backward kernels lie in computations XLA outlined as command buffers (CUDA graphs), with
+    command buffers off in none, and compute the same values either way (deterministic backward)."""
+    args, kwargs = make_ssd_args(16, batch=2, seqlen=256, nheads=4, headdim=64, dstate=64)
+
+    def loss(*args):
+        y = jax_mamba2.ssd(*args, 64, **kwargs, backend="cutile", check_finite=False, deterministic_backward=True)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args)
+    recorded = lowered.compile({"xla_gpu_graph_min_graph_size": 1})
+    launched = lowered.compile({"xla_gpu_enable_command_buffer": ""})
+    computations = {name: [c for _, c in hlo_launch_computations(compiled.as_text(), CUTILE_CUSTOM_CALL)]
+                    for name, compiled in (("recorded", recorded), ("launched", launched))}
+    assert computations["recorded"] and all(c.startswith("command_buffer") for c in computations["recorded"]), \
+        computations
+    assert computations["launched"] and not any(c.startswith("command_buffer") for c in computations["launched"])
+    for a, b in zip(jax.tree.leaves(recorded(*args)), jax.tree.leaves(launched(*args))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

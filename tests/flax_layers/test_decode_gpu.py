@@ -1,7 +1,6 @@
 """Decoding on the cuTile backend in the parameters' dtype (run on the H200; skipped elsewhere): the compiled
 token step converts no weight matrix, generate launches only the forward kernels and the fused step's, and
 greedy tokens are the uncached forward's argmax."""
-import re
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +9,9 @@ import pytest
 from flax import nnx
 
 from benchmarks.decode_kernels import DECODE_KERNELS
+from jax_mamba2.bridge.aot import CUTILE_CUSTOM_CALL
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, cast_params, generate
+from tests._helpers import hlo_launch_computations
 from tests.flax_layers._programs import hlo_weight_conversions
 
 pytestmark = pytest.mark.gpu
@@ -52,8 +53,7 @@ def test_compiled_step_of_a_cast_model_converts_no_weight():
 def test_compiled_generate_launches_the_forward_kernels_and_the_fused_step_only():
     model = _model(param_dtype=jnp.bfloat16)
     hlo = jax.jit(lambda prompt: generate(model, prompt, 8)).lower(_prompt(0, 200)).compile().as_text()
-    launches = [line for line in hlo.splitlines() if 'custom_call_target="cutile_launch"' in line]
-    kernels = [re.search(r'function_name\s*=\s*\\?"([^"\\]+)', line).group(1) for line in launches]
+    kernels = [kernel for kernel, _ in hlo_launch_computations(hlo, CUTILE_CUSTOM_CALL)]
     steps = [k for k in kernels if k.startswith(DECODE_KERNELS)]
     forward = [k for k in kernels if k not in steps]
     # The decode loop: per layer the two projections' norm and product kernels and the mixer step, the head's
@@ -64,6 +64,22 @@ def test_compiled_generate_launches_the_forward_kernels_and_the_fused_step_only(
     assert count == {"decode_norm_kernel": projections, "decode_project_kernel": projections,
                      "decode_split_sum_kernel": CONFIG.n_layer + 1, "mixer_step_kernel": CONFIG.n_layer}, kernels
     assert forward and all("fwd" in k for k in forward), kernels  # the prompt: forward kernels, no backward
+
+
+def test_xla_records_each_decode_step_in_a_command_buffer():
+    """Under XLA's default flags the decode loop's launches lie in computations XLA outlined as command buffers
+    (one CUDA graph launch per token step); with command buffers off, in none. Tokens are the same."""
+    model, prompt = _model(param_dtype=jnp.bfloat16), _prompt(2, 40)
+    lowered = jax.jit(lambda prompt: generate(model, prompt, 8)).lower(prompt)
+    recorded, launched = lowered.compile(), lowered.compile({"xla_gpu_enable_command_buffer": ""})
+
+    def step_computations(compiled):
+        return [c for k, c in hlo_launch_computations(compiled.as_text(), CUTILE_CUSTOM_CALL)
+                if k.startswith(DECODE_KERNELS)]
+    assert step_computations(recorded)
+    assert all(c.startswith("command_buffer") for c in step_computations(recorded)), step_computations(recorded)
+    assert not any(c.startswith("command_buffer") for c in step_computations(launched))
+    np.testing.assert_array_equal(np.asarray(recorded(prompt)), np.asarray(launched(prompt)))
 
 
 def test_greedy_bf16_tokens_are_the_uncached_forward_argmax_up_to_ties():
