@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|decode|decode-matrix|conv-ncu [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|decode|decode-matrix|command-buffers|conv-ncu [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|decode|decode-matrix|conv-ncu [OUT]}
+part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|decode|decode-matrix|command-buffers|conv-ncu [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 if [ "$part" = lm-step ] || [ "$part" = decode-matrix ]; then  # the peer's build needs the machine's CUDA
@@ -172,6 +172,21 @@ case $part in
     wait "$peer_build"
     step lm_decode_peer 200 python benchmarks/lm_decode.py --configs "${configs[@]}" --impls mamba_ssm \
       --param-dtypes "$dtype" --mamba-ssm .peers --causal-conv1d /tmp/ccsite --worker-timeout 120 --out "$out"
+    ;;
+  command-buffers)  # the package's launches in XLA's command buffers (CUDA graphs): the GPU tests of the capture and
+    # of the decode loop, then the decode step (d1024-l24, bf16, batches 1 and 64) with command buffers off, as XLA
+    # defaults them and over loops, and the unrolled training step as XLA defaults them and off (about 9 minutes)
+    export JAX_MAMBA2_AUTOTUNE=0
+    step command_buffer_tests 150 python -m pytest -m gpu -q -rf -n 2 -p no:cacheprovider \
+      tests/bridge/test_cutile_gpu.py -k command_buffer
+    step decode_gpu_tests 100 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider tests/flax_layers/test_decode_gpu.py
+    step lm_decode_command_buffers 150 python benchmarks/lm_decode.py --configs d1024-l24 --impls cutile \
+      --param-dtypes bfloat16 --batches 1 64 --prompt-lengths --command-buffers off default loop --worker-timeout 90 \
+      --out "$out"
+    for buffers in default off; do
+      step "lm_step_command_buffers_$buffers" 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 \
+        --impls cutile --unroll-layers --no-profile --command-buffers "$buffers" --worker-timeout 100 --out "$out"
+    done
     ;;
   conv-ncu)  # Nsight Compute's full set of the conv kernels (forward and backward, the LM's layout at d_model 1024),
     # to see what bounds them at 3-4x their bandwidth floor: details and the SASS with its stall samples per
