@@ -199,7 +199,8 @@ def _xla_vjp(inputs: SSDInputs, static: SSDStatic, dy, dfinal, saved=None):
 
 # Non-finite values. The kernels mix the tokens of a chunk in matrix products and mask by multiplying with 0,
 # so a NaN or inf reaches other tokens and packed sequences of its batch row. Rather than sanitize every input
-# (a pass that writes all of them on every call), each kernel call is guarded by one read of what it consumes:
+# (a pass that writes all of them on every call), each kernel call is guarded by one read of what it consumes
+# (the backward's of its cotangents alone: the forward's verdict on the inputs is saved for it):
 # when every entry is finite the kernels run, inside the taken branch of a `lax.cond` so that their outputs are
 # the conditional's own buffers (a branch that only forwards arrays computed outside it gets them copied);
 # otherwise the call is recomputed on the xla path, which confines them as the recurrence does, one batch row at
@@ -232,31 +233,34 @@ def _all_finite_vmap(axis_size, in_batched, tree):
     return _all_finite(tree), False
 
 
+def _on_every_shard(finite: jax.Array) -> jax.Array:
+    """A shard's () bool verdict as every shard's under shard_map: False on all when it is False on one (required
+    when the recompute holds a collective, which every shard must join); as it is outside shard_map."""
+    axes = varying_axes(finite)
+    if not axes:
+        return finite
+    return jax.lax.psum(jnp.logical_not(finite).astype(jnp.int32), tuple(sorted(axes))) == 0
+
+
 def _verdict(checked, same_on_every_shard: bool) -> jax.Array:
-    """() bool: every entry of `checked` is finite. `same_on_every_shard`: under shard_map, False on every
-    shard when one shard has a non-finite entry (required when the recompute holds a collective, which every
-    shard must join)."""
-    finite = _all_finite(checked)
-    if same_on_every_shard and varying_axes(finite):
-        # The shard-local arrays' verdict is summed over the shards; the replicated arrays' is alike on all.
-        leaves = jax.tree.leaves(checked)
-        local = [leaf for leaf in leaves if varying_axes(leaf)]
-        axes = tuple(sorted(frozenset().union(*map(varying_axes, local))))
-        finite = jax.lax.psum(jnp.logical_not(_all_finite(local)).astype(jnp.int32), axes) == 0
-        shared = [leaf for leaf in leaves if not varying_axes(leaf)]
-        if shared:
-            finite = finite & _all_finite(shared)
-    return finite
+    """() bool: every entry of `checked` is finite. `same_on_every_shard`: the same verdict on every shard
+    (`_on_every_shard`)."""
+    if not same_on_every_shard:
+        return _all_finite(checked)
+    # The shard-local arrays' verdict is combined over the shards; the replicated arrays' is alike on all.
+    leaves = jax.tree.leaves(checked)
+    finite = _on_every_shard(_all_finite([leaf for leaf in leaves if varying_axes(leaf)]))
+    shared = [leaf for leaf in leaves if not varying_axes(leaf)]
+    return finite & _all_finite(shared) if shared else finite
 
 
-def _kernels_unless_nonfinite(static: SSDStatic, kernels: Callable, recompute: Callable, checked, *operands,
-                              same_on_every_shard: bool = False):
-    """kernels(*operands) when every entry of `checked` (what the kernels consume) is finite, else
-    recompute(*operands), which returns arrays of the same types; kernels(*operands) unchecked without
-    `static.check_finite`."""
+def _kernels_unless(static: SSDStatic, finite: Optional[jax.Array], kernels: Callable, recompute: Callable,
+                    *operands):
+    """kernels(*operands) when `finite` (the verdict on what the kernels consume) holds, else recompute(*operands),
+    which returns arrays of the same types; kernels(*operands) unchecked without `static.check_finite`."""
     if not static.check_finite:
         return kernels(*operands)
-    return jax.lax.cond(_verdict(checked, same_on_every_shard), kernels, recompute, *operands)
+    return jax.lax.cond(finite, kernels, recompute, *operands)
 
 
 def _zeros_like_result(fn: Callable, *operands):
@@ -298,8 +302,9 @@ def _xla_vjp_by_rows(inputs: SSDInputs, static: SSDStatic, dy, dfinal):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _opaque_ssd(backend: registry.Backend, static: SSDStatic, inputs: SSDInputs):
-    return _kernels_unless_nonfinite(static, lambda inputs: backend.forward(inputs, static),
-                                     lambda inputs: _xla_forward_by_rows(inputs, static), inputs, inputs)
+    finite = _verdict(inputs, False) if static.check_finite else None
+    return _kernels_unless(static, finite, lambda inputs: backend.forward(inputs, static),
+                           lambda inputs: _xla_forward_by_rows(inputs, static), inputs)
 
 
 def _opaque_ssd_fwd(backend, static, inputs):
@@ -311,14 +316,16 @@ def _opaque_ssd_fwd(backend, static, inputs):
             return backend.forward_saving(inputs, static)
 
     def recompute(inputs):
-        # Nothing is saved: the backward sees the same non-finite inputs and recomputes too.
+        # Nothing is saved: the backward sees the forward's verdict and recomputes too.
         return _xla_forward_by_rows(inputs, static), _zeros_like_result(lambda inputs: kernels(inputs)[1], inputs)
-    outputs, saved = _kernels_unless_nonfinite(static, kernels, recompute, inputs, inputs)
-    return outputs, (inputs, saved)
+    # The verdict on the inputs is saved: the backward checks only its cotangents.
+    finite = _verdict(inputs, False) if static.check_finite else None
+    outputs, saved = _kernels_unless(static, finite, kernels, recompute, inputs)
+    return outputs, (inputs, saved, finite)
 
 
 def _opaque_ssd_bwd(backend, static, residuals, cotangents):
-    inputs, saved = residuals
+    inputs, saved, inputs_finite = residuals
     dy, dfinal = cotangents
     if backend.backward is None:
         return (_xla_vjp(inputs, static, dy, dfinal),)
@@ -329,9 +336,12 @@ def _opaque_ssd_bwd(backend, static, residuals, cotangents):
     def recompute(inputs, dy, dfinal, saved):
         del saved
         return _xla_vjp_by_rows(inputs, static, dy, dfinal)
-    # Under shard_map the recompute sums the replicated parameters' gradients over the shards.
-    return (_kernels_unless_nonfinite(static, kernels, recompute, (inputs, dy, dfinal), inputs, dy, dfinal,
-                                      saved, same_on_every_shard=True),)
+    # Under shard_map the recompute sums the replicated parameters' gradients over the shards: every shard must
+    # take the same branch.
+    finite = None
+    if static.check_finite:
+        finite = _on_every_shard(inputs_finite) & _verdict((dy, dfinal), True)
+    return (_kernels_unless(static, finite, kernels, recompute, inputs, dy, dfinal, saved),)
 
 
 _opaque_ssd.defvjp(_opaque_ssd_fwd, _opaque_ssd_bwd)

@@ -2,10 +2,10 @@
 scan (see tests/_nonfinite_checks.py).
 
 The kernels alone do not confine a non-finite value to its sequence: they mix the tokens of a 64-token
-chunk in matrix products, where a token's 0 weight times another's NaN is NaN. The op checks each kernel
-call's outputs (forward: y and the final states; backward: every gradient) and recomputes a call whose
-outputs are not all finite on the xla path (jax_mamba2/op.py), so through `ssd` a NaN stays where the
-recurrence puts it, and an all-finite call returns the kernels' outputs themselves.
+chunk in matrix products, where a token's 0 weight times another's NaN is NaN. The op checks what each kernel
+call consumes (forward: its inputs; backward: its cotangents, and the forward's verdict on the inputs) and
+recomputes a call given a value that is not finite on the xla path (jax_mamba2/op.py), so through `ssd` a NaN
+stays where the recurrence puts it, and an all-finite call returns the kernels' outputs themselves.
 """
 import functools
 
@@ -114,14 +114,17 @@ def test_emulated_cutile_nan_in_one_packed_sequence_leaves_the_next_finite():
     assert_packed_reproduction_confined(EMULATED_SSD, headdim=16, dstate=16)
 
 
+def _equations(jaxpr):
+    """Every equation of a (closed) jaxpr, its sub-jaxprs' included."""
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        yield eqn
+        for sub in jaxprs_in_params(eqn.params):
+            yield from _equations(sub)
+
+
 def _primitives(jaxpr) -> set:
     """The names of every primitive in a (closed) jaxpr, its sub-jaxprs included."""
-    names = set()
-    for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
-        for sub in jaxprs_in_params(eqn.params):
-            names |= _primitives(sub)
-    return names
+    return {eqn.primitive.name for eqn in _equations(jaxpr)}
 
 
 def _unguarded_outputs_and_grads(inputs, weights):
@@ -151,6 +154,21 @@ def test_emulated_cutile_all_finite_call_returns_the_kernels_outputs_bit_for_bit
     assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(xla)))
     program = jax.make_jaxpr(functools.partial(outputs_and_grads, EMULATED_SSD, nonlinear=True))(inputs, weights)
     assert "cond" in _primitives(program.jaxpr)
+
+
+def test_emulated_cutile_backward_checks_its_cotangents_and_not_the_inputs_again():
+    """The forward's verdict on the inputs is a residual: the gradient's program checks x, B and C once (in the
+    forward) and the cotangent of y (x's shape) once (in the backward)."""
+    inputs, _ = make_problem(4)
+
+    def loss(x, dt, A, B, C):
+        y, final = EMULATED_SSD(x, dt, A, B, C, D=inputs["D"], dt_bias=inputs["dt_bias"], dt_softplus=True,
+                                seq_idx=inputs["seq_idx"])
+        return jnp.sum(jnp.sin(y)) + jnp.sum(jnp.sin(final))
+    program = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*(inputs[n] for n in ("x", "dt", "A", "B", "C")))
+    checked = [eqn.invars[0].aval.shape for eqn in _equations(program.jaxpr) if eqn.primitive.name == "is_finite"]
+    assert checked.count(inputs["x"].shape) == 2, checked  # x, then dy
+    assert checked.count(inputs["B"].shape) == 2, checked  # B and C
 
 
 def test_emulated_cutile_vmap_keeps_the_check_a_branch_and_confines_per_item():
