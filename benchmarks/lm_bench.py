@@ -18,6 +18,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,36 @@ COMMAND_BUFFER_FLAGS = {
     "off": "--xla_gpu_enable_command_buffer=",
     "loop": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1",
 }
+
+
+_HLO_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_KERNEL_NAME = re.compile(r'function_name\s*=\s*\\?"([^"\\]+)')
+# What XLA names the computations it outlines as command buffers (each recorded into one CUDA graph).
+COMMAND_BUFFER_COMPUTATION = "command_buffer"
+
+
+def launch_computations(hlo_text: str, target: str) -> list[tuple[str, str]]:
+    """(kernel symbol, name of the HLO computation holding it) of every custom call to `target` (a cuTile launch
+    target) in an HLO module's text; in a compiled module the launches XLA records into its command buffers lie in
+    computations named COMMAND_BUFFER_COMPUTATION...."""
+    found, computation = [], ""
+    for line in hlo_text.splitlines():
+        header = _HLO_COMPUTATION.match(line)
+        if header:
+            computation = header.group(1)
+        elif f'custom_call_target="{target}"' in line:
+            found.append((_KERNEL_NAME.search(line).group(1), computation))
+    return found
+
+
+def command_buffer_launches(hlo_text: str) -> dict:
+    """Of jax_mamba2's cuTile launches in a compiled program's HLO text: how many there are and how many of them XLA
+    records into command buffers."""
+    from jax_mamba2.bridge.aot import CUTILE_CUSTOM_CALL
+
+    computations = [c for _, c in launch_computations(hlo_text, CUTILE_CUSTOM_CALL)]
+    return {"launches": len(computations),
+            "in_command_buffers": sum(c.startswith(COMMAND_BUFFER_COMPUTATION) for c in computations)}
 
 
 def command_buffer_env(buffers: str) -> dict:

@@ -134,18 +134,26 @@ def per_token_profile(short: dict, long: dict, decode_steps: int) -> dict:
             "top_gaps_long_call": long["top_gaps"]}
 
 
-def _profile_generate(model, prompt, decode_steps: int) -> dict:
-    """`per_token_profile` of generate on `prompt`, each length compiled as its own program for its HLO text."""
+def _compiled_generate(model, prompt, new_tokens: int):
+    """generate(model, prompt, new_tokens) compiled as a program of the model's state and the prompt (for its HLO
+    text), and that state."""
     import jax
     from flax import nnx
 
     from jax_mamba2.flax_layers import generate
 
     graphdef, state = nnx.split(model)
+    program = jax.jit(lambda state, prompt: generate(nnx.merge(graphdef, state), prompt, new_tokens))
+    return program.lower(state, prompt).compile(), state
+
+
+def _profile_generate(model, prompt, decode_steps: int) -> dict:
+    """`per_token_profile` of generate on `prompt`, each length compiled as its own program for its HLO text."""
+    import jax
+
     profiles = []
     for new_tokens in (1, 1 + decode_steps):
-        program = jax.jit(lambda state, prompt, n=new_tokens: generate(nnx.merge(graphdef, state), prompt, n))
-        compiled = program.lower(state, prompt).compile()
+        compiled, state = _compiled_generate(model, prompt, new_tokens)
         jax.block_until_ready(compiled(state, prompt))  # warm: the profile holds the steady state only
         profiles.append(lm_bench.profile_calls(lambda: compiled(state, prompt), compiled.as_text(), calls=1,
                                               top=PROFILE_TOP_KERNELS))
@@ -164,7 +172,7 @@ def decode_ours(job: dict) -> dict:
     vocab = model.config.vocab_size
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
     state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(model.init_cache(1)))
-    batches = {}
+    batches, command_buffer_launches = {}, None
     for batch in job["batches"]:
         prompt = jax.random.randint(jax.random.key(batch), (batch, PROMPT_TOKENS), 0, vocab, jnp.int32)
         first_s, short_ms = _timed_generate(model, prompt, 1, job["repeats"], job["warmup_seconds"])
@@ -179,6 +187,9 @@ def decode_ours(job: dict) -> dict:
                        error="the decode steps are within the prefill's timing noise: raise --decode-steps")
         if job.get("profile"):
             row["profile"] = _profile_generate(model, prompt, job["decode_steps"])
+        if command_buffer_launches is None:  # what XLA records into command buffers: the same at every batch
+            compiled, _ = _compiled_generate(model, prompt, 1 + job["decode_steps"])
+            command_buffer_launches = lm_bench.command_buffer_launches(compiled.as_text())
         batches[str(batch)] = row
     prefill = {}
     for length in job["prompt_lengths"]:
@@ -187,7 +198,7 @@ def decode_ours(job: dict) -> dict:
     peak = lm_bench.jax_peak_bytes()
     del model
     return {"batches": batches, "prefill_ms": prefill, "weight_bytes": weight_bytes,
-            "decode_step": decode_step,
+            "decode_step": decode_step, "command_buffer_launches": command_buffer_launches,
             "state_bytes_per_row": state_bytes, "peak_memory_bytes": peak,
             "device_rates": lm_bench.jax_device_rates(), "environment": environment(),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}

@@ -325,6 +325,7 @@ def train_ours(job: dict) -> dict:
     timing = lm_bench.time_calls(call, jax.block_until_ready, steps=job["steps"],
                                  warmup_seconds=job["warmup_seconds"], pipelined=job.get("pipelined_steps", 0))
     memory = compiled.memory_analysis()
+    hlo_text = compiled.as_text()
     record = {
         "timing": timing.__dict__, "compile_s": compile_s,
         "first_step": {**first_step, "run_s": timing.first_call_s}, "loss_impl": loss_impl,
@@ -335,8 +336,8 @@ def train_ours(job: dict) -> dict:
                                                   "alias_size_in_bytes", "temp_size_in_bytes")},
         "environment": environment(), "xla_options": job.get("xla_options") or {},
         "logits_dtype": job.get("logits_dtype") if loss_impl == "model" else None,
+        "command_buffer_launches": lm_bench.command_buffer_launches(hlo_text),
     }
-    hlo_text = compiled.as_text() if job["profile_steps"] or job.get("hlo_dir") else None
     if job.get("hlo_dir"):
         record["hlo_path"] = str(save_hlo(hlo_text, Path(job["hlo_dir"]), record_name(job)))
     if job["profile_steps"]:

@@ -1,7 +1,5 @@
-"""Test inputs, error measures and HLO reading shared by the tests (reference, op, bridge, kernels, layers)."""
+"""Test inputs and error measures shared by the SSD tests (reference, op, bridge, kernels)."""
 from __future__ import annotations
-
-import re
 
 import jax
 import jax.numpy as jnp
@@ -63,20 +61,3 @@ def to_float64(tree):
         lambda a: a.astype(jnp.float64) if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)
         else a, tree)
 
-
-_HLO_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
-_KERNEL_NAME = re.compile(r'function_name\s*=\s*\\?"([^"\\]+)')
-
-
-def hlo_launch_computations(hlo_text: str, target: str) -> list[tuple[str, str]]:
-    """(kernel symbol, name of the HLO computation holding it) of every custom call to `target` (a cuTile launch
-    target) in an HLO module's text: in a compiled module, XLA's command buffers are computations named
-    "command_buffer..." that the launches they record sit in."""
-    found, computation = [], ""
-    for line in hlo_text.splitlines():
-        header = _HLO_COMPUTATION.match(line)
-        if header:
-            computation = header.group(1)
-        elif f'custom_call_target="{target}"' in line:
-            found.append((_KERNEL_NAME.search(line).group(1), computation))
-    return found

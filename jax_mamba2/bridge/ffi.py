@@ -1,9 +1,9 @@
 """Executes a kernel `Plan` as XLA FFI custom calls (`cuda.tile.jax.cutile_call`) on XLA's stream.
 
-Each launch becomes one custom call, of a target XLA may record into its command buffers (CUDA graphs) with the
-kernels around it (`_compat.register_command_buffer_launches`, done on import): arrays the launch writes for the first time become
-`OutputPlaceholder`s (XLA allocates them), arrays written again become `InputOutput`s (aliased in
-place), everything else is a read-only input. Kernels are compiled to cubins when the jitted program
+Each launch becomes one custom call, of a target XLA may record into its command buffers (CUDA graphs) with
+the kernels around it (`_compat.register_command_buffer_launches`, done on import): arrays the launch writes for
+the first time become `OutputPlaceholder`s (XLA allocates them), arrays written again become `InputOutput`s
+(aliased in place), everything else is a read-only input. Kernels are compiled to cubins when the jitted program
 is lowered, all of a program's at once (`compile_ahead`: each launch is noted as it is traced); the
 cubin travels inside the HLO.
 """

@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 from benchmarks.decode_kernels import DECODE_KERNELS
+from benchmarks.lm_bench import COMMAND_BUFFER_COMPUTATION, launch_computations
 from jax_mamba2.bridge.aot import CUTILE_CUSTOM_CALL
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, cast_params, generate
-from tests._helpers import hlo_launch_computations
 from tests.flax_layers._programs import hlo_weight_conversions
 
 pytestmark = pytest.mark.gpu
@@ -53,7 +53,7 @@ def test_compiled_step_of_a_cast_model_converts_no_weight():
 def test_compiled_generate_launches_the_forward_kernels_and_the_fused_step_only():
     model = _model(param_dtype=jnp.bfloat16)
     hlo = jax.jit(lambda prompt: generate(model, prompt, 8)).lower(_prompt(0, 200)).compile().as_text()
-    kernels = [kernel for kernel, _ in hlo_launch_computations(hlo, CUTILE_CUSTOM_CALL)]
+    kernels = [kernel for kernel, _ in launch_computations(hlo, CUTILE_CUSTOM_CALL)]
     steps = [k for k in kernels if k.startswith(DECODE_KERNELS)]
     forward = [k for k in kernels if k not in steps]
     # The decode loop: per layer the two projections' norm and product kernels and the mixer step, the head's
@@ -73,12 +73,11 @@ def test_xla_records_each_decode_step_in_a_command_buffer():
     lowered = jax.jit(lambda prompt: generate(model, prompt, 8)).lower(prompt)
     recorded, launched = lowered.compile(), lowered.compile({"xla_gpu_enable_command_buffer": ""})
 
-    def step_computations(compiled):
-        return [c for k, c in hlo_launch_computations(compiled.as_text(), CUTILE_CUSTOM_CALL)
-                if k.startswith(DECODE_KERNELS)]
-    assert step_computations(recorded)
-    assert all(c.startswith("command_buffer") for c in step_computations(recorded)), step_computations(recorded)
-    assert not any(c.startswith("command_buffer") for c in step_computations(launched))
+    def in_command_buffers(compiled):
+        return [c.startswith(COMMAND_BUFFER_COMPUTATION)
+                for k, c in launch_computations(compiled.as_text(), CUTILE_CUSTOM_CALL) if k.startswith(DECODE_KERNELS)]
+    assert in_command_buffers(recorded) and all(in_command_buffers(recorded)), in_command_buffers(recorded)
+    assert in_command_buffers(launched) and not any(in_command_buffers(launched))
     np.testing.assert_array_equal(np.asarray(recorded(prompt)), np.asarray(launched(prompt)))
 
 
