@@ -3,9 +3,11 @@ the projection kernel's tiles and hints.
 
 Cases, for the LM of --d-model (24 layers, d_state 128, headdim 64, expand 2, vocab 50280):
   in_proj   norm_project: the block's residual add + RMSNorm, then x @ in_proj (d_model x d_in_proj)
-  out_proj  norm_project: the gated RMSNorm (gate read from in_proj's output), then y @ out_proj (d_inner x d_model)
+  out_proj  norm_project: the gated RMSNorm (gate read from in_proj's output; its statistics the mixer step's sums
+            of squares, as in the LM's step: one launch, the product normalizing), then y @ out_proj (d_inner x d_model)
   head      norm_project: the final add + RMSNorm, then x @ embedding^T (the tied LM head, one layer)
-  mixer     mixer_step: the conv step + SSD state update of one layer (state in the parameters' dtype)
+  mixer     mixer_step: the conv step + SSD state update of one layer (state in the parameters' dtype), with the
+            gated norm's sums of squares (as in the LM's step)
 Parameters (--param-dtypes) bfloat16 or float32; activations bfloat16; rows = --batches.
 
 Timing: one jitted program launches the kernel once for each of the 24 layers of the stacked parameters (the head
@@ -103,12 +105,16 @@ def _arrays(case: str, s: Shapes, rows: int, param_dtype, key):
             x, weight, norm_weight=norm_weight, residual=residual, residual_dtype=jnp.float32, layer=layer,
             dtype=bf16)), arrays, floor
     if case == "out_proj":
+        from jax_mamba2.kernels.decode_mixer import sum_squares_parts
+        parts = sum_squares_parts(mixer_dims(s, rows, param_dtype))
         arrays = dict(y=normal((rows, s.d_inner), bf16), z=normal((rows, s.d_in_proj), bf16),
                       weight=normal((LAYERS, s.d_inner, s.d_model), param_dtype, s.d_inner ** -0.5),
-                      norm_weight=normal((LAYERS, s.d_inner), param_dtype, 0.1) + 1)
-        floor = s.d_inner * s.d_model * itemsize + rows * (s.d_inner * 4 + s.d_model * 2)
-        return (lambda layer, y, z, weight, norm_weight: decode.norm_project(
-            y, weight, norm_weight=norm_weight, z=z, layer=layer, dtype=bf16)), arrays, floor
+                      norm_weight=normal((LAYERS, s.d_inner), param_dtype, 0.1) + 1,
+                      sum_squares=jnp.abs(normal((rows, parts), jnp.float32, s.d_inner / parts)))
+        floor = s.d_inner * s.d_model * itemsize + rows * (s.d_inner * 4 + s.d_model * 2 + parts * 4)
+        return (lambda layer, y, z, weight, norm_weight, sum_squares: decode.norm_project(
+            y, weight, norm_weight=norm_weight, z=z, layer=layer, dtype=bf16, sum_squares=sum_squares)), arrays, \
+            floor
     if case == "head":  # a stack of LAYERS embeddings: every launch reads its own (no two are the same call)
         arrays = dict(x=normal((rows, s.d_model), bf16), residual=normal((rows, s.d_model), jnp.float32),
                       embedding=normal((LAYERS, VOCAB, s.d_model), param_dtype, 0.02),
@@ -129,7 +135,7 @@ def _arrays(case: str, s: Shapes, rows: int, param_dtype, key):
     return (lambda layer, zxbcdt, conv_state, ssm_state, **params: decode.mixer_step(
         zxbcdt, conv_state, ssm_state, params["conv_weight"], params["conv_bias"], params["A_log"],
         params["dt_bias"], params["D"], nheads=s.nheads, headdim=s.headdim, ngroups=1, dstate=s.d_state,
-        xbc_offset=s.d_inner, dt_offset=s.d_inner + s.conv_dim, layer=layer)), arrays, floor
+        xbc_offset=s.d_inner, dt_offset=s.d_inner + s.conv_dim, norm_z_offset=0, layer=layer)), arrays, floor
 
 
 def _program(fn, case: str):
@@ -143,8 +149,8 @@ def _program(fn, case: str):
     def run_mixer(arrays, ssm_state):
         outs = []
         for layer in range(LAYERS):
-            y, ssm_state, conv_state = fn(layer, ssm_state=ssm_state, **arrays)
-            outs.append((y, conv_state))
+            y, ssm_state, conv_state, sum_squares = fn(layer, ssm_state=ssm_state, **arrays)
+            outs.append((y, conv_state, sum_squares))
         return outs, ssm_state
 
     held = {}
@@ -199,7 +205,8 @@ def mixer_dims(s: Shapes, rows: int, param_dtype):
     from jax_mamba2.kernels.decode_mixer import MixerStepDims
     name = jnp.dtype(param_dtype).name
     return MixerStepDims(rows=rows, nheads=s.nheads, headdim=s.headdim, ngroups=1, dstate=s.d_state,
-                         in_width=s.d_in_proj, xbc_offset=s.d_inner, dt_offset=s.d_inner + s.conv_dim, layers=LAYERS,
+                         in_width=s.d_in_proj, xbc_offset=s.d_inner, dt_offset=s.d_inner + s.conv_dim, norm_z_offset=0,
+                         layers=LAYERS,
                          conv_state_dtype=name, ssm_state_dtype=name, conv_weight_dtype=name, A_log_dtype=name,
                          dt_bias_dtype=name, D_dtype=name)
 
@@ -225,8 +232,10 @@ def projection_dims(case: str, s: Shapes, rows: int, param_dtype):
                               has_residual=True, write_residual=True, residual_dtype="float32",
                               residual_in_dtype="float32", weight_dtype=name, norm_weight_dtype=name)
     if case == "out_proj":
+        from jax_mamba2.kernels.decode_mixer import sum_squares_parts
         return ProjectionDims(rows=rows, features=s.d_inner, out_features=s.d_model, layers=LAYERS, has_norm=True,
-                              z_width=s.d_in_proj, weight_dtype=name, norm_weight_dtype=name)
+                              z_width=s.d_in_proj, weight_dtype=name, norm_weight_dtype=name,
+                              norm_parts=sum_squares_parts(mixer_dims(s, rows, param_dtype)))
     return ProjectionDims(rows=rows, features=s.d_model, out_features=VOCAB, layers=LAYERS, has_norm=True,
                           has_residual=True,
                           write_residual=True, residual_dtype="float32", residual_in_dtype="float32",

@@ -102,7 +102,7 @@ def _select(api: str, backend: str, dims_fn):
 def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=None, z=None, z_offset: int = 0,
                  group_size: Optional[int] = None, norm_before_gate: bool = False, eps: float = 1e-5, bias=None,
                  transpose_weight: bool = False, layer=None, dtype=None, x_dtype=None, return_partials: bool = False,
-                 backend: str = "auto"):
+                 sum_squares=None, backend: str = "auto"):
     """A decode projection: (residual add, gated grouped RMSNorm,) then the product with a weight matrix.
 
         h   = x (+ residual), rounded to residual_dtype: the new residual stream (when residual_dtype is given)
@@ -130,6 +130,11 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
         bias included, whose sum rounded to dtype is out: a following norm_project takes them as its x and sums
         them in its norm kernel, so that a product whose K is split over blocks needs no launch of its own to
         sum them (parts: that split, 1 on the xla backend).
+      sum_squares: optional (rows, parts) float32: the norm's statistics in pieces, the sums of squares of its input
+        (x, gated by silu(z) unless norm_before_gate), parts / ngroups pieces per group in order (what
+        `mixer_step` returns with norm_z_offset): the norm takes them instead of a pass over x, so on the kernels
+        the product normalizes x as it loads it and the projection is one launch (needs norm_weight; not with
+        residual, residual_dtype or x as partial sums).
       backend: "auto", "cutile", "cutile_callback" or "xla".
 
     Returns:
@@ -189,6 +194,17 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
         raise ValueError(f"{api}: group_size={group_size!r} must be a positive divisor of features={features}")
     if bias is not None:
         check_array(api, "bias", bias, f"{lead_text}out_features)", (*lead, out_features))
+    if sum_squares is not None:
+        ngroups = features // group_size
+        if norm_weight is None or residual is not None or residual_dtype is not None or x_dtype is not None:
+            raise ValueError(f"{api}: sum_squares are the statistics of a norm (norm_weight) without residual, "
+                             f"residual_dtype or x as partial sums")
+        check_array(api, "sum_squares", sum_squares)
+        if sum_squares.dtype != jnp.float32:
+            raise TypeError(f"{api}: sum_squares must be float32, got {sum_squares.dtype}")
+        if len(sum_squares.shape) != 2 or sum_squares.shape[0] != rows or sum_squares.shape[1] % ngroups:
+            raise ValueError(f"{api}: sum_squares.shape={tuple(sum_squares.shape)} must be (rows={rows}, a multiple "
+                             f"of the norm's {ngroups} groups)")
     if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not 0 < eps < math.inf:
         raise ValueError(f"{api}: eps={eps!r} must be a positive finite float")
     norm_before_gate = check_flag(api, "norm_before_gate", norm_before_gate)
@@ -207,16 +223,16 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
                        return_partials=return_partials)
 
     def dims(bridge):
-        return bridge.projection_dims(x, residual, z, norm_weight, weight, bias, **options)
+        return bridge.projection_dims(x, residual, z, norm_weight, weight, bias, sum_squares, **options)
 
     selected = _select(api, backend, dims)
     out, residual_out = registry.run_selected(
         selected, lambda b, *arrays: _project(b.kernels, dims, options, *arrays),
-        layer_index, x, residual, z, norm_weight, weight, bias)
+        layer_index, x, residual, z, norm_weight, weight, bias, sum_squares)
     return out if residual_dtype is None else (out, residual_out)
 
 
-def _project_reference(options, layer_index, x, residual, z, norm_weight, weight, bias):
+def _project_reference(options, layer_index, x, residual, z, norm_weight, weight, bias, sum_squares):
     """The xla path on stacked arrays: reference.norm_project on layer layer_index[0]."""
     z_offset, features = options["z_offset"], x.shape[-1]
     norm_weight = _take(norm_weight, layer_index)
@@ -226,7 +242,7 @@ def _project_reference(options, layer_index, x, residual, z, norm_weight, weight
         z=None if z is None else z[:, z_offset:z_offset + features], group_size=options["group_size"],
         norm_before_gate=options["norm_before_gate"], eps=options["eps"], bias=_take(bias, layer_index),
         transpose_weight=options["transpose_weight"], dtype=options["dtype"], x_dtype=options["x_dtype"],
-        partials=options["return_partials"])
+        partials=options["return_partials"], sum_squares=sum_squares)
 
 
 def _project(kernels, dims_fn, options, *arrays):
@@ -236,8 +252,8 @@ def _project(kernels, dims_fn, options, *arrays):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _kernel_project(kernels, dims, options, layer_index, x, residual, z, norm_weight, weight, bias):
-    return kernels.project(dims, layer_index, x, residual, z, norm_weight, weight, bias)
+def _kernel_project(kernels, dims, options, layer_index, x, residual, z, norm_weight, weight, bias, sum_squares):
+    return kernels.project(dims, layer_index, x, residual, z, norm_weight, weight, bias, sum_squares)
 
 
 def _kernel_project_fwd(kernels, dims, options, *arrays):
@@ -275,7 +291,9 @@ def _reference_vjp(fn, arrays, cotangents):
 
 def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias, D, *, nheads: int,
                headdim: int, ngroups: int, dstate: int, xbc_offset: int, dt_offset: int,
-               z_offset: Optional[int] = None, dt_limit=(0.0, math.inf), layer=None, backend: str = "auto"):
+               z_offset: Optional[int] = None, dt_limit=(0.0, math.inf), norm_z_offset: Optional[int] = None,
+               norm_group_size: Optional[int] = None, norm_before_gate: bool = False, layer=None,
+               backend: str = "auto"):
     """One token of a Mamba-2 mixer between in_proj and the gated norm (mamba_ssm `Mamba2.step`'s middle).
 
     Computes `decode_reference.mixer_step`: the causal conv step + SiLU on xBC, then the SSD state update with
@@ -291,13 +309,20 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
       nheads, headdim, ngroups, dstate: the mixer's shape.
       xbc_offset, dt_offset, z_offset: where xBC, dt and (for a gate in the step) z start in zxbcdt's columns.
       dt_limit: (min, max) clip of the time step.
+      norm_z_offset: None, or where the gate of the gated norm that follows starts in zxbcdt (a mixer with the
+        gated norm; z_offset None): the step then also returns the norm's sums of squares, which `norm_project`
+        takes as sum_squares so that the norm needs no pass (and on the kernels no launch) of its own.
+      norm_group_size: that norm's group size (None: every feature), a multiple of headdim.
+      norm_before_gate: that norm's gate placement (the sums are of y gated by silu(z) unless True).
       layer: None (unstacked arrays), or the layer of the stacked ones: an int or an integer scalar array.
       backend: "auto", "cutile", "cutile_callback" or "xla".
 
     Returns:
       (y (rows, nheads * headdim) in zxbcdt's dtype, ssm_state with the layer's state advanced (the stack, with
       `layer`; on the kernels updated in place where XLA can reuse its buffer: donate it, or carry it through a
-      loop), the layer's new conv state (rows, conv_dim, d_conv) in conv_state's dtype).
+      loop), the layer's new conv state (rows, conv_dim, d_conv) in conv_state's dtype), and with norm_z_offset
+      the norm's sums of squares (rows, parts) float32, parts / groups consecutive pieces per group (one per group
+      on the xla backend, one per kernel block of a head's channels on the kernels).
 
     Raises:
       ValueError / TypeError: as `norm_project`.
@@ -322,6 +347,22 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
         if isinstance(z_offset, bool) or not isinstance(z_offset, int) or z_offset < 0:
             raise ValueError(f"{api}: z_offset={z_offset!r} must be None or a non-negative int")
         spans["z"] = (z_offset, d_ssm)
+    norm_before_gate = check_flag(api, "norm_before_gate", norm_before_gate)
+    if norm_z_offset is not None:
+        if isinstance(norm_z_offset, bool) or not isinstance(norm_z_offset, int) or norm_z_offset < 0 \
+                or z_offset is not None:
+            raise ValueError(f"{api}: norm_z_offset={norm_z_offset!r} must be None or a non-negative int, with no "
+                             f"gate in the step (z_offset=None)")
+        spans["the norm's z"] = (norm_z_offset, d_ssm)
+        if norm_group_size is None:
+            norm_group_size = d_ssm
+        if isinstance(norm_group_size, bool) or not isinstance(norm_group_size, int) or norm_group_size < 1 \
+                or norm_group_size % headdim or d_ssm % norm_group_size:
+            raise ValueError(f"{api}: norm_group_size={norm_group_size!r} must be a multiple of headdim={headdim} "
+                             f"dividing nheads * headdim={d_ssm}")
+    elif norm_group_size is not None or norm_before_gate:
+        raise ValueError(f"{api}: norm_group_size and norm_before_gate describe the norm of norm_z_offset, which is "
+                         f"None")
     for name, (start, width) in spans.items():
         if start + width > in_width:
             raise ValueError(f"{api}: {name}'s columns [{start}, {start + width}) must lie inside zxbcdt's "
@@ -352,14 +393,17 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
     if not stack:
         arrays = tuple(a if i == 0 else _stacked(a) for i, a in enumerate(arrays))
     options = _Options(**sizes, z_offset=z_offset, dt_limit=dt_limit)
+    if norm_z_offset is not None:
+        options.update(norm_z_offset=norm_z_offset, norm_group_size=norm_group_size,
+                       norm_before_gate=norm_before_gate)
 
     def dims(bridge):
         return bridge.mixer_dims(*arrays, **options)
 
     selected = _select(api, backend, dims)
-    y, new_ssm_state, new_conv_state = registry.run_selected(
+    y, new_ssm_state, new_conv_state, *sum_squares = registry.run_selected(
         selected, lambda b, *a: _mixer(b.kernels, dims, options, *a), layer_index, *arrays)
-    return y, (new_ssm_state if stack else new_ssm_state[0]), new_conv_state
+    return (y, (new_ssm_state if stack else new_ssm_state[0]), new_conv_state, *sum_squares)
 
 
 def _check_dt_limit(api: str, dt_limit) -> tuple[float, float]:
@@ -379,11 +423,11 @@ def _mixer_reference(options, layer_index, zxbcdt, conv_state, conv_weight, conv
     def take(a):
         return _take(a, layer_index)
 
-    y, new_state, new_conv_state = reference.mixer_step(
+    y, new_state, new_conv_state, *sum_squares = reference.mixer_step(
         zxbcdt, take(conv_state), take(ssm_state), take(conv_weight), take(conv_bias), take(A_log), take(dt_bias),
         take(D), **options)
     ssm_state = jax.lax.dynamic_update_index_in_dim(ssm_state, new_state.astype(ssm_state.dtype), layer_index[0], 0)
-    return y, ssm_state, new_conv_state
+    return (y, ssm_state, new_conv_state, *(s.astype(jnp.float32) for s in sum_squares))
 
 
 def _mixer(kernels, dims_fn, options, *arrays):
@@ -395,9 +439,10 @@ def _mixer(kernels, dims_fn, options, *arrays):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _kernel_mixer(kernels, dims, options, layer_index, zxbcdt, conv_state, conv_weight, conv_bias, A_log, dt_bias,
                   D, ssm_state):
-    y, ssm_state, new_conv_state = kernels.mixer_step(dims, layer_index, zxbcdt, conv_state, conv_weight,
-                                                      conv_bias, A_log, dt_bias, D, ssm_state)
-    return y.reshape(zxbcdt.shape[0], -1), ssm_state, new_conv_state
+    y, ssm_state, new_conv_state, *sum_squares = kernels.mixer_step(dims, layer_index, zxbcdt, conv_state,
+                                                                    conv_weight, conv_bias, A_log, dt_bias, D,
+                                                                    ssm_state)
+    return (y.reshape(zxbcdt.shape[0], -1), ssm_state, new_conv_state, *sum_squares)
 
 
 def _kernel_mixer_fwd(kernels, dims, options, *arrays):

@@ -20,7 +20,7 @@ from jax_mamba2.projection import project
 
 def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=None, z=None, group_size=None,
                  norm_before_gate=False, eps=1e-5, bias=None, transpose_weight=False, dtype=None, x_dtype=None,
-                 partials=False):
+                 partials=False, sum_squares=None):
     """(out, residual_out) of one decode projection.
 
         h   = x (+ residual), rounded to residual_dtype (when given: the new residual stream, residual_out)
@@ -40,6 +40,8 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
       x_dtype: the dtype of x's sum when x is partial sums.
       partials: return out as (1, rows, N) partial sums in the product's accumulation dtype (float32, float64
         for float64), the bias added and nothing rounded to dtype: rounding their sum to dtype gives out.
+      sum_squares: optional (rows, parts): the norm's sums of squares in pieces, parts / ngroups consecutive ones
+        per group, which it takes instead of summing its input's squares (`mixer_step`'s with norm_z_offset).
 
     Returns:
       (out (rows, N) in dtype, or its partial sums with `partials`; residual_out (rows, K) in residual_dtype or
@@ -56,8 +58,13 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
         residual_out = h.astype(residual_dtype)
         a = residual_out
     if norm_weight is not None:
+        given = None
+        if sum_squares is not None:
+            ngroups = a.shape[-1] // (group_size or a.shape[-1])
+            sums = sum_squares.reshape(*sum_squares.shape[:-1], ngroups, -1).sum(axis=-1)
+            given = lambda computed: sums.astype(computed.dtype)  # noqa: E731
         a = norm_reference.rms_norm(a, norm_weight, z, eps=eps, group_size=group_size,
-                                    norm_before_gate=norm_before_gate).astype(x.dtype)
+                                    norm_before_gate=norm_before_gate, sum_groups=given).astype(x.dtype)
     out = project(a.astype(dtype), (weight.T if transpose_weight else weight).astype(dtype),
                   preferred_element_type=jnp.promote_types(jnp.float32, dtype) if partials else None)
     if bias is not None:
@@ -66,7 +73,8 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
 
 
 def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias, D, *, nheads, headdim,
-               ngroups, dstate, xbc_offset, dt_offset, z_offset=None, dt_limit=(0.0, float("inf"))):
+               ngroups, dstate, xbc_offset, dt_offset, z_offset=None, dt_limit=(0.0, float("inf")),
+               norm_z_offset=None, norm_group_size=None, norm_before_gate=False):
     """One token of the mixer between in_proj and the gated norm.
 
     Args:
@@ -77,10 +85,13 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
       conv_weight: (d_conv, conv_dim); conv_bias: (conv_dim,) or None.
       A_log, dt_bias: (nheads,); D: (nheads,) or (nheads, headdim).
       dt_limit: the clip of softplus(dt + dt_bias).
+      norm_z_offset, norm_group_size, norm_before_gate: the gated norm after the step (its gate's first column in
+        zxbcdt, its group size (None: every feature) and gate placement), whose sums of squares it also returns.
 
     Returns:
       (y (rows, nheads * headdim) in zxbcdt's dtype, the new ssm_state in its dtype, the new conv_state in its
-      dtype).
+      dtype), and with norm_z_offset the norm's sums of squares per group (rows, groups), float32 (float64 for
+      float64 y): of y gated by silu(z) unless norm_before_gate.
     """
     rows = zxbcdt.shape[0]
     d_ssm, bc = nheads * headdim, ngroups * dstate
@@ -94,4 +105,11 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
     y, new_ssm_state = reference.ssd_step(
         ssm_state, x.reshape(rows, nheads, headdim), dt, A, B.reshape(rows, ngroups, dstate),
         C.reshape(rows, ngroups, dstate), D=D, z=z, dt_bias=dt_bias, dt_softplus=True, dt_limit=dt_limit)
-    return y.reshape(rows, d_ssm), new_ssm_state, new_conv_state
+    y = y.reshape(rows, d_ssm)
+    if norm_z_offset is None:
+        return y, new_ssm_state, new_conv_state
+    h = y.astype(jnp.promote_types(jnp.float32, y.dtype))
+    if not norm_before_gate:
+        h = h * jax.nn.silu(zxbcdt[:, norm_z_offset:norm_z_offset + d_ssm].astype(h.dtype))
+    group = norm_group_size or d_ssm
+    return y, new_ssm_state, new_conv_state, jnp.square(h).reshape(rows, d_ssm // group, group).sum(axis=-1)

@@ -221,3 +221,60 @@ def test_partial_sums_out_and_in_give_the_projections_values():
         got = jax_mamba2.norm_project(given, weight, **nxt, x_dtype=jnp.bfloat16)
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-6, atol=1e-6)
+
+
+def gated_norm_chain(case, arrays, *, norm_before_gate, group_size, backend="xla", use_sums=True):
+    """The mixer step (with the gated norm's gate, norm_z_offset=0) and out_proj's gated norm + product on its y:
+    (sum_squares, out). With use_sums, out_proj takes the step's sums of squares."""
+    a = _jnp(arrays)
+    names = ("zxbcdt", "conv_state", "ssm_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D")
+    y, _, _, sums = jax_mamba2.mixer_step(*(a[n] for n in names), **{**case.layout(), "z_offset": None},
+                                          norm_z_offset=0, norm_group_size=group_size,
+                                          norm_before_gate=norm_before_gate, layer=case.layer, backend=backend)
+    keys = jax.random.split(jax.random.key(43), 2)
+    norm_weight = 1 + 0.5 * jax.random.normal(keys[0], (case.layers, case.d_ssm))
+    weight = jax.random.normal(keys[1], (case.layers, case.d_ssm, 40)) / np.sqrt(case.d_ssm)
+    out = jax_mamba2.norm_project(y, weight, norm_weight=norm_weight, z=a["zxbcdt"], z_offset=0,
+                                  group_size=group_size, norm_before_gate=norm_before_gate, layer=case.layer,
+                                  sum_squares=sums if use_sums else None, backend=backend)
+    return sums, out
+
+
+@pytest.mark.parametrize("norm_before_gate, group_size", [(False, 64), (True, 128), (False, 16)])
+def test_the_mixer_s_sums_of_squares_give_out_proj_its_norm(norm_before_gate, group_size):
+    """mixer_step(norm_z_offset=...) returns the gated norm's sums of squares per group (of y gated by silu(z)
+    unless norm_before_gate); norm_project given them (sum_squares) returns what it computes itself."""
+    case = MIXER_CASES["gated_norm_mixer"]
+    arrays = mixer_inputs(case, seed=44)
+    sums, out = gated_norm_chain(case, arrays, norm_before_gate=norm_before_gate, group_size=group_size)
+    y = step(case, arrays, layer=case.layer)["y"]
+    z = jnp.asarray(arrays["zxbcdt"])[:, :case.d_ssm]
+    gated = y if norm_before_gate else y * jax.nn.silu(z)
+    assert sums.shape == (case.rows, case.d_ssm // group_size) and sums.dtype == jnp.float32
+    np.testing.assert_allclose(sums, jnp.square(gated).reshape(case.rows, -1, group_size).sum(-1), rtol=1e-6)
+    _, itself = gated_norm_chain(case, arrays, norm_before_gate=norm_before_gate, group_size=group_size,
+                                 use_sums=False)
+    np.testing.assert_allclose(out, itself, rtol=1e-5, atol=1e-6)
+
+
+def test_sum_squares_and_norm_z_offset_checks_name_the_argument():
+    case = MIXER_CASES["gated_norm_mixer"]
+    a = _jnp(mixer_inputs(case, seed=45))
+    args = [a[n] for n in ("zxbcdt", "conv_state", "ssm_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D")]
+    layout = {**case.layout(), "z_offset": None}
+    with pytest.raises(ValueError, match="norm_z_offset=0 .* with no gate in the step"):
+        jax_mamba2.mixer_step(*args, **{**layout, "z_offset": 0}, norm_z_offset=0, layer=1)
+    with pytest.raises(ValueError, match="norm_group_size=24 must be a multiple of headdim=16"):
+        jax_mamba2.mixer_step(*args, **layout, norm_z_offset=0, norm_group_size=24, layer=1)
+    with pytest.raises(ValueError, match="describe the norm of norm_z_offset"):
+        jax_mamba2.mixer_step(*args, **layout, norm_before_gate=True, layer=1)
+    x, weight, norm_weight = jnp.ones((2, 64)), jnp.ones((64, 8)), jnp.ones((64,))
+    with pytest.raises(TypeError, match="sum_squares must be float32"):
+        jax_mamba2.norm_project(x, weight, norm_weight=norm_weight, sum_squares=jnp.ones((2, 4), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"sum_squares.shape=\(2, 3\) must be \(rows=2, a multiple of the norm's 2"):
+        jax_mamba2.norm_project(x, weight, norm_weight=norm_weight, group_size=32, sum_squares=jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match="sum_squares are the statistics of a norm"):
+        jax_mamba2.norm_project(x, weight, sum_squares=jnp.ones((2, 4)))
+    with pytest.raises(ValueError, match="sum_squares are the statistics of a norm"):
+        jax_mamba2.norm_project(x, weight, norm_weight=norm_weight, residual_dtype=jnp.float32,
+                                sum_squares=jnp.ones((2, 4)))

@@ -63,10 +63,10 @@ def _dummy(shape, dtype):
 
 
 def _projection_once(run_plan: RunPlan, config: ChooseProjectionConfig, dims: ProjectionDims, layer_index, x,
-                     residual, z, norm_weight, weight, bias):
+                     residual, z, norm_weight, weight, bias, sum_squares):
     specs = decode_projection.norm_project_inputs(dims)
     arrays = dict(layer_index=layer_index, x=x, residual=residual, z=z, norm_weight=norm_weight, weight=weight,
-                  bias=bias)
+                  bias=bias, sum_squares=sum_squares)
     arrays = {name: _dummy(specs[name].shape, specs[name].dtype) if a is None else a for name, a in arrays.items()}
     out = run_plan(decode_projection.norm_project_plan(dims, config(dims)), arrays)
     outputs = (out["partials" if dims.out_parts else "out"], out["residual_out"] if dims.write_residual else None)
@@ -82,22 +82,25 @@ def _parts_last(x, batched: bool, axis_size: int):
 @functools.cache
 def _batchable_projection(run_plan: RunPlan, config: ChooseProjectionConfig, dims: ProjectionDims):
     @jax.custom_batching.custom_vmap
-    def project(layer_index, x, residual, z, norm_weight, weight, bias):
-        return _projection_once(run_plan, config, dims, layer_index, x, residual, z, norm_weight, weight, bias)
+    def project(layer_index, x, residual, z, norm_weight, weight, bias, sum_squares):
+        return _projection_once(run_plan, config, dims, layer_index, x, residual, z, norm_weight, weight, bias,
+                                sum_squares)
 
     @project.def_vmap
-    def project_vmap(axis_size, in_batched, layer_index, x, residual, z, norm_weight, weight, bias):
-        args = (layer_index, x, residual, z, norm_weight, weight, bias)
+    def project_vmap(axis_size, in_batched, layer_index, x, residual, z, norm_weight, weight, bias, sum_squares):
+        args = (layer_index, x, residual, z, norm_weight, weight, bias, sum_squares)
         out_batched = (True, True if dims.write_residual else None)
         if any(in_batched[i] for i in (0, 4, 5, 6)):  # a layer or weights per item: one launch each
             return map_items(project, args, in_batched, axis_size), out_batched
         # The items fold into the rows: x's and the partials' rows are their second axis with partial sums.
         x = _parts_last(x, in_batched[1], axis_size) if dims.x_parts else x
-        rows = [None if a is None else fold(a, b, axis_size) for a, b in zip((x, *args[2:4]), in_batched[1:4])]
+        per_row = (x, residual, z, sum_squares)
+        rows = [None if a is None else fold(a, b, axis_size) for a, b in zip(per_row, in_batched[1:4] + in_batched[7:])]
         if dims.x_parts:
             rows[0] = jnp.moveaxis(rows[0], -1, 0)
+        x, residual, z, sum_squares = rows
         outputs = _batchable_projection(run_plan, config, dataclasses.replace(dims, rows=axis_size * dims.rows))(
-            layer_index, *rows, norm_weight, weight, bias)
+            layer_index, x, residual, z, norm_weight, weight, bias, sum_squares)
         out, residual_out = outputs
         if dims.out_parts:  # (parts, items * rows, N) -> (items, parts, rows, N)
             out = jnp.moveaxis(unfold(jnp.moveaxis(out, 0, -1), axis_size), -1, 1)
@@ -113,9 +116,9 @@ def _mixer_once(run_plan: RunPlan, config: ChooseMixerConfig, dims: MixerStepDim
     arrays = dict(layer_index=layer_index, zxbcdt=zxbcdt, conv_state=conv_state, conv_weight=conv_weight,
                   conv_bias=_dummy((1, 1), conv_weight.dtype) if conv_bias is None else conv_bias, A_log=A_log,
                   dt_bias=dt_bias, D=D, ssm_state=ssm_state)
-    out = run_plan(decode_mixer.mixer_step_plan(dims, config(dims)), arrays)
-    outputs = (out["y"], out["ssm_state"], out["new_conv_state"])
-    return _compat.match_varying_axes(outputs, (zxbcdt, conv_state, ssm_state))
+    plan = decode_mixer.mixer_step_plan(dims, config(dims))
+    out = run_plan(plan, arrays)
+    return _compat.match_varying_axes(tuple(out[name] for name in plan.outputs), (zxbcdt, conv_state, ssm_state))
 
 
 @functools.cache
@@ -129,7 +132,7 @@ def _batchable_mixer(run_plan: RunPlan, config: ChooseMixerConfig, dims: MixerSt
     def step_vmap(axis_size, in_batched, *args):
         # The state stacks hold the rows on their second axis: mapped items run one launch each rather than
         # moving the whole stacks to fold them in.
-        return map_items(step, args, in_batched, axis_size), (True, True, True)
+        return map_items(step, args, in_batched, axis_size), (True,) * (4 if dims.has_sum_squares else 3)
 
     return step
 
@@ -138,10 +141,11 @@ def _batchable_mixer(run_plan: RunPlan, config: ChooseMixerConfig, dims: MixerSt
 class DecodeKernels:
     """The kernel path of the decode ops for one plan executor.
 
-    project(dims, layer_index, x, residual, z, norm_weight, weight, bias) -> (out, residual_out or None), with
-    the per-layer arrays as stacks (norm_weight (L, NGROUPS, GROUP_SIZE)) and None for absent ones;
+    project(dims, layer_index, x, residual, z, norm_weight, weight, bias, sum_squares) -> (out, residual_out or
+    None), with the per-layer arrays as stacks (norm_weight (L, NGROUPS, GROUP_SIZE)) and None for absent ones;
     mixer_step(dims, layer_index, zxbcdt, conv_state, conv_weight, conv_bias, A_log, dt_bias, D, ssm_state) ->
-    (y (M, H, P), the ssm_state stack updated, the layer's new conv state (M, CONV_DIM, D_CONV)).
+    (y (M, H, P), the ssm_state stack updated, the layer's new conv state (M, CONV_DIM, D_CONV)) and with
+    dims.norm_z_offset the blocks' sums of squares (M, parts).
     """
 
     project: Callable
@@ -166,16 +170,18 @@ def make_kernels(run_plan: RunPlan,
 KERNELS = {"cutile": make_kernels(ffi.run_plan), "cutile_callback": make_kernels(callback.run_plan)}
 
 
-def projection_dims(x, residual, z, norm_weight, weight, bias, *, group_size: int, norm_before_gate: bool,
-                    eps: float, z_offset: int, transpose_weight: bool, residual_dtype, dtype, x_dtype=None,
-                    return_partials: bool = False) -> ProjectionDims:
+def projection_dims(x, residual, z, norm_weight, weight, bias, sum_squares=None, *, group_size: int,
+                    norm_before_gate: bool, eps: float, z_offset: int, transpose_weight: bool, residual_dtype, dtype,
+                    x_dtype=None, return_partials: bool = False) -> ProjectionDims:
     """The projection kernel's problem for `jax_mamba2.decode.norm_project`'s arrays (per-layer ones stacked,
-    norm_weight (L, ngroups, group_size); x (rows, K) or (parts, rows, K) partial sums) and options."""
+    norm_weight (L, ngroups, group_size); x (rows, K) or (parts, rows, K) partial sums; sum_squares (rows, parts)
+    or None) and options."""
     layers = weight.shape[0]
     rows, features = x.shape[-2:]
     return ProjectionDims(
         rows=rows, features=features, out_features=weight.shape[1] if transpose_weight else weight.shape[2],
         x_parts=x.shape[0] if x.ndim == 3 else 0, out_parts=return_partials,
+        norm_parts=0 if sum_squares is None else sum_squares.shape[1] // (features // group_size),
         layers=layers, ngroups=features // group_size, group_size=group_size, has_norm=norm_weight is not None,
         has_residual=residual is not None, write_residual=residual_dtype is not None,
         z_width=0 if z is None else z.shape[1], z_offset=z_offset, norm_before_gate=norm_before_gate,
@@ -188,13 +194,16 @@ def projection_dims(x, residual, z, norm_weight, weight, bias, *, group_size: in
 
 
 def mixer_dims(zxbcdt, conv_state, conv_weight, conv_bias, A_log, dt_bias, D, ssm_state, *, nheads: int,
-               headdim: int, ngroups: int, dstate: int, xbc_offset: int, dt_offset: int, z_offset, dt_limit
-               ) -> MixerStepDims:
-    """The mixer step kernel's problem for `jax_mamba2.decode.mixer_step`'s arrays (stacked) and options."""
+               headdim: int, ngroups: int, dstate: int, xbc_offset: int, dt_offset: int, z_offset, dt_limit,
+               norm_z_offset=None, norm_group_size=None, norm_before_gate: bool = False) -> MixerStepDims:
+    """The mixer step kernel's problem for `jax_mamba2.decode.mixer_step`'s arrays (stacked) and options (the
+    norm's group size is the op's to check: the kernel's pieces of a head never cross one)."""
+    del norm_group_size
     return MixerStepDims(
         rows=zxbcdt.shape[0], nheads=nheads, headdim=headdim, ngroups=ngroups, dstate=dstate,
         in_width=zxbcdt.shape[1], xbc_offset=xbc_offset, dt_offset=dt_offset, layers=conv_state.shape[0],
-        d_conv=conv_state.shape[-1], z_offset=z_offset, d_per_channel=D.ndim == 3,
+        d_conv=conv_state.shape[-1], z_offset=z_offset, norm_z_offset=norm_z_offset,
+        norm_before_gate=norm_before_gate, d_per_channel=D.ndim == 3,
         has_conv_bias=conv_bias is not None, dt_softplus=True, dt_limit=tuple(dt_limit), dtype=_name(zxbcdt.dtype),
         conv_state_dtype=_name(conv_state.dtype), ssm_state_dtype=_name(ssm_state.dtype),
         conv_weight_dtype=_name(conv_weight.dtype), A_log_dtype=_name(A_log.dtype),

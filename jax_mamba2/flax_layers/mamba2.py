@@ -344,10 +344,11 @@ class Mamba2(nnx.Module):
     def decode_step(self, hidden_states, conv_state, ssm_state, *, layer=None, pre_norm=None, hidden_dtype=None,
                     return_partials=False):
         """One token through the mixer on the fused decode ops (`jax_mamba2.decode`): in_proj (after the block's
-        add + norm, with `pre_norm`), the conv step + SSD state update, the gated norm + out_proj: five kernel
-        launches on a GPU (each projection's norm and product, the mixer step; at a few rows, where out_proj's K
-        is split over blocks, a sixth sums its partial products, unless `return_partials` leaves that to the next
-        layer's norm). The same values as the composed step; see `decodes_fused` for when it applies.
+        add + norm, with `pre_norm`), the conv step + SSD state update, the gated norm + out_proj: four kernel
+        launches on a GPU (in_proj's norm and product, the mixer step, which also sums the gated norm's squares,
+        and out_proj's product, which normalizes as it loads its rows; at a few rows, where out_proj's K is split
+        over blocks, a fifth sums its partial products, unless `return_partials` leaves that to the next layer's
+        norm). The same values as the composed step; see `decodes_fused` for when it applies.
 
         Args:
           hidden_states: (batch, d_model).
@@ -384,15 +385,22 @@ class Mamba2(nnx.Module):
         D = self.D[...]
         if self.D_has_hdim:
             D = D.reshape(*D.shape[:-1], self.nheads, self.headdim)
-        y, ssm_state, conv_state = decode_op.mixer_step(
+        # With the gated norm the step also returns the norm's sums of squares (where its groups are whole heads,
+        # as in every Mamba-2 config): out_proj's launch normalizes.
+        sums = self.rmsnorm and (self.norm.group_size or self.d_ssm) % self.headdim == 0
+        gated_norm = {} if not sums else dict(
+            norm_z_offset=2 * self.d_mlp, norm_group_size=self.norm.group_size,
+            norm_before_gate=self.norm.norm_before_gate)
+        y, ssm_state, conv_state, *sum_squares = decode_op.mixer_step(
             zxbcdt, conv_state, ssm_state, self.conv1d.kernel[...], _param(self.conv1d.bias), self.A_log[...],
             self.dt_bias[...], D, nheads=self.nheads, headdim=self.headdim, ngroups=self.ngroups,
             dstate=self.d_state, xbc_offset=self._xbc_offset, dt_offset=self._xbc_offset + self.conv_dim,
-            z_offset=None if self.rmsnorm else 2 * self.d_mlp, dt_limit=self.dt_limit, layer=layer, backend=backend)
+            z_offset=None if self.rmsnorm else 2 * self.d_mlp, dt_limit=self.dt_limit, **gated_norm, layer=layer,
+            backend=backend)
         out_kernel = self.out_proj.kernel[...]
         norm = {} if not self.rmsnorm else dict(
             norm_weight=self.norm.scale[...], z=zxbcdt, z_offset=2 * self.d_mlp, group_size=self.norm.group_size,
-            norm_before_gate=self.norm.norm_before_gate, eps=self.norm.eps)
+            norm_before_gate=self.norm.norm_before_gate, eps=self.norm.eps, sum_squares=(sum_squares or [None])[0])
         out = decode_op.norm_project(y, out_kernel, **norm, bias=_param(self.out_proj.bias), layer=layer,
                                      dtype=self.dtype or jnp.result_type(y, out_kernel),
                                      return_partials=return_partials, backend=backend)

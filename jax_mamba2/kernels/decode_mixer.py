@@ -12,6 +12,9 @@ Mirrors `jax_mamba2.decode_reference.mixer_step`. Per row b, head h of group g =
     state'    = exp(Δ A) ssm_state[l, b, h] + Δ x[h] ⊗ B[g]               (headdim, dstate), f32
     y[b, h]   = state' C[g] + D[l, h] x[h];   y *= silu(z[b, h]) with HAS_Z
     ssm_state[l, b, h] <- state' (in place);   new_conv_state[b, c] = window[c]
+    sum_squares[b, h * P / BLOCK_P + pb] = sum over the block's channels of (y[b, h] rounded to T, times
+             silu(zn[b, h]) unless NORM_BEFORE_GATE)^2, f32       SUM_SQUARES: for the gated norm that follows
+             (its gate zn from NORM_Z_OFFSET), whose statistics they are (decode_projection.py's NORM_PARTS)
 
 xBC, dt and z are columns of in_proj's output zxbcdt (M, IN_WIDTH), read where they lie (no slice of it is
 copied): xBC from XBC_OFFSET, dt from DT_OFFSET, z from Z_OFFSET. As everywhere in the decode kernels, the
@@ -25,6 +28,7 @@ could otherwise overwrite first; the SSM state is updated in place: each block r
 (BLOCK_P, N) tile, and the stack moves no other bytes.
 
 Arrays: zxbcdt (M, IN_WIDTH) T; conv_state (L, M, CONV_DIM, D_CONV), new_conv_state (M, CONV_DIM, D_CONV) Tc;
+sum_squares (M, H * P / BLOCK_P) f32 (a dummy without SUM_SQUARES);
 conv_weight (L, D_CONV,
 CONV_DIM), conv_bias (L, CONV_DIM) (a dummy without HAS_CONV_BIAS), A_log, dt_bias (L, H), D (L, H, P) with
 D_PER_CHANNEL else (L, H), each in its own dtype; ssm_state (L, M, H, P, N) Ts, read and written; y (M, H, P) T.
@@ -44,6 +48,8 @@ from jax_mamba2.kernels.state_update import state_step
 MIXER_STEP_INPUTS = ("layer_index", "zxbcdt", "conv_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D",
                      "ssm_state")
 MIXER_STEP_OUTPUTS = ("y", "ssm_state", "new_conv_state")
+# With dims.norm_z_offset: the blocks' sums of squares for the gated norm that follows.
+SUM_SQUARES_OUTPUT = "sum_squares"
 _INT32_MAX = (1 << 31) - 1
 # A block's SSM state tile at most this many bytes (BLOCK_P x dstate): the compiler stages it in shared memory with
 # the block's other operands (51.0 KB at 32 x 128 f32, 83.7 KB at 64 x 128 f32; sm_90), and four blocks of that
@@ -57,7 +63,9 @@ class MixerStepDims:
 
     rows: M, the sequences; layers: L; nheads, headdim, ngroups, dstate, d_conv: the mixer's; in_width: in_proj's
     output width and xbc_offset, dt_offset, z_offset (None without a gate in the step) where xBC, dt and z start in
-    it. Dtypes as numpy names: dtype is zxbcdt's (T), the others the arrays'.
+    it. norm_z_offset: None, or where the gate of the gated norm that follows starts in zxbcdt: the step then also
+    writes each block's sum of squares of y gated by it (of y itself with norm_before_gate), the norm's statistics
+    in pieces (`sum_squares_parts`). Dtypes as numpy names: dtype is zxbcdt's (T), the others the arrays'.
     """
 
     rows: int
@@ -71,6 +79,8 @@ class MixerStepDims:
     layers: int = 1
     d_conv: int = 4
     z_offset: Optional[int] = None
+    norm_z_offset: Optional[int] = None
+    norm_before_gate: bool = False
     d_per_channel: bool = False
     has_conv_bias: bool = True
     dt_softplus: bool = True
@@ -94,6 +104,10 @@ class MixerStepDims:
     @property
     def has_z(self) -> bool:
         return self.z_offset is not None
+
+    @property
+    def has_sum_squares(self) -> bool:
+        return self.norm_z_offset is not None
 
     @property
     def has_dt_limit(self) -> bool:
@@ -138,6 +152,9 @@ def mixer_step_unsupported_reason(dims: MixerStepDims) -> Optional[str]:
                 f"dstate={dims.dstate}, and d_ssm={dims.d_ssm} of dstate")
     if dims.has_z and dims.z_offset % dims.headdim:
         return f"z's offset {dims.z_offset} must be a multiple of headdim={dims.headdim}"
+    if dims.has_sum_squares and (dims.has_z or dims.norm_z_offset % dims.headdim):
+        return (f"the norm's gate offset {dims.norm_z_offset} must be a multiple of headdim={dims.headdim}, "
+                f"with no gate in the step (z_offset None)")
     largest = dims.layers * dims.rows * dims.d_ssm * dims.dstate
     if largest > _INT32_MAX:
         return f"an SSM state stack of {largest} elements needs 64-bit indices, which the decode kernels do not take"
@@ -179,6 +196,7 @@ def mixer_step_kernel(
     ssm_state,          # (L, M, H, P, N) Ts, read and written in place
     new_conv_state,     # (M, CONV_DIM, D_CONV) Tc, written
     y,                  # (M, H, P) T, written
+    sum_squares,        # (M, H * P / BLOCK_P) f32, written with SUM_SQUARES, else a dummy
     NGROUPS: ConstInt,
     DSTATE: ConstInt,
     BLOCK_P: ConstInt,
@@ -188,6 +206,9 @@ def mixer_step_kernel(
     DT_OFFSET: ConstInt,
     HAS_Z: ConstBool,
     Z_OFFSET: ConstInt,
+    SUM_SQUARES: ConstBool,
+    NORM_Z_OFFSET: ConstInt,
+    NORM_BEFORE_GATE: ConstBool,
     HAS_CONV_BIAS: ConstBool,
     D_PER_CHANNEL: ConstBool,
     DT_SOFTPLUS: ConstBool,
@@ -241,6 +262,14 @@ def mixer_step_kernel(
         z = ct.load(zxbcdt, index=(b, Z_OFFSET // BLOCK_P + x_block), shape=(1, BLOCK_P)).reshape((BLOCK_P,))
         y_p = silu_gate(y_p, z)
     ct.store(y, index=(b, h, pb), tile=y_p.reshape((1, 1, BLOCK_P)).astype(y.dtype))
+    if SUM_SQUARES:
+        # The norm's input as its kernel would load it: y rounded to T, gated in f32 (decode_projection.py).
+        h_p = y_p.astype(y.dtype).astype(ct.float32)
+        if not NORM_BEFORE_GATE:
+            zn = ct.load(zxbcdt, index=(b, NORM_Z_OFFSET // BLOCK_P + x_block), shape=(1, BLOCK_P)
+                         ).reshape((BLOCK_P,)).astype(ct.float32)
+            h_p = h_p * (zn * sigmoid(zn))
+        ct.store(sum_squares, index=(b, x_block), tile=ct.sum(h_p * h_p, axis=0, keepdims=True).reshape((1, 1)))
 
 
 MIXER_STEP_KERNEL = ct.kernel(mixer_step_kernel)
@@ -262,29 +291,38 @@ def mixer_step_inputs(dims: MixerStepDims) -> dict[str, Buffer]:
     }
 
 
+def sum_squares_parts(dims: MixerStepDims, cfg: Optional[MixerStepConfig] = None) -> int:
+    """The pieces of a row the plan of `dims` (with norm_z_offset) returns sums of squares for: one per block,
+    BLOCK_P channels each, in channel order."""
+    return dims.d_ssm // (cfg or mixer_step_default_config(dims)).BLOCK_P
+
+
 def mixer_step_plan(dims: MixerStepDims, cfg: Optional[MixerStepConfig] = None) -> Plan:
     """The mixer's decode step for `dims`.
 
     Returns:
       A Plan with inputs MIXER_STEP_INPUTS and outputs MIXER_STEP_OUTPUTS: "y" (M, H, P) in dims.dtype,
       "ssm_state" (the input stack, its layer updated in place) and "new_conv_state" (M, CONV_DIM, D_CONV), the
-      layer's next conv state.
+      layer's next conv state; with norm_z_offset also SUM_SQUARES_OUTPUT (M, sum_squares_parts) float32.
     """
     cfg = cfg or mixer_step_default_config(dims)
+    parts = sum_squares_parts(dims, cfg)
     dt_min, dt_max = (float(v) for v in dims.dt_limit)
     launch = Launch(
         kernel=with_hints(MIXER_STEP_KERNEL, occupancy=cfg.OCCUPANCY),
         grid=(dims.rows * dims.nheads, dims.headdim // cfg.BLOCK_P),
         args=("layer_index", "zxbcdt", "conv_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D",
-              "ssm_state", "new_conv_state", "y", dims.ngroups, dims.dstate, cfg.BLOCK_P, dims.d_conv,
-              next_power_of_2(dims.d_conv), dims.xbc_offset, dims.dt_offset, dims.has_z, dims.z_offset or 0,
+              "ssm_state", "new_conv_state", "y", SUM_SQUARES_OUTPUT, dims.ngroups, dims.dstate, cfg.BLOCK_P,
+              dims.d_conv, next_power_of_2(dims.d_conv), dims.xbc_offset, dims.dt_offset, dims.has_z,
+              dims.z_offset or 0, dims.has_sum_squares, dims.norm_z_offset or 0, dims.norm_before_gate,
               dims.has_conv_bias, dims.d_per_channel, dims.dt_softplus, dims.has_dt_limit, dt_min, dt_max),
-        writes=("ssm_state", "new_conv_state", "y"),
+        writes=("ssm_state", "new_conv_state", "y", SUM_SQUARES_OUTPUT),
     )
     return Plan(
         inputs=MIXER_STEP_INPUTS,
         buffers={"y": Buffer((dims.rows, dims.nheads, dims.headdim), dims.dtype),
-                 "new_conv_state": Buffer((dims.rows, dims.conv_dim, dims.d_conv), dims.conv_state_dtype)},
+                 "new_conv_state": Buffer((dims.rows, dims.conv_dim, dims.d_conv), dims.conv_state_dtype),
+                 SUM_SQUARES_OUTPUT: Buffer((dims.rows, parts) if dims.has_sum_squares else (1, 1), "float32")},
         launches=(launch,),
-        outputs=MIXER_STEP_OUTPUTS,
+        outputs=MIXER_STEP_OUTPUTS + ((SUM_SQUARES_OUTPUT,) if dims.has_sum_squares else ()),
     )

@@ -27,11 +27,15 @@ Two launches (one without the norm, three with a split K):
   SPLIT_K > 1 the grid gains a third axis over shares of K, each writing an f32 partial product, and
   `decode_split_sum_kernel` sums them into out.
 Folding the norm into the product's K loop (one launch) put a row reduction and four more loads on every step's
-critical path and measured 1.8-2.8x slower on the H200 than the two launches (docs/design.md, "Decode").
+critical path and measured 1.8-2.8x slower on the H200 than the two launches (docs/design.md, "Decode"). What can
+be folded is the normalization alone, with the statistics computed elsewhere: with NORM_PARTS (the gated norm after
+the mixer step, whose kernel sums the squares of its own blocks' channels) the product loads a group's sums of
+squares (one tile per group, before the K loop for one group), and per K step scales the rows it loads by them and
+the norm weight: the plan is then the product's launches alone.
 
 Arrays: x, residual, residual_out, normed (M, K); z (M, ZW), the gate being columns [Z_BLOCK * NORM_BLOCK_K, + K)
 (in_proj's output, whose z columns come first); norm_weight (L, NGROUPS, GROUP_SIZE); bias (L, N); out (M, N);
-partials (SPLIT_K, M, N) f32.
+partials (SPLIT_K, M, N) f32; sum_squares (M, NGROUPS * NORM_PARTS) f32, a group's sums consecutive.
 Absent optional arrays are (1, 1) / (1, 1, 1) dummies the kernels never touch.
 """
 import dataclasses
@@ -44,7 +48,7 @@ from jax_mamba2.kernels._common import (
     with_hints)
 from jax_mamba2.kernels.rms_norm import sigmoid
 
-NORM_PROJECT_INPUTS = ("layer_index", "x", "residual", "z", "norm_weight", "weight", "bias")
+NORM_PROJECT_INPUTS = ("layer_index", "x", "residual", "z", "norm_weight", "weight", "bias", "sum_squares")
 # Rows per block: the product's M tile (a power of two >= 16, the smallest tensor-core tile).
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
 # The most blocks one output tile's K steps split over.
@@ -73,7 +77,10 @@ class ProjectionDims:
     x comes as (x_parts, M, K) float32 partial sums (an earlier projection's with out_parts) whose sum, rounded to
     dtype, is the input (needs has_norm); out_parts: the product's float32 partial sums (one per split of K, the
     bias in the first) are the output instead of out, for the next projection's norm to sum (no launch of their
-    own).
+    own). norm_parts: 0, or the norm's statistics come as (M, ngroups * norm_parts) float32 sums of squares of its
+    gated input, norm_parts per group, each group's contiguous (what `mixer_step` returns with the norm's gate):
+    the product then normalizes x as it loads it, and the plan has no norm launch (needs has_norm; no residual,
+    no partial sums of x).
     """
 
     rows: int
@@ -100,6 +107,7 @@ class ProjectionDims:
     residual_in_dtype: Optional[str] = None
     x_parts: int = 0
     out_parts: bool = False
+    norm_parts: int = 0
 
     @property
     def has_z(self) -> bool:
@@ -174,8 +182,11 @@ def projection_unsupported_reason(dims: ProjectionDims) -> Optional[str]:
     if dims.has_z and (dims.z_offset % 16 or dims.z_offset + dims.features > dims.z_width):
         return (f"the gate's columns [{dims.z_offset}, +{dims.features}) must start at a multiple of 16 inside "
                 f"z's {dims.z_width}")
-    if (dims.has_z or dims.has_residual or dims.write_residual or dims.x_parts) and not dims.has_norm:
-        return "a gate, a residual stream or partial sums of x come with the norm"
+    if (dims.has_z or dims.has_residual or dims.write_residual or dims.x_parts or dims.norm_parts) \
+            and not dims.has_norm:
+        return "a gate, a residual stream, partial sums of x or sums of squares come with the norm"
+    if dims.norm_parts and (dims.has_residual or dims.write_residual or dims.x_parts):
+        return "the norm's sums of squares are for a norm without a residual stream or partial sums of x"
     largest = max(max(dims.x_parts, MAX_SPLIT_K if dims.out_parts else 1) * dims.rows
                   * max(dims.features, dims.out_features, dims.z_width),
                   dims.layers * dims.features * dims.out_features)
@@ -193,14 +204,18 @@ def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
     A narrow product of up to SPLIT_ROWS rows (out_proj's 1024 columns: 16 blocks of 64) splits K over 4
     blocks (2 where 4 would pass a wave): more blocks stream the weight at once, and the partials' sum is one
     more small launch. At one row that took out_proj (2048 x 1024, bf16) from 8.8 to 7.1 us per layer; in_proj
-    (69 blocks of 64, which a split of 2 takes past a wave) was slower split, and at 64 rows no split paid."""
+    (69 blocks of 64, which a split of 2 takes past a wave) was slower split, and at 64 rows no split paid. Where
+    the product normalizes (norm_parts), its K step also stays within a group of the norm and starts the gate's
+    columns on a step (`norm_block_k`)."""
     m_blocks = -(-dims.rows // dims.block_m)
     wide_blocks = -(-dims.out_features // 64)
+    block_k = 64 if dims.weight_dtype == "float32" else 128
+    if dims.norm_parts:  # a K step within one group of the norm, the gate's columns starting on a step
+        block_k = min(block_k, norm_block_k(dims))
     if dims.rows <= SPLIT_ROWS and 2 * wide_blocks <= WAVE_BLOCKS:
-        return ProjectionConfig(BLOCK_N=64, BLOCK_K=64 if dims.weight_dtype == "float32" else 128,
-                                SPLIT_K=4 if 4 * wide_blocks <= WAVE_BLOCKS else 2)
+        return ProjectionConfig(BLOCK_N=64, BLOCK_K=block_k, SPLIT_K=4 if 4 * wide_blocks <= WAVE_BLOCKS else 2)
     block_n = next((n for n in (32, 64, 128) if m_blocks * -(-dims.out_features // n) <= WAVE_BLOCKS), 128)
-    return ProjectionConfig(BLOCK_N=block_n, BLOCK_K=64 if dims.weight_dtype == "float32" else 128)
+    return ProjectionConfig(BLOCK_N=block_n, BLOCK_K=block_k)
 
 
 def _load(array, index, shape, LATENCY):
@@ -302,14 +317,49 @@ def decode_norm_kernel(
                       NORM_BEFORE_GATE, WRITE_RESIDUAL)
 
 
+def _group_rstd(sum_squares, m, g, BLOCK_M, NORM_PARTS, PARTS_TILE, NGROUPS, GROUP_SIZE, EPS):
+    """(BLOCK_M, 1) f32: 1 / rms of group g of the block's rows, from the group's NORM_PARTS sums of squares."""
+    if NORM_PARTS == PARTS_TILE or NGROUPS == 1:  # the group's parts as one tile (one group's zero-padded)
+        sums = ct.load(sum_squares, index=(m, g), shape=(BLOCK_M, PARTS_TILE), padding_mode=ct.PaddingMode.ZERO)
+    else:  # gathered (a gather here compiles to a stack frame: kept off the common layouts)
+        rows = m * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32)
+        part = ct.arange(PARTS_TILE, dtype=ct.int32)
+        mask = (part[None, :] < NORM_PARTS) & (rows[:, None] >= 0)
+        sums = ct.gather(sum_squares, (rows[:, None], g * NORM_PARTS + part[None, :]), mask=mask, padding_value=0)
+    return ct.rsqrt(ct.sum(sums, axis=1, keepdims=True) / GROUP_SIZE + EPS)
+
+
+def _normed_rows(a, z, norm_weight, layer, m, k, rstd, BLOCK_M, BLOCK_K, GROUP_SIZE, HAS_Z, Z_BLOCK,
+                 NORM_BEFORE_GATE, LATENCY):
+    """(BLOCK_M, BLOCK_K) in a's dtype: the rows' features [k * BLOCK_K, +BLOCK_K) normalized as `decode_norm_kernel`
+    would have stored them (gated, times rstd and the norm weight of their group), rstd given."""
+    h = _load(a, (m, k), (BLOCK_M, BLOCK_K), LATENCY).astype(ct.float32)
+    gate = h
+    if HAS_Z:
+        z32 = _load(z, (m, Z_BLOCK + k), (BLOCK_M, BLOCK_K), LATENCY).astype(ct.float32)
+        gate = z32 * sigmoid(z32)
+        if not NORM_BEFORE_GATE:
+            h = h * gate
+    steps = GROUP_SIZE // BLOCK_K
+    scale = ct.load(norm_weight, index=(layer, k // steps, k % steps), shape=(1, 1, BLOCK_K)).reshape((1, BLOCK_K))
+    y = h * rstd * scale.astype(ct.float32)
+    if HAS_Z:
+        if NORM_BEFORE_GATE:
+            y = y * gate
+    return y.astype(a.dtype)
+
+
 def decode_project_kernel(
     layer_index,         # (1,) int32
-    a,                   # (M, K) the rows: the normalized rows (T), or x itself without a norm
+    a,                   # (M, K) the rows: the normalized rows (T), or x itself without a norm (or with NORM_PARTS)
     weight,              # (L, K, N), or (L, N, K) with TRANSPOSE_W, in its dtype
     bias,                # (L, N) in the weight's dtype, or a dummy without HAS_BIAS
     out,                 # (M, N) T_out, written with SPLIT_K == 1 and not OUT_PARTS, else a dummy or the sum's
     partials,            # (SPLIT_K, M, N) f32 each split's product, written with SPLIT_K > 1 or OUT_PARTS, else a
                          # dummy
+    sum_squares,         # (M, NGROUPS * NORM_PARTS) f32 with NORM_PARTS, else a dummy
+    z,                   # (M, ZW) Tz with NORM_PARTS and HAS_Z, else a dummy
+    norm_weight,         # (L, NGROUPS, GROUP_SIZE) with NORM_PARTS, else a dummy
     BLOCK_M: ConstInt,
     BLOCK_N: ConstInt,
     BLOCK_K: ConstInt,
@@ -319,6 +369,15 @@ def decode_project_kernel(
     TRANSPOSE_W: ConstBool,
     HAS_BIAS: ConstBool,
     LATENCY: ConstInt,   # latency hint of the loads in the K loop (1..10), 0 for none
+    NORM_PARTS: ConstInt,  # 0, or a normalizes a's rows as it loads them, with each group's statistics from its
+                           # NORM_PARTS sums of squares: BLOCK_K divides GROUP_SIZE
+    PARTS_TILE: ConstInt,  # next_power_of_2(NORM_PARTS)
+    NGROUPS: ConstInt,
+    GROUP_SIZE: ConstInt,
+    HAS_Z: ConstBool,
+    Z_BLOCK: ConstInt,   # the gate's first column in units of BLOCK_K
+    NORM_BEFORE_GATE: ConstBool,
+    EPS: ConstFloat,
 ):
     m = ct.bid(0)
     n = ct.bid(1)
@@ -326,9 +385,21 @@ def decode_project_kernel(
     layer = ct.load(layer_index, index=(0,), shape=(1,)).item()
     mma_type = mma_dtype(out.dtype)
     acc = ct.zeros((BLOCK_M, BLOCK_N), ct.float32)
+    rstd = ct.zeros((BLOCK_M, 1), ct.float32)
+    if NORM_PARTS:
+        if NGROUPS == 1:  # one group: its statistics before the K loop
+            rstd = _group_rstd(sum_squares, m, 0, BLOCK_M, NORM_PARTS, PARTS_TILE, NGROUPS, GROUP_SIZE, EPS)
     for i in range(SPLIT_STEPS):
         k = split * SPLIT_STEPS + i
-        rows = _load(a, (m, k), (BLOCK_M, BLOCK_K), LATENCY).astype(out.dtype).astype(mma_type)
+        if NORM_PARTS:
+            if NGROUPS > 1:
+                rstd = _group_rstd(sum_squares, m, k * BLOCK_K // GROUP_SIZE, BLOCK_M, NORM_PARTS, PARTS_TILE,
+                                   NGROUPS, GROUP_SIZE, EPS)
+            rows = _normed_rows(a, z, norm_weight, layer, m, k, rstd, BLOCK_M, BLOCK_K, GROUP_SIZE, HAS_Z, Z_BLOCK,
+                                NORM_BEFORE_GATE, LATENCY)
+        else:
+            rows = _load(a, (m, k), (BLOCK_M, BLOCK_K), LATENCY)
+        rows = rows.astype(out.dtype).astype(mma_type)
         w = _weight_tile(weight, layer, k, n, BLOCK_K, BLOCK_N, TRANSPOSE_W, LATENCY)
         acc = ct.mma(rows, w.astype(out.dtype).astype(mma_type), acc)
     if OUT_PARTS or SPLIT_K > 1:
@@ -390,6 +461,7 @@ def norm_project_inputs(dims: ProjectionDims) -> dict[str, Buffer]:
         "norm_weight": Buffer((L, dims.ngroups, dims.group) if dims.has_norm else (1, 1, 1), dims.norm_weight_dtype),
         "weight": Buffer((L, N, K) if dims.transpose_weight else (L, K, N), dims.weight_dtype),
         "bias": Buffer((L, N) if dims.has_bias else (1, 1), dims.weight_dtype),
+        "sum_squares": Buffer((M, dims.ngroups * dims.norm_parts) if dims.norm_parts else (1, 1), "float32"),
     }
 
 
@@ -405,18 +477,28 @@ def _norm_launch(dims: ProjectionDims) -> Launch:
     )
 
 
+# Placeholders for the norm's arrays in a product that does not normalize (plan buffers never read).
+_NO_NORM_BUFFERS = {"no_z": Buffer((1, 1), "float32", zero_init=True),
+                    "no_norm_weight": Buffer((1, 1, 1), "float32", zero_init=True)}
+
+
 def _product_launches(dims: ProjectionDims, cfg: ProjectionConfig, rows: str) -> tuple[Launch, ...]:
     """The product of `rows` (an input or buffer name) and the layer's weight into "out": one launch, or with
-    SPLIT_K > 1 the splits into "partials" and their sum; with out_parts one launch into "partials"."""
+    SPLIT_K > 1 the splits into "partials" and their sum; with out_parts one launch into "partials". With
+    norm_parts the product normalizes the rows (x) itself; without, it reads the _NO_NORM_BUFFERS."""
     bm = cfg.BLOCK_M or dims.block_m
     tiles = (-(-dims.rows // bm), -(-dims.out_features // cfg.BLOCK_N))
     splits = split_k(dims, cfg)
+    norm_arrays = ("z" if dims.has_z else "no_z", "norm_weight") if dims.norm_parts else tuple(_NO_NORM_BUFFERS)
     product = Launch(
         kernel=with_hints(DECODE_PROJECT_KERNEL, occupancy=cfg.OCCUPANCY),
         grid=(*tiles, splits),
-        args=("layer_index", rows, "weight", "bias", "out", "partials", bm, cfg.BLOCK_N, cfg.BLOCK_K,
-              _k_steps(dims, cfg) // splits, splits, dims.out_parts, dims.transpose_weight, dims.has_bias,
-              cfg.LATENCY),
+        args=("layer_index", rows, "weight", "bias", "out", "partials", "sum_squares", *norm_arrays, bm,
+              cfg.BLOCK_N, cfg.BLOCK_K, _k_steps(dims, cfg) // splits, splits, dims.out_parts,
+              dims.transpose_weight, dims.has_bias, cfg.LATENCY, dims.norm_parts,
+              next_power_of_2(dims.norm_parts) if dims.norm_parts else 0, dims.ngroups, dims.group,
+              dims.has_z and dims.norm_parts > 0, dims.z_offset // cfg.BLOCK_K, dims.norm_before_gate,
+              float(dims.eps)),
         writes=("out", "partials"),  # one of them, the other a dummy: out without a split or out_parts, else
                                      # partials
     )
@@ -431,8 +513,9 @@ def _product_launches(dims: ProjectionDims, cfg: ProjectionConfig, rows: str) ->
 
 
 def norm_project_plan(dims: ProjectionDims, cfg: Optional[ProjectionConfig] = None) -> Plan:
-    """The projection for `dims`: the norm's launch (with has_norm) and the product's (with cfg.SPLIT_K > 1 two:
-    the splits and their sum; with out_parts one, the splits being the output).
+    """The projection for `dims`: the norm's launch (with has_norm, unless norm_parts: then the product normalizes)
+    and the product's (with cfg.SPLIT_K > 1 two: the splits and their sum; with out_parts one, the splits being
+    the output).
 
     Returns:
       A Plan with inputs NORM_PROJECT_INPUTS and outputs "out" (M, N) in out_dtype, or with out_parts "partials"
@@ -440,12 +523,19 @@ def norm_project_plan(dims: ProjectionDims, cfg: Optional[ProjectionConfig] = No
       residual_dtype.
     """
     cfg = cfg or projection_default_config(dims)
+    if dims.norm_parts and (dims.group % cfg.BLOCK_K or dims.z_offset % cfg.BLOCK_K):
+        raise ValueError(f"norm_project_plan: BLOCK_K={cfg.BLOCK_K} must divide the norm's group ({dims.group}) "
+                         f"and the gate's offset ({dims.z_offset}) when the product normalizes")
     splits = split_k(dims, cfg)
     buffers = {"out": Buffer((1, 1) if dims.out_parts else (dims.rows, dims.out_features), dims.out_dtype),
                "partials": Buffer((splits, dims.rows, dims.out_features) if splits > 1 or dims.out_parts
                                   else (1, 1, 1), "float32")}
+    if not dims.norm_parts:
+        buffers.update(_NO_NORM_BUFFERS)
+    elif not dims.has_z:
+        buffers["no_z"] = _NO_NORM_BUFFERS["no_z"]
     out = ("partials",) if dims.out_parts else ("out",)
-    if not dims.has_norm:
+    if not dims.has_norm or dims.norm_parts:
         return Plan(inputs=NORM_PROJECT_INPUTS, buffers=buffers, launches=_product_launches(dims, cfg, "x"),
                     outputs=out)
     buffers["normed"] = Buffer((dims.rows, dims.features), dims.dtype)

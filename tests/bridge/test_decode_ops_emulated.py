@@ -19,7 +19,7 @@ from tests._helpers import rel_l2  # noqa: E402
 from tests.bridge._emulated_backend import emulate_layer_kernels  # noqa: E402
 from tests.kernels._decode_checks import (MIXER_CASES, PROJECTION_CASES, assert_lm_steps_match,  # noqa: E402
                                           mixer_inputs, projection_inputs)
-from tests.test_decode_ops import project, step  # noqa: E402
+from tests.test_decode_ops import gated_norm_chain, project, step  # noqa: E402
 
 # The arrays between the plans and XLA are in their own dtypes (the emulated kernels compute in float64).
 TOLERANCE = {"float32": 2e-6, "bfloat16": 1e-2}
@@ -152,3 +152,27 @@ def test_emulated_lm_step_matches_xla_over_several_tokens(config):
     jaxpr = jax.make_jaxpr(lambda s, t, c: nnx.merge(graphdef, s).step(t, c))(
         state, tokens[0], models["cutile"].init_cache(2))
     assert str(jaxpr).count("pure_callback") == 3 * config.n_layer + 1
+
+
+@pytest.mark.parametrize("norm_before_gate, group_size", [(False, 64), (True, 128)])
+def test_emulated_sums_of_squares_into_out_proj_match_xla_also_under_vmap(norm_before_gate, group_size):
+    """The mixer step's sums of squares (one per kernel block) and out_proj normalizing from them in its product
+    give the xla path's values (one sum per group there), also with the rows under vmap (folded into one launch)."""
+    case = MIXER_CASES["gated_norm_mixer"]
+    arrays = mixer_inputs(case, seed=46)
+    got, want = (gated_norm_chain(case, arrays, norm_before_gate=norm_before_gate, group_size=group_size,
+                                  backend=b) for b in ("cutile", "xla"))
+    assert got[0].shape[1] % want[0].shape[1] == 0 and got[0].shape[1] > want[0].shape[1]
+    assert rel_l2(got[0].reshape(case.rows, want[0].shape[1], -1).sum(-1), want[0]) < TOLERANCE["float32"]
+    assert rel_l2(got[1], want[1]) < TOLERANCE["float32"]
+    sums, y = got[0], jax.random.normal(jax.random.key(47), (2, case.rows, case.d_ssm))
+    weight = jax.random.normal(jax.random.key(48), (case.d_ssm, 24))
+    z = jnp.asarray(arrays["zxbcdt"])
+
+    def project_(y, sums, backend):
+        return jax_mamba2.norm_project(y, weight, norm_weight=jnp.ones((case.d_ssm,)), z=z, z_offset=0,
+                                       group_size=group_size, norm_before_gate=norm_before_gate, sum_squares=sums,
+                                       backend=backend)
+    batched = jax.vmap(lambda y, s: project_(y, s, "cutile"))(y, jnp.stack([sums, 2 * sums]))
+    for i, s in enumerate((sums, 2 * sums)):
+        assert rel_l2(batched[i], project_(y[i], s, "xla")) < TOLERANCE["float32"]

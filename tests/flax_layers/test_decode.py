@@ -23,6 +23,8 @@ from tests.flax_layers._programs import cutile_launches, loop_lengths, walk, wei
 # Kernel-compatible sizes (headdim and d_state powers of two >= 16): 4 heads, 3 layers, chunks of 8.
 # A projection of the fused step: the norm kernel, then the product kernel.
 PROJECTION = ["decode_norm_kernel", "decode_project_kernel"]
+# out_proj: its product alone (the mixer step sums the gated norm's squares; the product normalizes).
+OUT_PROJ = ["decode_project_kernel"]
 CONFIG = Mamba2Config(d_model=32, n_layer=3, vocab_size=64, ssm_cfg=dict(d_state=16, headdim=16, chunk_size=8))
 BATCH = 3  # no weight has an axis of 3, so a converted (3, ...) array is an activation
 PROMPT_LEN, NEW_TOKENS = 40, 7  # 5 chunks of 8; the decode loop runs 6 steps: no loop length repeats
@@ -59,10 +61,10 @@ def test_bf16_parameter_decode_step_converts_no_weight(backend):
         model = _model(backend, param_dtype=jnp.bfloat16)
         jaxpr = _step_jaxpr(model)
     assert weight_conversions(jaxpr, model) == []
-    if backend == "cutile":  # five fused launches per layer, two for the final norm and the head
+    if backend == "cutile":  # four fused launches per layer, two for the final norm and the head
         launches = cutile_launches(jaxpr)
         assert [name for name, _ in launches] == (
-            [*PROJECTION, "mixer_step_kernel", *PROJECTION] * CONFIG.n_layer
+            [*PROJECTION, "mixer_step_kernel", *OUT_PROJ] * CONFIG.n_layer
             + PROJECTION)
         assert all(loops == () for _, loops in launches)  # the layers unrolled on their stacked parameters
         # The kernels read the bf16 scales, conv weights, A_log, dt_bias and D as they are, stacked: nothing of
@@ -118,22 +120,22 @@ def test_generate_prefills_with_the_cutile_forward_kernels_and_decodes_with_the_
     steps = [name for name, loops in launches if loops == (decode,)]
     # Once for the whole prompt (in the scan over layers, or once per layer unrolled): the norms, the conv of
     # [x, B, C] (one launch), and one launch per stage of the SSD's forward plan; per token, with no loop over
-    # the layers: five fused launches per layer and two for the head; no backward kernel.
+    # the layers: four fused launches per layer and two for the head; no backward kernel.
     assert prefill == (["rms_norm_fwd_kernel", "causal_conv1d_fwd_kernel", "chunk_cumsum_fwd_kernel",
                         "chunk_state_fwd_kernel", "chunk_scan_fwd_kernel", "rms_norm_fwd_kernel"]
                        * (1 if scan_layers else CONFIG.n_layer) + ["rms_norm_fwd_kernel"])
-    assert steps == ([*PROJECTION, "mixer_step_kernel", *PROJECTION] * CONFIG.n_layer
+    assert steps == ([*PROJECTION, "mixer_step_kernel", *OUT_PROJ] * CONFIG.n_layer
                      + PROJECTION)
     assert len(steps) + len(prefill) == len(launches)
     assert ("scan", PROMPT_LEN) not in loop_lengths(jaxpr)
 
 
 def test_the_step_is_fused_at_every_batch_and_composed_with_an_mlp_branch():
-    """On one device the fused step runs at any batch (five launches per layer, two for the head); a mixer with the
+    """On one device the fused step runs at any batch (four launches per layer, two for the head); a mixer with the
     gated MLP branch takes the composed step (the norms' kernels and the SSD's step kernel in the scan over layers,
     the final norm's)."""
     mlp = dataclasses.replace(CONFIG, ssm_cfg={**CONFIG.ssm_cfg, "d_ssm": CONFIG.d_model})
-    fused = [*PROJECTION, "mixer_step_kernel", *PROJECTION] * CONFIG.n_layer + PROJECTION
+    fused = [*PROJECTION, "mixer_step_kernel", *OUT_PROJ] * CONFIG.n_layer + PROJECTION
     composed = ["rms_norm_fwd_kernel", "state_update_kernel", "rms_norm_fwd_kernel", "rms_norm_fwd_kernel"]
     with _traced_for("cutile"):
         for config, batch, expected in ((CONFIG, 1, fused), (CONFIG, 300, fused), (mlp, 1, composed)):
@@ -147,7 +149,8 @@ def test_the_step_is_fused_at_every_batch_and_composed_with_an_mlp_branch():
 def test_out_proj_split_partials_are_summed_by_the_next_norm_not_a_launch_of_their_own():
     """Where the defaults split out_proj's K over blocks (a few rows, a narrow product), the step launches no sum of
     its partial products: the next layer's norm kernel (and the head's) sums them; in_proj's and the head's own
-    splits are still summed by a launch each."""
+    splits are still summed by a launch each. out_proj has no norm launch: the mixer step sums the gated norm's
+    squares and out_proj's product normalizes."""
     from jax_mamba2.kernels import decode_projection
 
     config = Mamba2Config(d_model=256, n_layer=2, vocab_size=256, pad_vocab_size_multiple=8,
@@ -168,7 +171,7 @@ def test_out_proj_split_partials_are_summed_by_the_next_norm_not_a_launch_of_the
     summed = ["decode_split_sum_kernel"]
     in_proj = PROJECTION + (summed if split(*mixer.in_proj.kernel.shape[-2:]) else [])
     head = PROJECTION + (summed if split(config.d_model, model.embedding.embedding.shape[0]) else [])
-    expected = [*in_proj, "mixer_step_kernel", *PROJECTION] * config.n_layer + head
+    expected = [*in_proj, "mixer_step_kernel", *OUT_PROJ] * config.n_layer + head
     assert [name for name, _ in cutile_launches(jaxpr)] == expected
 
 

@@ -56,12 +56,13 @@ def test_compiled_generate_launches_the_forward_kernels_and_the_fused_step_only(
     kernels = [kernel for kernel, _ in launch_computations(hlo, CUTILE_CUSTOM_CALL)]
     steps = [k for k in kernels if k.startswith(DECODE_KERNELS)]
     forward = [k for k in kernels if k not in steps]
-    # The decode loop: per layer the two projections' norm and product kernels and the mixer step, the head's
-    # norm and product; at these 3 rows the projections' K is split: in_proj's and the head's partials summed once
-    # more, out_proj's summed by the next norm kernel (no launch of their own).
+    # The decode loop: per layer in_proj's norm and product kernels, the mixer step (which also sums the gated
+    # norm's squares) and out_proj's product (which normalizes), the head's norm and product; at these 3 rows the
+    # projections' K is split: in_proj's and the head's partials summed once more, out_proj's summed by the next
+    # norm kernel (no launch of their own).
     count = {name: sum(k.startswith(name) for k in steps) for name in DECODE_KERNELS}
     projections = 2 * CONFIG.n_layer + 1
-    assert count == {"decode_norm_kernel": projections, "decode_project_kernel": projections,
+    assert count == {"decode_norm_kernel": CONFIG.n_layer + 1, "decode_project_kernel": projections,
                      "decode_split_sum_kernel": CONFIG.n_layer + 1, "mixer_step_kernel": CONFIG.n_layer}, kernels
     assert forward and all("fwd" in k for k in forward), kernels  # the prompt: forward kernels, no backward
 

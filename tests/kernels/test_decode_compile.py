@@ -18,10 +18,11 @@ LAYERS = 24
 
 
 def _projections(rows: int, param_dtype: str) -> dict[str, ProjectionDims]:
-    """The LM's fused step: out_proj returns its partial sums, which the next in_proj's (or the head's) norm sums."""
+    """The LM's fused step: out_proj normalizes from the mixer step's sums of squares and returns its partial sums,
+    which the next in_proj's (or the head's) norm sums."""
     common = dict(rows=rows, layers=LAYERS, weight_dtype=param_dtype, norm_weight_dtype=param_dtype)
     out_proj = ProjectionDims(features=2048, out_features=1024, has_norm=True, z_width=4384, out_parts=True,
-                              **common)
+                              norm_parts=decode_mixer.sum_squares_parts(_mixer(rows, param_dtype)), **common)
     parts = decode_projection.output_parts(out_proj)
     return {
         "in_proj": ProjectionDims(features=1024, out_features=4384, has_norm=True, has_residual=True,
@@ -36,7 +37,8 @@ def _projections(rows: int, param_dtype: str) -> dict[str, ProjectionDims]:
 
 def _mixer(rows: int, param_dtype: str) -> MixerStepDims:
     return MixerStepDims(rows=rows, nheads=32, headdim=64, ngroups=1, dstate=128, in_width=4384, xbc_offset=2048,
-                         dt_offset=4352, layers=LAYERS, conv_state_dtype=param_dtype, ssm_state_dtype=param_dtype,
+                         dt_offset=4352, norm_z_offset=0, layers=LAYERS, conv_state_dtype=param_dtype,
+                         ssm_state_dtype=param_dtype,
                          conv_weight_dtype=param_dtype, A_log_dtype=param_dtype, dt_bias_dtype=param_dtype,
                          D_dtype=param_dtype)
 
@@ -79,7 +81,8 @@ def test_default_configs_compile_spill_free(rows, param_dtype):
 
 
 def test_split_k_products_compile_spill_free():
-    """out_proj's product with K split over 4 blocks, and the sum of the splits, at batch 1 and 64."""
+    """out_proj's product (normalizing its rows) with K split over 4 blocks, and the sum of the splits, at batch 1
+    and 64; in_proj's norm kernel."""
     cubins = {}
     for rows in (1, 64):
         dims = dataclasses.replace(_projections(rows, "bfloat16")["out_proj"], out_parts=False)  # their sum's launch
@@ -87,6 +90,10 @@ def test_split_k_products_compile_spill_free():
         plan = decode_projection.norm_project_plan(dims, cfg)
         for kernel, cubin in plan_cubins((plan, decode_projection.norm_project_inputs(dims))).items():
             cubins[f"{rows} {kernel}"] = cubin
+        in_proj = _projections(rows, "bfloat16")["in_proj"]
+        cubins[f"{rows} decode_norm_kernel"] = plan_cubins((decode_projection.norm_project_plan(in_proj),
+                                                            decode_projection.norm_project_inputs(in_proj)))[
+            "decode_norm_kernel"]
     assert {name.split()[1] for name in cubins} == {"decode_norm_kernel", "decode_project_kernel",
                                                     "decode_split_sum_kernel"}
     _assert_spill_free(cubins)
