@@ -174,12 +174,13 @@ case $part in
       --param-dtypes "$dtype" --mamba-ssm .peers --causal-conv1d /tmp/ccsite --worker-timeout 120 --out "$out"
     ;;
   command-buffers)  # the package's launches in XLA's command buffers (CUDA graphs): the GPU tests of the capture and
-    # of the decode loop, then the decode step (d1024-l24, bf16, batches 1 and 64) with command buffers off, as XLA
-    # defaults them and over loops, and the unrolled training step as XLA defaults them and off (about 9 minutes)
+    # of the LM's decode (four launches per layer), then the decode step (d1024-l24, bf16, batches 1 and 64) with
+    # command buffers off, as XLA defaults them and over loops, and the unrolled training step as XLA defaults them
+    # and off (about 9 minutes)
     export JAX_MAMBA2_AUTOTUNE=0
-    step command_buffer_tests 150 python -m pytest -m gpu -q -rf -n 2 -p no:cacheprovider \
-      tests/bridge/test_cutile_gpu.py -k command_buffer
-    step decode_gpu_tests 100 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider tests/flax_layers/test_decode_gpu.py
+    step command_buffer_tests 170 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider \
+      tests/bridge/test_cutile_gpu.py::test_xla_records_the_kernel_launches_in_command_buffers \
+      tests/flax_layers/test_decode_gpu.py
     step lm_decode_command_buffers 150 python benchmarks/lm_decode.py --configs d1024-l24 --impls cutile \
       --param-dtypes bfloat16 --batches 1 64 --prompt-lengths --command-buffers off default loop --worker-timeout 90 \
       --out "$out"
