@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|decode|decode-matrix|command-buffers|conv-ncu [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|decode|decode-matrix|command-buffers|lm-loss|conv-ncu [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|decode|decode-matrix|command-buffers|conv-ncu [OUT]}
+part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|decode|decode-matrix|command-buffers|lm-loss|conv-ncu [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 if [ "$part" = lm-step ] || [ "$part" = decode-matrix ]; then  # the peer's build needs the machine's CUDA
@@ -187,6 +187,15 @@ case $part in
     for buffers in default off; do
       step "lm_step_command_buffers_$buffers" 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 \
         --impls cutile --unroll-layers --no-profile --command-buffers "$buffers" --worker-timeout 100 --out "$out"
+    done
+    ;;
+  lm-loss)  # the loss's softmax on the cuTile kernels (one read of a chunk's logits forward, one read and one write
+    # backward) against XLA's fusions (a convert and two reductions per chunk at 1.3-2.3x their floors), the unrolled
+    # step without the guard, each profiled (about 6 minutes)
+    export JAX_MAMBA2_AUTOTUNE=0
+    for loss in cutile xla; do
+      step "lm_loss_$loss" 170 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --unroll-layers \
+        --no-check-finite --loss-backend "$loss" --worker-timeout 160 --out "$out"
     done
     ;;
   conv-ncu)  # Nsight Compute's full set of the conv kernels (forward and backward, the LM's layout at d_model 1024),

@@ -67,12 +67,14 @@ def test_compiled_generate_launches_the_forward_kernels_and_the_fused_step_only(
     assert forward and all("fwd" in k for k in forward), kernels  # the prompt: forward kernels, no backward
 
 
-def test_xla_records_each_decode_step_in_a_command_buffer():
-    """Under XLA's default flags the decode loop's launches lie in computations XLA outlined as command buffers
-    (one CUDA graph launch per token step); with command buffers off, in none. Tokens are the same."""
+def test_xla_can_record_every_launch_of_the_decode_loop():
+    """Every launch of the decode loop can be recorded: with command buffers of any length (XLA's default asks for
+    5 commands in a row) they all lie in computations XLA outlined as command buffers (CUDA graphs); with command
+    buffers off, in none. Tokens are the same. (lm_decode.py records how many XLA's defaults capture.)"""
     model, prompt = _model(param_dtype=jnp.bfloat16), _prompt(2, 40)
     lowered = jax.jit(lambda prompt: generate(model, prompt, 8)).lower(prompt)
-    recorded, launched = lowered.compile(), lowered.compile({"xla_gpu_enable_command_buffer": ""})
+    recorded = lowered.compile({"xla_gpu_graph_min_graph_size": 1})
+    launched = lowered.compile({"xla_gpu_enable_command_buffer": ""})
 
     def in_command_buffers(compiled):
         return [c.startswith(COMMAND_BUFFER_COMPUTATION)
