@@ -5,8 +5,9 @@ of its input sequence. The script jits one training step (forward, backward, Ada
 function of the model state, compiles it, and lists every custom call in the compiled HLO: for the
 cuTile backend each SSD kernel launch is an XLA custom call ("jax_mamba2_cutile_launch") with its kernel name,
 grid, output shapes, the JAX name stack it came from (forward or transposed/backward, which layer),
-and the HLO computation that holds it. Then it times the step against the same model on the "xla"
-backend (the chunked SSD in plain XLA ops).
+and the HLO computation that holds it (XLA's command buffers, recorded into CUDA graphs, are computations named
+"command_buffer..."). Then it times the step against the same model on the "xla" backend (the chunked SSD in
+plain XLA ops).
 
     python examples/jit_model.py                   # CPU: xla only (the cuTile lowering needs a GPU)
     python examples/jit_model.py --batch 8 --seqlen 4096 --d-model 1024 --layers 4 --d-state 128 \\
@@ -130,10 +131,12 @@ def print_custom_calls(backend: str, hlo_text: str) -> int:
     calls, while_bodies = custom_calls(hlo_text)
     launches = [c for c in calls if c.target == CUTILE_TARGET]
     others = [c for c in calls if c.target != CUTILE_TARGET]
-    print(f"[{backend}] compiled HLO: {len(launches)} cuTile kernel launches ({CUTILE_TARGET!r} custom calls), "
-          f"{len(others)} other custom calls")
+    recorded = sum(c.computation.startswith("command_buffer") for c in launches)
+    print(f"[{backend}] compiled HLO: {len(launches)} cuTile kernel launches ({CUTILE_TARGET!r} custom calls, "
+          f"{recorded} of them in XLA command buffers: CUDA graphs), {len(others)} other custom calls")
     for call in calls:
         place = call.computation + (" (a while-loop body)" if call.computation in while_bodies else "")
+        place += " (an XLA command buffer)" if call.computation.startswith("command_buffer") else ""
         name = call.kernel or call.target
         grid = f" grid=({call.grid})" if call.grid else ""
         print(f"  {name}{grid} -> {call.shapes[:100]}")
