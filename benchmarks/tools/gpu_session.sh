@@ -139,7 +139,8 @@ case $part in
       --no-profile --worker-timeout 100 --out "$out"
     ;;
   lm-scan)  # the default layer scan at d1024-l24-8x2048, what its copies cost: as it is, with the chunk states
-    # recomputed in the backward (the guard's conditional then returns no saved state to stack), without the guard
+    # recomputed in the backward (the guard's conditional then returns no saved state to stack), without the guard,
+    # and saving only in_proj's output (remat="matmuls": fewer stacked residuals to zero and copy)
     export JAX_MAMBA2_AUTOTUNE=0
     step lm_scan 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --worker-timeout 140 \
       --out "$out"
@@ -147,6 +148,8 @@ case $part in
       --recompute-chunk-states --worker-timeout 140 --out "$out"
     step lm_scan_unchecked 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
       --no-check-finite --no-profile --worker-timeout 100 --out "$out"
+    step lm_scan_remat 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --remat matmuls \
+      --no-profile --worker-timeout 100 --out "$out"
     ;;
   decode)  # the decode ops: their GPU tests, every plan and config timed outside JAX, the LM's token step at batches
     # 1-256 against mamba_ssm's with a profile (about 9 minutes)
