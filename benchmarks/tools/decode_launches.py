@@ -38,12 +38,13 @@ BUDGET_S, WARMUP_S = 0.05, 0.05
 
 def projection_configs(case: str) -> list[decode_projection.ProjectionConfig]:
     """The product's columns per block (256 for the head alone), K step with its latency hint, occupancy hint;
-    for in_proj and out_proj also K split over 2 or 4 blocks at 32 and 64 columns."""
+    for in_proj and out_proj also K split over 2, 4 or 8 blocks at 32 and 64 columns, with and without an occupancy
+    hint of 2 (in_proj's 138 blocks of 64 columns split in two then fit one wave of two blocks per SM)."""
     columns = (32, 64, 128, 256) if case == "head" else (32, 64, 128)
     tiles = [decode_projection.ProjectionConfig(BLOCK_N=n, BLOCK_K=k, LATENCY=latency, OCCUPANCY=occupancy)
              for n, (k, latency), occupancy in itertools.product(columns, ((128, 4), (256, 2)), (None, 2))]
-    splits = [decode_projection.ProjectionConfig(BLOCK_N=n, SPLIT_K=split)
-              for n, split in itertools.product((32, 64), (2, 4))]
+    splits = [decode_projection.ProjectionConfig(BLOCK_N=n, SPLIT_K=split, OCCUPANCY=occupancy)
+              for n, split, occupancy in itertools.product((32, 64), (2, 4, 8), (None, 2))]
     return tiles + ([] if case == "head" else splits)
 
 
