@@ -450,6 +450,8 @@ def _kernel_mixer_fwd(kernels, dims, options, *arrays):
 
 
 def _kernel_mixer_bwd(kernels, dims, options, arrays, cotangents):
+    if len(cotangents) == 4:  # the sums of squares in the kernels' pieces (their config's), not one per group
+        options = _Options(options, norm_pieces=cotangents[3].shape[-1])
     return _reference_vjp(functools.partial(_mixer_reference, options), arrays, cotangents)
 
 

@@ -74,7 +74,7 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
 
 def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias, D, *, nheads, headdim,
                ngroups, dstate, xbc_offset, dt_offset, z_offset=None, dt_limit=(0.0, float("inf")),
-               norm_z_offset=None, norm_group_size=None, norm_before_gate=False):
+               norm_z_offset=None, norm_group_size=None, norm_before_gate=False, norm_pieces=None):
     """One token of the mixer between in_proj and the gated norm.
 
     Args:
@@ -87,11 +87,13 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
       dt_limit: the clip of softplus(dt + dt_bias).
       norm_z_offset, norm_group_size, norm_before_gate: the gated norm after the step (its gate's first column in
         zxbcdt, its group size (None: every feature) and gate placement), whose sums of squares it also returns.
+      norm_pieces: the sums per row (consecutive pieces of equal width, a multiple of the groups; None: one per
+        group), as the kernels return them.
 
     Returns:
       (y (rows, nheads * headdim) in zxbcdt's dtype, the new ssm_state in its dtype, the new conv_state in its
-      dtype), and with norm_z_offset the norm's sums of squares per group (rows, groups), float32 (float64 for
-      float64 y): of y gated by silu(z) unless norm_before_gate.
+      dtype), and with norm_z_offset the norm's sums of squares (rows, norm_pieces or groups), float32 (float64
+      for float64 y): of y gated by silu(z) unless norm_before_gate.
     """
     rows = zxbcdt.shape[0]
     d_ssm, bc = nheads * headdim, ngroups * dstate
@@ -111,5 +113,5 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
     h = y.astype(jnp.promote_types(jnp.float32, y.dtype))
     if not norm_before_gate:
         h = h * jax.nn.silu(zxbcdt[:, norm_z_offset:norm_z_offset + d_ssm].astype(h.dtype))
-    group = norm_group_size or d_ssm
-    return y, new_ssm_state, new_conv_state, jnp.square(h).reshape(rows, d_ssm // group, group).sum(axis=-1)
+    pieces = norm_pieces or d_ssm // (norm_group_size or d_ssm)
+    return y, new_ssm_state, new_conv_state, jnp.square(h).reshape(rows, pieces, -1).sum(axis=-1)

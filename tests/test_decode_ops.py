@@ -278,3 +278,19 @@ def test_sum_squares_and_norm_z_offset_checks_name_the_argument():
     with pytest.raises(ValueError, match="sum_squares are the statistics of a norm"):
         jax_mamba2.norm_project(x, weight, norm_weight=norm_weight, residual_dtype=jnp.float32,
                                 sum_squares=jnp.ones((2, 4)))
+
+
+def test_gradients_through_the_sums_of_squares_are_the_norm_s():
+    """The sums of squares are a function of y and z like the norm's own statistics: the gradient of out_proj's
+    output through the mixer step and norm_project(sum_squares=...) is the one without them."""
+    case = MIXER_CASES["gated_norm_mixer"]
+    arrays = mixer_inputs(case, seed=48)
+
+    def loss(zxbcdt, use_sums):
+        _, out = gated_norm_chain(case, {**arrays, "zxbcdt": zxbcdt}, norm_before_gate=False, group_size=64,
+                                  use_sums=use_sums)
+        return jnp.sum(jnp.sin(out))
+    zxbcdt = jnp.asarray(arrays["zxbcdt"])
+    with_sums, without = (jax.grad(loss)(zxbcdt, use_sums) for use_sums in (True, False))
+    assert float(jnp.abs(with_sums).max()) > 0
+    np.testing.assert_allclose(with_sums, without, rtol=1e-4, atol=1e-5)

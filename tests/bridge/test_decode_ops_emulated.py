@@ -176,3 +176,16 @@ def test_emulated_sums_of_squares_into_out_proj_match_xla_also_under_vmap(norm_b
     batched = jax.vmap(lambda y, s: project_(y, s, "cutile"))(y, jnp.stack([sums, 2 * sums]))
     for i, s in enumerate((sums, 2 * sums)):
         assert rel_l2(batched[i], project_(y[i], s, "xla")) < TOLERANCE["float32"]
+
+
+def test_emulated_gradients_through_the_sums_of_squares_are_the_xla_paths():
+    case = MIXER_CASES["gated_norm_mixer"]
+    arrays = mixer_inputs(case, seed=49)
+
+    def grad(backend):
+        def loss(zxbcdt):
+            _, out = gated_norm_chain(case, {**arrays, "zxbcdt": zxbcdt}, norm_before_gate=False, group_size=64,
+                                      backend=backend)
+            return jnp.sum(jnp.sin(out))
+        return jax.grad(loss)(jnp.asarray(arrays["zxbcdt"]))
+    assert rel_l2(grad("cutile"), grad("xla")) < 1e-5
