@@ -3,11 +3,12 @@ the projection kernel's tiles and hints.
 
 Cases, for the LM of --d-model (24 layers, d_state 128, headdim 64, expand 2, vocab 50280):
   in_proj   norm_project: the block's residual add + RMSNorm, then x @ in_proj (d_model x d_in_proj)
-  out_proj  norm_project: the gated RMSNorm (gate read from in_proj's output; its statistics the mixer step's sums
-            of squares, as in the LM's step: one launch, the product normalizing), then y @ out_proj (d_inner x d_model)
+  out_proj  norm_project: the gated RMSNorm (gate read from in_proj's output), then y @ out_proj (d_inner x d_model);
+            as in the LM's step, up to GATED_NORM_IN_MIXER_ROWS rows the norm's input is the mixer step's (gated,
+            float32) with its sums of squares, and the product normalizes (one launch)
   head      norm_project: the final add + RMSNorm, then x @ embedding^T (the tied LM head, one layer)
-  mixer     mixer_step: the conv step + SSD state update of one layer (state in the parameters' dtype), with the
-            gated norm's sums of squares (as in the LM's step)
+  mixer     mixer_step: the conv step + SSD state update of one layer (state in the parameters' dtype); as in the
+            LM's step, up to GATED_NORM_IN_MIXER_ROWS rows it also gates y and sums its squares for the norm
 Parameters (--param-dtypes) bfloat16 or float32; activations bfloat16; rows = --batches.
 
 Timing: one jitted program launches the kernel once for each of the 24 layers of the stacked parameters (the head
@@ -45,6 +46,7 @@ from benchmarks.environment import environment, gpu_slug  # noqa: E402
 from benchmarks.lm_bench import write_json  # noqa: E402
 from benchmarks.ssd import PEAK_HBM_TBPS, time_jax  # noqa: E402
 from jax_mamba2 import backends, decode  # noqa: E402
+from jax_mamba2.flax_layers.mamba2 import GATED_NORM_IN_MIXER_ROWS  # noqa: E402
 
 LAYERS = 24
 # The decode ops' kernels: a projection launches the first two (the second alone without a norm, the third after
@@ -105,16 +107,20 @@ def _arrays(case: str, s: Shapes, rows: int, param_dtype, key):
             x, weight, norm_weight=norm_weight, residual=residual, residual_dtype=jnp.float32, layer=layer,
             dtype=bf16)), arrays, floor
     if case == "out_proj":
+        arrays = dict(weight=normal((LAYERS, s.d_inner, s.d_model), param_dtype, s.d_inner ** -0.5),
+                      norm_weight=normal((LAYERS, s.d_inner), param_dtype, 0.1) + 1)
+        if rows > GATED_NORM_IN_MIXER_ROWS:  # the norm's own launch gates y
+            arrays.update(y=normal((rows, s.d_inner), bf16), z=normal((rows, s.d_in_proj), bf16))
+            floor = s.d_inner * s.d_model * itemsize + rows * (s.d_inner * 4 + s.d_model * 2)
+            return (lambda layer, y, z, weight, norm_weight: decode.norm_project(
+                y, weight, norm_weight=norm_weight, z=z, layer=layer, dtype=bf16)), arrays, floor
         from jax_mamba2.kernels.decode_mixer import sum_squares_parts
         parts = sum_squares_parts(mixer_dims(s, rows, param_dtype))
-        arrays = dict(y=normal((rows, s.d_inner), bf16), z=normal((rows, s.d_in_proj), bf16),
-                      weight=normal((LAYERS, s.d_inner, s.d_model), param_dtype, s.d_inner ** -0.5),
-                      norm_weight=normal((LAYERS, s.d_inner), param_dtype, 0.1) + 1,
+        arrays.update(y=normal((rows, s.d_inner), jnp.float32),  # the mixer step's gated output
                       sum_squares=jnp.abs(normal((rows, parts), jnp.float32, s.d_inner / parts)))
         floor = s.d_inner * s.d_model * itemsize + rows * (s.d_inner * 4 + s.d_model * 2 + parts * 4)
-        return (lambda layer, y, z, weight, norm_weight, sum_squares: decode.norm_project(
-            y, weight, norm_weight=norm_weight, z=z, layer=layer, dtype=bf16, sum_squares=sum_squares)), arrays, \
-            floor
+        return (lambda layer, y, weight, norm_weight, sum_squares: decode.norm_project(
+            y, weight, norm_weight=norm_weight, layer=layer, dtype=bf16, sum_squares=sum_squares)), arrays, floor
     if case == "head":  # a stack of LAYERS embeddings: every launch reads its own (no two are the same call)
         arrays = dict(x=normal((rows, s.d_model), bf16), residual=normal((rows, s.d_model), jnp.float32),
                       embedding=normal((LAYERS, VOCAB, s.d_model), param_dtype, 0.02),
@@ -135,7 +141,8 @@ def _arrays(case: str, s: Shapes, rows: int, param_dtype, key):
     return (lambda layer, zxbcdt, conv_state, ssm_state, **params: decode.mixer_step(
         zxbcdt, conv_state, ssm_state, params["conv_weight"], params["conv_bias"], params["A_log"],
         params["dt_bias"], params["D"], nheads=s.nheads, headdim=s.headdim, ngroups=1, dstate=s.d_state,
-        xbc_offset=s.d_inner, dt_offset=s.d_inner + s.conv_dim, norm_z_offset=0, layer=layer)), arrays, floor
+        xbc_offset=s.d_inner, dt_offset=s.d_inner + s.conv_dim,
+        norm_z_offset=0 if rows <= GATED_NORM_IN_MIXER_ROWS else None, layer=layer)), arrays, floor
 
 
 def _program(fn, case: str):
@@ -149,8 +156,8 @@ def _program(fn, case: str):
     def run_mixer(arrays, ssm_state):
         outs = []
         for layer in range(LAYERS):
-            y, ssm_state, conv_state, sum_squares = fn(layer, ssm_state=ssm_state, **arrays)
-            outs.append((y, conv_state, sum_squares))
+            y, ssm_state, conv_state, *sum_squares = fn(layer, ssm_state=ssm_state, **arrays)
+            outs.append((y, conv_state, *sum_squares))
         return outs, ssm_state
 
     held = {}
@@ -205,8 +212,8 @@ def mixer_dims(s: Shapes, rows: int, param_dtype):
     from jax_mamba2.kernels.decode_mixer import MixerStepDims
     name = jnp.dtype(param_dtype).name
     return MixerStepDims(rows=rows, nheads=s.nheads, headdim=s.headdim, ngroups=1, dstate=s.d_state,
-                         in_width=s.d_in_proj, xbc_offset=s.d_inner, dt_offset=s.d_inner + s.conv_dim, norm_z_offset=0,
-                         layers=LAYERS,
+                         in_width=s.d_in_proj, xbc_offset=s.d_inner, dt_offset=s.d_inner + s.conv_dim,
+                         norm_z_offset=0 if rows <= GATED_NORM_IN_MIXER_ROWS else None, layers=LAYERS,
                          conv_state_dtype=name, ssm_state_dtype=name, conv_weight_dtype=name, A_log_dtype=name,
                          dt_bias_dtype=name, D_dtype=name)
 
@@ -231,10 +238,13 @@ def projection_dims(case: str, s: Shapes, rows: int, param_dtype):
         return ProjectionDims(rows=rows, features=s.d_model, out_features=s.d_in_proj, layers=LAYERS, has_norm=True,
                               has_residual=True, write_residual=True, residual_dtype="float32",
                               residual_in_dtype="float32", weight_dtype=name, norm_weight_dtype=name)
-    if case == "out_proj":
+    if case == "out_proj" and rows > GATED_NORM_IN_MIXER_ROWS:
+        return ProjectionDims(rows=rows, features=s.d_inner, out_features=s.d_model, layers=LAYERS, has_norm=True,
+                              z_width=s.d_in_proj, weight_dtype=name, norm_weight_dtype=name)
+    if case == "out_proj":  # normalizing the mixer step's gated output (float32) from its sums of squares
         from jax_mamba2.kernels.decode_mixer import sum_squares_parts
         return ProjectionDims(rows=rows, features=s.d_inner, out_features=s.d_model, layers=LAYERS, has_norm=True,
-                              z_width=s.d_in_proj, weight_dtype=name, norm_weight_dtype=name,
+                              dtype="float32", weight_dtype=name, norm_weight_dtype=name,
                               norm_parts=sum_squares_parts(mixer_dims(s, rows, param_dtype)))
     return ProjectionDims(rows=rows, features=s.d_model, out_features=VOCAB, layers=LAYERS, has_norm=True,
                           has_residual=True,

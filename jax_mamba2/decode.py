@@ -310,8 +310,9 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
       xbc_offset, dt_offset, z_offset: where xBC, dt and (for a gate in the step) z start in zxbcdt's columns.
       dt_limit: (min, max) clip of the time step.
       norm_z_offset: None, or where the gate of the gated norm that follows starts in zxbcdt (a mixer with the
-        gated norm; z_offset None): the step then also returns the norm's sums of squares, which `norm_project`
-        takes as sum_squares so that the norm needs no pass (and on the kernels no launch) of its own.
+        gated norm; z_offset None): y is then the norm's input (gated here unless norm_before_gate) and the step
+        also returns its sums of squares, which `norm_project` takes (x=y, z=None unless norm_before_gate,
+        sum_squares) so that the norm needs no pass (and on the kernels no launch) of its own.
       norm_group_size: that norm's group size (None: every feature), a multiple of headdim.
       norm_before_gate: that norm's gate placement (the sums are of y gated by silu(z) unless True).
       layer: None (unstacked arrays), or the layer of the stacked ones: an int or an integer scalar array.
@@ -320,9 +321,10 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
     Returns:
       (y (rows, nheads * headdim) in zxbcdt's dtype, ssm_state with the layer's state advanced (the stack, with
       `layer`; on the kernels updated in place where XLA can reuse its buffer: donate it, or carry it through a
-      loop), the layer's new conv state (rows, conv_dim, d_conv) in conv_state's dtype), and with norm_z_offset
-      the norm's sums of squares (rows, parts) float32, parts / groups consecutive pieces per group (one per group
-      on the xla backend, one per kernel block of a head's channels on the kernels).
+      loop), the layer's new conv state (rows, conv_dim, d_conv) in conv_state's dtype); with norm_z_offset y is
+      the norm's input in float32 (y rounded to zxbcdt's dtype, times silu(z) unless norm_before_gate) and a
+      fourth output its sums of squares (rows, parts) float32, parts / groups consecutive pieces per group (one
+      per group on the xla backend, one per kernel block of a head's channels on the kernels).
 
     Raises:
       ValueError / TypeError: as `norm_project`.
@@ -427,7 +429,7 @@ def _mixer_reference(options, layer_index, zxbcdt, conv_state, conv_weight, conv
         zxbcdt, take(conv_state), take(ssm_state), take(conv_weight), take(conv_bias), take(A_log), take(dt_bias),
         take(D), **options)
     ssm_state = jax.lax.dynamic_update_index_in_dim(ssm_state, new_state.astype(ssm_state.dtype), layer_index[0], 0)
-    return (y, ssm_state, new_conv_state, *(s.astype(jnp.float32) for s in sum_squares))
+    return (y, ssm_state, new_conv_state, *sum_squares)
 
 
 def _mixer(kernels, dims_fn, options, *arrays):

@@ -86,14 +86,15 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
       A_log, dt_bias: (nheads,); D: (nheads,) or (nheads, headdim).
       dt_limit: the clip of softplus(dt + dt_bias).
       norm_z_offset, norm_group_size, norm_before_gate: the gated norm after the step (its gate's first column in
-        zxbcdt, its group size (None: every feature) and gate placement), whose sums of squares it also returns.
+        zxbcdt, its group size (None: every feature) and gate placement): y is then that norm's input, and the step
+        also returns its sums of squares.
       norm_pieces: the sums per row (consecutive pieces of equal width, a multiple of the groups; None: one per
         group), as the kernels return them.
 
     Returns:
       (y (rows, nheads * headdim) in zxbcdt's dtype, the new ssm_state in its dtype, the new conv_state in its
-      dtype), and with norm_z_offset the norm's sums of squares (rows, norm_pieces or groups), float32 (float64
-      for float64 y): of y gated by silu(z) unless norm_before_gate.
+      dtype), and with norm_z_offset instead y as the norm's input, y times silu(z) unless norm_before_gate, in
+      float32 (float64 for float64 y), and its sums of squares (rows, norm_pieces or groups) in the same dtype.
     """
     rows = zxbcdt.shape[0]
     d_ssm, bc = nheads * headdim, ngroups * dstate
@@ -114,4 +115,4 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
     if not norm_before_gate:
         h = h * jax.nn.silu(zxbcdt[:, norm_z_offset:norm_z_offset + d_ssm].astype(h.dtype))
     pieces = norm_pieces or d_ssm // (norm_group_size or d_ssm)
-    return y, new_ssm_state, new_conv_state, jnp.square(h).reshape(rows, pieces, -1).sum(axis=-1)
+    return h, new_ssm_state, new_conv_state, jnp.square(h).reshape(rows, pieces, -1).sum(axis=-1)

@@ -234,22 +234,34 @@ def gated_norm_chain(case, arrays, *, norm_before_gate, group_size, backend="xla
     keys = jax.random.split(jax.random.key(43), 2)
     norm_weight = 1 + 0.5 * jax.random.normal(keys[0], (case.layers, case.d_ssm))
     weight = jax.random.normal(keys[1], (case.layers, case.d_ssm, 40)) / np.sqrt(case.d_ssm)
-    out = jax_mamba2.norm_project(y, weight, norm_weight=norm_weight, z=a["zxbcdt"], z_offset=0,
-                                  group_size=group_size, norm_before_gate=norm_before_gate, layer=case.layer,
-                                  sum_squares=sums if use_sums else None, backend=backend)
+    if use_sums:  # y is the norm's input: gated unless the gate follows the norm
+        z = a["zxbcdt"] if norm_before_gate else None
+    else:  # the norm gates and sums y (in zxbcdt's dtype) itself
+        y, z = step(case, arrays, layer=case.layer, backend=backend)["y"], a["zxbcdt"]
+    out = jax_mamba2.norm_project(y, weight, norm_weight=norm_weight, z=z, z_offset=0, group_size=group_size,
+                                  norm_before_gate=norm_before_gate, layer=case.layer,
+                                  sum_squares=sums if use_sums else None, dtype=a["zxbcdt"].dtype, backend=backend)
     return sums, out
 
 
 @pytest.mark.parametrize("norm_before_gate, group_size", [(False, 64), (True, 128), (False, 16)])
 def test_the_mixer_s_sums_of_squares_give_out_proj_its_norm(norm_before_gate, group_size):
-    """mixer_step(norm_z_offset=...) returns the gated norm's sums of squares per group (of y gated by silu(z)
-    unless norm_before_gate); norm_project given them (sum_squares) returns what it computes itself."""
+    """mixer_step(norm_z_offset=...) returns the gated norm's input (y gated by silu(z) unless norm_before_gate, in
+    float32) and its sums of squares per group; norm_project given them (sum_squares) returns what it computes from
+    y itself."""
     case = MIXER_CASES["gated_norm_mixer"]
     arrays = mixer_inputs(case, seed=44)
     sums, out = gated_norm_chain(case, arrays, norm_before_gate=norm_before_gate, group_size=group_size)
     y = step(case, arrays, layer=case.layer)["y"]
     z = jnp.asarray(arrays["zxbcdt"])[:, :case.d_ssm]
     gated = y if norm_before_gate else y * jax.nn.silu(z)
+    a = _jnp(arrays)
+    names = ("zxbcdt", "conv_state", "ssm_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D")
+    norm_input = jax_mamba2.mixer_step(*(a[n] for n in names), **{**case.layout(), "z_offset": None},
+                                       norm_z_offset=0, norm_group_size=group_size,
+                                       norm_before_gate=norm_before_gate, layer=case.layer)[0]
+    assert norm_input.dtype == jnp.float32
+    np.testing.assert_allclose(norm_input, gated, rtol=1e-6, atol=1e-7)
     assert sums.shape == (case.rows, case.d_ssm // group_size) and sums.dtype == jnp.float32
     np.testing.assert_allclose(sums, jnp.square(gated).reshape(case.rows, -1, group_size).sum(-1), rtol=1e-6)
     _, itself = gated_norm_chain(case, arrays, norm_before_gate=norm_before_gate, group_size=group_size,

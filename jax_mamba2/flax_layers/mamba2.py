@@ -39,6 +39,10 @@ from jax_mamba2.op import ssd, ssd_step
 
 # The checkpoint name of in_proj's output, what `Mamba2LMHeadModel(remat="matmuls")` keeps for the backward.
 IN_PROJ_OUTPUT = "mamba2_in_proj_output"
+# Up to this many rows the fused decode step gates and sums the gated norm's input in the mixer step, and out_proj's
+# product normalizes it (one launch fewer); every column block of the product scales the rows again, which costs
+# more than the norm's own launch once the rows are many (their elementwise work, per block, grows with them).
+GATED_NORM_IN_MIXER_ROWS = 8
 
 
 def _param(variable):
@@ -344,11 +348,12 @@ class Mamba2(nnx.Module):
     def decode_step(self, hidden_states, conv_state, ssm_state, *, layer=None, pre_norm=None, hidden_dtype=None,
                     return_partials=False):
         """One token through the mixer on the fused decode ops (`jax_mamba2.decode`): in_proj (after the block's
-        add + norm, with `pre_norm`), the conv step + SSD state update, the gated norm + out_proj: four kernel
-        launches on a GPU (in_proj's norm and product, the mixer step, which also sums the gated norm's squares,
-        and out_proj's product, which normalizes as it loads its rows; at a few rows, where out_proj's K is split
-        over blocks, a fifth sums its partial products, unless `return_partials` leaves that to the next layer's
-        norm). The same values as the composed step; see `decodes_fused` for when it applies.
+        add + norm, with `pre_norm`), the conv step + SSD state update, the gated norm + out_proj: on a GPU each
+        projection's norm and product kernels and the mixer step, five launches; up to GATED_NORM_IN_MIXER_ROWS rows
+        four, the mixer step gating and summing the squares of the norm's input and out_proj's product normalizing
+        as it loads it. At a few rows, where out_proj's K is split over blocks, one more sums its partial products,
+        unless `return_partials` leaves that to the next layer's norm. The same values as the composed step; see
+        `decodes_fused` for when it applies.
 
         Args:
           hidden_states: (batch, d_model).
@@ -385,9 +390,12 @@ class Mamba2(nnx.Module):
         D = self.D[...]
         if self.D_has_hdim:
             D = D.reshape(*D.shape[:-1], self.nheads, self.headdim)
-        # With the gated norm the step also returns the norm's sums of squares (where its groups are whole heads,
-        # as in every Mamba-2 config): out_proj's launch normalizes.
-        sums = self.rmsnorm and (self.norm.group_size or self.d_ssm) % self.headdim == 0
+        # At a few rows, with the gated norm, the step also gates y for the norm and sums its squares (where the
+        # norm's groups are whole heads, as in every Mamba-2 config): out_proj's product then normalizes its rows
+        # as it loads them, with no launch of the norm. Each of its column blocks repeats that scaling of the rows,
+        # which only a few rows keep cheap.
+        sums = (self.rmsnorm and hidden_states.shape[-2] <= GATED_NORM_IN_MIXER_ROWS
+                and (self.norm.group_size or self.d_ssm) % self.headdim == 0)
         gated_norm = {} if not sums else dict(
             norm_z_offset=2 * self.d_mlp, norm_group_size=self.norm.group_size,
             norm_before_gate=self.norm.norm_before_gate)
@@ -398,11 +406,14 @@ class Mamba2(nnx.Module):
             z_offset=None if self.rmsnorm else 2 * self.d_mlp, dt_limit=self.dt_limit, **gated_norm, layer=layer,
             backend=backend)
         out_kernel = self.out_proj.kernel[...]
-        norm = {} if not self.rmsnorm else dict(
-            norm_weight=self.norm.scale[...], z=zxbcdt, z_offset=2 * self.d_mlp, group_size=self.norm.group_size,
-            norm_before_gate=self.norm.norm_before_gate, eps=self.norm.eps, sum_squares=(sum_squares or [None])[0])
+        norm = {}
+        if self.rmsnorm:  # with the sums, y is the norm's input, gated unless the gate follows the norm
+            gate = not sums or self.norm.norm_before_gate
+            norm = dict(norm_weight=self.norm.scale[...], z=zxbcdt if gate else None, z_offset=2 * self.d_mlp,
+                        group_size=self.norm.group_size, norm_before_gate=self.norm.norm_before_gate,
+                        eps=self.norm.eps, sum_squares=sum_squares[0] if sums else None)
         out = decode_op.norm_project(y, out_kernel, **norm, bias=_param(self.out_proj.bias), layer=layer,
-                                     dtype=self.dtype or jnp.result_type(y, out_kernel),
+                                     dtype=self.dtype or jnp.result_type(zxbcdt, out_kernel),
                                      return_partials=return_partials, backend=backend)
         return out, residual, conv_state, ssm_state
 

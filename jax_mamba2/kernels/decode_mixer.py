@@ -12,9 +12,11 @@ Mirrors `jax_mamba2.decode_reference.mixer_step`. Per row b, head h of group g =
     state'    = exp(Δ A) ssm_state[l, b, h] + Δ x[h] ⊗ B[g]               (headdim, dstate), f32
     y[b, h]   = state' C[g] + D[l, h] x[h];   y *= silu(z[b, h]) with HAS_Z
     ssm_state[l, b, h] <- state' (in place);   new_conv_state[b, c] = window[c]
-    sum_squares[b, h * P / BLOCK_P + pb] = sum over the block's channels of (y[b, h] rounded to T, times
-             silu(zn[b, h]) unless NORM_BEFORE_GATE)^2, f32       SUM_SQUARES: for the gated norm that follows
-             (its gate zn from NORM_Z_OFFSET), whose statistics they are (decode_projection.py's NORM_PARTS)
+    with SUM_SQUARES (a gated norm follows, its gate zn from NORM_Z_OFFSET), y is instead the norm's input in
+    f32: y rounded to T, times silu(zn[b, h]) unless NORM_BEFORE_GATE, and
+    sum_squares[b, h * P / BLOCK_P + pb] = the sum of its squares over the block's channels: the norm's statistics
+             in pieces (decode_projection.py's NORM_PARTS), so that the product after it normalizes with no
+             norm launch and, the gate applied here, no gate of its own
 
 xBC, dt and z are columns of in_proj's output zxbcdt (M, IN_WIDTH), read where they lie (no slice of it is
 copied): xBC from XBC_OFFSET, dt from DT_OFFSET, z from Z_OFFSET. As everywhere in the decode kernels, the
@@ -63,9 +65,9 @@ class MixerStepDims:
 
     rows: M, the sequences; layers: L; nheads, headdim, ngroups, dstate, d_conv: the mixer's; in_width: in_proj's
     output width and xbc_offset, dt_offset, z_offset (None without a gate in the step) where xBC, dt and z start in
-    it. norm_z_offset: None, or where the gate of the gated norm that follows starts in zxbcdt: the step then also
-    writes each block's sum of squares of y gated by it (of y itself with norm_before_gate), the norm's statistics
-    in pieces (`sum_squares_parts`). Dtypes as numpy names: dtype is zxbcdt's (T), the others the arrays'.
+    it. norm_z_offset: None, or where the gate of the gated norm that follows starts in zxbcdt: y is then the
+    norm's input in float32 (y gated by it, y itself with norm_before_gate), and the step also writes each block's
+    sum of its squares, the norm's statistics in pieces (`sum_squares_parts`). Dtypes as numpy names: dtype is zxbcdt's (T), the others the arrays'.
     """
 
     rows: int
@@ -195,7 +197,7 @@ def mixer_step_kernel(
     D,                  # (L, H, P) with D_PER_CHANNEL, else (L, H); in its dtype
     ssm_state,          # (L, M, H, P, N) Ts, read and written in place
     new_conv_state,     # (M, CONV_DIM, D_CONV) Tc, written
-    y,                  # (M, H, P) T, written
+    y,                  # (M, H, P) T, or f32 with SUM_SQUARES (the norm's input), written
     sum_squares,        # (M, H * P / BLOCK_P) f32, written with SUM_SQUARES, else a dummy
     NGROUPS: ConstInt,
     DSTATE: ConstInt,
@@ -261,15 +263,15 @@ def mixer_step_kernel(
     if HAS_Z:
         z = ct.load(zxbcdt, index=(b, Z_OFFSET // BLOCK_P + x_block), shape=(1, BLOCK_P)).reshape((BLOCK_P,))
         y_p = silu_gate(y_p, z)
-    ct.store(y, index=(b, h, pb), tile=y_p.reshape((1, 1, BLOCK_P)).astype(y.dtype))
     if SUM_SQUARES:
-        # The norm's input as its kernel would load it: y rounded to T, gated in f32 (decode_projection.py).
-        h_p = y_p.astype(y.dtype).astype(ct.float32)
+        # The norm's input as its kernel would have computed it: y rounded to T, gated in f32 (decode_projection.py).
+        y_p = y_p.astype(zxbcdt.dtype).astype(ct.float32)
         if not NORM_BEFORE_GATE:
             zn = ct.load(zxbcdt, index=(b, NORM_Z_OFFSET // BLOCK_P + x_block), shape=(1, BLOCK_P)
                          ).reshape((BLOCK_P,)).astype(ct.float32)
-            h_p = h_p * (zn * sigmoid(zn))
-        ct.store(sum_squares, index=(b, x_block), tile=ct.sum(h_p * h_p, axis=0, keepdims=True).reshape((1, 1)))
+            y_p = y_p * (zn * sigmoid(zn))
+        ct.store(sum_squares, index=(b, x_block), tile=ct.sum(y_p * y_p, axis=0, keepdims=True).reshape((1, 1)))
+    ct.store(y, index=(b, h, pb), tile=y_p.reshape((1, 1, BLOCK_P)).astype(y.dtype))
 
 
 MIXER_STEP_KERNEL = ct.kernel(mixer_step_kernel)
@@ -301,9 +303,10 @@ def mixer_step_plan(dims: MixerStepDims, cfg: Optional[MixerStepConfig] = None) 
     """The mixer's decode step for `dims`.
 
     Returns:
-      A Plan with inputs MIXER_STEP_INPUTS and outputs MIXER_STEP_OUTPUTS: "y" (M, H, P) in dims.dtype,
-      "ssm_state" (the input stack, its layer updated in place) and "new_conv_state" (M, CONV_DIM, D_CONV), the
-      layer's next conv state; with norm_z_offset also SUM_SQUARES_OUTPUT (M, sum_squares_parts) float32.
+      A Plan with inputs MIXER_STEP_INPUTS and outputs MIXER_STEP_OUTPUTS: "y" (M, H, P) in dims.dtype (float32,
+      the gated norm's input, with norm_z_offset), "ssm_state" (the input stack, its layer updated in place) and
+      "new_conv_state" (M, CONV_DIM, D_CONV), the layer's next conv state; with norm_z_offset also
+      SUM_SQUARES_OUTPUT (M, sum_squares_parts) float32.
     """
     cfg = cfg or mixer_step_default_config(dims)
     parts = sum_squares_parts(dims, cfg)
@@ -320,7 +323,8 @@ def mixer_step_plan(dims: MixerStepDims, cfg: Optional[MixerStepConfig] = None) 
     )
     return Plan(
         inputs=MIXER_STEP_INPUTS,
-        buffers={"y": Buffer((dims.rows, dims.nheads, dims.headdim), dims.dtype),
+        buffers={"y": Buffer((dims.rows, dims.nheads, dims.headdim),
+                             "float32" if dims.has_sum_squares else dims.dtype),
                  "new_conv_state": Buffer((dims.rows, dims.conv_dim, dims.d_conv), dims.conv_state_dtype),
                  SUM_SQUARES_OUTPUT: Buffer((dims.rows, parts) if dims.has_sum_squares else (1, 1), "float32")},
         launches=(launch,),

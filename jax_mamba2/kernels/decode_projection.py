@@ -55,6 +55,8 @@ MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
 MAX_SPLIT_K = 16
 # The norm pass's widest step: a (1, MAX_NORM_BLOCK_K) f32 tile per loaded array.
 MAX_NORM_BLOCK_K = 2048
+# The most sums of squares (norm_parts) the product reads at once per row: a (BLOCK_M, 64) f32 tile.
+MAX_PARTS_TILE = 64
 # Product blocks in one wave of an H200: one block per SM (as measured: a block's pipelined loads hold 76-167 KB
 # of shared memory at the default tiles).
 WAVE_BLOCKS = SM90_SMS
@@ -318,15 +320,24 @@ def decode_norm_kernel(
 
 
 def _group_rstd(sum_squares, m, g, BLOCK_M, NORM_PARTS, PARTS_TILE, NGROUPS, GROUP_SIZE, EPS):
-    """(BLOCK_M, 1) f32: 1 / rms of group g of the block's rows, from the group's NORM_PARTS sums of squares."""
-    if NORM_PARTS == PARTS_TILE or NGROUPS == 1:  # the group's parts as one tile (one group's zero-padded)
-        sums = ct.load(sum_squares, index=(m, g), shape=(BLOCK_M, PARTS_TILE), padding_mode=ct.PaddingMode.ZERO)
-    else:  # gathered (a gather here compiles to a stack frame: kept off the common layouts)
+    """(BLOCK_M, 1) f32: 1 / rms of group g of the block's rows, from the group's NORM_PARTS sums of squares, read
+    PARTS_TILE at a time."""
+    total = ct.zeros((BLOCK_M, 1), ct.float32)
+    if NORM_PARTS % PARTS_TILE == 0 or NGROUPS == 1:  # tiles of the group's parts (one group's last zero-padded)
+        tiles = (NORM_PARTS + PARTS_TILE - 1) // PARTS_TILE
+        for t in range(tiles):
+            sums = ct.load(sum_squares, index=(m, g * tiles + t), shape=(BLOCK_M, PARTS_TILE),
+                           padding_mode=ct.PaddingMode.ZERO)
+            total = total + ct.sum(sums, axis=1, keepdims=True)
+    else:  # gathered (a gather here compiles to a stack frame: kept off the common layouts), PARTS_TILE at a time
         rows = m * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32)
-        part = ct.arange(PARTS_TILE, dtype=ct.int32)
-        mask = (part[None, :] < NORM_PARTS) & (rows[:, None] >= 0)
-        sums = ct.gather(sum_squares, (rows[:, None], g * NORM_PARTS + part[None, :]), mask=mask, padding_value=0)
-    return ct.rsqrt(ct.sum(sums, axis=1, keepdims=True) / GROUP_SIZE + EPS)
+        for start in range(0, NORM_PARTS, PARTS_TILE):
+            part = start + ct.arange(PARTS_TILE, dtype=ct.int32)
+            mask = (part[None, :] < NORM_PARTS) & (rows[:, None] >= 0)
+            sums = ct.gather(sum_squares, (rows[:, None], g * NORM_PARTS + part[None, :]), mask=mask,
+                             padding_value=0)
+            total = total + ct.sum(sums, axis=1, keepdims=True)
+    return ct.rsqrt(total / GROUP_SIZE + EPS)
 
 
 def _normed_rows(a, z, norm_weight, layer, m, k, rstd, BLOCK_M, BLOCK_K, GROUP_SIZE, HAS_Z, Z_BLOCK,
@@ -371,7 +382,7 @@ def decode_project_kernel(
     LATENCY: ConstInt,   # latency hint of the loads in the K loop (1..10), 0 for none
     NORM_PARTS: ConstInt,  # 0, or a normalizes a's rows as it loads them, with each group's statistics from its
                            # NORM_PARTS sums of squares: BLOCK_K divides GROUP_SIZE
-    PARTS_TILE: ConstInt,  # next_power_of_2(NORM_PARTS)
+    PARTS_TILE: ConstInt,  # the sums read at once: next_power_of_2(NORM_PARTS) up to MAX_PARTS_TILE
     NGROUPS: ConstInt,
     GROUP_SIZE: ConstInt,
     HAS_Z: ConstBool,
@@ -496,7 +507,8 @@ def _product_launches(dims: ProjectionDims, cfg: ProjectionConfig, rows: str) ->
         args=("layer_index", rows, "weight", "bias", "out", "partials", "sum_squares", *norm_arrays, bm,
               cfg.BLOCK_N, cfg.BLOCK_K, _k_steps(dims, cfg) // splits, splits, dims.out_parts,
               dims.transpose_weight, dims.has_bias, cfg.LATENCY, dims.norm_parts,
-              next_power_of_2(dims.norm_parts) if dims.norm_parts else 0, dims.ngroups, dims.group,
+              min(next_power_of_2(dims.norm_parts), MAX_PARTS_TILE) if dims.norm_parts else 0, dims.ngroups,
+              dims.group,
               dims.has_z and dims.norm_parts > 0, dims.z_offset // cfg.BLOCK_K, dims.norm_before_gate,
               float(dims.eps)),
         writes=("out", "partials"),  # one of them, the other a dummy: out without a split or out_parts, else

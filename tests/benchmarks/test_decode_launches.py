@@ -18,7 +18,7 @@ def test_cases_time_well_formed_plans_default_first():
         for cfg in configs:
             plan = make_plan(dims, cfg)
             assert_plan_well_formed(plan)
-            if name != "mixer":  # the norm's launch (out_proj's product normalizes from the mixer's sums of
-                # squares), then the product's (and with a split K the splits' sum)
-                norm = 0 if name == "out_proj" else 1
+            if name != "mixer":  # the norm's launch (at a few rows out_proj's product normalizes from the mixer's
+                # sums of squares), then the product's (and with a split K the splits' sum)
+                norm = 0 if dims.norm_parts else 1
                 assert len(plan.launches) == norm + (1 if cfg.SPLIT_K == 1 else 2) and cfg.BLOCK_N >= 32

@@ -131,14 +131,19 @@ def test_generate_prefills_with_the_cutile_forward_kernels_and_decodes_with_the_
 
 
 def test_the_step_is_fused_at_every_batch_and_composed_with_an_mlp_branch():
-    """On one device the fused step runs at any batch (four launches per layer, two for the head); a mixer with the
-    gated MLP branch takes the composed step (the norms' kernels and the SSD's step kernel in the scan over layers,
-    the final norm's)."""
+    """On one device the fused step runs at any batch (four launches per layer up to GATED_NORM_IN_MIXER_ROWS rows,
+    then five: out_proj's norm its own launch again; two for the head); a mixer with the gated MLP branch takes the
+    composed step (the norms' kernels and the SSD's step kernel in the scan over layers, the final norm's)."""
+    from jax_mamba2.flax_layers.mamba2 import GATED_NORM_IN_MIXER_ROWS
+
     mlp = dataclasses.replace(CONFIG, ssm_cfg={**CONFIG.ssm_cfg, "d_ssm": CONFIG.d_model})
     fused = [*PROJECTION, "mixer_step_kernel", *OUT_PROJ] * CONFIG.n_layer + PROJECTION
+    many_rows = [*PROJECTION, "mixer_step_kernel", *PROJECTION] * CONFIG.n_layer + PROJECTION
     composed = ["rms_norm_fwd_kernel", "state_update_kernel", "rms_norm_fwd_kernel", "rms_norm_fwd_kernel"]
     with _traced_for("cutile"):
-        for config, batch, expected in ((CONFIG, 1, fused), (CONFIG, 300, fused), (mlp, 1, composed)):
+        for config, batch, expected in ((CONFIG, 1, fused), (CONFIG, GATED_NORM_IN_MIXER_ROWS, fused),
+                                        (CONFIG, GATED_NORM_IN_MIXER_ROWS + 1, many_rows), (CONFIG, 300, many_rows),
+                                        (mlp, 1, composed)):
             model = Mamba2LMHeadModel(config, backend="cutile", param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
             graphdef, state = nnx.split(model)
             jaxpr = jax.make_jaxpr(lambda s, t, c: nnx.merge(graphdef, s).step(t, c))(

@@ -223,8 +223,9 @@ def test_default_projection_config_splits_k_only_of_a_narrow_product_of_few_rows
 
 def _gated_norm_after_mixer(case, arrays, *, norm_before_gate, group_size, mixer_cfg=None, projection_cfg=None,
                             out_features=40, float64=True):
-    """The mixer step with the gated norm's gate (norm_z_offset), then out_proj normalizing its rows from the step's
-    sums of squares (norm_parts): (mixer outputs, the projection's out, its float64 oracle, the sums' oracle)."""
+    """The mixer step with the gated norm's gate (norm_z_offset), then out_proj normalizing its rows (the step's y:
+    the norm's input, gated unless norm_before_gate) from the step's sums of squares (norm_parts): (mixer outputs,
+    the projection's out, its float64 oracle, the sums' oracle, the norm input's oracle)."""
     layout = dict(case.layout(), z_offset=None)
     dims = dataclasses.replace(
         decode_ops.mixer_dims(*(arrays[k] for k in ("zxbcdt", "conv_state", "conv_weight", "conv_bias", "A_log",
@@ -238,25 +239,28 @@ def _gated_norm_after_mixer(case, arrays, *, norm_before_gate, group_size, mixer
     parts = decode_mixer.sum_squares_parts(dims, mixer_cfg)
     assert mixed["sum_squares"].shape == (case.rows, parts)
 
-    y = mixed["y"].reshape(case.rows, case.d_ssm)
+    norm_input = mixed["y"].reshape(case.rows, case.d_ssm)
+    assert norm_input.dtype == np.float32 or float64
     rng = np.random.default_rng(31)
     norm_weight = (1 + 0.5 * rng.standard_normal((case.layers, case.d_ssm))).astype(np.float32)
     weight = (rng.standard_normal((case.layers, case.d_ssm, out_features)) / np.sqrt(case.d_ssm)).astype(np.float32)
     projection = decode_projection.ProjectionDims(
         rows=case.rows, features=case.d_ssm, out_features=out_features, layers=case.layers,
-        ngroups=case.d_ssm // group_size, group_size=group_size, has_norm=True, z_width=case.in_width, z_offset=0,
-        norm_before_gate=norm_before_gate, dtype=case.dtype, out_dtype=case.dtype, weight_dtype="float32",
-        z_dtype=case.dtype, norm_parts=parts // (case.d_ssm // group_size))
+        ngroups=case.d_ssm // group_size, group_size=group_size, has_norm=True,
+        z_width=case.in_width if norm_before_gate else 0, z_offset=0, norm_before_gate=norm_before_gate,
+        dtype="float32", out_dtype=case.dtype, weight_dtype="float32", z_dtype=case.dtype,
+        norm_parts=parts // (case.d_ssm // group_size))
     assert decode_projection.projection_unsupported_reason(projection) is None
     plan = decode_projection.norm_project_plan(projection, projection_cfg)
     assert "decode_norm_kernel" not in [kernel_name(launch.kernel) for launch in plan.launches]
     out = emulator.run_plan(plan, dict(
-        layer_index=np.array([case.layer], np.int32), x=y, residual=np.zeros((1, 1), np.float32),
-        z=arrays["zxbcdt"], norm_weight=norm_weight.reshape(case.layers, -1, group_size), weight=weight,
+        layer_index=np.array([case.layer], np.int32), x=norm_input, residual=np.zeros((1, 1), np.float32),
+        z=arrays["zxbcdt"] if norm_before_gate else np.zeros((1, 1), np.float32),
+        norm_weight=norm_weight.reshape(case.layers, -1, group_size), weight=weight,
         bias=np.zeros((1, 1), np.float32), sum_squares=mixed["sum_squares"]), float64=float64)["out"]
 
     z = np.asarray(arrays["zxbcdt"], np.float64)[:, :case.d_ssm]
-    y64 = np.asarray(y, np.float64)
+    y64 = mixer_oracle(case, arrays)["y"]
     gated = y64 if norm_before_gate else y64 * z / (1 + np.exp(-z))
     sums = (gated ** 2).reshape(case.rows, parts, -1).sum(axis=-1)
     with_weights = dict(x=y64, weight=weight[case.layer].astype(np.float64), z=z,
@@ -268,7 +272,7 @@ def _gated_norm_after_mixer(case, arrays, *, norm_before_gate, group_size, mixer
         {**{k: v[None] if k in ("weight", "norm_weight") else v for k, v in with_weights.items()},
          "residual": None, "bias": None,
          "z": np.concatenate([z, np.zeros((case.rows, 16))], axis=1)})["out"]
-    return mixed, out, want, sums
+    return mixed, out, want, sums, gated
 
 
 @pytest.mark.parametrize("float64", [True, False])
@@ -289,12 +293,12 @@ def test_the_mixer_s_sums_of_squares_let_out_proj_normalize_without_a_norm_launc
     head and K steps per group, and groups whose parts do not fill a tile."""
     case = dataclasses.replace(MIXER_CASES["gated_norm_mixer"], nheads=nheads)
     arrays = mixer_inputs(case, seed=32)
-    mixed, out, want, sums = _gated_norm_after_mixer(case, arrays, norm_before_gate=norm_before_gate,
-                                                     group_size=group_size, mixer_cfg=mixer_cfg,
-                                                     projection_cfg=projection_cfg, float64=float64)
+    mixed, out, want, sums, gated = _gated_norm_after_mixer(
+        case, arrays, norm_before_gate=norm_before_gate, group_size=group_size, mixer_cfg=mixer_cfg,
+        projection_cfg=projection_cfg, float64=float64)
     tolerance = TOLERANCE[True] if float64 else TOLERANCE[False][case.dtype]
     assert rel_l2(mixed["sum_squares"], sums) < tolerance
+    assert rel_l2(mixed["y"].reshape(case.rows, -1), gated) < tolerance
     assert rel_l2(out, want) < tolerance
-    _assert_close({k: mixed[k] if k != "y" else mixed[k].reshape(case.rows, -1) for k in ("y", "ssm_state",
-                                                                                        "new_conv_state")},
-                  mixer_oracle(case, arrays), tolerance)
+    _assert_close({k: mixed[k] for k in ("ssm_state", "new_conv_state")},
+                  {k: v for k, v in mixer_oracle(case, arrays).items() if k != "y"}, tolerance)
