@@ -67,7 +67,8 @@ class MixerStepDims:
     output width and xbc_offset, dt_offset, z_offset (None without a gate in the step) where xBC, dt and z start in
     it. norm_z_offset: None, or where the gate of the gated norm that follows starts in zxbcdt: y is then the
     norm's input in float32 (y gated by it, y itself with norm_before_gate), and the step also writes each block's
-    sum of its squares, the norm's statistics in pieces (`sum_squares_parts`). Dtypes as numpy names: dtype is zxbcdt's (T), the others the arrays'.
+    sum of its squares, the norm's statistics in pieces (`sum_squares_parts`). Dtypes as numpy names: dtype is
+    zxbcdt's (T), the others the arrays'.
     """
 
     rows: int
