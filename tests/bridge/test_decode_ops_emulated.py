@@ -136,21 +136,23 @@ SPLIT_CONFIG = Mamba2Config(d_model=128, n_layer=2, vocab_size=256,
                             ssm_cfg=dict(d_state=16, headdim=16, chunk_size=8))
 
 
-@pytest.mark.parametrize("config", [CONFIG, SPLIT_CONFIG], ids=["one_k_step", "k_split"])
-def test_emulated_lm_step_matches_xla_over_several_tokens(config):
+@pytest.mark.parametrize("config, batch", [(CONFIG, 2), (SPLIT_CONFIG, 2), (CONFIG, 9)],
+                         ids=["one_k_step", "k_split", "norm_launch"])
+def test_emulated_lm_step_matches_xla_over_several_tokens(config, batch):
     """The fused step's launches thread the stacked SSM state through all layers, token after token (with the
-    projections' K split over blocks and summed where the defaults split it)."""
+    projections' K split over blocks and summed where the defaults split it; from 9 rows with the gated norm's
+    own launch)."""
     models = {b: Mamba2LMHeadModel(config, backend=b, rngs=nnx.Rngs(0)) for b in ("cutile", "xla")}
     out_proj = models["cutile"].layers.mixer.out_proj.kernel
-    dims = decode_projection.ProjectionDims(rows=2, features=out_proj.shape[-2], out_features=out_proj.shape[-1],
-                                            weight_dtype=out_proj.dtype.name)
+    dims = decode_projection.ProjectionDims(rows=batch, features=out_proj.shape[-2],
+                                            out_features=out_proj.shape[-1], weight_dtype=out_proj.dtype.name)
     splits = decode_projection.split_k(dims, decode_projection.projection_default_config(dims))
-    assert splits == (1 if config is CONFIG else 4)
-    tokens = jax.random.randint(jax.random.key(2), (4, 2), 0, config.vocab_size)
-    assert_lm_steps_match(models, {b: m.init_cache(2) for b, m in models.items()}, tokens, 1e-5)
+    assert splits == (4 if config is SPLIT_CONFIG else 1)
+    tokens = jax.random.randint(jax.random.key(2), (4, batch), 0, config.vocab_size)
+    assert_lm_steps_match(models, {b: m.init_cache(batch) for b, m in models.items()}, tokens, 1e-5)
     graphdef, state = nnx.split(models["cutile"])
     jaxpr = jax.make_jaxpr(lambda s, t, c: nnx.merge(graphdef, s).step(t, c))(
-        state, tokens[0], models["cutile"].init_cache(2))
+        state, tokens[0], models["cutile"].init_cache(batch))
     assert str(jaxpr).count("pure_callback") == 3 * config.n_layer + 1
 
 
