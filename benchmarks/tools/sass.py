@@ -10,6 +10,10 @@ PATH or from the pip packages nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm of th
         a hash of the machine code of every fused and segmented forward build (dstate 64 / 128 / 256, five
         feature sets, saving the states or not); with --compare, the builds whose hash differs (exit 1 if
         any): equal hashes mean a source change left tileiras' output as it was
+    python benchmarks/tools/sass.py decode [--rows 1 8 64]
+        out_proj's product in the decode step of the d_model 1024 LM (2048 -> 1024, bf16) at each row count, in
+        its three forms (`decode_out_proj_forms`): its instructions, MUFU and FMUL counts and resources, the
+        counts docs/design.md §8 quotes
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ if __package__ in (None, ""):  # run as a script: benchmarks/tools/ is sys.path[
 
 from benchmarks.ssd import Shape  # noqa: E402
 from benchmarks.tools import stages  # noqa: E402
-from jax_mamba2.kernels import forward  # noqa: E402
+from jax_mamba2.kernels import decode_projection, forward  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims, kernel_name  # noqa: E402
 from jax_mamba2.kernels.export import compile_launch  # noqa: E402
 
@@ -156,6 +160,42 @@ def fingerprint_builds() -> dict[str, str]:
     return prints
 
 
+def decode_out_proj_forms(rows: int) -> dict[str, decode_projection.ProjectionDims]:
+    """out_proj of the d_model 1024 LM's decode step (2048 -> 1024, bf16, 24 stacked layers) at `rows` rows:
+    "plain", the product of rows a norm launch wrote; "gated", normalizing its rows from sums of squares, the gate
+    applied per element in the product; "mixer_gated", normalizing the mixer step's gated float32 output (what the
+    LM runs up to flax_layers.mamba2.GATED_NORM_IN_MIXER_ROWS rows). The sums come in 128 pieces, the mixer
+    step's at one row."""
+    common = dict(rows=rows, features=2048, out_features=1024, layers=24, has_norm=True, out_parts=True)
+    return {
+        "plain": decode_projection.ProjectionDims(**common),
+        "gated": decode_projection.ProjectionDims(**common, z_width=4384, norm_parts=128),
+        "mixer_gated": decode_projection.ProjectionDims(**common, dtype="float32", norm_parts=128),
+    }
+
+
+def decode_product_cubin(dims: decode_projection.ProjectionDims) -> bytes:
+    """The sm_90 cubin of the product launch of `dims`'s default plan."""
+    plan = decode_projection.norm_project_plan(dims)
+    (launch,) = [launch for launch in plan.launches if _kernel_name(launch) == "decode_project_kernel"]
+    return compile_launch(launch, {**decode_projection.norm_project_inputs(dims), **plan.buffers})[1]
+
+
+def instruction_counts(sass: str) -> dict[str, int]:
+    """Static instruction count of a listing, and of its MUFU (special function) and FMUL instructions."""
+    opcodes = [text.split()[0].split(".")[0] for _, text in instructions(sass)]
+    return {"instructions": len(opcodes), "MUFU": opcodes.count("MUFU"), "FMUL": opcodes.count("FMUL")}
+
+
+def _decode_report(args) -> int:
+    for rows in args.rows:
+        for form, dims in decode_out_proj_forms(rows).items():
+            sass, resources = disassemble(decode_product_cubin(dims))
+            counts = ", ".join(f"{k} {v}" for k, v in instruction_counts(sass).items())
+            print(f"rows {rows} {form}: {counts}; {_resource_line(resources)}")
+    return 0
+
+
 def _loops_report(args) -> int:
     dims = stages.dims_of(args.shape, args.chunk, tuple(args.features))
     configs = {}
@@ -201,8 +241,10 @@ def main(argv=None) -> int:
                                                              "build")
     prints_parser.add_argument("out", type=Path)
     prints_parser.add_argument("--compare", type=Path, help="a fingerprints JSON written before")
+    decode_parser = commands.add_parser("decode", help="instruction counts of out_proj's decode product forms")
+    decode_parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 64])
     args = parser.parse_args(argv)
-    return _loops_report(args) if args.command == "loops" else _fingerprints(args)
+    return {"loops": _loops_report, "fingerprints": _fingerprints, "decode": _decode_report}[args.command](args)
 
 
 if __name__ == "__main__":

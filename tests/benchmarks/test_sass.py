@@ -73,3 +73,12 @@ def test_fingerprints_command_names_the_builds_that_differ(monkeypatch, tmp_path
     assert capsys.readouterr().out.splitlines()[-1] == "b"
     assert json.loads((tmp_path / "after.json").read_text()) == {"a": "1", "b": "2"}
     assert sass.main(["fingerprints", str(tmp_path / "again.json"), "--compare", str(tmp_path / "after.json")]) == 0
+
+
+def test_decode_report_prints_each_form_of_out_proj_s_product(capsys):
+    if sass.find_cuobjdump() is None:
+        pytest.skip("cuobjdump/nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    assert sass.main(["decode", "--rows", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["rows 1 plain", "rows 1 gated", "rows 1 mixer_gated"]
+    assert all("instructions" in line and "REG:" in line for line in lines)

@@ -125,3 +125,16 @@ def test_the_mixer_step_default_fits_its_occupancy(rows, state_dtype):
         pytest.skip(str(e))
     assert usage["SHARED"] * cfg.OCCUPANCY <= SM90_SHARED_BYTES, (cfg, usage)
     assert usage["REG"] * 128 * cfg.OCCUPANCY <= 65536, (cfg, usage)
+
+
+def test_the_normalizing_product_leaves_the_gate_to_the_mixer_step():
+    """out_proj's product normalizing the mixer step's gated input runs no sigmoid per element: its SASS has about
+    the plain product's MUFU count and half the instructions of the form that gates in the product, whose every
+    column block repeats the gate (why the mixer step gates the norm's input: docs/design.md §8)."""
+    from benchmarks.tools import sass
+    if sass.find_cuobjdump() is None:
+        pytest.skip("cuobjdump/nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    counts = {form: sass.instruction_counts(sass.disassemble(sass.decode_product_cubin(dims))[0])
+              for form, dims in sass.decode_out_proj_forms(1).items()}
+    assert counts["mixer_gated"]["MUFU"] <= counts["plain"]["MUFU"] + 8 < counts["gated"]["MUFU"], counts
+    assert counts["mixer_gated"]["instructions"] < 0.6 * counts["gated"]["instructions"], counts
