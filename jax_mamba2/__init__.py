@@ -8,7 +8,7 @@ Public API:
   causal_conv1d_silu_split the same on a channel window of a wider input (in_proj's output), in pieces.
   rms_norm, add_rms_norm   the gated, grouped RMSNorm and the residual add + RMSNorm (cuTile kernels on a GPU).
   norm_project, mixer_step the fused ops of a decode step: (add +) norm + projection, and the mixer's conv step
-                           + SSD state update; five launches per layer on a GPU.
+                           + SSD state update; four or five launches per layer on a GPU.
   available_backends       names of the SSD backends that can run in this process.
   backend_status           for every known backend: whether it can run here and, if not, why.
   autotune                 tune the cuTile kernel configs of a program's SSD calls ahead of time.

@@ -60,4 +60,3 @@ def to_float64(tree):
     return jax.tree.map(
         lambda a: a.astype(jnp.float64) if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)
         else a, tree)
-

@@ -279,11 +279,12 @@ class Mamba2LMHeadModel(nnx.Module):
 
     def _decode_step(self, input_ids, cache: Mamba2Cache):
         """`step` on the fused decode ops: per layer the block's add + norm with in_proj, the mixer's conv step
-        and state update, its gated norm with out_proj (`Mamba2.decode_step`: five kernel launches on a GPU; out_proj
-        returns its partial products, which the next layer's norm kernel sums), then the final add + norm with
-        the LM head (two more). The layers run one after the other on their
-        entries of the stacked parameters and cache, read in place: no layer loop, no slice of a weight, the
-        SSM state stack updated in place (when XLA may reuse its buffer: inside `generate`'s loop, or donated).
+        and state update, its gated norm with out_proj (`Mamba2.decode_step`: four kernel launches on a GPU up to
+        GATED_NORM_IN_MIXER_ROWS rows, five beyond; out_proj returns its partial products, which the next layer's
+        norm kernel sums), then the final add + norm with the LM head (two more). The layers run one after the
+        other on their entries of the stacked parameters and cache, read in place: no layer loop, no slice of a
+        weight, the SSM state stack updated in place (when XLA may reuse its buffer: inside `generate`'s loop, or
+        donated).
         The same values as the composed step (`_scan_layers_with_cache`)."""
         hidden, residual = self.embedding(input_ids), None
         hidden_dtype = None  # after the first layer: hidden holds out_proj's partial sums of this dtype

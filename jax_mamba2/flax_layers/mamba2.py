@@ -376,7 +376,8 @@ class Mamba2(nnx.Module):
         """
         backend = backends.for_op(self.backend, decode_op.OP)
         in_kernel = self.in_proj.kernel[...]
-        in_dtype = self.decode_in_dtype(hidden_states.dtype if hidden_dtype is None else hidden_dtype)
+        input_dtype = hidden_states.dtype if hidden_dtype is None else hidden_dtype
+        in_dtype = self.decode_in_dtype(input_dtype)
         residual = None
         if pre_norm is None:
             zxbcdt = decode_op.norm_project(hidden_states, in_kernel, bias=_param(self.in_proj.bias), layer=layer,
@@ -413,7 +414,7 @@ class Mamba2(nnx.Module):
                         group_size=self.norm.group_size, norm_before_gate=self.norm.norm_before_gate,
                         eps=self.norm.eps, sum_squares=sum_squares[0] if sums else None)
         out = decode_op.norm_project(y, out_kernel, **norm, bias=_param(self.out_proj.bias), layer=layer,
-                                     dtype=self.dtype or jnp.result_type(zxbcdt, out_kernel),
+                                     dtype=self.decode_out_dtype(input_dtype),
                                      return_partials=return_partials, backend=backend)
         return out, residual, conv_state, ssm_state
 
