@@ -115,7 +115,8 @@ def cache_agreement(model, tokens, prompt_len: int) -> float:
 
 def timed_generate(model, prompt_ids, new_tokens: int, args, rng):
     """Generates twice (compile, then timed): (tokens, compile+run seconds, run seconds)."""
-    kwargs = dict(temperature=args.temperature, top_k=args.top_k, rng=rng if args.temperature > 0 else None)
+    kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                  repetition_penalty=args.repetition_penalty, rng=rng if args.temperature > 0 else None)
     began = time.perf_counter()
     jax.block_until_ready(generate(model, prompt_ids, new_tokens, **kwargs))
     first = time.perf_counter() - began
@@ -136,6 +137,12 @@ def parse_args(argv=None):
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     parser.add_argument("--top-k", type=int, default=None,
                         help="sample among the k most likely tokens; None: among all")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="sample among the most likely tokens whose probabilities sum to p; None: among all")
+    parser.add_argument("--min-p", type=float, default=None,
+                        help="sample among tokens at least p times as likely as the most likely; None: among all")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="divide (multiply, if negative) the logits of tokens already in the text by this")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="computation dtype; auto = bfloat16 on a GPU, float32 elsewhere")
     parser.add_argument("--param-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
@@ -193,8 +200,10 @@ def main(argv=None) -> int:
               "tokens_per_s": args.batch * args.max_new_tokens / run_s,
               "decode_tokens_per_s": args.batch * steps / decode_s if decode_s > 0 else None,
               "ms_per_token_step": decode_s * 1e3 / steps if decode_s > 0 else None, "prefill_ms": prefill_s * 1e3,
-              "first_call_s": first_s, "text": text}
-    if args.temperature == 0:
+              "first_call_s": first_s, "text": text,
+              "sampling": {name: getattr(args, name)
+                           for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}}
+    if args.temperature == 0 and args.repetition_penalty == 1:  # plain greedy: the forward's argmax
         agreement = cache_agreement(model, tokens, len(prompt))
         print(f"cached decoding vs full forward: {agreement:.1%} of greedy tokens agree")
         record["cache_agreement"] = agreement

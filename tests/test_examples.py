@@ -95,6 +95,14 @@ def test_generate_loads_trained_model_and_matches_full_forward(trained_lm):
     assert unrolled["text"] == record["text"] if ON_CPU else unrolled["cache_agreement"] >= 0.9
 
 
+def test_generate_samples_with_the_hf_controls(tmp_path):
+    run_example("generate", "--max-new-tokens", "4", "--layers", "1", "--d-model", "64", "--temperature", "0.8",
+                "--top-p", "0.9", "--min-p", "0.05", "--repetition-penalty", "1.2", "--out", str(tmp_path))
+    record = json.loads((tmp_path / "generate" / "generate.json").read_text())
+    assert record["sampling"] == dict(temperature=0.8, top_k=None, top_p=0.9, min_p=0.05, repetition_penalty=1.2)
+    assert record["tokens_per_s"] > 0 and "cache_agreement" not in record
+
+
 def test_compare_reference_reports_every_backend(tmp_path):
     run_example("compare_reference", "--batch", "1", "--seqlen", "100", "--nheads", "2", "--headdim", "16",
                 "--dstate", "16", "--chunk-size", "64", "--repeats", "1", "--out", str(tmp_path))

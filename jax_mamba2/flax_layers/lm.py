@@ -1,10 +1,9 @@
-"""`Mamba2Block`, `Mamba2LMHeadModel` and `generate` (mamba_ssm `models/mixer_seq_simple.py`, `modules/block.py`).
+"""`Mamba2Block` and `Mamba2LMHeadModel` (mamba_ssm `models/mixer_seq_simple.py`, `modules/block.py`).
 
 The n_layer blocks are created once with `nnx.vmap` (every parameter gets a leading (n_layer,) axis) and run
 with `nnx.scan`, so the compiled program holds one block however deep the model is: compile time does not
 grow with n_layer (an `nnx.List` of blocks would unroll n_layer copies into the HLO).
 """
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -388,89 +387,3 @@ def _cached_block_call(method: str):
         hidden, residual, layer_cache = getattr(block, method)(*carry, layer_cache)
         return (hidden, residual), layer_cache
     return block_call
-
-
-def generate(model: Mamba2LMHeadModel, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int | None = None, rng=None):
-    """Autoregressive generation: one jitted program, a prefill then a `lax.scan` of cached O(1) steps.
-
-    The model's weights enter the program as arguments (not constants), and the program is cached per
-    (model structure, prompt shape, max_new_tokens, sampling mode), so later calls do not retrace.
-
-    Args:
-      model: the language model.
-      prompt_ids: (batch, prompt_len) int, prompt_len >= 1, ids in [0, config.vocab_size). Concrete ids are
-        range-checked; traced ones (generate called inside jit) cannot be read and are not: there an id past
-        the embedding's rows gives NaN logits and a negative one counts from the end.
-      max_new_tokens: number of tokens to generate (>= 1).
-      temperature: 0 for greedy decoding (deterministic); > 0 samples from softmax(logits / temperature).
-      top_k: when sampling, only the top_k most likely tokens are candidates (default: None, all).
-      rng: a `jax.random.key`, required when temperature > 0.
-
-    Returns:
-      (batch, prompt_len + max_new_tokens) int32: the prompt followed by the generated tokens. Tokens are drawn
-      from the first `config.vocab_size` ids (padding rows of the embedding are never produced).
-
-    Raises:
-      ValueError: on a non-positive max_new_tokens, prompt ids outside [0, vocab_size), a negative
-        temperature, a top_k outside [1, vocab_size], or a missing rng when sampling.
-      TypeError: on prompt ids that are not integers.
-    """
-    vocab_size = model.config.vocab_size
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens={max_new_tokens!r} must be a positive int")
-    if not hasattr(prompt_ids, "dtype"):  # a nested list of ids
-        prompt_ids = np.asarray(prompt_ids)
-    _checks.check_array("generate", "prompt_ids", prompt_ids, (("batch", None), ("prompt_len", None)),
-                        kind="integer")
-    if prompt_ids.shape[1] < 1:
-        raise ValueError(f"generate: prompt_ids.shape={prompt_ids.shape} must be (batch, prompt_len >= 1)")
-    _checks.check_token_ids_in_range("generate", "prompt_ids", prompt_ids, vocab_size)
-    if not temperature >= 0:
-        raise ValueError(f"generate: temperature={temperature} must be >= 0")
-    if top_k is not None and not 1 <= top_k <= vocab_size:
-        raise ValueError(f"generate: top_k={top_k} must be in [1, vocab_size={vocab_size}]")
-    sampling = temperature > 0
-    if sampling and rng is None:
-        raise ValueError("generate: rng=None must be a jax.random.key when temperature > 0")
-    graphdef, state = nnx.split(model)
-    rng = jax.random.key(0) if rng is None else rng
-    return _generate(graphdef, state, jnp.asarray(prompt_ids, jnp.int32), rng, jnp.float32(temperature),
-                     max_new_tokens=max_new_tokens, sampling=sampling, top_k=top_k)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "top_k"))
-def _generate(graphdef, state, prompt_ids, rng, temperature, *, max_new_tokens, sampling, top_k):
-    model = nnx.merge(graphdef, state)
-    vocab_size = model.config.vocab_size
-
-    def next_token(logits, key):  # logits (batch, padded_vocab) -> (batch,) int32
-        logits = logits[:, :vocab_size].astype(jnp.float32)
-        if not sampling:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        logits = logits / temperature
-        if top_k is not None:
-            kth_largest = jax.lax.top_k(logits, top_k)[0][:, -1:]
-            logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
-        return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
-
-    keys = jax.random.split(rng, max_new_tokens)
-    hidden, residual, cache = model._scan_layers_with_cache("prefill", prompt_ids, None)
-    first = next_token(model._logits(hidden[:, -1], residual[:, -1]), keys[0])
-
-    # The composed step of unrolled layers carries one cache per layer, so that no step stacks the whole
-    # state; the fused step updates the stacked SSM state in place.
-    per_layer = not model.scan_layers and not model.layers.mixer.decodes_fused()
-    if per_layer:
-        cache = unstack_layers(cache)
-
-    def decode(carry, key):
-        token, cache = carry
-        # NNX Variables belong to the trace that created them: rebuild the model from fresh ones here.
-        step_model = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
-        logits, cache = step_model._step_unstacked(token, cache) if per_layer else step_model.step(token, cache)
-        token_next = next_token(logits, key)
-        return (token_next, cache), token_next
-
-    _, rest = jax.lax.scan(decode, (first, cache), keys[1:])
-    return jnp.concatenate([prompt_ids, first[:, None], rest.T], axis=1)

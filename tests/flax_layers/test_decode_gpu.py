@@ -1,6 +1,6 @@
 """Decoding on the cuTile backend in the parameters' dtype (run on the H200; skipped elsewhere): the compiled
 token step converts no weight matrix, generate launches only the forward kernels and the fused step's, and
-greedy tokens are the uncached forward's argmax."""
+greedy tokens are the uncached forward's argmax; an eos-ended, sampled generate keeps the same tokens."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +12,7 @@ from benchmarks.decode_kernels import DECODE_KERNELS
 from benchmarks.lm_bench import COMMAND_BUFFER_COMPUTATION, launch_computations
 from jax_mamba2.bridge.aot import CUTILE_CUSTOM_CALL
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, cast_params, generate
+from tests.flax_layers._generation import ended_at_eos
 from tests.flax_layers._programs import hlo_weight_conversions
 
 pytestmark = pytest.mark.gpu
@@ -94,3 +95,15 @@ def test_greedy_bf16_tokens_are_the_uncached_forward_argmax_up_to_ties():
     np.testing.assert_allclose(np.asarray(chosen, np.float32), np.asarray(logits.max(axis=-1), np.float32),
                                rtol=2 ** -7, atol=0)
     assert float(jnp.mean(jnp.argmax(logits, axis=-1) == tokens)) > 0.9
+
+
+def test_generate_until_eos_with_sampling_and_a_repetition_penalty_on_the_fused_step():
+    """The while loop of an eos-ended generate around the fused step (its SSM state updated in place): the same
+    tokens as the loop of known length with the same key up to each row's eos, the pad after it."""
+    model = _model(param_dtype=jnp.bfloat16)
+    prompt = _prompt(2, 40)
+    controls = dict(temperature=0.8, top_p=0.9, repetition_penalty=1.3, rng=jax.random.key(4))
+    free = np.asarray(generate(model, prompt, 24, **controls))[:, 40:]
+    eos = int(free[0, 10])
+    got = np.asarray(generate(model, prompt, 24, eos_token_id=eos, pad_token_id=0, **controls))[:, 40:]
+    np.testing.assert_array_equal(got, ended_at_eos(free, eos, 0))

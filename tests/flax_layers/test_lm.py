@@ -1,4 +1,4 @@
-"""Tests of Mamba2Block, Mamba2LMHeadModel and generate (jax_mamba2/flax_layers/lm.py)."""
+"""Tests of Mamba2Block and Mamba2LMHeadModel (jax_mamba2/flax_layers/lm.py)."""
 import contextlib
 import dataclasses
 import io
@@ -104,68 +104,6 @@ def test_remat_matmuls_keeps_in_proj_output_for_the_backward_and_less_than_witho
         _model(tiny_config, remat="dots")
     with pytest.raises(TypeError, match='remat=1 must be False, "matmuls" or True'):
         _model(tiny_config, remat=1)
-
-
-def test_lm_generate_greedy_is_deterministic_and_follows_forward_argmax(tiny_config):
-    model = _model(tiny_config)
-    prompt = _token_ids(tiny_config, seed=3, shape=(BATCH, 4))
-    tokens = generate(model, prompt, 6)
-    assert tokens.shape == (BATCH, 10) and tokens.dtype == jnp.int32
-    np.testing.assert_array_equal(tokens[:, :4], prompt)
-    np.testing.assert_array_equal(generate(model, prompt, 6), tokens)
-    logits = nnx.jit(lambda m, ids: m(ids))(model, tokens[:, :-1])
-    np.testing.assert_array_equal(jnp.argmax(logits[:, 3:, :tiny_config.vocab_size], axis=-1), tokens[:, 4:])
-
-
-def test_lm_generate_sampling_respects_top_k(tiny_config):
-    model = _model(tiny_config)
-    prompt = _token_ids(tiny_config, seed=4, shape=(BATCH, 4))
-    top_k = 3
-    tokens = generate(model, prompt, 8, temperature=2.0, top_k=top_k, rng=jax.random.key(0))
-    other = generate(model, prompt, 8, temperature=2.0, top_k=top_k, rng=jax.random.key(1))
-    assert not np.array_equal(tokens, other)  # the key matters
-    logits = nnx.jit(lambda m, ids: m(ids))(model, tokens[:, :-1])[:, 3:, :tiny_config.vocab_size]
-    ranks = jnp.sum(logits > jnp.take_along_axis(logits, tokens[:, 4:, None], axis=-1), axis=-1)
-    assert int(ranks.max()) < top_k  # every sampled token is among the top_k of its logits
-    assert int(tokens.max()) < tiny_config.vocab_size
-    np.testing.assert_array_equal(
-        generate(model, prompt, 8, temperature=1.0, top_k=1, rng=jax.random.key(0)), generate(model, prompt, 8))
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(max_new_tokens=0), r"generate: max_new_tokens=0 must be a positive int"),
-    (dict(temperature=-1.0), r"generate: temperature=-1.0 must be >= 0"),
-    (dict(temperature=1.0, top_k=0, rng=jax.random.key(0)), r"generate: top_k=0 must be in \[1, vocab_size=61\]"),
-    (dict(temperature=1.0), r"generate: rng=None must be a jax.random.key when temperature > 0"),
-])
-def test_lm_generate_rejects_bad_arguments(tiny_config, kwargs, message):
-    model = _model(tiny_config)
-    with pytest.raises(ValueError, match=message):
-        generate(model, jnp.zeros((1, 3), jnp.int32), **{"max_new_tokens": 2, **kwargs})
-
-
-@pytest.mark.parametrize("prompt, error, message", [
-    pytest.param([[3, 999, 5]], ValueError,
-                 r"generate: prompt_ids must be in \[0, vocab_size=61\); prompt_ids\[0, 1\]=999 \(1 ids out",
-                 id="id_past_vocab"),
-    pytest.param([[3, 4], [61, 62]], ValueError, r"prompt_ids\[1, 0\]=61 \(2 ids out of range\)",
-                 id="padding_ids"),
-    pytest.param([[3, -1, 5]], ValueError, r"generate: prompt_ids must be in .*prompt_ids\[0, 1\]=-1", id="negative"),
-    pytest.param(jnp.array([[3.0, 4.7]]), TypeError, r"generate: prompt_ids.dtype=float32 must be integer",
-                 id="float_array"),
-    pytest.param([[3.0, 4.7]], TypeError, r"generate: prompt_ids.dtype=float64 must be integer", id="float_list"),
-    pytest.param(jnp.array([3, 4]), ValueError, r"generate: prompt_ids.shape=\(2,\) must be \(batch, prompt_len\)",
-                 id="1d"),
-])
-def test_lm_generate_rejects_bad_prompts(tiny_config, prompt, error, message):
-    with pytest.raises(error, match=message):
-        generate(_model(tiny_config), prompt, 2)
-
-
-def test_lm_generate_accepts_a_list_prompt(tiny_config):
-    model = _model(tiny_config)
-    prompt = [[1, 2, 3], [60, 0, 7]]  # 60 = vocab_size - 1, the largest id
-    np.testing.assert_array_equal(generate(model, prompt, 3), generate(model, jnp.array(prompt), 3))
 
 
 @pytest.fixture(scope="module")

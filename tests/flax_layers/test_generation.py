@@ -1,0 +1,276 @@
+"""Tests of `generate` and its next-token rule (jax_mamba2/flax_layers/generation.py, sampling.py).
+
+The logits processing is checked against a NumPy transcription of HF transformers' processors (float64), the
+sampled frequencies against the processed distribution, and generate's tokens against the uncached forward.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_mamba2.flax_layers import Mamba2LMHeadModel, generate
+from jax_mamba2.flax_layers import sampling as sampling_rule
+from tests.flax_layers._generation import ended_at_eos
+
+BATCH = 2
+
+
+def _model(config, cls=Mamba2LMHeadModel):
+    return cls(config, backend="xla", rngs=nnx.Rngs(0))
+
+
+def _token_ids(config, seed=0, shape=(BATCH, 4)):
+    return jax.random.randint(jax.random.key(seed), shape, 0, config.vocab_size)
+
+
+def _forward_logits(model, tokens):
+    """The uncached forward's logits of the vocabulary: (batch, seqlen, vocab_size) float64 NumPy."""
+    logits = nnx.jit(lambda m, ids: m(ids))(model, jnp.asarray(tokens))
+    return np.asarray(logits[..., :model.config.vocab_size], np.float64)
+
+
+def _softmax(logits):
+    z = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
+def hf_processed_logits(logits, *, temperature=1.0, top_k=None, top_p=None, min_p=None, seen=None, penalty=1.0):
+    """HF transformers' RepetitionPenalty, Temperature, TopK, TopP and MinP processors, in generate's order, on
+    (batch, vocab) float64 logits (removed tokens at -inf)."""
+    s = np.array(logits, np.float64)
+    if seen is not None:
+        s = np.where(seen, np.where(s < 0, s * penalty, s / penalty), s)
+    s = s / temperature
+    if top_k is not None:
+        kth = np.sort(s, axis=-1)[:, -top_k][:, None]
+        s = np.where(s < kth, -np.inf, s)
+    if top_p is not None:
+        order = np.argsort(s, axis=-1)  # ascending
+        cumulative = np.cumsum(_softmax(np.take_along_axis(s, order, axis=-1)), axis=-1)
+        remove_sorted = cumulative <= 1 - top_p
+        remove_sorted[:, -1] = False
+        remove = np.zeros_like(remove_sorted)
+        np.put_along_axis(remove, order, remove_sorted, axis=-1)
+        s = np.where(remove, -np.inf, s)
+    if min_p is not None:
+        probs = _softmax(s)
+        s = np.where(probs < min_p * probs.max(axis=-1, keepdims=True), -np.inf, s)
+    return s
+
+
+def _candidates(logits, sampling):
+    """Our processing as dense (batch, vocab) float64 logits with the removed tokens at -inf."""
+    kept, ids = sampling_rule.candidate_logits(jnp.asarray(logits, jnp.float32), sampling)
+    kept = np.asarray(kept, np.float64)
+    if ids is None:
+        return kept
+    dense = np.full(logits.shape, -np.inf)
+    np.put_along_axis(dense, np.asarray(ids), kept, axis=-1)
+    return dense
+
+
+@pytest.mark.parametrize("controls", [
+    dict(temperature=0.7), dict(temperature=1.3, top_k=5), dict(temperature=1.0, top_p=0.6),
+    dict(temperature=0.8, top_p=0.95), dict(temperature=1.0, min_p=0.2), dict(temperature=2.0, min_p=1.0),
+    dict(temperature=1.5, top_k=12, top_p=0.5, min_p=0.05),
+])
+def test_candidates_follow_hf_processors(controls):
+    logits = np.random.default_rng(0).normal(0, 2, (16, 40))
+    sampling = sampling_rule.make_sampling(40, **controls)
+    want, got = hf_processed_logits(logits, **controls), _candidates(logits, sampling)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=1e-6)
+    assert 1 <= np.isfinite(got).sum(axis=-1).min()
+
+
+def test_sampled_frequencies_follow_the_processed_distribution():
+    """40,000 draws of one row's next token: only candidates, at their renormalized probabilities (within 5
+    standard errors)."""
+    logits = np.random.default_rng(1).normal(0, 1.5, (1, 12))
+    controls = dict(temperature=0.9, top_p=0.85, min_p=0.05)
+    want = _softmax(hf_processed_logits(logits, **controls))[0]
+    draws = 40_000
+    tokens = sampling_rule.next_tokens(jnp.asarray(np.repeat(logits, draws, axis=0), jnp.float32),
+                                       jax.random.key(3), None, sampling_rule.make_sampling(12, **controls))
+    counts = np.bincount(np.asarray(tokens), minlength=12)
+    assert counts[want == 0].sum() == 0 and (counts[want > 0] > 0).all()
+    standard_error = np.sqrt(want * (1 - want) / draws)
+    np.testing.assert_array_less(np.abs(counts / draws - want), 5 * standard_error + 1e-12)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    logits = jnp.array([[2.0, -1.0, 0.5, 3.0]])
+    seen = sampling_rule.mark_seen(jnp.zeros((1, 4), bool), jnp.array([[0, 1]]))
+    np.testing.assert_array_equal(sampling_rule.penalize_repeats(logits, seen, jnp.float32(2.0)),
+                                  [[1.0, -2.0, 0.5, 3.0]])
+    greedy = sampling_rule.make_sampling(4, repetition_penalty=8.0)
+    assert greedy.values.keys() == {"repetition_penalty"} and not greedy.sample
+    seen = sampling_rule.mark_seen(seen, jnp.array([3]))  # the argmax seen: 3.0 / 8 < 0.5
+    assert int(sampling_rule.next_tokens(logits, None, seen, greedy)[0]) == 2
+
+
+def test_greedy_drops_the_sampling_filters_and_values_are_traced():
+    assert sampling_rule.make_sampling(10, top_k=3, top_p=0.5, min_p=0.1).values == {}
+    a = sampling_rule.make_sampling(10, temperature=0.5, top_p=0.5)
+    b = sampling_rule.make_sampling(10, temperature=2.0, top_p=0.9)
+    assert jax.tree.structure(a) == jax.tree.structure(b)  # one compiled program for both
+    assert jax.tree.structure(a) != jax.tree.structure(sampling_rule.make_sampling(10, temperature=2.0))
+
+
+def test_generate_greedy_is_deterministic_and_follows_forward_argmax(tiny_config):
+    model = _model(tiny_config)
+    prompt = _token_ids(tiny_config, seed=3)
+    tokens = generate(model, prompt, 6)
+    assert tokens.shape == (BATCH, 10) and tokens.dtype == jnp.int32
+    np.testing.assert_array_equal(tokens[:, :4], prompt)
+    np.testing.assert_array_equal(generate(model, prompt, 6), tokens)
+    np.testing.assert_array_equal(np.argmax(_forward_logits(model, tokens[:, :-1])[:, 3:], axis=-1), tokens[:, 4:])
+
+
+def test_generate_sampling_respects_top_k(tiny_config):
+    model = _model(tiny_config)
+    prompt = _token_ids(tiny_config, seed=4)
+    top_k = 3
+    tokens = generate(model, prompt, 8, temperature=2.0, top_k=top_k, rng=jax.random.key(0))
+    other = generate(model, prompt, 8, temperature=2.0, top_k=top_k, rng=jax.random.key(1))
+    assert not np.array_equal(tokens, other)  # the key matters
+    logits = _forward_logits(model, tokens[:, :-1])[:, 3:]
+    ranks = np.sum(logits > np.take_along_axis(logits, np.asarray(tokens[:, 4:, None]), axis=-1), axis=-1)
+    assert int(ranks.max()) < top_k  # every sampled token is among the top_k of its logits
+    assert int(tokens.max()) < tiny_config.vocab_size
+    np.testing.assert_array_equal(
+        generate(model, prompt, 8, temperature=1.0, top_k=1, rng=jax.random.key(0)), generate(model, prompt, 8))
+
+
+def test_generate_samples_within_top_p_and_min_p_of_the_forward_logits(tiny_config):
+    """Every sampled token is a candidate of HF's processors on the uncached forward's logits; the bounds are
+    widened by 1e-4 so that the cached step's rounding cannot move a token across them."""
+    model = _model(tiny_config)
+    prompt = _token_ids(tiny_config, seed=5, shape=(4, 4))
+    for controls in (dict(temperature=1.0, top_p=0.5), dict(temperature=0.1, min_p=0.3)):
+        tokens = np.asarray(generate(model, prompt, 10, **controls, rng=jax.random.key(2)))
+        logits = _forward_logits(model, tokens[:, :-1])[:, 3:].reshape(-1, tiny_config.vocab_size)
+        widened = {k: v + 1e-4 if k == "top_p" else v - 1e-4 if k == "min_p" else v for k, v in controls.items()}
+        allowed = np.isfinite(hf_processed_logits(logits, **widened))
+        assert np.take_along_axis(allowed, tokens[:, 4:].reshape(-1, 1), axis=-1).all()
+        assert (allowed.sum(axis=-1) < tiny_config.vocab_size).all()  # the filter removed tokens
+
+
+def test_generate_with_repetition_penalty_follows_the_penalized_forward(tiny_config):
+    """Greedy decoding with a repetition penalty equals, token by token, the argmax of the uncached forward's
+    logits with HF's penalty over the prompt and the tokens generated so far."""
+    model = _model(tiny_config)
+    prompt = np.asarray(_token_ids(tiny_config, seed=6, shape=(3, 5)))
+    penalty, new_tokens = 1.8, 8
+    tokens = prompt
+    for _ in range(new_tokens):
+        seen = np.zeros((len(tokens), tiny_config.vocab_size), bool)
+        np.put_along_axis(seen, tokens, True, axis=-1)
+        logits = hf_processed_logits(_forward_logits(model, tokens)[:, -1], seen=seen, penalty=penalty)
+        tokens = np.concatenate([tokens, np.argmax(logits, axis=-1)[:, None]], axis=1)
+    np.testing.assert_array_equal(generate(model, prompt, new_tokens, repetition_penalty=penalty), tokens)
+    assert not np.array_equal(generate(model, prompt, new_tokens), tokens)  # the penalty changed the tokens
+
+
+class _StepCountingLM(Mamba2LMHeadModel):
+    """Counts the cached steps a compiled generate runs (a host callback per step)."""
+    steps: list = []
+
+    def step(self, input_ids, cache):
+        jax.debug.callback(lambda: _StepCountingLM.steps.append(1))
+        return super().step(input_ids, cache)
+
+
+def test_generate_ends_rows_at_eos_pads_after_it_and_stops_when_all_ended(tiny_config):
+    model = _model(tiny_config, _StepCountingLM)
+    prompt = _token_ids(tiny_config, seed=7, shape=(3, 4))
+    new_tokens = 10
+    free = np.asarray(generate(model, prompt, new_tokens))[:, 4:]
+    eos = int(free[0, 3])
+    ends = [int(np.argmax(row == eos)) if (row == eos).any() else None for row in free]
+
+    _StepCountingLM.steps.clear()
+    got = np.asarray(generate(model, prompt, new_tokens, eos_token_id=eos, pad_token_id=0))
+    jax.effects_barrier()
+    np.testing.assert_array_equal(got[:, :4], prompt)
+    np.testing.assert_array_equal(got[:, 4:], ended_at_eos(free, eos, 0))
+    finished_all = None if None in ends else max(ends)
+    assert len(_StepCountingLM.steps) == (new_tokens - 1 if finished_all is None else finished_all)
+
+    # two copies of the first row: both end at its first eos, after that many cached steps
+    _StepCountingLM.steps.clear()
+    got = np.asarray(generate(model, jnp.repeat(prompt[:1], 2, axis=0), new_tokens, eos_token_id=eos))
+    jax.effects_barrier()
+    assert len(_StepCountingLM.steps) == ends[0] and 0 < ends[0] < new_tokens - 1
+    np.testing.assert_array_equal(got[:, 4:], ended_at_eos(np.repeat(free[:1], 2, axis=0), eos, eos))
+
+    # every row ends at its first token: no cached step runs, and the pad defaults to the (first) eos id
+    _StepCountingLM.steps.clear()
+    got = np.asarray(generate(model, prompt, new_tokens, eos_token_id=[int(t) for t in free[:, 0]]))
+    jax.effects_barrier()
+    assert len(_StepCountingLM.steps) == 0
+    np.testing.assert_array_equal(got[:, 4], free[:, 0])
+    assert (got[:, 5:] == free[0, 0]).all()
+
+
+def test_generate_samples_the_same_tokens_until_eos_with_the_same_key(tiny_config):
+    model = _model(tiny_config)
+    prompt = _token_ids(tiny_config, seed=8, shape=(4, 4))
+    controls = dict(temperature=1.0, top_k=20, rng=jax.random.key(5))
+    free = np.asarray(generate(model, prompt, 12, **controls))[:, 4:]
+    eos = int(free[1, 6])
+    got = np.asarray(generate(model, prompt, 12, eos_token_id=eos, pad_token_id=1, **controls))[:, 4:]
+    np.testing.assert_array_equal(got, ended_at_eos(free, eos, 1))
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(max_new_tokens=0), ValueError, r"generate: max_new_tokens=0 must be a positive int"),
+    (dict(temperature=-1.0), ValueError, r"generate: temperature=-1.0 must be >= 0"),
+    (dict(temperature=float("nan")), ValueError, r"generate: temperature=nan must be >= 0"),
+    (dict(temperature="hot"), TypeError, r"generate: temperature='hot' must be a float"),
+    (dict(temperature=1.0, top_k=0, rng=jax.random.key(0)), ValueError,
+     r"generate: top_k=0 must be in \[1, vocab_size=61\]"),
+    (dict(temperature=1.0, top_k=2.5, rng=jax.random.key(0)), TypeError, r"generate: top_k=2.5 must be None or an int"),
+    (dict(top_p=0.0), ValueError, r"generate: top_p=0.0 must be in \(0, 1\]"),
+    (dict(top_p=1.5), ValueError, r"generate: top_p=1.5 must be in \(0, 1\]"),
+    (dict(min_p=-0.1), ValueError, r"generate: min_p=-0.1 must be in \[0, 1\]"),
+    (dict(min_p=float("nan")), ValueError, r"generate: min_p=nan must be in \[0, 1\]"),
+    (dict(top_p="all"), TypeError, r"generate: top_p='all' must be a float"),
+    (dict(repetition_penalty=0.0), ValueError, r"generate: repetition_penalty=0.0 must be > 0"),
+    (dict(eos_token_id=61), ValueError, r"generate: eos_token_id=61 must be in \[0, vocab_size=61\)"),
+    (dict(eos_token_id=[3, -1]), ValueError, r"generate: eos_token_id=\[3, -1\] must be in \[0, vocab_size=61\)"),
+    (dict(eos_token_id=[]), TypeError, r"generate: eos_token_id=\[\] must be an int or a non-empty sequence"),
+    (dict(eos_token_id=2.0), TypeError, r"generate: eos_token_id=2.0 must be an int or a non-empty sequence"),
+    (dict(pad_token_id=0), ValueError, r"generate: pad_token_id=0 needs an eos_token_id"),
+    (dict(eos_token_id=2, pad_token_id=-1), ValueError, r"generate: pad_token_id=-1 must be in \[0, vocab_size=61\)"),
+    (dict(temperature=1.0), ValueError, r"generate: rng=None must be a jax.random.key when temperature > 0"),
+])
+def test_generate_rejects_bad_arguments(tiny_config, kwargs, error, message):
+    model = _model(tiny_config)
+    with pytest.raises(error, match=message):
+        generate(model, jnp.zeros((1, 3), jnp.int32), **{"max_new_tokens": 2, **kwargs})
+
+
+@pytest.mark.parametrize("prompt, error, message", [
+    pytest.param([[3, 999, 5]], ValueError,
+                 r"generate: prompt_ids must be in \[0, vocab_size=61\); prompt_ids\[0, 1\]=999 \(1 ids out",
+                 id="id_past_vocab"),
+    pytest.param([[3, 4], [61, 62]], ValueError, r"prompt_ids\[1, 0\]=61 \(2 ids out of range\)",
+                 id="padding_ids"),
+    pytest.param([[3, -1, 5]], ValueError, r"generate: prompt_ids must be in .*prompt_ids\[0, 1\]=-1", id="negative"),
+    pytest.param(jnp.array([[3.0, 4.7]]), TypeError, r"generate: prompt_ids.dtype=float32 must be integer",
+                 id="float_array"),
+    pytest.param([[3.0, 4.7]], TypeError, r"generate: prompt_ids.dtype=float64 must be integer", id="float_list"),
+    pytest.param(jnp.array([3, 4]), ValueError, r"generate: prompt_ids.shape=\(2,\) must be \(batch, prompt_len\)",
+                 id="1d"),
+])
+def test_generate_rejects_bad_prompts(tiny_config, prompt, error, message):
+    with pytest.raises(error, match=message):
+        generate(_model(tiny_config), prompt, 2)
+
+
+def test_generate_accepts_a_list_prompt(tiny_config):
+    model = _model(tiny_config)
+    prompt = [[1, 2, 3], [60, 0, 7]]  # 60 = vocab_size - 1, the largest id
+    np.testing.assert_array_equal(generate(model, prompt, 3), generate(model, jnp.array(prompt), 3))
