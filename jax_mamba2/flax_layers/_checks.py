@@ -51,6 +51,16 @@ def check_cache(api: str, cache, conv_axes: Axes, ssm_axes: Axes) -> None:
     check_array(api, "cache.ssm_state", cache.ssm_state, ssm_axes, kind="floating")
 
 
+def check_seq_idx(api: str, seq_idx, batch: int, seqlen: int, cache=None) -> None:
+    """seq_idx: None or (batch, seqlen) integer ids of packed sequences; not with a cache (whose state continues
+    one sequence per row)."""
+    if seq_idx is None:
+        return
+    check_array(api, "seq_idx", seq_idx, (("batch", batch), ("seqlen", seqlen)), kind="integer")
+    if cache is not None:
+        raise ValueError(f"{api}: seq_idx needs cache=None (a cache continues one sequence per row)")
+
+
 def check_positive_int(api: str, name: str, value) -> None:
     """Raises TypeError for a non-integer (bool included), ValueError for an integer < 1."""
     if isinstance(value, bool) or not isinstance(value, Integral):

@@ -21,7 +21,7 @@ from jax_mamba2.flax_layers.cache import unstack_layers
 
 def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, min_p: float | None = None, repetition_penalty: float = 1.0,
-             eos_token_id=None, pad_token_id: int | None = None, rng=None):
+             eos_token_id=None, pad_token_id: int | None = None, prompt_lengths=None, rng=None):
     """Autoregressive generation: one jitted program, a prefill then a loop of cached O(1) steps.
 
     The model's weights enter the program as arguments (not constants), and the program is cached per model
@@ -34,6 +34,11 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
       prompt_ids: (batch, prompt_len) int, prompt_len >= 1, ids in [0, config.vocab_size). Concrete ids are
         range-checked; traced ones (generate called inside jit) cannot be read and are not: there an id past
         the embedding's rows gives NaN logits and a negative one counts from the end.
+      prompt_lengths: None (every row's prompt is prompt_len ids), or (batch,) int in [1, prompt_len]: prompts
+        of different lengths, left-padded (as HF's `generate` takes a decoder-only batch; e.g. the
+        attention_mask's row sums): row b's prompt is its last prompt_lengths[b] ids, the ids before them are
+        ignored (any value). Each row generates what its prompt alone would: the padding is a sequence of its
+        own in the prefill (`seq_idx`), which every mixer's conv and state restart after.
       max_new_tokens: number of tokens to generate (>= 1).
       temperature: 0 for greedy decoding (deterministic); > 0 samples from softmax(logits / temperature).
       top_k: when sampling, only the top_k most likely tokens are candidates (default: None, all).
@@ -57,8 +62,9 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
       ValueError: on a non-positive max_new_tokens, prompt ids outside [0, vocab_size), a negative
         temperature, a top_k outside [1, vocab_size], a top_p outside (0, 1], a min_p outside [0, 1], a
         repetition_penalty <= 0, an eos_token_id or pad_token_id outside [0, vocab_size), a pad_token_id
-        without an eos_token_id, or a missing rng when sampling.
-      TypeError: on prompt ids that are not integers, or a control of the wrong type.
+        without an eos_token_id, prompt_lengths outside [1, prompt_len] or of another shape than (batch,), or
+        a missing rng when sampling.
+      TypeError: on prompt ids or lengths that are not integers, or a control of the wrong type.
     """
     vocab_size = model.config.vocab_size
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -69,7 +75,12 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
                         kind="integer")
     if prompt_ids.shape[1] < 1:
         raise ValueError(f"generate: prompt_ids.shape={prompt_ids.shape} must be (batch, prompt_len >= 1)")
-    _checks.check_token_ids_in_range("generate", "prompt_ids", prompt_ids, vocab_size)
+    prompt_lengths = _check_prompt_lengths(prompt_ids, prompt_lengths)
+    if prompt_lengths is None:
+        _checks.check_token_ids_in_range("generate", "prompt_ids", prompt_ids, vocab_size)
+    elif not any(isinstance(a, jax.core.Tracer) for a in (prompt_ids, prompt_lengths)):  # the padding: any id
+        in_prompt = np.asarray(_in_prompt(prompt_ids.shape[1], prompt_lengths))
+        _checks.check_token_ids_in_range("generate", "prompt_ids", np.where(in_prompt, prompt_ids, 0), vocab_size)
     sampling = sampling_rule.make_sampling(vocab_size, temperature=temperature, top_k=top_k, top_p=top_p,
                                            min_p=min_p, repetition_penalty=repetition_penalty)
     end = _end_of_sequence(vocab_size, eos_token_id, pad_token_id)
@@ -77,8 +88,28 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
         raise ValueError("generate: rng=None must be a jax.random.key when temperature > 0")
     graphdef, state = nnx.split(model)
     rng = jax.random.key(0) if rng is None else rng
-    return _generate(graphdef, state, jnp.asarray(prompt_ids, jnp.int32), rng, sampling, end,
+    return _generate(graphdef, state, jnp.asarray(prompt_ids, jnp.int32), prompt_lengths, rng, sampling, end,
                      max_new_tokens=max_new_tokens)
+
+
+def _check_prompt_lengths(prompt_ids, prompt_lengths):
+    """None, or prompt_lengths as (batch,) int32 after checking its shape and (concrete) its range."""
+    if prompt_lengths is None:
+        return None
+    if not hasattr(prompt_lengths, "dtype"):
+        prompt_lengths = np.asarray(prompt_lengths)
+    batch, prompt_len = prompt_ids.shape
+    _checks.check_array("generate", "prompt_lengths", prompt_lengths, (("batch", batch),), kind="integer")
+    if not isinstance(prompt_lengths, jax.core.Tracer):
+        values = np.asarray(prompt_lengths)
+        if ((values < 1) | (values > prompt_len)).any():
+            raise ValueError(f"generate: prompt_lengths={values.tolist()} must be in [1, prompt_len={prompt_len}]")
+    return jnp.asarray(prompt_lengths, jnp.int32)
+
+
+def _in_prompt(prompt_len: int, prompt_lengths):
+    """(batch, prompt_len) bool: which positions of left-padded rows hold their prompt."""
+    return jnp.arange(prompt_len)[None, :] >= prompt_len - prompt_lengths[:, None]
 
 
 def _end_of_sequence(vocab_size: int, eos_token_id, pad_token_id):
@@ -103,18 +134,27 @@ def _end_of_sequence(vocab_size: int, eos_token_id, pad_token_id):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
-def _generate(graphdef, state, prompt_ids, rng, sampling, end, *, max_new_tokens):
+def _generate(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, *, max_new_tokens):
     model = nnx.merge(graphdef, state)
     vocab_size = model.config.vocab_size
-    batch = prompt_ids.shape[0]
+    batch, prompt_len = prompt_ids.shape
 
     def choose(logits, key, seen):  # logits (batch, padded_vocab) -> (batch,) int32
         return sampling_rule.next_tokens(logits[:, :vocab_size], key, seen, sampling)
 
     keys = jax.random.split(rng, max_new_tokens)
-    seen = (sampling_rule.mark_seen(jnp.zeros((batch, vocab_size), bool), prompt_ids)
+    prompt, seq_idx = prompt_ids, None
+    if prompt_lengths is not None:  # the left padding: sequence 0 of each row, its ids 0 (-1 for the penalty)
+        in_prompt = _in_prompt(prompt_len, prompt_lengths)
+        prompt, seq_idx = jnp.where(in_prompt, prompt_ids, 0), in_prompt.astype(jnp.int32)
+    seen = (sampling_rule.mark_seen(jnp.zeros((batch, vocab_size), bool),
+                                    prompt if seq_idx is None else jnp.where(in_prompt, prompt, -1))
             if sampling.penalizes_repeats else None)
-    hidden, residual, cache = model._scan_layers_with_cache("prefill", prompt_ids, None)
+    hidden, residual, cache = model._scan_layers_with_cache("prefill", prompt, None, seq_idx=seq_idx)
+    if seq_idx is not None:  # the conv state's columns from the padding: zero, as before a prompt alone
+        d_conv = cache.conv_state.shape[-1]
+        in_window = prompt_len - d_conv + jnp.arange(d_conv)[None, :] >= prompt_len - prompt_lengths[:, None]
+        cache = cache._replace(conv_state=jnp.where(in_window[None, :, None, :], cache.conv_state, 0))
     first = choose(model._logits(hidden[:, -1], residual[:, -1]), keys[0], seen)
     ended = None if end is None else jnp.isin(first, end[0])
 

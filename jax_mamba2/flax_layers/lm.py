@@ -87,17 +87,18 @@ class Mamba2Block(nnx.Module):
         if cache is not None:
             _checks.check_cache(api, cache, *self.mixer.cache_axes(shape[0]))
 
-    def __call__(self, hidden_states, residual):
-        """hidden_states, residual: (batch, seqlen, d_model) -> (hidden_states, residual)."""
+    def __call__(self, hidden_states, residual, *, seq_idx=None):
+        """hidden_states, residual: (batch, seqlen, d_model) -> (hidden_states, residual); seq_idx: optional
+        (batch, seqlen) int ids of packed sequences (see `Mamba2.__call__`)."""
         self._check_inputs("Mamba2Block.__call__", hidden_states, residual, None, sequence=True)
         normed, residual = self._add_norm(hidden_states, residual)
-        return self.mixer(normed), residual
+        return self.mixer(normed, seq_idx=seq_idx), residual
 
-    def prefill(self, hidden_states, residual, cache: Mamba2Cache | None = None):
+    def prefill(self, hidden_states, residual, cache: Mamba2Cache | None = None, *, seq_idx=None):
         """As `__call__`, also returning the mixer's cache (see `Mamba2.prefill`)."""
         self._check_inputs("Mamba2Block.prefill", hidden_states, residual, cache, sequence=True)
         normed, residual = self._add_norm(hidden_states, residual)
-        out, cache = self.mixer.prefill(normed, cache)
+        out, cache = self.mixer.prefill(normed, cache, seq_idx=seq_idx)
         return out, residual, cache
 
     def step(self, hidden_states, residual, cache: Mamba2Cache):
@@ -179,19 +180,25 @@ class Mamba2LMHeadModel(nnx.Module):
                                    kernel_init=torch_uniform(config.d_model),
                                    rngs=rngs))
 
-    def __call__(self, input_ids):
+    def __call__(self, input_ids, *, seq_idx=None):
         """input_ids (batch, seqlen) int -> logits (batch, seqlen, padded_vocab).
 
         Ids are not range-checked here (under jit they cannot be read); `generate` checks concrete prompts.
 
-        Raises:
-          ValueError, TypeError: for input_ids that are not a 2-D integer array.
-        """
-        self._check_inputs("Mamba2LMHeadModel.__call__", input_ids, None, sequence=True)
-        return self._head(self._final_hidden(input_ids))
+        Args:
+          input_ids: (batch, seqlen) int.
+          seq_idx: optional (batch, seqlen) int ids of the sequences packed into each row, nondecreasing along
+            it (mamba_ssm's `seq_idx`): every mixer's conv and SSM state restart where the id changes, so a
+            token sees nothing of the sequences before its own.
 
-    def loss(self, input_ids, labels=None, *, shift_labels=None, chunk_tokens: int = 2048, ignore_index: int = -100,
-             logits_dtype=None):
+        Raises:
+          ValueError, TypeError: for input_ids that are not a 2-D integer array, or a seq_idx of another shape.
+        """
+        self._check_inputs("Mamba2LMHeadModel.__call__", input_ids, None, sequence=True, seq_idx=seq_idx)
+        return self._head(self._final_hidden(input_ids, seq_idx))
+
+    def loss(self, input_ids, labels=None, *, shift_labels=None, seq_idx=None, chunk_tokens: int = 2048,
+             ignore_index: int = -100, logits_dtype=None):
         """Mean next-token cross-entropy, never materializing the whole batch's logits (`chunked_cross_entropy`).
 
         As HF transformers' causal-LM loss: `labels` (default: input_ids) are aligned with input_ids and shifted
@@ -204,6 +211,8 @@ class Mamba2LMHeadModel(nnx.Module):
           input_ids: (batch, seqlen) int.
           labels: optional (batch, seqlen) int, unshifted.
           shift_labels: optional (batch, seqlen) int, already shifted; not together with labels.
+          seq_idx: optional (batch, seqlen) int ids of packed sequences (see `__call__`). The target of a
+            sequence's last token is the next sequence's first: set that label to ignore_index to leave it out.
           chunk_tokens: tokens per chunk of the fused head + loss (default 2048).
           ignore_index: target value of positions left out (default -100).
           logits_dtype: dtype the logits are stored in before the float32 softmax (default float32;
@@ -212,7 +221,7 @@ class Mamba2LMHeadModel(nnx.Module):
         Returns:
           The scalar mean loss (float32; float64 for a float64 model).
         """
-        self._check_inputs("Mamba2LMHeadModel.loss", input_ids, None, sequence=True)
+        self._check_inputs("Mamba2LMHeadModel.loss", input_ids, None, sequence=True, seq_idx=seq_idx)
         if labels is not None and shift_labels is not None:
             raise ValueError("Mamba2LMHeadModel.loss: pass labels (unshifted) or shift_labels, not both")
         if shift_labels is None:
@@ -225,17 +234,17 @@ class Mamba2LMHeadModel(nnx.Module):
                              f"input_ids.shape={input_ids.shape}")
         weight = (dict(embedding=self.embedding.embedding[...]) if self.lm_head is None else
                   dict(head_weight=self.lm_head.kernel[...]))
-        hidden = self._final_hidden(input_ids)
+        hidden = self._final_hidden(input_ids, seq_idx)
         return loss_op.chunked_cross_entropy(hidden, targets, **weight, vocab_size=self.config.vocab_size,
                                              chunk_tokens=chunk_tokens, ignore_index=ignore_index, dtype=self.dtype,
                                              logits_dtype=logits_dtype, backend=self.loss_backend)
 
-    def _final_hidden(self, input_ids):
+    def _final_hidden(self, input_ids, seq_idx=None):
         """input_ids (batch, seqlen) -> the final norm's output (batch, seqlen, d_model)."""
         hidden, residual = self._embed(input_ids)
 
         def block_forward(carry, block):
-            return block(*carry)
+            return block(*carry, seq_idx=seq_idx)
 
         if self.remat:
             block_forward = nnx.remat(block_forward, policy=None if self.remat is True else remat_policy(self.remat))
@@ -247,12 +256,14 @@ class Mamba2LMHeadModel(nnx.Module):
                                               (hidden, residual))[0]
         return self._final_norm(hidden, residual)
 
-    def prefill(self, input_ids, cache: Mamba2Cache | None = None):
+    def prefill(self, input_ids, cache: Mamba2Cache | None = None, *, seq_idx=None):
         """Forward that also fills the cache.
 
         Args:
           input_ids: (batch, seqlen) int.
           cache: optional per-layer state (leading (n_layer,) axis) from earlier tokens; None = empty.
+          seq_idx: optional (batch, seqlen) int ids of packed sequences, without a cache (see
+            `Mamba2.prefill`): the cache continues each row's last sequence.
 
         Returns:
           (logits (batch, seqlen, padded_vocab), cache with a leading (n_layer,) axis).
@@ -260,8 +271,8 @@ class Mamba2LMHeadModel(nnx.Module):
         Raises:
           ValueError, TypeError: for input_ids or a cache of the wrong shape or dtype.
         """
-        self._check_inputs("Mamba2LMHeadModel.prefill", input_ids, cache, sequence=True)
-        hidden, residual, cache = self._scan_layers_with_cache("prefill", input_ids, cache)
+        self._check_inputs("Mamba2LMHeadModel.prefill", input_ids, cache, sequence=True, seq_idx=seq_idx)
+        hidden, residual, cache = self._scan_layers_with_cache("prefill", input_ids, cache, seq_idx=seq_idx)
         return self._logits(hidden, residual), cache
 
     def step(self, input_ids, cache: Mamba2Cache):
@@ -315,21 +326,24 @@ class Mamba2LMHeadModel(nnx.Module):
         per_layer = self.layers.mixer.init_cache(batch_size, dtype)
         return jax.tree.map(lambda a: jnp.zeros((self.config.n_layer, *a.shape), a.dtype), per_layer)
 
-    def _check_inputs(self, api: str, input_ids, cache, *, sequence: bool) -> None:
+    def _check_inputs(self, api: str, input_ids, cache, *, sequence: bool, seq_idx=None) -> None:
         """input_ids: (batch, seqlen) (or (batch,) for a step), integer; cache, unless None, of the stacked
-        mixers' shapes (leading (n_layer,) axis) for that batch."""
+        mixers' shapes (leading (n_layer,) axis) for that batch; seq_idx, unless None, as input_ids and not
+        with a cache."""
         axes = (("batch", None), ("seqlen", None)) if sequence else (("batch", None),)
-        batch = _checks.check_array(api, "input_ids", input_ids, axes, kind="integer")[0]
+        shape = _checks.check_array(api, "input_ids", input_ids, axes, kind="integer")
         if cache is not None:
             layer_axes = (("n_layer", self.config.n_layer),)
-            conv_axes, ssm_axes = self.layers.mixer.cache_axes(batch)
+            conv_axes, ssm_axes = self.layers.mixer.cache_axes(shape[0])
             _checks.check_cache(api, cache, layer_axes + conv_axes, layer_axes + ssm_axes)
+        if sequence:
+            _checks.check_seq_idx(api, seq_idx, *shape, cache)
 
-    def _scan_layers_with_cache(self, method: str, input_ids, cache):
-        """Embeds, then runs `Mamba2Block.<method>` ("prefill" or "step") over the stacked layers, each with
-        its slice of the cache; returns (hidden, residual, new cache)."""
+    def _scan_layers_with_cache(self, method: str, input_ids, cache, **block_kwargs):
+        """Embeds, then runs `Mamba2Block.<method>` ("prefill" or "step", with `block_kwargs`) over the stacked
+        layers, each with its slice of the cache; returns (hidden, residual, new cache)."""
         hidden, residual = self._embed(input_ids)
-        block_call = _cached_block_call(method)
+        block_call = _cached_block_call(method, **block_kwargs)
         if self.scan_layers:
             (hidden, residual), cache = nnx.scan(block_call, in_axes=(nnx.Carry, 0, 0),
                                                  out_axes=(nnx.Carry, 0))((hidden, residual), self.layers, cache)
@@ -380,10 +394,10 @@ class Mamba2LMHeadModel(nnx.Module):
         return self._head(self._final_norm(hidden, residual))
 
 
-def _cached_block_call(method: str):
+def _cached_block_call(method: str, **block_kwargs):
     """(carry, block, layer cache) -> (carry, new layer cache) of `Mamba2Block.<method>` ("prefill" or "step"),
     carry = (hidden, residual): the body of the loops over layers."""
     def block_call(carry, block, layer_cache):
-        hidden, residual, layer_cache = getattr(block, method)(*carry, layer_cache)
+        hidden, residual, layer_cache = getattr(block, method)(*carry, layer_cache, **block_kwargs)
         return (hidden, residual), layer_cache
     return block_call

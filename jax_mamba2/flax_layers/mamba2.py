@@ -187,19 +187,20 @@ class Mamba2(nnx.Module):
           ValueError, TypeError: for arguments of the wrong shape or dtype, naming the expected one.
         """
         batch, seqlen = self._check_hidden_states("Mamba2.__call__", hidden_states)
-        if seq_idx is not None:
-            _checks.check_array("Mamba2.__call__", "seq_idx", seq_idx, (("batch", batch), ("seqlen", seqlen)),
-                                kind="integer")
+        _checks.check_seq_idx("Mamba2.__call__", seq_idx, batch, seqlen)
         out, _ = self._run(functools.partial(Mamba2._forward, want_cache=False), (hidden_states, None, seq_idx),
                            returns_cache=False)
         return out
 
-    def prefill(self, hidden_states, cache: Mamba2Cache | None = None):
+    def prefill(self, hidden_states, cache: Mamba2Cache | None = None, *, seq_idx=None):
         """Full forward that also returns the decode cache.
 
         Args:
           hidden_states: (batch, seqlen, d_model), floating; seqlen may be 0 (the state passes through).
           cache: optional state left by earlier tokens (chunked prefill); None starts from zeros.
+          seq_idx: optional (batch, seqlen) int ids of packed sequences, as in `__call__`, without a cache: the
+            returned state is the last sequence's (e.g. a left-padded prompt whose padding is sequence 0); the
+            conv state holds the last d_conv columns whatever their sequence.
 
         Returns:
           (out (batch, seqlen, d_model), cache): conv_state = the last d_conv pre-conv xBC columns
@@ -209,12 +210,13 @@ class Mamba2(nnx.Module):
         Raises:
           ValueError, TypeError: for arguments of the wrong shape or dtype, naming the expected one.
         """
-        batch, _ = self._check_hidden_states("Mamba2.prefill", hidden_states)
+        batch, seqlen = self._check_hidden_states("Mamba2.prefill", hidden_states)
         if cache is not None:
             _checks.check_cache("Mamba2.prefill", cache, *self.cache_axes(batch))
+        _checks.check_seq_idx("Mamba2.prefill", seq_idx, batch, seqlen, cache)
         dtypes = self._cache_dtypes() if cache is None else tuple(a.dtype for a in cache)
-        out, new_cache = self._run(functools.partial(Mamba2._forward, want_cache=True), (hidden_states, cache, None),
-                                   returns_cache=True)
+        out, new_cache = self._run(functools.partial(Mamba2._forward, want_cache=True),
+                                   (hidden_states, cache, seq_idx), returns_cache=True)
         return out, Mamba2Cache(*(a.astype(dtype) for a, dtype in zip(new_cache, dtypes)))
 
     def step(self, hidden_states, cache: Mamba2Cache):

@@ -141,8 +141,11 @@ def next_tokens(logits, key, seen, sampling: Sampling):
 
 
 def mark_seen(seen, tokens):
-    """seen (batch, vocab) bool with tokens (batch, n) or (batch,) int marked (None stays None)."""
+    """seen (batch, vocab) bool with tokens (batch, n) or (batch,) int marked, ids outside [0, vocab) left out
+    (None stays None)."""
     if seen is None:
         return None
     tokens = tokens.reshape(tokens.shape[0], -1)
-    return seen.at[jnp.arange(tokens.shape[0])[:, None], tokens].set(True)
+    in_vocab = (tokens >= 0) & (tokens < seen.shape[-1])
+    return seen.at[jnp.arange(tokens.shape[0])[:, None], jnp.where(in_vocab, tokens, seen.shape[-1])].set(
+        True, mode="drop")

@@ -109,12 +109,17 @@ def test_load_pretrained_in_bf16_decodes_without_weight_conversions(tmp_path):
         np.asarray(model.layers.mixer.in_proj.kernel[...].astype(jnp.bfloat16), np.float32))
 
 
-@pytest.mark.parametrize("scan_layers", [True, False])
-def test_generate_prefills_with_the_cutile_forward_kernels_and_decodes_with_the_fused_step(scan_layers):
+@pytest.mark.parametrize("scan_layers, controls", [
+    (True, {}), (False, {}),
+    (True, dict(prompt_lengths=[1, 17, PROMPT_LEN], eos_token_id=3, temperature=0.8, top_p=0.9,
+                repetition_penalty=1.2, rng=jax.random.key(0))),
+], ids=["scan", "unrolled", "padded_prompts_until_eos_sampled"])
+def test_generate_prefills_with_the_cutile_forward_kernels_and_decodes_with_the_fused_step(scan_layers, controls):
+    """Also with left-padded prompts (the prefill's seq_idx) and the decode loop that stops at eos."""
     with _traced_for("cutile"):
         model = _model("cutile", param_dtype=jnp.bfloat16, scan_layers=scan_layers)
-        jaxpr = jax.make_jaxpr(lambda prompt: generate(model, prompt, NEW_TOKENS))(_prompt())
-    decode = ("scan", NEW_TOKENS - 1)
+        jaxpr = jax.make_jaxpr(lambda prompt: generate(model, prompt, NEW_TOKENS, **controls))(_prompt())
+    decode = ("while", None) if "eos_token_id" in controls else ("scan", NEW_TOKENS - 1)
     launches = cutile_launches(jaxpr)
     prefill = [name for name, loops in launches if decode not in loops]
     steps = [name for name, loops in launches if loops == (decode,)]

@@ -107,3 +107,17 @@ def test_generate_until_eos_with_sampling_and_a_repetition_penalty_on_the_fused_
     eos = int(free[0, 10])
     got = np.asarray(generate(model, prompt, 24, eos_token_id=eos, pad_token_id=0, **controls))[:, 40:]
     np.testing.assert_array_equal(got, ended_at_eos(free, eos, 0))
+
+
+def test_left_padded_prompts_generate_the_uncached_forward_argmax_of_each_prompt_alone():
+    """Prompts of 3, 60 and 100 tokens left-padded to 100 (the prefill's seq_idx on the forward kernels): each
+    generated token is the forward's maximum over its own unpadded sequence, up to bfloat16 ties."""
+    model, lengths = _model(param_dtype=jnp.bfloat16), [3, 60, 100]
+    tokens = np.asarray(generate(model, _prompt(3, 100), 16, prompt_lengths=lengths))
+    forward = nnx.jit(lambda m, ids: m(ids))
+    for row, length in zip(tokens, lengths):
+        sequence = row[100 - length:]
+        logits = forward(model, jnp.asarray(sequence[None, :-1]))[0, length - 1:, :CONFIG.vocab_size]
+        chosen = jnp.take_along_axis(logits, jnp.asarray(sequence[length:, None]), axis=-1)[:, 0]
+        np.testing.assert_allclose(np.asarray(chosen, np.float32), np.asarray(logits.max(axis=-1), np.float32),
+                                   rtol=2 ** -7, atol=0)

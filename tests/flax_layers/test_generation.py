@@ -224,6 +224,21 @@ def test_generate_samples_the_same_tokens_until_eos_with_the_same_key(tiny_confi
     np.testing.assert_array_equal(got, ended_at_eos(free, eos, 1))
 
 
+@pytest.mark.parametrize("controls", [dict(), dict(repetition_penalty=1.5)], ids=["greedy", "penalty"])
+def test_generate_left_padded_prompts_of_different_lengths_like_each_alone(tiny_config, controls):
+    """Rows of 1, 2 (shorter than the conv window), 5 and 7 prompt ids, left-padded with ids the model never
+    reads (out of range too): each row's tokens are those of its prompt generated alone."""
+    model = _model(tiny_config)
+    lengths = [1, 2, 5, 7]
+    prompts = [np.asarray(_token_ids(tiny_config, seed=10 + i, shape=(1, n)))[0] for i, n in enumerate(lengths)]
+    padded = np.stack([np.concatenate([np.full(7 - len(p), 999 if i % 2 else 3), p]) for i, p in enumerate(prompts)])
+    got = np.asarray(generate(model, padded, 6, prompt_lengths=lengths, **controls))
+    np.testing.assert_array_equal(got[:, :7], padded)
+    for row, prompt in zip(got, prompts):
+        alone = np.asarray(generate(model, prompt[None], 6, **controls))[0]
+        np.testing.assert_array_equal(row[7:], alone[len(prompt):])
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(max_new_tokens=0), ValueError, r"generate: max_new_tokens=0 must be a positive int"),
     (dict(temperature=-1.0), ValueError, r"generate: temperature=-1.0 must be >= 0"),
@@ -245,6 +260,10 @@ def test_generate_samples_the_same_tokens_until_eos_with_the_same_key(tiny_confi
     (dict(pad_token_id=0), ValueError, r"generate: pad_token_id=0 needs an eos_token_id"),
     (dict(eos_token_id=2, pad_token_id=-1), ValueError, r"generate: pad_token_id=-1 must be in \[0, vocab_size=61\)"),
     (dict(temperature=1.0), ValueError, r"generate: rng=None must be a jax.random.key when temperature > 0"),
+    (dict(prompt_lengths=[0]), ValueError, r"generate: prompt_lengths=\[0\] must be in \[1, prompt_len=3\]"),
+    (dict(prompt_lengths=[4]), ValueError, r"generate: prompt_lengths=\[4\] must be in \[1, prompt_len=3\]"),
+    (dict(prompt_lengths=[1, 2]), ValueError, r"generate: prompt_lengths.shape=\(2,\) must be \(batch\)=\(1\)"),
+    (dict(prompt_lengths=[1.5]), TypeError, r"generate: prompt_lengths.dtype=float64 must be integer"),
 ])
 def test_generate_rejects_bad_arguments(tiny_config, kwargs, error, message):
     model = _model(tiny_config)

@@ -143,6 +143,14 @@ def _block(model):
                  r"\(n_layer, batch, nheads, headdim, d_state\)=\(3, 2, 8, 8, 8\)", id="step_cache_n_layer"),
     pytest.param(lambda m: m.step(jnp.zeros((BATCH,)), m.init_cache(BATCH)), TypeError,
                  r"Mamba2LMHeadModel.step: input_ids.dtype=float32 must be integer", id="step_float"),
+    pytest.param(lambda m: m(jnp.zeros((BATCH, SEQLEN), jnp.int32), seq_idx=jnp.zeros((BATCH, SEQLEN - 1), jnp.int32)),
+                 ValueError, r"Mamba2LMHeadModel.__call__: seq_idx.shape=\(2, 11\) must be \(batch, seqlen\)=\(2, 12\)",
+                 id="call_seq_idx_shape"),
+    pytest.param(lambda m: m.loss(jnp.zeros((BATCH, SEQLEN), jnp.int32), seq_idx=jnp.zeros((BATCH, SEQLEN))),
+                 TypeError, r"Mamba2LMHeadModel.loss: seq_idx.dtype=float32 must be integer", id="loss_seq_idx_float"),
+    pytest.param(lambda m: m.prefill(jnp.zeros((BATCH, SEQLEN), jnp.int32), m.init_cache(BATCH),
+                                     seq_idx=jnp.zeros((BATCH, SEQLEN), jnp.int32)),
+                 ValueError, r"Mamba2LMHeadModel.prefill: seq_idx needs cache=None", id="prefill_seq_idx_cache"),
     pytest.param(lambda m: m.init_cache(-1), ValueError,
                  r"Mamba2LMHeadModel.init_cache: batch_size=-1 must be a positive int", id="init_cache"),
     pytest.param(lambda m: _block(m)(jnp.ones((BATCH, SEQLEN, 32)), jnp.ones((BATCH, SEQLEN - 1, 32))), ValueError,
@@ -177,6 +185,50 @@ def _assert_same_gradients(ids, scanned, *unrolled):
     for model in unrolled:
         for g, u in zip(jax.tree.leaves(nnx.state(grads)), jax.tree.leaves(nnx.state(nnx.jit(nnx.grad(loss))(model)))):
             np.testing.assert_allclose(u, g, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(scan_layers=False, remat=True)], ids=["scan", "unrolled_remat"])
+def test_packed_sequences_compute_what_separate_rows_do(tiny_config, options):
+    """Two sequences packed into one row with seq_idx: the logits of each are those of the sequence alone, and
+    the packed loss (the boundary's target ignored) and its gradients are the separate losses' token-weighted
+    mean."""
+    model = _model(tiny_config, **options)
+    first, second = _token_ids(tiny_config, seed=5, shape=(1, 5)), _token_ids(tiny_config, seed=6, shape=(1, 7))
+    packed = jnp.concatenate([first, second], axis=1)
+    seq_idx = jnp.asarray([[0] * 5 + [1] * 7], jnp.int32)
+    forward = nnx.jit(lambda m, ids, seq_idx=None: m(ids, seq_idx=seq_idx))
+    logits = forward(model, packed, seq_idx)
+    np.testing.assert_allclose(logits[:, :5], forward(model, first), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(logits[:, 5:], forward(model, second), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(forward(model, packed)[:, 5:], forward(model, second), atol=1e-4)  # unpacked: they mix
+
+    labels = packed.at[:, 5].set(-100)  # position 4's target, the next sequence's first token
+
+    def packed_loss(m):
+        return m.loss(packed, labels, seq_idx=seq_idx)
+
+    def separate_losses(m):  # 4 and 6 scored tokens
+        return (4 * m.loss(first) + 6 * m.loss(second)) / 10
+    (want, want_grads), (got, got_grads) = (nnx.jit(nnx.value_and_grad(f))(model)
+                                            for f in (separate_losses, packed_loss))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(nnx.state(got_grads)), jax.tree.leaves(nnx.state(want_grads))):
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-6)
+
+
+def test_prefill_of_a_left_padded_prompt_with_seq_idx_continues_the_prompt_alone(tiny_config):
+    """Padding as sequence 0 before the prompt: the cache (the SSM state; the conv state's columns, all the
+    prompt's here) and the last logits are the unpadded prompt's."""
+    model = _model(tiny_config)
+    prompt = _token_ids(tiny_config, seed=7, shape=(BATCH, 6))
+    padding = _token_ids(tiny_config, seed=8, shape=(BATCH, 3))
+    seq_idx = jnp.asarray([[0] * 3 + [1] * 6] * BATCH, jnp.int32)
+    prefill = nnx.jit(lambda m, ids, seq_idx=None: m.prefill(ids, seq_idx=seq_idx))
+    (want_logits, want), (got_logits, got) = prefill(model, prompt), prefill(
+        model, jnp.concatenate([padding, prompt], axis=1), seq_idx)
+    np.testing.assert_allclose(got_logits[:, 3:], want_logits, rtol=1e-5, atol=1e-6)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_unrolled_layers_compute_what_the_layer_scan_does(tiny_config):

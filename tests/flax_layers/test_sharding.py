@@ -76,6 +76,31 @@ def test_shard_model_grads_match_single_device_with_groups_split(tiny_config, me
         np.testing.assert_allclose(g[...], e, rtol=1e-4, atol=1e-7, err_msg=str(path))
 
 
+def test_shard_model_packed_sequences_match_single_device(tiny_config, mesh):
+    """seq_idx through the head-parallel mixers: the loss of packed rows, its gradients and a prefill."""
+    ids, sharded_ids = _ids(tiny_config, mesh)
+    seq_idx = jnp.asarray(np.repeat([[0] * 5 + [1] * 4 + [2] * 3], BATCH, axis=0), jnp.int32)
+    sharded_seq_idx = jax.device_put(seq_idx, NamedSharding(mesh, P("data")))
+
+    def loss(model, ids, seq_idx):
+        return model.loss(ids, seq_idx=seq_idx)
+
+    def prefill(model, ids, seq_idx):
+        return model.prefill(ids, seq_idx=seq_idx)
+
+    model = _model(tiny_config)
+    (expected_loss, expected_grads), expected_prefill = (nnx.jit(nnx.value_and_grad(loss))(model, ids, seq_idx),
+                                                         nnx.jit(prefill)(model, ids, seq_idx))
+    shard_model(model, mesh)
+    sharded_loss, sharded_grads = nnx.jit(nnx.value_and_grad(loss))(model, sharded_ids, sharded_seq_idx)
+    np.testing.assert_allclose(sharded_loss, expected_loss, rtol=1e-6)
+    for (path, g), e in zip(nnx.to_flat_state(sharded_grads), jax.tree.leaves(expected_grads)):
+        np.testing.assert_allclose(g[...], e, rtol=1e-4, atol=1e-7, err_msg=str(path))
+    for got, want in zip(jax.tree.leaves(nnx.jit(prefill)(model, sharded_ids, sharded_seq_idx)),
+                         jax.tree.leaves(expected_prefill)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_shard_model_rejects_unsplittable_models(tiny_config, mesh):
     with pytest.raises(ValueError, match=r"shard_model: d_ssm=32 < d_inner=64 \(gated-MLP branch\)"):
         shard_model(_model(tiny_config.replace(ssm_cfg={**tiny_config.ssm_cfg, "d_ssm": 32})), mesh)
