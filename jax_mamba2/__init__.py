@@ -12,8 +12,9 @@ Public API:
   available_backends       names of the SSD backends that can run in this process.
   backend_status           for every known backend: whether it can run here and, if not, why.
   autotune                 tune the cuTile kernel configs of a program's SSD calls ahead of time.
-  Mamba2, Mamba2LMHeadModel, Mamba2Config, generate, load_pretrained, save_pretrained, shard_model,
-  chunked_cross_entropy    the Flax NNX layers, language model and its loss (jax_mamba2.flax_layers has the rest).
+  Mamba2, Mamba2LMHeadModel, Mamba2Config, generate, generate_stream, load_pretrained, save_pretrained,
+  shard_model, chunked_cross_entropy
+                           the Flax NNX layers, language model and its loss (jax_mamba2.flax_layers has the rest).
   __version__              the installed version (the source tree's, when it is not installed).
 """
 from jax_mamba2._version import __version__
@@ -25,11 +26,11 @@ from jax_mamba2.norm import add_rms_norm, rms_norm
 from jax_mamba2.op import ssd, ssd_step
 from jax_mamba2.reference import ssd_chunked, ssd_scan
 from jax_mamba2.flax_layers import (Mamba2, Mamba2Config, Mamba2LMHeadModel, chunked_cross_entropy, generate,
-                                    load_pretrained, save_pretrained, shard_model)
+                                    generate_stream, load_pretrained, save_pretrained, shard_model)
 
 __all__ = [
     "__version__", "ssd", "ssd_step", "ssd_scan", "ssd_chunked", "causal_conv1d_silu", "causal_conv1d_silu_split",
     "rms_norm", "add_rms_norm", "norm_project", "mixer_step",
     "available_backends", "backend_status", "autotune", "Mamba2", "Mamba2Config", "Mamba2LMHeadModel", "generate",
-    "load_pretrained", "save_pretrained", "shard_model", "chunked_cross_entropy",
+    "generate_stream", "load_pretrained", "save_pretrained", "shard_model", "chunked_cross_entropy",
 ]

@@ -8,6 +8,7 @@ length does not pay).
 """
 import functools
 from numbers import Integral
+from typing import Any, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,11 +35,6 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
       prompt_ids: (batch, prompt_len) int, prompt_len >= 1, ids in [0, config.vocab_size). Concrete ids are
         range-checked; traced ones (generate called inside jit) cannot be read and are not: there an id past
         the embedding's rows gives NaN logits and a negative one counts from the end.
-      prompt_lengths: None (every row's prompt is prompt_len ids), or (batch,) int in [1, prompt_len]: prompts
-        of different lengths, left-padded (as HF's `generate` takes a decoder-only batch; e.g. the
-        attention_mask's row sums): row b's prompt is its last prompt_lengths[b] ids, the ids before them are
-        ignored (any value). Each row generates what its prompt alone would: the padding is a sequence of its
-        own in the prefill (`seq_idx`), which every mixer's conv and state restart after.
       max_new_tokens: number of tokens to generate (>= 1).
       temperature: 0 for greedy decoding (deterministic); > 0 samples from softmax(logits / temperature).
       top_k: when sampling, only the top_k most likely tokens are candidates (default: None, all).
@@ -52,6 +48,11 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
         pad_token_id, and the loop stops once every row has ended.
       pad_token_id: the id in [0, vocab_size) written after a row's end (default: the first eos_token_id);
         needs eos_token_id.
+      prompt_lengths: None (every row's prompt is prompt_len ids), or (batch,) int in [1, prompt_len]: prompts
+        of different lengths, left-padded (as HF's `generate` takes a decoder-only batch; e.g. the
+        attention_mask's row sums): row b's prompt is its last prompt_lengths[b] ids, the ids before them are
+        ignored (any value). Each row generates what its prompt alone would: the padding is a sequence of its
+        own in the prefill (`seq_idx`), which every mixer's conv and state restart after.
       rng: a `jax.random.key`, required when temperature > 0.
 
     Returns:
@@ -66,44 +67,74 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
         a missing rng when sampling.
       TypeError: on prompt ids or lengths that are not integers, or a control of the wrong type.
     """
-    vocab_size = model.config.vocab_size
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens={max_new_tokens!r} must be a positive int")
-    if not hasattr(prompt_ids, "dtype"):  # a nested list of ids
-        prompt_ids = np.asarray(prompt_ids)
-    _checks.check_array("generate", "prompt_ids", prompt_ids, (("batch", None), ("prompt_len", None)),
-                        kind="integer")
-    if prompt_ids.shape[1] < 1:
-        raise ValueError(f"generate: prompt_ids.shape={prompt_ids.shape} must be (batch, prompt_len >= 1)")
-    prompt_lengths = _check_prompt_lengths(prompt_ids, prompt_lengths)
-    if prompt_lengths is None:
-        _checks.check_token_ids_in_range("generate", "prompt_ids", prompt_ids, vocab_size)
-    elif not any(isinstance(a, jax.core.Tracer) for a in (prompt_ids, prompt_lengths)):  # the padding: any id
-        in_prompt = np.asarray(_in_prompt(prompt_ids.shape[1], prompt_lengths))
-        _checks.check_token_ids_in_range("generate", "prompt_ids", np.where(in_prompt, prompt_ids, 0), vocab_size)
-    sampling = sampling_rule.make_sampling(vocab_size, temperature=temperature, top_k=top_k, top_p=top_p,
-                                           min_p=min_p, repetition_penalty=repetition_penalty)
-    end = _end_of_sequence(vocab_size, eos_token_id, pad_token_id)
-    if sampling.sample and rng is None:
-        raise ValueError("generate: rng=None must be a jax.random.key when temperature > 0")
-    graphdef, state = nnx.split(model)
-    rng = jax.random.key(0) if rng is None else rng
-    return _generate(graphdef, state, jnp.asarray(prompt_ids, jnp.int32), prompt_lengths, rng, sampling, end,
+    return _generate(*_prepare("generate", model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                               top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                               eos_token_id=eos_token_id, pad_token_id=pad_token_id, prompt_lengths=prompt_lengths,
+                               rng=rng),
                      max_new_tokens=max_new_tokens)
 
 
-def _check_prompt_lengths(prompt_ids, prompt_lengths):
+def generate_stream(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
+                    top_p: float | None = None, min_p: float | None = None, repetition_penalty: float = 1.0,
+                    eos_token_id=None, pad_token_id: int | None = None, prompt_lengths=None,
+                    rng=None) -> Iterator[jax.Array]:
+    """`generate` a token at a time, for showing text as it comes (mamba_ssm's and HF's `streamer`).
+
+    The arguments, their checks (made at the call) and the tokens are `generate`'s: with the same rng the same
+    tokens. Each step is a jitted call of its own, with the decode state donated to it (not copied), so every
+    token costs one dispatch from Python more than in `generate`'s single program.
+
+    Yields:
+      Each step's new tokens, (batch,) int32 device arrays: max_new_tokens of them, or fewer once every row
+      has ended (with an eos_token_id; rows that ended earlier yield pad_token_id).
+    """
+    return _stream(*_prepare("generate_stream", model, prompt_ids, max_new_tokens, temperature=temperature,
+                             top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                             eos_token_id=eos_token_id, pad_token_id=pad_token_id, prompt_lengths=prompt_lengths,
+                             rng=rng),
+                   max_new_tokens)
+
+
+def _prepare(api: str, model, prompt_ids, max_new_tokens, *, temperature, top_k, top_p, min_p, repetition_penalty,
+             eos_token_id, pad_token_id, prompt_lengths, rng):
+    """`generate`'s arguments checked and converted: (graphdef, state, prompt_ids, prompt_lengths, rng,
+    sampling, end) for `_generate` and `_stream`."""
+    vocab_size = model.config.vocab_size
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"{api}: max_new_tokens={max_new_tokens!r} must be a positive int")
+    if not hasattr(prompt_ids, "dtype"):  # a nested list of ids
+        prompt_ids = np.asarray(prompt_ids)
+    _checks.check_array(api, "prompt_ids", prompt_ids, (("batch", None), ("prompt_len", None)), kind="integer")
+    if prompt_ids.shape[1] < 1:
+        raise ValueError(f"{api}: prompt_ids.shape={prompt_ids.shape} must be (batch, prompt_len >= 1)")
+    prompt_lengths = _check_prompt_lengths(api, prompt_ids, prompt_lengths)
+    if prompt_lengths is None:
+        _checks.check_token_ids_in_range(api, "prompt_ids", prompt_ids, vocab_size)
+    elif not any(isinstance(a, jax.core.Tracer) for a in (prompt_ids, prompt_lengths)):  # the padding: any id
+        in_prompt = np.asarray(_in_prompt(prompt_ids.shape[1], prompt_lengths))
+        _checks.check_token_ids_in_range(api, "prompt_ids", np.where(in_prompt, prompt_ids, 0), vocab_size)
+    sampling = sampling_rule.make_sampling(api, vocab_size, temperature=temperature, top_k=top_k, top_p=top_p,
+                                           min_p=min_p, repetition_penalty=repetition_penalty)
+    end = _end_of_sequence(api, vocab_size, eos_token_id, pad_token_id)
+    if sampling.sample and rng is None:
+        raise ValueError(f"{api}: rng=None must be a jax.random.key when temperature > 0")
+    graphdef, state = nnx.split(model)
+    rng = jax.random.key(0) if rng is None else rng
+    return graphdef, state, jnp.asarray(prompt_ids, jnp.int32), prompt_lengths, rng, sampling, end
+
+
+def _check_prompt_lengths(api: str, prompt_ids, prompt_lengths):
     """None, or prompt_lengths as (batch,) int32 after checking its shape and (concrete) its range."""
     if prompt_lengths is None:
         return None
     if not hasattr(prompt_lengths, "dtype"):
         prompt_lengths = np.asarray(prompt_lengths)
     batch, prompt_len = prompt_ids.shape
-    _checks.check_array("generate", "prompt_lengths", prompt_lengths, (("batch", batch),), kind="integer")
+    _checks.check_array(api, "prompt_lengths", prompt_lengths, (("batch", batch),), kind="integer")
     if not isinstance(prompt_lengths, jax.core.Tracer):
         values = np.asarray(prompt_lengths)
         if ((values < 1) | (values > prompt_len)).any():
-            raise ValueError(f"generate: prompt_lengths={values.tolist()} must be in [1, prompt_len={prompt_len}]")
+            raise ValueError(f"{api}: prompt_lengths={values.tolist()} must be in [1, prompt_len={prompt_len}]")
     return jnp.asarray(prompt_lengths, jnp.int32)
 
 
@@ -112,37 +143,40 @@ def _in_prompt(prompt_len: int, prompt_lengths):
     return jnp.arange(prompt_len)[None, :] >= prompt_len - prompt_lengths[:, None]
 
 
-def _end_of_sequence(vocab_size: int, eos_token_id, pad_token_id):
+def _end_of_sequence(api: str, vocab_size: int, eos_token_id, pad_token_id):
     """None (no end of sequence), or (eos ids (n,) int32, pad id int32 scalar), checked."""
     if eos_token_id is None:
         if pad_token_id is not None:
-            raise ValueError(f"generate: pad_token_id={pad_token_id!r} needs an eos_token_id (it fills the rows "
+            raise ValueError(f"{api}: pad_token_id={pad_token_id!r} needs an eos_token_id (it fills the rows "
                              "after their end)")
         return None
     ids = (eos_token_id,) if isinstance(eos_token_id, Integral) else tuple(np.asarray(eos_token_id).reshape(-1))
     if not ids or any(isinstance(i, (bool, np.bool_)) or not isinstance(i, Integral) for i in ids):
-        raise TypeError(f"generate: eos_token_id={eos_token_id!r} must be an int or a non-empty sequence of ints")
+        raise TypeError(f"{api}: eos_token_id={eos_token_id!r} must be an int or a non-empty sequence of ints")
     if any(not 0 <= i < vocab_size for i in ids):
-        raise ValueError(f"generate: eos_token_id={eos_token_id!r} must be in [0, vocab_size={vocab_size})")
+        raise ValueError(f"{api}: eos_token_id={eos_token_id!r} must be in [0, vocab_size={vocab_size})")
     if pad_token_id is None:
         pad_token_id = ids[0]
     if isinstance(pad_token_id, (bool, np.bool_)) or not isinstance(pad_token_id, Integral):
-        raise TypeError(f"generate: pad_token_id={pad_token_id!r} must be None or an int")
+        raise TypeError(f"{api}: pad_token_id={pad_token_id!r} must be None or an int")
     if not 0 <= pad_token_id < vocab_size:  # the ended rows feed it to the model's step
-        raise ValueError(f"generate: pad_token_id={pad_token_id} must be in [0, vocab_size={vocab_size})")
+        raise ValueError(f"{api}: pad_token_id={pad_token_id} must be in [0, vocab_size={vocab_size})")
     return jnp.asarray(ids, jnp.int32), jnp.int32(pad_token_id)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
-def _generate(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, *, max_new_tokens):
+class _Decoding(NamedTuple):
+    """What the decode loop carries from token to token."""
+    token: jax.Array  # (batch,) int32: the last tokens chosen
+    cache: Any  # the model's decode cache (one per layer for the composed step of unrolled layers)
+    seen: jax.Array | None  # (batch, vocab_size) bool: the tokens each row has seen (with a repetition penalty)
+    ended: jax.Array | None  # (batch,) bool: the rows that have ended (with an eos id)
+
+
+def _start(graphdef, state, prompt_ids, prompt_lengths, key, sampling, end) -> _Decoding:
+    """The prefill of the prompts (left-padded with prompt_lengths) and the first new token."""
     model = nnx.merge(graphdef, state)
     vocab_size = model.config.vocab_size
     batch, prompt_len = prompt_ids.shape
-
-    def choose(logits, key, seen):  # logits (batch, padded_vocab) -> (batch,) int32
-        return sampling_rule.next_tokens(logits[:, :vocab_size], key, seen, sampling)
-
-    keys = jax.random.split(rng, max_new_tokens)
     prompt, seq_idx = prompt_ids, None
     if prompt_lengths is not None:  # the left padding: sequence 0 of each row, its ids 0 (-1 for the penalty)
         in_prompt = _in_prompt(prompt_len, prompt_lengths)
@@ -155,42 +189,71 @@ def _generate(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, *
         d_conv = cache.conv_state.shape[-1]
         in_window = prompt_len - d_conv + jnp.arange(d_conv)[None, :] >= prompt_len - prompt_lengths[:, None]
         cache = cache._replace(conv_state=jnp.where(in_window[None, :, None, :], cache.conv_state, 0))
-    first = choose(model._logits(hidden[:, -1], residual[:, -1]), keys[0], seen)
-    ended = None if end is None else jnp.isin(first, end[0])
-
+    token = sampling_rule.next_tokens(model._logits(hidden[:, -1], residual[:, -1])[:, :vocab_size], key, seen,
+                                      sampling)
     # The composed step of unrolled layers carries one cache per layer, so that no step stacks the whole
     # state; the fused step updates the stacked SSM state in place.
-    per_layer = not model.scan_layers and not model.layers.mixer.decodes_fused()
-    if per_layer:
+    if _per_layer_cache(model):
         cache = unstack_layers(cache)
+    return _Decoding(token, cache, seen, None if end is None else jnp.isin(token, end[0]))
 
-    def advance(carry, key):
-        """One cached step: the carry (last tokens, cache, seen, ended) -> (the next carry, the new tokens)."""
-        token, cache, seen, ended = carry
-        # NNX Variables belong to the trace that created them: rebuild the model from fresh ones here.
-        step_model = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
-        logits, cache = step_model._step_unstacked(token, cache) if per_layer else step_model.step(token, cache)
-        seen = sampling_rule.mark_seen(seen, token)
-        token = choose(logits, key, seen)
-        if ended is not None:
-            token = jnp.where(ended, end[1], token)
-            ended = ended | jnp.isin(token, end[0])
-        return (token, cache, seen, ended), token
 
-    carry = (first, cache, seen, ended)
+def _per_layer_cache(model) -> bool:
+    return not model.scan_layers and not model.layers.mixer.decodes_fused()
+
+
+def _advance(graphdef, state, decoding: _Decoding, key, sampling, end) -> _Decoding:
+    """One cached step: the next tokens (the pad in rows that have ended)."""
+    # NNX Variables belong to the trace that created them: rebuild the model from fresh ones here.
+    model = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+    token, cache, seen, ended = decoding
+    logits, cache = model._step_unstacked(token, cache) if _per_layer_cache(model) else model.step(token, cache)
+    seen = sampling_rule.mark_seen(seen, token)
+    token = sampling_rule.next_tokens(logits[:, :model.config.vocab_size], key, seen, sampling)
+    if ended is not None:
+        token = jnp.where(ended, end[1], token)
+        ended = ended | jnp.isin(token, end[0])
+    return _Decoding(token, cache, seen, ended)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
+def _generate(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, *, max_new_tokens):
+    keys = jax.random.split(rng, max_new_tokens)
+    decoding = _start(graphdef, state, prompt_ids, prompt_lengths, keys[0], sampling, end)
+
+    def advance(decoding, key):
+        decoding = _advance(graphdef, state, decoding, key, sampling, end)
+        return decoding, decoding.token
+
     if end is None:
-        _, rest = jax.lax.scan(advance, carry, keys[1:])
-        generated = jnp.concatenate([first[:, None], rest.T], axis=1)
+        _, rest = jax.lax.scan(advance, decoding, keys[1:])
+        generated = jnp.concatenate([decoding.token[:, None], rest.T], axis=1)
     else:
         def unfinished(loop):
-            step, (_, _, _, ended), _ = loop
-            return (step < max_new_tokens) & ~jnp.all(ended)
+            step, decoding, _ = loop
+            return (step < max_new_tokens) & ~jnp.all(decoding.ended)
 
         def next_step(loop):
-            step, carry, generated = loop
-            carry, token = advance(carry, keys[step])
-            return step + 1, carry, jax.lax.dynamic_update_slice(generated, token[:, None], (0, step))
+            step, decoding, generated = loop
+            decoding, token = advance(decoding, keys[step])
+            return step + 1, decoding, jax.lax.dynamic_update_slice(generated, token[:, None], (0, step))
 
-        generated = jnp.full((batch, max_new_tokens), end[1]).at[:, 0].set(first)
-        _, _, generated = jax.lax.while_loop(unfinished, next_step, (1, carry, generated))
+        generated = jnp.full((prompt_ids.shape[0], max_new_tokens), end[1]).at[:, 0].set(decoding.token)
+        _, _, generated = jax.lax.while_loop(unfinished, next_step, (1, decoding, generated))
     return jnp.concatenate([prompt_ids, generated], axis=1)
+
+
+_start_program = jax.jit(_start, static_argnames=("graphdef",))
+# The step's inputs are donated: the cache (the SSM state stack updated in place) is not copied per token.
+_advance_program = jax.jit(_advance, static_argnames=("graphdef",), donate_argnames=("decoding",))
+
+
+def _stream(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, max_new_tokens):
+    keys = jax.random.split(rng, max_new_tokens)
+    decoding = _start_program(graphdef, state, prompt_ids, prompt_lengths, keys[0], sampling, end)
+    yield decoding.token
+    for step in range(1, max_new_tokens):
+        if end is not None and bool(jnp.all(decoding.ended)):
+            return
+        decoding = _advance_program(graphdef, state, decoding, keys[step], sampling, end)
+        yield decoding.token

@@ -38,18 +38,18 @@ class Sampling:
         return "repetition_penalty" in self.values
 
 
-def _check_fraction(name: str, value, *, open_low: bool) -> float:
+def _check_fraction(api: str, name: str, value, *, open_low: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"generate: {name}={value!r} must be a float")
+        raise TypeError(f"{api}: {name}={value!r} must be a float")
     low_ok = value > 0 if open_low else value >= 0
     if math.isnan(value) or not low_ok or value > 1:
-        raise ValueError(f"generate: {name}={value!r} must be in {'(0' if open_low else '[0'}, 1]")
+        raise ValueError(f"{api}: {name}={value!r} must be in {'(0' if open_low else '[0'}, 1]")
     return float(value)
 
 
-def make_sampling(vocab_size: int, *, temperature=0.0, top_k=None, top_p=None, min_p=None,
+def make_sampling(api: str, vocab_size: int, *, temperature=0.0, top_k=None, top_p=None, min_p=None,
                   repetition_penalty=1.0) -> Sampling:
-    """The checked `Sampling` of `generate`'s arguments (their meanings are documented there).
+    """The checked `Sampling` of `generate`'s arguments (their meanings are documented there); errors name `api`.
 
     Raises:
       ValueError: temperature < 0 or NaN, top_k outside [1, vocab_size], top_p outside (0, 1], min_p outside
@@ -58,21 +58,21 @@ def make_sampling(vocab_size: int, *, temperature=0.0, top_k=None, top_p=None, m
     """
     for name, value in (("temperature", temperature), ("repetition_penalty", repetition_penalty)):
         if isinstance(value, bool) or not isinstance(value, Real):
-            raise TypeError(f"generate: {name}={value!r} must be a float")
+            raise TypeError(f"{api}: {name}={value!r} must be a float")
     if not temperature >= 0:
-        raise ValueError(f"generate: temperature={temperature} must be >= 0")
+        raise ValueError(f"{api}: temperature={temperature} must be >= 0")
     if not repetition_penalty > 0:
-        raise ValueError(f"generate: repetition_penalty={repetition_penalty} must be > 0")
+        raise ValueError(f"{api}: repetition_penalty={repetition_penalty} must be > 0")
     if top_k is not None:
         if isinstance(top_k, bool) or not isinstance(top_k, Integral):
-            raise TypeError(f"generate: top_k={top_k!r} must be None or an int")
+            raise TypeError(f"{api}: top_k={top_k!r} must be None or an int")
         if not 1 <= top_k <= vocab_size:
-            raise ValueError(f"generate: top_k={top_k} must be in [1, vocab_size={vocab_size}]")
+            raise ValueError(f"{api}: top_k={top_k} must be in [1, vocab_size={vocab_size}]")
     values = {}
     if top_p is not None:
-        values["top_p"] = _check_fraction("top_p", top_p, open_low=True)
+        values["top_p"] = _check_fraction(api, "top_p", top_p, open_low=True)
     if min_p is not None:
-        values["min_p"] = _check_fraction("min_p", min_p, open_low=False)
+        values["min_p"] = _check_fraction(api, "min_p", min_p, open_low=False)
     sample = temperature > 0
     if sample:
         values["temperature"] = float(temperature)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_mamba2.flax_layers import Mamba2LMHeadModel, generate
+from jax_mamba2.flax_layers import Mamba2LMHeadModel, generate, generate_stream
 from jax_mamba2.flax_layers import sampling as sampling_rule
 from tests.flax_layers._generation import ended_at_eos
 
@@ -77,7 +77,7 @@ def _candidates(logits, sampling):
 ])
 def test_candidates_follow_hf_processors(controls):
     logits = np.random.default_rng(0).normal(0, 2, (16, 40))
-    sampling = sampling_rule.make_sampling(40, **controls)
+    sampling = sampling_rule.make_sampling("test", 40, **controls)
     want, got = hf_processed_logits(logits, **controls), _candidates(logits, sampling)
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
     np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=1e-6)
@@ -92,7 +92,7 @@ def test_sampled_frequencies_follow_the_processed_distribution():
     want = _softmax(hf_processed_logits(logits, **controls))[0]
     draws = 40_000
     tokens = sampling_rule.next_tokens(jnp.asarray(np.repeat(logits, draws, axis=0), jnp.float32),
-                                       jax.random.key(3), None, sampling_rule.make_sampling(12, **controls))
+                                       jax.random.key(3), None, sampling_rule.make_sampling("test", 12, **controls))
     counts = np.bincount(np.asarray(tokens), minlength=12)
     assert counts[want == 0].sum() == 0 and (counts[want > 0] > 0).all()
     standard_error = np.sqrt(want * (1 - want) / draws)
@@ -104,18 +104,18 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
     seen = sampling_rule.mark_seen(jnp.zeros((1, 4), bool), jnp.array([[0, 1]]))
     np.testing.assert_array_equal(sampling_rule.penalize_repeats(logits, seen, jnp.float32(2.0)),
                                   [[1.0, -2.0, 0.5, 3.0]])
-    greedy = sampling_rule.make_sampling(4, repetition_penalty=8.0)
+    greedy = sampling_rule.make_sampling("test", 4, repetition_penalty=8.0)
     assert greedy.values.keys() == {"repetition_penalty"} and not greedy.sample
     seen = sampling_rule.mark_seen(seen, jnp.array([3]))  # the argmax seen: 3.0 / 8 < 0.5
     assert int(sampling_rule.next_tokens(logits, None, seen, greedy)[0]) == 2
 
 
 def test_greedy_drops_the_sampling_filters_and_values_are_traced():
-    assert sampling_rule.make_sampling(10, top_k=3, top_p=0.5, min_p=0.1).values == {}
-    a = sampling_rule.make_sampling(10, temperature=0.5, top_p=0.5)
-    b = sampling_rule.make_sampling(10, temperature=2.0, top_p=0.9)
+    assert sampling_rule.make_sampling("test", 10, top_k=3, top_p=0.5, min_p=0.1).values == {}
+    a = sampling_rule.make_sampling("test", 10, temperature=0.5, top_p=0.5)
+    b = sampling_rule.make_sampling("test", 10, temperature=2.0, top_p=0.9)
     assert jax.tree.structure(a) == jax.tree.structure(b)  # one compiled program for both
-    assert jax.tree.structure(a) != jax.tree.structure(sampling_rule.make_sampling(10, temperature=2.0))
+    assert jax.tree.structure(a) != jax.tree.structure(sampling_rule.make_sampling("test", 10, temperature=2.0))
 
 
 def test_generate_greedy_is_deterministic_and_follows_forward_argmax(tiny_config):
@@ -237,6 +237,34 @@ def test_generate_left_padded_prompts_of_different_lengths_like_each_alone(tiny_
     for row, prompt in zip(got, prompts):
         alone = np.asarray(generate(model, prompt[None], 6, **controls))[0]
         np.testing.assert_array_equal(row[7:], alone[len(prompt):])
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+@pytest.mark.parametrize("controls", [
+    dict(), dict(temperature=0.9, top_p=0.8, repetition_penalty=1.3, rng=jax.random.key(6)),
+    dict(prompt_lengths=[2, 6, 4]),
+], ids=["greedy", "sampled", "padded"])
+def test_generate_stream_yields_generates_tokens_one_step_at_a_time(tiny_config, scan_layers, controls):
+    model = Mamba2LMHeadModel(tiny_config, backend="xla", scan_layers=scan_layers, rngs=nnx.Rngs(0))
+    prompt = _token_ids(tiny_config, seed=9, shape=(3, 6))
+    want = np.asarray(generate(model, prompt, 7, **controls))[:, 6:]
+    steps = generate_stream(model, prompt, 7, **controls)
+    got = [np.asarray(tokens) for tokens in steps]
+    assert len(got) == 7 and all(t.shape == (3,) and t.dtype == np.int32 for t in got)
+    np.testing.assert_array_equal(np.stack(got, axis=1), want)
+    np.testing.assert_array_equal(np.asarray(generate(model, prompt, 7, **controls))[:, 6:], want)  # state intact
+
+
+def test_generate_stream_stops_once_every_row_has_ended(tiny_config):
+    model = _model(tiny_config)
+    prompt = jnp.repeat(_token_ids(tiny_config, seed=11, shape=(1, 4)), 2, axis=0)
+    free = np.asarray(generate(model, prompt, 10))[:, 4:]
+    eos = int(free[0, 3])
+    end = int(np.argmax(free[0] == eos))
+    got = np.stack([np.asarray(t) for t in generate_stream(model, prompt, 10, eos_token_id=eos)], axis=1)
+    np.testing.assert_array_equal(got, free[:, :end + 1])
+    with pytest.raises(ValueError, match=r"generate_stream: top_p=2 must be in \(0, 1\]"):
+        generate_stream(model, prompt, 10, temperature=1.0, top_p=2, rng=jax.random.key(0))  # checked at the call
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
