@@ -29,7 +29,7 @@ from jax_mamba2.flax_layers.precision import cast_params
 from jax_mamba2.flax_layers.sharding import shard_model
 
 __all__ = [
-    "Mamba2", "Mamba2Cache", "Mamba2Block", "Mamba2LMHeadModel", "generate", "generate_stream", "Mamba2Config", "mamba2_130m",
-    "mamba2_370m", "mamba2_780m", "mamba2_1_3b", "mamba2_2_7b", "load_pretrained", "save_pretrained",
+    "Mamba2", "Mamba2Cache", "Mamba2Block", "Mamba2LMHeadModel", "generate", "generate_stream", "Mamba2Config",
+    "mamba2_130m", "mamba2_370m", "mamba2_780m", "mamba2_1_3b", "mamba2_2_7b", "load_pretrained", "save_pretrained",
     "shard_model", "RMSNorm", "cast_params", "chunked_cross_entropy",
 ]
