@@ -2,21 +2,25 @@
 whose plans (bridge/decode_ops.py) run block by block on the NumPy emulator in float64 through jax.pure_callback.
 Checked against the xla path, with gradients (the reference's VJP), vmap (rows folded into one launch), jit, and
 inside the layers: `Mamba2.step` and the LM's fused step over several tokens (the SSM state stack threaded
-through every layer's launch) against the same models on xla."""
+through every layer's launch) against the same models on xla, and `generate` with every op of the LM emulated."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 pytest.importorskip("cuda.tile")
 
 import jax_mamba2  # noqa: E402
-from jax_mamba2 import decode  # noqa: E402
-from jax_mamba2.bridge import decode_ops  # noqa: E402
-from jax_mamba2.flax_layers import Mamba2, Mamba2Config, Mamba2LMHeadModel  # noqa: E402
+from jax_mamba2 import backends, conv1d, decode, norm  # noqa: E402
+from jax_mamba2.bridge import conv_ops, decode_ops, norm_ops  # noqa: E402
+from jax_mamba2.flax_layers import Mamba2, Mamba2Config, Mamba2LMHeadModel, generate  # noqa: E402
 from jax_mamba2.kernels import decode_projection  # noqa: E402
 from tests._helpers import rel_l2  # noqa: E402
-from tests.bridge._emulated_backend import emulate_layer_kernels  # noqa: E402
+from tests.bridge._emulated_backend import EMULATED, emulate_layer_kernels  # noqa: E402
+from tests.kernels import _cutile_emulator as emulator  # noqa: E402
 from tests.kernels._decode_checks import (MIXER_CASES, PROJECTION_CASES, assert_lm_steps_match,  # noqa: E402
                                           mixer_inputs, projection_inputs)
 from tests.test_decode_ops import gated_norm_chain, project, step  # noqa: E402
@@ -191,3 +195,30 @@ def test_emulated_gradients_through_the_sums_of_squares_are_the_xla_paths():
             return jnp.sum(jnp.sin(out))
         return jax.grad(loss)(jnp.asarray(arrays["zxbcdt"]))
     assert rel_l2(grad("cutile"), grad("xla")) < 1e-5
+
+
+@pytest.fixture
+def every_kernel_emulated(monkeypatch):
+    """backend="cutile" of every op of the LM (SSD, conv, norms, decode) runs the emulated plans."""
+    monkeypatch.setitem(backends._REGISTRY["ssd"], "cutile", dataclasses.replace(EMULATED, name="cutile"))
+    monkeypatch.setitem(backends._REGISTRY[conv1d.OP], "cutile", backends.LayerBackend(
+        "cutile", conv_ops.ConvKernels("cutile_emulated", emulator.jax_run_plan), backends.always_supported,
+        auto_priority=2))
+    emulate_layer_kernels(monkeypatch, norm.OP, norm_ops)
+
+
+def test_emulated_generate_of_left_padded_prompts_until_eos_matches_xla(every_kernel_emulated):
+    """generate on the kernels end to end: left-padded prompts prefilled by the forward kernels with seq_idx
+    (the conv's and the SSD's), then the fused step in the decode loop that stops at eos, sampled with a
+    repetition penalty: the tokens of the same model on the xla path."""
+    models = {b: Mamba2LMHeadModel(CONFIG, backend=b, rngs=nnx.Rngs(0)) for b in ("cutile", "xla")}
+    prompt = jax.random.randint(jax.random.key(3), (3, 20), 0, CONFIG.vocab_size)
+    controls = dict(prompt_lengths=[2, 20, 11], temperature=0.7, top_k=16, repetition_penalty=1.3,
+                    rng=jax.random.key(4))
+    free = generate(models["xla"], prompt, 8, **controls)
+    eos = int(free[1, 23])
+    tokens = {b: generate(m, prompt, 8, eos_token_id=eos, **controls) for b, m in models.items()}
+    assert str(jax.make_jaxpr(lambda p: generate(models["cutile"], p, 8, **controls))(prompt)).count(
+        "pure_callback") > 0  # the kernels ran
+    np.testing.assert_array_equal(tokens["cutile"], tokens["xla"])
+    assert (np.asarray(tokens["xla"])[1, 24:] == eos).all()
