@@ -244,8 +244,13 @@ def _generate(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, *
 
 
 _start_program = jax.jit(_start, static_argnames=("graphdef",))
-# The step's inputs are donated: the cache (the SSM state stack updated in place) is not copied per token.
-_advance_program = jax.jit(_advance, static_argnames=("graphdef",), donate_argnames=("decoding",))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("carried",))
+def _advance_program(graphdef, state, token, carried, key, sampling, end) -> _Decoding:
+    """`_advance` with what the step carries besides the tokens (cache, seen, ended) donated: the cache (the SSM
+    state stack updated in place) is not copied per token, and the tokens already yielded stay readable."""
+    return _advance(graphdef, state, _Decoding(token, *carried), key, sampling, end)
 
 
 def _stream(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, max_new_tokens):
@@ -255,5 +260,5 @@ def _stream(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, max
     for step in range(1, max_new_tokens):
         if end is not None and bool(jnp.all(decoding.ended)):
             return
-        decoding = _advance_program(graphdef, state, decoding, keys[step], sampling, end)
+        decoding = _advance_program(graphdef, state, decoding.token, decoding[1:], keys[step], sampling, end)
         yield decoding.token

@@ -248,8 +248,7 @@ def test_generate_stream_yields_generates_tokens_one_step_at_a_time(tiny_config,
     model = Mamba2LMHeadModel(tiny_config, backend="xla", scan_layers=scan_layers, rngs=nnx.Rngs(0))
     prompt = _token_ids(tiny_config, seed=9, shape=(3, 6))
     want = np.asarray(generate(model, prompt, 7, **controls))[:, 6:]
-    steps = generate_stream(model, prompt, 7, **controls)
-    got = [np.asarray(tokens) for tokens in steps]
+    got = [np.asarray(tokens) for tokens in list(generate_stream(model, prompt, 7, **controls))]  # all kept
     assert len(got) == 7 and all(t.shape == (3,) and t.dtype == np.int32 for t in got)
     np.testing.assert_array_equal(np.stack(got, axis=1), want)
     np.testing.assert_array_equal(np.asarray(generate(model, prompt, 7, **controls))[:, 6:], want)  # state intact
