@@ -504,7 +504,7 @@ class Mamba2(nnx.Module):
         """in_proj's whole output (..., d_in_proj) = [z0, x0, z, xBC, dt] in the computation dtype."""
         kernel = self.in_proj.kernel[...]
         dtype = self.dtype or jnp.result_type(hidden_states, kernel)
-        zxbcdt = project(hidden_states.astype(dtype), kernel.astype(dtype))
+        zxbcdt = project(hidden_states, kernel, dtype=dtype)
         if self.in_proj.bias is not None:
             zxbcdt = zxbcdt + self.in_proj.bias[...].astype(dtype)
         return checkpoint_name(zxbcdt, IN_PROJ_OUTPUT)
@@ -568,7 +568,7 @@ class Mamba2(nnx.Module):
             y = jnp.concatenate([jax.nn.silu(z0) * x0, y], axis=-1)
         kernel = self.out_proj.kernel[...]  # (d_inner / shard.size, d_model): this shard's heads' rows
         dtype = self.dtype or jnp.result_type(y, kernel)
-        out = shard.psum(project(y.astype(dtype), kernel.astype(dtype)))
+        out = shard.psum(project(y, kernel, dtype=dtype))
         if self.out_proj.bias is not None:
             out = out + self.out_proj.bias[...].astype(dtype)
         return out

@@ -1,10 +1,14 @@
 """`project`: the layers' (and the decode ops' xla path's) dense projection equals the plain product, and one
 row stays a matrix product."""
+import contextlib
+import io
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
 
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel
 from jax_mamba2.projection import MIN_MATMUL_ROWS, project
@@ -24,6 +28,29 @@ def test_project_equals_the_plain_product(lead):
 def test_project_keeps_the_operands_result_dtype():
     inputs = jnp.ones((1, 8), jnp.bfloat16)
     assert project(inputs, jnp.ones((8, 4), jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("lead", [(1,), (3, 5)])
+def test_project_with_a_dtype_converts_the_kernel_again_in_the_backward_instead_of_keeping_it(lead):
+    """dtype=bf16 with a float32 kernel: the value and the gradients of the plain converted product, and the
+    backward keeps the float32 parameter (which lives anyway), not a bfloat16 copy of it."""
+    inputs = jax.random.normal(jax.random.key(0), (*lead, 24), jnp.float32)
+    kernel = jax.random.normal(jax.random.key(1), (24, 40), jnp.float32)
+
+    def loss(project_fn, inputs, kernel):
+        return jnp.sum(jnp.sin(project_fn(inputs, kernel).astype(jnp.float32)))
+    converted = lambda x, w: project(x, w, dtype=jnp.bfloat16)  # noqa: E731
+    plain = lambda x, w: project(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))  # noqa: E731
+    assert converted(inputs, kernel).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(converted(inputs, kernel), plain(inputs, kernel))
+    for got, want in zip(jax.grad(lambda *a: loss(converted, *a), argnums=(0, 1))(inputs, kernel),
+                         jax.grad(lambda *a: loss(plain, *a), argnums=(0, 1))(inputs, kernel)):
+        np.testing.assert_array_equal(got, want)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print_saved_residuals(lambda *a: loss(converted, *a), inputs, kernel)
+    assert "bf16[24,40]" not in printed.getvalue() and "f32[24,40] from the argument" in printed.getvalue()
+    assert project(inputs, kernel, dtype=jnp.float32).dtype == jnp.float32  # no conversion, the plain product
 
 
 def _lhs_rows_of_products(jaxpr, weight_shapes) -> list[int]:
