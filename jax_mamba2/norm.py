@@ -55,21 +55,24 @@ def _check_common(api, x, weight, eps):
 # ----------------------------------------------------------------------------------------------
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _kernel_norm(kernels, dims, x, z, residual, weight):
+def _kernel_norm(kernels, dims, x, z, residual, weight, z_source):
     """(out, residual_out or None) on the kernels; arrays in their (rows, ngroups, group_size) layout, weight
-    (ngroups, group_size) in its own dtype."""
+    (ngroups, group_size) in its own dtype; z_source None, or (`dims.z_in_window`) the (..., z_columns) array
+    the backward reads z from (kept instead of z; no cotangent)."""
+    del z_source
     return kernels.forward(dims, x, z, residual, weight)
 
 
-def _kernel_norm_fwd(kernels, dims, x, z, residual, weight):
+def _kernel_norm_fwd(kernels, dims, x, z, residual, weight, z_source):
     # symbolic_zeros: the primals arrive wrapped (CustomVJPPrimal), absent ones as None.
-    x, z, residual, weight = (None if a is None else a.value for a in (x, z, residual, weight))
+    x, z, residual, weight, z_source = (None if a is None else a.value for a in (x, z, residual, weight, z_source))
     out, residual_out = kernels.forward(dims, x, z, residual, weight)
     # The add + norm keeps only the residual stream it normalized (the next block keeps it anyway), plus
-    # zero-size slices of x and the residual that carry their dtypes and varying axes.
+    # zero-size slices of x and the residual that carry their dtypes and varying axes; the gated norm keeps z,
+    # or the array it reads z from in the backward, which its caller keeps anyway.
     saved = _bridge().NormSaved(
-        x=x if residual is None else residual_out, z=z, weight=weight, x_like=x[:0],
-        residual_like=None if residual is None else residual[:0])
+        x=x if residual is None else residual_out, z=z if z_source is None else z_source, weight=weight,
+        x_like=x[:0], residual_like=None if residual is None else residual[:0])
     return (out, residual_out), saved
 
 
@@ -81,37 +84,44 @@ def _kernel_norm_bwd(kernels, dims, saved, cotangents):
     # instead of reading a zero array XLA would write.
     if isinstance(dresidual_out, SymbolicZero):
         dresidual_out = None
-    return kernels.backward(dims, saved, dout, dresidual_out)
+    return (*kernels.backward(dims, saved, dout, dresidual_out), None)
 
 
 _kernel_norm.defvjp(_kernel_norm_fwd, _kernel_norm_bwd, symbolic_zeros=True)
 
 
-def _run_kernels(kernels, dims, x, z, residual, weight):
-    """The kernel path on (..., features) arrays: -> (out, residual_out or None) of x's shape."""
+def _run_kernels(kernels, dims, x, z, residual, weight, z_source=None):
+    """The kernel path on (..., features) arrays (z_source (..., z_columns)): -> (out, residual_out or None) of
+    x's shape."""
     rows = (dims.rows, dims.ngroups, dims.group_size)
 
     def as_rows(a):
         return None if a is None else a.reshape(rows)
 
+    # z_source goes in as it is: a reshaped copy of it would be another residual (stacked anew by a layer scan).
     out, residual_out = _kernel_norm(kernels, dims, as_rows(x), as_rows(z), as_rows(residual),
-                                     weight.reshape(rows[1:]))
+                                     weight.reshape(rows[1:]), z_source)
     return out.reshape(x.shape), None if residual_out is None else residual_out.reshape(x.shape)
 
 
 registry.register_backend(registry.LayerBackend("xla", None, registry.always_supported), op=OP)
 
 
-def _dispatch(api: str, backend: str, reference_fn: Callable, x, z, residual, weight, **dims_kwargs):
+def _dispatch(api: str, backend: str, reference_fn: Callable, x, z, residual, weight, z_kept_in=None,
+              **dims_kwargs):
     """Runs the norm on `backend` ("auto" picks the kernels where they can run); reference_fn(x, z, residual,
-    weight) is the xla path. Returns (out, residual_out or None)."""
+    weight) is the xla path; z_kept_in as in `rms_norm` (the kernels' backward only). Returns (out,
+    residual_out or None)."""
+    z_source, z_offset = (None, 0) if z_kept_in is None else z_kept_in
+    z_window = None if z_source is None else (z_source.shape[-1], z_offset)
+
     def kernel_dims():  # the kernels' description of the call (only a kernel backend needs it)
-        return _bridge().norm_dims(x, z, residual, weight, **dims_kwargs)
+        return _bridge().norm_dims(x, z, residual, weight, z_window=z_window, **dims_kwargs)
 
     def run(b, x, z, residual, weight):
         if b.kernels is None:
             return reference_fn(x, z, residual, weight)
-        return _run_kernels(b.kernels, kernel_dims(), x, z, residual, weight)
+        return _run_kernels(b.kernels, kernel_dims(), x, z, residual, weight, z_source)
 
     selected = registry.select(
         backend, api, lambda b: b.unsupported_reason(None if b.kernels is None else kernel_dims()), op=OP)
@@ -125,7 +135,8 @@ def _dispatch(api: str, backend: str, reference_fn: Callable, x, z, residual, we
 # ----------------------------------------------------------------------------------------------
 
 def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] = None,
-             norm_before_gate: bool = False, sum_groups: Optional[Callable] = None, backend: str = "auto"):
+             norm_before_gate: bool = False, sum_groups: Optional[Callable] = None, z_kept_in=None,
+             backend: str = "auto"):
     """Gated, grouped RMSNorm over the last axis (mamba_ssm `rmsnorm_fn`).
 
         h = x * silu(z) if z is given and not norm_before_gate, else x
@@ -146,6 +157,10 @@ def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] 
       sum_groups: for a group split across devices (the tensor-parallel mixer with fewer groups than devices):
         maps the local sums of squares (..., features // gcd(group_size, features)) to the whole groups'.
         Such a call always runs the XLA path: the kernels keep a group on one device.
+      z_kept_in: None, or (source, offset): an array (..., columns) whose columns [offset, offset + features)
+        hold z, which the caller keeps for its own backward anyway (the mixer's in_proj output, z's origin):
+        the kernels' backward then reads z there, and z itself is not kept. The caller vouches that the
+        columns equal z; the xla path ignores it.
       backend: "auto", "cutile", "cutile_callback" or "xla".
 
     Returns:
@@ -162,6 +177,8 @@ def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] 
         check_array(api, "z", z, "x.shape", x.shape)
     if sum_groups is not None and not callable(sum_groups):
         raise TypeError(f"rms_norm: sum_groups={sum_groups!r} must be a callable or None")
+    if z_kept_in is not None:
+        _check_z_source(api, x, z, z_kept_in)
     if group_size is None:
         group_size = features
     elif isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)):
@@ -179,9 +196,29 @@ def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] 
 
     if sum_groups is not None:
         backend = "xla"
-    out, _ = _dispatch(api, backend, reference_fn, x, z, None, weight, group_size=group_size,
+    out, _ = _dispatch(api, backend, reference_fn, x, z, None, weight, z_kept_in, group_size=group_size,
                        norm_before_gate=norm_before_gate, eps=eps, out_dtype=x.dtype, residual_dtype=None)
     return out
+
+
+def _check_z_source(api: str, x, z, z_kept_in) -> None:
+    """z_kept_in = (source, offset): z given, source (..., columns) with x's leading axes and z's dtype, and
+    offset an int with [offset, offset + features) inside the columns."""
+    if z is None:
+        raise ValueError(f"{api}: z_kept_in needs z (it says where the backward reads z again)")
+    if not isinstance(z_kept_in, tuple) or len(z_kept_in) != 2:
+        raise TypeError(f"{api}: z_kept_in must be a pair (source array, column offset), got "
+                        f"{type(z_kept_in).__name__}")
+    source, offset = z_kept_in
+    check_array(api, "z_kept_in[0]", source)
+    features = x.shape[-1]
+    if tuple(source.shape[:-1]) != tuple(x.shape[:-1]) or source.dtype != z.dtype:
+        raise ValueError(f"{api}: z_kept_in[0] has shape {tuple(source.shape)} and dtype {source.dtype}; it must be "
+                         f"(*x.shape[:-1], columns)={(*x.shape[:-1], 'columns')} in z's dtype {z.dtype}")
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or not (
+            0 <= offset and offset + features <= source.shape[-1]):
+        raise ValueError(f"{api}: z_kept_in[1]={offset!r} must be an int with 0 <= offset and offset + "
+                         f"features={features} <= columns={source.shape[-1]}")
 
 
 def add_rms_norm(x, residual, weight, *, eps: float = 1e-5, residual_dtype=None, out_dtype=None,

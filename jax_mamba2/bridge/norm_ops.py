@@ -30,8 +30,9 @@ ChooseConfig = Callable[[NormDims], NormConfig]
 
 class NormSaved(NamedTuple):
     """What the forward keeps for the backward: the norm's input (x, or the residual stream h for the add +
-    norm), the gate, the weight, and zero-size stand-ins of x and the residual input (for the add + norm)
-    that carry their dtypes and shard_map varying axes to the gradients."""
+    norm), the gate (or, with `NormDims.z_in_window`, the (..., z_columns) array the kernel reads it from),
+    the weight, and zero-size stand-ins of x and the residual input (for the add + norm) that carry their
+    dtypes and shard_map varying axes to the gradients."""
 
     x: jax.Array
     z: Optional[jax.Array]
@@ -41,9 +42,9 @@ class NormSaved(NamedTuple):
 
 
 def norm_dims(x, z, residual, weight, *, group_size: int, norm_before_gate: bool, eps: float, out_dtype,
-              residual_dtype) -> NormDims:
+              residual_dtype, z_window: Optional[tuple[int, int]] = None) -> NormDims:
     """The kernels' problem for x, z, residual (..., features) (z, residual optional), the weight and the op's
-    options."""
+    options; z_window: None, or (columns, offset) of the wider array the backward reads z from."""
     def name(dtype):
         return jnp.dtype(dtype).name
 
@@ -52,7 +53,8 @@ def norm_dims(x, z, residual, weight, *, group_size: int, norm_before_gate: bool
         dtype=name(x.dtype), out_dtype=name(out_dtype), z_dtype=None if z is None else name(z.dtype),
         residual_dtype=None if residual is None else name(residual_dtype),
         residual_in_dtype=None if residual is None else name(residual.dtype),
-        norm_before_gate=bool(norm_before_gate) and z is not None, eps=float(eps), weight_dtype=name(weight.dtype))
+        norm_before_gate=bool(norm_before_gate) and z is not None, eps=float(eps), weight_dtype=name(weight.dtype),
+        z_columns=None if z_window is None else z_window[0], z_offset=0 if z_window is None else z_window[1])
 
 
 def unsupported_reason(dims: NormDims) -> Optional[str]:
@@ -116,8 +118,9 @@ def _batchable_forward(run_plan: RunPlan, config: ChooseConfig, dims: NormDims):
 
 def _backward_once(run_plan: RunPlan, config: ChooseConfig, dims: NormDims, saved: NormSaved, dout, dresidual_out):
     has_dresidual_out = dresidual_out is not None
+    z = saved.z.reshape(dims.rows, dims.z_columns) if dims.z_in_window else saved.z
     arrays = _with_dummies(dict(
-        x=saved.x, z=saved.z, weight=saved.weight, dout=dout.astype(dims.out_dtype),
+        x=saved.x, z=z, weight=saved.weight, dout=dout.astype(dims.out_dtype),
         dresidual_out=None if dresidual_out is None else dresidual_out.astype(dims.residual_dtype)),
         bwd_kernels.rms_norm_bwd_inputs(dims, has_dresidual_out))
     out = run_plan(bwd_kernels.rms_norm_bwd_plan(dims, config(dims), has_dresidual_out), arrays)

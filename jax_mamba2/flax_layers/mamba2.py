@@ -298,8 +298,11 @@ class Mamba2(nnx.Module):
     def _forward(self, shard: HeadShard, hidden_states, cache, seq_idx, *, want_cache: bool):
         batch, seqlen, _ = hidden_states.shape
         conv_state = None if cache is None else cache.conv_state
+        z_kept_in = None  # where the gated norm's backward reads z again (in_proj's output, kept anyway)
         if shard.size == 1:
-            z0, x0, z, x, B, C, dt, conv_state = self._project_and_convolve(hidden_states, conv_state, seq_idx)
+            z0, x0, z, x, B, C, dt, conv_state, zxbcdt = self._project_and_convolve(hidden_states, conv_state,
+                                                                                   seq_idx)
+            z_kept_in = (zxbcdt, 2 * self.d_mlp)
         else:
             z0, x0, z, x, B, C, dt = self._project(shard, hidden_states)
             x, B, C, conv_state = self._convolve(
@@ -317,7 +320,7 @@ class Mamba2(nnx.Module):
             initial_states=None if cache is None else cache.ssm_state.astype(A.dtype),
             return_final_states=True, backend=self.backend, deterministic_backward=self.deterministic_backward,
             save_chunk_states=self.save_chunk_states, check_finite=self.check_finite)
-        out = self._output(shard, y, z, z0, x0)
+        out = self._output(shard, y, z, z0, x0, z_kept_in)
         return out, (Mamba2Cache(conv_state, ssm_state) if want_cache else None)
 
     def _step(self, shard: HeadShard, hidden_states, cache: Mamba2Cache):
@@ -472,8 +475,9 @@ class Mamba2(nnx.Module):
         output cotangent (no XLA slice of in_proj's output, no pad and add of three cotangents).
 
         Returns:
-          (z0, x0, z, x, B, C, dt, conv_state): (..., width) each, and the new (batch, conv_dim, d_conv)
-          conv state.
+          (z0, x0, z, x, B, C, dt, conv_state, zxbcdt): (..., width) each, the new (batch, conv_dim, d_conv)
+          conv state, and in_proj's whole output (which the conv's backward keeps, and where the gated norm's
+          backward reads z again instead of keeping the conv's copy of it).
         """
         zxbcdt = self._in_proj_whole(hidden_states)
         bias = self.conv1d.bias
@@ -482,7 +486,7 @@ class Mamba2(nnx.Module):
             zxbcdt, self.conv1d.kernel[...], None if bias is None else bias[...], channel_offset=self._xbc_offset,
             split=(self.d_ssm, bc, bc), seq_idx=seq_idx, initial_states=conv_state, return_final_states=True,
             pass_through=True, backend=self._conv_backend())
-        return (*self._gates(gates), x, B, C, dt, conv_state)
+        return (*self._gates(gates), x, B, C, dt, conv_state, zxbcdt)
 
     def _project_and_convolve_step(self, hidden_states, conv_state):
         """`_project_and_convolve` for one token per row, (batch, d_model): the conv step runs on in_proj's
@@ -559,11 +563,13 @@ class Mamba2(nnx.Module):
             D = D.reshape(-1, self.headdim)
         return A, D, self.dt_bias[...]
 
-    def _output(self, shard: HeadShard, y, z, z0, x0):
-        """Gated norm, MLP branch and out_proj; y (..., local nheads, headdim) -> (..., d_model)."""
+    def _output(self, shard: HeadShard, y, z, z0, x0, z_kept_in=None):
+        """Gated norm, MLP branch and out_proj; y (..., local nheads, headdim) -> (..., d_model); z_kept_in as in
+        `jax_mamba2.rms_norm`."""
         y = y.reshape(*y.shape[:-2], y.shape[-2] * y.shape[-1])
         if self.rmsnorm:
-            y = self.norm(y, z, sum_groups=shard.sum_split_groups(self.d_ssm // self.ngroups, y.shape[-1]))
+            y = self.norm(y, z, sum_groups=shard.sum_split_groups(self.d_ssm // self.ngroups, y.shape[-1]),
+                          z_kept_in=z_kept_in)
         if self.d_mlp:
             y = jnp.concatenate([jax.nn.silu(z0) * x0, y], axis=-1)
         kernel = self.out_proj.kernel[...]  # (d_inner / shard.size, d_model): this shard's heads' rows

@@ -39,11 +39,12 @@ class RMSNorm(nnx.Module):
         self.backend = backend
         self.scale = nnx.Param(jnp.ones((features,), param_dtype))
 
-    def __call__(self, x, z=None, *, sum_groups: Callable | None = None):
-        """Normalizes x (..., features), gated by z if given; `sum_groups` as in `jax_mamba2.rms_norm` (it
-        runs the XLA path)."""
+    def __call__(self, x, z=None, *, sum_groups: Callable | None = None, z_kept_in=None):
+        """Normalizes x (..., features), gated by z if given; `sum_groups` (it runs the XLA path) and `z_kept_in`
+        (where the kernels' backward reads z again) as in `jax_mamba2.rms_norm`."""
         y = norm_op.rms_norm(x, self.scale[...], z, eps=self.eps, group_size=self.group_size,
-                             norm_before_gate=self.norm_before_gate, sum_groups=sum_groups, backend=self.backend)
+                             norm_before_gate=self.norm_before_gate, sum_groups=sum_groups, z_kept_in=z_kept_in,
+                             backend=self.backend)
         return y if self.dtype is None else y.astype(self.dtype)
 
     def add_norm(self, x, residual, *, residual_dtype=None, return_residual: bool = True):

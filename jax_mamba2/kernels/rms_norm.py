@@ -49,7 +49,9 @@ class NormDims:
     Per-row arrays are (rows, ngroups, group_size). `dtype` is x's, `out_dtype` the output's; `z_dtype` is
     None without a gate; `residual_dtype` is None for a plain or gated norm, else the dtype of the residual
     stream h = x + residual (residual_out), and `residual_in_dtype` that of the residual input; `weight_dtype`
-    is the weight's.
+    is the weight's. `z_columns`: None, or the backward reads z from a wider (rows, z_columns) array whose
+    columns [z_offset, z_offset + features) hold it (the array the gate was sliced from, which the caller keeps
+    anyway: the mixer's in_proj output), so the forward's z need not be kept.
     """
 
     rows: int
@@ -63,10 +65,17 @@ class NormDims:
     norm_before_gate: bool = False
     eps: float = 1e-5
     weight_dtype: str = "float32"
+    z_columns: Optional[int] = None
+    z_offset: int = 0
 
     @property
     def has_z(self) -> bool:
         return self.z_dtype is not None
+
+    @property
+    def z_in_window(self) -> bool:
+        """Whether the backward reads z from columns of a wider array (see `z_columns`)."""
+        return self.has_z and self.z_columns is not None
 
     @property
     def has_residual(self) -> bool:
@@ -126,8 +135,9 @@ def norm_default_config(dims: NormDims) -> NormConfig:
 
 
 def needs_int64_index(dims: NormDims) -> bool:
-    """Whether a per-row array has 2^31 or more elements (int32 element offsets could overflow)."""
-    return dims.rows * dims.features > _INT32_MAX
+    """Whether a per-row array (or the array z is read from) has 2^31 or more elements (int32 element offsets
+    could overflow)."""
+    return dims.rows * max(dims.features, dims.z_columns or 0) > _INT32_MAX
 
 
 def row_block_count(dims: NormDims, cfg: NormConfig) -> int:

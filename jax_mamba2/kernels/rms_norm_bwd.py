@@ -22,6 +22,10 @@ in their two dtypes).
 2. rms_norm_dweight_kernel, grid (cdiv(G, BLOCK_F), ngroups): dweight[g] = sum over p of dweight_partial[p, g],
    in a fixed order: no atomics, so the weight gradient is bitwise reproducible.
 
+z is the forward's (rows, ngroups, G) gate, or (Z_WINDOW) a (rows, columns) array whose columns [Z_OFFSET, Z_OFFSET +
+F) hold it: the array it was sliced from, which the caller keeps anyway (the mixer's in_proj output), so that the
+forward's gate need not be kept for the backward. A group is then a zero-copy `Array.slice` of those columns.
+
 Memory-bound: the gated norm reads x, z, dy and writes dx, dz (10 bytes per element in bf16); the add + norm
 reads h (f32), dy (bf16), dresidual_out (f32) and writes dx (bf16) and dresidual (f32), 16 bytes. At the LM's
 shapes (16384 rows of 2048 / 1024 features) that is 335 / 268 MB, 84 / 67 us at 4 TB/s; the partial
@@ -47,8 +51,24 @@ RMS_NORM_BWD_INPUTS = ("x", "z", "weight", "dout", "dresidual_out")
 RMS_NORM_BWD_OUTPUTS = ("dx", "dresidual", "dz", "dweight")
 
 
+def load_gate(z, row_block, g, BLOCK_ROWS, WIDTH, GROUP_SIZE, Z_WINDOW, Z_OFFSET, LATENCY):
+    """Group g of the gate for rows [row_block*BLOCK_ROWS, ...) -> (BLOCK_ROWS, WIDTH) f32, zero past G: from
+    the (rows, ngroups, G) gate, or with Z_WINDOW from columns Z_OFFSET + [g*G, (g+1)*G) of a wider array."""
+    if not Z_WINDOW:
+        return load_rows(z, row_block, g, BLOCK_ROWS, WIDTH, LATENCY)
+    start = Z_OFFSET + g * GROUP_SIZE
+    group = z.slice(axis=1, start=start, stop=start + GROUP_SIZE)
+    if LATENCY:
+        tile = ct.load(group, index=(row_block, 0), shape=(BLOCK_ROWS, WIDTH), padding_mode=ct.PaddingMode.ZERO,
+                       latency=LATENCY)
+    else:
+        tile = ct.load(group, index=(row_block, 0), shape=(BLOCK_ROWS, WIDTH), padding_mode=ct.PaddingMode.ZERO)
+    return tile.astype(ct.float32)
+
+
 def _rms_norm_bwd_body(x, z, weight, dout, dresidual_out, dx, dresidual, dz, dweight_partial, GROUP_SIZE, WIDTH,
-                       BLOCK_ROWS, HAS_Z, NORM_BEFORE_GATE, HAS_RESIDUAL, HAS_DRESIDUAL_OUT, EPS, LOAD_LAT):
+                       BLOCK_ROWS, HAS_Z, Z_WINDOW, Z_OFFSET, NORM_BEFORE_GATE, HAS_RESIDUAL, HAS_DRESIDUAL_OUT,
+                       EPS, LOAD_LAT):
     program = ct.bid(0)
     g = ct.bid(1)
     w = load_weight(weight, g, WIDTH)
@@ -59,7 +79,7 @@ def _rms_norm_bwd_body(x, z, weight, dout, dresidual_out, dx, dresidual, dz, dwe
         dy = load_rows(dout, row_block, g, BLOCK_ROWS, WIDTH, LOAD_LAT)
         h = x_in
         if HAS_Z:
-            z32 = load_rows(z, row_block, g, BLOCK_ROWS, WIDTH, LOAD_LAT)
+            z32 = load_gate(z, row_block, g, BLOCK_ROWS, WIDTH, GROUP_SIZE, Z_WINDOW, Z_OFFSET, LOAD_LAT)
             s = sigmoid(z32)
             gate = z32 * s
             dgate = s * (1.0 + z32 * (1.0 - s))
@@ -88,7 +108,7 @@ def _rms_norm_bwd_body(x, z, weight, dout, dresidual_out, dx, dresidual, dz, dwe
 
 def rms_norm_bwd_kernel(
     x: Big,               # (rows, ngroups, G) the norm's input: x (T), or h = residual_out (Tr)
-    z: Big,               # (rows, ngroups, G) Tz, or a dummy without HAS_Z
+    z: Big,               # (rows, ngroups, G) Tz, with Z_WINDOW (rows, columns) Tz, or a dummy without HAS_Z
     weight,               # (ngroups, G) in its dtype
     dout: Big,            # (rows, ngroups, G) T_out
     dresidual_out: Big,   # (rows, ngroups, G) Tr, or a dummy without HAS_DRESIDUAL_OUT
@@ -100,6 +120,8 @@ def rms_norm_bwd_kernel(
     WIDTH: ConstInt,
     BLOCK_ROWS: ConstInt,
     HAS_Z: ConstBool,
+    Z_WINDOW: ConstBool,  # z is read from columns of a wider array
+    Z_OFFSET: ConstInt,   # where z starts in that array's rows
     NORM_BEFORE_GATE: ConstBool,
     HAS_RESIDUAL: ConstBool,
     HAS_DRESIDUAL_OUT: ConstBool,  # the residual stream's cotangent is nonzero (else it is not read)
@@ -107,7 +129,8 @@ def rms_norm_bwd_kernel(
     LOAD_LAT: ConstInt,   # latency hint of the loop's row loads (1..10), 0 for none
 ):
     _rms_norm_bwd_body(x, z, weight, dout, dresidual_out, dx, dresidual, dz, dweight_partial, GROUP_SIZE,
-                       WIDTH, BLOCK_ROWS, HAS_Z, NORM_BEFORE_GATE, HAS_RESIDUAL, HAS_DRESIDUAL_OUT, EPS, LOAD_LAT)
+                       WIDTH, BLOCK_ROWS, HAS_Z, Z_WINDOW, Z_OFFSET, NORM_BEFORE_GATE, HAS_RESIDUAL,
+                       HAS_DRESIDUAL_OUT, EPS, LOAD_LAT)
 
 
 RMS_NORM_BWD_KERNELS = int64_index_kernels(rms_norm_bwd_kernel)
@@ -139,7 +162,8 @@ def rms_norm_bwd_inputs(dims: NormDims, has_dresidual_out: bool = True) -> dict[
     """Shape and dtype of each backward input as the bridge passes it (dummies where absent)."""
     return {
         "x": Buffer(dims.row_shape(), dims.residual_dtype or dims.dtype),
-        "z": Buffer(dims.row_shape(dims.has_z), dims.z_dtype or dims.dtype),
+        "z": Buffer((dims.rows, dims.z_columns) if dims.z_in_window else dims.row_shape(dims.has_z),
+                    dims.z_dtype or dims.dtype),
         "weight": Buffer((dims.ngroups, dims.group_size), dims.weight_dtype),
         "dout": Buffer(dims.row_shape(), dims.out_dtype),
         "dresidual_out": Buffer(dims.row_shape(dims.has_residual and has_dresidual_out),
@@ -163,7 +187,8 @@ def rms_norm_bwd_plan(dims: NormDims, cfg: Optional[NormConfig] = None, has_dres
         kernel=index_width_variant(RMS_NORM_BWD_KERNELS, needs_int64_index(dims), occupancy=cfg.BWD_OCCUPANCY),
         grid=(programs, dims.ngroups),
         args=("x", "z", "weight", "dout", "dresidual_out", "dx", "dresidual", "dz", "dweight_partial",
-              dims.group_size, dims.width, cfg.BLOCK_ROWS, dims.has_z, dims.has_z and dims.norm_before_gate,
+              dims.group_size, dims.width, cfg.BLOCK_ROWS, dims.has_z, dims.z_in_window, dims.z_offset,
+              dims.has_z and dims.norm_before_gate,
               dims.has_residual, dims.has_residual and has_dresidual_out, float(dims.eps), cfg.BWD_LATENCY),
         writes=("dx", "dresidual", "dz", "dweight_partial"),
     )

@@ -48,3 +48,7 @@ def test_remat_matmuls_on_the_kernels_keeps_in_proj_output_and_inputs_only():
     kept = [s for s in matmuls if not s["source"].startswith("from the argument")]
     assert [s["shape"] for s in kept] == [(2, 128, 296)] and "named 'mamba2_in_proj_output'" in kept[0]["source"]
     assert len([s for s in everything if not s["is_input"]]) > 5
+    # Of the gated norm's inputs, saving everything: y alone; its backward reads z again from in_proj's output.
+    assert [s["shape"] for s in everything if s["shape"][:1] == (2 * 128,) and s["shape"][-1:] == (128,)] == [
+        (256, 1, 128)]
+    assert sorted(s["shape"] for s in everything if s["shape"][-1:] == (296,)) == [(2, 128, 296), (64, 296)]

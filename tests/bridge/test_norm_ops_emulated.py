@@ -2,13 +2,16 @@
 whose plans (bridge/norm_ops.py) run block by block on the NumPy emulator in float64 through jax.pure_callback.
 Checked against the float64 reference, and composed with jit, grad, vmap, shard_map over a data axis and
 nnx.remat, and inside the LM block (both of its norms on the kernels)."""
+import contextlib
 import dataclasses
+import io
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import AxisType, PartitionSpec as P
 
 pytest.importorskip("cuda.tile")
@@ -204,3 +207,69 @@ def test_emulated_op_takes_a_bf16_weight_without_converting_it(name):
     want = oracle(case, arrays)
     errors = {k: rel_l2(got[k], want[k]) for k in want}
     assert max(errors.values()) < 2e-2, errors
+
+
+def _z_source(z, offset: int, extra: int = 6):
+    """A wider array whose columns [offset, offset + features) are z and whose others are NaN (a read there
+    would poison the gradients)."""
+    source = jnp.full((*z.shape[:-1], offset + z.shape[-1] + extra), jnp.nan, z.dtype)
+    return source.at[..., offset:offset + z.shape[-1]].set(z)
+
+
+@pytest.mark.parametrize("name, offset", [("gate_before_groups3", 3), ("gate_after_one_group", 0),
+                                          ("gate_before_group24", 8)])
+def test_emulated_gate_read_again_from_a_wider_array_matches_float64_reference(name, offset):
+    """rms_norm(z_kept_in=(source, offset)): the backward reads z from the source's columns and keeps the source,
+    not z; values and gradients are the float64 reference's, also under vmap (the source mapped with the rows)."""
+    case = CASES[name]
+    arrays = make_inputs(case, seed=21)
+    x, z, _, w = _primals(arrays)
+    dout = jnp.asarray(arrays["dout"])
+
+    def loss(x, z, w, source):
+        out = jax_mamba2.rms_norm(x, w, z, eps=EPS, group_size=case.group_size,
+                                  norm_before_gate=case.norm_before_gate, z_kept_in=(source, offset),
+                                  backend="cutile")
+        return jnp.sum(out * dout)
+
+    source = _z_source(z, offset)
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, z, w, source)
+    want = oracle(case, arrays)
+    assert rel_l2(value, jnp.sum(want["out"] * arrays["dout"])) < TOLERANCE
+    errors = {n: rel_l2(g, want[n]) for n, g in zip(("dx", "dz", "dweight"), grads)}
+    assert max(errors.values()) < TOLERANCE, errors
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print_saved_residuals(lambda x, w, source: loss(x, source[..., offset:offset + z.shape[-1]], w, source),
+                              x, w, source)
+    lines = printed.getvalue().splitlines()
+    made = [line for line in lines if f"[{case.rows},{case.features}]" in line and "output of" in line]
+    assert made == []  # no z (a slice of the source) is kept
+    assert any(f"[{case.rows},{source.shape[-1]}] from the argument source" in line for line in lines)
+    mapped = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)))(*(jnp.stack([a, -a]) for a in (x, z, w, source)))
+    for i, sign in enumerate((1, -1)):
+        for got, want_grad in zip(mapped, jax.grad(loss, argnums=(0, 1, 2))(sign * x, sign * z, sign * w,
+                                                                            sign * source)):
+            assert rel_l2(got[i], want_grad) < 1e-6
+
+
+@pytest.mark.parametrize("z_kept_in, error, message", [
+    (lambda x, z: (z, 0), ValueError, None),
+    (lambda x, z: (jnp.zeros((3, 60)), 0), ValueError, r"z_kept_in\[0\] has shape \(3, 60\)"),
+    (lambda x, z: (jnp.zeros((x.shape[0], 60)), 13), ValueError,
+     r"z_kept_in\[1\]=13 must be an int with 0 <= offset and offset \+ features=48 <= columns=60"),
+    (lambda x, z: (jnp.zeros((x.shape[0], 60)), -1), ValueError, r"z_kept_in\[1\]=-1"),
+    (lambda x, z: jnp.zeros((x.shape[0], 60)), TypeError,
+     r"z_kept_in must be a pair \(source array, column offset\), got ArrayImpl"),
+])
+def test_rms_norm_checks_z_kept_in(z_kept_in, error, message):
+    case = CASES["gate_before_groups3"]
+    x, z, _, w = _primals(make_inputs(case, seed=1))
+    call = lambda: jax_mamba2.rms_norm(x, w, z, group_size=16, z_kept_in=z_kept_in(x, z))  # noqa: E731
+    if message is None:  # z itself, whole: accepted
+        assert call().shape == x.shape
+        return
+    with pytest.raises(error, match=message):
+        call()
+    with pytest.raises(ValueError, match="z_kept_in needs z"):
+        jax_mamba2.rms_norm(x, w, None, z_kept_in=(jnp.zeros_like(x), 0))

@@ -224,7 +224,15 @@ def mma(x, y, acc):
 
 
 class _EmulatedArray(np.ndarray):
-    """A NumPy array with the `tiled_view(...).atomic_store_add` of a cuda.tile Array."""
+    """A NumPy array with the `slice` and `tiled_view(...).atomic_store_add` of a cuda.tile Array."""
+
+    def slice(self, axis, start, stop):
+        """The zero-copy view [start, stop) of `axis`, with cuda.tile's bounds (0 <= start < N, start <= stop
+        <= N)."""
+        axis = int(axis) % self.ndim
+        start, stop = int(start), int(stop)
+        assert 0 <= start < self.shape[axis] and start <= stop <= self.shape[axis], (axis, start, stop, self.shape)
+        return self[(slice(None),) * axis + (slice(start, stop),)]
 
     def tiled_view(self, tile_shape, *, padding_mode=None, traversal_steps=None):
         assert traversal_steps is None

@@ -20,6 +20,12 @@ LM_PROBLEMS = {
     "gated_before_1536": NormDims(rows=ROWS, ngroups=1, group_size=1536, z_dtype="bfloat16"),
     # 8 groups of 256 (ngroups > 1 on the grid's second axis).
     "gated_before_8x256": NormDims(rows=ROWS, ngroups=8, group_size=256, z_dtype="bfloat16"),
+    # The LM's gated norm as the mixer calls it: the backward reads z from in_proj's output [z, xBC, dt] (d1024:
+    # 4384 columns, z first; d1536: 6448, a 3072-wide group in a 4096 tile).
+    "gated_before_2048_z_in_proj": NormDims(rows=ROWS, ngroups=1, group_size=2048, z_dtype="bfloat16",
+                                            z_columns=4384),
+    "gated_before_3072_z_in_proj": NormDims(rows=ROWS, ngroups=1, group_size=3072, z_dtype="bfloat16",
+                                            z_columns=6448),
     # The block's add + norm (d_model 1024, bf16 input, float32 residual stream).
     "add_norm_1024": NormDims(rows=ROWS, ngroups=1, group_size=1024, residual_dtype="float32",
                               residual_in_dtype="float32"),

@@ -167,3 +167,29 @@ def test_emulated_add_norm_backward_without_the_residual_cotangent_matches_float
                dweight=bwd["dweight"].reshape(-1))
     errors = {name: rel_l2(got[name], want[name]) for name in got}
     assert max(errors.values()) < 1e-10, errors
+
+
+@pytest.mark.parametrize("offset", [0, 5])
+@pytest.mark.parametrize("name", ["gate_before_groups3", "gate_after_groups3", "gate_before_group24",
+                                  "gate_after_one_group"])
+def test_emulated_backward_reads_the_gate_from_columns_of_a_wider_array(name, offset):
+    """z_columns / z_offset: the backward reads z from columns [offset, offset + features) of a wider array
+    (in_proj's output in the mixer) whose other columns are NaN, so a read outside the window poisons the
+    result; the gradients are the float64 reference's."""
+    case = CASES[name]
+    arrays = make_inputs(case, seed=23)
+    columns = offset + case.features + 7
+    dims = dataclasses.replace(case.dims(), z_columns=columns, z_offset=offset)
+    source = np.full((case.rows, columns), np.nan, arrays["z"].dtype)
+    source[:, offset:offset + case.features] = arrays["z"]
+    plan = rms_norm_bwd_plan(dims)
+    assert_plan_well_formed(plan)
+    assert rms_norm_bwd_inputs(dims)["z"].shape == (case.rows, columns)
+    bwd = emulator.run_plan(plan, dict(
+        x=_rows(dims, arrays["x"]), z=source, weight=arrays["weight"].reshape(dims.ngroups, dims.group_size),
+        dout=_rows(dims, arrays["dout"]), dresidual_out=_dummy(np.float32)), float64=True)
+    want = oracle(case, arrays)
+    shape = (case.rows, case.features)
+    got = dict(dx=bwd["dx"].reshape(shape), dz=bwd["dz"].reshape(shape), dweight=bwd["dweight"].reshape(-1))
+    errors = {k: rel_l2(got[k], want[k]) for k in got}
+    assert max(errors.values()) < 1e-10, errors

@@ -147,3 +147,24 @@ def test_lm_runs_its_norms_on_the_kernels_and_its_loss_matches_xla():
     assert abs(float(loss) - float(want)) < 1e-2 * abs(float(want))
     for (path, g), (_, w) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(want_grads)):
         assert rel_l2(g[...], w[...]) < 3e-2, path
+
+
+@pytest.mark.parametrize("offset, columns", [(0, 4384), (72, 2048 + 72 + 264)])
+def test_gate_read_again_from_in_proj_output_at_lm_shape(offset, columns):
+    """z_kept_in: the backward reads z from columns of a wider bf16 array (in_proj's output: z first at d1024,
+    4384 columns; an unaligned offset), whose other columns are NaN; the gradients are the float64 reference's."""
+    case = LM_CASES["gated_before_16384x2048"]
+    arrays = make_inputs(case, seed=2)
+    x, z, w = (jnp.asarray(arrays[n]) for n in ("x", "z", "weight"))
+    source = jnp.full((case.rows, columns), jnp.nan, z.dtype).at[:, offset:offset + case.features].set(z)
+
+    @jax.jit
+    def grads(x, z, w, source):
+        def loss(x, z, w):
+            out = jax_mamba2.rms_norm(x, w, z, eps=EPS, z_kept_in=(source, offset), backend="cutile")
+            return jnp.sum(out.astype(jnp.float32) * jnp.asarray(arrays["dout"], jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2))(x, z, w)
+
+    want = oracle(case, arrays)
+    errors = {n: rel_l2(g, want[n]) for n, g in zip(("dx", "dz", "dweight"), grads(x, z, w, source))}
+    assert max(errors.values()) < TOLERANCE["bfloat16"], errors
