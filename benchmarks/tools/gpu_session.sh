@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|decode|decode-matrix|command-buffers|lm-loss|conv-ncu [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-memory|decode|decode-matrix|command-buffers|lm-loss|conv-ncu [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|decode|decode-matrix|command-buffers|lm-loss|conv-ncu [OUT]}
+part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-memory|decode|decode-matrix|command-buffers|lm-loss|conv-ncu [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 if [ "$part" = lm-step ] || [ "$part" = decode-matrix ]; then  # the peer's build needs the machine's CUDA
@@ -150,6 +150,16 @@ case $part in
       --no-check-finite --no-profile --worker-timeout 100 --out "$out"
     step lm_scan_remat 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --remat matmuls \
       --no-profile --worker-timeout 100 --out "$out"
+    ;;
+  lm-memory)  # the peak memory of the d1536-l48-8x2048 step against mamba_ssm's 41.8 GiB: unrolled as it is (the norm
+    # keeping no z copy, the weights converted again in the backward) and with the chunk states recomputed, then the
+    # gated norm's GPU tests (its backward reading z from in_proj's output) (about 8 minutes)
+    export JAX_MAMBA2_AUTOTUNE=0
+    step lm_memory_unrolled 190 python benchmarks/lm_train.py --configs d1536-l48-8x2048 --impls cutile --unroll-layers \
+      --no-profile --worker-timeout 180 --out "$out"
+    step lm_memory_recompute 190 python benchmarks/lm_train.py --configs d1536-l48-8x2048 --impls cutile \
+      --unroll-layers --recompute-chunk-states --no-profile --worker-timeout 180 --out "$out"
+    step norm_gpu_tests 90 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider tests/kernels/test_rms_norm_gpu.py
     ;;
   decode)  # the decode ops: their GPU tests, every plan and config timed outside JAX, the LM's token step at batches
     # 1-256 against mamba_ssm's with a profile (about 9 minutes)
