@@ -19,7 +19,8 @@ default: on a GPU the cuTile kernels, bfloat16 computation and bfloat16 weights,
 model is loaded so that no token step converts them again (--dtype / --param-dtype float32 for exact
 float32). It reports decoding tokens/s without the prefill (generate with 1 and with --max-new-tokens new
 tokens, differenced; the first calls compile) and the prefill's time. A greedy run is also checked against
-the full (uncached) forward pass. Writes generate.json to --out/generate/.
+the full (uncached) forward pass. Several --prompt make one batch of prompts of different lengths, left-padded
+(`generate(prompt_lengths=)`), each decoded as it would be alone. Writes generate.json to --out/generate/.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from _common import add_common_flags, describe_device, make_parser, output_dir, 
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, cast_params, generate, load_pretrained
 
 BYTE_VOCAB = 256
+DEFAULT_PROMPT = "def fibonacci(n):\n"
 
 
 class ByteTokenizer:
@@ -107,16 +109,31 @@ def full_forward_argmax(model, tokens):
     return jnp.argmax(model(tokens)[..., :model.config.vocab_size], axis=-1).astype(jnp.int32)
 
 
-def cache_agreement(model, tokens, prompt_len: int) -> float:
-    """Fraction of greedily generated tokens that the full forward pass predicts too."""
-    predicted = full_forward_argmax(model, tokens[:, :-1])[:, prompt_len - 1:]
-    return float(jnp.mean(predicted == tokens[:, prompt_len:]))
+def cache_agreement(model, tokens, prompt_lengths: list[int]) -> float:
+    """Fraction of greedily generated tokens that the full forward pass predicts too, each row run alone from
+    its own prompt (rows are left-padded to the longest prompt)."""
+    padded_len = max(prompt_lengths)
+    agree = []
+    for row, length in zip(np.asarray(tokens), prompt_lengths):
+        sequence = jnp.asarray(row[padded_len - length:])[None]
+        predicted = full_forward_argmax(model, sequence[:, :-1])[:, length - 1:]
+        agree.append(np.asarray(predicted == sequence[:, length:]))
+    return float(np.mean(agree))
 
 
-def timed_generate(model, prompt_ids, new_tokens: int, args, rng):
+def left_padded(prompts: list[list[int]]) -> tuple[jax.Array, list[int] | None]:
+    """(prompt_ids (rows, longest) int32 left-padded with 0, prompt_lengths, or None when all are as long)."""
+    longest = max(len(p) for p in prompts)
+    ids = jnp.asarray([[0] * (longest - len(p)) + p for p in prompts], jnp.int32)
+    lengths = [len(p) for p in prompts]
+    return ids, None if len(set(lengths)) == 1 else lengths
+
+
+def timed_generate(model, prompt_ids, prompt_lengths, new_tokens: int, args, rng):
     """Generates twice (compile, then timed): (tokens, compile+run seconds, run seconds)."""
     kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                  repetition_penalty=args.repetition_penalty, rng=rng if args.temperature > 0 else None)
+                  repetition_penalty=args.repetition_penalty, prompt_lengths=prompt_lengths,
+                  rng=rng if args.temperature > 0 else None)
     began = time.perf_counter()
     jax.block_until_ready(generate(model, prompt_ids, new_tokens, **kwargs))
     first = time.perf_counter() - began
@@ -131,9 +148,11 @@ def parse_args(argv=None):
                         help="HF or mamba_ssm checkpoint directory; None: a random small byte-level model")
     parser.add_argument("--tokenizer", type=pathlib.Path,
                         help="HuggingFace tokenizer.json; None: the one in --model-dir, else bytes")
-    parser.add_argument("--prompt", default="def fibonacci(n):\n", help="text the generation continues (default: %(default)r)")
+    parser.add_argument("--prompt", action="append",
+                        help="text the generation continues; repeat it for a batch of prompts of different lengths "
+                             f"(left-padded, each decoded as it would be alone; default: {DEFAULT_PROMPT!r})")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per sequence, >= 2")
-    parser.add_argument("--batch", type=int, default=1, help="copies of the prompt decoded together")
+    parser.add_argument("--batch", type=int, default=1, help="copies of each prompt decoded together")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     parser.add_argument("--top-k", type=int, default=None,
                         help="sample among the k most likely tokens; None: among all")
@@ -160,6 +179,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.max_new_tokens < 2 or args.batch < 1:
         parser.error("--max-new-tokens must be >= 2 and --batch >= 1")
+    args.prompt = args.prompt or [DEFAULT_PROMPT]
     if args.model_dir is not None and not args.model_dir.is_dir():
         parser.error(f"--model-dir={args.model_dir} is not a directory")
     return args
@@ -174,37 +194,42 @@ def main(argv=None) -> int:
     print(f"computation {dtype.name}, weights {param_dtype.name}")
     model = load_model(args, backend, dtype, param_dtype)
     tokenizer = pick_tokenizer(model.config.vocab_size, args.tokenizer, args.model_dir)
-    prompt = tokenizer.encode(args.prompt)
-    if not prompt:
-        raise SystemExit("generate.py: --prompt encodes to no tokens")
-    prompt_ids = jnp.asarray([prompt] * args.batch, jnp.int32)
+    prompts = [tokenizer.encode(text) for text in args.prompt]
+    if not all(prompts):
+        raise SystemExit("generate.py: a --prompt encodes to no tokens")
+    rows = [p for p in prompts for _ in range(args.batch)]
+    prompt_ids, prompt_lengths = left_padded(rows)
+    batch = len(rows)
 
     rng = jax.random.key(args.seed)
-    _, _, prefill_s = timed_generate(model, prompt_ids, 1, args, rng)  # the prefill and the first token
-    tokens, first_s, run_s = timed_generate(model, prompt_ids, args.max_new_tokens, args, rng)
+    _, _, prefill_s = timed_generate(model, prompt_ids, prompt_lengths, 1, args, rng)  # the prefill and 1st token
+    tokens, first_s, run_s = timed_generate(model, prompt_ids, prompt_lengths, args.max_new_tokens, args, rng)
     decode_s, steps = run_s - prefill_s, args.max_new_tokens - 1
-    print(f"generated {args.batch} x {args.max_new_tokens} tokens after a {len(prompt)}-token prompt: "
-          f"{args.batch * args.max_new_tokens / run_s:,.0f} tokens/s with the prefill "
+    print(f"generated {batch} x {args.max_new_tokens} tokens after prompts of {sorted({len(p) for p in prompts})} "
+          f"tokens: {batch * args.max_new_tokens / run_s:,.0f} tokens/s with the prefill "
           f"({prefill_s * 1e3:.1f} ms, first token included); first call with compilation {first_s:.1f} s")
     if decode_s > 0:
-        print(f"decoding alone: {args.batch * steps / decode_s:,.0f} tokens/s "
+        print(f"decoding alone: {batch * steps / decode_s:,.0f} tokens/s "
               f"({decode_s * 1e3 / steps:.3f} ms per token step for the batch)")
     else:
         print("decoding alone: too short to time apart from the prefill (raise --max-new-tokens)")
-    text = tokenizer.decode(np.asarray(tokens[0]))
-    print(f"--- sample (temperature {args.temperature}) ---\n{text}\n---")
+    padded_len = prompt_ids.shape[1]
+    texts = [tokenizer.decode(np.asarray(tokens[i * args.batch])[padded_len - len(p):])
+             for i, p in enumerate(prompts)]
+    for text in texts:
+        print(f"--- sample (temperature {args.temperature}) ---\n{text}\n---")
 
     record = {"device": describe_device(), "backend": backend, "model_dir": str(args.model_dir),
-              "dtype": dtype.name, "param_dtype": param_dtype.name, "prompt_tokens": len(prompt),
-              "batch": args.batch, "max_new_tokens": args.max_new_tokens,
-              "tokens_per_s": args.batch * args.max_new_tokens / run_s,
-              "decode_tokens_per_s": args.batch * steps / decode_s if decode_s > 0 else None,
+              "dtype": dtype.name, "param_dtype": param_dtype.name, "prompt_tokens": [len(p) for p in prompts],
+              "batch": batch, "max_new_tokens": args.max_new_tokens,
+              "tokens_per_s": batch * args.max_new_tokens / run_s,
+              "decode_tokens_per_s": batch * steps / decode_s if decode_s > 0 else None,
               "ms_per_token_step": decode_s * 1e3 / steps if decode_s > 0 else None, "prefill_ms": prefill_s * 1e3,
-              "first_call_s": first_s, "text": text,
+              "first_call_s": first_s, "text": texts[0], "texts": texts,
               "sampling": {name: getattr(args, name)
                            for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}}
     if args.temperature == 0 and args.repetition_penalty == 1:  # plain greedy: the forward's argmax
-        agreement = cache_agreement(model, tokens, len(prompt))
+        agreement = cache_agreement(model, tokens, [len(p) for p in rows])
         print(f"cached decoding vs full forward: {agreement:.1%} of greedy tokens agree")
         record["cache_agreement"] = agreement
     (out / "generate.json").write_text(json.dumps(record, indent=1))

@@ -103,6 +103,16 @@ def test_generate_samples_with_the_hf_controls(tmp_path):
     assert record["tokens_per_s"] > 0 and "cache_agreement" not in record
 
 
+def test_generate_decodes_prompts_of_different_lengths_together_as_each_alone(tmp_path):
+    run_example("generate", "--max-new-tokens", "5", "--layers", "2", "--d-model", "64", "--prompt", "x",
+                "--prompt", "def main():\n    return", "--batch", "2", "--out", str(tmp_path))
+    record = json.loads((tmp_path / "generate" / "generate.json").read_text())
+    assert record["prompt_tokens"] == [1, 22] and record["batch"] == 4
+    prompts = ["x", "def main():\n    return"]
+    assert [text[:len(prompt)] for text, prompt in zip(record["texts"], prompts)] == prompts
+    assert record["cache_agreement"] == 1.0 if ON_CPU else record["cache_agreement"] >= 0.9
+
+
 def test_compare_reference_reports_every_backend(tmp_path):
     run_example("compare_reference", "--batch", "1", "--seqlen", "100", "--nheads", "2", "--headdim", "16",
                 "--dstate", "16", "--chunk-size", "64", "--repeats", "1", "--out", str(tmp_path))
