@@ -84,9 +84,9 @@ def generate_stream(model, prompt_ids, max_new_tokens: int, *, temperature: floa
     tokens. Each step is a jitted call of its own, with the decode state donated to it (not copied), so every
     token costs one dispatch from Python more than in `generate`'s single program.
 
-    Yields:
-      Each step's new tokens, (batch,) int32 device arrays: max_new_tokens of them, or fewer once every row
-      has ended (with an eos_token_id; rows that ended earlier yield pad_token_id).
+    Returns:
+      An iterator over each step's new tokens, (batch,) int32 device arrays: max_new_tokens of them, or fewer
+      once every row has ended (with an eos_token_id; rows that ended earlier give pad_token_id).
     """
     return _stream(*_prepare("generate_stream", model, prompt_ids, max_new_tokens, temperature=temperature,
                              top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
