@@ -198,8 +198,8 @@ class Mamba2LMHeadModel(nnx.Module):
         return self._head(self._final_hidden(input_ids, seq_idx))
 
     def loss(self, input_ids, labels=None, *, shift_labels=None, seq_idx=None, chunk_tokens: int = 2048,
-             ignore_index: int = -100, logits_dtype=None):
-        """Mean next-token cross-entropy, never materializing the whole batch's logits (`chunked_cross_entropy`).
+             ignore_index: int = -100, logits_dtype=None, reduction: str = "mean"):
+        """Next-token cross-entropy, never materializing the whole batch's logits (`chunked_cross_entropy`).
 
         As HF transformers' causal-LM loss: `labels` (default: input_ids) are aligned with input_ids and shifted
         here, so position t is scored on labels[:, t + 1] (the last position on nothing); `shift_labels` gives
@@ -217,9 +217,12 @@ class Mamba2LMHeadModel(nnx.Module):
           ignore_index: target value of positions left out (default -100).
           logits_dtype: dtype the logits are stored in before the float32 softmax (default float32;
             `jnp.bfloat16` halves the loss's memory traffic, as an autocast PyTorch LM rounds its logits).
+          reduction: "mean" (default) over the scored positions, "sum", or "none": (batch, seqlen), each
+            position's loss (0 where not scored), minus the log-likelihood of its target; a sequence's
+            log-likelihood is minus the sum of its row.
 
         Returns:
-          The scalar mean loss (float32; float64 for a float64 model).
+          The scalar mean (or sum) loss, or the (batch, seqlen) losses (float32; float64 for a float64 model).
         """
         self._check_inputs("Mamba2LMHeadModel.loss", input_ids, None, sequence=True, seq_idx=seq_idx)
         if labels is not None and shift_labels is not None:
@@ -237,7 +240,8 @@ class Mamba2LMHeadModel(nnx.Module):
         hidden = self._final_hidden(input_ids, seq_idx)
         return loss_op.chunked_cross_entropy(hidden, targets, **weight, vocab_size=self.config.vocab_size,
                                              chunk_tokens=chunk_tokens, ignore_index=ignore_index, dtype=self.dtype,
-                                             logits_dtype=logits_dtype, backend=self.loss_backend)
+                                             logits_dtype=logits_dtype, reduction=reduction,
+                                             backend=self.loss_backend)
 
     def _final_hidden(self, input_ids, seq_idx=None):
         """input_ids (batch, seqlen) -> the final norm's output (batch, seqlen, d_model)."""

@@ -51,6 +51,7 @@ class _LossStatic:
     embedding_layout: bool  # weight is (vocab, d) (a tied embedding), else (d, vocab)
     dtype: str               # the matmul operands' dtype
     logits_dtype: str        # the head product's result dtype; softmax math runs in the accumulation dtype
+    reduction: str = "mean"  # "mean", "sum" or "none" (the per-token losses)
     # The softmax's backends as `backends.select` chose them: [one], or "auto"'s [kernel, xla fallback].
     backends: tuple = ()
 
@@ -157,18 +158,28 @@ def _head_operand(static: _LossStatic, weight):
 
 
 def _loss_and_logsumexp(static: _LossStatic, hidden, weight, labels):
-    """(mean loss, per-token logsumexp (nchunks, chunk), counted-token count)."""
+    """(the loss as `static.reduction` asks, per-token logsumexp (nchunks, chunk), counted-token count)."""
     weight = _head_operand(static, weight)
 
     def chunk_loss(args):
         h, y = args
-        logsumexp, per_token = registry.run_selected(list(static.backends), functools.partial(_softmax_loss, static),
-                                                     _head_logits(static, h, weight), y)
-        return logsumexp, jnp.sum(per_token)
+        return registry.run_selected(list(static.backends), functools.partial(_softmax_loss, static),
+                                     _head_logits(static, h, weight), y)
 
-    logsumexp, sums = jax.lax.map(chunk_loss, _chunked(static, hidden, labels))
+    logsumexp, per_token = jax.lax.map(chunk_loss, _chunked(static, hidden, labels))
     count = jnp.maximum(jnp.sum(labels != static.ignore_index), 1)
-    return jnp.sum(sums) / count, logsumexp, count
+    if static.reduction == "none":
+        return per_token.reshape(-1)[:labels.shape[0]], logsumexp, count
+    total = jnp.sum(per_token)
+    return (total / count if static.reduction == "mean" else total), logsumexp, count
+
+
+def _token_scales(static: _LossStatic, dloss, count, tokens: int, acc_dtype):
+    """The cotangent of each token's loss, (tokens,): dloss itself ("none"), or its share of the mean / sum."""
+    if static.reduction == "none":
+        return dloss.astype(acc_dtype)
+    scale = dloss / count if static.reduction == "mean" else dloss
+    return jnp.broadcast_to(scale.astype(acc_dtype), (tokens,))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -185,7 +196,7 @@ def _chunked_loss_bwd(static, saved, dloss):
     hidden, weight, labels, logsumexp, count = saved
     acc_dtype = _accumulation_dtype(static.dtype)
     operand = _head_operand(static, weight)
-    scale = (dloss / count).astype(acc_dtype)
+    scales = _token_scales(static, dloss, count, labels.shape[0], acc_dtype)
     # Under shard_map the chunks vary over the axes the tokens do: so does the accumulated gradient.
     axes = tuple(sorted(varying_axes(hidden) | varying_axes(labels) | varying_axes(dloss)))
     dweight = jnp.zeros(operand.shape, acc_dtype)
@@ -193,10 +204,9 @@ def _chunked_loss_bwd(static, saved, dloss):
         dweight = jax.lax.pcast(dweight, axes, to="varying")
 
     def chunk_grads(dweight, args):
-        h, y, lse = args
+        h, y, lse, scale = args
         dlogits = registry.run_selected(list(static.backends), functools.partial(_softmax_grad, static),
-                                        _head_logits(static, h, operand), y, lse,
-                                        jnp.broadcast_to(scale, y.shape))
+                                        _head_logits(static, h, operand), y, lse, scale)
         h = h.astype(static.dtype)
         # dh = dlogits . weight^T; dweight += h^T . dlogits (or dlogits^T . h for the (vocab, d) layout).
         dh = jax.lax.dot_general(dlogits, operand, (((1,), (0 if static.embedding_layout else 1,)), ((), ())),
@@ -208,7 +218,8 @@ def _chunked_loss_bwd(static, saved, dloss):
         return dweight + step, dh.astype(hidden.dtype)
 
     h_chunks, y_chunks = _chunked(static, hidden, labels)
-    dweight, dhidden = jax.lax.scan(chunk_grads, dweight, (h_chunks, y_chunks, logsumexp))
+    scale_chunks = jnp.pad(scales, (0, y_chunks.size - scales.shape[0])).reshape(y_chunks.shape)
+    dweight, dhidden = jax.lax.scan(chunk_grads, dweight, (h_chunks, y_chunks, logsumexp, scale_chunks))
     dhidden = dhidden.reshape(-1, hidden.shape[1])[:hidden.shape[0]]
     dweight = dweight[:weight.shape[0], :weight.shape[1]]  # the padded vocabulary's rows dropped
     dweight = reduce_to_primal_axes(dweight.astype(weight.dtype), weight)
@@ -220,12 +231,13 @@ _chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
 
 def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, vocab_size: Optional[int] = None,
                           chunk_tokens: int = 2048, ignore_index: int = -100, dtype=None, logits_dtype=None,
-                          backend: str = "xla"):
-    """Mean next-token cross-entropy of `hidden @ head_weight` (or `hidden @ embedding.T`), chunk by chunk.
+                          reduction: str = "mean", backend: str = "xla"):
+    """Next-token cross-entropy of `hidden @ head_weight` (or `hidden @ embedding.T`), chunk by chunk.
 
     Equals `optax.softmax_cross_entropy_with_integer_labels(logits[..., :vocab_size], labels)` averaged over
-    the tokens whose label is not `ignore_index` (as torch's / HF's CrossEntropyLoss(ignore_index=-100)),
-    with float32 logits, and its gradient, without holding more than one chunk's logits. Composes with jit,
+    the tokens whose label is not `ignore_index` (as torch's / HF's CrossEntropyLoss(ignore_index=-100)), or
+    summed, or per token (`reduction`), with float32 logits, and its gradient, without holding more than one
+    chunk's logits. Composes with jit,
     grad, vmap, jax.checkpoint and shard_map (tokens split over a data axis: each shard's mean; the weight
     gradient is summed over the shards it is replicated on).
 
@@ -244,14 +256,17 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
         (default: the accumulation dtype, float32). bfloat16 rounds them as a PyTorch LM under autocast does
         (logits in bf16, then `.float()` for the loss): half the logits' memory traffic; the softmax, the
         logsumexp and the gradient's arithmetic stay in float32.
+      reduction: "mean" (default: over the counted tokens), "sum" (of them) or "none" (each token's loss, 0 where
+        ignored: minus its log-likelihood; a sequence's log-likelihood is minus their sum), as torch's.
       backend: the softmax's backend (the op "cross_entropy" of `jax_mamba2.backends`): "xla" (default),
         "cutile", "cutile_callback" (the cuTile kernels: one read of each chunk's logits forward, one read and
         one write of their gradient backward) or "auto" (cutile on a supported GPU behind
         `lax.platform_dependent`, else xla). The kernels take bfloat16/float16/float32 logits and dtype.
 
     Returns:
-      The scalar mean loss in float32 (float64 for float64), 0 when no position counts; NaN when a counted
-      label lies outside [0, vocab_size).
+      The scalar mean (or sum) loss in float32 (float64 for float64), 0 when no position counts; with
+      reduction="none" an array of labels' shape. NaN (for that token) when a counted label lies outside
+      [0, vocab_size).
 
     Raises:
       ValueError / TypeError: on wrong shapes, dtypes or options, naming the argument; ValueError when a named
@@ -286,6 +301,8 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
         raise ValueError(f"{api}: chunk_tokens={chunk_tokens!r} must be a positive int")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
         raise TypeError(f"{api}: ignore_index={ignore_index!r} must be an int")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f'{api}: reduction={reduction!r} must be "mean", "sum" or "none"')
     dtype = jnp.result_type(hidden, weight) if dtype is None else jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{api}: dtype={dtype} must be a float dtype")
@@ -298,13 +315,14 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
         raise TypeError(f"{api}: logits_dtype={logits_dtype} must be a float dtype")
     tokens = int(np.prod(labels.shape))
     static = _LossStatic(int(chunk_tokens), int(ignore_index), int(vocab_size), embedding is not None,
-                         jnp.dtype(dtype).name, logits_dtype.name)
+                         jnp.dtype(dtype).name, logits_dtype.name, reduction)
     chunk_logits = jax.ShapeDtypeStruct((max(1, min(static.chunk_tokens, tokens)),
                                          padded_vocab + -padded_vocab % _VOCAB_MULTIPLE), logits_dtype)
     selected = registry.select(
         backend, api, lambda b: b.unsupported_reason(None if b.kernels is None else _kernel_dims(static, chunk_logits)),
         op=OP)
     if tokens == 0:
-        return jnp.zeros((), acc_dtype)
+        return jnp.zeros(labels.shape if reduction == "none" else (), acc_dtype)
     static = dataclasses.replace(static, backends=tuple(selected))
-    return _chunked_loss(static, hidden.reshape(tokens, d), weight, labels.reshape(tokens).astype(jnp.int32))
+    loss = _chunked_loss(static, hidden.reshape(tokens, d), weight, labels.reshape(tokens).astype(jnp.int32))
+    return loss.reshape(labels.shape) if reduction == "none" else loss

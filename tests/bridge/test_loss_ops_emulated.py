@@ -140,3 +140,19 @@ def test_auto_puts_the_kernels_behind_platform_dependent_and_runs_xla_on_the_cpu
     (value, grads), (want, want_grads) = (_value_and_grads(b, hidden, weight, labels) for b in ("auto", "xla"))
     assert float(value) == float(want)
     assert all(np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(grads, want_grads))
+
+
+def test_emulated_per_token_losses_and_their_gradients_match_the_xla_backend():
+    """reduction="none" on the kernels: each token's loss, and the gradients of a weighted sum of them (a
+    cotangent per token into the backward kernel), as on the xla backend."""
+    hidden, weight, labels = _problem(2)
+    token_weights = jax.random.uniform(jax.random.key(3), labels.shape)
+
+    def per_token(backend):
+        return lambda h, w: chunked_cross_entropy(h, labels, head_weight=w, vocab_size=VOCAB, chunk_tokens=CHUNK,
+                                                  reduction="none", backend=backend)
+    got, want = (jax.jit(per_token(b))(hidden, weight) for b in ("cutile", "xla"))
+    assert got.shape == labels.shape and rel_l2(got, want) < TOLERANCE
+    grads, want_grads = (jax.jit(jax.grad(lambda h, w: jnp.sum(token_weights * per_token(b)(h, w)),
+                                          argnums=(0, 1)))(hidden, weight) for b in ("cutile", "xla"))
+    assert max(rel_l2(g, w) for g, w in zip(grads, want_grads)) < TOLERANCE

@@ -54,6 +54,38 @@ def test_chunked_loss_and_gradient_equal_the_plain_loss_in_float64(x64, layout, 
                                   (hidden, weight))
 
 
+def plain_per_token_loss(hidden, weight, labels, *, vocab=VOCAB, ignore_index=-100):
+    """The reference's per-token losses, 0 where the label is ignored."""
+    counted = labels != ignore_index
+    per_token = optax.softmax_cross_entropy_with_integer_labels((hidden @ weight)[..., :vocab],
+                                                               jnp.where(counted, labels, 0))
+    return jnp.where(counted, per_token, 0.0)
+
+
+@pytest.mark.parametrize("chunk_tokens", [16, 4096])
+def test_sum_and_per_token_reductions_and_their_gradients_equal_the_plain_losses_in_float64(x64, chunk_tokens):
+    """reduction="sum" and "none" (each token's loss, 0 where ignored), their values and the gradients of sum /
+    of a weighted sum of the per-token losses (a cotangent per token)."""
+    hidden, weight, labels = _problem(3)
+    weights = jax.random.uniform(jax.random.key(4), labels.shape, jnp.float64)
+
+    def chunked(reduction):
+        return lambda h, w: chunked_cross_entropy(h, labels, head_weight=w, vocab_size=VOCAB,
+                                                  chunk_tokens=chunk_tokens, reduction=reduction)
+    per_token = jax.jit(chunked("none"))(hidden, weight)
+    assert per_token.shape == labels.shape and per_token.dtype == jnp.float64
+    np.testing.assert_allclose(per_token, plain_per_token_loss(hidden, weight, labels), rtol=1e-12, atol=1e-12)
+    assert (per_token[labels == -100] == 0).all()
+    _assert_value_and_grads_equal(jax.jit(chunked("sum")), lambda h, w: jnp.sum(plain_per_token_loss(h, w, labels)),
+                                  (hidden, weight))
+    _assert_value_and_grads_equal(lambda h, w: jnp.sum(weights * chunked("none")(h, w)),
+                                  lambda h, w: jnp.sum(weights * plain_per_token_loss(h, w, labels)), (hidden, weight))
+    batched = chunked_cross_entropy(hidden.reshape(7, 10, D), labels.reshape(7, 10), head_weight=weight,
+                                    vocab_size=VOCAB, reduction="none")
+    np.testing.assert_allclose(batched, per_token.reshape(7, 10), rtol=1e-12, atol=1e-12)
+    assert chunked_cross_entropy(hidden[:0], labels[:0], head_weight=weight, reduction="none").shape == (0,)
+
+
 def test_padded_columns_are_excluded_and_get_no_gradient(x64):
     """Against a plain loss over all padded columns (what HF's Mamba2ForCausalLM computes) the loss differs;
     the padding columns' weights get exactly zero gradient."""
@@ -187,6 +219,8 @@ def test_compiled_peak_memory_is_a_fraction_of_the_plain_loss():
     (dict(head_weight=jnp.ones((16, 40), jnp.int32)), TypeError, r"head_weight.dtype=int32 must be a float"),
     (dict(head_weight=jnp.ones((16, 40)), logits_dtype=jnp.int8), TypeError, r"logits_dtype=int8 must be a float"),
     (dict(head_weight=jnp.ones((16, 40)), logits_dtype="nope"), TypeError, r"logits_dtype='nope' must be a float"),
+    (dict(head_weight=jnp.ones((16, 40)), reduction="avg"), ValueError,
+     r'reduction=\'avg\' must be "mean", "sum" or "none"'),
 ])
 def test_invalid_arguments_raise_naming_them(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -223,6 +257,10 @@ def test_lm_loss_equals_the_loss_of_its_logits_in_float64(x64, tiny_config, tied
     assert abs(float(pre_shifted - want)) < 1e-12 and abs(float(next_token - want_next_token)) < 1e-12
     with pytest.raises(ValueError, match="pass labels \\(unshifted\\) or shift_labels, not both"):
         model.loss(ids, labels, shift_labels=labels)
+    per_position = nnx.jit(lambda m: m.loss(ids, labels, reduction="none"))(model)
+    counted = shifted(labels) != -100
+    assert per_position.shape == ids.shape and (per_position[~counted] == 0).all()
+    assert abs(float(jnp.sum(per_position) / jnp.sum(counted) - want)) < 1e-12
 
 
 def test_backend_names_are_checked_and_a_kernel_backend_named_on_the_cpu_raises_saying_why():
