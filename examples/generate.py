@@ -225,7 +225,7 @@ def main(argv=None) -> int:
               "tokens_per_s": batch * args.max_new_tokens / run_s,
               "decode_tokens_per_s": batch * steps / decode_s if decode_s > 0 else None,
               "ms_per_token_step": decode_s * 1e3 / steps if decode_s > 0 else None, "prefill_ms": prefill_s * 1e3,
-              "first_call_s": first_s, "text": texts[0], "texts": texts,
+              "first_call_s": first_s, "texts": texts,
               "sampling": {name: getattr(args, name)
                            for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}}
     if args.temperature == 0 and args.repetition_penalty == 1:  # plain greedy: the forward's argmax

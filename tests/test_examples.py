@@ -87,12 +87,12 @@ def test_generate_loads_trained_model_and_matches_full_forward(trained_lm):
     assert record["tokens_per_s"] > 0
     # Float32 on CPU: cached and uncached paths agree on every token; kernels may flip a near-tie.
     assert record["cache_agreement"] == 1.0 if ON_CPU else record["cache_agreement"] >= 0.9
-    assert record["text"].startswith("def fibonacci(n):\n")
+    assert record["texts"][0].startswith("def fibonacci(n):\n")
     # The unrolled model (one cache per layer in the decode loop) decodes the same tokens.
     run_example("generate", "--model-dir", str(out / "train_lm" / "model"), "--max-new-tokens", "8",
                 "--batch", "2", "--unroll-layers", "--out", str(out / "unrolled"))
     unrolled = json.loads((out / "unrolled" / "generate" / "generate.json").read_text())
-    assert unrolled["text"] == record["text"] if ON_CPU else unrolled["cache_agreement"] >= 0.9
+    assert unrolled["texts"] == record["texts"] if ON_CPU else unrolled["cache_agreement"] >= 0.9
 
 
 def test_generate_samples_with_the_hf_controls(tmp_path):

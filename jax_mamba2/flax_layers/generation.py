@@ -65,7 +65,8 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
         repetition_penalty <= 0, an eos_token_id or pad_token_id outside [0, vocab_size), a pad_token_id
         without an eos_token_id, prompt_lengths outside [1, prompt_len] or of another shape than (batch,), or
         a missing rng when sampling.
-      TypeError: on prompt ids or lengths that are not integers, or a control of the wrong type.
+      TypeError: on prompt ids or lengths that are not integers, a max_new_tokens that is not an int, or a
+        control of the wrong type (the controls must be concrete numbers).
     """
     return _generate(*_prepare("generate", model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -100,8 +101,11 @@ def _prepare(api: str, model, prompt_ids, max_new_tokens, *, temperature, top_k,
     """`generate`'s arguments checked and converted: (graphdef, state, prompt_ids, prompt_lengths, rng,
     sampling, end) for `_generate` and `_stream`."""
     vocab_size = model.config.vocab_size
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if isinstance(max_new_tokens, (bool, np.bool_)) or not isinstance(max_new_tokens, Integral):
+        raise TypeError(f"{api}: max_new_tokens={max_new_tokens!r} must be a positive int")
+    if max_new_tokens < 1:
         raise ValueError(f"{api}: max_new_tokens={max_new_tokens!r} must be a positive int")
+    max_new_tokens = int(max_new_tokens)
     if not hasattr(prompt_ids, "dtype"):  # a nested list of ids
         prompt_ids = np.asarray(prompt_ids)
     _checks.check_array(api, "prompt_ids", prompt_ids, (("batch", None), ("prompt_len", None)), kind="integer")
@@ -150,9 +154,13 @@ def _end_of_sequence(api: str, vocab_size: int, eos_token_id, pad_token_id):
             raise ValueError(f"{api}: pad_token_id={pad_token_id!r} needs an eos_token_id (it fills the rows "
                              "after their end)")
         return None
+    if isinstance(eos_token_id, jax.core.Tracer):
+        raise TypeError(f"{api}: eos_token_id must be concrete ids (an int or a sequence of ints), not traced")
     ids = (eos_token_id,) if isinstance(eos_token_id, Integral) else tuple(np.asarray(eos_token_id).reshape(-1))
-    if not ids or any(isinstance(i, (bool, np.bool_)) or not isinstance(i, Integral) for i in ids):
+    if any(isinstance(i, (bool, np.bool_)) or not isinstance(i, Integral) for i in ids):
         raise TypeError(f"{api}: eos_token_id={eos_token_id!r} must be an int or a non-empty sequence of ints")
+    if not ids:
+        raise ValueError(f"{api}: eos_token_id={eos_token_id!r} must be an int or a non-empty sequence of ints")
     if any(not 0 <= i < vocab_size for i in ids):
         raise ValueError(f"{api}: eos_token_id={eos_token_id!r} must be in [0, vocab_size={vocab_size})")
     if pad_token_id is None:
@@ -184,11 +192,8 @@ def _start(graphdef, state, prompt_ids, prompt_lengths, key, sampling, end) -> _
     seen = (sampling_rule.mark_seen(jnp.zeros((batch, vocab_size), bool),
                                     prompt if seq_idx is None else jnp.where(in_prompt, prompt, -1))
             if sampling.penalizes_repeats else None)
+    # With seq_idx the cache is the prompt's alone (`Mamba2.prefill`: the padding's conv columns zeroed).
     hidden, residual, cache = model._scan_layers_with_cache("prefill", prompt, None, seq_idx=seq_idx)
-    if seq_idx is not None:  # the conv state's columns from the padding: zero, as before a prompt alone
-        d_conv = cache.conv_state.shape[-1]
-        in_window = prompt_len - d_conv + jnp.arange(d_conv)[None, :] >= prompt_len - prompt_lengths[:, None]
-        cache = cache._replace(conv_state=jnp.where(in_window[None, :, None, :], cache.conv_state, 0))
     token = sampling_rule.next_tokens(model._logits(hidden[:, -1], residual[:, -1])[:, :vocab_size], key, seen,
                                       sampling)
     # The composed step of unrolled layers carries one cache per layer, so that no step stacks the whole
@@ -218,6 +223,8 @@ def _advance(graphdef, state, decoding: _Decoding, key, sampling, end) -> _Decod
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
 def _generate(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, *, max_new_tokens):
+    """`generate`'s program: the prefill and first token, then the cached steps in a scan (no eos) or a while
+    loop that stops once every row has ended; (batch, prompt_len + max_new_tokens) int32."""
     keys = jax.random.split(rng, max_new_tokens)
     decoding = _start(graphdef, state, prompt_ids, prompt_lengths, keys[0], sampling, end)
 
@@ -254,6 +261,8 @@ def _advance_program(graphdef, state, token, carried, key, sampling, end) -> _De
 
 
 def _stream(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, max_new_tokens):
+    """`generate_stream`'s generator: the jitted prefill, then one jitted step per token, each yielding the
+    (batch,) new tokens; it stops after max_new_tokens or once every row has ended."""
     keys = jax.random.split(rng, max_new_tokens)
     decoding = _start_program(graphdef, state, prompt_ids, prompt_lengths, keys[0], sampling, end)
     yield decoding.token

@@ -15,6 +15,7 @@ from numbers import Integral, Real
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["values"], meta_fields=["sample", "top_k"])
@@ -38,9 +39,17 @@ class Sampling:
         return "repetition_penalty" in self.values
 
 
+def _concrete_float(api: str, name: str, value) -> float:
+    """A Python, NumPy or concrete JAX real scalar as a float (which controls run is decided before tracing)."""
+    if isinstance(value, (bool, np.bool_)) or isinstance(value, jax.core.Tracer) or not (
+            isinstance(value, Real) or (np.ndim(value) == 0 and np.issubdtype(np.asarray(value).dtype, np.number)
+                                        and not np.iscomplexobj(value))):
+        raise TypeError(f"{api}: {name}={value!r} must be a float (a concrete number)")
+    return float(value)
+
+
 def _check_fraction(api: str, name: str, value, *, open_low: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{api}: {name}={value!r} must be a float")
+    value = _concrete_float(api, name, value)
     low_ok = value > 0 if open_low else value >= 0
     if math.isnan(value) or not low_ok or value > 1:
         raise ValueError(f"{api}: {name}={value!r} must be in {'(0' if open_low else '[0'}, 1]")
@@ -51,26 +60,28 @@ def make_sampling(api: str, vocab_size: int, *, temperature=0.0, top_k=None, top
                   repetition_penalty=1.0) -> Sampling:
     """The checked `Sampling` of `generate`'s arguments (their meanings are documented there); errors name `api`.
 
+    top_p = 1 turns top-p off (as HF does: all the mass), so that float rounding of the cumulative sum cannot drop
+    the least likely tokens.
+
     Raises:
       ValueError: temperature < 0 or NaN, top_k outside [1, vocab_size], top_p outside (0, 1], min_p outside
         [0, 1], repetition_penalty <= 0 or NaN.
-      TypeError: any of them not a number (top_k not an int).
+      TypeError: any of them not a concrete number (top_k not an int).
     """
-    for name, value in (("temperature", temperature), ("repetition_penalty", repetition_penalty)):
-        if isinstance(value, bool) or not isinstance(value, Real):
-            raise TypeError(f"{api}: {name}={value!r} must be a float")
+    temperature = _concrete_float(api, "temperature", temperature)
+    repetition_penalty = _concrete_float(api, "repetition_penalty", repetition_penalty)
     if not temperature >= 0:
         raise ValueError(f"{api}: temperature={temperature} must be >= 0")
     if not repetition_penalty > 0:
         raise ValueError(f"{api}: repetition_penalty={repetition_penalty} must be > 0")
     if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, Integral):
+        if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, Integral):
             raise TypeError(f"{api}: top_k={top_k!r} must be None or an int")
         if not 1 <= top_k <= vocab_size:
             raise ValueError(f"{api}: top_k={top_k} must be in [1, vocab_size={vocab_size}]")
     values = {}
-    if top_p is not None:
-        values["top_p"] = _check_fraction(api, "top_p", top_p, open_low=True)
+    if top_p is not None and _check_fraction(api, "top_p", top_p, open_low=True) < 1:
+        values["top_p"] = float(top_p)
     if min_p is not None:
         values["min_p"] = _check_fraction(api, "min_p", min_p, open_low=False)
     sample = temperature > 0
@@ -96,17 +107,20 @@ def penalize_repeats(logits, seen, penalty):
 def candidate_logits(logits, sampling: Sampling):
     """The logits scaled by the temperature, with every token that top-k, top-p or min-p excludes at -inf.
 
-    With top_k or top_p the candidates are the most likely tokens in descending order (`lax.top_k`: all of the
-    vocabulary for top_p alone) and come with their ids; otherwise every token, in vocabulary order, and ids None.
+    Top-k keeps, as HF's, every token whose logit is at least the k-th largest (ties with it included). With
+    top_p the candidates are sorted, most likely first, and come with their ids; otherwise they are in
+    vocabulary order and ids is None.
 
-    logits (batch, vocab) float32 -> (candidate logits (batch, k) float32, ids (batch, k) int32 or None).
+    logits (batch, vocab) float32 -> (candidate logits (batch, vocab) float32, ids (batch, vocab) int32 or None).
     """
     values = sampling.values
     logits = logits / values["temperature"]
+    if sampling.top_k is not None:
+        kth_largest = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
     ids = None
-    if sampling.top_k is not None or "top_p" in values:
-        logits, ids = jax.lax.top_k(logits, sampling.top_k or logits.shape[-1])
     if "top_p" in values:  # keep the most likely tokens until their probabilities reach top_p (the first always)
+        logits, ids = jax.lax.top_k(logits, logits.shape[-1])  # sorted, most likely first
         probs = jax.nn.softmax(logits, axis=-1)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
         logits = jnp.where(mass_before < values["top_p"], logits, -jnp.inf)

@@ -135,9 +135,8 @@ def norm_default_config(dims: NormDims) -> NormConfig:
 
 
 def needs_int64_index(dims: NormDims) -> bool:
-    """Whether a per-row array (or the array z is read from) has 2^31 or more elements (int32 element offsets
-    could overflow)."""
-    return dims.rows * max(dims.features, dims.z_columns or 0) > _INT32_MAX
+    """Whether a per-row array has 2^31 or more elements (int32 element offsets could overflow)."""
+    return dims.rows * dims.features > _INT32_MAX
 
 
 def row_block_count(dims: NormDims, cfg: NormConfig) -> int:

@@ -42,6 +42,7 @@ from jax_mamba2.kernels.rms_norm import (
     NormConfig, NormDims, inverse_rms, load_rows, load_weight, needs_int64_index, norm_default_config,
     row_block_count, sigmoid, store_rows)
 
+_INT32_MAX = (1 << 31) - 1
 # The weight-gradient reduction's tile: BLOCK_P partial rows by BLOCK_F features (128-byte rows; narrow, so
 # that a 1024-wide group still spreads over 32 blocks).
 DWEIGHT_BLOCK_P = 64
@@ -184,7 +185,9 @@ def rms_norm_bwd_plan(dims: NormDims, cfg: Optional[NormConfig] = None, has_dres
     programs = bwd_programs(dims, cfg)
     block_f = min(dims.width, DWEIGHT_BLOCK_F)
     norm_launch = Launch(
-        kernel=index_width_variant(RMS_NORM_BWD_KERNELS, needs_int64_index(dims), occupancy=cfg.BWD_OCCUPANCY),
+        kernel=index_width_variant(RMS_NORM_BWD_KERNELS,
+                                   needs_int64_index(dims) or dims.rows * (dims.z_columns or 0) > _INT32_MAX,
+                                   occupancy=cfg.BWD_OCCUPANCY),
         grid=(programs, dims.ngroups),
         args=("x", "z", "weight", "dout", "dresidual_out", "dx", "dresidual", "dz", "dweight_partial",
               dims.group_size, dims.width, cfg.BLOCK_ROWS, dims.has_z, dims.z_in_window, dims.z_offset,

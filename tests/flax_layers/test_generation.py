@@ -110,6 +110,25 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
     assert int(sampling_rule.next_tokens(logits, None, seen, greedy)[0]) == 2
 
 
+def test_top_k_keeps_the_tokens_tied_with_the_kth_as_hf_does():
+    """HF's TopKLogitsWarper removes only logits below the k-th largest: with top_k=1 and two tokens tied for the
+    largest logit, both are drawn (bf16 logits tie often)."""
+    logits = jnp.asarray(np.repeat([[1.0, 3.0, 3.0, 0.0]], 4000, axis=0), jnp.float32)
+    sampling = sampling_rule.make_sampling("test", 4, temperature=1.0, top_k=1)
+    np.testing.assert_array_equal(np.isfinite(_candidates(np.asarray(logits[:1]), sampling)), [[0, 1, 1, 0]])
+    counts = np.bincount(np.asarray(sampling_rule.next_tokens(logits, jax.random.key(0), None, sampling)),
+                         minlength=4)
+    assert counts[0] == counts[3] == 0 and 1800 < counts[1] < 2200
+
+
+def test_controls_take_numpy_and_concrete_jax_scalars_and_top_p_one_is_off():
+    a = sampling_rule.make_sampling("test", 10, temperature=jnp.float32(0.5), top_p=np.float64(1.0), top_k=np.int64(3),
+                                    repetition_penalty=np.float32(1.2))
+    assert a.sample and a.top_k == 3 and set(a.values) == {"temperature", "repetition_penalty"}
+    with pytest.raises(TypeError, match="temperature=.* must be a float \\(a concrete number\\)"):
+        jax.jit(lambda t: sampling_rule.make_sampling("test", 10, temperature=t))(0.5)
+
+
 def test_greedy_drops_the_sampling_filters_and_values_are_traced():
     assert sampling_rule.make_sampling("test", 10, top_k=3, top_p=0.5, min_p=0.1).values == {}
     a = sampling_rule.make_sampling("test", 10, temperature=0.5, top_p=0.5)
@@ -262,7 +281,7 @@ def test_generate_stream_stops_once_every_row_has_ended(tiny_config):
     end = int(np.argmax(free[0] == eos))
     got = np.stack([np.asarray(t) for t in generate_stream(model, prompt, 10, eos_token_id=eos)], axis=1)
     np.testing.assert_array_equal(got, free[:, :end + 1])
-    with pytest.raises(ValueError, match=r"generate_stream: top_p=2 must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"generate_stream: top_p=2.0 must be in \(0, 1\]"):
         generate_stream(model, prompt, 10, temperature=1.0, top_p=2, rng=jax.random.key(0))  # checked at the call
 
 
@@ -271,6 +290,8 @@ def test_generate_stream_stops_once_every_row_has_ended(tiny_config):
     (dict(temperature=-1.0), ValueError, r"generate: temperature=-1.0 must be >= 0"),
     (dict(temperature=float("nan")), ValueError, r"generate: temperature=nan must be >= 0"),
     (dict(temperature="hot"), TypeError, r"generate: temperature='hot' must be a float"),
+    (dict(max_new_tokens=2.0), TypeError, r"generate: max_new_tokens=2.0 must be a positive int"),
+    (dict(max_new_tokens=True), TypeError, r"generate: max_new_tokens=True must be a positive int"),
     (dict(temperature=1.0, top_k=0, rng=jax.random.key(0)), ValueError,
      r"generate: top_k=0 must be in \[1, vocab_size=61\]"),
     (dict(temperature=1.0, top_k=2.5, rng=jax.random.key(0)), TypeError, r"generate: top_k=2.5 must be None or an int"),
@@ -282,7 +303,7 @@ def test_generate_stream_stops_once_every_row_has_ended(tiny_config):
     (dict(repetition_penalty=0.0), ValueError, r"generate: repetition_penalty=0.0 must be > 0"),
     (dict(eos_token_id=61), ValueError, r"generate: eos_token_id=61 must be in \[0, vocab_size=61\)"),
     (dict(eos_token_id=[3, -1]), ValueError, r"generate: eos_token_id=\[3, -1\] must be in \[0, vocab_size=61\)"),
-    (dict(eos_token_id=[]), TypeError, r"generate: eos_token_id=\[\] must be an int or a non-empty sequence"),
+    (dict(eos_token_id=[]), ValueError, r"generate: eos_token_id=\[\] must be an int or a non-empty sequence"),
     (dict(eos_token_id=2.0), TypeError, r"generate: eos_token_id=2.0 must be an int or a non-empty sequence"),
     (dict(pad_token_id=0), ValueError, r"generate: pad_token_id=0 needs an eos_token_id"),
     (dict(eos_token_id=2, pad_token_id=-1), ValueError, r"generate: pad_token_id=-1 must be in \[0, vocab_size=61\)"),

@@ -216,19 +216,24 @@ def test_packed_sequences_compute_what_separate_rows_do(tiny_config, options):
         np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-6)
 
 
-def test_prefill_of_a_left_padded_prompt_with_seq_idx_continues_the_prompt_alone(tiny_config):
-    """Padding as sequence 0 before the prompt: the cache (the SSM state; the conv state's columns, all the
-    prompt's here) and the last logits are the unpadded prompt's."""
+@pytest.mark.parametrize("prompt_len", [6, 2], ids=["longer_than_the_conv", "shorter_than_the_conv"])
+def test_prefill_with_seq_idx_continues_the_last_sequence_alone(tiny_config, prompt_len):
+    """Padding as sequence 0 before the prompt: the cache (the SSM state, and the conv state whose columns
+    before the prompt are zero, as after the prompt alone: d_conv is 4) and the logits of the prompt and of the
+    next step are the unpadded prompt's."""
     model = _model(tiny_config)
-    prompt = _token_ids(tiny_config, seed=7, shape=(BATCH, 6))
+    prompt = _token_ids(tiny_config, seed=7, shape=(BATCH, prompt_len))
     padding = _token_ids(tiny_config, seed=8, shape=(BATCH, 3))
-    seq_idx = jnp.asarray([[0] * 3 + [1] * 6] * BATCH, jnp.int32)
+    seq_idx = jnp.asarray([[0] * 3 + [1] * prompt_len] * BATCH, jnp.int32)
     prefill = nnx.jit(lambda m, ids, seq_idx=None: m.prefill(ids, seq_idx=seq_idx))
     (want_logits, want), (got_logits, got) = prefill(model, prompt), prefill(
         model, jnp.concatenate([padding, prompt], axis=1), seq_idx)
     np.testing.assert_allclose(got_logits[:, 3:], want_logits, rtol=1e-5, atol=1e-6)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    step = nnx.jit(lambda m, token, cache: m.step(token, cache)[0])
+    token = prompt[:, 0]
+    np.testing.assert_allclose(step(model, token, got), step(model, token, want), rtol=1e-5, atol=1e-6)
 
 
 def test_unrolled_layers_compute_what_the_layer_scan_does(tiny_config):

@@ -26,6 +26,9 @@ LM_PROBLEMS = {
                                             z_columns=4384),
     "gated_before_3072_z_in_proj": NormDims(rows=ROWS, ngroups=1, group_size=3072, z_dtype="bfloat16",
                                             z_columns=6448),
+    # An odd width and offset (an odd number of heads): rows no TMA descriptor can address.
+    "gated_before_2048_z_odd": NormDims(rows=ROWS, ngroups=1, group_size=2048, z_dtype="bfloat16", z_columns=4385,
+                                        z_offset=3),
     # The block's add + norm (d_model 1024, bf16 input, float32 residual stream).
     "add_norm_1024": NormDims(rows=ROWS, ngroups=1, group_size=1024, residual_dtype="float32",
                               residual_in_dtype="float32"),

@@ -149,10 +149,11 @@ def test_lm_runs_its_norms_on_the_kernels_and_its_loss_matches_xla():
         assert rel_l2(g[...], w[...]) < 3e-2, path
 
 
-@pytest.mark.parametrize("offset, columns", [(0, 4384), (72, 2048 + 72 + 264)])
+@pytest.mark.parametrize("offset, columns", [(0, 4384), (72, 2048 + 72 + 264), (3, 2048 + 3 + 262)])
 def test_gate_read_again_from_in_proj_output_at_lm_shape(offset, columns):
     """z_kept_in: the backward reads z from columns of a wider bf16 array (in_proj's output: z first at d1024,
-    4384 columns; an unaligned offset), whose other columns are NaN; the gradients are the float64 reference's."""
+    4384 columns; a 16-byte-aligned offset; an odd offset in rows of an odd width, which TMA cannot address),
+    whose other columns are NaN; the gradients are the float64 reference's."""
     case = LM_CASES["gated_before_16384x2048"]
     arrays = make_inputs(case, seed=2)
     x, z, w = (jnp.asarray(arrays[n]) for n in ("x", "z", "weight"))
