@@ -65,8 +65,8 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
         repetition_penalty <= 0, an eos_token_id or pad_token_id outside [0, vocab_size), a pad_token_id
         without an eos_token_id, prompt_lengths outside [1, prompt_len] or of another shape than (batch,), or
         a missing rng when sampling.
-      TypeError: on prompt ids or lengths that are not integers, a max_new_tokens that is not an int, or a
-        control of the wrong type (the controls must be concrete numbers).
+      TypeError: on prompt ids or lengths that are not integers, a max_new_tokens that is not an int, a
+        control of the wrong type (the controls must be concrete numbers), or an rng that is not one key.
     """
     return _generate(*_prepare("generate", model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -122,9 +122,23 @@ def _prepare(api: str, model, prompt_ids, max_new_tokens, *, temperature, top_k,
     end = _end_of_sequence(api, vocab_size, eos_token_id, pad_token_id)
     if sampling.sample and rng is None:
         raise ValueError(f"{api}: rng=None must be a jax.random.key when temperature > 0")
+    if rng is not None and not _is_key(rng):
+        raise TypeError(f"{api}: rng must be one jax.random.key (or a legacy uint32[2] PRNGKey), got "
+                        f"{type(rng).__name__} of shape {getattr(rng, 'shape', None)} and dtype "
+                        f"{getattr(rng, 'dtype', None)}")
     graphdef, state = nnx.split(model)
     rng = jax.random.key(0) if rng is None else rng
     return graphdef, state, jnp.asarray(prompt_ids, jnp.int32), prompt_lengths, rng, sampling, end
+
+
+def _is_key(rng) -> bool:
+    """A typed key (`jax.random.key`) or a legacy raw uint32[2] key (`jax.random.PRNGKey`), unbatched."""
+    dtype, shape = getattr(rng, "dtype", None), getattr(rng, "shape", None)
+    if dtype is None:
+        return False
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return shape == ()
+    return dtype == jnp.uint32 and shape == (2,)
 
 
 def _check_prompt_lengths(api: str, prompt_ids, prompt_lengths):
