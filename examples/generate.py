@@ -20,7 +20,8 @@ model is loaded so that no token step converts them again (--dtype / --param-dty
 float32). It reports decoding tokens/s without the prefill (generate with 1 and with --max-new-tokens new
 tokens, differenced; the first calls compile) and the prefill's time. A greedy run is also checked against
 the full (uncached) forward pass. Several --prompt make one batch of prompts of different lengths, left-padded
-(`generate(prompt_lengths=)`), each decoded as it would be alone. Writes generate.json to --out/generate/.
+(`generate(prompt_lengths=)`), each decoded as it would be alone; --stream then prints the first one's
+continuation as it is generated (`generate_stream`). Writes generate.json to --out/generate/.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ import numpy as np
 from flax import nnx
 
 from _common import add_common_flags, describe_device, make_parser, output_dir, resolve_backend
-from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, cast_params, generate, load_pretrained
+from jax_mamba2.flax_layers import (Mamba2Config, Mamba2LMHeadModel, cast_params, generate, generate_stream,
+                                    load_pretrained)
 
 BYTE_VOCAB = 256
 DEFAULT_PROMPT = "def fibonacci(n):\n"
@@ -129,17 +131,37 @@ def left_padded(prompts: list[list[int]]) -> tuple[jax.Array, list[int] | None]:
     return ids, None if len(set(lengths)) == 1 else lengths
 
 
+def sampling_kwargs(args, rng) -> dict:
+    """generate's sampling controls from the flags."""
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, rng=rng if args.temperature > 0 else None)
+
+
 def timed_generate(model, prompt_ids, prompt_lengths, new_tokens: int, args, rng):
     """Generates twice (compile, then timed): (tokens, compile+run seconds, run seconds)."""
-    kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                  repetition_penalty=args.repetition_penalty, prompt_lengths=prompt_lengths,
-                  rng=rng if args.temperature > 0 else None)
+    kwargs = dict(sampling_kwargs(args, rng), prompt_lengths=prompt_lengths)
     began = time.perf_counter()
     jax.block_until_ready(generate(model, prompt_ids, new_tokens, **kwargs))
     first = time.perf_counter() - began
     began = time.perf_counter()
     tokens = jax.block_until_ready(generate(model, prompt_ids, new_tokens, **kwargs))
     return tokens, first, time.perf_counter() - began
+
+
+def stream_text(model, tokenizer, prompt: list[int], args, rng) -> str:
+    """Prints the prompt, then its continuation token by token as `generate_stream` yields it (text is printed
+    once it decodes to whole characters); returns the whole text."""
+    ids = list(prompt)
+    shown = tokenizer.decode(ids)
+    print(shown, end="", flush=True)
+    for tokens in generate_stream(model, jnp.asarray([prompt], jnp.int32), args.max_new_tokens,
+                                  **sampling_kwargs(args, rng)):
+        ids.append(int(tokens[0]))
+        text = tokenizer.decode(ids)
+        if text.startswith(shown) and not text.endswith("\ufffd"):  # a character split over tokens waits
+            print(text[len(shown):], end="", flush=True)
+            shown = text
+    return tokenizer.decode(ids)
 
 
 def parse_args(argv=None):
@@ -166,6 +188,8 @@ def parse_args(argv=None):
                         help="computation dtype; auto = bfloat16 on a GPU, float32 elsewhere")
     parser.add_argument("--param-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="the weights' dtype, converted once at load; auto = the computation dtype")
+    parser.add_argument("--stream", action="store_true",
+                        help="then print the first prompt's continuation as it is generated (generate_stream)")
     parser.add_argument("--unroll-layers", action="store_true",
                         help="scan_layers=False: the prompt's blocks unrolled (a longer compile); the fused "
                              "decode step runs its layers unrolled either way")
@@ -218,6 +242,11 @@ def main(argv=None) -> int:
              for i, p in enumerate(prompts)]
     for text in texts:
         print(f"--- sample (temperature {args.temperature}) ---\n{text}\n---")
+    streamed = None
+    if args.stream:
+        print("--- streamed ---")
+        streamed = stream_text(model, tokenizer, prompts[0], args, rng)
+        print("\n---")
 
     record = {"device": describe_device(), "backend": backend, "model_dir": str(args.model_dir),
               "dtype": dtype.name, "param_dtype": param_dtype.name, "prompt_tokens": [len(p) for p in prompts],
@@ -225,7 +254,7 @@ def main(argv=None) -> int:
               "tokens_per_s": batch * args.max_new_tokens / run_s,
               "decode_tokens_per_s": batch * steps / decode_s if decode_s > 0 else None,
               "ms_per_token_step": decode_s * 1e3 / steps if decode_s > 0 else None, "prefill_ms": prefill_s * 1e3,
-              "first_call_s": first_s, "texts": texts,
+              "first_call_s": first_s, "texts": texts, "streamed_text": streamed,
               "sampling": {name: getattr(args, name)
                            for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}}
     if args.temperature == 0 and args.repetition_penalty == 1:  # plain greedy: the forward's argmax

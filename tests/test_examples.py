@@ -95,6 +95,13 @@ def test_generate_loads_trained_model_and_matches_full_forward(trained_lm):
     assert unrolled["texts"] == record["texts"] if ON_CPU else unrolled["cache_agreement"] >= 0.9
 
 
+def test_generate_streams_the_tokens_generate_returns(tmp_path):
+    stdout = run_example("generate", "--max-new-tokens", "6", "--layers", "1", "--d-model", "64", "--stream",
+                         "--out", str(tmp_path))
+    record = json.loads((tmp_path / "generate" / "generate.json").read_text())
+    assert "--- streamed ---" in stdout and record["streamed_text"] == record["texts"][0]
+
+
 def test_generate_samples_with_the_hf_controls(tmp_path):
     run_example("generate", "--max-new-tokens", "4", "--layers", "1", "--d-model", "64", "--temperature", "0.8",
                 "--top-p", "0.9", "--min-p", "0.05", "--repetition-penalty", "1.2", "--out", str(tmp_path))
@@ -109,6 +116,7 @@ def test_generate_decodes_prompts_of_different_lengths_together_as_each_alone(tm
     record = json.loads((tmp_path / "generate" / "generate.json").read_text())
     assert record["prompt_tokens"] == [1, 22] and record["batch"] == 4
     prompts = ["x", "def main():\n    return"]
+    assert record["streamed_text"] is None
     assert [text[:len(prompt)] for text, prompt in zip(record["texts"], prompts)] == prompts
     assert record["cache_agreement"] == 1.0 if ON_CPU else record["cache_agreement"] >= 0.9
 
