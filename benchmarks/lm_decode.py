@@ -20,6 +20,9 @@ Implementations (--impls):
                torch.cuda.CUDAGraph and replayed (what mamba_ssm's own generation does), timed with CUDA
                events over rounds of --decode-steps replays. float32 parameters run under
                torch.autocast(bfloat16) (cache off, so the cast is captured in the graph).
+--sampling (ours): the next-token rule of `generate`, "greedy" (default: argmax, as the peer's step), or with
+HF's sampling controls, to time what they add per token: "top-k" (temperature 1, top_k 50), "top-p" (temperature
+1, top_p 0.9: a sort of the vocabulary per token), "penalty" (greedy with repetition_penalty 1.2).
 Per batch in --batches (default 1 8 64 256): the median ms per token step over --repeats rounds after
 --warmup-seconds of untimed rounds, tokens/s = batch / step time, and which step ours ran ("fused": the decode
 ops, on one device; "composed" otherwise).
@@ -58,6 +61,9 @@ OURS = ("cutile", "xla")
 PRESETS = ("mamba2-370m", "mamba2-780m", "mamba2-1.3b")
 DEFAULT_CONFIGS = ("d1024-l24", *PRESETS)
 PROMPT_TOKENS = 16  # the prompt before the timed decode steps
+# generate's controls per --sampling name (an rng is added where they sample).
+SAMPLING = {"greedy": {}, "top-k": {"temperature": 1.0, "top_k": 50}, "top-p": {"temperature": 1.0, "top_p": 0.9},
+            "penalty": {"repetition_penalty": 1.2}}
 PROFILE_TOP_KERNELS = 40  # a token step's kernels listed by time in --profile's record (about 18 per layer)
 COMMAND_BUFFER_FLAGS = lm_bench.COMMAND_BUFFER_FLAGS
 LABELS = {"cutile": "jax-mamba2 generate, cuTile", "xla": "jax-mamba2 generate, XLA",
@@ -106,13 +112,22 @@ def ours_model(job: dict):
     return cast_params(model, jnp.bfloat16) if job["param_dtype"] == "bfloat16" else model
 
 
-def _timed_generate(model, prompt, new_tokens: int, repeats: int, warmup_seconds: float) -> tuple[float, float]:
-    """(first call s, median wall ms of generate after warm-up)."""
+def _controls(job: dict) -> dict:
+    """generate's keyword arguments for the job's --sampling."""
+    import jax
+
+    controls = SAMPLING[job.get("sampling", "greedy")]
+    return {**controls, "rng": jax.random.key(0)} if controls.get("temperature") else dict(controls)
+
+
+def _timed_generate(model, prompt, new_tokens: int, repeats: int, warmup_seconds: float,
+                    controls: dict) -> tuple[float, float]:
+    """(first call s, median wall ms of generate(..., **controls) after warm-up)."""
     import jax
 
     from jax_mamba2.flax_layers import generate
 
-    timing = lm_bench.time_calls(lambda: generate(model, prompt, new_tokens), jax.block_until_ready,
+    timing = lm_bench.time_calls(lambda: generate(model, prompt, new_tokens, **controls), jax.block_until_ready,
                                  steps=repeats, warmup_seconds=warmup_seconds)
     return timing.first_call_s, timing.ms_median
 
@@ -134,26 +149,26 @@ def per_token_profile(short: dict, long: dict, decode_steps: int) -> dict:
             "top_gaps_long_call": long["top_gaps"]}
 
 
-def _compiled_generate(model, prompt, new_tokens: int):
-    """generate(model, prompt, new_tokens) compiled as a program of the model's state and the prompt (for its HLO
-    text), and that state."""
+def _compiled_generate(model, prompt, new_tokens: int, controls: dict):
+    """generate(model, prompt, new_tokens, **controls) compiled as a program of the model's state and the prompt
+    (for its HLO text), and that state."""
     import jax
     from flax import nnx
 
     from jax_mamba2.flax_layers import generate
 
     graphdef, state = nnx.split(model)
-    program = jax.jit(lambda state, prompt: generate(nnx.merge(graphdef, state), prompt, new_tokens))
+    program = jax.jit(lambda state, prompt: generate(nnx.merge(graphdef, state), prompt, new_tokens, **controls))
     return program.lower(state, prompt).compile(), state
 
 
-def _profile_generate(model, prompt, decode_steps: int) -> dict:
+def _profile_generate(model, prompt, decode_steps: int, controls: dict) -> dict:
     """`per_token_profile` of generate on `prompt`, each length compiled as its own program for its HLO text."""
     import jax
 
     profiles = []
     for new_tokens in (1, 1 + decode_steps):
-        compiled, state = _compiled_generate(model, prompt, new_tokens)
+        compiled, state = _compiled_generate(model, prompt, new_tokens, controls)
         jax.block_until_ready(compiled(state, prompt))  # warm: the profile holds the steady state only
         profiles.append(lm_bench.profile_calls(lambda: compiled(state, prompt), compiled.as_text(), calls=1,
                                               top=PROFILE_TOP_KERNELS))
@@ -172,11 +187,12 @@ def decode_ours(job: dict) -> dict:
     vocab = model.config.vocab_size
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
     state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(model.init_cache(1)))
-    batches, command_buffer_launches = {}, None
+    batches, command_buffer_launches, controls = {}, None, _controls(job)
     for batch in job["batches"]:
         prompt = jax.random.randint(jax.random.key(batch), (batch, PROMPT_TOKENS), 0, vocab, jnp.int32)
-        first_s, short_ms = _timed_generate(model, prompt, 1, job["repeats"], job["warmup_seconds"])
-        _, long_ms = _timed_generate(model, prompt, 1 + job["decode_steps"], job["repeats"], job["warmup_seconds"])
+        first_s, short_ms = _timed_generate(model, prompt, 1, job["repeats"], job["warmup_seconds"], controls)
+        _, long_ms = _timed_generate(model, prompt, 1 + job["decode_steps"], job["repeats"], job["warmup_seconds"],
+                                     controls)
         step_ms = (long_ms - short_ms) / job["decode_steps"]
         row = {"generate_1_ms": short_ms, "generate_long_ms": long_ms, "first_call_s": first_s,
                "step": decode_step}
@@ -186,15 +202,15 @@ def decode_ours(job: dict) -> dict:
             row.update(ms_per_token=None, tokens_per_s=None,
                        error="the decode steps are within the prefill's timing noise: raise --decode-steps")
         if job.get("profile"):
-            row["profile"] = _profile_generate(model, prompt, job["decode_steps"])
+            row["profile"] = _profile_generate(model, prompt, job["decode_steps"], controls)
         if command_buffer_launches is None:  # what XLA records into command buffers: the same at every batch
-            compiled, _ = _compiled_generate(model, prompt, 1 + job["decode_steps"])
+            compiled, _ = _compiled_generate(model, prompt, 1 + job["decode_steps"], controls)
             command_buffer_launches = lm_bench.command_buffer_launches(compiled.as_text())
         batches[str(batch)] = row
     prefill = {}
     for length in job["prompt_lengths"]:
         prompt = jax.random.randint(jax.random.key(length), (1, length), 0, vocab, jnp.int32)
-        _, prefill[str(length)] = _timed_generate(model, prompt, 1, job["repeats"], job["warmup_seconds"])
+        _, prefill[str(length)] = _timed_generate(model, prompt, 1, job["repeats"], job["warmup_seconds"], controls)
     peak = lm_bench.jax_peak_bytes()
     del model
     return {"batches": batches, "prefill_ms": prefill, "weight_bytes": weight_bytes,
@@ -342,7 +358,9 @@ def label(record: dict) -> str:
         fused = record.get("fused_decode_min_batch")  # records of a fused step that ran from some batch on
         step = f", fused step from batch {fused}" if fused is not None else (
             ", fused step" if record.get("decode_step") == "fused" else "")
-        return f"{text}, command buffers {record['command_buffers']}{layers}{flags}{step}"
+        sampling = record.get("sampling", "greedy")
+        sampled = f", {sampling}" if sampling != "greedy" else ""
+        return f"{text}, command buffers {record['command_buffers']}{layers}{flags}{step}{sampled}"
     conv = record.get("causal_conv1d")
     return f"{text}, {'causal_conv1d ' + conv if conv else 'no causal_conv1d'}"
 
@@ -423,6 +441,8 @@ def parse_args(argv=None):
                         help="ours: XLA command buffers per process (default: default)")
     parser.add_argument("--unroll-layers", action="store_true",
                         help="ours: Mamba2LMHeadModel(scan_layers=False), the blocks unrolled (default: one scan)")
+    parser.add_argument("--sampling", nargs="+", choices=tuple(SAMPLING), default=["greedy"],
+                        help="ours' next-token rules (default: greedy)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
     parser.add_argument("--prompt-lengths", nargs="*", type=int, default=[512, 2048])
     parser.add_argument("--decode-steps", type=int, default=128, help="timed token steps per round (default: 128)")
@@ -456,10 +476,11 @@ def jobs(args) -> list[tuple[dict, dict]]:
                                  "command_buffers": None}, {}))
                     continue
                 for buffers in args.command_buffers:
-                    out.append(({**common, "config": config, "impl": impl, "param_dtype": param_dtype,
-                                 "command_buffers": buffers, "scan_layers": not args.unroll_layers,
-                                 "profile": args.profile},
-                                lm_bench.command_buffer_env(buffers)))
+                    for sampling in args.sampling:
+                        out.append(({**common, "config": config, "impl": impl, "param_dtype": param_dtype,
+                                     "command_buffers": buffers, "scan_layers": not args.unroll_layers,
+                                     "profile": args.profile, "sampling": sampling},
+                                    lm_bench.command_buffer_env(buffers)))
     return out
 
 
@@ -471,12 +492,12 @@ def user_xla_flags(record: dict) -> str:
 
 def record_key(record: dict) -> tuple:
     """What a record measured (a rerun replaces it): config, implementation, parameter dtype, command buffers,
-    for ours whether the layers were unrolled, the XLA flags it ran under and its decode step: "fused" or
+    for ours whether the layers were unrolled, the XLA flags it ran under, its decode step: "fused" or
     "composed" (records from when the fused step ran from some batch on carry that batch instead; None: records
-    from before the fused step existed)."""
+    from before the fused step existed), and its sampling (records without one were greedy)."""
     return (record["config"], record["impl"], record["param_dtype"], record.get("command_buffers"),
             record.get("scan_layers") is False, user_xla_flags(record),
-            record.get("fused_decode_min_batch", record.get("decode_step")))
+            record.get("fused_decode_min_batch", record.get("decode_step")), record.get("sampling", "greedy"))
 
 
 def main(argv=None) -> int:
@@ -486,8 +507,8 @@ def main(argv=None) -> int:
     path = args.out / "lm_decode_h200.json"
     records = []
     for job, env in jobs(args):
-        print(f"{job['config']} {job['impl']} {job['param_dtype']} command buffers {job['command_buffers']} ...",
-              flush=True)
+        print(f"{job['config']} {job['impl']} {job['param_dtype']} command buffers {job['command_buffers']} "
+              f"{job.get('sampling', '')} ...", flush=True)
         began = time.perf_counter()
         record = derive(lm_bench.run_worker(Path(__file__), job, env=env, timeout_s=args.worker_timeout))
         records.append(record)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-memory|decode|decode-matrix|command-buffers|lm-loss|conv-ncu [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-memory|decode|decode-matrix|command-buffers|lm-loss|conv-ncu [OUT]}
+part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 if [ "$part" = lm-step ] || [ "$part" = decode-matrix ]; then  # the peer's build needs the machine's CUDA
@@ -185,6 +185,13 @@ case $part in
     wait "$peer_build"
     step lm_decode_peer 200 python benchmarks/lm_decode.py --configs "${configs[@]}" --impls mamba_ssm \
       --param-dtypes "$dtype" --mamba-ssm .peers --causal-conv1d /tmp/ccsite --worker-timeout 120 --out "$out"
+    ;;
+  decode-sampling)  # what generate's sampling controls add per token (d1024-l24, bf16, batches 1 and 64): greedy,
+    # top-k, top-p (a sort of the vocabulary per token) and the repetition penalty (about 5 minutes)
+    export JAX_MAMBA2_AUTOTUNE=0
+    step lm_decode_sampling 400 python benchmarks/lm_decode.py --configs d1024-l24 --impls cutile \
+      --param-dtypes bfloat16 --batches 1 64 --prompt-lengths --sampling greedy top-k top-p penalty \
+      --worker-timeout 95 --out "$out"
     ;;
   command-buffers)  # the package's launches in XLA's command buffers (CUDA graphs): the GPU tests of the capture and
     # of the LM's decode (four launches per layer), then the decode step (d1024-l24, bf16, batches 1 and 64) with

@@ -33,6 +33,20 @@ def test_jobs_set_xla_flags_per_process_for_ours_only():
     assert "+WHILE,+CONDITIONAL" in envs[2] and envs[3] == ""
 
 
+def test_sampling_makes_a_job_of_ours_each_and_keys_the_record():
+    args = lm_decode.parse_args(["--configs", "d64-l1", "--impls", "cutile", "mamba_ssm", "--param-dtypes",
+                                 "bfloat16", "--sampling", "greedy", "top-p"])
+    assert [(j["impl"], j.get("sampling")) for j, _ in lm_decode.jobs(args)] == [
+        ("cutile", "greedy"), ("cutile", "top-p"), ("mamba_ssm", None)]
+    plain = {"config": "d64-l1", "impl": "cutile", "param_dtype": "bfloat16", "command_buffers": "default"}
+    assert lm_decode.record_key(plain) == lm_decode.record_key({**plain, "sampling": "greedy"})  # older records
+    assert lm_decode.record_key({**plain, "sampling": "top-p"}) != lm_decode.record_key(plain)
+    assert lm_decode.label({**plain, "sampling": "top-p"}).endswith(", top-p")
+    sampled = lm_decode._controls({"sampling": "top-p"})
+    assert sampled["top_p"] == 0.9 and sampled["temperature"] == 1.0 and "rng" in sampled
+    assert lm_decode._controls({"sampling": "penalty"}) == {"repetition_penalty": 1.2}
+
+
 @pytest.mark.slow
 def test_unroll_layers_reaches_ours_and_keys_the_record():
     args = lm_decode.parse_args(["--configs", "d64-l1", "--impls", "cutile", "mamba_ssm", "--unroll-layers",
@@ -54,9 +68,11 @@ def test_unroll_layers_reaches_ours_and_keys_the_record():
 def test_the_jax_worker_writes_step_times_prefill_and_floors(tmp_path):
     argv = ["--configs", "d64-l1", "--impls", "xla", "--param-dtypes", "bfloat16", "--batches", "1", "2",
             "--prompt-lengths", "32", "--decode-steps", "64", "--repeats", "2", "--warmup-seconds", "0",
-            "--command-buffers", "off", "--profile", "--out", str(tmp_path)]
+            "--command-buffers", "off", "--profile", "--sampling", "greedy", "top-p", "--out", str(tmp_path)]
     assert lm_decode.main(argv) == 0
-    (record,) = json.loads((tmp_path / "lm_decode_h200.json").read_text())["records"]
+    record, sampled = json.loads((tmp_path / "lm_decode_h200.json").read_text())["records"]
+    assert sampled["error"] is None and sampled["sampling"] == "top-p", sampled.get("log_tail")
+    assert sampled["batches"]["2"]["ms_per_token"] is not None
     assert record["error"] is None, record.get("log_tail")
     assert record["xla_flags"].endswith("--xla_gpu_enable_command_buffer=")
     assert set(record["batches"]) == {"1", "2"} and set(record["prefill_ms"]) == {"32"}
