@@ -3,6 +3,8 @@
 The logits processing is checked against a NumPy transcription of HF transformers' processors (float64), the
 sampled frequencies against the processed distribution, and generate's tokens against the uncached forward.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -243,11 +245,19 @@ def test_generate_samples_the_same_tokens_until_eos_with_the_same_key(tiny_confi
     np.testing.assert_array_equal(got, ended_at_eos(free, eos, 1))
 
 
-@pytest.mark.parametrize("controls", [dict(), dict(repetition_penalty=1.5)], ids=["greedy", "penalty"])
-def test_generate_left_padded_prompts_of_different_lengths_like_each_alone(tiny_config, controls):
+@pytest.mark.parametrize("controls, variant", [
+    (dict(), "fused"), (dict(repetition_penalty=1.5), "fused"), (dict(), "mlp_branch_unrolled"),
+], ids=["greedy", "penalty", "composed_step_per_layer_caches"])
+def test_generate_left_padded_prompts_of_different_lengths_like_each_alone(tiny_config, controls, variant):
     """Rows of 1, 2 (shorter than the conv window), 5 and 7 prompt ids, left-padded with ids the model never
-    reads (out of range too): each row's tokens are those of its prompt generated alone."""
-    model = _model(tiny_config)
+    reads (out of range too): each row's tokens are those of its prompt generated alone; also for a mixer with
+    the MLP branch, unrolled (the composed step, one cache per layer)."""
+    if variant == "fused":
+        model = _model(tiny_config)
+    else:
+        config = dataclasses.replace(tiny_config, ssm_cfg={**tiny_config.ssm_cfg, "d_ssm": tiny_config.d_model})
+        model = Mamba2LMHeadModel(config, backend="xla", scan_layers=False, rngs=nnx.Rngs(0))
+        assert not model.layers.mixer.decodes_fused()
     lengths = [1, 2, 5, 7]
     prompts = [np.asarray(_token_ids(tiny_config, seed=10 + i, shape=(1, n)))[0] for i, n in enumerate(lengths)]
     padded = np.stack([np.concatenate([np.full(7 - len(p), 999 if i % 2 else 3), p]) for i, p in enumerate(prompts)])
