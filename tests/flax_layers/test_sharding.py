@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_mamba2.flax_layers import Mamba2LMHeadModel, shard_model
+from jax_mamba2.flax_layers import Mamba2LMHeadModel, generate, shard_model
 from jax_mamba2.flax_layers.partition import HeadShard, Segment
 
 BATCH, SEQLEN = 4, 12
@@ -99,6 +99,15 @@ def test_shard_model_packed_sequences_match_single_device(tiny_config, mesh):
     for got, want in zip(jax.tree.leaves(nnx.jit(prefill)(model, sharded_ids, sharded_seq_idx)),
                          jax.tree.leaves(expected_prefill)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_shard_model_generates_left_padded_prompts_like_one_device(tiny_config, mesh):
+    """generate(prompt_lengths=) on the head-parallel model (the composed step): the one-device tokens."""
+    prompt = np.asarray(jax.random.randint(jax.random.key(1), (BATCH, 7), 0, tiny_config.vocab_size))
+    model = _model(tiny_config)
+    want = np.asarray(generate(model, prompt, 5, prompt_lengths=[1, 3, 7, 2]))
+    shard_model(model, mesh)
+    np.testing.assert_array_equal(generate(model, prompt, 5, prompt_lengths=[1, 3, 7, 2]), want)
 
 
 def test_shard_model_rejects_unsplittable_models(tiny_config, mesh):
