@@ -254,11 +254,10 @@ def _verdict(checked, same_on_every_shard: bool) -> jax.Array:
     return finite & _all_finite(shared) if shared else finite
 
 
-def _kernels_unless(static: SSDStatic, finite: Optional[jax.Array], kernels: Callable, recompute: Callable,
-                    *operands):
+def _kernels_unless(finite: Optional[jax.Array], kernels: Callable, recompute: Callable, *operands):
     """kernels(*operands) when `finite` (the verdict on what the kernels consume) holds, else recompute(*operands),
-    which returns arrays of the same types; kernels(*operands) unchecked without `static.check_finite`."""
-    if not static.check_finite:
+    which returns arrays of the same types; kernels(*operands) unchecked when finite is None (no check_finite)."""
+    if finite is None:
         return kernels(*operands)
     return jax.lax.cond(finite, kernels, recompute, *operands)
 
@@ -303,7 +302,7 @@ def _xla_vjp_by_rows(inputs: SSDInputs, static: SSDStatic, dy, dfinal):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _opaque_ssd(backend: registry.Backend, static: SSDStatic, inputs: SSDInputs):
     finite = _verdict(inputs, False) if static.check_finite else None
-    return _kernels_unless(static, finite, lambda inputs: backend.forward(inputs, static),
+    return _kernels_unless(finite, lambda inputs: backend.forward(inputs, static),
                            lambda inputs: _xla_forward_by_rows(inputs, static), inputs)
 
 
@@ -320,7 +319,7 @@ def _opaque_ssd_fwd(backend, static, inputs):
         return _xla_forward_by_rows(inputs, static), _zeros_like_result(lambda inputs: kernels(inputs)[1], inputs)
     # The verdict on the inputs is saved: the backward checks only its cotangents.
     finite = _verdict(inputs, False) if static.check_finite else None
-    outputs, saved = _kernels_unless(static, finite, kernels, recompute, inputs)
+    outputs, saved = _kernels_unless(finite, kernels, recompute, inputs)
     return outputs, (inputs, saved, finite)
 
 
@@ -341,7 +340,7 @@ def _opaque_ssd_bwd(backend, static, residuals, cotangents):
     finite = None
     if static.check_finite:
         finite = _on_every_shard(inputs_finite) & _verdict((dy, dfinal), True)
-    return (_kernels_unless(static, finite, kernels, recompute, inputs, dy, dfinal, saved),)
+    return (_kernels_unless(finite, kernels, recompute, inputs, dy, dfinal, saved),)
 
 
 _opaque_ssd.defvjp(_opaque_ssd_fwd, _opaque_ssd_bwd)

@@ -30,10 +30,10 @@ def project(inputs, kernel, preferred_element_type=None, *, dtype=None):
     size 1) is computed as the first row of a two-row product (see the module docstring). With `dtype`, both
     operands are converted to it first, the kernel's conversion not kept for the backward pass.
     """
-    if dtype is not None and jnp.dtype(dtype) != kernel.dtype:
-        return _convert_and_project(inputs.astype(dtype), kernel, jnp.dtype(dtype), preferred_element_type)
     if dtype is not None:
         inputs = inputs.astype(dtype)
+        if kernel.dtype != jnp.dtype(dtype):
+            return _convert_and_project(inputs, kernel, jnp.dtype(dtype), preferred_element_type)
     rows = math.prod(inputs.shape[:-1])
     if rows != 1:
         return jnp.einsum("...d,de->...e", inputs, kernel, preferred_element_type=preferred_element_type)

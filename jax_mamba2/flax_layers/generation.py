@@ -199,12 +199,12 @@ def _start(graphdef, state, prompt_ids, prompt_lengths, key, sampling, end) -> _
     model = nnx.merge(graphdef, state)
     vocab_size = model.config.vocab_size
     batch, prompt_len = prompt_ids.shape
-    prompt, seq_idx = prompt_ids, None
-    if prompt_lengths is not None:  # the left padding: sequence 0 of each row, its ids 0 (-1 for the penalty)
+    prompt, seq_idx, seen_ids = prompt_ids, None, prompt_ids
+    if prompt_lengths is not None:  # the left padding: sequence 0 of each row, its ids 0 (-1: not seen)
         in_prompt = _in_prompt(prompt_len, prompt_lengths)
         prompt, seq_idx = jnp.where(in_prompt, prompt_ids, 0), in_prompt.astype(jnp.int32)
-    seen = (sampling_rule.mark_seen(jnp.zeros((batch, vocab_size), bool),
-                                    prompt if seq_idx is None else jnp.where(in_prompt, prompt, -1))
+        seen_ids = jnp.where(in_prompt, prompt_ids, -1)
+    seen = (sampling_rule.mark_seen(jnp.zeros((batch, vocab_size), bool), seen_ids)
             if sampling.penalizes_repeats else None)
     # With seq_idx the cache is the prompt's alone (`Mamba2.prefill`: the padding's conv columns zeroed).
     hidden, residual, cache = model._scan_layers_with_cache("prefill", prompt, None, seq_idx=seq_idx)

@@ -237,9 +237,8 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
     Equals `optax.softmax_cross_entropy_with_integer_labels(logits[..., :vocab_size], labels)` averaged over
     the tokens whose label is not `ignore_index` (as torch's / HF's CrossEntropyLoss(ignore_index=-100)), or
     summed, or per token (`reduction`), with float32 logits, and its gradient, without holding more than one
-    chunk's logits. Composes with jit,
-    grad, vmap, jax.checkpoint and shard_map (tokens split over a data axis: each shard's mean; the weight
-    gradient is summed over the shards it is replicated on).
+    chunk's logits. Composes with jit, grad, vmap, jax.checkpoint and shard_map (tokens split over a data axis:
+    each shard's mean; the weight gradient is summed over the shards it is replicated on).
 
     Args:
       hidden: (..., d) float, the final hidden states.

@@ -18,21 +18,25 @@ import jax.numpy as jnp
 import numpy as np
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["values"], meta_fields=["sample", "top_k"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["values"], meta_fields=["top_k"])
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """The next-token rule of one `generate` call (see `make_sampling` for the checked constructor).
 
     Attributes:
-      sample: False for greedy decoding (argmax), True to draw from the processed distribution.
-      top_k: None, or how many of the most likely tokens stay candidates (sampling only; static: the size of
-        `lax.top_k`).
-      values: the float32 scalars of the steps that run, by name: "temperature" (sampling), "top_p", "min_p"
-        (sampling), "repetition_penalty" (either mode). A step whose name is absent does not run.
+      top_k: None, or how many of the most likely tokens stay candidates, with those tied with the k-th (sampling
+        only; static: the size of `lax.top_k`).
+      values: the float32 scalars of the steps that run, by name: "temperature" (sampling: without it the rule is
+        greedy), "top_p", "min_p" (sampling), "repetition_penalty" (either mode). A step whose name is absent
+        does not run.
     """
-    sample: bool
     top_k: int | None
     values: dict
+
+    @property
+    def sample(self) -> bool:
+        """False for greedy decoding (argmax), True to draw from the processed distribution."""
+        return "temperature" in self.values
 
     @property
     def penalizes_repeats(self) -> bool:
@@ -53,7 +57,7 @@ def _check_fraction(api: str, name: str, value, *, open_low: bool) -> float:
     low_ok = value > 0 if open_low else value >= 0
     if math.isnan(value) or not low_ok or value > 1:
         raise ValueError(f"{api}: {name}={value!r} must be in {'(0' if open_low else '[0'}, 1]")
-    return float(value)
+    return value
 
 
 def make_sampling(api: str, vocab_size: int, *, temperature=0.0, top_k=None, top_p=None, min_p=None,
@@ -91,7 +95,7 @@ def make_sampling(api: str, vocab_size: int, *, temperature=0.0, top_k=None, top
         values = {}
     if repetition_penalty != 1:
         values["repetition_penalty"] = float(repetition_penalty)
-    return Sampling(sample, int(top_k) if sample and top_k is not None else None,
+    return Sampling(int(top_k) if sample and top_k is not None else None,
                     {name: jnp.float32(value) for name, value in values.items()})
 
 
