@@ -1,18 +1,32 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]
+#   bash benchmarks/tools/gpu_session.sh peer-build|suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]}
+part=${1:?usage: gpu_session.sh peer-build|suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
-if [ "$part" = lm-step ] || [ "$part" = decode-matrix ]; then  # the peer's build needs the machine's CUDA
-  # toolkit, which gpu-env.sh hides
-  ( cd .peers && CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=16 NVCC_THREADS=2 timeout 420 python3 -m pip install \
-      --no-build-isolation --no-deps --no-index ./cc --target /tmp/ccsite > "$out/causal_conv1d_build.log" 2>&1 ) &
-  peer_build=$!
+# causal_conv1d for the peer, built once per machine into /tmp/ccsite (a marker file says it is done). Its build needs
+# the machine's CUDA toolkit, which gpu-env.sh hides. "peer-build" starts it detached (it outlives the call, so the
+# next call on the warm machine finds it done); lm-step and decode-matrix start it in the background if it is not.
+build_peer() {
+  ( cd .peers && CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=${MAX_JOBS:-16} NVCC_THREADS=2 timeout 480 python3 -m pip \
+      install --no-build-isolation --no-deps --no-index ./cc --target /tmp/ccsite > /tmp/causal_conv1d_build.log 2>&1 \
+    && touch /tmp/ccsite.done )
+}
+wait_peer() {  # waits up to 8 minutes for the build, wherever it was started
+  local waited=0
+  while [ ! -e /tmp/ccsite.done ] && [ $waited -lt 480 ]; do sleep 5; waited=$((waited + 5)); done
+  cp /tmp/causal_conv1d_build.log "$out/" 2>/dev/null
+}
+if [ "$part" = peer-build ]; then
+  [ -e /tmp/ccsite.done ] || MAX_JOBS=8 setsid bash -c "$(declare -f build_peer); build_peer" < /dev/null > /dev/null 2>&1 &
+  exit 0
+fi
+if { [ "$part" = lm-step ] || [ "$part" = decode-matrix ]; } && [ ! -e /tmp/ccsite.done ] && ! pgrep -f ccsite > /dev/null; then
+  build_peer &
 fi
 source .gpu/gpu-env.sh >/dev/null || exit 1
 # The device copy of the tree has no .git: pass the commit, JAX_MAMBA2_GIT_SHA=$(git rev-parse --short HEAD).
@@ -132,7 +146,7 @@ case $part in
       --no-check-finite --worker-timeout 160 --out "$out"
     step lm_step_scan 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --no-profile \
       --worker-timeout 100 --out "$out"
-    wait "$peer_build"
+    wait_peer
     step lm_step_peer 170 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls mamba_ssm --mamba-ssm .peers \
       --causal-conv1d /tmp/ccsite --worker-timeout 160 --out "$out"
     step lm_step_unrolled 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --unroll-layers \
@@ -182,7 +196,7 @@ case $part in
     step decode_gpu_tests 100 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider tests/flax_layers/test_decode_gpu.py
     step lm_decode_ours 200 python benchmarks/lm_decode.py --configs "${configs[@]}" --impls cutile \
       --param-dtypes "$dtype" --worker-timeout 120 --out "$out"
-    wait "$peer_build"
+    wait_peer
     step lm_decode_peer 200 python benchmarks/lm_decode.py --configs "${configs[@]}" --impls mamba_ssm \
       --param-dtypes "$dtype" --mamba-ssm .peers --causal-conv1d /tmp/ccsite --worker-timeout 120 --out "$out"
     ;;
