@@ -397,13 +397,18 @@ def _fmt(value, spec: str) -> str:
 
 def plot(records: list[dict], path: Path) -> Path:
     """A panel per config: tokens/s against batch (log-log), a line per implementation and parameter dtype (its
-    latest record: the last in `records` of each (config, impl, parameter dtype)), the weights floor of each
+    latest greedy record with the layer scan and command buffers as XLA defaults them), the weights floor of each
     parameter dtype dashed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    latest = {(r["config"], r["impl"], r["param_dtype"]): r for r in records if not r.get("error")}
+    plain = [r for r in records if not r.get("error") and r.get("sampling", "greedy") == "greedy"
+             and r.get("command_buffers") in (None, "default") and r.get("scan_layers") is not False
+             and not user_xla_flags(r)]
+    latest = {}
+    for r in sorted(plain, key=lambda r: r.get("environment", {}).get("date", "")):
+        latest[r["config"], r["impl"], r["param_dtype"]] = r
     records = list(latest.values())
     configs = list(dict.fromkeys(r["config"] for r in records))
     fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4.6), squeeze=False)
