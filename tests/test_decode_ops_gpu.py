@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jax_mamba2
 from jax_mamba2 import backends, decode
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, generate
 from tests._helpers import rel_l2
@@ -64,6 +65,31 @@ def test_mixer_step_matches_float64_reference(name, backend):
     want = mixer_oracle(case, arrays)
     others = [i for i in range(case.layers) if i != case.layer]
     np.testing.assert_array_equal(np.asarray(got["ssm_state"])[others], arrays["ssm_state"][others])
+    errors = {k: rel_l2(got[k], want[k]) for k in want}
+    assert max(errors.values()) < TOLERANCE[case.dtype], errors
+
+
+def test_mixer_step_indexes_a_state_stack_past_int32_with_64_bit_offsets():
+    """mamba2-370m's SSM state stack at 256 rows has 3.2e9 elements: the step launches its int64-indexed kernel.
+    Here a bf16 stack of 2^31 + 2^24 elements (4.3 GB), stepped at its last layer (offsets past 2^31), matches the
+    float64 reference of that layer alone, and a layer below it keeps its state."""
+    case = MixerCase(rows=64, nheads=32, headdim=64, ngroups=1, dstate=128, layers=1, layer=0, dtype="bfloat16",
+                     state_dtype="bfloat16")
+    arrays = mixer_inputs(case, seed=43)
+    layers = (1 << 31) // (case.rows * case.nheads * case.headdim * case.dstate) + 1
+    stacked = {k: None if v is None else jnp.concatenate([jnp.broadcast_to(jnp.asarray(v)[:1] * 0.5,
+                                                                           (layers - 1, *v.shape[1:])),
+                                                          jnp.asarray(v)])
+               for k, v in arrays.items() if k != "zxbcdt"}
+    assert stacked["ssm_state"].size > 1 << 31
+    below = np.asarray(stacked["ssm_state"][layers - 2, :2])
+    y, ssm_state, conv_state = jax_mamba2.mixer_step(
+        jnp.asarray(arrays["zxbcdt"]), *(stacked[k] for k in ("conv_state", "ssm_state", "conv_weight", "conv_bias",
+                                                              "A_log", "dt_bias", "D")),
+        **case.layout(), layer=layers - 1, backend="cutile")
+    want = mixer_oracle(case, arrays)
+    got = {"y": y, "ssm_state": ssm_state[layers - 1:], "new_conv_state": conv_state}
+    np.testing.assert_array_equal(np.asarray(ssm_state[layers - 2, :2]), below)
     errors = {k: rel_l2(got[k], want[k]) for k in want}
     assert max(errors.values()) < TOLERANCE[case.dtype], errors
 

@@ -20,7 +20,9 @@ Mirrors `jax_mamba2.decode_reference.mixer_step`. Per row b, head h of group g =
 
 xBC, dt and z are columns of in_proj's output zxbcdt (M, IN_WIDTH), read where they lie (no slice of it is
 copied): xBC from XBC_OFFSET, dt from DT_OFFSET, z from Z_OFFSET. As everywhere in the decode kernels, the
-per-layer arrays are the model's stacks (leading (L,) axis) indexed by layer_index.
+per-layer arrays are the model's stacks (leading (L,) axis) indexed by layer_index. The two state stacks grow with
+layers x rows (mamba2-370m's SSM state at 256 rows: 3.2e9 elements), so the kernel comes int32- and int64-indexed
+(`needs_int64_index`).
 
 Grid (M * H, P / BLOCK_P). A block convolves its BLOCK_P channels of x and, for the update, all 2 N channels of
 its group's B and C (every block of the group recomputes them: d_conv multiply-adds each); the first block of a
@@ -42,8 +44,8 @@ from typing import Optional
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    SM90_SMS, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, dt_transform, is_power_of_2,
-    next_power_of_2, silu_gate, with_hints)
+    SM90_SMS, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, dt_transform, index_width_variant,
+    int64_index_kernels, is_power_of_2, next_power_of_2, silu_gate)
 from jax_mamba2.kernels.rms_norm import sigmoid
 from jax_mamba2.kernels.state_update import state_step
 
@@ -132,12 +134,14 @@ def mixer_step_default_config(dims: MixerStepDims) -> MixerStepConfig:
     blocks per SM of an H200 (264), half heads (32 rows) from one per SM (132), else about 2K state values per
     block, as `ssd_step`'s kernel. Occupancy 4: the fastest config of every batch measured had it (docs/design.md,
     "Decode"); so a block's state tile stays within MAX_STATE_TILE_BYTES, which keeps 4 blocks' shared memory
-    within an SM (a whole head of an f32 state, 64 x 128, would take 83.7 KB: 2 blocks per SM)."""
+    within an SM (a whole head of an f32 state, 64 x 128, would take 83.7 KB: 2 blocks per SM). With 64-bit
+    offsets a 64-row block needs more than occupancy 4's 64 registers per thread (48 bytes of stack at 64 x 128
+    bf16): occupancy 3 there."""
     heads = dims.rows * dims.nheads
     if heads >= SM90_SMS:
         rows_that_fit = MAX_STATE_TILE_BYTES // (dims.dstate * (4 if dims.ssm_state_dtype == "float32" else 2))
         block_p = min(dims.headdim, 64 if heads >= 2 * SM90_SMS else 32, max(16, rows_that_fit))
-        return MixerStepConfig(BLOCK_P=block_p, OCCUPANCY=4)
+        return MixerStepConfig(BLOCK_P=block_p, OCCUPANCY=3 if block_p == 64 and needs_int64_index(dims) else 4)
     return MixerStepConfig(BLOCK_P=min(dims.headdim, 64, max(4, 2048 // dims.dstate)))
 
 
@@ -158,10 +162,12 @@ def mixer_step_unsupported_reason(dims: MixerStepDims) -> Optional[str]:
     if dims.has_sum_squares and (dims.has_z or dims.norm_z_offset % dims.headdim):
         return (f"the norm's gate offset {dims.norm_z_offset} must be a multiple of headdim={dims.headdim}, "
                 f"with no gate in the step (z_offset None)")
-    largest = dims.layers * dims.rows * dims.d_ssm * dims.dstate
-    if largest > _INT32_MAX:
-        return f"an SSM state stack of {largest} elements needs 64-bit indices, which the decode kernels do not take"
     return None
+
+
+def needs_int64_index(dims: MixerStepDims) -> bool:
+    """Whether a state stack of `dims` has 2^31 or more elements, so that int32 offsets into it could overflow."""
+    return dims.layers * dims.rows * max(dims.d_ssm * dims.dstate, dims.conv_dim * dims.d_conv) > _INT32_MAX
 
 
 def _conv_silu(zxbcdt, conv_state, conv_weight, conv_bias, layer, b, channel_block, column_block, WIDTH, D_CONV,
@@ -190,13 +196,13 @@ def _conv_silu(zxbcdt, conv_state, conv_weight, conv_bias, layer, b, channel_blo
 def mixer_step_kernel(
     layer_index,        # (1,) int32
     zxbcdt,             # (M, IN_WIDTH) T
-    conv_state,         # (L, M, CONV_DIM, D_CONV) Tc
+    conv_state: Big,    # (L, M, CONV_DIM, D_CONV) Tc
     conv_weight,        # (L, D_CONV, CONV_DIM) in its dtype
     conv_bias,          # (L, CONV_DIM) in its dtype, or a dummy without HAS_CONV_BIAS
     A_log,              # (L, H) in its dtype
     dt_bias,            # (L, H) in its dtype
     D,                  # (L, H, P) with D_PER_CHANNEL, else (L, H); in its dtype
-    ssm_state,          # (L, M, H, P, N) Ts, read and written in place
+    ssm_state: Big,     # (L, M, H, P, N) Ts, read and written in place
     new_conv_state,     # (M, CONV_DIM, D_CONV) Tc, written
     y,                  # (M, H, P) T, or f32 with SUM_SQUARES (the norm's input), written
     sum_squares,        # (M, H * P / BLOCK_P) f32, written with SUM_SQUARES, else a dummy
@@ -275,7 +281,7 @@ def mixer_step_kernel(
     ct.store(y, index=(b, h, pb), tile=y_p.reshape((1, 1, BLOCK_P)).astype(y.dtype))
 
 
-MIXER_STEP_KERNEL = ct.kernel(mixer_step_kernel)
+MIXER_STEP_KERNELS = int64_index_kernels(mixer_step_kernel)
 
 
 def mixer_step_inputs(dims: MixerStepDims) -> dict[str, Buffer]:
@@ -313,7 +319,7 @@ def mixer_step_plan(dims: MixerStepDims, cfg: Optional[MixerStepConfig] = None) 
     parts = sum_squares_parts(dims, cfg)
     dt_min, dt_max = (float(v) for v in dims.dt_limit)
     launch = Launch(
-        kernel=with_hints(MIXER_STEP_KERNEL, occupancy=cfg.OCCUPANCY),
+        kernel=index_width_variant(MIXER_STEP_KERNELS, needs_int64_index(dims), occupancy=cfg.OCCUPANCY),
         grid=(dims.rows * dims.nheads, dims.headdim // cfg.BLOCK_P),
         args=("layer_index", "zxbcdt", "conv_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D",
               "ssm_state", "new_conv_state", "y", SUM_SQUARES_OUTPUT, dims.ngroups, dims.dstate, cfg.BLOCK_P,

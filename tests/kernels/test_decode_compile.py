@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-pytest.importorskip("cuda.tile")
+ct = pytest.importorskip("cuda.tile")
 
 from benchmarks.tools.sass import resource_usage  # noqa: E402
 from jax_mamba2.flax_layers.mamba2 import GATED_NORM_IN_MIXER_ROWS  # noqa: E402
@@ -138,3 +138,16 @@ def test_the_normalizing_product_leaves_the_gate_to_the_mixer_step():
               for form, dims in sass.decode_out_proj_forms(1).items()}
     assert counts["mixer_gated"]["MUFU"] <= counts["plain"]["MUFU"] + 8 < counts["gated"]["MUFU"], counts
     assert counts["mixer_gated"]["instructions"] < 0.6 * counts["gated"]["instructions"], counts
+
+
+def test_the_mixer_step_takes_64_bit_offsets_into_stacks_past_int32():
+    """mamba2-370m's SSM state stack at 256 rows (48 layers x 256 x 2048 x 128 = 3.2e9 elements) would overflow
+    int32 offsets: its plan launches the int64-indexed kernel, which compiles spill-free; 24 layers stay int32."""
+    dims = dataclasses.replace(_mixer(256, "bfloat16"), layers=48)
+    assert decode_mixer.needs_int64_index(dims) and not decode_mixer.needs_int64_index(_mixer(256, "bfloat16"))
+    assert decode_mixer.mixer_step_unsupported_reason(dims) is None
+    plan = decode_mixer.mixer_step_plan(dims)
+    annotations = plan.launches[0].kernel._annotated_function.pyfunc.__annotations__
+    assert annotations["ssm_state"] is ct.IndexedWithInt64 and annotations["conv_state"] is ct.IndexedWithInt64
+    _assert_spill_free({"mixer int64": plan_cubins((plan, decode_mixer.mixer_step_inputs(dims)))[
+        "mixer_step_kernel"]})
