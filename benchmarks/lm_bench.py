@@ -39,41 +39,26 @@ COPY_BYTES = 1 << 30
 # XLA's command buffers (CUDA graphs) per process, as XLA_FLAGS: as XLA defaults them, off, or extended to
 # loops and conditionals (the decode loop; the SSD's non-finite guards and the loss's chunk loops of a training
 # step), which otherwise run from the host between graphs (a conditional reads its predicate back first).
+# "host_custom_calls" keeps XLA's defaults but launches every custom call (ours) from the host: XLA forms its
+# command buffers from the program's thunks after the HLO, so no HLO text says which launches it records, and
+# "host_custom_calls" against "default" measures what recording ours saves.
 COMMAND_BUFFER_FLAGS = {
     "default": "",
     "off": "--xla_gpu_enable_command_buffer=",
     "loop": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1",
+    "host_custom_calls": "--xla_gpu_enable_command_buffer=-CUSTOM_CALL",
 }
-
-
-_HLO_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+# Compile options (which take no "+"/"-" edits of the defaults) that let XLA record every kind of command, loops and
+# conditionals included.
+RECORD_EVERY_COMMAND = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
 _KERNEL_NAME = re.compile(r'function_name\s*=\s*\\?"([^"\\]+)')
-# What XLA names the computations it outlines as command buffers (each recorded into one CUDA graph).
-COMMAND_BUFFER_COMPUTATION = "command_buffer"
 
 
-def launch_computations(hlo_text: str, target: str) -> list[tuple[str, str]]:
-    """(kernel symbol, name of the HLO computation holding it) of every custom call to `target` (a cuTile launch
-    target) in an HLO module's text; in a compiled module the launches XLA records into its command buffers lie in
-    computations named COMMAND_BUFFER_COMPUTATION...."""
-    found, computation = [], ""
-    for line in hlo_text.splitlines():
-        header = _HLO_COMPUTATION.match(line)
-        if header:
-            computation = header.group(1)
-        elif f'custom_call_target="{target}"' in line:
-            found.append((_KERNEL_NAME.search(line).group(1), computation))
-    return found
-
-
-def command_buffer_launches(hlo_text: str) -> dict:
-    """Of jax_mamba2's cuTile launches in a compiled program's HLO text: how many there are and how many of them XLA
-    records into command buffers."""
-    from jax_mamba2.bridge.aot import CUTILE_CUSTOM_CALL
-
-    computations = [c for _, c in launch_computations(hlo_text, CUTILE_CUSTOM_CALL)]
-    return {"launches": len(computations),
-            "in_command_buffers": sum(c.startswith(COMMAND_BUFFER_COMPUTATION) for c in computations)}
+def cutile_launches(hlo_text: str, target: str) -> list[str]:
+    """The kernel symbol of every custom call to `target` (a cuTile launch target) in an HLO module's text, in the
+    order of the text."""
+    return [_KERNEL_NAME.search(line).group(1) for line in hlo_text.splitlines()
+            if f'custom_call_target="{target}"' in line]
 
 
 def command_buffer_env(buffers: str) -> dict:

@@ -12,8 +12,10 @@ Implementations (--impls):
                step time is the difference of generate with 1 and with 1 + --decode-steps new tokens (the
                prefill and the first token cancel), divided by --decode-steps. --command-buffers runs each
                of them with XLA's command buffers (CUDA graphs) as XLA defaults them ("default"), off
-               ("off": --xla_gpu_enable_command_buffer=) or extended to the decode loop itself ("loop":
-               +WHILE,+CONDITIONAL, --xla_gpu_graph_min_graph_size=1), each in its own process.
+               ("off": --xla_gpu_enable_command_buffer=), extended to the decode loop itself ("loop":
+               +WHILE,+CONDITIONAL, --xla_gpu_graph_min_graph_size=1) or as XLA defaults them but with every
+               custom call (ours) launched from the host ("host_custom_calls": -CUSTOM_CALL), each in its own
+               process.
   mamba_ssm    mamba_ssm's `Mamba2.step` for every layer (`allocate_inference_cache`, with causal_conv1d's
                update kernel when --causal-conv1d is given) in a PyTorch LM of the same shape
                (benchmarks/torch_lm.py), one token step with its greedy argmax captured once in a
@@ -187,7 +189,7 @@ def decode_ours(job: dict) -> dict:
     vocab = model.config.vocab_size
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
     state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(model.init_cache(1)))
-    batches, command_buffer_launches, controls = {}, None, _controls(job)
+    batches, controls = {}, _controls(job)
     for batch in job["batches"]:
         prompt = jax.random.randint(jax.random.key(batch), (batch, PROMPT_TOKENS), 0, vocab, jnp.int32)
         first_s, short_ms = _timed_generate(model, prompt, 1, job["repeats"], job["warmup_seconds"], controls)
@@ -203,9 +205,6 @@ def decode_ours(job: dict) -> dict:
                        error="the decode steps are within the prefill's timing noise: raise --decode-steps")
         if job.get("profile"):
             row["profile"] = _profile_generate(model, prompt, job["decode_steps"], controls)
-        if command_buffer_launches is None:  # what XLA records into command buffers: the same at every batch
-            compiled, _ = _compiled_generate(model, prompt, 1 + job["decode_steps"], controls)
-            command_buffer_launches = lm_bench.command_buffer_launches(compiled.as_text())
         batches[str(batch)] = row
     prefill = {}
     for length in job["prompt_lengths"]:
@@ -213,8 +212,7 @@ def decode_ours(job: dict) -> dict:
         _, prefill[str(length)] = _timed_generate(model, prompt, 1, job["repeats"], job["warmup_seconds"], controls)
     peak = lm_bench.jax_peak_bytes()
     del model
-    return {"batches": batches, "prefill_ms": prefill, "weight_bytes": weight_bytes,
-            "decode_step": decode_step, "command_buffer_launches": command_buffer_launches,
+    return {"batches": batches, "prefill_ms": prefill, "weight_bytes": weight_bytes, "decode_step": decode_step,
             "state_bytes_per_row": state_bytes, "peak_memory_bytes": peak,
             "device_rates": lm_bench.jax_device_rates(), "environment": environment(),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
@@ -396,18 +394,18 @@ def _fmt(value, spec: str) -> str:
 
 
 def plot(records: list[dict], path: Path) -> Path:
-    """A panel per config: tokens/s against batch (log-log), a line per implementation and parameter dtype (its
-    latest greedy record with the layer scan and command buffers as XLA defaults them), the weights floor of each
-    parameter dtype dashed."""
+    """A panel per config: tokens/s against batch (log-log), a line per implementation and parameter dtype: its
+    latest record, preferring greedy ones with the layer scan, no XLA flags of the user's and command buffers as
+    XLA defaults them (each preference before the next); the weights floor of each parameter dtype dashed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plain = [r for r in records if not r.get("error") and r.get("sampling", "greedy") == "greedy"
-             and r.get("command_buffers") in (None, "default") and r.get("scan_layers") is not False
-             and not user_xla_flags(r)]
+    def preference(r):
+        return (r.get("sampling", "greedy") == "greedy", r.get("scan_layers") is not False, not user_xla_flags(r),
+                r.get("command_buffers") in (None, "default"), r.get("environment", {}).get("date", ""))
     latest = {}
-    for r in sorted(plain, key=lambda r: r.get("environment", {}).get("date", "")):
+    for r in sorted((r for r in records if not r.get("error")), key=preference):
         latest[r["config"], r["impl"], r["param_dtype"]] = r
     records = list(latest.values())
     configs = list(dict.fromkeys(r["config"] for r in records))

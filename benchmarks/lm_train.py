@@ -336,7 +336,6 @@ def train_ours(job: dict) -> dict:
                                                   "alias_size_in_bytes", "temp_size_in_bytes")},
         "environment": environment(), "xla_options": job.get("xla_options") or {},
         "logits_dtype": job.get("logits_dtype") if loss_impl == "model" else None,
-        "command_buffer_launches": lm_bench.command_buffer_launches(hlo_text),
     }
     if job.get("hlo_dir"):
         record["hlo_path"] = str(save_hlo(hlo_text, Path(job["hlo_dir"]), record_name(job)))
@@ -582,8 +581,9 @@ def parse_args(argv=None):
     parser.add_argument("--unroll-layers", action="store_true",
                         help="ours: Mamba2LMHeadModel(scan_layers=False), the blocks unrolled (default: one scan)")
     parser.add_argument("--command-buffers", choices=tuple(lm_bench.COMMAND_BUFFER_FLAGS), default="default",
-                        help="ours: XLA's command buffers as XLA defaults them, off, or also over loops and "
-                             "conditionals (the non-finite guards, the loss's chunk loops) (default: default)")
+                        help="ours: XLA's command buffers as XLA defaults them, off, also over loops and "
+                             "conditionals (the non-finite guards, the loss's chunk loops), or as XLA defaults them "
+                             "but with our launches from the host (default: default)")
     parser.add_argument("--loss-backend", choices=("xla", "cutile", "cutile_callback", "auto"), default="xla",
                         help="ours: Mamba2LMHeadModel(loss_backend=), where the loss's softmax runs (default: xla)")
     parser.add_argument("--no-check-finite", action="store_true",

@@ -76,7 +76,6 @@ def test_the_jax_worker_writes_step_times_prefill_and_floors(tmp_path):
     assert record["error"] is None, record.get("log_tail")
     assert record["xla_flags"].endswith("--xla_gpu_enable_command_buffer=")
     assert set(record["batches"]) == {"1", "2"} and set(record["prefill_ms"]) == {"32"}
-    assert record["command_buffer_launches"] == {"launches": 0, "in_command_buffers": 0}  # the xla backend: no cuTile
     row = record["batches"]["2"]
     assert row["generate_long_ms"] > row["generate_1_ms"] > 0
     assert row["tokens_per_s"] == pytest.approx(2 / row["ms_per_token"] * 1e3)

@@ -119,7 +119,6 @@ def test_the_jax_worker_writes_a_record_table_and_plot(tmp_path, capsys):
     assert record["device_rates"]["matmul_tflops"] > 0 and record["mfu_measured"] > 0
     assert record["loss_first"] == pytest.approx(10.8, abs=0.5)  # ln(50280): a random model's loss
     assert record["memory_analysis"]["temp_size_in_bytes"] > 0
-    assert record["command_buffer_launches"] == {"launches": 0, "in_command_buffers": 0}  # the xla backend: no cuTile
     assert "busy_us" in record["profile"]  # the CPU trace has no GPU kernels: the categories stay empty
     assert record["hlo_path"] == str(tmp_path / "hlo" / f"{TINY}-xla.hlo.txt.gz")
     assert gzip.decompress((tmp_path / "hlo" / f"{TINY}-xla.hlo.txt.gz").read_bytes()).startswith(b"HloModule")
@@ -276,7 +275,7 @@ def test_the_speedup_takes_the_peer_of_ours_commit_where_there_is_one():
     assert lm_train._speedup([ours], "d8-l1-1x8") is None
 
 
-def test_command_buffer_launches_counts_the_package_s_launches_in_xla_s_command_buffers():
+def test_cutile_launches_lists_the_package_s_kernels_in_hlo_order():
     from jax_mamba2.bridge.aot import CUTILE_CUSTOM_CALL
 
     def launch(name, kernel, target=CUTILE_CUSTOM_CALL):
@@ -284,11 +283,10 @@ def test_command_buffer_launches_counts_the_package_s_launches_in_xla_s_command_
                 f'backend_config={{function_name = "{kernel}_Kt2_A1", grid_x = 1 : i32}}')
     hlo = "\n".join([
         "HloModule step", "",
-        "%command_buffer.3 (p: bf16[8]) -> bf16[8] {", launch("a", "norm_kernel"), launch("b", "mixer_kernel"), "}",
+        "%body.3 (p: bf16[8]) -> bf16[8] {", launch("a", "norm_kernel"), launch("b", "mixer_kernel"), "}",
         "", "ENTRY %main.7 (p: bf16[8]) -> bf16[8] {", launch("c", "norm_kernel"),
         launch("d", "other_kernel", target="cutile_launch"),
-        "  ROOT %call = bf16[8]{0} call(%p), to_apply=%command_buffer.3", "}"])
-    assert lm_bench.launch_computations(hlo, CUTILE_CUSTOM_CALL) == [
-        ("norm_kernel_Kt2_A1", "command_buffer.3"), ("mixer_kernel_Kt2_A1", "command_buffer.3"),
-        ("norm_kernel_Kt2_A1", "main.7")]
-    assert lm_bench.command_buffer_launches(hlo) == {"launches": 3, "in_command_buffers": 2}
+        "  ROOT %call = bf16[8]{0} call(%p), to_apply=%body.3", "}"])
+    assert lm_bench.cutile_launches(hlo, CUTILE_CUSTOM_CALL) == [
+        "norm_kernel_Kt2_A1", "mixer_kernel_Kt2_A1", "norm_kernel_Kt2_A1"]
+    assert lm_bench.cutile_launches(hlo, "cutile_launch") == ["other_kernel_Kt2_A1"]
