@@ -177,6 +177,23 @@ def _profile_generate(model, prompt, decode_steps: int, controls: dict) -> dict:
     return per_token_profile(*profiles, decode_steps)
 
 
+def _decode_batch(model, prompt, job: dict, controls: dict) -> dict:
+    """A batch's row: generate with 1 and 1 + decode_steps new tokens timed, the step time their difference."""
+    first_s, short_ms = _timed_generate(model, prompt, 1, job["repeats"], job["warmup_seconds"], controls)
+    _, long_ms = _timed_generate(model, prompt, 1 + job["decode_steps"], job["repeats"], job["warmup_seconds"],
+                                 controls)
+    step_ms = (long_ms - short_ms) / job["decode_steps"]
+    row = {"generate_1_ms": short_ms, "generate_long_ms": long_ms, "first_call_s": first_s}
+    if step_ms > 0:
+        row.update(ms_per_token=step_ms, tokens_per_s=prompt.shape[0] / step_ms * 1e3)
+    else:  # the decode steps took less than the timing noise of the prefill: no step time to report
+        row.update(ms_per_token=None, tokens_per_s=None,
+                   error="the decode steps are within the prefill's timing noise: raise --decode-steps")
+    if job.get("profile"):
+        row["profile"] = _profile_generate(model, prompt, job["decode_steps"], controls)
+    return row
+
+
 def decode_ours(job: dict) -> dict:
     import jax
     import jax.numpy as jnp
@@ -192,20 +209,11 @@ def decode_ours(job: dict) -> dict:
     batches, controls = {}, _controls(job)
     for batch in job["batches"]:
         prompt = jax.random.randint(jax.random.key(batch), (batch, PROMPT_TOKENS), 0, vocab, jnp.int32)
-        first_s, short_ms = _timed_generate(model, prompt, 1, job["repeats"], job["warmup_seconds"], controls)
-        _, long_ms = _timed_generate(model, prompt, 1 + job["decode_steps"], job["repeats"], job["warmup_seconds"],
-                                     controls)
-        step_ms = (long_ms - short_ms) / job["decode_steps"]
-        row = {"generate_1_ms": short_ms, "generate_long_ms": long_ms, "first_call_s": first_s,
-               "step": decode_step}
-        if step_ms > 0:
-            row.update(ms_per_token=step_ms, tokens_per_s=batch / step_ms * 1e3)
-        else:  # the decode steps took less than the timing noise of the prefill: no step time to report
-            row.update(ms_per_token=None, tokens_per_s=None,
-                       error="the decode steps are within the prefill's timing noise: raise --decode-steps")
-        if job.get("profile"):
-            row["profile"] = _profile_generate(model, prompt, job["decode_steps"], controls)
-        batches[str(batch)] = row
+        try:
+            batches[str(batch)] = {"step": decode_step, **_decode_batch(model, prompt, job, controls)}
+        except Exception as e:  # e.g. out of memory at the largest batch: the other batches' rows stay
+            batches[str(batch)] = {"step": decode_step, "ms_per_token": None, "tokens_per_s": None,
+                                   "error": f"{type(e).__name__}: {e}"[:1000]}
     prefill = {}
     for length in job["prompt_lengths"]:
         prompt = jax.random.randint(jax.random.key(length), (1, length), 0, vocab, jnp.int32)
@@ -373,7 +381,7 @@ def format_table(records: list[dict]) -> str:
         for i, (batch, row) in enumerate(r["batches"].items()):
             rows.append((r["config"], r["label"], batch, _fmt(row["ms_per_token"], ".3f"),
                          _fmt(row["tokens_per_s"], ",.0f"), _fmt(row.get("x_weights_floor"), ".1f"),
-                         prefill if i == 0 else ""))
+                         row["error"].splitlines()[0][:70] if row.get("error") else prefill if i == 0 else ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "-" * len(lines[0]))

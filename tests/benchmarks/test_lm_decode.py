@@ -126,3 +126,24 @@ def test_the_torch_decode_runs_the_peer_lm_with_a_stand_in_mixer(param_dtype):
     assert set(record["batches"]) == {"1", "3"} and record["prefill_ms"]["8"] > 0
     assert record["batches"]["3"]["ms_per_token"] > 0 and record["batches"]["3"]["floor"]["weights_ms"] > 0
     assert record["label"] == f"mamba_ssm Mamba2.step, CUDA graph (PyTorch), {param_dtype} params, no causal_conv1d"
+
+
+def test_a_batch_that_fails_keeps_the_other_batches_rows(monkeypatch):
+    """One batch's failure (say out of memory at the largest) is that batch's row, with its error; the others are
+    timed and the table shows both."""
+    timed = lm_decode._decode_batch
+
+    def decode_batch(model, prompt, job, controls):
+        if prompt.shape[0] == 2:
+            raise ValueError("no room for batch 2")
+        return timed(model, prompt, job, controls)
+    monkeypatch.setattr(lm_decode, "_decode_batch", decode_batch)
+    args = lm_decode.parse_args(["--configs", "d64-l1", "--impls", "xla", "--param-dtypes", "bfloat16", "--batches",
+                                 "1", "2", "--prompt-lengths", "--decode-steps", "64", "--repeats", "2",
+                                 "--warmup-seconds", "0"])
+    (job, _), = lm_decode.jobs(args)
+    record = lm_decode.derive({**job, **lm_decode.work(job), "error": None})
+    assert record["batches"]["1"]["ms_per_token"] is not None and "error" not in record["batches"]["1"]
+    assert record["batches"]["2"]["ms_per_token"] is None
+    assert record["batches"]["2"]["error"] == "ValueError: no room for batch 2"
+    assert "ValueError: no room for batch 2" in lm_decode.format_table([record])
