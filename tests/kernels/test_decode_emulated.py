@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-pytest.importorskip("cuda.tile")
+ct = pytest.importorskip("cuda.tile")
 
 from jax_mamba2.bridge import decode_ops  # noqa: E402
 from jax_mamba2.kernels import decode_mixer, decode_projection  # noqa: E402
@@ -166,6 +166,19 @@ def test_mixer_step_state_tiles_leave_the_values(block_p):
     arrays = mixer_inputs(case, seed=22)
     got = run_mixer(case, arrays, decode_mixer.MixerStepConfig(BLOCK_P=block_p))
     _assert_close(got, mixer_oracle(case, arrays), TOLERANCE[True])
+
+
+def test_the_int64_indexed_mixer_step_matches_float64_reference(monkeypatch):
+    """The kernel a state stack past int32 offsets launches (decode_mixer.needs_int64_index), here forced at a
+    small stack: the same values as the int32 one's."""
+    monkeypatch.setattr(decode_mixer, "needs_int64_index", lambda dims: True)
+    case = MIXER_CASES["gated_norm_mixer"]
+    arrays = mixer_inputs(case, seed=23)
+    dims = decode_ops.mixer_dims(*(arrays[k] for k in ("zxbcdt", "conv_state", "conv_weight", "conv_bias", "A_log",
+                                                       "dt_bias", "D", "ssm_state")), **case.layout())
+    kernel = decode_mixer.mixer_step_plan(dims).launches[0].kernel
+    assert kernel._annotated_function.pyfunc.__annotations__["ssm_state"] is ct.IndexedWithInt64
+    _assert_close(run_mixer(case, arrays), mixer_oracle(case, arrays), TOLERANCE[True])
 
 
 def test_plans_are_well_formed():
