@@ -139,7 +139,8 @@ case $part in
     ;;
   lm-step)  # the LM training step at d1024-l24-8x2048 against mamba_ssm's fused path in one call (~9 minutes):
     # causal_conv1d built in the background (above) from .peers/cc (its source with setup.py's -gencode list cut to
-    # sm_90, ../shared/notes/peers.md), meanwhile ours profiled without the guard and with the layer scan, then the
+    # sm_90, ../shared/notes/peers.md, and its float16 instantiations dropped: the benchmarks run bf16 and f32),
+    # meanwhile ours profiled without the guard and with the layer scan, then the
     # peer and ours unrolled (the README's row) once the build is done
     export JAX_MAMBA2_AUTOTUNE=0
     step lm_step_unchecked 170 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --unroll-layers \
