@@ -135,8 +135,9 @@ def norm_default_config(dims: NormDims) -> NormConfig:
 
 
 def needs_int64_index(dims: NormDims) -> bool:
-    """Whether a per-row array has 2^31 or more elements (int32 element offsets could overflow)."""
-    return dims.rows * dims.features > _INT32_MAX
+    """Whether a per-row array, or the wider array the backward reads z from (`z_columns`), has 2^31 or more
+    elements (int32 element offsets could overflow)."""
+    return dims.rows * max(dims.features, dims.z_columns or 0) > _INT32_MAX
 
 
 def row_block_count(dims: NormDims, cfg: NormConfig) -> int:
@@ -156,13 +157,16 @@ def sigmoid(z):
 def load_rows(array, row_block, g, BLOCK_ROWS, WIDTH, LATENCY):
     """Rows [row_block*BLOCK_ROWS, ...) of group g of a (rows, ngroups, G) array -> (BLOCK_ROWS, WIDTH) f32,
     zero past the last row and past G; LATENCY the load's latency hint (0: none, the compiler's choice)."""
+    return load_zero_padded(array, (row_block, g, 0), (BLOCK_ROWS, 1, WIDTH), LATENCY).reshape(
+        (BLOCK_ROWS, WIDTH)).astype(ct.float32)
+
+
+def load_zero_padded(array, index, shape, LATENCY):
+    """ct.load of the tile at `index` (zero past the array's edges) with the latency hint LATENCY (0: none, the
+    compiler's choice)."""
     if LATENCY:
-        tile = ct.load(array, index=(row_block, g, 0), shape=(BLOCK_ROWS, 1, WIDTH),
-                       padding_mode=ct.PaddingMode.ZERO, latency=LATENCY)
-    else:
-        tile = ct.load(array, index=(row_block, g, 0), shape=(BLOCK_ROWS, 1, WIDTH),
-                       padding_mode=ct.PaddingMode.ZERO)
-    return tile.reshape((BLOCK_ROWS, WIDTH)).astype(ct.float32)
+        return ct.load(array, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO, latency=LATENCY)
+    return ct.load(array, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO)
 
 
 def store_rows(array, row_block, g, tile, BLOCK_ROWS, WIDTH):

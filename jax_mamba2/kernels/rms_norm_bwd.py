@@ -39,10 +39,9 @@ import cuda.tile as ct
 from jax_mamba2.kernels._common import (
     SM90_SMS, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, index_width_variant, int64_index_kernels)
 from jax_mamba2.kernels.rms_norm import (
-    NormConfig, NormDims, inverse_rms, load_rows, load_weight, needs_int64_index, norm_default_config,
-    row_block_count, sigmoid, store_rows)
+    NormConfig, NormDims, inverse_rms, load_rows, load_weight, load_zero_padded, needs_int64_index,
+    norm_default_config, row_block_count, sigmoid, store_rows)
 
-_INT32_MAX = (1 << 31) - 1
 # The weight-gradient reduction's tile: BLOCK_P partial rows by BLOCK_F features (128-byte rows; narrow, so
 # that a 1024-wide group still spreads over 32 blocks).
 DWEIGHT_BLOCK_P = 64
@@ -59,12 +58,7 @@ def load_gate(z, row_block, g, BLOCK_ROWS, WIDTH, GROUP_SIZE, Z_WINDOW, Z_OFFSET
         return load_rows(z, row_block, g, BLOCK_ROWS, WIDTH, LATENCY)
     start = Z_OFFSET + g * GROUP_SIZE
     group = z.slice(axis=1, start=start, stop=start + GROUP_SIZE)
-    if LATENCY:
-        tile = ct.load(group, index=(row_block, 0), shape=(BLOCK_ROWS, WIDTH), padding_mode=ct.PaddingMode.ZERO,
-                       latency=LATENCY)
-    else:
-        tile = ct.load(group, index=(row_block, 0), shape=(BLOCK_ROWS, WIDTH), padding_mode=ct.PaddingMode.ZERO)
-    return tile.astype(ct.float32)
+    return load_zero_padded(group, (row_block, 0), (BLOCK_ROWS, WIDTH), LATENCY).astype(ct.float32)
 
 
 def _rms_norm_bwd_body(x, z, weight, dout, dresidual_out, dx, dresidual, dz, dweight_partial, GROUP_SIZE, WIDTH,
@@ -185,9 +179,7 @@ def rms_norm_bwd_plan(dims: NormDims, cfg: Optional[NormConfig] = None, has_dres
     programs = bwd_programs(dims, cfg)
     block_f = min(dims.width, DWEIGHT_BLOCK_F)
     norm_launch = Launch(
-        kernel=index_width_variant(RMS_NORM_BWD_KERNELS,
-                                   needs_int64_index(dims) or dims.rows * (dims.z_columns or 0) > _INT32_MAX,
-                                   occupancy=cfg.BWD_OCCUPANCY),
+        kernel=index_width_variant(RMS_NORM_BWD_KERNELS, needs_int64_index(dims), occupancy=cfg.BWD_OCCUPANCY),
         grid=(programs, dims.ngroups),
         args=("x", "z", "weight", "dout", "dresidual_out", "dx", "dresidual", "dz", "dweight_partial",
               dims.group_size, dims.width, cfg.BLOCK_ROWS, dims.has_z, dims.z_in_window, dims.z_offset,

@@ -51,6 +51,14 @@ def test_kernels_compile_to_sm90_cubins_float32_and_int64_indexed():
     assert needs_int64_index(dims)
 
 
+def test_the_z_window_counts_toward_int64_indexing():
+    """The wider array the backward reads z from is indexed like the per-row arrays: past 2^31 elements it asks
+    for the int64 kernels, though the per-row arrays alone would not."""
+    dims = NormDims(rows=1 << 20, ngroups=1, group_size=1024, z_dtype="bfloat16")
+    assert not needs_int64_index(dims)
+    assert needs_int64_index(dataclasses.replace(dims, z_columns=4384, z_offset=2048))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("problem", list(LM_PROBLEMS))
 def test_default_configs_at_lm_shapes_have_no_spills(problem):
