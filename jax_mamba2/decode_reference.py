@@ -58,18 +58,24 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
         residual_out = h.astype(residual_dtype)
         a = residual_out
     if norm_weight is not None:
-        given = None
-        if sum_squares is not None:
-            ngroups = a.shape[-1] // (group_size or a.shape[-1])
-            sums = sum_squares.reshape(*sum_squares.shape[:-1], ngroups, -1).sum(axis=-1)
-            given = lambda computed: sums.astype(computed.dtype)  # noqa: E731
         a = norm_reference.rms_norm(a, norm_weight, z, eps=eps, group_size=group_size,
-                                    norm_before_gate=norm_before_gate, sum_groups=given).astype(x.dtype)
+                                    norm_before_gate=norm_before_gate,
+                                    sum_groups=None if sum_squares is None else _given_sums(sum_squares, a.shape[-1],
+                                                                                            group_size)
+                                    ).astype(x.dtype)
     out = project(a.astype(dtype), (weight.T if transpose_weight else weight).astype(dtype),
                   preferred_element_type=jnp.promote_types(jnp.float32, dtype) if partials else None)
     if bias is not None:
         out = out + bias.astype(dtype).astype(out.dtype)
     return (out[None] if partials else out), residual_out
+
+
+def _given_sums(sum_squares, features: int, group_size):
+    """The norm's `sum_groups` that replaces its own sums of squares per group by those of `sum_squares` (rows,
+    parts), parts / ngroups consecutive pieces per group."""
+    ngroups = features // (group_size or features)
+    sums = sum_squares.reshape(*sum_squares.shape[:-1], ngroups, -1).sum(axis=-1)
+    return lambda computed: sums.astype(computed.dtype)
 
 
 def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias, D, *, nheads, headdim,

@@ -1,33 +1,28 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh peer-build|suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh peer-build|suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]}
+part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
-# causal_conv1d for the peer, built once per machine into /tmp/ccsite (a marker file says it is done). Its build needs
-# the machine's CUDA toolkit, which gpu-env.sh hides. "peer-build" starts it detached (it outlives the call, so the
-# next call on the warm machine finds it done); lm-step and decode-matrix start it in the background if it is not.
-build_peer() {
-  ( cd .peers && CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=${MAX_JOBS:-16} NVCC_THREADS=2 timeout 480 python3 -m pip \
-      install --no-build-isolation --no-deps --no-index ./cc --target /tmp/ccsite > /tmp/causal_conv1d_build.log 2>&1 \
-    && touch /tmp/ccsite.done )
-}
-wait_peer() {  # waits up to 8 minutes for the build, wherever it was started
-  local waited=0
-  while [ ! -e /tmp/ccsite.done ] && [ $waited -lt 480 ]; do sleep 5; waited=$((waited + 5)); done
-  cp /tmp/causal_conv1d_build.log "$out/" 2>/dev/null
-}
-if [ "$part" = peer-build ]; then
-  [ -e /tmp/ccsite.done ] || MAX_JOBS=8 setsid bash -c "$(declare -f build_peer); build_peer" < /dev/null > /dev/null 2>&1 &
-  exit 0
+# causal_conv1d for the peer, built in the background by the parts that run it (lm-step, decode-matrix) into
+# /tmp/ccsite; its build needs the machine's CUDA toolkit, which gpu-env.sh hides. A marker says how it ended. (A
+# build left running by an earlier call is not counted on: calls sent back to back were seen to land on a fresh
+# machine.)
+if [ "$part" = lm-step ] || [ "$part" = decode-matrix ]; then
+  rm -f /tmp/ccsite.done /tmp/ccsite.failed
+  ( cd .peers && CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=16 NVCC_THREADS=2 timeout 480 python3 -m pip install \
+      --no-build-isolation --no-deps --no-index ./cc --target /tmp/ccsite > /tmp/causal_conv1d_build.log 2>&1 \
+    && touch /tmp/ccsite.done || touch /tmp/ccsite.failed ) &
 fi
-if { [ "$part" = lm-step ] || [ "$part" = decode-matrix ]; } && [ ! -e /tmp/ccsite.done ] && ! pgrep -f ccsite > /dev/null; then
-  build_peer &
-fi
+wait_peer() {  # until the build has ended, either way (its log lands in $out)
+  while [ ! -e /tmp/ccsite.done ] && [ ! -e /tmp/ccsite.failed ]; do sleep 5; done
+  cp /tmp/causal_conv1d_build.log "$out/"
+  [ -e /tmp/ccsite.done ] || echo "   causal_conv1d's build failed: see causal_conv1d_build.log"
+}
 source .gpu/gpu-env.sh >/dev/null || exit 1
 # The device copy of the tree has no .git: pass the commit, JAX_MAMBA2_GIT_SHA=$(git rev-parse --short HEAD).
 export JAX_MAMBA2_GIT_SHA=${JAX_MAMBA2_GIT_SHA:-unknown}
