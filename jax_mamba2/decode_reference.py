@@ -58,11 +58,9 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
         residual_out = h.astype(residual_dtype)
         a = residual_out
     if norm_weight is not None:
+        given = None if sum_squares is None else _given_sums(sum_squares, a.shape[-1], group_size)
         a = norm_reference.rms_norm(a, norm_weight, z, eps=eps, group_size=group_size,
-                                    norm_before_gate=norm_before_gate,
-                                    sum_groups=None if sum_squares is None else _given_sums(sum_squares, a.shape[-1],
-                                                                                            group_size)
-                                    ).astype(x.dtype)
+                                    norm_before_gate=norm_before_gate, sum_groups=given).astype(x.dtype)
     out = project(a.astype(dtype), (weight.T if transpose_weight else weight).astype(dtype),
                   preferred_element_type=jnp.promote_types(jnp.float32, dtype) if partials else None)
     if bias is not None:
