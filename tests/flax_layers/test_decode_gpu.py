@@ -78,8 +78,9 @@ def test_the_decode_loop_gives_the_same_tokens_whatever_xla_records_into_command
     settings = {"every": {**RECORD_EVERY_COMMAND, "xla_gpu_graph_min_graph_size": 1}, "default": {},
                 "host_custom_calls": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN"},
                 "off": {"xla_gpu_enable_command_buffer": ""}}
-    tokens = {name: np.asarray(lowered.compile(options)(prompt)) for name, options in settings.items()}
-    assert len(cutile_launches(lowered.compile().as_text(), CUTILE_CUSTOM_CALL)) > 0
+    compiled = {name: lowered.compile(options) for name, options in settings.items()}
+    assert len(cutile_launches(compiled["default"].as_text(), CUTILE_CUSTOM_CALL)) > 0
+    tokens = {name: np.asarray(program(prompt)) for name, program in compiled.items()}
     for name in settings:
         np.testing.assert_array_equal(tokens[name], tokens["off"], err_msg=name)
 
