@@ -357,6 +357,53 @@ def _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, 
     scatter_pieces(y0, y1, y2, b, l * BLOCK_L, outs, cols, OUTPUTS, SPLIT1, SPLIT2, BLOCK_C)
 
 
+# Rows of the halo tile the shifted-tile body loads before a block's tokens: the smallest K of a tensor-core product.
+HALO_ROWS = 16
+
+
+def _shift_matrix(rows, cols, shift, offset, dtype):
+    """[rows, cols] of `dtype`: 1 where column j == row i - shift + offset, else 0. Times a tile of tokens it
+    returns those tokens shifted down by `shift` rows (an exact copy: one nonzero product per output, summed in
+    f32)."""
+    i = ct.arange(rows, dtype=ct.int32).reshape((rows, 1))
+    j = ct.arange(cols, dtype=ct.int32).reshape((1, cols))
+    return ct.where(j == i - shift + offset, 1.0, 0.0).astype(dtype)
+
+
+def _conv_fwd_shifted_body(x, weight, bias, y0, y1, y2, WIDTH, IN_OFFSET, SPLIT1, SPLIT2, BLOCK_L, BLOCK_C, SILU):
+    """The forward of one block (no initial states, no seq_idx; every split and IN_OFFSET a multiple of BLOCK_C)
+    from two 2-D tile loads: the block's BLOCK_L tokens and the HALO_ROWS before them. The taps' shifted
+    copies of the tokens are tensor-core products with 0/1 shift matrices (exact in f32), where the row body
+    gathers each token's row apart."""
+    l = ct.bid(0)
+    j = ct.bid(1)
+    b = ct.bid(2)
+    c_tile = IN_OFFSET // BLOCK_C + j
+    current = ct.load(x, (b, l, c_tile), (1, BLOCK_L, BLOCK_C), padding_mode=ct.PaddingMode.ZERO,
+                      latency=4).reshape((BLOCK_L, BLOCK_C))
+    halo = ct.zeros((HALO_ROWS, BLOCK_C), x.dtype)
+    if l > 0:
+        halo = ct.load(x, (b, l * (BLOCK_L // HALO_ROWS) - 1, c_tile), (1, HALO_ROWS, BLOCK_C),
+                       padding_mode=ct.PaddingMode.ZERO, latency=4).reshape((HALO_ROWS, BLOCK_C))
+    cols = j * BLOCK_C + ct.arange(BLOCK_C, dtype=ct.int32)
+    pre = ct.gather(bias, cols).astype(ct.float32).reshape((1, BLOCK_C)) + \
+        ct.gather(weight, (WIDTH - 1, cols)).astype(ct.float32).reshape((1, BLOCK_C)) * current.astype(ct.float32)
+    for s in ct.static_iter(range(1, WIDTH)):
+        shifted = ct.mma(_shift_matrix(BLOCK_L, BLOCK_L, s, 0, x.dtype), current,
+                         ct.zeros((BLOCK_L, BLOCK_C), dtype=ct.float32))
+        shifted = ct.mma(_shift_matrix(BLOCK_L, HALO_ROWS, s, HALO_ROWS, x.dtype), halo, shifted)
+        pre = pre + ct.gather(weight, (WIDTH - 1 - s, cols)).astype(ct.float32).reshape((1, BLOCK_C)) * shifted
+    out = pre * sigmoid(pre) if SILU else pre
+    # The block's piece: its channels lie within one (the splits are multiples of BLOCK_C).
+    c0 = j * BLOCK_C
+    if c0 < SPLIT1:
+        ct.store(y0, (b, l, j), out.astype(y0.dtype).reshape((1, BLOCK_L, BLOCK_C)))
+    elif c0 < SPLIT2:
+        ct.store(y1, (b, l, j - SPLIT1 // BLOCK_C), out.astype(y1.dtype).reshape((1, BLOCK_L, BLOCK_C)))
+    else:
+        ct.store(y2, (b, l, j - SPLIT2 // BLOCK_C), out.astype(y2.dtype).reshape((1, BLOCK_L, BLOCK_C)))
+
+
 def causal_conv1d_fwd_kernel(
     x: Big,                # (batch, seqlen, in_width) T: channels IN_OFFSET .. IN_OFFSET + channels - 1 read
     weight,                # (WIDTH, channels) T
@@ -380,6 +427,7 @@ def causal_conv1d_fwd_kernel(
     HAS_SEQ_IDX: ConstBool,
     SILU: ConstBool,
     PASS_THROUGH: ConstBool,
+    SHIFTED_TILES: ConstBool,
 ):
     # The copy blocks exist only with PASS_THROUGH: without it their code (gathers from the dummies) is not
     # compiled at all, since it would take a shared-memory layout change that sizes every block's footprint.
@@ -387,6 +435,8 @@ def causal_conv1d_fwd_kernel(
     if PASS_THROUGH and ct.bid(1) >= conv_blocks:
         copy_outside(x, before, after, ct.bid(1) - conv_blocks, weight.shape[1], ct.bid(2), ct.bid(0) * BLOCK_L,
                      BLOCK_L, IN_OFFSET, False)
+    elif SHIFTED_TILES:
+        _conv_fwd_shifted_body(x, weight, bias, y0, y1, y2, WIDTH, IN_OFFSET, SPLIT1, SPLIT2, BLOCK_L, BLOCK_C, SILU)
     else:
         _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS,
                        SPLIT1, SPLIT2, BLOCK_L, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU)
@@ -404,6 +454,23 @@ class ConvFwdConfig:
     BLOCK_L: int
     BLOCK_C: int
     OCCUPANCY: int = 3
+    SHIFTED_TILES: bool = False
+
+
+def shifted_tiles_misfit(dims: ConvDims, cfg: ConvFwdConfig) -> str | None:
+    """Why the shifted-tile body cannot run `dims` at `cfg` (None where it can): it takes 16-bit inputs (its
+    shift products' operands), no initial states or seq_idx, BLOCK_L a multiple of HALO_ROWS, and blocks of
+    BLOCK_C channels that each lie within one output piece at a whole tile of x."""
+    if dims.dtype not in ("bfloat16", "float16"):
+        return f"dtype={dims.dtype} (bfloat16 or float16 needed)"
+    if dims.has_init or dims.has_seq_idx:
+        return "initial_states or seq_idx given"
+    if cfg.BLOCK_L % HALO_ROWS or dims.width > HALO_ROWS + 1:
+        return f"BLOCK_L={cfg.BLOCK_L} (a multiple of {HALO_ROWS} needed) or width={dims.width}"
+    edges = (dims.in_offset,) + tuple(p for p in dims.split_points if p < dims.channels)
+    if any(edge % cfg.BLOCK_C for edge in edges):
+        return f"in_offset or a split not a multiple of BLOCK_C={cfg.BLOCK_C}"
+    return None
 
 
 def conv_fwd_default_config(dims: ConvDims) -> ConvFwdConfig:
@@ -432,13 +499,16 @@ def conv_fwd_plan(dims: ConvDims, cfg: ConvFwdConfig | None = None) -> Plan:
     cfg = cfg or conv_fwd_default_config(dims)
     check_dims("conv_fwd_plan", dims)
     check_block_c("conv_fwd_plan", cfg.BLOCK_C)
+    if cfg.SHIFTED_TILES and (misfit := shifted_tiles_misfit(dims, cfg)):
+        raise ValueError(f"conv_fwd_plan: SHIFTED_TILES does not fit: {misfit}")
     split1, split2 = dims.split_points
     launch = kernel_launch(
         index_width_variant(CONV_FWD_KERNELS, needs_int64_index(dims), occupancy=cfg.OCCUPANCY),
         conv_fwd_grid(dims, cfg), writes=CONV_OUTPUTS + OUTSIDE,  # the dummies too: every array needs a buffer
         WIDTH=dims.width, INIT_WIDTH=dims.init_width, IN_OFFSET=dims.in_offset, OUTPUTS=len(dims.pieces),
         SPLIT1=split1, SPLIT2=split2, BLOCK_L=cfg.BLOCK_L, BLOCK_C=cfg.BLOCK_C, HAS_INIT=dims.has_init,
-        HAS_SEQ_IDX=dims.has_seq_idx, SILU=dims.silu, PASS_THROUGH=dims.pass_through)
+        HAS_SEQ_IDX=dims.has_seq_idx, SILU=dims.silu, PASS_THROUGH=dims.pass_through,
+        SHIFTED_TILES=cfg.SHIFTED_TILES)
     outside = tuple(name for name, w in zip(OUTSIDE, dims.outside_widths) if dims.pass_through and w)
     return Plan(inputs=CONV_INPUTS, buffers={**piece_arrays(dims, "y"), **outside_arrays(dims)}, launches=(launch,),
                 outputs=CONV_OUTPUTS[:len(dims.pieces)] + outside)
