@@ -370,6 +370,38 @@ def _shift_matrix(rows, cols, shift, offset, dtype):
     return ct.where(j == i - shift + offset, 1.0, 0.0).astype(dtype)
 
 
+def load_token_tile(x, b, tile, c_tile, rows, BLOCK_C):
+    """[rows, BLOCK_C] in x's dtype: x[b, tile * rows .. + rows - 1, c_tile * BLOCK_C .. + BLOCK_C - 1], zero
+    past its bounds; a tile before token 0 (tile < 0) is all zero."""
+    if tile < 0:
+        return ct.zeros((rows, BLOCK_C), x.dtype)
+    return ct.load(x, (b, tile, c_tile), (1, rows, BLOCK_C), padding_mode=ct.PaddingMode.ZERO,
+                   latency=4).reshape((rows, BLOCK_C))
+
+
+def shifted_taps(current, halo, WIDTH):
+    """The taps of a tile's tokens: a tuple whose entry k is the [BLOCK_L, BLOCK_C] f32 tile of tokens shifted
+    down by WIDTH - 1 - k (row i holds token i - WIDTH + 1 + k, from `halo`, the HALO_ROWS tokens before
+    `current`, where that is negative). The shifts are tensor-core products with 0/1 matrices, exact in f32."""
+    rows = current.shape[0]
+    taps = ()
+    for k in ct.static_iter(range(WIDTH - 1)):
+        shift = WIDTH - 1 - k
+        tap = ct.mma(_shift_matrix(rows, rows, shift, 0, current.dtype), current,
+                     ct.zeros(current.shape, dtype=ct.float32))
+        taps += (ct.mma(_shift_matrix(rows, HALO_ROWS, shift, HALO_ROWS, current.dtype), halo, tap),)
+    return taps + (current.astype(ct.float32),)
+
+
+def weight_tiles(weight, cols, WIDTH):
+    """`weight_rows` as [1, BLOCK_C] tiles."""
+    rows = weight_rows(weight, cols, WIDTH)
+    taps = ()
+    for k in ct.static_iter(range(WIDTH)):
+        taps += (rows[k].reshape((1, cols.shape[0])),)
+    return taps
+
+
 def _conv_fwd_shifted_body(x, weight, bias, y0, y1, y2, WIDTH, IN_OFFSET, SPLIT1, SPLIT2, BLOCK_L, BLOCK_C, SILU):
     """The forward of one block (no initial states, no seq_idx; every split and IN_OFFSET a multiple of BLOCK_C)
     from two 2-D tile loads: the block's BLOCK_L tokens and the HALO_ROWS before them. The taps' shifted
@@ -379,29 +411,35 @@ def _conv_fwd_shifted_body(x, weight, bias, y0, y1, y2, WIDTH, IN_OFFSET, SPLIT1
     j = ct.bid(1)
     b = ct.bid(2)
     c_tile = IN_OFFSET // BLOCK_C + j
-    current = ct.load(x, (b, l, c_tile), (1, BLOCK_L, BLOCK_C), padding_mode=ct.PaddingMode.ZERO,
-                      latency=4).reshape((BLOCK_L, BLOCK_C))
-    halo = ct.zeros((HALO_ROWS, BLOCK_C), x.dtype)
-    if l > 0:
-        halo = ct.load(x, (b, l * (BLOCK_L // HALO_ROWS) - 1, c_tile), (1, HALO_ROWS, BLOCK_C),
-                       padding_mode=ct.PaddingMode.ZERO, latency=4).reshape((HALO_ROWS, BLOCK_C))
+    current = load_token_tile(x, b, l, c_tile, BLOCK_L, BLOCK_C)
+    halo = load_token_tile(x, b, l * (BLOCK_L // HALO_ROWS) - 1, c_tile, HALO_ROWS, BLOCK_C)
     cols = j * BLOCK_C + ct.arange(BLOCK_C, dtype=ct.int32)
-    pre = ct.gather(bias, cols).astype(ct.float32).reshape((1, BLOCK_C)) + \
-        ct.gather(weight, (WIDTH - 1, cols)).astype(ct.float32).reshape((1, BLOCK_C)) * current.astype(ct.float32)
-    for s in ct.static_iter(range(1, WIDTH)):
-        shifted = ct.mma(_shift_matrix(BLOCK_L, BLOCK_L, s, 0, x.dtype), current,
-                         ct.zeros((BLOCK_L, BLOCK_C), dtype=ct.float32))
-        shifted = ct.mma(_shift_matrix(BLOCK_L, HALO_ROWS, s, HALO_ROWS, x.dtype), halo, shifted)
-        pre = pre + ct.gather(weight, (WIDTH - 1 - s, cols)).astype(ct.float32).reshape((1, BLOCK_C)) * shifted
-    out = pre * sigmoid(pre) if SILU else pre
-    # The block's piece: its channels lie within one (the splits are multiples of BLOCK_C).
+    pre = preactivation(shifted_taps(current, halo, WIDTH), weight_tiles(weight, cols, WIDTH),
+                        ct.gather(bias, cols).astype(ct.float32).reshape((1, BLOCK_C)), WIDTH)
+    store_piece_tile(y0, y1, y2, b, l, j, pre * sigmoid(pre) if SILU else pre, SPLIT1, SPLIT2, BLOCK_C)
+
+
+def store_piece_tile(y0, y1, y2, b, l, j, tile, SPLIT1, SPLIT2, BLOCK_C):
+    """Stores the [BLOCK_L, BLOCK_C] tile of tokens l * BLOCK_L .. and the conv's channels j * BLOCK_C .. into
+    the output piece that holds them (the splits are multiples of BLOCK_C); rows past seqlen are dropped."""
+    rows = tile.shape[0]
     c0 = j * BLOCK_C
     if c0 < SPLIT1:
-        ct.store(y0, (b, l, j), out.astype(y0.dtype).reshape((1, BLOCK_L, BLOCK_C)))
+        ct.store(y0, (b, l, j), tile.astype(y0.dtype).reshape((1, rows, BLOCK_C)))
     elif c0 < SPLIT2:
-        ct.store(y1, (b, l, j - SPLIT1 // BLOCK_C), out.astype(y1.dtype).reshape((1, BLOCK_L, BLOCK_C)))
+        ct.store(y1, (b, l, j - SPLIT1 // BLOCK_C), tile.astype(y1.dtype).reshape((1, rows, BLOCK_C)))
     else:
-        ct.store(y2, (b, l, j - SPLIT2 // BLOCK_C), out.astype(y2.dtype).reshape((1, BLOCK_L, BLOCK_C)))
+        ct.store(y2, (b, l, j - SPLIT2 // BLOCK_C), tile.astype(y2.dtype).reshape((1, rows, BLOCK_C)))
+
+
+def load_piece_tile(y0, y1, y2, b, l, j, rows, SPLIT1, SPLIT2, BLOCK_C):
+    """The [rows, BLOCK_C] tile that `store_piece_tile` stores, loaded (zero past seqlen)."""
+    c0 = j * BLOCK_C
+    if c0 < SPLIT1:
+        return load_token_tile(y0, b, l, j, rows, BLOCK_C)
+    if c0 < SPLIT2:
+        return load_token_tile(y1, b, l, j - SPLIT1 // BLOCK_C, rows, BLOCK_C)
+    return load_token_tile(y2, b, l, j - SPLIT2 // BLOCK_C, rows, BLOCK_C)
 
 
 def causal_conv1d_fwd_kernel(

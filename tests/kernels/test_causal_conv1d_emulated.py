@@ -268,3 +268,39 @@ def test_conv_backward_plan_rejects_invalid_tiles(cfg, message):
     dims = conv_fwd.ConvDims(batch=1, seqlen=8, channels=16, width=4)
     with pytest.raises(ValueError, match=message):
         conv_bwd.conv_bwd_plan(dims, cfg)
+
+
+# The shifted-tile forward (SHIFTED_TILES): 16-bit inputs, no initial states or seq_idx, blocks within a piece.
+# (seqlen, BLOCK_L): a partial last block, two-block tiles, exactly one block.
+@pytest.mark.parametrize("seqlen,block_l", [(37, 16), (70, 32), (16, 16)])
+@pytest.mark.parametrize("float64", [True, False], ids=["float64", "bf16"])
+def test_shifted_tile_forward_equals_the_row_forward_and_the_reference(seqlen, block_l, float64):
+    """The taps' shifts as 0/1 tensor-core products are exact: the outputs equal the row body's bit for bit, and
+    the float64 reference (to 1e-12 in float64, to bf16 rounding in the kernel's dtype), in the mixer's layout
+    with pass-through copies."""
+    args = make_conv_args(3, batch=2, seqlen=seqlen, channels=64, dtype=jnp.bfloat16)
+    x, kernel, bias, init, seq_idx, _ = args
+    dims = dataclasses.replace(_dims(x, kernel, init, seq_idx, layout=(32, 112, (32, 16, 16))), pass_through=True)
+    inputs = _plan_inputs(dims, *args[:5])
+    outputs = {}
+    for shifted in (True, False):
+        cfg = conv_fwd.ConvFwdConfig(BLOCK_L=block_l, BLOCK_C=16, SHIFTED_TILES=shifted)
+        out = emulator.run_plan(conv_fwd.conv_fwd_plan(dims, cfg), inputs, float64=float64)
+        outputs[shifted] = np.concatenate([out[name] for name in conv_fwd.CONV_OUTPUTS[:3]], axis=-1)
+    np.testing.assert_array_equal(out["before"], inputs["x"][..., :32])
+    np.testing.assert_array_equal(outputs[True], outputs[False])
+    want, _ = float64_reference(*args)
+    assert rel_l2(outputs[True], want) < (1e-12 if float64 else 5e-3)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(dtype="float32"), "dtype=float32"),
+    (dict(init_width=3), "initial_states or seq_idx"),
+    (dict(has_seq_idx=True), "initial_states or seq_idx"),
+    (dict(in_offset=8, in_width=80), "in_offset or a split"),
+    (dict(split=(40, 24)), "in_offset or a split"),
+])
+def test_shifted_tile_forward_refuses_what_it_cannot_run(change, message):
+    dims = dataclasses.replace(conv_fwd.ConvDims(batch=1, seqlen=32, channels=64, width=4), **change)
+    with pytest.raises(ValueError, match=f"SHIFTED_TILES does not fit: .*{message}"):
+        conv_fwd.conv_fwd_plan(dims, conv_fwd.ConvFwdConfig(BLOCK_L=16, BLOCK_C=16, SHIFTED_TILES=True))
