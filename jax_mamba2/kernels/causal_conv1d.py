@@ -361,7 +361,7 @@ def _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, 
 HALO_ROWS = 16
 
 
-def _shift_matrix(rows, cols, shift, offset, dtype):
+def shift_matrix(rows, cols, shift, offset, dtype):
     """[rows, cols] of `dtype`: 1 where column j == row i - shift + offset, else 0. Times a tile of tokens it
     returns those tokens shifted down by `shift` rows (an exact copy: one nonzero product per output, summed in
     f32)."""
@@ -372,8 +372,8 @@ def _shift_matrix(rows, cols, shift, offset, dtype):
 
 def load_token_tile(x, b, tile, c_tile, rows, BLOCK_C):
     """[rows, BLOCK_C] in x's dtype: x[b, tile * rows .. + rows - 1, c_tile * BLOCK_C .. + BLOCK_C - 1], zero
-    past its bounds; a tile before token 0 (tile < 0) is all zero."""
-    if tile < 0:
+    past its bounds; a tile wholly before token 0 or past the last token is all zero (and not loaded)."""
+    if (tile < 0) | (tile * rows >= x.shape[1]):
         return ct.zeros((rows, BLOCK_C), x.dtype)
     return ct.load(x, (b, tile, c_tile), (1, rows, BLOCK_C), padding_mode=ct.PaddingMode.ZERO,
                    latency=4).reshape((rows, BLOCK_C))
@@ -387,9 +387,9 @@ def shifted_taps(current, halo, WIDTH):
     taps = ()
     for k in ct.static_iter(range(WIDTH - 1)):
         shift = WIDTH - 1 - k
-        tap = ct.mma(_shift_matrix(rows, rows, shift, 0, current.dtype), current,
+        tap = ct.mma(shift_matrix(rows, rows, shift, 0, current.dtype), current,
                      ct.zeros(current.shape, dtype=ct.float32))
-        taps += (ct.mma(_shift_matrix(rows, HALO_ROWS, shift, HALO_ROWS, current.dtype), halo, tap),)
+        taps += (ct.mma(shift_matrix(rows, HALO_ROWS, shift, HALO_ROWS, current.dtype), halo, tap),)
     return taps + (current.astype(ct.float32),)
 
 
@@ -495,19 +495,22 @@ class ConvFwdConfig:
     SHIFTED_TILES: bool = False
 
 
-def shifted_tiles_misfit(dims: ConvDims, cfg: ConvFwdConfig) -> str | None:
-    """Why the shifted-tile body cannot run `dims` at `cfg` (None where it can): it takes 16-bit inputs (its
-    shift products' operands), no initial states or seq_idx, BLOCK_L a multiple of HALO_ROWS, and blocks of
-    BLOCK_C channels that each lie within one output piece at a whole tile of x."""
+def shifted_tiles_misfit(dims: ConvDims, block_l: int, block_c: int) -> str | None:
+    """Why the shifted-tile bodies (forward and backward) cannot run `dims` at tiles of block_l tokens and
+    block_c channels (None where they can): they take 16-bit inputs (their shift products' operands), no
+    initial states or seq_idx, block_l a multiple of HALO_ROWS, and blocks of block_c channels that each lie
+    within one output piece at a whole tile of x (with pass_through, of x's whole cotangent too)."""
     if dims.dtype not in ("bfloat16", "float16"):
         return f"dtype={dims.dtype} (bfloat16 or float16 needed)"
     if dims.has_init or dims.has_seq_idx:
         return "initial_states or seq_idx given"
-    if cfg.BLOCK_L % HALO_ROWS or dims.width > HALO_ROWS + 1:
-        return f"BLOCK_L={cfg.BLOCK_L} (a multiple of {HALO_ROWS} needed) or width={dims.width}"
+    if block_l % HALO_ROWS or dims.width > HALO_ROWS + 1:
+        return f"BLOCK_L={block_l} (a multiple of {HALO_ROWS} needed) or width={dims.width}"
     edges = (dims.in_offset,) + tuple(p for p in dims.split_points if p < dims.channels)
-    if any(edge % cfg.BLOCK_C for edge in edges):
-        return f"in_offset or a split not a multiple of BLOCK_C={cfg.BLOCK_C}"
+    if dims.pass_through:
+        edges += (dims.channels,)
+    if any(edge % block_c for edge in edges):
+        return f"in_offset, a split or the channels not a multiple of BLOCK_C={block_c}"
     return None
 
 
@@ -537,7 +540,7 @@ def conv_fwd_plan(dims: ConvDims, cfg: ConvFwdConfig | None = None) -> Plan:
     cfg = cfg or conv_fwd_default_config(dims)
     check_dims("conv_fwd_plan", dims)
     check_block_c("conv_fwd_plan", cfg.BLOCK_C)
-    if cfg.SHIFTED_TILES and (misfit := shifted_tiles_misfit(dims, cfg)):
+    if cfg.SHIFTED_TILES and (misfit := shifted_tiles_misfit(dims, cfg.BLOCK_L, cfg.BLOCK_C)):
         raise ValueError(f"conv_fwd_plan: SHIFTED_TILES does not fit: {misfit}")
     split1, split2 = dims.split_points
     launch = kernel_launch(

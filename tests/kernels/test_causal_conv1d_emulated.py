@@ -297,8 +297,8 @@ def test_shifted_tile_forward_equals_the_row_forward_and_the_reference(seqlen, b
     (dict(dtype="float32"), "dtype=float32"),
     (dict(init_width=3), "initial_states or seq_idx"),
     (dict(has_seq_idx=True), "initial_states or seq_idx"),
-    (dict(in_offset=8, in_width=80), "in_offset or a split"),
-    (dict(split=(40, 24)), "in_offset or a split"),
+    (dict(in_offset=8, in_width=80), "in_offset, a split"),
+    (dict(split=(40, 24)), "in_offset, a split"),
 ])
 def test_shifted_tile_forward_refuses_what_it_cannot_run(change, message):
     dims = dataclasses.replace(conv_fwd.ConvDims(batch=1, seqlen=32, channels=64, width=4), **change)
