@@ -304,3 +304,45 @@ def test_shifted_tile_forward_refuses_what_it_cannot_run(change, message):
     dims = dataclasses.replace(conv_fwd.ConvDims(batch=1, seqlen=32, channels=64, width=4), **change)
     with pytest.raises(ValueError, match=f"SHIFTED_TILES does not fit: .*{message}"):
         conv_fwd.conv_fwd_plan(dims, conv_fwd.ConvFwdConfig(BLOCK_L=16, BLOCK_C=16, SHIFTED_TILES=True))
+
+
+# (seqlen, BLOCK_L, SEGMENT_TILES): segments ending mid-sequence and past it, one step, a tail step wholly past
+# the tokens.
+@pytest.mark.parametrize("seqlen,block_l,segment_tiles", [(37, 16, 2), (70, 32, 1), (16, 16, 1), (100, 16, 3)])
+@pytest.mark.parametrize("float64", [True, False], ids=["float64", "bf16"])
+def test_shifted_tile_backward_matches_the_row_backward_and_the_reference(seqlen, block_l, segment_tiles, float64):
+    """dx (g's bf16 halves shifted by tensor-core products, then summed in f32), dweight and dbias of the
+    shifted-tile backward against the row body's and the float64 reference, the cotangents outside the window
+    copied bit for bit."""
+    args = make_conv_args(3, batch=2, seqlen=seqlen, channels=64, dtype=jnp.bfloat16)
+    x, kernel, bias, init, seq_idx, _ = args
+    dims = dataclasses.replace(_dims(x, kernel, init, seq_idx, layout=(32, 112, (32, 16, 16))), pass_through=True)
+    inputs = _plan_inputs(dims, *args)
+    rng = np.random.default_rng(9)
+    inputs.update({name: rng.standard_normal(buf.shape).astype(inputs["x"].dtype)
+                   for name, buf in conv_bwd.passed_cotangent_arrays(dims).items()})
+    out = {}
+    for shifted in (True, False):
+        cfg = dataclasses.replace(SMALL_BWD, BLOCK_L=block_l, SEGMENT_TILES=segment_tiles, SHIFTED_TILES=shifted)
+        out[shifted] = emulator.run_plan(conv_bwd.conv_bwd_plan(dims, cfg), inputs, float64=float64)
+    _, (want_dx, want_dkernel, want_dbias, _) = float64_reference(*args)
+    shifted, rows = out[True], out[False]
+    np.testing.assert_array_equal(shifted["dx"][..., :32], inputs["dbefore"])
+    np.testing.assert_array_equal(shifted["dx"][..., 96:], inputs["dafter"])
+    errors = {"dx": rel_l2(shifted["dx"][..., 32:96], want_dx), "dweight": rel_l2(shifted["dweight"][0], want_dkernel),
+              "dbias": rel_l2(shifted["dbias"][0], want_dbias)}
+    row_errors = {"dx": rel_l2(rows["dx"][..., 32:96], want_dx), "dweight": rel_l2(rows["dweight"][0], want_dkernel),
+                  "dbias": rel_l2(rows["dbias"][0], want_dbias)}
+    if float64:
+        assert max(errors.values()) < 1e-12, errors
+    else:  # dx is rounded to bf16 either way; the halves carry g to 2^-16, well inside that rounding
+        assert errors["dx"] < 1.01 * row_errors["dx"] and errors["dx"] < 5e-3, (errors, row_errors)
+        assert errors["dweight"] < 1e-5 and errors["dbias"] < 1e-5, errors
+
+
+def test_shifted_tile_backward_refuses_what_it_cannot_run():
+    dims = conv_fwd.ConvDims(batch=1, seqlen=32, channels=40, width=4, in_width=48, split=(32, 8), pass_through=True)
+    cfg = dataclasses.replace(SMALL_BWD, BLOCK_L=16, SHIFTED_TILES=True)
+    with pytest.raises(ValueError, match="conv_bwd_plan: SHIFTED_TILES does not fit: in_offset, a split or the "
+                                         "channels not a multiple of BLOCK_C=16"):
+        conv_bwd.conv_bwd_plan(dims, cfg)
