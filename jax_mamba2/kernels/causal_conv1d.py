@@ -25,6 +25,12 @@ tokens of BLOCK_C channels as a Python tuple of rows: it gathers the BLOCK_L + K
 which is also the left padding), and each output row combines K rows of the tuple by static indexing, as a
 CUDA thread shifts a register window. The K - 1 halo rows are read again by the neighbouring block, from L2.
 
+Shifted tiles (SHIFTED_TILES, 16-bit inputs without initial states or seq_idx): a block instead loads its
+BLOCK_L tokens and the HALO_ROWS tokens before them as two 2-D tiles (TMA) and forms each tap's shifted copy
+as a tensor-core product of a 0/1 shift matrix with them: one nonzero term per output, so the copy is exact
+in f32. Where the row gathers keep one load per row and thread in flight, these move whole tiles per
+instruction (`shifted_tiles_misfit` says what they take).
+
 Bytes (the floor of this memory-bound op): one read of x and one write of y, 2 · itemsize(x) bytes per
 element, e.g. 151 MB (31 µs at the H200's 4.8 TB/s) at (8, 2048, 2304) bf16; the halo adds (K - 1) / BLOCK_L
 re-reads that hit L2, the weights and seq_idx are noise.

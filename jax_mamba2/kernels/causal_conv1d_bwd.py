@@ -22,6 +22,11 @@ after its segment (not summed into dweight) for the dx of its last K - 1 tokens.
 accumulate in f32 over the segment and are written as one partial per block; `conv_grads_reduce_kernel`
 sums the partials in a fixed order (deterministic, no atomics).
 
+With SHIFTED_TILES (causal_conv1d.py, Shifted tiles) a step is 2-D tiles: the taps come from shift products
+of x's tiles, and dx, which needs g shifted the other way, lags a whole step: g of two steps, split into bf16
+halves (hi + lo carry 16 of f32's 24 mantissa bits, far below dx's bf16 rounding), shifted up by one product
+per tap.
+
 The layout of the forward (causal_conv1d.py): x's channels IN_OFFSET .., and dy in up to three pieces
 dy0, dy1, dy2 (the cotangents of the forward's y0, y1, y2, split at SPLIT1, SPLIT2); dx is one array of the
 conv's channels. With PASS_THROUGH, dx is x's whole cotangent (batch, seqlen, in_width): the conv's dx in
