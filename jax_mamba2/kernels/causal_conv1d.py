@@ -41,7 +41,7 @@ grid's channel axis (PASS_BLOCK_C channels each), so that the layer gets them as
 copies no slice of x. The copies are bandwidth the conv blocks, bound by their gathers' latency, leave unused
 (the backward copies their cotangents the same way, causal_conv1d_bwd.py).
 
-Grid: (cdiv(seqlen, BLOCK_L), cdiv(channels, BLOCK_C) [+ cdiv(IN_OFFSET, PASS_BLOCK_C) + cdiv(after,
+Grid: (cdiv(seqlen, BLOCK_L * SEGMENT_TILES), cdiv(channels, BLOCK_C) [+ cdiv(IN_OFFSET, PASS_BLOCK_C) + cdiv(after,
 PASS_BLOCK_C) with PASS_THROUGH], batch).
 
 Shapes: x (batch, seqlen, in_width) T in {bf16, f16, f32} with IN_OFFSET + channels <= in_width; y0, y1, y2
@@ -408,21 +408,26 @@ def weight_tiles(weight, cols, WIDTH):
     return taps
 
 
-def _conv_fwd_shifted_body(x, weight, bias, y0, y1, y2, WIDTH, IN_OFFSET, SPLIT1, SPLIT2, BLOCK_L, BLOCK_C, SILU):
-    """The forward of one block (no initial states, no seq_idx; every split and IN_OFFSET a multiple of BLOCK_C)
-    from two 2-D tile loads: the block's BLOCK_L tokens and the HALO_ROWS before them. The taps' shifted
+def _conv_fwd_shifted_body(x, weight, bias, y0, y1, y2, WIDTH, IN_OFFSET, SPLIT1, SPLIT2, BLOCK_L, SEGMENT_TILES,
+                           BLOCK_C, SILU):
+    """The forward of one block (no initial states, no seq_idx; every split and IN_OFFSET a multiple of BLOCK_C):
+    SEGMENT_TILES steps of BLOCK_L tokens, each one 2-D tile load (pipelined by its latency hint), the
+    HALO_ROWS tokens before the first loaded once and then carried from the step before. The taps' shifted
     copies of the tokens are tensor-core products with 0/1 shift matrices (exact in f32), where the row body
     gathers each token's row apart."""
-    l = ct.bid(0)
     j = ct.bid(1)
     b = ct.bid(2)
     c_tile = IN_OFFSET // BLOCK_C + j
-    current = load_token_tile(x, b, l, c_tile, BLOCK_L, BLOCK_C)
-    halo = load_token_tile(x, b, l * (BLOCK_L // HALO_ROWS) - 1, c_tile, HALO_ROWS, BLOCK_C)
     cols = j * BLOCK_C + ct.arange(BLOCK_C, dtype=ct.int32)
-    pre = preactivation(shifted_taps(current, halo, WIDTH), weight_tiles(weight, cols, WIDTH),
-                        ct.gather(bias, cols).astype(ct.float32).reshape((1, BLOCK_C)), WIDTH)
-    store_piece_tile(y0, y1, y2, b, l, j, pre * sigmoid(pre) if SILU else pre, SPLIT1, SPLIT2, BLOCK_C)
+    weights = weight_tiles(weight, cols, WIDTH)
+    bias_row = ct.gather(bias, cols).astype(ct.float32).reshape((1, BLOCK_C))
+    first = ct.bid(0) * SEGMENT_TILES
+    halo = load_token_tile(x, b, first * (BLOCK_L // HALO_ROWS) - 1, c_tile, HALO_ROWS, BLOCK_C)
+    for l in range(first, ct.minimum(first + SEGMENT_TILES, ct.cdiv(x.shape[1], BLOCK_L))):
+        current = load_token_tile(x, b, l, c_tile, BLOCK_L, BLOCK_C)
+        pre = preactivation(shifted_taps(current, halo, WIDTH), weights, bias_row, WIDTH)
+        store_piece_tile(y0, y1, y2, b, l, j, pre * sigmoid(pre) if SILU else pre, SPLIT1, SPLIT2, BLOCK_C)
+        halo = ct.extract(current, (BLOCK_L // HALO_ROWS - 1, 0), (HALO_ROWS, BLOCK_C))
 
 
 def store_piece_tile(y0, y1, y2, b, l, j, tile, SPLIT1, SPLIT2, BLOCK_C):
@@ -466,6 +471,7 @@ def causal_conv1d_fwd_kernel(
     SPLIT1: ConstInt,
     SPLIT2: ConstInt,
     BLOCK_L: ConstInt,
+    SEGMENT_TILES: ConstInt,
     BLOCK_C: ConstInt,
     HAS_INIT: ConstBool,
     HAS_SEQ_IDX: ConstBool,
@@ -477,10 +483,17 @@ def causal_conv1d_fwd_kernel(
     # compiled at all, since it would take a shared-memory layout change that sizes every block's footprint.
     conv_blocks = ct.cdiv(weight.shape[1], BLOCK_C)
     if PASS_THROUGH and ct.bid(1) >= conv_blocks:
-        copy_outside(x, before, after, ct.bid(1) - conv_blocks, weight.shape[1], ct.bid(2), ct.bid(0) * BLOCK_L,
-                     BLOCK_L, IN_OFFSET, False)
+        start = ct.bid(0) * (SEGMENT_TILES * BLOCK_L)
+        if SEGMENT_TILES == 1:
+            copy_outside(x, before, after, ct.bid(1) - conv_blocks, weight.shape[1], ct.bid(2), start, BLOCK_L,
+                         IN_OFFSET, False)
+        else:
+            for i in range(ct.cdiv(ct.minimum(start + SEGMENT_TILES * BLOCK_L, x.shape[1]) - start, BLOCK_L)):
+                copy_outside(x, before, after, ct.bid(1) - conv_blocks, weight.shape[1], ct.bid(2),
+                             start + i * BLOCK_L, BLOCK_L, IN_OFFSET, False)
     elif SHIFTED_TILES:
-        _conv_fwd_shifted_body(x, weight, bias, y0, y1, y2, WIDTH, IN_OFFSET, SPLIT1, SPLIT2, BLOCK_L, BLOCK_C, SILU)
+        _conv_fwd_shifted_body(x, weight, bias, y0, y1, y2, WIDTH, IN_OFFSET, SPLIT1, SPLIT2, BLOCK_L, SEGMENT_TILES,
+                               BLOCK_C, SILU)
     else:
         _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS,
                        SPLIT1, SPLIT2, BLOCK_L, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU)
@@ -493,12 +506,15 @@ CONV_FWD_KERNELS = int64_index_kernels(causal_conv1d_fwd_kernel)
 @dataclasses.dataclass(frozen=True)
 class ConvFwdConfig:
     """Tile of `causal_conv1d_fwd_kernel`: BLOCK_L tokens (unrolled rows) x BLOCK_C channels (powers of two),
-    and the occupancy hint (blocks per SM the compiler budgets registers for)."""
+    and the occupancy hint (blocks per SM the compiler budgets registers for). SHIFTED_TILES: the shifted-tile
+    body (`shifted_tiles_misfit`), whose blocks may take SEGMENT_TILES steps of BLOCK_L tokens each (the row
+    body's take one)."""
 
     BLOCK_L: int
     BLOCK_C: int
     OCCUPANCY: int = 3
     SHIFTED_TILES: bool = False
+    SEGMENT_TILES: int = 1
 
 
 def shifted_tiles_misfit(dims: ConvDims, block_l: int, block_c: int) -> str | None:
@@ -530,7 +546,7 @@ def conv_fwd_default_config(dims: ConvDims) -> ConvFwdConfig:
 
 
 def conv_fwd_grid(dims: ConvDims, cfg: ConvFwdConfig) -> tuple[int, int, int]:
-    return (-(-dims.seqlen // cfg.BLOCK_L), channel_blocks(dims, cfg.BLOCK_C), dims.batch)
+    return (-(-dims.seqlen // (cfg.BLOCK_L * cfg.SEGMENT_TILES)), channel_blocks(dims, cfg.BLOCK_C), dims.batch)
 
 
 def check_block_c(api: str, block_c: int) -> None:
@@ -548,12 +564,15 @@ def conv_fwd_plan(dims: ConvDims, cfg: ConvFwdConfig | None = None) -> Plan:
     check_block_c("conv_fwd_plan", cfg.BLOCK_C)
     if cfg.SHIFTED_TILES and (misfit := shifted_tiles_misfit(dims, cfg.BLOCK_L, cfg.BLOCK_C)):
         raise ValueError(f"conv_fwd_plan: SHIFTED_TILES does not fit: {misfit}")
+    if cfg.SEGMENT_TILES < 1 or (cfg.SEGMENT_TILES > 1 and not cfg.SHIFTED_TILES):
+        raise ValueError(f"conv_fwd_plan: SEGMENT_TILES={cfg.SEGMENT_TILES} must be 1, or >= 1 with SHIFTED_TILES")
     split1, split2 = dims.split_points
     launch = kernel_launch(
         index_width_variant(CONV_FWD_KERNELS, needs_int64_index(dims), occupancy=cfg.OCCUPANCY),
         conv_fwd_grid(dims, cfg), writes=CONV_OUTPUTS + OUTSIDE,  # the dummies too: every array needs a buffer
         WIDTH=dims.width, INIT_WIDTH=dims.init_width, IN_OFFSET=dims.in_offset, OUTPUTS=len(dims.pieces),
-        SPLIT1=split1, SPLIT2=split2, BLOCK_L=cfg.BLOCK_L, BLOCK_C=cfg.BLOCK_C, HAS_INIT=dims.has_init,
+        SPLIT1=split1, SPLIT2=split2, BLOCK_L=cfg.BLOCK_L, SEGMENT_TILES=cfg.SEGMENT_TILES, BLOCK_C=cfg.BLOCK_C,
+        HAS_INIT=dims.has_init,
         HAS_SEQ_IDX=dims.has_seq_idx, SILU=dims.silu, PASS_THROUGH=dims.pass_through,
         SHIFTED_TILES=cfg.SHIFTED_TILES)
     outside = tuple(name for name, w in zip(OUTSIDE, dims.outside_widths) if dims.pass_through and w)

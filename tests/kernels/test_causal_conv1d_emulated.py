@@ -271,10 +271,12 @@ def test_conv_backward_plan_rejects_invalid_tiles(cfg, message):
 
 
 # The shifted-tile forward (SHIFTED_TILES): 16-bit inputs, no initial states or seq_idx, blocks within a piece.
-# (seqlen, BLOCK_L): a partial last block, two-block tiles, exactly one block.
-@pytest.mark.parametrize("seqlen,block_l", [(37, 16), (70, 32), (16, 16)])
+# (seqlen, BLOCK_L, SEGMENT_TILES): a partial last block, two-block tiles, exactly one block, segments of steps
+# ending mid-sequence and past it.
+@pytest.mark.parametrize("seqlen,block_l,segment_tiles", [(37, 16, 1), (70, 32, 1), (16, 16, 1), (100, 16, 3),
+                                                          (37, 16, 2)])
 @pytest.mark.parametrize("float64", [True, False], ids=["float64", "bf16"])
-def test_shifted_tile_forward_equals_the_row_forward_and_the_reference(seqlen, block_l, float64):
+def test_shifted_tile_forward_equals_the_row_forward_and_the_reference(seqlen, block_l, segment_tiles, float64):
     """The taps' shifts as 0/1 tensor-core products are exact: the outputs equal the row body's bit for bit, and
     the float64 reference (to 1e-12 in float64, to bf16 rounding in the kernel's dtype), in the mixer's layout
     with pass-through copies."""
@@ -284,10 +286,12 @@ def test_shifted_tile_forward_equals_the_row_forward_and_the_reference(seqlen, b
     inputs = _plan_inputs(dims, *args[:5])
     outputs = {}
     for shifted in (True, False):
-        cfg = conv_fwd.ConvFwdConfig(BLOCK_L=block_l, BLOCK_C=16, SHIFTED_TILES=shifted)
+        cfg = conv_fwd.ConvFwdConfig(BLOCK_L=block_l, BLOCK_C=16, SHIFTED_TILES=shifted,
+                                     SEGMENT_TILES=segment_tiles if shifted else 1)
         out = emulator.run_plan(conv_fwd.conv_fwd_plan(dims, cfg), inputs, float64=float64)
         outputs[shifted] = np.concatenate([out[name] for name in conv_fwd.CONV_OUTPUTS[:3]], axis=-1)
-    np.testing.assert_array_equal(out["before"], inputs["x"][..., :32])
+        np.testing.assert_array_equal(out["before"], inputs["x"][..., :32])
+        np.testing.assert_array_equal(out["after"], inputs["x"][..., 96:])
     np.testing.assert_array_equal(outputs[True], outputs[False])
     want, _ = float64_reference(*args)
     assert rel_l2(outputs[True], want) < (1e-12 if float64 else 5e-3)
@@ -304,6 +308,12 @@ def test_shifted_tile_forward_refuses_what_it_cannot_run(change, message):
     dims = dataclasses.replace(conv_fwd.ConvDims(batch=1, seqlen=32, channels=64, width=4), **change)
     with pytest.raises(ValueError, match=f"SHIFTED_TILES does not fit: .*{message}"):
         conv_fwd.conv_fwd_plan(dims, conv_fwd.ConvFwdConfig(BLOCK_L=16, BLOCK_C=16, SHIFTED_TILES=True))
+
+
+def test_forward_segments_are_the_shifted_bodys():
+    dims = conv_fwd.ConvDims(batch=1, seqlen=32, channels=64, width=4)
+    with pytest.raises(ValueError, match="SEGMENT_TILES=2 must be 1, or >= 1 with SHIFTED_TILES"):
+        conv_fwd.conv_fwd_plan(dims, conv_fwd.ConvFwdConfig(BLOCK_L=16, BLOCK_C=16, SEGMENT_TILES=2))
 
 
 # (seqlen, BLOCK_L, SEGMENT_TILES): segments ending mid-sequence and past it, one step, a tail step wholly past
