@@ -263,6 +263,7 @@ VARIANTS = (
     Variant("save_chunk_states", True, "-recomputed-states", ", chunk states recomputed"),
     Variant("remat", False, "-remat-{}", ", remat {}"),
     Variant("command_buffers", "default", "-command-buffers-{}", ", command buffers {}"),
+    Variant("conv_configs", None, "-conv-{}", ", conv kernels {}"),
 )
 
 
@@ -419,7 +420,28 @@ def train_mamba_ssm(job: dict) -> dict:
     return {**train_torch_model(job, parts, device), "use_mem_eff_path": fused, "causal_conv1d": conv_version}
 
 
+def use_conv_configs(spec: str) -> None:
+    """Registers the cuTile conv kernels at the configs of `spec`, "FWD,BWD" in benchmarks/conv1d.py's notation
+    (e.g. 16x128x3x4s,16x8x128x2s), as this process's "cutile" conv backend: every conv call of the LM then
+    runs them (each must fit its problem)."""
+    import dataclasses
+
+    from benchmarks.conv1d import parse_config
+    from jax_mamba2 import backends
+    from jax_mamba2.bridge import conv_ops
+    from jax_mamba2.kernels.causal_conv1d import ConvFwdConfig
+    from jax_mamba2.kernels.causal_conv1d_bwd import ConvBwdConfig
+
+    fwd, bwd = spec.split(",")
+    kernels = dataclasses.replace(conv_ops.BACKENDS["cutile"], fwd_config=parse_config(fwd, ConvFwdConfig),
+                                  bwd_config=parse_config(bwd, ConvBwdConfig))
+    backends.register_backend(backends.LayerBackend("cutile", kernels, conv_ops.unsupported_reason, auto_priority=2),
+                              op="causal_conv1d")
+
+
 def work(job: dict) -> dict:
+    if job.get("conv_configs"):
+        use_conv_configs(job["conv_configs"])
     return train_ours(job) if job["impl"] in OURS else train_mamba_ssm(job)
 
 
@@ -595,6 +617,9 @@ def parse_args(argv=None):
     parser.add_argument("--remat", choices=("matmuls", "full"), default=None,
                         help="ours: Mamba2LMHeadModel(remat=): keep only in_proj's output (matmuls) or only each "
                              "block's inputs (full) for the backward (default: everything it reads)")
+    parser.add_argument("--conv-configs", default=None, metavar="FWD,BWD",
+                        help="ours: the cuTile conv kernels at these configs (benchmarks/conv1d.py's notation, e.g. "
+                             "16x128x3x4s,16x8x128x2s) instead of their defaults")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="ours: an XLA compiler option of the step, e.g. "
                              "xla_gpu_enable_dynamic_slice_fusion=false (repeatable; default: none)")
@@ -645,6 +670,7 @@ def jobs(args) -> list[dict]:
                                                           "remat": {None: False, "full": True}.get(
                                                               args.remat, args.remat),
                                                           "command_buffers": args.command_buffers,
+                                                          "conv_configs": args.conv_configs,
                                                           "hlo_dir": args.hlo_dir and str(args.hlo_dir)})}
             for config in args.configs for impl in args.impls]
 

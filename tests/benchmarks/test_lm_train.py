@@ -264,6 +264,21 @@ def test_command_buffers_reach_the_worker_environment_and_key_the_record(monkeyp
     assert lm_bench.command_buffer_env("default") == {}
 
 
+def test_conv_configs_reach_the_worker_and_key_the_record(monkeypatch):
+    spec = "16x128x3x4s,16x8x128x2s"
+    _assert_variant_reaches_ours_and_keys_the_record(["--conv-configs", spec], "conv_configs", spec, None,
+                                                     f", conv kernels {spec}")
+    pytest.importorskip("cuda.tile")
+    from jax_mamba2 import backends
+    from jax_mamba2.bridge import conv_ops
+    monkeypatch.setitem(backends._REGISTRY, "causal_conv1d", dict(backends._REGISTRY["causal_conv1d"]))
+    lm_train.use_conv_configs(spec)
+    kernels = backends._REGISTRY["causal_conv1d"]["cutile"].kernels
+    assert kernels.run_plan is conv_ops.BACKENDS["cutile"].run_plan
+    assert (kernels.fwd_config.SHIFTED_TILES, kernels.fwd_config.SEGMENT_TILES, kernels.bwd_config.BLOCK_L) == (
+        True, 4, 16)
+
+
 def test_the_speedup_takes_the_peer_of_ours_commit_where_there_is_one():
     def record(impl, ms, sha, **extra):
         return {"config": "d8-l1-1x8", "impl": impl, "timing": {"ms_median": ms}, "environment": {"git_sha": sha},
