@@ -25,7 +25,7 @@ tokens of BLOCK_C channels as a Python tuple of rows: it gathers the BLOCK_L + K
 which is also the left padding), and each output row combines K rows of the tuple by static indexing, as a
 CUDA thread shifts a register window. The K - 1 halo rows are read again by the neighbouring block, from L2.
 
-Shifted tiles (SHIFTED_TILES, 16-bit inputs without initial states or seq_idx): a block instead loads its
+Shifted tiles (SHIFTED_TILES, 16-bit inputs): a block instead loads its
 BLOCK_L tokens and the HALO_ROWS tokens before them as two 2-D tiles (TMA) and forms each tap's shifted copy
 as a tensor-core product of a 0/1 shift matrix with them: one nonzero term per output, so the copy is exact
 in f32. Where the row gathers keep one load per row and thread in flight, these move whole tiles per
@@ -385,6 +385,32 @@ def load_token_tile(x, b, tile, c_tile, rows, BLOCK_C):
                    latency=4).reshape((rows, BLOCK_C))
 
 
+def initial_halo(initial_states, b, cols, rows, INIT_WIDTH):
+    """[rows, BLOCK_C] in the states' dtype: x̃'s tokens -rows .. -1 (the last INIT_WIDTH from initial_states[b,
+    cols, :], the earlier ones 0), the halo of a sequence's first tile."""
+    i = ct.arange(rows, dtype=ct.int32).reshape((rows, 1))
+    halo = ct.zeros((rows, cols.shape[0]), initial_states.dtype)
+    for m in ct.static_iter(range(INIT_WIDTH)):
+        column = ct.gather(initial_states, (b, cols, m)).reshape((1, cols.shape[0]))
+        halo = ct.where(i == rows - INIT_WIDTH + m, column, halo)
+    return halo
+
+
+def tile_ids(seq_idx, b, first, rows):
+    """int32 [rows, 1]: the sequence ids of tokens first .. first + rows - 1, -1 outside x."""
+    return ct.gather(seq_idx, (b, first + ct.arange(rows, dtype=ct.int32)), padding_value=-1).reshape((rows, 1))
+
+
+def same_sequence_taps(taps, seq_idx, b, first, WIDTH):
+    """`shifted_taps` of the tokens first .. with each tap zeroed in the rows whose tap token belongs to another
+    sequence than the row's own (tokens before x count as none)."""
+    own = tile_ids(seq_idx, b, first, taps[0].shape[0])
+    masked = ()
+    for k in ct.static_iter(range(WIDTH - 1)):
+        masked += (ct.where(tile_ids(seq_idx, b, first - (WIDTH - 1 - k), own.shape[0]) == own, taps[k], 0.0),)
+    return masked + (taps[WIDTH - 1],)
+
+
 def shifted_taps(current, halo, WIDTH):
     """The taps of a tile's tokens: a tuple whose entry k is the [BLOCK_L, BLOCK_C] f32 tile of tokens shifted
     down by WIDTH - 1 - k (row i holds token i - WIDTH + 1 + k, from `halo`, the HALO_ROWS tokens before
@@ -408,13 +434,30 @@ def weight_tiles(weight, cols, WIDTH):
     return taps
 
 
-def _conv_fwd_shifted_body(x, weight, bias, y0, y1, y2, WIDTH, IN_OFFSET, SPLIT1, SPLIT2, BLOCK_L, SEGMENT_TILES,
-                           BLOCK_C, SILU):
-    """The forward of one block (no initial states, no seq_idx; every split and IN_OFFSET a multiple of BLOCK_C):
-    SEGMENT_TILES steps of BLOCK_L tokens, each one 2-D tile load (pipelined by its latency hint), the
-    HALO_ROWS tokens before the first loaded once and then carried from the step before. The taps' shifted
-    copies of the tokens are tensor-core products with 0/1 shift matrices (exact in f32), where the row body
-    gathers each token's row apart."""
+def first_halo(x, initial_states, b, first_tile, c_tile, cols, BLOCK_L, HAS_INIT, INIT_WIDTH):
+    """The HALO_ROWS tokens before tile `first_tile` of BLOCK_L tokens (x's, or the initial states' before the
+    sequence), [HALO_ROWS, BLOCK_C] in x's dtype."""
+    if HAS_INIT:
+        if first_tile == 0:
+            return initial_halo(initial_states, b, cols, HALO_ROWS, INIT_WIDTH)
+    return load_token_tile(x, b, first_tile * (BLOCK_L // HALO_ROWS) - 1, c_tile, HALO_ROWS, cols.shape[0])
+
+
+def tile_taps(x, seq_idx, current, halo, b, l, c_tile, BLOCK_L, WIDTH, HAS_SEQ_IDX):
+    """`shifted_taps` of tile l (tokens l * BLOCK_L ..), masked by sequence with HAS_SEQ_IDX."""
+    taps = shifted_taps(current, halo, WIDTH)
+    if HAS_SEQ_IDX:
+        taps = same_sequence_taps(taps, seq_idx, b, l * BLOCK_L, WIDTH)
+    return taps
+
+
+def _conv_fwd_shifted_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, INIT_WIDTH, IN_OFFSET,
+                           SPLIT1, SPLIT2, BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU):
+    """The forward of one block (every split and IN_OFFSET a multiple of BLOCK_C): SEGMENT_TILES steps of
+    BLOCK_L tokens, each one 2-D tile load (pipelined by its latency hint), the HALO_ROWS tokens before the
+    first loaded once (from the initial states before the sequence) and then carried from the step before. The
+    taps' shifted copies of the tokens are tensor-core products with 0/1 shift matrices (exact in f32), where
+    the row body gathers each token's row apart; seq_idx masks them per row."""
     j = ct.bid(1)
     b = ct.bid(2)
     c_tile = IN_OFFSET // BLOCK_C + j
@@ -422,10 +465,11 @@ def _conv_fwd_shifted_body(x, weight, bias, y0, y1, y2, WIDTH, IN_OFFSET, SPLIT1
     weights = weight_tiles(weight, cols, WIDTH)
     bias_row = ct.gather(bias, cols).astype(ct.float32).reshape((1, BLOCK_C))
     first = ct.bid(0) * SEGMENT_TILES
-    halo = load_token_tile(x, b, first * (BLOCK_L // HALO_ROWS) - 1, c_tile, HALO_ROWS, BLOCK_C)
+    halo = first_halo(x, initial_states, b, first, c_tile, cols, BLOCK_L, HAS_INIT, INIT_WIDTH)
     for l in range(first, ct.minimum(first + SEGMENT_TILES, ct.cdiv(x.shape[1], BLOCK_L))):
         current = load_token_tile(x, b, l, c_tile, BLOCK_L, BLOCK_C)
-        pre = preactivation(shifted_taps(current, halo, WIDTH), weights, bias_row, WIDTH)
+        taps = tile_taps(x, seq_idx, current, halo, b, l, c_tile, BLOCK_L, WIDTH, HAS_SEQ_IDX)
+        pre = preactivation(taps, weights, bias_row, WIDTH)
         store_piece_tile(y0, y1, y2, b, l, j, pre * sigmoid(pre) if SILU else pre, SPLIT1, SPLIT2, BLOCK_C)
         halo = ct.extract(current, (BLOCK_L // HALO_ROWS - 1, 0), (HALO_ROWS, BLOCK_C))
 
@@ -492,8 +536,8 @@ def causal_conv1d_fwd_kernel(
                 copy_outside(x, before, after, ct.bid(1) - conv_blocks, weight.shape[1], ct.bid(2),
                              start + i * BLOCK_L, BLOCK_L, IN_OFFSET, False)
     elif SHIFTED_TILES:
-        _conv_fwd_shifted_body(x, weight, bias, y0, y1, y2, WIDTH, IN_OFFSET, SPLIT1, SPLIT2, BLOCK_L, SEGMENT_TILES,
-                               BLOCK_C, SILU)
+        _conv_fwd_shifted_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, INIT_WIDTH, IN_OFFSET,
+                               SPLIT1, SPLIT2, BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU)
     else:
         _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS,
                        SPLIT1, SPLIT2, BLOCK_L, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU)
@@ -519,13 +563,11 @@ class ConvFwdConfig:
 
 def shifted_tiles_misfit(dims: ConvDims, block_l: int, block_c: int) -> str | None:
     """Why the shifted-tile bodies (forward and backward) cannot run `dims` at tiles of block_l tokens and
-    block_c channels (None where they can): they take 16-bit inputs (their shift products' operands), no
-    initial states or seq_idx, block_l a multiple of HALO_ROWS, and blocks of block_c channels that each lie
-    within one output piece at a whole tile of x (with pass_through, of x's whole cotangent too)."""
+    block_c channels (None where they can): they take 16-bit inputs (their shift products' operands), block_l a
+    multiple of HALO_ROWS, and blocks of block_c channels that each lie within one output piece at a whole tile
+    of x (with pass_through, of x's whole cotangent too)."""
     if dims.dtype not in ("bfloat16", "float16"):
         return f"dtype={dims.dtype} (bfloat16 or float16 needed)"
-    if dims.has_init or dims.has_seq_idx:
-        return "initial_states or seq_idx given"
     if block_l % HALO_ROWS or dims.width > HALO_ROWS + 1:
         return f"BLOCK_L={block_l} (a multiple of {HALO_ROWS} needed) or width={dims.width}"
     edges = (dims.in_offset,) + tuple(p for p in dims.split_points if p < dims.channels)

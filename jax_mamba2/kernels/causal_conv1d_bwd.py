@@ -56,9 +56,9 @@ from jax_mamba2.kernels._common import (
     Big, Buffer, ConstBool, ConstInt, Plan, index_width_variant, int64_index_kernels, kernel_launch, next_power_of_2)
 from jax_mamba2.kernels.causal_conv1d import (
     CONV_INPUTS, HALO_ROWS, MAX_OUTPUTS, OUTSIDE, ConvDims, channel_blocks, check_block_c, check_dims, conv_arrays,
-    copy_outside, halo_rows, load_piece_tile, load_token_tile, masked_taps, needs_int64_index, outside_arrays,
-    piece_arrays, piece_rows, preactivation, shift_matrix, shifted_taps, shifted_tiles_misfit, sigmoid, token_ids,
-    token_rows, weight_rows, weight_tiles, widened)
+    copy_outside, first_halo, halo_rows, load_piece_tile, load_token_tile, masked_taps, needs_int64_index,
+    outside_arrays, piece_arrays, piece_rows, preactivation, shift_matrix, shifted_tiles_misfit, sigmoid, tile_ids,
+    tile_taps, token_ids, token_rows, weight_rows, weight_tiles, widened)
 
 COTANGENTS = tuple(f"dy{i}" for i in range(MAX_OUTPUTS))
 # The cotangents of x's channels before and after the conv's window (PASS_THROUGH).
@@ -234,29 +234,42 @@ def _split_bf16(g):
     return hi, (g - hi.astype(ct.float32)).astype(ct.bfloat16)
 
 
-def _lagged_input_grads(g_prev, g_cur, weights, WIDTH):
-    """dx of the previous tile's tokens, [BLOCK_L, BLOCK_C] f32: row i is Σ_k weight[k] · g[i + WIDTH - 1 - k] of
-    the tokens g_prev then g_cur hold (row BLOCK_L + m of that sequence is g_cur's row m). The up-shifts are one
+def _lagged_input_grads(g_prev, g_cur, weights, seq_idx, b, first, WIDTH, HAS_SEQ_IDX):
+    """dx̃ of the previous tile's tokens (first .. first + BLOCK_L - 1), [BLOCK_L, BLOCK_C] f32: row i is
+    Σ_k weight[k] · g[i + WIDTH - 1 - k] of the tokens g_prev then g_cur hold (row BLOCK_L + m of that sequence
+    is g_cur's row m), with HAS_SEQ_IDX only where that token is in row i's sequence. The up-shifts are one
     tensor-core product per tap of a 0/1 matrix and the two tiles' bf16 halves side by side."""
     rows = g_prev.shape[0]
     prev_hi, prev_lo = _split_bf16(g_prev)
     cur_hi, cur_lo = _split_bf16(g_cur)
     halves = ct.cat((ct.cat((prev_hi, prev_lo), 0), ct.cat((cur_hi, cur_lo), 0)), 0)
+    own = tile_ids(seq_idx, b, first, rows) if HAS_SEQ_IDX else None
     acc = weights[WIDTH - 1] * g_prev
     for k in ct.static_iter(range(WIDTH - 1)):
         up = WIDTH - 1 - k
         prev_shift = shift_matrix(rows, rows, -up, 0, ct.bfloat16)
         cur_shift = shift_matrix(rows, rows, -up, -rows, ct.bfloat16)
         shifts = ct.cat((ct.cat((prev_shift, prev_shift), 1), ct.cat((cur_shift, cur_shift), 1)), 1)
-        acc = acc + weights[k] * ct.mma(shifts, halves, ct.zeros(g_prev.shape, dtype=ct.float32))
+        g = ct.mma(shifts, halves, ct.zeros(g_prev.shape, dtype=ct.float32))
+        if HAS_SEQ_IDX:
+            g = ct.where(tile_ids(seq_idx, b, first + up, rows) == own, g, 0.0)
+        acc = acc + weights[k] * g
     return acc
 
 
-def _conv_bwd_shifted_body(x, weight, bias, dy0, dy1, dy2, dx, dweight_partials, dbias_partials, WIDTH, IN_OFFSET,
-                           SPLIT1, SPLIT2, BLOCK_L, SEGMENT_TILES, BLOCK_C, SILU, PASS_THROUGH):
+def _tile_row(tile, r):
+    """Row r of a 2-D tile as a [columns] tile (a masked sum over the rows: no shared-memory round trip)."""
+    i = ct.arange(tile.shape[0], dtype=ct.int32).reshape((tile.shape[0], 1))
+    return ct.sum(ct.where(i == r, tile, 0.0), axis=0)
+
+
+def _conv_bwd_shifted_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, dinitial_states,
+                           dweight_partials, dbias_partials, WIDTH, INIT_WIDTH, IN_OFFSET, SPLIT1, SPLIT2, BLOCK_L,
+                           SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU, PASS_THROUGH):
     """The backward of one block from 2-D tile loads (`shifted_tiles_misfit` says what it takes): each step
-    loads BLOCK_L tokens of x and dy, forms the taps by shift products (causal_conv1d.shifted_taps), g, the
-    weight sums, and dx of the step before, whose last tokens need this step's g (dx lags one step). After the
+    loads BLOCK_L tokens of x and dy, forms the taps by shift products (causal_conv1d.tile_taps), g, the
+    weight sums, and dx of the step before, whose last tokens need this step's g (dx lags one step; in segment
+    0 the step before the first is the tokens before the sequence, whose dx̃ is d initial_states). After the
     segment's steps, g of the next BLOCK_L tokens (not summed) gives dx of the last."""
     seg = ct.bid(0)
     j = ct.bid(1)
@@ -270,7 +283,7 @@ def _conv_bwd_shifted_body(x, weight, bias, dy0, dy1, dy2, dx, dweight_partials,
     bias_row = ct.gather(bias, cols).astype(ct.float32).reshape((1, BLOCK_C))
     first = seg * SEGMENT_TILES
     steps = ct.minimum(SEGMENT_TILES, ct.cdiv(x.shape[1], BLOCK_L) - first)
-    halo = load_token_tile(x, b, first * (BLOCK_L // HALO_ROWS) - 1, c_tile, HALO_ROWS, BLOCK_C)
+    halo = first_halo(x, initial_states, b, first, c_tile, cols, BLOCK_L, HAS_INIT, INIT_WIDTH)
     g_prev = ct.zeros((BLOCK_L, BLOCK_C), ct.float32)
     dweight = ()
     for _ in ct.static_iter(range(WIDTH)):
@@ -280,25 +293,30 @@ def _conv_bwd_shifted_body(x, weight, bias, dy0, dy1, dy2, dx, dweight_partials,
         l = first + i
         current = load_token_tile(x, b, l, c_tile, BLOCK_L, BLOCK_C)
         dy = load_piece_tile(dy0, dy1, dy2, b, l, j, BLOCK_L, SPLIT1, SPLIT2, BLOCK_C).astype(ct.float32)
-        taps = shifted_taps(current, halo, WIDTH)
+        taps = tile_taps(x, seq_idx, current, halo, b, l, c_tile, BLOCK_L, WIDTH, HAS_SEQ_IDX)
         g = _silu_grad(dy, preactivation(taps, weights, bias_row, WIDTH), SILU)
         summed = ()
         for k in ct.static_iter(range(WIDTH)):
             summed += (dweight[k] + ct.sum(g * taps[k], axis=0),)
         dweight = summed
         dbias = dbias + ct.sum(g, axis=0)
+        dx_prev = _lagged_input_grads(g_prev, g, weights, seq_idx, b, (l - 1) * BLOCK_L, WIDTH, HAS_SEQ_IDX)
         if i > 0:
-            ct.store(dx, (b, l - 1, dx_tile),
-                     _lagged_input_grads(g_prev, g, weights, WIDTH).astype(dx.dtype).reshape((1, BLOCK_L, BLOCK_C)))
+            ct.store(dx, (b, l - 1, dx_tile), dx_prev.astype(dx.dtype).reshape((1, BLOCK_L, BLOCK_C)))
+        elif HAS_INIT:
+            if l == 0:  # the tokens before the sequence: the last INIT_WIDTH are the initial states'
+                for m in ct.static_iter(range(INIT_WIDTH)):
+                    ct.scatter(dinitial_states, (b, cols, m), _tile_row(dx_prev, BLOCK_L - INIT_WIDTH + m))
         g_prev = g
         halo = ct.extract(current, (BLOCK_L // HALO_ROWS - 1, 0), (HALO_ROWS, BLOCK_C))
     # Tokens past seqlen load as zero dy, so their g is 0.
     l = first + steps
     current = load_token_tile(x, b, l, c_tile, BLOCK_L, BLOCK_C)
     dy = load_piece_tile(dy0, dy1, dy2, b, l, j, BLOCK_L, SPLIT1, SPLIT2, BLOCK_C).astype(ct.float32)
-    g = _silu_grad(dy, preactivation(shifted_taps(current, halo, WIDTH), weights, bias_row, WIDTH), SILU)
-    ct.store(dx, (b, l - 1, dx_tile),
-             _lagged_input_grads(g_prev, g, weights, WIDTH).astype(dx.dtype).reshape((1, BLOCK_L, BLOCK_C)))
+    taps = tile_taps(x, seq_idx, current, halo, b, l, c_tile, BLOCK_L, WIDTH, HAS_SEQ_IDX)
+    g = _silu_grad(dy, preactivation(taps, weights, bias_row, WIDTH), SILU)
+    dx_last = _lagged_input_grads(g_prev, g, weights, seq_idx, b, (l - 1) * BLOCK_L, WIDTH, HAS_SEQ_IDX)
+    ct.store(dx, (b, l - 1, dx_tile), dx_last.astype(dx.dtype).reshape((1, BLOCK_L, BLOCK_C)))
 
     part = b * ct.num_blocks(0) + seg
     for k in ct.static_iter(range(WIDTH)):
@@ -350,8 +368,9 @@ def causal_conv1d_bwd_kernel(
         _pass_through_body(dbefore, dafter, dx, ct.bid(1) - conv_blocks, weight.shape[1], IN_OFFSET, BLOCK_L,
                            SEGMENT_TILES)
     elif SHIFTED_TILES:
-        _conv_bwd_shifted_body(x, weight, bias, dy0, dy1, dy2, dx, dweight_partials, dbias_partials, WIDTH,
-                               IN_OFFSET, SPLIT1, SPLIT2, BLOCK_L, SEGMENT_TILES, BLOCK_C, SILU, PASS_THROUGH)
+        _conv_bwd_shifted_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, dinitial_states,
+                               dweight_partials, dbias_partials, WIDTH, INIT_WIDTH, IN_OFFSET, SPLIT1, SPLIT2, BLOCK_L,
+                               SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU, PASS_THROUGH)
     else:
         _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, dinitial_states,
                        dweight_partials, dbias_partials, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS, SPLIT1, SPLIT2,
