@@ -96,21 +96,16 @@ def floor_bytes(shape, direction: str, itemsize: int = 2, layout: str = "plain")
 
 
 def parse_config(text: str, config_type):
-    """A config from its fields' values joined by "x": ConvFwdConfig's BLOCK_L, BLOCK_C, OCCUPANCY (e.g. 16x512x3),
-    with a trailing "s" for its SHIFTED_TILES body, which may take SEGMENT_TILES as a fourth value (16x128x3s,
-    32x128x2x8s); ConvBwdConfig's BLOCK_L, SEGMENT_TILES, BLOCK_C, OCCUPANCY (with the default REDUCE_BLOCK_C),
-    "s" for SHIFTED_TILES too."""
-    from jax_mamba2.kernels.causal_conv1d_bwd import REDUCE_BLOCK_C, ConvBwdConfig
-    backward = config_type is ConvBwdConfig
-    names = ["BLOCK_L", "SEGMENT_TILES", "BLOCK_C", "OCCUPANCY"] if backward else ["BLOCK_L", "BLOCK_C", "OCCUPANCY"]
-    shifted = text.endswith("s")
-    values = [int(v) for v in text.removesuffix("s").split("x")]
-    if shifted and not backward and len(values) == 4:
-        names.append("SEGMENT_TILES")
+    """A config from its fields' values joined by "x" (e.g. 16x512x3 for ConvFwdConfig's BLOCK_L, BLOCK_C,
+    OCCUPANCY; ConvBwdConfig: BLOCK_L, SEGMENT_TILES, BLOCK_C, OCCUPANCY, with the default REDUCE_BLOCK_C)."""
+    names = [f for f in ("BLOCK_L", "SEGMENT_TILES", "BLOCK_C", "OCCUPANCY")
+             if f in {field.name for field in dataclasses.fields(config_type)}]
+    values = [int(v) for v in text.split("x")]
     if len(values) != len(names):
         raise SystemExit(f"conv1d.py: config {text!r} must be {'x'.join(names)}")
-    extra = {"REDUCE_BLOCK_C": REDUCE_BLOCK_C} if backward else {}
-    return config_type(**dict(zip(names, values)), **extra, SHIFTED_TILES=shifted)
+    from jax_mamba2.kernels.causal_conv1d_bwd import REDUCE_BLOCK_C
+    extra = {} if "SEGMENT_TILES" not in names else {"REDUCE_BLOCK_C": REDUCE_BLOCK_C}
+    return config_type(**dict(zip(names, values)), **extra)
 
 
 def _pieces(y, layout: str, channels: int):

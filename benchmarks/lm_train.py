@@ -422,7 +422,7 @@ def train_mamba_ssm(job: dict) -> dict:
 
 def use_conv_configs(spec: str) -> None:
     """Registers the cuTile conv kernels at the configs of `spec`, "FWD,BWD" in benchmarks/conv1d.py's notation
-    (e.g. 16x128x3x4s,16x8x128x2s), as this process's "cutile" conv backend: every conv call of the LM then
+    (e.g. 16x512x3,8x32x128x4), as this process's "cutile" conv backend: every conv call of the LM then
     runs them (each must fit its problem)."""
     import dataclasses
 
@@ -619,7 +619,7 @@ def parse_args(argv=None):
                              "block's inputs (full) for the backward (default: everything it reads)")
     parser.add_argument("--conv-configs", default=None, metavar="FWD,BWD",
                         help="ours: the cuTile conv kernels at these configs (benchmarks/conv1d.py's notation, e.g. "
-                             "16x128x3x4s,16x8x128x2s) instead of their defaults")
+                             "16x512x3,8x32x128x4) instead of their defaults")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="ours: an XLA compiler option of the step, e.g. "
                              "xla_gpu_enable_dynamic_slice_fusion=false (repeatable; default: none)")

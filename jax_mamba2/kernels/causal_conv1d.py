@@ -25,12 +25,6 @@ tokens of BLOCK_C channels as a Python tuple of rows: it gathers the BLOCK_L + K
 which is also the left padding), and each output row combines K rows of the tuple by static indexing, as a
 CUDA thread shifts a register window. The K - 1 halo rows are read again by the neighbouring block, from L2.
 
-Shifted tiles (SHIFTED_TILES, 16-bit inputs): a block instead loads its
-BLOCK_L tokens and the HALO_ROWS tokens before them as two 2-D tiles (TMA) and forms each tap's shifted copy
-as a tensor-core product of a 0/1 shift matrix with them: one nonzero term per output, so the copy is exact
-in f32. Where the row gathers keep one load per row and thread in flight, these move whole tiles per
-instruction (`shifted_tiles_misfit` says what they take).
-
 Bytes (the floor of this memory-bound op): one read of x and one write of y, 2 · itemsize(x) bytes per
 element, e.g. 151 MB (31 µs at the H200's 4.8 TB/s) at (8, 2048, 2304) bf16; the halo adds (K - 1) / BLOCK_L
 re-reads that hit L2, the weights and seq_idx are noise.
@@ -41,7 +35,7 @@ grid's channel axis (PASS_BLOCK_C channels each), so that the layer gets them as
 copies no slice of x. The copies are bandwidth the conv blocks, bound by their gathers' latency, leave unused
 (the backward copies their cotangents the same way, causal_conv1d_bwd.py).
 
-Grid: (cdiv(seqlen, BLOCK_L * SEGMENT_TILES), cdiv(channels, BLOCK_C) [+ cdiv(IN_OFFSET, PASS_BLOCK_C) + cdiv(after,
+Grid: (cdiv(seqlen, BLOCK_L), cdiv(channels, BLOCK_C) [+ cdiv(IN_OFFSET, PASS_BLOCK_C) + cdiv(after,
 PASS_BLOCK_C) with PASS_THROUGH], batch).
 
 Shapes: x (batch, seqlen, in_width) T in {bf16, f16, f32} with IN_OFFSET + channels <= in_width; y0, y1, y2
@@ -363,140 +357,6 @@ def _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, 
     scatter_pieces(y0, y1, y2, b, l * BLOCK_L, outs, cols, OUTPUTS, SPLIT1, SPLIT2, BLOCK_C)
 
 
-# Rows of the halo tile the shifted-tile body loads before a block's tokens: the smallest K of a tensor-core product.
-HALO_ROWS = 16
-
-
-def shift_matrix(rows, cols, shift, offset, dtype):
-    """[rows, cols] of `dtype`: 1 where column j == row i - shift + offset, else 0. Times a tile of tokens it
-    returns those tokens shifted down by `shift` rows (an exact copy: one nonzero product per output, summed in
-    f32)."""
-    i = ct.arange(rows, dtype=ct.int32).reshape((rows, 1))
-    j = ct.arange(cols, dtype=ct.int32).reshape((1, cols))
-    return ct.where(j == i - shift + offset, 1.0, 0.0).astype(dtype)
-
-
-def load_token_tile(x, b, tile, c_tile, rows, BLOCK_C):
-    """[rows, BLOCK_C] in x's dtype: x[b, tile * rows .. + rows - 1, c_tile * BLOCK_C .. + BLOCK_C - 1], zero
-    past its bounds; a tile wholly before token 0 or past the last token is all zero (and not loaded)."""
-    if (tile < 0) | (tile * rows >= x.shape[1]):
-        return ct.zeros((rows, BLOCK_C), x.dtype)
-    return ct.load(x, (b, tile, c_tile), (1, rows, BLOCK_C), padding_mode=ct.PaddingMode.ZERO,
-                   latency=4).reshape((rows, BLOCK_C))
-
-
-def initial_halo(initial_states, b, cols, rows, INIT_WIDTH):
-    """[rows, BLOCK_C] in the states' dtype: x̃'s tokens -rows .. -1 (the last INIT_WIDTH from initial_states[b,
-    cols, :], the earlier ones 0), the halo of a sequence's first tile."""
-    i = ct.arange(rows, dtype=ct.int32).reshape((rows, 1))
-    halo = ct.zeros((rows, cols.shape[0]), initial_states.dtype)
-    for m in ct.static_iter(range(INIT_WIDTH)):
-        column = ct.gather(initial_states, (b, cols, m)).reshape((1, cols.shape[0]))
-        halo = ct.where(i == rows - INIT_WIDTH + m, column, halo)
-    return halo
-
-
-def tile_ids(seq_idx, b, first, rows):
-    """int32 [rows, 1]: the sequence ids of tokens first .. first + rows - 1, -1 outside x."""
-    return ct.gather(seq_idx, (b, first + ct.arange(rows, dtype=ct.int32)), padding_value=-1).reshape((rows, 1))
-
-
-def same_sequence_taps(taps, seq_idx, b, first, WIDTH):
-    """`shifted_taps` of the tokens first .. with each tap zeroed in the rows whose tap token belongs to another
-    sequence than the row's own (tokens before x count as none)."""
-    own = tile_ids(seq_idx, b, first, taps[0].shape[0])
-    masked = ()
-    for k in ct.static_iter(range(WIDTH - 1)):
-        masked += (ct.where(tile_ids(seq_idx, b, first - (WIDTH - 1 - k), own.shape[0]) == own, taps[k], 0.0),)
-    return masked + (taps[WIDTH - 1],)
-
-
-def shifted_taps(current, halo, WIDTH):
-    """The taps of a tile's tokens: a tuple whose entry k is the [BLOCK_L, BLOCK_C] f32 tile of tokens shifted
-    down by WIDTH - 1 - k (row i holds token i - WIDTH + 1 + k, from `halo`, the HALO_ROWS tokens before
-    `current`, where that is negative). The shifts are tensor-core products with 0/1 matrices, exact in f32."""
-    rows = current.shape[0]
-    taps = ()
-    for k in ct.static_iter(range(WIDTH - 1)):
-        shift = WIDTH - 1 - k
-        tap = ct.mma(shift_matrix(rows, rows, shift, 0, current.dtype), current,
-                     ct.zeros(current.shape, dtype=ct.float32))
-        taps += (ct.mma(shift_matrix(rows, HALO_ROWS, shift, HALO_ROWS, current.dtype), halo, tap),)
-    return taps + (current.astype(ct.float32),)
-
-
-def weight_tiles(weight, cols, WIDTH):
-    """`weight_rows` as [1, BLOCK_C] tiles."""
-    rows = weight_rows(weight, cols, WIDTH)
-    taps = ()
-    for k in ct.static_iter(range(WIDTH)):
-        taps += (rows[k].reshape((1, cols.shape[0])),)
-    return taps
-
-
-def first_halo(x, initial_states, b, first_tile, c_tile, cols, BLOCK_L, HAS_INIT, INIT_WIDTH):
-    """The HALO_ROWS tokens before tile `first_tile` of BLOCK_L tokens (x's, or the initial states' before the
-    sequence), [HALO_ROWS, BLOCK_C] in x's dtype."""
-    if HAS_INIT:
-        if first_tile == 0:
-            return initial_halo(initial_states, b, cols, HALO_ROWS, INIT_WIDTH)
-    return load_token_tile(x, b, first_tile * (BLOCK_L // HALO_ROWS) - 1, c_tile, HALO_ROWS, cols.shape[0])
-
-
-def tile_taps(x, seq_idx, current, halo, b, l, c_tile, BLOCK_L, WIDTH, HAS_SEQ_IDX):
-    """`shifted_taps` of tile l (tokens l * BLOCK_L ..), masked by sequence with HAS_SEQ_IDX."""
-    taps = shifted_taps(current, halo, WIDTH)
-    if HAS_SEQ_IDX:
-        taps = same_sequence_taps(taps, seq_idx, b, l * BLOCK_L, WIDTH)
-    return taps
-
-
-def _conv_fwd_shifted_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, INIT_WIDTH, IN_OFFSET,
-                           SPLIT1, SPLIT2, BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU):
-    """The forward of one block (every split and IN_OFFSET a multiple of BLOCK_C): SEGMENT_TILES steps of
-    BLOCK_L tokens, each one 2-D tile load (pipelined by its latency hint), the HALO_ROWS tokens before the
-    first loaded once (from the initial states before the sequence) and then carried from the step before. The
-    taps' shifted copies of the tokens are tensor-core products with 0/1 shift matrices (exact in f32), where
-    the row body gathers each token's row apart; seq_idx masks them per row."""
-    j = ct.bid(1)
-    b = ct.bid(2)
-    c_tile = IN_OFFSET // BLOCK_C + j
-    cols = j * BLOCK_C + ct.arange(BLOCK_C, dtype=ct.int32)
-    weights = weight_tiles(weight, cols, WIDTH)
-    bias_row = ct.gather(bias, cols).astype(ct.float32).reshape((1, BLOCK_C))
-    first = ct.bid(0) * SEGMENT_TILES
-    halo = first_halo(x, initial_states, b, first, c_tile, cols, BLOCK_L, HAS_INIT, INIT_WIDTH)
-    for l in range(first, ct.minimum(first + SEGMENT_TILES, ct.cdiv(x.shape[1], BLOCK_L))):
-        current = load_token_tile(x, b, l, c_tile, BLOCK_L, BLOCK_C)
-        taps = tile_taps(x, seq_idx, current, halo, b, l, c_tile, BLOCK_L, WIDTH, HAS_SEQ_IDX)
-        pre = preactivation(taps, weights, bias_row, WIDTH)
-        store_piece_tile(y0, y1, y2, b, l, j, pre * sigmoid(pre) if SILU else pre, SPLIT1, SPLIT2, BLOCK_C)
-        halo = ct.extract(current, (BLOCK_L // HALO_ROWS - 1, 0), (HALO_ROWS, BLOCK_C))
-
-
-def store_piece_tile(y0, y1, y2, b, l, j, tile, SPLIT1, SPLIT2, BLOCK_C):
-    """Stores the [BLOCK_L, BLOCK_C] tile of tokens l * BLOCK_L .. and the conv's channels j * BLOCK_C .. into
-    the output piece that holds them (the splits are multiples of BLOCK_C); rows past seqlen are dropped."""
-    rows = tile.shape[0]
-    c0 = j * BLOCK_C
-    if c0 < SPLIT1:
-        ct.store(y0, (b, l, j), tile.astype(y0.dtype).reshape((1, rows, BLOCK_C)))
-    elif c0 < SPLIT2:
-        ct.store(y1, (b, l, j - SPLIT1 // BLOCK_C), tile.astype(y1.dtype).reshape((1, rows, BLOCK_C)))
-    else:
-        ct.store(y2, (b, l, j - SPLIT2 // BLOCK_C), tile.astype(y2.dtype).reshape((1, rows, BLOCK_C)))
-
-
-def load_piece_tile(y0, y1, y2, b, l, j, rows, SPLIT1, SPLIT2, BLOCK_C):
-    """The [rows, BLOCK_C] tile that `store_piece_tile` stores, loaded (zero past seqlen)."""
-    c0 = j * BLOCK_C
-    if c0 < SPLIT1:
-        return load_token_tile(y0, b, l, j, rows, BLOCK_C)
-    if c0 < SPLIT2:
-        return load_token_tile(y1, b, l, j - SPLIT1 // BLOCK_C, rows, BLOCK_C)
-    return load_token_tile(y2, b, l, j - SPLIT2 // BLOCK_C, rows, BLOCK_C)
-
-
 def causal_conv1d_fwd_kernel(
     x: Big,                # (batch, seqlen, in_width) T: channels IN_OFFSET .. IN_OFFSET + channels - 1 read
     weight,                # (WIDTH, channels) T
@@ -515,29 +375,18 @@ def causal_conv1d_fwd_kernel(
     SPLIT1: ConstInt,
     SPLIT2: ConstInt,
     BLOCK_L: ConstInt,
-    SEGMENT_TILES: ConstInt,
     BLOCK_C: ConstInt,
     HAS_INIT: ConstBool,
     HAS_SEQ_IDX: ConstBool,
     SILU: ConstBool,
     PASS_THROUGH: ConstBool,
-    SHIFTED_TILES: ConstBool,
 ):
     # The copy blocks exist only with PASS_THROUGH: without it their code (gathers from the dummies) is not
     # compiled at all, since it would take a shared-memory layout change that sizes every block's footprint.
     conv_blocks = ct.cdiv(weight.shape[1], BLOCK_C)
     if PASS_THROUGH and ct.bid(1) >= conv_blocks:
-        start = ct.bid(0) * (SEGMENT_TILES * BLOCK_L)
-        if SEGMENT_TILES == 1:
-            copy_outside(x, before, after, ct.bid(1) - conv_blocks, weight.shape[1], ct.bid(2), start, BLOCK_L,
-                         IN_OFFSET, False)
-        else:
-            for i in range(ct.cdiv(ct.minimum(start + SEGMENT_TILES * BLOCK_L, x.shape[1]) - start, BLOCK_L)):
-                copy_outside(x, before, after, ct.bid(1) - conv_blocks, weight.shape[1], ct.bid(2),
-                             start + i * BLOCK_L, BLOCK_L, IN_OFFSET, False)
-    elif SHIFTED_TILES:
-        _conv_fwd_shifted_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, INIT_WIDTH, IN_OFFSET,
-                               SPLIT1, SPLIT2, BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU)
+        copy_outside(x, before, after, ct.bid(1) - conv_blocks, weight.shape[1], ct.bid(2), ct.bid(0) * BLOCK_L,
+                     BLOCK_L, IN_OFFSET, False)
     else:
         _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS,
                        SPLIT1, SPLIT2, BLOCK_L, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU)
@@ -550,32 +399,11 @@ CONV_FWD_KERNELS = int64_index_kernels(causal_conv1d_fwd_kernel)
 @dataclasses.dataclass(frozen=True)
 class ConvFwdConfig:
     """Tile of `causal_conv1d_fwd_kernel`: BLOCK_L tokens (unrolled rows) x BLOCK_C channels (powers of two),
-    and the occupancy hint (blocks per SM the compiler budgets registers for). SHIFTED_TILES: the shifted-tile
-    body (`shifted_tiles_misfit`), whose blocks may take SEGMENT_TILES steps of BLOCK_L tokens each (the row
-    body's take one)."""
+    and the occupancy hint (blocks per SM the compiler budgets registers for)."""
 
     BLOCK_L: int
     BLOCK_C: int
     OCCUPANCY: int = 3
-    SHIFTED_TILES: bool = False
-    SEGMENT_TILES: int = 1
-
-
-def shifted_tiles_misfit(dims: ConvDims, block_l: int, block_c: int) -> str | None:
-    """Why the shifted-tile bodies (forward and backward) cannot run `dims` at tiles of block_l tokens and
-    block_c channels (None where they can): they take 16-bit inputs (their shift products' operands), block_l a
-    multiple of HALO_ROWS, and blocks of block_c channels that each lie within one output piece at a whole tile
-    of x (with pass_through, of x's whole cotangent too)."""
-    if dims.dtype not in ("bfloat16", "float16"):
-        return f"dtype={dims.dtype} (bfloat16 or float16 needed)"
-    if block_l % HALO_ROWS or dims.width > HALO_ROWS + 1:
-        return f"BLOCK_L={block_l} (a multiple of {HALO_ROWS} needed) or width={dims.width}"
-    edges = (dims.in_offset,) + tuple(p for p in dims.split_points if p < dims.channels)
-    if dims.pass_through:
-        edges += (dims.channels,)
-    if any(edge % block_c for edge in edges):
-        return f"in_offset, a split or the channels not a multiple of BLOCK_C={block_c}"
-    return None
 
 
 def conv_fwd_default_config(dims: ConvDims) -> ConvFwdConfig:
@@ -588,7 +416,7 @@ def conv_fwd_default_config(dims: ConvDims) -> ConvFwdConfig:
 
 
 def conv_fwd_grid(dims: ConvDims, cfg: ConvFwdConfig) -> tuple[int, int, int]:
-    return (-(-dims.seqlen // (cfg.BLOCK_L * cfg.SEGMENT_TILES)), channel_blocks(dims, cfg.BLOCK_C), dims.batch)
+    return (-(-dims.seqlen // cfg.BLOCK_L), channel_blocks(dims, cfg.BLOCK_C), dims.batch)
 
 
 def check_block_c(api: str, block_c: int) -> None:
@@ -604,19 +432,13 @@ def conv_fwd_plan(dims: ConvDims, cfg: ConvFwdConfig | None = None) -> Plan:
     cfg = cfg or conv_fwd_default_config(dims)
     check_dims("conv_fwd_plan", dims)
     check_block_c("conv_fwd_plan", cfg.BLOCK_C)
-    if cfg.SHIFTED_TILES and (misfit := shifted_tiles_misfit(dims, cfg.BLOCK_L, cfg.BLOCK_C)):
-        raise ValueError(f"conv_fwd_plan: SHIFTED_TILES does not fit: {misfit}")
-    if cfg.SEGMENT_TILES < 1 or (cfg.SEGMENT_TILES > 1 and not cfg.SHIFTED_TILES):
-        raise ValueError(f"conv_fwd_plan: SEGMENT_TILES={cfg.SEGMENT_TILES} must be 1, or >= 1 with SHIFTED_TILES")
     split1, split2 = dims.split_points
     launch = kernel_launch(
         index_width_variant(CONV_FWD_KERNELS, needs_int64_index(dims), occupancy=cfg.OCCUPANCY),
         conv_fwd_grid(dims, cfg), writes=CONV_OUTPUTS + OUTSIDE,  # the dummies too: every array needs a buffer
         WIDTH=dims.width, INIT_WIDTH=dims.init_width, IN_OFFSET=dims.in_offset, OUTPUTS=len(dims.pieces),
-        SPLIT1=split1, SPLIT2=split2, BLOCK_L=cfg.BLOCK_L, SEGMENT_TILES=cfg.SEGMENT_TILES, BLOCK_C=cfg.BLOCK_C,
-        HAS_INIT=dims.has_init,
-        HAS_SEQ_IDX=dims.has_seq_idx, SILU=dims.silu, PASS_THROUGH=dims.pass_through,
-        SHIFTED_TILES=cfg.SHIFTED_TILES)
+        SPLIT1=split1, SPLIT2=split2, BLOCK_L=cfg.BLOCK_L, BLOCK_C=cfg.BLOCK_C, HAS_INIT=dims.has_init,
+        HAS_SEQ_IDX=dims.has_seq_idx, SILU=dims.silu, PASS_THROUGH=dims.pass_through)
     outside = tuple(name for name, w in zip(OUTSIDE, dims.outside_widths) if dims.pass_through and w)
     return Plan(inputs=CONV_INPUTS, buffers={**piece_arrays(dims, "y"), **outside_arrays(dims)}, launches=(launch,),
                 outputs=CONV_OUTPUTS[:len(dims.pieces)] + outside)

@@ -22,11 +22,6 @@ after its segment (not summed into dweight) for the dx of its last K - 1 tokens.
 accumulate in f32 over the segment and are written as one partial per block; `conv_grads_reduce_kernel`
 sums the partials in a fixed order (deterministic, no atomics).
 
-With SHIFTED_TILES (causal_conv1d.py, Shifted tiles) a step is 2-D tiles: the taps come from shift products
-of x's tiles, and dx, which needs g shifted the other way, lags a whole step: g of two steps, split into bf16
-halves (hi + lo carry 16 of f32's 24 mantissa bits, far below dx's bf16 rounding), shifted up by one product
-per tap.
-
 The layout of the forward (causal_conv1d.py): x's channels IN_OFFSET .., and dy in up to three pieces
 dy0, dy1, dy2 (the cotangents of the forward's y0, y1, y2, split at SPLIT1, SPLIT2); dx is one array of the
 conv's channels. With PASS_THROUGH, dx is x's whole cotangent (batch, seqlen, in_width): the conv's dx in
@@ -55,10 +50,9 @@ import cuda.tile as ct
 from jax_mamba2.kernels._common import (
     Big, Buffer, ConstBool, ConstInt, Plan, index_width_variant, int64_index_kernels, kernel_launch, next_power_of_2)
 from jax_mamba2.kernels.causal_conv1d import (
-    CONV_INPUTS, HALO_ROWS, MAX_OUTPUTS, OUTSIDE, ConvDims, channel_blocks, check_block_c, check_dims, conv_arrays,
-    copy_outside, first_halo, halo_rows, load_piece_tile, load_token_tile, masked_taps, needs_int64_index,
-    outside_arrays, piece_arrays, piece_rows, preactivation, shift_matrix, shifted_tiles_misfit, sigmoid, tile_ids,
-    tile_taps, token_ids, token_rows, weight_rows, weight_tiles, widened)
+    CONV_INPUTS, MAX_OUTPUTS, OUTSIDE, ConvDims, channel_blocks, check_block_c, check_dims, conv_arrays,
+    copy_outside, halo_rows, masked_taps, needs_int64_index, outside_arrays, piece_arrays, piece_rows,
+    preactivation, sigmoid, token_ids, token_rows, weight_rows, widened)
 
 COTANGENTS = tuple(f"dy{i}" for i in range(MAX_OUTPUTS))
 # The cotangents of x's channels before and after the conv's window (PASS_THROUGH).
@@ -219,111 +213,6 @@ def _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, 
     ct.scatter(dbias_partials, (part, cols), dbias)
 
 
-def _silu_grad(dy, pre, SILU):
-    """g = dy · silu'(pre) (dy without SILU), f32."""
-    if not SILU:
-        return dy
-    s = sigmoid(pre)
-    return dy * s * (1.0 + pre * (1.0 - s))
-
-
-def _split_bf16(g):
-    """g (f32) as hi + lo, two bf16 tiles: what a tensor-core product of bf16 operands can carry of it (16 of
-    f32's 24 mantissa bits)."""
-    hi = g.astype(ct.bfloat16)
-    return hi, (g - hi.astype(ct.float32)).astype(ct.bfloat16)
-
-
-def _lagged_input_grads(g_prev, g_cur, weights, seq_idx, b, first, WIDTH, HAS_SEQ_IDX):
-    """dx̃ of the previous tile's tokens (first .. first + BLOCK_L - 1), [BLOCK_L, BLOCK_C] f32: row i is
-    Σ_k weight[k] · g[i + WIDTH - 1 - k] of the tokens g_prev then g_cur hold (row BLOCK_L + m of that sequence
-    is g_cur's row m), with HAS_SEQ_IDX only where that token is in row i's sequence. The up-shifts are one
-    tensor-core product per tap of a 0/1 matrix and the two tiles' bf16 halves side by side."""
-    rows = g_prev.shape[0]
-    prev_hi, prev_lo = _split_bf16(g_prev)
-    cur_hi, cur_lo = _split_bf16(g_cur)
-    halves = ct.cat((ct.cat((prev_hi, prev_lo), 0), ct.cat((cur_hi, cur_lo), 0)), 0)
-    own = tile_ids(seq_idx, b, first, rows) if HAS_SEQ_IDX else None
-    acc = weights[WIDTH - 1] * g_prev
-    for k in ct.static_iter(range(WIDTH - 1)):
-        up = WIDTH - 1 - k
-        prev_shift = shift_matrix(rows, rows, -up, 0, ct.bfloat16)
-        cur_shift = shift_matrix(rows, rows, -up, -rows, ct.bfloat16)
-        shifts = ct.cat((ct.cat((prev_shift, prev_shift), 1), ct.cat((cur_shift, cur_shift), 1)), 1)
-        g = ct.mma(shifts, halves, ct.zeros(g_prev.shape, dtype=ct.float32))
-        if HAS_SEQ_IDX:
-            g = ct.where(tile_ids(seq_idx, b, first + up, rows) == own, g, 0.0)
-        acc = acc + weights[k] * g
-    return acc
-
-
-def _tile_row(tile, r):
-    """Row r of a 2-D tile as a [columns] tile (a masked sum over the rows: no shared-memory round trip)."""
-    i = ct.arange(tile.shape[0], dtype=ct.int32).reshape((tile.shape[0], 1))
-    return ct.sum(ct.where(i == r, tile, 0.0), axis=0)
-
-
-def _conv_bwd_shifted_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, dinitial_states,
-                           dweight_partials, dbias_partials, WIDTH, INIT_WIDTH, IN_OFFSET, SPLIT1, SPLIT2, BLOCK_L,
-                           SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU, PASS_THROUGH):
-    """The backward of one block from 2-D tile loads (`shifted_tiles_misfit` says what it takes): each step
-    loads BLOCK_L tokens of x and dy, forms the taps by shift products (causal_conv1d.tile_taps), g, the
-    weight sums, and dx of the step before, whose last tokens need this step's g (dx lags one step; in segment
-    0 the step before the first is the tokens before the sequence, whose dx̃ is d initial_states). After the
-    segment's steps, g of the next BLOCK_L tokens (not summed) gives dx of the last."""
-    seg = ct.bid(0)
-    j = ct.bid(1)
-    b = ct.bid(2)
-    c_tile = IN_OFFSET // BLOCK_C + j
-    dx_tile = j
-    if PASS_THROUGH:
-        dx_tile = c_tile
-    cols = j * BLOCK_C + ct.arange(BLOCK_C, dtype=ct.int32)
-    weights = weight_tiles(weight, cols, WIDTH)
-    bias_row = ct.gather(bias, cols).astype(ct.float32).reshape((1, BLOCK_C))
-    first = seg * SEGMENT_TILES
-    steps = ct.minimum(SEGMENT_TILES, ct.cdiv(x.shape[1], BLOCK_L) - first)
-    halo = first_halo(x, initial_states, b, first, c_tile, cols, BLOCK_L, HAS_INIT, INIT_WIDTH)
-    g_prev = ct.zeros((BLOCK_L, BLOCK_C), ct.float32)
-    dweight = ()
-    for _ in ct.static_iter(range(WIDTH)):
-        dweight += (ct.zeros((BLOCK_C,), ct.float32),)
-    dbias = ct.zeros((BLOCK_C,), ct.float32)
-    for i in range(steps):
-        l = first + i
-        current = load_token_tile(x, b, l, c_tile, BLOCK_L, BLOCK_C)
-        dy = load_piece_tile(dy0, dy1, dy2, b, l, j, BLOCK_L, SPLIT1, SPLIT2, BLOCK_C).astype(ct.float32)
-        taps = tile_taps(x, seq_idx, current, halo, b, l, c_tile, BLOCK_L, WIDTH, HAS_SEQ_IDX)
-        g = _silu_grad(dy, preactivation(taps, weights, bias_row, WIDTH), SILU)
-        summed = ()
-        for k in ct.static_iter(range(WIDTH)):
-            summed += (dweight[k] + ct.sum(g * taps[k], axis=0),)
-        dweight = summed
-        dbias = dbias + ct.sum(g, axis=0)
-        dx_prev = _lagged_input_grads(g_prev, g, weights, seq_idx, b, (l - 1) * BLOCK_L, WIDTH, HAS_SEQ_IDX)
-        if i > 0:
-            ct.store(dx, (b, l - 1, dx_tile), dx_prev.astype(dx.dtype).reshape((1, BLOCK_L, BLOCK_C)))
-        elif HAS_INIT:
-            if l == 0:  # the tokens before the sequence: the last INIT_WIDTH are the initial states'
-                for m in ct.static_iter(range(INIT_WIDTH)):
-                    ct.scatter(dinitial_states, (b, cols, m), _tile_row(dx_prev, BLOCK_L - INIT_WIDTH + m))
-        g_prev = g
-        halo = ct.extract(current, (BLOCK_L // HALO_ROWS - 1, 0), (HALO_ROWS, BLOCK_C))
-    # Tokens past seqlen load as zero dy, so their g is 0.
-    l = first + steps
-    current = load_token_tile(x, b, l, c_tile, BLOCK_L, BLOCK_C)
-    dy = load_piece_tile(dy0, dy1, dy2, b, l, j, BLOCK_L, SPLIT1, SPLIT2, BLOCK_C).astype(ct.float32)
-    taps = tile_taps(x, seq_idx, current, halo, b, l, c_tile, BLOCK_L, WIDTH, HAS_SEQ_IDX)
-    g = _silu_grad(dy, preactivation(taps, weights, bias_row, WIDTH), SILU)
-    dx_last = _lagged_input_grads(g_prev, g, weights, seq_idx, b, (l - 1) * BLOCK_L, WIDTH, HAS_SEQ_IDX)
-    ct.store(dx, (b, l - 1, dx_tile), dx_last.astype(dx.dtype).reshape((1, BLOCK_L, BLOCK_C)))
-
-    part = b * ct.num_blocks(0) + seg
-    for k in ct.static_iter(range(WIDTH)):
-        ct.scatter(dweight_partials, (part, k, cols), dweight[k])
-    ct.scatter(dbias_partials, (part, cols), dbias)
-
-
 def _pass_through_body(dbefore, dafter, dx, block, channels, IN_OFFSET, BLOCK_L, SEGMENT_TILES):
     """Copies the cotangents of the channels outside the conv's window into dx for the tokens of this block's
     segment: `block` counts the PASS_BLOCK_C-wide blocks after the conv's (see `copy_outside`)."""
@@ -361,16 +250,11 @@ def causal_conv1d_bwd_kernel(
     HAS_SEQ_IDX: ConstBool,
     SILU: ConstBool,
     PASS_THROUGH: ConstBool,
-    SHIFTED_TILES: ConstBool,
 ):
     conv_blocks = ct.cdiv(weight.shape[1], BLOCK_C)
     if PASS_THROUGH and ct.bid(1) >= conv_blocks:  # copy blocks compiled only with PASS_THROUGH, as forward
         _pass_through_body(dbefore, dafter, dx, ct.bid(1) - conv_blocks, weight.shape[1], IN_OFFSET, BLOCK_L,
                            SEGMENT_TILES)
-    elif SHIFTED_TILES:
-        _conv_bwd_shifted_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, dinitial_states,
-                               dweight_partials, dbias_partials, WIDTH, INIT_WIDTH, IN_OFFSET, SPLIT1, SPLIT2, BLOCK_L,
-                               SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU, PASS_THROUGH)
     else:
         _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, dinitial_states,
                        dweight_partials, dbias_partials, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS, SPLIT1, SPLIT2,
@@ -432,7 +316,6 @@ class ConvBwdConfig:
     BLOCK_C: int
     REDUCE_BLOCK_C: int
     OCCUPANCY: int = 2
-    SHIFTED_TILES: bool = False
 
     @property
     def segment(self) -> int:
@@ -498,8 +381,6 @@ def conv_bwd_plan(dims: ConvDims, cfg: ConvBwdConfig | None = None, items: int =
     if cfg.BLOCK_L < dims.width - 1:
         # dx lags g by width - 1 tokens within a step.
         raise ValueError(f"conv_bwd_plan: BLOCK_L={cfg.BLOCK_L} must be at least width - 1={dims.width - 1}")
-    if cfg.SHIFTED_TILES and (misfit := shifted_tiles_misfit(dims, cfg.BLOCK_L, cfg.BLOCK_C)):
-        raise ValueError(f"conv_bwd_plan: SHIFTED_TILES does not fit: {misfit}")
     grid = conv_bwd_grid(dims, cfg)
     partials = dims.batch * grid[0]
     big = needs_int64_index(dims, partials)
@@ -519,8 +400,7 @@ def conv_bwd_plan(dims: ConvDims, cfg: ConvBwdConfig | None = None, items: int =
         writes=("dx", "dinitial_states", "dweight_partials", "dbias_partials"),
         WIDTH=dims.width, INIT_WIDTH=dims.init_width, IN_OFFSET=dims.in_offset, OUTPUTS=len(dims.pieces),
         SPLIT1=split1, SPLIT2=split2, BLOCK_L=cfg.BLOCK_L, SEGMENT_TILES=cfg.SEGMENT_TILES, BLOCK_C=cfg.BLOCK_C,
-        HAS_INIT=dims.has_init, HAS_SEQ_IDX=dims.has_seq_idx, SILU=dims.silu, PASS_THROUGH=dims.pass_through,
-        SHIFTED_TILES=cfg.SHIFTED_TILES)
+        HAS_INIT=dims.has_init, HAS_SEQ_IDX=dims.has_seq_idx, SILU=dims.silu, PASS_THROUGH=dims.pass_through)
     reduce = kernel_launch(
         CONV_GRADS_REDUCE_KERNELS[1 if big else 0], (-(-C // cfg.REDUCE_BLOCK_C), items),
         writes=("dweight", "dbias"), WIDTH_TILE=next_power_of_2(dims.width),

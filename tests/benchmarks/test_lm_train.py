@@ -265,7 +265,7 @@ def test_command_buffers_reach_the_worker_environment_and_key_the_record(monkeyp
 
 
 def test_conv_configs_reach_the_worker_and_key_the_record(monkeypatch):
-    spec = "16x128x3x4s,16x8x128x2s"
+    spec = "8x256x2,16x8x64x2"
     _assert_variant_reaches_ours_and_keys_the_record(["--conv-configs", spec], "conv_configs", spec, None,
                                                      f", conv kernels {spec}")
     pytest.importorskip("cuda.tile")
@@ -275,8 +275,8 @@ def test_conv_configs_reach_the_worker_and_key_the_record(monkeypatch):
     lm_train.use_conv_configs(spec)
     kernels = backends._REGISTRY["causal_conv1d"]["cutile"].kernels
     assert kernels.run_plan is conv_ops.BACKENDS["cutile"].run_plan
-    assert (kernels.fwd_config.SHIFTED_TILES, kernels.fwd_config.SEGMENT_TILES, kernels.bwd_config.BLOCK_L) == (
-        True, 4, 16)
+    assert (kernels.fwd_config.BLOCK_C, kernels.fwd_config.OCCUPANCY, kernels.bwd_config.BLOCK_L,
+            kernels.bwd_config.BLOCK_C) == (256, 2, 16, 64)
 
 
 def test_the_speedup_takes_the_peer_of_ours_commit_where_there_is_one():
