@@ -48,9 +48,12 @@ COMMAND_BUFFER_FLAGS = {
     "loop": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1",
     "host_custom_calls": "--xla_gpu_enable_command_buffer=-CUSTOM_CALL",
 }
-# Compile options (which take no "+"/"-" edits of the defaults) that let XLA record every kind of command, loops and
-# conditionals included.
-RECORD_EVERY_COMMAND = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
+# The same settings as compile options, which take no "+"/"-" edits of XLA's default command kinds: every kind,
+# loops and conditionals included, and the defaults less CUSTOM_CALL.
+_DEFAULT_COMMANDS = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN")
+RECORD_EVERY_COMMAND = {"xla_gpu_enable_command_buffer": ",".join(_DEFAULT_COMMANDS + ("WHILE", "CONDITIONAL"))}
+RECORD_HOST_CUSTOM_CALLS = {"xla_gpu_enable_command_buffer": ",".join(c for c in _DEFAULT_COMMANDS
+                                                                      if c != "CUSTOM_CALL")}
 _KERNEL_NAME = re.compile(r'function_name\s*=\s*\\?"([^"\\]+)')
 
 

@@ -205,9 +205,8 @@ case $part in
     ;;
   command-buffers)  # the package's launches in XLA's command buffers (CUDA graphs): the GPU tests of the capture and
     # of the LM's decode (four launches per layer), then the decode step (d1024-l24, bf16, batches 1 and 64) with
-    # command buffers as XLA defaults them and with our launches from the host (measured at 87ef889: off 0.710,
-    # default 0.506, loop 0.549 ms at batch 1), and the unrolled training step as XLA defaults them and off (about
-    # 8 minutes)
+    # command buffers as XLA defaults them and with our launches from the host, and the unrolled training step as
+    # XLA defaults them and off (about 8 minutes)
     export JAX_MAMBA2_AUTOTUNE=0
     step command_buffer_tests 170 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider \
       tests/bridge/test_cutile_gpu.py::test_the_kernels_give_the_same_values_whatever_xla_records_into_command_buffers \

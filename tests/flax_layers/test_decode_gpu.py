@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from benchmarks.decode_kernels import DECODE_KERNELS
-from benchmarks.lm_bench import RECORD_EVERY_COMMAND, cutile_launches
+from benchmarks.lm_bench import RECORD_EVERY_COMMAND, RECORD_HOST_CUSTOM_CALLS, cutile_launches
 from jax_mamba2.bridge.aot import CUTILE_CUSTOM_CALL
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, cast_params, generate
 from tests.flax_layers._generation import ended_at_eos
@@ -76,7 +76,7 @@ def test_the_decode_loop_gives_the_same_tokens_whatever_xla_records_into_command
     model, prompt = _model(param_dtype=jnp.bfloat16), _prompt(2, 40)
     lowered = jax.jit(lambda prompt: generate(model, prompt, 8)).lower(prompt)
     settings = {"every": {**RECORD_EVERY_COMMAND, "xla_gpu_graph_min_graph_size": 1}, "default": {},
-                "host_custom_calls": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN"},
+                "host_custom_calls": RECORD_HOST_CUSTOM_CALLS,
                 "off": {"xla_gpu_enable_command_buffer": ""}}
     compiled = {name: lowered.compile(options) for name, options in settings.items()}
     assert len(cutile_launches(compiled["default"].as_text(), CUTILE_CUSTOM_CALL)) > 0
