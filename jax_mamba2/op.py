@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,6 @@ import numpy as np
 from jax_mamba2 import backends as registry
 from jax_mamba2 import reference
 from jax_mamba2.checks import check_array, check_flag, check_float, check_ndim, check_seq_idx
-from jax_mamba2._vma import match_varying_axes, varying_axes
 
 
 class SSDInputs(NamedTuple):
@@ -198,149 +197,65 @@ def _xla_vjp(inputs: SSDInputs, static: SSDStatic, dy, dfinal, saved=None):
 
 
 # Non-finite values. The kernels mix the tokens of a chunk in matrix products and mask by multiplying with 0,
-# so a NaN or inf reaches other tokens and packed sequences of its batch row. Rather than sanitize every input
-# (a pass that writes all of them on every call), each kernel call is guarded by one read of what it consumes
-# (the backward's of its cotangents alone: the forward's verdict on the inputs is saved for it):
-# when every entry is finite the kernels run, inside the taken branch of a `lax.cond` so that their outputs are
-# the conditional's own buffers (a branch that only forwards arrays computed outside it gets them copied);
-# otherwise the call is recomputed on the xla path, which confines them as the recurrence does, one batch row at
-# a time so that the branch XLA reserves memory for stays a fraction of the xla path's whole-batch temporaries
+# so a NaN or inf would reach other tokens and packed sequences of its batch row. With check_finite they run as
+# the xla path's stages do (reference.ssd_chunked): on the finite part of their inputs, while a cheap per-(token,
+# head) term adds NaN from each non-finite input to the end of its sequence (`_reach`). Their backward takes the
+# finite part of the cotangents; the term's own VJP carries a non-finite cotangent to the inputs of its sequence.
+# No conditional and no second program: the price is elementwise passes XLA fuses with the term's reductions
 # (docs/design.md §2).
 
-_PER_ROW = ("x", "dt", "B", "C", "z", "initial_states", "seq_idx")
-# The recompute's chunk, at most the kernels' (bridge/problem.py's KERNEL_CHUNK_SIZE): its (chunk, chunk)
-# score blocks dominate the xla path's memory, which the cond reserves whichever branch runs.
-_RECOMPUTE_CHUNK_SIZE = 64
+_SANITIZED = ("x", "A", "B", "C", "z", "initial_states")
 
 
-def _recompute_static(static: SSDStatic) -> SSDStatic:
-    return dataclasses.replace(static, chunk_size=min(static.chunk_size, _RECOMPUTE_CHUNK_SIZE))
+def _transformed_dt(inputs: SSDInputs, static: SSDStatic) -> jax.Array:
+    """Δ (batch, seqlen, nheads) float32, as the kernels compute it from dt."""
+    return reference.dt_transform(inputs.dt.astype(jnp.float32), inputs.dt_bias, dt_softplus=static.dt_softplus,
+                                  dt_limit=static.dt_limit)
 
 
-@jax.custom_batching.custom_vmap
-def _all_finite(tree) -> jax.Array:
-    """() bool: whether every entry of every floating array in `tree` is finite.
-
-    Under vmap the answer covers every mapped item, so it stays unbatched and a `lax.cond` on it remains a
-    branch rather than becoming a select that would run both sides."""
-    leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in leaves])) if leaves else jnp.bool_(True)
-
-
-@_all_finite.def_vmap
-def _all_finite_vmap(axis_size, in_batched, tree):
-    del axis_size, in_batched
-    return _all_finite(tree), False
+def _finite_inputs(inputs: SSDInputs, static: SSDStatic) -> SSDInputs:
+    """The kernels' inputs with their non-finite entries replaced by 0; dt where its Δ is not finite by 0, and
+    elsewhere clipped to the finite range (an infinite dt whose Δ the limit or the softplus makes finite keeps
+    that Δ)."""
+    dt = jnp.where(jnp.isfinite(_transformed_dt(inputs, static)), jnp.nan_to_num(inputs.dt),
+                   jnp.zeros((), inputs.dt.dtype))
+    return inputs._replace(dt=dt, **{name: reference.finite_part(getattr(inputs, name)) for name in _SANITIZED})
 
 
-def _on_every_shard(finite: jax.Array) -> jax.Array:
-    """A shard's () bool verdict as every shard's under shard_map: False on all when it is False on one (required
-    when the recompute holds a collective, which every shard must join); as it is outside shard_map."""
-    axes = varying_axes(finite)
-    if not axes:
-        return finite
-    return jax.lax.psum(jnp.logical_not(finite).astype(jnp.int32), tuple(sorted(axes))) == 0
-
-
-def _verdict(checked, same_on_every_shard: bool) -> jax.Array:
-    """() bool: every entry of `checked` is finite. `same_on_every_shard`: the same verdict on every shard
-    (`_on_every_shard`)."""
-    if not same_on_every_shard:
-        return _all_finite(checked)
-    # The shard-local arrays' verdict is combined over the shards; the replicated arrays' is alike on all.
-    leaves = jax.tree.leaves(checked)
-    finite = _on_every_shard(_all_finite([leaf for leaf in leaves if varying_axes(leaf)]))
-    shared = [leaf for leaf in leaves if not varying_axes(leaf)]
-    return finite & _all_finite(shared) if shared else finite
-
-
-def _kernels_unless(finite: Optional[jax.Array], kernels: Callable, recompute: Callable, *operands):
-    """kernels(*operands) when `finite` (the verdict on what the kernels consume) holds, else recompute(*operands),
-    which returns arrays of the same types; kernels(*operands) unchecked when finite is None (no check_finite)."""
-    if finite is None:
-        return kernels(*operands)
-    return jax.lax.cond(finite, kernels, recompute, *operands)
-
-
-def _zeros_like_result(fn: Callable, *operands):
-    """Zeros of the shapes and dtypes `fn(*operands)` returns (traced only for its shapes), varying under
-    shard_map over the axes the operands vary over, as the kernels' outputs do."""
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *operands))
-    return match_varying_axes(zeros, operands)
-
-
-def _rows(inputs: SSDInputs) -> dict:
-    """The per-row arrays of `inputs`, each (batch, 1, ...): `lax.map` hands out one-row batches."""
-    return {n: getattr(inputs, n)[:, None] for n in _PER_ROW if getattr(inputs, n) is not None}
-
-
-def _xla_forward_by_rows(inputs: SSDInputs, static: SSDStatic):
-    """`_xla_forward` one batch row at a time, at the recompute's chunk: (y, final_states) of the batch."""
-    static = _recompute_static(static)
-
-    def row(arrays):
-        return _xla_forward(inputs._replace(**arrays), static)
-    return jax.tree.map(lambda a: a[:, 0], jax.lax.map(row, _rows(inputs)))
-
-
-def _xla_vjp_by_rows(inputs: SSDInputs, static: SSDStatic, dy, dfinal):
-    """`_xla_vjp`, one batch row at a time; the per-head parameters' gradients summed over the rows."""
-    static = _recompute_static(static)
-
-    def row(args):
-        arrays, dy, dfinal = args
-        return _xla_vjp(inputs._replace(**arrays), static, dy, dfinal)
-    grads = jax.lax.map(row, (_rows(inputs), dy[:, None], dfinal[:, None]))
-
-    def combine(name, g):
-        if g is None or name in _PER_ROW:
-            return None if g is None else g[:, 0]
-        return g.astype(jnp.promote_types(g.dtype, jnp.float32)).sum(axis=0).astype(g.dtype)
-    return SSDInputs(*(combine(name, g) for name, g in zip(SSDInputs._fields, grads)))
+def _reach(inputs: SSDInputs, static: SSDStatic):
+    """(reach_y (b, L, h) in y's dtype, reach_final (b, h) float32): 0 where the recurrence carries no
+    non-finite input, NaN where it does (`reference.nonfinite_reach`; a non-finite z reaches its own token)."""
+    reach_y, reach_final = reference.nonfinite_reach(inputs.x, _transformed_dt(inputs, static), inputs.A,
+                                                     inputs.B, inputs.C, inputs.initial_states, inputs.seq_idx)
+    if inputs.z is not None:
+        reach_y = reach_y + jnp.sum(0 * inputs.z, axis=3)
+    return reach_y.astype(inputs.x.dtype), reach_final.astype(jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _opaque_ssd(backend: registry.Backend, static: SSDStatic, inputs: SSDInputs):
-    finite = _verdict(inputs, False) if static.check_finite else None
-    return _kernels_unless(finite, lambda inputs: backend.forward(inputs, static),
-                           lambda inputs: _xla_forward_by_rows(inputs, static), inputs)
+    if static.check_finite:
+        inputs = _finite_inputs(inputs, static)
+    return backend.forward(inputs, static)
 
 
 def _opaque_ssd_fwd(backend, static, inputs):
+    if static.check_finite:
+        inputs = _finite_inputs(inputs, static)
     if backend.forward_saving is None or not static.save_chunk_states:
-        def kernels(inputs):
-            return backend.forward(inputs, static), None
-    else:
-        def kernels(inputs):
-            return backend.forward_saving(inputs, static)
-
-    def recompute(inputs):
-        # Nothing is saved: the backward sees the forward's verdict and recomputes too.
-        return _xla_forward_by_rows(inputs, static), _zeros_like_result(lambda inputs: kernels(inputs)[1], inputs)
-    # The verdict on the inputs is saved: the backward checks only its cotangents.
-    finite = _verdict(inputs, False) if static.check_finite else None
-    outputs, saved = _kernels_unless(finite, kernels, recompute, inputs)
-    return outputs, (inputs, saved, finite)
+        return backend.forward(inputs, static), (inputs, None)
+    outputs, saved = backend.forward_saving(inputs, static)
+    return outputs, (inputs, saved)
 
 
 def _opaque_ssd_bwd(backend, static, residuals, cotangents):
-    inputs, saved, inputs_finite = residuals
-    dy, dfinal = cotangents
+    """The gradients of the kernels run on `inputs` (their finite part with check_finite: at a non-finite
+    input the gradient is unspecified, as the xla path's)."""
+    inputs, saved = residuals
+    dy, dfinal = (reference.finite_part(c) for c in cotangents) if static.check_finite else cotangents
     if backend.backward is None:
         return (_xla_vjp(inputs, static, dy, dfinal),)
-
-    def kernels(inputs, dy, dfinal, saved):
-        return backend.backward(inputs, static, dy, dfinal, saved)._replace(seq_idx=None)
-
-    def recompute(inputs, dy, dfinal, saved):
-        del saved
-        return _xla_vjp_by_rows(inputs, static, dy, dfinal)
-    # Under shard_map the recompute sums the replicated parameters' gradients over the shards: every shard must
-    # take the same branch.
-    finite = None
-    if static.check_finite:
-        finite = _on_every_shard(inputs_finite) & _verdict((dy, dfinal), True)
-    return (_kernels_unless(finite, kernels, recompute, inputs, dy, dfinal, saved),)
+    return (backend.backward(inputs, static, dy, dfinal, saved)._replace(seq_idx=None),)
 
 
 _opaque_ssd.defvjp(_opaque_ssd_fwd, _opaque_ssd_bwd)
@@ -349,7 +264,11 @@ _opaque_ssd.defvjp(_opaque_ssd_fwd, _opaque_ssd_bwd)
 def _run_backend(backend: registry.Backend, inputs: SSDInputs, static: SSDStatic):
     if backend.differentiable:
         return backend.forward(inputs, static)
-    return _opaque_ssd(backend, static, inputs)
+    y, final = _opaque_ssd(backend, static, inputs)
+    if not static.check_finite:
+        return y, final
+    reach_y, reach_final = _reach(inputs, static)
+    return y + reach_y[..., None], final + reach_final[..., None, None]
 
 
 def _empty_result(inputs: SSDInputs, dims: Dims):
@@ -384,10 +303,9 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
     for B and C) from that token to the end of its sequence, and the final state when that is the last
     one, as in the recurrence; never another packed sequence, an earlier token, or their gradients, on
     every backend. The cuTile kernels would carry it further (they mix the tokens of a chunk in matrix
-    products), so a kernel call given a value that is not finite (forward: in its inputs; backward: in its
-    inputs or cotangents) is recomputed on the xla path, one batch row at a time (under vmap: every item,
-    when one needs it); an all-finite call returns the kernels' outputs as they are. `check_finite=False`
-    skips that check.
+    products), so they run on the finite part of their inputs and cotangents while a per-(token, head) term
+    adds NaN where the recurrence carries a non-finite input, as the xla path does; an all-finite call
+    returns the kernels' outputs as they are. `check_finite=False` leaves that out.
 
     Args:
       x: (batch, seqlen, nheads, headdim), bf16/f16/f32/f64.
@@ -413,11 +331,10 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
       save_chunk_states: let a differentiated cuTile forward keep the chunk-entry states (dstate / 64
         times x's bytes) and the chunk quantities Δ and dA_cumsum for the backward; False keeps only the
         inputs and the backward recomputes them (less memory, a longer backward). No effect elsewhere.
-      check_finite: on the cuTile backends, check each kernel call's inputs (and in the backward its
-        cotangents) for NaN and inf and recompute a call that has one on the xla path (above). False runs
-        the kernels unchecked, one read of the inputs and one conditional per call fewer: a NaN or inf may
-        then reach the other tokens of its chunk and the later chunks of its batch row, other packed
-        sequences included. No effect elsewhere.
+      check_finite: on the cuTile backends, confine NaN and inf as above (elementwise passes over x and y
+        forward, y's and x's cotangents backward). False runs the kernels on the arrays as they are: a NaN
+        or inf may then reach the other tokens of its chunk and the later chunks of its batch row, other
+        packed sequences included. No effect elsewhere.
 
     Returns:
       y (batch, seqlen, nheads, headdim) in x.dtype, and with `return_final_states` also

@@ -23,7 +23,7 @@ Non-finite values reach what the recurrence carries them to and nothing else. Th
 The chunked algorithm mixes every token of a chunk in its matrix products, where a masked-out NaN or inf
 still spoils the sum (0 * NaN = NaN), in the forward and in the transposed products of the backward; so
 `ssd_chunked` runs the stages on the finite part of its inputs and adds a cheap per-(token, head) term that
-is NaN from a non-finite input to the end of its sequence (see `_nonfinite_reach`).
+is NaN from a non-finite input to the end of its sequence (see `nonfinite_reach`).
 """
 from __future__ import annotations
 
@@ -366,7 +366,7 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _finite_part(a: jax.Array | None) -> jax.Array | None:
+def finite_part(a: jax.Array | None) -> jax.Array | None:
     """a with its non-finite entries replaced by 0 (a select: no NaN reaches the gradient of the others)."""
     return None if a is None else jnp.where(jnp.isfinite(a), a, 0.0)
 
@@ -377,7 +377,7 @@ def _finite_cotangent(a: jax.Array) -> jax.Array:
 
     Placed on the outputs of the stages run on finite inputs: their backward is a chain of dense products
     over the tokens of a chunk, in which one NaN cotangent would reach every token. Non-finite cotangents
-    travel back through `_nonfinite_reach` instead, which keeps them in their sequence. (A custom VJP, so
+    travel back through `nonfinite_reach` instead, which keeps them in their sequence. (A custom VJP, so
     the chunked path, like the kernel backends, supports reverse-mode differentiation only.)
     """
     return a
@@ -431,7 +431,7 @@ def _spread_nonfinite_bwd(starts, cotangent):
 _spread_nonfinite.defvjp(_spread_nonfinite_fwd, _spread_nonfinite_bwd)
 
 
-def _nonfinite_reach(x, delta, A, B, C, initial_states, seq_idx):
+def nonfinite_reach(x, delta, A, B, C, initial_states, seq_idx):
     """Where the recurrence carries the non-finite entries of its inputs: 0 there is finite, NaN not.
 
     Per (token, head): a non-finite x, Δ or B of token s (B of the head's group) reaches token s and every
@@ -477,7 +477,7 @@ def ssd_chunked(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias=None, dt_
                 dt_limit=_DEFAULT_DT_LIMIT, initial_states=None, seq_idx=None):
     """The chunked SSD algorithm in pure JAX (mamba_ssm's forward pipeline); O(seqlen) memory, any seqlen.
 
-    The stages run on the finite part of the inputs; `_nonfinite_reach` marks with NaN what the non-finite
+    The stages run on the finite part of the inputs; `nonfinite_reach` marks with NaN what the non-finite
     part reaches (its token's head from that token to the end of its sequence, and the final state when
     that is the last sequence). Gradients stay finite wherever the recurrence's do, and a non-finite
     cotangent reaches only the inputs of its own sequence. The gradient at a non-finite input itself is
@@ -499,7 +499,7 @@ def ssd_chunked(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias=None, dt_
     h0 = None if initial_states is None else initial_states.astype(cdt)
     delta = dt_transform(dt.astype(cdt), dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
 
-    x_f, delta_f, A_f, B_f, C_f, h0_f = map(_finite_part, (x_c, delta, A_c, B_c, C_c, h0))
+    x_f, delta_f, A_f, B_f, C_f, h0_f = map(finite_part, (x_c, delta, A_c, B_c, C_c, h0))
     dt_out, dA_cumsum = chunk_cumsum(delta_f, A_f, chunk_size)  # delta is transformed already
     states = chunk_state(B_f, x_f, dt_out, dA_cumsum, seq_idx)
     seq_idx_chunk_end = None
@@ -508,7 +508,7 @@ def ssd_chunked(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias=None, dt_
     entry_states, final_states = state_passing(states, dA_cumsum[..., -1], h0_f, seq_idx_chunk_end)
     y = _chunk_scan_ssm(B_f, C_f, x_f, dt_out, dA_cumsum, entry_states, seq_idx)
 
-    reach_y, reach_final = _nonfinite_reach(x_c, delta, A_c, B_c, C_c, h0, seq_idx)
+    reach_y, reach_final = nonfinite_reach(x_c, delta, A_c, B_c, C_c, h0, seq_idx)
     y = _finite_cotangent(y) + reach_y[..., None]
     final_states = _finite_cotangent(final_states) + reach_final[..., None, None]
     return _skip_and_gate(y, x, D, z), final_states

@@ -2,10 +2,10 @@
 scan (see tests/_nonfinite_checks.py).
 
 The kernels alone do not confine a non-finite value to its sequence: they mix the tokens of a 64-token
-chunk in matrix products, where a token's 0 weight times another's NaN is NaN. The op checks what each kernel
-call consumes (forward: its inputs; backward: its cotangents, and the forward's verdict on the inputs) and
-recomputes a call given a value that is not finite on the xla path (jax_mamba2/op.py), so through `ssd` a NaN
-stays where the recurrence puts it, and an all-finite call returns the kernels' outputs themselves.
+chunk in matrix products, where a token's 0 weight times another's NaN is NaN. The op runs them on the finite
+part of their inputs (and in the backward of their cotangents) and adds a per-(token, head) term that is NaN
+where the recurrence carries a non-finite input (jax_mamba2/op.py), so through `ssd` a NaN stays where the
+recurrence puts it, and an all-finite call returns the kernels' outputs themselves.
 """
 import functools
 
@@ -61,7 +61,7 @@ def _remat_ssd(*args, **kwargs):
 
 
 def _sharded_ssd(x, dt, A, B, C, *, D, z, dt_bias, initial_states, seq_idx, **static):
-    """The batch rows on two devices: the check and the fallback run per shard."""
+    """The batch rows on two devices: the finite parts and the reach term run per shard."""
     mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,))
 
     def per_shard(x, dt, B, C, z, initial_states, seq_idx):
@@ -79,27 +79,6 @@ def test_emulated_cutile_confines_nonfinite_values_like_the_scan(case):
 @pytest.mark.parametrize("ssd_fn", [_remat_ssd, _sharded_ssd], ids=["remat", "shard_map"])
 def test_emulated_cutile_confines_nonfinite_values_under_remat_and_shard_map(ssd_fn):
     _check_confined(ssd_fn, SPOILS["x_nan"], EMULATED_TOLERANCE)
-
-
-def _conds(jaxpr):
-    """(predicate aval, names of the primitives in its branches) of every cond in a jaxpr, nested ones too."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "cond":
-            yield eqn.invars[0].aval, set().union(*(_primitives(b.jaxpr) for b in eqn.params["branches"]))
-        for sub in jaxprs_in_params(eqn.params):
-            yield from _conds(sub)
-
-
-def test_emulated_cutile_recompute_with_a_collective_is_taken_by_every_shard_or_none():
-    """The backward's recompute sums the replicated parameters' gradients over the shards (a psum): its cond's
-    predicate must be the same on every shard, else one shard would wait in the psum for the others."""
-    inputs, weights = make_problem(0)
-    program = jax.make_jaxpr(functools.partial(outputs_and_grads, _sharded_ssd, nonlinear=True))(inputs, weights)
-    with_collectives = [aval for aval, names in _conds(program.jaxpr) if any("psum" in n for n in names)]
-    assert with_collectives
-    for aval in with_collectives:
-        manual = getattr(aval, "manual_axis_type", None)
-        assert not (manual.varying if manual is not None else getattr(aval, "vma", ())), aval
 
 
 def test_emulated_cutile_nan_without_seq_idx_spares_the_earlier_tokens_of_its_chunk():
@@ -140,8 +119,8 @@ def _unguarded_outputs_and_grads(inputs, weights):
 
 
 def test_emulated_cutile_all_finite_call_returns_the_kernels_outputs_bit_for_bit():
-    """The xla path is in the program (a cond per direction) but an all-finite call gets the kernels' own
-    outputs and gradients, not the xla path's (which differ from them in rounding)."""
+    """An all-finite call gets the kernels' own outputs and gradients (the reach term adds exact zeros), not
+    the xla path's (which differ from them in rounding); the program holds no conditional."""
     inputs, weights = make_problem(2)
     got = outputs_and_grads(EMULATED_SSD, inputs, weights, nonlinear=True)
     kernels = jax.jit(_unguarded_outputs_and_grads)(inputs, weights)
@@ -153,12 +132,12 @@ def test_emulated_cutile_all_finite_call_returns_the_kernels_outputs_bit_for_bit
         assert np.isfinite(np.asarray(got_leaf)).all()
     assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(xla)))
     program = jax.make_jaxpr(functools.partial(outputs_and_grads, EMULATED_SSD, nonlinear=True))(inputs, weights)
-    assert "cond" in _primitives(program.jaxpr)
+    assert "cond" not in _primitives(program.jaxpr)
 
 
 def test_emulated_cutile_backward_checks_its_cotangents_and_not_the_inputs_again():
-    """The forward's verdict on the inputs is a residual: the gradient's program checks x, B and C once (in the
-    forward) and the cotangent of y (x's shape) once (in the backward)."""
+    """The gradient's program tests x, B and C for finiteness once each (their finite parts, in the forward)
+    and the cotangent of y (x's shape) once (in the backward): the backward keeps the forward's finite parts."""
     inputs, _ = make_problem(4)
 
     def loss(x, dt, A, B, C):
@@ -171,9 +150,8 @@ def test_emulated_cutile_backward_checks_its_cotangents_and_not_the_inputs_again
     assert checked.count(inputs["B"].shape) == 2, checked  # B and C
 
 
-def test_emulated_cutile_vmap_keeps_the_check_a_branch_and_confines_per_item():
-    """Under vmap the check covers every item (the cond stays a cond: no select running both paths), and a
-    NaN in one item stays where the scan puts it while the other item matches its own call."""
+def test_emulated_cutile_vmap_confines_per_item():
+    """Under vmap a NaN in one item stays where the scan puts it while the other item matches its own call."""
     clean, _ = make_problem(3)
     spoiled, _ = make_problem(3, spoil=SPOILS["x_nan"])
     stacked = jax.tree.map(lambda *a: None if a[0] is None else jnp.stack(a), clean, spoiled,
@@ -185,8 +163,6 @@ def test_emulated_cutile_vmap_keeps_the_check_a_branch_and_confines_per_item():
                             initial_states=inputs["initial_states"], seq_idx=inputs["seq_idx"])
 
     mapped = jax.jit(jax.vmap(run))
-    # A batched predicate would have turned the cond into a select of both paths' results.
-    assert "cond" in _primitives(jax.make_jaxpr(jax.vmap(run))(stacked).jaxpr)
     y, final = mapped(stacked)
     for i, item in enumerate((clean, spoiled)):
         want_y, want_final = jax.jit(run)(item)
