@@ -609,8 +609,8 @@ def parse_args(argv=None):
     parser.add_argument("--loss-backend", choices=("xla", "cutile", "cutile_callback", "auto"), default="xla",
                         help="ours: Mamba2LMHeadModel(loss_backend=), where the loss's softmax runs (default: xla)")
     parser.add_argument("--no-check-finite", action="store_true",
-                        help="ours: Mamba2LMHeadModel(check_finite=False), the SSD kernels run without the "
-                             "check of their inputs for NaN and inf (default: checked)")
+                        help="ours: Mamba2LMHeadModel(check_finite=False), the SSD kernels run on their inputs "
+                             "as they are, without confining NaN and inf (default: confined)")
     parser.add_argument("--recompute-chunk-states", action="store_true",
                         help="ours: Mamba2LMHeadModel(save_chunk_states=False), the SSD backward recomputes the "
                              "chunk states instead of keeping them from the forward (default: kept)")

@@ -231,3 +231,28 @@ def test_cutile_all_finite_call_returns_the_kernels_outputs_bit_for_bit():
                                                                                      inputs["seq_idx"],
                                                                                      weights))):
         np.testing.assert_array_equal(got_leaf, kernel_leaf)
+
+
+def test_emulated_cutile_confinement_reserves_no_second_program():
+    """The confinement's temporaries in a compiled forward + backward are a few activations (finite parts, the
+    reach term), not a recompute's: XLA's temporary memory grows by under 4 times x's bytes with it (a branch to
+    the xla path, which the op once held, reserved 30 times at this shape). Emulated kernels: their own
+    intermediates are not XLA's, so the difference is the confinement alone."""
+    batch, seqlen, nheads, headdim, dstate = 2, 512, 8, 32, 64
+    S = jax.ShapeDtypeStruct
+    x = S((batch, seqlen, nheads, headdim), jnp.bfloat16)
+    args = (x, S((batch, seqlen, nheads), jnp.float32), S((nheads,), jnp.float32),
+            S((batch, seqlen, 1, dstate), jnp.bfloat16), S((batch, seqlen, 1, dstate), jnp.bfloat16),
+            S((nheads,), jnp.float32), S((nheads,), jnp.float32), x)
+
+    def temp_bytes(check_finite):
+        def forward_backward(x, dt, A, B, C, D, dt_bias, dy):
+            def ssd(x, dt, A, B, C, D, dt_bias):
+                return jax_mamba2.ssd(x, dt, A, B, C, 64, D=D, dt_bias=dt_bias, dt_softplus=True,
+                                      backend=EMULATED.name, check_finite=check_finite)
+            y, vjp = jax.vjp(ssd, x, dt, A, B, C, D, dt_bias)
+            return vjp(dy)
+        return jax.jit(forward_backward).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    x_bytes = np.prod(x.shape) * x.dtype.itemsize
+    assert 0 < temp_bytes(True) - temp_bytes(False) < 4 * x_bytes
