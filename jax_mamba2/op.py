@@ -201,7 +201,7 @@ def _xla_vjp(inputs: SSDInputs, static: SSDStatic, dy, dfinal, saved=None):
 # the xla path's stages do (reference.ssd_chunked): on the finite part of their inputs, while a cheap per-(token,
 # head) term adds NaN from each non-finite input to the end of its sequence (`_reach`). Their backward takes the
 # finite part of the cotangents; the term's own VJP carries a non-finite cotangent to the inputs of its sequence.
-# No conditional and no second program: the price is elementwise passes XLA fuses with the term's reductions
+# No conditional and no second program: the price is elementwise passes over x, y and their cotangents
 # (docs/design.md §2).
 
 _SANITIZED = ("x", "A", "B", "C", "z", "initial_states")
