@@ -37,8 +37,8 @@ MATMUL_SIZE = 8192
 COPY_BYTES = 1 << 30
 
 # XLA's command buffers (CUDA graphs) per process, as XLA_FLAGS: as XLA defaults them, off, or extended to
-# loops and conditionals (the decode loop; the SSD's non-finite guards and the loss's chunk loops of a training
-# step), which otherwise run from the host between graphs (a conditional reads its predicate back first).
+# loops and conditionals (the decode loop; the layer scan and the loss's chunk loops of a training step), which
+# otherwise run from the host between graphs (a conditional reads its predicate back first).
 # "host_custom_calls" keeps XLA's defaults but launches every custom call (ours) from the host: XLA forms its
 # command buffers from the program's thunks after the HLO, so no HLO text says which launches it records, and
 # "host_custom_calls" against "default" measures what recording ours saves.

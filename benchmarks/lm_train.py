@@ -604,7 +604,7 @@ def parse_args(argv=None):
                         help="ours: Mamba2LMHeadModel(scan_layers=False), the blocks unrolled (default: one scan)")
     parser.add_argument("--command-buffers", choices=tuple(lm_bench.COMMAND_BUFFER_FLAGS), default="default",
                         help="ours: XLA's command buffers as XLA defaults them, off, also over loops and "
-                             "conditionals (the non-finite guards, the loss's chunk loops), or as XLA defaults them "
+                             "conditionals (the layer scan, the loss's chunk loops), or as XLA defaults them "
                              "but with our launches from the host (default: default)")
     parser.add_argument("--loss-backend", choices=("xla", "cutile", "cutile_callback", "auto"), default="xla",
                         help="ours: Mamba2LMHeadModel(loss_backend=), where the loss's softmax runs (default: xla)")

@@ -135,7 +135,7 @@ case $part in
   lm-step)  # the LM training step at d1024-l24-8x2048 against mamba_ssm's fused path in one call (~9 minutes):
     # causal_conv1d built in the background (above) from .peers/cc (its source with setup.py's -gencode list cut to
     # sm_90, ../shared/notes/peers.md, and its float16 instantiations dropped: the benchmarks run bf16 and f32),
-    # meanwhile ours profiled without the guard and with the layer scan, then the
+    # meanwhile ours profiled without the non-finite confinement and with the layer scan, then the
     # peer and ours unrolled (the README's row) once the build is done
     export JAX_MAMBA2_AUTOTUNE=0
     step lm_step_unchecked 170 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --unroll-layers \
@@ -149,8 +149,8 @@ case $part in
       --no-profile --worker-timeout 100 --out "$out"
     ;;
   lm-scan)  # the default layer scan at d1024-l24-8x2048, what its copies cost: as it is, with the chunk states
-    # recomputed in the backward (the guard's conditional then returns no saved state to stack), without the guard,
-    # and saving only in_proj's output (remat="matmuls": fewer stacked residuals to zero and copy)
+    # recomputed in the backward (no saved state to stack), without the non-finite confinement, and saving only
+    # in_proj's output (remat="matmuls": fewer stacked residuals to zero and copy)
     export JAX_MAMBA2_AUTOTUNE=0
     step lm_scan 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --worker-timeout 140 \
       --out "$out"
@@ -221,7 +221,7 @@ case $part in
     ;;
   lm-loss)  # the loss's softmax on the cuTile kernels (one read of a chunk's logits forward, one read and one write
     # backward) against XLA's fusions (a convert and two reductions per chunk at 1.3-2.3x their floors), the unrolled
-    # step without the guard, each profiled (about 6 minutes)
+    # step without the non-finite confinement, each profiled (about 6 minutes)
     export JAX_MAMBA2_AUTOTUNE=0
     for loss in cutile xla; do
       step "lm_loss_$loss" 170 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --unroll-layers \
