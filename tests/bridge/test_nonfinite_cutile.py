@@ -30,9 +30,9 @@ from tests.kernels import _cutile_emulator as emulator  # noqa: E402
 
 CASES = ["x_nan", "x_inf", "dt_nan", "dt_inf", "B_nan", "C_nan", "z_nan", "initial_states_nan",
          "cotangent_nan"]
-EMULATED_TOLERANCE = 1e-4  # float64 kernels or the float32 xla path, float32 arrays between them and XLA
-# Every GPU case is recomputed on the xla path, whose float32 products run at the GPU's default precision
-# (TF32 operands): the summed per-head gradients (dA) land near 7e-3 of the float64 scan's.
+EMULATED_TOLERANCE = 1e-4  # float64 kernels, float32 arrays between them and XLA
+# On the GPU the kernels' float32 products take TF32 operands (as mamba_ssm's Triton dots): the summed per-head
+# gradients (dA) of the kernels or of an xla path at the GPU's default precision land near 7e-3 of the scan's.
 GPU_TOLERANCE = 2 * TOLERANCE["kernel_bwd"]["float32"]
 
 
@@ -256,3 +256,40 @@ def test_emulated_cutile_confinement_reserves_no_second_program():
 
     x_bytes = np.prod(x.shape) * x.dtype.itemsize
     assert 0 < temp_bytes(True) - temp_bytes(False) < 4 * x_bytes
+
+
+def _check_clipped_infinite_dt(ssd_fn, tolerance):
+    """An infinite dt whose Δ dt_limit makes finite (+inf -> the limit's max, -inf -> softplus 0 -> its min) is an
+    ordinary time step, as in the recurrence: outputs and gradients finite and equal to the float64 scan's."""
+    inputs, weights = make_problem(5)
+    inputs["dt"] = inputs["dt"].at[0, 27, 0].set(jnp.inf).at[1, 50, 3].set(-jnp.inf)
+    options = dict(D=inputs["D"], z=inputs["z"], dt_bias=inputs["dt_bias"], dt_softplus=True, dt_limit=(0.001, 0.5),
+                   initial_states=inputs["initial_states"], seq_idx=inputs["seq_idx"])
+
+    def loss_and_outputs(ssd_fn, x, dt, B, C):
+        y, final = ssd_fn(x, dt, inputs["A"], B, C, **options)
+        loss = jnp.sum(jnp.sin(y.astype(final.dtype)) * weights["y"]) + jnp.sum(final * weights["final"])
+        return loss, (y, final)
+
+    def run(ssd_fn, arrays):
+        return jax.jit(jax.grad(functools.partial(loss_and_outputs, ssd_fn), argnums=(0, 1, 2, 3), has_aux=True))(
+            *arrays)
+
+    arrays = [inputs[n] for n in ("x", "dt", "B", "C")]
+    got = run(ssd_fn, arrays)
+    with jax.enable_x64(True):
+        want = jax.tree.map(np.asarray, run(reference.ssd_scan, [a.astype(jnp.float64) for a in arrays]))
+    for got_leaf, want_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        got_leaf = np.asarray(got_leaf, np.float64)
+        assert np.isfinite(got_leaf).all() and np.isfinite(want_leaf).all()
+        error = np.linalg.norm(got_leaf - want_leaf) / np.linalg.norm(want_leaf)
+        assert error < tolerance, error
+
+
+def test_emulated_cutile_infinite_dt_that_the_limit_clips_is_a_finite_step_like_the_scan():
+    _check_clipped_infinite_dt(EMULATED_SSD, EMULATED_TOLERANCE)
+
+
+@pytest.mark.gpu
+def test_cutile_infinite_dt_that_the_limit_clips_is_a_finite_step_like_the_scan():
+    _check_clipped_infinite_dt(CUTILE_SSD, GPU_TOLERANCE)
