@@ -204,7 +204,10 @@ def _xla_vjp(inputs: SSDInputs, static: SSDStatic, dy, dfinal, saved=None):
 # No conditional and no second program: the price is elementwise passes over x, y and their cotangents
 # (docs/design.md §2).
 
-_SANITIZED = ("x", "A", "B", "C", "z", "initial_states")
+# The gate z stays as it is in the forward: y * silu(z) is per token, so a non-finite z reaches its own token's
+# output and nothing else. Its finite part is what the backward takes, where the gate's VJP would otherwise put a
+# NaN into the cotangent the kernels mix (the select fuses into that VJP's elementwise pass).
+_SANITIZED = ("x", "A", "B", "C", "initial_states")
 
 
 def _transformed_dt(inputs: SSDInputs, static: SSDStatic) -> jax.Array:
@@ -214,9 +217,9 @@ def _transformed_dt(inputs: SSDInputs, static: SSDStatic) -> jax.Array:
 
 
 def _finite_inputs(inputs: SSDInputs, static: SSDStatic) -> SSDInputs:
-    """The kernels' inputs with their non-finite entries replaced by 0; dt where its Δ is not finite by 0, and
-    elsewhere clipped to the finite range (an infinite dt whose Δ the limit or the softplus makes finite keeps
-    that Δ)."""
+    """The kernels' inputs with their non-finite entries replaced by 0 (z excepted); dt where its Δ is not
+    finite by 0, and elsewhere clipped to the finite range (an infinite dt whose Δ the limit or the softplus
+    makes finite keeps that Δ)."""
     dt = jnp.where(jnp.isfinite(_transformed_dt(inputs, static)), jnp.nan_to_num(inputs.dt),
                    jnp.zeros((), inputs.dt.dtype))
     return inputs._replace(dt=dt, **{name: reference.finite_part(getattr(inputs, name)) for name in _SANITIZED})
@@ -224,11 +227,9 @@ def _finite_inputs(inputs: SSDInputs, static: SSDStatic) -> SSDInputs:
 
 def _reach(inputs: SSDInputs, static: SSDStatic):
     """(reach_y (b, L, h) in y's dtype, reach_final (b, h) float32): 0 where the recurrence carries no
-    non-finite input, NaN where it does (`reference.nonfinite_reach`; a non-finite z reaches its own token)."""
+    non-finite input, NaN where it does (`reference.nonfinite_reach`)."""
     reach_y, reach_final = reference.nonfinite_reach(inputs.x, _transformed_dt(inputs, static), inputs.A,
                                                      inputs.B, inputs.C, inputs.initial_states, inputs.seq_idx)
-    if inputs.z is not None:
-        reach_y = reach_y + jnp.sum(0 * inputs.z, axis=3)
     return reach_y.astype(inputs.x.dtype), reach_final.astype(jnp.float32)
 
 
@@ -243,8 +244,9 @@ def _opaque_ssd_fwd(backend, static, inputs):
     if static.check_finite:
         inputs = _finite_inputs(inputs, static)
     if backend.forward_saving is None or not static.save_chunk_states:
-        return backend.forward(inputs, static), (inputs, None)
-    outputs, saved = backend.forward_saving(inputs, static)
+        outputs, saved = backend.forward(inputs, static), None
+    else:
+        outputs, saved = backend.forward_saving(inputs, static)
     return outputs, (inputs, saved)
 
 
@@ -252,7 +254,10 @@ def _opaque_ssd_bwd(backend, static, residuals, cotangents):
     """The gradients of the kernels run on `inputs` (their finite part with check_finite: at a non-finite
     input the gradient is unspecified, as the xla path's)."""
     inputs, saved = residuals
-    dy, dfinal = (reference.finite_part(c) for c in cotangents) if static.check_finite else cotangents
+    dy, dfinal = cotangents
+    if static.check_finite:
+        dy, dfinal = reference.finite_part(dy), reference.finite_part(dfinal)
+        inputs = inputs._replace(z=reference.finite_part(inputs.z))
     if backend.backward is None:
         return (_xla_vjp(inputs, static, dy, dfinal),)
     return (backend.backward(inputs, static, dy, dfinal, saved)._replace(seq_idx=None),)

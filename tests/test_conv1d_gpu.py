@@ -263,7 +263,7 @@ def test_mamba2_layer_compiled_training_step_has_no_copy_around_the_conv():
                                           and _source(entry, n) in (*forward, *backward)}
     for name, inst in entry.items():
         if set(inst["operands"]) & conv_values and _elements(inst["shape"]) >= batch * seqlen * 128:
-            assert not _copies(hlo, entry, name), (name, inst)
+            assert not _copies(hlo, entry, name, batch * seqlen * 128), (name, inst)
     dx = {n for n, i in entry.items() if i["op"] in ("get-tuple-element", "bitcast")
           and _source(entry, n) == backward[0] and _elements(i["shape"]) == batch * seqlen * 4384
           and not i["shape"].startswith("(")}

@@ -93,14 +93,15 @@ def _elements(shape: str) -> int:
                default=0)
 
 
-def _copies(hlo: str, entry: dict, name: str) -> set[str]:
+def _copies(hlo: str, entry: dict, name: str, min_elements: int = 0) -> set[str]:
     """The copying ops (slice, concatenate, copy, dynamic-slice) that instruction `name` is or whose fused
-    computation contains."""
+    computation contains, those of at least `min_elements` elements."""
     moving = {"slice", "concatenate", "copy", "dynamic-slice"}
     inst = entry[name]
     if inst["op"] != "fusion":
-        return {inst["op"]} & moving
-    return {i["op"] for i in _instructions(hlo, inst["calls"]).values()} & moving
+        return {inst["op"]} & moving if _elements(inst["shape"]) >= min_elements else set()
+    return {i["op"] for i in _instructions(hlo, inst["calls"]).values()
+            if i["op"] in moving and _elements(i["shape"]) >= min_elements}
 
 
 def _computes_a_matmul(hlo: str, entry: dict, name: str) -> bool:
@@ -199,7 +200,8 @@ def test_one_device_layer_convolves_in_proj_output_in_place_in_one_launch_each_w
         if name in layout_copies:
             continue
         if set(inst["operands"]) & conv_values and _elements(inst["shape"]) >= activation:
-            assert not _copies(hlo, entry, name), (name, inst)
+            # (Fusions may move small arrays inside, e.g. the SSD's per-(token, head) reach term.)
+            assert not _copies(hlo, entry, name, activation), (name, inst)
 
 
 def test_one_device_layer_on_the_emulated_kernels_matches_xla(emulated):
