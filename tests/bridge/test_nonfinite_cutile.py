@@ -106,8 +106,8 @@ def _primitives(jaxpr) -> set:
     return {eqn.primitive.name for eqn in _equations(jaxpr)}
 
 
-def _unguarded_outputs_and_grads(inputs, weights):
-    """The emulated kernels' forward and backward called without the op's check, as `outputs_and_grads`."""
+def _kernel_outputs_and_grads(inputs, weights):
+    """The emulated kernels' forward and backward called directly (no finite parts, no reach term), as `outputs_and_grads`."""
     static = op.SSDStatic(64, True, (0.0, float("inf")))
     float_args = {name: inputs[name] for name in FLOAT_ARGS}
     ssd_inputs = op.SSDInputs(**float_args, seq_idx=inputs["seq_idx"])
@@ -123,7 +123,7 @@ def test_emulated_cutile_all_finite_call_returns_the_kernels_outputs_bit_for_bit
     the xla path's (which differ from them in rounding); the program holds no conditional."""
     inputs, weights = make_problem(2)
     got = outputs_and_grads(EMULATED_SSD, inputs, weights, nonlinear=True)
-    kernels = jax.jit(_unguarded_outputs_and_grads)(inputs, weights)
+    kernels = jax.jit(_kernel_outputs_and_grads)(inputs, weights)
     xla = outputs_and_grads(functools.partial(EMULATED_SSD, backend="xla", chunk_size=64), inputs, weights,
                             nonlinear=True)
     for got_leaf, kernel_leaf, xla_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(kernels),
@@ -217,7 +217,7 @@ def test_cutile_all_finite_call_returns_the_kernels_outputs_bit_for_bit():
     static = op.SSDStatic(64, True, (0.0, float("inf")), deterministic_backward=True)
 
     @jax.jit
-    def unguarded(float_args, seq_idx, weights):
+    def kernels_alone(float_args, seq_idx, weights):
         ssd_inputs = op.SSDInputs(**float_args, seq_idx=seq_idx)
         outputs = kernel.forward(ssd_inputs, static)
         (y, final), saved = kernel.forward_saving(ssd_inputs, static)
@@ -227,7 +227,7 @@ def test_cutile_all_finite_call_returns_the_kernels_outputs_bit_for_bit():
 
     ssd = functools.partial(CUTILE_SSD, deterministic_backward=True)
     got = outputs_and_grads(ssd, inputs, weights, nonlinear=True)
-    for got_leaf, kernel_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(unguarded(float_args,
+    for got_leaf, kernel_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(kernels_alone(float_args,
                                                                                      inputs["seq_idx"],
                                                                                      weights))):
         np.testing.assert_array_equal(got_leaf, kernel_leaf)

@@ -133,16 +133,6 @@ def _producer(hlo: str, entry: dict, name: str) -> str:
     return name
 
 
-def _operands_through_tuples(entry: dict, name: str) -> list[str]:
-    """The operands of `name`, a tuple operand replaced by its elements (a conditional's branch operands); each
-    distinct operand once."""
-    out = []
-    for operand in entry[name]["operands"]:
-        parts = entry[operand]["operands"] if entry[operand]["op"] == "tuple" else [operand]
-        out.extend(p for p in parts if p not in out)
-    return out
-
-
 def test_one_device_layer_convolves_in_proj_output_in_place_in_one_launch_each_way(emulated):
     """In the compiled forward + backward of the layer: the conv's forward reads in_proj's product itself and
     its outputs are the SSD forward's x, B, C (views, read by the op's finite parts), with z and dt (copied by the same launch: no
@@ -173,7 +163,7 @@ def test_one_device_layer_convolves_in_proj_output_in_place_in_one_launch_each_w
     assert readers and not any(_copies(hlo, entry, n) for n in readers), readers
     # The SSD's forward and backward take x, B, C from the conv's outputs: views, through the op's finite parts.
     ssd_calls = [n for n, i in entry.items() if i["op"] == "custom-call" and n not in (fwd, bwd)
-                 and sum(_producer(hlo, entry, o) == fwd for o in _operands_through_tuples(entry, n)) >= 3]
+                 and sum(_producer(hlo, entry, o) == fwd for o in i["operands"]) >= 3]
     assert len(ssd_calls) == 2, ssd_calls  # the SSD's forward and backward plans
     # The conv's backward takes dx, dB, dC straight from the SSD's backward (past the op's reach term).
     activation = BATCH * SEQLEN * layer.d_state  # the smallest activation: B or C
