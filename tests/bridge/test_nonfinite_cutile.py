@@ -107,7 +107,8 @@ def _primitives(jaxpr) -> set:
 
 
 def _kernel_outputs_and_grads(inputs, weights):
-    """The emulated kernels' forward and backward called directly (no finite parts, no reach term), as `outputs_and_grads`."""
+    """The emulated kernels' forward and backward called directly (no finite parts, no reach term), as
+    `outputs_and_grads`."""
     static = op.SSDStatic(64, True, (0.0, float("inf")))
     float_args = {name: inputs[name] for name in FLOAT_ARGS}
     ssd_inputs = op.SSDInputs(**float_args, seq_idx=inputs["seq_idx"])
