@@ -25,7 +25,9 @@ from jax_mamba2.checks import check_array, check_flag, check_float, check_ndim, 
 
 
 class SSDInputs(NamedTuple):
-    """The array arguments of the op (None where absent); see `ssd` for shapes."""
+    """The array arguments of the op (None where absent); see `ssd` for shapes. `reach` (batch, seqlen,
+    nheads) in x's dtype is the op's own, not an argument: where the kernel backends confine non-finite
+    values, 0 or NaN per (token, head), which their forward adds to each output row (`_reach`)."""
 
     x: jax.Array
     dt: jax.Array
@@ -37,6 +39,7 @@ class SSDInputs(NamedTuple):
     dt_bias: Optional[jax.Array]
     initial_states: Optional[jax.Array]
     seq_idx: Optional[jax.Array]
+    reach: Optional[jax.Array] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,10 +202,11 @@ def _xla_vjp(inputs: SSDInputs, static: SSDStatic, dy, dfinal, saved=None):
 # Non-finite values. The kernels mix the tokens of a chunk in matrix products and mask by multiplying with 0,
 # so a NaN or inf would reach other tokens and packed sequences of its batch row. With check_finite they run as
 # the xla path's stages do (reference.ssd_chunked): on the finite part of their inputs, while a cheap per-(token,
-# head) term adds NaN from each non-finite input to the end of its sequence (`_reach`). Their backward takes the
-# finite part of the cotangents; the term's own VJP carries a non-finite cotangent to the inputs of its sequence.
-# No conditional and no second program: the price is elementwise passes over x, y and their cotangents
-# (docs/design.md §2).
+# head) term adds NaN from each non-finite input to the end of its sequence (`_reach`); the forward kernels add it
+# to the output rows they write (in the rows' scale of the inter-chunk term), so no pass over y does. Their
+# backward takes the finite part of the cotangents; the term's own VJP carries a non-finite cotangent to the
+# inputs of its sequence. No conditional and no second program: the price is elementwise passes over x and the
+# cotangents of y and x (docs/design.md §2).
 
 # The gate z stays as it is in the forward: y * silu(z) is per token, so a non-finite z reaches its own token's
 # output and nothing else. Its finite part is what the backward takes, where the gate's VJP would otherwise put a
@@ -252,15 +256,19 @@ def _opaque_ssd_fwd(backend, static, inputs):
 
 def _opaque_ssd_bwd(backend, static, residuals, cotangents):
     """The gradients of the kernels run on `inputs` (their finite part with check_finite: at a non-finite
-    input the gradient is unspecified, as the xla path's)."""
+    input the gradient is unspecified, as the xla path's), and that of `reach` as the additive per-(token, head)
+    term it stands for: the sum of dy over headdim, NaN where a cotangent of its row is not finite."""
     inputs, saved = residuals
     dy, dfinal = cotangents
+    reach_grad = None if inputs.reach is None else jnp.sum(dy, axis=3).astype(inputs.reach.dtype)
     if static.check_finite:
         dy, dfinal = reference.finite_part(dy), reference.finite_part(dfinal)
         inputs = inputs._replace(z=reference.finite_part(inputs.z))
     if backend.backward is None:
-        return (_xla_vjp(inputs, static, dy, dfinal),)
-    return (backend.backward(inputs, static, dy, dfinal, saved)._replace(seq_idx=None),)
+        grads = _xla_vjp(inputs, static, dy, dfinal)
+    else:
+        grads = backend.backward(inputs, static, dy, dfinal, saved)
+    return (grads._replace(seq_idx=None, reach=reach_grad),)
 
 
 _opaque_ssd.defvjp(_opaque_ssd_fwd, _opaque_ssd_bwd)
@@ -269,11 +277,11 @@ _opaque_ssd.defvjp(_opaque_ssd_fwd, _opaque_ssd_bwd)
 def _run_backend(backend: registry.Backend, inputs: SSDInputs, static: SSDStatic):
     if backend.differentiable:
         return backend.forward(inputs, static)
-    y, final = _opaque_ssd(backend, static, inputs)
     if not static.check_finite:
-        return y, final
+        return _opaque_ssd(backend, static, inputs)
     reach_y, reach_final = _reach(inputs, static)
-    return y + reach_y[..., None], final + reach_final[..., None, None]
+    y, final = _opaque_ssd(backend, static, inputs._replace(reach=reach_y))
+    return y, final + reach_final[..., None, None]
 
 
 def _empty_result(inputs: SSDInputs, dims: Dims):
@@ -336,8 +344,8 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
       save_chunk_states: let a differentiated cuTile forward keep the chunk-entry states (dstate / 64
         times x's bytes) and the chunk quantities Δ and dA_cumsum for the backward; False keeps only the
         inputs and the backward recomputes them (less memory, a longer backward). No effect elsewhere.
-      check_finite: on the cuTile backends, confine NaN and inf as above (elementwise passes over x and y
-        forward, y's and x's cotangents backward). False runs the kernels on the arrays as they are: a NaN
+      check_finite: on the cuTile backends, confine NaN and inf as above (an elementwise pass over x forward,
+        over y's cotangent and x's gradient backward). False runs the kernels on the arrays as they are: a NaN
         or inf may then reach the other tokens of its chunk and the later chunks of its batch row, other
         packed sequences included. No effect elsewhere.
 

@@ -108,7 +108,8 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
     arrays = ssd_op.SSDInputs(*(_to_namespace(a, xp) for a in (x, dt, A, B, C, D, z, dt_bias, initial_states,
                                                                seq_idx)))
     stand_ins = ssd_op.SSDInputs(*(None if a is None else _shape_dtype(a, xp) for a in arrays))
-    ssd_op.check_inputs(*stand_ins[:5], chunk_size, *stand_ins[5:])
+    ssd_op.check_inputs(*stand_ins[:5], chunk_size, stand_ins.D, stand_ins.z, stand_ins.dt_bias,
+                        stand_ins.initial_states, stand_ins.seq_idx)
     static = ssd_op.SSDStatic(int(chunk_size), bool(dt_softplus), ssd_op.check_dt_limit("ssd", dt_limit))
     reason = problem.shape_unsupported_reason(dtype=stand_ins.x.dtype, headdim=stand_ins.x.shape[3],
                                               dstate=stand_ins.B.shape[3])

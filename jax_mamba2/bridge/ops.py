@@ -11,6 +11,7 @@ recomputed y and compiled to twice the registers, and the forward + backward ran
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -27,7 +28,7 @@ from jax_mamba2.kernels._common import KERNEL_DTYPES, SSDDims
 RunPlan = Callable[..., dict]
 
 # Arrays with a leading batch axis: a vmapped axis over them folds into the kernel batch.
-_PER_ROW = ("x", "dt", "B", "C", "z", "initial_states", "seq_idx")
+_PER_ROW = ("x", "dt", "B", "C", "z", "initial_states", "seq_idx", "reach")
 _PER_HEAD = ("A", "D", "dt_bias")
 
 
@@ -44,7 +45,8 @@ def _gate_vjp(y, z, dout):
 
 def _forward_once(run_plan: RunPlan, inputs, static, save_states: bool):
     dims = problem.kernel_dims(inputs, static)
-    layout, configs = tuning.forward_configs(dims)
+    # The reach term is one vector add per chunk: the configs tuned without it serve (one tuning entry).
+    layout, configs = tuning.forward_configs(dataclasses.replace(dims, has_reach=False))
     plan = forward_kernels.forward_plan(dims, configs, layout, save_states=save_states)
     out = run_plan(plan, problem.kernel_inputs(inputs, dims))
     return _compat.match_varying_axes(tuple(out[name] for name in plan.outputs), inputs)
@@ -95,6 +97,7 @@ def make_forward_saving(run_plan: RunPlan):
 
 
 def _backward_once(run_plan: RunPlan, inputs, static, dy, dfinal, saved):
+    inputs = inputs._replace(reach=None)  # the forward's own input: its cotangent is the op's to give
     dims = problem.kernel_dims(inputs, static)
     arrays = problem.kernel_inputs(inputs, dims)
     arrays["dout"] = dy.astype(dims.dtype)

@@ -79,7 +79,7 @@ def kernel_dims(inputs, static) -> SSDDims:
         dt_dtype=dt_dtype if dt_dtype in (jnp.dtype(inputs.x.dtype).name, "float32") else "float32",
         has_z=inputs.z is not None, has_init=inputs.initial_states is not None,
         has_seq_idx=inputs.seq_idx is not None, dt_softplus=static.dt_softplus,
-        dt_limit=tuple(static.dt_limit))
+        dt_limit=tuple(static.dt_limit), has_reach=inputs.reach is not None)
 
 
 class JaxArrays:
@@ -104,7 +104,8 @@ def per_head_dim_D(D, nheads: int, headdim: int, xp=JaxArrays):
 
 def kernel_inputs(inputs, dims: SSDDims, xp=JaxArrays) -> dict:
     """The forward plan's input arrays (names as in kernels.forward.forward_plan), built with the array
-    operations of `xp` (zeros(shape, dtype_name), cast(arr, dtype_name)) from `inputs` (an SSDInputs)."""
+    operations of `xp` (zeros(shape, dtype_name), cast(arr, dtype_name)) from `inputs` (an SSDInputs; its
+    `reach`, which only the op sets, is a JAX array)."""
     T = dims.dtype
     return dict(
         x=xp.cast(inputs.x, T),
@@ -120,4 +121,14 @@ def kernel_inputs(inputs, dims: SSDDims, xp=JaxArrays) -> dict:
                         else xp.cast(inputs.initial_states, "float32")),
         seq_idx=(xp.zeros((1, 1), "int32") if inputs.seq_idx is None
                  else xp.cast(inputs.seq_idx, "int32")),
+        reach=(xp.zeros((1, 1, 1, 1), "float32") if inputs.reach is None
+               else per_chunk_rows(inputs.reach, dims)),
     )
+
+
+def per_chunk_rows(per_token_head, dims: SSDDims):
+    """A (batch, seqlen, nheads) JAX array in the kernels' per-chunk layout (batch, nheads, nchunks, chunk_size)
+    f32, zero past seqlen (where dt_out and dA_cumsum lie)."""
+    pad = dims.nchunks * dims.chunk_size - dims.seqlen
+    rows = jnp.pad(jnp.swapaxes(per_token_head.astype(jnp.float32), 1, 2), ((0, 0), (0, 0), (0, pad)))
+    return rows.reshape(dims.batch, dims.nheads, dims.nchunks, dims.chunk_size)

@@ -45,7 +45,10 @@ class SSDDims:
     """Static description of one SSD problem (everything a kernel specialises on).
 
     Axis names follow mamba_ssm: x (batch, seqlen, nheads, headdim), B/C (batch, seqlen, ngroups, dstate).
-    `dtype` is the dtype of x/B/C/z; `dt_dtype` the dtype of dt.
+    `dtype` is the dtype of x/B/C/z; `dt_dtype` the dtype of dt. `has_reach`: the forward takes `reach`
+    (batch, nheads, nchunks, chunk_size) f32, 0 or NaN per (token, head), and adds it to the row's scale of
+    the inter-chunk term, so that a NaN there makes the whole output row NaN (the op's confinement of
+    non-finite values, jax_mamba2/op.py).
     """
 
     batch: int
@@ -62,6 +65,7 @@ class SSDDims:
     has_seq_idx: bool = False
     dt_softplus: bool = False
     dt_limit: tuple[float, float] = (0.0, math.inf)
+    has_reach: bool = False
 
     @property
     def nchunks(self) -> int:

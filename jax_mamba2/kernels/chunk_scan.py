@@ -4,13 +4,14 @@ Mirrors `reference.chunk_scan` (mamba_ssm `_bmm_chunk_fwd` + `_chunk_scan_fwd`, 
 head h (group g = h // (nheads / ngroups)), chunk c, rows l of the chunk, dA = dA_cumsum[b, h, c],
 Δ = dt_out[b, h, c], H_c = states[b, c, h]:
 
-    y[l] = exp(dA[l]) * (C[l] @ H_c^T)                                         (inter-chunk)
+    y[l] = (exp(dA[l]) + reach[l]) * (C[l] @ H_c^T)                              (inter-chunk)
          + Σ_{s<=l} (C[l] · B[s]) * exp(min(dA[l] - dA[s], 0)) * Δ[s] * x[s]     (intra-chunk)
          + D[h] * x[l]
     out[l] = y[l] * silu(z[l])   if HAS_Z (the gate comes after D)
 
 With seq_idx: the inter-chunk term only reaches rows whose id equals the id of the last token of chunk
-c-1 (0 for c = 0), and the intra-chunk pairs (l, s) need equal ids.
+c-1 (0 for c = 0), and the intra-chunk pairs (l, s) need equal ids. reach[l] = reach[b, h, c, l], 0 or NaN
+(HAS_REACH; 0 otherwise): a NaN makes row l NaN, what the op's confinement of non-finite values asks.
 
 A block owns BLOCK_M rows x BLOCK_P columns of (b, h, c), with one of two loop structures (the config's
 BLOCK_N picks): the key loop computes C·H_c^T over the whole dstate, then walks the key blocks k <= its
@@ -31,7 +32,8 @@ PERSISTENT, that many blocks striding over the same work tiles in the same order
 
 Shapes: x, z, out (batch, seqlen, nheads, headdim) T (z a dummy without HAS_Z); B, C (batch, seqlen,
 ngroups, dstate) T; D (nheads, headdim) f32; dt_out, dA_cumsum (batch, nheads, nchunks, chunk_size) f32;
-states (batch, nchunks, nheads, headdim, dstate) T or f32; seq_idx (batch, seqlen) int32 or a dummy.
+states (batch, nchunks, nheads, headdim, dstate) T or f32; seq_idx (batch, seqlen) int32 or a dummy; reach
+(batch, nheads, nchunks, chunk_size) f32 or a dummy.
 """
 import dataclasses
 from typing import Any
@@ -99,6 +101,7 @@ class _ScanArrays:
     dA_cumsum: Any
     states: Any
     seq_idx: Any
+    reach: Any
     out: Any
 
 
@@ -115,7 +118,21 @@ class _ScanSpec:
     BLOCK_P: int
     HAS_Z: bool
     HAS_SEQ_IDX: bool
+    HAS_REACH: bool
     LOAD_LAT: int
+
+
+def _inter_scale(arrays, b, hb, c, m, dA_m, reached, spec):
+    """exp(dA[l]) for the rows H_c reaches (`reached` [BLOCK_M] with seq_idx, else None), 0 for the others,
+    plus `reach` with HAS_REACH (+ NaN makes the row's C·H_c^T term, and so its output, NaN) -> [HEADS,
+    BLOCK_M] f32."""
+    inter_scale = ct.exp(dA_m)
+    if spec.HAS_SEQ_IDX:
+        inter_scale = ct.where(reached[None, :], inter_scale, 0.0)
+    if spec.HAS_REACH:
+        inter_scale = inter_scale + ct.load(arrays.reach, index=(b, hb, c, m), shape=(1, spec.HEADS, 1, spec.BLOCK_M)
+                                            ).reshape((spec.HEADS, spec.BLOCK_M))
+    return inter_scale
 
 
 def _finish_rows(acc, x_m, arrays, b, m_tile, hb, pb, spec):
@@ -155,12 +172,11 @@ def _key_loop_body(tile_id, arrays, spec):
                       ).reshape((HEADS, BLOCK_P, DSTATE))
         acc = ct.mma(C_m, ct.permute(H_c, (0, 2, 1)).astype(x.dtype).astype(operand_dtype),
                      ct.zeros((HEADS, BLOCK_M, BLOCK_P), dtype=ct.float32))   # [HEADS, BLOCK_M, BLOCK_P]
-        inter_scale = ct.exp(dA_m)                                            # [HEADS, BLOCK_M]
+        reached = None
         if HAS_SEQ_IDX:
             ids_m = row_ids(seq_idx, b, m_tile, BLOCK_M)
             reached = ids_m == previous_chunk_end_id(seq_idx, b, c, CHUNK)   # rows H_c reaches
-            inter_scale = ct.where(reached[None, :], inter_scale, 0.0)
-        acc = acc * inter_scale[:, :, None]
+        acc = acc * _inter_scale(arrays, b, hb, c, m, dA_m, reached, spec)[:, :, None]
 
         # Intra-chunk: key blocks up to and including the diagonal; C B^T is shared by the HEADS heads.
         # Stop at seqlen too: with BLOCK_K < BLOCK_M a key block of a partial last chunk can lie wholly
@@ -224,13 +240,12 @@ def _state_loop_body(tile_id, arrays, spec):
                        ).reshape((HEADS, BLOCK_M))
         rows = m * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32)
         keep = rows[:, None] >= ct.arange(CHUNK, dtype=ct.int32)[None, :]    # causal
-        inter_scale = ct.exp(dA_m)                                            # [HEADS, BLOCK_M]
+        reached = None
         if HAS_SEQ_IDX:
             ids_m = row_ids(seq_idx, b, m_tile, BLOCK_M)
             reached = ids_m == previous_chunk_end_id(seq_idx, b, c, CHUNK)   # rows H_c reaches
-            inter_scale = ct.where(reached[None, :], inter_scale, 0.0)
             keep = keep & (ids_m[:, None] == row_ids(seq_idx, b, c, CHUNK)[None, :])
-        acc = acc * inter_scale[:, :, None]
+        acc = acc * _inter_scale(arrays, b, hb, c, m, dA_m, reached, spec)[:, :, None]
 
         x_c = _load_heads(x, b, c, hb, pb, CHUNK, HEADS, BLOCK_P)             # [HEADS, CHUNK, BLOCK_P]
         dA_k = ct.load(dA_cumsum, index=(b, hb, c, 0), shape=(1, HEADS, 1, CHUNK)).reshape((HEADS, CHUNK))
@@ -263,6 +278,7 @@ def chunk_scan_fwd_kernel(
     dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
     states: Big,          # (batch, nchunks, nheads, headdim, dstate) T or f32
     seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
+    reach: Big,           # (batch, nheads, nchunks, CHUNK) f32, or a dummy without HAS_REACH
     out: Big,             # (batch, seqlen, nheads, headdim) T, written
     CHUNK: ConstInt,
     DSTATE: ConstInt,
@@ -273,11 +289,13 @@ def chunk_scan_fwd_kernel(
     BLOCK_P: ConstInt,    # headdim columns per block
     HAS_Z: ConstBool,
     HAS_SEQ_IDX: ConstBool,
+    HAS_REACH: ConstBool,  # add `reach` to each row's inter-chunk scale (SSDDims.has_reach)
     LOAD_LAT: ConstInt,   # latency hint of the loop's loads (1..10)
     PERSISTENT: ConstBool,  # a fixed grid whose blocks stride over the work tiles
 ):
-    arrays = _ScanArrays(x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, out)
-    spec = _ScanSpec(CHUNK, DSTATE, HEADS, BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_P, HAS_Z, HAS_SEQ_IDX, LOAD_LAT)
+    arrays = _ScanArrays(x, B, C, D, z, dt_out, dA_cumsum, states, seq_idx, reach, out)
+    spec = _ScanSpec(CHUNK, DSTATE, HEADS, BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_P, HAS_Z, HAS_SEQ_IDX, HAS_REACH,
+                     LOAD_LAT)
     if PERSISTENT:
         for tile_id in range(ct.bid(0), _num_tiles(x, HEADS, BLOCK_M, BLOCK_P, CHUNK), ct.num_blocks(0)):
             _scan_tile(tile_id, arrays, spec)
@@ -385,7 +403,8 @@ def chunk_scan_fwd_launch(dims: SSDDims, cfg: ChunkScanConfig | None = None) -> 
         select_kernel(CHUNK_SCAN_FWD_KERNELS, dims, occupancy=cfg.OCCUPANCY), chunk_scan_fwd_grid(dims, cfg),
         writes=("out",), CHUNK=dims.chunk_size, DSTATE=dims.dstate, HEADS=cfg.HEADS, BLOCK_M=cfg.BLOCK_M,
         BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N, BLOCK_P=cfg.BLOCK_P, HAS_Z=dims.has_z,
-        HAS_SEQ_IDX=dims.has_seq_idx, LOAD_LAT=cfg.LOAD_LAT, PERSISTENT=cfg.PERSISTENT > 0)
+        HAS_SEQ_IDX=dims.has_seq_idx, HAS_REACH=dims.has_reach, LOAD_LAT=cfg.LOAD_LAT,
+        PERSISTENT=cfg.PERSISTENT > 0)
 
 
 CHUNK_SCAN_STAGE = Stage(

@@ -8,9 +8,9 @@ width), so a cubin compiled here is the cubin JAX compiles on the GPU for arrays
 Command line:
     python -m jax_mamba2.kernels.export --arch sm_90 --out DIR [--configs default|all] [--quick]
 compiles the forward (every layout that applies, with and without saving the chunk-entry states for the
-backward), backward (recomputing or reading those states; atomic and deterministic) and decode kernels of
-a representative problem set (x/B/C dtype bf16/f16/f32,
-headdim and dstate 64/128, chunk_size 64/128/256, the optional inputs all absent or all present,
+backward, with and without the op's reach term), backward (recomputing or reading those states; atomic and
+deterministic) and decode kernels of a representative problem set (x/B/C dtype bf16/f16/f32, headdim and
+dstate 64/128, chunk_size 64/128/256, the optional inputs all absent or all present,
 dt_softplus on as in Mamba2) with the default configuration of every stage (`--configs all`: every
 configuration of the autotune spaces), skipping duplicates, and prints one line per cubin: name, size,
 compile seconds. DIR gets `<kernel>_<hash>.cubin` files and a `manifest.tsv` (file, symbol).
@@ -149,7 +149,10 @@ def _launches(which: str, quick: bool, arch: str) -> Iterator[tuple[Launch, dict
         # A differentiated call runs the kernels gate-free (the gate's VJP is taken outside them).
         differentiated = dataclasses.replace(dims, has_z=False)
         for layout, configs in _forward_configs(dims, which, arch):
-            for save_states, plan_dims in ((False, dims), (True, differentiated)):
+            # The op adds the reach term of its non-finite confinement (check_finite, the default) in the kernels.
+            for (save_states, plan_dims), has_reach in itertools.product(((False, dims), (True, differentiated)),
+                                                                        (False, True)):
+                plan_dims = dataclasses.replace(plan_dims, has_reach=has_reach)
                 for launch in forward.forward_plan(plan_dims, configs, layout, save_states).launches:
                     yield launch, forward.forward_arrays(plan_dims, layout, save_states)
         for configs in _backward_configs(differentiated, which, arch):

@@ -21,7 +21,10 @@ from jax_mamba2.kernels.fused_scan import (
     FUSED_SCAN_STAGE, SEGMENT_STATES_STAGE, SEGMENTED_SCAN_STAGE, fused_chains, fused_scan_supported,
     fused_segment_chunks, num_pieces, state_piece_chunks)
 
-FORWARD_INPUTS = ("x", "dt", "A", "dt_bias", "B", "C", "D", "z", "initial_states", "seq_idx")
+# The op's arrays as the kernels take them (the backward's inputs too), then the forward's own: `reach`, which
+# the op adds to the output rows where it confines non-finite values (SSDDims.has_reach).
+SSD_INPUTS = ("x", "dt", "A", "dt_bias", "B", "C", "D", "z", "initial_states", "seq_idx")
+FORWARD_INPUTS = SSD_INPUTS + ("reach",)
 FORWARD_OUTPUTS = ("out", "final_states")
 # What a forward saving for the backward outputs besides: the chunk-entry states and the chunk quantities
 # (Δ and dA_cumsum, 8 bytes per token and head), so that the backward recomputes neither.
@@ -69,7 +72,8 @@ def forward_layout(dims: SSDDims) -> str:
 
 
 def forward_inputs(dims: SSDDims) -> dict[str, Buffer]:
-    """Shape and dtype of each input as the bridge passes it (absent optional ones as dummies)."""
+    """Shape and dtype of each input as the bridge passes it (absent optional ones as dummies), in the
+    order of FORWARD_INPUTS."""
     b, L, H, P, G, N = dims.batch, dims.seqlen, dims.nheads, dims.headdim, dims.ngroups, dims.dstate
     T = dims.dtype
     return {
@@ -83,6 +87,7 @@ def forward_inputs(dims: SSDDims) -> dict[str, Buffer]:
         "z": Buffer((b, L, H, P) if dims.has_z else (1, 1, 1, 1), T),
         "initial_states": Buffer((b, H, P, N) if dims.has_init else (1, 1, 1, 1), "float32"),
         "seq_idx": Buffer((b, L) if dims.has_seq_idx else (1, 1), "int32"),
+        "reach": Buffer((b, H, dims.nchunks, dims.chunk_size) if dims.has_reach else (1, 1, 1, 1), "float32"),
     }
 
 

@@ -7,8 +7,8 @@ ngroups)), chunk c with rows l, s, dA = dA_cumsum[b, h, c], Δ = dt_out[b, h, c]
 w[l] = exp(min(dA[Q-1] - dA[l], 0)) Δ[l] and H_c [headdim, dstate] the state entering chunk c (H_0 =
 initial_states):
 
-    y[l]     = exp(dA[l]) * (C[l] @ H_c^T) + Σ_{s<=l} (C[l] · B[s]) exp(min(dA[l] - dA[s], 0)) Δ[s] x[s]
-               + D[h] * x[l],          out[l] = y[l] * silu(z[l]) if HAS_Z
+    y[l]     = (exp(dA[l]) + reach[l]) * (C[l] @ H_c^T) + Σ_{s<=l} (C[l] · B[s]) exp(min(dA[l] - dA[s], 0)) Δ[s] x[s]
+               + D[h] * x[l],          out[l] = y[l] * silu(z[l]) if HAS_Z   (reach[l] = 0 without HAS_REACH)
     H_{c+1}  = exp(dA[Q-1]) * H_c + (x_c * w)^T @ B_c          (WEIGHT_X: carried as H)
              = exp(dA[Q-1]) * H_c + x_c^T @ (B_c * w)          (else: carried as H^T, chunk_state's rounding)
     final_states[b, h] = H_nchunks
@@ -51,7 +51,8 @@ ngroups, dstate) T; D (nheads, headdim) f32; dt_out, dA_cumsum (batch, nheads, n
 initial_states, final_states (batch, nheads, headdim, dstate) f32 (initial_states a dummy without
 HAS_INIT); seq_idx (batch, seqlen) int32 or a dummy; seg_states (batch, pieces, nheads, headdim, dstate)
 f32 and seg_decay (batch, nheads, pieces) f32 (dummies with one segment); states (batch,
-nchunks, nheads, headdim, dstate) T (a dummy without WRITE_STATES).
+nchunks, nheads, headdim, dstate) T (a dummy without WRITE_STATES); reach (batch, nheads, nchunks, CHUNK) f32,
+0 or NaN (a dummy without HAS_REACH).
 """
 import dataclasses
 from typing import Any
@@ -62,7 +63,7 @@ from jax_mamba2.kernels._common import (
     LOG2E, Big, ConstBool, ConstInt, Launch, SSDDims, Stage, check_arch, exp2_ftz, int64_index_kernels,
     kernel_launch, mma_dtype, select_kernel, silu_gate)
 from jax_mamba2.kernels._tiles import (
-    batch_head_group, previous_chunk_end_id, state_seq_rules)
+    batch_head_group, load_chunk_vector, previous_chunk_end_id, state_seq_rules)
 
 
 def _load_rows(array, b, c, col_block, index, CHUNK, WIDTH, LOAD_LAT):
@@ -114,6 +115,7 @@ class _ChunkArrays:
     dt_out: Any
     dA_cumsum: Any
     seq_idx: Any
+    reach: Any
     out: Any
     states: Any
 
@@ -142,6 +144,7 @@ class _ChunkSpec:
     LOAD_LAT: int
     HAS_Z: bool
     HAS_SEQ_IDX: bool
+    HAS_REACH: bool
     WRITE_STATES: bool
     WEIGHT_X: bool
     JOINT_OUTPUT: bool
@@ -170,6 +173,9 @@ def _fused_chunk(c, state, prev_end_id, arrays, chain, spec):
         inter_scale = ct.where(ids == prev_end_id, inter_scale, 0.0)
         keep = keep & (ids[:, None] == ids[None, :])
         prev_end_id = end_id
+    if spec.HAS_REACH:
+        # + 0 leaves a row as it is; + NaN makes the whole row NaN (C·H_c^T times NaN, whatever its value).
+        inter_scale = inter_scale + load_chunk_vector(arrays.reach, b, h, c, 0, CHUNK)
 
     x_op = x_c.astype(operand_dtype)
     cb = ct.mma(C_c, B_c.astype(operand_dtype).transpose(), ct.zeros((CHUNK, CHUNK), dtype=ct.float32))
@@ -210,6 +216,7 @@ def fused_scan_fwd_kernel(
     dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
     initial_states: Big,  # (batch, nheads, headdim, dstate) f32, or a dummy without HAS_INIT
     seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
+    reach: Big,           # (batch, nheads, nchunks, CHUNK) f32, or a dummy without HAS_REACH
     seg_states: Big,      # (batch, pieces, nheads, headdim, dstate) f32, or a dummy (one segment)
     seg_decay: Big,       # (batch, nheads, pieces) f32, or a dummy (one segment)
     out: Big,             # (batch, seqlen, nheads, headdim) T, written
@@ -223,6 +230,7 @@ def fused_scan_fwd_kernel(
     HAS_Z: ConstBool,
     HAS_INIT: ConstBool,
     HAS_SEQ_IDX: ConstBool,
+    HAS_REACH: ConstBool,  # add `reach` to each row's inter-chunk scale (SSDDims.has_reach)
     WRITE_STATES: ConstBool,  # store every chunk-entry state (what the backward would recompute)
     LOAD_LAT: ConstInt,   # latency hint of the per-chunk loads (1..10)
     CHUNKS_PER_ITER: ConstInt,  # chunks per loop iteration, 1 or 2
@@ -260,10 +268,10 @@ def fused_scan_fwd_kernel(
     rows = ct.arange(CHUNK, dtype=ct.int32)
     causal = rows[:, None] >= rows[None, :]
 
-    chunk_args = (_ChunkArrays(x, B, C, z, dt_out, dA_cumsum, seq_idx, out, states),
+    chunk_args = (_ChunkArrays(x, B, C, z, dt_out, dA_cumsum, seq_idx, reach, out, states),
                   _Chain(b, h, g, pb, seqlen, D_p, causal),
-                  _ChunkSpec(CHUNK, DSTATE, BLOCK_P, LOAD_LAT, HAS_Z, HAS_SEQ_IDX, WRITE_STATES, WEIGHT_X,
-                             JOINT_OUTPUT))
+                  _ChunkSpec(CHUNK, DSTATE, BLOCK_P, LOAD_LAT, HAS_Z, HAS_SEQ_IDX, HAS_REACH, WRITE_STATES,
+                             WEIGHT_X, JOINT_OUTPUT))
     if CHUNKS_PER_ITER == 1:
         for c in range(first, last):
             state, prev_end_id = _fused_chunk(c, state, prev_end_id, *chunk_args)
@@ -519,7 +527,8 @@ def fused_scan_fwd_launch(dims: SSDDims, cfg: FusedScanConfig | None = None, seg
         fused_scan_fwd_grid(dims, cfg, segment_chunks),
         writes=("out", "final_states") + (("states",) if write_states else ()), CHUNK=dims.chunk_size,
         DSTATE=dims.dstate, BLOCK_P=cfg.BLOCK_P, SEGMENT_CHUNKS=segment_chunks, PIECE_CHUNKS=piece_chunks,
-        HAS_Z=dims.has_z, HAS_INIT=dims.has_init, HAS_SEQ_IDX=dims.has_seq_idx, WRITE_STATES=write_states,
+        HAS_Z=dims.has_z, HAS_INIT=dims.has_init, HAS_SEQ_IDX=dims.has_seq_idx, HAS_REACH=dims.has_reach,
+        WRITE_STATES=write_states,
         LOAD_LAT=cfg.LOAD_LAT, CHUNKS_PER_ITER=cfg.CHUNKS_PER_ITER, WEIGHT_X=cfg.WEIGHT_X,
         JOINT_OUTPUT=cfg.JOINT_OUTPUT)
 

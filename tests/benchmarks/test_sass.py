@@ -1,5 +1,7 @@
 """benchmarks/tools/sass.py reads the sm_90 SASS of the forward kernels (compiled here, no GPU)."""
+import dataclasses
 import json
+import re
 
 import pytest
 
@@ -44,6 +46,24 @@ def test_fused_default_at_the_main_shape_has_a_product_loop_with_waits():
     assert "REG:" in resources
     product_loops = [loop for loop in sass.loops(listing) if loop.hgmma]
     assert product_loops and all(loop.waits >= 1 for loop in product_loops)
+
+
+def test_fused_kernel_adds_the_reach_term_without_registers_stack_or_products():
+    """The op's reach term (SSDDims.has_reach, one vector added per chunk to the rows' inter-chunk scale) leaves
+    the fused default at the LM layer's shape (8,2048,32,64,128,1) with the registers, stack and wgmma of its
+    chunk loop, a few instructions longer."""
+    dims = dims_of(Shape(8, 2048, 32, 64, 128, 1), 64)
+    try:
+        (plain, plain_resources), (reach, reach_resources) = (
+            sass.disassemble(_fused_cubin(d)) for d in (dims, dataclasses.replace(dims, has_reach=True)))
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    registers = [re.search(r"REG:(\d+) STACK:(\d+)", r).groups() for r in (plain_resources, reach_resources)]
+    assert registers[0] == registers[1] and registers[1][1] == "0"
+    (plain_loop,), (reach_loop,) = ([loop for loop in sass.loops(listing) if loop.hgmma > 4]
+                                    for listing in (plain, reach))
+    assert reach_loop.hgmma == plain_loop.hgmma
+    assert plain_loop.instructions < reach_loop.instructions < 1.1 * plain_loop.instructions
 
 
 def test_code_fingerprint_is_the_machine_code_alone():

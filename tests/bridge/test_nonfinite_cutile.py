@@ -238,7 +238,9 @@ def test_emulated_cutile_confinement_reserves_no_second_program():
     """The confinement's temporaries in a compiled forward + backward are a few activations (finite parts, the
     reach term), not a recompute's: XLA's temporary memory grows by under 4 times x's bytes with it (a branch to
     the xla path, which the op once held, reserved 30 times at this shape). Emulated kernels: their own
-    intermediates are not XLA's, so the difference is the confinement alone."""
+    intermediates are not XLA's, so the difference is the confinement alone. On the CPU the program is compiled
+    without XLA:CPU's YNNPACK reduction fusions: they take f32 operands, so XLA materializes f32 copies of the bf16
+    arrays they reduce, which a GPU's reduction fusions read in place."""
     batch, seqlen, nheads, headdim, dstate = 2, 512, 8, 32, 64
     S = jax.ShapeDtypeStruct
     x = S((batch, seqlen, nheads, headdim), jnp.bfloat16)
@@ -252,8 +254,9 @@ def test_emulated_cutile_confinement_reserves_no_second_program():
                 return jax_mamba2.ssd(x, dt, A, B, C, 64, D=D, dt_bias=dt_bias, dt_softplus=True,
                                       backend=EMULATED.name, check_finite=check_finite)
             y, vjp = jax.vjp(ssd, x, dt, A, B, C, D, dt_bias)
-            return vjp(dy)
-        return jax.jit(forward_backward).lower(*args).compile().memory_analysis().temp_size_in_bytes
+            return y, vjp(dy)
+        options = {"xla_cpu_experimental_ynn_fusion_type": ""} if jax.default_backend() == "cpu" else {}
+        return jax.jit(forward_backward).lower(*args).compile(options).memory_analysis().temp_size_in_bytes
 
     x_bytes = np.prod(x.shape) * x.dtype.itemsize
     assert 0 < temp_bytes(True) - temp_bytes(False) < 4 * x_bytes

@@ -113,7 +113,8 @@ def run_backward(run, case: BackwardCase, dtype: str, *, seed: int = 0, states_f
     dims = backward_dims(case, dtype)
     if states_from is not None:
         forward = forward_plan(dims, layout=states_from, save_states=True)
-        saved = run(forward, {name: inputs[name] for name in forward.inputs})
+        saved = run(forward, {"reach": np.zeros((1, 1, 1, 1), np.float32),
+                              **{name: inputs[name] for name in forward.inputs if name in inputs}})
         inputs.update({name: saved[name] for name in SAVED_FOR_BACKWARD})
     plan = backward_plan(dims, dict(case.configs), saved_states=states_from is not None, **plan_keywords)
     return run(plan, inputs), want

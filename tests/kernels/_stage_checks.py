@@ -181,6 +181,7 @@ def forward_inputs_np(args, kwargs):
         "initial_states": _np(kwargs["initial_states"]).astype(np.float32) if "initial_states" in kwargs
         else np.zeros((1, 1, 1, 1), np.float32),
         "seq_idx": _np(kwargs["seq_idx"]) if "seq_idx" in kwargs else np.zeros((1, 1), np.int32),
+        "reach": np.zeros((1, 1, 1, 1), np.float32),
     }
 
 
@@ -237,6 +238,38 @@ def check_forward(run, case: Case, dtype: str, seed: int = 0):
     limits = {name: (1e-5 if name in ("dt_out", "dA_cumsum") else tol) for name in errors}
     bad = {name: err for name, err in errors.items() if not err <= limits[name]}
     assert not bad, f"{case} {dtype}: relative L2 errors above {limits}: {bad}"
+
+
+# Forward problems whose plans add the op's `reach` to their output rows (SSDDims.has_reach): the staged
+# layout's two chunk_scan loops, the fused layout (one and two chunks per iteration, the joint output product)
+# and the segmented one, with seq_idx, z and initial states.
+REACH_CASES = ("partial_last_chunk_groups_z_init", "seq_idx_across_chunks_4_heads_per_block",
+               "state_loop_seq_idx_init_2_heads", "fused_seq_idx_init_saving_states",
+               "fused_two_chunks_per_iter_seq_idx_init_z", "fused_joint_output_chunk32_seq_idx_init_z",
+               "segmented_seq_idx_resets_init_groups_z")
+
+
+def check_forward_reach(run, case: Case, dtype: str, seed: int = 0):
+    """The plan with `reach` (0 or NaN per (batch, token, head), NaN at about a tenth) makes the output rows
+    where it is NaN wholly NaN and leaves every other output, and its states, as the plan without it computes
+    them, bit for bit."""
+    args, kwargs = _ssd_args(case, getattr(jnp, dtype), seed)
+    dims = case_dims(case, dtype)
+    inputs = forward_inputs_np(args, kwargs)
+    plain = run(forward_plan(dims, dict(case.configs), case.layout, save_states=case.save_states), inputs)
+    nan_rows = np.random.default_rng(seed).random((dims.batch, dims.seqlen, dims.nheads)) < 0.1
+    reach = np.where(nan_rows, np.nan, 0.0).astype(np.float32)
+    pad = dims.nchunks * dims.chunk_size - dims.seqlen
+    per_chunk = np.pad(reach.transpose(0, 2, 1), ((0, 0), (0, 0), (0, pad))).reshape(
+        dims.batch, dims.nheads, dims.nchunks, dims.chunk_size)
+    reach_dims = dataclasses.replace(dims, has_reach=True)
+    got = run(forward_plan(reach_dims, dict(case.configs), case.layout, save_states=case.save_states),
+              {**inputs, "reach": per_chunk})
+    out, want = np.asarray(got["out"], np.float64), np.asarray(plain["out"], np.float64)
+    assert np.isnan(out[nan_rows]).all(), f"{case}: a row whose reach is NaN has a non-NaN output"
+    np.testing.assert_array_equal(out[~nan_rows], want[~nan_rows])
+    for name in ("final_states", "states") if case.save_states else ("final_states",):
+        np.testing.assert_array_equal(got[name], plain[name])
 
 
 _STEP_SHAPE = {"batch": 3, "nheads": 4, "headdim": 32, "dstate": 16}

@@ -162,7 +162,7 @@ def test_forward_plan_wires_stages_in_order():
     assert plan.buffers["states"].shape == (2, 16, 80, 256, 256)
     assert plan.buffers["states"].dtype == dims.dtype
     custom = chunk_scan.ChunkScanConfig(BLOCK_M=128, BLOCK_K=32, BLOCK_P=64, HEADS=4)
-    assert forward_plan(dims, {"chunk_scan": custom}).launches[2].args[12:17] == (4, 128, 32, 0, 64)
+    assert forward_plan(dims, {"chunk_scan": custom}).launches[2].args[13:18] == (4, 128, 32, 0, 64)
     with pytest.raises(ValueError, match="configs keys=\\['chunk_sacn'\\] must be among"):
         forward_plan(dims, {"chunk_sacn": custom})
     assert FORWARD_LAYOUTS == {"staged": ("chunk_cumsum", "chunk_state", "chunk_scan"),

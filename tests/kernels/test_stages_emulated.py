@@ -4,13 +4,19 @@ the float64 reference: index math, masks, padding of partial chunks, seq_idx rul
 import pytest
 
 from tests.kernels._cutile_emulator import run_plan
-from tests.kernels._stage_checks import SMALL_CASES, check_forward, check_state_update
+from tests.kernels._stage_checks import REACH_CASES, SMALL_CASES, check_forward, check_forward_reach, check_state_update
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", list(SMALL_CASES))
 def test_forward_plan_emulated_matches_reference(case, dtype):
     check_forward(run_plan, SMALL_CASES[case], dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", REACH_CASES)
+def test_forward_plan_emulated_adds_the_reach_to_its_output_rows(case, dtype):
+    check_forward_reach(run_plan, SMALL_CASES[case], dtype)
 
 
 @pytest.mark.parametrize("dtype,state_dtype", [("float32", "float32"), ("bfloat16", "bfloat16")])

@@ -11,7 +11,7 @@ import pytest
 
 from jax_mamba2.kernels import chunk_scan, chunk_state, fused_scan, state_update
 from tests.kernels._stage_checks import (
-    SMALL_CASES, Case, case_dims, check_forward, check_state_update, step_dims)
+    REACH_CASES, SMALL_CASES, Case, case_dims, check_forward, check_forward_reach, check_state_update, step_dims)
 
 pytestmark = pytest.mark.gpu
 
@@ -119,6 +119,14 @@ def run_plan_gpu(plan, inputs):
 @pytest.mark.parametrize("case", list(SMALL_CASES) + list(LARGE_CASES))
 def test_forward_plan_gpu_matches_reference(case, dtype):
     check_forward(run_plan_gpu, {**SMALL_CASES, **LARGE_CASES}[case], dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", list(REACH_CASES) + ["fused_q64_p64_n128_groups_all_inputs",
+                                                       "fused_q64_p64_n64_joint_output_pairs_all_inputs",
+                                                       "segmented_q64_n128_long_seq_idx_all_inputs"])
+def test_forward_plan_gpu_adds_the_reach_to_its_output_rows(case, dtype):
+    check_forward_reach(run_plan_gpu, {**SMALL_CASES, **LARGE_CASES}[case], dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
