@@ -25,8 +25,6 @@ import sys
 import threading
 import types
 
-import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
