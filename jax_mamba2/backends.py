@@ -33,9 +33,10 @@ OPTIONAL_BACKENDS = {"cutile": "jax_mamba2.bridge", "cutile_callback": "jax_mamb
 class Backend:
     """One way of computing the SSD op.
 
-    forward(inputs, static) -> (y, final_states); a forward of a backend that is not `differentiable` adds
-    `inputs.reach`, when the op gives one (its confinement of non-finite values), to each (token, head) row of
-    y. `differentiable` says whether JAX can differentiate
+    forward(inputs, static) -> (y, final_states); a backend that is not `differentiable` adds `inputs.reach`,
+    when the op gives one (its confinement of non-finite values), to each (token, head) row of y in its
+    forward, and `inputs.dx_reach` to each row of dx in its backward. `differentiable` says whether JAX can
+    differentiate
     `forward` itself; if not, `ssd` wraps it in a custom_vjp whose backward is `backward(inputs, static,
     dy, dfinal_states, saved) -> SSDInputs of cotangents` or, when None, the VJP of the xla path
     (recompute). The custom_vjp's forward is `forward_saving(inputs, static) -> ((y, final_states),

@@ -25,9 +25,10 @@ from jax_mamba2.checks import check_array, check_flag, check_float, check_ndim, 
 
 
 class SSDInputs(NamedTuple):
-    """The array arguments of the op (None where absent); see `ssd` for shapes. `reach` (batch, seqlen,
-    nheads) in x's dtype is the op's own, not an argument: where the kernel backends confine non-finite
-    values, 0 or NaN per (token, head), which their forward adds to each output row (`_reach`)."""
+    """The array arguments of the op (None where absent); see `ssd` for shapes. `reach` and `dx_reach`
+    (batch, seqlen, nheads) are the op's own, not arguments: where the kernel backends confine non-finite
+    values, 0 or NaN per (token, head), which their forward adds to each row of y (`reach`) and their backward
+    to each row of dx (`dx_reach`)."""
 
     x: jax.Array
     dt: jax.Array
@@ -40,6 +41,7 @@ class SSDInputs(NamedTuple):
     initial_states: Optional[jax.Array]
     seq_idx: Optional[jax.Array]
     reach: Optional[jax.Array] = None
+    dx_reach: Optional[jax.Array] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,11 +204,11 @@ def _xla_vjp(inputs: SSDInputs, static: SSDStatic, dy, dfinal, saved=None):
 # Non-finite values. The kernels mix the tokens of a chunk in matrix products and mask by multiplying with 0,
 # so a NaN or inf would reach other tokens and packed sequences of its batch row. With check_finite they run as
 # the xla path's stages do (reference.ssd_chunked): on the finite part of their inputs, while a cheap per-(token,
-# head) term adds NaN from each non-finite input to the end of its sequence (`_reach`); the forward kernels add it
-# to the output rows they write (in the rows' scale of the inter-chunk term), so no pass over y does. Their
-# backward takes the finite part of the cotangents; the term's own VJP carries a non-finite cotangent to the
-# inputs of its sequence. No conditional and no second program: the price is elementwise passes over x and the
-# cotangents of y and x (docs/design.md §2).
+# head) term adds NaN from each non-finite input to the end of its sequence (`_reach_terms`); the forward kernels
+# add it to the rows of y they write. Their backward takes the finite part of the cotangents; the term's own VJP
+# carries a non-finite cotangent to the inputs of its sequence, and its share of dx (per (token, head), as the
+# term) is added to the rows of dx by the kernel that writes them. No conditional and no second program: the
+# price is an elementwise pass over x forward and one over dy backward (docs/design.md §2).
 
 # The gate z stays as it is in the forward: y * silu(z) is per token, so a non-finite z reaches its own token's
 # output and nothing else. Its finite part is what the backward takes, where the gate's VJP would otherwise put a
@@ -229,46 +231,76 @@ def _finite_inputs(inputs: SSDInputs, static: SSDStatic) -> SSDInputs:
     return inputs._replace(dt=dt, **{name: reference.finite_part(getattr(inputs, name)) for name in _SANITIZED})
 
 
-def _reach(inputs: SSDInputs, static: SSDStatic):
-    """(reach_y (b, L, h) in y's dtype, reach_final (b, h) float32): 0 where the recurrence carries no
-    non-finite input, NaN where it does (`reference.nonfinite_reach`)."""
-    reach_y, reach_final = reference.nonfinite_reach(inputs.x, _transformed_dt(inputs, static), inputs.A,
-                                                     inputs.B, inputs.C, inputs.initial_states, inputs.seq_idx)
-    return reach_y.astype(inputs.x.dtype), reach_final.astype(jnp.float32)
+# The inputs of `_reach_terms` besides x's marks: the ones whose non-finite entries the term marks.
+_MARKED = ("dt", "A", "B", "C", "initial_states", "dt_bias")
+
+
+def _reach_terms(static: SSDStatic, seq_idx, x_marks, dt, A, B, C, initial_states, dt_bias):
+    """(reach_y (b, L, h), reach_final (b, h)) float32: 0 where the recurrence carries no non-finite input,
+    NaN where it does (`reference.nonfinite_reach`); x enters as its per-(token, head) marks."""
+    delta = reference.dt_transform(dt.astype(jnp.float32), dt_bias, dt_softplus=static.dt_softplus,
+                                   dt_limit=static.dt_limit)
+    reach_y, reach_final = reference.nonfinite_reach(x_marks, delta, A, B, C, initial_states, seq_idx)
+    return reach_y.astype(jnp.float32), reach_final.astype(jnp.float32)
+
+
+def _confined_forward(backend, static, inputs, saving: bool):
+    """((y, final_states), saved, (kernel inputs, x's marks)) of the kernels run on the finite part of `inputs`
+    (the kernel inputs, with the reach term that the kernels add to y); saved is None unless `saving`; without
+    check_finite the kernels run on `inputs` as they are, and the marks are None."""
+    x_marks = None
+    if static.check_finite:
+        x_marks = reference.head_marks(inputs.x)
+        reach_y, reach_final = _reach_terms(static, inputs.seq_idx, x_marks,
+                                            *(getattr(inputs, name) for name in _MARKED))
+        inputs = _finite_inputs(inputs, static)._replace(reach=reach_y)
+    if not saving or backend.forward_saving is None or not static.save_chunk_states:
+        (y, final), saved = backend.forward(inputs, static), None
+    else:
+        (y, final), saved = backend.forward_saving(inputs, static)
+    if static.check_finite:
+        final = final + reach_final[..., None, None]
+    return (y, final), saved, (inputs, x_marks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _opaque_ssd(backend: registry.Backend, static: SSDStatic, inputs: SSDInputs):
-    if static.check_finite:
-        inputs = _finite_inputs(inputs, static)
-    return backend.forward(inputs, static)
+    return _confined_forward(backend, static, inputs, saving=False)[0]
 
 
 def _opaque_ssd_fwd(backend, static, inputs):
-    if static.check_finite:
-        inputs = _finite_inputs(inputs, static)
-    if backend.forward_saving is None or not static.save_chunk_states:
-        outputs, saved = backend.forward(inputs, static), None
-    else:
-        outputs, saved = backend.forward_saving(inputs, static)
-    return outputs, (inputs, saved)
+    outputs, saved, (kernel_inputs, x_marks) = _confined_forward(backend, static, inputs, saving=True)
+    return outputs, (kernel_inputs, saved, x_marks)
+
+
+def _add(a, b):
+    return a if b is None else a + b.astype(a.dtype)
 
 
 def _opaque_ssd_bwd(backend, static, residuals, cotangents):
     """The gradients of the kernels run on `inputs` (their finite part with check_finite: at a non-finite
-    input the gradient is unspecified, as the xla path's), and that of `reach` as the additive per-(token, head)
-    term it stands for: the sum of dy over headdim, NaN where a cotangent of its row is not finite."""
-    inputs, saved = residuals
+    input the gradient is unspecified, as the xla path's) plus the reach term's: the term's cotangent is that
+    of an additive term of y (dy summed over headdim) and of the final states; its VJP to x, per (token,
+    head), is what the dx kernel adds to its rows, the rest XLA adds to the small arrays' gradients."""
+    inputs, saved, x_marks = residuals
     dy, dfinal = cotangents
-    reach_grad = None if inputs.reach is None else jnp.sum(dy, axis=3).astype(inputs.reach.dtype)
     if static.check_finite:
+        _, reach_vjp = jax.vjp(functools.partial(_reach_terms, static, inputs.seq_idx), x_marks,
+                               *(getattr(inputs, name) for name in _MARKED))
+        marks_grad, *marked_grads = reach_vjp((jnp.sum(dy, axis=3).astype(jnp.float32),
+                                              jnp.sum(dfinal, axis=(2, 3), dtype=jnp.float32)))
         dy, dfinal = reference.finite_part(dy), reference.finite_part(dfinal)
-        inputs = inputs._replace(z=reference.finite_part(inputs.z))
+        inputs = inputs._replace(z=reference.finite_part(inputs.z), dx_reach=0 * marks_grad)
     if backend.backward is None:
-        grads = _xla_vjp(inputs, static, dy, dfinal)
+        grads = _xla_vjp(inputs._replace(reach=None, dx_reach=None), static, dy, dfinal)
+        if inputs.dx_reach is not None:
+            grads = grads._replace(x=grads.x + inputs.dx_reach[..., None].astype(grads.x.dtype))
     else:
         grads = backend.backward(inputs, static, dy, dfinal, saved)
-    return (grads._replace(seq_idx=None, reach=reach_grad),)
+    if static.check_finite:
+        grads = grads._replace(**{name: _add(getattr(grads, name), grad)
+                                  for name, grad in zip(_MARKED, marked_grads) if getattr(grads, name) is not None})
+    return (grads._replace(seq_idx=None, reach=None, dx_reach=None),)
 
 
 _opaque_ssd.defvjp(_opaque_ssd_fwd, _opaque_ssd_bwd)
@@ -277,11 +309,7 @@ _opaque_ssd.defvjp(_opaque_ssd_fwd, _opaque_ssd_bwd)
 def _run_backend(backend: registry.Backend, inputs: SSDInputs, static: SSDStatic):
     if backend.differentiable:
         return backend.forward(inputs, static)
-    if not static.check_finite:
-        return _opaque_ssd(backend, static, inputs)
-    reach_y, reach_final = _reach(inputs, static)
-    y, final = _opaque_ssd(backend, static, inputs._replace(reach=reach_y))
-    return y, final + reach_final[..., None, None]
+    return _opaque_ssd(backend, static, inputs)
 
 
 def _empty_result(inputs: SSDInputs, dims: Dims):

@@ -431,7 +431,13 @@ def _spread_nonfinite_bwd(starts, cotangent):
 _spread_nonfinite.defvjp(_spread_nonfinite_fwd, _spread_nonfinite_bwd)
 
 
-def nonfinite_reach(x, delta, A, B, C, initial_states, seq_idx):
+def head_marks(x: jax.Array) -> jax.Array:
+    """x (b, L, h, p) -> (b, L, h): 0 where a (token, head) row of x is finite, NaN where an entry is not (the
+    sum of 0 * x over headdim; its VJP passes a cotangent on as 0 * cotangent to every entry of the row)."""
+    return jnp.sum(0 * x, axis=3)
+
+
+def nonfinite_reach(x_marks, delta, A, B, C, initial_states, seq_idx):
     """Where the recurrence carries the non-finite entries of its inputs: 0 there is finite, NaN not.
 
     Per (token, head): a non-finite x, Δ or B of token s (B of the head's group) reaches token s and every
@@ -445,19 +451,19 @@ def nonfinite_reach(x, delta, A, B, C, initial_states, seq_idx):
     and a finite one adds exactly 0.
 
     Args:
-      x: (b, L, h, p); delta: (b, L, h); A: (h,); B, C: (b, L, g, n); initial_states: (b, h, p, n) or None;
-        seq_idx: (b, L) int or None. Floats in the compute dtype.
+      x_marks: (b, L, h), x's `head_marks`; delta: (b, L, h); A: (h,); B, C: (b, L, g, n); initial_states:
+        (b, h, p, n) or None; seq_idx: (b, L) int or None. Floats in the compute dtype.
 
     Returns:
       (reach_y (b, L, h), reach_final (b, h)).
     """
-    batch, seqlen, nheads, _ = x.shape
+    batch, seqlen, nheads = x_marks.shape
     ngroups = B.shape[2]
 
     def per_head(group_term):  # (b, L, g) -> (b, L, h)
         return jnp.repeat(group_term, nheads // ngroups, axis=2)
 
-    carried = jnp.sum(0 * x, axis=3) + 0 * delta + per_head(jnp.sum(0 * B, axis=3))
+    carried = x_marks + 0 * delta + per_head(jnp.sum(0 * B, axis=3))
     if seq_idx is None:
         starts = jnp.zeros((batch, seqlen), bool)
     else:
@@ -508,7 +514,7 @@ def ssd_chunked(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias=None, dt_
     entry_states, final_states = state_passing(states, dA_cumsum[..., -1], h0_f, seq_idx_chunk_end)
     y = _chunk_scan_ssm(B_f, C_f, x_f, dt_out, dA_cumsum, entry_states, seq_idx)
 
-    reach_y, reach_final = nonfinite_reach(x_c, delta, A_c, B_c, C_c, h0, seq_idx)
+    reach_y, reach_final = nonfinite_reach(head_marks(x_c), delta, A_c, B_c, C_c, h0, seq_idx)
     y = _finite_cotangent(y) + reach_y[..., None]
     final_states = _finite_cotangent(final_states) + reach_final[..., None, None]
     return _skip_and_gate(y, x, D, z), final_states

@@ -131,7 +131,10 @@ def assert_confined_like_scan(got, want, spoiled_inputs: dict, tolerance: float,
     the scan's elsewhere. A gradient may be non-finite only within what the scan's gradient spoils
     (`_may_be_nonfinite`) and must equal the scan's outside it (inside, finite entries may differ: the
     chunked path runs on the finite part of the inputs, so e.g. an infinite Δ, which makes the scan forget
-    the state, leaves the state to the finite part there)."""
+    the state, leaves the state to the finite part there). Where the scan's dx has a non-finite entry in a
+    (batch, token, head) row, the backend's dx row is wholly non-finite (a non-finite cotangent does reach x),
+    the token of a spoiled input aside (the scan's dx there may be non-finite through its own factors, e.g. an
+    infinite Δ, where the gradient is unspecified)."""
     (y, final), grads = got
     (want_y, want_final), want_grads = want
     np.testing.assert_array_equal(_finite_per_head(y, 3), _finite_per_head(want_y, 3),
@@ -140,6 +143,12 @@ def assert_confined_like_scan(got, want, spoiled_inputs: dict, tolerance: float,
                                   "final_states: non-finite (batch, head) entries differ from the scan's")
     errors = {"y": _rel_l2_where(y, want_y, np.isfinite(want_y) & np.isfinite(y)),
               "final_states": _rel_l2_where(final, want_final, np.isfinite(want_final) & np.isfinite(final))}
+    want_bad_rows = ~_finite_per_head(want_grads["x"], 3)
+    for name, index in spoiled_inputs.items():
+        if name in ("x", "dt", "B", "C", "z"):  # per-token inputs
+            want_bad_rows[index[:2]] = False
+    got_bad_entries = ~np.isfinite(np.asarray(grads["x"], np.float64))
+    assert got_bad_entries[want_bad_rows].all(), "dx: finite where the scan's dx row is not"
     for name in FLOAT_ARGS:
         got_grad, want_grad = np.asarray(grads[name], np.float64), want_grads[name]
         spoiled = _may_be_nonfinite(name, want_grad, seq_ids)

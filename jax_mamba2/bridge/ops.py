@@ -28,7 +28,7 @@ from jax_mamba2.kernels._common import KERNEL_DTYPES, SSDDims
 RunPlan = Callable[..., dict]
 
 # Arrays with a leading batch axis: a vmapped axis over them folds into the kernel batch.
-_PER_ROW = ("x", "dt", "B", "C", "z", "initial_states", "seq_idx", "reach")
+_PER_ROW = ("x", "dt", "B", "C", "z", "initial_states", "seq_idx", "reach", "dx_reach")
 _PER_HEAD = ("A", "D", "dt_bias")
 
 
@@ -45,7 +45,8 @@ def _gate_vjp(y, z, dout):
 
 def _forward_once(run_plan: RunPlan, inputs, static, save_states: bool):
     dims = problem.kernel_dims(inputs, static)
-    # The reach term is one vector add per chunk: the configs tuned without it serve (one tuning entry).
+    # The reach term is one vector add per chunk (or row block of dx in the backward): the configs tuned
+    # without it serve (one tuning entry).
     layout, configs = tuning.forward_configs(dataclasses.replace(dims, has_reach=False))
     plan = forward_kernels.forward_plan(dims, configs, layout, save_states=save_states)
     out = run_plan(plan, problem.kernel_inputs(inputs, dims))
@@ -97,7 +98,6 @@ def make_forward_saving(run_plan: RunPlan):
 
 
 def _backward_once(run_plan: RunPlan, inputs, static, dy, dfinal, saved):
-    inputs = inputs._replace(reach=None)  # the forward's own input: its cotangent is the op's to give
     dims = problem.kernel_dims(inputs, static)
     arrays = problem.kernel_inputs(inputs, dims)
     arrays["dout"] = dy.astype(dims.dtype)
@@ -105,7 +105,8 @@ def _backward_once(run_plan: RunPlan, inputs, static, dy, dfinal, saved):
     if saved is not None:
         arrays.update(zip(forward_kernels.SAVED_FOR_BACKWARD, saved))
     deterministic = static.deterministic_backward  # no float atomics: bitwise reproducible
-    plan = backward_kernels.backward_plan(dims, tuning.backward_configs(dims, deterministic),
+    plan = backward_kernels.backward_plan(dims, tuning.backward_configs(dataclasses.replace(dims, has_reach=False),
+                                                                        deterministic),
                                           deterministic=deterministic, saved_states=saved is not None)
     out = _compat.match_varying_axes(run_plan(plan, arrays), (inputs, dy, dfinal))
 
@@ -140,13 +141,14 @@ def _batchable_backward(run_plan: RunPlan, static):
 
 def make_backward(run_plan: RunPlan):
     """backward(inputs, static, dy, dfinal_states, saved) -> SSDInputs of cotangents, on the cuTile
-    kernels; `saved` as `make_forward_saving` saved it, or None (recomputed)."""
+    kernels; `saved` as `make_forward_saving` saved it, or None (recomputed); `inputs.dx_reach`, where given,
+    is added to the rows of dx."""
     def backward(inputs, static, dy, dfinal, saved=None):
         z, ungated = inputs.z, inputs._replace(z=None)
         if z is None:
             return _batchable_backward(run_plan, static)(ungated, dy, dfinal, saved)
         if saved is None:  # recomputed: the pre-gate output, and what the backward would recompute anyway
-            y, _, *saved = _batchable_forward(run_plan, static, True)(ungated)
+            y, _, *saved = _batchable_forward(run_plan, static, True)(ungated._replace(dx_reach=None))
             saved = tuple(saved)
         else:
             saved, y = saved[:-1], saved[-1]

@@ -103,9 +103,9 @@ def per_head_dim_D(D, nheads: int, headdim: int, xp=JaxArrays):
 
 
 def kernel_inputs(inputs, dims: SSDDims, xp=JaxArrays) -> dict:
-    """The forward plan's input arrays (names as in kernels.forward.forward_plan), built with the array
-    operations of `xp` (zeros(shape, dtype_name), cast(arr, dtype_name)) from `inputs` (an SSDInputs; its
-    `reach`, which only the op sets, is a JAX array)."""
+    """The forward plan's input arrays (names as in kernels.forward.forward_plan) and the backward's
+    `dx_reach`, built with the array operations of `xp` (zeros(shape, dtype_name), cast(arr, dtype_name))
+    from `inputs` (an SSDInputs; its `reach` and `dx_reach`, which only the op sets, are JAX arrays)."""
     T = dims.dtype
     return dict(
         x=xp.cast(inputs.x, T),
@@ -121,8 +121,8 @@ def kernel_inputs(inputs, dims: SSDDims, xp=JaxArrays) -> dict:
                         else xp.cast(inputs.initial_states, "float32")),
         seq_idx=(xp.zeros((1, 1), "int32") if inputs.seq_idx is None
                  else xp.cast(inputs.seq_idx, "int32")),
-        reach=(xp.zeros((1, 1, 1, 1), "float32") if inputs.reach is None
-               else per_chunk_rows(inputs.reach, dims)),
+        **{name: xp.zeros((1, 1, 1, 1), "float32") if getattr(inputs, name) is None
+           else per_chunk_rows(getattr(inputs, name), dims) for name in ("reach", "dx_reach")},
     )
 
 

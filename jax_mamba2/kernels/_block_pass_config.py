@@ -98,13 +98,13 @@ def block_pass_grid(dims: SSDDims, cfg: BlockPassConfig, heads_per_block: int) -
 
 
 def block_pass_launch(kernels: tuple[Any, Any], dims: SSDDims, cfg: BlockPassConfig, heads_per_block: int, *,
-                      writes: tuple[str, ...], arrays: dict[str, str] | None = None) -> Launch:
+                      writes: tuple[str, ...], arrays: dict[str, str] | None = None, **constants: Any) -> Launch:
     """The launch of either pass (`kernels`: its int32/int64 pair) for `cfg`, `heads_per_block` heads of a
-    group per block, adding the group's sum atomically unless one block owns the whole group; `writes` and
-    `arrays` as `kernel_launch` takes them."""
+    group per block, adding the group's sum atomically unless one block owns the whole group; `writes`,
+    `arrays` and the pass's own `constants` as `kernel_launch` takes them."""
     return kernel_launch(
         select_kernel(kernels, dims, occupancy=cfg.OCCUPANCY), block_pass_grid(dims, cfg, heads_per_block),
         writes=writes, arrays=arrays, CHUNK=dims.chunk_size, HEADDIM=dims.headdim, DSTATE=dims.dstate,
         BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, HEADS_PER_BLOCK=heads_per_block, HAS_SEQ_IDX=dims.has_seq_idx,
         ATOMIC_ADD=adds_atomically(dims, heads_per_block), LOAD_LAT=cfg.LOAD_LAT,
-        SUM_HEADS=check_sum_heads(dims, cfg))
+        SUM_HEADS=check_sum_heads(dims, cfg), **constants)

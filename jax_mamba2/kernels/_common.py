@@ -45,10 +45,10 @@ class SSDDims:
     """Static description of one SSD problem (everything a kernel specialises on).
 
     Axis names follow mamba_ssm: x (batch, seqlen, nheads, headdim), B/C (batch, seqlen, ngroups, dstate).
-    `dtype` is the dtype of x/B/C/z; `dt_dtype` the dtype of dt. `has_reach`: the forward takes `reach`
-    (batch, nheads, nchunks, chunk_size) f32, 0 or NaN per (token, head), and adds it to the row's scale of
-    the inter-chunk term, so that a NaN there makes the whole output row NaN (the op's confinement of
-    non-finite values, jax_mamba2/op.py).
+    `dtype` is the dtype of x/B/C/z; `dt_dtype` the dtype of dt. `has_reach`: the forward takes `reach`, the
+    backward `dx_reach`, (batch, nheads, nchunks, chunk_size) f32, 0 or NaN per (token, head), and adds it to
+    a per-row scale of the rows it writes (y: the inter-chunk term's; dx: Δ's), so that a NaN there makes the
+    whole row NaN (the op's confinement of non-finite values, jax_mamba2/op.py).
     """
 
     batch: int

@@ -34,7 +34,7 @@ from jax_mamba2.kernels.chunk_state_bwd import (
 from jax_mamba2.kernels.forward import SAVED_FOR_BACKWARD, SSD_INPUTS, forward_inputs
 from jax_mamba2.kernels.param_grads_bwd import PARAM_GRADS_BWD_STAGE, param_grads_bwd_launch
 
-BACKWARD_INPUTS = SSD_INPUTS + ("dout", "dfinal_states")
+BACKWARD_INPUTS = SSD_INPUTS + ("dx_reach", "dout", "dfinal_states")
 BACKWARD_OUTPUTS = ("dx", "ddt", "dA", "dB", "dC", "dD", "ddt_bias", "dinitial_states")
 # Every backward stage by name, in launch order (the first two are the forward stages it recomputes with).
 STAGES = {stage.name: stage for stage in (
@@ -73,14 +73,15 @@ def group_heads_per_block(dims: SSDDims, deterministic: bool, atomic_heads_per_b
 
 
 def backward_inputs(dims: SSDDims, saved_states: bool = False) -> dict[str, Buffer]:
-    """Shape and dtype of each input: the op's as the forward takes them (dummies included; not the forward's
-    `reach`), dout (b, L, H, P) in x's dtype
+    """Shape and dtype of each input: the op's arrays as the forward takes them (dummies included), dx_reach
+    (what the dx pass adds to the rows of dx, shaped as the forward's `reach`), dout (b, L, H, P) in x's dtype
     and dfinal_states (b, H, P, N) f32 (zeros when final_states was not used); with `saved_states`,
     the forward's SAVED_FOR_BACKWARD: chunk-entry states (b, nchunks, H, P, N) in x's dtype, dt_out and
     dA_cumsum (b, H, nchunks, chunk_size) f32."""
     b, L, H, P, N = dims.batch, dims.seqlen, dims.nheads, dims.headdim, dims.dstate
     saved = dict(zip(SAVED_FOR_BACKWARD, (_states(dims), _per_row(dims), _per_row(dims)))) if saved_states else {}
-    return {**{name: buf for name, buf in forward_inputs(dims).items() if name in SSD_INPUTS},
+    forward = forward_inputs(dims)
+    return {**{name: forward[name] for name in SSD_INPUTS}, "dx_reach": forward["reach"],
             "dout": Buffer((b, L, H, P), dims.dtype),
             "dfinal_states": Buffer((b, H, P, N), "float32"),
             **saved}

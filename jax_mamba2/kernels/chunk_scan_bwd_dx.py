@@ -6,7 +6,7 @@ S_c = Σ_s k_s w_s Δ_s x_s ⊗ B_s with w_s = exp(min(dA_last - dA_s, 0)). With
 = ∂L/∂S_c (from chunk_state_bwd) and dy from chunk_scan_bwd_dc:
 
     acc_s      = k_s w_s (G B_s)  +  Σ_l M[l,s] Φ[l,s] (C_l · B_s) dy_l              (headdim)
-    dx_s       = Δ_s acc_s + D ⊙ dy_s
+    dx_s       = (Δ_s + reach_s) acc_s + D ⊙ dy_s     (reach_s = reach[b, h, c, s], 0 or NaN, with HAS_REACH; else 0)
     ddt_out_s  = acc_s · x_s                           (∂L/∂Δ_s through its explicit factors, dA fixed)
     dB_s       = Σ_{h in group} [ k_s w_s Δ_s x_s G  +  Σ_l dCB[l,s] C_l ],  dCB[l,s] = M Φ[l,s] Δ_s (dy_l · x_s)
     ddA_state_s = U_s = k_s w_s Δ_s (x_s · G B_s)
@@ -38,7 +38,8 @@ blocks (chunk start) first. Column blocks wholly past seqlen do nothing.
 Shapes: x, dy, dx (batch, seqlen, nheads, headdim) T (dy is dout without a gate); B, C (batch, seqlen,
 ngroups, dstate) T; D (nheads, headdim) f32; dt_out, dA_cumsum, ddt_out, ddA_state (batch, nheads, nchunks,
 CHUNK) f32; dstates (batch, nchunks, nheads, headdim, dstate) T; seq_idx (batch, seqlen) int32 or a
-dummy; dB (batch, seqlen, ngroups, dstate) f32 if added atomically, else T.
+dummy; dB (batch, seqlen, ngroups, dstate) f32 if added atomically, else T; reach (batch, nheads, nchunks,
+CHUNK) f32 or a dummy.
 """
 import dataclasses
 
@@ -64,6 +65,7 @@ def chunk_scan_bwd_dx_kernel(
     dA_cumsum: Big,       # (batch, nheads, nchunks, CHUNK) f32
     dstates: Big,         # (batch, nchunks, nheads, headdim, dstate) T, ∂L/∂(chunk end states)
     seq_idx: Big,         # (batch, seqlen) int32, or a dummy without HAS_SEQ_IDX
+    reach: Big,           # (batch, nheads, nchunks, CHUNK) f32, added to the rows of dx (HAS_REACH), or a dummy
     dx: Big,              # (batch, seqlen, nheads, headdim) T, written
     dB: Big,              # (batch, seqlen, ngroups, dstate) written, f32 zero-initialised if ATOMIC_ADD, else T
     ddt_out: Big,         # (batch, nheads, nchunks, CHUNK) f32, written
@@ -75,6 +77,7 @@ def chunk_scan_bwd_dx_kernel(
     BLOCK_K: ConstInt,    # output rows l per inner step
     HEADS_PER_BLOCK: ConstInt,
     HAS_SEQ_IDX: ConstBool,
+    HAS_REACH: ConstBool,  # add `reach` to each row's Δ in dx (SSDDims.has_reach)
     ATOMIC_ADD: ConstBool,
     LOAD_LAT: ConstInt,   # latency hint of the row loop's and the head loop's tile loads (1..10)
     SUM_HEADS: ConstBool,  # one whole-chunk row block; B·Cᵀ once, the heads' dCB summed (BlockPassConfig)
@@ -171,7 +174,11 @@ def chunk_scan_bwd_dx_kernel(
             # Reloaded rather than kept live across the row loop (it would spill).
             dy_s = head_rows(dy, b, s_tile, h, BLOCK_M, HEADDIM)
             D_h = ct.load(D, index=(h, 0), shape=(1, HEADDIM)).reshape((HEADDIM,))
-            dx_s = acc * delta_s[:, None] + dy_s * D_h[None, :]
+            row_scale = delta_s
+            if HAS_REACH:
+                # + 0 leaves the row as it is; + NaN makes the whole row of dx NaN (the op's reach term).
+                row_scale = row_scale + load_chunk_vector(reach, b, h, c, m, BLOCK_M)
+            dx_s = acc * row_scale[:, None] + dy_s * D_h[None, :]
             ct.store(dx, index=(b, s_tile, h, 0), tile=dx_s.reshape((1, BLOCK_M, 1, HEADDIM)).astype(dx.dtype))
             store_chunk_vector(ddt_out, b, h, c, m, ddt_s, BLOCK_M)
 
@@ -198,10 +205,13 @@ def chunk_scan_bwd_dx_default_config(dims: SSDDims) -> BlockPassConfig:
 
 def chunk_scan_bwd_dx_launch(dims: SSDDims, cfg: ChunkScanBwdDxConfig | None = None, *,
                              heads_per_block: int = 1) -> Launch:
-    """The launch writing ("dx", "dB", "ddt_out", "ddA_state"), reading the output gradient "dout". dB is
-    added atomically unless one block owns the whole group."""
+    """The launch writing ("dx", "dB", "ddt_out", "ddA_state"), reading the output gradient "dout" (and
+    "dx_reach", added to the rows of dx, where `dims.has_reach`). dB is added atomically unless one block owns
+    the whole group."""
     return block_pass_launch(CHUNK_SCAN_BWD_DX_KERNELS, dims, cfg or chunk_scan_bwd_dx_default_config(dims),
-                             heads_per_block, writes=("dx", "dB", "ddt_out", "ddA_state"), arrays={"dy": "dout"})
+                             heads_per_block, writes=("dx", "dB", "ddt_out", "ddA_state"),
+                             arrays={"dy": "dout", "reach": "dx_reach"},
+                             HAS_REACH=dims.has_reach)
 
 
 CHUNK_SCAN_BWD_DX_STAGE = Stage(

@@ -21,8 +21,8 @@ from jax_mamba2.kernels.fused_scan import (
     FUSED_SCAN_STAGE, SEGMENT_STATES_STAGE, SEGMENTED_SCAN_STAGE, fused_chains, fused_scan_supported,
     fused_segment_chunks, num_pieces, state_piece_chunks)
 
-# The op's arrays as the kernels take them (the backward's inputs too), then the forward's own: `reach`, which
-# the op adds to the output rows where it confines non-finite values (SSDDims.has_reach).
+# The op's arrays as the kernels take them (the backward's too), then the forward's own `reach`: what the op
+# adds to the rows of y where it confines non-finite values (SSDDims.has_reach).
 SSD_INPUTS = ("x", "dt", "A", "dt_bias", "B", "C", "D", "z", "initial_states", "seq_idx")
 FORWARD_INPUTS = SSD_INPUTS + ("reach",)
 FORWARD_OUTPUTS = ("out", "final_states")

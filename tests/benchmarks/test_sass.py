@@ -10,7 +10,8 @@ pytest.importorskip("cuda.tile")
 from benchmarks.ssd import Shape  # noqa: E402
 from benchmarks.tools import sass, stages  # noqa: E402
 from benchmarks.tools.stages import dims_of  # noqa: E402
-from jax_mamba2.kernels import forward, fused_scan  # noqa: E402
+from jax_mamba2.kernels import backward, forward, fused_scan  # noqa: E402
+from jax_mamba2.kernels._common import kernel_name  # noqa: E402
 from jax_mamba2.kernels.export import compile_launch  # noqa: E402
 
 _LISTING = """
@@ -64,6 +65,26 @@ def test_fused_kernel_adds_the_reach_term_without_registers_stack_or_products():
                                     for listing in (plain, reach))
     assert reach_loop.hgmma == plain_loop.hgmma
     assert plain_loop.instructions < reach_loop.instructions < 1.1 * plain_loop.instructions
+
+
+def test_dx_pass_adds_the_reach_term_without_registers_or_products():
+    """The backward's dx pass with the op's reach term (added to each row's Δ) at the LM layer's shape: the
+    registers and wgmma of the pass without it, a few instructions more."""
+    dims = dims_of(Shape(8, 2048, 32, 64, 128, 1), 64)
+    counts = []
+    for d in (dims, dataclasses.replace(dims, has_reach=True)):
+        plan = backward.backward_plan(d, saved_states=True)
+        launch = next(launch for launch in plan.launches if "bwd_dx" in kernel_name(launch.kernel))
+        try:
+            listing, resources = sass.disassemble(compile_launch(launch, backward.backward_arrays(
+                d, saved_states=True))[1])
+        except FileNotFoundError as e:
+            pytest.skip(str(e))
+        counts.append((re.search(r"REG:(\d+)", resources).group(1), len(sass.instructions(listing)),
+                       sum("HGMMA" in op for _, op in sass.instructions(listing))))
+    (plain_regs, plain_ops, plain_hgmma), (reach_regs, reach_ops, reach_hgmma) = counts
+    assert reach_regs == plain_regs and reach_hgmma == plain_hgmma
+    assert plain_ops < reach_ops < 1.05 * plain_ops
 
 
 def test_code_fingerprint_is_the_machine_code_alone():

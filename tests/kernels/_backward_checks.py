@@ -99,6 +99,7 @@ def backward_problem(case: BackwardCase, dtype: str, seed: int = 0):
         initial_states=inputs["initial_states"].astype(np.float32) if case.initial_states
         else np.zeros((1, 1, 1, 1), np.float32),
         seq_idx=np.asarray(seq_idx) if seq_idx is not None else np.zeros((1, 1), np.int32),
+        reach=np.zeros((1, 1, 1, 1), np.float32), dx_reach=np.zeros((1, 1, 1, 1), np.float32),
         dout=np.asarray(dout), dfinal_states=np.asarray(dfinal, np.float32))
     return inputs, want
 
@@ -113,11 +114,33 @@ def run_backward(run, case: BackwardCase, dtype: str, *, seed: int = 0, states_f
     dims = backward_dims(case, dtype)
     if states_from is not None:
         forward = forward_plan(dims, layout=states_from, save_states=True)
-        saved = run(forward, {"reach": np.zeros((1, 1, 1, 1), np.float32),
-                              **{name: inputs[name] for name in forward.inputs if name in inputs}})
+        saved = run(forward, {name: inputs[name] for name in forward.inputs})
         inputs.update({name: saved[name] for name in SAVED_FOR_BACKWARD})
     plan = backward_plan(dims, dict(case.configs), saved_states=states_from is not None, **plan_keywords)
     return run(plan, inputs), want
+
+
+def check_backward_reach(run, case: BackwardCase, dtype: str, seed: int = 0, **plan_keywords):
+    """The plan (backward_plan(..., **plan_keywords): deterministic=True where float atomics would make two runs
+    differ) with `dx_reach` (0 or NaN per (batch, token, head), NaN at about a tenth) makes the rows of dx where it
+    is NaN wholly NaN and leaves every other row of dx, and every other gradient, as the plan without it
+    computes them, bit for bit."""
+    inputs, _ = backward_problem(case, dtype, seed)
+    dims = backward_dims(case, dtype)
+    configs = dict(case.configs)
+    plain = run(backward_plan(dims, configs, **plan_keywords), inputs)
+    nan_rows = np.random.default_rng(seed).random((dims.batch, dims.seqlen, dims.nheads)) < 0.1
+    pad = dims.nchunks * dims.chunk_size - dims.seqlen
+    per_chunk = np.pad(np.where(nan_rows, np.nan, 0.0).astype(np.float32).transpose(0, 2, 1),
+                       ((0, 0), (0, 0), (0, pad))).reshape(dims.batch, dims.nheads, dims.nchunks, dims.chunk_size)
+    got = run(backward_plan(dataclasses.replace(dims, has_reach=True), configs, **plan_keywords),
+              {**inputs, "dx_reach": per_chunk})
+    dx, want = np.asarray(got["dx"], np.float64), np.asarray(plain["dx"], np.float64)
+    assert np.isnan(dx[nan_rows]).all(), f"{case}: a row whose reach is NaN has a non-NaN dx"
+    np.testing.assert_array_equal(dx[~nan_rows], want[~nan_rows])
+    for name in _GRAD_OF:
+        if name != "dx":
+            np.testing.assert_array_equal(got[name], plain[name], err_msg=name)
 
 
 def check_backward(run, case: BackwardCase, dtype: str, tolerance: float, **keywords):

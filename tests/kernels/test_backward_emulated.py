@@ -18,7 +18,7 @@ from jax_mamba2.kernels.chunk_state_bwd import ChunkStateBwdConfig
 from jax_mamba2.kernels.param_grads_bwd import ParamGradsBwdConfig
 from tests._helpers import TOLERANCE
 from tests.kernels import _cutile_emulator as emulator
-from tests.kernels._backward_checks import BackwardCase, check_backward
+from tests.kernels._backward_checks import BackwardCase, check_backward, check_backward_reach
 
 # Tiny heads, chunks of 16 and small blocks, so that chunks hold several row/key blocks, key steps both
 # shorter and longer than row blocks, several state tiles, and head blocks that do not divide nheads.
@@ -56,6 +56,11 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_backward_plan_emulated_float64_matches_scan_vjp(case):
     check_backward(_run_plan_float64, CASES[case], "float32", 1e-10)
+
+
+@pytest.mark.parametrize("case", ["partial_chunk_init_groups", "seq_idx_dt_limit_odd_heads"])
+def test_backward_plan_emulated_adds_the_reach_to_the_rows_of_dx(case):
+    check_backward_reach(_run_plan_native, CASES[case], "float32")
 
 
 def test_backward_plan_emulated_deterministic_mode_matches_scan_vjp():

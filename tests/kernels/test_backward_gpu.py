@@ -13,7 +13,8 @@ from jax_mamba2.kernels import backward, chunk_scan_bwd_dc
 from jax_mamba2.kernels._block_pass_config import BlockPassConfig
 from jax_mamba2.kernels.backward import BACKWARD_OUTPUTS
 from tests._helpers import TOLERANCE, rel_l2
-from tests.kernels._backward_checks import BackwardCase, backward_dims, check_backward, run_backward
+from tests.kernels._backward_checks import (
+    BackwardCase, backward_dims, check_backward, check_backward_reach, run_backward)
 from tests.kernels.test_stages_gpu import run_plan_gpu
 
 pytestmark = pytest.mark.gpu
@@ -49,6 +50,12 @@ SAVED_STATES_CASES = {
     "fused": BackwardCase(seqlen=300, headdim=64, dstate=64, seq_lens=(100, 150, 50)),
     "segmented": BackwardCase(seqlen=2100, nheads=4, ngroups=1, headdim=64, dstate=128, seq_lens=(1000, 1100)),
 }
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_backward_plan_gpu_adds_the_reach_to_the_rows_of_dx(case, dtype):
+    check_backward_reach(run_plan_gpu, CASES[case], dtype, deterministic=True)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
