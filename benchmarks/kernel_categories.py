@@ -1,11 +1,12 @@
-"""Folds a profiled program's GPU kernels into what they compute: matrix products, SSD, conv, norms, loss,
-optimizer, copies, elementwise.
+"""Folds a profiled program's GPU kernels into what they compute: matrix products, SSD, the SSD's non-finite
+confinement, conv, norms, loss, optimizer, copies, elementwise.
 
 A kernel's name says what library ran it (cuBLAS, a cuTile SSD kernel, a memcpy); for XLA's own fusions the
 name is the fusion's HLO instruction, whose metadata in the compiled module's text names the JAX op and,
 through the module's stack-frame tables, the Python file that created it (the conv's and the norms' op and
 reference modules, the SSD's op.py / reference.py, optax). `jax.named_scope("loss")` and
-`jax.named_scope("optimizer")` in the profiled program mark the rest.
+`jax.named_scope("optimizer")` in the profiled program mark the rest; the SSD op's own scope
+(`op.CONFINEMENT_SCOPE`) marks the XLA ops of its confinement of non-finite values.
 """
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ import re
 from collections import defaultdict
 from typing import NamedTuple, Optional
 
-CATEGORIES = ("matrix products", "SSD", "conv", "norms", "loss", "optimizer", "copies", "elementwise")
+CATEGORIES = ("matrix products", "SSD", "confinement", "conv", "norms", "loss", "optimizer", "copies",
+              "elementwise")
+# The name scope of the SSD op's confinement (jax_mamba2.op.CONFINEMENT_SCOPE; spelled out: this module imports
+# no JAX).
+_CONFINEMENT_SCOPE = "nonfinite_confinement"
 # cuTile SSD kernels (jax_mamba2.kernels) and the libraries' matrix-product kernels, by kernel name.
 # The decode step's mixer kernel (conv step + state update) counts as SSD, its projection's product kernels
 # (with a split K, the sum of the splits too) as matrix products (its norm kernel is a norm by name).
@@ -97,6 +102,8 @@ def category(kernel: str, source: Optional[Source]) -> str:
         return "loss"
     if _in_scope(source.op_name, "optimizer") or "/optax/" in file:
         return "optimizer"
+    if _in_scope(source.op_name, _CONFINEMENT_SCOPE):
+        return "confinement"
     if file.endswith(_CONV_SOURCES):
         return "conv"
     if file.endswith(_NORM_SOURCES):

@@ -30,8 +30,8 @@ started, and XLA's memory_analysis of the step; torch: max_memory_allocated over
 rate of a large matrix product measured in the same process, and MFU = (6 x parameters x tokens + the SSD's forward
 and backward FLOPs (benchmarks/ssd.py's roofline at chunk 256) x n_layer) / step time, against that measured rate
 and against 790 TFLOP/s. For ours, unless --no-profile, a jax.profiler trace of --profile-steps steps folded into
-categories (benchmarks/kernel_categories.py): matrix products, SSD, conv, norms, loss, optimizer, copies,
-elementwise.
+categories (benchmarks/kernel_categories.py): matrix products, SSD, the SSD's non-finite confinement, conv, norms,
+loss, optimizer, copies, elementwise.
 
 --loss (ours): "plain" takes the logits and optax's softmax cross-entropy in float32; "model" calls
 `Mamba2LMHeadModel.loss(input_ids, targets)` (the LM's own chunked loss, where the package has it); "auto"

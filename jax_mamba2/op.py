@@ -233,6 +233,9 @@ def _finite_inputs(inputs: SSDInputs, static: SSDStatic) -> SSDInputs:
 
 # The inputs of `_reach_terms` besides x's marks: the ones whose non-finite entries the term marks.
 _MARKED = ("dt", "A", "B", "C", "initial_states", "dt_bias")
+# The name scope of the confinement's XLA ops (the finite parts, the term and its VJP), so that a profile tells
+# them from the kernels (benchmarks/kernel_categories.py).
+CONFINEMENT_SCOPE = "nonfinite_confinement"
 
 
 def _reach_terms(static: SSDStatic, seq_idx, x_marks, dt, A, B, C, initial_states, dt_bias):
@@ -250,16 +253,18 @@ def _confined_forward(backend, static, inputs, saving: bool):
     check_finite the kernels run on `inputs` as they are, and the marks are None."""
     x_marks = None
     if static.check_finite:
-        x_marks = reference.head_marks(inputs.x)
-        reach_y, reach_final = _reach_terms(static, inputs.seq_idx, x_marks,
-                                            *(getattr(inputs, name) for name in _MARKED))
-        inputs = _finite_inputs(inputs, static)._replace(reach=reach_y)
+        with jax.named_scope(CONFINEMENT_SCOPE):
+            x_marks = reference.head_marks(inputs.x)
+            reach_y, reach_final = _reach_terms(static, inputs.seq_idx, x_marks,
+                                                *(getattr(inputs, name) for name in _MARKED))
+            inputs = _finite_inputs(inputs, static)._replace(reach=reach_y)
     if not saving or backend.forward_saving is None or not static.save_chunk_states:
         (y, final), saved = backend.forward(inputs, static), None
     else:
         (y, final), saved = backend.forward_saving(inputs, static)
     if static.check_finite:
-        final = final + reach_final[..., None, None]
+        with jax.named_scope(CONFINEMENT_SCOPE):
+            final = final + reach_final[..., None, None]
     return (y, final), saved, (inputs, x_marks)
 
 
@@ -285,12 +290,13 @@ def _opaque_ssd_bwd(backend, static, residuals, cotangents):
     inputs, saved, x_marks = residuals
     dy, dfinal = cotangents
     if static.check_finite:
-        _, reach_vjp = jax.vjp(functools.partial(_reach_terms, static, inputs.seq_idx), x_marks,
-                               *(getattr(inputs, name) for name in _MARKED))
-        marks_grad, *marked_grads = reach_vjp((jnp.sum(dy, axis=3).astype(jnp.float32),
-                                              jnp.sum(dfinal, axis=(2, 3), dtype=jnp.float32)))
-        dy, dfinal = reference.finite_part(dy), reference.finite_part(dfinal)
-        inputs = inputs._replace(z=reference.finite_part(inputs.z), dx_reach=0 * marks_grad)
+        with jax.named_scope(CONFINEMENT_SCOPE):
+            _, reach_vjp = jax.vjp(functools.partial(_reach_terms, static, inputs.seq_idx), x_marks,
+                                   *(getattr(inputs, name) for name in _MARKED))
+            marks_grad, *marked_grads = reach_vjp((jnp.sum(dy, axis=3).astype(jnp.float32),
+                                                  jnp.sum(dfinal, axis=(2, 3), dtype=jnp.float32)))
+            dy, dfinal = reference.finite_part(dy), reference.finite_part(dfinal)
+            inputs = inputs._replace(z=reference.finite_part(inputs.z), dx_reach=0 * marks_grad)
     if backend.backward is None:
         grads = _xla_vjp(inputs._replace(reach=None, dx_reach=None), static, dy, dfinal)
         if inputs.dx_reach is not None:
@@ -298,8 +304,9 @@ def _opaque_ssd_bwd(backend, static, residuals, cotangents):
     else:
         grads = backend.backward(inputs, static, dy, dfinal, saved)
     if static.check_finite:
-        grads = grads._replace(**{name: _add(getattr(grads, name), grad)
-                                  for name, grad in zip(_MARKED, marked_grads) if getattr(grads, name) is not None})
+        with jax.named_scope(CONFINEMENT_SCOPE):
+            grads = grads._replace(**{name: _add(getattr(grads, name), grad) for name, grad in
+                                      zip(_MARKED, marked_grads) if getattr(grads, name) is not None})
     return (grads._replace(seq_idx=None, reach=None, dx_reach=None),)
 
 

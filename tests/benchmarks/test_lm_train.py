@@ -4,8 +4,11 @@ import gzip
 import json
 
 import jax
+import jax.numpy as jnp
 import pytest
 from flax import nnx
+
+import jax_mamba2
 
 from benchmarks import kernel_categories, lm_bench, lm_train
 
@@ -74,6 +77,27 @@ def test_kernels_fold_into_categories_through_the_compiled_module():
     assert folded["top_kernels"][0]["category"] == "SSD" and folded["top_kernels"][0]["launches"] == 1.0
     by_category = folded["top_kernels_by_category"]
     assert set(by_category) == set(us) and [k["us"] for k in by_category["SSD"]] == [50.0, 30.0]
+
+
+def test_the_ssd_confinement_ops_fold_into_their_own_category(monkeypatch):
+    """The XLA ops of the kernel SSD's non-finite confinement (the op's name scope, through jvp and transpose)
+    count as "confinement", not as the SSD's file would have them; the rest of the op's XLA ops stay SSD."""
+    pytest.importorskip("cuda.tile")
+    from jax_mamba2 import backends, op
+    from tests.bridge._emulated_backend import EMULATED
+    monkeypatch.setitem(backends._REGISTRY["ssd"], EMULATED.name, EMULATED)
+    x = jnp.ones((2, 64, 4, 16), jnp.bfloat16)
+    dt, A, B = jnp.ones((2, 64, 4)), -jnp.ones((4,)), jnp.ones((2, 64, 1, 16), jnp.bfloat16)
+
+    def objective(x):  # not "loss": the fold counts every op under a function of that name as the loss's
+        y = jax_mamba2.ssd(x, dt, A, B, B, 64, dt_softplus=True, backend=EMULATED.name)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+    sources = kernel_categories.hlo_sources(jax.jit(jax.grad(objective)).lower(x).compile().as_text())
+    scoped = {name: source for name, source in sources.items() if op.CONFINEMENT_SCOPE in source.op_name}
+    assert {"jvp", "transpose"} <= {part.split("(")[0] for s in scoped.values() for part in s.op_name.split("/")}
+    assert {kernel_categories.category(name, source) for name, source in scoped.items()} == {"confinement"}
+    assert kernel_categories.category("fusion_1", kernel_categories.Source(
+        "jit(objective)/jvp(ssd)/add", "/site/jax_mamba2/op.py")) == "SSD"
 
 
 def test_idle_gaps_are_the_waits_inside_a_call_named_by_their_neighbours():
