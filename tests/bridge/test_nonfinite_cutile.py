@@ -174,6 +174,35 @@ def test_emulated_cutile_vmap_confines_per_item():
     assert np.isfinite(np.asarray(y[0])).all() and not np.isfinite(np.asarray(y[1])).all()
 
 
+def test_emulated_cutile_vmap_of_the_gradient_confines_per_item():
+    """Under vmap of the gradient (the reach term and its share of dx mapped with the items) each item's
+    gradients are those of its own call: the clean item's bit for bit, the spoiled one's non-finite where its
+    own are."""
+    clean, weights = make_problem(5)
+    spoiled, _ = make_problem(5, spoil=SPOILS["cotangent_nan"])
+    spoiled = dict(spoiled, x=spoiled["x"].at[0, 27, 1, 3].set(jnp.nan))
+    stacked = {name: None if clean[name] is None else jnp.stack([clean[name], spoiled[name]]) for name in clean}
+
+    def grads(inputs):
+        def objective(x, dt, B, C):
+            y, final = EMULATED_SSD(x, dt, inputs["A"], B, C, D=inputs["D"], z=inputs["z"],
+                                    dt_bias=inputs["dt_bias"], dt_softplus=True,
+                                    initial_states=inputs["initial_states"], seq_idx=inputs["seq_idx"])
+            return jnp.sum(jnp.sin(y) * weights["y"]) + jnp.sum(final * weights["final"])
+        return jax.grad(objective, argnums=(0, 1, 2, 3))(inputs["x"], inputs["dt"], inputs["B"], inputs["C"])
+
+    mapped = jax.jit(jax.vmap(grads))(stacked)
+    for i, item in enumerate((clean, spoiled)):
+        for got, want in zip(mapped, jax.jit(grads)(item)):
+            got, want = np.asarray(got[i]), np.asarray(want)
+            np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+            if i == 0:
+                np.testing.assert_array_equal(got, want)
+            np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-5, atol=1e-5)
+    assert all(np.isfinite(np.asarray(g[0])).all() for g in mapped)
+    assert not np.isfinite(np.asarray(mapped[0][1])).all()
+
+
 def test_emulated_cutile_step_keeps_a_nonfinite_value_in_its_batch_row_and_head():
     """The decode kernel computes each (batch row, head) on its own: a NaN time step of one head of row 0
     stays in that head's y and state, exactly where the reference step puts it."""
