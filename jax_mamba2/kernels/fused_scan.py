@@ -63,7 +63,7 @@ from jax_mamba2.kernels._common import (
     LOG2E, Big, ConstBool, ConstInt, Launch, SSDDims, Stage, check_arch, exp2_ftz, int64_index_kernels,
     kernel_launch, mma_dtype, select_kernel, silu_gate)
 from jax_mamba2.kernels._tiles import (
-    batch_head_group, load_chunk_vector, previous_chunk_end_id, state_seq_rules)
+    batch_head_group, previous_chunk_end_id, state_seq_rules)
 
 
 def _load_rows(array, b, c, col_block, index, CHUNK, WIDTH, LOAD_LAT):
@@ -175,7 +175,8 @@ def _fused_chunk(c, state, prev_end_id, arrays, chain, spec):
         prev_end_id = end_id
     if spec.HAS_REACH:
         # + 0 leaves a row as it is; + NaN makes the whole row NaN (C·H_c^T times NaN, whatever its value).
-        inter_scale = inter_scale + load_chunk_vector(arrays.reach, b, h, c, 0, CHUNK)
+        inter_scale = inter_scale + ct.load(arrays.reach, index=(b, h, c, 0), shape=(1, 1, 1, CHUNK),
+                                            latency=LOAD_LAT).reshape((CHUNK,))
 
     x_op = x_c.astype(operand_dtype)
     cb = ct.mma(C_c, B_c.astype(operand_dtype).transpose(), ct.zeros((CHUNK, CHUNK), dtype=ct.float32))
