@@ -7,6 +7,7 @@ part of their inputs (and in the backward of their cotangents) and adds a per-(t
 where the recurrence carries a non-finite input (jax_mamba2/op.py), so through `ssd` a NaN stays where the
 recurrence puts it, and an all-finite call returns the kernels' outputs themselves.
 """
+import collections
 import functools
 
 import jax
@@ -149,6 +150,26 @@ def test_emulated_cutile_backward_checks_its_cotangents_and_not_the_inputs_again
     checked = [eqn.invars[0].aval.shape for eqn in _equations(program.jaxpr) if eqn.primitive.name == "is_finite"]
     assert checked.count(inputs["x"].shape) == 2, checked  # x, then dy
     assert checked.count(inputs["B"].shape) == 2, checked  # B and C
+
+
+def test_emulated_cutile_confinement_leaves_y_and_dx_to_the_kernels():
+    """Against the unconfined program, the confinement's gradient program adds x-sized XLA ops only for the finite
+    parts of x and of dy (a select each) and x's marks: no x-sized addition, so the reach term reaches y and its
+    VJP dx inside the kernels that write them, not in passes over y and dx."""
+    x = jnp.ones((2, 64, 4, 16), jnp.bfloat16)
+    dt, A, B = jnp.ones((2, 64, 4)), -jnp.ones((4,)), jnp.ones((2, 64, 1, 16), jnp.bfloat16)
+
+    def x_sized_ops(check_finite):
+        def objective(x):
+            y = EMULATED_SSD(x, dt, A, B, B, dt_softplus=True, check_finite=check_finite)[0]
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+        program = jax.make_jaxpr(jax.grad(objective))(x)
+        return collections.Counter(eqn.primitive.name for eqn in _equations(program.jaxpr)
+                                   if any(getattr(v.aval, "shape", None) == x.shape for v in eqn.outvars))
+
+    added = x_sized_ops(True) - x_sized_ops(False)
+    assert added["select_n"] == 2 and added["is_finite"] == 2, added
+    assert not {"add", "add_any", "sub"} & set(added), added
 
 
 def test_emulated_cutile_vmap_confines_per_item():
