@@ -11,7 +11,6 @@ recomputed y and compiled to twice the registers, and the forward + backward ran
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Callable
 
@@ -45,9 +44,7 @@ def _gate_vjp(y, z, dout):
 
 def _forward_once(run_plan: RunPlan, inputs, static, save_states: bool):
     dims = problem.kernel_dims(inputs, static)
-    # The reach term is one vector add per chunk (or row block of dx in the backward): the configs tuned
-    # without it serve (one tuning entry).
-    layout, configs = tuning.forward_configs(dataclasses.replace(dims, has_reach=False))
+    layout, configs = tuning.forward_configs(dims)
     plan = forward_kernels.forward_plan(dims, configs, layout, save_states=save_states)
     out = run_plan(plan, problem.kernel_inputs(inputs, dims))
     return _compat.match_varying_axes(tuple(out[name] for name in plan.outputs), inputs)
@@ -105,8 +102,7 @@ def _backward_once(run_plan: RunPlan, inputs, static, dy, dfinal, saved):
     if saved is not None:
         arrays.update(zip(forward_kernels.SAVED_FOR_BACKWARD, saved))
     deterministic = static.deterministic_backward  # no float atomics: bitwise reproducible
-    plan = backward_kernels.backward_plan(dims, tuning.backward_configs(dataclasses.replace(dims, has_reach=False),
-                                                                        deterministic),
+    plan = backward_kernels.backward_plan(dims, tuning.backward_configs(dims, deterministic),
                                           deterministic=deterministic, saved_states=saved is not None)
     out = _compat.match_varying_axes(run_plan(plan, arrays), (inputs, dy, dfinal))
 

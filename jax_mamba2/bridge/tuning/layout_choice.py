@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 from typing import Any, Iterator, Mapping, NamedTuple, Optional
 
@@ -30,6 +31,12 @@ BACKWARD = {
     for det in (False, True)}
 # The backward stages that recompute forward quantities: they take the forward's configs.
 _RECOMPUTED = tuple(s for s in backward_kernels.STAGES if s in forward_kernels.STAGES)
+
+
+def _tuned_problem(dims: SSDDims) -> SSDDims:
+    """The problem whose configs serve `dims`: the same without the op's reach term (one vector added per chunk
+    or row block, which changes no tile's choice), so both share one tuning entry."""
+    return dataclasses.replace(dims, has_reach=False)
 
 
 class PlanRequest(NamedTuple):
@@ -103,6 +110,7 @@ def forward_configs(dims: SSDDims) -> forward_kernels.ForwardConfigs:
     Raises:
       ValueError: when $JAX_MAMBA2_AUTOTUNE is set to neither "0" nor "1".
     """
+    dims = _tuned_problem(dims)
     _record(PlanRequest(dims))
     layout, choices = forward_choices(dims)
     return forward_kernels.ForwardConfigs(layout, {stage: choice.config for stage, choice in choices.items()})
@@ -126,5 +134,6 @@ def backward_configs(dims: SSDDims, deterministic: bool = False) -> dict[str, An
     Raises:
       ValueError: when $JAX_MAMBA2_AUTOTUNE is set to neither "0" nor "1".
     """
+    dims = _tuned_problem(dims)
     _record(PlanRequest(dims, backward=True, deterministic=deterministic))
     return {stage: choice.config for stage, choice in backward_choices(dims, deterministic).items()}
