@@ -216,9 +216,9 @@ def _xla_vjp(inputs: SSDInputs, static: SSDStatic, dy, dfinal, saved=None):
 _SANITIZED = ("x", "A", "B", "C", "initial_states")
 
 
-def _transformed_dt(inputs: SSDInputs, static: SSDStatic) -> jax.Array:
-    """Δ (batch, seqlen, nheads) float32, as the kernels compute it from dt."""
-    return reference.dt_transform(inputs.dt.astype(jnp.float32), inputs.dt_bias, dt_softplus=static.dt_softplus,
+def _transformed_dt(static: SSDStatic, dt, dt_bias) -> jax.Array:
+    """Δ (batch, seqlen, nheads) float32, as the kernels compute it from dt (and dt_bias)."""
+    return reference.dt_transform(dt.astype(jnp.float32), dt_bias, dt_softplus=static.dt_softplus,
                                   dt_limit=static.dt_limit)
 
 
@@ -226,7 +226,7 @@ def _finite_inputs(inputs: SSDInputs, static: SSDStatic) -> SSDInputs:
     """The kernels' inputs with their non-finite entries replaced by 0 (z excepted); dt where its Δ is not
     finite by 0, and elsewhere clipped to the finite range (an infinite dt whose Δ the limit or the softplus
     makes finite keeps that Δ)."""
-    dt = jnp.where(jnp.isfinite(_transformed_dt(inputs, static)), jnp.nan_to_num(inputs.dt),
+    dt = jnp.where(jnp.isfinite(_transformed_dt(static, inputs.dt, inputs.dt_bias)), jnp.nan_to_num(inputs.dt),
                    jnp.zeros((), inputs.dt.dtype))
     return inputs._replace(dt=dt, **{name: reference.finite_part(getattr(inputs, name)) for name in _SANITIZED})
 
@@ -241,16 +241,17 @@ CONFINEMENT_SCOPE = "nonfinite_confinement"
 def _reach_terms(static: SSDStatic, seq_idx, x_marks, dt, A, B, C, initial_states, dt_bias):
     """(reach_y (b, L, h), reach_final (b, h)) float32: 0 where the recurrence carries no non-finite input,
     NaN where it does (`reference.nonfinite_reach`); x enters as its per-(token, head) marks."""
-    delta = reference.dt_transform(dt.astype(jnp.float32), dt_bias, dt_softplus=static.dt_softplus,
-                                   dt_limit=static.dt_limit)
-    reach_y, reach_final = reference.nonfinite_reach(x_marks, delta, A, B, C, initial_states, seq_idx)
+    reach_y, reach_final = reference.nonfinite_reach(x_marks, _transformed_dt(static, dt, dt_bias), A, B, C,
+                                                     initial_states, seq_idx)
     return reach_y.astype(jnp.float32), reach_final.astype(jnp.float32)
 
 
 def _confined_forward(backend, static, inputs, saving: bool):
     """((y, final_states), saved, (kernel inputs, x's marks)) of the kernels run on the finite part of `inputs`
     (the kernel inputs, with the reach term that the kernels add to y); saved is None unless `saving`; without
-    check_finite the kernels run on `inputs` as they are, and the marks are None."""
+    check_finite the kernels run on `inputs` as they are, and the marks are None. (The backward recomputes the
+    term from the marks for its VJP: per-(token, head) elementwise work, where keeping the VJP's residuals
+    would hold four more f32 (batch, seqlen, nheads) arrays per call.)"""
     x_marks = None
     if static.check_finite:
         with jax.named_scope(CONFINEMENT_SCOPE):
