@@ -16,6 +16,7 @@ from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.backward import backward_plan
 from jax_mamba2.kernels.forward import SAVED_FOR_BACKWARD, forward_plan
 from tests._helpers import make_ssd_args, rel_l2, to_float64
+from tests.kernels._stage_checks import random_reach
 
 # Plan output -> the reference argument it is the gradient of.
 _GRAD_OF = {"dx": "x", "ddt": "dt", "dA": "A", "dB": "B", "dC": "C", "dD": "D", "ddt_bias": "dt_bias",
@@ -129,10 +130,7 @@ def check_backward_reach(run, case: BackwardCase, dtype: str, seed: int = 0, **p
     dims = backward_dims(case, dtype)
     configs = dict(case.configs)
     plain = run(backward_plan(dims, configs, **plan_keywords), inputs)
-    nan_rows = np.random.default_rng(seed).random((dims.batch, dims.seqlen, dims.nheads)) < 0.1
-    pad = dims.nchunks * dims.chunk_size - dims.seqlen
-    per_chunk = np.pad(np.where(nan_rows, np.nan, 0.0).astype(np.float32).transpose(0, 2, 1),
-                       ((0, 0), (0, 0), (0, pad))).reshape(dims.batch, dims.nheads, dims.nchunks, dims.chunk_size)
+    nan_rows, per_chunk = random_reach(dims, seed)
     got = run(backward_plan(dataclasses.replace(dims, has_reach=True), configs, **plan_keywords),
               {**inputs, "dx_reach": per_chunk})
     dx, want = np.asarray(got["dx"], np.float64), np.asarray(plain["dx"], np.float64)

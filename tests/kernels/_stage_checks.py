@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mamba2 import reference
+from jax_mamba2.bridge import problem
 from jax_mamba2.kernels._common import SSDDims
 from jax_mamba2.kernels.chunk_scan import ChunkScanConfig
 from jax_mamba2.kernels.chunk_state import ChunkStateConfig
@@ -249,6 +250,14 @@ REACH_CASES = ("partial_last_chunk_groups_z_init", "seq_idx_across_chunks_4_head
                "segmented_seq_idx_resets_init_groups_z")
 
 
+def random_reach(dims: SSDDims, seed: int):
+    """(rows, per_chunk): a reach term that is NaN at about a tenth of the (batch, token, head) rows (`rows`, bool)
+    and 0 elsewhere, in the kernels' per-chunk layout as the bridge lays it out (`problem.per_chunk_rows`)."""
+    rows = np.random.default_rng(seed).random((dims.batch, dims.seqlen, dims.nheads)) < 0.1
+    reach = jnp.where(jnp.asarray(rows), jnp.nan, 0.0).astype(jnp.float32)
+    return rows, np.asarray(problem.per_chunk_rows(reach, dims))
+
+
 def check_forward_reach(run, case: Case, dtype: str, seed: int = 0):
     """The plan with `reach` (0 or NaN per (batch, token, head), NaN at about a tenth) makes the output rows
     where it is NaN wholly NaN and leaves every other output, and its states, as the plan without it computes
@@ -257,11 +266,7 @@ def check_forward_reach(run, case: Case, dtype: str, seed: int = 0):
     dims = case_dims(case, dtype)
     inputs = forward_inputs_np(args, kwargs)
     plain = run(forward_plan(dims, dict(case.configs), case.layout, save_states=case.save_states), inputs)
-    nan_rows = np.random.default_rng(seed).random((dims.batch, dims.seqlen, dims.nheads)) < 0.1
-    reach = np.where(nan_rows, np.nan, 0.0).astype(np.float32)
-    pad = dims.nchunks * dims.chunk_size - dims.seqlen
-    per_chunk = np.pad(reach.transpose(0, 2, 1), ((0, 0), (0, 0), (0, pad))).reshape(
-        dims.batch, dims.nheads, dims.nchunks, dims.chunk_size)
+    nan_rows, per_chunk = random_reach(dims, seed)
     reach_dims = dataclasses.replace(dims, has_reach=True)
     got = run(forward_plan(reach_dims, dict(case.configs), case.layout, save_states=case.save_states),
               {**inputs, "reach": per_chunk})
