@@ -69,7 +69,7 @@ def adamw_update(param, grad, mu, nu, hyper: AdamWHyper, *, decay: bool = True, 
     Args:
       param, grad, mu, nu: arrays of one shape (bfloat16, float16 or float32 for the kernel; any float for xla):
         the parameter, its gradient and the first and second moments.
-      hyper: the step's scalars (`AdamWHyper`: learning rate, b1, 1 - b1, b2, 1 - b2, eps, eps_root, weight decay,
+      hyper: the step's scalars (`jax_mamba2.adamw.AdamWHyper`: learning rate, b1, 1 - b1, b2, 1 - b2, eps, eps_root, weight decay,
         the bias corrections 1 - b1^t and 1 - b2^t of the step t taken, and the gradient's scale).
       decay: whether weight decay applies to this array.
       backend: "auto", "xla", "cutile" or "cutile_callback".
