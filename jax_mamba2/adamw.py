@@ -42,6 +42,11 @@ def _bridge():
     return adamw_ops
 
 
+def _reference_packed(param, grad, mu, nu, hyper, *, decay: bool):
+    """The reference on the kernel's operands: `hyper` the packed (HYPER_SIZE,) float32 scalars."""
+    return reference.adamw_update(param, grad, mu, nu, AdamWHyper(*hyper), decay=decay)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _kernel_update(kernels, dims, param, grad, mu, nu, hyper):
     return kernels.update(dims, param, grad, mu, nu, hyper)
@@ -53,8 +58,7 @@ def _kernel_update_fwd(kernels, dims, *arrays):
 
 def _kernel_update_bwd(kernels, dims, arrays, cotangents):
     # Differentiating an optimizer step (meta-gradients) is rare: the reference's VJP, recomputed.
-    _, vjp = jax.vjp(lambda p, g, m, v, h: reference.adamw_update(p, g, m, v, AdamWHyper(*h), decay=dims.decay),
-                     *arrays)
+    _, vjp = jax.vjp(functools.partial(_reference_packed, decay=dims.decay), *arrays)
     return vjp(cotangents)
 
 
@@ -93,7 +97,7 @@ def adamw_update(param, grad, mu, nu, hyper: AdamWHyper, *, decay: bool = True, 
 
     def run(b, p, g, m, v, h):
         if b.kernels is None:
-            return reference.adamw_update(p, g, m, v, AdamWHyper(*h), decay=decay)
+            return _reference_packed(p, g, m, v, h, decay=decay)
         return _kernel_update(b.kernels, kernel_dims(), p, g, m, v, h)
 
     packed = jnp.stack([jnp.asarray(value, jnp.float32) for value in hyper])
@@ -132,7 +136,7 @@ class FusedAdamW:
     mu_dtype: Any = None
     backend: str = "auto"
 
-    @property
+    @functools.cached_property
     def transformation(self) -> optax.GradientTransformation:
         adamw = optax.adamw(self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps, eps_root=self.eps_root,
                             mu_dtype=self.mu_dtype, weight_decay=self.weight_decay, mask=self.mask)

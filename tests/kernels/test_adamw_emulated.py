@@ -9,19 +9,14 @@ pytest.importorskip("cuda.tile")
 
 from jax_mamba2.kernels.adamw import (  # noqa: E402
     ADAMW_INPUTS, ADAMW_OUTPUTS, AdamWConfig, AdamWDims, adamw_plan, needs_int64_index)
+from jax_mamba2.bridge.adamw_ops import adamw_dims  # noqa: E402
 from tests.kernels import _cutile_emulator as emulator  # noqa: E402
 from tests.kernels._adamw_checks import make_inputs, oracle, output_error, step_error  # noqa: E402
 from tests.kernels._plan_checks import assert_plan_well_formed  # noqa: E402
 
 
-def _dims(arrays, decay):
-    return AdamWDims(size=arrays["param"].size, param_dtype=str(arrays["param"].dtype),
-                     grad_dtype=str(arrays["grad"].dtype), mu_dtype=str(arrays["mu"].dtype),
-                     nu_dtype=str(arrays["nu"].dtype), decay=decay)
-
-
 def _run(arrays, decay, cfg=None, *, float64):
-    plan = adamw_plan(_dims(arrays, decay), cfg)
+    plan = adamw_plan(adamw_dims(*(arrays[n] for n in ("param", "grad", "mu", "nu")), decay=decay), cfg)
     # Copies: the plan writes its inputs in place, and the emulator runs in the arrays' own memory.
     out = emulator.run_plan(plan, {n: arrays[n].copy() for n in ADAMW_INPUTS}, float64=float64)
     return {n: out[n] for n in ADAMW_OUTPUTS}
