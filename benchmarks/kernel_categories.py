@@ -4,7 +4,7 @@ confinement, conv, norms, loss, optimizer, copies, elementwise.
 A kernel's name says what library ran it (cuBLAS, a cuTile SSD kernel, a memcpy); for XLA's own fusions the
 name is the fusion's HLO instruction, whose metadata in the compiled module's text names the JAX op and,
 through the module's stack-frame tables, the Python file that created it (the conv's and the norms' op and
-reference modules, the SSD's op.py / reference.py, optax and the fused AdamW's modules). `jax.named_scope("loss")` and
+reference modules, the SSD's op.py / reference.py, optax). `jax.named_scope("loss")` and
 `jax.named_scope("optimizer")` in the profiled program mark the rest; the SSD op's own scope
 (`op.CONFINEMENT_SCOPE`) marks the XLA ops of its confinement of non-finite values.
 """
@@ -28,14 +28,12 @@ _MATMUL_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|wgmma|matmul|^dot|_
 _COPY_KERNEL = re.compile(r"memcpy|memset|^copy|^transpose|^wrapped_transpose", re.IGNORECASE)
 # Kernels of other ops by their own names (cuTile or library kernels carry no HLO instruction name).
 _NAMED_KERNELS = (("conv", re.compile(r"conv", re.IGNORECASE)), ("norms", re.compile(r"norm", re.IGNORECASE)),
-                  ("loss", re.compile(r"cross_entropy|softmax_xent|_loss", re.IGNORECASE)),
-                  ("optimizer", re.compile(r"adamw", re.IGNORECASE)))
+                  ("loss", re.compile(r"cross_entropy|softmax_xent|_loss", re.IGNORECASE)))
 _SSD_SOURCES = ("jax_mamba2/op.py", "jax_mamba2/reference.py", "jax_mamba2/bridge/ops.py")
 _CONV_SOURCES = ("jax_mamba2/flax_layers/conv.py", "jax_mamba2/conv1d.py", "jax_mamba2/conv1d_reference.py",
                  "jax_mamba2/bridge/conv_ops.py")
 _NORM_SOURCES = ("jax_mamba2/flax_layers/norm.py", "jax_mamba2/norm.py", "jax_mamba2/norm_reference.py",
                  "jax_mamba2/bridge/norm_ops.py")
-_OPTIMIZER_SOURCES = ("jax_mamba2/adamw.py", "jax_mamba2/adamw_reference.py", "jax_mamba2/bridge/adamw_ops.py")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*metadata=\{([^}]*)\}")
 
 
@@ -102,7 +100,7 @@ def category(kernel: str, source: Optional[Source]) -> str:
     file = source.file.replace("\\", "/")
     if _in_scope(source.op_name, "loss") or "loss" in file.rsplit("/", 1)[-1]:
         return "loss"
-    if _in_scope(source.op_name, "optimizer") or "/optax/" in file or file.endswith(_OPTIMIZER_SOURCES):
+    if _in_scope(source.op_name, "optimizer") or "/optax/" in file:
         return "optimizer"
     if _in_scope(source.op_name, _CONFINEMENT_SCOPE):
         return "confinement"

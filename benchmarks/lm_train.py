@@ -3,8 +3,7 @@
 The step: a Mamba-2 LM (embedding, n_layer blocks of fused add + RMSNorm -> Mamba2 mixer, final norm, tied
 head; d_state 128, headdim 64, expand 2, chunk 256, vocab 50280), float32 parameters, bfloat16 compute,
 next-token cross-entropy on (batch, seqlen) random tokens, the gradients and one AdamW update
-(lr 1e-4, betas 0.9 / 0.95, weight decay 0.1, every parameter): optax.adamw, or with --optimizer fused
-`jax_mamba2.fused_adamw` (the same AdamW in optax's state, one kernel launch per parameter array).
+(lr 1e-4, betas 0.9 / 0.95, weight decay 0.1, every parameter).
 
 Implementations (--impls):
   cutile             jax-mamba2 `Mamba2LMHeadModel(backend="cutile")`, the step under jax.jit (buffers donated)
@@ -163,18 +162,15 @@ def next_token_loss(model, inputs, targets, loss_impl: str, logits_dtype: str | 
 
 
 def make_train_step(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0, abstract: bool = False,
-                    logits_dtype: str | None = None, optimizer: str = "optax", **model_options):
+                    logits_dtype: str | None = None, **model_options):
     """(step (params, opt_state, inputs, targets) -> (params, opt_state, loss), params, opt_state, inputs,
     targets); with `abstract`, the arrays are ShapeDtypeStructs (nothing allocated: enough to lower).
-    `optimizer`: "optax" (optax.adamw's update + apply_updates) or "fused" (`jax_mamba2.fused_adamw`'s apply, the
-    same AdamW in one kernel launch per parameter array on the model's backend, in optax's state).
     `model_options`: options of `Mamba2LMHeadModel` (MODEL_OPTIONS) that differ from its defaults."""
     import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
 
-    from jax_mamba2 import backends, fused_adamw
     from jax_mamba2.flax_layers import Mamba2LMHeadModel
 
     def make_model():
@@ -183,11 +179,7 @@ def make_train_step(config: TrainConfig, backend: str, loss_impl: str, seed: int
 
     model = nnx.eval_shape(make_model) if abstract else make_model()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    if optimizer == "fused":
-        tx = fused_adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY,
-                         backend=backends.for_op(backend, "adamw"))
-    else:
-        tx = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
+    tx = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
     opt_state = jax.eval_shape(tx.init, params) if abstract else tx.init(params)
 
     def step(params, opt_state, inputs, targets):
@@ -196,11 +188,8 @@ def make_train_step(config: TrainConfig, backend: str, loss_impl: str, seed: int
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         with jax.named_scope("optimizer"):
-            if optimizer == "fused":
-                params, opt_state = tx.apply(params, grads, opt_state)
-            else:
-                updates, opt_state = tx.update(grads, opt_state, params)
-                params = optax.apply_updates(params, updates)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
         return params, opt_state, loss
 
     if abstract:
@@ -246,13 +235,12 @@ def _cubins_compiled() -> list:
 
 
 def build_ours(config: TrainConfig, backend: str, loss_impl: str, seed: int = 0, xla_options: dict | None = None,
-               logits_dtype: str | None = None, optimizer: str = "optax", **model_options):
+               logits_dtype: str | None = None, **model_options):
     """(compiled step (params, opt_state, inputs, targets) -> (params, opt_state, loss), params, opt_state,
     inputs, targets, the seconds of `compile_step`): the model's parameters and AdamW state donated to
     every call."""
     step, params, opt_state, inputs, targets = make_train_step(config, backend, loss_impl, seed,
-                                                               logits_dtype=logits_dtype, optimizer=optimizer,
-                                                               **model_options)
+                                                               logits_dtype=logits_dtype, **model_options)
     compiled, seconds = compile_step(step, params, opt_state, inputs, targets, xla_options=xla_options)
     return compiled, params, opt_state, inputs, targets, seconds
 
@@ -276,7 +264,6 @@ VARIANTS = (
     Variant("remat", False, "-remat-{}", ", remat {}"),
     Variant("command_buffers", "default", "-command-buffers-{}", ", command buffers {}"),
     Variant("conv_configs", None, "-conv-{}", ", conv kernels {}"),
-    Variant("optimizer", "optax", "-{}-adamw", ", {} AdamW"),
 )
 
 
@@ -326,7 +313,6 @@ def train_ours(job: dict) -> dict:
     compiled, params, opt_state, inputs, targets, first_step = build_ours(config, job["impl"], loss_impl,
                                                                           xla_options=job.get("xla_options"),
                                                                           logits_dtype=job.get("logits_dtype"),
-                                                                          optimizer=job.get("optimizer", "optax"),
                                                                           **model_options(job))
     compile_s = time.perf_counter() - began
     state = {"params": params, "opt_state": opt_state}
@@ -637,8 +623,6 @@ def parse_args(argv=None):
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="ours: an XLA compiler option of the step, e.g. "
                              "xla_gpu_enable_dynamic_slice_fusion=false (repeatable; default: none)")
-    parser.add_argument("--optimizer", choices=("optax", "fused"), default="optax",
-                        help="ours: optax.adamw + apply_updates, or jax_mamba2.fused_adamw's one-launch step")
     parser.add_argument("--hlo-dir", type=Path, default=None,
                         help="ours: write each compiled step's HLO text there, gzipped (default: not written)")
     parser.add_argument("--worker-timeout", type=float, default=540, help="seconds per process (default: 540)")
@@ -687,7 +671,6 @@ def jobs(args) -> list[dict]:
                                                               args.remat, args.remat),
                                                           "command_buffers": args.command_buffers,
                                                           "conv_configs": args.conv_configs,
-                                                          "optimizer": args.optimizer,
                                                           "hlo_dir": args.hlo_dir and str(args.hlo_dir)})}
             for config in args.configs for impl in args.impls]
 

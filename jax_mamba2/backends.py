@@ -3,9 +3,8 @@ which one runs a call.
 
 The ops are "ssd" (`jax_mamba2.op`: `ssd`, `ssd_step`), "causal_conv1d" (`jax_mamba2.conv1d`), "rms_norm"
 (`jax_mamba2.norm`: `rms_norm`, `add_rms_norm`), "cross_entropy" (the softmax of the LM loss,
-`jax_mamba2.flax_layers.loss.chunked_cross_entropy`), "decode" (`jax_mamba2.decode`: `norm_project`,
-`mixer_step`, the fused ops of a decode step) and "adamw" (`jax_mamba2.adamw.adamw_update`, one parameter array's
-optimizer step). Each op module registers its pure-JAX backends ("xla", and
+`jax_mamba2.flax_layers.loss.chunked_cross_entropy`) and "decode" (`jax_mamba2.decode`: `norm_project`,
+`mixer_step`, the fused ops of a decode step). Each op module registers its pure-JAX backends ("xla", and
 "scan" for the SSD), which run everywhere. The optional backends register themselves, for every op, when their
 module is imported; that module needs optional dependencies (the [cuda] extra), so the registry imports it on
 first use and keeps why it could not. Whether a registered backend can run in this process (a GPU) is its own
@@ -25,7 +24,7 @@ if TYPE_CHECKING:
     from jax_mamba2.op import SSDInputs, SSDStatic
 
 # The ops that have backends, by the name their modules register them under.
-OPS = ("ssd", "causal_conv1d", "rms_norm", "cross_entropy", "decode", "adamw")
+OPS = ("ssd", "causal_conv1d", "rms_norm", "cross_entropy", "decode")
 # The backends that a module of optional dependencies registers (for every op) when it is imported: name -> module.
 OPTIONAL_BACKENDS = {"cutile": "jax_mamba2.bridge", "cutile_callback": "jax_mamba2.bridge"}
 
@@ -64,15 +63,14 @@ class Backend:
 
 @dataclasses.dataclass(frozen=True)
 class LayerBackend:
-    """One way of computing an op other than the SSD (the conv, the norms, the loss's softmax, the decode step,
-    AdamW's update).
+    """One way of computing a layer op of the mixer (the conv, the norms).
 
     `kernels` runs the op; its interface is the op module's (`bridge.conv_ops.ConvKernels` for the conv,
-    `bridge.norm_ops.NormKernels` for the norms, `bridge.loss_ops.LossKernels` for the loss's softmax,
-    `bridge.adamw_ops.AdamWKernels` for AdamW), and None is the op's pure-JAX path.
+    `bridge.norm_ops.NormKernels` for the norms, `bridge.loss_ops.LossKernels` for the loss's softmax), and None
+    is the op's pure-JAX path.
     unsupported_reason(problem) -> None or a sentence saying why this call cannot run here, for the op module's
     description of the call (the conv's ConvInputs, the norms' NormDims from `bridge.norm_ops.norm_dims`, the
-    loss's CrossEntropyDims from `bridge.loss_ops.loss_dims`, AdamW's AdamWDims from `bridge.adamw_ops.adamw_dims`).
+    loss's CrossEntropyDims from `bridge.loss_ops.loss_dims`).
     """
 
     name: str

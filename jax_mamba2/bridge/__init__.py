@@ -1,5 +1,5 @@
 """Runs the cuTile kernels from JAX; importing it registers the "cutile" backends of every op (`ssd`, the conv,
-the norms, the LM loss's softmax, the decode step, AdamW's update).
+the norms, the LM loss's softmax).
 
   cutile           each kernel launch is an XLA FFI custom call (cuda.tile.jax.cutile_call) on XLA's
                    stream; compiled when the program is lowered; CUDA-graph compatible.
@@ -18,7 +18,7 @@ except ModuleNotFoundError as e:
     raise ModuleNotFoundError("cuda-tile is not installed (pip install 'jax-mamba2[cuda]')", name=e.name) from e
 
 from jax_mamba2 import backends
-from jax_mamba2.bridge import adamw_ops, callback, conv_ops, decode_ops, ffi, loss_ops, norm_ops, ops, problem
+from jax_mamba2.bridge import callback, conv_ops, decode_ops, ffi, loss_ops, norm_ops, ops, problem
 
 backends.register_backend(backends.Backend(
     name="cutile", forward=ops.make_forward(ffi.run_plan),
@@ -50,7 +50,3 @@ backends.register_backend(backends.LayerBackend("cutile", decode_ops.KERNELS["cu
                                                 auto_priority=2), op="decode")
 backends.register_backend(backends.LayerBackend("cutile_callback", decode_ops.KERNELS["cutile_callback"],
                                                 decode_ops.unsupported_reason), op="decode")
-backends.register_backend(backends.LayerBackend("cutile", adamw_ops.KERNELS["cutile"], adamw_ops.unsupported_reason,
-                                                auto_priority=2), op="adamw")
-backends.register_backend(backends.LayerBackend("cutile_callback", adamw_ops.KERNELS["cutile_callback"],
-                                                adamw_ops.unsupported_reason), op="adamw")

@@ -15,7 +15,6 @@ Public API:
   RMSNorm                     (gated, grouped) RMSNorm, and the fused residual add + RMSNorm.
   chunked_cross_entropy       the LM head fused with a chunked cross-entropy (Mamba2LMHeadModel.loss).
   cast_params                 a model's parameters converted to another dtype once (e.g. bf16 for decoding).
-  Optimizer                   nnx.Optimizer taking a `jax_mamba2.fused_adamw` step in one launch per parameter.
 """
 from jax_mamba2.flax_layers.cache import Mamba2Cache
 from jax_mamba2.flax_layers.checkpoint import load_pretrained, save_pretrained
@@ -26,12 +25,11 @@ from jax_mamba2.flax_layers.lm import Mamba2Block, Mamba2LMHeadModel
 from jax_mamba2.flax_layers.loss import chunked_cross_entropy
 from jax_mamba2.flax_layers.mamba2 import Mamba2
 from jax_mamba2.flax_layers.norm import RMSNorm
-from jax_mamba2.flax_layers.optimizer import Optimizer
 from jax_mamba2.flax_layers.precision import cast_params
 from jax_mamba2.flax_layers.sharding import shard_model
 
 __all__ = [
     "Mamba2", "Mamba2Cache", "Mamba2Block", "Mamba2LMHeadModel", "generate", "generate_stream", "Mamba2Config",
     "mamba2_130m", "mamba2_370m", "mamba2_780m", "mamba2_1_3b", "mamba2_2_7b", "load_pretrained", "save_pretrained",
-    "shard_model", "RMSNorm", "cast_params", "chunked_cross_entropy", "Optimizer",
+    "shard_model", "RMSNorm", "cast_params", "chunked_cross_entropy",
 ]

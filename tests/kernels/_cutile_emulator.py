@@ -182,11 +182,6 @@ def rsqrt(x, *, flush_to_zero=False):
     return 1 / np.sqrt(x)
 
 
-@_quiet
-def sqrt(x, *, rounding_mode=None, flush_to_zero=False):
-    return np.sqrt(x)
-
-
 minimum = np.minimum
 maximum = np.maximum
 
