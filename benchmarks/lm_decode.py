@@ -47,6 +47,7 @@ runs of the same file) and lm_decode_h200.png, then prints the table.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import sys
@@ -102,6 +103,24 @@ def _median(values) -> float:
 # ----------------------------------------------------------------------------------------------
 # Ours
 # ----------------------------------------------------------------------------------------------
+
+def use_mixer_heads(heads: int) -> None:
+    """The cutile backend's decode ops with `heads` heads per mixer-step block from 64 rows on (the default's tiles
+    otherwise), in this process (`decode_ops.make_kernels`)."""
+    import dataclasses
+
+    from jax_mamba2 import backends, decode
+    from jax_mamba2.bridge import decode_ops, ffi
+    from jax_mamba2.kernels import decode_mixer
+
+    def mixer_config(dims):
+        default = decode_mixer.mixer_step_default_config(dims)
+        return dataclasses.replace(default, HEADS=heads) if dims.rows >= 64 else default
+
+    registered = backends.registered(decode.OP)["cutile"]
+    backends.register_backend(dataclasses.replace(registered, kernels=decode_ops.make_kernels(
+        ffi.run_plan, mixer_config=mixer_config)), op=decode.OP)
+
 
 def ours_model(job: dict):
     import jax.numpy as jnp
@@ -201,6 +220,8 @@ def decode_ours(job: dict) -> dict:
 
     from benchmarks.environment import environment
 
+    if job.get("mixer_heads", 1) != 1:
+        use_mixer_heads(job["mixer_heads"])
     model = ours_model(job)
     decode_step = "fused" if model.layers.mixer.decodes_fused() else "composed"
     vocab = model.config.vocab_size
@@ -366,7 +387,9 @@ def label(record: dict) -> str:
             ", fused step" if record.get("decode_step") == "fused" else "")
         sampling = record.get("sampling", "greedy")
         sampled = f", {sampling}" if sampling != "greedy" else ""
-        return f"{text}, command buffers {record['command_buffers']}{layers}{flags}{step}{sampled}"
+        heads = record.get("mixer_heads", 1)
+        mixer = f", {heads} heads per mixer block from 64 rows" if heads != 1 else ""
+        return f"{text}, command buffers {record['command_buffers']}{layers}{flags}{step}{sampled}{mixer}"
     conv = record.get("causal_conv1d")
     return f"{text}, {'causal_conv1d ' + conv if conv else 'no causal_conv1d'}"
 
@@ -459,6 +482,9 @@ def parse_args(argv=None):
     parser.add_argument("--decode-steps", type=int, default=128, help="timed token steps per round (default: 128)")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (default: 5)")
     parser.add_argument("--warmup-seconds", type=float, default=2.0, help="untimed rounds first (default: 2 s)")
+    parser.add_argument("--mixer-heads", nargs="+", type=int, default=[1],
+                        help="ours, cutile: heads per mixer-step block from 64 rows on, one process each (default: 1, "
+                             "the kernels' default config)")
     parser.add_argument("--profile", action="store_true",
                         help="ours: a token step's GPU time per kernel category, from jax.profiler (default: off)")
     lm_bench.add_peer_flags(parser)
@@ -486,12 +512,12 @@ def jobs(args) -> list[tuple[dict, dict]]:
                     out.append(({**common, **peers, "config": config, "impl": impl, "param_dtype": param_dtype,
                                  "command_buffers": None}, {}))
                     continue
-                for buffers in args.command_buffers:
-                    for sampling in args.sampling:
-                        out.append(({**common, "config": config, "impl": impl, "param_dtype": param_dtype,
-                                     "command_buffers": buffers, "scan_layers": not args.unroll_layers,
-                                     "profile": args.profile, "sampling": sampling},
-                                    lm_bench.command_buffer_env(buffers)))
+                for buffers, sampling, heads in itertools.product(args.command_buffers, args.sampling,
+                                                                  args.mixer_heads if impl == "cutile" else [1]):
+                    out.append(({**common, "config": config, "impl": impl, "param_dtype": param_dtype,
+                                 "command_buffers": buffers, "scan_layers": not args.unroll_layers,
+                                 "profile": args.profile, "sampling": sampling, "mixer_heads": heads},
+                                lm_bench.command_buffer_env(buffers)))
     return out
 
 
@@ -505,10 +531,12 @@ def record_key(record: dict) -> tuple:
     """What a record measured (a rerun replaces it): config, implementation, parameter dtype, command buffers,
     for ours whether the layers were unrolled, the XLA flags it ran under, its decode step: "fused" or
     "composed" (records from when the fused step ran from some batch on carry that batch instead; None: records
-    from before the fused step existed), and its sampling (records without one were greedy)."""
+    from before the fused step existed), its sampling (records without one were greedy) and its heads per
+    mixer-step block (1 without)."""
     return (record["config"], record["impl"], record["param_dtype"], record.get("command_buffers"),
             record.get("scan_layers") is False, user_xla_flags(record),
-            record.get("fused_decode_min_batch", record.get("decode_step")), record.get("sampling", "greedy"))
+            record.get("fused_decode_min_batch", record.get("decode_step")), record.get("sampling", "greedy"),
+            record.get("mixer_heads", 1))
 
 
 def main(argv=None) -> int:

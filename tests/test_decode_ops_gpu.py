@@ -6,6 +6,7 @@ against the same model on xla.
 
     python -m pytest -m gpu tests/test_decode_ops_gpu.py
 """
+import contextlib
 import dataclasses
 
 import jax
@@ -116,23 +117,49 @@ def test_fused_decode_matches_xla_over_many_tokens(scan_layers):
                           2e-3, donate=True)
 
 
+@contextlib.contextmanager
+def _cutile_decode_configs(**configs):
+    """backend="cutile" of the decode ops with the tiles that `configs` (decode_ops.make_kernels' config functions)
+    choose, inside the block."""
+    from jax_mamba2.bridge import decode_ops, ffi  # needs cuda.tile: imported where the tests run
+
+    registered = backends.registered(decode.OP)["cutile"]
+    backends.register_backend(dataclasses.replace(registered, kernels=decode_ops.make_kernels(ffi.run_plan, **configs)),
+                              op=decode.OP)
+    try:
+        yield
+    finally:
+        backends.register_backend(registered, op=decode.OP)
+
+
+def _assert_close(got, want, dtype):
+    errors = {k: rel_l2(got[k], want[k]) for k in want}
+    assert max(errors.values()) < TOLERANCE[dtype], errors
+
+
 @pytest.mark.parametrize("split_k", [2, 4])
 @pytest.mark.parametrize("name", ["in_proj_add_norm", "out_proj_gated_b256"])
 def test_norm_project_with_split_k_matches_float64_reference(name, split_k):
     """K split over blocks (f32 partials summed by a second launch) at the LM's shapes."""
-    from jax_mamba2.bridge import decode_ops, ffi  # needs cuda.tile: imported where the test runs
     from jax_mamba2.kernels import decode_projection
 
     case = LM_PROJECTIONS[name]
     arrays = projection_inputs(case, seed=43)
     config = decode_projection.ProjectionConfig(BLOCK_N=64, SPLIT_K=split_k)
-    registered = backends.registered(decode.OP)["cutile"]
-    backends.register_backend(dataclasses.replace(registered, kernels=decode_ops.make_kernels(
-        ffi.run_plan, projection_config=lambda dims: config)), op=decode.OP)
-    try:
+    with _cutile_decode_configs(projection_config=lambda dims: config):
         got = project(case, arrays, layer=case.layer, backend="cutile")
-    finally:
-        backends.register_backend(registered, op=decode.OP)
-    want = projection_oracle(case, arrays)
-    errors = {k: rel_l2(got[k], want[k]) for k in want}
-    assert max(errors.values()) < TOLERANCE[case.dtype], errors
+    _assert_close(got, projection_oracle(case, arrays), case.dtype)
+
+
+@pytest.mark.parametrize("heads", [2, 4, 8])
+@pytest.mark.parametrize("name", ["mixer_b64_f32_state", "mixer_b256"])
+def test_mixer_step_with_several_heads_per_block_matches_float64_reference(name, heads):
+    """Blocks of HEADS heads one after the other (their group's B and C convolved once) at the LM's shapes."""
+    from jax_mamba2.kernels import decode_mixer
+
+    case = {**LM_MIXERS, "mixer_b256": dataclasses.replace(LM_MIXERS["mixer_b1"], rows=256, layers=3, layer=2)}[name]
+    arrays = mixer_inputs(case, seed=44)
+    with _cutile_decode_configs(mixer_config=lambda dims: dataclasses.replace(
+            decode_mixer.mixer_step_default_config(dims), HEADS=heads)):
+        got = step(case, arrays, layer=case.layer, backend="cutile")
+    _assert_close(got, mixer_oracle(case, arrays), case.dtype)

@@ -48,25 +48,35 @@ def projection_configs(case: str) -> list[decode_projection.ProjectionConfig]:
     return tiles + ([] if case == "head" else splits)
 
 
-def mixer_configs(rows: int) -> list[decode_mixer.MixerStepConfig]:
-    blocks = (16, 32) if rows <= 8 else (32, 64)
-    return [decode_mixer.MixerStepConfig(BLOCK_P=p, OCCUPANCY=o) for p, o in itertools.product(blocks, (2, 4, 8))]
+def mixer_configs(dims) -> list[decode_mixer.MixerStepConfig]:
+    """State tiles of BLOCK_P rows at occupancy 2, 4 or 8; from 64 rows also the default's tiles with 2, 4 or 8 heads
+    per block."""
+    blocks = (16, 32) if dims.rows <= 8 else (32, 64)
+    configs = [decode_mixer.MixerStepConfig(BLOCK_P=p, OCCUPANCY=o) for p, o in itertools.product(blocks, (2, 4, 8))]
+    if dims.rows >= 64:
+        default = decode_mixer.mixer_step_default_config(dims)
+        configs += [dataclasses.replace(default, HEADS=h) for h in (2, 4, 8)]
+    return configs
 
 
-def cases(rows_list=(1, 8, 64, 256)):
-    """(name, dims, plan builder, inputs, configs with the default first) of every timed plan."""
+CASES = ("in_proj", "out_proj", "head", "mixer")
+
+
+def cases(rows_list=(1, 8, 64, 256), names=CASES, state_dtypes=("bfloat16",)):
+    """(name, dims, plan builder, inputs, configs with the default first) of every timed plan: the projections
+    of bf16 weights, the mixer step with its state (and parameters) in each of `state_dtypes`."""
     out = []
-    for case, rows in itertools.product(("in_proj", "out_proj", "head"), rows_list):
+    for case, rows in itertools.product([n for n in names if n != "mixer"], rows_list):
         dims = projection_dims(case, SHAPES, rows, "bfloat16")
         default = decode_projection.projection_default_config(dims)
         swept = projection_configs(case) if rows in SWEPT_ROWS else []
         out.append((case, dims, decode_projection.norm_project_plan, decode_projection.norm_project_inputs(dims),
                     [default] + [c for c in swept if c != default]))
-    for rows in rows_list:
-        dims = mixer_dims(SHAPES, rows, "bfloat16")
+    for rows, dtype in itertools.product(rows_list if "mixer" in names else (), state_dtypes):
+        dims = mixer_dims(SHAPES, rows, dtype)
         default = decode_mixer.mixer_step_default_config(dims)
         out.append(("mixer", dims, decode_mixer.mixer_step_plan, decode_mixer.mixer_step_inputs(dims),
-                    [default] + [c for c in mixer_configs(rows) if c != default]))
+                    [default] + [c for c in mixer_configs(dims) if c != default]))
     return out
 
 
@@ -117,6 +127,9 @@ def time_plan(ct, plan, tensors) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 64, 256])
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--state-dtypes", nargs="+", choices=("bfloat16", "float32"), default=["bfloat16"],
+                        help="the mixer step's state and parameters (default: bfloat16)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     args = parser.parse_args(argv)
     import cuda.tile as ct
@@ -132,12 +145,14 @@ def main(argv=None) -> int:
     env, records = environment(), []
     path = args.out / f"decode_launches_{gpu_slug(env.get('gpu', 'gpu'))}.json"
     args.out.mkdir(parents=True, exist_ok=True)
-    for case, dims, make_plan, inputs, configs in cases(args.rows):
+    for case, dims, make_plan, inputs, configs in cases(args.rows, args.cases, args.state_dtypes):
         for i, cfg in enumerate(configs):
             plan = make_plan(dims, cfg)
             record = dict(case=case, rows=dims.rows, config=dataclasses.asdict(cfg), default=i == 0)
             if case == "mixer":
-                record["floor_us"] = 2 * dims.rows * dims.d_ssm * dims.dstate * 2 / (PEAK_HBM_TBPS * 1e6)
+                state_bytes = 4 if dims.ssm_state_dtype == "float32" else 2
+                record["state_dtype"] = dims.ssm_state_dtype
+                record["floor_us"] = 2 * dims.rows * dims.d_ssm * dims.dstate * state_bytes / (PEAK_HBM_TBPS * 1e6)
             try:
                 record.update(time_plan(ct, plan, _tensors(torch, inputs, plan.buffers, dims.layers // 2)))
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is a record too

@@ -24,9 +24,9 @@ per-layer arrays are the model's stacks (leading (L,) axis) indexed by layer_ind
 layers x rows (mamba2-370m's SSM state at 256 rows: 3.2e9 elements), so the kernel comes int32- and int64-indexed
 (`needs_int64_index`).
 
-Grid (M * H, P / BLOCK_P). A block convolves its BLOCK_P channels of x and, for the update, all 2 N channels of
-its group's B and C (every block of the group recomputes them: d_conv multiply-adds each); the first block of a
-group's first head writes B's and C's new conv state. The new conv state is its own (one layer's) buffer rather
+Grid (M * H / HEADS, P / BLOCK_P). A block convolves all 2 N channels of its group's B and C (every block of the
+group recomputes them: d_conv multiply-adds each), then for each of its HEADS heads (consecutive, of one group) its
+BLOCK_P channels of x and the update; the first block of a group's first head writes B's and C's new conv state. The new conv state is its own (one layer's) buffer rather
 than conv_state updated in place, since every block of a group reads B's and C's old window, which one of them
 could otherwise overwrite first; the SSM state is updated in place: each block reads and writes only its own
 (BLOCK_P, N) tile, and the stack moves no other bytes.
@@ -122,10 +122,16 @@ class MixerStepDims:
 @dataclasses.dataclass(frozen=True)
 class MixerStepConfig:
     """BLOCK_P: headdim rows of the state per block (a power of two dividing headdim); OCCUPANCY: blocks per SM
-    the compiler budgets registers for."""
+    the compiler budgets registers for; HEADS: heads per block, one after the other (a power of two dividing the
+    heads of a group): their group's B and C are convolved once for all of them rather than once per head."""
 
     BLOCK_P: int = 16
     OCCUPANCY: int = 4
+    HEADS: int = 1
+
+    def __post_init__(self):
+        if not is_power_of_2(self.HEADS):
+            raise ValueError(f"MixerStepConfig: HEADS={self.HEADS} must be a power of two")
 
 
 def mixer_step_default_config(dims: MixerStepDims) -> MixerStepConfig:
@@ -224,61 +230,67 @@ def mixer_step_kernel(
     HAS_DT_LIMIT: ConstBool,
     DT_MIN: ConstFloat,
     DT_MAX: ConstFloat,
+    HEADS: ConstInt,     # heads per block (of one group): B's and C's conv computed once for them
 ):
     nheads = y.shape[1]
     headdim = y.shape[2]
+    head_blocks = nheads // HEADS
     bh = ct.bid(0)
     pb = ct.bid(1)
-    b = bh // nheads
-    h = bh % nheads
+    b = bh // head_blocks
+    h0 = (bh % head_blocks) * HEADS
     heads_per_group = nheads // NGROUPS
-    g = h // heads_per_group
+    g = h0 // heads_per_group
     layer = ct.load(layer_index, index=(0,), shape=(1,)).item()
     d_ssm = nheads * headdim
     p_blocks = headdim // BLOCK_P
 
-    # x: this block's BLOCK_P channels (conv channel h * headdim + pb * BLOCK_P + i).
-    x_block = h * p_blocks + pb
-    x_p, x_window = _conv_silu(zxbcdt, conv_state, conv_weight, conv_bias, layer, b, x_block,
-                               XBC_OFFSET // BLOCK_P + x_block, BLOCK_P, D_CONV, D_CONV_TILE, HAS_CONV_BIAS)
-    ct.store(new_conv_state, index=(b, x_block, 0), tile=x_window.reshape((1, BLOCK_P, D_CONV_TILE)))
-    # B and C of the group: conv channels d_ssm + g * DSTATE and d_ssm + (NGROUPS + g) * DSTATE onwards.
+    # B and C of the group, which the block's HEADS heads share: conv channels d_ssm + g * DSTATE and
+    # d_ssm + (NGROUPS + g) * DSTATE onwards.
     b_block = d_ssm // DSTATE + g
     c_block = b_block + NGROUPS
     B_n, B_window = _conv_silu(zxbcdt, conv_state, conv_weight, conv_bias, layer, b, b_block,
                                XBC_OFFSET // DSTATE + b_block, DSTATE, D_CONV, D_CONV_TILE, HAS_CONV_BIAS)
     C_n, C_window = _conv_silu(zxbcdt, conv_state, conv_weight, conv_bias, layer, b, c_block,
                                XBC_OFFSET // DSTATE + c_block, DSTATE, D_CONV, D_CONV_TILE, HAS_CONV_BIAS)
-    if h % heads_per_group == 0:
+    if h0 % heads_per_group == 0:
         if pb == 0:
             ct.store(new_conv_state, index=(b, b_block, 0), tile=B_window.reshape((1, DSTATE, D_CONV_TILE)))
             ct.store(new_conv_state, index=(b, c_block, 0), tile=C_window.reshape((1, DSTATE, D_CONV_TILE)))
 
-    dt_v = ct.load(zxbcdt, index=(b, DT_OFFSET + h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
-    bias = ct.load(dt_bias, index=(layer, h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
-    delta = dt_transform(dt_v + bias, DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX)
-    A_h = -ct.exp(ct.load(A_log, index=(layer, h), shape=(1, 1)).reshape((1,)).astype(ct.float32))
-    if D_PER_CHANNEL:
-        D_p = ct.load(D, index=(layer, h, pb), shape=(1, 1, BLOCK_P)).reshape((BLOCK_P,)).astype(ct.float32)
-    else:
-        D_p = ct.load(D, index=(layer, h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
-    s = ct.load(ssm_state, index=(layer, b, h, pb, 0), shape=(1, 1, 1, BLOCK_P, DSTATE)
-                ).reshape((BLOCK_P, DSTATE)).astype(ct.float32)
-    s, y_p = state_step(s, x_p, delta, A_h, B_n, C_n, D_p)
-    ct.store(ssm_state, index=(layer, b, h, pb, 0),
-             tile=s.reshape((1, 1, 1, BLOCK_P, DSTATE)).astype(ssm_state.dtype))
-    if HAS_Z:
-        z = ct.load(zxbcdt, index=(b, Z_OFFSET // BLOCK_P + x_block), shape=(1, BLOCK_P)).reshape((BLOCK_P,))
-        y_p = silu_gate(y_p, z)
-    if SUM_SQUARES:
-        # The norm's input as its kernel would have computed it: y rounded to T, gated in f32 (decode_projection.py).
-        y_p = y_p.astype(zxbcdt.dtype).astype(ct.float32)
-        if not NORM_BEFORE_GATE:
-            zn = ct.load(zxbcdt, index=(b, NORM_Z_OFFSET // BLOCK_P + x_block), shape=(1, BLOCK_P)
-                         ).reshape((BLOCK_P,)).astype(ct.float32)
-            y_p = y_p * (zn * sigmoid(zn))
-        ct.store(sum_squares, index=(b, x_block), tile=ct.sum(y_p * y_p, axis=0, keepdims=True).reshape((1, 1)))
-    ct.store(y, index=(b, h, pb), tile=y_p.reshape((1, 1, BLOCK_P)).astype(y.dtype))
+    for i in range(HEADS):
+        h = h0 + i
+        # x: this block's BLOCK_P channels of head h (conv channel h * headdim + pb * BLOCK_P + j).
+        x_block = h * p_blocks + pb
+        x_p, x_window = _conv_silu(zxbcdt, conv_state, conv_weight, conv_bias, layer, b, x_block,
+                                   XBC_OFFSET // BLOCK_P + x_block, BLOCK_P, D_CONV, D_CONV_TILE, HAS_CONV_BIAS)
+        ct.store(new_conv_state, index=(b, x_block, 0), tile=x_window.reshape((1, BLOCK_P, D_CONV_TILE)))
+        dt_v = ct.load(zxbcdt, index=(b, DT_OFFSET + h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
+        bias = ct.load(dt_bias, index=(layer, h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
+        delta = dt_transform(dt_v + bias, DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX)
+        A_h = -ct.exp(ct.load(A_log, index=(layer, h), shape=(1, 1)).reshape((1,)).astype(ct.float32))
+        if D_PER_CHANNEL:
+            D_p = ct.load(D, index=(layer, h, pb), shape=(1, 1, BLOCK_P)).reshape((BLOCK_P,)).astype(ct.float32)
+        else:
+            D_p = ct.load(D, index=(layer, h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
+        s = ct.load(ssm_state, index=(layer, b, h, pb, 0), shape=(1, 1, 1, BLOCK_P, DSTATE)
+                    ).reshape((BLOCK_P, DSTATE)).astype(ct.float32)
+        s, y_p = state_step(s, x_p, delta, A_h, B_n, C_n, D_p)
+        ct.store(ssm_state, index=(layer, b, h, pb, 0),
+                 tile=s.reshape((1, 1, 1, BLOCK_P, DSTATE)).astype(ssm_state.dtype))
+        if HAS_Z:
+            z = ct.load(zxbcdt, index=(b, Z_OFFSET // BLOCK_P + x_block), shape=(1, BLOCK_P)).reshape((BLOCK_P,))
+            y_p = silu_gate(y_p, z)
+        if SUM_SQUARES:
+            # The norm's input as its kernel would have computed it: y rounded to T, gated in f32
+            # (decode_projection.py).
+            y_p = y_p.astype(zxbcdt.dtype).astype(ct.float32)
+            if not NORM_BEFORE_GATE:
+                zn = ct.load(zxbcdt, index=(b, NORM_Z_OFFSET // BLOCK_P + x_block), shape=(1, BLOCK_P)
+                             ).reshape((BLOCK_P,)).astype(ct.float32)
+                y_p = y_p * (zn * sigmoid(zn))
+            ct.store(sum_squares, index=(b, x_block), tile=ct.sum(y_p * y_p, axis=0, keepdims=True).reshape((1, 1)))
+        ct.store(y, index=(b, h, pb), tile=y_p.reshape((1, 1, BLOCK_P)).astype(y.dtype))
 
 
 MIXER_STEP_KERNELS = int64_index_kernels(mixer_step_kernel)
@@ -316,16 +328,20 @@ def mixer_step_plan(dims: MixerStepDims, cfg: Optional[MixerStepConfig] = None) 
       SUM_SQUARES_OUTPUT (M, sum_squares_parts) float32.
     """
     cfg = cfg or mixer_step_default_config(dims)
+    if (dims.nheads // dims.ngroups) % cfg.HEADS:
+        raise ValueError(f"mixer_step_plan: HEADS={cfg.HEADS} must divide the heads of a group "
+                         f"({dims.nheads // dims.ngroups})")
     parts = sum_squares_parts(dims, cfg)
     dt_min, dt_max = (float(v) for v in dims.dt_limit)
     launch = Launch(
         kernel=index_width_variant(MIXER_STEP_KERNELS, needs_int64_index(dims), occupancy=cfg.OCCUPANCY),
-        grid=(dims.rows * dims.nheads, dims.headdim // cfg.BLOCK_P),
+        grid=(dims.rows * dims.nheads // cfg.HEADS, dims.headdim // cfg.BLOCK_P),
         args=("layer_index", "zxbcdt", "conv_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D",
               "ssm_state", "new_conv_state", "y", SUM_SQUARES_OUTPUT, dims.ngroups, dims.dstate, cfg.BLOCK_P,
               dims.d_conv, next_power_of_2(dims.d_conv), dims.xbc_offset, dims.dt_offset, dims.has_z,
               dims.z_offset or 0, dims.has_sum_squares, dims.norm_z_offset or 0, dims.norm_before_gate,
-              dims.has_conv_bias, dims.d_per_channel, dims.dt_softplus, dims.has_dt_limit, dt_min, dt_max),
+              dims.has_conv_bias, dims.d_per_channel, dims.dt_softplus, dims.has_dt_limit, dt_min, dt_max,
+              cfg.HEADS),
         writes=("ssm_state", "new_conv_state", "y", SUM_SQUARES_OUTPUT),
     )
     return Plan(

@@ -9,8 +9,12 @@ from tests.kernels._plan_checks import assert_plan_well_formed  # noqa: E402
 
 
 def test_cases_time_well_formed_plans_default_first():
-    cases = decode_launches.cases()
+    cases = decode_launches.cases(state_dtypes=("bfloat16", "float32"))
     assert {name for name, *_ in cases} == {"in_proj", "out_proj", "head", "mixer"}
+    mixers = [(dims, configs) for name, dims, _, _, configs in cases if name == "mixer"]
+    assert {dims.ssm_state_dtype for dims, _ in mixers} == {"bfloat16", "float32"}
+    for dims, configs in mixers:  # heads per block swept where the grid has blocks to spare
+        assert (max(cfg.HEADS for cfg in configs) > 1) == (dims.rows >= 64)
     for name, dims, make_plan, _, configs in cases:
         assert len(set(configs)) == len(configs)
         swept = name != "mixer" and dims.rows not in decode_launches.SWEPT_ROWS

@@ -47,6 +47,35 @@ def test_sampling_makes_a_job_of_ours_each_and_keys_the_record():
     assert lm_decode._controls({"sampling": "penalty"}) == {"repetition_penalty": 1.2}
 
 
+def test_mixer_heads_make_a_cutile_job_each_and_key_the_record():
+    args = lm_decode.parse_args(["--configs", "d64-l1", "--impls", "cutile", "xla", "mamba_ssm", "--param-dtypes",
+                                 "bfloat16", "--mixer-heads", "1", "4"])
+    assert [(j["impl"], j.get("mixer_heads")) for j, _ in lm_decode.jobs(args)] == [
+        ("cutile", 1), ("cutile", 4), ("xla", 1), ("mamba_ssm", None)]
+    plain = {"config": "d64-l1", "impl": "cutile", "param_dtype": "bfloat16", "command_buffers": "default"}
+    assert lm_decode.record_key(plain) == lm_decode.record_key({**plain, "mixer_heads": 1})  # older records
+    assert lm_decode.record_key({**plain, "mixer_heads": 4}) != lm_decode.record_key(plain)
+    assert lm_decode.label({**plain, "mixer_heads": 4}).endswith(", 4 heads per mixer block from 64 rows")
+
+
+def test_use_mixer_heads_gives_the_cutile_decode_kernels_that_config_from_64_rows(monkeypatch):
+    pytest.importorskip("cuda.tile")
+    from jax_mamba2 import backends, decode
+    from jax_mamba2.bridge import decode_ops
+    from tests.kernels.test_decode_compile import _mixer
+
+    made = {}
+    monkeypatch.setattr(decode_ops, "make_kernels", lambda run_plan, **configs: made.update(configs) or "kernels")
+    registered = backends.registered(decode.OP)["cutile"]
+    try:
+        lm_decode.use_mixer_heads(4)
+        assert backends.registered(decode.OP)["cutile"].kernels == "kernels"
+    finally:
+        backends.register_backend(registered, op=decode.OP)
+    assert made["mixer_config"](_mixer(64, "bfloat16")).HEADS == 4
+    assert made["mixer_config"](_mixer(8, "bfloat16")).HEADS == 1
+
+
 @pytest.mark.slow
 def test_unroll_layers_reaches_ours_and_keys_the_record():
     args = lm_decode.parse_args(["--configs", "d64-l1", "--impls", "cutile", "mamba_ssm", "--unroll-layers",

@@ -127,6 +127,21 @@ def test_the_mixer_step_default_fits_its_occupancy(rows, state_dtype):
     assert usage["REG"] * 128 * cfg.OCCUPANCY <= 65536, (cfg, usage)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("rows, state_dtype", [(256, "bfloat16"), (64, "float32")])
+def test_mixer_steps_of_several_heads_per_block_compile_spill_free_at_their_occupancy(rows, state_dtype):
+    """2, 4 or 8 heads per block (HEADS, one after the other) at the default tiles: no spills, and occupancy 4's
+    blocks still fit an SM."""
+    dims = _mixer(rows, state_dtype)
+    for heads in (2, 4, 8):
+        cfg = dataclasses.replace(decode_mixer.mixer_step_default_config(dims), HEADS=heads)
+        cubin = plan_cubins((decode_mixer.mixer_step_plan(dims, cfg), decode_mixer.mixer_step_inputs(dims)))[
+            "mixer_step_kernel"]
+        _assert_spill_free({f"HEADS={heads}": cubin})
+        usage = {k: int(v) for k, v in re.findall(r"(REG|SHARED):(\d+)", resource_usage(cubin))}
+        assert usage["SHARED"] * cfg.OCCUPANCY <= SM90_SHARED_BYTES, (cfg, usage)
+
+
 def test_the_normalizing_product_leaves_the_gate_to_the_mixer_step():
     """out_proj's product normalizing the mixer step's gated input runs no sigmoid per element: its SASS has about
     the plain product's MUFU count and half the instructions of the form that gates in the product, whose every

@@ -48,9 +48,11 @@ def run_projection(case, arrays, cfg=None, *, float64=True) -> dict:
     return result
 
 
-def run_mixer(case, arrays, cfg=None, *, float64=True) -> dict:
+def run_mixer(case, arrays, cfg=None, *, float64=True, **layout) -> dict:
+    """The plan's outputs (with sum_squares where a norm_z_offset in `layout` asks for them)."""
     dims = decode_ops.mixer_dims(*(arrays[k] for k in ("zxbcdt", "conv_state", "conv_weight", "conv_bias",
-                                                       "A_log", "dt_bias", "D", "ssm_state")), **case.layout())
+                                                       "A_log", "dt_bias", "D", "ssm_state")),
+                                 **{**case.layout(), **layout})
     assert decode_mixer.mixer_step_unsupported_reason(dims) is None
     plan = decode_mixer.mixer_step_plan(dims, cfg)
     inputs = dict(arrays, layer_index=np.array([case.layer], np.int32))
@@ -58,8 +60,11 @@ def run_mixer(case, arrays, cfg=None, *, float64=True) -> dict:
         inputs["conv_bias"] = np.zeros((1, 1), np.float32)
     inputs["ssm_state"] = inputs["ssm_state"].copy()  # written in place
     out = emulator.run_plan(plan, inputs, float64=float64)
-    return {"y": out["y"].reshape(case.rows, -1), "ssm_state": out["ssm_state"],
-            "new_conv_state": out["new_conv_state"]}
+    result = {"y": out["y"].reshape(case.rows, -1), "ssm_state": out["ssm_state"],
+              "new_conv_state": out["new_conv_state"]}
+    if dims.has_sum_squares:
+        result[decode_mixer.SUM_SQUARES_OUTPUT] = out[decode_mixer.SUM_SQUARES_OUTPUT]
+    return result
 
 
 def _assert_close(got, want, tolerance):
@@ -160,12 +165,32 @@ def test_mixer_step_matches_float64_reference(name, float64):
     _assert_close(got, want, tolerance)
 
 
-@pytest.mark.parametrize("block_p", [4, 16])
-def test_mixer_step_state_tiles_leave_the_values(block_p):
-    case = MIXER_CASES["gate_in_step"]
+@pytest.mark.parametrize("name", ["gate_in_step", "gated_norm_mixer"])
+@pytest.mark.parametrize("block_p,heads", [(4, 1), (16, 1), (4, 2), (16, 4)])
+def test_mixer_step_tiles_and_heads_per_block_leave_the_values(name, block_p, heads):
+    """State tiles of BLOCK_P rows, and blocks running HEADS heads of a group one after the other (B's and C's conv
+    shared), give the same step (the norm's sums of squares too: one per head and state tile either way)."""
+    case = MIXER_CASES[name]
     arrays = mixer_inputs(case, seed=22)
-    got = run_mixer(case, arrays, decode_mixer.MixerStepConfig(BLOCK_P=block_p))
-    _assert_close(got, mixer_oracle(case, arrays), TOLERANCE[True])
+    cfg = decode_mixer.MixerStepConfig(BLOCK_P=block_p, HEADS=heads)
+    _assert_close(run_mixer(case, arrays, cfg), mixer_oracle(case, arrays), TOLERANCE[True])
+    # The gated norm's input and its sums of squares (one per head and state tile): as one head per block gives.
+    norm = dict(z_offset=None, norm_z_offset=0)
+    got = run_mixer(case, arrays, cfg, **norm)
+    want = run_mixer(case, arrays, decode_mixer.MixerStepConfig(BLOCK_P=block_p), **norm)
+    assert decode_mixer.SUM_SQUARES_OUTPUT in got
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def test_mixer_step_heads_per_block_must_divide_a_group():
+    case = MIXER_CASES["gate_in_step"]  # 8 heads in 2 groups
+    dims = decode_ops.mixer_dims(*(mixer_inputs(case, seed=0)[k] for k in (
+        "zxbcdt", "conv_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D", "ssm_state")), **case.layout())
+    with pytest.raises(ValueError, match="HEADS=8 must divide the heads of a group"):
+        decode_mixer.mixer_step_plan(dims, decode_mixer.MixerStepConfig(HEADS=8))
+    with pytest.raises(ValueError, match="HEADS=3 must be a power of two"):
+        decode_mixer.MixerStepConfig(HEADS=3)
 
 
 def test_the_int64_indexed_mixer_step_matches_float64_reference(monkeypatch):
