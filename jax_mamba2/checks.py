@@ -1,10 +1,12 @@
-"""The argument checks the ops share (`op`, `conv1d`, `norm`).
+"""The argument checks the ops share (`op`, `conv1d`, `norm`, `decode`).
 
 Each raises before anything runs, as "<api>: <name>... must be <requirement>", naming the argument and what it
 must be: TypeError for a wrong type or dtype, ValueError for a wrong shape or value. An "array" is anything
 with .shape and .dtype (also a ShapeDtypeStruct).
 """
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -44,6 +46,14 @@ def check_seq_idx(api: str, seq_idx, batch: int, seqlen: int) -> None:
     check_array(api, "seq_idx", seq_idx, "(batch, seqlen)", (batch, seqlen), floating=False)
     if not jnp.issubdtype(seq_idx.dtype, jnp.integer):
         raise TypeError(f"{api}: seq_idx.dtype={seq_idx.dtype} must be an integer dtype (int32)")
+
+
+def check_positive_float(api: str, name: str, value) -> float:
+    """`value` is a positive finite int or float (not a bool); returns it as a Python float."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not 0 < value < math.inf:
+        raise ValueError(f"{api}: {name}={value!r} must be a positive finite float")
+    return float(value)
 
 
 def check_flag(api: str, name: str, value) -> bool:

@@ -34,7 +34,7 @@ import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import decode_reference as reference
-from jax_mamba2.checks import check_array, check_flag, float_dtype
+from jax_mamba2.checks import check_array, check_flag, check_positive_float, float_dtype
 
 OP = "decode"
 
@@ -205,8 +205,7 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
         if len(sum_squares.shape) != 2 or sum_squares.shape[0] != rows or sum_squares.shape[1] % ngroups:
             raise ValueError(f"{api}: sum_squares.shape={tuple(sum_squares.shape)} must be (rows={rows}, a multiple "
                              f"of the norm's {ngroups} groups)")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not 0 < eps < math.inf:
-        raise ValueError(f"{api}: eps={eps!r} must be a positive finite float")
+    check_positive_float(api, "eps", eps)
     norm_before_gate = check_flag(api, "norm_before_gate", norm_before_gate)
     transpose_weight = check_flag(api, "transpose_weight", transpose_weight)
     return_partials = check_flag(api, "return_partials", return_partials)

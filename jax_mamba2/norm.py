@@ -15,7 +15,6 @@ kernel backend asked for by name never falls back: it raises saying why it canno
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable, Optional
 
 import jax
@@ -25,7 +24,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import norm_reference as reference
-from jax_mamba2.checks import check_array, float_dtype
+from jax_mamba2.checks import check_array, check_positive_float, float_dtype
 
 OP = "rms_norm"
 
@@ -46,8 +45,7 @@ def _check_common(api, x, weight, eps):
     if len(x.shape) < 1:
         raise ValueError(f"{api}: x.shape={tuple(x.shape)} must be (..., features) with at least one axis")
     check_array(api, "weight", weight, "(features,)", (x.shape[-1],))
-    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not 0 < eps < math.inf:
-        raise ValueError(f"{api}: eps={eps!r} must be a positive finite float")
+    check_positive_float(api, "eps", eps)
 
 
 # ----------------------------------------------------------------------------------------------
