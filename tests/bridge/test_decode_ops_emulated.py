@@ -17,7 +17,7 @@ import jax_mamba2  # noqa: E402
 from jax_mamba2 import backends, conv1d, decode, norm  # noqa: E402
 from jax_mamba2.bridge import conv_ops, decode_ops, norm_ops  # noqa: E402
 from jax_mamba2.flax_layers import Mamba2, Mamba2Config, Mamba2LMHeadModel, generate  # noqa: E402
-from jax_mamba2.kernels import decode_projection  # noqa: E402
+from jax_mamba2.kernels import decode_mixer, decode_projection  # noqa: E402
 from tests._helpers import rel_l2  # noqa: E402
 from tests.bridge._emulated_backend import EMULATED, emulate_layer_kernels  # noqa: E402
 from tests.kernels import _cutile_emulator as emulator  # noqa: E402
@@ -158,6 +158,19 @@ def test_emulated_lm_step_matches_xla_over_several_tokens(config, batch):
     jaxpr = jax.make_jaxpr(lambda s, t, c: nnx.merge(graphdef, s).step(t, c))(
         state, tokens[0], models["cutile"].init_cache(batch))
     assert str(jaxpr).count("pure_callback") == 3 * config.n_layer + 1
+
+
+@pytest.mark.parametrize("heads", [2, 4])
+def test_emulated_lm_step_with_several_heads_per_mixer_block_matches_xla(monkeypatch, heads):
+    """The fused step with mixer-step blocks of HEADS heads (`MixerStepConfig.HEADS`; CONFIG has 4 heads in one
+    group), token after token."""
+    registered = backends._REGISTRY[decode.OP]["cutile"]
+    monkeypatch.setitem(backends._REGISTRY[decode.OP], "cutile", dataclasses.replace(
+        registered, kernels=decode_ops.make_kernels(emulator.jax_run_plan, mixer_config=lambda dims: dataclasses.replace(
+            decode_mixer.mixer_step_default_config(dims), HEADS=heads))))
+    models = {b: Mamba2LMHeadModel(CONFIG, backend=b, rngs=nnx.Rngs(0)) for b in ("cutile", "xla")}
+    tokens = jax.random.randint(jax.random.key(3), (3, 2), 0, CONFIG.vocab_size)
+    assert_lm_steps_match(models, {b: m.init_cache(2) for b, m in models.items()}, tokens, 1e-5)
 
 
 @pytest.mark.parametrize("norm_before_gate, group_size", [(False, 64), (True, 128)])
