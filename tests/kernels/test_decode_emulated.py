@@ -193,17 +193,19 @@ def test_mixer_step_heads_per_block_must_divide_a_group():
         decode_mixer.MixerStepConfig(HEADS=3)
 
 
-def test_the_int64_indexed_mixer_step_matches_float64_reference(monkeypatch):
+@pytest.mark.parametrize("heads", [1, 4])
+def test_the_int64_indexed_mixer_step_matches_float64_reference(monkeypatch, heads):
     """The kernel a state stack past int32 offsets launches (decode_mixer.needs_int64_index), here forced at a
-    small stack: the same values as the int32 one's."""
+    small stack, with one or several heads per block: the same values as the int32 one's."""
     monkeypatch.setattr(decode_mixer, "needs_int64_index", lambda dims: True)
     case = MIXER_CASES["gated_norm_mixer"]
     arrays = mixer_inputs(case, seed=23)
     dims = decode_ops.mixer_dims(*(arrays[k] for k in ("zxbcdt", "conv_state", "conv_weight", "conv_bias", "A_log",
                                                        "dt_bias", "D", "ssm_state")), **case.layout())
-    kernel = decode_mixer.mixer_step_plan(dims).launches[0].kernel
+    cfg = decode_mixer.MixerStepConfig(HEADS=heads)
+    kernel = decode_mixer.mixer_step_plan(dims, cfg).launches[0].kernel
     assert kernel._annotated_function.pyfunc.__annotations__["ssm_state"] is ct.IndexedWithInt64
-    _assert_close(run_mixer(case, arrays), mixer_oracle(case, arrays), TOLERANCE[True])
+    _assert_close(run_mixer(case, arrays, cfg), mixer_oracle(case, arrays), TOLERANCE[True])
 
 
 def test_plans_are_well_formed():
