@@ -26,10 +26,10 @@ layers x rows (mamba2-370m's SSM state at 256 rows: 3.2e9 elements), so the kern
 
 Grid (M * H / HEADS, P / BLOCK_P). A block convolves all 2 N channels of its group's B and C (every block of the
 group recomputes them: d_conv multiply-adds each), then for each of its HEADS heads (consecutive, of one group) its
-BLOCK_P channels of x and the update; the first block of a group's first head writes B's and C's new conv state. The new conv state is its own (one layer's) buffer rather
-than conv_state updated in place, since every block of a group reads B's and C's old window, which one of them
-could otherwise overwrite first; the SSM state is updated in place: each block reads and writes only its own
-(BLOCK_P, N) tile, and the stack moves no other bytes.
+BLOCK_P channels of x and the update; the first block of a group's first head writes B's and C's new conv state.
+The new conv state is its own (one layer's) buffer rather than conv_state updated in place, since every block of
+a group reads B's and C's old window, which one of them could otherwise overwrite first; the SSM state is updated
+in place: each block reads and writes only its own (BLOCK_P, N) tiles, and the stack moves no other bytes.
 
 Arrays: zxbcdt (M, IN_WIDTH) T; conv_state (L, M, CONV_DIM, D_CONV), new_conv_state (M, CONV_DIM, D_CONV) Tc;
 sum_squares (M, H * P / BLOCK_P) f32 (a dummy without SUM_SQUARES);
