@@ -62,9 +62,10 @@ def mixer_configs(dims) -> list[decode_mixer.MixerStepConfig]:
 CASES = ("in_proj", "out_proj", "head", "mixer")
 
 
-def cases(rows_list=(1, 8, 64, 256), names=CASES, state_dtypes=("bfloat16",)):
+def cases(rows_list=(1, 8, 64, 256), names=CASES, state_dtypes=("bfloat16",), mixer_layers=None):
     """(name, dims, plan builder, inputs, configs with the default first) of every timed plan: the projections
-    of bf16 weights, the mixer step with its state (and parameters) in each of `state_dtypes`."""
+    of bf16 weights, the mixer step with its state (and parameters) in each of `state_dtypes`, on stacks of
+    `mixer_layers` layers (None: the LM's 24; mamba2-370m's 48 take its 256-row state past int32 offsets)."""
     out = []
     for case, rows in itertools.product([n for n in names if n != "mixer"], rows_list):
         dims = projection_dims(case, SHAPES, rows, "bfloat16")
@@ -74,6 +75,8 @@ def cases(rows_list=(1, 8, 64, 256), names=CASES, state_dtypes=("bfloat16",)):
                     [default] + [c for c in swept if c != default]))
     for rows, dtype in itertools.product(rows_list if "mixer" in names else (), state_dtypes):
         dims = mixer_dims(SHAPES, rows, dtype)
+        if mixer_layers is not None:
+            dims = dataclasses.replace(dims, layers=mixer_layers)
         default = decode_mixer.mixer_step_default_config(dims)
         out.append(("mixer", dims, decode_mixer.mixer_step_plan, decode_mixer.mixer_step_inputs(dims),
                     [default] + [c for c in mixer_configs(dims) if c != default]))
@@ -130,6 +133,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--state-dtypes", nargs="+", choices=("bfloat16", "float32"), default=["bfloat16"],
                         help="the mixer step's state and parameters (default: bfloat16)")
+    parser.add_argument("--mixer-layers", type=int, default=None,
+                        help="layers of the mixer step's stacks (default: 24; 48 at 256 rows: the int64 kernel)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     args = parser.parse_args(argv)
     import cuda.tile as ct
@@ -145,13 +150,14 @@ def main(argv=None) -> int:
     env, records = environment(), []
     path = args.out / f"decode_launches_{gpu_slug(env.get('gpu', 'gpu'))}.json"
     args.out.mkdir(parents=True, exist_ok=True)
-    for case, dims, make_plan, inputs, configs in cases(args.rows, args.cases, args.state_dtypes):
+    for case, dims, make_plan, inputs, configs in cases(args.rows, args.cases, args.state_dtypes, args.mixer_layers):
         for i, cfg in enumerate(configs):
             plan = make_plan(dims, cfg)
             record = dict(case=case, rows=dims.rows, config=dataclasses.asdict(cfg), default=i == 0)
             if case == "mixer":
                 state_bytes = 4 if dims.ssm_state_dtype == "float32" else 2
-                record["state_dtype"] = dims.ssm_state_dtype
+                record.update(state_dtype=dims.ssm_state_dtype, layers=dims.layers,
+                              int64_index=decode_mixer.needs_int64_index(dims))
                 record["floor_us"] = 2 * dims.rows * dims.d_ssm * dims.dstate * state_bytes / (PEAK_HBM_TBPS * 1e6)
             try:
                 record.update(time_plan(ct, plan, _tensors(torch, inputs, plan.buffers, dims.layers // 2)))

@@ -26,3 +26,12 @@ def test_cases_time_well_formed_plans_default_first():
                 # sums of squares), then the product's (and with a split K the splits' sum)
                 norm = 0 if dims.norm_parts else 1
                 assert len(plan.launches) == norm + (1 if cfg.SPLIT_K == 1 else 2) and cfg.BLOCK_N >= 32
+
+
+def test_the_mixer_cases_take_mamba2_370m_s_48_layers_into_the_int64_kernel():
+    from jax_mamba2.kernels import decode_mixer
+
+    (_, dims, make_plan, _, configs), = decode_launches.cases((256,), ("mixer",), mixer_layers=48)
+    assert dims.layers == 48 and decode_mixer.needs_int64_index(dims)
+    for cfg in configs:
+        assert_plan_well_formed(make_plan(dims, cfg))
