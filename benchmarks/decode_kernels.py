@@ -178,17 +178,14 @@ def measure(case: str, s: Shapes, rows: int, param_dtype, config=None, budget_s:
     record = dict(case=case, d_model=s.d_model, rows=rows, param_dtype=jnp.dtype(param_dtype).name,
                   config=None if config is None else dataclasses.asdict(config),
                   default=config is None, floor_us=floor_bytes / (PEAK_HBM_TBPS * 1e12) * 1e6)
-    registered = backends.registered(decode.OP)["cutile"]
+    kernels = backends.registered(decode.OP)["cutile"].kernels
     if config is not None:  # the op's "cutile" backend runs the kernels in this config for the record
         choice = {"mixer_config" if case == "mixer" else "projection_config": lambda dims, c=config: c}
-        backends.register_backend(dataclasses.replace(
-            registered, kernels=decode_ops.make_kernels(ffi.run_plan, **choice)), op=decode.OP)
-    try:
+        kernels = decode_ops.make_kernels(ffi.run_plan, **choice)
+    with backends.kernels_replaced(decode.OP, "cutile", kernels):
         run = _program(fn, case)
         timing, _ = time_jax(lambda: run(arrays), budget_s, warmup_s=0.5)
         traced = _profile(lambda: run(arrays))
-    finally:
-        backends.register_backend(registered, op=decode.OP)
     us = timing.ms_pipelined * 1e3 / LAYERS
     ours = [d for name, _, d in traced if name.startswith(DECODE_KERNELS)]
     kernel_us = sum(ours) / LAYERS if ours else None  # the op's kernels per call: one or two launches

@@ -104,12 +104,11 @@ def _median(values) -> float:
 # Ours
 # ----------------------------------------------------------------------------------------------
 
-def use_mixer_heads(heads: int) -> None:
-    """The cutile backend's decode ops with `heads` heads per mixer-step block from 64 rows on (the default's tiles
-    otherwise), in this process (`decode_ops.make_kernels`)."""
+def mixer_heads_kernels(heads: int):
+    """The decode ops' kernels (FFI launches) with `heads` heads per mixer-step block from 64 rows on, the default
+    tiles otherwise (`decode_ops.make_kernels`)."""
     import dataclasses
 
-    from jax_mamba2 import backends, decode
     from jax_mamba2.bridge import decode_ops, ffi
     from jax_mamba2.kernels import decode_mixer
 
@@ -117,9 +116,7 @@ def use_mixer_heads(heads: int) -> None:
         default = decode_mixer.mixer_step_default_config(dims)
         return dataclasses.replace(default, HEADS=heads) if dims.rows >= 64 else default
 
-    registered = backends.registered(decode.OP)["cutile"]
-    backends.register_backend(dataclasses.replace(registered, kernels=decode_ops.make_kernels(
-        ffi.run_plan, mixer_config=mixer_config)), op=decode.OP)
+    return decode_ops.make_kernels(ffi.run_plan, mixer_config=mixer_config)
 
 
 def ours_model(job: dict):
@@ -220,8 +217,6 @@ def decode_ours(job: dict) -> dict:
 
     from benchmarks.environment import environment
 
-    if job.get("mixer_heads", 1) != 1:
-        use_mixer_heads(job["mixer_heads"])
     model = ours_model(job)
     decode_step = "fused" if model.layers.mixer.decodes_fused() else "composed"
     vocab = model.config.vocab_size
@@ -357,7 +352,14 @@ def decode_mamba_ssm(job: dict) -> dict:
 
 
 def work(job: dict) -> dict:
-    return decode_ours(job) if job["impl"] in OURS else decode_mamba_ssm(job)
+    if job["impl"] not in OURS:
+        return decode_mamba_ssm(job)
+    if job.get("mixer_heads", 1) == 1:
+        return decode_ours(job)
+    from jax_mamba2 import backends, decode
+
+    with backends.kernels_replaced(decode.OP, "cutile", mixer_heads_kernels(job["mixer_heads"])):
+        return decode_ours(job)
 
 
 # ----------------------------------------------------------------------------------------------

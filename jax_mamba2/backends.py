@@ -13,6 +13,7 @@ for a call the same way for every op.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -109,6 +110,18 @@ def _import_failure(module: str) -> Optional[str]:
     except ImportError as e:
         return str(e)
     return None
+
+
+@contextlib.contextmanager
+def kernels_replaced(op: str, name: str, kernels: Any):
+    """Inside the block, the registered layer backend `name` of `op` runs `kernels` (its other fields kept), e.g.
+    an op's kernels in tiles a benchmark or a test chose (the bridge modules' `make_kernels`); restored after."""
+    backend = registered(op)[name]
+    register_backend(dataclasses.replace(backend, kernels=kernels), op=op)
+    try:
+        yield
+    finally:
+        register_backend(backend, op=op)
 
 
 def registered(op: str = "ssd") -> dict[str, Any]:

@@ -94,6 +94,16 @@ def test_without_cuda_tile_the_cutile_backends_say_to_install_it():
     assert result.returncode == 0, result.stderr
 
 
+def test_kernels_replaced_swaps_a_layer_backend_s_kernels_inside_the_block_only():
+    xla = backends.registered("rms_norm")["xla"]
+    with pytest.raises(RuntimeError, match="inside"):
+        with backends.kernels_replaced("rms_norm", "xla", "stand-in kernels"):
+            swapped = backends.registered("rms_norm")["xla"]
+            assert swapped.kernels == "stand-in kernels" and swapped.name == "xla"
+            raise RuntimeError("inside")
+    assert backends.registered("rms_norm")["xla"] is xla
+
+
 def test_unknown_backend_error_lists_every_known_backend():
     args, kwargs = make_ssd_args(1, **SMALL)
     names = ", ".join(repr(n) for n in ("auto", *backends.known_names()))

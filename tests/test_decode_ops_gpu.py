@@ -6,7 +6,6 @@ against the same model on xla.
 
     python -m pytest -m gpu tests/test_decode_ops_gpu.py
 """
-import contextlib
 import dataclasses
 
 import jax
@@ -117,19 +116,12 @@ def test_fused_decode_matches_xla_over_many_tokens(scan_layers):
                           2e-3, donate=True)
 
 
-@contextlib.contextmanager
 def _cutile_decode_configs(**configs):
     """backend="cutile" of the decode ops with the tiles that `configs` (decode_ops.make_kernels' config functions)
     choose, inside the block."""
     from jax_mamba2.bridge import decode_ops, ffi  # needs cuda.tile: imported where the tests run
 
-    registered = backends.registered(decode.OP)["cutile"]
-    backends.register_backend(dataclasses.replace(registered, kernels=decode_ops.make_kernels(ffi.run_plan, **configs)),
-                              op=decode.OP)
-    try:
-        yield
-    finally:
-        backends.register_backend(registered, op=decode.OP)
+    return backends.kernels_replaced(decode.OP, "cutile", decode_ops.make_kernels(ffi.run_plan, **configs))
 
 
 def _assert_close(got, want, dtype):

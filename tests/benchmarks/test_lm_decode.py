@@ -58,20 +58,14 @@ def test_mixer_heads_make_a_cutile_job_each_and_key_the_record():
     assert lm_decode.label({**plain, "mixer_heads": 4}).endswith(", 4 heads per mixer block from 64 rows")
 
 
-def test_use_mixer_heads_gives_the_cutile_decode_kernels_that_config_from_64_rows(monkeypatch):
+def test_mixer_heads_kernels_take_that_config_from_64_rows(monkeypatch):
     pytest.importorskip("cuda.tile")
-    from jax_mamba2 import backends, decode
     from jax_mamba2.bridge import decode_ops
     from tests.kernels.test_decode_compile import _mixer
 
     made = {}
     monkeypatch.setattr(decode_ops, "make_kernels", lambda run_plan, **configs: made.update(configs) or "kernels")
-    registered = backends.registered(decode.OP)["cutile"]
-    try:
-        lm_decode.use_mixer_heads(4)
-        assert backends.registered(decode.OP)["cutile"].kernels == "kernels"
-    finally:
-        backends.register_backend(registered, op=decode.OP)
+    assert lm_decode.mixer_heads_kernels(4) == "kernels"
     assert made["mixer_config"](_mixer(64, "bfloat16")).HEADS == 4
     assert made["mixer_config"](_mixer(8, "bfloat16")).HEADS == 1
 

@@ -161,18 +161,17 @@ def test_emulated_lm_step_matches_xla_over_several_tokens(config, batch):
 
 
 @pytest.mark.parametrize("heads", [2, 4])
-def test_emulated_lm_step_with_several_heads_per_mixer_block_matches_xla(monkeypatch, heads):
+def test_emulated_lm_step_with_several_heads_per_mixer_block_matches_xla(heads):
     """The fused step with mixer-step blocks of HEADS heads (`MixerStepConfig.HEADS`; CONFIG has 4 heads in one
     group), token after token."""
     def mixer_config(dims):
         return dataclasses.replace(decode_mixer.mixer_step_default_config(dims), HEADS=heads)
 
-    registered = backends._REGISTRY[decode.OP]["cutile"]
-    monkeypatch.setitem(backends._REGISTRY[decode.OP], "cutile", dataclasses.replace(
-        registered, kernels=decode_ops.make_kernels(emulator.jax_run_plan, mixer_config=mixer_config)))
     models = {b: Mamba2LMHeadModel(CONFIG, backend=b, rngs=nnx.Rngs(0)) for b in ("cutile", "xla")}
     tokens = jax.random.randint(jax.random.key(3), (3, 2), 0, CONFIG.vocab_size)
-    assert_lm_steps_match(models, {b: m.init_cache(2) for b, m in models.items()}, tokens, 1e-5)
+    with backends.kernels_replaced(decode.OP, "cutile",
+                                   decode_ops.make_kernels(emulator.jax_run_plan, mixer_config=mixer_config)):
+        assert_lm_steps_match(models, {b: m.init_cache(2) for b, m in models.items()}, tokens, 1e-5)
 
 
 @pytest.mark.parametrize("norm_before_gate, group_size", [(False, 64), (True, 128)])

@@ -48,11 +48,15 @@ def run_projection(case, arrays, cfg=None, *, float64=True) -> dict:
     return result
 
 
+def mixer_dims(case, arrays, **layout):
+    """The kernel's problem for a mixer case's arrays, in the case's layout (updated by `layout`)."""
+    return decode_ops.mixer_dims(*(arrays[k] for k in ("zxbcdt", "conv_state", "conv_weight", "conv_bias", "A_log",
+                                                       "dt_bias", "D", "ssm_state")), **{**case.layout(), **layout})
+
+
 def run_mixer(case, arrays, cfg=None, *, float64=True, **layout) -> dict:
     """The plan's outputs (with sum_squares where a norm_z_offset in `layout` asks for them)."""
-    dims = decode_ops.mixer_dims(*(arrays[k] for k in ("zxbcdt", "conv_state", "conv_weight", "conv_bias",
-                                                       "A_log", "dt_bias", "D", "ssm_state")),
-                                 **{**case.layout(), **layout})
+    dims = mixer_dims(case, arrays, **layout)
     assert decode_mixer.mixer_step_unsupported_reason(dims) is None
     plan = decode_mixer.mixer_step_plan(dims, cfg)
     inputs = dict(arrays, layer_index=np.array([case.layer], np.int32))
@@ -185,8 +189,7 @@ def test_mixer_step_tiles_and_heads_per_block_leave_the_values(name, block_p, he
 
 def test_mixer_step_heads_per_block_must_divide_a_group():
     case = MIXER_CASES["gate_in_step"]  # 8 heads in 2 groups
-    dims = decode_ops.mixer_dims(*(mixer_inputs(case, seed=0)[k] for k in (
-        "zxbcdt", "conv_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D", "ssm_state")), **case.layout())
+    dims = mixer_dims(case, mixer_inputs(case, seed=0))
     with pytest.raises(ValueError, match="HEADS=8 must divide the heads of a group"):
         decode_mixer.mixer_step_plan(dims, decode_mixer.MixerStepConfig(HEADS=8))
     with pytest.raises(ValueError, match="HEADS=3 must be a power of two"):
@@ -200,8 +203,7 @@ def test_the_int64_indexed_mixer_step_matches_float64_reference(monkeypatch, hea
     monkeypatch.setattr(decode_mixer, "needs_int64_index", lambda dims: True)
     case = MIXER_CASES["gated_norm_mixer"]
     arrays = mixer_inputs(case, seed=23)
-    dims = decode_ops.mixer_dims(*(arrays[k] for k in ("zxbcdt", "conv_state", "conv_weight", "conv_bias", "A_log",
-                                                       "dt_bias", "D", "ssm_state")), **case.layout())
+    dims = mixer_dims(case, arrays)
     cfg = decode_mixer.MixerStepConfig(HEADS=heads)
     kernel = decode_mixer.mixer_step_plan(dims, cfg).launches[0].kernel
     assert kernel._annotated_function.pyfunc.__annotations__["ssm_state"] is ct.IndexedWithInt64
@@ -214,8 +216,7 @@ def test_plans_are_well_formed():
         assert_plan_well_formed(decode_projection.norm_project_plan(dims))
     for case in MIXER_CASES.values():
         arrays = mixer_inputs(case, seed=0)
-        dims = decode_ops.mixer_dims(*(arrays[k] for k in ("zxbcdt", "conv_state", "conv_weight", "conv_bias",
-                                                           "A_log", "dt_bias", "D", "ssm_state")), **case.layout())
+        dims = mixer_dims(case, arrays)
         assert_plan_well_formed(decode_mixer.mixer_step_plan(dims))
 
 
@@ -266,17 +267,9 @@ def _gated_norm_after_mixer(case, arrays, *, norm_before_gate, group_size, mixer
     """The mixer step with the gated norm's gate (norm_z_offset), then out_proj normalizing its rows (the step's y:
     the norm's input, gated unless norm_before_gate) from the step's sums of squares (norm_parts): (mixer outputs,
     the projection's out, its float64 oracle, the sums' oracle, the norm input's oracle)."""
-    layout = dict(case.layout(), z_offset=None)
-    dims = dataclasses.replace(
-        decode_ops.mixer_dims(*(arrays[k] for k in ("zxbcdt", "conv_state", "conv_weight", "conv_bias", "A_log",
-                                                    "dt_bias", "D", "ssm_state")), **layout),
-        norm_z_offset=0, norm_before_gate=norm_before_gate)
-    assert decode_mixer.mixer_step_unsupported_reason(dims) is None
-    inputs = dict(arrays, layer_index=np.array([case.layer], np.int32), ssm_state=arrays["ssm_state"].copy())
-    if inputs["conv_bias"] is None:
-        inputs["conv_bias"] = np.zeros((1, 1), np.float32)
-    mixed = emulator.run_plan(decode_mixer.mixer_step_plan(dims, mixer_cfg), inputs, float64=float64)
-    parts = decode_mixer.sum_squares_parts(dims, mixer_cfg)
+    layout = dict(z_offset=None, norm_z_offset=0, norm_before_gate=norm_before_gate)
+    mixed = run_mixer(case, arrays, mixer_cfg, float64=float64, **layout)
+    parts = decode_mixer.sum_squares_parts(mixer_dims(case, arrays, **layout), mixer_cfg)
     assert mixed["sum_squares"].shape == (case.rows, parts)
 
     norm_input = mixed["y"].reshape(case.rows, case.d_ssm)
