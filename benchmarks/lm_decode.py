@@ -354,7 +354,7 @@ def decode_mamba_ssm(job: dict) -> dict:
 def work(job: dict) -> dict:
     if job["impl"] not in OURS:
         return decode_mamba_ssm(job)
-    if job.get("mixer_heads", 1) == 1:
+    if job.get("mixer_heads") is None:
         return decode_ours(job)
     from jax_mamba2 import backends, decode
 
@@ -389,8 +389,8 @@ def label(record: dict) -> str:
             ", fused step" if record.get("decode_step") == "fused" else "")
         sampling = record.get("sampling", "greedy")
         sampled = f", {sampling}" if sampling != "greedy" else ""
-        heads = record.get("mixer_heads", 1)
-        mixer = f", {heads} heads per mixer block from 64 rows" if heads != 1 else ""
+        heads = record.get("mixer_heads")
+        mixer = f", {heads} heads per mixer block from 64 rows" if heads is not None else ""
         return f"{text}, command buffers {record['command_buffers']}{layers}{flags}{step}{sampled}{mixer}"
     conv = record.get("causal_conv1d")
     return f"{text}, {'causal_conv1d ' + conv if conv else 'no causal_conv1d'}"
@@ -484,9 +484,9 @@ def parse_args(argv=None):
     parser.add_argument("--decode-steps", type=int, default=128, help="timed token steps per round (default: 128)")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (default: 5)")
     parser.add_argument("--warmup-seconds", type=float, default=2.0, help="untimed rounds first (default: 2 s)")
-    parser.add_argument("--mixer-heads", nargs="+", type=int, default=[1],
-                        help="ours, cutile: heads per mixer-step block from 64 rows on, one process each (default: 1, "
-                             "the kernels' default config)")
+    parser.add_argument("--mixer-heads", nargs="+", type=int, default=[None],
+                        help="ours, cutile: heads per mixer-step block from 64 rows on, one process each (default: the "
+                             "kernels' default config)")
     parser.add_argument("--profile", action="store_true",
                         help="ours: a token step's GPU time per kernel category, from jax.profiler (default: off)")
     lm_bench.add_peer_flags(parser)
@@ -515,10 +515,11 @@ def jobs(args) -> list[tuple[dict, dict]]:
                                  "command_buffers": None}, {}))
                     continue
                 for buffers, sampling, heads in itertools.product(args.command_buffers, args.sampling,
-                                                                  args.mixer_heads if impl == "cutile" else [1]):
+                                                                  args.mixer_heads if impl == "cutile" else [None]):
                     out.append(({**common, "config": config, "impl": impl, "param_dtype": param_dtype,
                                  "command_buffers": buffers, "scan_layers": not args.unroll_layers,
-                                 "profile": args.profile, "sampling": sampling, "mixer_heads": heads},
+                                 "profile": args.profile, "sampling": sampling,
+                                 **({} if heads is None else {"mixer_heads": heads})},
                                 lm_bench.command_buffer_env(buffers)))
     return out
 
@@ -534,11 +535,11 @@ def record_key(record: dict) -> tuple:
     for ours whether the layers were unrolled, the XLA flags it ran under, its decode step: "fused" or
     "composed" (records from when the fused step ran from some batch on carry that batch instead; None: records
     from before the fused step existed), its sampling (records without one were greedy) and its heads per
-    mixer-step block (1 without)."""
+    mixer-step block where forced (None: the kernels' default config of the record's commit)."""
     return (record["config"], record["impl"], record["param_dtype"], record.get("command_buffers"),
             record.get("scan_layers") is False, user_xla_flags(record),
             record.get("fused_decode_min_batch", record.get("decode_step")), record.get("sampling", "greedy"),
-            record.get("mixer_heads", 1))
+            record.get("mixer_heads"))
 
 
 def main(argv=None) -> int:

@@ -140,15 +140,28 @@ def mixer_step_default_config(dims: MixerStepDims) -> MixerStepConfig:
     blocks per SM of an H200 (264), half heads (32 rows) from one per SM (132), else about 2K state values per
     block, as `ssd_step`'s kernel. Occupancy 4: the fastest config of every batch measured had it (docs/design.md,
     "Decode"); so a block's state tile stays within MAX_STATE_TILE_BYTES, which keeps 4 blocks' shared memory
-    within an SM (a whole head of an f32 state, 64 x 128, would take 83.7 KB: 2 blocks per SM). With 64-bit
-    offsets a 64-row block needs more than occupancy 4's 64 registers per thread (48 bytes of stack at 64 x 128
-    bf16): occupancy 3 there."""
+    within an SM (a whole head of an f32 state, 64 x 128, would take 83.7 KB: 2 blocks per SM). Where there are
+    blocks to spare, each takes several heads of its group (`_heads_per_block`). With 64-bit offsets a block keeps
+    one head: its 64-bit offsets already take 48 bytes of stack at 64 x 128 bf16, which measured faster than
+    occupancy 3's spill-free build all the same."""
     heads = dims.rows * dims.nheads
     if heads >= SM90_SMS:
         rows_that_fit = MAX_STATE_TILE_BYTES // (dims.dstate * (4 if dims.ssm_state_dtype == "float32" else 2))
         block_p = min(dims.headdim, 64 if heads >= 2 * SM90_SMS else 32, max(16, rows_that_fit))
-        return MixerStepConfig(BLOCK_P=block_p, OCCUPANCY=3 if block_p == 64 and needs_int64_index(dims) else 4)
+        return MixerStepConfig(BLOCK_P=block_p,
+                               HEADS=1 if needs_int64_index(dims) else _heads_per_block(dims, block_p))
     return MixerStepConfig(BLOCK_P=min(dims.headdim, 64, max(4, 2048 // dims.dstate)))
+
+
+def _heads_per_block(dims: MixerStepDims, block_p: int) -> int:
+    """The most heads of a group per block, up to 8, that leave at least two blocks per SM of an H200: fewer
+    blocks convolve B and C fewer times and overlap one head's loads with another's work, until the grid no
+    longer covers the SMs (d1024-l24 bf16 at 64 rows: 4 heads 20.2 us, 8 heads 24.3, 1 head 25.2)."""
+    blocks = dims.rows * dims.nheads * (dims.headdim // block_p)
+    heads = 8
+    while heads > 1 and ((dims.nheads // dims.ngroups) % heads or blocks // heads < 2 * SM90_SMS):
+        heads //= 2
+    return heads
 
 
 def mixer_step_unsupported_reason(dims: MixerStepDims) -> Optional[str]:
