@@ -420,29 +420,30 @@ def train_mamba_ssm(job: dict) -> dict:
     return {**train_torch_model(job, parts, device), "use_mem_eff_path": fused, "causal_conv1d": conv_version}
 
 
-def use_conv_configs(spec: str) -> None:
-    """Registers the cuTile conv kernels at the configs of `spec`, "FWD,BWD" in benchmarks/conv1d.py's notation
-    (e.g. 16x512x3,8x32x128x4), as this process's "cutile" conv backend: every conv call of the LM then
-    runs them (each must fit its problem)."""
+def conv_kernels(spec: str):
+    """The cuTile conv kernels (`conv_ops.BACKENDS["cutile"]`) at the configs of `spec`, "FWD,BWD" in
+    benchmarks/conv1d.py's notation (e.g. 16x512x3,8x32x128x4); each must fit its problem."""
     import dataclasses
 
     from benchmarks.conv1d import parse_config
-    from jax_mamba2 import backends
     from jax_mamba2.bridge import conv_ops
     from jax_mamba2.kernels.causal_conv1d import ConvFwdConfig
     from jax_mamba2.kernels.causal_conv1d_bwd import ConvBwdConfig
 
     fwd, bwd = spec.split(",")
-    kernels = dataclasses.replace(conv_ops.BACKENDS["cutile"], fwd_config=parse_config(fwd, ConvFwdConfig),
-                                  bwd_config=parse_config(bwd, ConvBwdConfig))
-    backends.register_backend(backends.LayerBackend("cutile", kernels, conv_ops.unsupported_reason, auto_priority=2),
-                              op="causal_conv1d")
+    return dataclasses.replace(conv_ops.BACKENDS["cutile"], fwd_config=parse_config(fwd, ConvFwdConfig),
+                               bwd_config=parse_config(bwd, ConvBwdConfig))
 
 
 def work(job: dict) -> dict:
-    if job.get("conv_configs"):
-        use_conv_configs(job["conv_configs"])
-    return train_ours(job) if job["impl"] in OURS else train_mamba_ssm(job)
+    if job["impl"] not in OURS:
+        return train_mamba_ssm(job)
+    if not job.get("conv_configs"):
+        return train_ours(job)
+    from jax_mamba2 import backends, conv1d
+
+    with backends.kernels_replaced(conv1d.OP, "cutile", conv_kernels(job["conv_configs"])):
+        return train_ours(job)
 
 
 # ----------------------------------------------------------------------------------------------

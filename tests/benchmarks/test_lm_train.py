@@ -296,11 +296,15 @@ def test_conv_configs_reach_the_worker_and_key_the_record(monkeypatch):
     _assert_variant_reaches_ours_and_keys_the_record(["--conv-configs", spec], "conv_configs", spec, None,
                                                      f", conv kernels {spec}")
     pytest.importorskip("cuda.tile")
-    from jax_mamba2 import backends
+    from jax_mamba2 import backends, conv1d
     from jax_mamba2.bridge import conv_ops
-    monkeypatch.setitem(backends._REGISTRY, "causal_conv1d", dict(backends._REGISTRY["causal_conv1d"]))
-    lm_train.use_conv_configs(spec)
-    kernels = backends._REGISTRY["causal_conv1d"]["cutile"].kernels
+    seen = []
+    monkeypatch.setattr(lm_train, "train_ours", lambda job: seen.append(backends.registered(conv1d.OP)["cutile"]))
+    registered = backends.registered(conv1d.OP)["cutile"]
+    lm_train.work({"impl": "cutile", "conv_configs": spec})
+    assert backends.registered(conv1d.OP)["cutile"] == registered  # restored after the worker's run
+    assert seen[0].unsupported_reason is registered.unsupported_reason
+    kernels = seen[0].kernels
     assert kernels.run_plan is conv_ops.BACKENDS["cutile"].run_plan
     assert (kernels.fwd_config.BLOCK_C, kernels.fwd_config.OCCUPANCY, kernels.bwd_config.BLOCK_L,
             kernels.bwd_config.BLOCK_C) == (256, 2, 16, 64)

@@ -178,6 +178,8 @@ def test_mixer_step_tiles_and_heads_per_block_leave_the_values(name, block_p, he
     arrays = mixer_inputs(case, seed=22)
     cfg = decode_mixer.MixerStepConfig(BLOCK_P=block_p, HEADS=heads)
     _assert_close(run_mixer(case, arrays, cfg), mixer_oracle(case, arrays), TOLERANCE[True])
+    if heads == 1:
+        return  # one head per block is what the rest compares against
     # The gated norm's input and its sums of squares (one per head and state tile): as one head per block gives.
     norm = dict(z_offset=None, norm_z_offset=0)
     got = run_mixer(case, arrays, cfg, **norm)
