@@ -38,7 +38,7 @@ OP = "cross_entropy"
 # The head's vocabulary is padded (zero weight rows, columns outside the softmax) to a multiple of this once per
 # call. XLA's GPU compiler pads the contraction dimension of the hidden states' gradient product (the vocabulary)
 # to a multiple of 16 at bf16; left to it, that pad is two passes per chunk, one over the weight and one over the
-# chunk's logits' gradient (1.5 ms of a d1024 training step at 8 x 2048 tokens, docs/design.md §12). 64 covers
+# chunk's logits' gradient (docs/design.md §12 measures them). 64 covers
 # every dtype's multiple at a cost of at most 63 columns.
 _VOCAB_MULTIPLE = 64
 

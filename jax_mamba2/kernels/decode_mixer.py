@@ -156,7 +156,7 @@ def mixer_step_default_config(dims: MixerStepDims) -> MixerStepConfig:
 def _heads_per_block(dims: MixerStepDims, block_p: int) -> int:
     """The most heads of a group per block, up to 8, that leave at least two blocks per SM of an H200: fewer
     blocks convolve B and C fewer times and overlap one head's loads with another's work, until the grid no
-    longer covers the SMs (d1024-l24 bf16 at 64 rows: 4 heads 20.2 us, 8 heads 24.3, 1 head 25.2)."""
+    longer covers the SMs (docs/design.md, "Heads per mixer-step block")."""
     blocks = dims.rows * dims.nheads * (dims.headdim // block_p)
     heads = 8
     while heads > 1 and ((dims.nheads // dims.ngroups) % heads or blocks // heads < 2 * SM90_SMS):

@@ -27,7 +27,7 @@ Two launches (one without the norm, three with a split K):
   SPLIT_K > 1 the grid gains a third axis over shares of K, each writing an f32 partial product, and
   `decode_split_sum_kernel` sums them into out.
 Folding the norm into the product's K loop (one launch) put a row reduction and four more loads on every step's
-critical path and measured 1.8-2.8x slower on the H200 than the two launches (docs/design.md, "Decode"). What can
+critical path and was slower on the H200 than the two launches (docs/design.md, "Decode"). What can
 be folded is the normalization alone, with the statistics computed elsewhere: with NORM_PARTS (the gated norm after
 the mixer step, whose kernel sums the squares of its own blocks' channels) the product loads a group's sums of
 squares (one tile per group, before the K loop for one group), and per K step scales the rows it loads by them and
@@ -60,8 +60,8 @@ MAX_PARTS_TILE = 64
 # Product blocks in one wave of an H200: one block per SM (as measured: a block's pipelined loads hold 76-167 KB
 # of shared memory at the default tiles).
 WAVE_BLOCKS = SM90_SMS
-# Up to this many rows a product streams its weight as one row does (out_proj took 8.9 us at 8 rows, 8.8 at
-# one), so the default splits a narrow product's K there (see projection_default_config).
+# Up to this many rows a product streams its weight as one row does (out_proj takes about as long at 8 rows as
+# at one), so the default splits a narrow product's K there (see projection_default_config).
 SPLIT_ROWS = 8
 _INT32_MAX = (1 << 31) - 1
 
@@ -205,8 +205,8 @@ def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
 
     A narrow product of up to SPLIT_ROWS rows (out_proj's 1024 columns: 16 blocks of 64) splits K over 4
     blocks (2 where 4 would pass a wave): more blocks stream the weight at once, and the partials' sum is one
-    more small launch. At one row that took out_proj (2048 x 1024, bf16) from 8.8 to 7.1 us per layer; in_proj
-    (69 blocks of 64, which a split of 2 takes past a wave) was slower split, and at 64 rows no split paid. Where
+    more small launch: faster for out_proj (2048 x 1024) at one row, while in_proj (69 blocks of 64, which a
+    split of 2 takes past a wave) was slower split, and at 64 rows no split paid (docs/design.md, "Decode"). Where
     the product normalizes (norm_parts), its K step also stays within a group of the norm and starts the gate's
     columns on a step (`norm_block_k`)."""
     m_blocks = -(-dims.rows // dims.block_m)
