@@ -64,14 +64,15 @@ class Backend:
 
 @dataclasses.dataclass(frozen=True)
 class LayerBackend:
-    """One way of computing a layer op of the mixer (the conv, the norms).
+    """One way of computing an op other than the SSD (the conv, the norms, the loss's softmax, the decode step).
 
     `kernels` runs the op; its interface is the op module's (`bridge.conv_ops.ConvKernels` for the conv,
-    `bridge.norm_ops.NormKernels` for the norms, `bridge.loss_ops.LossKernels` for the loss's softmax), and None
-    is the op's pure-JAX path.
+    `bridge.norm_ops.NormKernels` for the norms, `bridge.loss_ops.LossKernels` for the loss's softmax,
+    `bridge.decode_ops.DecodeKernels` for the decode step), and None is the op's pure-JAX path.
     unsupported_reason(problem) -> None or a sentence saying why this call cannot run here, for the op module's
     description of the call (the conv's ConvInputs, the norms' NormDims from `bridge.norm_ops.norm_dims`, the
-    loss's CrossEntropyDims from `bridge.loss_ops.loss_dims`).
+    loss's CrossEntropyDims from `bridge.loss_ops.loss_dims`, the decode ops' ProjectionDims or MixerStepDims from
+    `bridge.decode_ops.projection_dims` / `mixer_dims`).
     """
 
     name: str

@@ -142,8 +142,7 @@ def mixer_step_default_config(dims: MixerStepDims) -> MixerStepConfig:
     "Decode"); so a block's state tile stays within MAX_STATE_TILE_BYTES, which keeps 4 blocks' shared memory
     within an SM (a whole head of an f32 state, 64 x 128, would take 83.7 KB: 2 blocks per SM). Where there are
     blocks to spare, each takes several heads of its group (`_heads_per_block`). With 64-bit offsets a block keeps
-    one head: its 64-bit offsets already take 48 bytes of stack at 64 x 128 bf16, which measured faster than
-    occupancy 3's spill-free build all the same."""
+    one head: several measured slower there (docs/design.md, "Heads per mixer-step block")."""
     heads = dims.rows * dims.nheads
     if heads >= SM90_SMS:
         rows_that_fit = MAX_STATE_TILE_BYTES // (dims.dstate * (4 if dims.ssm_state_dtype == "float32" else 2))

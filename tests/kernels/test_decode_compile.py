@@ -121,7 +121,8 @@ def test_the_mixer_step_default_takes_several_heads_per_block_where_blocks_are_t
     cfg = decode_mixer.mixer_step_default_config(dims)
     assert cfg.HEADS == heads, cfg
     assert (nheads // ngroups) % cfg.HEADS == 0
-    assert rows * nheads * (64 // cfg.BLOCK_P) // cfg.HEADS >= (2 * 132 if heads > 1 else 1)
+    if heads > 1:
+        assert rows * nheads * (64 // cfg.BLOCK_P) // cfg.HEADS >= 2 * decode_mixer.SM90_SMS
     decode_mixer.mixer_step_plan(dims, cfg)  # the plan accepts it
 
 
@@ -175,9 +176,8 @@ def test_the_normalizing_product_leaves_the_gate_to_the_mixer_step():
 
 def test_the_mixer_step_takes_64_bit_offsets_into_stacks_past_int32():
     """mamba2-370m's SSM state stack at 256 rows (48 layers x 256 x 2048 x 128 = 3.2e9 elements) would overflow
-    int32 offsets: its plan launches the int64-indexed kernel, one head per block at occupancy 4, where the 64-bit
-    offsets take a small stack (no local memory) and still run faster than occupancy 3's spill-free build (docs/
-    design.md, "Decode"); 24 layers stay int32."""
+    int32 offsets: its plan launches the int64-indexed kernel, one head per block at occupancy 4, spill-free
+    within that occupancy's registers; 24 layers stay int32."""
     dims = dataclasses.replace(_mixer(256, "bfloat16"), layers=48)
     assert decode_mixer.needs_int64_index(dims) and not decode_mixer.needs_int64_index(_mixer(256, "bfloat16"))
     assert decode_mixer.mixer_step_unsupported_reason(dims) is None
@@ -186,8 +186,5 @@ def test_the_mixer_step_takes_64_bit_offsets_into_stacks_past_int32():
     assert annotations["ssm_state"] is ct.IndexedWithInt64 and annotations["conv_state"] is ct.IndexedWithInt64
     assert decode_mixer.mixer_step_default_config(dims) == decode_mixer.MixerStepConfig(BLOCK_P=64, OCCUPANCY=4)
     cubin = plan_cubins((plan, decode_mixer.mixer_step_inputs(dims)))["mixer_step_kernel"]
-    try:
-        usage = {k: int(v) for k, v in re.findall(r"(LOCAL|STACK|REG):(\d+)", resource_usage(cubin))}
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    assert usage["LOCAL"] == 0 and usage["STACK"] <= 64 and usage["REG"] * 128 * 4 <= 65536, usage
+    _assert_spill_free({"mixer int64": cubin})
+    assert int(re.search(r"REG:(\d+)", resource_usage(cubin)).group(1)) * 128 * 4 <= 65536
