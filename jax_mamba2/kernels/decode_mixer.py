@@ -141,14 +141,15 @@ def mixer_step_default_config(dims: MixerStepDims) -> MixerStepConfig:
     block, as `ssd_step`'s kernel. Occupancy 4: the fastest config of every batch measured had it (docs/design.md,
     "Decode"); so a block's state tile stays within MAX_STATE_TILE_BYTES, which keeps 4 blocks' shared memory
     within an SM (a whole head of an f32 state, 64 x 128, would take 83.7 KB: 2 blocks per SM). Where there are
-    blocks to spare, each takes several heads of its group (`_heads_per_block`). With 64-bit offsets a block keeps
-    one head: several measured slower there (docs/design.md, "Heads per mixer-step block")."""
+    blocks to spare, each takes several heads of its group (`_heads_per_block`), also with 64-bit offsets where a
+    layer's SSM state is addressed as an array of its own (`views_the_layer_state`); without that view, one head
+    per block (docs/design.md, "Heads per mixer-step block")."""
     heads = dims.rows * dims.nheads
     if heads >= SM90_SMS:
         rows_that_fit = MAX_STATE_TILE_BYTES // (dims.dstate * (4 if dims.ssm_state_dtype == "float32" else 2))
         block_p = min(dims.headdim, 64 if heads >= 2 * SM90_SMS else 32, max(16, rows_that_fit))
-        return MixerStepConfig(BLOCK_P=block_p,
-                               HEADS=1 if needs_int64_index(dims) else _heads_per_block(dims, block_p))
+        plain_int64 = needs_int64_index(dims) and not views_the_layer_state(dims)
+        return MixerStepConfig(BLOCK_P=block_p, HEADS=1 if plain_int64 else _heads_per_block(dims, block_p))
     return MixerStepConfig(BLOCK_P=min(dims.headdim, 64, max(4, 2048 // dims.dstate)))
 
 
@@ -183,6 +184,12 @@ def mixer_step_unsupported_reason(dims: MixerStepDims) -> Optional[str]:
     return None
 
 
+def views_the_layer_state(dims: MixerStepDims) -> bool:
+    """Whether the kernel addresses the layer's SSM state through `entry_view`: where the stacks need 64-bit
+    offsets but one layer's state fits int32 ones (mamba2-370m's 48 layers at 256 rows: 67M elements a layer)."""
+    return needs_int64_index(dims) and dims.rows * dims.d_ssm * dims.dstate <= _INT32_MAX
+
+
 def needs_int64_index(dims: MixerStepDims) -> bool:
     """Whether a state stack of `dims` has 2^31 or more elements, so that int32 offsets into it could overflow."""
     return dims.layers * dims.rows * max(dims.d_ssm * dims.dstate, dims.conv_dim * dims.d_conv) > _INT32_MAX
@@ -209,6 +216,17 @@ def _conv_silu(zxbcdt, conv_state, conv_weight, conv_bias, layer, b, channel_blo
         acc = acc + bias.astype(T).astype(ct.float32)
     u = acc.astype(T).astype(ct.float32)
     return (u * sigmoid(u)).astype(T).astype(ct.float32), window
+
+
+def _layer_state(ssm_state, layer, rows, nheads, headdim, dstate):
+    """ssm_state[layer] of an (L, rows, nheads, headdim, dstate) stack as an array of its own (row-major at the
+    layer's address, shapes and strides int32). In the int64-indexed kernel its tiles are then addressed with
+    int32 offsets from a 64-bit base, so their loads and stores keep the bulk tensor copies (TMA) the compiler
+    gives int32-indexed arrays and not int64-indexed ones (sm_90, tileiras 13.4); a layer must hold fewer than
+    2^31 elements (`views_the_layer_state`)."""
+    return ct.Array.from_foreign(ssm_state.slice(0, layer, layer + 1).foreign_pointer,
+                                 (rows, nheads, headdim, dstate),
+                                 (nheads * headdim * dstate, headdim * dstate, dstate, 1))
 
 
 def mixer_step_kernel(
@@ -243,6 +261,7 @@ def mixer_step_kernel(
     DT_MIN: ConstFloat,
     DT_MAX: ConstFloat,
     HEADS: ConstInt,     # heads per block (of one group): B's and C's conv computed once for them
+    STATE_VIEW: ConstBool,  # the layer's SSM state through `entry_view` (int64-indexed kernels)
 ):
     nheads = y.shape[1]
     headdim = y.shape[2]
@@ -256,6 +275,9 @@ def mixer_step_kernel(
     layer = ct.load(layer_index, index=(0,), shape=(1,)).item()
     d_ssm = nheads * headdim
     p_blocks = headdim // BLOCK_P
+    # The layer's SSM state: with STATE_VIEW its entry of the stack as an int32-indexed array of its own.
+    if STATE_VIEW:
+        state = _layer_state(ssm_state, layer, y.shape[0], nheads, headdim, DSTATE)
 
     # B and C of the group, which the block's HEADS heads share: conv channels d_ssm + g * DSTATE and
     # d_ssm + (NGROUPS + g) * DSTATE onwards.
@@ -285,11 +307,16 @@ def mixer_step_kernel(
             D_p = ct.load(D, index=(layer, h, pb), shape=(1, 1, BLOCK_P)).reshape((BLOCK_P,)).astype(ct.float32)
         else:
             D_p = ct.load(D, index=(layer, h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
-        s = ct.load(ssm_state, index=(layer, b, h, pb, 0), shape=(1, 1, 1, BLOCK_P, DSTATE)
-                    ).reshape((BLOCK_P, DSTATE)).astype(ct.float32)
-        s, y_p = state_step(s, x_p, delta, A_h, B_n, C_n, D_p)
-        ct.store(ssm_state, index=(layer, b, h, pb, 0),
-                 tile=s.reshape((1, 1, 1, BLOCK_P, DSTATE)).astype(ssm_state.dtype))
+        if STATE_VIEW:
+            s = ct.load(state, index=(b, h, pb, 0), shape=(1, 1, BLOCK_P, DSTATE))
+        else:
+            s = ct.load(ssm_state, index=(layer, b, h, pb, 0), shape=(1, 1, 1, BLOCK_P, DSTATE))
+        s, y_p = state_step(s.reshape((BLOCK_P, DSTATE)).astype(ct.float32), x_p, delta, A_h, B_n, C_n, D_p)
+        if STATE_VIEW:
+            ct.store(state, index=(b, h, pb, 0), tile=s.reshape((1, 1, BLOCK_P, DSTATE)).astype(ssm_state.dtype))
+        else:
+            ct.store(ssm_state, index=(layer, b, h, pb, 0),
+                     tile=s.reshape((1, 1, 1, BLOCK_P, DSTATE)).astype(ssm_state.dtype))
         if HAS_Z:
             z = ct.load(zxbcdt, index=(b, Z_OFFSET // BLOCK_P + x_block), shape=(1, BLOCK_P)).reshape((BLOCK_P,))
             y_p = silu_gate(y_p, z)
@@ -353,7 +380,7 @@ def mixer_step_plan(dims: MixerStepDims, cfg: Optional[MixerStepConfig] = None) 
               dims.d_conv, next_power_of_2(dims.d_conv), dims.xbc_offset, dims.dt_offset, dims.has_z,
               dims.z_offset or 0, dims.has_sum_squares, dims.norm_z_offset or 0, dims.norm_before_gate,
               dims.has_conv_bias, dims.d_per_channel, dims.dt_softplus, dims.has_dt_limit, dt_min, dt_max,
-              cfg.HEADS),
+              cfg.HEADS, views_the_layer_state(dims)),
         writes=("ssm_state", "new_conv_state", "y", SUM_SQUARES_OUTPUT),
     )
     return Plan(

@@ -18,6 +18,7 @@ Semantics follow cuda/tile/_stub.py, made strict where the GPU would be silently
   is exercised.
 Not emulated: tf32 rounding (tfloat32 is float32), latency/TMA hints, reduction order.
 """
+import builtins
 import contextlib
 import functools
 import itertools
@@ -222,7 +223,13 @@ def mma(x, y, acc):
 
 
 class _EmulatedArray(np.ndarray):
-    """A NumPy array with the `slice` and `tiled_view(...).atomic_store_add` of a cuda.tile Array."""
+    """A NumPy array with the `slice`, `foreign_pointer` and `tiled_view(...).atomic_store_add` of a cuda.tile
+    Array."""
+
+    @property
+    def foreign_pointer(self):
+        """The array itself stands for its base pointer (`Array.from_foreign` views its memory)."""
+        return self
 
     def slice(self, axis, start, stop):
         """The zero-copy view [start, stop) of `axis`, with cuda.tile's bounds (0 <= start < N, start <= stop
@@ -235,6 +242,23 @@ class _EmulatedArray(np.ndarray):
     def tiled_view(self, tile_shape, *, padding_mode=None, traversal_steps=None):
         assert traversal_steps is None
         return _TiledView(self, tuple(tile_shape))
+
+
+class Array:
+    """cuda.tile's Array where kernels call it: `Array.from_foreign`."""
+
+    @staticmethod
+    def from_foreign(pointer, shape, strides):
+        """The array of `shape` and element `strides` at `pointer`'s address (a view of its memory), which must lie
+        within the array the pointer came from (cuda.tile cannot check it; the GPU would read or write past it)."""
+        shape = tuple(int(n) for n in shape)
+        strides = tuple(int(n) for n in strides)
+        assert pointer.flags.c_contiguous, "a foreign pointer of a contiguous array"
+        last = builtins.sum((n - 1) * s for n, s in zip(shape, strides))  # this module's sum is ct.sum
+        assert all(n > 0 for n in shape) and all(s >= 0 for s in strides) and last < pointer.size, (
+            shape, strides, pointer.shape)
+        view = np.lib.stride_tricks.as_strided(pointer, shape, tuple(s * pointer.itemsize for s in strides))
+        return view.view(_EmulatedArray)
 
 
 class _TiledView:

@@ -198,17 +198,23 @@ def test_mixer_step_heads_per_block_must_divide_a_group():
         decode_mixer.MixerStepConfig(HEADS=3)
 
 
+@pytest.mark.parametrize("layer_view", [True, False])
 @pytest.mark.parametrize("heads", [1, 4])
-def test_the_int64_indexed_mixer_step_matches_float64_reference(monkeypatch, heads):
+def test_the_int64_indexed_mixer_step_matches_float64_reference(monkeypatch, heads, layer_view):
     """The kernel a state stack past int32 offsets launches (decode_mixer.needs_int64_index), here forced at a
-    small stack, with one or several heads per block: the same values as the int32 one's."""
+    small stack, with one or several heads per block, its layer's SSM state addressed through a view of its own
+    (`views_the_layer_state`: one layer under 2^31 elements) or in the stack: the same values as the int32
+    one's."""
     monkeypatch.setattr(decode_mixer, "needs_int64_index", lambda dims: True)
+    if not layer_view:
+        monkeypatch.setattr(decode_mixer, "views_the_layer_state", lambda dims: False)
     case = MIXER_CASES["gated_norm_mixer"]
     arrays = mixer_inputs(case, seed=23)
     dims = mixer_dims(case, arrays)
     cfg = decode_mixer.MixerStepConfig(HEADS=heads)
-    kernel = decode_mixer.mixer_step_plan(dims, cfg).launches[0].kernel
-    assert kernel._annotated_function.pyfunc.__annotations__["ssm_state"] is ct.IndexedWithInt64
+    launch = decode_mixer.mixer_step_plan(dims, cfg).launches[0]
+    assert launch.kernel._annotated_function.pyfunc.__annotations__["ssm_state"] is ct.IndexedWithInt64
+    assert launch.args[-1] is layer_view  # STATE_VIEW
     _assert_close(run_mixer(case, arrays, cfg), mixer_oracle(case, arrays), TOLERANCE[True])
 
 
