@@ -185,7 +185,7 @@ def mixer_step_unsupported_reason(dims: MixerStepDims) -> Optional[str]:
 
 
 def views_the_layer_state(dims: MixerStepDims) -> bool:
-    """Whether the kernel addresses the layer's SSM state through `entry_view`: where the stacks need 64-bit
+    """Whether the kernel addresses the layer's SSM state through `_layer_state`: where the stacks need 64-bit
     offsets but one layer's state fits int32 ones (mamba2-370m's 48 layers at 256 rows: 67M elements a layer)."""
     return needs_int64_index(dims) and dims.rows * dims.d_ssm * dims.dstate <= _INT32_MAX
 
