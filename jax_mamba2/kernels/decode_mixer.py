@@ -261,7 +261,7 @@ def mixer_step_kernel(
     DT_MIN: ConstFloat,
     DT_MAX: ConstFloat,
     HEADS: ConstInt,     # heads per block (of one group): B's and C's conv computed once for them
-    STATE_VIEW: ConstBool,  # the layer's SSM state through `entry_view` (int64-indexed kernels)
+    STATE_VIEW: ConstBool,  # the layer's SSM state through `_layer_state` (int64-indexed kernels)
 ):
     nheads = y.shape[1]
     headdim = y.shape[2]
