@@ -92,7 +92,7 @@ def test_group_windows_apart_leave_b_and_c_to_the_caller(backend):
     others = np.array([i for i in range(case.layers) if i != case.layer])
     np.testing.assert_array_equal(plain[2][others], a["conv_state"][others])  # no other layer's conv state
     np.testing.assert_array_equal(windows, plain[2][case.layer, :, d_ssm:])
-    whole = jax_mamba2.decode.write_group_windows(conv_state, windows[None], d_ssm, case.layer)
+    whole = jax_mamba2.write_group_windows(conv_state, windows[None], d_ssm, case.layer)
     for got, want in zip((y, ssm_state, whole), plain):
         np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="group_windows_apart=True needs the stacks of a `layer`"):
