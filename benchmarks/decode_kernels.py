@@ -142,29 +142,35 @@ def _arrays(case: str, s: Shapes, rows: int, param_dtype, key):
         zxbcdt, conv_state, ssm_state, params["conv_weight"], params["conv_bias"], params["A_log"],
         params["dt_bias"], params["D"], nheads=s.nheads, headdim=s.headdim, ngroups=1, dstate=s.d_state,
         xbc_offset=s.d_inner, dt_offset=s.d_inner + s.conv_dim,
-        norm_z_offset=0 if rows <= GATED_NORM_IN_MIXER_ROWS else None, layer=layer)), arrays, floor
+        norm_z_offset=0 if rows <= GATED_NORM_IN_MIXER_ROWS else None, layer=layer,
+        group_windows_apart=True)), arrays, floor
 
 
 def _program(fn, case: str):
     """call(arrays) -> outputs: one jitted program launching fn for each of the LAYERS layers; the mixer threads
-    its SSM state stack through the launches and the calls (donated, so that it is updated in place)."""
+    its state stacks through the launches and the calls (donated, so that they are updated in place) and writes
+    the layers' B and C conv windows at the end, as the LM's token step does."""
     if case != "mixer":
         run = jax.jit(lambda arrays: [fn(layer, **arrays) for layer in range(LAYERS)])
         return run
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def run_mixer(arrays, ssm_state):
-        outs = []
+    @functools.partial(jax.jit, donate_argnums=(1, 2))
+    def run_mixer(arrays, ssm_state, conv_state):
+        outs, windows = [], []
         for layer in range(LAYERS):
-            y, ssm_state, conv_state, *sum_squares = fn(layer, ssm_state=ssm_state, **arrays)
-            outs.append((y, conv_state, *sum_squares))
-        return outs, ssm_state
+            y, ssm_state, conv_state, group_windows, *sum_squares = fn(layer, ssm_state=ssm_state,
+                                                                       conv_state=conv_state, **arrays)
+            outs.append((y, *sum_squares))
+            windows.append(group_windows)
+        d_ssm = conv_state.shape[2] - windows[0].shape[1]
+        return outs, ssm_state, decode.write_group_windows(conv_state, jnp.stack(windows), d_ssm)
 
     held = {}
 
     def call(arrays):
-        state = held.pop("ssm_state", arrays["ssm_state"])
-        outs, held["ssm_state"] = run_mixer({k: v for k, v in arrays.items() if k != "ssm_state"}, state)
+        states = [held.pop(name, arrays[name]) for name in ("ssm_state", "conv_state")]
+        outs, held["ssm_state"], held["conv_state"] = run_mixer(
+            {k: v for k, v in arrays.items() if k not in ("ssm_state", "conv_state")}, *states)
         return outs
     return call
 

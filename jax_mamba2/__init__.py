@@ -9,6 +9,7 @@ Public API:
   rms_norm, add_rms_norm   the gated, grouped RMSNorm and the residual add + RMSNorm (cuTile kernels on a GPU).
   norm_project, mixer_step the fused ops of a decode step: (add +) norm + projection, and the mixer's conv step
                            + SSD state update; four or five launches per layer on a GPU.
+  write_group_windows      writes the B and C conv windows that mixer_step(group_windows_apart=True) returns.
   available_backends       names of the SSD backends that can run in this process.
   backend_status           for every known backend: whether it can run here and, if not, why.
   autotune                 tune the cuTile kernel configs of a program's SSD calls ahead of time.
@@ -19,7 +20,7 @@ Public API:
 """
 from jax_mamba2._version import __version__
 from jax_mamba2.conv1d import causal_conv1d_silu, causal_conv1d_silu_split
-from jax_mamba2.decode import mixer_step, norm_project
+from jax_mamba2.decode import mixer_step, norm_project, write_group_windows
 from jax_mamba2.autotuning import autotune
 from jax_mamba2.backends import available_backends, backend_status
 from jax_mamba2.norm import add_rms_norm, rms_norm
@@ -30,7 +31,7 @@ from jax_mamba2.flax_layers import (Mamba2, Mamba2Config, Mamba2LMHeadModel, chu
 
 __all__ = [
     "__version__", "ssd", "ssd_step", "ssd_scan", "ssd_chunked", "causal_conv1d_silu", "causal_conv1d_silu_split",
-    "rms_norm", "add_rms_norm", "norm_project", "mixer_step",
+    "rms_norm", "add_rms_norm", "norm_project", "mixer_step", "write_group_windows",
     "available_backends", "backend_status", "autotune", "Mamba2", "Mamba2Config", "Mamba2LMHeadModel", "generate",
     "generate_stream", "load_pretrained", "save_pretrained", "shard_model", "chunked_cross_entropy",
 ]

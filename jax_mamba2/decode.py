@@ -292,7 +292,7 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
                headdim: int, ngroups: int, dstate: int, xbc_offset: int, dt_offset: int,
                z_offset: Optional[int] = None, dt_limit=(0.0, math.inf), norm_z_offset: Optional[int] = None,
                norm_group_size: Optional[int] = None, norm_before_gate: bool = False, layer=None,
-               backend: str = "auto"):
+               group_windows_apart: bool = False, backend: str = "auto"):
     """One token of a Mamba-2 mixer between in_proj and the gated norm (mamba_ssm `Mamba2.step`'s middle).
 
     Computes `decode_reference.mixer_step`: the causal conv step + SiLU on xBC, then the SSD state update with
@@ -315,15 +315,19 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
       norm_group_size: that norm's group size (None: every feature), a multiple of headdim.
       norm_before_gate: that norm's gate placement (the sums are of y gated by silu(z) unless True).
       layer: None (unstacked arrays), or the layer of the stacked ones: an int or an integer scalar array.
+      group_windows_apart: with `layer`, leave B's and C's channels of the returned conv-state stack as they
+        were and return their new windows apart, for the caller to write at [layer, :, nheads * headdim:] (the
+        LM's token step writes every layer's in one pass, rather than one small pass per layer).
       backend: "auto", "cutile", "cutile_callback" or "xla".
 
     Returns:
-      (y (rows, nheads * headdim) in zxbcdt's dtype, ssm_state with the layer's state advanced (the stack, with
-      `layer`; on the kernels updated in place where XLA can reuse its buffer: donate it, or carry it through a
-      loop), the layer's new conv state (rows, conv_dim, d_conv) in conv_state's dtype); with norm_z_offset y is
-      the norm's input in float32 (y rounded to zxbcdt's dtype, times silu(z) unless norm_before_gate) and a
-      fourth output its sums of squares (rows, parts) float32, parts / groups consecutive pieces per group (one
-      per group on the xla backend, one per kernel block of a head's channels on the kernels).
+      (y (rows, nheads * headdim) in zxbcdt's dtype, ssm_state and conv_state with the layer's states advanced
+      (the stacks, with `layer`; on the kernels updated in place where XLA can reuse their buffers: donate them,
+      or carry them through a loop)); with group_windows_apart next B's and C's new windows (rows, 2 * ngroups *
+      dstate, d_conv) in conv_state's dtype; with norm_z_offset y is the norm's input in float32 (y rounded to
+      zxbcdt's dtype, times silu(z) unless norm_before_gate) and a last output its sums of squares (rows, parts)
+      float32, parts / groups consecutive pieces per group (one per group on the xla backend, one per kernel
+      block of a head's channels on the kernels).
 
     Raises:
       ValueError / TypeError: as `norm_project`.
@@ -349,6 +353,12 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
             raise ValueError(f"{api}: z_offset={z_offset!r} must be None or a non-negative int")
         spans["z"] = (z_offset, d_ssm)
     norm_before_gate = check_flag(api, "norm_before_gate", norm_before_gate)
+    group_windows_apart = check_flag(api, "group_windows_apart", group_windows_apart)
+    if group_windows_apart and layer is None:
+        raise ValueError(f"{api}: group_windows_apart=True needs the stacks of a `layer`")
+    group_windows_apart = check_flag(api, "group_windows_apart", group_windows_apart)
+    if group_windows_apart and layer is None:
+        raise ValueError(f"{api}: group_windows_apart=True needs the stacks of a `layer`")
     if norm_z_offset is not None:
         if isinstance(norm_z_offset, bool) or not isinstance(norm_z_offset, int) or norm_z_offset < 0 \
                 or z_offset is not None:
@@ -402,9 +412,22 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
         return bridge.mixer_dims(*arrays, **options)
 
     selected = _select(api, backend, dims)
-    y, new_ssm_state, new_conv_state, *sum_squares = registry.run_selected(
+    y, new_ssm_state, new_conv_state, group_windows, *sum_squares = registry.run_selected(
         selected, lambda b, *a: _mixer(b.kernels, dims, options, *a), layer_index, *arrays)
-    return (y, (new_ssm_state if stack else new_ssm_state[0]), new_conv_state, *sum_squares)
+    if group_windows_apart:
+        return (y, new_ssm_state, new_conv_state, group_windows, *sum_squares)
+    new_conv_state = write_group_windows(new_conv_state, group_windows[None], d_ssm, layer_index[0])
+    if not stack:
+        new_ssm_state, new_conv_state = new_ssm_state[0], new_conv_state[0]
+    return (y, new_ssm_state, new_conv_state, *sum_squares)
+
+
+def write_group_windows(conv_state, group_windows, d_ssm: int, first_layer=0):
+    """conv_state (L, rows, conv_dim, d_conv) with B's and C's channels (d_ssm on) of layers [first_layer,
+    first_layer + n) replaced by group_windows (n, rows, conv_dim - d_ssm, d_conv): what `mixer_step` returns
+    apart with group_windows_apart. One pass over those channels, in place where XLA can reuse conv_state."""
+    return jax.lax.dynamic_update_slice(conv_state, group_windows.astype(conv_state.dtype),
+                                        (first_layer, 0, d_ssm, 0))
 
 
 def _check_dt_limit(api: str, dt_limit) -> tuple[float, float]:
@@ -419,8 +442,8 @@ def _check_dt_limit(api: str, dt_limit) -> tuple[float, float]:
 
 def _mixer_reference(options, layer_index, zxbcdt, conv_state, conv_weight, conv_bias, A_log, dt_bias, D,
                      ssm_state):
-    """The xla path on stacked arrays: reference.mixer_step on layer layer_index[0], its SSM state written
-    back into the stack."""
+    """The xla path on stacked arrays, with the kernels' outputs: reference.mixer_step on layer layer_index[0],
+    its SSM state and x's channels of its conv state written back into the stacks, B's and C's windows apart."""
     def take(a):
         return _take(a, layer_index)
 
@@ -428,7 +451,10 @@ def _mixer_reference(options, layer_index, zxbcdt, conv_state, conv_weight, conv
         zxbcdt, take(conv_state), take(ssm_state), take(conv_weight), take(conv_bias), take(A_log), take(dt_bias),
         take(D), **options)
     ssm_state = jax.lax.dynamic_update_index_in_dim(ssm_state, new_state.astype(ssm_state.dtype), layer_index[0], 0)
-    return (y, ssm_state, new_conv_state, *sum_squares)
+    d_ssm = options["nheads"] * options["headdim"]
+    conv_state = jax.lax.dynamic_update_slice(conv_state, new_conv_state[None, :, :d_ssm].astype(conv_state.dtype),
+                                              (layer_index[0], 0, 0, 0))
+    return (y, ssm_state, conv_state, new_conv_state[:, d_ssm:], *sum_squares)
 
 
 def _mixer(kernels, dims_fn, options, *arrays):
@@ -440,10 +466,9 @@ def _mixer(kernels, dims_fn, options, *arrays):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _kernel_mixer(kernels, dims, options, layer_index, zxbcdt, conv_state, conv_weight, conv_bias, A_log, dt_bias,
                   D, ssm_state):
-    y, ssm_state, new_conv_state, *sum_squares = kernels.mixer_step(dims, layer_index, zxbcdt, conv_state,
-                                                                    conv_weight, conv_bias, A_log, dt_bias, D,
-                                                                    ssm_state)
-    return (y.reshape(zxbcdt.shape[0], -1), ssm_state, new_conv_state, *sum_squares)
+    y, ssm_state, conv_state, group_windows, *sum_squares = kernels.mixer_step(
+        dims, layer_index, zxbcdt, conv_state, conv_weight, conv_bias, A_log, dt_bias, D, ssm_state)
+    return (y.reshape(zxbcdt.shape[0], -1), ssm_state, conv_state, group_windows, *sum_squares)
 
 
 def _kernel_mixer_fwd(kernels, dims, options, *arrays):
@@ -451,8 +476,8 @@ def _kernel_mixer_fwd(kernels, dims, options, *arrays):
 
 
 def _kernel_mixer_bwd(kernels, dims, options, arrays, cotangents):
-    if len(cotangents) == 4:  # the sums of squares in the kernels' pieces (their config's), not one per group
-        options = _Options(options, norm_pieces=cotangents[3].shape[-1])
+    if len(cotangents) == 5:  # the sums of squares in the kernels' pieces (their config's), not one per group
+        options = _Options(options, norm_pieces=cotangents[4].shape[-1])
     return _reference_vjp(functools.partial(_mixer_reference, options), arrays, cotangents)
 
 

@@ -41,6 +41,8 @@ def step(case, arrays, *, layer=None, backend="xla"):
     else:
         args = [a[n] for n in names]
     y, ssm_state, conv_state = jax_mamba2.mixer_step(*args, **case.layout(), layer=layer, backend=backend)
+    if layer is not None:  # the stack, with the layer's conv state advanced
+        conv_state = conv_state[layer]
     return {"y": y, "ssm_state": ssm_state, "new_conv_state": conv_state}
 
 
@@ -70,6 +72,33 @@ def test_mixer_step_xla_matches_float64_reference(name, stacked):
     assert max(rel_l2(got[k], want[k]) for k in want) < TOLERANCE[case.dtype]
 
 
+@pytest.mark.parametrize("backend", ["xla", pytest.param("cutile", marks=pytest.mark.gpu)])
+def test_group_windows_apart_leave_b_and_c_to_the_caller(backend):
+    """With group_windows_apart the conv-state stack comes back with the layer's x channels advanced and its B and
+    C channels as they were, their new windows apart; write_group_windows puts them in: the stack of the plain
+    call."""
+    if backend == "cutile":
+        pytest.importorskip("cuda.tile")
+    case = MIXER_CASES["gated_norm_mixer"]
+    a = _jnp(mixer_inputs(case, seed=9))
+    args = [a[n] for n in ("zxbcdt", "conv_state", "ssm_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D")]
+    plain = jax_mamba2.mixer_step(*args, **case.layout(), layer=case.layer, backend=backend)
+    y, ssm_state, conv_state, windows = jax_mamba2.mixer_step(*args, **case.layout(), layer=case.layer,
+                                                              group_windows_apart=True, backend=backend)
+    d_ssm = case.d_ssm
+    assert windows.shape == (case.rows, 2 * case.ngroups * case.dstate, case.d_conv)
+    assert windows.dtype == a["conv_state"].dtype
+    np.testing.assert_array_equal(conv_state[:, :, d_ssm:], a["conv_state"][:, :, d_ssm:])
+    others = np.array([i for i in range(case.layers) if i != case.layer])
+    np.testing.assert_array_equal(plain[2][others], a["conv_state"][others])  # no other layer's conv state
+    np.testing.assert_array_equal(windows, plain[2][case.layer, :, d_ssm:])
+    whole = jax_mamba2.write_group_windows(conv_state, windows[None], d_ssm, case.layer)
+    for got, want in zip((y, ssm_state, whole), plain):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="group_windows_apart=True needs the stacks of a `layer`"):
+        jax_mamba2.mixer_step(a["zxbcdt"], *(x[0] for x in args[1:]), **case.layout(), group_windows_apart=True)
+
+
 def test_a_traced_layer_picks_the_same_layer_as_an_int():
     case = PROJECTION_CASES["add_norm_in_proj"]
     arrays = _jnp(projection_inputs(case, seed=3))
@@ -88,7 +117,8 @@ def test_a_traced_layer_picks_the_same_layer_as_an_int():
     run = jax.jit(lambda layer: jax_mamba2.mixer_step(
         m["zxbcdt"], m["conv_state"], m["ssm_state"], m["conv_weight"], m["conv_bias"], m["A_log"], m["dt_bias"],
         m["D"], **mixer.layout(), layer=layer))
-    for got, want in zip(run(jnp.int32(2)), step(mixer, mixer_inputs(mixer, seed=4), layer=2).values()):
+    y, state, conv = run(jnp.int32(2))
+    for got, want in zip((y, state, conv[2]), step(mixer, mixer_inputs(mixer, seed=4), layer=2).values()):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 

@@ -132,7 +132,7 @@ def _batchable_mixer(run_plan: RunPlan, config: ChooseMixerConfig, dims: MixerSt
     def step_vmap(axis_size, in_batched, *args):
         # The state stacks hold the rows on their second axis: mapped items run one launch each rather than
         # moving the whole stacks to fold them in.
-        return map_items(step, args, in_batched, axis_size), (True,) * (4 if dims.has_sum_squares else 3)
+        return map_items(step, args, in_batched, axis_size), (True,) * (5 if dims.has_sum_squares else 4)
 
     return step
 
@@ -144,8 +144,9 @@ class DecodeKernels:
     project(dims, layer_index, x, residual, z, norm_weight, weight, bias, sum_squares) -> (out, residual_out or
     None), with the per-layer arrays as stacks (norm_weight (L, NGROUPS, GROUP_SIZE)) and None for absent ones;
     mixer_step(dims, layer_index, zxbcdt, conv_state, conv_weight, conv_bias, A_log, dt_bias, D, ssm_state) ->
-    (y (M, H, P), the ssm_state stack updated, the layer's new conv state (M, CONV_DIM, D_CONV)) and with
-    dims.norm_z_offset the blocks' sums of squares (M, parts).
+    (y (M, H, P), the ssm_state stack updated, the conv_state stack with the layer's x channels updated, B's and
+    C's new windows (M, 2 NGROUPS DSTATE, D_CONV)) and with dims.norm_z_offset the blocks' sums of squares
+    (M, parts).
     """
 
     project: Callable

@@ -305,16 +305,18 @@ class Mamba2LMHeadModel(nnx.Module):
         hidden, residual = self.embedding(input_ids), None
         hidden_dtype = None  # after the first layer: hidden holds out_proj's partial sums of this dtype
         residual_dtype = self._embed_residual_dtype(hidden.dtype)
-        ssm_state, conv_states = cache.ssm_state, []
+        conv_state, ssm_state, group_windows = cache.conv_state, cache.ssm_state, []
         mixer = self.layers.mixer
         for layer in range(self.config.n_layer):
             input_dtype = hidden.dtype if hidden_dtype is None else hidden_dtype
             residual_dtype = self.layers.residual_dtype(input_dtype, residual_dtype)
-            hidden, residual, conv_state, ssm_state = mixer.decode_step(
-                hidden, cache.conv_state, ssm_state, layer=layer, pre_norm=(self.layers.norm, residual, residual_dtype),
-                hidden_dtype=hidden_dtype, return_partials=True)
+            hidden, residual, conv_state, ssm_state, windows = mixer.decode_step(
+                hidden, conv_state, ssm_state, layer=layer, pre_norm=(self.layers.norm, residual, residual_dtype),
+                hidden_dtype=hidden_dtype, return_partials=True, group_windows_apart=True)
             hidden_dtype = mixer.decode_out_dtype(input_dtype)
-            conv_states.append(conv_state)
+            group_windows.append(windows)
+        # Every layer's B and C windows in one pass over their channels, once no kernel reads them any more.
+        conv_state = decode_op.write_group_windows(conv_state, jnp.stack(group_windows), mixer.d_ssm)
         head = (dict(weight=self.embedding.embedding[...], transpose_weight=True) if self.lm_head is None
                 else dict(weight=self.lm_head.kernel[...]))
         logits, _ = decode_op.norm_project(
@@ -322,7 +324,7 @@ class Mamba2LMHeadModel(nnx.Module):
             residual_dtype=jnp.result_type(hidden_dtype, residual), eps=self.norm_f.eps,
             dtype=self.dtype or jnp.result_type(hidden_dtype, head["weight"]), x_dtype=hidden_dtype,
             backend=backends.for_op(self.layers.mixer.backend, decode_op.OP))
-        return logits, Mamba2Cache(jnp.stack(conv_states), ssm_state)
+        return logits, Mamba2Cache(conv_state, ssm_state)
 
     def init_cache(self, batch_size: int, dtype=None) -> Mamba2Cache:
         """Zero decode state of all layers: conv_state (n_layer, batch, conv_dim, d_conv), ssm_state

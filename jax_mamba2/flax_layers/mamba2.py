@@ -363,7 +363,7 @@ class Mamba2(nnx.Module):
         return self.mesh_axes is None and not self.d_mlp
 
     def decode_step(self, hidden_states, conv_state, ssm_state, *, layer=None, pre_norm=None, hidden_dtype=None,
-                    return_partials=False):
+                    return_partials=False, group_windows_apart=False):
         """One token through the mixer on the fused decode ops (`jax_mamba2.decode`): in_proj (after the block's
         add + norm, with `pre_norm`), the conv step + SSD state update, the gated norm + out_proj: on a GPU each
         projection's norm and product kernels and the mixer step, five launches; up to GATED_NORM_IN_MIXER_ROWS rows
@@ -385,11 +385,13 @@ class Mamba2(nnx.Module):
           return_partials: out as (parts, batch, d_model) float32 partial sums whose sum rounded to
             `decode_out_dtype(hidden dtype)` is out (`jax_mamba2.decode.norm_project`): the next layer's norm
             sums them, so out_proj's split K needs no launch of its own.
+          group_windows_apart: with `layer`, conv_state comes back with B's and C's channels of the layer as they
+            were, and their new windows apart (`jax_mamba2.decode.mixer_step`), for the caller to write.
 
         Returns:
           (out (batch, d_model) (partial sums with return_partials), the new residual stream (None without
-          pre_norm), the layer's new conv_state (batch, conv_dim, d_conv), ssm_state with the layer's state advanced
-          (the whole stack with `layer`)).
+          pre_norm), conv_state and ssm_state with the layer's states advanced (the whole stacks with `layer`)),
+          and with group_windows_apart B's and C's new windows (batch, 2 * ngroups * d_state, d_conv) last.
         """
         backend = backends.for_op(self.backend, decode_op.OP)
         in_kernel = self.in_proj.kernel[...]
@@ -417,12 +419,14 @@ class Mamba2(nnx.Module):
         gated_norm = {} if not sums else dict(
             norm_z_offset=2 * self.d_mlp, norm_group_size=self.norm.group_size,
             norm_before_gate=self.norm.norm_before_gate)
-        y, ssm_state, conv_state, *sum_squares = decode_op.mixer_step(
+        y, ssm_state, conv_state, *rest = decode_op.mixer_step(
             zxbcdt, conv_state, ssm_state, self.conv1d.kernel[...], _param(self.conv1d.bias), self.A_log[...],
             self.dt_bias[...], D, nheads=self.nheads, headdim=self.headdim, ngroups=self.ngroups,
             dstate=self.d_state, xbc_offset=self._xbc_offset, dt_offset=self._xbc_offset + self.conv_dim,
             z_offset=None if self.rmsnorm else 2 * self.d_mlp, dt_limit=self.dt_limit, **gated_norm, layer=layer,
-            backend=backend)
+            group_windows_apart=group_windows_apart, backend=backend)
+        group_windows = rest[:1] if group_windows_apart else ()
+        sum_squares = rest[len(group_windows):]
         out_kernel = self.out_proj.kernel[...]
         norm = {}
         if self.rmsnorm:  # with the sums, y is the norm's input, gated unless the gate follows the norm
@@ -433,7 +437,7 @@ class Mamba2(nnx.Module):
         out = decode_op.norm_project(y, out_kernel, **norm, bias=_param(self.out_proj.bias), layer=layer,
                                      dtype=self.decode_out_dtype(input_dtype),
                                      return_partials=return_partials, backend=backend)
-        return out, residual, conv_state, ssm_state
+        return (out, residual, conv_state, ssm_state, *group_windows)
 
     def decode_in_dtype(self, hidden_dtype):
         """The dtype of `decode_step`'s in_proj output (and of its mixer step) for hidden states of hidden_dtype:

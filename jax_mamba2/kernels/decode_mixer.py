@@ -11,7 +11,8 @@ Mirrors `jax_mamba2.decode_reference.mixer_step`. Per row b, head h of group g =
     Δ         = dt_transform(dt[b, h] + dt_bias[l, h]),   A = -exp(A_log[l, h])
     state'    = exp(Δ A) ssm_state[l, b, h] + Δ x[h] ⊗ B[g]               (headdim, dstate), f32
     y[b, h]   = state' C[g] + D[l, h] x[h];   y *= silu(z[b, h]) with HAS_Z
-    ssm_state[l, b, h] <- state' (in place);   new_conv_state[b, c] = window[c]
+    ssm_state[l, b, h] <- state' (in place);   conv_state[l, b, c] <- window[c] for x's channels (in place),
+    group_windows[b, c - d_ssm] = window[c] for B's and C's
     with SUM_SQUARES (a gated norm follows, its gate zn from NORM_Z_OFFSET), y is instead the norm's input in
     f32: y rounded to T, times silu(zn[b, h]) unless NORM_BEFORE_GATE, and
     sum_squares[b, h * P / BLOCK_P + pb] = the sum of its squares over the block's channels: the norm's statistics
@@ -26,12 +27,16 @@ layers x rows (mamba2-370m's SSM state at 256 rows: 3.2e9 elements), so the kern
 
 Grid (M * H / HEADS, P / BLOCK_P). A block convolves all 2 N channels of its group's B and C (every block of the
 group recomputes them: d_conv multiply-adds each), then for each of its HEADS heads (consecutive, of one group) its
-BLOCK_P channels of x and the update; the first block of a group's first head writes B's and C's new conv state.
-The new conv state is its own (one layer's) buffer rather than conv_state updated in place, since every block of
-a group reads B's and C's old window, which one of them could otherwise overwrite first; the SSM state is updated
-in place: each block reads and writes only its own (BLOCK_P, N) tiles, and the stack moves no other bytes.
+BLOCK_P channels of x and the update; the first block of a group's first head writes B's and C's new windows.
+Both state stacks are updated in place where one block owns what it rewrites: its (BLOCK_P, N) tiles of the SSM
+state and its BLOCK_P channels of x's conv windows, so the stacks move no other bytes. B's and C's windows are
+read by every block of their group, one of which could overwrite them before another reads them: they go to a
+buffer of their own (one layer's, 2 G N channels: an eighth of d1024's conv state), which the caller writes into
+the stack once no kernel reads it any more (`jax_mamba2.decode.mixer_step`; the LM's token step writes every
+layer's at once).
 
-Arrays: zxbcdt (M, IN_WIDTH) T; conv_state (L, M, CONV_DIM, D_CONV), new_conv_state (M, CONV_DIM, D_CONV) Tc;
+Arrays: zxbcdt (M, IN_WIDTH) T; conv_state (L, M, CONV_DIM, D_CONV) Tc, read and written in place (x's channels);
+group_windows (M, 2 G N, D_CONV) Tc;
 sum_squares (M, H * P / BLOCK_P) f32 (a dummy without SUM_SQUARES);
 conv_weight (L, D_CONV,
 CONV_DIM), conv_bias (L, CONV_DIM) (a dummy without HAS_CONV_BIAS), A_log, dt_bias (L, H), D (L, H, P) with
@@ -51,7 +56,7 @@ from jax_mamba2.kernels.state_update import state_step
 
 MIXER_STEP_INPUTS = ("layer_index", "zxbcdt", "conv_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D",
                      "ssm_state")
-MIXER_STEP_OUTPUTS = ("y", "ssm_state", "new_conv_state")
+MIXER_STEP_OUTPUTS = ("y", "ssm_state", "conv_state", "group_windows")
 # With dims.norm_z_offset: the blocks' sums of squares for the gated norm that follows.
 SUM_SQUARES_OUTPUT = "sum_squares"
 _INT32_MAX = (1 << 31) - 1
@@ -232,14 +237,14 @@ def _layer_state(ssm_state, layer, rows, nheads, headdim, dstate):
 def mixer_step_kernel(
     layer_index,        # (1,) int32
     zxbcdt,             # (M, IN_WIDTH) T
-    conv_state: Big,    # (L, M, CONV_DIM, D_CONV) Tc
+    conv_state: Big,    # (L, M, CONV_DIM, D_CONV) Tc, read, and written in place in x's channels
     conv_weight,        # (L, D_CONV, CONV_DIM) in its dtype
     conv_bias,          # (L, CONV_DIM) in its dtype, or a dummy without HAS_CONV_BIAS
     A_log,              # (L, H) in its dtype
     dt_bias,            # (L, H) in its dtype
     D,                  # (L, H, P) with D_PER_CHANNEL, else (L, H); in its dtype
     ssm_state: Big,     # (L, M, H, P, N) Ts, read and written in place
-    new_conv_state,     # (M, CONV_DIM, D_CONV) Tc, written
+    group_windows,      # (M, 2 * NGROUPS * DSTATE, D_CONV) Tc: B's and C's new windows, written
     y,                  # (M, H, P) T, or f32 with SUM_SQUARES (the norm's input), written
     sum_squares,        # (M, H * P / BLOCK_P) f32, written with SUM_SQUARES, else a dummy
     NGROUPS: ConstInt,
@@ -289,8 +294,8 @@ def mixer_step_kernel(
                                XBC_OFFSET // DSTATE + c_block, DSTATE, D_CONV, D_CONV_TILE, HAS_CONV_BIAS)
     if h0 % heads_per_group == 0:
         if pb == 0:
-            ct.store(new_conv_state, index=(b, b_block, 0), tile=B_window.reshape((1, DSTATE, D_CONV_TILE)))
-            ct.store(new_conv_state, index=(b, c_block, 0), tile=C_window.reshape((1, DSTATE, D_CONV_TILE)))
+            ct.store(group_windows, index=(b, g, 0), tile=B_window.reshape((1, DSTATE, D_CONV_TILE)))
+            ct.store(group_windows, index=(b, NGROUPS + g, 0), tile=C_window.reshape((1, DSTATE, D_CONV_TILE)))
 
     for i in range(HEADS):
         h = h0 + i
@@ -298,7 +303,8 @@ def mixer_step_kernel(
         x_block = h * p_blocks + pb
         x_p, x_window = _conv_silu(zxbcdt, conv_state, conv_weight, conv_bias, layer, b, x_block,
                                    XBC_OFFSET // BLOCK_P + x_block, BLOCK_P, D_CONV, D_CONV_TILE, HAS_CONV_BIAS)
-        ct.store(new_conv_state, index=(b, x_block, 0), tile=x_window.reshape((1, BLOCK_P, D_CONV_TILE)))
+        # Only this block reads these channels' windows, and it has read them: rewritten in place.
+        ct.store(conv_state, index=(layer, b, x_block, 0), tile=x_window.reshape((1, 1, BLOCK_P, D_CONV_TILE)))
         dt_v = ct.load(zxbcdt, index=(b, DT_OFFSET + h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
         bias = ct.load(dt_bias, index=(layer, h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
         delta = dt_transform(dt_v + bias, DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX)
@@ -362,8 +368,9 @@ def mixer_step_plan(dims: MixerStepDims, cfg: Optional[MixerStepConfig] = None) 
 
     Returns:
       A Plan with inputs MIXER_STEP_INPUTS and outputs MIXER_STEP_OUTPUTS: "y" (M, H, P) in dims.dtype (float32,
-      the gated norm's input, with norm_z_offset), "ssm_state" (the input stack, its layer updated in place) and
-      "new_conv_state" (M, CONV_DIM, D_CONV), the layer's next conv state; with norm_z_offset also
+      the gated norm's input, with norm_z_offset), "ssm_state" (the input stack, its layer updated in place),
+      "conv_state" (the input stack, its layer's x channels advanced in place) and "group_windows" (M, 2 G N,
+      D_CONV), the layer's next conv state in B's and C's channels (d_ssm on); with norm_z_offset also
       SUM_SQUARES_OUTPUT (M, sum_squares_parts) float32.
     """
     cfg = cfg or mixer_step_default_config(dims)
@@ -376,18 +383,19 @@ def mixer_step_plan(dims: MixerStepDims, cfg: Optional[MixerStepConfig] = None) 
         kernel=index_width_variant(MIXER_STEP_KERNELS, needs_int64_index(dims), occupancy=cfg.OCCUPANCY),
         grid=(dims.rows * dims.nheads // cfg.HEADS, dims.headdim // cfg.BLOCK_P),
         args=("layer_index", "zxbcdt", "conv_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D",
-              "ssm_state", "new_conv_state", "y", SUM_SQUARES_OUTPUT, dims.ngroups, dims.dstate, cfg.BLOCK_P,
+              "ssm_state", "group_windows", "y", SUM_SQUARES_OUTPUT, dims.ngroups, dims.dstate, cfg.BLOCK_P,
               dims.d_conv, next_power_of_2(dims.d_conv), dims.xbc_offset, dims.dt_offset, dims.has_z,
               dims.z_offset or 0, dims.has_sum_squares, dims.norm_z_offset or 0, dims.norm_before_gate,
               dims.has_conv_bias, dims.d_per_channel, dims.dt_softplus, dims.has_dt_limit, dt_min, dt_max,
               cfg.HEADS, views_the_layer_state(dims)),
-        writes=("ssm_state", "new_conv_state", "y", SUM_SQUARES_OUTPUT),
+        writes=("ssm_state", "conv_state", "group_windows", "y", SUM_SQUARES_OUTPUT),
     )
     return Plan(
         inputs=MIXER_STEP_INPUTS,
         buffers={"y": Buffer((dims.rows, dims.nheads, dims.headdim),
                              "float32" if dims.has_sum_squares else dims.dtype),
-                 "new_conv_state": Buffer((dims.rows, dims.conv_dim, dims.d_conv), dims.conv_state_dtype),
+                 "group_windows": Buffer((dims.rows, 2 * dims.ngroups * dims.dstate, dims.d_conv),
+                                         dims.conv_state_dtype),
                  SUM_SQUARES_OUTPUT: Buffer((dims.rows, parts) if dims.has_sum_squares else (1, 1), "float32")},
         launches=(launch,),
         outputs=MIXER_STEP_OUTPUTS + ((SUM_SQUARES_OUTPUT,) if dims.has_sum_squares else ()),

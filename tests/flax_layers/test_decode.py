@@ -156,6 +156,24 @@ def test_the_step_is_fused_at_every_batch_and_composed_with_an_mlp_branch():
             assert [name for name, _ in cutile_launches(jaxpr)] == expected, (config.ssm_cfg, batch)
 
 
+@pytest.mark.parametrize("backend", ["xla", "cutile"])
+def test_the_token_step_updates_the_conv_state_stack_rather_than_stacking_the_layers(backend):
+    """The fused step treats the conv-state stack as it does the SSM state's: each layer's mixer step rewrites its
+    x channels in the stack (the kernel in place), and one dynamic-update-slice writes every layer's B and C windows
+    at the end; no concatenate builds the stack (a pass over all of it per token)."""
+    with _traced_for(backend):
+        model = _model(backend, param_dtype=jnp.bfloat16)
+        jaxpr = _step_jaxpr(model)
+    conv_shape = model.init_cache(BATCH).conv_state.shape
+    mixer = model.layers.mixer
+    windows = (CONFIG.n_layer, BATCH, 2 * mixer.ngroups * mixer.d_state, mixer.d_conv)
+    ops = [(eqn.primitive.name, tuple(eqn.outvars[0].aval.shape), [tuple(v.aval.shape) for v in eqn.invars])
+           for eqn, _ in walk(jaxpr)]
+    assert not [op for op in ops if op[0] == "concatenate" and op[1] == conv_shape]
+    writes = [op for op in ops if op[0] == "dynamic_update_slice" and op[1] == conv_shape and op[2][1] == windows]
+    assert len(writes) == 1, ops
+
+
 def test_out_proj_split_partials_are_summed_by_the_next_norm_not_a_launch_of_their_own():
     """Where the defaults split out_proj's K over blocks (a few rows, a narrow product), the step launches no sum of
     its partial products: the next layer's norm kernel (and the head's) sums them; in_proj's and the head's own

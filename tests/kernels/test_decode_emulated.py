@@ -62,10 +62,16 @@ def run_mixer(case, arrays, cfg=None, *, float64=True, **layout) -> dict:
     inputs = dict(arrays, layer_index=np.array([case.layer], np.int32))
     if inputs["conv_bias"] is None:
         inputs["conv_bias"] = np.zeros((1, 1), np.float32)
-    inputs["ssm_state"] = inputs["ssm_state"].copy()  # written in place
+    for name in ("ssm_state", "conv_state"):  # written in place
+        inputs[name] = inputs[name].copy()
     out = emulator.run_plan(plan, inputs, float64=float64)
-    result = {"y": out["y"].reshape(case.rows, -1), "ssm_state": out["ssm_state"],
-              "new_conv_state": out["new_conv_state"]}
+    # The layer's new conv state: x's channels rewritten in the stack, B's and C's windows apart; no other layer's
+    # conv state touched.
+    others = [i for i in range(case.layers) if i != case.layer]
+    np.testing.assert_array_equal(out["conv_state"][others], arrays["conv_state"][others])
+    assert out["group_windows"].shape == (case.rows, 2 * case.ngroups * case.dstate, case.d_conv)
+    new_conv_state = np.concatenate([out["conv_state"][case.layer][:, :case.d_ssm], out["group_windows"]], axis=1)
+    result = {"y": out["y"].reshape(case.rows, -1), "ssm_state": out["ssm_state"], "new_conv_state": new_conv_state}
     if dims.has_sum_squares:
         result[decode_mixer.SUM_SQUARES_OUTPUT] = out[decode_mixer.SUM_SQUARES_OUTPUT]
     return result
