@@ -356,9 +356,6 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
     group_windows_apart = check_flag(api, "group_windows_apart", group_windows_apart)
     if group_windows_apart and layer is None:
         raise ValueError(f"{api}: group_windows_apart=True needs the stacks of a `layer`")
-    group_windows_apart = check_flag(api, "group_windows_apart", group_windows_apart)
-    if group_windows_apart and layer is None:
-        raise ValueError(f"{api}: group_windows_apart=True needs the stacks of a `layer`")
     if norm_z_offset is not None:
         if isinstance(norm_z_offset, bool) or not isinstance(norm_z_offset, int) or norm_z_offset < 0 \
                 or z_offset is not None:
