@@ -54,4 +54,13 @@ def environment() -> dict:
 
 
 def gpu_slug(name: str) -> str:
-    return name.lower().replace("nvidia", "").strip().replace(" ", "_") or "gpu"
+    """The model of a GPU as results files name it: "NVIDIA H100 80GB HBM3" -> "h100"."""
+    words = name.lower().replace("nvidia", "").split()
+    return words[0] if words else "gpu"
+
+
+def local_gpu_slug() -> str:
+    """`gpu_slug` of this machine's first GPU as nvidia-smi names it, without initialising JAX (the benchmarks'
+    drivers leave the GPU to their workers); "cpu" on a machine without one."""
+    names = _command_output(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"])
+    return gpu_slug(names.splitlines()[0]) if names else "cpu"

@@ -15,8 +15,9 @@ On the GPU machine:
   python benchmarks/first_step.py --out $OUT                                 # a fresh machine
   python benchmarks/first_step.py --cutile-cache /tmp/cubins --out $OUT      # twice: the second process
 On a machine without a GPU, --lower-only traces and lowers for sm_90 with abstract parameters (no model,
-XLA compile or run). Adds one record to <out>/first_step_h200.json, in place of an earlier one of the same
-config, impl, lower_only, cache state (empty or not) and layer mode (--unroll-layers).
+XLA compile or run). Adds one record to <out>/first_step_<gpu>.json (<gpu>: the GPU's model, "h200"; "cpu"
+without one), in place of an earlier one of the same config, impl, lower_only, cache state (empty or not) and
+layer mode (--unroll-layers).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on sys.pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import lm_bench, lm_train  # noqa: E402
+from benchmarks.environment import local_gpu_slug  # noqa: E402
 
 
 def _cache_entries(folder: str) -> int:
@@ -93,7 +95,8 @@ def main(argv=None) -> int:
                             scan_layers=not args.unroll_layers)
     if not args.cutile_cache:
         record["cutile_cache"] = "a new empty folder"
-    path = args.out / "first_step_h200.json"
+    slug = local_gpu_slug()
+    path = args.out / f"first_step_{slug}.json"
     lm_bench.merge_results(path, "first_step", [record], key=lambda r: (
         r["config"], r["impl"], r["lower_only"], r["cutile_cache_entries_before"] > 0, r.get("scan_layers", True)))
     stages = ", ".join(f"{k} {record[k]:.2f}" for k in ("model_s", "trace_s", "lower_s", "xla_compile_s", "run_s")

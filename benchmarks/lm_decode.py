@@ -42,8 +42,9 @@ On the GPU machine (each line < 10 minutes; add JAX_MAMBA2_GIT_SHA=<commit>):
   JAX_MAMBA2_AUTOTUNE=0 python benchmarks/lm_decode.py --configs mamba2-370m --mamba-ssm .peers --out $OUT
   JAX_MAMBA2_AUTOTUNE=0 python benchmarks/lm_decode.py --configs d1024-l24 --impls cutile --command-buffers off loop \\
       --out $OUT
-Writes <out>/lm_decode_h200.json (records merged by (config, impl, param_dtype, command_buffers, unrolled) with earlier
-runs of the same file) and lm_decode_h200.png, then prints the table.
+Writes <out>/lm_decode_<gpu>.json (<gpu>: the GPU's model, "h200", "h100"; "cpu" without one; records merged by
+(config, impl, param_dtype, command_buffers, unrolled) with earlier runs of the same file) and lm_decode_<gpu>.png,
+then prints the table.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on sys.pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import lm_bench  # noqa: E402
+from benchmarks.environment import local_gpu_slug  # noqa: E402
 
 IMPLS = ("cutile", "xla", "mamba_ssm")
 OURS = ("cutile", "xla")
@@ -546,7 +548,8 @@ def main(argv=None) -> int:
     if lm_bench.worker_main(sys.argv[1:] if argv is None else argv, work):
         return 0
     args = parse_args(argv)
-    path = args.out / "lm_decode_h200.json"
+    slug = local_gpu_slug()
+    path = args.out / f"lm_decode_{slug}.json"
     records = []
     for job, env in jobs(args):
         print(f"{job['config']} {job['impl']} {job['param_dtype']} command buffers {job['command_buffers']} "
@@ -559,7 +562,7 @@ def main(argv=None) -> int:
             path, "lm_decode", records,
             key=record_key)
     print(f"\nwrote {path}\n\n{format_table(results['records'])}")
-    print(f"plot: {plot(results['records'], args.out / 'lm_decode_h200.png')}")
+    print(f"plot: {plot(results['records'], args.out / f'lm_decode_{slug}.png')}")
     return 0
 
 

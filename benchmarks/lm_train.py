@@ -41,8 +41,8 @@ On the GPU machine (each line < 10 minutes; add JAX_MAMBA2_GIT_SHA=<commit>):
   source .gpu/gpu-env.sh
   JAX_MAMBA2_AUTOTUNE=0 python benchmarks/lm_train.py --mamba-ssm .peers --causal-conv1d /tmp/ccsite --out $OUT
   JAX_MAMBA2_AUTOTUNE=0 python benchmarks/lm_train.py --configs d1024-l48-8x2048 d1024-l24-2x8192 ... --out $OUT
-Writes <out>/lm_train_h200.json (records merged by (config, impl) with earlier runs of the same file) and
-lm_train_h200.png, then prints the table.
+Writes <out>/lm_train_<gpu>.json (<gpu>: the GPU's model, "h200", "h100"; "cpu" without one; records merged by
+(config, impl) with earlier runs of the same file) and lm_train_<gpu>.png, then prints the table.
 """
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on sys.pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import lm_bench  # noqa: E402
+from benchmarks.environment import local_gpu_slug  # noqa: E402
 
 D_STATE, HEADDIM, EXPAND, CHUNK, VOCAB, D_CONV = 128, 64, 2, 256, 50280, 4
 LR, BETAS, WEIGHT_DECAY, EPS = 1e-4, (0.9, 0.95), 0.1, 1e-8
@@ -680,7 +681,8 @@ def main(argv=None) -> int:
     if lm_bench.worker_main(sys.argv[1:] if argv is None else argv, work):
         return 0
     args = parse_args(argv)
-    path = args.out / "lm_train_h200.json"
+    slug = local_gpu_slug()
+    path = args.out / f"lm_train_{slug}.json"
     records = []
     for job in jobs(args):
         print(f"{job['config']} {job['impl']} ...", flush=True)
@@ -690,7 +692,7 @@ def main(argv=None) -> int:
         print(format_table([record]), flush=True)
         results = lm_bench.merge_results(path, "lm_train", records, key=record_key)
     print(f"\nwrote {path}\n\n{format_table(results['records'])}")
-    print(f"plot: {plot(results['records'], args.out / 'lm_train_h200.png')}")
+    print(f"plot: {plot(results['records'], args.out / f'lm_train_{slug}.png')}")
     return 0
 
 

@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("cuda.tile")
 
 from benchmarks import first_step  # noqa: E402
+from benchmarks.environment import local_gpu_slug  # noqa: E402
 from jax_mamba2.bridge import _compat, compile_ahead  # noqa: E402
 
 
@@ -21,7 +22,7 @@ def test_first_step_lower_only_records_stages_and_cubins(tmp_path, monkeypatch):
     with compile_ahead.using(compile_ahead.KernelCompiler(compile_fn=fake)):
         assert first_step.main(["--config", "d128-l3-2x64", "--lower-only", "--cutile-cache",
                                 str(tmp_path / "cache"), "--out", str(tmp_path)]) == 0
-    record, = json.loads((tmp_path / "first_step_h200.json").read_text())["records"]
+    record, = json.loads((tmp_path / f"first_step_{local_gpu_slug()}.json").read_text())["records"]
     assert record["config"] == "d128-l3-2x64" and record["lower_only"] is True
     assert record["cubins_compiled"] == len(compiled) >= 10
     assert sorted(record["cubin_compile_s"]) == sorted(set(compiled))

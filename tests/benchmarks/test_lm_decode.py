@@ -5,6 +5,7 @@ import json
 import pytest
 
 from benchmarks import lm_decode
+from benchmarks.environment import local_gpu_slug
 
 
 def test_configs_are_the_presets_and_the_training_lm():
@@ -97,7 +98,7 @@ def test_the_jax_worker_writes_step_times_prefill_and_floors(tmp_path):
             "--prompt-lengths", "32", "--decode-steps", "64", "--repeats", "2", "--warmup-seconds", "0",
             "--command-buffers", "off", "--profile", "--sampling", "greedy", "top-p", "--out", str(tmp_path)]
     assert lm_decode.main(argv) == 0
-    record, sampled = json.loads((tmp_path / "lm_decode_h200.json").read_text())["records"]
+    record, sampled = json.loads((tmp_path / f"lm_decode_{local_gpu_slug()}.json").read_text())["records"]
     assert sampled["error"] is None and sampled["sampling"] == "top-p", sampled.get("log_tail")
     assert sampled["batches"]["2"]["ms_per_token"] is not None
     assert record["error"] is None, record.get("log_tail")
@@ -113,7 +114,7 @@ def test_the_jax_worker_writes_step_times_prefill_and_floors(tmp_path):
     assert 2 * 50280 * 64 < record["weight_bytes"] < 2 * 50280 * 64 * 1.5
     # (the test process's own XLA flags, which the worker inherits, follow in the label)
     assert record["label"].startswith("jax-mamba2 generate, XLA, bfloat16 params, command buffers off")
-    assert (tmp_path / "lm_decode_h200.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / f"lm_decode_{local_gpu_slug()}.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_a_token_step_profile_is_the_two_calls_difference_over_the_steps():

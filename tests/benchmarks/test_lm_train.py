@@ -11,6 +11,7 @@ from flax import nnx
 import jax_mamba2
 
 from benchmarks import kernel_categories, lm_bench, lm_train
+from benchmarks.environment import local_gpu_slug
 
 TINY = "d64-l1-2x64"
 
@@ -133,7 +134,7 @@ def test_the_jax_worker_writes_a_record_table_and_plot(tmp_path, capsys):
     argv = ["--configs", TINY, "--impls", "xla", "--steps", "2", "--warmup-seconds", "0", "--profile-steps", "1",
             "--pipelined-steps", "2", "--loss", "plain", "--out", str(tmp_path), "--hlo-dir", str(tmp_path / "hlo")]
     assert lm_train.main(argv) == 0
-    results = json.loads((tmp_path / "lm_train_h200.json").read_text())
+    results = json.loads((tmp_path / f"lm_train_{local_gpu_slug()}.json").read_text())
     (record,) = results["records"]
     assert record["error"] is None, record.get("log_tail")
     assert record["config"] == TINY and record["impl"] == "xla" and record["loss_impl"] == "plain"
@@ -146,13 +147,13 @@ def test_the_jax_worker_writes_a_record_table_and_plot(tmp_path, capsys):
     assert "busy_us" in record["profile"]  # the CPU trace has no GPU kernels: the categories stay empty
     assert record["hlo_path"] == str(tmp_path / "hlo" / f"{TINY}-xla.hlo.txt.gz")
     assert gzip.decompress((tmp_path / "hlo" / f"{TINY}-xla.hlo.txt.gz").read_bytes()).startswith(b"HloModule")
-    assert (tmp_path / "lm_train_h200.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / f"lm_train_{local_gpu_slug()}.png").read_bytes()[:4] == b"\x89PNG"
     assert "jax-mamba2 Mamba2LMHeadModel, XLA SSD" in capsys.readouterr().out
     # A second run of the same (config, impl) replaces the record; another impl is added beside it.
     failing = ["--configs", TINY, "--impls", "cutile", "--steps", "1", "--warmup-seconds", "0", "--no-profile",
                "--out", str(tmp_path)]
     assert lm_train.main(failing) == 0
-    records = json.loads((tmp_path / "lm_train_h200.json").read_text())["records"]
+    records = json.loads((tmp_path / f"lm_train_{local_gpu_slug()}.json").read_text())["records"]
     assert [r["impl"] for r in records] == ["xla", "cutile"]
     assert "cutile" in records[1]["error"] and records[1]["log_tail"]  # no GPU here: the worker says why
 
