@@ -297,6 +297,15 @@ def time_jax(fn: Callable[[], Any], budget_s: float, warmup_s: float = WARMUP_S)
     return _summary(samples, rounds, first_call_s, warmup_s), out
 
 
+def raise_gpu_clocks(torch) -> None:
+    """Thirty bf16 products of 8192 x 8192 on torch's current device, so that the first timing after it does not
+    start at the idle clocks (WARMUP_S says why)."""
+    warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(30):
+        warm @ warm
+    torch.cuda.synchronize()
+
+
 def time_cuda_graph(fn: Callable[[], Any], budget_s: float, warmup_s: float = WARMUP_S) -> tuple[Timing, Any]:
     """CUDA-graph replay of a torch callable after warm-up (which runs Triton's autotuning) and `warmup_s`
     of back-to-back replays, timed with CUDA events: per-replay times, and the pipelined time (the median

@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on sys.pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.decode_kernels import Shapes, mixer_dims, projection_dims  # noqa: E402
-from benchmarks.ssd import PEAK_HBM_TBPS, time_cuda_graph  # noqa: E402
+from benchmarks.ssd import PEAK_HBM_TBPS, raise_gpu_clocks, time_cuda_graph  # noqa: E402
 from jax_mamba2.kernels import decode_mixer, decode_projection  # noqa: E402
 from jax_mamba2.kernels._common import kernel_name  # noqa: E402
 
@@ -143,10 +143,7 @@ def main(argv=None) -> int:
     from benchmarks.environment import environment, gpu_slug
     from benchmarks.lm_bench import write_json
 
-    warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(30):  # the clocks idle low: raise them first
-        warm @ warm
-    torch.cuda.synchronize()
+    raise_gpu_clocks(torch)
     env, records = environment(), []
     path = args.out / f"decode_launches_{gpu_slug(env.get('gpu', 'gpu'))}.json"
     args.out.mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,11 @@ Semantics follow cuda/tile/_stub.py, made strict where the GPU would be silently
 - `gather` / `scatter` take element indices: out of bounds (negative too) or masked off, a gather gives
   padding_value and a scatter writes nothing.
 - `mma` requires equal operand dtypes and accumulates in float64 (then casts to the accumulator dtype).
-- `tiled_view(...).atomic_store_add` adds in place; blocks run one at a time in grid order, so no ordering
-  is exercised.
+- `tiled_view(...).atomic_store_add` adds in place; `run_plan` runs blocks one at a time in grid order, so no
+  ordering is exercised.
+- `atomic_add` is atomic under a lock; memory orders are accepted and not modelled (each block runs in one thread,
+  which sees its own writes in order, and the lock orders the atomics). Kernels whose blocks wait on each other
+  (a grid barrier) run with `run_concurrently`: every block a thread of its own.
 Not emulated: tf32 rounding (tfloat32 is float32), latency/TMA hints, reduction order.
 """
 import builtins
@@ -40,17 +43,29 @@ int32 = np.dtype(np.int32)
 int64 = np.dtype(np.int64)
 
 PaddingMode = types.SimpleNamespace(UNDETERMINED="undetermined", ZERO="zero")
+MemoryOrder = types.SimpleNamespace(WEAK="weak", RELAXED="relaxed", ACQUIRE="acquire", RELEASE="release",
+                                    ACQ_REL="acq_rel")
+MemoryScope = types.SimpleNamespace(NONE="none", BLOCK="block", CLUSTER="cluster", DEVICE="device", SYS="sys")
 
-_block = [(0, 0, 0), (1, 1, 1)]  # (block index, grid)
+
+class _BlockIndex(threading.local):
+    """The running block's index and the grid, per thread (`run_concurrently` runs each block in a thread)."""
+
+    block = (0, 0, 0)
+    grid = (1, 1, 1)
+
+
+_current = _BlockIndex()
 _RUN_LOCK = threading.Lock()
+_ATOMIC_LOCK = threading.Lock()
 
 
 def bid(axis):
-    return _block[0][axis]
+    return _current.block[axis]
 
 
 def num_blocks(axis):
-    return _block[1][axis]
+    return _current.grid[axis]
 
 
 def cdiv(a, b):
@@ -126,6 +141,16 @@ def scatter(array, indices, value, *, mask=None, check_bounds=True, latency=None
     indices, ok = _element_indices(array, indices, mask)
     value = np.broadcast_to(np.asarray(value), indices[0].shape)
     array[tuple(i[ok] for i in indices)] = value[ok].astype(array.dtype)
+
+
+def atomic_add(array, indices, update, *, check_bounds=True, memory_order=None, memory_scope=None):
+    """array[indices] += update element-wise and atomically; returns the elements before the addition."""
+    indices, ok = _element_indices(array, indices, None)
+    assert ok.all(), "an atomic out of bounds"
+    with _ATOMIC_LOCK:
+        old = array[indices].copy()
+        array[indices] = old + np.asarray(update, array.dtype)
+    return old
 
 
 def static_iter(iterable):
@@ -324,7 +349,7 @@ def run_plan(plan, inputs, *, float64=False):
     for name, buf in plan.buffers.items():
         empty = _empty(buf.shape, "float64" if float64 and buf.dtype != "int32" else buf.dtype)
         arrays[name] = (np.zeros_like(empty) if buf.zero_init else empty).view(_EmulatedArray)
-    # One plan at a time: `emulated` swaps the kernel modules' `ct` and `_block` is this module's, and host
+    # One plan at a time: `emulated` swaps the kernel modules' `ct` for all threads, and host
     # callbacks (jax.pure_callback under shard_map) run on several threads at once.
     with _RUN_LOCK, emulated(_float64_namespace() if float64 else None):
         for launch in plan.launches:
@@ -332,9 +357,36 @@ def run_plan(plan, inputs, *, float64=False):
             args = [arrays[a] if isinstance(a, str) else a for a in launch.args]
             grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
             for block in itertools.product(*(range(n) for n in grid)):
-                _block[:] = [block, grid]
+                _current.block, _current.grid = block, grid
                 pyfunc(*args)
     return {name: np.asarray(a) for name, a in arrays.items()}
+
+
+def run_concurrently(pyfunc, args, grid, *, timeout_s=120.0):
+    """Calls `pyfunc(*args)` (a kernel's Python function whose `ct` is this module) once per block of `grid`, every
+    block in a thread of its own, all started before any is joined: what a kernel whose blocks wait for each other
+    needs (on the GPU, every block resident at once). Raises if a block raised or is still running after
+    `timeout_s` (a wait that never ends)."""
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    failures = []
+
+    def run(block):
+        _current.block, _current.grid = block, grid
+        try:
+            pyfunc(*args)
+        except BaseException as e:  # noqa: BLE001  re-raised below, in the caller's thread
+            failures.append((block, e))
+
+    threads = [threading.Thread(target=run, args=(block,), daemon=True)
+               for block in itertools.product(*(range(n) for n in grid))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+    stuck = [t for t in threads if t.is_alive()]
+    assert not stuck, f"{len(stuck)} of {len(threads)} blocks still running after {timeout_s} s"
+    if failures:
+        raise failures[0][1]
 
 
 def jax_run_plan(plan, arrays, *, float64=True):
