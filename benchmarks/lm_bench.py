@@ -313,13 +313,17 @@ def write_json(path: Path, data) -> Path:
     return path
 
 
-def merge_results(path: Path, benchmark: str, records: list[dict], key: Callable[[dict], tuple]) -> dict:
+def merge_results(path: Path, benchmark: str, records: list[dict], key: Callable[[dict], tuple],
+                  combine: Optional[Callable[[dict, dict], dict]] = None) -> dict:
     """The results file at `path` with `records` in place of the earlier ones of the same key (a grid run
-    over several device calls stays one file), written back; returns its content."""
+    over several device calls stays one file), written back; returns its content. With `combine`, an earlier
+    record of the same key becomes `combine(earlier, new)` instead."""
     path = Path(path)
     old = json.loads(path.read_text())["records"] if path.is_file() else []
     merged = {key(r): r for r in old}
-    merged.update({key(r): r for r in records})
+    for record in records:
+        earlier = merged.get(key(record))
+        merged[key(record)] = record if combine is None or earlier is None else combine(earlier, record)
     results = {"benchmark": benchmark, "git_sha": git_sha(),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "records": list(merged.values())}

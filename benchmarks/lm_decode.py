@@ -43,8 +43,8 @@ On the GPU machine (each line < 10 minutes; add JAX_MAMBA2_GIT_SHA=<commit>):
   JAX_MAMBA2_AUTOTUNE=0 python benchmarks/lm_decode.py --configs d1024-l24 --impls cutile --command-buffers off loop \\
       --out $OUT
 Writes <out>/lm_decode_<gpu>.json (<gpu>: the GPU's model, "h200", "h100"; "cpu" without one; records merged by
-(config, impl, param_dtype, command_buffers, unrolled) with earlier runs of the same file) and lm_decode_<gpu>.png,
-then prints the table.
+`record_key` with earlier runs of the same file: a record of the same commit gains the new batches, one of another
+commit is replaced) and lm_decode_<gpu>.png, then prints the table.
 """
 from __future__ import annotations
 
@@ -544,6 +544,21 @@ def record_key(record: dict) -> tuple:
             record.get("mixer_heads"))
 
 
+def combine_batches(earlier: dict, new: dict) -> dict:
+    """`new`, holding `earlier`'s batches and prefills too where both records measured the same code (one git
+    commit) on the same GPU model without error: a run at other batches adds to a record instead of dropping
+    what it had measured."""
+    def source(record):
+        environment = record.get("environment") or {}
+        return environment.get("git_sha"), environment.get("gpu")
+
+    if earlier.get("error") or new.get("error") or source(new)[0] is None or source(earlier) != source(new):
+        return new
+    return {**new, **{field: {**(earlier.get(field) or {}), **(new.get(field) or {})}
+                      for field in ("batches", "prefill_ms")},
+            "prompt_lengths": sorted({*(earlier.get("prompt_lengths") or ()), *(new.get("prompt_lengths") or ())})}
+
+
 def main(argv=None) -> int:
     if lm_bench.worker_main(sys.argv[1:] if argv is None else argv, work):
         return 0
@@ -558,9 +573,7 @@ def main(argv=None) -> int:
         record = derive(lm_bench.run_worker(Path(__file__), job, env=env, timeout_s=args.worker_timeout))
         records.append(record)
         print(format_table([record]) + f"\n({time.perf_counter() - began:.0f} s)", flush=True)
-        results = lm_bench.merge_results(
-            path, "lm_decode", records,
-            key=record_key)
+        results = lm_bench.merge_results(path, "lm_decode", records, key=record_key, combine=combine_batches)
     print(f"\nwrote {path}\n\n{format_table(results['records'])}")
     print(f"plot: {plot(results['records'], args.out / f'lm_decode_{slug}.png')}")
     return 0

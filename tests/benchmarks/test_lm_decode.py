@@ -175,3 +175,19 @@ def test_a_batch_that_fails_keeps_the_other_batches_rows(monkeypatch):
     assert record["batches"]["2"]["ms_per_token"] is None
     assert record["batches"]["2"]["error"] == "ValueError: no room for batch 2"
     assert "ValueError: no room for batch 2" in lm_decode.format_table([record])
+
+
+def test_a_run_at_other_batches_adds_to_the_record_of_its_commit():
+    def record(sha, gpu, batches, error=None, prefill=None):
+        return {"config": "d1024-l24", "impl": "cutile", "param_dtype": "bfloat16", "command_buffers": "default",
+                "environment": {"git_sha": sha, "gpu": gpu}, "batches": {str(b): {"ms_per_token": b} for b in batches},
+                "prefill_ms": {str(n): 1.0 for n in prefill or ()}, "prompt_lengths": list(prefill or ()),
+                "error": error}
+
+    earlier = record("abc", "NVIDIA H200", (1, 64), prefill=(512,))
+    combined = lm_decode.combine_batches(earlier, record("abc", "NVIDIA H200", (8, 64)))
+    assert sorted(combined["batches"], key=int) == ["1", "8", "64"] and combined["prompt_lengths"] == [512]
+    assert combined["batches"]["64"] == {"ms_per_token": 64}  # the new run's measurement of a batch wins
+    for other in (record("def", "NVIDIA H200", (8,)), record("abc", "NVIDIA H100 80GB HBM3", (8,)),
+                  record("abc", "NVIDIA H200", (), error="worker timed out")):
+        assert lm_decode.combine_batches(earlier, other) is other  # another commit, GPU or a failed run replaces
