@@ -31,7 +31,6 @@ if __package__ in (None, ""):  # run as a script: the repository root on sys.pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import lm_bench, lm_train  # noqa: E402
-from benchmarks.environment import local_gpu_slug  # noqa: E402
 
 
 def _cache_entries(folder: str) -> int:
@@ -95,8 +94,7 @@ def main(argv=None) -> int:
                             scan_layers=not args.unroll_layers)
     if not args.cutile_cache:
         record["cutile_cache"] = "a new empty folder"
-    slug = local_gpu_slug()
-    path = args.out / f"first_step_{slug}.json"
+    path = lm_bench.results_path(args.out, "first_step")
     lm_bench.merge_results(path, "first_step", [record], key=lambda r: (
         r["config"], r["impl"], r["lower_only"], r["cutile_cache_entries_before"] > 0, r.get("scan_layers", True)))
     stages = ", ".join(f"{k} {record[k]:.2f}" for k in ("model_s", "trace_s", "lower_s", "xla_compile_s", "run_s")

@@ -313,6 +313,13 @@ def write_json(path: Path, data) -> Path:
     return path
 
 
+def results_path(out: Path, benchmark: str) -> Path:
+    """out / "<benchmark>_<gpu>.json": the results file of a benchmark, named after this machine's GPU model."""
+    from benchmarks.environment import local_gpu_slug  # imports jax, which the drivers otherwise leave alone
+
+    return Path(out) / f"{benchmark}_{local_gpu_slug()}.json"
+
+
 def merge_results(path: Path, benchmark: str, records: list[dict], key: Callable[[dict], tuple],
                   combine: Optional[Callable[[dict, dict], dict]] = None) -> dict:
     """The results file at `path` with `records` in place of the earlier ones of the same key (a grid run

@@ -59,7 +59,6 @@ if __package__ in (None, ""):  # run as a script: the repository root on sys.pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import lm_bench  # noqa: E402
-from benchmarks.environment import local_gpu_slug  # noqa: E402
 
 IMPLS = ("cutile", "xla", "mamba_ssm")
 OURS = ("cutile", "xla")
@@ -563,8 +562,7 @@ def main(argv=None) -> int:
     if lm_bench.worker_main(sys.argv[1:] if argv is None else argv, work):
         return 0
     args = parse_args(argv)
-    slug = local_gpu_slug()
-    path = args.out / f"lm_decode_{slug}.json"
+    path = lm_bench.results_path(args.out, "lm_decode")
     records = []
     for job, env in jobs(args):
         print(f"{job['config']} {job['impl']} {job['param_dtype']} command buffers {job['command_buffers']} "
@@ -575,7 +573,7 @@ def main(argv=None) -> int:
         print(format_table([record]) + f"\n({time.perf_counter() - began:.0f} s)", flush=True)
         results = lm_bench.merge_results(path, "lm_decode", records, key=record_key, combine=combine_batches)
     print(f"\nwrote {path}\n\n{format_table(results['records'])}")
-    print(f"plot: {plot(results['records'], args.out / f'lm_decode_{slug}.png')}")
+    print(f"plot: {plot(results['records'], path.with_suffix('.png'))}")
     return 0
 
 

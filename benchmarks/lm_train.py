@@ -56,7 +56,6 @@ if __package__ in (None, ""):  # run as a script: the repository root on sys.pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import lm_bench  # noqa: E402
-from benchmarks.environment import local_gpu_slug  # noqa: E402
 
 D_STATE, HEADDIM, EXPAND, CHUNK, VOCAB, D_CONV = 128, 64, 2, 256, 50280, 4
 LR, BETAS, WEIGHT_DECAY, EPS = 1e-4, (0.9, 0.95), 0.1, 1e-8
@@ -681,8 +680,7 @@ def main(argv=None) -> int:
     if lm_bench.worker_main(sys.argv[1:] if argv is None else argv, work):
         return 0
     args = parse_args(argv)
-    slug = local_gpu_slug()
-    path = args.out / f"lm_train_{slug}.json"
+    path = lm_bench.results_path(args.out, "lm_train")
     records = []
     for job in jobs(args):
         print(f"{job['config']} {job['impl']} ...", flush=True)
@@ -692,7 +690,7 @@ def main(argv=None) -> int:
         print(format_table([record]), flush=True)
         results = lm_bench.merge_results(path, "lm_train", records, key=record_key)
     print(f"\nwrote {path}\n\n{format_table(results['records'])}")
-    print(f"plot: {plot(results['records'], args.out / f'lm_train_{slug}.png')}")
+    print(f"plot: {plot(results['records'], path.with_suffix('.png'))}")
     return 0
 
 
