@@ -110,7 +110,7 @@ def product_chain_kernel(x, w_in, mid, w_out, phase_index, counter, BLOCK_M: ct.
 
 @ct.kernel
 def empty_kernel(late):
-    """Nothing but a launch (the block that is never 0 at once writes nothing)."""
+    """Nothing but a launch: no block writes (a block index is never negative)."""
     if ct.bid(0) < 0:
         ct.scatter(late, 0, 1)
 
