@@ -9,8 +9,6 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
-import jax
-
 
 def _command_output(cmd: list[str]) -> Optional[str]:
     try:
@@ -33,7 +31,9 @@ def _version(name: str) -> Optional[str]:
 
 
 def environment() -> dict:
-    """gpu, sm, driver, versions, git_sha, date: the fields every record repeats."""
+    """gpu, sm, driver, versions, git_sha, date: the fields every record repeats (initialises JAX's backend)."""
+    import jax  # here, not at import: the benchmarks' drivers name their files without touching JAX
+
     device = jax.devices()[0]
     capability = getattr(device, "compute_capability", None)
     versions = {"python": platform.python_version(), "jax": jax.__version__}

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from benchmarks.environment import local_gpu_slug
+
 REPO = Path(__file__).resolve().parents[1]
 # mamba_ssm's Mamba2 module and its fused add + RMSNorm: what the PyTorch peer LM is built from.
 MAMBA_SSM_MODULES = ("mamba_ssm.modules.mamba2", "mamba_ssm.ops.triton.layer_norm")
@@ -315,8 +317,6 @@ def write_json(path: Path, data) -> Path:
 
 def results_path(out: Path, benchmark: str) -> Path:
     """out / "<benchmark>_<gpu>.json": the results file of a benchmark, named after this machine's GPU model."""
-    from benchmarks.environment import local_gpu_slug  # imports jax, which the drivers otherwise leave alone
-
     return Path(out) / f"{benchmark}_{local_gpu_slug()}.json"
 
 
