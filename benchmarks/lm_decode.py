@@ -427,10 +427,11 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def plot(records: list[dict], path: Path) -> Path:
+def plot(records: list[dict], path: Path) -> Path | None:
     """A panel per config: tokens/s against batch (log-log), a line per implementation and parameter dtype: its
     latest record, preferring greedy ones with the layer scan, no XLA flags of the user's and command buffers as
-    XLA defaults them (each preference before the next); the weights floor of each parameter dtype dashed."""
+    XLA defaults them (each preference before the next); the weights floor of each parameter dtype dashed. None
+    (no figure) where every record failed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -443,6 +444,8 @@ def plot(records: list[dict], path: Path) -> Path:
         latest[r["config"], r["impl"], r["param_dtype"]] = r
     records = list(latest.values())
     configs = list(dict.fromkeys(r["config"] for r in records))
+    if not configs:
+        return None
     fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4.6), squeeze=False)
     for ax, config in zip(axes[0], configs):
         floors_drawn = set()
@@ -573,7 +576,7 @@ def main(argv=None) -> int:
         print(format_table([record]) + f"\n({time.perf_counter() - began:.0f} s)", flush=True)
         results = lm_bench.merge_results(path, "lm_decode", records, key=record_key, combine=combine_batches)
     print(f"\nwrote {path}\n\n{format_table(results['records'])}")
-    print(f"plot: {plot(results['records'], path.with_suffix('.png'))}")
+    print(f"plot: {plot(results['records'], path.with_suffix('.png')) or 'none, no record was timed'}")
     return 0
 
 

@@ -191,3 +191,10 @@ def test_a_run_at_other_batches_adds_to_the_record_of_its_commit():
     for other in (record("def", "NVIDIA H200", (8,)), record("abc", "NVIDIA H100 80GB HBM3", (8,)),
                   record("abc", "NVIDIA H200", (), error="worker timed out")):
         assert lm_decode.combine_batches(earlier, other) is other  # another commit, GPU or a failed run replaces
+
+
+def test_a_results_file_of_failed_runs_only_has_no_plot(tmp_path):
+    failed = {"config": "d1024-l24", "impl": "cutile", "param_dtype": "float32", "batches": {},
+              "error": "worker timed out after 110 s"}
+    assert lm_decode.plot([failed], tmp_path / "lm_decode.png") is None
+    assert not (tmp_path / "lm_decode.png").exists()
