@@ -294,8 +294,13 @@ def mixer_step_kernel(
                                XBC_OFFSET // DSTATE + c_block, DSTATE, D_CONV, D_CONV_TILE, HAS_CONV_BIAS)
     if h0 % heads_per_group == 0:
         if pb == 0:
-            ct.store(group_windows, index=(b, g, 0), tile=B_window.reshape((1, DSTATE, D_CONV_TILE)))
-            ct.store(group_windows, index=(b, NGROUPS + g, 0), tile=C_window.reshape((1, DSTATE, D_CONV_TILE)))
+            # The conv windows' stores are plain stores, not bulk tensor copies (TMA): where a window's row is 16
+            # bytes (f32, d_conv 4) tileiras 13.4 makes them TMA, and the launch hung on the GPU where some
+            # blocks skip these two (docs/design.md §8). A window tile is a few KB: TMA gains nothing on it.
+            ct.store(group_windows, index=(b, g, 0), tile=B_window.reshape((1, DSTATE, D_CONV_TILE)),
+                     allow_tma=False)
+            ct.store(group_windows, index=(b, NGROUPS + g, 0), tile=C_window.reshape((1, DSTATE, D_CONV_TILE)),
+                     allow_tma=False)
 
     for i in range(HEADS):
         h = h0 + i
@@ -304,7 +309,8 @@ def mixer_step_kernel(
         x_p, x_window = _conv_silu(zxbcdt, conv_state, conv_weight, conv_bias, layer, b, x_block,
                                    XBC_OFFSET // BLOCK_P + x_block, BLOCK_P, D_CONV, D_CONV_TILE, HAS_CONV_BIAS)
         # Only this block reads these channels' windows, and it has read them: rewritten in place.
-        ct.store(conv_state, index=(layer, b, x_block, 0), tile=x_window.reshape((1, 1, BLOCK_P, D_CONV_TILE)))
+        ct.store(conv_state, index=(layer, b, x_block, 0), tile=x_window.reshape((1, 1, BLOCK_P, D_CONV_TILE)),
+                 allow_tma=False)
         dt_v = ct.load(zxbcdt, index=(b, DT_OFFSET + h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
         bias = ct.load(dt_bias, index=(layer, h), shape=(1, 1)).reshape((1,)).astype(ct.float32)
         delta = dt_transform(dt_v + bias, DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX)

@@ -203,3 +203,24 @@ def test_the_mixer_step_takes_64_bit_offsets_into_stacks_past_int32():
     assert tma["int64"] == tma["int32"] and min(tma["int32"]) > 0, tma
     shared = {name: int(re.search(r"SHARED:(\d+)", resource_usage(cubin)).group(1)) for name, cubin in cubins.items()}
     assert abs(shared["int64"] - shared["int32"]) < 1024, shared
+
+
+def test_the_mixer_steps_conv_window_stores_are_plain_stores():
+    """The conv windows' stores are never bulk tensor copies (TMA): with f32 windows of d_conv 4 (16-byte rows, TMA
+    by default) the first block of each group alone storing B's and C's windows hung the launch on the GPU. The
+    f32 build of d_conv 4 has as many TMA stores as that of d_conv 3 (12-byte rows, never TMA), and no fence
+    between the windows' gathers and a TMA store to the same stack."""
+    from benchmarks.tools import sass
+    if sass.find_cuobjdump() is None:
+        pytest.skip("cuobjdump/nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    counts = {}
+    for d_conv in (3, 4):
+        dims = MixerStepDims(rows=2, nheads=8, headdim=16, ngroups=2, dstate=16, in_width=2 * 128 + 64 + 8,
+                             xbc_offset=128, dt_offset=128 + 192, layers=3, d_conv=d_conv, dtype="float32",
+                             conv_state_dtype="float32", ssm_state_dtype="float32")
+        listing = sass.disassemble(plan_cubins((decode_mixer.mixer_step_plan(dims),
+                                                decode_mixer.mixer_step_inputs(dims)))["mixer_step_kernel"])[0]
+        counts[d_conv] = {op: len(re.findall(rf"\b{re.escape(op)}\b", listing))
+                          for op in ("UTMASTG", "FENCE.VIEW.ASYNC.G")}
+    assert counts[4] == counts[3] and counts[4]["FENCE.VIEW.ASYNC.G"] == 0, counts
+    assert counts[4]["UTMASTG"] > 0, counts  # the state's and y's stores stay TMA
