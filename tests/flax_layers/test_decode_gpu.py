@@ -85,8 +85,11 @@ def test_the_decode_loop_gives_the_same_tokens_whatever_xla_records_into_command
         np.testing.assert_array_equal(tokens[name], tokens["off"], err_msg=name)
 
 
-def test_greedy_bf16_tokens_are_the_uncached_forward_argmax_up_to_ties():
-    model, prompt_len = _model(param_dtype=jnp.bfloat16), 100
+@pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_greedy_tokens_are_the_uncached_forward_argmax_up_to_ties(param_dtype):
+    """Also with float32 parameters (the LM's default, and so float32 decode states): their conv windows of
+    d_conv 4 are 16-byte rows, which the mixer step's window stores once took as TMA and hung."""
+    model, prompt_len = _model(param_dtype=param_dtype), 100
     tokens = generate(model, _prompt(1, prompt_len), 16)
     logits = nnx.jit(lambda m, ids: m(ids))(model, tokens[:, :-1])[:, prompt_len - 1:, :CONFIG.vocab_size]
     tokens = tokens[:, prompt_len:]
