@@ -1,7 +1,7 @@
 """GPU time per launch of the decode ops' kernels outside JAX, for choosing their tiles: each plan of
 `jax_mamba2.kernels.decode_projection` / `decode_mixer` at the LM's decode shapes (`benchmarks/decode_kernels.py`'s,
 d_model 1024: in_proj 1024 x 4384, out_proj 2048 x 1024, the tied head 50280 x 1024, the mixer of 32 heads x 64 x
-d_state 128; 24 stacked layers, bf16) runs through `ct.launch` on torch tensors, 50 launches captured in one CUDA
+d_state 128; 24 stacked layers; parameters in bf16 or `--param-dtypes`) runs through `ct.launch` on torch tensors, 50 launches captured in one CUDA
 graph, the graph replayed (`benchmarks.ssd.time_cuda_graph`): the median replay over 50 is a launch's GPU time with
 no host launch cost. A projection's norm and product kernels (and a split K's sum) are also timed apart. Every
 product config of `projection_configs` at rows 1 and 64 (the default alone at 8 and 256), every mixer config of
@@ -62,18 +62,19 @@ def mixer_configs(dims) -> list[decode_mixer.MixerStepConfig]:
 CASES = ("in_proj", "out_proj", "head", "mixer")
 
 
-def cases(rows_list=(1, 8, 64, 256), names=CASES, state_dtypes=("bfloat16",), mixer_layers=None):
-    """(name, dims, plan builder, inputs, configs with the default first) of every timed plan: the projections
-    of bf16 weights, the mixer step with its state (and parameters) in each of `state_dtypes`, on stacks of
+def cases(rows_list=(1, 8, 64, 256), names=CASES, param_dtypes=("bfloat16",), mixer_layers=None):
+    """(name, dims, plan builder, inputs, configs with the default first) of every timed plan, for the LM's
+    parameters in each of `param_dtypes`: the projections of weights in it, the mixer step with its state (and
+    parameters) in it, on stacks of
     `mixer_layers` layers (None: the LM's 24; mamba2-370m's 48 take its 256-row state past int32 offsets)."""
     out = []
-    for case, rows in itertools.product([n for n in names if n != "mixer"], rows_list):
-        dims = projection_dims(case, SHAPES, rows, "bfloat16")
+    for case, rows, dtype in itertools.product([n for n in names if n != "mixer"], rows_list, param_dtypes):
+        dims = projection_dims(case, SHAPES, rows, dtype)
         default = decode_projection.projection_default_config(dims)
         swept = projection_configs(case) if rows in SWEPT_ROWS else []
         out.append((case, dims, decode_projection.norm_project_plan, decode_projection.norm_project_inputs(dims),
                     [default] + [c for c in swept if c != default]))
-    for rows, dtype in itertools.product(rows_list if "mixer" in names else (), state_dtypes):
+    for rows, dtype in itertools.product(rows_list if "mixer" in names else (), param_dtypes):
         dims = mixer_dims(SHAPES, rows, dtype)
         if mixer_layers is not None:
             dims = dataclasses.replace(dims, layers=mixer_layers)
@@ -131,8 +132,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 64, 256])
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
-    parser.add_argument("--state-dtypes", nargs="+", choices=("bfloat16", "float32"), default=["bfloat16"],
-                        help="the mixer step's state and parameters (default: bfloat16)")
+    parser.add_argument("--param-dtypes", nargs="+", choices=("bfloat16", "float32"), default=["bfloat16"],
+                        help="the LM's parameters: the projections' weights, the mixer step's state and "
+                             "parameters (default: bfloat16)")
     parser.add_argument("--mixer-layers", type=int, default=None,
                         help="layers of the mixer step's stacks (default: 24; 48 at 256 rows: the int64 kernel)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
@@ -147,7 +149,7 @@ def main(argv=None) -> int:
     env, records = environment(), []
     path = args.out / f"decode_launches_{gpu_slug(env.get('gpu', 'gpu'))}.json"
     args.out.mkdir(parents=True, exist_ok=True)
-    for case, dims, make_plan, inputs, configs in cases(args.rows, args.cases, args.state_dtypes, args.mixer_layers):
+    for case, dims, make_plan, inputs, configs in cases(args.rows, args.cases, args.param_dtypes, args.mixer_layers):
         for i, cfg in enumerate(configs):
             plan = make_plan(dims, cfg)
             record = dict(case=case, rows=dims.rows, config=dataclasses.asdict(cfg), default=i == 0)
@@ -156,6 +158,8 @@ def main(argv=None) -> int:
                 record.update(state_dtype=dims.ssm_state_dtype, layers=dims.layers,
                               int64_index=decode_mixer.needs_int64_index(dims))
                 record["floor_us"] = 2 * dims.rows * dims.d_ssm * dims.dstate * state_bytes / (PEAK_HBM_TBPS * 1e6)
+            else:
+                record["weight_dtype"] = dims.weight_dtype
             try:
                 record.update(time_plan(ct, plan, _tensors(torch, inputs, plan.buffers, dims.layers // 2)))
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is a record too

@@ -9,10 +9,12 @@ from tests.kernels._plan_checks import assert_plan_well_formed  # noqa: E402
 
 
 def test_cases_time_well_formed_plans_default_first():
-    cases = decode_launches.cases(state_dtypes=("bfloat16", "float32"))
+    cases = decode_launches.cases(param_dtypes=("bfloat16", "float32"))
     assert {name for name, *_ in cases} == {"in_proj", "out_proj", "head", "mixer"}
     mixers = [(dims, configs) for name, dims, _, _, configs in cases if name == "mixer"]
     assert {dims.ssm_state_dtype for dims, _ in mixers} == {"bfloat16", "float32"}
+    for case in ("in_proj", "out_proj", "head"):  # the projections in both weight dtypes
+        assert {dims.weight_dtype for name, dims, *_ in cases if name == case} == {"bfloat16", "float32"}
     for dims, configs in mixers:  # heads per block swept where the grid has blocks to spare
         assert (max(cfg.HEADS for cfg in configs) > 1) == (dims.rows >= 64)
     for name, dims, make_plan, _, configs in cases:
