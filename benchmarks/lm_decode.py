@@ -25,6 +25,9 @@ Implementations (--impls):
 --sampling (ours): the next-token rule of `generate`, "greedy" (default: argmax, as the peer's step), or with
 HF's sampling controls, to time what they add per token: "top-k" (temperature 1, top_k 50), "top-p" (temperature
 1, top_p 0.9: a sort of the vocabulary per token), "penalty" (greedy with repetition_penalty 1.2).
+--cache-dtypes (ours): `generate`'s cache_dtype, the decode state's dtype: "default" (mamba_ssm's, the parameters'
+dtype, as the peer's), or bfloat16 / float32 (bfloat16 under float32 parameters halves the bytes a token step
+moves from a few dozen rows on).
 Per batch in --batches (default 1 8 64 256): the median ms per token step over --repeats rounds after
 --warmup-seconds of untimed rounds, tokens/s = batch / step time, and which step ours ran ("fused": the decode
 ops, on one device; "composed" otherwise).
@@ -135,8 +138,10 @@ def _controls(job: dict) -> dict:
     """generate's keyword arguments for the job's --sampling."""
     import jax
 
-    controls = SAMPLING[job.get("sampling", "greedy")]
-    return {**controls, "rng": jax.random.key(0)} if controls.get("temperature") else dict(controls)
+    controls = dict(SAMPLING[job.get("sampling", "greedy")])
+    if job.get("cache_dtype"):
+        controls["cache_dtype"] = job["cache_dtype"]
+    return {**controls, "rng": jax.random.key(0)} if controls.get("temperature") else controls
 
 
 def _timed_generate(model, prompt, new_tokens: int, repeats: int, warmup_seconds: float,
@@ -222,7 +227,7 @@ def decode_ours(job: dict) -> dict:
     decode_step = "fused" if model.layers.mixer.decodes_fused() else "composed"
     vocab = model.config.vocab_size
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(model.init_cache(1)))
+    state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(model.init_cache(1, job.get("cache_dtype"))))
     batches, controls = {}, _controls(job)
     for batch in job["batches"]:
         prompt = jax.random.randint(jax.random.key(batch), (batch, PROMPT_TOKENS), 0, vocab, jnp.int32)
@@ -392,7 +397,8 @@ def label(record: dict) -> str:
         sampled = f", {sampling}" if sampling != "greedy" else ""
         heads = record.get("mixer_heads")
         mixer = f", {heads} heads per mixer block from 64 rows" if heads is not None else ""
-        return f"{text}, command buffers {record['command_buffers']}{layers}{flags}{step}{sampled}{mixer}"
+        state = f", {record['cache_dtype']} decode state" if record.get("cache_dtype") else ""
+        return f"{text}, command buffers {record['command_buffers']}{layers}{flags}{step}{sampled}{mixer}{state}"
     conv = record.get("causal_conv1d")
     return f"{text}, {'causal_conv1d ' + conv if conv else 'no causal_conv1d'}"
 
@@ -483,6 +489,8 @@ def parse_args(argv=None):
                         help="ours: Mamba2LMHeadModel(scan_layers=False), the blocks unrolled (default: one scan)")
     parser.add_argument("--sampling", nargs="+", choices=tuple(SAMPLING), default=["greedy"],
                         help="ours' next-token rules (default: greedy)")
+    parser.add_argument("--cache-dtypes", nargs="+", choices=("default", "bfloat16", "float32"), default=["default"],
+                        help="ours: generate's cache_dtype, one process each (default: default, the parameters')")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
     parser.add_argument("--prompt-lengths", nargs="*", type=int, default=[512, 2048])
     parser.add_argument("--decode-steps", type=int, default=128, help="timed token steps per round (default: 128)")
@@ -518,12 +526,14 @@ def jobs(args) -> list[tuple[dict, dict]]:
                     out.append(({**common, **peers, "config": config, "impl": impl, "param_dtype": param_dtype,
                                  "command_buffers": None}, {}))
                     continue
-                for buffers, sampling, heads in itertools.product(args.command_buffers, args.sampling,
-                                                                  args.mixer_heads if impl == "cutile" else [None]):
+                for buffers, sampling, heads, cache in itertools.product(
+                        args.command_buffers, args.sampling, args.mixer_heads if impl == "cutile" else [None],
+                        args.cache_dtypes):
                     out.append(({**common, "config": config, "impl": impl, "param_dtype": param_dtype,
                                  "command_buffers": buffers, "scan_layers": not args.unroll_layers,
                                  "profile": args.profile, "sampling": sampling,
-                                 **({} if heads is None else {"mixer_heads": heads})},
+                                 **({} if heads is None else {"mixer_heads": heads}),
+                                 **({} if cache == "default" else {"cache_dtype": cache})},
                                 lm_bench.command_buffer_env(buffers)))
     return out
 
@@ -539,11 +549,12 @@ def record_key(record: dict) -> tuple:
     for ours whether the layers were unrolled, the XLA flags it ran under, its decode step: "fused" or
     "composed" (records from when the fused step ran from some batch on carry that batch instead; None: records
     from before the fused step existed), its sampling (records without one were greedy) and its heads per
-    mixer-step block where forced (None: the kernels' default config of the record's commit)."""
+    mixer-step block where forced (None: the kernels' default config of the record's commit) and its decode
+    state's dtype where asked (None: the parameters')."""
     return (record["config"], record["impl"], record["param_dtype"], record.get("command_buffers"),
             record.get("scan_layers") is False, user_xla_flags(record),
             record.get("fused_decode_min_batch", record.get("decode_step")), record.get("sampling", "greedy"),
-            record.get("mixer_heads"))
+            record.get("mixer_heads"), record.get("cache_dtype"))
 
 
 def combine_batches(earlier: dict, new: dict) -> dict:

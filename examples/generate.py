@@ -17,7 +17,8 @@ checkpoints use the EleutherAI/gpt-neox-20b tokenizer.
 Generation is one jitted program (prefill, then a lax.scan of O(1) cached steps). The fast path is the
 default: on a GPU the cuTile kernels, bfloat16 computation and bfloat16 weights, converted once when the
 model is loaded so that no token step converts them again (--dtype / --param-dtype float32 for exact
-float32). It reports decoding tokens/s without the prefill (generate with 1 and with --max-new-tokens new
+float32; --cache-dtype bfloat16 then keeps the decode state in bfloat16, half the bytes a large batch's token step
+moves). It reports decoding tokens/s without the prefill (generate with 1 and with --max-new-tokens new
 tokens, differenced; the first calls compile) and the prefill's time. A greedy run is also checked against
 the full (uncached) forward pass. Several --prompt make one batch of prompts of different lengths, left-padded
 (`generate(prompt_lengths=)`), each decoded as it would be alone; --stream then prints the first one's
@@ -132,9 +133,10 @@ def left_padded(prompts: list[list[int]]) -> tuple[jax.Array, list[int] | None]:
 
 
 def sampling_kwargs(args, rng) -> dict:
-    """generate's sampling controls from the flags."""
+    """generate's sampling controls and decode-state dtype from the flags."""
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                repetition_penalty=args.repetition_penalty, rng=rng if args.temperature > 0 else None)
+                repetition_penalty=args.repetition_penalty, rng=rng if args.temperature > 0 else None,
+                cache_dtype=None if args.cache_dtype == "auto" else args.cache_dtype)
 
 
 def timed_generate(model, prompt_ids, prompt_lengths, new_tokens: int, args, rng):
@@ -188,6 +190,9 @@ def parse_args(argv=None):
                         help="computation dtype; auto = bfloat16 on a GPU, float32 elsewhere")
     parser.add_argument("--param-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="the weights' dtype, converted once at load; auto = the computation dtype")
+    parser.add_argument("--cache-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="the decode state's dtype (generate's cache_dtype); auto = the weights', as "
+                             "mamba_ssm; bfloat16 with float32 weights halves the state a large batch moves")
     parser.add_argument("--stream", action="store_true",
                         help="then print the first prompt's continuation as it is generated (generate_stream)")
     parser.add_argument("--unroll-layers", action="store_true",
@@ -249,7 +254,8 @@ def main(argv=None) -> int:
         print("\n---")
 
     record = {"device": describe_device(), "backend": backend, "model_dir": str(args.model_dir),
-              "dtype": dtype.name, "param_dtype": param_dtype.name, "prompt_tokens": [len(p) for p in prompts],
+              "dtype": dtype.name, "param_dtype": param_dtype.name,
+              "cache_dtype": None if args.cache_dtype == "auto" else args.cache_dtype, "prompt_tokens": [len(p) for p in prompts],
               "batch": batch, "max_new_tokens": args.max_new_tokens,
               "tokens_per_s": batch * args.max_new_tokens / run_s,
               "decode_tokens_per_s": batch * steps / decode_s if decode_s > 0 else None,

@@ -102,6 +102,14 @@ def test_generate_streams_the_tokens_generate_returns(tmp_path):
     assert "--- streamed ---" in stdout and record["streamed_text"] == record["texts"][0]
 
 
+def test_generate_decodes_in_the_cache_dtype_asked(tmp_path):
+    run_example("generate", "--max-new-tokens", "4", "--layers", "1", "--d-model", "64", "--param-dtype", "float32",
+                "--cache-dtype", "bfloat16", "--out", str(tmp_path))
+    record = json.loads((tmp_path / "generate" / "generate.json").read_text())
+    assert record["param_dtype"] == "float32" and record["cache_dtype"] == "bfloat16"
+    assert record["tokens_per_s"] > 0 and len(record["texts"]) == 1
+
+
 def test_generate_samples_with_the_hf_controls(tmp_path):
     run_example("generate", "--max-new-tokens", "4", "--layers", "1", "--d-model", "64", "--temperature", "0.8",
                 "--top-p", "0.9", "--min-p", "0.05", "--repetition-penalty", "1.2", "--out", str(tmp_path))

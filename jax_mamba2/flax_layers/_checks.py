@@ -70,8 +70,14 @@ def check_positive_int(api: str, name: str, value) -> None:
 
 
 def check_float_dtype(api: str, name: str, dtype) -> None:
-    """`dtype` must be None or a floating dtype."""
-    if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+    """`dtype` must be None or a floating dtype (a dtype, its type or its name)."""
+    if dtype is None:
+        return
+    try:
+        floating = jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:  # not a dtype at all, e.g. an unknown name
+        floating = False
+    if not floating:
         raise TypeError(f"{api}: {name}={dtype!r} must be None or a floating dtype")
 
 

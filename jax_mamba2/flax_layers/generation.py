@@ -22,12 +22,12 @@ from jax_mamba2.flax_layers.cache import unstack_layers
 
 def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, min_p: float | None = None, repetition_penalty: float = 1.0,
-             eos_token_id=None, pad_token_id: int | None = None, prompt_lengths=None, rng=None):
+             eos_token_id=None, pad_token_id: int | None = None, prompt_lengths=None, rng=None, cache_dtype=None):
     """Autoregressive generation: one jitted program, a prefill then a loop of cached O(1) steps.
 
     The model's weights enter the program as arguments (not constants), and the program is cached per model
-    structure, prompt shape, max_new_tokens and which controls are on (not their values), so later calls do not
-    retrace. The controls act as in HF transformers' `generate`, in its order: repetition_penalty, then (when
+    structure, prompt shape, max_new_tokens, cache_dtype and which controls are on (not their values), so later
+    calls do not retrace. The controls act as in HF transformers' `generate`, in its order: repetition_penalty, then (when
     sampling) temperature, top_k, top_p, min_p.
 
     Args:
@@ -54,6 +54,11 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
         ignored (any value). Each row generates what its prompt alone would: the padding is a sequence of its
         own in the prefill (`seq_idx`), which every mixer's conv and state restart after.
       rng: a `jax.random.key`, required when temperature > 0.
+      cache_dtype: the decode state's floating dtype, both its fields (default: None, as mamba_ssm allocates
+        them: conv_state in conv1d's parameter dtype, ssm_state in in_proj's). The state is read and written
+        once per token, so from a few dozen rows its bytes, not the weights', bound a token step: bfloat16
+        with float32 parameters halves them (and the state's memory), rounding the state to bfloat16 after
+        every step as a bfloat16 model's own state is.
 
     Returns:
       (batch, prompt_len + max_new_tokens) int32: the prompt followed by the generated tokens. Tokens are drawn
@@ -66,19 +71,20 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
         without an eos_token_id, prompt_lengths outside [1, prompt_len] or of another shape than (batch,), or
         a missing rng when sampling.
       TypeError: on prompt ids or lengths that are not integers, a max_new_tokens that is not an int, a
-        control of the wrong type (the controls must be concrete numbers), or an rng that is not one key.
+        control of the wrong type (the controls must be concrete numbers), an rng that is not one key, or a
+        cache_dtype that is not a floating dtype.
     """
     return _generate(*_prepare("generate", model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                                eos_token_id=eos_token_id, pad_token_id=pad_token_id, prompt_lengths=prompt_lengths,
-                               rng=rng),
+                               rng=rng, cache_dtype=cache_dtype),
                      max_new_tokens=max_new_tokens)
 
 
 def generate_stream(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
                     top_p: float | None = None, min_p: float | None = None, repetition_penalty: float = 1.0,
                     eos_token_id=None, pad_token_id: int | None = None, prompt_lengths=None,
-                    rng=None) -> Iterator[jax.Array]:
+                    rng=None, cache_dtype=None) -> Iterator[jax.Array]:
     """`generate` a token at a time, for showing text as it comes (mamba_ssm's and HF's `streamer`).
 
     The arguments, their checks (made at the call) and the tokens are `generate`'s: with the same rng the same
@@ -92,14 +98,15 @@ def generate_stream(model, prompt_ids, max_new_tokens: int, *, temperature: floa
     return _stream(*_prepare("generate_stream", model, prompt_ids, max_new_tokens, temperature=temperature,
                              top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                              eos_token_id=eos_token_id, pad_token_id=pad_token_id, prompt_lengths=prompt_lengths,
-                             rng=rng),
+                             rng=rng, cache_dtype=cache_dtype),
                    max_new_tokens)
 
 
 def _prepare(api: str, model, prompt_ids, max_new_tokens, *, temperature, top_k, top_p, min_p, repetition_penalty,
-             eos_token_id, pad_token_id, prompt_lengths, rng):
+             eos_token_id, pad_token_id, prompt_lengths, rng, cache_dtype):
     """`generate`'s arguments checked and converted: (graphdef, state, prompt_ids, prompt_lengths, rng,
-    sampling, end) for `_generate` and `_stream`."""
+    sampling, end, cache_dtype (None or a dtype's name, hashable for jit's static arguments)) for `_generate`
+    and `_stream`."""
     vocab_size = model.config.vocab_size
     if isinstance(max_new_tokens, (bool, np.bool_)) or not isinstance(max_new_tokens, Integral):
         raise TypeError(f"{api}: max_new_tokens={max_new_tokens!r} must be a positive int")
@@ -126,9 +133,11 @@ def _prepare(api: str, model, prompt_ids, max_new_tokens, *, temperature, top_k,
         raise TypeError(f"{api}: rng must be one jax.random.key (or a legacy uint32[2] PRNGKey), got "
                         f"{type(rng).__name__} of shape {getattr(rng, 'shape', None)} and dtype "
                         f"{getattr(rng, 'dtype', None)}")
+    _checks.check_float_dtype(api, "cache_dtype", cache_dtype)
     graphdef, state = nnx.split(model)
     rng = jax.random.key(0) if rng is None else rng
-    return graphdef, state, jnp.asarray(prompt_ids, jnp.int32), prompt_lengths, rng, sampling, end
+    return (graphdef, state, jnp.asarray(prompt_ids, jnp.int32), prompt_lengths, rng, sampling, end,
+            None if cache_dtype is None else jnp.dtype(cache_dtype).name)
 
 
 def _is_key(rng) -> bool:
@@ -194,8 +203,9 @@ class _Decoding(NamedTuple):
     ended: jax.Array | None  # (batch,) bool: the rows that have ended (with an eos id)
 
 
-def _start(graphdef, state, prompt_ids, prompt_lengths, key, sampling, end) -> _Decoding:
-    """The prefill of the prompts (left-padded with prompt_lengths) and the first new token."""
+def _start(graphdef, state, prompt_ids, prompt_lengths, key, sampling, end, cache_dtype) -> _Decoding:
+    """The prefill of the prompts (left-padded with prompt_lengths) and the first new token; the cache in
+    cache_dtype unless None."""
     model = nnx.merge(graphdef, state)
     vocab_size = model.config.vocab_size
     batch, prompt_len = prompt_ids.shape
@@ -208,6 +218,8 @@ def _start(graphdef, state, prompt_ids, prompt_lengths, key, sampling, end) -> _
             if sampling.penalizes_repeats else None)
     # With seq_idx the cache is the prompt's alone (`Mamba2.prefill`: the padding's conv columns zeroed).
     hidden, residual, cache = model._scan_layers_with_cache("prefill", prompt, None, seq_idx=seq_idx)
+    if cache_dtype is not None:
+        cache = jax.tree.map(lambda a: a.astype(cache_dtype), cache)
     token = sampling_rule.next_tokens(model._logits(hidden[:, -1], residual[:, -1])[:, :vocab_size], key, seen,
                                       sampling)
     # The composed step of unrolled layers carries one cache per layer, so that no step stacks the whole
@@ -235,12 +247,12 @@ def _advance(graphdef, state, decoding: _Decoding, key, sampling, end) -> _Decod
     return _Decoding(token, cache, seen, ended)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
-def _generate(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, *, max_new_tokens):
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_dtype", "max_new_tokens"))
+def _generate(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, cache_dtype, *, max_new_tokens):
     """`generate`'s program: the prefill and first token, then the cached steps in a scan (no eos) or a while
     loop that stops once every row has ended; (batch, prompt_len + max_new_tokens) int32."""
     keys = jax.random.split(rng, max_new_tokens)
-    decoding = _start(graphdef, state, prompt_ids, prompt_lengths, keys[0], sampling, end)
+    decoding = _start(graphdef, state, prompt_ids, prompt_lengths, keys[0], sampling, end, cache_dtype)
 
     def advance(decoding, key):
         decoding = _advance(graphdef, state, decoding, key, sampling, end)
@@ -264,7 +276,7 @@ def _generate(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, *
     return jnp.concatenate([prompt_ids, generated], axis=1)
 
 
-_start_program = jax.jit(_start, static_argnames=("graphdef",))
+_start_program = jax.jit(_start, static_argnames=("graphdef", "cache_dtype"))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("carried",))
@@ -274,11 +286,11 @@ def _advance_program(graphdef, state, token, carried, key, sampling, end) -> _De
     return _advance(graphdef, state, _Decoding(token, *carried), key, sampling, end)
 
 
-def _stream(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, max_new_tokens):
+def _stream(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, cache_dtype, max_new_tokens):
     """`generate_stream`'s generator: the jitted prefill, then one jitted step per token, each yielding the
     (batch,) new tokens; it stops after max_new_tokens or once every row has ended."""
     keys = jax.random.split(rng, max_new_tokens)
-    decoding = _start_program(graphdef, state, prompt_ids, prompt_lengths, keys[0], sampling, end)
+    decoding = _start_program(graphdef, state, prompt_ids, prompt_lengths, keys[0], sampling, end, cache_dtype)
     yield decoding.token
     for step in range(1, max_new_tokens):
         if end is not None and bool(jnp.all(decoding.ended)):

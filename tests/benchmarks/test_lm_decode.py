@@ -63,6 +63,18 @@ def test_mixer_heads_make_a_cutile_job_each_and_key_the_record():
     assert lm_decode.label({**plain, "mixer_heads": 4}).endswith(", 4 heads per mixer block from 64 rows")
 
 
+def test_cache_dtypes_make_a_job_of_ours_each_key_the_record_and_reach_generate():
+    args = lm_decode.parse_args(["--configs", "d64-l1", "--impls", "xla", "mamba_ssm", "--param-dtypes", "float32",
+                                 "--cache-dtypes", "default", "bfloat16"])
+    assert [(j["impl"], j.get("cache_dtype")) for j, _ in lm_decode.jobs(args)] == [
+        ("xla", None), ("xla", "bfloat16"), ("mamba_ssm", None)]
+    plain = {"config": "d64-l1", "impl": "xla", "param_dtype": "float32", "command_buffers": "default"}
+    assert lm_decode.record_key({**plain, "cache_dtype": "bfloat16"}) != lm_decode.record_key(plain)
+    assert lm_decode.label({**plain, "cache_dtype": "bfloat16"}).endswith(", bfloat16 decode state")
+    assert lm_decode._controls({"cache_dtype": "bfloat16"}) == {"cache_dtype": "bfloat16"}
+    assert lm_decode._controls({}) == {}
+
+
 def test_mixer_heads_kernels_take_that_config_from_64_rows(monkeypatch):
     pytest.importorskip("cuda.tile")
     from jax_mamba2.bridge import decode_ops

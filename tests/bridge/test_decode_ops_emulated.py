@@ -160,6 +160,17 @@ def test_emulated_lm_step_matches_xla_over_several_tokens(config, batch):
     assert str(jaxpr).count("pure_callback") == 3 * config.n_layer + 1
 
 
+def test_emulated_lm_step_of_float32_parameters_with_a_bfloat16_cache_matches_xla():
+    """The fused step with a decode state in another dtype than the parameters (`generate(cache_dtype=...)`):
+    float32 weights, bfloat16 conv windows and SSM state, token after token."""
+    models = {b: Mamba2LMHeadModel(SPLIT_CONFIG, backend=b, rngs=nnx.Rngs(0)) for b in ("cutile", "xla")}
+    assert models["cutile"].layers.mixer.in_proj.kernel.dtype == jnp.float32
+    caches = {b: m.init_cache(2, jnp.bfloat16) for b, m in models.items()}
+    assert {a.dtype for a in jax.tree.leaves(caches["cutile"])} == {jnp.dtype(jnp.bfloat16)}
+    tokens = jax.random.randint(jax.random.key(4), (3, 2), 0, SPLIT_CONFIG.vocab_size)
+    assert_lm_steps_match(models, caches, tokens, TOLERANCE["bfloat16"])
+
+
 @pytest.mark.parametrize("heads", [2, 4])
 def test_emulated_lm_step_with_several_heads_per_mixer_block_matches_xla(heads):
     """The fused step with mixer-step blocks of HEADS heads (`MixerStepConfig.HEADS`; CONFIG has 4 heads in one

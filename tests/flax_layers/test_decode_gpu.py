@@ -100,6 +100,20 @@ def test_greedy_tokens_are_the_uncached_forward_argmax_up_to_ties(param_dtype):
     assert float(jnp.mean(jnp.argmax(logits, axis=-1) == tokens)) > 0.9
 
 
+def test_greedy_tokens_of_float32_parameters_with_a_bfloat16_cache_follow_the_uncached_forward():
+    """generate(cache_dtype=bfloat16) on float32 parameters: the fused step's kernels with a state in another dtype
+    than the weights. The state rounded to bf16 every token moves the logits by more than one rounding step of
+    them, so each chosen token is the forward's argmax up to a few (a wrong kernel moves them by far more)."""
+    model, prompt_len = _model(), 100
+    tokens = generate(model, _prompt(2, prompt_len), 16, cache_dtype=jnp.bfloat16)
+    logits = nnx.jit(lambda m, ids: m(ids))(model, tokens[:, :-1])[:, prompt_len - 1:, :CONFIG.vocab_size]
+    tokens = tokens[:, prompt_len:]
+    chosen = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(np.asarray(chosen, np.float32), np.asarray(logits.max(axis=-1), np.float32),
+                               rtol=2 ** -4, atol=0)
+    assert float(jnp.mean(jnp.argmax(logits, axis=-1) == tokens)) > 0.8
+
+
 def test_generate_until_eos_with_sampling_and_a_repetition_penalty_on_the_fused_step():
     """The while loop of an eos-ended generate around the fused step (its SSM state updated in place): the same
     tokens as the loop of known length with the same key up to each row's eos, the pad after it."""

@@ -325,6 +325,9 @@ def test_generate_stream_stops_once_every_row_has_ended(tiny_config):
     (dict(prompt_lengths=[4]), ValueError, r"generate: prompt_lengths=\[4\] must be in \[1, prompt_len=3\]"),
     (dict(prompt_lengths=[1, 2]), ValueError, r"generate: prompt_lengths.shape=\(2,\) must be \(batch\)=\(1\)"),
     (dict(prompt_lengths=[1.5]), TypeError, r"generate: prompt_lengths.dtype=float64 must be integer"),
+    (dict(cache_dtype=jnp.int32), TypeError, r"generate: cache_dtype=<class 'jax.numpy.int32'> must be None or a "
+                                             r"floating dtype"),
+    (dict(cache_dtype="half precision"), TypeError, r"generate: cache_dtype='half precision' must be None or a"),
 ])
 def test_generate_rejects_bad_arguments(tiny_config, kwargs, error, message):
     model = _model(tiny_config)
@@ -354,3 +357,45 @@ def test_generate_accepts_a_list_prompt(tiny_config):
     model = _model(tiny_config)
     prompt = [[1, 2, 3], [60, 0, 7]]  # 60 = vocab_size - 1, the largest id
     np.testing.assert_array_equal(generate(model, prompt, 3), generate(model, jnp.array(prompt), 3))
+
+
+def _decode_loop_state_dtypes(jaxpr, steps: int, state_shape) -> set:
+    """The dtypes of the operands shaped (..., *state_shape) of the scans of `steps` steps in `jaxpr` and in the
+    programs it calls: in generate's program, the token loop's SSM state."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan" and eqn.params["length"] == steps:
+            found |= {v.aval.dtype for v in eqn.invars if tuple(getattr(v.aval, "shape", ()))[-4:] == state_shape}
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                found |= _decode_loop_state_dtypes(inner, steps, state_shape)
+    return found
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+@pytest.mark.parametrize("param_dtype, cache_dtype", [(jnp.float32, jnp.bfloat16), (jnp.bfloat16, "float32")])
+def test_generate_decodes_in_the_cache_dtype_asked(tiny_config, scan_layers, param_dtype, cache_dtype):
+    """cache_dtype: the prefill's state cast to it, then every step in it (the token loop carries it, where it
+    carries the parameters' dtype without the option); the tokens are those of prefill and `step` with such a
+    cache by hand, and the stream's."""
+    model = Mamba2LMHeadModel(tiny_config, backend="xla", scan_layers=scan_layers, param_dtype=param_dtype,
+                              rngs=nnx.Rngs(0))
+    prompt = _token_ids(tiny_config, seed=12, shape=(3, 7))
+    mixer = model.layers.mixer
+    state_shape = (3, mixer.nheads, mixer.headdim, mixer.d_state)
+    for asked, carried in ((None, param_dtype), (cache_dtype, cache_dtype)):
+        jaxpr = jax.make_jaxpr(lambda p: generate(model, p, 6, cache_dtype=asked))(prompt).jaxpr
+        assert _decode_loop_state_dtypes(jaxpr, 5, state_shape) == {jnp.dtype(carried)}  # 1 + 5 new tokens
+    got = np.asarray(generate(model, prompt, 6, cache_dtype=cache_dtype))[:, 7:]
+    logits, cache = model.prefill(prompt)
+    cache = jax.tree.map(lambda a: a.astype(cache_dtype), cache)
+    token, want = jnp.argmax(logits[:, -1, :tiny_config.vocab_size], axis=-1), []
+    for _ in range(6):
+        want.append(np.asarray(token))
+        logits, cache = model.step(token, cache)
+        assert {a.dtype for a in jax.tree.leaves(cache)} == {jnp.dtype(cache_dtype)}
+        token = jnp.argmax(logits[:, :tiny_config.vocab_size], axis=-1)
+    np.testing.assert_array_equal(got, np.stack(want, axis=1))
+    stream = np.stack([np.asarray(t) for t in generate_stream(model, prompt, 6, cache_dtype=cache_dtype)], axis=1)
+    np.testing.assert_array_equal(stream, got)
