@@ -85,33 +85,32 @@ def test_the_decode_loop_gives_the_same_tokens_whatever_xla_records_into_command
         np.testing.assert_array_equal(tokens[name], tokens["off"], err_msg=name)
 
 
-@pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-def test_greedy_tokens_are_the_uncached_forward_argmax_up_to_ties(param_dtype):
-    """Also with float32 parameters (the LM's default, and so float32 decode states): their conv windows of
-    d_conv 4 are 16-byte rows, which the mixer step's window stores once took as TMA and hung."""
-    model, prompt_len = _model(param_dtype=param_dtype), 100
-    tokens = generate(model, _prompt(1, prompt_len), 16)
+def _assert_greedy_tokens_follow_the_forward(model, seed: int, rtol: float, agreement: float, **controls):
+    """16 greedy tokens of generate after a 100-token prompt: each one's logit in the uncached forward of the
+    generated text is the maximum up to `rtol`, and more than `agreement` of them are its argmax."""
+    prompt_len = 100
+    tokens = generate(model, _prompt(seed, prompt_len), 16, **controls)
     logits = nnx.jit(lambda m, ids: m(ids))(model, tokens[:, :-1])[:, prompt_len - 1:, :CONFIG.vocab_size]
     tokens = tokens[:, prompt_len:]
     chosen = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
-    # A generated token ties with the forward's maximum up to one bfloat16 rounding step of the logits.
     np.testing.assert_allclose(np.asarray(chosen, np.float32), np.asarray(logits.max(axis=-1), np.float32),
-                               rtol=2 ** -7, atol=0)
-    assert float(jnp.mean(jnp.argmax(logits, axis=-1) == tokens)) > 0.9
+                               rtol=rtol, atol=0)
+    assert float(jnp.mean(jnp.argmax(logits, axis=-1) == tokens)) > agreement
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_greedy_tokens_are_the_uncached_forward_argmax_up_to_ties(param_dtype):
+    """A generated token ties with the forward's maximum up to one bfloat16 rounding step of the logits. Also with
+    float32 parameters (the LM's default, and so float32 decode states): their conv windows of d_conv 4 are
+    16-byte rows, which the mixer step's window stores once took as TMA and hung."""
+    _assert_greedy_tokens_follow_the_forward(_model(param_dtype=param_dtype), 1, rtol=2 ** -7, agreement=0.9)
 
 
 def test_greedy_tokens_of_float32_parameters_with_a_bfloat16_cache_follow_the_uncached_forward():
     """generate(cache_dtype=bfloat16) on float32 parameters: the fused step's kernels with a state in another dtype
     than the weights. The state rounded to bf16 every token moves the logits by more than one rounding step of
     them, so each chosen token is the forward's argmax up to a few (a wrong kernel moves them by far more)."""
-    model, prompt_len = _model(), 100
-    tokens = generate(model, _prompt(2, prompt_len), 16, cache_dtype=jnp.bfloat16)
-    logits = nnx.jit(lambda m, ids: m(ids))(model, tokens[:, :-1])[:, prompt_len - 1:, :CONFIG.vocab_size]
-    tokens = tokens[:, prompt_len:]
-    chosen = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
-    np.testing.assert_allclose(np.asarray(chosen, np.float32), np.asarray(logits.max(axis=-1), np.float32),
-                               rtol=2 ** -4, atol=0)
-    assert float(jnp.mean(jnp.argmax(logits, axis=-1) == tokens)) > 0.8
+    _assert_greedy_tokens_follow_the_forward(_model(), 2, rtol=2 ** -4, agreement=0.8, cache_dtype=jnp.bfloat16)
 
 
 def test_generate_until_eos_with_sampling_and_a_repetition_penalty_on_the_fused_step():
