@@ -255,7 +255,8 @@ def main(argv=None) -> int:
 
     record = {"device": describe_device(), "backend": backend, "model_dir": str(args.model_dir),
               "dtype": dtype.name, "param_dtype": param_dtype.name,
-              "cache_dtype": None if args.cache_dtype == "auto" else args.cache_dtype, "prompt_tokens": [len(p) for p in prompts],
+              "cache_dtype": None if args.cache_dtype == "auto" else args.cache_dtype,
+              "prompt_tokens": [len(p) for p in prompts],
               "batch": batch, "max_new_tokens": args.max_new_tokens,
               "tokens_per_s": batch * args.max_new_tokens / run_s,
               "decode_tokens_per_s": batch * steps / decode_s if decode_s > 0 else None,

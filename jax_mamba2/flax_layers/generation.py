@@ -27,8 +27,8 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
 
     The model's weights enter the program as arguments (not constants), and the program is cached per model
     structure, prompt shape, max_new_tokens, cache_dtype and which controls are on (not their values), so later
-    calls do not retrace. The controls act as in HF transformers' `generate`, in its order: repetition_penalty, then (when
-    sampling) temperature, top_k, top_p, min_p.
+    calls do not retrace. The controls act as in HF transformers' `generate`, in its order: repetition_penalty,
+    then (when sampling) temperature, top_k, top_p, min_p.
 
     Args:
       model: the `Mamba2LMHeadModel`.
