@@ -295,8 +295,8 @@ def mixer_step_kernel(
     if h0 % heads_per_group == 0:
         if pb == 0:
             # The conv windows' stores are plain stores, not bulk tensor copies (TMA): where a window's row is 16
-            # bytes (f32, d_conv 4) tileiras 13.4 makes them TMA, and the launch hung on the GPU where some
-            # blocks skip these two (docs/design.md §8). A window tile is a few KB: TMA gains nothing on it.
+            # bytes (f32, d_conv 4) tileiras 13.4 makes them TMA, and such launches hung on the GPU (docs/design.md
+            # §8 says what was and was not isolated). A window tile is a few KB: TMA gains nothing on it.
             ct.store(group_windows, index=(b, g, 0), tile=B_window.reshape((1, DSTATE, D_CONV_TILE)),
                      allow_tma=False)
             ct.store(group_windows, index=(b, NGROUPS + g, 0), tile=C_window.reshape((1, DSTATE, D_CONV_TILE)),

@@ -207,9 +207,9 @@ def test_the_mixer_step_takes_64_bit_offsets_into_stacks_past_int32():
 
 def test_the_mixer_steps_conv_window_stores_are_plain_stores():
     """The conv windows' stores are never bulk tensor copies (TMA): with f32 windows of d_conv 4 (16-byte rows, TMA
-    by default) the first block of each group alone storing B's and C's windows hung the launch on the GPU. The
-    f32 build of d_conv 4 has as many TMA stores as that of d_conv 3 (12-byte rows, never TMA), and no fence
-    between the windows' gathers and a TMA store to the same stack."""
+    by default) the launch hung on the GPU with them. The f32 build of d_conv 4 has as many TMA stores as that of
+    d_conv 3 (12-byte rows, never TMA), and no fence between the windows' gathers and a TMA store to the same
+    stack."""
     from benchmarks.tools import sass
     if sass.find_cuobjdump() is None:
         pytest.skip("cuobjdump/nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
