@@ -206,17 +206,27 @@ def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
     A narrow product of up to SPLIT_ROWS rows (out_proj's 1024 columns: 16 blocks of 64) splits K over 4
     blocks (2 where 4 would pass a wave): more blocks stream the weight at once, and the partials' sum is one
     more small launch: faster for out_proj (2048 x 1024) at one row, while in_proj (69 blocks of 64, which a
-    split of 2 takes past a wave) was slower split, and at 64 rows no split paid (docs/design.md, "Decode"). Where
-    the product normalizes (norm_parts), its K step also stays within a group of the norm and starts the gate's
+    split of 2 takes past a wave) was slower split, and at 64 rows no split paid in bfloat16. float32 weights
+    double each K step's bytes: up to one block of rows (64), a product whose blocks fit a wave twice splits K
+    over 128-feature steps the same way (out_proj at 64 rows: 11 us against 17 unsplit; docs/design.md,
+    "Decode"). Where the product normalizes (norm_parts), its K step also stays within a group of the norm and starts the gate's
     columns on a step (`norm_block_k`)."""
+    def within_norm(block_k):  # a K step within one group of the norm, the gate's columns starting on a step
+        return min(block_k, norm_block_k(dims)) if dims.norm_parts else block_k
+
+    def splits(blocks):
+        return 4 if 4 * blocks <= WAVE_BLOCKS else 2
+
     m_blocks = -(-dims.rows // dims.block_m)
     wide_blocks = -(-dims.out_features // 64)
-    block_k = 64 if dims.weight_dtype == "float32" else 128
-    if dims.norm_parts:  # a K step within one group of the norm, the gate's columns starting on a step
-        block_k = min(block_k, norm_block_k(dims))
+    float32 = dims.weight_dtype == "float32"
+    block_k = within_norm(64 if float32 else 128)
     if dims.rows <= SPLIT_ROWS and 2 * wide_blocks <= WAVE_BLOCKS:
-        return ProjectionConfig(BLOCK_N=64, BLOCK_K=block_k, SPLIT_K=4 if 4 * wide_blocks <= WAVE_BLOCKS else 2)
+        return ProjectionConfig(BLOCK_N=64, BLOCK_K=block_k, SPLIT_K=splits(wide_blocks))
     block_n = next((n for n in (32, 64, 128) if m_blocks * -(-dims.out_features // n) <= WAVE_BLOCKS), 128)
+    blocks = m_blocks * -(-dims.out_features // block_n)
+    if float32 and m_blocks == 1 and 2 * blocks <= WAVE_BLOCKS:
+        return ProjectionConfig(BLOCK_N=block_n, BLOCK_K=within_norm(128), SPLIT_K=splits(blocks))
     return ProjectionConfig(BLOCK_N=block_n, BLOCK_K=block_k)
 
 

@@ -140,18 +140,19 @@ SPLIT_CONFIG = Mamba2Config(d_model=128, n_layer=2, vocab_size=256,
                             ssm_cfg=dict(d_state=16, headdim=16, chunk_size=8))
 
 
-@pytest.mark.parametrize("config, batch", [(CONFIG, 2), (SPLIT_CONFIG, 2), (CONFIG, 9)],
-                         ids=["one_k_step", "k_split", "norm_launch"])
-def test_emulated_lm_step_matches_xla_over_several_tokens(config, batch):
+@pytest.mark.parametrize("config, batch, out_proj_splits", [(CONFIG, 2, 1), (SPLIT_CONFIG, 2, 4), (CONFIG, 9, 1),
+                                                             (SPLIT_CONFIG, 9, 2)],
+                         ids=["one_k_step", "k_split", "norm_launch", "k_split_norm_launch"])
+def test_emulated_lm_step_matches_xla_over_several_tokens(config, batch, out_proj_splits):
     """The fused step's launches thread the stacked SSM state through all layers, token after token (with the
     projections' K split over blocks and summed where the defaults split it; from 9 rows with the gated norm's
-    own launch)."""
+    own launch, where float32 out_proj of SPLIT_CONFIG splits its 2 K steps of 128)."""
     models = {b: Mamba2LMHeadModel(config, backend=b, rngs=nnx.Rngs(0)) for b in ("cutile", "xla")}
     out_proj = models["cutile"].layers.mixer.out_proj.kernel
     dims = decode_projection.ProjectionDims(rows=batch, features=out_proj.shape[-2],
                                             out_features=out_proj.shape[-1], weight_dtype=out_proj.dtype.name)
     splits = decode_projection.split_k(dims, decode_projection.projection_default_config(dims))
-    assert splits == (4 if config is SPLIT_CONFIG else 1)
+    assert splits == out_proj_splits
     tokens = jax.random.randint(jax.random.key(2), (4, batch), 0, config.vocab_size)
     assert_lm_steps_match(models, {b: m.init_cache(batch) for b, m in models.items()}, tokens, 1e-5)
     graphdef, state = nnx.split(models["cutile"])

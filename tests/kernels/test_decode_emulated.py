@@ -263,8 +263,9 @@ def test_split_k_is_lowered_to_divide_the_k_steps():
 
 
 def test_default_projection_config_splits_k_only_of_a_narrow_product_of_few_rows():
-    """out_proj of the LM at d_model 1024 (2048 -> 1024) splits K in 4 over 64-column blocks at 1 and 8 rows;
-    in_proj (1024 -> 4384, 69 blocks of 64), the head and 64 rows keep one block per column block."""
+    """out_proj of the LM at d_model 1024 (2048 -> 1024) splits K in 4 over 64-column blocks at 1 and 8 rows, and
+    with float32 weights over 32-column blocks up to 64 rows; in_proj (1024 -> 4384, 69 blocks of 64), the head
+    and bfloat16 at 64 rows keep one block per column block."""
     def config(rows, features, out_features, weight_dtype="bfloat16"):
         return decode_projection.projection_default_config(decode_projection.ProjectionDims(
             rows=rows, features=features, out_features=out_features, weight_dtype=weight_dtype))
@@ -274,6 +275,11 @@ def test_default_projection_config_splits_k_only_of_a_narrow_product_of_few_rows
     assert config(1, 1536, 4000).SPLIT_K == 2  # 63 blocks of 64: two splits fit a wave, four do not
     for rows, features, out_features in ((1, 1024, 4384), (64, 2048, 1024), (1, 1024, 50280)):
         assert config(rows, features, out_features).SPLIT_K == 1
+    # float32 weights split up to one block of rows: 32 blocks of 32 columns in 4, 64 blocks (d_model 2048) in 2
+    assert config(64, 2048, 1024, "float32") == decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=128, SPLIT_K=4)
+    assert config(16, 4096, 2048, "float32").SPLIT_K == 2
+    for rows, features, out_features in ((64, 1024, 4384), (65, 2048, 1024), (256, 2048, 1024)):
+        assert config(rows, features, out_features, "float32").SPLIT_K == 1
 
 
 def _gated_norm_after_mixer(case, arrays, *, norm_before_gate, group_size, mixer_cfg=None, projection_cfg=None,
