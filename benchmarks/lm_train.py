@@ -260,7 +260,7 @@ VARIANTS = (
     Variant("scan_layers", True, "-unrolled", ", layers unrolled"),
     Variant("loss_backend", "xla", "-{}-softmax", ", loss softmax {}"),
     Variant("check_finite", True, "-unchecked", ", SSD inputs unchecked"),
-    Variant("save_chunk_states", True, "-recomputed-states", ", chunk states recomputed"),
+    Variant("save_chunk_states", False, "-saved-states", ", chunk states saved"),
     Variant("remat", False, "-remat-{}", ", remat {}"),
     Variant("command_buffers", "default", "-command-buffers-{}", ", command buffers {}"),
     Variant("conv_configs", None, "-conv-{}", ", conv kernels {}"),
@@ -612,9 +612,9 @@ def parse_args(argv=None):
     parser.add_argument("--no-check-finite", action="store_true",
                         help="ours: Mamba2LMHeadModel(check_finite=False), the SSD kernels run on their inputs "
                              "as they are, without confining NaN and inf (default: confined)")
-    parser.add_argument("--recompute-chunk-states", action="store_true",
-                        help="ours: Mamba2LMHeadModel(save_chunk_states=False), the SSD backward recomputes the "
-                             "chunk states instead of keeping them from the forward (default: kept)")
+    parser.add_argument("--save-chunk-states", action="store_true",
+                        help="ours: Mamba2LMHeadModel(save_chunk_states=True), the SSD forward keeps its chunk "
+                             "states for the backward (default: the backward recomputes them)")
     parser.add_argument("--remat", choices=("matmuls", "full"), default=None,
                         help="ours: Mamba2LMHeadModel(remat=): keep only in_proj's output (matmuls) or only each "
                              "block's inputs (full) for the backward (default: everything it reads)")
@@ -667,7 +667,7 @@ def jobs(args) -> list[dict]:
                                                           "scan_layers": not args.unroll_layers,
                                                           "loss_backend": args.loss_backend,
                                                           "check_finite": not args.no_check_finite,
-                                                          "save_chunk_states": not args.recompute_chunk_states,
+                                                          "save_chunk_states": args.save_chunk_states,
                                                           "remat": {None: False, "full": True}.get(
                                                               args.remat, args.remat),
                                                           "command_buffers": args.command_buffers,

@@ -34,6 +34,10 @@ LM_PROJECTIONS = {
                                               residual="first", dtype="bfloat16", weight_dtype="bfloat16"),
     "out_proj_gated_b256": ProjectionCase(rows=256, features=2048, out_features=1024, layers=24, layer=23,
                                           gate="before", z_offset=0, dtype="bfloat16", weight_dtype="float32"),
+    # float32 weights at 64 rows: the default splits out_proj's K in 4 (decode_projection.projection_default_config)
+    "out_proj_gated_b64_f32_weights": ProjectionCase(rows=64, features=2048, out_features=1024, layers=24, layer=11,
+                                                     gate="before", z_offset=0, dtype="bfloat16",
+                                                     weight_dtype="float32"),
     "tied_head_b8": ProjectionCase(rows=8, features=1024, out_features=50280, layers=1, layer=0, residual="add",
                                    transpose_weight=True, dtype="bfloat16", weight_dtype="bfloat16"),
 }

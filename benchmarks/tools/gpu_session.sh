@@ -148,27 +148,28 @@ case $part in
     step lm_step_unrolled 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --unroll-layers \
       --no-profile --worker-timeout 100 --out "$out"
     ;;
-  lm-scan)  # the default layer scan at d1024-l24-8x2048, what its copies cost: as it is, with the chunk states
-    # recomputed in the backward (no saved state to stack), without the non-finite confinement, and saving only
+  lm-scan)  # the default layer scan at d1024-l24-8x2048, what its copies cost: as it is (the chunk states
+    # recomputed in the backward), with them saved (a state more to stack per layer), without the non-finite confinement, and saving only
     # in_proj's output (remat="matmuls": fewer stacked residuals to zero and copy)
     export JAX_MAMBA2_AUTOTUNE=0
     step lm_scan 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --worker-timeout 140 \
       --out "$out"
-    step lm_scan_recompute 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
-      --recompute-chunk-states --worker-timeout 140 --out "$out"
+    step lm_scan_saved 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
+      --save-chunk-states --worker-timeout 140 --out "$out"
     step lm_scan_unchecked 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
       --no-check-finite --no-profile --worker-timeout 100 --out "$out"
     step lm_scan_remat 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --remat matmuls \
       --no-profile --worker-timeout 100 --out "$out"
     ;;
   lm-memory)  # the peak memory of the d1536-l48-8x2048 step against mamba_ssm's 41.8 GiB: unrolled as it is (the norm
-    # keeping no z copy, the weights converted again in the backward) and with the chunk states recomputed, then the
+    # keeping no z copy, the weights converted again in the backward, the chunk states recomputed) and with the
+    # chunk states saved, then the
     # gated norm's GPU tests (its backward reading z from in_proj's output) (about 8 minutes)
     export JAX_MAMBA2_AUTOTUNE=0
     step lm_memory_unrolled 190 python benchmarks/lm_train.py --configs d1536-l48-8x2048 --impls cutile --unroll-layers \
       --no-profile --worker-timeout 180 --out "$out"
-    step lm_memory_recompute 190 python benchmarks/lm_train.py --configs d1536-l48-8x2048 --impls cutile \
-      --unroll-layers --recompute-chunk-states --no-profile --worker-timeout 180 --out "$out"
+    step lm_memory_saved 190 python benchmarks/lm_train.py --configs d1536-l48-8x2048 --impls cutile \
+      --unroll-layers --save-chunk-states --no-profile --worker-timeout 180 --out "$out"
     step norm_gpu_tests 90 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider tests/kernels/test_rms_norm_gpu.py
     ;;
   decode)  # the decode ops: their GPU tests, every plan and config timed outside JAX, the LM's token step at batches

@@ -57,7 +57,7 @@ class Mamba2Block(nnx.Module):
     """
 
     def __init__(self, config: Mamba2Config, *, backend: str = "auto", deterministic_backward: bool = False,
-                 save_chunk_states: bool = True, check_finite: bool = True, dtype=None, param_dtype=jnp.float32,
+                 save_chunk_states: bool = False, check_finite: bool = True, dtype=None, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         self.residual_in_fp32 = config.residual_in_fp32
         self.norm = RMSNorm(config.d_model, eps=config.norm_epsilon, backend=backends.for_op(backend, norm_op.OP),
@@ -148,7 +148,7 @@ class Mamba2LMHeadModel(nnx.Module):
     """
 
     def __init__(self, config: Mamba2Config, *, backend: str = "auto", deterministic_backward: bool = False,
-                 save_chunk_states: bool = True, check_finite: bool = True, remat: bool | str = False,
+                 save_chunk_states: bool = False, check_finite: bool = True, remat: bool | str = False,
                  scan_layers: bool = True, loss_backend: str = "xla", dtype=None, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         scan_layers = check_flag("Mamba2LMHeadModel", "scan_layers", scan_layers)

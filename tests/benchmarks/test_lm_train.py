@@ -261,9 +261,9 @@ def test_no_check_finite_reaches_the_model_and_keys_the_record():
     assert tests[True] > tests[False]
 
 
-def test_recompute_chunk_states_reaches_the_model_and_keys_the_record():
-    _assert_variant_reaches_ours_and_keys_the_record(["--recompute-chunk-states"], "save_chunk_states", False, True,
-                                                     ", chunk states recomputed")
+def test_save_chunk_states_reaches_the_model_and_keys_the_record():
+    _assert_variant_reaches_ours_and_keys_the_record(["--save-chunk-states"], "save_chunk_states", True, False,
+                                                     ", chunk states saved")
     pytest.importorskip("cuda.tile")
     from jax_mamba2.bridge import aot
     config = lm_train.TrainConfig.parse("d64-l1-1x32")  # 2 heads of 64, d_state 128, one chunk
