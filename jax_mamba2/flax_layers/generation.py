@@ -217,9 +217,9 @@ def _start(graphdef, state, prompt_ids, prompt_lengths, key, sampling, end, cach
     seen = (sampling_rule.mark_seen(jnp.zeros((batch, vocab_size), bool), seen_ids)
             if sampling.penalizes_repeats else None)
     # With seq_idx the cache is the prompt's alone (`Mamba2.prefill`: the padding's conv columns zeroed).
-    hidden, residual, cache = model._scan_layers_with_cache("prefill", prompt, None, seq_idx=seq_idx)
-    if cache_dtype is not None:
-        cache = jax.tree.map(lambda a: a.astype(cache_dtype), cache)
+    # Each layer's state is rounded to cache_dtype as the layer returns it: no wider stack of them is held.
+    hidden, residual, cache = model._scan_layers_with_cache("prefill", prompt, None, seq_idx=seq_idx,
+                                                            cache_dtype=cache_dtype)
     token = sampling_rule.next_tokens(model._logits(hidden[:, -1], residual[:, -1])[:, :vocab_size], key, seen,
                                       sampling)
     # The composed step of unrolled layers carries one cache per layer, so that no step stacks the whole

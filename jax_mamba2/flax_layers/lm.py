@@ -94,11 +94,11 @@ class Mamba2Block(nnx.Module):
         normed, residual = self._add_norm(hidden_states, residual)
         return self.mixer(normed, seq_idx=seq_idx), residual
 
-    def prefill(self, hidden_states, residual, cache: Mamba2Cache | None = None, *, seq_idx=None):
+    def prefill(self, hidden_states, residual, cache: Mamba2Cache | None = None, *, seq_idx=None, cache_dtype=None):
         """As `__call__`, also returning the mixer's cache (see `Mamba2.prefill`)."""
         self._check_inputs("Mamba2Block.prefill", hidden_states, residual, cache, sequence=True)
         normed, residual = self._add_norm(hidden_states, residual)
-        out, cache = self.mixer.prefill(normed, cache, seq_idx=seq_idx)
+        out, cache = self.mixer.prefill(normed, cache, seq_idx=seq_idx, cache_dtype=cache_dtype)
         return out, residual, cache
 
     def step(self, hidden_states, residual, cache: Mamba2Cache):
@@ -262,7 +262,7 @@ class Mamba2LMHeadModel(nnx.Module):
                                               (hidden, residual))[0]
         return self._final_norm(hidden, residual)
 
-    def prefill(self, input_ids, cache: Mamba2Cache | None = None, *, seq_idx=None):
+    def prefill(self, input_ids, cache: Mamba2Cache | None = None, *, seq_idx=None, cache_dtype=None):
         """Forward that also fills the cache.
 
         Args:
@@ -270,6 +270,8 @@ class Mamba2LMHeadModel(nnx.Module):
           cache: optional per-layer state (leading (n_layer,) axis) from earlier tokens; None = empty.
           seq_idx: optional (batch, seqlen) int ids of packed sequences, without a cache (see
             `Mamba2.prefill`): the cache continues each row's last sequence.
+          cache_dtype: the returned cache's floating dtype (default: None, the given cache's dtypes, else
+            `init_cache`'s), each layer's state rounded to it as the layer returns it (see `Mamba2.prefill`).
 
         Returns:
           (logits (batch, seqlen, padded_vocab), cache with a leading (n_layer,) axis).
@@ -278,7 +280,9 @@ class Mamba2LMHeadModel(nnx.Module):
           ValueError, TypeError: for input_ids or a cache of the wrong shape or dtype.
         """
         self._check_inputs("Mamba2LMHeadModel.prefill", input_ids, cache, sequence=True, seq_idx=seq_idx)
-        hidden, residual, cache = self._scan_layers_with_cache("prefill", input_ids, cache, seq_idx=seq_idx)
+        _checks.check_float_dtype("Mamba2LMHeadModel.prefill", "cache_dtype", cache_dtype)
+        hidden, residual, cache = self._scan_layers_with_cache("prefill", input_ids, cache, seq_idx=seq_idx,
+                                                               cache_dtype=cache_dtype)
         return self._logits(hidden, residual), cache
 
     def step(self, input_ids, cache: Mamba2Cache):

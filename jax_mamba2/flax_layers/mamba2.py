@@ -203,7 +203,7 @@ class Mamba2(nnx.Module):
                            returns_cache=False)
         return out
 
-    def prefill(self, hidden_states, cache: Mamba2Cache | None = None, *, seq_idx=None):
+    def prefill(self, hidden_states, cache: Mamba2Cache | None = None, *, seq_idx=None, cache_dtype=None):
         """Full forward that also returns the decode cache.
 
         Args:
@@ -212,6 +212,9 @@ class Mamba2(nnx.Module):
           seq_idx: optional (batch, seqlen) int ids of packed sequences, as in `__call__`, without a cache: the
             returned cache is that of each row's last sequence alone (e.g. a left-padded prompt whose padding is
             sequence 0): the SSM state restarts there, and the conv state's columns of earlier tokens are zero.
+          cache_dtype: the returned cache's floating dtype, both fields (default: None, the given cache's dtypes,
+            else `init_cache`'s). Rounded here, layer by layer, so that no wider copy of an LM's whole decode
+            state is ever held (`Mamba2LMHeadModel.prefill`, `generate(cache_dtype=...)`).
 
         Returns:
           (out (batch, seqlen, d_model), cache): conv_state = the last d_conv pre-conv xBC columns
@@ -225,7 +228,11 @@ class Mamba2(nnx.Module):
         if cache is not None:
             _checks.check_cache("Mamba2.prefill", cache, *self.cache_axes(batch))
         _checks.check_seq_idx("Mamba2.prefill", seq_idx, batch, seqlen, cache)
-        dtypes = self._cache_dtypes() if cache is None else tuple(a.dtype for a in cache)
+        _checks.check_float_dtype("Mamba2.prefill", "cache_dtype", cache_dtype)
+        if cache_dtype is not None:
+            dtypes = (cache_dtype, cache_dtype)
+        else:
+            dtypes = self._cache_dtypes() if cache is None else tuple(a.dtype for a in cache)
         out, new_cache = self._run(functools.partial(Mamba2._forward, want_cache=True),
                                    (hidden_states, cache, seq_idx), returns_cache=True)
         if seq_idx is not None and seqlen:
