@@ -207,10 +207,10 @@ def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
     blocks (2 where 4 would pass a wave): more blocks stream the weight at once, and the partials' sum is one
     more small launch: faster for out_proj (2048 x 1024) at one row, while in_proj (69 blocks of 64, which a
     split of 2 takes past a wave) was slower split, and at 64 rows no split paid in bfloat16. float32 weights
-    double each K step's bytes: up to one block of rows (64), a product whose blocks fit a wave twice splits K
-    over 128-feature steps the same way (out_proj at 64 rows: 11 us against 17 unsplit; docs/design.md,
-    "Decode"). Where the product normalizes (norm_parts), its K step also stays within a group of the norm and starts the gate's
-    columns on a step (`norm_block_k`)."""
+    double each K step's bytes, so up to one block of rows (64) a product whose blocks fit a wave twice splits
+    K the same way, over 128-feature steps (out_proj at 64 rows: 11 us against 17 unsplit; no local memory;
+    docs/design.md, "Decode"). Where the product normalizes (norm_parts), its K step also stays within a group
+    of the norm and starts the gate's columns on a step (`norm_block_k`)."""
     def within_norm(block_k):  # a K step within one group of the norm, the gate's columns starting on a step
         return min(block_k, norm_block_k(dims)) if dims.norm_parts else block_k
 
