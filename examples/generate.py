@@ -132,11 +132,16 @@ def left_padded(prompts: list[list[int]]) -> tuple[jax.Array, list[int] | None]:
     return ids, None if len(set(lengths)) == 1 else lengths
 
 
+def cache_dtype(args) -> str | None:
+    """generate's cache_dtype from --cache-dtype (None for auto: the weights' dtype)."""
+    return None if args.cache_dtype == "auto" else args.cache_dtype
+
+
 def sampling_kwargs(args, rng) -> dict:
     """generate's sampling controls and decode-state dtype from the flags."""
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                 repetition_penalty=args.repetition_penalty, rng=rng if args.temperature > 0 else None,
-                cache_dtype=None if args.cache_dtype == "auto" else args.cache_dtype)
+                cache_dtype=cache_dtype(args))
 
 
 def timed_generate(model, prompt_ids, prompt_lengths, new_tokens: int, args, rng):
@@ -255,7 +260,7 @@ def main(argv=None) -> int:
 
     record = {"device": describe_device(), "backend": backend, "model_dir": str(args.model_dir),
               "dtype": dtype.name, "param_dtype": param_dtype.name,
-              "cache_dtype": None if args.cache_dtype == "auto" else args.cache_dtype,
+              "cache_dtype": cache_dtype(args),
               "prompt_tokens": [len(p) for p in prompts],
               "batch": batch, "max_new_tokens": args.max_new_tokens,
               "tokens_per_s": batch * args.max_new_tokens / run_s,
