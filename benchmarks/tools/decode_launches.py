@@ -36,16 +36,21 @@ SWEPT_ROWS = (1, 64)
 BUDGET_S, WARMUP_S = 0.05, 0.05
 
 
-def projection_configs(case: str) -> list[decode_projection.ProjectionConfig]:
+def projection_configs(case: str, rows: int) -> list[decode_projection.ProjectionConfig]:
     """The product's columns per block (256 for the head alone), K step with its latency hint, occupancy hint;
     for in_proj and out_proj also K split over 2, 4 or 8 blocks at 32 and 64 columns, with and without an occupancy
-    hint of 2 (in_proj's 138 blocks of 64 columns split in two then fit one wave of two blocks per SM)."""
+    hint of 2 (in_proj's 138 blocks of 64 columns split in two then fit one wave of two blocks per SM), and from 64
+    rows two blocks of 32 rows per column block or a split of 128-column blocks (in_proj's 69 blocks of 64 columns
+    leave half a wave idle at 64 rows)."""
     columns = (32, 64, 128, 256) if case == "head" else (32, 64, 128)
     tiles = [decode_projection.ProjectionConfig(BLOCK_N=n, BLOCK_K=k, LATENCY=latency, OCCUPANCY=occupancy)
              for n, (k, latency), occupancy in itertools.product(columns, ((128, 4), (256, 2)), (None, 2))]
     splits = [decode_projection.ProjectionConfig(BLOCK_N=n, SPLIT_K=split, OCCUPANCY=occupancy)
               for n, split, occupancy in itertools.product((32, 64), (2, 4, 8), (None, 2))]
-    return tiles + ([] if case == "head" else splits)
+    row_blocks = [decode_projection.ProjectionConfig(BLOCK_N=n, BLOCK_M=32, OCCUPANCY=occupancy)
+                  for n, occupancy in itertools.product((64, 128), (None, 2))]
+    wide_splits = [decode_projection.ProjectionConfig(BLOCK_N=128, SPLIT_K=split) for split in (2, 4)]
+    return tiles + ([] if case == "head" else splits + (row_blocks + wide_splits if rows >= 64 else []))
 
 
 def mixer_configs(dims) -> list[decode_mixer.MixerStepConfig]:
@@ -71,7 +76,7 @@ def cases(rows_list=(1, 8, 64, 256), names=CASES, param_dtypes=("bfloat16",), mi
     for case, rows, dtype in itertools.product([n for n in names if n != "mixer"], rows_list, param_dtypes):
         dims = projection_dims(case, SHAPES, rows, dtype)
         default = decode_projection.projection_default_config(dims)
-        swept = projection_configs(case) if rows in SWEPT_ROWS else []
+        swept = projection_configs(case, rows) if rows in SWEPT_ROWS else []
         out.append((case, dims, decode_projection.norm_project_plan, decode_projection.norm_project_inputs(dims),
                     [default] + [c for c in swept if c != default]))
     for rows, dtype in itertools.product(rows_list if "mixer" in names else (), param_dtypes):
