@@ -229,10 +229,8 @@ class Mamba2(nnx.Module):
             _checks.check_cache("Mamba2.prefill", cache, *self.cache_axes(batch))
         _checks.check_seq_idx("Mamba2.prefill", seq_idx, batch, seqlen, cache)
         _checks.check_float_dtype("Mamba2.prefill", "cache_dtype", cache_dtype)
-        if cache_dtype is not None:
-            dtypes = (cache_dtype, cache_dtype)
-        else:
-            dtypes = self._cache_dtypes() if cache is None else tuple(a.dtype for a in cache)
+        dtypes = (self._cache_dtypes(cache_dtype) if cache is None or cache_dtype is not None
+                  else tuple(a.dtype for a in cache))
         out, new_cache = self._run(functools.partial(Mamba2._forward, want_cache=True),
                                    (hidden_states, cache, seq_idx), returns_cache=True)
         if seq_idx is not None and seqlen:

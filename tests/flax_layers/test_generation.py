@@ -14,6 +14,7 @@ from flax import nnx
 from jax_mamba2.flax_layers import Mamba2LMHeadModel, generate, generate_stream
 from jax_mamba2.flax_layers import sampling as sampling_rule
 from tests.flax_layers._generation import ended_at_eos
+from tests.flax_layers._programs import walk
 
 BATCH = 2
 
@@ -362,28 +363,16 @@ def test_generate_accepts_a_list_prompt(tiny_config):
 def _output_dtypes(jaxpr, shapes) -> set:
     """The dtypes of the values shaped as one of `shapes` that the equations of `jaxpr` and of the programs it
     calls make."""
-    found = set()
-    for eqn in jaxpr.eqns:
-        found |= {v.aval.dtype for v in eqn.outvars if tuple(getattr(v.aval, "shape", ())) in shapes}
-        for value in eqn.params.values():
-            inner = getattr(value, "jaxpr", value)
-            if hasattr(inner, "eqns"):
-                found |= _output_dtypes(inner, shapes)
-    return found
+    return {v.aval.dtype for eqn, _ in walk(jaxpr) for v in eqn.outvars
+            if tuple(getattr(v.aval, "shape", ())) in shapes}
 
 
 def _decode_loop_state_dtypes(jaxpr, steps: int, state_shape) -> set:
     """The dtypes of the operands shaped (..., *state_shape) of the scans of `steps` steps in `jaxpr` and in the
     programs it calls: in generate's program, the token loop's SSM state."""
-    found = set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan" and eqn.params["length"] == steps:
-            found |= {v.aval.dtype for v in eqn.invars if tuple(getattr(v.aval, "shape", ()))[-4:] == state_shape}
-        for value in eqn.params.values():
-            inner = getattr(value, "jaxpr", value)
-            if hasattr(inner, "eqns"):
-                found |= _decode_loop_state_dtypes(inner, steps, state_shape)
-    return found
+    return {v.aval.dtype for eqn, _ in walk(jaxpr)
+            if eqn.primitive.name == "scan" and eqn.params["length"] == steps
+            for v in eqn.invars if tuple(getattr(v.aval, "shape", ()))[-4:] == state_shape}
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
