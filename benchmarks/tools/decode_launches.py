@@ -1,6 +1,6 @@
 """GPU time per launch of the decode ops' kernels outside JAX, for choosing their tiles: each plan of
 `jax_mamba2.kernels.decode_projection` / `decode_mixer` at the LM's decode shapes (`benchmarks/decode_kernels.py`'s,
-d_model 1024: in_proj 1024 x 4384, out_proj 2048 x 1024, the tied head 50280 x 1024, the mixer of 32 heads x 64 x
+d_model 1024 unless `--d-model`: in_proj 1024 x 4384, out_proj 2048 x 1024, the tied head 50280 x 1024, the mixer of 32 heads x 64 x
 d_state 128; 24 stacked layers; parameters in bf16 or `--param-dtypes`) runs through `ct.launch` on torch tensors,
 50 launches captured in one CUDA graph, the graph replayed (`benchmarks.ssd.time_cuda_graph`): the median replay
 over 50 is a launch's GPU time with no host launch cost. A projection's norm and product kernels (and a split K's
@@ -30,7 +30,7 @@ from benchmarks.ssd import PEAK_HBM_TBPS, raise_gpu_clocks, time_cuda_graph  # n
 from jax_mamba2.kernels import decode_mixer, decode_projection  # noqa: E402
 from jax_mamba2.kernels._common import kernel_name  # noqa: E402
 
-SHAPES = Shapes(1024)  # the LM of the decode benchmarks: d_model 1024, 24 layers
+D_MODEL = 1024  # the LM of the decode benchmarks: d_model 1024, 24 layers (`--d-model` for mamba2-780m's / -1.3b's)
 SWEPT_ROWS = (1, 64)
 # Per timing: replays timed, and back-to-back replays first (the clocks are raised once, in main).
 BUDGET_S, WARMUP_S = 0.05, 0.05
@@ -67,20 +67,21 @@ def mixer_configs(dims) -> list[decode_mixer.MixerStepConfig]:
 CASES = ("in_proj", "out_proj", "head", "mixer")
 
 
-def cases(rows_list=(1, 8, 64, 256), names=CASES, param_dtypes=("bfloat16",), mixer_layers=None):
-    """(name, dims, plan builder, inputs, configs with the default first) of every timed plan, for the LM's
-    parameters in each of `param_dtypes`: the projections of weights in it, the mixer step with its state (and
-    parameters) in it, on stacks of `mixer_layers` layers (None: the LM's 24; mamba2-370m's 48 take its 256-row
-    state past int32 offsets)."""
-    out = []
+def cases(rows_list=(1, 8, 64, 256), names=CASES, param_dtypes=("bfloat16",), mixer_layers=None,
+          d_model=D_MODEL):
+    """(name, dims, plan builder, inputs, configs with the default first) of every timed plan, for the LM of
+    `d_model` with parameters in each of `param_dtypes`: the projections of weights in it, the mixer step with its
+    state (and parameters) in it, on stacks of `mixer_layers` layers (None: the LM's 24; mamba2-370m's 48 take its
+    256-row state past int32 offsets)."""
+    shapes, out = Shapes(d_model), []
     for case, rows, dtype in itertools.product([n for n in names if n != "mixer"], rows_list, param_dtypes):
-        dims = projection_dims(case, SHAPES, rows, dtype)
+        dims = projection_dims(case, shapes, rows, dtype)
         default = decode_projection.projection_default_config(dims)
         swept = projection_configs(case, rows) if rows in SWEPT_ROWS else []
         out.append((case, dims, decode_projection.norm_project_plan, decode_projection.norm_project_inputs(dims),
                     [default] + [c for c in swept if c != default]))
     for rows, dtype in itertools.product(rows_list if "mixer" in names else (), param_dtypes):
-        dims = mixer_dims(SHAPES, rows, dtype)
+        dims = mixer_dims(shapes, rows, dtype)
         if mixer_layers is not None:
             dims = dataclasses.replace(dims, layers=mixer_layers)
         default = decode_mixer.mixer_step_default_config(dims)
@@ -142,6 +143,8 @@ def main(argv=None) -> int:
                              "parameters (default: bfloat16)")
     parser.add_argument("--mixer-layers", type=int, default=None,
                         help="layers of the mixer step's stacks (default: 24; 48 at 256 rows: the int64 kernel)")
+    parser.add_argument("--d-model", type=int, default=D_MODEL,
+                        help="the LM's width (default 1024; mamba2-780m 1536, mamba2-1.3b 2048; d_state 128, headdim 64)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     args = parser.parse_args(argv)
     import cuda.tile as ct
@@ -154,10 +157,12 @@ def main(argv=None) -> int:
     env, records = environment(), []
     path = args.out / f"decode_launches_{gpu_slug(env.get('gpu', 'gpu'))}.json"
     args.out.mkdir(parents=True, exist_ok=True)
-    for case, dims, make_plan, inputs, configs in cases(args.rows, args.cases, args.param_dtypes, args.mixer_layers):
+    for case, dims, make_plan, inputs, configs in cases(args.rows, args.cases, args.param_dtypes, args.mixer_layers,
+                                                         args.d_model):
         for i, cfg in enumerate(configs):
             plan = make_plan(dims, cfg)
-            record = dict(case=case, rows=dims.rows, config=dataclasses.asdict(cfg), default=i == 0)
+            record = dict(case=case, d_model=args.d_model, rows=dims.rows, config=dataclasses.asdict(cfg),
+                          default=i == 0)
             if case == "mixer":
                 state_bytes = 4 if dims.ssm_state_dtype == "float32" else 2
                 record.update(state_dtype=dims.ssm_state_dtype, layers=dims.layers,
