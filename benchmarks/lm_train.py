@@ -612,9 +612,10 @@ def parse_args(argv=None):
     parser.add_argument("--no-check-finite", action="store_true",
                         help="ours: Mamba2LMHeadModel(check_finite=False), the SSD kernels run on their inputs "
                              "as they are, without confining NaN and inf (default: confined)")
-    parser.add_argument("--save-chunk-states", action="store_true",
-                        help="ours: Mamba2LMHeadModel(save_chunk_states=True), the SSD forward keeps its chunk "
-                             "states for the backward (default: the backward recomputes them)")
+    parser.add_argument("--chunk-states", choices=("saved", "recomputed"), default=None,
+                        help="ours: Mamba2LMHeadModel(save_chunk_states=True / False), the SSD forward keeps its "
+                             "chunk states for the backward or the backward recomputes them (default: the model's, "
+                             "kept under --remat, recomputed without it)")
     parser.add_argument("--remat", choices=("matmuls", "full"), default=None,
                         help="ours: Mamba2LMHeadModel(remat=): keep only in_proj's output (matmuls) or only each "
                              "block's inputs (full) for the backward (default: everything it reads)")
@@ -658,7 +659,10 @@ def record_key(record: dict) -> tuple:
 
 
 def jobs(args) -> list[dict]:
+    from jax_mamba2.flax_layers.lm import chunk_states_saved
+
     peers = lm_bench.peer_paths(args)
+    remat = {None: False, "full": True}.get(args.remat, args.remat)
     return [{"config": config, "impl": impl, "steps": args.steps, "warmup_seconds": args.warmup_seconds,
              "pipelined_steps": args.pipelined_steps,
              "profile_steps": 0 if args.no_profile or impl not in OURS else args.profile_steps,
@@ -667,9 +671,10 @@ def jobs(args) -> list[dict]:
                                                           "scan_layers": not args.unroll_layers,
                                                           "loss_backend": args.loss_backend,
                                                           "check_finite": not args.no_check_finite,
-                                                          "save_chunk_states": args.save_chunk_states,
-                                                          "remat": {None: False, "full": True}.get(
-                                                              args.remat, args.remat),
+                                                          "save_chunk_states": chunk_states_saved(
+                                                              {None: None, "saved": True, "recomputed": False}[
+                                                                  args.chunk_states], remat),
+                                                          "remat": remat,
                                                           "command_buffers": args.command_buffers,
                                                           "conv_configs": args.conv_configs,
                                                           "hlo_dir": args.hlo_dir and str(args.hlo_dir)})}

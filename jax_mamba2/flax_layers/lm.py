@@ -41,6 +41,16 @@ def _check_remat(remat) -> bool | str:
     return bool(remat)
 
 
+def chunk_states_saved(save_chunk_states: bool | None, remat: bool | str) -> bool:
+    """The blocks' `save_chunk_states` under the LM's `remat`: as given, or by default (None) True under remat, where
+    the backward replays each block's forward just before its backward, so kept states live within one block (a
+    faster step for a few MB; docs/design.md §12), and False without it, where they would live across every layer
+    (a 1-2% slower step for dstate / 64 times x's bytes less per layer)."""
+    if save_chunk_states is None:
+        return remat is not False
+    return check_flag("Mamba2LMHeadModel", "save_chunk_states", save_chunk_states)
+
+
 class Mamba2Block(nnx.Module):
     """Add -> RMSNorm -> Mamba2 (mamba_ssm `Block` with fused_add_norm semantics).
 
@@ -122,8 +132,11 @@ class Mamba2LMHeadModel(nnx.Module):
 
     Args:
       config: the model configuration.
-      backend, deterministic_backward, save_chunk_states, check_finite: every mixer's SSD options (see
-        `Mamba2`); the norms follow the backend (see `backends.for_op`).
+      backend, deterministic_backward, check_finite: every mixer's SSD options (see `Mamba2`); the norms follow
+        the backend (see `backends.for_op`).
+      save_chunk_states: every mixer's (see `Mamba2`); by default (None) True under `remat` (the replayed forward
+        writes the chunk states just before the block's backward reads them) and False without it
+        (`chunk_states_saved`).
       loss_backend: where `loss` takes the softmax over each chunk's logits (`chunked_cross_entropy`'s
         backend): "xla" (default: XLA fusions) or the cuTile kernels, "auto", "cutile" or "cutile_callback".
       remat: what each block keeps for the backward pass (`nnx.remat`), trading compute for memory: False
@@ -148,11 +161,12 @@ class Mamba2LMHeadModel(nnx.Module):
     """
 
     def __init__(self, config: Mamba2Config, *, backend: str = "auto", deterministic_backward: bool = False,
-                 save_chunk_states: bool = False, check_finite: bool = True, remat: bool | str = False,
+                 save_chunk_states: bool | None = None, check_finite: bool = True, remat: bool | str = False,
                  scan_layers: bool = True, loss_backend: str = "xla", dtype=None, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         scan_layers = check_flag("Mamba2LMHeadModel", "scan_layers", scan_layers)
         remat = _check_remat(remat)
+        save_chunk_states = chunk_states_saved(save_chunk_states, remat)
         self.config, self.remat, self.scan_layers, self.dtype = config, remat, scan_layers, dtype
         self.loss_backend = backends.check_name(loss_backend, "Mamba2LMHeadModel", loss_op.OP, "loss_backend")
         vocab = config.padded_vocab_size

@@ -261,9 +261,14 @@ def test_no_check_finite_reaches_the_model_and_keys_the_record():
     assert tests[True] > tests[False]
 
 
-def test_save_chunk_states_reaches_the_model_and_keys_the_record():
-    _assert_variant_reaches_ours_and_keys_the_record(["--save-chunk-states"], "save_chunk_states", True, False,
+def test_chunk_states_reach_the_model_and_key_the_record():
+    _assert_variant_reaches_ours_and_keys_the_record(["--chunk-states", "saved"], "save_chunk_states", True, False,
                                                      ", chunk states saved")
+    # Without the flag the job records the model's default: kept under remat, recomputed without it.
+    for flags, saved in (([], False), (["--remat", "matmuls"], True), (["--remat", "matmuls", "--chunk-states",
+                                                                        "recomputed"], False)):
+        job, = lm_train.jobs(lm_train.parse_args(["--impls", "cutile", *flags]))
+        assert job["save_chunk_states"] is saved
     pytest.importorskip("cuda.tile")
     from jax_mamba2.bridge import aot
     config = lm_train.TrainConfig.parse("d64-l1-1x32")  # 2 heads of 64, d_state 128, one chunk

@@ -106,6 +106,17 @@ def test_remat_matmuls_keeps_in_proj_output_for_the_backward_and_less_than_witho
         _model(tiny_config, remat=1)
 
 
+@pytest.mark.parametrize("remat,given,saved", [
+    (False, None, False), ("matmuls", None, True), (True, None, True), ("matmuls", False, False), (False, True, True)])
+def test_chunk_states_are_kept_by_default_only_under_remat(tiny_config, remat, given, saved):
+    """save_chunk_states=None (the default) keeps the SSD's chunk states under remat, where the replayed forward
+    writes them right before the block's backward, and recomputes them without it; a bool is taken as given."""
+    options = {} if given is None else dict(save_chunk_states=given)
+    assert _model(tiny_config, remat=remat, **options).layers.mixer.save_chunk_states is saved
+    with pytest.raises(TypeError, match="save_chunk_states='yes' must be a bool"):
+        _model(tiny_config, save_chunk_states="yes")
+
+
 @pytest.fixture(scope="module")
 def tiny_lm():
     """tiny_config's model: 3 layers, conv_dim = 64 + 2 * 2 * 8 = 96, 8 heads of headdim 8, d_state 8."""
