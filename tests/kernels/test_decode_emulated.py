@@ -97,6 +97,7 @@ def test_projection_matches_float64_reference(name, float64):
     ("gated_norm_out_proj", decode_projection.ProjectionConfig(BLOCK_N=64, BLOCK_K=64, LATENCY=2)),
     ("gated_norm_out_proj", decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=32, BLOCK_M=1)),
     ("gated_norm_out_proj", decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=32, BLOCK_M=2)),
+    ("gated_norm_out_proj", decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=32, BLOCK_M=2, OCCUPANCY=2)),
     ("gated_norm_out_proj", decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=16, SPLIT_K=2)),
     ("gated_norm_out_proj", decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=16, SPLIT_K=8)),
     ("plain_with_bias", decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=16, SPLIT_K=2)),
@@ -280,6 +281,14 @@ def test_default_projection_config_splits_k_only_of_a_narrow_product_of_few_rows
     assert config(16, 4096, 2048, "float32").SPLIT_K == 2
     for rows, features, out_features in ((64, 1024, 4384), (65, 2048, 1024), (256, 2048, 1024)):
         assert config(rows, features, out_features, "float32").SPLIT_K == 1
+    # A wide float32 product of 33-64 rows: two 32-row blocks per column block, two blocks per SM
+    halves = dict(BLOCK_K=128, BLOCK_M=32, OCCUPANCY=2)
+    assert config(64, 1024, 4384, "float32") == decode_projection.ProjectionConfig(BLOCK_N=64, **halves)
+    assert config(48, 1536, 6448, "float32") == decode_projection.ProjectionConfig(BLOCK_N=64, **halves)
+    assert config(64, 2048, 8512, "float32") == decode_projection.ProjectionConfig(BLOCK_N=128, **halves)
+    for rows, features, out_features, dtype in ((32, 1024, 4384, "float32"), (64, 1024, 4384, "bfloat16"),
+                                                (65, 1024, 4384, "float32")):
+        assert config(rows, features, out_features, dtype).BLOCK_M is None
 
 
 def _gated_norm_after_mixer(case, arrays, *, norm_before_gate, group_size, mixer_cfg=None, projection_cfg=None,
