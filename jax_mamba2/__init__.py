@@ -2,8 +2,8 @@
 
 Public API:
   ssd, ssd_step            the Mamba-2 SSD op (mamba_ssm `mamba_chunk_scan_combined` semantics) and its
-                           single-token decode step.
-  ssd_scan, ssd_chunked    pure-JAX reference paths (lax.scan oracle, chunked algorithm).
+                           single-token decode step; ssd(backend="scan") is the float64-capable lax.scan oracle
+                           (`jax_mamba2.reference` holds the unchecked pure-JAX paths themselves).
   causal_conv1d_silu       the mixer's causal depthwise conv1d + SiLU (causal_conv1d's `causal_conv1d_fn`).
   causal_conv1d_silu_split the same on a channel window of a wider input (in_proj's output), in pieces.
   rms_norm, add_rms_norm   the gated, grouped RMSNorm and the residual add + RMSNorm (cuTile kernels on a GPU).
@@ -25,12 +25,11 @@ from jax_mamba2.autotuning import autotune
 from jax_mamba2.backends import available_backends, backend_status
 from jax_mamba2.norm import add_rms_norm, rms_norm
 from jax_mamba2.op import ssd, ssd_step
-from jax_mamba2.reference import ssd_chunked, ssd_scan
 from jax_mamba2.flax_layers import (Mamba2, Mamba2Config, Mamba2LMHeadModel, chunked_cross_entropy, generate,
                                     generate_stream, load_pretrained, save_pretrained, shard_model)
 
 __all__ = [
-    "__version__", "ssd", "ssd_step", "ssd_scan", "ssd_chunked", "causal_conv1d_silu", "causal_conv1d_silu_split",
+    "__version__", "ssd", "ssd_step", "causal_conv1d_silu", "causal_conv1d_silu_split",
     "rms_norm", "add_rms_norm", "norm_project", "mixer_step", "write_group_windows",
     "available_backends", "backend_status", "autotune", "Mamba2", "Mamba2Config", "Mamba2LMHeadModel", "generate",
     "generate_stream", "load_pretrained", "save_pretrained", "shard_model", "chunked_cross_entropy",

@@ -28,10 +28,13 @@ def autotune(fn: Callable, *args, **kwargs) -> list:
       makes no cuTile SSD call.
 
     Raises:
+      TypeError: `fn` is not callable.
       ImportError: the cuTile backends are not installed (pip install 'jax-mamba2[cuda]').
       RuntimeError: `fn` makes cuTile SSD calls but nothing can be tuned here (no supported CUDA GPU, or
         neither torch nor CuPy to time the kernels with).
     """
+    if not callable(fn):
+        raise TypeError(f"autotune: fn={fn!r} must be a callable (the program whose SSD calls to tune)")
     try:
         from jax_mamba2.bridge.tuning import ahead_of_time
     except ImportError as e:

@@ -34,7 +34,7 @@ import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import decode_reference as reference
-from jax_mamba2.checks import check_array, check_flag, check_positive_float, float_dtype
+from jax_mamba2.checks import check_array, check_dt_limit, check_flag, check_positive_float, float_dtype
 
 OP = "decode"
 
@@ -245,7 +245,7 @@ def _project_reference(options, layer_index, x, residual, z, norm_weight, weight
 
 
 def _project(kernels, dims_fn, options, *arrays):
-    if kernels is None:
+    if kernels is None or arrays[1].shape[-2] == 0:  # no rows: nothing to launch, the reference's empty result
         return _project_reference(options, *arrays)
     return _kernel_project(kernels, dims_fn(_bridge()), options, *arrays)
 
@@ -395,7 +395,7 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
     check_array(api, "dt_bias", dt_bias, f"{lead_text}nheads)", (*lead, nheads))
     check_array(api, "D", D, f"{lead_text}nheads) or {lead_text}nheads, headdim)", (*lead, nheads),
                 (*lead, nheads, headdim))
-    dt_limit = _check_dt_limit(api, dt_limit)
+    dt_limit = check_dt_limit(api, dt_limit)
     layer_index = _check_layer(api, layer, layers)
     arrays = (zxbcdt, conv_state, conv_weight, conv_bias, A_log, dt_bias, D, ssm_state)
     if not stack:
@@ -422,19 +422,30 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
 def write_group_windows(conv_state, group_windows, d_ssm: int, first_layer=0):
     """conv_state (L, rows, conv_dim, d_conv) with B's and C's channels (d_ssm on) of layers [first_layer,
     first_layer + n) replaced by group_windows (n, rows, conv_dim - d_ssm, d_conv): what `mixer_step` returns
-    apart with group_windows_apart. One pass over those channels, in place where XLA can reuse conv_state."""
+    apart with group_windows_apart. One pass over those channels, in place where XLA can reuse conv_state.
+    first_layer may be traced (a layer loop's index); a concrete one is checked to keep the n layers inside.
+
+    Raises:
+      ValueError / TypeError: on shapes that do not match, a d_ssm outside the channels or layers outside the
+        stack, naming the argument.
+    """
+    api = "write_group_windows"
+    check_array(api, "conv_state", conv_state)
+    if len(conv_state.shape) != 4:
+        raise ValueError(f"{api}: conv_state.shape={tuple(conv_state.shape)} must be (layers, rows, conv_dim, d_conv)")
+    layers, rows, conv_dim, d_conv = conv_state.shape
+    if isinstance(d_ssm, (bool, np.bool_)) or not isinstance(d_ssm, (int, np.integer)) or not 0 <= d_ssm < conv_dim:
+        raise ValueError(f"{api}: d_ssm={d_ssm!r} must be an int in [0, conv_dim={conv_dim})")
+    check_array(api, "group_windows", group_windows)
+    if len(group_windows.shape) != 4 or tuple(group_windows.shape[1:]) != (rows, conv_dim - d_ssm, d_conv):
+        raise ValueError(f"{api}: group_windows.shape={tuple(group_windows.shape)} must be (n, rows, conv_dim - "
+                         f"d_ssm, d_conv)=(n, {rows}, {conv_dim - d_ssm}, {d_conv})")
+    if not isinstance(first_layer, jax.core.Tracer) and not (
+            0 <= int(first_layer) <= layers - group_windows.shape[0]):
+        raise ValueError(f"{api}: first_layer={first_layer!r} must keep the {group_windows.shape[0]} layers of "
+                         f"group_windows inside conv_state's {layers}")
     return jax.lax.dynamic_update_slice(conv_state, group_windows.astype(conv_state.dtype),
                                         (first_layer, 0, d_ssm, 0))
-
-
-def _check_dt_limit(api: str, dt_limit) -> tuple[float, float]:
-    try:
-        low, high = (float(v) for v in dt_limit)
-    except (TypeError, ValueError):
-        raise ValueError(f"{api}: dt_limit={dt_limit!r} must be a (min, max) pair of floats") from None
-    if not 0 <= low < high:
-        raise ValueError(f"{api}: dt_limit={dt_limit!r} must have 0 <= min < max")
-    return low, high
 
 
 def _mixer_reference(options, layer_index, zxbcdt, conv_state, conv_weight, conv_bias, A_log, dt_bias, D,
@@ -455,7 +466,7 @@ def _mixer_reference(options, layer_index, zxbcdt, conv_state, conv_weight, conv
 
 
 def _mixer(kernels, dims_fn, options, *arrays):
-    if kernels is None:
+    if kernels is None or arrays[1].shape[0] == 0:  # no rows: nothing to launch, the reference's empty result
         return _mixer_reference(options, *arrays)
     return _kernel_mixer(kernels, dims_fn(_bridge()), options, *arrays)
 

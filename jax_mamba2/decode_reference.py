@@ -72,7 +72,7 @@ def _given_sums(sum_squares, features: int, group_size):
     """The norm's `sum_groups` that replaces its own sums of squares per group by those of `sum_squares` (rows,
     parts), parts / ngroups consecutive pieces per group."""
     ngroups = features // (group_size or features)
-    sums = sum_squares.reshape(*sum_squares.shape[:-1], ngroups, -1).sum(axis=-1)
+    sums = sum_squares.reshape(*sum_squares.shape[:-1], ngroups, sum_squares.shape[-1] // ngroups).sum(axis=-1)
     return lambda computed: sums.astype(computed.dtype)
 
 
@@ -119,4 +119,5 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
     if not norm_before_gate:
         h = h * jax.nn.silu(zxbcdt[:, norm_z_offset:norm_z_offset + d_ssm].astype(h.dtype))
     pieces = norm_pieces or d_ssm // (norm_group_size or d_ssm)
-    return h, new_ssm_state, new_conv_state, jnp.square(h).reshape(rows, pieces, -1).sum(axis=-1)
+    # The piece width stated, not inferred (-1): with no rows the reshape could not infer it.
+    return h, new_ssm_state, new_conv_state, jnp.square(h).reshape(rows, pieces, d_ssm // pieces).sum(axis=-1)

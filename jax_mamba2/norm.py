@@ -24,7 +24,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import norm_reference as reference
-from jax_mamba2.checks import check_array, check_positive_float, float_dtype
+from jax_mamba2.checks import check_array, check_flag, check_positive_float, float_dtype
 
 OP = "rms_norm"
 
@@ -170,6 +170,7 @@ def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] 
     """
     api = "rms_norm"
     _check_common(api, x, weight, eps)
+    norm_before_gate = check_flag(api, "norm_before_gate", norm_before_gate)
     features = x.shape[-1]
     if z is not None:
         check_array(api, "z", z, "x.shape", x.shape)
@@ -248,6 +249,7 @@ def add_rms_norm(x, residual, weight, *, eps: float = 1e-5, residual_dtype=None,
     """
     api = "add_rms_norm"
     _check_common(api, x, weight, eps)
+    return_residual = check_flag(api, "return_residual", return_residual)
     check_array(api, "residual", residual, "x.shape", x.shape)
     residual_dtype = float_dtype(api, "residual_dtype", jnp.result_type(x, residual) if residual_dtype is None
                                   else residual_dtype)

@@ -21,7 +21,7 @@ import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import reference
-from jax_mamba2.checks import check_array, check_flag, check_float, check_ndim, check_seq_idx
+from jax_mamba2.checks import check_array, check_dt_limit, check_flag, check_float, check_ndim, check_seq_idx
 
 
 class SSDInputs(NamedTuple):
@@ -95,17 +95,6 @@ registry.register_backend(registry.Backend("scan", _scan_forward, registry.alway
 # ----------------------------------------------------------------------------------------------
 # Checks
 # ----------------------------------------------------------------------------------------------
-
-def check_dt_limit(api, dt_limit) -> tuple[float, float]:
-    """`dt_limit` as a (min, max) pair of floats; TypeError / ValueError naming `api` when it is not one."""
-    try:
-        lo, hi = (float(v) for v in dt_limit)
-    except (TypeError, ValueError):
-        raise TypeError(f"{api}: dt_limit={dt_limit!r} must be a pair of floats (min, max)") from None
-    if not lo <= hi or math.isnan(lo) or lo < 0:
-        raise ValueError(f"{api}: dt_limit={dt_limit!r} must satisfy 0 <= min <= max")
-    return (lo, hi)
-
 
 def _check_head_options(api, x, D, z, dt_bias):
     """D, z and dt_bias against x (..., nheads, headdim): shared by `ssd` and `ssd_step`."""
@@ -402,10 +391,12 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
       (1, 64, 2, 16)
     """
     dims = check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx)
-    static = SSDStatic(int(chunk_size), bool(dt_softplus), check_dt_limit("ssd", dt_limit),
+    static = SSDStatic(int(chunk_size), check_flag("ssd", "dt_softplus", dt_softplus),
+                       check_dt_limit("ssd", dt_limit),
                        check_flag("ssd", "deterministic_backward", deterministic_backward),
                        check_flag("ssd", "save_chunk_states", save_chunk_states),
                        check_flag("ssd", "check_finite", check_finite))
+    return_final_states = check_flag("ssd", "return_final_states", return_final_states)
     _check_values("ssd", A, dt, dt_bias, static.dt_softplus, static.dt_limit, seq_idx)
     inputs = SSDInputs(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
     selected = registry.select(backend, "ssd", lambda b: b.unsupported_reason(inputs, static))
@@ -469,7 +460,8 @@ def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus
     """
     _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias)
     limit = check_dt_limit("ssd_step", dt_limit)
-    _check_values("ssd_step", A, dt, dt_bias, bool(dt_softplus), limit)
-    args = (state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), limit)
+    softplus = check_flag("ssd_step", "dt_softplus", dt_softplus)
+    _check_values("ssd_step", A, dt, dt_bias, softplus, limit)
+    args = (state, x, dt, A, B, C, D, z, dt_bias, softplus, limit)
     selected = registry.select(backend, "ssd_step", lambda b: _step_unsupported_reason(b, args))
     return registry.run_compiled(tuple(selected), _run_step, args[9:], *args[:9])

@@ -97,6 +97,15 @@ def test_group_windows_apart_leave_b_and_c_to_the_caller(backend):
         np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="group_windows_apart=True needs the stacks of a `layer`"):
         jax_mamba2.mixer_step(a["zxbcdt"], *(x[0] for x in args[1:]), **case.layout(), group_windows_apart=True)
+    layers, rows, conv_dim, d_conv = conv_state.shape
+    for bad, message in [
+            (dict(first_layer=layers), rf"first_layer={layers} must keep the 1 layers of group_windows inside"),
+            (dict(d_ssm=conv_dim), rf"d_ssm={conv_dim} must be an int in \[0, conv_dim={conv_dim}\)"),
+            (dict(group_windows=windows[None, :, 1:]), r"group_windows.shape=.* must be \(n, rows, conv_dim - d_ssm"),
+            (dict(conv_state=conv_state[0]), r"conv_state.shape=.* must be \(layers, rows, conv_dim, d_conv\)")]:
+        call = {**dict(conv_state=conv_state, group_windows=windows[None], d_ssm=d_ssm, first_layer=case.layer), **bad}
+        with pytest.raises(ValueError, match="write_group_windows: " + message):
+            jax_mamba2.write_group_windows(**call)
 
 
 def test_a_traced_layer_picks_the_same_layer_as_an_int():

@@ -90,6 +90,10 @@ def test_explicit_kernel_backend_without_gpu_says_why():
     (lambda: jax_mamba2.add_rms_norm(X, Z, W, residual_dtype=jnp.int8), TypeError,
      r"add_rms_norm: residual_dtype=int8 must be one of"),
     (lambda: jax_mamba2.add_rms_norm(X, Z, np.ones(32, np.int32)), TypeError, r"add_rms_norm: weight.dtype=int32 must"),
+    (lambda: jax_mamba2.rms_norm(X, W, Z, norm_before_gate="no"), TypeError,
+     r"rms_norm: norm_before_gate='no' must be a bool"),
+    (lambda: jax_mamba2.add_rms_norm(X, Z, W, return_residual="no"), TypeError,
+     r"add_rms_norm: return_residual='no' must be a bool"),
 ])
 def test_invalid_arguments_raise_naming_them(call, error, message):
     with pytest.raises(error, match=message):

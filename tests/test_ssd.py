@@ -1,5 +1,6 @@
 """The public op: checks, dispatch, and the custom VJP / vmap plumbing of opaque backends (CPU)."""
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +82,10 @@ def _bad_call(**changes):
     (dict(seq_idx=jnp.ones((2, 40), jnp.float32)), TypeError, r"seq_idx.dtype=float32 must be an integer"),
     (dict(seq_idx=jnp.ones((2, 39), jnp.int32)), ValueError, r"seq_idx.shape=\(2, 39\) must be"),
     (dict(dt_limit=(1.0, 0.5)), ValueError, r"dt_limit=\(1.0, 0.5\) must satisfy 0 <= min <= max"),
+    (dict(dt_limit=(math.inf, math.inf)), ValueError, r"dt_limit=\(inf, inf\) must satisfy .* min finite"),
     (dict(dt_limit=0.5), TypeError, r"dt_limit=0.5 must be a pair of floats"),
+    (dict(dt_softplus="no"), TypeError, r"ssd: dt_softplus='no' must be a bool"),
+    (dict(return_final_states="no"), TypeError, r"ssd: return_final_states='no' must be a bool"),
     (dict(backend="triton"), ValueError, r"backend='triton' must be one of 'auto', 'xla', 'scan'"),
     (dict(deterministic_backward=1), TypeError, r"deterministic_backward=1 must be a bool"),
     (dict(save_chunk_states="no"), TypeError, r"save_chunk_states='no' must be a bool"),
@@ -196,3 +200,8 @@ def test_ssd_step_rejects_bad_state():
     with pytest.raises(ValueError, match=r"ssd_step: state.shape=\(2, 4, 8\) must be"):
         jax_mamba2.ssd_step(jnp.ones((2, 4, 8)), jnp.ones((2, 4, 8)), jnp.ones((2, 4)), -jnp.ones(4),
                             jnp.ones((2, 1, 8)), jnp.ones((2, 1, 8)))
+
+
+def test_autotune_rejects_what_is_not_a_program():
+    with pytest.raises(TypeError, match=r"autotune: fn=5 must be a callable"):
+        jax_mamba2.autotune(5)

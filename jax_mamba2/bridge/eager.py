@@ -14,6 +14,7 @@ from typing import Any
 import cuda.tile as ct
 
 from jax_mamba2 import op as ssd_op
+from jax_mamba2.checks import check_dt_limit, check_flag
 from jax_mamba2.bridge import problem
 from jax_mamba2.kernels import forward as forward_kernels
 from jax_mamba2.kernels._common import Plan
@@ -110,7 +111,9 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
     stand_ins = ssd_op.SSDInputs(*(None if a is None else _shape_dtype(a, xp) for a in arrays))
     ssd_op.check_inputs(*stand_ins[:5], chunk_size, stand_ins.D, stand_ins.z, stand_ins.dt_bias,
                         stand_ins.initial_states, stand_ins.seq_idx)
-    static = ssd_op.SSDStatic(int(chunk_size), bool(dt_softplus), ssd_op.check_dt_limit("ssd", dt_limit))
+    static = ssd_op.SSDStatic(int(chunk_size), check_flag("ssd", "dt_softplus", dt_softplus),
+                              check_dt_limit("ssd", dt_limit))
+    return_final_states = check_flag("ssd", "return_final_states", return_final_states)
     reason = problem.shape_unsupported_reason(dtype=stand_ins.x.dtype, headdim=stand_ins.x.shape[3],
                                               dstate=stand_ins.B.shape[3])
     if reason is not None:

@@ -248,9 +248,10 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
         if target not in shapes or (layer is not None and layer >= config.n_layer):
             unknown.append(name)
             continue
-        value = _to_model_layout(array, layout)
         expected = shapes[target][1:] if layer is not None else shapes[target]
-        if value.shape != expected:
+        # The checkpoint's rank first: a conv weight is (channels, 1, d_conv), a linear one 2-D.
+        value = _to_model_layout(array, layout) if array.ndim == {"conv": 3}.get(layout, len(expected)) else None
+        if value is None or value.shape != expected:
             raise ValueError(f"load_pretrained: {name}.shape={array.shape} does not fit {'.'.join(target)} "
                              f"of shape {expected} (layout {layout!r})")
         buffers[target][layer if layer is not None else ...] = value
@@ -282,6 +283,8 @@ def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
       ValueError: if the model uses mixer options HF transformers cannot express (see `Mamba2Config.to_hf`),
         or `path` exists and is not a directory.
     """
+    if not isinstance(model, Mamba2LMHeadModel):
+        raise TypeError(f"save_pretrained: model must be a Mamba2LMHeadModel, got {type(model).__name__}")
     path = pathlib.Path(path).resolve()
     if path.exists() and not path.is_dir():
         raise ValueError(f"save_pretrained: {path} exists and is not a directory")
@@ -305,6 +308,7 @@ def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         for file in ("config.json", "model.safetensors"):
             _fsync(staging / file)
+        _fsync(staging)  # the directory's entries (carried-over files included) before it is renamed in
         _replace_dir(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -91,15 +91,15 @@ def _require_bools(config: Mapping[str, Any], keys: Sequence[str], api: str) -> 
 
 
 def _require_positive_numbers(config: Mapping[str, Any], keys: Sequence[str], api: str) -> None:
-    """Each of `keys` that `config` has must be a positive int or float."""
+    """Each of `keys` that `config` has must be a positive finite int or float."""
     for key in keys:
         if key not in config:
             continue
         value = config[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{api}: {key}={value!r} must be a number")
-        if not value > 0:
-            raise ValueError(f"{api}: {key}={value!r} must be positive")
+        if not 0 < value < math.inf:
+            raise ValueError(f"{api}: {key}={value!r} must be positive and finite")
 
 
 def _freeze(value):
@@ -146,7 +146,7 @@ class Mamba2Config:
     def __post_init__(self):
         for name in ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Mamba2Config: {name}={value!r} must be a positive int")
         if not isinstance(self.ssm_cfg, Mapping):
             raise TypeError(f"Mamba2Config: ssm_cfg={self.ssm_cfg!r} must be a mapping of Mamba2 options (a JSON "
@@ -170,6 +170,8 @@ class Mamba2Config:
         unknown = sorted(set(ssm_cfg) - set(MIXER_OPTIONS))
         if unknown:
             raise ValueError(f"Mamba2Config: ssm_cfg has unknown keys {unknown}; allowed: {list(MIXER_OPTIONS)}")
+        _require_bools(ssm_cfg, [k for k, v in MIXER_DEFAULTS.items() if isinstance(v, bool)],
+                       "Mamba2Config: ssm_cfg")
         if "dt_limit" in ssm_cfg:
             ssm_cfg["dt_limit"] = parse_dt_limit(ssm_cfg["dt_limit"], "Mamba2Config", "ssm_cfg['dt_limit']")
         if ssm_cfg.get("d_ssm") == ssm_cfg.get("expand", MIXER_DEFAULTS["expand"]) * self.d_model:
@@ -201,6 +203,8 @@ class Mamba2Config:
           ValueError: for a missing d_model, n_layer or vocab_size, for attention layers (`attn_layer_idx`),
             which this package does not implement, or for keys that are not `MambaConfig` fields.
         """
+        if not isinstance(config, Mapping):
+            raise TypeError(f"Mamba2Config.from_mamba_ssm: config={config!r} must be a mapping (a config.json dict)")
         _require_keys(config, ("d_model", "n_layer", "vocab_size"), "Mamba2Config.from_mamba_ssm")
         config = dict(config)
         attn_layer_idx = config.pop("attn_layer_idx", [])
@@ -234,6 +238,8 @@ class Mamba2Config:
             invariant), or an unpadded_vocab_size that does not pad to vocab_size.
         """
         api = "Mamba2Config.from_hf"
+        if not isinstance(config, Mapping):
+            raise TypeError(f"{api}: config={config!r} must be a mapping (a config.json dict)")
         _require_keys(config, ("hidden_size", "num_hidden_layers", "vocab_size"), api)
         # Checked under HF's own key names, before they are renamed into the mixer's options.
         _require_positive_ints(config, ("hidden_size", "num_hidden_layers", "vocab_size", "expand", "head_dim",

@@ -18,6 +18,7 @@ from flax import nnx
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers import sampling as sampling_rule
 from jax_mamba2.flax_layers.cache import unstack_layers
+from jax_mamba2.flax_layers.lm import Mamba2LMHeadModel
 
 
 def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
@@ -107,6 +108,8 @@ def _prepare(api: str, model, prompt_ids, max_new_tokens, *, temperature, top_k,
     """`generate`'s arguments checked and converted: (graphdef, state, prompt_ids, prompt_lengths, rng,
     sampling, end, cache_dtype (None or a dtype's name, hashable for jit's static arguments)) for `_generate`
     and `_stream`."""
+    if not isinstance(model, Mamba2LMHeadModel):
+        raise TypeError(f"{api}: model must be a Mamba2LMHeadModel, got {type(model).__name__}")
     vocab_size = model.config.vocab_size
     if isinstance(max_new_tokens, (bool, np.bool_)) or not isinstance(max_new_tokens, Integral):
         raise TypeError(f"{api}: max_new_tokens={max_new_tokens!r} must be a positive int")
@@ -114,7 +117,11 @@ def _prepare(api: str, model, prompt_ids, max_new_tokens, *, temperature, top_k,
         raise ValueError(f"{api}: max_new_tokens={max_new_tokens!r} must be a positive int")
     max_new_tokens = int(max_new_tokens)
     if not hasattr(prompt_ids, "dtype"):  # a nested list of ids
-        prompt_ids = np.asarray(prompt_ids)
+        try:
+            prompt_ids = np.asarray(prompt_ids)
+        except ValueError:
+            raise ValueError(f"{api}: prompt_ids must be a (batch, prompt_len) array or list of equal-length "
+                             "lists") from None
     _checks.check_array(api, "prompt_ids", prompt_ids, (("batch", None), ("prompt_len", None)), kind="integer")
     if prompt_ids.shape[1] < 1:
         raise ValueError(f"{api}: prompt_ids.shape={prompt_ids.shape} must be (batch, prompt_len >= 1)")

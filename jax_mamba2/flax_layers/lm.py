@@ -41,6 +41,12 @@ def _check_remat(remat) -> bool | str:
     return bool(remat)
 
 
+def _check_config(api: str, config) -> None:
+    if not isinstance(config, Mamba2Config):
+        raise TypeError(f"{api}: config must be a Mamba2Config (e.g. Mamba2Config.from_mamba_ssm(a config.json "
+                        f"dict)), got {type(config).__name__}")
+
+
 def chunk_states_saved(save_chunk_states: bool | None, remat: bool | str) -> bool:
     """The blocks' `save_chunk_states` under the LM's `remat`: as given, or by default (None) True under remat, where
     the backward replays each block's forward just before its backward, so kept states live within one block (a
@@ -69,6 +75,7 @@ class Mamba2Block(nnx.Module):
     def __init__(self, config: Mamba2Config, *, backend: str = "auto", deterministic_backward: bool = False,
                  save_chunk_states: bool = False, check_finite: bool = True, dtype=None, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
+        _check_config("Mamba2Block", config)
         self.residual_in_fp32 = config.residual_in_fp32
         self.norm = RMSNorm(config.d_model, eps=config.norm_epsilon, backend=backends.for_op(backend, norm_op.OP),
                             dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -164,6 +171,7 @@ class Mamba2LMHeadModel(nnx.Module):
                  save_chunk_states: bool | None = None, check_finite: bool = True, remat: bool | str = False,
                  scan_layers: bool = True, loss_backend: str = "xla", dtype=None, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
+        _check_config("Mamba2LMHeadModel", config)
         scan_layers = check_flag("Mamba2LMHeadModel", "scan_layers", scan_layers)
         remat = _check_remat(remat)
         save_chunk_states = chunk_states_saved(save_chunk_states, remat)
@@ -243,14 +251,14 @@ class Mamba2LMHeadModel(nnx.Module):
             raise ValueError(f'Mamba2LMHeadModel.loss: reduction={reduction!r} must be "mean", "sum" or "none"')
         if labels is not None and shift_labels is not None:
             raise ValueError("Mamba2LMHeadModel.loss: pass labels (unshifted) or shift_labels, not both")
-        if shift_labels is None:
-            labels = input_ids if labels is None else labels
-            name, targets = "labels", jnp.pad(labels[:, 1:], ((0, 0), (0, 1)), constant_values=ignore_index)
-        else:
-            name, labels, targets = "shift_labels", shift_labels, shift_labels
-        if labels.shape != input_ids.shape:
-            raise ValueError(f"Mamba2LMHeadModel.loss: {name}.shape={labels.shape} must be "
-                             f"input_ids.shape={input_ids.shape}")
+        if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(ignore_index, (int, np.integer)):
+            raise TypeError(f"Mamba2LMHeadModel.loss: ignore_index={ignore_index!r} must be an int")
+        name, labels = ("labels", input_ids if labels is None else labels) if shift_labels is None else (
+            "shift_labels", shift_labels)
+        _checks.check_array("Mamba2LMHeadModel.loss", name, labels,
+                            tuple(zip(("batch", "seqlen"), input_ids.shape)), kind="integer")
+        targets = labels if shift_labels is not None else jnp.pad(labels[:, 1:], ((0, 0), (0, 1)),
+                                                                  constant_values=ignore_index)
         weight = (dict(embedding=self.embedding.embedding[...]) if self.lm_head is None else
                   dict(head_weight=self.lm_head.kernel[...]))
         hidden = self._final_hidden(input_ids, seq_idx)

@@ -68,16 +68,16 @@ def make_sampling(api: str, vocab_size: int, *, temperature=0.0, top_k=None, top
     the least likely tokens.
 
     Raises:
-      ValueError: temperature < 0 or NaN, top_k outside [1, vocab_size], top_p outside (0, 1], min_p outside
-        [0, 1], repetition_penalty <= 0 or NaN.
+      ValueError: temperature < 0, infinite or NaN, top_k outside [1, vocab_size], top_p outside (0, 1], min_p
+        outside [0, 1], repetition_penalty <= 0, infinite or NaN.
       TypeError: any of them not a concrete number (top_k not an int).
     """
     temperature = _concrete_float(api, "temperature", temperature)
     repetition_penalty = _concrete_float(api, "repetition_penalty", repetition_penalty)
-    if not temperature >= 0:
-        raise ValueError(f"{api}: temperature={temperature} must be >= 0")
-    if not repetition_penalty > 0:
-        raise ValueError(f"{api}: repetition_penalty={repetition_penalty} must be > 0")
+    if not 0 <= temperature < math.inf:
+        raise ValueError(f"{api}: temperature={temperature} must be >= 0 and finite")
+    if not 0 < repetition_penalty < math.inf:
+        raise ValueError(f"{api}: repetition_penalty={repetition_penalty} must be > 0 and finite")
     if top_k is not None:
         if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, Integral):
             raise TypeError(f"{api}: top_k={top_k!r} must be None or an int")

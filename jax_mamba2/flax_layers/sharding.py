@@ -55,6 +55,10 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, *, data_axis: str = 
         nheads and d_model must be divisible by its size, ngroups must divide it or be divisible by it, and
         the gated-MLP branch (d_ssm < d_inner) is not supported with a model axis larger than 1.
     """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"shard_model: model must be an nnx.Module, got {type(model).__name__}")
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"shard_model: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     axis_types = dict(zip(mesh.axis_names, mesh.axis_types))
     for axis in (data_axis, model_axis):
         if axis not in axis_types:

@@ -131,6 +131,17 @@ def test_checkpoint_load_lists_unknown_and_unassigned_keys(tmp_path, tiny_config
         load_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("key,drop_axis", [("backbone.layers.0.mixer.conv1d.weight", 1),
+                                           ("backbone.layers.0.mixer.in_proj.weight", 0)])
+def test_checkpoint_load_names_a_tensor_of_the_wrong_rank(tmp_path, tiny_config, key, drop_axis):
+    state = _torch_state_dict(_random_model(tiny_config), "backbone.embedding.weight")
+    state[key] = np.ascontiguousarray(state[key].take(0, axis=drop_axis))
+    save_file(state, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
+    with pytest.raises(ValueError, match=rf"load_pretrained: {key}.shape=\(.*\) does not fit layers.mixer"):
+        load_pretrained(tmp_path)
+
+
 def test_checkpoint_orbax_round_trip(tmp_path, tiny_config):
     model = _random_model(tiny_config)
     _, state = nnx.split(model)

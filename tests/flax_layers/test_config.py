@@ -51,6 +51,7 @@ def test_config_from_mamba_ssm_and_from_hf_describe_the_same_model():
     (dict(ssm_cfg={"layer": "Mamba1"}), r"Mamba2Config: ssm_cfg\['layer'\]='Mamba1' must be 'Mamba2'"),
     (dict(d_intermediate=128), r"Mamba2Config: d_intermediate=128 must be 0"),
     (dict(n_layer=0), r"Mamba2Config: n_layer=0 must be a positive int"),
+    (dict(n_layer=True), r"Mamba2Config: n_layer=True must be a positive int"),
     (dict(rms_norm=False), r"Mamba2Config: rms_norm=False must be True"),
 ])
 def test_config_rejects_bad_fields(changes, message):
@@ -63,10 +64,19 @@ def test_config_rejects_bad_fields(changes, message):
     (dict(tie_embeddings="false"), r"Mamba2Config: tie_embeddings='false' must be a bool"),
     (dict(residual_in_fp32=1), r"Mamba2Config: residual_in_fp32=1 must be a bool"),
     (dict(norm_epsilon="1e-5"), r"Mamba2Config: norm_epsilon='1e-5' must be a number > 0"),
+    (dict(ssm_cfg={"rmsnorm": "false"}), r"Mamba2Config: ssm_cfg: rmsnorm='false' must be a bool"),
 ])
 def test_config_rejects_fields_of_the_wrong_type(changes, message):
     with pytest.raises(TypeError, match=message):
         mamba2_130m(**changes)
+
+
+def test_config_from_dicts_rejects_what_is_not_one_and_infinite_time_steps():
+    for load in (Mamba2Config.from_hf, Mamba2Config.from_mamba_ssm):
+        with pytest.raises(TypeError, match=rf"Mamba2Config.{load.__name__}: config=None must be a mapping"):
+            load(None)
+    with pytest.raises(ValueError, match=r"Mamba2Config.from_hf: time_step_max=inf must be positive and finite"):
+        Mamba2Config.from_hf({**HF_130M, "time_step_max": float("inf")})
 
 
 @pytest.mark.parametrize("key, value", [("hidden_size", "32"), ("num_heads", 24.0), ("expand", True),

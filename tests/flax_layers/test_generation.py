@@ -312,6 +312,8 @@ def test_generate_stream_stops_once_every_row_has_ended(tiny_config):
     (dict(min_p=float("nan")), ValueError, r"generate: min_p=nan must be in \[0, 1\]"),
     (dict(top_p="all"), TypeError, r"generate: top_p='all' must be a float"),
     (dict(repetition_penalty=0.0), ValueError, r"generate: repetition_penalty=0.0 must be > 0"),
+    (dict(repetition_penalty=float("inf")), ValueError, r"generate: repetition_penalty=inf must be > 0 and finite"),
+    (dict(temperature=float("inf")), ValueError, r"generate: temperature=inf must be >= 0 and finite"),
     (dict(eos_token_id=61), ValueError, r"generate: eos_token_id=61 must be in \[0, vocab_size=61\)"),
     (dict(eos_token_id=[3, -1]), ValueError, r"generate: eos_token_id=\[3, -1\] must be in \[0, vocab_size=61\)"),
     (dict(eos_token_id=[]), ValueError, r"generate: eos_token_id=\[\] must be an int or a non-empty sequence"),
@@ -352,6 +354,20 @@ def test_generate_rejects_bad_arguments(tiny_config, kwargs, error, message):
 def test_generate_rejects_bad_prompts(tiny_config, prompt, error, message):
     with pytest.raises(error, match=message):
         generate(_model(tiny_config), prompt, 2)
+
+
+def test_generate_rejects_what_is_not_a_model_or_a_rectangular_prompt(tiny_config):
+    with pytest.raises(TypeError, match=r"generate: model must be a Mamba2LMHeadModel, got object"):
+        generate(object(), [[1, 2]], 2)
+    with pytest.raises(ValueError, match=r"generate: prompt_ids must be a \(batch, prompt_len\) array or list of"):
+        generate(_model(tiny_config), [[1, 2], [3]], 2)
+
+
+def test_generate_and_the_decode_step_take_an_empty_batch(tiny_config):
+    model = _model(tiny_config)
+    tokens = generate(model, jnp.zeros((0, 4), jnp.int32), 3)
+    assert tokens.shape == (0, 7)
+    np.testing.assert_array_equal(generate(model, jnp.ones((2, 4), jnp.int32), 3)[:0], tokens)
 
 
 def test_generate_accepts_a_list_prompt(tiny_config):

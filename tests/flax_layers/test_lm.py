@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
-from jax_mamba2.flax_layers import Mamba2Block, Mamba2Config, Mamba2LMHeadModel, generate
+from jax_mamba2.flax_layers import Mamba2Block, Mamba2Config, Mamba2LMHeadModel, generate, save_pretrained, shard_model
 from benchmarks.tools import saved_activations
 from tests.flax_layers._programs import walk
 
@@ -117,6 +117,17 @@ def test_chunk_states_are_kept_by_default_only_under_remat(tiny_config, remat, g
         _model(tiny_config, save_chunk_states="yes")
 
 
+@pytest.mark.parametrize("call,message", [
+    (lambda: Mamba2Block({"d_model": 8}, rngs=nnx.Rngs(0)), r"Mamba2Block: config must be a Mamba2Config"),
+    (lambda: Mamba2LMHeadModel({"d_model": 8}, rngs=nnx.Rngs(0)), r"Mamba2LMHeadModel: config must be a Mamba2Config"),
+    (lambda: save_pretrained(object(), "unused"), r"save_pretrained: model must be a Mamba2LMHeadModel, got object"),
+    (lambda: shard_model(object(), None), r"shard_model: model must be an nnx.Module, got object"),
+])
+def test_entry_points_reject_objects_of_the_wrong_type(call, message):
+    with pytest.raises(TypeError, match=message):
+        call()
+
+
 @pytest.fixture(scope="module")
 def tiny_lm():
     """tiny_config's model: 3 layers, conv_dim = 64 + 2 * 2 * 8 = 96, 8 heads of headdim 8, d_state 8."""
@@ -159,6 +170,14 @@ def _block(model):
                  id="call_seq_idx_shape"),
     pytest.param(lambda m: m.loss(jnp.zeros((BATCH, SEQLEN), jnp.int32), seq_idx=jnp.zeros((BATCH, SEQLEN))),
                  TypeError, r"Mamba2LMHeadModel.loss: seq_idx.dtype=float32 must be integer", id="loss_seq_idx_float"),
+    pytest.param(lambda m: m.loss(jnp.zeros((BATCH, SEQLEN), jnp.int32), jnp.zeros((BATCH, SEQLEN, 1), jnp.int32)),
+                 ValueError, r"Mamba2LMHeadModel.loss: labels.shape=\(2, 12, 1\) must be \(batch, seqlen\)=\(2, 12\)",
+                 id="loss_labels_3d"),
+    pytest.param(lambda m: m.loss(jnp.zeros((BATCH, SEQLEN), jnp.int32), [[1] * SEQLEN] * BATCH), TypeError,
+                 r"Mamba2LMHeadModel.loss: labels must be an array of shape \(batch, seqlen\)=\(2, 12\), got list",
+                 id="loss_labels_list"),
+    pytest.param(lambda m: m.loss(jnp.zeros((BATCH, SEQLEN), jnp.int32), ignore_index="x"), TypeError,
+                 r"Mamba2LMHeadModel.loss: ignore_index='x' must be an int", id="loss_ignore_index"),
     pytest.param(lambda m: m.prefill(jnp.zeros((BATCH, SEQLEN), jnp.int32), m.init_cache(BATCH),
                                      seq_idx=jnp.zeros((BATCH, SEQLEN), jnp.int32)),
                  ValueError, r"Mamba2LMHeadModel.prefill: seq_idx needs cache=None", id="prefill_seq_idx_cache"),

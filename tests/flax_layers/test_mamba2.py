@@ -215,9 +215,20 @@ def test_mamba2_rejects_bad_config(options, message):
 
 
 @pytest.mark.parametrize("options, error, message", [
-    (dict(dt_limit=1.0), TypeError, r"Mamba2: dt_limit=1.0 must be a pair of numbers \(low, high\)"),
-    (dict(dt_limit=(0.5, 0.1)), ValueError, r"Mamba2: dt_limit=\(0.5, 0.1\) must satisfy 0.0 <= low <= high"),
+    (dict(dt_limit=1.0), TypeError, r"Mamba2: dt_limit=1.0 must be a pair of floats \(min, max\)"),
+    (dict(dt_limit="01"), TypeError, r"Mamba2: dt_limit='01' must be a pair of floats"),
+    (dict(dt_limit=(0.5, 0.1)), ValueError, r"Mamba2: dt_limit=\(0.5, 0.1\) must satisfy 0 <= min <= max"),
     (dict(dt_limit=(-1.0, math.inf)), ValueError, r"Mamba2: dt_limit=\(-1.0, inf\) must satisfy"),
+    (dict(dt_limit=(math.inf, math.inf)), ValueError, r"Mamba2: dt_limit=\(inf, inf\) must satisfy .* min finite"),
+    (dict(A_init_range=(1, math.inf)), ValueError, r"Mamba2: A_init_range=\(1, inf\) must be finite"),
+    (dict(dt_max=math.inf), ValueError, r"Mamba2: dt_max=inf must be finite"),
+    (dict(rmsnorm="false"), TypeError, r"Mamba2: rmsnorm='false' must be a bool"),
+    (dict(bias="no"), TypeError, r"Mamba2: bias='no' must be a bool"),
+    (dict(D_has_hdim=1), TypeError, r"Mamba2: D_has_hdim=1 must be a bool"),
+    (dict(check_finite=None), TypeError, r"Mamba2: check_finite=None must be a bool"),
+    (dict(d_state=True), ValueError, r"Mamba2: d_state=True must be a positive int"),
+    (dict(dtype="foo"), TypeError, r"Mamba2: dtype='foo' must be a float dtype"),
+    (dict(param_dtype=jnp.int32), TypeError, r"Mamba2: param_dtype=int32 must be one of bfloat16"),
     (dict(A_init_range=16), TypeError, r"Mamba2: A_init_range=16 must be a pair of numbers"),
     (dict(dt_min="0.001"), TypeError, r"Mamba2: dt_min='0.001' must be a number"),
     (dict(dt_init_floor=None), TypeError, r"Mamba2: dt_init_floor=None must be a number"),
