@@ -386,6 +386,8 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
         raise ValueError(f"{api}: conv_state.shape={tuple(conv_state.shape)} must be {lead_text}rows={rows}, "
                          f"conv_dim={conv_dim}, d_conv)")
     d_conv = conv_state.shape[-1]
+    if d_conv < 1:
+        raise ValueError(f"{api}: conv_state.shape={tuple(conv_state.shape)} must have d_conv >= 1 window columns")
     check_array(api, "ssm_state", ssm_state, f"{lead_text}rows, nheads, headdim, dstate)",
                 (*lead, rows, nheads, headdim, dstate))
     check_array(api, "conv_weight", conv_weight, f"{lead_text}d_conv, conv_dim)", (*lead, d_conv, conv_dim))

@@ -42,8 +42,8 @@ def _bridge():
 
 def _check_common(api, x, weight, eps):
     check_array(api, "x", x)
-    if len(x.shape) < 1:
-        raise ValueError(f"{api}: x.shape={tuple(x.shape)} must be (..., features) with at least one axis")
+    if len(x.shape) < 1 or x.shape[-1] < 1:
+        raise ValueError(f"{api}: x.shape={tuple(x.shape)} must be (..., features) with features >= 1")
     check_array(api, "weight", weight, "(features,)", (x.shape[-1],))
     check_positive_float(api, "eps", eps)
 

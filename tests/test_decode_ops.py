@@ -226,6 +226,8 @@ def test_norm_project_checks_name_the_argument(change, error, message):
     (dict(dt_limit=(0.5, 0.1)), ValueError, "dt_limit"),
     (dict(ssm_state=jnp.ones((3, 2, 4, 32, 16))), ValueError, "ssm_state.shape"),
     (dict(conv_state=jnp.ones((3, 2, 10, 4))), ValueError, "conv_state.shape"),
+    (dict(conv_state=jnp.ones((3, 2, 384, 0)), conv_weight=jnp.ones((3, 0, 384))), ValueError,
+     r"conv_state.shape=\(3, 2, 384, 0\) must have d_conv >= 1"),
     (dict(D=jnp.ones((3, 5))), ValueError, "D.shape"),
     (dict(A_log=jnp.ones((3, 4), jnp.int32)), TypeError, "A_log.dtype=int32"),
     (dict(layer=jnp.ones((2,), jnp.int32)), TypeError, "must be an int or an integer scalar array"),

@@ -90,6 +90,8 @@ def test_explicit_kernel_backend_without_gpu_says_why():
     (lambda: jax_mamba2.add_rms_norm(X, Z, W, residual_dtype=jnp.int8), TypeError,
      r"add_rms_norm: residual_dtype=int8 must be one of"),
     (lambda: jax_mamba2.add_rms_norm(X, Z, np.ones(32, np.int32)), TypeError, r"add_rms_norm: weight.dtype=int32 must"),
+    (lambda: jax_mamba2.rms_norm(X[..., :0], W[:0]), ValueError, r"rms_norm: x.shape=\(3, 5, 0\) must be \(\.\.\., "
+     r"features\) with features >= 1"),
     (lambda: jax_mamba2.rms_norm(X, W, Z, norm_before_gate="no"), TypeError,
      r"rms_norm: norm_before_gate='no' must be a bool"),
     (lambda: jax_mamba2.add_rms_norm(X, Z, W, return_residual="no"), TypeError,
