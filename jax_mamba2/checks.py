@@ -56,9 +56,10 @@ def check_positive_float(api: str, name: str, value) -> float:
     return float(value)
 
 
-def check_dt_limit(api: str, dt_limit) -> tuple[float, float]:
+def check_dt_limit(api: str, dt_limit, name: str = "dt_limit") -> tuple[float, float]:
     """`dt_limit`, the clip of the time step Δ, as a (min, max) pair of floats with 0 <= min <= max and min
-    finite (max may be inf: no upper clip). The ops, the decode kernels and the layers take the same pairs."""
+    finite (max may be inf: no upper clip), named `name` in errors. The ops, the decode kernels, the layers and
+    the configurations take the same pairs."""
     pair = () if isinstance(dt_limit, (str, bytes)) else dt_limit
     try:
         low, high = pair
@@ -66,9 +67,9 @@ def check_dt_limit(api: str, dt_limit) -> tuple[float, float]:
             raise TypeError
         low, high = float(low), float(high)
     except (TypeError, ValueError):
-        raise TypeError(f"{api}: dt_limit={dt_limit!r} must be a pair of floats (min, max)") from None
+        raise TypeError(f"{api}: {name}={dt_limit!r} must be a pair of floats (min, max)") from None
     if not (0 <= low <= high and math.isfinite(low)):
-        raise ValueError(f"{api}: dt_limit={dt_limit!r} must satisfy 0 <= min <= max with min finite")
+        raise ValueError(f"{api}: {name}={dt_limit!r} must satisfy 0 <= min <= max with min finite")
     return low, high
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from numbers import Integral
 from typing import Optional
 
@@ -244,10 +245,10 @@ def _project_reference(options, layer_index, x, residual, z, norm_weight, weight
         partials=options["return_partials"], sum_squares=sum_squares)
 
 
-def _project(kernels, dims_fn, options, *arrays):
-    if kernels is None or arrays[1].shape[-2] == 0:  # no rows: nothing to launch, the reference's empty result
-        return _project_reference(options, *arrays)
-    return _kernel_project(kernels, dims_fn(_bridge()), options, *arrays)
+def _project(kernels, dims_fn, options, layer_index, x, *arrays):
+    if kernels is None or x.shape[-2] == 0:  # no rows: nothing to launch, the reference's empty result
+        return _project_reference(options, layer_index, x, *arrays)
+    return _kernel_project(kernels, dims_fn(_bridge()), options, layer_index, x, *arrays)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -436,8 +437,14 @@ def write_group_windows(conv_state, group_windows, d_ssm: int, first_layer=0):
     if len(conv_state.shape) != 4:
         raise ValueError(f"{api}: conv_state.shape={tuple(conv_state.shape)} must be (layers, rows, conv_dim, d_conv)")
     layers, rows, conv_dim, d_conv = conv_state.shape
-    if isinstance(d_ssm, (bool, np.bool_)) or not isinstance(d_ssm, (int, np.integer)) or not 0 <= d_ssm < conv_dim:
-        raise ValueError(f"{api}: d_ssm={d_ssm!r} must be an int in [0, conv_dim={conv_dim})")
+    if isinstance(d_ssm, (bool, np.bool_)) or not hasattr(d_ssm, "__index__"):
+        raise TypeError(f"{api}: d_ssm={d_ssm!r} must be an int")
+    d_ssm = operator.index(d_ssm)
+    if not 0 <= d_ssm < conv_dim:
+        raise ValueError(f"{api}: d_ssm={d_ssm} must be in [0, conv_dim={conv_dim})")
+    if isinstance(first_layer, (bool, np.bool_)) or not (
+            jnp.ndim(first_layer) == 0 and jnp.issubdtype(jnp.result_type(first_layer), jnp.integer)):
+        raise TypeError(f"{api}: first_layer={first_layer!r} must be an int or an integer scalar array")
     check_array(api, "group_windows", group_windows)
     if len(group_windows.shape) != 4 or tuple(group_windows.shape[1:]) != (rows, conv_dim - d_ssm, d_conv):
         raise ValueError(f"{api}: group_windows.shape={tuple(group_windows.shape)} must be (n, rows, conv_dim - "
@@ -467,10 +474,10 @@ def _mixer_reference(options, layer_index, zxbcdt, conv_state, conv_weight, conv
     return (y, ssm_state, conv_state, new_conv_state[:, d_ssm:], *sum_squares)
 
 
-def _mixer(kernels, dims_fn, options, *arrays):
-    if kernels is None or arrays[1].shape[0] == 0:  # no rows: nothing to launch, the reference's empty result
-        return _mixer_reference(options, *arrays)
-    return _kernel_mixer(kernels, dims_fn(_bridge()), options, *arrays)
+def _mixer(kernels, dims_fn, options, layer_index, zxbcdt, *arrays):
+    if kernels is None or zxbcdt.shape[0] == 0:  # no rows: nothing to launch, the reference's empty result
+        return _mixer_reference(options, layer_index, zxbcdt, *arrays)
+    return _kernel_mixer(kernels, dims_fn(_bridge()), options, layer_index, zxbcdt, *arrays)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

@@ -100,12 +100,21 @@ def test_group_windows_apart_leave_b_and_c_to_the_caller(backend):
     layers, rows, conv_dim, d_conv = conv_state.shape
     for bad, message in [
             (dict(first_layer=layers), rf"first_layer={layers} must keep the 1 layers of group_windows inside"),
-            (dict(d_ssm=conv_dim), rf"d_ssm={conv_dim} must be an int in \[0, conv_dim={conv_dim}\)"),
+            (dict(d_ssm=conv_dim), rf"d_ssm={conv_dim} must be in \[0, conv_dim={conv_dim}\)"),
             (dict(group_windows=windows[None, :, 1:]), r"group_windows.shape=.* must be \(n, rows, conv_dim - d_ssm"),
             (dict(conv_state=conv_state[0]), r"conv_state.shape=.* must be \(layers, rows, conv_dim, d_conv\)")]:
         call = {**dict(conv_state=conv_state, group_windows=windows[None], d_ssm=d_ssm, first_layer=case.layer), **bad}
         with pytest.raises(ValueError, match="write_group_windows: " + message):
             jax_mamba2.write_group_windows(**call)
+    for bad, message in [(dict(d_ssm=1.5), r"d_ssm=1.5 must be an int"),
+                         (dict(first_layer=1.7), r"first_layer=1.7 must be an int or an integer scalar array"),
+                         (dict(first_layer=jnp.array([1, 2])), r"first_layer=.* must be an int or an integer scalar")]:
+        call = {**dict(conv_state=conv_state, group_windows=windows[None], d_ssm=d_ssm, first_layer=case.layer), **bad}
+        with pytest.raises(TypeError, match="write_group_windows: " + message):
+            jax_mamba2.write_group_windows(**call)
+    # integer scalars of NumPy and JAX are ints here
+    np.testing.assert_array_equal(jax_mamba2.write_group_windows(conv_state, windows[None], jnp.int32(d_ssm),
+                                                                 np.int64(case.layer)), whole)
 
 
 def test_a_traced_layer_picks_the_same_layer_as_an_int():

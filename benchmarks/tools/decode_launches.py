@@ -1,8 +1,8 @@
 """GPU time per launch of the decode ops' kernels outside JAX, for choosing their tiles: each plan of
 `jax_mamba2.kernels.decode_projection` / `decode_mixer` at the LM's decode shapes (`benchmarks/decode_kernels.py`'s,
-d_model 1024 unless `--d-model`: in_proj 1024 x 4384, out_proj 2048 x 1024, the tied head 50280 x 1024, the mixer of 32 heads x 64 x
-d_state 128; 24 stacked layers; parameters in bf16 or `--param-dtypes`) runs through `ct.launch` on torch tensors,
-50 launches captured in one CUDA graph, the graph replayed (`benchmarks.ssd.time_cuda_graph`): the median replay
+d_model 1024 unless `--d-model`: in_proj 1024 x 4384, out_proj 2048 x 1024, the tied head 50280 x 1024, the mixer
+of 32 heads x 64 x d_state 128; 24 stacked layers; parameters in bf16 or `--param-dtypes`) runs through `ct.launch`
+on torch tensors, 50 launches captured in one CUDA graph, the graph replayed (`benchmarks.ssd.time_cuda_graph`): the median replay
 over 50 is a launch's GPU time with no host launch cost. A projection's norm and product kernels (and a split K's
 sum) are also timed apart. Every product config of `projection_configs` at rows 1 and 64 (the default alone at 8
 and 256), every mixer config of `mixer_configs` (with the default).
@@ -10,8 +10,8 @@ and 256), every mixer config of `mixer_configs` (with the default).
 On the GPU machine (torch and cuda-tile):
   source .gpu/gpu-env.sh
   python benchmarks/tools/decode_launches.py --out $OUT
-Writes <out>/decode_launches_<gpu>.json (one record per plan and config; "default": true for the defaults) and
-prints one line per record.
+Writes <out>/decode_launches_<gpu>.json (`decode_launches_d<d_model>_<gpu>.json` at another width; one record per
+plan and config; "default": true for the defaults) and prints one line per record.
 """
 from __future__ import annotations
 
@@ -90,6 +90,12 @@ def cases(rows_list=(1, 8, 64, 256), names=CASES, param_dtypes=("bfloat16",), mi
     return out
 
 
+def results_name(d_model: int, slug: str) -> str:
+    """decode_launches_<gpu>.json at the default width, decode_launches_d<d_model>_<gpu>.json at another (a sweep
+    of another width does not replace the default's records)."""
+    return f"decode_launches_{'' if d_model == D_MODEL else f'd{d_model}_'}{slug}.json"
+
+
 def _graph_us(launch, reps=50) -> float:
     """Median GPU microseconds per launch: `reps` launches captured in one CUDA graph, replayed
     (`benchmarks.ssd.time_cuda_graph`)."""
@@ -144,7 +150,8 @@ def main(argv=None) -> int:
     parser.add_argument("--mixer-layers", type=int, default=None,
                         help="layers of the mixer step's stacks (default: 24; 48 at 256 rows: the int64 kernel)")
     parser.add_argument("--d-model", type=int, default=D_MODEL,
-                        help="the LM's width (default 1024; mamba2-780m 1536, mamba2-1.3b 2048; d_state 128, headdim 64)")
+                        help="the LM's width (default 1024; mamba2-780m 1536, mamba2-1.3b 2048; d_state 128, headdim "
+                             "64), also in the file name where not 1024")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     args = parser.parse_args(argv)
     import cuda.tile as ct
@@ -155,7 +162,7 @@ def main(argv=None) -> int:
 
     raise_gpu_clocks(torch)
     env, records = environment(), []
-    path = args.out / f"decode_launches_{gpu_slug(env.get('gpu', 'gpu'))}.json"
+    path = args.out / results_name(args.d_model, gpu_slug(env.get("gpu", "gpu")))
     args.out.mkdir(parents=True, exist_ok=True)
     for case, dims, make_plan, inputs, configs in cases(args.rows, args.cases, args.param_dtypes, args.mixer_layers,
                                                          args.d_model):

@@ -149,13 +149,14 @@ case $part in
       --no-profile --worker-timeout 100 --out "$out"
     ;;
   lm-scan)  # the default layer scan at d1024-l24-8x2048, what its copies cost: as it is (the chunk states
-    # recomputed in the backward), with them saved (a state more to stack per layer), without the non-finite confinement, and saving only
-    # in_proj's output (remat="matmuls": fewer stacked residuals to zero and copy)
+    # recomputed in the backward), with them saved (a state more to stack per layer), without the non-finite
+    # confinement, and saving only in_proj's output (remat="matmuls", where the model keeps the chunk states by
+    # default: fewer stacked residuals to zero and copy)
     export JAX_MAMBA2_AUTOTUNE=0
     step lm_scan 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --worker-timeout 140 \
       --out "$out"
     step lm_scan_saved 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
-      --save-chunk-states --worker-timeout 140 --out "$out"
+      --chunk-states saved --worker-timeout 140 --out "$out"
     step lm_scan_unchecked 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
       --no-check-finite --no-profile --worker-timeout 100 --out "$out"
     step lm_scan_remat 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --remat matmuls \
@@ -169,7 +170,7 @@ case $part in
     step lm_memory_unrolled 190 python benchmarks/lm_train.py --configs d1536-l48-8x2048 --impls cutile --unroll-layers \
       --no-profile --worker-timeout 180 --out "$out"
     step lm_memory_saved 190 python benchmarks/lm_train.py --configs d1536-l48-8x2048 --impls cutile \
-      --unroll-layers --save-chunk-states --no-profile --worker-timeout 180 --out "$out"
+      --unroll-layers --chunk-states saved --no-profile --worker-timeout 180 --out "$out"
     step norm_gpu_tests 90 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider tests/kernels/test_rms_norm_gpu.py
     ;;
   decode)  # the decode ops: their GPU tests, every plan and config timed outside JAX, the LM's token step at batches

@@ -10,7 +10,10 @@ from collections.abc import Mapping, Sequence
 from numbers import Real
 from typing import Any
 
+import numpy as np
 from flax.core import FrozenDict
+
+from jax_mamba2.checks import check_dt_limit
 
 # Keyword arguments of `Mamba2.__init__` that may appear in `ssm_cfg` (all but d_model and the dtype/backend
 # options, which belong to the model rather than the checkpoint).
@@ -57,16 +60,18 @@ def parse_dt_limit(value, api: str, key: str) -> tuple[float, float]:
     nothing (the time step is computed in float32 or wider) and is read as inf, so equal models compare equal.
 
     Raises:
-      ValueError: naming `key`, for anything but a pair of such bounds with 0 <= low <= high.
+      ValueError: naming `key`, for anything but a pair of such bounds that `checks.check_dt_limit` takes (0 <= low
+        <= high, low finite).
     """
     if value is None:
         return 0.0, math.inf
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence) or len(value) != 2:
         raise ValueError(f"{api}: {key}={value!r} must be a pair [low, high]")
     low, high = (_parse_limit_bound(v, default, api, key) for v, default in zip(value, (0.0, math.inf)))
-    if math.isnan(low) or math.isnan(high) or not 0 <= low <= high:
-        raise ValueError(f"{api}: {key}={value!r} must satisfy 0 <= low <= high")
-    return low, math.inf if high >= _FLOAT32_MAX else high
+    try:
+        return check_dt_limit(api, (low, math.inf if high >= _FLOAT32_MAX else high), name=key)
+    except ValueError:  # named as the file spells it
+        raise ValueError(f"{api}: {key}={value!r} must satisfy 0 <= min <= max with min finite") from None
 
 
 def _require_keys(config: Mapping[str, Any], keys: Sequence[str], api: str) -> None:
@@ -86,7 +91,7 @@ def _require_positive_ints(config: Mapping[str, Any], keys: Sequence[str], api: 
 def _require_bools(config: Mapping[str, Any], keys: Sequence[str], api: str) -> None:
     """Each of `keys` that `config` has must be a bool (a JSON "false" string must not read as true)."""
     for key in keys:
-        if key in config and not isinstance(config[key], bool):
+        if key in config and not isinstance(config[key], (bool, np.bool_)):
             raise TypeError(f"{api}: {key}={config[key]!r} must be a bool")
 
 

@@ -251,13 +251,13 @@ class Mamba2LMHeadModel(nnx.Module):
             raise ValueError(f'Mamba2LMHeadModel.loss: reduction={reduction!r} must be "mean", "sum" or "none"')
         if labels is not None and shift_labels is not None:
             raise ValueError("Mamba2LMHeadModel.loss: pass labels (unshifted) or shift_labels, not both")
-        if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(ignore_index, (int, np.integer)):
-            raise TypeError(f"Mamba2LMHeadModel.loss: ignore_index={ignore_index!r} must be an int")
+        loss_op.check_ignore_index("Mamba2LMHeadModel.loss", ignore_index)
         name, labels = ("labels", input_ids if labels is None else labels) if shift_labels is None else (
             "shift_labels", shift_labels)
         _checks.check_array("Mamba2LMHeadModel.loss", name, labels,
                             tuple(zip(("batch", "seqlen"), input_ids.shape)), kind="integer")
-        targets = labels if shift_labels is not None else jnp.pad(labels[:, 1:], ((0, 0), (0, 1)),
+        # Shifted in int32: an unsigned dtype could not hold a negative ignore_index in the padded last column.
+        targets = labels if shift_labels is not None else jnp.pad(labels[:, 1:].astype(jnp.int32), ((0, 0), (0, 1)),
                                                                   constant_values=ignore_index)
         weight = (dict(embedding=self.embedding.embedding[...]) if self.lm_head is None else
                   dict(head_weight=self.lm_head.kernel[...]))

@@ -229,6 +229,12 @@ def _chunked_loss_bwd(static, saved, dloss):
 _chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
 
 
+def check_ignore_index(api: str, ignore_index) -> None:
+    """ignore_index, the label of tokens left out of the loss, is an int (NumPy's too, not a bool)."""
+    if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(ignore_index, (int, np.integer)):
+        raise TypeError(f"{api}: ignore_index={ignore_index!r} must be an int")
+
+
 def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, vocab_size: Optional[int] = None,
                           chunk_tokens: int = 2048, ignore_index: int = -100, dtype=None, logits_dtype=None,
                           reduction: str = "mean", backend: str = "xla"):
@@ -298,8 +304,7 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
                          f"vocabulary)")
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, (int, np.integer)) or chunk_tokens < 1:
         raise ValueError(f"{api}: chunk_tokens={chunk_tokens!r} must be a positive int")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
-        raise TypeError(f"{api}: ignore_index={ignore_index!r} must be an int")
+    check_ignore_index(api, ignore_index)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f'{api}: reduction={reduction!r} must be "mean", "sum" or "none"')
     dtype = jnp.result_type(hidden, weight) if dtype is None else jnp.dtype(dtype)

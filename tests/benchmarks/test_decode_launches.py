@@ -37,3 +37,14 @@ def test_the_mixer_cases_take_mamba2_370m_s_48_layers_into_the_int64_kernel():
     assert dims.layers == 48 and decode_mixer.needs_int64_index(dims)
     for cfg in configs:
         assert_plan_well_formed(make_plan(dims, cfg))
+
+
+def test_d_model_sizes_the_cases_and_names_the_file():
+    """--d-model 2048 times mamba2-1.3b's projections and mixer (in_proj 2048 x 8512, 64 heads) into a file of its
+    own; the default width keeps the plain name."""
+    by_name = {name: dims for name, dims, *_ in decode_launches.cases((64,), d_model=2048)}
+    assert (by_name["in_proj"].features, by_name["in_proj"].out_features) == (2048, 8512)
+    assert (by_name["out_proj"].features, by_name["out_proj"].out_features) == (4096, 2048)
+    assert by_name["mixer"].nheads == 64
+    assert decode_launches.results_name(2048, "h100") == "decode_launches_d2048_h100.json"
+    assert decode_launches.results_name(decode_launches.D_MODEL, "h100") == "decode_launches_h100.json"

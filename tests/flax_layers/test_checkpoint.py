@@ -216,8 +216,10 @@ def test_checkpoint_loads_every_time_step_limit_encoding(tmp_path, tiny_config, 
     pytest.param('[0.0, "unbounded"]', r"time_step_limit has the entry 'unbounded'; each must be a number, null, "
                                        r"or an encoding of infinity", id="bad_string"),
     pytest.param('[0.0, {"__float__": "NaN"}]', r"time_step_limit=\[0.0, \{'__float__': 'NaN'\}\] must satisfy "
-                                                r"0 <= low <= high", id="nan"),
-    pytest.param("[1.0, 0.5]", r"time_step_limit=\[1.0, 0.5\] must satisfy 0 <= low <= high", id="decreasing"),
+                                                r"0 <= min <= max", id="nan"),
+    pytest.param("[1.0, 0.5]", r"time_step_limit=\[1.0, 0.5\] must satisfy 0 <= min <= max", id="decreasing"),
+    pytest.param('["inf", "inf"]', r"time_step_limit=\['inf', 'inf'\] must satisfy 0 <= min <= max with min finite",
+                 id="infinite_min"),
     pytest.param("[0.0]", r"time_step_limit=\[0.0\] must be a pair \[low, high\]", id="one_value"),
     pytest.param('"inf"', r"time_step_limit='inf' must be a pair \[low, high\]", id="scalar"),
     pytest.param("[0.0, true]", r"time_step_limit has the entry True", id="bool"),
@@ -322,6 +324,23 @@ def test_checkpoint_save_crash_keeps_the_old_checkpoint(tmp_path, tiny_config, m
     with pytest.raises(OSError, match="No space left on device"):
         save_pretrained(new, fresh)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # neither the target nor a staging dir
+
+
+def test_checkpoint_save_syncs_files_and_the_staging_directory_before_the_rename(tmp_path, tiny_config, monkeypatch):
+    """The written files and the staging directory's entries reach the disk before it is renamed into place, and the
+    parent directory's entries after: a crash then leaves the old checkpoint or the whole new one."""
+    events = []
+    real_fsync, real_replace = checkpoint_module._fsync, checkpoint_module._replace_dir
+    monkeypatch.setattr(checkpoint_module, "_fsync", lambda path: (events.append(("fsync", path)), real_fsync(path)))
+    monkeypatch.setattr(checkpoint_module, "_replace_dir",
+                        lambda new, path: (events.append(("rename", new)), real_replace(new, path)))
+    target = tmp_path / "ckpt"
+    save_pretrained(_random_model(tiny_config), target)
+    rename = events.index(next(e for e in events if e[0] == "rename"))
+    staging = events[rename][1]
+    synced_before = [path for kind, path in events[:rename] if kind == "fsync"]
+    assert synced_before == [staging / "config.json", staging / "model.safetensors", staging]
+    assert ("fsync", target.parent) in events[rename + 1:]
 
 
 def test_checkpoint_save_removes_only_staging_that_a_killed_save_left(tmp_path, tiny_config):

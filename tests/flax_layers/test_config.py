@@ -52,6 +52,8 @@ def test_config_from_mamba_ssm_and_from_hf_describe_the_same_model():
     (dict(d_intermediate=128), r"Mamba2Config: d_intermediate=128 must be 0"),
     (dict(n_layer=0), r"Mamba2Config: n_layer=0 must be a positive int"),
     (dict(n_layer=True), r"Mamba2Config: n_layer=True must be a positive int"),
+    (dict(ssm_cfg={"dt_limit": ["inf", "inf"]}), r"Mamba2Config: ssm_cfg\['dt_limit'\]=\['inf', 'inf'\] must satisfy "
+     r"0 <= min <= max with min finite"),
     (dict(rms_norm=False), r"Mamba2Config: rms_norm=False must be True"),
 ])
 def test_config_rejects_bad_fields(changes, message):

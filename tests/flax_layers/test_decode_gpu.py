@@ -137,3 +137,10 @@ def test_left_padded_prompts_generate_the_uncached_forward_argmax_of_each_prompt
         chosen = jnp.take_along_axis(logits, jnp.asarray(sequence[length:, None]), axis=-1)[:, 0]
         np.testing.assert_allclose(np.asarray(chosen, np.float32), np.asarray(logits.max(axis=-1), np.float32),
                                    rtol=2 ** -7, atol=0)
+
+
+def test_generate_at_batch_zero_launches_nothing_for_its_empty_rows():
+    """No rows: the decode ops take their reference path (a launch of no blocks is not made) and generate returns
+    the empty tokens the xla backend does."""
+    tokens = generate(_model(param_dtype=jnp.bfloat16), jnp.zeros((0, 5), jnp.int32), 3)
+    assert tokens.shape == (0, 8)

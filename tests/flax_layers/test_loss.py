@@ -229,6 +229,14 @@ def test_invalid_arguments_raise_naming_them(kwargs, error, message):
         chunked_cross_entropy(jnp.ones((4, 16)), jnp.zeros((3,), jnp.int32), head_weight=jnp.ones((16, 40)))
 
 
+def test_lm_loss_takes_unsigned_labels_like_signed_ones(tiny_config):
+    """Labels in uint8 shift like int32 ones: the padded last column holds ignore_index, which uint8 cannot."""
+    model = Mamba2LMHeadModel(tiny_config.replace(n_layer=1), backend="xla", rngs=nnx.Rngs(0))
+    ids = jax.random.randint(jax.random.key(2), (2, 12), 0, min(tiny_config.vocab_size, 256))
+    unsigned, signed = (model.loss(ids, ids.astype(dtype)) for dtype in (jnp.uint8, jnp.int32))
+    assert np.isfinite(float(unsigned)) and float(unsigned) == float(signed)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_lm_loss_equals_the_loss_of_its_logits_in_float64(x64, tiny_config, tied):
