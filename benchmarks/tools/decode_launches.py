@@ -1,11 +1,11 @@
 """GPU time per launch of the decode ops' kernels outside JAX, for choosing their tiles: each plan of
 `jax_mamba2.kernels.decode_projection` / `decode_mixer` at the LM's decode shapes (`benchmarks/decode_kernels.py`'s,
-d_model 1024 unless `--d-model`: in_proj 1024 x 4384, out_proj 2048 x 1024, the tied head 50280 x 1024, the mixer
-of 32 heads x 64 x d_state 128; 24 stacked layers; parameters in bf16 or `--param-dtypes`) runs through `ct.launch`
-on torch tensors, 50 launches captured in one CUDA graph, the graph replayed (`benchmarks.ssd.time_cuda_graph`):
-the median replay over 50 is a launch's GPU time with no host launch cost. A projection's norm and product kernels (and a split K's
-sum) are also timed apart. Every product config of `projection_configs` at rows 1 and 64 (the default alone at 8
-and 256), every mixer config of `mixer_configs` (with the default).
+d_model 1024 unless `--d-model`: in_proj 1024 x 4384, out_proj 2048 x 1024, the tied head 50280 x 1024, the mixer of
+32 heads x 64 x d_state 128; 24 stacked layers; parameters in bf16 or `--param-dtypes`) runs through `ct.launch` on
+torch tensors, 50 launches captured in one CUDA graph, the graph replayed (`benchmarks.ssd.time_cuda_graph`): the
+median replay over 50 is a launch's GPU time with no host launch cost. A projection's norm and product kernels (and a
+split K's sum) are also timed apart. Every product config of `projection_configs` at rows 1 and 64 (the default alone
+at 8 and 256), every mixer config of `mixer_configs` (with the default).
 
 On the GPU machine (torch and cuda-tile):
   source .gpu/gpu-env.sh
