@@ -40,8 +40,8 @@ def projection_configs(case: str, rows: int) -> list[decode_projection.Projectio
     """The product's columns per block (256 for the head alone), K step with its latency hint, occupancy hint;
     for in_proj and out_proj also K split over 2, 4 or 8 blocks at 32 and 64 columns, with and without an occupancy
     hint of 2 (in_proj's 138 blocks of 64 columns split in two then fit one wave of two blocks per SM), and from 64
-    rows two blocks of 32 rows per column block or a split of 128-column blocks (in_proj's 69 blocks of 64 columns
-    leave half a wave idle at 64 rows)."""
+    rows two blocks of 32 rows per column block (alone or with K split in 2 or 4: out_proj's few column blocks) or a
+    split of 128-column blocks (in_proj's 69 blocks of 64 columns leave half a wave idle at 64 rows)."""
     columns = (32, 64, 128, 256) if case == "head" else (32, 64, 128)
     tiles = [decode_projection.ProjectionConfig(BLOCK_N=n, BLOCK_K=k, LATENCY=latency, OCCUPANCY=occupancy)
              for n, (k, latency), occupancy in itertools.product(columns, ((128, 4), (256, 2)), (None, 2))]
@@ -49,8 +49,11 @@ def projection_configs(case: str, rows: int) -> list[decode_projection.Projectio
               for n, split, occupancy in itertools.product((32, 64), (2, 4, 8), (None, 2))]
     row_blocks = [decode_projection.ProjectionConfig(BLOCK_N=n, BLOCK_M=32, OCCUPANCY=occupancy)
                   for n, occupancy in itertools.product((64, 128), (None, 2))]
+    row_block_splits = [decode_projection.ProjectionConfig(BLOCK_N=n, BLOCK_M=32, SPLIT_K=split, OCCUPANCY=2)
+                        for n, split in itertools.product((32, 64), (2, 4))]
     wide_splits = [decode_projection.ProjectionConfig(BLOCK_N=128, SPLIT_K=split) for split in (2, 4)]
-    return tiles + ([] if case == "head" else splits + (row_blocks + wide_splits if rows >= 64 else []))
+    return tiles + ([] if case == "head" else
+                    splits + (row_blocks + row_block_splits + wide_splits if rows >= 64 else []))
 
 
 def mixer_configs(dims) -> list[decode_mixer.MixerStepConfig]:
