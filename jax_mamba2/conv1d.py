@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import conv1d_reference
@@ -58,28 +59,28 @@ class ConvStatic:
 # Checks
 # ----------------------------------------------------------------------------------------------
 
-def _check_inputs(inputs: ConvInputs, activation, return_final_states) -> None:
+def _check_inputs(inputs: ConvInputs, activation, return_final_states, api: str = _API) -> None:
     x, kernel, bias, initial_states, seq_idx = inputs
-    batch, seqlen, channels = check_ndim(_API, "x", x, 3, "(batch, seqlen, channels)")
-    check_array(_API, "x", x)
+    batch, seqlen, channels = check_ndim(api, "x", x, 3, "(batch, seqlen, channels)")
+    check_array(api, "x", x)
     if not hasattr(kernel, "shape") or len(kernel.shape) != 2 or kernel.shape[0] < 1:
-        raise ValueError(f"{_API}: kernel.shape={getattr(kernel, 'shape', None)} must be (d_conv, channels) "
+        raise ValueError(f"{api}: kernel.shape={getattr(kernel, 'shape', None)} must be (d_conv, channels) "
                          f"with d_conv >= 1 and channels={channels}")
     d_conv = kernel.shape[0]
-    check_array(_API, "kernel", kernel, "(d_conv, channels)", (d_conv, channels))
+    check_array(api, "kernel", kernel, "(d_conv, channels)", (d_conv, channels))
     if bias is not None:
-        check_array(_API, "bias", bias, "(channels,)", (channels,))
+        check_array(api, "bias", bias, "(channels,)", (channels,))
     if initial_states is not None:
-        check_array(_API, "initial_states", initial_states, "(batch, channels, d_conv - 1 or d_conv)",
+        check_array(api, "initial_states", initial_states, "(batch, channels, d_conv - 1 or d_conv)",
                     (batch, channels, d_conv - 1), (batch, channels, d_conv))
     if seq_idx is not None:
-        check_seq_idx(_API, seq_idx, batch, seqlen)
+        check_seq_idx(api, seq_idx, batch, seqlen)
         if initial_states is not None:
-            raise ValueError(f"{_API}: seq_idx and initial_states cannot be combined (as in causal_conv1d): "
+            raise ValueError(f"{api}: seq_idx and initial_states cannot be combined (as in causal_conv1d): "
                              f"the states would belong to no sequence")
     if activation not in ACTIVATIONS:
-        raise ValueError(f"{_API}: activation={activation!r} must be 'silu' or None")
-    check_flag(_API, "return_final_states", return_final_states)
+        raise ValueError(f"{api}: activation={activation!r} must be 'silu' or None")
+    check_flag(api, "return_final_states", return_final_states)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,22 +185,28 @@ def causal_conv1d_silu(x, kernel, bias=None, *, seq_idx=None, initial_states=Non
     return y, conv1d_reference.final_conv_state(x, kernel.shape[0], initial_states)
 
 
-def _check_layout(x, kernel, channel_offset, split) -> int:
-    """The channel window and the pieces fit x and the kernel; returns the conv's channels."""
+def _is_int(value) -> bool:
+    """An int (NumPy's too), not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_layout(x, kernel, channel_offset, split) -> tuple[int, int, tuple[int, ...]]:
+    """The channel window and the pieces fit x and the kernel; returns the conv's channels, and channel_offset and
+    split as Python ints (static data)."""
     if not hasattr(x, "shape") or len(x.shape) != 3:
         raise ValueError(f"{_SPLIT_API}: x.shape={getattr(x, 'shape', None)} must be (batch, seqlen, width)")
     if not hasattr(kernel, "shape") or len(kernel.shape) != 2 or kernel.shape[0] < 1:
         raise ValueError(f"{_SPLIT_API}: kernel.shape={getattr(kernel, 'shape', None)} must be (d_conv, channels) "
                          f"with d_conv >= 1")
     channels, width = kernel.shape[1], x.shape[-1]
-    if not isinstance(channel_offset, int) or not 0 <= channel_offset <= width - channels:
+    if not _is_int(channel_offset) or not 0 <= channel_offset <= width - channels:
         raise ValueError(f"{_SPLIT_API}: channel_offset={channel_offset!r} must be an int in [0, x.shape[-1] - "
                          f"channels]=[0, {width - channels}] (x.shape[-1]={width}, channels={channels})")
     if (not isinstance(split, tuple) or not 1 <= len(split) <= MAX_PIECES
-            or not all(isinstance(w, int) and w >= 1 for w in split) or sum(split) != channels):
+            or not all(_is_int(w) and w >= 1 for w in split) or sum(split) != channels):
         raise ValueError(f"{_SPLIT_API}: split={split!r} must be a tuple of 1 to {MAX_PIECES} positive ints "
                          f"summing to channels={channels}")
-    return channels
+    return channels, int(channel_offset), tuple(int(w) for w in split)
 
 
 def causal_conv1d_silu_split(x, kernel, bias=None, *, channel_offset, split, seq_idx=None, initial_states=None,
@@ -244,12 +251,12 @@ def causal_conv1d_silu_split(x, kernel, bias=None, *, channel_offset, split, seq
       ...                                            backend="xla")]
       [(1, 8, 4), (1, 8, 1), (1, 8, 1)]
     """
-    channels = _check_layout(x, kernel, channel_offset, split)
+    channels, channel_offset, split = _check_layout(x, kernel, channel_offset, split)
     inputs = ConvInputs(x, kernel, bias, initial_states, seq_idx)
     # The remaining checks see the window's shape; x itself is checked for its dtype.
     check_array(_SPLIT_API, "x", x)
     window = jax.ShapeDtypeStruct((*x.shape[:2], channels), x.dtype)
-    _check_inputs(inputs._replace(x=window), activation, return_final_states)
+    _check_inputs(inputs._replace(x=window), activation, return_final_states, _SPLIT_API)
     check_flag(_SPLIT_API, "pass_through", pass_through)
     static = ConvStatic(silu=activation == "silu", offset=channel_offset, split=split, pass_through=pass_through)
     selected = registry.select(backend, _SPLIT_API, lambda b: b.unsupported_reason(inputs), op=OP)

@@ -55,17 +55,16 @@ registry.register_backend(registry.LayerBackend("xla", None, registry.always_sup
 # ----------------------------------------------------------------------------------------------
 
 def _check_layer(api: str, layer, layers: Optional[int]):
-    """`layer` (None, an int in [0, layers), or an integer scalar array) as a (1,) int32 array, 0 for None."""
+    """`layer` (None, an int in [0, layers), or an integer scalar array) as a (1,) int32 array, 0 for None. A
+    concrete array is range-checked like an int; a traced one (a layer loop's index) cannot be, and one outside
+    [0, layers) is clamped into it, as JAX's dynamic indexing does."""
     if layer is None:
         return jnp.zeros((1,), jnp.int32)
-    if isinstance(layer, (bool, np.bool_)):
+    if isinstance(layer, (bool, np.bool_)) or not (isinstance(layer, Integral) or (
+            hasattr(layer, "dtype") and jnp.issubdtype(layer.dtype, jnp.integer) and jnp.ndim(layer) == 0)):
         raise TypeError(f"{api}: layer={layer!r} must be an int or an integer scalar array")
-    if isinstance(layer, Integral):
-        if not 0 <= layer < layers:
-            raise ValueError(f"{api}: layer={layer} must be in [0, {layers})")
-        return jnp.full((1,), layer, jnp.int32)
-    if not hasattr(layer, "dtype") or not jnp.issubdtype(layer.dtype, jnp.integer) or math.prod(layer.shape) != 1:
-        raise TypeError(f"{api}: layer={layer!r} must be an int or an integer scalar array")
+    if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < layers:
+        raise ValueError(f"{api}: layer={int(layer)} must be in [0, {layers})")
     return jnp.asarray(layer, jnp.int32).reshape(1)
 
 
@@ -160,6 +159,8 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
     elif x_dtype is not None:
         raise ValueError(f"{api}: x_dtype={x_dtype!r} is for x given as partial sums (parts, rows, features)")
     rows, features = x.shape[-2:]
+    if features < 1:
+        raise ValueError(f"{api}: x.shape={tuple(x.shape)} must have features >= 1")
     stack = () if layer is None else (None,)
     check_array(api, "weight", weight)
     if len(weight.shape) != 2 + len(stack):
@@ -201,8 +202,9 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
             raise ValueError(f"{api}: sum_squares are the statistics of a norm (norm_weight) without residual, "
                              f"residual_dtype or x as partial sums")
         check_array(api, "sum_squares", sum_squares)
-        if sum_squares.dtype != jnp.float32:
-            raise TypeError(f"{api}: sum_squares must be float32, got {sum_squares.dtype}")
+        if sum_squares.dtype not in (jnp.float32, jnp.float64):  # float64: a float64 model's, on the xla path
+            raise TypeError(f"{api}: sum_squares must be float32 (float64 for a float64 model), got "
+                            f"{sum_squares.dtype}")
         if len(sum_squares.shape) != 2 or sum_squares.shape[0] != rows or sum_squares.shape[1] % ngroups:
             raise ValueError(f"{api}: sum_squares.shape={tuple(sum_squares.shape)} must be (rows={rows}, a multiple "
                              f"of the norm's {ngroups} groups)")
@@ -380,6 +382,9 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
     layers = 1
     if stack:
         check_array(api, "conv_weight", conv_weight)
+        if len(conv_weight.shape) != 3:
+            raise ValueError(f"{api}: conv_weight.shape={tuple(conv_weight.shape)} must be (layers, d_conv, conv_dim) "
+                             "with a layer")
         layers = conv_weight.shape[0]
     lead, lead_text = ((layers,), "(layers, ") if stack else ((), "(")
     check_array(api, "conv_state", conv_state)
@@ -453,8 +458,9 @@ def write_group_windows(conv_state, group_windows, d_ssm: int, first_layer=0):
             0 <= int(first_layer) <= layers - group_windows.shape[0]):
         raise ValueError(f"{api}: first_layer={first_layer!r} must keep the {group_windows.shape[0]} layers of "
                          f"group_windows inside conv_state's {layers}")
+    # The indices in one dtype (int32): with jax_enable_x64 the Python ints would be int64 beside an int32 layer.
     return jax.lax.dynamic_update_slice(conv_state, group_windows.astype(conv_state.dtype),
-                                        (first_layer, 0, d_ssm, 0))
+                                        tuple(jnp.asarray(i, jnp.int32) for i in (first_layer, 0, d_ssm, 0)))
 
 
 def _mixer_reference(options, layer_index, zxbcdt, conv_state, conv_weight, conv_bias, A_log, dt_bias, D,
@@ -469,8 +475,9 @@ def _mixer_reference(options, layer_index, zxbcdt, conv_state, conv_weight, conv
         take(D), **options)
     ssm_state = jax.lax.dynamic_update_index_in_dim(ssm_state, new_state.astype(ssm_state.dtype), layer_index[0], 0)
     d_ssm = options["nheads"] * options["headdim"]
+    zero = jnp.zeros((), layer_index.dtype)  # indices of one dtype, also under jax_enable_x64
     conv_state = jax.lax.dynamic_update_slice(conv_state, new_conv_state[None, :, :d_ssm].astype(conv_state.dtype),
-                                              (layer_index[0], 0, 0, 0))
+                                              (layer_index[0], zero, zero, zero))
     return (y, ssm_state, conv_state, new_conv_state[:, d_ssm:], *sum_squares)
 
 

@@ -296,14 +296,25 @@ def _check_split(args, fn, tolerance=TOLERANCE, **options):
     (dict(split=(16, 4)), r"split=\(16, 4\) must be a tuple of 1 to 3 positive ints summing to channels=24"),
     (dict(split=[16, 4, 4]), r"split=\[16, 4, 4\] must be a tuple"),
     (dict(split=(8, 8, 4, 4)), r"split=\(8, 8, 4, 4\) must be a tuple of 1 to 3"),
-    (dict(bias=jnp.zeros((51,))), r"bias.shape=\(51,\) must be \(channels,\)=\(24,\)"),
-    (dict(initial_states=jnp.zeros((2, 51, 4))), r"initial_states.shape=\(2, 51, 4\) must be"),
+    (dict(channel_offset=True), r"channel_offset=True must be an int"),
+    (dict(split=(True, 23)), r"split=\(True, 23\) must be a tuple"),
+    (dict(bias=jnp.zeros((51,))), r"causal_conv1d_silu_split: bias.shape=\(51,\) must be \(channels,\)=\(24,\)"),
+    (dict(initial_states=jnp.zeros((2, 51, 4))), r"causal_conv1d_silu_split: initial_states.shape=\(2, 51, 4\)"),
 ])
 def test_split_invalid_arguments_raise_naming_them(kwargs, message):
     args = dict(channel_offset=_OFFSET, split=_SPLIT, bias=None)
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         conv1d.causal_conv1d_silu_split(jnp.zeros((2, 5, _WIDTH)), jnp.zeros((4, 24)), args.pop("bias"), **args)
+
+
+def test_split_takes_numpy_ints_for_its_layout():
+    x, kernel = jax.random.normal(jax.random.key(3), (2, 5, _WIDTH)), jnp.full((4, 24), 0.25)
+    plain = conv1d.causal_conv1d_silu_split(x, kernel, channel_offset=_OFFSET, split=_SPLIT, backend="xla")
+    numpy = conv1d.causal_conv1d_silu_split(x, kernel, channel_offset=np.int64(_OFFSET),
+                                            split=tuple(np.int64(w) for w in _SPLIT), backend="xla")
+    for a, b in zip(plain, numpy):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_split_pass_through_must_be_a_bool_and_covers_an_empty_sequence():

@@ -218,6 +218,8 @@ def _projection_args():
     (dict(x=jnp.ones((2, 3, 64), jnp.bfloat16), x_dtype=jnp.float32), TypeError, "must be float32"),
     (dict(x_dtype=jnp.float32), ValueError, "x_dtype=.* is for x given as partial sums"),
     (dict(return_partials=1), TypeError, "return_partials"),
+    (dict(x=jnp.ones((3, 0)), weight=jnp.ones((3, 0, 8)), norm_weight=None, residual=None, residual_dtype=None),
+     ValueError, r"norm_project: x.shape=\(3, 0\) must have features >= 1"),
 ])
 def test_norm_project_checks_name_the_argument(change, error, message):
     a = _projection_args()
@@ -240,6 +242,10 @@ def test_norm_project_checks_name_the_argument(change, error, message):
     (dict(D=jnp.ones((3, 5))), ValueError, "D.shape"),
     (dict(A_log=jnp.ones((3, 4), jnp.int32)), TypeError, "A_log.dtype=int32"),
     (dict(layer=jnp.ones((2,), jnp.int32)), TypeError, "must be an int or an integer scalar array"),
+    (dict(layer=jnp.ones((1,), jnp.int32)), TypeError, "must be an int or an integer scalar array"),
+    (dict(layer=jnp.int32(5)), ValueError, r"mixer_step: layer=5 must be in \[0, 3\)"),
+    (dict(conv_weight=jnp.float32(1.0)), ValueError, r"mixer_step: conv_weight.shape=\(\) must be \(layers, d_conv"),
+    (dict(layer=jnp.array(-2)), ValueError, r"mixer_step: layer=-2 must be in \[0, 3\)"),
 ])
 def test_mixer_step_checks_name_the_argument(change, error, message):
     case = MIXER_CASES["one_head_per_group"]

@@ -129,6 +129,8 @@ def load_config(path) -> Mamba2Config:
       ValueError, TypeError: for a file that is not JSON or not a Mamba-2 configuration, naming the file and
         the offending key.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"load_pretrained: path={path!r} must be a str or os.PathLike (a checkpoint directory)")
     config_file = pathlib.Path(path) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"load_pretrained: {config_file} does not exist")

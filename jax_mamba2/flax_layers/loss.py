@@ -33,6 +33,7 @@ import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2._vma import reduce_to_primal_axes, varying_axes
+from jax_mamba2.checks import float_dtype
 
 OP = "cross_entropy"
 # The head's vocabulary is padded (zero weight rows, columns outside the softmax) to a multiple of this once per
@@ -230,9 +231,23 @@ _chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
 
 
 def check_ignore_index(api: str, ignore_index) -> None:
-    """ignore_index, the label of tokens left out of the loss, is an int (NumPy's too, not a bool)."""
+    """ignore_index, the label of tokens left out of the loss, is an int (NumPy's too, not a bool) in int32's
+    range (the labels' dtype in the loss)."""
     if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(ignore_index, (int, np.integer)):
         raise TypeError(f"{api}: ignore_index={ignore_index!r} must be an int")
+    if not -2 ** 31 <= ignore_index < 2 ** 31:
+        raise ValueError(f"{api}: ignore_index={ignore_index} must be in int32's range")
+
+
+def _int32_labels(labels, ignore_index: int, padded_vocab: int):
+    """labels as int32, where a label of a wider dtype that int32 cannot hold (and would wrap into the
+    vocabulary or onto ignore_index) becomes padded_vocab, out of range like any other label past the weight."""
+    if jnp.iinfo(labels.dtype).max <= jnp.iinfo(jnp.int32).max:
+        return labels.astype(jnp.int32)
+    fits = labels <= jnp.iinfo(jnp.int32).max
+    if jnp.issubdtype(labels.dtype, jnp.signedinteger):
+        fits = fits & (labels >= jnp.iinfo(jnp.int32).min)
+    return jnp.where(fits, labels, padded_vocab).astype(jnp.int32)
 
 
 def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, vocab_size: Optional[int] = None,
@@ -307,16 +322,9 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
     check_ignore_index(api, ignore_index)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f'{api}: reduction={reduction!r} must be "mean", "sum" or "none"')
-    dtype = jnp.result_type(hidden, weight) if dtype is None else jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{api}: dtype={dtype} must be a float dtype")
+    dtype = float_dtype(api, "dtype", jnp.result_type(hidden, weight) if dtype is None else dtype)
     acc_dtype = _accumulation_dtype(dtype)
-    try:
-        logits_dtype = acc_dtype if logits_dtype is None else jnp.dtype(logits_dtype)
-    except TypeError:
-        raise TypeError(f"{api}: logits_dtype={logits_dtype!r} must be a float dtype") from None
-    if not jnp.issubdtype(logits_dtype, jnp.floating):
-        raise TypeError(f"{api}: logits_dtype={logits_dtype} must be a float dtype")
+    logits_dtype = float_dtype(api, "logits_dtype", acc_dtype if logits_dtype is None else logits_dtype)
     tokens = int(np.prod(labels.shape))
     static = _LossStatic(int(chunk_tokens), int(ignore_index), int(vocab_size), embedding is not None,
                          jnp.dtype(dtype).name, logits_dtype.name, reduction)
@@ -328,5 +336,6 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
     if tokens == 0:
         return jnp.zeros(labels.shape if reduction == "none" else (), acc_dtype)
     static = dataclasses.replace(static, backends=tuple(selected))
-    loss = _chunked_loss(static, hidden.reshape(tokens, d), weight, labels.reshape(tokens).astype(jnp.int32))
+    loss = _chunked_loss(static, hidden.reshape(tokens, d), weight,
+                         _int32_labels(labels.reshape(tokens), static.ignore_index, padded_vocab))
     return loss.reshape(labels.shape) if reduction == "none" else loss

@@ -486,6 +486,8 @@ def test_checkpoint_load_rejects_bad_arguments_before_reading_the_directory(tmp_
         load_pretrained(tmp_path, backend="cuda")
     with pytest.raises(TypeError, match=r"load_pretrained: param_dtype=.*int8.* must be None or a floating"):
         load_pretrained(tmp_path, param_dtype=jnp.int8)
+    with pytest.raises(TypeError, match=r"load_pretrained: path=None must be a str or os.PathLike"):
+        load_pretrained(None)
 
 
 def test_checkpoint_truncated_weights_error_names_the_file(tmp_path, tiny_config):

@@ -217,8 +217,11 @@ def test_compiled_peak_memory_is_a_fraction_of_the_plain_loss():
     (dict(head_weight=jnp.ones((16, 40)), vocab_size=41), ValueError, r"vocab_size=41 must be an int in \[1, 40\]"),
     (dict(head_weight=jnp.ones((16, 40)), chunk_tokens=0), ValueError, r"chunk_tokens=0 must be a positive int"),
     (dict(head_weight=jnp.ones((16, 40), jnp.int32)), TypeError, r"head_weight.dtype=int32 must be a float"),
-    (dict(head_weight=jnp.ones((16, 40)), logits_dtype=jnp.int8), TypeError, r"logits_dtype=int8 must be a float"),
+    (dict(head_weight=jnp.ones((16, 40)), logits_dtype=jnp.int8), TypeError, r"logits_dtype=int8 must be one of"),
     (dict(head_weight=jnp.ones((16, 40)), logits_dtype="nope"), TypeError, r"logits_dtype='nope' must be a float"),
+    (dict(head_weight=jnp.ones((16, 40)), dtype="foo"), TypeError, r"dtype='foo' must be a float dtype"),
+    (dict(head_weight=jnp.ones((16, 40)), ignore_index=2 ** 40), ValueError,
+     r"ignore_index=1099511627776 must be in int32's range"),
     (dict(head_weight=jnp.ones((16, 40)), reduction="avg"), ValueError,
      r'reduction=\'avg\' must be "mean", "sum" or "none"'),
 ])
@@ -227,6 +230,16 @@ def test_invalid_arguments_raise_naming_them(kwargs, error, message):
         chunked_cross_entropy(jnp.ones((4, 16)), jnp.zeros((4,), jnp.int32), **kwargs)
     with pytest.raises(ValueError, match=r"labels.shape=\(3,\) must be hidden.shape\[:-1\]=\(4,\)"):
         chunked_cross_entropy(jnp.ones((4, 16)), jnp.zeros((3,), jnp.int32), head_weight=jnp.ones((16, 40)))
+
+
+def test_labels_int32_cannot_hold_are_out_of_range_not_wrapped(x64):
+    """An int64 label past int32 scores NaN like any label past the vocabulary, not the label it would wrap to
+    (2^32 + 1 -> 1) nor ignore_index (2^32 - 100 -> -100)."""
+    hidden, weight = jnp.ones((3, 16)), jnp.ones((16, 40))
+    for wrapping in (2 ** 32 + 1, 2 ** 32 - 100):
+        labels = jnp.array([1, wrapping, 2], jnp.int64)
+        per_token = chunked_cross_entropy(hidden, labels, head_weight=weight, reduction="none")
+        assert np.isfinite(per_token[0]) and np.isnan(per_token[1]) and np.isfinite(per_token[2])
 
 
 def test_lm_loss_takes_unsigned_labels_like_signed_ones(tiny_config):

@@ -171,6 +171,22 @@ def test_mamba2_prefill_then_steps_match_forward():
     np.testing.assert_allclose(cache.conv_state[..., 2:], jnp.swapaxes(xBC, 1, 2), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.float64])
+def test_mamba2_steps_under_x64_match_forward(x64, param_dtype):
+    """With jax_enable_x64 the fused step's layer index (int32) and the Python ints of its stack updates stay one
+    dtype; float64 parameters also take the gated norm's float64 sums of squares."""
+    layer = Mamba2(D_MODEL, **TINY, backend="scan", param_dtype=param_dtype, rngs=nnx.Rngs(0))
+    u = _inputs(2).astype(param_dtype)
+    out, cache = layer.prefill(u[:, :SEQLEN - 2])
+    pieces = [out]
+    for t in range(SEQLEN - 2, SEQLEN):
+        y, cache = layer.step(u[:, t], cache)
+        pieces.append(y[:, None])
+    assert pieces[-1].dtype == param_dtype
+    tolerance = 1e-5 if param_dtype == jnp.float32 else 1e-12
+    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), layer(u), rtol=tolerance, atol=tolerance)
+
+
 def test_mamba2_seq_idx_equals_separate_sequences():
     layer = Mamba2(D_MODEL, **TINY, backend="xla", rngs=nnx.Rngs(0))
     u = _inputs(3, (1, SEQLEN, D_MODEL))
