@@ -54,6 +54,12 @@ registry.register_backend(registry.LayerBackend("xla", None, registry.always_sup
 # Layers of stacked arrays
 # ----------------------------------------------------------------------------------------------
 
+def _python_int(value):
+    """A NumPy integer as a Python int (the ops' layout options are static data); anything else as it is, for the
+    checks to judge."""
+    return int(value) if isinstance(value, np.integer) else value
+
+
 def _check_layer(api: str, layer, layers: Optional[int]):
     """`layer` (None, an int in [0, layers), or an integer scalar array) as a (1,) int32 array, 0 for None. A
     concrete array is range-checked like an int; a traced one (a layer loop's index) cannot be, and one outside
@@ -146,6 +152,7 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
         kernel backend cannot run the call, saying why.
     """
     api = "norm_project"
+    z_offset, group_size = _python_int(z_offset), _python_int(group_size)
     check_array(api, "x", x)
     if len(x.shape) not in (2, 3):
         raise ValueError(f"{api}: x.shape={tuple(x.shape)} must be (rows, features) or (parts, rows, features)")
@@ -336,6 +343,9 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
       ValueError / TypeError: as `norm_project`.
     """
     api = "mixer_step"
+    nheads, headdim, ngroups, dstate, xbc_offset, dt_offset, z_offset, norm_z_offset, norm_group_size = (
+        _python_int(v) for v in (nheads, headdim, ngroups, dstate, xbc_offset, dt_offset, z_offset, norm_z_offset,
+                                 norm_group_size))
     sizes = dict(nheads=nheads, headdim=headdim, ngroups=ngroups, dstate=dstate, xbc_offset=xbc_offset,
                  dt_offset=dt_offset)
     for name, value in sizes.items():

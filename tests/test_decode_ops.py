@@ -72,6 +72,18 @@ def test_mixer_step_xla_matches_float64_reference(name, stacked):
     assert max(rel_l2(got[k], want[k]) for k in want) < TOLERANCE[case.dtype]
 
 
+def test_decode_ops_take_numpy_ints_for_their_layout():
+    """The layout options (sizes, offsets, group sizes) as NumPy integers give the same step as Python ints."""
+    case = MIXER_CASES["gated_norm_mixer"]
+    a = _jnp(mixer_inputs(case, seed=3))
+    args = [a[n] for n in ("zxbcdt", "conv_state", "ssm_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D")]
+    layout = case.layout()
+    numpy_layout = {k: np.int64(v) if isinstance(v, int) else v for k, v in layout.items()}
+    for got, want in zip(jax_mamba2.mixer_step(*args, **numpy_layout, layer=case.layer),
+                         jax_mamba2.mixer_step(*args, **layout, layer=case.layer)):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("backend", ["xla", pytest.param("cutile", marks=pytest.mark.gpu)])
 def test_group_windows_apart_leave_b_and_c_to_the_caller(backend):
     """With group_windows_apart the conv-state stack comes back with the layer's x channels advanced and its B and
