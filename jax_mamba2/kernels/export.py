@@ -23,12 +23,14 @@ import itertools
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Iterator, Mapping
 
 import cuda.tile as ct
 from cuda.tile.compilation import (
     ArrayConstraint, CallingConvention, ConstantConstraint, KernelSignature, export_kernel)
 
+from jax_mamba2._files import write_atomically
 from jax_mamba2.kernels import backward, forward, state_update
 from jax_mamba2.kernels._common import SUPPORTED_ARCHS, Buffer, Launch, SSDDims, kernel_name, kernel_signature
 
@@ -198,12 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         symbol, cubin = compile_launch(launch, arrays, args.arch)
         seconds = time.perf_counter() - t0
         name = f"{kernel_name(launch.kernel)}_{hashlib.sha1(repr(key).encode()).hexdigest()[:12]}.cubin"
-        with open(os.path.join(args.out, name), "wb") as f:
-            f.write(cubin)
+        write_atomically(Path(args.out) / name, cubin)
         manifest.append(f"{name}\t{symbol}")
         print(f"{name}  {len(cubin):>8d} B  {seconds:6.2f} s", flush=True)
-    with open(os.path.join(args.out, "manifest.tsv"), "w") as f:
-        f.write("\n".join(manifest) + "\n")
+    write_atomically(Path(args.out) / "manifest.tsv", ("\n".join(manifest) + "\n").encode())
     print(f"{len(manifest)} cubins for {args.arch} in {time.perf_counter() - start:.1f} s")
     return 0
 

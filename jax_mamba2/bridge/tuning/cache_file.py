@@ -14,12 +14,11 @@ import contextlib
 import fcntl
 import json
 import math
-import os
-import secrets
 import warnings
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
+from jax_mamba2._files import write_atomically
 from jax_mamba2.bridge.tuning.cache_keys import CACHE_SCHEMA
 
 
@@ -70,19 +69,8 @@ class TuningCache:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _write(self, entries: dict[str, dict]) -> None:
-        # os.open applies the umask to 0666, as open() does for any user file (mkstemp would make it 0600).
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"schema": CACHE_SCHEMA, "entries": entries}, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_atomically(self.path, json.dumps({"schema": CACHE_SCHEMA, "entries": entries}, indent=1,
+                                               sort_keys=True).encode())
 
     def fill(self, keys: Iterable[str], tune: Callable[[list[str]], Iterator[tuple[str, dict]]],
              usable: Callable[[str, dict], bool] = lambda key, entry: True) -> dict[str, dict]:
