@@ -306,12 +306,11 @@ def worker_main(argv: list[str], work: Callable[[dict], dict]) -> bool:
 
 def write_json(path: Path, data) -> Path:
     """Writes `data` as JSON through a temporary file and a rename: readers see the old or the new file."""
+    from jax_mamba2._files import write_atomically
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(data, indent=1, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
+    write_atomically(path, (json.dumps(data, indent=1, sort_keys=True, default=str) + "\n").encode())
     return path
 
 
@@ -365,10 +364,12 @@ def save_figure(fig, path: Path, title: str, records: list[dict], bottom: float 
     the fraction of the height kept below the axes (for a figure legend)."""
     import matplotlib.pyplot as plt
 
+    from jax_mamba2 import _files
+
     gpu = next((r["environment"].get("gpu") or r["environment"].get("device") for r in records
                 if r.get("environment")), "")
     fig.suptitle(f"{title}, {gpu}" if gpu else title, fontsize=10)
     fig.tight_layout(rect=(0, bottom, 1, 1))
-    fig.savefig(path, dpi=110)
+    _files.save_figure(fig, path, dpi=110)
     plt.close(fig)
     return Path(path)

@@ -43,8 +43,10 @@ DIRECTION_TITLES = {"fwd": "forward", "fwd_bwd": "forward + backward"}
 
 def write_records(records: list[dict], path: Path) -> Path:
     """Writes `records` as one JSON list."""
+    from jax_mamba2._files import write_atomically
+
     path = Path(path)
-    path.write_text(json.dumps(records, indent=1, sort_keys=True, default=str) + "\n")
+    write_atomically(path, (json.dumps(records, indent=1, sort_keys=True, default=str) + "\n").encode())
     return path
 
 
@@ -190,6 +192,8 @@ def plot_records(records: list[dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from jax_mamba2._files import save_figure
+
     groups = _by_shape(records)
     labels = list(groups)
     impls = [i for i in DISPLAY_NAMES if any(r["impl"] == i for r in records)]
@@ -244,7 +248,7 @@ def plot_records(records: list[dict], path: Path) -> Path:
     dtype = records[0].get("dtype", "bfloat16") if records else ""
     fig.suptitle(f"Mamba-2 SSD {DIRECTION_TITLES.get(direction, direction)}, {dtype}, {gpu}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return Path(path)
 

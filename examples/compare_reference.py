@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_mamba2
+from jax_mamba2._files import save_figure, write_atomically
 from _common import (add_common_flags, cutile_unavailable_reason, describe_device, make_parser, output_dir,
                      time_call)
 
@@ -144,7 +145,7 @@ def save_plot(rows, path, title: str, bound: float) -> None:
     ax_time.set_ylabel("median ms (plain: fwd, hatched: fwd+bwd)")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -187,7 +188,7 @@ def main(argv=None) -> int:
     out = output_dir(args.out)
     record = {"device": describe_device(), "shape": shape, "chunk_size": args.chunk_size,
               "dtype": args.dtype, "max_rel_err": bound, "rows": rows}
-    (out / "compare_reference.json").write_text(json.dumps(record, indent=2))
+    write_atomically(out / "compare_reference.json", json.dumps(record, indent=2).encode())
     dims = " ".join(f"{k}={v}" for k, v in shape.items())
     save_plot(rows, out / "compare_reference.png",
               f"{args.dtype} {dims} chunk_size={args.chunk_size} on {describe_device()}", bound)

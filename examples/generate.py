@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from _common import add_common_flags, describe_device, make_parser, output_dir, resolve_backend
+from jax_mamba2._files import write_atomically
 from jax_mamba2.flax_layers import (Mamba2Config, Mamba2LMHeadModel, cast_params, generate, generate_stream,
                                     load_pretrained)
 
@@ -273,7 +274,7 @@ def main(argv=None) -> int:
         agreement = cache_agreement(model, tokens, [len(p) for p in rows])
         print(f"cached decoding vs full forward: {agreement:.1%} of greedy tokens agree")
         record["cache_agreement"] = agreement
-    (out / "generate.json").write_text(json.dumps(record, indent=1))
+    write_atomically(out / "generate.json", json.dumps(record, indent=1).encode())
     print(f"wrote {out / 'generate.json'}")
     return 0
 

@@ -30,6 +30,7 @@ from flax import nnx
 
 from _common import (add_common_flags, describe_device, make_parser, output_dir, resolve_backend,
                      time_call)
+from jax_mamba2._files import write_atomically
 from jax_mamba2.flax_layers import Mamba2
 
 CUTILE_TARGET = "jax_mamba2_cutile_launch"  # jax_mamba2.bridge.aot.CUTILE_CUSTOM_CALL
@@ -181,7 +182,7 @@ def compile_and_time(args, backend: str, batch, out) -> dict:
     compiled = lowered.compile()
     compiled_at = time.perf_counter()
     hlo_text = compiled.as_text()
-    (out / f"{backend}.hlo.txt").write_text(_ELIDE_BINARY.sub(r"\1<elided>", hlo_text))
+    write_atomically(out / f"{backend}.hlo.txt", _ELIDE_BINARY.sub(r"\1<elided>", hlo_text).encode())
     launches = print_custom_calls(backend, hlo_text)
 
     losses = []
@@ -213,8 +214,8 @@ def main(argv=None) -> int:
     if backend == "cutile" and results[0]["cutile_launches"] == 0:
         print("FAILED: backend cutile compiled without any cuTile kernel launch")
         return 1
-    (out / "timings.json").write_text(json.dumps({"device": describe_device(), "args": {
-        k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
+    write_atomically(out / "timings.json", json.dumps({"device": describe_device(), "args": {
+        k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1).encode())
     print(f"wrote {out}/timings.json and the compiled HLO of {', '.join(backends)}")
     return 0
 

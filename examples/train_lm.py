@@ -35,6 +35,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from _common import add_common_flags, describe_device, make_parser, output_dir, resolve_backend
+from jax_mamba2._files import save_figure, write_atomically
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, generate, save_pretrained
 
 VOCAB_SIZE = 256  # bytes
@@ -175,7 +176,7 @@ def save_loss_curve(history: dict, path: pathlib.Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -309,11 +310,11 @@ def main(argv=None) -> int:
     sample_report = "\n\n".join(f"--- {name} ---\n{text}" for name, text in samples.items())
     print(sample_report)
 
-    (out / "sample.txt").write_text(sample_report + "\n")
+    write_atomically(out / "sample.txt", (sample_report + "\n").encode())
     save_pretrained(restored_model, out / "model")
-    (out / "metrics.json").write_text(json.dumps({
+    write_atomically(out / "metrics.json", json.dumps({
         "device": describe_device(), "backend": backend, "args": {k: str(v) for k, v in vars(args).items()},
-        "parameters": n_params, "history": history}, indent=1))
+        "parameters": n_params, "history": history}, indent=1).encode())
     save_loss_curve(history, out / "loss_curve.png",
                     f"byte-level Mamba-2, {n_params / 1e6:.2f}M params, backend {backend}, {describe_device()}")
     print(f"wrote {out}/loss_curve.png, metrics.json, sample.txt and model/ "

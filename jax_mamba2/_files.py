@@ -1,7 +1,9 @@
-"""Atomic writes of the files the package leaves for its users (tuning caches, exported cubins)."""
+"""Atomic writes of the files the package and its scripts leave for their users (tuning caches, exported cubins,
+results, plots)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import secrets
 from pathlib import Path
@@ -24,3 +26,12 @@ def write_atomically(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def save_figure(fig, path: Path, **savefig_kwargs) -> Path:
+    """A matplotlib figure rendered in the format of `path`'s suffix and written with `write_atomically`."""
+    path = Path(path)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=path.suffix.lstrip(".") or "png", **savefig_kwargs)
+    write_atomically(path, buffer.getvalue())
+    return path

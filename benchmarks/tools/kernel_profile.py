@@ -72,6 +72,8 @@ def trace_kernels(trace: dict) -> list[tuple[str, float, float]]:
 
 def summarize(args) -> None:
     """One row per kernel: launches and microseconds per call, largest first."""
+    from jax_mamba2._files import write_atomically
+
     if args.record.endswith(".json.gz"):
         kernels = trace_kernels(json.loads(gzip.decompress(Path(args.record).read_bytes())))
     else:
@@ -93,7 +95,7 @@ def summarize(args) -> None:
     if "span_us_per_call" in summary:
         print(f"{summary['span_us_per_call']:9.1f} us  first start to last end, per call")
     if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=1))
+        write_atomically(Path(args.out), json.dumps(summary, indent=1).encode())
 
 
 def main(argv=None) -> int:

@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: benchmarks/tools/ is sys.path[
 
 from benchmarks.ssd import Shape  # noqa: E402
 from benchmarks.tools import stages  # noqa: E402
+from jax_mamba2._files import write_atomically  # noqa: E402
 from jax_mamba2.kernels import decode_projection, forward  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims, kernel_name  # noqa: E402
 from jax_mamba2.kernels.export import compile_launch  # noqa: E402
@@ -216,7 +217,7 @@ def _loops_report(args) -> int:
 
 def _fingerprints(args) -> int:
     prints = fingerprint_builds()
-    args.out.write_text(json.dumps(prints, indent=1) + "\n")
+    write_atomically(args.out, (json.dumps(prints, indent=1) + "\n").encode())
     print(f"wrote {args.out} ({len(prints)} builds)")
     if args.compare is None:
         return 0

@@ -88,6 +88,8 @@ def summary(saved: list[dict], layers: int) -> dict:
 
 
 def main(argv=None) -> int:
+    from jax_mamba2._files import write_atomically
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
@@ -109,8 +111,8 @@ def main(argv=None) -> int:
     print(f"activations kept per layer: {totals['activation_bytes_per_layer'] / 2 ** 20:.1f} MiB; "
           f"x {args.layers} layers: {totals['activation_bytes'] / 2 ** 30:.2f} GiB")
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "saved": saved,
-                                         "summary": totals}, indent=1))
+        write_atomically(args.json, json.dumps({"args": vars(args) | {"json": str(args.json)}, "saved": saved,
+                                                "summary": totals}, indent=1).encode())
     return 0
 
 

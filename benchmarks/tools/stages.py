@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.environment import environment, gpu_slug  # noqa: E402
 from benchmarks.ssd import GRID, WARMUP_S, Shape, warm_up  # noqa: E402
+from jax_mamba2._files import write_atomically  # noqa: E402
 from jax_mamba2.bridge import eager, tuning  # noqa: E402
 from jax_mamba2.bridge.tuning import timing  # noqa: E402
 from jax_mamba2.kernels import backward, forward  # noqa: E402
@@ -196,7 +197,7 @@ def main(argv=None) -> int:
                       f"grid={tuple(row['grid'])} {row['ms_median']:.3f} ms", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"ssd_stages_{gpu_slug(env['gpu'])}.json"
-    path.write_text(json.dumps(records, indent=1))
+    write_atomically(path, json.dumps(records, indent=1).encode())
     print(f"wrote {path}")
     return 0
 
