@@ -53,6 +53,7 @@ def plot(runs: list[tuple[str, dict[int, float]]], path: pathlib.Path, title: st
     import matplotlib.pyplot as plt
 
     from jax_mamba2._files import save_figure
+
     fig, (losses_ax, gap_ax) = plt.subplots(2, 1, figsize=(8, 6.2), sharex=True,
                                             gridspec_kw={"height_ratios": [3, 1.6]})
     reference_label, reference = runs[0]

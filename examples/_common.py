@@ -1,4 +1,5 @@
-"""What every example shares: choosing and announcing the SSD backend, the output folder, timing.
+"""What every example shares: choosing and announcing the SSD backend, the output folder and its atomic writes
+(`write_atomically`, `save_figure`: a reader or a killed run never leaves half a file), timing.
 
 Imported by the example scripts as a sibling module (`python examples/NAME.py` puts examples/ on sys.path).
 """
@@ -13,6 +14,7 @@ import jax
 import numpy as np
 
 import jax_mamba2
+from jax_mamba2._files import save_figure, write_atomically  # noqa: F401 (for the examples)
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
 

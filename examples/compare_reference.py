@@ -25,9 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_mamba2
-from jax_mamba2._files import save_figure, write_atomically
 from _common import (add_common_flags, cutile_unavailable_reason, describe_device, make_parser, output_dir,
-                     time_call)
+                     save_figure, time_call, write_atomically)
 
 BACKENDS = ("scan", "xla", "cutile", "cutile_callback")
 # Inputs the gradient is taken with respect to, in the order of the error table.

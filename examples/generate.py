@@ -36,8 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from _common import add_common_flags, describe_device, make_parser, output_dir, resolve_backend
-from jax_mamba2._files import write_atomically
+from _common import add_common_flags, describe_device, make_parser, output_dir, resolve_backend, write_atomically
 from jax_mamba2.flax_layers import (Mamba2Config, Mamba2LMHeadModel, cast_params, generate, generate_stream,
                                     load_pretrained)
 

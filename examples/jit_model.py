@@ -29,8 +29,7 @@ import optax
 from flax import nnx
 
 from _common import (add_common_flags, describe_device, make_parser, output_dir, resolve_backend,
-                     time_call)
-from jax_mamba2._files import write_atomically
+                     time_call, write_atomically)
 from jax_mamba2.flax_layers import Mamba2
 
 CUTILE_TARGET = "jax_mamba2_cutile_launch"  # jax_mamba2.bridge.aot.CUTILE_CUSTOM_CALL

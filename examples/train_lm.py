@@ -34,8 +34,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from _common import add_common_flags, describe_device, make_parser, output_dir, resolve_backend
-from jax_mamba2._files import save_figure, write_atomically
+from _common import (add_common_flags, describe_device, make_parser, output_dir, resolve_backend, save_figure,
+                     write_atomically)
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, generate, save_pretrained
 
 VOCAB_SIZE = 256  # bytes

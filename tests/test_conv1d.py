@@ -311,9 +311,9 @@ def test_split_invalid_arguments_raise_naming_them(kwargs, message):
 def test_split_takes_numpy_ints_for_its_layout():
     x, kernel = jax.random.normal(jax.random.key(3), (2, 5, _WIDTH)), jnp.full((4, 24), 0.25)
     plain = conv1d.causal_conv1d_silu_split(x, kernel, channel_offset=_OFFSET, split=_SPLIT, backend="xla")
-    numpy = conv1d.causal_conv1d_silu_split(x, kernel, channel_offset=np.int64(_OFFSET),
-                                            split=tuple(np.int64(w) for w in _SPLIT), backend="xla")
-    for a, b in zip(plain, numpy):
+    numpy_ints = conv1d.causal_conv1d_silu_split(x, kernel, channel_offset=np.int64(_OFFSET),
+                                                 split=tuple(np.int64(w) for w in _SPLIT), backend="xla")
+    for a, b in zip(plain, numpy_ints):
         np.testing.assert_array_equal(a, b)
 
 

@@ -82,6 +82,14 @@ def test_decode_ops_take_numpy_ints_for_their_layout():
     for got, want in zip(jax_mamba2.mixer_step(*args, **numpy_layout, layer=case.layer),
                          jax_mamba2.mixer_step(*args, **layout, layer=case.layer)):
         np.testing.assert_array_equal(got, want)
+    projection = PROJECTION_CASES["gated_norm_out_proj"]
+    p = _jnp(projection_inputs(projection, seed=4))
+    kwargs = dict(norm_weight=p["norm_weight"], z=p["z"], group_size=projection.group_size, layer=projection.layer,
+                  dtype=p["x"].dtype)
+    plain = jax_mamba2.norm_project(p["x"], p["weight"], z_offset=projection.z_offset, **kwargs)
+    numpy_ints = jax_mamba2.norm_project(p["x"], p["weight"], z_offset=np.int64(projection.z_offset),
+                                         **{**kwargs, "group_size": np.int64(projection.group_size)})
+    np.testing.assert_array_equal(numpy_ints, plain)
 
 
 @pytest.mark.parametrize("backend", ["xla", pytest.param("cutile", marks=pytest.mark.gpu)])

@@ -1,4 +1,5 @@
-"""jax_mamba2._files.write_atomically: the old file or the whole new one, never a part; the umask's permissions."""
+"""jax_mamba2._files: the old file or the whole new one, never a part; permissions, symlinks, a missing directory;
+figures in their suffix's format."""
 import os
 
 import pytest
@@ -19,12 +20,38 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypat
     assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["cache.json"]
 
 
-def test_a_write_replaces_the_file_with_the_umask_s_permissions(tmp_path):
-    path = tmp_path / "out.cubin"
-    old_umask = os.umask(0o027)
+def test_a_new_file_gets_the_umask_s_permissions_and_a_replaced_one_keeps_its_own(tmp_path):
+    new, kept = tmp_path / "out.cubin", tmp_path / "kept.json"
+    kept.write_bytes(b"old")
+    kept.chmod(0o664)
+    old_umask = os.umask(0o077)
     try:
-        _files.write_atomically(path, b"first")
-        _files.write_atomically(path, b"second")
+        _files.write_atomically(new, b"first")
+        _files.write_atomically(kept, b"second")
     finally:
         os.umask(old_umask)
-    assert path.read_bytes() == b"second" and (path.stat().st_mode & 0o777) == 0o640
+    assert (new.stat().st_mode & 0o777) == 0o600 and (kept.stat().st_mode & 0o777) == 0o664
+    assert kept.read_bytes() == b"second"
+
+
+def test_a_symlink_is_written_through_and_a_missing_directory_is_named(tmp_path):
+    target, link = tmp_path / "real.json", tmp_path / "link.json"
+    target.write_bytes(b"old")
+    link.symlink_to(target)
+    assert _files.write_atomically(link, b"new") == target
+    assert link.is_symlink() and target.read_bytes() == b"new"
+    with pytest.raises(FileNotFoundError, match=r"cannot write .*missing/out.json: its directory does not exist"):
+        _files.write_atomically(tmp_path / "missing" / "out.json", b"x")
+
+
+@pytest.mark.parametrize("name,magic", [("plot.png", b"\x89PNG"), ("plot.SVG", b"<?xml"), ("plot.pdf", b"%PDF")])
+def test_a_figure_is_written_in_its_suffix_s_format(tmp_path, name, magic):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    path = _files.save_figure(fig, tmp_path / name, dpi=50)
+    plt.close(fig)
+    assert path.read_bytes().startswith(magic)

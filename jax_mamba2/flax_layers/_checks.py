@@ -102,12 +102,13 @@ def check_range(api: str, name: str, value, *, low_min: float, strict_low: bool 
 
 
 def check_token_ids_in_range(api: str, name: str, ids, vocab_size: int) -> None:
-    """Concrete ids must lie in [0, vocab_size); traced ids (under jit) cannot be read and are not checked.
+    """Concrete ids must lie in [0, vocab_size); traced ids (under jit), and arrays not all on this host's devices,
+    cannot be read and are not checked.
 
     Raises:
       ValueError: naming the first offending id and its index.
     """
-    if isinstance(ids, jax.core.Tracer):
+    if isinstance(ids, jax.core.Tracer) or not getattr(ids, "is_fully_addressable", True):
         return
     values = np.asarray(ids)
     bad = np.argwhere((values < 0) | (values >= vocab_size))

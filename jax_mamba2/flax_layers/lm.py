@@ -361,9 +361,10 @@ class Mamba2LMHeadModel(nnx.Module):
         return jax.tree.map(lambda a: jnp.zeros((self.config.n_layer, *a.shape), a.dtype), per_layer)
 
     def _check_inputs(self, api: str, input_ids, cache, *, sequence: bool, seq_idx=None) -> None:
-        """input_ids: (batch, seqlen) (or (batch,) for a step), integer, in [0, vocab_size) where concrete (a
-        traced id cannot be read: the embedding's lookup clamps it); cache, unless None, of the stacked mixers'
-        shapes (leading (n_layer,) axis) for that batch; seq_idx, unless None, as input_ids and not with a cache."""
+        """input_ids: (batch, seqlen) (or (batch,) for a step), integer, in [0, vocab_size) where concrete (read
+        on the host, a sync of an eager call; a traced id cannot be read, and the embedding's lookup gives NaN for
+        one past its rows and a padding row for a negative one); cache, unless None, of the stacked mixers' shapes
+        (leading (n_layer,) axis) for that batch; seq_idx, unless None, as input_ids and not with a cache."""
         axes = (("batch", None), ("seqlen", None)) if sequence else (("batch", None),)
         shape = _checks.check_array(api, "input_ids", input_ids, axes, kind="integer")
         _checks.check_token_ids_in_range(api, "input_ids", input_ids, self.config.vocab_size)

@@ -217,7 +217,7 @@ def test_compiled_peak_memory_is_a_fraction_of_the_plain_loss():
     (dict(head_weight=jnp.ones((16, 40)), vocab_size=41), ValueError, r"vocab_size=41 must be an int in \[1, 40\]"),
     (dict(head_weight=jnp.ones((16, 40)), chunk_tokens=0), ValueError, r"chunk_tokens=0 must be a positive int"),
     (dict(head_weight=jnp.ones((16, 40), jnp.int32)), TypeError, r"head_weight.dtype=int32 must be a float"),
-    (dict(head_weight=jnp.ones((16, 40)), logits_dtype=jnp.int8), TypeError, r"logits_dtype=int8 must be one of"),
+    (dict(head_weight=jnp.ones((16, 40)), logits_dtype=jnp.int8), TypeError, r"logits_dtype=int8 must be a float"),
     (dict(head_weight=jnp.ones((16, 40)), logits_dtype="nope"), TypeError, r"logits_dtype='nope' must be a float"),
     (dict(head_weight=jnp.ones((16, 40)), dtype="foo"), TypeError, r"dtype='foo' must be a float dtype"),
     (dict(head_weight=jnp.ones((16, 40)), ignore_index=2 ** 40), ValueError,
@@ -236,10 +236,12 @@ def test_labels_int32_cannot_hold_are_out_of_range_not_wrapped(x64):
     """An int64 label past int32 scores NaN like any label past the vocabulary, not the label it would wrap to
     (2^32 + 1 -> 1) nor ignore_index (2^32 - 100 -> -100)."""
     hidden, weight = jnp.ones((3, 16)), jnp.ones((16, 40))
-    for wrapping in (2 ** 32 + 1, 2 ** 32 - 100):
-        labels = jnp.array([1, wrapping, 2], jnp.int64)
-        per_token = chunked_cross_entropy(hidden, labels, head_weight=weight, reduction="none")
-        assert np.isfinite(per_token[0]) and np.isnan(per_token[1]) and np.isfinite(per_token[2])
+    for wrapping, dtype in ((2 ** 32 + 1, jnp.int64), (2 ** 32 - 100, jnp.int64), (2 ** 31 + 5, jnp.uint32)):
+        for ignore_index in (-100, 40):  # 40: the weight's vocabulary, one past its last label
+            labels = jnp.array([1, wrapping, 2], dtype)
+            per_token = chunked_cross_entropy(hidden, labels, head_weight=weight, ignore_index=ignore_index,
+                                              reduction="none")
+            assert np.isfinite(per_token[0]) and np.isnan(per_token[1]) and np.isfinite(per_token[2])
 
 
 def test_lm_loss_takes_unsigned_labels_like_signed_ones(tiny_config):
