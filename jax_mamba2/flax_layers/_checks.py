@@ -52,13 +52,18 @@ def check_cache(api: str, cache, conv_axes: Axes, ssm_axes: Axes) -> None:
 
 
 def check_seq_idx(api: str, seq_idx, batch: int, seqlen: int, cache=None) -> None:
-    """seq_idx: None or (batch, seqlen) integer ids of packed sequences; not with a cache (whose state continues
-    one sequence per row)."""
+    """seq_idx: None or (batch, seqlen) integer ids of packed sequences, nondecreasing along seqlen where concrete
+    (checked here, before the layer's first launch, as the SSD would check it after the projection and the conv);
+    not with a cache (whose state continues one sequence per row)."""
     if seq_idx is None:
         return
     check_array(api, "seq_idx", seq_idx, (("batch", batch), ("seqlen", seqlen)), kind="integer")
     if cache is not None:
         raise ValueError(f"{api}: seq_idx needs cache=None (a cache continues one sequence per row)")
+    if not isinstance(seq_idx, jax.core.Tracer) and getattr(seq_idx, "is_fully_addressable", True) and seqlen > 1:
+        steps = np.diff(np.asarray(seq_idx).astype(np.int64), axis=1)
+        if steps.size and steps.min() < 0:
+            raise ValueError(f"{api}: seq_idx must be nondecreasing along seqlen; it decreases by {-int(steps.min())}")
 
 
 def check_positive_int(api: str, name: str, value) -> None:
