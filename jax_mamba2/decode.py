@@ -60,18 +60,24 @@ def _python_int(value):
     return int(value) if isinstance(value, np.integer) else value
 
 
-def _check_layer(api: str, layer, layers: Optional[int]):
+def _check_layer(api: str, layer, layers: Optional[int], name: str = "layer"):
     """`layer` (None, an int in [0, layers), or an integer scalar array) as a (1,) int32 array, 0 for None. A
     concrete array is range-checked like an int; a traced one (a layer loop's index) cannot be, and one outside
-    [0, layers) is clamped into it, as JAX's dynamic indexing does."""
+    [0, layers) is clamped into it, as JAX's dynamic indexing does. Errors name it `name`."""
     if layer is None:
         return jnp.zeros((1,), jnp.int32)
     if isinstance(layer, (bool, np.bool_)) or not (isinstance(layer, Integral) or (
             hasattr(layer, "dtype") and jnp.issubdtype(layer.dtype, jnp.integer) and jnp.ndim(layer) == 0)):
-        raise TypeError(f"{api}: layer={layer!r} must be an int or an integer scalar array")
+        raise TypeError(f"{api}: {name}={layer!r} must be an int or an integer scalar array")
     if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < layers:
-        raise ValueError(f"{api}: layer={int(layer)} must be in [0, {layers})")
+        raise ValueError(f"{api}: {name}={int(layer)} must be in [0, {layers})")
     return jnp.asarray(layer, jnp.int32).reshape(1)
+
+
+def _int32_indices(*indices) -> tuple:
+    """Start indices of a dynamic slice in one dtype, int32 (with jax_enable_x64 a Python int would be int64
+    beside an int32 layer index, which `dynamic_update_slice` refuses)."""
+    return tuple(jnp.asarray(i, jnp.int32) for i in indices)
 
 
 def _stacked(a):
@@ -457,20 +463,14 @@ def write_group_windows(conv_state, group_windows, d_ssm: int, first_layer=0):
     d_ssm = operator.index(d_ssm)
     if not 0 <= d_ssm < conv_dim:
         raise ValueError(f"{api}: d_ssm={d_ssm} must be in [0, conv_dim={conv_dim})")
-    if isinstance(first_layer, (bool, np.bool_)) or not (
-            jnp.ndim(first_layer) == 0 and jnp.issubdtype(jnp.result_type(first_layer), jnp.integer)):
-        raise TypeError(f"{api}: first_layer={first_layer!r} must be an int or an integer scalar array")
     check_array(api, "group_windows", group_windows)
     if len(group_windows.shape) != 4 or tuple(group_windows.shape[1:]) != (rows, conv_dim - d_ssm, d_conv):
         raise ValueError(f"{api}: group_windows.shape={tuple(group_windows.shape)} must be (n, rows, conv_dim - "
                          f"d_ssm, d_conv)=(n, {rows}, {conv_dim - d_ssm}, {d_conv})")
-    if not isinstance(first_layer, jax.core.Tracer) and not (
-            0 <= int(first_layer) <= layers - group_windows.shape[0]):
-        raise ValueError(f"{api}: first_layer={first_layer!r} must keep the {group_windows.shape[0]} layers of "
-                         f"group_windows inside conv_state's {layers}")
-    # The indices in one dtype (int32): with jax_enable_x64 the Python ints would be int64 beside an int32 layer.
+    # The n layers start at most n - 1 before the stack's end.
+    first = _check_layer(api, first_layer, layers - group_windows.shape[0] + 1, name="first_layer")[0]
     return jax.lax.dynamic_update_slice(conv_state, group_windows.astype(conv_state.dtype),
-                                        tuple(jnp.asarray(i, jnp.int32) for i in (first_layer, 0, d_ssm, 0)))
+                                        _int32_indices(first, 0, d_ssm, 0))
 
 
 def _mixer_reference(options, layer_index, zxbcdt, conv_state, conv_weight, conv_bias, A_log, dt_bias, D,
@@ -485,9 +485,8 @@ def _mixer_reference(options, layer_index, zxbcdt, conv_state, conv_weight, conv
         take(D), **options)
     ssm_state = jax.lax.dynamic_update_index_in_dim(ssm_state, new_state.astype(ssm_state.dtype), layer_index[0], 0)
     d_ssm = options["nheads"] * options["headdim"]
-    zero = jnp.zeros((), layer_index.dtype)  # indices of one dtype, also under jax_enable_x64
     conv_state = jax.lax.dynamic_update_slice(conv_state, new_conv_state[None, :, :d_ssm].astype(conv_state.dtype),
-                                              (layer_index[0], zero, zero, zero))
+                                              _int32_indices(layer_index[0], 0, 0, 0))
     return (y, ssm_state, conv_state, new_conv_state[:, d_ssm:], *sum_squares)
 
 

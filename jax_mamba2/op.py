@@ -137,6 +137,12 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
     return dims
 
 
+def check_seq_idx_order(api: str, seq_idx) -> None:
+    """seq_idx, where concrete, is nondecreasing along seqlen (ValueError naming `api` otherwise): `ssd`'s check,
+    for a caller that launches other work on the same tokens first (the layers)."""
+    _check_values(api, None, None, None, False, (0.0, math.inf), seq_idx)
+
+
 def _is_concrete(a) -> bool:
     return a is not None and not isinstance(a, jax.core.Tracer) and np.size(a) > 0
 

@@ -119,7 +119,7 @@ def test_group_windows_apart_leave_b_and_c_to_the_caller(backend):
         jax_mamba2.mixer_step(a["zxbcdt"], *(x[0] for x in args[1:]), **case.layout(), group_windows_apart=True)
     layers, rows, conv_dim, d_conv = conv_state.shape
     for bad, message in [
-            (dict(first_layer=layers), rf"first_layer={layers} must keep the 1 layers of group_windows inside"),
+            (dict(first_layer=layers), rf"first_layer={layers} must be in \[0, {layers}\)"),
             (dict(d_ssm=conv_dim), rf"d_ssm={conv_dim} must be in \[0, conv_dim={conv_dim}\)"),
             (dict(group_windows=windows[None, :, 1:]), r"group_windows.shape=.* must be \(n, rows, conv_dim - d_ssm"),
             (dict(conv_state=conv_state[0]), r"conv_state.shape=.* must be \(layers, rows, conv_dim, d_conv\)")]:

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mamba2.op import check_seq_idx_order
+
 Axes = tuple[tuple[str, int | None], ...]
 
 
@@ -60,10 +62,7 @@ def check_seq_idx(api: str, seq_idx, batch: int, seqlen: int, cache=None) -> Non
     check_array(api, "seq_idx", seq_idx, (("batch", batch), ("seqlen", seqlen)), kind="integer")
     if cache is not None:
         raise ValueError(f"{api}: seq_idx needs cache=None (a cache continues one sequence per row)")
-    if not isinstance(seq_idx, jax.core.Tracer) and getattr(seq_idx, "is_fully_addressable", True) and seqlen > 1:
-        steps = np.diff(np.asarray(seq_idx).astype(np.int64), axis=1)
-        if steps.size and steps.min() < 0:
-            raise ValueError(f"{api}: seq_idx must be nondecreasing along seqlen; it decreases by {-int(steps.min())}")
+    check_seq_idx_order(api, seq_idx)
 
 
 def check_positive_int(api: str, name: str, value) -> None:

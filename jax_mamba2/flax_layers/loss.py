@@ -33,6 +33,7 @@ import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2._vma import reduce_to_primal_axes, varying_axes
+from jax_mamba2.flax_layers import _checks
 
 OP = "cross_entropy"
 # The head's vocabulary is padded (zero weight rows, columns outside the softmax) to a multiple of this once per
@@ -238,17 +239,6 @@ def check_ignore_index(api: str, ignore_index) -> None:
         raise ValueError(f"{api}: ignore_index={ignore_index} must be in int32's range")
 
 
-def _any_float_dtype(api: str, name: str, dtype) -> jnp.dtype:
-    """`dtype` (a dtype or its name) as a floating dtype, any width (float8 logits included)."""
-    try:
-        dtype = jnp.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"{api}: {name}={dtype!r} must be a float dtype") from None
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{api}: {name}={dtype} must be a float dtype")
-    return dtype
-
-
 def _int32_labels(labels, ignore_index: int, padded_vocab: int):
     """labels as int32, where a label of a wider dtype that int32 cannot hold (and would wrap into the
     vocabulary or onto ignore_index) becomes a label past the weight's vocabulary, and not ignore_index, so that
@@ -334,9 +324,12 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
     check_ignore_index(api, ignore_index)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f'{api}: reduction={reduction!r} must be "mean", "sum" or "none"')
-    dtype = _any_float_dtype(api, "dtype", jnp.result_type(hidden, weight) if dtype is None else dtype)
+    # Any float dtype (float8 logits included), as a dtype or its name.
+    _checks.check_float_dtype(api, "dtype", dtype)
+    _checks.check_float_dtype(api, "logits_dtype", logits_dtype)
+    dtype = jnp.result_type(hidden, weight) if dtype is None else jnp.dtype(dtype)
     acc_dtype = _accumulation_dtype(dtype)
-    logits_dtype = _any_float_dtype(api, "logits_dtype", acc_dtype if logits_dtype is None else logits_dtype)
+    logits_dtype = acc_dtype if logits_dtype is None else jnp.dtype(logits_dtype)
     tokens = int(np.prod(labels.shape))
     static = _LossStatic(int(chunk_tokens), int(ignore_index), int(vocab_size), embedding is not None,
                          jnp.dtype(dtype).name, logits_dtype.name, reduction)
