@@ -148,17 +148,18 @@ case $part in
     step lm_step_unrolled 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --unroll-layers \
       --no-profile --worker-timeout 100 --out "$out"
     ;;
-  lm-scan)  # the default layer scan at d1024-l24-8x2048, what its copies cost: as it is (the chunk states
-    # recomputed in the backward), with them saved (a state more to stack per layer), without the non-finite
-    # confinement, and saving only in_proj's output (remat="matmuls", where the model keeps the chunk states by
-    # default: fewer stacked residuals to zero and copy)
+  lm-scan)  # the default layer scan at d1024-l24-8x2048, what its stacking costs: as it is (the chunk states
+    # recomputed in the backward); with XLA's debug pass that drops the zero fill of the scan's stacked residuals
+    # (the loop writes each stack whole; the profiles so far show the fills, ~7 ms a step on an H100); with the
+    # states saved (a state more to stack per layer); saving only in_proj's output (remat="matmuls", where the
+    # model keeps the chunk states by default: fewer stacked residuals to fill and copy)
     export JAX_MAMBA2_AUTOTUNE=0
     step lm_scan 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --worker-timeout 140 \
       --out "$out"
-    step lm_scan_saved 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
-      --chunk-states saved --worker-timeout 140 --out "$out"
-    step lm_scan_unchecked 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
-      --no-check-finite --no-profile --worker-timeout 100 --out "$out"
+    step lm_scan_zero_init 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
+      --xla-option xla_gpu_enable_dus_accumulator_zero_init_elimination=true --worker-timeout 140 --out "$out"
+    step lm_scan_saved 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
+      --chunk-states saved --no-profile --worker-timeout 100 --out "$out"
     step lm_scan_remat 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --remat matmuls \
       --no-profile --worker-timeout 100 --out "$out"
     ;;

@@ -1,7 +1,8 @@
 """`Mamba2Block` and `Mamba2LMHeadModel` (mamba_ssm `models/mixer_seq_simple.py`, `modules/block.py`).
 
 The n_layer blocks are created once with `nnx.vmap` (every parameter gets a leading (n_layer,) axis) and run
-with `nnx.scan`, so the compiled program holds one block however deep the model is: compile time does not
+in one loop over the layers (`layer_loop.scan_blocks` for the forward and backward, `nnx.scan` for the cached
+prefill and step), so the compiled program holds one block however deep the model is: compile time does not
 grow with n_layer (an `nnx.List` of blocks would unroll n_layer copies into the HLO).
 """
 
@@ -19,6 +20,7 @@ from jax_mamba2.flax_layers import loss as loss_op
 from jax_mamba2.flax_layers.cache import Mamba2Cache, stack_layers, unstack_layers
 from jax_mamba2.flax_layers.config import Mamba2Config
 from jax_mamba2.flax_layers.initializers import torch_uniform
+from jax_mamba2.flax_layers.layer_loop import scan_blocks
 from jax_mamba2.flax_layers.mamba2 import IN_PROJ_OUTPUT, Mamba2
 from jax_mamba2.flax_layers.norm import RMSNorm
 
@@ -151,8 +153,9 @@ class Mamba2LMHeadModel(nnx.Module):
         the norms, the conv and the SSD forward recomputed in the backward (no matrix product is; a few times
         less activation memory, see docs/design.md §12); True only the block's inputs, the whole block
         recomputed.
-      scan_layers: run the blocks as one `nnx.scan` over the stacked layers (default: XLA compiles one
-        block), or unrolled, each block on its slice of the stacked parameters (False: XLA compiles every
+      scan_layers: run the blocks as one loop over the stacked layers (default: XLA compiles one block; the
+        backward's per-layer activations are stacked into buffers the loop writes without filling them
+        first, `layer_loop.scan_blocks`), or unrolled, each block on its slice of the stacked parameters (False: XLA compiles every
         block, so compiling takes longer; the program has no layer loop, so the activations the backward
         keeps need not be copied into per-layer stacks, and a decode step is one straight-line program).
       dtype: computation dtype (default: None, inferred; e.g. jnp.bfloat16 with float32 parameters).
@@ -271,16 +274,18 @@ class Mamba2LMHeadModel(nnx.Module):
         """input_ids (batch, seqlen) -> the final norm's output (batch, seqlen, d_model)."""
         hidden, residual = self._embed(input_ids)
 
-        def block_forward(carry, block):
+        def block_forward(carry, block, seq_idx):
             return block(*carry, seq_idx=seq_idx)
 
         if self.remat:
             block_forward = nnx.remat(block_forward, policy=None if self.remat is True else remat_policy(self.remat))
         if self.scan_layers:
-            hidden, residual = nnx.scan(block_forward, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
-                (hidden, residual), self.layers)
+            graphdef, stacked = nnx.split(self.layers)
+            hidden, residual = scan_blocks(
+                lambda layer, carry, seq_idx: block_forward(carry, nnx.merge(graphdef, layer), seq_idx), stacked,
+                (hidden, residual), seq_idx)
         else:
-            hidden, residual = self._unrolled(lambda carry, block: (block_forward(carry, block), None),
+            hidden, residual = self._unrolled(lambda carry, block: (block_forward(carry, block, seq_idx), None),
                                               (hidden, residual))[0]
         return self._final_norm(hidden, residual)
 
