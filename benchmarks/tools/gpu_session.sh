@@ -149,8 +149,9 @@ case $part in
       --no-profile --worker-timeout 100 --out "$out"
     ;;
   lm-scan)  # the default layer scan at d1024-l24-8x2048, what its stacking costs: as it is (the chunk states
-    # recomputed in the backward); with XLA's debug pass that drops the zero fill of the scan's stacked residuals
-    # (the loop writes each stack whole; the profiles so far show the fills, ~7 ms a step on an H100); with the
+    # recomputed in the backward; its stacks of residuals unfilled, layer_loop.scan_blocks); with XLA's debug pass
+    # that drops a loop's zero fills (what lax.scan's stacks cost, ~7 ms a step on an H100: whatever fill is left
+    # shows there; run this part on the tree before layer_loop too for the A/B); with the
     # states saved (a state more to stack per layer); saving only in_proj's output (remat="matmuls", where the
     # model keeps the chunk states by default: fewer stacked residuals to fill and copy)
     export JAX_MAMBA2_AUTOTUNE=0
