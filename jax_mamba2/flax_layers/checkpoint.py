@@ -35,8 +35,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from jax_mamba2 import backends
-from jax_mamba2.checks import check_flag
-from jax_mamba2.flax_layers import _checks
+from jax_mamba2.checks import check_flag, float_dtype
 from jax_mamba2.flax_layers._tree import param_path
 from jax_mamba2.flax_layers.config import Mamba2Config
 from jax_mamba2.flax_layers.lm import Mamba2LMHeadModel
@@ -179,10 +178,18 @@ def load_hf_state(path) -> dict[str, np.ndarray]:
                              "{tensor name: shard file name}")
         tensors = {}
         for shard in sorted(set(weight_map.values())):
+            if pathlib.Path(shard).name != shard:  # a name in the directory, not a path out of it
+                raise ValueError(f"load_pretrained: {index}'s weight_map names the shard {shard!r}, which must be "
+                                 "a file name in the checkpoint's directory")
             if not (path / shard).is_file():
                 raise FileNotFoundError(f"load_pretrained: {path / shard}, a shard in {index}'s weight_map, "
                                         "does not exist")
-            tensors.update(_load_safetensors(path / shard))
+            held = _load_safetensors(path / shard)
+            listed = {name for name, file in weight_map.items() if file == shard}
+            if set(held) != listed or set(held) & set(tensors):
+                raise ValueError(f"load_pretrained: {path / shard} holds {sorted(held)}, but {index}'s weight_map "
+                                 f"gives it {sorted(listed)} (each tensor in the one shard the index names)")
+            tensors.update(held)
         return tensors
     if (path / "pytorch_model.bin").is_file():
         try:
@@ -201,7 +208,8 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
     """Builds a `Mamba2LMHeadModel` from a local mamba_ssm or HF transformers checkpoint directory.
 
     The model is created abstractly (`nnx.eval_shape`, no random init), every parameter is assigned from the
-    checkpoint, and the result is merged. For tied embeddings a stored `lm_head.weight` is ignored.
+    checkpoint, and the result is merged. For tied embeddings a stored `lm_head.weight` must be the embedding
+    (mamba_ssm stores both).
 
     Args:
       path: directory with config.json and the weights (see `load_hf_state`).
@@ -223,8 +231,11 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
     """
     backends.check_name(backend, "load_pretrained")  # the arguments first: errors below are config.json's
     check_flag("load_pretrained", "scan_layers", scan_layers)
-    _checks.check_float_dtype("load_pretrained", "dtype", dtype)
-    _checks.check_float_dtype("load_pretrained", "param_dtype", param_dtype)
+    if dtype is not None:
+        float_dtype("load_pretrained", "dtype", dtype)
+    if param_dtype is None:  # NumPy would read None as float64
+        raise TypeError("load_pretrained: param_dtype=None must be one of bfloat16, float16, float32, float64")
+    param_dtype = float_dtype("load_pretrained", "param_dtype", param_dtype)
     config = load_config(path)
     try:
         abstract = nnx.eval_shape(lambda: Mamba2LMHeadModel(config, backend=backend, dtype=dtype,
@@ -238,7 +249,7 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
     shapes = {param_path(p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(abstract_state)}
     buffers = {path: np.zeros(shape, np.dtype(param_dtype)) for path, shape in shapes.items()}
     unassigned = {path: set(range(config.n_layer)) if path[0] == "layers" else {None} for path in shapes}
-    unknown = []
+    unknown, tied_head = [], {}
     for name, array in tensors.items():
         try:
             target, layer, layout = _map_hf_key(name)
@@ -246,18 +257,27 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
             unknown.append(name)
             continue
         if target == ("lm_head", "kernel") and config.tie_embeddings:
+            tied_head[name] = array  # must be the embedding, checked once that is read
             continue
         if target not in shapes or (layer is not None and layer >= config.n_layer):
             unknown.append(name)
             continue
+        if layer not in unassigned[target]:
+            raise ValueError(f"load_pretrained: {name} assigns {'.'.join(target)}"
+                             f"{'' if layer is None else f' of layer {layer}'} a second time (another tensor "
+                             "of the checkpoint holds it too)")
         expected = shapes[target][1:] if layer is not None else shapes[target]
-        # The checkpoint's rank first: a conv weight is (channels, 1, d_conv), a linear one 2-D.
-        value = _to_model_layout(array, layout) if array.ndim == {"conv": 3}.get(layout, len(expected)) else None
-        if value is None or value.shape != expected:
-            raise ValueError(f"load_pretrained: {name}.shape={array.shape} does not fit {'.'.join(target)} "
-                             f"of shape {expected} (layout {layout!r})")
-        buffers[target][layer if layer is not None else ...] = value
+        stored = _to_checkpoint_layout(np.empty(expected), layout).shape  # the shape the checkpoint must hold
+        if array.shape != stored:
+            raise ValueError(f"load_pretrained: {name}.shape={array.shape} must be {stored} (for "
+                             f"{'.'.join(target)} of shape {expected})")
+        buffers[target][layer if layer is not None else ...] = _to_model_layout(array, layout)
         unassigned[target].discard(layer)
+    embedding = buffers[("embedding", "embedding")]
+    for name, array in tied_head.items():
+        if array.shape != embedding.shape or not np.array_equal(array.astype(embedding.dtype), embedding):
+            raise ValueError(f"load_pretrained: {name} differs from the embedding, which config.json ties it to "
+                             "(tie_embeddings / tie_word_embeddings): the checkpoint holds two different heads")
     missing = sorted(".".join(p) + ("" if layers == {None} else f"[layers {sorted(layers)}]")
                      for p, layers in unassigned.items() if layers)
     if unknown or missing:
@@ -276,20 +296,32 @@ def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
     checkpoint (or does not exist, if it did not), never a mix. (A process killed between the two renames of
     the swap leaves the previous checkpoint, complete, in `.{name}.old-*` beside `path`; the staging
     directory of a killed save is deleted by the next save on the same host.) Other files in
-    `path` (a tokenizer, ...) are carried over as hard links (copies where the file system has none).
+    `path` (a tokenizer, ...) are carried over as hard links (copies where the file system has none), except
+    the weights in other forms (shards and their index, `pytorch_model*.bin`), which held the old model.
 
     An unbounded `time_step_limit` is written as `[low, Infinity]`, the form mamba_ssm and transformers 4.x
     write and every transformers release reads.
 
     Raises:
       ValueError: if the model uses mixer options HF transformers cannot express (see `Mamba2Config.to_hf`),
-        or `path` exists and is not a directory.
+        or `path` exists and is not a directory, is the working directory or one holding it (the save
+        replaces the directory), or lies under a file.
+      TypeError: for a path that is not a str or os.PathLike.
     """
     if not isinstance(model, Mamba2LMHeadModel):
         raise TypeError(f"save_pretrained: model must be a Mamba2LMHeadModel, got {type(model).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"save_pretrained: path={path!r} must be a str or os.PathLike (a directory)")
     path = pathlib.Path(path).resolve()
     if path.exists() and not path.is_dir():
         raise ValueError(f"save_pretrained: {path} exists and is not a directory")
+    if path == path.parent:
+        raise ValueError(f"save_pretrained: path={path} must not be the file system's root")
+    if path == pathlib.Path.cwd().resolve() or path in pathlib.Path.cwd().resolve().parents:
+        raise ValueError(f"save_pretrained: path={path} is the working directory or holds it; the save replaces "
+                         "the whole directory, so save into a subdirectory")
+    if any(parent.exists() and not parent.is_dir() for parent in path.parents):
+        raise ValueError(f"save_pretrained: {path}'s parent is not a directory")
     hf_config = model.config.to_hf()
     tensors = {}
     for tree_path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
@@ -305,7 +337,7 @@ def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
     try:
         if path.is_dir():
             shutil.copymode(path, staging)
-            _carry_over(path, staging, skip=("config.json", "model.safetensors"))
+            _carry_over(path, staging, skip=_OWN_FILES)
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         for file in ("config.json", "model.safetensors"):
@@ -320,11 +352,16 @@ def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
 def _sibling_path(path: pathlib.Path, kind: str) -> pathlib.Path:
     """A fresh hidden name beside `path` (same file system, so renames between them are atomic), naming the
     host and process that writes it."""
-    return path.with_name(f".{path.name}.{kind}-{_host_tag()}-{os.getpid()}-{secrets.token_hex(4)}")
+    return path.with_name(f".{_short_name(path)}.{kind}-{_host_tag()}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _short_name(path: pathlib.Path) -> str:
+    """`path`'s name cut so that a sibling's name stays within the file system's 255 bytes."""
+    return path.name.encode()[:120].decode(errors="ignore")
 
 
 def _host_tag() -> str:
-    return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname()) or "host"
+    return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:64] or "host"
 
 
 def _process_alive(pid: int) -> bool:
@@ -341,17 +378,24 @@ def _remove_abandoned_staging(path: pathlib.Path) -> None:
     """Deletes the staging directories beside `path` that a save killed mid-way left behind: those written
     on this host by a process that no longer runs (another host's, or a live process's, may still be in
     use). The `.old-*` directories are kept: they hold a complete previous checkpoint."""
-    pattern = re.compile(rf"\.{re.escape(path.name)}\.tmp-{re.escape(_host_tag())}-(\d+)-[0-9a-f]{{8}}")
+    pattern = re.compile(rf"\.{re.escape(_short_name(path))}\.tmp-{re.escape(_host_tag())}-(\d+)-[0-9a-f]{{8}}")
     for entry in path.parent.iterdir():
         match = pattern.fullmatch(entry.name)
         if match and entry.is_dir() and not _process_alive(int(match.group(1))):
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def _carry_over(source: pathlib.Path, target: pathlib.Path, *, skip: tuple[str, ...]) -> None:
-    """Hard-links (or copies) every entry of directory `source` but `skip` into directory `target`."""
+# What a save writes, and every other form of a checkpoint's weights (shards, their index, PyTorch's files),
+# which a save over that checkpoint must not carry over: a reader that looks for them would load the old model.
+_OWN_FILES = re.compile(r"config\.json|model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors"
+                        r"|pytorch_model(-\d+-of-\d+)?\.bin(\.index\.json)?")
+
+
+def _carry_over(source: pathlib.Path, target: pathlib.Path, *, skip: re.Pattern) -> None:
+    """Hard-links (or copies) every entry of directory `source` whose name `skip` does not match into directory
+    `target`."""
     for entry in source.iterdir():
-        if entry.name in skip:
+        if skip.fullmatch(entry.name):
             continue
         if entry.is_symlink():
             os.symlink(os.readlink(entry), target / entry.name)
@@ -389,6 +433,10 @@ def _replace_dir(new: pathlib.Path, path: pathlib.Path) -> None:
         except BaseException:
             os.replace(old, path)
             raise
-        shutil.rmtree(old)
-    _fsync(path.parent)  # make the renames durable
+        # The new checkpoint is in place: what follows cannot undo the save, so it does not fail it.
+        shutil.rmtree(old, ignore_errors=True)
+    try:
+        _fsync(path.parent)  # make the renames durable
+    except OSError:  # a file system that cannot sync a directory (some network ones): the renames stand
+        pass
 

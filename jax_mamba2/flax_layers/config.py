@@ -108,8 +108,11 @@ def _require_positive_numbers(config: Mapping[str, Any], keys: Sequence[str], ap
 
 
 def _freeze(value):
-    """JSON lists become tuples so that the config stays hashable (it is static data under jit)."""
-    return tuple(_freeze(v) for v in value) if isinstance(value, (list, tuple)) else value
+    """JSON lists (and NumPy arrays) become tuples and NumPy scalars Python numbers, so that the config stays
+    hashable (it is static data under jit) and writes as JSON."""
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return tuple(_freeze(v) for v in value)
+    return value.item() if isinstance(value, np.generic) else value
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -159,15 +162,17 @@ class Mamba2Config:
         for name in ("rms_norm", "residual_in_fp32", "fused_add_norm", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Mamba2Config: {name}={getattr(self, name)!r} must be a bool")
-        if isinstance(self.norm_epsilon, bool) or not isinstance(self.norm_epsilon, Real):
+        if isinstance(self.norm_epsilon, (bool, np.bool_)) or not isinstance(self.norm_epsilon, Real):
             raise TypeError(f"Mamba2Config: norm_epsilon={self.norm_epsilon!r} must be a number > 0")
-        if self.d_intermediate != 0:
-            raise ValueError(f"Mamba2Config: d_intermediate={self.d_intermediate} must be 0 (MLP sub-blocks "
+        if isinstance(self.d_intermediate, (bool, np.bool_)) or self.d_intermediate != 0:
+            raise ValueError(f"Mamba2Config: d_intermediate={self.d_intermediate!r} must be 0 (MLP sub-blocks "
                              "are not supported)")
         if not self.rms_norm:
             raise ValueError("Mamba2Config: rms_norm=False must be True (LayerNorm blocks are not supported)")
-        if not self.norm_epsilon > 0:
-            raise ValueError(f"Mamba2Config: norm_epsilon={self.norm_epsilon} must be > 0")
+        if not 0 < self.norm_epsilon < math.inf:
+            raise ValueError(f"Mamba2Config: norm_epsilon={self.norm_epsilon} must be > 0 and finite")
+        object.__setattr__(self, "norm_epsilon", float(self.norm_epsilon))
+        object.__setattr__(self, "d_intermediate", int(self.d_intermediate))
         ssm_cfg = dict(self.ssm_cfg)
         layer = ssm_cfg.pop("layer", "Mamba2")
         if layer != "Mamba2":
@@ -221,6 +226,11 @@ class Mamba2Config:
         unknown = sorted(set(config) - fields)
         if unknown:
             raise ValueError(f"Mamba2Config.from_mamba_ssm: unknown keys {unknown}")
+        ssm_cfg = config.get("ssm_cfg", {})
+        if isinstance(ssm_cfg, Mapping) and "layer" not in ssm_cfg:  # mamba_ssm's create_block: Mamba1 then
+            raise ValueError(f"Mamba2Config.from_mamba_ssm: ssm_cfg={dict(ssm_cfg)!r} has no 'layer', which "
+                             "mamba_ssm reads as 'Mamba1' (a Mamba-1 checkpoint); this package runs Mamba-2 only "
+                             "(ssm_cfg['layer'] must be 'Mamba2')")
         return cls(**config)
 
     @classmethod
@@ -256,6 +266,8 @@ class Mamba2Config:
                                            "layer_norm_epsilon"), api)
         if config.get("model_type", "mamba2") != "mamba2":
             raise ValueError(f"{api}: model_type={config['model_type']!r} must be 'mamba2'")
+        if config.get("hidden_act", "silu") not in ("silu", "swish"):  # HF's conv activation; mamba_ssm's is SiLU
+            raise ValueError(f"{api}: hidden_act={config['hidden_act']!r} must be 'silu' (or 'swish')")
         get = config.get
         d_model, expand, head_dim = config["hidden_size"], get("expand", 2), get("head_dim", 64)
         if "num_heads" in config and config["num_heads"] * head_dim != expand * d_model:

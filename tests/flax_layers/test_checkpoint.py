@@ -3,6 +3,8 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -131,15 +133,112 @@ def test_checkpoint_load_lists_unknown_and_unassigned_keys(tmp_path, tiny_config
         load_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("key,drop_axis", [("backbone.layers.0.mixer.conv1d.weight", 1),
-                                           ("backbone.layers.0.mixer.in_proj.weight", 0)])
-def test_checkpoint_load_names_a_tensor_of_the_wrong_rank(tmp_path, tiny_config, key, drop_axis):
+@pytest.mark.parametrize("key,change", [
+    ("backbone.layers.0.mixer.conv1d.weight", lambda a: a[:, 0]),  # rank 2
+    ("backbone.layers.0.mixer.conv1d.weight", lambda a: np.concatenate([a, a], axis=1)),  # (channels, 2, d_conv)
+    ("backbone.layers.0.mixer.conv1d.weight", lambda a: a[:, :0]),  # (channels, 0, d_conv)
+    ("backbone.layers.0.mixer.in_proj.weight", lambda a: a[0]),
+    ("backbone.layers.0.mixer.in_proj.weight", lambda a: a.T),
+], ids=["conv_rank_2", "conv_two_inputs", "conv_no_input", "linear_rank_1", "linear_transposed"])
+def test_checkpoint_load_names_a_tensor_of_the_wrong_shape_and_the_shape_it_must_have(tmp_path, tiny_config, key,
+                                                                                         change):
+    """The shape asked for is the checkpoint's (PyTorch's) layout: (channels, 1, d_conv), (out, in)."""
     state = _torch_state_dict(_random_model(tiny_config), "backbone.embedding.weight")
-    state[key] = np.ascontiguousarray(state[key].take(0, axis=drop_axis))
+    want = state[key].shape
+    state[key] = np.ascontiguousarray(change(state[key]))
     save_file(state, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
-    with pytest.raises(ValueError, match=rf"load_pretrained: {key}.shape=\(.*\) does not fit layers.mixer"):
+    with pytest.raises(ValueError, match=rf"load_pretrained: {key}.shape=\(.*\) must be "
+                                         rf"{re.escape(str(want))} \(for layers.mixer"):
         load_pretrained(tmp_path)
+
+
+def test_checkpoint_load_refuses_a_parameter_given_twice_and_a_tied_head_that_is_not_the_embedding(
+        tmp_path, tiny_config):
+    """Two names of one parameter (both embedding spellings; a layer index written two ways), or a stored head
+    that differs from the embedding it is tied to, make an ambiguous checkpoint: refused, naming the tensor."""
+    state = _torch_state_dict(_random_model(tiny_config), "backbone.embedding.weight")
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
+    cases = [
+        ({"backbone.embeddings.weight": state["backbone.embedding.weight"] + 1}, "a second time"),
+        ({"backbone.layers.01.norm.weight": state["backbone.layers.1.norm.weight"]}, "a second time"),
+    ]
+    if tiny_config.tie_embeddings:
+        cases.append(({"lm_head.weight": state["backbone.embedding.weight"] * 2}, "differs from the embedding"))
+    for extra, message in cases:
+        save_file({**state, **extra}, tmp_path / "model.safetensors")
+        with pytest.raises(ValueError, match=message):
+            load_pretrained(tmp_path, backend="xla")
+    if tiny_config.tie_embeddings:  # a stored copy of the embedding, as mamba_ssm writes it, loads
+        save_file({**state, "lm_head.weight": state["backbone.embedding.weight"]}, tmp_path / "model.safetensors")
+        load_pretrained(tmp_path, backend="xla")
+
+
+def test_sharded_checkpoint_shards_must_hold_what_the_index_says(tmp_path, tiny_config):
+    state = _torch_state_dict(_random_model(tiny_config), "backbone.embedding.weight")
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
+    names = sorted(state)
+    first, second = names[: len(names) // 2], names[len(names) // 2:]
+    save_file({n: state[n] for n in first}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({n: state[n] for n in second}, tmp_path / "model-00002-of-00002.safetensors")
+
+    def index(weight_map):
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    right = {**{n: "model-00001-of-00002.safetensors" for n in first},
+             **{n: "model-00002-of-00002.safetensors" for n in second}}
+    index(right)
+    load_pretrained(tmp_path, backend="xla")
+    index({**right, first[0]: "model-00002-of-00002.safetensors"})  # the tensor is in the other shard
+    with pytest.raises(ValueError, match="each tensor in the one shard the index names"):
+        load_pretrained(tmp_path, backend="xla")
+    index({**right, first[0]: "../model-00001-of-00002.safetensors"})
+    with pytest.raises(ValueError, match="must be a file name in the checkpoint's directory"):
+        load_pretrained(tmp_path, backend="xla")
+
+
+def test_save_over_a_checkpoint_drops_its_other_weight_files(tmp_path, tiny_config):
+    """Shards, their index and PyTorch's files of the checkpoint saved over are not carried over (a reader that
+    looks for them would load the old model); other files are."""
+    model = _random_model(tiny_config)
+    for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "tokenizer.json"):
+        (tmp_path / name).write_text("old")
+    save_pretrained(model, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+
+
+def test_save_refuses_paths_it_cannot_replace(tmp_path, tiny_config, monkeypatch):
+    model = _random_model(tiny_config)
+    with pytest.raises(TypeError, match="save_pretrained: path=None must be a str or os.PathLike"):
+        save_pretrained(model, None)
+    monkeypatch.chdir(tmp_path)
+    for path in (".", tmp_path, tmp_path.parent):
+        with pytest.raises(ValueError, match="is the working directory or holds it"):
+            save_pretrained(model, path)
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match="parent is not a directory"):
+        save_pretrained(model, tmp_path / "a_file" / "checkpoint")
+    long_name = tmp_path / ("c" * 240)  # a legal name; the staging name beside it must stay legal too
+    save_pretrained(model, long_name)
+    assert (long_name / "model.safetensors").is_file()
+
+
+def test_save_succeeds_once_the_new_checkpoint_is_in_place(tmp_path, tiny_config, monkeypatch):
+    """After the swap the save has happened: a failing delete of the old directory or sync of the parent does
+    not turn it into an error."""
+    model = _random_model(tiny_config)
+    save_pretrained(model, tmp_path / "checkpoint")
+    monkeypatch.setattr(checkpoint_module, "_fsync", _failing_parent_fsync(checkpoint_module._fsync, tmp_path))
+    save_pretrained(model, tmp_path / "checkpoint")
+    assert (tmp_path / "checkpoint" / "model.safetensors").is_file()
+
+
+def _failing_parent_fsync(fsync, parent):
+    def fsync_or_fail(path):
+        if pathlib.Path(path) == parent:
+            raise OSError(22, "Invalid argument")
+        fsync(path)
+    return fsync_or_fail
 
 
 def test_checkpoint_orbax_round_trip(tmp_path, tiny_config):
@@ -412,7 +511,7 @@ def test_checkpoint_save_replaces_the_checkpoint_and_keeps_other_files(tmp_path,
 # Errors from bad checkpoint files name the file and the key
 # ------------------------------------------------------------------------------------------------
 MAMBA_SSM_TINY = {"d_model": 32, "n_layer": 3, "vocab_size": 61,
-                  "ssm_cfg": {"d_state": 8, "headdim": 8, "ngroups": 2, "chunk_size": 8}}
+                  "ssm_cfg": {"layer": "Mamba2", "d_state": 8, "headdim": 8, "ngroups": 2, "chunk_size": 8}}
 HF_TINY = Mamba2Config.from_mamba_ssm(MAMBA_SSM_TINY).to_hf()
 
 
@@ -436,10 +535,15 @@ HF_TINY = Mamba2Config.from_mamba_ssm(MAMBA_SSM_TINY).to_hf()
                  r"config.json has none of the keys \['d_model', 'n_layer', 'ssm_cfg'\]", id="unknown_format"),
     pytest.param(json.dumps({**MAMBA_SSM_TINY, "ssm_cfg": [8, 8]}), TypeError,
                  r"config.json: Mamba2Config: ssm_cfg=\[8, 8\] must be a mapping", id="ssm_cfg_list"),
-    pytest.param(json.dumps({**MAMBA_SSM_TINY, "ssm_cfg": {"d_state": "8"}}), ValueError,
+    pytest.param(json.dumps({**MAMBA_SSM_TINY, "ssm_cfg": {"layer": "Mamba2", "d_state": "8"}}), ValueError,
                  r"config.json: Mamba2: d_state='8' must be a positive int", id="mixer_option_string"),
-    pytest.param(json.dumps({**MAMBA_SSM_TINY, "ssm_cfg": {"chunk_size": 12}}), ValueError,
+    pytest.param(json.dumps({**MAMBA_SSM_TINY, "ssm_cfg": {"layer": "Mamba2", "chunk_size": 12}}), ValueError,
                  r"config.json: Mamba2: chunk_size=12 must be a power of two", id="mixer_option_value"),
+    pytest.param(json.dumps({**MAMBA_SSM_TINY, "ssm_cfg": {"d_state": 8}}), ValueError,
+                 r"config.json: Mamba2Config.from_mamba_ssm: ssm_cfg=\{'d_state': 8\} has no 'layer', which "
+                 r"mamba_ssm reads as 'Mamba1'", id="mamba1_checkpoint"),
+    pytest.param(json.dumps({**HF_TINY, "hidden_act": "gelu"}), ValueError,
+                 r"config.json: Mamba2Config.from_hf: hidden_act='gelu' must be 'silu'", id="hf_conv_activation"),
     pytest.param(json.dumps({**MAMBA_SSM_TINY, "tie_embeddings": "false"}), TypeError,
                  r"config.json: Mamba2Config: tie_embeddings='false' must be a bool", id="bool_string"),
     pytest.param(json.dumps({**HF_TINY, "head_dim": "8"}), ValueError,
@@ -484,8 +588,9 @@ def test_checkpoint_bad_index_errors_name_file_and_key(tmp_path, tiny_config, in
 def test_checkpoint_load_rejects_bad_arguments_before_reading_the_directory(tmp_path):
     with pytest.raises(ValueError, match=r"load_pretrained: backend='cuda' must be one of 'auto'"):
         load_pretrained(tmp_path, backend="cuda")
-    with pytest.raises(TypeError, match=r"load_pretrained: param_dtype=.*int8.* must be None or a floating"):
-        load_pretrained(tmp_path, param_dtype=jnp.int8)
+    for name, value in (("param_dtype", jnp.int8), ("param_dtype", None), ("dtype", "float8_e4m3fn")):
+        with pytest.raises(TypeError, match=rf"load_pretrained: {name}=.* must be"):
+            load_pretrained(tmp_path, **{name: value})
     with pytest.raises(TypeError, match=r"load_pretrained: path=None must be a str or os.PathLike"):
         load_pretrained(None)
 

@@ -55,6 +55,8 @@ def test_config_from_mamba_ssm_and_from_hf_describe_the_same_model():
     (dict(ssm_cfg={"dt_limit": ["inf", "inf"]}), r"Mamba2Config: ssm_cfg\['dt_limit'\]=\['inf', 'inf'\] must satisfy "
      r"0 <= min <= max with min finite"),
     (dict(rms_norm=False), r"Mamba2Config: rms_norm=False must be True"),
+    (dict(norm_epsilon=math.inf), r"Mamba2Config: norm_epsilon=inf must be > 0 and finite"),
+    (dict(d_intermediate="0"), r"Mamba2Config: d_intermediate='0' must be 0"),
 ])
 def test_config_rejects_bad_fields(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -112,3 +114,14 @@ def test_config_canonical_form_drops_options_spelled_as_their_defaults():
     assert mamba2_130m(ssm_cfg={"d_ssm": 2 * 768, "dt_limit": [0.0, "inf"]}) == mamba2_130m()
     assert mamba2_130m(ssm_cfg={"dt_limit": None}).ssm_cfg == {}
     assert mamba2_130m(ssm_cfg={"d_ssm": 768}).ssm_cfg == {"d_ssm": 768}
+
+
+def test_config_keeps_numpy_numbers_as_python_ones_so_it_writes_as_json():
+    """NumPy scalars and arrays in the fields and options become Python numbers and tuples: the config stays
+    hashable and `to_hf` gives a dict json can write."""
+    config = mamba2_130m(norm_epsilon=np.float32(1e-5), ssm_cfg={"layer": "Mamba2", "dt_min": np.float32(0.01),
+                                                                   "A_init_range": np.array([1.0, 8.0])})
+    assert type(config.norm_epsilon) is float and type(config.ssm_cfg["dt_min"]) is float
+    assert config.ssm_cfg.get("A_init_range", (1.0, 16.0)) == (1.0, 8.0)
+    json.dumps(config.to_hf())
+    hash(config)
