@@ -46,6 +46,7 @@ Writes <out>/lm_train_<gpu>.json (<gpu>: the GPU's model, "h200", "h100"; "cpu" 
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import re
 import sys
@@ -264,6 +265,7 @@ VARIANTS = (
     Variant("remat", False, "-remat-{}", ", remat {}"),
     Variant("command_buffers", "default", "-command-buffers-{}", ", command buffers {}"),
     Variant("conv_configs", None, "-conv-{}", ", conv kernels {}"),
+    Variant("layer_loop", "unfilled", "-{}-layer-loop", ", layer loop {}"),
 )
 
 
@@ -435,14 +437,26 @@ def conv_kernels(spec: str):
                                bwd_config=parse_config(bwd, ConvBwdConfig))
 
 
+def lax_scan_blocks(apply, stacked, carry, *operands):
+    """The layer loop as `lax.scan` differentiates it (stacks of residuals created as zeros): the A/B baseline of
+    `layer_loop.scan_blocks`, the LM's loop, whose stacks are created unfilled."""
+    import jax
+
+    return jax.lax.scan(lambda c, layer: (apply(layer, c, *operands), None), carry, stacked)[0]
+
+
 def work(job: dict) -> dict:
     if job["impl"] not in OURS:
         return train_mamba_ssm(job)
-    if not job.get("conv_configs"):
-        return train_ours(job)
-    from jax_mamba2 import backends, conv1d
+    with contextlib.ExitStack() as replaced:
+        if job.get("conv_configs"):
+            from jax_mamba2 import backends, conv1d
 
-    with backends.kernels_replaced(conv1d.OP, "cutile", conv_kernels(job["conv_configs"])):
+            replaced.enter_context(backends.kernels_replaced(conv1d.OP, "cutile", conv_kernels(job["conv_configs"])))
+        if job.get("layer_loop", "unfilled") == "lax-scan":
+            from unittest import mock
+
+            replaced.enter_context(mock.patch("jax_mamba2.flax_layers.lm.scan_blocks", lax_scan_blocks))
         return train_ours(job)
 
 
@@ -622,6 +636,9 @@ def parse_args(argv=None):
     parser.add_argument("--conv-configs", default=None, metavar="FWD,BWD",
                         help="ours: the cuTile conv kernels at these configs (benchmarks/conv1d.py's notation, e.g. "
                              "16x512x3,8x32x128x4) instead of their defaults")
+    parser.add_argument("--layer-loop", choices=("unfilled", "lax-scan"), default="unfilled",
+                        help="ours with the layer scan: the model's loop (stacks of residuals created unfilled) or "
+                             "lax.scan's (created as zeros), for the A/B (default: unfilled)")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="ours: an XLA compiler option of the step, e.g. "
                              "xla_gpu_enable_dynamic_slice_fusion=false (repeatable; default: none)")
@@ -677,6 +694,7 @@ def jobs(args) -> list[dict]:
                                                           "remat": remat,
                                                           "command_buffers": args.command_buffers,
                                                           "conv_configs": args.conv_configs,
+                                                          "layer_loop": args.layer_loop,
                                                           "hlo_dir": args.hlo_dir and str(args.hlo_dir)})}
             for config in args.configs for impl in args.impls]
 

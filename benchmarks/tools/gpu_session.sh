@@ -149,18 +149,17 @@ case $part in
       --no-profile --worker-timeout 100 --out "$out"
     ;;
   lm-scan)  # the default layer scan at d1024-l24-8x2048, what its stacking costs: as it is (the chunk states
-    # recomputed in the backward; its stacks of residuals unfilled, layer_loop.scan_blocks); with XLA's debug pass
-    # that drops a loop's zero fills (what lax.scan's stacks cost, ~7 ms a step on an H100: whatever fill is left
-    # shows there; run this part on the tree before layer_loop too for the A/B); with the
-    # states saved (a state more to stack per layer); saving only in_proj's output (remat="matmuls", where the
-    # model keeps the chunk states by default: fewer stacked residuals to fill and copy)
+    # recomputed in the backward; its stacks of residuals created unfilled, layer_loop.scan_blocks), against the
+    # same loop as lax.scan differentiates it (stacks created as zeros: ~7 ms a step of fills on an H100), that with
+    # XLA's debug pass that drops such fills, and the model's loop saving only in_proj's output (remat="matmuls")
     export JAX_MAMBA2_AUTOTUNE=0
     step lm_scan 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --worker-timeout 140 \
       --out "$out"
-    step lm_scan_zero_init 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
-      --xla-option xla_gpu_enable_dus_accumulator_zero_init_elimination=true --worker-timeout 140 --out "$out"
-    step lm_scan_saved 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
-      --chunk-states saved --no-profile --worker-timeout 100 --out "$out"
+    step lm_scan_lax 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
+      --layer-loop lax-scan --worker-timeout 140 --out "$out"
+    step lm_scan_lax_zero_init 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
+      --layer-loop lax-scan --xla-option xla_gpu_enable_dus_accumulator_zero_init_elimination=true --no-profile \
+      --worker-timeout 100 --out "$out"
     step lm_scan_remat 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --remat matmuls \
       --no-profile --worker-timeout 100 --out "$out"
     ;;

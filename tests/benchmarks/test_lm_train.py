@@ -5,6 +5,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -342,3 +343,22 @@ def test_cutile_launches_lists_the_package_s_kernels_in_hlo_order():
     assert lm_bench.cutile_launches(hlo, CUTILE_CUSTOM_CALL) == [
         "norm_kernel_Kt2_A1", "mixer_kernel_Kt2_A1", "norm_kernel_Kt2_A1"]
     assert lm_bench.cutile_launches(hlo, "cutile_launch") == ["other_kernel_Kt2_A1"]
+
+
+def test_layer_loop_reaches_the_worker_and_keys_the_record(monkeypatch):
+    """--layer-loop lax-scan runs the model's layer scan as lax.scan differentiates it (the A/B baseline),
+    inside the worker only; the loop computes what the model's does."""
+    _assert_variant_reaches_ours_and_keys_the_record(["--layer-loop", "lax-scan"], "layer_loop", "lax-scan",
+                                                     "unfilled", ", layer loop lax-scan")
+    from jax_mamba2.flax_layers import lm
+    seen = []
+    monkeypatch.setattr(lm_train, "train_ours", lambda job: seen.append(lm.scan_blocks))
+    lm_train.work({"impl": "cutile", "layer_loop": "lax-scan"})
+    lm_train.work({"impl": "cutile"})
+    assert seen == [lm_train.lax_scan_blocks, lm.scan_blocks] and lm.scan_blocks is not lm_train.lax_scan_blocks
+
+    def block(layer, carry, scale):
+        return jnp.tanh(carry @ layer) * scale
+    stacked, carry = jax.random.normal(jax.random.key(0), (3, 4, 4)), jax.random.normal(jax.random.key(1), (2, 4))
+    np.testing.assert_allclose(lm_train.lax_scan_blocks(block, stacked, carry, 0.5),
+                               lm.scan_blocks(block, stacked, carry, 0.5), rtol=1e-6)
