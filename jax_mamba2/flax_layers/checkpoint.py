@@ -26,13 +26,14 @@ import re
 import secrets
 import shutil
 import socket
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 from jax_mamba2 import backends
 from jax_mamba2.checks import check_flag, float_dtype
@@ -99,6 +100,15 @@ def _to_checkpoint_layout(array: np.ndarray, layout: str) -> np.ndarray:
     return array
 
 
+def _checkpoint_shape(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    """The shape a checkpoint holds a parameter of model shape `shape` in (`_to_checkpoint_layout`'s)."""
+    if layout == "linear":
+        return tuple(reversed(shape))
+    if layout == "conv":
+        return (shape[1], 1, shape[0])
+    return tuple(shape)
+
+
 def _checkpoint_name(path: tuple[str, ...], layer: int | None) -> tuple[str, str]:
     """Inverse of `_map_hf_key` (HF naming): (tensor name, layout)."""
     if layer is None:
@@ -149,26 +159,36 @@ def load_config(path) -> Mamba2Config:
         raise (TypeError if isinstance(e, TypeError) else ValueError)(f"load_pretrained: {config_file}: {e}") from e
 
 
-def _load_safetensors(file: pathlib.Path) -> dict[str, np.ndarray]:
+class _Tensor(NamedTuple):
+    """A checkpoint tensor known by its header: its shape, and how to read its values."""
+    shape: tuple[int, ...]
+    read: Callable[[], np.ndarray]
+
+
+def _safetensors_tensors(file: pathlib.Path) -> dict[str, _Tensor]:
+    """The tensors of a safetensors file by name, from its header: nothing is read until a tensor's `read`."""
     try:
-        return load_file(file)
-    except SafetensorError as e:
+        with safe_open(file, framework="numpy") as opened:
+            shapes = {name: tuple(opened.get_slice(name).get_shape()) for name in opened.keys()}
+    except (SafetensorError, OSError) as e:
         raise ValueError(f"load_pretrained: {file} is not a readable safetensors file: {e}") from e
 
+    def reader(name):
+        def read():
+            try:
+                with safe_open(file, framework="numpy") as opened:
+                    return opened.get_tensor(name)
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"load_pretrained: {file} is not a readable safetensors file: {e}") from e
+        return read
+    return {name: _Tensor(shape, reader(name)) for name, shape in shapes.items()}
 
-def load_hf_state(path) -> dict[str, np.ndarray]:
-    """Reads all tensors of a checkpoint directory as NumPy arrays, by name.
 
-    Looks for `model.safetensors`, then `model.safetensors.index.json` (sharded), then `pytorch_model.bin`
-    (needs torch).
-
-    Raises:
-      FileNotFoundError: if there are no weights, or a shard named by the index is missing.
-      ValueError: for an index without a `weight_map` object or a file that safetensors cannot read.
-    """
-    path = pathlib.Path(path)
+def _checkpoint_tensors(path: pathlib.Path) -> dict[str, _Tensor]:
+    """`load_hf_state`'s tensors by name, each read only when asked (safetensors; a `pytorch_model.bin` is read
+    whole by torch)."""
     if (path / "model.safetensors").is_file():
-        return _load_safetensors(path / "model.safetensors")
+        return _safetensors_tensors(path / "model.safetensors")
     index = path / "model.safetensors.index.json"
     if index.is_file():
         index_content = _read_json(index)
@@ -184,7 +204,7 @@ def load_hf_state(path) -> dict[str, np.ndarray]:
             if not (path / shard).is_file():
                 raise FileNotFoundError(f"load_pretrained: {path / shard}, a shard in {index}'s weight_map, "
                                         "does not exist")
-            held = _load_safetensors(path / shard)
+            held = _safetensors_tensors(path / shard)
             listed = {name for name, file in weight_map.items() if file == shard}
             if set(held) != listed or set(held) & set(tensors):
                 raise ValueError(f"load_pretrained: {path / shard} holds {sorted(held)}, but {index}'s weight_map "
@@ -198,9 +218,24 @@ def load_hf_state(path) -> dict[str, np.ndarray]:
             raise ImportError(f"load_pretrained: {path / 'pytorch_model.bin'} needs torch (pip install torch), "
                               "or convert it to model.safetensors") from e
         state_dict = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        return {name: (t.float() if t.dtype == torch.bfloat16 else t).numpy() for name, t in state_dict.items()}
+        arrays = {name: (t.float() if t.dtype == torch.bfloat16 else t).numpy() for name, t in state_dict.items()}
+        return {name: _Tensor(array.shape, lambda array=array: array) for name, array in arrays.items()}
     raise FileNotFoundError(f"load_pretrained: {path} has no model.safetensors, model.safetensors.index.json "
                             "or pytorch_model.bin")
+
+
+def load_hf_state(path) -> dict[str, np.ndarray]:
+    """Reads all tensors of a checkpoint directory as NumPy arrays, by name.
+
+    Looks for `model.safetensors`, then `model.safetensors.index.json` (sharded), then `pytorch_model.bin`
+    (needs torch).
+
+    Raises:
+      FileNotFoundError: if there are no weights, or a shard named by the index is missing.
+      ValueError: for an index without a `weight_map` object, a shard that holds other tensors than the index
+        gives it, or a file that safetensors cannot read.
+    """
+    return {name: tensor.read() for name, tensor in _checkpoint_tensors(pathlib.Path(path)).items()}
 
 
 def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str = "auto",
@@ -244,20 +279,21 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
     except (ValueError, TypeError) as e:  # a mixer option of config.json that Mamba2 rejects, named by it
         raise (TypeError if isinstance(e, TypeError) else ValueError)(
             f"load_pretrained: {pathlib.Path(path) / 'config.json'}: {e}") from e
-    tensors = load_hf_state(path)  # after the config is known to build a model: weights can be large
+    # After the config is known to build a model: weights can be large. Every name and shape is checked from the
+    # files' headers before any tensor is read, and each is then read straight into its parameter's buffer.
+    tensors = _checkpoint_tensors(pathlib.Path(path))
     graphdef, abstract_state = nnx.split(abstract)
     shapes = {param_path(p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(abstract_state)}
-    buffers = {path: np.zeros(shape, np.dtype(param_dtype)) for path, shape in shapes.items()}
     unassigned = {path: set(range(config.n_layer)) if path[0] == "layers" else {None} for path in shapes}
-    unknown, tied_head = [], {}
-    for name, array in tensors.items():
+    unknown, tied_head, plan = [], [], []
+    for name, tensor in tensors.items():
         try:
             target, layer, layout = _map_hf_key(name)
         except KeyError:
             unknown.append(name)
             continue
         if target == ("lm_head", "kernel") and config.tie_embeddings:
-            tied_head[name] = array  # must be the embedding, checked once that is read
+            tied_head.append(name)  # must be the embedding, checked once that is read
             continue
         if target not in shapes or (layer is not None and layer >= config.n_layer):
             unknown.append(name)
@@ -267,23 +303,28 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
                              f"{'' if layer is None else f' of layer {layer}'} a second time (another tensor "
                              "of the checkpoint holds it too)")
         expected = shapes[target][1:] if layer is not None else shapes[target]
-        stored = _to_checkpoint_layout(np.empty(expected), layout).shape  # the shape the checkpoint must hold
-        if array.shape != stored:
-            raise ValueError(f"load_pretrained: {name}.shape={array.shape} must be {stored} (for "
+        stored = _checkpoint_shape(expected, layout)
+        if tensor.shape != stored:
+            raise ValueError(f"load_pretrained: {name}.shape={tensor.shape} must be {stored} (for "
                              f"{'.'.join(target)} of shape {expected})")
-        buffers[target][layer if layer is not None else ...] = _to_model_layout(array, layout)
+        plan.append((name, target, layer, layout))
         unassigned[target].discard(layer)
-    embedding = buffers[("embedding", "embedding")]
-    for name, array in tied_head.items():
-        if array.shape != embedding.shape or not np.array_equal(array.astype(embedding.dtype), embedding):
-            raise ValueError(f"load_pretrained: {name} differs from the embedding, which config.json ties it to "
-                             "(tie_embeddings / tie_word_embeddings): the checkpoint holds two different heads")
     missing = sorted(".".join(p) + ("" if layers == {None} else f"[layers {sorted(layers)}]")
                      for p, layers in unassigned.items() if layers)
     if unknown or missing:
         raise ValueError(f"load_pretrained: checkpoint {path} does not match the model: unknown keys "
                          f"{sorted(unknown)}; unassigned parameters {missing}")
-    state = jax.tree_util.tree_map_with_path(lambda p, _: jnp.asarray(buffers[param_path(p)]), abstract_state)
+    buffers = {path: np.empty(shape, np.dtype(param_dtype)) for path, shape in shapes.items()}  # all assigned
+    for name, target, layer, layout in plan:
+        buffers[target][layer if layer is not None else ...] = _to_model_layout(tensors[name].read(), layout)
+    embedding = buffers[("embedding", "embedding")]
+    for name in tied_head:
+        head = tensors[name].read()
+        if head.shape != embedding.shape or not np.array_equal(head.astype(embedding.dtype), embedding):
+            raise ValueError(f"load_pretrained: {name} differs from the embedding, which config.json ties it to "
+                             "(tie_embeddings / tie_word_embeddings): the checkpoint holds two different heads")
+    # Each buffer is let go once on the device, so the host holds the model about once.
+    state = jax.tree_util.tree_map_with_path(lambda p, _: jnp.asarray(buffers.pop(param_path(p))), abstract_state)
     return nnx.merge(graphdef, state)
 
 

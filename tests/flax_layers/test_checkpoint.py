@@ -601,3 +601,26 @@ def test_checkpoint_truncated_weights_error_names_the_file(tmp_path, tiny_config
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ValueError, match=rf"load_pretrained: {weights} is not a readable safetensors file"):
         load_pretrained(tmp_path)
+
+
+def test_checkpoint_load_checks_every_name_and_shape_before_reading_a_tensor(tmp_path, tiny_config, monkeypatch):
+    """From the files' headers: a config that disagrees with the tensors (here a vocabulary of 2^40 rows, whose
+    buffer could never be allocated) fails naming the tensor, with no tensor read; a good checkpoint reads each
+    tensor once."""
+    save_pretrained(_random_model(tiny_config), tmp_path)
+    reads = []
+    tensors_of = checkpoint_module._safetensors_tensors
+
+    def counted(file):
+        return {name: checkpoint_module._Tensor(t.shape, lambda t=t, name=name: reads.append(name) or t.read())
+                for name, t in tensors_of(file).items()}
+    monkeypatch.setattr(checkpoint_module, "_safetensors_tensors", counted)
+    load_pretrained(tmp_path, backend="xla")
+    assert sorted(reads) == sorted(set(reads)) and len(reads) == len(checkpoint_module.load_hf_state(tmp_path))
+    reads.clear()
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 2 ** 40, "unpadded_vocab_size": 2 ** 40,
+                                                      "pad_vocab_size_multiple": 1}))
+    with pytest.raises(ValueError, match=r"backbone.embeddings.weight.shape=\(64, 32\) must be \(1099511627776, 32\)"):
+        load_pretrained(tmp_path, backend="xla")
+    assert reads == []
