@@ -128,18 +128,23 @@ def _prepare(api: str, model, prompt_ids, max_new_tokens, *, temperature, top_k,
     prompt_lengths = _check_prompt_lengths(api, prompt_ids, prompt_lengths)
     if prompt_lengths is None:
         _checks.check_token_ids_in_range(api, "prompt_ids", prompt_ids, vocab_size)
-    elif not any(isinstance(a, jax.core.Tracer) for a in (prompt_ids, prompt_lengths)):  # the padding: any id
+    elif not any(isinstance(a, jax.core.Tracer) for a in (prompt_ids, prompt_lengths)):
+        # The padding: any id that int32 (the ids' dtype in the program, returned with the tokens) holds.
         in_prompt = np.asarray(_in_prompt(prompt_ids.shape[1], prompt_lengths))
         _checks.check_token_ids_in_range(api, "prompt_ids", np.where(in_prompt, prompt_ids, 0), vocab_size)
+        ids = np.asarray(prompt_ids)
+        if ids.size and (ids.min() < np.iinfo(np.int32).min or ids.max() > np.iinfo(np.int32).max):
+            raise ValueError(f"{api}: prompt_ids hold padding ids outside int32 (min {ids.min()}, max "
+                             f"{ids.max()}); the padding must be ids int32 holds (they are returned as given)")
     sampling = sampling_rule.make_sampling(api, vocab_size, temperature=temperature, top_k=top_k, top_p=top_p,
                                            min_p=min_p, repetition_penalty=repetition_penalty)
     end = _end_of_sequence(api, vocab_size, eos_token_id, pad_token_id)
     if sampling.sample and rng is None:
         raise ValueError(f"{api}: rng=None must be a jax.random.key when temperature > 0")
     if rng is not None and not _is_key(rng):
+        array = isinstance(rng, (jax.Array, np.ndarray))  # (an nnx.Rngs makes a stream of any attribute read)
         raise TypeError(f"{api}: rng must be one jax.random.key (or a legacy uint32[2] PRNGKey), got "
-                        f"{type(rng).__name__} of shape {getattr(rng, 'shape', None)} and dtype "
-                        f"{getattr(rng, 'dtype', None)}")
+                        f"{type(rng).__name__}" + (f" of shape {rng.shape} and dtype {rng.dtype}" if array else ""))
     _checks.check_float_dtype(api, "cache_dtype", cache_dtype)
     graphdef, state = nnx.split(model)
     rng = jax.random.key(0) if rng is None else rng
@@ -149,9 +154,9 @@ def _prepare(api: str, model, prompt_ids, max_new_tokens, *, temperature, top_k,
 
 def _is_key(rng) -> bool:
     """A typed key (`jax.random.key`) or a legacy raw uint32[2] key (`jax.random.PRNGKey`), unbatched."""
-    dtype, shape = getattr(rng, "dtype", None), getattr(rng, "shape", None)
-    if dtype is None:
+    if not isinstance(rng, (jax.Array, np.ndarray)):  # e.g. an nnx.Rngs, whose attributes are streams
         return False
+    dtype, shape = rng.dtype, rng.shape
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         return shape == ()
     return dtype == jnp.uint32 and shape == (2,)
@@ -186,7 +191,11 @@ def _end_of_sequence(api: str, vocab_size: int, eos_token_id, pad_token_id):
         return None
     if isinstance(eos_token_id, jax.core.Tracer):
         raise TypeError(f"{api}: eos_token_id must be concrete ids (an int or a sequence of ints), not traced")
-    ids = (eos_token_id,) if isinstance(eos_token_id, Integral) else tuple(np.asarray(eos_token_id).reshape(-1))
+    try:
+        ids = (eos_token_id,) if isinstance(eos_token_id, Integral) else tuple(np.asarray(eos_token_id).reshape(-1))
+    except ValueError:  # a ragged nesting
+        raise TypeError(f"{api}: eos_token_id={eos_token_id!r} must be an int or a non-empty sequence of ints") \
+            from None
     if any(isinstance(i, (bool, np.bool_)) or not isinstance(i, Integral) for i in ids):
         raise TypeError(f"{api}: eos_token_id={eos_token_id!r} must be an int or a non-empty sequence of ints")
     if not ids:

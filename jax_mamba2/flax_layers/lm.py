@@ -97,13 +97,13 @@ class Mamba2Block(nnx.Module):
 
     def _check_inputs(self, api: str, hidden_states, residual, cache, *, sequence: bool) -> None:
         """hidden_states and residual: (batch, seqlen, d_model) (or (batch, d_model) for a step), floating;
-        cache, unless None, of the mixer's shapes for that batch."""
+        cache (unless None where a sequence is given) of the mixer's shapes for that batch."""
         names = ("batch", "seqlen", "d_model") if sequence else ("batch", "d_model")
         shape = _checks.check_array(api, "hidden_states", hidden_states,
                                     tuple((n, self.mixer.d_model if n == "d_model" else None) for n in names),
                                     kind="floating")
         _checks.check_array(api, "residual", residual, tuple(zip(names, shape)), kind="floating")
-        if cache is not None:
+        if cache is not None or not sequence:  # a step needs one
             _checks.check_cache(api, cache, *self.mixer.cache_axes(shape[0]))
 
     def __call__(self, hidden_states, residual, *, seq_idx=None):
@@ -368,12 +368,13 @@ class Mamba2LMHeadModel(nnx.Module):
     def _check_inputs(self, api: str, input_ids, cache, *, sequence: bool, seq_idx=None) -> None:
         """input_ids: (batch, seqlen) (or (batch,) for a step), integer, in [0, vocab_size) where concrete (read
         on the host, a sync of an eager call; a traced id cannot be read, and the embedding's lookup gives NaN for
-        one past its rows and a padding row for a negative one); cache, unless None, of the stacked mixers' shapes
+        one past its rows and a padding row for a negative one); cache (unless None where a sequence is given) of the
+        stacked mixers' shapes
         (leading (n_layer,) axis) for that batch; seq_idx, unless None, as input_ids and not with a cache."""
         axes = (("batch", None), ("seqlen", None)) if sequence else (("batch", None),)
         shape = _checks.check_array(api, "input_ids", input_ids, axes, kind="integer")
         _checks.check_token_ids_in_range(api, "input_ids", input_ids, self.config.vocab_size)
-        if cache is not None:
+        if cache is not None or not sequence:  # a step needs one
             layer_axes = (("n_layer", self.config.n_layer),)
             conv_axes, ssm_axes = self.layers.mixer.cache_axes(shape[0])
             _checks.check_cache(api, cache, layer_axes + conv_axes, layer_axes + ssm_axes)

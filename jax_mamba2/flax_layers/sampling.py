@@ -68,7 +68,7 @@ def make_sampling(api: str, vocab_size: int, *, temperature=0.0, top_k=None, top
     the least likely tokens.
 
     Raises:
-      ValueError: temperature < 0, infinite or NaN, top_k outside [1, vocab_size], top_p outside (0, 1], min_p
+      ValueError: temperature < 0, infinite, NaN or too small for float32, top_k outside [1, vocab_size], top_p outside (0, 1], min_p
         outside [0, 1], repetition_penalty <= 0, infinite or NaN.
       TypeError: any of them not a concrete number (top_k not an int).
     """
@@ -76,6 +76,9 @@ def make_sampling(api: str, vocab_size: int, *, temperature=0.0, top_k=None, top
     repetition_penalty = _concrete_float(api, "repetition_penalty", repetition_penalty)
     if not 0 <= temperature < math.inf:
         raise ValueError(f"{api}: temperature={temperature} must be >= 0 and finite")
+    if 0 < temperature < np.finfo(np.float32).tiny:  # would round to 0 (or a subnormal) in float32
+        raise ValueError(f"{api}: temperature={temperature} must be 0 (greedy) or at least "
+                         f"{np.finfo(np.float32).tiny:.3g}, float32's smallest normal number")
     if not 0 < repetition_penalty < math.inf:
         raise ValueError(f"{api}: repetition_penalty={repetition_penalty} must be > 0 and finite")
     if top_k is not None:
@@ -109,7 +112,8 @@ def penalize_repeats(logits, seen, penalty):
 
 
 def candidate_logits(logits, sampling: Sampling):
-    """The logits scaled by the temperature, with every token that top-k, top-p or min-p excludes at -inf.
+    """The logits less the row's largest, scaled by the temperature (HF's distribution: the shift changes no
+    probability), with every token that top-k, top-p or min-p excludes at -inf.
 
     Top-k keeps, as HF's, every token whose logit is at least the k-th largest (ties with it included). With
     top_p the candidates are sorted, most likely first, and come with their ids; otherwise they are in
@@ -118,7 +122,9 @@ def candidate_logits(logits, sampling: Sampling):
     logits (batch, vocab) float32 -> (candidate logits (batch, vocab) float32, ids (batch, vocab) int32 or None).
     """
     values = sampling.values
-    logits = logits / values["temperature"]
+    # Shifted by the row's largest first, which no rule below sees (softmax, top-k, top-p and min-p are shift
+    # invariant), so that a small temperature cannot overflow the largest logits to tied infinities.
+    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / values["temperature"]
     if sampling.top_k is not None:
         kth_largest = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
         logits = jnp.where(logits < kth_largest, -jnp.inf, logits)

@@ -83,7 +83,9 @@ def test_candidates_follow_hf_processors(controls):
     sampling = sampling_rule.make_sampling("test", 40, **controls)
     want, got = hf_processed_logits(logits, **controls), _candidates(logits, sampling)
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
-    np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=1e-6)
+    # Up to each row's shift (the candidates come shifted by the row's largest logit: the same distribution).
+    want = want - np.max(want, axis=-1, keepdims=True)
+    np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=1e-6, atol=1e-6)
     assert 1 <= np.isfinite(got).sum(axis=-1).min()
 
 
@@ -321,7 +323,11 @@ def test_generate_stream_stops_once_every_row_has_ended(tiny_config):
     (dict(pad_token_id=0), ValueError, r"generate: pad_token_id=0 needs an eos_token_id"),
     (dict(eos_token_id=2, pad_token_id=-1), ValueError, r"generate: pad_token_id=-1 must be in \[0, vocab_size=61\)"),
     (dict(temperature=1.0), ValueError, r"generate: rng=None must be a jax.random.key when temperature > 0"),
-    (dict(temperature=1.0, rng=7), TypeError, r"generate: rng must be one jax.random.key .*got int of shape None"),
+    (dict(temperature=1.0, rng=7), TypeError, r"generate: rng must be one jax.random.key .*got int$"),
+    (dict(temperature=1.0, rng=nnx.Rngs(0)), TypeError, r"generate: rng must be one jax.random.key .*got Rngs$"),
+    (dict(temperature=1e-39, rng=jax.random.key(0)), ValueError,
+     r"generate: temperature=1e-39 must be 0 \(greedy\) or at least 1.18e-38"),
+    (dict(eos_token_id=[[1, 2], [3]]), TypeError, r"generate: eos_token_id=\[\[1, 2\], \[3\]\] must be an int or"),
     (dict(temperature=1.0, rng=jax.random.split(jax.random.key(0))), TypeError,
      r"generate: rng must be one jax.random.key .*of shape \(2,\) and dtype key<fry>"),
     (dict(prompt_lengths=[0]), ValueError, r"generate: prompt_lengths=\[0\] must be in \[1, prompt_len=3\]"),
@@ -354,6 +360,35 @@ def test_generate_rejects_bad_arguments(tiny_config, kwargs, error, message):
 def test_generate_rejects_bad_prompts(tiny_config, prompt, error, message):
     with pytest.raises(error, match=message):
         generate(_model(tiny_config), prompt, 2)
+
+
+def test_small_temperatures_sample_the_most_likely_token_and_padding_ids_must_fit_int32(tiny_config):
+    """A temperature so small that the logits over it pass float32's range samples the argmax, as the limit of
+    sampling at T -> 0 does (the logits are shifted by their largest before the division); padding ids int32
+    cannot hold are refused, since the prompt comes back as given."""
+    model = _model(tiny_config)
+    prompt = jax.random.randint(jax.random.key(3), (2, 5), 0, tiny_config.vocab_size)
+    greedy = generate(model, prompt, 6)
+    for seed in range(3):
+        np.testing.assert_array_equal(generate(model, prompt, 6, temperature=1e-30, rng=jax.random.key(seed)),
+                                      greedy)
+    padded = np.asarray(prompt, np.int64).copy()
+    padded[0, 0] = 2 ** 40 + 7
+    with pytest.raises(ValueError, match="padding ids outside int32"):
+        generate(model, padded, 2, prompt_lengths=[4, 5])
+
+
+def test_step_needs_a_cache(tiny_config):
+    model = _model(tiny_config)
+    with pytest.raises(TypeError, match=r"Mamba2LMHeadModel.step: cache must be a Mamba2Cache .*got NoneType"):
+        model.step(jnp.zeros((2,), jnp.int32), None)
+    with pytest.raises(TypeError, match=r"Mamba2Block.step: cache must be a Mamba2Cache .*got NoneType"):
+        _first_block(model).step(jnp.zeros((2, tiny_config.d_model)), jnp.zeros((2, tiny_config.d_model)), None)
+
+
+def _first_block(model):
+    graphdef, state = nnx.split(model.layers)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
 
 
 def test_generate_rejects_what_is_not_a_model_or_a_rectangular_prompt(tiny_config):
