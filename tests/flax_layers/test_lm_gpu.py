@@ -1,5 +1,7 @@
 """The language model on the cuTile backend (run on the H200; skipped elsewhere): forward, cached decode
-and gradients agree with the pure-JAX backend, under nnx.jit and the nnx.scan over layers."""
+and gradients agree with the pure-JAX backend, under nnx.jit and the loop over layers."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,3 +84,26 @@ def test_lm_cutile_generate_runs_greedy():
     tokens = generate(model, _ids(3, length=8), max_new_tokens=16)
     assert tokens.shape[0] == BATCH and tokens.shape[-1] >= 16
     np.testing.assert_array_equal(tokens, generate(model, _ids(3, length=8), max_new_tokens=16))
+
+
+def test_the_layer_scan_stacks_its_residuals_without_filling_them():
+    """The compiled training step of the layer scan (one GPU) holds no constant fill of an (n_layer, ...) buffer:
+    the stacks of the backward's residuals and of the parameters' gradients are allocations the loops write
+    whole; its gradients are those of the blocks unrolled."""
+    config = CONFIG.replace(n_layer=3)  # a leading axis no other array of the step has
+    ids = _ids(5)
+
+    def loss(model):
+        return model.loss(ids)
+
+    scanned, unrolled = (Mamba2LMHeadModel(config, backend="cutile", scan_layers=flag, rngs=nnx.Rngs(0))
+                         for flag in (True, False))
+    graphdef, state = nnx.split(scanned)
+    program = jax.jit(jax.grad(lambda state: nnx.merge(graphdef, state).loss(ids))).lower(state).compile().as_text()
+    # A fill: a broadcast, or a fusion of no operands (XLA's fused broadcast of a constant), of an (3, ...) array.
+    fills = [line.strip()[:160] for line in program.splitlines()
+             if re.search(r"= \(?[a-z0-9]+\[3,[^=]*\s(broadcast\(|fusion\(\))", line)]
+    assert not fills, fills
+    want = nnx.to_flat_state(nnx.jit(nnx.grad(loss))(unrolled))
+    for (path, got), (_, expected) in zip(nnx.to_flat_state(nnx.jit(nnx.grad(loss))(scanned)), want):
+        assert rel_l2(got[...], expected[...]) < 2e-3, path
