@@ -151,10 +151,11 @@ case $part in
   lm-scan)  # the default layer scan at d1024-l24-8x2048, what its stacking costs: as it is (the chunk states
     # recomputed in the backward; its stacks of residuals created unfilled, layer_loop.scan_blocks), against the
     # same loop as lax.scan differentiates it (stacks created as zeros: ~7 ms a step of fills on an H100), that with
-    # XLA's debug pass that drops such fills, and the model's loop saving only in_proj's output (remat="matmuls")
+    # XLA's debug pass that drops such fills, and the model's loop saving only in_proj's output (remat="matmuls");
+    # the compiled step of the model's loop in OUT/hlo (its in-loop memcpys: which residuals they move)
     export JAX_MAMBA2_AUTOTUNE=0
     step lm_scan 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --worker-timeout 140 \
-      --out "$out"
+      --hlo-dir "$out/hlo" --out "$out"
     step lm_scan_lax 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
       --layer-loop lax-scan --worker-timeout 140 --out "$out"
     step lm_scan_lax_zero_init 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
