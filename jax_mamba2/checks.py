@@ -7,6 +7,7 @@ with .shape and .dtype (also a ShapeDtypeStruct).
 from __future__ import annotations
 
 import math
+from numbers import Real
 
 import jax.numpy as jnp
 import numpy as np
@@ -60,14 +61,12 @@ def check_dt_limit(api: str, dt_limit, name: str = "dt_limit") -> tuple[float, f
     """`dt_limit`, the clip of the time step Δ, as a (min, max) pair of floats with 0 <= min <= max and min
     finite (max may be inf: no upper clip), named `name` in errors. The ops, the decode kernels, the layers and
     the configurations take the same pairs."""
-    pair = () if isinstance(dt_limit, (str, bytes)) else dt_limit
-    try:
-        low, high = pair
-        if any(isinstance(v, (bool, np.bool_)) for v in (low, high)):
-            raise TypeError
-        low, high = float(low), float(high)
-    except (TypeError, ValueError):
-        raise TypeError(f"{api}: {name}={dt_limit!r} must be a pair of floats (min, max)") from None
+    # An ordered pair (a set has no order) of real numbers (float() would also parse strings).
+    pair = tuple(dt_limit) if isinstance(dt_limit, (tuple, list, np.ndarray)) else ()
+    if len(pair) != 2 or not all(isinstance(v, (Real, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+                                 for v in pair):
+        raise TypeError(f"{api}: {name}={dt_limit!r} must be a pair of floats (min, max)")
+    low, high = float(pair[0]), float(pair[1])
     if not (0 <= low <= high and math.isfinite(low)):
         raise ValueError(f"{api}: {name}={dt_limit!r} must satisfy 0 <= min <= max with min finite")
     return low, high

@@ -164,7 +164,8 @@ def _check_values(api, A, dt, dt_bias, dt_softplus, dt_limit, seq_idx=None):
                 (dt_bias is None or _is_concrete(dt_bias)):
             checks["dt"] = jnp.min(dt if dt_bias is None else jnp.add(dt, dt_bias))
         if _is_concrete(seq_idx) and seq_idx.shape[1] > 1:
-            checks["seq_idx"] = jnp.min(jnp.diff(seq_idx, axis=1))
+            # Compared, not subtracted: a difference wraps around in unsigned and narrow dtypes.
+            checks["seq_idx"] = jnp.all(seq_idx[:, 1:] >= seq_idx[:, :-1])
     if not checks:
         return
     found = jax.device_get(checks)
@@ -174,9 +175,11 @@ def _check_values(api, A, dt, dt_bias, dt_softplus, dt_limit, seq_idx=None):
         what = "dt" if dt_bias is None else "dt + dt_bias"
         raise ValueError(f"{api}: {what} must be >= 0 without dt_softplus or a dt_limit (it is the time step "
                          f"Δ); got min({what})={found['dt']}")
-    if "seq_idx" in found and found["seq_idx"] < 0:
-        raise ValueError(f"{api}: seq_idx must be nondecreasing along seqlen; it decreases by "
-                         f"{-int(found['seq_idx'])}")
+    if "seq_idx" in found and not found["seq_idx"]:
+        ids = np.asarray(seq_idx).astype(np.int64)
+        row, position = np.argwhere(ids[:, 1:] < ids[:, :-1])[0]
+        raise ValueError(f"{api}: seq_idx must be nondecreasing along seqlen; seq_idx[{row}, {position + 1}]="
+                         f"{ids[row, position + 1]} follows {ids[row, position]}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -84,6 +84,8 @@ def _bad_call(**changes):
     (dict(dt_limit=(1.0, 0.5)), ValueError, r"dt_limit=\(1.0, 0.5\) must satisfy 0 <= min <= max"),
     (dict(dt_limit=(math.inf, math.inf)), ValueError, r"dt_limit=\(inf, inf\) must satisfy .* min finite"),
     (dict(dt_limit=0.5), TypeError, r"dt_limit=0.5 must be a pair of floats"),
+    (dict(dt_limit={0.0, 1.0}), TypeError, r"dt_limit=\{0.0, 1.0\} must be a pair of floats"),
+    (dict(dt_limit=("0", "1")), TypeError, r"dt_limit=\('0', '1'\) must be a pair of floats"),
     (dict(dt_softplus="no"), TypeError, r"ssd: dt_softplus='no' must be a bool"),
     (dict(return_final_states="no"), TypeError, r"ssd: return_final_states='no' must be a bool"),
     (dict(backend="triton"), ValueError, r"backend='triton' must be one of 'auto', 'xla', 'scan'"),
@@ -96,12 +98,24 @@ def _bad_call(**changes):
     (dict(dt_softplus=False, dt_bias=None, dt=jnp.full((2, 40, 4), -0.25)), ValueError,
      r"ssd: dt must be >= 0 .* got min\(dt\)=-0.25"),
     (dict(seq_idx=jnp.asarray(np.r_[[0] * 20, [1] * 10, [0] * 10][None].repeat(2, 0), jnp.int32)), ValueError,
-     r"ssd: seq_idx must be nondecreasing along seqlen; it decreases by 1"),
+     r"ssd: seq_idx must be nondecreasing along seqlen; seq_idx\[0, 30\]=0 follows 1"),
+    # Compared, not subtracted: no wrap-around in unsigned or narrow dtypes.
+    (dict(seq_idx=jnp.asarray(np.r_[[0] * 20, [1] * 10, [0] * 10][None].repeat(2, 0), jnp.uint32)), ValueError,
+     r"ssd: seq_idx must be nondecreasing along seqlen; seq_idx\[0, 30\]=0 follows 1"),
 ])
 def test_ssd_rejects_bad_arguments(changes, error, message):
     call = _bad_call(**changes)
     with pytest.raises(error, match=message):
         jax_mamba2.ssd(**call)
+
+
+def test_ssd_orders_seq_idx_of_any_integer_dtype_without_wrapping_around():
+    """A nondecreasing int8 seq_idx whose steps exceed int8's range is accepted (and runs as int32's)."""
+    base = _bad_call()
+    ids = np.r_[[-100] * 20, [100] * 20][None].repeat(2, 0)
+    got = jax_mamba2.ssd(**dict(base, seq_idx=jnp.asarray(ids, jnp.int8)), backend="xla")
+    np.testing.assert_array_equal(got, jax_mamba2.ssd(**dict(base, seq_idx=jnp.asarray(ids, jnp.int32)),
+                                                      backend="xla"))
 
 
 def test_ssd_accepts_values_within_the_preconditions():

@@ -30,21 +30,30 @@ def cuda_target_override() -> Optional[str]:
     return _cuda_target
 
 
+# cuda.tile.jax's compiled kernels, one cache per target arch: its own cache is keyed by kernel and constraints,
+# not by the arch it compiled for.
+_COMPILE_CACHES: dict[Optional[str], dict] = {}
+
+
 @contextlib.contextmanager
 def cuda_target(arch: str) -> Iterator[None]:
     """Makes cuTile compile for `arch` without asking the local GPU (there may be none).
 
     cuda.tile.jax compiles each kernel for `cuda.tile._compile.get_sm_arch()`, which queries device 0
-    through libcuda; this swaps that private function for the duration (cuda-tile 1.7).
+    through libcuda; this swaps that private function for the duration (cuda-tile 1.7), and cuda.tile.jax's
+    cache of compiled kernels for one of `arch`'s (the local GPU's cache is restored after).
     """
     global _cuda_target
     previous_target, previous_query = _cuda_target, cutile_compile.get_sm_arch
+    previous_cache = _COMPILE_CACHES.setdefault(previous_target, cutile_jax._COMPILE_CACHE)
     _cuda_target = arch
     cutile_compile.get_sm_arch = lambda *args, **kwargs: arch
+    cutile_jax._COMPILE_CACHE = _COMPILE_CACHES.setdefault(arch, {})
     try:
         yield
     finally:
         _cuda_target, cutile_compile.get_sm_arch = previous_target, previous_query
+        cutile_jax._COMPILE_CACHE = previous_cache
 
 
 # --- Compiling the kernels of cutile_call lowerings (cuda-tile 1.7: cuda/tile/jax/_jax.py, _compile.py) ---

@@ -18,16 +18,27 @@ import jax
 from jax import export
 
 from jax_mamba2.bridge._compat import COMMAND_BUFFER_TARGET, cuda_target
+from jax_mamba2.kernels._common import SUPPORTED_ARCHS
 
 # The custom-call target of every cuTile launch of this package (registered by jax_mamba2.bridge).
 CUTILE_CUSTOM_CALL = COMMAND_BUFFER_TARGET
 
-__all__ = ["export_for_cuda", "cuda_target", "CUTILE_CUSTOM_CALL"]
+__all__ = ["export_for_cuda", "cuda_target", "CUTILE_CUSTOM_CALL", "SUPPORTED_ARCHS"]
 
 
 def export_for_cuda(fun: Callable, *args, arch: str = "sm_90", **kwargs) -> export.Exported:
     """`jax.export` of `jax.jit(fun)(*args, **kwargs)` for the CUDA platform, cuTile kernels compiled for
-    `arch`. Inside, `ssd(backend="auto")` and `backend="cutile"` choose the kernels as on that GPU."""
+    `arch`. Inside, `ssd(backend="auto")` and `backend="cutile"` choose the kernels as on that GPU.
+
+    JAX's in-memory caches are cleared first (`jax.clear_caches()`), so that no lowering this process made for
+    another target (its GPU's, or another export's) is reused with that target's kernels.
+
+    Raises:
+      ValueError: for an arch outside SUPPORTED_ARCHS.
+    """
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"export_for_cuda: arch={arch!r} must be one of {SUPPORTED_ARCHS}")
+    jax.clear_caches()
     with cuda_target(arch):
         return export.export(
             jax.jit(fun), platforms=["cuda"],

@@ -59,6 +59,9 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, *, data_axis: str = 
         raise TypeError(f"shard_model: model must be an nnx.Module, got {type(model).__name__}")
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"shard_model: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if data_axis == model_axis:
+        raise ValueError(f"shard_model: data_axis and model_axis must be different mesh axes; both are "
+                         f"{data_axis!r}")
     axis_types = dict(zip(mesh.axis_names, mesh.axis_types))
     for axis in (data_axis, model_axis):
         if axis not in axis_types:

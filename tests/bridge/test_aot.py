@@ -42,6 +42,25 @@ def test_aot_export_lowers_forward_and_backward_kernels_for_sm90():
     assert set(re.findall(r"stablehlo.custom_call @(\w+)\(", exported.mlir_module())) == {aot.CUTILE_CUSTOM_CALL}
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "banana", None])
+def test_aot_export_refuses_an_arch_the_kernels_do_not_support(arch):
+    with pytest.raises(ValueError, match=rf"export_for_cuda: arch={re.escape(repr(arch))} must be one of \('sm_90',\)"):
+        aot.export_for_cuda(lambda x: x, jnp.ones(2), arch=arch)
+
+
+def test_each_target_arch_has_its_own_cache_of_compiled_kernels():
+    """cuda.tile.jax keys its compiled kernels without the arch: a target swaps in a cache of its own, and the
+    local GPU's comes back after."""
+    from cuda.tile.jax import _jax as cutile_jax
+    local = cutile_jax._COMPILE_CACHE
+    with aot.cuda_target("sm_90"):
+        sm_90 = cutile_jax._COMPILE_CACHE
+        with aot.cuda_target("sm_100"):
+            assert cutile_jax._COMPILE_CACHE is not sm_90 and cutile_jax._COMPILE_CACHE is not local
+        assert cutile_jax._COMPILE_CACHE is sm_90
+    assert cutile_jax._COMPILE_CACHE is local and sm_90 is not local
+
+
 def test_aot_target_is_scoped():
     from jax_mamba2.bridge import problem
     with aot.cuda_target("sm_90"):

@@ -471,6 +471,9 @@ def test_tuning_cache_ignores_corrupt_and_foreign_files(tmp_path):
     path.write_text("{not json")
     with pytest.warns(RuntimeWarning, match="not readable as JSON .*; the file is ignored"):
         assert cache.read() == {}
+    path.write_text("[" * 100_000 + "]" * 100_000)  # nesting too deep for the json module
+    with pytest.warns(RuntimeWarning, match="not readable as JSON .*RecursionError.*; the file is ignored"):
+        assert cache.read() == {}
     path.write_text(json.dumps({"schema": cache_keys.CACHE_SCHEMA + 1, "entries": {"k": {}}}))
     with pytest.warns(RuntimeWarning, match=f"schema={cache_keys.CACHE_SCHEMA + 1}, not {cache_keys.CACHE_SCHEMA}; "
                                             f"the file is ignored"):
@@ -493,7 +496,8 @@ def test_tuning_cache_ignores_entries_of_another_shape_and_drops_them_on_the_nex
     entries = {"good": good, "text_time": {"config": {}, "mean_us": "fast"},
                "none_time": {"config": {}, "mean_us": None}, "no_config": {"mean_us": 1.0},
                "list_config": {"config": [1]}, "not_object": 7, "bool_time": {"config": {}, "tuning_s": True},
-               "inf_time": {"config": {}, "default_mean_us": 1e999}}
+               "inf_time": {"config": {}, "default_mean_us": 1e999},
+               "huge_int_time": {"config": {}, "mean_us": 10 ** 400}}  # a JSON integer no float holds
     path.write_text(json.dumps({"schema": cache_keys.CACHE_SCHEMA, "entries": entries}))
     cache = cache_file.TuningCache(path)
     with pytest.warns(RuntimeWarning) as caught:

@@ -120,6 +120,9 @@ def test_shard_model_rejects_unsplittable_models(tiny_config, mesh):
     explicit = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     with pytest.raises(ValueError, match=r"shard_model: mesh axis 'data' has type .*Explicit"):
         shard_model(_model(tiny_config), explicit)
+    with pytest.raises(ValueError, match=r"shard_model: data_axis and model_axis must be different mesh axes; "
+                                         r"both are 'model'"):
+        shard_model(_model(tiny_config), mesh, data_axis="model", model_axis="model")
 
 
 def test_shard_model_empty_sequence_gives_empty_logits(tiny_config, mesh):

@@ -36,7 +36,7 @@ class TuningCache:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nesting too deep for json
             self._ignored(f"not readable as JSON ({type(e).__name__}: {e})", "the file")
             return {}
         if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
@@ -96,6 +96,14 @@ class TuningCache:
 _TIMES = {"mean_us": False, "default_mean_us": True, "tuning_s": False}
 
 
+def _finite(value: int | float) -> bool:
+    """A finite float, or an int a float holds (JSON's integers have any number of digits)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _entry_problem(entry) -> Optional[str]:
     """What is wrong with a stored entry's form (None when nothing is)."""
     if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
@@ -104,6 +112,6 @@ def _entry_problem(entry) -> Optional[str]:
         if field not in entry or (may_be_none and entry[field] is None):
             continue
         value = entry[field]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return f"has {field}={value!r}, not a finite number"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+            return f"has {field}={value!r:.40}, not a finite number"
     return None
