@@ -19,13 +19,15 @@ from jax_mamba2.checks import check_dt_limit
 # options, which belong to the model rather than the checkpoint).
 MIXER_OPTIONS = (
     "d_state", "d_conv", "expand", "headdim", "d_ssm", "ngroups", "A_init_range", "D_has_hdim", "rmsnorm",
-    "norm_before_gate", "dt_min", "dt_max", "dt_init_floor", "dt_limit", "bias", "conv_bias", "chunk_size",
+    "norm_before_gate", "norm_eps", "dt_min", "dt_max", "dt_init_floor", "dt_limit", "bias", "conv_bias",
+    "chunk_size",
 )
-# mamba_ssm's `Mamba2` defaults, used when `ssm_cfg` does not set an option.
+# mamba_ssm's `Mamba2` defaults, used when `ssm_cfg` does not set an option (`norm_eps`, the gated norm's
+# epsilon, is not an option of mamba_ssm's, which fixes it at 1e-5; HF's Mamba2 takes `layer_norm_epsilon`).
 MIXER_DEFAULTS = FrozenDict(
     d_state=128, d_conv=4, expand=2, headdim=64, d_ssm=None, ngroups=1, A_init_range=(1.0, 16.0),
-    D_has_hdim=False, rmsnorm=True, norm_before_gate=False, dt_min=0.001, dt_max=0.1, dt_init_floor=1e-4,
-    dt_limit=(0.0, math.inf), bias=False, conv_bias=True, chunk_size=256,
+    D_has_hdim=False, rmsnorm=True, norm_before_gate=False, norm_eps=1e-5, dt_min=0.001, dt_max=0.1,
+    dt_init_floor=1e-4, dt_limit=(0.0, math.inf), bias=False, conv_bias=True, chunk_size=256,
 )
 
 
@@ -279,6 +281,7 @@ class Mamba2Config:
             dt_init_floor=get("time_step_floor", 1e-4),
             dt_limit=parse_dt_limit(get("time_step_limit"), api, "time_step_limit"),
             bias=get("use_bias", False), conv_bias=get("use_conv_bias", True), chunk_size=get("chunk_size", 256),
+            norm_eps=get("layer_norm_epsilon", 1e-5),  # HF's mixer norm takes the blocks' epsilon
             A_init_range=get("A_init_range", MIXER_DEFAULTS["A_init_range"]),
         )
         result = cls(
@@ -303,18 +306,22 @@ class Mamba2Config:
 
         Raises:
           ValueError: for mixer options HF's Mamba2 cannot express (norm_before_gate=True, D_has_hdim=True,
-            d_ssm != expand * d_model, rmsnorm=False).
+            d_ssm != expand * d_model, rmsnorm=False, a norm_eps other than norm_epsilon).
         """
         mixer = self.mixer_options
         d_inner = mixer["expand"] * self.d_model
         unsupported = {
             "norm_before_gate": mixer["norm_before_gate"], "D_has_hdim": mixer["D_has_hdim"],
             "rmsnorm": not mixer["rmsnorm"], "d_ssm": mixer["d_ssm"] not in (None, d_inner),
+            # HF's one `layer_norm_epsilon` serves the blocks' norms and the mixer's gated norm
+            "norm_eps": mixer["norm_eps"] != self.norm_epsilon,
         }
         bad = sorted(name for name, is_bad in unsupported.items() if is_bad)
         if bad:
-            raise ValueError(f"Mamba2Config.to_hf: ssm_cfg options {bad} have no HF transformers equivalent; "
-                             "keep mamba_ssm defaults for them or checkpoint with Orbax")
+            values = ", ".join(f"{name}={mixer[name]!r}" for name in bad)
+            raise ValueError(f"Mamba2Config.to_hf: ssm_cfg options {bad} ({values}; norm_epsilon="
+                             f"{self.norm_epsilon!r}) have no HF transformers equivalent; keep mamba_ssm defaults "
+                             "for them (norm_eps: equal to norm_epsilon) or checkpoint with Orbax")
         return {
             "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2",
             "hidden_size": self.d_model, "num_hidden_layers": self.n_layer, "vocab_size": self.padded_vocab_size,

@@ -25,7 +25,7 @@ from jax_mamba2 import backends
 from jax_mamba2 import conv1d as conv_op
 from jax_mamba2 import decode as decode_op
 from jax_mamba2 import norm as norm_op
-from jax_mamba2.checks import check_dt_limit, check_flag, float_dtype
+from jax_mamba2.checks import check_dt_limit, check_flag, check_positive_float, float_dtype
 from jax_mamba2.conv1d import causal_conv1d_silu, causal_conv1d_silu_split
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers._tree import param_path
@@ -91,6 +91,8 @@ class Mamba2(nnx.Module):
       D_has_hdim: D per (head, headdim) instead of per head (default: False).
       rmsnorm: gated RMSNorm after the SSD (default: True); if False, z gates the SSD output directly.
       norm_before_gate: RMSNorm(y) * silu(z) instead of RMSNorm(y * silu(z)) (default: False).
+      norm_eps: the gated RMSNorm's epsilon (default: 1e-5, the value mamba_ssm fixes; HF transformers' Mamba2
+        takes its `layer_norm_epsilon`, so HF configs set it).
       dt_min, dt_max, dt_init_floor: softplus(dt_bias) starts log-uniform in [dt_min, dt_max], at least
         dt_init_floor (defaults: 0.001, 0.1, 1e-4).
       dt_limit: clip of the time step Δ (default: (0, inf), no clip).
@@ -124,7 +126,7 @@ class Mamba2(nnx.Module):
 
     def __init__(self, d_model: int, *, d_state: int = 128, d_conv: int = 4, expand: int = 2, headdim: int = 64,
                  d_ssm: int | None = None, ngroups: int = 1, A_init_range=(1, 16), D_has_hdim: bool = False,
-                 rmsnorm: bool = True, norm_before_gate: bool = False, dt_min: float = 0.001,
+                 rmsnorm: bool = True, norm_before_gate: bool = False, norm_eps: float = 1e-5, dt_min: float = 0.001,
                  dt_max: float = 0.1, dt_init_floor: float = 1e-4, dt_limit=(0.0, math.inf), bias: bool = False,
                  conv_bias: bool = True, chunk_size: int = 256, backend: str = "auto",
                  deterministic_backward: bool = False, save_chunk_states: bool = False, check_finite: bool = True,
@@ -140,6 +142,7 @@ class Mamba2(nnx.Module):
             check_finite=check_finite).items())
         dtype = None if dtype is None else float_dtype("Mamba2", "dtype", dtype)
         param_dtype = float_dtype("Mamba2", "param_dtype", param_dtype)
+        norm_eps = check_positive_float("Mamba2", "norm_eps", norm_eps)
         d_inner = expand * d_model
         d_ssm = d_inner if d_ssm is None else d_ssm
         if isinstance(d_ssm, bool) or not isinstance(d_ssm, int) or not 0 < d_ssm <= d_inner or d_ssm % headdim:
@@ -186,7 +189,7 @@ class Mamba2(nnx.Module):
                                               dt_init_floor=dt_init_floor, dtype=param_dtype))
         self.A_log = nnx.Param(A_log_init(rngs.params(), nheads, A_init_range=A_init_range, dtype=param_dtype))
         self.D = nnx.Param(jnp.ones((d_ssm,) if D_has_hdim else (nheads,), param_dtype))
-        self.norm = (RMSNorm(d_ssm, eps=1e-5, group_size=d_ssm // ngroups, norm_before_gate=norm_before_gate,
+        self.norm = (RMSNorm(d_ssm, eps=norm_eps, group_size=d_ssm // ngroups, norm_before_gate=norm_before_gate,
                              backend=backends.for_op(backend, norm_op.OP), param_dtype=param_dtype, rngs=rngs)
                      if rmsnorm else nnx.data(None))
         self.out_proj = nnx.Linear(d_inner, d_model, use_bias=bias, param_dtype=param_dtype,

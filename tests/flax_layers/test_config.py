@@ -119,9 +119,26 @@ def test_config_canonical_form_drops_options_spelled_as_their_defaults():
 def test_config_keeps_numpy_numbers_as_python_ones_so_it_writes_as_json():
     """NumPy scalars and arrays in the fields and options become Python numbers and tuples: the config stays
     hashable and `to_hf` gives a dict json can write."""
-    config = mamba2_130m(norm_epsilon=np.float32(1e-5), ssm_cfg={"layer": "Mamba2", "dt_min": np.float32(0.01),
+    config = mamba2_130m(norm_epsilon=np.float64(1e-5), ssm_cfg={"layer": "Mamba2", "dt_min": np.float32(0.01),
                                                                    "A_init_range": np.array([1.0, 8.0])})
     assert type(config.norm_epsilon) is float and type(config.ssm_cfg["dt_min"]) is float
     assert config.ssm_cfg.get("A_init_range", (1.0, 16.0)) == (1.0, 8.0)
     json.dumps(config.to_hf())
     hash(config)
+
+
+def test_the_mixer_norm_takes_hf_s_layer_norm_epsilon_and_hf_cannot_hold_two_epsilons():
+    """HF's Mamba2 normalizes the mixer's gated norm with `layer_norm_epsilon`, mamba_ssm's with a fixed 1e-5:
+    an HF config sets the mixer's `norm_eps` too, and a config whose two epsilons differ has no HF form."""
+    config = Mamba2Config.from_hf({**HF_130M, "layer_norm_epsilon": 1e-6})
+    assert config.norm_epsilon == config.mixer_options["norm_eps"] == 1e-6
+    model = nnx.eval_shape(lambda: Mamba2LMHeadModel(config, rngs=nnx.Rngs(0)))
+    assert model.layers.mixer.norm.eps == model.layers.norm.eps == 1e-6
+    with pytest.raises(ValueError, match=r"Mamba2: norm_eps=0.0 must be a positive finite float"):
+        nnx.eval_shape(lambda: Mamba2LMHeadModel(mamba2_130m(ssm_cfg={"layer": "Mamba2", "norm_eps": 0.0}),
+                                                 rngs=nnx.Rngs(0)))
+    assert Mamba2Config.from_hf(config.to_hf()) == config
+    assert "norm_eps" not in Mamba2Config.from_hf(HF_130M).ssm_cfg  # 1e-5: mamba_ssm's, the default
+    with pytest.raises(ValueError, match=r"to_hf: ssm_cfg options \['norm_eps'\] \(norm_eps=1e-05; "
+                                         r"norm_epsilon=1e-06\) have no HF transformers equivalent"):
+        mamba2_130m(norm_epsilon=1e-6).to_hf()
