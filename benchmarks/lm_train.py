@@ -437,14 +437,6 @@ def conv_kernels(spec: str):
                                bwd_config=parse_config(bwd, ConvBwdConfig))
 
 
-def lax_scan_blocks(apply, stacked, carry, *operands):
-    """The layer loop as `lax.scan` differentiates it (stacks of residuals created as zeros): the A/B baseline of
-    `layer_loop.scan_blocks`, the LM's loop, whose stacks are created unfilled."""
-    import jax
-
-    return jax.lax.scan(lambda c, layer: (apply(layer, c, *operands), None), carry, stacked)[0]
-
-
 def work(job: dict) -> dict:
     if job["impl"] not in OURS:
         return train_mamba_ssm(job)
@@ -453,8 +445,10 @@ def work(job: dict) -> dict:
             from jax_mamba2 import backends, conv1d
 
             replaced.enter_context(backends.kernels_replaced(conv1d.OP, "cutile", conv_kernels(job["conv_configs"])))
-        if job.get("layer_loop", "unfilled") == "lax-scan":
+        if job.get("layer_loop", "unfilled") == "lax-scan":  # the A/B baseline: lax.scan's zero-filled stacks
             from unittest import mock
+
+            from jax_mamba2.flax_layers.layer_loop import lax_scan_blocks
 
             replaced.enter_context(mock.patch("jax_mamba2.flax_layers.lm.scan_blocks", lax_scan_blocks))
         return train_ours(job)
@@ -653,6 +647,8 @@ def parse_args(argv=None):
             TrainConfig.parse(name)
         except ValueError as e:
             parser.error(str(e))
+    if args.layer_loop != "unfilled" and args.unroll_layers:
+        parser.error("--layer-loop is the layer scan's: not with --unroll-layers")
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     return args

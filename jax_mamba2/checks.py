@@ -81,6 +81,8 @@ def check_flag(api: str, name: str, value) -> bool:
 
 def float_dtype(api: str, name: str, dtype) -> jnp.dtype:
     """`dtype` (an option naming a dtype) as one of FLOAT_DTYPES."""
+    if dtype is None:  # NumPy would read None as float64
+        raise TypeError(f"{api}: {name}=None must be one of {_FLOAT_NAMES}")
     try:
         dtype = jnp.dtype(dtype)
     except TypeError:

@@ -176,10 +176,10 @@ def _check_values(api, A, dt, dt_bias, dt_softplus, dt_limit, seq_idx=None):
         raise ValueError(f"{api}: {what} must be >= 0 without dt_softplus or a dt_limit (it is the time step "
                          f"Δ); got min({what})={found['dt']}")
     if "seq_idx" in found and not found["seq_idx"]:
-        ids = np.asarray(seq_idx).astype(np.int64)
+        ids = np.asarray(seq_idx)
         row, position = np.argwhere(ids[:, 1:] < ids[:, :-1])[0]
         raise ValueError(f"{api}: seq_idx must be nondecreasing along seqlen; seq_idx[{row}, {position + 1}]="
-                         f"{ids[row, position + 1]} follows {ids[row, position]}")
+                         f"{int(ids[row, position + 1])} follows {int(ids[row, position])}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -206,7 +206,7 @@ def _checkpoint_tensors(path: pathlib.Path) -> dict[str, _Tensor]:
                                         "does not exist")
             held = _safetensors_tensors(path / shard)
             listed = {name for name, file in weight_map.items() if file == shard}
-            if set(held) != listed or set(held) & set(tensors):
+            if set(held) != listed:
                 raise ValueError(f"load_pretrained: {path / shard} holds {sorted(held)}, but {index}'s weight_map "
                                  f"gives it {sorted(listed)} (each tensor in the one shard the index names)")
             tensors.update(held)
@@ -268,8 +268,6 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
     check_flag("load_pretrained", "scan_layers", scan_layers)
     if dtype is not None:
         float_dtype("load_pretrained", "dtype", dtype)
-    if param_dtype is None:  # NumPy would read None as float64
-        raise TypeError("load_pretrained: param_dtype=None must be one of bfloat16, float16, float32, float64")
     param_dtype = float_dtype("load_pretrained", "param_dtype", param_dtype)
     config = load_config(path)
     try:
@@ -338,7 +336,8 @@ def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
     the swap leaves the previous checkpoint, complete, in `.{name}.old-*` beside `path`; the staging
     directory of a killed save is deleted by the next save on the same host.) Other files in
     `path` (a tokenizer, ...) are carried over as hard links (copies where the file system has none), except
-    the weights in other forms (shards and their index, `pytorch_model*.bin`), which held the old model.
+    the weights in other forms (shards and their index, `pytorch_model*.bin`, Flax's and TF's files), which
+    held the old model.
 
     An unbounded `time_step_limit` is written as `[low, Infinity]`, the form mamba_ssm and transformers 4.x
     write and every transformers release reads.
@@ -429,7 +428,9 @@ def _remove_abandoned_staging(path: pathlib.Path) -> None:
 # What a save writes, and every other form of a checkpoint's weights (shards, their index, PyTorch's files),
 # which a save over that checkpoint must not carry over: a reader that looks for them would load the old model.
 _OWN_FILES = re.compile(r"config\.json|model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors"
-                        r"|pytorch_model(-\d+-of-\d+)?\.bin(\.index\.json)?")
+                        r"|pytorch_model(-\d+-of-\d+)?\.bin(\.index\.json)?"
+                        r"|flax_model(-\d+-of-\d+)?\.msgpack(\.index\.json)?"
+                        r"|tf_model(-\d+-of-\d+)?\.h5(\.index\.json)?")
 
 
 def _carry_over(source: pathlib.Path, target: pathlib.Path, *, skip: re.Pattern) -> None:

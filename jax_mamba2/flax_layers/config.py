@@ -112,7 +112,9 @@ def _require_positive_numbers(config: Mapping[str, Any], keys: Sequence[str], ap
 def _freeze(value):
     """JSON lists (and NumPy arrays) become tuples and NumPy scalars Python numbers, so that the config stays
     hashable (it is static data under jit) and writes as JSON."""
-    if isinstance(value, (list, tuple, np.ndarray)):
+    if isinstance(value, np.ndarray):
+        value = value.tolist()  # nested lists, or a Python number for a 0-d array
+    if isinstance(value, (list, tuple)):
         return tuple(_freeze(v) for v in value)
     return value.item() if isinstance(value, np.generic) else value
 
@@ -156,8 +158,9 @@ class Mamba2Config:
     def __post_init__(self):
         for name in ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"Mamba2Config: {name}={value!r} must be a positive int")
+            object.__setattr__(self, name, int(value))
         if not isinstance(self.ssm_cfg, Mapping):
             raise TypeError(f"Mamba2Config: ssm_cfg={self.ssm_cfg!r} must be a mapping of Mamba2 options (a JSON "
                             "object)")
@@ -213,7 +216,8 @@ class Mamba2Config:
 
         Raises:
           ValueError: for a missing d_model, n_layer or vocab_size, for attention layers (`attn_layer_idx`),
-            which this package does not implement, or for keys that are not `MambaConfig` fields.
+            which this package does not implement, for keys that are not `MambaConfig` fields, or for an
+            `ssm_cfg` without "layer", which mamba_ssm reads as a Mamba-1 model.
         """
         if not isinstance(config, Mapping):
             raise TypeError(f"Mamba2Config.from_mamba_ssm: config={config!r} must be a mapping (a config.json dict)")
@@ -314,7 +318,7 @@ class Mamba2Config:
             "norm_before_gate": mixer["norm_before_gate"], "D_has_hdim": mixer["D_has_hdim"],
             "rmsnorm": not mixer["rmsnorm"], "d_ssm": mixer["d_ssm"] not in (None, d_inner),
             # HF's one `layer_norm_epsilon` serves the blocks' norms and the mixer's gated norm
-            "norm_eps": mixer["norm_eps"] != self.norm_epsilon,
+            "norm_eps": not math.isclose(mixer["norm_eps"], self.norm_epsilon, rel_tol=1e-6),  # float32 rounding
         }
         bad = sorted(name for name, is_bad in unsupported.items() if is_bad)
         if bad:

@@ -153,11 +153,12 @@ class Mamba2LMHeadModel(nnx.Module):
         the norms, the conv and the SSD forward recomputed in the backward (no matrix product is; a few times
         less activation memory, see docs/design.md §12); True only the block's inputs, the whole block
         recomputed.
-      scan_layers: run the blocks as one loop over the stacked layers (default: XLA compiles one block; the
-        backward's per-layer activations are stacked into buffers the loop writes without filling them
-        first, `layer_loop.scan_blocks`), or unrolled, each block on its slice of the stacked parameters (False: XLA compiles every
-        block, so compiling takes longer; the program has no layer loop, so the activations the backward
-        keeps need not be copied into per-layer stacks, and a decode step is one straight-line program).
+      scan_layers: run the blocks as one loop over the stacked layers (default: XLA compiles one block; on a
+        process with one device the backward's per-layer activations are stacked into buffers the loop writes
+        without filling them first, `layer_loop.scan_blocks`), or unrolled, each block on its slice of the
+        stacked parameters (False: XLA compiles every block, so compiling takes longer; the program has no
+        layer loop, so the activations the backward keeps need not be copied into per-layer stacks, and a
+        decode step is one straight-line program).
       dtype: computation dtype (default: None, inferred; e.g. jnp.bfloat16 with float32 parameters).
       param_dtype: parameter dtype (default: float32).
       rngs: parameter initialization keys.
@@ -418,7 +419,7 @@ class Mamba2LMHeadModel(nnx.Module):
 
     def _embed(self, input_ids):
         hidden = self.embedding(input_ids)
-        return hidden, jnp.zeros(hidden.shape, self._embed_residual_dtype(hidden.dtype))
+        return hidden, jnp.zeros_like(hidden, self._embed_residual_dtype(hidden.dtype))  # hidden's varying axes too
 
     def _embed_residual_dtype(self, hidden_dtype):
         """The dtype of the residual stream before the first block (zeros)."""

@@ -68,8 +68,8 @@ def make_sampling(api: str, vocab_size: int, *, temperature=0.0, top_k=None, top
     the least likely tokens.
 
     Raises:
-      ValueError: temperature < 0, infinite, NaN or too small for float32, top_k outside [1, vocab_size], top_p outside (0, 1], min_p
-        outside [0, 1], repetition_penalty <= 0, infinite or NaN.
+      ValueError: temperature < 0, infinite, NaN or under float32's smallest normal number, top_k outside
+        [1, vocab_size], top_p outside (0, 1], min_p outside [0, 1], repetition_penalty <= 0, infinite or NaN.
       TypeError: any of them not a concrete number (top_k not an int).
     """
     temperature = _concrete_float(api, "temperature", temperature)

@@ -347,18 +347,15 @@ def test_cutile_launches_lists_the_package_s_kernels_in_hlo_order():
 
 def test_layer_loop_reaches_the_worker_and_keys_the_record(monkeypatch):
     """--layer-loop lax-scan runs the model's layer scan as lax.scan differentiates it (the A/B baseline),
-    inside the worker only; the loop computes what the model's does."""
+    inside the worker only; not with --unroll-layers."""
     _assert_variant_reaches_ours_and_keys_the_record(["--layer-loop", "lax-scan"], "layer_loop", "lax-scan",
                                                      "unfilled", ", layer loop lax-scan")
-    from jax_mamba2.flax_layers import lm
+    from jax_mamba2.flax_layers import layer_loop, lm
     seen = []
     monkeypatch.setattr(lm_train, "train_ours", lambda job: seen.append(lm.scan_blocks))
     lm_train.work({"impl": "cutile", "layer_loop": "lax-scan"})
     lm_train.work({"impl": "cutile"})
-    assert seen == [lm_train.lax_scan_blocks, lm.scan_blocks] and lm.scan_blocks is not lm_train.lax_scan_blocks
-
-    def block(layer, carry, scale):
-        return jnp.tanh(carry @ layer) * scale
-    stacked, carry = jax.random.normal(jax.random.key(0), (3, 4, 4)), jax.random.normal(jax.random.key(1), (2, 4))
-    np.testing.assert_allclose(lm_train.lax_scan_blocks(block, stacked, carry, 0.5),
-                               lm.scan_blocks(block, stacked, carry, 0.5), rtol=1e-6)
+    assert seen == [layer_loop.lax_scan_blocks, layer_loop.scan_blocks]
+    assert lm.scan_blocks is layer_loop.scan_blocks
+    with pytest.raises(SystemExit):
+        lm_train.parse_args(["--layer-loop", "lax-scan", "--unroll-layers"])

@@ -119,9 +119,11 @@ def test_config_canonical_form_drops_options_spelled_as_their_defaults():
 def test_config_keeps_numpy_numbers_as_python_ones_so_it_writes_as_json():
     """NumPy scalars and arrays in the fields and options become Python numbers and tuples: the config stays
     hashable and `to_hf` gives a dict json can write."""
-    config = mamba2_130m(norm_epsilon=np.float64(1e-5), ssm_cfg={"layer": "Mamba2", "dt_min": np.float32(0.01),
-                                                                   "A_init_range": np.array([1.0, 8.0])})
-    assert type(config.norm_epsilon) is float and type(config.ssm_cfg["dt_min"]) is float
+    config = mamba2_130m(d_model=np.int64(768), norm_epsilon=np.float32(1e-5),
+                         ssm_cfg={"layer": "Mamba2", "dt_min": np.float32(0.01), "A_init_range": np.array([1.0, 8.0]),
+                                  "chunk_size": np.array(128)})
+    assert type(config.d_model) is int and type(config.norm_epsilon) is float
+    assert type(config.ssm_cfg["dt_min"]) is float and config.ssm_cfg["chunk_size"] == 128
     assert config.ssm_cfg.get("A_init_range", (1.0, 16.0)) == (1.0, 8.0)
     json.dumps(config.to_hf())
     hash(config)

@@ -245,6 +245,7 @@ def test_mamba2_rejects_bad_config(options, message):
     (dict(d_state=True), ValueError, r"Mamba2: d_state=True must be a positive int"),
     (dict(dtype="foo"), TypeError, r"Mamba2: dtype='foo' must be a float dtype"),
     (dict(param_dtype=jnp.int32), TypeError, r"Mamba2: param_dtype=int32 must be one of bfloat16"),
+    (dict(param_dtype=None), TypeError, r"Mamba2: param_dtype=None must be one of bfloat16"),
     (dict(A_init_range=16), TypeError, r"Mamba2: A_init_range=16 must be a pair of numbers"),
     (dict(dt_min="0.001"), TypeError, r"Mamba2: dt_min='0.001' must be a number"),
     (dict(dt_init_floor=None), TypeError, r"Mamba2: dt_init_floor=None must be a number"),
