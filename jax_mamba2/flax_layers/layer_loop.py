@@ -46,9 +46,10 @@ def _leading_length(stacked) -> int:
 def _unfilled(like, shape):
     """A buffer of `shape`, `like`'s dtype and shard_map varying axes, whose every slot the loop writes before
     anything reads it. On a process with one device it is `lax.empty` (on GPU an XLA allocation without a fill),
-    unbatched under vmap (its values are never read, so every batch member may share it); elsewhere zeros, since
-    an allocation carries no sharding of its own for a partitioned program to follow (and JAX's own scan keeps
-    its zeros for that reason)."""
+    unbatched under vmap as zeros would be (`lax.empty`'s own batching rule batches it, which forward-over-reverse
+    differentiation rejects; vmap batches the buffer where a batched value is written into it); elsewhere zeros,
+    since an allocation carries no sharding of its own for a partitioned program to follow (JAX's own scan keeps
+    zeros "until AllocateBuffer issues are fixed")."""
     if jax.device_count() == 1:
         @jax.custom_batching.custom_vmap
         def empty(token):
