@@ -32,6 +32,9 @@ def resolve_backend(requested: str) -> str:
     running the xla path.
     """
     if requested != "auto":
+        reason = jax_mamba2.backend_status()[requested].reason
+        if reason is not None:
+            raise SystemExit(f"--backend {requested} cannot run here: {reason}")
         print(f"SSD backend: {requested} (requested)")
         return requested
     reason = cutile_unavailable_reason()
@@ -63,9 +66,30 @@ def add_common_flags(parser: argparse.ArgumentParser, *, backend: bool = True) -
 
 
 def output_dir(path: pathlib.Path) -> pathlib.Path:
-    """Creates `path` (and its parents) and returns it."""
-    path.mkdir(parents=True, exist_ok=True)
+    """Creates `path` (and its parents) and returns it; a path that cannot be a folder ends the run naming it."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        raise SystemExit(f"--out: {path} cannot be a folder ({e.strerror}: a file is in the way)") from None
     return path
+
+
+def positive_int(text: str) -> int:
+    """argparse type of sizes and counts: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive int")
+    return value
+
+
+def in_range(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
+    """argparse type of a float in [low, high] (low excluded with low_open; high may be inf)."""
+    def parse(text: str) -> float:
+        value = float(text)
+        if not ((low < value) if low_open else (low <= value)) or not value <= high:
+            raise argparse.ArgumentTypeError(f"{value} must be in {'(' if low_open else '['}{low}, {high}]")
+        return value
+    return parse
 
 
 def describe_device() -> str:

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from _common import add_common_flags, describe_device, make_parser, output_dir, resolve_backend, write_atomically
+from _common import (add_common_flags, describe_device, in_range, make_parser, output_dir, positive_int,
+                     resolve_backend, write_atomically)
 from jax_mamba2.flax_layers import (Mamba2Config, Mamba2LMHeadModel, cast_params, generate, generate_stream,
                                     load_pretrained)
 
@@ -179,17 +180,17 @@ def parse_args(argv=None):
                         help="HuggingFace tokenizer.json; None: the one in --model-dir, else bytes")
     parser.add_argument("--prompt", action="append",
                         help="text the generation continues; repeat it for a batch of prompts of different lengths "
-                             f"(left-padded, each decoded as it would be alone; default: {DEFAULT_PROMPT!r})")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per sequence, >= 2")
-    parser.add_argument("--batch", type=int, default=1, help="copies of each prompt decoded together")
-    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
-    parser.add_argument("--top-k", type=int, default=None,
+                             f"(left-padded, each decoded as it would be alone; without one: {DEFAULT_PROMPT!r})")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens generated per sequence, >= 2")
+    parser.add_argument("--batch", type=positive_int, default=1, help="copies of each prompt decoded together")
+    parser.add_argument("--temperature", type=in_range(0.0, float("inf")), default=0.0, help="sampling temperature; 0 = greedy")
+    parser.add_argument("--top-k", type=positive_int, default=None,
                         help="sample among the k most likely tokens; None: among all")
-    parser.add_argument("--top-p", type=float, default=None,
+    parser.add_argument("--top-p", type=in_range(0.0, 1.0, low_open=True), default=None,
                         help="sample among the most likely tokens whose probabilities sum to p; None: among all")
-    parser.add_argument("--min-p", type=float, default=None,
+    parser.add_argument("--min-p", type=in_range(0.0, 1.0), default=None,
                         help="sample among tokens at least p times as likely as the most likely; None: among all")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+    parser.add_argument("--repetition-penalty", type=in_range(0.0, float("inf"), low_open=True), default=1.0,
                         help="divide (multiply, if negative) the logits of tokens already in the text by this")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="computation dtype; auto = bfloat16 on a GPU, float32 elsewhere")
@@ -204,18 +205,21 @@ def parse_args(argv=None):
                         help="scan_layers=False: the prompt's blocks unrolled (a longer compile); the fused "
                              "decode step runs its layers unrolled either way")
     random_model = parser.add_argument_group("random model (without --model-dir)")
-    random_model.add_argument("--d-model", type=int, default=256, help="model width")
-    random_model.add_argument("--layers", type=int, default=4, help="Mamba-2 blocks")
-    random_model.add_argument("--d-state", type=int, default=64, help="SSM state size N")
-    random_model.add_argument("--headdim", type=int, default=64, help="SSM head size P")
-    random_model.add_argument("--chunk-size", type=int, default=64, help="SSD chunk length, a power of two")
+    random_model.add_argument("--d-model", type=positive_int, default=256, help="model width")
+    random_model.add_argument("--layers", type=positive_int, default=4, help="Mamba-2 blocks")
+    random_model.add_argument("--d-state", type=positive_int, default=64, help="SSM state size N")
+    random_model.add_argument("--headdim", type=positive_int, default=64, help="SSM head size P")
+    random_model.add_argument("--chunk-size", type=positive_int, default=64, help="SSD chunk length, a power of two")
     add_common_flags(parser)
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 2 or args.batch < 1:
-        parser.error("--max-new-tokens must be >= 2 and --batch >= 1")
+    if args.max_new_tokens < 2:
+        parser.error("--max-new-tokens must be >= 2")
     args.prompt = args.prompt or [DEFAULT_PROMPT]
-    if args.model_dir is not None and not args.model_dir.is_dir():
-        parser.error(f"--model-dir={args.model_dir} is not a directory")
+    if args.model_dir is not None and not (args.model_dir / "config.json").is_file():
+        hint = " (its model/ folder holds one)" if (args.model_dir / "model" / "config.json").is_file() else ""
+        parser.error(f"--model-dir={args.model_dir} must be a checkpoint folder with a config.json{hint}")
+    if args.tokenizer is not None and not args.tokenizer.is_file():
+        parser.error(f"--tokenizer={args.tokenizer} is not a file")
     return args
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from _common import (add_common_flags, describe_device, make_parser, output_dir, resolve_backend,
+from _common import (add_common_flags, describe_device, make_parser, output_dir, positive_int, resolve_backend,
                      time_call, write_atomically)
 from jax_mamba2.flax_layers import Mamba2
 
@@ -151,19 +151,22 @@ def print_custom_calls(backend: str, hlo_text: str) -> int:
 
 def parse_args(argv=None):
     parser = make_parser(__doc__)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per step")
-    parser.add_argument("--seqlen", type=int, default=512, help="steps per sequence")
-    parser.add_argument("--features", type=int, default=16, help="width of the sequence to copy")
+    parser.add_argument("--batch", type=positive_int, default=4, help="sequences per step")
+    parser.add_argument("--seqlen", type=positive_int, default=512, help="steps per sequence")
+    parser.add_argument("--features", type=positive_int, default=16, help="width of the sequence to copy")
     parser.add_argument("--delay", type=int, default=8, help="the copy lag in steps")
-    parser.add_argument("--d-model", type=int, default=128, help="model width")
-    parser.add_argument("--layers", type=int, default=2, help="Mamba2 layers")
-    parser.add_argument("--d-state", type=int, default=64, help="SSM state size N")
-    parser.add_argument("--headdim", type=int, default=64, help="SSM head size P")
-    parser.add_argument("--chunk-size", type=int, default=128, help="SSD chunk length, a power of two")
+    parser.add_argument("--d-model", type=positive_int, default=128, help="model width")
+    parser.add_argument("--layers", type=positive_int, default=2, help="Mamba2 layers")
+    parser.add_argument("--d-state", type=positive_int, default=64, help="SSM state size N")
+    parser.add_argument("--headdim", type=positive_int, default=64, help="SSM head size P")
+    parser.add_argument("--chunk-size", type=positive_int, default=128, help="SSD chunk length, a power of two")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="computation dtype")
-    parser.add_argument("--repeats", type=int, default=10, help="timed steps per backend")
+    parser.add_argument("--repeats", type=positive_int, default=10, help="timed steps per backend")
     add_common_flags(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not 0 <= args.delay < args.seqlen:
+        parser.error(f"--delay={args.delay} must be in [0, --seqlen={args.seqlen})")
+    return args
 
 
 def compile_and_time(args, backend: str, batch, out) -> dict:

@@ -34,8 +34,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from _common import (add_common_flags, describe_device, make_parser, output_dir, resolve_backend, save_figure,
-                     write_atomically)
+from _common import (add_common_flags, describe_device, in_range, make_parser, output_dir, positive_int,
+                     resolve_backend, save_figure, write_atomically)
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, generate, save_pretrained
 
 VOCAB_SIZE = 256  # bytes
@@ -91,8 +91,9 @@ def build_model(args, backend: str, seed: int) -> Mamba2LMHeadModel:
 def build_optimizer(model: Mamba2LMHeadModel, args) -> nnx.Optimizer:
     """AdamW with warmup and cosine decay, clipped gradients. Only the `kernel`s (in_proj, conv1d,
     out_proj) decay: not A_log, D, dt_bias (mamba_ssm's `_no_weight_decay`), norms or the embedding."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=args.lr, warmup_steps=max(1, args.steps // 10), decay_steps=args.steps,
+    warmup = max(1, args.steps // 10)
+    schedule = optax.warmup_cosine_decay_schedule(  # optax's decay_steps counts the warmup and must pass it
+        init_value=0.0, peak_value=args.lr, warmup_steps=warmup, decay_steps=max(args.steps, warmup + 1),
         end_value=args.lr / 10)
 
     def decay_mask(params):
@@ -193,36 +194,33 @@ def sample_text(model, prompt: str, max_new_tokens: int, *, temperature: float, 
 
 def parse_args(argv=None):
     parser = make_parser(__doc__)
-    parser.add_argument("--steps", type=int, default=250, help="training steps in all, a resumed run's included")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
-    parser.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
-    parser.add_argument("--d-model", type=int, default=128, help="model width")
-    parser.add_argument("--layers", type=int, default=2, help="Mamba-2 blocks")
-    parser.add_argument("--d-state", type=int, default=32, help="SSM state size N")
-    parser.add_argument("--headdim", type=int, default=32, help="SSM head size P")
-    parser.add_argument("--chunk-size", type=int, default=64, help="SSD chunk length, a power of two")
+    parser.add_argument("--steps", type=positive_int, default=250, help="training steps in all, a resumed run's included")
+    parser.add_argument("--batch", type=positive_int, default=8, help="sequences per step")
+    parser.add_argument("--seq-len", type=positive_int, default=128, help="bytes per sequence")
+    parser.add_argument("--d-model", type=positive_int, default=128, help="model width")
+    parser.add_argument("--layers", type=positive_int, default=2, help="Mamba-2 blocks")
+    parser.add_argument("--d-state", type=positive_int, default=32, help="SSM state size N")
+    parser.add_argument("--headdim", type=positive_int, default=32, help="SSM head size P")
+    parser.add_argument("--chunk-size", type=positive_int, default=64, help="SSD chunk length, a power of two")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="computation dtype; parameters stay float32")
     parser.add_argument("--remat", nargs="?", const="full", choices=("full", "matmuls"), default=None,
                         help="rematerialize blocks in the backward pass: all of each block (--remat, full) or all "
-                             "but in_proj's output (matmuls) (default: off)")
+                             "but in_proj's output (matmuls); off by default")
     parser.add_argument("--unroll-layers", action="store_true",
-                        help="unroll the blocks (scan_layers=False): faster steps, longer compile (default: one scan)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    parser.add_argument("--log-every", type=int, default=10, help="steps between loss read-outs")
-    parser.add_argument("--eval-every", type=int, default=50, help="steps between validation losses and checkpoints")
-    parser.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation")
+                        help="unroll the blocks (scan_layers=False): faster steps, longer compile; one scan by default")
+    parser.add_argument("--lr", type=in_range(0.0, float("inf"), low_open=True), default=3e-3, help="peak learning rate")
+    parser.add_argument("--log-every", type=positive_int, default=10, help="steps between loss read-outs")
+    parser.add_argument("--eval-every", type=positive_int, default=50, help="steps between validation losses and checkpoints")
+    parser.add_argument("--eval-batches", type=positive_int, default=4, help="validation batches per evaluation")
     parser.add_argument("--data-mb", type=float, default=8.0, help="corpus size to read, in MB")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the last checkpoint in --out (without it, --out must hold no "
                              "checkpoint of an earlier run)")
-    parser.add_argument("--prompt", default="def ", help="text the samples start from (default: %(default)r)")
-    parser.add_argument("--sample-tokens", type=int, default=200, help="bytes sampled after the prompt")
+    parser.add_argument("--prompt", default="def ", help="text the samples start from")
+    parser.add_argument("--sample-tokens", type=positive_int, default=200, help="bytes sampled after the prompt")
     add_common_flags(parser)
     args = parser.parse_args(argv)
-    for name in ("steps", "batch", "seq_len", "log_every", "eval_every", "eval_batches", "sample_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if not args.prompt:
         parser.error("--prompt must not be empty")
     return args
@@ -253,11 +251,19 @@ def main(argv=None) -> int:
     val_rng = np.random.default_rng(args.seed + 1)
     val_windows = [sample_windows(val_data, val_rng, args.batch, args.seq_len) for _ in range(args.eval_batches)]
     start, history = 0, {"train": [], "eval": []}
-    if args.resume and manager.latest_step() is not None:
+    if args.resume and manager.latest_step() is None:
+        print(f"--resume: no checkpoint in {out / 'checkpoints'}; starting a new run")
+    elif args.resume:
         start = manager.latest_step()
-        restore_checkpoint(manager, start, model, optimizer)
+        try:
+            restore_checkpoint(manager, start, model, optimizer)
+        except ValueError as e:  # Orbax: a parameter of another shape
+            raise SystemExit(f"--resume: the checkpoint at step {start} in {out / 'checkpoints'} does not fit this "
+                             "model; resume with the model flags of the run that wrote it (--d-model, --layers, "
+                             f"--d-state, --headdim, --chunk-size). Orbax said: {str(e).splitlines()[0]}") from None
         history = resumed_history(out / "metrics.json", start)
-        print(f"resumed from step {start}")
+        print(f"resumed from step {start}" + (f", at or past --steps={args.steps}: nothing left to train"
+                                              if start >= args.steps else ""))
 
     # Losses stay on the device and are fetched every --log-every steps, so that the host keeps the
     # accelerator's queue full instead of waiting for each step.

@@ -6,6 +6,7 @@ import ast
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -185,16 +186,81 @@ def test_example_help_shows_every_flag_with_its_default_and_keeps_the_command_li
         assert "(default: " in entry, f"{name}.py --help: no help text or default in {entry!r}"
 
 
-def test_train_lm_remat_flag_sets_the_model_option():
-    """--remat (all of each block), --remat matmuls (all but in_proj's output), or neither."""
+def load_example(name: str):
+    """examples/<name>.py as a module (its sibling _common importable), for calling its functions."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("train_lm_example", REPO / "examples" / "train_lm.py")
-    train_lm = importlib.util.module_from_spec(spec)
+    spec = importlib.util.spec_from_file_location(f"{name}_example", REPO / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(REPO / "examples"))
     try:
-        spec.loader.exec_module(train_lm)
+        spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(REPO / "examples"))
+    return module
+
+
+def test_train_lm_remat_flag_sets_the_model_option():
+    """--remat (all of each block), --remat matmuls (all but in_proj's output), or neither."""
+    train_lm = load_example("train_lm")
     for flags, remat in (([], False), (["--remat"], True), (["--remat", "matmuls"], "matmuls")):
         model = train_lm.build_model(train_lm.parse_args([*TINY_LM, *flags]), "xla", seed=0)
         assert model.remat == remat and type(model.remat) is type(remat), flags
+
+
+@pytest.mark.parametrize("name, flags, message", [
+    ("train_lm", ["--batch", "0"], "argument --batch: 0 must be a positive int"),
+    ("train_lm", ["--lr", "-1"], r"argument --lr: -1.0 must be in \(0.0, inf\]"),
+    ("generate", ["--top-p", "1.5"], r"argument --top-p: 1.5 must be in \(0.0, 1.0\]"),
+    ("generate", ["--temperature", "-1"], r"argument --temperature: -1.0 must be in \[0.0, inf\]"),
+    ("generate", ["--top-k", "0"], "argument --top-k: 0 must be a positive int"),
+    ("jit_model", ["--delay", "-3"], r"--delay=-3 must be in \[0, --seqlen=512\)"),
+    ("compare_reference", ["--repeats", "0"], "argument --repeats: 0 must be a positive int"),
+])
+def test_examples_refuse_bad_flags_naming_them(capsys, name, flags, message):
+    with pytest.raises(SystemExit):
+        load_example(name).parse_args(flags)
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_examples_refuse_paths_and_backends_they_cannot_use(tmp_path, capsys):
+    generate = load_example("generate")
+    with pytest.raises(SystemExit):
+        generate.parse_args(["--model-dir", str(tmp_path)])  # no config.json
+    assert "must be a checkpoint folder with a config.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        generate.parse_args(["--tokenizer", str(tmp_path / "missing.json")])
+    assert "missing.json is not a file" in capsys.readouterr().err
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        import _common
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit, match="--out: .*a_file.* cannot be a folder"):
+        _common.output_dir(tmp_path / "a_file" / "out")
+    if ON_CPU:
+        with pytest.raises(SystemExit, match="--backend cutile cannot run here: "):
+            _common.resolve_backend("cutile")
+
+
+def test_compare_reference_fails_on_a_nan_error():
+    compare_reference = load_example("compare_reference")
+    rows = [{"backend": "xla", "errors": {"y": float("nan")}}, {"backend": "scan", "errors": {"y": 1e-9}},
+            {"backend": "cutile", "unavailable": "no GPU"}]
+    assert compare_reference.failed_backends(rows, 1e-3) == ["xla"]
+
+
+def test_train_lm_trains_a_single_step_and_refuses_to_resume_another_models_checkpoints(trained_lm, tmp_path):
+    """One step is a whole run (its schedule's decay outlasts the warmup); a --resume of checkpoints another
+    model wrote names the model flags, and leaves the checkpoints as they were."""
+    train_lm = load_example("train_lm")
+    args = train_lm.parse_args([*TINY_LM, "--steps", "1"])
+    train_lm.build_optimizer(train_lm.build_model(args, "xla", seed=0), args)
+    out, _ = trained_lm
+    checkpoints = out / "train_lm" / "checkpoints"
+    before = sorted(p.name for p in checkpoints.iterdir())
+    wider = [*TINY_LM[:1], "64", *TINY_LM[2:]]
+    result = start_example("train_lm", "--steps", "4", "--resume", *wider, "--data-mb", "0.3", "--out", str(out))
+    assert result.returncode != 0
+    assert "does not fit this model; resume with the model flags of the run that wrote it (--d-model" in result.stderr
+    assert sorted(p.name for p in checkpoints.iterdir()) == before
