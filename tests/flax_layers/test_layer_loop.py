@@ -70,13 +70,19 @@ def test_scan_blocks_runs_eagerly_as_under_jit():
 
 @pytest.mark.parametrize("devices", [1, 8], ids=["unfilled", "zeros"])
 def test_scan_blocks_second_derivatives_are_lax_scans(monkeypatch, devices):
-    """jax.hessian (forward over reverse: the buffers under vmap) on either kind of buffer."""
+    """jax.hessian (forward over reverse: the buffers under vmap) and reverse over reverse, on either kind of
+    buffer."""
     monkeypatch.setattr(jax, "device_count", lambda *args: devices)
     stacked, carry, keep = _inputs(2)
 
     def hessian(run):
         return jax.jit(jax.hessian(lambda b: _loss(run)(dict(stacked, b=b), carry, keep)))(stacked["b"])
     np.testing.assert_allclose(hessian(_loop(_block)), hessian(_lax_scan(_block)), rtol=1e-5, atol=1e-6)
+
+    def grad_of_grad(run):  # reverse over reverse
+        grad = jax.grad(lambda b: _loss(run)(dict(stacked, b=b), carry, keep))
+        return jax.jit(jax.grad(lambda b: jnp.sum(jnp.sin(grad(b)))))(stacked["b"])
+    np.testing.assert_allclose(grad_of_grad(_loop(_block)), grad_of_grad(_lax_scan(_block)), rtol=1e-5, atol=1e-6)
 
 
 def test_scan_blocks_under_shard_map_keeps_each_values_varying_axes():
