@@ -100,10 +100,7 @@ def _check_head_options(api, x, D, z, dt_bias):
     """D, z and dt_bias against x (..., nheads, headdim): shared by `ssd` and `ssd_step`."""
     nheads, headdim = x.shape[-2:]
     if D is not None:
-        if not hasattr(D, "shape") or tuple(D.shape) not in ((nheads,), (nheads, headdim)):
-            raise ValueError(f"{api}: D.shape={getattr(D, 'shape', None)} must be (nheads,)=({nheads},) "
-                             f"or (nheads, headdim)=({nheads}, {headdim})")
-        check_float(api, "D", D)
+        check_array(api, "D", D, "(nheads,) or (nheads, headdim)", (nheads,), (nheads, headdim))
     if z is not None:
         check_array(api, "z", z, "x.shape", x.shape)
     if dt_bias is not None:
