@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]}
+part=${1:?usage: gpu_session.sh suites|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 # causal_conv1d for the peer, built in the background by the parts that run it (lm-step, decode-matrix) into
@@ -174,6 +174,12 @@ case $part in
     step lm_memory_saved 190 python benchmarks/lm_train.py --configs d1536-l48-8x2048 --impls cutile \
       --unroll-layers --chunk-states saved --no-profile --worker-timeout 180 --out "$out"
     step norm_gpu_tests 90 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider tests/kernels/test_rms_norm_gpu.py
+    ;;
+  lm-tests)  # the GPU tests of the model around the kernels: the LM (its layer loop's compiled step included), the
+    # decode ops and the fused decode step (a few minutes in parallel processes)
+    export JAX_MAMBA2_AUTOTUNE=0
+    step lm_gpu_tests 540 python -m pytest -m gpu -q -rf -n 6 -p no:cacheprovider -o faulthandler_timeout=500 \
+      tests/flax_layers/test_lm_gpu.py tests/test_decode_ops_gpu.py tests/flax_layers/test_decode_gpu.py
     ;;
   decode)  # the decode ops: their GPU tests, every plan and config timed outside JAX, the LM's token step at batches
     # 1-256 against mamba_ssm's with a profile (about 9 minutes)
