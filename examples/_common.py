@@ -6,6 +6,7 @@ Imported by the example scripts as a sibling module (`python examples/NAME.py` p
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
 import time
 from typing import Callable, NamedTuple
@@ -32,9 +33,9 @@ def resolve_backend(requested: str) -> str:
     running the xla path.
     """
     if requested != "auto":
-        reason = jax_mamba2.backend_status()[requested].reason
-        if reason is not None:
-            raise SystemExit(f"--backend {requested} cannot run here: {reason}")
+        status = jax_mamba2.backend_status()[requested]
+        if not status.runnable:
+            raise SystemExit(f"--backend {requested} cannot run here: {status.reason}")
         print(f"SSD backend: {requested} (requested)")
         return requested
     reason = cutile_unavailable_reason()
@@ -69,8 +70,8 @@ def output_dir(path: pathlib.Path) -> pathlib.Path:
     """Creates `path` (and its parents) and returns it; a path that cannot be a folder ends the run naming it."""
     try:
         path.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError) as e:
-        raise SystemExit(f"--out: {path} cannot be a folder ({e.strerror}: a file is in the way)") from None
+    except OSError as e:
+        raise SystemExit(f"--out: cannot make the folder {path} ({e.strerror})") from None
     return path
 
 
@@ -83,13 +84,24 @@ def positive_int(text: str) -> int:
 
 
 def in_range(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
-    """argparse type of a float in [low, high] (low excluded with low_open; high may be inf)."""
+    """argparse type of a finite float in [low, high] (low excluded with low_open; high=inf: no upper bound)."""
     def parse(text: str) -> float:
         value = float(text)
-        if not ((low < value) if low_open else (low <= value)) or not value <= high:
-            raise argparse.ArgumentTypeError(f"{value} must be in {'(' if low_open else '['}{low}, {high}]")
+        if not ((low < value) if low_open else (low <= value)) or not value <= high or not math.isfinite(value):
+            upper = "inf)" if math.isinf(high) else f"{high}]"
+            raise argparse.ArgumentTypeError(f"{value} must be a finite number in {'(' if low_open else '['}{low}, "
+                                             f"{upper}")
         return value
+    parse.__name__ = "float"  # argparse names the type in "invalid float value: ..."
     return parse
+
+
+def power_of_two(text: str) -> int:
+    """argparse type of chunk lengths: a power of two."""
+    value = positive_int(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"{value} must be a power of two")
+    return value
 
 
 def describe_device() -> str:

@@ -26,7 +26,7 @@ import numpy as np
 
 import jax_mamba2
 from _common import (add_common_flags, cutile_unavailable_reason, describe_device, make_parser, output_dir,
-                     positive_int, save_figure, time_call, write_atomically)
+                     positive_int, power_of_two, save_figure, time_call, write_atomically)
 
 BACKENDS = ("scan", "xla", "cutile", "cutile_callback")
 # Inputs the gradient is taken with respect to, in the order of the error table.
@@ -161,12 +161,15 @@ def parse_args(argv=None):
     parser.add_argument("--headdim", type=positive_int, default=32, help="head size P")
     parser.add_argument("--ngroups", type=positive_int, default=1, help="groups of heads sharing B and C")
     parser.add_argument("--dstate", type=positive_int, default=32, help="state size N")
-    parser.add_argument("--chunk-size", type=positive_int, default=64, help="SSD chunk length, a power of two")
+    parser.add_argument("--chunk-size", type=power_of_two, default=64, help="SSD chunk length, a power of two")
     parser.add_argument("--dtype", choices=sorted(MAX_REL_ERR), default="float32",
                         help="dtype of the inputs (the oracle runs in float64)")
     parser.add_argument("--repeats", type=positive_int, default=10, help="timed calls per backend")
     add_common_flags(parser, backend=False)  # every backend runs
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.nheads % args.ngroups:
+        parser.error(f"--nheads={args.nheads} must be a multiple of --ngroups={args.ngroups}")
+    return args
 
 
 def main(argv=None) -> int:

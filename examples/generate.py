@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from _common import (add_common_flags, describe_device, in_range, make_parser, output_dir, positive_int,
-                     resolve_backend, write_atomically)
+                     power_of_two, resolve_backend, write_atomically)
 from jax_mamba2.flax_layers import (Mamba2Config, Mamba2LMHeadModel, cast_params, generate, generate_stream,
                                     load_pretrained)
 
@@ -183,7 +183,8 @@ def parse_args(argv=None):
                              f"(left-padded, each decoded as it would be alone; without one: {DEFAULT_PROMPT!r})")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens generated per sequence, >= 2")
     parser.add_argument("--batch", type=positive_int, default=1, help="copies of each prompt decoded together")
-    parser.add_argument("--temperature", type=in_range(0.0, float("inf")), default=0.0, help="sampling temperature; 0 = greedy")
+    parser.add_argument("--temperature", type=in_range(0.0, float("inf")), default=0.0,
+                        help="sampling temperature; 0 = greedy")
     parser.add_argument("--top-k", type=positive_int, default=None,
                         help="sample among the k most likely tokens; None: among all")
     parser.add_argument("--top-p", type=in_range(0.0, 1.0, low_open=True), default=None,
@@ -209,7 +210,7 @@ def parse_args(argv=None):
     random_model.add_argument("--layers", type=positive_int, default=4, help="Mamba-2 blocks")
     random_model.add_argument("--d-state", type=positive_int, default=64, help="SSM state size N")
     random_model.add_argument("--headdim", type=positive_int, default=64, help="SSM head size P")
-    random_model.add_argument("--chunk-size", type=positive_int, default=64, help="SSD chunk length, a power of two")
+    random_model.add_argument("--chunk-size", type=power_of_two, default=64, help="SSD chunk length, a power of two")
     add_common_flags(parser)
     args = parser.parse_args(argv)
     if args.max_new_tokens < 2:

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from _common import (add_common_flags, describe_device, make_parser, output_dir, positive_int, resolve_backend,
-                     time_call, write_atomically)
+from _common import (add_common_flags, describe_device, make_parser, output_dir, positive_int, power_of_two,
+                     resolve_backend, time_call, write_atomically)
 from jax_mamba2.flax_layers import Mamba2
 
 CUTILE_TARGET = "jax_mamba2_cutile_launch"  # jax_mamba2.bridge.aot.CUTILE_CUSTOM_CALL
@@ -159,7 +159,7 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=positive_int, default=2, help="Mamba2 layers")
     parser.add_argument("--d-state", type=positive_int, default=64, help="SSM state size N")
     parser.add_argument("--headdim", type=positive_int, default=64, help="SSM head size P")
-    parser.add_argument("--chunk-size", type=positive_int, default=128, help="SSD chunk length, a power of two")
+    parser.add_argument("--chunk-size", type=power_of_two, default=128, help="SSD chunk length, a power of two")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="computation dtype")
     parser.add_argument("--repeats", type=positive_int, default=10, help="timed steps per backend")
     add_common_flags(parser)

@@ -35,7 +35,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from _common import (add_common_flags, describe_device, in_range, make_parser, output_dir, positive_int,
-                     resolve_backend, save_figure, write_atomically)
+                     power_of_two, resolve_backend, save_figure, write_atomically)
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, generate, save_pretrained
 
 VOCAB_SIZE = 256  # bytes
@@ -88,13 +88,17 @@ def build_model(args, backend: str, seed: int) -> Mamba2LMHeadModel:
                              dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(params=seed))
 
 
+def learning_rate_schedule(args):
+    """Linear warmup over the first tenth of the steps (none under 10 steps: the first step trains) to --lr, then
+    cosine decay to a tenth of it at --steps."""
+    return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=args.lr, warmup_steps=args.steps // 10,
+                                              decay_steps=args.steps, end_value=args.lr / 10)
+
+
 def build_optimizer(model: Mamba2LMHeadModel, args) -> nnx.Optimizer:
     """AdamW with warmup and cosine decay, clipped gradients. Only the `kernel`s (in_proj, conv1d,
     out_proj) decay: not A_log, D, dt_bias (mamba_ssm's `_no_weight_decay`), norms or the embedding."""
-    warmup = max(1, args.steps // 10)
-    schedule = optax.warmup_cosine_decay_schedule(  # optax's decay_steps counts the warmup and must pass it
-        init_value=0.0, peak_value=args.lr, warmup_steps=warmup, decay_steps=max(args.steps, warmup + 1),
-        end_value=args.lr / 10)
+    schedule = learning_rate_schedule(args)
 
     def decay_mask(params):
         return jax.tree_util.tree_map_with_path(
@@ -194,33 +198,38 @@ def sample_text(model, prompt: str, max_new_tokens: int, *, temperature: float, 
 
 def parse_args(argv=None):
     parser = make_parser(__doc__)
-    parser.add_argument("--steps", type=positive_int, default=250, help="training steps in all, a resumed run's included")
+    parser.add_argument("--steps", type=positive_int, default=250,
+                        help="training steps in all, a resumed run's included")
     parser.add_argument("--batch", type=positive_int, default=8, help="sequences per step")
     parser.add_argument("--seq-len", type=positive_int, default=128, help="bytes per sequence")
     parser.add_argument("--d-model", type=positive_int, default=128, help="model width")
     parser.add_argument("--layers", type=positive_int, default=2, help="Mamba-2 blocks")
     parser.add_argument("--d-state", type=positive_int, default=32, help="SSM state size N")
     parser.add_argument("--headdim", type=positive_int, default=32, help="SSM head size P")
-    parser.add_argument("--chunk-size", type=positive_int, default=64, help="SSD chunk length, a power of two")
+    parser.add_argument("--chunk-size", type=power_of_two, default=64, help="SSD chunk length, a power of two")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="computation dtype; parameters stay float32")
     parser.add_argument("--remat", nargs="?", const="full", choices=("full", "matmuls"), default=None,
                         help="rematerialize blocks in the backward pass: all of each block (--remat, full) or all "
-                             "but in_proj's output (matmuls); off by default")
+                             "but in_proj's output (matmuls); None: keep every activation")
     parser.add_argument("--unroll-layers", action="store_true",
-                        help="unroll the blocks (scan_layers=False): faster steps, longer compile; one scan by default")
-    parser.add_argument("--lr", type=in_range(0.0, float("inf"), low_open=True), default=3e-3, help="peak learning rate")
+                        help="unroll the blocks (scan_layers=False): faster steps, longer compile")
+    parser.add_argument("--lr", type=in_range(0.0, float("inf"), low_open=True), default=3e-3,
+                        help="peak learning rate")
     parser.add_argument("--log-every", type=positive_int, default=10, help="steps between loss read-outs")
-    parser.add_argument("--eval-every", type=positive_int, default=50, help="steps between validation losses and checkpoints")
+    parser.add_argument("--eval-every", type=positive_int, default=50,
+                        help="steps between validation losses and checkpoints")
     parser.add_argument("--eval-batches", type=positive_int, default=4, help="validation batches per evaluation")
     parser.add_argument("--data-mb", type=float, default=8.0, help="corpus size to read, in MB")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the last checkpoint in --out (without it, --out must hold no "
                              "checkpoint of an earlier run)")
-    parser.add_argument("--prompt", default="def ", help="text the samples start from")
+    parser.add_argument("--prompt", default="def ", help="text the samples start from (default: %(default)r)")
     parser.add_argument("--sample-tokens", type=positive_int, default=200, help="bytes sampled after the prompt")
     add_common_flags(parser)
     args = parser.parse_args(argv)
+    if args.seed < 0:  # NumPy's generators of the batches take non-negative seeds
+        parser.error(f"--seed={args.seed} must be >= 0")
     if not args.prompt:
         parser.error("--prompt must not be empty")
     return args
@@ -257,10 +266,12 @@ def main(argv=None) -> int:
         start = manager.latest_step()
         try:
             restore_checkpoint(manager, start, model, optimizer)
-        except ValueError as e:  # Orbax: a parameter of another shape
+        except ValueError as e:
+            if "shape" not in str(e):  # not Orbax's "Requested shape ... is not compatible with the stored shape"
+                raise
             raise SystemExit(f"--resume: the checkpoint at step {start} in {out / 'checkpoints'} does not fit this "
                              "model; resume with the model flags of the run that wrote it (--d-model, --layers, "
-                             f"--d-state, --headdim, --chunk-size). Orbax said: {str(e).splitlines()[0]}") from None
+                             f"--d-state, --headdim). Orbax said: {str(e).strip().splitlines()[0]}") from None
         history = resumed_history(out / "metrics.json", start)
         print(f"resumed from step {start}" + (f", at or past --steps={args.steps}: nothing left to train"
                                               if start >= args.steps else ""))

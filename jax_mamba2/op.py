@@ -100,7 +100,10 @@ def _check_head_options(api, x, D, z, dt_bias):
     """D, z and dt_bias against x (..., nheads, headdim): shared by `ssd` and `ssd_step`."""
     nheads, headdim = x.shape[-2:]
     if D is not None:
-        check_array(api, "D", D, "(nheads,) or (nheads, headdim)", (nheads,), (nheads, headdim))
+        check_array(api, "D", D)  # an array of a float dtype
+        if tuple(D.shape) not in ((nheads,), (nheads, headdim)):
+            raise ValueError(f"{api}: D.shape={tuple(D.shape)} must be (nheads,)=({nheads},) "
+                             f"or (nheads, headdim)=({nheads}, {headdim})")
     if z is not None:
         check_array(api, "z", z, "x.shape", x.shape)
     if dt_bias is not None:

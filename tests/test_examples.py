@@ -209,17 +209,32 @@ def test_train_lm_remat_flag_sets_the_model_option():
 
 @pytest.mark.parametrize("name, flags, message", [
     ("train_lm", ["--batch", "0"], "argument --batch: 0 must be a positive int"),
-    ("train_lm", ["--lr", "-1"], r"argument --lr: -1.0 must be in \(0.0, inf\]"),
-    ("generate", ["--top-p", "1.5"], r"argument --top-p: 1.5 must be in \(0.0, 1.0\]"),
-    ("generate", ["--temperature", "-1"], r"argument --temperature: -1.0 must be in \[0.0, inf\]"),
+    ("train_lm", ["--lr", "-1"], r"argument --lr: -1.0 must be a finite number in \(0.0, inf\)"),
+    ("generate", ["--top-p", "1.5"], r"argument --top-p: 1.5 must be a finite number in \(0.0, 1.0\]"),
+    ("generate", ["--temperature", "-1"], r"argument --temperature: -1.0 must be a finite number in \[0.0, inf\)"),
     ("generate", ["--top-k", "0"], "argument --top-k: 0 must be a positive int"),
     ("jit_model", ["--delay", "-3"], r"--delay=-3 must be in \[0, --seqlen=512\)"),
     ("compare_reference", ["--repeats", "0"], "argument --repeats: 0 must be a positive int"),
+    ("compare_reference", ["--nheads", "4", "--ngroups", "3"], "--nheads=4 must be a multiple of --ngroups=3"),
+    ("train_lm", ["--chunk-size", "24"], "argument --chunk-size: 24 must be a power of two"),
+    ("train_lm", ["--lr", "inf"], r"argument --lr: inf must be a finite number in \(0.0, inf\)"),
+    ("train_lm", ["--seed", "-1"], "--seed=-1 must be >= 0"),
+    ("generate", ["--top-p", "abc"], "argument --top-p: invalid float value: 'abc'"),
 ])
 def test_examples_refuse_bad_flags_naming_them(capsys, name, flags, message):
     with pytest.raises(SystemExit):
         load_example(name).parse_args(flags)
     assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("name, flags", [
+    ("train_lm", ["--lr", "3e-4", "--chunk-size", "16", "--seed", "0"]),
+    ("generate", ["--temperature", "0", "--top-p", "1", "--min-p", "0", "--repetition-penalty", "1.5", "--top-k", "1"]),
+    ("jit_model", ["--delay", "0"]),
+    ("compare_reference", ["--nheads", "6", "--ngroups", "3"]),
+])
+def test_examples_accept_the_bounds_of_their_flags(name, flags):
+    load_example(name).parse_args(flags)
 
 
 def test_examples_refuse_paths_and_backends_they_cannot_use(tmp_path, capsys):
@@ -230,17 +245,14 @@ def test_examples_refuse_paths_and_backends_they_cannot_use(tmp_path, capsys):
     with pytest.raises(SystemExit):
         generate.parse_args(["--tokenizer", str(tmp_path / "missing.json")])
     assert "missing.json is not a file" in capsys.readouterr().err
-    sys.path.insert(0, str(REPO / "examples"))
-    try:
-        import _common
-    finally:
-        sys.path.remove(str(REPO / "examples"))
+    common = load_example("_common")
     (tmp_path / "a_file").write_text("")
-    with pytest.raises(SystemExit, match="--out: .*a_file.* cannot be a folder"):
-        _common.output_dir(tmp_path / "a_file" / "out")
+    with pytest.raises(SystemExit, match="--out: cannot make the folder .*a_file"):
+        common.output_dir(tmp_path / "a_file" / "out")
+    assert [common.resolve_backend(name) for name in ("xla", "scan")] == ["xla", "scan"]
     if ON_CPU:
         with pytest.raises(SystemExit, match="--backend cutile cannot run here: "):
-            _common.resolve_backend("cutile")
+            common.resolve_backend("cutile")
 
 
 def test_compare_reference_fails_on_a_nan_error():
@@ -250,12 +262,16 @@ def test_compare_reference_fails_on_a_nan_error():
     assert compare_reference.failed_backends(rows, 1e-3) == ["xla"]
 
 
-def test_train_lm_trains_a_single_step_and_refuses_to_resume_another_models_checkpoints(trained_lm, tmp_path):
-    """One step is a whole run (its schedule's decay outlasts the warmup); a --resume of checkpoints another
-    model wrote names the model flags, and leaves the checkpoints as they were."""
+def test_train_lm_trains_from_its_first_step_and_refuses_to_resume_another_models_checkpoints(trained_lm):
+    """The first step trains (a learning rate > 0; under 10 steps there is no warmup), also in a run of one
+    step; the peak comes after a tenth of the steps. A --resume of checkpoints another model wrote names the
+    model flags, and leaves the checkpoints as they were."""
     train_lm = load_example("train_lm")
-    args = train_lm.parse_args([*TINY_LM, "--steps", "1"])
-    train_lm.build_optimizer(train_lm.build_model(args, "xla", seed=0), args)
+    for steps in (1, 9):
+        schedule = train_lm.learning_rate_schedule(train_lm.parse_args([*TINY_LM, "--steps", str(steps)]))
+        assert float(schedule(0)) == pytest.approx(3e-3)
+    schedule = train_lm.learning_rate_schedule(train_lm.parse_args([*TINY_LM, "--steps", "250"]))
+    assert float(schedule(0)) == 0 and float(schedule(25)) == pytest.approx(3e-3)
     out, _ = trained_lm
     checkpoints = out / "train_lm" / "checkpoints"
     before = sorted(p.name for p in checkpoints.iterdir())

@@ -47,9 +47,9 @@ def _unfilled(like, shape):
     """A buffer of `shape`, `like`'s dtype and shard_map varying axes, whose every slot the loop writes before
     anything reads it. On a process with one device it is `lax.empty` (on GPU an XLA allocation without a fill),
     unbatched under vmap as zeros would be (`lax.empty`'s own batching rule batches it, which forward-over-reverse
-    differentiation rejects; vmap batches the buffer where a batched value is written into it); elsewhere zeros,
-    since an allocation carries no sharding of its own for a partitioned program to follow (JAX's own scan keeps
-    zeros "until AllocateBuffer issues are fixed")."""
+    differentiation rejects; vmap batches the buffer where a batched value is written into it); elsewhere zeros:
+    the loop leaves an allocation's sharding to XLA's propagation, which a partitioned program has not been checked
+    with (JAX's own scan keeps zeros until "AllocateBuffer issues are fixed", its loops.py says)."""
     if jax.device_count() == 1:
         @jax.custom_batching.custom_vmap
         def empty(token):
