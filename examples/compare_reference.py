@@ -134,7 +134,7 @@ def save_plot(rows, path, title: str, bound: float) -> None:
     for i, row in enumerate(measured):
         positions = np.arange(len(quantities)) + (i - (len(measured) - 1) / 2) * width
         # A float64-exact result would be 0; clip so that log scale can show it.
-        values = [max(row["errors"][q], 1e-17) for q in quantities]
+        values = [max(row["errors"][q], 1e-17) for q in quantities]  # a NaN error draws no bar (and fails, below)
         ax_err.bar(positions, values, width, color=f"C{i}", label=row["backend"])
         ax_time.bar(i - 0.2, row["fwd_ms"]["median_ms"], 0.4, color=f"C{i}")
         ax_time.bar(i + 0.2, row["fwd_bwd_ms"]["median_ms"], 0.4, color=f"C{i}", hatch="//",
@@ -195,7 +195,10 @@ def main(argv=None) -> int:
     out = output_dir(args.out)
     record = {"device": describe_device(), "shape": shape, "chunk_size": args.chunk_size,
               "dtype": args.dtype, "max_rel_err": bound, "rows": rows}
-    write_atomically(out / "compare_reference.json", json.dumps(record, indent=2).encode())
+    # NaN errors as null: JSON has no NaN (Python's json would write a bare NaN that strict readers refuse).
+    record["rows"] = [{**r, "errors": {q: (e if math.isfinite(e) else None) for q, e in r["errors"].items()}}
+                      if "errors" in r else r for r in rows]
+    write_atomically(out / "compare_reference.json", json.dumps(record, indent=2, allow_nan=False).encode())
     dims = " ".join(f"{k}={v}" for k, v in shape.items())
     save_plot(rows, out / "compare_reference.png",
               f"{args.dtype} {dims} chunk_size={args.chunk_size} on {describe_device()}", bound)
