@@ -159,8 +159,16 @@ def restore_checkpoint(manager: ocp.CheckpointManager, step: int, model, optimiz
 # Outputs
 # ------------------------------------------------------------------------------------------------
 
+def write_metrics(path: pathlib.Path, backend: str, args, n_params: int, history: dict) -> None:
+    """metrics.json: the run's settings and its loss history so far (written at each checkpoint too, so that a
+    resumed run keeps the history of an interrupted one)."""
+    write_atomically(path, json.dumps({
+        "device": describe_device(), "backend": backend, "args": {k: str(v) for k, v in vars(args).items()},
+        "parameters": n_params, "history": history}, indent=1).encode())
+
+
 def resumed_history(metrics_file: pathlib.Path, step: int) -> dict:
-    """The loss history of an earlier run up to `step` (empty if that run did not finish)."""
+    """The loss history of an earlier run up to `step` (as of that run's last checkpoint)."""
     if not metrics_file.is_file():
         return {"train": [], "eval": []}
     history = json.loads(metrics_file.read_text())["history"]
@@ -300,6 +308,7 @@ def main(argv=None) -> int:
             tqdm.write(f"step {step + 1}: train {history['train'][-1][1]:.3f}, validation {val_loss:.3f} "
                        f"nats/byte ({val_loss / np.log(2):.3f} bits/byte)")
             save_checkpoint(manager, step + 1, model, optimizer)
+            write_metrics(out / "metrics.json", backend, args, n_params, history)
             saved_step = step + 1
             excluded += time.perf_counter() - eval_began
     progress.close()
@@ -329,9 +338,7 @@ def main(argv=None) -> int:
 
     write_atomically(out / "sample.txt", (sample_report + "\n").encode())
     save_pretrained(restored_model, out / "model")
-    write_atomically(out / "metrics.json", json.dumps({
-        "device": describe_device(), "backend": backend, "args": {k: str(v) for k, v in vars(args).items()},
-        "parameters": n_params, "history": history}, indent=1).encode())
+    write_metrics(out / "metrics.json", backend, args, n_params, history)
     save_loss_curve(history, out / "loss_curve.png",
                     f"byte-level Mamba-2, {n_params / 1e6:.2f}M params, backend {backend}, {describe_device()}")
     print(f"wrote {out}/loss_curve.png, metrics.json, sample.txt and model/ "

@@ -280,3 +280,14 @@ def test_train_lm_trains_from_its_first_step_and_refuses_to_resume_another_model
     assert result.returncode != 0
     assert "does not fit this model; resume with the model flags of the run that wrote it (--d-model" in result.stderr
     assert sorted(p.name for p in checkpoints.iterdir()) == before
+
+
+def test_train_lm_keeps_the_loss_history_at_each_checkpoint_for_a_resumed_run(tmp_path):
+    """metrics.json is written with each checkpoint, so a run resumed after an interruption starts from the
+    history up to its checkpoint (not from nothing)."""
+    train_lm = load_example("train_lm")
+    args = train_lm.parse_args(TINY_LM)
+    history = {"train": [(1, 5.0), (2, 4.5), (3, 4.2)], "eval": [(2, 4.6)]}
+    train_lm.write_metrics(tmp_path / "metrics.json", "xla", args, 1000, history)
+    assert train_lm.resumed_history(tmp_path / "metrics.json", 2) == {"train": [(1, 5.0), (2, 4.5)],
+                                                                     "eval": [(2, 4.6)]}
