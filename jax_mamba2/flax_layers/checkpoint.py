@@ -122,11 +122,11 @@ _MAMBA_SSM_KEYS = ("d_model", "n_layer", "ssm_cfg")
 _HF_KEYS = ("hidden_size", "num_hidden_layers", "model_type")
 
 
-def _read_json(file: pathlib.Path):
+def _read_json(file: pathlib.Path, caller: str):
     try:
         return json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"load_pretrained: {file} is not valid JSON: {e}") from e
+        raise ValueError(f"{caller}: {file} is not valid JSON: {e}") from e
 
 
 def load_config(path) -> Mamba2Config:
@@ -138,25 +138,30 @@ def load_config(path) -> Mamba2Config:
       ValueError, TypeError: for a file that is not JSON or not a Mamba-2 configuration, naming the file and
         the offending key.
     """
+    return _load_config(path, "load_config")
+
+
+def _load_config(path, caller: str) -> Mamba2Config:
+    """`load_config` for `caller`, the public function its errors name."""
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"load_pretrained: path={path!r} must be a str or os.PathLike (a checkpoint directory)")
+        raise TypeError(f"{caller}: path={path!r} must be a str or os.PathLike (a checkpoint directory)")
     config_file = pathlib.Path(path) / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"load_pretrained: {config_file} does not exist")
-    raw = _read_json(config_file)
+        raise FileNotFoundError(f"{caller}: {config_file} does not exist")
+    raw = _read_json(config_file, caller)
     if not isinstance(raw, dict):
-        raise ValueError(f"load_pretrained: {config_file} must hold a JSON object, not {type(raw).__name__}")
+        raise ValueError(f"{caller}: {config_file} must hold a JSON object, not {type(raw).__name__}")
     if any(key in raw for key in _MAMBA_SSM_KEYS):
         parse = Mamba2Config.from_mamba_ssm
     elif any(key in raw for key in _HF_KEYS):
         parse = Mamba2Config.from_hf
     else:
-        raise ValueError(f"load_pretrained: {config_file} has none of the keys {list(_MAMBA_SSM_KEYS)} "
+        raise ValueError(f"{caller}: {config_file} has none of the keys {list(_MAMBA_SSM_KEYS)} "
                          f"(mamba_ssm) or {list(_HF_KEYS)} (HF transformers)")
     try:
         return parse(raw)
     except (ValueError, TypeError) as e:
-        raise (TypeError if isinstance(e, TypeError) else ValueError)(f"load_pretrained: {config_file}: {e}") from e
+        raise (TypeError if isinstance(e, TypeError) else ValueError)(f"{caller}: {config_file}: {e}") from e
 
 
 class _Tensor(NamedTuple):
@@ -165,13 +170,13 @@ class _Tensor(NamedTuple):
     read: Callable[[], np.ndarray]
 
 
-def _safetensors_tensors(file: pathlib.Path) -> dict[str, _Tensor]:
+def _safetensors_tensors(file: pathlib.Path, caller: str) -> dict[str, _Tensor]:
     """The tensors of a safetensors file by name, from its header: nothing is read until a tensor's `read`."""
     try:
         with safe_open(file, framework="numpy") as opened:
             shapes = {name: tuple(opened.get_slice(name).get_shape()) for name in opened.keys()}
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"load_pretrained: {file} is not a readable safetensors file: {e}") from e
+        raise ValueError(f"{caller}: {file} is not a readable safetensors file: {e}") from e
 
     def reader(name):
         def read():
@@ -179,35 +184,35 @@ def _safetensors_tensors(file: pathlib.Path) -> dict[str, _Tensor]:
                 with safe_open(file, framework="numpy") as opened:
                     return opened.get_tensor(name)
             except (SafetensorError, OSError) as e:
-                raise ValueError(f"load_pretrained: {file} is not a readable safetensors file: {e}") from e
+                raise ValueError(f"{caller}: {file} is not a readable safetensors file: {e}") from e
         return read
     return {name: _Tensor(shape, reader(name)) for name, shape in shapes.items()}
 
 
-def _checkpoint_tensors(path: pathlib.Path) -> dict[str, _Tensor]:
+def _checkpoint_tensors(path: pathlib.Path, caller: str) -> dict[str, _Tensor]:
     """`load_hf_state`'s tensors by name, each read only when asked (safetensors; a `pytorch_model.bin` is read
     whole by torch)."""
     if (path / "model.safetensors").is_file():
-        return _safetensors_tensors(path / "model.safetensors")
+        return _safetensors_tensors(path / "model.safetensors", caller)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        index_content = _read_json(index)
+        index_content = _read_json(index, caller)
         weight_map = index_content.get("weight_map") if isinstance(index_content, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
-            raise ValueError(f"load_pretrained: {index} must have the key 'weight_map' holding an object "
+            raise ValueError(f"{caller}: {index} must have the key 'weight_map' holding an object "
                              "{tensor name: shard file name}")
         tensors = {}
         for shard in sorted(set(weight_map.values())):
             if pathlib.Path(shard).name != shard:  # a name in the directory, not a path out of it
-                raise ValueError(f"load_pretrained: {index}'s weight_map names the shard {shard!r}, which must be "
+                raise ValueError(f"{caller}: {index}'s weight_map names the shard {shard!r}, which must be "
                                  "a file name in the checkpoint's directory")
             if not (path / shard).is_file():
-                raise FileNotFoundError(f"load_pretrained: {path / shard}, a shard in {index}'s weight_map, "
+                raise FileNotFoundError(f"{caller}: {path / shard}, a shard in {index}'s weight_map, "
                                         "does not exist")
-            held = _safetensors_tensors(path / shard)
+            held = _safetensors_tensors(path / shard, caller)
             listed = {name for name, file in weight_map.items() if file == shard}
             if set(held) != listed:
-                raise ValueError(f"load_pretrained: {path / shard} holds {sorted(held)}, but {index}'s weight_map "
+                raise ValueError(f"{caller}: {path / shard} holds {sorted(held)}, but {index}'s weight_map "
                                  f"gives it {sorted(listed)} (each tensor in the one shard the index names)")
             tensors.update(held)
         return tensors
@@ -215,12 +220,12 @@ def _checkpoint_tensors(path: pathlib.Path) -> dict[str, _Tensor]:
         try:
             import torch
         except ImportError as e:
-            raise ImportError(f"load_pretrained: {path / 'pytorch_model.bin'} needs torch (pip install torch), "
+            raise ImportError(f"{caller}: {path / 'pytorch_model.bin'} needs torch (pip install torch), "
                               "or convert it to model.safetensors") from e
         state_dict = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
         arrays = {name: (t.float() if t.dtype == torch.bfloat16 else t).numpy() for name, t in state_dict.items()}
         return {name: _Tensor(array.shape, lambda array=array: array) for name, array in arrays.items()}
-    raise FileNotFoundError(f"load_pretrained: {path} has no model.safetensors, model.safetensors.index.json "
+    raise FileNotFoundError(f"{caller}: {path} has no model.safetensors, model.safetensors.index.json "
                             "or pytorch_model.bin")
 
 
@@ -235,7 +240,7 @@ def load_hf_state(path) -> dict[str, np.ndarray]:
       ValueError: for an index without a `weight_map` object, a shard that holds other tensors than the index
         gives it, or a file that safetensors cannot read.
     """
-    return {name: tensor.read() for name, tensor in _checkpoint_tensors(pathlib.Path(path)).items()}
+    return {name: tensor.read() for name, tensor in _checkpoint_tensors(pathlib.Path(path), "load_hf_state").items()}
 
 
 def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str = "auto",
@@ -269,7 +274,7 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
     if dtype is not None:
         float_dtype("load_pretrained", "dtype", dtype)
     param_dtype = float_dtype("load_pretrained", "param_dtype", param_dtype)
-    config = load_config(path)
+    config = _load_config(path, "load_pretrained")
     try:
         abstract = nnx.eval_shape(lambda: Mamba2LMHeadModel(config, backend=backend, dtype=dtype,
                                                             param_dtype=param_dtype, scan_layers=scan_layers,
@@ -279,7 +284,7 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
             f"load_pretrained: {pathlib.Path(path) / 'config.json'}: {e}") from e
     # After the config is known to build a model: weights can be large. Every name and shape is checked from the
     # files' headers before any tensor is read, and each is then read straight into its parameter's buffer.
-    tensors = _checkpoint_tensors(pathlib.Path(path))
+    tensors = _checkpoint_tensors(pathlib.Path(path), "load_pretrained")
     graphdef, abstract_state = nnx.split(abstract)
     shapes = {param_path(p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(abstract_state)}
     unassigned = {path: set(range(config.n_layer)) if path[0] == "layers" else {None} for path in shapes}

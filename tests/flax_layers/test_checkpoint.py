@@ -566,6 +566,9 @@ def test_checkpoint_bad_config_file_errors_name_file_and_key(tmp_path, text, err
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(error, match=rf"load_pretrained: {tmp_path}/{message}"):
         load_pretrained(tmp_path)
+    if not message.startswith(r"config.json: Mamba2: "):  # the mixer's own checks run when the model is built
+        with pytest.raises(error, match=rf"load_config: {tmp_path}/{message}"):
+            checkpoint_module.load_config(tmp_path)
 
 
 @pytest.mark.parametrize("index, error, message", [
@@ -581,8 +584,9 @@ def test_checkpoint_bad_config_file_errors_name_file_and_key(tmp_path, text, err
 def test_checkpoint_bad_index_errors_name_file_and_key(tmp_path, tiny_config, index, error, message):
     (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
     (tmp_path / "model.safetensors.index.json").write_text(index if isinstance(index, str) else json.dumps(index))
-    with pytest.raises(error, match=rf"load_pretrained: {tmp_path}/{message}"):
-        load_pretrained(tmp_path)
+    for read in (load_pretrained, checkpoint_module.load_hf_state):
+        with pytest.raises(error, match=rf"{read.__name__}: {tmp_path}/{message}"):
+            read(tmp_path)
 
 
 def test_checkpoint_load_rejects_bad_arguments_before_reading_the_directory(tmp_path):
@@ -611,9 +615,9 @@ def test_checkpoint_load_checks_every_name_and_shape_before_reading_a_tensor(tmp
     reads = []
     tensors_of = checkpoint_module._safetensors_tensors
 
-    def counted(file):
+    def counted(file, caller):
         return {name: checkpoint_module._Tensor(t.shape, lambda t=t, name=name: reads.append(name) or t.read())
-                for name, t in tensors_of(file).items()}
+                for name, t in tensors_of(file, caller).items()}
     monkeypatch.setattr(checkpoint_module, "_safetensors_tensors", counted)
     load_pretrained(tmp_path, backend="xla")
     assert sorted(reads) == sorted(set(reads)) and len(reads) == len(checkpoint_module.load_hf_state(tmp_path))
