@@ -47,6 +47,7 @@ Writes <out>/lm_train_<gpu>.json (<gpu>: the GPU's model, "h200", "h100"; "cpu" 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import re
 import sys
@@ -265,7 +266,7 @@ VARIANTS = (
     Variant("remat", False, "-remat-{}", ", remat {}"),
     Variant("command_buffers", "default", "-command-buffers-{}", ", command buffers {}"),
     Variant("conv_configs", None, "-conv-{}", ", conv kernels {}"),
-    Variant("layer_loop", "unfilled", "-{}-layer-loop", ", layer loop {}"),
+    Variant("layer_loop", "routed", "-{}-layer-loop", ", layer loop {}"),
 )
 
 
@@ -445,12 +446,15 @@ def work(job: dict) -> dict:
             from jax_mamba2 import backends, conv1d
 
             replaced.enter_context(backends.kernels_replaced(conv1d.OP, "cutile", conv_kernels(job["conv_configs"])))
-        if job.get("layer_loop", "unfilled") == "lax-scan":  # the A/B baseline: lax.scan's zero-filled stacks
+        loop = job.get("layer_loop", "routed")
+        if loop != "routed":  # the A/B baselines: residuals stacked after each layer, or by lax.scan (zero-filled)
             from unittest import mock
 
-            from jax_mamba2.flax_layers.layer_loop import lax_scan_blocks
+            from jax_mamba2.flax_layers import layer_loop
 
-            replaced.enter_context(mock.patch("jax_mamba2.flax_layers.lm.scan_blocks", lax_scan_blocks))
+            baseline = (layer_loop.lax_scan_blocks if loop == "lax-scan"
+                        else functools.partial(layer_loop.scan_blocks, route_residuals=False))
+            replaced.enter_context(mock.patch("jax_mamba2.flax_layers.lm.scan_blocks", baseline))
         return train_ours(job)
 
 
@@ -630,9 +634,10 @@ def parse_args(argv=None):
     parser.add_argument("--conv-configs", default=None, metavar="FWD,BWD",
                         help="ours: the cuTile conv kernels at these configs (benchmarks/conv1d.py's notation, e.g. "
                              "16x512x3,8x32x128x4) instead of their defaults")
-    parser.add_argument("--layer-loop", choices=("unfilled", "lax-scan"), default="unfilled",
-                        help="ours with the layer scan: the model's loop (stacks of residuals created unfilled) or "
-                             "lax.scan's (created as zeros), for the A/B (default: unfilled)")
+    parser.add_argument("--layer-loop", choices=("routed", "unfilled", "lax-scan"), default="routed",
+                        help="ours with the layer scan: the model's loop (residuals written into unfilled stacks where "
+                             "the layer computes them), the same loop stacking them after each layer (unfilled), or "
+                             "lax.scan's (stacks created as zeros), for the A/B (default: routed)")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="ours: an XLA compiler option of the step, e.g. "
                              "xla_gpu_enable_dynamic_slice_fusion=false (repeatable; default: none)")
@@ -647,7 +652,7 @@ def parse_args(argv=None):
             TrainConfig.parse(name)
         except ValueError as e:
             parser.error(str(e))
-    if args.layer_loop != "unfilled" and args.unroll_layers:
+    if args.layer_loop != "routed" and args.unroll_layers:
         parser.error("--layer-loop is the layer scan's: not with --unroll-layers")
     if args.steps < 1:
         parser.error("--steps must be >= 1")

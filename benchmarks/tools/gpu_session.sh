@@ -148,19 +148,16 @@ case $part in
     step lm_step_unrolled 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --unroll-layers \
       --no-profile --worker-timeout 100 --out "$out"
     ;;
-  lm-scan)  # the default layer scan at d1024-l24-8x2048, what its stacking costs: as it is (the chunk states
-    # recomputed in the backward; its stacks of residuals created unfilled, layer_loop.scan_blocks), against the
-    # same loop as lax.scan differentiates it (stacks created as zeros: ~7 ms a step of fills on an H100), that with
-    # XLA's debug pass that drops such fills, and the model's loop saving only in_proj's output (remat="matmuls");
-    # the compiled step of the model's loop in OUT/hlo (its in-loop memcpys: which residuals they move)
+  lm-scan)  # the default layer scan at d1024-l24-8x2048, what its stacking costs: as it is (each residual written
+    # into its unfilled stack where the layer computes it, later uses reading it from there), against the same loop
+    # stacking the residuals after each layer (where XLA clones or copies a kernel's output that is also a
+    # residual), both profiled with their compiled steps in OUT/hlo, then the model's loop saving only in_proj's
+    # output (remat="matmuls")
     export JAX_MAMBA2_AUTOTUNE=0
     step lm_scan 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --worker-timeout 140 \
       --hlo-dir "$out/hlo" --out "$out"
-    step lm_scan_lax 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
-      --layer-loop lax-scan --worker-timeout 140 --out "$out"
-    step lm_scan_lax_zero_init 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
-      --layer-loop lax-scan --xla-option xla_gpu_enable_dus_accumulator_zero_init_elimination=true --no-profile \
-      --worker-timeout 100 --out "$out"
+    step lm_scan_unfilled 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
+      --layer-loop unfilled --worker-timeout 140 --hlo-dir "$out/hlo" --out "$out"
     step lm_scan_remat 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --remat matmuls \
       --no-profile --worker-timeout 100 --out "$out"
     ;;

@@ -10,6 +10,12 @@ loop rebuilds each layer's pullback from its slot. The residuals are those of th
 read where they already lie. Unlike `lax.scan`, which keeps one copy of a residual that no layer changes (e.g. a
 mask the block derives from `seq_idx`), the loop stacks it per layer: on the xla path a few percent more
 activation memory, on the cuTile kernels' path none such.
+
+The forward loop writes each residual into its stack right where the layer computes it, and the layer's later
+uses read it back from there (`_route_residuals`). A kernel's output (a cuTile kernel's, a cuBLAS product's) that
+is also a residual then has one user, the stack's dynamic-update-slice, which XLA's GPU compiler fuses into the
+kernel so that it writes its slot in place; with other users besides, XLA either ran the kernel a second time to
+write the slot (a clone in a `dynamic-slice-fusion`) or copied its output there.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import core as jex
+from jax.extend import source_info_util
 
 from jax_mamba2._vma import match_varying_axes
 
@@ -86,6 +94,101 @@ def _classify(pullback, layer_leaves) -> tuple[_Layout, list]:
     return _Layout(treedef, tuple(sources)), to_stack
 
 
+# Primitives whose results XLA fuses into their consumers (elementwise and data movement): such a residual is
+# computed again inside each consumer's fusion and in the stack's update, so reading it back from its stack
+# would only split fusions. Every other producer (a custom call, a product, a reduction, a loop) writes a buffer.
+_FUSED_INTO_CONSUMERS = frozenset("""
+    abs add and atan2 cbrt ceil clamp convert_element_type copy copy_p cos cosh div eq erf erf_inv exp exp2 expm1
+    floor ge gt imag integer_pow is_finite le log log1p logistic lt max min mul ne neg nextafter not or pow real
+    rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor shift_left shift_right_logical
+    shift_right_arithmetic population_count reduce_precision iota broadcast_in_dim slice dynamic_slice
+    concatenate pad transpose split rev squeeze expand_dims reshape
+    """.split())
+_BITCASTS = frozenset(("reshape", "squeeze", "expand_dims"))  # the same buffer for XLA
+_CALLS = frozenset(("pjit", "jit", "closed_call"))
+
+
+def _is_noop_rounding(eqn) -> bool:
+    """A reduce_precision to its operand's own precision (`jax.checkpoint` puts one on each value it saves)."""
+    dtype = eqn.invars[0].aval.dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return False
+    info = jnp.finfo(dtype)
+    return eqn.params["exponent_bits"] >= info.nexp and eqn.params["mantissa_bits"] >= info.nmant
+
+
+def _producer(jaxpr, var):
+    """The equation that computes `var`'s buffer, looking through bitcasts and into jitted calls; None for an
+    input of `jaxpr` or a literal."""
+    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    while not isinstance(var, jex.Literal) and (eqn := producers.get(var)) is not None:
+        name = eqn.primitive.name
+        if name in _BITCASTS or (name == "reduce_precision" and _is_noop_rounding(eqn)) or (
+                name == "broadcast_in_dim" and eqn.invars[0].aval.size == eqn.outvars[0].aval.size):
+            var = eqn.invars[0]
+        elif name in _CALLS:
+            inner = eqn.params["jaxpr"].jaxpr
+            out = inner.outvars[eqn.outvars.index(var)]
+            if isinstance(out, jex.Literal) or out not in inner.invars:
+                return None if isinstance(out, jex.Literal) else _producer(inner, out)
+            var = eqn.invars[inner.invars.index(out)]  # the call returns one of its inputs
+        else:
+            return eqn
+    return None
+
+
+def _writes_a_buffer(jaxpr, var) -> bool:
+    producer = _producer(jaxpr, var)
+    return producer is not None and producer.primitive.name not in _FUSED_INTO_CONSUMERS
+
+
+def _route_residuals(closed, args, n_carry: int, stacks: list, index) -> tuple[list, list]:
+    """Evaluates the layer's `closed` jaxpr (outputs: `n_carry` carry leaves, then one residual per stack) on
+    `args`, as `jax.core.eval_jaxpr` does, writing each residual into its stack at `index` as soon as an equation
+    computes it. A residual that a kernel writes (`_writes_a_buffer`) and that anything uses later is read back
+    from its stack by those uses, through an optimization barrier (else XLA folds the read of the slot just written
+    back into the value). Returns (the carry's leaves, the updated stacks)."""
+    jaxpr = closed.jaxpr
+    stacks_of: dict = {}  # residual var -> the stacks it goes to (a value can be several residuals)
+    for k, v in enumerate(jaxpr.outvars[n_carry:]):
+        if not isinstance(v, jex.Literal):
+            stacks_of.setdefault(v, []).append(k)
+    used_later = {v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jex.Literal)}
+    used_later |= {v for v in jaxpr.outvars[:n_carry] if not isinstance(v, jex.Literal)}
+    stacks, env = list(stacks), {}
+
+    def store(k, value):
+        stacks[k] = lax.dynamic_update_index_in_dim(stacks[k], value, index, 0)
+
+    def bind(v, value, computed: bool):
+        if v in stacks_of:
+            first, *others = stacks_of[v]
+            store(first, value)
+            if computed and (others or v in used_later) and _writes_a_buffer(jaxpr, v):
+                stacks[first] = lax.optimization_barrier(stacks[first])
+                value = lax.dynamic_index_in_dim(stacks[first], index, keepdims=False)
+            for k in others:
+                store(k, value)
+        env[v] = value
+
+    def read(v):
+        return v.val if isinstance(v, jex.Literal) else env[v]
+
+    for v, value in zip((*jaxpr.constvars, *jaxpr.invars), (*closed.consts, *args), strict=True):
+        bind(v, value, computed=False)
+    for eqn in jaxpr.eqns:
+        params = eqn.primitive.get_bind_params(eqn.params)
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+            outs = eqn.primitive.bind(*map(read, eqn.invars), **params)
+        for v, value in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs], strict=True):
+            bind(v, value, computed=True)
+    for k, v in enumerate(jaxpr.outvars[n_carry:]):
+        if isinstance(v, jex.Literal):
+            store(k, v.val)
+    return [read(v) for v in jaxpr.outvars[:n_carry]], stacks
+
+
 def _check_operands(operands) -> None:
     for leaf in jax.tree.leaves(operands):
         if not jnp.issubdtype(jnp.result_type(leaf), jnp.integer):
@@ -93,7 +196,7 @@ def _check_operands(operands) -> None:
                             f"seq_idx); got {jnp.result_type(leaf)}: close over a float value or carry it instead")
 
 
-def scan_blocks(apply: Callable, stacked, carry, *operands):
+def scan_blocks(apply: Callable, stacked, carry, *operands, route_residuals: bool = True):
     """`carry` after `apply(layer, carry, *operands)` for each layer of `stacked` in turn.
 
     Args:
@@ -102,6 +205,9 @@ def scan_blocks(apply: Callable, stacked, carry, *operands):
       stacked: a pytree of float arrays with a common leading (n_layer,) axis, the layers' parameters.
       carry: a pytree of float arrays, the loop's state (for the LM: the hidden states and the residual stream).
       operands: integer arrays (or None) every layer reads, e.g. seq_idx; not differentiated.
+      route_residuals: the forward writes each residual into its stack where the layer computes it and the
+        layer's later uses read it from there (the module's docstring says why); False stacks them after the
+        layer (the same values: a baseline for benchmarks).
 
     Returns:
       The final carry. Differentiable in `stacked` and `carry` (reverse mode), as `lax_scan_blocks` is, with
@@ -119,19 +225,25 @@ def scan_blocks(apply: Callable, stacked, carry, *operands):
         return lax_scan_blocks(apply, stacked, carry, *operands)
 
     def forward(stacked, carry, operands):
-        def layer_vjp(index, carry):
-            layer = _layer(stacked, index)
+        def layer_vjp(layer, carry):
             carry, pullback = jax.vjp(lambda layer, carry: apply(layer, carry, *operands), layer, carry)
             traced["layout"], to_stack = _classify(pullback, jax.tree.leaves(layer))
             return carry, to_stack
 
+        # The layer's forward, traced once (its slice of the stacks at 0 is dead code under jit).
+        closed, (carry_shape, residuals) = jax.make_jaxpr(layer_vjp, return_shape=True)(_layer(stacked, 0), carry)
+        carry_tree = jax.tree.structure(carry_shape)
+
         def step(index, state):
             carry, stacks = state
-            carry, to_stack = layer_vjp(index, carry)
+            if route_residuals:
+                leaves, stacks = _route_residuals(closed, jax.tree.leaves((_layer(stacked, index), carry)),
+                                                  carry_tree.num_leaves, stacks, index)
+                return jax.tree.unflatten(carry_tree, leaves), stacks
+            carry, to_stack = layer_vjp(_layer(stacked, index), carry)
             return carry, [lax.dynamic_update_index_in_dim(s, v, index, 0)
                            for s, v in zip(stacks, to_stack, strict=True)]
 
-        residuals = jax.eval_shape(lambda carry: layer_vjp(0, carry)[1], carry)
         stacks = [_unfilled(r, (length, *r.shape)) for r in residuals]
         carry, stacks = lax.fori_loop(0, length, step, (carry, stacks))
         return carry, (stacked, stacks)

@@ -346,16 +346,18 @@ def test_cutile_launches_lists_the_package_s_kernels_in_hlo_order():
 
 
 def test_layer_loop_reaches_the_worker_and_keys_the_record(monkeypatch):
-    """--layer-loop lax-scan runs the model's layer scan as lax.scan differentiates it (the A/B baseline),
-    inside the worker only; not with --unroll-layers."""
+    """--layer-loop lax-scan / unfilled run the model's layer scan as lax.scan differentiates it, or with the
+    residuals stacked after each layer (the A/B baselines), inside the worker only; not with --unroll-layers."""
     _assert_variant_reaches_ours_and_keys_the_record(["--layer-loop", "lax-scan"], "layer_loop", "lax-scan",
-                                                     "unfilled", ", layer loop lax-scan")
+                                                     "routed", ", layer loop lax-scan")
     from jax_mamba2.flax_layers import layer_loop, lm
     seen = []
     monkeypatch.setattr(lm_train, "train_ours", lambda job: seen.append(lm.scan_blocks))
     lm_train.work({"impl": "cutile", "layer_loop": "lax-scan"})
+    lm_train.work({"impl": "cutile", "layer_loop": "unfilled"})
     lm_train.work({"impl": "cutile"})
-    assert seen == [layer_loop.lax_scan_blocks, layer_loop.scan_blocks]
+    assert seen[0] is layer_loop.lax_scan_blocks and seen[2] is layer_loop.scan_blocks
+    assert seen[1].func is layer_loop.scan_blocks and seen[1].keywords == {"route_residuals": False}
     assert lm.scan_blocks is layer_loop.scan_blocks
     with pytest.raises(SystemExit):
         lm_train.parse_args(["--layer-loop", "lax-scan", "--unroll-layers"])
