@@ -104,7 +104,7 @@ _FUSED_INTO_CONSUMERS = frozenset("""
     shift_right_arithmetic population_count reduce_precision iota broadcast_in_dim slice dynamic_slice
     concatenate pad transpose split rev squeeze expand_dims reshape
     """.split())
-_BITCASTS = frozenset(("reshape", "squeeze", "expand_dims"))  # the same buffer for XLA
+_BITCASTS = frozenset(("reshape", "squeeze", "expand_dims", "name"))  # the same buffer for XLA
 _CALLS = frozenset(("pjit", "jit", "closed_call"))
 
 

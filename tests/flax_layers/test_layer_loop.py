@@ -1,8 +1,11 @@
 """`layer_loop.scan_blocks`: the LM's loop over its stacked blocks computes what `lax.scan` of the blocks does,
 values and gradients, and stacks the backward's residuals in buffers it does not fill first."""
+import functools
 import re
+from unittest import mock
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,6 +26,16 @@ def _block(layer, carry, keep):
     return hidden.astype(carry[0].dtype), residual
 
 
+def _gated_block(layer, carry, keep):
+    """A block whose product's output is itself a residual (z * tanh(z) keeps z) with later uses: the loop
+    routes it through its stack."""
+    hidden, residual = carry
+    residual = residual + hidden
+    z = residual @ layer["w"]
+    hidden = (z * jnp.tanh(z) + layer["b"]) * keep.astype(hidden.dtype)
+    return hidden.astype(carry[0].dtype), residual
+
+
 def _inputs(seed=0):
     keys = jax.random.split(jax.random.key(seed), 4)
     stacked = dict(w=jax.random.normal(keys[0], (LAYERS, FEATURES, FEATURES)) / 3,
@@ -36,34 +49,40 @@ def _lax_scan(block):
     return lambda stacked, carry, mask: layer_loop.lax_scan_blocks(block, stacked, carry, mask)
 
 
-def _loop(block):
-    return lambda stacked, carry, mask: layer_loop.scan_blocks(block, stacked, carry, mask)
+def _loop(block, route_residuals=True):
+    return lambda stacked, carry, mask: layer_loop.scan_blocks(block, stacked, carry, mask,
+                                                               route_residuals=route_residuals)
 
 
 def _loss(run):
     return lambda stacked, carry, mask: sum(jnp.sum(jnp.sin(x)) for x in run(stacked, carry, mask))
 
 
+@pytest.mark.parametrize("route_residuals", [True, False], ids=["routed", "stacked_after"])
+@pytest.mark.parametrize("block", [_block, _gated_block], ids=["tanh", "gated"])
 @pytest.mark.parametrize("remat", [None, "nothing_saveable"])
-def test_scan_blocks_computes_what_lax_scan_does_values_and_gradients(remat):
+def test_scan_blocks_computes_what_lax_scan_does_values_and_gradients(remat, block, route_residuals):
     """Bit for bit on the CPU: the same block, the same order of operations; under a `jax.checkpoint` policy
     too (the block's residuals are then its inputs)."""
-    block = _block if remat is None else jax.checkpoint(_block, policy=jax.checkpoint_policies.nothing_saveable)
+    block = block if remat is None else jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
     args = _inputs()
-    for want, got in zip(jax.tree.leaves(jax.jit(_lax_scan(block))(*args)),
-                         jax.tree.leaves(jax.jit(_loop(block))(*args))):
+    loop = _loop(block, route_residuals)
+    for want, got in zip(jax.tree.leaves(jax.jit(_lax_scan(block))(*args)), jax.tree.leaves(jax.jit(loop)(*args))):
         np.testing.assert_array_equal(got, want)
     grad = lambda run: jax.jit(jax.grad(_loss(run), argnums=(0, 1)))(*args)  # noqa: E731
-    for want, got in zip(jax.tree.leaves(grad(_lax_scan(block))), jax.tree.leaves(grad(_loop(block)))):
+    for want, got in zip(jax.tree.leaves(grad(_lax_scan(block))), jax.tree.leaves(grad(loop))):
         np.testing.assert_array_equal(got, want)
+    # the gated block's product output (a residual used later) is read back from its stack when routed
+    routed = "optimization_barrier" in str(jax.make_jaxpr(jax.grad(_loss(loop), argnums=(0, 1)))(*args))
+    assert routed == (route_residuals and block is not _block and remat is None)
 
 
 def test_scan_blocks_runs_eagerly_as_under_jit():
     """Under jax.disable_jit the loop's residuals are concrete arrays: stacked like traced ones."""
     args = _inputs(1)
-    want = jax.grad(_loss(_lax_scan(_block)), argnums=(0, 1))(*args)
+    want = jax.grad(_loss(_lax_scan(_gated_block)), argnums=(0, 1))(*args)
     with jax.disable_jit():
-        got = jax.grad(_loss(_loop(_block)), argnums=(0, 1))(*args)
+        got = jax.grad(_loss(_loop(_gated_block)), argnums=(0, 1))(*args)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
@@ -181,3 +200,56 @@ def test_the_lm_trains_data_parallel_inside_shard_map():
     got = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))(state, ids)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(loss_and_grads)(state, ids))):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+_BITCASTS = ("reshape", "squeeze", "expand_dims", "broadcast_in_dim", "reduce_precision", "name")
+
+
+def _kernel_residual_uses(route_residuals: bool) -> list[int]:
+    """For each stacked residual of the LM's forward layer loop (cuTile kernels, traced for sm_90 on the CPU)
+    that a kernel computes (a cuTile launch or a matrix product), how many uses its value has in the loop's
+    body, looking through bitcast-like ops to the stack's update."""
+    aot = pytest.importorskip("jax_mamba2.bridge.aot")
+    from tests.flax_layers._programs import walk
+
+    config = Mamba2Config(d_model=32, n_layer=LAYERS, vocab_size=64, ssm_cfg=dict(d_state=16, headdim=16, chunk_size=8))
+    loop = functools.partial(layer_loop.scan_blocks, route_residuals=route_residuals)
+    with aot.cuda_target("sm_90"), mock.patch("jax_mamba2.flax_layers.lm.scan_blocks", loop):
+        model = Mamba2LMHeadModel(config, backend="cutile", dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        ids = jax.random.randint(jax.random.key(0), (2, 40), 0, config.vocab_size)
+        jaxpr = jax.make_jaxpr(jax.grad(lambda p: nnx.merge(graphdef, p, rest).loss(ids)))(params)
+
+    def launches_kernel(eqn) -> bool:
+        return eqn.primitive.name in ("dot_general", "cutile_call_ffi") or any(
+            inner.primitive.name == "cutile_call_ffi"
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params) for inner, _ in walk(sub))
+
+    loops = [eqn.params.get("body_jaxpr") or eqn.params["jaxpr"] for eqn, _ in walk(jaxpr)
+             if eqn.primitive.name in ("scan", "while")]  # a fori_loop of known length is a scan
+    body = next(loop.jaxpr for loop in loops if any(e.primitive.name == "cutile_call_ffi" for e, _ in walk(loop)))
+    producers = {v: eqn for eqn in body.eqns for v in eqn.outvars}
+    uses = {}
+    for eqn in body.eqns:
+        for v in eqn.invars:
+            if isinstance(v, jax.extend.core.Var):
+                uses[v] = uses.get(v, 0) + 1
+    counts = []
+    for eqn in body.eqns:
+        if eqn.primitive.name != "dynamic_update_slice" and eqn.params.get("name") != "dynamic_update_index_in_dim":
+            continue
+        value = eqn.invars[1]
+        while value in producers and producers[value].primitive.name in _BITCASTS and uses[value] == 1:
+            value = producers[value].invars[0]
+        if value in producers and launches_kernel(producers[value]):
+            counts.append(uses[value])
+    return counts
+
+
+def test_kernel_outputs_that_are_residuals_have_the_stack_as_their_one_user():
+    """Each residual that a kernel writes goes to its stack alone (later uses read the stack), so XLA's GPU
+    compiler can fuse the stack's update into the kernel; stacked after the layer, such values had other users
+    too (XLA then cloned the kernel or copied its output)."""
+    routed = _kernel_residual_uses(route_residuals=True)
+    assert len(routed) >= 4 and routed == [1] * len(routed), routed
+    assert max(_kernel_residual_uses(route_residuals=False)) > 1
