@@ -12,7 +12,7 @@ mask the block derives from `seq_idx`), the loop stacks it per layer: on the xla
 activation memory, on the cuTile kernels' path none such.
 
 The forward loop writes each residual into its stack right where the layer computes it, and the layer's later
-uses read it back from there (`_route_residuals`). A kernel's output (a cuTile kernel's, a cuBLAS product's) that
+uses read it back from there (`_stack_residuals`). A kernel's output (a cuTile kernel's, a cuBLAS product's) that
 is also a residual then has one user, the stack's dynamic-update-slice, which XLA's GPU compiler fuses into the
 kernel so that it writes its slot in place; with other users besides, XLA either ran the kernel a second time to
 write the slot (a clone in a `dynamic-slice-fusion`) or copied its output there.
@@ -142,12 +142,12 @@ def _writes_a_buffer(jaxpr, var) -> bool:
     return producer is not None and producer.primitive.name not in _FUSED_INTO_CONSUMERS
 
 
-def _route_residuals(closed, args, n_carry: int, stacks: list, index) -> tuple[list, list]:
+def _stack_residuals(closed, args, n_carry: int, stacks: list, index, route: bool) -> tuple[list, list]:
     """Evaluates the layer's `closed` jaxpr (outputs: `n_carry` carry leaves, then one residual per stack) on
     `args`, as `jax.core.eval_jaxpr` does, writing each residual into its stack at `index` as soon as an equation
-    computes it. A residual that a kernel writes (`_writes_a_buffer`) and that anything uses later is read back
-    from its stack by those uses, through an optimization barrier (else XLA folds the read of the slot just written
-    back into the value). Returns (the carry's leaves, the updated stacks)."""
+    computes it. With `route`, a residual that a kernel writes (`_writes_a_buffer`) and that anything uses later
+    is read back from its stack by those uses, through an optimization barrier (else XLA folds the read of the
+    slot just written back into the value). Returns (the carry's leaves, the updated stacks)."""
     jaxpr = closed.jaxpr
     stacks_of: dict = {}  # residual var -> the stacks it goes to (a value can be several residuals)
     for k, v in enumerate(jaxpr.outvars[n_carry:]):
@@ -164,7 +164,7 @@ def _route_residuals(closed, args, n_carry: int, stacks: list, index) -> tuple[l
         if v in stacks_of:
             first, *others = stacks_of[v]
             store(first, value)
-            if computed and (others or v in used_later) and _writes_a_buffer(jaxpr, v):
+            if route and computed and (others or v in used_later) and _writes_a_buffer(jaxpr, v):
                 stacks[first] = lax.optimization_barrier(stacks[first])
                 value = lax.dynamic_index_in_dim(stacks[first], index, keepdims=False)
             for k in others:
@@ -205,9 +205,9 @@ def scan_blocks(apply: Callable, stacked, carry, *operands, route_residuals: boo
       stacked: a pytree of float arrays with a common leading (n_layer,) axis, the layers' parameters.
       carry: a pytree of float arrays, the loop's state (for the LM: the hidden states and the residual stream).
       operands: integer arrays (or None) every layer reads, e.g. seq_idx; not differentiated.
-      route_residuals: the forward writes each residual into its stack where the layer computes it and the
-        layer's later uses read it from there (the module's docstring says why); False stacks them after the
-        layer (the same values: a baseline for benchmarks).
+      route_residuals: the layer's later uses of a residual that a kernel computed read it from its stack (the
+        module's docstring says why); False leaves them on the kernel's output (the same values: a baseline for
+        benchmarks).
 
     Returns:
       The final carry. Differentiable in `stacked` and `carry` (reverse mode), as `lax_scan_blocks` is, with
@@ -230,19 +230,17 @@ def scan_blocks(apply: Callable, stacked, carry, *operands, route_residuals: boo
             traced["layout"], to_stack = _classify(pullback, jax.tree.leaves(layer))
             return carry, to_stack
 
-        # The layer's forward, traced once (its slice of the stacks at 0 is dead code under jit).
+        # The layer's forward, traced once (its slice of the stacks at 0 is dead code under jit); every layer runs
+        # this trace, so the residuals are the same leaves under jit and eagerly (where concrete values would
+        # give a pullback of another structure).
         closed, (carry_shape, residuals) = jax.make_jaxpr(layer_vjp, return_shape=True)(_layer(stacked, 0), carry)
         carry_tree = jax.tree.structure(carry_shape)
 
         def step(index, state):
             carry, stacks = state
-            if route_residuals:
-                leaves, stacks = _route_residuals(closed, jax.tree.leaves((_layer(stacked, index), carry)),
-                                                  carry_tree.num_leaves, stacks, index)
-                return jax.tree.unflatten(carry_tree, leaves), stacks
-            carry, to_stack = layer_vjp(_layer(stacked, index), carry)
-            return carry, [lax.dynamic_update_index_in_dim(s, v, index, 0)
-                           for s, v in zip(stacks, to_stack, strict=True)]
+            leaves, stacks = _stack_residuals(closed, jax.tree.leaves((_layer(stacked, index), carry)),
+                                              carry_tree.num_leaves, stacks, index, route_residuals)
+            return jax.tree.unflatten(carry_tree, leaves), stacks
 
         stacks = [_unfilled(r, (length, *r.shape)) for r in residuals]
         carry, stacks = lax.fori_loop(0, length, step, (carry, stacks))

@@ -253,3 +253,20 @@ def test_kernel_outputs_that_are_residuals_have_the_stack_as_their_one_user():
     routed = _kernel_residual_uses(route_residuals=True)
     assert len(routed) >= 4 and routed == [1] * len(routed), routed
     assert max(_kernel_residual_uses(route_residuals=False)) > 1
+
+
+@pytest.mark.parametrize("route_residuals", [True, False], ids=["routed", "stacked_after"])
+def test_the_lm_layer_scan_runs_eagerly_as_under_jit(route_residuals):
+    """The LM's gradient under jax.disable_jit: every layer evaluates the one traced forward, so its residuals
+    are the traced ones (concrete values gave the pullback more leaves than the stacks)."""
+    config = Mamba2Config(d_model=32, n_layer=2, vocab_size=64, ssm_cfg=dict(d_state=16, headdim=16, chunk_size=8))
+    ids = jax.random.randint(jax.random.key(1), (2, 16), 0, config.vocab_size)
+    graphdef, state = nnx.split(Mamba2LMHeadModel(config, backend="xla", rngs=nnx.Rngs(0)))
+    loop = functools.partial(layer_loop.scan_blocks, route_residuals=route_residuals)
+    with mock.patch("jax_mamba2.flax_layers.lm.scan_blocks", loop):
+        grad = jax.grad(lambda state: nnx.merge(graphdef, state).loss(ids))
+        want = jax.jit(grad)(state)
+        with jax.disable_jit():
+            got = grad(state)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
