@@ -155,7 +155,7 @@ def _stack_residuals(closed, args, n_carry: int, stacks: list, index, route: boo
             stacks_of.setdefault(v, []).append(k)
     used_later = {v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jex.Literal)}
     used_later |= {v for v in jaxpr.outvars[:n_carry] if not isinstance(v, jex.Literal)}
-    stacks, env = list(stacks), {}
+    stacks, env, read_index = list(stacks), {}, []
 
     def store(k, value):
         stacks[k] = lax.dynamic_update_index_in_dim(stacks[k], value, index, 0)
@@ -165,8 +165,11 @@ def _stack_residuals(closed, args, n_carry: int, stacks: list, index, route: boo
             first, *others = stacks_of[v]
             store(first, value)
             if route and computed and (others or v in used_later) and _writes_a_buffer(jaxpr, v):
-                stacks[first] = lax.optimization_barrier(stacks[first])
-                value = lax.dynamic_index_in_dim(stacks[first], index, keepdims=False)
+                # The slot just written is read at an index XLA cannot see is `index`, else it folds the read
+                # into the value; a barrier on the stack instead kept XLA from writing the kernel's output there.
+                if not read_index:
+                    read_index.append(lax.optimization_barrier(index))
+                value = lax.dynamic_index_in_dim(stacks[first], read_index[0], keepdims=False)
             for k in others:
                 store(k, value)
         env[v] = value
