@@ -13,9 +13,10 @@ activation memory, on the cuTile kernels' path none such.
 
 The forward loop writes each residual into its stack right where the layer computes it, and the layer's later
 uses read it back from there (`_stack_residuals`). A kernel's output (a cuTile kernel's, a cuBLAS product's) that
-is also a residual then has one user, the stack's dynamic-update-slice, which XLA's GPU compiler fuses into the
-kernel so that it writes its slot in place; with other users besides, XLA either ran the kernel a second time to
-write the slot (a clone in a `dynamic-slice-fusion`) or copied its output there.
+is also a residual then has one user, the stack's dynamic-update-slice. With other users besides, XLA's GPU
+compiler ran the kernel a second time to write the slot (a clone in a `dynamic-slice-fusion`) or copied its
+output there; routed, it copies the output into its slot and back, which costs less than the kernels' second runs
+(docs/design.md §12).
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def _stack_residuals(closed, args, n_carry: int, stacks: list, index, route: boo
             stacks_of.setdefault(v, []).append(k)
     used_later = {v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jex.Literal)}
     used_later |= {v for v in jaxpr.outvars[:n_carry] if not isinstance(v, jex.Literal)}
-    stacks, env, read_index = list(stacks), {}, []
+    stacks, env = list(stacks), {}
 
     def store(k, value):
         stacks[k] = lax.dynamic_update_index_in_dim(stacks[k], value, index, 0)
@@ -165,11 +166,8 @@ def _stack_residuals(closed, args, n_carry: int, stacks: list, index, route: boo
             first, *others = stacks_of[v]
             store(first, value)
             if route and computed and (others or v in used_later) and _writes_a_buffer(jaxpr, v):
-                # The slot just written is read at an index XLA cannot see is `index`, else it folds the read
-                # into the value; a barrier on the stack instead kept XLA from writing the kernel's output there.
-                if not read_index:
-                    read_index.append(lax.optimization_barrier(index))
-                value = lax.dynamic_index_in_dim(stacks[first], read_index[0], keepdims=False)
+                stacks[first] = lax.optimization_barrier(stacks[first])
+                value = lax.dynamic_index_in_dim(stacks[first], index, keepdims=False)
             for k in others:
                 store(k, value)
         env[v] = value
