@@ -106,7 +106,9 @@ _FUSED_INTO_CONSUMERS = frozenset("""
     concatenate pad transpose split rev squeeze expand_dims reshape
     """.split())
 _BITCASTS = frozenset(("reshape", "squeeze", "expand_dims", "name"))  # the same buffer for XLA
-_CALLS = frozenset(("pjit", "jit", "closed_call"))
+# Call primitives and the parameter that holds their jaxpr (a remat'd loop's known half is a closed_call;
+# jax 0.11 names that primitive eval_jaxpr).
+_CALL_JAXPRS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "eval_jaxpr": "call_jaxpr"}
 
 
 def _is_noop_rounding(eqn) -> bool:
@@ -127,8 +129,8 @@ def _producer(jaxpr, var):
         if name in _BITCASTS or (name == "reduce_precision" and _is_noop_rounding(eqn)) or (
                 name == "broadcast_in_dim" and eqn.invars[0].aval.size == eqn.outvars[0].aval.size):
             var = eqn.invars[0]
-        elif name in _CALLS:
-            inner = eqn.params["jaxpr"].jaxpr
+        elif name in _CALL_JAXPRS:
+            inner = eqn.params[_CALL_JAXPRS[name]].jaxpr
             out = inner.outvars[eqn.outvars.index(var)]
             if isinstance(out, jex.Literal) or out not in inner.invars:
                 return None if isinstance(out, jex.Literal) else _producer(inner, out)

@@ -270,3 +270,23 @@ def test_the_lm_layer_scan_runs_eagerly_as_under_jit(route_residuals):
             got = grad(state)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_scan_blocks_takes_a_block_with_a_rematerialized_loop():
+    """A block with a `jax.checkpoint`ed `lax.scan` whose output it uses again: the traced forward holds the scan's
+    known half as a `closed_call` (its jaxpr in `call_jaxpr`), which the loop looks into."""
+    def scanned(w, h):
+        return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), h, w)[0]
+
+    def block(layer, carry, keep):
+        hidden, residual = carry
+        y = jax.checkpoint(scanned, policy=jax.checkpoint_policies.everything_saveable)(layer["w2"], hidden + residual)
+        return (y * y * keep).astype(hidden.dtype), residual + hidden
+
+    stacked, carry, keep = _inputs(2)
+    stacked = dict(w2=jnp.stack([stacked["w"], jnp.swapaxes(stacked["w"], 1, 2)], axis=1))
+    grad = lambda run: jax.jit(jax.grad(_loss(run), argnums=(0, 1)))(stacked, carry, keep)  # noqa: E731
+    want = grad(_lax_scan(block))
+    for route_residuals in (True, False):
+        for g, w in zip(jax.tree.leaves(grad(_loop(block, route_residuals))), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(g, w)
