@@ -141,11 +141,15 @@ def load_config(path) -> Mamba2Config:
     return _load_config(path, "load_config")
 
 
-def _load_config(path, caller: str) -> Mamba2Config:
-    """`load_config` for `caller`, the public function its errors name."""
+def _checkpoint_dir(path, caller: str) -> pathlib.Path:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{caller}: path={path!r} must be a str or os.PathLike (a checkpoint directory)")
-    config_file = pathlib.Path(path) / "config.json"
+    return pathlib.Path(path)
+
+
+def _load_config(path, caller: str) -> Mamba2Config:
+    """`load_config` for `caller`, the public function its errors name."""
+    config_file = _checkpoint_dir(path, caller) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{caller}: {config_file} does not exist")
     raw = _read_json(config_file, caller)
@@ -239,8 +243,10 @@ def load_hf_state(path) -> dict[str, np.ndarray]:
       FileNotFoundError: if there are no weights, or a shard named by the index is missing.
       ValueError: for an index without a `weight_map` object, a shard that holds other tensors than the index
         gives it, or a file that safetensors cannot read.
+      TypeError: for a path that is not a str or os.PathLike.
     """
-    return {name: tensor.read() for name, tensor in _checkpoint_tensors(pathlib.Path(path), "load_hf_state").items()}
+    tensors = _checkpoint_tensors(_checkpoint_dir(path, "load_hf_state"), "load_hf_state")
+    return {name: tensor.read() for name, tensor in tensors.items()}
 
 
 def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str = "auto",

@@ -99,13 +99,14 @@ def _classify(pullback, layer_leaves) -> tuple[_Layout, list]:
 # computed again inside each consumer's fusion and in the stack's update, so reading it back from its stack
 # would only split fusions. Every other producer (a custom call, a product, a reduction, a loop) writes a buffer.
 _FUSED_INTO_CONSUMERS = frozenset("""
-    abs add and atan2 cbrt ceil clamp convert_element_type copy copy_p cos cosh div eq erf erf_inv exp exp2 expm1
-    floor ge gt imag integer_pow is_finite le log log1p logistic lt max min mul ne neg nextafter not or pow real
-    rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor shift_left shift_right_logical
-    shift_right_arithmetic population_count reduce_precision iota broadcast_in_dim slice dynamic_slice
-    concatenate pad transpose split rev squeeze expand_dims reshape
+    abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type copy cos cosh digamma
+    div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma imag integer_pow is_finite le lgamma log log1p logistic
+    lt max min mul ne neg nextafter not or pow real rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh
+    xor shift_left shift_right_logical shift_right_arithmetic population_count reduce_precision iota
+    broadcast_in_dim slice dynamic_slice concatenate pad transpose split rev squeeze expand_dims reshape
     """.split())
-_BITCASTS = frozenset(("reshape", "squeeze", "expand_dims", "name"))  # the same buffer for XLA
+# The same buffer for XLA (`name` is `checkpoint_name`; `pvary` marks a value varying over shard_map's axes).
+_BITCASTS = frozenset(("reshape", "squeeze", "expand_dims", "name", "pvary"))
 # Call primitives and the parameter that holds their jaxpr (a remat'd loop's known half is a closed_call;
 # jax 0.11 names that primitive eval_jaxpr).
 _CALL_JAXPRS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "eval_jaxpr": "call_jaxpr"}
@@ -141,6 +142,7 @@ def _producer(jaxpr, var):
 
 
 def _writes_a_buffer(jaxpr, var) -> bool:
+    """Whether `var` is computed by an equation XLA does not fuse into its consumers (a kernel's output)."""
     producer = _producer(jaxpr, var)
     return producer is not None and producer.primitive.name not in _FUSED_INTO_CONSUMERS
 

@@ -595,8 +595,9 @@ def test_checkpoint_load_rejects_bad_arguments_before_reading_the_directory(tmp_
     for name, value in (("param_dtype", jnp.int8), ("param_dtype", None), ("dtype", "float8_e4m3fn")):
         with pytest.raises(TypeError, match=rf"load_pretrained: {name}=.* must be"):
             load_pretrained(tmp_path, **{name: value})
-    with pytest.raises(TypeError, match=r"load_pretrained: path=None must be a str or os.PathLike"):
-        load_pretrained(None)
+    for read in (load_pretrained, checkpoint_module.load_config, checkpoint_module.load_hf_state):
+        with pytest.raises(TypeError, match=rf"{read.__name__}: path=None must be a str or os.PathLike"):
+            read(None)
 
 
 def test_checkpoint_truncated_weights_error_names_the_file(tmp_path, tiny_config):
