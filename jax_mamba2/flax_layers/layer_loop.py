@@ -109,7 +109,7 @@ _FUSED_INTO_CONSUMERS = frozenset("""
 _BITCASTS = frozenset(("reshape", "squeeze", "expand_dims", "name", "pvary"))
 # Call primitives and the parameter that holds their jaxpr (a remat'd loop's known half is a closed_call;
 # jax 0.11 names that primitive eval_jaxpr).
-_CALL_JAXPRS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "eval_jaxpr": "call_jaxpr"}
+_CALL_JAXPRS = {"jit": "jaxpr", "closed_call": "call_jaxpr", "eval_jaxpr": "call_jaxpr"}
 
 
 def _is_noop_rounding(eqn) -> bool:
@@ -121,10 +121,10 @@ def _is_noop_rounding(eqn) -> bool:
     return eqn.params["exponent_bits"] >= info.nexp and eqn.params["mantissa_bits"] >= info.nmant
 
 
-def _producer(jaxpr, var):
+def _producer(jaxpr, var, producers=None):
     """The equation that computes `var`'s buffer, looking through bitcasts and into jitted calls; None for an
-    input of `jaxpr` or a literal."""
-    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    input of `jaxpr` or a literal. `producers`: `jaxpr`'s {var: equation computing it}, if already built."""
+    producers = producers or {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     while not isinstance(var, jex.Literal) and (eqn := producers.get(var)) is not None:
         name = eqn.primitive.name
         if name in _BITCASTS or (name == "reduce_precision" and _is_noop_rounding(eqn)) or (
@@ -141,16 +141,21 @@ def _producer(jaxpr, var):
     return None
 
 
-def _writes_a_buffer(jaxpr, var) -> bool:
-    """Whether `var` is computed by an equation XLA does not fuse into its consumers (a kernel's output)."""
-    producer = _producer(jaxpr, var)
-    return producer is not None and producer.primitive.name not in _FUSED_INTO_CONSUMERS
+def _kernel_outputs(jaxpr, variables) -> set:
+    """Those of `variables` that an equation XLA does not fuse into its consumers computes (kernels' outputs)."""
+    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    found = set()
+    for v in variables:
+        producer = _producer(jaxpr, v, producers)
+        if producer is not None and producer.primitive.name not in _FUSED_INTO_CONSUMERS:
+            found.add(v)
+    return found
 
 
 def _stack_residuals(closed, args, n_carry: int, stacks: list, index, route: bool) -> tuple[list, list]:
     """Evaluates the layer's `closed` jaxpr (outputs: `n_carry` carry leaves, then one residual per stack) on
     `args`, as `jax.core.eval_jaxpr` does, writing each residual into its stack at `index` as soon as an equation
-    computes it. With `route`, a residual that a kernel writes (`_writes_a_buffer`) and that anything uses later
+    computes it. With `route`, a residual that a kernel writes (`_kernel_outputs`) and that anything uses later
     is read back from its stack by those uses, through an optimization barrier (else XLA folds the read of the
     slot just written back into the value). Returns (the carry's leaves, the updated stacks)."""
     jaxpr = closed.jaxpr
@@ -160,16 +165,18 @@ def _stack_residuals(closed, args, n_carry: int, stacks: list, index, route: boo
             stacks_of.setdefault(v, []).append(k)
     used_later = {v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jex.Literal)}
     used_later |= {v for v in jaxpr.outvars[:n_carry] if not isinstance(v, jex.Literal)}
+    # (an input or a constant has no producer: never routed)
+    routed = _kernel_outputs(jaxpr, [v for v, ks in stacks_of.items() if route and (len(ks) > 1 or v in used_later)])
     stacks, env = list(stacks), {}
 
     def store(k, value):
         stacks[k] = lax.dynamic_update_index_in_dim(stacks[k], value, index, 0)
 
-    def bind(v, value, computed: bool):
+    def bind(v, value):
         if v in stacks_of:
             first, *others = stacks_of[v]
             store(first, value)
-            if route and computed and (others or v in used_later) and _writes_a_buffer(jaxpr, v):
+            if v in routed:
                 stacks[first] = lax.optimization_barrier(stacks[first])
                 value = lax.dynamic_index_in_dim(stacks[first], index, keepdims=False)
             for k in others:
@@ -180,14 +187,14 @@ def _stack_residuals(closed, args, n_carry: int, stacks: list, index, route: boo
         return v.val if isinstance(v, jex.Literal) else env[v]
 
     for v, value in zip((*jaxpr.constvars, *jaxpr.invars), (*closed.consts, *args), strict=True):
-        bind(v, value, computed=False)
+        bind(v, value)
     for eqn in jaxpr.eqns:
         params = eqn.primitive.get_bind_params(eqn.params)
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
             outs = eqn.primitive.bind(*map(read, eqn.invars), **params)
         for v, value in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs], strict=True):
-            bind(v, value, computed=True)
+            bind(v, value)
     for k, v in enumerate(jaxpr.outvars[n_carry:]):
         if isinstance(v, jex.Literal):
             store(k, v.val)
@@ -235,7 +242,7 @@ def scan_blocks(apply: Callable, stacked, carry, *operands, route_residuals: boo
             traced["layout"], to_stack = _classify(pullback, jax.tree.leaves(layer))
             return carry, to_stack
 
-        # The layer's forward, traced once (its slice of the stacks at 0 is dead code under jit); every layer runs
+        # The layer's forward, traced once (its slice of the parameters at 0 is dead code under jit); every layer runs
         # this trace, so the residuals are the same leaves under jit and eagerly (where concrete values would
         # give a pullback of another structure).
         closed, (carry_shape, residuals) = jax.make_jaxpr(layer_vjp, return_shape=True)(_layer(stacked, 0), carry)

@@ -233,10 +233,9 @@ def _kernel_residual_uses(route_residuals: bool) -> list[int]:
     body = next(loop.jaxpr for loop in loops if any(e.primitive.name == "cutile_call_ffi" for e, _ in walk(loop)))
     producers = {v: eqn for eqn in body.eqns for v in eqn.outvars}
     uses = {}
-    for eqn in body.eqns:
-        for v in eqn.invars:
-            if isinstance(v, jax.extend.core.Var):
-                uses[v] = uses.get(v, 0) + 1
+    for v in [v for eqn in body.eqns for v in eqn.invars] + list(body.outvars):  # the loop's results count too
+        if isinstance(v, jax.extend.core.Var):
+            uses[v] = uses.get(v, 0) + 1
     counts = []
     for eqn in body.eqns:
         if eqn.primitive.name != "dynamic_update_slice" and eqn.params.get("name") != "dynamic_update_index_in_dim":
