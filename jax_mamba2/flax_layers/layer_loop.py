@@ -156,8 +156,8 @@ def _stack_residuals(closed, args, n_carry: int, stacks: list, index, route: boo
     """Evaluates the layer's `closed` jaxpr (outputs: `n_carry` carry leaves, then one residual per stack) on
     `args`, as `jax.core.eval_jaxpr` does, writing each residual into its stack at `index` as soon as an equation
     computes it. With `route`, a residual that a kernel writes (`_kernel_outputs`) and that anything uses later
-    is read back from its stack by those uses, through an optimization barrier (else XLA folds the read of the
-    slot just written back into the value). Returns (the carry's leaves, the updated stacks)."""
+    is read back from its stack by those uses, so that the kernel writes its slot in place and is the value's
+    only producer. Returns (the carry's leaves, the updated stacks)."""
     jaxpr = closed.jaxpr
     stacks_of: dict = {}  # residual var -> the stacks it goes to (a value can be several residuals)
     for k, v in enumerate(jaxpr.outvars[n_carry:]):
@@ -168,6 +168,11 @@ def _stack_residuals(closed, args, n_carry: int, stacks: list, index, route: boo
     # (an input or a constant has no producer: never routed)
     routed = _kernel_outputs(jaxpr, [v for v, ks in stacks_of.items() if route and (len(ks) > 1 or v in used_later)])
     stacks, env = list(stacks), {}
+    # A routed residual is read back at an index equal to `index` but computed apart from the update's (the
+    # form measured; docs/design.md §12). Only arithmetic of the loop counter: where XLA slices a custom call's
+    # operand in place it evaluates the index on the host, which an optimization barrier there would defeat,
+    # and a barrier on the stack instead kept XLA from writing a kernel's output into its slot.
+    read_index = lax.max(index, jnp.zeros_like(index))
 
     def store(k, value):
         stacks[k] = lax.dynamic_update_index_in_dim(stacks[k], value, index, 0)
@@ -177,8 +182,7 @@ def _stack_residuals(closed, args, n_carry: int, stacks: list, index, route: boo
             first, *others = stacks_of[v]
             store(first, value)
             if v in routed:
-                stacks[first] = lax.optimization_barrier(stacks[first])
-                value = lax.dynamic_index_in_dim(stacks[first], index, keepdims=False)
+                value = lax.dynamic_index_in_dim(stacks[first], read_index, keepdims=False)
             for k in others:
                 store(k, value)
         env[v] = value
