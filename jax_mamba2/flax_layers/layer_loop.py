@@ -7,16 +7,17 @@ slot: at d_model 1024, 24 layers and 8 x 2048 tokens, gigabytes of zeros written
 process with one device; see `_unfilled`) and writes each layer's residuals into its slot, and whose backward
 loop rebuilds each layer's pullback from its slot. The residuals are those of the block's own `jax.vjp` (so a
 `jax.checkpoint` policy around the block applies), less the ones that are the layer's parameters, which are
-read where they already lie. Unlike `lax.scan`, which keeps one copy of a residual that no layer changes (e.g. a
-mask the block derives from `seq_idx`), the loop stacks it per layer: on the xla path a few percent more
-activation memory, on the cuTile kernels' path none such.
+read where they already lie (also where shard_map made a replicated one varying: the backward does that again).
+Unlike `lax.scan`, which keeps one copy of a residual that no layer changes (e.g. a mask the block derives from
+`seq_idx`), the loop stacks it per layer: on the xla path a few percent more activation memory, on the cuTile
+kernels' path none such.
 
 The forward loop writes each residual into its stack right where the layer computes it, and the layer's later
 uses read it back from there (`_stack_residuals`). A kernel's output (a cuTile kernel's, a cuBLAS product's) that
 is also a residual then has one user, the stack's dynamic-update-slice. With other users besides, XLA's GPU
 compiler ran the kernel a second time to write the slot (a clone in a `dynamic-slice-fusion`) or copied its
-output there; routed, it copies the output into its slot and back, which costs less than the kernels' second runs
-(docs/design.md §12).
+output there; routed, a cuTile kernel writes its slot in place and cuTile consumers read it there (a cuBLAS
+product still reads and writes through copies: docs/design.md §12).
 """
 
 from __future__ import annotations
@@ -31,11 +32,15 @@ from jax.extend import source_info_util
 
 from jax_mamba2._vma import match_varying_axes
 
-_LAYER, _STACKED = "layer", "stacked"
+# Where a leaf of a layer's pullback comes from: the layer's parameters, a parameter made varying over
+# shard_map's axes (`pvary`: the backward makes it again), or a stack of residuals.
+_LAYER, _VARYING_LAYER, _STACKED = "layer", "varying layer", "stacked"
 
 
 class _Layout(NamedTuple):
-    """Where each leaf of a layer's pullback comes from: (kind, index) per leaf, and the pullback's structure."""
+    """Where each leaf of a layer's pullback comes from: (kind, where) per leaf, and the pullback's structure.
+    `where` is an index into the layer's parameters or the stacks, or for `_VARYING_LAYER` (parameter's index,
+    shard_map axes)."""
     treedef: object
     sources: tuple
 
@@ -112,6 +117,21 @@ _BITCASTS = frozenset(("reshape", "squeeze", "expand_dims", "name", "pvary"))
 _CALL_JAXPRS = {"jit": "jaxpr", "closed_call": "call_jaxpr", "eval_jaxpr": "call_jaxpr"}
 
 
+def _varying_parameters(jaxpr, n_carry: int, n_parameters: int) -> dict:
+    """The residuals of a layer's traced forward `jaxpr` (inputs: the layer's `n_parameters` parameter leaves,
+    then the carry's; outputs: `n_carry` carry leaves, then the residuals) that are a parameter made varying over
+    shard_map's axes, as a replicated weight meeting sharded activations is: {residual's position: (parameter's
+    position, axes)}. The backward makes each again from the parameter rather than read a copy stacked per layer."""
+    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    parameters = jaxpr.invars[:n_parameters]
+    found = {}
+    for k, v in enumerate(jaxpr.outvars[n_carry:]):
+        eqn = None if isinstance(v, jex.Literal) else producers.get(v)
+        if eqn is not None and eqn.primitive.name == "pvary" and eqn.invars[0] in parameters:
+            found[k] = (parameters.index(eqn.invars[0]), tuple(eqn.params["axes"]))
+    return found
+
+
 def _is_noop_rounding(eqn) -> bool:
     """A reduce_precision to its operand's own precision (`jax.checkpoint` puts one on each value it saves)."""
     dtype = eqn.invars[0].aval.dtype
@@ -175,7 +195,8 @@ def _stack_residuals(closed, args, n_carry: int, stacks: list, index, route: boo
     read_index = lax.max(index, jnp.zeros_like(index))
 
     def store(k, value):
-        stacks[k] = lax.dynamic_update_index_in_dim(stacks[k], value, index, 0)
+        if stacks[k] is not None:  # (None: a residual the backward makes again)
+            stacks[k] = lax.dynamic_update_index_in_dim(stacks[k], value, index, 0)
 
     def bind(v, value):
         if v in stacks_of:
@@ -251,6 +272,11 @@ def scan_blocks(apply: Callable, stacked, carry, *operands, route_residuals: boo
         # give a pullback of another structure).
         closed, (carry_shape, residuals) = jax.make_jaxpr(layer_vjp, return_shape=True)(_layer(stacked, 0), carry)
         carry_tree = jax.tree.structure(carry_shape)
+        varying = _varying_parameters(closed.jaxpr, carry_tree.num_leaves, len(jax.tree.leaves(stacked)))
+        layout = traced["layout"]
+        traced["layout"] = layout._replace(sources=tuple(
+            (_VARYING_LAYER, varying[at]) if kind == _STACKED and at in varying else (kind, at)
+            for kind, at in layout.sources))
 
         def step(index, state):
             carry, stacks = state
@@ -258,7 +284,7 @@ def scan_blocks(apply: Callable, stacked, carry, *operands, route_residuals: boo
                                               carry_tree.num_leaves, stacks, index, route_residuals)
             return jax.tree.unflatten(carry_tree, leaves), stacks
 
-        stacks = [_unfilled(r, (length, *r.shape)) for r in residuals]
+        stacks = [None if k in varying else _unfilled(r, (length, *r.shape)) for k, r in enumerate(residuals)]
         carry, stacks = lax.fori_loop(0, length, step, (carry, stacks))
         return carry, (stacked, stacks)
 
@@ -269,9 +295,16 @@ def scan_blocks(apply: Callable, stacked, carry, *operands, route_residuals: boo
         def step(k, state):
             cotangent, grads = state
             index = length - 1 - k
-            sources = {_LAYER: jax.tree.leaves(_layer(stacked, index)),
-                       _STACKED: [lax.dynamic_index_in_dim(s, index, keepdims=False) for s in stacks]}
-            pullback = jax.tree.unflatten(layout.treedef, [sources[kind][at] for kind, at in layout.sources])
+            parameters = jax.tree.leaves(_layer(stacked, index))
+
+            def source(kind, at):
+                if kind == _LAYER:
+                    return parameters[at]
+                if kind == _VARYING_LAYER:
+                    return jax.lax.pcast(parameters[at[0]], at[1], to="varying")
+                return lax.dynamic_index_in_dim(stacks[at], index, keepdims=False)
+
+            pullback = jax.tree.unflatten(layout.treedef, [source(kind, at) for kind, at in layout.sources])
             layer_grads, cotangent = pullback(cotangent)
             grads = jax.tree.map(lambda g, v: lax.dynamic_update_index_in_dim(g, v.astype(g.dtype), index, 0),
                                  grads, layer_grads)

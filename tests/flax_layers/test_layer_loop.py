@@ -107,21 +107,45 @@ def test_scan_blocks_second_derivatives_are_lax_scans(monkeypatch, devices, bloc
     np.testing.assert_allclose(grad_of_grad(_loop(block)), grad_of_grad(_lax_scan(block)), rtol=1e-5, atol=1e-5)
 
 
+def _loop_carries(jaxpr) -> list[int]:
+    """How many values each loop of `jaxpr` (a closed jaxpr; nested ones included) carries (a `fori_loop` of
+    static bounds is a `scan`)."""
+    found = []
+    for eqn in jaxpr.jaxpr.eqns:
+        if eqn.primitive.name == "while":
+            found.append(len(eqn.params["body_jaxpr"].jaxpr.invars))
+        elif eqn.primitive.name == "scan":
+            found.append(eqn.params["num_carry"])
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    found += _loop_carries(sub)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    found += _loop_carries(jax.extend.core.ClosedJaxpr(sub, ()))
+    return found
+
+
 @pytest.mark.parametrize("block", [_block, _gated_block], ids=["tanh", "gated"])
 def test_scan_blocks_under_shard_map_keeps_each_values_varying_axes(block):
     """Inside shard_map over the rows, values and gradients (summed over the shards for the replicated
-    parameters) are lax.scan's."""
+    parameters) are lax.scan's; the weight, replicated, meets the rows as a varying copy (`pvary`), which the
+    loop does not stack per layer: its loops carry what they carry outside shard_map."""
     mesh = jax.make_mesh((4,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,))
     stacked, carry, keep = _inputs(3)
     spec = jax.sharding.PartitionSpec("rows")
 
-    def sharded_grads(run):
-        def grads(stacked, carry, keep):
-            return jax.grad(_loss(run), argnums=(0, 1))(stacked, carry, keep)
-        return jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(jax.sharding.PartitionSpec(), spec, spec),
-                                     out_specs=(jax.sharding.PartitionSpec(), spec)))(stacked, carry, keep)
-    for g, w in zip(jax.tree.leaves(sharded_grads(_loop(block))), jax.tree.leaves(sharded_grads(_lax_scan(block)))):
+    def grads(run):
+        return lambda stacked, carry, keep: jax.grad(_loss(run), argnums=(0, 1))(stacked, carry, keep)
+
+    def sharded(run):
+        return jax.shard_map(grads(run), mesh=mesh, in_specs=(jax.sharding.PartitionSpec(), spec, spec),
+                             out_specs=(jax.sharding.PartitionSpec(), spec))
+    for g, w in zip(jax.tree.leaves(jax.jit(sharded(_loop(block)))(stacked, carry, keep)),
+                    jax.tree.leaves(jax.jit(sharded(_lax_scan(block)))(stacked, carry, keep))):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    carries = [_loop_carries(jax.make_jaxpr(f)(stacked, carry, keep)) for f in (sharded(_loop(block)),
+                                                                                grads(_loop(block)))]
+    assert carries[0] == carries[1] and len(carries[0]) == 2, carries
 
 
 def test_scan_blocks_refuses_float_operands_it_would_not_differentiate():
