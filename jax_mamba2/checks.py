@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from numbers import Real
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -47,6 +48,37 @@ def check_seq_idx(api: str, seq_idx, batch: int, seqlen: int) -> None:
     check_array(api, "seq_idx", seq_idx, "(batch, seqlen)", (batch, seqlen), floating=False)
     if not jnp.issubdtype(seq_idx.dtype, jnp.integer):
         raise TypeError(f"{api}: seq_idx.dtype={seq_idx.dtype} must be an integer dtype (int32)")
+
+
+def is_concrete(a) -> bool:
+    """`a` holds values that can be checked (an array with elements, not a tracer)."""
+    return a is not None and not isinstance(a, jax.core.Tracer) and np.size(a) > 0
+
+
+def nondecreasing(seq_idx):
+    """Whether the (batch, seqlen) ids in `seq_idx` are nondecreasing along seqlen, as a device scalar (compared,
+    not subtracted: a difference wraps around in unsigned and narrow dtypes). For a concrete `seq_idx`, under
+    `jax.ensure_compile_time_eval`."""
+    return jnp.all(seq_idx[:, 1:] >= seq_idx[:, :-1])
+
+
+def raise_unordered_seq_idx(api: str, seq_idx) -> None:
+    """The ValueError for a concrete `seq_idx` that `nondecreasing` found decreasing, naming the first place."""
+    ids = np.asarray(seq_idx)
+    row, position = np.argwhere(ids[:, 1:] < ids[:, :-1])[0]
+    raise ValueError(f"{api}: seq_idx must be nondecreasing along seqlen; seq_idx[{row}, {position + 1}]="
+                     f"{int(ids[row, position + 1])} follows {int(ids[row, position])}")
+
+
+def check_seq_idx_order(api: str, seq_idx) -> None:
+    """`seq_idx`, where concrete, is nondecreasing along seqlen (else the kernels and the references would
+    split sequences at different tokens); a tracer's values are unknown and pass."""
+    if not is_concrete(seq_idx) or seq_idx.shape[1] < 2:
+        return
+    with jax.ensure_compile_time_eval():
+        ordered = nondecreasing(seq_idx)
+    if not jax.device_get(ordered):
+        raise_unordered_seq_idx(api, seq_idx)
 
 
 def check_positive_float(api: str, name: str, value) -> float:

@@ -23,7 +23,7 @@ import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import conv1d_reference
-from jax_mamba2.checks import check_array, check_flag, check_ndim, check_seq_idx
+from jax_mamba2.checks import check_array, check_flag, check_ndim, check_seq_idx, check_seq_idx_order
 
 OP = "causal_conv1d"
 ACTIVATIONS = ("silu", None)
@@ -75,6 +75,7 @@ def _check_inputs(inputs: ConvInputs, activation, return_final_states, api: str 
                     (batch, channels, d_conv - 1), (batch, channels, d_conv))
     if seq_idx is not None:
         check_seq_idx(api, seq_idx, batch, seqlen)
+        check_seq_idx_order(api, seq_idx)
         if initial_states is not None:
             raise ValueError(f"{api}: seq_idx and initial_states cannot be combined (as in causal_conv1d): "
                              f"the states would belong to no sequence")

@@ -21,7 +21,8 @@ import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import reference
-from jax_mamba2.checks import check_array, check_dt_limit, check_flag, check_float, check_ndim, check_seq_idx
+from jax_mamba2.checks import (check_array, check_dt_limit, check_flag, check_float, check_ndim, check_seq_idx,
+                               is_concrete, nondecreasing, raise_unordered_seq_idx)
 
 
 class SSDInputs(NamedTuple):
@@ -137,16 +138,6 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
     return dims
 
 
-def check_seq_idx_order(api: str, seq_idx) -> None:
-    """seq_idx, where concrete, is nondecreasing along seqlen (ValueError naming `api` otherwise): `ssd`'s check,
-    for a caller that launches other work on the same tokens first (the layers)."""
-    _check_values(api, None, None, None, False, (0.0, math.inf), seq_idx)
-
-
-def _is_concrete(a) -> bool:
-    return a is not None and not isinstance(a, jax.core.Tracer) and np.size(a) > 0
-
-
 def _check_values(api, A, dt, dt_bias, dt_softplus, dt_limit, seq_idx=None):
     """The preconditions on values, for the arrays that are concrete (a tracer's values are unknown).
 
@@ -157,15 +148,14 @@ def _check_values(api, A, dt, dt_bias, dt_softplus, dt_limit, seq_idx=None):
     """
     checks = {}
     with jax.ensure_compile_time_eval():
-        if _is_concrete(A):
+        if is_concrete(A):
             checks["A"] = jnp.max(A)
         # Δ = dt (+ dt_bias) as given unless the softplus or a dt_limit clip (min >= 0) makes it >= 0.
-        if not dt_softplus and tuple(dt_limit) == (0.0, math.inf) and _is_concrete(dt) and \
-                (dt_bias is None or _is_concrete(dt_bias)):
+        if not dt_softplus and tuple(dt_limit) == (0.0, math.inf) and is_concrete(dt) and \
+                (dt_bias is None or is_concrete(dt_bias)):
             checks["dt"] = jnp.min(dt if dt_bias is None else jnp.add(dt, dt_bias))
-        if _is_concrete(seq_idx) and seq_idx.shape[1] > 1:
-            # Compared, not subtracted: a difference wraps around in unsigned and narrow dtypes.
-            checks["seq_idx"] = jnp.all(seq_idx[:, 1:] >= seq_idx[:, :-1])
+        if is_concrete(seq_idx) and seq_idx.shape[1] > 1:
+            checks["seq_idx"] = nondecreasing(seq_idx)
     if not checks:
         return
     found = jax.device_get(checks)
@@ -176,10 +166,7 @@ def _check_values(api, A, dt, dt_bias, dt_softplus, dt_limit, seq_idx=None):
         raise ValueError(f"{api}: {what} must be >= 0 without dt_softplus or a dt_limit (it is the time step "
                          f"Δ); got min({what})={found['dt']}")
     if "seq_idx" in found and not found["seq_idx"]:
-        ids = np.asarray(seq_idx)
-        row, position = np.argwhere(ids[:, 1:] < ids[:, :-1])[0]
-        raise ValueError(f"{api}: seq_idx must be nondecreasing along seqlen; seq_idx[{row}, {position + 1}]="
-                         f"{int(ids[row, position + 1])} follows {int(ids[row, position])}")
+        raise_unordered_seq_idx(api, seq_idx)
 
 
 # ----------------------------------------------------------------------------------------------

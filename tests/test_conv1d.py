@@ -72,6 +72,8 @@ _X, _KERNEL = jnp.zeros((2, 5, 8)), jnp.zeros((4, 8))
     (dict(seq_idx=jnp.zeros((2, 5))), TypeError, "seq_idx.dtype=float32 must be an integer dtype"),
     (dict(seq_idx=jnp.zeros((2, 5), jnp.int32), initial_states=jnp.zeros((2, 8, 3))), ValueError,
      "seq_idx and initial_states cannot be combined"),
+    (dict(seq_idx=jnp.array([[0, 0, 1, 1, 1], [0, 0, 1, 0, 1]], jnp.int32)), ValueError,
+     r"seq_idx must be nondecreasing along seqlen; seq_idx\[1, 3\]=0 follows 1"),
     (dict(activation="gelu"), ValueError, "activation='gelu' must be 'silu' or None"),
     (dict(backend="triton"), ValueError, "backend='triton' must be one of 'auto', 'xla', 'cutile', 'cutile_callback'$"),
     (dict(backend="scan"), ValueError, "backend='scan' must be one of"),

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mamba2.op import check_seq_idx_order
+from jax_mamba2.checks import check_seq_idx_order, float_dtype
 
 Axes = tuple[tuple[str, int | None], ...]
 
@@ -74,15 +74,10 @@ def check_positive_int(api: str, name: str, value) -> None:
 
 
 def check_float_dtype(api: str, name: str, dtype) -> None:
-    """`dtype` must be None or a floating dtype (a dtype, its type or its name)."""
-    if dtype is None:
-        return
-    try:
-        floating = jnp.issubdtype(dtype, jnp.floating)
-    except TypeError:  # not a dtype at all, e.g. an unknown name
-        floating = False
-    if not floating:
-        raise TypeError(f"{api}: {name}={dtype!r} must be None or a floating dtype")
+    """`dtype` must be None or one of the float dtypes the kernels and references take (bfloat16, float16,
+    float32, float64; a dtype, its type or its name): float8 and the like would fail later, inside an op."""
+    if dtype is not None:
+        float_dtype(api, name, dtype)
 
 
 def check_range(api: str, name: str, value, *, low_min: float, strict_low: bool = False) -> tuple[float, float]:

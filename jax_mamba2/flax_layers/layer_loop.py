@@ -127,8 +127,9 @@ def _varying_parameters(jaxpr, n_carry: int, n_parameters: int) -> dict:
     found = {}
     for k, v in enumerate(jaxpr.outvars[n_carry:]):
         eqn = None if isinstance(v, jex.Literal) else producers.get(v)
-        if eqn is not None and eqn.primitive.name == "pvary" and eqn.invars[0] in parameters:
-            found[k] = (parameters.index(eqn.invars[0]), tuple(eqn.params["axes"]))
+        source = None if eqn is None or eqn.primitive.name != "pvary" else eqn.invars[eqn.outvars.index(v)]
+        if source in parameters:
+            found[k] = (parameters.index(source), tuple(eqn.params["axes"]))
     return found
 
 

@@ -309,7 +309,12 @@ def _cache_of(layer, batch=BATCH, **replace):
     pytest.param(lambda m: m.init_cache(2.0), TypeError, r"Mamba2.init_cache: batch_size=2.0 must be a positive",
                  id="init_cache_float"),
     pytest.param(lambda m: m.init_cache(2, jnp.int32), TypeError,
-                 r"Mamba2.init_cache: dtype=.*int32.* must be None or a floating dtype", id="init_cache_int"),
+                 r"Mamba2.init_cache: dtype=int32 must be one of bfloat16, float16, float32, float64",
+                 id="init_cache_int"),
+    pytest.param(lambda m: m.init_cache(2, "float8_e4m3fn"), TypeError,
+                 r"Mamba2.init_cache: dtype=float8_e4m3fn must be one of bfloat16", id="init_cache_float8"),
+    pytest.param(lambda m: m.prefill(jnp.ones((BATCH, 8, D_MODEL)), cache_dtype=jnp.float8_e5m2), TypeError,
+                 r"Mamba2.prefill: cache_dtype=float8_e5m2 must be one of bfloat16", id="prefill_cache_float8"),
 ])
 def test_mamba2_rejects_bad_inputs(tiny_layer, call, error, message):
     with pytest.raises(error, match=message):
