@@ -12,6 +12,7 @@ from numbers import Integral, Real
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jax_mamba2.checks import check_seq_idx_order, float_dtype
 
@@ -63,6 +64,12 @@ def check_seq_idx(api: str, seq_idx, batch: int, seqlen: int, cache=None) -> Non
     if cache is not None:
         raise ValueError(f"{api}: seq_idx needs cache=None (a cache continues one sequence per row)")
     check_seq_idx_order(api, seq_idx)
+
+
+def check_rngs(api: str, rngs) -> None:
+    """`rngs` is an `nnx.Rngs` (a bare key or seed would fail inside flax's initializers, naming nothing)."""
+    if not isinstance(rngs, nnx.Rngs):
+        raise TypeError(f"{api}: rngs must be an nnx.Rngs, e.g. nnx.Rngs(0); got {type(rngs).__name__}")
 
 
 def check_positive_int(api: str, name: str, value) -> None:

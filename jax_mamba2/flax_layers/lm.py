@@ -14,7 +14,7 @@ from flax import nnx
 from jax_mamba2 import backends
 from jax_mamba2 import decode as decode_op
 from jax_mamba2 import norm as norm_op
-from jax_mamba2.checks import check_flag
+from jax_mamba2.checks import check_flag, float_dtype
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers import loss as loss_op
 from jax_mamba2.flax_layers.cache import Mamba2Cache, stack_layers, unstack_layers
@@ -49,6 +49,14 @@ def _check_config(api: str, config) -> None:
                         f"dict)), got {type(config).__name__}")
 
 
+def _check_dtypes_and_rngs(api: str, dtype, param_dtype, rngs) -> None:
+    """The constructors' `dtype` (None or a float dtype), `param_dtype` (a float dtype) and `rngs`, checked before
+    the embedding or a norm is built (the mixers check theirs later)."""
+    _checks.check_float_dtype(api, "dtype", dtype)
+    float_dtype(api, "param_dtype", param_dtype)
+    _checks.check_rngs(api, rngs)
+
+
 def chunk_states_saved(save_chunk_states: bool | None, remat: bool | str) -> bool:
     """The blocks' `save_chunk_states` under the LM's `remat`: as given, or by default (None) True under remat, where
     the backward replays each block's forward just before its backward, so kept states live within one block (a
@@ -78,6 +86,7 @@ class Mamba2Block(nnx.Module):
                  save_chunk_states: bool = False, check_finite: bool = True, dtype=None, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         _check_config("Mamba2Block", config)
+        _check_dtypes_and_rngs("Mamba2Block", dtype, param_dtype, rngs)
         self.residual_in_fp32 = config.residual_in_fp32
         self.norm = RMSNorm(config.d_model, eps=config.norm_epsilon, backend=backends.for_op(backend, norm_op.OP),
                             dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -176,6 +185,7 @@ class Mamba2LMHeadModel(nnx.Module):
                  scan_layers: bool = True, loss_backend: str = "xla", dtype=None, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         _check_config("Mamba2LMHeadModel", config)
+        _check_dtypes_and_rngs("Mamba2LMHeadModel", dtype, param_dtype, rngs)
         scan_layers = check_flag("Mamba2LMHeadModel", "scan_layers", scan_layers)
         remat = _check_remat(remat)
         save_chunk_states = chunk_states_saved(save_chunk_states, remat)

@@ -131,6 +131,7 @@ class Mamba2(nnx.Module):
                  conv_bias: bool = True, chunk_size: int = 256, backend: str = "auto",
                  deterministic_backward: bool = False, save_chunk_states: bool = False, check_finite: bool = True,
                  dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        _checks.check_rngs("Mamba2", rngs)
         for name, value in dict(d_model=d_model, d_state=d_state, d_conv=d_conv, expand=expand, headdim=headdim,
                                 ngroups=ngroups, chunk_size=chunk_size).items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

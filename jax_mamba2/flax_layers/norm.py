@@ -10,6 +10,8 @@ from flax import nnx
 
 from jax_mamba2 import backends
 from jax_mamba2 import norm as norm_op
+from jax_mamba2.checks import check_flag, check_positive_float, float_dtype
+from jax_mamba2.flax_layers import _checks
 
 
 class RMSNorm(nnx.Module):
@@ -31,9 +33,16 @@ class RMSNorm(nnx.Module):
     def __init__(self, features: int, *, eps: float = 1e-5, group_size: int | None = None,
                  norm_before_gate: bool = False, backend: str = "auto", dtype=None, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
-        del rngs  # ones init needs no randomness
-        if group_size is not None and (group_size < 1 or features % group_size):
-            raise ValueError(f"RMSNorm: group_size={group_size} must be a positive divisor of {features=}")
+        _checks.check_rngs("RMSNorm", rngs)  # (unused: the scale starts at ones)
+        _checks.check_positive_int("RMSNorm", "features", features)
+        if group_size is not None:
+            _checks.check_positive_int("RMSNorm", "group_size", group_size)
+            if features % group_size:
+                raise ValueError(f"RMSNorm: group_size={group_size} must be a positive divisor of {features=}")
+        eps = check_positive_float("RMSNorm", "eps", eps)
+        norm_before_gate = check_flag("RMSNorm", "norm_before_gate", norm_before_gate)
+        _checks.check_float_dtype("RMSNorm", "dtype", dtype)
+        param_dtype = float_dtype("RMSNorm", "param_dtype", param_dtype)
         backends.check_name(backend, "RMSNorm", norm_op.OP)
         self.eps, self.group_size, self.norm_before_gate, self.dtype = eps, group_size, norm_before_gate, dtype
         self.backend = backend

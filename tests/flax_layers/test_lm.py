@@ -128,6 +128,21 @@ def test_entry_points_reject_objects_of_the_wrong_type(call, message):
         call()
 
 
+@pytest.mark.parametrize("make", [Mamba2Block, Mamba2LMHeadModel])
+@pytest.mark.parametrize("options,message", [
+    (dict(rngs=0), r"rngs must be an nnx.Rngs, e.g. nnx.Rngs\(0\); got int"),
+    (dict(rngs=jax.random.key(0)), r"rngs must be an nnx.Rngs"),
+    (dict(param_dtype=jnp.int32), r"param_dtype=int32 must be one of bfloat16, float16, float32, float64"),
+    (dict(param_dtype="bf16"), r"param_dtype='bf16' must be a float dtype"),
+    (dict(dtype="float8_e4m3fn"), r"dtype=float8_e4m3fn must be one of bfloat16"),
+])
+def test_constructors_check_rngs_and_dtypes_before_building_anything(tiny_config, make, options, message):
+    """Named by the constructor the user called, not by flax's initializers or the embedding's."""
+    options = dict(dict(rngs=nnx.Rngs(0)), **options)
+    with pytest.raises(TypeError, match=f"{make.__name__}: {message}"):
+        make(tiny_config, **options)
+
+
 @pytest.fixture(scope="module")
 def tiny_lm():
     """tiny_config's model: 3 layers, conv_dim = 64 + 2 * 2 * 8 = 96, 8 heads of headdim 8, d_state 8."""

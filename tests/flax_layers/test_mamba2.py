@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_mamba2.flax_layers import Mamba2
+from jax_mamba2.flax_layers import Mamba2, RMSNorm
 from tests._helpers import rel_l2
 
 D_MODEL, BATCH, SEQLEN = 32, 2, 13
@@ -228,6 +228,29 @@ def test_mamba2_grads_finite_under_jit_and_remat():
 def test_mamba2_rejects_bad_config(options, message):
     with pytest.raises(ValueError, match=message):
         Mamba2(D_MODEL, **{**TINY, **options}, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("rngs", [0, jax.random.key(0)])
+def test_mamba2_and_rmsnorm_reject_rngs_that_are_no_nnx_rngs(rngs):
+    with pytest.raises(TypeError, match=r"Mamba2: rngs must be an nnx.Rngs"):
+        Mamba2(D_MODEL, **TINY, rngs=rngs)
+    with pytest.raises(TypeError, match=r"RMSNorm: rngs must be an nnx.Rngs"):
+        RMSNorm(8, rngs=rngs)
+
+
+@pytest.mark.parametrize("options, error, message", [
+    (dict(features=0), ValueError, r"RMSNorm: features=0 must be a positive int"),
+    (dict(features=8.0), TypeError, r"RMSNorm: features=8.0 must be a positive int"),
+    (dict(group_size=3), ValueError, r"RMSNorm: group_size=3 must be a positive divisor of features=8"),
+    (dict(group_size=0), ValueError, r"RMSNorm: group_size=0 must be a positive int"),
+    (dict(eps=0.0), ValueError, r"RMSNorm: eps=0.0 must be a positive finite float"),
+    (dict(norm_before_gate=1), TypeError, r"RMSNorm: norm_before_gate=1 must be a bool"),
+    (dict(param_dtype=jnp.int8), TypeError, r"RMSNorm: param_dtype=int8 must be one of bfloat16"),
+    (dict(dtype="float8_e4m3fn"), TypeError, r"RMSNorm: dtype=float8_e4m3fn must be one of bfloat16"),
+])
+def test_rmsnorm_rejects_bad_options(options, error, message):
+    with pytest.raises(error, match=message):
+        RMSNorm(**{**dict(features=8), **options}, rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("options, error, message", [
