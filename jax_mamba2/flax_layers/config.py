@@ -14,6 +14,7 @@ import numpy as np
 from flax.core import FrozenDict
 
 from jax_mamba2.checks import check_dt_limit
+from jax_mamba2.flax_layers.mixer_options import check_mixer_options
 
 # Keyword arguments of `Mamba2.__init__` that may appear in `ssm_cfg` (all but d_model and the dtype/backend
 # options, which belong to the model rather than the checkpoint).
@@ -30,6 +31,13 @@ MIXER_DEFAULTS = FrozenDict(
     dt_init_floor=1e-4, dt_limit=(0.0, math.inf), bias=False, conv_bias=True, chunk_size=256,
 )
 
+
+# HF transformers' names of the mixer options `from_hf` reads (the others keep their names).
+_HF_MIXER_NAMES = dict(
+    d_state="state_size", d_conv="conv_kernel", headdim="head_dim", ngroups="n_groups", dt_min="time_step_min",
+    dt_max="time_step_max", dt_init_floor="time_step_floor", dt_limit="time_step_limit", bias="use_bias",
+    conv_bias="use_conv_bias", norm_eps="layer_norm_epsilon",
+)
 
 # How config.json files encode the unbounded upper end of `time_step_limit` (HF) / `ssm_cfg["dt_limit"]`
 # (mamba_ssm): Python's json (mamba_ssm, transformers 4.x) writes the non-standard literal `Infinity`, which
@@ -139,8 +147,8 @@ class Mamba2Config:
       norm_epsilon: epsilon of the block and final RMSNorms.
 
     Raises:
-      ValueError, TypeError: for a field of the wrong type or value, naming it (the mixer options in
-        `ssm_cfg` are checked by name here, by value when `Mamba2` is built from them).
+      ValueError, TypeError: for a field of the wrong type or value, naming it (a mixer option as
+        `ssm_cfg['name']`, checked as `Mamba2` checks it).
     """
 
     d_model: int
@@ -185,14 +193,16 @@ class Mamba2Config:
         unknown = sorted(set(ssm_cfg) - set(MIXER_OPTIONS))
         if unknown:
             raise ValueError(f"Mamba2Config: ssm_cfg has unknown keys {unknown}; allowed: {list(MIXER_OPTIONS)}")
-        _require_bools(ssm_cfg, [k for k, v in MIXER_DEFAULTS.items() if isinstance(v, bool)],
-                       "Mamba2Config: ssm_cfg")
         if "dt_limit" in ssm_cfg:
             ssm_cfg["dt_limit"] = parse_dt_limit(ssm_cfg["dt_limit"], "Mamba2Config", "ssm_cfg['dt_limit']")
         if ssm_cfg.get("d_ssm") == ssm_cfg.get("expand", MIXER_DEFAULTS["expand"]) * self.d_model:
             del ssm_cfg["d_ssm"]  # the default (d_inner) spelled out
+        ssm_cfg = {k: _freeze(v) for k, v in sorted(ssm_cfg.items())}
+        # By value too, as the mixers will be built from them: a config no model can be made of fails here.
+        check_mixer_options("Mamba2Config", self.d_model, {**MIXER_DEFAULTS, **ssm_cfg},
+                            {name: f"ssm_cfg[{name!r}]" for name in MIXER_OPTIONS})
         # Canonical form: only options that differ from mamba_ssm's defaults, so equal models compare equal.
-        options = {k: _freeze(v) for k, v in sorted(ssm_cfg.items()) if _freeze(v) != MIXER_DEFAULTS[k]}
+        options = {k: v for k, v in ssm_cfg.items() if v != MIXER_DEFAULTS[k]}
         object.__setattr__(self, "ssm_cfg", FrozenDict(options))
 
     @property
@@ -256,7 +266,9 @@ class Mamba2Config:
             positive int (hidden_size, num_hidden_layers, vocab_size, expand, head_dim, num_heads, state_size,
             conv_kernel, n_groups, chunk_size, ...), a time step or epsilon that is not positive, a
             model_type other than "mamba2", `num_heads * head_dim != expand * hidden_size` (HF's own
-            invariant), or an unpadded_vocab_size that does not pad to vocab_size.
+            invariant), mixer options no `Mamba2` can be built from (named by HF's keys: a chunk_size that is
+            not a power of two, n_groups not dividing the heads, ...), or an unpadded_vocab_size that does not
+            pad to vocab_size.
         """
         api = "Mamba2Config.from_hf"
         if not isinstance(config, Mapping):
@@ -288,6 +300,7 @@ class Mamba2Config:
             norm_eps=get("layer_norm_epsilon", 1e-5),  # HF's mixer norm takes the blocks' epsilon
             A_init_range=get("A_init_range", MIXER_DEFAULTS["A_init_range"]),
         )
+        check_mixer_options(api, d_model, {**MIXER_DEFAULTS, **ssm_cfg}, _HF_MIXER_NAMES)
         result = cls(
             d_model=d_model, n_layer=config["num_hidden_layers"],
             vocab_size=get("unpadded_vocab_size", config["vocab_size"]), ssm_cfg=ssm_cfg,

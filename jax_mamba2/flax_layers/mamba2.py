@@ -13,7 +13,6 @@ returning the decode cache) and `step` (one token in O(1) from the cache: on one
 """
 import functools
 import math
-from numbers import Real
 
 import jax
 import jax.numpy as jnp
@@ -25,13 +24,14 @@ from jax_mamba2 import backends
 from jax_mamba2 import conv1d as conv_op
 from jax_mamba2 import decode as decode_op
 from jax_mamba2 import norm as norm_op
-from jax_mamba2.checks import check_dt_limit, check_flag, check_positive_float, float_dtype
+from jax_mamba2.checks import check_flag, float_dtype
 from jax_mamba2.conv1d import causal_conv1d_silu, causal_conv1d_silu_split
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers._tree import param_path
 from jax_mamba2.flax_layers.cache import Mamba2Cache
 from jax_mamba2.flax_layers.conv import CausalConv1d, causal_conv1d_step
 from jax_mamba2.flax_layers.initializers import A_log_init, dt_bias_init, torch_uniform
+from jax_mamba2.flax_layers.mixer_options import check_mixer_options
 from jax_mamba2.flax_layers.norm import RMSNorm
 from jax_mamba2.flax_layers.partition import HeadShard, MeshAxes, Segment, mixer_param_spec
 from jax_mamba2.projection import project
@@ -132,41 +132,21 @@ class Mamba2(nnx.Module):
                  deterministic_backward: bool = False, save_chunk_states: bool = False, check_finite: bool = True,
                  dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         _checks.check_rngs("Mamba2", rngs)
-        for name, value in dict(d_model=d_model, d_state=d_state, d_conv=d_conv, expand=expand, headdim=headdim,
-                                ngroups=ngroups, chunk_size=chunk_size).items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Mamba2: {name}={value!r} must be a positive int")
-        (D_has_hdim, rmsnorm, norm_before_gate, bias, conv_bias, deterministic_backward, save_chunk_states,
-         check_finite) = (check_flag("Mamba2", name, value) for name, value in dict(
-            D_has_hdim=D_has_hdim, rmsnorm=rmsnorm, norm_before_gate=norm_before_gate, bias=bias,
-            conv_bias=conv_bias, deterministic_backward=deterministic_backward, save_chunk_states=save_chunk_states,
-            check_finite=check_finite).items())
+        if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model < 1:
+            raise ValueError(f"Mamba2: d_model={d_model!r} must be a positive int")
+        options, (d_inner, d_ssm, nheads) = check_mixer_options("Mamba2", d_model, dict(
+            d_state=d_state, d_conv=d_conv, expand=expand, headdim=headdim, d_ssm=d_ssm, ngroups=ngroups,
+            A_init_range=A_init_range, D_has_hdim=D_has_hdim, rmsnorm=rmsnorm, norm_before_gate=norm_before_gate,
+            norm_eps=norm_eps, dt_min=dt_min, dt_max=dt_max, dt_init_floor=dt_init_floor, dt_limit=dt_limit,
+            bias=bias, conv_bias=conv_bias, chunk_size=chunk_size))
+        D_has_hdim, rmsnorm, norm_before_gate, bias, conv_bias, norm_eps, dt_limit = (options[name] for name in (
+            "D_has_hdim", "rmsnorm", "norm_before_gate", "bias", "conv_bias", "norm_eps", "dt_limit"))
+        deterministic_backward, save_chunk_states, check_finite = (
+            check_flag("Mamba2", name, value) for name, value in dict(
+                deterministic_backward=deterministic_backward, save_chunk_states=save_chunk_states,
+                check_finite=check_finite).items())
         dtype = None if dtype is None else float_dtype("Mamba2", "dtype", dtype)
         param_dtype = float_dtype("Mamba2", "param_dtype", param_dtype)
-        norm_eps = check_positive_float("Mamba2", "norm_eps", norm_eps)
-        d_inner = expand * d_model
-        d_ssm = d_inner if d_ssm is None else d_ssm
-        if isinstance(d_ssm, bool) or not isinstance(d_ssm, int) or not 0 < d_ssm <= d_inner or d_ssm % headdim:
-            raise ValueError(f"Mamba2: d_ssm={d_ssm!r} must be a positive multiple of headdim={headdim} and at "
-                             f"most d_inner=expand*d_model={d_inner}")
-        nheads = d_ssm // headdim
-        if nheads % ngroups:
-            raise ValueError(f"Mamba2: nheads=d_ssm//headdim={nheads} must be divisible by ngroups={ngroups}")
-        if chunk_size & (chunk_size - 1):
-            raise ValueError(f"Mamba2: chunk_size={chunk_size} must be a power of two")
-        if not math.isfinite(_checks.check_range("Mamba2", "A_init_range", A_init_range, low_min=0.0,
-                                                 strict_low=True)[1]):
-            raise ValueError(f"Mamba2: A_init_range={A_init_range!r} must be finite")
-        for name, value in dict(dt_min=dt_min, dt_max=dt_max, dt_init_floor=dt_init_floor).items():
-            if isinstance(value, bool) or not isinstance(value, Real):
-                raise TypeError(f"Mamba2: {name}={value!r} must be a number")
-            if not math.isfinite(value):
-                raise ValueError(f"Mamba2: {name}={value!r} must be finite")
-        if not 0 < dt_min <= dt_max:
-            raise ValueError(f"Mamba2: dt_min={dt_min}, dt_max={dt_max} must satisfy 0 < dt_min <= dt_max")
-        if not dt_init_floor >= 0:
-            raise ValueError(f"Mamba2: dt_init_floor={dt_init_floor} must be >= 0")
-        dt_limit = check_dt_limit("Mamba2", dt_limit)
         backends.check_name(backend, "Mamba2")
 
         self.d_model, self.d_state, self.d_conv, self.headdim = d_model, d_state, d_conv, headdim

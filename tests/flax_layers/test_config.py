@@ -63,12 +63,42 @@ def test_config_rejects_bad_fields(changes, message):
         mamba2_130m(**changes)
 
 
+@pytest.mark.parametrize("ssm_cfg, message", [
+    (dict(d_state=-1), r"ssm_cfg\['d_state'\]=-1 must be a positive int"),
+    (dict(expand=0), r"ssm_cfg\['expand'\]=0 must be a positive int"),
+    (dict(headdim="16"), r"ssm_cfg\['headdim'\]='16' must be a positive int"),
+    (dict(headdim=100), r"ssm_cfg\['headdim'\]=100 must divide d_inner=ssm_cfg\['expand'\]\*d_model=1536"),
+    (dict(ngroups=5), r"nheads=d_ssm//headdim=24 must be divisible by ssm_cfg\['ngroups'\]=5"),
+    (dict(chunk_size=100), r"ssm_cfg\['chunk_size'\]=100 must be a power of two"),
+    (dict(dt_min=0.5), r"ssm_cfg\['dt_min'\]=0.5, ssm_cfg\['dt_max'\]=0.1 must satisfy 0 < dt_min <= dt_max"),
+    (dict(A_init_range=(0, 16)), r"ssm_cfg\['A_init_range'\]=\(0, 16\) must satisfy 0.0 < low <= high"),
+])
+def test_config_rejects_mixer_options_no_mixer_can_be_built_from(ssm_cfg, message):
+    """Checked as `Mamba2` checks them, when the config is made: before `to_hf` writes one or a checkpoint is
+    read against it."""
+    with pytest.raises(ValueError, match=rf"^Mamba2Config: {message}"):
+        mamba2_130m(ssm_cfg={"layer": "Mamba2", **ssm_cfg})
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(chunk_size=100), r"chunk_size=100 must be a power of two"),
+    (dict(n_groups=5), r"nheads=d_ssm//headdim=24 must be divisible by n_groups=5"),
+    (dict(head_dim=100, num_heads=None), r"head_dim=100 must divide d_inner=expand\*d_model=1536"),
+    (dict(time_step_min=0.5), r"time_step_min=0.5, time_step_max=0.1 must satisfy"),
+    (dict(A_init_range=[0, 16]), r"A_init_range=\[0, 16\] must satisfy 0.0 < low <= high"),
+])
+def test_config_from_hf_names_hf_s_keys_for_mixer_options_no_mixer_can_be_built_from(changes, message):
+    config = {key: value for key, value in {**HF_130M, **changes}.items() if value is not None}
+    with pytest.raises(ValueError, match=rf"^Mamba2Config.from_hf: {message}"):
+        Mamba2Config.from_hf(config)
+
+
 @pytest.mark.parametrize("changes, message", [
     (dict(ssm_cfg=[("d_state", 8)]), r"Mamba2Config: ssm_cfg=\[\('d_state', 8\)\] must be a mapping"),
     (dict(tie_embeddings="false"), r"Mamba2Config: tie_embeddings='false' must be a bool"),
     (dict(residual_in_fp32=1), r"Mamba2Config: residual_in_fp32=1 must be a bool"),
     (dict(norm_epsilon="1e-5"), r"Mamba2Config: norm_epsilon='1e-5' must be a number > 0"),
-    (dict(ssm_cfg={"rmsnorm": "false"}), r"Mamba2Config: ssm_cfg: rmsnorm='false' must be a bool"),
+    (dict(ssm_cfg={"rmsnorm": "false"}), r"Mamba2Config: ssm_cfg\['rmsnorm'\]='false' must be a bool"),
 ])
 def test_config_rejects_fields_of_the_wrong_type(changes, message):
     with pytest.raises(TypeError, match=message):
@@ -136,9 +166,8 @@ def test_the_mixer_norm_takes_hf_s_layer_norm_epsilon_and_hf_cannot_hold_two_eps
     assert config.norm_epsilon == config.mixer_options["norm_eps"] == 1e-6
     model = nnx.eval_shape(lambda: Mamba2LMHeadModel(config, rngs=nnx.Rngs(0)))
     assert model.layers.mixer.norm.eps == model.layers.norm.eps == 1e-6
-    with pytest.raises(ValueError, match=r"Mamba2: norm_eps=0.0 must be a positive finite float"):
-        nnx.eval_shape(lambda: Mamba2LMHeadModel(mamba2_130m(ssm_cfg={"layer": "Mamba2", "norm_eps": 0.0}),
-                                                 rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"Mamba2Config: ssm_cfg\['norm_eps'\]=0.0 must be a positive finite float"):
+        mamba2_130m(ssm_cfg={"layer": "Mamba2", "norm_eps": 0.0})
     assert Mamba2Config.from_hf(config.to_hf()) == config
     assert "norm_eps" not in Mamba2Config.from_hf(HF_130M).ssm_cfg  # 1e-5: mamba_ssm's, the default
     with pytest.raises(ValueError, match=r"to_hf: ssm_cfg options \['norm_eps'\] \(norm_eps=1e-05; "

@@ -1,0 +1,85 @@
+"""The `Mamba2` mixer's shape and initialization options, checked one way for the layer and for `Mamba2Config`.
+
+A config whose `ssm_cfg` no mixer can be built from fails when the config is made (and so before `to_hf` writes
+it or a checkpoint is read against it), with the same requirement `Mamba2` states.
+"""
+import math
+from collections.abc import Mapping
+from numbers import Real
+from typing import NamedTuple
+
+from jax_mamba2.checks import check_dt_limit, check_flag, check_positive_float
+from jax_mamba2.flax_layers import _checks
+
+
+class MixerShape(NamedTuple):
+    """What the checked options make of the mixer's widths."""
+    d_inner: int   # expand * d_model
+    d_ssm: int     # the SSM's width (d_inner unless given)
+    nheads: int    # d_ssm // headdim
+
+
+def check_mixer_options(api: str, d_model: int, options: Mapping, names: Mapping[str, str] | None = None
+                        ) -> tuple[dict, MixerShape]:
+    """Checks the mixer `options` (every key of `config.MIXER_OPTIONS`) for a mixer of width `d_model`.
+
+    Args:
+      api: the caller named in errors ("Mamba2", "Mamba2Config").
+      d_model: the residual stream's width (checked by the caller).
+      options: the options by name, all present.
+      names: how the caller spells an option, for the errors (e.g. "ssm_cfg['d_state']", or HF's
+        "state_size"); an option not in it is named as it is.
+
+    Returns:
+      The options with flags as bools, norm_eps a float and dt_limit a (low, high) pair of floats, and the
+      widths they give.
+
+    Raises:
+      ValueError / TypeError naming the option: a size that is not a positive int, a flag that is not a bool,
+      d_ssm not a multiple of headdim within d_inner, nheads not divisible by ngroups, a chunk_size that is not
+      a power of two, an A_init_range other than 0 < low <= high < inf, dt_min / dt_max / dt_init_floor not
+      0 < dt_min <= dt_max with dt_init_floor >= 0, a dt_limit that `checks.check_dt_limit` refuses.
+    """
+    def label(name):
+        return (names or {}).get(name, name)
+
+    options = dict(options)
+    for name in ("d_state", "d_conv", "expand", "headdim", "ngroups", "chunk_size"):
+        value = options[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{api}: {label(name)}={value!r} must be a positive int")
+    for name in ("D_has_hdim", "rmsnorm", "norm_before_gate", "bias", "conv_bias"):
+        options[name] = check_flag(api, label(name), options[name])
+    options["norm_eps"] = check_positive_float(api, label("norm_eps"), options["norm_eps"])
+    headdim, ngroups, chunk_size = options["headdim"], options["ngroups"], options["chunk_size"]
+    d_inner = options["expand"] * d_model
+    d_ssm = d_inner if options["d_ssm"] is None else options["d_ssm"]
+    if options["d_ssm"] is None and d_inner % headdim:
+        raise ValueError(f"{api}: {label('headdim')}={headdim} must divide d_inner={label('expand')}*d_model="
+                         f"{d_inner}")
+    if isinstance(d_ssm, bool) or not isinstance(d_ssm, int) or not 0 < d_ssm <= d_inner or d_ssm % headdim:
+        raise ValueError(f"{api}: {label('d_ssm')}={d_ssm!r} must be a positive multiple of {label('headdim')}="
+                         f"{headdim} and at most d_inner=expand*d_model={d_inner}")
+    nheads = d_ssm // headdim
+    if nheads % ngroups:
+        raise ValueError(f"{api}: nheads=d_ssm//headdim={nheads} must be divisible by {label('ngroups')}={ngroups}")
+    if chunk_size & (chunk_size - 1):
+        raise ValueError(f"{api}: {label('chunk_size')}={chunk_size} must be a power of two")
+    A_init_range = options["A_init_range"]
+    if not math.isfinite(_checks.check_range(api, label("A_init_range"), A_init_range, low_min=0.0,
+                                             strict_low=True)[1]):
+        raise ValueError(f"{api}: {label('A_init_range')}={A_init_range!r} must be finite")
+    for name in ("dt_min", "dt_max", "dt_init_floor"):
+        value = options[name]
+        if isinstance(value, bool) or not isinstance(value, Real):
+            raise TypeError(f"{api}: {label(name)}={value!r} must be a number")
+        if not math.isfinite(value):
+            raise ValueError(f"{api}: {label(name)}={value!r} must be finite")
+    dt_min, dt_max = options["dt_min"], options["dt_max"]
+    if not 0 < dt_min <= dt_max:
+        raise ValueError(f"{api}: {label('dt_min')}={dt_min}, {label('dt_max')}={dt_max} must satisfy 0 < dt_min "
+                         "<= dt_max")
+    if not options["dt_init_floor"] >= 0:
+        raise ValueError(f"{api}: {label('dt_init_floor')}={options['dt_init_floor']} must be >= 0")
+    options["dt_limit"] = check_dt_limit(api, options["dt_limit"], name=label("dt_limit"))
+    return options, MixerShape(d_inner, d_ssm, nheads)
