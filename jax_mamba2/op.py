@@ -111,6 +111,13 @@ def _check_head_options(api, x, D, z, dt_bias):
         check_array(api, "dt_bias", dt_bias, "(nheads,)", (nheads,))
 
 
+def _check_model_sizes(api, nheads, headdim, dstate) -> None:
+    """The model's sizes are at least 1 (batch and seqlen may be 0: an empty batch or sequence is data)."""
+    for name, size in (("nheads", nheads), ("headdim", headdim), ("dstate", dstate)):
+        if size < 1:
+            raise ValueError(f"{api}: {name}={size} must be at least 1")
+
+
 def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx) -> Dims:
     """The argument checks of `ssd` (arrays or anything with .shape and .dtype, e.g. ShapeDtypeStruct):
     raises ValueError / TypeError naming the argument and what it must be; returns the sizes."""
@@ -123,6 +130,7 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
     check_array(api, "A", A, "(nheads,)", (nheads,))
     check_array(api, "B", B, "(batch, seqlen, ngroups, dstate)", (batch, seqlen, ngroups, dstate))
     check_array(api, "C", C, "(batch, seqlen, ngroups, dstate)", (batch, seqlen, ngroups, dstate))
+    _check_model_sizes(api, nheads, headdim, dstate)
     if ngroups < 1 or nheads % ngroups:
         raise ValueError(f"ssd: nheads={nheads} must be divisible by ngroups={ngroups}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
@@ -417,6 +425,7 @@ def _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias):
     ngroups = check_ndim(api, "B", B, 3, "(batch, ngroups, dstate)")[1]
     check_array(api, "B", B, "(batch, ngroups, dstate)", (batch, ngroups, dstate))
     check_array(api, "C", C, "(batch, ngroups, dstate)", (batch, ngroups, dstate))
+    _check_model_sizes(api, nheads, headdim, dstate)
     if ngroups < 1 or nheads % ngroups:
         raise ValueError(f"ssd_step: nheads={nheads} must be divisible by ngroups={ngroups}")
     _check_head_options(api, x, D, z, dt_bias)

@@ -71,6 +71,10 @@ def _bad_call(**changes):
     (dict(B=jnp.ones((2, 40, 3, 8)), C=jnp.ones((2, 40, 3, 8))), ValueError,
      r"nheads=4 must be divisible by ngroups=3"),
     (dict(B=jnp.ones((2, 40, 2))), ValueError, r"B.shape=\(2, 40, 2\) must be \(batch, seqlen, ngroups"),
+    (dict(B=jnp.ones((2, 40, 2, 0)), C=jnp.ones((2, 40, 2, 0)), initial_states=None), ValueError,
+     r"ssd: dstate=0 must be at least 1"),
+    (dict(x=jnp.ones((2, 40, 4, 0)), z=None, D=None, initial_states=None), ValueError,
+     r"ssd: headdim=0 must be at least 1"),
     (dict(C=jnp.ones((2, 40, 2, 4))), ValueError, r"C.shape=\(2, 40, 2, 4\) must be"),
     (dict(chunk_size=24), ValueError, r"chunk_size=24 must be a power of two"),
     (dict(chunk_size=16.0), TypeError, r"chunk_size=16.0 must be a Python int"),
@@ -215,6 +219,12 @@ def test_ssd_step_rejects_bad_state():
     with pytest.raises(ValueError, match=r"ssd_step: state.shape=\(2, 4, 8\) must be"):
         jax_mamba2.ssd_step(jnp.ones((2, 4, 8)), jnp.ones((2, 4, 8)), jnp.ones((2, 4)), -jnp.ones(4),
                             jnp.ones((2, 1, 8)), jnp.ones((2, 1, 8)))
+    with pytest.raises(ValueError, match=r"ssd_step: dstate=0 must be at least 1"):
+        jax_mamba2.ssd_step(jnp.ones((2, 4, 8, 0)), jnp.ones((2, 4, 8)), jnp.ones((2, 4)), -jnp.ones(4),
+                            jnp.ones((2, 1, 0)), jnp.ones((2, 1, 0)))
+    with pytest.raises(ValueError, match=r"ssd_step: nheads=0 must be at least 1"):
+        jax_mamba2.ssd_step(jnp.ones((2, 0, 8, 4)), jnp.ones((2, 0, 8)), jnp.ones((2, 0)), -jnp.ones(0),
+                            jnp.ones((2, 1, 4)), jnp.ones((2, 1, 4)))
 
 
 def test_autotune_rejects_what_is_not_a_program():

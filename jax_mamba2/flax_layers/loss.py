@@ -306,7 +306,9 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
             raise TypeError(f"{api}: {arg_name}.dtype={arg.dtype} must be a float dtype")
     if not jnp.issubdtype(labels.dtype, jnp.integer):
         raise TypeError(f"{api}: labels.dtype={labels.dtype} must be an integer dtype")
-    if hidden.ndim < 1 or tuple(labels.shape) != tuple(hidden.shape[:-1]):
+    if hidden.ndim < 1:
+        raise ValueError(f"{api}: hidden.shape=() must be (..., d), the hidden states of each labelled token")
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"{api}: labels.shape={tuple(labels.shape)} must be hidden.shape[:-1]="
                          f"{tuple(hidden.shape[:-1])}")
     d = hidden.shape[-1]

@@ -230,6 +230,8 @@ def test_invalid_arguments_raise_naming_them(kwargs, error, message):
         chunked_cross_entropy(jnp.ones((4, 16)), jnp.zeros((4,), jnp.int32), **kwargs)
     with pytest.raises(ValueError, match=r"labels.shape=\(3,\) must be hidden.shape\[:-1\]=\(4,\)"):
         chunked_cross_entropy(jnp.ones((4, 16)), jnp.zeros((3,), jnp.int32), head_weight=jnp.ones((16, 40)))
+    with pytest.raises(ValueError, match=r"hidden.shape=\(\) must be \(..., d\)"):
+        chunked_cross_entropy(jnp.ones(()), jnp.zeros((), jnp.int32), head_weight=jnp.ones((16, 40)))
 
 
 def test_labels_int32_cannot_hold_are_out_of_range_not_wrapped(x64):
