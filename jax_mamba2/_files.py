@@ -1,13 +1,20 @@
 """Atomic writes of the files the package and its scripts leave for their users (tuning caches, exported cubins,
-results, plots)."""
+results, plots), and the atomic exchange of two directories that a checkpoint's save ends with."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
 import io
 import os
 import secrets
 import stat
+import sys
 from pathlib import Path
+
+# renameat2(2)'s flag that swaps the two names, and the directory fd that makes paths relative to the cwd.
+_RENAME_EXCHANGE, _AT_FDCWD = 2, -100
 
 
 def write_atomically(path: Path, data: bytes) -> Path:
@@ -43,6 +50,36 @@ def write_atomically(path: Path, data: bytes) -> Path:
     finally:
         os.close(directory)
     return path
+
+
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Swaps what `a` and `b` name (both must exist, on one file system) in one atomic step, Linux's
+    `renameat2(RENAME_EXCHANGE)`: at no moment does either name stand empty, as it does between two renames.
+    Returns False, having changed nothing, where that cannot be done here (another system, a C library without
+    it, a file system that refuses the flag); raises OSError for any other failure."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(error, os.strerror(error), os.fspath(a), None, os.fspath(b))
+
+
+@functools.cache
+def _renameat2():
+    """The C library's renameat2, or None (not Linux, or a C library older than glibc 2.28 or musl 1.2.2)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = getattr(ctypes.CDLL(None, use_errno=True), "renameat2")
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
 
 
 def save_figure(fig, path: Path, **savefig_kwargs) -> Path:

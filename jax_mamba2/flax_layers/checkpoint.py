@@ -36,6 +36,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jax_mamba2 import backends
+from jax_mamba2._files import exchange_paths
 from jax_mamba2.checks import check_flag, float_dtype
 from jax_mamba2.flax_layers._tree import param_path
 from jax_mamba2.flax_layers.config import Mamba2Config
@@ -343,9 +344,11 @@ def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
 
     The save is atomic: the checkpoint is written into a new hidden directory beside `path`, which then
     replaces `path`; should the save fail or the process die before that, `path` keeps the previous
-    checkpoint (or does not exist, if it did not), never a mix. (A process killed between the two renames of
-    the swap leaves the previous checkpoint, complete, in `.{name}.old-*` beside `path`; the staging
-    directory of a killed save is deleted by the next save on the same host.) Other files in
+    checkpoint (or does not exist, if it did not), never a mix. On Linux the two directories are exchanged in
+    one step (`renameat2`), so `path` always names a whole checkpoint; elsewhere (or on a file system without
+    the exchange) the previous one is renamed aside first, and a process killed between the two renames
+    leaves it, complete, in `.{name}.old-*` beside `path`. The staging directory of a killed save is deleted
+    by the next save on the same host. Other files in
     `path` (a tokenizer, ...) are carried over as hard links (copies where the file system has none), except
     the weights in other forms (shards and their index, `pytorch_model*.bin`, Flax's and TF's files), which
     held the old model.
@@ -474,10 +477,13 @@ def _fsync(path: pathlib.Path) -> None:
 
 
 def _replace_dir(new: pathlib.Path, path: pathlib.Path) -> None:
-    """Puts directory `new` at `path`. An existing `path` is first renamed aside and deleted only once `new`
-    is in place (renamed back if that fails): `path` never holds a mix of both."""
+    """Puts directory `new` at `path`. An existing `path` is exchanged with `new` in one atomic step where the
+    system can (then deleted under `new`'s name); elsewhere it is first renamed aside and deleted only once
+    `new` is in place (renamed back if that fails). Either way `path` never holds a mix of both."""
     if not path.exists():
         os.replace(new, path)
+    elif exchange_paths(new, path):
+        shutil.rmtree(new, ignore_errors=True)  # the previous checkpoint, now under the staging name
     else:
         old = _sibling_path(path, "old")
         os.replace(path, old)

@@ -15,6 +15,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, load_pretrained, save_pretrained
+from jax_mamba2._files import exchange_paths
 from jax_mamba2.flax_layers import checkpoint as checkpoint_module
 from jax_mamba2.flax_layers.config import MIXER_OPTIONS
 from tests._helpers import rel_l2
@@ -464,10 +465,51 @@ def test_checkpoint_save_removes_only_staging_that_a_killed_save_left(tmp_path, 
     assert load_pretrained(target, backend="xla").config == tiny_config
 
 
-def test_checkpoint_save_failed_swap_restores_the_old_checkpoint(tmp_path, tiny_config, monkeypatch):
+def test_checkpoint_save_exchanges_the_directories_in_one_step(tmp_path, tiny_config, monkeypatch):
+    """Where the system can (Linux), the new checkpoint and the old one swap names atomically: `path` is
+    never renamed away, so no moment leaves it missing; the old one is deleted after, under the other name."""
+    probe = [tmp_path / "a", tmp_path / "b"]
+    for directory in probe:
+        directory.mkdir()
+    if not exchange_paths(*probe):
+        pytest.skip("this system has no atomic exchange of two directories (renameat2)")
+    target = tmp_path / "ckpt"
+    save_pretrained(_random_model(tiny_config), target)
+    real_replace = os.replace
+
+    def replace(source, destination):
+        assert pathlib.Path(source) != target, "the old checkpoint was renamed aside"
+        real_replace(source, destination)
+
+    monkeypatch.setattr(checkpoint_module.os, "replace", replace)
+    new = _random_model(tiny_config.replace(vocab_size=50))
+    save_pretrained(new, target)
+    _assert_same_params(load_pretrained(target, backend="xla"), new)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "ckpt"]
+
+
+def test_checkpoint_save_failed_exchange_keeps_the_old_checkpoint(tmp_path, tiny_config, monkeypatch):
     target = tmp_path / "ckpt"
     save_pretrained(_random_model(tiny_config), target)
     before = _snapshot(target)
+
+    def exchange(a, b):
+        raise OSError("exchange failed")
+
+    monkeypatch.setattr(checkpoint_module, "exchange_paths", exchange)
+    with pytest.raises(OSError, match="exchange failed"):
+        save_pretrained(_random_model(tiny_config.replace(vocab_size=50)), target)
+    assert _snapshot(target) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_checkpoint_save_failed_swap_restores_the_old_checkpoint(tmp_path, tiny_config, monkeypatch):
+    """Where the directories cannot be exchanged, the old checkpoint moves aside before the new one moves in,
+    and back if that fails."""
+    target = tmp_path / "ckpt"
+    save_pretrained(_random_model(tiny_config), target)
+    before = _snapshot(target)
+    monkeypatch.setattr(checkpoint_module, "exchange_paths", lambda a, b: False)
     real_replace, calls = os.replace, []
 
     def replace(source, destination):  # the old checkpoint moves aside, then the new one fails to move in
