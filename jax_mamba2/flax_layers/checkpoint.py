@@ -348,10 +348,11 @@ def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
     one step (`renameat2`), so `path` always names a whole checkpoint; elsewhere (or on a file system without
     the exchange) the previous one is renamed aside first, and a process killed between the two renames
     leaves it, complete, in `.{name}.old-*` beside `path`. The staging directory of a killed save is deleted
-    by the next save on the same host. Other files in
-    `path` (a tokenizer, ...) are carried over as hard links (copies where the file system has none), except
-    the weights in other forms (shards and their index, `pytorch_model*.bin`, Flax's and TF's files), which
-    held the old model.
+    by the next save on the same host.
+
+    Other files in `path` (a tokenizer, ...) are carried over as hard links (copies where the file system has
+    none), except the weights in other forms (shards and their index, `pytorch_model*.bin`, Flax's and TF's
+    files), which held the old model.
 
     An unbounded `time_step_limit` is written as `[low, Infinity]`, the form mamba_ssm and transformers 4.x
     write and every transformers release reads.
