@@ -6,6 +6,7 @@ Imported by the example scripts as a sibling module (`python examples/NAME.py` p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import pathlib
 import time
@@ -73,6 +74,17 @@ def output_dir(path: pathlib.Path) -> pathlib.Path:
     except OSError as e:
         raise SystemExit(f"--out: cannot make the folder {path} ({e.strerror})") from None
     return path
+
+
+@contextlib.contextmanager
+def model_flags(*flags: str):
+    """Around building a model from command-line `flags`: the package's argument errors (a ValueError or
+    TypeError naming what does not fit, e.g. a headdim that does not divide the width) end the run in one line,
+    as argparse reports its own, rather than in a traceback."""
+    try:
+        yield
+    except (ValueError, TypeError) as error:
+        raise SystemExit(f"{' / '.join(flags)} do not make a model: {error}") from None
 
 
 def positive_int(text: str) -> int:

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from _common import (add_common_flags, describe_device, in_range, make_parser, output_dir, positive_int,
+from _common import (add_common_flags, describe_device, in_range, make_parser, model_flags, output_dir, positive_int,
                      power_of_two, resolve_backend, write_atomically)
 from jax_mamba2.flax_layers import (Mamba2Config, Mamba2LMHeadModel, cast_params, generate, generate_stream,
                                     load_pretrained)
@@ -99,8 +99,9 @@ def load_model(args, backend: str, dtype, param_dtype) -> Mamba2LMHeadModel:
         print(f"loading {args.model_dir}")
         return load_pretrained(args.model_dir, dtype=dtype, param_dtype=param_dtype, backend=backend,
                                scan_layers=not args.unroll_layers)
-    config = Mamba2Config(d_model=args.d_model, n_layer=args.layers, vocab_size=BYTE_VOCAB,
-                          ssm_cfg=dict(d_state=args.d_state, headdim=args.headdim, chunk_size=args.chunk_size))
+    with model_flags("--d-model", "--layers", "--d-state", "--headdim", "--chunk-size"):
+        config = Mamba2Config(d_model=args.d_model, n_layer=args.layers, vocab_size=BYTE_VOCAB,
+                              ssm_cfg=dict(d_state=args.d_state, headdim=args.headdim, chunk_size=args.chunk_size))
     print("no --model-dir: a randomly initialized byte-level model (its text is noise)")
     model = Mamba2LMHeadModel(config, backend=backend, dtype=dtype, scan_layers=not args.unroll_layers,
                               rngs=nnx.Rngs(params=args.seed))
@@ -192,7 +193,8 @@ def parse_args(argv=None):
     parser.add_argument("--min-p", type=in_range(0.0, 1.0), default=None,
                         help="sample among tokens at least p times as likely as the most likely; None: among all")
     parser.add_argument("--repetition-penalty", type=in_range(0.0, float("inf"), low_open=True), default=1.0,
-                        help="divide (multiply, if negative) the logits of tokens already in the text by this")
+                        help="> 0: the logits of tokens already in the text are divided by this where positive, "
+                             "multiplied where negative (1: off)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="computation dtype; auto = bfloat16 on a GPU, float32 elsewhere")
     parser.add_argument("--param-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
@@ -232,6 +234,11 @@ def main(argv=None) -> int:
     dtype, param_dtype = resolve_dtypes(args)
     print(f"computation {dtype.name}, weights {param_dtype.name}")
     model = load_model(args, backend, dtype, param_dtype)
+    if args.top_k is not None and args.top_k > model.config.vocab_size:
+        raise SystemExit(f"generate.py: --top-k {args.top_k} must be at most the model's vocabulary "
+                         f"({model.config.vocab_size} tokens)")
+    if args.temperature == 0 and any(v is not None for v in (args.top_k, args.top_p, args.min_p)):
+        print("note: --top-k, --top-p and --min-p sample; at --temperature 0 (greedy) they change nothing")
     tokenizer = pick_tokenizer(model.config.vocab_size, args.tokenizer, args.model_dir)
     prompts = [tokenizer.encode(text) for text in args.prompt]
     if not all(prompts):

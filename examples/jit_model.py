@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from _common import (add_common_flags, describe_device, make_parser, output_dir, positive_int, power_of_two,
-                     resolve_backend, time_call, write_atomically)
+from _common import (add_common_flags, describe_device, make_parser, model_flags, output_dir, positive_int,
+                     power_of_two, resolve_backend, time_call, write_atomically)
 from jax_mamba2.flax_layers import Mamba2
 
 CUTILE_TARGET = "jax_mamba2_cutile_launch"  # jax_mamba2.bridge.aot.CUTILE_CUSTOM_CALL
@@ -171,9 +171,10 @@ def parse_args(argv=None):
 
 def compile_and_time(args, backend: str, batch, out) -> dict:
     """Builds the model on `backend`, compiles its train step, prints its custom calls, times it."""
-    model = DelayedCopyModel(
-        args.features, args.d_model, args.layers, d_state=args.d_state, headdim=args.headdim,
-        chunk_size=args.chunk_size, backend=backend, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(args.seed))
+    with model_flags("--features", "--d-model", "--layers", "--d-state", "--headdim", "--chunk-size"):
+        model = DelayedCopyModel(
+            args.features, args.d_model, args.layers, d_state=args.d_state, headdim=args.headdim,
+            chunk_size=args.chunk_size, backend=backend, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(args.seed))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
     train_step = make_train_step(graphdef)

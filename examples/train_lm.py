@@ -34,7 +34,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from _common import (add_common_flags, describe_device, in_range, make_parser, output_dir, positive_int,
+from _common import (add_common_flags, describe_device, in_range, make_parser, model_flags, output_dir, positive_int,
                      power_of_two, resolve_backend, save_figure, write_atomically)
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, generate, save_pretrained
 
@@ -80,9 +80,10 @@ def sample_windows(data: np.ndarray, rng: np.random.Generator, batch: int, seq_l
 # ------------------------------------------------------------------------------------------------
 
 def build_model(args, backend: str, seed: int) -> Mamba2LMHeadModel:
-    config = Mamba2Config(
-        d_model=args.d_model, n_layer=args.layers, vocab_size=VOCAB_SIZE, pad_vocab_size_multiple=8,
-        ssm_cfg=dict(d_state=args.d_state, headdim=args.headdim, chunk_size=args.chunk_size, expand=2))
+    with model_flags("--d-model", "--layers", "--d-state", "--headdim", "--chunk-size"):
+        config = Mamba2Config(
+            d_model=args.d_model, n_layer=args.layers, vocab_size=VOCAB_SIZE, pad_vocab_size_multiple=8,
+            ssm_cfg=dict(d_state=args.d_state, headdim=args.headdim, chunk_size=args.chunk_size, expand=2))
     remat = {None: False, "full": True}.get(args.remat, args.remat)
     return Mamba2LMHeadModel(config, backend=backend, remat=remat, scan_layers=not args.unroll_layers,
                              dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(params=seed))

@@ -255,6 +255,15 @@ def test_examples_refuse_paths_and_backends_they_cannot_use(tmp_path, capsys):
             common.resolve_backend("cutile")
 
 
+def test_examples_end_in_one_line_for_model_flags_that_make_no_model():
+    """A --headdim that does not divide the width passes argparse; building the model then refuses it, and the
+    example exits with that message instead of a traceback."""
+    train_lm = load_example("train_lm")
+    with pytest.raises(SystemExit, match=r"--headdim / --chunk-size do not make a model: .*headdim'\]=48 must "
+                                         r"divide d_inner"):
+        train_lm.build_model(train_lm.parse_args([*TINY_LM, "--headdim", "48"]), "xla", seed=0)
+
+
 def test_compare_reference_fails_on_a_nan_error():
     compare_reference = load_example("compare_reference")
     rows = [{"backend": "xla", "errors": {"y": float("nan")}}, {"backend": "scan", "errors": {"y": 1e-9}},
