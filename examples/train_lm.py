@@ -163,9 +163,11 @@ def restore_checkpoint(manager: ocp.CheckpointManager, step: int, model, optimiz
 def write_metrics(path: pathlib.Path, backend: str, args, n_params: int, history: dict) -> None:
     """metrics.json: the run's settings and its loss history so far (written at each checkpoint too, so that a
     resumed run keeps the history of an interrupted one)."""
+    settings = {k: v if v is None or isinstance(v, (bool, int, float, str)) else str(v)  # paths as text
+                for k, v in vars(args).items()}
     write_atomically(path, json.dumps({
-        "device": describe_device(), "backend": backend, "args": {k: str(v) for k, v in vars(args).items()},
-        "parameters": n_params, "history": history}, indent=1).encode())
+        "device": describe_device(), "backend": backend, "args": settings, "parameters": n_params,
+        "history": history}, indent=1).encode())
 
 
 def resumed_history(metrics_file: pathlib.Path, step: int) -> dict:

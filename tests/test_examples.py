@@ -63,6 +63,7 @@ def test_train_lm_trains_checkpoints_restores_and_samples(trained_lm):
     metrics = json.loads((lm / "metrics.json").read_text())
     assert [step for step, _ in metrics["history"]["train"]] == [1, 2, 3]
     assert [step for step, _ in metrics["history"]["eval"]] == [2, 3]
+    assert metrics["args"]["steps"] == 3 and metrics["args"]["resume"] is True  # the settings as JSON values
     assert sorted(p.name for p in (lm / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "3"]
     assert (lm / "loss_curve.png").stat().st_size > 0
     assert "--- greedy ---\ndef " in (lm / "sample.txt").read_text()
