@@ -22,6 +22,7 @@ product still reads and writes through copies: docs/design.md §12).
 
 from __future__ import annotations
 
+import collections
 from typing import Callable, NamedTuple
 
 import jax
@@ -117,12 +118,12 @@ _BITCASTS = frozenset(("reshape", "squeeze", "expand_dims", "name", "pvary"))
 _CALL_JAXPRS = {"jit": "jaxpr", "closed_call": "call_jaxpr", "eval_jaxpr": "call_jaxpr"}
 
 
-def _varying_parameters(jaxpr, n_carry: int, n_parameters: int) -> dict:
+def _varying_parameters(jaxpr, producers: dict, n_carry: int, n_parameters: int) -> dict:
     """The residuals of a layer's traced forward `jaxpr` (inputs: the layer's `n_parameters` parameter leaves,
     then the carry's; outputs: `n_carry` carry leaves, then the residuals) that are a parameter made varying over
     shard_map's axes, as a replicated weight meeting sharded activations is: {residual's position: (parameter's
-    position, axes)}. The backward makes each again from the parameter rather than read a copy stacked per layer."""
-    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    position, axes)}. The backward makes each again from the parameter rather than read a copy stacked per layer.
+    `producers`: `jaxpr`'s {var: equation computing it}."""
     parameters = jaxpr.invars[:n_parameters]
     found = {}
     for k, v in enumerate(jaxpr.outvars[n_carry:]):
@@ -145,7 +146,7 @@ def _is_noop_rounding(eqn) -> bool:
 def _producer(jaxpr, var, producers=None):
     """The equation that computes `var`'s buffer, looking through bitcasts and into jitted calls; None for an
     input of `jaxpr` or a literal. `producers`: `jaxpr`'s {var: equation computing it}, if already built."""
-    producers = producers or {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    producers = _producers(jaxpr) if producers is None else producers
     while not isinstance(var, jex.Literal) and (eqn := producers.get(var)) is not None:
         name = eqn.primitive.name
         if name in _BITCASTS or (name == "reduce_precision" and _is_noop_rounding(eqn)) or (
@@ -162,41 +163,48 @@ def _producer(jaxpr, var, producers=None):
     return None
 
 
-def _kernel_outputs(jaxpr, variables) -> set:
-    """Those of `variables` that an equation XLA does not fuse into its consumers computes (kernels' outputs)."""
-    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+def _producers(jaxpr) -> dict:
+    """{var: the equation of `jaxpr` that computes it}."""
+    return {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+
+
+def _residuals_to_route(jaxpr, producers: dict, n_carry: int) -> set:
+    """The residuals of a layer's traced forward `jaxpr` (outputs: `n_carry` carry leaves, then the residuals)
+    that the layer's later uses read back from their stack: those a kernel writes (an equation XLA does not fuse
+    into its consumers; an input or a constant has no producer) and that something uses besides the stack's
+    update (a later equation, the carry, or a second stack). `producers`: `jaxpr`'s {var: equation}."""
+    residuals = collections.Counter(v for v in jaxpr.outvars[n_carry:] if not isinstance(v, jex.Literal))
+    used_later = {v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jex.Literal)}
+    used_later |= {v for v in jaxpr.outvars[:n_carry] if not isinstance(v, jex.Literal)}
     found = set()
-    for v in variables:
-        producer = _producer(jaxpr, v, producers)
-        if producer is not None and producer.primitive.name not in _FUSED_INTO_CONSUMERS:
-            found.add(v)
+    for v, stacks in residuals.items():
+        if v in used_later or stacks > 1:
+            producer = _producer(jaxpr, v, producers)
+            if producer is not None and producer.primitive.name not in _FUSED_INTO_CONSUMERS:
+                found.add(v)
     return found
 
 
-def _stack_residuals(closed, args, n_carry: int, stacks: list, index, route: bool) -> tuple[list, list]:
+def _stack_residuals(closed, args, n_carry: int, stacks: list, index, routed: set) -> tuple[list, list]:
     """Evaluates the layer's `closed` jaxpr (outputs: `n_carry` carry leaves, then one residual per stack) on
     `args`, as `jax.core.eval_jaxpr` does, writing each residual into its stack at `index` as soon as an equation
-    computes it. With `route`, a residual that a kernel writes (`_kernel_outputs`) and that anything uses later
-    is read back from its stack by those uses, so that the kernel writes its slot in place and is the value's
-    only producer. Returns (the carry's leaves, the updated stacks)."""
+    computes it. The `routed` residuals (`_residuals_to_route`) are read back from their stacks by the layer's
+    later uses, so that the kernel writes its slot in place and is the value's only producer; a None stack is a
+    residual the backward makes again. Returns (the carry's leaves, the updated stacks)."""
     jaxpr = closed.jaxpr
     stacks_of: dict = {}  # residual var -> the stacks it goes to (a value can be several residuals)
     for k, v in enumerate(jaxpr.outvars[n_carry:]):
         if not isinstance(v, jex.Literal):
             stacks_of.setdefault(v, []).append(k)
-    used_later = {v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jex.Literal)}
-    used_later |= {v for v in jaxpr.outvars[:n_carry] if not isinstance(v, jex.Literal)}
-    # (an input or a constant has no producer: never routed)
-    routed = _kernel_outputs(jaxpr, [v for v, ks in stacks_of.items() if route and (len(ks) > 1 or v in used_later)])
     stacks, env = list(stacks), {}
     # A routed residual is read back at an index equal to `index` but computed apart from the update's (the
     # form measured; docs/design.md §12). Only arithmetic of the loop counter: where XLA slices a custom call's
     # operand in place it evaluates the index on the host, which an optimization barrier there would defeat,
     # and a barrier on the stack instead kept XLA from writing a kernel's output into its slot.
-    read_index = lax.max(index, jnp.zeros_like(index))
+    read_index = lax.max(index, jnp.zeros_like(index)) if routed else index
 
     def store(k, value):
-        if stacks[k] is not None:  # (None: a residual the backward makes again)
+        if stacks[k] is not None:
             stacks[k] = lax.dynamic_update_index_in_dim(stacks[k], value, index, 0)
 
     def bind(v, value):
@@ -273,7 +281,9 @@ def scan_blocks(apply: Callable, stacked, carry, *operands, route_residuals: boo
         # give a pullback of another structure).
         closed, (carry_shape, residuals) = jax.make_jaxpr(layer_vjp, return_shape=True)(_layer(stacked, 0), carry)
         carry_tree = jax.tree.structure(carry_shape)
-        varying = _varying_parameters(closed.jaxpr, carry_tree.num_leaves, len(jax.tree.leaves(stacked)))
+        producers = _producers(closed.jaxpr)
+        varying = _varying_parameters(closed.jaxpr, producers, carry_tree.num_leaves, len(jax.tree.leaves(stacked)))
+        routed = _residuals_to_route(closed.jaxpr, producers, carry_tree.num_leaves) if route_residuals else set()
         layout = traced["layout"]
         traced["layout"] = layout._replace(sources=tuple(
             (_VARYING_LAYER, varying[at]) if kind == _STACKED and at in varying else (kind, at)
@@ -282,7 +292,7 @@ def scan_blocks(apply: Callable, stacked, carry, *operands, route_residuals: boo
         def step(index, state):
             carry, stacks = state
             leaves, stacks = _stack_residuals(closed, jax.tree.leaves((_layer(stacked, index), carry)),
-                                              carry_tree.num_leaves, stacks, index, route_residuals)
+                                              carry_tree.num_leaves, stacks, index, routed)
             return jax.tree.unflatten(carry_tree, leaves), stacks
 
         stacks = [None if k in varying else _unfilled(r, (length, *r.shape)) for k, r in enumerate(residuals)]
