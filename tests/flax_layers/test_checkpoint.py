@@ -578,9 +578,11 @@ HF_TINY = Mamba2Config.from_mamba_ssm(MAMBA_SSM_TINY).to_hf()
     pytest.param(json.dumps({**MAMBA_SSM_TINY, "ssm_cfg": [8, 8]}), TypeError,
                  r"config.json: Mamba2Config: ssm_cfg=\[8, 8\] must be a mapping", id="ssm_cfg_list"),
     pytest.param(json.dumps({**MAMBA_SSM_TINY, "ssm_cfg": {"layer": "Mamba2", "d_state": "8"}}), ValueError,
-                 r"config.json: Mamba2Config: ssm_cfg\['d_state'\]='8' must be a positive int", id="mixer_option_string"),
+                 r"config.json: Mamba2Config: ssm_cfg\['d_state'\]='8' must be a positive int",
+                 id="mixer_option_string"),
     pytest.param(json.dumps({**MAMBA_SSM_TINY, "ssm_cfg": {"layer": "Mamba2", "chunk_size": 12}}), ValueError,
-                 r"config.json: Mamba2Config: ssm_cfg\['chunk_size'\]=12 must be a power of two", id="mixer_option_value"),
+                 r"config.json: Mamba2Config: ssm_cfg\['chunk_size'\]=12 must be a power of two",
+                 id="mixer_option_value"),
     pytest.param(json.dumps({**MAMBA_SSM_TINY, "ssm_cfg": {"d_state": 8}}), ValueError,
                  r"config.json: Mamba2Config.from_mamba_ssm: ssm_cfg=\{'d_state': 8\} has no 'layer', which "
                  r"mamba_ssm reads as 'Mamba1'", id="mamba1_checkpoint"),

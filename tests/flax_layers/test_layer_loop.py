@@ -74,7 +74,8 @@ def test_scan_blocks_computes_what_lax_scan_does_values_and_gradients(remat, blo
         np.testing.assert_array_equal(got, want)
     # the gated block's product output (a residual used later) is read back from its stack when routed: one
     # slice of a stack more per layer than the same loop stacking after the layer
-    slices = lambda run: str(jax.make_jaxpr(jax.grad(_loss(run), argnums=(0, 1)))(*args)).count("dynamic_slice[")  # noqa: E731
+    def slices(run):
+        return str(jax.make_jaxpr(jax.grad(_loss(run), argnums=(0, 1)))(*args)).count("dynamic_slice[")
     routed = slices(loop) - slices(_loop(block, route_residuals=False))
     assert routed == (1 if route_residuals and block is not _block and remat is None else 0)
 
