@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh suites|suite-1|suite-2|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|suite-1|suite-2|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|suite-1|suite-2|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]}
+part=${1:?usage: gpu_session.sh suites|suite-1|suite-2|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 # causal_conv1d for the peer, built in the background by the parts that run it (lm-step, decode-matrix) into
@@ -57,18 +57,23 @@ case $part in
     sharded gpu_suites "${CAP:-480}" "${SHARDS:-12}" tests/kernels/test_stages_gpu.py \
       tests/kernels/test_backward_gpu.py tests/bridge/test_cutile_gpu.py tests/flax_layers/test_lm_gpu.py
     ;;
-  suite-1|suite-2)  # every GPU test of tests/, half the ids each (alternately, the long sweeps first), under
-    # pytest-xdist's workers sharing the GPU (WORKERS, default 16); JUnit XML that benchmarks/tools/suite_record.py
-    # turns into the suite's record (each half about 9 minutes)
-    export JAX_MAMBA2_AUTOTUNE=0
+  suite-1|suite-2|suite-ids)  # every GPU test of tests/, half the ids each (alternately, the long sweeps first),
+    # or (suite-ids) the ids listed in the file $IDS, under pytest-xdist's workers sharing the GPU (WORKERS, default
+    # 8; each frees what it no longer uses, the platform allocator, so that 80 GB hold them all); JUnit XML that
+    # benchmarks/tools/suite_record.py turns into the suite's record (each half 4-6 minutes on an H100)
+    export JAX_MAMBA2_AUTOTUNE=0 XLA_PYTHON_CLIENT_ALLOCATOR=platform
     half=${part#suite-}
     nvidia-smi --query-gpu=name --format=csv,noheader > "$out/gpu_name.txt"
-    python -m pytest -m gpu --collect-only -q -p no:cacheprovider tests | grep '::' \
-      | awk '/every_/ {print; next} {rest[n++] = $0} END {for (i = 0; i < n; i++) print rest[i]}' \
-      | awk -v h="$half" 'NR % 2 == h % 2' > "$out/suite_$half.ids"
+    if [ "$half" = ids ]; then
+      cp "${IDS:?set IDS to a file of test ids}" "$out/suite_$half.ids"
+    else
+      python -m pytest -m gpu --collect-only -q -p no:cacheprovider tests | grep '::' \
+        | awk '/every_/ {print; next} {rest[n++] = $0} END {for (i = 0; i < n; i++) print rest[i]}' \
+        | awk -v h="$half" 'NR % 2 == h % 2' > "$out/suite_$half.ids"
+    fi
     echo "== suite half $half: $(wc -l < "$out/suite_$half.ids") tests (cap ${CAP:-540}s)"
     timeout "${CAP:-540}" xargs -d "\n" -a "$out/suite_$half.ids" python -m pytest -m gpu -q -rfs -p no:cacheprovider \
-      -n "${WORKERS:-16}" --dist load --junitxml="$out/suite_$half.xml" > "$out/suite_$half.log" 2>&1
+      -n "${WORKERS:-8}" --dist load --junitxml="$out/suite_$half.xml" > "$out/suite_$half.log" 2>&1
     echo "   exit $? ; $(grep -E '(passed|failed|error)' "$out/suite_$half.log" | tail -1)"
     ;;
   fwd)  # the forward grid with every peer, default configs (tuning every shape does not fit one call)

@@ -3,8 +3,9 @@ them into one JSON (each test's outcome and seconds, the counts, why any test sk
 
     python benchmarks/tools/suite_record.py OUT_1 OUT_2 --git-sha SHA --out benchmarks/results/gpu_suite_h200.json
 
-Each OUT is a folder a suite part wrote (suite_<half>.xml, suite_<half>.ids, gpu_name.txt). A test listed in an
-.ids file that no XML reports (the part's time cap cut it) is counted as "not run", never as passed.
+Each OUT is a folder a suite part wrote (suite_<half>.xml, suite_<half>.ids, gpu_name.txt), in the order they
+ran: a test run again by a later part (suite-ids) takes that outcome, the earlier one kept in its entry. A test
+listed in an .ids file that no XML reports (the part's time cap cut it) is counted as "not run", never as passed.
 """
 
 from __future__ import annotations
@@ -56,18 +57,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, type=pathlib.Path)
     args = parser.parse_args(argv)
 
-    ids, tests, gpus = [], {}, set()
-    for folder in args.parts:
-        part_ids, part_tests, gpu = read_part(folder)
-        ids += part_ids
-        tests.update(part_tests)
+    ids, tests, gpus = {}, {}, set()
+    for folder in args.parts:  # a later part (suite-ids) may run again what an earlier one ran: its outcome is final,
+        part_ids, part_tests, gpu = read_part(folder)  # the earlier one kept beside it
+        ids.update(dict.fromkeys(part_ids))
+        for test_id, entry in part_tests.items():
+            if test_id in tests:
+                entry["earlier_run"] = tests[test_id]
+            tests[test_id] = entry
         gpus.add(gpu)
     for test_id in ids:  # given to a part but never reported: the cap cut it
         tests.setdefault(test_id, {"outcome": "not run", "seconds": None})
     counts = collections.Counter(entry["outcome"] for entry in tests.values())
     method = ("every test collected by `pytest -m gpu tests` at this commit, the ids alternately in two halves (the "
               "long sweeps first), each half one device call of `benchmarks/tools/gpu_session.sh suite-N`: pytest "
-              "-n 16 --dist load (pytest-xdist workers sharing the GPU, XLA_PYTHON_CLIENT_PREALLOCATE=false), "
+              "-n 16 or 8 --dist load (pytest-xdist workers sharing the GPU, XLA_PYTHON_CLIENT_PREALLOCATE=false), "
               "JAX_MAMBA2_AUTOTUNE=0; seconds are each test's own under that contention. " + args.method).strip()
     record = {
         "benchmark": "the GPU test suite (pytest -m gpu)",
