@@ -260,7 +260,7 @@ class Variant(NamedTuple):
 VARIANTS = (
     Variant("logits_dtype", None, "-{}-logits", ", {} logits"),
     Variant("scan_layers", True, "-unrolled", ", layers unrolled"),
-    Variant("loss_backend", "xla", "-{}-softmax", ", loss softmax {}"),
+    Variant("loss_backend", None, "-{}-softmax", ", loss softmax {}"),
     Variant("check_finite", True, "-unchecked", ", SSD inputs unchecked"),
     Variant("save_chunk_states", False, "-saved-states", ", chunk states saved"),
     Variant("remat", False, "-remat-{}", ", remat {}"),
@@ -540,9 +540,11 @@ def _commit(record: dict):
 
 def _user_ours(record: dict) -> bool:
     """A record of ours as a user runs it: the cutile backend, no XLA options, every variant at its default
-    but the layer mode (the layer scan or unrolled blocks, both model options)."""
+    but the layer mode (the layer scan or unrolled blocks, both model options) and the loss's softmax on XLA
+    (the model's default before the loss followed the model's backend, the records before it say so)."""
     return (record["impl"] == "cutile" and not record.get("xla_options")
-            and all(v.field == "scan_layers" for v, _ in changed_variants(record)))
+            and all(v.field == "scan_layers" or (v.field, value) == ("loss_backend", "xla")
+                    for v, value in changed_variants(record)))
 
 
 def plot(records: list[dict], path: Path) -> Path:
@@ -619,8 +621,9 @@ def parse_args(argv=None):
                         help="ours: XLA's command buffers as XLA defaults them, off, also over loops and "
                              "conditionals (the layer scan, the loss's chunk loops), or as XLA defaults them "
                              "but with our launches from the host (default: default)")
-    parser.add_argument("--loss-backend", choices=("xla", "cutile", "cutile_callback", "auto"), default="xla",
-                        help="ours: Mamba2LMHeadModel(loss_backend=), where the loss's softmax runs (default: xla)")
+    parser.add_argument("--loss-backend", choices=("xla", "cutile", "cutile_callback", "auto"), default=None,
+                        help="ours: Mamba2LMHeadModel(loss_backend=), where the loss's softmax runs (default: the "
+                             "model's, its backend's)")
     parser.add_argument("--no-check-finite", action="store_true",
                         help="ours: Mamba2LMHeadModel(check_finite=False), the SSD kernels run on their inputs "
                              "as they are, without confining NaN and inf (default: confined)")

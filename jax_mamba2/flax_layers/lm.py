@@ -156,7 +156,8 @@ class Mamba2LMHeadModel(nnx.Module):
         writes the chunk states just before the block's backward reads them) and False without it
         (`chunk_states_saved`).
       loss_backend: where `loss` takes the softmax over each chunk's logits (`chunked_cross_entropy`'s
-        backend): "xla" (default: XLA fusions) or the cuTile kernels, "auto", "cutile" or "cutile_callback".
+        backend): by default (None) the model's backend, as the norms (`backends.for_op`: "auto" takes the
+        cuTile kernels on a supported GPU); "xla" (XLA fusions), "auto", "cutile" or "cutile_callback".
       remat: what each block keeps for the backward pass (`nnx.remat`), trading compute for memory: False
         (default) everything its backward reads; "matmuls" only in_proj's output besides the block's inputs,
         the norms, the conv and the SSD forward recomputed in the backward (no matrix product is; a few times
@@ -182,7 +183,7 @@ class Mamba2LMHeadModel(nnx.Module):
 
     def __init__(self, config: Mamba2Config, *, backend: str = "auto", deterministic_backward: bool = False,
                  save_chunk_states: bool | None = None, check_finite: bool = True, remat: bool | str = False,
-                 scan_layers: bool = True, loss_backend: str = "xla", dtype=None, param_dtype=jnp.float32,
+                 scan_layers: bool = True, loss_backend: str | None = None, dtype=None, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         _check_config("Mamba2LMHeadModel", config)
         _check_dtypes_and_rngs("Mamba2LMHeadModel", dtype, param_dtype, rngs)
@@ -190,7 +191,8 @@ class Mamba2LMHeadModel(nnx.Module):
         remat = _check_remat(remat)
         save_chunk_states = chunk_states_saved(save_chunk_states, remat)
         self.config, self.remat, self.scan_layers, self.dtype = config, remat, scan_layers, dtype
-        self.loss_backend = backends.check_name(loss_backend, "Mamba2LMHeadModel", loss_op.OP, "loss_backend")
+        self.loss_backend = (backends.for_op(backend, loss_op.OP) if loss_backend is None else
+                             backends.check_name(loss_backend, "Mamba2LMHeadModel", loss_op.OP, "loss_backend"))
         vocab = config.padded_vocab_size
         self.embedding = nnx.Embed(vocab, config.d_model, dtype=dtype, param_dtype=param_dtype,
                                    embedding_init=nnx.initializers.normal(0.02), rngs=rngs)

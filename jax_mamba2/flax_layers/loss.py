@@ -254,7 +254,7 @@ def _int32_labels(labels, ignore_index: int, padded_vocab: int):
 
 def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, vocab_size: Optional[int] = None,
                           chunk_tokens: int = 2048, ignore_index: int = -100, dtype=None, logits_dtype=None,
-                          reduction: str = "mean", backend: str = "xla"):
+                          reduction: str = "mean", backend: str = "auto"):
     """Next-token cross-entropy of `hidden @ head_weight` (or `hidden @ embedding.T`), chunk by chunk.
 
     Equals `optax.softmax_cross_entropy_with_integer_labels(logits[..., :vocab_size], labels)` averaged over
@@ -280,10 +280,10 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
         logsumexp and the gradient's arithmetic stay in float32.
       reduction: "mean" (default: over the counted tokens), "sum" (of them) or "none" (each token's loss, 0 where
         ignored: minus its log-likelihood; a sequence's log-likelihood is minus their sum), as torch's.
-      backend: the softmax's backend (the op "cross_entropy" of `jax_mamba2.backends`): "xla" (default),
-        "cutile", "cutile_callback" (the cuTile kernels: one read of each chunk's logits forward, one read and
-        one write of their gradient backward) or "auto" (cutile on a supported GPU behind
-        `lax.platform_dependent`, else xla). The kernels take bfloat16/float16/float32 logits and dtype.
+      backend: the softmax's backend (the op "cross_entropy" of `jax_mamba2.backends`): "auto" (default: cutile
+        on a supported GPU behind `lax.platform_dependent`, else xla), "xla" (XLA fusions), "cutile" or
+        "cutile_callback" (the cuTile kernels: one read of each chunk's logits forward, one read and one write
+        of their gradient backward). The kernels take bfloat16/float16/float32 logits and dtype.
 
     Returns:
       The scalar mean (or sum) loss in float32 (float64 for float64), 0 when no position counts; with
