@@ -201,7 +201,7 @@ def measure(impl: str, shape, direction: str, budget_s: float, layout: str = "pl
         kernels = None
         if configured:
             from jax_mamba2.bridge import conv_ops
-            kernels = dataclasses.replace(conv_ops.BACKENDS["cutile"], fwd_config=fwd_config,
+            kernels = dataclasses.replace(conv_ops.KERNELS["cutile"], fwd_config=fwd_config,
                                           bwd_config=bwd_config)
         timing, outputs = time_jax(jax_call(impl, inputs, direction, layout, kernels), budget_s)
     names = ("y", "dx", "dkernel", "dbias")[:len(outputs)]

@@ -424,7 +424,7 @@ def train_mamba_ssm(job: dict) -> dict:
 
 
 def conv_kernels(spec: str):
-    """The cuTile conv kernels (`conv_ops.BACKENDS["cutile"]`) at the configs of `spec`, "FWD,BWD" in
+    """The cuTile conv kernels (`conv_ops.KERNELS["cutile"]`) at the configs of `spec`, "FWD,BWD" in
     benchmarks/conv1d.py's notation (e.g. 16x512x3,8x32x128x4); each must fit its problem."""
     import dataclasses
 
@@ -434,7 +434,7 @@ def conv_kernels(spec: str):
     from jax_mamba2.kernels.causal_conv1d_bwd import ConvBwdConfig
 
     fwd, bwd = spec.split(",")
-    return dataclasses.replace(conv_ops.BACKENDS["cutile"], fwd_config=parse_config(fwd, ConvFwdConfig),
+    return dataclasses.replace(conv_ops.KERNELS["cutile"], fwd_config=parse_config(fwd, ConvFwdConfig),
                                bwd_config=parse_config(bwd, ConvBwdConfig))
 
 

@@ -20,33 +20,16 @@ except ModuleNotFoundError as e:
 from jax_mamba2 import backends
 from jax_mamba2.bridge import callback, conv_ops, decode_ops, ffi, loss_ops, norm_ops, ops, problem
 
-backends.register_backend(backends.Backend(
-    name="cutile", forward=ops.make_forward(ffi.run_plan),
-    forward_saving=ops.make_forward_saving(ffi.run_plan),
-    unsupported_reason=problem.unsupported_reason, backward=ops.make_backward(ffi.run_plan),
-    step=ops.make_step(ffi.run_plan), step_unsupported_reason=ops.step_unsupported_reason,
-    auto_priority=2, unavailable_reason=problem.gpu_unavailable_reason))
-backends.register_backend(backends.Backend(
-    name="cutile_callback", forward=ops.make_forward(callback.run_plan),
-    forward_saving=ops.make_forward_saving(callback.run_plan),
-    unsupported_reason=problem.unsupported_reason, backward=ops.make_backward(callback.run_plan),
-    step=ops.make_step(callback.run_plan),
-    step_unsupported_reason=ops.step_unsupported_reason, unavailable_reason=problem.gpu_unavailable_reason))
-
-# The layer ops' kernels, on the same two executors; "auto" prefers "cutile", as for the SSD.
-backends.register_backend(backends.LayerBackend("cutile", conv_ops.BACKENDS["cutile"], conv_ops.unsupported_reason,
-                                                auto_priority=2), op="causal_conv1d")
-backends.register_backend(backends.LayerBackend("cutile_callback", conv_ops.BACKENDS["cutile_callback"],
-                                                conv_ops.unsupported_reason), op="causal_conv1d")
-backends.register_backend(backends.LayerBackend("cutile", norm_ops.KERNELS["cutile"], norm_ops.unsupported_reason,
-                                                auto_priority=2), op="rms_norm")
-backends.register_backend(backends.LayerBackend("cutile_callback", norm_ops.KERNELS["cutile_callback"],
-                                                norm_ops.unsupported_reason), op="rms_norm")
-backends.register_backend(backends.LayerBackend("cutile", loss_ops.KERNELS["cutile"], loss_ops.unsupported_reason,
-                                                auto_priority=2), op="cross_entropy")
-backends.register_backend(backends.LayerBackend("cutile_callback", loss_ops.KERNELS["cutile_callback"],
-                                                loss_ops.unsupported_reason), op="cross_entropy")
-backends.register_backend(backends.LayerBackend("cutile", decode_ops.KERNELS["cutile"], decode_ops.unsupported_reason,
-                                                auto_priority=2), op="decode")
-backends.register_backend(backends.LayerBackend("cutile_callback", decode_ops.KERNELS["cutile_callback"],
-                                                decode_ops.unsupported_reason), op="decode")
+# The SSD and the layer ops' kernels on the two executors; "auto" prefers "cutile".
+for _name, _run_plan, _priority in (("cutile", ffi.run_plan, 2), ("cutile_callback", callback.run_plan, 0)):
+    backends.register_backend(backends.Backend(
+        name=_name, forward=ops.make_forward(_run_plan), forward_saving=ops.make_forward_saving(_run_plan),
+        unsupported_reason=problem.unsupported_reason, backward=ops.make_backward(_run_plan),
+        step=ops.make_step(_run_plan), step_unsupported_reason=ops.step_unsupported_reason,
+        auto_priority=_priority, unavailable_reason=problem.gpu_unavailable_reason))
+    for _op, _ops_module in (("causal_conv1d", conv_ops), ("rms_norm", norm_ops), ("cross_entropy", loss_ops),
+                             ("decode", decode_ops)):
+        backends.register_backend(backends.LayerBackend(_name, _ops_module.KERNELS[_name],
+                                                        _ops_module.unsupported_reason, auto_priority=_priority),
+                                  op=_op)
+del _name, _run_plan, _priority, _op, _ops_module

@@ -204,5 +204,5 @@ class ConvKernels:
     unsupported_reason = staticmethod(unsupported_reason)
 
 
-BACKENDS = {"cutile": ConvKernels("cutile", ffi.run_plan),
-            "cutile_callback": ConvKernels("cutile_callback", callback.run_plan)}
+KERNELS = {"cutile": ConvKernels("cutile", ffi.run_plan),
+           "cutile_callback": ConvKernels("cutile_callback", callback.run_plan)}

@@ -312,7 +312,7 @@ def test_conv_configs_reach_the_worker_and_key_the_record(monkeypatch):
     assert backends.registered(conv1d.OP)["cutile"] == registered  # restored after the worker's run
     assert seen[0].unsupported_reason is registered.unsupported_reason
     kernels = seen[0].kernels
-    assert kernels.run_plan is conv_ops.BACKENDS["cutile"].run_plan
+    assert kernels.run_plan is conv_ops.KERNELS["cutile"].run_plan
     assert (kernels.fwd_config.BLOCK_C, kernels.fwd_config.OCCUPANCY, kernels.bwd_config.BLOCK_L,
             kernels.bwd_config.BLOCK_C) == (256, 2, 16, 64)
 
