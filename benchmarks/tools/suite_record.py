@@ -15,7 +15,13 @@ import collections
 import datetime
 import json
 import pathlib
+import sys
 import xml.etree.ElementTree as ET
+
+if __package__ in (None, ""):  # run as a script: benchmarks/tools/ is sys.path[0], the repo root may not be
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+from jax_mamba2._files import write_atomically  # noqa: E402
 
 
 def _test_id(case: ET.Element) -> str:
@@ -84,9 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         "not_passed": {test_id: entry for test_id, entry in sorted(tests.items()) if entry["outcome"] != "passed"},
         "tests": dict(sorted(tests.items())),
     }
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    tmp.replace(args.out)
+    write_atomically(args.out, (json.dumps(record, indent=1) + "\n").encode())
     print(f"{args.out}: {record['collected']} collected, {record['counts']}")
 
 
