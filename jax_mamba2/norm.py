@@ -154,7 +154,8 @@ def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] 
       norm_before_gate: gate after normalizing (True) or before (False, Mamba-2's default).
       sum_groups: for a group split across devices (the tensor-parallel mixer with fewer groups than devices):
         maps the local sums of squares (..., features // gcd(group_size, features)) to the whole groups'.
-        Such a call always runs the XLA path: the kernels keep a group on one device.
+        Such a call runs the XLA path (the kernels keep a group on one device): under backend "auto" or "xla";
+        a kernel backend named explicitly refuses it (ValueError).
       z_kept_in: None, or (source, offset): an array (..., columns) whose columns [offset, offset + features)
         hold z, which the caller keeps for its own backward anyway (the mixer's in_proj output, z's origin):
         the kernels' backward then reads z there, and z itself is not kept. The caller vouches that the
@@ -194,6 +195,9 @@ def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] 
                                   norm_before_gate=norm_before_gate, sum_groups=sum_groups), None
 
     if sum_groups is not None:
+        if backend not in ("auto", "xla"):
+            raise ValueError(f"rms_norm: backend={backend!r} cannot run sum_groups (a group split across devices): "
+                             f"the kernels keep a group on one device; pass backend='auto' or 'xla'")
         backend = "xla"
     out, _ = _dispatch(api, backend, reference_fn, x, z, None, weight, z_kept_in, group_size=group_size,
                        norm_before_gate=norm_before_gate, eps=eps, out_dtype=x.dtype, residual_dtype=None)

@@ -4,9 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jax_mamba2
 from jax_mamba2 import norm_reference
+from jax_mamba2.flax_layers.norm import RMSNorm
 from tests._helpers import rel_l2
 
 X = jax.random.normal(jax.random.key(0), (3, 5, 32), jnp.float32)
@@ -59,11 +61,22 @@ def test_empty_inputs_give_empty_outputs():
     assert out.shape == h.shape == (0, 32)
 
 
-def test_sum_groups_runs_the_xla_path_whatever_the_backend():
-    """A group split across devices: the reference's sum_groups hook, also under backend="cutile"."""
-    doubled = jax_mamba2.rms_norm(X[..., :16], W[:16], group_size=32, sum_groups=lambda s: 2 * s, backend="cutile")
+def test_sum_groups_runs_the_xla_path_and_a_named_kernel_backend_refuses_it():
+    """A group split across devices: the reference's sum_groups hook under "auto" and "xla"; a kernel backend
+    asked for by name never falls back, so it refuses; the layer (whose backend names every other call's
+    kernels) runs such a group on XLA."""
+    half = (X[..., :16], W[:16])
     want = norm_reference.rms_norm(jnp.concatenate([X[..., :16]] * 2, -1), jnp.concatenate([W[:16]] * 2), eps=1e-5)
-    assert rel_l2(doubled, want[..., :16]) < 1e-6
+    for backend in ("auto", "xla"):
+        doubled = jax_mamba2.rms_norm(*half, group_size=32, sum_groups=lambda s: 2 * s, backend=backend)
+        assert rel_l2(doubled, want[..., :16]) < 1e-6
+    for backend in ("cutile", "cutile_callback"):
+        with pytest.raises(ValueError, match=rf"rms_norm: backend='{backend}' cannot run sum_groups"):
+            jax_mamba2.rms_norm(*half, group_size=32, sum_groups=lambda s: 2 * s, backend=backend)
+    layer = RMSNorm(X.shape[-1], backend="cutile", rngs=nnx.Rngs(0))  # no GPU here: the kernels could not run
+    layer.scale[...] = W
+    want = norm_reference.rms_norm(X, W, eps=1e-5)
+    assert rel_l2(layer(X, sum_groups=lambda s: s), want) < 1e-6  # the whole group on this "device"
 
 
 def test_explicit_kernel_backend_without_gpu_says_why():

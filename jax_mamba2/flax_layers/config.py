@@ -19,14 +19,14 @@ from jax_mamba2.flax_layers.mixer_options import check_mixer_options
 # Keyword arguments of `Mamba2.__init__` that may appear in `ssm_cfg` (all but d_model and the dtype/backend
 # options, which belong to the model rather than the checkpoint).
 MIXER_OPTIONS = (
-    "d_state", "d_conv", "expand", "headdim", "d_ssm", "ngroups", "A_init_range", "D_has_hdim", "rmsnorm",
+    "d_state", "d_conv", "conv_init", "expand", "headdim", "d_ssm", "ngroups", "A_init_range", "D_has_hdim", "rmsnorm",
     "norm_before_gate", "norm_eps", "dt_min", "dt_max", "dt_init_floor", "dt_limit", "bias", "conv_bias",
     "chunk_size",
 )
 # mamba_ssm's `Mamba2` defaults, used when `ssm_cfg` does not set an option (`norm_eps`, the gated norm's
 # epsilon, is not an option of mamba_ssm's, which fixes it at 1e-5; HF's Mamba2 takes `layer_norm_epsilon`).
 MIXER_DEFAULTS = FrozenDict(
-    d_state=128, d_conv=4, expand=2, headdim=64, d_ssm=None, ngroups=1, A_init_range=(1.0, 16.0),
+    d_state=128, d_conv=4, conv_init=None, expand=2, headdim=64, d_ssm=None, ngroups=1, A_init_range=(1.0, 16.0),
     D_has_hdim=False, rmsnorm=True, norm_before_gate=False, norm_eps=1e-5, dt_min=0.001, dt_max=0.1,
     dt_init_floor=1e-4, dt_limit=(0.0, math.inf), bias=False, conv_bias=True, chunk_size=256,
 )
@@ -299,6 +299,7 @@ class Mamba2Config:
             bias=get("use_bias", False), conv_bias=get("use_conv_bias", True), chunk_size=get("chunk_size", 256),
             norm_eps=get("layer_norm_epsilon", 1e-5),  # HF's mixer norm takes the blocks' epsilon
             A_init_range=get("A_init_range", MIXER_DEFAULTS["A_init_range"]),
+            conv_init=get("conv_init", MIXER_DEFAULTS["conv_init"]),
         )
         check_mixer_options(api, d_model, {**MIXER_DEFAULTS, **ssm_cfg}, _HF_MIXER_NAMES)
         result = cls(
@@ -319,7 +320,7 @@ class Mamba2Config:
     def to_hf(self) -> dict[str, Any]:
         """A HuggingFace transformers `Mamba2Config` dict (for `config.json`), vocabulary padded, plus the
         keys HF has no field for (`unpadded_vocab_size`, `pad_vocab_size_multiple`, `A_init_range`,
-        `fused_add_norm`), so that `from_hf(to_hf(config)) == config`.
+        `conv_init`, `fused_add_norm`), so that `from_hf(to_hf(config)) == config`.
 
         Raises:
           ValueError: for mixer options HF's Mamba2 cannot express (norm_before_gate=True, D_has_hdim=True,
@@ -353,7 +354,8 @@ class Mamba2Config:
             # Fields HF's Mamba2Config lacks (its vocab_size is the padded one): HF keeps unknown config.json
             # keys as attributes and writes them back, and `from_hf` reads them.
             "unpadded_vocab_size": self.vocab_size, "pad_vocab_size_multiple": self.pad_vocab_size_multiple,
-            "A_init_range": list(mixer["A_init_range"]), "fused_add_norm": self.fused_add_norm,
+            "A_init_range": list(mixer["A_init_range"]), "conv_init": mixer["conv_init"],
+            "fused_add_norm": self.fused_add_norm,
         }
 
 

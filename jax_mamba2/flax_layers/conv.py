@@ -15,18 +15,22 @@ class CausalConv1d(nnx.Module):
     """Holds the depthwise causal conv's parameters; `causal_conv1d_silu` / `causal_conv1d_step` apply them.
 
     Parameters: `kernel` (d_conv, channels) (mamba_ssm's conv1d.weight (channels, 1, d_conv), transposed) and
-    `bias` (channels,) or None, both PyTorch-default initialized, U(+-1/sqrt(d_conv)).
+    `bias` (channels,) or None, both PyTorch-default initialized, U(+-1/sqrt(d_conv)), unless `kernel_bound`.
 
     Args:
       channels: number of independent channels.
       d_conv: kernel width.
       use_bias: whether there is a bias.
+      kernel_bound: the kernel starts in U(-kernel_bound, kernel_bound) (mamba_ssm's `conv_init`; default:
+        None, PyTorch's bound; the bias keeps PyTorch's).
       param_dtype: parameter dtype (default: float32).
       rngs: parameter initialization keys.
     """
 
-    def __init__(self, channels: int, d_conv: int, *, use_bias: bool = True, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+    def __init__(self, channels: int, d_conv: int, *, use_bias: bool = True, kernel_bound: float | None = None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
         init = torch_uniform(d_conv)  # fan_in = (in_channels / groups) * d_conv = d_conv
-        self.kernel = nnx.Param(init(rngs.params(), (d_conv, channels), param_dtype))
+        kernel_init = init if kernel_bound is None else nnx.initializers.uniform(2 * kernel_bound)
+        kernel = kernel_init(rngs.params(), (d_conv, channels), param_dtype)
+        self.kernel = nnx.Param(kernel if kernel_bound is None else kernel - jnp.asarray(kernel_bound, param_dtype))
         self.bias = nnx.Param(init(rngs.params(), (channels,), param_dtype)) if use_bias else nnx.data(None)

@@ -82,6 +82,8 @@ class Mamba2(nnx.Module):
       d_model: input/output width.
       d_state: SSM state size N (default: 128).
       d_conv: causal conv width (default: 4).
+      conv_init: the conv kernel starts uniform in [-conv_init, conv_init] (default: None, PyTorch's default
+        U(+-1/sqrt(d_conv)), as mamba_ssm).
       expand: d_inner = expand * d_model (default: 2).
       headdim: head size P (default: 64).
       d_ssm: width of the SSM part (default: None = d_inner); the remaining d_inner - d_ssm features form a
@@ -124,7 +126,8 @@ class Mamba2(nnx.Module):
       ((2, 64), (2, 8, 16, 16))
     """
 
-    def __init__(self, d_model: int, *, d_state: int = 128, d_conv: int = 4, expand: int = 2, headdim: int = 64,
+    def __init__(self, d_model: int, *, d_state: int = 128, d_conv: int = 4, conv_init: float | None = None,
+                 expand: int = 2, headdim: int = 64,
                  d_ssm: int | None = None, ngroups: int = 1, A_init_range=(1, 16), D_has_hdim: bool = False,
                  rmsnorm: bool = True, norm_before_gate: bool = False, norm_eps: float = 1e-5, dt_min: float = 0.001,
                  dt_max: float = 0.1, dt_init_floor: float = 1e-4, dt_limit=(0.0, math.inf), bias: bool = False,
@@ -135,12 +138,14 @@ class Mamba2(nnx.Module):
         if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model < 1:
             raise ValueError(f"Mamba2: d_model={d_model!r} must be a positive int")
         options, (d_inner, d_ssm, nheads) = check_mixer_options("Mamba2", d_model, dict(
-            d_state=d_state, d_conv=d_conv, expand=expand, headdim=headdim, d_ssm=d_ssm, ngroups=ngroups,
+            d_state=d_state, d_conv=d_conv, conv_init=conv_init, expand=expand, headdim=headdim, d_ssm=d_ssm,
+            ngroups=ngroups,
             A_init_range=A_init_range, D_has_hdim=D_has_hdim, rmsnorm=rmsnorm, norm_before_gate=norm_before_gate,
             norm_eps=norm_eps, dt_min=dt_min, dt_max=dt_max, dt_init_floor=dt_init_floor, dt_limit=dt_limit,
             bias=bias, conv_bias=conv_bias, chunk_size=chunk_size))
-        D_has_hdim, rmsnorm, norm_before_gate, bias, conv_bias, norm_eps, dt_limit = (options[name] for name in (
-            "D_has_hdim", "rmsnorm", "norm_before_gate", "bias", "conv_bias", "norm_eps", "dt_limit"))
+        D_has_hdim, rmsnorm, norm_before_gate, bias, conv_bias, norm_eps, dt_limit, conv_init = (
+            options[name] for name in ("D_has_hdim", "rmsnorm", "norm_before_gate", "bias", "conv_bias", "norm_eps",
+                                       "dt_limit", "conv_init"))
         deterministic_backward, save_chunk_states, check_finite = (
             check_flag("Mamba2", name, value) for name, value in dict(
                 deterministic_backward=deterministic_backward, save_chunk_states=save_chunk_states,
@@ -165,7 +170,8 @@ class Mamba2(nnx.Module):
         # because under head parallelism the contraction is split across devices.
         self.in_proj = nnx.Linear(d_model, d_in_proj, use_bias=bias, param_dtype=param_dtype,
                                   kernel_init=torch_uniform(d_model), bias_init=torch_uniform(d_model), rngs=rngs)
-        self.conv1d = CausalConv1d(self.conv_dim, d_conv, use_bias=conv_bias, param_dtype=param_dtype, rngs=rngs)
+        self.conv1d = CausalConv1d(self.conv_dim, d_conv, use_bias=conv_bias, kernel_bound=conv_init,
+                                   param_dtype=param_dtype, rngs=rngs)
         self.dt_bias = nnx.Param(dt_bias_init(rngs.params(), nheads, dt_min=dt_min, dt_max=dt_max,
                                               dt_init_floor=dt_init_floor, dtype=param_dtype))
         self.A_log = nnx.Param(A_log_init(rngs.params(), nheads, A_init_range=A_init_range, dtype=param_dtype))

@@ -38,7 +38,8 @@ def check_mixer_options(api: str, d_model: int, options: Mapping, names: Mapping
       ValueError / TypeError naming the option: a size that is not a positive int, a flag that is not a bool,
       d_ssm not a multiple of headdim within d_inner, nheads not divisible by ngroups, a chunk_size that is not
       a power of two, an A_init_range other than 0 < low <= high < inf, dt_min / dt_max / dt_init_floor not
-      0 < dt_min <= dt_max with dt_init_floor >= 0, a dt_limit that `checks.check_dt_limit` refuses.
+      0 < dt_min <= dt_max with dt_init_floor >= 0, a dt_limit that `checks.check_dt_limit` refuses, a conv_init
+      that is neither None nor a positive finite number.
     """
     def label(name):
         return (names or {}).get(name, name)
@@ -82,4 +83,6 @@ def check_mixer_options(api: str, d_model: int, options: Mapping, names: Mapping
     if not options["dt_init_floor"] >= 0:
         raise ValueError(f"{api}: {label('dt_init_floor')}={options['dt_init_floor']} must be >= 0")
     options["dt_limit"] = check_dt_limit(api, options["dt_limit"], name=label("dt_limit"))
+    if options["conv_init"] is not None:
+        options["conv_init"] = check_positive_float(api, label("conv_init"), options["conv_init"])
     return options, MixerShape(d_inner, d_ssm, nheads)

@@ -49,11 +49,13 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(jnp.ones((features,), param_dtype))
 
     def __call__(self, x, z=None, *, sum_groups: Callable | None = None, z_kept_in=None):
-        """Normalizes x (..., features), gated by z if given; `sum_groups` (it runs the XLA path) and `z_kept_in`
-        (where the kernels' backward reads z again) as in `jax_mamba2.rms_norm`."""
+        """Normalizes x (..., features), gated by z if given; `sum_groups` and `z_kept_in` (where the kernels'
+        backward reads z again) as in `jax_mamba2.rms_norm`. A group split across devices (`sum_groups`) runs
+        the XLA path whatever the layer's backend, which names the kernels for every other call (the
+        tensor-parallel mixer with fewer groups than devices shards its other work as any other)."""
         y = norm_op.rms_norm(x, self.scale[...], z, eps=self.eps, group_size=self.group_size,
                              norm_before_gate=self.norm_before_gate, sum_groups=sum_groups, z_kept_in=z_kept_in,
-                             backend=self.backend)
+                             backend="xla" if sum_groups is not None else self.backend)
         return y if self.dtype is None else y.astype(self.dtype)
 
     def add_norm(self, x, residual, *, residual_dtype=None, return_residual: bool = True):

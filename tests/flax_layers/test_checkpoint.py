@@ -373,7 +373,7 @@ def test_checkpoint_round_trip_keeps_every_config_field(tmp_path):
         d_model=48, n_layer=2, vocab_size=50,
         ssm_cfg=dict(d_state=8, d_conv=3, expand=3, headdim=16, ngroups=3, A_init_range=(2.0, 8.0),
                      dt_min=0.002, dt_max=0.05, dt_init_floor=2e-4, dt_limit=(0.001, 10.0), bias=True,
-                     conv_bias=False, chunk_size=16, norm_eps=1e-6),
+                     conv_bias=False, chunk_size=16, norm_eps=1e-6, conv_init=0.05),
         residual_in_fp32=False, fused_add_norm=False, pad_vocab_size_multiple=16, tie_embeddings=False,
         norm_epsilon=1e-6)
     # Every field and every expressible mixer option differs from its default, so none can be lost silently.

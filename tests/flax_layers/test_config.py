@@ -72,6 +72,7 @@ def test_config_rejects_bad_fields(changes, message):
     (dict(chunk_size=100), r"ssm_cfg\['chunk_size'\]=100 must be a power of two"),
     (dict(dt_min=0.5), r"ssm_cfg\['dt_min'\]=0.5, ssm_cfg\['dt_max'\]=0.1 must satisfy 0 < dt_min <= dt_max"),
     (dict(A_init_range=(0, 16)), r"ssm_cfg\['A_init_range'\]=\(0, 16\) must satisfy 0.0 < low <= high"),
+    (dict(conv_init=-1), r"ssm_cfg\['conv_init'\]=-1 must be a positive finite float"),
 ])
 def test_config_rejects_mixer_options_no_mixer_can_be_built_from(ssm_cfg, message):
     """Checked as `Mamba2` checks them, when the config is made: before `to_hf` writes one or a checkpoint is
@@ -129,7 +130,8 @@ def test_config_rejects_hybrid_attention_and_hf_inexpressible_options():
 
 def test_config_hf_dict_round_trip_keeps_unpadded_vocab_and_every_mixer_option():
     config = mamba2_130m(vocab_size=50, pad_vocab_size_multiple=16, fused_add_norm=False,
-                         ssm_cfg={"A_init_range": (2.0, 8.0), "dt_limit": (0.001, 10.0), "d_conv": 3})
+                         ssm_cfg={"A_init_range": (2.0, 8.0), "dt_limit": (0.001, 10.0), "d_conv": 3,
+                                  "conv_init": 0.05})
     hf = config.to_hf()
     assert hf["vocab_size"] == 64 and hf["unpadded_vocab_size"] == 50
     assert Mamba2Config.from_hf(hf) == config

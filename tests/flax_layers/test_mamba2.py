@@ -272,10 +272,23 @@ def test_rmsnorm_rejects_bad_options(options, error, message):
     (dict(A_init_range=16), TypeError, r"Mamba2: A_init_range=16 must be a pair of numbers"),
     (dict(dt_min="0.001"), TypeError, r"Mamba2: dt_min='0.001' must be a number"),
     (dict(dt_init_floor=None), TypeError, r"Mamba2: dt_init_floor=None must be a number"),
+    (dict(conv_init=0.0), ValueError, r"Mamba2: conv_init=0.0 must be a positive finite float"),
+    (dict(conv_init="0.1"), ValueError, r"Mamba2: conv_init='0.1' must be a positive finite float"),
 ])
 def test_mamba2_rejects_bad_ranges(options, error, message):
     with pytest.raises(error, match=message):
         Mamba2(D_MODEL, **{**TINY, **options}, rngs=nnx.Rngs(0))
+
+
+def test_mamba2_conv_init_bounds_the_conv_kernel_as_mamba_ssm():
+    """conv_init (mamba_ssm's): the conv kernel starts uniform in [-conv_init, conv_init]; the bias keeps
+    PyTorch's default bound 1/sqrt(d_conv), as does the kernel without it."""
+    layer = Mamba2(D_MODEL, **TINY, conv_init=0.01, rngs=nnx.Rngs(0))
+    kernel, bias = np.asarray(layer.conv1d.kernel[...]), np.asarray(layer.conv1d.bias[...])
+    assert np.abs(kernel).max() <= 0.01 and np.abs(kernel).max() > 0.009 and kernel.min() < -0.009
+    assert 0.2 < np.abs(bias).max() <= 1 / math.sqrt(layer.d_conv)
+    default = np.asarray(Mamba2(D_MODEL, **TINY, rngs=nnx.Rngs(0)).conv1d.kernel[...])
+    assert 0.2 < np.abs(default).max() <= 1 / math.sqrt(layer.d_conv)
 
 
 @pytest.fixture(scope="module")
