@@ -195,6 +195,7 @@ def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] 
                                   norm_before_gate=norm_before_gate, sum_groups=sum_groups), None
 
     if sum_groups is not None:
+        registry.check_name(backend, api, OP)  # an unknown name is told the known ones first
         if backend not in ("auto", "xla"):
             raise ValueError(f"rms_norm: backend={backend!r} cannot run sum_groups (a group split across devices): "
                              f"the kernels keep a group on one device; pass backend='auto' or 'xla'")

@@ -73,6 +73,8 @@ def test_sum_groups_runs_the_xla_path_and_a_named_kernel_backend_refuses_it():
     for backend in ("cutile", "cutile_callback"):
         with pytest.raises(ValueError, match=rf"rms_norm: backend='{backend}' cannot run sum_groups"):
             jax_mamba2.rms_norm(*half, group_size=32, sum_groups=lambda s: 2 * s, backend=backend)
+    with pytest.raises(ValueError, match=r"rms_norm: backend='scan' must be one of 'auto', 'xla'"):
+        jax_mamba2.rms_norm(*half, group_size=32, sum_groups=lambda s: 2 * s, backend="scan")
     layer = RMSNorm(X.shape[-1], backend="cutile", rngs=nnx.Rngs(0))  # no GPU here: the kernels could not run
     layer.scale[...] = W
     want = norm_reference.rms_norm(X, W, eps=1e-5)

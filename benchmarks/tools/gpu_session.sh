@@ -72,9 +72,12 @@ case $part in
         | awk -v h="$half" 'NR % 2 == h % 2' > "$out/suite_$half.ids"
     fi
     echo "== suite half $half: $(wc -l < "$out/suite_$half.ids") tests (cap ${CAP:-540}s)"
+    rm -f "$out/suite_$half.xml"  # pytest writes it only when it ends: none left from an earlier run
+    echo "workers=${WORKERS:-8} allocator=platform cap_s=${CAP:-540}" > "$out/suite_$half.settings"
     timeout "${CAP:-540}" xargs -d "\n" -a "$out/suite_$half.ids" python -m pytest -m gpu -q -rfs -p no:cacheprovider \
       -n "${WORKERS:-8}" --dist load --junitxml="$out/suite_$half.xml" > "$out/suite_$half.log" 2>&1
-    echo "   exit $? ; $(grep -E '(passed|failed|error)' "$out/suite_$half.log" | tail -1)"
+    echo $? > "$out/suite_$half.rc"
+    echo "   exit $(cat "$out/suite_$half.rc") ; $(grep -E '(passed|failed|error)' "$out/suite_$half.log" | tail -1)"
     ;;
   fwd)  # the forward grid with every peer, default configs (tuning every shape does not fit one call)
     step ssd_fwd 540 python benchmarks/ssd.py --tuning off "${peers[@]}" --out "$out"

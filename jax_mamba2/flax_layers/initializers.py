@@ -3,10 +3,11 @@ import jax
 import jax.numpy as jnp
 
 
-def torch_uniform(fan_in: int):
+def torch_uniform(fan_in: int, bound: float | None = None):
     """PyTorch's default Linear/Conv1d init for weights and biases: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
-    (kaiming_uniform with a=sqrt(5) for weights gives the same bound)."""
-    bound = 1.0 / fan_in**0.5
+    (kaiming_uniform with a=sqrt(5) for weights gives the same bound), or U(-bound, bound) where given (as
+    `nn.init.uniform_`); drawn in float32 at least, then cast."""
+    bound = 1.0 / fan_in**0.5 if bound is None else bound
 
     def init(key, shape, dtype=jnp.float32):
         return jax.random.uniform(key, shape, jnp.promote_types(jnp.float32, dtype), -bound, bound).astype(dtype)

@@ -156,8 +156,10 @@ class Mamba2LMHeadModel(nnx.Module):
         writes the chunk states just before the block's backward reads them) and False without it
         (`chunk_states_saved`).
       loss_backend: where `loss` takes the softmax over each chunk's logits (`chunked_cross_entropy`'s
-        backend): by default (None) the model's backend, as the norms (`backends.for_op`: "auto" takes the
-        cuTile kernels on a supported GPU); "xla" (XLA fusions), "auto", "cutile" or "cutile_callback".
+        backend): "xla" (XLA fusions), "auto", "cutile" or "cutile_callback"; by default (None) the cuTile
+        kernels where they can run the call ("auto") under a kernel backend or "auto", XLA under "xla" or
+        "scan" and in a model that `shard_model` sharded (the kernels have no partitioning rule: XLA would
+        gather each chunk's logits onto every device).
       remat: what each block keeps for the backward pass (`nnx.remat`), trading compute for memory: False
         (default) everything its backward reads; "matmuls" only in_proj's output besides the block's inputs,
         the norms, the conv and the SSD forward recomputed in the backward (no matrix product is; a few times
@@ -191,7 +193,7 @@ class Mamba2LMHeadModel(nnx.Module):
         remat = _check_remat(remat)
         save_chunk_states = chunk_states_saved(save_chunk_states, remat)
         self.config, self.remat, self.scan_layers, self.dtype = config, remat, scan_layers, dtype
-        self.loss_backend = (backends.for_op(backend, loss_op.OP) if loss_backend is None else
+        self.loss_backend = (None if loss_backend is None else
                              backends.check_name(loss_backend, "Mamba2LMHeadModel", loss_op.OP, "loss_backend"))
         vocab = config.padded_vocab_size
         self.embedding = nnx.Embed(vocab, config.d_model, dtype=dtype, param_dtype=param_dtype,
@@ -281,7 +283,15 @@ class Mamba2LMHeadModel(nnx.Module):
         return loss_op.chunked_cross_entropy(hidden, targets, **weight, vocab_size=self.config.vocab_size,
                                              chunk_tokens=chunk_tokens, ignore_index=ignore_index, dtype=self.dtype,
                                              logits_dtype=logits_dtype, reduction=reduction,
-                                             backend=self.loss_backend)
+                                             backend=self.loss_softmax_backend())
+
+    def loss_softmax_backend(self) -> str:
+        """The backend `loss` gives its softmax now: `loss_backend`, or its default (see the class)."""
+        if self.loss_backend is not None:
+            return self.loss_backend
+        mixer = self.layers.mixer
+        follows = backends.for_op(mixer.backend, loss_op.OP)
+        return "xla" if follows == "xla" or mixer.mesh_axes is not None else "auto"
 
     def _final_hidden(self, input_ids, seq_idx=None):
         """input_ids (batch, seqlen) -> the final norm's output (batch, seqlen, d_model)."""

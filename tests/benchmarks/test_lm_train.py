@@ -253,8 +253,9 @@ def test_no_check_finite_reaches_the_model_and_keys_the_record():
     tests = {}
     with aot.cuda_target("sm_90"):  # traced for the GPU: the SSD on the kernels, checked or not
         for check_finite in (True, False):
+            # The loss on the kernels by name: its default ("auto") would add lax.platform_dependent's cond.
             step, *step_args = lm_train.make_train_step(config, "cutile", "model", abstract=True,
-                                                        check_finite=check_finite)
+                                                        check_finite=check_finite, loss_backend="cutile")
             program = str(jax.make_jaxpr(step)(*step_args))
             assert " cond[" not in program
             tests[check_finite] = program.count("is_finite")
@@ -326,6 +327,19 @@ def test_the_speedup_takes_the_peer_of_ours_commit_where_there_is_one():
     assert lm_train._speedup([ours, same_run_peer, older_peer], "d8-l1-1x8") == ("d8-l1-1x8", 3.0, True)
     assert lm_train._speedup([ours, older_peer], "d8-l1-1x8") == ("d8-l1-1x8", 4.0, False)
     assert lm_train._speedup([ours], "d8-l1-1x8") is None
+
+
+def test_the_speedup_takes_a_loss_on_xla_only_from_records_of_when_it_was_the_default():
+    """Records made before the loss followed the model's backend (no "loss_softmax") had XLA's softmax by
+    default; a later record that asks for it is a variant, not what a user runs."""
+    def record(ms, **extra):
+        return {"config": "d8-l1-1x8", "impl": "cutile", "timing": {"ms_median": ms}, "environment": {"git_sha": "b"},
+                **extra}
+    peer = {"config": "d8-l1-1x8", "impl": "mamba_ssm", "timing": {"ms_median": 40.0}, "environment": {"git_sha": "b"}}
+    default, asked_xla = record(10.0, loss_softmax="auto"), record(8.0, loss_backend="xla", loss_softmax="xla")
+    assert lm_train._user_ours(default) and not lm_train._user_ours(asked_xla)
+    assert lm_train._user_ours(record(9.0, loss_backend="xla"))  # an older record: its default
+    assert lm_train._speedup([default, asked_xla, peer], "d8-l1-1x8") == ("d8-l1-1x8", 4.0, True)
 
 
 def test_cutile_launches_lists_the_package_s_kernels_in_hlo_order():

@@ -16,13 +16,17 @@ def _part(folder, half, ids, cases, gpu="NVIDIA H100 80GB HBM3"):
     (folder / f"suite_{half}.ids").write_text("".join(f"{i}\n" for i in ids))
     (folder / f"suite_{half}.xml").write_text(_XML.format("".join(cases)))
     (folder / "gpu_name.txt").write_text(gpu + "\n")
+    (folder / f"suite_{half}.rc").write_text("123\n")  # xargs: some pytest exited 1 (a test failed)
+    (folder / f"suite_{half}.settings").write_text("workers=8 allocator=platform cap_s=540\n")
     return folder
 
 
 def test_the_record_counts_cut_tests_as_not_run_and_keeps_a_rerun_s_first_outcome(tmp_path):
-    a, b, c = "tests/test_x.py::test_a[p1]", "tests/test_x.py::test_b", "tests/test_x.py::test_c"
+    """Three tests listed; one cut by the cap, one failed then passed on a rerun, one in a class (JUnit names
+    its class in the classname)."""
+    a, b, c = "tests/test_x.py::TestK::test_a[p1]", "tests/test_x.py::test_b", "tests/test_x.py::test_c"
     first = _part(tmp_path / "one", 1, [a, b, c], [
-        _case("test_x", "test_a[p1]", 1.5),
+        _case("test_x.TestK", "test_a[p1]", 1.5),
         _case("test_x", "test_b", 2.0, '<failure message="RESOURCE_EXHAUSTED: out of memory">trace</failure>')])
     rerun = _part(tmp_path / "rerun", "ids", [b], [_case("test_x", "test_b", 3.25)])
     out = tmp_path / "record.json"
@@ -36,5 +40,7 @@ def test_the_record_counts_cut_tests_as_not_run_and_keeps_a_rerun_s_first_outcom
     assert record["tests"][b]["earlier_run"]["outcome"] == "failed"
     assert "out of memory" in record["tests"][b]["earlier_run"]["message"]
     assert record["not_passed"] == {c: {"outcome": "not run", "seconds": None}}
+    assert record["passed_on_a_rerun"] == {b: "failed"}  # counted apart, not only inside the entry
+    assert record["runs"]["one/suite_1"] == {"exit": "123", "settings": "workers=8 allocator=platform cap_s=540"}
     assert record["gpu"] == "NVIDIA H100 80GB HBM3"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "record.json", "rerun"]  # no stray temporary

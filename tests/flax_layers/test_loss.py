@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec as P
 
-from jax_mamba2.flax_layers import Mamba2LMHeadModel, chunked_cross_entropy
+from jax_mamba2.flax_layers import Mamba2LMHeadModel, chunked_cross_entropy, shard_model
 from tests._helpers import rel_l2
 from tests.flax_layers._programs import walk
 
@@ -324,14 +324,20 @@ def test_auto_lowers_on_the_cpu_and_equals_xla():
     assert all(np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(grads, want_grads))
 
 
-@pytest.mark.parametrize("backend, follows", [("auto", "auto"), ("cutile", "cutile"), ("xla", "xla"), ("scan", "xla")])
+@pytest.mark.parametrize("backend, follows", [("auto", "auto"), ("cutile", "auto"), ("cutile_callback", "auto"),
+                                              ("xla", "xla"), ("scan", "xla")])
 def test_lm_loss_backend_follows_the_model_unless_given(tiny_config, backend, follows):
-    """The loss's softmax runs where the model's norms do (the SSD's "scan" oracle has no softmax kernel: xla),
-    unless the model is told otherwise."""
-    model = Mamba2LMHeadModel(tiny_config.replace(n_layer=1), backend=backend, rngs=nnx.Rngs(0))
-    assert model.loss_backend == follows == model.norm_f.backend
-    model = Mamba2LMHeadModel(tiny_config.replace(n_layer=1), backend=backend, loss_backend="xla", rngs=nnx.Rngs(0))
-    assert model.loss_backend == "xla"
+    """By default the loss's softmax takes the kernels where they can run the call ("auto": e.g. not a float64
+    logits_dtype) under a kernel backend, XLA under "xla" or "scan" (no softmax kernel there), and XLA in a
+    model `shard_model` sharded; a loss_backend given is kept."""
+    config = tiny_config.replace(n_layer=1)
+    model = Mamba2LMHeadModel(config, backend=backend, rngs=nnx.Rngs(0))
+    assert model.loss_backend is None and model.loss_softmax_backend() == follows
+    mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    assert shard_model(model, mesh).loss_softmax_backend() == "xla"
+    model = Mamba2LMHeadModel(config, backend=backend, loss_backend="cutile", rngs=nnx.Rngs(0))
+    assert model.loss_backend == model.loss_softmax_backend() == "cutile"
+    assert shard_model(model, mesh).loss_softmax_backend() == "cutile"
 
 
 def test_lm_rejects_an_unknown_loss_backend(tiny_config):

@@ -289,6 +289,10 @@ def test_mamba2_conv_init_bounds_the_conv_kernel_as_mamba_ssm():
     assert 0.2 < np.abs(bias).max() <= 1 / math.sqrt(layer.d_conv)
     default = np.asarray(Mamba2(D_MODEL, **TINY, rngs=nnx.Rngs(0)).conv1d.kernel[...])
     assert 0.2 < np.abs(default).max() <= 1 / math.sqrt(layer.d_conv)
+    # Drawn in float32, then rounded: a bf16 kernel keeps the bound and many values (not bf16's 128 steps).
+    bf16 = np.asarray(Mamba2(D_MODEL, **TINY, conv_init=0.02, param_dtype=jnp.bfloat16,
+                             rngs=nnx.Rngs(0)).conv1d.kernel[...], np.float32)
+    assert np.abs(bf16).max() <= float(jnp.bfloat16(0.02)) and len(np.unique(bf16)) > 150  # the bound, rounded
 
 
 @pytest.fixture(scope="module")
