@@ -629,7 +629,7 @@ def parse_args(argv=None):
                              "but with our launches from the host (default: default)")
     parser.add_argument("--loss-backend", choices=("xla", "cutile", "cutile_callback", "auto"), default=None,
                         help="ours: Mamba2LMHeadModel(loss_backend=), where the loss's softmax runs (default: the "
-                             "model's, its backend's)")
+                             "model's own choice, recorded as loss_softmax)")
     parser.add_argument("--no-check-finite", action="store_true",
                         help="ours: Mamba2LMHeadModel(check_finite=False), the SSD kernels run on their inputs "
                              "as they are, without confining NaN and inf (default: confined)")

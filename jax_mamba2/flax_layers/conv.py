@@ -29,6 +29,7 @@ class CausalConv1d(nnx.Module):
 
     def __init__(self, channels: int, d_conv: int, *, use_bias: bool = True, kernel_bound: float | None = None,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
-        init = torch_uniform(d_conv)  # fan_in = (in_channels / groups) * d_conv = d_conv
-        self.kernel = nnx.Param(torch_uniform(d_conv, kernel_bound)(rngs.params(), (d_conv, channels), param_dtype))
-        self.bias = nnx.Param(init(rngs.params(), (channels,), param_dtype)) if use_bias else nnx.data(None)
+        # fan_in = (in_channels / groups) * d_conv = d_conv
+        kernel_init, bias_init = torch_uniform(d_conv, kernel_bound), torch_uniform(d_conv)
+        self.kernel = nnx.Param(kernel_init(rngs.params(), (d_conv, channels), param_dtype))
+        self.bias = nnx.Param(bias_init(rngs.params(), (channels,), param_dtype)) if use_bias else nnx.data(None)

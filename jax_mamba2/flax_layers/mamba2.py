@@ -127,11 +127,11 @@ class Mamba2(nnx.Module):
     """
 
     def __init__(self, d_model: int, *, d_state: int = 128, d_conv: int = 4, conv_init: float | None = None,
-                 expand: int = 2, headdim: int = 64,
-                 d_ssm: int | None = None, ngroups: int = 1, A_init_range=(1, 16), D_has_hdim: bool = False,
-                 rmsnorm: bool = True, norm_before_gate: bool = False, norm_eps: float = 1e-5, dt_min: float = 0.001,
-                 dt_max: float = 0.1, dt_init_floor: float = 1e-4, dt_limit=(0.0, math.inf), bias: bool = False,
-                 conv_bias: bool = True, chunk_size: int = 256, backend: str = "auto",
+                 expand: int = 2, headdim: int = 64, d_ssm: int | None = None, ngroups: int = 1,
+                 A_init_range=(1, 16), D_has_hdim: bool = False, rmsnorm: bool = True, norm_before_gate: bool = False,
+                 norm_eps: float = 1e-5, dt_min: float = 0.001, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
+                 dt_limit=(0.0, math.inf), bias: bool = False, conv_bias: bool = True, chunk_size: int = 256,
+                 backend: str = "auto",
                  deterministic_backward: bool = False, save_chunk_states: bool = False, check_finite: bool = True,
                  dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         _checks.check_rngs("Mamba2", rngs)
@@ -139,10 +139,9 @@ class Mamba2(nnx.Module):
             raise ValueError(f"Mamba2: d_model={d_model!r} must be a positive int")
         options, (d_inner, d_ssm, nheads) = check_mixer_options("Mamba2", d_model, dict(
             d_state=d_state, d_conv=d_conv, conv_init=conv_init, expand=expand, headdim=headdim, d_ssm=d_ssm,
-            ngroups=ngroups,
-            A_init_range=A_init_range, D_has_hdim=D_has_hdim, rmsnorm=rmsnorm, norm_before_gate=norm_before_gate,
-            norm_eps=norm_eps, dt_min=dt_min, dt_max=dt_max, dt_init_floor=dt_init_floor, dt_limit=dt_limit,
-            bias=bias, conv_bias=conv_bias, chunk_size=chunk_size))
+            ngroups=ngroups, A_init_range=A_init_range, D_has_hdim=D_has_hdim, rmsnorm=rmsnorm,
+            norm_before_gate=norm_before_gate, norm_eps=norm_eps, dt_min=dt_min, dt_max=dt_max,
+            dt_init_floor=dt_init_floor, dt_limit=dt_limit, bias=bias, conv_bias=conv_bias, chunk_size=chunk_size))
         D_has_hdim, rmsnorm, norm_before_gate, bias, conv_bias, norm_eps, dt_limit, conv_init = (
             options[name] for name in ("D_has_hdim", "rmsnorm", "norm_before_gate", "bias", "conv_bias", "norm_eps",
                                        "dt_limit", "conv_init"))
