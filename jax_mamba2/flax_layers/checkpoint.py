@@ -19,6 +19,7 @@ Training checkpoints (any model, any sharding) are better kept as NNX state with
 (`StandardCheckpointer` saves asynchronously: call `wait_until_finished()` before reading the directory.
 Restoring into an abstract state whose leaves carry shardings places each array on its devices.)
 """
+import contextlib
 import json
 import os
 import pathlib
@@ -27,6 +28,11 @@ import secrets
 import shutil
 import socket
 from typing import Callable, NamedTuple
+
+try:
+    import fcntl
+except ImportError:  # Windows: abandoned staging directories are told by their writer's PID alone
+    fcntl = None
 
 import jax
 import jax.numpy as jnp
@@ -348,7 +354,9 @@ def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
     one step (`renameat2`), so `path` always names a whole checkpoint; elsewhere (or on a file system without
     the exchange) the previous one is renamed aside first, and a process killed between the two renames
     leaves it, complete, in `.{name}.old-*` beside `path`. The staging directory of a killed save is deleted
-    by the next save on the same host.
+    by the next save on the same host; a live one is told apart by the advisory lock (`flock`) its save holds
+    on a file beside it, which the system drops when that process dies, so that saves in different PID
+    namespaces (containers sharing a host name and a volume) never delete each other's.
 
     Other files in `path` (a tokenizer, ...) are carried over as hard links (copies where the file system has
     none), except the weights in other forms (shards and their index, `pytorch_model*.bin`, Flax's and TF's
@@ -387,9 +395,7 @@ def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
             tensors[name] = _to_checkpoint_layout(array if layer is None else array[layer], layout)
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_staging(path)
-    staging = _sibling_path(path, "tmp")
-    os.mkdir(staging)  # mode from the umask (tempfile.mkdtemp would make it private)
-    try:
+    with _staging_dir(path) as staging:
         if path.is_dir():
             shutil.copymode(path, staging)
             _carry_over(path, staging, skip=_OWN_FILES)
@@ -399,9 +405,6 @@ def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
             _fsync(staging / file)
         _fsync(staging)  # the directory's entries (carried-over files included) before it is renamed in
         _replace_dir(staging, path)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def _sibling_path(path: pathlib.Path, kind: str) -> pathlib.Path:
@@ -419,6 +422,66 @@ def _host_tag() -> str:
     return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:64] or "host"
 
 
+@contextlib.contextmanager
+def _staging_dir(path: pathlib.Path):
+    """A new staging directory beside `path` for the body to fill and rename into place, locked against
+    `_remove_abandoned_staging` until the body is done, and deleted if the body raises."""
+    staging, lock = _new_locked_staging_name(path)
+    try:
+        os.mkdir(staging)  # mode from the umask (tempfile.mkdtemp would make it private)
+        try:
+            yield staging
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    finally:
+        _unlock_staging(staging, lock)
+
+
+def _lock_path(staging: pathlib.Path) -> pathlib.Path:
+    """The lock file of a staging directory: beside it, not in it, so that it is never renamed into place
+    with the checkpoint, and it stays locked until the directory is gone."""
+    return staging.with_name(staging.name + ".lock")
+
+
+def _new_locked_staging_name(path: pathlib.Path) -> tuple[pathlib.Path, int | None]:
+    """A fresh staging name beside `path` and the descriptor that holds its lock file locked (None where
+    there is no lock: no `fcntl`, or a file system without `flock`, which leaves the PID rule).
+
+    The lock file comes before the directory, so that a live save's directory always has one."""
+    for _ in range(3):
+        staging = _sibling_path(path, "tmp")
+        if fcntl is None:
+            return staging, None
+        lock = _lock_path(staging)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.samestat(os.fstat(fd), os.stat(lock)):
+                return staging, fd
+        except (BlockingIOError, FileNotFoundError):
+            # Another save, cleaning up, took the new file for an abandoned one in the instant before our lock
+            # (and deletes it): the directory would go unlocked, so take another name.
+            pass
+        except OSError:
+            os.close(fd)
+            lock.unlink(missing_ok=True)
+            return staging, None
+        os.close(fd)
+    return _sibling_path(path, "tmp"), None  # raced every time (a file system whose flock misbehaves): no lock
+
+
+def _unlock_staging(staging: pathlib.Path, lock: int | None) -> None:
+    """Releases a staging directory's lock once the save is done with it."""
+    if lock is None:
+        return
+    # A directory still there (its deletion failed) keeps its lock file, unlocked from now, so that the next save
+    # deletes it whatever its PID field says.
+    if not os.path.lexists(staging):
+        _lock_path(staging).unlink(missing_ok=True)
+    os.close(lock)
+
+
 def _process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -430,14 +493,55 @@ def _process_alive(pid: int) -> bool:
 
 
 def _remove_abandoned_staging(path: pathlib.Path) -> None:
-    """Deletes the staging directories beside `path` that a save killed mid-way left behind: those written
-    on this host by a process that no longer runs (another host's, or a live process's, may still be in
-    use). The `.old-*` directories are kept: they hold a complete previous checkpoint."""
-    pattern = re.compile(rf"\.{re.escape(_short_name(path))}\.tmp-{re.escape(_host_tag())}-(\d+)-[0-9a-f]{{8}}")
+    """Deletes the staging directories (and their lock files) beside `path` that a save killed mid-way left
+    behind on this host. The `.old-*` directories are kept: they hold a complete previous checkpoint.
+
+    Only this host's are looked at: another host's may be in use, and `flock` need not reach across a network
+    file system."""
+    pattern = re.compile(rf"(\.{re.escape(_short_name(path))}\.tmp-{re.escape(_host_tag())}-(\d+)-[0-9a-f]{{8}})"
+                         r"(\.lock)?")
+    writers = {}  # staging name -> its writer's PID, for the directories and for lock files left alone
     for entry in path.parent.iterdir():
         match = pattern.fullmatch(entry.name)
-        if match and entry.is_dir() and not _process_alive(int(match.group(1))):
-            shutil.rmtree(entry, ignore_errors=True)
+        if match:
+            writers[match.group(1)] = int(match.group(2))
+    for name, pid in writers.items():
+        _remove_if_abandoned(path.parent / name, pid)
+
+
+def _remove_if_abandoned(staging: pathlib.Path, pid: int) -> None:
+    """Deletes `staging` and its lock file if no save holds the lock. A directory without a lock file (from a
+    version that wrote none, or a system without `fcntl`) is deleted if process `pid` is gone; a PID may name
+    another process in another PID namespace, which is why the lock is asked first."""
+    if fcntl is None:
+        _remove_if_writer_dead(staging, pid)
+        return
+    lock = _lock_path(staging)
+    try:
+        # Opened for writing: NFS emulates `flock` with byte-range locks, which need it for an exclusive lock.
+        fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:
+        _remove_if_writer_dead(staging, pid)
+        return
+    except OSError:  # another user's lock file: not ours to judge
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held, so its save runs (or a file system without flock, which cannot tell): keep it
+        os.close(fd)
+        return
+    try:
+        if staging.is_dir():
+            shutil.rmtree(staging, ignore_errors=True)
+        if not os.path.lexists(staging):  # else the lock file stays, for a later save to try again
+            lock.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
+def _remove_if_writer_dead(staging: pathlib.Path, pid: int) -> None:
+    if staging.is_dir() and not _process_alive(pid):
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 # What a save writes, and every other form of a checkpoint's weights (shards, their index, PyTorch's files),

@@ -5,6 +5,9 @@ import math
 import os
 import pathlib
 import re
+import subprocess
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -443,26 +446,146 @@ def test_checkpoint_save_syncs_files_and_the_staging_directory_before_the_rename
     assert ("fsync", target.parent) in events[rename + 1:]
 
 
+def _dead_pid() -> int:
+    """The PID of a process that has exited."""
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+
+
+def _partial_staging(directory: pathlib.Path, name: str, *, lock_file: bool = False) -> pathlib.Path:
+    """A staging directory as a killed save leaves it, with its (unheld) lock file beside it on request."""
+    staging = directory / name
+    staging.mkdir()
+    (staging / "model.safetensors").write_bytes(b"partial")
+    if lock_file:
+        checkpoint_module._lock_path(staging).touch()
+    return staging
+
+
 def test_checkpoint_save_removes_only_staging_that_a_killed_save_left(tmp_path, tiny_config):
     """A save killed mid-way leaves its staging directory; the next save on the host deletes it when its
-    process is gone, and keeps a live process's, another host's and a previous checkpoint set aside."""
-    import subprocess
-    import sys
-
+    process is gone, and keeps a live process's, another host's and a previous checkpoint set aside. These
+    directories have no lock file (as a version that wrote none leaves them), so their PID field decides."""
     target = tmp_path / "ckpt"
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True).stdout.strip()
+    dead = _dead_pid()
     host = checkpoint_module._host_tag()
     names = {"abandoned": f".ckpt.tmp-{host}-{dead}-0123abcd", "live": f".ckpt.tmp-{host}-{os.getpid()}-4567cdef",
              "other_host": f".ckpt.tmp-{host}x-{dead}-89abcdef", "set_aside": f".ckpt.old-{host}-{dead}-0123abcd",
              "other_target": f".ckpt2.tmp-{host}-{dead}-0123abcd"}
     for name in names.values():
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "model.safetensors").write_bytes(b"partial")
+        _partial_staging(tmp_path, name)
     save_pretrained(_random_model(tiny_config), target)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", *(n for k, n in names.items()
                                                                           if k != "abandoned")])
     assert load_pretrained(target, backend="xla").config == tiny_config
+
+
+_HOLD_LOCK = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+print("locked", flush=True)
+sys.stdin.read()  # until the test closes the pipe
+"""
+
+
+def test_checkpoint_save_keeps_staging_whose_lock_another_process_holds(tmp_path, tiny_config):
+    """A live save in another PID namespace writes a PID that names no process here (or another one): the lock
+    its process holds keeps its staging directory, whatever the PID field says."""
+    pytest.importorskip("fcntl")
+    host = checkpoint_module._host_tag()
+    staging = _partial_staging(tmp_path, f".ckpt.tmp-{host}-{_dead_pid()}-0123abcd", lock_file=True)
+    lock = checkpoint_module._lock_path(staging)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(lock)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        save_pretrained(_random_model(tiny_config), tmp_path / "ckpt")
+        assert (staging / "model.safetensors").read_bytes() == b"partial"
+        assert lock.is_file()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert holder.returncode == 0
+    save_pretrained(_random_model(tiny_config), tmp_path / "ckpt")  # its process gone, the lock is free
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_checkpoint_save_removes_staging_whose_lock_is_free(tmp_path, tiny_config):
+    """A staging directory whose lock file nobody holds was left by a save that died, even where its PID field
+    names a live process (here this one, which may be another namespace's PID reused); a lock file whose
+    directory is gone (a save killed between the two) goes too."""
+    pytest.importorskip("fcntl")
+    host = checkpoint_module._host_tag()
+    _partial_staging(tmp_path, f".ckpt.tmp-{host}-{os.getpid()}-0123abcd", lock_file=True)
+    orphan = checkpoint_module._lock_path(tmp_path / f".ckpt.tmp-{host}-{os.getpid()}-4567cdef")
+    orphan.touch()
+    save_pretrained(_random_model(tiny_config), tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_checkpoint_save_holds_the_lock_beside_the_staging_directory(tmp_path, tiny_config, monkeypatch):
+    """While the checkpoint is written its lock file lies beside the staging directory, locked (a second open
+    file description cannot take it); it never enters the checkpoint and is gone after the save, whose
+    exchange may leave the old checkpoint under the staging name until deleted."""
+    fcntl = pytest.importorskip("fcntl")
+    target, seen = tmp_path / "ckpt", {}
+    real_replace = checkpoint_module._replace_dir
+
+    def replace_dir(new, path):
+        seen["staging"], seen["entries"] = new, sorted(p.name for p in new.iterdir())
+        with open(checkpoint_module._lock_path(new), "rb") as probe:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        real_replace(new, path)
+
+    monkeypatch.setattr(checkpoint_module, "_replace_dir", replace_dir)
+    for config in (tiny_config, tiny_config.replace(vocab_size=50)):  # a new target, then one to replace
+        save_pretrained(_random_model(config), target)
+        assert seen["entries"] == ["config.json", "model.safetensors"]
+        assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+        assert not checkpoint_module._lock_path(seen["staging"]).exists()
+
+
+def test_checkpoint_save_takes_another_name_when_a_cleanup_takes_its_new_lock_file(tmp_path, tiny_config,
+                                                                                 monkeypatch):
+    """Another save's cleanup may take a lock file in the instant between its creation and its lock, and delete
+    it: the save then starts over under a new name rather than write into a directory without a lock file."""
+    fcntl = pytest.importorskip("fcntl")
+    taken = []
+
+    def flock(fd, operation):
+        if not taken:  # the cleanup wins the first file: it deletes it and holds its lock
+            taken.append(pathlib.Path(os.readlink(f"/proc/self/fd/{fd}")))
+            os.unlink(taken[0])
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        fcntl.flock(fd, operation)
+
+    if not os.path.exists("/proc/self/fd"):
+        pytest.skip("needs /proc to name a descriptor's file")
+    monkeypatch.setattr(checkpoint_module, "fcntl", types.SimpleNamespace(
+        flock=flock, LOCK_EX=fcntl.LOCK_EX, LOCK_NB=fcntl.LOCK_NB))
+    staging = []
+    real_replace = checkpoint_module._replace_dir
+    monkeypatch.setattr(checkpoint_module, "_replace_dir",
+                        lambda new, path: (staging.append(new), real_replace(new, path)))
+    save_pretrained(_random_model(tiny_config), tmp_path / "ckpt")
+    assert len(taken) == 1 and staging[0].name + ".lock" != taken[0].name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_checkpoint_save_without_fcntl_follows_the_pid_rule(tmp_path, tiny_config, monkeypatch):
+    """Where `fcntl` is missing (Windows) a save writes no lock file, and the PID field alone decides, even for a
+    directory that has one."""
+    monkeypatch.setattr(checkpoint_module, "fcntl", None)
+    host = checkpoint_module._host_tag()
+    names = {"dead": f".ckpt.tmp-{host}-{_dead_pid()}-0123abcd", "live": f".ckpt.tmp-{host}-{os.getpid()}-4567cdef"}
+    for name in names.values():
+        _partial_staging(tmp_path, name, lock_file=True)
+    save_pretrained(_random_model(tiny_config), tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["ckpt", names["dead"] + ".lock", names["live"], names["live"] + ".lock"])
 
 
 def test_checkpoint_save_exchanges_the_directories_in_one_step(tmp_path, tiny_config, monkeypatch):
