@@ -674,7 +674,10 @@ def xla_options(specs: list[str]) -> dict:
     for spec in specs:
         name, _, value = spec.partition("=")
         lowered = value.lower()
-        options[name] = (lowered == "true") if lowered in ("true", "false") else int(value) if value.isdigit() else value
+        if lowered in ("true", "false"):
+            options[name] = lowered == "true"
+        else:
+            options[name] = int(value) if value.isdigit() else value
     return options
 
 
