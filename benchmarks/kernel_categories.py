@@ -1,7 +1,8 @@
 """Folds a profiled program's GPU kernels into what they compute: matrix products, SSD, the SSD's non-finite
 confinement, conv, norms, loss, optimizer, copies, elementwise.
 
-A kernel's name says what library ran it (cuBLAS, a cuTile SSD kernel, a memcpy); for XLA's own fusions the
+A kernel's name says what library ran it (cuBLAS, a cuTile SSD kernel, a memcpy, and in a PyTorch peer's trace
+mamba_ssm's Triton kernels, causal_conv1d's, ATen's); for XLA's own fusions the
 name is the fusion's HLO instruction, whose metadata in the compiled module's text names the JAX op and,
 through the module's stack-frame tables, the Python file that created it (the conv's and the norms' op and
 reference modules, the SSD's op.py / reference.py, optax). `jax.named_scope("loss")` and
@@ -19,16 +20,24 @@ CATEGORIES = ("matrix products", "SSD", "confinement", "conv", "norms", "loss", 
 # The name scope of the SSD op's confinement (jax_mamba2.op.CONFINEMENT_SCOPE; spelled out: this module imports
 # no JAX).
 _CONFINEMENT_SCOPE = "nonfinite_confinement"
-# cuTile SSD kernels (jax_mamba2.kernels) and the libraries' matrix-product kernels, by kernel name.
-# The decode step's mixer kernel (conv step + state update) counts as SSD, its projection's product kernels
-# (with a split K, the sum of the splits too) as matrix products (its norm kernel is a norm by name).
-_SSD_KERNEL = re.compile(
-    r"^(chunk_cumsum|chunk_state|chunk_scan|fused_scan|param_grads|state_update|mixer_step)\w*_kernel")
-_MATMUL_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|wgmma|matmul|^dot|_dot_|^decode_(project|split_sum)", re.IGNORECASE)
-_COPY_KERNEL = re.compile(r"memcpy|memset|^copy|^transpose|^wrapped_transpose", re.IGNORECASE)
-# Kernels of other ops by their own names (cuTile or library kernels carry no HLO instruction name).
-_NAMED_KERNELS = (("conv", re.compile(r"conv", re.IGNORECASE)), ("norms", re.compile(r"norm", re.IGNORECASE)),
-                  ("loss", re.compile(r"cross_entropy|softmax_xent|_loss", re.IGNORECASE)))
+# The SSD's kernels by name: the cuTile ones (jax_mamba2.kernels) and mamba_ssm's Triton ones (a leading
+# underscore; state passing and the chunks' C B^T products are its own stages). The decode step's mixer kernel
+# (conv step + state update) counts as SSD, its projection's product kernels (with a split K, the sum of the
+# splits too) as matrix products (its norm kernel is a norm by name).
+_SSD_KERNEL = re.compile(r"^_?(chunk_cumsum|chunk_state|chunk_scan|fused_scan|segment_states|param_grads|state_update"
+                         r"|mixer_step|state_passing|bmm_chunk)\w*_kernel")
+_MATMUL_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|wgmma|matmul|^dot|_dot_|^decode_(project|split_sum)",
+                            re.IGNORECASE)
+# Device copies: XLA's and the driver's, and ATen's copies of strided tensors and concatenations.
+_COPY_KERNEL = re.compile(r"memcpy|memset|^copy|^transpose|^wrapped_transpose|direct_copy_kernel|CatArrayBatchedCopy",
+                          re.IGNORECASE)
+# Kernels of other ops by their own names (cuTile and library kernels carry no HLO instruction name): the cuTile
+# conv's and causal_conv1d's, any norm kernel (mamba_ssm's are Triton "_layer_norm_*"), the cuTile loss and
+# ATen's log-softmax and NLL, ATen's fused AdamW (multi-tensor apply).
+_NAMED_KERNELS = (("conv", re.compile(r"causal_conv1d|conv_grads", re.IGNORECASE)),
+                  ("norms", re.compile(r"norm", re.IGNORECASE)),
+                  ("loss", re.compile(r"cross_entropy|softmax_xent|_loss|SoftMax|nll_loss", re.IGNORECASE)),
+                  ("optimizer", re.compile(r"multi_tensor_apply|adam", re.IGNORECASE)))
 _SSD_SOURCES = ("jax_mamba2/op.py", "jax_mamba2/reference.py", "jax_mamba2/bridge/ops.py")
 _CONV_SOURCES = ("jax_mamba2/flax_layers/conv.py", "jax_mamba2/conv1d.py", "jax_mamba2/conv1d_reference.py",
                  "jax_mamba2/bridge/conv_ops.py")

@@ -191,6 +191,35 @@ def profile_calls(call: Callable[[], Any], hlo_text: str, calls: int, top: int =
             **kernel_categories.fold(kernels, hlo_text, calls, top=top)}
 
 
+# The device events of a torch.profiler Chrome trace: kernels, and the copies and fills the driver runs.
+_TORCH_GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def torch_trace_kernels(trace: dict) -> list[tuple[str, float, float]]:
+    """(name, start_us, duration_us) of each kernel, memcpy and memset in a torch.profiler Chrome trace."""
+    return [(e["name"], float(e["ts"]), float(e["dur"])) for e in trace["traceEvents"]
+            if e.get("ph") == "X" and e.get("cat") in _TORCH_GPU_EVENTS]
+
+
+def profile_torch_calls(call: Callable[[], Any], sync: Callable[[Any], Any], calls: int, top: int = 15) -> dict:
+    """`profile_calls` for a PyTorch step on a CUDA device: its kernels under torch.profiler (CUPTI), folded into
+    the same categories by their names (no compiled module: `kernel_categories` names mamba_ssm's, causal_conv1d's
+    and ATen's kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks import kernel_categories
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            sync(call())
+    with tempfile.TemporaryDirectory(prefix="lm_bench_torch_trace_") as trace_dir:
+        path = Path(trace_dir) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        kernels = torch_trace_kernels(json.loads(path.read_text()))
+    return {"source": "torch.profiler trace (CUPTI)", "kernel_launches": len(kernels) / calls,
+            **kernel_categories.fold(kernels, "", calls, top=top)}
+
+
 def _median_ms(call: Callable[[], Any], sync: Callable[[Any], Any], repeats: int = 10, calls: int = 10) -> float:
     """Median over `repeats` samples of the mean ms of `calls` back-to-back calls (one sync per sample)."""
     import numpy as np

@@ -29,9 +29,9 @@ tokens/s (from the synchronised median), peak memory (JAX: the allocator's peak_
 started, and XLA's memory_analysis of the step; torch: max_memory_allocated over the timed steps), the bf16 matrix
 rate of a large matrix product measured in the same process, and MFU = (6 x parameters x tokens + the SSD's forward
 and backward FLOPs (benchmarks/ssd.py's roofline at chunk 256) x n_layer) / step time, against that measured rate
-and against 790 TFLOP/s. For ours, unless --no-profile, a jax.profiler trace of --profile-steps steps folded into
-categories (benchmarks/kernel_categories.py): matrix products, SSD, the SSD's non-finite confinement, conv, norms,
-loss, optimizer, copies, elementwise.
+and against 790 TFLOP/s. Unless --no-profile, a trace of --profile-steps steps (ours: jax.profiler; a PyTorch
+peer's on a CUDA device: torch.profiler) folded into categories (benchmarks/kernel_categories.py): matrix products,
+SSD, the SSD's non-finite confinement, conv, norms, loss, optimizer, copies, elementwise.
 
 --loss (ours): "plain" takes the logits and optax's softmax cross-entropy in float32; "model" calls
 `Mamba2LMHeadModel.loss(input_ids, targets)` (the LM's own chunked loss, where the package has it); "auto"
@@ -397,12 +397,13 @@ def train_torch_model(job: dict, parts: dict, device) -> dict:
         torch.cuda.reset_peak_memory_stats()
     timing = lm_bench.time_calls(call, sync, steps=job["steps"], warmup_seconds=job["warmup_seconds"],
                                  pipelined=job.get("pipelined_steps", 0))
+    peak_memory = torch.cuda.max_memory_allocated() if cuda else None  # of the timed steps, before any profile
+    profile = lm_bench.profile_torch_calls(call, sync, job["profile_steps"]) if cuda and job["profile_steps"] else None
     record = {
         "timing": timing.__dict__, "first_step_s": first_step_s, "loss_impl": "logits + F.cross_entropy (float32)",
         "loss_first": float(losses[0]), "loss_last": float(losses[-1]),
-        "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-        "peak_memory_source": "torch max_memory_allocated (timed steps)",
-        "parameters_counted": torch_lm.parameter_count(model),
+        "peak_memory_bytes": peak_memory, "peak_memory_source": "torch max_memory_allocated (timed steps)",
+        "parameters_counted": torch_lm.parameter_count(model), **({"profile": profile} if profile else {}),
         "environment": {"device": torch.cuda.get_device_name() if cuda else str(device),
                         "torch": torch.__version__, "git_sha": lm_bench.git_sha()},
     }
@@ -614,7 +615,8 @@ def parse_args(argv=None):
                         help="steps per round of back-to-back steps, one sync each (timing.ms_pipelined, median of "
                              f"{lm_bench.PIPELINED_ROUNDS} rounds); 0: not measured (default: 8)")
     parser.add_argument("--warmup-seconds", type=float, default=5.0, help="untimed steps first (default: 5 s)")
-    parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps of ours (default: 3)")
+    parser.add_argument("--profile-steps", type=int, default=3,
+                        help="profiled steps of each implementation (default: 3; a PyTorch peer's on a CUDA device)")
     parser.add_argument("--no-profile", action="store_true", help="no per-kernel profile")
     parser.add_argument("--loss", choices=("auto", "plain", "model"), default="auto",
                         help="ours: the loss implementation (default: auto)")
@@ -695,7 +697,7 @@ def jobs(args) -> list[dict]:
     remat = {None: False, "full": True}.get(args.remat, args.remat)
     return [{"config": config, "impl": impl, "steps": args.steps, "warmup_seconds": args.warmup_seconds,
              "pipelined_steps": args.pipelined_steps,
-             "profile_steps": 0 if args.no_profile or impl not in OURS else args.profile_steps,
+             "profile_steps": 0 if args.no_profile else args.profile_steps,
              "loss": args.loss, **(peers if impl not in OURS else {"xla_options": xla_options(args.xla_option),
                                                           "logits_dtype": args.logits_dtype,
                                                           "scan_layers": not args.unroll_layers,

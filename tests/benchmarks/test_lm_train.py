@@ -375,3 +375,35 @@ def test_layer_loop_reaches_the_worker_and_keys_the_record(monkeypatch):
     assert lm.scan_blocks is layer_loop.scan_blocks
     with pytest.raises(SystemExit):
         lm_train.parse_args(["--layer-loop", "lax-scan", "--unroll-layers"])
+
+
+def test_a_torch_peer_s_trace_folds_into_the_same_categories_by_kernel_name():
+    """The device events of a torch.profiler Chrome trace (kernels, memcpys, memsets; not the host's ops) fold
+    by name: mamba_ssm's Triton SSD and norm kernels, causal_conv1d's, cuBLAS, ATen's loss, AdamW and copies."""
+    names = {
+        "_chunk_scan_fwd_kernel": "SSD", "_state_passing_bwd_kernel": "SSD", "_bmm_chunk_fwd_kernel": "SSD",
+        "_chunk_scan_chunk_state_bwd_dx_kernel": "SSD", "segment_states_kernel_Kt2": "SSD",
+        "void causal_conv1d_channellast_fwd_kernel<Causal_conv1d_channellast_fwd_kernel_traits<128, 4>>": "conv",
+        "_layer_norm_fwd_1pass_kernel": "norms", "_layer_norm_bwd_kernel": "norms",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matrix products",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, LogSoftMaxEpilogue>":
+            "loss",
+        "void at::native::(anonymous namespace)::nll_loss_forward_reduce_cuda_kernel_2d<float, float, long>": "loss",
+        "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4, ADAM_MODE::ADAMW>>": "optimizer",
+        "Memcpy DtoD (Device -> Device)": "copies",
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)>":
+            "copies",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>": "elementwise",
+    }
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 50.0}]
+    for i, name in enumerate(names):
+        events.append({"ph": "X", "cat": "gpu_memcpy" if name.startswith("Memcpy") else "kernel", "name": name,
+                       "ts": 100.0 + 10 * i, "dur": 2.0 + i})
+    kernels = lm_bench.torch_trace_kernels({"traceEvents": events})
+    assert [k[0] for k in kernels] == list(names)
+    folded = kernel_categories.fold(kernels, "", calls=1)
+    assert folded["busy_us"] == sum(2.0 + i for i in range(len(names)))
+    for name, cat in names.items():
+        assert kernel_categories.category(name, None) == cat, name
+    assert folded["categories"]["SSD"]["launches"] == 5
+    assert folded["categories"]["loss"]["us"] == (2.0 + 9) + (2.0 + 10)
