@@ -4,11 +4,18 @@ of the whole batch.
 The plain loss `softmax_cross_entropy(hidden @ W)` holds (tokens, vocab) logits in the compute dtype, their
 float32 copy, the softmax and its gradient at once: at 8 x 2048 tokens and a 50280-word vocabulary that is
 3.3 GB per float32 copy. Here the tokens are cut into chunks of `chunk_tokens`: the forward computes each
-chunk's logits (float32 accumulation), its logsumexp and target logit and keeps only the logsumexp (4 bytes
-per token); a custom VJP recomputes each chunk's logits in the backward and accumulates the weight gradient
-chunk by chunk. Peak memory is one chunk's logits and their gradient, at the price of the head matmul run
-twice in the forward direction (one more (tokens x d_model x vocab) product: the backward runs three instead
-of two).
+chunk's logits (float32 accumulation) and from them its logsumexp and target logit. Peak memory is one chunk's
+logits and their gradient.
+
+The gradient is taken while each chunk's logits are at hand. A mean or a sum of the tokens' losses has one
+cotangent for every token (dloss / count, or dloss), so the gradient is the unit one (every token's cotangent 1)
+times that scalar: under differentiation the forward also computes each chunk's logits' unit gradient and its
+two products (the hidden states' gradient, the weight gradient's step, accumulated over the chunks), and the
+backward only scales them. That is three (tokens x d_model x vocab) products in all, as for the plain loss,
+and nothing of the logits kept (the hidden states' and the weight's unit gradients, in the accumulation
+dtype). Per-token losses (reduction "none") have a cotangent per token, which the weight's step cannot take
+out of its sum over tokens: their backward recomputes each chunk's logits (a fourth product) and keeps only
+the logsumexp (4 bytes per token) from the forward.
 
 Padded vocabulary columns (an embedding of `padded_vocab_size` > `vocab_size` rows) are excluded from the
 softmax: they are not tokens, so the loss does not depend on the padding multiple and their rows get zero
@@ -175,12 +182,58 @@ def _loss_and_logsumexp(static: _LossStatic, hidden, weight, labels):
     return (total / count if static.reduction == "mean" else total), logsumexp, count
 
 
-def _token_scales(static: _LossStatic, dloss, count, tokens: int, acc_dtype):
-    """The cotangent of each token's loss, (tokens,): dloss itself ("none"), or its share of the mean / sum."""
-    if static.reduction == "none":
-        return dloss.astype(acc_dtype)
-    scale = dloss / count if static.reduction == "mean" else dloss
-    return jnp.broadcast_to(scale.astype(acc_dtype), (tokens,))
+def _head_grads(static: _LossStatic, operand, h, dlogits, acc_dtype):
+    """A chunk's logits' gradient (chunk, padded vocab) -> (dh (chunk, d), the weight gradient's step in the
+    operand's layout), both in acc_dtype: dh = dlogits . weight^T, step = h^T . dlogits (dlogits^T . h for the
+    (vocab, d) layout)."""
+    h = h.astype(static.dtype)
+    dh = jax.lax.dot_general(dlogits, operand, (((1,), (0 if static.embedding_layout else 1,)), ((), ())),
+                             preferred_element_type=acc_dtype)
+    if static.embedding_layout:
+        step = jax.lax.dot_general(dlogits, h, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
+    else:
+        step = jax.lax.dot_general(h, dlogits, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
+    return dh, step
+
+
+def _weight_grad_accumulator(operand, acc_dtype, *arrays):
+    """Zeros of the operand's shape in acc_dtype; under shard_map varying over the axes any of `arrays` does (the
+    chunks vary over the axes the tokens do: so does their accumulated gradient)."""
+    axes = tuple(sorted(set().union(*(varying_axes(a) for a in arrays))))
+    dweight = jnp.zeros(operand.shape, acc_dtype)
+    return jax.lax.pcast(dweight, axes, to="varying") if axes else dweight
+
+
+def _weight_grad(static: _LossStatic, dweight, weight):
+    """The accumulated gradient of the padded operand -> the weight's: the padded vocabulary's rows dropped, the
+    weight's dtype, summed over the axes the weight is replicated on."""
+    dweight = dweight[:weight.shape[0], :weight.shape[1]]
+    return reduce_to_primal_axes(dweight.astype(weight.dtype), weight)
+
+
+def _loss_and_unit_grads(static: _LossStatic, hidden, weight, labels):
+    """The loss (a mean or a sum) with the gradient of the sum of the tokens' losses, taken while each chunk's
+    logits are at hand: (loss, dhidden (tokens, d), dweight (the padded operand's shape), counted-token count),
+    the gradients in the accumulation dtype."""
+    acc_dtype = _accumulation_dtype(static.dtype)
+    operand = _head_operand(static, weight)
+    backends = list(static.backends)
+
+    def chunk(dweight, args):
+        h, y = args
+        logits = _head_logits(static, h, operand)
+        logsumexp, per_token = registry.run_selected(backends, functools.partial(_softmax_loss, static), logits, y)
+        dlogits = registry.run_selected(backends, functools.partial(_softmax_grad, static), logits, y, logsumexp,
+                                        jnp.ones_like(logsumexp))
+        dh, step = _head_grads(static, operand, h, dlogits, acc_dtype)
+        return dweight + step, (per_token, dh)
+
+    dweight, (per_token, dhidden) = jax.lax.scan(chunk, _weight_grad_accumulator(operand, acc_dtype, hidden, labels),
+                                                 _chunked(static, hidden, labels))
+    count = jnp.maximum(jnp.sum(labels != static.ignore_index), 1)
+    total = jnp.sum(per_token)
+    loss = total / count if static.reduction == "mean" else total
+    return loss, dhidden.reshape(-1, hidden.shape[1])[:hidden.shape[0]], dweight, count
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -189,42 +242,37 @@ def _chunked_loss(static: _LossStatic, hidden, weight, labels):
 
 
 def _chunked_loss_fwd(static, hidden, weight, labels):
-    loss, logsumexp, count = _loss_and_logsumexp(static, hidden, weight, labels)
-    return loss, (hidden, weight, labels, logsumexp, count)
+    if static.reduction == "none":
+        loss, logsumexp, _ = _loss_and_logsumexp(static, hidden, weight, labels)
+        return loss, (hidden, weight, labels, logsumexp)
+    loss, dhidden, dweight, count = _loss_and_unit_grads(static, hidden, weight, labels)
+    # hidden's dtype rides along as an empty array (the dtype its gradient is rounded to once scaled)
+    return loss, (dhidden, dweight, count, weight, jnp.zeros((0,), hidden.dtype))
 
 
 def _chunked_loss_bwd(static, saved, dloss):
-    hidden, weight, labels, logsumexp, count = saved
     acc_dtype = _accumulation_dtype(static.dtype)
+    if static.reduction != "none":  # the unit gradients of the forward, times the one cotangent of every token
+        dhidden, dweight, count, weight, hidden_dtype = saved
+        scale = (dloss / count if static.reduction == "mean" else dloss).astype(acc_dtype)
+        return (dhidden * scale).astype(hidden_dtype.dtype), _weight_grad(static, dweight * scale, weight), None
+    hidden, weight, labels, logsumexp = saved
     operand = _head_operand(static, weight)
-    scales = _token_scales(static, dloss, count, labels.shape[0], acc_dtype)
-    # Under shard_map the chunks vary over the axes the tokens do: so does the accumulated gradient.
-    axes = tuple(sorted(varying_axes(hidden) | varying_axes(labels) | varying_axes(dloss)))
-    dweight = jnp.zeros(operand.shape, acc_dtype)
-    if axes:
-        dweight = jax.lax.pcast(dweight, axes, to="varying")
+    scales = dloss.astype(acc_dtype)  # each token's loss has its own cotangent
 
     def chunk_grads(dweight, args):
         h, y, lse, scale = args
         dlogits = registry.run_selected(list(static.backends), functools.partial(_softmax_grad, static),
                                         _head_logits(static, h, operand), y, lse, scale)
-        h = h.astype(static.dtype)
-        # dh = dlogits . weight^T; dweight += h^T . dlogits (or dlogits^T . h for the (vocab, d) layout).
-        dh = jax.lax.dot_general(dlogits, operand, (((1,), (0 if static.embedding_layout else 1,)), ((), ())),
-                                 preferred_element_type=acc_dtype)
-        if static.embedding_layout:
-            step = jax.lax.dot_general(dlogits, h, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
-        else:
-            step = jax.lax.dot_general(h, dlogits, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
+        dh, step = _head_grads(static, operand, h, dlogits, acc_dtype)
         return dweight + step, dh.astype(hidden.dtype)
 
     h_chunks, y_chunks = _chunked(static, hidden, labels)
     scale_chunks = jnp.pad(scales, (0, y_chunks.size - scales.shape[0])).reshape(y_chunks.shape)
-    dweight, dhidden = jax.lax.scan(chunk_grads, dweight, (h_chunks, y_chunks, logsumexp, scale_chunks))
+    dweight, dhidden = jax.lax.scan(chunk_grads, _weight_grad_accumulator(operand, acc_dtype, hidden, labels, dloss),
+                                    (h_chunks, y_chunks, logsumexp, scale_chunks))
     dhidden = dhidden.reshape(-1, hidden.shape[1])[:hidden.shape[0]]
-    dweight = dweight[:weight.shape[0], :weight.shape[1]]  # the padded vocabulary's rows dropped
-    dweight = reduce_to_primal_axes(dweight.astype(weight.dtype), weight)
-    return dhidden, dweight, None
+    return dhidden, _weight_grad(static, dweight, weight), None
 
 
 _chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
