@@ -96,15 +96,18 @@ def floor_bytes(shape, direction: str, itemsize: int = 2, layout: str = "plain")
 
 
 def parse_config(text: str, config_type):
-    """A config from its fields' values joined by "x" (e.g. 16x512x3 for ConvFwdConfig's BLOCK_L, BLOCK_C,
-    OCCUPANCY; ConvBwdConfig: BLOCK_L, SEGMENT_TILES, BLOCK_C, OCCUPANCY, with the default REDUCE_BLOCK_C)."""
-    names = [f for f in ("BLOCK_L", "SEGMENT_TILES", "BLOCK_C", "OCCUPANCY")
-             if f in {field.name for field in dataclasses.fields(config_type)}]
+    """A config from its fields' values joined by "x": BLOCK_L x SEGMENT_TILES x BLOCK_C x OCCUPANCY (e.g.
+    8x16x512x4; ConvBwdConfig with the default REDUCE_BLOCK_C), or for ConvFwdConfig also BLOCK_L x BLOCK_C x
+    OCCUPANCY (e.g. 16x512x3: one tile per block)."""
     values = [int(v) for v in text.split("x")]
+    names = ["BLOCK_L", "SEGMENT_TILES", "BLOCK_C", "OCCUPANCY"]
+    fields = {field.name for field in dataclasses.fields(config_type)}
+    if len(values) == 3 and "REDUCE_BLOCK_C" not in fields:
+        names.remove("SEGMENT_TILES")
     if len(values) != len(names):
         raise SystemExit(f"conv1d.py: config {text!r} must be {'x'.join(names)}")
     from jax_mamba2.kernels.causal_conv1d_bwd import REDUCE_BLOCK_C
-    extra = {} if "SEGMENT_TILES" not in names else {"REDUCE_BLOCK_C": REDUCE_BLOCK_C}
+    extra = {"REDUCE_BLOCK_C": REDUCE_BLOCK_C} if "REDUCE_BLOCK_C" in fields else {}
     return config_type(**dict(zip(names, values)), **extra)
 
 
@@ -248,8 +251,9 @@ def parse_args(argv=None):
     parser.add_argument("--shapes", nargs="+", help="B,L,C shapes (default: the grid)")
     parser.add_argument("--direction", choices=("fwd", "fwd_bwd", "both"), default="both")
     parser.add_argument("--layouts", nargs="+", default=["plain"], choices=LAYOUTS)
-    parser.add_argument("--fwd-configs", nargs="+", default=[], metavar="LxCxOCC",
-                        help="forward tiles to time besides the default: BLOCK_L x BLOCK_C x OCCUPANCY")
+    parser.add_argument("--fwd-configs", nargs="+", default=[], metavar="LxCxOCC|LxSxCxOCC",
+                        help="forward tiles to time besides the default: BLOCK_L x BLOCK_C x OCCUPANCY (one tile "
+                             "per block) or BLOCK_L x SEGMENT_TILES x BLOCK_C x OCCUPANCY (a segment per block)")
     parser.add_argument("--bwd-configs", nargs="+", default=[], metavar="LxSxCxOCC",
                         help="backward tiles: BLOCK_L x SEGMENT_TILES x BLOCK_C x OCCUPANCY")
     parser.add_argument("--budget-seconds", type=float, default=2.0, help="timing budget per record")

@@ -270,3 +270,21 @@ def test_mamba2_layer_compiled_training_step_has_no_copy_around_the_conv():
     readers = [n for n, i in entry.items() if set(i["operands"]) & dx and n not in dx]
     assert readers and all(_computes_a_matmul(hlo, entry, n) for n in readers), [entry[n]["line"][:200]
                                                                                  for n in readers]
+
+
+@pytest.mark.parametrize("case", ["odd", "seq_idx", "init"])
+def test_conv_cutile_forward_walking_segments_matches_float64_reference(case):
+    """The forward's segmented form (`ConvFwdConfig.SEGMENT_TILES`: a block walks steps of tokens, each step's
+    rows gathered during the step before) on the GPU, at a tile that splits these sequences mid-segment."""
+    import dataclasses
+
+    from jax_mamba2.bridge import conv_ops
+    from jax_mamba2.kernels.causal_conv1d import ConvFwdConfig
+
+    x, kernel, bias, init, seq_idx, dy = make_conv_args(46, dtype=jnp.bfloat16, **CASES[case])
+    kernels = dataclasses.replace(conv_ops.KERNELS["cutile"], fwd_config=ConvFwdConfig(
+        BLOCK_L=8, BLOCK_C=128, OCCUPANCY=4, SEGMENT_TILES=16))
+    static = conv1d.ConvStatic(silu=True, offset=0, split=(), pass_through=False)
+    (y,) = jax.jit(lambda *a: kernels.forward(conv1d.ConvInputs(*a), static))(x, kernel, bias, init, seq_idx)
+    want, _ = float64_reference(x, kernel, bias, init, seq_idx, dy)
+    assert rel_l2(y, want) < TOLERANCE["bfloat16"]

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh suites|suite-1|suite-2|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|suite-1|suite-2|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|suite-1|suite-2|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu [OUT]}
+part=${1:?usage: gpu_session.sh suites|suite-1|suite-2|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 # causal_conv1d for the peer, built in the background by the parts that run it (lm-step, decode-matrix) into
@@ -268,6 +268,20 @@ case $part in
     cp "$out/conv_ncu_csv.log" "$out/conv_ncu_h200.csv"
     step conv_ncu_sass 60 ncu --import /tmp/conv_ncu.ncu-rep --page source --csv --print-source sass
     cp "$out/conv_ncu_sass.log" "$out/conv_ncu_sass_h200.csv"
+    ;;
+  conv-segments)  # the conv forward walking segments (ConvFwdConfig.SEGMENT_TILES: each step's rows gathered while
+    # the step before computes and stores, the halo carried) against the one-tile default: the conv GPU tests, the
+    # forward in the LM's layout at several tiles, then the unrolled LM step at the default and two segmented
+    # forwards, the backward at its default (about 8 minutes)
+    export JAX_MAMBA2_AUTOTUNE=0
+    step conv_gpu_tests 150 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider tests/test_conv1d_gpu.py
+    step conv_segments 200 python benchmarks/conv1d.py --impls cutile --layouts mixer_whole --shapes 8,2048,2304 \
+      --direction fwd --fwd-configs 8x16x512x4 8x8x512x4 8x32x512x4 8x16x256x4 16x8x256x4 16x8x512x3 --out "$out"
+    for fwd in 16x512x3 8x16x512x4 8x16x256x4; do
+      step "lm_step_conv_$fwd" 100 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
+        --unroll-layers --no-check-finite --no-profile --conv-configs "$fwd,8x32x128x4" --worker-timeout 90 \
+        --out "$out"
+    done
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -222,6 +222,20 @@ def copy_outside(x, before, after, block, channels, b, first, count, IN_OFFSET, 
             copy_rows(x, after, b, first, count, cols + IN_OFFSET + channels, cols, cols < after.shape[2])
 
 
+def last_rows(rows, count, total):
+    """The last `count` entries of a tuple of `total` entries."""
+    tail = ()
+    for j in ct.static_iter(range(total - count, total)):
+        tail += (rows[j],)
+    return tail
+
+
+def copy_outside_segment(x, before, after, block, channels, first, stop, IN_OFFSET, BLOCK_L, INTO_X):
+    """`copy_outside` for tokens first .. stop - 1 of a segment, BLOCK_L at a time (tokens past seqlen dropped)."""
+    for i in range(ct.cdiv(stop - first, BLOCK_L)):
+        copy_outside(x, before, after, block, channels, ct.bid(2), first + i * BLOCK_L, BLOCK_L, IN_OFFSET, INTO_X)
+
+
 def widened(rows):
     """A tuple of tiles cast to f32."""
     wide = ()
@@ -335,26 +349,59 @@ def preactivation(taps, weights, bias_row, WIDTH):
 # Forward kernel
 # ----------------------------------------------------------------------------------------------
 
-def _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS,
-                   SPLIT1, SPLIT2, BLOCK_L, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU):
-    l = ct.bid(0)
-    b = ct.bid(2)
-    cols = ct.bid(1) * BLOCK_C + ct.arange(BLOCK_C, dtype=ct.int32)
-    first = l * BLOCK_L - (WIDTH - 1)
-
-    rows = halo_rows(x, initial_states, b, first, WIDTH - 1, cols + IN_OFFSET, cols, HAS_INIT, INIT_WIDTH) + \
-        widened(token_rows(x, b, l * BLOCK_L, BLOCK_L, cols + IN_OFFSET))
-    ids = ()
-    if HAS_SEQ_IDX:
-        ids = token_ids(seq_idx, b, first, BLOCK_L + WIDTH - 1)
-    weights = weight_rows(weight, cols, WIDTH)
-    bias_row = ct.gather(bias, cols).astype(ct.float32)
-
+def _conv_fwd_rows(rows, ids, weights, bias_row, WIDTH, BLOCK_L, HAS_SEQ_IDX, SILU):
+    """Output rows r < BLOCK_L of a window (`rows` and `ids` start WIDTH - 1 tokens before the first output),
+    f32 [BLOCK_C] tiles."""
     outs = ()
     for r in ct.static_iter(range(BLOCK_L)):
         pre = preactivation(masked_taps(rows, ids, r, WIDTH, HAS_SEQ_IDX), weights, bias_row, WIDTH)
         outs += (pre * sigmoid(pre) if SILU else pre,)
-    scatter_pieces(y0, y1, y2, b, l * BLOCK_L, outs, cols, OUTPUTS, SPLIT1, SPLIT2, BLOCK_C)
+    return outs
+
+
+def _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS,
+                   SPLIT1, SPLIT2, BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU):
+    b = ct.bid(2)
+    cols = ct.bid(1) * BLOCK_C + ct.arange(BLOCK_C, dtype=ct.int32)
+    x_cols = cols + IN_OFFSET
+    HALO = WIDTH - 1
+    start = ct.bid(0) * (SEGMENT_TILES * BLOCK_L)
+
+    halo = halo_rows(x, initial_states, b, start - HALO, HALO, x_cols, cols, HAS_INIT, INIT_WIDTH)
+    id_halo = ()
+    if HAS_SEQ_IDX:
+        id_halo = token_ids(seq_idx, b, start - HALO, HALO)
+    next_x = token_rows(x, b, start, BLOCK_L, x_cols)
+    next_ids = ()
+    if HAS_SEQ_IDX:
+        next_ids = token_ids(seq_idx, b, start, BLOCK_L)
+    weights = weight_rows(weight, cols, WIDTH)
+    bias_row = ct.gather(bias, cols).astype(ct.float32)
+
+    if SEGMENT_TILES == 1:  # one tile per block: its rows and halo gathered at once
+        outs = _conv_fwd_rows(halo + widened(next_x), id_halo + next_ids, weights, bias_row, WIDTH, BLOCK_L,
+                              HAS_SEQ_IDX, SILU)
+        scatter_pieces(y0, y1, y2, b, start, outs, cols, OUTPUTS, SPLIT1, SPLIT2, BLOCK_C)
+    else:
+        # A segment of tiles in steps: each step's rows are gathered while the step before computes and stores
+        # (its stores end in barriers that no load is hoisted across), and the halo is carried in registers
+        # rather than gathered again.
+        seqlen = x.shape[1]
+        steps = ct.cdiv(ct.minimum(start + SEGMENT_TILES * BLOCK_L, seqlen) - start, BLOCK_L)
+        for i in range(steps):
+            t0 = start + i * BLOCK_L
+            rows = halo + widened(next_x)
+            ids = id_halo + next_ids
+            # The last step's prefetch points past seqlen, where the gathers load nothing.
+            ahead = t0 + BLOCK_L + (i + 1) // steps * seqlen
+            next_x = token_rows(x, b, ahead, BLOCK_L, x_cols)
+            if HAS_SEQ_IDX:
+                next_ids = token_ids(seq_idx, b, ahead, BLOCK_L)
+            outs = _conv_fwd_rows(rows, ids, weights, bias_row, WIDTH, BLOCK_L, HAS_SEQ_IDX, SILU)
+            scatter_pieces(y0, y1, y2, b, t0, outs, cols, OUTPUTS, SPLIT1, SPLIT2, BLOCK_C)
+            halo = last_rows(rows, HALO, BLOCK_L + HALO)
+            if HAS_SEQ_IDX:
+                id_halo = last_rows(ids, HALO, BLOCK_L + HALO)
 
 
 def causal_conv1d_fwd_kernel(
@@ -375,6 +422,7 @@ def causal_conv1d_fwd_kernel(
     SPLIT1: ConstInt,
     SPLIT2: ConstInt,
     BLOCK_L: ConstInt,
+    SEGMENT_TILES: ConstInt,  # tiles of BLOCK_L tokens per block, walked in steps (1: one tile)
     BLOCK_C: ConstInt,
     HAS_INIT: ConstBool,
     HAS_SEQ_IDX: ConstBool,
@@ -385,11 +433,16 @@ def causal_conv1d_fwd_kernel(
     # compiled at all, since it would take a shared-memory layout change that sizes every block's footprint.
     conv_blocks = ct.cdiv(weight.shape[1], BLOCK_C)
     if PASS_THROUGH and ct.bid(1) >= conv_blocks:
-        copy_outside(x, before, after, ct.bid(1) - conv_blocks, weight.shape[1], ct.bid(2), ct.bid(0) * BLOCK_L,
-                     BLOCK_L, IN_OFFSET, False)
+        first = ct.bid(0) * (SEGMENT_TILES * BLOCK_L)
+        if SEGMENT_TILES == 1:
+            copy_outside(x, before, after, ct.bid(1) - conv_blocks, weight.shape[1], ct.bid(2), first, BLOCK_L,
+                         IN_OFFSET, False)
+        else:
+            copy_outside_segment(x, before, after, ct.bid(1) - conv_blocks, weight.shape[1], first,
+                                 ct.minimum(first + SEGMENT_TILES * BLOCK_L, x.shape[1]), IN_OFFSET, BLOCK_L, False)
     else:
         _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS,
-                       SPLIT1, SPLIT2, BLOCK_L, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU)
+                       SPLIT1, SPLIT2, BLOCK_L, SEGMENT_TILES, BLOCK_C, HAS_INIT, HAS_SEQ_IDX, SILU)
 
 
 # (int32-indexed, int64-indexed) entries of the one body; the occupancy hint comes from the config.
@@ -399,11 +452,18 @@ CONV_FWD_KERNELS = int64_index_kernels(causal_conv1d_fwd_kernel)
 @dataclasses.dataclass(frozen=True)
 class ConvFwdConfig:
     """Tile of `causal_conv1d_fwd_kernel`: BLOCK_L tokens (unrolled rows) x BLOCK_C channels (powers of two),
-    and the occupancy hint (blocks per SM the compiler budgets registers for)."""
+    the occupancy hint (blocks per SM the compiler budgets registers for), and SEGMENT_TILES, the tiles a block
+    walks in steps (1: a block per tile, its rows and their WIDTH - 1 halo rows gathered at once; more: each
+    step's rows gathered during the step before, the halo carried from step to step, fewer blocks)."""
 
     BLOCK_L: int
     BLOCK_C: int
     OCCUPANCY: int = 3
+    SEGMENT_TILES: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.SEGMENT_TILES, int) or self.SEGMENT_TILES < 1:
+            raise ValueError(f"ConvFwdConfig: SEGMENT_TILES={self.SEGMENT_TILES!r} must be a positive int")
 
 
 def conv_fwd_default_config(dims: ConvDims) -> ConvFwdConfig:
@@ -416,7 +476,7 @@ def conv_fwd_default_config(dims: ConvDims) -> ConvFwdConfig:
 
 
 def conv_fwd_grid(dims: ConvDims, cfg: ConvFwdConfig) -> tuple[int, int, int]:
-    return (-(-dims.seqlen // cfg.BLOCK_L), channel_blocks(dims, cfg.BLOCK_C), dims.batch)
+    return (-(-dims.seqlen // (cfg.BLOCK_L * cfg.SEGMENT_TILES)), channel_blocks(dims, cfg.BLOCK_C), dims.batch)
 
 
 def check_block_c(api: str, block_c: int) -> None:
@@ -437,7 +497,8 @@ def conv_fwd_plan(dims: ConvDims, cfg: ConvFwdConfig | None = None) -> Plan:
         index_width_variant(CONV_FWD_KERNELS, needs_int64_index(dims), occupancy=cfg.OCCUPANCY),
         conv_fwd_grid(dims, cfg), writes=CONV_OUTPUTS + OUTSIDE,  # the dummies too: every array needs a buffer
         WIDTH=dims.width, INIT_WIDTH=dims.init_width, IN_OFFSET=dims.in_offset, OUTPUTS=len(dims.pieces),
-        SPLIT1=split1, SPLIT2=split2, BLOCK_L=cfg.BLOCK_L, BLOCK_C=cfg.BLOCK_C, HAS_INIT=dims.has_init,
+        SPLIT1=split1, SPLIT2=split2, BLOCK_L=cfg.BLOCK_L, SEGMENT_TILES=cfg.SEGMENT_TILES, BLOCK_C=cfg.BLOCK_C,
+        HAS_INIT=dims.has_init,
         HAS_SEQ_IDX=dims.has_seq_idx, SILU=dims.silu, PASS_THROUGH=dims.pass_through)
     outside = tuple(name for name, w in zip(OUTSIDE, dims.outside_widths) if dims.pass_through and w)
     return Plan(inputs=CONV_INPUTS, buffers={**piece_arrays(dims, "y"), **outside_arrays(dims)}, launches=(launch,),

@@ -51,8 +51,8 @@ from jax_mamba2.kernels._common import (
     Big, Buffer, ConstBool, ConstInt, Plan, index_width_variant, int64_index_kernels, kernel_launch, next_power_of_2)
 from jax_mamba2.kernels.causal_conv1d import (
     CONV_INPUTS, MAX_OUTPUTS, OUTSIDE, ConvDims, channel_blocks, check_block_c, check_dims, conv_arrays,
-    copy_outside, halo_rows, masked_taps, needs_int64_index, outside_arrays, piece_arrays, piece_rows,
-    preactivation, sigmoid, token_ids, token_rows, weight_rows, widened)
+    copy_outside_segment, halo_rows, last_rows, masked_taps, needs_int64_index, outside_arrays, piece_arrays,
+    piece_rows, preactivation, sigmoid, token_ids, token_rows, weight_rows, widened)
 
 COTANGENTS = tuple(f"dy{i}" for i in range(MAX_OUTPUTS))
 # The cotangents of x's channels before and after the conv's window (PASS_THROUGH).
@@ -82,14 +82,6 @@ def _first(rows, count):
     for j in ct.static_iter(range(count)):
         head += (rows[j],)
     return head
-
-
-def _last(rows, count, total):
-    """The last `count` entries of a tuple of `total` entries."""
-    tail = ()
-    for j in ct.static_iter(range(total - count, total)):
-        tail += (rows[j],)
-    return tail
 
 
 def _output_grads(rows, ids, dys, weights, bias_row, count, dweight, dbias, ACCUMULATE, WIDTH, HAS_SEQ_IDX,
@@ -188,10 +180,10 @@ def _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, 
                     ct.scatter(dinitial_states, (b, cols, INIT_WIDTH + s), dxs[r])
             else:
                 ct.scatter(dx, (b, s, dx_cols), dxs[r].astype(dx.dtype), mask=in_window)
-        x_halo = _last(rows, HALO, BLOCK_L + HALO)
+        x_halo = last_rows(rows, HALO, BLOCK_L + HALO)
         if HAS_SEQ_IDX:
-            id_halo = _last(ids, HALO, BLOCK_L + HALO)
-        g_halo = _last(gs, HALO, BLOCK_L + HALO)
+            id_halo = last_rows(ids, HALO, BLOCK_L + HALO)
+        g_halo = last_rows(gs, HALO, BLOCK_L + HALO)
 
     # dx of the last HALO tokens of the steps needs g of the HALO tokens after them (0 past seqlen), the
     # first rows of the prefetched step. The steps cover whole BLOCK_L rows, past seqlen in the last segment
@@ -211,15 +203,6 @@ def _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, 
     for k in ct.static_iter(range(WIDTH)):
         ct.scatter(dweight_partials, (part, k, cols), dweight[k])
     ct.scatter(dbias_partials, (part, cols), dbias)
-
-
-def _pass_through_body(dbefore, dafter, dx, block, channels, IN_OFFSET, BLOCK_L, SEGMENT_TILES):
-    """Copies the cotangents of the channels outside the conv's window into dx for the tokens of this block's
-    segment: `block` counts the PASS_BLOCK_C-wide blocks after the conv's (see `copy_outside`)."""
-    start = ct.bid(0) * (SEGMENT_TILES * BLOCK_L)
-    steps = ct.cdiv(ct.minimum(start + SEGMENT_TILES * BLOCK_L, dx.shape[1]) - start, BLOCK_L)
-    for i in range(steps):
-        copy_outside(dx, dbefore, dafter, block, channels, ct.bid(2), start + i * BLOCK_L, BLOCK_L, IN_OFFSET, True)
 
 
 def causal_conv1d_bwd_kernel(
@@ -253,8 +236,9 @@ def causal_conv1d_bwd_kernel(
 ):
     conv_blocks = ct.cdiv(weight.shape[1], BLOCK_C)
     if PASS_THROUGH and ct.bid(1) >= conv_blocks:  # copy blocks compiled only with PASS_THROUGH, as forward
-        _pass_through_body(dbefore, dafter, dx, ct.bid(1) - conv_blocks, weight.shape[1], IN_OFFSET, BLOCK_L,
-                           SEGMENT_TILES)
+        first = ct.bid(0) * (SEGMENT_TILES * BLOCK_L)
+        copy_outside_segment(dx, dbefore, dafter, ct.bid(1) - conv_blocks, weight.shape[1], first,
+                             ct.minimum(first + SEGMENT_TILES * BLOCK_L, dx.shape[1]), IN_OFFSET, BLOCK_L, True)
     else:
         _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, dinitial_states,
                        dweight_partials, dbias_partials, WIDTH, INIT_WIDTH, IN_OFFSET, OUTPUTS, SPLIT1, SPLIT2,

@@ -41,6 +41,8 @@ def test_cli_times_the_mixer_layout_against_the_same_reference(tmp_path):
 
 def test_configs_parse_from_their_fields():
     assert conv1d.parse_config("8x1024x2", ConvFwdConfig) == ConvFwdConfig(BLOCK_L=8, BLOCK_C=1024, OCCUPANCY=2)
+    assert conv1d.parse_config("8x16x512x4", ConvFwdConfig) == ConvFwdConfig(BLOCK_L=8, BLOCK_C=512, OCCUPANCY=4,
+                                                                             SEGMENT_TILES=16)
     assert conv1d.parse_config("16x8x128x3", ConvBwdConfig) == ConvBwdConfig(
         BLOCK_L=16, SEGMENT_TILES=8, BLOCK_C=128, REDUCE_BLOCK_C=REDUCE_BLOCK_C, OCCUPANCY=3)
     with pytest.raises(SystemExit, match="config '16x512' must be BLOCK_LxSEGMENT_TILESxBLOCK_CxOCCUPANCY"):

@@ -93,3 +93,27 @@ def test_conv_backward_default_tile_is_spill_free(problem):
         assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and "LDL" not in sass, (name, usage)
         assert name != "causal_conv1d_bwd_kernel" or usage["SHARED"] == 0, usage
         assert name != "causal_conv1d_bwd_kernel" or usage["REG"] <= 128, usage
+
+
+@pytest.mark.parametrize("problem", ["bf16_lm_pass_through", "bf16_lm", "bf16_seq_idx"])
+def test_conv_forward_segments_load_each_step_ahead_of_its_stores_spill_free(problem):
+    """The forward walking segments (8-token steps of 512 channels, 16 per segment, occupancy hint 4): no shared
+    or local memory or stack, registers within the hint's 128, and in the steps' loop the next step's gathers
+    are all issued before this step's first store (the prefetch that the one-tile form cannot have)."""
+    from jax_mamba2.kernels.causal_conv1d import ConvFwdConfig
+    from benchmarks.tools.sass import instructions, loops
+
+    dims = PROBLEMS[problem]
+    plan = conv_fwd_plan(dims, ConvFwdConfig(BLOCK_L=8, BLOCK_C=512, OCCUPANCY=4, SEGMENT_TILES=16))
+    _, cubin = compile_launch(plan.launches[0], {**conv_arrays(dims), **plan.buffers}, "sm_90")
+    sass, resources = sass_and_resources(cubin)
+    usage = _usage(resources)
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and usage["SHARED"] == 0 and "LDL" not in sass, usage
+    assert usage["REG"] <= 128, usage
+    listing = instructions(sass)
+    # The conv's loop is the longest one (the pass-through copy blocks have a loop of their own).
+    loop = max(loops(sass), key=lambda lp: lp.instructions)
+    body = [text for address, text in listing if loop.start <= address < loop.end]
+    gathers = [i for i, text in enumerate(body) if "LDG" in text]
+    stores = [i for i, text in enumerate(body) if "STG" in text]
+    assert gathers and stores and max(gathers) < min(stores), (gathers[-3:], stores[:3])

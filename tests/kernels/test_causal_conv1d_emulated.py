@@ -20,6 +20,10 @@ from tests.kernels._plan_checks import assert_plan_well_formed  # noqa: E402
 # Small tiles so that short sequences span several blocks, segments and steps: 4-token steps, 3 per segment.
 SMALL_BWD = conv_bwd.ConvBwdConfig(BLOCK_L=4, SEGMENT_TILES=3, BLOCK_C=16, REDUCE_BLOCK_C=16)
 SMALL_FWD = conv_fwd.ConvFwdConfig(BLOCK_L=4, BLOCK_C=16)
+# The forward walking segments of 3 steps: the 37-token sequences end mid-segment and mid-step, the halo carried
+# across steps, the last step's prefetch past seqlen.
+SMALL_SEGMENTED_FWD = dataclasses.replace(SMALL_FWD, SEGMENT_TILES=3)
+FWD_CONFIGS = {"tiles": SMALL_FWD, "segments": SMALL_SEGMENTED_FWD}
 
 
 def _dims(x, kernel, init, seq_idx, silu=True, layout=None):
@@ -100,10 +104,11 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("fwd", list(FWD_CONFIGS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_conv_kernels_match_float64_reference_in_float64(case):
+def test_conv_kernels_match_float64_reference_in_float64(case, fwd):
     args = make_conv_args(1, **CASES[case])
-    errors = _errors(args, *_run(args, float64=True))
+    errors = _errors(args, *_run(args, float64=True, fwd_cfg=FWD_CONFIGS[fwd]))
     assert max(errors.values()) < 1e-12, errors
 
 
@@ -118,11 +123,12 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("fwd", list(FWD_CONFIGS))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("case", ["plain", "seq_idx", "init_dconv"])
-def test_conv_kernels_in_the_mixer_layout_match_float64_reference(layout, case):
+def test_conv_kernels_in_the_mixer_layout_match_float64_reference(layout, case, fwd):
     args = make_conv_args(6, **CASES[case])
-    errors = _errors(args, *_run(args, float64=True, layout=LAYOUTS[layout]))
+    errors = _errors(args, *_run(args, float64=True, layout=LAYOUTS[layout], fwd_cfg=FWD_CONFIGS[fwd]))
     assert max(errors.values()) < 1e-12, errors
 
 
@@ -131,17 +137,18 @@ def test_conv_kernels_in_the_mixer_layout_match_float64_reference(layout, case):
 _LM_SCALED = (dict(batch=1, seqlen=40, channels=1280, seq_idx=[25, 15]), (1024, 1024 + 1280 + 16, (1024, 128, 128)))
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "lm_scaled_default_tiles"])
+@pytest.mark.parametrize("layout", [*LAYOUTS, "lm_scaled_default_tiles", "mixer_segmented_forward"])
 def test_conv_kernels_pass_the_other_channels_through(layout):
     """With pass_through the forward also copies x's channels before and after the window to their own arrays,
     and the backward's dx is x's whole cotangent: the conv's dx in the window and the given cotangents of the
     channels before and after it, copies bit for bit (one side is absent in two of the layouts)."""
-    options, channel_layout = _LM_SCALED if layout not in LAYOUTS else (CASES["seq_idx"], LAYOUTS[layout])
+    options, channel_layout = (CASES["seq_idx"], LAYOUTS.get(layout, LAYOUTS["mixer"])) \
+        if layout != "lm_scaled_default_tiles" else _LM_SCALED
     args = make_conv_args(8, **options)
     x, kernel, bias, init, seq_idx, dy = args
     dims = dataclasses.replace(_dims(x, kernel, init, seq_idx, layout=channel_layout), pass_through=True)
-    fwd_cfg, bwd_cfg = SMALL_FWD, SMALL_BWD
-    if layout not in LAYOUTS:
+    fwd_cfg, bwd_cfg = SMALL_SEGMENTED_FWD if layout == "mixer_segmented_forward" else SMALL_FWD, SMALL_BWD
+    if layout == "lm_scaled_default_tiles":
         fwd_cfg, bwd_cfg = conv_fwd.conv_fwd_default_config(dims), conv_bwd.conv_bwd_default_config(dims)
     before, after = dims.outside_widths
     fwd_plan = conv_fwd.conv_fwd_plan(dims, fwd_cfg)
