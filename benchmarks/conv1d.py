@@ -105,7 +105,8 @@ def parse_config(text: str, config_type):
     if len(values) == 3 and "REDUCE_BLOCK_C" not in fields:
         names.remove("SEGMENT_TILES")
     if len(values) != len(names):
-        raise SystemExit(f"conv1d.py: config {text!r} must be {'x'.join(names)}")
+        forms = [names] if "REDUCE_BLOCK_C" in fields else [[n for n in names if n != "SEGMENT_TILES"], names]
+        raise SystemExit(f"conv1d.py: config {text!r} must be " + " or ".join("x".join(f) for f in forms))
     from jax_mamba2.kernels.causal_conv1d_bwd import REDUCE_BLOCK_C
     extra = {"REDUCE_BLOCK_C": REDUCE_BLOCK_C} if "REDUCE_BLOCK_C" in fields else {}
     return config_type(**dict(zip(names, values)), **extra)

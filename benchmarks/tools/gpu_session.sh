@@ -272,10 +272,10 @@ case $part in
   conv-segments)  # the conv forward walking segments (ConvFwdConfig.SEGMENT_TILES: each step's rows gathered while
     # the step before computes and stores, the halo carried) against the one-tile default: the conv GPU tests, the
     # forward in the LM's layout at several tiles, then the unrolled LM step at the default and two segmented
-    # forwards, the backward at its default (about 8 minutes)
+    # forwards, the backward at its default (caps summing to 9.5 minutes)
     export JAX_MAMBA2_AUTOTUNE=0
-    step conv_gpu_tests 150 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider tests/test_conv1d_gpu.py
-    step conv_segments 200 python benchmarks/conv1d.py --impls cutile --layouts mixer_whole --shapes 8,2048,2304 \
+    step conv_gpu_tests 120 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider tests/test_conv1d_gpu.py
+    step conv_segments 150 python benchmarks/conv1d.py --impls cutile --layouts mixer_whole --shapes 8,2048,2304 \
       --direction fwd --fwd-configs 8x16x512x4 8x8x512x4 8x32x512x4 8x16x256x4 16x8x256x4 16x8x512x3 --out "$out"
     for fwd in 16x512x3 8x16x512x4 8x16x256x4; do
       step "lm_step_conv_$fwd" 100 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \

@@ -422,11 +422,18 @@ def _host_tag() -> str:
     return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:64] or "host"
 
 
+# The staging directories this process's saves hold now. Their locks do not guard them against this process
+# itself: where a network file system emulates flock with POSIX record locks, those belong to the process, so a
+# cleanup in another thread would take them, and closing its descriptor would drop them.
+_LIVE_STAGING: set[str] = set()
+
+
 @contextlib.contextmanager
 def _staging_dir(path: pathlib.Path):
     """A new staging directory beside `path` for the body to fill and rename into place, locked against
     `_remove_abandoned_staging` until the body is done, and deleted if the body raises."""
     staging, lock = _new_locked_staging_name(path)
+    _LIVE_STAGING.add(staging.name)
     try:
         os.mkdir(staging)  # mode from the umask (tempfile.mkdtemp would make it private)
         try:
@@ -436,6 +443,7 @@ def _staging_dir(path: pathlib.Path):
             raise
     finally:
         _unlock_staging(staging, lock)
+        _LIVE_STAGING.discard(staging.name)
 
 
 def _lock_path(staging: pathlib.Path) -> pathlib.Path:
@@ -506,7 +514,8 @@ def _remove_abandoned_staging(path: pathlib.Path) -> None:
         if match:
             writers[match.group(1)] = int(match.group(2))
     for name, pid in writers.items():
-        _remove_if_abandoned(path.parent / name, pid)
+        if name not in _LIVE_STAGING:
+            _remove_if_abandoned(path.parent / name, pid)
 
 
 def _remove_if_abandoned(staging: pathlib.Path, pid: int) -> None:

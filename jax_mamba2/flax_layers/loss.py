@@ -11,22 +11,22 @@ The gradient is taken while each chunk's logits are at hand. A mean or a sum of 
 cotangent for every token (dloss / count, or dloss), so the gradient is the unit one (every token's cotangent 1)
 times that scalar: under differentiation the forward also computes each chunk's logits' unit gradient and its
 two products (the hidden states' gradient, the weight gradient's step, accumulated over the chunks), and the
-backward only scales them. That is three (tokens x d_model x vocab) products in all, as for the plain loss,
-and nothing of the logits kept (the hidden states' and the weight's unit gradients, in the accumulation
-dtype). Per-token losses (reduction "none") have a cotangent per token, which the weight's step cannot take
-out of its sum over tokens: their backward recomputes each chunk's logits (a fourth product) and keeps only
-the logsumexp (4 bytes per token) from the forward.
+backward only scales them. That is three (tokens x d_model x vocab) products in all, as for the plain loss, and
+nothing of the logits kept (the residuals are the two unit gradients, in the accumulation dtype). Per-token
+losses (reduction "none") have a cotangent per token, which the weight's step cannot take out of its sum over
+the tokens: their forward keeps only the logsumexp (4 bytes per token) and their backward recomputes each
+chunk's logits (a fourth product).
 
 Padded vocabulary columns (an embedding of `padded_vocab_size` > `vocab_size` rows) are excluded from the
 softmax: they are not tokens, so the loss does not depend on the padding multiple and their rows get zero
 gradient. (mamba_ssm's LM returns the padded logits and leaves the loss to the user; HF transformers'
 Mamba2ForCausalLM takes the softmax over all of them. The examples here have always sliced them off.)
 
-The softmax of each chunk (its logsumexp and target logit forward, its gradient backward) is the op
+The softmax of each chunk (its logsumexp and target logit, and its gradient in the gradient's pass) is the op
 "cross_entropy" of `jax_mamba2.backends`: "xla" (the fusions below, registered here) or the cuTile kernels
 ("cutile", "cutile_callback": kernels/cross_entropy.py, cross_entropy_bwd.py, registered by the bridge), which
-read a chunk's logits once forward and read them once and write their gradient once backward. The head
-matmuls, the chunking and the custom VJP are the same for every backend.
+read a chunk's logits once for the loss, and read them once and write their gradient once for the gradient.
+The head matmuls, the chunking and the custom VJP are the same for every backend.
 """
 from __future__ import annotations
 
@@ -236,29 +236,45 @@ def _loss_and_unit_grads(static: _LossStatic, hidden, weight, labels):
     return loss, dhidden.reshape(-1, hidden.shape[1])[:hidden.shape[0]], dweight, count
 
 
+def _token_scales(static: _LossStatic, dloss, count, tokens: int, acc_dtype):
+    """The cotangent of each token's loss, (tokens,): dloss itself ("none"), or its share of the mean / sum."""
+    if static.reduction == "none":
+        return dloss.astype(acc_dtype)
+    scale = dloss / count if static.reduction == "mean" else dloss
+    return jnp.broadcast_to(scale.astype(acc_dtype), (tokens,))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _chunked_loss(static: _LossStatic, hidden, weight, labels):
     return _loss_and_logsumexp(static, hidden, weight, labels)[0]
 
 
+def _gradient_in_forward(static: _LossStatic) -> bool:
+    """Whether the forward takes the gradient (see the module's docstring): a mean or a sum."""
+    return static.reduction != "none"
+
+
 def _chunked_loss_fwd(static, hidden, weight, labels):
-    if static.reduction == "none":
-        loss, logsumexp, _ = _loss_and_logsumexp(static, hidden, weight, labels)
-        return loss, (hidden, weight, labels, logsumexp)
+    if not _gradient_in_forward(static):
+        loss, logsumexp, count = _loss_and_logsumexp(static, hidden, weight, labels)
+        return loss, (hidden, weight, labels, logsumexp, count)
     loss, dhidden, dweight, count = _loss_and_unit_grads(static, hidden, weight, labels)
-    # hidden's dtype rides along as an empty array (the dtype its gradient is rounded to once scaled)
-    return loss, (dhidden, dweight, count, weight, jnp.zeros((0,), hidden.dtype))
+    # hidden's type (its dtype and, under shard_map, the axes it varies over) rides along as an empty slice
+    return loss, (dhidden, dweight, count, labels != static.ignore_index, weight, hidden[:0])
 
 
 def _chunked_loss_bwd(static, saved, dloss):
     acc_dtype = _accumulation_dtype(static.dtype)
-    if static.reduction != "none":  # the unit gradients of the forward, times the one cotangent of every token
-        dhidden, dweight, count, weight, hidden_dtype = saved
+    if _gradient_in_forward(static):  # the forward's unit gradients, times the one cotangent of every token
+        dhidden, dweight, count, counted, weight, hidden = saved
         scale = (dloss / count if static.reduction == "mean" else dloss).astype(acc_dtype)
-        return (dhidden * scale).astype(hidden_dtype.dtype), _weight_grad(static, dweight * scale, weight), None
-    hidden, weight, labels, logsumexp = saved
+        # Ignored tokens' gradients are exact zeros, also for a non-finite dloss (0 * inf would be NaN).
+        dhidden = jnp.where(counted[:, None], dhidden * scale, 0).astype(hidden.dtype)
+        dweight = jnp.where(jnp.any(counted), dweight * scale, 0)
+        return reduce_to_primal_axes(dhidden, hidden), _weight_grad(static, dweight, weight), None
+    hidden, weight, labels, logsumexp, count = saved
     operand = _head_operand(static, weight)
-    scales = dloss.astype(acc_dtype)  # each token's loss has its own cotangent
+    scales = _token_scales(static, dloss, count, labels.shape[0], acc_dtype)
 
     def chunk_grads(dweight, args):
         h, y, lse, scale = args
@@ -272,7 +288,7 @@ def _chunked_loss_bwd(static, saved, dloss):
     dweight, dhidden = jax.lax.scan(chunk_grads, _weight_grad_accumulator(operand, acc_dtype, hidden, labels, dloss),
                                     (h_chunks, y_chunks, logsumexp, scale_chunks))
     dhidden = dhidden.reshape(-1, hidden.shape[1])[:hidden.shape[0]]
-    return dhidden, _weight_grad(static, dweight, weight), None
+    return reduce_to_primal_axes(dhidden, hidden), _weight_grad(static, dweight, weight), None
 
 
 _chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
@@ -330,8 +346,9 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
         ignored: minus its log-likelihood; a sequence's log-likelihood is minus their sum), as torch's.
       backend: the softmax's backend (the op "cross_entropy" of `jax_mamba2.backends`): "auto" (default: cutile
         on a supported GPU behind `lax.platform_dependent`, else xla), "xla" (XLA fusions), "cutile" or
-        "cutile_callback" (the cuTile kernels: one read of each chunk's logits forward, one read and one write
-        of their gradient backward). The kernels take bfloat16/float16/float32 logits and dtype.
+        "cutile_callback" (the cuTile kernels: one read of each chunk's logits for the loss, one read and one
+        write of their gradient for the gradient, in the forward pass for a mean or a sum). The kernels take
+        bfloat16/float16/float32 logits and dtype.
 
     Returns:
       The scalar mean (or sum) loss in float32 (float64 for float64), 0 when no position counts; with

@@ -511,6 +511,21 @@ def test_checkpoint_save_keeps_staging_whose_lock_another_process_holds(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_cleanup_skips_the_staging_this_process_s_saves_hold(tmp_path, monkeypatch):
+    """A save of this process holds its staging directory even where the file system's flock would let another
+    thread of it take the lock (NFS emulates flock with per-process record locks): the cleanup skips the names
+    this process's saves hold, and removes the same directory once none does."""
+    pytest.importorskip("fcntl")
+    host = checkpoint_module._host_tag()
+    staging = _partial_staging(tmp_path, f".ckpt.tmp-{host}-{os.getpid()}-0123abcd", lock_file=True)
+    monkeypatch.setattr(checkpoint_module, "_LIVE_STAGING", {staging.name})
+    checkpoint_module._remove_abandoned_staging(tmp_path / "ckpt")
+    assert staging.is_dir() and checkpoint_module._lock_path(staging).exists()
+    checkpoint_module._LIVE_STAGING.clear()
+    checkpoint_module._remove_abandoned_staging(tmp_path / "ckpt")
+    assert not staging.exists() and not checkpoint_module._lock_path(staging).exists()
+
+
 def test_checkpoint_save_removes_staging_whose_lock_is_free(tmp_path, tiny_config):
     """A staging directory whose lock file nobody holds was left by a save that died, even where its PID field
     names a live process (here this one, which may be another namespace's PID reused); a lock file whose

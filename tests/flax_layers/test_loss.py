@@ -136,6 +136,28 @@ def test_batched_shapes_ignored_labels_and_bad_labels(x64):
     assert np.isnan(float(value)) and np.isnan(np.asarray(grad[3])).all() and np.isfinite(np.asarray(grad[4])).all()
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_a_non_finite_cotangent_leaves_ignored_tokens_gradients_zero(x64, reduction):
+    """dloss = inf or NaN (a loss scaler's overflow): the counted tokens' gradients are non-finite, the ignored
+    tokens' exact zeros (as the plain loss's), and with no token counted every gradient is zero."""
+    hidden, weight, labels = _problem(6)
+
+    def vjp(labels, dloss):
+        loss, pullback = jax.vjp(lambda h, w: chunked_cross_entropy(h, labels, head_weight=w, vocab_size=VOCAB,
+                                                                    chunk_tokens=16, reduction=reduction),
+                                 hidden, weight)
+        return pullback(jnp.full(loss.shape, dloss, jnp.float64))
+
+    ignored = np.asarray(labels == -100)
+    assert ignored.any() and not ignored.all()
+    for dloss in (np.inf, np.nan):
+        dhidden, dweight = vjp(labels, dloss)
+        assert (np.asarray(dhidden)[ignored] == 0).all() and not np.isfinite(np.asarray(dhidden)[~ignored]).any()
+        assert not np.isfinite(np.asarray(dweight)).all()
+        dhidden, dweight = vjp(jnp.full_like(labels, -100), dloss)
+        assert (np.asarray(dhidden) == 0).all() and (np.asarray(dweight) == 0).all()
+
+
 def test_vmap_and_checkpoint_compose(x64):
     hidden, weight, labels = _problem(3)
     hiddens, label_sets = jnp.stack([hidden, 2 * hidden]), jnp.stack([labels, labels[::-1]])
@@ -162,6 +184,29 @@ def test_shard_map_over_a_data_axis_sums_the_weight_gradient(x64):
         return jax.shard_map(per_shard, mesh=mesh, in_specs=P("data"), out_specs=P())(hidden, labels)
 
     _assert_value_and_grads_equal(jax.jit(sharded), lambda h, w: plain_loss(h, w, labels), (hidden, weight))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_shard_map_with_replicated_hidden_states_and_split_labels(x64, reduction):
+    """The hidden states replicated, the labels split over the data axis: each shard's loss over all tokens
+    with its own labels, their mean's gradient in the hidden states summed over the shards (a cotangent that
+    varies over an axis its primal does not must be reduced to the primal's)."""
+    hidden, weight, _ = _problem(4, tokens=36)
+    labels = jax.random.randint(jax.random.key(7), (72,), 0, VOCAB)
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,))
+
+    def sharded(hidden, weight):
+        def per_shard(labels):
+            local = chunked_cross_entropy(hidden, labels, head_weight=weight, vocab_size=VOCAB, chunk_tokens=16,
+                                          reduction=reduction)
+            local = local if reduction == "mean" else local.sum() / jnp.maximum(jnp.sum(labels != -100), 1)
+            return jax.lax.pmean(local, "data")
+        return jax.shard_map(per_shard, mesh=mesh, in_specs=P("data"), out_specs=P())(labels)
+
+    def plain(hidden, weight):
+        return (plain_loss(hidden, weight, labels[:36]) + plain_loss(hidden, weight, labels[36:])) / 2
+
+    _assert_value_and_grads_equal(jax.jit(sharded), plain, (hidden, weight))
 
 
 @pytest.mark.parametrize("layout", ["head_weight", "embedding"])
