@@ -5,8 +5,10 @@ norm of `Block`); the op runs it as cuTile kernels on a GPU ("auto") or in pure 
 """
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jax_mamba2 import backends
 from jax_mamba2 import norm as norm_op
@@ -47,21 +49,41 @@ class RMSNorm(nnx.Module):
         self.eps, self.group_size, self.norm_before_gate, self.dtype = eps, group_size, norm_before_gate, dtype
         self.backend = backend
         self.scale = nnx.Param(jnp.ones((features,), param_dtype))
+        # Set by `shard_model` on the norms outside the mixers (the blocks' and the final one): their rows (the
+        # leading axis) are split over its data axis, and the op runs per shard inside a `shard_map`. Left to
+        # XLA's partitioner, the kernels' custom calls (which have no partitioning rule) would get every row,
+        # gathered onto every device. The mixers' gated norm runs inside the mixer's own shard_map.
+        self.mesh_axes = None
 
     def __call__(self, x, z=None, *, sum_groups: Callable | None = None, z_kept_in=None):
         """Normalizes x (..., features), gated by z if given; `sum_groups` and `z_kept_in` (where the kernels'
         backward reads z again) as in `jax_mamba2.rms_norm`. A group split across devices (`sum_groups`) runs
         the XLA path whatever the layer's backend, which names the kernels for every other call (the
         tensor-parallel mixer with fewer groups than devices shards its other work as any other)."""
-        y = norm_op.rms_norm(x, self.scale[...], z, eps=self.eps, group_size=self.group_size,
-                             norm_before_gate=self.norm_before_gate, sum_groups=sum_groups, z_kept_in=z_kept_in,
-                             backend="xla" if sum_groups is not None else self.backend)
+        def norm(x, z, scale):
+            return norm_op.rms_norm(x, scale, z, eps=self.eps, group_size=self.group_size,
+                                    norm_before_gate=self.norm_before_gate, sum_groups=sum_groups,
+                                    z_kept_in=z_kept_in, backend="xla" if sum_groups is not None else self.backend)
+
+        y = self._on_row_shards(norm, x, z)
         return y if self.dtype is None else y.astype(self.dtype)
 
     def add_norm(self, x, residual, *, residual_dtype=None, return_residual: bool = True):
         """The fused residual add + norm: (norm(h), h) with h = x + residual in `residual_dtype` (default: the
         result type of x and residual); the output in `dtype`, else x's. Ungated, one group (the block and
         final norms). With return_residual=False only norm(h)."""
-        return norm_op.add_rms_norm(x, residual, self.scale[...], eps=self.eps, residual_dtype=residual_dtype,
-                                    out_dtype=self.dtype or x.dtype, return_residual=return_residual,
-                                    backend=self.backend)
+        def add_norm(x, residual, scale):
+            return norm_op.add_rms_norm(x, residual, scale, eps=self.eps, residual_dtype=residual_dtype,
+                                        out_dtype=self.dtype or x.dtype, return_residual=return_residual,
+                                        backend=self.backend)
+
+        return self._on_row_shards(add_norm, x, residual)
+
+    def _on_row_shards(self, fn, *rows):
+        """fn(*rows, scale): on this device, or with `mesh_axes` set per shard of the rows (arrays whose leading
+        axis the data axis splits; None passes through) inside `jax.shard_map`, the scale replicated."""
+        if self.mesh_axes is None:
+            return fn(*rows, self.scale[...])
+        spec = P(self.mesh_axes.data_axis)
+        return jax.shard_map(fn, mesh=self.mesh_axes.mesh, in_specs=(*(spec for _ in rows), P()),
+                             out_specs=spec)(*rows, self.scale[...])

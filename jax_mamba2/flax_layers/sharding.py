@@ -16,8 +16,10 @@ over its input rows):
 
 so no activation is all-gathered. The prefill/step cache keeps ssm_state split over heads and conv_state
 whole (its x channels are assembled with one small all-reduce per call: (batch, d_ssm, d_conv) values).
-Outside the mixers the residual stream is split over "data" only; the embedding (and an untied lm_head)
-is split over the vocabulary on "model", so the logits come out vocabulary-split.
+Outside the mixers the residual stream is split over "data" only, and the blocks' add + norm and the final
+norm run inside a `shard_map` of their own over it (each device normalizes its rows; the norm kernels' custom
+calls have no partitioning rule, so XLA would otherwise give them every row); the embedding (and an untied
+lm_head) is split over the vocabulary on "model", so the logits come out vocabulary-split.
 
 Example:
   >>> mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)  # doctest: +SKIP
@@ -31,12 +33,14 @@ from jax.sharding import PartitionSpec as P
 
 from jax_mamba2.flax_layers._tree import param_path
 from jax_mamba2.flax_layers.mamba2 import Mamba2
+from jax_mamba2.flax_layers.norm import RMSNorm
 from jax_mamba2.flax_layers.partition import MeshAxes, mixer_param_spec
 
 
 def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, *, data_axis: str = "data",
                 model_axis: str = "model") -> nnx.Module:
-    """Places the model's parameters on `mesh` and makes its `Mamba2` mixers run head-parallel.
+    """Places the model's parameters on `mesh` and makes its `Mamba2` mixers run head-parallel, and the norms
+    outside them (`RMSNorm`: the blocks' and the final one) per shard of the batch rows.
 
     Works for a `Mamba2LMHeadModel`, a `Mamba2Block` or a `Mamba2` (any module containing mixers). The
     model is changed in place and returned. Inputs should be split over `data_axis` on their batch axis.
@@ -76,6 +80,10 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, *, data_axis: str = 
             _check_splittable(module, size)
             module.mesh_axes = MeshAxes(mesh, data_axis, model_axis if size > 1 else None)
             mixer_paths.append(tuple(str(p) for p in path))
+    for path, module in nnx.iter_modules(model):  # the norms outside the mixers run per shard of their rows
+        if isinstance(module, RMSNorm) and not any(tuple(str(p) for p in path)[:len(prefix)] == prefix
+                                                   for prefix in mixer_paths):
+            module.mesh_axes = MeshAxes(mesh, data_axis, None)
 
     def spec_of(tree_path, leaf):
         path = param_path(tree_path)

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_mamba2.flax_layers import Mamba2LMHeadModel, generate, shard_model
 from jax_mamba2.flax_layers.partition import HeadShard, Segment
+from tests.flax_layers._programs import walk
 
 BATCH, SEQLEN = 4, 12
 
@@ -157,6 +158,21 @@ def test_head_shard_project_moves_activations_for_few_tokens_and_weights_for_man
     expected_grads = jax.grad(lambda *a: jnp.sum(expected(*a) * weights), argnums=(0, 1))(inputs, kernel)
     for got, want in zip(grads, expected_grads):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_shard_model_runs_the_norms_outside_the_mixers_per_shard_of_the_rows(tiny_config, mesh):
+    """The blocks' add + norm and the final norm run inside shard_maps of their own over the data axis (each
+    device normalizes its rows: the norm kernels' custom calls have no partitioning rule, so left to XLA they
+    would get every row); the mixer's gated norm runs inside the mixer's shard_map."""
+    model = shard_model(_model(tiny_config), mesh)
+    assert model.layers.norm.mesh_axes.data_axis == "data" and model.layers.norm.mesh_axes.model_axis is None
+    assert model.norm_f.mesh_axes is not None and model.layers.mixer.norm.mesh_axes is None
+    _, sharded_ids = _ids(tiny_config, mesh)
+    graphdef, state = nnx.split(model)
+    jaxpr = jax.make_jaxpr(lambda state, ids: nnx.merge(graphdef, state).loss(ids))(state, sharded_ids)
+    row_maps = [(loops, eqn.params["out_specs"]) for eqn, loops in walk(jaxpr) if eqn.primitive.name == "shard_map"
+                and eqn.params["in_specs"] == (P("data"), P("data"), P())]
+    assert row_maps == [((("scan", tiny_config.n_layer),), (P("data"), P("data"))), ((), (P("data"),))], row_maps
 
 
 def test_shard_model_on_a_model_axis_of_size_one_is_data_parallel(tiny_config):
