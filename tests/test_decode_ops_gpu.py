@@ -150,6 +150,21 @@ def test_norm_project_with_split_k_matches_float64_reference(name, split_k):
     _assert_close(got, projection_oracle(case, arrays), case.dtype)
 
 
+@pytest.mark.parametrize("name", ["in_proj_add_norm_b48_f32_weights", "out_proj_gated_b64_f32_weights",
+                                  "in_proj_first_block_b64"])
+def test_norm_project_with_the_weight_first_matches_float64_reference(name):
+    """The product taken with the weight as the tensor cores' first operand (WEIGHT_FIRST: wgmma on 64-row blocks,
+    the float32 weights rounded in registers) at the LM's shapes: 48 rows (a partial block), 64 with the gate."""
+    from jax_mamba2.kernels import decode_projection
+
+    case = LM_PROJECTIONS[name]
+    arrays = projection_inputs(case, seed=45)
+    config = decode_projection.ProjectionConfig(BLOCK_N=64, LATENCY=2, OCCUPANCY=2, BLOCK_M=64, WEIGHT_FIRST=True)
+    with _cutile_decode_configs(projection_config=lambda dims: config):
+        got = project(case, arrays, layer=case.layer, backend="cutile")
+    _assert_close(got, projection_oracle(case, arrays), case.dtype)
+
+
 @pytest.mark.parametrize("heads", [2, 4, 8])
 @pytest.mark.parametrize("name", ["mixer_b64_f32_state", "mixer_b256"])
 def test_mixer_step_with_several_heads_per_block_matches_float64_reference(name, heads):

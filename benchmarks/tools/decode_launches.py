@@ -41,7 +41,9 @@ def projection_configs(case: str, rows: int) -> list[decode_projection.Projectio
     for in_proj and out_proj also K split over 2, 4 or 8 blocks at 32 and 64 columns, with and without an occupancy
     hint of 2 (in_proj's 138 blocks of 64 columns split in two then fit one wave of two blocks per SM), and from 64
     rows two blocks of 32 rows per column block (alone or with K split in 2 or 4: out_proj's few column blocks) or a
-    split of 128-column blocks (in_proj's 69 blocks of 64 columns leave half a wave idle at 64 rows)."""
+    split of 128-column blocks (in_proj's 69 blocks of 64 columns leave half a wave idle at 64 rows), and 64-row
+    blocks with the weight as the tensor cores' first operand (WEIGHT_FIRST: wgmma where float32 weights otherwise
+    take 32-row mma.sync blocks)."""
     columns = (32, 64, 128, 256) if case == "head" else (32, 64, 128)
     tiles = [decode_projection.ProjectionConfig(BLOCK_N=n, BLOCK_K=k, LATENCY=latency, OCCUPANCY=occupancy)
              for n, (k, latency), occupancy in itertools.product(columns, ((128, 4), (256, 2)), (None, 2))]
@@ -52,8 +54,11 @@ def projection_configs(case: str, rows: int) -> list[decode_projection.Projectio
     row_block_splits = [decode_projection.ProjectionConfig(BLOCK_N=n, BLOCK_M=32, SPLIT_K=split, OCCUPANCY=2)
                         for n, split in itertools.product((32, 64), (2, 4))]
     wide_splits = [decode_projection.ProjectionConfig(BLOCK_N=128, SPLIT_K=split) for split in (2, 4)]
+    weight_first = [decode_projection.ProjectionConfig(BLOCK_N=n, BLOCK_K=k, LATENCY=latency, OCCUPANCY=occupancy,
+                                                       BLOCK_M=64, WEIGHT_FIRST=True)
+                    for n, (k, latency), occupancy in itertools.product((64, 128), ((128, 2), (64, 4)), (None, 2))]
     return tiles + ([] if case == "head" else
-                    splits + (row_blocks + row_block_splits + wide_splits if rows >= 64 else []))
+                    splits + (row_blocks + row_block_splits + wide_splits + weight_first if rows >= 64 else []))
 
 
 def mixer_configs(dims) -> list[decode_mixer.MixerStepConfig]:

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh suites|suite-1|suite-2|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|suite-1|suite-2|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|suite-1|suite-2|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments [OUT]}
+part=${1:?usage: gpu_session.sh suites|suite-1|suite-2|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 # causal_conv1d for the peer, built in the background by the parts that run it (lm-step, decode-matrix) into
@@ -281,6 +281,16 @@ case $part in
       step "lm_step_conv_$fwd" 100 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
         --unroll-layers --no-check-finite --no-profile --conv-configs "$fwd,8x32x128x4" --worker-timeout 90 \
         --out "$out"
+    done
+    ;;
+  decode-weight-first)  # in_proj with float32 weights at 64 rows, every tile including the 64-row blocks with the
+    # weight as the first operand (WEIGHT_FIRST: wgmma where the default's 32-row blocks run mma.sync), at the
+    # widths of d1024, mamba2-780m and mamba2-1.3b (about 6 minutes)
+    export JAX_MAMBA2_AUTOTUNE=0
+    step decode_gpu_tests 120 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider tests/test_decode_ops_gpu.py
+    for d_model in 1024 1536 2048; do
+      step "decode_in_proj_f32_d$d_model" 100 python benchmarks/tools/decode_launches.py --rows 64 --cases in_proj \
+        --param-dtypes float32 --d-model "$d_model" --out "$out/d$d_model"
     done
     ;;
   *) echo "unknown part $part"; exit 2 ;;

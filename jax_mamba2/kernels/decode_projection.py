@@ -131,7 +131,11 @@ class ProjectionConfig:
     choice); BLOCK_M rows per block (None: `ProjectionDims.block_m`; below 16 the product runs without tensor
     cores); SPLIT_K blocks per output tile, each over its share of the K steps (a power of two, see `split_k`;
     above 1 their f32 partial products go to a buffer that one more launch sums: more blocks, shorter chains, for
-    a few rows and a long K). The norm's pass has no tile to choose (`norm_block_k`)."""
+    a few rows and a long K); WEIGHT_FIRST: the product taken as (W^T x^T)^T, the weight's tile the tensor cores'
+    first operand, which wgmma reads from registers, and the rows the second, from shared memory (for float32
+    weights, whose tiles are rounded to the compute dtype in registers before the product: wgmma on 64 rows in
+    place of mma.sync on 32-row blocks; docs/design.md, "Decode"). The norm's pass has no tile to choose
+    (`norm_block_k`)."""
 
     BLOCK_N: int = 64
     BLOCK_K: int = 128
@@ -139,6 +143,7 @@ class ProjectionConfig:
     OCCUPANCY: Optional[int] = None
     BLOCK_M: Optional[int] = None
     SPLIT_K: int = 1
+    WEIGHT_FIRST: bool = False
 
     def __post_init__(self):
         for name in ("BLOCK_N", "BLOCK_K"):
@@ -410,13 +415,17 @@ def decode_project_kernel(
     Z_BLOCK: ConstInt,   # the gate's first column in units of BLOCK_K
     NORM_BEFORE_GATE: ConstBool,
     EPS: ConstFloat,
+    WEIGHT_FIRST: ConstBool,  # the product as (W^T a^T)^T: the weight's tile the tensor cores' first operand
 ):
     m = ct.bid(0)
     n = ct.bid(1)
     split = ct.bid(2)
     layer = ct.load(layer_index, index=(0,), shape=(1,)).item()
     mma_type = mma_dtype(out.dtype)
-    acc = ct.zeros((BLOCK_M, BLOCK_N), ct.float32)
+    if WEIGHT_FIRST:
+        acc = ct.zeros((BLOCK_N, BLOCK_M), ct.float32)
+    else:
+        acc = ct.zeros((BLOCK_M, BLOCK_N), ct.float32)
     rstd = ct.zeros((BLOCK_M, 1), ct.float32)
     if NORM_PARTS:
         if NGROUPS == 1:  # one group: its statistics before the K loop
@@ -432,8 +441,13 @@ def decode_project_kernel(
         else:
             rows = _load(a, (m, k), (BLOCK_M, BLOCK_K), LATENCY)
         rows = rows.astype(out.dtype).astype(mma_type)
-        w = _weight_tile(weight, layer, k, n, BLOCK_K, BLOCK_N, TRANSPOSE_W, LATENCY)
-        acc = ct.mma(rows, w.astype(out.dtype).astype(mma_type), acc)
+        w = _weight_tile(weight, layer, k, n, BLOCK_K, BLOCK_N, TRANSPOSE_W, LATENCY).astype(out.dtype)
+        if WEIGHT_FIRST:
+            acc = ct.mma(ct.permute(w.astype(mma_type), (1, 0)), ct.permute(rows, (1, 0)), acc)
+        else:
+            acc = ct.mma(rows, w.astype(mma_type), acc)
+    if WEIGHT_FIRST:
+        acc = ct.permute(acc, (1, 0))
     if OUT_PARTS or SPLIT_K > 1:
         if OUT_PARTS and HAS_BIAS:  # no sum launch adds it: split 0 does
             if split == 0:
@@ -531,7 +545,7 @@ def _product_launches(dims: ProjectionDims, cfg: ProjectionConfig, rows: str) ->
               min(next_power_of_2(dims.norm_parts), MAX_PARTS_TILE) if dims.norm_parts else 0, dims.ngroups,
               dims.group,
               dims.has_z and dims.norm_parts > 0, dims.z_offset // cfg.BLOCK_K, dims.norm_before_gate,
-              float(dims.eps)),
+              float(dims.eps), cfg.WEIGHT_FIRST),
         writes=("out", "partials"),  # one of them, the other a dummy: out without a split or out_parts, else
                                      # partials
     )

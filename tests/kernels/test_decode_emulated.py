@@ -100,11 +100,17 @@ def test_projection_matches_float64_reference(name, float64):
     ("gated_norm_out_proj", decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=16, SPLIT_K=2)),
     ("gated_norm_out_proj", decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=16, SPLIT_K=8)),
     ("plain_with_bias", decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=16, SPLIT_K=2)),
-    ("tied_head", decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=32, SPLIT_K=2))])
+    ("tied_head", decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=32, SPLIT_K=2)),
+    ("add_norm_in_proj", decode_projection.ProjectionConfig(BLOCK_N=64, BLOCK_K=32, WEIGHT_FIRST=True)),
+    ("gated_norm_out_proj", decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=16, WEIGHT_FIRST=True)),
+    ("plain_with_bias", decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=16, SPLIT_K=2, WEIGHT_FIRST=True)),
+    ("tied_head", decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=32, WEIGHT_FIRST=True)),
+    ("two_row_blocks", decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=16, BLOCK_M=64, WEIGHT_FIRST=True))])
 def test_projection_tiles_and_hints_leave_the_values(name, cfg):
     """K steps of several per row and of the whole row, blocks of fewer rows than the case has (1-row blocks run
     without tensor cores), and K split over 2 or 4 blocks (8 asked of 4 steps: lowered to 4), the bias and a
-    transposed weight with it."""
+    transposed weight with it; the product with the weight as the first operand (WEIGHT_FIRST) with the norm,
+    the gate's norm from sums of squares, a split K and its bias, the transposed weight and two blocks of rows."""
     case = PROJECTION_CASES[name]
     arrays = projection_inputs(case, seed=12)
     _assert_close(run_projection(case, arrays, cfg), projection_oracle(case, arrays), TOLERANCE[True])
@@ -114,7 +120,8 @@ def test_projection_tiles_and_hints_leave_the_values(name, cfg):
     ("gated_norm_out_proj", decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=16, SPLIT_K=4)),
     ("gated_norm_out_proj", decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=16)),
     ("plain_with_bias", decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=16, SPLIT_K=2)),
-    ("tied_head", decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=32, SPLIT_K=2))])
+    ("tied_head", decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=32, SPLIT_K=2)),
+    ("plain_with_bias", decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=16, SPLIT_K=2, WEIGHT_FIRST=True))])
 def test_projection_partial_sums_out_add_up_to_the_output(name, cfg):
     """With out_parts the plan's output is the product's partial sums, one per split of K (one unsplit), the
     bias in the first: one launch fewer than summing them, and their sum is the projection's output."""
