@@ -154,7 +154,8 @@ def test_norm_project_with_split_k_matches_float64_reference(name, split_k):
                                   "in_proj_first_block_b64"])
 def test_norm_project_with_the_weight_first_matches_float64_reference(name):
     """The product taken with the weight as the tensor cores' first operand (WEIGHT_FIRST: wgmma on 64-row blocks,
-    the float32 weights rounded in registers) at the LM's shapes: 48 rows (a partial block), 64 with the gate."""
+    float32 weights rounded in registers) at the LM's shapes: float32 weights at 48 rows (a partial block) and at
+    64 with the gate, bf16 weights at 64 rows of the first block."""
     from jax_mamba2.kernels import decode_projection
 
     case = LM_PROJECTIONS[name]

@@ -80,9 +80,10 @@ class RMSNorm(nnx.Module):
         return self._on_row_shards(add_norm, x, residual)
 
     def _on_row_shards(self, fn, *rows):
-        """fn(*rows, scale): on this device, or with `mesh_axes` set per shard of the rows (arrays whose leading
-        axis the data axis splits; None passes through) inside `jax.shard_map`, the scale replicated."""
-        if self.mesh_axes is None:
+        """fn(*rows, scale): on this device, or with `mesh_axes` set per shard of the rows (arrays of at least two
+        axes whose leading one, the batch, the data axis splits; None passes through) inside `jax.shard_map`, the
+        scale replicated. A single row of features runs on this device."""
+        if self.mesh_axes is None or rows[0].ndim < 2:
             return fn(*rows, self.scale[...])
         spec = P(self.mesh_axes.data_axis)
         return jax.shard_map(fn, mesh=self.mesh_axes.mesh, in_specs=(*(spec for _ in rows), P()),

@@ -50,7 +50,8 @@ class Segment(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class MeshAxes:
-    """The mesh a sharded LM runs on (set on each mixer by `shard_model`).
+    """The mesh a sharded LM runs on (set by `shard_model` on each mixer, and with no model axis on the norms outside
+    them).
 
     Attributes:
       mesh: a `jax.sharding.Mesh` with AxisType.Auto axes.

@@ -157,6 +157,8 @@ class ProjectionConfig:
             raise ValueError(f"ProjectionConfig: LATENCY={self.LATENCY} must be 0 (no hint) or in [1, 10]")
         if self.OCCUPANCY is not None and not 1 <= self.OCCUPANCY <= 32:
             raise ValueError(f"ProjectionConfig: OCCUPANCY={self.OCCUPANCY} must be None or in [1, 32]")
+        if not isinstance(self.WEIGHT_FIRST, bool):
+            raise TypeError(f"ProjectionConfig: WEIGHT_FIRST={self.WEIGHT_FIRST!r} must be a bool")
         if not is_power_of_2(self.SPLIT_K) or self.SPLIT_K > MAX_SPLIT_K:
             raise ValueError(f"ProjectionConfig: SPLIT_K={self.SPLIT_K} must be a power of two <= {MAX_SPLIT_K}")
 

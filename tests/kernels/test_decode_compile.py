@@ -247,4 +247,4 @@ def test_the_weight_first_product_of_float32_weights_takes_wgmma(d_model, d_in_p
         usage = {k: int(v) for k, v in re.findall(r"(REG|SHARED|LOCAL):(\d+)", resources)}
         other = "HGMMA" if product == "HMMA" else "HMMA"
         assert re.search(rf"\b{product}\b", sass) and not re.search(rf"\b{other}\b", sass), cfg
-        assert usage["LOCAL"] == 0 and usage["REG"] <= 128 and usage["SHARED"] <= 114 * 1024, (cfg, usage)
+        assert usage["LOCAL"] == 0 and usage["REG"] <= 128 and usage["SHARED"] <= 113 * 1024, (cfg, usage)

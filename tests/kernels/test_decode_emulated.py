@@ -109,8 +109,9 @@ def test_projection_matches_float64_reference(name, float64):
 def test_projection_tiles_and_hints_leave_the_values(name, cfg):
     """K steps of several per row and of the whole row, blocks of fewer rows than the case has (1-row blocks run
     without tensor cores), and K split over 2 or 4 blocks (8 asked of 4 steps: lowered to 4), the bias and a
-    transposed weight with it; the product with the weight as the first operand (WEIGHT_FIRST) with the norm,
-    the gate's norm from sums of squares, a split K and its bias, the transposed weight and two blocks of rows."""
+    transposed weight with it; the product with the weight as the first operand (WEIGHT_FIRST) after the norm's
+    launch (plain and gated), with a split K and its bias, the transposed weight and two blocks of rows (the
+    norm from the mixer step's sums of squares: the test of those below)."""
     case = PROJECTION_CASES[name]
     arrays = projection_inputs(case, seed=12)
     _assert_close(run_projection(case, arrays, cfg), projection_oracle(case, arrays), TOLERANCE[True])
@@ -256,6 +257,8 @@ def test_unsupported_layouts_say_why():
         decode_projection.ProjectionConfig(BLOCK_N=24)
     with pytest.raises(ValueError, match="SPLIT_K=3"):
         decode_projection.ProjectionConfig(SPLIT_K=3)
+    with pytest.raises(TypeError, match="WEIGHT_FIRST=1 must be a bool"):
+        decode_projection.ProjectionConfig(WEIGHT_FIRST=1)
 
 
 def test_split_k_is_lowered_to_divide_the_k_steps():
@@ -352,13 +355,15 @@ def _gated_norm_after_mixer(case, arrays, *, norm_before_gate, group_size, mixer
     (8, False, 128, decode_mixer.MixerStepConfig(BLOCK_P=4),
      decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=32, SPLIT_K=2)),
     (8, False, 32, decode_mixer.MixerStepConfig(BLOCK_P=8),
-     decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=16, SPLIT_K=4))])
+     decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=16, SPLIT_K=4)),
+    (8, True, 64, None, decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=32, WEIGHT_FIRST=True))])
 def test_the_mixer_s_sums_of_squares_let_out_proj_normalize_without_a_norm_launch(
         float64, nheads, norm_before_gate, group_size, mixer_cfg, projection_cfg):
     """The mixer step writes each block's sum of squares of its gated output (norm_z_offset); out_proj's product,
     given them (norm_parts), normalizes its rows as it loads them: the gated norm + out_proj of the reference
     without the norm's launch, at one and several groups, the gate before or after the norm, several pieces per
-    head and K steps per group, and groups whose parts do not fill a tile."""
+    head and K steps per group, and groups whose parts do not fill a tile; the last with the weight as the
+    product's first operand."""
     case = dataclasses.replace(MIXER_CASES["gated_norm_mixer"], nheads=nheads)
     arrays = mixer_inputs(case, seed=32)
     mixed, out, want, sums, gated = _gated_norm_after_mixer(
