@@ -180,14 +180,19 @@ def profile_calls(call: Callable[[], Any], hlo_text: str, calls: int, top: int =
     `compiled.as_text()`."""
     import jax
 
-    from benchmarks import kernel_categories
-
     with tempfile.TemporaryDirectory(prefix="lm_bench_trace_") as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(calls):
                 jax.block_until_ready(call())
         kernels = _trace_kernels(trace_dir)
-    return {"source": "jax.profiler trace (CUPTI)", "kernel_launches": len(kernels) / calls,
+    return _profile_record("jax.profiler trace (CUPTI)", kernels, hlo_text, calls, top)
+
+
+def _profile_record(source: str, kernels: list, hlo_text: str, calls: int, top: int) -> dict:
+    """A profile's record: where its kernels came from, launches per call, and `kernel_categories.fold` of them."""
+    from benchmarks import kernel_categories
+
+    return {"source": source, "kernel_launches": len(kernels) / calls,
             **kernel_categories.fold(kernels, hlo_text, calls, top=top)}
 
 
@@ -207,8 +212,6 @@ def profile_torch_calls(call: Callable[[], Any], sync: Callable[[Any], Any], cal
     and ATen's kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks import kernel_categories
-
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             sync(call())
@@ -216,8 +219,7 @@ def profile_torch_calls(call: Callable[[], Any], sync: Callable[[Any], Any], cal
         path = Path(trace_dir) / "trace.json"
         prof.export_chrome_trace(str(path))
         kernels = torch_trace_kernels(json.loads(path.read_text()))
-    return {"source": "torch.profiler trace (CUPTI)", "kernel_launches": len(kernels) / calls,
-            **kernel_categories.fold(kernels, "", calls, top=top)}
+    return _profile_record("torch.profiler trace (CUPTI)", kernels, "", calls, top)
 
 
 def _median_ms(call: Callable[[], Any], sync: Callable[[Any], Any], repeats: int = 10, calls: int = 10) -> float:

@@ -165,8 +165,21 @@ def _head_operand(static: _LossStatic, weight):
     return jnp.pad(weight.astype(static.dtype), widths)
 
 
+def _counted_tokens(counted):
+    """The number of counted tokens, at least 1 (the mean of no token is 0); counted (tokens,) bool."""
+    return jnp.maximum(jnp.sum(counted), 1)
+
+
+def _reduced(static: _LossStatic, per_token, labels):
+    """The chunks' per-token losses (nchunks, chunk) -> the loss as `static.reduction` asks."""
+    if static.reduction == "none":
+        return per_token.reshape(-1)[:labels.shape[0]]
+    total = jnp.sum(per_token)
+    return total / _counted_tokens(labels != static.ignore_index) if static.reduction == "mean" else total
+
+
 def _loss_and_logsumexp(static: _LossStatic, hidden, weight, labels):
-    """(the loss as `static.reduction` asks, per-token logsumexp (nchunks, chunk), counted-token count)."""
+    """(the loss as `static.reduction` asks, per-token logsumexp (nchunks, chunk))."""
     weight = _head_operand(static, weight)
 
     def chunk_loss(args):
@@ -175,11 +188,7 @@ def _loss_and_logsumexp(static: _LossStatic, hidden, weight, labels):
                                      _head_logits(static, h, weight), y)
 
     logsumexp, per_token = jax.lax.map(chunk_loss, _chunked(static, hidden, labels))
-    count = jnp.maximum(jnp.sum(labels != static.ignore_index), 1)
-    if static.reduction == "none":
-        return per_token.reshape(-1)[:labels.shape[0]], logsumexp, count
-    total = jnp.sum(per_token)
-    return (total / count if static.reduction == "mean" else total), logsumexp, count
+    return _reduced(static, per_token, labels), logsumexp
 
 
 def _head_grads(static: _LossStatic, operand, h, dlogits, acc_dtype):
@@ -213,8 +222,8 @@ def _weight_grad(static: _LossStatic, dweight, weight):
 
 def _loss_and_unit_grads(static: _LossStatic, hidden, weight, labels):
     """The loss (a mean or a sum) with the gradient of the sum of the tokens' losses, taken while each chunk's
-    logits are at hand: (loss, dhidden (tokens, d), dweight (the padded operand's shape), counted-token count),
-    the gradients in the accumulation dtype."""
+    logits are at hand: (loss, dhidden (tokens, d), dweight (the padded operand's shape)), the gradients in the
+    accumulation dtype."""
     acc_dtype = _accumulation_dtype(static.dtype)
     operand = _head_operand(static, weight)
     backends = list(static.backends)
@@ -230,18 +239,7 @@ def _loss_and_unit_grads(static: _LossStatic, hidden, weight, labels):
 
     dweight, (per_token, dhidden) = jax.lax.scan(chunk, _weight_grad_accumulator(operand, acc_dtype, hidden, labels),
                                                  _chunked(static, hidden, labels))
-    count = jnp.maximum(jnp.sum(labels != static.ignore_index), 1)
-    total = jnp.sum(per_token)
-    loss = total / count if static.reduction == "mean" else total
-    return loss, dhidden.reshape(-1, hidden.shape[1])[:hidden.shape[0]], dweight, count
-
-
-def _token_scales(static: _LossStatic, dloss, count, tokens: int, acc_dtype):
-    """The cotangent of each token's loss, (tokens,): dloss itself ("none"), or its share of the mean / sum."""
-    if static.reduction == "none":
-        return dloss.astype(acc_dtype)
-    scale = dloss / count if static.reduction == "mean" else dloss
-    return jnp.broadcast_to(scale.astype(acc_dtype), (tokens,))
+    return _reduced(static, per_token, labels), dhidden.reshape(-1, hidden.shape[1])[:hidden.shape[0]], dweight
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -256,25 +254,25 @@ def _gradient_in_forward(static: _LossStatic) -> bool:
 
 def _chunked_loss_fwd(static, hidden, weight, labels):
     if not _gradient_in_forward(static):
-        loss, logsumexp, count = _loss_and_logsumexp(static, hidden, weight, labels)
-        return loss, (hidden, weight, labels, logsumexp, count)
-    loss, dhidden, dweight, count = _loss_and_unit_grads(static, hidden, weight, labels)
+        loss, logsumexp = _loss_and_logsumexp(static, hidden, weight, labels)
+        return loss, (hidden, weight, labels, logsumexp)
+    loss, dhidden, dweight = _loss_and_unit_grads(static, hidden, weight, labels)
     # hidden's type (its dtype and, under shard_map, the axes it varies over) rides along as an empty slice
-    return loss, (dhidden, dweight, count, labels != static.ignore_index, weight, hidden[:0])
+    return loss, (dhidden, dweight, labels != static.ignore_index, weight, hidden[:0])
 
 
 def _chunked_loss_bwd(static, saved, dloss):
     acc_dtype = _accumulation_dtype(static.dtype)
     if _gradient_in_forward(static):  # the forward's unit gradients, times the one cotangent of every token
-        dhidden, dweight, count, counted, weight, hidden = saved
-        scale = (dloss / count if static.reduction == "mean" else dloss).astype(acc_dtype)
+        dhidden, dweight, counted, weight, hidden = saved
+        scale = (dloss / _counted_tokens(counted) if static.reduction == "mean" else dloss).astype(acc_dtype)
         # Ignored tokens' gradients are exact zeros, also for a non-finite dloss (0 * inf would be NaN).
         dhidden = jnp.where(counted[:, None], dhidden * scale, 0).astype(hidden.dtype)
         dweight = jnp.where(jnp.any(counted), dweight * scale, 0)
         return reduce_to_primal_axes(dhidden, hidden), _weight_grad(static, dweight, weight), None
-    hidden, weight, labels, logsumexp, count = saved
+    hidden, weight, labels, logsumexp = saved  # per-token losses: a cotangent per token
     operand = _head_operand(static, weight)
-    scales = _token_scales(static, dloss, count, labels.shape[0], acc_dtype)
+    scales = dloss.astype(acc_dtype)
 
     def chunk_grads(dweight, args):
         h, y, lse, scale = args

@@ -434,7 +434,7 @@ def causal_conv1d_fwd_kernel(
     conv_blocks = ct.cdiv(weight.shape[1], BLOCK_C)
     if PASS_THROUGH and ct.bid(1) >= conv_blocks:
         first = ct.bid(0) * (SEGMENT_TILES * BLOCK_L)
-        if SEGMENT_TILES == 1:
+        if SEGMENT_TILES == 1:  # one tile, without the segment's loop: the one-tile build's code as it was
             copy_outside(x, before, after, ct.bid(1) - conv_blocks, weight.shape[1], ct.bid(2), first, BLOCK_L,
                          IN_OFFSET, False)
         else:

@@ -322,8 +322,8 @@ def _cache_of(layer, batch=BATCH, **replace):
                  TypeError, r"Mamba2.__call__: seq_idx.dtype=float32 must be integer", id="seq_idx_float"),
     pytest.param(lambda m: m(jnp.ones((BATCH, SEQLEN, D_MODEL)),
                              seq_idx=jnp.tile(jnp.arange(SEQLEN, dtype=jnp.int32)[::-1], (BATCH, 1))),
-                 ValueError, rf"Mamba2.__call__: seq_idx must be nondecreasing along seqlen; seq_idx\[0, 1\]={SEQLEN - 2} "
-                 rf"follows {SEQLEN - 1}",
+                 ValueError, rf"Mamba2.__call__: seq_idx must be nondecreasing along seqlen; "
+                 rf"seq_idx\[0, 1\]={SEQLEN - 2} follows {SEQLEN - 1}",
                  id="seq_idx_decreasing"),
     pytest.param(lambda m: m.prefill(jnp.ones((BATCH, SEQLEN, D_MODEL)), m.init_cache(3)), ValueError,
                  r"Mamba2.prefill: cache.conv_state.shape=\(3, 80, 4\) must be \(batch, conv_dim, d_conv\)="
