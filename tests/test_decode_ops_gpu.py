@@ -38,7 +38,7 @@ LM_PROJECTIONS = {
     "out_proj_gated_b64_f32_weights": ProjectionCase(rows=64, features=2048, out_features=1024, layers=24, layer=11,
                                                      gate="before", z_offset=0, dtype="bfloat16",
                                                      weight_dtype="float32"),
-    # float32 weights at 48 rows: in_proj runs two 32-row blocks per column block (the second one partial)
+    # float32 weights at 48 rows: in_proj runs one 64-row block with the weight first (its last 16 rows padding)
     "in_proj_add_norm_b48_f32_weights": ProjectionCase(rows=48, features=1024, out_features=4384, layers=24, layer=9,
                                                        residual="add", dtype="bfloat16", weight_dtype="float32"),
     "tied_head_b8": ProjectionCase(rows=8, features=1024, out_features=50280, layers=1, layer=0, residual="add",

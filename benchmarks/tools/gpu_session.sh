@@ -211,19 +211,22 @@ case $part in
       --param-dtypes bfloat16 --batches 1 8 64 256 --prompt-lengths --profile "${lm_peer[@]}" --worker-timeout 180 \
       --out "$out"
     ;;
-  decode-matrix)  # the LM decode benchmark at batches 1-256 with prefills of 512 and 2048 tokens for the configs in
-    # $DECODE_CONFIGS (default d1024-l24 mamba2-370m; mamba2-780m mamba2-1.3b in a second call), parameters in
-    # $PARAM_DTYPE (default bfloat16): the LM decode GPU tests, ours, then mamba_ssm's step with causal_conv1d's
-    # update kernel once its build is done (about 9 minutes)
+  decode-matrix)  # the LM decode benchmark at the batches in $DECODE_BATCHES (default 1 8 64 256) with prefills of
+    # the prompts in $DECODE_PROMPTS (default 512 2048; empty for none) for the configs in $DECODE_CONFIGS (default
+    # d1024-l24 mamba2-370m; mamba2-780m mamba2-1.3b in a second call), parameters in $PARAM_DTYPE (default
+    # bfloat16): the LM decode GPU tests, ours, then mamba_ssm's step with causal_conv1d's update kernel once its
+    # build is done (about 9 minutes)
     export JAX_MAMBA2_AUTOTUNE=0
     read -r -a configs <<< "${DECODE_CONFIGS:-d1024-l24 mamba2-370m}"
-    dtype=${PARAM_DTYPE:-bfloat16}
+    read -r -a batches <<< "${DECODE_BATCHES:-1 8 64 256}"
+    read -r -a prompts <<< "${DECODE_PROMPTS-512 2048}"
+    shape=(--configs "${configs[@]}" --param-dtypes "${PARAM_DTYPE:-bfloat16}" --batches "${batches[@]}"
+           --prompt-lengths "${prompts[@]}" --worker-timeout 120 --out "$out")
     step decode_gpu_tests 100 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider tests/flax_layers/test_decode_gpu.py
-    step lm_decode_ours 200 python benchmarks/lm_decode.py --configs "${configs[@]}" --impls cutile \
-      --param-dtypes "$dtype" --worker-timeout 120 --out "$out"
+    step lm_decode_ours 200 python benchmarks/lm_decode.py --impls cutile "${shape[@]}"
     wait_peer
-    step lm_decode_peer 200 python benchmarks/lm_decode.py --configs "${configs[@]}" --impls mamba_ssm \
-      --param-dtypes "$dtype" --mamba-ssm .peers --causal-conv1d /tmp/ccsite --worker-timeout 120 --out "$out"
+    step lm_decode_peer 200 python benchmarks/lm_decode.py --impls mamba_ssm --mamba-ssm .peers \
+      --causal-conv1d /tmp/ccsite "${shape[@]}"
     ;;
   decode-sampling)  # what generate's sampling controls add per token (d1024-l24, bf16, batches 1 and 64): greedy,
     # top-k, top-p (a sort of the vocabulary per token) and the repetition penalty (about 5 minutes)
@@ -270,11 +273,11 @@ case $part in
     cp "$out/conv_ncu_sass.log" "$out/conv_ncu_sass_h200.csv"
     ;;
   conv-segments)  # the conv forward walking segments (ConvFwdConfig.SEGMENT_TILES: each step's rows gathered while
-    # the step before computes and stores, the halo carried) against the one-tile default: the conv GPU tests, the
-    # forward in the LM's layout at several tiles, then the unrolled LM step at the default and two segmented
-    # forwards, the backward at its default (caps summing to 9.5 minutes)
+    # the step before computes and stores, the halo carried; the default) against one tile per block: the conv GPU
+    # tests, the forward in the LM's layout at several tiles, then the unrolled LM step with the one-tile forward
+    # (16x512x3) and two segmented ones, the backward at its default (caps summing to 9.5 minutes)
     export JAX_MAMBA2_AUTOTUNE=0
-    step conv_gpu_tests 120 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider tests/test_conv1d_gpu.py
+    step conv_gpu_tests 120 python -m pytest -m gpu -q -rf -n 6 -p no:cacheprovider tests/test_conv1d_gpu.py
     step conv_segments 150 python benchmarks/conv1d.py --impls cutile --layouts mixer_whole --shapes 8,2048,2304 \
       --direction fwd --fwd-configs 8x16x512x4 8x8x512x4 8x32x512x4 8x16x256x4 16x8x256x4 16x8x512x3 --out "$out"
     for fwd in 16x512x3 8x16x512x4 8x16x256x4; do
@@ -283,9 +286,9 @@ case $part in
         --out "$out"
     done
     ;;
-  decode-weight-first)  # in_proj with float32 weights at 64 rows, every tile including the 64-row blocks with the
-    # weight as the first operand (WEIGHT_FIRST: wgmma where the default's 32-row blocks run mma.sync), at the
-    # widths of d1024, mamba2-780m and mamba2-1.3b (about 6 minutes)
+  decode-weight-first)  # in_proj with float32 weights at 64 rows, every tile: 64-row blocks with the weight as the
+    # first operand (WEIGHT_FIRST, the default: wgmma) and 32-row blocks (mma.sync), at the widths of d1024,
+    # mamba2-780m and mamba2-1.3b (about 6 minutes)
     export JAX_MAMBA2_AUTOTUNE=0
     step decode_gpu_tests 120 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider tests/test_decode_ops_gpu.py \
       -k "weight_first or f32 or split_k"

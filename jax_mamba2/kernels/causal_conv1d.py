@@ -54,6 +54,9 @@ from jax_mamba2.kernels._common import (
     is_power_of_2, kernel_launch, next_power_of_2)
 
 _INT32_MAX = (1 << 31) - 1
+# About two blocks per SM of an H100 / H200 (132 SMs): the default segments shorten to keep the grid at least
+# this large.
+MIN_BLOCKS = 256
 
 CONV_INPUTS = ("x", "weight", "bias", "initial_states", "seq_idx")
 # The pieces of the conv's output channels, at most this many (the mixer's x, B, C).
@@ -466,13 +469,26 @@ class ConvFwdConfig:
             raise ValueError(f"ConvFwdConfig: SEGMENT_TILES={self.SEGMENT_TILES!r} must be a positive int")
 
 
+def default_segment_tiles(dims: ConvDims, block_l: int, block_c: int, tiles: int) -> int:
+    """`tiles` steps of block_l tokens per block, halved (down to one) while the grid has fewer than MIN_BLOCKS
+    blocks of block_c channels: a segment's steps overlap one another's loads and stores, but short or few
+    sequences need the blocks."""
+    rows = dims.batch * -(-dims.channels // block_c)
+    while tiles > 1 and rows * -(-dims.seqlen // (tiles * block_l)) < MIN_BLOCKS:
+        tiles //= 2
+    return tiles
+
+
 def conv_fwd_default_config(dims: ConvDims) -> ConvFwdConfig:
-    """16 rows of up to 512 channels: 4 channels per thread of the block's 128, one 8-byte load per row at
-    bf16 (16 bytes at f32), ~167 registers and no shared or local memory at d_conv 4 (tileiras 13.4, sm_90),
-    within the occupancy hint of 3 blocks (12 warps) per SM: 3 x 19 rows x 1 KB = 57 KB of loads in flight
-    per SM (the forward is memory-bound: more blocks in flight hide the gathers' latency). Fewer channels
-    take a narrower tile (at least 16)."""
-    return ConvFwdConfig(BLOCK_L=16, BLOCK_C=min(512, max(16, next_power_of_2(dims.channels))))
+    """Segments of 16 steps of 8 rows of up to 512 channels (`default_segment_tiles`): 4 channels per thread of
+    the block's 128, one 8-byte load per row at bf16 (16 bytes at f32), each step's gathers issued before the
+    step before stores, at most 128 registers and no shared or local memory at d_conv 4 (tileiras 13.4,
+    sm_90), within the occupancy hint of 4 blocks per SM. In the LM's step at d_model 1024 (8 x 2048 tokens)
+    this took the forward's 24 launches 1.3 ms below the one-tile form's (16 rows, a block per tile, occupancy
+    3; docs/conv1d.md, "Segments for the forward"). Fewer channels take a narrower tile (at least 16)."""
+    block_l, block_c = 8, min(512, max(16, next_power_of_2(dims.channels)))
+    return ConvFwdConfig(BLOCK_L=block_l, BLOCK_C=block_c, OCCUPANCY=4,
+                         SEGMENT_TILES=default_segment_tiles(dims, block_l, block_c, 16))
 
 
 def conv_fwd_grid(dims: ConvDims, cfg: ConvFwdConfig) -> tuple[int, int, int]:

@@ -51,16 +51,14 @@ from jax_mamba2.kernels._common import (
     Big, Buffer, ConstBool, ConstInt, Plan, index_width_variant, int64_index_kernels, kernel_launch, next_power_of_2)
 from jax_mamba2.kernels.causal_conv1d import (
     CONV_INPUTS, MAX_OUTPUTS, OUTSIDE, ConvDims, channel_blocks, check_block_c, check_dims, conv_arrays,
-    copy_outside_segment, halo_rows, last_rows, masked_taps, needs_int64_index, outside_arrays, piece_arrays,
-    piece_rows, preactivation, sigmoid, token_ids, token_rows, weight_rows, widened)
+    copy_outside_segment, default_segment_tiles, halo_rows, last_rows, masked_taps, needs_int64_index,
+    outside_arrays, piece_arrays, piece_rows, preactivation, sigmoid, token_ids, token_rows, weight_rows, widened)
 
 COTANGENTS = tuple(f"dy{i}" for i in range(MAX_OUTPUTS))
 # The cotangents of x's channels before and after the conv's window (PASS_THROUGH).
 PASSED_COTANGENTS = tuple("d" + name for name in OUTSIDE)
 CONV_BWD_INPUTS = (*CONV_INPUTS, *COTANGENTS, *PASSED_COTANGENTS)
 CONV_BWD_OUTPUTS = ("dx", "dweight", "dbias", "dinitial_states")
-# About the occupancy hint's 2 blocks per SM of an H100 / H200 (132 SMs), for the default segments.
-MIN_BLOCKS = 256
 # The reduction of the weight partials loads up to this many partials at once (16 x 4 taps x 32 channels f32:
 # 16 registers per thread of 128).
 MAX_PART_TILE = 16
@@ -311,17 +309,14 @@ def conv_bwd_default_config(dims: ConvDims) -> ConvBwdConfig:
     x, dy and g rows and the next step's prefetched x and dy in registers without spills at d_conv 4, with or
     without seq_idx (tileiras 13.4, sm_90: ~113 registers, 128 with seq_idx), within the occupancy hint of 4
     blocks per SM; docs/conv1d.md (Configurations) has the timings that chose it over wider steps at lower
-    occupancy. Segments of 256 tokens, halved (down to one step) while the grid has fewer than MIN_BLOCKS
-    blocks: at (8, 2048) that is 1152 blocks for 2304 channels and 1024 for 2048, and 128-token segments (256
-    blocks) for the layer's 256 [B, C] channels. The reduction sums REDUCE_BLOCK_C channels per block."""
+    occupancy. Segments of 256 tokens, fewer while the grid would be small (`default_segment_tiles`): at
+    (8, 2048) that is 1152 blocks for 2304 channels and 1024 for 2048, and 128-token segments (256 blocks) for
+    the layer's 256 [B, C] channels. The reduction sums REDUCE_BLOCK_C channels per block."""
     block_l = 8
     block_c = min(128, max(16, next_power_of_2(dims.channels)))
-    rows = dims.batch * -(-dims.channels // block_c)
-    steps = 256 // block_l
-    while steps > 1 and rows * -(-dims.seqlen // (steps * block_l)) < MIN_BLOCKS:
-        steps //= 2
-    return ConvBwdConfig(BLOCK_L=block_l, SEGMENT_TILES=steps, BLOCK_C=block_c,
-                         REDUCE_BLOCK_C=min(REDUCE_BLOCK_C, max(16, next_power_of_2(dims.channels))), OCCUPANCY=4)
+    return ConvBwdConfig(BLOCK_L=block_l, SEGMENT_TILES=default_segment_tiles(dims, block_l, block_c, 32),
+                         BLOCK_C=block_c, REDUCE_BLOCK_C=min(REDUCE_BLOCK_C, max(16, next_power_of_2(dims.channels))),
+                         OCCUPANCY=4)
 
 
 def conv_bwd_grid(dims: ConvDims, cfg: ConvBwdConfig) -> tuple[int, int, int]:

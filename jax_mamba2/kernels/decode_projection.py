@@ -216,10 +216,12 @@ def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
     split of 2 takes past a wave) was slower split, and at 64 rows no split paid in bfloat16. float32 weights
     double each K step's bytes, so up to one block of rows (64) a product whose blocks fit a wave twice splits
     K the same way, over 128-feature steps (out_proj at 64 rows: 11 us against 17 unsplit; no local memory;
-    docs/design.md, "Decode"). A wider float32 product of 33 to 64 rows (in_proj) runs two blocks of 32 rows
-    per column block at an occupancy hint of 2 instead, 128-feature K steps, 64 columns (128 where two blocks
-    per SM would not hold them; none of this for a product wider still, the head): at mamba2-370m's, -780m's
-    and -1.3b's widths faster than one 64-row block, whose wave left SMs idle (same section). Where the product
+    docs/design.md, "Decode"). A wider float32 product of 33 to 64 rows (in_proj) takes the weight as the
+    tensor cores' first operand (WEIGHT_FIRST: wgmma on the 64-row block where 32-row blocks run mma.sync), 64
+    columns per block at an occupancy hint of 2, 64-feature K steps, where those blocks fit two per SM in a wave
+    (none of this for a product wider still, the head): in_proj at mamba2-370m's, -780m's and -1.3b's widths
+    took 9.4 / 15.7 / 29.7 us per launch against 12.4 / 19.0 / 34.4 for two 32-row blocks per column block
+    (one H100; same section). Where the product
     normalizes (norm_parts), its K step also stays within a group of the norm and starts the gate's columns on a
     step (`norm_block_k`)."""
     def within_norm(block_k):  # a K step within one group of the norm, the gate's columns starting on a step
@@ -238,13 +240,10 @@ def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
     blocks = m_blocks * -(-dims.out_features // block_n)
     if float32 and m_blocks == 1 and 2 * blocks <= WAVE_BLOCKS:
         return ProjectionConfig(BLOCK_N=block_n, BLOCK_K=within_norm(128), SPLIT_K=splits(blocks))
-    # Two blocks of half the rows per column block at two blocks per SM, the fewest columns (from 64) whose blocks
-    # fit that, i.e. whose column blocks fit a wave: a wide product (in_proj) gets twice the blocks streaming its
-    # weight, at 128-feature K steps. Wider ones (an LM head) keep 128 columns of whole rows.
-    half_rows_n = next((n for n in (64, 128) if -(-dims.out_features // n) <= WAVE_BLOCKS), None)
-    if float32 and m_blocks == 1 and dims.rows > MAX_BLOCK_M // 2 and half_rows_n:
-        return ProjectionConfig(BLOCK_N=half_rows_n, BLOCK_K=within_norm(128), BLOCK_M=MAX_BLOCK_M // 2,
-                                OCCUPANCY=2)
+    # The weight first, two blocks per SM: a wide product (in_proj) whose 64-column blocks fit that in a wave.
+    # Wider ones (an LM head) keep 128 columns.
+    if float32 and m_blocks == 1 and dims.rows > MAX_BLOCK_M // 2 and wide_blocks <= 2 * WAVE_BLOCKS:
+        return ProjectionConfig(BLOCK_N=64, BLOCK_K=block_k, OCCUPANCY=2, BLOCK_M=MAX_BLOCK_M, WEIGHT_FIRST=True)
     return ProjectionConfig(BLOCK_N=block_n, BLOCK_K=block_k)
 
 

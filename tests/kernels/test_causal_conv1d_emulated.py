@@ -254,17 +254,22 @@ def test_conv_backward_plan_rejects_items_not_dividing_batch():
 
 
 def test_conv_default_configs_fit_the_problem():
-    """Channel tiles narrow to the channels; the backward's segments shorten until the grid has MIN_BLOCKS
-    blocks (the layer's 256 [B, C] channels at (8, 2048): 128 tokens), and stay at 256 tokens for the LM's x."""
+    """Channel tiles narrow to the channels; both passes' segments shorten until the grid has MIN_BLOCKS blocks
+    (the layer's 256 [B, C] channels at (8, 2048): 128 tokens backward, 64 forward; one tile for a short
+    sequence), and stay at 256 / 128 tokens for the LM's x."""
     narrow = conv_fwd.ConvDims(batch=1, seqlen=8, channels=40, width=4)
-    assert conv_fwd.conv_fwd_default_config(narrow).BLOCK_C == 64
+    narrow_fwd = conv_fwd.conv_fwd_default_config(narrow)
+    assert (narrow_fwd.BLOCK_C, narrow_fwd.SEGMENT_TILES) == (64, 1)
     lm = conv_fwd.ConvDims(batch=8, seqlen=2048, channels=2304, width=4)
-    assert conv_fwd.conv_fwd_default_config(lm).BLOCK_C == 512
+    lm_fwd = conv_fwd.conv_fwd_default_config(lm)
+    assert (lm_fwd.BLOCK_L, lm_fwd.BLOCK_C, lm_fwd.SEGMENT_TILES, lm_fwd.OCCUPANCY) == (8, 512, 16, 4)
     lm_cfg = conv_bwd.conv_bwd_default_config(lm)
     assert (lm_cfg.BLOCK_L, lm_cfg.BLOCK_C, lm_cfg.segment, lm_cfg.OCCUPANCY) == (8, 128, 256, 4)
     bc = dataclasses.replace(lm, channels=256)
     cfg = conv_bwd.conv_bwd_default_config(bc)
-    assert cfg.segment == 128 and np.prod(conv_bwd.conv_bwd_grid(bc, cfg)) == conv_bwd.MIN_BLOCKS
+    assert cfg.segment == 128 and np.prod(conv_bwd.conv_bwd_grid(bc, cfg)) == conv_fwd.MIN_BLOCKS
+    fwd_cfg = conv_fwd.conv_fwd_default_config(bc)
+    assert fwd_cfg.SEGMENT_TILES == 8 and np.prod(conv_fwd.conv_fwd_grid(bc, fwd_cfg)) == conv_fwd.MIN_BLOCKS
 
 
 @pytest.mark.parametrize("cfg,message", [

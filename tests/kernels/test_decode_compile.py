@@ -228,16 +228,16 @@ def test_the_mixer_steps_conv_window_stores_are_plain_stores():
 
 @pytest.mark.parametrize("d_model, d_in_proj", [(1024, 4384), (2048, 8512)])
 def test_the_weight_first_product_of_float32_weights_takes_wgmma(d_model, d_in_proj):
-    """in_proj with float32 weights at 64 rows: a block of 64 rows with the weight as the first operand
-    (WEIGHT_FIRST) runs wgmma (HGMMA), where the default's two 32-row blocks run mma.sync (HMMA), within two blocks
-    per SM (128 registers, at most half the shared memory) and without local memory."""
+    """in_proj with float32 weights at 64 rows: the default, a block of 64 rows with the weight as the first
+    operand (WEIGHT_FIRST), runs wgmma (HGMMA), where two 32-row blocks per column block run mma.sync (HMMA), both
+    within two blocks per SM (128 registers, at most half the shared memory) and without local memory."""
     from benchmarks.tools.sass import disassemble
 
     dims = ProjectionDims(rows=64, features=d_model, out_features=d_in_proj, layers=48, has_norm=True,
                           weight_dtype="float32")
-    for cfg, product in ((decode_projection.projection_default_config(dims), "HMMA"),
-                         (decode_projection.ProjectionConfig(BLOCK_N=64, LATENCY=2, OCCUPANCY=2, BLOCK_M=64,
-                                                             WEIGHT_FIRST=True), "HGMMA")):
+    assert decode_projection.projection_default_config(dims).WEIGHT_FIRST
+    for cfg, product in ((decode_projection.ProjectionConfig(BLOCK_N=64, BLOCK_M=32, OCCUPANCY=2), "HMMA"),
+                         (decode_projection.projection_default_config(dims), "HGMMA")):
         cubin = plan_cubins((decode_projection.norm_project_plan(dims, cfg),
                              decode_projection.norm_project_inputs(dims)))["decode_project_kernel"]
         try:
