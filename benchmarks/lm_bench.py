@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 import glob
 import gzip
+import importlib
 import json
 import os
 import re
@@ -108,7 +109,7 @@ def causal_conv1d_version() -> Optional[str]:
     """The importable causal_conv1d's version (its CUDA extension loads), else None."""
     try:
         import causal_conv1d
-        import causal_conv1d_cuda  # noqa: F401  the compiled extension mamba_ssm's fused path calls
+        importlib.import_module("causal_conv1d_cuda")  # the compiled extension mamba_ssm's fused path calls
     except Exception:  # noqa: BLE001
         return None
     return getattr(causal_conv1d, "__version__", "unknown")
@@ -196,21 +197,13 @@ def _profile_record(source: str, kernels: list, hlo_text: str, calls: int, top: 
             **kernel_categories.fold(kernels, hlo_text, calls, top=top)}
 
 
-# The device events of a torch.profiler Chrome trace: kernels, and the copies and fills the driver runs.
-_TORCH_GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def torch_trace_kernels(trace: dict) -> list[tuple[str, float, float]]:
-    """(name, start_us, duration_us) of each kernel, memcpy and memset in a torch.profiler Chrome trace."""
-    return [(e["name"], float(e["ts"]), float(e["dur"])) for e in trace["traceEvents"]
-            if e.get("ph") == "X" and e.get("cat") in _TORCH_GPU_EVENTS]
-
-
 def profile_torch_calls(call: Callable[[], Any], sync: Callable[[Any], Any], calls: int, top: int = 15) -> dict:
     """`profile_calls` for a PyTorch step on a CUDA device: its kernels under torch.profiler (CUPTI), folded into
     the same categories by their names (no compiled module: `kernel_categories` names mamba_ssm's, causal_conv1d's
     and ATen's kernels)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.tools import kernel_profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
@@ -218,7 +211,7 @@ def profile_torch_calls(call: Callable[[], Any], sync: Callable[[Any], Any], cal
     with tempfile.TemporaryDirectory(prefix="lm_bench_torch_trace_") as trace_dir:
         path = Path(trace_dir) / "trace.json"
         prof.export_chrome_trace(str(path))
-        kernels = torch_trace_kernels(json.loads(path.read_text()))
+        kernels = kernel_profile.torch_trace_kernels(json.loads(path.read_text()))
     return _profile_record("torch.profiler trace (CUPTI)", kernels, "", calls, top)
 
 
@@ -254,7 +247,6 @@ def jax_device_rates() -> dict:
     src = jnp.ones((copy_bytes // 4,), jnp.float32)
     copy = jax.jit(lambda x: x + 0.0 * x[0])  # one full read and write; XLA cannot elide it
     copy_ms = _median_ms(lambda: copy(src), jax.block_until_ready)
-    del a, b, src
     return {"matmul_tflops": 2 * matmul_size ** 3 / (matmul_ms * 1e-3) / 1e12, "matmul_size": matmul_size,
             "copy_gbps": 2 * copy_bytes / (copy_ms * 1e-3) / 1e9, "copy_bytes": copy_bytes}
 
@@ -271,7 +263,6 @@ def torch_device_rates(device) -> dict:
     src = torch.ones(copy_bytes // 4, device=device)
     dst = torch.empty_like(src)
     copy_ms = _median_ms(lambda: dst.copy_(src), sync)
-    del a, b, src, dst
     return {"matmul_tflops": 2 * matmul_size ** 3 / (matmul_ms * 1e-3) / 1e12, "matmul_size": matmul_size,
             "copy_gbps": 2 * copy_bytes / (copy_ms * 1e-3) / 1e9, "copy_bytes": copy_bytes}
 
@@ -318,15 +309,24 @@ def _tail(text, chars: int = 3000) -> str:
     return (text or "")[-chars:]
 
 
-def worker_main(argv: list[str], work: Callable[[dict], dict]) -> bool:
-    """If argv is `--worker JOB.json`: runs `work(job)` and writes its record (or the error it raised) where
-    the job says; returns True. Otherwise returns False (the caller is the driver)."""
+def worker_main(argv: list[str], work: Callable[[dict], dict], on_torch: Callable[[dict], bool]) -> bool:
+    """If argv is `--worker JOB.json`: runs `work(job)`, then measures the GPU's rates (`torch_device_rates` where
+    `on_torch(job)`, else `jax_device_rates`: after `work` has returned, so its model and state are freed), and
+    writes the record (or the error raised) where the job says; returns True. Otherwise returns False (the
+    caller is the driver)."""
     if len(argv) != 2 or argv[0] != "--worker":
         return False
     job = json.loads(Path(argv[1]).read_text())
     record_file = Path(job.pop("record_file"))
     try:
-        record = {**job, **work(job), "error": None}
+        record = {**job, **work(job)}
+        if on_torch(job):
+            import torch
+
+            record["device_rates"] = torch_device_rates(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        else:
+            record["device_rates"] = jax_device_rates()
+        record["error"] = None
     except Exception as e:  # noqa: BLE001  the record says what failed (an out-of-memory, a missing peer)
         import traceback
         traceback.print_exc()

@@ -240,11 +240,9 @@ def decode_ours(job: dict) -> dict:
     for length in job["prompt_lengths"]:
         prompt = jax.random.randint(jax.random.key(length), (1, length), 0, vocab, jnp.int32)
         _, prefill[str(length)] = _timed_generate(model, prompt, 1, job["repeats"], job["warmup_seconds"], controls)
-    peak = lm_bench.jax_peak_bytes()
-    del model
     return {"batches": batches, "prefill_ms": prefill, "weight_bytes": weight_bytes, "decode_step": decode_step,
-            "state_bytes_per_row": state_bytes, "peak_memory_bytes": peak,
-            "device_rates": lm_bench.jax_device_rates(), "environment": environment(),
+            "state_bytes_per_row": state_bytes, "peak_memory_bytes": lm_bench.jax_peak_bytes(),
+            "environment": environment(),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
@@ -328,11 +326,9 @@ def decode_torch_model(job: dict, model, device) -> dict:
 
             prefill[str(length)] = lm_bench.time_calls(prefill_call, sync, steps=job["repeats"],
                                                        warmup_seconds=job["warmup_seconds"]).ms_median
-    peak = torch.cuda.max_memory_allocated() if cuda else None
-    del model
     return {"batches": batches, "prefill_ms": prefill, "weight_bytes": weight_bytes,
-            "state_bytes_per_row": state_bytes, "peak_memory_bytes": peak,
-            "device_rates": lm_bench.torch_device_rates(device),
+            "state_bytes_per_row": state_bytes,
+            "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
             "environment": {"device": torch.cuda.get_device_name() if cuda else str(device),
                             "torch": torch.__version__, "git_sha": lm_bench.git_sha()}}
 
@@ -573,7 +569,7 @@ def combine_batches(earlier: dict, new: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    if lm_bench.worker_main(sys.argv[1:] if argv is None else argv, work):
+    if lm_bench.worker_main(sys.argv[1:] if argv is None else argv, work, lambda job: job["impl"] not in OURS):
         return 0
     args = parse_args(argv)
     path = lm_bench.results_path(args.out, "lm_decode")

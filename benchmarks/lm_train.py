@@ -350,8 +350,6 @@ def train_ours(job: dict) -> dict:
         record["hlo_path"] = str(save_hlo(hlo_text, Path(job["hlo_dir"]), record_name(job)))
     if job["profile_steps"]:
         record["profile"] = lm_bench.profile_calls(call, hlo_text, job["profile_steps"])
-    del state, inputs, targets, compiled
-    record["device_rates"] = lm_bench.jax_device_rates()
     return record
 
 
@@ -407,8 +405,6 @@ def train_torch_model(job: dict, parts: dict, device) -> dict:
         "environment": {"device": torch.cuda.get_device_name() if cuda else str(device),
                         "torch": torch.__version__, "git_sha": lm_bench.git_sha()},
     }
-    del model, optimizer, ids, inputs, targets
-    record["device_rates"] = lm_bench.torch_device_rates(device)
     return record
 
 
@@ -715,7 +711,7 @@ def jobs(args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    if lm_bench.worker_main(sys.argv[1:] if argv is None else argv, work):
+    if lm_bench.worker_main(sys.argv[1:] if argv is None else argv, work, lambda job: job["impl"] not in OURS):
         return 0
     args = parse_args(argv)
     path = lm_bench.results_path(args.out, "lm_train")

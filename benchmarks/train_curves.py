@@ -5,9 +5,9 @@
     python benchmarks/train_curves.py OUT_A/train_lm/metrics.json OUT_B/train_lm/metrics.json --png OUT.png
 
 Each file is one run's metrics.json (it names its "backend") or a record of several runs keyed by backend
-(benchmarks/results/train_lm_h200.json). The reference is the run of --reference (default: the first). Prints, for each other run, the
-largest relative difference of its training loss from the reference's at the steps both logged, and exits 1
-when it exceeds --tolerance: two backends that compute the same model must train the same way. The plot has
+(benchmarks/results/train_lm_h200.json). The reference is the run of --reference (default: the first).
+Prints, for each other run, the largest relative difference of its training loss from the reference's at the
+steps both logged, and exits 1 when it exceeds --tolerance: two backends that compute the same model must train the same way. The plot has
 the training losses on one axis (each run in its own line style, so equal curves stay visible) and, below,
 each run's difference from the reference in percent.
 """

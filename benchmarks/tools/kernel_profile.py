@@ -70,6 +70,16 @@ def trace_kernels(trace: dict) -> list[tuple[str, float, float]]:
             if e.get("ph") == "X" and e.get("pid") in gpu_pids]
 
 
+# The device events of a torch.profiler Chrome trace: kernels, and the copies and fills the driver runs.
+_TORCH_GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def torch_trace_kernels(trace: dict) -> list[tuple[str, float, float]]:
+    """(name, start_us, duration_us) of each kernel, memcpy and memset in a torch.profiler Chrome trace."""
+    return [(e["name"], float(e["ts"]), float(e["dur"])) for e in trace["traceEvents"]
+            if e.get("ph") == "X" and e.get("cat") in _TORCH_GPU_EVENTS]
+
+
 def summarize(args) -> None:
     """One row per kernel: launches and microseconds per call, largest first."""
     from jax_mamba2._files import write_atomically

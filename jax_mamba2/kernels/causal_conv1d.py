@@ -465,8 +465,19 @@ class ConvFwdConfig:
     SEGMENT_TILES: int = 1
 
     def __post_init__(self):
-        if not isinstance(self.SEGMENT_TILES, int) or self.SEGMENT_TILES < 1:
-            raise ValueError(f"ConvFwdConfig: SEGMENT_TILES={self.SEGMENT_TILES!r} must be a positive int")
+        check_tile_fields("ConvFwdConfig", self)
+
+
+def check_tile_fields(api: str, config) -> None:
+    """Raises TypeError for a field of `config` (a dataclass of tile sizes and counts) that is not an int, and
+    ValueError for one below 1 or a BLOCK_C that is not a power of two."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{api}: {field.name}={value!r} must be an int")
+        if value < 1:
+            raise ValueError(f"{api}: {field.name}={value} must be at least 1")
+    check_block_c(api, config.BLOCK_C)
 
 
 def default_segment_tiles(dims: ConvDims, block_l: int, block_c: int, tiles: int) -> int:

@@ -5,7 +5,6 @@ import json
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
@@ -13,6 +12,7 @@ import jax_mamba2
 
 from benchmarks import kernel_categories, lm_bench, lm_train
 from benchmarks.environment import local_gpu_slug
+from benchmarks.tools import kernel_profile
 
 TINY = "d64-l1-2x64"
 
@@ -159,6 +159,41 @@ def test_the_jax_worker_writes_a_record_table_and_plot(tmp_path, capsys):
     assert "cutile" in records[1]["error"] and records[1]["log_tail"]  # no GPU here: the worker says why
 
 
+def test_the_worker_measures_the_device_rates_after_its_work_is_freed(tmp_path, monkeypatch):
+    """The matmul and copy rates are measured once `work` has returned, so the model it held is gone; a failing
+    work leaves the error and no rates."""
+    import weakref
+
+    class Model:
+        pass
+
+    held = []
+
+    def work(job):
+        model = Model()
+        held.append(weakref.ref(model))
+        return {"steps": job["steps"]}
+
+    def rates():
+        assert held[0]() is None  # the work's model is freed before the rates' buffers are allocated
+        return {"matmul_tflops": 1.0}
+
+    monkeypatch.setattr(lm_bench, "jax_device_rates", rates)
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps({"steps": 3, "record_file": str(tmp_path / "record.json")}))
+    assert lm_bench.worker_main(["--worker", str(job_file)], work, on_torch=lambda job: False)
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record == {"steps": 3, "device_rates": {"matmul_tflops": 1.0}, "error": None}
+
+    def failing(job):
+        raise MemoryError("out of memory")
+
+    job_file.write_text(json.dumps({"steps": 3, "record_file": str(tmp_path / "record.json")}))
+    assert lm_bench.worker_main(["--worker", str(job_file)], failing, on_torch=lambda job: False)
+    assert json.loads((tmp_path / "record.json").read_text()) == {"steps": 3, "error": "MemoryError: out of memory"}
+    assert not lm_bench.worker_main(["--configs", "x"], work, on_torch=lambda job: False)
+
+
 def test_the_torch_step_runs_the_peer_lm_with_a_stand_in_mixer():
     torch = pytest.importorskip("torch")
     from tests.benchmarks._torch_stand_in import stand_in_parts
@@ -168,7 +203,6 @@ def test_the_torch_step_runs_the_peer_lm_with_a_stand_in_mixer():
     assert record["timing"]["steps"] == 2 and record["timing"]["ms_median"] > 0
     assert record["timing"]["ms_pipelined"] > 0
     assert record["loss_first"] == pytest.approx(10.8, abs=0.5)
-    assert record["device_rates"]["matmul_tflops"] > 0
     derived = lm_train.derive({**job, **record, "use_mem_eff_path": False, "causal_conv1d": None, "error": None})
     assert derived["label"] == "mamba_ssm Mamba2 modules (PyTorch), use_mem_eff_path=False, no causal_conv1d"
     assert derived["tokens_per_s"] > 0
@@ -399,7 +433,7 @@ def test_a_torch_peer_s_trace_folds_into_the_same_categories_by_kernel_name():
     for i, name in enumerate(names):
         events.append({"ph": "X", "cat": "gpu_memcpy" if name.startswith("Memcpy") else "kernel", "name": name,
                        "ts": 100.0 + 10 * i, "dur": 2.0 + i})
-    kernels = lm_bench.torch_trace_kernels({"traceEvents": events})
+    kernels = kernel_profile.torch_trace_kernels({"traceEvents": events})
     assert [k[0] for k in kernels] == list(names)
     folded = kernel_categories.fold(kernels, "", calls=1)
     assert folded["busy_us"] == sum(2.0 + i for i in range(len(names)))

@@ -16,8 +16,8 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 pytest.importorskip("cuda.tile")
 
-from jax_mamba2 import backends, op, reference  # noqa: E402
-from jax_mamba2.bridge import ops, problem  # noqa: E402
+from jax_mamba2 import op, reference  # noqa: E402
+from jax_mamba2.bridge import problem  # noqa: E402
 from jax_mamba2.kernels import forward as forward_kernels  # noqa: E402
 from jax_mamba2.kernels import fused_scan  # noqa: E402
 from tests._helpers import make_ssd_args, rel_l2, to_float64  # noqa: E402

@@ -274,9 +274,24 @@ def test_conv_default_configs_fit_the_problem():
 
 @pytest.mark.parametrize("cfg,message", [
     (dataclasses.replace(SMALL_BWD, BLOCK_L=2), "BLOCK_L=2 must be at least width - 1=3"),
-    (dataclasses.replace(SMALL_BWD, BLOCK_C=24), "BLOCK_C=24 must be a power of two"),
 ])
 def test_conv_backward_plan_rejects_invalid_tiles(cfg, message):
     dims = conv_fwd.ConvDims(batch=1, seqlen=8, channels=16, width=4)
     with pytest.raises(ValueError, match=message):
         conv_bwd.conv_bwd_plan(dims, cfg)
+
+
+@pytest.mark.parametrize("config", [conv_fwd.ConvFwdConfig, conv_bwd.ConvBwdConfig])
+def test_conv_configs_name_the_field_that_is_not_a_positive_int_or_power_of_two(config):
+    fields = {"BLOCK_L": 8, "BLOCK_C": 64, "OCCUPANCY": 2, "SEGMENT_TILES": 4}
+    if config is conv_bwd.ConvBwdConfig:
+        fields["REDUCE_BLOCK_C"] = 32
+    name = config.__name__
+    with pytest.raises(TypeError, match=rf"{name}: SEGMENT_TILES=2.0 must be an int"):
+        config(**{**fields, "SEGMENT_TILES": 2.0})
+    with pytest.raises(TypeError, match=rf"{name}: OCCUPANCY=True must be an int"):
+        config(**{**fields, "OCCUPANCY": True})
+    with pytest.raises(ValueError, match=rf"{name}: BLOCK_L=0 must be at least 1"):
+        config(**{**fields, "BLOCK_L": 0})
+    with pytest.raises(ValueError, match=rf"{name}: BLOCK_C=24 must be a power of two"):
+        config(**{**fields, "BLOCK_C": 24})
