@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import glob
 import gzip
 import importlib
@@ -25,7 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 from benchmarks.environment import local_gpu_slug
 
@@ -309,18 +310,19 @@ def _tail(text, chars: int = 3000) -> str:
     return (text or "")[-chars:]
 
 
-def worker_main(argv: list[str], work: Callable[[dict], dict], on_torch: Callable[[dict], bool]) -> bool:
-    """If argv is `--worker JOB.json`: runs `work(job)`, then measures the GPU's rates (`torch_device_rates` where
-    `on_torch(job)`, else `jax_device_rates`: after `work` has returned, so its model and state are freed), and
-    writes the record (or the error raised) where the job says; returns True. Otherwise returns False (the
-    caller is the driver)."""
+def worker_main(argv: list[str], work: Callable[[dict], dict], ours: Collection[str]) -> bool:
+    """If argv is `--worker JOB.json`: runs `work(job)`, then measures the GPU's rates (`jax_device_rates` where
+    the job's impl is among `ours`, else `torch_device_rates`: after `work` has returned and a garbage
+    collection, so its model and state are freed), and writes the record (or the error raised) where the job
+    says; returns True. Otherwise returns False (the caller is the driver)."""
     if len(argv) != 2 or argv[0] != "--worker":
         return False
     job = json.loads(Path(argv[1]).read_text())
     record_file = Path(job.pop("record_file"))
     try:
         record = {**job, **work(job)}
-        if on_torch(job):
+        gc.collect()
+        if job["impl"] not in ours:
             import torch
 
             record["device_rates"] = torch_device_rates(torch.device("cuda" if torch.cuda.is_available() else "cpu"))

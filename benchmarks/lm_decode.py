@@ -569,7 +569,7 @@ def combine_batches(earlier: dict, new: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    if lm_bench.worker_main(sys.argv[1:] if argv is None else argv, work, lambda job: job["impl"] not in OURS):
+    if lm_bench.worker_main(sys.argv[1:] if argv is None else argv, work, OURS):
         return 0
     args = parse_args(argv)
     path = lm_bench.results_path(args.out, "lm_decode")

@@ -7,9 +7,9 @@
 Each file is one run's metrics.json (it names its "backend") or a record of several runs keyed by backend
 (benchmarks/results/train_lm_h200.json). The reference is the run of --reference (default: the first).
 Prints, for each other run, the largest relative difference of its training loss from the reference's at the
-steps both logged, and exits 1 when it exceeds --tolerance: two backends that compute the same model must train the same way. The plot has
-the training losses on one axis (each run in its own line style, so equal curves stay visible) and, below,
-each run's difference from the reference in percent.
+steps both logged, and exits 1 when it exceeds --tolerance: two backends that compute the same model must
+train the same way. The plot has the training losses on one axis (each run in its own line style, so equal
+curves stay visible) and, below, each run's difference from the reference in percent.
 """
 import argparse
 import json

@@ -42,8 +42,8 @@ def projection_configs(case: str, rows: int) -> list[decode_projection.Projectio
     hint of 2 (in_proj's 138 blocks of 64 columns split in two then fit one wave of two blocks per SM), and from 64
     rows two blocks of 32 rows per column block (alone or with K split in 2 or 4: out_proj's few column blocks) or a
     split of 128-column blocks (in_proj's 69 blocks of 64 columns leave half a wave idle at 64 rows), and 64-row
-    blocks with the weight as the tensor cores' first operand (WEIGHT_FIRST: wgmma where float32 weights otherwise
-    take 32-row mma.sync blocks)."""
+    blocks with the weight as the tensor cores' first operand (WEIGHT_FIRST: wgmma where 32-row blocks of float32
+    weights take mma.sync)."""
     columns = (32, 64, 128, 256) if case == "head" else (32, 64, 128)
     tiles = [decode_projection.ProjectionConfig(BLOCK_N=n, BLOCK_K=k, LATENCY=latency, OCCUPANCY=occupancy)
              for n, (k, latency), occupancy in itertools.product(columns, ((128, 4), (256, 2)), (None, 2))]

@@ -279,7 +279,7 @@ case $part in
     export JAX_MAMBA2_AUTOTUNE=0
     step conv_gpu_tests 120 python -m pytest -m gpu -q -rf -n 6 -p no:cacheprovider tests/test_conv1d_gpu.py
     step conv_segments 150 python benchmarks/conv1d.py --impls cutile --layouts mixer_whole --shapes 8,2048,2304 \
-      --direction fwd --fwd-configs 8x16x512x4 8x8x512x4 8x32x512x4 8x16x256x4 16x8x256x4 16x8x512x3 --out "$out"
+      --direction fwd --fwd-configs 16x512x3 8x8x512x4 8x32x512x4 8x16x256x4 16x8x256x4 16x8x512x3 --out "$out"
     for fwd in 16x512x3 8x16x512x4 8x16x256x4; do
       step "lm_step_conv_$fwd" 100 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
         --unroll-layers --no-check-finite --no-profile --conv-configs "$fwd,8x32x128x4" --worker-timeout 90 \

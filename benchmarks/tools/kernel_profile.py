@@ -6,7 +6,9 @@ shape: it compiles and warms up, then calls the program --calls times back to ba
 profiler range for `ncu --profile-from-start off`. `summarize` folds either record (a
 perfetto_trace.json.gz, or ncu's raw CSV of gpu__time_duration.sum) into one row per kernel name:
 launches and microseconds per call, and for a trace the span from the first kernel's start to the last
-one's end per call (what the program takes on the GPU, gaps included).
+one's end per call (what the program takes on the GPU, gaps included). The readers of those records
+(`trace_kernels`, and `torch_trace_kernels` for a torch.profiler Chrome trace, which benchmarks/lm_bench.py
+uses for the PyTorch peer) give (name, start, duration) per kernel.
 
 On the GPU machine:
   python benchmarks/tools/kernel_profile.py run --shape 4,8192,32,64,128,1 --trace /tmp/trace

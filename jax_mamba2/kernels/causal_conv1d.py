@@ -23,11 +23,14 @@ rows shifted by one token cannot be formed from an aligned tile. Each block ther
 tokens of BLOCK_C channels as a Python tuple of rows: it gathers the BLOCK_L + K - 1 rows of its window once
 (`ct.gather` of one token's BLOCK_C contiguous channels: a vector load per thread, zero outside the array,
 which is also the left padding), and each output row combines K rows of the tuple by static indexing, as a
-CUDA thread shifts a register window. The K - 1 halo rows are read again by the neighbouring block, from L2.
+CUDA thread shifts a register window. With SEGMENT_TILES > 1 a block walks that many tiles of BLOCK_L tokens
+in steps, gathering the next step's rows before this step's arithmetic and stores and carrying the K - 1 halo
+rows from step to step; with one tile per block the halo rows are read again by the neighbouring block, from
+L2.
 
 Bytes (the floor of this memory-bound op): one read of x and one write of y, 2 · itemsize(x) bytes per
-element, e.g. 151 MB (31 µs at the H200's 4.8 TB/s) at (8, 2048, 2304) bf16; the halo adds (K - 1) / BLOCK_L
-re-reads that hit L2, the weights and seq_idx are noise.
+element, e.g. 151 MB (31 µs at the H200's 4.8 TB/s) at (8, 2048, 2304) bf16; the halo adds
+(K - 1) / (BLOCK_L · SEGMENT_TILES) re-reads that hit L2, the weights and seq_idx are noise.
 
 Pass-through (PASS_THROUGH, the op's `pass_through`): the channels of x before and after the window (the
 mixer's z and dt) are copied to arrays of their own, `before` and `after`, by blocks after the conv's on the
@@ -35,7 +38,7 @@ grid's channel axis (PASS_BLOCK_C channels each), so that the layer gets them as
 copies no slice of x. The copies are bandwidth the conv blocks, bound by their gathers' latency, leave unused
 (the backward copies their cotangents the same way, causal_conv1d_bwd.py).
 
-Grid: (cdiv(seqlen, BLOCK_L), cdiv(channels, BLOCK_C) [+ cdiv(IN_OFFSET, PASS_BLOCK_C) + cdiv(after,
+Grid: (cdiv(seqlen, BLOCK_L · SEGMENT_TILES), cdiv(channels, BLOCK_C) [+ cdiv(IN_OFFSET, PASS_BLOCK_C) + cdiv(after,
 PASS_BLOCK_C) with PASS_THROUGH], batch).
 
 Shapes: x (batch, seqlen, in_width) T in {bf16, f16, f32} with IN_OFFSET + channels <= in_width; y0, y1, y2
@@ -46,6 +49,7 @@ T (the op rounds them to x's dtype, as the reference does); initial_states (batc
 (a dummy (1, 1, 1) without HAS_INIT); seq_idx (batch, seqlen) int32 (a dummy (1, 1) without HAS_SEQ_IDX).
 """
 import dataclasses
+import numbers
 
 import cuda.tile as ct
 
@@ -465,19 +469,22 @@ class ConvFwdConfig:
     SEGMENT_TILES: int = 1
 
     def __post_init__(self):
-        check_tile_fields("ConvFwdConfig", self)
+        check_tile_fields("ConvFwdConfig", self, powers_of_two=("BLOCK_C",))
 
 
-def check_tile_fields(api: str, config) -> None:
-    """Raises TypeError for a field of `config` (a dataclass of tile sizes and counts) that is not an int, and
-    ValueError for one below 1 or a BLOCK_C that is not a power of two."""
+def check_tile_fields(api: str, config, powers_of_two: tuple[str, ...]) -> None:
+    """Checks every field of `config` (a frozen dataclass of tile sizes and counts): TypeError for one that is not
+    an integer (a NumPy integer is stored as an int), ValueError for one below 1 or, among `powers_of_two` (tile
+    dimensions), one that is not a power of two."""
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{api}: {field.name}={value!r} must be an int")
+        object.__setattr__(config, field.name, int(value))
         if value < 1:
             raise ValueError(f"{api}: {field.name}={value} must be at least 1")
-    check_block_c(api, config.BLOCK_C)
+        if field.name in powers_of_two and not is_power_of_2(int(value)):
+            raise ValueError(f"{api}: {field.name}={value} must be a power of two")
 
 
 def default_segment_tiles(dims: ConvDims, block_l: int, block_c: int, tiles: int) -> int:
@@ -491,25 +498,22 @@ def default_segment_tiles(dims: ConvDims, block_l: int, block_c: int, tiles: int
 
 
 def conv_fwd_default_config(dims: ConvDims) -> ConvFwdConfig:
-    """Segments of 16 steps of 8 rows of up to 512 channels (`default_segment_tiles`): 4 channels per thread of
-    the block's 128, one 8-byte load per row at bf16 (16 bytes at f32), each step's gathers issued before the
-    step before stores, at most 128 registers and no shared or local memory at d_conv 4 (tileiras 13.4,
-    sm_90), within the occupancy hint of 4 blocks per SM. In the LM's step at d_model 1024 (8 x 2048 tokens)
-    this took the forward's 24 launches 1.3 ms below the one-tile form's (16 rows, a block per tile, occupancy
-    3; docs/conv1d.md, "Segments for the forward"). Fewer channels take a narrower tile (at least 16)."""
-    block_l, block_c = 8, min(512, max(16, next_power_of_2(dims.channels)))
-    return ConvFwdConfig(BLOCK_L=block_l, BLOCK_C=block_c, OCCUPANCY=4,
-                         SEGMENT_TILES=default_segment_tiles(dims, block_l, block_c, 16))
+    """Segments of 16 steps of 8 rows of up to 512 channels (fewer steps while the grid would be small,
+    `default_segment_tiles`): 4 channels per thread of the block's 128, one 8-byte load per row at bf16 (16 bytes
+    at f32), each step's gathers issued before the previous step's stores, at most 128 registers and no shared
+    or local memory at d_conv 4 (tileiras 13.4, sm_90), within the occupancy hint of 4 blocks per SM. In the LM's
+    step at d_model 1024 (8 x 2048 tokens, one H100) the forward took 112.6 us per launch against 134.9 for one
+    tile of 16 rows per block at occupancy 3, which a grid too small for segments keeps (docs/conv1d.md,
+    "Segments for the forward"). Fewer channels take a narrower tile (at least 16)."""
+    block_c = min(512, max(16, next_power_of_2(dims.channels)))
+    tiles = default_segment_tiles(dims, 8, block_c, 16)
+    if tiles == 1:
+        return ConvFwdConfig(BLOCK_L=16, BLOCK_C=block_c, OCCUPANCY=3)
+    return ConvFwdConfig(BLOCK_L=8, BLOCK_C=block_c, OCCUPANCY=4, SEGMENT_TILES=tiles)
 
 
 def conv_fwd_grid(dims: ConvDims, cfg: ConvFwdConfig) -> tuple[int, int, int]:
     return (-(-dims.seqlen // (cfg.BLOCK_L * cfg.SEGMENT_TILES)), channel_blocks(dims, cfg.BLOCK_C), dims.batch)
-
-
-def check_block_c(api: str, block_c: int) -> None:
-    """Raises ValueError unless BLOCK_C is a power of two (a tile dimension)."""
-    if not is_power_of_2(block_c):
-        raise ValueError(f"{api}: BLOCK_C={block_c} must be a power of two")
 
 
 def conv_fwd_plan(dims: ConvDims, cfg: ConvFwdConfig | None = None) -> Plan:
@@ -518,7 +522,6 @@ def conv_fwd_plan(dims: ConvDims, cfg: ConvFwdConfig | None = None) -> Plan:
     of width > 0: x's channels before and after the window)."""
     cfg = cfg or conv_fwd_default_config(dims)
     check_dims("conv_fwd_plan", dims)
-    check_block_c("conv_fwd_plan", cfg.BLOCK_C)
     split1, split2 = dims.split_points
     launch = kernel_launch(
         index_width_variant(CONV_FWD_KERNELS, needs_int64_index(dims), occupancy=cfg.OCCUPANCY),

@@ -50,7 +50,7 @@ import cuda.tile as ct
 from jax_mamba2.kernels._common import (
     Big, Buffer, ConstBool, ConstInt, Plan, index_width_variant, int64_index_kernels, kernel_launch, next_power_of_2)
 from jax_mamba2.kernels.causal_conv1d import (
-    CONV_INPUTS, MAX_OUTPUTS, OUTSIDE, ConvDims, channel_blocks, check_block_c, check_dims, check_tile_fields,
+    CONV_INPUTS, MAX_OUTPUTS, OUTSIDE, ConvDims, channel_blocks, check_dims, check_tile_fields,
     conv_arrays, copy_outside_segment, default_segment_tiles, halo_rows, last_rows, masked_taps, needs_int64_index,
     outside_arrays, piece_arrays, piece_rows, preactivation, sigmoid, token_ids, token_rows, weight_rows, widened)
 
@@ -300,7 +300,7 @@ class ConvBwdConfig:
     OCCUPANCY: int = 2
 
     def __post_init__(self):
-        check_tile_fields("ConvBwdConfig", self)
+        check_tile_fields("ConvBwdConfig", self, powers_of_two=("BLOCK_C", "REDUCE_BLOCK_C"))
 
     @property
     def segment(self) -> int:
@@ -358,8 +358,6 @@ def conv_bwd_plan(dims: ConvDims, cfg: ConvBwdConfig | None = None, items: int =
         raise ValueError(f"conv_bwd_plan: items={items} must divide batch={dims.batch}")
     cfg = cfg or conv_bwd_default_config(dims)
     check_dims("conv_bwd_plan", dims)
-    check_block_c("conv_bwd_plan", cfg.BLOCK_C)
-    check_block_c("conv_bwd_plan", cfg.REDUCE_BLOCK_C)
     if cfg.BLOCK_L < dims.width - 1:
         # dx lags g by width - 1 tokens within a step.
         raise ValueError(f"conv_bwd_plan: BLOCK_L={cfg.BLOCK_L} must be at least width - 1={dims.width - 1}")

@@ -216,14 +216,16 @@ def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
     split of 2 takes past a wave) was slower split, and at 64 rows no split paid in bfloat16. float32 weights
     double each K step's bytes, so up to one block of rows (64) a product whose blocks fit a wave twice splits
     K the same way, over 128-feature steps (out_proj at 64 rows: 11 us against 17 unsplit; no local memory;
-    docs/design.md, "Decode"). A wider float32 product of 33 to 64 rows (in_proj) takes the weight as the
-    tensor cores' first operand (WEIGHT_FIRST: wgmma on the 64-row block where 32-row blocks run mma.sync), 64
-    columns per block at an occupancy hint of 2, 64-feature K steps, where those blocks fit two per SM in a wave
-    (none of this for a product wider still, the head): in_proj at mamba2-370m's, -780m's and -1.3b's widths
-    took 9.4 / 15.7 / 29.7 us per launch against 12.4 / 19.0 / 34.4 for two 32-row blocks per column block
-    (one H100; same section). Where the product
-    normalizes (norm_parts), its K step also stays within a group of the norm and starts the gate's columns on a
-    step (`norm_block_k`)."""
+    docs/design.md, "Decode"). A wider float32 product of 33 to 64 rows runs one of two forms (none of this for a
+    product wider still, the head). Where its 64-column blocks fill more than half a wave and fit two per SM in
+    one (in_proj from d_model 1024: 69 to 133 blocks), the weight is the tensor cores' first operand
+    (WEIGHT_FIRST: wgmma on the 64-row block), 64 columns per block at an occupancy hint of 2, 64-feature K
+    steps: in_proj at mamba2-370m's, -780m's and -1.3b's widths took 9.4 / 15.7 / 29.7 us per launch against
+    12.4 / 19.0 / 34.4 for the other form (one H100; same section). Narrower ones (out_proj of mamba2-2.7b,
+    in_proj of mamba2-130m), whose 64-row blocks would leave most SMs idle, run two blocks of 32 rows per column
+    block at an occupancy hint of 2 (mma.sync), 128-feature K steps, 64 columns. Where the product normalizes
+    (norm_parts), its K step also stays within a group of the norm and starts the gate's columns on a step
+    (`norm_block_k`)."""
     def within_norm(block_k):  # a K step within one group of the norm, the gate's columns starting on a step
         return min(block_k, norm_block_k(dims)) if dims.norm_parts else block_k
 
@@ -240,10 +242,15 @@ def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
     blocks = m_blocks * -(-dims.out_features // block_n)
     if float32 and m_blocks == 1 and 2 * blocks <= WAVE_BLOCKS:
         return ProjectionConfig(BLOCK_N=block_n, BLOCK_K=within_norm(128), SPLIT_K=splits(blocks))
-    # The weight first, two blocks per SM: a wide product (in_proj) whose 64-column blocks fit that in a wave.
-    # Wider ones (an LM head) keep 128 columns.
-    if float32 and m_blocks == 1 and dims.rows > MAX_BLOCK_M // 2 and wide_blocks <= 2 * WAVE_BLOCKS:
-        return ProjectionConfig(BLOCK_N=64, BLOCK_K=block_k, OCCUPANCY=2, BLOCK_M=MAX_BLOCK_M, WEIGHT_FIRST=True)
+    if float32 and m_blocks == 1 and dims.rows > MAX_BLOCK_M // 2:
+        # Two blocks per SM either way: the weight first on 64-row blocks where they fill more than half a wave,
+        # else two blocks of 32 rows per column block (twice the blocks streaming the weight). Wider products
+        # (an LM head) keep 128 columns of whole rows.
+        if WAVE_BLOCKS // 2 < wide_blocks <= 2 * WAVE_BLOCKS:
+            return ProjectionConfig(BLOCK_N=64, BLOCK_K=block_k, OCCUPANCY=2, BLOCK_M=MAX_BLOCK_M,
+                                    WEIGHT_FIRST=True)
+        if wide_blocks <= WAVE_BLOCKS // 2:
+            return ProjectionConfig(BLOCK_N=64, BLOCK_K=within_norm(128), BLOCK_M=MAX_BLOCK_M // 2, OCCUPANCY=2)
     return ProjectionConfig(BLOCK_N=block_n, BLOCK_K=block_k)
 
 

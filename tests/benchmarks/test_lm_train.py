@@ -160,8 +160,8 @@ def test_the_jax_worker_writes_a_record_table_and_plot(tmp_path, capsys):
 
 
 def test_the_worker_measures_the_device_rates_after_its_work_is_freed(tmp_path, monkeypatch):
-    """The matmul and copy rates are measured once `work` has returned, so the model it held is gone; a failing
-    work leaves the error and no rates."""
+    """The matmul and copy rates are measured once `work` has returned and its garbage is collected, so the
+    model it held is gone, even one in a reference cycle; a failing work leaves the error and no rates."""
     import weakref
 
     class Model:
@@ -171,6 +171,7 @@ def test_the_worker_measures_the_device_rates_after_its_work_is_freed(tmp_path, 
 
     def work(job):
         model = Model()
+        model.itself = model  # a cycle: only the collector frees it
         held.append(weakref.ref(model))
         return {"steps": job["steps"]}
 
@@ -180,18 +181,29 @@ def test_the_worker_measures_the_device_rates_after_its_work_is_freed(tmp_path, 
 
     monkeypatch.setattr(lm_bench, "jax_device_rates", rates)
     job_file = tmp_path / "job.json"
-    job_file.write_text(json.dumps({"steps": 3, "record_file": str(tmp_path / "record.json")}))
-    assert lm_bench.worker_main(["--worker", str(job_file)], work, on_torch=lambda job: False)
+    job_file.write_text(json.dumps({"impl": "cutile", "steps": 3, "record_file": str(tmp_path / "record.json")}))
+    assert lm_bench.worker_main(["--worker", str(job_file)], work, ours=("cutile",))
     record = json.loads((tmp_path / "record.json").read_text())
-    assert record == {"steps": 3, "device_rates": {"matmul_tflops": 1.0}, "error": None}
+    assert record == {"impl": "cutile", "steps": 3, "device_rates": {"matmul_tflops": 1.0}, "error": None}
 
     def failing(job):
         raise MemoryError("out of memory")
 
-    job_file.write_text(json.dumps({"steps": 3, "record_file": str(tmp_path / "record.json")}))
-    assert lm_bench.worker_main(["--worker", str(job_file)], failing, on_torch=lambda job: False)
-    assert json.loads((tmp_path / "record.json").read_text()) == {"steps": 3, "error": "MemoryError: out of memory"}
-    assert not lm_bench.worker_main(["--configs", "x"], work, on_torch=lambda job: False)
+    job_file.write_text(json.dumps({"impl": "cutile", "steps": 3, "record_file": str(tmp_path / "record.json")}))
+    assert lm_bench.worker_main(["--worker", str(job_file)], failing, ours=("cutile",))
+    assert json.loads((tmp_path / "record.json").read_text()) == {"impl": "cutile", "steps": 3,
+                                                                  "error": "MemoryError: out of memory"}
+    assert not lm_bench.worker_main(["--configs", "x"], work, ours=("cutile",))
+
+
+def test_the_worker_measures_a_peer_jobs_rates_with_torch(tmp_path):
+    """A job whose impl is not ours (mamba_ssm's) has its rates measured with torch (on the CPU here)."""
+    pytest.importorskip("torch")
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps({"impl": "mamba_ssm", "record_file": str(tmp_path / "record.json")}))
+    assert lm_bench.worker_main(["--worker", str(job_file)], lambda job: {}, ours=("cutile",))
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["error"] is None and record["device_rates"]["matmul_tflops"] > 0
 
 
 def test_the_torch_step_runs_the_peer_lm_with_a_stand_in_mixer():

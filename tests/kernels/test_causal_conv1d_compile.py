@@ -70,7 +70,8 @@ def _usage(resources: str) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("problem,loads", [("bf16_lm", "LDG.E.64"), ("bf16_lm_bc", "LDG.E "),
-                                           ("bf16_lm_layout", "LDG.E.64"), ("bf16_lm_pass_through", "LDG.E.128")])
+                                           ("bf16_lm_layout", "LDG.E.64"), ("bf16_lm_pass_through", "LDG.E.128"),
+                                           ("bf16_seq_idx", "LDG.E.64")])
 def test_conv_forward_default_tile_is_spill_free_with_vector_rows(problem, loads):
     """8-row steps of 512 channels (256 for [B, C]): a vector load / store per row and thread, no shared or local
     memory, no stack, and at most 128 registers, which fits the occupancy hint of 4 blocks of 128 threads; the

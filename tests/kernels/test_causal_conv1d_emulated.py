@@ -225,13 +225,19 @@ def test_conv_kernels_in_their_dtype_match_float64_reference(dtype, tolerance):
     assert max(errors.values()) < tolerance, errors
 
 
-def test_conv_kernels_at_default_tiles_match_float64_reference():
-    """The default configs (16-token rows, 256-token segments, up to 512 / 256 channels): an odd seqlen
-    spanning two segments with a partial last step, 600 channels (2 forward, 3 backward channel blocks)."""
+@pytest.mark.parametrize("min_blocks", [1, conv_fwd.MIN_BLOCKS])
+def test_conv_kernels_at_default_tiles_match_float64_reference(min_blocks, monkeypatch):
+    """The default configs at an odd seqlen with a partial last step, 600 channels (2 forward, 5 backward channel
+    blocks): with MIN_BLOCKS lowered to 1, the segments of a large grid (the forward's 16 steps of 8 tokens over
+    three segments, the backward's 32 over two); as it is, this small grid's one tile per block forward."""
+    monkeypatch.setattr(conv_fwd, "MIN_BLOCKS", min_blocks)
     args = make_conv_args(4, batch=1, seqlen=301, channels=600, seq_idx=[255, 46])
     dims = _dims(*(args[i] for i in (0, 1, 3, 4)))
-    errors = _errors(args, *_run(args, float64=True, fwd_cfg=conv_fwd.conv_fwd_default_config(dims),
-                                 bwd_cfg=conv_bwd.conv_bwd_default_config(dims)))
+    fwd_cfg, bwd_cfg = conv_fwd.conv_fwd_default_config(dims), conv_bwd.conv_bwd_default_config(dims)
+    segmented = min_blocks == 1
+    assert (fwd_cfg.SEGMENT_TILES, fwd_cfg.BLOCK_L) == ((16, 8) if segmented else (1, 16)), fwd_cfg
+    assert bwd_cfg.SEGMENT_TILES == (32 if segmented else 1), bwd_cfg
+    errors = _errors(args, *_run(args, float64=True, fwd_cfg=fwd_cfg, bwd_cfg=bwd_cfg))
     assert max(errors.values()) < 1e-12, errors
 
 
@@ -258,8 +264,8 @@ def test_conv_default_configs_fit_the_problem():
     (the layer's 256 [B, C] channels at (8, 2048): 128 tokens backward, 64 forward; one tile for a short
     sequence), and stay at 256 / 128 tokens for the LM's x."""
     narrow = conv_fwd.ConvDims(batch=1, seqlen=8, channels=40, width=4)
-    narrow_fwd = conv_fwd.conv_fwd_default_config(narrow)
-    assert (narrow_fwd.BLOCK_C, narrow_fwd.SEGMENT_TILES) == (64, 1)
+    narrow_fwd = conv_fwd.conv_fwd_default_config(narrow)  # one tile per block: 16 rows at occupancy 3
+    assert (narrow_fwd.BLOCK_L, narrow_fwd.BLOCK_C, narrow_fwd.SEGMENT_TILES, narrow_fwd.OCCUPANCY) == (16, 64, 1, 3)
     lm = conv_fwd.ConvDims(batch=8, seqlen=2048, channels=2304, width=4)
     lm_fwd = conv_fwd.conv_fwd_default_config(lm)
     assert (lm_fwd.BLOCK_L, lm_fwd.BLOCK_C, lm_fwd.SEGMENT_TILES, lm_fwd.OCCUPANCY) == (8, 512, 16, 4)
@@ -295,3 +301,7 @@ def test_conv_configs_name_the_field_that_is_not_a_positive_int_or_power_of_two(
         config(**{**fields, "BLOCK_L": 0})
     with pytest.raises(ValueError, match=rf"{name}: BLOCK_C=24 must be a power of two"):
         config(**{**fields, "BLOCK_C": 24})
+    if config is conv_bwd.ConvBwdConfig:
+        with pytest.raises(ValueError, match=r"ConvBwdConfig: REDUCE_BLOCK_C=48 must be a power of two"):
+            config(**{**fields, "REDUCE_BLOCK_C": 48})
+    assert type(config(**{**fields, "BLOCK_L": np.int64(8)}).BLOCK_L) is int  # a NumPy integer is stored as an int

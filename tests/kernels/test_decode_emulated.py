@@ -276,7 +276,7 @@ def test_default_projection_config_splits_k_only_of_a_narrow_product_of_few_rows
     """out_proj of the LM at d_model 1024 (2048 -> 1024) splits K in 4 over 64-column blocks at 1 and 8 rows, and
     with float32 weights over 32-column blocks up to 64 rows; in_proj (1024 -> 4384, 69 blocks of 64), the head
     and bfloat16 at 64 rows keep one block per column block, in_proj with float32 weights at 33-64 rows takes
-    the weight as the first operand."""
+    the weight as the first operand, a narrower float32 product two blocks of 32 rows."""
     def config(rows, features, out_features, weight_dtype="bfloat16"):
         return decode_projection.projection_default_config(decode_projection.ProjectionDims(
             rows=rows, features=features, out_features=out_features, weight_dtype=weight_dtype))
@@ -291,11 +291,15 @@ def test_default_projection_config_splits_k_only_of_a_narrow_product_of_few_rows
     assert config(16, 4096, 2048, "float32").SPLIT_K == 2
     for rows, features, out_features in ((64, 1024, 4384), (65, 2048, 1024), (256, 2048, 1024)):
         assert config(rows, features, out_features, "float32").SPLIT_K == 1
-    # A wide float32 product of 33-64 rows: the weight first on one 64-row block, two blocks per SM
+    # A wide float32 product of 33-64 rows: the weight first on one 64-row block, two blocks per SM (in_proj from
+    # d_model 1024); a narrower one (mamba2-2.7b's out_proj, mamba2-130m's in_proj) two 32-row blocks per column
     weight_first = decode_projection.ProjectionConfig(BLOCK_N=64, BLOCK_K=64, OCCUPANCY=2, BLOCK_M=64,
                                                       WEIGHT_FIRST=True)
-    for rows, features, out_features in ((64, 1024, 4384), (48, 1536, 6448), (64, 2048, 8512)):
+    for rows, features, out_features in ((64, 1024, 4384), (48, 1536, 6448), (64, 2048, 8512), (64, 2560, 10576)):
         assert config(rows, features, out_features, "float32") == weight_first
+    halves = decode_projection.ProjectionConfig(BLOCK_N=64, BLOCK_K=128, BLOCK_M=32, OCCUPANCY=2)
+    for rows, features, out_features in ((64, 5120, 2560), (40, 768, 3352)):
+        assert config(rows, features, out_features, "float32") == halves
     for rows, features, out_features, dtype in ((32, 1024, 4384, "float32"), (64, 1024, 4384, "bfloat16"),
                                                 (65, 1024, 4384, "float32"), (64, 1024, 50280, "float32")):
         assert config(rows, features, out_features, dtype).BLOCK_M is None  # the last: the tied head
