@@ -254,13 +254,16 @@ case $part in
     done
     ;;
   lm-loss)  # the loss's softmax on the cuTile kernels (one read of a chunk's logits forward, one read and one write
-    # backward) against XLA's fusions (a convert and two reductions per chunk at 1.3-2.3x their floors), the unrolled
-    # step without the non-finite confinement, each profiled (about 6 minutes)
+    # backward) against XLA's fusions (a convert and two reductions per chunk at 1.3-2.3x their floors), then the
+    # kernels on bf16 logits (half the bytes; the peer's logits under autocast), the unrolled step without the
+    # non-finite confinement, each profiled (about 8 minutes)
     export JAX_MAMBA2_AUTOTUNE=0
     for loss in cutile xla; do
       step "lm_loss_$loss" 170 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --unroll-layers \
         --no-check-finite --loss-backend "$loss" --worker-timeout 160 --out "$out"
     done
+    step lm_loss_cutile_bf16_logits 170 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
+      --unroll-layers --no-check-finite --loss-backend cutile --logits-dtype bfloat16 --worker-timeout 160 --out "$out"
     ;;
   conv-ncu)  # Nsight Compute's full set of the conv kernels (forward and backward, the LM's layout at d_model 1024),
     # to see what bounds them at 3-4x their bandwidth floor: details and the SASS with its stall samples per
