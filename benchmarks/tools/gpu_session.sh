@@ -273,9 +273,9 @@ case $part in
       -o /tmp/conv_ncu -f python benchmarks/conv1d.py --impls cutile --layouts mixer_whole --shapes 8,2048,2304 \
       --direction fwd_bwd --budget-seconds 0.2 --out /tmp/conv_ncu_out
     step conv_ncu_csv 60 ncu --import /tmp/conv_ncu.ncu-rep --page details --csv
-    cp "$out/conv_ncu_csv.log" "$out/conv_ncu_h200.csv"
+    gzip -c "$out/conv_ncu_csv.log" > "$out/conv_ncu_h200.csv.gz"
     step conv_ncu_sass 60 ncu --import /tmp/conv_ncu.ncu-rep --page source --csv --print-source sass
-    cp "$out/conv_ncu_sass.log" "$out/conv_ncu_sass_h200.csv"
+    gzip -c "$out/conv_ncu_sass.log" > "$out/conv_ncu_sass_h200.csv.gz"
     ;;
   conv-segments)  # the conv forward walking segments (ConvFwdConfig.SEGMENT_TILES: each step's rows gathered while
     # the step before computes and stores, the halo carried; the default) against one tile per block: the conv GPU
