@@ -99,17 +99,16 @@ def parse_config(text: str, config_type):
     """A config from its fields' values joined by "x": BLOCK_L x SEGMENT_TILES x BLOCK_C x OCCUPANCY (e.g.
     8x16x512x4; ConvBwdConfig with the default REDUCE_BLOCK_C), or for ConvFwdConfig also BLOCK_L x BLOCK_C x
     OCCUPANCY (e.g. 16x512x3: one tile per block)."""
+    from jax_mamba2.kernels.causal_conv1d_bwd import REDUCE_BLOCK_C, ConvBwdConfig
+
     values = [int(v) for v in text.split("x")]
-    names = ["BLOCK_L", "SEGMENT_TILES", "BLOCK_C", "OCCUPANCY"]
-    fields = {field.name for field in dataclasses.fields(config_type)}
-    if len(values) == 3 and "REDUCE_BLOCK_C" not in fields:
-        names.remove("SEGMENT_TILES")
-    if len(values) != len(names):
-        forms = [names] if "REDUCE_BLOCK_C" in fields else [[n for n in names if n != "SEGMENT_TILES"], names]
+    segments = ["BLOCK_L", "SEGMENT_TILES", "BLOCK_C", "OCCUPANCY"]
+    backward = config_type is ConvBwdConfig
+    forms = [segments] if backward else [["BLOCK_L", "BLOCK_C", "OCCUPANCY"], segments]
+    names = next((form for form in forms if len(form) == len(values)), None)
+    if names is None:
         raise SystemExit(f"conv1d.py: config {text!r} must be " + " or ".join("x".join(f) for f in forms))
-    from jax_mamba2.kernels.causal_conv1d_bwd import REDUCE_BLOCK_C
-    extra = {"REDUCE_BLOCK_C": REDUCE_BLOCK_C} if "REDUCE_BLOCK_C" in fields else {}
-    return config_type(**dict(zip(names, values)), **extra)
+    return config_type(**dict(zip(names, values)), **({"REDUCE_BLOCK_C": REDUCE_BLOCK_C} if backward else {}))
 
 
 def _pieces(y, layout: str, channels: int):

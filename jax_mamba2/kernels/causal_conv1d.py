@@ -528,8 +528,7 @@ def conv_fwd_plan(dims: ConvDims, cfg: ConvFwdConfig | None = None) -> Plan:
         conv_fwd_grid(dims, cfg), writes=CONV_OUTPUTS + OUTSIDE,  # the dummies too: every array needs a buffer
         WIDTH=dims.width, INIT_WIDTH=dims.init_width, IN_OFFSET=dims.in_offset, OUTPUTS=len(dims.pieces),
         SPLIT1=split1, SPLIT2=split2, BLOCK_L=cfg.BLOCK_L, SEGMENT_TILES=cfg.SEGMENT_TILES, BLOCK_C=cfg.BLOCK_C,
-        HAS_INIT=dims.has_init,
-        HAS_SEQ_IDX=dims.has_seq_idx, SILU=dims.silu, PASS_THROUGH=dims.pass_through)
+        HAS_INIT=dims.has_init, HAS_SEQ_IDX=dims.has_seq_idx, SILU=dims.silu, PASS_THROUGH=dims.pass_through)
     outside = tuple(name for name, w in zip(OUTSIDE, dims.outside_widths) if dims.pass_through and w)
     return Plan(inputs=CONV_INPUTS, buffers={**piece_arrays(dims, "y"), **outside_arrays(dims)}, launches=(launch,),
                 outputs=CONV_OUTPUTS[:len(dims.pieces)] + outside)

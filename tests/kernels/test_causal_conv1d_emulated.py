@@ -134,22 +134,29 @@ def test_conv_kernels_in_the_mixer_layout_match_float64_reference(layout, case, 
 
 # The LM's layout scaled down, at the default tiles: 1024 channels before the window (one copy block) and 16
 # after it (a copy block mostly outside dt).
+# The LM's layout scaled down: (conv options, channel layout).
 _LM_SCALED = (dict(batch=1, seqlen=40, channels=1280, seq_idx=[25, 15]), (1024, 1024 + 1280 + 16, (1024, 128, 128)))
+# (conv options, channel layout, forward tiles: a FWD_CONFIGS key, or None for both defaults)
+PASS_THROUGH_CASES = {
+    **{name: (CASES["seq_idx"], layout, "tiles") for name, layout in LAYOUTS.items()},
+    "mixer_segmented_forward": (CASES["seq_idx"], LAYOUTS["mixer"], "segments"),
+    "lm_scaled_default_tiles": (*_LM_SCALED, None),
+}
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "lm_scaled_default_tiles", "mixer_segmented_forward"])
+@pytest.mark.parametrize("layout", list(PASS_THROUGH_CASES))
 def test_conv_kernels_pass_the_other_channels_through(layout):
     """With pass_through the forward also copies x's channels before and after the window to their own arrays,
     and the backward's dx is x's whole cotangent: the conv's dx in the window and the given cotangents of the
     channels before and after it, copies bit for bit (one side is absent in two of the layouts)."""
-    options, channel_layout = (CASES["seq_idx"], LAYOUTS.get(layout, LAYOUTS["mixer"])) \
-        if layout != "lm_scaled_default_tiles" else _LM_SCALED
+    options, channel_layout, fwd = PASS_THROUGH_CASES[layout]
     args = make_conv_args(8, **options)
     x, kernel, bias, init, seq_idx, dy = args
     dims = dataclasses.replace(_dims(x, kernel, init, seq_idx, layout=channel_layout), pass_through=True)
-    fwd_cfg, bwd_cfg = SMALL_SEGMENTED_FWD if layout == "mixer_segmented_forward" else SMALL_FWD, SMALL_BWD
-    if layout == "lm_scaled_default_tiles":
+    if fwd is None:
         fwd_cfg, bwd_cfg = conv_fwd.conv_fwd_default_config(dims), conv_bwd.conv_bwd_default_config(dims)
+    else:
+        fwd_cfg, bwd_cfg = FWD_CONFIGS[fwd], SMALL_BWD
     before, after = dims.outside_widths
     fwd_plan = conv_fwd.conv_fwd_plan(dims, fwd_cfg)
     assert_plan_well_formed(fwd_plan)
