@@ -1,5 +1,5 @@
-"""The LM loss's softmax on the cuTile kernels (kernels/cross_entropy.py, cross_entropy_bwd.py,
-cross_entropy_loss_grad.py), for any plan executor.
+"""The LM loss's softmax on the cuTile kernels (kernels/cross_entropy.py, cross_entropy_bwd.py), for any plan
+executor.
 
 Adds what raw kernel calls lack: a vmap rule (every array is per row, so the mapped axis folds into the
 kernels' rows) and outputs that keep shard_map's varying axes. `jax_mamba2.flax_layers.loss` calls
@@ -20,7 +20,6 @@ from jax_mamba2.bridge import _compat, callback, ffi
 from jax_mamba2.bridge.problem import gpu_unavailable_reason
 from jax_mamba2.kernels import cross_entropy as fwd_kernels
 from jax_mamba2.kernels import cross_entropy_bwd as bwd_kernels
-from jax_mamba2.kernels import cross_entropy_loss_grad as loss_grad_kernels
 from jax_mamba2.kernels._common import KERNEL_DTYPES
 from jax_mamba2.kernels.cross_entropy import CrossEntropyConfig, CrossEntropyDims, cross_entropy_default_config
 
@@ -75,12 +74,6 @@ def _backward_once(run_plan: RunPlan, config: ChooseConfig, dims: CrossEntropyDi
     return _compat.match_varying_axes((out["dlogits"],), (logits, labels, lse, scale))
 
 
-def _loss_grad_once(run_plan: RunPlan, config: ChooseConfig, dims: CrossEntropyDims, logits, labels):
-    out = run_plan(loss_grad_kernels.cross_entropy_loss_grad_plan(dims, config(dims)),
-                   dict(logits=logits, labels=labels))
-    return _compat.match_varying_axes((out["loss"], out["dlogits"]), (logits, labels))
-
-
 @functools.cache
 def _batchable(once: Callable, run_plan: RunPlan, config: ChooseConfig, dims: CrossEntropyDims):
     @jax.custom_batching.custom_vmap
@@ -102,9 +95,7 @@ class LossKernels:
     forward(dims, logits, labels) -> (lse, loss), both (rows,) f32: the row's logsumexp over the first
       vocab_size columns and its masked loss (0 ignored, NaN for a counted label out of range);
     backward(dims, logits, labels, lse, scale) -> dlogits (rows, padded_vocab) in dims.grad_dtype, scale (rows,)
-      f32 the cotangent of each row's loss;
-    loss_and_unit_grad(dims, logits, labels) -> (loss, dlogits): forward's loss and backward's dlogits at scale 1,
-      in one launch.
+      f32 the cotangent of each row's loss.
     Arrays: logits (rows, padded_vocab) in dims.dtype, labels (rows,) int32, lse / scale (rows,) f32.
     """
 
@@ -116,9 +107,6 @@ class LossKernels:
 
     def backward(self, dims: CrossEntropyDims, logits, labels, lse, scale):
         return _batchable(_backward_once, self.run_plan, self.config, dims)(logits, labels, lse, scale)[0]
-
-    def loss_and_unit_grad(self, dims: CrossEntropyDims, logits, labels):
-        return _batchable(_loss_grad_once, self.run_plan, self.config, dims)(logits, labels)
 
 
 def make_kernels(run_plan: RunPlan, config: ChooseConfig = cross_entropy_default_config) -> LossKernels:

@@ -156,15 +156,6 @@ def _softmax_grad(static: _LossStatic, backend, logits, labels, logsumexp, scale
                                     scale.astype(jnp.float32))
 
 
-def _softmax_loss_and_unit_grad(static: _LossStatic, backend, logits, labels):
-    """(per-token loss, the logits' gradient of the chunk's summed losses) on `backend`, as `_softmax_loss` and
-    then `_softmax_grad` at scale 1; the kernels take both in one launch (kernels/cross_entropy_loss_grad.py)."""
-    if backend.kernels is None:
-        logsumexp, per_token = _xla_softmax_loss(static, logits, labels)
-        return per_token, _xla_softmax_grad(static, logits, labels, logsumexp, jnp.ones_like(logsumexp))
-    return backend.kernels.loss_and_unit_grad(_kernel_dims(static, logits), logits, labels)
-
-
 def _head_operand(static: _LossStatic, weight):
     """The weight in the matmul dtype, its vocabulary axis zero-padded to a multiple of _VOCAB_MULTIPLE."""
     axis = 0 if static.embedding_layout else 1
@@ -240,8 +231,9 @@ def _loss_and_unit_grads(static: _LossStatic, hidden, weight, labels):
     def chunk(dweight, args):
         h, y = args
         logits = _head_logits(static, h, operand)
-        per_token, dlogits = registry.run_selected(backends, functools.partial(_softmax_loss_and_unit_grad, static),
-                                                   logits, y)
+        logsumexp, per_token = registry.run_selected(backends, functools.partial(_softmax_loss, static), logits, y)
+        dlogits = registry.run_selected(backends, functools.partial(_softmax_grad, static), logits, y, logsumexp,
+                                        jnp.ones_like(logsumexp))
         dh, step = _head_grads(static, operand, h, dlogits, acc_dtype)
         return dweight + step, (per_token, dh)
 

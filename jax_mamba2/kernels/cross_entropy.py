@@ -73,13 +73,9 @@ class CrossEntropyConfig:
 
     BLOCK_ROWS: rows per block; BLOCK_V: columns per tile (powers of two; BLOCK_ROWS x BLOCK_V f32 values
       live in registers).
-    FWD_OCCUPANCY / BWD_OCCUPANCY / FUSED_OCCUPANCY: the occupancy hints (blocks per SM the compiler budgets
-      registers for) of the forward, the backward and the fused loss-and-gradient kernel
-      (kernels/cross_entropy_loss_grad.py).
-    FWD_LATENCY / BWD_LATENCY / FUSED_LATENCY: the latency hint (1..10) of the column loops' logits loads (a deeper
-      prefetch: the next tile's load issues before this one's math), or 0 to leave them to the compiler.
-    FUSED_ROW_BLOCKS: row blocks each block of the fused kernel walks, one after another (its grid is that many
-      times smaller): fewer blocks at once hold fewer rows between their two reads.
+    FWD_OCCUPANCY / BWD_OCCUPANCY: the occupancy hints (blocks per SM the compiler budgets registers for).
+    FWD_LATENCY / BWD_LATENCY: the latency hint (1..10) of the column loop's logits loads (a deeper prefetch:
+      the next tile's load issues before this one's math), or 0 to leave them to the compiler.
     """
 
     BLOCK_ROWS: int
@@ -88,21 +84,11 @@ class CrossEntropyConfig:
     BWD_OCCUPANCY: int
     FWD_LATENCY: int = 0
     BWD_LATENCY: int = 0
-    FUSED_OCCUPANCY: int = 4
-    FUSED_LATENCY: int = 0
-    FUSED_ROW_BLOCKS: int = 1
 
     def __post_init__(self):
         check_row_block_config(self)
-        api = type(self).__name__
         if not is_power_of_2(self.BLOCK_V) or not 16 <= self.BLOCK_V <= 16384:
-            raise ValueError(f"{api}: BLOCK_V={self.BLOCK_V} must be a power of two in [16, 16384]")
-        if not 1 <= self.FUSED_OCCUPANCY <= 32:
-            raise ValueError(f"{api}: FUSED_OCCUPANCY={self.FUSED_OCCUPANCY} must be in [1, 32]")
-        if not 0 <= self.FUSED_LATENCY <= 10:
-            raise ValueError(f"{api}: FUSED_LATENCY={self.FUSED_LATENCY} must be 0 (no hint) or in [1, 10]")
-        if self.FUSED_ROW_BLOCKS < 1:
-            raise ValueError(f"{api}: FUSED_ROW_BLOCKS={self.FUSED_ROW_BLOCKS} must be >= 1")
+            raise ValueError(f"CrossEntropyConfig: BLOCK_V={self.BLOCK_V} must be a power of two in [16, 16384]")
 
 
 def cross_entropy_default_config(dims: CrossEntropyDims) -> CrossEntropyConfig:
@@ -166,9 +152,9 @@ def columns(column_tile, BLOCK_V):
 # Kernel
 # ------------------------------------------------------------------------------------------------
 
-def row_logsumexp_and_loss(logits, label, row_block, VOCAB, IGNORE_INDEX, BLOCK_ROWS, BLOCK_V, LOAD_LAT):
-    """One pass over the vocabulary's column tiles of a row block -> (lse, loss), (BLOCK_ROWS, 1) f32 each, for
-    the (BLOCK_ROWS, 1) int32 `label` tile (the module's docstring)."""
+def _cross_entropy_fwd_body(logits, labels, lse, loss, VOCAB, IGNORE_INDEX, BLOCK_ROWS, BLOCK_V, LOAD_LAT):
+    row_block = ct.bid(0)
+    label = load_row_vector(labels, row_block, BLOCK_ROWS)                      # (BLOCK_ROWS, 1) int32
     running_max = ct.full((BLOCK_ROWS, 1), NEG_FLT_MAX, dtype=ct.float32)
     running_sum = ct.zeros((BLOCK_ROWS, 1), dtype=ct.float32)
     target = ct.zeros((BLOCK_ROWS, 1), dtype=ct.float32)
@@ -186,14 +172,7 @@ def row_logsumexp_and_loss(logits, label, row_block, VOCAB, IGNORE_INDEX, BLOCK_
         target = target + ct.sum(ct.where(col == label, x, 0.0), axis=1, keepdims=True)
     row_lse = running_max * LN2 + ct.log(running_sum)
     counted, out_of_range = label_masks(label, VOCAB, IGNORE_INDEX)
-    return row_lse, ct.where(counted, ct.where(out_of_range, NAN, row_lse - target), 0.0)
-
-
-def _cross_entropy_fwd_body(logits, labels, lse, loss, VOCAB, IGNORE_INDEX, BLOCK_ROWS, BLOCK_V, LOAD_LAT):
-    row_block = ct.bid(0)
-    label = load_row_vector(labels, row_block, BLOCK_ROWS)                      # (BLOCK_ROWS, 1) int32
-    row_lse, row_loss = row_logsumexp_and_loss(logits, label, row_block, VOCAB, IGNORE_INDEX, BLOCK_ROWS, BLOCK_V,
-                                               LOAD_LAT)
+    row_loss = ct.where(counted, ct.where(out_of_range, NAN, row_lse - target), 0.0)
     store_row_vector(lse, row_block, row_lse, BLOCK_ROWS)
     store_row_vector(loss, row_block, row_loss, BLOCK_ROWS)
 

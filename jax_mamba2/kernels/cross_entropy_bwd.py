@@ -36,18 +36,15 @@ CROSS_ENTROPY_BWD_INPUTS = ("logits", "labels", "lse", "scale")
 CROSS_ENTROPY_BWD_OUTPUTS = ("dlogits",)
 
 
-def store_row_gradient(logits, label, row_lse, row_scale, dlogits, row_block, VOCAB, IGNORE_INDEX, BLOCK_ROWS,
-                       BLOCK_V, LOAD_LAT, REVERSE):
-    """Writes dlogits of a row block, every column tile of dlogits (the module's docstring), from its (BLOCK_ROWS,
-    1) int32 labels and f32 lse and scale; REVERSE walks the vocabulary's tiles last to first (a second read of
-    a row the same block has just read: its last tiles are the likeliest still in L2)."""
-    row_lse2 = row_lse * LOG2E                                                  # log2 units
+def _cross_entropy_bwd_body(logits, labels, lse, scale, dlogits, VOCAB, IGNORE_INDEX, BLOCK_ROWS, BLOCK_V,
+                            LOAD_LAT):
+    row_block = ct.bid(0)
+    label = load_row_vector(labels, row_block, BLOCK_ROWS)                      # (BLOCK_ROWS, 1) int32
+    row_lse2 = load_row_vector(lse, row_block, BLOCK_ROWS) * LOG2E              # (BLOCK_ROWS, 1) f32, log2 units
+    row_scale = load_row_vector(scale, row_block, BLOCK_ROWS)                   # (BLOCK_ROWS, 1) f32
     counted, out_of_range = label_masks(label, VOCAB, IGNORE_INDEX)
     vocab_tiles = ct.cdiv(VOCAB, BLOCK_V)
-    for step in range(vocab_tiles):
-        column_tile = step
-        if REVERSE:
-            column_tile = vocab_tiles - 1 - step
+    for column_tile in range(vocab_tiles):
         col = columns(column_tile, BLOCK_V)
         x = load_logits(logits, row_block, column_tile, BLOCK_ROWS, BLOCK_V, LOAD_LAT)
         probability = exp2_ftz(x * LOG2E - row_lse2)
@@ -58,14 +55,6 @@ def store_row_gradient(logits, label, row_lse, row_scale, dlogits, row_block, VO
     padding = ct.where(out_of_range, NAN, ct.zeros((BLOCK_ROWS, BLOCK_V), dtype=ct.float32))
     for column_tile in range(vocab_tiles, ct.cdiv(dlogits.shape[1], BLOCK_V)):
         ct.store(dlogits, index=(row_block, column_tile), tile=padding.astype(dlogits.dtype))
-
-
-def _cross_entropy_bwd_body(logits, labels, lse, scale, dlogits, VOCAB, IGNORE_INDEX, BLOCK_ROWS, BLOCK_V,
-                            LOAD_LAT):
-    row_block = ct.bid(0)
-    store_row_gradient(logits, load_row_vector(labels, row_block, BLOCK_ROWS),
-                       load_row_vector(lse, row_block, BLOCK_ROWS), load_row_vector(scale, row_block, BLOCK_ROWS),
-                       dlogits, row_block, VOCAB, IGNORE_INDEX, BLOCK_ROWS, BLOCK_V, LOAD_LAT, False)
 
 
 def cross_entropy_bwd_kernel(

@@ -1,7 +1,7 @@
 """The XLA program around the loss's softmax kernels in the LM's training step (traced for sm_90 on the CPU, no
-GPU): Mamba2LMHeadModel(backend="cutile").loss runs one kernel per chunk for the loss and its gradient, taking
+GPU): Mamba2LMHeadModel(backend="cutile").loss runs one forward and one backward kernel per chunk, each taking
 the chunk's logits straight from the head product (bf16, no conversion or masking pass before the launch) and
-returning dlogits in the matmul dtype straight to the gradient's head products."""
+returning dlogits in the matmul dtype straight to the backward's head products."""
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -14,7 +14,7 @@ from tests.flax_layers._programs import walk
 aot = pytest.importorskip("jax_mamba2.bridge.aot")
 
 BATCH, SEQLEN = 3, 40
-LOSS_KERNELS = ("cross_entropy_loss_grad_kernel",)
+LOSS_KERNELS = ("cross_entropy_fwd_kernel", "cross_entropy_bwd_kernel")
 
 
 def _kernel_names(jaxpr) -> list[str]:
@@ -50,7 +50,7 @@ def test_lm_training_step_runs_the_loss_softmax_on_its_kernels():
         jaxpr = jax.make_jaxpr(jax.value_and_grad(
             lambda p: nnx.merge(graphdef, p, rest).loss(ids, chunk_tokens=64, logits_dtype=jnp.bfloat16)))(params)
     assert model.loss_backend == "cutile"
-    # The chunk loop (a lax.scan in the forward, which takes the gradient of a mean) traces one launch.
+    # The chunk loops (lax.map forward, lax.scan backward) trace one launch of each kernel.
     assert sorted(n for n in _kernel_names(jaxpr) if n in LOSS_KERNELS) == sorted(LOSS_KERNELS)
     calls = {name: (producers, consumers) for name, producers, consumers in _loss_calls(jaxpr)}
     assert set(calls) == set(LOSS_KERNELS)
@@ -59,5 +59,5 @@ def test_lm_training_step_runs_the_loss_softmax_on_its_kernels():
         assert len(logits) == 1, name  # the head product feeds the kernel directly
         assert logits[0].outvars[0].aval.dtype == jnp.bfloat16
         assert logits[0].outvars[0].aval.shape == (64, config.padded_vocab_size)
-    dlogits_users = {e.primitive.name for e in calls["cross_entropy_loss_grad_kernel"][1]}
+    dlogits_users = {e.primitive.name for e in calls["cross_entropy_bwd_kernel"][1]}
     assert dlogits_users == {"dot_general"}  # dh and the weight gradient's step

@@ -1,8 +1,7 @@
-"""The LM loss's softmax kernels (forward, backward and the fused loss-and-unit-gradient plans) run block by
-block on the NumPy emulator of cuda.tile (tests/kernels/_cutile_emulator.py) against loss.py's xla softmax in
-float64: a vocabulary that is not a multiple of the tile, padded columns (a column tile wholly in the padding),
-several rows per block, blocks walking several row blocks, latency hints, ignored and out-of-range labels,
-bfloat16 and float32 logits, a NaN logit confined to its row."""
+"""The LM loss's softmax kernels (forward and backward plans) run block by block on the NumPy emulator of
+cuda.tile (tests/kernels/_cutile_emulator.py) against loss.py's xla softmax in float64: a vocabulary that is
+not a multiple of the tile, padded columns (a column tile wholly in the padding), several rows per block,
+latency hints, ignored and out-of-range labels, bfloat16 and float32 logits, a NaN logit confined to its row."""
 import dataclasses
 
 import ml_dtypes
@@ -14,7 +13,6 @@ pytest.importorskip("cuda.tile")
 from jax_mamba2.kernels.cross_entropy import (  # noqa: E402
     CrossEntropyConfig, CrossEntropyDims, cross_entropy_default_config, cross_entropy_fwd_plan, needs_int64_index)
 from jax_mamba2.kernels.cross_entropy_bwd import cross_entropy_bwd_plan  # noqa: E402
-from jax_mamba2.kernels.cross_entropy_loss_grad import cross_entropy_loss_grad_plan  # noqa: E402
 from tests.kernels import _cutile_emulator as emulator  # noqa: E402
 from tests.kernels._loss_checks import CASES, assert_close, make_inputs, nan_rows, oracle  # noqa: E402
 from tests.kernels._plan_checks import assert_plan_well_formed  # noqa: E402
@@ -31,25 +29,6 @@ def run_kernels(case, arrays, *, float64: bool = True) -> dict:
     return dict(lse=fwd["lse"], loss=fwd["loss"], dlogits=bwd["dlogits"])
 
 
-def run_fused(case, arrays, *, float64: bool = True) -> dict:
-    """The fused plan -> loss (rows,), dlogits (rows, padded_vocab) at scale 1."""
-    return emulator.run_plan(cross_entropy_loss_grad_plan(case.dims(), case.config),
-                             dict(logits=arrays["logits"], labels=arrays["labels"]), float64=float64)
-
-
-# The fused kernel's blocks walking several row blocks: 3 row blocks of 4 rows on a grid of 2 (block 0 takes row
-# blocks 0 and 2, block 1 row block 1), and 9 rows on a grid of 3 blocks of 3 rows each.
-FUSED_CASES = {
-    **CASES,
-    "row_blocks_2_per_block_uneven": dataclasses.replace(
-        CASES["rows_per_block_4_latency"],
-        config=dataclasses.replace(CASES["rows_per_block_4_latency"].config, FUSED_ROW_BLOCKS=2, FUSED_LATENCY=2)),
-    "row_blocks_3_per_block": dataclasses.replace(
-        CASES["padded_vocab_tiles_of_64"],
-        config=dataclasses.replace(CASES["padded_vocab_tiles_of_64"].config, FUSED_ROW_BLOCKS=3)),
-}
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_emulated_kernels_match_float64_reference(name):
     """In float64 the kernels' algebra (online logsumexp, masks) is exact to ~1e-15: a difference is a bug."""
@@ -61,37 +40,6 @@ def test_emulated_kernels_match_float64_reference(name):
     ignored = arrays["labels"] == -100
     assert ignored.any() and nan_rows(case, arrays["labels"]).any()
     assert (want["loss"][ignored] == 0).all() and (want["dlogits"][ignored] == 0).all()
-
-
-@pytest.mark.parametrize("name", list(FUSED_CASES))
-def test_emulated_fused_kernel_matches_float64_reference_and_the_two_kernels(name):
-    """The loss and the unit gradient in one plan: the float64 oracle's at scale 1, and in float32 the values of
-    the forward and backward plans bit for bit (the same arithmetic, the second pass over the tiles reversed)."""
-    case = FUSED_CASES[name]
-    arrays = {**make_inputs(case, seed=sum(map(ord, name))), "scale": np.ones(case.rows, np.float32)}
-    want = oracle(case, arrays)
-    assert_close(run_fused(case, arrays), {"loss": want["loss"], "dlogits": want["dlogits"]}, 1e-12)
-    for dtype, grad_dtype in (("float32", "float32"), ("bfloat16", "bfloat16")):
-        rounded = dataclasses.replace(case, dtype=dtype, grad_dtype=grad_dtype)
-        inputs = {**arrays, "logits": make_inputs(rounded, seed=7)["logits"]}
-        fused, separate = run_fused(rounded, inputs, float64=False), run_kernels(rounded, inputs, float64=False)
-        for output in ("loss", "dlogits"):
-            assert fused[output].dtype == separate[output].dtype
-            assert np.array_equal(fused[output], separate[output], equal_nan=True), (dtype, output)
-
-
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy on the non-finite inputs
-def test_emulated_fused_kernel_confines_a_nan_logit_to_its_row():
-    """A NaN logit in a row that shares its block (and, with FUSED_ROW_BLOCKS, its block's walk) with others:
-    that row's loss and vocabulary gradient NaN, the others' as the oracle's."""
-    case = FUSED_CASES["row_blocks_2_per_block_uneven"]
-    arrays = {**make_inputs(case, seed=9), "scale": np.ones(case.rows, np.float32)}
-    row = case.rows - 1
-    arrays["logits"][row, 7] = np.nan
-    got = run_fused(case, arrays)
-    assert np.isnan(got["loss"][row]) and np.isnan(got["dlogits"][row, :case.vocab_size]).all()
-    want = oracle(case, arrays)
-    assert_close(got, {"loss": want["loss"], "dlogits": want["dlogits"]}, 1e-12)
 
 
 @pytest.mark.parametrize("dtype,grad_dtype,tolerance", [
@@ -175,7 +123,7 @@ def test_emulated_plans_read_only_the_vocabulary_columns_forward():
 @pytest.mark.parametrize("name", list(CASES))
 def test_loss_plans_well_formed(name):
     dims = CASES[name].dims()
-    for plan in (cross_entropy_fwd_plan(dims), cross_entropy_bwd_plan(dims), cross_entropy_loss_grad_plan(dims)):
+    for plan in (cross_entropy_fwd_plan(dims), cross_entropy_bwd_plan(dims)):
         assert_plan_well_formed(plan)
 
 
@@ -193,9 +141,6 @@ def test_default_config_and_index_width():
     ("BLOCK_V", 1000, r"BLOCK_V=1000 must be a power of two in \[16, 16384\]"),
     ("FWD_OCCUPANCY", 0, r"FWD_OCCUPANCY=0 must be in \[1, 32\]"),
     ("BWD_LATENCY", 11, r"BWD_LATENCY=11 must be 0 \(no hint\) or in \[1, 10\]"),
-    ("FUSED_OCCUPANCY", 33, r"FUSED_OCCUPANCY=33 must be in \[1, 32\]"),
-    ("FUSED_LATENCY", -1, r"FUSED_LATENCY=-1 must be 0 \(no hint\) or in \[1, 10\]"),
-    ("FUSED_ROW_BLOCKS", 0, "FUSED_ROW_BLOCKS=0 must be >= 1"),
 ])
 def test_config_rejects_invalid_fields_naming_them(field, value, expected):
     fields = dict(BLOCK_ROWS=1, BLOCK_V=2048, FWD_OCCUPANCY=8, BWD_OCCUPANCY=4)
