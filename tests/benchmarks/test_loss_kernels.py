@@ -1,0 +1,33 @@
+"""benchmarks/tools/loss_kernels.py on the CPU: every config spec it sweeps parses to a distinct valid config (the
+default's first), whose forward and backward plans are well formed."""
+import pytest
+
+pytest.importorskip("cuda.tile")
+
+from benchmarks.tools import loss_kernels  # noqa: E402
+from jax_mamba2.kernels.cross_entropy import (  # noqa: E402
+    CrossEntropyConfig, CrossEntropyDims, cross_entropy_default_config, cross_entropy_fwd_plan)
+from jax_mamba2.kernels.cross_entropy_bwd import cross_entropy_bwd_plan  # noqa: E402
+from tests.kernels._plan_checks import assert_plan_well_formed  # noqa: E402
+
+DIMS = CrossEntropyDims(rows=loss_kernels.ROWS, padded_vocab=loss_kernels.PADDED_VOCAB,
+                        vocab_size=loss_kernels.VOCAB)
+
+
+def test_specs_parse_to_distinct_configs_default_first():
+    configs = [loss_kernels.parse_config(spec, DIMS) for spec in loss_kernels.DEFAULT_CONFIGS]
+    assert configs[0] == cross_entropy_default_config(DIMS)
+    assert len(set(configs[1:])) == len(configs) - 1
+    for cfg in configs:
+        assert_plan_well_formed(cross_entropy_fwd_plan(DIMS, cfg))
+        assert_plan_well_formed(cross_entropy_bwd_plan(DIMS, cfg))
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("4096,2", CrossEntropyConfig(BLOCK_ROWS=1, BLOCK_V=4096, FWD_OCCUPANCY=2, BWD_OCCUPANCY=2)),
+    ("2048,4,3", CrossEntropyConfig(BLOCK_ROWS=1, BLOCK_V=2048, FWD_OCCUPANCY=4, BWD_OCCUPANCY=4, FWD_LATENCY=3,
+                                    BWD_LATENCY=3)),
+    ("2048,4,0,2", CrossEntropyConfig(BLOCK_ROWS=2, BLOCK_V=2048, FWD_OCCUPANCY=4, BWD_OCCUPANCY=4)),
+])
+def test_a_spec_sets_both_kernels_fields(spec, expected):
+    assert loss_kernels.parse_config(spec, DIMS) == expected
