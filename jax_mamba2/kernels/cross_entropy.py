@@ -45,8 +45,11 @@ NEG_FLT_MAX = -3.4028234663852886e38
 NEG_INF = float("-inf")
 LN2 = 0.6931471805599453
 NAN = float("nan")
-# f32 elements of a (BLOCK_ROWS, BLOCK_V) tile in the defaults (the norms' tile size, kernels/rms_norm.py).
-TILE_ELEMENTS = 2048
+# Bytes of the logits in a (1, BLOCK_V) tile of the defaults: 2048 f32 values, 4096 bf16 / f16. The forward
+# streams the logits with about a tile's load in flight per block, so the tile's bytes, not its columns, set how
+# close it comes to the bandwidth (docs/norms_and_loss.md: 2048 bf16 columns were measured well short of it).
+TILE_BYTES = 8192
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 CROSS_ENTROPY_FWD_INPUTS = ("logits", "labels")
 CROSS_ENTROPY_FWD_OUTPUTS = ("lse", "loss")
@@ -92,10 +95,11 @@ class CrossEntropyConfig:
 
 
 def cross_entropy_default_config(dims: CrossEntropyDims) -> CrossEntropyConfig:
-    """One row per block, TILE_ELEMENTS columns per tile (fewer for a smaller vocabulary), occupancy 4 in
-    both kernels (the highest at which both compile without spills at the LM's chunk: docs/norms_and_loss.md),
-    no latency hints."""
-    return CrossEntropyConfig(BLOCK_ROWS=1, BLOCK_V=max(16, min(TILE_ELEMENTS, next_power_of_2(dims.vocab_size))),
+    """One row per block, TILE_BYTES of logits per column tile (fewer columns for a smaller vocabulary),
+    occupancy 4 in both kernels (the highest at which both compile without spills at the LM's chunk:
+    docs/norms_and_loss.md), no latency hints."""
+    columns = TILE_BYTES // _ITEMSIZE.get(dims.dtype, 4)
+    return CrossEntropyConfig(BLOCK_ROWS=1, BLOCK_V=max(16, min(columns, next_power_of_2(dims.vocab_size))),
                               FWD_OCCUPANCY=4, BWD_OCCUPANCY=4)
 
 

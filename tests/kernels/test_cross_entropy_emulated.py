@@ -128,10 +128,13 @@ def test_loss_plans_well_formed(name):
 
 
 def test_default_config_and_index_width():
-    """One row per block in 2048-column tiles (fewer for a small vocabulary); int64 indices past 2^31 logits."""
+    """One row per block in tiles of 8 KB of logits (2048 f32 columns, 4096 bf16 / f16; fewer for a small
+    vocabulary); int64 indices past 2^31 logits."""
     lm = CrossEntropyDims(rows=2048, padded_vocab=50288, vocab_size=50280)
-    assert cross_entropy_default_config(lm) == CrossEntropyConfig(BLOCK_ROWS=1, BLOCK_V=2048, FWD_OCCUPANCY=4,
+    assert cross_entropy_default_config(lm) == CrossEntropyConfig(BLOCK_ROWS=1, BLOCK_V=4096, FWD_OCCUPANCY=4,
                                                                   BWD_OCCUPANCY=4)
+    for dtype, block_v in (("float32", 2048), ("float16", 4096)):
+        assert cross_entropy_default_config(lm._replace(dtype=dtype)).BLOCK_V == block_v
     assert cross_entropy_default_config(lm._replace(vocab_size=100, padded_vocab=104)).BLOCK_V == 128
     assert not needs_int64_index(lm) and needs_int64_index(lm._replace(rows=1 << 16))
 
