@@ -5,7 +5,7 @@ cross_entropy_bwd.py's gradient, which reads the chunk's logits again), and each
 The chunk is the LM's: 2048 tokens x mamba2's 50280-word vocabulary padded to 50304 (a multiple of 64, as the loss
 pads it), logits in float32 (the default) or bfloat16 (`logits_dtype`), the gradient in bf16. The plans run
 through `ct.launch` on torch tensors, 8 launches captured in one CUDA graph, the graph replayed
-(`benchmarks.ssd.time_cuda_graph`): the median replay over 8 is a chunk's GPU time. floor_us: the bytes of both
+(`benchmarks.ssd.time_cuda_graph`): the median replay divided by 8 is a chunk's GPU time. floor_us: the bytes of both
 kernels (two reads of the logits, one write of the gradient) at PEAK_HBM_TBPS.
 
 On the GPU machine (torch and cuda-tile):
@@ -34,7 +34,7 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2}
 REPS = 8
 BUDGET_S, WARMUP_S = 0.2, 0.1
 # "BLOCK_V,OCCUPANCY[,LATENCY[,BLOCK_ROWS]]", the same in both kernels; "default" for the default's tiles.
-DEFAULT_CONFIGS = ("default", "4096,4", "8192,4", "2048,2", "4096,2", "2048,8", "2048,4,2", "4096,4,2",
+DEFAULT_CONFIGS = ("default", "2048,4", "4096,4", "8192,4", "2048,2", "4096,2", "2048,8", "2048,4,2", "4096,4,2",
                    "2048,4,0,2")
 
 
