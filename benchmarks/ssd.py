@@ -345,6 +345,36 @@ def time_cuda_graph(fn: Callable[[], Any], budget_s: float, warmup_s: float = WA
     return _summary(samples, rounds, first_call_s, warmup_s), out
 
 
+def time_plan(ct, plan, tensors: dict, reps: int, budget_s: float, warmup_s: float) -> dict:
+    """GPU microseconds of a kernel plan outside JAX (`ct.launch` on the torch tensors `tensors` names): "plan_us"
+    for all its launches and, for a plan of several, "<kernel>_us" for each alone, each the median replay of a
+    CUDA graph of `reps` back-to-back runs (`time_cuda_graph`) over `reps`; "<kernel>_grid" each launch's grid."""
+    import torch
+
+    from jax_mamba2.kernels._common import kernel_name
+
+    launches = [(launch, tuple(tensors[a] if isinstance(a, str) else a for a in launch.args))
+                for launch in plan.launches]
+
+    def graph_us(launch_all) -> float:
+        timing, _ = time_cuda_graph(lambda: [launch_all(torch.cuda.current_stream()) for _ in range(reps)],
+                                    budget_s, warmup_s=warmup_s)
+        return timing.ms_median * 1e3 / reps
+
+    def run_all(stream):
+        for launch, args in launches:
+            ct.launch(stream, launch.grid, launch.kernel, args)
+
+    out = {"plan_us": graph_us(run_all)}
+    for launch, args in launches:
+        name = kernel_name(launch.kernel)
+        out[f"{name}_grid"] = list(launch.grid)
+        if len(launches) > 1:
+            out[f"{name}_us"] = graph_us(
+                lambda stream, launch=launch, args=args: ct.launch(stream, launch.grid, launch.kernel, args))
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # Implementations: each returns (run, timer, to_outputs, chunk_size, extra record fields)
 # ----------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 `jax_mamba2.kernels.decode_projection` / `decode_mixer` at the LM's decode shapes (`benchmarks/decode_kernels.py`'s,
 d_model 1024 unless `--d-model`: in_proj 1024 x 4384, out_proj 2048 x 1024, the tied head 50280 x 1024, the mixer of
 32 heads x 64 x d_state 128; 24 stacked layers; parameters in bf16 or `--param-dtypes`) runs through `ct.launch` on
-torch tensors, 50 launches captured in one CUDA graph, the graph replayed (`benchmarks.ssd.time_cuda_graph`): the
+torch tensors, 50 launches captured in one CUDA graph, the graph replayed (`benchmarks.ssd.time_plan`): the
 median replay over 50 is a launch's GPU time with no host launch cost. A projection's norm and product kernels (and a
 split K's sum) are also timed apart. Every product config of `projection_configs` at rows 1 and 64 (the default alone
 at 8 and 256), every mixer config of `mixer_configs` (with the default).
@@ -26,14 +26,14 @@ if __package__ in (None, ""):  # run as a script: the repository root on sys.pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.decode_kernels import Shapes, mixer_dims, projection_dims  # noqa: E402
-from benchmarks.ssd import PEAK_HBM_TBPS, raise_gpu_clocks, time_cuda_graph  # noqa: E402
+from benchmarks.ssd import PEAK_HBM_TBPS, raise_gpu_clocks, time_plan  # noqa: E402
 from jax_mamba2.kernels import decode_mixer, decode_projection  # noqa: E402
-from jax_mamba2.kernels._common import kernel_name  # noqa: E402
 
 D_MODEL = 1024  # the LM of the decode benchmarks: d_model 1024, 24 layers (`--d-model` for mamba2-780m's / -1.3b's)
 SWEPT_ROWS = (1, 64)
-# Per timing: replays timed, and back-to-back replays first (the clocks are raised once, in main).
-BUDGET_S, WARMUP_S = 0.05, 0.05
+# Per timing: launches per CUDA graph, seconds of timed replays, and of back-to-back replays before them (the
+# clocks are raised once, in main).
+REPS, BUDGET_S, WARMUP_S = 50, 0.05, 0.05
 
 
 def projection_configs(case: str, rows: int) -> list[decode_projection.ProjectionConfig]:
@@ -104,16 +104,6 @@ def results_name(d_model: int, slug: str) -> str:
     return f"decode_launches_{'' if d_model == D_MODEL else f'd{d_model}_'}{slug}.json"
 
 
-def _graph_us(launch, reps=50) -> float:
-    """Median GPU microseconds per launch: `reps` launches captured in one CUDA graph, replayed
-    (`benchmarks.ssd.time_cuda_graph`)."""
-    import torch
-
-    timing, _ = time_cuda_graph(lambda: [launch(torch.cuda.current_stream()) for _ in range(reps)], BUDGET_S,
-                                warmup_s=WARMUP_S)
-    return timing.ms_median * 1e3 / reps
-
-
 def _tensors(torch, inputs, buffers, layer: int):
     """Random inputs (the layer index `layer`, the SSM state scaled to stay small), empty buffers."""
     tensors = {}
@@ -127,25 +117,6 @@ def _tensors(torch, inputs, buffers, layer: int):
         else:
             tensors[name] = torch.empty(*buf.shape, device="cuda", dtype=dtype)
     return tensors
-
-
-def time_plan(ct, plan, tensors) -> dict:
-    """plan_us (all launches) and, for a plan of several, each kernel's us and grid."""
-    launches = [(launch, tuple(tensors[a] if isinstance(a, str) else a for a in launch.args))
-                for launch in plan.launches]
-
-    def run_all(stream):
-        for launch, args in launches:
-            ct.launch(stream, launch.grid, launch.kernel, args)
-
-    out = {"plan_us": _graph_us(run_all)}
-    for launch, args in launches:
-        name = kernel_name(launch.kernel)
-        out[f"{name}_grid"] = list(launch.grid)
-        if len(launches) > 1:
-            out[f"{name}_us"] = _graph_us(
-                lambda stream, launch=launch, args=args: ct.launch(stream, launch.grid, launch.kernel, args))
-    return out
 
 
 def main(argv=None) -> int:
@@ -186,7 +157,8 @@ def main(argv=None) -> int:
             else:
                 record["weight_dtype"] = dims.weight_dtype
             try:
-                record.update(time_plan(ct, plan, _tensors(torch, inputs, plan.buffers, dims.layers // 2)))
+                tensors = _tensors(torch, inputs, plan.buffers, dims.layers // 2)
+                record.update(time_plan(ct, plan, tensors, REPS, BUDGET_S, WARMUP_S))
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is a record too
                 record["error"] = f"{type(exc).__name__}: {exc}"[:300]
             print(json.dumps(record), flush=True)

@@ -5,7 +5,7 @@ cross_entropy_bwd.py's gradient, which reads the chunk's logits again), and each
 The chunk is the LM's: 2048 tokens x mamba2's 50280-word vocabulary padded to 50304 (a multiple of 64, as the loss
 pads it), logits in float32 (the default) or bfloat16 (`logits_dtype`), the gradient in bf16. The plans run
 through `ct.launch` on torch tensors, 8 launches captured in one CUDA graph, the graph replayed
-(`benchmarks.ssd.time_cuda_graph`): the median replay divided by 8 is a chunk's GPU time. floor_us: the bytes of both
+(`benchmarks.ssd.time_plan`): the median replay divided by 8 is a chunk's GPU time. floor_us: the bytes of both
 kernels (two reads of the logits, one write of the gradient) at PEAK_HBM_TBPS.
 
 On the GPU machine (torch and cuda-tile):
@@ -25,7 +25,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: the repository root on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.ssd import PEAK_HBM_TBPS, raise_gpu_clocks, time_cuda_graph  # noqa: E402
+from benchmarks.ssd import PEAK_HBM_TBPS, raise_gpu_clocks, time_plan  # noqa: E402
 from jax_mamba2.kernels import cross_entropy, cross_entropy_bwd  # noqa: E402
 from jax_mamba2.kernels.cross_entropy import CrossEntropyConfig, CrossEntropyDims  # noqa: E402
 
@@ -50,35 +50,27 @@ def parse_config(spec: str, dims: CrossEntropyDims) -> CrossEntropyConfig:
                               BWD_OCCUPANCY=occupancy, FWD_LATENCY=latency, BWD_LATENCY=latency)
 
 
-def _launches(ct, plans, tensors):
-    launches = [(launch, tuple(tensors[a] if isinstance(a, str) else a for a in launch.args))
-                for plan in plans for launch in plan.launches]
-
-    def run(stream):
-        for launch, args in launches:
-            ct.launch(stream, launch.grid, launch.kernel, args)
-
-    return run
+def loss_and_grad_plan(dims: CrossEntropyDims, cfg: CrossEntropyConfig):
+    """The forward's and the gradient's launches as one plan (inputs logits, labels and scale; the forward's lse
+    feeds the gradient), as a mean loss's forward pass runs them."""
+    fwd = cross_entropy.cross_entropy_fwd_plan(dims, cfg)
+    bwd = cross_entropy_bwd.cross_entropy_bwd_plan(dims, cfg)
+    return dataclasses.replace(fwd, inputs=(*fwd.inputs, "scale"), buffers={**fwd.buffers, **bwd.buffers},
+                               launches=fwd.launches + bwd.launches, outputs=(*fwd.outputs, *bwd.outputs))
 
 
 def time_chunk(ct, torch, dims: CrossEntropyDims, cfg: CrossEntropyConfig) -> dict:
     """GPU microseconds of one chunk's loss and unit gradient (both kernels), and of each kernel alone."""
+    plan = loss_and_grad_plan(dims, cfg)
     logits = (torch.randn(dims.rows, dims.padded_vocab, device="cuda") * 3).to(getattr(torch, dims.dtype))
     tensors = dict(logits=logits, labels=torch.randint(0, dims.vocab_size, (dims.rows,), device="cuda",
                                                        dtype=torch.int32),
                    scale=torch.ones(dims.rows, device="cuda"))
-    plans = {"fwd": cross_entropy.cross_entropy_fwd_plan(dims, cfg),
-             "bwd": cross_entropy_bwd.cross_entropy_bwd_plan(dims, cfg)}
-    for plan in plans.values():
-        for name, buf in plan.buffers.items():
-            tensors.setdefault(name, torch.empty(*buf.shape, device="cuda", dtype=getattr(torch, buf.dtype)))
-    out = {}
-    for name, chosen in (("us", tuple(plans.values())), ("fwd_us", (plans["fwd"],)), ("bwd_us", (plans["bwd"],))):
-        run = _launches(ct, chosen, tensors)
-        timing, _ = time_cuda_graph(lambda: [run(torch.cuda.current_stream()) for _ in range(REPS)], BUDGET_S,
-                                    warmup_s=WARMUP_S)
-        out[name] = timing.ms_median * 1e3 / REPS
-    return out
+    for name, buf in plan.buffers.items():
+        tensors[name] = torch.empty(*buf.shape, device="cuda", dtype=getattr(torch, buf.dtype))
+    times = time_plan(ct, plan, tensors, REPS, BUDGET_S, WARMUP_S)
+    return {"us": times["plan_us"], "fwd_us": times["cross_entropy_fwd_kernel_us"],
+            "bwd_us": times["cross_entropy_bwd_kernel_us"]}
 
 
 def main(argv=None) -> int:

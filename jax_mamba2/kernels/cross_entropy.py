@@ -49,7 +49,6 @@ NAN = float("nan")
 # streams the logits with about a tile's load in flight per block, so the tile's bytes, not its columns, set how
 # close it comes to the bandwidth (docs/norms_and_loss.md: 2048 bf16 columns were measured well short of it).
 TILE_BYTES = 8192
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 CROSS_ENTROPY_FWD_INPUTS = ("logits", "labels")
 CROSS_ENTROPY_FWD_OUTPUTS = ("lse", "loss")
@@ -98,7 +97,7 @@ def cross_entropy_default_config(dims: CrossEntropyDims) -> CrossEntropyConfig:
     """One row per block, TILE_BYTES of logits per column tile (fewer columns for a smaller vocabulary),
     occupancy 4 in both kernels (the highest at which both compile without spills at the LM's chunk:
     docs/norms_and_loss.md), no latency hints."""
-    columns = TILE_BYTES // _ITEMSIZE.get(dims.dtype, 4)
+    columns = TILE_BYTES // (4 if dims.dtype == "float32" else 2)  # the kernels' dtypes: f32, bf16, f16
     return CrossEntropyConfig(BLOCK_ROWS=1, BLOCK_V=max(16, min(columns, next_power_of_2(dims.vocab_size))),
                               FWD_OCCUPANCY=4, BWD_OCCUPANCY=4)
 
