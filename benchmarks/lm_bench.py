@@ -354,15 +354,19 @@ def results_path(out: Path, benchmark: str) -> Path:
 
 def merge_results(path: Path, benchmark: str, records: list[dict], key: Callable[[dict], tuple],
                   combine: Optional[Callable[[dict, dict], dict]] = None) -> dict:
-    """The results file at `path` with `records` in place of the earlier ones of the same key (a grid run
-    over several device calls stays one file), written back; returns its content. With `combine`, an earlier
-    record of the same key becomes `combine(earlier, new)` instead."""
+    """The results file at `path` with `records` added, written back; returns its content. A record replaces an
+    earlier one of the same key measured at the same commit (a grid run over several device calls stays one
+    file; with `combine` the earlier one becomes `combine(earlier, new)` instead); records of other commits are
+    kept, in the order they were added, since the docs cite them (readers take a measurement's latest)."""
+    def full_key(record):
+        return (*key(record), (record.get("environment") or {}).get("git_sha"))
+
     path = Path(path)
     old = json.loads(path.read_text())["records"] if path.is_file() else []
-    merged = {key(r): r for r in old}
+    merged = {full_key(r): r for r in old}
     for record in records:
-        earlier = merged.get(key(record))
-        merged[key(record)] = record if combine is None or earlier is None else combine(earlier, record)
+        earlier = merged.get(full_key(record))
+        merged[full_key(record)] = record if combine is None or earlier is None else combine(earlier, record)
     results = {"benchmark": benchmark, "git_sha": git_sha(),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "records": list(merged.values())}

@@ -541,12 +541,12 @@ def user_xla_flags(record: dict) -> str:
 
 
 def record_key(record: dict) -> tuple:
-    """What a record measured (a rerun replaces it): config, implementation, parameter dtype, command buffers,
-    for ours whether the layers were unrolled, the XLA flags it ran under, its decode step: "fused" or
-    "composed" (records from when the fused step ran from some batch on carry that batch instead; None: records
-    from before the fused step existed), its sampling (records without one were greedy) and its heads per
-    mixer-step block where forced (None: the kernels' default config of the record's commit) and its decode
-    state's dtype where asked (None: the parameters')."""
+    """What a record measured (a rerun at the same commit replaces it): config, implementation, parameter
+    dtype, command buffers, for ours whether the layers were unrolled, the XLA flags it ran under, its decode
+    step: "fused" or "composed" (records from when the fused step ran from some batch on carry that batch
+    instead; None: records from before the fused step existed), its sampling (records without one were greedy)
+    and its heads per mixer-step block where forced (None: the kernels' default config of the record's commit)
+    and its decode state's dtype where asked (None: the parameters')."""
     return (record["config"], record["impl"], record["param_dtype"], record.get("command_buffers"),
             record.get("scan_layers") is False, user_xla_flags(record),
             record.get("fused_decode_min_batch", record.get("decode_step")), record.get("sampling", "greedy"),

@@ -680,8 +680,8 @@ def xla_options(specs: list[str]) -> dict:
 
 
 def record_key(record: dict) -> tuple:
-    """What a record measured: config, implementation, the XLA options and the variants of ours (a rerun
-    replaces it)."""
+    """What a record measured: config, implementation, the XLA options and the variants of ours (a rerun at the
+    same commit replaces it)."""
     return (record["config"], record["impl"], tuple(sorted((record.get("xla_options") or {}).items())),
             *(record.get(v.field, v.default) for v in VARIANTS))
 

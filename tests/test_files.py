@@ -55,3 +55,20 @@ def test_a_figure_is_written_in_its_suffix_s_format(tmp_path, name, magic):
     path = _files.save_figure(fig, tmp_path / name, dpi=50)
     plt.close(fig)
     assert path.read_bytes().startswith(magic)
+
+
+def test_a_png_figure_is_stored_with_a_palette_and_keeps_its_colours(tmp_path):
+    """save_figure stores a PNG in 256 palette colours: the plot's pure colours come back exactly."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    fig, ax = plt.subplots(figsize=(2, 2))
+    ax.bar([0, 1], [1, 2], color=["#ff0000", "#0000ff"])
+    path = _files.save_figure(fig, tmp_path / "plot.png", dpi=50)
+    plt.close(fig)
+    image = Image.open(path)
+    assert image.mode == "P"
+    colours = {colour for _, colour in image.convert("RGB").getcolors(maxcolors=256)}
+    assert {(255, 0, 0), (0, 0, 255), (255, 255, 255)} <= colours

@@ -2,6 +2,7 @@
 result tables are the ones benchmarks/report.py makes from the committed JSON records; its links resolve.
 """
 import functools
+import json
 import math
 import pathlib
 import re
@@ -85,3 +86,41 @@ def test_local_links_resolve_and_no_lab_history():
     local = [t for t in targets if not t.startswith("http")]
     assert local and all((REPO / t).exists() for t in local), [t for t in local if not (REPO / t).exists()]
     assert not re.search(r"\b(run|issue) \d+\b|\b[0-9a-f]{7}\b", README)
+
+
+def _numbers(records_glob: str, fields: tuple[str, ...], decimals: int) -> set[str]:
+    """Every value of `fields` (at any depth) in the records of benchmarks/results/<records_glob>, as text."""
+    def values(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in fields and isinstance(value, (int, float)):
+                    yield value
+                yield from values(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from values(value)
+
+    return {f"{v:.{decimals}f}" for path in (REPO / "benchmarks" / "results").glob(records_glob)
+            for v in values(json.loads(path.read_text()))}
+
+
+def _table_cells(start: str, end: str) -> list[list[str]]:
+    """The cells of the data rows of the README's tables between the texts `start` and `end`."""
+    section = README[README.index(start):README.index(end)]
+    headers = ("| model", "| one H100", "| d_model")
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith(headers) and "---" not in line]
+
+
+def test_lm_and_decode_table_figures_are_in_the_committed_records():
+    """The hand-written result tables quote records: each step time of the LM tables is a median of an
+    lm_train record, each decode time or floor a decode record's (as rounded in the table)."""
+    decode = _numbers("lm_decode*.json", ("ms_per_token", "weights_ms"), 3)
+    rows = _table_cells("Decoding (`benchmarks/lm_decode.py`", "## Limitations")
+    figures = [f for row in rows for cell in row[1:] for f in re.findall(r"(?<![\d.])\d+\.\d{3}(?![\dx])", cell)]
+    assert len(figures) > 60 and not [f for f in figures if f not in decode]
+    steps = _numbers("lm_train*.json", ("ms_median",), 1)
+    rows = _table_cells("The LM training step (`benchmarks/lm_train.py`)", "Decoding (`benchmarks/lm_decode.py`")
+    columns = {6: (1, 2, 3), 9: (1, 2, 6)}  # the H100 table's and the H200 table's step columns, by row width
+    figures = [cell.rstrip(" *") for row in rows for i in columns[len(row)] for cell in [row[i]] if cell != "-"]
+    assert len(figures) > 20 and not [f for f in figures if f not in steps]

@@ -1,5 +1,6 @@
 """benchmarks/lm_train.py on the CPU: FLOP count, kernel categories, the JAX worker end to end (a tiny config,
 the xla backend, one process per measurement), the PyTorch peer's step with a stand-in mixer."""
+import functools
 import gzip
 import json
 
@@ -453,3 +454,20 @@ def test_a_torch_peer_s_trace_folds_into_the_same_categories_by_kernel_name():
         assert kernel_categories.category(name, None) == cat, name
     assert folded["categories"]["SSD"]["launches"] == 5
     assert folded["categories"]["loss"]["us"] == (2.0 + 9) + (2.0 + 10)
+
+
+def test_a_rerun_replaces_its_commit_s_record_and_keeps_other_commits_records(tmp_path):
+    """The results files keep every commit's measurement (the docs cite them); a rerun at one commit replaces
+    that commit's record of the same measurement, in place."""
+    def record(sha, ms, **variant):
+        return {"config": TINY, "impl": "cutile", "environment": {"git_sha": sha}, "timing": {"ms_median": ms},
+                **variant}
+
+    path = tmp_path / "lm_train_gpu.json"
+    merge = functools.partial(lm_bench.merge_results, path, "lm_train", key=lm_train.record_key)
+    merge([record("aaa", 1.0)])
+    merge([record("bbb", 2.0), record("bbb", 4.0, scan_layers=False)])
+    results = merge([record("bbb", 3.0)])
+    assert [(r["environment"]["git_sha"], r["timing"]["ms_median"]) for r in results["records"]] == [
+        ("aaa", 1.0), ("bbb", 3.0), ("bbb", 4.0)]
+    assert json.loads(path.read_text()) == results

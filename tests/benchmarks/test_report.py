@@ -38,7 +38,8 @@ def test_markdown_table_has_speedups_over_each_peer_and_na_for_a_peer_that_faile
 def test_plot_has_a_time_panel_on_a_log_axis_and_a_speedup_panel(records, tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
     saved = []
-    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **kw: saved.append(fig))
+    render = plt.Figure.savefig  # the figure is kept for the assertions and still rendered
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **kw: (saved.append(fig), render(fig, path, **kw)))
     report.plot_records(records, tmp_path / "plot.png")
     (fig,) = saved
     times, speedups = fig.axes

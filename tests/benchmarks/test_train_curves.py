@@ -48,7 +48,8 @@ def test_signed_gaps_and_the_difference_panel(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="no common step"):
         train_curves.relative_gaps(reference, {5: 1.0})
     saved = []
-    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **kw: saved.append(fig))
+    render = plt.Figure.savefig  # the figure is kept for the assertions and still rendered
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **kw: (saved.append(fig), render(fig, path, **kw)))
     train_curves.plot([("xla", reference), ("cutile", other)], tmp_path / "c.png")
     losses_ax, gap_ax = saved[0].axes
     assert [line.get_linestyle() for line in losses_ax.get_lines()] == ["-", "--"]
