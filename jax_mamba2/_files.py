@@ -90,7 +90,7 @@ def save_figure(fig, path: Path, **savefig_kwargs) -> Path:
     buffer = io.BytesIO()
     savefig_kwargs.setdefault("format", Path(path).suffix.lstrip(".").lower() or None)
     fig.savefig(buffer, **savefig_kwargs)
-    if savefig_kwargs["format"] == "png":
+    if str(savefig_kwargs["format"]).lower() == "png":
         buffer = _palette_png(buffer.getvalue())
     return write_atomically(path, buffer.getvalue())
 
