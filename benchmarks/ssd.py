@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -373,6 +374,17 @@ def time_plan(ct, plan, tensors: dict, reps: int, budget_s: float, warmup_s: flo
             out[f"{name}_us"] = graph_us(
                 lambda stream, launch=launch, args=args: ct.launch(stream, launch.grid, launch.kernel, args))
     return out
+
+
+def timed_record(record: dict, measure: Callable[[], dict]) -> dict:
+    """`record` updated with what `measure()` returns (e.g. `time_plan`'s times), or with the error it raised: a
+    config that fails to compile or launch is a record too; printed as one JSON line and returned."""
+    try:
+        record.update(measure())
+    except Exception as exc:  # noqa: BLE001 - the record says what failed
+        record["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    print(json.dumps(record), flush=True)
+    return record
 
 
 # ----------------------------------------------------------------------------------------------

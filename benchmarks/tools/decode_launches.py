@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on sys.pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.decode_kernels import Shapes, mixer_dims, projection_dims  # noqa: E402
-from benchmarks.ssd import PEAK_HBM_TBPS, raise_gpu_clocks, time_plan  # noqa: E402
+from benchmarks.ssd import PEAK_HBM_TBPS, raise_gpu_clocks, time_plan, timed_record  # noqa: E402
 from jax_mamba2.kernels import decode_mixer, decode_projection  # noqa: E402
 
 D_MODEL = 1024  # the LM of the decode benchmarks: d_model 1024, 24 layers (`--d-model` for mamba2-780m's / -1.3b's)
@@ -156,13 +155,8 @@ def main(argv=None) -> int:
                 record["floor_us"] = 2 * dims.rows * dims.d_ssm * dims.dstate * state_bytes / (PEAK_HBM_TBPS * 1e6)
             else:
                 record["weight_dtype"] = dims.weight_dtype
-            try:
-                tensors = _tensors(torch, inputs, plan.buffers, dims.layers // 2)
-                record.update(time_plan(ct, plan, tensors, REPS, BUDGET_S, WARMUP_S))
-            except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is a record too
-                record["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            print(json.dumps(record), flush=True)
-            records.append(record)
+            records.append(timed_record(record, lambda: time_plan(
+                ct, plan, _tensors(torch, inputs, plan.buffers, dims.layers // 2), REPS, BUDGET_S, WARMUP_S)))
         write_json(path, {"benchmark": "decode_launches", "environment": env, "method": __doc__,
                           "records": records})
     return 0

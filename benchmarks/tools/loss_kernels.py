@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: the repository root on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.ssd import PEAK_HBM_TBPS, raise_gpu_clocks, time_plan  # noqa: E402
+from benchmarks.ssd import PEAK_HBM_TBPS, raise_gpu_clocks, time_plan, timed_record  # noqa: E402
 from jax_mamba2.kernels import cross_entropy, cross_entropy_bwd  # noqa: E402
 from jax_mamba2.kernels.cross_entropy import CrossEntropyConfig, CrossEntropyDims  # noqa: E402
 
@@ -97,12 +96,7 @@ def main(argv=None) -> int:
             cfg = parse_config(spec, dims)
             record = dict(dtype=dtype, spec=spec, rows=ROWS, padded_vocab=PADDED_VOCAB, config=dataclasses.asdict(cfg),
                           default=spec == "default", floor_us=floor_bytes / (PEAK_HBM_TBPS * 1e6))
-            try:
-                record.update(time_chunk(ct, torch, dims, cfg))
-            except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is a record too
-                record["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            print(json.dumps(record), flush=True)
-            records.append(record)
+            records.append(timed_record(record, lambda: time_chunk(ct, torch, dims, cfg)))
             write_json(path, {"benchmark": "loss_kernels", "environment": env, "method": __doc__,
                               "records": records})
     return 0

@@ -1,5 +1,7 @@
 """benchmarks/tools/loss_kernels.py on the CPU: every config spec it sweeps parses to a distinct valid config (the
 default's first), whose plan of both kernels is well formed."""
+import json
+
 import pytest
 
 pytest.importorskip("cuda.tile")
@@ -33,3 +35,17 @@ def test_specs_parse_to_distinct_configs_default_first():
 ])
 def test_a_spec_sets_both_kernels_fields(spec, expected):
     assert loss_kernels.parse_config(spec, DIMS) == expected
+
+
+def test_a_config_that_fails_is_a_record_with_its_error(capsys):
+    """`timed_record` (both launch timers' record step): the times where the measurement ran, else the error."""
+    from benchmarks.ssd import timed_record
+
+    assert timed_record({"spec": "a"}, lambda: {"us": 1.5}) == {"spec": "a", "us": 1.5}
+
+    def fails():
+        raise RuntimeError("no kernel")
+
+    assert timed_record({"spec": "b"}, fails) == {"spec": "b", "error": "RuntimeError: no kernel"}
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == [
+        {"spec": "a", "us": 1.5}, {"spec": "b", "error": "RuntimeError: no kernel"}]
