@@ -5,7 +5,7 @@ A kernel's name says what library ran it (cuBLAS, a cuTile SSD kernel, a memcpy,
 mamba_ssm's Triton kernels, causal_conv1d's, ATen's); for XLA's own fusions the
 name is the fusion's HLO instruction, whose metadata in the compiled module's text names the JAX op and,
 through the module's stack-frame tables, the Python file that created it (the conv's and the norms' op and
-reference modules, the SSD's op.py / reference.py, optax). `jax.named_scope("loss")` and
+reference modules, the loss's cross_entropy.py, the SSD's op.py / reference.py, optax). `jax.named_scope("loss")` and
 `jax.named_scope("optimizer")` in the profiled program mark the rest; the SSD op's own scope
 (`op.CONFINEMENT_SCOPE`) marks the XLA ops of its confinement of non-finite values.
 """
@@ -43,6 +43,7 @@ _CONV_SOURCES = ("jax_mamba2/flax_layers/conv.py", "jax_mamba2/conv1d.py", "jax_
                  "jax_mamba2/bridge/conv_ops.py")
 _NORM_SOURCES = ("jax_mamba2/flax_layers/norm.py", "jax_mamba2/norm.py", "jax_mamba2/norm_reference.py",
                  "jax_mamba2/bridge/norm_ops.py")
+_LOSS_SOURCES = ("jax_mamba2/cross_entropy.py", "jax_mamba2/bridge/loss_ops.py")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*metadata=\{([^}]*)\}")
 
 
@@ -107,7 +108,7 @@ def category(kernel: str, source: Optional[Source]) -> str:
     if source is None:
         return next((cat for cat, pattern in _NAMED_KERNELS if pattern.search(kernel)), "elementwise")
     file = source.file.replace("\\", "/")
-    if _in_scope(source.op_name, "loss") or "loss" in file.rsplit("/", 1)[-1]:
+    if _in_scope(source.op_name, "loss") or file.endswith(_LOSS_SOURCES):
         return "loss"
     if _in_scope(source.op_name, "optimizer") or "/optax/" in file:
         return "optimizer"

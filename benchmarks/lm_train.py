@@ -148,7 +148,7 @@ def choose_loss(requested: str, model_class) -> str:
 
 def next_token_loss(model, inputs, targets, loss_impl: str, logits_dtype: str | None = None):
     """Mean next-token cross-entropy. For the profile, the plain loss's own ops are under
-    jax.named_scope("loss"); the model loss's are found by their file (flax_layers/loss.py), since a scope
+    jax.named_scope("loss"); the model loss's are found by their file (jax_mamba2/cross_entropy.py), since a scope
     around `model.loss` would hold the whole model's forward and backward too.
     `logits_dtype` (the model loss only): the dtype its logits are stored in (default float32)."""
     import jax

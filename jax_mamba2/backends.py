@@ -3,7 +3,7 @@ which one runs a call.
 
 The ops are "ssd" (`jax_mamba2.op`: `ssd`, `ssd_step`), "causal_conv1d" (`jax_mamba2.conv1d`), "rms_norm"
 (`jax_mamba2.norm`: `rms_norm`, `add_rms_norm`), "cross_entropy" (the softmax of the LM loss,
-`jax_mamba2.flax_layers.loss.chunked_cross_entropy`) and "decode" (`jax_mamba2.decode`: `norm_project`,
+`jax_mamba2.cross_entropy.chunked_cross_entropy`) and "decode" (`jax_mamba2.decode`: `norm_project`,
 `mixer_step`, the fused ops of a decode step). Each op module registers its pure-JAX backends ("xla", and
 "scan" for the SSD), which run everywhere. The optional backends register themselves, for every op, when their
 module is imported; that module needs optional dependencies (the [cuda] extra), so the registry imports it on
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 import jax
 
 if TYPE_CHECKING:
-    from jax_mamba2.op import SSDInputs, SSDStatic
+    from jax_mamba2.ssd_args import SSDInputs, SSDStatic
 
 # The ops that have backends, by the name their modules register them under.
 OPS = ("ssd", "causal_conv1d", "rms_norm", "cross_entropy", "decode")

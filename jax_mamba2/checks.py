@@ -44,10 +44,24 @@ def check_array(api: str, name: str, arr, want_desc: str = "", *want: tuple[int,
 
 
 def check_seq_idx(api: str, seq_idx, batch: int, seqlen: int) -> None:
-    """seq_idx is a (batch, seqlen) integer array (the ids of packed sequences)."""
+    """seq_idx is a (batch, seqlen) integer array (the ids of packed sequences) of ids int32 holds."""
     check_array(api, "seq_idx", seq_idx, "(batch, seqlen)", (batch, seqlen), floating=False)
     if not jnp.issubdtype(seq_idx.dtype, jnp.integer):
         raise TypeError(f"{api}: seq_idx.dtype={seq_idx.dtype} must be an integer dtype (int32)")
+    check_seq_idx_range(api, seq_idx)
+
+
+def check_seq_idx_range(api: str, seq_idx) -> None:
+    """A concrete `seq_idx` of a dtype that can hold ids int32 cannot (int64, uint32, ...) holds none: the ops
+    and the kernels compare ids as int32, where such an id would wrap onto another sequence's and join the two.
+    Read on the host as given (converting to a JAX array first would already have wrapped them)."""
+    if not is_concrete(seq_idx) or np.can_cast(seq_idx.dtype, np.int32):
+        return
+    ids = np.asarray(seq_idx)
+    low, high = ids.min(), ids.max()
+    if low < np.iinfo(np.int32).min or high > np.iinfo(np.int32).max:
+        raise ValueError(f"{api}: seq_idx must hold ids int32 holds, in [{np.iinfo(np.int32).min}, "
+                         f"{np.iinfo(np.int32).max}]; got ids from {low} to {high}")
 
 
 def is_concrete(a) -> bool:
@@ -82,9 +96,14 @@ def check_seq_idx_order(api: str, seq_idx) -> None:
 
 
 def check_positive_float(api: str, name: str, value) -> float:
-    """`value` is a positive finite int or float (not a bool); returns it as a Python float."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or not 0 < value < math.inf:
+    """`value` is a positive finite number: a Python or NumPy int or float, or a concrete 0-d array of a real dtype
+    (not a bool); returns it as a Python float. TypeError for anything else, ValueError out of range."""
+    if getattr(value, "shape", None) == () and not isinstance(value, jax.core.Tracer) and \
+            np.issubdtype(value.dtype, np.number) and not np.issubdtype(value.dtype, np.complexfloating):
+        value = value.item()  # a 0-d NumPy or JAX array
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{api}: {name}={value!r} must be a positive finite float")
+    if not 0 < value < math.inf:
         raise ValueError(f"{api}: {name}={value!r} must be a positive finite float")
     return float(value)
 

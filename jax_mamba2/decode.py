@@ -221,7 +221,7 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
         if len(sum_squares.shape) != 2 or sum_squares.shape[0] != rows or sum_squares.shape[1] % ngroups:
             raise ValueError(f"{api}: sum_squares.shape={tuple(sum_squares.shape)} must be (rows={rows}, a multiple "
                              f"of the norm's {ngroups} groups)")
-    check_positive_float(api, "eps", eps)
+    eps = check_positive_float(api, "eps", eps)
     norm_before_gate = check_flag(api, "norm_before_gate", norm_before_gate)
     transpose_weight = check_flag(api, "transpose_weight", transpose_weight)
     return_partials = check_flag(api, "return_partials", return_partials)

@@ -40,12 +40,13 @@ def _bridge():
 # Checks
 # ----------------------------------------------------------------------------------------------
 
-def _check_common(api, x, weight, eps):
+def _check_common(api, x, weight, eps) -> float:
+    """x (..., features) and weight (features,) arrays, eps a positive number; returns eps as a Python float."""
     check_array(api, "x", x)
     if len(x.shape) < 1 or x.shape[-1] < 1:
         raise ValueError(f"{api}: x.shape={tuple(x.shape)} must be (..., features) with features >= 1")
     check_array(api, "weight", weight, "(features,)", (x.shape[-1],))
-    check_positive_float(api, "eps", eps)
+    return check_positive_float(api, "eps", eps)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,7 +171,7 @@ def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] 
         kernel backend cannot run the call (float64, a group wider than 8192 features, no GPU), saying why.
     """
     api = "rms_norm"
-    _check_common(api, x, weight, eps)
+    eps = _check_common(api, x, weight, eps)
     norm_before_gate = check_flag(api, "norm_before_gate", norm_before_gate)
     features = x.shape[-1]
     if z is not None:
@@ -253,7 +254,7 @@ def add_rms_norm(x, residual, weight, *, eps: float = 1e-5, residual_dtype=None,
       ValueError / TypeError: as `rms_norm`.
     """
     api = "add_rms_norm"
-    _check_common(api, x, weight, eps)
+    eps = _check_common(api, x, weight, eps)
     return_residual = check_flag(api, "return_residual", return_residual)
     check_array(api, "residual", residual, "x.shape", x.shape)
     residual_dtype = float_dtype(api, "residual_dtype", jnp.result_type(x, residual) if residual_dtype is None

@@ -91,6 +91,13 @@ def test_explicit_kernel_backend_without_gpu_says_why():
             jax_mamba2.add_rms_norm(X.astype(jnp.float64), Z, W, backend="cutile_callback")
 
 
+def test_eps_as_a_concrete_scalar_array_is_the_same_number():
+    """eps read off a model's parameters or a config as a 0-d array (NumPy or JAX) is taken as its value."""
+    want = jax_mamba2.rms_norm(X, W, Z, eps=1e-5, backend="xla")
+    for eps in (np.float32(1e-5), jnp.float32(1e-5), np.array(1e-5)):
+        np.testing.assert_array_equal(jax_mamba2.rms_norm(X, W, Z, eps=eps, backend="xla"), want)
+
+
 @pytest.mark.parametrize("call,error,message", [
     (lambda: jax_mamba2.rms_norm(X, W[:16]), ValueError, r"rms_norm: weight.shape=\(16,\) must be \(features,\)"),
     (lambda: jax_mamba2.rms_norm(X, W, Z[..., :8]), ValueError, r"rms_norm: z.shape=\(3, 5, 8\) must be x.shape"),
@@ -99,6 +106,8 @@ def test_explicit_kernel_backend_without_gpu_says_why():
      r"rms_norm: group_size=5 must be a positive divisor of features=32"),
     (lambda: jax_mamba2.rms_norm(X, W, group_size=2.0), TypeError, r"rms_norm: group_size=2.0 must be an int"),
     (lambda: jax_mamba2.rms_norm(X, W, eps=0.0), ValueError, r"rms_norm: eps=0.0 must be a positive finite float"),
+    (lambda: jax_mamba2.rms_norm(X, W, eps=True), TypeError, r"rms_norm: eps=True must be a positive finite float"),
+    (lambda: jax_mamba2.rms_norm(X, W, eps=jnp.zeros(())), ValueError, r"rms_norm: eps=0.0 must be a positive"),
     (lambda: jax_mamba2.rms_norm(X, W, backend="scan"), ValueError, r"rms_norm: backend='scan' must be one of"),
     (lambda: jax_mamba2.rms_norm(X, W, sum_groups=3), TypeError, r"rms_norm: sum_groups=3 must be a callable"),
     (lambda: jax_mamba2.add_rms_norm(X, Z[:1], W), ValueError, r"add_rms_norm: residual.shape=\(1, 5, 32\) must be"),

@@ -123,6 +123,24 @@ def test_ssd_orders_seq_idx_of_any_integer_dtype_without_wrapping_around():
                                                       backend="xla"))
 
 
+@pytest.mark.parametrize("dtype, big", [(np.int64, 2 ** 32), (np.uint32, 2 ** 31)])
+def test_seq_idx_ids_past_int32_are_refused_where_they_would_wrap_onto_another_sequence(dtype, big):
+    """With x64 off an int64 id of 2**32 becomes 0 in the program (a uint32 one of 2**31, -2**31 in the kernels'
+    int32): two packed sequences would join and a NaN cross between them. The ops refuse such ids up front."""
+    base = _bad_call()
+    ids = np.zeros((2, 40), dtype)
+    ids[:, 20:] = big
+    message = r"seq_idx must hold ids int32 holds, in \[-2147483648, 2147483647\]; got ids from 0 to " + str(big)
+    with pytest.raises(ValueError, match=r"ssd: " + message):
+        jax_mamba2.ssd(**dict(base, seq_idx=ids), backend="xla")
+    x = np.ones((2, 40, 8), np.float32)
+    with pytest.raises(ValueError, match=r"causal_conv1d_silu: " + message):
+        jax_mamba2.causal_conv1d_silu(x, np.ones((4, 8), np.float32), seq_idx=ids)
+    fits = np.where(ids == big, 7, 0).astype(dtype)  # the same ids, within int32: run as given
+    np.testing.assert_array_equal(jax_mamba2.ssd(**dict(base, seq_idx=fits), backend="xla"),
+                                  jax_mamba2.ssd(**dict(base, seq_idx=fits.astype(np.int32)), backend="xla"))
+
+
 def test_ssd_accepts_values_within_the_preconditions():
     """A == 0 (no decay); negative raw dt that the softplus or a dt_limit turns into Δ >= 0."""
     base = _bad_call()

@@ -13,11 +13,11 @@ from typing import Any
 
 import cuda.tile as ct
 
-from jax_mamba2 import op as ssd_op
 from jax_mamba2.checks import check_dt_limit, check_flag
 from jax_mamba2.bridge import problem
 from jax_mamba2.kernels import forward as forward_kernels
 from jax_mamba2.kernels._common import Plan
+from jax_mamba2.ssd_args import SSDInputs, SSDStatic, check_inputs
 
 
 class ArrayNamespace:
@@ -92,10 +92,14 @@ def run_plan(plan: Plan, arrays: dict, xp: ArrayNamespace, stream=None) -> dict:
 def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_softplus=False,
         dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, return_final_states=False,
         stream: Any = None):
-    """`jax_mamba2.ssd` on the cuTile kernels, eagerly, for CuPy / torch / JAX CUDA arrays.
+    """The forward of `jax_mamba2.ssd` on the cuTile kernels, eagerly, for CuPy / torch / JAX CUDA arrays.
 
-    Arguments and results are those of `jax_mamba2.ssd` (same shapes and dtypes); results come back in
-    x's framework. `stream`: a torch/CuPy stream or raw handle; default the framework's current stream.
+    The arguments shared with `jax_mamba2.ssd` have its shapes, dtypes and meaning, and are checked as it checks
+    them (shapes, dtypes, options; not the values: A <= 0, Δ >= 0 and an ordered seq_idx are the caller's); the
+    results come back in x's framework. There is no backend to choose, no gradient, and the kernels run on the
+    inputs as they are, as `ssd(..., check_finite=False)` runs them: a NaN or inf may reach the other tokens of
+    its chunk and the packed sequences after it. `stream`: a torch/CuPy stream or raw handle; default the
+    framework's current stream.
     """
     source = _module_of(x)
     if source == "jax":
@@ -106,12 +110,12 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
             xp = ArrayNamespace("cupy")
     else:
         xp = ArrayNamespace(source)
-    arrays = ssd_op.SSDInputs(*(_to_namespace(a, xp) for a in (x, dt, A, B, C, D, z, dt_bias, initial_states,
+    arrays = SSDInputs(*(_to_namespace(a, xp) for a in (x, dt, A, B, C, D, z, dt_bias, initial_states,
                                                                seq_idx)))
-    stand_ins = ssd_op.SSDInputs(*(None if a is None else _shape_dtype(a, xp) for a in arrays))
-    ssd_op.check_inputs(*stand_ins[:5], chunk_size, stand_ins.D, stand_ins.z, stand_ins.dt_bias,
+    stand_ins = SSDInputs(*(None if a is None else _shape_dtype(a, xp) for a in arrays))
+    check_inputs(*stand_ins[:5], chunk_size, stand_ins.D, stand_ins.z, stand_ins.dt_bias,
                         stand_ins.initial_states, stand_ins.seq_idx)
-    static = ssd_op.SSDStatic(int(chunk_size), check_flag("ssd", "dt_softplus", dt_softplus),
+    static = SSDStatic(int(chunk_size), check_flag("ssd", "dt_softplus", dt_softplus),
                               check_dt_limit("ssd", dt_limit))
     return_final_states = check_flag("ssd", "return_final_states", return_final_states)
     reason = problem.shape_unsupported_reason(dtype=stand_ins.x.dtype, headdim=stand_ins.x.shape[3],

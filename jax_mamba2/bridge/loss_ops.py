@@ -2,7 +2,7 @@
 executor.
 
 Adds what raw kernel calls lack: a vmap rule (every array is per row, so the mapped axis folds into the
-kernels' rows) and outputs that keep shard_map's varying axes. `jax_mamba2.flax_layers.loss` calls
+kernels' rows) and outputs that keep shard_map's varying axes. `jax_mamba2.cross_entropy` calls
 `KERNELS[backend]` per chunk inside its custom VJP, on the chunk's logits as the head product stored them
 ((rows, padded_vocab) in the logits dtype) and int32 labels; the head matmuls and the weight gradient stay
 in XLA.

@@ -13,7 +13,6 @@ Public API:
                               mamba_ssm / HF transformers checkpoint directories.
   shard_model                 run on a (data, model) mesh: batch over "data", heads over "model".
   RMSNorm                     (gated, grouped) RMSNorm, and the fused residual add + RMSNorm.
-  chunked_cross_entropy       the LM head fused with a chunked cross-entropy (Mamba2LMHeadModel.loss).
   cast_params                 a model's parameters converted to another dtype once (e.g. bf16 for decoding).
 """
 from jax_mamba2.flax_layers.cache import Mamba2Cache
@@ -22,7 +21,6 @@ from jax_mamba2.flax_layers.config import (Mamba2Config, mamba2_1_3b, mamba2_2_7
                                            mamba2_780m)
 from jax_mamba2.flax_layers.generation import generate, generate_stream
 from jax_mamba2.flax_layers.lm import Mamba2Block, Mamba2LMHeadModel
-from jax_mamba2.flax_layers.loss import chunked_cross_entropy
 from jax_mamba2.flax_layers.mamba2 import Mamba2
 from jax_mamba2.flax_layers.norm import RMSNorm
 from jax_mamba2.flax_layers.precision import cast_params
@@ -31,5 +29,5 @@ from jax_mamba2.flax_layers.sharding import shard_model
 __all__ = [
     "Mamba2", "Mamba2Cache", "Mamba2Block", "Mamba2LMHeadModel", "generate", "generate_stream", "Mamba2Config",
     "mamba2_130m", "mamba2_370m", "mamba2_780m", "mamba2_1_3b", "mamba2_2_7b", "load_pretrained", "save_pretrained",
-    "shard_model", "RMSNorm", "cast_params", "chunked_cross_entropy",
+    "shard_model", "RMSNorm", "cast_params",
 ]

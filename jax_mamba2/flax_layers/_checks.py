@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_mamba2.checks import check_seq_idx_order, float_dtype
+from jax_mamba2.checks import check_seq_idx_order, check_seq_idx_range, float_dtype
 
 Axes = tuple[tuple[str, int | None], ...]
 
@@ -63,7 +63,19 @@ def check_seq_idx(api: str, seq_idx, batch: int, seqlen: int, cache=None) -> Non
     check_array(api, "seq_idx", seq_idx, (("batch", batch), ("seqlen", seqlen)), kind="integer")
     if cache is not None:
         raise ValueError(f"{api}: seq_idx needs cache=None (a cache continues one sequence per row)")
+    check_seq_idx_range(api, seq_idx)
     check_seq_idx_order(api, seq_idx)
+
+
+def check_batch_splits(api: str, name: str, batch: int, mesh_axes) -> None:
+    """`batch` (the rows of argument `name`) splits evenly over the data axis of `mesh_axes` (a `MeshAxes`, set by
+    `shard_model`; None: not sharded, any batch)."""
+    if mesh_axes is None:
+        return
+    size = mesh_axes.mesh.shape[mesh_axes.data_axis]
+    if batch % size:
+        raise ValueError(f"{api}: {name}.shape[0]={batch} (the batch) must be divisible by {size}, the size of the "
+                         f"mesh axis {mesh_axes.data_axis!r} that shard_model splits the batch over")
 
 
 def check_rngs(api: str, rngs) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from flax.core import FrozenDict
 
-from jax_mamba2.checks import check_dt_limit
+from jax_mamba2.checks import check_dt_limit, check_flag
 from jax_mamba2.flax_layers.mixer_options import check_mixer_options
 
 # Keyword arguments of `Mamba2.__init__` that may appear in `ssm_cfg` (all but d_model and the dtype/backend
@@ -94,7 +94,7 @@ def _require_positive_ints(config: Mapping[str, Any], keys: Sequence[str], api: 
     """Each of `keys` that `config` has must be a positive int (checked before sizes are multiplied)."""
     for key in keys:
         value = config.get(key, 1)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{api}: {key}={value!r} must be a positive int")
 
 
@@ -111,7 +111,7 @@ def _require_positive_numbers(config: Mapping[str, Any], keys: Sequence[str], ap
         if key not in config:
             continue
         value = config[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real):
             raise TypeError(f"{api}: {key}={value!r} must be a number")
         if not 0 < value < math.inf:
             raise ValueError(f"{api}: {key}={value!r} must be positive and finite")
@@ -173,8 +173,7 @@ class Mamba2Config:
             raise TypeError(f"Mamba2Config: ssm_cfg={self.ssm_cfg!r} must be a mapping of Mamba2 options (a JSON "
                             "object)")
         for name in ("rms_norm", "residual_in_fp32", "fused_add_norm", "tie_embeddings"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"Mamba2Config: {name}={getattr(self, name)!r} must be a bool")
+            object.__setattr__(self, name, check_flag("Mamba2Config", name, getattr(self, name)))
         if isinstance(self.norm_epsilon, (bool, np.bool_)) or not isinstance(self.norm_epsilon, Real):
             raise TypeError(f"Mamba2Config: norm_epsilon={self.norm_epsilon!r} must be a number > 0")
         if isinstance(self.d_intermediate, (bool, np.bool_)) or self.d_intermediate != 0:

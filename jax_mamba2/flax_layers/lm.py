@@ -16,7 +16,7 @@ from jax_mamba2 import decode as decode_op
 from jax_mamba2 import norm as norm_op
 from jax_mamba2.checks import check_flag, float_dtype
 from jax_mamba2.flax_layers import _checks
-from jax_mamba2.flax_layers import loss as loss_op
+from jax_mamba2 import cross_entropy as loss_op
 from jax_mamba2.flax_layers.cache import Mamba2Cache, stack_layers, unstack_layers
 from jax_mamba2.flax_layers.config import Mamba2Config
 from jax_mamba2.flax_layers.initializers import torch_uniform
@@ -112,6 +112,7 @@ class Mamba2Block(nnx.Module):
                                     tuple((n, self.mixer.d_model if n == "d_model" else None) for n in names),
                                     kind="floating")
         _checks.check_array(api, "residual", residual, tuple(zip(names, shape)), kind="floating")
+        _checks.check_batch_splits(api, "hidden_states", shape[0], self.mixer.mesh_axes)
         if cache is not None or not sequence:  # a step needs one
             _checks.check_cache(api, cache, *self.mixer.cache_axes(shape[0]))
 
@@ -274,9 +275,11 @@ class Mamba2LMHeadModel(nnx.Module):
             "shift_labels", shift_labels)
         _checks.check_array("Mamba2LMHeadModel.loss", name, labels,
                             tuple(zip(("batch", "seqlen"), input_ids.shape)), kind="integer")
-        # Shifted in int32: an unsigned dtype could not hold a negative ignore_index in the padded last column.
-        targets = labels if shift_labels is not None else jnp.pad(labels[:, 1:].astype(jnp.int32), ((0, 0), (0, 1)),
-                                                                  constant_values=ignore_index)
+        # Shifted in int32: an unsigned dtype could not hold a negative ignore_index in the padded last column (none
+        # for an empty sequence).
+        shifted = labels[:, 1:].astype(jnp.int32)
+        targets = labels if shift_labels is not None else jnp.pad(
+            shifted, ((0, 0), (0, labels.shape[1] - shifted.shape[1])), constant_values=ignore_index)
         weight = (dict(embedding=self.embedding.embedding[...]) if self.lm_head is None else
                   dict(head_weight=self.lm_head.kernel[...]))
         hidden = self._final_hidden(input_ids, seq_idx)
@@ -396,6 +399,7 @@ class Mamba2LMHeadModel(nnx.Module):
         (leading (n_layer,) axis) for that batch; seq_idx, unless None, as input_ids and not with a cache."""
         axes = (("batch", None), ("seqlen", None)) if sequence else (("batch", None),)
         shape = _checks.check_array(api, "input_ids", input_ids, axes, kind="integer")
+        _checks.check_batch_splits(api, "input_ids", shape[0], self.layers.mixer.mesh_axes)
         _checks.check_token_ids_in_range(api, "input_ids", input_ids, self.config.vocab_size)
         if cache is not None or not sequence:  # a step needs one
             layer_axes = (("n_layer", self.config.n_layer),)

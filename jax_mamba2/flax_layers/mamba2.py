@@ -16,6 +16,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
@@ -135,13 +136,16 @@ class Mamba2(nnx.Module):
                  deterministic_backward: bool = False, save_chunk_states: bool = False, check_finite: bool = True,
                  dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         _checks.check_rngs("Mamba2", rngs)
-        if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model < 1:
+        if isinstance(d_model, (bool, np.bool_)) or not isinstance(d_model, (int, np.integer)) or d_model < 1:
             raise ValueError(f"Mamba2: d_model={d_model!r} must be a positive int")
+        d_model = int(d_model)
         options, (d_inner, d_ssm, nheads) = check_mixer_options("Mamba2", d_model, dict(
             d_state=d_state, d_conv=d_conv, conv_init=conv_init, expand=expand, headdim=headdim, d_ssm=d_ssm,
             ngroups=ngroups, A_init_range=A_init_range, D_has_hdim=D_has_hdim, rmsnorm=rmsnorm,
             norm_before_gate=norm_before_gate, norm_eps=norm_eps, dt_min=dt_min, dt_max=dt_max,
             dt_init_floor=dt_init_floor, dt_limit=dt_limit, bias=bias, conv_bias=conv_bias, chunk_size=chunk_size))
+        d_state, d_conv, headdim, ngroups, chunk_size = (  # as Python ints
+            options[name] for name in ("d_state", "d_conv", "headdim", "ngroups", "chunk_size"))
         D_has_hdim, rmsnorm, norm_before_gate, bias, conv_bias, norm_eps, dt_limit, conv_init = (
             options[name] for name in ("D_has_hdim", "rmsnorm", "norm_before_gate", "bias", "conv_bias", "norm_eps",
                                        "dt_limit", "conv_init"))
@@ -255,6 +259,7 @@ class Mamba2(nnx.Module):
         """
         batch, _ = _checks.check_array("Mamba2.step", "hidden_states", hidden_states,
                                        (("batch", None), ("d_model", self.d_model)), kind="floating")
+        _checks.check_batch_splits("Mamba2.step", "hidden_states", batch, self.mesh_axes)
         _checks.check_cache("Mamba2.step", cache, *self.cache_axes(batch))
         return self._run(Mamba2._step, (hidden_states, cache), returns_cache=True)
 
@@ -289,6 +294,7 @@ class Mamba2(nnx.Module):
         batch, seqlen, _ = _checks.check_array(api, "hidden_states", hidden_states,
                                                (("batch", None), ("seqlen", None), ("d_model", self.d_model)),
                                                kind="floating")
+        _checks.check_batch_splits(api, "hidden_states", batch, self.mesh_axes)
         return batch, seqlen
 
     # ------------------------------------------------------------------------------------------------

@@ -69,7 +69,8 @@ def make_sampling(api: str, vocab_size: int, *, temperature=0.0, top_k=None, top
 
     Raises:
       ValueError: temperature < 0, infinite, NaN or under float32's smallest normal number, top_k outside
-        [1, vocab_size], top_p outside (0, 1], min_p outside [0, 1], repetition_penalty <= 0, infinite or NaN.
+        [1, vocab_size], top_p outside (0, 1], min_p outside [0, 1], repetition_penalty <= 0, NaN or outside
+        float32's normal numbers.
       TypeError: any of them not a concrete number (top_k not an int).
     """
     temperature = _concrete_float(api, "temperature", temperature)
@@ -79,8 +80,10 @@ def make_sampling(api: str, vocab_size: int, *, temperature=0.0, top_k=None, top
     if 0 < temperature < np.finfo(np.float32).tiny:  # would round to 0 (or a subnormal) in float32
         raise ValueError(f"{api}: temperature={temperature} must be 0 (greedy) or at least "
                          f"{np.finfo(np.float32).tiny:.3g}, float32's smallest normal number")
-    if not 0 < repetition_penalty < math.inf:
-        raise ValueError(f"{api}: repetition_penalty={repetition_penalty} must be > 0 and finite")
+    tiny, largest = np.finfo(np.float32).tiny, np.finfo(np.float32).max
+    if not tiny <= repetition_penalty <= largest:  # else it rounds to 0, a subnormal or inf in float32
+        raise ValueError(f"{api}: repetition_penalty={repetition_penalty} must be > 0 and within float32's normal "
+                         f"numbers, [{tiny:.3g}, {largest:.3g}]")
     if top_k is not None:
         if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, Integral):
             raise TypeError(f"{api}: top_k={top_k!r} must be None or an int")
@@ -104,11 +107,14 @@ def make_sampling(api: str, vocab_size: int, *, temperature=0.0, top_k=None, top
 
 def penalize_repeats(logits, seen, penalty):
     """HF's `RepetitionPenaltyLogitsProcessor`: the logits of tokens already seen (prompt or generated) divided by
-    `penalty` where positive, multiplied by it where negative.
+    `penalty` where positive, multiplied by it where negative; a result past float32's range saturates at its
+    largest finite value (an inf logit would make the row's shift by its largest NaN).
 
     logits (batch, vocab) float32, seen (batch, vocab) bool, penalty a float32 scalar -> (batch, vocab) float32.
     """
-    return jnp.where(seen, jnp.where(logits < 0, logits * penalty, logits / penalty), logits)
+    largest = jnp.finfo(logits.dtype).max
+    penalized = jnp.clip(jnp.where(logits < 0, logits * penalty, logits / penalty), -largest, largest)
+    return jnp.where(seen, penalized, logits)
 
 
 def candidate_logits(logits, sampling: Sampling):

@@ -31,7 +31,7 @@ LOG2E = 1.4426950408889634
 # Architectures whose tuning spaces the stages define.
 SUPPORTED_ARCHS = ("sm_90",)
 
-_INT32_MAX = (1 << 31) - 1
+INT32_MAX = (1 << 31) - 1
 
 # The dtypes the kernels accept for x, B, C, z (names as numpy/jax spell them).
 KERNEL_DTYPES = ("bfloat16", "float16", "float32")
@@ -225,6 +225,20 @@ def silu_gate(acc, z_tile):
                             flush_to_zero=True)
 
 
+def sigmoid(z):
+    """Device helper: 1 / (1 + e^-z) of an f32 tile with one MUFU.EX2 and an approximate division (2 ulp);
+    e^-z -> inf for very negative z gives 0, never NaN."""
+    return ct.truediv(1.0, 1.0 + exp2_ftz(-z * LOG2E), rounding_mode=ct.RoundingMode.APPROX, flush_to_zero=True)
+
+
+def load_zero_padded(array, index, shape, LATENCY):
+    """Device helper: ct.load of the tile at `index` (zero past the array's edges) with the latency hint LATENCY
+    (0: none, the compiler's choice)."""
+    if LATENCY:
+        return ct.load(array, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO, latency=LATENCY)
+    return ct.load(array, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO)
+
+
 def mma_dtype(dtype):
     """Device helper: the tensor-core operand dtype for data of `dtype` (tf32 for f32, else itself).
 
@@ -284,7 +298,7 @@ def needs_int64_index(dims: SSDDims) -> bool:
     b, L, H, P, G, N = dims.batch, dims.seqlen, dims.nheads, dims.headdim, dims.ngroups, dims.dstate
     nc, Q = dims.nchunks, dims.chunk_size
     largest = max(b * L * H * P, b * L * G * N, b * nc * H * P * N, b * H * nc * Q)
-    return largest > _INT32_MAX
+    return largest > INT32_MAX
 
 
 class Big:

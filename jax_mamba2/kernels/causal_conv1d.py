@@ -54,10 +54,9 @@ import numbers
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    LOG2E, Big, Buffer, ConstBool, ConstInt, Plan, exp2_ftz, index_width_variant, int64_index_kernels,
-    is_power_of_2, kernel_launch, next_power_of_2)
+    INT32_MAX, Big, Buffer, ConstBool, ConstInt, Plan, index_width_variant, int64_index_kernels, is_power_of_2,
+    kernel_launch, next_power_of_2, sigmoid)
 
-_INT32_MAX = (1 << 31) - 1
 # About two blocks per SM of an H100 / H200 (132 SMs): the default segments shorten to keep the grid at least
 # this large.
 MIN_BLOCKS = 256
@@ -142,7 +141,7 @@ def needs_int64_index(dims: ConvDims, partials: int = 0) -> bool:
     elements, so that int32 element offsets could overflow."""
     largest = max(dims.batch * dims.seqlen * dims.source_width, max(partials, 1) * dims.width * dims.channels,
                   dims.batch * dims.channels * max(dims.init_width, 1))
-    return largest > _INT32_MAX
+    return largest > INT32_MAX
 
 
 def piece_arrays(dims: ConvDims, prefix: str) -> dict[str, Buffer]:
@@ -184,13 +183,6 @@ def conv_arrays(dims: ConvDims) -> dict[str, Buffer]:
 # ----------------------------------------------------------------------------------------------
 # Device helpers (shared with causal_conv1d_bwd.py)
 # ----------------------------------------------------------------------------------------------
-
-def sigmoid(p):
-    """Device helper: 1 / (1 + e^-p) in f32 with one MUFU.EX2 and an approximate division (e^-p -> inf for
-    very negative p gives 0, never NaN)."""
-    return ct.truediv(1.0, 1.0 + exp2_ftz(p * -LOG2E), rounding_mode=ct.RoundingMode.APPROX,
-                      flush_to_zero=True)
-
 
 def token_rows(x, b, first, count, cols):
     """x[b, t, cols] of tokens t = first .. first + count - 1 as a tuple of [BLOCK_C] tiles in x's dtype, 0
@@ -313,7 +305,7 @@ def _piece(y0, y1, y2, i, SPLIT1, SPLIT2):
         return y0, 0, SPLIT1
     if i == 1:
         return y1, SPLIT1, SPLIT2
-    return y2, SPLIT2, _INT32_MAX
+    return y2, SPLIT2, INT32_MAX
 
 
 def token_ids(seq_idx, b, first, count):

@@ -48,11 +48,12 @@ import dataclasses
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    Big, Buffer, ConstBool, ConstInt, Plan, index_width_variant, int64_index_kernels, kernel_launch, next_power_of_2)
+    Big, Buffer, ConstBool, ConstInt, Plan, index_width_variant, int64_index_kernels, kernel_launch, next_power_of_2,
+    sigmoid)
 from jax_mamba2.kernels.causal_conv1d import (
     CONV_INPUTS, MAX_OUTPUTS, OUTSIDE, ConvDims, channel_blocks, check_dims, check_tile_fields,
     conv_arrays, copy_outside_segment, default_segment_tiles, halo_rows, last_rows, masked_taps, needs_int64_index,
-    outside_arrays, piece_arrays, piece_rows, preactivation, sigmoid, token_ids, token_rows, weight_rows, widened)
+    outside_arrays, piece_arrays, piece_rows, preactivation, token_ids, token_rows, weight_rows, widened)
 
 COTANGENTS = tuple(f"dy{i}" for i in range(MAX_OUTPUTS))
 # The cotangents of x's channels before and after the conv's window (PASS_THROUGH).

@@ -1,6 +1,6 @@
 """Forward of the LM loss's softmax: per row of a chunk's logits, the logsumexp and the loss, in one pass.
 
-Mirrors the inner computation of `jax_mamba2.flax_layers.loss` (`chunk_loss`). Per row r with label y_r,
+Mirrors the inner computation of `jax_mamba2.cross_entropy` (`chunk_loss`). Per row r with label y_r,
 over the columns c < VOCAB (the columns past VOCAB are padding, excluded from the softmax), in f32:
 
     lse[r]    = log sum_c exp(logits[r, c])              (online: running max m, rescaled sum s)
@@ -35,10 +35,9 @@ from typing import NamedTuple, Optional
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    LOG2E, Big, Buffer, ConstInt, Launch, Plan, check_row_block_config, exp2_ftz, index_width_variant,
+    INT32_MAX, LOG2E, Big, Buffer, ConstInt, Launch, Plan, check_row_block_config, exp2_ftz, index_width_variant,
     int64_index_kernels, is_power_of_2, next_power_of_2)
 
-_INT32_MAX = (1 << 31) - 1
 # The running max's start: below every finite f32, so the first rescale exp(start - m) underflows to 0
 # instead of exp(-inf - (-inf)) = NaN.
 NEG_FLT_MAX = -3.4028234663852886e38
@@ -104,7 +103,7 @@ def cross_entropy_default_config(dims: CrossEntropyDims) -> CrossEntropyConfig:
 
 def needs_int64_index(dims: CrossEntropyDims) -> bool:
     """Whether the logits have 2^31 or more elements (int32 element offsets could overflow)."""
-    return dims.rows * dims.padded_vocab > _INT32_MAX
+    return dims.rows * dims.padded_vocab > INT32_MAX
 
 
 def row_block_count(dims: CrossEntropyDims, cfg: CrossEntropyConfig) -> int:

@@ -1,6 +1,6 @@
 """Backward of the LM loss's softmax (kernels/cross_entropy.py): the logits' gradient, tile by tile.
 
-Mirrors the inner computation of `jax_mamba2.flax_layers.loss` (`chunk_grads`). Per row r with label y_r,
+Mirrors the inner computation of `jax_mamba2.cross_entropy` (`chunk_grads`). Per row r with label y_r,
 the forward's lse[r] and the row's cotangent scale[r] (dloss / count), in f32:
 
     dlogits[r, c] = NaN (every column)                                       if y_r is counted but outside

@@ -49,9 +49,8 @@ from typing import Optional
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    SM90_SMS, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, dt_transform, index_width_variant,
-    int64_index_kernels, is_power_of_2, next_power_of_2, silu_gate)
-from jax_mamba2.kernels.rms_norm import sigmoid
+    INT32_MAX, SM90_SMS, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, dt_transform,
+    index_width_variant, int64_index_kernels, is_power_of_2, next_power_of_2, sigmoid, silu_gate)
 from jax_mamba2.kernels.state_update import state_step
 
 MIXER_STEP_INPUTS = ("layer_index", "zxbcdt", "conv_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D",
@@ -59,7 +58,6 @@ MIXER_STEP_INPUTS = ("layer_index", "zxbcdt", "conv_state", "conv_weight", "conv
 MIXER_STEP_OUTPUTS = ("y", "ssm_state", "conv_state", "group_windows")
 # With dims.norm_z_offset: the blocks' sums of squares for the gated norm that follows.
 SUM_SQUARES_OUTPUT = "sum_squares"
-_INT32_MAX = (1 << 31) - 1
 # A block's SSM state tile at most this many bytes (BLOCK_P x dstate): the compiler stages it in shared memory with
 # the block's other operands (51.0 KB at 32 x 128 f32, 83.7 KB at 64 x 128 f32; sm_90), and four blocks of that
 # fit an H200 SM's 228 KB.
@@ -192,12 +190,12 @@ def mixer_step_unsupported_reason(dims: MixerStepDims) -> Optional[str]:
 def views_the_layer_state(dims: MixerStepDims) -> bool:
     """Whether the kernel addresses the layer's SSM state through `_layer_state`: where the stacks need 64-bit
     offsets but one layer's state fits int32 ones (mamba2-370m's 48 layers at 256 rows: 67M elements a layer)."""
-    return needs_int64_index(dims) and dims.rows * dims.d_ssm * dims.dstate <= _INT32_MAX
+    return needs_int64_index(dims) and dims.rows * dims.d_ssm * dims.dstate <= INT32_MAX
 
 
 def needs_int64_index(dims: MixerStepDims) -> bool:
     """Whether a state stack of `dims` has 2^31 or more elements, so that int32 offsets into it could overflow."""
-    return dims.layers * dims.rows * max(dims.d_ssm * dims.dstate, dims.conv_dim * dims.d_conv) > _INT32_MAX
+    return dims.layers * dims.rows * max(dims.d_ssm * dims.dstate, dims.conv_dim * dims.d_conv) > INT32_MAX
 
 
 def _conv_silu(zxbcdt, conv_state, conv_weight, conv_bias, layer, b, channel_block, column_block, WIDTH, D_CONV,

@@ -44,9 +44,8 @@ from typing import Optional
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    SM90_SMS, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, is_power_of_2, mma_dtype, next_power_of_2,
-    with_hints)
-from jax_mamba2.kernels.rms_norm import sigmoid
+    INT32_MAX, SM90_SMS, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, is_power_of_2, load_zero_padded,
+    mma_dtype, next_power_of_2, sigmoid, with_hints)
 
 NORM_PROJECT_INPUTS = ("layer_index", "x", "residual", "z", "norm_weight", "weight", "bias", "sum_squares")
 # Rows per block: the product's M tile (a power of two >= 16, the smallest tensor-core tile).
@@ -63,7 +62,6 @@ WAVE_BLOCKS = SM90_SMS
 # Up to this many rows a product streams its weight as one row does (out_proj takes about as long at 8 rows as
 # at one), so the default splits a narrow product's K there (see projection_default_config).
 SPLIT_ROWS = 8
-_INT32_MAX = (1 << 31) - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +197,7 @@ def projection_unsupported_reason(dims: ProjectionDims) -> Optional[str]:
     largest = max(max(dims.x_parts, MAX_SPLIT_K if dims.out_parts else 1) * dims.rows
                   * max(dims.features, dims.out_features, dims.z_width),
                   dims.layers * dims.features * dims.out_features)
-    if largest > _INT32_MAX:
+    if largest > INT32_MAX:
         return f"an array of {largest} elements needs 64-bit indices, which the decode kernels do not take"
     return None
 
@@ -254,19 +252,30 @@ def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
     return ProjectionConfig(BLOCK_N=block_n, BLOCK_K=block_k)
 
 
-def _load(array, index, shape, LATENCY):
-    """A zero-padded tile load, with the latency hint LATENCY (0: none, the compiler's choice)."""
-    if LATENCY:
-        return ct.load(array, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO, latency=LATENCY)
-    return ct.load(array, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO)
-
-
 def _weight_tile(weight, layer, k, n, BLOCK_K, BLOCK_N, TRANSPOSE_W, LATENCY):
     """weight[layer] rows [k*BLOCK_K, ...) x columns [n*BLOCK_N, ...) as (BLOCK_K, BLOCK_N), zero outside."""
     if TRANSPOSE_W:
-        tile = _load(weight, (layer, n, k), (1, BLOCK_N, BLOCK_K), LATENCY)
+        tile = load_zero_padded(weight, (layer, n, k), (1, BLOCK_N, BLOCK_K), LATENCY)
         return ct.permute(tile.reshape((BLOCK_N, BLOCK_K)), (1, 0))
-    return _load(weight, (layer, k, n), (1, BLOCK_K, BLOCK_N), LATENCY).reshape((BLOCK_K, BLOCK_N))
+    return load_zero_padded(weight, (layer, k, n), (1, BLOCK_K, BLOCK_N), LATENCY).reshape((BLOCK_K, BLOCK_N))
+
+
+def _gated(h, z32, NORM_BEFORE_GATE):
+    """(h, gate) of f32 tiles of the norm's input and its gate's z: gate = silu(z), h gated unless NORM_BEFORE_GATE
+    (then the gate applies after the norm: `_scaled`)."""
+    gate = z32 * sigmoid(z32)
+    if not NORM_BEFORE_GATE:
+        h = h * gate
+    return h, gate
+
+
+def _scaled(h, rstd, scale, gate, HAS_Z, NORM_BEFORE_GATE):
+    """The normalized f32 tile h * rstd * scale, gated after the norm with HAS_Z and NORM_BEFORE_GATE."""
+    y = h * rstd * scale.astype(ct.float32)
+    if HAS_Z:
+        if NORM_BEFORE_GATE:
+            y = y * gate
+    return y
 
 
 def _norm_input(x, residual, z, residual_out, normed, row, k, BLOCK_K, X_PARTS, HAS_RESIDUAL, WRITE_RESIDUAL,
@@ -291,10 +300,8 @@ def _norm_input(x, residual, z, residual_out, normed, row, k, BLOCK_K, X_PARTS, 
         h = h.astype(ct.float32)
     gate = h
     if HAS_Z:
-        z32 = ct.load(z, index=(row, Z_BLOCK + k), shape=(1, BLOCK_K)).astype(ct.float32)
-        gate = z32 * sigmoid(z32)
-        if not NORM_BEFORE_GATE:
-            h = h * gate
+        h, gate = _gated(h, ct.load(z, index=(row, Z_BLOCK + k), shape=(1, BLOCK_K)).astype(ct.float32),
+                         NORM_BEFORE_GATE)
     return h, gate
 
 
@@ -304,10 +311,7 @@ def _store_normed(norm_weight, normed, residual_out, layer, row, g, s, steps, h,
     stream's dtype with WRITE_RESIDUAL (the dtype the reference returns the normalized rows in) and then to
     normed's."""
     scale = ct.load(norm_weight, index=(layer, g, s), shape=(1, 1, BLOCK_K)).reshape((1, BLOCK_K))
-    y = h * rstd * scale.astype(ct.float32)
-    if HAS_Z:
-        if NORM_BEFORE_GATE:
-            y = y * gate
+    y = _scaled(h, rstd, scale, gate, HAS_Z, NORM_BEFORE_GATE)
     if WRITE_RESIDUAL:
         y = y.astype(residual_out.dtype)
     ct.store(normed, index=(row, g * steps + s), tile=y.astype(normed.dtype))
@@ -378,20 +382,14 @@ def _normed_rows(a, z, norm_weight, layer, m, k, rstd, BLOCK_M, BLOCK_K, GROUP_S
                  NORM_BEFORE_GATE, LATENCY):
     """(BLOCK_M, BLOCK_K) in a's dtype: the rows' features [k * BLOCK_K, +BLOCK_K) normalized as `decode_norm_kernel`
     would have stored them (gated, times rstd and the norm weight of their group), rstd given."""
-    h = _load(a, (m, k), (BLOCK_M, BLOCK_K), LATENCY).astype(ct.float32)
+    h = load_zero_padded(a, (m, k), (BLOCK_M, BLOCK_K), LATENCY).astype(ct.float32)
     gate = h
     if HAS_Z:
-        z32 = _load(z, (m, Z_BLOCK + k), (BLOCK_M, BLOCK_K), LATENCY).astype(ct.float32)
-        gate = z32 * sigmoid(z32)
-        if not NORM_BEFORE_GATE:
-            h = h * gate
+        h, gate = _gated(h, load_zero_padded(z, (m, Z_BLOCK + k), (BLOCK_M, BLOCK_K), LATENCY).astype(ct.float32),
+                         NORM_BEFORE_GATE)
     steps = GROUP_SIZE // BLOCK_K
     scale = ct.load(norm_weight, index=(layer, k // steps, k % steps), shape=(1, 1, BLOCK_K)).reshape((1, BLOCK_K))
-    y = h * rstd * scale.astype(ct.float32)
-    if HAS_Z:
-        if NORM_BEFORE_GATE:
-            y = y * gate
-    return y.astype(a.dtype)
+    return _scaled(h, rstd, scale, gate, HAS_Z, NORM_BEFORE_GATE).astype(a.dtype)
 
 
 def decode_project_kernel(
@@ -447,7 +445,7 @@ def decode_project_kernel(
             rows = _normed_rows(a, z, norm_weight, layer, m, k, rstd, BLOCK_M, BLOCK_K, GROUP_SIZE, HAS_Z, Z_BLOCK,
                                 NORM_BEFORE_GATE, LATENCY)
         else:
-            rows = _load(a, (m, k), (BLOCK_M, BLOCK_K), LATENCY)
+            rows = load_zero_padded(a, (m, k), (BLOCK_M, BLOCK_K), LATENCY)
         rows = rows.astype(out.dtype).astype(mma_type)
         w = _weight_tile(weight, layer, k, n, BLOCK_K, BLOCK_N, TRANSPOSE_W, LATENCY).astype(out.dtype)
         if WEIGHT_FIRST:

@@ -28,10 +28,9 @@ from typing import Optional
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    LOG2E, MAX_BLOCK_ROWS, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, check_row_block_config,
-    exp2_ftz, index_width_variant, int64_index_kernels, next_power_of_2)
+    INT32_MAX, MAX_BLOCK_ROWS, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, check_row_block_config,
+    index_width_variant, int64_index_kernels, load_zero_padded, next_power_of_2, sigmoid)
 
-_INT32_MAX = (1 << 31) - 1
 # The widest group (rounded up to a power of two) a block holds: every per-element array lives in registers
 # as one (BLOCK_ROWS, WIDTH) f32 tile (see norm_default_config for what spills).
 MAX_WIDTH = 8192
@@ -137,7 +136,7 @@ def norm_default_config(dims: NormDims) -> NormConfig:
 def needs_int64_index(dims: NormDims) -> bool:
     """Whether a per-row array, or the wider array the backward reads z from (`z_columns`), has 2^31 or more
     elements (int32 element offsets could overflow)."""
-    return dims.rows * max(dims.features, dims.z_columns or 0) > _INT32_MAX
+    return dims.rows * max(dims.features, dims.z_columns or 0) > INT32_MAX
 
 
 def row_block_count(dims: NormDims, cfg: NormConfig) -> int:
@@ -148,25 +147,11 @@ def row_block_count(dims: NormDims, cfg: NormConfig) -> int:
 # Device helpers shared with the backward
 # ------------------------------------------------------------------------------------------------
 
-def sigmoid(z):
-    """Device helper: 1 / (1 + e^-z) of an f32 tile with one MUFU.EX2 and an approximate division (2 ulp);
-    e^-z -> inf for very negative z gives 0, never NaN."""
-    return ct.truediv(1.0, 1.0 + exp2_ftz(-z * LOG2E), rounding_mode=ct.RoundingMode.APPROX, flush_to_zero=True)
-
-
 def load_rows(array, row_block, g, BLOCK_ROWS, WIDTH, LATENCY):
     """Rows [row_block*BLOCK_ROWS, ...) of group g of a (rows, ngroups, G) array -> (BLOCK_ROWS, WIDTH) f32,
     zero past the last row and past G; LATENCY the load's latency hint (0: none, the compiler's choice)."""
     return load_zero_padded(array, (row_block, g, 0), (BLOCK_ROWS, 1, WIDTH), LATENCY).reshape(
         (BLOCK_ROWS, WIDTH)).astype(ct.float32)
-
-
-def load_zero_padded(array, index, shape, LATENCY):
-    """ct.load of the tile at `index` (zero past the array's edges) with the latency hint LATENCY (0: none, the
-    compiler's choice)."""
-    if LATENCY:
-        return ct.load(array, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO, latency=LATENCY)
-    return ct.load(array, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO)
 
 
 def store_rows(array, row_block, g, tile, BLOCK_ROWS, WIDTH):

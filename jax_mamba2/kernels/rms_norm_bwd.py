@@ -37,10 +37,11 @@ from typing import Optional
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    SM90_SMS, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, index_width_variant, int64_index_kernels)
+    SM90_SMS, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, index_width_variant, int64_index_kernels,
+    load_zero_padded, sigmoid)
 from jax_mamba2.kernels.rms_norm import (
-    NormConfig, NormDims, inverse_rms, load_rows, load_weight, load_zero_padded, needs_int64_index,
-    norm_default_config, row_block_count, sigmoid, store_rows)
+    NormConfig, NormDims, inverse_rms, load_rows, load_weight, needs_int64_index, norm_default_config,
+    row_block_count, store_rows)
 
 # The weight-gradient reduction's tile: BLOCK_P partial rows by BLOCK_F features (128-byte rows; narrow, so
 # that a 1024-wide group still spreads over 32 blocks).

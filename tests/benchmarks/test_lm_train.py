@@ -117,15 +117,16 @@ def test_idle_gaps_are_the_waits_inside_a_call_named_by_their_neighbours():
 
 def test_the_model_loss_profiles_only_its_own_ops_as_loss():
     """With the model's loss, the XLA ops of the layers keep their categories (conv, norms, SSD, the mixer's
-    elementwise glue) and only those of flax_layers/loss.py count as loss."""
+    elementwise glue) and only those of jax_mamba2/cross_entropy.py count as loss."""
     compiled, *_ = lm_train.build_ours(lm_train.TrainConfig.parse("d64-l1-1x32"), "xla", "model")
     categories = {}
     for name, source in kernel_categories.hlo_sources(compiled.as_text()).items():
         file = source.file.rsplit("/", 1)[-1]
         if file:
             categories.setdefault(file, set()).add(kernel_categories.category(name, source))
-    assert "loss" in categories["loss.py"]
-    assert not {file for file, found in categories.items() if "loss" in found and file != "loss.py"}, categories
+    assert "loss" in categories["cross_entropy.py"]
+    elsewhere = {file for file, found in categories.items() if "loss" in found and file != "cross_entropy.py"}
+    assert not elsewhere, categories
     for file, want in (("conv1d_reference.py", "conv"), ("norm_reference.py", "norms"), ("reference.py", "SSD"),
                        ("mamba2.py", "elementwise")):
         assert want in categories[file], (file, categories[file])

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("cuda.tile")
 
 from jax_mamba2.bridge import aot  # noqa: E402
-from jax_mamba2.flax_layers import chunked_cross_entropy  # noqa: E402
+from jax_mamba2 import chunked_cross_entropy  # noqa: E402
 
 
 def test_aot_export_lowers_the_loss_kernels_forward_and_backward():

@@ -12,7 +12,8 @@ from jax.sharding import AxisType, PartitionSpec as P
 pytest.importorskip("cuda.tile")
 
 from jax_mamba2.bridge import loss_ops  # noqa: E402
-from jax_mamba2.flax_layers import chunked_cross_entropy, loss  # noqa: E402
+from jax_mamba2 import cross_entropy as loss  # noqa: E402
+from jax_mamba2.cross_entropy import chunked_cross_entropy  # noqa: E402
 from tests._helpers import rel_l2  # noqa: E402
 from tests.bridge._emulated_backend import emulate_layer_kernels  # noqa: E402
 
@@ -110,7 +111,7 @@ def test_emulated_vmap_of_checkpointed_gradients_matches_the_xla_backend():
 
 def test_emulated_shard_map_over_a_data_axis_matches_float64_reference():
     """Tokens split over two devices, the weight replicated: the pmean of the shards' means and its gradients
-    (the weight's summed over the shards by loss.py's custom VJP)."""
+    (the weight's summed over the shards by cross_entropy.py's custom VJP)."""
     hidden, weight, _ = _problem(4, tokens=32)
     labels = jax.random.randint(jax.random.key(5), (32,), 0, VOCAB)
     mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,))

@@ -106,6 +106,14 @@ def test_config_rejects_fields_of_the_wrong_type(changes, message):
         mamba2_130m(**changes)
 
 
+def test_config_takes_numpy_bools_and_ints_as_python_ones():
+    config = mamba2_130m(tie_embeddings=np.False_, residual_in_fp32=np.True_, d_model=np.int64(256))
+    assert config.tie_embeddings is False and config.residual_in_fp32 is True and type(config.d_model) is int
+    hf = Mamba2Config.from_hf({"hidden_size": np.int64(64), "num_hidden_layers": 2, "vocab_size": 100,
+                               "head_dim": 16, "state_size": np.int64(16), "tie_word_embeddings": np.True_})
+    assert hf.d_model == 64 and hf.tie_embeddings is True and hf.ssm_cfg["d_state"] == 16
+
+
 def test_config_from_dicts_rejects_what_is_not_one_and_infinite_time_steps():
     for load in (Mamba2Config.from_hf, Mamba2Config.from_mamba_ssm):
         with pytest.raises(TypeError, match=rf"Mamba2Config.{load.__name__}: config=None must be a mapping"):

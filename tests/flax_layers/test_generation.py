@@ -115,6 +115,19 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
     assert int(sampling_rule.next_tokens(logits, None, seen, greedy)[0]) == 2
 
 
+def test_a_penalized_logit_past_float32_saturates_instead_of_becoming_inf():
+    """The smallest penalty allowed divides a large logit past float32's range: it stays finite (an inf would
+    turn the row's shift by its largest into NaN, and the draw would fall to id 0), and it is drawn."""
+    largest = np.finfo(np.float32).max
+    logits = jnp.array([[0.5, -1e3, 1e3, 2.0]])
+    seen = jnp.array([[False, True, True, False]])
+    tiny = np.finfo(np.float32).tiny  # a negative logit is multiplied by it, a positive one divided
+    np.testing.assert_array_equal(sampling_rule.penalize_repeats(logits, seen, jnp.float32(tiny)),
+                                  [[0.5, np.float32(-1e3) * tiny, largest, 2.0]])
+    sampling = sampling_rule.make_sampling("test", 4, temperature=1.0, min_p=0.1, repetition_penalty=float(tiny))
+    assert int(sampling_rule.next_tokens(logits, jax.random.key(0), seen, sampling)[0]) == 2
+
+
 def test_top_k_keeps_the_tokens_tied_with_the_kth_as_hf_does():
     """HF's TopKLogitsWarper removes only logits below the k-th largest: with top_k=1 and two tokens tied for the
     largest logit, both are drawn (bf16 logits tie often)."""
@@ -314,7 +327,10 @@ def test_generate_stream_stops_once_every_row_has_ended(tiny_config):
     (dict(min_p=float("nan")), ValueError, r"generate: min_p=nan must be in \[0, 1\]"),
     (dict(top_p="all"), TypeError, r"generate: top_p='all' must be a float"),
     (dict(repetition_penalty=0.0), ValueError, r"generate: repetition_penalty=0.0 must be > 0"),
-    (dict(repetition_penalty=float("inf")), ValueError, r"generate: repetition_penalty=inf must be > 0 and finite"),
+    (dict(repetition_penalty=float("inf")), ValueError, r"generate: repetition_penalty=inf must be > 0 and within "
+                                                        r"float32's normal numbers"),
+    (dict(repetition_penalty=1e-45), ValueError, r"generate: repetition_penalty=1e-45 must be > 0 and within"),
+    (dict(repetition_penalty=1e39), ValueError, r"generate: repetition_penalty=1e\+39 must be > 0 and within"),
     (dict(temperature=float("inf")), ValueError, r"generate: temperature=inf must be >= 0 and finite"),
     (dict(eos_token_id=61), ValueError, r"generate: eos_token_id=61 must be in \[0, vocab_size=61\)"),
     (dict(eos_token_id=[3, -1]), ValueError, r"generate: eos_token_id=\[3, -1\] must be in \[0, vocab_size=61\)"),

@@ -205,6 +205,8 @@ def _block(model):
                  r"Mamba2LMHeadModel.prefill: input_ids must be in \[0, vocab_size=61\)", id="prefill_id"),
     pytest.param(lambda m: m.loss(jnp.full((BATCH, SEQLEN), -3, jnp.int32)), ValueError,
                  r"Mamba2LMHeadModel.loss: input_ids must be in \[0, vocab_size=61\)", id="loss_id"),
+    pytest.param(lambda m: m(jnp.zeros((BATCH, SEQLEN), jnp.int32), seq_idx=np.full((BATCH, SEQLEN), 2 ** 32)),
+                 ValueError, r"Mamba2LMHeadModel.__call__: seq_idx must hold ids int32 holds", id="seq_idx_past_int32"),
     pytest.param(lambda m: m.init_cache(-1), ValueError,
                  r"Mamba2LMHeadModel.init_cache: batch_size=-1 must be a positive int", id="init_cache"),
     pytest.param(lambda m: _block(m)(jnp.ones((BATCH, SEQLEN, 32)), jnp.ones((BATCH, SEQLEN - 1, 32))), ValueError,
@@ -220,6 +222,14 @@ def _block(model):
 def test_lm_rejects_bad_inputs(tiny_lm, call, error, message):
     with pytest.raises(error, match=message):
         call(tiny_lm)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_the_loss_of_empty_sequences_scores_no_position(tiny_lm, reduction):
+    """seqlen 0: no position to score, as the model's forward of it gives no logits (not an error about the
+    labels the loss shifts internally)."""
+    loss = tiny_lm.loss(jnp.zeros((BATCH, 0), jnp.int32), reduction=reduction)
+    assert loss.shape == ((BATCH, 0) if reduction == "none" else ()) and not np.any(loss)
 
 
 def test_lm_empty_sequence_gives_empty_logits_and_keeps_the_cache(tiny_lm):

@@ -1,4 +1,4 @@
-"""The chunked LM-head cross-entropy (jax_mamba2/flax_layers/loss.py) and `Mamba2LMHeadModel.loss`: equal to the
+"""The chunked LM-head cross-entropy (jax_mamba2/cross_entropy.py) and `Mamba2LMHeadModel.loss`: equal to the
 plain loss over materialized logits and to its gradient in float64, composing with jit, grad, vmap,
 jax.checkpoint and shard_map, and holding less memory than the plain loss (compiled memory analysis)."""
 import jax
@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec as P
 
-from jax_mamba2.flax_layers import Mamba2LMHeadModel, chunked_cross_entropy, shard_model
+from jax_mamba2 import chunked_cross_entropy
+from jax_mamba2.flax_layers import Mamba2LMHeadModel, shard_model
 from tests._helpers import rel_l2
 from tests.flax_layers._programs import walk
 

@@ -273,11 +273,21 @@ def test_rmsnorm_rejects_bad_options(options, error, message):
     (dict(dt_min="0.001"), TypeError, r"Mamba2: dt_min='0.001' must be a number"),
     (dict(dt_init_floor=None), TypeError, r"Mamba2: dt_init_floor=None must be a number"),
     (dict(conv_init=0.0), ValueError, r"Mamba2: conv_init=0.0 must be a positive finite float"),
-    (dict(conv_init="0.1"), ValueError, r"Mamba2: conv_init='0.1' must be a positive finite float"),
+    (dict(conv_init="0.1"), TypeError, r"Mamba2: conv_init='0.1' must be a positive finite float"),
 ])
 def test_mamba2_rejects_bad_ranges(options, error, message):
     with pytest.raises(error, match=message):
         Mamba2(D_MODEL, **{**TINY, **options}, rngs=nnx.Rngs(0))
+
+
+def test_mamba2_takes_numpy_ints_as_python_ints():
+    """Sizes read off arrays or configs (NumPy ints) build the same layer as Python ints, stored as Python ints."""
+    layer = Mamba2(np.int64(D_MODEL), d_state=np.int32(8), headdim=np.int64(8), chunk_size=np.int64(8),
+                   d_ssm=np.int64(2 * D_MODEL), rngs=nnx.Rngs(0))
+    want = Mamba2(D_MODEL, **TINY, rngs=nnx.Rngs(0))
+    assert all(type(getattr(layer, name)) is int for name in ("d_model", "d_state", "headdim", "d_ssm", "nheads"))
+    u = jax.random.normal(jax.random.key(1), (BATCH, SEQLEN, D_MODEL))
+    np.testing.assert_array_equal(layer(u), want(u))
 
 
 def test_mamba2_conv_init_bounds_the_conv_kernel_as_mamba_ssm():

@@ -126,6 +126,24 @@ def test_shard_model_rejects_unsplittable_models(tiny_config, mesh):
         shard_model(_model(tiny_config), mesh, data_axis="model", model_axis="model")
 
 
+def test_a_sharded_model_names_a_batch_the_data_axis_does_not_split(tiny_config, mesh):
+    """A batch of 3 rows on a data axis of 2: every entry point says so, naming its own argument, before tracing."""
+    model = shard_model(_model(tiny_config.replace(n_layer=1)), mesh)
+    ids = jnp.zeros((3, 8), jnp.int32)
+    divisible = r"\.shape\[0\]=3 \(the batch\) must be divisible by 2, the size of the mesh axis 'data'"
+    for call, api in ((lambda: model(ids), "Mamba2LMHeadModel.__call__: input_ids"),
+                      (lambda: model.loss(ids), "Mamba2LMHeadModel.loss: input_ids"),
+                      (lambda: model.prefill(ids), "Mamba2LMHeadModel.prefill: input_ids"),
+                      (lambda: generate(model, ids, 2), "generate: prompt_ids")):
+        with pytest.raises(ValueError, match=re.escape(api) + divisible):
+            call()
+    hidden = jnp.zeros((3, 8, tiny_config.d_model))
+    with pytest.raises(ValueError, match=re.escape("Mamba2.__call__: hidden_states") + divisible):
+        model.layers.mixer(hidden)
+    with pytest.raises(ValueError, match=re.escape("Mamba2Block.__call__: hidden_states") + divisible):
+        model.layers(hidden, hidden)
+
+
 def test_shard_model_empty_sequence_gives_empty_logits(tiny_config, mesh):
     model = shard_model(_model(tiny_config.replace(n_layer=1)), mesh)
     _, sharded_ids = _ids(tiny_config, mesh, length=0)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jax_mamba2.flax_layers import loss
+from jax_mamba2 import cross_entropy as loss
 from jax_mamba2.kernels.cross_entropy import CrossEntropyConfig, CrossEntropyDims
 
 IGNORE_INDEX = -100

@@ -14,7 +14,8 @@ import optax
 import pytest
 from flax import nnx
 
-from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, chunked_cross_entropy
+from jax_mamba2 import chunked_cross_entropy
+from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel
 from tests._helpers import rel_l2
 from tests.kernels._loss_checks import LossCase, assert_close, make_inputs, oracle
 

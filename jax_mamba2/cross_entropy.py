@@ -20,7 +20,7 @@ chunk's logits (a fourth product).
 Padded vocabulary columns (an embedding of `padded_vocab_size` > `vocab_size` rows) are excluded from the
 softmax: they are not tokens, so the loss does not depend on the padding multiple and their rows get zero
 gradient. (mamba_ssm's LM returns the padded logits and leaves the loss to the user; HF transformers'
-Mamba2ForCausalLM takes the softmax over all of them. The examples here have always sliced them off.)
+Mamba2ForCausalLM takes the softmax over all of them.)
 
 The softmax of each chunk (its logsumexp and target logit, and its gradient in the gradient's pass) is the op
 "cross_entropy" of `jax_mamba2.backends`: "xla" (the fusions below, registered here) or the cuTile kernels
@@ -40,7 +40,7 @@ import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2._vma import reduce_to_primal_axes, varying_axes
-from jax_mamba2.flax_layers import _checks
+from jax_mamba2.checks import float_dtype
 
 OP = "cross_entropy"
 # The head's vocabulary is padded (zero weight rows, columns outside the softmax) to a multiple of this once per
@@ -213,7 +213,7 @@ def _weight_grad_accumulator(operand, acc_dtype, *arrays):
     return jax.lax.pcast(dweight, axes, to="varying") if axes else dweight
 
 
-def _weight_grad(static: _LossStatic, dweight, weight):
+def _weight_grad(dweight, weight):
     """The accumulated gradient of the padded operand -> the weight's: the padded vocabulary's rows dropped, the
     weight's dtype, summed over the axes the weight is replicated on."""
     dweight = dweight[:weight.shape[0], :weight.shape[1]]
@@ -269,7 +269,7 @@ def _chunked_loss_bwd(static, saved, dloss):
         # Ignored tokens' gradients are exact zeros, also for a non-finite dloss (0 * inf would be NaN).
         dhidden = jnp.where(counted[:, None], dhidden * scale, 0).astype(hidden.dtype)
         dweight = jnp.where(jnp.any(counted), dweight * scale, 0)
-        return reduce_to_primal_axes(dhidden, hidden), _weight_grad(static, dweight, weight), None
+        return reduce_to_primal_axes(dhidden, hidden), _weight_grad(dweight, weight), None
     hidden, weight, labels, logsumexp = saved  # per-token losses: a cotangent per token
     operand = _head_operand(static, weight)
     scales = dloss.astype(acc_dtype)
@@ -286,7 +286,7 @@ def _chunked_loss_bwd(static, saved, dloss):
     dweight, dhidden = jax.lax.scan(chunk_grads, _weight_grad_accumulator(operand, acc_dtype, hidden, labels, dloss),
                                     (h_chunks, y_chunks, logsumexp, scale_chunks))
     dhidden = dhidden.reshape(-1, hidden.shape[1])[:hidden.shape[0]]
-    return reduce_to_primal_axes(dhidden, hidden), _weight_grad(static, dweight, weight), None
+    return reduce_to_primal_axes(dhidden, hidden), _weight_grad(dweight, weight), None
 
 
 _chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
@@ -389,12 +389,9 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
     check_ignore_index(api, ignore_index)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f'{api}: reduction={reduction!r} must be "mean", "sum" or "none"')
-    # Any float dtype (float8 logits included), as a dtype or its name.
-    _checks.check_float_dtype(api, "dtype", dtype)
-    _checks.check_float_dtype(api, "logits_dtype", logits_dtype)
-    dtype = jnp.result_type(hidden, weight) if dtype is None else jnp.dtype(dtype)
+    dtype = jnp.result_type(hidden, weight) if dtype is None else float_dtype(api, "dtype", dtype)
     acc_dtype = _accumulation_dtype(dtype)
-    logits_dtype = acc_dtype if logits_dtype is None else jnp.dtype(logits_dtype)
+    logits_dtype = acc_dtype if logits_dtype is None else float_dtype(api, "logits_dtype", logits_dtype)
     tokens = int(np.prod(labels.shape))
     static = _LossStatic(int(chunk_tokens), int(ignore_index), int(vocab_size), embedding is not None,
                          jnp.dtype(dtype).name, logits_dtype.name, reduction)
