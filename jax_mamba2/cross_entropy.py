@@ -40,7 +40,7 @@ import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2._vma import reduce_to_primal_axes, varying_axes
-from jax_mamba2.checks import float_dtype
+from jax_mamba2.checks import check_float, float_dtype
 
 OP = "cross_entropy"
 # The head's vocabulary is padded (zero weight rows, columns outside the softmax) to a multiple of this once per
@@ -365,8 +365,7 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
         if not hasattr(arg, "shape") or not hasattr(arg, "dtype"):
             raise TypeError(f"{api}: {arg_name} must be an array, got {type(arg).__name__}")
     for arg, arg_name in ((hidden, "hidden"), (weight, name)):
-        if not jnp.issubdtype(arg.dtype, jnp.floating):
-            raise TypeError(f"{api}: {arg_name}.dtype={arg.dtype} must be a float dtype")
+        check_float(api, arg_name, arg)
     if not jnp.issubdtype(labels.dtype, jnp.integer):
         raise TypeError(f"{api}: labels.dtype={labels.dtype} must be an integer dtype")
     if hidden.ndim < 1:

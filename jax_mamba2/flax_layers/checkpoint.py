@@ -176,16 +176,24 @@ def _load_config(path, caller: str) -> Mamba2Config:
 
 
 class _Tensor(NamedTuple):
-    """A checkpoint tensor known by its header: its shape, and how to read its values."""
+    """A checkpoint tensor known by its header: its shape, its dtype as the file names it, whether that is a float
+    dtype a parameter can be cast from, and how to read its values."""
     shape: tuple[int, ...]
     read: Callable[[], np.ndarray]
+    dtype: str
+    floating: bool
+
+
+# The safetensors dtypes of parameters: the floats NumPy reads (safetensors' numpy framework has no float8).
+_SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")
 
 
 def _safetensors_tensors(file: pathlib.Path, caller: str) -> dict[str, _Tensor]:
     """The tensors of a safetensors file by name, from its header: nothing is read until a tensor's `read`."""
     try:
         with safe_open(file, framework="numpy") as opened:
-            shapes = {name: tuple(opened.get_slice(name).get_shape()) for name in opened.keys()}
+            headers = {name: (tuple(opened.get_slice(name).get_shape()), opened.get_slice(name).get_dtype())
+                       for name in opened.keys()}
     except (SafetensorError, OSError) as e:
         raise ValueError(f"{caller}: {file} is not a readable safetensors file: {e}") from e
 
@@ -197,7 +205,8 @@ def _safetensors_tensors(file: pathlib.Path, caller: str) -> dict[str, _Tensor]:
             except (SafetensorError, OSError) as e:
                 raise ValueError(f"{caller}: {file} is not a readable safetensors file: {e}") from e
         return read
-    return {name: _Tensor(shape, reader(name)) for name, shape in shapes.items()}
+    return {name: _Tensor(shape, reader(name), dtype, dtype in _SAFETENSORS_FLOATS)
+            for name, (shape, dtype) in headers.items()}
 
 
 def _checkpoint_tensors(path: pathlib.Path, caller: str) -> dict[str, _Tensor]:
@@ -235,7 +244,8 @@ def _checkpoint_tensors(path: pathlib.Path, caller: str) -> dict[str, _Tensor]:
                               "or convert it to model.safetensors") from e
         state_dict = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
         arrays = {name: (t.float() if t.dtype == torch.bfloat16 else t).numpy() for name, t in state_dict.items()}
-        return {name: _Tensor(array.shape, lambda array=array: array) for name, array in arrays.items()}
+        return {name: _Tensor(array.shape, lambda array=array: array, array.dtype.name,
+                              np.issubdtype(array.dtype, np.floating)) for name, array in arrays.items()}
     raise FileNotFoundError(f"{caller}: {path} has no model.safetensors, model.safetensors.index.json "
                             "or pytorch_model.bin")
 
@@ -318,6 +328,9 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
             raise ValueError(f"load_pretrained: {name} assigns {'.'.join(target)}"
                              f"{'' if layer is None else f' of layer {layer}'} a second time (another tensor "
                              "of the checkpoint holds it too)")
+        if not tensor.floating:
+            raise TypeError(f"load_pretrained: {name} holds {tensor.dtype} values; a parameter must be stored in a "
+                            f"float dtype ({', '.join(_SAFETENSORS_FLOATS)})")
         expected = shapes[target][1:] if layer is not None else shapes[target]
         stored = _checkpoint_shape(expected, layout)
         if tensor.shape != stored:

@@ -157,6 +157,18 @@ def test_checkpoint_load_names_a_tensor_of_the_wrong_shape_and_the_shape_it_must
         load_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("dtype, name", [(np.int32, "I32"), (np.bool_, "BOOL")])
+def test_checkpoint_load_refuses_a_parameter_stored_in_a_dtype_that_is_not_a_float(tmp_path, tiny_config, dtype, name):
+    """An A_log stored as int32 or bool is not a parameter the model can be cast from: named, not cast."""
+    state = _torch_state_dict(_random_model(tiny_config), "backbone.embedding.weight")
+    state["backbone.layers.1.mixer.A_log"] = state["backbone.layers.1.mixer.A_log"].astype(dtype)
+    save_file(state, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
+    with pytest.raises(TypeError, match=rf"load_pretrained: backbone.layers.1.mixer.A_log holds {name} values; a "
+                                        r"parameter must be stored in a float dtype \(F64, F32, F16, BF16\)"):
+        load_pretrained(tmp_path)
+
+
 def test_checkpoint_load_refuses_a_parameter_given_twice_and_a_tied_head_that_is_not_the_embedding(
         tmp_path, tiny_config):
     """Two names of one parameter (both embedding spellings; a layer index written two ways), or a stored head
@@ -799,7 +811,7 @@ def test_checkpoint_load_checks_every_name_and_shape_before_reading_a_tensor(tmp
     tensors_of = checkpoint_module._safetensors_tensors
 
     def counted(file, caller):
-        return {name: checkpoint_module._Tensor(t.shape, lambda t=t, name=name: reads.append(name) or t.read())
+        return {name: t._replace(read=lambda t=t, name=name: reads.append(name) or t.read())
                 for name, t in tensors_of(file, caller).items()}
     monkeypatch.setattr(checkpoint_module, "_safetensors_tensors", counted)
     load_pretrained(tmp_path, backend="xla")
