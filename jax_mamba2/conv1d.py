@@ -143,7 +143,7 @@ def causal_conv1d_silu(x, kernel, bias=None, *, seq_idx=None, initial_states=Non
 
     x is left-padded by the last d_conv - 1 columns of `initial_states` (zeros without them). The sum runs in
     float32 (float64 for float64 x) on operands rounded to x's dtype, and y is rounded to x's dtype once
-    (the xla backend rounds the pre-activation before the SiLU, as the layer did). Differentiable in x,
+    (the xla backend also rounds the pre-activation before the SiLU). Differentiable in x,
     kernel, bias and initial_states (the cutile backends run cuTile backward kernels, deterministic); composes
     with jit, vmap, shard_map and remat.
 
@@ -258,7 +258,7 @@ def causal_conv1d_silu_split(x, kernel, bias=None, *, channel_offset, split, seq
     check_array(_SPLIT_API, "x", x)
     window = jax.ShapeDtypeStruct((*x.shape[:2], channels), x.dtype)
     _check_inputs(inputs._replace(x=window), activation, return_final_states, _SPLIT_API)
-    check_flag(_SPLIT_API, "pass_through", pass_through)
+    pass_through = check_flag(_SPLIT_API, "pass_through", pass_through)
     static = ConvStatic(silu=activation == "silu", offset=channel_offset, split=split, pass_through=pass_through)
     selected = registry.select(backend, _SPLIT_API, lambda b: b.unsupported_reason(inputs), op=OP)
     if x.size == 0:

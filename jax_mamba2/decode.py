@@ -2,13 +2,17 @@
 
   norm_project   a few rows, optionally added to the residual stream and RMS-normalized (grouped, gated), times
                  a weight matrix: a block's add + norm + in_proj, the mixer's gated norm + out_proj, the final
-                 norm + LM head. Two kernel launches (the norm's and the product's; one without a norm).
+                 norm + LM head. Two kernel launches (the norm's and the product's); one where the product
+                 normalizes as it loads its rows (without a norm, or with the statistics given as `sum_squares`),
+                 and one more that sums the partial products of a split K unless `return_partials` keeps them.
   mixer_step     one token of the mixer between its projections: the conv step + SiLU on in_proj's xBC columns,
                  the SSD state update with D and, for a mixer without the gated norm, the gate. One launch.
 
-With these a decode step runs five kernels per layer (`Mamba2LMHeadModel.step`): at a few rows out_proj's K is
-split over blocks (`kernels/decode_projection.py`), and it returns their partial products (`return_partials`),
-which the next layer's norm kernel sums rather than a launch of their own. Per-layer arrays may be stacks
+With these a decode step runs five kernels per layer (`Mamba2LMHeadModel.step`), four up to a few rows, where the
+mixer step also returns the gated norm's input and its sums of squares (`mixer_step(norm_z_offset=...)`) and
+out_proj's product normalizes it; at a few rows out_proj's K is split over blocks (`kernels/decode_projection.py`),
+and it returns their partial products (`return_partials`), which the next layer's norm kernel sums rather than a
+launch of their own. Per-layer arrays may be stacks
 of every layer (a leading (L,) axis: the LM's parameters and its cache) with `layer` naming the one to use: the
 kernels then read that layer where it lies in the stack, and write the layer's SSM state in place, so that a step
 over the layers slices nothing out of the stacks and copies no weight.

@@ -358,8 +358,8 @@ def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus
       x: (batch, nheads, headdim); dt: (batch, nheads); A: (nheads,);
       B, C: (batch, ngroups, dstate); D: (nheads,) or (nheads, headdim); z: like x; dt_bias: (nheads,).
       dt_softplus, dt_limit: as in `ssd`.
-      backend: "auto" (the cuTile decode kernel on a supported GPU, else pure JAX), "cutile", "xla" or
-        "scan" ("xla" and "scan" share the pure-JAX step).
+      backend: "auto" (the cuTile decode kernel on a supported GPU, else pure JAX), "cutile",
+        "cutile_callback", "xla" or "scan" ("xla" and "scan" share the pure-JAX step).
 
     Returns:
       (y (batch, nheads, headdim) in x.dtype, new_state in state.dtype). Feeding a sequence token by

@@ -6,8 +6,9 @@ import pathlib
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jax_mamba2"
-# Modules every layer may use: argument checks, the backend registry, file writes, shard_map's varying axes.
-FOUNDATIONS = {"checks", "backends", "ssd_args", "_files", "_vma", "_version"}
+# Modules every layer may use: argument checks, the backend registry, atomic file and directory writes,
+# shard_map's varying axes.
+FOUNDATIONS = {"checks", "backends", "ssd_args", "_files", "_staging", "_vma", "_version"}
 REFERENCES = {"reference", "conv1d_reference", "norm_reference", "decode_reference", "projection"}
 OPS = {"op", "conv1d", "norm", "decode", "cross_entropy", "autotuning"}
 

@@ -73,7 +73,7 @@ def _projection_once(run_plan: RunPlan, config: ChooseProjectionConfig, dims: Pr
     return _compat.match_varying_axes(outputs, (x, residual, z, weight))
 
 
-def _parts_last(x, batched: bool, axis_size: int):
+def _parts_last(x, batched: bool):
     """Partial sums (items, parts, rows, K) (or unmapped (parts, rows, K)) with the parts axis last, so that the
     items fold into the rows as they do for (rows, K) arrays."""
     return jnp.moveaxis(x, 1 if batched else 0, -1)
@@ -93,7 +93,7 @@ def _batchable_projection(run_plan: RunPlan, config: ChooseProjectionConfig, dim
         if any(in_batched[i] for i in (0, 4, 5, 6)):  # a layer or weights per item: one launch each
             return map_items(project, args, in_batched, axis_size), out_batched
         # The items fold into the rows: x's and the partials' rows are their second axis with partial sums.
-        x = _parts_last(x, in_batched[1], axis_size) if dims.x_parts else x
+        x = _parts_last(x, in_batched[1]) if dims.x_parts else x
         per_row = (x, residual, z, sum_squares)
         rows = [None if a is None else fold(a, b, axis_size) for a, b in zip(per_row, in_batched[1:4] + in_batched[7:])]
         if dims.x_parts:

@@ -243,7 +243,8 @@ class Mamba2(nnx.Module):
         return out, Mamba2Cache(*(a.astype(dtype) for a, dtype in zip(new_cache, dtypes)))
 
     def step(self, hidden_states, cache: Mamba2Cache):
-        """One decode step in O(1): `ssd_step` on the cached state, no padding to a chunk.
+        """One decode step in O(1) on the cached state, no padding to a chunk: the fused decode ops where they apply
+        (`decodes_fused`: `decode_step`), else the composed step with `ssd_step`.
 
         Unlike mamba_ssm's `step`, dt_limit is applied, so that stepping equals the full forward.
 
@@ -490,10 +491,6 @@ class Mamba2(nnx.Module):
             pieces = [p + b.astype(dtype) for p, b in zip(pieces, shard.split(self.in_proj.bias[...], segments))]
         return [checkpoint_name(p, IN_PROJ_OUTPUT) for p in pieces]
 
-    def _conv_backend(self) -> str:
-        """The conv's backend: the layer's, or "xla" for the pure-JAX SSD backends."""
-        return "xla" if self.backend in ("xla", "scan") else self.backend
-
     def _project_and_convolve(self, hidden_states, conv_state, seq_idx):
         """in_proj and the causal conv + SiLU of the whole layer (one device, no head split).
 
@@ -514,7 +511,7 @@ class Mamba2(nnx.Module):
         (gates, x, B, C, dt), conv_state = causal_conv1d_silu_split(
             zxbcdt, self.conv1d.kernel[...], None if bias is None else bias[...], channel_offset=self._xbc_offset,
             split=(self.d_ssm, bc, bc), seq_idx=seq_idx, initial_states=conv_state, return_final_states=True,
-            pass_through=True, backend=self._conv_backend())
+            pass_through=True, backend=backends.for_op(self.backend, conv_op.OP))
         return (*self._gates(gates), x, B, C, dt, conv_state, zxbcdt)
 
     def _project_and_convolve_step(self, hidden_states, conv_state):

@@ -156,7 +156,9 @@ class Stage:
     default(dims) -> config: the configuration used untuned.
     launch(dims, cfg, **options) -> Launch: the launch for a config (None: the default); `options` are what
       the plan decides besides the config (e.g. heads_per_block), keyword-only.
-    key_fields: the SSDDims fields (or properties) the kernel specialises on, named in its cache key.
+    key_fields: the SSDDims fields (or properties) named in its cache key: those the kernel specialises on that
+      change which config is fastest (tile shapes, dtypes, operands); flags that add a few instructions to the same
+      loops (dt's softplus and limit, D, the non-finite reach term) share the configs tuned without them.
     work_items(dims): its independent work items (the launch width before tiling), bucketed in the key.
     blocks_span_heads: the launch gives a block several heads of a group (`heads_per_block`, which the
       backward's deterministic mode raises to heads_per_group), so that count is in the key too.

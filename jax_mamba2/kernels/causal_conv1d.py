@@ -493,10 +493,9 @@ def conv_fwd_default_config(dims: ConvDims) -> ConvFwdConfig:
     """Segments of 16 steps of 8 rows of up to 512 channels (fewer steps while the grid would be small,
     `default_segment_tiles`): 4 channels per thread of the block's 128, one 8-byte load per row at bf16 (16 bytes
     at f32), each step's gathers issued before the previous step's stores, at most 128 registers and no shared
-    or local memory at d_conv 4 (tileiras 13.4, sm_90), within the occupancy hint of 4 blocks per SM. In the LM's
-    step at d_model 1024 (8 x 2048 tokens, one H100) the forward took 112.6 us per launch against 134.9 for one
-    tile of 16 rows per block at occupancy 3, which a grid too small for segments keeps (docs/conv1d.md,
-    "Segments for the forward"). Fewer channels take a narrower tile (at least 16)."""
+    or local memory at d_conv 4 (tileiras 13.4, sm_90), within the occupancy hint of 4 blocks per SM: faster in
+    the LM's step than one tile of 16 rows per block at occupancy 3, which a grid too small for segments keeps
+    (docs/conv1d.md, "Segments for the forward", has the timings). Fewer channels take a narrower tile (at least 16)."""
     block_c = min(512, max(16, next_power_of_2(dims.channels)))
     tiles = default_segment_tiles(dims, 8, block_c, 16)
     if tiles == 1:

@@ -213,13 +213,13 @@ def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
     more small launch: faster for out_proj (2048 x 1024) at one row, while in_proj (69 blocks of 64, which a
     split of 2 takes past a wave) was slower split, and at 64 rows no split paid in bfloat16. float32 weights
     double each K step's bytes, so up to one block of rows (64) a product whose blocks fit a wave twice splits
-    K the same way, over 128-feature steps (out_proj at 64 rows: 11 us against 17 unsplit; no local memory;
-    docs/design.md, "Decode"). A wider float32 product of 33 to 64 rows runs one of two forms (none of this for a
+    K the same way, over 128-feature steps (faster than unsplit for out_proj at 64 rows, with no local memory;
+    docs/design.md, "Decode", has the timings). A wider float32 product of 33 to 64 rows runs one of two forms (none of this for a
     product wider still, the head). Where its 64-column blocks fill more than half a wave and fit two per SM in
     one (in_proj from d_model 1024: 69 to 133 blocks), the weight is the tensor cores' first operand
     (WEIGHT_FIRST: wgmma on the 64-row block), 64 columns per block at an occupancy hint of 2, 64-feature K
-    steps: in_proj at mamba2-370m's, -780m's and -1.3b's widths took 9.4 / 15.7 / 29.7 us per launch against
-    12.4 / 19.0 / 34.4 for the other form (one H100; same section). Narrower ones (out_proj of mamba2-2.7b,
+    steps, which timed faster than the other form for in_proj at the widths of mamba2-370m, -780m and -1.3b (same
+    section). Narrower ones (out_proj of mamba2-2.7b,
     in_proj of mamba2-130m), whose 64-row blocks would leave most SMs idle, run two blocks of 32 rows per column
     block at an occupancy hint of 2 (mma.sync), 128-feature K steps, 64 columns. Where the product normalizes
     (norm_parts), its K step also stays within a group of the norm and starts the gate's columns on a step

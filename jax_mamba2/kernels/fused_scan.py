@@ -13,14 +13,14 @@ initial_states):
              = exp(dA[Q-1]) * H_c + x_c^T @ (B_c * w)          (else: carried as H^T, chunk_state's rounding)
     final_states[b, h] = H_nchunks
 
-where the weighted operand is rounded to x's dtype. With JOINT_OUTPUT (dstate = chunk size) the inter- and
-intra-chunk terms are one product, y = [exp(dA) C | scores] · [H_c^T ; x] + D x, C's rows scaled and rounded
-to x's dtype before it (scores[l, s] the masked, decayed C[l] · B[s] Δ[s]).
+where the weighted operand is rounded to x's dtype, with chunk_state's and chunk_scan's seq_idx rules
+(`_tiles.py`): the carry is dropped when a chunk ends in another sequence than the previous one, the state only
+collects tokens of the chunk's last sequence, the C·H term only reaches rows of the previous chunk's last
+sequence, and intra-chunk pairs need equal ids.
 
-with chunk_state's and chunk_scan's seq_idx rules (`_tiles.py`): the carry is dropped when a chunk ends in
-another sequence than the previous one, the state only collects tokens of the chunk's last sequence,
-the C·H term only reaches rows of the previous chunk's last sequence, and intra-chunk pairs need equal
-ids.
+With JOINT_OUTPUT (dstate = chunk size) the inter- and intra-chunk terms are one product,
+y = [exp(dA) C | scores] · [H_c^T ; x] + D x, C's rows scaled and rounded to x's dtype before it (scores[l, s]
+the masked, decayed C[l] · B[s] Δ[s]).
 
 The trade against the staged plan: no entry states are written and read back (2 * batch * nchunks *
 nheads * headdim * dstate * 2 bytes, 536 MB at (4,8192,32,64,128), chunk 64), and C·B^T and the state

@@ -19,6 +19,7 @@ from safetensors.numpy import save_file
 
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, load_pretrained, save_pretrained
 from jax_mamba2._files import exchange_paths
+from jax_mamba2 import _staging as staging_module
 from jax_mamba2.flax_layers import checkpoint as checkpoint_module
 from jax_mamba2.flax_layers.config import MIXER_OPTIONS
 from tests._helpers import rel_l2
@@ -244,7 +245,7 @@ def test_save_succeeds_once_the_new_checkpoint_is_in_place(tmp_path, tiny_config
     not turn it into an error."""
     model = _random_model(tiny_config)
     save_pretrained(model, tmp_path / "checkpoint")
-    monkeypatch.setattr(checkpoint_module, "_fsync", _failing_parent_fsync(checkpoint_module._fsync, tmp_path))
+    monkeypatch.setattr(staging_module, "fsync", _failing_parent_fsync(staging_module.fsync, tmp_path))
     save_pretrained(model, tmp_path / "checkpoint")
     assert (tmp_path / "checkpoint" / "model.safetensors").is_file()
 
@@ -445,9 +446,10 @@ def test_checkpoint_save_syncs_files_and_the_staging_directory_before_the_rename
     """The written files and the staging directory's entries reach the disk before it is renamed into place, and the
     parent directory's entries after: a crash then leaves the old checkpoint or the whole new one."""
     events = []
-    real_fsync, real_replace = checkpoint_module._fsync, checkpoint_module._replace_dir
-    monkeypatch.setattr(checkpoint_module, "_fsync", lambda path: (events.append(("fsync", path)), real_fsync(path)))
-    monkeypatch.setattr(checkpoint_module, "_replace_dir",
+    real_fsync, real_replace = staging_module.fsync, checkpoint_module.replace_dir
+    for module in (checkpoint_module, staging_module):  # the save's own syncs, and the one after the rename
+        monkeypatch.setattr(module, "fsync", lambda path: (events.append(("fsync", path)), real_fsync(path)))
+    monkeypatch.setattr(checkpoint_module, "replace_dir",
                         lambda new, path: (events.append(("rename", new)), real_replace(new, path)))
     target = tmp_path / "ckpt"
     save_pretrained(_random_model(tiny_config), target)
@@ -470,7 +472,7 @@ def _partial_staging(directory: pathlib.Path, name: str, *, lock_file: bool = Fa
     staging.mkdir()
     (staging / "model.safetensors").write_bytes(b"partial")
     if lock_file:
-        checkpoint_module._lock_path(staging).touch()
+        staging_module._lock_path(staging).touch()
     return staging
 
 
@@ -480,7 +482,7 @@ def test_checkpoint_save_removes_only_staging_that_a_killed_save_left(tmp_path, 
     directories have no lock file (as a version that wrote none leaves them), so their PID field decides."""
     target = tmp_path / "ckpt"
     dead = _dead_pid()
-    host = checkpoint_module._host_tag()
+    host = staging_module._host_tag()
     names = {"abandoned": f".ckpt.tmp-{host}-{dead}-0123abcd", "live": f".ckpt.tmp-{host}-{os.getpid()}-4567cdef",
              "other_host": f".ckpt.tmp-{host}x-{dead}-89abcdef", "set_aside": f".ckpt.old-{host}-{dead}-0123abcd",
              "other_target": f".ckpt2.tmp-{host}-{dead}-0123abcd"}
@@ -505,9 +507,9 @@ def test_checkpoint_save_keeps_staging_whose_lock_another_process_holds(tmp_path
     """A live save in another PID namespace writes a PID that names no process here (or another one): the lock
     its process holds keeps its staging directory, whatever the PID field says."""
     pytest.importorskip("fcntl")
-    host = checkpoint_module._host_tag()
+    host = staging_module._host_tag()
     staging = _partial_staging(tmp_path, f".ckpt.tmp-{host}-{_dead_pid()}-0123abcd", lock_file=True)
-    lock = checkpoint_module._lock_path(staging)
+    lock = staging_module._lock_path(staging)
     holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(lock)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -528,14 +530,14 @@ def test_cleanup_skips_the_staging_this_process_s_saves_hold(tmp_path, monkeypat
     thread of it take the lock (NFS emulates flock with per-process record locks): the cleanup skips the names
     this process's saves hold, and removes the same directory once none does."""
     pytest.importorskip("fcntl")
-    host = checkpoint_module._host_tag()
+    host = staging_module._host_tag()
     staging = _partial_staging(tmp_path, f".ckpt.tmp-{host}-{os.getpid()}-0123abcd", lock_file=True)
-    monkeypatch.setattr(checkpoint_module, "_LIVE_STAGING", {staging.name})
-    checkpoint_module._remove_abandoned_staging(tmp_path / "ckpt")
-    assert staging.is_dir() and checkpoint_module._lock_path(staging).exists()
-    checkpoint_module._LIVE_STAGING.clear()
-    checkpoint_module._remove_abandoned_staging(tmp_path / "ckpt")
-    assert not staging.exists() and not checkpoint_module._lock_path(staging).exists()
+    monkeypatch.setattr(staging_module, "_LIVE_STAGING", {staging.name})
+    staging_module.remove_abandoned_staging(tmp_path / "ckpt")
+    assert staging.is_dir() and staging_module._lock_path(staging).exists()
+    staging_module._LIVE_STAGING.clear()
+    staging_module.remove_abandoned_staging(tmp_path / "ckpt")
+    assert not staging.exists() and not staging_module._lock_path(staging).exists()
 
 
 def test_checkpoint_save_removes_staging_whose_lock_is_free(tmp_path, tiny_config):
@@ -543,9 +545,9 @@ def test_checkpoint_save_removes_staging_whose_lock_is_free(tmp_path, tiny_confi
     names a live process (here this one, which may be another namespace's PID reused); a lock file whose
     directory is gone (a save killed between the two) goes too."""
     pytest.importorskip("fcntl")
-    host = checkpoint_module._host_tag()
+    host = staging_module._host_tag()
     _partial_staging(tmp_path, f".ckpt.tmp-{host}-{os.getpid()}-0123abcd", lock_file=True)
-    orphan = checkpoint_module._lock_path(tmp_path / f".ckpt.tmp-{host}-{os.getpid()}-4567cdef")
+    orphan = staging_module._lock_path(tmp_path / f".ckpt.tmp-{host}-{os.getpid()}-4567cdef")
     orphan.touch()
     save_pretrained(_random_model(tiny_config), tmp_path / "ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
@@ -557,22 +559,22 @@ def test_checkpoint_save_holds_the_lock_beside_the_staging_directory(tmp_path, t
     exchange may leave the old checkpoint under the staging name until deleted."""
     fcntl = pytest.importorskip("fcntl")
     target, seen = tmp_path / "ckpt", {}
-    real_replace = checkpoint_module._replace_dir
+    real_replace = checkpoint_module.replace_dir
 
     def replace_dir(new, path):
         seen["staging"], seen["entries"] = new, sorted(p.name for p in new.iterdir())
-        with open(checkpoint_module._lock_path(new), "rb") as probe:
+        with open(staging_module._lock_path(new), "rb") as probe:
             with pytest.raises(BlockingIOError):
                 fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
         real_replace(new, path)
 
-    monkeypatch.setattr(checkpoint_module, "_replace_dir", replace_dir)
+    monkeypatch.setattr(checkpoint_module, "replace_dir", replace_dir)
     for config in (tiny_config, tiny_config.replace(vocab_size=50)):  # a new target, then one to replace
         save_pretrained(_random_model(config), target)
         assert seen["entries"] == ["config.json", "model.safetensors"]
         assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
-        assert not checkpoint_module._lock_path(seen["staging"]).exists()
+        assert not staging_module._lock_path(seen["staging"]).exists()
 
 
 def test_checkpoint_save_takes_another_name_when_a_cleanup_takes_its_new_lock_file(tmp_path, tiny_config,
@@ -591,11 +593,11 @@ def test_checkpoint_save_takes_another_name_when_a_cleanup_takes_its_new_lock_fi
 
     if not os.path.exists("/proc/self/fd"):
         pytest.skip("needs /proc to name a descriptor's file")
-    monkeypatch.setattr(checkpoint_module, "fcntl", types.SimpleNamespace(
+    monkeypatch.setattr(staging_module, "fcntl", types.SimpleNamespace(
         flock=flock, LOCK_EX=fcntl.LOCK_EX, LOCK_NB=fcntl.LOCK_NB))
     staging = []
-    real_replace = checkpoint_module._replace_dir
-    monkeypatch.setattr(checkpoint_module, "_replace_dir",
+    real_replace = checkpoint_module.replace_dir
+    monkeypatch.setattr(checkpoint_module, "replace_dir",
                         lambda new, path: (staging.append(new), real_replace(new, path)))
     save_pretrained(_random_model(tiny_config), tmp_path / "ckpt")
     assert len(taken) == 1 and staging[0].name + ".lock" != taken[0].name
@@ -605,8 +607,8 @@ def test_checkpoint_save_takes_another_name_when_a_cleanup_takes_its_new_lock_fi
 def test_checkpoint_save_without_fcntl_follows_the_pid_rule(tmp_path, tiny_config, monkeypatch):
     """Where `fcntl` is missing (Windows) a save writes no lock file, and the PID field alone decides, even for a
     directory that has one."""
-    monkeypatch.setattr(checkpoint_module, "fcntl", None)
-    host = checkpoint_module._host_tag()
+    monkeypatch.setattr(staging_module, "fcntl", None)
+    host = staging_module._host_tag()
     names = {"dead": f".ckpt.tmp-{host}-{_dead_pid()}-0123abcd", "live": f".ckpt.tmp-{host}-{os.getpid()}-4567cdef"}
     for name in names.values():
         _partial_staging(tmp_path, name, lock_file=True)
@@ -631,7 +633,7 @@ def test_checkpoint_save_exchanges_the_directories_in_one_step(tmp_path, tiny_co
         assert pathlib.Path(source) != target, "the old checkpoint was renamed aside"
         real_replace(source, destination)
 
-    monkeypatch.setattr(checkpoint_module.os, "replace", replace)
+    monkeypatch.setattr(staging_module.os, "replace", replace)
     new = _random_model(tiny_config.replace(vocab_size=50))
     save_pretrained(new, target)
     _assert_same_params(load_pretrained(target, backend="xla"), new)
@@ -646,7 +648,7 @@ def test_checkpoint_save_failed_exchange_keeps_the_old_checkpoint(tmp_path, tiny
     def exchange(a, b):
         raise OSError("exchange failed")
 
-    monkeypatch.setattr(checkpoint_module, "exchange_paths", exchange)
+    monkeypatch.setattr(staging_module, "exchange_paths", exchange)
     with pytest.raises(OSError, match="exchange failed"):
         save_pretrained(_random_model(tiny_config.replace(vocab_size=50)), target)
     assert _snapshot(target) == before
@@ -659,7 +661,7 @@ def test_checkpoint_save_failed_swap_restores_the_old_checkpoint(tmp_path, tiny_
     target = tmp_path / "ckpt"
     save_pretrained(_random_model(tiny_config), target)
     before = _snapshot(target)
-    monkeypatch.setattr(checkpoint_module, "exchange_paths", lambda a, b: False)
+    monkeypatch.setattr(staging_module, "exchange_paths", lambda a, b: False)
     real_replace, calls = os.replace, []
 
     def replace(source, destination):  # the old checkpoint moves aside, then the new one fails to move in
@@ -668,7 +670,7 @@ def test_checkpoint_save_failed_swap_restores_the_old_checkpoint(tmp_path, tiny_
             raise OSError("rename failed")
         real_replace(source, destination)
 
-    monkeypatch.setattr(checkpoint_module.os, "replace", replace)
+    monkeypatch.setattr(staging_module.os, "replace", replace)
     with pytest.raises(OSError, match="rename failed"):
         save_pretrained(_random_model(tiny_config.replace(vocab_size=50)), target)
     assert len(calls) == 3  # aside, in (failed), back
