@@ -471,6 +471,9 @@ def write_group_windows(conv_state, group_windows, d_ssm: int, first_layer=0):
     if len(group_windows.shape) != 4 or tuple(group_windows.shape[1:]) != (rows, conv_dim - d_ssm, d_conv):
         raise ValueError(f"{api}: group_windows.shape={tuple(group_windows.shape)} must be (n, rows, conv_dim - "
                          f"d_ssm, d_conv)=(n, {rows}, {conv_dim - d_ssm}, {d_conv})")
+    if group_windows.shape[0] > layers:
+        raise ValueError(f"{api}: group_windows.shape[0]={group_windows.shape[0]} (its layers) must be at most "
+                         f"conv_state.shape[0]={layers}")
     # The n layers start at most n - 1 before the stack's end.
     first = _check_layer(api, first_layer, layers - group_windows.shape[0] + 1, name="first_layer")[0]
     return jax.lax.dynamic_update_slice(conv_state, group_windows.astype(conv_state.dtype),

@@ -254,7 +254,9 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
     every backend. The cuTile kernels would carry it further (they mix the tokens of a chunk in matrix
     products), so they run on the finite part of their inputs and cotangents while a per-(token, head) term
     adds NaN where the recurrence carries a non-finite input, as the xla path does; an all-finite call
-    returns the kernels' outputs as they are. `check_finite=False` leaves that out.
+    returns the kernels' outputs as they are. `check_finite=False` leaves that out. A non-finite A (one per head,
+    no token's) makes its head's outputs NaN on every backend but "scan", which computes exp(Δ A) as it comes
+    (0 for A = -inf and Δ > 0).
 
     Args:
       x: (batch, seqlen, nheads, headdim), bf16/f16/f32/f64.

@@ -122,7 +122,9 @@ def test_group_windows_apart_leave_b_and_c_to_the_caller(backend):
             (dict(first_layer=layers), rf"first_layer={layers} must be in \[0, {layers}\)"),
             (dict(d_ssm=conv_dim), rf"d_ssm={conv_dim} must be in \[0, conv_dim={conv_dim}\)"),
             (dict(group_windows=windows[None, :, 1:]), r"group_windows.shape=.* must be \(n, rows, conv_dim - d_ssm"),
-            (dict(conv_state=conv_state[0]), r"conv_state.shape=.* must be \(layers, rows, conv_dim, d_conv\)")]:
+            (dict(conv_state=conv_state[0]), r"conv_state.shape=.* must be \(layers, rows, conv_dim, d_conv\)"),
+            (dict(group_windows=jnp.repeat(windows[None], layers + 1, axis=0), first_layer=0),
+             rf"group_windows.shape\[0\]={layers + 1} \(its layers\) must be at most conv_state.shape\[0\]={layers}")]:
         call = {**dict(conv_state=conv_state, group_windows=windows[None], d_ssm=d_ssm, first_layer=case.layer), **bad}
         with pytest.raises(ValueError, match="write_group_windows: " + message):
             jax_mamba2.write_group_windows(**call)
