@@ -95,6 +95,11 @@ def check_seq_idx_order(api: str, seq_idx) -> None:
         raise_unordered_seq_idx(api, seq_idx)
 
 
+def is_int(value) -> bool:
+    """Whether `value` is an integer of Python or NumPy (a size, an index or an id an option gives), not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def check_positive_float(api: str, name: str, value) -> float:
     """`value` is a positive finite number: a Python or NumPy int or float, or a concrete 0-d array of a real dtype
     (not a bool); returns it as a Python float. TypeError for anything else, ValueError out of range."""

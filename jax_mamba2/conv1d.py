@@ -19,11 +19,10 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import conv1d_reference
-from jax_mamba2.checks import check_array, check_flag, check_ndim, check_seq_idx, check_seq_idx_order
+from jax_mamba2.checks import check_array, check_flag, check_ndim, check_seq_idx, check_seq_idx_order, is_int
 
 OP = "causal_conv1d"
 ACTIVATIONS = ("silu", None)
@@ -186,11 +185,6 @@ def causal_conv1d_silu(x, kernel, bias=None, *, seq_idx=None, initial_states=Non
     return y, conv1d_reference.final_conv_state(x, kernel.shape[0], initial_states)
 
 
-def _is_int(value) -> bool:
-    """An int (NumPy's too), not a bool."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
 def _check_layout(x, kernel, channel_offset, split) -> tuple[int, int, tuple[int, ...]]:
     """The channel window and the pieces fit x and the kernel; returns the conv's channels, and channel_offset and
     split as Python ints (static data)."""
@@ -200,11 +194,11 @@ def _check_layout(x, kernel, channel_offset, split) -> tuple[int, int, tuple[int
         raise ValueError(f"{_SPLIT_API}: kernel.shape={getattr(kernel, 'shape', None)} must be (d_conv, channels) "
                          f"with d_conv >= 1")
     channels, width = kernel.shape[1], x.shape[-1]
-    if not _is_int(channel_offset) or not 0 <= channel_offset <= width - channels:
+    if not is_int(channel_offset) or not 0 <= channel_offset <= width - channels:
         raise ValueError(f"{_SPLIT_API}: channel_offset={channel_offset!r} must be an int in [0, x.shape[-1] - "
                          f"channels]=[0, {width - channels}] (x.shape[-1]={width}, channels={channels})")
     if (not isinstance(split, tuple) or not 1 <= len(split) <= MAX_PIECES
-            or not all(_is_int(w) and w >= 1 for w in split) or sum(split) != channels):
+            or not all(is_int(w) and w >= 1 for w in split) or sum(split) != channels):
         raise ValueError(f"{_SPLIT_API}: split={split!r} must be a tuple of 1 to {MAX_PIECES} positive ints "
                          f"summing to channels={channels}")
     return channels, int(channel_offset), tuple(int(w) for w in split)

@@ -40,7 +40,7 @@ import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2._vma import reduce_to_primal_axes, varying_axes
-from jax_mamba2.checks import check_float, float_dtype
+from jax_mamba2.checks import check_float, float_dtype, is_int
 
 OP = "cross_entropy"
 # The head's vocabulary is padded (zero weight rows, columns outside the softmax) to a multiple of this once per
@@ -295,7 +295,7 @@ _chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
 def check_ignore_index(api: str, ignore_index) -> None:
     """ignore_index, the label of tokens left out of the loss, is an int (NumPy's too, not a bool) in int32's
     range (the labels' dtype in the loss)."""
-    if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(ignore_index, (int, np.integer)):
+    if not is_int(ignore_index):
         raise TypeError(f"{api}: ignore_index={ignore_index!r} must be an int")
     if not -2 ** 31 <= ignore_index < 2 ** 31:
         raise ValueError(f"{api}: ignore_index={ignore_index} must be in int32's range")
@@ -379,11 +379,11 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
         raise ValueError(f"{api}: {name}.shape={tuple(weight.shape)} must be {want} with d=hidden.shape[-1]={d}")
     padded_vocab = weight.shape[0 if embedding is not None else 1]
     vocab_size = padded_vocab if vocab_size is None else vocab_size
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or \
+    if not is_int(vocab_size) or \
             not 1 <= vocab_size <= padded_vocab:
         raise ValueError(f"{api}: vocab_size={vocab_size!r} must be an int in [1, {padded_vocab}] (the weight's "
                          f"vocabulary)")
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, (int, np.integer)) or chunk_tokens < 1:
+    if not is_int(chunk_tokens) or chunk_tokens < 1:
         raise ValueError(f"{api}: chunk_tokens={chunk_tokens!r} must be a positive int")
     check_ignore_index(api, ignore_index)
     if reduction not in ("mean", "sum", "none"):

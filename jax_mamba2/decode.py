@@ -39,7 +39,7 @@ import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import decode_reference as reference
-from jax_mamba2.checks import check_array, check_dt_limit, check_flag, check_positive_float, float_dtype
+from jax_mamba2.checks import check_array, check_dt_limit, check_flag, check_positive_float, float_dtype, is_int
 
 OP = "decode"
 
@@ -202,13 +202,13 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
         check_array(api, "z", z)
         if norm_weight is None:
             raise ValueError(f"{api}: z gates the norm and needs norm_weight")
-        if (len(z.shape) != 2 or z.shape[0] != rows or isinstance(z_offset, bool) or not isinstance(z_offset, int)
+        if (len(z.shape) != 2 or z.shape[0] != rows or not is_int(z_offset)
                 or z_offset < 0 or z_offset + features > z.shape[1]):
             raise ValueError(f"{api}: z.shape={tuple(z.shape)} with z_offset={z_offset!r} must be (rows={rows}, "
                              f">= z_offset + {features}) with an int z_offset >= 0")
     if group_size is None:
         group_size = features
-    elif isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size < 1 \
+    elif not is_int(group_size) or group_size < 1 \
             or features % group_size:
         raise ValueError(f"{api}: group_size={group_size!r} must be a positive divisor of features={features}")
     if bias is not None:
@@ -359,7 +359,7 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
     sizes = dict(nheads=nheads, headdim=headdim, ngroups=ngroups, dstate=dstate, xbc_offset=xbc_offset,
                  dt_offset=dt_offset)
     for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name.endswith("offset") else 1):
+        if not is_int(value) or value < (0 if name.endswith("offset") else 1):
             kind = "non-negative" if "offset" in name else "positive"
             raise ValueError(f"{api}: {name}={value!r} must be a {kind} int")
     if nheads % ngroups:
@@ -372,7 +372,7 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
     rows, in_width = zxbcdt.shape
     spans = {"xBC": (xbc_offset, conv_dim), "dt": (dt_offset, nheads)}
     if z_offset is not None:
-        if isinstance(z_offset, bool) or not isinstance(z_offset, int) or z_offset < 0:
+        if not is_int(z_offset) or z_offset < 0:
             raise ValueError(f"{api}: z_offset={z_offset!r} must be None or a non-negative int")
         spans["z"] = (z_offset, d_ssm)
     norm_before_gate = check_flag(api, "norm_before_gate", norm_before_gate)
@@ -380,14 +380,14 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
     if group_windows_apart and layer is None:
         raise ValueError(f"{api}: group_windows_apart=True needs the stacks of a `layer`")
     if norm_z_offset is not None:
-        if isinstance(norm_z_offset, bool) or not isinstance(norm_z_offset, int) or norm_z_offset < 0 \
+        if not is_int(norm_z_offset) or norm_z_offset < 0 \
                 or z_offset is not None:
             raise ValueError(f"{api}: norm_z_offset={norm_z_offset!r} must be None or a non-negative int, with no "
                              f"gate in the step (z_offset=None)")
         spans["the norm's z"] = (norm_z_offset, d_ssm)
         if norm_group_size is None:
             norm_group_size = d_ssm
-        if isinstance(norm_group_size, bool) or not isinstance(norm_group_size, int) or norm_group_size < 1 \
+        if not is_int(norm_group_size) or norm_group_size < 1 \
                 or norm_group_size % headdim or d_ssm % norm_group_size:
             raise ValueError(f"{api}: norm_group_size={norm_group_size!r} must be a multiple of headdim={headdim} "
                              f"dividing nheads * headdim={d_ssm}")

@@ -19,12 +19,11 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import norm_reference as reference
-from jax_mamba2.checks import check_array, check_flag, check_positive_float, float_dtype
+from jax_mamba2.checks import check_array, check_flag, check_positive_float, float_dtype, is_int
 
 OP = "rms_norm"
 
@@ -182,7 +181,7 @@ def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] 
         _check_z_source(api, x, z, z_kept_in)
     if group_size is None:
         group_size = features
-    elif isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)):
+    elif not is_int(group_size):
         raise TypeError(f"rms_norm: group_size={group_size!r} must be an int or None")
     elif sum_groups is None and (group_size < 1 or features % group_size):
         raise ValueError(f"rms_norm: group_size={group_size} must be a positive divisor of features={features}")
@@ -220,7 +219,7 @@ def _check_z_source(api: str, x, z, z_kept_in) -> None:
     if tuple(source.shape[:-1]) != tuple(x.shape[:-1]) or source.dtype != z.dtype:
         raise ValueError(f"{api}: z_kept_in[0] has shape {tuple(source.shape)} and dtype {source.dtype}; it must be "
                          f"(*x.shape[:-1], columns)={(*x.shape[:-1], 'columns')} in z's dtype {z.dtype}")
-    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or not (
+    if not is_int(offset) or not (
             0 <= offset and offset + features <= source.shape[-1]):
         raise ValueError(f"{api}: z_kept_in[1]={offset!r} must be an int with 0 <= offset and offset + "
                          f"features={features} <= columns={source.shape[-1]}")

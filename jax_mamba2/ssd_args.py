@@ -7,9 +7,8 @@ import dataclasses
 from typing import NamedTuple, Optional
 
 import jax
-import numpy as np
 
-from jax_mamba2.checks import check_array, check_float, check_ndim, check_seq_idx
+from jax_mamba2.checks import check_array, check_float, check_ndim, check_seq_idx, is_int
 
 
 class SSDInputs(NamedTuple):
@@ -92,7 +91,7 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
     check_model_sizes(api, nheads, headdim, dstate)
     if ngroups < 1 or nheads % ngroups:
         raise ValueError(f"ssd: nheads={nheads} must be divisible by ngroups={ngroups}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
+    if not is_int(chunk_size):
         raise TypeError(f"ssd: chunk_size={chunk_size!r} must be a Python int")
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"ssd: chunk_size={chunk_size} must be a power of two")

@@ -7,14 +7,14 @@ An expected shape is a tuple of (axis name, size) pairs; a size of None accepts 
 `(("batch", None), ("seqlen", None), ("d_model", 64))`.
 """
 import math
-from numbers import Integral, Real
+from numbers import Real
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_mamba2.checks import check_seq_idx_order, check_seq_idx_range, float_dtype
+from jax_mamba2.checks import check_seq_idx_order, check_seq_idx_range, float_dtype, is_int
 
 Axes = tuple[tuple[str, int | None], ...]
 
@@ -86,7 +86,7 @@ def check_rngs(api: str, rngs) -> None:
 
 def check_positive_int(api: str, name: str, value) -> None:
     """Raises TypeError for a non-integer (bool included), ValueError for an integer < 1."""
-    if isinstance(value, bool) or not isinstance(value, Integral):
+    if not is_int(value):
         raise TypeError(f"{api}: {name}={value!r} must be a positive int")
     if value < 1:
         raise ValueError(f"{api}: {name}={value!r} must be a positive int")

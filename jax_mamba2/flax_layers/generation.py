@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_mamba2.checks import is_int
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers import sampling as sampling_rule
 from jax_mamba2.flax_layers.cache import unstack_layers
@@ -111,7 +112,7 @@ def _prepare(api: str, model, prompt_ids, max_new_tokens, *, temperature, top_k,
     if not isinstance(model, Mamba2LMHeadModel):
         raise TypeError(f"{api}: model must be a Mamba2LMHeadModel, got {type(model).__name__}")
     vocab_size = model.config.vocab_size
-    if isinstance(max_new_tokens, (bool, np.bool_)) or not isinstance(max_new_tokens, Integral):
+    if not is_int(max_new_tokens):
         raise TypeError(f"{api}: max_new_tokens={max_new_tokens!r} must be a positive int")
     if max_new_tokens < 1:
         raise ValueError(f"{api}: max_new_tokens={max_new_tokens!r} must be a positive int")
@@ -197,7 +198,7 @@ def _end_of_sequence(api: str, vocab_size: int, eos_token_id, pad_token_id):
     except ValueError:  # a ragged nesting
         raise TypeError(f"{api}: eos_token_id={eos_token_id!r} must be an int or a non-empty sequence of ints") \
             from None
-    if any(isinstance(i, (bool, np.bool_)) or not isinstance(i, Integral) for i in ids):
+    if any(not is_int(i) for i in ids):
         raise TypeError(f"{api}: eos_token_id={eos_token_id!r} must be an int or a non-empty sequence of ints")
     if not ids:
         raise ValueError(f"{api}: eos_token_id={eos_token_id!r} must be an int or a non-empty sequence of ints")
@@ -205,7 +206,7 @@ def _end_of_sequence(api: str, vocab_size: int, eos_token_id, pad_token_id):
         raise ValueError(f"{api}: eos_token_id={eos_token_id!r} must be in [0, vocab_size={vocab_size})")
     if pad_token_id is None:
         pad_token_id = ids[0]
-    if isinstance(pad_token_id, (bool, np.bool_)) or not isinstance(pad_token_id, Integral):
+    if not is_int(pad_token_id):
         raise TypeError(f"{api}: pad_token_id={pad_token_id!r} must be None or an int")
     if not 0 <= pad_token_id < vocab_size:  # the ended rows feed it to the model's step
         raise ValueError(f"{api}: pad_token_id={pad_token_id} must be in [0, vocab_size={vocab_size})")

@@ -16,7 +16,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
@@ -25,7 +24,7 @@ from jax_mamba2 import backends
 from jax_mamba2 import conv1d as conv_op
 from jax_mamba2 import decode as decode_op
 from jax_mamba2 import norm as norm_op
-from jax_mamba2.checks import check_flag, float_dtype
+from jax_mamba2.checks import check_flag, float_dtype, is_int
 from jax_mamba2.conv1d import causal_conv1d_silu, causal_conv1d_silu_split
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers._tree import param_path
@@ -136,7 +135,7 @@ class Mamba2(nnx.Module):
                  deterministic_backward: bool = False, save_chunk_states: bool = False, check_finite: bool = True,
                  dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         _checks.check_rngs("Mamba2", rngs)
-        if isinstance(d_model, (bool, np.bool_)) or not isinstance(d_model, (int, np.integer)) or d_model < 1:
+        if not is_int(d_model) or d_model < 1:
             raise ValueError(f"Mamba2: d_model={d_model!r} must be a positive int")
         d_model = int(d_model)
         options, (d_inner, d_ssm, nheads) = check_mixer_options("Mamba2", d_model, dict(

@@ -8,9 +8,7 @@ from collections.abc import Mapping
 from numbers import Real
 from typing import NamedTuple
 
-import numpy as np
-
-from jax_mamba2.checks import check_dt_limit, check_flag, check_positive_float
+from jax_mamba2.checks import check_dt_limit, check_flag, check_positive_float, is_int
 from jax_mamba2.flax_layers import _checks
 
 
@@ -49,7 +47,7 @@ def check_mixer_options(api: str, d_model: int, options: Mapping, names: Mapping
     options = dict(options)
     for name in ("d_state", "d_conv", "expand", "headdim", "ngroups", "chunk_size"):
         value = options[name]
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{api}: {label(name)}={value!r} must be a positive int")
         options[name] = int(value)
     for name in ("D_has_hdim", "rmsnorm", "norm_before_gate", "bias", "conv_bias"):
@@ -61,8 +59,7 @@ def check_mixer_options(api: str, d_model: int, options: Mapping, names: Mapping
     if options["d_ssm"] is None and d_inner % headdim:
         raise ValueError(f"{api}: {label('headdim')}={headdim} must divide d_inner={label('expand')}*d_model="
                          f"{d_inner}")
-    if isinstance(d_ssm, (bool, np.bool_)) or not isinstance(d_ssm, (int, np.integer)) or not 0 < d_ssm <= d_inner \
-            or d_ssm % headdim:
+    if not is_int(d_ssm) or not 0 < d_ssm <= d_inner or d_ssm % headdim:
         raise ValueError(f"{api}: {label('d_ssm')}={d_ssm!r} must be a positive multiple of {label('headdim')}="
                          f"{headdim} and at most d_inner=expand*d_model={d_inner}")
     d_ssm = int(d_ssm)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from numbers import Integral, Real
+from numbers import Real
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax_mamba2.checks import is_int
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["values"], meta_fields=["top_k"])
@@ -85,7 +87,7 @@ def make_sampling(api: str, vocab_size: int, *, temperature=0.0, top_k=None, top
         raise ValueError(f"{api}: repetition_penalty={repetition_penalty} must be > 0 and within float32's normal "
                          f"numbers, [{tiny:.3g}, {largest:.3g}]")
     if top_k is not None:
-        if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, Integral):
+        if not is_int(top_k):
             raise TypeError(f"{api}: top_k={top_k!r} must be None or an int")
         if not 1 <= top_k <= vocab_size:
             raise ValueError(f"{api}: top_k={top_k} must be in [1, vocab_size={vocab_size}]")
