@@ -25,7 +25,7 @@ def _shape_text(axes: Axes) -> str:
     return f"({names})=({sizes})" if names != sizes else f"({names})"
 
 
-def check_array(api: str, name: str, value, axes: Axes, *, kind: str) -> tuple[int, ...]:
+def check_named_array(api: str, name: str, value, axes: Axes, *, kind: str) -> tuple[int, ...]:
     """Checks that `value` is an array of shape `axes` whose dtype is of `kind` ("floating" or "integer").
 
     Returns:
@@ -50,17 +50,17 @@ def check_cache(api: str, cache, conv_axes: Axes, ssm_axes: Axes) -> None:
     """Checks a `Mamba2Cache` (or any pair with fields conv_state and ssm_state) against the expected shapes."""
     if not all(hasattr(cache, field) for field in ("conv_state", "ssm_state")):
         raise TypeError(f"{api}: cache must be a Mamba2Cache (conv_state, ssm_state), got {type(cache).__name__}")
-    check_array(api, "cache.conv_state", cache.conv_state, conv_axes, kind="floating")
-    check_array(api, "cache.ssm_state", cache.ssm_state, ssm_axes, kind="floating")
+    check_named_array(api, "cache.conv_state", cache.conv_state, conv_axes, kind="floating")
+    check_named_array(api, "cache.ssm_state", cache.ssm_state, ssm_axes, kind="floating")
 
 
-def check_seq_idx(api: str, seq_idx, batch: int, seqlen: int, cache=None) -> None:
+def check_layer_seq_idx(api: str, seq_idx, batch: int, seqlen: int, cache=None) -> None:
     """seq_idx: None or (batch, seqlen) integer ids of packed sequences, nondecreasing along seqlen where concrete
     (checked here, before the layer's first launch, as the SSD would check it after the projection and the conv);
     not with a cache (whose state continues one sequence per row)."""
     if seq_idx is None:
         return
-    check_array(api, "seq_idx", seq_idx, (("batch", batch), ("seqlen", seqlen)), kind="integer")
+    check_named_array(api, "seq_idx", seq_idx, (("batch", batch), ("seqlen", seqlen)), kind="integer")
     if cache is not None:
         raise ValueError(f"{api}: seq_idx needs cache=None (a cache continues one sequence per row)")
     check_seq_idx_range(api, seq_idx)

@@ -123,7 +123,7 @@ def _prepare(api: str, model, prompt_ids, max_new_tokens, *, temperature, top_k,
         except ValueError:
             raise ValueError(f"{api}: prompt_ids must be a (batch, prompt_len) array or list of equal-length "
                              "lists") from None
-    _checks.check_array(api, "prompt_ids", prompt_ids, (("batch", None), ("prompt_len", None)), kind="integer")
+    _checks.check_named_array(api, "prompt_ids", prompt_ids, (("batch", None), ("prompt_len", None)), kind="integer")
     _checks.check_batch_splits(api, "prompt_ids", prompt_ids.shape[0], model.layers.mixer.mesh_axes)
     if prompt_ids.shape[1] < 1:
         raise ValueError(f"{api}: prompt_ids.shape={prompt_ids.shape} must be (batch, prompt_len >= 1)")
@@ -171,7 +171,7 @@ def _check_prompt_lengths(api: str, prompt_ids, prompt_lengths):
     if not hasattr(prompt_lengths, "dtype"):
         prompt_lengths = np.asarray(prompt_lengths)
     batch, prompt_len = prompt_ids.shape
-    _checks.check_array(api, "prompt_lengths", prompt_lengths, (("batch", batch),), kind="integer")
+    _checks.check_named_array(api, "prompt_lengths", prompt_lengths, (("batch", batch),), kind="integer")
     if not isinstance(prompt_lengths, jax.core.Tracer):
         values = np.asarray(prompt_lengths)
         if ((values < 1) | (values > prompt_len)).any():

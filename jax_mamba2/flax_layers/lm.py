@@ -108,10 +108,10 @@ class Mamba2Block(nnx.Module):
         """hidden_states and residual: (batch, seqlen, d_model) (or (batch, d_model) for a step), floating;
         cache (unless None where a sequence is given) of the mixer's shapes for that batch."""
         names = ("batch", "seqlen", "d_model") if sequence else ("batch", "d_model")
-        shape = _checks.check_array(api, "hidden_states", hidden_states,
+        shape = _checks.check_named_array(api, "hidden_states", hidden_states,
                                     tuple((n, self.mixer.d_model if n == "d_model" else None) for n in names),
                                     kind="floating")
-        _checks.check_array(api, "residual", residual, tuple(zip(names, shape)), kind="floating")
+        _checks.check_named_array(api, "residual", residual, tuple(zip(names, shape)), kind="floating")
         _checks.check_batch_splits(api, "hidden_states", shape[0], self.mixer.mesh_axes)
         if cache is not None or not sequence:  # a step needs one
             _checks.check_cache(api, cache, *self.mixer.cache_axes(shape[0]))
@@ -273,7 +273,7 @@ class Mamba2LMHeadModel(nnx.Module):
         loss_op.check_ignore_index("Mamba2LMHeadModel.loss", ignore_index)
         name, labels = ("labels", input_ids if labels is None else labels) if shift_labels is None else (
             "shift_labels", shift_labels)
-        _checks.check_array("Mamba2LMHeadModel.loss", name, labels,
+        _checks.check_named_array("Mamba2LMHeadModel.loss", name, labels,
                             tuple(zip(("batch", "seqlen"), input_ids.shape)), kind="integer")
         # Shifted in int32: an unsigned dtype could not hold a negative ignore_index in the padded last column (none
         # for an empty sequence).
@@ -398,7 +398,7 @@ class Mamba2LMHeadModel(nnx.Module):
         stacked mixers' shapes
         (leading (n_layer,) axis) for that batch; seq_idx, unless None, as input_ids and not with a cache."""
         axes = (("batch", None), ("seqlen", None)) if sequence else (("batch", None),)
-        shape = _checks.check_array(api, "input_ids", input_ids, axes, kind="integer")
+        shape = _checks.check_named_array(api, "input_ids", input_ids, axes, kind="integer")
         _checks.check_batch_splits(api, "input_ids", shape[0], self.layers.mixer.mesh_axes)
         _checks.check_token_ids_in_range(api, "input_ids", input_ids, self.config.vocab_size)
         if cache is not None or not sequence:  # a step needs one
@@ -406,7 +406,7 @@ class Mamba2LMHeadModel(nnx.Module):
             conv_axes, ssm_axes = self.layers.mixer.cache_axes(shape[0])
             _checks.check_cache(api, cache, layer_axes + conv_axes, layer_axes + ssm_axes)
         if sequence:
-            _checks.check_seq_idx(api, seq_idx, *shape, cache)
+            _checks.check_layer_seq_idx(api, seq_idx, *shape, cache)
 
     def _scan_layers_with_cache(self, method: str, input_ids, cache, **block_kwargs):
         """Embeds, then runs `Mamba2Block.<method>` ("prefill" or "step", with `block_kwargs`) over the stacked

@@ -202,7 +202,7 @@ class Mamba2(nnx.Module):
           ValueError, TypeError: for arguments of the wrong shape or dtype, naming the expected one.
         """
         batch, seqlen = self._check_hidden_states("Mamba2.__call__", hidden_states)
-        _checks.check_seq_idx("Mamba2.__call__", seq_idx, batch, seqlen)
+        _checks.check_layer_seq_idx("Mamba2.__call__", seq_idx, batch, seqlen)
         out, _ = self._run(functools.partial(Mamba2._forward, want_cache=False), (hidden_states, None, seq_idx),
                            returns_cache=False)
         return out
@@ -231,7 +231,7 @@ class Mamba2(nnx.Module):
         batch, seqlen = self._check_hidden_states("Mamba2.prefill", hidden_states)
         if cache is not None:
             _checks.check_cache("Mamba2.prefill", cache, *self.cache_axes(batch))
-        _checks.check_seq_idx("Mamba2.prefill", seq_idx, batch, seqlen, cache)
+        _checks.check_layer_seq_idx("Mamba2.prefill", seq_idx, batch, seqlen, cache)
         _checks.check_float_dtype("Mamba2.prefill", "cache_dtype", cache_dtype)
         dtypes = (self._cache_dtypes(cache_dtype) if cache is None or cache_dtype is not None
                   else tuple(a.dtype for a in cache))
@@ -257,7 +257,7 @@ class Mamba2(nnx.Module):
         Raises:
           ValueError, TypeError: for arguments of the wrong shape or dtype, naming the expected one.
         """
-        batch, _ = _checks.check_array("Mamba2.step", "hidden_states", hidden_states,
+        batch, _ = _checks.check_named_array("Mamba2.step", "hidden_states", hidden_states,
                                        (("batch", None), ("d_model", self.d_model)), kind="floating")
         _checks.check_batch_splits("Mamba2.step", "hidden_states", batch, self.mesh_axes)
         _checks.check_cache("Mamba2.step", cache, *self.cache_axes(batch))
@@ -291,7 +291,7 @@ class Mamba2(nnx.Module):
 
     def _check_hidden_states(self, api: str, hidden_states) -> tuple[int, int]:
         """hidden_states must be (batch, seqlen, d_model), floating; returns (batch, seqlen)."""
-        batch, seqlen, _ = _checks.check_array(api, "hidden_states", hidden_states,
+        batch, seqlen, _ = _checks.check_named_array(api, "hidden_states", hidden_states,
                                                (("batch", None), ("seqlen", None), ("d_model", self.d_model)),
                                                kind="floating")
         _checks.check_batch_splits(api, "hidden_states", batch, self.mesh_axes)
