@@ -67,6 +67,11 @@ def add_common_flags(parser: argparse.ArgumentParser, *, backend: bool = True) -
     parser.add_argument("--seed", type=int, default=0, help="random seed")
 
 
+def settings(args: argparse.Namespace) -> dict:
+    """A run's flags as JSON values for its results file: numbers, bools and strings as they are, paths as text."""
+    return {k: v if v is None or isinstance(v, (bool, int, float, str)) else str(v) for k, v in vars(args).items()}
+
+
 def output_dir(path: pathlib.Path) -> pathlib.Path:
     """Creates `path` (and its parents) and returns it; a path that cannot be a folder ends the run naming it."""
     try:

@@ -26,6 +26,7 @@ continuation as it is generated (`generate_stream`). Writes generate.json to --o
 """
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import sys
@@ -173,6 +174,13 @@ def stream_text(model, tokenizer, prompt: list[int], args, rng) -> str:
     return tokenizer.decode(ids)
 
 
+# The flags of the random model's shape: (argparse type, default, help).
+RANDOM_MODEL_FLAGS = {"d_model": (positive_int, 256, "model width"), "layers": (positive_int, 4, "Mamba-2 blocks"),
+                      "d_state": (positive_int, 64, "SSM state size N"),
+                      "headdim": (positive_int, 64, "SSM head size P"),
+                      "chunk_size": (power_of_two, 64, "SSD chunk length, a power of two")}
+
+
 def parse_args(argv=None):
     parser = make_parser(__doc__)
     parser.add_argument("--model-dir", type=pathlib.Path,
@@ -208,13 +216,17 @@ def parse_args(argv=None):
                         help="scan_layers=False: the prompt's blocks unrolled (a longer compile); the fused "
                              "decode step runs its layers unrolled either way")
     random_model = parser.add_argument_group("random model (without --model-dir)")
-    random_model.add_argument("--d-model", type=positive_int, default=256, help="model width")
-    random_model.add_argument("--layers", type=positive_int, default=4, help="Mamba-2 blocks")
-    random_model.add_argument("--d-state", type=positive_int, default=64, help="SSM state size N")
-    random_model.add_argument("--headdim", type=positive_int, default=64, help="SSM head size P")
-    random_model.add_argument("--chunk-size", type=power_of_two, default=64, help="SSD chunk length, a power of two")
+    for name, (kind, default, text) in RANDOM_MODEL_FLAGS.items():  # absent from args unless given
+        random_model.add_argument(f"--{name.replace('_', '-')}", type=kind, default=argparse.SUPPRESS,
+                                  help=f"{text} (default: {default})")
     add_common_flags(parser)
     args = parser.parse_args(argv)
+    given = [f"--{name.replace('_', '-')}" for name in RANDOM_MODEL_FLAGS if hasattr(args, name)]
+    if args.model_dir is not None and given:
+        parser.error(f"{', '.join(given)} shape a random model; with --model-dir the checkpoint's config.json does")
+    for name, (_, default, _) in RANDOM_MODEL_FLAGS.items():
+        if not hasattr(args, name):
+            setattr(args, name, default)
     if args.max_new_tokens < 2:
         parser.error("--max-new-tokens must be >= 2")
     args.prompt = args.prompt or [DEFAULT_PROMPT]

@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 
 from _common import (add_common_flags, describe_device, make_parser, model_flags, output_dir, positive_int,
-                     power_of_two, resolve_backend, time_call, write_atomically)
+                     power_of_two, resolve_backend, settings, time_call, write_atomically)
 from jax_mamba2.flax_layers import Mamba2
 
 CUTILE_TARGET = "jax_mamba2_cutile_launch"  # jax_mamba2.bridge.aot.CUTILE_CUSTOM_CALL
@@ -217,8 +217,8 @@ def main(argv=None) -> int:
     if backend == "cutile" and results[0]["cutile_launches"] == 0:
         print("FAILED: backend cutile compiled without any cuTile kernel launch")
         return 1
-    write_atomically(out / "timings.json", json.dumps({"device": describe_device(), "args": {
-        k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1).encode())
+    write_atomically(out / "timings.json", json.dumps({"device": describe_device(), "args": settings(args),
+                                                       "results": results}, indent=1).encode())
     print(f"wrote {out}/timings.json and the compiled HLO of {', '.join(backends)}")
     return 0
 

@@ -35,7 +35,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from _common import (add_common_flags, describe_device, in_range, make_parser, model_flags, output_dir, positive_int,
-                     power_of_two, resolve_backend, save_figure, write_atomically)
+                     power_of_two, resolve_backend, save_figure, settings, write_atomically)
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, generate, save_pretrained
 
 VOCAB_SIZE = 256  # bytes
@@ -163,11 +163,27 @@ def restore_checkpoint(manager: ocp.CheckpointManager, step: int, model, optimiz
 def write_metrics(path: pathlib.Path, backend: str, args, n_params: int, history: dict) -> None:
     """metrics.json: the run's settings and its loss history so far (written at each checkpoint too, so that a
     resumed run keeps the history of an interrupted one)."""
-    settings = {k: v if v is None or isinstance(v, (bool, int, float, str)) else str(v)  # paths as text
-                for k, v in vars(args).items()}
     write_atomically(path, json.dumps({
-        "device": describe_device(), "backend": backend, "args": settings, "parameters": n_params,
+        "device": describe_device(), "backend": backend, "args": settings(args), "parameters": n_params,
         "history": history}, indent=1).encode())
+
+
+# The flags that give the parameters their shapes: a checkpoint restores only into a model built with its values.
+SHAPE_FLAGS = ("d_model", "layers", "d_state", "headdim")
+
+
+def check_shape_flags(metrics_file: pathlib.Path, args, checkpoint: str) -> None:
+    """Exits naming the flags whose values differ from those of the run whose settings `metrics_file` holds (written
+    with each of its checkpoints), before a restore that could only fail; no file, no check (Orbax's shape check
+    remains)."""
+    if not metrics_file.is_file():
+        return
+    written = json.loads(metrics_file.read_text()).get("args", {})
+    differ = [name for name in SHAPE_FLAGS if name in written and written[name] != getattr(args, name)]
+    if differ:
+        flags = ", ".join(f"--{name.replace('_', '-')} {written[name]} (not {getattr(args, name)})" for name in differ)
+        raise SystemExit(f"--resume: {checkpoint} was written by a model of other shapes; resume with the model "
+                         f"flags of the run that wrote it: {flags}")
 
 
 def resumed_history(metrics_file: pathlib.Path, step: int) -> dict:
@@ -250,6 +266,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = output_dir(args.out / "train_lm")
     manager = checkpoint_manager(out / "checkpoints")
+    try:
+        return train(args, out, manager)
+    finally:  # Orbax's background threads are joined before the interpreter exits, also after a SystemExit
+        manager.close()
+
+
+def train(args, out: pathlib.Path, manager: ocp.CheckpointManager) -> int:
+    """The run main() describes, its checkpoints kept by `manager`; returns the exit status."""
     if not args.resume and manager.latest_step() is not None:
         raise SystemExit(f"train_lm.py: {out / 'checkpoints'} holds the checkpoints of an earlier run (steps "
                          f"{list(manager.all_steps())}); pass --resume to continue it, or choose another --out "
@@ -275,6 +299,7 @@ def main(argv=None) -> int:
         print(f"--resume: no checkpoint in {out / 'checkpoints'}; starting a new run")
     elif args.resume:
         start = manager.latest_step()
+        check_shape_flags(out / "metrics.json", args, f"the checkpoint at step {start} in {out / 'checkpoints'}")
         try:
             restore_checkpoint(manager, start, model, optimizer)
         except ValueError as e:
