@@ -379,8 +379,7 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
         raise ValueError(f"{api}: {name}.shape={tuple(weight.shape)} must be {want} with d=hidden.shape[-1]={d}")
     padded_vocab = weight.shape[0 if embedding is not None else 1]
     vocab_size = padded_vocab if vocab_size is None else vocab_size
-    if not is_int(vocab_size) or \
-            not 1 <= vocab_size <= padded_vocab:
+    if not is_int(vocab_size) or not 1 <= vocab_size <= padded_vocab:
         raise ValueError(f"{api}: vocab_size={vocab_size!r} must be an int in [1, {padded_vocab}] (the weight's "
                          f"vocabulary)")
     if not is_int(chunk_tokens) or chunk_tokens < 1:

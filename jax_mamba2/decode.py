@@ -31,7 +31,7 @@ import functools
 import math
 import operator
 from numbers import Integral
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +115,85 @@ def _select(api: str, backend: str, dims_fn):
 # norm_project
 # ----------------------------------------------------------------------------------------------
 
+class _ProjectionArgs(NamedTuple):
+    """What `norm_project`'s checks settle: the options as Python values and the sizes the call runs at."""
+
+    z_offset: int
+    group_size: int
+    residual_dtype: Optional[jnp.dtype]
+    x_dtype: Optional[jnp.dtype]
+    features: int
+    layers: int
+
+
+def _check_projection(api, x, weight, norm_weight, residual, residual_dtype, z, z_offset, group_size, bias,
+                      transpose_weight, layer, x_dtype, sum_squares) -> _ProjectionArgs:
+    """`norm_project`'s array arguments and their options (see it for the rules), before anything runs."""
+    z_offset, group_size = _python_int(z_offset), _python_int(group_size)
+    check_array(api, "x", x)
+    if len(x.shape) not in (2, 3):
+        raise ValueError(f"{api}: x.shape={tuple(x.shape)} must be (rows, features) or (parts, rows, features)")
+    if len(x.shape) == 3:
+        if x.dtype not in (jnp.float32, jnp.float64):
+            raise TypeError(f"{api}: x of shape (parts, rows, features) must be float32 (or float64) partial sums, "
+                            f"got {x.dtype}")
+        if x_dtype is None or norm_weight is None:
+            raise ValueError(f"{api}: x given as partial sums needs x_dtype (the dtype of their sum) and norm_weight")
+        x_dtype = float_dtype(api, "x_dtype", x_dtype)
+    elif x_dtype is not None:
+        raise ValueError(f"{api}: x_dtype={x_dtype!r} is for x given as partial sums (parts, rows, features)")
+    rows, features = x.shape[-2:]
+    if features < 1:
+        raise ValueError(f"{api}: x.shape={tuple(x.shape)} must have features >= 1")
+    stack = () if layer is None else (None,)
+    check_array(api, "weight", weight)
+    if len(weight.shape) != 2 + len(stack):
+        axes = "out_features, features" if transpose_weight else "features, out_features"
+        raise ValueError(f"{api}: weight.shape={tuple(weight.shape)} must be {'(layers, ' if stack else '('}{axes})")
+    layers = weight.shape[0] if stack else 1
+    out_features = weight.shape[-2] if transpose_weight else weight.shape[-1]
+    if weight.shape[-1 if transpose_weight else -2] != features:
+        raise ValueError(f"{api}: weight.shape={tuple(weight.shape)} must have x's features={features} on its "
+                         f"{'last' if transpose_weight else 'input'} axis")
+    lead = (layers,) if stack else ()
+    lead_text = "(layers, " if stack else "("
+    if norm_weight is not None:
+        check_array(api, "norm_weight", norm_weight, f"{lead_text}features)", (*lead, features))
+    if residual is not None:
+        check_array(api, "residual", residual, "(rows, features)", (rows, features))
+        if residual_dtype is None:
+            raise ValueError(f"{api}: residual needs residual_dtype (the residual stream's dtype)")
+    if residual_dtype is not None:
+        residual_dtype = float_dtype(api, "residual_dtype", residual_dtype)
+    if z is not None:
+        check_array(api, "z", z)
+        if norm_weight is None:
+            raise ValueError(f"{api}: z gates the norm and needs norm_weight")
+        if (len(z.shape) != 2 or z.shape[0] != rows or not is_int(z_offset)
+                or z_offset < 0 or z_offset + features > z.shape[1]):
+            raise ValueError(f"{api}: z.shape={tuple(z.shape)} with z_offset={z_offset!r} must be (rows={rows}, "
+                             f">= z_offset + {features}) with an int z_offset >= 0")
+    if group_size is None:
+        group_size = features
+    elif not is_int(group_size) or group_size < 1 or features % group_size:
+        raise ValueError(f"{api}: group_size={group_size!r} must be a positive divisor of features={features}")
+    if bias is not None:
+        check_array(api, "bias", bias, f"{lead_text}out_features)", (*lead, out_features))
+    if sum_squares is not None:
+        ngroups = features // group_size
+        if norm_weight is None or residual is not None or residual_dtype is not None or x_dtype is not None:
+            raise ValueError(f"{api}: sum_squares are the statistics of a norm (norm_weight) without residual, "
+                             f"residual_dtype or x as partial sums")
+        check_array(api, "sum_squares", sum_squares)
+        if sum_squares.dtype not in (jnp.float32, jnp.float64):  # float64: a float64 model's, on the xla path
+            raise TypeError(f"{api}: sum_squares must be float32 (float64 for a float64 model), got "
+                            f"{sum_squares.dtype}")
+        if len(sum_squares.shape) != 2 or sum_squares.shape[0] != rows or sum_squares.shape[1] % ngroups:
+            raise ValueError(f"{api}: sum_squares.shape={tuple(sum_squares.shape)} must be (rows={rows}, a multiple "
+                             f"of the norm's {ngroups} groups)")
+    return _ProjectionArgs(z_offset, group_size, residual_dtype, x_dtype, features, layers)
+
+
 def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=None, z=None, z_offset: int = 0,
                  group_size: Optional[int] = None, norm_before_gate: bool = False, eps: float = 1e-5, bias=None,
                  transpose_weight: bool = False, layer=None, dtype=None, x_dtype=None, return_partials: bool = False,
@@ -162,69 +241,10 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
         kernel backend cannot run the call, saying why.
     """
     api = "norm_project"
-    z_offset, group_size = _python_int(z_offset), _python_int(group_size)
-    check_array(api, "x", x)
-    if len(x.shape) not in (2, 3):
-        raise ValueError(f"{api}: x.shape={tuple(x.shape)} must be (rows, features) or (parts, rows, features)")
-    if len(x.shape) == 3:
-        if x.dtype not in (jnp.float32, jnp.float64):
-            raise TypeError(f"{api}: x of shape (parts, rows, features) must be float32 (or float64) partial sums, "
-                            f"got {x.dtype}")
-        if x_dtype is None or norm_weight is None:
-            raise ValueError(f"{api}: x given as partial sums needs x_dtype (the dtype of their sum) and norm_weight")
-        x_dtype = float_dtype(api, "x_dtype", x_dtype)
-    elif x_dtype is not None:
-        raise ValueError(f"{api}: x_dtype={x_dtype!r} is for x given as partial sums (parts, rows, features)")
-    rows, features = x.shape[-2:]
-    if features < 1:
-        raise ValueError(f"{api}: x.shape={tuple(x.shape)} must have features >= 1")
+    z_offset, group_size, residual_dtype, x_dtype, features, layers = _check_projection(
+        api, x, weight, norm_weight, residual, residual_dtype, z, z_offset, group_size, bias, transpose_weight, layer,
+        x_dtype, sum_squares)
     stack = () if layer is None else (None,)
-    check_array(api, "weight", weight)
-    if len(weight.shape) != 2 + len(stack):
-        axes = "out_features, features" if transpose_weight else "features, out_features"
-        raise ValueError(f"{api}: weight.shape={tuple(weight.shape)} must be {'(layers, ' if stack else '('}{axes})")
-    layers = weight.shape[0] if stack else 1
-    out_features = weight.shape[-2] if transpose_weight else weight.shape[-1]
-    if weight.shape[-1 if transpose_weight else -2] != features:
-        raise ValueError(f"{api}: weight.shape={tuple(weight.shape)} must have x's features={features} on its "
-                         f"{'last' if transpose_weight else 'input'} axis")
-    lead = (layers,) if stack else ()
-    lead_text = "(layers, " if stack else "("
-    if norm_weight is not None:
-        check_array(api, "norm_weight", norm_weight, f"{lead_text}features)", (*lead, features))
-    if residual is not None:
-        check_array(api, "residual", residual, "(rows, features)", (rows, features))
-        if residual_dtype is None:
-            raise ValueError(f"{api}: residual needs residual_dtype (the residual stream's dtype)")
-    if residual_dtype is not None:
-        residual_dtype = float_dtype(api, "residual_dtype", residual_dtype)
-    if z is not None:
-        check_array(api, "z", z)
-        if norm_weight is None:
-            raise ValueError(f"{api}: z gates the norm and needs norm_weight")
-        if (len(z.shape) != 2 or z.shape[0] != rows or not is_int(z_offset)
-                or z_offset < 0 or z_offset + features > z.shape[1]):
-            raise ValueError(f"{api}: z.shape={tuple(z.shape)} with z_offset={z_offset!r} must be (rows={rows}, "
-                             f">= z_offset + {features}) with an int z_offset >= 0")
-    if group_size is None:
-        group_size = features
-    elif not is_int(group_size) or group_size < 1 \
-            or features % group_size:
-        raise ValueError(f"{api}: group_size={group_size!r} must be a positive divisor of features={features}")
-    if bias is not None:
-        check_array(api, "bias", bias, f"{lead_text}out_features)", (*lead, out_features))
-    if sum_squares is not None:
-        ngroups = features // group_size
-        if norm_weight is None or residual is not None or residual_dtype is not None or x_dtype is not None:
-            raise ValueError(f"{api}: sum_squares are the statistics of a norm (norm_weight) without residual, "
-                             f"residual_dtype or x as partial sums")
-        check_array(api, "sum_squares", sum_squares)
-        if sum_squares.dtype not in (jnp.float32, jnp.float64):  # float64: a float64 model's, on the xla path
-            raise TypeError(f"{api}: sum_squares must be float32 (float64 for a float64 model), got "
-                            f"{sum_squares.dtype}")
-        if len(sum_squares.shape) != 2 or sum_squares.shape[0] != rows or sum_squares.shape[1] % ngroups:
-            raise ValueError(f"{api}: sum_squares.shape={tuple(sum_squares.shape)} must be (rows={rows}, a multiple "
-                             f"of the norm's {ngroups} groups)")
     eps = check_positive_float(api, "eps", eps)
     norm_before_gate = check_flag(api, "norm_before_gate", norm_before_gate)
     transpose_weight = check_flag(api, "transpose_weight", transpose_weight)
@@ -308,6 +328,93 @@ def _reference_vjp(fn, arrays, cotangents):
 # mixer_step
 # ----------------------------------------------------------------------------------------------
 
+class _MixerArgs(NamedTuple):
+    """What `mixer_step`'s checks settle: the sizes and options as Python values, and the layers of the stacks."""
+
+    sizes: dict
+    z_offset: Optional[int]
+    norm_z_offset: Optional[int]
+    norm_group_size: Optional[int]
+    norm_before_gate: bool
+    group_windows_apart: bool
+    layers: int
+
+
+def _check_mixer(api, zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias, D, nheads, headdim,
+                 ngroups, dstate, xbc_offset, dt_offset, z_offset, norm_z_offset, norm_group_size, norm_before_gate,
+                 layer, group_windows_apart) -> _MixerArgs:
+    """`mixer_step`'s array arguments and their options (see it for the rules), before anything runs."""
+    nheads, headdim, ngroups, dstate, xbc_offset, dt_offset, z_offset, norm_z_offset, norm_group_size = (
+        _python_int(v) for v in (nheads, headdim, ngroups, dstate, xbc_offset, dt_offset, z_offset, norm_z_offset,
+                                 norm_group_size))
+    sizes = dict(nheads=nheads, headdim=headdim, ngroups=ngroups, dstate=dstate, xbc_offset=xbc_offset,
+                 dt_offset=dt_offset)
+    for name, value in sizes.items():
+        if not is_int(value) or value < (0 if name.endswith("offset") else 1):
+            kind = "non-negative" if "offset" in name else "positive"
+            raise ValueError(f"{api}: {name}={value!r} must be a {kind} int")
+    if nheads % ngroups:
+        raise ValueError(f"{api}: nheads={nheads} must be a multiple of ngroups={ngroups}")
+    d_ssm = nheads * headdim
+    conv_dim = d_ssm + 2 * ngroups * dstate
+    check_array(api, "zxbcdt", zxbcdt)
+    if len(zxbcdt.shape) != 2:
+        raise ValueError(f"{api}: zxbcdt.shape={tuple(zxbcdt.shape)} must be (rows, in_width)")
+    rows, in_width = zxbcdt.shape
+    spans = {"xBC": (xbc_offset, conv_dim), "dt": (dt_offset, nheads)}
+    if z_offset is not None:
+        if not is_int(z_offset) or z_offset < 0:
+            raise ValueError(f"{api}: z_offset={z_offset!r} must be None or a non-negative int")
+        spans["z"] = (z_offset, d_ssm)
+    norm_before_gate = check_flag(api, "norm_before_gate", norm_before_gate)
+    group_windows_apart = check_flag(api, "group_windows_apart", group_windows_apart)
+    if group_windows_apart and layer is None:
+        raise ValueError(f"{api}: group_windows_apart=True needs the stacks of a `layer`")
+    if norm_z_offset is not None:
+        if not is_int(norm_z_offset) or norm_z_offset < 0 or z_offset is not None:
+            raise ValueError(f"{api}: norm_z_offset={norm_z_offset!r} must be None or a non-negative int, with no "
+                             f"gate in the step (z_offset=None)")
+        spans["the norm's z"] = (norm_z_offset, d_ssm)
+        if norm_group_size is None:
+            norm_group_size = d_ssm
+        if not is_int(norm_group_size) or norm_group_size < 1 or norm_group_size % headdim or d_ssm % norm_group_size:
+            raise ValueError(f"{api}: norm_group_size={norm_group_size!r} must be a multiple of headdim={headdim} "
+                             f"dividing nheads * headdim={d_ssm}")
+    elif norm_group_size is not None or norm_before_gate:
+        raise ValueError(f"{api}: norm_group_size and norm_before_gate describe the norm of norm_z_offset, which is "
+                         f"None")
+    for name, (start, width) in spans.items():
+        if start + width > in_width:
+            raise ValueError(f"{api}: {name}'s columns [{start}, {start + width}) must lie inside zxbcdt's "
+                             f"in_width={in_width}")
+    stack = () if layer is None else (None,)
+    layers = 1
+    if stack:
+        check_array(api, "conv_weight", conv_weight)
+        if len(conv_weight.shape) != 3:
+            raise ValueError(f"{api}: conv_weight.shape={tuple(conv_weight.shape)} must be (layers, d_conv, conv_dim) "
+                             "with a layer")
+        layers = conv_weight.shape[0]
+    lead, lead_text = ((layers,), "(layers, ") if stack else ((), "(")
+    check_array(api, "conv_state", conv_state)
+    if len(conv_state.shape) != 3 + len(lead) or tuple(conv_state.shape[:-1]) != (*lead, rows, conv_dim):
+        raise ValueError(f"{api}: conv_state.shape={tuple(conv_state.shape)} must be {lead_text}rows={rows}, "
+                         f"conv_dim={conv_dim}, d_conv)")
+    d_conv = conv_state.shape[-1]
+    if d_conv < 1:
+        raise ValueError(f"{api}: conv_state.shape={tuple(conv_state.shape)} must have d_conv >= 1 window columns")
+    check_array(api, "ssm_state", ssm_state, f"{lead_text}rows, nheads, headdim, dstate)",
+                (*lead, rows, nheads, headdim, dstate))
+    check_array(api, "conv_weight", conv_weight, f"{lead_text}d_conv, conv_dim)", (*lead, d_conv, conv_dim))
+    if conv_bias is not None:
+        check_array(api, "conv_bias", conv_bias, f"{lead_text}conv_dim)", (*lead, conv_dim))
+    check_array(api, "A_log", A_log, f"{lead_text}nheads)", (*lead, nheads))
+    check_array(api, "dt_bias", dt_bias, f"{lead_text}nheads)", (*lead, nheads))
+    check_array(api, "D", D, f"{lead_text}nheads) or {lead_text}nheads, headdim)", (*lead, nheads),
+                (*lead, nheads, headdim))
+    return _MixerArgs(sizes, z_offset, norm_z_offset, norm_group_size, norm_before_gate, group_windows_apart, layers)
+
+
 def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias, D, *, nheads: int,
                headdim: int, ngroups: int, dstate: int, xbc_offset: int, dt_offset: int,
                z_offset: Optional[int] = None, dt_limit=(0.0, math.inf), norm_z_offset: Optional[int] = None,
@@ -353,76 +460,12 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
       ValueError / TypeError: as `norm_project`.
     """
     api = "mixer_step"
-    nheads, headdim, ngroups, dstate, xbc_offset, dt_offset, z_offset, norm_z_offset, norm_group_size = (
-        _python_int(v) for v in (nheads, headdim, ngroups, dstate, xbc_offset, dt_offset, z_offset, norm_z_offset,
-                                 norm_group_size))
-    sizes = dict(nheads=nheads, headdim=headdim, ngroups=ngroups, dstate=dstate, xbc_offset=xbc_offset,
-                 dt_offset=dt_offset)
-    for name, value in sizes.items():
-        if not is_int(value) or value < (0 if name.endswith("offset") else 1):
-            kind = "non-negative" if "offset" in name else "positive"
-            raise ValueError(f"{api}: {name}={value!r} must be a {kind} int")
-    if nheads % ngroups:
-        raise ValueError(f"{api}: nheads={nheads} must be a multiple of ngroups={ngroups}")
-    d_ssm = nheads * headdim
-    conv_dim = d_ssm + 2 * ngroups * dstate
-    check_array(api, "zxbcdt", zxbcdt)
-    if len(zxbcdt.shape) != 2:
-        raise ValueError(f"{api}: zxbcdt.shape={tuple(zxbcdt.shape)} must be (rows, in_width)")
-    rows, in_width = zxbcdt.shape
-    spans = {"xBC": (xbc_offset, conv_dim), "dt": (dt_offset, nheads)}
-    if z_offset is not None:
-        if not is_int(z_offset) or z_offset < 0:
-            raise ValueError(f"{api}: z_offset={z_offset!r} must be None or a non-negative int")
-        spans["z"] = (z_offset, d_ssm)
-    norm_before_gate = check_flag(api, "norm_before_gate", norm_before_gate)
-    group_windows_apart = check_flag(api, "group_windows_apart", group_windows_apart)
-    if group_windows_apart and layer is None:
-        raise ValueError(f"{api}: group_windows_apart=True needs the stacks of a `layer`")
-    if norm_z_offset is not None:
-        if not is_int(norm_z_offset) or norm_z_offset < 0 \
-                or z_offset is not None:
-            raise ValueError(f"{api}: norm_z_offset={norm_z_offset!r} must be None or a non-negative int, with no "
-                             f"gate in the step (z_offset=None)")
-        spans["the norm's z"] = (norm_z_offset, d_ssm)
-        if norm_group_size is None:
-            norm_group_size = d_ssm
-        if not is_int(norm_group_size) or norm_group_size < 1 \
-                or norm_group_size % headdim or d_ssm % norm_group_size:
-            raise ValueError(f"{api}: norm_group_size={norm_group_size!r} must be a multiple of headdim={headdim} "
-                             f"dividing nheads * headdim={d_ssm}")
-    elif norm_group_size is not None or norm_before_gate:
-        raise ValueError(f"{api}: norm_group_size and norm_before_gate describe the norm of norm_z_offset, which is "
-                         f"None")
-    for name, (start, width) in spans.items():
-        if start + width > in_width:
-            raise ValueError(f"{api}: {name}'s columns [{start}, {start + width}) must lie inside zxbcdt's "
-                             f"in_width={in_width}")
+    sizes, z_offset, norm_z_offset, norm_group_size, norm_before_gate, group_windows_apart, layers = _check_mixer(
+        api, zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias, D, nheads, headdim, ngroups,
+        dstate, xbc_offset, dt_offset, z_offset, norm_z_offset, norm_group_size, norm_before_gate, layer,
+        group_windows_apart)
     stack = () if layer is None else (None,)
-    layers = 1
-    if stack:
-        check_array(api, "conv_weight", conv_weight)
-        if len(conv_weight.shape) != 3:
-            raise ValueError(f"{api}: conv_weight.shape={tuple(conv_weight.shape)} must be (layers, d_conv, conv_dim) "
-                             "with a layer")
-        layers = conv_weight.shape[0]
-    lead, lead_text = ((layers,), "(layers, ") if stack else ((), "(")
-    check_array(api, "conv_state", conv_state)
-    if len(conv_state.shape) != 3 + len(lead) or tuple(conv_state.shape[:-1]) != (*lead, rows, conv_dim):
-        raise ValueError(f"{api}: conv_state.shape={tuple(conv_state.shape)} must be {lead_text}rows={rows}, "
-                         f"conv_dim={conv_dim}, d_conv)")
-    d_conv = conv_state.shape[-1]
-    if d_conv < 1:
-        raise ValueError(f"{api}: conv_state.shape={tuple(conv_state.shape)} must have d_conv >= 1 window columns")
-    check_array(api, "ssm_state", ssm_state, f"{lead_text}rows, nheads, headdim, dstate)",
-                (*lead, rows, nheads, headdim, dstate))
-    check_array(api, "conv_weight", conv_weight, f"{lead_text}d_conv, conv_dim)", (*lead, d_conv, conv_dim))
-    if conv_bias is not None:
-        check_array(api, "conv_bias", conv_bias, f"{lead_text}conv_dim)", (*lead, conv_dim))
-    check_array(api, "A_log", A_log, f"{lead_text}nheads)", (*lead, nheads))
-    check_array(api, "dt_bias", dt_bias, f"{lead_text}nheads)", (*lead, nheads))
-    check_array(api, "D", D, f"{lead_text}nheads) or {lead_text}nheads, headdim)", (*lead, nheads),
-                (*lead, nheads, headdim))
+    d_ssm = sizes["nheads"] * sizes["headdim"]
     dt_limit = check_dt_limit(api, dt_limit)
     layer_index = _check_layer(api, layer, layers)
     arrays = (zxbcdt, conv_state, conv_weight, conv_bias, A_log, dt_bias, D, ssm_state)
