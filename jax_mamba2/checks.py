@@ -54,8 +54,10 @@ def check_seq_idx(api: str, seq_idx, batch: int, seqlen: int) -> None:
 def check_seq_idx_range(api: str, seq_idx) -> None:
     """A concrete `seq_idx` of a dtype that can hold ids int32 cannot (int64, uint32, ...) holds none: the ops
     and the kernels compare ids as int32, where such an id would wrap onto another sequence's and join the two.
-    Read on the host as given (converting to a JAX array first would already have wrapped them)."""
-    if not is_concrete(seq_idx) or np.can_cast(seq_idx.dtype, np.int32):
+    Read on the host as given (converting to a JAX array first would already have wrapped them); an array spread
+    over other hosts' devices cannot be read here and is not checked."""
+    if not is_concrete(seq_idx) or np.can_cast(seq_idx.dtype, np.int32) or \
+            not getattr(seq_idx, "is_fully_addressable", True):
         return
     ids = np.asarray(seq_idx)
     low, high = ids.min(), ids.max()

@@ -12,11 +12,11 @@ import numpy as np
 from flax import nnx
 
 from jax_mamba2 import backends
+from jax_mamba2 import cross_entropy as loss_op
 from jax_mamba2 import decode as decode_op
 from jax_mamba2 import norm as norm_op
 from jax_mamba2.checks import check_flag, float_dtype
 from jax_mamba2.flax_layers import _checks
-from jax_mamba2 import cross_entropy as loss_op
 from jax_mamba2.flax_layers.cache import Mamba2Cache, stack_layers, unstack_layers
 from jax_mamba2.flax_layers.config import Mamba2Config
 from jax_mamba2.flax_layers.initializers import torch_uniform
