@@ -195,12 +195,12 @@ case $part in
     step norm_gpu_tests 90 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider tests/kernels/test_rms_norm_gpu.py
     ;;
   lm-tests)  # the GPU tests of the model around the kernels: the LM (its layer loop's compiled step included), its
-    # loss's softmax kernels, the conv, the decode ops and the fused decode step (about 5 minutes on a fresh machine,
-    # in 6 parallel processes: 8 ran two of the decode tests out of an H100's 80 GB)
+    # loss's softmax kernels, the norms, the conv, the decode ops and the fused decode step (about 6 minutes on a
+    # fresh machine, in 6 parallel processes: 8 ran two of the decode tests out of an H100's 80 GB)
     export JAX_MAMBA2_AUTOTUNE=0
     step lm_gpu_tests 540 python -m pytest -m gpu -q -rf -n 6 -p no:cacheprovider -o faulthandler_timeout=500 \
-      tests/flax_layers/test_lm_gpu.py tests/kernels/test_cross_entropy_gpu.py tests/test_conv1d_gpu.py \
-      tests/test_decode_ops_gpu.py tests/flax_layers/test_decode_gpu.py
+      tests/flax_layers/test_lm_gpu.py tests/kernels/test_cross_entropy_gpu.py tests/kernels/test_rms_norm_gpu.py \
+      tests/test_conv1d_gpu.py tests/test_decode_ops_gpu.py tests/flax_layers/test_decode_gpu.py
     ;;
   decode)  # the decode ops: their GPU tests, every plan and config timed outside JAX, the LM's token step at batches
     # 1-256 against mamba_ssm's with a profile (about 9 minutes)
