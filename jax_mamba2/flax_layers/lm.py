@@ -199,6 +199,9 @@ class Mamba2LMHeadModel(nnx.Module):
         vocab = config.padded_vocab_size
         self.embedding = nnx.Embed(vocab, config.d_model, dtype=dtype, param_dtype=param_dtype,
                                    embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        # nnx.Embed fixes a None dtype to its table's at construction; None here follows the table as it is at each
+        # call, as the layers' None does (a model whose parameters `cast_params` converted computes in their dtype).
+        self.embedding.dtype = dtype
 
         @nnx.split_rngs(splits=config.n_layer)
         @nnx.vmap(in_axes=(0,), out_axes=0)

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_mamba2.checks import float_dtype
+
 
 def cast_params(model: nnx.Module, dtype) -> nnx.Module:
     """A copy of `model` whose floating-point `nnx.Param`s are in `dtype`; other state is shared.
@@ -26,14 +28,16 @@ def cast_params(model: nnx.Module, dtype) -> nnx.Module:
       A new module of the same structure; `model` itself is not modified.
 
     Raises:
-      TypeError: if `dtype` is not a floating dtype.
+      TypeError: if `model` is not an NNX module, or `dtype` not one of bfloat16, float16, float32, float64 (the
+        dtypes the ops take).
 
     Example:
       >>> model = Mamba2LMHeadModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))  # doctest: +SKIP
       >>> tokens = generate(cast_params(model, jnp.bfloat16), prompt_ids, 64)      # doctest: +SKIP
     """
-    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-        raise TypeError(f"cast_params: dtype={dtype!r} must be a floating dtype such as jnp.bfloat16")
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"cast_params: model must be an nnx.Module, got {type(model).__name__}")
+    dtype = float_dtype("cast_params", "dtype", dtype)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def cast(leaf):

@@ -63,6 +63,9 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, *, data_axis: str = 
         raise TypeError(f"shard_model: model must be an nnx.Module, got {type(model).__name__}")
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"shard_model: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    for name, axis in (("data_axis", data_axis), ("model_axis", model_axis)):
+        if not isinstance(axis, str):
+            raise TypeError(f"shard_model: {name}={axis!r} must be the name of a mesh axis (a str)")
     if data_axis == model_axis:
         raise ValueError(f"shard_model: data_axis and model_axis must be different mesh axes; both are "
                          f"{data_axis!r}")
@@ -74,12 +77,13 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, *, data_axis: str = 
             raise ValueError(f"shard_model: mesh axis {axis!r} has type {axis_types[axis]}; it must be "
                              "AxisType.Auto (the mixers place their collectives themselves)")
     size = mesh.shape[model_axis]
+    mixers = [(path, module) for path, module in nnx.iter_modules(model) if isinstance(module, Mamba2)]
+    for _, mixer in mixers:  # every mixer checked before any is changed
+        _check_splittable(mixer, size)
     mixer_paths = []
-    for path, module in nnx.iter_modules(model):
-        if isinstance(module, Mamba2):
-            _check_splittable(module, size)
-            module.mesh_axes = MeshAxes(mesh, data_axis, model_axis if size > 1 else None)
-            mixer_paths.append(tuple(str(p) for p in path))
+    for path, mixer in mixers:
+        mixer.mesh_axes = MeshAxes(mesh, data_axis, model_axis if size > 1 else None)
+        mixer_paths.append(tuple(str(p) for p in path))
     for path, module in nnx.iter_modules(model):  # the norms outside the mixers run per shard of their rows
         if isinstance(module, RMSNorm) and not any(tuple(str(p) for p in path)[:len(prefix)] == prefix
                                                    for prefix in mixer_paths):

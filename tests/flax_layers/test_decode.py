@@ -93,9 +93,27 @@ def test_float32_parameters_under_bf16_compute_convert_once_with_cast_params():
     assert cast.init_cache(BATCH).ssm_state.dtype == jnp.bfloat16
 
 
-def test_cast_params_rejects_a_non_floating_dtype():
-    with pytest.raises(TypeError, match=r"cast_params: dtype=.*int32.* must be a floating dtype"):
-        cast_params(_model(), jnp.int32)
+def test_cast_params_rejects_what_the_ops_could_not_run():
+    for dtype in (jnp.int32, jnp.float8_e4m3fn, "foo"):
+        with pytest.raises(TypeError, match=r"cast_params: dtype=.* must be"):
+            cast_params(_model(), dtype)
+    with pytest.raises(TypeError, match=r"cast_params: dtype=None must be one of bfloat16, float16, float32, float64"):
+        cast_params(_model(), None)
+    with pytest.raises(TypeError, match=r"cast_params: model must be an nnx.Module, got dict"):
+        cast_params({"a": jnp.ones(2)}, jnp.bfloat16)
+
+
+def test_a_model_without_a_compute_dtype_computes_in_its_cast_parameters_dtype():
+    """dtype=None infers the computation dtype from the parameters, the embedding's lookup included: cast to bf16,
+    the model computes as one built with bf16 parameters (the same weights) does."""
+    model = _model()  # float32 parameters, dtype None
+    cast = cast_params(model, jnp.bfloat16)
+    built = Mamba2LMHeadModel(model.config, backend="xla", param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    nnx.update(built, nnx.state(cast, nnx.Param))
+    ids = jax.random.randint(jax.random.key(3), (BATCH, 6), 0, model.config.vocab_size)
+    assert cast.embedding(ids).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(cast(ids), np.float32), np.asarray(built(ids), np.float32))
+    assert model(ids).dtype == jnp.float32  # the original keeps its float32 computation
 
 
 def test_load_pretrained_in_bf16_decodes_without_weight_conversions(tmp_path):

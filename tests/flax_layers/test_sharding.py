@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_mamba2.flax_layers import Mamba2LMHeadModel, generate, shard_model
+from jax_mamba2.flax_layers import Mamba2, Mamba2LMHeadModel, generate, shard_model
 from jax_mamba2.flax_layers.partition import HeadShard, Segment
 from tests.flax_layers._programs import walk
 
@@ -124,6 +124,23 @@ def test_shard_model_rejects_unsplittable_models(tiny_config, mesh):
     with pytest.raises(ValueError, match=r"shard_model: data_axis and model_axis must be different mesh axes; "
                                          r"both are 'model'"):
         shard_model(_model(tiny_config), mesh, data_axis="model", model_axis="model")
+
+
+def test_shard_model_checks_every_mixer_before_it_changes_any(mesh):
+    """A module whose second mixer the model axis cannot split is refused and left as it was: its first mixer is
+    not half-sharded."""
+    class Two(nnx.Module):
+        def __init__(self):
+            self.a = Mamba2(32, d_state=8, headdim=16, chunk_size=8, backend="xla", rngs=nnx.Rngs(0))  # 4 heads
+            self.b = Mamba2(32, d_state=8, headdim=32, chunk_size=8, backend="xla", rngs=nnx.Rngs(1))  # 2 heads
+
+    two = Two()
+    with pytest.raises(ValueError, match=r"shard_model: nheads=2 and d_model=32 must be divisible by"):
+        shard_model(two, mesh)
+    assert two.a.mesh_axes is None and two.b.mesh_axes is None
+    assert two.a(jnp.ones((3, 8, 32))).shape == (3, 8, 32)  # still a one-device layer: any batch
+    with pytest.raises(TypeError, match=r"shard_model: data_axis=\['model'\] must be the name of a mesh axis"):
+        shard_model(two, mesh, data_axis=["model"])
 
 
 def test_a_sharded_model_names_a_batch_the_data_axis_does_not_split(tiny_config, mesh):
