@@ -105,9 +105,11 @@ def is_int(value) -> bool:
 def check_positive_float(api: str, name: str, value) -> float:
     """`value` is a positive finite number: a Python or NumPy int or float, or a concrete 0-d array of a real dtype
     (not a bool); returns it as a Python float. TypeError for anything else, ValueError out of range."""
-    if getattr(value, "shape", None) == () and not isinstance(value, jax.core.Tracer) and \
-            np.issubdtype(value.dtype, np.number) and not np.issubdtype(value.dtype, np.complexfloating):
-        value = value.item()  # a 0-d NumPy or JAX array
+    if getattr(value, "shape", None) == () and not isinstance(value, jax.core.Tracer):  # a 0-d NumPy or JAX array
+        if jnp.issubdtype(value.dtype, jnp.floating):  # bfloat16 too, which NumPy's number types leave out
+            value = float(value)
+        elif jnp.issubdtype(value.dtype, jnp.integer):
+            value = int(value)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{api}: {name}={value!r} must be a positive finite float")
     if not 0 < value < math.inf:

@@ -219,8 +219,7 @@ def _check_z_source(api: str, x, z, z_kept_in) -> None:
     if tuple(source.shape[:-1]) != tuple(x.shape[:-1]) or source.dtype != z.dtype:
         raise ValueError(f"{api}: z_kept_in[0] has shape {tuple(source.shape)} and dtype {source.dtype}; it must be "
                          f"(*x.shape[:-1], columns)={(*x.shape[:-1], 'columns')} in z's dtype {z.dtype}")
-    if not is_int(offset) or not (
-            0 <= offset and offset + features <= source.shape[-1]):
+    if not is_int(offset) or not 0 <= offset <= source.shape[-1] - features:
         raise ValueError(f"{api}: z_kept_in[1]={offset!r} must be an int with 0 <= offset and offset + "
                          f"features={features} <= columns={source.shape[-1]}")
 

@@ -96,6 +96,9 @@ def test_eps_as_a_concrete_scalar_array_is_the_same_number():
     want = jax_mamba2.rms_norm(X, W, Z, eps=1e-5, backend="xla")
     for eps in (np.float32(1e-5), jnp.float32(1e-5), np.array(1e-5)):
         np.testing.assert_array_equal(jax_mamba2.rms_norm(X, W, Z, eps=eps, backend="xla"), want)
+    bf16 = jnp.bfloat16(1e-5)  # a dtype NumPy's number types leave out
+    np.testing.assert_array_equal(jax_mamba2.rms_norm(X, W, Z, eps=bf16, backend="xla"),
+                                  jax_mamba2.rms_norm(X, W, Z, eps=float(bf16), backend="xla"))
 
 
 @pytest.mark.parametrize("call,error,message", [

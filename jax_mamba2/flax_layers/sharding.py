@@ -80,10 +80,9 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, *, data_axis: str = 
     mixers = [(path, module) for path, module in nnx.iter_modules(model) if isinstance(module, Mamba2)]
     for _, mixer in mixers:  # every mixer checked before any is changed
         _check_splittable(mixer, size)
-    mixer_paths = []
-    for path, mixer in mixers:
+    for _, mixer in mixers:
         mixer.mesh_axes = MeshAxes(mesh, data_axis, model_axis if size > 1 else None)
-        mixer_paths.append(tuple(str(p) for p in path))
+    mixer_paths = [tuple(str(p) for p in path) for path, _ in mixers]
     for path, module in nnx.iter_modules(model):  # the norms outside the mixers run per shard of their rows
         if isinstance(module, RMSNorm) and not any(tuple(str(p) for p in path)[:len(prefix)] == prefix
                                                    for prefix in mixer_paths):
