@@ -22,7 +22,8 @@ import jax.numpy as jnp
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import conv1d_reference
-from jax_mamba2.checks import check_array, check_flag, check_ndim, check_seq_idx, check_seq_idx_order, is_int
+from jax_mamba2.checks import (check_array, check_flag, check_int, check_ndim, check_seq_idx, check_seq_idx_order,
+                               is_int)
 
 OP = "causal_conv1d"
 ACTIVATIONS = ("silu", None)
@@ -194,13 +195,15 @@ def _check_layout(x, kernel, channel_offset, split) -> tuple[int, int, tuple[int
         raise ValueError(f"{_SPLIT_API}: kernel.shape={getattr(kernel, 'shape', None)} must be (d_conv, channels) "
                          f"with d_conv >= 1")
     channels, width = kernel.shape[1], x.shape[-1]
-    if not is_int(channel_offset) or not 0 <= channel_offset <= width - channels:
-        raise ValueError(f"{_SPLIT_API}: channel_offset={channel_offset!r} must be an int in [0, x.shape[-1] - "
-                         f"channels]=[0, {width - channels}] (x.shape[-1]={width}, channels={channels})")
-    if (not isinstance(split, tuple) or not 1 <= len(split) <= MAX_PIECES
-            or not all(is_int(w) and w >= 1 for w in split) or sum(split) != channels):
-        raise ValueError(f"{_SPLIT_API}: split={split!r} must be a tuple of 1 to {MAX_PIECES} positive ints "
-                         f"summing to channels={channels}")
+    requirement = (f"an int in [0, x.shape[-1] - channels]=[0, {width - channels}] (x.shape[-1]={width}, "
+                   f"channels={channels})")
+    if check_int(_SPLIT_API, "channel_offset", channel_offset, requirement, minimum=0) > width - channels:
+        raise ValueError(f"{_SPLIT_API}: channel_offset={channel_offset!r} must be {requirement}")
+    requirement = f"a tuple of 1 to {MAX_PIECES} positive ints summing to channels={channels}"
+    if not isinstance(split, tuple) or not all(is_int(w) for w in split):
+        raise TypeError(f"{_SPLIT_API}: split={split!r} must be {requirement}")
+    if not 1 <= len(split) <= MAX_PIECES or not all(w >= 1 for w in split) or sum(split) != channels:
+        raise ValueError(f"{_SPLIT_API}: split={split!r} must be {requirement}")
     return channels, int(channel_offset), tuple(int(w) for w in split)
 
 

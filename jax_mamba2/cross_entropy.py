@@ -40,7 +40,7 @@ import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2._vma import reduce_to_primal_axes, varying_axes
-from jax_mamba2.checks import check_float, float_dtype, is_int
+from jax_mamba2.checks import check_float, check_int, float_dtype, is_int
 
 OP = "cross_entropy"
 # The head's vocabulary is padded (zero weight rows, columns outside the softmax) to a multiple of this once per
@@ -379,11 +379,10 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
         raise ValueError(f"{api}: {name}.shape={tuple(weight.shape)} must be {want} with d=hidden.shape[-1]={d}")
     padded_vocab = weight.shape[0 if embedding is not None else 1]
     vocab_size = padded_vocab if vocab_size is None else vocab_size
-    if not is_int(vocab_size) or not 1 <= vocab_size <= padded_vocab:
-        raise ValueError(f"{api}: vocab_size={vocab_size!r} must be an int in [1, {padded_vocab}] (the weight's "
-                         f"vocabulary)")
-    if not is_int(chunk_tokens) or chunk_tokens < 1:
-        raise ValueError(f"{api}: chunk_tokens={chunk_tokens!r} must be a positive int")
+    requirement = f"an int in [1, {padded_vocab}] (the weight's vocabulary)"
+    if check_int(api, "vocab_size", vocab_size, requirement) > padded_vocab:
+        raise ValueError(f"{api}: vocab_size={vocab_size!r} must be {requirement}")
+    check_int(api, "chunk_tokens", chunk_tokens)
     check_ignore_index(api, ignore_index)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f'{api}: reduction={reduction!r} must be "mean", "sum" or "none"')

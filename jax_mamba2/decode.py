@@ -39,7 +39,7 @@ import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import decode_reference as reference
-from jax_mamba2.checks import check_array, check_dt_limit, check_flag, check_positive_float, float_dtype, is_int
+from jax_mamba2.checks import check_array, check_dt_limit, check_flag, check_int, check_positive_float, float_dtype
 
 OP = "decode"
 
@@ -169,13 +169,13 @@ def _check_projection(api, x, weight, norm_weight, residual, residual_dtype, z, 
         check_array(api, "z", z)
         if norm_weight is None:
             raise ValueError(f"{api}: z gates the norm and needs norm_weight")
-        if (len(z.shape) != 2 or z.shape[0] != rows or not is_int(z_offset)
-                or z_offset < 0 or z_offset + features > z.shape[1]):
+        check_int(api, "z_offset", z_offset, "a non-negative int", minimum=0)
+        if len(z.shape) != 2 or z.shape[0] != rows or z_offset + features > z.shape[1]:
             raise ValueError(f"{api}: z.shape={tuple(z.shape)} with z_offset={z_offset!r} must be (rows={rows}, "
                              f">= z_offset + {features}) with an int z_offset >= 0")
     if group_size is None:
         group_size = features
-    elif not is_int(group_size) or group_size < 1 or features % group_size:
+    elif features % check_int(api, "group_size", group_size, f"a positive divisor of features={features}"):
         raise ValueError(f"{api}: group_size={group_size!r} must be a positive divisor of features={features}")
     if bias is not None:
         check_array(api, "bias", bias, f"{lead_text}out_features)", (*lead, out_features))
@@ -350,9 +350,8 @@ def _check_mixer(api, zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_l
     sizes = dict(nheads=nheads, headdim=headdim, ngroups=ngroups, dstate=dstate, xbc_offset=xbc_offset,
                  dt_offset=dt_offset)
     for name, value in sizes.items():
-        if not is_int(value) or value < (0 if name.endswith("offset") else 1):
-            kind = "non-negative" if "offset" in name else "positive"
-            raise ValueError(f"{api}: {name}={value!r} must be a {kind} int")
+        offset = name.endswith("offset")
+        check_int(api, name, value, f"a {'non-negative' if offset else 'positive'} int", minimum=0 if offset else 1)
     if nheads % ngroups:
         raise ValueError(f"{api}: nheads={nheads} must be a multiple of ngroups={ngroups}")
     d_ssm = nheads * headdim
@@ -363,23 +362,23 @@ def _check_mixer(api, zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_l
     rows, in_width = zxbcdt.shape
     spans = {"xBC": (xbc_offset, conv_dim), "dt": (dt_offset, nheads)}
     if z_offset is not None:
-        if not is_int(z_offset) or z_offset < 0:
-            raise ValueError(f"{api}: z_offset={z_offset!r} must be None or a non-negative int")
+        check_int(api, "z_offset", z_offset, "None or a non-negative int", minimum=0)
         spans["z"] = (z_offset, d_ssm)
     norm_before_gate = check_flag(api, "norm_before_gate", norm_before_gate)
     group_windows_apart = check_flag(api, "group_windows_apart", group_windows_apart)
     if group_windows_apart and layer is None:
         raise ValueError(f"{api}: group_windows_apart=True needs the stacks of a `layer`")
     if norm_z_offset is not None:
-        if not is_int(norm_z_offset) or norm_z_offset < 0 or z_offset is not None:
-            raise ValueError(f"{api}: norm_z_offset={norm_z_offset!r} must be None or a non-negative int, with no "
-                             f"gate in the step (z_offset=None)")
+        requirement = "None or a non-negative int, with no gate in the step (z_offset=None)"
+        check_int(api, "norm_z_offset", norm_z_offset, requirement, minimum=0)
+        if z_offset is not None:
+            raise ValueError(f"{api}: norm_z_offset={norm_z_offset!r} must be {requirement}")
         spans["the norm's z"] = (norm_z_offset, d_ssm)
         if norm_group_size is None:
             norm_group_size = d_ssm
-        if not is_int(norm_group_size) or norm_group_size < 1 or norm_group_size % headdim or d_ssm % norm_group_size:
-            raise ValueError(f"{api}: norm_group_size={norm_group_size!r} must be a multiple of headdim={headdim} "
-                             f"dividing nheads * headdim={d_ssm}")
+        requirement = f"a multiple of headdim={headdim} dividing nheads * headdim={d_ssm}"
+        if check_int(api, "norm_group_size", norm_group_size, requirement) % headdim or d_ssm % norm_group_size:
+            raise ValueError(f"{api}: norm_group_size={norm_group_size!r} must be {requirement}")
     elif norm_group_size is not None or norm_before_gate:
         raise ValueError(f"{api}: norm_group_size and norm_before_gate describe the norm of norm_z_offset, which is "
                          f"None")

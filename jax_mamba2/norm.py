@@ -23,7 +23,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import norm_reference as reference
-from jax_mamba2.checks import check_array, check_flag, check_positive_float, float_dtype, is_int
+from jax_mamba2.checks import check_array, check_flag, check_int, check_positive_float, float_dtype, is_int
 
 OP = "rms_norm"
 
@@ -219,9 +219,9 @@ def _check_z_source(api: str, x, z, z_kept_in) -> None:
     if tuple(source.shape[:-1]) != tuple(x.shape[:-1]) or source.dtype != z.dtype:
         raise ValueError(f"{api}: z_kept_in[0] has shape {tuple(source.shape)} and dtype {source.dtype}; it must be "
                          f"(*x.shape[:-1], columns)={(*x.shape[:-1], 'columns')} in z's dtype {z.dtype}")
-    if not is_int(offset) or not 0 <= offset <= source.shape[-1] - features:
-        raise ValueError(f"{api}: z_kept_in[1]={offset!r} must be an int with 0 <= offset and offset + "
-                         f"features={features} <= columns={source.shape[-1]}")
+    requirement = f"an int with 0 <= offset and offset + features={features} <= columns={source.shape[-1]}"
+    if check_int(api, "z_kept_in[1]", offset, requirement, minimum=0) > source.shape[-1] - features:
+        raise ValueError(f"{api}: z_kept_in[1]={offset!r} must be {requirement}")
 
 
 def add_rms_norm(x, residual, weight, *, eps: float = 1e-5, residual_dtype=None, out_dtype=None,

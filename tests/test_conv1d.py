@@ -292,21 +292,26 @@ def _check_split(args, fn, tolerance=TOLERANCE, **options):
         np.testing.assert_array_equal(around[1], source[..., _OFFSET + x.shape[-1]:])
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(channel_offset=28), r"channel_offset=28 must be an int in \[0, x.shape\[-1\] - channels\]=\[0, 27\]"),
-    (dict(channel_offset=-1), r"channel_offset=-1 must be an int"),
-    (dict(split=(16, 4)), r"split=\(16, 4\) must be a tuple of 1 to 3 positive ints summing to channels=24"),
-    (dict(split=[16, 4, 4]), r"split=\[16, 4, 4\] must be a tuple"),
-    (dict(split=(8, 8, 4, 4)), r"split=\(8, 8, 4, 4\) must be a tuple of 1 to 3"),
-    (dict(channel_offset=True), r"channel_offset=True must be an int"),
-    (dict(split=(True, 23)), r"split=\(True, 23\) must be a tuple"),
-    (dict(bias=jnp.zeros((51,))), r"causal_conv1d_silu_split: bias.shape=\(51,\) must be \(channels,\)=\(24,\)"),
-    (dict(initial_states=jnp.zeros((2, 51, 4))), r"causal_conv1d_silu_split: initial_states.shape=\(2, 51, 4\)"),
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(channel_offset=28), ValueError,
+     r"channel_offset=28 must be an int in \[0, x.shape\[-1\] - channels\]=\[0, 27\]"),
+    (dict(channel_offset=-1), ValueError, r"channel_offset=-1 must be an int"),
+    (dict(split=(16, 4)), ValueError,
+     r"split=\(16, 4\) must be a tuple of 1 to 3 positive ints summing to channels=24"),
+    (dict(split=[16, 4, 4]), TypeError, r"split=\[16, 4, 4\] must be a tuple"),
+    (dict(split=(8, 8, 4, 4)), ValueError, r"split=\(8, 8, 4, 4\) must be a tuple of 1 to 3"),
+    (dict(channel_offset=True), TypeError, r"channel_offset=True must be an int"),
+    (dict(split=(True, 23)), TypeError, r"split=\(True, 23\) must be a tuple"),
+    (dict(bias=jnp.zeros((51,))), ValueError,
+     r"causal_conv1d_silu_split: bias.shape=\(51,\) must be \(channels,\)=\(24,\)"),
+    (dict(initial_states=jnp.zeros((2, 51, 4))), ValueError,
+     r"causal_conv1d_silu_split: initial_states.shape=\(2, 51, 4\)"),
 ])
-def test_split_invalid_arguments_raise_naming_them(kwargs, message):
+def test_split_invalid_arguments_raise_naming_them(kwargs, error, message):
+    """TypeError for a layout of the wrong type (a list, a bool), ValueError for one that does not fit."""
     args = dict(channel_offset=_OFFSET, split=_SPLIT, bias=None)
     args.update(kwargs)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         conv1d.causal_conv1d_silu_split(jnp.zeros((2, 5, _WIDTH)), jnp.zeros((4, 24)), args.pop("bias"), **args)
 
 

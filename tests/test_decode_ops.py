@@ -254,6 +254,8 @@ def test_norm_project_checks_name_the_argument(change, error, message):
 @pytest.mark.parametrize("change, error, message", [
     (dict(nheads=6), ValueError, "nheads=6 must be a multiple of ngroups=4"),
     (dict(headdim=0), ValueError, "headdim=0 must be a positive int"),
+    (dict(headdim=32.0), TypeError, "headdim=32.0 must be a positive int"),
+    (dict(z_offset=1.5), TypeError, "z_offset=1.5 must be None or a non-negative int"),
     (dict(dt_offset=10_000), ValueError, r"dt's columns \[10000, 10004\) must lie inside"),
     (dict(z_offset=-1), ValueError, "z_offset=-1"),
     (dict(dt_limit=(0.5, 0.1)), ValueError, "dt_limit"),

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_mamba2.checks import check_seq_idx_order, check_seq_idx_range, float_dtype, is_int
+from jax_mamba2.checks import check_seq_idx_order, check_seq_idx_range, float_dtype
 
 Axes = tuple[tuple[str, int | None], ...]
 
@@ -82,14 +82,6 @@ def check_rngs(api: str, rngs) -> None:
     """`rngs` is an `nnx.Rngs` (a bare key or seed would fail inside flax's initializers, naming nothing)."""
     if not isinstance(rngs, nnx.Rngs):
         raise TypeError(f"{api}: rngs must be an nnx.Rngs, e.g. nnx.Rngs(0); got {type(rngs).__name__}")
-
-
-def check_positive_int(api: str, name: str, value) -> None:
-    """Raises TypeError for a non-integer (bool included), ValueError for an integer < 1."""
-    if not is_int(value):
-        raise TypeError(f"{api}: {name}={value!r} must be a positive int")
-    if value < 1:
-        raise ValueError(f"{api}: {name}={value!r} must be a positive int")
 
 
 def check_float_dtype(api: str, name: str, dtype) -> None:

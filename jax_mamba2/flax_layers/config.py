@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from flax.core import FrozenDict
 
-from jax_mamba2.checks import check_dt_limit, check_flag, is_int
+from jax_mamba2.checks import check_dt_limit, check_flag, check_int
 from jax_mamba2.flax_layers.mixer_options import check_mixer_options
 
 # Keyword arguments of `Mamba2.__init__` that may appear in `ssm_cfg` (all but d_model and the dtype/backend
@@ -93,9 +93,7 @@ def _require_keys(config: Mapping[str, Any], keys: Sequence[str], api: str) -> N
 def _require_positive_ints(config: Mapping[str, Any], keys: Sequence[str], api: str) -> None:
     """Each of `keys` that `config` has must be a positive int (checked before sizes are multiplied)."""
     for key in keys:
-        value = config.get(key, 1)
-        if not is_int(value) or value < 1:
-            raise ValueError(f"{api}: {key}={value!r} must be a positive int")
+        check_int(api, key, config.get(key, 1))
 
 
 def _require_bools(config: Mapping[str, Any], keys: Sequence[str], api: str) -> None:
@@ -165,10 +163,7 @@ class Mamba2Config:
 
     def __post_init__(self):
         for name in ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                raise ValueError(f"Mamba2Config: {name}={value!r} must be a positive int")
-            object.__setattr__(self, name, int(value))
+            object.__setattr__(self, name, check_int("Mamba2Config", name, getattr(self, name)))
         if not isinstance(self.ssm_cfg, Mapping):
             raise TypeError(f"Mamba2Config: ssm_cfg={self.ssm_cfg!r} must be a mapping of Mamba2 options (a JSON "
                             "object)")

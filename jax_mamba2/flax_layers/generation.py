@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_mamba2.checks import is_int
+from jax_mamba2.checks import check_int, is_int
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers import sampling as sampling_rule
 from jax_mamba2.flax_layers.cache import unstack_layers
@@ -112,11 +112,7 @@ def _prepare(api: str, model, prompt_ids, max_new_tokens, *, temperature, top_k,
     if not isinstance(model, Mamba2LMHeadModel):
         raise TypeError(f"{api}: model must be a Mamba2LMHeadModel, got {type(model).__name__}")
     vocab_size = model.config.vocab_size
-    if not is_int(max_new_tokens):
-        raise TypeError(f"{api}: max_new_tokens={max_new_tokens!r} must be a positive int")
-    if max_new_tokens < 1:
-        raise ValueError(f"{api}: max_new_tokens={max_new_tokens!r} must be a positive int")
-    max_new_tokens = int(max_new_tokens)
+    max_new_tokens = check_int(api, "max_new_tokens", max_new_tokens)
     if not hasattr(prompt_ids, "dtype"):  # a nested list of ids
         try:
             prompt_ids = np.asarray(prompt_ids)

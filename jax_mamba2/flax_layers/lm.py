@@ -15,7 +15,7 @@ from jax_mamba2 import backends
 from jax_mamba2 import cross_entropy as loss_op
 from jax_mamba2 import decode as decode_op
 from jax_mamba2 import norm as norm_op
-from jax_mamba2.checks import check_flag, float_dtype
+from jax_mamba2.checks import check_flag, check_int, float_dtype
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers.cache import Mamba2Cache, stack_layers, unstack_layers
 from jax_mamba2.flax_layers.config import Mamba2Config
@@ -389,7 +389,7 @@ class Mamba2LMHeadModel(nnx.Module):
     def init_cache(self, batch_size: int, dtype=None) -> Mamba2Cache:
         """Zero decode state of all layers: conv_state (n_layer, batch, conv_dim, d_conv), ssm_state
         (n_layer, batch, nheads, headdim, d_state); dtype as in `Mamba2.init_cache`."""
-        _checks.check_positive_int("Mamba2LMHeadModel.init_cache", "batch_size", batch_size)
+        check_int("Mamba2LMHeadModel.init_cache", "batch_size", batch_size)
         _checks.check_float_dtype("Mamba2LMHeadModel.init_cache", "dtype", dtype)
         per_layer = self.layers.mixer.init_cache(batch_size, dtype)
         return jax.tree.map(lambda a: jnp.zeros((self.config.n_layer, *a.shape), a.dtype), per_layer)

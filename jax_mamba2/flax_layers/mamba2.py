@@ -24,7 +24,7 @@ from jax_mamba2 import backends
 from jax_mamba2 import conv1d as conv_op
 from jax_mamba2 import decode as decode_op
 from jax_mamba2 import norm as norm_op
-from jax_mamba2.checks import check_flag, float_dtype, is_int
+from jax_mamba2.checks import check_flag, check_int, float_dtype
 from jax_mamba2.conv1d import causal_conv1d_silu, causal_conv1d_silu_split
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers._tree import param_path
@@ -135,9 +135,7 @@ class Mamba2(nnx.Module):
                  deterministic_backward: bool = False, save_chunk_states: bool = False, check_finite: bool = True,
                  dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         _checks.check_rngs("Mamba2", rngs)
-        if not is_int(d_model) or d_model < 1:
-            raise ValueError(f"Mamba2: d_model={d_model!r} must be a positive int")
-        d_model = int(d_model)
+        d_model = check_int("Mamba2", "d_model", d_model)
         options, (d_inner, d_ssm, nheads) = check_mixer_options("Mamba2", d_model, dict(
             d_state=d_state, d_conv=d_conv, conv_init=conv_init, expand=expand, headdim=headdim, d_ssm=d_ssm,
             ngroups=ngroups, A_init_range=A_init_range, D_has_hdim=D_has_hdim, rmsnorm=rmsnorm,
@@ -274,7 +272,7 @@ class Mamba2(nnx.Module):
         Raises:
           TypeError, ValueError: for a batch_size that is not a positive int or a dtype that is not floating.
         """
-        _checks.check_positive_int("Mamba2.init_cache", "batch_size", batch_size)
+        check_int("Mamba2.init_cache", "batch_size", batch_size)
         _checks.check_float_dtype("Mamba2.init_cache", "dtype", dtype)
         conv_axes, ssm_axes = self.cache_axes(batch_size)
         conv_dtype, ssm_dtype = self._cache_dtypes(dtype)

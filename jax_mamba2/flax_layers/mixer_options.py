@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from numbers import Real
 from typing import NamedTuple
 
-from jax_mamba2.checks import check_dt_limit, check_flag, check_positive_float, is_int
+from jax_mamba2.checks import check_dt_limit, check_flag, check_int, check_positive_float
 from jax_mamba2.flax_layers import _checks
 
 
@@ -46,10 +46,7 @@ def check_mixer_options(api: str, d_model: int, options: Mapping, names: Mapping
 
     options = dict(options)
     for name in ("d_state", "d_conv", "expand", "headdim", "ngroups", "chunk_size"):
-        value = options[name]
-        if not is_int(value) or value < 1:
-            raise ValueError(f"{api}: {label(name)}={value!r} must be a positive int")
-        options[name] = int(value)
+        options[name] = check_int(api, label(name), options[name])
     for name in ("D_has_hdim", "rmsnorm", "norm_before_gate", "bias", "conv_bias"):
         options[name] = check_flag(api, label(name), options[name])
     options["norm_eps"] = check_positive_float(api, label("norm_eps"), options["norm_eps"])
@@ -59,10 +56,10 @@ def check_mixer_options(api: str, d_model: int, options: Mapping, names: Mapping
     if options["d_ssm"] is None and d_inner % headdim:
         raise ValueError(f"{api}: {label('headdim')}={headdim} must divide d_inner={label('expand')}*d_model="
                          f"{d_inner}")
-    if not is_int(d_ssm) or not 0 < d_ssm <= d_inner or d_ssm % headdim:
-        raise ValueError(f"{api}: {label('d_ssm')}={d_ssm!r} must be a positive multiple of {label('headdim')}="
-                         f"{headdim} and at most d_inner=expand*d_model={d_inner}")
-    d_ssm = int(d_ssm)
+    requirement = f"a positive multiple of {label('headdim')}={headdim} and at most d_inner=expand*d_model={d_inner}"
+    d_ssm = check_int(api, label("d_ssm"), d_ssm, requirement)
+    if d_ssm > d_inner or d_ssm % headdim:
+        raise ValueError(f"{api}: {label('d_ssm')}={d_ssm!r} must be {requirement}")
     nheads = d_ssm // headdim
     if nheads % ngroups:
         raise ValueError(f"{api}: nheads=d_ssm//headdim={nheads} must be divisible by {label('ngroups')}={ngroups}")

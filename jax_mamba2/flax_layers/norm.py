@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_mamba2 import backends
 from jax_mamba2 import norm as norm_op
-from jax_mamba2.checks import check_flag, check_positive_float, float_dtype
+from jax_mamba2.checks import check_flag, check_int, check_positive_float, float_dtype
 from jax_mamba2.flax_layers import _checks
 
 
@@ -36,9 +36,9 @@ class RMSNorm(nnx.Module):
                  norm_before_gate: bool = False, backend: str = "auto", dtype=None, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         _checks.check_rngs("RMSNorm", rngs)  # (unused: the scale starts at ones)
-        _checks.check_positive_int("RMSNorm", "features", features)
+        check_int("RMSNorm", "features", features)
         if group_size is not None:
-            _checks.check_positive_int("RMSNorm", "group_size", group_size)
+            check_int("RMSNorm", "group_size", group_size)
             if features % group_size:
                 raise ValueError(f"RMSNorm: group_size={group_size} must be a positive divisor of {features=}")
         eps = check_positive_float("RMSNorm", "eps", eps)

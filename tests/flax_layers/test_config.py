@@ -51,7 +51,6 @@ def test_config_from_mamba_ssm_and_from_hf_describe_the_same_model():
     (dict(ssm_cfg={"layer": "Mamba1"}), r"Mamba2Config: ssm_cfg\['layer'\]='Mamba1' must be 'Mamba2'"),
     (dict(d_intermediate=128), r"Mamba2Config: d_intermediate=128 must be 0"),
     (dict(n_layer=0), r"Mamba2Config: n_layer=0 must be a positive int"),
-    (dict(n_layer=True), r"Mamba2Config: n_layer=True must be a positive int"),
     (dict(ssm_cfg={"dt_limit": ["inf", "inf"]}), r"Mamba2Config: ssm_cfg\['dt_limit'\]=\['inf', 'inf'\] must satisfy "
      r"0 <= min <= max with min finite"),
     (dict(rms_norm=False), r"Mamba2Config: rms_norm=False must be True"),
@@ -63,10 +62,20 @@ def test_config_rejects_bad_fields(changes, message):
         mamba2_130m(**changes)
 
 
+@pytest.mark.parametrize("changes, message", [
+    (dict(n_layer=True), r"Mamba2Config: n_layer=True must be a positive int"),
+    (dict(vocab_size=50277.0), r"Mamba2Config: vocab_size=50277.0 must be a positive int"),
+    (dict(ssm_cfg={"layer": "Mamba2", "headdim": "16"}),
+     r"Mamba2Config: ssm_cfg\['headdim'\]='16' must be a positive int"),
+])
+def test_config_rejects_sizes_that_are_not_ints_with_a_type_error(changes, message):
+    with pytest.raises(TypeError, match=message):
+        mamba2_130m(**changes)
+
+
 @pytest.mark.parametrize("ssm_cfg, message", [
     (dict(d_state=-1), r"ssm_cfg\['d_state'\]=-1 must be a positive int"),
     (dict(expand=0), r"ssm_cfg\['expand'\]=0 must be a positive int"),
-    (dict(headdim="16"), r"ssm_cfg\['headdim'\]='16' must be a positive int"),
     (dict(headdim=100), r"ssm_cfg\['headdim'\]=100 must divide d_inner=ssm_cfg\['expand'\]\*d_model=1536"),
     (dict(ngroups=5), r"nheads=d_ssm//headdim=24 must be divisible by ssm_cfg\['ngroups'\]=5"),
     (dict(chunk_size=100), r"ssm_cfg\['chunk_size'\]=100 must be a power of two"),
@@ -122,10 +131,10 @@ def test_config_from_dicts_rejects_what_is_not_one_and_infinite_time_steps():
         Mamba2Config.from_hf({**HF_130M, "time_step_max": float("inf")})
 
 
-@pytest.mark.parametrize("key, value", [("hidden_size", "32"), ("num_heads", 24.0), ("expand", True),
-                                        ("unpadded_vocab_size", 0)])
-def test_config_from_hf_rejects_sizes_that_are_not_positive_ints(key, value):
-    with pytest.raises(ValueError, match=rf"Mamba2Config.from_hf: {key}={value!r} must be a positive int"):
+@pytest.mark.parametrize("key, value, error", [("hidden_size", "32", TypeError), ("num_heads", 24.0, TypeError),
+                                               ("expand", True, TypeError), ("unpadded_vocab_size", 0, ValueError)])
+def test_config_from_hf_rejects_sizes_that_are_not_positive_ints(key, value, error):
+    with pytest.raises(error, match=rf"Mamba2Config.from_hf: {key}={value!r} must be a positive int"):
         Mamba2Config.from_hf({**HF_130M, key: value})
 
 

@@ -267,6 +267,8 @@ def test_compiled_peak_memory_is_a_fraction_of_the_plain_loss():
     (dict(embedding=jnp.ones((40, 8))), ValueError, r"embedding.shape=\(40, 8\) must be \(vocab, d\)"),
     (dict(head_weight=jnp.ones((16, 40)), vocab_size=41), ValueError, r"vocab_size=41 must be an int in \[1, 40\]"),
     (dict(head_weight=jnp.ones((16, 40)), chunk_tokens=0), ValueError, r"chunk_tokens=0 must be a positive int"),
+    (dict(head_weight=jnp.ones((16, 40)), chunk_tokens=512.0), TypeError, r"chunk_tokens=512.0 must be a positive int"),
+    (dict(head_weight=jnp.ones((16, 40)), vocab_size="40"), TypeError, r"vocab_size='40' must be an int in \[1, 40\]"),
     (dict(head_weight=jnp.ones((16, 40), jnp.int32)), TypeError, r"head_weight.dtype=int32 must be one of bfloat16"),
     (dict(head_weight=jnp.ones((16, 40), jnp.float8_e4m3fn)), TypeError,
      r"head_weight.dtype=float8_e4m3fn must be one of bfloat16, float16, float32, float64"),
