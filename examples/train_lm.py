@@ -19,6 +19,7 @@ HF-format config.json + model.safetensors, which examples/generate.py --model-di
 """
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import sys
@@ -186,6 +187,27 @@ def check_shape_flags(metrics_file: pathlib.Path, args, checkpoint: str) -> None
                          f"flags of the run that wrote it: {flags}")
 
 
+# The flags the learning-rate schedule is a function of (`learning_rate_schedule`).
+SCHEDULE_FLAGS = ("steps", "lr")
+
+
+def schedule_change(metrics_file: pathlib.Path, args, step: int) -> str | None:
+    """Where a resumed run's SCHEDULE_FLAGS differ from those of the run that wrote `metrics_file`, a line saying so
+    and what it does to the learning rate at `step`, the first step trained now (a longer --steps stretches the
+    cosine, so the rate jumps back up); None where they agree or no file says."""
+    if not metrics_file.is_file():
+        return None
+    written = json.loads(metrics_file.read_text()).get("args", {})
+    differ = [name for name in SCHEDULE_FLAGS if name in written and written[name] != getattr(args, name)]
+    if not differ:
+        return None
+    before = argparse.Namespace(**{**vars(args), **{name: written[name] for name in differ}})
+    flags = ", ".join(f"--{name} {getattr(args, name)} (the earlier run's {written[name]})" for name in differ)
+    return (f"--resume: {flags} changes the learning-rate schedule: the rate at step {step} is "
+            f"{float(learning_rate_schedule(args)(step)):.3g}, where the earlier run's would be "
+            f"{float(learning_rate_schedule(before)(step)):.3g}")
+
+
 def resumed_history(metrics_file: pathlib.Path, step: int) -> dict:
     """The loss history of an earlier run up to `step` (as of that run's last checkpoint)."""
     if not metrics_file.is_file():
@@ -309,6 +331,9 @@ def train(args, out: pathlib.Path, manager: ocp.CheckpointManager) -> int:
                              "model; resume with the model flags of the run that wrote it (--d-model, --layers, "
                              f"--d-state, --headdim). Orbax said: {str(e).strip().splitlines()[0]}") from None
         history = resumed_history(out / "metrics.json", start)
+        note = schedule_change(out / "metrics.json", args, start)
+        if note:
+            print(note)
         print(f"resumed from step {start}" + (f", at or past --steps={args.steps}: nothing left to train"
                                               if start >= args.steps else ""))
 

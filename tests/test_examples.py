@@ -58,6 +58,9 @@ def test_train_lm_trains_checkpoints_restores_and_samples(trained_lm):
     if ON_CPU:
         assert "SSD backend: xla (auto: " in stdout
     assert "resumed from step 2" in stdout
+    # The earlier run's schedule ended at step 2, the resumed one's at 3: said, with the rate that step 2 takes now.
+    assert ("--resume: --steps 3 (the earlier run's 2) changes the learning-rate schedule: the rate at step 2 is"
+            in stdout)
     assert "FAILED" not in stdout
     lm = out / "train_lm"
     metrics = json.loads((lm / "metrics.json").read_text())
@@ -300,6 +303,20 @@ def test_train_lm_trains_from_its_first_step_and_refuses_to_resume_another_model
             "--d-model 32 (not 64)") in result.stderr
     assert "Traceback" not in result.stderr  # the one line, no tracebacks of Orbax's threads after it
     assert sorted(p.name for p in checkpoints.iterdir()) == before
+
+
+def test_train_lm_says_what_a_resumed_run_with_another_schedule_does_to_the_learning_rate(tmp_path):
+    train_lm = load_example("train_lm")
+    written = train_lm.parse_args([*TINY_LM, "--steps", "100", "--lr", "1e-3"])
+    train_lm.write_metrics(tmp_path / "metrics.json", "xla", written, 1000, {"train": [], "eval": []})
+    assert train_lm.schedule_change(tmp_path / "metrics.json", written, 100) is None
+    assert train_lm.schedule_change(tmp_path / "nothing.json", written, 100) is None
+    longer = train_lm.parse_args([*TINY_LM, "--steps", "200", "--lr", "2e-3"])
+    rate_now, rate_before = float(train_lm.learning_rate_schedule(longer)(100)), 1e-4  # the cosine's end: lr / 10
+    assert train_lm.schedule_change(tmp_path / "metrics.json", longer, 100) == (
+        f"--resume: --steps 200 (the earlier run's 100), --lr 0.002 (the earlier run's 0.001) changes the "
+        f"learning-rate schedule: the rate at step 100 is {rate_now:.3g}, where the earlier run's would be "
+        f"{rate_before:.3g}")
 
 
 def test_train_lm_keeps_the_loss_history_at_each_checkpoint_for_a_resumed_run(tmp_path):
