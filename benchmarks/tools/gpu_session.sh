@@ -74,7 +74,10 @@ case $part in
     echo "== suite half $half: $(wc -l < "$out/suite_$half.ids") tests (cap ${CAP:-540}s)"
     rm -f "$out/suite_$half.xml"  # pytest writes it only when it ends: none left from an earlier run
     echo "workers=${WORKERS:-8} allocator=platform cap_s=${CAP:-540}" > "$out/suite_$half.settings"
-    timeout "${CAP:-540}" xargs -d "\n" -a "$out/suite_$half.ids" python -m pytest -m gpu -q -rfs -p no:cacheprovider \
+    # At the cap pytest is interrupted (SIGINT), so that it still writes the XML of the tests that ended; pytest
+    # is timeout's own child (the ids as arguments, no xargs between), so the XML is there when timeout returns.
+    mapfile -t ids < "$out/suite_$half.ids"
+    timeout --signal=INT --kill-after=30 "${CAP:-540}" python -m pytest -m gpu -q -rfs -p no:cacheprovider "${ids[@]}" \
       -n "${WORKERS:-8}" --dist load --junitxml="$out/suite_$half.xml" > "$out/suite_$half.log" 2>&1
     echo $? > "$out/suite_$half.rc"
     echo "   exit $(cat "$out/suite_$half.rc") ; $(grep -E '(passed|failed|error)' "$out/suite_$half.log" | tail -1)"
