@@ -24,9 +24,12 @@ def check_float(api: str, name: str, arr) -> None:
 
 
 def check_ndim(api: str, name: str, arr, ndim: int, axes: str) -> tuple[int, ...]:
-    """`arr` has `ndim` axes, named in the error by `axes` (e.g. "(batch, seqlen, channels)"); returns its shape."""
-    shape = getattr(arr, "shape", None)
-    if shape is None or len(shape) != ndim:
+    """`arr` is an array (TypeError else) of `ndim` axes, named in the error by `axes` (e.g. "(batch, seqlen,
+    channels)"); returns its shape."""
+    if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+        raise TypeError(f"{api}: {name} must be an array of shape {axes}, got {type(arr).__name__}")
+    shape = arr.shape
+    if len(shape) != ndim:
         raise ValueError(f"{api}: {name}.shape={shape} must be {axes}")
     return tuple(shape)
 

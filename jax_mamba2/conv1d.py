@@ -162,7 +162,8 @@ def causal_conv1d_silu(x, kernel, bias=None, *, seq_idx=None, initial_states=Non
     Returns:
       y (batch, seqlen, channels) in x.dtype; with `return_final_states` also final_states
       (batch, channels, d_conv): the last d_conv columns of x left-extended by initial_states (or zeros), in
-      initial_states' dtype (x's without them).
+      initial_states' dtype (x's without them); with seq_idx, those of tokens before each row's last sequence
+      zero (the state of that sequence alone, as the decode cache needs it).
 
     Raises:
       ValueError / TypeError: on a wrong shape, dtype or option, naming the argument, before any
@@ -183,7 +184,7 @@ def causal_conv1d_silu(x, kernel, bias=None, *, seq_idx=None, initial_states=Non
         (y,) = registry.run_compiled(tuple(selected), _run, static, inputs)
     if not return_final_states:
         return y
-    return y, conv1d_reference.final_conv_state(x, kernel.shape[0], initial_states)
+    return y, conv1d_reference.final_conv_state(x, kernel.shape[0], initial_states, seq_idx)
 
 
 def _check_layout(x, kernel, channel_offset, split) -> tuple[int, int, tuple[int, ...]]:
@@ -265,4 +266,4 @@ def causal_conv1d_silu_split(x, kernel, bias=None, *, channel_offset, split, seq
     if not return_final_states:
         return pieces
     window = _window(x, kernel, channel_offset)
-    return pieces, conv1d_reference.final_conv_state(window, kernel.shape[0], initial_states)
+    return pieces, conv1d_reference.final_conv_state(window, kernel.shape[0], initial_states, seq_idx)

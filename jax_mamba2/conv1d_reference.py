@@ -23,7 +23,7 @@ def causal_conv1d(x, kernel, bias=None, conv_state=None, *, seq_idx=None, dtype=
       dtype: computation dtype (default: promoted from x and kernel).
 
     Returns:
-      (y (batch, seqlen, channels) in dtype, `final_conv_state(x, d_conv, conv_state)`).
+      (y (batch, seqlen, channels) in dtype, `final_conv_state(x, d_conv, conv_state, seq_idx)`).
     """
     d_conv = kernel.shape[0]
     seqlen = x.shape[1]
@@ -35,14 +35,23 @@ def causal_conv1d(x, kernel, bias=None, conv_state=None, *, seq_idx=None, dtype=
         taps = [jnp.where((padded_idx[:, k + 1: k + 1 + seqlen] == seq_idx)[..., None], tap, 0)
                 for k, tap in enumerate(taps)]
     y = _weighted_sum(taps, kernel, bias, dtype)
-    return y, final_conv_state(x, d_conv, conv_state)
+    return y, final_conv_state(x, d_conv, conv_state, seq_idx)
 
 
-def final_conv_state(x, d_conv, conv_state=None):
+def final_conv_state(x, d_conv, conv_state=None, seq_idx=None):
     """The state after the sequence: the last d_conv columns of x left-extended by conv_state (as in
-    `causal_conv1d`), (batch, channels, d_conv) in conv_state's dtype (x's when None)."""
+    `causal_conv1d`), (batch, channels, d_conv) in conv_state's dtype (x's when None). With the ids of packed
+    sequences `seq_idx` (batch, seqlen) (which conv_state does not combine with), the columns of tokens before each
+    row's last sequence are zero, as a call on that sequence alone leaves them: no value of another sequence, a NaN
+    included, is carried on."""
     state_dtype = x.dtype if conv_state is None else conv_state.dtype
-    return jnp.swapaxes(_window(x, d_conv, conv_state)[:, -d_conv:], 1, 2).astype(state_dtype)
+    state = jnp.swapaxes(_window(x, d_conv, conv_state)[:, -d_conv:], 1, 2)
+    seqlen = x.shape[1]
+    if seq_idx is not None and seqlen:
+        positions = seqlen - d_conv + jnp.arange(d_conv)  # column j holds token seqlen - d_conv + j
+        same = jnp.take(seq_idx, jnp.maximum(positions, 0), axis=1) == seq_idx[:, -1:]  # (batch, d_conv)
+        state = jnp.where(((positions >= 0) & same)[:, None, :], state, 0)
+    return state.astype(state_dtype)
 
 
 def _window(x, d_conv, conv_state):

@@ -241,13 +241,13 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
         kernel backend cannot run the call, saying why.
     """
     api = "norm_project"
+    transpose_weight = check_flag(api, "transpose_weight", transpose_weight)  # the weight's shape check reads it
     z_offset, group_size, residual_dtype, x_dtype, features, layers = _check_projection(
         api, x, weight, norm_weight, residual, residual_dtype, z, z_offset, group_size, bias, transpose_weight, layer,
         x_dtype, sum_squares)
     stack = () if layer is None else (None,)
     eps = check_positive_float(api, "eps", eps)
     norm_before_gate = check_flag(api, "norm_before_gate", norm_before_gate)
-    transpose_weight = check_flag(api, "transpose_weight", transpose_weight)
     return_partials = check_flag(api, "return_partials", return_partials)
     if dtype is None:
         dtype = jnp.result_type(x if x_dtype is None else x_dtype, weight)

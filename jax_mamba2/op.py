@@ -59,16 +59,17 @@ def _check_values(api, A, dt, dt_bias, dt_softplus, dt_limit, seq_idx=None):
     A <= 0 and Δ >= 0 keep every decay exp(Δ A) <= 1, which the chunked algorithms assume (they clamp
     exp(min(dA_l - dA_s, 0))); a decreasing seq_idx would make them and the scan reset at different
     tokens. The reductions run where the arrays live (also for concrete arrays closed over by a traced
-    function); one host transfer fetches their results.
+    function); one host transfer fetches their results. They pass NaNs over (a NaN is data, confined to its
+    sequence), so that a NaN elsewhere does not hide a positive A or a negative Δ.
     """
     checks = {}
     with jax.ensure_compile_time_eval():
         if is_concrete(A):
-            checks["A"] = jnp.max(A)
+            checks["A"] = jnp.nanmax(A)
         # Δ = dt (+ dt_bias) as given unless the softplus or a dt_limit clip (min >= 0) makes it >= 0.
         if not dt_softplus and tuple(dt_limit) == (0.0, math.inf) and is_concrete(dt) and \
                 (dt_bias is None or is_concrete(dt_bias)):
-            checks["dt"] = jnp.min(dt if dt_bias is None else jnp.add(dt, dt_bias))
+            checks["dt"] = jnp.nanmin(dt if dt_bias is None else jnp.add(dt, dt_bias))
         if is_concrete(seq_idx) and seq_idx.shape[1] > 1:
             checks["seq_idx"] = nondecreasing(seq_idx)
     if not checks:

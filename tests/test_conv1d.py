@@ -63,6 +63,7 @@ _X, _KERNEL = jnp.zeros((2, 5, 8)), jnp.zeros((4, 8))
 @pytest.mark.parametrize("kwargs,error,message", [
     (dict(x=jnp.zeros((5, 8))), ValueError, r"x.shape=\(5, 8\) must be \(batch, seqlen, channels\)"),
     (dict(x=jnp.zeros((2, 5, 8), jnp.int32)), TypeError, "x.dtype=int32"),
+    (dict(x=[[[0.0] * 8] * 5] * 2), TypeError, r"x must be an array of shape \(batch, seqlen, channels\), got list"),
     (dict(kernel=jnp.zeros((4, 7))), ValueError, r"kernel.shape=\(4, 7\) must be \(d_conv, channels\)"),
     (dict(kernel=jnp.zeros((0, 8))), ValueError, "kernel.shape=.* d_conv >= 1"),
     (dict(bias=jnp.zeros((7,))), ValueError, r"bias.shape=\(7,\) must be \(channels,\)"),
@@ -118,6 +119,29 @@ def test_final_states_are_the_last_d_conv_input_columns(init_width):
     state = jnp.zeros((2, 40, 4)) if init is None else jnp.pad(init, ((0, 0), (0, 0), (4 - init_width, 0)))
     want = jnp.concatenate([state, jnp.swapaxes(x, 1, 2)], axis=-1)[..., -4:]
     np.testing.assert_array_equal(np.asarray(final), np.asarray(want))
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_final_states_with_seq_idx_hold_only_the_last_sequence(split):
+    """With packed sequences the state is that of each row's last sequence alone (zero columns before it, as
+    its own call leaves them): a NaN of an earlier sequence is not carried on."""
+    x, kernel, bias, _, _, _ = make_conv_args(3, batch=3, seqlen=9)
+    x = x.at[0, 6].set(jnp.nan)  # row 0: last sequence = tokens 7, 8; row 1: one sequence; row 2: token 8 alone
+    seq_idx = jnp.asarray([[0] * 7 + [1] * 2, [4] * 9, [0] * 8 + [3]], jnp.int32)
+
+    def final(x, seq_idx):
+        if not split:
+            return conv1d.causal_conv1d_silu(x, kernel, bias, seq_idx=seq_idx, return_final_states=True,
+                                             backend="xla")[1]
+        wide = jnp.pad(x, ((0, 0), (0, 0), (2, 3)))  # the conv's channels at offset 2 of a wider array
+        return conv1d.causal_conv1d_silu_split(wide, kernel, bias, channel_offset=2, split=(40,), seq_idx=seq_idx,
+                                               return_final_states=True, backend="xla")[1]
+
+    got = final(x, seq_idx)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    for row, start in ((0, 7), (1, 0), (2, 8)):  # each last sequence convolved alone
+        alone = final(x[row:row + 1, start:], seq_idx[row:row + 1, start:])
+        np.testing.assert_array_equal(np.asarray(got[row]), np.asarray(alone[0]))
 
 
 def test_initial_states_of_d_conv_minus_1_or_d_conv_columns_agree():

@@ -240,6 +240,7 @@ def _projection_args():
     (dict(x=jnp.ones((2, 3, 64), jnp.bfloat16), x_dtype=jnp.float32), TypeError, "must be float32"),
     (dict(x_dtype=jnp.float32), ValueError, "x_dtype=.* is for x given as partial sums"),
     (dict(return_partials=1), TypeError, "return_partials"),
+    (dict(transpose_weight="yes"), TypeError, "transpose_weight='yes' must be a bool"),  # before the shape it reads
     (dict(x=jnp.ones((3, 0)), weight=jnp.ones((3, 0, 8)), norm_weight=None, residual=None, residual_dtype=None),
      ValueError, r"norm_project: x.shape=\(3, 0\) must have features >= 1"),
 ])

@@ -98,6 +98,11 @@ def _bad_call(**changes):
     (dict(save_chunk_states="no"), TypeError, r"save_chunk_states='no' must be a bool"),
     (dict(check_finite=None), TypeError, r"check_finite=None must be a bool"),
     (dict(A=jnp.array([-1.0, 0.5, -2.0, 0.0])), ValueError, r"ssd: A must be <= 0 .* got max\(A\)=0.5"),
+    (dict(x=None), TypeError, r"ssd: x must be an array of shape \(batch, seqlen, nheads, headdim\), got NoneType"),
+    # A NaN elsewhere (data, confined to its sequence) does not hide the value that breaks the precondition.
+    (dict(A=jnp.array([jnp.nan, 0.5, -2.0, 0.0])), ValueError, r"ssd: A must be <= 0 .* got max\(A\)=0.5"),
+    (dict(dt_softplus=False, dt_bias=None, dt=jnp.full((2, 40, 4), 0.5).at[0, 0, 0].set(jnp.nan).at[1, 5, 1].set(-1)),
+     ValueError, r"ssd: dt must be >= 0 .* got min\(dt\)=-1"),
     (dict(dt_softplus=False, dt=jnp.full((2, 40, 4), -0.75)), ValueError,
      r"ssd: dt \+ dt_bias must be >= 0 without dt_softplus or a dt_limit .* got min\(dt \+ dt_bias\)=-0\.7"),
     (dict(dt_softplus=False, dt_bias=None, dt=jnp.full((2, 40, 4), -0.25)), ValueError,
@@ -166,6 +171,8 @@ def test_ssd_step_rejects_values_outside_the_preconditions():
     B = C = jnp.ones((2, 1, 8))
     with pytest.raises(ValueError, match=r"ssd_step: A must be <= 0"):
         jax_mamba2.ssd_step(state, x, dt, jnp.ones((4,)), B, C)
+    with pytest.raises(ValueError, match=r"ssd_step: A must be <= 0"):
+        jax_mamba2.ssd_step(state, x, dt, jnp.ones((4,)).at[0].set(jnp.nan), B, C)
     with pytest.raises(ValueError, match=r"ssd_step: dt must be >= 0"):
         jax_mamba2.ssd_step(state, x, -dt, -jnp.ones((4,)), B, C)
     y, _ = jax_mamba2.ssd_step(state, x, -dt, -jnp.ones((4,)), B, C, dt_softplus=True)

@@ -51,16 +51,6 @@ def _param(variable):
     return None if variable is None else variable[...]
 
 
-def _last_sequence_columns(conv_state, seq_idx):
-    """conv_state (batch, conv_dim, d_conv) after a packed prefill, with the columns of tokens before each row's
-    last sequence zeroed, as a prefill of that sequence alone leaves them (column j holds token seqlen - d_conv +
-    j; negative ones are the zero left padding already)."""
-    d_conv, seqlen = conv_state.shape[-1], seq_idx.shape[1]
-    positions = seqlen - d_conv + jnp.arange(d_conv)
-    same = jnp.take(seq_idx, jnp.maximum(positions, 0), axis=1) == seq_idx[:, -1:]  # (batch, d_conv)
-    return jnp.where(((positions >= 0) & same)[:, None, :], conv_state, 0)
-
-
 def _silu_output(conv):
     """(silu(y), state) of a conv's (y, state)."""
     y, state = conv
@@ -235,8 +225,6 @@ class Mamba2(nnx.Module):
                   else tuple(a.dtype for a in cache))
         out, new_cache = self._run(functools.partial(Mamba2._forward, want_cache=True),
                                    (hidden_states, cache, seq_idx), returns_cache=True)
-        if seq_idx is not None and seqlen:
-            new_cache = new_cache._replace(conv_state=_last_sequence_columns(new_cache.conv_state, seq_idx))
         return out, Mamba2Cache(*(a.astype(dtype) for a, dtype in zip(new_cache, dtypes)))
 
     def step(self, hidden_states, cache: Mamba2Cache):
