@@ -111,9 +111,9 @@ def check_range(api: str, name: str, value, *, low_min: float, strict_low: bool 
     return low, high
 
 
-def check_token_ids_in_range(api: str, name: str, ids, vocab_size: int) -> None:
-    """Concrete ids must lie in [0, vocab_size); traced ids (under jit), and arrays not all on this host's devices,
-    cannot be read and are not checked.
+def check_token_ids_in_range(api: str, name: str, ids, vocab_size: int, ignore_index: int | None = None) -> None:
+    """Concrete ids must lie in [0, vocab_size) (or equal `ignore_index`, where given: a target left out of a loss);
+    traced ids (under jit), and arrays not all on this host's devices, cannot be read and are not checked.
 
     Raises:
       ValueError: naming the first offending id and its index.
@@ -121,8 +121,12 @@ def check_token_ids_in_range(api: str, name: str, ids, vocab_size: int) -> None:
     if isinstance(ids, jax.core.Tracer) or not getattr(ids, "is_fully_addressable", True):
         return
     values = np.asarray(ids)
-    bad = np.argwhere((values < 0) | (values >= vocab_size))
+    outside = (values < 0) | (values >= vocab_size)
+    if ignore_index is not None:
+        outside &= values != ignore_index
+    bad = np.argwhere(outside)
     if bad.size:
         index = tuple(int(i) for i in bad[0])
-        raise ValueError(f"{api}: {name} must be in [0, vocab_size={vocab_size}); {name}"
+        allowed = "" if ignore_index is None else f" or ignore_index={ignore_index}"
+        raise ValueError(f"{api}: {name} must be in [0, vocab_size={vocab_size}){allowed}; {name}"
                          f"[{', '.join(map(str, index))}]={values[index]} ({len(bad)} ids out of range)")

@@ -341,7 +341,8 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
     embedding = buffers[("embedding", "embedding")]
     for name in tied_head:
         head = tensors[name].read()
-        if head.shape != embedding.shape or not np.array_equal(head.astype(embedding.dtype), embedding):
+        # A copy is equal where both hold NaN too (the weights of a run that diverged load as they are).
+        if head.shape != embedding.shape or not np.array_equal(head.astype(embedding.dtype), embedding, equal_nan=True):
             raise ValueError(f"load_pretrained: {name} differs from the embedding, which config.json ties it to "
                              "(tie_embeddings / tie_word_embeddings): the checkpoint holds two different heads")
     # Each buffer is let go once on the device, so the host holds the model about once.

@@ -250,15 +250,17 @@ class Mamba2Config:
         HF stores the padded vocabulary size in `vocab_size`; it is kept as is (with
         `pad_vocab_size_multiple` when the dict has it) unless the dict also has `to_hf`'s extra keys
         (`unpadded_vocab_size`, ...), which restore the exact configuration. `time_step_limit` may be in any
-        of its encodings (see `parse_dt_limit`). HF's gated norm is full-width in its PyTorch path even for
+        of its encodings (see `parse_dt_limit`). A key the dict leaves out takes transformers' default (n_groups
+        8, state_size 128, head_dim 64, ...). HF's gated norm is full-width in its PyTorch path even for
         n_groups > 1; this package follows mamba_ssm (group-wise), as HF's CUDA path does.
 
         Raises:
-          TypeError: naming HF's key, for a flag that is not a bool (use_bias, tie_word_embeddings, ...) or a
-            time step / epsilon that is not a number.
-          ValueError: for a missing hidden_size, num_hidden_layers or vocab_size, a size that is not a
-            positive int (hidden_size, num_hidden_layers, vocab_size, expand, head_dim, num_heads, state_size,
-            conv_kernel, n_groups, chunk_size, ...), a time step or epsilon that is not positive, a
+          TypeError: naming HF's key, for a flag that is not a bool (use_bias, tie_word_embeddings, ...), a
+            time step / epsilon that is not a number or a size that is not an int (hidden_size,
+            num_hidden_layers, vocab_size, expand, head_dim, num_heads, state_size, conv_kernel, n_groups,
+            chunk_size, ...).
+          ValueError: for a missing hidden_size, num_hidden_layers or vocab_size, a size under 1, a time step
+            or epsilon that is not positive, a
             model_type other than "mamba2", `num_heads * head_dim != expand * hidden_size` (HF's own
             invariant), mixer options no `Mamba2` can be built from (named by HF's keys: a chunk_size that is
             not a power of two, n_groups not dividing the heads, ...), or an unpadded_vocab_size that does not
@@ -287,7 +289,7 @@ class Mamba2Config:
                              f"must equal expand={expand} * hidden_size={d_model}")
         ssm_cfg = dict(
             d_state=get("state_size", 128), d_conv=get("conv_kernel", 4), expand=expand, headdim=head_dim,
-            ngroups=get("n_groups", 1), dt_min=get("time_step_min", 0.001), dt_max=get("time_step_max", 0.1),
+            ngroups=get("n_groups", 8), dt_min=get("time_step_min", 0.001), dt_max=get("time_step_max", 0.1),
             dt_init_floor=get("time_step_floor", 1e-4),
             dt_limit=parse_dt_limit(get("time_step_limit"), api, "time_step_limit"),
             bias=get("use_bias", False), conv_bias=get("use_conv_bias", True), chunk_size=get("chunk_size", 256),

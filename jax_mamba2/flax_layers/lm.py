@@ -49,9 +49,14 @@ def _check_config(api: str, config) -> None:
                         f"dict)), got {type(config).__name__}")
 
 
-def _check_dtypes_and_rngs(api: str, dtype, param_dtype, rngs) -> None:
-    """The constructors' `dtype` (None or a float dtype), `param_dtype` (a float dtype) and `rngs`, checked before
-    the embedding or a norm is built (the mixers check theirs later)."""
+def _check_constructor_options(api: str, backend, deterministic_backward, check_finite, dtype, param_dtype,
+                               rngs) -> None:
+    """The constructors' options that they hand to the mixers (`backend`, a known backend name; the two flags;
+    `dtype`, None or a float dtype; `param_dtype`, a float dtype) and `rngs`, checked under the constructor's own
+    name before the embedding or a norm is built (the mixers check them again, naming themselves)."""
+    backends.check_name(backend, api)
+    check_flag(api, "deterministic_backward", deterministic_backward)
+    check_flag(api, "check_finite", check_finite)
     _checks.check_float_dtype(api, "dtype", dtype)
     float_dtype(api, "param_dtype", param_dtype)
     _checks.check_rngs(api, rngs)
@@ -86,7 +91,8 @@ class Mamba2Block(nnx.Module):
                  save_chunk_states: bool = False, check_finite: bool = True, dtype=None, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         _check_config("Mamba2Block", config)
-        _check_dtypes_and_rngs("Mamba2Block", dtype, param_dtype, rngs)
+        _check_constructor_options("Mamba2Block", backend, deterministic_backward, check_finite, dtype, param_dtype,
+                                   rngs)
         self.residual_in_fp32 = config.residual_in_fp32
         self.norm = RMSNorm(config.d_model, eps=config.norm_epsilon, backend=backends.for_op(backend, norm_op.OP),
                             dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -189,7 +195,8 @@ class Mamba2LMHeadModel(nnx.Module):
                  scan_layers: bool = True, loss_backend: str | None = None, dtype=None, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         _check_config("Mamba2LMHeadModel", config)
-        _check_dtypes_and_rngs("Mamba2LMHeadModel", dtype, param_dtype, rngs)
+        _check_constructor_options("Mamba2LMHeadModel", backend, deterministic_backward, check_finite, dtype,
+                                   param_dtype, rngs)
         scan_layers = check_flag("Mamba2LMHeadModel", "scan_layers", scan_layers)
         remat = _check_remat(remat)
         save_chunk_states = chunk_states_saved(save_chunk_states, remat)
@@ -253,8 +260,9 @@ class Mamba2LMHeadModel(nnx.Module):
 
         Args:
           input_ids: (batch, seqlen) int.
-          labels: optional (batch, seqlen) int, unshifted.
-          shift_labels: optional (batch, seqlen) int, already shifted; not together with labels.
+          labels: optional (batch, seqlen) int, unshifted: ids in [0, vocab_size) or ignore_index (a concrete
+            array is checked, as input_ids are; a traced one's id past the vocabulary scores NaN).
+          shift_labels: optional (batch, seqlen) int, already shifted; not together with labels; ids as labels'.
           seq_idx: optional (batch, seqlen) int ids of packed sequences (see `__call__`). The target of a
             sequence's last token is the next sequence's first: set that label to ignore_index to leave it out.
           chunk_tokens: tokens per chunk of the fused head + loss (default 2048).
@@ -278,6 +286,9 @@ class Mamba2LMHeadModel(nnx.Module):
             "shift_labels", shift_labels)
         _checks.check_named_array("Mamba2LMHeadModel.loss", name, labels,
                             tuple(zip(("batch", "seqlen"), input_ids.shape)), kind="integer")
+        if labels is not input_ids:  # (input_ids were checked above) a target past the vocabulary would score NaN
+            _checks.check_token_ids_in_range("Mamba2LMHeadModel.loss", name, labels, self.config.vocab_size,
+                                             ignore_index)
         # Shifted in int32: an unsigned dtype could not hold a negative ignore_index in the padded last column (none
         # for an empty sequence).
         shifted = labels[:, 1:].astype(jnp.int32)

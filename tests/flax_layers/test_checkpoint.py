@@ -186,9 +186,13 @@ def test_checkpoint_load_refuses_a_parameter_given_twice_and_a_tied_head_that_is
         save_file({**state, **extra}, tmp_path / "model.safetensors")
         with pytest.raises(ValueError, match=message):
             load_pretrained(tmp_path, backend="xla")
-    if tiny_config.tie_embeddings:  # a stored copy of the embedding, as mamba_ssm writes it, loads
-        save_file({**state, "lm_head.weight": state["backbone.embedding.weight"]}, tmp_path / "model.safetensors")
-        load_pretrained(tmp_path, backend="xla")
+    if tiny_config.tie_embeddings:  # a stored copy of the embedding, as mamba_ssm writes it, loads (NaNs and all)
+        embedding = state["backbone.embedding.weight"].copy()
+        embedding[3, 1] = np.nan
+        save_file({**state, "backbone.embedding.weight": embedding, "lm_head.weight": embedding},
+                  tmp_path / "model.safetensors")
+        loaded = load_pretrained(tmp_path, backend="xla").embedding.embedding[...]
+        assert np.isnan(loaded[3, 1]) and int(np.isnan(loaded).sum()) == 1
 
 
 def test_sharded_checkpoint_shards_must_hold_what_the_index_says(tmp_path, tiny_config):

@@ -123,6 +123,15 @@ def test_config_takes_numpy_bools_and_ints_as_python_ones():
     assert hf.d_model == 64 and hf.tie_embeddings is True and hf.ssm_cfg["d_state"] == 16
 
 
+def test_config_from_hf_takes_transformers_defaults_for_keys_left_out():
+    """A hand-written config.json may leave keys out: transformers' Mamba2Config reads them as its defaults
+    (n_groups 8, not mamba_ssm's 1), and so does from_hf, or the weights of a grouped model would not fit."""
+    sparse = {k: HF_130M[k] for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "num_heads")}
+    mixer = Mamba2Config.from_hf(sparse).mixer_options
+    assert (mixer["ngroups"], mixer["d_state"], mixer["headdim"], mixer["d_conv"], mixer["chunk_size"]) == (
+        8, 128, 64, 4, 256)
+
+
 def test_config_from_dicts_rejects_what_is_not_one_and_infinite_time_steps():
     for load in (Mamba2Config.from_hf, Mamba2Config.from_mamba_ssm):
         with pytest.raises(TypeError, match=rf"Mamba2Config.{load.__name__}: config=None must be a mapping"):

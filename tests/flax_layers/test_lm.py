@@ -129,17 +129,21 @@ def test_entry_points_reject_objects_of_the_wrong_type(call, message):
 
 
 @pytest.mark.parametrize("make", [Mamba2Block, Mamba2LMHeadModel])
-@pytest.mark.parametrize("options,message", [
-    (dict(rngs=0), r"rngs must be an nnx.Rngs, e.g. nnx.Rngs\(0\); got int"),
-    (dict(rngs=jax.random.key(0)), r"rngs must be an nnx.Rngs"),
-    (dict(param_dtype=jnp.int32), r"param_dtype=int32 must be one of bfloat16, float16, float32, float64"),
-    (dict(param_dtype="bf16"), r"param_dtype='bf16' must be a float dtype"),
-    (dict(dtype="float8_e4m3fn"), r"dtype=float8_e4m3fn must be one of bfloat16"),
+@pytest.mark.parametrize("options,error,message", [
+    (dict(rngs=0), TypeError, r"rngs must be an nnx.Rngs, e.g. nnx.Rngs\(0\); got int"),
+    (dict(rngs=jax.random.key(0)), TypeError, r"rngs must be an nnx.Rngs"),
+    (dict(param_dtype=jnp.int32), TypeError, r"param_dtype=int32 must be one of bfloat16, float16, float32, float64"),
+    (dict(param_dtype="bf16"), TypeError, r"param_dtype='bf16' must be a float dtype"),
+    (dict(dtype="float8_e4m3fn"), TypeError, r"dtype=float8_e4m3fn must be one of bfloat16"),
+    (dict(backend="triton"), ValueError, r"backend='triton' must be one of 'auto', 'xla', 'scan'"),
+    (dict(check_finite="yes"), TypeError, r"check_finite='yes' must be a bool"),
+    (dict(deterministic_backward=1), TypeError, r"deterministic_backward=1 must be a bool"),
 ])
-def test_constructors_check_rngs_and_dtypes_before_building_anything(tiny_config, make, options, message):
-    """Named by the constructor the user called, not by flax's initializers or the embedding's."""
+def test_constructors_check_their_options_before_building_anything(tiny_config, make, options, error, message):
+    """Named by the constructor the user called, not by the mixers it builds, flax's initializers or the
+    embedding's."""
     options = dict(dict(rngs=nnx.Rngs(0)), **options)
-    with pytest.raises(TypeError, match=f"{make.__name__}: {message}"):
+    with pytest.raises(error, match=f"{make.__name__}: {message}"):
         make(tiny_config, **options)
 
 
@@ -205,6 +209,15 @@ def _block(model):
                  r"Mamba2LMHeadModel.prefill: input_ids must be in \[0, vocab_size=61\)", id="prefill_id"),
     pytest.param(lambda m: m.loss(jnp.full((BATCH, SEQLEN), -3, jnp.int32)), ValueError,
                  r"Mamba2LMHeadModel.loss: input_ids must be in \[0, vocab_size=61\)", id="loss_id"),
+    pytest.param(lambda m: m.loss(jnp.zeros((BATCH, SEQLEN), jnp.int32), jnp.zeros((BATCH, SEQLEN), jnp.int32)
+                                  .at[0, 5].set(-100).at[1, 3].set(61)), ValueError,
+                 r"Mamba2LMHeadModel.loss: labels must be in \[0, vocab_size=61\) or ignore_index=-100; "
+                 r"labels\[1, 3\]=61 \(1 ids out of range\)", id="loss_label_past_vocab"),
+    pytest.param(lambda m: m.loss(jnp.zeros((BATCH, SEQLEN), jnp.int32),
+                                  shift_labels=jnp.full((BATCH, SEQLEN), -100, jnp.int32).at[0, 0].set(-1),
+                                  ignore_index=-100), ValueError,
+                 r"Mamba2LMHeadModel.loss: shift_labels must be in \[0, vocab_size=61\) or ignore_index=-100; "
+                 r"shift_labels\[0, 0\]=-1", id="loss_shift_label_negative"),
     pytest.param(lambda m: m(jnp.zeros((BATCH, SEQLEN), jnp.int32), seq_idx=np.full((BATCH, SEQLEN), 2 ** 32)),
                  ValueError, r"Mamba2LMHeadModel.__call__: seq_idx must hold ids int32 holds", id="seq_idx_past_int32"),
     pytest.param(lambda m: m.init_cache(-1), ValueError,
