@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh suites|suite-1|suite-2|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|suite-1|suite-2|suite-3|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|suite-1|suite-2|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]}
+part=${1:?usage: gpu_session.sh suites|suite-1|suite-2|suite-3|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 # causal_conv1d for the peer, built in the background by the parts that run it (lm-step, decode-matrix) into
@@ -57,10 +57,11 @@ case $part in
     sharded gpu_suites "${CAP:-480}" "${SHARDS:-12}" tests/kernels/test_stages_gpu.py \
       tests/kernels/test_backward_gpu.py tests/bridge/test_cutile_gpu.py tests/flax_layers/test_lm_gpu.py
     ;;
-  suite-1|suite-2|suite-ids)  # every GPU test of tests/, half the ids each (alternately, the long sweeps first),
-    # or (suite-ids) the ids listed in the file $IDS, under pytest-xdist's workers sharing the GPU (WORKERS, default
-    # 8; each frees what it no longer uses, the platform allocator, so that 80 GB hold them all); JUnit XML that
-    # benchmarks/tools/suite_record.py turns into the suite's record (each half 4-6 minutes on an H100)
+  suite-1|suite-2|suite-3|suite-ids)  # every GPU test of tests/ in PARTS parts (default 2; 3 where a half does not
+    # fit a call), part N taking every PARTS-th id (the long sweeps first), or (suite-ids) the ids listed in the file
+    # $IDS, under pytest-xdist's workers sharing the GPU (WORKERS, default 8; each frees what it no longer uses, the
+    # platform allocator, so that 80 GB hold them all); JUnit XML that benchmarks/tools/suite_record.py turns into
+    # the suite's record (each half 5-9 minutes on an H100)
     export JAX_MAMBA2_AUTOTUNE=0 XLA_PYTHON_CLIENT_ALLOCATOR=platform
     half=${part#suite-}
     nvidia-smi --query-gpu=name --format=csv,noheader > "$out/gpu_name.txt"
@@ -69,11 +70,11 @@ case $part in
     else
       python -m pytest -m gpu --collect-only -q -p no:cacheprovider tests | grep '::' \
         | awk '/every_/ {print; next} {rest[n++] = $0} END {for (i = 0; i < n; i++) print rest[i]}' \
-        | awk -v h="$half" 'NR % 2 == h % 2' > "$out/suite_$half.ids"
+        | awk -v h="$half" -v n="${PARTS:-2}" 'NR % n == h % n' > "$out/suite_$half.ids"
     fi
     echo "== suite half $half: $(wc -l < "$out/suite_$half.ids") tests (cap ${CAP:-540}s)"
     rm -f "$out/suite_$half.xml"  # pytest writes it only when it ends: none left from an earlier run
-    echo "workers=${WORKERS:-8} allocator=platform cap_s=${CAP:-540}" > "$out/suite_$half.settings"
+    echo "workers=${WORKERS:-8} allocator=platform cap_s=${CAP:-540} parts=${PARTS:-2}" > "$out/suite_$half.settings"
     # At the cap pytest is interrupted (SIGINT), so that it still writes the XML of the tests that ended; pytest
     # is timeout's own child (the ids as arguments, no xargs between), so the XML is there when timeout returns.
     mapfile -t ids < "$out/suite_$half.ids"
