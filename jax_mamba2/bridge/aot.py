@@ -34,13 +34,21 @@ def export_for_cuda(fun: Callable, *args, arch: str = "sm_90", **kwargs) -> expo
     another target (its GPU's, or another export's) is reused with that target's kernels.
 
     Raises:
-      ValueError: for an arch outside SUPPORTED_ARCHS.
+      ValueError: for an arch outside SUPPORTED_ARCHS, or a `fun` that launches kernels from a host callback
+        (`backend="cutile_callback"`), which `jax.export` cannot serialize.
     """
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"export_for_cuda: arch={arch!r} must be one of {SUPPORTED_ARCHS}")
     jax.clear_caches()
     with cuda_target(arch):
-        return export.export(
-            jax.jit(fun), platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call(CUTILE_CUSTOM_CALL)],
-        )(*args, **kwargs)
+        try:
+            return export.export(
+                jax.jit(fun), platforms=["cuda"],
+                disabled_checks=[export.DisabledSafetyCheck.custom_call(CUTILE_CUSTOM_CALL)],
+            )(*args, **kwargs)
+        except NotImplementedError as e:
+            if "host_callbacks" not in str(e):
+                raise
+            raise ValueError("export_for_cuda: fun launches kernels from a host callback (backend="
+                             "'cutile_callback'), which jax.export cannot serialize; export it with backend='cutile' "
+                             "or 'auto' (the same kernels as XLA custom calls)") from e

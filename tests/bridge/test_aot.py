@@ -48,6 +48,15 @@ def test_aot_export_refuses_an_arch_the_kernels_do_not_support(arch):
         aot.export_for_cuda(lambda x: x, jnp.ones(2), arch=arch)
 
 
+def test_aot_export_of_the_callback_backend_says_to_export_the_custom_calls():
+    """`cutile_callback` launches from a host callback, which jax.export cannot serialize: a ValueError naming
+    the backends that export, not JAX's NotImplementedError."""
+    args, _ = make_ssd_args(0, batch=1, seqlen=37, nheads=2, headdim=16, ngroups=1, dstate=16, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"export_for_cuda: fun launches kernels from a host callback \(backend="
+                                         r"'cutile_callback'\).* export it with backend='cutile' or 'auto'"):
+        aot.export_for_cuda(lambda *a: jax_mamba2.ssd(*a, 64, backend="cutile_callback"), *args)
+
+
 def test_each_target_arch_has_its_own_cache_of_compiled_kernels():
     """cuda.tile.jax keys its compiled kernels without the arch: a target swaps in a cache of its own, and the
     local GPU's comes back after."""
