@@ -50,7 +50,7 @@ if __package__ in (None, ""):  # run as a script: benchmarks/ is sys.path[0], th
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import report  # noqa: E402
-from benchmarks.environment import environment, gpu_slug  # noqa: E402
+from benchmarks.environment import environment, exit_unless_cutile_runs, gpu_slug  # noqa: E402
 from benchmarks.ssd import time_cuda_graph, time_jax  # noqa: E402
 from jax_mamba2 import causal_conv1d_silu, causal_conv1d_silu_split  # noqa: E402
 from jax_mamba2.conv1d import ConvInputs, ConvStatic  # noqa: E402
@@ -267,6 +267,8 @@ def main(argv=None) -> int:
     if args.causal_conv1d:
         sys.path.insert(0, args.causal_conv1d)
         impls += [] if "causal_conv1d" in impls else ["causal_conv1d"]
+    if "cutile" in impls:
+        exit_unless_cutile_runs("conv1d.py")
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else GRID
     directions = ("fwd", "fwd_bwd") if args.direction == "both" else (args.direction,)
     os.makedirs(args.out, exist_ok=True)

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 if __package__ in (None, ""):  # run as a script: benchmarks/ is sys.path[0], the repo root may not be
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.environment import environment, gpu_slug  # noqa: E402
+from benchmarks.environment import environment, exit_unless_cutile_runs, gpu_slug  # noqa: E402
 from benchmarks.lm_bench import write_json  # noqa: E402
 from benchmarks.ssd import PEAK_HBM_TBPS, time_jax  # noqa: E402
 from jax_mamba2 import backends, decode  # noqa: E402
@@ -271,6 +271,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep-batches", nargs="+", type=int, default=[1, 64])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
+    exit_unless_cutile_runs("decode_kernels.py")  # it times the kernels' launches (elsewhere XLA's fallback)
 
     shapes = Shapes(args.d_model)
     records = []

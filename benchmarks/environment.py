@@ -53,6 +53,15 @@ def environment() -> dict:
     }
 
 
+def exit_unless_cutile_runs(script: str) -> None:
+    """Exits naming the reason where the cuTile kernels cannot run in this process (no GPU, no cuda-tile): a script
+    that times them would otherwise end in a traceback or time XLA's fallback under the kernels' names."""
+    from jax_mamba2 import backend_status
+    status = backend_status()["cutile"]
+    if not status.runnable:
+        raise SystemExit(f"{script}: the cuTile kernels cannot run here: {status.reason}")
+
+
 def gpu_slug(name: str) -> str:
     """The model of a GPU as results files name it: "NVIDIA H100 80GB HBM3" -> "h100"."""
     words = name.lower().replace("nvidia", "").split()

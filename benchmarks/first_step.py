@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on sys.pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import lm_bench, lm_train  # noqa: E402
+from benchmarks.environment import exit_unless_cutile_runs  # noqa: E402
 
 
 def _cache_entries(folder: str) -> int:
@@ -89,6 +90,8 @@ def main(argv=None) -> int:
         lm_train.TrainConfig.parse(args.config)
     except ValueError as e:
         parser.error(str(e))
+    if args.impl == "cutile" and not args.lower_only:
+        exit_unless_cutile_runs("first_step.py (--lower-only needs no GPU)")
     with tempfile.TemporaryDirectory(prefix="cutile_cache_") as empty:
         record = first_step(args.config, args.impl, args.lower_only, args.cutile_cache or empty,
                             scan_layers=not args.unroll_layers)

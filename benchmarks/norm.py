@@ -49,7 +49,7 @@ if __package__ in (None, ""):  # run as a script: benchmarks/ is sys.path[0], th
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import report  # noqa: E402
-from benchmarks.environment import environment, gpu_slug  # noqa: E402
+from benchmarks.environment import environment, exit_unless_cutile_runs, gpu_slug  # noqa: E402
 from benchmarks.ssd import PEAK_HBM_TBPS, time_jax  # noqa: E402
 from jax_mamba2 import add_rms_norm, rms_norm  # noqa: E402
 
@@ -261,6 +261,8 @@ def format_line(r: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if "cutile" in args.impls or args.configs:  # the configs are the kernels'
+        exit_unless_cutile_runs("norm.py")
     directions = ("fwd", "fwd_bwd") if args.direction == "both" else (args.direction,)
     os.makedirs(args.out, exist_ok=True)
     for direction in directions:

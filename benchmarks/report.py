@@ -262,6 +262,9 @@ def main(argv=None) -> int:
     parser.add_argument("--merge", type=Path, nargs="+", default=[],
                         help="record files of later runs to fold into PATH (rewritten)")
     args = parser.parse_args(argv)
+    missing = [str(p) for p in (args.path, *args.merge) if not p.is_file()]
+    if missing:
+        parser.error(f"no such file: {', '.join(missing)}")
     records = load_records(args.path)
     for newer in args.merge:
         records = merge_records(records, load_records(newer))

@@ -93,6 +93,9 @@ def main(argv=None) -> int:
                         "first run's)")
     parser.add_argument("--title", default="", help="the plot's title (default: none)")
     args = parser.parse_args(argv)
+    missing = [str(p) for p in args.metrics if not p.is_file()]
+    if missing:
+        parser.error(f"no such file: {', '.join(missing)}")
     runs = [run for path in args.metrics for run in load_runs(path)]
     if len(runs) < 2:
         parser.error(f"need at least two runs to compare, got {len(runs)}")

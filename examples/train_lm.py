@@ -269,7 +269,8 @@ def parse_args(argv=None):
     parser.add_argument("--eval-every", type=positive_int, default=50,
                         help="steps between validation losses and checkpoints")
     parser.add_argument("--eval-batches", type=positive_int, default=4, help="validation batches per evaluation")
-    parser.add_argument("--data-mb", type=float, default=8.0, help="corpus size to read, in MB")
+    parser.add_argument("--data-mb", type=in_range(0.0, float("inf"), low_open=True), default=8.0,
+                        help="corpus size to read, in MB")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the last checkpoint in --out (without it, --out must hold no "
                              "checkpoint of an earlier run)")
@@ -330,8 +331,11 @@ def train(args, out: pathlib.Path, manager: ocp.CheckpointManager) -> int:
             raise SystemExit(f"--resume: the checkpoint at step {start} in {out / 'checkpoints'} does not fit this "
                              "model; resume with the model flags of the run that wrote it (--d-model, --layers, "
                              f"--d-state, --headdim). Orbax said: {str(e).strip().splitlines()[0]}") from None
+        if start > args.steps:  # its outputs would be a later step's model under an earlier run's settings
+            raise SystemExit(f"--resume: the checkpoint in {out / 'checkpoints'} is at step {start}, past "
+                             f"--steps={args.steps}; resume with --steps {start} or more")
         history = resumed_history(out / "metrics.json", start)
-        note = schedule_change(out / "metrics.json", args, start)
+        note = schedule_change(out / "metrics.json", args, start) if start < args.steps else None
         if note:
             print(note)
         print(f"resumed from step {start}" + (f", at or past --steps={args.steps}: nothing left to train"

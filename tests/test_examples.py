@@ -82,6 +82,13 @@ def test_train_lm_refuses_an_earlier_runs_checkpoints_without_resume(trained_lm)
     assert "holds the checkpoints of an earlier run (steps [2, 3]); pass --resume" in result.stderr
     assert "Traceback" not in result.stderr
     assert sorted(p.name for p in checkpoints.iterdir()) == before
+    # Resumed with fewer steps than its last checkpoint's: refused, nothing written over the later step's outputs.
+    metrics = (out / "train_lm" / "metrics.json").read_bytes()
+    result = start_example("train_lm", "--steps", "2", "--resume", *TINY_LM, "--data-mb", "0.3", "--out", str(out))
+    assert result.returncode != 0
+    assert "is at step 3, past --steps=2; resume with --steps 3 or more" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert (out / "train_lm" / "metrics.json").read_bytes() == metrics
 
 
 def test_generate_loads_trained_model_and_matches_full_forward(trained_lm):
@@ -231,6 +238,8 @@ def test_train_lm_remat_flag_sets_the_model_option():
     ("train_lm", ["--chunk-size", "24"], "argument --chunk-size: 24 must be a power of two"),
     ("train_lm", ["--lr", "inf"], r"argument --lr: inf must be a finite number in \(0.0, inf\)"),
     ("train_lm", ["--seed", "-1"], "--seed=-1 must be >= 0"),
+    ("train_lm", ["--data-mb", "nan"], r"argument --data-mb: nan must be a finite number in \(0.0, inf\)"),
+    ("train_lm", ["--data-mb", "inf"], r"argument --data-mb: inf must be a finite number in \(0.0, inf\)"),
     ("generate", ["--top-p", "abc"], "argument --top-p: invalid float value: 'abc'"),
 ])
 def test_examples_refuse_bad_flags_naming_them(capsys, name, flags, message):
