@@ -174,6 +174,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    out = output_dir(args.out)  # before the work: an --out that cannot be a folder ends the run at once
     shape = dict(batch=args.batch, seqlen=args.seqlen, nheads=args.nheads, headdim=args.headdim,
                  ngroups=args.ngroups, dstate=args.dstate)
     print(f"device: {describe_device()}")
@@ -192,7 +193,6 @@ def main(argv=None) -> int:
 
     bound = MAX_REL_ERR[args.dtype]
     print_table(rows, bound)
-    out = output_dir(args.out)
     record = {"device": describe_device(), "shape": shape, "chunk_size": args.chunk_size,
               "dtype": args.dtype, "max_rel_err": bound, "rows": rows}
     # NaN errors as null: JSON has no NaN (Python's json would write a bare NaN that strict readers refuse).

@@ -407,6 +407,8 @@ def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
             carry_over(path, staging, skip=_OWN_FILES)
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+        # safetensors creates its file private (0600); it gets config.json's mode, the one the umask leaves.
+        shutil.copymode(staging / "config.json", staging / "model.safetensors")
         for file in ("config.json", "model.safetensors"):
             fsync(staging / file)
         fsync(staging)  # the directory's entries (carried-over files included) before it is renamed in

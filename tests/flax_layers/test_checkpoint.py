@@ -5,6 +5,7 @@ import math
 import os
 import pathlib
 import re
+import stat
 import subprocess
 import sys
 import types
@@ -226,6 +227,17 @@ def test_save_over_a_checkpoint_drops_its_other_weight_files(tmp_path, tiny_conf
         (tmp_path / name).write_text("old")
     save_pretrained(model, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+
+
+def test_saved_files_get_the_permissions_the_umask_leaves(tmp_path, tiny_config):
+    """The weights are as readable as any file the user writes (safetensors alone makes its file private)."""
+    previous = os.umask(0o022)
+    try:
+        save_pretrained(_random_model(tiny_config), tmp_path / "model")
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "model").iterdir()}
+    assert modes == {"config.json": 0o644, "model.safetensors": 0o644}
 
 
 def test_save_refuses_paths_it_cannot_replace(tmp_path, tiny_config, monkeypatch):
