@@ -82,7 +82,8 @@ def make_sampling(api: str, vocab_size: int, *, temperature=0.0, top_k=None, top
     if 0 < temperature < np.finfo(np.float32).tiny:  # would round to 0 (or a subnormal) in float32
         raise ValueError(f"{api}: temperature={temperature} must be 0 (greedy) or at least "
                          f"{np.finfo(np.float32).tiny:.3g}, float32's smallest normal number")
-    tiny, largest = np.finfo(np.float32).tiny, np.finfo(np.float32).max
+    # Python floats: a float32 bound would cast the penalty to float32 first (an overflow warning past its range).
+    tiny, largest = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
     if not tiny <= repetition_penalty <= largest:  # else it rounds to 0, a subnormal or inf in float32
         raise ValueError(f"{api}: repetition_penalty={repetition_penalty} must be > 0 and within float32's normal "
                          f"numbers, [{tiny:.3g}, {largest:.3g}]")
