@@ -169,20 +169,26 @@ def write_metrics(path: pathlib.Path, backend: str, args, n_params: int, history
         "history": history}, indent=1).encode())
 
 
+def earlier_values(metrics_file: pathlib.Path, args, flags: tuple[str, ...]) -> dict:
+    """{flag: value} of those of `flags` whose value in the settings of the run that wrote `metrics_file` (with each
+    of its checkpoints) differs from `args`; empty where they agree or there is no file."""
+    if not metrics_file.is_file():
+        return {}
+    written = json.loads(metrics_file.read_text()).get("args", {})
+    return {name: written[name] for name in flags if name in written and written[name] != getattr(args, name)}
+
+
 # The flags that give the parameters their shapes: a checkpoint restores only into a model built with its values.
 SHAPE_FLAGS = ("d_model", "layers", "d_state", "headdim")
 
 
 def check_shape_flags(metrics_file: pathlib.Path, args, checkpoint: str) -> None:
-    """Exits naming the flags whose values differ from those of the run whose settings `metrics_file` holds (written
-    with each of its checkpoints), before a restore that could only fail; no file, no check (Orbax's shape check
-    remains)."""
-    if not metrics_file.is_file():
-        return
-    written = json.loads(metrics_file.read_text()).get("args", {})
-    differ = [name for name in SHAPE_FLAGS if name in written and written[name] != getattr(args, name)]
+    """Exits naming the flags whose values differ from those of the run that wrote `metrics_file`, before a restore
+    that could only fail; no file, no check (Orbax's shape check remains)."""
+    differ = earlier_values(metrics_file, args, SHAPE_FLAGS)
     if differ:
-        flags = ", ".join(f"--{name.replace('_', '-')} {written[name]} (not {getattr(args, name)})" for name in differ)
+        flags = ", ".join(f"--{name.replace('_', '-')} {value} (not {getattr(args, name)})"
+                          for name, value in differ.items())
         raise SystemExit(f"--resume: {checkpoint} was written by a model of other shapes; resume with the model "
                          f"flags of the run that wrote it: {flags}")
 
@@ -195,14 +201,11 @@ def schedule_change(metrics_file: pathlib.Path, args, step: int) -> str | None:
     """Where a resumed run's SCHEDULE_FLAGS differ from those of the run that wrote `metrics_file`, a line saying so
     and what it does to the learning rate at `step`, the first step trained now (a longer --steps stretches the
     cosine, so the rate jumps back up); None where they agree or no file says."""
-    if not metrics_file.is_file():
-        return None
-    written = json.loads(metrics_file.read_text()).get("args", {})
-    differ = [name for name in SCHEDULE_FLAGS if name in written and written[name] != getattr(args, name)]
+    differ = earlier_values(metrics_file, args, SCHEDULE_FLAGS)
     if not differ:
         return None
-    before = argparse.Namespace(**{**vars(args), **{name: written[name] for name in differ}})
-    flags = ", ".join(f"--{name} {getattr(args, name)} (the earlier run's {written[name]})" for name in differ)
+    before = argparse.Namespace(**{**vars(args), **differ})
+    flags = ", ".join(f"--{name} {getattr(args, name)} (the earlier run's {value})" for name, value in differ.items())
     return (f"--resume: {flags} changes the learning-rate schedule: the rate at step {step} is "
             f"{float(learning_rate_schedule(args)(step)):.3g}, where the earlier run's would be "
             f"{float(learning_rate_schedule(before)(step)):.3g}")

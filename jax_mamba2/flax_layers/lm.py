@@ -115,8 +115,8 @@ class Mamba2Block(nnx.Module):
         cache (unless None where a sequence is given) of the mixer's shapes for that batch."""
         names = ("batch", "seqlen", "d_model") if sequence else ("batch", "d_model")
         shape = _checks.check_named_array(api, "hidden_states", hidden_states,
-                                    tuple((n, self.mixer.d_model if n == "d_model" else None) for n in names),
-                                    kind="floating")
+                                          tuple((n, self.mixer.d_model if n == "d_model" else None) for n in names),
+                                          kind="floating")
         _checks.check_named_array(api, "residual", residual, tuple(zip(names, shape)), kind="floating")
         _checks.check_batch_splits(api, "hidden_states", shape[0], self.mixer.mesh_axes)
         if cache is not None or not sequence:  # a step needs one
@@ -285,7 +285,7 @@ class Mamba2LMHeadModel(nnx.Module):
         name, labels = ("labels", input_ids if labels is None else labels) if shift_labels is None else (
             "shift_labels", shift_labels)
         _checks.check_named_array("Mamba2LMHeadModel.loss", name, labels,
-                            tuple(zip(("batch", "seqlen"), input_ids.shape)), kind="integer")
+                                  tuple(zip(("batch", "seqlen"), input_ids.shape)), kind="integer")
         if labels is not input_ids:  # (input_ids were checked above) a target past the vocabulary would score NaN
             _checks.check_token_ids_in_range("Mamba2LMHeadModel.loss", name, labels, self.config.vocab_size,
                                              ignore_index)

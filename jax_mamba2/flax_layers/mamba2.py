@@ -244,7 +244,7 @@ class Mamba2(nnx.Module):
           ValueError, TypeError: for arguments of the wrong shape or dtype, naming the expected one.
         """
         batch, _ = _checks.check_named_array("Mamba2.step", "hidden_states", hidden_states,
-                                       (("batch", None), ("d_model", self.d_model)), kind="floating")
+                                             (("batch", None), ("d_model", self.d_model)), kind="floating")
         _checks.check_batch_splits("Mamba2.step", "hidden_states", batch, self.mesh_axes)
         _checks.check_cache("Mamba2.step", cache, *self.cache_axes(batch))
         return self._run(Mamba2._step, (hidden_states, cache), returns_cache=True)
@@ -278,8 +278,8 @@ class Mamba2(nnx.Module):
     def _check_hidden_states(self, api: str, hidden_states) -> tuple[int, int]:
         """hidden_states must be (batch, seqlen, d_model), floating; returns (batch, seqlen)."""
         batch, seqlen, _ = _checks.check_named_array(api, "hidden_states", hidden_states,
-                                               (("batch", None), ("seqlen", None), ("d_model", self.d_model)),
-                                               kind="floating")
+                                                     (("batch", None), ("seqlen", None), ("d_model", self.d_model)),
+                                                     kind="floating")
         _checks.check_batch_splits(api, "hidden_states", batch, self.mesh_axes)
         return batch, seqlen
 
