@@ -1,7 +1,9 @@
-"""The record of a whole GPU test-suite run: `gpu_session.sh suite-1` and `suite-2` write JUnit XML, this turns
-them into one JSON (each test's outcome and seconds, the counts, why any test skipped, how it was run).
+"""The record of a whole GPU test-suite run: the parts `gpu_session.sh suite-1`, `suite-2` (and `suite-3`) write
+JUnit XML, this turns them into one JSON (each test's outcome and seconds, the counts, why any test skipped, how
+it was run).
 
-    python benchmarks/tools/suite_record.py OUT_1 OUT_2 --git-sha SHA --out benchmarks/results/gpu_suite_h200.json
+    python benchmarks/tools/suite_record.py OUT_1 OUT_2 [OUT_3] --git-sha SHA \
+        --out benchmarks/results/gpu_suite_h200.json
 
 Each OUT is a folder a suite part wrote (suite_<half>.xml, .ids, .rc, .settings and gpu_name.txt), in the order
 they ran: a test run again by a later part (suite-ids) takes that outcome, the earlier one kept in its entry and
@@ -100,8 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     counts = collections.Counter(entry["outcome"] for entry in tests.values())
     rerun = {test_id: entry["earlier_run"]["outcome"] for test_id, entry in sorted(tests.items())
              if "earlier_run" in entry and entry["earlier_run"]["outcome"] != entry["outcome"]}
-    method = ("every test collected by `pytest -m gpu tests` at this commit, the ids alternately in two halves (the "
-              "long sweeps first), each half one device call of `benchmarks/tools/gpu_session.sh suite-N`: "
+    method = ("every test collected by `pytest -m gpu tests` at this commit, the ids dealt in turn to the parts (the "
+              "long sweeps first; how many parts: `parts` in each run's settings), each part one device call of "
+              "`benchmarks/tools/gpu_session.sh suite-N`: "
               "pytest-xdist workers sharing the GPU (each part's settings under `runs`), JAX_MAMBA2_AUTOTUNE=0; "
               "seconds are each test's own under that contention. " + args.method).strip()
     record = {
