@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh suites|suite-1|suite-2|suite-3|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|suite-1|suite-2|suite-3|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-row|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|suite-1|suite-2|suite-3|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]}
+part=${1:?usage: gpu_session.sh suites|suite-1|suite-2|suite-3|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-row|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 # causal_conv1d for the peer, built in the background by the parts that run it (lm-step, decode-matrix) into
 # /tmp/ccsite; its build needs the machine's CUDA toolkit, which gpu-env.sh hides. A marker says how it ended. (A
 # build left running by an earlier call is not counted on: calls sent back to back were seen to land on a fresh
 # machine.)
-if [ "$part" = lm-step ] || [ "$part" = decode-matrix ]; then
+if [ "$part" = lm-step ] || [ "$part" = lm-row ] || [ "$part" = decode-matrix ]; then
   rm -f /tmp/ccsite.done /tmp/ccsite.failed
   ( cd .peers && CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=16 NVCC_THREADS=2 timeout 480 python3 -m pip install \
       --no-build-isolation --no-deps --no-index ./cc --target /tmp/ccsite > /tmp/causal_conv1d_build.log 2>&1 \
@@ -173,6 +173,15 @@ case $part in
       --causal-conv1d /tmp/ccsite --worker-timeout 160 --out "$out"
     step lm_step_unrolled 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --unroll-layers \
       --no-profile --worker-timeout 100 --out "$out"
+    ;;
+  lm-row)  # lm-step's README row alone, where a call has less than lm-step's ~9 minutes: ours unrolled while
+    # causal_conv1d builds, then the peer's fused path
+    export JAX_MAMBA2_AUTOTUNE=0
+    step lm_step_unrolled 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --unroll-layers \
+      --no-profile --worker-timeout 140 --out "$out"
+    wait_peer
+    step lm_step_peer 170 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls mamba_ssm --mamba-ssm .peers \
+      --causal-conv1d /tmp/ccsite --worker-timeout 160 --out "$out"
     ;;
   lm-scan)  # the default layer scan at d1024-l24-8x2048, what its stacking costs: as it is (each residual written
     # into its unfilled stack where the layer computes it, later uses reading it from there), against the same loop
