@@ -541,13 +541,13 @@ def _commit(record: dict):
 
 
 def _user_ours(record: dict) -> bool:
-    """A record of ours as a user runs it: the cutile backend, no XLA options, every variant at its default
-    but the layer mode (the layer scan or unrolled blocks, both model options). Records made before the loss
-    followed the model's backend (no "loss_softmax" field) name the default of then, "xla"."""
-    old_default = "loss_softmax" not in record and record.get("loss_backend") == "xla"
-    return (record["impl"] == "cutile" and not record.get("xla_options")
-            and all(v.field == "scan_layers" or (v.field == "loss_backend" and old_default)
-                    for v, _ in changed_variants(record)))
+    """A record of ours as a user ran it: the cutile backend, no XLA options, every variant at its default but the
+    layer mode (the layer scan or unrolled blocks, both model options). Judged by the record's label, which names
+    the variants it changed against the defaults of the day it ran, so that a default changed since (whether the
+    chunk states are saved, where the loss's softmax runs) neither makes an old record a variant nor an old variant
+    a user's run."""
+    unrolled = next(v.label for v in VARIANTS if v.field == "scan_layers")
+    return record["impl"] == "cutile" and record["label"] in (LABELS["cutile"], LABELS["cutile"] + unrolled)
 
 
 def plot(records: list[dict], path: Path) -> Path:

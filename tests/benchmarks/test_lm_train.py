@@ -369,7 +369,7 @@ def test_conv_configs_reach_the_worker_and_key_the_record(monkeypatch):
 def test_the_speedup_takes_the_peer_of_ours_commit_where_there_is_one():
     def record(impl, ms, sha, **extra):
         return {"config": "d8-l1-1x8", "impl": impl, "timing": {"ms_median": ms}, "environment": {"git_sha": sha},
-                **extra}
+                "label": lm_train.LABELS[impl], **extra}
     ours = record("cutile", 10.0, "b")
     older_peer, same_run_peer = record("mamba_ssm", 40.0, "a"), record("mamba_ssm", 30.0, "b")
     assert lm_train._speedup([ours, same_run_peer, older_peer], "d8-l1-1x8") == ("d8-l1-1x8", 3.0, True)
@@ -377,17 +377,25 @@ def test_the_speedup_takes_the_peer_of_ours_commit_where_there_is_one():
     assert lm_train._speedup([ours], "d8-l1-1x8") is None
 
 
-def test_the_speedup_takes_a_loss_on_xla_only_from_records_of_when_it_was_the_default():
-    """Records made before the loss followed the model's backend (no "loss_softmax") had XLA's softmax by
-    default; a later record that asks for it is a variant, not what a user runs."""
+def test_the_speedup_judges_a_record_by_the_defaults_of_the_day_it_ran():
+    """A record's label names the variants it changed against the defaults of then: a record that kept the chunk
+    states when that was the default is a user's run, one that asked for what is the default today is not; XLA
+    options and other variants are never a user's run; the layer mode is the user's choice."""
     def record(ms, **extra):
-        return {"config": "d8-l1-1x8", "impl": "cutile", "timing": {"ms_median": ms}, "environment": {"git_sha": "b"},
-                **extra}
-    peer = {"config": "d8-l1-1x8", "impl": "mamba_ssm", "timing": {"ms_median": 40.0}, "environment": {"git_sha": "b"}}
-    default, asked_xla = record(10.0, loss_softmax="auto"), record(8.0, loss_backend="xla", loss_softmax="xla")
-    assert lm_train._user_ours(default) and not lm_train._user_ours(asked_xla)
-    assert lm_train._user_ours(record(9.0, loss_backend="xla"))  # an older record: its default
-    assert lm_train._speedup([default, asked_xla, peer], "d8-l1-1x8") == ("d8-l1-1x8", 4.0, True)
+        job = {"config": "d8-l1-1x8", "impl": "cutile", "timing": {"ms_median": ms}, "environment": {"git_sha": "b"},
+               **extra}
+        return {**job, "label": lm_train.label(job)}
+    then_default = {**record(9.0, save_chunk_states=True), "label": lm_train.LABELS["cutile"]}
+    asked_then = {**record(7.0, save_chunk_states=False), "label": lm_train.LABELS["cutile"] + ", chunk states "
+                  "recomputed"}
+    unrolled, unchecked = record(8.0, scan_layers=False), record(6.0, scan_layers=False, check_finite=False)
+    flagged = record(5.0, xla_options={"xla_gpu_enable_command_buffer": ""})
+    assert lm_train._user_ours(record(10.0)) and lm_train._user_ours(then_default) and lm_train._user_ours(unrolled)
+    assert not any(lm_train._user_ours(r) for r in (asked_then, unchecked, flagged))
+    peer = {"config": "d8-l1-1x8", "impl": "mamba_ssm", "timing": {"ms_median": 40.0}, "environment": {"git_sha": "b"},
+            "label": lm_train.LABELS["mamba_ssm"]}
+    assert lm_train._speedup([then_default, asked_then, unrolled, unchecked, flagged, peer], "d8-l1-1x8") == (
+        "d8-l1-1x8", 5.0, True)
 
 
 def test_cutile_launches_lists_the_package_s_kernels_in_hlo_order():
