@@ -8,7 +8,7 @@ set -u
 part=${1:?usage: gpu_session.sh suites|suite-1|suite-2|suite-3|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-row|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
-# causal_conv1d for the peer, built in the background by the parts that run it (lm-step, decode-matrix) into
+# causal_conv1d for the peer, built in the background by the parts that run it (lm-step, lm-row, decode-matrix) into
 # /tmp/ccsite; its build needs the machine's CUDA toolkit, which gpu-env.sh hides. A marker says how it ended. (A
 # build left running by an earlier call is not counted on: calls sent back to back were seen to land on a fresh
 # machine.)
