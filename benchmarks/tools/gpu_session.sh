@@ -159,8 +159,8 @@ case $part in
     step jit_model 60 python examples/jit_model.py --out "$out"
     ;;
   lm-step)  # the LM training step at d1024-l24-8x2048 against mamba_ssm's fused path in one call (~9 minutes):
-    # causal_conv1d built in the background (above) from .peers/cc (its source with setup.py's -gencode list cut to
-    # sm_90, ../shared/notes/peers.md, and its float16 instantiations dropped: the benchmarks run bf16 and f32),
+    # causal_conv1d built in the background (above) from .peers/cc (as tools/prepare_peers.py lays it out: sm_90
+    # alone, float32 and bfloat16 alone),
     # meanwhile ours profiled without the non-finite confinement and with the layer scan, then the
     # peer and ours unrolled (the README's row) once the build is done
     export JAX_MAMBA2_AUTOTUNE=0
