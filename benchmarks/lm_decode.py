@@ -8,7 +8,9 @@ converted inside every step (what a model built with float32 parameters does), b
 once (`cast_params`). The decode state is allocated in the parameters' dtype, as mamba_ssm does.
 
 Implementations (--impls):
-  cutile, xla  jax-mamba2's `generate` (one jitted program: prefill, then a lax.scan of cached steps). The
+  cutile, cutile_callback, xla
+               jax-mamba2's `generate` (one jitted program: prefill, then a lax.scan of cached steps) on that
+               backend (cutile_callback: the same kernels launched from buffer_callbacks). The
                step time is the difference of generate with 1 and with 1 + --decode-steps new tokens (the
                prefill and the first token cancel), divided by --decode-steps. --command-buffers runs each
                of them with XLA's command buffers (CUDA graphs) as XLA defaults them ("default"), off
@@ -63,8 +65,8 @@ if __package__ in (None, ""):  # run as a script: the repository root on sys.pat
 
 from benchmarks import lm_bench  # noqa: E402
 
-IMPLS = ("cutile", "xla", "mamba_ssm")
-OURS = ("cutile", "xla")
+IMPLS = ("cutile", "cutile_callback", "xla", "mamba_ssm")
+OURS = ("cutile", "cutile_callback", "xla")
 PRESETS = ("mamba2-370m", "mamba2-780m", "mamba2-1.3b")
 DEFAULT_CONFIGS = ("d1024-l24", *PRESETS)
 PROMPT_TOKENS = 16  # the prompt before the timed decode steps
@@ -73,7 +75,8 @@ SAMPLING = {"greedy": {}, "top-k": {"temperature": 1.0, "top_k": 50}, "top-p": {
             "penalty": {"repetition_penalty": 1.2}}
 PROFILE_TOP_KERNELS = 40  # a token step's kernels listed by time in --profile's record (about 18 per layer)
 COMMAND_BUFFER_FLAGS = lm_bench.COMMAND_BUFFER_FLAGS
-LABELS = {"cutile": "jax-mamba2 generate, cuTile", "xla": "jax-mamba2 generate, XLA",
+LABELS = {"cutile": "jax-mamba2 generate, cuTile", "cutile_callback": "jax-mamba2 generate, cuTile from a "
+          "buffer_callback", "xla": "jax-mamba2 generate, XLA",
           "mamba_ssm": "mamba_ssm Mamba2.step, CUDA graph (PyTorch)"}
 
 

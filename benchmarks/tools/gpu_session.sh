@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh suites|suite-1|suite-2|suite-3|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-row|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|suite-1|suite-2|suite-3|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-row|lm-scan|lm-tests|lm-memory|decode|decode-callback|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|suite-1|suite-2|suite-3|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-row|lm-scan|lm-tests|lm-memory|decode|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]}
+part=${1:?usage: gpu_session.sh suites|suite-1|suite-2|suite-3|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-row|lm-scan|lm-tests|lm-memory|decode|decode-callback|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 # causal_conv1d for the peer, built in the background by the parts that run it (lm-step, lm-row, decode-matrix) into
@@ -225,6 +225,12 @@ case $part in
     step lm_decode 190 python benchmarks/lm_decode.py --configs d1024-l24 --impls cutile mamba_ssm \
       --param-dtypes bfloat16 --batches 1 8 64 256 --prompt-lengths --profile "${lm_peer[@]}" --worker-timeout 180 \
       --out "$out"
+    ;;
+  decode-callback)  # generate's token step (d1024-l24, bf16) on the FFI executor against the callback executor, the
+    # one where launch attributes (programmatic dependent launch) could be set, at batches 1 and 64 (about 4 minutes)
+    export JAX_MAMBA2_AUTOTUNE=0
+    step lm_decode_callback 280 python benchmarks/lm_decode.py --configs d1024-l24 --impls cutile cutile_callback \
+      --param-dtypes bfloat16 --batches 1 64 --prompt-lengths --worker-timeout 130 --out "$out"
     ;;
   decode-matrix)  # the LM decode benchmark at the batches in $DECODE_BATCHES (default 1 8 64 256) with prefills of
     # the prompts in $DECODE_PROMPTS (default 512 2048; empty for none) for the configs in $DECODE_CONFIGS (default

@@ -63,6 +63,18 @@ def test_mixer_heads_make_a_cutile_job_each_and_key_the_record():
     assert lm_decode.label({**plain, "mixer_heads": 4}).endswith(", 4 heads per mixer block from 64 rows")
 
 
+def test_the_callback_backend_is_one_of_ours_with_a_model_and_label_of_its_own():
+    args = lm_decode.parse_args(["--configs", "d64-l1", "--impls", "cutile", "cutile_callback", "--param-dtypes",
+                                 "bfloat16", "--mixer-heads", "4"])
+    jobs = [job for job, _ in lm_decode.jobs(args)]
+    # The mixer-head variants replace the cutile backend's kernels only: the callback backend runs its defaults.
+    assert [(j["impl"], j.get("mixer_heads")) for j in jobs] == [("cutile", 4), ("cutile_callback", None)]
+    assert lm_decode.ours_model(jobs[1]).layers.mixer.backend == "cutile_callback"
+    assert lm_decode.label({**jobs[1], "command_buffers": "default"}).startswith(
+        "jax-mamba2 generate, cuTile from a buffer_callback, bfloat16 params, command buffers default")
+    assert lm_decode.record_key(jobs[0]) != lm_decode.record_key({**jobs[0], "impl": "cutile_callback"})
+
+
 def test_cache_dtypes_make_a_job_of_ours_each_key_the_record_and_reach_generate():
     args = lm_decode.parse_args(["--configs", "d64-l1", "--impls", "xla", "mamba_ssm", "--param-dtypes", "float32",
                                  "--cache-dtypes", "default", "bfloat16"])
