@@ -105,13 +105,14 @@ def is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def check_int(api: str, name: str, value, requirement: str = "a positive int", minimum: int = 1) -> int:
-    """`value` is an integer of Python or NumPy (not a bool) of at least `minimum`; returns it as a Python int.
-    TypeError for anything else, ValueError below `minimum`, both saying "<api>: <name>=<value> must be
-    <requirement>" (callers with further conditions raise the same words as a ValueError)."""
+def check_int(api: str, name: str, value, requirement: str = "a positive int", minimum: int = 1,
+              maximum: int | None = None) -> int:
+    """`value` is an integer of Python or NumPy (not a bool) in [minimum, maximum] (no upper bound for None);
+    returns it as a Python int. TypeError for anything else, ValueError out of range, both saying "<api>:
+    <name>=<value> must be <requirement>" (callers with further conditions raise the same words as a ValueError)."""
     if not is_int(value):
         raise TypeError(f"{api}: {name}={value!r} must be {requirement}")
-    if value < minimum:
+    if value < minimum or (maximum is not None and value > maximum):
         raise ValueError(f"{api}: {name}={value!r} must be {requirement}")
     return int(value)
 

@@ -198,8 +198,7 @@ def _check_layout(x, kernel, channel_offset, split) -> tuple[int, int, tuple[int
     channels, width = kernel.shape[1], x.shape[-1]
     requirement = (f"an int in [0, x.shape[-1] - channels]=[0, {width - channels}] (x.shape[-1]={width}, "
                    f"channels={channels})")
-    if check_int(_SPLIT_API, "channel_offset", channel_offset, requirement, minimum=0) > width - channels:
-        raise ValueError(f"{_SPLIT_API}: channel_offset={channel_offset!r} must be {requirement}")
+    check_int(_SPLIT_API, "channel_offset", channel_offset, requirement, minimum=0, maximum=width - channels)
     requirement = f"a tuple of 1 to {MAX_PIECES} positive ints summing to channels={channels}"
     if not isinstance(split, tuple) or not all(is_int(w) for w in split):
         raise TypeError(f"{_SPLIT_API}: split={split!r} must be {requirement}")

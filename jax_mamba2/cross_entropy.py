@@ -380,8 +380,7 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
     padded_vocab = weight.shape[0 if embedding is not None else 1]
     vocab_size = padded_vocab if vocab_size is None else vocab_size
     requirement = f"an int in [1, {padded_vocab}] (the weight's vocabulary)"
-    if check_int(api, "vocab_size", vocab_size, requirement) > padded_vocab:
-        raise ValueError(f"{api}: vocab_size={vocab_size!r} must be {requirement}")
+    check_int(api, "vocab_size", vocab_size, requirement, maximum=padded_vocab)
     check_int(api, "chunk_tokens", chunk_tokens)
     check_ignore_index(api, ignore_index)
     if reduction not in ("mean", "sum", "none"):

@@ -220,8 +220,7 @@ def _check_z_source(api: str, x, z, z_kept_in) -> None:
         raise ValueError(f"{api}: z_kept_in[0] has shape {tuple(source.shape)} and dtype {source.dtype}; it must be "
                          f"(*x.shape[:-1], columns)={(*x.shape[:-1], 'columns')} in z's dtype {z.dtype}")
     requirement = f"an int with 0 <= offset and offset + features={features} <= columns={source.shape[-1]}"
-    if check_int(api, "z_kept_in[1]", offset, requirement, minimum=0) > source.shape[-1] - features:
-        raise ValueError(f"{api}: z_kept_in[1]={offset!r} must be {requirement}")
+    check_int(api, "z_kept_in[1]", offset, requirement, minimum=0, maximum=source.shape[-1] - features)
 
 
 def add_rms_norm(x, residual, weight, *, eps: float = 1e-5, residual_dtype=None, out_dtype=None,

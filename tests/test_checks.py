@@ -1,0 +1,32 @@
+"""jax_mamba2.checks: the shared argument checks the ops and layers raise their errors through."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_mamba2 import rms_norm
+from jax_mamba2.checks import check_int
+
+
+def test_check_int_returns_a_python_int_within_its_bounds():
+    assert check_int("api", "n", np.int64(3), minimum=0, maximum=3) == 3
+    assert type(check_int("api", "n", np.int32(2))) is int
+    assert check_int("api", "n", 10**12) == 10**12  # no upper bound by default
+
+
+@pytest.mark.parametrize("value,error", [(True, TypeError), (2.0, TypeError), ("2", TypeError), (None, TypeError),
+                                         (0, ValueError), (5, ValueError)])
+def test_check_int_names_the_argument_and_its_requirement(value, error):
+    with pytest.raises(error, match=r"^api: n=.* must be an int in \[1, 4\]$"):
+        check_int("api", "n", value, "an int in [1, 4]", maximum=4)
+
+
+def test_rms_norm_refuses_a_z_source_offset_past_its_columns():
+    x = jnp.ones((2, 8), jnp.float32)
+    source = jnp.ones((2, 12), jnp.float32)
+    z = source[:, 4:]
+    rms_norm(x, jnp.ones(8), z, z_kept_in=(source, 4), backend="xla")  # the last offset that fits
+    with pytest.raises(ValueError, match=r"z_kept_in\[1\]=5 must be an int with 0 <= offset and offset \+ "
+                                         r"features=8 <= columns=12"):
+        rms_norm(x, jnp.ones(8), z, z_kept_in=(source, 5), backend="xla")
+    with pytest.raises(TypeError, match=r"z_kept_in\[1\]=4.0 must be"):
+        rms_norm(x, jnp.ones(8), z, z_kept_in=(source, 4.0), backend="xla")
