@@ -1,0 +1,164 @@
+"""Probe: can a chain of cuTile launches inside a jitted loop take programmatic dependent launch (PDL)?
+
+The decode token step is ~100 launches whose latency, not their bytes, sets its time (docs/design.md, Decode).
+PDL lets a kernel start while the one before it on the stream finishes (the dependent waits in
+`ct.grid_dependency_control_wait()` before reading what its predecessor wrote); outside JAX it took 13.5% off
+the token step. The FFI executor's launches carry no launch attribute, but `ct.launch(...,
+programmatic_dependent_launch=True)` does, and `buffer_callback(command_buffer_compatible=True)` lets XLA
+record a callback's launches into its command buffers (CUDA graphs) once and replay them, with no Python per
+call. What this probe decides, before any executor is built on it: whether XLA really replays such a
+callback without calling Python again inside a `lax.scan`, whether PDL survives that capture (the outputs
+stay right and the time drops), and what a launch costs each way.
+
+A chain of N launches of `add_one_kernel` (each block loads a tile, adds one, stores it) runs T times in a
+jitted `lax.scan`; the result must be x + N * T. Executors:
+- `ffi`: one `cutile_call` custom call per launch (the package's FFI executor, in XLA's command buffers);
+- `callback`: one `buffer_callback` per scan step launching all N (Python runs every step);
+- `graph`: the same callback with `command_buffer_compatible=True`;
+- `graph_pdl_wait` / `graph_pdl_early`: that, launched with PDL, each kernel waiting at its top (and, early,
+  also letting its dependent launch right away).
+Per executor: ms per scan step (median of synchronised calls), us per launch, how often Python ran the
+callback, and whether the result was right.
+
+On the GPU machine (cuda-tile):
+  source .gpu/gpu-env.sh
+  python benchmarks/tools/callback_graph.py --out $OUT
+Writes <out>/callback_graph_<gpu>.json and prints one line per record.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import cuda.tile as ct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+
+if __package__ in (None, ""):  # run as a script: the repository root on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from jax_mamba2.bridge import _compat  # noqa: E402  (registers the command-buffer launch target)
+
+NONE, WAIT, WAIT_AND_TRIGGER = 0, 1, 2
+EXECUTORS = ("ffi", "callback", "graph", "graph_pdl_wait", "graph_pdl_early")
+
+
+def _add_one(x, y, TILE: ct.Constant[int], DEPENDENT: ct.Constant[int]):
+    """y[b * TILE:(b + 1) * TILE] = x[...] + 1 (float32). DEPENDENT: 0 plain; 1 waits for the previous launch
+    before its load; 2 also lets the next launch start at once (its own wait still orders its load)."""
+    if DEPENDENT > 0:
+        ct.grid_dependency_control_wait()
+    if DEPENDENT > 1:
+        ct.grid_dependency_control_launch_dependents()
+    block = ct.bid(0)
+    tile = ct.load(x, index=(block,), shape=(TILE,))
+    ct.store(y, index=(block,), tile=tile + 1.0)
+
+
+# The FFI executor records into command buffers only the launches of this package's kernels (by module name,
+# `_compat.register_command_buffer_launches`); the probe's kernel takes that name so that `ffi` is the executor
+# as the package runs it.
+_add_one.__module__ = "jax_mamba2.probe"
+add_one_kernel = ct.kernel(_add_one)
+
+
+def _chain_callback(grid, tile, launches, dependent, pdl, calls):
+    def callback(ctx, outputs, x):
+        calls[0] += 1
+        y, scratch = outputs
+        # launch i reads the previous one's output: x -> a -> b -> ... -> y, alternating y and scratch
+        targets = [y if (launches - 1 - i) % 2 == 0 else scratch for i in range(launches)]
+        source = x
+        for target in targets:
+            ct.launch(ctx.stream, grid, add_one_kernel, (source, target, tile, dependent),
+                      programmatic_dependent_launch=pdl)
+            source = target
+    return callback
+
+
+def make_step(executor: str, size: int, tile: int, launches: int):
+    """(step(x) -> x + launches, calls): one scan step of `executor`; calls[0] counts Python callback runs."""
+    grid, calls = (size // tile, 1, 1), [0]
+    if executor == "ffi":
+        from cuda.tile.jax import OutputPlaceholder, cutile_call
+
+        def step(x):
+            for _ in range(launches):
+                x = cutile_call(grid, add_one_kernel, (x, OutputPlaceholder(x.shape, x.dtype), tile, NONE))
+            return x
+        return step, calls
+    dependent, pdl = {"callback": (NONE, False), "graph": (NONE, False), "graph_pdl_wait": (WAIT, True),
+                      "graph_pdl_early": (WAIT_AND_TRIGGER, True)}[executor]
+    shapes = [jax.ShapeDtypeStruct((size,), jnp.float32)] * 2
+    call = buffer_callback(_chain_callback(grid, tile, launches, dependent, pdl, calls), shapes,
+                           command_buffer_compatible=executor != "callback")
+
+    def step(x):
+        return call(x)[0]
+    return step, calls
+
+
+def measure(executor: str, *, size: int, tile: int, launches: int, steps: int, repeats: int) -> dict:
+    step, calls = make_step(executor, size, tile, launches)
+
+    @jax.jit
+    def run(x):
+        return jax.lax.scan(lambda c, _: (step(c), None), x, None, length=steps)[0]
+
+    x = jax.random.normal(jax.random.key(0), (size,), jnp.float32)
+    expected = np.asarray(x) + launches * steps
+    result = np.asarray(run(x))  # compiles; the callback executors' first capture
+    right = bool(np.allclose(result, expected, rtol=0, atol=1e-3 * launches * steps))
+    began = time.perf_counter()
+    while time.perf_counter() - began < 0.5:  # the clocks idle low after a compilation
+        run(x).block_until_ready()
+    calls_before, samples = calls[0], []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        out = run(x)
+        out.block_until_ready()
+        samples.append((time.perf_counter() - began) * 1e3)
+    right = right and bool(np.allclose(np.asarray(out), expected, rtol=0, atol=1e-3 * launches * steps))
+    ms = statistics.median(samples) / steps
+    return {"executor": executor, "size": size, "tile": tile, "blocks": size // tile, "launches": launches,
+            "scan_steps": steps, "ms_per_step": ms, "us_per_launch": ms * 1e3 / launches,
+            "python_calls_per_run": (calls[0] - calls_before) / repeats, "right": right}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--executors", nargs="+", choices=EXECUTORS, default=list(EXECUTORS))
+    parser.add_argument("--blocks", type=int, nargs="+", default=[1, 132])
+    parser.add_argument("--tile", type=int, default=1024)
+    parser.add_argument("--launches", type=int, default=98)
+    parser.add_argument("--steps", type=int, default=64, help="scan steps per run")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--git-sha", default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    records = []
+    for blocks in args.blocks:
+        for executor in args.executors:
+            try:
+                record = measure(executor, size=blocks * args.tile, tile=args.tile, launches=args.launches,
+                                 steps=args.steps, repeats=args.repeats)
+            except Exception as error:  # a probe: an executor XLA refuses is a finding, not the end of the run
+                record = {"executor": executor, "blocks": blocks, "error": f"{type(error).__name__}: {error}"}
+            records.append(record)
+            print(json.dumps(record), flush=True)
+    if args.out:
+        gpu = jax.devices()[0].device_kind.split()[-1].lower()
+        path = Path(args.out) / f"callback_graph_{gpu}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"git_sha": args.git_sha, "jax": jax.__version__, "device":
+                                    jax.devices()[0].device_kind, "records": records}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
