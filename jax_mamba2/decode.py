@@ -24,6 +24,9 @@ in a buffer callback), registered by the bridge; "auto" picks cutile on a suppor
 `lax.platform_dependent`) and xla otherwise. A kernel backend asked for by name never falls back: it raises
 saying why it cannot run. Both ops are differentiable on every backend: their VJP is the reference's (decoding
 never differentiates, and the kernels have no backward of their own).
+
+`token_step(fn, backend)` runs a whole token step made of these ops on the callback backend as one callback, which
+XLA records as one CUDA graph of programmatic dependent launches (bridge/merged_callbacks.py).
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import functools
 import math
 import operator
 from numbers import Integral
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -487,6 +490,18 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
     if not stack:
         new_ssm_state, new_conv_state = new_ssm_state[0], new_conv_state[0]
     return (y, new_ssm_state, new_conv_state, *sum_squares)
+
+
+def token_step(fn: Callable, backend: str) -> Callable:
+    """`fn` (a token step made of this module's ops, all on `backend`) as it runs fastest there: on
+    "cutile_callback" every run of its kernel plans that no other operation separates becomes one callback that XLA
+    records into its command buffers, each launch in it a programmatic dependent launch of its predecessor
+    (`bridge.merged_callbacks.merge_plan_callbacks`); on any other backend `fn` itself. Call it inside a jitted
+    function: the merged form traces `fn` at each call."""
+    if backend != "cutile_callback":
+        return fn
+    from jax_mamba2.bridge import merged_callbacks
+    return merged_callbacks.merge_plan_callbacks(fn)
 
 
 def write_group_windows(conv_state, group_windows, d_ssm: int, first_layer=0):

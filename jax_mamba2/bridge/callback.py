@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.buffer_callback import buffer_callback
 
+from jax_mamba2.bridge.merged_callbacks import PlanCall
 from jax_mamba2.kernels._common import Plan
 
 
@@ -22,6 +23,8 @@ def _launch_all(plan: Plan, input_names, buffer_names):
         for launch in plan.launches:
             args = tuple(env[a] if isinstance(a, str) else a for a in launch.args)
             ct.launch(ctx.stream, launch.grid, launch.kernel, args)
+    # What merged_callbacks reads to launch the plan from a callback of its own.
+    callback.plan_call = PlanCall(plan, tuple(input_names), tuple(buffer_names))
     return callback
 
 

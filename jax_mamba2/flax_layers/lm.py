@@ -371,12 +371,22 @@ class Mamba2LMHeadModel(nnx.Module):
         norm kernel sums), then the final add + norm with the LM head (two more). The layers run one after the
         other on their entries of the stacked parameters and cache, read in place: no layer loop, no slice of a
         weight, the SSM state stack updated in place (when XLA may reuse its buffer: inside `generate`'s loop, or
-        donated).
+        donated). On the callback backend the whole step's kernels are one callback (`decode_op.token_step`).
         The same values as the composed step (`_scan_layers_with_cache`)."""
+        backend = backends.for_op(self.layers.mixer.backend, decode_op.OP)
+        step = decode_op.token_step(self._decode_layers_and_head, backend)
+        logits, conv_state, ssm_state, group_windows = step(input_ids, cache.conv_state, cache.ssm_state)
+        # Every layer's B and C windows in one pass over their channels, once no kernel reads them any more.
+        conv_state = decode_op.write_group_windows(conv_state, group_windows, self.layers.mixer.d_ssm)
+        return logits, Mamba2Cache(conv_state, ssm_state)
+
+    def _decode_layers_and_head(self, input_ids, conv_state, ssm_state):
+        """`_decode_step`'s kernels: (logits, conv_state and ssm_state as the layers leave them, every layer's new
+        B and C windows (n_layer, batch, 2 * ngroups * d_state, d_conv))."""
         hidden, residual = self.embedding(input_ids), None
         hidden_dtype = None  # after the first layer: hidden holds out_proj's partial sums of this dtype
         residual_dtype = self._embed_residual_dtype(hidden.dtype)
-        conv_state, ssm_state, group_windows = cache.conv_state, cache.ssm_state, []
+        group_windows = []
         mixer = self.layers.mixer
         for layer in range(self.config.n_layer):
             input_dtype = hidden.dtype if hidden_dtype is None else hidden_dtype
@@ -386,8 +396,6 @@ class Mamba2LMHeadModel(nnx.Module):
                 hidden_dtype=hidden_dtype, return_partials=True, group_windows_apart=True)
             hidden_dtype = mixer.decode_out_dtype(input_dtype)
             group_windows.append(windows)
-        # Every layer's B and C windows in one pass over their channels, once no kernel reads them any more.
-        conv_state = decode_op.write_group_windows(conv_state, jnp.stack(group_windows), mixer.d_ssm)
         head = (dict(weight=self.embedding.embedding[...], transpose_weight=True) if self.lm_head is None
                 else dict(weight=self.lm_head.kernel[...]))
         logits, _ = decode_op.norm_project(
@@ -395,7 +403,7 @@ class Mamba2LMHeadModel(nnx.Module):
             residual_dtype=jnp.result_type(hidden_dtype, residual), eps=self.norm_f.eps,
             dtype=self.dtype or jnp.result_type(hidden_dtype, head["weight"]), x_dtype=hidden_dtype,
             backend=backends.for_op(self.layers.mixer.backend, decode_op.OP))
-        return logits, Mamba2Cache(conv_state, ssm_state)
+        return logits, conv_state, ssm_state, jnp.stack(group_windows)
 
     def init_cache(self, batch_size: int, dtype=None) -> Mamba2Cache:
         """Zero decode state of all layers: conv_state (n_layer, batch, conv_dim, d_conv), ssm_state

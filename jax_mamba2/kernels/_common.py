@@ -103,6 +103,38 @@ class Launch:
     args: tuple[Arg, ...]
     writes: tuple[str, ...]
 
+    def dependent(self, level: int) -> "Launch":
+        """This launch with its kernel's DEPENDENT constant at `level` (`wait_for_predecessor`); unchanged for a
+        kernel without one, which then cannot be launched as a programmatic dependent."""
+        names = list(kernel_signature(self.kernel).pysig.parameters)
+        if DEPENDENT not in names:
+            return self
+        index = names.index(DEPENDENT)
+        return dataclasses.replace(self, args=self.args[:index] + (level,) + self.args[index + 1:])
+
+    @property
+    def can_be_dependent(self) -> bool:
+        """Whether its kernel waits for its predecessor when launched as a programmatic dependent."""
+        return DEPENDENT in kernel_signature(self.kernel).pysig.parameters
+
+
+# Programmatic dependent launch (PDL): a kernel launched with the attribute may start while the launch before it on
+# its stream still runs. A kernel that can be so launched takes a DEPENDENT constant: INDEPENDENT (every plan's,
+# run in stream order), WAITS (it waits for its predecessor's writes before its first load), or WAITS_AND_RELEASES
+# (also lets its own successor launch at once, whose blocks then wait on the SMs).
+DEPENDENT = "DEPENDENT"
+INDEPENDENT, WAITS, WAITS_AND_RELEASES = 0, 1, 2
+
+
+def wait_for_predecessor(DEPENDENT):
+    """Device helper, first in a kernel that takes DEPENDENT: under a programmatic dependent launch, waits until
+    the launch before it has finished and its writes are visible (a no-op without the launch attribute), and
+    with WAITS_AND_RELEASES lets the next launch start."""
+    if DEPENDENT > INDEPENDENT:
+        ct.grid_dependency_control_wait()
+    if DEPENDENT > WAITS:
+        ct.grid_dependency_control_launch_dependents()
+
 
 def kernel_signature(kernel: Any) -> Any:
     """The parsed signature of a `ct.kernel` (`.pyfunc`, `.pysig`, `.parameter_annotations`). cuda.tile keeps

@@ -49,8 +49,9 @@ from typing import Optional
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    INT32_MAX, SM90_SMS, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, dt_transform,
-    index_width_variant, int64_index_kernels, is_power_of_2, next_power_of_2, sigmoid, silu_gate)
+    INDEPENDENT, INT32_MAX, SM90_SMS, Big, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, dt_transform,
+    index_width_variant, int64_index_kernels, is_power_of_2, next_power_of_2, sigmoid, silu_gate,
+    wait_for_predecessor)
 from jax_mamba2.kernels.state_update import state_step
 
 MIXER_STEP_INPUTS = ("layer_index", "zxbcdt", "conv_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D",
@@ -265,7 +266,9 @@ def mixer_step_kernel(
     DT_MAX: ConstFloat,
     HEADS: ConstInt,     # heads per block (of one group): B's and C's conv computed once for them
     STATE_VIEW: ConstBool,  # the layer's SSM state through `_layer_state` (int64-indexed kernels)
+    DEPENDENT: ConstInt,  # INDEPENDENT, or how it waits under a programmatic dependent launch
 ):
+    wait_for_predecessor(DEPENDENT)
     nheads = y.shape[1]
     headdim = y.shape[2]
     head_blocks = nheads // HEADS
@@ -391,7 +394,7 @@ def mixer_step_plan(dims: MixerStepDims, cfg: Optional[MixerStepConfig] = None) 
               dims.d_conv, next_power_of_2(dims.d_conv), dims.xbc_offset, dims.dt_offset, dims.has_z,
               dims.z_offset or 0, dims.has_sum_squares, dims.norm_z_offset or 0, dims.norm_before_gate,
               dims.has_conv_bias, dims.d_per_channel, dims.dt_softplus, dims.has_dt_limit, dt_min, dt_max,
-              cfg.HEADS, views_the_layer_state(dims)),
+              cfg.HEADS, views_the_layer_state(dims), INDEPENDENT),
         writes=("ssm_state", "conv_state", "group_windows", "y", SUM_SQUARES_OUTPUT),
     )
     return Plan(

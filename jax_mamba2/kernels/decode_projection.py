@@ -44,8 +44,8 @@ from typing import Optional
 import cuda.tile as ct
 
 from jax_mamba2.kernels._common import (
-    INT32_MAX, SM90_SMS, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, is_power_of_2, load_zero_padded,
-    mma_dtype, next_power_of_2, sigmoid, with_hints)
+    INDEPENDENT, INT32_MAX, SM90_SMS, Buffer, ConstBool, ConstFloat, ConstInt, Launch, Plan, is_power_of_2,
+    load_zero_padded, mma_dtype, next_power_of_2, sigmoid, wait_for_predecessor, with_hints)
 
 NORM_PROJECT_INPUTS = ("layer_index", "x", "residual", "z", "norm_weight", "weight", "bias", "sum_squares")
 # Rows per block: the product's M tile (a power of two >= 16, the smallest tensor-core tile).
@@ -334,7 +334,9 @@ def decode_norm_kernel(
     Z_BLOCK: ConstInt,   # the gate's first column in units of BLOCK_K
     NORM_BEFORE_GATE: ConstBool,
     EPS: ConstFloat,
+    DEPENDENT: ConstInt,  # INDEPENDENT, or how it waits under a programmatic dependent launch
 ):
+    wait_for_predecessor(DEPENDENT)
     row = ct.bid(0)
     g = ct.bid(1)
     layer = ct.load(layer_index, index=(0,), shape=(1,)).item()
@@ -422,7 +424,9 @@ def decode_project_kernel(
     NORM_BEFORE_GATE: ConstBool,
     EPS: ConstFloat,
     WEIGHT_FIRST: ConstBool,  # the product as (W^T a^T)^T: the weight's tile the tensor cores' first operand
+    DEPENDENT: ConstInt,  # INDEPENDENT, or how it waits under a programmatic dependent launch
 ):
+    wait_for_predecessor(DEPENDENT)
     m = ct.bid(0)
     n = ct.bid(1)
     split = ct.bid(2)
@@ -485,7 +489,9 @@ def decode_split_sum_kernel(
     BLOCK_N: ConstInt,
     SPLIT_K: ConstInt,
     HAS_BIAS: ConstBool,
+    DEPENDENT: ConstInt,  # INDEPENDENT, or how it waits under a programmatic dependent launch
 ):
+    wait_for_predecessor(DEPENDENT)
     m = ct.bid(0)
     n = ct.bid(1)
     layer = ct.load(layer_index, index=(0,), shape=(1,)).item()
@@ -524,7 +530,7 @@ def _norm_launch(dims: ProjectionDims) -> Launch:
         grid=(dims.rows, dims.ngroups),
         args=("layer_index", "x", "residual", "z", "norm_weight", "normed", "residual_out", dims.group, step,
               dims.x_parts, dims.has_residual, dims.write_residual, dims.has_z, dims.z_offset // step,
-              dims.has_z and dims.norm_before_gate, float(dims.eps)),
+              dims.has_z and dims.norm_before_gate, float(dims.eps), INDEPENDENT),
         writes=("normed", "residual_out"),
     )
 
@@ -551,7 +557,7 @@ def _product_launches(dims: ProjectionDims, cfg: ProjectionConfig, rows: str) ->
               min(next_power_of_2(dims.norm_parts), MAX_PARTS_TILE) if dims.norm_parts else 0, dims.ngroups,
               dims.group,
               dims.has_z and dims.norm_parts > 0, dims.z_offset // cfg.BLOCK_K, dims.norm_before_gate,
-              float(dims.eps), cfg.WEIGHT_FIRST),
+              float(dims.eps), cfg.WEIGHT_FIRST, INDEPENDENT),
         writes=("out", "partials"),  # one of them, the other a dummy: out without a split or out_parts, else
                                      # partials
     )
@@ -560,7 +566,7 @@ def _product_launches(dims: ProjectionDims, cfg: ProjectionConfig, rows: str) ->
     return product, Launch(
         kernel=DECODE_SPLIT_SUM_KERNEL,
         grid=tiles,
-        args=("layer_index", "partials", "bias", "out", bm, cfg.BLOCK_N, splits, dims.has_bias),
+        args=("layer_index", "partials", "bias", "out", bm, cfg.BLOCK_N, splits, dims.has_bias, INDEPENDENT),
         writes=("out",),
     )
 

@@ -158,6 +158,14 @@ def static_iter(iterable):
     return iterable
 
 
+def grid_dependency_control_wait():
+    """Blocks run after every block of the launch before them here: nothing to wait for."""
+
+
+def grid_dependency_control_launch_dependents():
+    """Launches run one after another here: nothing to release."""
+
+
 def zeros(shape, dtype):
     return np.zeros(_as_shape(shape), dtype)
 
@@ -312,12 +320,12 @@ def _float64_namespace():
 
 
 @contextlib.contextmanager
-def emulated(namespace=None):
-    """Within the block, every loaded jax_mamba2.kernels module sees `namespace` (default: this emulator)
-    as `ct`."""
+def emulated(namespace=None, modules=()):
+    """Within the block, every loaded jax_mamba2.kernels module, and the modules named in `modules` (e.g. a test's
+    own kernel's), sees `namespace` (default: this emulator) as `ct`."""
     namespace = namespace or sys.modules[__name__]
     patched = {name: module for name, module in sys.modules.items()
-               if name.startswith("jax_mamba2.kernels") and hasattr(module, "ct")}
+               if (name.startswith("jax_mamba2.kernels") or name in modules) and hasattr(module, "ct")}
     originals = {name: module.ct for name, module in patched.items()}
     for module in patched.values():
         module.ct = namespace
@@ -350,17 +358,23 @@ def run_plan(plan, inputs, *, float64=False):
     for name, buf in plan.buffers.items():
         empty = _empty(buf.shape, "float64" if float64 and buf.dtype != "int32" else buf.dtype)
         arrays[name] = (np.zeros_like(empty) if buf.zero_init else empty).view(_EmulatedArray)
-    # One plan at a time: `emulated` swaps the kernel modules' `ct` for all threads, and host
-    # callbacks (jax.pure_callback under shard_map) run on several threads at once.
-    with _RUN_LOCK, emulated(_float64_namespace() if float64 else None):
-        for launch in plan.launches:
-            pyfunc = kernel_signature(launch.kernel).pyfunc
-            args = [arrays[a] if isinstance(a, str) else a for a in launch.args]
-            grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
-            for block in itertools.product(*(range(n) for n in grid)):
-                _current.block, _current.grid = block, grid
-                pyfunc(*args)
+    for launch in plan.launches:
+        launch_blocks(launch, [arrays[a] if isinstance(a, str) else a for a in launch.args], float64=float64)
     return {name: np.asarray(a) for name, a in arrays.items()}
+
+
+def launch_blocks(launch, args, *, float64=False):
+    """Runs one launch's blocks one after another on `args` (the kernel's arguments: NumPy arrays, written in
+    place, and constants)."""
+    pyfunc = kernel_signature(launch.kernel).pyfunc
+    args = [np.asarray(a).view(_EmulatedArray) if isinstance(a, np.ndarray) else a for a in args]
+    grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
+    # One launch at a time: `emulated` swaps the kernel modules' `ct` for all threads, and host
+    # callbacks (jax.pure_callback under shard_map) run on several threads at once.
+    with _RUN_LOCK, emulated(_float64_namespace() if float64 else None, modules=(pyfunc.__module__,)):
+        for block in itertools.product(*(range(n) for n in grid)):
+            _current.block, _current.grid = block, grid
+            pyfunc(*args)
 
 
 def run_concurrently(pyfunc, args, grid, *, timeout_s=120.0):

@@ -228,7 +228,7 @@ def test_the_int64_indexed_mixer_step_matches_float64_reference(monkeypatch, hea
     cfg = decode_mixer.MixerStepConfig(HEADS=heads)
     launch = decode_mixer.mixer_step_plan(dims, cfg).launches[0]
     assert launch.kernel._annotated_function.pyfunc.__annotations__["ssm_state"] is ct.IndexedWithInt64
-    assert launch.args[-1] is layer_view  # STATE_VIEW
+    assert launch.args[-2] is layer_view  # STATE_VIEW
     _assert_close(run_mixer(case, arrays, cfg), mixer_oracle(case, arrays), TOLERANCE[True])
 
 

@@ -1,0 +1,290 @@
+"""A traced function's kernel-plan callbacks merged into few, recorded into XLA's command buffers with
+programmatic dependent launch.
+
+The callback executor (`callback.run_plan`) runs each kernel plan in a `buffer_callback` of its own. In a
+decode token step that is one callback per projection and mixer step, each a few microseconds of GPU work
+whose launch latency, not its bytes, sets the step's time. `merge_plan_callbacks(fn)` traces `fn` to a jaxpr,
+inlines the calls around those callbacks (jit, custom_jvp, custom_vjp, custom_vmap) and evaluates it, each run
+of plan callbacks that no other operation separates (an operation that reads one of their results ends a run;
+operations that do not are evaluated before it) becoming one `buffer_callback(command_buffer_compatible=True)`:
+XLA runs its Python once, recording the launches as a CUDA graph, and replays that graph every call. Inside
+it, with `dependent` above INDEPENDENT, every launch after the first whose kernel takes a DEPENDENT constant is
+a programmatic dependent launch: it may start while its predecessor finishes, and its kernel waits for the
+predecessor's writes before its first load (`kernels._common.wait_for_predecessor`).
+
+Buffers: the merged callback's inputs are the values its plans read from outside the run; its outputs every
+array a plan writes that is not written in place, plus one per input that a plan updates in place (aliased to
+it). A plan that would update in place a value that something after it still reads (which XLA would copy for
+it) runs as a merged callback of its own.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+from jax.extend import core as jex
+from jax.extend import source_info_util
+
+from jax_mamba2.kernels._common import INDEPENDENT, WAITS_AND_RELEASES, Launch, Plan
+
+# Call primitives inlined, and the parameter that holds their closed jaxpr (jax 0.11 names closed_call
+# eval_jaxpr). Differentiation and batching rules are not kept: the merged function is evaluated as it is.
+_INLINED = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "eval_jaxpr": "call_jaxpr",
+            "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vmap_call": "call"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCall:
+    """What one callback of `callback.run_plan` runs: `plan`, its arrays being the callback's inputs
+    (`input_names`, in order) and outputs (`output_names`, in order; an output aliased to an input is the same
+    array)."""
+
+    plan: Plan
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+
+
+# launch(ctx, launch, args, programmatic): enqueues one kernel launch on the callback's stream; `args` are the
+# kernel's arguments (buffers and constants), `programmatic` asks for a programmatic dependent launch.
+LaunchFn = Callable[[Any, Launch, tuple, bool], None]
+
+
+def cuda_launch(ctx, launch: Launch, args: tuple, programmatic: bool) -> None:
+    import cuda.tile as ct  # only where a merged callback runs on a GPU
+
+    ct.launch(ctx.stream, launch.grid, launch.kernel, args, programmatic_dependent_launch=programmatic)
+
+
+def plan_call(eqn) -> Optional[PlanCall]:
+    """The PlanCall of a `buffer_callback` equation made by `callback.run_plan`, else None."""
+    if eqn.primitive.name != "buffer_callback":
+        return None
+    return getattr(eqn.params["callback"], "plan_call", None)
+
+
+@dataclasses.dataclass
+class _Op:
+    eqn: Any
+    inputs: list  # value ids
+    outputs: list  # value ids (None: a dropped result)
+
+
+class _Flat:
+    """A jaxpr with its calls inlined: operations on value ids, and the values known before any runs."""
+
+    def __init__(self):
+        self.ops: list[_Op] = []
+        self.values: dict[int, Any] = {}
+        self._count = 0
+
+    def new(self, value=None, known: bool = False) -> int:
+        self._count += 1
+        if known:
+            self.values[self._count] = value
+        return self._count
+
+    def add(self, closed, in_ids: list) -> list:
+        jaxpr, env = closed.jaxpr, {}
+        for v, const in zip(jaxpr.constvars, closed.consts, strict=True):
+            env[v] = self.new(const, known=True)
+        env.update(zip(jaxpr.invars, in_ids, strict=True))
+
+        def read(v):
+            return self.new(v.val, known=True) if isinstance(v, jex.Literal) else env[v]
+
+        for eqn in jaxpr.eqns:
+            inputs = [read(v) for v in eqn.invars]
+            inner = eqn.params.get(_INLINED.get(eqn.primitive.name, ""))
+            if isinstance(inner, jex.ClosedJaxpr):
+                outputs = self.add(inner, inputs)
+            else:
+                outputs = [None if isinstance(v, jex.DropVar) else self.new() for v in eqn.outvars]
+                self.ops.append(_Op(eqn, inputs, outputs))
+            for v, out in zip(eqn.outvars, outputs, strict=True):
+                if not isinstance(v, jex.DropVar):
+                    env[v] = out
+        return [read(v) for v in jaxpr.outvars]
+
+
+def _aliases(eqn) -> dict[int, int]:
+    """input index -> output index of a buffer_callback equation's in-place arrays."""
+    return dict(eqn.params["input_output_aliases"])
+
+
+# Operations that only reshape a row-major array: inside a run, a plan's result so reshaped is the same buffer.
+_RESHAPES = frozenset(("reshape", "squeeze", "expand_dims"))
+
+
+def _is_view(op: _Op) -> bool:
+    return op.eqn.primitive.name in _RESHAPES and op.eqn.params.get("dimensions") is None
+
+
+class _Reshaped:
+    """A buffer seen in another shape (row-major, same elements): a reshape of a plan's result inside a merged
+    callback, for the launches (`__cuda_array_interface__`) and the CPU emulator (`__array__`)."""
+
+    def __init__(self, buffer, shape):
+        self.buffer, self.shape = buffer, tuple(shape)
+
+    @property
+    def __cuda_array_interface__(self):
+        return {**self.buffer.__cuda_array_interface__, "shape": self.shape, "strides": None}
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.buffer).reshape(self.shape)
+
+
+class _Run:
+    """Plan callbacks gathered for one merged callback, and reshapes of their results (id -> (base id, shape))."""
+
+    def __init__(self):
+        self.ops: list[_Op] = []
+        self.views: dict[int, tuple[int, tuple]] = {}
+        self.produced: set[int] = set()
+
+    def add(self, op: _Op) -> None:
+        self.ops.append(op)
+        self.produced.update(o for o in op.outputs if o is not None)
+
+    def add_view(self, op: _Op) -> None:
+        (source,), (view,) = op.inputs, op.outputs
+        base, _ = self.views.get(source, (source, None))
+        self.views[view] = (base, tuple(op.eqn.outvars[0].aval.shape))
+        self.produced.add(view)
+
+
+def _emit(run: _Run, flat: _Flat, needed: Callable[[int], bool], dependent: int, launch_fn: LaunchFn) -> None:
+    """Evaluates `run` as one merged callback, setting flat.values of its results that `needed` names."""
+    ext_inputs: list[int] = []  # value ids read from outside the run, in order
+    slot: dict[int, tuple] = {}  # value id -> its buffer: ("in", k) or ("out", j)
+    results: list = []  # the merged callback's outputs
+    aliased: dict[int, int] = {}  # merged input index -> the merged output written in place into it
+    members = []  # (PlanCall, its inputs' slots, its outputs' slots)
+    for op in run.ops:
+        in_slots = []
+        for i in op.inputs:
+            if i in run.views:
+                base, shape = run.views[i]
+                in_slots.append(("view", slot[base], shape))
+                continue
+            if i not in slot:
+                slot[i] = ("in", len(ext_inputs))
+                ext_inputs.append(i)
+            in_slots.append(slot[i])
+        in_place = {o: i for i, o in _aliases(op.eqn).items()}
+        out_slots = []
+        for k, (o, aval) in enumerate(zip(op.outputs, op.eqn.params["result_avals"], strict=True)):
+            if k in in_place:  # written in place: its input's buffer
+                where = in_slots[in_place[k]]
+                if where[0] == "in" and where[1] not in aliased:
+                    aliased[where[1]] = len(results)
+                    results.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+            else:
+                where = ("out", len(results))
+                results.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+            out_slots.append(where)
+            if o is not None:
+                slot[o] = where
+        members.append((plan_call(op.eqn), in_slots, out_slots))
+
+    def merged(ctx, outputs, *inputs):
+        buffers = {("in", k): outputs[aliased[k]] if k in aliased else b for k, b in enumerate(inputs)}
+        buffers.update((("out", j), b) for j, b in enumerate(outputs))
+
+        def buffer(s):
+            return _Reshaped(buffers[s[1]], s[2]) if s[0] == "view" else buffers[s]
+
+        first = True
+        for call, in_slots, out_slots in members:
+            env = dict(zip(call.input_names, map(buffer, in_slots), strict=True))
+            env.update(zip(call.output_names, map(buffer, out_slots), strict=True))
+            for launch in call.plan.launches:
+                programmatic = dependent > INDEPENDENT and not first and launch.can_be_dependent
+                if programmatic:
+                    launch = launch.dependent(dependent)
+                launch_fn(ctx, launch, tuple(env[a] if isinstance(a, str) else a for a in launch.args), programmatic)
+                first = False
+
+    outs = buffer_callback(merged, results, command_buffer_compatible=True, input_output_aliases=aliased or None)(
+        *(jnp.asarray(flat.values[i]) for i in ext_inputs))
+
+    def result(o):
+        kind, index = slot[o]
+        return outs[aliased[index] if kind == "in" else index]
+
+    for op in run.ops:
+        for o in op.outputs:
+            if o is not None and needed(o):
+                flat.values[o] = result(o)
+    for view, (base, shape) in run.views.items():
+        if needed(view):
+            flat.values[view] = jnp.reshape(result(base), shape)
+
+
+def _bind(op: _Op, flat: _Flat) -> None:
+    eqn = op.eqn
+    params = eqn.primitive.get_bind_params(eqn.params)
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        outs = eqn.primitive.bind(*(flat.values[i] for i in op.inputs), **params)
+    for o, value in zip(op.outputs, outs if eqn.primitive.multiple_results else [outs], strict=True):
+        if o is not None:
+            flat.values[o] = value
+
+
+def merge_plan_callbacks(fn: Callable, *, dependent: int = WAITS_AND_RELEASES,
+                         launch: Optional[LaunchFn] = None) -> Callable:
+    """`fn` with its runs of `callback.run_plan` callbacks merged (module docstring). Call the result inside a
+    jitted function: it traces `fn` at every call.
+
+    Args:
+      fn: a function of arrays (pytrees) whose kernel plans run on the callback executor.
+      dependent: INDEPENDENT (launches in stream order), WAITS or WAITS_AND_RELEASES (the default: each kernel
+        waits for its predecessor's writes and lets its successor launch at once; `kernels._common`).
+      launch: how a merged callback enqueues one launch (default: `cuda_launch`, `ct.launch` on XLA's stream).
+    """
+    def merged_fn(*args):
+        launch_fn = launch or cuda_launch
+        closed, out_shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+        flat = _Flat()
+        in_ids = [flat.new(a, known=True) for a in jax.tree.leaves(args)]
+        out_ids = flat.add(closed, in_ids)
+        last_use: dict[int, int] = {}
+        for position, op in enumerate(flat.ops):
+            for i in op.inputs:
+                last_use[i] = position
+        for i in out_ids:
+            last_use[i] = len(flat.ops)
+
+        run, position = _Run(), 0
+
+        def flush():  # the run's results that the operation at `position` or a later one reads
+            nonlocal run
+            if run.ops:
+                _emit(run, flat, lambda o: last_use.get(o, -1) >= position, dependent, launch_fn)
+                run = _Run()
+
+        for position, op in enumerate(flat.ops):
+            if plan_call(op.eqn) is not None:
+                updated = [op.inputs[i] for i in _aliases(op.eqn)]
+                if any(last_use.get(i, -1) > position for i in updated):
+                    flush()  # it would overwrite a value read later: on its own, where XLA copies for it
+                    run.add(op)
+                    flush()
+                else:
+                    run.add(op)
+            elif _is_view(op) and op.inputs[0] in run.produced:
+                run.add_view(op)
+            else:
+                if any(i in run.produced for i in op.inputs):
+                    flush()
+                _bind(op, flat)
+        position = len(flat.ops)
+        flush()
+        return jax.tree.unflatten(jax.tree.structure(out_shapes), [flat.values[i] for i in out_ids])
+
+    return merged_fn

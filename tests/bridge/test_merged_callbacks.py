@@ -1,0 +1,122 @@
+"""bridge/merged_callbacks.py on the CPU: the LM's token step on the callback backend, its kernel plans merged
+into one buffer callback (what XLA records as one CUDA graph on a GPU) whose launches run block by block on the
+NumPy emulator, against the same model on xla, token after token; what is merged and what is not (a plan whose
+in-place write would clobber a value read later, an XLA operation reading a plan's result); and the launches'
+programmatic-dependent form."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+ct = pytest.importorskip("cuda.tile")
+
+from jax_mamba2 import backends, decode  # noqa: E402
+from jax_mamba2.bridge import callback, decode_ops, merged_callbacks  # noqa: E402
+from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel  # noqa: E402
+from jax_mamba2.kernels import decode_mixer, decode_projection  # noqa: E402
+from jax_mamba2.kernels._common import (DEPENDENT, INDEPENDENT, WAITS, WAITS_AND_RELEASES, Buffer, Launch,  # noqa: E402
+                                        Plan, wait_for_predecessor)
+from tests.kernels import _cutile_emulator as emulator  # noqa: E402
+from tests.kernels._decode_checks import assert_lm_steps_match  # noqa: E402
+
+CONFIG = Mamba2Config(d_model=64, n_layer=2, vocab_size=128, ssm_cfg=dict(d_state=16, headdim=16, chunk_size=8))
+# Wide enough that out_proj's K splits at two rows (its partial sums go to the next layer's norm kernel).
+SPLIT_CONFIG = Mamba2Config(d_model=128, n_layer=2, vocab_size=256, ssm_cfg=dict(d_state=16, headdim=16,
+                                                                                   chunk_size=8))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """backend="cutile_callback" of the decode ops as if on a GPU, each merged callback's launches run on the
+    emulator (in the arrays' own dtypes); returns the (kernel name, programmatic) of every launch run."""
+    monkeypatch.setitem(backends._REGISTRY[decode.OP], "cutile_callback", backends.LayerBackend(
+        "cutile_callback", decode_ops.make_kernels(callback.run_plan), decode_ops.unsupported_reason))
+    monkeypatch.setattr(decode_ops, "gpu_unavailable_reason", lambda: None)
+    ran = []
+
+    def launch(ctx, launch, args, programmatic):
+        del ctx
+        ran.append((launch.kernel._annotated_function.pyfunc.__name__, programmatic))
+        emulator.launch_blocks(launch, [np.asarray(a) if hasattr(a, "__array__") else a for a in args])
+    monkeypatch.setattr(merged_callbacks, "cuda_launch", launch)
+    return ran
+
+
+def _callbacks(jaxpr) -> list:
+    """The buffer_callback equations of a jaxpr, nested ones included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "buffer_callback":
+            found.append(eqn)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _callbacks(sub)
+    return found
+
+
+@pytest.mark.parametrize("config, batch", [(CONFIG, 2), (SPLIT_CONFIG, 2), (CONFIG, 9)],
+                         ids=["one_k_step", "k_split", "norm_launch"])
+def test_the_token_step_is_one_callback_with_the_xla_path_s_values(launches, config, batch):
+    models = {"cutile": Mamba2LMHeadModel(config, backend="cutile_callback", rngs=nnx.Rngs(0)),
+              "xla": Mamba2LMHeadModel(config, backend="xla", rngs=nnx.Rngs(0))}
+    tokens = jax.random.randint(jax.random.key(2), (3, batch), 0, config.vocab_size)
+    assert_lm_steps_match(models, {b: m.init_cache(batch) for b, m in models.items()}, tokens, 2e-5)
+
+    graphdef, state = nnx.split(models["cutile"])
+    jaxpr = jax.make_jaxpr(lambda s, t, c: nnx.merge(graphdef, s).step(t, c))(
+        state, tokens[0], models["cutile"].init_cache(batch)).jaxpr
+    calls = _callbacks(jaxpr)
+    assert len(calls) == 1 and calls[0].params["command_buffer_compatible"]
+    # The conv and SSM state stacks are written in place: inputs aliased to outputs.
+    cache = models["cutile"].init_cache(batch)
+    written_in_place = [calls[0].params["result_avals"][o].shape for _, o in calls[0].params["input_output_aliases"]]
+    assert cache.conv_state.shape in written_in_place and cache.ssm_state.shape in written_in_place
+    # Every launch after the first waits for its predecessor and lets its successor start.
+    per_step = len(launches) // len(tokens)
+    assert [p for _, p in launches[:per_step]] == [False] + [True] * (per_step - 1)
+    kernels = {name for name, _ in launches}
+    assert {"decode_norm_kernel", "decode_project_kernel", "mixer_step_kernel"} <= kernels
+
+
+def _add_one(x, y, TILE: ct.Constant[int], DEPENDENT: ct.Constant[int]):
+    """y = x + 1, one TILE per block."""
+    wait_for_predecessor(DEPENDENT)
+    block = ct.bid(0)
+    ct.store(y, index=(block,), tile=ct.load(x, index=(block,), shape=(TILE,)) + 1.0)
+
+
+ADD_ONE = Plan(inputs=("x",), buffers={"y": Buffer((8,), "float32")},
+               launches=(Launch(ct.kernel(_add_one), (2,), ("x", "y", 4, INDEPENDENT), ("y",)),), outputs=("y",))
+
+
+def test_an_xla_operation_on_a_plan_s_result_ends_the_run_and_independent_ones_do_not(launches):
+    def fn(x, w):
+        a = callback.run_plan(ADD_ONE, {"x": x})["y"]
+        v = jnp.sin(w)  # independent of the plans: evaluated before the merged callback
+        b = callback.run_plan(ADD_ONE, {"x": a})["y"]
+        c = b * 2.0  # reads a plan's result: the first run ends here
+        d = callback.run_plan(ADD_ONE, {"x": c + v})["y"]
+        return d, a
+
+    x, w = jnp.arange(8, dtype=jnp.float32), jnp.ones(8, jnp.float32)
+    merged = merged_callbacks.merge_plan_callbacks(fn, dependent=WAITS)
+    assert len(_callbacks(jax.make_jaxpr(merged)(x, w).jaxpr)) == 2
+    d, a = jax.jit(merged)(x, w)
+    np.testing.assert_allclose(a, x + 1)
+    np.testing.assert_allclose(d, (x + 2) * 2 + np.sin(1.0) + 1, rtol=1e-6)
+    assert [p for _, p in launches] == [False, True, False]
+
+
+def test_launch_dependent_sets_the_kernel_s_constant_only():
+    # The norm, a product of K split over blocks, and their sum: every launch of a projection.
+    dims = decode_projection.ProjectionDims(rows=1, features=2048, out_features=1024, has_norm=True,
+                                            weight_dtype="bfloat16")
+    plan_launches = decode_projection.norm_project_plan(dims).launches
+    assert len(plan_launches) == 3
+    for launch in plan_launches:
+        assert launch.can_be_dependent
+        at = list(launch.kernel._annotated_function.pysig.parameters).index(DEPENDENT)
+        waiting = launch.dependent(WAITS_AND_RELEASES)
+        assert (launch.args[at], waiting.args[at]) == (INDEPENDENT, WAITS_AND_RELEASES)
+        assert waiting.args[:at] + waiting.args[at + 1:] == launch.args[:at] + launch.args[at + 1:]
+    assert all(DEPENDENT in k._annotated_function.pysig.parameters for k in decode_mixer.MIXER_STEP_KERNELS)
