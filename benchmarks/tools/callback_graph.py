@@ -12,7 +12,7 @@ stay right and the time drops), and what a launch costs each way.
 
 A chain of N launches of `add_one_kernel` (each block loads a tile, adds one, stores it) runs T times in a
 jitted `lax.scan`; the result must be x + N * T. Executors:
-- `ffi`: one `cutile_call` custom call per launch (the package's FFI executor, in XLA's command buffers);
+- `ffi`: one custom call per launch (the package's FFI executor, `ffi.run_plan`, in XLA's command buffers);
 - `callback`: one `buffer_callback` per scan step launching all N (Python runs every step);
 - `graph`: the same callback with `command_buffer_compatible=True`;
 - `graph_pdl_wait` / `graph_pdl_early`: that, launched with PDL, each kernel waiting at its top (and, early,
@@ -23,13 +23,14 @@ callback, and whether the result was right.
 On the GPU machine (cuda-tile):
   source .gpu/gpu-env.sh
   python benchmarks/tools/callback_graph.py --out $OUT
-Writes <out>/callback_graph_<gpu>.json and prints one line per record.
+Writes <out>/callback_graph_<gpu>.json (JAX_MAMBA2_GIT_SHA names the commit) and prints one line per record.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,7 +44,9 @@ from jax.experimental.buffer_callback import buffer_callback
 if __package__ in (None, ""):  # run as a script: the repository root on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from jax_mamba2.bridge import _compat  # noqa: E402  (registers the command-buffer launch target)
+from benchmarks import lm_bench  # noqa: E402
+from jax_mamba2.bridge import ffi  # noqa: E402
+from jax_mamba2.kernels._common import Buffer, Launch, Plan  # noqa: E402
 
 NONE, WAIT, WAIT_AND_TRIGGER = 0, 1, 2
 EXECUTORS = ("ffi", "callback", "graph", "graph_pdl_wait", "graph_pdl_early")
@@ -86,11 +89,12 @@ def make_step(executor: str, size: int, tile: int, launches: int):
     """(step(x) -> x + launches, calls): one scan step of `executor`; calls[0] counts Python callback runs."""
     grid, calls = (size // tile, 1, 1), [0]
     if executor == "ffi":
-        from cuda.tile.jax import OutputPlaceholder, cutile_call
+        plan = Plan(inputs=("x",), buffers={"y": Buffer((size,), "float32")},
+                    launches=(Launch(add_one_kernel, grid, ("x", "y", tile, NONE), ("y",)),), outputs=("y",))
 
         def step(x):
             for _ in range(launches):
-                x = cutile_call(grid, add_one_kernel, (x, OutputPlaceholder(x.shape, x.dtype), tile, NONE))
+                x = ffi.run_plan(plan, {"x": x})["y"]
             return x
         return step, calls
     dependent, pdl = {"callback": (NONE, False), "graph": (NONE, False), "graph_pdl_wait": (WAIT, True),
@@ -139,25 +143,38 @@ def main(argv=None) -> None:
     parser.add_argument("--launches", type=int, default=98)
     parser.add_argument("--steps", type=int, default=64, help="scan steps per run")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--git-sha", default=None)
+    parser.add_argument("--worker-timeout", type=float, default=60.0,
+                        help="seconds per executor and grid, each in a process of its own (a hang or crash of one "
+                             "executor is recorded, the others still run)")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a worker: EXECUTOR,BLOCKS
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.one:
+        executor, blocks = args.one.split(",")
+        print(json.dumps(measure(executor, size=int(blocks) * args.tile, tile=args.tile, launches=args.launches,
+                                 steps=args.steps, repeats=args.repeats)), flush=True)
+        return
     records = []
     for blocks in args.blocks:
         for executor in args.executors:
+            command = [sys.executable, __file__, "--one", f"{executor},{blocks}", "--tile", str(args.tile),
+                       "--launches", str(args.launches), "--steps", str(args.steps), "--repeats", str(args.repeats)]
             try:
-                record = measure(executor, size=blocks * args.tile, tile=args.tile, launches=args.launches,
-                                 steps=args.steps, repeats=args.repeats)
-            except Exception as error:  # a probe: an executor XLA refuses is a finding, not the end of the run
-                record = {"executor": executor, "blocks": blocks, "error": f"{type(error).__name__}: {error}"}
+                done = subprocess.run(command, capture_output=True, text=True, timeout=args.worker_timeout)
+                lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+                record = json.loads(lines[-1]) if lines else {
+                    "executor": executor, "blocks": blocks, "error": f"exit {done.returncode}: "
+                    + (done.stderr.strip().splitlines() or [""])[-1][:500]}
+            except subprocess.TimeoutExpired:
+                record = {"executor": executor, "blocks": blocks, "error": f"timed out after {args.worker_timeout} s"}
             records.append(record)
             print(json.dumps(record), flush=True)
     if args.out:
         gpu = jax.devices()[0].device_kind.split()[-1].lower()
         path = Path(args.out) / f"callback_graph_{gpu}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"git_sha": args.git_sha, "jax": jax.__version__, "device":
-                                    jax.devices()[0].device_kind, "records": records}, indent=1) + "\n")
+        path.write_text(json.dumps({"git_sha": lm_bench.git_sha(), "jax": jax.__version__,
+                                    "device": jax.devices()[0].device_kind, "records": records}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
