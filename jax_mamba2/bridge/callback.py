@@ -3,28 +3,51 @@
 XLA allocates every plan buffer as an output of the callback and hands its device buffers to Python;
 `ct.launch` enqueues the kernels on the callback's stream (`ctx.stream`), so nothing is copied or
 synchronised. Intermediate buffers are extra outputs that the caller drops. Kernels are JIT-compiled by
-cuTile at their first launch.
+cuTile at their first launch. Each callback carries its `PlanCall`, from which `merged_callbacks` launches
+several plans from one callback.
 """
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
 
 import cuda.tile as ct
 import jax
 import jax.numpy as jnp
 from jax.experimental.buffer_callback import buffer_callback
 
-from jax_mamba2.bridge.merged_callbacks import PlanCall
-from jax_mamba2.kernels._common import Plan
+from jax_mamba2.kernels._common import Launch, Plan
+
+# launch(ctx, launch, args, programmatic): enqueues one kernel launch on the callback's stream; `args` are the
+# kernel's arguments (buffers and constants), `programmatic` asks for a programmatic dependent launch.
+LaunchFn = Callable[[Any, Launch, tuple, bool], None]
 
 
-def _launch_all(plan: Plan, input_names, buffer_names):
+def cuda_launch(ctx, launch: Launch, args: tuple, programmatic: bool) -> None:
+    """`ct.launch` on the callback's stream: how every callback of this executor launches a kernel."""
+    ct.launch(ctx.stream, launch.grid, launch.kernel, args, programmatic_dependent_launch=programmatic)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCall:
+    """What one callback of `run_plan` runs: `plan`, its arrays being the callback's inputs (`input_names`, in
+    order) and outputs (`output_names`, in order; an output aliased to an input is the same array)."""
+
+    plan: Plan
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+
+    def launch_all(self, ctx, inputs, outputs) -> None:
+        env = dict(zip(self.input_names, inputs))
+        env.update(zip(self.output_names, outputs))
+        for launch in self.plan.launches:
+            cuda_launch(ctx, launch, tuple(env[a] if isinstance(a, str) else a for a in launch.args), False)
+
+
+def _callback(call: PlanCall):
     def callback(ctx, outputs, *inputs):
-        env = dict(zip(input_names, inputs))
-        env.update(zip(buffer_names, outputs))
-        for launch in plan.launches:
-            args = tuple(env[a] if isinstance(a, str) else a for a in launch.args)
-            ct.launch(ctx.stream, launch.grid, launch.kernel, args)
-    # What merged_callbacks reads to launch the plan from a callback of its own.
-    callback.plan_call = PlanCall(plan, tuple(input_names), tuple(buffer_names))
+        call.launch_all(ctx, inputs, outputs)
+    callback.plan_call = call  # what merged_callbacks reads to launch the plan from a callback of its own
     return callback
 
 
@@ -46,7 +69,7 @@ def run_plan(plan: Plan, arrays: dict) -> dict:
     result_shapes = [jax.ShapeDtypeStruct(env[n].shape, env[n].dtype) if n in aliased_inputs
                      else jax.ShapeDtypeStruct(plan.buffers[n].shape, jnp.dtype(plan.buffers[n].dtype))
                      for n in buffer_names]
-    call = buffer_callback(_launch_all(plan, input_names, buffer_names), result_shapes,
+    call = buffer_callback(_callback(PlanCall(plan, tuple(input_names), tuple(buffer_names))), result_shapes,
                            input_output_aliases=aliases or None)
     results = call(*(env[n] for n in input_names))
     out = dict(zip(buffer_names, results))

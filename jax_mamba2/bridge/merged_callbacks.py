@@ -29,7 +29,8 @@ from jax.experimental.buffer_callback import buffer_callback
 from jax.extend import core as jex
 from jax.extend import source_info_util
 
-from jax_mamba2.kernels._common import INDEPENDENT, WAITS_AND_RELEASES, Launch, Plan
+from jax_mamba2.bridge import callback
+from jax_mamba2.kernels._common import INDEPENDENT, WAITS_AND_RELEASES
 
 # Call primitives inlined, and the parameter that holds their closed jaxpr (jax 0.11 names closed_call
 # eval_jaxpr). Differentiation and batching rules are not kept: the merged function is evaluated as it is.
@@ -37,29 +38,7 @@ _INLINED = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "eval_
             "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vmap_call": "call"}
 
 
-@dataclasses.dataclass(frozen=True)
-class PlanCall:
-    """What one callback of `callback.run_plan` runs: `plan`, its arrays being the callback's inputs
-    (`input_names`, in order) and outputs (`output_names`, in order; an output aliased to an input is the same
-    array)."""
-
-    plan: Plan
-    input_names: tuple[str, ...]
-    output_names: tuple[str, ...]
-
-
-# launch(ctx, launch, args, programmatic): enqueues one kernel launch on the callback's stream; `args` are the
-# kernel's arguments (buffers and constants), `programmatic` asks for a programmatic dependent launch.
-LaunchFn = Callable[[Any, Launch, tuple, bool], None]
-
-
-def cuda_launch(ctx, launch: Launch, args: tuple, programmatic: bool) -> None:
-    import cuda.tile as ct  # only where a merged callback runs on a GPU
-
-    ct.launch(ctx.stream, launch.grid, launch.kernel, args, programmatic_dependent_launch=programmatic)
-
-
-def plan_call(eqn) -> Optional[PlanCall]:
+def plan_call(eqn) -> Optional[callback.PlanCall]:
     """The PlanCall of a `buffer_callback` equation made by `callback.run_plan`, else None."""
     if eqn.primitive.name != "buffer_callback":
         return None
@@ -157,7 +136,7 @@ class _Run:
         self.produced.add(view)
 
 
-def _emit(run: _Run, flat: _Flat, needed: Callable[[int], bool], dependent: int, launch_fn: LaunchFn) -> None:
+def _emit(run: _Run, flat: _Flat, needed: Callable[[int], bool], dependent: int, launch_fn: callback.LaunchFn) -> None:
     """Evaluates `run` as one merged callback, setting flat.values of its results that `needed` names."""
     ext_inputs: list[int] = []  # value ids read from outside the run, in order
     slot: dict[int, tuple] = {}  # value id -> its buffer: ("in", k) or ("out", j)
@@ -236,55 +215,74 @@ def _bind(op: _Op, flat: _Flat) -> None:
             flat.values[o] = value
 
 
+def _evaluate(closed, leaves: list, dependent: int, launch_fn: callback.LaunchFn) -> list:
+    """`closed` evaluated on `leaves` with its runs of plan callbacks merged (module docstring)."""
+    flat = _Flat()
+    out_ids = flat.add(closed, [flat.new(a, known=True) for a in leaves])
+    last_use: dict[int, int] = {}
+    for position, op in enumerate(flat.ops):
+        for i in op.inputs:
+            last_use[i] = position
+    for i in out_ids:
+        last_use[i] = len(flat.ops)
+    run, position = _Run(), 0
+
+    def flush():  # emits the run: its results that the operation at `position` or a later one reads
+        nonlocal run
+        if run.ops:
+            _emit(run, flat, lambda o: last_use.get(o, -1) >= position, dependent, launch_fn)
+            run = _Run()
+
+    for position, op in enumerate(flat.ops):
+        if plan_call(op.eqn) is not None:
+            if any(last_use.get(op.inputs[i], -1) > position for i in _aliases(op.eqn)):
+                flush()  # it would overwrite a value read later: on its own, where XLA copies for it
+                run.add(op)
+                flush()
+            else:
+                run.add(op)
+        elif _is_view(op) and op.inputs[0] in run.produced:
+            run.add_view(op)
+        else:
+            if any(i in run.produced for i in op.inputs):
+                flush()
+            _bind(op, flat)
+    position = len(flat.ops)
+    flush()
+    return [flat.values[i] for i in out_ids]
+
+
 def merge_plan_callbacks(fn: Callable, *, dependent: int = WAITS_AND_RELEASES,
-                         launch: Optional[LaunchFn] = None) -> Callable:
+                         launch: Optional[callback.LaunchFn] = None) -> Callable:
     """`fn` with its runs of `callback.run_plan` callbacks merged (module docstring). Call the result inside a
-    jitted function: it traces `fn` at every call.
+    jitted function: it traces `fn` at every call. Under `vmap` each op's own batching rule applies, then the
+    batched plans are merged; differentiation is `fn`'s own (a merged callback has no JVP).
 
     Args:
       fn: a function of arrays (pytrees) whose kernel plans run on the callback executor.
       dependent: INDEPENDENT (launches in stream order), WAITS or WAITS_AND_RELEASES (the default: each kernel
         waits for its predecessor's writes and lets its successor launch at once; `kernels._common`).
-      launch: how a merged callback enqueues one launch (default: `cuda_launch`, `ct.launch` on XLA's stream).
+      launch: how a merged callback enqueues one launch (default: `callback.cuda_launch`).
     """
     def merged_fn(*args):
-        launch_fn = launch or cuda_launch
+        leaves, in_tree = jax.tree.flatten(args)
         closed, out_shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
-        flat = _Flat()
-        in_ids = [flat.new(a, known=True) for a in jax.tree.leaves(args)]
-        out_ids = flat.add(closed, in_ids)
-        last_use: dict[int, int] = {}
-        for position, op in enumerate(flat.ops):
-            for i in op.inputs:
-                last_use[i] = position
-        for i in out_ids:
-            last_use[i] = len(flat.ops)
 
-        run, position = _Run(), 0
+        def plain(*leaves):
+            return jax.tree.leaves(fn(*jax.tree.unflatten(in_tree, leaves)))
 
-        def flush():  # the run's results that the operation at `position` or a later one reads
-            nonlocal run
-            if run.ops:
-                _emit(run, flat, lambda o: last_use.get(o, -1) >= position, dependent, launch_fn)
-                run = _Run()
+        @jax.custom_batching.custom_vmap
+        def merged(*leaves):
+            return _evaluate(closed, list(leaves), dependent, launch or callback.cuda_launch)
 
-        for position, op in enumerate(flat.ops):
-            if plan_call(op.eqn) is not None:
-                updated = [op.inputs[i] for i in _aliases(op.eqn)]
-                if any(last_use.get(i, -1) > position for i in updated):
-                    flush()  # it would overwrite a value read later: on its own, where XLA copies for it
-                    run.add(op)
-                    flush()
-                else:
-                    run.add(op)
-            elif _is_view(op) and op.inputs[0] in run.produced:
-                run.add_view(op)
-            else:
-                if any(i in run.produced for i in op.inputs):
-                    flush()
-                _bind(op, flat)
-        position = len(flat.ops)
-        flush()
-        return jax.tree.unflatten(jax.tree.structure(out_shapes), [flat.values[i] for i in out_ids])
+        @merged.def_vmap
+        def merged_vmap(axis_size, in_batched, *leaves):  # the ops' own batching rules, then merged again
+            batched = jax.vmap(plain, in_axes=[0 if b else None for b in in_batched], axis_size=axis_size)
+            outs = merge_plan_callbacks(batched, dependent=dependent, launch=launch)(*leaves)
+            return outs, [True] * len(outs)
+
+        run = jax.custom_jvp(merged)
+        run.defjvp(lambda primals, tangents: jax.jvp(plain, primals, tangents))
+        return jax.tree.unflatten(jax.tree.structure(out_shapes), run(*leaves))
 
     return merged_fn

@@ -215,8 +215,8 @@ def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
     double each K step's bytes, so up to one block of rows (64) a product whose blocks fit a wave twice splits
     K the same way, over 128-feature steps (faster than unsplit for out_proj at 64 rows, with no local memory;
     docs/design.md, "Decode", has the timings). A wider float32 product of 33 to 64 rows runs one of two forms
-    (none of this for a product wider still, the head). Where its 64-column blocks fill more than half a wave and fit two per SM in
-    one (in_proj from d_model 1024: 69 to 133 blocks), the weight is the tensor cores' first operand
+    (none of this for a product wider still, the head). Where its 64-column blocks fill more than half a wave and
+    fit two per SM in one (in_proj from d_model 1024: 69 to 133 blocks), the weight is the tensor cores' first operand
     (WEIGHT_FIRST: wgmma on the 64-row block), 64 columns per block at an occupancy hint of 2, 64-feature K
     steps, which timed faster than the other form for in_proj at the widths of mamba2-370m, -780m and -1.3b (same
     section). Narrower ones (out_proj of mamba2-2.7b,

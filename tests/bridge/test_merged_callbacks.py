@@ -18,7 +18,8 @@ from jax_mamba2.kernels import decode_mixer, decode_projection  # noqa: E402
 from jax_mamba2.kernels._common import (DEPENDENT, INDEPENDENT, WAITS, WAITS_AND_RELEASES, Buffer, Launch,  # noqa: E402
                                         Plan, wait_for_predecessor)
 from tests.kernels import _cutile_emulator as emulator  # noqa: E402
-from tests.kernels._decode_checks import assert_lm_steps_match  # noqa: E402
+from tests._helpers import rel_l2  # noqa: E402
+from tests.kernels._decode_checks import PROJECTION_CASES, assert_lm_steps_match, projection_inputs  # noqa: E402
 
 CONFIG = Mamba2Config(d_model=64, n_layer=2, vocab_size=128, ssm_cfg=dict(d_state=16, headdim=16, chunk_size=8))
 # Wide enough that out_proj's K splits at two rows (its partial sums go to the next layer's norm kernel).
@@ -28,8 +29,8 @@ SPLIT_CONFIG = Mamba2Config(d_model=128, n_layer=2, vocab_size=256, ssm_cfg=dict
 
 @pytest.fixture
 def launches(monkeypatch):
-    """backend="cutile_callback" of the decode ops as if on a GPU, each merged callback's launches run on the
-    emulator (in the arrays' own dtypes); returns the (kernel name, programmatic) of every launch run."""
+    """backend="cutile_callback" of the decode ops as if on a GPU, every callback's launches (merged or not) run on
+    the emulator (in the arrays' own dtypes); returns the (kernel name, programmatic) of every launch run."""
     monkeypatch.setitem(backends._REGISTRY[decode.OP], "cutile_callback", backends.LayerBackend(
         "cutile_callback", decode_ops.make_kernels(callback.run_plan), decode_ops.unsupported_reason))
     monkeypatch.setattr(decode_ops, "gpu_unavailable_reason", lambda: None)
@@ -39,7 +40,7 @@ def launches(monkeypatch):
         del ctx
         ran.append((launch.kernel._annotated_function.pyfunc.__name__, programmatic))
         emulator.launch_blocks(launch, [np.asarray(a) if hasattr(a, "__array__") else a for a in args])
-    monkeypatch.setattr(merged_callbacks, "cuda_launch", launch)
+    monkeypatch.setattr(callback, "cuda_launch", launch)
     return ran
 
 
@@ -120,3 +121,29 @@ def test_launch_dependent_sets_the_kernel_s_constant_only():
         assert (launch.args[at], waiting.args[at]) == (INDEPENDENT, WAITS_AND_RELEASES)
         assert waiting.args[:at] + waiting.args[at + 1:] == launch.args[:at] + launch.args[at + 1:]
     assert all(DEPENDENT in k._annotated_function.pysig.parameters for k in decode_mixer.MIXER_STEP_KERNELS)
+
+
+def test_vmap_folds_the_rows_then_merges_and_grad_is_the_ops_own(launches):
+    """Under vmap each op's batching rule folds the items into its rows, and the batched plans are merged into one
+    callback again; grad differentiates the ops themselves (their VJP is the reference's)."""
+    case = PROJECTION_CASES["add_norm_in_proj"]
+    a = {k: None if v is None else jnp.asarray(v) for k, v in projection_inputs(case, seed=35).items()}
+
+    def one(x, residual, backend="cutile_callback"):
+        def project(x, residual):
+            return decode.norm_project(x, a["weight"], norm_weight=a["norm_weight"], residual=residual,
+                                       residual_dtype=jnp.float32, layer=case.layer, backend=backend)
+        return decode.token_step(project, backend)(x, residual)
+
+    xs, residuals = jnp.stack([a["x"], -a["x"]]), jnp.stack([a["residual"], 0.5 * a["residual"]])
+    batched = jax.jit(jax.vmap(one))
+    assert len(_callbacks(jax.make_jaxpr(batched)(xs, residuals).jaxpr)) == 1
+    got = batched(xs, residuals)
+    for i in range(2):
+        for g, w in zip(got, one(xs[i], residuals[i], "xla")):
+            assert rel_l2(g[i], w) < 1e-6
+
+    def loss(backend):
+        return jax.jit(jax.grad(lambda x, r: jnp.sum(jnp.sin(one(x, r, backend)[0])), argnums=(0, 1)))
+    for g, w in zip(loss("cutile_callback")(a["x"], a["residual"]), loss("xla")(a["x"], a["residual"])):
+        assert rel_l2(g, w) < 1e-5
