@@ -14,9 +14,11 @@ A chain of N launches of `add_one_kernel` (each block loads a tile, adds one, st
 jitted `lax.scan`; the result must be x + N * T. Executors:
 - `ffi`: one custom call per launch (the package's FFI executor, `ffi.run_plan`, in XLA's command buffers);
 - `callback`: one `buffer_callback` per scan step launching all N (Python runs every step);
-- `graph`: the same callback with `command_buffer_compatible=True`;
-- `graph_pdl_wait` / `graph_pdl_early`: that, launched with PDL, each kernel waiting at its top (and, early,
-  also letting its dependent launch right away).
+- `graph`: the same callback with `command_buffer_compatible=True` (XLA still ran its Python every step);
+- `replay`: the callback launching a CUDA graph of the N launches, captured at its first call
+  (`bridge.callback.replay`, what the merged token step does);
+- `replay_pdl_wait` / `replay_pdl_early`: that, the launches programmatic dependents, each kernel waiting at its
+  top (and, early, also letting its dependent launch right away).
 Per executor: ms per scan step (median of synchronised calls), us per launch, how often Python ran the
 callback, and whether the result was right.
 
@@ -45,11 +47,11 @@ if __package__ in (None, ""):  # run as a script: the repository root on sys.pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import lm_bench  # noqa: E402
-from jax_mamba2.bridge import ffi  # noqa: E402
+from jax_mamba2.bridge import callback, ffi  # noqa: E402
 from jax_mamba2.kernels._common import Buffer, Launch, Plan  # noqa: E402
 
 NONE, WAIT, WAIT_AND_TRIGGER = 0, 1, 2
-EXECUTORS = ("ffi", "callback", "graph", "graph_pdl_wait", "graph_pdl_early")
+EXECUTORS = ("ffi", "callback", "graph", "replay", "replay_pdl_wait", "replay_pdl_early")
 
 
 def _add_one(x, y, TILE: ct.Constant[int], DEPENDENT: ct.Constant[int]):
@@ -71,18 +73,24 @@ _add_one.__module__ = "jax_mamba2.probe"
 add_one_kernel = ct.kernel(_add_one)
 
 
-def _chain_callback(grid, tile, launches, dependent, pdl, calls):
-    def callback(ctx, outputs, x):
+def _chain_callback(grid, tile, launches, dependent, pdl, calls, replayed):
+    def callback_fn(ctx, outputs, x):
         calls[0] += 1
         y, scratch = outputs
         # launch i reads the previous one's output: x -> a -> b -> ... -> y, alternating y and scratch
         targets = [y if (launches - 1 - i) % 2 == 0 else scratch for i in range(launches)]
-        source = x
-        for target in targets:
-            ct.launch(ctx.stream, grid, add_one_kernel, (source, target, tile, dependent),
-                      programmatic_dependent_launch=pdl)
-            source = target
-    return callback
+
+        def record(ctx):
+            source = x
+            for target in targets:
+                ct.launch(ctx.stream, grid, add_one_kernel, (source, target, tile, dependent),
+                          programmatic_dependent_launch=pdl)
+                source = target
+        if replayed:
+            callback.replay(ctx, callback_fn, (x, y, scratch), record)
+        else:
+            record(ctx)
+    return callback_fn
 
 
 def make_step(executor: str, size: int, tile: int, launches: int):
@@ -97,11 +105,11 @@ def make_step(executor: str, size: int, tile: int, launches: int):
                 x = ffi.run_plan(plan, {"x": x})["y"]
             return x
         return step, calls
-    dependent, pdl = {"callback": (NONE, False), "graph": (NONE, False), "graph_pdl_wait": (WAIT, True),
-                      "graph_pdl_early": (WAIT_AND_TRIGGER, True)}[executor]
+    dependent, pdl = {"callback": (NONE, False), "graph": (NONE, False), "replay": (NONE, False),
+                      "replay_pdl_wait": (WAIT, True), "replay_pdl_early": (WAIT_AND_TRIGGER, True)}[executor]
     shapes = [jax.ShapeDtypeStruct((size,), jnp.float32)] * 2
-    call = buffer_callback(_chain_callback(grid, tile, launches, dependent, pdl, calls), shapes,
-                           command_buffer_compatible=executor != "callback")
+    chain = _chain_callback(grid, tile, launches, dependent, pdl, calls, executor.startswith("replay"))
+    call = buffer_callback(chain, shapes, command_buffer_compatible=executor == "graph")
 
     def step(x):
         return call(x)[0]

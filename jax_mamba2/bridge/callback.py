@@ -8,7 +8,9 @@ several plans from one callback.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import types
 from typing import Any, Callable
 
 import cuda.tile as ct
@@ -26,6 +28,39 @@ LaunchFn = Callable[[Any, Launch, tuple, bool], None]
 def cuda_launch(ctx, launch: Launch, args: tuple, programmatic: bool) -> None:
     """`ct.launch` on the callback's stream: how every callback of this executor launches a kernel."""
     ct.launch(ctx.stream, launch.grid, launch.kernel, args, programmatic_dependent_launch=programmatic)
+
+
+# Captured CUDA graphs of merged callbacks (`replay`), by the callback and its buffers' addresses, the most recently
+# used last.
+_GRAPHS: collections.OrderedDict = collections.OrderedDict()
+GRAPH_CACHE_SIZE = 32
+
+
+def replay(ctx, launches: object, buffers, record: Callable[[Any], None]) -> None:
+    """Runs record(ctx) (launches on ctx.stream) as a CUDA graph. XLA runs a buffer callback's Python at every
+    call, also one that it may record into its command buffers, so launching ~100 kernels from Python costs more
+    than the kernels at a few rows: the first call with `launches` (an object naming what record launches) on
+    `buffers` (the callback's, at their addresses) launches them directly and captures the same launches on a side
+    stream into a graph (with their programmatic dependencies); later such calls launch that graph, one launch on
+    ctx.stream."""
+    import cupy  # the [cuda] extra; only where a merged callback runs on a GPU
+
+    key = (launches, *(b.__cuda_array_interface__["data"][0] for b in buffers))
+    graph = _GRAPHS.get(key)
+    if graph is None:
+        record(ctx)  # this call's results; the kernels compile at their first launch, outside any capture
+        capture = cupy.cuda.Stream(non_blocking=True)
+        capture.begin_capture()
+        try:
+            record(types.SimpleNamespace(stream=capture.ptr))
+        finally:
+            graph = capture.end_capture()
+        _GRAPHS[key] = graph
+        while len(_GRAPHS) > GRAPH_CACHE_SIZE:
+            _GRAPHS.popitem(last=False)
+        return
+    _GRAPHS.move_to_end(key)
+    graph.launch(cupy.cuda.ExternalStream(ctx.stream))
 
 
 @dataclasses.dataclass(frozen=True)

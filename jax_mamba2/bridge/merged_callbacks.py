@@ -177,18 +177,23 @@ def _emit(run: _Run, flat: _Flat, needed: Callable[[int], bool], dependent: int,
         def buffer(s):
             return _Reshaped(buffers[s[1]], s[2]) if s[0] == "view" else buffers[s]
 
-        first = True
-        for call, in_slots, out_slots in members:
-            env = dict(zip(call.input_names, map(buffer, in_slots), strict=True))
-            env.update(zip(call.output_names, map(buffer, out_slots), strict=True))
-            for launch in call.plan.launches:
-                programmatic = dependent > INDEPENDENT and not first and launch.can_be_dependent
-                if programmatic:
-                    launch = launch.dependent(dependent)
-                launch_fn(ctx, launch, tuple(env[a] if isinstance(a, str) else a for a in launch.args), programmatic)
-                first = False
+        def record(ctx):
+            first = True
+            for call, in_slots, out_slots in members:
+                env = dict(zip(call.input_names, map(buffer, in_slots), strict=True))
+                env.update(zip(call.output_names, map(buffer, out_slots), strict=True))
+                for launch in call.plan.launches:
+                    programmatic = dependent > INDEPENDENT and not first and launch.can_be_dependent
+                    if programmatic:
+                        launch = launch.dependent(dependent)
+                    launch_fn(ctx, launch, tuple(env[a] if isinstance(a, str) else a for a in launch.args),
+                              programmatic)
+                    first = False
 
-    outs = buffer_callback(merged, results, command_buffer_compatible=True, input_output_aliases=aliased or None)(
+        callback.replay(ctx, token, (*inputs, *outputs), record)
+
+    token = object()  # this merged callback, in the graph cache's keys
+    outs = buffer_callback(merged, results, input_output_aliases=aliased or None)(
         *(jnp.asarray(flat.values[i]) for i in ext_inputs))
 
     def result(o):

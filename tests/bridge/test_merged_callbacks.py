@@ -41,6 +41,7 @@ def launches(monkeypatch):
         ran.append((launch.kernel._annotated_function.pyfunc.__name__, programmatic))
         emulator.launch_blocks(launch, [np.asarray(a) if hasattr(a, "__array__") else a for a in args])
     monkeypatch.setattr(callback, "cuda_launch", launch)
+    monkeypatch.setattr(callback, "replay", lambda ctx, launches, buffers, record: record(ctx))  # no CUDA graph
     return ran
 
 
@@ -67,7 +68,7 @@ def test_the_token_step_is_one_callback_with_the_xla_path_s_values(launches, con
     jaxpr = jax.make_jaxpr(lambda s, t, c: nnx.merge(graphdef, s).step(t, c))(
         state, tokens[0], models["cutile"].init_cache(batch)).jaxpr
     calls = _callbacks(jaxpr)
-    assert len(calls) == 1 and calls[0].params["command_buffer_compatible"]
+    assert len(calls) == 1
     # The conv and SSM state stacks are written in place: inputs aliased to outputs.
     cache = models["cutile"].init_cache(batch)
     written_in_place = [calls[0].params["result_avals"][o].shape for _, o in calls[0].params["input_output_aliases"]]
