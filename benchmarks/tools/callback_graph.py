@@ -178,8 +178,7 @@ def main(argv=None) -> None:
             records.append(record)
             print(json.dumps(record), flush=True)
     if args.out:
-        gpu = jax.devices()[0].device_kind.split()[-1].lower()
-        path = Path(args.out) / f"callback_graph_{gpu}.json"
+        path = lm_bench.results_path(Path(args.out), "callback_graph")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"git_sha": lm_bench.git_sha(), "jax": jax.__version__,
                                     "device": jax.devices()[0].device_kind, "records": records}, indent=1) + "\n")
