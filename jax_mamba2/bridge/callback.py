@@ -50,7 +50,8 @@ def replay(ctx, launches: object, buffers, record: Callable[[Any], None]) -> Non
     if graph is None:
         record(ctx)  # this call's results; the kernels compile at their first launch, outside any capture
         capture = cupy.cuda.Stream(non_blocking=True)
-        capture.begin_capture()
+        # Relaxed: XLA's threads may call CUDA while this thread captures (a global capture would fail them).
+        capture.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
         try:
             record(types.SimpleNamespace(stream=capture.ptr))
         finally:
