@@ -26,7 +26,7 @@ saying why it cannot run. Both ops are differentiable on every backend: their VJ
 never differentiates, and the kernels have no backward of their own).
 
 `token_step(fn, backend)` runs a whole token step made of these ops on the callback backend as one callback, which
-XLA records as one CUDA graph of programmatic dependent launches (bridge/merged_callbacks.py).
+replays one CUDA graph of programmatic dependent launches (bridge/merged_callbacks.py).
 """
 from __future__ import annotations
 
@@ -493,9 +493,9 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
 
 
 def token_step(fn: Callable, backend: str) -> Callable:
-    """`fn` (a token step made of this module's ops, all on `backend`) as it runs fastest there: on
-    "cutile_callback" every run of its kernel plans that no other operation separates becomes one callback that XLA
-    records into its command buffers, each launch in it a programmatic dependent launch of its predecessor
+    """`fn` (a token step made of this module's ops, all on `backend`) with its kernels launched together: on
+    "cutile_callback" every run of its kernel plans that no other operation separates becomes one callback that
+    replays a CUDA graph of its launches, each a programmatic dependent launch of its predecessor
     (`bridge.merged_callbacks.merge_plan_callbacks`); on any other backend `fn` itself. Call it inside a jitted
     function: the merged form traces `fn` at each call."""
     if backend != "cutile_callback":

@@ -1,16 +1,17 @@
-"""A traced function's kernel-plan callbacks merged into few, recorded into XLA's command buffers with
-programmatic dependent launch.
+"""A traced function's kernel-plan callbacks merged into few, each replaying a CUDA graph of programmatic
+dependent launches.
 
 The callback executor (`callback.run_plan`) runs each kernel plan in a `buffer_callback` of its own. In a
 decode token step that is one callback per projection and mixer step, each a few microseconds of GPU work
 whose launch latency, not its bytes, sets the step's time. `merge_plan_callbacks(fn)` traces `fn` to a jaxpr,
 inlines the calls around those callbacks (jit, custom_jvp, custom_vjp, custom_vmap) and evaluates it, each run
 of plan callbacks that no other operation separates (an operation that reads one of their results ends a run;
-operations that do not are evaluated before it) becoming one `buffer_callback(command_buffer_compatible=True)`:
-XLA runs its Python once, recording the launches as a CUDA graph, and replays that graph every call. Inside
-it, with `dependent` above INDEPENDENT, every launch after the first whose kernel takes a DEPENDENT constant is
-a programmatic dependent launch: it may start while its predecessor finishes, and its kernel waits for the
-predecessor's writes before its first load (`kernels._common.wait_for_predecessor`).
+operations that do not are evaluated before it; a reshape of a result stays in the run, a view of its buffer)
+becoming one `buffer_callback`. XLA runs a callback's Python at every call, so the merged callback launches its
+kernels as a CUDA graph (`callback.replay`: captured at the first call on a set of buffer addresses, one graph
+launch per call after). Inside it, with `dependent` above INDEPENDENT, every launch after the first whose kernel
+takes a DEPENDENT constant is a programmatic dependent launch: it may start while its predecessor finishes, and
+its kernel waits for the predecessor's writes before its first load (`kernels._common.wait_for_predecessor`).
 
 Buffers: the merged callback's inputs are the values its plans read from outside the run; its outputs every
 array a plan writes that is not written in place, plus one per input that a plan updates in place (aliased to
@@ -94,12 +95,11 @@ def _aliases(eqn) -> dict[int, int]:
     return dict(eqn.params["input_output_aliases"])
 
 
-# Operations that only reshape a row-major array: inside a run, a plan's result so reshaped is the same buffer.
-_RESHAPES = frozenset(("reshape", "squeeze", "expand_dims"))
-
-
 def _is_view(op: _Op) -> bool:
-    return op.eqn.primitive.name in _RESHAPES and op.eqn.params.get("dimensions") is None
+    """Whether the operation only reshapes a row-major array (inside a run, a plan's result so reshaped is the same
+    buffer): a squeeze, or a reshape without a transposition."""
+    name = op.eqn.primitive.name
+    return name == "squeeze" or (name == "reshape" and op.eqn.params.get("dimensions") is None)
 
 
 class _Reshaped:
@@ -136,7 +136,8 @@ class _Run:
         self.produced.add(view)
 
 
-def _emit(run: _Run, flat: _Flat, needed: Callable[[int], bool], dependent: int, launch_fn: callback.LaunchFn) -> None:
+def _emit(run: _Run, flat: _Flat, needed: Callable[[int], bool], dependent: int,
+          launch_fn: callback.LaunchFn) -> None:
     """Evaluates `run` as one merged callback, setting flat.values of its results that `needed` names."""
     ext_inputs: list[int] = []  # value ids read from outside the run, in order
     slot: dict[int, tuple] = {}  # value id -> its buffer: ("in", k) or ("out", j)
@@ -240,8 +241,10 @@ def _evaluate(closed, leaves: list, dependent: int, launch_fn: callback.LaunchFn
 
     for position, op in enumerate(flat.ops):
         if plan_call(op.eqn) is not None:
-            if any(last_use.get(op.inputs[i], -1) > position for i in _aliases(op.eqn)):
-                flush()  # it would overwrite a value read later: on its own, where XLA copies for it
+            updated = [op.inputs[i] for i in _aliases(op.eqn)]
+            if any(last_use.get(i, -1) > position or i in run.views for i in updated):
+                # It would overwrite a value read later (or a reshape's): on its own, where XLA copies for it.
+                flush()
                 run.add(op)
                 flush()
             else:

@@ -1,8 +1,10 @@
 """bridge/merged_callbacks.py on the CPU: the LM's token step on the callback backend, its kernel plans merged
-into one buffer callback (what XLA records as one CUDA graph on a GPU) whose launches run block by block on the
+into one buffer callback (on a GPU one CUDA graph, replayed) whose launches run block by block on the
 NumPy emulator, against the same model on xla, token after token; what is merged and what is not (a plan whose
 in-place write would clobber a value read later, an XLA operation reading a plan's result); and the launches'
-programmatic-dependent form."""
+programmatic-dependent form, and the CUDA graphs that the merged callback replays."""
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,6 +111,26 @@ def test_an_xla_operation_on_a_plan_s_result_ends_the_run_and_independent_ones_d
     assert [p for _, p in launches] == [False, True, False]
 
 
+ADD_ONE_IN_PLACE = Plan(inputs=("x",), buffers={}, outputs=("x",),
+                        launches=(Launch(ct.kernel(_add_one), (2,), ("x", "x", 4, INDEPENDENT), ("x",)),))
+
+
+def test_a_plan_writing_in_place_a_value_read_later_runs_alone(launches):
+    def fn(x):
+        a = callback.run_plan(ADD_ONE, {"x": x})["y"]
+        b = callback.run_plan(ADD_ONE_IN_PLACE, {"x": a})["x"]  # overwrites a's buffer, which c reads after
+        c = a * 3.0
+        return b, c
+
+    x = jnp.arange(8, dtype=jnp.float32)
+    merged = merged_callbacks.merge_plan_callbacks(fn)
+    calls = _callbacks(jax.make_jaxpr(merged)(x).jaxpr)
+    assert len(calls) == 2 and dict(calls[1].params["input_output_aliases"]) == {0: 0}
+    b, c = jax.jit(merged)(x)
+    np.testing.assert_allclose(b, x + 2)
+    np.testing.assert_allclose(c, (x + 1) * 3)
+
+
 def test_launch_dependent_sets_the_kernel_s_constant_only():
     # The norm, a product of K split over blocks, and their sum: every launch of a projection.
     dims = decode_projection.ProjectionDims(rows=1, features=2048, out_features=1024, has_norm=True,
@@ -148,3 +170,65 @@ def test_vmap_folds_the_rows_then_merges_and_grad_is_the_ops_own(launches):
         return jax.jit(jax.grad(lambda x, r: jnp.sum(jnp.sin(one(x, r, backend)[0])), argnums=(0, 1)))
     for g, w in zip(loss("cutile_callback")(a["x"], a["residual"]), loss("xla")(a["x"], a["residual"])):
         assert rel_l2(g, w) < 1e-5
+
+
+class _FakeBuffer:
+    def __init__(self, address):
+        self.__cuda_array_interface__ = {"data": (address, False), "shape": (1,), "typestr": "<f4", "version": 2}
+
+
+def test_replay_captures_at_the_first_call_of_a_set_of_addresses_and_launches_the_graph_after(monkeypatch):
+    """callback.replay with a stand-in for CuPy's streams and graphs: the first call of (launches, addresses)
+    launches directly on XLA's stream and captures the same launches on a side stream; later calls launch the
+    graph; other addresses capture again; the cache keeps the GRAPH_CACHE_SIZE most recently used."""
+    events = []
+
+    class Graph:
+        def __init__(self, n):
+            self.n = n
+
+        def launch(self, stream):
+            events.append(("graph", self.n, stream.ptr))
+
+    class Stream:
+        count = 0
+
+        def __init__(self, non_blocking=False):
+            Stream.count += 1
+            self.ptr = 1000 + Stream.count
+
+        def begin_capture(self, mode=None):
+            events.append(("begin", self.ptr))
+
+        def end_capture(self):
+            events.append(("end", self.ptr))
+            return Graph(self.ptr)
+
+    class ExternalStream:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+    cuda = type("cuda", (), {"Stream": Stream, "ExternalStream": ExternalStream,
+                             "runtime": type("runtime", (), {"streamCaptureModeRelaxed": 2})})
+    monkeypatch.setitem(sys.modules, "cupy", type("cupy", (), {"cuda": cuda}))
+    monkeypatch.setattr(callback, "_GRAPHS", type(callback._GRAPHS)())
+    monkeypatch.setattr(callback, "GRAPH_CACHE_SIZE", 2)
+    ctx = type("ctx", (), {"stream": 7})()
+
+    def record(ctx):
+        events.append(("launch", ctx.stream))
+
+    token = object()
+    callback.replay(ctx, token, [_FakeBuffer(1), _FakeBuffer(2)], record)
+    assert events == [("launch", 7), ("begin", 1001), ("launch", 1001), ("end", 1001)]
+    events.clear()
+    callback.replay(ctx, token, [_FakeBuffer(1), _FakeBuffer(2)], record)
+    assert events == [("graph", 1001, 7)]
+    events.clear()
+    callback.replay(ctx, token, [_FakeBuffer(3), _FakeBuffer(2)], record)  # other addresses: captured again
+    callback.replay(ctx, object(), [_FakeBuffer(1), _FakeBuffer(2)], record)  # other launches: too
+    assert [e[0] for e in events] == ["launch", "begin", "launch", "end"] * 2
+    assert len(callback._GRAPHS) == 2  # the first graph, least recently used, was dropped
+    events.clear()
+    callback.replay(ctx, token, [_FakeBuffer(1), _FakeBuffer(2)], record)
+    assert events[0] == ("launch", 7)
