@@ -10,7 +10,8 @@ once (`cast_params`). The decode state is allocated in the parameters' dtype, as
 Implementations (--impls):
   cutile, cutile_callback, xla
                jax-mamba2's `generate` (one jitted program: prefill, then a lax.scan of cached steps) on that
-               backend (cutile_callback: the same kernels launched from buffer_callbacks). The
+               backend (cutile_callback: the same kernels launched from buffer_callbacks, the token step's
+               all from one that replays a CUDA graph of programmatic dependent launches). The
                step time is the difference of generate with 1 and with 1 + --decode-steps new tokens (the
                prefill and the first token cancel), divided by --decode-steps. --command-buffers runs each
                of them with XLA's command buffers (CUDA graphs) as XLA defaults them ("default"), off
@@ -75,8 +76,8 @@ SAMPLING = {"greedy": {}, "top-k": {"temperature": 1.0, "top_k": 50}, "top-p": {
             "penalty": {"repetition_penalty": 1.2}}
 PROFILE_TOP_KERNELS = 40  # a token step's kernels listed by time in --profile's record (about 18 per layer)
 COMMAND_BUFFER_FLAGS = lm_bench.COMMAND_BUFFER_FLAGS
-LABELS = {"cutile": "jax-mamba2 generate, cuTile", "cutile_callback": "jax-mamba2 generate, cuTile from a "
-          "buffer_callback", "xla": "jax-mamba2 generate, XLA",
+LABELS = {"cutile": "jax-mamba2 generate, cuTile", "cutile_callback": "jax-mamba2 generate, cuTile from "
+          "buffer_callbacks (the token step one, replaying a CUDA graph)", "xla": "jax-mamba2 generate, XLA",
           "mamba_ssm": "mamba_ssm Mamba2.step, CUDA graph (PyTorch)"}
 
 

@@ -71,7 +71,8 @@ def test_the_callback_backend_is_one_of_ours_with_a_model_and_label_of_its_own()
     assert [(j["impl"], j.get("mixer_heads")) for j in jobs] == [("cutile", 4), ("cutile_callback", None)]
     assert lm_decode.ours_model(jobs[1]).layers.mixer.backend == "cutile_callback"
     assert lm_decode.label({**jobs[1], "command_buffers": "default"}).startswith(
-        "jax-mamba2 generate, cuTile from a buffer_callback, bfloat16 params, command buffers default")
+        "jax-mamba2 generate, cuTile from buffer_callbacks (the token step one, replaying a CUDA graph), bfloat16 "
+        "params, command buffers default")
     assert lm_decode.record_key(jobs[0]) != lm_decode.record_key({**jobs[0], "impl": "cutile_callback"})
 
 

@@ -10,6 +10,7 @@ ct = pytest.importorskip("cuda.tile")
 
 from benchmarks.tools.sass import resource_usage  # noqa: E402
 from jax_mamba2.flax_layers.mamba2 import GATED_NORM_IN_MIXER_ROWS  # noqa: E402
+from jax_mamba2.kernels._common import INDEPENDENT, WAITS_AND_RELEASES  # noqa: E402
 from jax_mamba2.kernels import decode_mixer, decode_projection  # noqa: E402
 from jax_mamba2.kernels.decode_mixer import MixerStepDims  # noqa: E402
 from jax_mamba2.kernels.decode_projection import ProjectionDims  # noqa: E402
@@ -50,17 +51,23 @@ def _mixer(rows: int, param_dtype: str) -> MixerStepDims:
                          D_dtype=param_dtype)
 
 
-def _cubins(rows: int, param_dtype: str) -> dict[str, bytes]:
+def _dependent(plan, level: int):
+    return dataclasses.replace(plan, launches=tuple(launch.dependent(level) for launch in plan.launches))
+
+
+def _cubins(rows: int, param_dtype: str, dependent: int = INDEPENDENT) -> dict[str, bytes]:
+    """The token step's cubins; `dependent`: the DEPENDENT constant of every launch (the merged token step's
+    programmatic dependent launches)."""
     cubins = {}
     for name, dims in _projections(rows, param_dtype).items():
         assert decode_projection.projection_unsupported_reason(dims) is None
-        plan = decode_projection.norm_project_plan(dims)
+        plan = _dependent(decode_projection.norm_project_plan(dims), dependent)
         for kernel, cubin in plan_cubins((plan, decode_projection.norm_project_inputs(dims))).items():
             cubins[f"{name} {kernel}"] = cubin
     dims = _mixer(rows, param_dtype)
     assert decode_mixer.mixer_step_unsupported_reason(dims) is None
-    cubins["mixer"] = plan_cubins((decode_mixer.mixer_step_plan(dims), decode_mixer.mixer_step_inputs(dims)))[
-        "mixer_step_kernel"]
+    plan = _dependent(decode_mixer.mixer_step_plan(dims), dependent)
+    cubins["mixer"] = plan_cubins((plan, decode_mixer.mixer_step_inputs(dims)))["mixer_step_kernel"]
     return cubins
 
 
@@ -159,6 +166,22 @@ def test_mixer_steps_of_several_heads_per_block_compile_spill_free_at_their_occu
         _assert_spill_free({f"HEADS={heads}": cubin})
         usage = {k: int(v) for k, v in re.findall(r"(REG|SHARED):(\d+)", resource_usage(cubin))}
         assert usage["SHARED"] * cfg.OCCUPANCY <= SM90_SHARED_BYTES, (cfg, usage)
+
+
+def test_dependent_builds_wait_for_their_predecessor_and_release_their_successor():
+    """With DEPENDENT = WAITS_AND_RELEASES (the merged token step's launches) every decode kernel of the batch-1
+    step waits for its predecessor (griddepcontrol.wait: ACQBULK) and releases its successor (PREEXIT); at
+    INDEPENDENT (every plan's) neither is built. The waits at the kernels' tops cost out_proj's and the head's
+    products a stack frame of a few hundred bytes (216 and 192 with tileiras 13.4), no local memory."""
+    from benchmarks.tools import sass
+    if sass.find_cuobjdump() is None:
+        pytest.skip("cuobjdump/nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    for level, expected in ((INDEPENDENT, False), (WAITS_AND_RELEASES, True)):
+        for name, cubin in _cubins(1, "bfloat16", level).items():
+            opcodes = {text.split()[0].split(".")[0] for _, text in sass.instructions(sass.disassemble(cubin)[0])}
+            assert ("ACQBULK" in opcodes, "PREEXIT" in opcodes) == (expected,) * 2, name
+            usage = {k: int(v) for k, v in re.findall(r"(LOCAL|STACK):(\d+)", resource_usage(cubin))}
+            assert usage["LOCAL"] == 0 and usage["STACK"] <= 256, (name, usage)
 
 
 def test_the_normalizing_product_leaves_the_gate_to_the_mixer_step():
