@@ -497,10 +497,18 @@ def token_step(fn: Callable, backend: str) -> Callable:
     "cutile_callback" every run of its kernel plans that no other operation separates becomes one callback that
     replays a CUDA graph of its launches, each a programmatic dependent launch of its predecessor
     (`bridge.merged_callbacks.merge_plan_callbacks`); on any other backend `fn` itself. Call it inside a jitted
-    function: the merged form traces `fn` at each call."""
+    function: the merged form traces `fn` at each call.
+
+    Raises:
+      ValueError: on "cutile_callback" where its graphs cannot run (CuPy missing), saying why.
+    """
     if backend != "cutile_callback":
         return fn
     from jax_mamba2.bridge import merged_callbacks
+    reason = merged_callbacks.unavailable_reason()
+    if reason is not None:
+        raise ValueError(f"token_step: backend='cutile_callback' launches a token step's kernels as one CUDA graph, "
+                         f"which cannot run here: {reason}")
     return merged_callbacks.merge_plan_callbacks(fn)
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib.util
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import cuda.tile as ct
 import jax
@@ -34,6 +35,13 @@ def cuda_launch(ctx, launch: Launch, args: tuple, programmatic: bool) -> None:
 # used last.
 _GRAPHS: collections.OrderedDict = collections.OrderedDict()
 GRAPH_CACHE_SIZE = 32
+
+
+def replay_unavailable_reason() -> Optional[str]:
+    """Why `replay` cannot run here (it captures and launches its graphs through CuPy), or None."""
+    if importlib.util.find_spec("cupy") is None:
+        return "CuPy is not installed (pip install 'jax-mamba2[cuda]')"
+    return None
 
 
 def replay(ctx, launches: object, buffers, record: Callable[[Any], None]) -> None:

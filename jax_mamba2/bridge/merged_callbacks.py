@@ -260,6 +260,11 @@ def _evaluate(closed, leaves: list, dependent: int, launch_fn: callback.LaunchFn
     return [flat.values[i] for i in out_ids]
 
 
+def unavailable_reason() -> Optional[str]:
+    """Why a merged callback cannot run here (see `callback.replay_unavailable_reason`), or None."""
+    return callback.replay_unavailable_reason()
+
+
 def merge_plan_callbacks(fn: Callable, *, dependent: int = WAITS_AND_RELEASES,
                          launch: Optional[callback.LaunchFn] = None) -> Callable:
     """`fn` with its runs of `callback.run_plan` callbacks merged (module docstring). Call the result inside a

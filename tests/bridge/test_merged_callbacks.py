@@ -43,7 +43,9 @@ def launches(monkeypatch):
         ran.append((launch.kernel._annotated_function.pyfunc.__name__, programmatic))
         emulator.launch_blocks(launch, [np.asarray(a) if hasattr(a, "__array__") else a for a in args])
     monkeypatch.setattr(callback, "cuda_launch", launch)
-    monkeypatch.setattr(callback, "replay", lambda ctx, launches, buffers, record: record(ctx))  # no CUDA graph
+    # No CUDA graph on the CPU: each call launches directly.
+    monkeypatch.setattr(callback, "replay", lambda ctx, launches, buffers, record: record(ctx))
+    monkeypatch.setattr(callback, "replay_unavailable_reason", lambda: None)
     return ran
 
 
@@ -232,3 +234,10 @@ def test_replay_captures_at_the_first_call_of_a_set_of_addresses_and_launches_th
     events.clear()
     callback.replay(ctx, token, [_FakeBuffer(1), _FakeBuffer(2)], record)
     assert events[0] == ("launch", 7)
+
+
+def test_the_callback_backend_s_token_step_without_cupy_says_why(monkeypatch):
+    monkeypatch.setattr(callback, "replay_unavailable_reason", lambda: "CuPy is not installed")
+    with pytest.raises(ValueError, match="backend='cutile_callback'.*CuPy is not installed"):
+        decode.token_step(lambda x: x, "cutile_callback")
+    assert decode.token_step(abs, "cutile") is abs  # other backends: the function itself
