@@ -98,18 +98,20 @@ def _callback(call: PlanCall):
 def run_plan(plan: Plan, arrays: dict) -> dict:
     """Runs `plan` on `arrays` (name -> jax.Array, one per plan input); returns its outputs by name.
 
-    Plan outputs that are inputs (written in place) and zero-initialised buffers are passed as inputs
-    aliased to outputs, so XLA provides their contents to the callback.
+    Plan outputs that are inputs (written in place) and zero-initialised buffers that a launch writes are passed
+    as inputs aliased to outputs, so XLA provides their contents to the callback; zero-initialised buffers that
+    no launch writes (placeholders) are plain inputs.
     """
+    written = {name for launch in plan.launches for name in launch.writes} | set(plan.outputs)
+    zeros = [n for n, buf in plan.buffers.items() if buf.zero_init]
     aliased_inputs = [n for n in plan.outputs if n in plan.inputs]
-    buffer_names = list(plan.buffers) + aliased_inputs
+    seeded = aliased_inputs + [n for n in zeros if n in written]
+    buffer_names = [n for n in plan.buffers if n not in zeros or n in written] + aliased_inputs
     env = dict(arrays)
-    for name, buf in plan.buffers.items():
-        if buf.zero_init:
-            env[name] = jnp.zeros(buf.shape, buf.dtype)
-    seeded = aliased_inputs + [n for n, buf in plan.buffers.items() if buf.zero_init]
-    input_names = list(plan.inputs) + seeded
-    aliases = {len(plan.inputs) + i: buffer_names.index(n) for i, n in enumerate(seeded)}
+    for name in zeros:
+        env[name] = jnp.zeros(plan.buffers[name].shape, plan.buffers[name].dtype)
+    input_names = list(plan.inputs) + [n for n in zeros if n not in written] + seeded
+    aliases = {input_names.index(n): buffer_names.index(n) for n in seeded}
     result_shapes = [jax.ShapeDtypeStruct(env[n].shape, env[n].dtype) if n in aliased_inputs
                      else jax.ShapeDtypeStruct(plan.buffers[n].shape, jnp.dtype(plan.buffers[n].dtype))
                      for n in buffer_names]

@@ -54,17 +54,24 @@ class _Op:
 
 
 class _Flat:
-    """A jaxpr with its calls inlined: operations on value ids, and the values known before any runs."""
+    """A jaxpr with its calls inlined: operations on value ids, the values known before any runs, and each value's
+    signature: equal signatures, equal values (small constants by content, an operation without effects by its
+    primitive, parameters and operands' signatures, anything else by its id)."""
 
     def __init__(self):
         self.ops: list[_Op] = []
         self.values: dict[int, Any] = {}
+        self.signatures: dict[int, Any] = {}
         self._count = 0
 
     def new(self, value=None, known: bool = False) -> int:
         self._count += 1
+        self.signatures[self._count] = ("id", self._count)
         if known:
             self.values[self._count] = value
+            if not isinstance(value, jax.core.Tracer) and np.size(value) <= _CONSTANT_SIGNATURE_SIZE:
+                array = np.asarray(value)
+                self.signatures[self._count] = ("constant", array.dtype.str, array.shape, array.tobytes())
         return self._count
 
     def add(self, closed, in_ids: list) -> list:
@@ -84,10 +91,24 @@ class _Flat:
             else:
                 outputs = [None if isinstance(v, jex.DropVar) else self.new() for v in eqn.outvars]
                 self.ops.append(_Op(eqn, inputs, outputs))
+                if len(outputs) == 1 and outputs[0] is not None and _is_pure(eqn):
+                    self.signatures[outputs[0]] = (eqn.primitive.name, repr(sorted(eqn.params.items())),
+                                                   tuple(self.signatures[i] for i in inputs))
             for v, out in zip(eqn.outvars, outputs, strict=True):
                 if not isinstance(v, jex.DropVar):
                     env[v] = out
         return [read(v) for v in jaxpr.outvars]
+
+
+# Constants of at most this many elements are told apart by content (a layer index, a placeholder's zeros).
+_CONSTANT_SIGNATURE_SIZE = 64
+
+
+def _is_pure(eqn) -> bool:
+    """Whether two equations of this primitive on equal operands give equal values: no effects, no callback, no
+    inner jaxpr (whose parameters' repr would not tell them apart)."""
+    return (not eqn.effects and eqn.primitive.name != "buffer_callback"
+            and not any(jex.jaxprs_in_params(eqn.params)))
 
 
 def _aliases(eqn) -> dict[int, int]:
@@ -102,19 +123,28 @@ def _is_view(op: _Op) -> bool:
     return name == "squeeze" or (name == "reshape" and op.eqn.params.get("dimensions") is None)
 
 
-class _Reshaped:
-    """A buffer seen in another shape (row-major, same elements): a reshape of a plan's result inside a merged
-    callback, for the launches (`__cuda_array_interface__`) and the CPU emulator (`__array__`)."""
+class _View:
+    """Part of a callback buffer seen as an array of its own (row-major): `shape` elements of `dtype` (None: the
+    buffer's) from byte `offset`. A reshape of a plan's result, or a scratch array in the merged callback's
+    workspace; for the launches (`__cuda_array_interface__`) and the CPU emulator (`__array__`)."""
 
-    def __init__(self, buffer, shape):
-        self.buffer, self.shape = buffer, tuple(shape)
+    def __init__(self, buffer, offset: int, shape, dtype=None):
+        self.buffer, self.offset, self.shape, self.dtype = buffer, offset, tuple(shape), dtype
 
     @property
     def __cuda_array_interface__(self):
-        return {**self.buffer.__cuda_array_interface__, "shape": self.shape, "strides": None}
+        interface = self.buffer.__cuda_array_interface__
+        address, readonly = interface["data"]
+        typestr = interface["typestr"] if self.dtype is None else np.dtype(self.dtype).str
+        return {**interface, "data": (address + self.offset, readonly), "shape": self.shape, "strides": None,
+                "typestr": typestr}
 
     def __array__(self, dtype=None, copy=None):
-        return np.asarray(self.buffer).reshape(self.shape)
+        array = np.asarray(self.buffer).reshape(-1)
+        if self.dtype is not None:
+            nbytes = int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+            array = array.view(np.uint8)[self.offset:self.offset + nbytes].view(self.dtype)
+        return array.reshape(self.shape)
 
 
 class _Run:
@@ -136,24 +166,42 @@ class _Run:
         self.produced.add(view)
 
 
+# Scratch arrays (a plan's buffers that nothing after the run reads, placeholders included) share one workspace
+# output, each at an offset aligned so; only arrays of NumPy's own dtypes (a view states its dtype by NumPy's name).
+_WORKSPACE_ALIGNMENT = 256
+
+
 def _emit(run: _Run, flat: _Flat, needed: Callable[[int], bool], dependent: int,
           launch_fn: callback.LaunchFn) -> None:
-    """Evaluates `run` as one merged callback, setting flat.values of its results that `needed` names."""
+    """Evaluates `run` as one merged callback, setting flat.values of its results that `needed` names.
+
+    A callback's Python receives every buffer at every call, so the merged callback takes few: inputs of equal
+    signature that no plan writes are one input, and scratch arrays are views of one workspace output."""
+    updated = {op.inputs[i] for op in run.ops for i in _aliases(op.eqn)}
     ext_inputs: list[int] = []  # value ids read from outside the run, in order
-    slot: dict[int, tuple] = {}  # value id -> its buffer: ("in", k) or ("out", j)
-    results: list = []  # the merged callback's outputs
-    aliased: dict[int, int] = {}  # merged input index -> the merged output written in place into it
+    by_signature: dict[Any, tuple] = {}  # a read-only input's signature -> its slot
+    slot: dict[int, tuple] = {}  # value id -> its buffer: ("in", k), ("out", j) or ("view", base slot, shape)
+    arrays: list = []  # the arrays the plans write afresh (j of ("out", j)), as ShapeDtypeStructs
+    aliased: dict[int, int] = {}  # input index -> the array written in place into it
     members = []  # (PlanCall, its inputs' slots, its outputs' slots)
+    def slot_of(i):  # a reshaped result's slot: a view of its base's
+        base, shape = run.views[i]
+        return ("view", slot[base], shape)
+
     for op in run.ops:
         in_slots = []
         for i in op.inputs:
             if i in run.views:
-                base, shape = run.views[i]
-                in_slots.append(("view", slot[base], shape))
-                continue
-            if i not in slot:
-                slot[i] = ("in", len(ext_inputs))
-                ext_inputs.append(i)
+                slot[i] = slot_of(i)
+            elif i not in slot:
+                signature = flat.signatures[i]
+                if i not in updated and signature in by_signature:
+                    slot[i] = by_signature[signature]
+                else:
+                    slot[i] = ("in", len(ext_inputs))
+                    ext_inputs.append(i)
+                    if i not in updated:
+                        by_signature[signature] = slot[i]
             in_slots.append(slot[i])
         in_place = {o: i for i, o in _aliases(op.eqn).items()}
         out_slots = []
@@ -161,22 +209,50 @@ def _emit(run: _Run, flat: _Flat, needed: Callable[[int], bool], dependent: int,
             if k in in_place:  # written in place: its input's buffer
                 where = in_slots[in_place[k]]
                 if where[0] == "in" and where[1] not in aliased:
-                    aliased[where[1]] = len(results)
-                    results.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+                    aliased[where[1]] = len(arrays)
+                    arrays.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
             else:
-                where = ("out", len(results))
-                results.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+                where = ("out", len(arrays))
+                arrays.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
             out_slots.append(where)
             if o is not None:
                 slot[o] = where
         members.append((plan_call(op.eqn), in_slots, out_slots))
 
-    def merged(ctx, outputs, *inputs):
-        buffers = {("in", k): outputs[aliased[k]] if k in aliased else b for k, b in enumerate(inputs)}
-        buffers.update((("out", j), b) for j, b in enumerate(outputs))
+    # The merged callback's outputs: the arrays read after the run or written in place into an input, one each;
+    # the others at their offsets in one workspace.
+    kept = set(aliased.values())
+    for view in run.views:
+        slot.setdefault(view, slot_of(view))
+    for o in (*(o for op in run.ops for o in op.outputs if o is not None), *run.views):
+        if needed(o):
+            where = slot[o]
+            while where[0] == "view":
+                where = where[1]
+            kept.add(where[1] if where[0] == "out" else aliased[where[1]])
+    output_of, workspace_at, workspace_bytes, results = {}, {}, 0, []
+    for j, array in enumerate(arrays):
+        if j in kept or array.dtype.kind not in "biuf" or array.dtype == jnp.bfloat16:
+            output_of[j] = len(results)
+            results.append(array)
+        else:
+            workspace_at[j] = workspace_bytes
+            workspace_bytes += -(-array.dtype.itemsize * int(np.prod(array.shape)) // _WORKSPACE_ALIGNMENT) * \
+                _WORKSPACE_ALIGNMENT
+    if workspace_at:
+        results.append(jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8))
+    in_place_into = {k: output_of[j] for k, j in aliased.items()}
 
+    def merged(ctx, outputs, *inputs):
         def buffer(s):
-            return _Reshaped(buffers[s[1]], s[2]) if s[0] == "view" else buffers[s]
+            kind, index = s[0], s[1]
+            if kind == "view":
+                return _View(buffer(index), 0, s[2])
+            if kind == "in":
+                return outputs[in_place_into[index]] if index in in_place_into else inputs[index]
+            if index in workspace_at:
+                return _View(outputs[-1], workspace_at[index], arrays[index].shape, arrays[index].dtype)
+            return outputs[output_of[index]]
 
         def record(ctx):
             first = True
@@ -194,20 +270,18 @@ def _emit(run: _Run, flat: _Flat, needed: Callable[[int], bool], dependent: int,
         callback.replay(ctx, token, (*inputs, *outputs), record)
 
     token = object()  # this merged callback, in the graph cache's keys
-    outs = buffer_callback(merged, results, input_output_aliases=aliased or None)(
+    outs = buffer_callback(merged, results, input_output_aliases=in_place_into or None)(
         *(jnp.asarray(flat.values[i]) for i in ext_inputs))
 
-    def result(o):
-        kind, index = slot[o]
-        return outs[aliased[index] if kind == "in" else index]
+    def result(where):
+        kind, index = where[0], where[1]
+        if kind == "view":
+            return jnp.reshape(result(index), where[2])
+        return outs[in_place_into[index] if kind == "in" else output_of[index]]
 
-    for op in run.ops:
-        for o in op.outputs:
-            if o is not None and needed(o):
-                flat.values[o] = result(o)
-    for view, (base, shape) in run.views.items():
-        if needed(view):
-            flat.values[view] = jnp.reshape(result(base), shape)
+    for o in (*(o for op in run.ops for o in op.outputs if o is not None), *run.views):
+        if needed(o):
+            flat.values[o] = result(slot[o])
 
 
 def _bind(op: _Op, flat: _Flat) -> None:
