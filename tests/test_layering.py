@@ -7,8 +7,8 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jax_mamba2"
 # Modules every layer may use: argument checks, the backend registry, atomic file and directory writes,
-# shard_map's varying axes.
-FOUNDATIONS = {"checks", "backends", "ssd_args", "_files", "_staging", "_vma", "_version"}
+# shard_map's varying axes, where call primitives keep their jaxprs.
+FOUNDATIONS = {"checks", "backends", "ssd_args", "_files", "_staging", "_vma", "_version", "_jaxpr_calls"}
 REFERENCES = {"reference", "conv1d_reference", "norm_reference", "decode_reference", "projection"}
 OPS = {"op", "conv1d", "norm", "decode", "cross_entropy", "autotuning"}
 

@@ -30,13 +30,13 @@ from jax.experimental.buffer_callback import buffer_callback
 from jax.extend import core as jex
 from jax.extend import source_info_util
 
+from jax_mamba2._jaxpr_calls import CALL_JAXPRS, CUSTOM_RULE_JAXPRS
 from jax_mamba2.bridge import callback
 from jax_mamba2.kernels._common import INDEPENDENT, WAITS_AND_RELEASES
 
-# Call primitives inlined, and the parameter that holds their closed jaxpr (jax 0.11 names closed_call
-# eval_jaxpr). Differentiation and batching rules are not kept: the merged function is evaluated as it is.
-_INLINED = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "eval_jaxpr": "call_jaxpr",
-            "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vmap_call": "call"}
+# Call primitives inlined, and the parameter that holds their closed jaxpr. Differentiation and batching rules are
+# not kept: the merged function is evaluated as it is.
+_INLINED = {**CALL_JAXPRS, **CUSTOM_RULE_JAXPRS}
 
 
 def plan_call(eqn) -> Optional[callback.PlanCall]:

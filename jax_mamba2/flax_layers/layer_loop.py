@@ -31,6 +31,7 @@ from jax import lax
 from jax.extend import core as jex
 from jax.extend import source_info_util
 
+from jax_mamba2._jaxpr_calls import CALL_JAXPRS
 from jax_mamba2._vma import match_varying_axes
 
 # Where a leaf of a layer's pullback comes from: the layer's parameters, a parameter made varying over
@@ -113,9 +114,6 @@ _FUSED_INTO_CONSUMERS = frozenset("""
     """.split())
 # The same buffer for XLA (`name` is `checkpoint_name`; `pvary` marks a value varying over shard_map's axes).
 _BITCASTS = frozenset(("reshape", "squeeze", "expand_dims", "name", "pvary"))
-# Call primitives and the parameter that holds their jaxpr (a remat'd loop's known half is a closed_call;
-# jax 0.11 names that primitive eval_jaxpr).
-_CALL_JAXPRS = {"jit": "jaxpr", "closed_call": "call_jaxpr", "eval_jaxpr": "call_jaxpr"}
 
 
 def _varying_parameters(jaxpr, producers: dict, n_carry: int, n_parameters: int) -> dict:
@@ -152,8 +150,8 @@ def _producer(jaxpr, var, producers=None):
         if name in _BITCASTS or (name == "reduce_precision" and _is_noop_rounding(eqn)) or (
                 name == "broadcast_in_dim" and eqn.invars[0].aval.size == eqn.outvars[0].aval.size):
             var = eqn.invars[0]
-        elif name in _CALL_JAXPRS:
-            inner = eqn.params[_CALL_JAXPRS[name]].jaxpr
+        elif name in CALL_JAXPRS:
+            inner = eqn.params[CALL_JAXPRS[name]].jaxpr
             out = inner.outvars[eqn.outvars.index(var)]
             if isinstance(out, jex.Literal) or out not in inner.invars:
                 return None if isinstance(out, jex.Literal) else _producer(inner, out)
