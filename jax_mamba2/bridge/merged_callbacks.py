@@ -20,6 +20,7 @@ it) runs as a merged callback of its own.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Optional
 
@@ -68,11 +69,15 @@ class _Flat:
         self._count += 1
         self.signatures[self._count] = ("id", self._count)
         if known:
-            self.values[self._count] = value
-            if not isinstance(value, jax.core.Tracer) and np.size(value) <= _CONSTANT_SIGNATURE_SIZE:
-                array = np.asarray(value)
-                self.signatures[self._count] = ("constant", array.dtype.str, array.shape, array.tobytes())
+            self.set(self._count, value)
         return self._count
+
+    def set(self, i: int, value) -> None:
+        """The value of id i; a small constant's signature is its content."""
+        self.values[i] = value
+        if _is_constant(value) and np.size(value) <= _CONSTANT_SIGNATURE_SIZE:
+            array = np.asarray(value)
+            self.signatures[i] = ("constant", array.dtype.str, array.shape, array.tobytes())
 
     def add(self, closed, in_ids: list) -> list:
         jaxpr, env = closed.jaxpr, {}
@@ -102,6 +107,10 @@ class _Flat:
 
 # Constants of at most this many elements are told apart by content (a layer index, a placeholder's zeros).
 _CONSTANT_SIGNATURE_SIZE = 64
+
+
+def _is_constant(value) -> bool:
+    return not isinstance(value, jax.core.Tracer)
 
 
 def _is_pure(eqn) -> bool:
@@ -171,12 +180,19 @@ class _Run:
 _WORKSPACE_ALIGNMENT = 256
 
 
+def _packable(signature) -> bool:
+    """Whether a value of this signature is a small constant of one of NumPy's own dtypes (a view into the
+    constants' input states its dtype by NumPy's name)."""
+    return signature[0] == "constant" and np.dtype(signature[1]).kind in "biuf"
+
+
 def _emit(run: _Run, flat: _Flat, needed: Callable[[int], bool], dependent: int,
           launch_fn: callback.LaunchFn) -> None:
     """Evaluates `run` as one merged callback, setting flat.values of its results that `needed` names.
 
     A callback's Python receives every buffer at every call, so the merged callback takes few: inputs of equal
-    signature that no plan writes are one input, and scratch arrays are views of one workspace output."""
+    signature that no plan writes are one input, small constants are views of one input, and scratch arrays are
+    views of one workspace output."""
     updated = {op.inputs[i] for op in run.ops for i in _aliases(op.eqn)}
     ext_inputs: list[int] = []  # value ids read from outside the run, in order
     by_signature: dict[Any, tuple] = {}  # a read-only input's signature -> its slot
@@ -184,6 +200,8 @@ def _emit(run: _Run, flat: _Flat, needed: Callable[[int], bool], dependent: int,
     arrays: list = []  # the arrays the plans write afresh (j of ("out", j)), as ShapeDtypeStructs
     aliased: dict[int, int] = {}  # input index -> the array written in place into it
     members = []  # (PlanCall, its inputs' slots, its outputs' slots)
+    constants = bytearray()  # the small constants the plans read, at aligned offsets: one input, the last
+
     def slot_of(i):  # a reshaped result's slot: a view of its base's
         base, shape = run.views[i]
         return ("view", slot[base], shape)
@@ -197,6 +215,11 @@ def _emit(run: _Run, flat: _Flat, needed: Callable[[int], bool], dependent: int,
                 signature = flat.signatures[i]
                 if i not in updated and signature in by_signature:
                     slot[i] = by_signature[signature]
+                elif i not in updated and _packable(signature):
+                    _, dtype, shape, data = signature
+                    slot[i] = by_signature[signature] = ("constant", len(constants), shape, dtype)
+                    constants.extend(data)
+                    constants.extend(bytes(-len(constants) % _WORKSPACE_ALIGNMENT))
                 else:
                     slot[i] = ("in", len(ext_inputs))
                     ext_inputs.append(i)
@@ -248,6 +271,8 @@ def _emit(run: _Run, flat: _Flat, needed: Callable[[int], bool], dependent: int,
             kind, index = s[0], s[1]
             if kind == "view":
                 return _View(buffer(index), 0, s[2])
+            if kind == "constant":
+                return _View(inputs[-1], index, s[2], s[3])
             if kind == "in":
                 return outputs[in_place_into[index]] if index in in_place_into else inputs[index]
             if index in workspace_at:
@@ -270,8 +295,10 @@ def _emit(run: _Run, flat: _Flat, needed: Callable[[int], bool], dependent: int,
         callback.replay(ctx, token, (*inputs, *outputs), record)
 
     token = object()  # this merged callback, in the graph cache's keys
-    outs = buffer_callback(merged, results, input_output_aliases=in_place_into or None)(
-        *(jnp.asarray(flat.values[i]) for i in ext_inputs))
+    operands = [jnp.asarray(flat.values[i]) for i in ext_inputs]
+    if constants:
+        operands.append(jnp.asarray(np.frombuffer(bytes(constants), np.uint8)))
+    outs = buffer_callback(merged, results, input_output_aliases=in_place_into or None)(*operands)
 
     def result(where):
         kind, index = where[0], where[1]
@@ -285,14 +312,20 @@ def _emit(run: _Run, flat: _Flat, needed: Callable[[int], bool], dependent: int,
 
 
 def _bind(op: _Op, flat: _Flat) -> None:
+    """Evaluates one operation. A pure one on constants alone whose results are small is folded: its results are
+    constants too (a layer index, a placeholder's zeros), which the merged callbacks pack."""
     eqn = op.eqn
     params = eqn.primitive.get_bind_params(eqn.params)
+    inputs = [flat.values[i] for i in op.inputs]
+    folded = (_is_pure(eqn) and all(map(_is_constant, inputs))
+              and all(np.prod(v.aval.shape) <= _CONSTANT_SIGNATURE_SIZE for v in eqn.outvars))
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-        outs = eqn.primitive.bind(*(flat.values[i] for i in op.inputs), **params)
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager, \
+            (jax.ensure_compile_time_eval() if folded else contextlib.nullcontext()):
+        outs = eqn.primitive.bind(*inputs, **params)
     for o, value in zip(op.outputs, outs if eqn.primitive.multiple_results else [outs], strict=True):
         if o is not None:
-            flat.values[o] = value
+            flat.set(o, value)
 
 
 def _evaluate(closed, leaves: list, dependent: int, launch_fn: callback.LaunchFn) -> list:

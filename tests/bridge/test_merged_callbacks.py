@@ -73,12 +73,13 @@ def test_the_token_step_is_one_callback_with_the_xla_path_s_values(launches, con
         state, tokens[0], models["cutile"].init_cache(batch)).jaxpr
     calls = _callbacks(jaxpr)
     assert len(calls) == 1
-    # Few buffers (the callback's Python receives each at every call): the parameters, the token's embedding, a
-    # layer index per layer and the head's, one placeholder per shape and dtype; out the logits, each layer's B and
-    # C windows, the two state stacks (in place) and one workspace for every array that the kernels alone read.
+    # Few buffers (the callback's Python receives each at every call), however many layers: in the stacked
+    # parameters, the token's embedding and one array of every small constant (layer indices, placeholders); out
+    # the logits, each layer's B and C windows, the two state stacks (in place) and one workspace for every array
+    # that the kernels alone read.
     n_in, n_out = len(calls[0].invars), len(calls[0].params["result_avals"])
-    assert n_in <= config.n_layer + 20 and n_out == config.n_layer + 4, (n_in, n_out)
-    assert calls[0].params["result_avals"][-1].dtype == jnp.uint8  # the workspace
+    assert n_in <= 16 and n_out == config.n_layer + 4, (n_in, n_out)
+    assert calls[0].invars[-1].aval.dtype == calls[0].params["result_avals"][-1].dtype == jnp.uint8
     # The conv and SSM state stacks are written in place: inputs aliased to outputs.
     cache = models["cutile"].init_cache(batch)
     written_in_place = [calls[0].params["result_avals"][o].shape for _, o in calls[0].params["input_output_aliases"]]
