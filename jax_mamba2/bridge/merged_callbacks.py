@@ -144,9 +144,10 @@ class _View:
     def __cuda_array_interface__(self):
         interface = self.buffer.__cuda_array_interface__
         address, readonly = interface["data"]
-        typestr = interface["typestr"] if self.dtype is None else np.dtype(self.dtype).str
-        return {**interface, "data": (address + self.offset, readonly), "shape": self.shape, "strides": None,
-                "typestr": typestr}
+        view = {"data": (address + self.offset, readonly), "shape": self.shape, "strides": None}
+        if self.dtype is None:  # the buffer's own type description, as it gives it
+            return {**interface, **view}
+        return {"version": interface["version"], "typestr": np.dtype(self.dtype).str, **view}
 
     def __array__(self, dtype=None, copy=None):
         array = np.asarray(self.buffer).reshape(-1)
