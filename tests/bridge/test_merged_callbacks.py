@@ -248,3 +248,17 @@ def test_the_callback_backend_s_token_step_without_cupy_says_why(monkeypatch):
     with pytest.raises(ValueError, match="backend='cutile_callback'.*CuPy is not installed"):
         decode.token_step(lambda x: x, "cutile_callback")
     assert decode.token_step(abs, "cutile") is abs  # other backends: the function itself
+
+
+def test_views_give_the_launches_part_of_a_buffer_as_an_array():
+    """A reshape keeps the buffer's own type description; a typed view into a byte buffer (the workspace, the
+    constants' input) states its offset address and NumPy dtype; on the CPU both read the same elements."""
+    base = _FakeBuffer(4096)
+    base.__cuda_array_interface__.update(descr=[("", "<f4")], shape=(8,))
+    reshaped = merged_callbacks._View(base, 0, (2, 4)).__cuda_array_interface__
+    assert reshaped["shape"] == (2, 4) and reshaped["data"] == (4096, False) and reshaped["descr"] == [("", "<f4")]
+    typed = merged_callbacks._View(base, 256, (3,), np.int32).__cuda_array_interface__
+    assert typed == {"version": 2, "typestr": "<i4", "data": (4096 + 256, False), "shape": (3,), "strides": None}
+    workspace = np.arange(512, dtype=np.uint8)
+    values = np.asarray(merged_callbacks._View(workspace, 256, (2, 2), np.int32))
+    np.testing.assert_array_equal(values.reshape(-1), workspace[256:272].view(np.int32))
