@@ -155,6 +155,10 @@ def test_the_callback_backend_s_token_step_is_one_graph_with_the_ffi_step_s_toke
               for b in ("cutile", "cutile_callback")}
     prompt = _prompt(5, 40)
     programs = {b: jax.jit(lambda prompt, m=m: generate(m, prompt, 12)) for b, m in models.items()}
+    from jax_mamba2.bridge import callback  # needs cuda.tile: imported where the tests run
+
     want = np.asarray(programs["cutile"](prompt))
+    captured = len(callback._GRAPHS)
     for _ in range(2):
         np.testing.assert_array_equal(np.asarray(programs["cutile_callback"](prompt)), want)
+    assert len(callback._GRAPHS) > captured  # the token step's graph, captured at its first call
