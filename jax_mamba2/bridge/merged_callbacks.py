@@ -117,7 +117,13 @@ def _is_pure(eqn) -> bool:
     """Whether two equations of this primitive on equal operands give equal values: no effects, no callback, no
     inner jaxpr (whose parameters' repr would not tell them apart)."""
     return (not eqn.effects and eqn.primitive.name != "buffer_callback"
-            and not any(jex.jaxprs_in_params(eqn.params)))
+            and not any(map(_holds_jaxpr, eqn.params.values())))
+
+
+def _holds_jaxpr(value) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(map(_holds_jaxpr, value))
+    return isinstance(value, (jex.Jaxpr, jex.ClosedJaxpr))
 
 
 def _aliases(eqn) -> dict[int, int]:

@@ -55,8 +55,10 @@ def _callbacks(jaxpr) -> list:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "buffer_callback":
             found.append(eqn)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += _callbacks(sub)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+                    found += _callbacks(getattr(sub, "jaxpr", sub))
     return found
 
 
