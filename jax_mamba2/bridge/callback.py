@@ -49,27 +49,31 @@ def replay(ctx, launches: object, buffers, record: Callable[[Any], None]) -> Non
     call, also one that it may record into its command buffers, so launching ~100 kernels from Python costs more
     than the kernels at a few rows: the first call with `launches` (an object naming what record launches) on
     `buffers` (the callback's, at their addresses) launches them directly and captures the same launches on a side
-    stream into a graph (with their programmatic dependencies); later such calls launch that graph, one launch on
-    ctx.stream."""
+    stream of the buffers' device into a graph (with their programmatic dependencies); later such calls launch that
+    graph, one launch on ctx.stream."""
     import cupy  # the [cuda] extra; only where a merged callback runs on a GPU
 
-    key = (launches, *(b.__cuda_array_interface__["data"][0] for b in buffers))
-    graph = _GRAPHS.get(key)
-    if graph is None:
+    addresses = [b.__cuda_array_interface__["data"][0] for b in buffers]
+    key = (launches, *addresses)
+    if key not in _GRAPHS:
         record(ctx)  # this call's results; the kernels compile at their first launch, outside any capture
-        capture = cupy.cuda.Stream(non_blocking=True)
-        # Relaxed: XLA's threads may call CUDA while this thread captures (a global capture would fail them).
-        capture.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
-        try:
-            record(types.SimpleNamespace(stream=capture.ptr))
-        finally:
-            graph = capture.end_capture()
-        _GRAPHS[key] = graph
+        device = cupy.cuda.runtime.pointerGetAttributes(addresses[0]).device  # XLA's, not necessarily CuPy's
+        with cupy.cuda.Device(device):
+            capture = cupy.cuda.Stream(non_blocking=True)
+            # Relaxed: XLA's threads may call CUDA while this thread captures (a global capture would fail them).
+            capture.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
+            try:
+                record(types.SimpleNamespace(stream=capture.ptr))
+            finally:
+                graph = capture.end_capture()
+        _GRAPHS[key] = graph, device
         while len(_GRAPHS) > GRAPH_CACHE_SIZE:
             _GRAPHS.popitem(last=False)
         return
     _GRAPHS.move_to_end(key)
-    graph.launch(cupy.cuda.ExternalStream(ctx.stream))
+    graph, device = _GRAPHS[key]
+    with cupy.cuda.Device(device):
+        graph.launch(cupy.cuda.ExternalStream(ctx.stream, device))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -190,8 +190,9 @@ class _FakeBuffer:
 
 def test_replay_captures_at_the_first_call_of_a_set_of_addresses_and_launches_the_graph_after(monkeypatch):
     """callback.replay with a stand-in for CuPy's streams and graphs: the first call of (launches, addresses)
-    launches directly on XLA's stream and captures the same launches on a side stream; later calls launch the
-    graph; other addresses capture again; the cache keeps the GRAPH_CACHE_SIZE most recently used."""
+    launches directly on XLA's stream and captures the same launches on a side stream of the buffers' device (not
+    CuPy's current one); later calls launch the graph there; other addresses capture again; the cache keeps the
+    GRAPH_CACHE_SIZE most recently used."""
     events = []
 
     class Graph:
@@ -216,11 +217,25 @@ def test_replay_captures_at_the_first_call_of_a_set_of_addresses_and_launches_th
             return Graph(self.ptr)
 
     class ExternalStream:
-        def __init__(self, ptr):
-            self.ptr = ptr
+        def __init__(self, ptr, device_id=-1):
+            self.ptr, self.device_id = ptr, device_id
 
-    cuda = type("cuda", (), {"Stream": Stream, "ExternalStream": ExternalStream,
-                             "runtime": type("runtime", (), {"streamCaptureModeRelaxed": 2})})
+    class Device:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            events.append(("device", self.device))
+
+        def __exit__(self, *exc):
+            return False
+
+    def pointer_attributes(address):
+        return type("attributes", (), {"device": 1})  # the buffers lie on the second GPU
+
+    runtime = type("runtime", (), {"streamCaptureModeRelaxed": 2,
+                                   "pointerGetAttributes": staticmethod(pointer_attributes)})
+    cuda = type("cuda", (), {"Stream": Stream, "ExternalStream": ExternalStream, "Device": Device, "runtime": runtime})
     monkeypatch.setitem(sys.modules, "cupy", type("cupy", (), {"cuda": cuda}))
     monkeypatch.setattr(callback, "_GRAPHS", type(callback._GRAPHS)())
     monkeypatch.setattr(callback, "GRAPH_CACHE_SIZE", 2)
@@ -231,14 +246,15 @@ def test_replay_captures_at_the_first_call_of_a_set_of_addresses_and_launches_th
 
     token = object()
     callback.replay(ctx, token, [_FakeBuffer(1), _FakeBuffer(2)], record)
-    assert events == [("launch", 7), ("begin", 1001), ("launch", 1001), ("end", 1001)]
+    # Captured on a stream of the buffers' device.
+    assert events == [("launch", 7), ("device", 1), ("begin", 1001), ("launch", 1001), ("end", 1001)]
     events.clear()
     callback.replay(ctx, token, [_FakeBuffer(1), _FakeBuffer(2)], record)
-    assert events == [("graph", 1001, 7)]
+    assert events == [("device", 1), ("graph", 1001, 7)]
     events.clear()
     callback.replay(ctx, token, [_FakeBuffer(3), _FakeBuffer(2)], record)  # other addresses: captured again
     callback.replay(ctx, object(), [_FakeBuffer(1), _FakeBuffer(2)], record)  # other launches: too
-    assert [e[0] for e in events] == ["launch", "begin", "launch", "end"] * 2
+    assert [e[0] for e in events] == ["launch", "device", "begin", "launch", "end"] * 2
     assert len(callback._GRAPHS) == 2  # the first graph, least recently used, was dropped
     events.clear()
     callback.replay(ctx, token, [_FakeBuffer(1), _FakeBuffer(2)], record)
