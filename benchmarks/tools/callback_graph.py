@@ -48,19 +48,16 @@ if __package__ in (None, ""):  # run as a script: the repository root on sys.pat
 
 from benchmarks import lm_bench  # noqa: E402
 from jax_mamba2.bridge import callback, ffi  # noqa: E402
-from jax_mamba2.kernels._common import Buffer, Launch, Plan  # noqa: E402
+from jax_mamba2.kernels._common import (INDEPENDENT, WAITS, WAITS_AND_RELEASES, Buffer, Launch, Plan,  # noqa: E402
+                                        wait_for_predecessor)
 
-NONE, WAIT, WAIT_AND_TRIGGER = 0, 1, 2
 EXECUTORS = ("ffi", "callback", "graph", "replay", "replay_pdl_wait", "replay_pdl_early")
 
 
 def _add_one(x, y, TILE: ct.Constant[int], DEPENDENT: ct.Constant[int]):
-    """y[b * TILE:(b + 1) * TILE] = x[...] + 1 (float32). DEPENDENT: 0 plain; 1 waits for the previous launch
-    before its load; 2 also lets the next launch start at once (its own wait still orders its load)."""
-    if DEPENDENT > 0:
-        ct.grid_dependency_control_wait()
-    if DEPENDENT > 1:
-        ct.grid_dependency_control_launch_dependents()
+    """y[b * TILE:(b + 1) * TILE] = x[...] + 1 (float32), waiting for its predecessor as DEPENDENT says (as the
+    decode kernels do)."""
+    wait_for_predecessor(DEPENDENT)
     block = ct.bid(0)
     tile = ct.load(x, index=(block,), shape=(TILE,))
     ct.store(y, index=(block,), tile=tile + 1.0)
@@ -98,15 +95,16 @@ def make_step(executor: str, size: int, tile: int, launches: int):
     grid, calls = (size // tile, 1, 1), [0]
     if executor == "ffi":
         plan = Plan(inputs=("x",), buffers={"y": Buffer((size,), "float32")},
-                    launches=(Launch(add_one_kernel, grid, ("x", "y", tile, NONE), ("y",)),), outputs=("y",))
+                    launches=(Launch(add_one_kernel, grid, ("x", "y", tile, INDEPENDENT), ("y",)),), outputs=("y",))
 
         def step(x):
             for _ in range(launches):
                 x = ffi.run_plan(plan, {"x": x})["y"]
             return x
         return step, calls
-    dependent, pdl = {"callback": (NONE, False), "graph": (NONE, False), "replay": (NONE, False),
-                      "replay_pdl_wait": (WAIT, True), "replay_pdl_early": (WAIT_AND_TRIGGER, True)}[executor]
+    dependent, pdl = {"callback": (INDEPENDENT, False), "graph": (INDEPENDENT, False),
+                      "replay": (INDEPENDENT, False), "replay_pdl_wait": (WAITS, True),
+                      "replay_pdl_early": (WAITS_AND_RELEASES, True)}[executor]
     shapes = [jax.ShapeDtypeStruct((size,), jnp.float32)] * 2
     chain = _chain_callback(grid, tile, launches, dependent, pdl, calls, executor.startswith("replay"))
     call = buffer_callback(chain, shapes, command_buffer_compatible=executor == "graph")

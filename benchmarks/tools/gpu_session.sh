@@ -226,7 +226,7 @@ case $part in
       --param-dtypes bfloat16 --batches 1 8 64 256 --prompt-lengths --profile "${lm_peer[@]}" --worker-timeout 180 \
       --out "$out"
     ;;
-  decode-callback)  # the token step as one merged callback in XLA's command buffers with programmatic dependent
+  decode-callback)  # the token step as one merged callback replaying a CUDA graph of programmatic dependent
     # launches (the callback backend, decode.token_step): the executors' probe (tools/callback_graph.py), the GPU
     # tests of the merged step's tokens, then generate (d1024-l24, bf16) on the FFI executor against it at batches
     # 1, 8, 64 and 256 (about 7 minutes)

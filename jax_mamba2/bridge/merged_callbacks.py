@@ -13,10 +13,11 @@ launch per call after). Inside it, with `dependent` above INDEPENDENT, every lau
 takes a DEPENDENT constant is a programmatic dependent launch: it may start while its predecessor finishes, and
 its kernel waits for the predecessor's writes before its first load (`kernels._common.wait_for_predecessor`).
 
-Buffers: the merged callback's inputs are the values its plans read from outside the run; its outputs every
-array a plan writes that is not written in place, plus one per input that a plan updates in place (aliased to
-it). A plan that would update in place a value that something after it still reads (which XLA would copy for
-it) runs as a merged callback of its own.
+Buffers (a callback's Python receives each as an object at every call, so few): the values its plans read from
+outside the run, equal read-only ones once and the small constants packed into one input; out the arrays read
+after the run, one per input that a plan updates in place (aliased to it), and one workspace holding every array
+that only the kernels read. A plan that would update in place a value that something after it still reads
+(which XLA would copy for it) runs as a merged callback of its own.
 """
 from __future__ import annotations
 
@@ -73,10 +74,11 @@ class _Flat:
         return self._count
 
     def set(self, i: int, value) -> None:
-        """The value of id i; a small constant's signature is its content."""
+        """The value of id i; a small numeric constant's signature is its content."""
         self.values[i] = value
-        if _is_constant(value) and np.size(value) <= _CONSTANT_SIGNATURE_SIZE:
-            array = np.asarray(value)
+        if _is_constant(value) and _numpy_numeric(jnp.result_type(value)) and \
+                np.size(value) <= _CONSTANT_SIGNATURE_SIZE:
+            array = np.asarray(value, jnp.result_type(value))  # in the dtype JAX gives it (a Python int: int32)
             self.signatures[i] = ("constant", array.dtype.str, array.shape, array.tobytes())
 
     def add(self, closed, in_ids: list) -> list:
@@ -111,6 +113,12 @@ _CONSTANT_SIGNATURE_SIZE = 64
 
 def _is_constant(value) -> bool:
     return not isinstance(value, jax.core.Tracer)
+
+
+def _numpy_numeric(dtype) -> bool:
+    """A bool, int or float dtype of NumPy's own (not bfloat16, not a PRNG key's)."""
+    return (not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and dtype != jnp.bfloat16
+            and np.dtype(dtype).kind in "biuf")
 
 
 def _is_pure(eqn) -> bool:
@@ -183,14 +191,9 @@ class _Run:
 
 
 # Scratch arrays (a plan's buffers that nothing after the run reads, placeholders included) share one workspace
-# output, each at an offset aligned so; only arrays of NumPy's own dtypes (a view states its dtype by NumPy's name).
+# output and small constants one input, each at an offset aligned so; only arrays of NumPy's own numeric dtypes,
+# since a typed view states its dtype by NumPy's name (bfloat16 has none).
 _WORKSPACE_ALIGNMENT = 256
-
-
-def _packable(signature) -> bool:
-    """Whether a value of this signature is a small constant of one of NumPy's own dtypes (a view into the
-    constants' input states its dtype by NumPy's name)."""
-    return signature[0] == "constant" and np.dtype(signature[1]).kind in "biuf"
 
 
 def _emit(run: _Run, flat: _Flat, needed: Callable[[int], bool], dependent: int,
@@ -222,7 +225,7 @@ def _emit(run: _Run, flat: _Flat, needed: Callable[[int], bool], dependent: int,
                 signature = flat.signatures[i]
                 if i not in updated and signature in by_signature:
                     slot[i] = by_signature[signature]
-                elif i not in updated and _packable(signature):
+                elif i not in updated and signature[0] == "constant":
                     _, dtype, shape, data = signature
                     slot[i] = by_signature[signature] = ("constant", len(constants), shape, dtype)
                     constants.extend(data)

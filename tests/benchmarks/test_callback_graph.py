@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("cuda.tile")
 
 from benchmarks.tools import callback_graph  # noqa: E402
-from jax_mamba2.kernels._common import Buffer, Launch  # noqa: E402
+from jax_mamba2.kernels._common import INDEPENDENT, WAITS, WAITS_AND_RELEASES, Buffer, Launch  # noqa: E402
 from jax_mamba2.kernels.export import compile_launch  # noqa: E402
 from tests.kernels import _cutile_emulator as emulator  # noqa: E402
 
@@ -21,7 +21,7 @@ def _launch(dependent):
     return Launch(callback_graph.add_one_kernel, (4,), ("x", "y", 8, dependent), ("y",))
 
 
-@pytest.mark.parametrize("dependent", [callback_graph.NONE, callback_graph.WAIT, callback_graph.WAIT_AND_TRIGGER])
+@pytest.mark.parametrize("dependent", [INDEPENDENT, WAITS, WAITS_AND_RELEASES])
 def test_the_kernel_adds_one_at_every_dependent_level(monkeypatch, dependent):
     monkeypatch.setattr(callback_graph, "ct", emulator)
     x, y = np.arange(32, dtype=np.float32), np.full(32, np.nan, np.float32)
@@ -35,11 +35,10 @@ def test_the_dependent_builds_wait_and_release():
         pytest.skip("cuobjdump/nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     arrays = {"x": Buffer((32,), "float32"), "y": Buffer((32,), "float32")}
     found = {}
-    for level in (callback_graph.NONE, callback_graph.WAIT, callback_graph.WAIT_AND_TRIGGER):
+    for level in (INDEPENDENT, WAITS, WAITS_AND_RELEASES):
         listing = sass.disassemble(compile_launch(_launch(level), arrays, "sm_90")[1])[0]
         found[level] = {op for op in ("ACQBULK", "PREEXIT") if re.search(rf"\b{op}\b", listing)}
-    assert found == {callback_graph.NONE: set(), callback_graph.WAIT: {"ACQBULK"},
-                     callback_graph.WAIT_AND_TRIGGER: {"ACQBULK", "PREEXIT"}}
+    assert found == {INDEPENDENT: set(), WAITS: {"ACQBULK"}, WAITS_AND_RELEASES: {"ACQBULK", "PREEXIT"}}
 
 
 def test_an_executor_that_fails_or_hangs_is_recorded_and_the_run_goes_on(monkeypatch, tmp_path, capsys):

@@ -280,3 +280,13 @@ def test_views_give_the_launches_part_of_a_buffer_as_an_array():
     workspace = np.arange(512, dtype=np.uint8)
     values = np.asarray(merged_callbacks._View(workspace, 256, (2, 2), np.int32))
     np.testing.assert_array_equal(values.reshape(-1), workspace[256:272].view(np.int32))
+
+
+def test_small_numeric_constants_are_told_apart_by_content_in_the_dtype_jax_gives_them():
+    flat = merged_callbacks._Flat()
+    signature = {name: flat.signatures[flat.new(value, known=True)] for name, value in {
+        "python int": 3, "int32": np.int32(3), "zeros": jnp.zeros((1, 1)), "key": jax.random.key(0),
+        "bfloat16": jnp.ones(2, jnp.bfloat16), "large": np.arange(100)}.items()}
+    assert signature["python int"] == signature["int32"] == ("constant", "<i4", (), np.int32(3).tobytes())
+    assert signature["zeros"][:3] == ("constant", "<f4", (1, 1))
+    assert [signature[k][0] for k in ("key", "bfloat16", "large")] == ["id"] * 3  # kept as inputs of their own
