@@ -227,15 +227,18 @@ case $part in
       --out "$out"
     ;;
   decode-callback)  # the token step as one merged callback replaying a CUDA graph of programmatic dependent
-    # launches (the callback backend, decode.token_step): the executors' probe (tools/callback_graph.py), the GPU
-    # tests of the merged step's tokens, then generate (d1024-l24, bf16) on the FFI executor against it at batches
-    # 1, 8, 64 and 256 (about 7 minutes)
+    # launches (the callback backend, decode.token_step): the GPU tests of the merged step's tokens, generate
+    # (bf16) on the FFI executor against it for the configs in $DECODE_CONFIGS (default d1024-l24) at the batches
+    # in $DECODE_BATCHES (default 1 8 64 256), then the executors' probe (tools/callback_graph.py; about 7 minutes)
     export JAX_MAMBA2_AUTOTUNE=0
-    step callback_graph 120 python benchmarks/tools/callback_graph.py --out "$out"
+    read -r -a configs <<< "${DECODE_CONFIGS:-d1024-l24}"
+    read -r -a batches <<< "${DECODE_BATCHES:-1 8 64 256}"
+    shape=(--configs "${configs[@]}" --batches "${batches[@]}")
     step decode_callback_gpu_tests 150 python -m pytest -m gpu -q -rf -p no:cacheprovider \
       tests/flax_layers/test_decode_gpu.py -k "callback_backend or greedy_tokens_are"
-    step lm_decode_callback 280 python benchmarks/lm_decode.py --configs d1024-l24 --impls cutile cutile_callback \
-      --param-dtypes bfloat16 --batches 1 8 64 256 --prompt-lengths --worker-timeout 130 --out "$out"
+    step lm_decode_callback 400 python benchmarks/lm_decode.py --impls cutile cutile_callback "${shape[@]}" \
+      --param-dtypes bfloat16 --prompt-lengths --worker-timeout 130 --out "$out"
+    step callback_graph 180 python benchmarks/tools/callback_graph.py --out "$out"
     ;;
   decode-matrix)  # the LM decode benchmark at the batches in $DECODE_BATCHES (default 1 8 64 256) with prefills of
     # the prompts in $DECODE_PROMPTS (default 512 2048; empty for none) for the configs in $DECODE_CONFIGS (default

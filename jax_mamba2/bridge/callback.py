@@ -8,6 +8,7 @@ several plans from one callback.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import importlib.util
@@ -35,6 +36,9 @@ def cuda_launch(ctx, launch: Launch, args: tuple, programmatic: bool) -> None:
 # used last.
 _GRAPHS: collections.OrderedDict = collections.OrderedDict()
 GRAPH_CACHE_SIZE = 32
+# A CuPy graph destroys its CUDA graph when it is collected: at exit that must happen while the CUDA context and
+# the kernels' modules are alive, i.e. before JAX's and cuda.tile's teardown (atexit runs the latest first).
+atexit.register(_GRAPHS.clear)
 
 
 def replay_unavailable_reason() -> Optional[str]:
@@ -66,6 +70,7 @@ def replay(ctx, launches: object, buffers, record: Callable[[Any], None]) -> Non
                 record(types.SimpleNamespace(stream=capture.ptr))
             finally:
                 graph = capture.end_capture()
+            graph.upload(capture)  # instantiated and on the device before its first launch
         _GRAPHS[key] = graph, device
         while len(_GRAPHS) > GRAPH_CACHE_SIZE:
             _GRAPHS.popitem(last=False)
@@ -73,7 +78,7 @@ def replay(ctx, launches: object, buffers, record: Callable[[Any], None]) -> Non
     _GRAPHS.move_to_end(key)
     graph, device = _GRAPHS[key]
     with cupy.cuda.Device(device):
-        graph.launch(cupy.cuda.ExternalStream(ctx.stream, device))
+        cupy.cuda.runtime.graphLaunch(graph.graphExec, ctx.stream)  # on XLA's stream, with no stream object
 
 
 @dataclasses.dataclass(frozen=True)

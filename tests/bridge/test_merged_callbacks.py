@@ -3,7 +3,10 @@ into one buffer callback (on a GPU one CUDA graph, replayed) whose launches run 
 NumPy emulator, against the same model on xla, token after token; what is merged and what is not (a plan whose
 in-place write would clobber a value read later, an XLA operation reading a plan's result); and the launches'
 programmatic-dependent form, and the CUDA graphs that the merged callback replays."""
+import os
+import subprocess
 import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -197,10 +200,11 @@ def test_replay_captures_at_the_first_call_of_a_set_of_addresses_and_launches_th
 
     class Graph:
         def __init__(self, n):
-            self.n = n
+            self.n, self.graphExec = n, None
 
-        def launch(self, stream):
-            events.append(("graph", self.n, stream.ptr))
+        def upload(self, stream):
+            events.append(("upload", stream.ptr))
+            self.graphExec = self.n  # instantiated
 
     class Stream:
         count = 0
@@ -216,10 +220,6 @@ def test_replay_captures_at_the_first_call_of_a_set_of_addresses_and_launches_th
             events.append(("end", self.ptr))
             return Graph(self.ptr)
 
-    class ExternalStream:
-        def __init__(self, ptr, device_id=-1):
-            self.ptr, self.device_id = ptr, device_id
-
     class Device:
         def __init__(self, device):
             self.device = device
@@ -233,9 +233,14 @@ def test_replay_captures_at_the_first_call_of_a_set_of_addresses_and_launches_th
     def pointer_attributes(address):
         return type("attributes", (), {"device": 1})  # the buffers lie on the second GPU
 
+    def graph_launch(graph_exec, stream):
+        assert graph_exec is not None, "launched before it was instantiated"
+        events.append(("graph", graph_exec, stream))
+
     runtime = type("runtime", (), {"streamCaptureModeRelaxed": 2,
-                                   "pointerGetAttributes": staticmethod(pointer_attributes)})
-    cuda = type("cuda", (), {"Stream": Stream, "ExternalStream": ExternalStream, "Device": Device, "runtime": runtime})
+                                   "pointerGetAttributes": staticmethod(pointer_attributes),
+                                   "graphLaunch": staticmethod(graph_launch)})
+    cuda = type("cuda", (), {"Stream": Stream, "Device": Device, "runtime": runtime})
     monkeypatch.setitem(sys.modules, "cupy", type("cupy", (), {"cuda": cuda}))
     monkeypatch.setattr(callback, "_GRAPHS", type(callback._GRAPHS)())
     monkeypatch.setattr(callback, "GRAPH_CACHE_SIZE", 2)
@@ -247,18 +252,39 @@ def test_replay_captures_at_the_first_call_of_a_set_of_addresses_and_launches_th
     token = object()
     callback.replay(ctx, token, [_FakeBuffer(1), _FakeBuffer(2)], record)
     # Captured on a stream of the buffers' device.
-    assert events == [("launch", 7), ("device", 1), ("begin", 1001), ("launch", 1001), ("end", 1001)]
+    assert events == [("launch", 7), ("device", 1), ("begin", 1001), ("launch", 1001), ("end", 1001), ("upload", 1001)]
     events.clear()
     callback.replay(ctx, token, [_FakeBuffer(1), _FakeBuffer(2)], record)
     assert events == [("device", 1), ("graph", 1001, 7)]
     events.clear()
     callback.replay(ctx, token, [_FakeBuffer(3), _FakeBuffer(2)], record)  # other addresses: captured again
     callback.replay(ctx, object(), [_FakeBuffer(1), _FakeBuffer(2)], record)  # other launches: too
-    assert [e[0] for e in events] == ["launch", "device", "begin", "launch", "end"] * 2
+    assert [e[0] for e in events] == ["launch", "device", "begin", "launch", "end", "upload"] * 2
     assert len(callback._GRAPHS) == 2  # the first graph, least recently used, was dropped
     events.clear()
     callback.replay(ctx, token, [_FakeBuffer(1), _FakeBuffer(2)], record)
     assert events[0] == ("launch", 7)
+
+
+def test_replay_s_graphs_are_released_at_exit_before_jax_s_teardown():
+    """CuPy destroys a CUDA graph when it is collected, which at interpreter exit must come before JAX's and
+    cuda.tile's teardown: an exit handler registered before the bridge's import (as JAX's and cuda.tile's are)
+    runs after the graphs are gone."""
+    script = textwrap.dedent("""
+        import atexit
+        atexit.register(print, "teardown")  # registered first, as JAX's own exit handlers are
+        from jax_mamba2.bridge import callback
+
+        class Graph:
+            def __del__(self):
+                print("graph released", flush=True)
+
+        callback._GRAPHS["key"] = Graph(), 0
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["graph released", "teardown"], done.stdout
 
 
 def test_the_callback_backend_s_token_step_without_cupy_says_why(monkeypatch):
