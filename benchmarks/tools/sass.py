@@ -10,10 +10,11 @@ PATH or from the pip packages nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm of th
         a hash of the machine code of every fused and segmented forward build (dstate 64 / 128 / 256, five
         feature sets, saving the states or not); with --compare, the builds whose hash differs (exit 1 if
         any): equal hashes mean a source change left tileiras' output as it was
-    python benchmarks/tools/sass.py decode [--rows 1 8 64]
-        out_proj's product in the decode step of the d_model 1024 LM (2048 -> 1024, bf16) at each row count, in
-        its three forms (`decode_out_proj_forms`): its instructions, MUFU and FMUL counts and resources, the
-        counts docs/design.md §8 quotes
+    python benchmarks/tools/sass.py decode [--rows 1 8 64] [--d-model 1024] [--dependent 0 2]
+        out_proj's product in the decode step of the LM of that width (2 d_model -> d_model, bf16) at each row
+        count, in its three forms (`decode_out_proj_forms`), built at each DEPENDENT level (0: the FFI path's; 1,
+        2: programmatic dependent launches, the merged token step's): its instructions, MUFU, FMUL and stack
+        (LDL / STL: spills) counts and resources, the counts docs/design.md §8 quotes
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from benchmarks.ssd import Shape  # noqa: E402
 from benchmarks.tools import stages  # noqa: E402
 from jax_mamba2._files import write_atomically  # noqa: E402
 from jax_mamba2.kernels import decode_projection, forward  # noqa: E402
+from jax_mamba2.kernels._common import INDEPENDENT, WAITS, WAITS_AND_RELEASES  # noqa: E402
 from jax_mamba2.kernels._common import SSDDims, kernel_name  # noqa: E402
 from jax_mamba2.kernels.export import compile_launch  # noqa: E402
 
@@ -161,39 +163,47 @@ def fingerprint_builds() -> dict[str, str]:
     return prints
 
 
-def decode_out_proj_forms(rows: int) -> dict[str, decode_projection.ProjectionDims]:
-    """out_proj of the d_model 1024 LM's decode step (2048 -> 1024, bf16, 24 stacked layers) at `rows` rows:
-    "plain", the product of rows a norm launch wrote; "gated", normalizing its rows from sums of squares, the gate
-    applied per element in the product; "mixer_gated", normalizing the mixer step's gated float32 output (what the
-    LM runs up to flax_layers.mamba2.GATED_NORM_IN_MIXER_ROWS rows). The sums come in 128 pieces, the mixer
-    step's at one row."""
-    common = dict(rows=rows, features=2048, out_features=1024, layers=24, has_norm=True, out_parts=True)
+def decode_out_proj_forms(rows: int, d_model: int = 1024) -> dict[str, decode_projection.ProjectionDims]:
+    """out_proj of the decode step of the LM of width d_model (expand 2, headdim 64, d_state 128, one group; 2
+    d_model -> d_model, bf16, 24 stacked layers, a count its build does not depend on) at `rows` rows: "plain",
+    the product of rows a norm launch wrote; "gated", normalizing its rows from sums of squares, the gate applied
+    per element in the product; "mixer_gated", normalizing the mixer step's gated float32 output (what the LM runs
+    up to flax_layers.mamba2.GATED_NORM_IN_MIXER_ROWS rows). The sums come in four pieces per head, the mixer
+    step's at one row (128 at d_model 1024)."""
+    d_inner = 2 * d_model
+    nheads = d_inner // 64
+    in_proj_width = 2 * d_inner + 2 * 128 + nheads  # z, x, B, C, dt: where the gate z is read
+    common = dict(rows=rows, features=d_inner, out_features=d_model, layers=24, has_norm=True, out_parts=True)
     return {
         "plain": decode_projection.ProjectionDims(**common),
-        "gated": decode_projection.ProjectionDims(**common, z_width=4384, norm_parts=128),
-        "mixer_gated": decode_projection.ProjectionDims(**common, dtype="float32", norm_parts=128),
+        "gated": decode_projection.ProjectionDims(**common, z_width=in_proj_width, norm_parts=4 * nheads),
+        "mixer_gated": decode_projection.ProjectionDims(**common, dtype="float32", norm_parts=4 * nheads),
     }
 
 
-def decode_product_cubin(dims: decode_projection.ProjectionDims) -> bytes:
-    """The sm_90 cubin of the product launch of `dims`'s default plan."""
+def decode_product_cubin(dims: decode_projection.ProjectionDims, dependent: int = INDEPENDENT) -> bytes:
+    """The sm_90 cubin of the product launch of `dims`'s default plan, built at DEPENDENT level `dependent`."""
     plan = decode_projection.norm_project_plan(dims)
     (launch,) = [launch for launch in plan.launches if _kernel_name(launch) == "decode_project_kernel"]
+    launch = launch.dependent(dependent)
     return compile_launch(launch, {**decode_projection.norm_project_inputs(dims), **plan.buffers})[1]
 
 
 def instruction_counts(sass: str) -> dict[str, int]:
-    """Static instruction count of a listing, and of its MUFU (special function) and FMUL instructions."""
+    """Static instruction count of a listing, and of its MUFU (special function), FMUL and stack (LDL, STL: the
+    spills' loads and stores) instructions."""
     opcodes = [text.split()[0].split(".")[0] for _, text in instructions(sass)]
-    return {"instructions": len(opcodes), "MUFU": opcodes.count("MUFU"), "FMUL": opcodes.count("FMUL")}
+    return {"instructions": len(opcodes), **{op: opcodes.count(op) for op in ("MUFU", "FMUL", "LDL", "STL")}}
 
 
 def _decode_report(args) -> int:
     for rows in args.rows:
-        for form, dims in decode_out_proj_forms(rows).items():
-            sass, resources = disassemble(decode_product_cubin(dims))
-            counts = ", ".join(f"{k} {v}" for k, v in instruction_counts(sass).items())
-            print(f"rows {rows} {form}: {counts}; {_resource_line(resources)}")
+        for form, dims in decode_out_proj_forms(rows, args.d_model).items():
+            for level in args.dependent:
+                sass, resources = disassemble(decode_product_cubin(dims, level))
+                counts = ", ".join(f"{k} {v}" for k, v in instruction_counts(sass).items())
+                print(f"d_model {args.d_model} rows {rows} {form} DEPENDENT {level}: {counts}; "
+                      f"{_resource_line(resources)}")
     return 0
 
 
@@ -244,6 +254,9 @@ def main(argv=None) -> int:
     prints_parser.add_argument("--compare", type=Path, help="a fingerprints JSON written before")
     decode_parser = commands.add_parser("decode", help="instruction counts of out_proj's decode product forms")
     decode_parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 64])
+    decode_parser.add_argument("--d-model", type=int, default=1024)
+    decode_parser.add_argument("--dependent", nargs="+", type=int, choices=(INDEPENDENT, WAITS, WAITS_AND_RELEASES),
+                               default=[INDEPENDENT], help="DEPENDENT levels to build at")
     args = parser.parse_args(argv)
     return {"loops": _loops_report, "fingerprints": _fingerprints, "decode": _decode_report}[args.command](args)
 

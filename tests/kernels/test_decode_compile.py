@@ -172,7 +172,8 @@ def test_dependent_builds_wait_for_their_predecessor_and_release_their_successor
     """With DEPENDENT = WAITS_AND_RELEASES (the merged token step's launches) every decode kernel of the batch-1
     step waits for its predecessor (griddepcontrol.wait: ACQBULK) and releases its successor (PREEXIT); at
     INDEPENDENT (every plan's) neither is built. The waits at the kernels' tops cost out_proj's and the head's
-    products a stack frame of a few hundred bytes (216 and 192 with tileiras 13.4), no local memory."""
+    products a stack frame of a few hundred bytes (216 and 192 with tileiras 13.4) that holds spilled registers
+    (LDL / STL: `benchmarks/tools/sass.py decode --dependent`); no other local memory."""
     from benchmarks.tools import sass
     if sass.find_cuobjdump() is None:
         pytest.skip("cuobjdump/nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
