@@ -12,6 +12,7 @@ import atexit
 import collections
 import dataclasses
 import importlib.util
+import threading
 import types
 from typing import Any, Callable, Optional
 
@@ -36,6 +37,8 @@ def cuda_launch(ctx, launch: Launch, args: tuple, programmatic: bool) -> None:
 # used last.
 _GRAPHS: collections.OrderedDict = collections.OrderedDict()
 GRAPH_CACHE_SIZE = 32
+# XLA calls callbacks from a thread per device: the cache's reads and updates hold this lock (captures do not).
+_GRAPHS_LOCK = threading.Lock()
 # A CuPy graph destroys its CUDA graph when it is collected: at exit that must happen while the CUDA context and
 # the kernels' modules are alive, i.e. before JAX's and cuda.tile's teardown (atexit runs the latest first).
 atexit.register(_GRAPHS.clear)
@@ -59,7 +62,11 @@ def replay(ctx, launches: object, buffers, record: Callable[[Any], None]) -> Non
 
     addresses = [b.__cuda_array_interface__["data"][0] for b in buffers]
     key = (launches, *addresses)
-    if key not in _GRAPHS:
+    with _GRAPHS_LOCK:
+        cached = _GRAPHS.get(key)
+        if cached is not None:
+            _GRAPHS.move_to_end(key)
+    if cached is None:
         record(ctx)  # this call's results; the kernels compile at their first launch, outside any capture
         device = cupy.cuda.runtime.pointerGetAttributes(addresses[0]).device  # XLA's, not necessarily CuPy's
         with cupy.cuda.Device(device):
@@ -71,12 +78,12 @@ def replay(ctx, launches: object, buffers, record: Callable[[Any], None]) -> Non
             finally:
                 graph = capture.end_capture()
             graph.upload(capture)  # instantiated and on the device before its first launch
-        _GRAPHS[key] = graph, device
-        while len(_GRAPHS) > GRAPH_CACHE_SIZE:
-            _GRAPHS.popitem(last=False)
+        with _GRAPHS_LOCK:
+            _GRAPHS[key] = graph, device
+            while len(_GRAPHS) > GRAPH_CACHE_SIZE:
+                _GRAPHS.popitem(last=False)  # CUDA frees a graph still running once it has run
         return
-    _GRAPHS.move_to_end(key)
-    graph, device = _GRAPHS[key]
+    graph, device = cached
     with cupy.cuda.Device(device):
         cupy.cuda.runtime.graphLaunch(graph.graphExec, ctx.stream)  # on XLA's stream, with no stream object
 
