@@ -424,9 +424,16 @@ def decode_project_kernel(
     NORM_BEFORE_GATE: ConstBool,
     EPS: ConstFloat,
     WEIGHT_FIRST: ConstBool,  # the product as (W^T a^T)^T: the weight's tile the tensor cores' first operand
+    DEPENDENT_HALVES: ConstInt,  # 2: a dependent build takes each K step as two of BLOCK_K / 2 features (1: not)
     DEPENDENT: ConstInt,  # INDEPENDENT, or how it waits under a programmatic dependent launch
 ):
     wait_for_predecessor(DEPENDENT)
+    # With that wait, tileiras builds 128-feature K steps with spills and up to twice the shared memory
+    # (docs/design.md §3), half steps without.
+    HALVES = 1
+    if DEPENDENT > INDEPENDENT:
+        HALVES = DEPENDENT_HALVES
+    STEP_K = BLOCK_K // HALVES
     m = ct.bid(0)
     n = ct.bid(1)
     split = ct.bid(2)
@@ -440,18 +447,18 @@ def decode_project_kernel(
     if NORM_PARTS:
         if NGROUPS == 1:  # one group: its statistics before the K loop
             rstd = _group_rstd(sum_squares, m, 0, BLOCK_M, NORM_PARTS, PARTS_TILE, NGROUPS, GROUP_SIZE, EPS)
-    for i in range(SPLIT_STEPS):
-        k = split * SPLIT_STEPS + i
+    for i in range(SPLIT_STEPS * HALVES):
+        k = split * SPLIT_STEPS * HALVES + i
         if NORM_PARTS:
             if NGROUPS > 1:
-                rstd = _group_rstd(sum_squares, m, k * BLOCK_K // GROUP_SIZE, BLOCK_M, NORM_PARTS, PARTS_TILE,
+                rstd = _group_rstd(sum_squares, m, k * STEP_K // GROUP_SIZE, BLOCK_M, NORM_PARTS, PARTS_TILE,
                                    NGROUPS, GROUP_SIZE, EPS)
-            rows = _normed_rows(a, z, norm_weight, layer, m, k, rstd, BLOCK_M, BLOCK_K, GROUP_SIZE, HAS_Z, Z_BLOCK,
-                                NORM_BEFORE_GATE, LATENCY)
+            rows = _normed_rows(a, z, norm_weight, layer, m, k, rstd, BLOCK_M, STEP_K, GROUP_SIZE, HAS_Z,
+                                Z_BLOCK * HALVES, NORM_BEFORE_GATE, LATENCY)
         else:
-            rows = load_zero_padded(a, (m, k), (BLOCK_M, BLOCK_K), LATENCY)
+            rows = load_zero_padded(a, (m, k), (BLOCK_M, STEP_K), LATENCY)
         rows = rows.astype(out.dtype).astype(mma_type)
-        w = _weight_tile(weight, layer, k, n, BLOCK_K, BLOCK_N, TRANSPOSE_W, LATENCY).astype(out.dtype)
+        w = _weight_tile(weight, layer, k, n, STEP_K, BLOCK_N, TRANSPOSE_W, LATENCY).astype(out.dtype)
         if WEIGHT_FIRST:
             acc = ct.mma(ct.permute(w.astype(mma_type), (1, 0)), ct.permute(rows, (1, 0)), acc)
         else:
@@ -557,7 +564,7 @@ def _product_launches(dims: ProjectionDims, cfg: ProjectionConfig, rows: str) ->
               min(next_power_of_2(dims.norm_parts), MAX_PARTS_TILE) if dims.norm_parts else 0, dims.ngroups,
               dims.group,
               dims.has_z and dims.norm_parts > 0, dims.z_offset // cfg.BLOCK_K, dims.norm_before_gate,
-              float(dims.eps), cfg.WEIGHT_FIRST, INDEPENDENT),
+              float(dims.eps), cfg.WEIGHT_FIRST, _dependent_halves(dims, cfg), INDEPENDENT),
         writes=("out", "partials"),  # one of them, the other a dummy: out without a split or out_parts, else
                                      # partials
     )
@@ -569,6 +576,13 @@ def _product_launches(dims: ProjectionDims, cfg: ProjectionConfig, rows: str) ->
         args=("layer_index", "partials", "bias", "out", bm, cfg.BLOCK_N, splits, dims.has_bias, INDEPENDENT),
         writes=("out",),
     )
+
+
+def _dependent_halves(dims: ProjectionDims, cfg: ProjectionConfig) -> int:
+    """2 where the product's dependent build takes half K steps: steps of 128 features or more, whose last half
+    step still reaches into K (a tile wholly past an array's end is not loaded), else 1."""
+    padding = -dims.features % cfg.BLOCK_K
+    return 2 if cfg.BLOCK_K >= 128 and padding < cfg.BLOCK_K // 2 else 1
 
 
 def norm_project_plan(dims: ProjectionDims, cfg: Optional[ProjectionConfig] = None) -> Plan:

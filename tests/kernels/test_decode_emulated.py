@@ -13,7 +13,7 @@ ct = pytest.importorskip("cuda.tile")
 
 from jax_mamba2.bridge import decode_ops  # noqa: E402
 from jax_mamba2.kernels import decode_mixer, decode_projection  # noqa: E402
-from jax_mamba2.kernels._common import kernel_name  # noqa: E402
+from jax_mamba2.kernels._common import INDEPENDENT, WAITS_AND_RELEASES, kernel_name  # noqa: E402
 from tests._helpers import rel_l2  # noqa: E402
 from tests.kernels import _cutile_emulator as emulator  # noqa: E402
 from tests.kernels._decode_checks import (MIXER_CASES, PROJECTION_CASES, mixer_inputs, mixer_oracle,  # noqa: E402
@@ -115,6 +115,40 @@ def test_projection_tiles_and_hints_leave_the_values(name, cfg):
     case = PROJECTION_CASES[name]
     arrays = projection_inputs(case, seed=12)
     _assert_close(run_projection(case, arrays, cfg), projection_oracle(case, arrays), TOLERANCE[True])
+
+
+def test_a_dependent_product_normalizing_from_the_sums_of_squares_takes_half_steps_and_leaves_the_values():
+    """out_proj's product as the LM runs it at a few rows (normalizing the mixer step's gated output from its sums
+    of squares), launched as a programmatic dependent: its 128-feature K steps taken as two of 64 each."""
+    case = dataclasses.replace(MIXER_CASES["gated_norm_mixer"], nheads=8)
+    arrays = mixer_inputs(case, seed=33)
+    cfg = decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=128)
+    _, out, want, _, _ = _gated_norm_after_mixer(case, arrays, norm_before_gate=False, group_size=case.d_ssm,
+                                                 projection_cfg=cfg, dependent=WAITS_AND_RELEASES)
+    assert case.d_ssm % cfg.BLOCK_K == 0
+    assert rel_l2(out, want) < TOLERANCE[True]
+
+
+@pytest.mark.parametrize("name, features, cfg, halves", [
+    ("plain_with_bias", 256, decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2), 2),
+    ("gated_norm_out_proj", 256, decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=128, SPLIT_K=2), 2),
+    ("tied_head", 200, decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=128), 2),
+    ("add_norm_in_proj", 160, decode_projection.ProjectionConfig(BLOCK_N=64, BLOCK_K=128), 1),
+    ("add_norm_in_proj", 256, decode_projection.ProjectionConfig(BLOCK_N=64, BLOCK_K=64), 1)])
+def test_dependent_builds_take_half_k_steps_and_leave_the_values(name, features, cfg, halves):
+    """A product launched as a programmatic dependent takes each K step of 128 features as two of 64 (tileiras
+    spills the other build): with K split, the gate, a transposed weight and a last half step partly past K; not
+    where a half step would lie wholly past K (160 features), nor below 128-feature steps."""
+    case = dataclasses.replace(PROJECTION_CASES[name], features=features)
+    arrays = projection_inputs(case, seed=14)
+    dims = _projection_dims(case, arrays)
+    plan = decode_projection.norm_project_plan(dims, cfg)
+    assert decode_projection._dependent_halves(dims, cfg) == halves
+    dependent = dataclasses.replace(plan, launches=tuple(launch.dependent(WAITS_AND_RELEASES)
+                                                         for launch in plan.launches))
+    out = emulator.run_plan(dependent, _plan_inputs(case, arrays, dims), float64=True)
+    want = projection_oracle(case, arrays)
+    _assert_close({name: out[name] for name in want}, want, TOLERANCE[True])
 
 
 @pytest.mark.parametrize("name, cfg", [
@@ -306,10 +340,11 @@ def test_default_projection_config_splits_k_only_of_a_narrow_product_of_few_rows
 
 
 def _gated_norm_after_mixer(case, arrays, *, norm_before_gate, group_size, mixer_cfg=None, projection_cfg=None,
-                            out_features=40, float64=True):
+                            out_features=40, float64=True, dependent=INDEPENDENT):
     """The mixer step with the gated norm's gate (norm_z_offset), then out_proj normalizing its rows (the step's y:
-    the norm's input, gated unless norm_before_gate) from the step's sums of squares (norm_parts): (mixer outputs,
-    the projection's out, its float64 oracle, the sums' oracle, the norm input's oracle)."""
+    the norm's input, gated unless norm_before_gate) from the step's sums of squares (norm_parts), its launches
+    built at DEPENDENT level `dependent`: (mixer outputs, the projection's out, its float64 oracle, the sums'
+    oracle, the norm input's oracle)."""
     layout = dict(z_offset=None, norm_z_offset=0, norm_before_gate=norm_before_gate)
     mixed = run_mixer(case, arrays, mixer_cfg, float64=float64, **layout)
     parts = decode_mixer.sum_squares_parts(mixer_dims(case, arrays, **layout), mixer_cfg)
@@ -328,6 +363,7 @@ def _gated_norm_after_mixer(case, arrays, *, norm_before_gate, group_size, mixer
         norm_parts=parts // (case.d_ssm // group_size))
     assert decode_projection.projection_unsupported_reason(projection) is None
     plan = decode_projection.norm_project_plan(projection, projection_cfg)
+    plan = dataclasses.replace(plan, launches=tuple(launch.dependent(dependent) for launch in plan.launches))
     assert "decode_norm_kernel" not in [kernel_name(launch.kernel) for launch in plan.launches]
     out = emulator.run_plan(plan, dict(
         layer_index=np.array([case.layer], np.int32), x=norm_input, residual=np.zeros((1, 1), np.float32),
