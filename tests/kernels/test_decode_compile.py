@@ -185,6 +185,23 @@ def test_dependent_builds_wait_for_their_predecessor_and_release_their_successor
             assert usage["LOCAL"] == 0 and usage["STACK"] <= 256, (name, usage)
 
 
+def test_dependent_products_of_the_wider_lm_take_half_steps_without_spills():
+    """At d_model 2048 (mamba2-1.3b) out_proj's product as the LM runs it at one row, built as a programmatic
+    dependent, spilled with 128-feature K steps (a 352-byte stack, 2.3x the shared memory); its half steps build
+    as the FFI path's build does, with no stack and less shared memory than it."""
+    from benchmarks.tools import sass
+    dims = sass.decode_out_proj_forms(1, d_model=2048)["mixer_gated"]
+    usage = {}
+    for level in (INDEPENDENT, WAITS_AND_RELEASES):
+        try:
+            resources = resource_usage(sass.decode_product_cubin(dims, level))
+        except FileNotFoundError as e:
+            pytest.skip(str(e))
+        usage[level] = {k: int(v) for k, v in re.findall(r"(STACK|SHARED):(\d+)", resources)}
+    assert usage[WAITS_AND_RELEASES]["STACK"] == usage[INDEPENDENT]["STACK"] == 0, usage
+    assert usage[WAITS_AND_RELEASES]["SHARED"] <= usage[INDEPENDENT]["SHARED"], usage
+
+
 def test_the_normalizing_product_leaves_the_gate_to_the_mixer_step():
     """out_proj's product normalizing the mixer step's gated input runs no sigmoid per element: its SASS has about
     the plain product's MUFU count and half the instructions of the form that gates in the product, whose every
