@@ -119,7 +119,9 @@ def test_fingerprints_command_names_the_builds_that_differ(monkeypatch, tmp_path
 def test_decode_report_prints_each_form_of_out_proj_s_product(capsys):
     if sass.find_cuobjdump() is None:
         pytest.skip("cuobjdump/nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-    assert sass.main(["decode", "--rows", "1"]) == 0
+    assert sass.main(["decode", "--rows", "1", "--dependent", "0", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0] for line in lines] == ["rows 1 plain", "rows 1 gated", "rows 1 mixer_gated"]
-    assert all("instructions" in line and "REG:" in line for line in lines)
+    assert [line.split(":")[0] for line in lines] == [
+        f"d_model 1024 rows 1 {form} DEPENDENT {level}" for form in ("plain", "gated", "mixer_gated")
+        for level in (0, 2)]
+    assert all("instructions" in line and "LDL" in line and "REG:" in line for line in lines)
