@@ -228,11 +228,12 @@ case $part in
     ;;
   decode-callback)  # the token step as one merged callback replaying a CUDA graph of programmatic dependent
     # launches (the callback backend, decode.token_step): the GPU tests of the merged step's tokens, generate
-    # (bf16) on the FFI executor against it for the configs in $DECODE_CONFIGS (default d1024-l24) at the batches
-    # in $DECODE_BATCHES (default 1 8 64 256), then the executors' probe (tools/callback_graph.py; about 7 minutes)
+    # (bf16) on the FFI executor against it for the configs in $DECODE_CONFIGS (default d1024-l24 mamba2-1.3b) at
+    # the batches in $DECODE_BATCHES (default 1 8 64), then the executors' probe (tools/callback_graph.py; about 8
+    # minutes)
     export JAX_MAMBA2_AUTOTUNE=0
-    read -r -a configs <<< "${DECODE_CONFIGS:-d1024-l24}"
-    read -r -a batches <<< "${DECODE_BATCHES:-1 8 64 256}"
+    read -r -a configs <<< "${DECODE_CONFIGS:-d1024-l24 mamba2-1.3b}"
+    read -r -a batches <<< "${DECODE_BATCHES:-1 8 64}"
     shape=(--configs "${configs[@]}" --batches "${batches[@]}")
     step decode_callback_gpu_tests 150 python -m pytest -m gpu -q -rf -p no:cacheprovider \
       tests/flax_layers/test_decode_gpu.py -k "callback_backend or greedy_tokens_are"
