@@ -133,11 +133,14 @@ def test_a_dependent_product_normalizing_from_the_sums_of_squares_takes_half_ste
     ("plain_with_bias", 256, decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2), 2),
     ("gated_norm_out_proj", 256, decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=128, SPLIT_K=2), 2),
     ("tied_head", 200, decode_projection.ProjectionConfig(BLOCK_N=32, BLOCK_K=128), 2),
+    ("add_norm_in_proj", 256, decode_projection.ProjectionConfig(BLOCK_N=64, BLOCK_K=128, BLOCK_M=16,
+                                                                 WEIGHT_FIRST=True), 2),
     ("add_norm_in_proj", 160, decode_projection.ProjectionConfig(BLOCK_N=64, BLOCK_K=128), 1),
     ("add_norm_in_proj", 256, decode_projection.ProjectionConfig(BLOCK_N=64, BLOCK_K=64), 1)])
 def test_dependent_builds_take_half_k_steps_and_leave_the_values(name, features, cfg, halves):
     """A product launched as a programmatic dependent takes each K step of 128 features as two of 64 (tileiras
-    spills the other build): with K split, the gate, a transposed weight and a last half step partly past K; not
+    spills the other build): with K split, the gate, a transposed weight, a last half step partly past K and the
+    weight as the first operand; not
     where a half step would lie wholly past K (160 features), nor below 128-feature steps."""
     case = dataclasses.replace(PROJECTION_CASES[name], features=features)
     arrays = projection_inputs(case, seed=14)
