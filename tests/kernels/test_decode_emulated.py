@@ -140,8 +140,8 @@ def test_a_dependent_product_normalizing_from_the_sums_of_squares_takes_half_ste
 def test_dependent_builds_take_half_k_steps_and_leave_the_values(name, features, cfg, halves):
     """A product launched as a programmatic dependent takes each K step of 128 features as two of 64 (tileiras
     spills the other build): with K split, the gate, a transposed weight, a last half step partly past K and the
-    weight as the first operand; not
-    where a half step would lie wholly past K (160 features), nor below 128-feature steps."""
+    weight as the first operand; not where a half step would lie wholly past K (160 features), nor below
+    128-feature steps."""
     case = dataclasses.replace(PROJECTION_CASES[name], features=features)
     arrays = projection_inputs(case, seed=14)
     dims = _projection_dims(case, arrays)
