@@ -118,15 +118,18 @@ def test_projection_tiles_and_hints_leave_the_values(name, cfg):
 
 
 def test_a_dependent_product_normalizing_from_the_sums_of_squares_takes_half_steps_and_leaves_the_values():
-    """out_proj's product as the LM runs it at a few rows (normalizing the mixer step's gated output from its sums
-    of squares), launched as a programmatic dependent: its 128-feature K steps taken as two of 64 each."""
+    """out_proj's product as the LM runs it (normalizing the mixer step's gated output from its sums of squares;
+    also with the gate after the norm, read from a K step into its array), launched as a programmatic dependent:
+    its 128-feature K steps taken as two of 64 each."""
     case = dataclasses.replace(MIXER_CASES["gated_norm_mixer"], nheads=8)
     arrays = mixer_inputs(case, seed=33)
     cfg = decode_projection.ProjectionConfig(BLOCK_N=16, BLOCK_K=128)
-    _, out, want, _, _ = _gated_norm_after_mixer(case, arrays, norm_before_gate=False, group_size=case.d_ssm,
-                                                 projection_cfg=cfg, dependent=WAITS_AND_RELEASES)
     assert case.d_ssm % cfg.BLOCK_K == 0
-    assert rel_l2(out, want) < TOLERANCE[True]
+    for norm_before_gate, z_pad in ((False, 0), (True, 128)):  # the gate read from one K step into its array
+        _, out, want, _, _ = _gated_norm_after_mixer(case, arrays, norm_before_gate=norm_before_gate,
+                                                     group_size=case.d_ssm, projection_cfg=cfg,
+                                                     dependent=WAITS_AND_RELEASES, z_pad=z_pad)
+        assert rel_l2(out, want) < TOLERANCE[True], (norm_before_gate, z_pad)
 
 
 @pytest.mark.parametrize("name, features, cfg, halves", [
@@ -343,11 +346,11 @@ def test_default_projection_config_splits_k_only_of_a_narrow_product_of_few_rows
 
 
 def _gated_norm_after_mixer(case, arrays, *, norm_before_gate, group_size, mixer_cfg=None, projection_cfg=None,
-                            out_features=40, float64=True, dependent=INDEPENDENT):
+                            out_features=40, float64=True, dependent=INDEPENDENT, z_pad=0):
     """The mixer step with the gated norm's gate (norm_z_offset), then out_proj normalizing its rows (the step's y:
-    the norm's input, gated unless norm_before_gate) from the step's sums of squares (norm_parts), its launches
-    built at DEPENDENT level `dependent`: (mixer outputs, the projection's out, its float64 oracle, the sums'
-    oracle, the norm input's oracle)."""
+    the norm's input, gated unless norm_before_gate, the product then reading the gate z_pad columns into its
+    array) from the step's sums of squares (norm_parts), its launches built at DEPENDENT level `dependent`:
+    (mixer outputs, the projection's out, its float64 oracle, the sums' oracle, the norm input's oracle)."""
     layout = dict(z_offset=None, norm_z_offset=0, norm_before_gate=norm_before_gate)
     mixed = run_mixer(case, arrays, mixer_cfg, float64=float64, **layout)
     parts = decode_mixer.sum_squares_parts(mixer_dims(case, arrays, **layout), mixer_cfg)
@@ -361,7 +364,7 @@ def _gated_norm_after_mixer(case, arrays, *, norm_before_gate, group_size, mixer
     projection = decode_projection.ProjectionDims(
         rows=case.rows, features=case.d_ssm, out_features=out_features, layers=case.layers,
         ngroups=case.d_ssm // group_size, group_size=group_size, has_norm=True,
-        z_width=case.in_width if norm_before_gate else 0, z_offset=0, norm_before_gate=norm_before_gate,
+        z_width=z_pad + case.in_width if norm_before_gate else 0, z_offset=z_pad, norm_before_gate=norm_before_gate,
         dtype="float32", out_dtype=case.dtype, weight_dtype="float32", z_dtype=case.dtype,
         norm_parts=parts // (case.d_ssm // group_size))
     assert decode_projection.projection_unsupported_reason(projection) is None
@@ -370,7 +373,8 @@ def _gated_norm_after_mixer(case, arrays, *, norm_before_gate, group_size, mixer
     assert "decode_norm_kernel" not in [kernel_name(launch.kernel) for launch in plan.launches]
     out = emulator.run_plan(plan, dict(
         layer_index=np.array([case.layer], np.int32), x=norm_input, residual=np.zeros((1, 1), np.float32),
-        z=arrays["zxbcdt"] if norm_before_gate else np.zeros((1, 1), np.float32),
+        z=np.pad(arrays["zxbcdt"], ((0, 0), (z_pad, 0)), constant_values=np.nan) if norm_before_gate
+        else np.zeros((1, 1), np.float32),
         norm_weight=norm_weight.reshape(case.layers, -1, group_size), weight=weight,
         bias=np.zeros((1, 1), np.float32), sum_squares=mixed["sum_squares"]), float64=float64)["out"]
 
