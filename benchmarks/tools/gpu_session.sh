@@ -228,17 +228,17 @@ case $part in
     ;;
   decode-callback)  # the token step as one merged callback replaying a CUDA graph of programmatic dependent
     # launches (the callback backend, decode.token_step): the GPU tests of the merged step's tokens, then generate
-    # (bf16) on the FFI executor against it for the configs in $DECODE_CONFIGS (default d1024-l24 mamba2-1.3b) at
+    # (bf16) on the FFI executor against it for the configs in $DECODE_CONFIGS (default mamba2-1.3b d1024-l24) at
     # the batches in $DECODE_BATCHES (default 1 8 64), profiled (each token step's GPU busy and idle time; about
     # 9 minutes). The executors' probe runs on its own: python benchmarks/tools/callback_graph.py --out "$OUT"
     export JAX_MAMBA2_AUTOTUNE=0
-    read -r -a configs <<< "${DECODE_CONFIGS:-d1024-l24 mamba2-1.3b}"
+    read -r -a configs <<< "${DECODE_CONFIGS:-mamba2-1.3b d1024-l24}"
     read -r -a batches <<< "${DECODE_BATCHES:-1 8 64}"
     shape=(--configs "${configs[@]}" --batches "${batches[@]}")
-    step decode_callback_gpu_tests 150 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+    step decode_callback_gpu_tests 120 python -m pytest -m gpu -q -rf -p no:cacheprovider \
       tests/flax_layers/test_decode_gpu.py -k "callback_backend or greedy_tokens_are"
-    step lm_decode_callback 420 python benchmarks/lm_decode.py --impls cutile cutile_callback "${shape[@]}" \
-      --param-dtypes bfloat16 --prompt-lengths --profile --worker-timeout 200 --out "$out"
+    step lm_decode_callback 450 python benchmarks/lm_decode.py --impls cutile_callback cutile "${shape[@]}" \
+      --param-dtypes bfloat16 --prompt-lengths --profile --worker-timeout 150 --out "$out"
     ;;
   decode-matrix)  # the LM decode benchmark at the batches in $DECODE_BATCHES (default 1 8 64 256) with prefills of
     # the prompts in $DECODE_PROMPTS (default 512 2048; empty for none) for the configs in $DECODE_CONFIGS (default

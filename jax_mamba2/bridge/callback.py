@@ -77,7 +77,8 @@ def replay(ctx, launches: object, buffers, record: Callable[[Any], None]) -> Non
                 record(types.SimpleNamespace(stream=capture.ptr))
             finally:
                 graph = capture.end_capture()
-            graph.upload(capture)  # instantiated and on the device before its first launch
+            graph.upload(capture)  # instantiated and on the device before its first launch,
+            capture.synchronize()  # which goes to XLA's stream: the upload done first (once per graph)
         with _GRAPHS_LOCK:
             _GRAPHS[key] = graph, device
             while len(_GRAPHS) > GRAPH_CACHE_SIZE:

@@ -220,6 +220,9 @@ def test_replay_captures_at_the_first_call_of_a_set_of_addresses_and_launches_th
             events.append(("end", self.ptr))
             return Graph(self.ptr)
 
+        def synchronize(self):
+            events.append(("synchronize", self.ptr))
+
     class Device:
         def __init__(self, device):
             self.device = device
@@ -252,14 +255,15 @@ def test_replay_captures_at_the_first_call_of_a_set_of_addresses_and_launches_th
     token = object()
     callback.replay(ctx, token, [_FakeBuffer(1), _FakeBuffer(2)], record)
     # Captured on a stream of the buffers' device.
-    assert events == [("launch", 7), ("device", 1), ("begin", 1001), ("launch", 1001), ("end", 1001), ("upload", 1001)]
+    assert events == [("launch", 7), ("device", 1), ("begin", 1001), ("launch", 1001), ("end", 1001), ("upload", 1001),
+                      ("synchronize", 1001)]
     events.clear()
     callback.replay(ctx, token, [_FakeBuffer(1), _FakeBuffer(2)], record)
     assert events == [("device", 1), ("graph", 1001, 7)]
     events.clear()
     callback.replay(ctx, token, [_FakeBuffer(3), _FakeBuffer(2)], record)  # other addresses: captured again
     callback.replay(ctx, object(), [_FakeBuffer(1), _FakeBuffer(2)], record)  # other launches: too
-    assert [e[0] for e in events] == ["launch", "device", "begin", "launch", "end", "upload"] * 2
+    assert [e[0] for e in events] == ["launch", "device", "begin", "launch", "end", "upload", "synchronize"] * 2
     assert len(callback._GRAPHS) == 2  # the first graph, least recently used, was dropped
     events.clear()
     callback.replay(ctx, token, [_FakeBuffer(1), _FakeBuffer(2)], record)

@@ -171,9 +171,10 @@ def test_mixer_steps_of_several_heads_per_block_compile_spill_free_at_their_occu
 def test_dependent_builds_wait_for_their_predecessor_and_release_their_successor():
     """With DEPENDENT = WAITS_AND_RELEASES (the merged token step's launches) every decode kernel of the batch-1
     step waits for its predecessor (griddepcontrol.wait: ACQBULK) and releases its successor (PREEXIT); at
-    INDEPENDENT (every plan's) neither is built. The waits at the kernels' tops cost out_proj's and the head's
-    products a stack frame of a few hundred bytes (216 and 192 with tileiras 13.4) that holds spilled registers
-    (LDL / STL: `benchmarks/tools/sass.py decode --dependent`); no other local memory."""
+    INDEPENDENT (every plan's) neither is built. With the waits at the kernels' tops, and its K steps halved,
+    out_proj's product holds a stack frame of spilled registers (160 bytes with tileiras 13.4; 216 with whole
+    steps; `benchmarks/tools/sass.py decode --dependent` counts the LDL / STL), no other kernel any; no local
+    memory."""
     from benchmarks.tools import sass
     if sass.find_cuobjdump() is None:
         pytest.skip("cuobjdump/nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
@@ -182,13 +183,16 @@ def test_dependent_builds_wait_for_their_predecessor_and_release_their_successor
             opcodes = {text.split()[0].split(".")[0] for _, text in sass.instructions(sass.disassemble(cubin)[0])}
             assert ("ACQBULK" in opcodes, "PREEXIT" in opcodes) == (expected,) * 2, name
             usage = {k: int(v) for k, v in re.findall(r"(LOCAL|STACK):(\d+)", resource_usage(cubin))}
-            assert usage["LOCAL"] == 0 and usage["STACK"] <= 256, (name, usage)
+            assert usage["LOCAL"] == 0 and usage["STACK"] <= (192 if name.startswith("out_proj") else 0), \
+                (name, usage)
 
 
 def test_dependent_products_of_the_wider_lm_take_half_steps_without_spills():
-    """At d_model 2048 (mamba2-1.3b) out_proj's product as the LM runs it at one row, built as a programmatic
-    dependent, spilled with 128-feature K steps (a 352-byte stack, 2.3x the shared memory); its half steps build
-    as the FFI path's build does, with no stack and less shared memory than it."""
+    """At d_model 2048 (mamba2-1.3b) out_proj's product in the LM's form at one row (normalizing the mixer step's
+    gated output; `sass.decode_out_proj_forms`, float32 norm weights), built as a programmatic dependent, spilled
+    with 128-feature K steps (a 352-byte stack, 2.3x the shared memory); its half steps build as the FFI path's
+    build does, with no stack and less shared memory than it. (The emulator cannot tell whether the half steps
+    are taken: their values are the same.)"""
     from benchmarks.tools import sass
     dims = sass.decode_out_proj_forms(1, d_model=2048)["mixer_gated"]
     usage = {}
