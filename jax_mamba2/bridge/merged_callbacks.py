@@ -265,7 +265,7 @@ def _emit(run: _Run, flat: _Flat, needed: Callable[[int], bool], dependent: int,
             kept.add(where[1] if where[0] == "out" else aliased[where[1]])
     output_of, workspace_at, workspace_bytes, results = {}, {}, 0, []
     for j, array in enumerate(arrays):
-        if j in kept or array.dtype.kind not in "biuf" or array.dtype == jnp.bfloat16:
+        if j in kept or not _numpy_numeric(array.dtype):
             output_of[j] = len(results)
             results.append(array)
         else:

@@ -6,6 +6,8 @@ prefill and step), so the compiled program holds one block however deep the mode
 grow with n_layer (an `nnx.List` of blocks would unroll n_layer copies into the HLO).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -374,14 +376,14 @@ class Mamba2LMHeadModel(nnx.Module):
         donated). On the callback backend the whole step's kernels are one callback (`decode_op.token_step`).
         The same values as the composed step (`_scan_layers_with_cache`)."""
         backend = backends.for_op(self.layers.mixer.backend, decode_op.OP)
-        step = decode_op.token_step(self._decode_layers_and_head, backend)
+        step = decode_op.token_step(functools.partial(self._decode_layers_and_head, backend), backend)
         logits, conv_state, ssm_state, group_windows = step(input_ids, cache.conv_state, cache.ssm_state)
         # Every layer's B and C windows in one pass over their channels, once no kernel reads them any more.
         conv_state = decode_op.write_group_windows(conv_state, group_windows, self.layers.mixer.d_ssm)
         return logits, Mamba2Cache(conv_state, ssm_state)
 
-    def _decode_layers_and_head(self, input_ids, conv_state, ssm_state):
-        """`_decode_step`'s kernels: (logits, conv_state and ssm_state as the layers leave them, every layer's new
+    def _decode_layers_and_head(self, backend, input_ids, conv_state, ssm_state):
+        """`_decode_step`'s kernels, the head's on the decode ops' `backend`: (logits, conv_state and ssm_state as the layers leave them, every layer's new
         B and C windows (n_layer, batch, 2 * ngroups * d_state, d_conv))."""
         hidden, residual = self.embedding(input_ids), None
         hidden_dtype = None  # after the first layer: hidden holds out_proj's partial sums of this dtype
@@ -402,7 +404,7 @@ class Mamba2LMHeadModel(nnx.Module):
             hidden, **head, norm_weight=self.norm_f.scale[...], residual=residual,
             residual_dtype=jnp.result_type(hidden_dtype, residual), eps=self.norm_f.eps,
             dtype=self.dtype or jnp.result_type(hidden_dtype, head["weight"]), x_dtype=hidden_dtype,
-            backend=backends.for_op(self.layers.mixer.backend, decode_op.OP))
+            backend=backend)
         return logits, conv_state, ssm_state, jnp.stack(group_windows)
 
     def init_cache(self, batch_size: int, dtype=None) -> Mamba2Cache:

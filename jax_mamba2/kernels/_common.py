@@ -106,10 +106,9 @@ class Launch:
     def dependent(self, level: int) -> "Launch":
         """This launch with its kernel's DEPENDENT constant at `level` (`wait_for_predecessor`); unchanged for a
         kernel without one, which then cannot be launched as a programmatic dependent."""
-        names = list(kernel_signature(self.kernel).pysig.parameters)
-        if DEPENDENT not in names:
+        if not self.can_be_dependent:
             return self
-        index = names.index(DEPENDENT)
+        index = list(kernel_signature(self.kernel).pysig.parameters).index(DEPENDENT)
         return dataclasses.replace(self, args=self.args[:index] + (level,) + self.args[index + 1:])
 
     @property

@@ -149,7 +149,8 @@ def test_generate_at_batch_zero_launches_nothing_for_its_empty_rows():
 def test_the_callback_backend_s_token_step_is_one_graph_with_the_ffi_step_s_tokens():
     """backend="cutile_callback": the whole token step is one callback (decode.token_step) that captures its
     launches into a CUDA graph at its first call and replays it after, the launches programmatic dependents of
-    each other; the same kernels in the same order as the FFI step, so the same tokens bit for bit, in a first
+    each other; the same kernels in the same order as the FFI step (the products' dependent builds take their K
+    steps in halves, the same 16-feature MMA steps in the same order), so the same tokens bit for bit, in a first
     generate (the capture) and a second (replays)."""
     models = {b: Mamba2LMHeadModel(CONFIG, backend=b, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
               for b in ("cutile", "cutile_callback")}
