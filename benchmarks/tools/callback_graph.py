@@ -71,17 +71,18 @@ add_one_kernel = ct.kernel(_add_one)
 
 
 def _chain_callback(grid, tile, launches, dependent, pdl, calls, replayed):
+    launch = Launch(add_one_kernel, grid, ("x", "y", tile, dependent), ("y",))
+
     def callback_fn(ctx, outputs, x):
         calls[0] += 1
         y, scratch = outputs
         # launch i reads the previous one's output: x -> a -> b -> ... -> y, alternating y and scratch
         targets = [y if (launches - 1 - i) % 2 == 0 else scratch for i in range(launches)]
 
-        def record(ctx):
+        def record(ctx):  # as the package's callbacks launch: callback.cuda_launch
             source = x
             for target in targets:
-                ct.launch(ctx.stream, grid, add_one_kernel, (source, target, tile, dependent),
-                          programmatic_dependent_launch=pdl)
+                callback.cuda_launch(ctx, launch, (source, target, tile, dependent), pdl)
                 source = target
         if replayed:
             callback.replay(ctx, callback_fn, (x, y, scratch), record)
