@@ -29,7 +29,7 @@ def write_atomically(path: Path, data: bytes) -> Path:
     path = Path(os.path.realpath(path))
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot write {path}: its directory does not exist")
-    tmp = path.with_name(f".{path.name[:200]}.{secrets.token_hex(4)}.tmp")
+    tmp = path.with_name(f".{short_name(path, 200)}.{secrets.token_hex(4)}.tmp")
     # os.open applies the umask to 0666, as open() does for any user file (mkstemp would make it 0600).
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
@@ -44,12 +44,30 @@ def write_atomically(path: Path, data: bytes) -> Path:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    sync_directory(path.parent)
     return path
+
+
+def short_name(path: Path, limit: int) -> str:
+    """`path`'s name cut to at most `limit` bytes in the file system's encoding (a name of many non-ASCII
+    characters is longer in bytes than in characters), for a sibling's name that must stay within 255."""
+    return os.fsencode(path.name)[:limit].decode("utf-8", errors="ignore")
+
+
+def fsync(path: Path) -> None:
+    """Flushes the file or directory `path` to its storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_directory(directory: Path) -> None:
+    """Makes the entries of `directory` (files renamed in or out) durable where the file system can sync a
+    directory; some network ones cannot, and the renames stand all the same."""
+    with contextlib.suppress(OSError):
+        fsync(directory)
 
 
 def exchange_paths(a: Path, b: Path) -> bool:

@@ -10,13 +10,14 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 
 try:
     import fcntl
 except ImportError:  # Windows: abandoned staging directories are told by their writer's PID alone
     fcntl = None
 
-from jax_mamba2._files import exchange_paths
+from jax_mamba2._files import exchange_paths, short_name, sync_directory
 
 
 def _sibling_path(path: pathlib.Path, kind: str) -> pathlib.Path:
@@ -27,7 +28,7 @@ def _sibling_path(path: pathlib.Path, kind: str) -> pathlib.Path:
 
 def _short_name(path: pathlib.Path) -> str:
     """`path`'s name cut so that a sibling's name stays within the file system's 255 bytes."""
-    return path.name.encode()[:120].decode(errors="ignore")
+    return short_name(path, 120)
 
 
 def _host_tag() -> str:
@@ -51,7 +52,7 @@ def staging_dir(path: pathlib.Path):
         try:
             yield staging
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            _remove_tree(staging)
             raise
     finally:
         _unlock_staging(staging, lock)
@@ -153,7 +154,7 @@ def _remove_if_abandoned(staging: pathlib.Path, pid: int) -> None:
         return
     try:
         if staging.is_dir():
-            shutil.rmtree(staging, ignore_errors=True)
+            _remove_tree(staging)
         if not os.path.lexists(staging):  # else the lock file stays, for a later save to try again
             lock.unlink(missing_ok=True)
     finally:
@@ -162,7 +163,7 @@ def _remove_if_abandoned(staging: pathlib.Path, pid: int) -> None:
 
 def _remove_if_writer_dead(staging: pathlib.Path, pid: int) -> None:
     if staging.is_dir() and not _process_alive(pid):
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove_tree(staging)
 
 
 def carry_over(source: pathlib.Path, target: pathlib.Path, *, skip: re.Pattern) -> None:
@@ -186,14 +187,6 @@ def _link_or_copy(source, target) -> None:
         shutil.copy2(source, target)
 
 
-def fsync(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def replace_dir(new: pathlib.Path, path: pathlib.Path) -> None:
     """Puts directory `new` at `path`. An existing `path` is exchanged with `new` in one atomic step where the
     system can (then deleted under `new`'s name); elsewhere it is first renamed aside and deleted only once
@@ -201,7 +194,7 @@ def replace_dir(new: pathlib.Path, path: pathlib.Path) -> None:
     if not path.exists():
         os.replace(new, path)
     elif exchange_paths(new, path):
-        shutil.rmtree(new, ignore_errors=True)  # the previous checkpoint, now under the staging name
+        _remove_tree(new)  # the previous checkpoint, now under the staging name
     else:
         old = _sibling_path(path, "old")
         os.replace(path, old)
@@ -211,8 +204,13 @@ def replace_dir(new: pathlib.Path, path: pathlib.Path) -> None:
             os.replace(old, path)
             raise
         # The new checkpoint is in place: what follows cannot undo the save, so it does not fail it.
-        shutil.rmtree(old, ignore_errors=True)
-    try:
-        fsync(path.parent)  # make the renames durable
-    except OSError:  # a file system that cannot sync a directory (some network ones): the renames stand
-        pass
+        _remove_tree(old)
+    sync_directory(path.parent)  # make the renames durable
+
+
+def _remove_tree(directory: pathlib.Path) -> None:
+    """Deletes `directory` and what it holds, whatever its own mode (a save keeps a read-only checkpoint
+    directory's mode, whose entries could not be unlinked otherwise); what still cannot be deleted stays."""
+    with contextlib.suppress(OSError):
+        os.chmod(directory, stat.S_IMODE(os.stat(directory).st_mode) | stat.S_IRWXU)
+    shutil.rmtree(directory, ignore_errors=True)

@@ -63,7 +63,8 @@ def _check_inputs(inputs: ConvInputs, activation, return_final_states, api: str 
     x, kernel, bias, initial_states, seq_idx = inputs
     batch, seqlen, channels = check_ndim(api, "x", x, 3, "(batch, seqlen, channels)")
     check_array(api, "x", x)
-    if not hasattr(kernel, "shape") or len(kernel.shape) != 2 or kernel.shape[0] < 1:
+    check_array(api, "kernel", kernel)
+    if len(kernel.shape) != 2 or kernel.shape[0] < 1:
         raise ValueError(f"{api}: kernel.shape={getattr(kernel, 'shape', None)} must be (d_conv, channels) "
                          f"with d_conv >= 1 and channels={channels}")
     d_conv = kernel.shape[0]
@@ -190,10 +191,12 @@ def causal_conv1d_silu(x, kernel, bias=None, *, seq_idx=None, initial_states=Non
 def _check_layout(x, kernel, channel_offset, split) -> tuple[int, int, tuple[int, ...]]:
     """The channel window and the pieces fit x and the kernel; returns the conv's channels, and channel_offset and
     split as Python ints (static data)."""
-    if not hasattr(x, "shape") or len(x.shape) != 3:
-        raise ValueError(f"{_SPLIT_API}: x.shape={getattr(x, 'shape', None)} must be (batch, seqlen, width)")
-    if not hasattr(kernel, "shape") or len(kernel.shape) != 2 or kernel.shape[0] < 1:
-        raise ValueError(f"{_SPLIT_API}: kernel.shape={getattr(kernel, 'shape', None)} must be (d_conv, channels) "
+    check_array(_SPLIT_API, "x", x)
+    check_array(_SPLIT_API, "kernel", kernel)
+    if len(x.shape) != 3:
+        raise ValueError(f"{_SPLIT_API}: x.shape={tuple(x.shape)} must be (batch, seqlen, width)")
+    if len(kernel.shape) != 2 or kernel.shape[0] < 1:
+        raise ValueError(f"{_SPLIT_API}: kernel.shape={tuple(kernel.shape)} must be (d_conv, channels) "
                          f"with d_conv >= 1")
     channels, width = kernel.shape[1], x.shape[-1]
     requirement = (f"an int in [0, x.shape[-1] - channels]=[0, {width - channels}] (x.shape[-1]={width}, "

@@ -314,6 +314,59 @@ def _int32_labels(labels, ignore_index: int, padded_vocab: int):
     return jnp.where(fits, labels, out_of_range).astype(jnp.int32)
 
 
+def check_arguments(api: str, hidden, labels, **options) -> None:
+    """Raises what `chunked_cross_entropy(hidden, labels, **options)` would raise for its arguments (naming `api`),
+    without computing anything: `hidden` may be a `jax.ShapeDtypeStruct`, for a caller that checks the loss's
+    options before it computes the hidden states."""
+    _checked_call(api, hidden, labels, **options)
+
+
+def _checked_call(api: str, hidden, labels, *, head_weight=None, embedding=None, vocab_size=None, chunk_tokens=2048,
+                  ignore_index=-100, dtype=None, logits_dtype=None, reduction="mean",
+                  backend="auto") -> tuple[_LossStatic, jax.Array]:
+    """`chunked_cross_entropy`'s arguments checked: (its static configuration with the backends selected, the
+    head's weight)."""
+    if (head_weight is None) == (embedding is None):
+        raise TypeError(f"{api}: pass exactly one of head_weight=(d, vocab) or embedding=(vocab, d)")
+    weight, name = (head_weight, "head_weight") if embedding is None else (embedding, "embedding")
+    for arg, arg_name in ((hidden, "hidden"), (weight, name), (labels, "labels")):
+        if not hasattr(arg, "shape") or not hasattr(arg, "dtype"):
+            raise TypeError(f"{api}: {arg_name} must be an array, got {type(arg).__name__}")
+    for arg, arg_name in ((hidden, "hidden"), (weight, name)):
+        check_float(api, arg_name, arg)
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"{api}: labels.dtype={labels.dtype} must be an integer dtype")
+    if hidden.ndim < 1:
+        raise ValueError(f"{api}: hidden.shape=() must be (..., d), the hidden states of each labelled token")
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"{api}: labels.shape={tuple(labels.shape)} must be hidden.shape[:-1]="
+                         f"{tuple(hidden.shape[:-1])}")
+    d = hidden.shape[-1]
+    if weight.ndim != 2 or weight.shape[1 if embedding is not None else 0] != d:
+        want = "(vocab, d)" if embedding is not None else "(d, vocab)"
+        raise ValueError(f"{api}: {name}.shape={tuple(weight.shape)} must be {want} with d=hidden.shape[-1]={d}")
+    padded_vocab = weight.shape[0 if embedding is not None else 1]
+    vocab_size = padded_vocab if vocab_size is None else vocab_size
+    requirement = f"an int in [1, {padded_vocab}] (the weight's vocabulary)"
+    check_int(api, "vocab_size", vocab_size, requirement, maximum=padded_vocab)
+    check_int(api, "chunk_tokens", chunk_tokens)
+    check_ignore_index(api, ignore_index)
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f'{api}: reduction={reduction!r} must be "mean", "sum" or "none"')
+    dtype = jnp.result_type(hidden, weight) if dtype is None else float_dtype(api, "dtype", dtype)
+    acc_dtype = _accumulation_dtype(dtype)
+    logits_dtype = acc_dtype if logits_dtype is None else float_dtype(api, "logits_dtype", logits_dtype)
+    tokens = int(np.prod(labels.shape))
+    static = _LossStatic(int(chunk_tokens), int(ignore_index), int(vocab_size), embedding is not None,
+                         jnp.dtype(dtype).name, logits_dtype.name, reduction)
+    chunk_logits = jax.ShapeDtypeStruct((max(1, min(static.chunk_tokens, tokens)),
+                                         padded_vocab + -padded_vocab % _VOCAB_MULTIPLE), logits_dtype)
+    selected = registry.select(
+        backend, api, lambda b: b.unsupported_reason(None if b.kernels is None else _kernel_dims(static, chunk_logits)),
+        op=OP)
+    return dataclasses.replace(static, backends=tuple(selected)), weight
+
+
 def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, vocab_size: Optional[int] = None,
                           chunk_tokens: int = 2048, ignore_index: int = -100, dtype=None, logits_dtype=None,
                           reduction: str = "mean", backend: str = "auto"):
@@ -357,48 +410,14 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
       ValueError / TypeError: on wrong shapes, dtypes or options, naming the argument; ValueError when a named
         kernel backend cannot run the call (a float64 dtype or logits_dtype, no GPU), saying why.
     """
-    api = "chunked_cross_entropy"
-    if (head_weight is None) == (embedding is None):
-        raise TypeError(f"{api}: pass exactly one of head_weight=(d, vocab) or embedding=(vocab, d)")
-    weight, name = (head_weight, "head_weight") if embedding is None else (embedding, "embedding")
-    for arg, arg_name in ((hidden, "hidden"), (weight, name), (labels, "labels")):
-        if not hasattr(arg, "shape") or not hasattr(arg, "dtype"):
-            raise TypeError(f"{api}: {arg_name} must be an array, got {type(arg).__name__}")
-    for arg, arg_name in ((hidden, "hidden"), (weight, name)):
-        check_float(api, arg_name, arg)
-    if not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise TypeError(f"{api}: labels.dtype={labels.dtype} must be an integer dtype")
-    if hidden.ndim < 1:
-        raise ValueError(f"{api}: hidden.shape=() must be (..., d), the hidden states of each labelled token")
-    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"{api}: labels.shape={tuple(labels.shape)} must be hidden.shape[:-1]="
-                         f"{tuple(hidden.shape[:-1])}")
-    d = hidden.shape[-1]
-    if weight.ndim != 2 or weight.shape[1 if embedding is not None else 0] != d:
-        want = "(vocab, d)" if embedding is not None else "(d, vocab)"
-        raise ValueError(f"{api}: {name}.shape={tuple(weight.shape)} must be {want} with d=hidden.shape[-1]={d}")
-    padded_vocab = weight.shape[0 if embedding is not None else 1]
-    vocab_size = padded_vocab if vocab_size is None else vocab_size
-    requirement = f"an int in [1, {padded_vocab}] (the weight's vocabulary)"
-    check_int(api, "vocab_size", vocab_size, requirement, maximum=padded_vocab)
-    check_int(api, "chunk_tokens", chunk_tokens)
-    check_ignore_index(api, ignore_index)
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f'{api}: reduction={reduction!r} must be "mean", "sum" or "none"')
-    dtype = jnp.result_type(hidden, weight) if dtype is None else float_dtype(api, "dtype", dtype)
-    acc_dtype = _accumulation_dtype(dtype)
-    logits_dtype = acc_dtype if logits_dtype is None else float_dtype(api, "logits_dtype", logits_dtype)
-    tokens = int(np.prod(labels.shape))
-    static = _LossStatic(int(chunk_tokens), int(ignore_index), int(vocab_size), embedding is not None,
-                         jnp.dtype(dtype).name, logits_dtype.name, reduction)
-    chunk_logits = jax.ShapeDtypeStruct((max(1, min(static.chunk_tokens, tokens)),
-                                         padded_vocab + -padded_vocab % _VOCAB_MULTIPLE), logits_dtype)
-    selected = registry.select(
-        backend, api, lambda b: b.unsupported_reason(None if b.kernels is None else _kernel_dims(static, chunk_logits)),
-        op=OP)
+    static, weight = _checked_call("chunked_cross_entropy", hidden, labels, head_weight=head_weight,
+                                   embedding=embedding, vocab_size=vocab_size, chunk_tokens=chunk_tokens,
+                                   ignore_index=ignore_index, dtype=dtype, logits_dtype=logits_dtype,
+                                   reduction=reduction, backend=backend)
+    tokens, d = int(np.prod(labels.shape)), hidden.shape[-1]
     if tokens == 0:
-        return jnp.zeros(labels.shape if reduction == "none" else (), acc_dtype)
-    static = dataclasses.replace(static, backends=tuple(selected))
+        return jnp.zeros(labels.shape if reduction == "none" else (), _accumulation_dtype(static.dtype))
+    padded_vocab = weight.shape[0 if static.embedding_layout else 1]
     loss = _chunked_loss(static, hidden.reshape(tokens, d), weight,
                          _int32_labels(labels.reshape(tokens), static.ignore_index, padded_vocab))
     return loss.reshape(labels.shape) if reduction == "none" else loss

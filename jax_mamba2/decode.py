@@ -191,9 +191,10 @@ def _check_projection(api, x, weight, norm_weight, residual, residual_dtype, z, 
         if sum_squares.dtype not in (jnp.float32, jnp.float64):  # float64: a float64 model's, on the xla path
             raise TypeError(f"{api}: sum_squares must be float32 (float64 for a float64 model), got "
                             f"{sum_squares.dtype}")
-        if len(sum_squares.shape) != 2 or sum_squares.shape[0] != rows or sum_squares.shape[1] % ngroups:
-            raise ValueError(f"{api}: sum_squares.shape={tuple(sum_squares.shape)} must be (rows={rows}, a multiple "
-                             f"of the norm's {ngroups} groups)")
+        if (len(sum_squares.shape) != 2 or sum_squares.shape[0] != rows or sum_squares.shape[1] % ngroups
+                or sum_squares.shape[1] == 0):
+            raise ValueError(f"{api}: sum_squares.shape={tuple(sum_squares.shape)} must be (rows={rows}, a positive "
+                             f"multiple of the norm's {ngroups} groups)")
     return _ProjectionArgs(z_offset, group_size, residual_dtype, x_dtype, features, layers)
 
 

@@ -66,6 +66,7 @@ _X, _KERNEL = jnp.zeros((2, 5, 8)), jnp.zeros((4, 8))
     (dict(x=[[[0.0] * 8] * 5] * 2), TypeError, r"x must be an array of shape \(batch, seqlen, channels\), got list"),
     (dict(kernel=jnp.zeros((4, 7))), ValueError, r"kernel.shape=\(4, 7\) must be \(d_conv, channels\)"),
     (dict(kernel=jnp.zeros((0, 8))), ValueError, "kernel.shape=.* d_conv >= 1"),
+    (dict(kernel=[[0.0] * 8] * 4), TypeError, "kernel must be an array, got list"),
     (dict(bias=jnp.zeros((7,))), ValueError, r"bias.shape=\(7,\) must be \(channels,\)"),
     (dict(initial_states=jnp.zeros((2, 8, 2))), ValueError,
      r"initial_states.shape=\(2, 8, 2\) must be \(batch, channels, d_conv - 1 or d_conv\)"),
@@ -330,13 +331,18 @@ def _check_split(args, fn, tolerance=TOLERANCE, **options):
      r"causal_conv1d_silu_split: bias.shape=\(51,\) must be \(channels,\)=\(24,\)"),
     (dict(initial_states=jnp.zeros((2, 51, 4))), ValueError,
      r"causal_conv1d_silu_split: initial_states.shape=\(2, 51, 4\)"),
+    (dict(x=[[[0.0] * _WIDTH] * 5] * 2), TypeError, r"causal_conv1d_silu_split: x must be an array, got list"),
+    (dict(kernel=np.zeros((4, 24)).tolist()), TypeError, r"causal_conv1d_silu_split: kernel must be an array, got list"),
+    (dict(x=jnp.zeros((5, _WIDTH))), ValueError, r"causal_conv1d_silu_split: x.shape=\(5, 51\) must be \(batch, seqlen, "
+                                                 r"width\)"),
 ])
 def test_split_invalid_arguments_raise_naming_them(kwargs, error, message):
     """TypeError for a layout of the wrong type (a list, a bool), ValueError for one that does not fit."""
-    args = dict(channel_offset=_OFFSET, split=_SPLIT, bias=None)
+    args = dict(x=jnp.zeros((2, 5, _WIDTH)), kernel=jnp.zeros((4, 24)), channel_offset=_OFFSET, split=_SPLIT,
+                bias=None)
     args.update(kwargs)
     with pytest.raises(error, match=message):
-        conv1d.causal_conv1d_silu_split(jnp.zeros((2, 5, _WIDTH)), jnp.zeros((4, 24)), args.pop("bias"), **args)
+        conv1d.causal_conv1d_silu_split(args.pop("x"), args.pop("kernel"), args.pop("bias"), **args)
 
 
 def test_split_takes_numpy_ints_for_its_layout():

@@ -367,8 +367,11 @@ def test_sum_squares_and_norm_z_offset_checks_name_the_argument():
     x, weight, norm_weight = jnp.ones((2, 64)), jnp.ones((64, 8)), jnp.ones((64,))
     with pytest.raises(TypeError, match="sum_squares must be float32"):
         jax_mamba2.norm_project(x, weight, norm_weight=norm_weight, sum_squares=jnp.ones((2, 4), jnp.bfloat16))
-    with pytest.raises(ValueError, match=r"sum_squares.shape=\(2, 3\) must be \(rows=2, a multiple of the norm's 2"):
-        jax_mamba2.norm_project(x, weight, norm_weight=norm_weight, group_size=32, sum_squares=jnp.ones((2, 3)))
+    for parts in (3, 0):  # no parts at all would read as a zero norm
+        with pytest.raises(ValueError, match=rf"sum_squares.shape=\(2, {parts}\) must be \(rows=2, a positive multiple "
+                                             r"of the norm's 2"):
+            jax_mamba2.norm_project(x, weight, norm_weight=norm_weight, group_size=32,
+                                    sum_squares=jnp.ones((2, parts)))
     with pytest.raises(ValueError, match="sum_squares are the statistics of a norm"):
         jax_mamba2.norm_project(x, weight, sum_squares=jnp.ones((2, 4)))
     with pytest.raises(ValueError, match="sum_squares are the statistics of a norm"):

@@ -44,6 +44,23 @@ def test_a_symlink_is_written_through_and_a_missing_directory_is_named(tmp_path)
         _files.write_atomically(tmp_path / "missing" / "out.json", b"x")
 
 
+def test_a_long_non_ascii_name_is_replaced_where_its_directory_cannot_be_synced(tmp_path, monkeypatch):
+    """The temporary name beside a 255-byte name (125 two-byte characters) stays within 255 bytes; a file system
+    that cannot sync a directory does not fail a write that has happened."""
+    path = tmp_path / ("\u00e9" * 125 + ".json")
+    path.write_bytes(b"old")
+    _files.write_atomically(path, b"new")
+    real_fsync = _files.fsync
+
+    def fsync_files_only(target):
+        if os.path.isdir(target):
+            raise OSError(22, "Invalid argument")
+        real_fsync(target)
+    monkeypatch.setattr(_files, "fsync", fsync_files_only)
+    _files.write_atomically(path, b"newer")
+    assert path.read_bytes() == b"newer" and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
 @pytest.mark.parametrize("name,magic", [("plot.png", b"\x89PNG"), ("plot.SVG", b"<?xml"), ("plot.pdf", b"%PDF")])
 def test_a_figure_is_written_in_its_suffix_s_format(tmp_path, name, magic):
     matplotlib = pytest.importorskip("matplotlib")

@@ -19,11 +19,14 @@ Training checkpoints (any model, any sharding) are better kept as NNX state with
 (`StandardCheckpointer` saves asynchronously: call `wait_until_finished()` before reading the directory.
 Restoring into an abstract state whose leaves carry shardings places each array on its devices.)
 """
+import contextlib
 import json
 import os
 import pathlib
+import pickle
 import re
 import shutil
+import zipfile
 from typing import Callable, NamedTuple
 
 import jax
@@ -34,7 +37,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jax_mamba2 import backends
-from jax_mamba2._staging import carry_over, fsync, remove_abandoned_staging, replace_dir, staging_dir
+from jax_mamba2._files import fsync, sync_directory
+from jax_mamba2._staging import carry_over, remove_abandoned_staging, replace_dir, staging_dir
 from jax_mamba2.checks import check_flag, float_dtype
 from jax_mamba2.flax_layers._tree import param_path
 from jax_mamba2.flax_layers.config import Mamba2Config
@@ -124,7 +128,7 @@ _HF_KEYS = ("hidden_size", "num_hidden_layers", "model_type")
 def _read_json(file: pathlib.Path, caller: str):
     try:
         return json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise ValueError(f"{caller}: {file} is not valid JSON: {e}") from e
 
 
@@ -180,20 +184,20 @@ class _Tensor(NamedTuple):
 _SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")
 
 
-def _safetensors_tensors(file: pathlib.Path, caller: str) -> dict[str, _Tensor]:
-    """The tensors of a safetensors file by name, from its header: nothing is read until a tensor's `read`."""
+def _safetensors_tensors(file: pathlib.Path, caller: str, handles: contextlib.ExitStack) -> dict[str, _Tensor]:
+    """The tensors of a safetensors file by name, from its header: nothing is read until a tensor's `read`, which
+    reads from the file as it was opened here (held open in `handles`), even once a save has replaced it."""
     try:
-        with safe_open(file, framework="numpy") as opened:
-            headers = {name: (tuple(opened.get_slice(name).get_shape()), opened.get_slice(name).get_dtype())
-                       for name in opened.keys()}
+        opened = handles.enter_context(safe_open(file, framework="numpy"))
+        headers = {name: (tuple(opened.get_slice(name).get_shape()), opened.get_slice(name).get_dtype())
+                   for name in opened.keys()}
     except (SafetensorError, OSError) as e:
         raise ValueError(f"{caller}: {file} is not a readable safetensors file: {e}") from e
 
     def reader(name):
         def read():
             try:
-                with safe_open(file, framework="numpy") as opened:
-                    return opened.get_tensor(name)
+                return opened.get_tensor(name)
             except (SafetensorError, OSError) as e:
                 raise ValueError(f"{caller}: {file} is not a readable safetensors file: {e}") from e
         return read
@@ -201,11 +205,42 @@ def _safetensors_tensors(file: pathlib.Path, caller: str) -> dict[str, _Tensor]:
             for name, (shape, dtype) in headers.items()}
 
 
-def _checkpoint_tensors(path: pathlib.Path, caller: str) -> dict[str, _Tensor]:
-    """`load_hf_state`'s tensors by name, each read only when asked (safetensors; a `pytorch_model.bin` is read
-    whole by torch)."""
+# How often a load opens a checkpoint again when a save replaced its directory while it was being opened.
+_OPEN_ATTEMPTS = 3
+
+
+def _directory_identity(path: pathlib.Path):
+    """What a save that replaces the directory `path` changes (a new directory takes its name), or None where
+    there is none."""
+    try:
+        status = path.stat()
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino, status.st_ctime_ns
+
+
+def _open_checkpoint(path: pathlib.Path, caller: str, handles: contextlib.ExitStack, *,
+                     with_config: bool) -> tuple[Mamba2Config | None, dict[str, _Tensor]]:
+    """(config.json's config, or None without `with_config`; the tensors by name, see `_checkpoint_tensors`) of
+    one checkpoint: the weight files stay open in `handles`, and where a save replaced the directory while
+    they were being opened, they are opened again, so config and weights never come from two saves."""
+    for _ in range(_OPEN_ATTEMPTS):
+        before = _directory_identity(path)
+        config = _load_config(path, caller) if with_config else None
+        with contextlib.ExitStack() as attempt:
+            tensors = _checkpoint_tensors(path, caller, attempt)
+            if _directory_identity(path) == before:
+                handles.enter_context(attempt.pop_all())
+                return config, tensors
+    raise ValueError(f"{caller}: {path} was replaced (by a save to it) each of the {_OPEN_ATTEMPTS} times it was "
+                     "opened; load it once the saves have stopped")
+
+
+def _checkpoint_tensors(path: pathlib.Path, caller: str, handles: contextlib.ExitStack) -> dict[str, _Tensor]:
+    """`load_hf_state`'s tensors by name, each read only when asked, from the safetensors files as they were
+    opened here (held in `handles`); a `pytorch_model.bin` is read whole by torch."""
     if (path / "model.safetensors").is_file():
-        return _safetensors_tensors(path / "model.safetensors", caller)
+        return _safetensors_tensors(path / "model.safetensors", caller, handles)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         index_content = _read_json(index, caller)
@@ -221,7 +256,7 @@ def _checkpoint_tensors(path: pathlib.Path, caller: str) -> dict[str, _Tensor]:
             if not (path / shard).is_file():
                 raise FileNotFoundError(f"{caller}: {path / shard}, a shard in {index}'s weight_map, "
                                         "does not exist")
-            held = _safetensors_tensors(path / shard, caller)
+            held = _safetensors_tensors(path / shard, caller, handles)
             listed = {name for name, file in weight_map.items() if file == shard}
             if set(held) != listed:
                 raise ValueError(f"{caller}: {path / shard} holds {sorted(held)}, but {index}'s weight_map "
@@ -234,7 +269,14 @@ def _checkpoint_tensors(path: pathlib.Path, caller: str) -> dict[str, _Tensor]:
         except ImportError as e:
             raise ImportError(f"{caller}: {path / 'pytorch_model.bin'} needs torch (pip install torch), "
                               "or convert it to model.safetensors") from e
-        state_dict = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        try:
+            state_dict = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
+            raise ValueError(f"{caller}: {path / 'pytorch_model.bin'} is not a readable PyTorch state dict: "
+                             f"{e}") from e
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"{caller}: {path / 'pytorch_model.bin'} must hold a state dict (tensors by name), "
+                             f"not {type(state_dict).__name__}")
         arrays = {name: (t.float() if t.dtype == torch.bfloat16 else t).numpy() for name, t in state_dict.items()}
         return {name: _Tensor(array.shape, lambda array=array: array, array.dtype.name,
                               np.issubdtype(array.dtype, np.floating)) for name, array in arrays.items()}
@@ -254,8 +296,10 @@ def load_hf_state(path) -> dict[str, np.ndarray]:
         gives it, or a file that safetensors cannot read.
       TypeError: for a path that is not a str or os.PathLike.
     """
-    tensors = _checkpoint_tensors(_checkpoint_dir(path, "load_hf_state"), "load_hf_state")
-    return {name: tensor.read() for name, tensor in tensors.items()}
+    with contextlib.ExitStack() as handles:
+        _, tensors = _open_checkpoint(_checkpoint_dir(path, "load_hf_state"), "load_hf_state", handles,
+                                      with_config=False)
+        return {name: tensor.read() for name, tensor in tensors.items()}
 
 
 def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str = "auto",
@@ -289,17 +333,25 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
     if dtype is not None:
         float_dtype("load_pretrained", "dtype", dtype)
     param_dtype = float_dtype("load_pretrained", "param_dtype", param_dtype)
-    config = _load_config(path, "load_pretrained")
+    directory = _checkpoint_dir(path, "load_pretrained")
+    with contextlib.ExitStack() as handles:  # the weight files, open until every tensor is read
+        config, tensors = _open_checkpoint(directory, "load_pretrained", handles, with_config=True)
+        return _assign_checkpoint(directory, config, tensors, dtype=dtype, param_dtype=param_dtype,
+                                  backend=backend, scan_layers=scan_layers)
+
+
+def _assign_checkpoint(path: pathlib.Path, config: Mamba2Config, tensors: dict[str, _Tensor], *, dtype,
+                       param_dtype, backend: str, scan_layers: bool) -> Mamba2LMHeadModel:
+    """`load_pretrained`'s model of `config` with every parameter read from `tensors`."""
     try:
         abstract = nnx.eval_shape(lambda: Mamba2LMHeadModel(config, backend=backend, dtype=dtype,
                                                             param_dtype=param_dtype, scan_layers=scan_layers,
                                                             rngs=nnx.Rngs(0)))
     except (ValueError, TypeError) as e:  # a mixer option of config.json that Mamba2 rejects, named by it
         raise (TypeError if isinstance(e, TypeError) else ValueError)(
-            f"load_pretrained: {pathlib.Path(path) / 'config.json'}: {e}") from e
-    # After the config is known to build a model: weights can be large. Every name and shape is checked from the
-    # files' headers before any tensor is read, and each is then read straight into its parameter's buffer.
-    tensors = _checkpoint_tensors(pathlib.Path(path), "load_pretrained")
+            f"load_pretrained: {path / 'config.json'}: {e}") from e
+    # Weights can be large: every name and shape is checked from the files' headers before any tensor is read,
+    # and each is then read straight into its parameter's buffer.
     graphdef, abstract_state = nnx.split(abstract)
     shapes = {param_path(p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(abstract_state)}
     unassigned = {path: set(range(config.n_layer)) if path[0] == "layers" else {None} for path in shapes}
@@ -403,7 +455,6 @@ def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
     remove_abandoned_staging(path)
     with staging_dir(path) as staging:
         if path.is_dir():
-            shutil.copymode(path, staging)
             carry_over(path, staging, skip=_OWN_FILES)
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
@@ -411,7 +462,9 @@ def save_pretrained(model: Mamba2LMHeadModel, path) -> None:
         shutil.copymode(staging / "config.json", staging / "model.safetensors")
         for file in ("config.json", "model.safetensors"):
             fsync(staging / file)
-        fsync(staging)  # the directory's entries (carried-over files included) before it is renamed in
+        if path.is_dir():  # the old directory's mode, once written into (a read-only one would refuse the files)
+            shutil.copymode(path, staging)
+        sync_directory(staging)  # its entries (carried-over files included) before it is renamed in
         replace_dir(staging, path)
 
 

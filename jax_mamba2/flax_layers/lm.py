@@ -298,11 +298,13 @@ class Mamba2LMHeadModel(nnx.Module):
             shifted, ((0, 0), (0, labels.shape[1] - shifted.shape[1])), constant_values=ignore_index)
         weight = (dict(embedding=self.embedding.embedding[...]) if self.lm_head is None else
                   dict(head_weight=self.lm_head.kernel[...]))
-        hidden = self._final_hidden(input_ids, seq_idx)
-        return loss_op.chunked_cross_entropy(hidden, targets, **weight, vocab_size=self.config.vocab_size,
-                                             chunk_tokens=chunk_tokens, ignore_index=ignore_index, dtype=self.dtype,
-                                             logits_dtype=logits_dtype, reduction=reduction,
-                                             backend=self.loss_softmax_backend())
+        options = dict(**weight, vocab_size=self.config.vocab_size, chunk_tokens=chunk_tokens,
+                       ignore_index=ignore_index, dtype=self.dtype, logits_dtype=logits_dtype, reduction=reduction,
+                       backend=self.loss_softmax_backend())
+        # The loss's own options (and whether its backend can run) before the forward pass, not after it.
+        hidden_like = jax.eval_shape(self.embedding, input_ids)
+        loss_op.check_arguments("Mamba2LMHeadModel.loss", hidden_like, targets, **options)
+        return loss_op.chunked_cross_entropy(self._final_hidden(input_ids, seq_idx), targets, **options)
 
     def loss_softmax_backend(self) -> str:
         """The backend `loss` gives its softmax now: `loss_backend`, or its default (see the class)."""

@@ -47,9 +47,10 @@ class Sampling:
 
 def _concrete_float(api: str, name: str, value) -> float:
     """A Python, NumPy or concrete JAX real scalar as a float (which controls run is decided before tracing)."""
+    # jnp.issubdtype: NumPy's own does not count bfloat16 (ml_dtypes) among the floats.
     if isinstance(value, (bool, np.bool_)) or isinstance(value, jax.core.Tracer) or not (
-            isinstance(value, Real) or (np.ndim(value) == 0 and np.issubdtype(np.asarray(value).dtype, np.number)
-                                        and not np.iscomplexobj(value))):
+            isinstance(value, Real) or (np.ndim(value) == 0 and (jnp.issubdtype(np.asarray(value).dtype, jnp.floating)
+                                                                 or jnp.issubdtype(np.asarray(value).dtype, jnp.integer)))):
         raise TypeError(f"{api}: {name}={value!r} must be a float (a concrete number)")
     return float(value)
 
@@ -70,20 +71,21 @@ def make_sampling(api: str, vocab_size: int, *, temperature=0.0, top_k=None, top
     the least likely tokens.
 
     Raises:
-      ValueError: temperature < 0, infinite, NaN or under float32's smallest normal number, top_k outside
+      ValueError: temperature < 0, NaN or outside float32's normal numbers (other than 0), top_k outside
         [1, vocab_size], top_p outside (0, 1], min_p outside [0, 1], repetition_penalty <= 0, NaN or outside
         float32's normal numbers.
       TypeError: any of them not a concrete number (top_k not an int).
     """
     temperature = _concrete_float(api, "temperature", temperature)
     repetition_penalty = _concrete_float(api, "repetition_penalty", repetition_penalty)
-    if not 0 <= temperature < math.inf:
-        raise ValueError(f"{api}: temperature={temperature} must be >= 0 and finite")
-    if 0 < temperature < np.finfo(np.float32).tiny:  # would round to 0 (or a subnormal) in float32
-        raise ValueError(f"{api}: temperature={temperature} must be 0 (greedy) or at least "
-                         f"{np.finfo(np.float32).tiny:.3g}, float32's smallest normal number")
-    # Python floats: a float32 bound would cast the penalty to float32 first (an overflow warning past its range).
+    # Python floats: a float32 bound would cast the value to float32 first (an overflow warning past its range).
     tiny, largest = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+    if not 0 <= temperature <= largest:  # past float32's largest it would become inf
+        raise ValueError(f"{api}: temperature={temperature} must be >= 0 and at most {largest:.3g}, float32's "
+                         "largest number")
+    if 0 < temperature < tiny:  # would round to 0 (or a subnormal) in float32
+        raise ValueError(f"{api}: temperature={temperature} must be 0 (greedy) or at least {tiny:.3g}, float32's "
+                         "smallest normal number")
     if not tiny <= repetition_penalty <= largest:  # else it rounds to 0, a subnormal or inf in float32
         raise ValueError(f"{api}: repetition_penalty={repetition_penalty} must be > 0 and within float32's normal "
                          f"numbers, [{tiny:.3g}, {largest:.3g}]")

@@ -19,6 +19,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, load_pretrained, save_pretrained
+from jax_mamba2 import _files as files_module
 from jax_mamba2._files import exchange_paths
 from jax_mamba2 import _staging as staging_module
 from jax_mamba2.flax_layers import checkpoint as checkpoint_module
@@ -261,7 +262,7 @@ def test_save_succeeds_once_the_new_checkpoint_is_in_place(tmp_path, tiny_config
     not turn it into an error."""
     model = _random_model(tiny_config)
     save_pretrained(model, tmp_path / "checkpoint")
-    monkeypatch.setattr(staging_module, "fsync", _failing_parent_fsync(staging_module.fsync, tmp_path))
+    monkeypatch.setattr(files_module, "fsync", _failing_parent_fsync(files_module.fsync, tmp_path))
     save_pretrained(model, tmp_path / "checkpoint")
     assert (tmp_path / "checkpoint" / "model.safetensors").is_file()
 
@@ -272,6 +273,72 @@ def _failing_parent_fsync(fsync, parent):
             raise OSError(22, "Invalid argument")
         fsync(path)
     return fsync_or_fail
+
+
+def _shifted_model(config, shift: float):
+    """`_random_model(config)` with every parameter plus `shift`: the same shapes, other values."""
+    model = _random_model(config)
+    nnx.update(model, jax.tree.map(lambda a: a + shift, nnx.state(model, nnx.Param)))
+    return model
+
+
+def test_a_load_reads_one_checkpoint_while_saves_replace_it(tmp_path, tiny_config, monkeypatch):
+    """A save that replaces the directory once the load has opened it leaves the load on what it opened (the
+    weight files stay open); one that replaces it while the load opens it (between config.json and the weights)
+    makes the load open it again, so config and weights come from one save; a directory replaced at every
+    attempt is an error that says so."""
+    path = tmp_path / "ckpt"
+    models = [_random_model(tiny_config),
+              _shifted_model(dataclasses.replace(tiny_config, norm_epsilon=1e-3,
+                                                 ssm_cfg={**tiny_config.ssm_cfg, "norm_eps": 1e-3}), 1.0)]
+    save_pretrained(models[0], path)
+    real_open, real_tensors = checkpoint_module._open_checkpoint, checkpoint_module._checkpoint_tensors
+
+    def open_then_save(*args, **kwargs):
+        opened = real_open(*args, **kwargs)
+        save_pretrained(models[1], path)
+        return opened
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint_module, "_open_checkpoint", open_then_save)
+        loaded = load_pretrained(path, backend="xla")
+    _assert_same_params(loaded, models[0])
+    # The configs differ in their epsilons (a save's round trip keeps the rest as it is).
+    assert loaded.config.norm_epsilon == 1e-5 and load_pretrained(path, backend="xla").config.norm_epsilon == 1e-3
+
+    for saves, expected in ((1, models[0]), (checkpoint_module._OPEN_ATTEMPTS, None)):
+        opened = []
+
+        def save_while_opening(directory, caller, handles):
+            opened.append(directory)
+            if len(opened) <= saves:  # config.json read, the weights not yet opened: the other model, then
+                save_pretrained(models[(len(opened) + 1) % 2], path)  # alternately (the directory holds models[1])
+            return real_tensors(directory, caller, handles)
+        with monkeypatch.context() as patch:
+            patch.setattr(checkpoint_module, "_checkpoint_tensors", save_while_opening)
+            if expected is None:
+                with pytest.raises(ValueError, match=r"ckpt was replaced \(by a save to it\) each of the 3 times"):
+                    load_pretrained(path, backend="xla")
+                continue
+            loaded = load_pretrained(path, backend="xla")
+        assert len(opened) == 2
+        _assert_same_params(loaded, expected)
+        assert loaded.config.norm_epsilon == expected.config.norm_epsilon
+
+
+def test_a_read_only_checkpoint_directory_is_saved_over_and_keeps_its_mode(tmp_path, tiny_config):
+    """The old directory's mode reaches the new one after its files are written (a read-only mode copied first
+    would refuse them to any user but root), and the old directory is deleted whatever its mode."""
+    path = tmp_path / "ckpt"
+    save_pretrained(_random_model(tiny_config), path)
+    path.chmod(0o555)
+    try:
+        new = _shifted_model(tiny_config, 1.0)
+        save_pretrained(new, path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o555
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    finally:
+        path.chmod(0o755)
+    _assert_same_params(load_pretrained(path, backend="xla"), new)
 
 
 def test_checkpoint_orbax_round_trip(tmp_path, tiny_config):
@@ -462,8 +529,8 @@ def test_checkpoint_save_syncs_files_and_the_staging_directory_before_the_rename
     """The written files and the staging directory's entries reach the disk before it is renamed into place, and the
     parent directory's entries after: a crash then leaves the old checkpoint or the whole new one."""
     events = []
-    real_fsync, real_replace = staging_module.fsync, checkpoint_module.replace_dir
-    for module in (checkpoint_module, staging_module):  # the save's own syncs, and the one after the rename
+    real_fsync, real_replace = files_module.fsync, checkpoint_module.replace_dir
+    for module in (checkpoint_module, files_module):  # the files' syncs, and the directories' (sync_directory)
         monkeypatch.setattr(module, "fsync", lambda path: (events.append(("fsync", path)), real_fsync(path)))
     monkeypatch.setattr(checkpoint_module, "replace_dir",
                         lambda new, path: (events.append(("rename", new)), real_replace(new, path)))
@@ -729,6 +796,8 @@ HF_TINY = Mamba2Config.from_mamba_ssm(MAMBA_SSM_TINY).to_hf()
     pytest.param('{"d_model": 32,', ValueError, r"config.json is not valid JSON: Expecting property name",
                  id="truncated_json"),
     pytest.param("[1, 2]", ValueError, r"config.json must hold a JSON object, not list", id="not_an_object"),
+    pytest.param("[" * 100_000 + "]" * 100_000, ValueError, r"config.json is not valid JSON: maximum recursion depth",
+                 id="nested_too_deep"),
     pytest.param(json.dumps({k: v for k, v in MAMBA_SSM_TINY.items() if k != "n_layer"}), ValueError,
                  r"config.json: Mamba2Config.from_mamba_ssm: missing required keys \['n_layer'\]", id="no_n_layer"),
     pytest.param(json.dumps({k: v for k, v in MAMBA_SSM_TINY.items() if k != "d_model"}), ValueError,
@@ -828,9 +897,9 @@ def test_checkpoint_load_checks_every_name_and_shape_before_reading_a_tensor(tmp
     reads = []
     tensors_of = checkpoint_module._safetensors_tensors
 
-    def counted(file, caller):
+    def counted(file, caller, handles):
         return {name: t._replace(read=lambda t=t, name=name: reads.append(name) or t.read())
-                for name, t in tensors_of(file, caller).items()}
+                for name, t in tensors_of(file, caller, handles).items()}
     monkeypatch.setattr(checkpoint_module, "_safetensors_tensors", counted)
     load_pretrained(tmp_path, backend="xla")
     assert sorted(reads) == sorted(set(reads)) and len(reads) == len(checkpoint_module.load_hf_state(tmp_path))

@@ -55,7 +55,6 @@ def test_config_from_mamba_ssm_and_from_hf_describe_the_same_model():
      r"0 <= min <= max with min finite"),
     (dict(rms_norm=False), r"Mamba2Config: rms_norm=False must be True"),
     (dict(norm_epsilon=math.inf), r"Mamba2Config: norm_epsilon=inf must be > 0 and finite"),
-    (dict(d_intermediate="0"), r"Mamba2Config: d_intermediate='0' must be 0"),
 ])
 def test_config_rejects_bad_fields(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -67,6 +66,13 @@ def test_config_rejects_bad_fields(changes, message):
     (dict(vocab_size=50277.0), r"Mamba2Config: vocab_size=50277.0 must be a positive int"),
     (dict(ssm_cfg={"layer": "Mamba2", "headdim": "16"}),
      r"Mamba2Config: ssm_cfg\['headdim'\]='16' must be a positive int"),
+    (dict(d_intermediate="0"), r"Mamba2Config: d_intermediate='0' must be the int 0"),
+    (dict(d_intermediate=0.0), r"Mamba2Config: d_intermediate=0.0 must be the int 0"),
+    # Checked before d_ssm is compared with expand * d_model, and a float d_ssm equal to it is refused as the
+    # layer refuses it.
+    (dict(ssm_cfg={"layer": "Mamba2", "expand": None}), r"Mamba2Config: ssm_cfg\['expand'\]=None must be a positive int"),
+    (dict(ssm_cfg={"layer": "Mamba2", "d_ssm": 1536.0}), r"Mamba2Config: ssm_cfg\['d_ssm'\]=1536.0 must be a positive "
+                                                         r"multiple of ssm_cfg\['headdim'\]=64"),
 ])
 def test_config_rejects_sizes_that_are_not_ints_with_a_type_error(changes, message):
     with pytest.raises(TypeError, match=message):
@@ -172,6 +178,8 @@ def test_config_canonical_form_drops_options_spelled_as_their_defaults():
     assert mamba2_130m(ssm_cfg={"d_ssm": 2 * 768, "dt_limit": [0.0, "inf"]}) == mamba2_130m()
     assert mamba2_130m(ssm_cfg={"dt_limit": None}).ssm_cfg == {}
     assert mamba2_130m(ssm_cfg={"d_ssm": 768}).ssm_cfg == {"d_ssm": 768}
+    # A NumPy pair, as `Mamba2` and the ops take it.
+    assert mamba2_130m(ssm_cfg={"dt_limit": np.array([0.0, 1.0])}).ssm_cfg == {"dt_limit": (0.0, 1.0)}
 
 
 def test_config_keeps_numpy_numbers_as_python_ones_so_it_writes_as_json():

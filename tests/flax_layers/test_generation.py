@@ -143,6 +143,12 @@ def test_controls_take_numpy_and_concrete_jax_scalars_and_top_p_one_is_off():
     a = sampling_rule.make_sampling("test", 10, temperature=jnp.float32(0.5), top_p=np.float64(1.0), top_k=np.int64(3),
                                     repetition_penalty=np.float32(1.2))
     assert a.sample and a.top_k == 3 and set(a.values) == {"temperature", "repetition_penalty"}
+    # bfloat16 scalars too (NumPy does not count ml_dtypes' bfloat16 among its numbers).
+    b = sampling_rule.make_sampling("test", 10, temperature=jnp.bfloat16(0.5), top_p=jnp.bfloat16(0.5),
+                                    min_p=jnp.bfloat16(0.25), repetition_penalty=jnp.bfloat16(1.5))
+    assert b.values == {"temperature": 0.5, "top_p": 0.5, "min_p": 0.25, "repetition_penalty": 1.5}
+    with pytest.raises(TypeError, match="temperature=.* must be a float \\(a concrete number\\)"):
+        sampling_rule.make_sampling("test", 10, temperature=jnp.complex64(0.5))
     with pytest.raises(TypeError, match="temperature=.* must be a float \\(a concrete number\\)"):
         jax.jit(lambda t: sampling_rule.make_sampling("test", 10, temperature=t))(0.5)
 
@@ -331,7 +337,9 @@ def test_generate_stream_stops_once_every_row_has_ended(tiny_config):
                                                         r"float32's normal numbers"),
     (dict(repetition_penalty=1e-45), ValueError, r"generate: repetition_penalty=1e-45 must be > 0 and within"),
     (dict(repetition_penalty=1e39), ValueError, r"generate: repetition_penalty=1e\+39 must be > 0 and within"),
-    (dict(temperature=float("inf")), ValueError, r"generate: temperature=inf must be >= 0 and finite"),
+    (dict(temperature=float("inf")), ValueError, r"generate: temperature=inf must be >= 0 and at most 3.4e\+38"),
+    (dict(temperature=1e39, rng=jax.random.key(0)), ValueError,
+     r"generate: temperature=1e\+39 must be >= 0 and at most 3.4e\+38, float32's largest number"),
     (dict(eos_token_id=61), ValueError, r"generate: eos_token_id=61 must be in \[0, vocab_size=61\)"),
     (dict(eos_token_id=[3, -1]), ValueError, r"generate: eos_token_id=\[3, -1\] must be in \[0, vocab_size=61\)"),
     (dict(eos_token_id=[]), ValueError, r"generate: eos_token_id=\[\] must be an int or a non-empty sequence"),

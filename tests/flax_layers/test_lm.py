@@ -237,6 +237,25 @@ def test_lm_rejects_bad_inputs(tiny_lm, call, error, message):
         call(tiny_lm)
 
 
+@pytest.mark.parametrize("options, error, message", [
+    (dict(chunk_tokens=0), ValueError, r"Mamba2LMHeadModel.loss: chunk_tokens=0 must be a positive int"),
+    (dict(logits_dtype=jnp.int32), TypeError, r"Mamba2LMHeadModel.loss: logits_dtype=int32 must be one of"),
+    (dict(backend="cutile"), ValueError, r"Mamba2LMHeadModel.loss\(backend='cutile'\) cannot run this call"),
+])
+def test_lm_loss_checks_its_options_before_the_forward_pass(tiny_lm, monkeypatch, options, error, message):
+    """The loss's own options, and whether its backend can run, are refused (named as the method's) before the
+    model's forward pass runs."""
+    if options.get("backend") and jax.default_backend() == "gpu":
+        pytest.skip("the cutile loss runs on a GPU")
+    forward_passes = []
+    monkeypatch.setattr(type(tiny_lm), "_final_hidden", lambda *args: forward_passes.append(args))
+    if "backend" in options:
+        monkeypatch.setattr(tiny_lm, "loss_backend", options.pop("backend"))
+    with pytest.raises(error, match=message):
+        tiny_lm.loss(jnp.zeros((BATCH, SEQLEN), jnp.int32), **options)
+    assert forward_passes == []
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_the_loss_of_empty_sequences_scores_no_position(tiny_lm, reduction):
     """seqlen 0: no position to score, as the model's forward of it gives no logits (not an error about the
