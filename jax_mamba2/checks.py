@@ -136,15 +136,24 @@ def check_dt_limit(api: str, dt_limit, name: str = "dt_limit") -> tuple[float, f
     """`dt_limit`, the clip of the time step Δ, as a (min, max) pair of floats with 0 <= min <= max and min
     finite (max may be inf: no upper clip), named `name` in errors. The ops, the decode kernels, the layers and
     the configurations take the same pairs."""
-    # An ordered pair (a set has no order) of real numbers (float() would also parse strings).
+    # An ordered pair (a set has no order) of real numbers (float() would also parse strings), or of concrete
+    # JAX scalars (a traced one has no value to build the program with).
     pair = tuple(dt_limit) if isinstance(dt_limit, (tuple, list, np.ndarray)) else ()
-    if len(pair) != 2 or not all(isinstance(v, (Real, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
-                                 for v in pair):
+    if len(pair) != 2 or not all(_is_real_number(v) for v in pair):
         raise TypeError(f"{api}: {name}={dt_limit!r} must be a pair of floats (min, max)")
     low, high = float(pair[0]), float(pair[1])
     if not (0 <= low <= high and math.isfinite(low)):
         raise ValueError(f"{api}: {name}={dt_limit!r} must satisfy 0 <= min <= max with min finite")
     return low, high
+
+
+def _is_real_number(value) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    if isinstance(value, (Real, np.integer, np.floating)):
+        return True
+    return (isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer) and value.ndim == 0
+            and (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)))
 
 
 def check_flag(api: str, name: str, value) -> bool:

@@ -1,10 +1,11 @@
 """jax_mamba2.checks: the shared argument checks the ops and layers raise their errors through."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jax_mamba2 import rms_norm
-from jax_mamba2.checks import check_int
+from jax_mamba2.checks import check_dt_limit, check_int
 
 
 def test_check_int_returns_a_python_int_within_its_bounds():
@@ -30,3 +31,13 @@ def test_rms_norm_refuses_a_z_source_offset_past_its_columns():
         rms_norm(x, jnp.ones(8), z, z_kept_in=(source, 5), backend="xla")
     with pytest.raises(TypeError, match=r"z_kept_in\[1\]=4.0 must be"):
         rms_norm(x, jnp.ones(8), z, z_kept_in=(source, 4.0), backend="xla")
+
+
+def test_check_dt_limit_takes_python_numpy_and_concrete_jax_scalars():
+    assert check_dt_limit("api", (jnp.float32(0.5), np.float64(2.0))) == (0.5, 2.0)
+    assert check_dt_limit("api", np.array([0, 1])) == (0.0, 1.0)
+    for pair in ((jnp.bool_(True), 1.0), (jnp.zeros(2), 1.0), (jnp.complex64(1), 2.0)):
+        with pytest.raises(TypeError, match=r"^api: dt_limit=.* must be a pair of floats \(min, max\)$"):
+            check_dt_limit("api", pair)
+    with pytest.raises(TypeError, match="must be a pair of floats"):  # a traced bound has no value to build with
+        jax.jit(lambda low: check_dt_limit("api", (low, 1.0)))(0.0)
