@@ -308,7 +308,8 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
 
     The model is created abstractly (`nnx.eval_shape`, no random init), every parameter is assigned from the
     checkpoint, and the result is merged. For tied embeddings a stored `lm_head.weight` must be the embedding
-    (mamba_ssm stores both).
+    (mamba_ssm stores both). A `save_pretrained` to `path` while it loads does not mix two checkpoints: the
+    weight files stay open until every tensor is read, and config and weights come from one save.
 
     Args:
       path: directory with config.json and the weights (see `load_hf_state`).
