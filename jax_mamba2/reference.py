@@ -107,7 +107,10 @@ def dt_transform(dt: jax.Array, dt_bias: jax.Array | None = None, *, dt_softplus
         v_safe = jnp.where(below, v, 0.0)
         v = jnp.where(below, jnp.log(jnp.exp(v_safe) + 1.0), v)
     if tuple(dt_limit) != _DEFAULT_DT_LIMIT:
-        v = jnp.clip(v, dt_limit[0], dt_limit[1])
+        # Selects, not jnp.clip: a Δ on a bound keeps its whole gradient (the clip would split it with the bound),
+        # as mamba_ssm's backward and the kernels' zero it only strictly outside the range.
+        low, high = dt_limit
+        v = jnp.where(v < low, low, jnp.where(v > high, high, v))
     return v
 
 
@@ -359,6 +362,8 @@ def _chunk_scan_ssm(B, C, x, dt_out, dA_cumsum, entry_states, seq_idx):
         previous_end_ids = jnp.pad(ids[:, :-1, -1], ((0, 0), (1, 0)))  # (b, c)
         row_scale = jnp.where((ids == previous_end_ids[:, :, None])[..., None, None], row_scale, 0.0)
     y = y + y_inter * row_scale[..., None]
+    # Heads, then tokens: one merge per reshape, which explicitly sharded groups (heads) can follow.
+    y = y.reshape(batch, nchunks, chunk_size, nheads, headdim)
     return y.reshape(batch, nchunks * chunk_size, nheads, headdim)[:, :seqlen]
 
 
@@ -500,7 +505,8 @@ def ssd_chunked(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias=None, dt_
        final_states (batch, nheads, headdim, dstate) in the compute dtype).
     """
     cdt = _compute_dtype(x.dtype)
-    chunk_size = min(chunk_size, _pow2_at_least(x.shape[1]))
+    if isinstance(x.shape[1], int):  # a symbolic seqlen (shape-polymorphic export) keeps the chunk size
+        chunk_size = min(chunk_size, _pow2_at_least(x.shape[1]))
     x_c, A_c, B_c, C_c = (a.astype(cdt) for a in (x, A, B, C))
     h0 = None if initial_states is None else initial_states.astype(cdt)
     delta = dt_transform(dt.astype(cdt), dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)

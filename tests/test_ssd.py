@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_mamba2
-from jax_mamba2 import backends
+from jax_mamba2 import backends, ssd
 from tests._helpers import make_ssd_args, rel_l2
 
 SMALL = dict(batch=2, seqlen=40, nheads=4, headdim=8, ngroups=2, dstate=8)
@@ -255,3 +255,59 @@ def test_ssd_step_rejects_bad_state():
 def test_autotune_rejects_what_is_not_a_program():
     with pytest.raises(TypeError, match=r"autotune: fn=5 must be a callable"):
         jax_mamba2.autotune(5)
+
+
+@pytest.mark.parametrize("backend", ["xla", "scan"])
+def test_a_time_step_on_a_dt_limit_bound_keeps_its_whole_gradient(backend):
+    """As mamba_ssm's backward and the kernels': the gradient of a Δ is zero only strictly outside dt_limit (a clip
+    would halve it on the bound)."""
+    (x, dt, A, B, C), _ = make_ssd_args(61, seqlen=16, nheads=2, headdim=8, dstate=8)
+    low, high = 0.1, 0.4
+    dt = dt.at[0, 3, 0].set(low).at[1, 5, 1].set(high)
+
+    def loss(dt, limit):
+        return jnp.sum(ssd(x, dt, A, B, C, 8, dt_limit=limit, backend=backend) ** 2)
+    clipped = jax.grad(loss)(dt, (low, high))
+    unclipped = jax.grad(loss)(jnp.clip(dt, low, high), (0.0, math.inf))
+    for index in ((0, 3, 0), (1, 5, 1)):
+        assert float(clipped[index]) == pytest.approx(float(unclipped[index]), rel=1e-5)
+    outside = dt < low
+    assert bool(outside.any()) and bool((jnp.where(outside, clipped, 0.0) == 0.0).all())
+
+
+def test_the_xla_path_exports_with_a_symbolic_sequence_length():
+    """jax.export with seqlen a symbolic dimension: the chunk size stays as given (it shrinks only for a seqlen known
+    when tracing), and the exported program equals the direct call at two lengths."""
+    (x, dt, A, B, C), _ = make_ssd_args(62, seqlen=40, nheads=2, headdim=8, dstate=8)
+    batch, seqlen = jax.export.symbolic_shape("batch, seqlen")
+    shapes = [jax.ShapeDtypeStruct((batch, seqlen) + a.shape[2:], a.dtype) for a in (x, dt)]
+    shapes[2:2] = [jax.ShapeDtypeStruct(A.shape, A.dtype)]
+    shapes += [jax.ShapeDtypeStruct((batch, seqlen) + a.shape[2:], a.dtype) for a in (B, C)]
+
+    def forward(*args):
+        return ssd(*args, 16, dt_softplus=True, backend="xla")
+    exported = jax.export.deserialize(jax.export.export(jax.jit(forward))(*shapes).serialize())
+    for length in (40, 13):
+        args = (x[:, :length], dt[:, :length], A, B[:, :length], C[:, :length])
+        assert rel_l2(exported.call(*args), forward(*args)) < 1e-6
+
+
+def test_the_xla_path_follows_explicitly_sharded_heads_and_groups():
+    """Inputs sharded over heads (and so groups) on a mesh of explicit axes, the default of jax.make_mesh: the
+    output and the gradients keep that sharding and equal the unsharded call's."""
+    mesh = jax.make_mesh((4,), ("h",), axis_types=(jax.sharding.AxisType.Explicit,))
+    (x, dt, A, B, C), kwargs = make_ssd_args(63, seqlen=24, nheads=8, headdim=4, ngroups=4, dstate=8, D="head")
+    heads = jax.sharding.PartitionSpec(None, None, "h")
+    specs = (heads, heads, jax.sharding.PartitionSpec("h"), heads, heads)
+    sharded = [jax.device_put(a, jax.sharding.NamedSharding(mesh, s)) for a, s in zip((x, dt, A, B, C), specs)]
+
+    def loss(x, B, *rest):
+        return jnp.sum(ssd(x, rest[0], rest[1], B, rest[2], 8, backend="xla", **kwargs) ** 2)
+    y = jax.jit(lambda *a: ssd(*a, 8, backend="xla", **kwargs))(*sharded)
+    assert tuple(y.sharding.spec)[:3] == tuple(heads)
+    assert rel_l2(y, ssd(x, dt, A, B, C, 8, backend="xla", **kwargs)) < 1e-6
+    order = lambda a: (a[0], a[3], a[1], a[2], a[4])  # x, B, dt, A, C
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(*order(sharded))
+    expected = jax.grad(loss, argnums=(0, 1))(*order((x, dt, A, B, C)))
+    for actual, want in zip(grads, expected):
+        assert rel_l2(actual, want) < 1e-5
