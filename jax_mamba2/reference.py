@@ -77,8 +77,23 @@ def _skip_and_gate(y: jax.Array, x: jax.Array, D: jax.Array | None, z: jax.Array
         D = D.astype(y.dtype)
         y = y + (D[:, None] if D.ndim == 1 else D) * x.astype(y.dtype)
     if z is not None:
-        y = y * jax.nn.silu(z.astype(y.dtype))
+        y = _gate(y, z.astype(y.dtype))
     return y.astype(x.dtype)
+
+
+@jax.custom_jvp
+def _gate(y: jax.Array, z: jax.Array) -> jax.Array:
+    """y * silu(z), whose derivative in y is silu of z's finite part: a non-finite z makes its own token's output
+    (and z's own gradient there) non-finite, but not, through 0 * silu(z) in the backward, the cotangent of y that
+    the recurrence carries to earlier tokens; as the kernels' backward, which takes z's finite part."""
+    return y * jax.nn.silu(z)
+
+
+@_gate.defjvp
+def _gate_jvp(primals, tangents):
+    (y, z), (dy, dz) = primals, tangents
+    silu_z, dsilu_z = jax.jvp(jax.nn.silu, (z,), (dz,))
+    return y * silu_z, dy * jax.nn.silu(finite_part(z)) + y * dsilu_z
 
 
 def dt_transform(dt: jax.Array, dt_bias: jax.Array | None = None, *, dt_softplus: bool = False,

@@ -37,3 +37,28 @@ def test_xla_nan_without_seq_idx_spares_the_earlier_tokens_of_its_chunk():
 def test_xla_nan_in_one_packed_sequence_leaves_the_next_finite():
     """The reproduction of the issue's packed-sequence leak (`assert_packed_reproduction_confined`)."""
     assert_packed_reproduction_confined(_XLA, headdim=8, dstate=4)
+
+
+@pytest.mark.parametrize("backend", ["xla", "scan"])
+def test_a_nonfinite_gate_leaves_the_earlier_tokens_gradients_finite(backend):
+    """A NaN in z at token 5 with a loss of tokens 0-4 only: no gradient is NaN (the gate's backward takes z's finite
+    part, as the kernels' does; 0 * silu(NaN) would carry a NaN to every earlier token's dx), and the gate keeps its
+    forward-mode derivative on the scan."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.PRNGKey(5), 4)
+    x, z = (jax.random.normal(k, (1, 12, 2, 4)) for k in keys[:2])
+    B, C = (jax.random.normal(k, (1, 12, 1, 4)) for k in keys[2:])
+    z = z.at[0, 5, 0, 0].set(jnp.nan)
+    A, dt, D = -jnp.ones(2), jnp.full((1, 12, 2), 0.3), jnp.ones(2)
+
+    def head_of_row(x, A, D, z):
+        return jax_mamba2.ssd(x, dt, A, B, C, 8, D=D, z=z, backend=backend)[:, :5].sum()
+    grads = jax.grad(head_of_row, argnums=(0, 1, 2, 3))(x, A, D, z)
+    for name, grad in zip(("x", "A", "D"), grads[:3]):
+        assert bool(jnp.isfinite(grad).all()), name
+    assert bool(jnp.isfinite(jnp.delete(grads[3].reshape(12, -1), 5, axis=0)).all())  # z's own token aside
+    if backend == "scan":
+        tangent = jax.jvp(lambda x: head_of_row(x, A, D, z), (x,), (jnp.ones_like(x),))[1]
+        assert bool(jnp.isfinite(tangent))
