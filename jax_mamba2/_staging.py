@@ -209,8 +209,20 @@ def replace_dir(new: pathlib.Path, path: pathlib.Path) -> None:
 
 
 def _remove_tree(directory: pathlib.Path) -> None:
-    """Deletes `directory` and what it holds, whatever its own mode (a save keeps a read-only checkpoint
-    directory's mode, whose entries could not be unlinked otherwise); what still cannot be deleted stays."""
-    with contextlib.suppress(OSError):
-        os.chmod(directory, stat.S_IMODE(os.stat(directory).st_mode) | stat.S_IRWXU)
+    """Deletes `directory` and what it holds, whatever the modes of its directories (a save keeps a read-only
+    checkpoint directory's mode, and carries over its subdirectories with theirs, whose entries could not be
+    unlinked otherwise); what still cannot be deleted stays. A symlink is left alone, target and all."""
+    if os.path.islink(directory):
+        return
+    _open_up(directory)
+    for root, subdirectories, _ in os.walk(directory):  # top down: each opened up before it is listed
+        for name in subdirectories:
+            if not os.path.islink(os.path.join(root, name)):
+                _open_up(os.path.join(root, name))
     shutil.rmtree(directory, ignore_errors=True)
+
+
+def _open_up(directory) -> None:
+    """Gives the owner read, write and search permission on `directory` (not through a symlink), where it can."""
+    with contextlib.suppress(OSError):
+        os.chmod(directory, stat.S_IMODE(os.lstat(directory).st_mode) | stat.S_IRWXU)

@@ -317,13 +317,13 @@ def _int32_labels(labels, ignore_index: int, padded_vocab: int):
 def check_arguments(api: str, hidden, labels, **options) -> None:
     """Raises what `chunked_cross_entropy(hidden, labels, **options)` would raise for its arguments (naming `api`),
     without computing anything: `hidden` may be a `jax.ShapeDtypeStruct`, for a caller that checks the loss's
-    options before it computes the hidden states."""
+    options before it computes the hidden states. `options` are all of the op's keyword arguments (one of
+    head_weight and embedding)."""
     _checked_call(api, hidden, labels, **options)
 
 
-def _checked_call(api: str, hidden, labels, *, head_weight=None, embedding=None, vocab_size=None, chunk_tokens=2048,
-                  ignore_index=-100, dtype=None, logits_dtype=None, reduction="mean",
-                  backend="auto") -> tuple[_LossStatic, jax.Array]:
+def _checked_call(api: str, hidden, labels, *, vocab_size, chunk_tokens, ignore_index, dtype, logits_dtype, reduction,
+                  backend, head_weight=None, embedding=None) -> tuple[_LossStatic, jax.Array]:
     """`chunked_cross_entropy`'s arguments checked: (its static configuration with the backends selected, the
     head's weight)."""
     if (head_weight is None) == (embedding is None):

@@ -325,12 +325,24 @@ def test_a_load_reads_one_checkpoint_while_saves_replace_it(tmp_path, tiny_confi
         assert loaded.config.norm_epsilon == expected.config.norm_epsilon
 
 
-def test_a_read_only_checkpoint_directory_is_saved_over_and_keeps_its_mode(tmp_path, tiny_config):
-    """The old directory's mode reaches the new one after its files are written (a read-only mode copied first
-    would refuse them to any user but root), and the old directory is deleted whatever its mode."""
+def test_a_read_only_checkpoint_directory_is_saved_over_and_keeps_its_mode(tmp_path, tiny_config, monkeypatch):
+    """The old directory's mode reaches the new one once its files are written (a read-only mode copied first would
+    refuse them to any user but root, so the order is checked as well as the outcome), and the old directory is
+    deleted whatever its mode, a read-only subdirectory carried over included."""
     path = tmp_path / "ckpt"
     save_pretrained(_random_model(tiny_config), path)
+    (path / "tokenizer").mkdir()
+    (path / "tokenizer" / "vocab.json").write_text("{}")
+    (path / "tokenizer").chmod(0o555)
     path.chmod(0o555)
+    modes_copied = []
+    real_copymode = checkpoint_module.shutil.copymode
+
+    def copymode(source, target):
+        target = pathlib.Path(target)
+        modes_copied.append((target.name, sorted(p.name for p in target.iterdir()) if target.is_dir() else None))
+        real_copymode(source, target)
+    monkeypatch.setattr(checkpoint_module.shutil, "copymode", copymode)
     try:
         new = _shifted_model(tiny_config, 1.0)
         save_pretrained(new, path)
@@ -338,7 +350,24 @@ def test_a_read_only_checkpoint_directory_is_saved_over_and_keeps_its_mode(tmp_p
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     finally:
         path.chmod(0o755)
+        (path / "tokenizer").chmod(0o755)
+    staging_modes = [entries for name, entries in modes_copied if entries is not None]
+    assert staging_modes == [["config.json", "model.safetensors", "tokenizer"]]  # once, after the writes
     _assert_same_params(load_pretrained(path, backend="xla"), new)
+
+
+def test_removing_a_staging_tree_leaves_a_symlink_and_its_target_alone(tmp_path):
+    """A staging name that is a symlink (not a save's) is neither followed to open up its target's mode nor
+    deleted through."""
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o500)
+    link = tmp_path / ".ckpt.tmp-link"
+    link.symlink_to(target)
+    try:
+        staging_module._remove_tree(link)
+        assert link.is_symlink() and stat.S_IMODE(target.stat().st_mode) == 0o500
+    finally:
+        target.chmod(0o700)
 
 
 def test_checkpoint_orbax_round_trip(tmp_path, tiny_config):
