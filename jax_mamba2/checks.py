@@ -117,16 +117,25 @@ def check_int(api: str, name: str, value, requirement: str = "a positive int", m
     return int(value)
 
 
+def is_real_scalar(value) -> bool:
+    """Whether `value` is a real number whose value is known now: a Python or NumPy int or float (not a bool), or a
+    concrete 0-d array, NumPy's or JAX's, of a float or integer dtype (bfloat16 too, which NumPy's number types
+    leave out); not a tracer, which has no value to build a program with."""
+    if isinstance(value, (bool, np.bool_, jax.core.Tracer)):
+        return False
+    if isinstance(value, (Real, np.integer, np.floating)):
+        return True
+    return getattr(value, "shape", None) == () and (jnp.issubdtype(value.dtype, jnp.floating)
+                                                    or jnp.issubdtype(value.dtype, jnp.integer))
+
+
 def check_positive_float(api: str, name: str, value) -> float:
-    """`value` is a positive finite number: a Python or NumPy int or float, or a concrete 0-d array of a real dtype
-    (not a bool); returns it as a Python float. TypeError for anything else, ValueError out of range."""
-    if getattr(value, "shape", None) == () and not isinstance(value, jax.core.Tracer):  # a 0-d NumPy or JAX array
-        if jnp.issubdtype(value.dtype, jnp.floating):  # bfloat16 too, which NumPy's number types leave out
-            value = float(value)
-        elif jnp.issubdtype(value.dtype, jnp.integer):
-            value = int(value)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+    """`value` is a positive finite number (`is_real_scalar`); returns it as a Python float. TypeError for anything
+    else, ValueError out of range."""
+    if not is_real_scalar(value):
         raise TypeError(f"{api}: {name}={value!r} must be a positive finite float")
+    if getattr(value, "shape", None) == ():  # a 0-d array (or NumPy scalar), named in errors as its number
+        value = int(value) if jnp.issubdtype(value.dtype, jnp.integer) else float(value)
     if not 0 < value < math.inf:
         raise ValueError(f"{api}: {name}={value!r} must be a positive finite float")
     return float(value)
@@ -136,24 +145,14 @@ def check_dt_limit(api: str, dt_limit, name: str = "dt_limit") -> tuple[float, f
     """`dt_limit`, the clip of the time step Δ, as a (min, max) pair of floats with 0 <= min <= max and min
     finite (max may be inf: no upper clip), named `name` in errors. The ops, the decode kernels, the layers and
     the configurations take the same pairs."""
-    # An ordered pair (a set has no order) of real numbers (float() would also parse strings), or of concrete
-    # JAX scalars (a traced one has no value to build the program with).
+    # An ordered pair (a set has no order) of real numbers (float() would also parse strings).
     pair = tuple(dt_limit) if isinstance(dt_limit, (tuple, list, np.ndarray)) else ()
-    if len(pair) != 2 or not all(_is_real_number(v) for v in pair):
+    if len(pair) != 2 or not all(is_real_scalar(v) for v in pair):
         raise TypeError(f"{api}: {name}={dt_limit!r} must be a pair of floats (min, max)")
     low, high = float(pair[0]), float(pair[1])
     if not (0 <= low <= high and math.isfinite(low)):
         raise ValueError(f"{api}: {name}={dt_limit!r} must satisfy 0 <= min <= max with min finite")
     return low, high
-
-
-def _is_real_number(value) -> bool:
-    if isinstance(value, (bool, np.bool_)):
-        return False
-    if isinstance(value, (Real, np.integer, np.floating)):
-        return True
-    return (isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer) and value.ndim == 0
-            and (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)))
 
 
 def check_flag(api: str, name: str, value) -> bool:

@@ -314,18 +314,12 @@ def _int32_labels(labels, ignore_index: int, padded_vocab: int):
     return jnp.where(fits, labels, out_of_range).astype(jnp.int32)
 
 
-def check_arguments(api: str, hidden, labels, **options) -> None:
-    """Raises what `chunked_cross_entropy(hidden, labels, **options)` would raise for its arguments (naming `api`),
-    without computing anything: `hidden` may be a `jax.ShapeDtypeStruct`, for a caller that checks the loss's
-    options before it computes the hidden states. `options` are all of the op's keyword arguments (one of
-    head_weight and embedding)."""
-    _checked_call(api, hidden, labels, **options)
-
-
-def _checked_call(api: str, hidden, labels, *, vocab_size, chunk_tokens, ignore_index, dtype, logits_dtype, reduction,
-                  backend, head_weight=None, embedding=None) -> tuple[_LossStatic, jax.Array]:
-    """`chunked_cross_entropy`'s arguments checked: (its static configuration with the backends selected, the
-    head's weight)."""
+def check_arguments(api: str, hidden, labels, *, vocab_size, chunk_tokens, ignore_index, dtype, logits_dtype, reduction,
+                    backend, head_weight=None, embedding=None) -> tuple[_LossStatic, jax.Array]:
+    """Raises what `chunked_cross_entropy(hidden, labels, ...)` raises for its arguments (every keyword but one of
+    head_weight and embedding given), naming `api`, without computing anything: `hidden` may be a
+    `jax.ShapeDtypeStruct`, for a caller that checks the loss's options before it computes the hidden states.
+    Returns the op's static configuration (its backends selected) and the head's weight."""
     if (head_weight is None) == (embedding is None):
         raise TypeError(f"{api}: pass exactly one of head_weight=(d, vocab) or embedding=(vocab, d)")
     weight, name = (head_weight, "head_weight") if embedding is None else (embedding, "embedding")
@@ -410,10 +404,10 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
       ValueError / TypeError: on wrong shapes, dtypes or options, naming the argument; ValueError when a named
         kernel backend cannot run the call (a float64 dtype or logits_dtype, no GPU), saying why.
     """
-    static, weight = _checked_call("chunked_cross_entropy", hidden, labels, head_weight=head_weight,
-                                   embedding=embedding, vocab_size=vocab_size, chunk_tokens=chunk_tokens,
-                                   ignore_index=ignore_index, dtype=dtype, logits_dtype=logits_dtype,
-                                   reduction=reduction, backend=backend)
+    static, weight = check_arguments("chunked_cross_entropy", hidden, labels, head_weight=head_weight,
+                                     embedding=embedding, vocab_size=vocab_size, chunk_tokens=chunk_tokens,
+                                     ignore_index=ignore_index, dtype=dtype, logits_dtype=logits_dtype,
+                                     reduction=reduction, backend=backend)
     tokens, d = int(np.prod(labels.shape)), hidden.shape[-1]
     if tokens == 0:
         return jnp.zeros(labels.shape if reduction == "none" else (), _accumulation_dtype(static.dtype))

@@ -7,13 +7,13 @@ checkpoints); `ssm_cfg` holds the keyword arguments of the `Mamba2` mixer. `from
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from numbers import Integral, Real
+from numbers import Real
 from typing import Any
 
 import numpy as np
 from flax.core import FrozenDict
 
-from jax_mamba2.checks import check_dt_limit, check_flag, check_int
+from jax_mamba2.checks import check_dt_limit, check_flag, check_int, is_int
 from jax_mamba2.flax_layers.mixer_options import check_mixer_options
 
 # Keyword arguments of `Mamba2.__init__` that may appear in `ssm_cfg` (all but d_model and the dtype/backend
@@ -84,10 +84,6 @@ def parse_dt_limit(value, api: str, key: str) -> tuple[float, float]:
         return check_dt_limit(api, (low, math.inf if high >= _FLOAT32_MAX else high), name=key)
     except ValueError:  # named as the file spells it
         raise ValueError(f"{api}: {key}={value!r} must satisfy 0 <= min <= max with min finite") from None
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def _require_keys(config: Mapping[str, Any], keys: Sequence[str], api: str) -> None:
@@ -177,7 +173,7 @@ class Mamba2Config:
             object.__setattr__(self, name, check_flag("Mamba2Config", name, getattr(self, name)))
         if isinstance(self.norm_epsilon, (bool, np.bool_)) or not isinstance(self.norm_epsilon, Real):
             raise TypeError(f"Mamba2Config: norm_epsilon={self.norm_epsilon!r} must be a number > 0")
-        if isinstance(self.d_intermediate, (bool, np.bool_)) or not isinstance(self.d_intermediate, Integral):
+        if not is_int(self.d_intermediate):
             raise TypeError(f"Mamba2Config: d_intermediate={self.d_intermediate!r} must be the int 0")
         if self.d_intermediate != 0:
             raise ValueError(f"Mamba2Config: d_intermediate={self.d_intermediate!r} must be 0 (MLP sub-blocks "
@@ -198,7 +194,7 @@ class Mamba2Config:
         if "dt_limit" in ssm_cfg:
             ssm_cfg["dt_limit"] = parse_dt_limit(ssm_cfg["dt_limit"], "Mamba2Config", "ssm_cfg['dt_limit']")
         expand, d_ssm = ssm_cfg.get("expand", MIXER_DEFAULTS["expand"]), ssm_cfg.get("d_ssm")
-        if _is_int(expand) and _is_int(d_ssm) and d_ssm == expand * self.d_model:  # else checked below
+        if is_int(expand) and is_int(d_ssm) and d_ssm == expand * self.d_model:  # else checked below
             del ssm_cfg["d_ssm"]  # the default (d_inner) spelled out
         ssm_cfg = {k: _freeze(v) for k, v in sorted(ssm_cfg.items())}
         # By value too, as the mixers will be built from them: a config no model can be made of fails here.

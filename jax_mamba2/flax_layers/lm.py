@@ -385,8 +385,8 @@ class Mamba2LMHeadModel(nnx.Module):
         return logits, Mamba2Cache(conv_state, ssm_state)
 
     def _decode_layers_and_head(self, backend, input_ids, conv_state, ssm_state):
-        """`_decode_step`'s kernels, the head's on the decode ops' `backend`: (logits, conv_state and ssm_state as the layers leave them, every layer's new
-        B and C windows (n_layer, batch, 2 * ngroups * d_state, d_conv))."""
+        """`_decode_step`'s kernels, the head's on the decode ops' `backend`: (logits, conv_state and ssm_state as
+        the layers leave them, every layer's new B and C windows (n_layer, batch, 2 * ngroups * d_state, d_conv))."""
         hidden, residual = self.embedding(input_ids), None
         hidden_dtype = None  # after the first layer: hidden holds out_proj's partial sums of this dtype
         residual_dtype = self._embed_residual_dtype(hidden.dtype)

@@ -11,13 +11,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from numbers import Real
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mamba2.checks import is_int
+from jax_mamba2.checks import is_int, is_real_scalar
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["values"], meta_fields=["top_k"])
@@ -47,10 +46,7 @@ class Sampling:
 
 def _concrete_float(api: str, name: str, value) -> float:
     """A Python, NumPy or concrete JAX real scalar as a float (which controls run is decided before tracing)."""
-    # jnp.issubdtype: NumPy's own does not count bfloat16 (ml_dtypes) among the floats.
-    if isinstance(value, (bool, np.bool_)) or isinstance(value, jax.core.Tracer) or not (
-            isinstance(value, Real) or (np.ndim(value) == 0 and (jnp.issubdtype(np.asarray(value).dtype, jnp.floating)
-                                                                 or jnp.issubdtype(np.asarray(value).dtype, jnp.integer)))):
+    if not is_real_scalar(value):
         raise TypeError(f"{api}: {name}={value!r} must be a float (a concrete number)")
     return float(value)
 
