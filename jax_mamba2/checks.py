@@ -74,6 +74,27 @@ def is_concrete(a) -> bool:
     return a is not None and not isinstance(a, jax.core.Tracer) and np.size(a) > 0
 
 
+def check_token_ids_in_range(api: str, name: str, ids, vocab_size: int, ignore_index: int | None = None) -> None:
+    """Concrete ids must lie in [0, vocab_size) (or equal `ignore_index`, where given: a target left out of a loss);
+    traced ids (under jit), and arrays not all on this host's devices, cannot be read and are not checked.
+
+    Raises:
+      ValueError: naming the first offending id and its index.
+    """
+    if isinstance(ids, jax.core.Tracer) or not getattr(ids, "is_fully_addressable", True):
+        return
+    values = np.asarray(ids)
+    outside = (values < 0) | (values >= vocab_size)
+    if ignore_index is not None:
+        outside &= values != ignore_index
+    bad = np.argwhere(outside)
+    if bad.size:
+        index = tuple(int(i) for i in bad[0])
+        allowed = "" if ignore_index is None else f" or ignore_index={ignore_index}"
+        raise ValueError(f"{api}: {name} must be in [0, vocab_size={vocab_size}){allowed}; {name}"
+                         f"[{', '.join(map(str, index))}]={values[index]} ({len(bad)} ids out of range)")
+
+
 def nondecreasing(seq_idx):
     """Whether the (batch, seqlen) ids in `seq_idx` are nondecreasing along seqlen, as a device scalar (compared,
     not subtracted: a difference wraps around in unsigned and narrow dtypes). For a concrete `seq_idx`, under
@@ -103,6 +124,16 @@ def check_seq_idx_order(api: str, seq_idx) -> None:
 def is_int(value) -> bool:
     """Whether `value` is an integer of Python or NumPy (a size, an index or an id an option gives), not a bool."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def as_int(value) -> int | None:
+    """`value` as a Python int where it is a concrete integer: an int of Python or NumPy (not a bool), or a 0-d
+    array, NumPy's or JAX's, of an integer dtype; None for anything else (a tracer has no value yet)."""
+    if is_int(value):
+        return int(value)
+    if isinstance(value, jax.core.Tracer) or getattr(value, "shape", None) != ():
+        return None
+    return int(value) if jnp.issubdtype(value.dtype, jnp.integer) else None
 
 
 def check_int(api: str, name: str, value, requirement: str = "a positive int", minimum: int = 1,

@@ -40,7 +40,7 @@ import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2._vma import reduce_to_primal_axes, varying_axes
-from jax_mamba2.checks import check_float, check_int, float_dtype, is_int
+from jax_mamba2.checks import check_float, check_int, check_token_ids_in_range, float_dtype, is_int
 
 OP = "cross_entropy"
 # The head's vocabulary is padded (zero weight rows, columns outside the softmax) to a multiple of this once per
@@ -397,17 +397,19 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
 
     Returns:
       The scalar mean (or sum) loss in float32 (float64 for float64), 0 when no position counts; with
-      reduction="none" an array of labels' shape. NaN (for that token) when a counted label lies outside
-      [0, vocab_size).
+      reduction="none" an array of labels' shape. NaN (for that token) when a traced label (under jit) lies
+      outside [0, vocab_size) and is not ignore_index.
 
     Raises:
-      ValueError / TypeError: on wrong shapes, dtypes or options, naming the argument; ValueError when a named
-        kernel backend cannot run the call (a float64 dtype or logits_dtype, no GPU), saying why.
+      ValueError / TypeError: on wrong shapes, dtypes or options, naming the argument; ValueError for a concrete
+        label outside [0, vocab_size) that is not ignore_index, and when a named kernel backend cannot run the
+        call (a float64 dtype or logits_dtype, no GPU), saying why.
     """
     static, weight = check_arguments("chunked_cross_entropy", hidden, labels, head_weight=head_weight,
                                      embedding=embedding, vocab_size=vocab_size, chunk_tokens=chunk_tokens,
                                      ignore_index=ignore_index, dtype=dtype, logits_dtype=logits_dtype,
                                      reduction=reduction, backend=backend)
+    check_token_ids_in_range("chunked_cross_entropy", "labels", labels, static.vocab_size, static.ignore_index)
     tokens, d = int(np.prod(labels.shape)), hidden.shape[-1]
     if tokens == 0:
         return jnp.zeros(labels.shape if reduction == "none" else (), _accumulation_dtype(static.dtype))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jax_mamba2 import rms_norm
-from jax_mamba2.checks import check_dt_limit, check_int
+from jax_mamba2.checks import as_int, check_dt_limit, check_int
 
 
 def test_check_int_returns_a_python_int_within_its_bounds():
@@ -19,6 +19,14 @@ def test_check_int_returns_a_python_int_within_its_bounds():
 def test_check_int_names_the_argument_and_its_requirement(value, error):
     with pytest.raises(error, match=r"^api: n=.* must be an int in \[1, 4\]$"):
         check_int("api", "n", value, "an int in [1, 4]", maximum=4)
+
+
+def test_as_int_reads_concrete_integers_of_python_numpy_and_jax():
+    for value in (3, np.int64(3), np.array(3, np.uint8), jnp.int32(3)):
+        assert as_int(value) == 3 and type(as_int(value)) is int
+    for value in (True, jnp.bool_(True), 3.0, jnp.float32(3), jnp.ones(1, jnp.int32), "3", None):
+        assert as_int(value) is None, value
+    assert jax.jit(lambda k: jnp.int32(as_int(k) is None))(3) == 1  # a tracer has no value yet
 
 
 def test_rms_norm_refuses_a_z_source_offset_past_its_columns():

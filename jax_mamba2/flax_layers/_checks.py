@@ -9,9 +9,7 @@ An expected shape is a tuple of (axis name, size) pairs; a size of None accepts 
 import math
 from numbers import Real
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jax_mamba2.checks import check_seq_idx_order, check_seq_idx_range, float_dtype
@@ -109,24 +107,3 @@ def check_range(api: str, name: str, value, *, low_min: float, strict_low: bool 
         raise ValueError(f"{api}: {name}={value!r} must satisfy {low_min} {'<' if strict_low else '<='} low "
                          "<= high")
     return low, high
-
-
-def check_token_ids_in_range(api: str, name: str, ids, vocab_size: int, ignore_index: int | None = None) -> None:
-    """Concrete ids must lie in [0, vocab_size) (or equal `ignore_index`, where given: a target left out of a loss);
-    traced ids (under jit), and arrays not all on this host's devices, cannot be read and are not checked.
-
-    Raises:
-      ValueError: naming the first offending id and its index.
-    """
-    if isinstance(ids, jax.core.Tracer) or not getattr(ids, "is_fully_addressable", True):
-        return
-    values = np.asarray(ids)
-    outside = (values < 0) | (values >= vocab_size)
-    if ignore_index is not None:
-        outside &= values != ignore_index
-    bad = np.argwhere(outside)
-    if bad.size:
-        index = tuple(int(i) for i in bad[0])
-        allowed = "" if ignore_index is None else f" or ignore_index={ignore_index}"
-        raise ValueError(f"{api}: {name} must be in [0, vocab_size={vocab_size}){allowed}; {name}"
-                         f"[{', '.join(map(str, index))}]={values[index]} ({len(bad)} ids out of range)")

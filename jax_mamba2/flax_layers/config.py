@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from flax.core import FrozenDict
 
-from jax_mamba2.checks import check_dt_limit, check_flag, check_int, is_int
+from jax_mamba2.checks import check_dt_limit, check_flag, check_int, check_positive_float, is_int
 from jax_mamba2.flax_layers.mixer_options import check_mixer_options
 
 # Keyword arguments of `Mamba2.__init__` that may appear in `ssm_cfg` (all but d_model and the dtype/backend
@@ -171,8 +171,8 @@ class Mamba2Config:
                             "object)")
         for name in ("rms_norm", "residual_in_fp32", "fused_add_norm", "tie_embeddings"):
             object.__setattr__(self, name, check_flag("Mamba2Config", name, getattr(self, name)))
-        if isinstance(self.norm_epsilon, (bool, np.bool_)) or not isinstance(self.norm_epsilon, Real):
-            raise TypeError(f"Mamba2Config: norm_epsilon={self.norm_epsilon!r} must be a number > 0")
+        object.__setattr__(self, "norm_epsilon", check_positive_float("Mamba2Config", "norm_epsilon",
+                                                                      self.norm_epsilon))
         if not is_int(self.d_intermediate):
             raise TypeError(f"Mamba2Config: d_intermediate={self.d_intermediate!r} must be the int 0")
         if self.d_intermediate != 0:
@@ -180,9 +180,6 @@ class Mamba2Config:
                              "are not supported)")
         if not self.rms_norm:
             raise ValueError("Mamba2Config: rms_norm=False must be True (LayerNorm blocks are not supported)")
-        if not 0 < self.norm_epsilon < math.inf:
-            raise ValueError(f"Mamba2Config: norm_epsilon={self.norm_epsilon} must be > 0 and finite")
-        object.__setattr__(self, "norm_epsilon", float(self.norm_epsilon))
         object.__setattr__(self, "d_intermediate", int(self.d_intermediate))
         ssm_cfg = dict(self.ssm_cfg)
         layer = ssm_cfg.pop("layer", "Mamba2")

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_mamba2.checks import check_int, is_int
+from jax_mamba2.checks import as_int, check_int, check_token_ids_in_range, is_int
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers import sampling as sampling_rule
 from jax_mamba2.flax_layers.cache import unstack_layers
@@ -119,17 +119,19 @@ def _prepare(api: str, model, prompt_ids, max_new_tokens, *, temperature, top_k,
         except ValueError:
             raise ValueError(f"{api}: prompt_ids must be a (batch, prompt_len) array or list of equal-length "
                              "lists") from None
+        if prompt_ids.size == 0:  # NumPy makes an empty list float64: let the shape check name what is wrong
+            prompt_ids = prompt_ids.astype(np.int32)
     _checks.check_named_array(api, "prompt_ids", prompt_ids, (("batch", None), ("prompt_len", None)), kind="integer")
     _checks.check_batch_splits(api, "prompt_ids", prompt_ids.shape[0], model.layers.mixer.mesh_axes)
     if prompt_ids.shape[1] < 1:
         raise ValueError(f"{api}: prompt_ids.shape={prompt_ids.shape} must be (batch, prompt_len >= 1)")
     prompt_lengths = _check_prompt_lengths(api, prompt_ids, prompt_lengths)
     if prompt_lengths is None:
-        _checks.check_token_ids_in_range(api, "prompt_ids", prompt_ids, vocab_size)
+        check_token_ids_in_range(api, "prompt_ids", prompt_ids, vocab_size)
     elif not any(isinstance(a, jax.core.Tracer) for a in (prompt_ids, prompt_lengths)):
         # The padding: any id that int32 (the ids' dtype in the program, returned with the tokens) holds.
         in_prompt = np.asarray(_in_prompt(prompt_ids.shape[1], prompt_lengths))
-        _checks.check_token_ids_in_range(api, "prompt_ids", np.where(in_prompt, prompt_ids, 0), vocab_size)
+        check_token_ids_in_range(api, "prompt_ids", np.where(in_prompt, prompt_ids, 0), vocab_size)
         ids = np.asarray(prompt_ids)
         if ids.size and (ids.min() < np.iinfo(np.int32).min or ids.max() > np.iinfo(np.int32).max):
             raise ValueError(f"{api}: prompt_ids hold padding ids outside int32 (min {ids.min()}, max "
@@ -202,8 +204,9 @@ def _end_of_sequence(api: str, vocab_size: int, eos_token_id, pad_token_id):
         raise ValueError(f"{api}: eos_token_id={eos_token_id!r} must be in [0, vocab_size={vocab_size})")
     if pad_token_id is None:
         pad_token_id = ids[0]
-    if not is_int(pad_token_id):
+    if as_int(pad_token_id) is None:
         raise TypeError(f"{api}: pad_token_id={pad_token_id!r} must be None or an int")
+    pad_token_id = as_int(pad_token_id)
     if not 0 <= pad_token_id < vocab_size:  # the ended rows feed it to the model's step
         raise ValueError(f"{api}: pad_token_id={pad_token_id} must be in [0, vocab_size={vocab_size})")
     return jnp.asarray(ids, jnp.int32), jnp.int32(pad_token_id)

@@ -17,7 +17,7 @@ from jax_mamba2 import backends
 from jax_mamba2 import cross_entropy as loss_op
 from jax_mamba2 import decode as decode_op
 from jax_mamba2 import norm as norm_op
-from jax_mamba2.checks import check_flag, check_int, float_dtype
+from jax_mamba2.checks import check_flag, check_int, check_token_ids_in_range, float_dtype
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers.cache import Mamba2Cache, stack_layers, unstack_layers
 from jax_mamba2.flax_layers.config import Mamba2Config
@@ -289,8 +289,7 @@ class Mamba2LMHeadModel(nnx.Module):
         _checks.check_named_array("Mamba2LMHeadModel.loss", name, labels,
                                   tuple(zip(("batch", "seqlen"), input_ids.shape)), kind="integer")
         if labels is not input_ids:  # (input_ids were checked above) a target past the vocabulary would score NaN
-            _checks.check_token_ids_in_range("Mamba2LMHeadModel.loss", name, labels, self.config.vocab_size,
-                                             ignore_index)
+            check_token_ids_in_range("Mamba2LMHeadModel.loss", name, labels, self.config.vocab_size, ignore_index)
         # Shifted in int32: an unsigned dtype could not hold a negative ignore_index in the padded last column (none
         # for an empty sequence).
         shifted = labels[:, 1:].astype(jnp.int32)
@@ -426,7 +425,7 @@ class Mamba2LMHeadModel(nnx.Module):
         axes = (("batch", None), ("seqlen", None)) if sequence else (("batch", None),)
         shape = _checks.check_named_array(api, "input_ids", input_ids, axes, kind="integer")
         _checks.check_batch_splits(api, "input_ids", shape[0], self.layers.mixer.mesh_axes)
-        _checks.check_token_ids_in_range(api, "input_ids", input_ids, self.config.vocab_size)
+        check_token_ids_in_range(api, "input_ids", input_ids, self.config.vocab_size)
         if cache is not None or not sequence:  # a step needs one
             layer_axes = (("n_layer", self.config.n_layer),)
             conv_axes, ssm_axes = self.layers.mixer.cache_axes(shape[0])

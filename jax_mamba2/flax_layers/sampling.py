@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mamba2.checks import is_int, is_real_scalar
+from jax_mamba2.checks import as_int, is_real_scalar
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["values"], meta_fields=["top_k"])
@@ -86,8 +86,9 @@ def make_sampling(api: str, vocab_size: int, *, temperature=0.0, top_k=None, top
         raise ValueError(f"{api}: repetition_penalty={repetition_penalty} must be > 0 and within float32's normal "
                          f"numbers, [{tiny:.3g}, {largest:.3g}]")
     if top_k is not None:
-        if not is_int(top_k):
+        if as_int(top_k) is None:
             raise TypeError(f"{api}: top_k={top_k!r} must be None or an int")
+        top_k = as_int(top_k)
         if not 1 <= top_k <= vocab_size:
             raise ValueError(f"{api}: top_k={top_k} must be in [1, vocab_size={vocab_size}]")
     values = {}

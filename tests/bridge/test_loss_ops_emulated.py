@@ -51,10 +51,10 @@ def _plain_loss_float64(hidden, weight, labels, embedding=False):
 
 
 def _value_and_grads(backend, hidden, weight, labels, layout="head_weight", **options):
-    def f(h, w):
-        return chunked_cross_entropy(h, labels, **{layout: w}, vocab_size=VOCAB, chunk_tokens=CHUNK,
+    def f(h, w, ids):  # the labels traced, as in a training step: a concrete label out of range would raise
+        return chunked_cross_entropy(h, ids, **{layout: w}, vocab_size=VOCAB, chunk_tokens=CHUNK,
                                      backend=backend, **options)
-    return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(hidden, weight)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(hidden, weight, labels)
 
 
 @pytest.mark.parametrize("layout", ["head_weight", "embedding"])

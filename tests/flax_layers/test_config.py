@@ -3,6 +3,7 @@ import json
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -54,7 +55,7 @@ def test_config_from_mamba_ssm_and_from_hf_describe_the_same_model():
     (dict(ssm_cfg={"dt_limit": ["inf", "inf"]}), r"Mamba2Config: ssm_cfg\['dt_limit'\]=\['inf', 'inf'\] must satisfy "
      r"0 <= min <= max with min finite"),
     (dict(rms_norm=False), r"Mamba2Config: rms_norm=False must be True"),
-    (dict(norm_epsilon=math.inf), r"Mamba2Config: norm_epsilon=inf must be > 0 and finite"),
+    (dict(norm_epsilon=math.inf), r"Mamba2Config: norm_epsilon=inf must be a positive finite float"),
 ])
 def test_config_rejects_bad_fields(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -113,7 +114,7 @@ def test_config_from_hf_names_hf_s_keys_for_mixer_options_no_mixer_can_be_built_
     (dict(ssm_cfg=[("d_state", 8)]), r"Mamba2Config: ssm_cfg=\[\('d_state', 8\)\] must be a mapping"),
     (dict(tie_embeddings="false"), r"Mamba2Config: tie_embeddings='false' must be a bool"),
     (dict(residual_in_fp32=1), r"Mamba2Config: residual_in_fp32=1 must be a bool"),
-    (dict(norm_epsilon="1e-5"), r"Mamba2Config: norm_epsilon='1e-5' must be a number > 0"),
+    (dict(norm_epsilon="1e-5"), r"Mamba2Config: norm_epsilon='1e-5' must be a positive finite float"),
     (dict(ssm_cfg={"rmsnorm": "false"}), r"Mamba2Config: ssm_cfg\['rmsnorm'\]='false' must be a bool"),
 ])
 def test_config_rejects_fields_of_the_wrong_type(changes, message):
@@ -189,6 +190,7 @@ def test_config_keeps_numpy_numbers_as_python_ones_so_it_writes_as_json():
                          ssm_cfg={"layer": "Mamba2", "dt_min": np.float32(0.01), "A_init_range": np.array([1.0, 8.0]),
                                   "chunk_size": np.array(128)})
     assert type(config.d_model) is int and type(config.norm_epsilon) is float
+    assert mamba2_130m(norm_epsilon=jnp.float32(1e-6)).norm_epsilon == float(np.float32(1e-6))  # a JAX scalar too
     assert type(config.ssm_cfg["dt_min"]) is float and config.ssm_cfg["chunk_size"] == 128
     assert config.ssm_cfg.get("A_init_range", (1.0, 16.0)) == (1.0, 8.0)
     json.dumps(config.to_hf())

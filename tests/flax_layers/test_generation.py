@@ -143,6 +143,7 @@ def test_controls_take_numpy_and_concrete_jax_scalars_and_top_p_one_is_off():
     a = sampling_rule.make_sampling("test", 10, temperature=jnp.float32(0.5), top_p=np.float64(1.0), top_k=np.int64(3),
                                     repetition_penalty=np.float32(1.2))
     assert a.sample and a.top_k == 3 and set(a.values) == {"temperature", "repetition_penalty"}
+    assert sampling_rule.make_sampling("test", 10, temperature=1.0, top_k=jnp.int32(3)).top_k == 3
     # bfloat16 scalars too (NumPy does not count ml_dtypes' bfloat16 among its numbers).
     b = sampling_rule.make_sampling("test", 10, temperature=jnp.bfloat16(0.5), top_p=jnp.bfloat16(0.5),
                                     min_p=jnp.bfloat16(0.25), repetition_penalty=jnp.bfloat16(1.5))
@@ -234,7 +235,7 @@ def test_generate_ends_rows_at_eos_pads_after_it_and_stops_when_all_ended(tiny_c
     ends = [int(np.argmax(row == eos)) if (row == eos).any() else None for row in free]
 
     _StepCountingLM.steps.clear()
-    got = np.asarray(generate(model, prompt, new_tokens, eos_token_id=eos, pad_token_id=0))
+    got = np.asarray(generate(model, prompt, new_tokens, eos_token_id=eos, pad_token_id=jnp.int32(0)))  # JAX's ints too
     jax.effects_barrier()
     np.testing.assert_array_equal(got[:, :4], prompt)
     np.testing.assert_array_equal(got[:, 4:], ended_at_eos(free, eos, 0))
@@ -380,6 +381,8 @@ def test_generate_rejects_bad_arguments(tiny_config, kwargs, error, message):
     pytest.param([[3.0, 4.7]], TypeError, r"generate: prompt_ids.dtype=float64 must be integer", id="float_list"),
     pytest.param(jnp.array([3, 4]), ValueError, r"generate: prompt_ids.shape=\(2,\) must be \(batch, prompt_len\)",
                  id="1d"),
+    pytest.param([[]], ValueError, r"generate: prompt_ids.shape=\(1, 0\) must be \(batch, prompt_len >= 1\)",
+                 id="empty_list"),
 ])
 def test_generate_rejects_bad_prompts(tiny_config, prompt, error, message):
     with pytest.raises(error, match=message):

@@ -132,8 +132,12 @@ def test_batched_shapes_ignored_labels_and_bad_labels(x64):
     none_counted = chunked_cross_entropy(hidden, jnp.full_like(labels, -100), head_weight=weight)
     assert float(none_counted) == 0.0
     out_of_range = labels.at[3].set(VOCAB)
-    value, grad = jax.value_and_grad(lambda h: chunked_cross_entropy(
-        h, out_of_range, head_weight=weight, vocab_size=VOCAB, chunk_tokens=16))(hidden)
+    with pytest.raises(ValueError, match=r"chunked_cross_entropy: labels must be in \[0, vocab_size=%d\) or "
+                       r"ignore_index=-100; labels\[3\]=%d \(1 ids out of range\)" % (VOCAB, VOCAB)):
+        chunked_cross_entropy(hidden, out_of_range, head_weight=weight, vocab_size=VOCAB)
+    # Traced (as in a training step), the label cannot be read: it scores NaN in its own row only.
+    value, grad = jax.jit(jax.value_and_grad(lambda h, ids: chunked_cross_entropy(
+        h, ids, head_weight=weight, vocab_size=VOCAB, chunk_tokens=16)))(hidden, out_of_range)
     assert np.isnan(float(value)) and np.isnan(np.asarray(grad[3])).all() and np.isfinite(np.asarray(grad[4])).all()
 
 
@@ -298,8 +302,8 @@ def test_labels_int32_cannot_hold_are_out_of_range_not_wrapped(x64):
     for wrapping, dtype in ((2 ** 32 + 1, jnp.int64), (2 ** 32 - 100, jnp.int64), (2 ** 31 + 5, jnp.uint32)):
         for ignore_index in (-100, 40):  # 40: the weight's vocabulary, one past its last label
             labels = jnp.array([1, wrapping, 2], dtype)
-            per_token = chunked_cross_entropy(hidden, labels, head_weight=weight, ignore_index=ignore_index,
-                                              reduction="none")
+            per_token = jax.jit(lambda ids: chunked_cross_entropy(  # traced: a concrete one raises
+                hidden, ids, head_weight=weight, ignore_index=ignore_index, reduction="none"))(labels)
             assert np.isfinite(per_token[0]) and np.isnan(per_token[1]) and np.isfinite(per_token[2])
 
 
