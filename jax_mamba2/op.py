@@ -118,9 +118,10 @@ _SANITIZED = ("x", "A", "B", "C", "initial_states")
 
 
 def _transformed_dt(static: SSDStatic, dt, dt_bias) -> jax.Array:
-    """Δ (batch, seqlen, nheads) float32, as the kernels compute it from dt (and dt_bias)."""
-    return reference.dt_transform(dt.astype(jnp.float32), dt_bias, dt_softplus=static.dt_softplus,
-                                  dt_limit=static.dt_limit)
+    """Δ (batch, seqlen, nheads) float32, as the kernels compute it from dt (and dt_bias), NaN where negative
+    (`reference.negative_steps_as_nan`: confined as a non-finite dt, as on the xla and scan paths)."""
+    return reference.negative_steps_as_nan(reference.dt_transform(
+        dt.astype(jnp.float32), dt_bias, dt_softplus=static.dt_softplus, dt_limit=static.dt_limit))
 
 
 def _finite_inputs(inputs: SSDInputs, static: SSDStatic) -> SSDInputs:
@@ -247,7 +248,9 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
     Preconditions: A <= 0; Δ >= 0 (dt + dt_bias >= 0 unless dt_softplus or a dt_limit makes it so);
     seq_idx nondecreasing. They are checked, raising ValueError, on the arrays that are concrete, which
     costs a reduction over them and one host sync per call. Under jit, vmap or grad the arrays are tracers
-    and go unchecked: the backends then disagree (the chunked ones assume decays exp(Δ A) <= 1).
+    and go unchecked: a negative Δ is then taken as NaN (a non-finite dt, below; by the kernels with
+    `check_finite`), while for a positive A or a decreasing seq_idx the backends disagree (the chunked ones
+    assume decays exp(Δ A) <= 1).
 
     Non-finite values: a NaN or inf in an input of one token reaches that token's head (a group's heads
     for B and C) from that token to the end of its sequence, and the final state when that is the last
@@ -255,9 +258,11 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
     every backend. The cuTile kernels would carry it further (they mix the tokens of a chunk in matrix
     products), so they run on the finite part of their inputs and cotangents while a per-(token, head) term
     adds NaN where the recurrence carries a non-finite input, as the xla path does; an all-finite call
-    returns the kernels' outputs as they are. `check_finite=False` leaves that out. A non-finite A (one per head,
-    no token's) makes its head's outputs NaN on every backend but "scan", which computes exp(Δ A) as it comes
-    (0 for A = -inf and Δ > 0).
+    returns the kernels' outputs as they are. `check_finite=False` leaves that out. With it, D's gradient, a
+    sum over every sequence, takes the finite part of x and of y's cotangent, as the xla path's does (the
+    scan's is NaN where any x or cotangent of D's head is). A non-finite A (one per head, no token's) makes
+    its head's outputs NaN on every backend but "scan", which computes exp(Δ A) as it comes (0 for A = -inf
+    and Δ > 0).
 
     Args:
       x: (batch, seqlen, nheads, headdim), bf16/f16/f32/f64.

@@ -64,18 +64,28 @@ def _to_chunks(a: jax.Array, nchunks: int, chunk_size: int, *, mode: str = "cons
     return a.reshape((a.shape[0], nchunks, chunk_size) + a.shape[2:])
 
 
-def _skip_and_gate(y: jax.Array, x: jax.Array, D: jax.Array | None, z: jax.Array | None) -> jax.Array:
-    """Adds the D skip, then applies the silu(z) gate; returns x.dtype.
+def _skip(y: jax.Array, x: jax.Array, D: jax.Array | None) -> jax.Array:
+    """y + D ⊙ x in y's dtype (y itself without D).
 
     Args:
       y: (..., nheads, headdim), compute dtype: the SSM output h_t C_t.
       x: (..., nheads, headdim), any float dtype.
       D: (nheads,) or (nheads, headdim), or None.
+    """
+    if D is None:
+        return y
+    D = D.astype(y.dtype)
+    return y + (D[:, None] if D.ndim == 1 else D) * x.astype(y.dtype)
+
+
+def _skip_and_gate(y: jax.Array, x: jax.Array, D: jax.Array | None, z: jax.Array | None) -> jax.Array:
+    """Adds the D skip (`_skip`), then applies the silu(z) gate; returns x.dtype.
+
+    Args:
+      y, x, D: as in `_skip`.
       z: (..., nheads, headdim), or None.
     """
-    if D is not None:
-        D = D.astype(y.dtype)
-        y = y + (D[:, None] if D.ndim == 1 else D) * x.astype(y.dtype)
+    y = _skip(y, x, D)
     if z is not None:
         y = _gate(y, z.astype(y.dtype))
     return y.astype(x.dtype)
@@ -129,6 +139,17 @@ def dt_transform(dt: jax.Array, dt_bias: jax.Array | None = None, *, dt_softplus
     return v
 
 
+def negative_steps_as_nan(delta: jax.Array) -> jax.Array:
+    """Δ with NaN where it is negative.
+
+    Δ >= 0 is a precondition of `ssd`, which it checks only where dt is concrete. A negative Δ grows the state,
+    and the chunked algorithms cannot follow growth (they clamp every decay to exp(<= 0)), so each backend's
+    values would be its own. As NaN it is a non-finite dt on every backend instead: NaN for its head from its
+    token to the end of its sequence, and nothing else.
+    """
+    return jnp.where(delta < 0, jnp.nan, delta)
+
+
 def _state_update(h: jax.Array, x: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
                   C: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One step of the recurrence in grouped-head form, all in the compute dtype.
@@ -150,7 +171,8 @@ def _state_update(h: jax.Array, x: jax.Array, delta: jax.Array, A: jax.Array, B:
 
 def ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
              dt_limit=_DEFAULT_DT_LIMIT, initial_states=None, seq_idx=None):
-    """The SSD recurrence as a lax.scan over time: the exact oracle.
+    """The SSD recurrence as a lax.scan over time: the exact oracle (a negative Δ, outside the precondition
+    Δ >= 0, as NaN, as on the chunked path: `negative_steps_as_nan`).
 
     Args:
       x: (batch, seqlen, nheads, headdim), bf16/f16/f32/f64.
@@ -172,7 +194,7 @@ def ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
     cdt = _compute_dtype(x.dtype)
     batch, _, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
-    delta = dt_transform(dt.astype(cdt), dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    delta = negative_steps_as_nan(dt_transform(dt.astype(cdt), dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit))
 
     def time_major(a):
         return jnp.moveaxis(_split_heads(a.astype(cdt), ngroups, axis=2), 1, 0)
@@ -503,11 +525,13 @@ def ssd_chunked(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias=None, dt_
                 dt_limit=_DEFAULT_DT_LIMIT, initial_states=None, seq_idx=None):
     """The chunked SSD algorithm in pure JAX (mamba_ssm's forward pipeline); O(seqlen) memory, any seqlen.
 
-    The stages run on the finite part of the inputs; `nonfinite_reach` marks with NaN what the non-finite
-    part reaches (its token's head from that token to the end of its sequence, and the final state when
-    that is the last sequence). Gradients stay finite wherever the recurrence's do, and a non-finite
-    cotangent reaches only the inputs of its own sequence. The gradient at a non-finite input itself is
-    unspecified. Differentiable in reverse mode.
+    The stages and the D skip run on the finite part of the inputs; `nonfinite_reach` marks with NaN what
+    the non-finite part reaches (its token's head from that token to the end of its sequence, and the final
+    state when that is the last sequence). Gradients stay finite wherever the recurrence's do, and a
+    non-finite cotangent reaches only the inputs of its own sequence (and A and dt_bias, which every
+    sequence shares; D's gradient takes the finite part of x and of the cotangent). The gradient at a
+    non-finite input itself is unspecified. A negative Δ counts as a non-finite dt (`negative_steps_as_nan`).
+    Differentiable in reverse mode.
 
     Args:
       x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx: as in `ssd_scan`.
@@ -524,7 +548,7 @@ def ssd_chunked(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias=None, dt_
         chunk_size = min(chunk_size, _pow2_at_least(x.shape[1]))
     x_c, A_c, B_c, C_c = (a.astype(cdt) for a in (x, A, B, C))
     h0 = None if initial_states is None else initial_states.astype(cdt)
-    delta = dt_transform(dt.astype(cdt), dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    delta = negative_steps_as_nan(dt_transform(dt.astype(cdt), dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit))
 
     x_f, delta_f, A_f, B_f, C_f, h0_f = map(finite_part, (x_c, delta, A_c, B_c, C_c, h0))
     dt_out, dA_cumsum = chunk_cumsum(delta_f, A_f, chunk_size)  # delta is transformed already
@@ -535,7 +559,12 @@ def ssd_chunked(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias=None, dt_
     entry_states, final_states = state_passing(states, dA_cumsum[..., -1], h0_f, seq_idx_chunk_end)
     y = _chunk_scan_ssm(B_f, C_f, x_f, dt_out, dA_cumsum, entry_states, seq_idx)
 
+    # The D skip joins the stages, on x's finite part and behind their cotangent guard, as in the kernels: D is
+    # shared by every sequence, and dD = Σ dy x of x itself would be NaN for one non-finite x or cotangent in any
+    # of them (the reach term marks that x's own token in y).
+    y = _finite_cotangent(_skip(y, x_f, D))
+
     reach_y, reach_final = nonfinite_reach(head_marks(x_c), delta, A_c, B_c, C_c, h0, seq_idx)
-    y = _finite_cotangent(y) + reach_y[..., None]
+    y = y + reach_y[..., None]
     final_states = _finite_cotangent(final_states) + reach_final[..., None, None]
-    return _skip_and_gate(y, x, D, z), final_states
+    return _skip_and_gate(y, x, None, z), final_states

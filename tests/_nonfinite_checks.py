@@ -64,40 +64,42 @@ def make_problem(seed: int, *, seqlen=100, nheads=4, headdim=16, ngroups=2, dsta
     return inputs, weights
 
 
-def _ssd(ssd_fn: Callable, float_args: dict, seq_idx):
+def _ssd(ssd_fn: Callable, float_args: dict, seq_idx, dt_softplus: bool):
     return ssd_fn(float_args["x"], float_args["dt"], float_args["A"], float_args["B"], float_args["C"],
-                  D=float_args["D"], z=float_args["z"], dt_bias=float_args["dt_bias"], dt_softplus=True,
+                  D=float_args["D"], z=float_args["z"], dt_bias=float_args["dt_bias"], dt_softplus=dt_softplus,
                   initial_states=float_args["initial_states"], seq_idx=seq_idx)
 
 
-def outputs_and_grads(ssd_fn: Callable, inputs: dict, weights: dict, *, nonlinear: bool):
+def outputs_and_grads(ssd_fn: Callable, inputs: dict, weights: dict, *, nonlinear: bool, dt_softplus: bool = True):
     """((y, final_states), grads of FLOAT_ARGS) of sum(f(y) w_y) + sum(f(final) w_final), f = sin or id.
 
-    sin makes the cotangent of a non-finite output non-finite too, as any non-linear layer after the op."""
-    run = _jitted_outputs_and_grads(ssd_fn, nonlinear)
+    sin makes the cotangent of a non-finite output non-finite too, as any non-linear layer after the op.
+    Jitted: the op sees tracers, whose values it does not check."""
+    run = _jitted_outputs_and_grads(ssd_fn, nonlinear, dt_softplus)
     return run({name: inputs[name] for name in FLOAT_ARGS}, inputs["seq_idx"], weights)
 
 
 @functools.cache
-def _jitted_outputs_and_grads(ssd_fn: Callable, nonlinear: bool):
+def _jitted_outputs_and_grads(ssd_fn: Callable, nonlinear: bool, dt_softplus: bool):
     f = jnp.sin if nonlinear else (lambda v: v)
 
     @jax.jit
     def run(float_args, seq_idx, weights):
         def loss(float_args):
-            y, final = _ssd(ssd_fn, float_args, seq_idx)
+            y, final = _ssd(ssd_fn, float_args, seq_idx, dt_softplus)
             return (jnp.sum(f(y.astype(jnp.float32)) * weights["y"].astype(y.dtype))
                     + jnp.sum(f(final) * weights["final"].astype(final.dtype)))
-        return _ssd(ssd_fn, float_args, seq_idx), jax.grad(loss)(float_args)
+        return _ssd(ssd_fn, float_args, seq_idx, dt_softplus), jax.grad(loss)(float_args)
 
     return run
 
 
-def scan_oracle(inputs: dict, weights: dict, *, nonlinear: bool):
+def scan_oracle(inputs: dict, weights: dict, *, nonlinear: bool, dt_softplus: bool = True):
     """`outputs_and_grads` of the float64 scan, as NumPy arrays."""
     with jax.enable_x64(True):
         as64 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float64) if a.dtype == jnp.float32 else a, t)  # noqa: E731
-        out = outputs_and_grads(reference.ssd_scan, as64(inputs), as64(weights), nonlinear=nonlinear)
+        out = outputs_and_grads(reference.ssd_scan, as64(inputs), as64(weights), nonlinear=nonlinear,
+                                dt_softplus=dt_softplus)
         return jax.tree.map(np.asarray, out)
 
 
@@ -205,3 +207,44 @@ def assert_packed_reproduction_confined(ssd_fn: Callable, *, headdim: int, dstat
     assert np.isfinite(np.asarray(final)).all()
     for grad in jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, dt, B, C):
         assert np.isfinite(np.asarray(grad[0, 20:])).all()
+
+
+def assert_d_gradient_takes_the_finite_part(ssd_fn: Callable, tolerance: float, *, nonlinear: bool) -> None:
+    """A NaN in x at one token of row 0: D's gradient, a sum over every sequence, stays finite, that of the float64
+    scan on x's finite part with the cotangents the NaN makes non-finite (y's rows that it reaches, under a
+    non-linear loss) taken as 0, their finite part. Under a linear loss every cotangent is finite, and A's and
+    dt_bias's gradients, shared too, are those of x's finite part as well."""
+    inputs, weights = make_problem(3, spoil=SPOILS["x_nan"])
+    _, grads = outputs_and_grads(ssd_fn, inputs, weights, nonlinear=nonlinear)
+    finite_x = jnp.where(jnp.isfinite(inputs["x"]), inputs["x"], 0.0)
+    if nonlinear:  # the (batch, token, head) rows of y that the NaN reaches
+        (spoiled_y, _), _ = scan_oracle(inputs, weights, nonlinear=True)
+        reached = ~_finite_per_head(spoiled_y, 3)[..., None]
+        weights = dict(weights, y=jnp.where(reached, 0.0, weights["y"]))
+    _, want = scan_oracle(dict(inputs, x=finite_x), weights, nonlinear=nonlinear)
+    names = ("D",) if nonlinear else ("D", "A", "dt_bias")
+    for name in names:
+        assert np.isfinite(np.asarray(grads[name])).all(), (name, grads[name])
+    errors = {name: _rel_l2_where(grads[name], want[name], np.ones(want[name].shape, bool)) for name in names}
+    assert max(errors.values()) < tolerance, errors
+
+
+# A negative step (Δ = dt + dt_bias < 0 without the softplus) at token 27 of row 0, in its second sequence (20-44).
+NEGATIVE_STEP = (0, 27, 2)
+
+
+def assert_negative_step_confined_like_a_nonfinite_dt(ssd_fn: Callable, tolerance: float) -> None:
+    """Δ >= 0 goes unchecked under jit: a negative Δ makes its head's y NaN from its token to the end of its
+    sequence, on the float64 scan and on `ssd_fn` alike, which otherwise agree (`assert_confined_like_scan`)."""
+    inputs, weights = make_problem(4)
+    dt = jax.nn.softplus(inputs["dt"]).at[NEGATIVE_STEP].set(-1.0)
+    inputs = dict(inputs, dt=dt, dt_bias=jnp.abs(inputs["dt_bias"]))  # Δ = dt + dt_bias >= 0 elsewhere
+    got = outputs_and_grads(ssd_fn, inputs, weights, nonlinear=True, dt_softplus=False)
+    want = scan_oracle(inputs, weights, nonlinear=True, dt_softplus=False)
+    row, token, head = NEGATIVE_STEP
+    expected = np.zeros(dt.shape, bool)
+    expected[row, token:sum(SEQUENCE_LENGTHS[row][:2]), head] = True
+    (y, final), _ = want
+    np.testing.assert_array_equal(~_finite_per_head(y, 3), expected, "the scan's y: not NaN where the step reaches")
+    assert np.isfinite(final).all()
+    assert_confined_like_scan(got, want, {"dt": NEGATIVE_STEP}, tolerance, inputs["seq_idx"])

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import jax_mamba2
-from tests._nonfinite_checks import SPOILS, Spoil, assert_confined_like_scan, assert_packed_reproduction_confined, \
-    make_problem, outputs_and_grads, scan_oracle
+from tests._nonfinite_checks import SPOILS, Spoil, assert_confined_like_scan, assert_d_gradient_takes_the_finite_part, \
+    assert_negative_step_confined_like_a_nonfinite_dt, assert_packed_reproduction_confined, make_problem, \
+    outputs_and_grads, scan_oracle
 
 _XLA = functools.partial(jax_mamba2.ssd, chunk_size=16, return_final_states=True, backend="xla")
 _CASES = [(name, True) for name in SPOILS] + [("x_nan", False), ("dt_inf", False)]
@@ -37,6 +38,19 @@ def test_xla_nan_without_seq_idx_spares_the_earlier_tokens_of_its_chunk():
 def test_xla_nan_in_one_packed_sequence_leaves_the_next_finite():
     """The reproduction of the issue's packed-sequence leak (`assert_packed_reproduction_confined`)."""
     assert_packed_reproduction_confined(_XLA, headdim=8, dstate=4)
+
+
+@pytest.mark.parametrize("nonlinear", [False, True], ids=["linear_loss", "sin_loss"])
+def test_xla_d_gradient_takes_the_finite_part_of_a_nonfinite_x_as_the_kernels(nonlinear):
+    """D is shared by every sequence: a NaN in x of one of them leaves its gradient finite, the kernels' D gradient
+    of x's finite part (the D skip of x itself would make it NaN)."""
+    assert_d_gradient_takes_the_finite_part(_XLA, 1e-4, nonlinear=nonlinear)
+
+
+def test_xla_negative_step_under_jit_is_a_nonfinite_dt_as_on_the_scan():
+    """A negative Δ, unchecked under jit, is NaN on the scan and the xla path alike: the chunked algorithm, which
+    clamps decays to exp(<= 0), cannot follow the growth that the recurrence would compute."""
+    assert_negative_step_confined_like_a_nonfinite_dt(_XLA, 1e-4)
 
 
 @pytest.mark.parametrize("backend", ["xla", "scan"])

@@ -25,6 +25,7 @@ from jax_mamba2 import backends, op, reference  # noqa: E402
 from jax_mamba2.bridge import ops  # noqa: E402
 from tests._helpers import TOLERANCE  # noqa: E402
 from tests._nonfinite_checks import FLOAT_ARGS, SPOILS, Spoil, assert_confined_like_scan, \
+    assert_d_gradient_takes_the_finite_part, assert_negative_step_confined_like_a_nonfinite_dt, \
     assert_packed_reproduction_confined, make_problem, outputs_and_grads, scan_oracle  # noqa: E402
 from tests.bridge._emulated_backend import EMULATED  # noqa: E402
 from tests.kernels import _cutile_emulator as emulator  # noqa: E402
@@ -75,6 +76,18 @@ def _sharded_ssd(x, dt, A, B, C, *, D, z, dt_bias, initial_states, seq_idx, **st
 @pytest.mark.parametrize("case", CASES)
 def test_emulated_cutile_confines_nonfinite_values_like_the_scan(case):
     _check_confined(EMULATED_SSD, SPOILS[case], EMULATED_TOLERANCE)
+
+
+@pytest.mark.parametrize("nonlinear", [False, True], ids=["linear_loss", "sin_loss"])
+def test_emulated_cutile_d_gradient_takes_the_finite_part_of_a_nonfinite_x(nonlinear):
+    """The kernels' D gradient, of the finite part of x and of the cotangents, which the xla path's matches."""
+    assert_d_gradient_takes_the_finite_part(EMULATED_SSD, EMULATED_TOLERANCE, nonlinear=nonlinear)
+
+
+def test_emulated_cutile_negative_step_under_jit_is_a_nonfinite_dt_as_on_the_scan():
+    """The confinement takes a negative Δ as NaN, so the kernels, which clamp decays to exp(<= 0) as the xla
+    path, agree with the scan and the xla path there."""
+    assert_negative_step_confined_like_a_nonfinite_dt(EMULATED_SSD, EMULATED_TOLERANCE)
 
 
 @pytest.mark.parametrize("ssd_fn", [_remat_ssd, _sharded_ssd], ids=["remat", "shard_map"])
@@ -347,3 +360,14 @@ def test_emulated_cutile_infinite_dt_that_the_limit_clips_is_a_finite_step_like_
 @pytest.mark.gpu
 def test_cutile_infinite_dt_that_the_limit_clips_is_a_finite_step_like_the_scan():
     _check_clipped_infinite_dt(CUTILE_SSD, GPU_TOLERANCE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nonlinear", [False, True], ids=["linear_loss", "sin_loss"])
+def test_cutile_d_gradient_takes_the_finite_part_of_a_nonfinite_x(nonlinear):
+    assert_d_gradient_takes_the_finite_part(CUTILE_SSD, GPU_TOLERANCE, nonlinear=nonlinear)
+
+
+@pytest.mark.gpu
+def test_cutile_negative_step_under_jit_is_a_nonfinite_dt_as_on_the_scan():
+    assert_negative_step_confined_like_a_nonfinite_dt(CUTILE_SSD, GPU_TOLERANCE)
