@@ -25,8 +25,8 @@ def _model(config):
     return Mamba2LMHeadModel(config, backend="xla", rngs=nnx.Rngs(0))
 
 
-def _ids(config, mesh, length=SEQLEN):
-    ids = jax.random.randint(jax.random.key(0), (BATCH, length), 0, config.vocab_size)
+def _ids(config, mesh, length=SEQLEN, batch=BATCH):
+    ids = jax.random.randint(jax.random.key(0), (batch, length), 0, config.vocab_size)
     return ids, jax.device_put(ids, NamedSharding(mesh, P("data")))
 
 
@@ -100,6 +100,59 @@ def test_shard_model_packed_sequences_match_single_device(tiny_config, mesh):
     for got, want in zip(jax.tree.leaves(nnx.jit(prefill)(model, sharded_ids, sharded_seq_idx)),
                          jax.tree.leaves(expected_prefill)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_shape, ngroups, tie_embeddings, vocab_multiple", [
+    ((8, 1), 2, True, 8),  # all data: the mixers name no model axis
+    ((1, 8), 8, False, 1),  # all model, one group per shard (B/C split like the heads); 61 columns: head whole
+    ((1, 8), 1, False, 8),  # all model, one group over every shard; 64 columns: head split over the vocabulary
+], ids=["data=8", "model=8-ngroups8-untied-whole", "model=8-ngroups1-untied-split"])
+def test_shard_model_loss_and_grads_match_single_device_on_a_mesh_of_one_axis(
+        tiny_config, mesh_shape, ngroups, tie_embeddings, vocab_multiple):
+    """The loss and its gradients with all 8 devices on the data axis or on the model axis: the groups split
+    with the heads or one spanning every shard, and an untied LM head split over the vocabulary or (a padded
+    vocabulary the model axis does not divide) whole on every shard."""
+    mesh = jax.make_mesh(mesh_shape, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    config = tiny_config.replace(n_layer=1, tie_embeddings=tie_embeddings, pad_vocab_size_multiple=vocab_multiple,
+                                 ssm_cfg={**tiny_config.ssm_cfg, "ngroups": ngroups})
+    ids, sharded_ids = _ids(config, mesh, batch=8)
+    value_and_grad = nnx.jit(nnx.value_and_grad(lambda model, ids: model.loss(ids)))
+    expected_loss, expected_grads = value_and_grad(_model(config), ids)
+    sharded = shard_model(_model(config), mesh)
+    if not tie_embeddings:
+        split = config.padded_vocab_size % mesh.shape["model"] == 0
+        assert sharded.lm_head.kernel.sharding.spec == (P(None, "model") if split else P(None, None))
+    sharded_loss, sharded_grads = value_and_grad(sharded, sharded_ids)
+    np.testing.assert_allclose(sharded_loss, expected_loss, rtol=1e-6)
+    _assert_grads_match(sharded_grads, expected_grads)
+
+
+@pytest.mark.parametrize("backend, remat", [("xla", "matmuls"), ("scan", True)])
+def test_shard_model_packed_sequences_match_single_device_with_the_layers_unrolled(tiny_config, mesh, backend,
+                                                                                   remat):
+    """seq_idx through the unrolled blocks (scan_layers=False) under remat, on the xla and scan SSD backends: the
+    loss of packed rows and its gradients, against one device's layer loop without remat."""
+    config = tiny_config.replace(n_layer=2)
+    ids, sharded_ids = _ids(config, mesh)
+    seq_idx = jnp.asarray(np.repeat([[0] * 5 + [1] * 4 + [2] * 3], BATCH, axis=0), jnp.int32)
+    sharded_seq_idx = jax.device_put(seq_idx, NamedSharding(mesh, P("data")))
+    value_and_grad = nnx.jit(nnx.value_and_grad(lambda model, ids, seq_idx: model.loss(ids, seq_idx=seq_idx)))
+    expected_loss, expected_grads = value_and_grad(Mamba2LMHeadModel(config, backend=backend, rngs=nnx.Rngs(0)), ids,
+                                                   seq_idx)
+    sharded = shard_model(Mamba2LMHeadModel(config, backend=backend, scan_layers=False, remat=remat,
+                                            rngs=nnx.Rngs(0)), mesh)
+    sharded_loss, sharded_grads = value_and_grad(sharded, sharded_ids, sharded_seq_idx)
+    np.testing.assert_allclose(sharded_loss, expected_loss, rtol=1e-6)
+    _assert_grads_match(sharded_grads, expected_grads)
+
+
+def _assert_grads_match(sharded_grads, expected_grads, rtol=5e-5):
+    """Relative L2 error of every gradient leaf, at most rtol. Element-wise, an atol that passes the embedding's
+    entries summed with cancellation (their f32 rounding reaches 1e-7 to 4e-7 on entries near 1e-3) would pass
+    the gradients of A_log and dt_bias (entries of 1e-6 to 1e-4) on its own. D's with one head per group is the
+    farthest (about 1e-5: as far as one device's f32 gradient is from float64's there)."""
+    for (path, g), e in zip(nnx.to_flat_state(sharded_grads), jax.tree.leaves(expected_grads)):
+        assert np.linalg.norm(g[...] - e) <= rtol * np.linalg.norm(e), path
 
 
 def test_shard_model_generates_left_padded_prompts_like_one_device(tiny_config, mesh):
