@@ -12,7 +12,7 @@ from numbers import Real
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_mamba2.checks import check_seq_idx_order, check_seq_idx_range, float_dtype
+from jax_mamba2.checks import check_float, check_seq_idx_order, check_seq_idx_range, float_dtype
 
 Axes = tuple[tuple[str, int | None], ...]
 
@@ -24,13 +24,15 @@ def _shape_text(axes: Axes) -> str:
 
 
 def check_named_array(api: str, name: str, value, axes: Axes, *, kind: str) -> tuple[int, ...]:
-    """Checks that `value` is an array of shape `axes` whose dtype is of `kind` ("floating" or "integer").
+    """Checks that `value` is an array of shape `axes` whose dtype is of `kind`: "floating", one of the float dtypes
+    the ops take (bfloat16, float16, float32, float64; float8 and the like would fail later, inside an op, naming
+    no argument), or "integer".
 
     Returns:
       The shape.
 
     Raises:
-      TypeError: if `value` has no shape and dtype, or a dtype of another kind.
+      TypeError: if `value` has no shape and dtype, or a dtype other than `kind`'s.
       ValueError: if the rank or a sized axis differs.
     """
     if not hasattr(value, "shape") or not hasattr(value, "dtype"):
@@ -39,8 +41,10 @@ def check_named_array(api: str, name: str, value, axes: Axes, *, kind: str) -> t
     shape = tuple(value.shape)
     if len(shape) != len(axes) or any(size is not None and n != size for n, (_, size) in zip(shape, axes)):
         raise ValueError(f"{api}: {name}.shape={shape} must be {_shape_text(axes)}")
-    if not jnp.issubdtype(value.dtype, getattr(jnp, kind)):
-        raise TypeError(f"{api}: {name}.dtype={value.dtype} must be {kind}")
+    if kind == "floating":
+        check_float(api, name, value)
+    elif not jnp.issubdtype(value.dtype, jnp.integer):
+        raise TypeError(f"{api}: {name}.dtype={value.dtype} must be integer")
     return shape
 
 

@@ -28,9 +28,10 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
     """Autoregressive generation: one jitted program, a prefill then a loop of cached O(1) steps.
 
     The model's weights enter the program as arguments (not constants), and the program is cached per model
-    structure, prompt shape, max_new_tokens, cache_dtype and which controls are on (not their values), so later
-    calls do not retrace. The controls act as in HF transformers' `generate`, in its order: repetition_penalty,
-    then (when sampling) temperature, top_k, top_p, min_p.
+    structure, prompt shape, max_new_tokens, cache_dtype and which controls are on (not their values, except
+    top_k's, the static size of its `lax.top_k`, and the number of eos ids), so later calls do not retrace. The
+    controls act as in HF transformers' `generate`, in its order: repetition_penalty, then (when sampling)
+    temperature, top_k, top_p, min_p.
 
     Args:
       model: the `Mamba2LMHeadModel`.

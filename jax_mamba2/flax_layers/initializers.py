@@ -15,6 +15,15 @@ def torch_uniform(fan_in: int, bound: float | None = None):
     return init
 
 
+def torch_normal(stddev: float):
+    """PyTorch's `nn.init.normal_(std=stddev)` (mamba_ssm's embedding init): N(0, stddev^2), drawn in float32 at
+    least, then cast (a normal drawn in bfloat16 takes only 128 values, none beyond 2.9 standard deviations)."""
+    def init(key, shape, dtype=jnp.float32):
+        return (jax.random.normal(key, shape, jnp.promote_types(jnp.float32, dtype)) * stddev).astype(dtype)
+
+    return init
+
+
 def dt_bias_init(key, nheads: int, *, dt_min: float, dt_max: float, dt_init_floor: float, dtype):
     """mamba_ssm's dt_bias: the inverse softplus of dt ~ exp(U(log dt_min, log dt_max)), dt >= dt_init_floor,
     so that softplus(dt_bias) starts log-uniform in [dt_min, dt_max]

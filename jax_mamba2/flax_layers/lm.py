@@ -21,7 +21,7 @@ from jax_mamba2.checks import check_flag, check_int, check_token_ids_in_range, f
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers.cache import Mamba2Cache, stack_layers, unstack_layers
 from jax_mamba2.flax_layers.config import Mamba2Config
-from jax_mamba2.flax_layers.initializers import torch_uniform
+from jax_mamba2.flax_layers.initializers import torch_normal, torch_uniform
 from jax_mamba2.flax_layers.layer_loop import scan_blocks
 from jax_mamba2.flax_layers.mamba2 import IN_PROJ_OUTPUT, Mamba2
 from jax_mamba2.flax_layers.norm import RMSNorm
@@ -207,7 +207,7 @@ class Mamba2LMHeadModel(nnx.Module):
                              backends.check_name(loss_backend, "Mamba2LMHeadModel", loss_op.OP, "loss_backend"))
         vocab = config.padded_vocab_size
         self.embedding = nnx.Embed(vocab, config.d_model, dtype=dtype, param_dtype=param_dtype,
-                                   embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+                                   embedding_init=torch_normal(0.02), rngs=rngs)
         # nnx.Embed fixes a None dtype to its table's at construction; None here follows the table as it is at each
         # call, as the layers' None does (a model whose parameters `cast_params` converted computes in their dtype).
         self.embedding.dtype = dtype
@@ -236,16 +236,18 @@ class Mamba2LMHeadModel(nnx.Module):
     def __call__(self, input_ids, *, seq_idx=None):
         """input_ids (batch, seqlen) int -> logits (batch, seqlen, padded_vocab).
 
-        Ids are not range-checked here (under jit they cannot be read); `generate` checks concrete prompts.
+        Concrete ids are range-checked; traced ones (under jit) cannot be read: there an id past the embedding's
+        rows gives NaN logits and a negative one a padding row's.
 
         Args:
-          input_ids: (batch, seqlen) int.
+          input_ids: (batch, seqlen) int, in [0, vocab_size).
           seq_idx: optional (batch, seqlen) int ids of the sequences packed into each row, nondecreasing along
             it (mamba_ssm's `seq_idx`): every mixer's conv and SSM state restart where the id changes, so a
             token sees nothing of the sequences before its own.
 
         Raises:
-          ValueError, TypeError: for input_ids that are not a 2-D integer array, or a seq_idx of another shape.
+          ValueError, TypeError: for input_ids that are not a 2-D integer array or (concrete) hold an id outside
+            [0, vocab_size), or a seq_idx of another shape.
         """
         self._check_inputs("Mamba2LMHeadModel.__call__", input_ids, None, sequence=True, seq_idx=seq_idx)
         return self._head(self._final_hidden(input_ids, seq_idx))

@@ -179,7 +179,7 @@ class Mamba2(nnx.Module):
         """Full forward.
 
         Args:
-          hidden_states: (batch, seqlen, d_model), floating; seqlen may be 0.
+          hidden_states: (batch, seqlen, d_model), bfloat16, float16, float32 or float64; seqlen may be 0.
           seq_idx: optional (batch, seqlen) int32 ids of packed sequences (nondecreasing along seqlen): the
             conv and the SSM state restart at every change.
 
@@ -199,7 +199,8 @@ class Mamba2(nnx.Module):
         """Full forward that also returns the decode cache.
 
         Args:
-          hidden_states: (batch, seqlen, d_model), floating; seqlen may be 0 (the state passes through).
+          hidden_states: (batch, seqlen, d_model), bfloat16, float16, float32 or float64; seqlen may be 0 (the
+            state passes through).
           cache: optional state left by earlier tokens (chunked prefill); None starts from zeros.
           seq_idx: optional (batch, seqlen) int ids of packed sequences, as in `__call__`, without a cache: the
             returned cache is that of each row's last sequence alone (e.g. a left-padded prompt whose padding is
@@ -234,7 +235,7 @@ class Mamba2(nnx.Module):
         Unlike mamba_ssm's `step`, dt_limit is applied, so that stepping equals the full forward.
 
         Args:
-          hidden_states: (batch, d_model), floating: one token per row.
+          hidden_states: (batch, d_model), bfloat16, float16, float32 or float64: one token per row.
           cache: the state after the previous tokens.
 
         Returns:

@@ -50,6 +50,16 @@ def test_lm_shapes_dtypes_and_init(tiny_config):
     assert cache.ssm_state.dtype == jnp.float32
 
 
+def test_lm_bf16_embedding_starts_as_the_float32_one_rounded(tiny_config):
+    """The embedding's N(0, 0.02) is drawn in float32 and rounded, as PyTorch initializes a bfloat16 module (and as
+    the mixers' parameters are): drawn in bfloat16 the normal takes 128 values, none beyond 2.9 deviations."""
+    wide = _model(tiny_config).embedding.embedding[...]
+    half = _model(tiny_config, param_dtype=jnp.bfloat16).embedding.embedding[...]
+    assert half.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(half, wide.astype(jnp.bfloat16))
+    assert float(jnp.abs(half).max()) > 3 * 0.02 and np.unique(np.asarray(half, np.float32)).size > 1000
+
+
 def test_lm_prefill_then_steps_match_forward(tiny_config):
     model = _model(tiny_config)
     ids = _token_ids(tiny_config, seed=1)
@@ -231,6 +241,14 @@ def _block(model):
     pytest.param(lambda m: _block(m).step(jnp.ones((BATCH, 32)), jnp.ones((BATCH, 32)), m.init_cache(BATCH)),
                  ValueError, r"Mamba2Block.step: cache.conv_state.shape=\(3, 2, 96, 4\) must be "
                  r"\(batch, conv_dim, d_conv\)=\(2, 96, 4\)", id="block_step_lm_cache"),
+    pytest.param(lambda m: _block(m)(jax.random.normal(jax.random.key(0), (BATCH, SEQLEN, 32)),
+                                     jax.random.normal(jax.random.key(1), (BATCH, SEQLEN, 32), jnp.float8_e4m3fn)),
+                 TypeError, r"Mamba2Block.__call__: residual.dtype=float8_e4m3fn must be one of bfloat16, float16, "
+                 r"float32, float64", id="block_residual_float8"),
+    pytest.param(lambda m: m.step(jnp.zeros((BATCH,), jnp.int32), m.init_cache(BATCH)._replace(
+                     conv_state=jax.random.normal(jax.random.key(2), (3, BATCH, 96, 4), jnp.float8_e5m2))),
+                 TypeError, r"Mamba2LMHeadModel.step: cache.conv_state.dtype=float8_e5m2 must be one of bfloat16",
+                 id="step_cache_float8"),
 ])
 def test_lm_rejects_bad_inputs(tiny_lm, call, error, message):
     with pytest.raises(error, match=message):
