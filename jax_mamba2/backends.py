@@ -228,6 +228,25 @@ def _run_with_static(selected: tuple, run: Callable[..., Any], static, *operands
 _run_compiled = jax.jit(_run_with_static, static_argnums=(0, 1, 2))
 
 
+def reference_vjp(fn, arrays, cotangents):
+    """The cotangents of `arrays` (None for absent ones, float0 for integer ones) through fn(*arrays): the
+    backward of a kernel that has no backward kernels, through the pure-JAX function it equals."""
+    present = [i for i, a in enumerate(arrays) if a is not None]
+
+    def call(*values):
+        full = list(arrays)
+        for i, v in zip(present, values):
+            full[i] = v
+        return fn(*full)
+
+    _, vjp = jax.vjp(call, *(arrays[i] for i in present))
+    grads = vjp(cotangents)
+    full = [None] * len(arrays)
+    for i, g in zip(present, grads):
+        full[i] = g
+    return tuple(full)
+
+
 def backend_status() -> dict[str, BackendStatus]:
     """For every known SSD backend (the other ops have the same names, and each kernel backend needs the same
     GPU): whether it can run in this process and, if not, why.

@@ -304,28 +304,10 @@ def _kernel_project_fwd(kernels, dims, options, *arrays):
 
 
 def _kernel_project_bwd(kernels, dims, options, arrays, cotangents):
-    return _reference_vjp(functools.partial(_project_reference, options), arrays, cotangents)
+    return registry.reference_vjp(functools.partial(_project_reference, options), arrays, cotangents)
 
 
 _kernel_project.defvjp(_kernel_project_fwd, _kernel_project_bwd)
-
-
-def _reference_vjp(fn, arrays, cotangents):
-    """The cotangents of `arrays` (None for absent ones, float0 for integer ones) through fn(*arrays)."""
-    present = [i for i, a in enumerate(arrays) if a is not None]
-
-    def call(*values):
-        full = list(arrays)
-        for i, v in zip(present, values):
-            full[i] = v
-        return fn(*full)
-
-    _, vjp = jax.vjp(call, *(arrays[i] for i in present))
-    grads = vjp(cotangents)
-    full = [None] * len(arrays)
-    for i, g in zip(present, grads):
-        full[i] = g
-    return tuple(full)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -584,7 +566,7 @@ def _kernel_mixer_fwd(kernels, dims, options, *arrays):
 def _kernel_mixer_bwd(kernels, dims, options, arrays, cotangents):
     if len(cotangents) == 5:  # the sums of squares in the kernels' pieces (their config's), not one per group
         options = _Options(options, norm_pieces=cotangents[4].shape[-1])
-    return _reference_vjp(functools.partial(_mixer_reference, options), arrays, cotangents)
+    return registry.reference_vjp(functools.partial(_mixer_reference, options), arrays, cotangents)
 
 
 _kernel_mixer.defvjp(_kernel_mixer_fwd, _kernel_mixer_bwd)

@@ -354,7 +354,26 @@ def _step_unsupported_reason(backend: registry.Backend, args) -> Optional[str]:
 
 def _run_step(backend: registry.Backend, *arrays_and_options):
     *arrays, options = arrays_and_options
+    if backend.step is _reference_step or arrays[0].shape[0] == 0:  # no rows: no launch (a grid of no blocks)
+        return _reference_step(*arrays, *options)
+    return _kernel_step(backend, options, *arrays)
+
+
+# The decode kernel has no backward kernel: its gradient is the reference step's, which it equals.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _kernel_step(backend: registry.Backend, options, *arrays):
     return backend.step(*arrays, *options)
+
+
+def _kernel_step_fwd(backend, options, *arrays):
+    return _kernel_step(backend, options, *arrays), arrays
+
+
+def _kernel_step_bwd(backend, options, arrays, cotangents):
+    return registry.reference_vjp(lambda *a: _reference_step(*a, *options), arrays, cotangents)
+
+
+_kernel_step.defvjp(_kernel_step_fwd, _kernel_step_bwd)
 
 
 def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
@@ -371,7 +390,8 @@ def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus
 
     Returns:
       (y (batch, nheads, headdim) in x.dtype, new_state in state.dtype). Feeding a sequence token by
-      token through `ssd_step` gives the same y and final state as `ssd`.
+      token through `ssd_step` gives the same y and final state as `ssd`. Differentiable in every float
+      argument on every backend (the decode kernel's gradient is the pure-JAX step's, which it equals).
 
     Raises:
       ValueError / TypeError: on a wrong shape, dtype or option, naming the argument; ValueError when A

@@ -1,6 +1,7 @@
 """The decode ops (`jax_mamba2.norm_project`, `mixer_step`) on the CPU: the xla path against the float64 reference
 on stacked and single-layer arrays, the layer as an int or a traced array, jit, vmap and grad, the checks that
-name the argument, and the backend choice ("auto" runs xla without a GPU; a named kernel backend says why not)."""
+name the argument, the backend choice ("auto" runs xla without a GPU; a named kernel backend says why not), and
+jax.export with a symbolic number of rows."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -212,6 +213,31 @@ def test_auto_runs_xla_without_a_gpu_and_a_named_kernel_backend_says_why():
     mixer = MIXER_CASES["gated_norm_mixer"]
     with pytest.raises(ValueError, match=r"mixer_step\(backend='cutile'\)"):
         step(mixer, mixer_inputs(mixer, seed=8), backend="cutile")
+
+
+def test_auto_exports_with_a_symbolic_number_of_rows():
+    """jax.export with the rows a symbolic dimension: "auto" runs xla (the kernels, compiled per shape, cannot take
+    it, and their checks cannot compare it), and the exported programs equal the direct calls at two row counts."""
+    case = PROJECTION_CASES["add_norm_in_proj"]
+    p = _jnp(projection_inputs(case, seed=10))
+    mixer = MIXER_CASES["gated_norm_mixer"]
+    m = _jnp(mixer_inputs(mixer, seed=10))
+    rows, = jax.export.symbolic_shape("rows")
+
+    def decode(x, residual, zxbcdt, conv_state, ssm_state):
+        out, h = jax_mamba2.norm_project(x, p["weight"], norm_weight=p["norm_weight"], residual=residual,
+                                         residual_dtype=jnp.float32, layer=case.layer)
+        return (out, h, *jax_mamba2.mixer_step(zxbcdt, conv_state, ssm_state, m["conv_weight"], m["conv_bias"],
+                                               m["A_log"], m["dt_bias"], m["D"], **mixer.layout(), layer=mixer.layer))
+
+    arrays = (p["x"], p["residual"], m["zxbcdt"], m["conv_state"], m["ssm_state"])
+    row_axes = (0, 0, 0, 1, 1)
+    shapes = [jax.ShapeDtypeStruct(a.shape[:i] + (rows,) + a.shape[i + 1:], a.dtype) for a, i in zip(arrays, row_axes)]
+    exported = jax.export.deserialize(jax.export.export(jax.jit(decode))(*shapes).serialize())
+    for n in (2, 1):
+        args = [jax.lax.slice_in_dim(a, 0, n, axis=i) for a, i in zip(arrays, row_axes)]
+        for got, want in zip(exported.call(*args), decode(*args)):
+            assert got.shape == want.shape and rel_l2(got, want) < 1e-6
 
 
 def _projection_args():

@@ -40,9 +40,21 @@ def _dtypes_unsupported_reason(dtypes: dict) -> Optional[str]:
     return None
 
 
+def _symbolic_sizes_reason(dims) -> Optional[str]:
+    """Why the kernels cannot run a problem (ProjectionDims or MixerStepDims) whose sizes are symbolic (jax.export's
+    shape polymorphism): each launch is compiled for concrete shapes and grid, and the kernels' own checks compare
+    sizes, which a symbolic one leaves undecided (so "auto" could not fall back to xla)."""
+    symbolic = [field.name for field in dataclasses.fields(dims)
+                if jax.export.is_symbolic_dim(getattr(dims, field.name))]
+    if symbolic:
+        return (f"symbolic sizes ({', '.join(symbolic)}: a shape-polymorphic export); the kernels are compiled for "
+                f"concrete shapes: use backend='xla'")
+    return None
+
+
 def projection_unsupported_reason(dims: ProjectionDims) -> Optional[str]:
     """Why the projection kernel cannot run this call here (None when it can)."""
-    reason = _dtypes_unsupported_reason({
+    reason = _symbolic_sizes_reason(dims) or _dtypes_unsupported_reason({
         "x": dims.dtype, "dtype": dims.out_dtype, "weight": dims.weight_dtype,
         "norm_weight": dims.norm_weight_dtype if dims.has_norm else None, "z": dims.z_dtype if dims.has_z else None,
         "residual": dims.residual_in_dtype, "residual_dtype": dims.residual_dtype})
@@ -51,7 +63,7 @@ def projection_unsupported_reason(dims: ProjectionDims) -> Optional[str]:
 
 def mixer_unsupported_reason(dims: MixerStepDims) -> Optional[str]:
     """Why the mixer step kernel cannot run this call here (None when it can)."""
-    reason = _dtypes_unsupported_reason({
+    reason = _symbolic_sizes_reason(dims) or _dtypes_unsupported_reason({
         "zxbcdt": dims.dtype, "conv_state": dims.conv_state_dtype, "ssm_state": dims.ssm_state_dtype,
         "conv_weight": dims.conv_weight_dtype, "A_log": dims.A_log_dtype, "dt_bias": dims.dt_bias_dtype,
         "D": dims.D_dtype})

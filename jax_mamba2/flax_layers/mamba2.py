@@ -413,8 +413,9 @@ class Mamba2(nnx.Module):
         # At a few rows, with the gated norm, the step also gates y for the norm and sums its squares (where the
         # norm's groups are whole heads, as in every Mamba-2 config): out_proj's product then normalizes its rows
         # as it loads them, with no launch of the norm. Each of its column blocks repeats that scaling of the rows,
-        # which only a few rows keep cheap.
-        sums = (self.rmsnorm and hidden_states.shape[-2] <= GATED_NORM_IN_MIXER_ROWS
+        # which only a few rows keep cheap. A symbolic row count (a shape-polymorphic export) takes the general form.
+        rows = hidden_states.shape[-2]
+        sums = (self.rmsnorm and isinstance(rows, int) and rows <= GATED_NORM_IN_MIXER_ROWS
                 and (self.norm.group_size or self.d_ssm) % self.headdim == 0)
         gated_norm = {} if not sums else dict(
             norm_z_offset=2 * self.d_mlp, norm_group_size=self.norm.group_size,

@@ -239,7 +239,9 @@ def dt_transform(v, DT_SOFTPLUS, HAS_DT_LIMIT, DT_MIN, DT_MAX):
     if DT_SOFTPLUS:
         v = ct.where(v <= 20.0, ct.log(ct.exp(v) + 1.0), v)
     if HAS_DT_LIMIT:
-        v = ct.minimum(ct.maximum(v, DT_MIN), DT_MAX)
+        # NaN-propagating, as the reference's clip: cuTile's min and max return the other operand for a NaN by
+        # default, which would turn a NaN Δ into DT_MIN, a finite step where the reference's is NaN.
+        v = ct.minimum(ct.maximum(v, DT_MIN, propagate_nan=True), DT_MAX, propagate_nan=True)
     return v
 
 

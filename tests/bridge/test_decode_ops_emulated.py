@@ -57,6 +57,18 @@ def test_emulated_mixer_step_matches_xla(name):
     assert all(got[k].dtype == want[k].dtype for k in want)
 
 
+def test_emulated_mixer_step_keeps_a_nan_time_step_through_the_dt_limit():
+    """A NaN dt of one head of row 0 makes that head's y and state NaN, as on xla, also through the clip of the
+    step's dt_limit (whose min and max, cuTile's, would return the bound for a NaN unless told to propagate it)."""
+    case = MIXER_CASES["gate_in_step"]  # dt_limit (0.01, 0.5)
+    arrays = mixer_inputs(case, seed=33)
+    arrays["zxbcdt"][0, case.layout()["dt_offset"] + 1] = np.nan
+    got, want = (step(case, arrays, layer=case.layer, backend=b) for b in ("cutile", "xla"))
+    assert np.isnan(want["y"][0]).any()
+    for k in want:
+        np.testing.assert_array_equal(np.isnan(got[k]), np.isnan(want[k]))
+
+
 def test_emulated_gradients_are_the_xla_paths():
     case = PROJECTION_CASES["gated_norm_out_proj"]
     a = {k: None if v is None else jnp.asarray(v) for k, v in projection_inputs(case, seed=33).items()}

@@ -237,9 +237,11 @@ def test_emulated_cutile_vmap_of_the_gradient_confines_per_item():
     assert not np.isfinite(np.asarray(mapped[0][1])).all()
 
 
-def test_emulated_cutile_step_keeps_a_nonfinite_value_in_its_batch_row_and_head():
+@pytest.mark.parametrize("dt_limit", [(0.0, float("inf")), (0.01, 0.5)], ids=["no_limit", "dt_limit"])
+def test_emulated_cutile_step_keeps_a_nonfinite_value_in_its_batch_row_and_head(dt_limit):
     """The decode kernel computes each (batch row, head) on its own: a NaN time step of one head of row 0
-    stays in that head's y and state, exactly where the reference step puts it."""
+    stays in that head's y and state, exactly where the reference step puts it; also through the clip of a
+    dt_limit (whose min and max, cuTile's, would return the bound for a NaN unless told to propagate it)."""
     keys = jax.random.split(jax.random.PRNGKey(4), 6)
     batch, nheads, headdim, ngroups, dstate = 2, 4, 16, 2, 16
     state = jax.random.normal(keys[0], (batch, nheads, headdim, dstate))
@@ -247,9 +249,9 @@ def test_emulated_cutile_step_keeps_a_nonfinite_value_in_its_batch_row_and_head(
     dt = jax.random.uniform(keys[2], (batch, nheads), minval=-3.0, maxval=1.0).at[0, 1].set(jnp.nan)
     A = -jnp.exp(jax.random.uniform(keys[3], (nheads,), minval=-2.0, maxval=1.0))
     B, C = (jax.random.normal(k, (batch, ngroups, dstate)) for k in keys[4:])
-    args = (state, x, dt, A, B, C, jnp.ones((nheads,)), None, None, True, (0.0, float("inf")))
+    args = (state, x, dt, A, B, C, jnp.ones((nheads,)), None, None, True, dt_limit)
     y, new_state = jax.jit(lambda *a: ops.make_step(emulator.jax_run_plan)(*a, *args[9:]))(*args[:9])
-    want_y, want_state = reference.ssd_step(*args[:6], D=args[6], dt_softplus=True)
+    want_y, want_state = reference.ssd_step(*args[:6], D=args[6], dt_softplus=True, dt_limit=dt_limit)
     for got, want in ((y, want_y), (new_state, want_state)):
         got, want = np.asarray(got), np.asarray(want)
         np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))

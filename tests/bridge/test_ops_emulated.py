@@ -16,7 +16,8 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 pytest.importorskip("cuda.tile")
 
-from jax_mamba2 import op, reference  # noqa: E402
+import jax_mamba2  # noqa: E402
+from jax_mamba2 import backends, op, reference  # noqa: E402
 from jax_mamba2.bridge import problem  # noqa: E402
 from jax_mamba2.kernels import forward as forward_kernels  # noqa: E402
 from jax_mamba2.kernels import fused_scan  # noqa: E402
@@ -198,3 +199,40 @@ def test_emulated_decode_step_matches_float64_reference_and_vmaps(D_shape, param
             one = jax.jit(step)(*(a if axis is None else a[i] for a, axis in zip(mapped_args, in_axes)))
             for got, want in zip(mapped, one):
                 assert rel_l2(got[i], want) < 1e-6
+
+
+def test_emulated_decode_step_of_no_rows_launches_nothing(monkeypatch):
+    """ssd_step at batch 0 returns the reference's empty result: a launch of no blocks is not made (as the other
+    ops skip theirs), and the outputs have the dtypes of a step with rows."""
+    monkeypatch.setitem(backends._REGISTRY["ssd"], EMULATED.name, EMULATED)
+    args, options = _step_problem(5, batch=0)
+
+    def step(*args):
+        return jax_mamba2.ssd_step(*args, **options, backend=EMULATED.name)
+    assert "pure_callback" not in str(jax.make_jaxpr(step)(*args))
+    y, new_state = step(*args)
+    assert (y.shape, y.dtype) == (args[1].shape, args[1].dtype)
+    assert (new_state.shape, new_state.dtype) == (args[0].shape, args[0].dtype)
+
+
+def test_emulated_decode_step_gradients_are_the_reference_steps(monkeypatch):
+    """ssd_step on the kernels differentiates (there is no backward kernel: the reference step's VJP), under jit
+    and vmap: the gradients of every float argument equal the xla step's."""
+    monkeypatch.setitem(backends._REGISTRY["ssd"], EMULATED.name, EMULATED)
+    args, options = _step_problem(6)
+    weights = jax.random.normal(jax.random.key(3), args[1].shape, jnp.float32)
+
+    def loss(backend, state, x, dt, A, B, C, D, z, dt_bias):
+        y, new_state = jax_mamba2.ssd_step(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=True,
+                                           dt_limit=options["dt_limit"], backend=backend)
+        return jnp.sum(y.astype(jnp.float32) * weights) + jnp.sum(jnp.sin(new_state))
+
+    operands = (*args, options["D"], options["z"], options["dt_bias"])
+    grads = {backend: jax.jit(jax.grad(functools.partial(loss, backend), argnums=tuple(range(9))))(*operands)
+             for backend in (EMULATED.name, "xla")}
+    for got, want in zip(grads[EMULATED.name], grads["xla"]):
+        assert got.dtype == want.dtype and rel_l2(got, want) < 1e-6
+    per_row = jax.jit(jax.vmap(jax.grad(functools.partial(loss, EMULATED.name)), in_axes=(0,) + (None,) * 8))
+    mapped = per_row(jnp.stack([args[0], -args[0]]), *operands[1:])
+    for i, state in enumerate((args[0], -args[0])):
+        assert rel_l2(mapped[i], jax.grad(functools.partial(loss, "xla"))(state, *operands[1:])) < 1e-6

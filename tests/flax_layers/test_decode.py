@@ -174,6 +174,31 @@ def test_the_step_is_fused_at_every_batch_and_composed_with_an_mlp_branch():
             assert [name for name, _ in cutile_launches(jaxpr)] == expected, (config.ssm_cfg, batch)
 
 
+def test_the_token_step_exports_with_a_symbolic_batch():
+    """jax.export of the LM's token step with the batch a symbolic dimension ("auto": the xla step, the kernels
+    being compiled per shape): the exported step equals the direct one at a batch inside the gated norm's few-row
+    form and at one past it."""
+    from jax_mamba2.flax_layers.mamba2 import GATED_NORM_IN_MIXER_ROWS
+
+    model = _model("auto")
+    graphdef, state = nnx.split(model)
+
+    def step(state, token, cache):
+        return nnx.merge(graphdef, state).step(token, cache)
+
+    batch, = jax.export.symbolic_shape("batch")
+    cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[:1] + (batch,) + a.shape[2:], a.dtype),
+                         model.init_cache(1))
+    exported = jax.export.export(jax.jit(step))(state, jax.ShapeDtypeStruct((batch,), jnp.int32), cache)
+    for rows in (2, GATED_NORM_IN_MIXER_ROWS + 1):
+        tokens = jax.random.randint(jax.random.key(rows), (rows,), 0, CONFIG.vocab_size)
+        _, cache = model.prefill(jax.random.randint(jax.random.key(0), (rows, 5), 0, CONFIG.vocab_size),
+                                 model.init_cache(rows))
+        for got, want in zip(jax.tree.leaves(exported.call(state, tokens, cache)),
+                             jax.tree.leaves(step(state, tokens, cache))):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("backend", ["xla", "cutile"])
 def test_the_token_step_updates_the_conv_state_stack_rather_than_stacking_the_layers(backend):
     """The fused step treats the conv-state stack as it does the SSM state's: each layer's mixer step rewrites its

@@ -217,8 +217,14 @@ def rsqrt(x, *, flush_to_zero=False):
     return 1 / np.sqrt(x)
 
 
-minimum = np.minimum
-maximum = np.maximum
+def minimum(x, y, *, propagate_nan=False):
+    """As cuTile's: a NaN operand gives the other one unless propagate_nan."""
+    return (np.minimum if propagate_nan else np.fmin)(x, y)
+
+
+def maximum(x, y, *, propagate_nan=False):
+    """As cuTile's: a NaN operand gives the other one unless propagate_nan."""
+    return (np.maximum if propagate_nan else np.fmax)(x, y)
 
 
 def cumsum(x, axis=0, *, reverse=False):
