@@ -390,7 +390,8 @@ def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus
 
     Returns:
       (y (batch, nheads, headdim) in x.dtype, new_state in state.dtype). Feeding a sequence token by
-      token through `ssd_step` gives the same y and final state as `ssd`. Differentiable in every float
+      token through `ssd_step` gives the same y and final state as `ssd` (within its preconditions: a
+      step computes a negative Δ's growth, where `ssd` under jit gives NaN). Differentiable in every float
       argument on every backend (the decode kernel's gradient is the pure-JAX step's, which it equals).
 
     Raises:
