@@ -89,6 +89,15 @@ def _check_inputs(inputs: ConvInputs, activation, return_final_states, api: str 
 # Backends
 # ----------------------------------------------------------------------------------------------
 
+def _without_empty_states(inputs: ConvInputs) -> ConvInputs:
+    """`inputs` without initial_states of no columns (d_conv 1 in the d_conv - 1 form): they hold no column to
+    read, and the kernels' plans take a state of width 0 for none (a (1, 1, 1) dummy in its place, no gradient
+    written for it), so every backend runs the call as one without states. The op's final states still come from
+    the states it was given (in their dtype)."""
+    init = inputs.initial_states
+    return inputs._replace(initial_states=None) if init is not None and init.shape[-1] == 0 else inputs
+
+
 def _window(x, kernel, offset: int):
     """The channels of x that the conv reads."""
     return x if x.shape[-1] == kernel.shape[1] else x[..., offset:offset + kernel.shape[1]]
@@ -177,6 +186,7 @@ def causal_conv1d_silu(x, kernel, bias=None, *, seq_idx=None, initial_states=Non
     """
     inputs = ConvInputs(x, kernel, bias, initial_states, seq_idx)
     _check_inputs(inputs, activation, return_final_states)
+    inputs = _without_empty_states(inputs)
     static = ConvStatic(silu=activation == "silu")
     selected = registry.select(backend, _API, lambda b: b.unsupported_reason(inputs), op=OP)
     if x.size == 0:
@@ -258,6 +268,7 @@ def causal_conv1d_silu_split(x, kernel, bias=None, *, channel_offset, split, seq
     check_array(_SPLIT_API, "x", x)
     window = jax.ShapeDtypeStruct((*x.shape[:2], channels), x.dtype)
     _check_inputs(inputs._replace(x=window), activation, return_final_states, _SPLIT_API)
+    inputs = _without_empty_states(inputs)
     pass_through = check_flag(_SPLIT_API, "pass_through", pass_through)
     static = ConvStatic(silu=activation == "silu", offset=channel_offset, split=split, pass_through=pass_through)
     selected = registry.select(backend, _SPLIT_API, lambda b: b.unsupported_reason(inputs), op=OP)

@@ -178,7 +178,7 @@ def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] 
     if sum_groups is not None and not callable(sum_groups):
         raise TypeError(f"rms_norm: sum_groups={sum_groups!r} must be a callable or None")
     if z_kept_in is not None:
-        _check_z_source(api, x, z, z_kept_in)
+        z_kept_in = _check_z_source(api, x, z, z_kept_in)
     if group_size is None:
         group_size = features
     elif not is_int(group_size):
@@ -188,6 +188,9 @@ def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] 
     elif group_size < 1 or (group_size % features and features % group_size):
         raise ValueError(f"rms_norm: group_size={group_size} must divide features={features} or be a multiple "
                          f"of it (a group split across devices)")
+    # A Python int: the kernels' (rows, ngroups, group_size) layout is built from it, and a NumPy int in an array
+    # shape is a symbolic dimension to cutile_call, which it refuses.
+    group_size = int(group_size)
 
     def reference_fn(x, z, residual, weight):
         del residual
@@ -205,9 +208,10 @@ def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] 
     return out
 
 
-def _check_z_source(api: str, x, z, z_kept_in) -> None:
+def _check_z_source(api: str, x, z, z_kept_in) -> tuple:
     """z_kept_in = (source, offset): z given, source (..., columns) with x's leading axes and z's dtype, and
-    offset an int with [offset, offset + features) inside the columns."""
+    offset an int with [offset, offset + features) inside the columns. Returns (source, offset) with the offset a
+    Python int: it is a kernel constant, and a launch takes any other value for an array."""
     if z is None:
         raise ValueError(f"{api}: z_kept_in needs z (it says where the backward reads z again)")
     if not isinstance(z_kept_in, tuple) or len(z_kept_in) != 2:
@@ -220,7 +224,7 @@ def _check_z_source(api: str, x, z, z_kept_in) -> None:
         raise ValueError(f"{api}: z_kept_in[0] has shape {tuple(source.shape)} and dtype {source.dtype}; it must be "
                          f"(*x.shape[:-1], columns)={(*x.shape[:-1], 'columns')} in z's dtype {z.dtype}")
     requirement = f"an int with 0 <= offset and offset + features={features} <= columns={source.shape[-1]}"
-    check_int(api, "z_kept_in[1]", offset, requirement, minimum=0, maximum=source.shape[-1] - features)
+    return source, check_int(api, "z_kept_in[1]", offset, requirement, minimum=0, maximum=source.shape[-1] - features)
 
 
 def add_rms_norm(x, residual, weight, *, eps: float = 1e-5, residual_dtype=None, out_dtype=None,

@@ -176,6 +176,28 @@ def test_emulated_cutile_without_activation_matches_float64_reference(emulated):
     _check_forward_and_grads(args, _cutile, activation=None)
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_emulated_width_1_with_states_of_no_columns_matches_float64_reference(emulated, split):
+    """d_conv 1 takes initial_states of d_conv - 1 = 0 columns: the conv reads none of them, and their gradient
+    is an empty array of their shape."""
+    x, kernel, bias, _, _, weights = make_conv_args(8, seqlen=5, channels=24, d_conv=1)
+    init = jnp.zeros((2, 24, 0))
+
+    def conv(x, kernel, bias, *, seq_idx, initial_states):
+        if not split:
+            return _cutile(x, kernel, bias, seq_idx=seq_idx, initial_states=initial_states)
+        wide = jnp.pad(x, ((0, 0), (0, 0), (1, 2)))
+        return conv1d.causal_conv1d_silu_split(wide, kernel, bias, channel_offset=1, split=(24,), seq_idx=seq_idx,
+                                               initial_states=initial_states, backend="cutile")[0]
+
+    want_y, want_grads = float64_reference(x, kernel, bias, None, None, weights)
+    y = conv(x, kernel, bias, seq_idx=None, initial_states=init)
+    *grads, dinit = jax.grad(_loss(conv, weights), argnums=(0, 1, 2, 3))(x, kernel, bias, init, None)
+    errors = [rel_l2(got, want) for got, want in zip([y, *grads], [want_y, *want_grads[:3]])]
+    assert max(errors) < TOLERANCE, errors
+    assert dinit.shape == init.shape
+
+
 def test_emulated_cutile_under_remat_matches_float64_reference(emulated):
     """jax.checkpoint and nnx.remat around the op: the backward recomputes the forward kernel, then runs its own."""
     args = make_conv_args(5, seqlen=19, channels=24, init_width=3)
