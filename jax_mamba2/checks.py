@@ -138,14 +138,16 @@ def as_int(value) -> int | None:
 
 def check_int(api: str, name: str, value, requirement: str = "a positive int", minimum: int = 1,
               maximum: int | None = None) -> int:
-    """`value` is an integer of Python or NumPy (not a bool) in [minimum, maximum] (no upper bound for None);
-    returns it as a Python int. TypeError for anything else, ValueError out of range, both saying "<api>:
-    <name>=<value> must be <requirement>" (callers with further conditions raise the same words as a ValueError)."""
-    if not is_int(value):
+    """`value` is a concrete integer (`as_int`: Python's, NumPy's or a 0-d JAX array's, not a bool) in [minimum,
+    maximum] (no upper bound for None); returns it as a Python int. TypeError for anything else, ValueError out
+    of range, both saying "<api>: <name>=<value> must be <requirement>" (callers with further conditions raise
+    the same words as a ValueError)."""
+    number = as_int(value)
+    if number is None:
         raise TypeError(f"{api}: {name}={value!r} must be {requirement}")
-    if value < minimum or (maximum is not None and value > maximum):
+    if number < minimum or (maximum is not None and number > maximum):
         raise ValueError(f"{api}: {name}={value!r} must be {requirement}")
-    return int(value)
+    return number
 
 
 def is_real_scalar(value) -> bool:

@@ -40,7 +40,7 @@ import numpy as np
 
 from jax_mamba2 import backends as registry
 from jax_mamba2._vma import reduce_to_primal_axes, varying_axes
-from jax_mamba2.checks import check_float, check_int, check_token_ids_in_range, float_dtype, is_int
+from jax_mamba2.checks import as_int, check_float, check_int, check_token_ids_in_range, float_dtype
 
 OP = "cross_entropy"
 # The head's vocabulary is padded (zero weight rows, columns outside the softmax) to a multiple of this once per
@@ -293,18 +293,18 @@ _chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
 
 
 def check_ignore_index(api: str, ignore_index) -> None:
-    """ignore_index, the label of tokens left out of the loss, is an int (NumPy's too, not a bool) in int32's
-    range (the labels' dtype in the loss)."""
-    if not is_int(ignore_index):
+    """ignore_index, the label of tokens left out of the loss, is a concrete int (`as_int`: NumPy's and a 0-d JAX
+    array's too, not a bool) in int32's range (the labels' dtype in the loss)."""
+    if as_int(ignore_index) is None:
         raise TypeError(f"{api}: ignore_index={ignore_index!r} must be an int")
-    if not -2 ** 31 <= ignore_index < 2 ** 31:
+    if not -2 ** 31 <= as_int(ignore_index) < 2 ** 31:
         raise ValueError(f"{api}: ignore_index={ignore_index} must be in int32's range")
 
 
-def _int32_labels(labels, ignore_index: int, padded_vocab: int):
-    """labels as int32, where a label of a wider dtype that int32 cannot hold (and would wrap into the
-    vocabulary or onto ignore_index) becomes a label past the weight's vocabulary, and not ignore_index, so that
-    it scores NaN like any other label out of range."""
+def int32_labels(labels, ignore_index: int, padded_vocab: int):
+    """labels (any shape, any integer dtype) as int32, where a label of a wider dtype that int32 cannot hold (and
+    would wrap into the vocabulary or onto ignore_index) becomes a label past the weight's vocabulary
+    (`padded_vocab`, its rows), and not ignore_index, so that it scores NaN like any other label out of range."""
     if jnp.iinfo(labels.dtype).max <= jnp.iinfo(jnp.int32).max:
         return labels.astype(jnp.int32)
     fits = labels <= jnp.iinfo(jnp.int32).max
@@ -415,5 +415,5 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
         return jnp.zeros(labels.shape if reduction == "none" else (), _accumulation_dtype(static.dtype))
     padded_vocab = weight.shape[0 if static.embedding_layout else 1]
     loss = _chunked_loss(static, hidden.reshape(tokens, d), weight,
-                         _int32_labels(labels.reshape(tokens), static.ignore_index, padded_vocab))
+                         int32_labels(labels.reshape(tokens), static.ignore_index, padded_vocab))
     return loss.reshape(labels.shape) if reduction == "none" else loss

@@ -12,6 +12,7 @@ def test_check_int_returns_a_python_int_within_its_bounds():
     assert check_int("api", "n", np.int64(3), minimum=0, maximum=3) == 3
     assert type(check_int("api", "n", np.int32(2))) is int
     assert check_int("api", "n", 10**12) == 10**12  # no upper bound by default
+    assert check_int("api", "n", jnp.int32(4), maximum=4) == 4  # a concrete JAX integer too
 
 
 @pytest.mark.parametrize("value,error", [(True, TypeError), (2.0, TypeError), ("2", TypeError), (None, TypeError),

@@ -293,8 +293,10 @@ class Mamba2LMHeadModel(nnx.Module):
         if labels is not input_ids:  # (input_ids were checked above) a target past the vocabulary would score NaN
             check_token_ids_in_range("Mamba2LMHeadModel.loss", name, labels, self.config.vocab_size, ignore_index)
         # Shifted in int32: an unsigned dtype could not hold a negative ignore_index in the padded last column (none
-        # for an empty sequence).
-        shifted = labels[:, 1:].astype(jnp.int32)
+        # for an empty sequence). A traced label int32 cannot hold becomes one past the vocabulary, as
+        # `chunked_cross_entropy` makes it of shift_labels: a plain cast would wrap it onto ignore_index (left out)
+        # or into the vocabulary (scored as another token) instead of scoring NaN.
+        shifted = loss_op.int32_labels(labels[:, 1:], ignore_index, self.config.padded_vocab_size)
         targets = labels if shift_labels is not None else jnp.pad(
             shifted, ((0, 0), (0, labels.shape[1] - shifted.shape[1])), constant_values=ignore_index)
         weight = (dict(embedding=self.embedding.embedding[...]) if self.lm_head is None else

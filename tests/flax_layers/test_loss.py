@@ -307,6 +307,21 @@ def test_labels_int32_cannot_hold_are_out_of_range_not_wrapped(x64):
             assert np.isfinite(per_token[0]) and np.isnan(per_token[1]) and np.isfinite(per_token[2])
 
 
+def test_lm_loss_labels_int32_cannot_hold_are_out_of_range_not_wrapped(x64, tiny_config):
+    """A traced label past int32 scores NaN at its position as unshifted labels as well as shift_labels (the LM
+    shifts labels in int32 itself), not the label it would wrap to (2^32 + 1 -> 1) nor ignore_index (2^32 - 100
+    -> -100)."""
+    model = Mamba2LMHeadModel(tiny_config.replace(n_layer=1), backend="xla", rngs=nnx.Rngs(0))
+    ids = jax.random.randint(jax.random.key(3), (1, 4), 0, tiny_config.vocab_size)
+    loss = nnx.jit(lambda m, ids, labels, shifted: m.loss(ids, **{"shift_labels" if shifted else "labels": labels},
+                                                          reduction="none"), static_argnums=3)
+    for wrapping, dtype in ((2 ** 32 + 1, jnp.int64), (2 ** 32 - 100, jnp.uint32)):
+        labels = ids.astype(dtype).at[0, 2].set(wrapping)
+        for shifted, position in ((False, 1), (True, 2)):
+            per_token = loss(model, ids, labels, shifted)
+            assert np.isnan(per_token[0, position]) and np.isfinite(np.delete(per_token[0], position)).all()
+
+
 def test_lm_loss_takes_unsigned_labels_like_signed_ones(tiny_config):
     """Labels in uint8 shift like int32 ones: the padded last column holds ignore_index, which uint8 cannot."""
     model = Mamba2LMHeadModel(tiny_config.replace(n_layer=1), backend="xla", rngs=nnx.Rngs(0))
