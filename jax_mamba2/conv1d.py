@@ -22,8 +22,8 @@ import jax.numpy as jnp
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import conv1d_reference
-from jax_mamba2.checks import (check_array, check_flag, check_int, check_ndim, check_seq_idx, check_seq_idx_order,
-                               is_int)
+from jax_mamba2.checks import (as_int, check_array, check_flag, check_int, check_ndim, check_seq_idx,
+                               check_seq_idx_order)
 
 OP = "causal_conv1d"
 ACTIVATIONS = ("silu", None)
@@ -213,11 +213,12 @@ def _check_layout(x, kernel, channel_offset, split) -> tuple[int, int, tuple[int
                    f"channels={channels})")
     check_int(_SPLIT_API, "channel_offset", channel_offset, requirement, minimum=0, maximum=width - channels)
     requirement = f"a tuple of 1 to {MAX_PIECES} positive ints summing to channels={channels}"
-    if not isinstance(split, tuple) or not all(is_int(w) for w in split):
+    if not isinstance(split, tuple) or any(as_int(w) is None for w in split):
         raise TypeError(f"{_SPLIT_API}: split={split!r} must be {requirement}")
-    if not 1 <= len(split) <= MAX_PIECES or not all(w >= 1 for w in split) or sum(split) != channels:
+    widths = tuple(as_int(w) for w in split)
+    if not 1 <= len(widths) <= MAX_PIECES or not all(w >= 1 for w in widths) or sum(widths) != channels:
         raise ValueError(f"{_SPLIT_API}: split={split!r} must be {requirement}")
-    return channels, int(channel_offset), tuple(int(w) for w in split)
+    return channels, int(channel_offset), widths
 
 
 def causal_conv1d_silu_split(x, kernel, bias=None, *, channel_offset, split, seq_idx=None, initial_states=None,

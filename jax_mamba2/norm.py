@@ -23,7 +23,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import norm_reference as reference
-from jax_mamba2.checks import check_array, check_flag, check_int, check_positive_float, float_dtype, is_int
+from jax_mamba2.checks import as_int, check_array, check_flag, check_int, check_positive_float, float_dtype
 
 OP = "rms_norm"
 
@@ -181,7 +181,7 @@ def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] 
         z_kept_in = _check_z_source(api, x, z, z_kept_in)
     if group_size is None:
         group_size = features
-    elif not is_int(group_size):
+    elif as_int(group_size) is None:
         raise TypeError(f"rms_norm: group_size={group_size!r} must be an int or None")
     elif sum_groups is None and (group_size < 1 or features % group_size):
         raise ValueError(f"rms_norm: group_size={group_size} must be a positive divisor of features={features}")
@@ -190,7 +190,7 @@ def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] 
                          f"of it (a group split across devices)")
     # A Python int: the kernels' (rows, ngroups, group_size) layout is built from it, and a NumPy int in an array
     # shape is a symbolic dimension to cutile_call, which it refuses.
-    group_size = int(group_size)
+    group_size = as_int(group_size)
 
     def reference_fn(x, z, residual, weight):
         del residual

@@ -8,7 +8,7 @@ from typing import NamedTuple, Optional
 
 import jax
 
-from jax_mamba2.checks import check_array, check_float, check_ndim, check_seq_idx, is_int
+from jax_mamba2.checks import as_int, check_array, check_float, check_ndim, check_seq_idx
 
 
 class SSDInputs(NamedTuple):
@@ -91,8 +91,9 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
     check_model_sizes(api, nheads, headdim, dstate)
     if ngroups < 1 or nheads % ngroups:
         raise ValueError(f"ssd: nheads={nheads} must be divisible by ngroups={ngroups}")
-    if not is_int(chunk_size):
-        raise TypeError(f"ssd: chunk_size={chunk_size!r} must be a Python int")
+    if as_int(chunk_size) is None:
+        raise TypeError(f"ssd: chunk_size={chunk_size!r} must be an int")
+    chunk_size = as_int(chunk_size)
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"ssd: chunk_size={chunk_size} must be a power of two")
     check_head_options(api, x, D, z, dt_bias)

@@ -30,6 +30,25 @@ def test_as_int_reads_concrete_integers_of_python_numpy_and_jax():
     assert jax.jit(lambda k: jnp.int32(as_int(k) is None))(3) == 1  # a tracer has no value yet
 
 
+def test_the_ops_integer_options_take_concrete_jax_integers_as_their_values():
+    """chunk_size, group_size and the conv's split as 0-d JAX integers compute what the Python ints do."""
+    from jax_mamba2 import causal_conv1d_silu_split, ssd
+    keys = jax.random.split(jax.random.key(0), 6)
+    x, dt = jax.random.normal(keys[0], (1, 24, 2, 4)), jax.random.normal(keys[1], (1, 24, 2))
+    B = C = jax.random.normal(keys[2], (1, 24, 1, 4))
+    A = -jnp.exp(jax.random.normal(keys[3], (2,)))
+    np.testing.assert_array_equal(ssd(x, dt, A, B, C, jnp.int32(8), dt_softplus=True, backend="xla"),
+                                  ssd(x, dt, A, B, C, 8, dt_softplus=True, backend="xla"))
+    h, w = jax.random.normal(keys[4], (3, 8)), jax.random.normal(keys[5], (8,))
+    np.testing.assert_array_equal(rms_norm(h, w, group_size=jnp.int32(4), backend="xla"),
+                                  rms_norm(h, w, group_size=4, backend="xla"))
+    u, kernel = jax.random.normal(keys[0], (1, 10, 12)), jax.random.normal(keys[1], (4, 8))
+    pieces = [causal_conv1d_silu_split(u, kernel, channel_offset=2, split=split, backend="xla")
+              for split in ((jnp.int32(6), jnp.int32(2)), (6, 2))]
+    for got, want in zip(*pieces, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_rms_norm_refuses_a_z_source_offset_past_its_columns():
     x = jnp.ones((2, 8), jnp.float32)
     source = jnp.ones((2, 12), jnp.float32)

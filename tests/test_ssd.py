@@ -77,7 +77,7 @@ def _bad_call(**changes):
      r"ssd: headdim=0 must be at least 1"),
     (dict(C=jnp.ones((2, 40, 2, 4))), ValueError, r"C.shape=\(2, 40, 2, 4\) must be"),
     (dict(chunk_size=24), ValueError, r"chunk_size=24 must be a power of two"),
-    (dict(chunk_size=16.0), TypeError, r"chunk_size=16.0 must be a Python int"),
+    (dict(chunk_size=16.0), TypeError, r"chunk_size=16.0 must be an int"),
     (dict(D=jnp.ones((4, 3))), ValueError, r"D.shape=\(4, 3\) must be \(nheads,\)=\(4,\) or"),
     (dict(D=1.0), TypeError, r"ssd: D must be an array, got float"),
     (dict(z=jnp.ones((2, 40, 4, 4))), ValueError, r"z.shape=\(2, 40, 4, 4\) must be x.shape"),
