@@ -260,7 +260,10 @@ def main(argv=None) -> int:
     batch = len(rows)
 
     rng = jax.random.key(args.seed)
-    _, _, prefill_s = timed_generate(model, prompt_ids, prompt_lengths, 1, args, rng)  # the prefill and 1st token
+    try:  # the prefill and 1st token; also where generate checks the options argparse let through
+        _, _, prefill_s = timed_generate(model, prompt_ids, prompt_lengths, 1, args, rng)
+    except (ValueError, TypeError) as error:  # its message names the option (or the prompt's token id)
+        raise SystemExit(f"generate.py: {error}") from None
     tokens, first_s, run_s = timed_generate(model, prompt_ids, prompt_lengths, args.max_new_tokens, args, rng)
     decode_s, steps = run_s - prefill_s, args.max_new_tokens - 1
     print(f"generated {batch} x {args.max_new_tokens} tokens after prompts of {sorted({len(p) for p in prompts})} "

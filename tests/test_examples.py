@@ -248,6 +248,15 @@ def test_examples_refuse_bad_flags_naming_them(capsys, name, flags, message):
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_generate_ends_in_one_line_for_an_option_generate_refuses(tmp_path):
+    """A value argparse lets through but `generate` refuses (float32 cannot hold the temperature): one line
+    naming it, no traceback."""
+    with pytest.raises(SystemExit, match=r"^generate.py: generate: temperature=1e-45 must be 0 \(greedy\) or at "
+                                         r"least 1.18e-38"):
+        load_example("generate").main(["--temperature", "1e-45", "--max-new-tokens", "2", "--layers", "1",
+                                       "--d-model", "64", "--out", str(tmp_path)])
+
+
 @pytest.mark.parametrize("name, flags", [
     ("train_lm", ["--lr", "3e-4", "--chunk-size", "16", "--seed", "0"]),
     ("generate", ["--temperature", "0", "--top-p", "1", "--min-p", "0", "--repetition-penalty", "1.5", "--top-k", "1"]),
