@@ -295,6 +295,7 @@ def load_hf_state(path) -> dict[str, np.ndarray]:
       ValueError: for an index without a `weight_map` object, a shard that holds other tensors than the index
         gives it, or a file that safetensors cannot read.
       TypeError: for a path that is not a str or os.PathLike.
+      ImportError: for a `pytorch_model.bin` (the only weights there) without torch installed.
     """
     with contextlib.ExitStack() as handles:
         _, tensors = _open_checkpoint(_checkpoint_dir(path, "load_hf_state"), "load_hf_state", handles,
@@ -328,6 +329,7 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
       ValueError, TypeError: for a config.json that is not a Mamba-2 configuration (see `load_config`) or
         whose mixer options `Mamba2` rejects, naming the file and the option; for an unknown backend or a
         dtype that is not floating.
+      ImportError: for a `pytorch_model.bin` (the only weights there) without torch installed.
     """
     backends.check_name(backend, "load_pretrained")  # the arguments first: errors below are config.json's
     check_flag("load_pretrained", "scan_layers", scan_layers)
@@ -363,13 +365,15 @@ def _assign_checkpoint(path: pathlib.Path, config: Mamba2Config, tensors: dict[s
         except KeyError:
             unknown.append(name)
             continue
-        if target == ("lm_head", "kernel") and config.tie_embeddings:
-            tied_head.append(name)  # must be the embedding, checked once that is read
-            continue
-        if target not in shapes or (layer is not None and layer >= config.n_layer):
+        # A head tied to the embedding is a copy of it (mamba_ssm stores both): its dtype and shape are checked
+        # here as the embedding's, its values once the embedding is read.
+        tied = target == ("lm_head", "kernel") and config.tie_embeddings
+        if tied:
+            target, layout = ("embedding", "embedding"), "same"
+        elif target not in shapes or (layer is not None and layer >= config.n_layer):
             unknown.append(name)
             continue
-        if layer not in unassigned[target]:
+        elif layer not in unassigned[target]:
             raise ValueError(f"load_pretrained: {name} assigns {'.'.join(target)}"
                              f"{'' if layer is None else f' of layer {layer}'} a second time (another tensor "
                              "of the checkpoint holds it too)")
@@ -381,6 +385,9 @@ def _assign_checkpoint(path: pathlib.Path, config: Mamba2Config, tensors: dict[s
         if tensor.shape != stored:
             raise ValueError(f"load_pretrained: {name}.shape={tensor.shape} must be {stored} (for "
                              f"{'.'.join(target)} of shape {expected})")
+        if tied:
+            tied_head.append(name)
+            continue
         plan.append((name, target, layer, layout))
         unassigned[target].discard(layer)
     missing = sorted(".".join(p) + ("" if layers == {None} else f"[layers {sorted(layers)}]")
@@ -395,7 +402,7 @@ def _assign_checkpoint(path: pathlib.Path, config: Mamba2Config, tensors: dict[s
     for name in tied_head:
         head = tensors[name].read()
         # A copy is equal where both hold NaN too (the weights of a run that diverged load as they are).
-        if head.shape != embedding.shape or not np.array_equal(head.astype(embedding.dtype), embedding, equal_nan=True):
+        if not np.array_equal(head.astype(embedding.dtype), embedding, equal_nan=True):
             raise ValueError(f"load_pretrained: {name} differs from the embedding, which config.json ties it to "
                              "(tie_embeddings / tie_word_embeddings): the checkpoint holds two different heads")
     # Each buffer is let go once on the device, so the host holds the model about once.

@@ -224,6 +224,8 @@ class Mamba2Config:
           ValueError: for a missing d_model, n_layer or vocab_size, for attention layers (`attn_layer_idx`),
             which this package does not implement, for keys that are not `MambaConfig` fields, or for an
             `ssm_cfg` without "layer", which mamba_ssm reads as a Mamba-1 model.
+          TypeError: for an `ssm_cfg["use_mem_eff_path"]` that is not a bool (the option is read and dropped:
+            it picks mamba_ssm's kernels, not the model).
         """
         if not isinstance(config, Mapping):
             raise TypeError(f"Mamba2Config.from_mamba_ssm: config={config!r} must be a mapping (a config.json dict)")
@@ -243,6 +245,11 @@ class Mamba2Config:
             raise ValueError(f"Mamba2Config.from_mamba_ssm: ssm_cfg={dict(ssm_cfg)!r} has no 'layer', which "
                              "mamba_ssm reads as 'Mamba1' (a Mamba-1 checkpoint); this package runs Mamba-2 only "
                              "(ssm_cfg['layer'] must be 'Mamba2')")
+        if isinstance(ssm_cfg, Mapping) and "use_mem_eff_path" in ssm_cfg:
+            # A choice of mamba_ssm's CUDA kernels (fused or not) that `Mamba2` takes from ssm_cfg; the model
+            # is the same either way.
+            check_flag("Mamba2Config.from_mamba_ssm", "ssm_cfg['use_mem_eff_path']", ssm_cfg["use_mem_eff_path"])
+            config["ssm_cfg"] = {k: v for k, v in ssm_cfg.items() if k != "use_mem_eff_path"}
         return cls(**config)
 
     @classmethod

@@ -197,6 +197,41 @@ def test_checkpoint_load_refuses_a_parameter_given_twice_and_a_tied_head_that_is
         assert np.isnan(loaded[3, 1]) and int(np.isnan(loaded).sum()) == 1
 
 
+def test_checkpoint_load_checks_a_tied_head_s_dtype_and_shape_before_reading_a_tensor(tmp_path, tiny_config,
+                                                                                         monkeypatch):
+    """A stored head tied to the embedding is checked from the header as the embedding is: a head of another
+    shape or an integer dtype fails naming it, before any tensor is read (not as "differs" once all are)."""
+    state = _torch_state_dict(_random_model(tiny_config), "backbone.embedding.weight")
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
+    embedding = state["backbone.embedding.weight"]
+    reads = []
+    tensors_of = checkpoint_module._safetensors_tensors
+    monkeypatch.setattr(checkpoint_module, "_safetensors_tensors", lambda file, caller, handles: {
+        name: t._replace(read=lambda t=t, name=name: reads.append(name) or t.read())
+        for name, t in tensors_of(file, caller, handles).items()})
+    for head, error, message in [
+        (embedding[:tiny_config.vocab_size], ValueError,
+         rf"lm_head.weight.shape=\({tiny_config.vocab_size}, 32\) must be \(64, 32\) \(for embedding.embedding"),
+        (embedding.astype(np.int32), TypeError, r"lm_head.weight holds I32 values"),
+    ]:
+        save_file({**state, "lm_head.weight": np.ascontiguousarray(head)}, tmp_path / "model.safetensors")
+        with pytest.raises(error, match=rf"load_pretrained: {message}"):
+            load_pretrained(tmp_path, backend="xla")
+        assert reads == []
+
+
+def test_checkpoint_loads_a_mamba_ssm_config_that_picks_its_kernels(tmp_path, tiny_config):
+    """mamba_ssm's Mamba2 takes use_mem_eff_path (fused CUDA kernels or not) from ssm_cfg, so its config.json may
+    hold it; the model is the same either way."""
+    model = _random_model(tiny_config)
+    save_pretrained(model, tmp_path)
+    ssm_cfg = {"layer": "Mamba2", **tiny_config.ssm_cfg, "use_mem_eff_path": False}
+    (tmp_path / "config.json").write_text(json.dumps({**MAMBA_SSM_TINY, "ssm_cfg": ssm_cfg}))
+    loaded = load_pretrained(tmp_path, backend="xla")
+    assert loaded.config == tiny_config
+    _assert_same_params(loaded, model)
+
+
 def test_sharded_checkpoint_shards_must_hold_what_the_index_says(tmp_path, tiny_config):
     state = _torch_state_dict(_random_model(tiny_config), "backbone.embedding.weight")
     (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
@@ -852,6 +887,9 @@ HF_TINY = Mamba2Config.from_mamba_ssm(MAMBA_SSM_TINY).to_hf()
     pytest.param(json.dumps({**MAMBA_SSM_TINY, "ssm_cfg": {"d_state": 8}}), ValueError,
                  r"config.json: Mamba2Config.from_mamba_ssm: ssm_cfg=\{'d_state': 8\} has no 'layer', which "
                  r"mamba_ssm reads as 'Mamba1'", id="mamba1_checkpoint"),
+    pytest.param(json.dumps({**MAMBA_SSM_TINY, "ssm_cfg": {"layer": "Mamba2", "use_mem_eff_path": "no"}}),
+                 TypeError, r"config.json: Mamba2Config.from_mamba_ssm: ssm_cfg\['use_mem_eff_path'\]='no' must be "
+                 r"a bool", id="mamba_ssm_kernel_choice_string"),
     pytest.param(json.dumps({**HF_TINY, "hidden_act": "gelu"}), ValueError,
                  r"config.json: Mamba2Config.from_hf: hidden_act='gelu' must be 'silu'", id="hf_conv_activation"),
     pytest.param(json.dumps({**MAMBA_SSM_TINY, "tie_embeddings": "false"}), TypeError,
@@ -916,6 +954,16 @@ def test_checkpoint_truncated_weights_error_names_the_file(tmp_path, tiny_config
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ValueError, match=rf"load_pretrained: {weights} is not a readable safetensors file"):
         load_pretrained(tmp_path)
+
+
+def test_checkpoint_pytorch_weights_without_torch_name_the_file(tmp_path, tiny_config, monkeypatch):
+    """A mamba_ssm checkpoint holds pytorch_model.bin only: without torch, an ImportError says what to do."""
+    (tmp_path / "config.json").write_text(json.dumps(MAMBA_SSM_TINY))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"PK")
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    for read in (load_pretrained, checkpoint_module.load_hf_state):
+        with pytest.raises(ImportError, match=rf"{read.__name__}: {tmp_path}/pytorch_model.bin needs torch"):
+            read(tmp_path)
 
 
 def test_checkpoint_load_checks_every_name_and_shape_before_reading_a_tensor(tmp_path, tiny_config, monkeypatch):
