@@ -47,6 +47,10 @@ class Layout(NamedTuple):
 
 def unsupported_reason(inputs) -> Optional[str]:
     """Why the cuTile kernels cannot run this call (None when they can)."""
+    # x and the kernel hold every size of the problem (the op checked the other arrays against them).
+    reason = problem.symbolic_sizes_reason(x=inputs.x.shape, kernel=inputs.kernel.shape)
+    if reason is not None:
+        return reason
     for name in ("x", "kernel", "bias", "initial_states"):
         arr = getattr(inputs, name)
         if arr is not None and arr.dtype == jnp.float64:

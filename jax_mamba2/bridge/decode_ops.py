@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jax_mamba2.bridge import _compat, callback, ffi
 from jax_mamba2.bridge.batching import fold, map_items, unfold
-from jax_mamba2.bridge.problem import gpu_unavailable_reason
+from jax_mamba2.bridge.problem import gpu_unavailable_reason, symbolic_sizes_reason
 from jax_mamba2.kernels import decode_mixer, decode_projection
 from jax_mamba2.kernels._common import KERNEL_DTYPES
 from jax_mamba2.kernels.decode_mixer import MixerStepDims
@@ -41,15 +41,8 @@ def _dtypes_unsupported_reason(dtypes: dict) -> Optional[str]:
 
 
 def _symbolic_sizes_reason(dims) -> Optional[str]:
-    """Why the kernels cannot run a problem (ProjectionDims or MixerStepDims) whose sizes are symbolic (jax.export's
-    shape polymorphism): each launch is compiled for concrete shapes and grid, and the kernels' own checks compare
-    sizes, which a symbolic one leaves undecided (so "auto" could not fall back to xla)."""
-    symbolic = [field.name for field in dataclasses.fields(dims)
-                if jax.export.is_symbolic_dim(getattr(dims, field.name))]
-    if symbolic:
-        return (f"symbolic sizes ({', '.join(symbolic)}: a shape-polymorphic export); the kernels are compiled for "
-                f"concrete shapes: use backend='xla'")
-    return None
+    """`symbolic_sizes_reason` of every field of a ProjectionDims or MixerStepDims."""
+    return symbolic_sizes_reason(**{field.name: getattr(dims, field.name) for field in dataclasses.fields(dims)})
 
 
 def projection_unsupported_reason(dims: ProjectionDims) -> Optional[str]:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_mamba2.bridge import _compat, callback, ffi
-from jax_mamba2.bridge.problem import gpu_unavailable_reason
+from jax_mamba2.bridge.problem import gpu_unavailable_reason, symbolic_sizes_reason
 from jax_mamba2.kernels import rms_norm as fwd_kernels
 from jax_mamba2.kernels import rms_norm_bwd as bwd_kernels
 from jax_mamba2.kernels._common import KERNEL_DTYPES
@@ -59,6 +59,9 @@ def norm_dims(x, z, residual, weight, *, group_size: int, norm_before_gate: bool
 
 def unsupported_reason(dims: NormDims) -> Optional[str]:
     """Why the kernels cannot run this norm here (None when they can)."""
+    reason = symbolic_sizes_reason(rows=dims.rows, ngroups=dims.ngroups, group_size=dims.group_size)
+    if reason is not None:
+        return reason
     dtypes = {"x": dims.dtype, "z": dims.z_dtype, "residual": dims.residual_in_dtype,
               "residual_dtype": dims.residual_dtype, "out_dtype": dims.out_dtype, "weight": dims.weight_dtype}
     for name, dtype in dtypes.items():

@@ -158,7 +158,8 @@ def step_unsupported_reason(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, d
     del dt, A, C, D, z, dt_bias, dt_softplus, dt_limit
     if state.dtype == jnp.float64 or x.dtype == jnp.float64:
         return "float64 state or x; the kernels compute in float32: use backend='xla' or cast"
-    reason = problem.shape_unsupported_reason(dtype=x.dtype, headdim=x.shape[2], dstate=B.shape[2])
+    reason = (problem.symbolic_sizes_reason(x=x.shape, B=B.shape)
+              or problem.shape_unsupported_reason(dtype=x.dtype, headdim=x.shape[2], dstate=B.shape[2]))
     return reason or problem.gpu_unavailable_reason()
 
 

@@ -45,6 +45,18 @@ def _local_gpu_unavailable_reason() -> Optional[str]:
     return None
 
 
+def symbolic_sizes_reason(**sizes) -> Optional[str]:
+    """Why the kernels cannot run a problem whose sizes (name -> an int or a shape) include a symbolic one
+    (jax.export's shape polymorphism): each launch is compiled for concrete shapes and grid, and the plans
+    compare sizes, which a symbolic one leaves undecided (so "auto" could not fall back to xla)."""
+    symbolic = [name for name, size in sizes.items()
+                if any(jax.export.is_symbolic_dim(d) for d in (size if isinstance(size, tuple) else (size,)))]
+    if symbolic:
+        return (f"symbolic sizes ({', '.join(symbolic)}: a shape-polymorphic export); the kernels are compiled for "
+                f"concrete shapes: use backend='xla'")
+    return None
+
+
 def shape_unsupported_reason(*, dtype, headdim: int, dstate: int) -> Optional[str]:
     """Why the kernels cannot take these shapes/dtypes (None when they can)."""
     name = jnp.dtype(dtype).name
@@ -60,6 +72,10 @@ def shape_unsupported_reason(*, dtype, headdim: int, dstate: int) -> Optional[st
 
 def unsupported_reason(inputs, static) -> Optional[str]:
     """Why `ssd(..., backend="cutile")` cannot run this call (None when it can)."""
+    # x and B hold every size of the problem (the op checked the other arrays against them).
+    reason = symbolic_sizes_reason(x=inputs.x.shape, B=inputs.B.shape)
+    if reason is not None:
+        return reason
     for name in ("dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states"):
         arr = getattr(inputs, name)
         if arr is not None and arr.dtype == jnp.float64:

@@ -1,5 +1,6 @@
 """The cuTile backend lowered for CUDA on this CPU machine (jax.export, cubins compiled by tileiras with
 the constraints JAX derives): forward and backward plans, every optional input."""
+import functools
 import re
 
 import jax
@@ -55,6 +56,52 @@ def test_aot_export_of_the_callback_backend_says_to_export_the_custom_calls():
     with pytest.raises(ValueError, match=r"export_for_cuda: fun launches kernels from a host callback \(backend="
                                          r"'cutile_callback'\).* export it with backend='cutile' or 'auto'"):
         aot.export_for_cuda(lambda *a: jax_mamba2.ssd(*a, 64, backend="cutile_callback"), *args)
+
+
+def test_aot_export_keeps_the_static_arguments_of_a_jitted_fun():
+    """A jitted `fun` is exported as it is: wrapping it in another jit would trace its static arguments."""
+    args, _ = make_ssd_args(0, batch=1, seqlen=37, nheads=2, headdim=16, ngroups=1, dstate=16, dtype=jnp.bfloat16)
+    fun = jax.jit(lambda chunk_size, *a: jax_mamba2.ssd(*a, chunk_size), static_argnums=0)
+    exported = aot.export_for_cuda(fun, 64, *args)
+    assert exported.in_avals == tuple(jax.typeof(a) for a in args)
+    assert _kernels(exported) == ["chunk_cumsum_fwd_kernel", "chunk_state_fwd_kernel", "chunk_scan_fwd_kernel"]
+
+
+def test_a_program_exported_for_cuda_still_says_why_cutile_cannot_run_on_this_machine():
+    """The traces made for the target are not reused afterwards: on this CPU machine the same program, jitted
+    again, raises the ValueError of `backend="cutile"`, not a lowering error of its kernels for the CPU."""
+    args, _ = make_ssd_args(0, batch=1, seqlen=37, nheads=2, headdim=16, ngroups=1, dstate=16, dtype=jnp.bfloat16)
+
+    def fun(*a):
+        return jax_mamba2.ssd(*a, 64, backend="cutile")
+
+    aot.export_for_cuda(fun, *args)
+    with pytest.raises(ValueError, match=r"ssd\(backend='cutile'\) cannot run this call: no CUDA device"):
+        jax.jit(fun)(*args)
+
+
+def test_aot_export_with_a_symbolic_batch_runs_xla_on_auto_and_says_why_on_cutile():
+    """The kernels are compiled per shape: a shape-polymorphic export takes the xla path of "auto" for the SSD, its
+    decode step, the conv and the norms, and a ValueError for "cutile", not an inconclusive comparison of sizes."""
+    args, _ = make_ssd_args(0, batch=2, seqlen=64, nheads=2, headdim=16, ngroups=1, dstate=16, dtype=jnp.bfloat16)
+    batch, = jax.export.symbolic_shape("batch")
+    x, dt, A, B, C = (jax.ShapeDtypeStruct((batch, *a.shape[1:]) if a.ndim > 1 else a.shape, a.dtype) for a in args)
+    h = jax.ShapeDtypeStruct((batch, 8, 32), jnp.float32)
+    state = jax.ShapeDtypeStruct((batch, 2, 16, 16), jnp.float32)
+    calls = {
+        "ssd": (lambda backend, *a: jax_mamba2.ssd(*a, 64, backend=backend), (x, dt, A, B, C)),
+        "ssd_step": (lambda backend, s, x, dt, A, B, C: jax_mamba2.ssd_step(s, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0],
+                                                                         backend=backend), (state, x, dt, A, B, C)),
+        "causal_conv1d_silu": (lambda backend, h: jax_mamba2.causal_conv1d_silu(h, jnp.ones((4, 32)), backend=backend),
+                               (h,)),
+        "rms_norm": (lambda backend, h: jax_mamba2.rms_norm(h, jnp.ones((32,)), backend=backend), (h,)),
+        "add_rms_norm": (lambda backend, h: jax_mamba2.add_rms_norm(h, h, jnp.ones((32,)), backend=backend), (h,)),
+    }
+    for api, (call, specs) in calls.items():
+        exported = aot.export_for_cuda(functools.partial(call, "auto"), *specs)
+        assert _kernels(exported) == [], api
+        with pytest.raises(ValueError, match=rf"{api}\(backend='cutile'\) cannot run this call: symbolic sizes"):
+            aot.export_for_cuda(functools.partial(call, "cutile"), *specs)
 
 
 def test_each_target_arch_has_its_own_cache_of_compiled_kernels():
