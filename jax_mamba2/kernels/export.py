@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="a small set for CI: bf16 and f32, headdim = dstate = chunk_size = 64")
     args = parser.parse_args(argv)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out={args.out} is a file; it must be a directory (created if missing)")
     os.makedirs(args.out, exist_ok=True)
 
     seen, manifest, start = set(), [], time.perf_counter()

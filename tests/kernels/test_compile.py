@@ -162,6 +162,13 @@ def test_chunk_scan_default_at_chunk_64_is_a_spill_free_state_loop(dstate, dtype
     _assert_chunk_scan_spill_free_with_wgmma_and_tma(dims, cfg)
 
 
+def test_export_cli_refuses_an_output_path_that_is_a_file(tmp_path, capsys):
+    (tmp_path / "cubins").write_text("")
+    with pytest.raises(SystemExit):
+        export.main(["--out", str(tmp_path / "cubins"), "--quick"])
+    assert re.search(r"--out=.*cubins is a file; it must be a directory", capsys.readouterr().err)
+
+
 def test_export_cli_quick_writes_cubins_and_manifest(tmp_path, capsys):
     assert export.main(["--arch", "sm_90", "--out", str(tmp_path), "--quick"]) == 0
     manifest = (tmp_path / "manifest.tsv").read_text().split()
