@@ -121,19 +121,17 @@ def check_seq_idx_order(api: str, seq_idx) -> None:
         raise_unordered_seq_idx(api, seq_idx)
 
 
-def is_int(value) -> bool:
-    """Whether `value` is an integer of Python or NumPy (a size, an index or an id an option gives), not a bool."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
 def as_int(value) -> int | None:
-    """`value` as a Python int where it is a concrete integer: an int of Python or NumPy (not a bool), or a 0-d
-    array, NumPy's or JAX's, of an integer dtype; None for anything else (a tracer has no value yet)."""
-    if is_int(value):
-        return int(value)
-    if isinstance(value, jax.core.Tracer) or getattr(value, "shape", None) != ():
+    """`value` (a size, an index or an id an option gives) as a Python int where it is a concrete integer: an int
+    of Python or NumPy (not a bool), or a 0-d array, NumPy's or JAX's, of an integer dtype; None for anything else
+    (a tracer has no value yet)."""
+    if isinstance(value, (bool, np.bool_, jax.core.Tracer)):
         return None
-    return int(value) if jnp.issubdtype(value.dtype, jnp.integer) else None
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if getattr(value, "shape", None) == () and jnp.issubdtype(value.dtype, jnp.integer):
+        return int(value)
+    return None
 
 
 def check_int(api: str, name: str, value, requirement: str = "a positive int", minimum: int = 1,

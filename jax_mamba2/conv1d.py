@@ -213,9 +213,9 @@ def _check_layout(x, kernel, channel_offset, split) -> tuple[int, int, tuple[int
                    f"channels={channels})")
     check_int(_SPLIT_API, "channel_offset", channel_offset, requirement, minimum=0, maximum=width - channels)
     requirement = f"a tuple of 1 to {MAX_PIECES} positive ints summing to channels={channels}"
-    if not isinstance(split, tuple) or any(as_int(w) is None for w in split):
+    widths = tuple(as_int(w) for w in split) if isinstance(split, tuple) else (None,)
+    if None in widths:
         raise TypeError(f"{_SPLIT_API}: split={split!r} must be {requirement}")
-    widths = tuple(as_int(w) for w in split)
     if not 1 <= len(widths) <= MAX_PIECES or not all(w >= 1 for w in widths) or sum(widths) != channels:
         raise ValueError(f"{_SPLIT_API}: split={split!r} must be {requirement}")
     return channels, int(channel_offset), widths

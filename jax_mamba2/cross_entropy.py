@@ -295,9 +295,10 @@ _chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
 def check_ignore_index(api: str, ignore_index) -> None:
     """ignore_index, the label of tokens left out of the loss, is a concrete int (`as_int`: NumPy's and a 0-d JAX
     array's too, not a bool) in int32's range (the labels' dtype in the loss)."""
-    if as_int(ignore_index) is None:
+    number = as_int(ignore_index)
+    if number is None:
         raise TypeError(f"{api}: ignore_index={ignore_index!r} must be an int")
-    if not -2 ** 31 <= as_int(ignore_index) < 2 ** 31:
+    if not -2 ** 31 <= number < 2 ** 31:
         raise ValueError(f"{api}: ignore_index={ignore_index} must be in int32's range")
 
 

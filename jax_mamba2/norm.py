@@ -179,18 +179,17 @@ def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] 
         raise TypeError(f"rms_norm: sum_groups={sum_groups!r} must be a callable or None")
     if z_kept_in is not None:
         z_kept_in = _check_z_source(api, x, z, z_kept_in)
-    if group_size is None:
-        group_size = features
-    elif as_int(group_size) is None:
-        raise TypeError(f"rms_norm: group_size={group_size!r} must be an int or None")
-    elif sum_groups is None and (group_size < 1 or features % group_size):
-        raise ValueError(f"rms_norm: group_size={group_size} must be a positive divisor of features={features}")
-    elif group_size < 1 or (group_size % features and features % group_size):
-        raise ValueError(f"rms_norm: group_size={group_size} must divide features={features} or be a multiple "
-                         f"of it (a group split across devices)")
     # A Python int: the kernels' (rows, ngroups, group_size) layout is built from it, and a NumPy int in an array
     # shape is a symbolic dimension to cutile_call, which it refuses.
-    group_size = as_int(group_size)
+    number = features if group_size is None else as_int(group_size)
+    if number is None:
+        raise TypeError(f"rms_norm: group_size={group_size!r} must be an int or None")
+    if group_size is not None and sum_groups is None and (number < 1 or features % number):
+        raise ValueError(f"rms_norm: group_size={group_size} must be a positive divisor of features={features}")
+    if group_size is not None and (number < 1 or (number % features and features % number)):
+        raise ValueError(f"rms_norm: group_size={group_size} must divide features={features} or be a multiple "
+                         f"of it (a group split across devices)")
+    group_size = number
 
     def reference_fn(x, z, residual, weight):
         del residual

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from flax.core import FrozenDict
 
-from jax_mamba2.checks import check_dt_limit, check_flag, check_int, check_positive_float, is_int
+from jax_mamba2.checks import as_int, check_dt_limit, check_flag, check_int, check_positive_float
 from jax_mamba2.flax_layers.mixer_options import check_mixer_options
 
 # Keyword arguments of `Mamba2.__init__` that may appear in `ssm_cfg` (all but d_model and the dtype/backend
@@ -173,14 +173,15 @@ class Mamba2Config:
             object.__setattr__(self, name, check_flag("Mamba2Config", name, getattr(self, name)))
         object.__setattr__(self, "norm_epsilon", check_positive_float("Mamba2Config", "norm_epsilon",
                                                                       self.norm_epsilon))
-        if not is_int(self.d_intermediate):
+        d_intermediate = as_int(self.d_intermediate)
+        if d_intermediate is None:
             raise TypeError(f"Mamba2Config: d_intermediate={self.d_intermediate!r} must be the int 0")
-        if self.d_intermediate != 0:
+        if d_intermediate != 0:
             raise ValueError(f"Mamba2Config: d_intermediate={self.d_intermediate!r} must be 0 (MLP sub-blocks "
                              "are not supported)")
         if not self.rms_norm:
             raise ValueError("Mamba2Config: rms_norm=False must be True (LayerNorm blocks are not supported)")
-        object.__setattr__(self, "d_intermediate", int(self.d_intermediate))
+        object.__setattr__(self, "d_intermediate", d_intermediate)
         ssm_cfg = dict(self.ssm_cfg)
         layer = ssm_cfg.pop("layer", "Mamba2")
         if layer != "Mamba2":
@@ -191,7 +192,7 @@ class Mamba2Config:
         if "dt_limit" in ssm_cfg:
             ssm_cfg["dt_limit"] = parse_dt_limit(ssm_cfg["dt_limit"], "Mamba2Config", "ssm_cfg['dt_limit']")
         expand, d_ssm = ssm_cfg.get("expand", MIXER_DEFAULTS["expand"]), ssm_cfg.get("d_ssm")
-        if is_int(expand) and is_int(d_ssm) and d_ssm == expand * self.d_model:  # else checked below
+        if None not in (as_int(expand), as_int(d_ssm)) and d_ssm == expand * self.d_model:  # else checked below
             del ssm_cfg["d_ssm"]  # the default (d_inner) spelled out
         ssm_cfg = {k: _freeze(v) for k, v in sorted(ssm_cfg.items())}
         # By value too, as the mixers will be built from them: a config no model can be made of fails here.

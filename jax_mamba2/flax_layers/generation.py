@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_mamba2.checks import as_int, check_int, check_token_ids_in_range, is_int
+from jax_mamba2.checks import as_int, check_int, check_token_ids_in_range
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers import sampling as sampling_rule
 from jax_mamba2.flax_layers.cache import unstack_layers
@@ -197,7 +197,7 @@ def _end_of_sequence(api: str, vocab_size: int, eos_token_id, pad_token_id):
     except ValueError:  # a ragged nesting
         raise TypeError(f"{api}: eos_token_id={eos_token_id!r} must be an int or a non-empty sequence of ints") \
             from None
-    if any(not is_int(i) for i in ids):
+    if any(as_int(i) is None for i in ids):
         raise TypeError(f"{api}: eos_token_id={eos_token_id!r} must be an int or a non-empty sequence of ints")
     if not ids:
         raise ValueError(f"{api}: eos_token_id={eos_token_id!r} must be an int or a non-empty sequence of ints")
@@ -205,9 +205,10 @@ def _end_of_sequence(api: str, vocab_size: int, eos_token_id, pad_token_id):
         raise ValueError(f"{api}: eos_token_id={eos_token_id!r} must be in [0, vocab_size={vocab_size})")
     if pad_token_id is None:
         pad_token_id = ids[0]
-    if as_int(pad_token_id) is None:
+    number = as_int(pad_token_id)
+    if number is None:
         raise TypeError(f"{api}: pad_token_id={pad_token_id!r} must be None or an int")
-    pad_token_id = as_int(pad_token_id)
+    pad_token_id = number
     if not 0 <= pad_token_id < vocab_size:  # the ended rows feed it to the model's step
         raise ValueError(f"{api}: pad_token_id={pad_token_id} must be in [0, vocab_size={vocab_size})")
     return jnp.asarray(ids, jnp.int32), jnp.int32(pad_token_id)

@@ -86,9 +86,10 @@ def make_sampling(api: str, vocab_size: int, *, temperature=0.0, top_k=None, top
         raise ValueError(f"{api}: repetition_penalty={repetition_penalty} must be > 0 and within float32's normal "
                          f"numbers, [{tiny:.3g}, {largest:.3g}]")
     if top_k is not None:
-        if as_int(top_k) is None:
+        number = as_int(top_k)
+        if number is None:
             raise TypeError(f"{api}: top_k={top_k!r} must be None or an int")
-        top_k = as_int(top_k)
+        top_k = number
         if not 1 <= top_k <= vocab_size:
             raise ValueError(f"{api}: top_k={top_k} must be in [1, vocab_size={vocab_size}]")
     values = {}
