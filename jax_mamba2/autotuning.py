@@ -16,7 +16,9 @@ def autotune(fn: Callable, *args, **kwargs) -> list:
     traced before would not ask for its configs again) and after tuning where a config changed.
     Tuning a plan takes kernel compiles (each stage's configs compiled concurrently, then timed) the first
     time, nothing once cached. Problems of fewer
-    than 2^17 (token, head) pairs keep their defaults (launch-bound: not worth tuning).
+    than 2^17 (token, head) pairs keep their defaults (launch-bound: not worth tuning). A stage whose tuning
+    fails (no memory, no config that compiles) keeps its default config, with a RuntimeWarning, for the rest of
+    the process: neither this call nor a later trace tunes it again.
 
     Example:
       >>> step = jax.jit(jax.grad(loss))

@@ -27,7 +27,7 @@ import pickle
 import re
 import shutil
 import zipfile
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +67,7 @@ _PER_LAYER = (
     ("mixer.out_proj.weight", ("mixer", "out_proj", "kernel"), "linear"),
     ("mixer.out_proj.bias", ("mixer", "out_proj", "bias"), "same"),
 )
+_EMBEDDING = ("embedding", "embedding")
 _LAYER_NAME = re.compile(r"backbone\.layers\.(\d+)\.(.+)")
 
 
@@ -205,6 +206,8 @@ def _safetensors_tensors(file: pathlib.Path, caller: str, handles: contextlib.Ex
             for name, (shape, dtype) in headers.items()}
 
 
+_Built = TypeVar("_Built")
+
 # How often a load opens a checkpoint again when a save replaced its directory while it was being opened.
 _OPEN_ATTEMPTS = 3
 
@@ -220,18 +223,21 @@ def _directory_identity(path: pathlib.Path):
 
 
 def _open_checkpoint(path: pathlib.Path, caller: str, handles: contextlib.ExitStack, *,
-                     with_config: bool) -> tuple[Mamba2Config | None, dict[str, _Tensor]]:
-    """(config.json's config, or None without `with_config`; the tensors by name, see `_checkpoint_tensors`) of
-    one checkpoint: the weight files stay open in `handles`, and where a save replaced the directory while
-    they were being opened, they are opened again, so config and weights never come from two saves."""
+                     build: Callable[[Mamba2Config], _Built] | None = None
+                     ) -> tuple[_Built | None, dict[str, _Tensor]]:
+    """(`build` of config.json's config, or None without `build`; the tensors by name, see `_checkpoint_tensors`)
+    of one checkpoint: the weight files stay open in `handles`, and where a save replaced the directory while
+    they were being opened, they are opened again, so config and weights never come from two saves. `build`
+    runs before any weight file is opened, so a config.json no model can be made of fails on its own, whatever
+    the weights are (missing, unreadable or large)."""
     for _ in range(_OPEN_ATTEMPTS):
         before = _directory_identity(path)
-        config = _load_config(path, caller) if with_config else None
+        built = None if build is None else build(_load_config(path, caller))
         with contextlib.ExitStack() as attempt:
             tensors = _checkpoint_tensors(path, caller, attempt)
             if _directory_identity(path) == before:
                 handles.enter_context(attempt.pop_all())
-                return config, tensors
+                return built, tensors
     raise ValueError(f"{caller}: {path} was replaced (by a save to it) each of the {_OPEN_ATTEMPTS} times it was "
                      "opened; load it once the saves have stopped")
 
@@ -277,29 +283,53 @@ def _checkpoint_tensors(path: pathlib.Path, caller: str, handles: contextlib.Exi
         if not isinstance(state_dict, dict):
             raise ValueError(f"{caller}: {path / 'pytorch_model.bin'} must hold a state dict (tensors by name), "
                              f"not {type(state_dict).__name__}")
-        arrays = {name: (t.float() if t.dtype == torch.bfloat16 else t).numpy() for name, t in state_dict.items()}
+        arrays = {name: _torch_array(torch, tensor, name, path / "pytorch_model.bin", caller)
+                  for name, tensor in state_dict.items()}
         return {name: _Tensor(array.shape, lambda array=array: array, array.dtype.name,
                               np.issubdtype(array.dtype, np.floating)) for name, array in arrays.items()}
     raise FileNotFoundError(f"{caller}: {path} has no model.safetensors, model.safetensors.index.json "
                             "or pytorch_model.bin")
 
 
+def _torch_array(torch, tensor, name: str, file: pathlib.Path, caller: str) -> np.ndarray:
+    """A state dict's tensor as a NumPy array of its shape: detached (a saved `nn.Parameter` loads requiring grad,
+    which `.numpy()` refuses), and a float NumPy has no dtype for (bfloat16, float8) widened to float32, which
+    holds its every value exactly.
+
+    Raises:
+      ValueError: naming the entry, for a value that is not a tensor (a nested dict: a training checkpoint
+        rather than a state dict).
+      TypeError: naming the entry, for a tensor of a dtype NumPy cannot hold (quantized, ...).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{caller}: {file} holds {name!r}: {type(tensor).__name__}, not a tensor; it must hold a "
+                         "state dict (tensors by name), e.g. what model.state_dict() returns")
+    tensor = tensor.detach()
+    if tensor.is_floating_point() and tensor.dtype not in (torch.float16, torch.float32, torch.float64):
+        tensor = tensor.float()
+    try:
+        return tensor.numpy()
+    except (TypeError, RuntimeError) as e:
+        raise TypeError(f"{caller}: {file} holds {name} as a {tensor.dtype} tensor, which NumPy cannot hold: "
+                        f"{e}") from e
+
+
 def load_hf_state(path) -> dict[str, np.ndarray]:
     """Reads all tensors of a checkpoint directory as NumPy arrays, by name.
 
     Looks for `model.safetensors`, then `model.safetensors.index.json` (sharded), then `pytorch_model.bin`
-    (needs torch).
+    (needs torch; its tensors detached, bfloat16 and float8 ones as float32, which holds them exactly).
 
     Raises:
       FileNotFoundError: if there are no weights, or a shard named by the index is missing.
       ValueError: for an index without a `weight_map` object, a shard that holds other tensors than the index
-        gives it, or a file that safetensors cannot read.
-      TypeError: for a path that is not a str or os.PathLike.
+        gives it, a file that safetensors cannot read, or a `pytorch_model.bin` entry that is not a tensor.
+      TypeError: for a path that is not a str or os.PathLike, or a `pytorch_model.bin` tensor of a dtype NumPy
+        cannot hold.
       ImportError: for a `pytorch_model.bin` (the only weights there) without torch installed.
     """
     with contextlib.ExitStack() as handles:
-        _, tensors = _open_checkpoint(_checkpoint_dir(path, "load_hf_state"), "load_hf_state", handles,
-                                      with_config=False)
+        _, tensors = _open_checkpoint(_checkpoint_dir(path, "load_hf_state"), "load_hf_state", handles)
         return {name: tensor.read() for name, tensor in tensors.items()}
 
 
@@ -309,7 +339,9 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
 
     The model is created abstractly (`nnx.eval_shape`, no random init), every parameter is assigned from the
     checkpoint, and the result is merged. For tied embeddings a stored `lm_head.weight` must be the embedding
-    (mamba_ssm stores both). A `save_pretrained` to `path` while it loads does not mix two checkpoints: the
+    (mamba_ssm stores both), and is taken as the embedding where the checkpoint stores only the head (HF's save
+    may keep either name of the tied matrix). config.json is checked, and the model built from it, before any
+    weight file is opened. A `save_pretrained` to `path` while it loads does not mix two checkpoints: the
     weight files stay open until every tensor is read, and config and weights come from one save.
 
     Args:
@@ -328,7 +360,7 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
         (with layer indices) that no tensor assigned, or a tensor of the wrong shape.
       ValueError, TypeError: for a config.json that is not a Mamba-2 configuration (see `load_config`) or
         whose mixer options `Mamba2` rejects, naming the file and the option; for an unknown backend or a
-        dtype that is not floating.
+        dtype that is not floating; for weights `load_hf_state` cannot read.
       ImportError: for a `pytorch_model.bin` (the only weights there) without torch installed.
     """
     backends.check_name(backend, "load_pretrained")  # the arguments first: errors below are config.json's
@@ -337,22 +369,33 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
         float_dtype("load_pretrained", "dtype", dtype)
     param_dtype = float_dtype("load_pretrained", "param_dtype", param_dtype)
     directory = _checkpoint_dir(path, "load_pretrained")
+
+    def build(config):  # config.json's model, built abstractly before any weight file is opened
+        return config, _abstract_model(directory, config, dtype=dtype, param_dtype=param_dtype, backend=backend,
+                                       scan_layers=scan_layers)
     with contextlib.ExitStack() as handles:  # the weight files, open until every tensor is read
-        config, tensors = _open_checkpoint(directory, "load_pretrained", handles, with_config=True)
-        return _assign_checkpoint(directory, config, tensors, dtype=dtype, param_dtype=param_dtype,
-                                  backend=backend, scan_layers=scan_layers)
+        (config, abstract), tensors = _open_checkpoint(directory, "load_pretrained", handles, build=build)
+        return _assign_checkpoint(directory, config, abstract, tensors, param_dtype=param_dtype)
 
 
-def _assign_checkpoint(path: pathlib.Path, config: Mamba2Config, tensors: dict[str, _Tensor], *, dtype,
-                       param_dtype, backend: str, scan_layers: bool) -> Mamba2LMHeadModel:
-    """`load_pretrained`'s model of `config` with every parameter read from `tensors`."""
+def _abstract_model(path: pathlib.Path, config: Mamba2Config, *, dtype, param_dtype, backend: str,
+                    scan_layers: bool) -> Mamba2LMHeadModel:
+    """`load_pretrained`'s model of `config`, its parameters abstract (`nnx.eval_shape`: no random init)."""
     try:
-        abstract = nnx.eval_shape(lambda: Mamba2LMHeadModel(config, backend=backend, dtype=dtype,
-                                                            param_dtype=param_dtype, scan_layers=scan_layers,
-                                                            rngs=nnx.Rngs(0)))
+        return nnx.eval_shape(lambda: Mamba2LMHeadModel(config, backend=backend, dtype=dtype,
+                                                        param_dtype=param_dtype, scan_layers=scan_layers,
+                                                        rngs=nnx.Rngs(0)))
     except (ValueError, TypeError) as e:  # a mixer option of config.json that Mamba2 rejects, named by it
         raise (TypeError if isinstance(e, TypeError) else ValueError)(
             f"load_pretrained: {path / 'config.json'}: {e}") from e
+    except OverflowError as e:  # sizes each valid, too large for the arrays the model is built of (n_layer 2^40)
+        raise ValueError(f"load_pretrained: {path / 'config.json'}: no model can be built from it (n_layer="
+                         f"{config.n_layer}, d_model={config.d_model}, vocab_size={config.vocab_size}): {e}") from e
+
+
+def _assign_checkpoint(path: pathlib.Path, config: Mamba2Config, abstract: Mamba2LMHeadModel,
+                       tensors: dict[str, _Tensor], *, param_dtype) -> Mamba2LMHeadModel:
+    """`load_pretrained`'s model: `abstract` (of `config`) with every parameter read from `tensors`."""
     # Weights can be large: every name and shape is checked from the files' headers before any tensor is read,
     # and each is then read straight into its parameter's buffer.
     graphdef, abstract_state = nnx.split(abstract)
@@ -369,7 +412,7 @@ def _assign_checkpoint(path: pathlib.Path, config: Mamba2Config, tensors: dict[s
         # here as the embedding's, its values once the embedding is read.
         tied = target == ("lm_head", "kernel") and config.tie_embeddings
         if tied:
-            target, layout = ("embedding", "embedding"), "same"
+            target, layout = _EMBEDDING, "same"
         elif target not in shapes or (layer is not None and layer >= config.n_layer):
             unknown.append(name)
             continue
@@ -390,6 +433,11 @@ def _assign_checkpoint(path: pathlib.Path, config: Mamba2Config, tensors: dict[s
             continue
         plan.append((name, target, layer, layout))
         unassigned[target].discard(layer)
+    if tied_head and unassigned[_EMBEDDING]:
+        # Tied weights stored once under the head's name (HF's save keeps either name of a shared tensor): the
+        # head is the embedding, its shape checked as the embedding's above.
+        plan.append((tied_head.pop(), _EMBEDDING, None, "same"))
+        unassigned[_EMBEDDING].clear()
     missing = sorted(".".join(p) + ("" if layers == {None} else f"[layers {sorted(layers)}]")
                      for p, layers in unassigned.items() if layers)
     if unknown or missing:
@@ -398,7 +446,7 @@ def _assign_checkpoint(path: pathlib.Path, config: Mamba2Config, tensors: dict[s
     buffers = {path: np.empty(shape, np.dtype(param_dtype)) for path, shape in shapes.items()}  # all assigned
     for name, target, layer, layout in plan:
         buffers[target][layer if layer is not None else ...] = _to_model_layout(tensors[name].read(), layout)
-    embedding = buffers[("embedding", "embedding")]
+    embedding = buffers[_EMBEDDING]
     for name in tied_head:
         head = tensors[name].read()
         # A copy is equal where both hold NaN too (the weights of a run that diverged load as they are).

@@ -13,6 +13,7 @@ import os
 import stat
 import time
 import types
+import warnings
 
 import jax
 import jax.extend
@@ -399,6 +400,65 @@ def test_configs_tuning_failure_warns_and_uses_defaults(cache_dir, monkeypatch, 
     assert {c.source for c in report.values()} == {"default"}
     assert cache_file.TuningCache(cache_keys.cache_path(FAKE_GPU)).read() == {}
 
+
+
+def _calls_then(calls, tuned_first: int, error: Exception | None = None, config=None):
+    """A `tune_stages` stand-in that records its calls, yields its first `tuned_first` stages (tuned to a
+    non-default config, or to `config` where given), then raises `error` (as the real tuner does when every
+    config of a stage fails: cuda.tile's search raises ValueError)."""
+    def tune_stages(dims, spec, stages, configs, arch):
+        calls.append(list(stages))
+        for stage in stages[:tuned_first]:
+            cfg = dataclasses.asdict(_non_default_config(stage, dims)) if config is None else config
+            yield stage, {"config": cfg, "mean_us": 1.0, "measured": []}
+        if error is not None:
+            raise error
+    return tune_stages
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("tuned_first", [0, 1])
+def test_configs_tuning_failure_is_remembered_for_the_process(cache_dir, monkeypatch, backward, tuned_first):
+    """A tuning that fails (here on the second stage, or the first) warns once: the stages it finished keep their
+    configs, the others their defaults, and later traces of the problem take both from memory, neither tuning
+    again (minutes of compiles, to fail again) nor warning; clear_memory forgets the failure."""
+    calls = []
+    monkeypatch.setattr(timing, "tune_stages", _calls_then(calls, tuned_first, ValueError("No valid config found")))
+    with pytest.warns(RuntimeWarning, match=r"autotuning \[.*\] failed \(ValueError: No valid config found\)"):
+        first = _choices(DIMS, backward=backward)
+    assert calls and all(calls)
+    monkeypatch.setattr(timing, "tune_stages", _refuse_tuning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning the second time
+        assert _choices(DIMS, backward=backward) == first
+        configs = (tuning.backward_configs(DIMS) if backward else tuning.forward_configs(DIMS).configs)
+    assert configs == {stage: choice.config for stage, choice in first.items()}
+    tuned = {stage for call in calls for stage in call[:tuned_first]}
+    for stage, choice in first.items():
+        if stage in tuned:
+            assert choice.source == "tuned" and choice.config == _non_default_config(stage, DIMS)
+        else:
+            assert choice.source == "default" and choice.config == STAGES[stage].default(DIMS), stage
+            assert choice.reason == "tuning failed (ValueError: No valid config found)"
+    tuning.clear_memory()
+    calls.clear()
+    monkeypatch.setattr(timing, "tune_stages", _calls_then(calls, len(STAGES)))
+    assert {c.source for c in _choices(DIMS, backward=backward).values()} <= {"tuned", "disk"}
+    assert calls
+
+
+def test_configs_tuned_to_a_config_outside_the_space_are_not_tuned_again(cache_dir, monkeypatch):
+    """A tuner's winner that fits no member of the stage's space (its entry unusable) warns and the default runs;
+    the next trace takes that from memory instead of finding the entry unusable on disk and tuning again."""
+    calls = []
+    monkeypatch.setattr(timing, "tune_stages", _calls_then(calls, len(STAGES), config={"BLOCK_NOT_A_FIELD": 1}))
+    with pytest.warns(RuntimeWarning, match="outside the tune space"):
+        first = _choices(DIMS)
+    assert {c.source for c in first.values()} == {"default"} and len(calls) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _choices(DIMS) == first
+    assert len(calls) == 1
 
 def test_autotune_env_rejects_other_values(monkeypatch):
     _set_autotune(monkeypatch, "yes")

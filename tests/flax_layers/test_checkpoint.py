@@ -220,6 +220,29 @@ def test_checkpoint_load_checks_a_tied_head_s_dtype_and_shape_before_reading_a_t
         assert reads == []
 
 
+def test_checkpoint_loads_a_tied_embedding_stored_only_as_the_head(tmp_path, tiny_config):
+    """Tied embeddings stored once, under the head's name (HF's save may keep either name of a shared tensor): the
+    head is the embedding, its shape checked as the embedding's. Untied, the head is the head and the embedding is
+    missing."""
+    model = _random_model(tiny_config)
+    assert tiny_config.tie_embeddings
+    state = _torch_state_dict(model, "backbone.embedding.weight")
+    state["lm_head.weight"] = state.pop("backbone.embedding.weight")
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
+    save_file(state, tmp_path / "model.safetensors")
+    _assert_same_params(load_pretrained(tmp_path, backend="xla"), model)
+    rows = tiny_config.vocab_size  # the unpadded vocabulary, not the embedding's 64 padded rows
+    save_file({**state, "lm_head.weight": np.ascontiguousarray(state["lm_head.weight"][:rows])},
+              tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"load_pretrained: lm_head.weight.shape=\({rows}, 32\) must be \(64, 32\) "
+                                         r"\(for embedding.embedding"):
+        load_pretrained(tmp_path, backend="xla")
+    save_file(state, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config.replace(tie_embeddings=False).to_hf()))
+    with pytest.raises(ValueError, match=r"unknown keys \[\]; unassigned parameters \['embedding.embedding'\]"):
+        load_pretrained(tmp_path, backend="xla")
+
+
 def test_checkpoint_loads_a_mamba_ssm_config_that_picks_its_kernels(tmp_path, tiny_config):
     """mamba_ssm's Mamba2 takes use_mem_eff_path (fused CUDA kernels or not) from ssm_cfg, so its config.json may
     hold it; the model is the same either way."""
@@ -919,6 +942,27 @@ def test_checkpoint_bad_config_file_errors_name_file_and_key(tmp_path, text, err
             checkpoint_module.load_config(tmp_path)
 
 
+@pytest.mark.parametrize("weights", [None, b"not safetensors"], ids=["no_weights", "unreadable_weights"])
+def test_checkpoint_config_errors_come_before_the_weights_are_opened(tmp_path, monkeypatch, weights):
+    """config.json is checked, and the model built from it, before any weight file is opened: a config no model can
+    be made of is named as config.json's fault whatever the weights are (missing, unreadable, or large)."""
+    opened = []
+    tensors_of = checkpoint_module._checkpoint_tensors
+    monkeypatch.setattr(checkpoint_module, "_checkpoint_tensors",
+                        lambda path, caller, handles: opened.append(path) or tensors_of(path, caller, handles))
+    if weights is not None:
+        (tmp_path / "model.safetensors").write_bytes(weights)
+    for config, message in [
+        ({**MAMBA_SSM_TINY, "ssm_cfg": {**MAMBA_SSM_TINY["ssm_cfg"], "chunk_size": 12}}, "must be a power of two"),
+        # Passes Mamba2Config's checks, but its layers' sizes overflow the arrays the model is built of.
+        ({**MAMBA_SSM_TINY, "n_layer": 2 ** 40}, "no model can be built from it"),
+    ]:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=rf"load_pretrained: {tmp_path}/config.json: .*{message}"):
+            load_pretrained(tmp_path)
+        assert opened == []
+
+
 @pytest.mark.parametrize("index, error, message", [
     pytest.param({"metadata": {}}, ValueError, r"model.safetensors.index.json must have the key 'weight_map'",
                  id="no_weight_map"),
@@ -963,6 +1007,45 @@ def test_checkpoint_pytorch_weights_without_torch_name_the_file(tmp_path, tiny_c
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
     for read in (load_pretrained, checkpoint_module.load_hf_state):
         with pytest.raises(ImportError, match=rf"{read.__name__}: {tmp_path}/pytorch_model.bin needs torch"):
+            read(tmp_path)
+
+
+def test_checkpoint_loads_pytorch_parameters_and_floats_numpy_has_no_dtype_for(tmp_path, tiny_config):
+    """A pytorch_model.bin saved from parameters (their tensors require grad) and in bfloat16 or float8 (which
+    NumPy has no dtype for) loads: detached, widened to float32, which holds each value exactly."""
+    torch = pytest.importorskip("torch")
+    model = _random_model(tiny_config)
+    arrays = _torch_state_dict(model, "backbone.embedding.weight")
+    stored = {name: torch.nn.Parameter(torch.from_numpy(np.array(a))) for name, a in arrays.items()}
+    stored["backbone.layers.1.mixer.A_log"] = torch.nn.Parameter(
+        stored["backbone.layers.1.mixer.A_log"].detach().to(torch.bfloat16))
+    stored["backbone.layers.2.mixer.D"] = stored["backbone.layers.2.mixer.D"].detach().to(torch.float8_e4m3fn)
+    stored["lm_head.weight"] = stored["backbone.embedding.weight"]  # mamba_ssm's tied head: the same tensor
+    (tmp_path / "config.json").write_text(json.dumps(MAMBA_SSM_TINY))
+    torch.save(stored, tmp_path / "pytorch_model.bin")
+    expected = {name: t.detach().float().numpy() for name, t in stored.items()}
+    read = checkpoint_module.load_hf_state(tmp_path)
+    assert sorted(read) == sorted(expected)
+    for name, array in read.items():
+        assert array.dtype == np.float32, name
+        np.testing.assert_array_equal(array, expected[name], err_msg=name)
+    loaded = load_pretrained(tmp_path, backend="xla")
+    np.testing.assert_array_equal(loaded.embedding.embedding[...], arrays["backbone.embedding.weight"])
+    np.testing.assert_array_equal(loaded.layers.mixer.A_log[1], expected["backbone.layers.1.mixer.A_log"])
+    np.testing.assert_array_equal(loaded.layers.mixer.D[2], expected["backbone.layers.2.mixer.D"])
+    np.testing.assert_array_equal(loaded.layers.mixer.D[0], arrays["backbone.layers.0.mixer.D"])
+
+
+def test_checkpoint_pytorch_file_of_no_state_dict_names_the_entry(tmp_path, tiny_config):
+    """A training checkpoint ({"model": state dict, ...}) is not a state dict: the entry that is no tensor is named."""
+    torch = pytest.importorskip("torch")
+    arrays = _torch_state_dict(_random_model(tiny_config), "backbone.embedding.weight")
+    (tmp_path / "config.json").write_text(json.dumps(MAMBA_SSM_TINY))
+    torch.save({"model": {name: torch.from_numpy(np.array(a)) for name, a in arrays.items()}},
+               tmp_path / "pytorch_model.bin")
+    for read in (load_pretrained, checkpoint_module.load_hf_state):
+        with pytest.raises(ValueError, match=rf"{read.__name__}: {tmp_path}/pytorch_model.bin holds 'model': dict, "
+                                             r"not a tensor; it must hold a state dict"):
             read(tmp_path)
 
 

@@ -14,8 +14,9 @@ Tuning is off unless asked for: `$JAX_MAMBA2_AUTOTUNE=1` turns it on for the pro
 first lookup: set it before the first cutile call), and `jax_mamba2.autotune(fn, *args)` tunes the SSD
 calls of one program ahead of time whatever the variable says (`tuning_on`). The cache file is read either
 way: point `$JAX_MAMBA2_CACHE_DIR` at an empty directory to get the defaults everywhere. A tuning failure
-(no memory, a compiler error in every config) warns and falls back to the defaults: it never breaks the
-program.
+(no memory, a compiler error in every config) warns once and falls back to the defaults: it never breaks the
+program, and the defaults are remembered for the process as a tuned config is, so the failed stages are not
+tuned again at the next trace (`clear_memory` forgets them).
 """
 from __future__ import annotations
 
@@ -168,43 +169,61 @@ def _lookup(dims: SSDDims, spec: PlanSpec, given: Mapping[str, StageChoice], key
                 known = {s: c.config for s, c in {**given, **choices}.items()}
                 configs = {s: known[s] if s in known else STAGES[s].default(dims)
                            for s in spec.stages}
-                choices.update(_tune_into_cache(cache, dims, spec, missing, keys, configs, gpu.arch))
+                tuned, failure = _tune_into_cache(cache, dims, spec, missing, keys, configs, gpu.arch)
+                choices.update(tuned)
+                # A failed stage takes its default, remembered with the tuned ones: each later trace of the
+                # problem would otherwise tune it again (minutes of compiles) only to fail and warn again.
+                failed = [s for s in missing if s not in tuned]
+                choices.update(_default_choices(dims, failed, failure or "tuning failed", keys))
             for choice in choices.values():
                 _MEMORY[(str(path), choice.key)] = choice
+            # Not remembered: tuning is off or impossible for now, and `autotune` may tune them later.
             missing = [s for s in keys if s not in choices]
-            choices.update(_default_choices(dims, missing, reason or "tuning failed", keys))
+            choices.update(_default_choices(dims, missing, reason, keys))
     return choices
 
 
 def _tune_into_cache(cache: TuningCache, dims: SSDDims, spec: PlanSpec, stages: list[str],
-                     keys: dict[str, str], configs: dict[str, Any], arch: str) -> dict[str, StageChoice]:
-    """Tunes `stages` into `cache` (or reads what another process stored meanwhile)."""
+                     keys: dict[str, str], configs: dict[str, Any],
+                     arch: str) -> tuple[dict[str, StageChoice], Optional[str]]:
+    """Tunes `stages` into `cache` (or reads what another process stored meanwhile).
+
+    Returns:
+      (the choices of the stages tuned or read, why tuning failed or None): where the tuner raised (no memory,
+      every config failing to compile), the stages it finished before are kept, and a warning names the rest.
+    """
     stage_of = {keys[s]: s for s in stages}
     tuned_here = set()
+    arrived = {}  # what the tuner yielded, kept should it fail on a later stage
 
     def tune(missing_keys):
         tuned_here.update(missing_keys)
         for stage, entry in timing.tune_stages(dims, spec, [stage_of[k] for k in missing_keys], configs, arch):
+            arrived[keys[stage]] = entry
             yield keys[stage], entry
 
+    failure = None
     try:
         entries = cache.fill(
             stage_of, tune,
             usable=lambda key, entry: config_from_entry(stage_of[key], dims, entry, arch) is not None)
     except Exception as e:  # noqa: BLE001  tuning is an optimisation: never fail the program
-        warnings.warn(f"jax_mamba2: autotuning {sorted(stages)} failed ({type(e).__name__}: {e}); "
-                      f"using the default configs", RuntimeWarning, stacklevel=2)
-        return {}
+        failure = f"tuning failed ({type(e).__name__}: {e})"
+        failed = sorted(s for s in stages if keys[s] not in arrived)
+        warnings.warn(f"jax_mamba2: autotuning {failed} failed ({type(e).__name__}: {e}); they run their default "
+                      "configs, and this process does not tune them again", RuntimeWarning, stacklevel=2)
+        entries = arrived
     choices = {}
     for key, entry in entries.items():
         source = "tuned" if key in tuned_here else "disk"
         choice = _stored_choice(stage_of[key], dims, key, entry, source, arch)
         if choice is not None:
             choices[stage_of[key]] = choice
-    return choices
+    return choices, failure
 
 
 def clear_memory() -> None:
-    """Forgets the in-process choices (the next lookup reads the disk cache again)."""
+    """Forgets the in-process choices, failed tunings' defaults included (the next lookup reads the disk cache
+    again, and tunes what it lacks where tuning is on)."""
     with _MEMORY_LOCK:
         _MEMORY.clear()
