@@ -67,6 +67,9 @@ def _check_inputs(inputs: ConvInputs, activation, return_final_states, api: str 
     if len(kernel.shape) != 2 or kernel.shape[0] < 1:
         raise ValueError(f"{api}: kernel.shape={getattr(kernel, 'shape', None)} must be (d_conv, channels) "
                          f"with d_conv >= 1 and channels={channels}")
+    if kernel.shape[0] == channels != kernel.shape[1]:  # causal_conv1d's layout, (channels, d_conv)
+        raise ValueError(f"{api}: kernel.shape={tuple(kernel.shape)} must be (d_conv, channels)="
+                         f"{(kernel.shape[1], channels)}: causal_conv1d's (channels, d_conv) weight, transposed")
     d_conv = kernel.shape[0]
     check_array(api, "kernel", kernel, "(d_conv, channels)", (d_conv, channels))
     if bias is not None:

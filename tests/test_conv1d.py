@@ -66,6 +66,8 @@ _X, _KERNEL = jnp.zeros((2, 5, 8)), jnp.zeros((4, 8))
     (dict(x=[[[0.0] * 8] * 5] * 2), TypeError, r"x must be an array of shape \(batch, seqlen, channels\), got list"),
     (dict(kernel=jnp.zeros((4, 7))), ValueError, r"kernel.shape=\(4, 7\) must be \(d_conv, channels\)"),
     (dict(kernel=jnp.zeros((0, 8))), ValueError, "kernel.shape=.* d_conv >= 1"),
+    (dict(kernel=jnp.zeros((8, 4))), ValueError,
+     r"kernel.shape=\(8, 4\) must be \(d_conv, channels\)=\(4, 8\): causal_conv1d's \(channels, d_conv\) weight"),
     (dict(kernel=[[0.0] * 8] * 4), TypeError, "kernel must be an array, got list"),
     (dict(bias=jnp.zeros((7,))), ValueError, r"bias.shape=\(7,\) must be \(channels,\)"),
     (dict(initial_states=jnp.zeros((2, 8, 2))), ValueError,

@@ -6,6 +6,7 @@ import json
 import math
 import pathlib
 import re
+import tomllib
 
 import jax
 import jax.numpy as jnp
@@ -88,8 +89,8 @@ def test_local_links_resolve_and_no_lab_history():
     assert not re.search(r"\b(run|issue) \d+\b|\b[0-9a-f]{7}\b", README)
 
 
-def _numbers(records_glob: str, fields: tuple[str, ...], decimals: int) -> set[str]:
-    """Every value of `fields` (at any depth) in the records of benchmarks/results/<records_glob>, as text."""
+def _numbers(records: tuple[str, ...], fields: tuple[str, ...], decimals: int) -> set[str]:
+    """Every value of `fields` (at any depth) in the records benchmarks/results/<records>, as text."""
     def values(node):
         if isinstance(node, dict):
             for key, value in node.items():
@@ -100,8 +101,8 @@ def _numbers(records_glob: str, fields: tuple[str, ...], decimals: int) -> set[s
             for value in node:
                 yield from values(value)
 
-    return {f"{v:.{decimals}f}" for path in (REPO / "benchmarks" / "results").glob(records_glob)
-            for v in values(json.loads(path.read_text()))}
+    return {f"{v:.{decimals}f}" for name in records
+            for v in values(json.loads((REPO / "benchmarks" / "results" / name).read_text()))}
 
 
 def _table_cells(start: str, end: str) -> list[list[str]]:
@@ -114,13 +115,24 @@ def _table_cells(start: str, end: str) -> list[list[str]]:
 
 def test_lm_and_decode_table_figures_are_in_the_committed_records():
     """The hand-written result tables quote records: each step time of the LM tables is a median of an
-    lm_train record, each decode time or floor a decode record's (as rounded in the table)."""
-    decode = _numbers("lm_decode*.json", ("ms_per_token", "weights_ms"), 3)
+    lm_train record, each decode time or floor a decode record's (as rounded in the table), of the records
+    the README cites there."""
+    cited = ("lm_decode_h200.json", "lm_decode_64_h200.json", "lm_decode_8_256_h200.json", "lm_decode_h100.json",
+             "lm_decode_f32_h100.json", "lm_train_peer_h100.json", "lm_train_h200.json")
+    assert all(f"{name}`" in README for name in cited)
+    decode = _numbers(tuple(n for n in cited if n.startswith("lm_decode")), ("ms_per_token", "weights_ms"), 3)
     rows = _table_cells("Decoding (`benchmarks/lm_decode.py`", "## Limitations")
     figures = [f for row in rows for cell in row[1:] for f in re.findall(r"(?<![\d.])\d+\.\d{3}(?![\dx])", cell)]
     assert len(figures) > 60 and not [f for f in figures if f not in decode]
-    steps = _numbers("lm_train*.json", ("ms_median",), 1)
+    steps = _numbers(tuple(n for n in cited if n.startswith("lm_train")), ("ms_median",), 1)
     rows = _table_cells("The LM training step (`benchmarks/lm_train.py`)", "Decoding (`benchmarks/lm_decode.py`")
     columns = {6: (1, 2, 3), 9: (1, 2, 6)}  # the H100 table's and the H200 table's step columns, by row width
     figures = [cell.rstrip(" *") for row in rows for i in columns[len(row)] for cell in [row[i]] if cell != "-"]
     assert len(figures) > 20 and not [f for f in figures if f not in steps]
+
+
+def test_the_install_line_names_the_python_and_jax_that_pyproject_requires():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    python = project["requires-python"].removeprefix(">=")
+    (jax_min,) = [d.removeprefix("jax>=") for d in project["dependencies"] if d.startswith("jax>=")]
+    assert f"(Python {python}+, JAX {jax_min}+)" in README

@@ -138,7 +138,8 @@ def load_config(path) -> Mamba2Config:
     "ssm_cfg") or HF transformers format (has "hidden_size", "num_hidden_layers" or "model_type").
 
     Raises:
-      FileNotFoundError: if there is no config.json.
+      FileNotFoundError: if `path` or its config.json does not exist.
+      ValueError: for a `path` that is a file, not the checkpoint's directory.
       ValueError, TypeError: for a file that is not JSON or not a Mamba-2 configuration, naming the file and
         the offending key.
     """
@@ -148,7 +149,12 @@ def load_config(path) -> Mamba2Config:
 def _checkpoint_dir(path, caller: str) -> pathlib.Path:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{caller}: path={path!r} must be a str or os.PathLike (a checkpoint directory)")
-    return pathlib.Path(path)
+    directory = pathlib.Path(path)
+    if not directory.is_dir():  # a file of the checkpoint, or a hub id: say what path must be
+        raise (ValueError if directory.exists() else FileNotFoundError)(
+            f"{caller}: path={str(path)!r} {'is a file' if directory.exists() else 'does not exist'}: it must be "
+            "a local checkpoint directory, holding config.json and the weights (nothing is downloaded)")
+    return directory
 
 
 def _load_config(path, caller: str) -> Mamba2Config:
@@ -321,9 +327,11 @@ def load_hf_state(path) -> dict[str, np.ndarray]:
     (needs torch; its tensors detached, bfloat16 and float8 ones as float32, which holds them exactly).
 
     Raises:
-      FileNotFoundError: if there are no weights, or a shard named by the index is missing.
-      ValueError: for an index without a `weight_map` object, a shard that holds other tensors than the index
-        gives it, a file that safetensors cannot read, or a `pytorch_model.bin` entry that is not a tensor.
+      FileNotFoundError: if `path` does not exist, there are no weights, or a shard named by the index is
+        missing.
+      ValueError: for a `path` that is a file, not the checkpoint's directory; for an index without a
+        `weight_map` object, a shard that holds other tensors than the index gives it, a file that safetensors
+        cannot read, or a `pytorch_model.bin` entry that is not a tensor.
       TypeError: for a path that is not a str or os.PathLike, or a `pytorch_model.bin` tensor of a dtype NumPy
         cannot hold.
       ImportError: for a `pytorch_model.bin` (the only weights there) without torch installed.
@@ -361,6 +369,8 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
       ValueError, TypeError: for a config.json that is not a Mamba-2 configuration (see `load_config`) or
         whose mixer options `Mamba2` rejects, naming the file and the option; for an unknown backend or a
         dtype that is not floating; for weights `load_hf_state` cannot read.
+      FileNotFoundError, ValueError: for a `path` that does not exist or is a file, not the checkpoint's
+        directory (see `load_config`); FileNotFoundError: for missing weights (see `load_hf_state`).
       ImportError: for a `pytorch_model.bin` (the only weights there) without torch installed.
     """
     backends.check_name(backend, "load_pretrained")  # the arguments first: errors below are config.json's

@@ -992,6 +992,20 @@ def test_checkpoint_load_rejects_bad_arguments_before_reading_the_directory(tmp_
             read(None)
 
 
+def test_checkpoint_path_missing_or_a_file_says_what_it_must_be(tmp_path, monkeypatch):
+    """A hub id (nothing is downloaded) or a file of the checkpoint instead of its directory: the error says
+    what path must be, not that some path/config.json is missing."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    for read in (load_pretrained, checkpoint_module.load_config, checkpoint_module.load_hf_state):
+        with pytest.raises(FileNotFoundError, match=rf"{read.__name__}: path='state-spaces/mamba2-130m' does not "
+                                                    r"exist: it must be a local checkpoint directory"):
+            read("state-spaces/mamba2-130m")
+        with pytest.raises(ValueError, match=rf"{read.__name__}: path='model.safetensors' is a file: it must be a "
+                                             r"local checkpoint directory, holding config.json and the weights"):
+            read("model.safetensors")
+
+
 def test_checkpoint_truncated_weights_error_names_the_file(tmp_path, tiny_config):
     save_pretrained(_random_model(tiny_config), tmp_path)
     weights = tmp_path / "model.safetensors"
