@@ -38,7 +38,7 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
       prompt_ids: (batch, prompt_len) int, prompt_len >= 1, ids in [0, config.vocab_size). Concrete ids are
         range-checked; traced ones (generate called inside jit) cannot be read and are not: there an id past
         the embedding's rows gives NaN logits and a negative one counts from the end.
-      max_new_tokens: number of tokens to generate (>= 1).
+      max_new_tokens: number of tokens to generate (>= 1): an int, NumPy's or a concrete 0-d array's too.
       temperature: 0 for greedy decoding (deterministic); > 0 samples from softmax(logits / temperature).
       top_k: when sampling, only the top_k most likely tokens are candidates (default: None, all).
       top_p: when sampling, only the most likely tokens whose probabilities sum to top_p, in (0, 1] (the first
@@ -54,8 +54,9 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
       prompt_lengths: None (every row's prompt is prompt_len ids), or (batch,) int in [1, prompt_len]: prompts
         of different lengths, left-padded (as HF's `generate` takes a decoder-only batch; e.g. the
         attention_mask's row sums): row b's prompt is its last prompt_lengths[b] ids, the ids before them are
-        ignored (any value). Each row generates what its prompt alone would: the padding is a sequence of its
-        own in the prefill (`seq_idx`), which every mixer's conv and state restart after.
+        ignored (any value int32 holds: they are returned as given). Each row generates what its prompt alone
+        would: the padding is a sequence of its own in the prefill (`seq_idx`), which every mixer's conv and
+        state restart after.
       rng: a `jax.random.key`, required when temperature > 0.
       cache_dtype: the decode state's floating dtype, both its fields (default: None, as mamba_ssm allocates
         them: conv_state in conv1d's parameter dtype, ssm_state in in_proj's). The state is read and written
@@ -71,17 +72,17 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
       ValueError: on a non-positive max_new_tokens, prompt ids outside [0, vocab_size), a negative
         temperature, a top_k outside [1, vocab_size], a top_p outside (0, 1], a min_p outside [0, 1], a
         repetition_penalty <= 0, an eos_token_id or pad_token_id outside [0, vocab_size), a pad_token_id
-        without an eos_token_id, prompt_lengths outside [1, prompt_len] or of another shape than (batch,), or
-        a missing rng when sampling.
+        without an eos_token_id, prompt_lengths outside [1, prompt_len] or of another shape than (batch,),
+        padding ids outside int32, or a missing rng when sampling.
       TypeError: on prompt ids or lengths that are not integers, a max_new_tokens that is not an int, a
         control of the wrong type (the controls must be concrete numbers), an rng that is not one key, or a
         cache_dtype that is not a floating dtype.
     """
-    return _generate(*_prepare("generate", model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                               top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                               eos_token_id=eos_token_id, pad_token_id=pad_token_id, prompt_lengths=prompt_lengths,
-                               rng=rng, cache_dtype=cache_dtype),
-                     max_new_tokens=max_new_tokens)
+    *program_args, max_new_tokens = _prepare(
+        "generate", model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        min_p=min_p, repetition_penalty=repetition_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        prompt_lengths=prompt_lengths, rng=rng, cache_dtype=cache_dtype)
+    return _generate(*program_args, max_new_tokens=max_new_tokens)
 
 
 def generate_stream(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
@@ -101,15 +102,15 @@ def generate_stream(model, prompt_ids, max_new_tokens: int, *, temperature: floa
     return _stream(*_prepare("generate_stream", model, prompt_ids, max_new_tokens, temperature=temperature,
                              top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                              eos_token_id=eos_token_id, pad_token_id=pad_token_id, prompt_lengths=prompt_lengths,
-                             rng=rng, cache_dtype=cache_dtype),
-                   max_new_tokens)
+                             rng=rng, cache_dtype=cache_dtype))
 
 
 def _prepare(api: str, model, prompt_ids, max_new_tokens, *, temperature, top_k, top_p, min_p, repetition_penalty,
              eos_token_id, pad_token_id, prompt_lengths, rng, cache_dtype):
     """`generate`'s arguments checked and converted: (graphdef, state, prompt_ids, prompt_lengths, rng,
-    sampling, end, cache_dtype (None or a dtype's name, hashable for jit's static arguments)) for `_generate`
-    and `_stream`."""
+    sampling, end, cache_dtype, max_new_tokens) for `_generate` and `_stream`; cache_dtype (None or a dtype's
+    name) and max_new_tokens (a Python int, also where given as a 0-d array) hashable for jit's static
+    arguments."""
     if not isinstance(model, Mamba2LMHeadModel):
         raise TypeError(f"{api}: model must be a Mamba2LMHeadModel, got {type(model).__name__}")
     vocab_size = model.config.vocab_size
@@ -150,7 +151,7 @@ def _prepare(api: str, model, prompt_ids, max_new_tokens, *, temperature, top_k,
     graphdef, state = nnx.split(model)
     rng = jax.random.key(0) if rng is None else rng
     return (graphdef, state, jnp.asarray(prompt_ids, jnp.int32), prompt_lengths, rng, sampling, end,
-            None if cache_dtype is None else jnp.dtype(cache_dtype).name)
+            None if cache_dtype is None else jnp.dtype(cache_dtype).name, max_new_tokens)
 
 
 def _is_key(rng) -> bool:

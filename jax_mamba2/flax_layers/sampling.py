@@ -178,7 +178,8 @@ def mark_seen(seen, tokens):
     (None stays None)."""
     if seen is None:
         return None
-    tokens = tokens.reshape(tokens.shape[0], -1)
+    if tokens.ndim == 1:  # (not reshape(batch, -1): with no rows the size -1 stands for could not be inferred)
+        tokens = tokens[:, None]
     in_vocab = (tokens >= 0) & (tokens < seen.shape[-1])
     return seen.at[jnp.arange(tokens.shape[0])[:, None], jnp.where(in_vocab, tokens, seen.shape[-1])].set(
         True, mode="drop")

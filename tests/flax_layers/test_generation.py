@@ -89,11 +89,14 @@ def test_candidates_follow_hf_processors(controls):
     assert 1 <= np.isfinite(got).sum(axis=-1).min()
 
 
-def test_sampled_frequencies_follow_the_processed_distribution():
+@pytest.mark.parametrize("controls", [
+    dict(temperature=0.9, top_p=0.85, min_p=0.05), dict(temperature=1.4, top_k=5),
+    dict(temperature=0.6, top_k=7, top_p=0.9),
+])
+def test_sampled_frequencies_follow_the_processed_distribution(controls):
     """40,000 draws of one row's next token: only candidates, at their renormalized probabilities (within 5
     standard errors)."""
     logits = np.random.default_rng(1).normal(0, 1.5, (1, 12))
-    controls = dict(temperature=0.9, top_p=0.85, min_p=0.05)
     want = _softmax(hf_processed_logits(logits, **controls))[0]
     draws = 40_000
     tokens = sampling_rule.next_tokens(jnp.asarray(np.repeat(logits, draws, axis=0), jnp.float32),
@@ -430,6 +433,19 @@ def test_generate_and_the_decode_step_take_an_empty_batch(tiny_config):
     tokens = generate(model, jnp.zeros((0, 4), jnp.int32), 3)
     assert tokens.shape == (0, 7)
     np.testing.assert_array_equal(generate(model, jnp.ones((2, 4), jnp.int32), 3)[:0], tokens)
+    # with a repetition penalty too (the seen tokens of no rows)
+    assert generate(model, jnp.zeros((0, 4), jnp.int32), 3, repetition_penalty=1.5).shape == (0, 7)
+
+
+def test_generate_takes_max_new_tokens_as_a_numpy_or_concrete_jax_int(tiny_config):
+    """A 0-d integer array is a max_new_tokens the checks accept, so the program must take it too: as the Python
+    int it is (jit's static arguments are hashed, and a JAX array is not hashable)."""
+    model = _model(tiny_config)
+    prompt = _token_ids(tiny_config, seed=14)
+    want = np.asarray(generate(model, prompt, 3))
+    for count in (np.int64(3), jnp.int32(3), np.array(3)):
+        np.testing.assert_array_equal(generate(model, prompt, count), want)
+        np.testing.assert_array_equal(np.stack(list(generate_stream(model, prompt, count)), axis=1), want[:, 4:])
 
 
 def test_generate_accepts_a_list_prompt(tiny_config):
