@@ -100,6 +100,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def token_id(text: str) -> int:
+    """argparse type of token ids: an int >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be a token id, an int >= 0")
+    return value
+
+
 def in_range(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
     """argparse type of a finite float in [low, high] (low excluded with low_open; high=inf: no upper bound)."""
     def parse(text: str) -> float:

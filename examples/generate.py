@@ -22,7 +22,8 @@ moves). It reports decoding tokens/s without the prefill (generate with 1 and wi
 tokens, differenced; the first calls compile) and the prefill's time. A greedy run is also checked against
 the full (uncached) forward pass. Several --prompt make one batch of prompts of different lengths, left-padded
 (`generate(prompt_lengths=)`), each decoded as it would be alone; --stream then prints the first one's
-continuation as it is generated (`generate_stream`). Writes generate.json to --out/generate/.
+continuation as it is generated (`generate_stream`). --eos-token-id ends each sample's text before its first
+end-of-text token (the gpt-neox-20b tokenizer's <|endoftext|> is id 0). Writes generate.json to --out/generate/.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from _common import (add_common_flags, describe_device, in_range, make_parser, model_flags, output_dir, positive_int,
-                     power_of_two, resolve_backend, write_atomically)
+                     power_of_two, resolve_backend, token_id, write_atomically)
 from jax_mamba2.flax_layers import (Mamba2Config, Mamba2LMHeadModel, cast_params, generate, generate_stream,
                                     load_pretrained)
 
@@ -158,14 +159,22 @@ def timed_generate(model, prompt_ids, prompt_lengths, new_tokens: int, args, rng
     return tokens, first, time.perf_counter() - began
 
 
+def until_eos(continuation, eos_ids) -> list[int]:
+    """The continuation's token ids before the first of `eos_ids` (all of them without one)."""
+    ids = [int(i) for i in continuation]
+    return next((ids[:i] for i, token in enumerate(ids) if token in eos_ids), ids)
+
+
 def stream_text(model, tokenizer, prompt: list[int], args, rng) -> str:
     """Prints the prompt, then its continuation token by token as `generate_stream` yields it (text is printed
-    once it decodes to whole characters); returns the whole text."""
+    once it decodes to whole characters) until an --eos-token-id; returns the whole text."""
     ids = list(prompt)
     shown = tokenizer.decode(ids)
     print(shown, end="", flush=True)
     for tokens in generate_stream(model, jnp.asarray([prompt], jnp.int32), args.max_new_tokens,
                                   **sampling_kwargs(args, rng)):
+        if int(tokens[0]) in args.eos_token_id:
+            break
         ids.append(int(tokens[0]))
         text = tokenizer.decode(ids)
         if text.startswith(shown) and not text.endswith("\ufffd"):  # a character split over tokens waits
@@ -191,6 +200,9 @@ def parse_args(argv=None):
                         help="text the generation continues; repeat it for a batch of prompts of different lengths "
                              f"(left-padded, each decoded as it would be alone; without one: {DEFAULT_PROMPT!r})")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens generated per sequence, >= 2")
+    parser.add_argument("--eos-token-id", type=token_id, nargs="+", default=[],
+                        help="end-of-text token ids: a sample's text ends before the first (the timed runs "
+                             "generate --max-new-tokens whatever they draw)")
     parser.add_argument("--batch", type=positive_int, default=1, help="copies of each prompt decoded together")
     parser.add_argument("--temperature", type=in_range(0.0, float("inf")), default=0.0,
                         help="sampling temperature; 0 = greedy")
@@ -251,6 +263,10 @@ def main(argv=None) -> int:
                          f"({model.config.vocab_size} tokens)")
     if args.temperature == 0 and any(v is not None for v in (args.top_k, args.top_p, args.min_p)):
         print("note: --top-k, --top-p and --min-p sample; at --temperature 0 (greedy) they change nothing")
+    beyond = [i for i in args.eos_token_id if i >= model.config.vocab_size]
+    if beyond:
+        raise SystemExit(f"generate.py: --eos-token-id {beyond[0]} must be below the model's vocabulary "
+                         f"({model.config.vocab_size} tokens)")
     tokenizer = pick_tokenizer(model.config.vocab_size, args.tokenizer, args.model_dir)
     prompts = [tokenizer.encode(text) for text in args.prompt]
     if not all(prompts):
@@ -275,7 +291,7 @@ def main(argv=None) -> int:
     else:
         print("decoding alone: too short to time apart from the prefill (raise --max-new-tokens)")
     padded_len = prompt_ids.shape[1]
-    texts = [tokenizer.decode(np.asarray(tokens[i * args.batch])[padded_len - len(p):])
+    texts = [tokenizer.decode(p + until_eos(np.asarray(tokens[i * args.batch])[padded_len:], args.eos_token_id))
              for i, p in enumerate(prompts)]
     for text in texts:
         print(f"--- sample (temperature {args.temperature}) ---\n{text}\n---")
@@ -288,7 +304,7 @@ def main(argv=None) -> int:
     record = {"device": describe_device(), "backend": backend, "model_dir": str(args.model_dir),
               "dtype": dtype.name, "param_dtype": param_dtype.name,
               "cache_dtype": cache_dtype(args),
-              "prompt_tokens": [len(p) for p in prompts],
+              "prompt_tokens": [len(p) for p in prompts], "eos_token_id": args.eos_token_id,
               "batch": batch, "max_new_tokens": args.max_new_tokens,
               "tokens_per_s": batch * args.max_new_tokens / run_s,
               "decode_tokens_per_s": batch * steps / decode_s if decode_s > 0 else None,

@@ -121,6 +121,16 @@ def test_generate_streams_the_tokens_generate_returns(tmp_path):
     assert "--- streamed ---" in stdout and record["streamed_text"] == record["texts"][0]
 
 
+def test_generate_ends_each_sample_at_an_eos_token_id(tmp_path):
+    # Every byte an end of text: each continuation ends before its first token, printed and streamed alike.
+    stdout = run_example("generate", "--max-new-tokens", "4", "--layers", "1", "--d-model", "64", "--stream",
+                         "--prompt", "ab", "--prompt", "xyz", "--eos-token-id", *map(str, range(256)),
+                         "--out", str(tmp_path))
+    record = json.loads((tmp_path / "generate" / "generate.json").read_text())
+    assert record["texts"] == ["ab", "xyz"] and record["streamed_text"] == "ab"
+    assert record["eos_token_id"] == list(range(256)) and "--- streamed ---" in stdout
+
+
 def test_generate_decodes_in_the_cache_dtype_asked(tmp_path):
     run_example("generate", "--max-new-tokens", "4", "--layers", "1", "--d-model", "64", "--param-dtype", "float32",
                 "--cache-dtype", "bfloat16", "--out", str(tmp_path))
@@ -241,11 +251,19 @@ def test_train_lm_remat_flag_sets_the_model_option():
     ("train_lm", ["--data-mb", "nan"], r"argument --data-mb: nan must be a finite number in \(0.0, inf\)"),
     ("train_lm", ["--data-mb", "inf"], r"argument --data-mb: inf must be a finite number in \(0.0, inf\)"),
     ("generate", ["--top-p", "abc"], "argument --top-p: invalid float value: 'abc'"),
+    ("generate", ["--eos-token-id", "-1"], "argument --eos-token-id: -1 must be a token id, an int >= 0"),
 ])
 def test_examples_refuse_bad_flags_naming_them(capsys, name, flags, message):
     with pytest.raises(SystemExit):
         load_example(name).parse_args(flags)
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_generate_refuses_an_eos_token_id_past_the_vocabulary(tmp_path):
+    with pytest.raises(SystemExit, match=r"^generate.py: --eos-token-id 256 must be below the model's vocabulary "
+                                         r"\(256 tokens\)"):
+        load_example("generate").main(["--eos-token-id", "3", "256", "--max-new-tokens", "2", "--layers", "1",
+                                       "--d-model", "64", "--out", str(tmp_path)])
 
 
 def test_generate_ends_in_one_line_for_an_option_generate_refuses(tmp_path):
