@@ -59,6 +59,9 @@ MAX_PARTS_TILE = 64
 # Product blocks in one wave of an H200: one block per SM (as measured: a block's pipelined loads hold 76-167 KB
 # of shared memory at the default tiles).
 WAVE_BLOCKS = SM90_SMS
+# The most blocks a narrow product of a few rows splits its K over (out_proj from d_inner 2048 at one row: 16
+# column blocks of 64, split 8 to fill a wave).
+MAX_NARROW_SPLITS = 8
 # Up to this many rows a product streams its weight as one row does (out_proj takes about as long at 8 rows as
 # at one), so the default splits a narrow product's K there (see projection_default_config).
 SPLIT_ROWS = 8
@@ -208,9 +211,11 @@ def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
     than a wave (an LM head). K step 128 (64 for float32 weights: the same bytes per step, and spill-free).
     Fewer than 32 columns leave the product without tensor cores, which the H200 runs many times slower.
 
-    A narrow product of up to SPLIT_ROWS rows (out_proj's 1024 columns: 16 blocks of 64) splits K over 4
-    blocks (2 where 4 would pass a wave): more blocks stream the weight at once, and the partials' sum is one
-    more small launch: faster for out_proj (2048 x 1024) at one row, while in_proj (69 blocks of 64, which a
+    A narrow product of up to SPLIT_ROWS rows (out_proj's 1024 columns: 16 blocks of 64) splits K over
+    MAX_NARROW_SPLITS blocks (4, else 2, where those would pass a wave): more blocks stream the weight at once, and
+    the partials' sum is one more small launch (or the next norm's loads): faster for out_proj (2048 x 1024) at
+    one row, 8 splits faster than 4 (its normalizing product on an H100: 4.1 against 5.9 us; float32 weights keep
+    4, whose 8 splits' build holds a stack frame), while in_proj (69 blocks of 64, which a
     split of 2 takes past a wave) was slower split, and at 64 rows no split paid in bfloat16. float32 weights
     double each K step's bytes, so up to one block of rows (64) a product whose blocks fit a wave twice splits
     K the same way, over 128-feature steps (faster than unsplit for out_proj at 64 rows, with no local memory;
@@ -227,12 +232,12 @@ def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
     def within_norm(block_k):  # a K step within one group of the norm, the gate's columns starting on a step
         return min(block_k, norm_block_k(dims)) if dims.norm_parts else block_k
 
-    def splits(blocks):
-        return 4 if 4 * blocks <= WAVE_BLOCKS else 2
-
     m_blocks = -(-dims.rows // dims.block_m)
     wide_blocks = -(-dims.out_features // 64)
     float32 = dims.weight_dtype == "float32"
+
+    def splits(blocks):  # the most that still fit one wave (float32 weights at most 4: 8 take a stack frame)
+        return next((s for s in (4 if float32 else MAX_NARROW_SPLITS, 4) if s * blocks <= WAVE_BLOCKS), 2)
     block_k = within_norm(64 if float32 else 128)
     if dims.rows <= SPLIT_ROWS and 2 * wide_blocks <= WAVE_BLOCKS:
         return ProjectionConfig(BLOCK_N=64, BLOCK_K=block_k, SPLIT_K=splits(wide_blocks))

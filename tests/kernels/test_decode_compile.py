@@ -95,13 +95,14 @@ def test_default_configs_compile_spill_free(rows, param_dtype):
 
 
 def test_split_k_products_compile_spill_free():
-    """out_proj's product with K split over 4 blocks (at one row normalizing its rows), and the sum of the splits,
-    at batch 1 and 64; the norm kernels. (At 32 columns the normalizing product's float32 rows take it past the
+    """out_proj's product with K split over 8 blocks at one row (normalizing its rows; its default) and 4 at 64,
+    and the sum of the splits; the norm kernels. (At 32 columns the normalizing product's float32 rows take it past the
     registers: 312 bytes of stack.)"""
     cubins = {}
     for rows in (1, 64):
         dims = dataclasses.replace(_projections(rows, "bfloat16")["out_proj"], out_parts=False)  # their sum's launch
-        cfg = decode_projection.ProjectionConfig(BLOCK_N=32 if rows > GATED_NORM_IN_MIXER_ROWS else 64, SPLIT_K=4)
+        cfg = decode_projection.ProjectionConfig(BLOCK_N=32 if rows > GATED_NORM_IN_MIXER_ROWS else 64,
+                                                 SPLIT_K=decode_projection.MAX_NARROW_SPLITS if rows == 1 else 4)
         plan = decode_projection.norm_project_plan(dims, cfg)
         for kernel, cubin in plan_cubins((plan, decode_projection.norm_project_inputs(dims))).items():
             cubins[f"{rows} {kernel}"] = cubin

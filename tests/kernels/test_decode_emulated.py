@@ -317,16 +317,17 @@ def test_split_k_is_lowered_to_divide_the_k_steps():
 
 
 def test_default_projection_config_splits_k_only_of_a_narrow_product_of_few_rows():
-    """out_proj of the LM at d_model 1024 (2048 -> 1024) splits K in 4 over 64-column blocks at 1 and 8 rows, and
-    with float32 weights over 32-column blocks up to 64 rows; in_proj (1024 -> 4384, 69 blocks of 64), the head
+    """out_proj of the LM at d_model 1024 (2048 -> 1024) splits K in 8 over 64-column blocks at 1 and 8 rows, and
+    with float32 weights in 4 up to 64 rows (64 columns up to 8, 32 above); in_proj (1024 -> 4384, 69 blocks of 64), the head
     and bfloat16 at 64 rows keep one block per column block, in_proj with float32 weights at 33-64 rows takes
     the weight as the first operand, a narrower float32 product two blocks of 32 rows."""
     def config(rows, features, out_features, weight_dtype="bfloat16"):
         return decode_projection.projection_default_config(decode_projection.ProjectionDims(
             rows=rows, features=features, out_features=out_features, weight_dtype=weight_dtype))
 
-    assert config(1, 2048, 1024) == decode_projection.ProjectionConfig(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4)
+    assert config(1, 2048, 1024) == decode_projection.ProjectionConfig(BLOCK_N=64, BLOCK_K=128, SPLIT_K=8)
     assert config(8, 2048, 1024, "float32") == decode_projection.ProjectionConfig(BLOCK_N=64, BLOCK_K=64, SPLIT_K=4)
+    assert config(1, 4096, 2048).SPLIT_K == 4  # 32 blocks of 64 (mamba2-1.3b's out_proj): four splits fit a wave
     assert config(1, 1536, 4000).SPLIT_K == 2  # 63 blocks of 64: two splits fit a wave, four do not
     for rows, features, out_features in ((1, 1024, 4384), (64, 2048, 1024), (1, 1024, 50280)):
         assert config(rows, features, out_features).SPLIT_K == 1
