@@ -16,6 +16,17 @@ import numpy as np
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 _FLOAT_NAMES = "bfloat16, float16, float32, float64"
 
+# The longest array axis the package builds: JAX indexes and counts in int32 by default (x64 off: token ids into
+# the vocabulary, a key split into one per layer, a size turned into an array), and the cuTile kernels take each
+# dimension and stride as int32.
+INT32_MAX = 2**31 - 1
+_INT32_MAX_TEXT = "2**31 - 1"
+# The most elements an array of the widest dtype the package builds (float64, 8 bytes) can hold: XLA computes an
+# array's byte size in int64 and aborts the process, raising nothing, where it overflows. (Arrays of more than
+# INT32_MAX elements are fine: the kernels then index in int64.)
+MAX_ELEMENTS = (2**63 - 1) // 8
+_MAX_ELEMENTS_TEXT = "2**60 - 1"
+
 
 def check_float(api: str, name: str, arr) -> None:
     """arr.dtype is one of FLOAT_DTYPES."""
@@ -146,6 +157,37 @@ def check_int(api: str, name: str, value, requirement: str = "a positive int", m
     if number < minimum or (maximum is not None and number > maximum):
         raise ValueError(f"{api}: {name}={value!r} must be {requirement}")
     return number
+
+
+def check_size(api: str, name: str, value) -> int:
+    """`value` is a size an array axis can have: a positive int (`check_int`) of at most INT32_MAX; returns it as a
+    Python int."""
+    return check_int(api, name, value, f"a positive int of at most {_INT32_MAX_TEXT} (an array axis)",
+                     maximum=INT32_MAX)
+
+
+def check_axis_length(api: str, name: str, length: int) -> None:
+    """`length`, an axis that sizes already checked add up to (`name` says how, e.g. "d_inner=expand*d_model"), is
+    at most INT32_MAX.
+
+    Raises:
+      ValueError: "<api>: <name>=<length> must be at most 2**31 - 1 ...".
+    """
+    if length > INT32_MAX:
+        raise ValueError(f"{api}: {name}={length} must be at most {_INT32_MAX_TEXT} (an array axis)")
+
+
+def check_element_count(api: str, name: str, axes: str, shape: tuple[int, ...]) -> None:
+    """An array `name` of `shape` (its axes named by `axes`, e.g. "(n_layer, d_model, d_in_proj)") holds at most
+    MAX_ELEMENTS elements, so that XLA can build it in any float dtype.
+
+    Raises:
+      ValueError: naming the array, its shape and the bound.
+    """
+    count = math.prod(shape)
+    if count > MAX_ELEMENTS:
+        raise ValueError(f"{api}: {name} of shape {axes}={tuple(shape)} would hold {count} elements; an array holds "
+                         f"at most {_MAX_ELEMENTS_TEXT} (its byte size, at 8 bytes an element, must fit int64)")
 
 
 def is_real_scalar(value) -> bool:

@@ -2,8 +2,9 @@
 
 `load_pretrained(path)` reads a local directory with `config.json` (mamba_ssm or HF transformers format) and
 the weights (`model.safetensors`, sharded safetensors with `model.safetensors.index.json`, or
-`pytorch_model.bin` when torch is installed), in mamba_ssm naming (`backbone.embedding.weight`,
-`backbone.layers.{i}.mixer.in_proj.weight`, ...) or HF naming (`backbone.embeddings.weight`).
+`pytorch_model.bin` or its shards with `pytorch_model.bin.index.json` when torch is installed), in mamba_ssm
+naming (`backbone.embedding.weight`, `backbone.layers.{i}.mixer.in_proj.weight`, ...) or HF naming
+(`backbone.embeddings.weight`), or HF's base `Mamba2Model` (no `backbone.` prefix, no head) for a tied config.
 `save_pretrained(model, path)` writes an HF-compatible `config.json` and `model.safetensors`, atomically.
 
 Training checkpoints (any model, any sharding) are better kept as NNX state with Orbax:
@@ -250,51 +251,68 @@ def _open_checkpoint(path: pathlib.Path, caller: str, handles: contextlib.ExitSt
 
 def _checkpoint_tensors(path: pathlib.Path, caller: str, handles: contextlib.ExitStack) -> dict[str, _Tensor]:
     """`load_hf_state`'s tensors by name, each read only when asked, from the safetensors files as they were
-    opened here (held in `handles`); a `pytorch_model.bin` is read whole by torch."""
+    opened here (held in `handles`); a `pytorch_model.bin` (or each of its shards) is read whole by torch."""
     if (path / "model.safetensors").is_file():
         return _safetensors_tensors(path / "model.safetensors", caller, handles)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        index_content = _read_json(index, caller)
-        weight_map = index_content.get("weight_map") if isinstance(index_content, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
-            raise ValueError(f"{caller}: {index} must have the key 'weight_map' holding an object "
-                             "{tensor name: shard file name}")
-        tensors = {}
-        for shard in sorted(set(weight_map.values())):
-            if pathlib.Path(shard).name != shard:  # a name in the directory, not a path out of it
-                raise ValueError(f"{caller}: {index}'s weight_map names the shard {shard!r}, which must be "
-                                 "a file name in the checkpoint's directory")
-            if not (path / shard).is_file():
-                raise FileNotFoundError(f"{caller}: {path / shard}, a shard in {index}'s weight_map, "
-                                        "does not exist")
-            held = _safetensors_tensors(path / shard, caller, handles)
-            listed = {name for name, file in weight_map.items() if file == shard}
-            if set(held) != listed:
-                raise ValueError(f"{caller}: {path / shard} holds {sorted(held)}, but {index}'s weight_map "
-                                 f"gives it {sorted(listed)} (each tensor in the one shard the index names)")
-            tensors.update(held)
-        return tensors
+    if (path / "model.safetensors.index.json").is_file():
+        return _sharded_tensors(path / "model.safetensors.index.json", caller,
+                                lambda shard: _safetensors_tensors(shard, caller, handles))
     if (path / "pytorch_model.bin").is_file():
-        try:
-            import torch
-        except ImportError as e:
-            raise ImportError(f"{caller}: {path / 'pytorch_model.bin'} needs torch (pip install torch), "
-                              "or convert it to model.safetensors") from e
-        try:
-            state_dict = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
-            raise ValueError(f"{caller}: {path / 'pytorch_model.bin'} is not a readable PyTorch state dict: "
-                             f"{e}") from e
-        if not isinstance(state_dict, dict):
-            raise ValueError(f"{caller}: {path / 'pytorch_model.bin'} must hold a state dict (tensors by name), "
-                             f"not {type(state_dict).__name__}")
-        arrays = {name: _torch_array(torch, tensor, name, path / "pytorch_model.bin", caller)
-                  for name, tensor in state_dict.items()}
-        return {name: _Tensor(array.shape, lambda array=array: array, array.dtype.name,
-                              np.issubdtype(array.dtype, np.floating)) for name, array in arrays.items()}
-    raise FileNotFoundError(f"{caller}: {path} has no model.safetensors, model.safetensors.index.json "
-                            "or pytorch_model.bin")
+        return _torch_tensors(path / "pytorch_model.bin", caller)
+    if (path / "pytorch_model.bin.index.json").is_file():
+        return _sharded_tensors(path / "pytorch_model.bin.index.json", caller,
+                                lambda shard: _torch_tensors(shard, caller))
+    raise FileNotFoundError(f"{caller}: {path} has no model.safetensors, model.safetensors.index.json, "
+                            "pytorch_model.bin or pytorch_model.bin.index.json")
+
+
+def _sharded_tensors(index: pathlib.Path, caller: str, read_shard: Callable[[pathlib.Path], dict[str, _Tensor]]
+                     ) -> dict[str, _Tensor]:
+    """The tensors of a sharded checkpoint by name: those of each shard file its index's weight_map names (HF's
+    `model.safetensors.index.json` or `pytorch_model.bin.index.json`), read by `read_shard`. Every shard is
+    checked to exist before any is read."""
+    index_content = _read_json(index, caller)
+    weight_map = index_content.get("weight_map") if isinstance(index_content, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
+        raise ValueError(f"{caller}: {index} must have the key 'weight_map' holding an object "
+                         "{tensor name: shard file name}")
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        if pathlib.Path(shard).name != shard:  # a name in the directory, not a path out of it
+            raise ValueError(f"{caller}: {index}'s weight_map names the shard {shard!r}, which must be "
+                             "a file name in the checkpoint's directory")
+        if not (index.parent / shard).is_file():
+            raise FileNotFoundError(f"{caller}: {index.parent / shard}, a shard in {index}'s weight_map, "
+                                    "does not exist")
+    tensors = {}
+    for shard in shards:
+        held = read_shard(index.parent / shard)
+        listed = {name for name, file in weight_map.items() if file == shard}
+        if set(held) != listed:
+            raise ValueError(f"{caller}: {index.parent / shard} holds {sorted(held)}, but {index}'s weight_map "
+                             f"gives it {sorted(listed)} (each tensor in the one shard the index names)")
+        tensors.update(held)
+    return tensors
+
+
+def _torch_tensors(file: pathlib.Path, caller: str) -> dict[str, _Tensor]:
+    """The tensors of a PyTorch state dict file (`pytorch_model.bin` or one of its shards) by name, read whole
+    (`torch.load` with weights_only: no pickled code runs) and converted by `_torch_array`."""
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError(f"{caller}: {file} needs torch (pip install torch), or convert the checkpoint to "
+                          "model.safetensors") from e
+    try:
+        state_dict = torch.load(file, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{caller}: {file} is not a readable PyTorch state dict: {e}") from e
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"{caller}: {file} must hold a state dict (tensors by name), not "
+                         f"{type(state_dict).__name__}")
+    arrays = {name: _torch_array(torch, tensor, name, file, caller) for name, tensor in state_dict.items()}
+    return {name: _Tensor(array.shape, lambda array=array: array, array.dtype.name,
+                          np.issubdtype(array.dtype, np.floating)) for name, array in arrays.items()}
 
 
 def _torch_array(torch, tensor, name: str, file: pathlib.Path, caller: str) -> np.ndarray:
@@ -323,18 +341,18 @@ def _torch_array(torch, tensor, name: str, file: pathlib.Path, caller: str) -> n
 def load_hf_state(path) -> dict[str, np.ndarray]:
     """Reads all tensors of a checkpoint directory as NumPy arrays, by name.
 
-    Looks for `model.safetensors`, then `model.safetensors.index.json` (sharded), then `pytorch_model.bin`
-    (needs torch; its tensors detached, bfloat16 and float8 ones as float32, which holds them exactly).
+    Looks for `model.safetensors`, then `model.safetensors.index.json` (sharded), then `pytorch_model.bin`, then
+    `pytorch_model.bin.index.json` (sharded; both need torch, which reads each file whole; their tensors
+    detached, bfloat16 and float8 ones as float32, which holds them exactly).
 
     Raises:
       FileNotFoundError: if `path` does not exist, there are no weights, or a shard named by the index is
         missing.
       ValueError: for a `path` that is a file, not the checkpoint's directory; for an index without a
         `weight_map` object, a shard that holds other tensors than the index gives it, a file that safetensors
-        cannot read, or a `pytorch_model.bin` entry that is not a tensor.
-      TypeError: for a path that is not a str or os.PathLike, or a `pytorch_model.bin` tensor of a dtype NumPy
-        cannot hold.
-      ImportError: for a `pytorch_model.bin` (the only weights there) without torch installed.
+        or torch cannot read, or a PyTorch file's entry that is not a tensor.
+      TypeError: for a path that is not a str or os.PathLike, or a PyTorch tensor of a dtype NumPy cannot hold.
+      ImportError: for PyTorch weights (the only weights there) without torch installed.
     """
     with contextlib.ExitStack() as handles:
         _, tensors = _open_checkpoint(_checkpoint_dir(path, "load_hf_state"), "load_hf_state", handles)
@@ -348,9 +366,12 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
     The model is created abstractly (`nnx.eval_shape`, no random init), every parameter is assigned from the
     checkpoint, and the result is merged. For tied embeddings a stored `lm_head.weight` must be the embedding
     (mamba_ssm stores both), and is taken as the embedding where the checkpoint stores only the head (HF's save
-    may keep either name of the tied matrix). config.json is checked, and the model built from it, before any
-    weight file is opened. A `save_pretrained` to `path` while it loads does not mix two checkpoints: the
-    weight files stay open until every tensor is read, and config and weights come from one save.
+    may keep either name of the tied matrix). A checkpoint of HF's base `Mamba2Model` (the backbone alone, its
+    tensors saved without the `backbone.` prefix: `embeddings.weight`, `layers.{i}.mixer.in_proj.weight`, ...,
+    `norm_f.weight`) loads where config.json ties the head to the embedding, which is then the head. config.json
+    is checked, and the model built from it, before any weight file is opened. A `save_pretrained` to `path`
+    while it loads does not mix two checkpoints: the weight files stay open until every tensor is read, and
+    config and weights come from one save.
 
     Args:
       path: directory with config.json and the weights (see `load_hf_state`).
@@ -365,13 +386,14 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
 
     Raises:
       ValueError: listing the checkpoint tensors that match no parameter (unknown keys) and the parameters
-        (with layer indices) that no tensor assigned, or a tensor of the wrong shape.
+        (with runs of layer indices) that no tensor assigned, or a tensor of the wrong shape; for a base model's
+        checkpoint (no LM head) under a config.json that does not tie the head to the embedding.
       ValueError, TypeError: for a config.json that is not a Mamba-2 configuration (see `load_config`) or
         whose mixer options `Mamba2` rejects, naming the file and the option; for an unknown backend or a
         dtype that is not floating; for weights `load_hf_state` cannot read.
       FileNotFoundError, ValueError: for a `path` that does not exist or is a file, not the checkpoint's
         directory (see `load_config`); FileNotFoundError: for missing weights (see `load_hf_state`).
-      ImportError: for a `pytorch_model.bin` (the only weights there) without torch installed.
+      ImportError: for PyTorch weights (the only weights there) without torch installed.
     """
     backends.check_name(backend, "load_pretrained")  # the arguments first: errors below are config.json's
     check_flag("load_pretrained", "scan_layers", scan_layers)
@@ -398,9 +420,45 @@ def _abstract_model(path: pathlib.Path, config: Mamba2Config, *, dtype, param_dt
     except (ValueError, TypeError) as e:  # a mixer option of config.json that Mamba2 rejects, named by it
         raise (TypeError if isinstance(e, TypeError) else ValueError)(
             f"load_pretrained: {path / 'config.json'}: {e}") from e
-    except OverflowError as e:  # sizes each valid, too large for the arrays the model is built of (n_layer 2^40)
-        raise ValueError(f"load_pretrained: {path / 'config.json'}: no model can be built from it (n_layer="
-                         f"{config.n_layer}, d_model={config.d_model}, vocab_size={config.vocab_size}): {e}") from e
+
+
+# The names of a base model's tensors, the backbone's without its "backbone." prefix: HF's `Mamba2Model` saves
+# them so (and `embedding.weight`, mamba_ssm's name, which HF's renames on load).
+_BASE_MODEL_NAME = re.compile(r"embeddings?\.weight|norm_f\.weight|layers\.\d+\..+")
+
+
+def _is_base_model(names) -> bool:
+    """Whether a checkpoint's tensor names are a base model's: some backbone names without the prefix and none
+    with it (a checkpoint that mixes the two keeps its names, the unprefixed ones then unknown)."""
+    names = list(names)
+    return (any(_BASE_MODEL_NAME.fullmatch(name) for name in names)
+            and not any(name.startswith("backbone.") for name in names))
+
+
+# How many runs of missing layers, and unknown keys, an error lists before it counts the rest.
+_LISTED = 8
+
+
+def _missing_layers(assigned: set[int], n_layer: int) -> str:
+    """The layers in range(n_layer) that `assigned` lacks as runs ("layers 0-23", "layer 5", "layers 1, 4-6"), the
+    first few and a count of the rest, so that a message stays short however many layers config.json has: found by
+    walking `assigned` (the checkpoint's layers), never range(n_layer)."""
+    runs, start = [], 0
+    for layer in (*sorted(assigned), n_layer):
+        if layer > start:
+            runs.append(f"{start}" if layer == start + 1 else f"{start}-{layer - 1}")
+        start = layer + 1
+    text = ", ".join(runs[:_LISTED])
+    if len(runs) > _LISTED:
+        text += f", ... ({len(runs) - _LISTED} more runs; {n_layer - len(assigned)} of {n_layer} layers)"
+    return f"layer {text}" if n_layer - len(assigned) == 1 else f"layers {text}"
+
+
+def _some(names: list[str]) -> str:
+    """`names` as a list, or its first few and a count of the rest."""
+    if len(names) <= 2 * _LISTED:
+        return str(names)
+    return f"{str(names[:_LISTED])[:-1]}, ... ({len(names) - _LISTED} more)]"
 
 
 def _assign_checkpoint(path: pathlib.Path, config: Mamba2Config, abstract: Mamba2LMHeadModel,
@@ -410,11 +468,20 @@ def _assign_checkpoint(path: pathlib.Path, config: Mamba2Config, abstract: Mamba
     # and each is then read straight into its parameter's buffer.
     graphdef, abstract_state = nnx.split(abstract)
     shapes = {param_path(p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(abstract_state)}
-    unassigned = {path: set(range(config.n_layer)) if path[0] == "layers" else {None} for path in shapes}
+    # What the tensors assign of each parameter: its layers, or None for a whole one. Not what they leave out,
+    # which would take n_layer entries per parameter, however few layers the checkpoint holds.
+    assigned = {path: set() for path in shapes}
+    base_model = _is_base_model(tensors)
+    if base_model and "lm_head.weight" not in tensors and not config.tie_embeddings:
+        raise ValueError(f"load_pretrained: checkpoint {path} holds a base model without an LM head (its tensors "
+                         "named as HF's Mamba2Model saves them, with no 'backbone.' prefix, and no lm_head.weight), "
+                         "and config.json does not tie the head to the embedding (tie_word_embeddings / "
+                         "tie_embeddings is false): it holds no language model")
     unknown, tied_head, plan = [], [], []
     for name, tensor in tensors.items():
         try:
-            target, layer, layout = _map_hf_key(name)
+            target, layer, layout = _map_hf_key(  # a base model's backbone names lack the prefix
+                f"backbone.{name}" if base_model and _BASE_MODEL_NAME.fullmatch(name) else name)
         except KeyError:
             unknown.append(name)
             continue
@@ -426,7 +493,7 @@ def _assign_checkpoint(path: pathlib.Path, config: Mamba2Config, abstract: Mamba
         elif target not in shapes or (layer is not None and layer >= config.n_layer):
             unknown.append(name)
             continue
-        elif layer not in unassigned[target]:
+        elif layer in assigned[target]:
             raise ValueError(f"load_pretrained: {name} assigns {'.'.join(target)}"
                              f"{'' if layer is None else f' of layer {layer}'} a second time (another tensor "
                              "of the checkpoint holds it too)")
@@ -442,17 +509,22 @@ def _assign_checkpoint(path: pathlib.Path, config: Mamba2Config, abstract: Mamba
             tied_head.append(name)
             continue
         plan.append((name, target, layer, layout))
-        unassigned[target].discard(layer)
-    if tied_head and unassigned[_EMBEDDING]:
+        assigned[target].add(layer)
+    if tied_head and not assigned[_EMBEDDING]:
         # Tied weights stored once under the head's name (HF's save keeps either name of a shared tensor): the
         # head is the embedding, its shape checked as the embedding's above.
         plan.append((tied_head.pop(), _EMBEDDING, None, "same"))
-        unassigned[_EMBEDDING].clear()
-    missing = sorted(".".join(p) + ("" if layers == {None} else f"[layers {sorted(layers)}]")
-                     for p, layers in unassigned.items() if layers)
+        assigned[_EMBEDDING].add(None)
+    missing = []
+    for param, layers in assigned.items():
+        if param[0] != "layers" and not layers:
+            missing.append(".".join(param))
+        elif param[0] == "layers" and len(layers) < config.n_layer:
+            missing.append(f"{'.'.join(param)}[{_missing_layers(layers, config.n_layer)}]")
+    missing.sort()
     if unknown or missing:
         raise ValueError(f"load_pretrained: checkpoint {path} does not match the model: unknown keys "
-                         f"{sorted(unknown)}; unassigned parameters {missing}")
+                         f"{_some(sorted(unknown))}; unassigned parameters {missing}")
     buffers = {path: np.empty(shape, np.dtype(param_dtype)) for path, shape in shapes.items()}  # all assigned
     for name, target, layer, layout in plan:
         buffers[target][layer if layer is not None else ...] = _to_model_layout(tensors[name].read(), layout)

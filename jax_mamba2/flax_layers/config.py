@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 from flax.core import FrozenDict
 
-from jax_mamba2.checks import as_int, check_dt_limit, check_flag, check_int, check_positive_float
+from jax_mamba2.checks import (INT32_MAX, as_int, check_dt_limit, check_element_count, check_flag,
+                               check_positive_float, check_size)
 from jax_mamba2.flax_layers.mixer_options import check_mixer_options
 
 # Keyword arguments of `Mamba2.__init__` that may appear in `ssm_cfg` (all but d_model and the dtype/backend
@@ -93,9 +94,10 @@ def _require_keys(config: Mapping[str, Any], keys: Sequence[str], api: str) -> N
 
 
 def _require_positive_ints(config: Mapping[str, Any], keys: Sequence[str], api: str) -> None:
-    """Each of `keys` that `config` has must be a positive int (checked before sizes are multiplied)."""
+    """Each of `keys` that `config` has must be a positive int an array axis can be (`checks.check_size`; checked
+    before sizes are multiplied)."""
     for key in keys:
-        check_int(api, key, config.get(key, 1))
+        check_size(api, key, config.get(key, 1))
 
 
 def _require_bools(config: Mapping[str, Any], keys: Sequence[str], api: str) -> None:
@@ -148,7 +150,10 @@ class Mamba2Config:
 
     Raises:
       ValueError, TypeError: for a field of the wrong type or value, naming it (a mixer option as
-        `ssm_cfg['name']`, checked as `Mamba2` checks it).
+        `ssm_cfg['name']`, checked as `Mamba2` checks it). Every size, and every width and weight they give, must
+        fit the arrays the model is built of: a size, padded_vocab_size or a mixer width (d_inner, d_in_proj,
+        conv_dim) at most 2**31 - 1 (JAX's int32 indices, the kernels' int32 dimensions), the embedding and each
+        mixer weight stacked over the n_layer layers at most 2**60 - 1 elements (XLA's int64 byte count).
     """
 
     d_model: int
@@ -165,7 +170,7 @@ class Mamba2Config:
 
     def __post_init__(self):
         for name in ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple"):
-            object.__setattr__(self, name, check_int("Mamba2Config", name, getattr(self, name)))
+            object.__setattr__(self, name, check_size("Mamba2Config", name, getattr(self, name)))
         if not isinstance(self.ssm_cfg, Mapping):
             raise TypeError(f"Mamba2Config: ssm_cfg={self.ssm_cfg!r} must be a mapping of Mamba2 options (a JSON "
                             "object)")
@@ -197,7 +202,13 @@ class Mamba2Config:
         ssm_cfg = {k: _freeze(v) for k, v in sorted(ssm_cfg.items())}
         # By value too, as the mixers will be built from them: a config no model can be made of fails here.
         check_mixer_options("Mamba2Config", self.d_model, {**MIXER_DEFAULTS, **ssm_cfg},
-                            {name: f"ssm_cfg[{name!r}]" for name in MIXER_OPTIONS})
+                            {name: f"ssm_cfg[{name!r}]" for name in MIXER_OPTIONS}, n_layer=self.n_layer)
+        if self.padded_vocab_size > INT32_MAX:
+            raise ValueError(f"Mamba2Config: vocab_size={self.vocab_size} rounded up to a multiple of "
+                             f"pad_vocab_size_multiple={self.pad_vocab_size_multiple} is {self.padded_vocab_size}, "
+                             "the embedding's rows, which must be at most 2**31 - 1 (an array axis)")
+        check_element_count("Mamba2Config", "the embedding", "(padded_vocab_size, d_model)",
+                            (self.padded_vocab_size, self.d_model))
         # Canonical form: only options that differ from mamba_ssm's defaults, so equal models compare equal.
         options = {k: v for k, v in ssm_cfg.items() if v != MIXER_DEFAULTS[k]}
         object.__setattr__(self, "ssm_cfg", FrozenDict(options))
@@ -269,7 +280,8 @@ class Mamba2Config:
             time step / epsilon that is not a number or a size that is not an int (hidden_size,
             num_hidden_layers, vocab_size, expand, head_dim, num_heads, state_size, conv_kernel, n_groups,
             chunk_size, ...).
-          ValueError: for a missing hidden_size, num_hidden_layers or vocab_size, a size under 1, a time step
+          ValueError: for a missing hidden_size, num_hidden_layers or vocab_size, a size under 1 or over 2**31 - 1
+            (an array axis; and the sizes a `Mamba2Config` refuses, see there), a time step
             or epsilon that is not positive, a
             model_type other than "mamba2", `num_heads * head_dim != expand * hidden_size` (HF's own
             invariant), mixer options no `Mamba2` can be built from (named by HF's keys: a chunk_size that is

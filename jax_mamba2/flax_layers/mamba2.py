@@ -24,7 +24,7 @@ from jax_mamba2 import backends
 from jax_mamba2 import conv1d as conv_op
 from jax_mamba2 import decode as decode_op
 from jax_mamba2 import norm as norm_op
-from jax_mamba2.checks import check_flag, check_int, float_dtype
+from jax_mamba2.checks import check_flag, check_int, check_size, float_dtype
 from jax_mamba2.conv1d import causal_conv1d_silu, causal_conv1d_silu_split
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers._tree import param_path
@@ -103,7 +103,10 @@ class Mamba2(nnx.Module):
       rngs: parameter initialization keys.
 
     Raises:
-      ValueError, TypeError: on an inconsistent configuration, naming the option and its value.
+      ValueError, TypeError: on an inconsistent configuration, naming the option and its value; ValueError for
+        sizes no array holds, before any parameter is drawn: a size or a width it gives (d_inner, d_in_proj,
+        conv_dim) over 2**31 - 1 (JAX's int32 indices, the kernels' int32 dimensions), or a weight of more than
+        2**60 - 1 elements (XLA's int64 byte count).
 
     Example:
       >>> layer = Mamba2(64, d_state=16, headdim=16, chunk_size=16, rngs=nnx.Rngs(0))
@@ -125,8 +128,9 @@ class Mamba2(nnx.Module):
                  deterministic_backward: bool = False, save_chunk_states: bool = False, check_finite: bool = True,
                  dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         _checks.check_rngs("Mamba2", rngs)
-        d_model = check_int("Mamba2", "d_model", d_model)
-        options, (d_inner, d_ssm, nheads) = check_mixer_options("Mamba2", d_model, dict(
+        d_model = check_size("Mamba2", "d_model", d_model)
+        # Every size, the widths they give and the weights' element counts, before any parameter is drawn.
+        options, (d_inner, d_ssm, nheads, d_in_proj, conv_dim) = check_mixer_options("Mamba2", d_model, dict(
             d_state=d_state, d_conv=d_conv, conv_init=conv_init, expand=expand, headdim=headdim, d_ssm=d_ssm,
             ngroups=ngroups, A_init_range=A_init_range, D_has_hdim=D_has_hdim, rmsnorm=rmsnorm,
             norm_before_gate=norm_before_gate, norm_eps=norm_eps, dt_min=dt_min, dt_max=dt_max,
@@ -147,7 +151,7 @@ class Mamba2(nnx.Module):
         self.d_model, self.d_state, self.d_conv, self.headdim = d_model, d_state, d_conv, headdim
         self.d_inner, self.d_ssm, self.d_mlp = d_inner, d_ssm, d_inner - d_ssm
         self.nheads, self.ngroups = nheads, ngroups
-        self.conv_dim = d_ssm + 2 * ngroups * d_state
+        self.conv_dim = conv_dim
         self.D_has_hdim, self.rmsnorm, self.dt_limit = D_has_hdim, rmsnorm, dt_limit
         self.chunk_size, self.backend, self.dtype = chunk_size, backend, dtype
         self.deterministic_backward, self.save_chunk_states = deterministic_backward, save_chunk_states
@@ -155,7 +159,6 @@ class Mamba2(nnx.Module):
         # Set by `shard_model`: run head-parallel inside jax.shard_map over this mesh.
         self.mesh_axes: MeshAxes | None = None
 
-        d_in_proj = 2 * d_inner + 2 * ngroups * d_state + nheads
         # The nnx.Linear layers hold parameters only; `_project` / `_output` take the products themselves
         # because under head parallelism the contraction is split across devices.
         self.in_proj = nnx.Linear(d_model, d_in_proj, use_bias=bias, param_dtype=param_dtype,

@@ -8,34 +8,41 @@ from collections.abc import Mapping
 from numbers import Real
 from typing import NamedTuple
 
-from jax_mamba2.checks import check_dt_limit, check_flag, check_int, check_positive_float
+from jax_mamba2.checks import (check_axis_length, check_dt_limit, check_element_count, check_flag, check_int,
+                               check_positive_float, check_size)
 from jax_mamba2.flax_layers import _checks
 
 
 class MixerShape(NamedTuple):
     """What the checked options make of the mixer's widths."""
-    d_inner: int   # expand * d_model
-    d_ssm: int     # the SSM's width (d_inner unless given)
-    nheads: int    # d_ssm // headdim
+    d_inner: int    # expand * d_model
+    d_ssm: int      # the SSM's width (d_inner unless given)
+    nheads: int     # d_ssm // headdim
+    d_in_proj: int  # in_proj's outputs: 2 * d_inner + 2 * ngroups * d_state + nheads
+    conv_dim: int   # the conv's channels: d_ssm + 2 * ngroups * d_state
 
 
-def check_mixer_options(api: str, d_model: int, options: Mapping, names: Mapping[str, str] | None = None
-                        ) -> tuple[dict, MixerShape]:
+def check_mixer_options(api: str, d_model: int, options: Mapping, names: Mapping[str, str] | None = None, *,
+                        n_layer: int | None = None) -> tuple[dict, MixerShape]:
     """Checks the mixer `options` (every key of `config.MIXER_OPTIONS`) for a mixer of width `d_model`.
 
     Args:
       api: the caller named in errors ("Mamba2", "Mamba2Config").
-      d_model: the residual stream's width (checked by the caller).
+      d_model: the residual stream's width (checked by the caller, `checks.check_size`).
       options: the options by name, all present.
       names: how the caller spells an option, for the errors (e.g. "ssm_cfg['d_state']", or HF's
         "state_size"); an option not in it is named as it is.
+      n_layer: the layers the LM stacks the mixer's parameters over (each gets a leading (n_layer,) axis), whose
+        element counts are checked; None for one mixer.
 
     Returns:
       The options with flags as bools, norm_eps a float and dt_limit a (low, high) pair of floats, and the
       widths they give.
 
     Raises:
-      ValueError / TypeError naming the option: a size that is not a positive int, a flag that is not a bool,
+      ValueError / TypeError naming the option: a size that is not a positive int of at most 2**31 - 1, a width it
+      gives (d_inner, d_in_proj, conv_dim) over 2**31 - 1 or a weight of more than 2**60 - 1 elements (with
+      n_layer: stacked), a flag that is not a bool,
       d_ssm not a multiple of headdim within d_inner, nheads not divisible by ngroups, a chunk_size that is not
       a power of two, an A_init_range other than 0 < low <= high < inf, dt_min / dt_max / dt_init_floor not
       0 < dt_min <= dt_max with dt_init_floor >= 0, a dt_limit that `checks.check_dt_limit` refuses, a conv_init
@@ -46,18 +53,19 @@ def check_mixer_options(api: str, d_model: int, options: Mapping, names: Mapping
 
     options = dict(options)
     for name in ("d_state", "d_conv", "expand", "headdim", "ngroups", "chunk_size"):
-        options[name] = check_int(api, label(name), options[name])
+        options[name] = check_size(api, label(name), options[name])
     for name in ("D_has_hdim", "rmsnorm", "norm_before_gate", "bias", "conv_bias"):
         options[name] = check_flag(api, label(name), options[name])
     options["norm_eps"] = check_positive_float(api, label("norm_eps"), options["norm_eps"])
     headdim, ngroups, chunk_size = options["headdim"], options["ngroups"], options["chunk_size"]
     d_inner = options["expand"] * d_model
+    check_axis_length(api, f"d_inner={label('expand')}*d_model", d_inner)
     d_ssm = d_inner if options["d_ssm"] is None else options["d_ssm"]
     if options["d_ssm"] is None and d_inner % headdim:
         raise ValueError(f"{api}: {label('headdim')}={headdim} must divide d_inner={label('expand')}*d_model="
                          f"{d_inner}")
     requirement = f"a positive multiple of {label('headdim')}={headdim} and at most d_inner=expand*d_model={d_inner}"
-    d_ssm = check_int(api, label("d_ssm"), d_ssm, requirement)
+    d_ssm = check_int(api, label("d_ssm"), d_ssm, requirement)  # an axis: at most d_inner (below)
     if d_ssm > d_inner or d_ssm % headdim:
         raise ValueError(f"{api}: {label('d_ssm')}={d_ssm!r} must be {requirement}")
     nheads = d_ssm // headdim
@@ -65,6 +73,7 @@ def check_mixer_options(api: str, d_model: int, options: Mapping, names: Mapping
         raise ValueError(f"{api}: nheads=d_ssm//headdim={nheads} must be divisible by {label('ngroups')}={ngroups}")
     if chunk_size & (chunk_size - 1):
         raise ValueError(f"{api}: {label('chunk_size')}={chunk_size} must be a power of two")
+    shape = _check_weights(api, label, d_model, options, MixerShape(d_inner, d_ssm, nheads, 0, 0), n_layer)
     A_init_range = options["A_init_range"]
     if not math.isfinite(_checks.check_range(api, label("A_init_range"), A_init_range, low_min=0.0,
                                              strict_low=True)[1]):
@@ -84,4 +93,22 @@ def check_mixer_options(api: str, d_model: int, options: Mapping, names: Mapping
     options["dt_limit"] = check_dt_limit(api, options["dt_limit"], name=label("dt_limit"))
     if options["conv_init"] is not None:
         options["conv_init"] = check_positive_float(api, label("conv_init"), options["conv_init"])
-    return options, MixerShape(d_inner, d_ssm, nheads)
+    return options, shape
+
+
+def _check_weights(api: str, label, d_model: int, options: Mapping, shape: MixerShape, n_layer: int | None
+                   ) -> MixerShape:
+    """`shape` with in_proj's outputs and the conv's channels, each checked to fit an array axis, and the mixer's
+    two largest weights (in_proj's and the conv's; out_proj's is smaller than in_proj's) to fit an array, stacked
+    over `n_layer` layers where given. The vectors (biases, dt_bias, A_log, D, the norm's scale) are no longer
+    than these axes."""
+    groups = 2 * options["ngroups"] * options["d_state"]
+    d_in_proj = 2 * shape.d_inner + groups + shape.nheads
+    conv_dim = shape.d_ssm + groups
+    check_axis_length(api, f"d_in_proj=2*d_inner+2*{label('ngroups')}*{label('d_state')}+nheads", d_in_proj)
+    check_axis_length(api, f"conv_dim=d_ssm+2*{label('ngroups')}*{label('d_state')}", conv_dim)
+    layers, layer_axes = ((), "") if n_layer is None else ((n_layer,), "n_layer, ")
+    check_element_count(api, "in_proj.kernel", f"({layer_axes}d_model, d_in_proj)", (*layers, d_model, d_in_proj))
+    check_element_count(api, "conv1d.kernel", f"({layer_axes}{label('d_conv')}, conv_dim)",
+                        (*layers, options["d_conv"], conv_dim))
+    return shape._replace(d_in_proj=d_in_proj, conv_dim=conv_dim)

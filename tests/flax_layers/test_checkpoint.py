@@ -136,7 +136,7 @@ def test_checkpoint_load_lists_unknown_and_unassigned_keys(tmp_path, tiny_config
     (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
     with pytest.raises(ValueError, match=r"unknown keys \['backbone.layers.0.mixer.x_proj.weight', "
                                          r"'backbone.layers.7.norm.weight'\]; unassigned parameters "
-                                         r"\['layers.mixer.A_log\[layers \[1\]\]', 'norm_f.scale'\]"):
+                                         r"\['layers.mixer.A_log\[layer 1\]', 'norm_f.scale'\]"):
         load_pretrained(tmp_path)
 
 
@@ -275,6 +275,81 @@ def test_sharded_checkpoint_shards_must_hold_what_the_index_says(tmp_path, tiny_
     index({**right, first[0]: "../model-00001-of-00002.safetensors"})
     with pytest.raises(ValueError, match="must be a file name in the checkpoint's directory"):
         load_pretrained(tmp_path, backend="xla")
+
+
+def test_checkpoint_loads_sharded_pytorch_weights_and_checks_the_shards_against_the_index(tmp_path, tiny_config):
+    """HF saves large PyTorch models as pytorch_model-0000N-of-0000M.bin shards with pytorch_model.bin.index.json:
+    loaded as the safetensors shards are, each shard holding exactly the tensors the index gives it."""
+    torch = pytest.importorskip("torch")
+    model = _random_model(tiny_config)
+    state = _torch_state_dict(model, "backbone.embeddings.weight")
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
+    names = sorted(state)
+    shards = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+    for file, shard_names in shards.items():
+        torch.save({name: torch.from_numpy(np.array(state[name])) for name in shard_names}, tmp_path / file)
+    right = {name: file for file, shard_names in shards.items() for name in shard_names}
+
+    def index(weight_map):
+        (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    index(right)
+    read = checkpoint_module.load_hf_state(tmp_path)
+    assert sorted(read) == names
+    for name, array in read.items():
+        np.testing.assert_array_equal(array, state[name], err_msg=name)
+    _assert_same_params(load_pretrained(tmp_path, backend="xla"), model)
+    index({**right, names[0]: "pytorch_model-00002-of-00002.bin"})  # the tensor is in the other shard
+    for read in (load_pretrained, checkpoint_module.load_hf_state):
+        with pytest.raises(ValueError, match=rf"{read.__name__}: {tmp_path}/pytorch_model-00001-of-00002.bin holds "
+                                             r".* but .*pytorch_model.bin.index.json's weight_map gives it .*each "
+                                             r"tensor in the one shard the index names"):
+            read(tmp_path)
+
+
+def test_checkpoint_loads_a_base_model_as_a_tied_lm_and_refuses_it_untied(tmp_path, tiny_config):
+    """HF's Mamba2Model (the backbone without the head) saves its tensors without the "backbone." prefix
+    (embeddings.weight, layers.{i}.mixer.in_proj.weight, norm_f.weight): under a tied config it loads, the head
+    being the embedding; untied, the checkpoint holds no LM head, which the error says."""
+    model = _random_model(tiny_config)
+    assert tiny_config.tie_embeddings
+    state = {name.removeprefix("backbone."): array
+             for name, array in _torch_state_dict(model, "backbone.embeddings.weight").items()}
+    assert "embeddings.weight" in state and "layers.0.mixer.in_proj.weight" in state and "lm_head.weight" not in state
+    save_file(state, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
+    _assert_same_params(load_pretrained(tmp_path, backend="xla"), model)
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config.replace(tie_embeddings=False).to_hf()))
+    with pytest.raises(ValueError, match=rf"load_pretrained: checkpoint {tmp_path} holds a base model without an "
+                                         r"LM head .*no lm_head.weight.*tie_word_embeddings / tie_embeddings is "
+                                         r"false"):
+        load_pretrained(tmp_path, backend="xla")
+    # Names of both kinds are no base model: the unprefixed ones are unknown.
+    save_file({**state, "backbone.norm_f.weight": state.pop("norm_f.weight")}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
+    with pytest.raises(ValueError, match=r"unknown keys \['embeddings.weight', 'layers.0.mixer.A_log', "):
+        load_pretrained(tmp_path, backend="xla")
+
+
+def test_checkpoint_error_for_missing_layers_gives_runs_of_them(tmp_path, tiny_config):
+    """A config.json of many more layers than the checkpoint holds names the missing ones as a run, in a short
+    message, without spelling out range(n_layer) (n_layer may be up to 2^31 - 1); of fewer, it lists the first
+    unknown keys and counts the rest."""
+    save_pretrained(_random_model(tiny_config), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for n_layer in (10 ** 5, 2 ** 31 - 1):
+        (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": n_layer}))
+        with pytest.raises(ValueError, match=r"unknown keys \[\]; unassigned parameters") as raised:
+            load_pretrained(tmp_path, backend="xla")
+        assert f"'layers.mixer.A_log[layers 3-{n_layer - 1}]'" in str(raised.value)
+        assert len(str(raised.value)) < 1000
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))  # 18 tensors unknown
+    with pytest.raises(ValueError, match=r"unknown keys \['backbone.layers.1.mixer.A_log', .*, \.\.\. \(10 more\)\]; "
+                                         r"unassigned parameters \[\]"):
+        load_pretrained(tmp_path, backend="xla")
+    missing = checkpoint_module._missing_layers
+    assert missing({0, 2, 3}, 6) == "layers 1, 4-5"
+    assert missing(set(range(5)), 6) == "layer 5"
+    assert missing(set(range(0, 40, 2)), 40) == "layers 1, 3, 5, 7, 9, 11, 13, 15, ... (12 more runs; 20 of 40 layers)"
 
 
 def test_save_over_a_checkpoint_drops_its_other_weight_files(tmp_path, tiny_config):
@@ -954,8 +1029,11 @@ def test_checkpoint_config_errors_come_before_the_weights_are_opened(tmp_path, m
         (tmp_path / "model.safetensors").write_bytes(weights)
     for config, message in [
         ({**MAMBA_SSM_TINY, "ssm_cfg": {**MAMBA_SSM_TINY["ssm_cfg"], "chunk_size": 12}}, "must be a power of two"),
-        # Passes Mamba2Config's checks, but its layers' sizes overflow the arrays the model is built of.
-        ({**MAMBA_SSM_TINY, "n_layer": 2 ** 40}, "no model can be built from it"),
+        # Sizes no array holds: a longer axis than JAX indexes, a stacked weight of more elements than XLA counts.
+        ({**MAMBA_SSM_TINY, "n_layer": 2 ** 40}, r"n_layer=1099511627776 must be a positive int of at most 2\*\*31 - 1"),
+        ({**MAMBA_SSM_TINY, "n_layer": 2 ** 31 - 1, "d_model": 2 ** 20}, r"in_proj.kernel of shape \(n_layer, "
+         r"d_model, d_in_proj\)=\(2147483647, 1048576, \d+\) would hold \d+ elements; an array holds at most "
+         r"2\*\*60 - 1"),
     ]:
         (tmp_path / "config.json").write_text(json.dumps(config))
         with pytest.raises(ValueError, match=rf"load_pretrained: {tmp_path}/config.json: .*{message}"):
@@ -964,20 +1042,25 @@ def test_checkpoint_config_errors_come_before_the_weights_are_opened(tmp_path, m
 
 
 @pytest.mark.parametrize("index, error, message", [
-    pytest.param({"metadata": {}}, ValueError, r"model.safetensors.index.json must have the key 'weight_map'",
-                 id="no_weight_map"),
-    pytest.param({"weight_map": ["a"]}, ValueError, r"model.safetensors.index.json must have the key 'weight_map'",
+    pytest.param({"metadata": {}}, ValueError, r"{index_file} must have the key 'weight_map'", id="no_weight_map"),
+    pytest.param({"weight_map": ["a"]}, ValueError, r"{index_file} must have the key 'weight_map'",
                  id="weight_map_list"),
-    pytest.param({"weight_map": {"backbone.norm_f.weight": "model-00001-of-00002.safetensors"}}, FileNotFoundError,
-                 r"model-00001-of-00002.safetensors, a shard in .*model.safetensors.index.json's weight_map, does "
-                 r"not exist", id="missing_shard"),
-    pytest.param("{", ValueError, r"model.safetensors.index.json is not valid JSON", id="truncated_json"),
+    pytest.param({"weight_map": {"backbone.norm_f.weight": "{shard}"}}, FileNotFoundError,
+                 r"{shard}, a shard in .*{index_file}'s weight_map, does not exist", id="missing_shard"),
+    pytest.param("{{", ValueError, r"{index_file} is not valid JSON", id="truncated_json"),
 ])
-def test_checkpoint_bad_index_errors_name_file_and_key(tmp_path, tiny_config, index, error, message):
+@pytest.mark.parametrize("index_file, shard", [
+    ("model.safetensors.index.json", "model-00001-of-00002.safetensors"),
+    ("pytorch_model.bin.index.json", "pytorch_model-00001-of-00002.bin"),  # checked before torch is needed
+], ids=["safetensors", "pytorch"])
+def test_checkpoint_bad_index_errors_name_file_and_key(tmp_path, tiny_config, index, error, message, index_file,
+                                                       shard):
+    def spell(text):
+        return text.replace("{index_file}", re.escape(index_file)).replace("{shard}", shard).replace("{{", "{")
     (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
-    (tmp_path / "model.safetensors.index.json").write_text(index if isinstance(index, str) else json.dumps(index))
+    (tmp_path / index_file).write_text(spell(index) if isinstance(index, str) else spell(json.dumps(index)))
     for read in (load_pretrained, checkpoint_module.load_hf_state):
-        with pytest.raises(error, match=rf"{read.__name__}: {tmp_path}/{message}"):
+        with pytest.raises(error, match=rf"{read.__name__}: {tmp_path}/{spell(message)}"):
             read(tmp_path)
 
 
@@ -1064,8 +1147,8 @@ def test_checkpoint_pytorch_file_of_no_state_dict_names_the_entry(tmp_path, tiny
 
 
 def test_checkpoint_load_checks_every_name_and_shape_before_reading_a_tensor(tmp_path, tiny_config, monkeypatch):
-    """From the files' headers: a config that disagrees with the tensors (here a vocabulary of 2^40 rows, whose
-    buffer could never be allocated) fails naming the tensor, with no tensor read; a good checkpoint reads each
+    """From the files' headers: a config that disagrees with the tensors (here a vocabulary of 2^30 rows, whose
+    float32 buffer would take 128 GiB) fails naming the tensor, with no tensor read; a good checkpoint reads each
     tensor once."""
     save_pretrained(_random_model(tiny_config), tmp_path)
     reads = []
@@ -1079,8 +1162,8 @@ def test_checkpoint_load_checks_every_name_and_shape_before_reading_a_tensor(tmp
     assert sorted(reads) == sorted(set(reads)) and len(reads) == len(checkpoint_module.load_hf_state(tmp_path))
     reads.clear()
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 2 ** 40, "unpadded_vocab_size": 2 ** 40,
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 2 ** 30, "unpadded_vocab_size": 2 ** 30,
                                                       "pad_vocab_size_multiple": 1}))
-    with pytest.raises(ValueError, match=r"backbone.embeddings.weight.shape=\(64, 32\) must be \(1099511627776, 32\)"):
+    with pytest.raises(ValueError, match=r"backbone.embeddings.weight.shape=\(64, 32\) must be \(1073741824, 32\)"):
         load_pretrained(tmp_path, backend="xla")
     assert reads == []

@@ -148,10 +148,49 @@ def test_config_from_dicts_rejects_what_is_not_one_and_infinite_time_steps():
 
 
 @pytest.mark.parametrize("key, value, error", [("hidden_size", "32", TypeError), ("num_heads", 24.0, TypeError),
-                                               ("expand", True, TypeError), ("unpadded_vocab_size", 0, ValueError)])
+                                               ("expand", True, TypeError), ("unpadded_vocab_size", 0, ValueError),
+                                               ("num_hidden_layers", 2 ** 40, ValueError)])
 def test_config_from_hf_rejects_sizes_that_are_not_positive_ints(key, value, error):
     with pytest.raises(error, match=rf"Mamba2Config.from_hf: {key}={value!r} must be a positive int"):
         Mamba2Config.from_hf({**HF_130M, key: value})
+
+
+@pytest.mark.parametrize("changes, message", [
+    pytest.param(dict(n_layer=2 ** 40), r"n_layer=1099511627776 must be a positive int of at most 2\*\*31 - 1 "
+                 r"\(an array axis\)", id="n_layer"),
+    pytest.param(dict(d_model=2 ** 40), r"d_model=1099511627776 must be a positive int of at most 2\*\*31 - 1",
+                 id="d_model"),
+    pytest.param(dict(vocab_size=2 ** 31), r"vocab_size=2147483648 must be a positive int of at most 2\*\*31 - 1",
+                 id="vocab_size"),
+    pytest.param(dict(ssm_cfg={"layer": "Mamba2", "d_conv": 2 ** 40}), r"ssm_cfg\['d_conv'\]=1099511627776 must be a "
+                 r"positive int of at most 2\*\*31 - 1", id="mixer_option"),
+    pytest.param(dict(vocab_size=2 ** 31 - 1), r"vocab_size=2147483647 rounded up to a multiple of "
+                 r"pad_vocab_size_multiple=16 is 2147483648, the embedding's rows, which must be at most 2\*\*31 - 1",
+                 id="padded_vocab_size"),
+    # Each axis fits int32; the weights stacked over the layers, or the embedding, hold more elements than XLA
+    # can count the bytes of.
+    pytest.param(dict(n_layer=2 ** 31 - 1, d_model=2 ** 20), r"in_proj.kernel of shape \(n_layer, d_model, "
+                 r"d_in_proj\)=\(2147483647, 1048576, \d+\) would hold \d+ elements; an array holds at most "
+                 r"2\*\*60 - 1", id="stacked_in_proj"),
+    pytest.param(dict(n_layer=1, d_model=2 ** 29 + 2 ** 20, vocab_size=2 ** 31 - 16,
+                      ssm_cfg={"layer": "Mamba2", "expand": 1}),
+                 r"the embedding of shape \(padded_vocab_size, d_model\)=\(2147483632, 537919488\) would hold \d+ "
+                 r"elements; an array holds at most 2\*\*60 - 1", id="embedding"),
+])
+def test_config_rejects_sizes_no_array_of_the_model_holds(changes, message):
+    """A config is refused when made, naming the size and the bound, if the model it describes could not be
+    built: an axis of 2^31 or more (JAX's int32 indices) or an array of more elements than XLA counts the bytes
+    of, rather than the model failing deep inside JAX (random number generation, jnp.sqrt of n_layer)."""
+    with pytest.raises(ValueError, match=rf"^Mamba2Config: {message}"):
+        mamba2_130m(**changes)
+
+
+def test_config_accepts_stacked_weights_of_more_than_int32_elements():
+    """Only axes are bounded by int32: a Codestral-sized model (d_model 4096, 64 layers, 8 groups) stacks its
+    in_proj weights into an array of 4.9e9 elements, which the model builds (abstractly here)."""
+    config = Mamba2Config(d_model=4096, n_layer=64, vocab_size=32768, ssm_cfg={"layer": "Mamba2", "ngroups": 8})
+    model = nnx.eval_shape(lambda: Mamba2LMHeadModel(config, rngs=nnx.Rngs(0)))
+    assert math.prod(model.layers.mixer.in_proj.kernel.shape) > 2 ** 31
 
 
 def test_config_rejects_hybrid_attention_and_hf_inexpressible_options():

@@ -282,6 +282,29 @@ def test_mamba2_rejects_bad_ranges(options, error, message):
         Mamba2(D_MODEL, **{**TINY, **options}, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("d_model, options, message", [
+    pytest.param(2 ** 40, {}, r"d_model=1099511627776 must be a positive int of at most 2\*\*31 - 1 \(an array axis\)",
+                 id="d_model"),
+    pytest.param(64, dict(d_state=2 ** 40), r"d_state=1099511627776 must be a positive int of at most 2\*\*31 - 1",
+                 id="d_state"),
+    pytest.param(2 ** 30, {}, r"d_inner=expand\*d_model=2147483648 must be at most 2\*\*31 - 1", id="d_inner"),
+    pytest.param(2 ** 28, dict(d_state=2 ** 29), r"d_in_proj=2\*d_inner\+2\*ngroups\*d_state\+nheads=\d+ must be at most",
+                 id="d_in_proj"),
+    # Each axis fits int32, but in_proj's weight would hold 2^60 elements, more than XLA can count the bytes of.
+    pytest.param(2 ** 29 + 2 ** 28, dict(expand=1, headdim=2 ** 28 + 2 ** 27),
+                 r"in_proj.kernel of shape \(d_model, d_in_proj\)=\(805306368, \d+\) would hold \d+ elements; an "
+                 r"array holds at most 2\*\*60 - 1", id="in_proj_elements"),
+])
+def test_mamba2_rejects_sizes_no_array_holds_before_drawing_a_parameter(d_model, options, message):
+    """Sizes JAX cannot index (an axis of 2^31 or more) or whose weights XLA cannot count the bytes of raise a
+    ValueError naming the size and the bound before a parameter is drawn, not an error from deep inside JAX's
+    random number generator (or XLA aborting the process)."""
+    rngs = nnx.Rngs(0)
+    with pytest.raises(ValueError, match=rf"^Mamba2: {message}"):
+        Mamba2(d_model, **{"d_state": 8, "headdim": 8, **options}, rngs=rngs)
+    assert rngs.params.count[...] == 0  # no key drawn
+
+
 def test_mamba2_takes_numpy_ints_as_python_ints():
     """Sizes read off arrays or configs (NumPy ints) build the same layer as Python ints, stored as Python ints."""
     layer = Mamba2(np.int64(D_MODEL), d_state=np.int32(8), headdim=np.int64(8), chunk_size=np.int64(8),
