@@ -26,7 +26,8 @@ from jax_mamba2.checks import (as_int, check_array, check_flag, check_int, check
                                check_seq_idx_order)
 
 OP = "causal_conv1d"
-ACTIVATIONS = ("silu", None)
+# causal_conv1d's names: "swish" is SiLU's other name (mamba_ssm's Mamba2Simple passes it), None the conv alone.
+ACTIVATIONS = ("silu", "swish", None)
 _API = "causal_conv1d_silu"
 _SPLIT_API = "causal_conv1d_silu_split"
 # The output pieces of `causal_conv1d_silu_split`, at most (the mixer's x, B, C; the kernels' outputs).
@@ -83,8 +84,8 @@ def _check_inputs(inputs: ConvInputs, activation, return_final_states, api: str 
         if initial_states is not None:
             raise ValueError(f"{api}: seq_idx and initial_states cannot be combined (as in causal_conv1d): "
                              f"the states would belong to no sequence")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{api}: activation={activation!r} must be 'silu' or None")
+    if not (activation is None or (isinstance(activation, str) and activation in ACTIVATIONS)):
+        raise ValueError(f"{api}: activation={activation!r} must be 'silu', 'swish' (the same) or None")
     check_flag(api, "return_final_states", return_final_states)
 
 
@@ -168,7 +169,7 @@ def causal_conv1d_silu(x, kernel, bias=None, *, seq_idx=None, initial_states=Non
         sequence (it reads zero instead). Not combinable with initial_states.
       initial_states: (batch, channels, d_conv - 1) or (batch, channels, d_conv) float, optional: the input
         columns before x (a decode cache's conv_state); only the last d_conv - 1 are read.
-      activation: "silu" or None (the convolution alone).
+      activation: "silu" (or "swish", its other name in causal_conv1d) or None (the convolution alone).
       return_final_states: also return the state after the sequence.
       backend: "auto", "cutile", "cutile_callback" or "xla".
 
@@ -190,7 +191,7 @@ def causal_conv1d_silu(x, kernel, bias=None, *, seq_idx=None, initial_states=Non
     inputs = ConvInputs(x, kernel, bias, initial_states, seq_idx)
     _check_inputs(inputs, activation, return_final_states)
     inputs = _without_empty_states(inputs)
-    static = ConvStatic(silu=activation == "silu")
+    static = ConvStatic(silu=activation is not None)  # "silu" or "swish"
     selected = registry.select(backend, _API, lambda b: b.unsupported_reason(inputs), op=OP)
     if x.size == 0:
         y = jnp.zeros(x.shape, x.dtype)
@@ -212,6 +213,9 @@ def _check_layout(x, kernel, channel_offset, split) -> tuple[int, int, tuple[int
         raise ValueError(f"{_SPLIT_API}: kernel.shape={tuple(kernel.shape)} must be (d_conv, channels) "
                          f"with d_conv >= 1")
     channels, width = kernel.shape[1], x.shape[-1]
+    if channels > width:  # no channel_offset could place the window: the kernel is what does not fit
+        raise ValueError(f"{_SPLIT_API}: kernel.shape={tuple(kernel.shape)} must be (d_conv, channels) with channels "
+                         f"<= x.shape[-1]={width} (a window of x's channels)")
     requirement = (f"an int in [0, x.shape[-1] - channels]=[0, {width - channels}] (x.shape[-1]={width}, "
                    f"channels={channels})")
     check_int(_SPLIT_API, "channel_offset", channel_offset, requirement, minimum=0, maximum=width - channels)
@@ -274,7 +278,8 @@ def causal_conv1d_silu_split(x, kernel, bias=None, *, channel_offset, split, seq
     _check_inputs(inputs._replace(x=window), activation, return_final_states, _SPLIT_API)
     inputs = _without_empty_states(inputs)
     pass_through = check_flag(_SPLIT_API, "pass_through", pass_through)
-    static = ConvStatic(silu=activation == "silu", offset=channel_offset, split=split, pass_through=pass_through)
+    static = ConvStatic(silu=activation is not None, offset=channel_offset, split=split,  # "silu" or "swish"
+                        pass_through=pass_through)
     selected = registry.select(backend, _SPLIT_API, lambda b: b.unsupported_reason(inputs), op=OP)
     if x.size == 0:
         pieces = _outputs(x, static, channels, tuple(jnp.zeros((*x.shape[:2], w), x.dtype) for w in split))

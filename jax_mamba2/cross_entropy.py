@@ -19,8 +19,9 @@ chunk's logits (a fourth product).
 
 Padded vocabulary columns (an embedding of `padded_vocab_size` > `vocab_size` rows) are excluded from the
 softmax: they are not tokens, so the loss does not depend on the padding multiple and their rows get zero
-gradient. (mamba_ssm's LM returns the padded logits and leaves the loss to the user; HF transformers'
-Mamba2ForCausalLM takes the softmax over all of them.)
+gradient; their weights (zeroed in the head's operand) reach no value, a NaN there included. (mamba_ssm's LM
+returns the padded logits and leaves the loss to the user; HF transformers' Mamba2ForCausalLM takes the softmax
+over all of them.)
 
 The softmax of each chunk (its logsumexp and target logit, and its gradient in the gradient's pass) is the op
 "cross_entropy" of `jax_mamba2.backends`: "xla" (the fusions below, registered here) or the cuTile kernels
@@ -157,12 +158,18 @@ def _softmax_grad(static: _LossStatic, backend, logits, labels, logsumexp, scale
 
 
 def _head_operand(static: _LossStatic, weight):
-    """The weight in the matmul dtype, its vocabulary axis zero-padded to a multiple of _VOCAB_MULTIPLE."""
+    """The weight in the matmul dtype, its vocabulary axis zero-padded to a multiple of _VOCAB_MULTIPLE, and its own
+    padded vocabulary (columns from vocab_size on) zeroed: their logits are outside the softmax, and a non-finite
+    weight there would still reach every token's hidden-state gradient (0 * inf in dlogits . weight^T)."""
     axis = 0 if static.embedding_layout else 1
+    operand = weight.astype(static.dtype)
+    if static.vocab_size < weight.shape[axis]:  # a select in the same pass as the pad
+        columns = jax.lax.broadcasted_iota(jnp.int32, operand.shape, axis)
+        operand = jnp.where(columns < static.vocab_size, operand, 0)
     pad = -weight.shape[axis] % _VOCAB_MULTIPLE
     widths = [(0, 0), (0, 0)]
     widths[axis] = (0, pad)
-    return jnp.pad(weight.astype(static.dtype), widths)
+    return jnp.pad(operand, widths)
 
 
 def _counted_tokens(counted):

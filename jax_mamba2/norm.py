@@ -151,7 +151,8 @@ def rms_norm(x, weight, z=None, *, eps: float = 1e-5, group_size: Optional[int] 
       eps: added to the mean square (default 1e-5).
       group_size: statistics over consecutive groups of this many features (default: all features); must
         divide features.
-      norm_before_gate: gate after normalizing (True) or before (False, Mamba-2's default).
+      norm_before_gate: gate after normalizing (True) or before (False, Mamba-2's default: its mixer passes False,
+        while mamba_ssm's `rmsnorm_fn` and `RMSNormGated` default to True).
       sum_groups: for a group split across devices (the tensor-parallel mixer with fewer groups than devices):
         maps the local sums of squares (..., features // gcd(group_size, features)) to the whole groups'.
         Such a call runs the XLA path (the kernels keep a group on one device): under backend "auto" or "xla";
@@ -231,7 +232,11 @@ def add_rms_norm(x, residual, weight, *, eps: float = 1e-5, residual_dtype=None,
     """Residual add + RMSNorm (mamba_ssm's fused add-norm of `Block`).
 
         h   = x + residual, added in float32 (float64 for float64 operands), rounded to residual_dtype
-        out = h / sqrt(mean(h^2) + eps) * weight, normalized from the rounded h, in out_dtype
+        out = h / sqrt(mean(h^2) + eps) * weight, normalized from the rounded h in float32 (float64 for
+              float64) and rounded to out_dtype once (also where residual_dtype is the narrower)
+
+    (mamba_ssm's kernel normalizes the unrounded sum: the two differ where residual_dtype is narrower than
+    float32, by its rounding.)
 
     Differentiable in x, residual and weight (the gradients of x and residual are equal, in their dtypes); the
     cuTile backward reads the h the forward stored.

@@ -69,4 +69,7 @@ def add_rms_norm(x, residual, weight, *, eps, residual_dtype, out_dtype):
     """
     compute_dtype = jnp.promote_types(jnp.float32, jnp.result_type(x, residual))
     h = (x.astype(compute_dtype) + residual.astype(compute_dtype)).astype(residual_dtype)
-    return rms_norm(h, weight, eps=eps).astype(out_dtype), h
+    # Normalized from the rounded h, widened: `rms_norm` returns its input's dtype, and a residual stream narrower
+    # than out_dtype (bfloat16 under a float32 output) would round the output to it before out_dtype.
+    norm_dtype = jnp.promote_types(jnp.float32, jnp.promote_types(residual_dtype, out_dtype))
+    return rms_norm(h.astype(norm_dtype), weight, eps=eps).astype(out_dtype), h

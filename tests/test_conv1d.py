@@ -78,7 +78,7 @@ _X, _KERNEL = jnp.zeros((2, 5, 8)), jnp.zeros((4, 8))
      "seq_idx and initial_states cannot be combined"),
     (dict(seq_idx=jnp.array([[0, 0, 1, 1, 1], [0, 0, 1, 0, 1]], jnp.int32)), ValueError,
      r"seq_idx must be nondecreasing along seqlen; seq_idx\[1, 3\]=0 follows 1"),
-    (dict(activation="gelu"), ValueError, "activation='gelu' must be 'silu' or None"),
+    (dict(activation="gelu"), ValueError, r"activation='gelu' must be 'silu', 'swish' \(the same\) or None"),
     (dict(backend="triton"), ValueError, "backend='triton' must be one of 'auto', 'xla', 'cutile', 'cutile_callback'$"),
     (dict(backend="scan"), ValueError, "backend='scan' must be one of"),
     (dict(return_final_states=1), TypeError, "return_final_states=1 must be a bool"),
@@ -153,6 +153,21 @@ def test_initial_states_of_d_conv_minus_1_or_d_conv_columns_agree():
     a = conv1d.causal_conv1d_silu(x, kernel, bias, initial_states=init, backend="xla")
     b = conv1d.causal_conv1d_silu(x, kernel, bias, initial_states=wide, backend="xla")
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("backend", ["xla", "emulated"])
+def test_swish_is_silu_as_in_causal_conv1d(emulated, backend):
+    """causal_conv1d takes activation="swish" as SiLU's other name (mamba_ssm's Mamba2Simple passes it): the same
+    outputs as "silu", for the plain conv and the split one."""
+    name = "cutile" if backend == "emulated" else "xla"
+    x, kernel, bias, _, _, _ = make_conv_args(40, seqlen=9, channels=24)
+    silu = conv1d.causal_conv1d_silu(x, kernel, bias, backend=name)
+    np.testing.assert_array_equal(conv1d.causal_conv1d_silu(x, kernel, bias, activation="swish", backend=name), silu)
+    wide = jnp.pad(x, ((0, 0), (0, 0), (2, 1)))
+    pieces = conv1d.causal_conv1d_silu_split(wide, kernel, bias, channel_offset=2, split=(16, 8), activation="swish",
+                                             backend=name)
+    # Two compiled programs (each call runs as one): equal up to how XLA fuses the taps.
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(pieces, axis=-1)), np.asarray(silu), rtol=1e-6, atol=1e-7)
 
 
 def test_empty_sequence_launches_nothing(emulated):
@@ -359,6 +374,9 @@ def _check_split(args, fn, tolerance=TOLERANCE, **options):
     (dict(kernel=np.zeros((4, 24)).tolist()), TypeError, r"causal_conv1d_silu_split: kernel must be an array, got list"),
     (dict(x=jnp.zeros((5, _WIDTH))), ValueError, r"causal_conv1d_silu_split: x.shape=\(5, 51\) must be \(batch, seqlen, "
                                                  r"width\)"),
+    (dict(kernel=jnp.zeros((4, 60)), split=(60,)), ValueError,  # no channel_offset fits: the kernel is named
+     r"causal_conv1d_silu_split: kernel.shape=\(4, 60\) must be \(d_conv, channels\) with channels <= "
+     r"x.shape\[-1\]=51"),
 ])
 def test_split_invalid_arguments_raise_naming_them(kwargs, error, message):
     """TypeError for a layout of the wrong type (a list, a bool), ValueError for one that does not fit."""

@@ -54,6 +54,16 @@ def test_add_rms_norm_dtypes():
     assert out.dtype == jnp.float32
 
 
+def test_add_rms_norm_rounds_the_output_once_under_a_narrower_residual_stream():
+    """A bfloat16 residual stream under a float32 output: h is rounded to bfloat16, normalized in float32 and the
+    output rounded once, to float32 (as the kernels store it), not to the stream's bfloat16 first."""
+    out, h = jax_mamba2.add_rms_norm(X, Z, W, residual_dtype=jnp.bfloat16, out_dtype=jnp.float32, backend="xla")
+    assert h.dtype == jnp.bfloat16 and out.dtype == jnp.float32
+    h64 = np.asarray(h.astype(jnp.float32), np.float64)
+    want = h64 / np.sqrt(np.mean(h64 ** 2, axis=-1, keepdims=True) + 1e-5) * np.asarray(W, np.float64)
+    assert rel_l2(out, want) < 1e-6
+
+
 def test_empty_inputs_give_empty_outputs():
     x = jnp.zeros((0, 32), jnp.bfloat16)
     assert jax_mamba2.rms_norm(x, W, x).shape == (0, 32)

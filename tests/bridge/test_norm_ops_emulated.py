@@ -4,6 +4,7 @@ Checked against the float64 reference, and composed with jit, grad, vmap, shard_
 nnx.remat, and inside the LM block (both of its norms on the kernels)."""
 import contextlib
 import dataclasses
+import functools
 import io
 
 import jax
@@ -90,6 +91,22 @@ def test_emulated_final_norm_without_its_residual_matches_float64_reference():
     want = oracle(case, {**arrays, "dresidual_out": np.zeros_like(arrays["dresidual_out"])})
     errors = {n: rel_l2(g, want[n]) for n, g in zip(("dx", "dresidual", "dweight"), grads)}
     assert max(errors.values()) < TOLERANCE, errors
+
+
+def test_emulated_add_norm_in_the_kernels_dtypes_matches_xla_under_a_narrower_residual_stream(monkeypatch):
+    """A bfloat16 residual stream under a float32 output, the plan run in the kernels' own dtypes (the float64
+    emulation would not round h): the kernel and the xla path both normalize the rounded h and round the output
+    once."""
+    monkeypatch.setitem(backends._REGISTRY[norm.OP], "cutile", backends.LayerBackend(
+        "cutile", norm_ops.make_kernels(functools.partial(emulator.jax_run_plan, float64=False)),
+        norm_ops.unsupported_reason, auto_priority=2))
+    arrays = make_inputs(CASES["add_norm"], seed=19)
+    x, _, residual, w = _primals(arrays)
+    got = {b: jax_mamba2.add_rms_norm(x, residual, w, eps=EPS, residual_dtype=jnp.bfloat16, out_dtype=jnp.float32,
+                                      backend=b) for b in ("cutile", "xla")}
+    np.testing.assert_array_equal(got["cutile"][1], got["xla"][1])
+    assert got["cutile"][0].dtype == got["xla"][0].dtype == jnp.float32
+    assert rel_l2(got["cutile"][0], got["xla"][0]) < 1e-6
 
 
 def test_emulated_op_vmap_of_forward_and_gradients_matches_a_loop():

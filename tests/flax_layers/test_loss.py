@@ -97,6 +97,29 @@ def test_padded_columns_are_excluded_and_get_no_gradient(x64):
     assert np.all(np.asarray(grad[:, VOCAB:]) == 0) and np.all(np.abs(np.asarray(grad[:, :VOCAB])).sum(0) > 0)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("layout", ["head_weight", "embedding"])
+def test_a_non_finite_weight_in_the_padded_vocabulary_reaches_nothing(layout, reduction):
+    """The padded vocabulary is outside the softmax: NaN and inf in its weights change neither the loss nor any
+    gradient (its rows' included, zero), where 0 * inf in the hidden states' gradient product would make every
+    token's NaN."""
+    hidden, weight, labels = _problem(3, dtype=jnp.float32)
+    poisoned = weight.at[:, VOCAB].set(jnp.nan).at[0, VOCAB + 1].set(jnp.inf)
+    if layout == "embedding":
+        weight, poisoned = weight.T, poisoned.T
+
+    def value_and_grads(w):
+        def loss(h, w):
+            return jnp.sum(chunked_cross_entropy(h, labels, **{layout: w}, vocab_size=VOCAB, chunk_tokens=16,
+                                                 reduction=reduction))
+        return jax.value_and_grad(loss, argnums=(0, 1))(hidden, w)
+
+    (want, (want_dh, want_dw)), (got, (dh, dw)) = value_and_grads(weight), value_and_grads(poisoned)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(dh, want_dh)
+    np.testing.assert_array_equal(dw, want_dw)
+
+
 @pytest.mark.parametrize("layout,reduction", [("head_weight", "mean"), ("embedding", "sum"), ("head_weight", "none")])
 def test_the_vocabulary_is_padded_once_outside_the_chunk_loops(layout, reduction):
     """XLA's GPU compiler pads a product's contraction dimension to its multiple (16 at bf16): left to it, the
