@@ -378,7 +378,8 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
     the tokens whose label is not `ignore_index` (as torch's / HF's CrossEntropyLoss(ignore_index=-100)), or
     summed, or per token (`reduction`), with float32 logits, and its gradient, without holding more than one
     chunk's logits. Composes with jit, grad, vmap, jax.checkpoint and shard_map (tokens split over a data axis:
-    each shard's mean; the weight gradient is summed over the shards it is replicated on).
+    each shard's mean; the weight gradient is summed over the shards it is replicated on). Reverse mode only, on
+    every backend: the gradient is a custom VJP, of which jax.jvp and jax.linearize raise TypeError.
 
     Args:
       hidden: (..., d) float, the final hidden states.

@@ -228,7 +228,7 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
       return_partials: return out as (parts, rows, N) partial sums in float32 (float64 for dtype float64), the
         bias included, whose sum rounded to dtype is out: a following norm_project takes them as its x and sums
         them in its norm kernel, so that a product whose K is split over blocks needs no launch of its own to
-        sum them (parts: that split, 1 on the xla backend).
+        sum them (parts: that split, into equal pieces of K, 1 on the xla backend).
       sum_squares: optional (rows, parts) float32: the norm's statistics in pieces, the sums of squares of its input
         (x, gated by silu(z) unless norm_before_gate), parts / ngroups pieces per group in order (what
         `mixer_step` returns with norm_z_offset): the norm takes them instead of a pass over x, so on the kernels
@@ -285,7 +285,7 @@ def _project_reference(options, layer_index, x, residual, z, norm_weight, weight
         z=None if z is None else z[:, z_offset:z_offset + features], group_size=options["group_size"],
         norm_before_gate=options["norm_before_gate"], eps=options["eps"], bias=_take(bias, layer_index),
         transpose_weight=options["transpose_weight"], dtype=options["dtype"], x_dtype=options["x_dtype"],
-        partials=options["return_partials"], sum_squares=sum_squares)
+        partials=options["return_partials"], parts=options.get("parts", 1), sum_squares=sum_squares)
 
 
 def _project(kernels, dims_fn, options, layer_index, x, *arrays):
@@ -304,6 +304,8 @@ def _kernel_project_fwd(kernels, dims, options, *arrays):
 
 
 def _kernel_project_bwd(kernels, dims, options, arrays, cotangents):
+    if options["return_partials"]:  # the kernels' partial sums, one per equal piece of K (their split's, not one)
+        options = _Options(options, parts=cotangents[0].shape[0])
     return registry.reference_vjp(functools.partial(_project_reference, options), arrays, cotangents)
 
 

@@ -20,7 +20,7 @@ from jax_mamba2.projection import project
 
 def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=None, z=None, group_size=None,
                  norm_before_gate=False, eps=1e-5, bias=None, transpose_weight=False, dtype=None, x_dtype=None,
-                 partials=False, sum_squares=None):
+                 partials=False, parts=1, sum_squares=None):
     """(out, residual_out) of one decode projection.
 
         h   = x (+ residual), rounded to residual_dtype (when given: the new residual stream, residual_out)
@@ -38,8 +38,10 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
       bias: optional (N,).
       dtype: the computation dtype (default: the result type of x and weight).
       x_dtype: the dtype of x's sum when x is partial sums.
-      partials: return out as (1, rows, N) partial sums in the product's accumulation dtype (float32, float64
+      partials: return out as (parts, rows, N) partial sums in the product's accumulation dtype (float32, float64
         for float64), the bias added and nothing rounded to dtype: rounding their sum to dtype gives out.
+      parts: with `partials`, the product's partial sums over this many consecutive equal pieces of K (it divides
+        K), the bias in the first: the kernels' split of K, whose pieces' gradients differ where their cotangents do.
       sum_squares: optional (rows, parts): the norm's sums of squares in pieces, parts / ngroups consecutive ones
         per group, which it takes instead of summing its input's squares (`mixer_step`'s with norm_z_offset).
 
@@ -61,8 +63,12 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
         given = None if sum_squares is None else _given_sums(sum_squares, a.shape[-1], group_size)
         a = norm_reference.rms_norm(a, norm_weight, z, eps=eps, group_size=group_size,
                                     norm_before_gate=norm_before_gate, sum_groups=given).astype(x.dtype)
-    out = project(a.astype(dtype), (weight.T if transpose_weight else weight).astype(dtype),
-                  preferred_element_type=jnp.promote_types(jnp.float32, dtype) if partials else None)
+    a, weight = a.astype(dtype), (weight.T if transpose_weight else weight).astype(dtype)
+    if partials and parts > 1:  # piece p: a[:, pK/parts:(p+1)K/parts] @ weight[pK/parts:(p+1)K/parts]
+        out = jnp.einsum("rpk,pkn->prn", a.reshape(a.shape[0], parts, -1), weight.reshape(parts, -1, weight.shape[1]),
+                         preferred_element_type=jnp.promote_types(jnp.float32, dtype))
+        return (out if bias is None else out.at[0].add(bias.astype(dtype).astype(out.dtype))), residual_out
+    out = project(a, weight, preferred_element_type=jnp.promote_types(jnp.float32, dtype) if partials else None)
     if bias is not None:
         out = out + bias.astype(dtype).astype(out.dtype)
     return (out[None] if partials else out), residual_out

@@ -243,7 +243,9 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
         y_t *= silu(z_t) if z is given (the gate comes after D).
     dt math, decays, states and accumulation run in float32 (float64 for float64 inputs).
     Differentiable in reverse mode in every float argument, also through final_states (the cuTile
-    backends run cuTile backward kernels), and composes with jit, vmap and shard_map.
+    backends run cuTile backward kernels), and composes with jit, vmap, shard_map and remat. Forward mode
+    (jax.jvp, jax.linearize, jax.jacfwd) only on "scan": the kernels and the xla path's confinement of
+    non-finite values are custom VJPs, of which JAX raises TypeError ("can't apply forward-mode autodiff").
 
     Preconditions: A <= 0; Δ >= 0 (dt + dt_bias >= 0 unless dt_softplus or a dt_limit makes it so);
     seq_idx nondecreasing. They are checked, raising ValueError, on the arrays that are concrete, which

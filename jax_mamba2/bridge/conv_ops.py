@@ -127,12 +127,13 @@ def _batchable_forward(run_plan: RunPlan, silu: bool, layout: Layout, cfg: Optio
     def forward(inputs):
         dims = _dims(inputs, silu, layout)
         out = run_plan(conv_fwd_plan(dims, cfg), _kernel_arrays(inputs))
-        outputs = tuple(out[name] for name in CONV_OUTPUTS[:len(dims.pieces)])
-        if layout.pass_through:
+        outputs = _compat.match_varying_axes(tuple(out[name] for name in CONV_OUTPUTS[:len(dims.pieces)]), inputs)
+        if layout.pass_through:  # copies of x's other channels: varying over x's mesh axes alone
             before, after = (out[name] if w else jnp.zeros((dims.batch, dims.seqlen, 0), inputs.x.dtype)
                              for name, w in zip(OUTSIDE, dims.outside_widths))
-            outputs = (before, *outputs, after)
-        return _compat.match_varying_axes(outputs, inputs)
+            outputs = (*_compat.match_varying_axes((before,), inputs.x), *outputs,
+                       *_compat.match_varying_axes((after,), inputs.x))
+        return outputs
 
     @forward.def_vmap
     def forward_vmap(axis_size, in_batched, inputs):

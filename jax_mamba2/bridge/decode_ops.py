@@ -74,8 +74,12 @@ def _projection_once(run_plan: RunPlan, config: ChooseProjectionConfig, dims: Pr
                   bias=bias, sum_squares=sum_squares)
     arrays = {name: _dummy(specs[name].shape, specs[name].dtype) if a is None else a for name, a in arrays.items()}
     out = run_plan(decode_projection.norm_project_plan(dims, config(dims)), arrays)
-    outputs = (out["partials" if dims.out_parts else "out"], out["residual_out"] if dims.write_residual else None)
-    return _compat.match_varying_axes(outputs, (x, residual, z, weight))
+    # Each output varies over the mesh axes of what it is computed from (the kernels' outputs carry none): the
+    # product over those of every array, the residual stream over x's and the residual's alone.
+    product = _compat.match_varying_axes(out["partials" if dims.out_parts else "out"],
+                                         (layer_index, x, residual, z, norm_weight, weight, bias, sum_squares))
+    residual_out = _compat.match_varying_axes(out["residual_out"], (x, residual)) if dims.write_residual else None
+    return product, residual_out
 
 
 def _parts_last(x, batched: bool):
@@ -123,7 +127,12 @@ def _mixer_once(run_plan: RunPlan, config: ChooseMixerConfig, dims: MixerStepDim
                   dt_bias=dt_bias, D=D, ssm_state=ssm_state)
     plan = decode_mixer.mixer_step_plan(dims, config(dims))
     out = run_plan(plan, arrays)
-    return _compat.match_varying_axes(tuple(out[name] for name in plan.outputs), (zxbcdt, conv_state, ssm_state))
+    # Each output varies over the mesh axes of what it is computed from (the kernels' outputs carry none): the conv
+    # windows over those of zxbcdt's xBC columns shifted into the conv state, the rest over every array's.
+    windows = (layer_index, zxbcdt, conv_state)
+    every = (*windows, conv_weight, conv_bias, A_log, dt_bias, D, ssm_state)
+    return tuple(_compat.match_varying_axes(out[name], windows if name in ("conv_state", "group_windows") else every)
+                 for name in plan.outputs)
 
 
 @functools.cache

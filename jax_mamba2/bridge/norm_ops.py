@@ -82,8 +82,10 @@ def _with_dummies(arrays: dict, specs: dict) -> dict:
 def _forward_once(run_plan: RunPlan, config: ChooseConfig, dims: NormDims, x, z, residual, weight):
     arrays = _with_dummies(dict(x=x, z=z, residual=residual, weight=weight), fwd_kernels.rms_norm_fwd_inputs(dims))
     out = run_plan(fwd_kernels.rms_norm_fwd_plan(dims, config(dims)), arrays)
-    outputs = (out["out"], out["residual_out"] if dims.has_residual else None)
-    return _compat.match_varying_axes(outputs, (x, z, residual, weight))
+    # Each output varies over the mesh axes of what it is computed from (the kernels' outputs carry none): the
+    # residual stream x + residual not over the weight's.
+    return (_compat.match_varying_axes(out["out"], (x, z, residual, weight)),
+            _compat.match_varying_axes(out["residual_out"], (x, residual)) if dims.has_residual else None)
 
 
 def _fold(arr, batched: bool, axis_size: int):

@@ -189,7 +189,8 @@ def _step_once(run_plan: RunPlan, state, x, dt, A, B, C, D, z, dt_bias, dt_softp
     plan = step_kernels.state_update_plan(dims, state_dtype=jnp.dtype(state.dtype).name,
                                           d_per_channel=D is not None and D.ndim == 2)
     out = run_plan(plan, arrays)
-    return _compat.match_varying_axes((out["y"], out["new_state"]), (state, x))
+    # Both outputs read every array: they vary over the mesh axes any of them does (a per-device A too).
+    return _compat.match_varying_axes((out["y"], out["new_state"]), (state, x, dt, A, B, C, D, z, dt_bias))
 
 
 @functools.cache

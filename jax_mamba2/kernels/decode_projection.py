@@ -171,7 +171,10 @@ def _k_steps(dims: ProjectionDims, cfg: ProjectionConfig) -> int:
 
 def split_k(dims: ProjectionDims, cfg: ProjectionConfig) -> int:
     """The product's splits: cfg.SPLIT_K, lowered to the largest power of two that divides its K steps (so that
-    every split runs the same steps, none past K)."""
+    every split runs the same steps), and 1 where K is not whole steps: each split then covers an equal piece of K,
+    none past it, which is what the op's VJP takes the partial sums for (`decode_reference.norm_project`'s parts)."""
+    if dims.features % cfg.BLOCK_K:
+        return 1
     steps = _k_steps(dims, cfg)
     return min(cfg.SPLIT_K, steps & -steps)
 

@@ -14,7 +14,7 @@ from flax import nnx
 pytest.importorskip("cuda.tile")
 
 import jax_mamba2  # noqa: E402
-from jax_mamba2 import backends, conv1d, decode, norm  # noqa: E402
+from jax_mamba2 import backends, conv1d, decode, decode_reference, norm  # noqa: E402
 from jax_mamba2.bridge import conv_ops, decode_ops, norm_ops  # noqa: E402
 from jax_mamba2.flax_layers import Mamba2, Mamba2Config, Mamba2LMHeadModel, generate  # noqa: E402
 from jax_mamba2.kernels import decode_mixer, decode_projection  # noqa: E402
@@ -128,6 +128,46 @@ def test_emulated_partial_sums_match_xla_also_under_vmap():
     for i in range(2):
         for g, w in zip(batched, chain(xs[i], zs[i], rs[i], "xla")[1]):
             assert rel_l2(g[i], w) < 1e-6
+
+
+
+def test_emulated_gradients_of_partial_sums_are_each_piece_s_of_k():
+    """The kernels' partial sums (K split in 4 at these 2 rows) differentiate as what they are, each the product
+    over its quarter of K (the bias in the first): under cotangents that differ between the parts, the gradients are
+    the reference's split into the same pieces (not the unsplit sum's, whose one part would not even take them);
+    through a chain that sums the parts (the LM's out_proj into the next norm) they are the xla path's; also under
+    vmap, whose folded rows may split K otherwise."""
+    keys = jax.random.split(jax.random.key(36), 6)
+    x, z = jax.random.normal(keys[0], (2, 256)), jax.random.normal(keys[1], (2, 256))
+    norm_weight = 1 + 0.5 * jax.random.normal(keys[2], (2, 256))
+    weight = jax.random.normal(keys[3], (2, 256, 1024)) / 16
+    bias = jax.random.normal(keys[4], (2, 1024))
+
+    def parts(x, z, weight, bias, backend="cutile"):
+        return jax_mamba2.norm_project(x, weight, norm_weight=norm_weight, z=z, bias=bias, group_size=128, layer=1,
+                                       return_partials=True, backend=backend)
+    args = (x, z, weight, bias)
+    assert parts(*args).shape == (4, 2, 1024)
+    cotangent = jax.random.normal(keys[5], (4, 2, 1024))
+    split_reference = decode_reference.norm_project(x, weight[1], norm_weight=norm_weight[1], z=z, group_size=128,
+                                                    bias=bias[1], partials=True, parts=4)[0]
+    assert rel_l2(parts(*args), split_reference) < 1e-6
+    got = jax.vjp(parts, *args)[1](cotangent)
+    want = jax.vjp(lambda x, z, w, b: decode_reference.norm_project(
+        x, w[1], norm_weight=norm_weight[1], z=z, group_size=128, bias=b[1], partials=True, parts=4)[0], *args)[1](
+        cotangent)
+    for g, w in zip(got, want):
+        assert rel_l2(g, w) < 1e-5
+
+    def summed(x, z, weight, bias, backend="cutile"):
+        return jnp.sum(jnp.sin(parts(x, z, weight, bias, backend).sum(axis=0)))
+    for g, w in zip(jax.grad(summed, argnums=(0, 1, 2, 3))(*args), jax.grad(summed, argnums=(0, 1, 2, 3))(
+            *args, backend="xla")):
+        assert rel_l2(g, w) < 1e-5
+    xs = jnp.stack([x, -x, 2 * x, x, 0.5 * x])  # 10 rows folded: another split than 2 rows'
+    mapped = jax.vmap(jax.grad(summed), in_axes=(1, None, None, None))(jnp.moveaxis(xs, 0, 1), z, weight, bias)
+    for i in range(len(xs)):
+        assert rel_l2(mapped[i], jax.grad(summed)(xs[i], z, weight, bias, backend="xla")) < 1e-5
 
 
 CONFIG = Mamba2Config(d_model=32, n_layer=3, vocab_size=64, ssm_cfg=dict(d_state=16, headdim=16, chunk_size=8))

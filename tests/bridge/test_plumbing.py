@@ -10,6 +10,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 pytest.importorskip("cuda.tile")
 
+import jax_mamba2  # noqa: E402
 from jax_mamba2 import backends, op  # noqa: E402
 from jax_mamba2.bridge import ops  # noqa: E402
 from tests._helpers import make_ssd_args  # noqa: E402
@@ -260,3 +261,70 @@ def test_cutile_step_traces_the_state_update_into_a_new_state(backend):
     assert (new_state.shape, new_state.dtype) == (state.shape, state.dtype)
     text = str(jaxpr)
     assert ("cutile_call_ffi" in text) if backend == "cutile" else ("buffer_callback" in text)
+
+
+def _per_device_calls():
+    """(name, fn(backend) -> f(varying, *replicated), varying (2, ...), replicated): op calls with one argument that
+    differs between the devices (a per-device parameter, the rest replicated), one mixer kernel per op."""
+    from tests.kernels._decode_checks import MIXER_CASES, mixer_inputs
+
+    keys = jax.random.split(jax.random.key(12), 6)
+    state, x = jax.random.normal(keys[0], (2, 4, 16, 16)), jax.random.normal(keys[1], (2, 4, 16))
+    dt, B = jax.random.normal(keys[2], (2, 4)), jax.random.normal(keys[3], (2, 2, 16))
+    A = -jnp.exp(jax.random.uniform(keys[4], (2, 4)))
+    rows, weight, norm_weight = jnp.ones((3, 64)), jax.random.normal(keys[5], (2, 64, 32)), jnp.ones((2, 64))
+    mixer = MIXER_CASES["gated_norm_mixer"]
+    m = {k: None if v is None else jnp.asarray(v) for k, v in mixer_inputs(mixer, seed=12).items()}
+    names = ("zxbcdt", "conv_state", "ssm_state", "conv_weight", "conv_bias", "dt_bias", "D")
+
+    def mixer_step(backend):
+        def f(A_log, *arrays):
+            a = dict(zip(names, arrays))
+            return jax_mamba2.mixer_step(*(a[n] for n in names[:5]), A_log, a["dt_bias"], a["D"],
+                                         **mixer.layout(), layer=1, backend=backend)
+        return f
+    return {
+        "ssd_step per-device A": (lambda backend: lambda A, state, x: jax_mamba2.ssd_step(
+            state, x, dt, A, B, B, dt_softplus=True, backend=backend), A, (state, x)),
+        "norm_project per-device norm weight": (lambda backend: lambda w, x: jax_mamba2.norm_project(
+            x, weight[0], norm_weight=w, backend=backend), norm_weight, (rows,)),
+        "norm_project per-device weight, residual stream": (lambda backend: lambda w, x, r: jax_mamba2.norm_project(
+            x, w, norm_weight=norm_weight[0], residual=r, residual_dtype=jnp.float32, backend=backend), weight,
+            (rows, rows)),
+        "add_rms_norm per-device weight": (lambda backend: lambda w, x, r: jax_mamba2.add_rms_norm(
+            x, r, w, backend=backend), norm_weight, (rows, rows)),
+        "mixer_step per-device A_log": (mixer_step, jnp.stack([m["A_log"]] * 2), tuple(m[n] for n in names)),
+        "conv split per-device kernel, passed-through channels": (
+            lambda backend: lambda k, x: jax_mamba2.causal_conv1d_silu_split(
+                x, k, channel_offset=16, split=(16, 16), pass_through=True, backend=backend),
+            jnp.ones((2, 4, 32)), (jnp.ones((2, 7, 64)),)),
+    }
+
+
+@pytest.mark.parametrize("backend", ["cutile", "cutile_callback"])
+@pytest.mark.parametrize("name", list(_per_device_calls()))
+def test_kernel_outputs_vary_over_the_mesh_axes_of_what_they_are_computed_from(monkeypatch, name, backend):
+    """cutile_call's outputs carry no varying axes, which the bridge gives them back: inside shard_map each output of
+    a kernel op varies over the mesh axes the xla path's does, those of the inputs it is computed from. So over a
+    per-device parameter's (typed replicated, a psum would multiply one device's value by the axis size, and
+    out_specs P() would pass it), and not over a weight's for the residual stream or the channels passed through
+    (typed varying, shard_map would refuse them replicated)."""
+    from jax_mamba2.bridge import decode_ops, norm_ops, problem
+    for module in (problem, norm_ops, decode_ops):  # trace the kernels without a GPU
+        monkeypatch.setattr(module, "gpu_unavailable_reason", lambda: None)
+    fn, varying, replicated = _per_device_calls()[name]
+    mesh = jax.make_mesh((2,), ("m",), axis_types=(AxisType.Auto,))
+
+    def output_axes(backend):
+        seen = []
+
+        def per_device(item, *arrays):
+            outputs = fn(backend)(item[0], *arrays)
+            seen.extend(None if o is None else jax.typeof(o).manual_axis_type.varying
+                        for o in jax.tree.leaves(outputs, is_leaf=lambda o: o is None))
+            return jnp.zeros(())
+        jax.make_jaxpr(jax.shard_map(per_device, mesh=mesh, in_specs=(P("m"),) + (P(),) * len(replicated),
+                                     out_specs=P()))(varying, *replicated)
+        return seen
+    got, want = output_axes(backend), output_axes("xla")
+    assert got == want and frozenset({"m"}) in want, (got, want)

@@ -314,6 +314,11 @@ def test_split_k_is_lowered_to_divide_the_k_steps():
     plan = decode_projection.norm_project_plan(odd, decode_projection.ProjectionConfig(BLOCK_K=16, SPLIT_K=4))
     assert decode_projection.split_k(odd, decode_projection.ProjectionConfig(BLOCK_K=16, SPLIT_K=4)) == 1
     assert [kernel_name(launch.kernel) for launch in plan.launches] == ["decode_project_kernel"]
+    # 4 K steps of 32 over 112 features: the last would end past K and the splits' pieces of K differ (the op's VJP
+    # takes them equal), so no split; over 128 features they are equal
+    config = decode_projection.ProjectionConfig(BLOCK_K=32, SPLIT_K=4)
+    assert decode_projection.split_k(dataclasses.replace(dims, features=112), config) == 1
+    assert decode_projection.split_k(dataclasses.replace(dims, features=128), config) == 4
 
 
 def test_default_projection_config_splits_k_only_of_a_narrow_product_of_few_rows():
