@@ -40,6 +40,8 @@ from _common import (add_common_flags, describe_device, in_range, make_parser, m
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, generate, save_pretrained
 
 VOCAB_SIZE = 256  # bytes
+MAX_STEPS = 2**31 - 1  # optax counts the steps in int32, and the learning-rate schedule reads that count
+MAX_SEED = 2**63 - 1  # JAX makes its keys from int64 seeds
 
 
 # ------------------------------------------------------------------------------------------------
@@ -71,8 +73,9 @@ def load_corpus(max_bytes: int, *, val_every: int = 10) -> tuple[np.ndarray, np.
 
 
 def sample_windows(data: np.ndarray, rng: np.random.Generator, batch: int, seq_len: int) -> np.ndarray:
-    """(batch, seq_len + 1) int32 random windows of `data`: inputs [:, :-1], next-byte targets [:, 1:]."""
-    starts = rng.integers(0, data.size - seq_len - 1, size=batch)
+    """(batch, seq_len + 1) int32 random windows of `data` (at least seq_len + 1 bytes), each start equally likely
+    (the last window ends at data's last byte): inputs [:, :-1], next-byte targets [:, 1:]."""
+    starts = rng.integers(0, data.size - seq_len, size=batch)
     return np.stack([data[s:s + seq_len + 1] for s in starts]).astype(np.int32)
 
 
@@ -169,12 +172,28 @@ def write_metrics(path: pathlib.Path, backend: str, args, n_params: int, history
         "history": history}, indent=1).encode())
 
 
+def read_metrics(metrics_file: pathlib.Path) -> dict:
+    """The metrics.json `write_metrics` wrote ({"args": ..., "history": ...}), or {} where there is no file. Exits
+    naming the file where it is not one (it is written whole, so something else changed it): what --resume reads of
+    it, the earlier run's settings and losses, is then unknown."""
+    if not metrics_file.is_file():
+        return {}
+    try:
+        metrics = json.loads(metrics_file.read_bytes())
+        problem = None if isinstance(metrics, dict) and all(isinstance(metrics.get(key), dict) for key in (
+            "args", "history")) else "no args and history in it"
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        problem = f"not JSON: {e}"
+    if problem:
+        raise SystemExit(f"--resume: {metrics_file} is not the metrics.json this script writes ({problem}); move it "
+                         "away to resume without the earlier run's settings checks and loss history")
+    return metrics
+
+
 def earlier_values(metrics_file: pathlib.Path, args, flags: tuple[str, ...]) -> dict:
     """{flag: value} of those of `flags` whose value in the settings of the run that wrote `metrics_file` (with each
     of its checkpoints) differs from `args`; empty where they agree or there is no file."""
-    if not metrics_file.is_file():
-        return {}
-    written = json.loads(metrics_file.read_text()).get("args", {})
+    written = read_metrics(metrics_file).get("args", {})
     return {name: written[name] for name in flags if name in written and written[name] != getattr(args, name)}
 
 
@@ -211,12 +230,33 @@ def schedule_change(metrics_file: pathlib.Path, args, step: int) -> str | None:
             f"{float(learning_rate_schedule(before)(step)):.3g}")
 
 
+def root_cause(error: BaseException) -> BaseException:
+    """The first exception of the chain that ends in `error` (Orbax wraps TensorStore's, which names the file)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
+def first_line(error: BaseException) -> str:
+    """`error`'s message, its first line (a KeyError's without the quotes `str` adds)."""
+    message = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+    return (message.strip().splitlines() or [""])[0]
+
+
+def damaged_checkpoint(directory: pathlib.Path, step: int, steps, error: BaseException) -> str:
+    """What --resume says of the checkpoint at `step` in `directory` (of those at `steps`) that Orbax could not read
+    (`error`): its folder is incomplete or damaged (Orbax writes a checkpoint under a temporary name and renames it
+    once whole, so a save cut short leaves no such folder; something else changed it), and how to go on."""
+    earlier = [s for s in steps if s < step]
+    then = f"resume from step {max(earlier)}, the checkpoint before it" if earlier else "start a new run"
+    return (f"--resume: the checkpoint at step {step} cannot be read; its folder {directory / str(step)} is "
+            f"incomplete or damaged ({type(error).__name__}: {first_line(error)}). Delete that folder to {then}")
+
+
 def resumed_history(metrics_file: pathlib.Path, step: int) -> dict:
     """The loss history of an earlier run up to `step` (as of that run's last checkpoint)."""
-    if not metrics_file.is_file():
-        return {"train": [], "eval": []}
-    history = json.loads(metrics_file.read_text())["history"]
-    return {name: [tuple(p) for p in points if p[0] <= step] for name, points in history.items()}
+    history = read_metrics(metrics_file).get("history", {})
+    return {name: [tuple(p) for p in history.get(name, []) if p[0] <= step] for name in ("train", "eval")}
 
 
 def save_loss_curve(history: dict, path: pathlib.Path, title: str) -> None:
@@ -237,8 +277,19 @@ def save_loss_curve(history: dict, path: pathlib.Path, title: str) -> None:
     plt.close(fig)
 
 
+def prompt_bytes(prompt: str) -> bytes:
+    """The bytes of --prompt as given: its text's UTF-8, and each byte of the command line that is not UTF-8 as that
+    byte (Python hands such a byte of argv to the program as a lone surrogate, U+DC80 to U+DCFF, which UTF-8 alone
+    cannot encode).
+
+    Raises:
+      UnicodeEncodeError: for another lone surrogate (one that no byte of a command line gives).
+    """
+    return prompt.encode("utf-8", errors="surrogateescape")
+
+
 def sample_text(model, prompt: str, max_new_tokens: int, *, temperature: float, seed: int) -> str:
-    prompt_ids = jnp.asarray([list(prompt.encode())], jnp.int32)
+    prompt_ids = jnp.asarray([list(prompt_bytes(prompt))], jnp.int32)
     tokens = generate(model, prompt_ids, max_new_tokens, temperature=temperature,
                       rng=jax.random.key(seed) if temperature > 0 else None)
     return bytes(np.asarray(tokens[0]).astype(np.uint8).tolist()).decode("utf-8", errors="replace")
@@ -251,7 +302,7 @@ def sample_text(model, prompt: str, max_new_tokens: int, *, temperature: float, 
 def parse_args(argv=None):
     parser = make_parser(__doc__)
     parser.add_argument("--steps", type=positive_int, default=250,
-                        help="training steps in all, a resumed run's included")
+                        help=f"training steps in all, a resumed run's included (at most {MAX_STEPS})")
     parser.add_argument("--batch", type=positive_int, default=8, help="sequences per step")
     parser.add_argument("--seq-len", type=positive_int, default=128, help="bytes per sequence")
     parser.add_argument("--d-model", type=positive_int, default=128, help="model width")
@@ -281,10 +332,19 @@ def parse_args(argv=None):
     parser.add_argument("--sample-tokens", type=positive_int, default=200, help="bytes sampled after the prompt")
     add_common_flags(parser)
     args = parser.parse_args(argv)
+    if args.steps > MAX_STEPS:
+        parser.error(f"--steps={args.steps} must be at most 2**31 - 1 (optax counts the steps in int32)")
     if args.seed < 0:  # NumPy's generators of the batches take non-negative seeds
         parser.error(f"--seed={args.seed} must be >= 0")
+    if args.seed > MAX_SEED:
+        parser.error(f"--seed={args.seed} must be at most 2**63 - 1 (JAX makes its keys from int64 seeds)")
     if not args.prompt:
         parser.error("--prompt must not be empty")
+    try:  # checked now: the samples are drawn after the training
+        prompt_bytes(args.prompt)
+    except UnicodeEncodeError as e:
+        parser.error(f"--prompt={args.prompt!r} holds {e.object[e.start:e.end]!r}, a lone surrogate: neither text nor "
+                     "a byte of a command line")
     return args
 
 
@@ -308,9 +368,9 @@ def train(args, out: pathlib.Path, manager: ocp.CheckpointManager) -> int:
     backend = resolve_backend(args.backend)
     train_data, val_data, summary = load_corpus(int(args.data_mb * 1e6))
     print(f"corpus: {summary}")
-    if min(train_data.size, val_data.size) <= args.seq_len + 1:
+    if min(train_data.size, val_data.size) < args.seq_len + 1:
         raise SystemExit(f"train_lm.py: --data-mb={args.data_mb} gives a split shorter than "
-                         f"--seq-len={args.seq_len} + 2 bytes; raise --data-mb")
+                         f"--seq-len={args.seq_len} + 1 bytes; raise --data-mb")
 
     model = build_model(args, backend, args.seed)
     optimizer = build_optimizer(model, args)
@@ -328,12 +388,13 @@ def train(args, out: pathlib.Path, manager: ocp.CheckpointManager) -> int:
         check_shape_flags(out / "metrics.json", args, f"the checkpoint at step {start} in {out / 'checkpoints'}")
         try:
             restore_checkpoint(manager, start, model, optimizer)
-        except ValueError as e:
-            if "shape" not in str(e):  # not Orbax's "Requested shape ... is not compatible with the stored shape"
-                raise
-            raise SystemExit(f"--resume: the checkpoint at step {start} in {out / 'checkpoints'} does not fit this "
-                             "model; resume with the model flags of the run that wrote it (--d-model, --layers, "
-                             f"--d-state, --headdim). Orbax said: {str(e).strip().splitlines()[0]}") from None
+        except Exception as e:  # noqa: BLE001  whatever Orbax raised, said in one line that names the folder
+            cause = root_cause(e)
+            if "stored shape" in first_line(cause):  # Orbax's "Requested shape ... not compatible with the stored"
+                raise SystemExit(f"--resume: the checkpoint at step {start} in {out / 'checkpoints'} does not fit "
+                                 "this model; resume with the model flags of the run that wrote it (--d-model, "
+                                 f"--layers, --d-state, --headdim). Orbax said: {first_line(cause)}") from None
+            raise SystemExit(damaged_checkpoint(out / "checkpoints", start, manager.all_steps(), cause)) from None
         if start > args.steps:  # its outputs would be a later step's model under an earlier run's settings
             raise SystemExit(f"--resume: the checkpoint in {out / 'checkpoints'} is at step {start}, past "
                              f"--steps={args.steps}; resume with --steps {start} or more")
@@ -379,9 +440,9 @@ def train(args, out: pathlib.Path, manager: ocp.CheckpointManager) -> int:
               f"({seconds / timed_steps * 1e3:.1f} ms/step after compilation, evaluation excluded)")
     manager.wait_until_finished()
 
-    # Restore into a model built from another seed: only the checkpoint can make it match.
+    # Restore into a model built from another seed (one in --seed's range): only the checkpoint can make it match.
     final_loss = evaluate(model, val_windows)
-    restored_model = build_model(args, backend, args.seed + 1)
+    restored_model = build_model(args, backend, args.seed ^ 1)
     restore_checkpoint(manager, saved_step, restored_model, build_optimizer(restored_model, args))
     restored_loss = evaluate(restored_model, val_windows)
     print(f"checkpoint {out / 'checkpoints'} step {saved_step}: restored model's validation loss "

@@ -7,10 +7,12 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 pytest.importorskip("optax")
@@ -22,6 +24,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 ON_CPU = jax.default_backend() == "cpu"
 TINY_LM = ["--d-model", "32", "--layers", "1", "--seq-len", "64", "--batch", "2", "--d-state", "16",
            "--headdim", "16", "--chunk-size", "64"]
+MAX_STEPS, MAX_SEED = 2**31 - 1, 2**63 - 1  # train_lm.py's bounds: optax's int32 step count, JAX's int64 seeds
 
 
 EXAMPLES = sorted(p.stem for p in (REPO / "examples").glob("*.py") if not p.name.startswith("_"))
@@ -45,10 +48,11 @@ def run_example(name: str, *args: str) -> str:
 @pytest.fixture(scope="module")
 def trained_lm(tmp_path_factory):
     """examples/train_lm.py run for 2 steps, then resumed to 3 with the blocks unrolled (the checkpoint holds the
-    same stacked parameters either way): (out folder, stdout of the resumed run)."""
+    same stacked parameters either way): (out folder, stdout of the resumed run). The largest --seed: every model
+    and key the runs make from it (the restore check's model from another seed) takes it."""
     out = tmp_path_factory.mktemp("examples")
     flags = [*TINY_LM, "--eval-every", "2", "--eval-batches", "1", "--sample-tokens", "8", "--data-mb", "0.3",
-             "--out", str(out)]
+             "--seed", str(MAX_SEED), "--out", str(out)]
     run_example("train_lm", "--steps", "2", *flags)
     return out, run_example("train_lm", "--steps", "3", "--resume", "--unroll-layers", *flags)
 
@@ -252,6 +256,9 @@ def test_train_lm_remat_flag_sets_the_model_option():
     ("train_lm", ["--data-mb", "inf"], r"argument --data-mb: inf must be a finite number in \(0.0, inf\)"),
     ("generate", ["--top-p", "abc"], "argument --top-p: invalid float value: 'abc'"),
     ("generate", ["--eos-token-id", "-1"], "argument --eos-token-id: -1 must be a token id, an int >= 0"),
+    ("train_lm", ["--steps", str(MAX_STEPS + 1)], r"--steps=2147483648 must be at most 2\*\*31 - 1"),
+    ("train_lm", ["--seed", str(MAX_SEED + 1)], r"--seed=9223372036854775808 must be at most 2\*\*63 - 1"),
+    ("train_lm", ["--prompt", "def \ud800"], r"--prompt='def \\ud800' holds '\\ud800', a lone surrogate"),
 ])
 def test_examples_refuse_bad_flags_naming_them(capsys, name, flags, message):
     with pytest.raises(SystemExit):
@@ -277,6 +284,7 @@ def test_generate_ends_in_one_line_for_an_option_generate_refuses(tmp_path):
 
 @pytest.mark.parametrize("name, flags", [
     ("train_lm", ["--lr", "3e-4", "--chunk-size", "16", "--seed", "0"]),
+    ("train_lm", ["--steps", str(MAX_STEPS), "--seed", str(MAX_SEED), "--prompt", "\udcff"]),
     ("generate", ["--temperature", "0", "--top-p", "1", "--min-p", "0", "--repetition-penalty", "1.5", "--top-k", "1"]),
     ("jit_model", ["--delay", "0"]),
     ("compare_reference", ["--nheads", "6", "--ngroups", "3"]),
@@ -368,3 +376,78 @@ def test_train_lm_keeps_the_loss_history_at_each_checkpoint_for_a_resumed_run(tm
     train_lm.write_metrics(tmp_path / "metrics.json", "xla", args, 1000, history)
     assert train_lm.resumed_history(tmp_path / "metrics.json", 2) == {"train": [(1, 5.0), (2, 4.5)],
                                                                      "eval": [(2, 4.6)]}
+
+
+def test_train_lm_schedule_runs_to_the_largest_steps():
+    """The learning-rate schedule of the largest --steps reads optax's int32 count up to its last step (one more
+    overflowed the schedule's int32 at its first step)."""
+    train_lm = load_example("train_lm")
+    args = train_lm.parse_args(["--steps", str(MAX_STEPS)])
+    assert float(train_lm.learning_rate_schedule(args)(MAX_STEPS)) == pytest.approx(args.lr / 10)
+
+
+def test_train_lm_windows_start_wherever_they_fit():
+    """Every window start is drawn, the last one included (the window that ends at the split's last byte): a split
+    of seq_len + 1 bytes gives that one window."""
+    train_lm = load_example("train_lm")
+    data = np.arange(5, dtype=np.uint8)
+    rng = np.random.default_rng(0)
+    np.testing.assert_array_equal(train_lm.sample_windows(data, rng, 3, seq_len=4), np.tile(data, (3, 1)))
+    assert set(train_lm.sample_windows(data, rng, 64, seq_len=3)[:, 0]) == {0, 1}
+
+
+def test_train_lm_samples_after_a_prompt_byte_that_is_not_utf8():
+    """A byte of --prompt that is not UTF-8 (Python hands it over as a lone surrogate) is that byte of the model's
+    input: the samples, drawn after the training, start from it."""
+    train_lm = load_example("train_lm")
+    args = train_lm.parse_args([*TINY_LM, "--prompt", "\udcffa"])
+    assert train_lm.prompt_bytes(args.prompt) == b"\xffa"
+    model = train_lm.build_model(args, "xla", seed=0)
+    assert train_lm.sample_text(model, args.prompt, 2, temperature=0.0, seed=0).startswith("\ufffda")
+
+
+def _checkpoints_of_a_run(train_lm, out: pathlib.Path, flags: list[str], steps) -> pathlib.Path:
+    """train_lm.py's checkpoints of an untrained tiny model at `steps` in `out` (as a run with `flags` saves them,
+    without its steps); returns their folder."""
+    args = train_lm.parse_args(flags)
+    model = train_lm.build_model(args, "xla", seed=0)
+    checkpoints = out / "train_lm" / "checkpoints"
+    manager = train_lm.checkpoint_manager(checkpoints)
+    for step in steps:
+        train_lm.save_checkpoint(manager, step, model, train_lm.build_optimizer(model, args))
+    manager.close()
+    return checkpoints
+
+
+def test_train_lm_names_a_damaged_checkpoint_and_the_one_to_resume_from(tmp_path):
+    """--resume of a checkpoint folder that Orbax cannot read (an item missing, as a copy cut short leaves it): one
+    line naming the folder, what Orbax found missing and the earlier checkpoint to resume from (or a new run where
+    there is none), before any step."""
+    train_lm = load_example("train_lm")
+    flags = [*TINY_LM, "--steps", "4", "--resume", "--data-mb", "0.3", "--out", str(tmp_path)]
+    checkpoints = _checkpoints_of_a_run(train_lm, tmp_path, flags, (2, 3))
+    shutil.rmtree(checkpoints / "3" / "optimizer")
+    with pytest.raises(SystemExit, match=rf"^--resume: the checkpoint at step 3 cannot be read; its folder "
+                                         rf"{re.escape(str(checkpoints / '3'))} is incomplete or damaged \(KeyError: "
+                                         rf".*optimizer.*\)\. Delete that folder to resume from step 2, the checkpoint "
+                                         rf"before it$"):
+        train_lm.main(flags)
+    shutil.rmtree(checkpoints / "2")
+    with pytest.raises(SystemExit, match=r"incomplete or damaged \(KeyError: .*\)\. Delete that folder to start a "
+                                         r"new run$"):
+        train_lm.main(flags)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["3"]  # left as it was
+
+
+@pytest.mark.parametrize("text, problem", [('{"args": {"d_model": 3', "not JSON: "), ("[]", "no args and history")])
+def test_train_lm_names_a_metrics_file_it_did_not_write(tmp_path, text, problem):
+    """--resume with a metrics.json that is not the one the run wrote (cut short, or another file): one line naming
+    it, before the checkpoint is read."""
+    train_lm = load_example("train_lm")
+    flags = [*TINY_LM, "--steps", "4", "--resume", "--data-mb", "0.3", "--out", str(tmp_path)]
+    _checkpoints_of_a_run(train_lm, tmp_path, flags, (2,))
+    metrics = tmp_path / "train_lm" / "metrics.json"
+    metrics.write_text(text)
+    with pytest.raises(SystemExit, match=rf"^--resume: {re.escape(str(metrics))} is not the metrics.json this script "
+                                         rf"writes \({problem}.*\); move it away to resume without"):
+        train_lm.main(flags)

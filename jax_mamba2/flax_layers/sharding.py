@@ -70,9 +70,10 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, *, data_axis: str = 
         raise ValueError(f"shard_model: data_axis and model_axis must be different mesh axes; both are "
                          f"{data_axis!r}")
     axis_types = dict(zip(mesh.axis_names, mesh.axis_types))
-    for axis in (data_axis, model_axis):
+    for name, axis in (("data_axis", data_axis), ("model_axis", model_axis)):
         if axis not in axis_types:
-            raise ValueError(f"shard_model: {axis!r} must be an axis of the mesh; mesh.axis_names={mesh.axis_names}")
+            raise ValueError(f"shard_model: {name}={axis!r} must be an axis of the mesh, one of "
+                             f"mesh.axis_names={mesh.axis_names} (a mesh axis of size 1 leaves that split out)")
         if axis_types[axis] != AxisType.Auto:
             raise ValueError(f"shard_model: mesh axis {axis!r} has type {axis_types[axis]}; it must be "
                              "AxisType.Auto (the mixers place their collectives themselves)")

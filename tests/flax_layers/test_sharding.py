@@ -179,6 +179,21 @@ def test_shard_model_rejects_unsplittable_models(tiny_config, mesh):
         shard_model(_model(tiny_config), mesh, data_axis="model", model_axis="model")
 
 
+def test_shard_model_names_the_axis_argument_the_mesh_lacks(tiny_config, mesh):
+    """An axis name the mesh does not have: the error names the argument that gave it and the mesh's axes, and the
+    model is left as it was."""
+    model = _model(tiny_config.replace(n_layer=1))
+    for kwargs in (dict(data_axis="batch"), dict(model_axis="tp")):
+        (name, axis), = kwargs.items()
+        with pytest.raises(ValueError, match=re.escape(f"shard_model: {name}={axis!r} must be an axis of the mesh, "
+                                                       "one of mesh.axis_names=('data', 'model')")):
+            shard_model(model, mesh, **kwargs)
+    data_only = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    with pytest.raises(ValueError, match=re.escape("shard_model: model_axis='model' must be an axis of the mesh")):
+        shard_model(model, data_only)
+    assert model.layers.mixer.mesh_axes is None and model.norm_f.mesh_axes is None
+
+
 def test_shard_model_checks_every_mixer_before_it_changes_any(mesh):
     """A module whose second mixer the model axis cannot split is refused and left as it was: its first mixer is
     not half-sharded."""
