@@ -64,7 +64,7 @@ def add_common_flags(parser: argparse.ArgumentParser, *, backend: bool = True) -
                             help="SSD backend; auto = cutile on a CUDA GPU, else xla")
     parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT,
                         help="folder for plots, checkpoints and JSON")
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--seed", type=seed, default=0, help="random seed, an int in [0, 2**63 - 1]")
 
 
 def settings(args: argparse.Namespace) -> dict:
@@ -97,6 +97,19 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be a positive int")
+    return value
+
+
+MAX_SEED = 2**63 - 1  # JAX makes its keys from int64 seeds (NumPy's generators take non-negative ones)
+
+
+def seed(text: str) -> int:
+    """argparse type of --seed: an int in [0, MAX_SEED] (the examples derive other seeds from it as seed ^ 1,
+    which stays in that range)."""
+    value = int(text)
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{value} must be an int in [0, 2**63 - 1] (JAX makes its keys from int64 "
+                                         "seeds)")
     return value
 
 

@@ -184,7 +184,7 @@ def main(argv=None) -> int:
         print(f"cuTile backends cannot run here ({reason}); comparing the pure-JAX backends only")
 
     inputs = make_inputs(args.seed, **shape, dtype=jnp.dtype(args.dtype))
-    keys = jax.random.split(jax.random.PRNGKey(args.seed + 1))
+    keys = jax.random.split(jax.random.PRNGKey(args.seed ^ 1))
     cotangents = (jax.random.normal(keys[0], inputs["x"].shape, jnp.float32).astype(args.dtype),
                   jax.random.normal(keys[1], inputs["initial_states"].shape, jnp.float32))
     reference = oracle(inputs, cotangents, args.chunk_size)
