@@ -205,7 +205,8 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
     """A decode projection: (residual add, gated grouped RMSNorm,) then the product with a weight matrix.
 
         h   = x (+ residual), rounded to residual_dtype: the new residual stream (when residual_dtype is given)
-        a   = rms_norm(h, norm_weight, z, group_size, norm_before_gate, eps) in x.dtype (when norm_weight is given)
+        a   = rms_norm(h, norm_weight, z, group_size, norm_before_gate, eps) rounded to residual_dtype (when given),
+              then to x.dtype (when norm_weight is given)
         out = a @ weight (+ bias), in dtype, accumulated in float32 (float64 for float64)
 
     Args:

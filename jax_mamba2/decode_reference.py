@@ -24,7 +24,8 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
     """(out, residual_out) of one decode projection.
 
         h   = x (+ residual), rounded to residual_dtype (when given: the new residual stream, residual_out)
-        a   = rms_norm(h, norm_weight, z, ...) in x.dtype when norm_weight is given, else x
+        a   = rms_norm(h, norm_weight, z, ...) in h's dtype (residual_dtype when given), then x.dtype, when
+              norm_weight is given, else x
         out = a.astype(dtype) @ weight.astype(dtype) (+ bias.astype(dtype)), in dtype
 
     Args:
