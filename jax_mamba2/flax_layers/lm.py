@@ -415,7 +415,7 @@ class Mamba2LMHeadModel(nnx.Module):
     def init_cache(self, batch_size: int, dtype=None) -> Mamba2Cache:
         """Zero decode state of all layers: conv_state (n_layer, batch, conv_dim, d_conv), ssm_state
         (n_layer, batch, nheads, headdim, d_state); dtype as in `Mamba2.init_cache`."""
-        check_int("Mamba2LMHeadModel.init_cache", "batch_size", batch_size)
+        check_int("Mamba2LMHeadModel.init_cache", "batch_size", batch_size, "an int >= 0", minimum=0)  # 0: no rows
         _checks.check_float_dtype("Mamba2LMHeadModel.init_cache", "dtype", dtype)
         per_layer = self.layers.mixer.init_cache(batch_size, dtype)
         return jax.tree.map(lambda a: jnp.zeros((self.config.n_layer, *a.shape), a.dtype), per_layer)

@@ -262,9 +262,10 @@ class Mamba2(nnx.Module):
             in_proj's, as mamba_ssm allocates them).
 
         Raises:
-          TypeError, ValueError: for a batch_size that is not a positive int or a dtype that is not floating.
+          TypeError, ValueError: for a batch_size that is not an int >= 0 (0: the state of an empty batch, which
+            `step` and `prefill` take as they take any) or a dtype that is not floating.
         """
-        check_int("Mamba2.init_cache", "batch_size", batch_size)
+        check_int("Mamba2.init_cache", "batch_size", batch_size, "an int >= 0", minimum=0)
         _checks.check_float_dtype("Mamba2.init_cache", "dtype", dtype)
         conv_axes, ssm_axes = self.cache_axes(batch_size)
         conv_dtype, ssm_dtype = self._cache_dtypes(dtype)

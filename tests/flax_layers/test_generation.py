@@ -435,6 +435,12 @@ def test_generate_and_the_decode_step_take_an_empty_batch(tiny_config):
     np.testing.assert_array_equal(generate(model, jnp.ones((2, 4), jnp.int32), 3)[:0], tokens)
     # with a repetition penalty too (the seen tokens of no rows)
     assert generate(model, jnp.zeros((0, 4), jnp.int32), 3, repetition_penalty=1.5).shape == (0, 7)
+    # and the state of no rows that init_cache makes, which prefill and step take
+    cache = model.init_cache(0)
+    assert cache.ssm_state.shape[1] == 0 and cache.conv_state.shape[1] == 0
+    logits, cache = model.prefill(jnp.zeros((0, 4), jnp.int32), cache)
+    logits, cache = model.step(jnp.zeros((0,), jnp.int32), cache)
+    assert logits.shape == (0, model.config.padded_vocab_size) and cache.ssm_state.shape[1] == 0
 
 
 def test_generate_takes_max_new_tokens_as_a_numpy_or_concrete_jax_int(tiny_config):

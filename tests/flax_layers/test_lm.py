@@ -231,7 +231,7 @@ def _block(model):
     pytest.param(lambda m: m(jnp.zeros((BATCH, SEQLEN), jnp.int32), seq_idx=np.full((BATCH, SEQLEN), 2 ** 32)),
                  ValueError, r"Mamba2LMHeadModel.__call__: seq_idx must hold ids int32 holds", id="seq_idx_past_int32"),
     pytest.param(lambda m: m.init_cache(-1), ValueError,
-                 r"Mamba2LMHeadModel.init_cache: batch_size=-1 must be a positive int", id="init_cache"),
+                 r"Mamba2LMHeadModel.init_cache: batch_size=-1 must be an int >= 0", id="init_cache"),
     pytest.param(lambda m: _block(m)(jnp.ones((BATCH, SEQLEN, 32)), jnp.ones((BATCH, SEQLEN - 1, 32))), ValueError,
                  r"Mamba2Block.__call__: residual.shape=\(2, 11, 32\) must be \(batch, seqlen, d_model\)="
                  r"\(2, 12, 32\)", id="block_residual"),
