@@ -291,7 +291,10 @@ class Mamba2LMHeadModel(nnx.Module):
         _checks.check_named_array("Mamba2LMHeadModel.loss", name, labels,
                                   tuple(zip(("batch", "seqlen"), input_ids.shape)), kind="integer")
         if labels is not input_ids:  # (input_ids were checked above) a target past the vocabulary would score NaN
-            check_token_ids_in_range("Mamba2LMHeadModel.loss", name, labels, self.config.vocab_size, ignore_index)
+            # Of unshifted labels only [:, 1:] are targets: the first column scores nothing, so it may hold anything.
+            scored, scored_name = (labels, name) if shift_labels is not None else (labels[:, 1:], f"{name}[:, 1:]")
+            check_token_ids_in_range("Mamba2LMHeadModel.loss", scored_name, scored, self.config.vocab_size,
+                                     ignore_index)
         # Shifted in int32: an unsigned dtype could not hold a negative ignore_index in the padded last column (none
         # for an empty sequence). A traced label int32 cannot hold becomes one past the vocabulary, as
         # `chunked_cross_entropy` makes it of shift_labels: a plain cast would wrap it onto ignore_index (left out)

@@ -221,8 +221,8 @@ def _block(model):
                  r"Mamba2LMHeadModel.loss: input_ids must be in \[0, vocab_size=61\)", id="loss_id"),
     pytest.param(lambda m: m.loss(jnp.zeros((BATCH, SEQLEN), jnp.int32), jnp.zeros((BATCH, SEQLEN), jnp.int32)
                                   .at[0, 5].set(-100).at[1, 3].set(61)), ValueError,
-                 r"Mamba2LMHeadModel.loss: labels must be in \[0, vocab_size=61\) or ignore_index=-100; "
-                 r"labels\[1, 3\]=61 \(1 ids out of range\)", id="loss_label_past_vocab"),
+                 r"Mamba2LMHeadModel.loss: labels\[:, 1:\] must be in \[0, vocab_size=61\) or ignore_index=-100; "
+                 r"labels\[:, 1:\]\[1, 2\]=61 \(1 ids out of range\)", id="loss_label_past_vocab"),
     pytest.param(lambda m: m.loss(jnp.zeros((BATCH, SEQLEN), jnp.int32),
                                   shift_labels=jnp.full((BATCH, SEQLEN), -100, jnp.int32).at[0, 0].set(-1),
                                   ignore_index=-100), ValueError,

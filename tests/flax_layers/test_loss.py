@@ -345,6 +345,14 @@ def test_lm_loss_labels_int32_cannot_hold_are_out_of_range_not_wrapped(x64, tiny
             assert np.isnan(per_token[0, position]) and np.isfinite(np.delete(per_token[0], position)).all()
 
 
+def test_lm_loss_leaves_the_first_column_of_unshifted_labels_unread(tiny_config):
+    """labels[:, 0] is no target (position t scores labels[:, t + 1]): any value there, one past the vocabulary
+    too, gives the loss of any other."""
+    model = Mamba2LMHeadModel(tiny_config.replace(n_layer=1), backend="xla", rngs=nnx.Rngs(0))
+    ids = jax.random.randint(jax.random.key(4), (2, 5), 0, tiny_config.vocab_size)
+    np.testing.assert_array_equal(model.loss(ids, ids.at[:, 0].set(tiny_config.vocab_size + 7)), model.loss(ids))
+
+
 def test_lm_loss_takes_unsigned_labels_like_signed_ones(tiny_config):
     """Labels in uint8 shift like int32 ones: the padded last column holds ignore_index, which uint8 cannot."""
     model = Mamba2LMHeadModel(tiny_config.replace(n_layer=1), backend="xla", rngs=nnx.Rngs(0))
