@@ -215,8 +215,8 @@ def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
     Fewer than 32 columns leave the product without tensor cores, which the H200 runs many times slower.
 
     A narrow product of up to SPLIT_ROWS rows (out_proj's 1024 columns: 16 blocks of 64) splits K over
-    MAX_NARROW_SPLITS (8) blocks, or 4, or else 2, the most that fit one wave: more blocks stream the weight at once, and
-    the partials' sum is one more small launch (or the next norm's loads): faster for out_proj (2048 x 1024) at
+    MAX_NARROW_SPLITS (8) blocks, or 4, or else 2, the most that fit one wave: more blocks stream the weight at
+    once, and the partials' sum is one more small launch (or the next norm's loads): faster for out_proj (2048 x 1024) at
     one row, 8 splits faster than 4 (its normalizing product on an H100: 4.1 against 5.9 us; float32 weights keep
     4, whose 8 splits' build holds a stack frame), while in_proj (69 blocks of 64, which a
     split of 2 takes past a wave) was slower split, and at 64 rows no split paid in bfloat16. float32 weights

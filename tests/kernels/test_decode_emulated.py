@@ -323,9 +323,9 @@ def test_split_k_is_lowered_to_divide_the_k_steps():
 
 def test_default_projection_config_splits_k_only_of_a_narrow_product_of_few_rows():
     """out_proj of the LM at d_model 1024 (2048 -> 1024) splits K in 8 over 64-column blocks at 1 and 8 rows, and
-    with float32 weights in 4 up to 64 rows (64 columns up to 8, 32 above); in_proj (1024 -> 4384, 69 blocks of 64), the head
-    and bfloat16 at 64 rows keep one block per column block, in_proj with float32 weights at 33-64 rows takes
-    the weight as the first operand, a narrower float32 product two blocks of 32 rows."""
+    with float32 weights in 4 up to 64 rows (64 columns up to 8, 32 above); in_proj (1024 -> 4384, 69 blocks of
+    64), the head and bfloat16 at 64 rows keep one block per column block, in_proj with float32 weights at 33-64
+    rows takes the weight as the first operand, a narrower float32 product two blocks of 32 rows."""
     def config(rows, features, out_features, weight_dtype="bfloat16"):
         return decode_projection.projection_default_config(decode_projection.ProjectionDims(
             rows=rows, features=features, out_features=out_features, weight_dtype=weight_dtype))
