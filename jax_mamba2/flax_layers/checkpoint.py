@@ -24,23 +24,20 @@ import contextlib
 import json
 import os
 import pathlib
-import pickle
 import re
 import shutil
-import zipfile
-from typing import Callable, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jax_mamba2 import backends
 from jax_mamba2._files import fsync, sync_directory
 from jax_mamba2._staging import carry_over, remove_abandoned_staging, replace_dir, staging_dir
 from jax_mamba2.checks import check_flag, float_dtype
+from jax_mamba2.flax_layers import weight_files
 from jax_mamba2.flax_layers._tree import param_path
 from jax_mamba2.flax_layers.config import Mamba2Config
 from jax_mamba2.flax_layers.lm import Mamba2LMHeadModel
@@ -127,13 +124,6 @@ _MAMBA_SSM_KEYS = ("d_model", "n_layer", "ssm_cfg")
 _HF_KEYS = ("hidden_size", "num_hidden_layers", "model_type")
 
 
-def _read_json(file: pathlib.Path, caller: str):
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
-        raise ValueError(f"{caller}: {file} is not valid JSON: {e}") from e
-
-
 def load_config(path) -> Mamba2Config:
     """Reads `config.json` of a checkpoint directory: mamba_ssm format (has "d_model", "n_layer" or
     "ssm_cfg") or HF transformers format (has "hidden_size", "num_hidden_layers" or "model_type").
@@ -163,7 +153,7 @@ def _load_config(path, caller: str) -> Mamba2Config:
     config_file = _checkpoint_dir(path, caller) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{caller}: {config_file} does not exist")
-    raw = _read_json(config_file, caller)
+    raw = weight_files.read_json(config_file, caller)
     if not isinstance(raw, dict):
         raise ValueError(f"{caller}: {config_file} must hold a JSON object, not {type(raw).__name__}")
     if any(key in raw for key in _MAMBA_SSM_KEYS):
@@ -177,165 +167,6 @@ def _load_config(path, caller: str) -> Mamba2Config:
         return parse(raw)
     except (ValueError, TypeError) as e:
         raise (TypeError if isinstance(e, TypeError) else ValueError)(f"{caller}: {config_file}: {e}") from e
-
-
-class _Tensor(NamedTuple):
-    """A checkpoint tensor known by its header: its shape, its dtype as the file names it, whether that is a float
-    dtype a parameter can be cast from, and how to read its values."""
-    shape: tuple[int, ...]
-    read: Callable[[], np.ndarray]
-    dtype: str
-    floating: bool
-
-
-# The safetensors dtypes of parameters: the floats NumPy reads (safetensors' numpy framework has no float8).
-_SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")
-
-
-def _safetensors_tensors(file: pathlib.Path, caller: str, handles: contextlib.ExitStack) -> dict[str, _Tensor]:
-    """The tensors of a safetensors file by name, from its header: nothing is read until a tensor's `read`, which
-    reads from the file as it was opened here (held open in `handles`), even once a save has replaced it."""
-    try:
-        opened = handles.enter_context(safe_open(file, framework="numpy"))
-        headers = {name: (tuple(opened.get_slice(name).get_shape()), opened.get_slice(name).get_dtype())
-                   for name in opened.keys()}
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{caller}: {file} is not a readable safetensors file: {e}") from e
-
-    def reader(name):
-        def read():
-            try:
-                return opened.get_tensor(name)
-            except (SafetensorError, OSError) as e:
-                raise ValueError(f"{caller}: {file} is not a readable safetensors file: {e}") from e
-        return read
-    return {name: _Tensor(shape, reader(name), dtype, dtype in _SAFETENSORS_FLOATS)
-            for name, (shape, dtype) in headers.items()}
-
-
-_Built = TypeVar("_Built")
-
-# How often a load opens a checkpoint again when a save replaced its directory while it was being opened.
-_OPEN_ATTEMPTS = 3
-
-
-def _directory_identity(path: pathlib.Path):
-    """What a save that replaces the directory `path` changes (a new directory takes its name), or None where
-    there is none."""
-    try:
-        status = path.stat()
-    except OSError:
-        return None
-    return status.st_dev, status.st_ino, status.st_ctime_ns
-
-
-def _open_checkpoint(path: pathlib.Path, caller: str, handles: contextlib.ExitStack, *,
-                     build: Callable[[Mamba2Config], _Built] | None = None
-                     ) -> tuple[_Built | None, dict[str, _Tensor]]:
-    """(`build` of config.json's config, or None without `build`; the tensors by name, see `_checkpoint_tensors`)
-    of one checkpoint: the weight files stay open in `handles`, and where a save replaced the directory while
-    they were being opened, they are opened again, so config and weights never come from two saves. `build`
-    runs before any weight file is opened, so a config.json no model can be made of fails on its own, whatever
-    the weights are (missing, unreadable or large)."""
-    for _ in range(_OPEN_ATTEMPTS):
-        before = _directory_identity(path)
-        built = None if build is None else build(_load_config(path, caller))
-        with contextlib.ExitStack() as attempt:
-            tensors = _checkpoint_tensors(path, caller, attempt)
-            if _directory_identity(path) == before:
-                handles.enter_context(attempt.pop_all())
-                return built, tensors
-    raise ValueError(f"{caller}: {path} was replaced (by a save to it) each of the {_OPEN_ATTEMPTS} times it was "
-                     "opened; load it once the saves have stopped")
-
-
-def _checkpoint_tensors(path: pathlib.Path, caller: str, handles: contextlib.ExitStack) -> dict[str, _Tensor]:
-    """`load_hf_state`'s tensors by name, each read only when asked, from the safetensors files as they were
-    opened here (held in `handles`); a `pytorch_model.bin` (or each of its shards) is read whole by torch."""
-    if (path / "model.safetensors").is_file():
-        return _safetensors_tensors(path / "model.safetensors", caller, handles)
-    if (path / "model.safetensors.index.json").is_file():
-        return _sharded_tensors(path / "model.safetensors.index.json", caller,
-                                lambda shard: _safetensors_tensors(shard, caller, handles))
-    if (path / "pytorch_model.bin").is_file():
-        return _torch_tensors(path / "pytorch_model.bin", caller)
-    if (path / "pytorch_model.bin.index.json").is_file():
-        return _sharded_tensors(path / "pytorch_model.bin.index.json", caller,
-                                lambda shard: _torch_tensors(shard, caller))
-    raise FileNotFoundError(f"{caller}: {path} has no model.safetensors, model.safetensors.index.json, "
-                            "pytorch_model.bin or pytorch_model.bin.index.json")
-
-
-def _sharded_tensors(index: pathlib.Path, caller: str, read_shard: Callable[[pathlib.Path], dict[str, _Tensor]]
-                     ) -> dict[str, _Tensor]:
-    """The tensors of a sharded checkpoint by name: those of each shard file its index's weight_map names (HF's
-    `model.safetensors.index.json` or `pytorch_model.bin.index.json`), read by `read_shard`. Every shard is
-    checked to exist before any is read."""
-    index_content = _read_json(index, caller)
-    weight_map = index_content.get("weight_map") if isinstance(index_content, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
-        raise ValueError(f"{caller}: {index} must have the key 'weight_map' holding an object "
-                         "{tensor name: shard file name}")
-    shards = sorted(set(weight_map.values()))
-    for shard in shards:
-        if pathlib.Path(shard).name != shard:  # a name in the directory, not a path out of it
-            raise ValueError(f"{caller}: {index}'s weight_map names the shard {shard!r}, which must be "
-                             "a file name in the checkpoint's directory")
-        if not (index.parent / shard).is_file():
-            raise FileNotFoundError(f"{caller}: {index.parent / shard}, a shard in {index}'s weight_map, "
-                                    "does not exist")
-    tensors = {}
-    for shard in shards:
-        held = read_shard(index.parent / shard)
-        listed = {name for name, file in weight_map.items() if file == shard}
-        if set(held) != listed:
-            raise ValueError(f"{caller}: {index.parent / shard} holds {sorted(held)}, but {index}'s weight_map "
-                             f"gives it {sorted(listed)} (each tensor in the one shard the index names)")
-        tensors.update(held)
-    return tensors
-
-
-def _torch_tensors(file: pathlib.Path, caller: str) -> dict[str, _Tensor]:
-    """The tensors of a PyTorch state dict file (`pytorch_model.bin` or one of its shards) by name, read whole
-    (`torch.load` with weights_only: no pickled code runs) and converted by `_torch_array`."""
-    try:
-        import torch
-    except ImportError as e:
-        raise ImportError(f"{caller}: {file} needs torch (pip install torch), or convert the checkpoint to "
-                          "model.safetensors") from e
-    try:
-        state_dict = torch.load(file, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
-        raise ValueError(f"{caller}: {file} is not a readable PyTorch state dict: {e}") from e
-    if not isinstance(state_dict, dict):
-        raise ValueError(f"{caller}: {file} must hold a state dict (tensors by name), not "
-                         f"{type(state_dict).__name__}")
-    arrays = {name: _torch_array(torch, tensor, name, file, caller) for name, tensor in state_dict.items()}
-    return {name: _Tensor(array.shape, lambda array=array: array, array.dtype.name,
-                          np.issubdtype(array.dtype, np.floating)) for name, array in arrays.items()}
-
-
-def _torch_array(torch, tensor, name: str, file: pathlib.Path, caller: str) -> np.ndarray:
-    """A state dict's tensor as a NumPy array of its shape: detached (a saved `nn.Parameter` loads requiring grad,
-    which `.numpy()` refuses), and a float NumPy has no dtype for (bfloat16, float8) widened to float32, which
-    holds its every value exactly.
-
-    Raises:
-      ValueError: naming the entry, for a value that is not a tensor (a nested dict: a training checkpoint
-        rather than a state dict).
-      TypeError: naming the entry, for a tensor of a dtype NumPy cannot hold (quantized, ...).
-    """
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{caller}: {file} holds {name!r}: {type(tensor).__name__}, not a tensor; it must hold a "
-                         "state dict (tensors by name), e.g. what model.state_dict() returns")
-    tensor = tensor.detach()
-    if tensor.is_floating_point() and tensor.dtype not in (torch.float16, torch.float32, torch.float64):
-        tensor = tensor.float()
-    try:
-        return tensor.numpy()
-    except (TypeError, RuntimeError) as e:
-        raise TypeError(f"{caller}: {file} holds {name} as a {tensor.dtype} tensor, which NumPy cannot hold: "
-                        f"{e}") from e
 
 
 def load_hf_state(path) -> dict[str, np.ndarray]:
@@ -355,7 +186,7 @@ def load_hf_state(path) -> dict[str, np.ndarray]:
       ImportError: for PyTorch weights (the only weights there) without torch installed.
     """
     with contextlib.ExitStack() as handles:
-        _, tensors = _open_checkpoint(_checkpoint_dir(path, "load_hf_state"), "load_hf_state", handles)
+        _, tensors = weight_files.open_weights(_checkpoint_dir(path, "load_hf_state"), "load_hf_state", handles)
         return {name: tensor.read() for name, tensor in tensors.items()}
 
 
@@ -402,11 +233,13 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
     param_dtype = float_dtype("load_pretrained", "param_dtype", param_dtype)
     directory = _checkpoint_dir(path, "load_pretrained")
 
-    def build(config):  # config.json's model, built abstractly before any weight file is opened
+    def build():  # config.json's model, built abstractly before any weight file is opened
+        config = _load_config(directory, "load_pretrained")
         return config, _abstract_model(directory, config, dtype=dtype, param_dtype=param_dtype, backend=backend,
                                        scan_layers=scan_layers)
     with contextlib.ExitStack() as handles:  # the weight files, open until every tensor is read
-        (config, abstract), tensors = _open_checkpoint(directory, "load_pretrained", handles, build=build)
+        (config, abstract), tensors = weight_files.open_weights(directory, "load_pretrained", handles,
+                                                                before_opening=build)
         return _assign_checkpoint(directory, config, abstract, tensors, param_dtype=param_dtype)
 
 
@@ -462,7 +295,7 @@ def _some(names: list[str]) -> str:
 
 
 def _assign_checkpoint(path: pathlib.Path, config: Mamba2Config, abstract: Mamba2LMHeadModel,
-                       tensors: dict[str, _Tensor], *, param_dtype) -> Mamba2LMHeadModel:
+                       tensors: dict[str, weight_files.StoredTensor], *, param_dtype) -> Mamba2LMHeadModel:
     """`load_pretrained`'s model: `abstract` (of `config`) with every parameter read from `tensors`."""
     # Weights can be large: every name and shape is checked from the files' headers before any tensor is read,
     # and each is then read straight into its parameter's buffer.
@@ -499,7 +332,7 @@ def _assign_checkpoint(path: pathlib.Path, config: Mamba2Config, abstract: Mamba
                              "of the checkpoint holds it too)")
         if not tensor.floating:
             raise TypeError(f"load_pretrained: {name} holds {tensor.dtype} values; a parameter must be stored in a "
-                            f"float dtype ({', '.join(_SAFETENSORS_FLOATS)})")
+                            f"float dtype ({', '.join(weight_files.SAFETENSORS_FLOATS)})")
         expected = shapes[target][1:] if layer is not None else shapes[target]
         stored = _checkpoint_shape(expected, layout)
         if tensor.shape != stored:

@@ -23,6 +23,7 @@ from jax_mamba2 import _files as files_module
 from jax_mamba2._files import exchange_paths
 from jax_mamba2 import _staging as staging_module
 from jax_mamba2.flax_layers import checkpoint as checkpoint_module
+from jax_mamba2.flax_layers import weight_files
 from jax_mamba2.flax_layers.config import MIXER_OPTIONS
 from tests._helpers import rel_l2
 
@@ -205,8 +206,8 @@ def test_checkpoint_load_checks_a_tied_head_s_dtype_and_shape_before_reading_a_t
     (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
     embedding = state["backbone.embedding.weight"]
     reads = []
-    tensors_of = checkpoint_module._safetensors_tensors
-    monkeypatch.setattr(checkpoint_module, "_safetensors_tensors", lambda file, caller, handles: {
+    tensors_of = weight_files.safetensors_tensors
+    monkeypatch.setattr(weight_files, "safetensors_tensors", lambda file, caller, handles: {
         name: t._replace(read=lambda t=t, name=name: reads.append(name) or t.read())
         for name, t in tensors_of(file, caller, handles).items()})
     for head, error, message in [
@@ -425,20 +426,20 @@ def test_a_load_reads_one_checkpoint_while_saves_replace_it(tmp_path, tiny_confi
               _shifted_model(dataclasses.replace(tiny_config, norm_epsilon=1e-3,
                                                  ssm_cfg={**tiny_config.ssm_cfg, "norm_eps": 1e-3}), 1.0)]
     save_pretrained(models[0], path)
-    real_open, real_tensors = checkpoint_module._open_checkpoint, checkpoint_module._checkpoint_tensors
+    real_open, real_tensors = weight_files.open_weights, weight_files.weight_tensors
 
     def open_then_save(*args, **kwargs):
         opened = real_open(*args, **kwargs)
         save_pretrained(models[1], path)
         return opened
     with monkeypatch.context() as patch:
-        patch.setattr(checkpoint_module, "_open_checkpoint", open_then_save)
+        patch.setattr(weight_files, "open_weights", open_then_save)
         loaded = load_pretrained(path, backend="xla")
     _assert_same_params(loaded, models[0])
     # The configs differ in their epsilons (a save's round trip keeps the rest as it is).
     assert loaded.config.norm_epsilon == 1e-5 and load_pretrained(path, backend="xla").config.norm_epsilon == 1e-3
 
-    for saves, expected in ((1, models[0]), (checkpoint_module._OPEN_ATTEMPTS, None)):
+    for saves, expected in ((1, models[0]), (weight_files.OPEN_ATTEMPTS, None)):
         opened = []
 
         def save_while_opening(directory, caller, handles):
@@ -447,7 +448,7 @@ def test_a_load_reads_one_checkpoint_while_saves_replace_it(tmp_path, tiny_confi
                 save_pretrained(models[(len(opened) + 1) % 2], path)  # alternately (the directory holds models[1])
             return real_tensors(directory, caller, handles)
         with monkeypatch.context() as patch:
-            patch.setattr(checkpoint_module, "_checkpoint_tensors", save_while_opening)
+            patch.setattr(weight_files, "weight_tensors", save_while_opening)
             if expected is None:
                 with pytest.raises(ValueError, match=r"ckpt was replaced \(by a save to it\) each of the 3 times"):
                     load_pretrained(path, backend="xla")
@@ -1022,8 +1023,8 @@ def test_checkpoint_config_errors_come_before_the_weights_are_opened(tmp_path, m
     """config.json is checked, and the model built from it, before any weight file is opened: a config no model can
     be made of is named as config.json's fault whatever the weights are (missing, unreadable, or large)."""
     opened = []
-    tensors_of = checkpoint_module._checkpoint_tensors
-    monkeypatch.setattr(checkpoint_module, "_checkpoint_tensors",
+    tensors_of = weight_files.weight_tensors
+    monkeypatch.setattr(weight_files, "weight_tensors",
                         lambda path, caller, handles: opened.append(path) or tensors_of(path, caller, handles))
     if weights is not None:
         (tmp_path / "model.safetensors").write_bytes(weights)
@@ -1152,12 +1153,12 @@ def test_checkpoint_load_checks_every_name_and_shape_before_reading_a_tensor(tmp
     tensor once."""
     save_pretrained(_random_model(tiny_config), tmp_path)
     reads = []
-    tensors_of = checkpoint_module._safetensors_tensors
+    tensors_of = weight_files.safetensors_tensors
 
     def counted(file, caller, handles):
         return {name: t._replace(read=lambda t=t, name=name: reads.append(name) or t.read())
                 for name, t in tensors_of(file, caller, handles).items()}
-    monkeypatch.setattr(checkpoint_module, "_safetensors_tensors", counted)
+    monkeypatch.setattr(weight_files, "safetensors_tensors", counted)
     load_pretrained(tmp_path, backend="xla")
     assert sorted(reads) == sorted(set(reads)) and len(reads) == len(checkpoint_module.load_hf_state(tmp_path))
     reads.clear()
