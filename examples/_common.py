@@ -113,6 +113,17 @@ def seed(text: str) -> int:
     return value
 
 
+def prompt_bytes(prompt: str) -> bytes:
+    """The bytes of --prompt as given: its text's UTF-8, and each byte of the command line that is not UTF-8 as that
+    byte (Python hands such a byte of argv to the program as a lone surrogate, U+DC80 to U+DCFF, which UTF-8 alone
+    cannot encode).
+
+    Raises:
+      UnicodeEncodeError: for another lone surrogate (one that no byte of a command line gives).
+    """
+    return prompt.encode("utf-8", errors="surrogateescape")
+
+
 def token_id(text: str) -> int:
     """argparse type of token ids: an int >= 0."""
     value = int(text)

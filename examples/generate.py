@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from _common import (add_common_flags, describe_device, in_range, make_parser, model_flags, output_dir, positive_int,
-                     power_of_two, resolve_backend, token_id, write_atomically)
+                     power_of_two, prompt_bytes, resolve_backend, token_id, write_atomically)
 from jax_mamba2.flax_layers import (Mamba2Config, Mamba2LMHeadModel, cast_params, generate, generate_stream,
                                     load_pretrained)
 
@@ -51,7 +51,7 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens (the vocabulary of examples/train_lm.py)."""
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode())
+        return list(prompt_bytes(text))  # a --prompt byte that is not UTF-8 as that byte
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")

@@ -36,7 +36,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from _common import (add_common_flags, describe_device, in_range, make_parser, model_flags, output_dir, positive_int,
-                     power_of_two, resolve_backend, save_figure, settings, write_atomically)
+                     power_of_two, prompt_bytes, resolve_backend, save_figure, settings, write_atomically)
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, generate, save_pretrained
 
 VOCAB_SIZE = 256  # bytes
@@ -276,17 +276,6 @@ def save_loss_curve(history: dict, path: pathlib.Path, title: str) -> None:
     plt.close(fig)
 
 
-def prompt_bytes(prompt: str) -> bytes:
-    """The bytes of --prompt as given: its text's UTF-8, and each byte of the command line that is not UTF-8 as that
-    byte (Python hands such a byte of argv to the program as a lone surrogate, U+DC80 to U+DCFF, which UTF-8 alone
-    cannot encode).
-
-    Raises:
-      UnicodeEncodeError: for another lone surrogate (one that no byte of a command line gives).
-    """
-    return prompt.encode("utf-8", errors="surrogateescape")
-
-
 def sample_text(model, prompt: str, max_new_tokens: int, *, temperature: float, seed: int) -> str:
     prompt_ids = jnp.asarray([list(prompt_bytes(prompt))], jnp.int32)
     tokens = generate(model, prompt_ids, max_new_tokens, temperature=temperature,
@@ -383,7 +372,9 @@ def train(args, out: pathlib.Path, manager: ocp.CheckpointManager) -> int:
         check_shape_flags(out / "metrics.json", args, f"the checkpoint at step {start} in {out / 'checkpoints'}")
         try:
             restore_checkpoint(manager, start, model, optimizer)
-        except Exception as e:  # noqa: BLE001  whatever Orbax raised, said in one line that names the folder
+        except (KeyError, ValueError, OSError) as e:  # what Orbax raises of a folder it cannot read (an item
+            # missing: KeyError; TensorStore's errors: ValueError), said in one line that names the folder. Not an
+            # error of the device or the program (out of memory, a bug), which the folder is not to blame for.
             cause = root_cause(e)
             if "stored shape" in first_line(cause):  # Orbax's "Requested shape ... not compatible with the stored"
                 raise SystemExit(f"--resume: the checkpoint at step {start} in {out / 'checkpoints'} does not fit "

@@ -401,7 +401,7 @@ def test_train_lm_samples_after_a_prompt_byte_that_is_not_utf8():
     input: the samples, drawn after the training, start from it."""
     train_lm = load_example("train_lm")
     args = train_lm.parse_args([*TINY_LM, "--prompt", "\udcffa"])
-    assert train_lm.prompt_bytes(args.prompt) == b"\xffa"
+    assert load_example("_common").prompt_bytes(args.prompt) == b"\xffa"
     model = train_lm.build_model(args, "xla", seed=0)
     assert train_lm.sample_text(model, args.prompt, 2, temperature=0.0, seed=0).startswith("\ufffda")
 
@@ -437,6 +437,21 @@ def test_train_lm_names_a_damaged_checkpoint_and_the_one_to_resume_from(tmp_path
                                          r"new run$"):
         train_lm.main(flags)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["3"]  # left as it was
+
+
+def test_train_lm_resume_does_not_blame_the_checkpoint_for_other_errors(tmp_path, monkeypatch):
+    """--resume whose restore fails for a reason that is not the checkpoint's folder (the device out of memory, a
+    bug) raises that error as it is: it does not tell the user to delete a checkpoint that may be whole."""
+    train_lm = load_example("train_lm")
+    flags = [*TINY_LM, "--steps", "4", "--resume", "--data-mb", "0.3", "--out", str(tmp_path)]
+    checkpoints = _checkpoints_of_a_run(train_lm, tmp_path, flags, (2,))
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB")
+    monkeypatch.setattr(train_lm, "restore_checkpoint", out_of_memory)
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        train_lm.main(flags)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["2"]
 
 
 @pytest.mark.parametrize("text, problem", [('{"args": {"d_model": 3', "not JSON: "), ("[]", "no args and history")])

@@ -142,8 +142,9 @@ def _checkpoint_dir(path, caller: str) -> pathlib.Path:
         raise TypeError(f"{caller}: path={path!r} must be a str or os.PathLike (a checkpoint directory)")
     directory = pathlib.Path(path)
     if not directory.is_dir():  # a file of the checkpoint, or a hub id: say what path must be
-        raise (ValueError if directory.exists() else FileNotFoundError)(
-            f"{caller}: path={str(path)!r} {'is a file' if directory.exists() else 'does not exist'}: it must be "
+        exists = directory.exists()
+        raise (ValueError if exists else FileNotFoundError)(
+            f"{caller}: path={str(path)!r} {'is not a directory' if exists else 'does not exist'}: it must be "
             "a local checkpoint directory, holding config.json and the weights (nothing is downloaded)")
     return directory
 

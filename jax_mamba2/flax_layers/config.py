@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from flax.core import FrozenDict
 
-from jax_mamba2.checks import (INT32_MAX, as_int, check_dt_limit, check_element_count, check_flag,
+from jax_mamba2.checks import (as_int, check_axis_length, check_dt_limit, check_element_count, check_flag,
                                check_positive_float, check_size)
 from jax_mamba2.flax_layers.mixer_options import check_mixer_options
 
@@ -203,10 +203,9 @@ class Mamba2Config:
         # By value too, as the mixers will be built from them: a config no model can be made of fails here.
         check_mixer_options("Mamba2Config", self.d_model, {**MIXER_DEFAULTS, **ssm_cfg},
                             {name: f"ssm_cfg[{name!r}]" for name in MIXER_OPTIONS}, n_layer=self.n_layer)
-        if self.padded_vocab_size > INT32_MAX:
-            raise ValueError(f"Mamba2Config: vocab_size={self.vocab_size} rounded up to a multiple of "
-                             f"pad_vocab_size_multiple={self.pad_vocab_size_multiple} is {self.padded_vocab_size}, "
-                             "the embedding's rows, which must be at most 2**31 - 1 (an array axis)")
+        check_axis_length("Mamba2Config", f"vocab_size={self.vocab_size} rounded up to a multiple of "
+                          f"pad_vocab_size_multiple={self.pad_vocab_size_multiple}: padded_vocab_size",
+                          self.padded_vocab_size)
         check_element_count("Mamba2Config", "the embedding", "(padded_vocab_size, d_model)",
                             (self.padded_vocab_size, self.d_model))
         # Canonical form: only options that differ from mamba_ssm's defaults, so equal models compare equal.

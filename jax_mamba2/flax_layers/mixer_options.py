@@ -73,7 +73,7 @@ def check_mixer_options(api: str, d_model: int, options: Mapping, names: Mapping
         raise ValueError(f"{api}: nheads=d_ssm//headdim={nheads} must be divisible by {label('ngroups')}={ngroups}")
     if chunk_size & (chunk_size - 1):
         raise ValueError(f"{api}: {label('chunk_size')}={chunk_size} must be a power of two")
-    shape = _check_weights(api, label, d_model, options, MixerShape(d_inner, d_ssm, nheads, 0, 0), n_layer)
+    d_in_proj, conv_dim = _check_weights(api, label, d_model, options, d_inner, d_ssm, nheads, n_layer)
     A_init_range = options["A_init_range"]
     if not math.isfinite(_checks.check_range(api, label("A_init_range"), A_init_range, low_min=0.0,
                                              strict_low=True)[1]):
@@ -93,22 +93,22 @@ def check_mixer_options(api: str, d_model: int, options: Mapping, names: Mapping
     options["dt_limit"] = check_dt_limit(api, options["dt_limit"], name=label("dt_limit"))
     if options["conv_init"] is not None:
         options["conv_init"] = check_positive_float(api, label("conv_init"), options["conv_init"])
-    return options, shape
+    return options, MixerShape(d_inner, d_ssm, nheads, d_in_proj, conv_dim)
 
 
-def _check_weights(api: str, label, d_model: int, options: Mapping, shape: MixerShape, n_layer: int | None
-                   ) -> MixerShape:
-    """`shape` with in_proj's outputs and the conv's channels, each checked to fit an array axis, and the mixer's
-    two largest weights (in_proj's and the conv's; out_proj's is smaller than in_proj's) to fit an array, stacked
-    over `n_layer` layers where given. The vectors (biases, dt_bias, A_log, D, the norm's scale) are no longer
-    than these axes."""
+def _check_weights(api: str, label, d_model: int, options: Mapping, d_inner: int, d_ssm: int, nheads: int,
+                   n_layer: int | None) -> tuple[int, int]:
+    """(d_in_proj, conv_dim): in_proj's outputs and the conv's channels, each checked to fit an array axis, and the
+    mixer's two largest weights (in_proj's and the conv's; out_proj's is smaller than in_proj's) checked to fit an
+    array, stacked over `n_layer` layers where given. The vectors (biases, dt_bias, A_log, D, the norm's scale)
+    are no longer than these axes."""
     groups = 2 * options["ngroups"] * options["d_state"]
-    d_in_proj = 2 * shape.d_inner + groups + shape.nheads
-    conv_dim = shape.d_ssm + groups
+    d_in_proj = 2 * d_inner + groups + nheads
+    conv_dim = d_ssm + groups
     check_axis_length(api, f"d_in_proj=2*d_inner+2*{label('ngroups')}*{label('d_state')}+nheads", d_in_proj)
     check_axis_length(api, f"conv_dim=d_ssm+2*{label('ngroups')}*{label('d_state')}", conv_dim)
     layers, layer_axes = ((), "") if n_layer is None else ((n_layer,), "n_layer, ")
     check_element_count(api, "in_proj.kernel", f"({layer_axes}d_model, d_in_proj)", (*layers, d_model, d_in_proj))
     check_element_count(api, "conv1d.kernel", f"({layer_axes}{label('d_conv')}, conv_dim)",
                         (*layers, options["d_conv"], conv_dim))
-    return shape._replace(d_in_proj=d_in_proj, conv_dim=conv_dim)
+    return d_in_proj, conv_dim

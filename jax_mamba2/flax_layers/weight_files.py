@@ -2,7 +2,7 @@
 `model.safetensors.index.json`) and PyTorch state dicts (`pytorch_model.bin`, or shards listed by
 `pytorch_model.bin.index.json`; torch reads each whole). Each tensor is a `StoredTensor`: its shape and dtype as
 the file names them, and a function that reads its values, so that a load checks every name and shape before it
-reads any value.
+reads any value of a safetensors file (a PyTorch file is read whole when it is opened).
 """
 import contextlib
 import json

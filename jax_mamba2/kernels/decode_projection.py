@@ -217,8 +217,8 @@ def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
     A narrow product of up to SPLIT_ROWS rows (out_proj's 1024 columns: 16 blocks of 64) splits K over
     MAX_NARROW_SPLITS (8) blocks, or 4, or else 2, the most that fit one wave: more blocks stream the weight at
     once, and the partials' sum is one more small launch (or the next norm's loads): faster for out_proj (2048 x 1024) at
-    one row, 8 splits faster than 4 (its normalizing product on an H100: 4.1 against 5.9 us; float32 weights keep
-    4, whose 8 splits' build holds a stack frame), while in_proj (69 blocks of 64, which a
+    one row, 8 splits faster than 4 (float32 weights keep 4, whose 8 splits' build holds a stack frame), while
+    in_proj (69 blocks of 64, which a
     split of 2 takes past a wave) was slower split, and at 64 rows no split paid in bfloat16. float32 weights
     double each K step's bytes, so up to one block of rows (64) a product whose blocks fit a wave twice splits
     K the same way, over 128-feature steps (faster than unsplit for out_proj at 64 rows, with no local memory;
@@ -240,7 +240,8 @@ def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
     float32 = dims.weight_dtype == "float32"
 
     def splits(blocks):  # the most that still fit one wave (float32 weights at most 4: 8 take a stack frame)
-        return next((s for s in (4 if float32 else MAX_NARROW_SPLITS, 4) if s * blocks <= WAVE_BLOCKS), 2)
+        candidates = (4,) if float32 else (MAX_NARROW_SPLITS, 4)
+        return next((s for s in candidates if s * blocks <= WAVE_BLOCKS), 2)
     block_k = within_norm(64 if float32 else 128)
     if dims.rows <= SPLIT_ROWS and 2 * wide_blocks <= WAVE_BLOCKS:
         return ProjectionConfig(BLOCK_N=64, BLOCK_K=block_k, SPLIT_K=splits(wide_blocks))

@@ -1085,7 +1085,7 @@ def test_checkpoint_path_missing_or_a_file_says_what_it_must_be(tmp_path, monkey
         with pytest.raises(FileNotFoundError, match=rf"{read.__name__}: path='state-spaces/mamba2-130m' does not "
                                                     r"exist: it must be a local checkpoint directory"):
             read("state-spaces/mamba2-130m")
-        with pytest.raises(ValueError, match=rf"{read.__name__}: path='model.safetensors' is a file: it must be a "
+        with pytest.raises(ValueError, match=rf"{read.__name__}: path='model.safetensors' is not a directory: it must be a "
                                              r"local checkpoint directory, holding config.json and the weights"):
             read("model.safetensors")
 

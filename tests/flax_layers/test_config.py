@@ -165,7 +165,7 @@ def test_config_from_hf_rejects_sizes_that_are_not_positive_ints(key, value, err
     pytest.param(dict(ssm_cfg={"layer": "Mamba2", "d_conv": 2 ** 40}), r"ssm_cfg\['d_conv'\]=1099511627776 must be a "
                  r"positive int of at most 2\*\*31 - 1", id="mixer_option"),
     pytest.param(dict(vocab_size=2 ** 31 - 1), r"vocab_size=2147483647 rounded up to a multiple of "
-                 r"pad_vocab_size_multiple=16 is 2147483648, the embedding's rows, which must be at most 2\*\*31 - 1",
+                 r"pad_vocab_size_multiple=16: padded_vocab_size=2147483648 must be at most 2\*\*31 - 1",
                  id="padded_vocab_size"),
     # Each axis fits int32; the weights stacked over the layers, or the embedding, hold more elements than XLA
     # can count the bytes of.
