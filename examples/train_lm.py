@@ -181,7 +181,9 @@ def read_metrics(metrics_file: pathlib.Path) -> dict:
         metrics = json.loads(metrics_file.read_bytes())
         problem = None if isinstance(metrics, dict) and all(isinstance(metrics.get(key), dict) for key in (
             "args", "history")) else "no args and history in it"
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except OSError as e:
+        problem = f"unreadable: {e}"
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         problem = f"not JSON: {e}"
     if problem:
         raise SystemExit(f"--resume: {metrics_file} is not the metrics.json this script writes ({problem}); move it "

@@ -454,7 +454,9 @@ def test_train_lm_resume_does_not_blame_the_checkpoint_for_other_errors(tmp_path
     assert sorted(p.name for p in checkpoints.iterdir()) == ["2"]
 
 
-@pytest.mark.parametrize("text, problem", [('{"args": {"d_model": 3', "not JSON: "), ("[]", "no args and history")])
+@pytest.mark.parametrize("text, problem", [('{"args": {"d_model": 3', "not JSON: "), ("[]", "no args and history"),
+                                           ("[" * 100_000 + "]" * 100_000, "not JSON: ")],
+                         ids=["cut_short", "another_file", "nested_too_deep"])
 def test_train_lm_names_a_metrics_file_it_did_not_write(tmp_path, text, problem):
     """--resume with a metrics.json that is not the one the run wrote (cut short, or another file): one line naming
     it, before the checkpoint is read."""
