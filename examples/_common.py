@@ -92,25 +92,22 @@ def model_flags(*flags: str):
         raise SystemExit(f"{' / '.join(flags)} do not make a model: {error}") from None
 
 
-def positive_int(text: str) -> int:
-    """argparse type of sizes and counts: an int >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be a positive int")
-    return value
+def int_in(low: int, high: int | None, requirement: str) -> Callable[[str], int]:
+    """argparse type of an int in [low, high] (no upper bound for None); the error says `requirement`."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} must be {requirement}")
+        return value
+    parse.__name__ = "int"  # argparse names the type in "invalid int value: ..."
+    return parse
 
 
 MAX_SEED = 2**63 - 1  # JAX makes its keys from int64 seeds (NumPy's generators take non-negative ones)
-
-
-def seed(text: str) -> int:
-    """argparse type of --seed: an int in [0, MAX_SEED] (the examples derive other seeds from it as seed ^ 1,
-    which stays in that range)."""
-    value = int(text)
-    if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"{value} must be an int in [0, 2**63 - 1] (JAX makes its keys from int64 "
-                                         "seeds)")
-    return value
+# Sizes and counts; --seed (the examples derive other seeds from it as seed ^ 1, which stays in its range); token ids.
+positive_int = int_in(1, None, "a positive int")
+seed = int_in(0, MAX_SEED, "an int in [0, 2**63 - 1] (JAX makes its keys from int64 seeds)")
+token_id = int_in(0, None, "a token id, an int >= 0")
 
 
 def prompt_bytes(prompt: str) -> bytes:
@@ -122,14 +119,6 @@ def prompt_bytes(prompt: str) -> bytes:
       UnicodeEncodeError: for another lone surrogate (one that no byte of a command line gives).
     """
     return prompt.encode("utf-8", errors="surrogateescape")
-
-
-def token_id(text: str) -> int:
-    """argparse type of token ids: an int >= 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be a token id, an int >= 0")
-    return value
 
 
 def in_range(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
