@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import reference
-from jax_mamba2.checks import (as_int, check_array, check_dt_limit, check_flag, check_float, check_ndim, is_concrete,
+from jax_mamba2.checks import (check_array, check_dt_limit, check_flag, check_float, check_ndim, is_concrete,
                                nondecreasing, raise_unordered_seq_idx)
 from jax_mamba2.ssd_args import (Dims, SSDInputs, SSDStatic, check_head_options, check_inputs,
                                  check_model_sizes)
@@ -312,7 +312,7 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
       (1, 64, 2, 16)
     """
     dims = check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx)
-    static = SSDStatic(as_int(chunk_size), check_flag("ssd", "dt_softplus", dt_softplus),
+    static = SSDStatic(dims.chunk_size, check_flag("ssd", "dt_softplus", dt_softplus),
                        check_dt_limit("ssd", dt_limit),
                        check_flag("ssd", "deterministic_backward", deterministic_backward),
                        check_flag("ssd", "save_chunk_states", save_chunk_states),

@@ -53,6 +53,7 @@ class Dims(NamedTuple):
     headdim: int
     ngroups: int
     dstate: int
+    chunk_size: int  # as a Python int
 
 
 def check_head_options(api, x, D, z, dt_bias):
@@ -83,7 +84,6 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
     batch, seqlen, nheads, headdim = check_ndim(api, "x", x, 4, "(batch, seqlen, nheads, headdim)")
     check_float(api, "x", x)
     ngroups, dstate = check_ndim(api, "B", B, 4, "(batch, seqlen, ngroups, dstate)")[2:]
-    dims = Dims(batch, seqlen, nheads, headdim, ngroups, dstate)
     check_array(api, "dt", dt, "(batch, seqlen, nheads)", (batch, seqlen, nheads))
     check_array(api, "A", A, "(nheads,)", (nheads,))
     check_array(api, "B", B, "(batch, seqlen, ngroups, dstate)", (batch, seqlen, ngroups, dstate))
@@ -91,15 +91,15 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
     check_model_sizes(api, nheads, headdim, dstate)
     if ngroups < 1 or nheads % ngroups:
         raise ValueError(f"ssd: nheads={nheads} must be divisible by ngroups={ngroups}")
-    if as_int(chunk_size) is None:
+    chunk = as_int(chunk_size)
+    if chunk is None:
         raise TypeError(f"ssd: chunk_size={chunk_size!r} must be an int")
-    chunk_size = as_int(chunk_size)
-    if chunk_size < 1 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"ssd: chunk_size={chunk_size} must be a power of two")
+    if chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"ssd: chunk_size={chunk} must be a power of two")
     check_head_options(api, x, D, z, dt_bias)
     if initial_states is not None:
         check_array(api, "initial_states", initial_states, "(batch, nheads, headdim, dstate)",
                      (batch, nheads, headdim, dstate))
     if seq_idx is not None:
         check_seq_idx(api, seq_idx, batch, seqlen)
-    return dims
+    return Dims(batch, seqlen, nheads, headdim, ngroups, dstate, chunk)

@@ -131,8 +131,8 @@ def _batchable_forward(run_plan: RunPlan, silu: bool, layout: Layout, cfg: Optio
         if layout.pass_through:  # copies of x's other channels: varying over x's mesh axes alone
             before, after = (out[name] if w else jnp.zeros((dims.batch, dims.seqlen, 0), inputs.x.dtype)
                              for name, w in zip(OUTSIDE, dims.outside_widths))
-            outputs = (*_compat.match_varying_axes((before,), inputs.x), *outputs,
-                       *_compat.match_varying_axes((after,), inputs.x))
+            outputs = (_compat.match_varying_axes(before, inputs.x), *outputs,
+                       _compat.match_varying_axes(after, inputs.x))
         return outputs
 
     @forward.def_vmap

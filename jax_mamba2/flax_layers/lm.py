@@ -290,18 +290,20 @@ class Mamba2LMHeadModel(nnx.Module):
             "shift_labels", shift_labels)
         _checks.check_named_array("Mamba2LMHeadModel.loss", name, labels,
                                   tuple(zip(("batch", "seqlen"), input_ids.shape)), kind="integer")
+        # Of unshifted labels only [:, 1:] are targets: the first column scores nothing, so it may hold anything.
+        scored, scored_name = (labels, name) if shift_labels is not None else (labels[:, 1:], f"{name}[:, 1:]")
         if labels is not input_ids:  # (input_ids were checked above) a target past the vocabulary would score NaN
-            # Of unshifted labels only [:, 1:] are targets: the first column scores nothing, so it may hold anything.
-            scored, scored_name = (labels, name) if shift_labels is not None else (labels[:, 1:], f"{name}[:, 1:]")
             check_token_ids_in_range("Mamba2LMHeadModel.loss", scored_name, scored, self.config.vocab_size,
                                      ignore_index)
-        # Shifted in int32: an unsigned dtype could not hold a negative ignore_index in the padded last column (none
-        # for an empty sequence). A traced label int32 cannot hold becomes one past the vocabulary, as
-        # `chunked_cross_entropy` makes it of shift_labels: a plain cast would wrap it onto ignore_index (left out)
-        # or into the vocabulary (scored as another token) instead of scoring NaN.
-        shifted = loss_op.int32_labels(labels[:, 1:], ignore_index, self.config.padded_vocab_size)
-        targets = labels if shift_labels is not None else jnp.pad(
-            shifted, ((0, 0), (0, labels.shape[1] - shifted.shape[1])), constant_values=ignore_index)
+        if shift_labels is not None:
+            targets = labels
+        else:
+            # Shifted in int32: an unsigned dtype could not hold a negative ignore_index in the padded last column
+            # (none for an empty sequence). A traced label int32 cannot hold becomes one past the vocabulary, as
+            # `chunked_cross_entropy` makes it of shift_labels: a plain cast would wrap it onto ignore_index (left
+            # out) or into the vocabulary (scored as another token) instead of scoring NaN.
+            shifted = loss_op.int32_labels(scored, ignore_index, self.config.padded_vocab_size)
+            targets = jnp.pad(shifted, ((0, 0), (0, labels.shape[1] - shifted.shape[1])), constant_values=ignore_index)
         weight = (dict(embedding=self.embedding.embedding[...]) if self.lm_head is None else
                   dict(head_weight=self.lm_head.kernel[...]))
         options = dict(**weight, vocab_size=self.config.vocab_size, chunk_tokens=chunk_tokens,

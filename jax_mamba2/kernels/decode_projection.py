@@ -216,22 +216,20 @@ def projection_default_config(dims: ProjectionDims) -> ProjectionConfig:
 
     A narrow product of up to SPLIT_ROWS rows (out_proj's 1024 columns: 16 blocks of 64) splits K over
     MAX_NARROW_SPLITS (8) blocks, or 4, or else 2, the most that fit one wave: more blocks stream the weight at
-    once, and the partials' sum is one more small launch (or the next norm's loads): faster for out_proj (2048 x 1024) at
-    one row, 8 splits faster than 4 (float32 weights keep 4, whose 8 splits' build holds a stack frame), while
-    in_proj (69 blocks of 64, which a
-    split of 2 takes past a wave) was slower split, and at 64 rows no split paid in bfloat16. float32 weights
-    double each K step's bytes, so up to one block of rows (64) a product whose blocks fit a wave twice splits
-    K the same way, over 128-feature steps (faster than unsplit for out_proj at 64 rows, with no local memory;
-    docs/design.md, "Decode", has the timings). A wider float32 product of 33 to 64 rows runs one of two forms
-    (none of this for a product wider still, the head). Where its 64-column blocks fill more than half a wave and
-    fit two per SM in one (in_proj from d_model 1024: 69 to 133 blocks), the weight is the tensor cores' first operand
-    (WEIGHT_FIRST: wgmma on the 64-row block), 64 columns per block at an occupancy hint of 2, 64-feature K
-    steps, which timed faster than the other form for in_proj at the widths of mamba2-370m, -780m and -1.3b (same
-    section). Narrower ones (out_proj of mamba2-2.7b,
-    in_proj of mamba2-130m), whose 64-row blocks would leave most SMs idle, run two blocks of 32 rows per column
-    block at an occupancy hint of 2 (mma.sync), 128-feature K steps, 64 columns. Where the product normalizes
-    (norm_parts), its K step also stays within a group of the norm and starts the gate's columns on a step
-    (`norm_block_k`)."""
+    once, and the partials' sum is one more small launch (or the next norm's loads): faster for out_proj (2048 x
+    1024) at one row, 8 splits faster than 4 (float32 weights keep 4, whose 8 splits' build holds a stack frame),
+    while in_proj (69 blocks of 64, which a split of 2 takes past a wave) was slower split, and at 64 rows no split
+    paid in bfloat16. float32 weights double each K step's bytes, so up to one block of rows (64) a product whose
+    blocks fit a wave twice splits K the same way, over 128-feature steps (faster than unsplit for out_proj at 64
+    rows, with no local memory; docs/design.md, "Decode", has the timings). A wider float32 product of 33 to 64 rows
+    runs one of two forms (none of this for a product wider still, the head). Where its 64-column blocks fill more
+    than half a wave and fit two per SM in one (in_proj from d_model 1024: 69 to 133 blocks), the weight is the
+    tensor cores' first operand (WEIGHT_FIRST: wgmma on the 64-row block), 64 columns per block at an occupancy hint
+    of 2, 64-feature K steps, which timed faster than the other form for in_proj at the widths of mamba2-370m, -780m
+    and -1.3b (same section). Narrower ones (out_proj of mamba2-2.7b, in_proj of mamba2-130m), whose 64-row blocks
+    would leave most SMs idle, run two blocks of 32 rows per column block at an occupancy hint of 2 (mma.sync),
+    128-feature K steps, 64 columns. Where the product normalizes (norm_parts), its K step also stays within a group
+    of the norm and starts the gate's columns on a step (`norm_block_k`)."""
     def within_norm(block_k):  # a K step within one group of the norm, the gate's columns starting on a step
         return min(block_k, norm_block_k(dims)) if dims.norm_parts else block_k
 
