@@ -1,4 +1,8 @@
 """benchmarks/report.py's README table and plot, from records shaped as benchmarks/ssd.py writes them."""
+import json
+import pathlib
+import re
+
 import pytest
 
 from benchmarks import report, ssd
@@ -53,3 +57,22 @@ def test_plot_has_a_time_panel_on_a_log_axis_and_a_speedup_panel(records, tmp_pa
 
 def test_plot_writes_a_png(records, tmp_path):
     assert report.plot_records(records, tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_committed_record_names_its_commit_as_a_bare_id():
+    """A record's `git_sha` is the commit id it ran (what varied lives in other fields, e.g. `variant`), so that
+    `git show` finds the tree of every figure."""
+    def shas(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "git_sha":
+                    yield value
+                yield from shas(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from shas(value)
+
+    results = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    found = {(path.name, sha) for path in results.glob("*.json") for sha in shas(json.loads(path.read_text()))}
+    assert len(found) > 50
+    assert not [(name, sha) for name, sha in found if not re.fullmatch(r"[0-9a-f]{7,40}", str(sha))]
