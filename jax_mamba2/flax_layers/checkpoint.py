@@ -174,8 +174,9 @@ def load_hf_state(path) -> dict[str, np.ndarray]:
     """Reads all tensors of a checkpoint directory as NumPy arrays, by name.
 
     Looks for `model.safetensors`, then `model.safetensors.index.json` (sharded), then `pytorch_model.bin`, then
-    `pytorch_model.bin.index.json` (sharded; both need torch, which reads each file whole; their tensors
-    detached, bfloat16 and float8 ones as float32, which holds them exactly).
+    `pytorch_model.bin.index.json` (sharded; both need torch, which memory-maps each file, or reads it whole where
+    it is in torch's legacy format; their tensors detached). float8 tensors (safetensors' F8_E4M3 and F8_E5M2,
+    torch's float8 dtypes) and torch's bfloat16 ones come as float32, which holds them exactly.
 
     Raises:
       FileNotFoundError: if `path` does not exist, there are no weights, or a shard named by the index is
@@ -333,7 +334,7 @@ def _assign_checkpoint(path: pathlib.Path, config: Mamba2Config, abstract: Mamba
                              "of the checkpoint holds it too)")
         if not tensor.floating:
             raise TypeError(f"load_pretrained: {name} holds {tensor.dtype} values; a parameter must be stored in a "
-                            f"float dtype ({', '.join(weight_files.SAFETENSORS_FLOATS)})")
+                            f"float dtype ({', '.join(tensor.float_dtypes)})")
         expected = shapes[target][1:] if layer is not None else shapes[target]
         stored = _checkpoint_shape(expected, layout)
         if tensor.shape != stored:

@@ -33,11 +33,12 @@ MIXER_DEFAULTS = FrozenDict(
 )
 
 
-# HF transformers' names of the mixer options `from_hf` reads (the others keep their names).
+# HF transformers' names of the mixer options `from_hf` reads (the others keep their names), and of the sizes
+# the mixer's weights are checked with.
 _HF_MIXER_NAMES = dict(
     d_state="state_size", d_conv="conv_kernel", headdim="head_dim", ngroups="n_groups", dt_min="time_step_min",
     dt_max="time_step_max", dt_init_floor="time_step_floor", dt_limit="time_step_limit", bias="use_bias",
-    conv_bias="use_conv_bias", norm_eps="layer_norm_epsilon",
+    conv_bias="use_conv_bias", norm_eps="layer_norm_epsilon", d_model="hidden_size", n_layer="num_hidden_layers",
 )
 
 # How config.json files encode the unbounded upper end of `time_step_limit` (HF) / `ssm_cfg["dt_limit"]`
@@ -280,12 +281,12 @@ class Mamba2Config:
             num_hidden_layers, vocab_size, expand, head_dim, num_heads, state_size, conv_kernel, n_groups,
             chunk_size, ...).
           ValueError: for a missing hidden_size, num_hidden_layers or vocab_size, a size under 1 or over 2**31 - 1
-            (an array axis; and the sizes a `Mamba2Config` refuses, see there), a time step
-            or epsilon that is not positive, a
-            model_type other than "mamba2", `num_heads * head_dim != expand * hidden_size` (HF's own
-            invariant), mixer options no `Mamba2` can be built from (named by HF's keys: a chunk_size that is
-            not a power of two, n_groups not dividing the heads, ...), or an unpadded_vocab_size that does not
-            pad to vocab_size.
+            (an array axis), sizes whose weights no array holds (those a `Mamba2Config` refuses, see there, named
+            by HF's keys: a mixer's weights stacked over num_hidden_layers, the embedding of vocab_size rows of
+            hidden_size), a time step or epsilon that is not positive, a model_type other than "mamba2",
+            `num_heads * head_dim != expand * hidden_size` (HF's own invariant), mixer options no `Mamba2` can be
+            built from (named by HF's keys: a chunk_size that is not a power of two, n_groups not dividing the
+            heads, ...), or an unpadded_vocab_size that does not pad to vocab_size.
         """
         api = "Mamba2Config.from_hf"
         if not isinstance(config, Mapping):
@@ -304,7 +305,10 @@ class Mamba2Config:
         if config.get("hidden_act", "silu") not in ("silu", "swish"):  # HF's conv activation; mamba_ssm's is SiLU
             raise ValueError(f"{api}: hidden_act={config['hidden_act']!r} must be 'silu' (or 'swish')")
         get = config.get
-        d_model, expand, head_dim = config["hidden_size"], get("expand", 2), get("head_dim", 64)
+        # Python ints: the weights' element counts checked below are products of them, which NumPy ints of a
+        # config built in Python (not read from JSON) could wrap around.
+        d_model, n_layer = as_int(config["hidden_size"]), as_int(config["num_hidden_layers"])
+        expand, head_dim = get("expand", 2), get("head_dim", 64)
         if "num_heads" in config and config["num_heads"] * head_dim != expand * d_model:
             raise ValueError(f"Mamba2Config.from_hf: num_heads={config['num_heads']} * head_dim={head_dim} "
                              f"must equal expand={expand} * hidden_size={d_model}")
@@ -318,21 +322,23 @@ class Mamba2Config:
             A_init_range=get("A_init_range", MIXER_DEFAULTS["A_init_range"]),
             conv_init=get("conv_init", MIXER_DEFAULTS["conv_init"]),
         )
-        check_mixer_options(api, d_model, {**MIXER_DEFAULTS, **ssm_cfg}, _HF_MIXER_NAMES)
-        result = cls(
-            d_model=d_model, n_layer=config["num_hidden_layers"],
-            vocab_size=get("unpadded_vocab_size", config["vocab_size"]), ssm_cfg=ssm_cfg,
-            rms_norm=get("rms_norm", True), residual_in_fp32=get("residual_in_fp32", True),
-            fused_add_norm=get("fused_add_norm", True), pad_vocab_size_multiple=get("pad_vocab_size_multiple", 1),
-            tie_embeddings=get("tie_word_embeddings", False), norm_epsilon=get("layer_norm_epsilon", 1e-5),
-        )
-        if result.padded_vocab_size != config["vocab_size"]:
+        # The sizes `Mamba2Config` checks again, checked first under HF's keys (the weights stacked over
+        # num_hidden_layers, the embedding of vocab_size rows), so that an error names what config.json spells.
+        check_mixer_options(api, d_model, {**MIXER_DEFAULTS, **ssm_cfg}, _HF_MIXER_NAMES, n_layer=n_layer)
+        vocab_size, multiple = get("unpadded_vocab_size", config["vocab_size"]), get("pad_vocab_size_multiple", 1)
+        padded_vocab_size = -(-vocab_size // multiple) * multiple
+        if padded_vocab_size != config["vocab_size"]:
             unpadded_key = "unpadded_vocab_size" if "unpadded_vocab_size" in config else "vocab_size"
             raise ValueError(f"{api}: vocab_size={config['vocab_size']} (the embedding rows) must equal "
-                             f"{unpadded_key}={result.vocab_size} rounded up to a multiple of "
-                             f"pad_vocab_size_multiple={result.pad_vocab_size_multiple}, which is "
-                             f"{result.padded_vocab_size}")
-        return result
+                             f"{unpadded_key}={vocab_size} rounded up to a multiple of "
+                             f"pad_vocab_size_multiple={multiple}, which is {padded_vocab_size}")
+        check_element_count(api, "the embedding", "(vocab_size, hidden_size)", (config["vocab_size"], d_model))
+        return cls(
+            d_model=d_model, n_layer=n_layer, vocab_size=vocab_size, ssm_cfg=ssm_cfg,
+            rms_norm=get("rms_norm", True), residual_in_fp32=get("residual_in_fp32", True),
+            fused_add_norm=get("fused_add_norm", True), pad_vocab_size_multiple=multiple,
+            tie_embeddings=get("tie_word_embeddings", False), norm_epsilon=get("layer_norm_epsilon", 1e-5),
+        )
 
     def to_hf(self) -> dict[str, Any]:
         """A HuggingFace transformers `Mamba2Config` dict (for `config.json`), vocabulary padded, plus the

@@ -31,7 +31,8 @@ def check_mixer_options(api: str, d_model: int, options: Mapping, names: Mapping
       d_model: the residual stream's width (checked by the caller, `checks.check_size`).
       options: the options by name, all present.
       names: how the caller spells an option, for the errors (e.g. "ssm_cfg['d_state']", or HF's
-        "state_size"); an option not in it is named as it is.
+        "state_size"), and d_model and n_layer (HF's "hidden_size", "num_hidden_layers"); a name not in it is
+        used as it is.
       n_layer: the layers the LM stacks the mixer's parameters over (each gets a leading (n_layer,) axis), whose
         element counts are checked; None for one mixer.
 
@@ -59,12 +60,13 @@ def check_mixer_options(api: str, d_model: int, options: Mapping, names: Mapping
     options["norm_eps"] = check_positive_float(api, label("norm_eps"), options["norm_eps"])
     headdim, ngroups, chunk_size = options["headdim"], options["ngroups"], options["chunk_size"]
     d_inner = options["expand"] * d_model
-    check_axis_length(api, f"d_inner={label('expand')}*d_model", d_inner)
+    check_axis_length(api, f"d_inner={label('expand')}*{label('d_model')}", d_inner)
     d_ssm = d_inner if options["d_ssm"] is None else options["d_ssm"]
     if options["d_ssm"] is None and d_inner % headdim:
-        raise ValueError(f"{api}: {label('headdim')}={headdim} must divide d_inner={label('expand')}*d_model="
-                         f"{d_inner}")
-    requirement = f"a positive multiple of {label('headdim')}={headdim} and at most d_inner=expand*d_model={d_inner}"
+        raise ValueError(f"{api}: {label('headdim')}={headdim} must divide d_inner={label('expand')}*"
+                         f"{label('d_model')}={d_inner}")
+    requirement = (f"a positive multiple of {label('headdim')}={headdim} and at most d_inner={label('expand')}*"
+                   f"{label('d_model')}={d_inner}")
     d_ssm = check_int(api, label("d_ssm"), d_ssm, requirement)  # an axis: at most d_inner (below)
     if d_ssm > d_inner or d_ssm % headdim:
         raise ValueError(f"{api}: {label('d_ssm')}={d_ssm!r} must be {requirement}")
@@ -107,8 +109,9 @@ def _check_weights(api: str, label, d_model: int, options: Mapping, d_inner: int
     conv_dim = d_ssm + groups
     check_axis_length(api, f"d_in_proj=2*d_inner+2*{label('ngroups')}*{label('d_state')}+nheads", d_in_proj)
     check_axis_length(api, f"conv_dim=d_ssm+2*{label('ngroups')}*{label('d_state')}", conv_dim)
-    layers, layer_axes = ((), "") if n_layer is None else ((n_layer,), "n_layer, ")
-    check_element_count(api, "in_proj.kernel", f"({layer_axes}d_model, d_in_proj)", (*layers, d_model, d_in_proj))
+    layers, layer_axes = ((), "") if n_layer is None else ((n_layer,), f"{label('n_layer')}, ")
+    check_element_count(api, "in_proj.kernel", f"({layer_axes}{label('d_model')}, d_in_proj)",
+                        (*layers, d_model, d_in_proj))
     check_element_count(api, "conv1d.kernel", f"({layer_axes}{label('d_conv')}, conv_dim)",
                         (*layers, options["d_conv"], conv_dim))
     return d_in_proj, conv_dim

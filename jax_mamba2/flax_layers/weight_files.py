@@ -1,8 +1,9 @@
 """A checkpoint directory's weight files, read by their headers: safetensors (one file, or shards listed by
 `model.safetensors.index.json`) and PyTorch state dicts (`pytorch_model.bin`, or shards listed by
-`pytorch_model.bin.index.json`; torch reads each whole). Each tensor is a `StoredTensor`: its shape and dtype as
-the file names them, and a function that reads its values, so that a load checks every name and shape before it
-reads any value of a safetensors file (a PyTorch file is read whole when it is opened).
+`pytorch_model.bin.index.json`; torch maps each, or reads it whole where it is in torch's legacy format). Each
+tensor is a `StoredTensor`: its shape and dtype as the file names them, and a function that reads its values, so
+that a load checks every name and shape before it reads any value of a safetensors file (a legacy PyTorch file is
+read whole when it is opened).
 """
 import contextlib
 import json
@@ -11,6 +12,7 @@ import pickle
 import zipfile
 from typing import Callable, NamedTuple, Optional, TypeVar
 
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
@@ -25,18 +27,27 @@ def read_json(file: pathlib.Path, caller: str):
 
 class StoredTensor(NamedTuple):
     """A checkpoint tensor known by its header: its shape, its dtype as the file names it, whether that is a float
-    dtype a parameter can be cast from, and how to read its values."""
+    dtype a parameter can be cast from, how to read its values, and the float dtypes its file's format can store a
+    parameter in (by the format's names, for errors)."""
     shape: tuple[int, ...]
     read: Callable[[], np.ndarray]
     dtype: str
     floating: bool
+    float_dtypes: tuple[str, ...]
 
 
-# The safetensors dtypes of parameters: the floats NumPy reads (safetensors' numpy framework has no float8).
-SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")
+# The safetensors dtypes of parameters. safetensors' numpy framework reads the first four (BF16 as ml_dtypes'
+# bfloat16) but has no float8, whose values are read from the file's bytes and widened to float32, which holds
+# each exactly, as `_torch_array` widens PyTorch's.
+_SAFETENSORS_FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+_SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16", *_SAFETENSORS_FLOAT8)
+# The PyTorch dtypes of parameters: torch's float dtypes of one value an element, those NumPy has none for widened
+# to float32.
+_TORCH_FLOATS = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                 "float8_e5m2fnuz", "float8_e8m0fnu")
 
 
-def safetensors_tensors(file: pathlib.Path, caller: str, handles: contextlib.ExitStack) -> dict[str, StoredTensor]:
+def _safetensors_tensors(file: pathlib.Path, caller: str, handles: contextlib.ExitStack) -> dict[str, StoredTensor]:
     """The tensors of a safetensors file by name, from its header: nothing is read until a tensor's `read`, which
     reads from the file as it was opened here (held open in `handles`), even once a save has replaced it."""
     try:
@@ -46,21 +57,51 @@ def safetensors_tensors(file: pathlib.Path, caller: str, handles: contextlib.Exi
     except (SafetensorError, OSError) as e:
         raise ValueError(f"{caller}: {file} is not a readable safetensors file: {e}") from e
 
+    float8 = _float8_reader(file, caller, handles, headers) if any(
+        dtype in _SAFETENSORS_FLOAT8 for _, dtype in headers.values()) else None
+
     def reader(name):
         def read():
             try:
                 return opened.get_tensor(name)
             except (SafetensorError, OSError) as e:
                 raise ValueError(f"{caller}: {file} is not a readable safetensors file: {e}") from e
-        return read
-    return {name: StoredTensor(shape, reader(name), dtype, dtype in SAFETENSORS_FLOATS)
+        return (lambda: float8(name)) if headers[name][1] in _SAFETENSORS_FLOAT8 else read
+    return {name: StoredTensor(shape, reader(name), dtype, dtype in _SAFETENSORS_FLOATS, _SAFETENSORS_FLOATS)
             for name, (shape, dtype) in headers.items()}
+
+
+def _float8_reader(file: pathlib.Path, caller: str, handles: contextlib.ExitStack,
+                   headers: dict[str, tuple[tuple[int, ...], str]]) -> Callable[[str], np.ndarray]:
+    """A function that reads a float8 tensor of the safetensors `file` (`headers`: the shapes and dtypes by name
+    that safetensors read of it) by name, as float32. safetensors' handle gives no bytes: the file is opened again
+    here (held in `handles`; `open_weights` opens it again should the directory have been replaced meanwhile) and
+    its header read as safetensors reads it, an 8-byte little-endian length and then JSON giving each tensor's
+    byte range after it."""
+    unreadable = f"{caller}: {file} is not a readable safetensors file"
+    try:
+        raw = handles.enter_context(open(file, "rb"))
+        header_length = int.from_bytes(raw.read(8), "little")
+        header = json.loads(raw.read(header_length))
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{unreadable}: {e}") from e
+
+    def read(name):
+        shape, dtype = headers[name]
+        start, end = header[name]["data_offsets"]
+        try:
+            raw.seek(8 + header_length + start)
+            data = raw.read(end - start)
+        except OSError as e:
+            raise ValueError(f"{unreadable}: {e}") from e
+        return np.frombuffer(data, _SAFETENSORS_FLOAT8[dtype]).reshape(shape).astype(np.float32)
+    return read
 
 
 _Built = TypeVar("_Built")
 
 # How often a load opens a checkpoint again when a save replaced its directory while it was being opened.
-OPEN_ATTEMPTS = 3
+_OPEN_ATTEMPTS = 3
 
 
 def _directory_identity(path: pathlib.Path):
@@ -76,44 +117,44 @@ def _directory_identity(path: pathlib.Path):
 def open_weights(path: pathlib.Path, caller: str, handles: contextlib.ExitStack, *,
                  before_opening: Optional[Callable[[], _Built]] = None
                  ) -> tuple[Optional[_Built], dict[str, StoredTensor]]:
-    """(what `before_opening` returns, or None without it; the tensors by name, see `weight_tensors`) of the
+    """(what `before_opening` returns, or None without it; the tensors by name, see `_weight_tensors`) of the
     checkpoint directory `path`: the weight files stay open in `handles`, and where a save replaced the directory
     while they were being opened, they are opened again (`before_opening` run again first), so what it read of the
     directory (config.json) and the weights never come from two saves. It runs before any weight file is opened,
     so a config.json no model can be made of fails on its own, whatever the weights are (missing, unreadable or
     large)."""
-    for _ in range(OPEN_ATTEMPTS):
+    for _ in range(_OPEN_ATTEMPTS):
         before = _directory_identity(path)
         read_before = None if before_opening is None else before_opening()
         with contextlib.ExitStack() as attempt:
-            tensors = weight_tensors(path, caller, attempt)
+            tensors = _weight_tensors(path, caller, attempt)
             if _directory_identity(path) == before:
                 handles.enter_context(attempt.pop_all())
                 return read_before, tensors
-    raise ValueError(f"{caller}: {path} was replaced (by a save to it) each of the {OPEN_ATTEMPTS} times it was "
+    raise ValueError(f"{caller}: {path} was replaced (by a save to it) each of the {_OPEN_ATTEMPTS} times it was "
                      "opened; load it once the saves have stopped")
 
 
-def weight_tensors(path: pathlib.Path, caller: str, handles: contextlib.ExitStack) -> dict[str, StoredTensor]:
+def _weight_tensors(path: pathlib.Path, caller: str, handles: contextlib.ExitStack) -> dict[str, StoredTensor]:
     """The tensors of the weight files in the checkpoint directory `path` by name, each read only when asked, from
     the safetensors files as they were opened here (held in `handles`); a `pytorch_model.bin` (or each of its
-    shards) is read whole by torch."""
+    shards) is loaded by torch when it is opened (see `_torch_tensors`)."""
     if (path / "model.safetensors").is_file():
-        return safetensors_tensors(path / "model.safetensors", caller, handles)
+        return _safetensors_tensors(path / "model.safetensors", caller, handles)
     if (path / "model.safetensors.index.json").is_file():
-        return sharded_tensors(path / "model.safetensors.index.json", caller,
-                                lambda shard: safetensors_tensors(shard, caller, handles))
+        return _sharded_tensors(path / "model.safetensors.index.json", caller,
+                                 lambda shard: _safetensors_tensors(shard, caller, handles))
     if (path / "pytorch_model.bin").is_file():
-        return torch_tensors(path / "pytorch_model.bin", caller)
+        return _torch_tensors(path / "pytorch_model.bin", caller)
     if (path / "pytorch_model.bin.index.json").is_file():
-        return sharded_tensors(path / "pytorch_model.bin.index.json", caller,
-                                lambda shard: torch_tensors(shard, caller))
+        return _sharded_tensors(path / "pytorch_model.bin.index.json", caller,
+                                 lambda shard: _torch_tensors(shard, caller))
     raise FileNotFoundError(f"{caller}: {path} has no model.safetensors, model.safetensors.index.json, "
                             "pytorch_model.bin or pytorch_model.bin.index.json")
 
 
-def sharded_tensors(index: pathlib.Path, caller: str, read_shard: Callable[[pathlib.Path], dict[str, StoredTensor]]
-                     ) -> dict[str, StoredTensor]:
+def _sharded_tensors(index: pathlib.Path, caller: str,
+                     read_shard: Callable[[pathlib.Path], dict[str, StoredTensor]]) -> dict[str, StoredTensor]:
     """The tensors of a sharded checkpoint by name: those of each shard file its index's weight_map names (HF's
     `model.safetensors.index.json` or `pytorch_model.bin.index.json`), read by `read_shard`. Every shard is
     checked to exist before any is read."""
@@ -141,27 +182,31 @@ def sharded_tensors(index: pathlib.Path, caller: str, read_shard: Callable[[path
     return tensors
 
 
-def torch_tensors(file: pathlib.Path, caller: str) -> dict[str, StoredTensor]:
-    """The tensors of a PyTorch state dict file (`pytorch_model.bin` or one of its shards) by name, read whole
-    (`torch.load` with weights_only: no pickled code runs) and converted by `torch_array`."""
+def _torch_tensors(file: pathlib.Path, caller: str) -> dict[str, StoredTensor]:
+    """The tensors of a PyTorch state dict file (`pytorch_model.bin` or one of its shards) by name (`torch.load`
+    with weights_only: no pickled code runs), converted by `_torch_array`. A file in torch's zip format (every
+    `torch.save` since torch 1.6) is memory-mapped, so that the host holds only the pages a tensor's values are
+    read from (and the float tensors `_torch_array` widens); one in the legacy format cannot be, and is read
+    whole."""
     try:
         import torch
     except ImportError as e:
         raise ImportError(f"{caller}: {file} needs torch (pip install torch), or convert the checkpoint to "
                           "model.safetensors") from e
     try:
-        state_dict = torch.load(file, map_location="cpu", weights_only=True)
+        state_dict = torch.load(file, map_location="cpu", mmap=zipfile.is_zipfile(file), weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
         raise ValueError(f"{caller}: {file} is not a readable PyTorch state dict: {e}") from e
     if not isinstance(state_dict, dict):
         raise ValueError(f"{caller}: {file} must hold a state dict (tensors by name), not "
                          f"{type(state_dict).__name__}")
-    arrays = {name: torch_array(torch, tensor, name, file, caller) for name, tensor in state_dict.items()}
+    arrays = {name: _torch_array(torch, tensor, name, file, caller) for name, tensor in state_dict.items()}
     return {name: StoredTensor(array.shape, lambda array=array: array, array.dtype.name,
-                          np.issubdtype(array.dtype, np.floating)) for name, array in arrays.items()}
+                               np.issubdtype(array.dtype, np.floating), _TORCH_FLOATS)
+            for name, array in arrays.items()}
 
 
-def torch_array(torch, tensor, name: str, file: pathlib.Path, caller: str) -> np.ndarray:
+def _torch_array(torch, tensor, name: str, file: pathlib.Path, caller: str) -> np.ndarray:
     """A state dict's tensor as a NumPy array of its shape: detached (a saved `nn.Parameter` loads requiring grad,
     which `.numpy()` refuses), and a float NumPy has no dtype for (bfloat16, float8) widened to float32, which
     holds its every value exactly.
@@ -169,15 +214,15 @@ def torch_array(torch, tensor, name: str, file: pathlib.Path, caller: str) -> np
     Raises:
       ValueError: naming the entry, for a value that is not a tensor (a nested dict: a training checkpoint
         rather than a state dict).
-      TypeError: naming the entry, for a tensor of a dtype NumPy cannot hold (quantized, ...).
+      TypeError: naming the entry, for a tensor of a dtype NumPy cannot hold (quantized, packed float4, ...).
     """
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{caller}: {file} holds {name!r}: {type(tensor).__name__}, not a tensor; it must hold a "
                          "state dict (tensors by name), e.g. what model.state_dict() returns")
     tensor = tensor.detach()
-    if tensor.is_floating_point() and tensor.dtype not in (torch.float16, torch.float32, torch.float64):
-        tensor = tensor.float()
     try:
+        if tensor.is_floating_point() and tensor.dtype not in (torch.float16, torch.float32, torch.float64):
+            tensor = tensor.float()  # torch converts no packed float (float4_e2m1fn_x2: two values a byte)
         return tensor.numpy()
     except (TypeError, RuntimeError) as e:
         raise TypeError(f"{caller}: {file} holds {name} as a {tensor.dtype} tensor, which NumPy cannot hold: "

@@ -1,4 +1,5 @@
 """Tests of load_pretrained / save_pretrained and Orbax checkpoints (jax_mamba2/flax_layers/checkpoint.py)."""
+import contextlib
 import dataclasses
 import json
 import math
@@ -12,10 +13,12 @@ import types
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, load_pretrained, save_pretrained
@@ -169,7 +172,8 @@ def test_checkpoint_load_refuses_a_parameter_stored_in_a_dtype_that_is_not_a_flo
     save_file(state, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
     with pytest.raises(TypeError, match=rf"load_pretrained: backbone.layers.1.mixer.A_log holds {name} values; a "
-                                        r"parameter must be stored in a float dtype \(F64, F32, F16, BF16\)"):
+                                        r"parameter must be stored in a float dtype \(F64, F32, F16, BF16, F8_E4M3, "
+                                        r"F8_E5M2\)"):
         load_pretrained(tmp_path)
 
 
@@ -206,8 +210,8 @@ def test_checkpoint_load_checks_a_tied_head_s_dtype_and_shape_before_reading_a_t
     (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
     embedding = state["backbone.embedding.weight"]
     reads = []
-    tensors_of = weight_files.safetensors_tensors
-    monkeypatch.setattr(weight_files, "safetensors_tensors", lambda file, caller, handles: {
+    tensors_of = weight_files._safetensors_tensors
+    monkeypatch.setattr(weight_files, "_safetensors_tensors", lambda file, caller, handles: {
         name: t._replace(read=lambda t=t, name=name: reads.append(name) or t.read())
         for name, t in tensors_of(file, caller, handles).items()})
     for head, error, message in [
@@ -426,7 +430,7 @@ def test_a_load_reads_one_checkpoint_while_saves_replace_it(tmp_path, tiny_confi
               _shifted_model(dataclasses.replace(tiny_config, norm_epsilon=1e-3,
                                                  ssm_cfg={**tiny_config.ssm_cfg, "norm_eps": 1e-3}), 1.0)]
     save_pretrained(models[0], path)
-    real_open, real_tensors = weight_files.open_weights, weight_files.weight_tensors
+    real_open, real_tensors = weight_files.open_weights, weight_files._weight_tensors
 
     def open_then_save(*args, **kwargs):
         opened = real_open(*args, **kwargs)
@@ -439,7 +443,7 @@ def test_a_load_reads_one_checkpoint_while_saves_replace_it(tmp_path, tiny_confi
     # The configs differ in their epsilons (a save's round trip keeps the rest as it is).
     assert loaded.config.norm_epsilon == 1e-5 and load_pretrained(path, backend="xla").config.norm_epsilon == 1e-3
 
-    for saves, expected in ((1, models[0]), (weight_files.OPEN_ATTEMPTS, None)):
+    for saves, expected in ((1, models[0]), (weight_files._OPEN_ATTEMPTS, None)):
         opened = []
 
         def save_while_opening(directory, caller, handles):
@@ -448,7 +452,7 @@ def test_a_load_reads_one_checkpoint_while_saves_replace_it(tmp_path, tiny_confi
                 save_pretrained(models[(len(opened) + 1) % 2], path)  # alternately (the directory holds models[1])
             return real_tensors(directory, caller, handles)
         with monkeypatch.context() as patch:
-            patch.setattr(weight_files, "weight_tensors", save_while_opening)
+            patch.setattr(weight_files, "_weight_tensors", save_while_opening)
             if expected is None:
                 with pytest.raises(ValueError, match=r"ckpt was replaced \(by a save to it\) each of the 3 times"):
                     load_pretrained(path, backend="xla")
@@ -1023,8 +1027,8 @@ def test_checkpoint_config_errors_come_before_the_weights_are_opened(tmp_path, m
     """config.json is checked, and the model built from it, before any weight file is opened: a config no model can
     be made of is named as config.json's fault whatever the weights are (missing, unreadable, or large)."""
     opened = []
-    tensors_of = weight_files.weight_tensors
-    monkeypatch.setattr(weight_files, "weight_tensors",
+    tensors_of = weight_files._weight_tensors
+    monkeypatch.setattr(weight_files, "_weight_tensors",
                         lambda path, caller, handles: opened.append(path) or tensors_of(path, caller, handles))
     if weights is not None:
         (tmp_path / "model.safetensors").write_bytes(weights)
@@ -1040,6 +1044,35 @@ def test_checkpoint_config_errors_come_before_the_weights_are_opened(tmp_path, m
         with pytest.raises(ValueError, match=rf"load_pretrained: {tmp_path}/config.json: .*{message}"):
             load_pretrained(tmp_path)
         assert opened == []
+
+
+_HF_SIZES = {key: value for key, value in HF_TINY.items() if key != "num_heads"}  # num_heads follows the width
+
+
+@pytest.mark.parametrize("changes, message", [
+    pytest.param(dict(num_hidden_layers=2 ** 40), r"num_hidden_layers=1099511627776 must be a positive int of at "
+                 r"most 2\*\*31 - 1", id="layers_over_int32"),
+    pytest.param(dict(num_hidden_layers=-3), r"num_hidden_layers=-3 must be a positive int", id="negative_layers"),
+    # Each axis fits int32; the weights stacked over the layers, or the embedding, hold more elements than XLA counts.
+    pytest.param(dict(num_hidden_layers=2 ** 31 - 1, hidden_size=2 ** 20),
+                 r"in_proj.kernel of shape \(num_hidden_layers, hidden_size, d_in_proj\)=\(2147483647, 1048576, \d+\) "
+                 r"would hold \d+ elements", id="stacked_in_proj"),
+    pytest.param(dict(num_hidden_layers=1, hidden_size=2 ** 29 + 2 ** 20, expand=1, vocab_size=2 ** 31 - 8,
+                      unpadded_vocab_size=2 ** 31 - 8),
+                 r"the embedding of shape \(vocab_size, hidden_size\)=\(2147483640, 537919488\) would hold \d+ "
+                 r"elements", id="embedding"),
+    pytest.param(dict(hidden_size=2 ** 30), r"d_inner=expand\*hidden_size=2147483648 must be at most 2\*\*31 - 1",
+                 id="d_inner"),
+])
+def test_checkpoint_hf_config_size_errors_name_the_hf_keys(tmp_path, changes, message):
+    """An HF config.json's sizes are named as the file spells them (num_hidden_layers, hidden_size, vocab_size),
+    not by the Mamba2Config fields they become (n_layer, d_model, padded_vocab_size)."""
+    (tmp_path / "config.json").write_text(json.dumps({**_HF_SIZES, **changes}))
+    for read in (load_pretrained, checkpoint_module.load_config):
+        with pytest.raises(ValueError, match=rf"^{read.__name__}: {tmp_path}/config.json: Mamba2Config.from_hf: "
+                                             rf"{message}") as raised:
+            read(tmp_path)
+        assert not re.search(r"\b(n_layer|d_model|padded_vocab_size)\b", str(raised.value))
 
 
 @pytest.mark.parametrize("index, error, message", [
@@ -1147,18 +1180,97 @@ def test_checkpoint_pytorch_file_of_no_state_dict_names_the_entry(tmp_path, tiny
             read(tmp_path)
 
 
+def test_checkpoint_maps_zip_format_pytorch_files_and_reads_legacy_ones_whole(tmp_path, tiny_config, monkeypatch):
+    """A pytorch_model.bin in torch's zip format is memory-mapped (the host holds only the pages read), one in the
+    legacy format (which cannot be) read whole: both load the same weights."""
+    torch = pytest.importorskip("torch")
+    model = _random_model(tiny_config)
+    arrays = _torch_state_dict(model, "backbone.embedding.weight")
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
+    mmaps, real_load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: mmaps.append(kwargs.get("mmap")) or real_load(
+        *args, **kwargs))
+    for zip_format in (True, False):
+        torch.save({name: torch.from_numpy(np.array(array)) for name, array in arrays.items()},
+                   tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=zip_format)
+        mmaps.clear()
+        read = checkpoint_module.load_hf_state(tmp_path)
+        assert mmaps == [zip_format]
+        assert sorted(read) == sorted(arrays)
+        for name, array in read.items():
+            assert array.dtype == np.float32, name
+            np.testing.assert_array_equal(array, arrays[name], err_msg=name)
+        _assert_same_params(load_pretrained(tmp_path, backend="xla"), model)
+
+
+def test_checkpoint_loads_safetensors_float8_widened_as_pytorch_float8(tmp_path, tiny_config):
+    """safetensors' F8_E4M3 and F8_E5M2 tensors (which its NumPy reader has no dtype for) load as float32, as
+    PyTorch's float8 ones do, read from the file as it was opened even once a save has replaced it."""
+    model = _random_model(tiny_config)
+    state = _torch_state_dict(model, "backbone.embedding.weight")
+    float8 = {"backbone.layers.1.mixer.A_log": (ml_dtypes.float8_e5m2, "F8_E5M2"),
+              "backbone.layers.2.mixer.D": (ml_dtypes.float8_e4m3fn, "F8_E4M3"),
+              "backbone.layers.0.mixer.in_proj.weight": (ml_dtypes.float8_e4m3fn, "F8_E4M3")}
+    for name, (dtype, _) in float8.items():
+        state[name] = state[name].astype(dtype)
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
+    save_file(state, tmp_path / "model.safetensors")
+    with safe_open(tmp_path / "model.safetensors", framework="numpy") as opened:
+        assert {name: opened.get_slice(name).get_dtype() for name in float8} == {
+            name: stored for name, (_, stored) in float8.items()}
+    expected = {name: array.astype(np.float32) for name, array in state.items()}
+    read = checkpoint_module.load_hf_state(tmp_path)
+    assert sorted(read) == sorted(expected)
+    for name in float8:
+        assert read[name].dtype == np.float32, name
+        np.testing.assert_array_equal(read[name], expected[name], err_msg=name)
+    loaded = load_pretrained(tmp_path, backend="xla")
+    np.testing.assert_array_equal(loaded.layers.mixer.A_log[1], expected["backbone.layers.1.mixer.A_log"])
+    np.testing.assert_array_equal(loaded.layers.mixer.D[2], expected["backbone.layers.2.mixer.D"])
+    np.testing.assert_array_equal(loaded.layers.mixer.in_proj.kernel[0],
+                                  expected["backbone.layers.0.mixer.in_proj.weight"].T)
+    np.testing.assert_array_equal(loaded.layers.mixer.D[0], state["backbone.layers.0.mixer.D"])
+    with contextlib.ExitStack() as handles:
+        _, tensors = weight_files.open_weights(tmp_path, "load_hf_state", handles)
+        save_pretrained(_shifted_model(tiny_config, 1.0), tmp_path)
+        np.testing.assert_array_equal(tensors["backbone.layers.2.mixer.D"].read(),
+                                      expected["backbone.layers.2.mixer.D"])
+
+
+def test_checkpoint_load_refuses_a_pytorch_tensor_that_is_not_a_float_by_torch_s_dtype_names(tmp_path, tiny_config):
+    """A PyTorch file's integer tensor is refused listing torch's float dtypes (not safetensors' names), and one of
+    a packed float dtype that torch converts to no NumPy array (float4_e2m1fn_x2) is named, not a torch error."""
+    torch = pytest.importorskip("torch")
+    arrays = _torch_state_dict(_random_model(tiny_config), "backbone.embedding.weight")
+    stored = {name: torch.from_numpy(np.array(array)) for name, array in arrays.items()}
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
+    name = "backbone.layers.1.mixer.A_log"
+    torch.save({**stored, name: stored[name].to(torch.int32)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(TypeError, match=rf"load_pretrained: {name} holds int32 values; a parameter must be stored in "
+                                        r"a float dtype \(float64, float32, float16, bfloat16, float8_e4m3fn, "
+                                        r"float8_e5m2, "):
+        load_pretrained(tmp_path, backend="xla")
+    if hasattr(torch, "float4_e2m1fn_x2"):
+        packed = torch.zeros(arrays[name].shape, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+        torch.save({**stored, name: packed}, tmp_path / "pytorch_model.bin")
+        for read in (load_pretrained, checkpoint_module.load_hf_state):
+            with pytest.raises(TypeError, match=rf"{read.__name__}: {tmp_path}/pytorch_model.bin holds {name} as a "
+                                                r"torch.float4_e2m1fn_x2 tensor, which NumPy cannot hold"):
+                read(tmp_path)
+
+
 def test_checkpoint_load_checks_every_name_and_shape_before_reading_a_tensor(tmp_path, tiny_config, monkeypatch):
     """From the files' headers: a config that disagrees with the tensors (here a vocabulary of 2^30 rows, whose
     float32 buffer would take 128 GiB) fails naming the tensor, with no tensor read; a good checkpoint reads each
     tensor once."""
     save_pretrained(_random_model(tiny_config), tmp_path)
     reads = []
-    tensors_of = weight_files.safetensors_tensors
+    tensors_of = weight_files._safetensors_tensors
 
     def counted(file, caller, handles):
         return {name: t._replace(read=lambda t=t, name=name: reads.append(name) or t.read())
                 for name, t in tensors_of(file, caller, handles).items()}
-    monkeypatch.setattr(weight_files, "safetensors_tensors", counted)
+    monkeypatch.setattr(weight_files, "_safetensors_tensors", counted)
     load_pretrained(tmp_path, backend="xla")
     assert sorted(reads) == sorted(set(reads)) and len(reads) == len(checkpoint_module.load_hf_state(tmp_path))
     reads.clear()

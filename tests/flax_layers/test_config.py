@@ -100,7 +100,7 @@ def test_config_rejects_mixer_options_no_mixer_can_be_built_from(ssm_cfg, messag
 @pytest.mark.parametrize("changes, message", [
     (dict(chunk_size=100), r"chunk_size=100 must be a power of two"),
     (dict(n_groups=5), r"nheads=d_ssm//headdim=24 must be divisible by n_groups=5"),
-    (dict(head_dim=100, num_heads=None), r"head_dim=100 must divide d_inner=expand\*d_model=1536"),
+    (dict(head_dim=100, num_heads=None), r"head_dim=100 must divide d_inner=expand\*hidden_size=1536"),
     (dict(time_step_min=0.5), r"time_step_min=0.5, time_step_max=0.1 must satisfy"),
     (dict(A_init_range=[0, 16]), r"A_init_range=\[0, 16\] must satisfy 0.0 < low <= high"),
 ])
