@@ -17,6 +17,7 @@ import numpy as np
 
 import jax_mamba2
 from jax_mamba2._files import save_figure, write_atomically  # noqa: F401 (for the examples)
+from jax_mamba2.checks import INT32_MAX
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
 
@@ -108,6 +109,10 @@ MAX_SEED = 2**63 - 1  # JAX makes its keys from int64 seeds (NumPy's generators 
 positive_int = int_in(1, None, "a positive int")
 seed = int_in(0, MAX_SEED, "an int in [0, 2**63 - 1] (JAX makes its keys from int64 seeds)")
 token_id = int_in(0, None, "a token id, an int >= 0")
+# The sizes of array axes (JAX indexes and counts in int32): --batch; and the lengths that one token more makes an
+# axis of (a training window's next-byte target, a prompt of at least one token before the new tokens).
+axis_size = int_in(1, INT32_MAX, "a positive int of at most 2**31 - 1 (an array axis)")
+sequence_length = int_in(1, INT32_MAX - 1, "a positive int of at most 2**31 - 2 (with one token more, an array axis)")
 
 
 def prompt_bytes(prompt: str) -> bytes:

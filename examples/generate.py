@@ -38,8 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from _common import (add_common_flags, describe_device, in_range, make_parser, model_flags, output_dir, positive_int,
-                     power_of_two, prompt_bytes, resolve_backend, token_id, write_atomically)
+from _common import (INT32_MAX, add_common_flags, axis_size, describe_device, in_range, make_parser, model_flags,
+                     output_dir, positive_int, power_of_two, prompt_bytes, resolve_backend, sequence_length, token_id,
+                     write_atomically)
 from jax_mamba2.flax_layers import (Mamba2Config, Mamba2LMHeadModel, cast_params, generate, generate_stream,
                                     load_pretrained)
 
@@ -199,11 +200,13 @@ def parse_args(argv=None):
     parser.add_argument("--prompt", action="append",
                         help="text the generation continues; repeat it for a batch of prompts of different lengths "
                              f"(left-padded, each decoded as it would be alone; without one: {DEFAULT_PROMPT!r})")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens generated per sequence, >= 2")
+    parser.add_argument("--max-new-tokens", type=sequence_length, default=64,
+                        help="tokens generated per sequence, >= 2 and at most 2**31 - 1 with the prompt's")
     parser.add_argument("--eos-token-id", type=token_id, nargs="+", default=[],
                         help="end-of-text token ids: a sample's text ends before the first (the timed runs "
                              "generate --max-new-tokens whatever they draw)")
-    parser.add_argument("--batch", type=positive_int, default=1, help="copies of each prompt decoded together")
+    parser.add_argument("--batch", type=axis_size, default=1,
+                        help="copies of each prompt decoded together, at most 2**31 - 1 rows in all")
     parser.add_argument("--temperature", type=in_range(0.0, float("inf")), default=0.0,
                         help="sampling temperature; 0 = greedy")
     parser.add_argument("--top-k", type=positive_int, default=None,
@@ -242,6 +245,9 @@ def parse_args(argv=None):
     if args.max_new_tokens < 2:
         parser.error("--max-new-tokens must be >= 2")
     args.prompt = args.prompt or [DEFAULT_PROMPT]
+    if len(args.prompt) * args.batch > INT32_MAX:  # the rows of the prompts' array
+        parser.error(f"--batch={args.batch} copies of {len(args.prompt)} --prompt must make at most 2**31 - 1 rows "
+                     "(an array axis)")
     if args.model_dir is not None and not (args.model_dir / "config.json").is_file():
         hint = " (its model/ folder holds one)" if (args.model_dir / "model" / "config.json").is_file() else ""
         parser.error(f"--model-dir={args.model_dir} must be a checkpoint folder with a config.json{hint}")
@@ -276,11 +282,12 @@ def main(argv=None) -> int:
     batch = len(rows)
 
     rng = jax.random.key(args.seed)
-    try:  # the prefill and 1st token; also where generate checks the options argparse let through
+    try:  # the prefill and 1st token, then all; also where generate checks the options argparse let through (the
+        # tokens of the prompts with --max-new-tokens, before it runs the second)
         _, _, prefill_s = timed_generate(model, prompt_ids, prompt_lengths, 1, args, rng)
+        tokens, first_s, run_s = timed_generate(model, prompt_ids, prompt_lengths, args.max_new_tokens, args, rng)
     except (ValueError, TypeError) as error:  # its message names the option (or the prompt's token id)
         raise SystemExit(f"generate.py: {error}") from None
-    tokens, first_s, run_s = timed_generate(model, prompt_ids, prompt_lengths, args.max_new_tokens, args, rng)
     decode_s, steps = run_s - prefill_s, args.max_new_tokens - 1
     print(f"generated {batch} x {args.max_new_tokens} tokens after prompts of {sorted({len(p) for p in prompts})} "
           f"tokens: {batch * args.max_new_tokens / run_s:,.0f} tokens/s with the prefill "

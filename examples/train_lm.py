@@ -35,8 +35,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from _common import (add_common_flags, describe_device, in_range, make_parser, model_flags, output_dir, positive_int,
-                     power_of_two, prompt_bytes, resolve_backend, save_figure, settings, write_atomically)
+from _common import (INT32_MAX, add_common_flags, axis_size, describe_device, in_range, make_parser, model_flags,
+                     output_dir, positive_int, power_of_two, prompt_bytes, resolve_backend, save_figure,
+                     sequence_length, settings, write_atomically)
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, generate, save_pretrained
 
 VOCAB_SIZE = 256  # bytes
@@ -202,15 +203,41 @@ def earlier_values(metrics_file: pathlib.Path, args, flags: tuple[str, ...]) -> 
 SHAPE_FLAGS = ("d_model", "layers", "d_state", "headdim")
 
 
+def earlier_flags(differ: dict, args) -> str:
+    """The flags of `differ` ({flag: the earlier run's value}) as that run gave them, each with the value in `args`:
+    "--d-model 32 (not 64), ..."."""
+    return ", ".join(f"--{name.replace('_', '-')} {value} (not {getattr(args, name)})"
+                     for name, value in differ.items())
+
+
 def check_shape_flags(metrics_file: pathlib.Path, args, checkpoint: str) -> None:
     """Exits naming the flags whose values differ from those of the run that wrote `metrics_file`, before a restore
     that could only fail; no file, no check (Orbax's shape check remains)."""
     differ = earlier_values(metrics_file, args, SHAPE_FLAGS)
     if differ:
-        flags = ", ".join(f"--{name.replace('_', '-')} {value} (not {getattr(args, name)})"
-                          for name, value in differ.items())
         raise SystemExit(f"--resume: {checkpoint} was written by a model of other shapes; resume with the model "
-                         f"flags of the run that wrote it: {flags}")
+                         f"flags of the run that wrote it: {earlier_flags(differ, args)}")
+
+
+# The flags that decide which bytes each step trains on: the corpus read (data_mb) and the windows each step draws
+# from it (seed, batch, seq_len; `sample_windows`).
+DATA_FLAGS = ("seed", "batch", "seq_len", "data_mb")
+
+
+def check_data_flags(metrics_file: pathlib.Path, args, checkpoint: str) -> str | None:
+    """Exits naming the DATA_FLAGS whose values differ from those of the run that wrote `metrics_file` (with each of
+    its checkpoints): the resumed steps would train on other batches than that run's. Without the file (a checkpoint
+    whose run was cut short before writing it, or copied without it) they cannot be checked: returns a line saying
+    so (None where the file is there)."""
+    differ = earlier_values(metrics_file, args, DATA_FLAGS)
+    if differ:
+        raise SystemExit(f"--resume: {checkpoint} was trained on the batches of other data flags; resume with those "
+                         f"of the run that wrote it: {earlier_flags(differ, args)}")
+    if metrics_file.is_file():
+        return None
+    flags = ", ".join(f"--{name.replace('_', '-')}" for name in DATA_FLAGS)
+    return (f"--resume: no {metrics_file} records the flags of the run that wrote {checkpoint}; the resumed steps "
+            f"draw their batches from {flags} as given now, unchecked")
 
 
 # The flags the learning-rate schedule is a function of (`learning_rate_schedule`).
@@ -293,8 +320,9 @@ def parse_args(argv=None):
     parser = make_parser(__doc__)
     parser.add_argument("--steps", type=positive_int, default=250,
                         help=f"training steps in all, a resumed run's included (at most {MAX_STEPS})")
-    parser.add_argument("--batch", type=positive_int, default=8, help="sequences per step")
-    parser.add_argument("--seq-len", type=positive_int, default=128, help="bytes per sequence")
+    parser.add_argument("--batch", type=axis_size, default=8, help="sequences per step, at most 2**31 - 1")
+    parser.add_argument("--seq-len", type=sequence_length, default=128,
+                        help="bytes per sequence, at most 2**31 - 2 (its window holds one more, the last target)")
     parser.add_argument("--d-model", type=positive_int, default=128, help="model width")
     parser.add_argument("--layers", type=positive_int, default=2, help="Mamba-2 blocks")
     parser.add_argument("--d-state", type=positive_int, default=32, help="SSM state size N")
@@ -316,10 +344,11 @@ def parse_args(argv=None):
     parser.add_argument("--data-mb", type=in_range(0.0, float("inf"), low_open=True), default=8.0,
                         help="corpus size to read, in MB")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the last checkpoint in --out (without it, --out must hold no "
-                             "checkpoint of an earlier run)")
+                        help="continue from the last checkpoint in --out, with the run's model and data flags "
+                             "(without it, --out must hold no checkpoint of an earlier run)")
     parser.add_argument("--prompt", default="def ", help="text the samples start from (default: %(default)r)")
-    parser.add_argument("--sample-tokens", type=positive_int, default=200, help="bytes sampled after the prompt")
+    parser.add_argument("--sample-tokens", type=sequence_length, default=200,
+                        help="bytes sampled after the prompt, at most 2**31 - 1 with the prompt's")
     add_common_flags(parser)
     args = parser.parse_args(argv)
     if args.steps > MAX_STEPS:
@@ -327,10 +356,13 @@ def parse_args(argv=None):
     if not args.prompt:
         parser.error("--prompt must not be empty")
     try:  # checked now: the samples are drawn after the training
-        prompt_bytes(args.prompt)
+        prompt = prompt_bytes(args.prompt)
     except UnicodeEncodeError as e:
         parser.error(f"--prompt={args.prompt!r} holds {e.object[e.start:e.end]!r}, a lone surrogate: neither text nor "
                      "a byte of a command line")
+    if len(prompt) + args.sample_tokens > INT32_MAX:  # a sample, prompt and new bytes, is an array axis
+        parser.error(f"--sample-tokens={args.sample_tokens} after the {len(prompt)} bytes of --prompt must make at "
+                     "most 2**31 - 1 bytes (an array axis)")
     return args
 
 
@@ -371,7 +403,11 @@ def train(args, out: pathlib.Path, manager: ocp.CheckpointManager) -> int:
         print(f"--resume: no checkpoint in {out / 'checkpoints'}; starting a new run")
     elif args.resume:
         start = manager.latest_step()
-        check_shape_flags(out / "metrics.json", args, f"the checkpoint at step {start} in {out / 'checkpoints'}")
+        checkpoint = f"the checkpoint at step {start} in {out / 'checkpoints'}"
+        check_shape_flags(out / "metrics.json", args, checkpoint)
+        unchecked = check_data_flags(out / "metrics.json", args, checkpoint)
+        if unchecked:
+            print(unchecked)
         try:
             restore_checkpoint(manager, start, model, optimizer)
         except (KeyError, ValueError, OSError) as e:  # what Orbax raises of a folder it cannot read (an item

@@ -88,7 +88,8 @@ def test_train_lm_refuses_an_earlier_runs_checkpoints_without_resume(trained_lm)
     assert sorted(p.name for p in checkpoints.iterdir()) == before
     # Resumed with fewer steps than its last checkpoint's: refused, nothing written over the later step's outputs.
     metrics = (out / "train_lm" / "metrics.json").read_bytes()
-    result = start_example("train_lm", "--steps", "2", "--resume", *TINY_LM, "--data-mb", "0.3", "--out", str(out))
+    result = start_example("train_lm", "--steps", "2", "--resume", *TINY_LM, "--data-mb", "0.3",
+                           "--seed", str(MAX_SEED), "--out", str(out))
     assert result.returncode != 0
     assert "is at step 3, past --steps=2; resume with --steps 3 or more" in result.stderr
     assert "Traceback" not in result.stderr
@@ -259,6 +260,21 @@ def test_train_lm_remat_flag_sets_the_model_option():
     ("train_lm", ["--steps", str(MAX_STEPS + 1)], r"--steps=2147483648 must be at most 2\*\*31 - 1"),
     ("generate", ["--seed", str(MAX_SEED + 1)], r"argument --seed: 9223372036854775808 must be an int in \[0, 2"),
     ("train_lm", ["--prompt", "def \ud800"], r"--prompt='def \\ud800' holds '\\ud800', a lone surrogate"),
+    ("train_lm", ["--batch", str(2**31)], r"argument --batch: 2147483648 must be a positive int of at most 2\*\*31 - 1 "
+                                          r"\(an array axis\)"),
+    ("train_lm", ["--seq-len", str(2**31 - 1)], r"argument --seq-len: 2147483647 must be a positive int of at most "
+                                                r"2\*\*31 - 2 \(with one token more, an array axis\)"),
+    ("train_lm", ["--sample-tokens", str(2**40)], r"argument --sample-tokens: 1099511627776 must be a positive int of "
+                                                  r"at most 2\*\*31 - 2"),
+    ("train_lm", ["--prompt", "ab", "--sample-tokens", str(2**31 - 2)],
+     r"--sample-tokens=2147483646 after the 2 bytes of --prompt must make at most 2\*\*31 - 1 bytes \(an array "
+     r"axis\)"),
+    ("generate", ["--max-new-tokens", str(2**31 - 1)], r"argument --max-new-tokens: 2147483647 must be a positive int "
+                                                       r"of at most 2\*\*31 - 2"),
+    ("generate", ["--batch", str(2**31)], r"argument --batch: 2147483648 must be a positive int of at most "
+                                          r"2\*\*31 - 1"),
+    ("generate", ["--batch", str(2**30), "--prompt", "a", "--prompt", "b"],
+     r"--batch=1073741824 copies of 2 --prompt must make at most 2\*\*31 - 1 rows \(an array axis\)"),
 ])
 def test_examples_refuse_bad_flags_naming_them(capsys, name, flags, message):
     with pytest.raises(SystemExit):
@@ -282,10 +298,22 @@ def test_generate_ends_in_one_line_for_an_option_generate_refuses(tmp_path):
                                        "--d-model", "64", "--out", str(tmp_path)])
 
 
+def test_generate_ends_in_one_line_for_prompt_tokens_and_new_tokens_longer_than_an_array_axis(tmp_path):
+    """--max-new-tokens that argparse takes, but with the prompt's tokens more than an axis holds: one line naming it
+    before the run of that many tokens."""
+    with pytest.raises(SystemExit, match=r"^generate.py: generate: max_new_tokens=2147483646 after prompt_len=2: "
+                                         r"prompt_len\+max_new_tokens=2147483648 must be at most 2\*\*31 - 1"):
+        load_example("generate").main(["--prompt", "ab", "--max-new-tokens", str(2**31 - 2), "--layers", "1",
+                                       "--d-model", "64", "--out", str(tmp_path)])
+
+
 @pytest.mark.parametrize("name, flags", [
     ("train_lm", ["--lr", "3e-4", "--chunk-size", "16", "--seed", "0"]),
     ("train_lm", ["--steps", str(MAX_STEPS), "--seed", str(MAX_SEED), "--prompt", "\udcff"]),
     ("generate", ["--temperature", "0", "--top-p", "1", "--min-p", "0", "--repetition-penalty", "1.5", "--top-k", "1"]),
+    ("train_lm", ["--batch", str(2**31 - 1), "--seq-len", str(2**31 - 2), "--prompt", "ab",
+                  "--sample-tokens", str(2**31 - 3)]),
+    ("generate", ["--max-new-tokens", str(2**31 - 2), "--batch", str(2**30 - 1), "--prompt", "a", "--prompt", "b"]),
     ("jit_model", ["--delay", "0"]),
     ("compare_reference", ["--nheads", "6", "--ngroups", "3"]),
 ])
@@ -468,3 +496,40 @@ def test_train_lm_names_a_metrics_file_it_did_not_write(tmp_path, text, problem)
     with pytest.raises(SystemExit, match=rf"^--resume: {re.escape(str(metrics))} is not the metrics.json this script "
                                          rf"writes \({problem}.*\); move it away to resume without"):
         train_lm.main(flags)
+
+
+def test_train_lm_resumes_only_on_the_data_of_the_run_that_wrote_the_checkpoint(tmp_path, monkeypatch, capsys):
+    """--resume with other flags that decide the batches (--seed, --batch, --seq-len, --data-mb) than those the
+    earlier run's metrics.json records: one line naming each, the recorded value and the one given, before the
+    checkpoint is read. A checkpoint without that file (its run cut short before writing it, or copied without
+    it) still resumes, saying that those flags go unchecked."""
+    train_lm = load_example("train_lm")
+    flags = [*TINY_LM, "--steps", "4", "--resume", "--data-mb", "0.3", "--out", str(tmp_path)]
+    checkpoints = _checkpoints_of_a_run(train_lm, tmp_path, flags, (2,))
+    metrics = tmp_path / "train_lm" / "metrics.json"
+    train_lm.write_metrics(metrics, "xla", train_lm.parse_args(flags), 1000, {"train": [], "eval": []})
+    written = metrics.read_bytes()
+    checkpoint = re.escape(f"the checkpoint at step 2 in {checkpoints}")
+    with pytest.raises(SystemExit, match=rf"^--resume: {checkpoint} was trained on the batches of other data flags; "
+                                         r"resume with those of the run that wrote it: --seed 0 \(not 7\), --batch 2 "
+                                         r"\(not 3\), --data-mb 0.3 \(not 0.4\)$"):
+        train_lm.main([*flags, "--seed", "7", "--batch", "3", "--data-mb", "0.4"])
+    with pytest.raises(SystemExit, match=r"resume with those of the run that wrote it: --seq-len 64 \(not 32\)$"):
+        train_lm.main([*flags, "--seq-len", "32"])
+    assert metrics.read_bytes() == written and sorted(p.name for p in checkpoints.iterdir()) == ["2"]
+
+    class Restored(Exception):
+        """The restore reached: the run resumes."""
+
+    def restore(manager, step, model, optimizer):
+        raise Restored(step)
+    monkeypatch.setattr(train_lm, "restore_checkpoint", restore)
+    with pytest.raises(Restored):  # the same flags
+        train_lm.main(flags)
+    assert "--resume: " not in capsys.readouterr().out
+    metrics.unlink()
+    with pytest.raises(Restored):
+        train_lm.main([*flags, "--seed", "7"])
+    assert (f"--resume: no {metrics} records the flags of the run that wrote the checkpoint at step 2 in "
+            f"{checkpoints}; the resumed steps draw their batches from --seed, --batch, --seq-len, --data-mb as given "
+            "now, unchecked") in capsys.readouterr().out.splitlines()

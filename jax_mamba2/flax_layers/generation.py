@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_mamba2.checks import as_int, check_int, check_token_ids_in_range
+from jax_mamba2.checks import as_int, check_axis_length, check_element_count, check_int, check_token_ids_in_range
 from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers import sampling as sampling_rule
 from jax_mamba2.flax_layers.cache import unstack_layers
@@ -38,7 +38,8 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
       prompt_ids: (batch, prompt_len) int, prompt_len >= 1, ids in [0, config.vocab_size). Concrete ids are
         range-checked; traced ones (generate called inside jit) cannot be read and are not: there an id past
         the embedding's rows gives NaN logits and a negative one counts from the end.
-      max_new_tokens: number of tokens to generate (>= 1): an int, NumPy's or a concrete 0-d array's too.
+      max_new_tokens: number of tokens to generate (>= 1, with prompt_len at most 2**31 - 1: the output's axis): an
+        int, NumPy's or a concrete 0-d array's too.
       temperature: 0 for greedy decoding (deterministic); > 0 samples from softmax(logits / temperature).
       top_k: when sampling, only the top_k most likely tokens are candidates (default: None, all).
       top_p: when sampling, only the most likely tokens whose probabilities sum to top_p, in (0, 1] (the first
@@ -69,11 +70,12 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
       from the first `config.vocab_size` ids (padding rows of the embedding are never produced).
 
     Raises:
-      ValueError: on a non-positive max_new_tokens, prompt ids outside [0, vocab_size), a negative
-        temperature, a top_k outside [1, vocab_size], a top_p outside (0, 1], a min_p outside [0, 1], a
-        repetition_penalty <= 0, an eos_token_id or pad_token_id outside [0, vocab_size), a pad_token_id
-        without an eos_token_id, prompt_lengths outside [1, prompt_len] or of another shape than (batch,),
-        padding ids outside int32, or a missing rng when sampling.
+      ValueError: on a non-positive max_new_tokens or one that makes the output longer than 2**31 - 1 ids (or of
+        more than 2**60 - 1 elements), prompt ids outside [0, vocab_size), a negative temperature, a top_k outside
+        [1, vocab_size], a top_p outside (0, 1], a min_p outside [0, 1], a repetition_penalty <= 0, an eos_token_id
+        or pad_token_id outside [0, vocab_size), a pad_token_id without an eos_token_id, prompt_lengths outside
+        [1, prompt_len] or of another shape than (batch,), padding ids outside int32, or a missing rng when
+        sampling.
       TypeError: on prompt ids or lengths that are not integers, a max_new_tokens that is not an int, a
         control of the wrong type (the controls must be concrete numbers), an rng that is not one key, or a
         cache_dtype that is not a floating dtype.
@@ -127,6 +129,11 @@ def _prepare(api: str, model, prompt_ids, max_new_tokens, *, temperature, top_k,
     _checks.check_batch_splits(api, "prompt_ids", prompt_ids.shape[0], model.layers.mixer.mesh_axes)
     if prompt_ids.shape[1] < 1:
         raise ValueError(f"{api}: prompt_ids.shape={prompt_ids.shape} must be (batch, prompt_len >= 1)")
+    batch, prompt_len = prompt_ids.shape
+    # The output, (batch, prompt_len + max_new_tokens) ids, checked before anything is read or built.
+    check_axis_length(api, f"max_new_tokens={max_new_tokens} after prompt_len={prompt_len}: prompt_len+max_new_tokens",
+                      prompt_len + max_new_tokens)
+    check_element_count(api, "the output", "(batch, prompt_len + max_new_tokens)", (batch, prompt_len + max_new_tokens))
     prompt_lengths = _check_prompt_lengths(api, prompt_ids, prompt_lengths)
     if prompt_lengths is None:
         check_token_ids_in_range(api, "prompt_ids", prompt_ids, vocab_size)

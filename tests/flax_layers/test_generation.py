@@ -328,6 +328,9 @@ def test_generate_stream_stops_once_every_row_has_ended(tiny_config):
     (dict(temperature="hot"), TypeError, r"generate: temperature='hot' must be a float"),
     (dict(max_new_tokens=2.0), TypeError, r"generate: max_new_tokens=2.0 must be a positive int"),
     (dict(max_new_tokens=True), TypeError, r"generate: max_new_tokens=True must be a positive int"),
+    (dict(max_new_tokens=2**40), ValueError, r"generate: max_new_tokens=1099511627776 after prompt_len=3: "
+                                             r"prompt_len\+max_new_tokens=1099511627779 must be at most 2\*\*31 - 1 "
+                                             r"\(an array axis\)"),
     (dict(temperature=1.0, top_k=0, rng=jax.random.key(0)), ValueError,
      r"generate: top_k=0 must be in \[1, vocab_size=61\]"),
     (dict(temperature=1.0, top_k=2.5, rng=jax.random.key(0)), TypeError, r"generate: top_k=2.5 must be None or an int"),
@@ -390,6 +393,23 @@ def test_generate_rejects_bad_arguments(tiny_config, kwargs, error, message):
 def test_generate_rejects_bad_prompts(tiny_config, prompt, error, message):
     with pytest.raises(error, match=message):
         generate(_model(tiny_config), prompt, 2)
+
+
+def test_generate_refuses_an_output_longer_than_an_axis_or_larger_than_an_array_before_running(tiny_config):
+    """The output, (batch, prompt_len + max_new_tokens) ids, must have an axis int32 indexes and fit XLA's byte
+    count: refused at the call, naming max_new_tokens and the bound, before the prompt is read or anything built
+    (generate_stream's checks are generate's: at the call too, before the first token)."""
+    model = _model(tiny_config)
+    prompt = jnp.zeros((1, 3), jnp.int32)
+    generate_stream(model, prompt, 2**31 - 4)  # the longest output: checked, nothing run until the first token
+    with pytest.raises(ValueError, match=r"generate_stream: max_new_tokens=2147483645 after prompt_len=3: "
+                                         r"prompt_len\+max_new_tokens=2147483648 must be at most 2\*\*31 - 1"):
+        generate_stream(model, prompt, 2**31 - 3)
+    rows = np.broadcast_to(np.int32(0), (2**30, 3))  # 2**30 prompts, of no memory
+    with pytest.raises(ValueError, match=r"generate: the output of shape \(batch, prompt_len \+ max_new_tokens\)="
+                                         r"\(1073741824, 2147483647\) would hold 2305843008139952128 elements; an "
+                                         r"array holds at most 2\*\*60 - 1"):
+        generate(model, rows, 2**31 - 4)
 
 
 def test_small_temperatures_sample_the_most_likely_token_and_padding_ids_must_fit_int32(tiny_config):
