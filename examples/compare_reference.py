@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_mamba2
-from _common import (add_common_flags, cutile_unavailable_reason, describe_device, make_parser, output_dir,
+from _common import (add_common_flags, axis_size, cutile_unavailable_reason, describe_device, make_parser, output_dir,
                      positive_int, power_of_two, save_figure, time_call, write_atomically)
 
 BACKENDS = ("scan", "xla", "cutile", "cutile_callback")
@@ -155,8 +155,8 @@ def save_plot(rows, path, title: str, bound: float) -> None:
 
 def parse_args(argv=None):
     parser = make_parser(__doc__)
-    parser.add_argument("--batch", type=positive_int, default=2, help="sequences")
-    parser.add_argument("--seqlen", type=positive_int, default=512, help="tokens per sequence")
+    parser.add_argument("--batch", type=axis_size, default=2, help="sequences")
+    parser.add_argument("--seqlen", type=axis_size, default=512, help="tokens per sequence")
     parser.add_argument("--nheads", type=positive_int, default=4, help="SSM heads")
     parser.add_argument("--headdim", type=positive_int, default=32, help="head size P")
     parser.add_argument("--ngroups", type=positive_int, default=1, help="groups of heads sharing B and C")

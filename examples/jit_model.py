@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from _common import (add_common_flags, describe_device, make_parser, model_flags, output_dir, positive_int,
+from _common import (add_common_flags, axis_size, describe_device, make_parser, model_flags, output_dir, positive_int,
                      power_of_two, resolve_backend, settings, time_call, write_atomically)
 from jax_mamba2.flax_layers import Mamba2
 
@@ -151,8 +151,8 @@ def print_custom_calls(backend: str, hlo_text: str) -> int:
 
 def parse_args(argv=None):
     parser = make_parser(__doc__)
-    parser.add_argument("--batch", type=positive_int, default=4, help="sequences per step")
-    parser.add_argument("--seqlen", type=positive_int, default=512, help="steps per sequence")
+    parser.add_argument("--batch", type=axis_size, default=4, help="sequences per step")
+    parser.add_argument("--seqlen", type=axis_size, default=512, help="steps per sequence")
     parser.add_argument("--features", type=positive_int, default=16, help="width of the sequence to copy")
     parser.add_argument("--delay", type=int, default=8, help="the copy lag in steps")
     parser.add_argument("--d-model", type=positive_int, default=128, help="model width")

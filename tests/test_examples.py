@@ -275,6 +275,10 @@ def test_train_lm_remat_flag_sets_the_model_option():
                                           r"2\*\*31 - 1"),
     ("generate", ["--batch", str(2**30), "--prompt", "a", "--prompt", "b"],
      r"--batch=1073741824 copies of 2 --prompt must make at most 2\*\*31 - 1 rows \(an array axis\)"),
+    ("jit_model", ["--seqlen", str(2**31)], r"argument --seqlen: 2147483648 must be a positive int of at most "
+                                            r"2\*\*31 - 1"),
+    ("compare_reference", ["--batch", str(2**31)], r"argument --batch: 2147483648 must be a positive int of at "
+                                                   r"most 2\*\*31 - 1"),
 ])
 def test_examples_refuse_bad_flags_naming_them(capsys, name, flags, message):
     with pytest.raises(SystemExit):
