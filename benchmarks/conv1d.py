@@ -17,9 +17,10 @@ with pass_through (what the layer runs): z and dt come out too (copied by the fo
 whole width and dx is x's whole cotangent; the floor adds the copies of z and dt and of their cotangents (a
 read and a write each).
 
-Inputs: bf16 x, dy ~ N(0, 1), an f32 kernel ~ N(0, 1/d_conv) and bias ~ N(0, 1) rounded to bf16 (what the
-layer passes), no seq_idx. fwd_bwd runs the forward and the VJP of a given dy (dx, dkernel, dbias), no loss
-reduction. Every output is checked against xla in float32 (relative L2).
+Inputs: bf16 x, dy ~ N(0, 1), an f32 kernel ~ N(0, 1/d_conv) and bias ~ N(0, 1) rounded to bf16 (bf16
+parameters, which every implementation takes as they are; the cuTile kernels read them as f32), no seq_idx.
+fwd_bwd runs the forward and the VJP of a given dy (dx, dkernel, dbias), no loss reduction. Every output is
+checked against xla in float32 (relative L2).
 
 Floor: bytes / 4.3 TB/s (what a streaming copy reaches on the H200, against its 4.8 TB/s peak) with bytes =
 2 · itemsize · elements (forward: x in, y out) and 3 · itemsize · elements more for the backward (x and dy

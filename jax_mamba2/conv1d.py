@@ -156,9 +156,11 @@ def causal_conv1d_silu(x, kernel, bias=None, *, seq_idx=None, initial_states=Non
         y[b, t, c] = silu(bias[c] + Σ_{k < d_conv} kernel[k, c] · x[b, t - d_conv + 1 + k, c])
 
     x is left-padded by the last d_conv - 1 columns of `initial_states` (zeros without them). The sum runs in
-    float32 (float64 for float64 x) on operands rounded to x's dtype, and y is rounded to x's dtype once
-    (the xla backend also rounds the pre-activation before the SiLU). Differentiable in x,
-    kernel, bias and initial_states (the cutile backends run cuTile backward kernels, deterministic); composes
+    float32 (float64 for float64 x): x and initial_states enter it rounded to x's dtype, kernel and bias as they
+    are, not rounded to x's dtype (converted to the sum's dtype, exactly where they are no wider), as
+    causal_conv1d's kernels take the weight in its own dtype; y is rounded to x's dtype once (the xla backend
+    also rounds the pre-activation before the SiLU). Differentiable in x, kernel, bias and initial_states, each
+    gradient in its argument's dtype (the cutile backends run cuTile backward kernels, deterministic); composes
     with jit, vmap, shard_map and remat.
 
     Args:

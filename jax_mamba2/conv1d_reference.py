@@ -3,8 +3,11 @@
 
   y[t, c] = bias[c] + sum_{k<d_conv} kernel[k, c] * x[t - d_conv + 1 + k, c]
 
-with x left-padded by the d_conv - 1 columns before the sequence (zeros, or the cached ones). The sum runs in
-float32 (float64 for float64 inputs) and the result is cast to the computation dtype, as the CUDA kernels do.
+with x left-padded by the d_conv - 1 columns before the sequence (zeros, or the cached ones). The inputs (x and
+the cached columns) are rounded to the computation dtype; the kernel and bias enter the sum as they are, in its
+accumulation dtype (float32, float64 for a float64 computation dtype) with no rounding to the computation dtype,
+and the result is rounded to the computation dtype once, as causal_conv1d's CUDA kernels do (they take the weight
+in its own dtype and accumulate in float32).
 Nothing here validates its arguments: `jax_mamba2.causal_conv1d_silu` does.
 """
 import jax.numpy as jnp
@@ -27,7 +30,8 @@ def causal_conv1d(x, kernel, bias=None, conv_state=None, *, seq_idx=None, dtype=
     """
     d_conv = kernel.shape[0]
     seqlen = x.shape[1]
-    window = _window(x, d_conv, conv_state)
+    dtype = dtype or jnp.result_type(x, kernel)
+    window = _widened(_window(x, d_conv, conv_state), dtype)
     # window[:, d_conv + t] is input column t; output t reads window columns t+1 .. t+d_conv.
     taps = [window[:, k + 1: k + 1 + seqlen] for k in range(d_conv)]
     if seq_idx is not None:
@@ -69,18 +73,24 @@ def causal_conv1d_step(x, conv_state, kernel, bias=None, *, dtype=None):
     new conv_state), equal to `causal_conv1d` on a length-1 sequence."""
     d_conv = kernel.shape[0]
     new_state = jnp.concatenate([conv_state[..., 1:], x[..., None].astype(conv_state.dtype)], axis=-1)
-    return _weighted_sum([new_state[..., k] for k in range(d_conv)], kernel, bias, dtype), new_state
+    dtype = dtype or jnp.result_type(new_state, kernel)
+    window = _widened(new_state, dtype)
+    return _weighted_sum([window[..., k] for k in range(d_conv)], kernel, bias, dtype), new_state
+
+
+def _widened(inputs, dtype):
+    """The conv's input columns rounded to dtype, then widened to the accumulation dtype (float32, float64 for
+    float64) as one array before any tap is sliced from it: under autodiff the taps' cotangents then add up in
+    the accumulation dtype and are rounded once (a cast per tap would round each of them first)."""
+    return inputs.astype(dtype).astype(jnp.promote_types(jnp.float32, dtype))
 
 
 def _weighted_sum(taps, kernel, bias, dtype):
-    """bias + sum_k kernel[k] * taps[k], rounded to dtype like the operands and accumulated in >= float32."""
-    dtype = dtype or jnp.result_type(taps[0], kernel)
+    """bias + sum_k kernel[k] * taps[k], the taps already in the accumulation dtype (`_widened`), the kernel and
+    bias converted to it (float32 or float64 for float64; exact for narrower parameters, never rounded to dtype),
+    the sum rounded to dtype once."""
     acc_dtype = jnp.promote_types(jnp.float32, dtype)
-
-    def widen(a):
-        return a.astype(dtype).astype(acc_dtype)
-
-    acc = sum(widen(tap) * widen(kernel[k]) for k, tap in enumerate(taps))
+    acc = sum(tap * kernel[k].astype(acc_dtype) for k, tap in enumerate(taps))
     if bias is not None:
-        acc = acc + widen(bias)
+        acc = acc + bias.astype(acc_dtype)
     return acc.astype(dtype)

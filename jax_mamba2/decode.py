@@ -419,7 +419,8 @@ def mixer_step(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_
       conv_state: (rows, conv_dim, d_conv); ssm_state: (rows, nheads, headdim, dstate); with `layer`, stacks
         (L, rows, ...) of every layer's.
       conv_weight: (d_conv, conv_dim); conv_bias: (conv_dim,) or None; A_log, dt_bias: (nheads,); D: (nheads,) or
-        (nheads, headdim); with `layer`, stacks with a leading (L,) axis. Each in its own float dtype.
+        (nheads, headdim); with `layer`, stacks with a leading (L,) axis. Each in its own float dtype (the conv's
+        weight and bias enter its sum unrounded to zxbcdt's dtype, as in `causal_conv1d_silu`).
       nheads, headdim, ngroups, dstate: the mixer's shape.
       xbc_offset, dt_offset, z_offset: where xBC, dt and (for a gate in the step) z start in zxbcdt's columns.
       dt_limit: (min, max) clip of the time step.

@@ -11,9 +11,10 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec as P
 
-from jax_mamba2 import backends, conv1d
+from jax_mamba2 import backends, conv1d, conv1d_reference
 from tests._helpers import rel_l2
-from tests.kernels._conv_checks import float64_reference, make_conv_args, reference_conv
+from tests.kernels._conv_checks import (float64_reference, make_cancelling_args, make_conv_args,
+                                       reference_conv, rounding_errors)
 
 conv_ops = pytest.importorskip("jax_mamba2.bridge.conv_ops")
 from tests.kernels import _cutile_emulator as emulator  # noqa: E402
@@ -274,6 +275,76 @@ def test_emulated_cutile_under_shard_map_matches_float64_reference(emulated, spl
 
     args = make_conv_args(7, seqlen=19, channels=32, seq_idx=[11, 8])
     _check_forward_and_grads(args, sharded)
+
+
+# ----------------------------------------------------------------------------------------------
+# The parameters in their own dtype
+# ----------------------------------------------------------------------------------------------
+
+def _conv_and_grads(backend, layout, args):
+    """(y, dx, dkernel, dbias, dinit) of the op on `args` (loss sum(y * dy)): the plain op, or the mixer's call
+    (the channels at an offset of a wider input, in pieces, the others passed through)."""
+    x, kernel, bias, init, _, dy = args
+    source = _in_source(x) if layout == "split_pass_through" else x
+
+    def conv(source, kernel, bias, init):
+        if layout == "plain":
+            return conv1d.causal_conv1d_silu(source, kernel, bias, initial_states=init, backend=backend)
+        outputs = conv1d.causal_conv1d_silu_split(source, kernel, bias, channel_offset=_OFFSET, split=_SPLIT,
+                                                  initial_states=init, pass_through=True, backend=backend)
+        return jnp.concatenate(outputs[1:-1], axis=-1)
+
+    def loss(*a):
+        return jnp.sum(conv(*a).astype(jnp.float32) * dy.astype(jnp.float32))
+
+    y, (dsource, *grads) = jax.jit(lambda *a: (conv(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(
+        source, kernel, bias, init)
+    dx = dsource if layout == "plain" else dsource[..., _OFFSET:_OFFSET + x.shape[-1]]
+    return y, dx, *grads
+
+
+@pytest.mark.parametrize("layout", ["plain", "split_pass_through"])
+@pytest.mark.parametrize("backend", ["xla", "emulated"])
+def test_float32_kernel_and_bias_are_not_rounded_to_bfloat16_x(emulated, backend, layout):
+    """bf16 x with a float32 kernel and bias that bf16 cannot hold: the sum takes the parameters as they are
+    (causal_conv1d's numerics), so y and every gradient match the float64 reference of the float32 parameters
+    within bf16's rounding of the outputs, and miss that of the parameters rounded to bf16 by far more (the
+    problem makes that rounding show: `make_cancelling_args`). The gradients come back in the arguments'
+    dtypes (dkernel and dbias float32)."""
+    args = make_cancelling_args(50)
+    got = _conv_and_grads("cutile" if backend == "emulated" else "xla", layout, args)
+    errors = rounding_errors(got, args)
+    for name, (error, rounded_error) in errors.items():
+        assert error < 2e-2 and 8 * error < rounded_error, (name, errors)
+    x, kernel, bias, init = args[:4]
+    assert [a.dtype for a in got] == [x.dtype, x.dtype, kernel.dtype, bias.dtype, init.dtype]
+
+
+@pytest.mark.parametrize("seed", [50, 51, 52])
+def test_xla_path_sums_the_taps_cotangents_in_float32(seed):
+    """The xla path's dx for bf16 x: each input column's cotangent is the sum of its d_conv taps' cotangents, added
+    in float32 and rounded once (as the kernels do), not each rounded to bf16 first; on the cancelling problem (taps
+    ~256 large summing to ~1) per-tap rounding shows as a dx error of ~1e-2, the rounding of dx alone ~4e-3."""
+    args = make_cancelling_args(seed)
+    errors = rounding_errors(_conv_and_grads("xla", "plain", args), args)
+    assert errors["dx"][0] < 6e-3 and errors["dinit"][0] < 6e-3, errors
+
+
+def test_decode_step_takes_the_float32_kernel_and_bias_as_the_sequence_does():
+    """`causal_conv1d_step` (the layers' composed decode step) of a bf16 token with a float32 kernel and bias that
+    bf16 cannot hold: the op's output for that token after the same state, which matches the float64 reference
+    of the float32 parameters and misses that of them rounded to bf16 by far more."""
+    args = make_cancelling_args(51, seqlen=1)
+    x, kernel, bias, init, _, _ = args
+    step, _ = conv1d_reference.causal_conv1d_step(x[:, 0], init, kernel, bias, dtype=x.dtype)
+    sequence = conv1d.causal_conv1d_silu(x, kernel, bias, initial_states=init, activation=None, backend="xla")
+    # Two programs (the op runs compiled): equal up to how XLA fuses the taps, within a bf16 ulp.
+    np.testing.assert_allclose(np.asarray(step, np.float32), np.asarray(sequence[:, 0], np.float32), rtol=2**-7)
+    want = float64_reference(*args, silu=False)[0][:, 0]
+    rounded = float64_reference(x, kernel.astype(jnp.bfloat16), bias.astype(jnp.bfloat16), init, None, args[-1],
+                                silu=False)[0][:, 0]
+    error, rounded_error = rel_l2(step, want), rel_l2(step, rounded)
+    assert error < 1e-2 and 8 * error < rounded_error, (error, rounded_error)
 
 
 # ----------------------------------------------------------------------------------------------

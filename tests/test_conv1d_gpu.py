@@ -12,7 +12,7 @@ from jax_mamba2 import conv1d
 from jax_mamba2.bridge.aot import CUTILE_CUSTOM_CALL
 from jax_mamba2.flax_layers import Mamba2
 from tests._helpers import rel_l2
-from tests.kernels._conv_checks import float64_reference, make_conv_args
+from tests.kernels._conv_checks import float64_reference, make_cancelling_args, make_conv_args, rounding_errors
 
 pytestmark = pytest.mark.gpu
 
@@ -225,6 +225,37 @@ def test_conv_split_cutile_gradients_are_deterministic():
     first, second = run(source, kernel, bias), run(source, kernel, bias)
     for a, b in zip(first, second):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("backend", ["cutile", "cutile_callback"])
+@pytest.mark.parametrize("layout", ["plain", "split_pass_through"])
+def test_conv_cutile_takes_float32_parameters_unrounded_with_bfloat16_x(backend, layout):
+    """bf16 x with a float32 kernel and bias that bf16 cannot hold (tests/test_conv1d.py runs the same on the
+    emulator): the kernels sum the parameters unrounded, so y and every gradient match the float64 reference of
+    the float32 parameters and miss that of them rounded to bf16 by far more, plain and in the mixer's call
+    (an offset into a wider input, pieces, the other channels passed through)."""
+    args = make_cancelling_args(53, batch=3, seqlen=77, channels=136)
+    x, kernel, bias, init, _, dy = args
+    _, offset, width, split = SPLIT_CASES["unaligned_offset_init"]
+    source = _split_source(x, offset, width) if layout == "split_pass_through" else x
+
+    def f(source, kernel, bias, init):
+        if layout == "plain":
+            return conv1d.causal_conv1d_silu(source, kernel, bias, initial_states=init, backend=backend)
+        outputs = conv1d.causal_conv1d_silu_split(source, kernel, bias, channel_offset=offset, split=split,
+                                                  initial_states=init, pass_through=True, backend=backend)
+        return jnp.concatenate(outputs[1:-1], axis=-1)
+
+    def loss(*a):
+        return jnp.sum(f(*a).astype(jnp.float32) * dy.astype(jnp.float32))
+
+    y, (dsource, *grads) = jax.jit(lambda *a: (f(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(
+        source, kernel, bias, init)
+    dx = dsource if layout == "plain" else dsource[..., offset:offset + x.shape[-1]]
+    errors = rounding_errors((y, dx, *grads), args)
+    for name, (error, rounded_error) in errors.items():
+        assert error < 2e-2 and 8 * error < rounded_error, (name, errors)
+    assert [g.dtype for g in grads] == [kernel.dtype, bias.dtype, init.dtype]
 
 
 def test_mamba2_layer_compiled_training_step_has_no_copy_around_the_conv():

@@ -1,10 +1,10 @@
 """The causal conv1d (+ SiLU) op on the cuTile kernels, for any plan executor (FFI or callback).
 
-From the op's arguments to what kernels/causal_conv1d*.py take (weight, bias and initial states rounded to
-x's dtype as the reference rounds them, dummies for absent options), and what raw kernel calls lack: vmap
-rules (the mapped axis folds into the kernels' batch; the backward's weight partials are then summed per
-mapped item, so vmap of a gradient is one launch too), outputs that keep shard_map's varying axes, and
-parameter gradients summed over the shards that share the parameters.
+From the op's arguments to what kernels/causal_conv1d*.py take (weight and bias in float32, not rounded to x's
+dtype, and initial states rounded to it, as the reference takes them; dummies for absent options), and what raw
+kernel calls lack: vmap rules (the mapped axis folds into the kernels' batch; the backward's weight partials are
+then summed per mapped item, so vmap of a gradient is one launch too), outputs that keep shard_map's varying
+axes, and parameter gradients summed over the shards that share the parameters.
 
 `inputs` are the op's `ConvInputs` (x, kernel, bias, initial_states, seq_idx; None where absent); with a
 channel offset and a split (`Layout`) the conv reads channels offset .. offset + channels - 1 of x (which
@@ -75,13 +75,14 @@ def _dims(inputs, silu: bool, layout: Layout) -> ConvDims:
 
 
 def _kernel_arrays(inputs) -> dict:
-    """The plan inputs (names as in kernels.causal_conv1d.CONV_INPUTS)."""
+    """The plan inputs (names as in kernels.causal_conv1d.CONV_INPUTS): the weight and bias in float32 (exact for
+    the parameters the kernels take, float64 being refused), x and the initial states in x's dtype."""
     x = inputs.x
     channels = inputs.kernel.shape[1]
     return dict(
         x=x,
-        weight=inputs.kernel.astype(x.dtype),
-        bias=jnp.zeros((channels,), x.dtype) if inputs.bias is None else inputs.bias.astype(x.dtype),
+        weight=inputs.kernel.astype(jnp.float32),
+        bias=jnp.zeros((channels,), jnp.float32) if inputs.bias is None else inputs.bias.astype(jnp.float32),
         initial_states=(jnp.zeros((1, 1, 1), x.dtype) if inputs.initial_states is None
                         else inputs.initial_states.astype(x.dtype)),
         seq_idx=jnp.zeros((1, 1), jnp.int32) if inputs.seq_idx is None else inputs.seq_idx.astype(jnp.int32))

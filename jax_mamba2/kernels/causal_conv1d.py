@@ -3,7 +3,7 @@
 Mirrors `conv1d_reference.causal_conv1d` followed by SiLU (mamba_ssm / causal_conv1d `causal_conv1d_fn`,
 channels-last). Per batch row b, token t and channel c, with K = WIDTH taps:
 
-    pre[t, c] = bias[c] + Σ_{k<K} weight[k, c] · x̃[t - K + 1 + k, c] · m_k[t]        (f32)
+    pre[t, c] = bias[c] + Σ_{k<K} weight[k, c] · x̃[t - K + 1 + k, c] · m_k[t]        (f32; weight, bias f32)
     y[t, c]   = silu(pre[t, c]) if SILU else pre[t, c]                            (rounded to x's dtype)
 
 x̃ is x left-extended by the last K - 1 columns of `initial_states` (zeros without HAS_INIT). With seq_idx,
@@ -44,9 +44,10 @@ PASS_BLOCK_C) with PASS_THROUGH], batch).
 Shapes: x (batch, seqlen, in_width) T in {bf16, f16, f32} with IN_OFFSET + channels <= in_width; y0, y1, y2
 (batch, seqlen, width of the piece) T, dummies (1, 1, 1) past OUTPUTS; before (batch, seqlen, IN_OFFSET) and
 after (batch, seqlen, in_width - IN_OFFSET - channels) T with PASS_THROUGH, dummies (1, 1, 1) without it or
-for a width 0; weight (WIDTH, channels) and bias (channels,)
-T (the op rounds them to x's dtype, as the reference does); initial_states (batch, channels, INIT_WIDTH) T
-(a dummy (1, 1, 1) without HAS_INIT); seq_idx (batch, seqlen) int32 (a dummy (1, 1) without HAS_SEQ_IDX).
+for a width 0; weight (WIDTH, channels) and bias (channels,) f32 whatever T is (the op converts the parameters
+to f32 without rounding them to x's dtype, as the reference and causal_conv1d's kernels take them);
+initial_states (batch, channels, INIT_WIDTH) T (a dummy (1, 1, 1) without HAS_INIT); seq_idx (batch, seqlen)
+int32 (a dummy (1, 1) without HAS_SEQ_IDX).
 """
 import dataclasses
 import numbers
@@ -78,11 +79,12 @@ class ConvDims:
     """Static description of one conv problem (everything the kernels specialise on).
 
     The conv reads channels in_offset .. in_offset + channels - 1 of x (batch, seqlen, in_width) of `dtype`
-    (in_width 0: x is (batch, seqlen, channels)); `width` is d_conv (the number of taps); `init_width` the
-    number of columns of initial_states (width - 1 or width; 0 without them); `split` the widths of the
-    output pieces, summing to channels (empty: one output of all channels); `pass_through`: the forward also
-    copies x's channels outside the window to arrays of their own, and the backward writes x's whole
-    cotangent, theirs copied in.
+    (in_width 0: x is (batch, seqlen, channels)), also the dtype of the initial states, the outputs and their
+    cotangents (the weight and bias are float32 whatever it is: `conv_arrays`); `width` is d_conv (the number
+    of taps); `init_width` the number of columns of initial_states (width - 1 or width; 0 without them);
+    `split` the widths of the output pieces, summing to channels (empty: one output of all channels);
+    `pass_through`: the forward also copies x's channels outside the window to arrays of their own, and the
+    backward writes x's whole cotangent, theirs copied in.
     """
 
     batch: int
@@ -169,12 +171,13 @@ def channel_blocks(dims: ConvDims, block_c: int) -> int:
 
 
 def conv_arrays(dims: ConvDims) -> dict[str, Buffer]:
-    """Shape and dtype of each plan input as the bridge passes it (dummies for absent options)."""
+    """Shape and dtype of each plan input as the bridge passes it (dummies for absent options): the weight and
+    bias in float32 whatever x's dtype is (not rounded to it), the others in x's (seq_idx int32)."""
     b, L, C, T = dims.batch, dims.seqlen, dims.channels, dims.dtype
     return {
         "x": Buffer((b, L, dims.source_width), T),
-        "weight": Buffer((dims.width, C), T),
-        "bias": Buffer((C,), T),
+        "weight": Buffer((dims.width, C), "float32"),
+        "bias": Buffer((C,), "float32"),
         "initial_states": Buffer((b, C, dims.init_width) if dims.has_init else (1, 1, 1), T),
         "seq_idx": Buffer((b, L) if dims.has_seq_idx else (1, 1), "int32"),
     }
@@ -317,10 +320,10 @@ def token_ids(seq_idx, b, first, count):
 
 
 def weight_rows(weight, cols, WIDTH):
-    """The WIDTH taps weight[k, cols] as a tuple of f32 [BLOCK_C] tiles."""
+    """The WIDTH taps weight[k, cols] of the f32 weight as a tuple of [BLOCK_C] tiles."""
     taps = ()
     for k in ct.static_iter(range(WIDTH)):
-        taps += (ct.gather(weight, (k, cols)).astype(ct.float32),)
+        taps += (ct.gather(weight, (k, cols)),)
     return taps
 
 
@@ -375,7 +378,7 @@ def _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, 
     if HAS_SEQ_IDX:
         next_ids = token_ids(seq_idx, b, start, BLOCK_L)
     weights = weight_rows(weight, cols, WIDTH)
-    bias_row = ct.gather(bias, cols).astype(ct.float32)
+    bias_row = ct.gather(bias, cols)
 
     if SEGMENT_TILES == 1:  # one tile per block: its rows and halo gathered at once
         outs = _conv_fwd_rows(halo + widened(next_x), id_halo + next_ids, weights, bias_row, WIDTH, BLOCK_L,
@@ -405,8 +408,8 @@ def _conv_fwd_body(x, weight, bias, initial_states, seq_idx, y0, y1, y2, WIDTH, 
 
 def causal_conv1d_fwd_kernel(
     x: Big,                # (batch, seqlen, in_width) T: channels IN_OFFSET .. IN_OFFSET + channels - 1 read
-    weight,                # (WIDTH, channels) T
-    bias,                  # (channels,) T
+    weight,                # (WIDTH, channels) f32
+    bias,                  # (channels,) f32
     initial_states: Big,   # (batch, channels, INIT_WIDTH) T, or a dummy
     seq_idx,               # (batch, seqlen) int32, or a dummy
     y0: Big,               # (batch, seqlen, SPLIT1) T, written: channels [0, SPLIT1)

@@ -36,7 +36,8 @@ PASS_BLOCK_C) with PASS_THROUGH], batch) and (cdiv(channels, BLOCK_C), items).
 Shapes: x (batch, seqlen, in_width) T; dy0, dy1, dy2 as the forward's y0, y1, y2; dbefore (batch, seqlen,
 IN_OFFSET) and dafter (batch, seqlen, in_width - IN_OFFSET - channels) T, or dummies (1, 1, 1) (without
 PASS_THROUGH, or a width 0); dx (batch, seqlen, channels), with PASS_THROUGH (batch, seqlen, in_width), T;
-weight (WIDTH, channels), bias (channels,) T; initial_states (batch, channels, INIT_WIDTH) T or a dummy;
+weight (WIDTH, channels), bias (channels,) f32 (as the forward takes them, not rounded to T); initial_states
+(batch, channels, INIT_WIDTH) T or a dummy;
 seq_idx (batch, seqlen) int32 or a dummy; dinitial_states (batch, channels, INIT_WIDTH) f32 (zero-initialised;
 a dummy (1, 1, 1) without HAS_INIT); dweight_partials (partials, WIDTH, channels) and dbias_partials
 (partials, channels) f32 with partials = batch · segments;
@@ -137,7 +138,7 @@ def _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, 
     start = seg * (SEGMENT_TILES * BLOCK_L)
 
     weights = weight_rows(weight, cols, WIDTH)
-    bias_row = ct.gather(bias, cols).astype(ct.float32)
+    bias_row = ct.gather(bias, cols)
     # Carried from step to step: x̃, ids and g of the HALO tokens before the step's first.
     x_cols = cols + IN_OFFSET
     x_halo = halo_rows(x, initial_states, b, start - HALO, HALO, x_cols, cols, HAS_INIT, INIT_WIDTH)
@@ -206,8 +207,8 @@ def _conv_bwd_body(x, weight, bias, initial_states, seq_idx, dy0, dy1, dy2, dx, 
 
 def causal_conv1d_bwd_kernel(
     x: Big,                 # (batch, seqlen, in_width) T: channels IN_OFFSET .. IN_OFFSET + channels - 1 read
-    weight,                 # (WIDTH, channels) T
-    bias,                   # (channels,) T
+    weight,                 # (WIDTH, channels) f32
+    bias,                   # (channels,) f32
     initial_states: Big,    # (batch, channels, INIT_WIDTH) T, or a dummy
     seq_idx,                # (batch, seqlen) int32, or a dummy
     dy0: Big,               # (batch, seqlen, SPLIT1) T: dy of channels [0, SPLIT1)

@@ -5,8 +5,9 @@ for a mixer without the gated norm, the silu(z) gate.
 Mirrors `jax_mamba2.decode_reference.mixer_step`. Per row b, head h of group g = h // (H / G), l = layer_index[0]:
 
     window[c] = conv_state[l, b, c, 1:] ++ xBC[b, c]                       (d_conv inputs, conv state's dtype)
-    u[c]      = silu(bias[l, c] + sum_j w[l, j, c] window[c, j])          taps, weights, bias and the sum
-                                                                          rounded to T as the composed step does
+    u[c]      = silu(bias[l, c] + sum_j w[l, j, c] window[c, j])          in f32: taps rounded to T, weights and
+                                                                          bias not; the sum and u rounded to T
+                                                                          (the composed step's roundings)
     x, B, C   = u's channels [0, d_ssm), [d_ssm, + G N), [d_ssm + G N, + G N)
     Δ         = dt_transform(dt[b, h] + dt_bias[l, h]),   A = -exp(A_log[l, h])
     state'    = exp(Δ A) ssm_state[l, b, h] + Δ x[h] ⊗ B[g]               (headdim, dstate), f32
@@ -203,7 +204,9 @@ def _conv_silu(zxbcdt, conv_state, conv_weight, conv_bias, layer, b, channel_blo
                D_CONV_TILE, HAS_CONV_BIAS):
     """(u, window) of conv channels [channel_block * WIDTH, + WIDTH), whose inputs are zxbcdt's columns
     [column_block * WIDTH, + WIDTH): u (WIDTH,) f32 = silu(conv) rounded to zxbcdt's dtype T, window (WIDTH,
-    D_CONV_TILE) the new conv state's columns in its dtype (columns past D_CONV zero)."""
+    D_CONV_TILE) the new conv state's columns in its dtype (columns past D_CONV zero). The conv sums the window
+    rounded to T times the weight and plus the bias in f32, the parameters not rounded to T (as
+    `conv1d_reference` and the full-sequence conv take them)."""
     cols = ct.arange(D_CONV_TILE, dtype=ct.int32)
     channels = channel_block * WIDTH + ct.arange(WIDTH, dtype=ct.int32)
     # The old window shifted left by one: column j holds conv_state[..., j + 1] (0 past the state's d_conv).
@@ -213,11 +216,11 @@ def _conv_silu(zxbcdt, conv_state, conv_weight, conv_bias, layer, b, channel_blo
     weight = ct.load(conv_weight, index=(layer, 0, channel_block), shape=(1, D_CONV_TILE, WIDTH),
                      padding_mode=ct.PaddingMode.ZERO).reshape((D_CONV_TILE, WIDTH))
     T = zxbcdt.dtype
-    taps = window.astype(T).astype(ct.float32) * ct.permute(weight, (1, 0)).astype(T).astype(ct.float32)
+    taps = window.astype(T).astype(ct.float32) * ct.permute(weight, (1, 0)).astype(ct.float32)
     acc = ct.sum(taps, axis=1)
     if HAS_CONV_BIAS:
         bias = ct.load(conv_bias, index=(layer, channel_block), shape=(1, WIDTH)).reshape((WIDTH,))
-        acc = acc + bias.astype(T).astype(ct.float32)
+        acc = acc + bias.astype(ct.float32)
     u = acc.astype(T).astype(ct.float32)
     return (u * sigmoid(u)).astype(T).astype(ct.float32), window
 

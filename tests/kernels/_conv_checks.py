@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mamba2 import conv1d_reference
+from tests._helpers import rel_l2
 
 
 def make_conv_args(seed, *, batch=2, seqlen=37, channels=40, d_conv=4, dtype=jnp.float32, bias=True,
@@ -47,3 +48,36 @@ def float64_reference(x, kernel, bias, init, seq_idx, dy, silu=True):
 def _reference_vjp(x, kernel, bias, init, dy, seq_idx, silu):
     y, vjp = jax.vjp(lambda *a: reference_conv(*a, seq_idx, silu), x, kernel, bias, init)
     return y, vjp(dy)
+
+
+def make_cancelling_args(seed, *, batch=2, seqlen=19, channels=24, d_conv=4, scale=256.0):
+    """(x, kernel, bias, initial_states, None, dy) of a bf16 problem whose float32 kernel and bias (no value of
+    them representable in bf16) lose accuracy visibly where they are rounded to bf16: x, the initial states'
+    d_conv columns and dy are each constant along the sequence, and the kernel's taps are ~scale large and sum
+    to ~1, so that the pre-activation x · Σ_k kernel[k] + bias (every token's), and with it silu', y and every
+    gradient, are small against terms whose bf16 rounding (~2^-9 of each) they would inherit."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    v = jax.random.normal(keys[0], (batch, 1, channels), jnp.float32).astype(jnp.bfloat16)
+    x = jnp.broadcast_to(v, (batch, seqlen, channels))
+    init = jnp.broadcast_to(jnp.swapaxes(v, 1, 2), (batch, channels, d_conv))
+    dy = jnp.broadcast_to(jax.random.normal(keys[1], (batch, 1, channels), jnp.float32).astype(jnp.bfloat16),
+                          x.shape)
+    taps = scale * jax.random.normal(keys[2], (d_conv - 1, channels), jnp.float32)
+    last = -taps.sum(axis=0, keepdims=True) + jax.random.normal(keys[3], (1, channels), jnp.float32)
+    kernel = jnp.concatenate([taps, last])
+    bias = jax.random.normal(keys[4], (channels,), jnp.float32)
+    for a in (kernel, bias):
+        assert not bool(jnp.any(a.astype(jnp.bfloat16).astype(jnp.float32) == a)), "a value exact in bf16"
+    return x, kernel, bias, init, None, dy
+
+
+def rounding_errors(got, args) -> dict[str, tuple[float, float]]:
+    """name -> (relative L2 error against the float64 reference of the float32 kernel and bias, the same against
+    the reference of them rounded to bf16) of each of `got` = (y, dx, dkernel, dbias, dinit) of a
+    `make_cancelling_args` problem (the loss sum(y * dy))."""
+    x, kernel, bias, init, seq_idx, dy = args
+    exact = float64_reference(*args)
+    rounded = float64_reference(x, kernel.astype(jnp.bfloat16), bias.astype(jnp.bfloat16), init, seq_idx, dy)
+    return {name: (rel_l2(a, want), rel_l2(a, other))
+            for name, a, want, other in zip(("y", "dx", "dkernel", "dbias", "dinit"), got, (exact[0], *exact[1]),
+                                            (rounded[0], *rounded[1]))}

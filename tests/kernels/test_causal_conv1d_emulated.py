@@ -14,7 +14,8 @@ from jax_mamba2.kernels import causal_conv1d as conv_fwd  # noqa: E402
 from jax_mamba2.kernels import causal_conv1d_bwd as conv_bwd  # noqa: E402
 from tests._helpers import rel_l2  # noqa: E402
 from tests.kernels import _cutile_emulator as emulator  # noqa: E402
-from tests.kernels._conv_checks import float64_reference, make_conv_args  # noqa: E402
+from tests.kernels._conv_checks import (float64_reference, make_cancelling_args, make_conv_args,  # noqa: E402
+                                        rounding_errors)
 from tests.kernels._plan_checks import assert_plan_well_formed  # noqa: E402
 
 # Small tiles so that short sequences span several blocks, segments and steps: 4-token steps, 3 per segment.
@@ -53,8 +54,8 @@ def _source(x, dims, seed=11):
 def _plan_inputs(dims, x, kernel, bias, init, seq_idx, dy=None):
     """What the bridge passes (bridge/conv_ops.py `_kernel_arrays`), as NumPy arrays."""
     arrays = dict(
-        x=_source(x, dims), weight=kernel.astype(x.dtype),
-        bias=jnp.zeros(x.shape[-1:], x.dtype) if bias is None else bias,
+        x=_source(x, dims), weight=kernel.astype(jnp.float32),
+        bias=jnp.zeros(x.shape[-1:], jnp.float32) if bias is None else bias.astype(jnp.float32),
         initial_states=jnp.zeros((1, 1, 1), x.dtype) if init is None else init,
         seq_idx=jnp.zeros((1, 1), jnp.int32) if seq_idx is None else seq_idx)
     if dy is not None:
@@ -230,6 +231,23 @@ def test_conv_kernels_in_their_dtype_match_float64_reference(dtype, tolerance):
     args = make_conv_args(3, dtype=dtype, init_width=4)
     errors = _errors(args, *_run(args, float64=False))
     assert max(errors.values()) < tolerance, errors
+
+
+@pytest.mark.parametrize("layout", [None, "mixer"])
+def test_conv_kernels_take_float32_parameters_with_bfloat16_x(layout):
+    """The plans declare the weight and bias float32 whatever x's dtype (`conv_arrays`, what the bridge passes):
+    run in their own dtypes on bf16 x with a float32 kernel and bias that bf16 cannot hold, the sums take the
+    parameters unrounded, so y and every gradient match the float64 reference of the float32 parameters within
+    bf16's rounding of the outputs and miss that of them rounded to bf16 by far more (`make_cancelling_args`),
+    also in the mixer's layout (an offset into a wider x, the outputs in pieces)."""
+    args = make_cancelling_args(52, channels=40)
+    x, kernel, _, init, seq_idx, _ = args
+    declared = conv_fwd.conv_arrays(_dims(x, kernel, init, seq_idx, layout=LAYOUTS.get(layout)))
+    assert declared["x"].dtype == "bfloat16" and declared["weight"].dtype == declared["bias"].dtype == "float32"
+    y, out = _run(args, float64=False, layout=LAYOUTS.get(layout))
+    errors = rounding_errors((y, out["dx"], out["dweight"][0], out["dbias"][0], out["dinitial_states"]), args)
+    for name, (error, rounded_error) in errors.items():
+        assert error < 2e-2 and 8 * error < rounded_error, (name, errors)
 
 
 @pytest.mark.parametrize("min_blocks", [1, conv_fwd.MIN_BLOCKS])

@@ -6,6 +6,7 @@ of stacked arrays (the other layers' SSM states untouched); in float64 (the alge
 (the roundings)."""
 import dataclasses
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -225,6 +226,32 @@ def test_mixer_step_matches_float64_reference(name, float64):
     np.testing.assert_array_equal(got["ssm_state"][others], arrays["ssm_state"][others])  # untouched
     tolerance = TOLERANCE[True] if float64 else TOLERANCE[False][case.dtype]
     _assert_close(got, want, tolerance)
+
+
+def test_mixer_step_takes_float32_conv_parameters_unrounded_to_bfloat16():
+    """The step's conv on bf16 zxbcdt with a float32 conv weight and bias that bf16 cannot hold, in the arrays' own
+    dtypes: the parameters enter the f32 sum as they are (as the full-sequence conv takes them), so y and the SSM
+    state match the float64 reference of the float32 parameters within the step's bf16 roundings, and miss the
+    reference of them rounded to bf16 by far more. The layer's window (the state's columns and the token) is
+    constant per channel and the taps ~256 large sum to ~1, so the pre-activation is small against terms whose
+    bf16 rounding would show."""
+    case = MIXER_CASES["bf16"]
+    arrays = mixer_inputs(case, seed=24)
+    rng = np.random.default_rng(24)
+    layer, xbc_offset = case.layer, case.layout()["xbc_offset"]
+    xbc = arrays["zxbcdt"][:, xbc_offset:xbc_offset + case.conv_dim]
+    arrays["conv_state"][layer] = xbc[:, :, None]
+    taps = 256 * rng.standard_normal((case.d_conv - 1, case.conv_dim))
+    last = -taps.sum(axis=0, keepdims=True) + rng.standard_normal((1, case.conv_dim))
+    arrays["conv_weight"][layer] = np.concatenate([taps, last])
+    rounded = {name: arrays[name].astype(ml_dtypes.bfloat16).astype(np.float32)
+               for name in ("conv_weight", "conv_bias")}
+    assert not any((rounded[name][layer] == arrays[name][layer]).any() for name in rounded)
+    got = run_mixer(case, arrays, float64=False)
+    want, other = mixer_oracle(case, arrays), mixer_oracle(case, {**arrays, **rounded})
+    for name in ("y", "ssm_state"):
+        error, rounded_error = rel_l2(got[name], want[name]), rel_l2(got[name], other[name])
+        assert error < TOLERANCE[False]["bfloat16"] and 8 * error < rounded_error, (name, error, rounded_error)
 
 
 @pytest.mark.parametrize("name", ["gate_in_step", "gated_norm_mixer"])
