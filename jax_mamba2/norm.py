@@ -231,7 +231,8 @@ def add_rms_norm(x, residual, weight, *, eps: float = 1e-5, residual_dtype=None,
                  return_residual: bool = True, backend: str = "auto"):
     """Residual add + RMSNorm (mamba_ssm's fused add-norm of `Block`).
 
-        h   = x + residual, added in float32 (float64 for float64 operands), rounded to residual_dtype
+        h   = x + residual, added in float32 (float64 for float64 operands), rounded to residual_dtype (x alone,
+              rounded to it, where residual is None: the first block's, as mamba_ssm's `residual=None`)
         out = h / sqrt(mean(h^2) + eps) * weight, normalized from the rounded h in float32 (float64 for
               float64) and rounded to out_dtype once (also where residual_dtype is the narrower)
 
@@ -243,11 +244,11 @@ def add_rms_norm(x, residual, weight, *, eps: float = 1e-5, residual_dtype=None,
 
     Args:
       x: (..., features), the block input, bf16/f16/f32/f64.
-      residual: (..., features), the residual stream so far, float.
+      residual: (..., features), the residual stream so far, float; or None: no stream yet (h is x).
       weight: (features,), float.
       eps: added to the mean square (default 1e-5).
-      residual_dtype: dtype of h (default: the result type of x and residual); float32 for mamba_ssm's
-        residual_in_fp32.
+      residual_dtype: dtype of h (default: the result type of x and residual, x's without one); float32 for
+        mamba_ssm's residual_in_fp32.
       out_dtype: dtype of the normalized output (default: x.dtype).
       return_residual: also return h (default True; False for the final norm, whose h nothing reads).
       backend: "auto", "cutile", "cutile_callback" or "xla".
@@ -261,10 +262,13 @@ def add_rms_norm(x, residual, weight, *, eps: float = 1e-5, residual_dtype=None,
     api = "add_rms_norm"
     eps = _check_common(api, x, weight, eps)
     return_residual = check_flag(api, "return_residual", return_residual)
-    check_array(api, "residual", residual, "x.shape", x.shape)
-    residual_dtype = float_dtype(api, "residual_dtype", jnp.result_type(x, residual) if residual_dtype is None
-                                  else residual_dtype)
+    if residual is not None:
+        check_array(api, "residual", residual, "x.shape", x.shape)
+    residual_dtype = float_dtype(api, "residual_dtype", jnp.result_type(x, *(() if residual is None else (residual,)))
+                                 if residual_dtype is None else residual_dtype)
     out_dtype = float_dtype(api, "out_dtype", x.dtype if out_dtype is None else out_dtype)
+    if residual is None:
+        return _first_add_rms_norm(api, x, weight, eps, residual_dtype, out_dtype, return_residual, backend)
 
     def reference_fn(x, z, residual, weight):
         del z
@@ -273,4 +277,21 @@ def add_rms_norm(x, residual, weight, *, eps: float = 1e-5, residual_dtype=None,
 
     out, h = _dispatch(api, backend, reference_fn, x, None, residual, weight, group_size=x.shape[-1],
                        norm_before_gate=False, eps=eps, out_dtype=out_dtype, residual_dtype=residual_dtype)
+    return (out, h) if return_residual else out
+
+
+def _first_add_rms_norm(api, x, weight, eps, residual_dtype, out_dtype, return_residual, backend):
+    """`add_rms_norm` without a residual stream: h = x rounded to residual_dtype, normalized as a plain RMSNorm of
+    h, so no zeros are added and no residual is read. The norm reads h rather than x (the same values where
+    residual_dtype holds x) so that x's gradient is the sum of h's two cotangents in h's dtype, rounded once to
+    x's, as with a residual."""
+    h = x.astype(residual_dtype)
+
+    def reference_fn(normed, z, residual, weight):
+        del z, residual
+        return reference.add_rms_norm(normed, None, weight, eps=eps, residual_dtype=normed.dtype,
+                                      out_dtype=out_dtype)[0], None
+
+    out, _ = _dispatch(api, backend, reference_fn, h, None, None, weight, group_size=x.shape[-1],
+                       norm_before_gate=False, eps=eps, out_dtype=out_dtype, residual_dtype=None)
     return (out, h) if return_residual else out

@@ -57,7 +57,7 @@ def add_rms_norm(x, residual, weight, *, eps, residual_dtype, out_dtype):
 
     Args:
       x: (..., features), the block input (the previous mixer's output, or the embedding).
-      residual: (..., features), the residual stream so far.
+      residual: (..., features), the residual stream so far, or None (the first block: h is x).
       weight: (features,).
       eps: added to the mean square.
       residual_dtype: dtype of the new residual stream (float32 with mamba_ssm's residual_in_fp32).
@@ -67,8 +67,9 @@ def add_rms_norm(x, residual, weight, *, eps, residual_dtype, out_dtype):
       (rms_norm(h) in out_dtype, h) with h = x + residual added in float32 (float64 for float64 operands) and
       rounded to residual_dtype; the norm reads the rounded h.
     """
-    compute_dtype = jnp.promote_types(jnp.float32, jnp.result_type(x, residual))
-    h = (x.astype(compute_dtype) + residual.astype(compute_dtype)).astype(residual_dtype)
+    compute_dtype = jnp.promote_types(jnp.float32, jnp.result_type(x, *(() if residual is None else (residual,))))
+    h = x.astype(compute_dtype) if residual is None else x.astype(compute_dtype) + residual.astype(compute_dtype)
+    h = h.astype(residual_dtype)
     # Normalized from the rounded h, widened: `rms_norm` returns its input's dtype, and a residual stream narrower
     # than out_dtype (bfloat16 under a float32 output) would round the output to it before out_dtype.
     norm_dtype = jnp.promote_types(jnp.float32, jnp.promote_types(residual_dtype, out_dtype))

@@ -64,6 +64,30 @@ def test_add_rms_norm_rounds_the_output_once_under_a_narrower_residual_stream():
     assert rel_l2(out, want) < 1e-6
 
 
+@pytest.mark.parametrize("x_dtype, residual_dtype, out_dtype", [
+    (jnp.bfloat16, jnp.float32, None), (jnp.float32, jnp.bfloat16, jnp.float32), (jnp.float32, None, None)])
+def test_add_rms_norm_without_a_residual_is_the_add_of_a_zero_stream(x_dtype, residual_dtype, out_dtype):
+    """residual=None (mamba_ssm's first block): h = x in residual_dtype and out its norm, outputs and gradients
+    those of adding a zero residual stream of that dtype, read from x alone."""
+    x = X.astype(x_dtype)
+    dtype = x_dtype if residual_dtype is None else residual_dtype
+    zeros = jnp.zeros(x.shape, dtype)
+    options = dict(eps=1e-5, residual_dtype=residual_dtype, out_dtype=out_dtype, backend="xla")
+
+    def loss(f):
+        def value(x, w):
+            out, h = f(x, w)
+            assert h.dtype == dtype and out.dtype == (out_dtype or x_dtype)
+            return jnp.sum(out.astype(jnp.float32) * jnp.cos(X)) + jnp.sum(h.astype(jnp.float32) ** 2)
+        return jax.value_and_grad(value, argnums=(0, 1))
+
+    got = loss(lambda x, w: jax_mamba2.add_rms_norm(x, None, w, **options))(x, W)
+    want = loss(lambda x, w: jax_mamba2.add_rms_norm(x, zeros, w, **options))(x, W)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype and rel_l2(a, b) == 0.0
+    assert "residual" not in str(jax.make_jaxpr(lambda x: jax_mamba2.add_rms_norm(x, None, W))(x))
+
+
 def test_empty_inputs_give_empty_outputs():
     x = jnp.zeros((0, 32), jnp.bfloat16)
     assert jax_mamba2.rms_norm(x, W, x).shape == (0, 32)

@@ -78,7 +78,8 @@ class Mamba2Block(nnx.Module):
     """Add -> RMSNorm -> Mamba2 (mamba_ssm `Block` with fused_add_norm semantics).
 
     `(hidden, residual) -> (mixer(norm(hidden + residual)), hidden + residual)`: the residual stream is carried
-    separately and kept in float32 when `residual_in_fp32`; the add and the norm are one `add_rms_norm`.
+    separately and kept in float32 when `residual_in_fp32`; the add and the norm are one `add_rms_norm`. A residual
+    of None (the first block's, as mamba_ssm's `Block(hidden_states, residual=None)`) starts the stream at hidden.
 
     Args:
       config: model configuration (d_model, norm_epsilon, residual_in_fp32 and the mixer's `ssm_cfg`).
@@ -108,25 +109,27 @@ class Mamba2Block(nnx.Module):
         return jnp.promote_types(jnp.float32, dtype) if self.residual_in_fp32 else dtype
 
     def _add_norm(self, hidden_states, residual):
+        stream = hidden_states if residual is None else residual
         normed, residual = self.norm.add_norm(hidden_states, residual,
-                                              residual_dtype=self.residual_dtype(hidden_states.dtype, residual.dtype))
+                                              residual_dtype=self.residual_dtype(hidden_states.dtype, stream.dtype))
         return normed.astype(hidden_states.dtype), residual
 
     def _check_inputs(self, api: str, hidden_states, residual, cache, *, sequence: bool) -> None:
-        """hidden_states and residual: (batch, seqlen, d_model) (or (batch, d_model) for a step), floating;
-        cache (unless None where a sequence is given) of the mixer's shapes for that batch."""
+        """hidden_states and residual (or None): (batch, seqlen, d_model) (or (batch, d_model) for a step),
+        floating; cache (unless None where a sequence is given) of the mixer's shapes for that batch."""
         names = ("batch", "seqlen", "d_model") if sequence else ("batch", "d_model")
         shape = _checks.check_named_array(api, "hidden_states", hidden_states,
                                           tuple((n, self.mixer.d_model if n == "d_model" else None) for n in names),
                                           kind="floating")
-        _checks.check_named_array(api, "residual", residual, tuple(zip(names, shape)), kind="floating")
+        if residual is not None:
+            _checks.check_named_array(api, "residual", residual, tuple(zip(names, shape)), kind="floating")
         _checks.check_batch_splits(api, "hidden_states", shape[0], self.mixer.mesh_axes)
         if cache is not None or not sequence:  # a step needs one
             _checks.check_cache(api, cache, *self.mixer.cache_axes(shape[0]))
 
     def __call__(self, hidden_states, residual, *, seq_idx=None):
-        """hidden_states, residual: (batch, seqlen, d_model) -> (hidden_states, residual); seq_idx: optional
-        (batch, seqlen) int ids of packed sequences (see `Mamba2.__call__`)."""
+        """hidden_states, residual: (batch, seqlen, d_model) -> (hidden_states, residual); residual may be None
+        (the first block); seq_idx: optional (batch, seqlen) int ids of packed sequences (see `Mamba2.__call__`)."""
         self._check_inputs("Mamba2Block.__call__", hidden_states, residual, None, sequence=True)
         normed, residual = self._add_norm(hidden_states, residual)
         return self.mixer(normed, seq_idx=seq_idx), residual
@@ -139,7 +142,8 @@ class Mamba2Block(nnx.Module):
         return out, residual, cache
 
     def step(self, hidden_states, residual, cache: Mamba2Cache):
-        """One token: hidden_states, residual (batch, d_model) -> (hidden_states, residual, cache)."""
+        """One token: hidden_states, residual (batch, d_model) (residual may be None) -> (hidden_states, residual,
+        cache)."""
         self._check_inputs("Mamba2Block.step", hidden_states, residual, cache, sequence=False)
         normed, residual = self._add_norm(hidden_states, residual)
         out, cache = self.mixer.step(normed, cache)

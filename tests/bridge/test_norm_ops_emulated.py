@@ -76,6 +76,27 @@ def test_emulated_op_forward_and_gradients_match_float64_reference(name):
     assert {k for k, v in got.items() if v is not None} == set(want)
 
 
+@pytest.mark.parametrize("x_dtype, residual_dtype", [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)])
+def test_emulated_add_rms_norm_without_a_residual_matches_the_xla_path(x_dtype, residual_dtype):
+    """residual=None on the kernels (a plain norm of x, or of x rounded to a narrower stream, no residual read):
+    outputs and gradients as the xla path's, and the kernels ran."""
+    arrays = make_inputs(CASES[next(iter(CASES))], seed=5)
+    x, weight = jnp.asarray(arrays["x"]).astype(x_dtype), jnp.asarray(arrays["weight"])
+    cotangent = jnp.cos(x.astype(jnp.float32))
+
+    def grads(backend):
+        def value(x, weight):
+            out, h = jax_mamba2.add_rms_norm(x, None, weight, eps=EPS, residual_dtype=residual_dtype,
+                                             out_dtype=jnp.float32, backend=backend)
+            return jnp.sum(out * cotangent) + jnp.sum(h.astype(jnp.float32) ** 2)
+        return jax.jit(jax.value_and_grad(value, argnums=(0, 1)))
+
+    assert "pure_callback" in str(jax.make_jaxpr(grads("cutile"))(x, weight))
+    got, want = grads("cutile")(x, weight), grads("xla")(x, weight)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype and rel_l2(a, b) < (TOLERANCE if x_dtype == jnp.float32 else 4e-3)
+
+
 def test_emulated_final_norm_without_its_residual_matches_float64_reference():
     """add_rms_norm(return_residual=False), the LM's final norm: the backward gets a zero residual cotangent."""
     case = CASES["add_norm"]

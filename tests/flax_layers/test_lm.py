@@ -255,6 +255,33 @@ def test_lm_rejects_bad_inputs(tiny_lm, call, error, message):
         call(tiny_lm)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_block_without_a_residual_starts_the_stream_at_its_input(tiny_lm, dtype):
+    """Mamba2Block(hidden, None) (mamba_ssm's first block): as with a zero residual stream of the stream's dtype
+    (float32 under residual_in_fp32), for the sequence, the prefill and a step, in value and gradient."""
+    block = _block(tiny_lm)
+    hidden = jax.random.normal(jax.random.key(3), (BATCH, SEQLEN, 32), jnp.float32).astype(dtype)
+    zeros = jnp.zeros(hidden.shape, jnp.float32)
+
+    def loss(residual):
+        def value(hidden):
+            out, stream = block(hidden, None if residual is None else residual)
+            assert stream.dtype == jnp.float32
+            return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(stream * jnp.cos(stream))
+        return jax.value_and_grad(value)(hidden)
+
+    def assert_equal(got, want):
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+    assert_equal(loss(None), loss(zeros))
+    cache = block.mixer.init_cache(BATCH)
+    assert_equal(block.prefill(hidden, None, cache), block.prefill(hidden, zeros, cache))
+    assert_equal(block.step(hidden[:, 0], None, cache), block.step(hidden[:, 0], zeros[:, 0], cache))
+
+
 @pytest.mark.parametrize("options, error, message", [
     (dict(chunk_tokens=0), ValueError, r"Mamba2LMHeadModel.loss: chunk_tokens=0 must be a positive int"),
     (dict(logits_dtype=jnp.int32), TypeError, r"Mamba2LMHeadModel.loss: logits_dtype=int32 must be one of"),
