@@ -116,6 +116,28 @@ def test_final_norm_without_its_residual_skips_the_zero_cotangent_and_matches_fl
     assert max(errors.values()) < TOLERANCE[case.dtype], errors
 
 
+@pytest.mark.parametrize("backend", ["cutile", "cutile_callback"])
+def test_first_block_norm_without_a_residual_matches_the_zero_stream_reference(backend):
+    """add_rms_norm(x, None, ...) at the LM's shape (bf16 x, float32 stream): the kernels normalize h = x in
+    float32 with no residual read; outputs and gradients as the float64 reference of a zero residual stream."""
+    case = LM_CASES["add_norm_16384x1024"]
+    arrays = make_inputs(case, seed=6)
+    x, w, dout, dh = (jnp.asarray(arrays[n]) for n in ("x", "weight", "dout", "dresidual_out"))
+
+    def loss(x, w):
+        out, h = jax_mamba2.add_rms_norm(x, None, w, eps=EPS, residual_dtype=jnp.float32, backend=backend)
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)) + jnp.sum(h * dh.astype(jnp.float32))
+
+    zero_stream = {**arrays, "residual": np.zeros_like(arrays["residual"])}
+    want = oracle(case, zero_stream)
+    out, h = jax.jit(lambda x, w: jax_mamba2.add_rms_norm(x, None, w, eps=EPS, residual_dtype=jnp.float32,
+                                                           backend=backend))(x, w)
+    dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    errors = {"out": rel_l2(out, want["out"]), "residual_out": rel_l2(h, want["residual_out"]),
+              "dx": rel_l2(dx, want["dx"]), "dweight": rel_l2(dw, want["dweight"])}
+    assert h.dtype == jnp.float32 and max(errors.values()) < TOLERANCE[case.dtype], errors
+
+
 def test_weight_gradient_is_bitwise_reproducible():
     case = LM_CASES["gated_before_16384x2048"]
     arrays = make_inputs(case, seed=2)
