@@ -2,11 +2,13 @@
 `model.safetensors.index.json`) and PyTorch state dicts (`pytorch_model.bin`, or shards listed by
 `pytorch_model.bin.index.json`; torch maps each, or reads it whole where it is in torch's legacy format). Each
 tensor is a `StoredTensor`: its shape and dtype as the file names them, and a function that reads its values, so
-that a load checks every name and shape before it reads any value of a safetensors file (a legacy PyTorch file is
-read whole when it is opened).
+that a load checks every name and shape before it reads any value (though a legacy PyTorch file is read whole when
+it is opened).
 """
 import contextlib
+import inspect
 import json
+import math
 import pathlib
 import pickle
 import zipfile
@@ -88,12 +90,18 @@ def _float8_reader(file: pathlib.Path, caller: str, handles: contextlib.ExitStac
 
     def read(name):
         shape, dtype = headers[name]
-        start, end = header[name]["data_offsets"]
+        entry = header.get(name)
+        start, end = entry.get("data_offsets", (0, -1)) if isinstance(entry, dict) else (0, -1)
+        if (entry or {}).get("dtype") != dtype or end - start != math.prod(shape):  # one byte a value
+            raise ValueError(f"{unreadable}: its header gives {name} as {entry}, where safetensors read "
+                             f"{dtype} of shape {shape}")
         try:
             raw.seek(8 + header_length + start)
             data = raw.read(end - start)
         except OSError as e:
             raise ValueError(f"{unreadable}: {e}") from e
+        if len(data) != end - start:
+            raise ValueError(f"{unreadable}: it ends within {name}'s bytes")
         return np.frombuffer(data, _SAFETENSORS_FLOAT8[dtype]).reshape(shape).astype(np.float32)
     return read
 
@@ -184,46 +192,50 @@ def _sharded_tensors(index: pathlib.Path, caller: str,
 
 def _torch_tensors(file: pathlib.Path, caller: str) -> dict[str, StoredTensor]:
     """The tensors of a PyTorch state dict file (`pytorch_model.bin` or one of its shards) by name (`torch.load`
-    with weights_only: no pickled code runs), converted by `_torch_array`. A file in torch's zip format (every
-    `torch.save` since torch 1.6) is memory-mapped, so that the host holds only the pages a tensor's values are
-    read from (and the float tensors `_torch_array` widens); one in the legacy format cannot be, and is read
-    whole."""
+    with weights_only: no pickled code runs), each known by its shape and torch dtype, its values converted by
+    `_torch_array` only when read. A file in torch's zip format (every `torch.save` since torch 1.6) is
+    memory-mapped where torch can (2.1 and later), so that the host holds only the pages of the tensors read, and
+    a read copies its values out of the mapping (a view of it would change with the file, or fault, should the
+    file be rewritten); one in the legacy format cannot be mapped, and is read whole."""
     try:
         import torch
     except ImportError as e:
         raise ImportError(f"{caller}: {file} needs torch (pip install torch), or convert the checkpoint to "
                           "model.safetensors") from e
+    mapped = zipfile.is_zipfile(file) and "mmap" in inspect.signature(torch.load).parameters
     try:
-        state_dict = torch.load(file, map_location="cpu", mmap=zipfile.is_zipfile(file), weights_only=True)
+        state_dict = torch.load(file, map_location="cpu", weights_only=True, **({"mmap": True} if mapped else {}))
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
         raise ValueError(f"{caller}: {file} is not a readable PyTorch state dict: {e}") from e
     if not isinstance(state_dict, dict):
         raise ValueError(f"{caller}: {file} must hold a state dict (tensors by name), not "
                          f"{type(state_dict).__name__}")
-    arrays = {name: _torch_array(torch, tensor, name, file, caller) for name, tensor in state_dict.items()}
-    return {name: StoredTensor(array.shape, lambda array=array: array, array.dtype.name,
-                               np.issubdtype(array.dtype, np.floating), _TORCH_FLOATS)
-            for name, array in arrays.items()}
+    tensors = {}
+    for name, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{caller}: {file} holds {name!r}: {type(tensor).__name__}, not a tensor; it must hold "
+                             "a state dict (tensors by name), e.g. what model.state_dict() returns")
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        tensors[name] = StoredTensor(
+            tuple(tensor.shape), lambda tensor=tensor, name=name: _torch_array(torch, tensor, name, file, caller,
+                                                                               copy=mapped),
+            dtype, dtype in _TORCH_FLOATS, _TORCH_FLOATS)
+    return tensors
 
 
-def _torch_array(torch, tensor, name: str, file: pathlib.Path, caller: str) -> np.ndarray:
+def _torch_array(torch, tensor, name: str, file: pathlib.Path, caller: str, *, copy: bool) -> np.ndarray:
     """A state dict's tensor as a NumPy array of its shape: detached (a saved `nn.Parameter` loads requiring grad,
-    which `.numpy()` refuses), and a float NumPy has no dtype for (bfloat16, float8) widened to float32, which
-    holds its every value exactly.
+    which `.numpy()` refuses), a float NumPy has no dtype for (bfloat16, float8) widened to float32, which holds
+    its every value exactly, and with `copy` (a memory-mapped file's tensor) in memory of its own.
 
     Raises:
-      ValueError: naming the entry, for a value that is not a tensor (a nested dict: a training checkpoint
-        rather than a state dict).
       TypeError: naming the entry, for a tensor of a dtype NumPy cannot hold (quantized, packed float4, ...).
     """
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{caller}: {file} holds {name!r}: {type(tensor).__name__}, not a tensor; it must hold a "
-                         "state dict (tensors by name), e.g. what model.state_dict() returns")
     tensor = tensor.detach()
     try:
         if tensor.is_floating_point() and tensor.dtype not in (torch.float16, torch.float32, torch.float64):
-            tensor = tensor.float()  # torch converts no packed float (float4_e2m1fn_x2: two values a byte)
-        return tensor.numpy()
+            return tensor.float().numpy()  # a copy; torch converts no packed float (float4_e2m1fn_x2: two a byte)
+        return np.array(tensor.numpy()) if copy else tensor.numpy()
     except (TypeError, RuntimeError) as e:
         raise TypeError(f"{caller}: {file} holds {name} as a {tensor.dtype} tensor, which NumPy cannot hold: "
                         f"{e}") from e

@@ -1,6 +1,7 @@
 """Tests of load_pretrained / save_pretrained and Orbax checkpoints (jax_mamba2/flax_layers/checkpoint.py)."""
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -1188,19 +1189,46 @@ def test_checkpoint_maps_zip_format_pytorch_files_and_reads_legacy_ones_whole(tm
     arrays = _torch_state_dict(model, "backbone.embedding.weight")
     (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
     mmaps, real_load = [], torch.load
-    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: mmaps.append(kwargs.get("mmap")) or real_load(
-        *args, **kwargs))
+
+    @functools.wraps(real_load)  # its signature too: the loader asks it whether torch maps files
+    def load(*args, **kwargs):
+        mmaps.append(kwargs.get("mmap"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load)
     for zip_format in (True, False):
         torch.save({name: torch.from_numpy(np.array(array)) for name, array in arrays.items()},
                    tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=zip_format)
         mmaps.clear()
         read = checkpoint_module.load_hf_state(tmp_path)
-        assert mmaps == [zip_format]
+        assert mmaps == [True if zip_format else None]
         assert sorted(read) == sorted(arrays)
         for name, array in read.items():
             assert array.dtype == np.float32, name
             np.testing.assert_array_equal(array, arrays[name], err_msg=name)
         _assert_same_params(load_pretrained(tmp_path, backend="xla"), model)
+        # What was read is the loader's own: rewriting the mapped file in place changes none of it.
+        with open(tmp_path / "pytorch_model.bin", "r+b") as f:
+            f.write(b"\0" * (tmp_path / "pytorch_model.bin").stat().st_size)
+        for name, array in read.items():
+            np.testing.assert_array_equal(array, arrays[name], err_msg=name)
+
+
+def test_checkpoint_pytorch_shapes_are_checked_before_any_value_is_read(tmp_path, tiny_config, monkeypatch):
+    """A PyTorch file's tensors are known by their shapes and dtypes until read: a wrong shape is refused before
+    any tensor's values are converted (a bf16 file is not widened whole to find it)."""
+    torch = pytest.importorskip("torch")
+    arrays = _torch_state_dict(_random_model(tiny_config), "backbone.embedding.weight")
+    arrays["backbone.layers.0.mixer.D"] = arrays["backbone.layers.0.mixer.D"][:-1]
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
+    torch.save({name: torch.from_numpy(np.array(a)).to(torch.bfloat16) for name, a in arrays.items()},
+               tmp_path / "pytorch_model.bin")
+    reads, real_array = [], weight_files._torch_array
+    monkeypatch.setattr(weight_files, "_torch_array", lambda *args, **kwargs: reads.append(args[2]) or real_array(
+        *args, **kwargs))
+    with pytest.raises(ValueError, match=r"backbone.layers.0.mixer.D.shape="):
+        load_pretrained(tmp_path, backend="xla")
+    assert reads == []
 
 
 def test_checkpoint_loads_safetensors_float8_widened_as_pytorch_float8(tmp_path, tiny_config):
@@ -1239,7 +1267,9 @@ def test_checkpoint_loads_safetensors_float8_widened_as_pytorch_float8(tmp_path,
 
 def test_checkpoint_load_refuses_a_pytorch_tensor_that_is_not_a_float_by_torch_s_dtype_names(tmp_path, tiny_config):
     """A PyTorch file's integer tensor is refused listing torch's float dtypes (not safetensors' names), and one of
-    a packed float dtype that torch converts to no NumPy array (float4_e2m1fn_x2) is named, not a torch error."""
+    a packed float dtype that torch converts to no NumPy array (float4_e2m1fn_x2) is named, not a torch error: by
+    load_pretrained as no parameter dtype before anything is read, by load_hf_state (which reads it) as one NumPy
+    cannot hold."""
     torch = pytest.importorskip("torch")
     arrays = _torch_state_dict(_random_model(tiny_config), "backbone.embedding.weight")
     stored = {name: torch.from_numpy(np.array(array)) for name, array in arrays.items()}
@@ -1253,10 +1283,12 @@ def test_checkpoint_load_refuses_a_pytorch_tensor_that_is_not_a_float_by_torch_s
     if hasattr(torch, "float4_e2m1fn_x2"):
         packed = torch.zeros(arrays[name].shape, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
         torch.save({**stored, name: packed}, tmp_path / "pytorch_model.bin")
-        for read in (load_pretrained, checkpoint_module.load_hf_state):
-            with pytest.raises(TypeError, match=rf"{read.__name__}: {tmp_path}/pytorch_model.bin holds {name} as a "
-                                                r"torch.float4_e2m1fn_x2 tensor, which NumPy cannot hold"):
-                read(tmp_path)
+        with pytest.raises(TypeError, match=rf"load_pretrained: {name} holds float4_e2m1fn_x2 values; a parameter "
+                                            r"must be stored in a float dtype \(float64, "):
+            load_pretrained(tmp_path, backend="xla")
+        with pytest.raises(TypeError, match=rf"load_hf_state: {tmp_path}/pytorch_model.bin holds {name} as a "
+                                            r"torch.float4_e2m1fn_x2 tensor, which NumPy cannot hold"):
+            checkpoint_module.load_hf_state(tmp_path)
 
 
 def test_checkpoint_load_checks_every_name_and_shape_before_reading_a_tensor(tmp_path, tiny_config, monkeypatch):
