@@ -277,17 +277,20 @@ def main(argv=None) -> int:
     prompts = [tokenizer.encode(text) for text in args.prompt]
     if not all(prompts):
         raise SystemExit("generate.py: a --prompt encodes to no tokens")
+    longest = max(len(p) for p in prompts)
+    if longest + args.max_new_tokens > INT32_MAX:  # the output's axis, known once the prompts are tokens
+        raise SystemExit(f"generate.py: --max-new-tokens {args.max_new_tokens} after a prompt of {longest} tokens "
+                         f"must make at most 2**31 - 1 tokens (an array axis)")
     rows = [p for p in prompts for _ in range(args.batch)]
     prompt_ids, prompt_lengths = left_padded(rows)
     batch = len(rows)
 
     rng = jax.random.key(args.seed)
-    try:  # the prefill and 1st token, then all; also where generate checks the options argparse let through (the
-        # tokens of the prompts with --max-new-tokens, before it runs the second)
+    try:  # the prefill and 1st token; also where generate checks the options argparse let through
         _, _, prefill_s = timed_generate(model, prompt_ids, prompt_lengths, 1, args, rng)
-        tokens, first_s, run_s = timed_generate(model, prompt_ids, prompt_lengths, args.max_new_tokens, args, rng)
     except (ValueError, TypeError) as error:  # its message names the option (or the prompt's token id)
         raise SystemExit(f"generate.py: {error}") from None
+    tokens, first_s, run_s = timed_generate(model, prompt_ids, prompt_lengths, args.max_new_tokens, args, rng)
     decode_s, steps = run_s - prefill_s, args.max_new_tokens - 1
     print(f"generated {batch} x {args.max_new_tokens} tokens after prompts of {sorted({len(p) for p in prompts})} "
           f"tokens: {batch * args.max_new_tokens / run_s:,.0f} tokens/s with the prefill "
