@@ -10,6 +10,9 @@ and the result is rounded to the computation dtype once, as causal_conv1d's CUDA
 in its own dtype and accumulate in float32).
 Nothing here validates its arguments: `jax_mamba2.causal_conv1d_silu` does.
 """
+import functools
+
+import jax
 import jax.numpy as jnp
 
 
@@ -31,7 +34,7 @@ def causal_conv1d(x, kernel, bias=None, conv_state=None, *, seq_idx=None, dtype=
     d_conv = kernel.shape[0]
     seqlen = x.shape[1]
     dtype = dtype or jnp.result_type(x, kernel)
-    window = _widened(_window(x, d_conv, conv_state), dtype)
+    window = jnp.concatenate([_state_columns(x, d_conv, conv_state, dtype), _widened(x, dtype)], axis=1)
     # window[:, d_conv + t] is input column t; output t reads window columns t+1 .. t+d_conv.
     taps = [window[:, k + 1: k + 1 + seqlen] for k in range(d_conv)]
     if seq_idx is not None:
@@ -66,6 +69,31 @@ def _window(x, d_conv, conv_state):
         conv_state = jnp.zeros((batch, channels, d_conv), x.dtype)
     conv_state = jnp.pad(conv_state, ((0, 0), (0, 0), (d_conv - conv_state.shape[-1], 0)))
     return jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(x.dtype), x], axis=1)
+
+
+def _state_columns(x, d_conv, conv_state, dtype):
+    """The d_conv columns before x (batch, d_conv, channels) in the accumulation dtype: conv_state's (zeros without
+    it; a zero column first for a (d_conv - 1)-column state) rounded to x's dtype, then to dtype, as `_window`
+    rounds them, their cotangent returned unrounded (in the accumulation dtype, then conv_state's), as the kernels
+    return it: a float32 state's gradient is not rounded to a bfloat16 x's precision."""
+    acc_dtype = jnp.promote_types(jnp.float32, dtype)
+    if conv_state is None:
+        return jnp.zeros((x.shape[0], d_conv, x.shape[2]), acc_dtype)
+    columns = jnp.swapaxes(jnp.pad(conv_state, ((0, 0), (0, 0), (d_conv - conv_state.shape[-1], 0))), 1, 2)
+    return _rounded_keeping_cotangent(columns, jnp.dtype(x.dtype), jnp.dtype(dtype), jnp.dtype(acc_dtype))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def _rounded_keeping_cotangent(a, x_dtype, dtype, acc_dtype):
+    """a rounded to x_dtype, then dtype, as acc_dtype; differentiated as a plain conversion to acc_dtype, so its
+    tangent and cotangent pass unrounded (forward and reverse mode alike)."""
+    return a.astype(x_dtype).astype(dtype).astype(acc_dtype)
+
+
+@_rounded_keeping_cotangent.defjvp
+def _rounded_jvp(x_dtype, dtype, acc_dtype, primals, tangents):
+    (a,), (a_dot,) = primals, tangents
+    return _rounded_keeping_cotangent(a, x_dtype, dtype, acc_dtype), a_dot.astype(acc_dtype)
 
 
 def causal_conv1d_step(x, conv_state, kernel, bias=None, *, dtype=None):

@@ -330,6 +330,29 @@ def test_xla_path_sums_the_taps_cotangents_in_float32(seed):
     assert errors["dx"][0] < 6e-3 and errors["dinit"][0] < 6e-3, errors
 
 
+def test_xla_path_returns_a_float32_state_gradient_unrounded_to_bfloat16_x():
+    """A float32 initial state under bf16 x: the forward rounds its columns to bf16 (as it rounds x), but their
+    gradient is summed in float32 and returned so, as the kernels return it (not rounded to x's precision first),
+    forward mode runs too; with a bf16-exact cotangent of y and no SiLU it is the float64 gradient to float32
+    rounding."""
+    keys = jax.random.split(jax.random.PRNGKey(7), 4)
+    x = jax.random.normal(keys[0], (2, 16, 32)).astype(jnp.bfloat16)
+    kernel = 0.5 * jax.random.normal(keys[1], (4, 32))
+    init = jax.random.normal(keys[2], (2, 32, 4))
+    dy = jax.random.normal(keys[3], x.shape).astype(jnp.bfloat16).astype(jnp.float32)
+
+    def loss(init, kernel, x, dy):
+        y = conv1d.causal_conv1d_silu(x, kernel, initial_states=init, activation=None, backend="xla")
+        return jnp.sum(y.astype(dy.dtype) * dy)
+
+    got = jax.grad(loss)(init, kernel, x, dy)
+    with jax.enable_x64(True):
+        want = jax.grad(loss)(*(a.astype(jnp.float64) for a in (init.astype(jnp.bfloat16), kernel, x, dy)))
+    assert got.dtype == jnp.float32 and rel_l2(got, want) < 1e-6, rel_l2(got, want)
+    tangent = jax.jvp(lambda i: loss(i, kernel, x, dy), (init,), (jnp.ones_like(init),))[1]
+    assert np.isclose(float(tangent), float(jnp.sum(got)), rtol=1e-2)  # y and its tangent in bf16
+
+
 def test_decode_step_takes_the_float32_kernel_and_bias_as_the_sequence_does():
     """`causal_conv1d_step` (the layers' composed decode step) of a bf16 token with a float32 kernel and bias that
     bf16 cannot hold: the op's output for that token after the same state, which matches the float64 reference
