@@ -1265,6 +1265,24 @@ def test_checkpoint_loads_safetensors_float8_widened_as_pytorch_float8(tmp_path,
                                       expected["backbone.layers.2.mixer.D"])
 
 
+def test_checkpoint_float8_read_of_a_file_cut_short_names_the_file(tmp_path, tiny_config):
+    """A safetensors file cut short in place after it was opened: reading a float8 tensor whose bytes are gone fails
+    naming the file and the tensor, not with NumPy's reshape error."""
+    state = _torch_state_dict(_random_model(tiny_config), "backbone.embedding.weight")
+    name = "backbone.layers.2.mixer.D"
+    state[name] = state[name].astype(ml_dtypes.float8_e4m3fn)
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
+    save_file(state, tmp_path / "model.safetensors")
+    file = tmp_path / "model.safetensors"
+    header_end = 8 + int.from_bytes(file.read_bytes()[:8], "little")
+    with contextlib.ExitStack() as handles:
+        _, tensors = weight_files.open_weights(tmp_path, "load_hf_state", handles)
+        os.truncate(file, header_end)  # nothing but the header left: safetensors' own map is not read again
+        with pytest.raises(ValueError, match=rf"load_hf_state: {file} is not a readable safetensors file: it ends "
+                                             rf"within {name}'s bytes"):
+            tensors[name].read()
+
+
 def test_checkpoint_load_refuses_a_pytorch_tensor_that_is_not_a_float_by_torch_s_dtype_names(tmp_path, tiny_config):
     """A PyTorch file's integer tensor is refused listing torch's float dtypes (not safetensors' names), and one of
     a packed float dtype that torch converts to no NumPy array (float4_e2m1fn_x2) is named, not a torch error: by
