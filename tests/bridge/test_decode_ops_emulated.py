@@ -1,12 +1,15 @@
 """The decode ops' kernel path end to end on the CPU: jax_mamba2.norm_project / mixer_step with backend="cutile",
-whose plans (bridge/decode_ops.py) run block by block on the NumPy emulator in float64 through jax.pure_callback.
+whose plans (bridge/decode_ops.py) run block by block on the NumPy emulator in float64 through jax.pure_callback
+(the mixer step also in the arrays' own dtypes, against the float64 reference).
 Checked against the xla path, with gradients (the reference's VJP), vmap (rows folded into one launch), jit, and
 inside the layers: `Mamba2.step` and the LM's fused step over several tokens (the SSM state stack threaded
 through every layer's launch) against the same models on xla, and `generate` with every op of the LM emulated."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -22,7 +25,7 @@ from tests._helpers import rel_l2  # noqa: E402
 from tests.bridge._emulated_backend import EMULATED, emulate_layer_kernels  # noqa: E402
 from tests.kernels import _cutile_emulator as emulator  # noqa: E402
 from tests.kernels._decode_checks import (MIXER_CASES, PROJECTION_CASES, assert_lm_steps_match,  # noqa: E402
-                                          mixer_inputs, projection_inputs)
+                                          mixer_inputs, mixer_oracle, projection_inputs)
 from tests.test_decode_ops import gated_norm_chain, project, step  # noqa: E402
 
 # The arrays between the plans and XLA are in their own dtypes (the emulated kernels compute in float64).
@@ -55,6 +58,38 @@ def test_emulated_mixer_step_matches_xla(name):
     got, want = (step(case, arrays, layer=case.layer, backend=b) for b in ("cutile", "xla"))
     assert max(rel_l2(got[k], want[k]) for k in want) < TOLERANCE[case.dtype]
     assert all(got[k].dtype == want[k].dtype for k in want)
+
+
+# The plans run in the arrays' own dtypes against the float64 reference: their roundings.
+OWN_DTYPES_TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
+
+
+@pytest.mark.parametrize("name, param_dtype", [("gated_norm_mixer", "float32"), ("gate_in_step", "float32"),
+                                               ("bf16", "float32"), ("bf16", "bfloat16")])
+def test_emulated_mixer_step_in_the_kernels_dtypes_matches_float64_reference(name, param_dtype):
+    """mixer_step's plan through jax.pure_callback with the emulator in the arrays' own dtypes (float32; bfloat16
+    tokens and states under float32 or bfloat16 parameters): the kernel writes the SSM and conv state stacks in
+    place, which the FFI passes as buffers of the launch's own (InputOutput) and the callback receives as read-only
+    views of JAX's arrays. y and both stacks match the float64 reference within the dtypes' roundings, and the
+    caller's arrays are left as they were."""
+    case = MIXER_CASES[name]
+    arrays = mixer_inputs(case, seed=34)
+    for key in ("conv_weight", "conv_bias", "A_log", "dt_bias", "D"):
+        if arrays[key] is not None:
+            arrays[key] = arrays[key].astype(ml_dtypes.bfloat16 if param_dtype == "bfloat16" else param_dtype)
+    names = ("zxbcdt", "conv_state", "ssm_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D")
+    args = [None if arrays[n] is None else jnp.asarray(arrays[n]) for n in names]
+    kernels = decode_ops.make_kernels(functools.partial(emulator.jax_run_plan, float64=False))
+    with backends.kernels_replaced(decode.OP, "cutile", kernels):
+        y, ssm_state, conv_state = jax_mamba2.mixer_step(*args, **case.layout(), layer=case.layer, backend="cutile")
+    got = {"y": y, "ssm_state": ssm_state, "new_conv_state": conv_state[case.layer]}
+    want = mixer_oracle(case, arrays)
+    errors = {k: rel_l2(np.asarray(got[k], np.float64), want[k]) for k in want}
+    assert max(errors.values()) < OWN_DTYPES_TOLERANCE[case.dtype], errors
+    assert ssm_state.dtype == conv_state.dtype == jnp.dtype(case.state_dtype)
+    for n, a in zip(names, args):
+        if a is not None:
+            np.testing.assert_array_equal(np.asarray(a), arrays[n], err_msg=n)
 
 
 def test_emulated_mixer_step_keeps_a_nan_time_step_through_the_dt_limit():

@@ -413,8 +413,9 @@ def run_concurrently(pyfunc, args, grid, *, timeout_s=120.0):
 
 def jax_run_plan(plan, arrays, *, float64=True):
     """A bridge RunPlan (jax_mamba2.bridge.ffi.run_plan's signature): `plan` on this emulator through
-    `jax.pure_callback` (in float64 by default), its outputs cast to the plan's dtypes. Works under jit, vmap
-    rules, shard_map (per shard) and remat like the FFI path."""
+    `jax.pure_callback` (in float64 by default), its outputs cast to the plan's dtypes; inputs a launch writes
+    are copied first, as the FFI path leaves the caller's arrays unchanged. Works under jit, vmap rules, shard_map
+    (per shard) and remat like the FFI path."""
     import jax
     import jax.numpy as jnp
 
@@ -423,8 +424,15 @@ def jax_run_plan(plan, arrays, *, float64=True):
               else jax.ShapeDtypeStruct(plan.buffers[n].shape, jnp.dtype(plan.buffers[n].dtype))
               for n in plan.outputs]
 
+    written = {name for launch in plan.launches for name in launch.writes}
+
     def host(*values):
-        out = run_plan(plan, dict(zip(names, map(np.asarray, values))), float64=float64)
+        # An input a launch writes (decode_mixer's state stacks) is an InputOutput of the FFI path: the kernel
+        # writes a buffer XLA gives it, never the caller's array. The callback's arguments are read-only views
+        # of JAX's arrays, which run_plan in the arrays' own dtypes would write (float64 mode converts, so copies,
+        # every float input), so such inputs are copied.
+        inputs = {n: np.array(v) if n in written else np.asarray(v) for n, v in zip(names, values)}
+        out = run_plan(plan, inputs, float64=float64)
         return tuple(out[n].astype(s.dtype) for n, s in zip(plan.outputs, shapes))
 
     return dict(zip(plan.outputs, jax.pure_callback(host, shapes, *(arrays[n] for n in names))))
