@@ -178,8 +178,9 @@ def causal_conv1d_silu(x, kernel, bias=None, *, seq_idx=None, initial_states=Non
     Returns:
       y (batch, seqlen, channels) in x.dtype; with `return_final_states` also final_states
       (batch, channels, d_conv): the last d_conv columns of x left-extended by initial_states (or zeros), in
-      initial_states' dtype (x's without them); with seq_idx, those of tokens before each row's last sequence
-      zero (the state of that sequence alone, as the decode cache needs it).
+      initial_states' dtype (x's without them; initial_states' columns carried over unrounded); with seq_idx,
+      those of tokens before each row's last sequence zero (the state of that sequence alone, as the decode cache
+      needs it).
 
     Raises:
       ValueError / TypeError: on a wrong shape, dtype or option, naming the argument, before any

@@ -47,34 +47,27 @@ def causal_conv1d(x, kernel, bias=None, conv_state=None, *, seq_idx=None, dtype=
 
 def final_conv_state(x, d_conv, conv_state=None, seq_idx=None):
     """The state after the sequence: the last d_conv columns of x left-extended by conv_state (as in
-    `causal_conv1d`), (batch, channels, d_conv) in conv_state's dtype (x's when None). With the ids of packed
-    sequences `seq_idx` (batch, seqlen) (which conv_state does not combine with), the columns of tokens before each
-    row's last sequence are zero, as a call on that sequence alone leaves them: no value of another sequence, a NaN
-    included, is carried on."""
+    `causal_conv1d`), (batch, channels, d_conv) in conv_state's dtype (x's when None): x's columns converted to it,
+    conv_state's carried over as they are (a sequence shorter than d_conv leaves some; `causal_conv1d_step` shifts
+    them so too). With the ids of packed sequences `seq_idx` (batch, seqlen) (which conv_state does not combine
+    with), the columns of tokens before each row's last sequence are zero, as a call on that sequence alone leaves
+    them: no value of another sequence, a NaN included, is carried on."""
+    batch, seqlen, channels = x.shape
     state_dtype = x.dtype if conv_state is None else conv_state.dtype
-    state = jnp.swapaxes(_window(x, d_conv, conv_state)[:, -d_conv:], 1, 2)
-    seqlen = x.shape[1]
+    before = (jnp.zeros((batch, channels, d_conv), state_dtype) if conv_state is None else
+              jnp.pad(conv_state, ((0, 0), (0, 0), (d_conv - conv_state.shape[-1], 0))))
+    state = jnp.concatenate([before, jnp.swapaxes(x, 1, 2).astype(state_dtype)], axis=-1)[..., -d_conv:]
     if seq_idx is not None and seqlen:
         positions = seqlen - d_conv + jnp.arange(d_conv)  # column j holds token seqlen - d_conv + j
         same = jnp.take(seq_idx, jnp.maximum(positions, 0), axis=1) == seq_idx[:, -1:]  # (batch, d_conv)
         state = jnp.where(((positions >= 0) & same)[:, None, :], state, 0)
-    return state.astype(state_dtype)
-
-
-def _window(x, d_conv, conv_state):
-    """x (batch, seqlen, channels) left-extended by conv_state's columns as (batch, d_conv + seqlen, channels)
-    in x's dtype; a (d_conv - 1)-column state gets a zero column first (it is never read)."""
-    batch, _, channels = x.shape
-    if conv_state is None:
-        conv_state = jnp.zeros((batch, channels, d_conv), x.dtype)
-    conv_state = jnp.pad(conv_state, ((0, 0), (0, 0), (d_conv - conv_state.shape[-1], 0)))
-    return jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(x.dtype), x], axis=1)
+    return state
 
 
 def _state_columns(x, d_conv, conv_state, dtype):
     """The d_conv columns before x (batch, d_conv, channels) in the accumulation dtype: conv_state's (zeros without
-    it; a zero column first for a (d_conv - 1)-column state) rounded to x's dtype, then to dtype, as `_window`
-    rounds them, their cotangent returned unrounded (in the accumulation dtype, then conv_state's), as the kernels
+    it; a zero column first for a (d_conv - 1)-column state) rounded to x's dtype, then to dtype, as x's columns
+    are, their cotangent returned unrounded (in the accumulation dtype, then conv_state's), as the kernels
     return it: a float32 state's gradient is not rounded to a bfloat16 x's precision."""
     acc_dtype = jnp.promote_types(jnp.float32, dtype)
     if conv_state is None:

@@ -353,6 +353,27 @@ def test_xla_path_returns_a_float32_state_gradient_unrounded_to_bfloat16_x():
     assert np.isclose(float(tangent), float(jnp.sum(got)), rtol=1e-2)  # y and its tangent in bf16
 
 
+@pytest.mark.parametrize("backend", ["xla", "emulated"])
+def test_final_states_carry_a_float32_states_columns_unrounded(emulated, backend):
+    """A sequence shorter than d_conv under bf16 x leaves columns of a float32 initial state in the final state:
+    they are carried over as they are (x's columns converted to float32 exactly), as `causal_conv1d_step` shifts
+    the state, so a two-token call and two steps leave the same state."""
+    keys = jax.random.split(jax.random.PRNGKey(11), 3)
+    x = jax.random.normal(keys[0], (2, 2, 16)).astype(jnp.bfloat16)
+    kernel = jax.random.normal(keys[1], (4, 16))
+    init = jax.random.normal(keys[2], (2, 16, 4))
+    assert not bool(jnp.any(init.astype(jnp.bfloat16).astype(jnp.float32) == init))
+    _, final = conv1d.causal_conv1d_silu(x, kernel, initial_states=init, return_final_states=True,
+                                         backend="cutile" if backend == "emulated" else "xla")
+    want = jnp.concatenate([init[..., 2:], jnp.swapaxes(x, 1, 2).astype(jnp.float32)], axis=-1)
+    assert final.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(final), np.asarray(want))
+    state = init
+    for t in range(x.shape[1]):
+        _, state = conv1d_reference.causal_conv1d_step(x[:, t], state, kernel, dtype=x.dtype)
+    np.testing.assert_array_equal(np.asarray(state), np.asarray(final))
+
+
 def test_decode_step_takes_the_float32_kernel_and_bias_as_the_sequence_does():
     """`causal_conv1d_step` (the layers' composed decode step) of a bf16 token with a float32 kernel and bias that
     bf16 cannot hold: the op's output for that token after the same state, which matches the float64 reference
