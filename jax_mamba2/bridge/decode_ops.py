@@ -58,8 +58,8 @@ def mixer_unsupported_reason(dims: MixerStepDims) -> Optional[str]:
     """Why the mixer step kernel cannot run this call here (None when it can)."""
     reason = _symbolic_sizes_reason(dims) or _dtypes_unsupported_reason({
         "zxbcdt": dims.dtype, "conv_state": dims.conv_state_dtype, "ssm_state": dims.ssm_state_dtype,
-        "conv_weight": dims.conv_weight_dtype, "A_log": dims.A_log_dtype, "dt_bias": dims.dt_bias_dtype,
-        "D": dims.D_dtype})
+        "conv_weight": dims.conv_weight_dtype, "conv_bias": dims.conv_bias_dtype, "A_log": dims.A_log_dtype,
+        "dt_bias": dims.dt_bias_dtype, "D": dims.D_dtype})
     return reason or decode_mixer.mixer_step_unsupported_reason(dims) or gpu_unavailable_reason()
 
 
@@ -221,7 +221,8 @@ def mixer_dims(zxbcdt, conv_state, conv_weight, conv_bias, A_log, dt_bias, D, ss
         norm_before_gate=norm_before_gate, d_per_channel=D.ndim == 3,
         has_conv_bias=conv_bias is not None, dt_softplus=True, dt_limit=tuple(dt_limit), dtype=_name(zxbcdt.dtype),
         conv_state_dtype=_name(conv_state.dtype), ssm_state_dtype=_name(ssm_state.dtype),
-        conv_weight_dtype=_name(conv_weight.dtype), A_log_dtype=_name(A_log.dtype),
+        conv_weight_dtype=_name(conv_weight.dtype),
+        conv_bias_dtype=None if conv_bias is None else _name(conv_bias.dtype), A_log_dtype=_name(A_log.dtype),
         dt_bias_dtype=_name(dt_bias.dtype), D_dtype=_name(D.dtype))
 
 

@@ -75,7 +75,7 @@ class MixerStepDims:
     it. norm_z_offset: None, or where the gate of the gated norm that follows starts in zxbcdt: y is then the
     norm's input in float32 (y gated by it, y itself with norm_before_gate), and the step also writes each block's
     sum of its squares, the norm's statistics in pieces (`sum_squares_parts`). Dtypes as numpy names: dtype is
-    zxbcdt's (T), the others the arrays'.
+    zxbcdt's (T), the others the arrays' (conv_bias_dtype None: conv_weight's, as the dummy bias without one).
     """
 
     rows: int
@@ -99,6 +99,7 @@ class MixerStepDims:
     conv_state_dtype: str = "bfloat16"
     ssm_state_dtype: str = "bfloat16"
     conv_weight_dtype: str = "float32"
+    conv_bias_dtype: Optional[str] = None
     A_log_dtype: str = "float32"
     dt_bias_dtype: str = "float32"
     D_dtype: str = "float32"
@@ -359,7 +360,8 @@ def mixer_step_inputs(dims: MixerStepDims) -> dict[str, Buffer]:
         "zxbcdt": Buffer((M, dims.in_width), dims.dtype),
         "conv_state": Buffer((L, M, dims.conv_dim, dims.d_conv), dims.conv_state_dtype),
         "conv_weight": Buffer((L, dims.d_conv, dims.conv_dim), dims.conv_weight_dtype),
-        "conv_bias": Buffer((L, dims.conv_dim) if dims.has_conv_bias else (1, 1), dims.conv_weight_dtype),
+        "conv_bias": Buffer((L, dims.conv_dim) if dims.has_conv_bias else (1, 1),
+                            dims.conv_bias_dtype or dims.conv_weight_dtype),
         "A_log": Buffer((L, H), dims.A_log_dtype),
         "dt_bias": Buffer((L, H), dims.dt_bias_dtype),
         "D": Buffer((L, H, P) if dims.d_per_channel else (L, H), dims.D_dtype),

@@ -65,23 +65,29 @@ OWN_DTYPES_TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
 
 
 @pytest.mark.parametrize("name, param_dtype", [("gated_norm_mixer", "float32"), ("gate_in_step", "float32"),
-                                               ("bf16", "float32"), ("bf16", "bfloat16")])
+                                               ("bf16", "float32"), ("bf16", "bfloat16"), ("bf16", "mixed")])
 def test_emulated_mixer_step_in_the_kernels_dtypes_matches_float64_reference(name, param_dtype):
     """mixer_step's plan through jax.pure_callback with the emulator in the arrays' own dtypes (float32; bfloat16
     tokens and states under float32 or bfloat16 parameters): the kernel writes the SSM and conv state stacks in
     place, which the FFI passes as buffers of the launch's own (InputOutput) and the callback receives as read-only
     views of JAX's arrays. y and both stacks match the float64 reference within the dtypes' roundings, and the
-    caller's arrays are left as they were."""
+    caller's arrays are left as they were. "mixed": bfloat16 parameters but a float32 conv bias, which the plan
+    declares and reads in its own dtype."""
     case = MIXER_CASES[name]
     arrays = mixer_inputs(case, seed=34)
     for key in ("conv_weight", "conv_bias", "A_log", "dt_bias", "D"):
         if arrays[key] is not None:
-            arrays[key] = arrays[key].astype(ml_dtypes.bfloat16 if param_dtype == "bfloat16" else param_dtype)
+            wide = param_dtype == "float32" or (param_dtype == "mixed" and key == "conv_bias")
+            arrays[key] = arrays[key].astype(np.float32 if wide else ml_dtypes.bfloat16)
     names = ("zxbcdt", "conv_state", "ssm_state", "conv_weight", "conv_bias", "A_log", "dt_bias", "D")
     args = [None if arrays[n] is None else jnp.asarray(arrays[n]) for n in names]
     kernels = decode_ops.make_kernels(functools.partial(emulator.jax_run_plan, float64=False))
     with backends.kernels_replaced(decode.OP, "cutile", kernels):
         y, ssm_state, conv_state = jax_mamba2.mixer_step(*args, **case.layout(), layer=case.layer, backend="cutile")
+    if param_dtype == "mixed":
+        zxbcdt, conv_state_in, ssm_state_in, *params = args
+        dims = decode_ops.mixer_dims(zxbcdt, conv_state_in, *params, ssm_state_in, **case.layout())
+        assert decode_mixer.mixer_step_inputs(dims)["conv_bias"].dtype == "float32"
     got = {"y": y, "ssm_state": ssm_state, "new_conv_state": conv_state[case.layer]}
     want = mixer_oracle(case, arrays)
     errors = {k: rel_l2(np.asarray(got[k], np.float64), want[k]) for k in want}
