@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_mamba2.flax_layers import Mamba2, Mamba2LMHeadModel, generate, shard_model
+from jax_mamba2.flax_layers import Mamba2, Mamba2Block, Mamba2LMHeadModel, generate, shard_model
 from jax_mamba2.flax_layers.partition import HeadShard, Segment
 from tests.flax_layers._programs import walk
 
@@ -162,6 +162,20 @@ def test_shard_model_generates_left_padded_prompts_like_one_device(tiny_config, 
     want = np.asarray(generate(model, prompt, 5, prompt_lengths=[1, 3, 7, 2]))
     shard_model(model, mesh)
     np.testing.assert_array_equal(generate(model, prompt, 5, prompt_lengths=[1, 3, 7, 2]), want)
+
+
+def test_a_sharded_block_takes_no_residual_as_one_device_does(tiny_config, mesh):
+    """Mamba2Block(hidden, None) with the block sharded: its norm runs per shard of the rows with no residual, and
+    the block's outputs are those of one device (and of a zero stream)."""
+    block = Mamba2Block(tiny_config, backend="xla", rngs=nnx.Rngs(0))
+    hidden = jax.random.normal(jax.random.key(4), (BATCH, SEQLEN, tiny_config.d_model))
+    want = block(hidden, None)
+    sharded = shard_model(block, mesh)
+    got = sharded(jax.device_put(hidden, NamedSharding(mesh, P("data"))), None)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    for a, b in zip(got, sharded(hidden, jnp.zeros_like(hidden))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_shard_model_rejects_unsplittable_models(tiny_config, mesh):
