@@ -192,10 +192,11 @@ def read_metrics(metrics_file: pathlib.Path) -> dict:
     return metrics
 
 
-def earlier_values(metrics_file: pathlib.Path, args, flags: tuple[str, ...]) -> dict:
-    """{flag: value} of those of `flags` whose value in the settings of the run that wrote `metrics_file` (with each
-    of its checkpoints) differs from `args`; empty where they agree or there is no file."""
-    written = read_metrics(metrics_file).get("args", {})
+def earlier_values(saved: dict, args, flags: tuple[str, ...]) -> dict:
+    """{flag: value} of those of `flags` whose value in the settings of the run that wrote `saved` (`read_metrics`:
+    the metrics.json written with each of its checkpoints) differs from `args`; empty where they agree or nothing
+    was saved."""
+    written = saved.get("args", {})
     return {name: written[name] for name in flags if name in written and written[name] != getattr(args, name)}
 
 
@@ -210,10 +211,10 @@ def earlier_flags(differ: dict, args) -> str:
                      for name, value in differ.items())
 
 
-def check_shape_flags(metrics_file: pathlib.Path, args, checkpoint: str) -> None:
-    """Exits naming the flags whose values differ from those of the run that wrote `metrics_file`, before a restore
-    that could only fail; no file, no check (Orbax's shape check remains)."""
-    differ = earlier_values(metrics_file, args, SHAPE_FLAGS)
+def check_shape_flags(saved: dict, args, checkpoint: str) -> None:
+    """Exits naming the flags whose values differ from those of the run that wrote `saved`, before a restore that
+    could only fail; nothing saved, no check (Orbax's shape check remains)."""
+    differ = earlier_values(saved, args, SHAPE_FLAGS)
     if differ:
         raise SystemExit(f"--resume: {checkpoint} was written by a model of other shapes; resume with the model "
                          f"flags of the run that wrote it: {earlier_flags(differ, args)}")
@@ -224,16 +225,16 @@ def check_shape_flags(metrics_file: pathlib.Path, args, checkpoint: str) -> None
 DATA_FLAGS = ("seed", "batch", "seq_len", "data_mb")
 
 
-def check_data_flags(metrics_file: pathlib.Path, args, checkpoint: str) -> str | None:
-    """Exits naming the DATA_FLAGS whose values differ from those of the run that wrote `metrics_file` (with each of
-    its checkpoints): the resumed steps would train on other batches than that run's. Without the file (a checkpoint
-    whose run was cut short before writing it, or copied without it) they cannot be checked: returns a line saying
-    so (None where the file is there)."""
-    differ = earlier_values(metrics_file, args, DATA_FLAGS)
+def check_data_flags(saved: dict, metrics_file: pathlib.Path, args, checkpoint: str) -> str | None:
+    """Exits naming the DATA_FLAGS whose values differ from those of the run that wrote `saved` (read from
+    `metrics_file`, written with each of its checkpoints): the resumed steps would train on other batches than that
+    run's. Without the file (a checkpoint whose run was cut short before writing it, or copied without it) they
+    cannot be checked: returns a line saying so (None where the file is there)."""
+    differ = earlier_values(saved, args, DATA_FLAGS)
     if differ:
         raise SystemExit(f"--resume: {checkpoint} was trained on the batches of other data flags; resume with those "
                          f"of the run that wrote it: {earlier_flags(differ, args)}")
-    if metrics_file.is_file():
+    if saved:
         return None
     flags = ", ".join(f"--{name.replace('_', '-')}" for name in DATA_FLAGS)
     return (f"--resume: no {metrics_file} records the flags of the run that wrote {checkpoint}; the resumed steps "
@@ -244,11 +245,11 @@ def check_data_flags(metrics_file: pathlib.Path, args, checkpoint: str) -> str |
 SCHEDULE_FLAGS = ("steps", "lr")
 
 
-def schedule_change(metrics_file: pathlib.Path, args, step: int) -> str | None:
-    """Where a resumed run's SCHEDULE_FLAGS differ from those of the run that wrote `metrics_file`, a line saying so
-    and what it does to the learning rate at `step`, the first step trained now (a longer --steps stretches the
-    cosine, so the rate jumps back up); None where they agree or no file says."""
-    differ = earlier_values(metrics_file, args, SCHEDULE_FLAGS)
+def schedule_change(saved: dict, args, step: int) -> str | None:
+    """Where a resumed run's SCHEDULE_FLAGS differ from those of the run that wrote `saved` (`read_metrics`), a line
+    saying so and what it does to the learning rate at `step`, the first step trained now (a longer --steps
+    stretches the cosine, so the rate jumps back up); None where they agree or nothing was saved."""
+    differ = earlier_values(saved, args, SCHEDULE_FLAGS)
     if not differ:
         return None
     before = argparse.Namespace(**{**vars(args), **differ})
@@ -281,9 +282,9 @@ def damaged_checkpoint(directory: pathlib.Path, step: int, steps, error: BaseExc
             f"incomplete or damaged ({type(error).__name__}: {first_line(error)}). Delete that folder to {then}")
 
 
-def resumed_history(metrics_file: pathlib.Path, step: int) -> dict:
-    """The loss history of an earlier run up to `step` (as of that run's last checkpoint)."""
-    history = read_metrics(metrics_file).get("history", {})
+def resumed_history(saved: dict, step: int) -> dict:
+    """The loss history of an earlier run (`saved`, `read_metrics`) up to `step` (as of its last checkpoint)."""
+    history = saved.get("history", {})
     return {name: [tuple(p) for p in history.get(name, []) if p[0] <= step] for name in ("train", "eval")}
 
 
@@ -404,8 +405,9 @@ def train(args, out: pathlib.Path, manager: ocp.CheckpointManager) -> int:
     elif args.resume:
         start = manager.latest_step()
         checkpoint = f"the checkpoint at step {start} in {out / 'checkpoints'}"
-        check_shape_flags(out / "metrics.json", args, checkpoint)
-        unchecked = check_data_flags(out / "metrics.json", args, checkpoint)
+        saved = read_metrics(out / "metrics.json")  # read once: every check below sees the same run's record
+        check_shape_flags(saved, args, checkpoint)
+        unchecked = check_data_flags(saved, out / "metrics.json", args, checkpoint)
         if unchecked:
             print(unchecked)
         try:
@@ -422,8 +424,8 @@ def train(args, out: pathlib.Path, manager: ocp.CheckpointManager) -> int:
         if start > args.steps:  # its outputs would be a later step's model under an earlier run's settings
             raise SystemExit(f"--resume: the checkpoint in {out / 'checkpoints'} is at step {start}, past "
                              f"--steps={args.steps}; resume with --steps {start} or more")
-        history = resumed_history(out / "metrics.json", start)
-        note = schedule_change(out / "metrics.json", args, start) if start < args.steps else None
+        history = resumed_history(saved, start)
+        note = schedule_change(saved, args, start) if start < args.steps else None
         if note:
             print(note)
         print(f"resumed from step {start}" + (f", at or past --steps={args.steps}: nothing left to train"

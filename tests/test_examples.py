@@ -395,11 +395,11 @@ def test_train_lm_says_what_a_resumed_run_with_another_schedule_does_to_the_lear
     train_lm = load_example("train_lm")
     written = train_lm.parse_args([*TINY_LM, "--steps", "100", "--lr", "1e-3"])
     train_lm.write_metrics(tmp_path / "metrics.json", "xla", written, 1000, {"train": [], "eval": []})
-    assert train_lm.schedule_change(tmp_path / "metrics.json", written, 100) is None
-    assert train_lm.schedule_change(tmp_path / "nothing.json", written, 100) is None
+    assert train_lm.schedule_change(train_lm.read_metrics(tmp_path / "metrics.json"), written, 100) is None
+    assert train_lm.schedule_change(train_lm.read_metrics(tmp_path / "nothing.json"), written, 100) is None
     longer = train_lm.parse_args([*TINY_LM, "--steps", "200", "--lr", "2e-3"])
     rate_now, rate_before = float(train_lm.learning_rate_schedule(longer)(100)), 1e-4  # the cosine's end: lr / 10
-    assert train_lm.schedule_change(tmp_path / "metrics.json", longer, 100) == (
+    assert train_lm.schedule_change(train_lm.read_metrics(tmp_path / "metrics.json"), longer, 100) == (
         f"--resume: --steps 200 (the earlier run's 100), --lr 0.002 (the earlier run's 0.001) changes the "
         f"learning-rate schedule: the rate at step 100 is {rate_now:.3g}, where the earlier run's would be "
         f"{rate_before:.3g}")
@@ -412,8 +412,8 @@ def test_train_lm_keeps_the_loss_history_at_each_checkpoint_for_a_resumed_run(tm
     args = train_lm.parse_args(TINY_LM)
     history = {"train": [(1, 5.0), (2, 4.5), (3, 4.2)], "eval": [(2, 4.6)]}
     train_lm.write_metrics(tmp_path / "metrics.json", "xla", args, 1000, history)
-    assert train_lm.resumed_history(tmp_path / "metrics.json", 2) == {"train": [(1, 5.0), (2, 4.5)],
-                                                                     "eval": [(2, 4.6)]}
+    assert train_lm.resumed_history(train_lm.read_metrics(tmp_path / "metrics.json"), 2) == {
+        "train": [(1, 5.0), (2, 4.5)], "eval": [(2, 4.6)]}
 
 
 def test_train_lm_schedule_runs_to_the_largest_steps():
@@ -534,9 +534,12 @@ def test_train_lm_resumes_only_on_the_data_of_the_run_that_wrote_the_checkpoint(
     def restore(manager, step, model, optimizer):
         raise Restored(step)
     monkeypatch.setattr(train_lm, "restore_checkpoint", restore)
+    reads, read_metrics = [], train_lm.read_metrics
+    monkeypatch.setattr(train_lm, "read_metrics", lambda path: reads.append(path) or read_metrics(path))
     with pytest.raises(Restored):  # the same flags
         train_lm.main(flags)
     assert "--resume: " not in capsys.readouterr().out
+    assert reads == [metrics]  # once: every check compares with the same record
     metrics.unlink()
     with pytest.raises(Restored):
         train_lm.main([*flags, "--seed", "7"])
