@@ -41,6 +41,7 @@ from flax import nnx
 from _common import (INT32_MAX, add_common_flags, axis_size, describe_device, in_range, make_parser, model_flags,
                      output_dir, positive_int, power_of_two, prompt_bytes, resolve_backend, sequence_length, token_id,
                      write_atomically)
+from jax_mamba2.checks import MAX_ELEMENTS
 from jax_mamba2.flax_layers import (Mamba2Config, Mamba2LMHeadModel, cast_params, generate, generate_stream,
                                     load_pretrained)
 
@@ -281,6 +282,9 @@ def main(argv=None) -> int:
     if longest + args.max_new_tokens > INT32_MAX:  # the output's axis, known once the prompts are tokens
         raise SystemExit(f"generate.py: --max-new-tokens {args.max_new_tokens} after a prompt of {longest} tokens "
                          f"must make at most 2**31 - 1 tokens (an array axis)")
+    if len(prompts) * args.batch * (longest + args.max_new_tokens) > MAX_ELEMENTS:  # the output's size
+        raise SystemExit(f"generate.py: {len(prompts) * args.batch} rows of {longest + args.max_new_tokens} tokens "
+                         f"must make at most 2**60 - 1 ids (--batch, --prompt, --max-new-tokens)")
     rows = [p for p in prompts for _ in range(args.batch)]
     prompt_ids, prompt_lengths = left_padded(rows)
     batch = len(rows)

@@ -56,7 +56,8 @@ def final_conv_state(x, d_conv, conv_state=None, seq_idx=None):
     state_dtype = x.dtype if conv_state is None else conv_state.dtype
     before = (jnp.zeros((batch, channels, d_conv), state_dtype) if conv_state is None else
               jnp.pad(conv_state, ((0, 0), (0, 0), (d_conv - conv_state.shape[-1], 0))))
-    state = jnp.concatenate([before, jnp.swapaxes(x, 1, 2).astype(state_dtype)], axis=-1)[..., -d_conv:]
+    tail = jnp.swapaxes(x[:, max(seqlen - d_conv, 0):], 1, 2).astype(state_dtype)  # only the columns kept
+    state = jnp.concatenate([before, tail], axis=-1)[..., -d_conv:]
     if seq_idx is not None and seqlen:
         positions = seqlen - d_conv + jnp.arange(d_conv)  # column j holds token seqlen - d_conv + j
         same = jnp.take(seq_idx, jnp.maximum(positions, 0), axis=1) == seq_idx[:, -1:]  # (batch, d_conv)

@@ -268,7 +268,11 @@ def add_rms_norm(x, residual, weight, *, eps: float = 1e-5, residual_dtype=None,
                                  if residual_dtype is None else residual_dtype)
     out_dtype = float_dtype(api, "out_dtype", x.dtype if out_dtype is None else out_dtype)
     if residual is None:
-        return _first_add_rms_norm(api, x, weight, eps, residual_dtype, out_dtype, return_residual, backend)
+        if jnp.promote_types(x.dtype, residual_dtype) == residual_dtype != jnp.float64:
+            return _first_add_rms_norm(api, x, weight, eps, residual_dtype, out_dtype, return_residual, backend)
+        # A stream narrower than x (whose add kernels keep x's gradient in x's precision) or a float64 one (which
+        # the kernels refuse, naming residual_dtype): a zero stream, as documented.
+        residual = jnp.zeros(x.shape, residual_dtype)
 
     def reference_fn(x, z, residual, weight):
         del z
@@ -281,10 +285,10 @@ def add_rms_norm(x, residual, weight, *, eps: float = 1e-5, residual_dtype=None,
 
 
 def _first_add_rms_norm(api, x, weight, eps, residual_dtype, out_dtype, return_residual, backend):
-    """`add_rms_norm` without a residual stream: h = x rounded to residual_dtype, normalized as a plain RMSNorm of
-    h, so no zeros are added and no residual is read. The norm reads h rather than x (the same values where
-    residual_dtype holds x) so that x's gradient is the sum of h's two cotangents in h's dtype, rounded once to
-    x's, as with a residual."""
+    """`add_rms_norm` without a residual stream, residual_dtype at least as wide as x: h = x in residual_dtype
+    (exact), normalized as a plain RMSNorm of h, so no zeros are added and no residual is read. The norm reads h
+    rather than x (the same values) so that x's gradient is the sum of h's two cotangents in h's dtype, rounded once
+    to x's, as with a zero stream."""
     h = x.astype(residual_dtype)
 
     def reference_fn(normed, z, residual, weight):

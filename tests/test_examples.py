@@ -317,6 +317,21 @@ def test_generate_ends_in_one_line_for_prompt_tokens_and_new_tokens_longer_than_
                        "--out", str(tmp_path)])
 
 
+def test_generate_ends_in_one_line_for_an_output_larger_than_an_array(tmp_path):
+    """--batch copies of each prompt with --max-new-tokens that argparse takes one by one, but whose output ids
+    (rows x (prompt + new tokens)) are more than XLA can size: one line, before anything is generated."""
+    generate = load_example("generate")
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generate ran")
+
+    generate.timed_generate = no_generation
+    with pytest.raises(SystemExit, match=r"^generate.py: 2147483646 rows of 2147483647 tokens must make at most "
+                                         r"2\*\*60 - 1 ids \(--batch, --prompt, --max-new-tokens\)$"):
+        generate.main(["--prompt", "ab", "--prompt", "cd", "--batch", str(2**30 - 1), "--max-new-tokens",
+                       str(2**31 - 3), "--layers", "1", "--d-model", "64", "--out", str(tmp_path)])
+
+
 @pytest.mark.parametrize("name, flags", [
     ("train_lm", ["--lr", "3e-4", "--chunk-size", "16", "--seed", "0"]),
     ("train_lm", ["--steps", str(MAX_STEPS), "--seed", str(MAX_SEED), "--prompt", "\udcff"]),

@@ -70,8 +70,8 @@ class RMSNorm(nnx.Module):
 
     def add_norm(self, x, residual, *, residual_dtype=None, return_residual: bool = True):
         """The fused residual add + norm: (norm(h), h) with h = x + residual in `residual_dtype` (default: the
-        result type of x and residual); the output in `dtype`, else x's. Ungated, one group (the block and
-        final norms). With return_residual=False only norm(h)."""
+        result type of x and residual), h = x where residual is None (the first block); the output in `dtype`,
+        else x's. Ungated, one group (the block and final norms). With return_residual=False only norm(h)."""
         def add_norm(x, residual, scale):
             return norm_op.add_rms_norm(x, residual, scale, eps=self.eps, residual_dtype=residual_dtype,
                                         out_dtype=self.dtype or x.dtype, return_residual=return_residual,

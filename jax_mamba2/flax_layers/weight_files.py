@@ -90,9 +90,12 @@ def _float8_reader(file: pathlib.Path, caller: str, handles: contextlib.ExitStac
 
     def read(name):
         shape, dtype = headers[name]
-        entry = header.get(name)
-        start, end = entry.get("data_offsets", (0, -1)) if isinstance(entry, dict) else (0, -1)
-        if (entry or {}).get("dtype") != dtype or end - start != math.prod(shape):  # one byte a value
+        entry = header.get(name) if isinstance(header, dict) else None
+        entry = entry if isinstance(entry, dict) else {}
+        offsets = entry.get("data_offsets")
+        whole = isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+        start, end = offsets if whole else (0, -1)
+        if entry.get("dtype") != dtype or entry.get("shape") != list(shape) or end - start != math.prod(shape):
             raise ValueError(f"{unreadable}: its header gives {name} as {entry}, where safetensors read "
                              f"{dtype} of shape {shape}")
         try:
@@ -202,7 +205,8 @@ def _torch_tensors(file: pathlib.Path, caller: str) -> dict[str, StoredTensor]:
     except ImportError as e:
         raise ImportError(f"{caller}: {file} needs torch (pip install torch), or convert the checkpoint to "
                           "model.safetensors") from e
-    mapped = zipfile.is_zipfile(file) and "mmap" in inspect.signature(torch.load).parameters
+    # torch.serialization.load: torch.load itself may be wrapped (a (*args, **kwargs) signature says nothing).
+    mapped = zipfile.is_zipfile(file) and "mmap" in inspect.signature(torch.serialization.load).parameters
     try:
         state_dict = torch.load(file, map_location="cpu", weights_only=True, **({"mmap": True} if mapped else {}))
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:

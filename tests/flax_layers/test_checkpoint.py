@@ -1,7 +1,6 @@
 """Tests of load_pretrained / save_pretrained and Orbax checkpoints (jax_mamba2/flax_layers/checkpoint.py)."""
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -1190,8 +1189,7 @@ def test_checkpoint_maps_zip_format_pytorch_files_and_reads_legacy_ones_whole(tm
     (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
     mmaps, real_load = [], torch.load
 
-    @functools.wraps(real_load)  # its signature too: the loader asks it whether torch maps files
-    def load(*args, **kwargs):
+    def load(*args, **kwargs):  # a wrapper of no signature: whether torch maps files is asked of torch itself
         mmaps.append(kwargs.get("mmap"))
         return real_load(*args, **kwargs)
 
