@@ -275,6 +275,8 @@ def test_train_lm_remat_flag_sets_the_model_option():
                                           r"2\*\*31 - 1"),
     ("generate", ["--batch", str(2**30), "--prompt", "a", "--prompt", "b"],
      r"--batch=1073741824 copies of 2 --prompt must make at most 2\*\*31 - 1 rows \(an array axis\)"),
+    ("train_lm", ["--batch", str(2**31 - 1), "--seq-len", str(2**29)],
+     r"--batch=2147483647 windows of --seq-len=536870912 bytes and a target must make at most 2\*\*60 - 1 bytes"),
     ("jit_model", ["--seqlen", str(2**31)], r"argument --seqlen: 2147483648 must be a positive int of at most "
                                             r"2\*\*31 - 1"),
     ("compare_reference", ["--batch", str(2**31)], r"argument --batch: 2147483648 must be a positive int of at "
@@ -336,7 +338,7 @@ def test_generate_ends_in_one_line_for_an_output_larger_than_an_array(tmp_path):
     ("train_lm", ["--lr", "3e-4", "--chunk-size", "16", "--seed", "0"]),
     ("train_lm", ["--steps", str(MAX_STEPS), "--seed", str(MAX_SEED), "--prompt", "\udcff"]),
     ("generate", ["--temperature", "0", "--top-p", "1", "--min-p", "0", "--repetition-penalty", "1.5", "--top-k", "1"]),
-    ("train_lm", ["--batch", str(2**31 - 1), "--seq-len", str(2**31 - 2), "--prompt", "ab",
+    ("train_lm", ["--batch", str(2**31 - 1), "--seq-len", str(2**29 - 2), "--prompt", "ab",
                   "--sample-tokens", str(2**31 - 3)]),
     ("generate", ["--max-new-tokens", str(2**31 - 2), "--batch", str(2**30 - 1), "--prompt", "a", "--prompt", "b"]),
     ("jit_model", ["--delay", "0"]),
