@@ -41,7 +41,7 @@ from flax import nnx
 from _common import (INT32_MAX, add_common_flags, axis_size, describe_device, in_range, make_parser, model_flags,
                      output_dir, positive_int, power_of_two, prompt_bytes, resolve_backend, sequence_length, token_id,
                      write_atomically)
-from jax_mamba2.checks import MAX_ELEMENTS
+from jax_mamba2.checks import check_axis_length, check_element_count
 from jax_mamba2.flax_layers import (Mamba2Config, Mamba2LMHeadModel, cast_params, generate, generate_stream,
                                     load_pretrained)
 
@@ -278,13 +278,14 @@ def main(argv=None) -> int:
     prompts = [tokenizer.encode(text) for text in args.prompt]
     if not all(prompts):
         raise SystemExit("generate.py: a --prompt encodes to no tokens")
-    longest = max(len(p) for p in prompts)
-    if longest + args.max_new_tokens > INT32_MAX:  # the output's axis, known once the prompts are tokens
-        raise SystemExit(f"generate.py: --max-new-tokens {args.max_new_tokens} after a prompt of {longest} tokens "
-                         f"must make at most 2**31 - 1 tokens (an array axis)")
-    if len(prompts) * args.batch * (longest + args.max_new_tokens) > MAX_ELEMENTS:  # the output's size
-        raise SystemExit(f"generate.py: {len(prompts) * args.batch} rows of {longest + args.max_new_tokens} tokens "
-                         f"must make at most 2**60 - 1 ids (--batch, --prompt, --max-new-tokens)")
+    # generate's checks of its output, (rows, prompt + new tokens) ids, made now: known once the prompts are
+    # tokens, they would otherwise fail only after the timed 1-token run.
+    tokens = max(len(p) for p in prompts) + args.max_new_tokens
+    try:
+        check_axis_length("generate.py", "the longest --prompt's tokens + --max-new-tokens", tokens)
+        check_element_count("generate.py", "the output", "(rows, tokens)", (len(prompts) * args.batch, tokens))
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     rows = [p for p in prompts for _ in range(args.batch)]
     prompt_ids, prompt_lengths = left_padded(rows)
     batch = len(rows)

@@ -38,7 +38,7 @@ from tqdm import tqdm
 from _common import (INT32_MAX, add_common_flags, axis_size, describe_device, in_range, make_parser, model_flags,
                      output_dir, positive_int, power_of_two, prompt_bytes, resolve_backend, save_figure,
                      sequence_length, settings, write_atomically)
-from jax_mamba2.checks import MAX_ELEMENTS
+from jax_mamba2.checks import check_element_count
 from jax_mamba2.flax_layers import Mamba2Config, Mamba2LMHeadModel, generate, save_pretrained
 
 VOCAB_SIZE = 256  # bytes
@@ -362,9 +362,11 @@ def parse_args(argv=None):
     except UnicodeEncodeError as e:
         parser.error(f"--prompt={args.prompt!r} holds {e.object[e.start:e.end]!r}, a lone surrogate: neither text nor "
                      "a byte of a command line")
-    if args.batch * (args.seq_len + 1) > MAX_ELEMENTS:  # a step's windows, each with its last target
-        parser.error(f"--batch={args.batch} windows of --seq-len={args.seq_len} bytes and a target must make at most "
-                     "2**60 - 1 bytes (an array)")
+    try:  # a step's windows, each with its last target
+        check_element_count("train_lm.py", "a step's windows", "(--batch, --seq-len + 1)",
+                            (args.batch, args.seq_len + 1))
+    except ValueError as error:
+        parser.error(str(error))
     if len(prompt) + args.sample_tokens > INT32_MAX:  # a sample, prompt and new bytes, is an array axis
         parser.error(f"--sample-tokens={args.sample_tokens} after the {len(prompt)} bytes of --prompt must make at "
                      "most 2**31 - 1 bytes (an array axis)")

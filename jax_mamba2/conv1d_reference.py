@@ -54,8 +54,8 @@ def final_conv_state(x, d_conv, conv_state=None, seq_idx=None):
     them: no value of another sequence, a NaN included, is carried on."""
     batch, seqlen, channels = x.shape
     state_dtype = x.dtype if conv_state is None else conv_state.dtype
-    before = (jnp.zeros((batch, channels, d_conv), state_dtype) if conv_state is None else
-              jnp.pad(conv_state, ((0, 0), (0, 0), (d_conv - conv_state.shape[-1], 0))))
+    before = (jnp.zeros((batch, channels, d_conv), state_dtype) if conv_state is None
+              else _full_width(conv_state, d_conv))
     tail = jnp.swapaxes(x[:, max(seqlen - d_conv, 0):], 1, 2).astype(state_dtype)  # only the columns kept
     state = jnp.concatenate([before, tail], axis=-1)[..., -d_conv:]
     if seq_idx is not None and seqlen:
@@ -73,8 +73,14 @@ def _state_columns(x, d_conv, conv_state, dtype):
     acc_dtype = jnp.promote_types(jnp.float32, dtype)
     if conv_state is None:
         return jnp.zeros((x.shape[0], d_conv, x.shape[2]), acc_dtype)
-    columns = jnp.swapaxes(jnp.pad(conv_state, ((0, 0), (0, 0), (d_conv - conv_state.shape[-1], 0))), 1, 2)
+    columns = jnp.swapaxes(_full_width(conv_state, d_conv), 1, 2)
     return _rounded_keeping_cotangent(columns, jnp.dtype(x.dtype), jnp.dtype(dtype), jnp.dtype(acc_dtype))
+
+
+def _full_width(conv_state, d_conv):
+    """conv_state (batch, channels, d_conv - 1 or d_conv) as d_conv columns: a zero column first where it has
+    d_conv - 1 (that column is never read)."""
+    return jnp.pad(conv_state, ((0, 0), (0, 0), (d_conv - conv_state.shape[-1], 0)))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))

@@ -13,7 +13,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from jax_mamba2 import backends, conv1d, conv1d_reference
 from tests._helpers import rel_l2
-from tests.kernels._conv_checks import (float64_reference, make_cancelling_args, make_conv_args,
+from tests.kernels._conv_checks import (conv_and_grads, float64_reference, make_cancelling_args, make_conv_args,
                                        reference_conv, rounding_errors)
 
 conv_ops = pytest.importorskip("jax_mamba2.bridge.conv_ops")
@@ -282,25 +282,10 @@ def test_emulated_cutile_under_shard_map_matches_float64_reference(emulated, spl
 # ----------------------------------------------------------------------------------------------
 
 def _conv_and_grads(backend, layout, args):
-    """(y, dx, dkernel, dbias, dinit) of the op on `args` (loss sum(y * dy)): the plain op, or the mixer's call
-    (the channels at an offset of a wider input, in pieces, the others passed through)."""
-    x, kernel, bias, init, _, dy = args
-    source = _in_source(x) if layout == "split_pass_through" else x
-
-    def conv(source, kernel, bias, init):
-        if layout == "plain":
-            return conv1d.causal_conv1d_silu(source, kernel, bias, initial_states=init, backend=backend)
-        outputs = conv1d.causal_conv1d_silu_split(source, kernel, bias, channel_offset=_OFFSET, split=_SPLIT,
-                                                  initial_states=init, pass_through=True, backend=backend)
-        return jnp.concatenate(outputs[1:-1], axis=-1)
-
-    def loss(*a):
-        return jnp.sum(conv(*a).astype(jnp.float32) * dy.astype(jnp.float32))
-
-    y, (dsource, *grads) = jax.jit(lambda *a: (conv(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(
-        source, kernel, bias, init)
-    dx = dsource if layout == "plain" else dsource[..., _OFFSET:_OFFSET + x.shape[-1]]
-    return y, dx, *grads
+    """`conv_and_grads` of the plain op, or of the mixer's call on `_in_source`'s wider input."""
+    if layout == "plain":
+        return conv_and_grads(backend, args)
+    return conv_and_grads(backend, args, _in_source(args[0]), _OFFSET, _SPLIT)
 
 
 @pytest.mark.parametrize("layout", ["plain", "split_pass_through"])

@@ -12,7 +12,8 @@ from jax_mamba2 import conv1d
 from jax_mamba2.bridge.aot import CUTILE_CUSTOM_CALL
 from jax_mamba2.flax_layers import Mamba2
 from tests._helpers import rel_l2
-from tests.kernels._conv_checks import float64_reference, make_cancelling_args, make_conv_args, rounding_errors
+from tests.kernels._conv_checks import (conv_and_grads, float64_reference, make_cancelling_args, make_conv_args,
+                                       rounding_errors)
 
 pytestmark = pytest.mark.gpu
 
@@ -235,23 +236,10 @@ def test_conv_cutile_takes_float32_parameters_unrounded_with_bfloat16_x(backend,
     the float32 parameters and miss that of them rounded to bf16 by far more, plain and in the mixer's call
     (an offset into a wider input, pieces, the other channels passed through)."""
     args = make_cancelling_args(53, batch=3, seqlen=77, channels=136)
-    x, kernel, bias, init, _, dy = args
+    x, kernel, bias, init = args[:4]
     _, offset, width, split = SPLIT_CASES["unaligned_offset_init"]
-    source = _split_source(x, offset, width) if layout == "split_pass_through" else x
-
-    def f(source, kernel, bias, init):
-        if layout == "plain":
-            return conv1d.causal_conv1d_silu(source, kernel, bias, initial_states=init, backend=backend)
-        outputs = conv1d.causal_conv1d_silu_split(source, kernel, bias, channel_offset=offset, split=split,
-                                                  initial_states=init, pass_through=True, backend=backend)
-        return jnp.concatenate(outputs[1:-1], axis=-1)
-
-    def loss(*a):
-        return jnp.sum(f(*a).astype(jnp.float32) * dy.astype(jnp.float32))
-
-    y, (dsource, *grads) = jax.jit(lambda *a: (f(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(
-        source, kernel, bias, init)
-    dx = dsource if layout == "plain" else dsource[..., offset:offset + x.shape[-1]]
+    y, dx, *grads = (conv_and_grads(backend, args) if layout == "plain" else
+                     conv_and_grads(backend, args, _split_source(x, offset, width), offset, split))
     errors = rounding_errors((y, dx, *grads), args)
     for name, (error, rounded_error) in errors.items():
         assert error < 2e-2 and 8 * error < rounded_error, (name, errors)

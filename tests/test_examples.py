@@ -276,7 +276,7 @@ def test_train_lm_remat_flag_sets_the_model_option():
     ("generate", ["--batch", str(2**30), "--prompt", "a", "--prompt", "b"],
      r"--batch=1073741824 copies of 2 --prompt must make at most 2\*\*31 - 1 rows \(an array axis\)"),
     ("train_lm", ["--batch", str(2**31 - 1), "--seq-len", str(2**29)],
-     r"--batch=2147483647 windows of --seq-len=536870912 bytes and a target must make at most 2\*\*60 - 1 bytes"),
+     r"train_lm.py: a step's windows of shape \(--batch, --seq-len \+ 1\)=\(2147483647, 536870913\) would hold "),
     ("jit_model", ["--seqlen", str(2**31)], r"argument --seqlen: 2147483648 must be a positive int of at most "
                                             r"2\*\*31 - 1"),
     ("compare_reference", ["--batch", str(2**31)], r"argument --batch: 2147483648 must be a positive int of at "
@@ -304,34 +304,25 @@ def test_generate_ends_in_one_line_for_an_option_generate_refuses(tmp_path):
                                        "--d-model", "64", "--out", str(tmp_path)])
 
 
-def test_generate_ends_in_one_line_for_prompt_tokens_and_new_tokens_longer_than_an_array_axis(tmp_path):
-    """--max-new-tokens that argparse takes, but with the prompt's tokens more than an axis holds: one line naming it
-    once the prompts are tokens, before anything is generated."""
+@pytest.mark.parametrize("flags, message", [
+    (["--prompt", "ab", "--max-new-tokens", str(2**31 - 2)],
+     r"^generate.py: the longest --prompt's tokens \+ --max-new-tokens=2147483648 must be at most 2\*\*31 - 1 "
+     r"\(an array axis\)$"),
+    (["--prompt", "ab", "--prompt", "cd", "--batch", str(2**30 - 1), "--max-new-tokens", str(2**31 - 3)],
+     r"^generate.py: the output of shape \(rows, tokens\)=\(2147483646, 2147483647\) would hold "),
+])
+def test_generate_ends_in_one_line_for_an_output_no_array_holds(tmp_path, flags, message):
+    """Flags argparse takes one by one whose output ids, (rows, prompt + new tokens), are longer than an axis or
+    more than an array holds: generate's own checks, made once the prompts are tokens, end in one line before
+    anything is generated."""
     generate = load_example("generate")
 
     def no_generation(*args, **kwargs):
         raise AssertionError("generate ran")
 
     generate.timed_generate = no_generation
-    with pytest.raises(SystemExit, match=r"^generate.py: --max-new-tokens 2147483646 after a prompt of 2 tokens "
-                                         r"must make at most 2\*\*31 - 1 tokens \(an array axis\)$"):
-        generate.main(["--prompt", "ab", "--max-new-tokens", str(2**31 - 2), "--layers", "1", "--d-model", "64",
-                       "--out", str(tmp_path)])
-
-
-def test_generate_ends_in_one_line_for_an_output_larger_than_an_array(tmp_path):
-    """--batch copies of each prompt with --max-new-tokens that argparse takes one by one, but whose output ids
-    (rows x (prompt + new tokens)) are more than XLA can size: one line, before anything is generated."""
-    generate = load_example("generate")
-
-    def no_generation(*args, **kwargs):
-        raise AssertionError("generate ran")
-
-    generate.timed_generate = no_generation
-    with pytest.raises(SystemExit, match=r"^generate.py: 2147483646 rows of 2147483647 tokens must make at most "
-                                         r"2\*\*60 - 1 ids \(--batch, --prompt, --max-new-tokens\)$"):
-        generate.main(["--prompt", "ab", "--prompt", "cd", "--batch", str(2**30 - 1), "--max-new-tokens",
-                       str(2**31 - 3), "--layers", "1", "--d-model", "64", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match=message):
+        generate.main([*flags, "--layers", "1", "--d-model", "64", "--out", str(tmp_path)])
 
 
 @pytest.mark.parametrize("name, flags", [

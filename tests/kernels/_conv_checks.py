@@ -81,3 +81,27 @@ def rounding_errors(got, args) -> dict[str, tuple[float, float]]:
     return {name: (rel_l2(a, want), rel_l2(a, other))
             for name, a, want, other in zip(("y", "dx", "dkernel", "dbias", "dinit"), got, (exact[0], *exact[1]),
                                             (rounded[0], *rounded[1]))}
+
+
+def conv_and_grads(backend, args, source=None, offset=0, split=None):
+    """(y, dx, dkernel, dbias, dinit) of the op on `args` (loss sum(y * dy)) on `backend`: the plain op on x, or
+    with `source` the mixer's call (x's channels at `offset` of the wider `source`, in pieces of `split`, the other
+    channels passed through)."""
+    from jax_mamba2 import conv1d
+
+    x, kernel, bias, init, _, dy = args
+    source = x if source is None else source
+
+    def conv(source, kernel, bias, init):
+        if split is None:
+            return conv1d.causal_conv1d_silu(source, kernel, bias, initial_states=init, backend=backend)
+        outputs = conv1d.causal_conv1d_silu_split(source, kernel, bias, channel_offset=offset, split=split,
+                                                  initial_states=init, pass_through=True, backend=backend)
+        return jnp.concatenate(outputs[1:-1], axis=-1)
+
+    def loss(*a):
+        return jnp.sum(conv(*a).astype(jnp.float32) * dy.astype(jnp.float32))
+
+    y, (dsource, *grads) = jax.jit(lambda *a: (conv(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(
+        source, kernel, bias, init)
+    return y, dsource[..., offset:offset + x.shape[-1]], *grads
