@@ -175,8 +175,8 @@ def load_hf_state(path) -> dict[str, np.ndarray]:
 
     Looks for `model.safetensors`, then `model.safetensors.index.json` (sharded), then `pytorch_model.bin`, then
     `pytorch_model.bin.index.json` (sharded; both need torch, which memory-maps each file, or reads it whole where
-    it is in torch's legacy format; their tensors detached). float8 tensors (safetensors' F8_E4M3 and F8_E5M2,
-    torch's float8 dtypes) and torch's bfloat16 ones come as float32, which holds them exactly.
+    it is in torch's legacy format; their tensors detached). float8 tensors (safetensors' F8_E4M3, F8_E5M2 and
+    F8_E8M0, torch's float8 dtypes) and torch's bfloat16 ones come as float32, which holds them exactly.
 
     Raises:
       FileNotFoundError: if `path` does not exist, there are no weights, or a shard named by the index is

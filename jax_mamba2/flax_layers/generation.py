@@ -81,9 +81,9 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
         cache_dtype that is not a floating dtype.
     """
     *program_args, max_new_tokens = _prepare(
-        "generate", model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        min_p=min_p, repetition_penalty=repetition_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-        prompt_lengths=prompt_lengths, rng=rng, cache_dtype=cache_dtype)
+        "generate", model, prompt_ids, max_new_tokens, whole_output=True, temperature=temperature, top_k=top_k,
+        top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id, prompt_lengths=prompt_lengths, rng=rng, cache_dtype=cache_dtype)
     return _generate(*program_args, max_new_tokens=max_new_tokens)
 
 
@@ -94,25 +94,28 @@ def generate_stream(model, prompt_ids, max_new_tokens: int, *, temperature: floa
     """`generate` a token at a time, for showing text as it comes (mamba_ssm's and HF's `streamer`).
 
     The arguments, their checks (made at the call) and the tokens are `generate`'s: with the same rng the same
-    tokens. Each step is a jitted call of its own, with the decode state donated to it (not copied), so every
+    tokens (but for the output's size: a stream has no array of all the tokens, so only max_new_tokens must be
+    at most 2**31 - 1). Each step is a jitted call of its own, with the decode state donated to it (not copied), so every
     token costs one dispatch from Python more than in `generate`'s single program.
 
     Returns:
       An iterator over each step's new tokens, (batch,) int32 device arrays: max_new_tokens of them, or fewer
       once every row has ended (with an eos_token_id; rows that ended earlier give pad_token_id).
     """
-    return _stream(*_prepare("generate_stream", model, prompt_ids, max_new_tokens, temperature=temperature,
-                             top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                             eos_token_id=eos_token_id, pad_token_id=pad_token_id, prompt_lengths=prompt_lengths,
-                             rng=rng, cache_dtype=cache_dtype))
+    return _stream(*_prepare("generate_stream", model, prompt_ids, max_new_tokens, whole_output=False,
+                             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                             repetition_penalty=repetition_penalty, eos_token_id=eos_token_id,
+                             pad_token_id=pad_token_id, prompt_lengths=prompt_lengths, rng=rng,
+                             cache_dtype=cache_dtype))
 
 
-def _prepare(api: str, model, prompt_ids, max_new_tokens, *, temperature, top_k, top_p, min_p, repetition_penalty,
-             eos_token_id, pad_token_id, prompt_lengths, rng, cache_dtype):
+def _prepare(api: str, model, prompt_ids, max_new_tokens, *, whole_output: bool, temperature, top_k, top_p, min_p,
+             repetition_penalty, eos_token_id, pad_token_id, prompt_lengths, rng, cache_dtype):
     """`generate`'s arguments checked and converted: (graphdef, state, prompt_ids, prompt_lengths, rng,
     sampling, end, cache_dtype, max_new_tokens) for `_generate` and `_stream`; cache_dtype (None or a dtype's
     name) and max_new_tokens (a Python int, also where given as a 0-d array) hashable for jit's static
-    arguments."""
+    arguments. whole_output: the caller returns all (batch, prompt_len + max_new_tokens) ids as one array, whose
+    size is then checked (a stream yields them a step at a time)."""
     if not isinstance(model, Mamba2LMHeadModel):
         raise TypeError(f"{api}: model must be a Mamba2LMHeadModel, got {type(model).__name__}")
     vocab_size = model.config.vocab_size
@@ -130,10 +133,13 @@ def _prepare(api: str, model, prompt_ids, max_new_tokens, *, temperature, top_k,
     if prompt_ids.shape[1] < 1:
         raise ValueError(f"{api}: prompt_ids.shape={prompt_ids.shape} must be (batch, prompt_len >= 1)")
     batch, prompt_len = prompt_ids.shape
-    # The output, (batch, prompt_len + max_new_tokens) ids, checked before anything is read or built.
-    check_axis_length(api, f"max_new_tokens={max_new_tokens} after prompt_len={prompt_len}: prompt_len+max_new_tokens",
-                      prompt_len + max_new_tokens)
-    check_element_count(api, "the output", "(batch, prompt_len + max_new_tokens)", (batch, prompt_len + max_new_tokens))
+    if whole_output:  # generate's output, (batch, prompt_len + max_new_tokens) ids, checked before anything runs
+        check_axis_length(api, f"max_new_tokens={max_new_tokens} after prompt_len={prompt_len}: "
+                          "prompt_len+max_new_tokens", prompt_len + max_new_tokens)
+        check_element_count(api, "the output", "(batch, prompt_len + max_new_tokens)",
+                            (batch, prompt_len + max_new_tokens))
+    else:  # a stream builds no output; its steps' random keys are one (max_new_tokens, ...) array
+        check_axis_length(api, "max_new_tokens", max_new_tokens)
     prompt_lengths = _check_prompt_lengths(api, prompt_ids, prompt_lengths)
     if prompt_lengths is None:
         check_token_ids_in_range(api, "prompt_ids", prompt_ids, vocab_size)

@@ -41,7 +41,8 @@ class StoredTensor(NamedTuple):
 # The safetensors dtypes of parameters. safetensors' numpy framework reads the first four (BF16 as ml_dtypes'
 # bfloat16) but has no float8, whose values are read from the file's bytes and widened to float32, which holds
 # each exactly, as `_torch_array` widens PyTorch's.
-_SAFETENSORS_FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+_SAFETENSORS_FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+                       "F8_E8M0": ml_dtypes.float8_e8m0fnu}
 _SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16", *_SAFETENSORS_FLOAT8)
 # The PyTorch dtypes of parameters: torch's float dtypes of one value an element, those NumPy has none for widened
 # to float32.

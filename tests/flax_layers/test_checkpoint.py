@@ -173,7 +173,7 @@ def test_checkpoint_load_refuses_a_parameter_stored_in_a_dtype_that_is_not_a_flo
     (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
     with pytest.raises(TypeError, match=rf"load_pretrained: backbone.layers.1.mixer.A_log holds {name} values; a "
                                         r"parameter must be stored in a float dtype \(F64, F32, F16, BF16, F8_E4M3, "
-                                        r"F8_E5M2\)"):
+                                        r"F8_E5M2, F8_E8M0\)"):
         load_pretrained(tmp_path)
 
 
@@ -1230,15 +1230,17 @@ def test_checkpoint_pytorch_shapes_are_checked_before_any_value_is_read(tmp_path
 
 
 def test_checkpoint_loads_safetensors_float8_widened_as_pytorch_float8(tmp_path, tiny_config):
-    """safetensors' F8_E4M3 and F8_E5M2 tensors (which its NumPy reader has no dtype for) load as float32, as
-    PyTorch's float8 ones do, read from the file as it was opened even once a save has replaced it."""
+    """safetensors' F8_E4M3, F8_E5M2 and F8_E8M0 tensors (which its NumPy reader has no dtype for) load as float32,
+    as PyTorch's float8 ones do (E8M0, unsigned powers of two, from a positive tensor), read from the file as it
+    was opened even once a save has replaced it."""
     model = _random_model(tiny_config)
     state = _torch_state_dict(model, "backbone.embedding.weight")
     float8 = {"backbone.layers.1.mixer.A_log": (ml_dtypes.float8_e5m2, "F8_E5M2"),
               "backbone.layers.2.mixer.D": (ml_dtypes.float8_e4m3fn, "F8_E4M3"),
-              "backbone.layers.0.mixer.in_proj.weight": (ml_dtypes.float8_e4m3fn, "F8_E4M3")}
-    for name, (dtype, _) in float8.items():
-        state[name] = state[name].astype(dtype)
+              "backbone.layers.0.mixer.in_proj.weight": (ml_dtypes.float8_e4m3fn, "F8_E4M3"),
+              "backbone.layers.1.mixer.dt_bias": (ml_dtypes.float8_e8m0fnu, "F8_E8M0")}
+    for name, (dtype, stored) in float8.items():
+        state[name] = (np.abs(state[name]) if stored == "F8_E8M0" else state[name]).astype(dtype)
     (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
     save_file(state, tmp_path / "model.safetensors")
     with safe_open(tmp_path / "model.safetensors", framework="numpy") as opened:

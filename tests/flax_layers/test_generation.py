@@ -397,14 +397,16 @@ def test_generate_rejects_bad_prompts(tiny_config, prompt, error, message):
 
 def test_generate_refuses_an_output_longer_than_an_axis_or_larger_than_an_array_before_running(tiny_config):
     """The output, (batch, prompt_len + max_new_tokens) ids, must have an axis int32 indexes and fit XLA's byte
-    count: refused at the call, naming max_new_tokens and the bound, before the prompt is read or anything built
-    (generate_stream's checks are generate's: at the call too, before the first token)."""
+    count: refused at the call, naming max_new_tokens and the bound, before the prompt is read or anything built.
+    generate_stream builds no such array: only max_new_tokens (its keys' axis) is bounded, at the call too."""
     model = _model(tiny_config)
     prompt = jnp.zeros((1, 3), jnp.int32)
-    generate_stream(model, prompt, 2**31 - 4)  # the longest output: checked, nothing run until the first token
-    with pytest.raises(ValueError, match=r"generate_stream: max_new_tokens=2147483645 after prompt_len=3: "
+    with pytest.raises(ValueError, match=r"generate: max_new_tokens=2147483645 after prompt_len=3: "
                                          r"prompt_len\+max_new_tokens=2147483648 must be at most 2\*\*31 - 1"):
-        generate_stream(model, prompt, 2**31 - 3)
+        generate(model, prompt, 2**31 - 3)
+    generate_stream(model, prompt, 2**31 - 1)  # no output array: checked, nothing run until the first token
+    with pytest.raises(ValueError, match=r"generate_stream: max_new_tokens=2147483648 must be at most 2\*\*31 - 1"):
+        generate_stream(model, prompt, 2**31)
     rows = np.broadcast_to(np.int32(0), (2**30, 3))  # 2**30 prompts, of no memory
     with pytest.raises(ValueError, match=r"generate: the output of shape \(batch, prompt_len \+ max_new_tokens\)="
                                          r"\(1073741824, 2147483647\) would hold 2305843008139952128 elements; an "
