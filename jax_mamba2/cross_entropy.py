@@ -419,10 +419,17 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
                                      ignore_index=ignore_index, dtype=dtype, logits_dtype=logits_dtype,
                                      reduction=reduction, backend=backend)
     check_token_ids_in_range("chunked_cross_entropy", "labels", labels, static.vocab_size, static.ignore_index)
+    return checked_cross_entropy(static, weight, hidden, labels)
+
+
+def checked_cross_entropy(static: _LossStatic, weight, hidden, labels):
+    """`chunked_cross_entropy` of arguments already checked: `(static, weight)` from `check_arguments` on
+    hidden's shape and dtype and these labels (whose concrete ids the caller has checked against the
+    vocabulary), for a caller that checks before it computes `hidden`."""
     tokens, d = int(np.prod(labels.shape)), hidden.shape[-1]
     if tokens == 0:
-        return jnp.zeros(labels.shape if reduction == "none" else (), _accumulation_dtype(static.dtype))
+        return jnp.zeros(labels.shape if static.reduction == "none" else (), _accumulation_dtype(static.dtype))
     padded_vocab = weight.shape[0 if static.embedding_layout else 1]
     loss = _chunked_loss(static, hidden.reshape(tokens, d), weight,
                          int32_labels(labels.reshape(tokens), static.ignore_index, padded_vocab))
-    return loss.reshape(labels.shape) if reduction == "none" else loss
+    return loss.reshape(labels.shape) if static.reduction == "none" else loss

@@ -315,8 +315,8 @@ class Mamba2LMHeadModel(nnx.Module):
                        backend=self.loss_softmax_backend())
         # The loss's own options (and whether its backend can run) before the forward pass, not after it.
         hidden_like = jax.eval_shape(self.embedding, input_ids)
-        loss_op.check_arguments("Mamba2LMHeadModel.loss", hidden_like, targets, **options)
-        return loss_op.chunked_cross_entropy(self._final_hidden(input_ids, seq_idx), targets, **options)
+        static, weight = loss_op.check_arguments("Mamba2LMHeadModel.loss", hidden_like, targets, **options)
+        return loss_op.checked_cross_entropy(static, weight, self._final_hidden(input_ids, seq_idx), targets)
 
     def loss_softmax_backend(self) -> str:
         """The backend `loss` gives its softmax now: `loss_backend`, or its default (see the class)."""

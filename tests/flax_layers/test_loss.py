@@ -353,6 +353,31 @@ def test_lm_loss_leaves_the_first_column_of_unshifted_labels_unread(tiny_config)
     np.testing.assert_array_equal(model.loss(ids, ids.at[:, 0].set(tiny_config.vocab_size + 7)), model.loss(ids))
 
 
+def test_lm_loss_reads_concrete_labels_once(tiny_config, monkeypatch):
+    """An eager loss checks its concrete labels against the vocabulary once (the model's check), not again in the
+    loss op, which would read them back from the device a second time; the value is the op's."""
+    from jax_mamba2 import checks, cross_entropy
+    from jax_mamba2.flax_layers import lm
+    model = Mamba2LMHeadModel(tiny_config.replace(n_layer=1), backend="xla", rngs=nnx.Rngs(0))
+    ids = jax.random.randint(jax.random.key(5), (2, 9), 0, tiny_config.vocab_size)
+    labels = jnp.roll(ids, 1, axis=1)
+    names = []
+    def counting(api, name, *args, **kwargs):
+        names.append((api, name))
+        return checks.check_token_ids_in_range(api, name, *args, **kwargs)
+    for module in (lm, cross_entropy):
+        monkeypatch.setattr(module, "check_token_ids_in_range", counting)
+    for kwargs, name in ((dict(labels=labels), "labels[:, 1:]"), (dict(shift_labels=labels), "shift_labels")):
+        names.clear()
+        loss = model.loss(ids, **kwargs)
+        assert names.count(("Mamba2LMHeadModel.loss", name)) == 1 and len(names) == 2, names  # and input_ids'
+        targets = labels if "shift_labels" in kwargs else jnp.pad(labels[:, 1:], ((0, 0), (0, 1)),
+                                                                   constant_values=-100)
+        expected = chunked_cross_entropy(model._final_hidden(ids), targets, embedding=model.embedding.embedding[...],
+                                         vocab_size=tiny_config.vocab_size)
+        np.testing.assert_allclose(float(loss), float(expected), rtol=1e-6)
+
+
 def test_lm_loss_takes_unsigned_labels_like_signed_ones(tiny_config):
     """Labels in uint8 shift like int32 ones: the padded last column holds ignore_index, which uint8 cannot."""
     model = Mamba2LMHeadModel(tiny_config.replace(n_layer=1), backend="xla", rngs=nnx.Rngs(0))
