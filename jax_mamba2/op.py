@@ -246,6 +246,8 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
     backends run cuTile backward kernels), and composes with jit, vmap, shard_map and remat. Forward mode
     (jax.jvp, jax.linearize, jax.jacfwd) only on "scan": the kernels and the xla path's confinement of
     non-finite values are custom VJPs, of which JAX raises TypeError ("can't apply forward-mode autodiff").
+    Derivatives of derivatives (jax.hessian, a gradient of a gradient) on "xla" and "scan"; the cuTile
+    backends' backward kernels have no derivatives, so there they raise TypeError saying so.
 
     Preconditions: A <= 0; Δ >= 0 (dt + dt_bias >= 0 unless dt_softplus or a dt_limit makes it so);
     seq_idx nondecreasing. They are checked, raising ValueError, on the arrays that are concrete, which

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.buffer_callback import buffer_callback
 
+from jax_mamba2.bridge.first_order import first_order_only
 from jax_mamba2.kernels._common import Launch, Plan
 
 # launch(ctx, launch, args, programmatic): enqueues one kernel launch on the callback's stream; `args` are the
@@ -112,7 +113,7 @@ def _callback(call: PlanCall):
     return callback
 
 
-def run_plan(plan: Plan, arrays: dict) -> dict:
+def _run_plan(plan: Plan, arrays: dict) -> dict:
     """Runs `plan` on `arrays` (name -> jax.Array, one per plan input); returns its outputs by name.
 
     Plan outputs that are inputs (written in place) and zero-initialised buffers that a launch writes are passed
@@ -137,3 +138,6 @@ def run_plan(plan: Plan, arrays: dict) -> dict:
     results = call(*(env[n] for n in input_names))
     out = dict(zip(buffer_names, results))
     return {name: out[name] for name in plan.outputs}
+
+
+run_plan = first_order_only(_run_plan)

@@ -13,12 +13,13 @@ import jax.numpy as jnp
 from cuda.tile.jax import InputOutput, OutputPlaceholder, cutile_call
 
 from jax_mamba2.bridge import _compat, compile_ahead
+from jax_mamba2.bridge.first_order import first_order_only
 from jax_mamba2.kernels._common import Plan
 
 _compat.register_command_buffer_launches()
 
 
-def run_plan(plan: Plan, arrays: dict) -> dict:
+def _run_plan(plan: Plan, arrays: dict) -> dict:
     """Runs `plan` on `arrays` (name -> jax.Array, one per plan input); returns its outputs by name."""
     env = dict(arrays)
     for name, buf in plan.buffers.items():
@@ -44,3 +45,6 @@ def run_plan(plan: Plan, arrays: dict) -> dict:
             results = (results,)
         env.update(zip(written, results))
     return {name: env[name] for name in plan.outputs}
+
+
+run_plan = first_order_only(_run_plan)

@@ -151,3 +151,48 @@ def test_a_cutile_kernel_of_another_package_keeps_cutile_s_own_target():
         text = jax.jit(lambda x: cutile_call((4,), COPY_KERNEL, (x, OutputPlaceholder((64,), jnp.float32), 16))
                        ).trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"stablehlo.custom_call @(\w+)\(", text) == ["cutile_launch"]
+
+
+def _second_order_cases():
+    """(name, f(a, b) -> scalar, a, b) of each kernel op: f's gradient in b depends on a."""
+    keys = jax.random.split(jax.random.key(7), 4)
+    ssd_args, _ = make_ssd_args(1, batch=1, seqlen=64, nheads=2, headdim=16, ngroups=1, dstate=16,
+                                dtype=jnp.bfloat16)
+    x, dt, A, B, C = ssd_args
+    rows = jax.random.normal(keys[0], (64, 32), jnp.bfloat16)
+    conv_x = jax.random.normal(keys[1], (1, 64, 32), jnp.bfloat16)
+    embedding = jax.random.normal(keys[2], (128, 32), jnp.float32)
+    labels = jax.random.randint(keys[3], (64,), 0, 128)
+
+    def total(y):
+        return jnp.sum(y.astype(jnp.float32))
+
+    return [
+        ("ssd", lambda backend, a, b: total(jax_mamba2.ssd(a, dt, A, b, C, 64, backend=backend)), x, B),
+        ("rms_norm", lambda backend, a, b: total(jax_mamba2.rms_norm(a, b, backend=backend)),
+         rows, jnp.ones(32, jnp.float32)),
+        ("causal_conv1d_silu", lambda backend, a, b: total(jax_mamba2.causal_conv1d_silu(a, b, backend=backend)),
+         conv_x, jax.random.normal(keys[0], (4, 32), jnp.float32)),
+        ("chunked_cross_entropy", lambda backend, a, b: jax_mamba2.chunked_cross_entropy(
+            a, labels, embedding=b, backend=backend), rows, embedding),
+    ]
+
+
+@pytest.mark.parametrize("case", range(4), ids=[case[0] for case in _second_order_cases()])
+def test_a_derivative_of_a_kernel_op_s_derivative_says_which_backends_take_one(case):
+    """The kernel ops differentiate once (custom VJPs of kernel plans): a gradient of a gradient, or forward mode
+    over one, raises a TypeError naming the backends that can, not JAX's missing rule of the launch primitive (the
+    first derivatives lower: the tests above); on "xla" the second derivative runs."""
+    name, f, a, b = _second_order_cases()[case]
+
+    def second(backend, a):
+        return jax.grad(lambda a: jnp.sum(jax.grad(functools.partial(f, backend), argnums=1)(a, b) ** 2))(a)
+
+    message = r"the cuTile kernels \(backends 'cutile', 'cutile_callback'\) differentiate once.* needs backend='xla'"
+    for backend in ("cutile", "cutile_callback"):
+        with pytest.raises(TypeError, match=message):
+            aot.export_for_cuda(functools.partial(second, backend), a)
+    with pytest.raises(TypeError, match=message):
+        aot.export_for_cuda(lambda a: jax.jvp(lambda a: jax.grad(functools.partial(f, "cutile"), argnums=1)(a, b),
+                                              (a,), (a,)), a)
+    assert bool(jnp.all(jnp.isfinite(jax.jit(second, static_argnums=0)("xla", a).astype(jnp.float32)))), name
