@@ -81,8 +81,8 @@ def check_seq_idx_range(api: str, seq_idx) -> None:
 
 
 def is_concrete(a) -> bool:
-    """`a` holds values that can be checked (an array with elements, not a tracer)."""
-    return a is not None and not isinstance(a, jax.core.Tracer) and np.size(a) > 0
+    """`a` holds values that can be checked (an array with elements, not a tracer nor a shape and dtype)."""
+    return a is not None and not isinstance(a, (jax.core.Tracer, jax.ShapeDtypeStruct)) and np.size(a) > 0
 
 
 def check_token_ids_in_range(api: str, name: str, ids, vocab_size: int, ignore_index: int | None = None) -> None:

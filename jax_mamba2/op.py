@@ -57,10 +57,10 @@ def _check_values(api, A, dt, dt_bias, dt_softplus, dt_limit, seq_idx=None):
     """The preconditions on values, for the arrays that are concrete (a tracer's values are unknown).
 
     A <= 0 and Δ >= 0 keep every decay exp(Δ A) <= 1, which the chunked algorithms assume (they clamp
-    exp(min(dA_l - dA_s, 0))); a decreasing seq_idx would make them and the scan reset at different
-    tokens. The reductions run where the arrays live (also for concrete arrays closed over by a traced
-    function); one host transfer fetches their results. They pass NaNs over (a NaN is data, confined to its
-    sequence), so that a NaN elsewhere does not hide a positive A or a negative Δ.
+    exp(min(dA_l - dA_s, 0))); a nondecreasing seq_idx is how packed sequences come (mamba_ssm's precondition;
+    the conv's taps, which compare ids, need it). The reductions run where the arrays live (also for concrete
+    arrays closed over by a traced function); one host transfer fetches their results. They pass NaNs over (a
+    NaN is data, confined to its sequence), so that a NaN elsewhere does not hide a positive A or a negative Δ.
     """
     checks = {}
     with jax.ensure_compile_time_eval():
@@ -219,6 +219,8 @@ _opaque_ssd.defvjp(_opaque_ssd_fwd, _opaque_ssd_bwd)
 def _run_backend(backend: registry.Backend, inputs: SSDInputs, static: SSDStatic):
     if backend.differentiable:
         return backend.forward(inputs, static)
+    if inputs.seq_idx is not None:  # the kernels are chunked: the ids as `reference.sequence_numbers` says why
+        inputs = inputs._replace(seq_idx=reference.sequence_numbers(inputs.seq_idx))
     return _opaque_ssd(backend, static, inputs)
 
 
@@ -253,8 +255,8 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
     seq_idx nondecreasing. They are checked, raising ValueError, on the arrays that are concrete, which
     costs a reduction over them and one host sync per call. Under jit, vmap or grad the arrays are tracers
     and go unchecked: a negative Δ is then taken as NaN (a non-finite dt, below; by the kernels with
-    `check_finite`), while for a positive A or a decreasing seq_idx the backends disagree (the chunked ones
-    assume decays exp(Δ A) <= 1).
+    `check_finite`), and a decreasing seq_idx restarts the state where the id changes, on every backend, while
+    for a positive A the backends disagree (the chunked ones assume decays exp(Δ A) <= 1).
 
     Non-finite values: a NaN or inf in an input of one token reaches that token's head (a group's heads
     for B and C) from that token to the end of its sequence, and the final state when that is the last
@@ -283,7 +285,8 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
       dt_limit: (min, max) clip of Δ; (0, inf) means no clipping.
       initial_states: (batch, nheads, headdim, dstate), optional state before the first token.
       seq_idx: (batch, seqlen) int32, optional, nondecreasing along seqlen: packed sequences. The state
-        resets where it changes, and initial_states reach only tokens of sequence 0.
+        resets where it changes, and initial_states reach only the row's first sequence, where its id is 0
+        (the id before token 0 is 0, mamba_ssm's rule).
       return_final_states: also return the state after the last token.
       backend: "auto", "cutile", "cutile_callback", "xla" or "scan" (see `jax_mamba2.backend_status()`).
       deterministic_backward: make the cuTile backward bitwise reproducible run to run: no float

@@ -275,6 +275,19 @@ def chunk_cumsum(dt, A, chunk_size, dt_bias=None, dt_softplus=False, dt_limit=_D
     return dt_out, dA_cumsum
 
 
+def sequence_numbers(seq_idx):
+    """(b, L) ids of packed sequences -> (b, L) int32 numbers of the same sequences, counted from 0 before the
+    first change of id (the id before token 0 is 0), so 0 where the first sequence's id is 0 and from 1 otherwise.
+
+    The chunked algorithms give the initial state to a chunk's tokens whose id equals the one before the chunk,
+    which for the first chunk is 0: with the ids themselves a sequence 0 after a first sequence of another id (a
+    negative one) would take it too, wherever the two share the first chunk. The numbers reset where the ids
+    change and only there, as the scan, and give 0 to the first sequence alone.
+    """
+    previous_ids = jnp.pad(seq_idx[:, :-1], ((0, 0), (1, 0)))  # the id before token 0 is 0
+    return jnp.cumsum(seq_idx != previous_ids, axis=1, dtype=jnp.int32)
+
+
 def _seq_idx_chunks(seq_idx, nchunks, chunk_size):
     """(b, L) -> (b, c, q) ids, padded with the last id so position q-1 is the chunk's last VALID token's id."""
     return _to_chunks(seq_idx, nchunks, chunk_size, mode="edge")
@@ -550,6 +563,7 @@ def ssd_chunked(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias=None, dt_
     h0 = None if initial_states is None else initial_states.astype(cdt)
     delta = negative_steps_as_nan(dt_transform(dt.astype(cdt), dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit))
 
+    seq_idx = None if seq_idx is None else sequence_numbers(seq_idx)
     x_f, delta_f, A_f, B_f, C_f, h0_f = map(finite_part, (x_c, delta, A_c, B_c, C_c, h0))
     dt_out, dA_cumsum = chunk_cumsum(delta_f, A_f, chunk_size)  # delta is transformed already
     states = chunk_state(B_f, x_f, dt_out, dA_cumsum, seq_idx)

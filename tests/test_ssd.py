@@ -1,5 +1,6 @@
 """The public op: checks, dispatch, and the custom VJP / vmap plumbing of opaque backends (CPU)."""
 import dataclasses
+import functools
 import math
 
 import jax
@@ -238,6 +239,31 @@ def test_ssd_step_chain_equals_full_forward():
                                          dt_softplus=True)
         ys.append(y_t)
     assert rel_l2(jnp.stack(ys, 1), y_full) < 1e-5 and rel_l2(state, f_full) < 1e-5
+
+
+@pytest.mark.parametrize("chunk_size", [8, 64])
+def test_initial_states_reach_only_a_first_sequence_of_id_0_whatever_the_chunk(chunk_size):
+    """A row whose first sequence has an id other than 0 (-1): the state restarts at token 0, and the sequence 0
+    after it in the same chunk takes no initial state; the xla path equals the scan in values and gradients at any
+    chunk size. Also for ids that decrease (traced, so unchecked): both restart where the id changes."""
+    args, kwargs = make_ssd_args(62, **SMALL, D="head", initial_states=True)
+    init = kwargs.pop("initial_states")
+    seq_idx = jnp.asarray(np.stack([np.repeat([-1, 0], [10, 30]), np.repeat([0, 3], [5, 35])]), jnp.int32)
+
+    @functools.partial(jax.jit, static_argnames="backend")
+    def outputs_and_gradients(args, init, seq_idx, backend):
+        def loss(args, init):
+            y, final = ssd(*args, chunk_size, **kwargs, initial_states=init, seq_idx=seq_idx,
+                           return_final_states=True, backend=backend)
+            return jnp.sum(y * jnp.sin(y)) + jnp.sum(final ** 2), (y, final)
+        return jax.grad(loss, argnums=(0, 1), has_aux=True)(args, init)
+
+    for ids in (seq_idx, seq_idx.at[1, 20:].set(1)):
+        (grads, (y, final)) = outputs_and_gradients(args, init, ids, "xla")
+        (want_grads, (want_y, want_final)) = outputs_and_gradients(args, init, ids, "scan")
+        assert rel_l2(y, want_y) < 1e-5 and rel_l2(final, want_final) < 1e-5
+        assert max(rel_l2(g, w) for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads))) < 1e-5
+    np.testing.assert_array_equal(want_grads[1][:1], 0.0)  # row 0's first sequence, of id -1, reads no state
 
 
 def test_ssd_step_rejects_bad_state():

@@ -74,11 +74,11 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
         more than 2**60 - 1 elements), prompt ids outside [0, vocab_size), a negative temperature, a top_k outside
         [1, vocab_size], a top_p outside (0, 1], a min_p outside [0, 1], a repetition_penalty <= 0, an eos_token_id
         or pad_token_id outside [0, vocab_size), a pad_token_id without an eos_token_id, prompt_lengths outside
-        [1, prompt_len] or of another shape than (batch,), padding ids outside int32, or a missing rng when
-        sampling.
-      TypeError: on prompt ids or lengths that are not integers, a max_new_tokens that is not an int, a
-        control of the wrong type (the controls must be concrete numbers), an rng that is not one key, or a
-        cache_dtype that is not a floating dtype.
+        [1, prompt_len] or of another shape than (batch,) (or ragged lists), padding ids outside int32, or a
+        missing rng when sampling.
+      TypeError: on prompt ids or lengths that are not integers or not an array or list (None, a number), a
+        max_new_tokens that is not an int, a control of the wrong type (the controls must be concrete numbers),
+        an rng that is not one key, or a cache_dtype that is not a floating dtype.
     """
     *program_args, max_new_tokens = _prepare(
         "generate", model, prompt_ids, max_new_tokens, whole_output=True, temperature=temperature, top_k=top_k,
@@ -121,11 +121,15 @@ def _prepare(api: str, model, prompt_ids, max_new_tokens, *, whole_output: bool,
     vocab_size = model.config.vocab_size
     max_new_tokens = check_int(api, "max_new_tokens", max_new_tokens)
     if not hasattr(prompt_ids, "dtype"):  # a nested list of ids
+        given = prompt_ids
         try:
             prompt_ids = np.asarray(prompt_ids)
         except ValueError:
             raise ValueError(f"{api}: prompt_ids must be a (batch, prompt_len) array or list of equal-length "
                              "lists") from None
+        if prompt_ids.ndim == 0:  # None, a number, a string: no nesting of ids at all (not a wrong shape)
+            raise TypeError(f"{api}: prompt_ids must be a (batch, prompt_len) integer array or list of "
+                            f"equal-length lists of ints, got {type(given).__name__}")
         if prompt_ids.size == 0:  # NumPy makes an empty list float64: let the shape check name what is wrong
             prompt_ids = prompt_ids.astype(np.int32)
     _checks.check_named_array(api, "prompt_ids", prompt_ids, (("batch", None), ("prompt_len", None)), kind="integer")
@@ -182,7 +186,15 @@ def _check_prompt_lengths(api: str, prompt_ids, prompt_lengths):
     if prompt_lengths is None:
         return None
     if not hasattr(prompt_lengths, "dtype"):
-        prompt_lengths = np.asarray(prompt_lengths)
+        given = prompt_lengths
+        try:
+            prompt_lengths = np.asarray(prompt_lengths)
+        except ValueError:  # a ragged nesting
+            raise ValueError(f"{api}: prompt_lengths must be None or a (batch,) integer array or list of ints") \
+                from None
+        if prompt_lengths.ndim == 0:  # a number or a string, not one length per row
+            raise TypeError(f"{api}: prompt_lengths must be None or a (batch,) integer array or list of ints, "
+                            f"got {type(given).__name__}")
     batch, prompt_len = prompt_ids.shape
     _checks.check_named_array(api, "prompt_lengths", prompt_lengths, (("batch", batch),), kind="integer")
     if not isinstance(prompt_lengths, jax.core.Tracer):

@@ -32,6 +32,8 @@ class NumpyNamespace:
     def stream(self):
         return None
 
+    sequence_numbers = eager.ArrayNamespace.sequence_numbers  # CuPy's code, which NumPy runs as it is
+
     def dtype_name(self, arr) -> str:
         return str(arr.dtype)
 
@@ -65,6 +67,28 @@ def test_eager_forward_matches_float64_scan(launches, dtype, D):
     # The jitted op's kernel inputs: dt kept in x's dtype (it has it), D per (head, headdim) in float32.
     assert arrays["x"].dtype == arrays["dt"].dtype == np.dtype(dtype)
     assert (arrays["D"].shape, arrays["D"].dtype) == ((DIMS["nheads"], DIMS["headdim"]), np.float32)
+
+
+def test_eager_forward_gives_initial_states_to_a_first_sequence_of_id_0_alone(launches):
+    """A row whose first sequence has id -1, then sequence 0 in the same chunk: the state restarts at both, as in
+    the scan (the kernels take the sequences' numbers, as from the op), and int64 ids past int32 keep apart."""
+    args, kwargs = make_ssd_args(4, **DIMS, dtype="float32", initial_states=True)
+    kwargs["seq_idx"] = np.stack([np.repeat([-1, 0], [37, 63]), np.repeat([0, 2**32], [50, 50])])
+    y, final = eager.ssd(*args, 64, **kwargs, return_final_states=True)
+    with jax.enable_x64(True):
+        want_y, want_final = reference.ssd_scan(*to_float64(args), **to_float64(kwargs))
+        numbers = reference.sequence_numbers(kwargs["seq_idx"])
+    assert rel_l2(y, want_y) < 1e-6 and rel_l2(final, want_final) < 1e-6
+    np.testing.assert_array_equal(launches[0][1]["seq_idx"], numbers)
+    np.testing.assert_array_equal(numbers[:, [0, 36, 37, 49, 50, 99]], [[1, 1, 2, 2, 2, 2], [0, 0, 0, 0, 1, 1]])
+
+
+def test_eager_sequence_numbers_of_torch_ids_are_the_reference_s():
+    torch = pytest.importorskip("torch")
+    ids = np.stack([np.repeat([-1, 0, 3], [3, 4, 5]), np.repeat([0, 1, 7], [1, 10, 1])])
+    numbers = eager.ArrayNamespace("torch").sequence_numbers(torch.from_numpy(ids))
+    assert numbers.dtype == torch.int32
+    np.testing.assert_array_equal(numbers.numpy(), reference.sequence_numbers(ids))
 
 
 def test_eager_checks_arguments_as_the_op_does_before_any_launch(launches):

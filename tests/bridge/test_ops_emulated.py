@@ -104,6 +104,14 @@ def test_emulated_op_forward_and_gradients_match_float64_scan(save_chunk_states,
                                  ssd=functools.partial(_emulated_ssd, save_chunk_states=save_chunk_states))
 
 
+def test_emulated_op_gives_initial_states_to_a_first_sequence_of_id_0_alone():
+    """Row 0's first sequence has id -1, then sequence 0 starts in the same chunk: the state restarts at both, and
+    sequence 0 takes no initial state (the kernels take the ids as the numbers of the sequences), as in the scan."""
+    args, optional, kwargs, weights = _problem(5)
+    kwargs["seq_idx"] = jnp.asarray(np.stack([np.repeat([-1, 0], [37, 63]), np.repeat([0, 1], [37, 63])]), jnp.int32)
+    _check_forward_and_gradients(args, optional, kwargs, weights, TOLERANCE)
+
+
 @pytest.mark.parametrize("layout,dims", [
     ("fused", dict(nheads=64)),
     ("segmented", dict(batch=1, seqlen=2048, seq_idx=[700, 1348])),  # 2 segments of 16 chunks

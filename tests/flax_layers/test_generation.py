@@ -365,6 +365,10 @@ def test_generate_stream_stops_once_every_row_has_ended(tiny_config):
     (dict(prompt_lengths=[4]), ValueError, r"generate: prompt_lengths=\[4\] must be in \[1, prompt_len=3\]"),
     (dict(prompt_lengths=[1, 2]), ValueError, r"generate: prompt_lengths.shape=\(2,\) must be \(batch\)=\(1\)"),
     (dict(prompt_lengths=[1.5]), TypeError, r"generate: prompt_lengths.dtype=float64 must be integer"),
+    (dict(prompt_lengths=3), TypeError, r"generate: prompt_lengths must be None or a \(batch,\) integer array or "
+                                        r"list of ints, got int$"),
+    (dict(prompt_lengths=[[1], [2, 3]]), ValueError, r"generate: prompt_lengths must be None or a \(batch,\) "
+                                                     r"integer array or list of ints$"),
     (dict(cache_dtype=jnp.int32), TypeError, r"generate: cache_dtype=int32 must be one of "
                                              r"bfloat16, float16, float32, float64"),
     (dict(cache_dtype="half precision"), TypeError, r"generate: cache_dtype='half precision' must be a float dtype"),
@@ -389,6 +393,9 @@ def test_generate_rejects_bad_arguments(tiny_config, kwargs, error, message):
                  id="1d"),
     pytest.param([[]], ValueError, r"generate: prompt_ids.shape=\(1, 0\) must be \(batch, prompt_len >= 1\)",
                  id="empty_list"),
+    pytest.param(None, TypeError, r"generate: prompt_ids must be a \(batch, prompt_len\) integer array or list of "
+                 r"equal-length lists of ints, got NoneType", id="none"),
+    pytest.param(7, TypeError, r"generate: prompt_ids must be .* got int$", id="number"),
 ])
 def test_generate_rejects_bad_prompts(tiny_config, prompt, error, message):
     with pytest.raises(error, match=message):
