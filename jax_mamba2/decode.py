@@ -178,6 +178,8 @@ def _check_projection(api, x, weight, norm_weight, residual, residual_dtype, z, 
                              f">= z_offset + {features}) with an int z_offset >= 0")
     if group_size is None:
         group_size = features
+    elif norm_weight is None:  # no norm to group: refused rather than ignored, as z is
+        raise ValueError(f"{api}: group_size groups the norm's features and needs norm_weight")
     elif features % check_int(api, "group_size", group_size, f"a positive divisor of features={features}"):
         raise ValueError(f"{api}: group_size={group_size!r} must be a positive divisor of features={features}")
     if bias is not None:

@@ -254,6 +254,8 @@ def _projection_args():
     (dict(layer=3), ValueError, r"layer=3 must be in \[0, 3\)"),
     (dict(layer=1.0), TypeError, "layer=1.0 must be an int"),
     (dict(group_size=48), ValueError, "group_size=48 must be a positive divisor"),
+    (dict(group_size=32, norm_weight=None, residual=None, residual_dtype=None), ValueError,
+     "group_size groups the norm's features and needs norm_weight"),
     (dict(z=jnp.ones((3, 60))), ValueError, "z.shape"),
     (dict(bias=jnp.ones((200,))), ValueError, "bias.shape"),
     (dict(eps=0.0), ValueError, "eps=0.0 must be a positive finite float"),
