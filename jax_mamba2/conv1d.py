@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import conv1d_reference
+from jax_mamba2.reference import sequence_numbers
 from jax_mamba2.checks import (as_int, check_array, check_flag, check_int, check_ndim, check_seq_idx,
                                check_seq_idx_order)
 
@@ -102,6 +103,15 @@ def _without_empty_states(inputs: ConvInputs) -> ConvInputs:
     return inputs._replace(initial_states=None) if init is not None and init.shape[-1] == 0 else inputs
 
 
+def _numbered(inputs: ConvInputs) -> ConvInputs:
+    """`inputs` with seq_idx as the numbers of its runs of one id (`reference.sequence_numbers`), as the SSD takes
+    them: a tap reads only its own run, also where a traced seq_idx (unchecked) decreases and an id comes back,
+    and ids int32 cannot hold never reach the kernels."""
+    if inputs.seq_idx is None:
+        return inputs
+    return inputs._replace(seq_idx=sequence_numbers(inputs.seq_idx))
+
+
 def _window(x, kernel, offset: int):
     """The channels of x that the conv reads."""
     return x if x.shape[-1] == kernel.shape[1] else x[..., offset:offset + kernel.shape[1]]
@@ -168,7 +178,8 @@ def causal_conv1d_silu(x, kernel, bias=None, *, seq_idx=None, initial_states=Non
       kernel: (d_conv, channels) float (mamba_ssm's conv1d.weight (channels, 1, d_conv) transposed).
       bias: (channels,) float, optional.
       seq_idx: (batch, seqlen) int32, optional ids of packed sequences: a tap never reads a token of another
-        sequence (it reads zero instead). Not combinable with initial_states.
+        sequence (it reads zero instead); a sequence is a run of one id, as for `ssd`. Not combinable with
+        initial_states.
       initial_states: (batch, channels, d_conv - 1) or (batch, channels, d_conv) float, optional: the input
         columns before x (a decode cache's conv_state); only the last d_conv - 1 are read.
       activation: "silu" (or "swish", its other name in causal_conv1d) or None (the convolution alone).
@@ -193,7 +204,7 @@ def causal_conv1d_silu(x, kernel, bias=None, *, seq_idx=None, initial_states=Non
     """
     inputs = ConvInputs(x, kernel, bias, initial_states, seq_idx)
     _check_inputs(inputs, activation, return_final_states)
-    inputs = _without_empty_states(inputs)
+    inputs = _numbered(_without_empty_states(inputs))
     static = ConvStatic(silu=activation is not None)  # "silu" or "swish"
     selected = registry.select(backend, _API, lambda b: b.unsupported_reason(inputs), op=OP)
     if x.size == 0:
@@ -202,7 +213,7 @@ def causal_conv1d_silu(x, kernel, bias=None, *, seq_idx=None, initial_states=Non
         (y,) = registry.run_compiled(tuple(selected), _run, static, inputs)
     if not return_final_states:
         return y
-    return y, conv1d_reference.final_conv_state(x, kernel.shape[0], initial_states, seq_idx)
+    return y, conv1d_reference.final_conv_state(x, kernel.shape[0], initial_states, inputs.seq_idx)
 
 
 def _check_layout(x, kernel, channel_offset, split) -> tuple[int, int, tuple[int, ...]]:
@@ -279,7 +290,7 @@ def causal_conv1d_silu_split(x, kernel, bias=None, *, channel_offset, split, seq
     check_array(_SPLIT_API, "x", x)
     window = jax.ShapeDtypeStruct((*x.shape[:2], channels), x.dtype)
     _check_inputs(inputs._replace(x=window), activation, return_final_states, _SPLIT_API)
-    inputs = _without_empty_states(inputs)
+    inputs = _numbered(_without_empty_states(inputs))
     pass_through = check_flag(_SPLIT_API, "pass_through", pass_through)
     static = ConvStatic(silu=activation is not None, offset=channel_offset, split=split,  # "silu" or "swish"
                         pass_through=pass_through)
@@ -291,4 +302,4 @@ def causal_conv1d_silu_split(x, kernel, bias=None, *, channel_offset, split, seq
     if not return_final_states:
         return pieces
     window = _window(x, kernel, channel_offset)
-    return pieces, conv1d_reference.final_conv_state(window, kernel.shape[0], initial_states, seq_idx)
+    return pieces, conv1d_reference.final_conv_state(window, kernel.shape[0], initial_states, inputs.seq_idx)

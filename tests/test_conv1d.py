@@ -125,6 +125,27 @@ def test_final_states_are_the_last_d_conv_input_columns(init_width):
     np.testing.assert_array_equal(np.asarray(final), np.asarray(want))
 
 
+@pytest.mark.parametrize("backend", ["xla", "cutile"])
+def test_a_traced_seq_idx_whose_id_comes_back_restarts_where_it_changes(emulated, backend):
+    """Ids 0, 1, 0 (traced, so their order is not checked): the conv restarts at every change of id, as the SSD's
+    state does, and no tap of the last run reads the first run's tokens: the values and gradients are those of
+    ids 0, 1, 2; int64 ids past int32 (under x64) keep apart."""
+    x, kernel, bias, _, _, weights = make_conv_args(5, batch=2, seqlen=12)
+    ids = jnp.asarray([[0] * 4 + [1] * 2 + [0] * 6, [7] * 5 + [2] * 7], jnp.int32)
+    numbered = jnp.asarray([[0] * 4 + [1] * 2 + [2] * 6, [0] * 5 + [1] * 7], jnp.int32)
+
+    conv = functools.partial(conv1d.causal_conv1d_silu, backend=backend)
+
+    def values_and_grads(seq_idx):
+        grads = jax.grad(_loss(conv, weights), argnums=(0, 1, 2))(x, kernel, bias, None, seq_idx)
+        return conv(x, kernel, bias, seq_idx=seq_idx), grads
+
+    got = jax.jit(values_and_grads)(ids)
+    want = values_and_grads(numbered)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("split", [False, True])
 def test_final_states_with_seq_idx_hold_only_the_last_sequence(split):
     """With packed sequences the state is that of each row's last sequence alone (zero columns before it, as
