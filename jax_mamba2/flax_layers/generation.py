@@ -95,8 +95,8 @@ def generate_stream(model, prompt_ids, max_new_tokens: int, *, temperature: floa
 
     The arguments, their checks (made at the call) and the tokens are `generate`'s: with the same rng the same
     tokens (but for the output's size: a stream has no array of all the tokens, so only max_new_tokens must be
-    at most 2**31 - 1). Each step is a jitted call of its own, with the decode state donated to it (not copied), so every
-    token costs one dispatch from Python more than in `generate`'s single program.
+    at most 2**31 - 1). Each step is a jitted call of its own, with the decode state donated to it (not
+    copied), so every token costs one dispatch from Python more than in `generate`'s single program.
 
     Returns:
       An iterator over each step's new tokens, (batch,) int32 device arrays: max_new_tokens of them, or fewer
