@@ -58,7 +58,7 @@ def check_array(api: str, name: str, arr, want_desc: str = "", *want: tuple[int,
 
 
 def check_seq_idx(api: str, seq_idx, batch: int, seqlen: int) -> None:
-    """seq_idx is a (batch, seqlen) integer array (the ids of packed sequences) of ids int32 holds."""
+    """seq_idx is a (batch, seqlen) integer array (the ids of packed sequences) of ids JAX keeps as given."""
     check_array(api, "seq_idx", seq_idx, "(batch, seqlen)", (batch, seqlen), floating=False)
     if not jnp.issubdtype(seq_idx.dtype, jnp.integer):
         raise TypeError(f"{api}: seq_idx.dtype={seq_idx.dtype} must be an integer dtype (int32)")
@@ -66,18 +66,21 @@ def check_seq_idx(api: str, seq_idx, batch: int, seqlen: int) -> None:
 
 
 def check_seq_idx_range(api: str, seq_idx) -> None:
-    """A concrete `seq_idx` of a dtype that can hold ids int32 cannot (int64, uint32, ...) holds none: the ops
-    and the kernels compare ids as int32, where such an id would wrap onto another sequence's and join the two.
-    Read on the host as given (converting to a JAX array first would already have wrapped them); an array spread
-    over other hosts' devices cannot be read here and is not checked."""
-    if not is_concrete(seq_idx) or np.can_cast(seq_idx.dtype, np.int32) or \
-            not getattr(seq_idx, "is_fully_addressable", True):
+    """A concrete `seq_idx` whose dtype JAX narrows (int64 and uint64 with x64 off, to int32 and uint32) holds no
+    id the narrower dtype cannot: the conversion would wrap it onto another sequence's and join the two. (The ops
+    compare ids in their own dtype and hand the kernels the sequences' int32 numbers, so any id JAX keeps is
+    fine.) Read on the host as given (converting to a JAX array first would already have wrapped them); an array
+    spread over other hosts' devices cannot be read here and is not checked."""
+    if not is_concrete(seq_idx) or not getattr(seq_idx, "is_fully_addressable", True):
+        return
+    kept = np.dtype(jax.dtypes.canonicalize_dtype(seq_idx.dtype))
+    if np.can_cast(seq_idx.dtype, kept):
         return
     ids = np.asarray(seq_idx)
     low, high = ids.min(), ids.max()
-    if low < np.iinfo(np.int32).min or high > np.iinfo(np.int32).max:
-        raise ValueError(f"{api}: seq_idx must hold ids int32 holds, in [{np.iinfo(np.int32).min}, "
-                         f"{np.iinfo(np.int32).max}]; got ids from {low} to {high}")
+    if low < np.iinfo(kept).min or high > np.iinfo(kept).max:
+        raise ValueError(f"{api}: seq_idx must hold ids {kept} holds (JAX's dtype for its {seq_idx.dtype}), in "
+                         f"[{np.iinfo(kept).min}, {np.iinfo(kept).max}]; got ids from {low} to {high}")
 
 
 def is_concrete(a) -> bool:

@@ -221,7 +221,8 @@ def norm_project(x, weight, *, norm_weight=None, residual=None, residual_dtype=N
       residual_dtype: the residual stream's dtype: h is rounded to it and returned.
       z: optional gate (rows, ZW): its columns [z_offset, z_offset + K) gate the norm (needs norm_weight).
       z_offset: where the gate's columns start in z (in_proj's output holds z among other columns).
-      group_size: the norm's groups of features (default: all K); norm_before_gate, eps: as `rms_norm`.
+      group_size: the norm's groups of features (default: all K; needs norm_weight); norm_before_gate, eps: as
+        `rms_norm`.
       bias: optional (N,) (with layer: (L, N)).
       transpose_weight: weight is (N, K).
       layer: None (unstacked arrays), or the layer of the stacked ones: an int or an integer scalar array.

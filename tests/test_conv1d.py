@@ -140,10 +140,16 @@ def test_a_traced_seq_idx_whose_id_comes_back_restarts_where_it_changes(emulated
         grads = jax.grad(_loss(conv, weights), argnums=(0, 1, 2))(x, kernel, bias, None, seq_idx)
         return conv(x, kernel, bias, seq_idx=seq_idx), grads
 
-    got = jax.jit(values_and_grads)(ids)
-    want = values_and_grads(numbered)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=1e-6, atol=1e-6)
+    def check(ids, numbered):
+        got = jax.jit(values_and_grads)(ids)
+        want = values_and_grads(numbered)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=1e-6, atol=1e-6)
+
+    check(ids, numbered)
+    with jax.enable_x64(True):  # row 0: ids 0 then 2**32, which int32 would wrap onto 0 and join to the first run
+        check(jnp.asarray([[0] * 6 + [2**32] * 6, [2**33] * 5 + [2**33 + 1] * 7], jnp.int64),
+              jnp.asarray([[0] * 6 + [1] * 6, [1] * 5 + [2] * 7], jnp.int32))
 
 
 @pytest.mark.parametrize("split", [False, True])

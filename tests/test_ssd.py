@@ -129,22 +129,31 @@ def test_ssd_orders_seq_idx_of_any_integer_dtype_without_wrapping_around():
                                                       backend="xla"))
 
 
-@pytest.mark.parametrize("dtype, big", [(np.int64, 2 ** 32), (np.uint32, 2 ** 31)])
-def test_seq_idx_ids_past_int32_are_refused_where_they_would_wrap_onto_another_sequence(dtype, big):
-    """With x64 off an int64 id of 2**32 becomes 0 in the program (a uint32 one of 2**31, -2**31 in the kernels'
-    int32): two packed sequences would join and a NaN cross between them. The ops refuse such ids up front."""
+def test_seq_idx_ids_jax_would_wrap_are_refused_and_ids_it_keeps_run_whatever_their_size():
+    """With x64 off, JAX narrows an int64 array to int32: an id of 2**32 would become 0 and two packed sequences
+    join. The ops refuse such ids up front. Ids JAX keeps (uint32 of 2**31; int64 of 2**32 with x64 on) run: the
+    ops compare ids in their own dtype and the kernels take the sequences' numbers, so they equal small ids."""
     base = _bad_call()
-    ids = np.zeros((2, 40), dtype)
-    ids[:, 20:] = big
-    message = r"seq_idx must hold ids int32 holds, in \[-2147483648, 2147483647\]; got ids from 0 to " + str(big)
+    x = np.ones((2, 40, 8), np.float32)
+    kernel = np.linspace(-1.0, 1.0, 32, dtype=np.float32).reshape(4, 8)
+    ids = np.zeros((2, 40), np.int64)
+    ids[:, 20:] = 2 ** 32
+    message = (r"seq_idx must hold ids int32 holds \(JAX's dtype for its int64\), in \[-2147483648, 2147483647\]; "
+               r"got ids from 0 to 4294967296")
     with pytest.raises(ValueError, match=r"ssd: " + message):
         jax_mamba2.ssd(**dict(base, seq_idx=ids), backend="xla")
-    x = np.ones((2, 40, 8), np.float32)
     with pytest.raises(ValueError, match=r"causal_conv1d_silu: " + message):
-        jax_mamba2.causal_conv1d_silu(x, np.ones((4, 8), np.float32), seq_idx=ids)
-    fits = np.where(ids == big, 7, 0).astype(dtype)  # the same ids, within int32: run as given
-    np.testing.assert_array_equal(jax_mamba2.ssd(**dict(base, seq_idx=fits), backend="xla"),
-                                  jax_mamba2.ssd(**dict(base, seq_idx=fits.astype(np.int32)), backend="xla"))
+        jax_mamba2.causal_conv1d_silu(x, kernel, seq_idx=ids)
+    small = np.where(ids > 0, 1, 0).astype(np.int32)
+    want_y = jax_mamba2.ssd(**dict(base, seq_idx=small), backend="xla")
+    want_conv = jax_mamba2.causal_conv1d_silu(x, kernel, seq_idx=small, backend="xla")
+    unsigned = np.where(ids > 0, 2 ** 31, 0).astype(np.uint32)
+    np.testing.assert_array_equal(jax_mamba2.ssd(**dict(base, seq_idx=unsigned), backend="xla"), want_y)
+    np.testing.assert_array_equal(jax_mamba2.causal_conv1d_silu(x, kernel, seq_idx=unsigned, backend="xla"), want_conv)
+    with jax.enable_x64(True):
+        np.testing.assert_array_equal(jax_mamba2.ssd(**dict(base, seq_idx=ids), backend="xla"), want_y)
+        np.testing.assert_array_equal(jax_mamba2.causal_conv1d_silu(x, kernel, seq_idx=ids, backend="xla"),
+                                      want_conv)
 
 
 def test_ssd_accepts_values_within_the_preconditions():

@@ -142,7 +142,7 @@ def _prepare(api: str, model, prompt_ids, max_new_tokens, *, whole_output: bool,
                           "prompt_len+max_new_tokens", prompt_len + max_new_tokens)
         check_element_count(api, "the output", "(batch, prompt_len + max_new_tokens)",
                             (batch, prompt_len + max_new_tokens))
-    else:  # a stream builds no output; its steps' random keys are one (max_new_tokens, ...) array
+    else:  # a stream builds no output, and draws each step's key as it comes: a step counts in int32
         check_axis_length(api, "max_new_tokens", max_new_tokens)
     prompt_lengths = _check_prompt_lengths(api, prompt_ids, prompt_lengths)
     if prompt_lengths is None:
@@ -296,15 +296,14 @@ def _advance(graphdef, state, decoding: _Decoding, key, sampling, end) -> _Decod
 def _generate(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, cache_dtype, *, max_new_tokens):
     """`generate`'s program: the prefill and first token, then the cached steps in a scan (no eos) or a while
     loop that stops once every row has ended; (batch, prompt_len + max_new_tokens) int32."""
-    keys = jax.random.split(rng, max_new_tokens)
-    decoding = _start(graphdef, state, prompt_ids, prompt_lengths, keys[0], sampling, end, cache_dtype)
+    decoding = _start(graphdef, state, prompt_ids, prompt_lengths, _step_key(rng, 0), sampling, end, cache_dtype)
 
-    def advance(decoding, key):
-        decoding = _advance(graphdef, state, decoding, key, sampling, end)
+    def advance(decoding, step):
+        decoding = _advance(graphdef, state, decoding, _step_key(rng, step), sampling, end)
         return decoding, decoding.token
 
     if end is None:
-        _, rest = jax.lax.scan(advance, decoding, keys[1:])
+        _, rest = jax.lax.scan(advance, decoding, jnp.arange(1, max_new_tokens, dtype=jnp.int32))
         generated = jnp.concatenate([decoding.token[:, None], rest.T], axis=1)
     else:
         def unfinished(loop):
@@ -313,7 +312,7 @@ def _generate(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, c
 
         def next_step(loop):
             step, decoding, generated = loop
-            decoding, token = advance(decoding, keys[step])
+            decoding, token = advance(decoding, step)
             return step + 1, decoding, jax.lax.dynamic_update_slice(generated, token[:, None], (0, step))
 
         generated = jnp.full((prompt_ids.shape[0], max_new_tokens), end[1]).at[:, 0].set(decoding.token)
@@ -321,24 +320,34 @@ def _generate(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, c
     return jnp.concatenate([prompt_ids, generated], axis=1)
 
 
-_start_program = jax.jit(_start, static_argnames=("graphdef", "cache_dtype"))
+def _step_key(rng, step):
+    """The random key of new token `step` (0 for the first): rng folded with the step, so a step's key needs no
+    array of every step's (a stream's may be long) and generate and generate_stream draw the same keys."""
+    return jax.random.fold_in(rng, step)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_dtype"))
+def _start_program(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, cache_dtype) -> _Decoding:
+    """`_start` with the first step's key."""
+    return _start(graphdef, state, prompt_ids, prompt_lengths, _step_key(rng, 0), sampling, end, cache_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("carried",))
-def _advance_program(graphdef, state, token, carried, key, sampling, end) -> _Decoding:
-    """`_advance` with what the step carries besides the tokens (cache, seen, ended) donated: the cache (the SSM
-    state stack updated in place) is not copied per token, and the tokens already yielded stay readable."""
-    return _advance(graphdef, state, _Decoding(token, *carried), key, sampling, end)
+def _advance_program(graphdef, state, token, carried, rng, step, sampling, end) -> _Decoding:
+    """`_advance` of new token `step` (an int32 scalar, so one program serves every step) with what the step
+    carries besides the tokens (cache, seen, ended) donated: the cache (the SSM state stack updated in place) is
+    not copied per token, and the tokens already yielded stay readable."""
+    return _advance(graphdef, state, _Decoding(token, *carried), _step_key(rng, step), sampling, end)
 
 
 def _stream(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, cache_dtype, max_new_tokens):
     """`generate_stream`'s generator: the jitted prefill, then one jitted step per token, each yielding the
     (batch,) new tokens; it stops after max_new_tokens or once every row has ended."""
-    keys = jax.random.split(rng, max_new_tokens)
-    decoding = _start_program(graphdef, state, prompt_ids, prompt_lengths, keys[0], sampling, end, cache_dtype)
+    decoding = _start_program(graphdef, state, prompt_ids, prompt_lengths, rng, sampling, end, cache_dtype)
     yield decoding.token
     for step in range(1, max_new_tokens):
         if end is not None and bool(jnp.all(decoding.ended)):
             return
-        decoding = _advance_program(graphdef, state, decoding.token, decoding[1:], keys[step], sampling, end)
+        decoding = _advance_program(graphdef, state, decoding.token, decoding[1:], rng, np.int32(step), sampling,
+                                    end)
         yield decoding.token

@@ -309,6 +309,17 @@ def test_generate_stream_yields_generates_tokens_one_step_at_a_time(tiny_config,
     np.testing.assert_array_equal(np.asarray(generate(model, prompt, 7, **controls))[:, 6:], want)  # state intact
 
 
+def test_a_stream_of_any_length_draws_each_step_s_key_as_it_comes(tiny_config):
+    """generate_stream(max_new_tokens=2**31 - 1) samples its first tokens at once, as generate of 3 tokens does
+    with the same rng (no array of every step's key is built first: 16 GiB at that length)."""
+    model = _model(tiny_config)
+    prompt = _token_ids(tiny_config, seed=13, shape=(2, 5))
+    controls = dict(temperature=1.0, rng=jax.random.key(21))
+    stream = generate_stream(model, prompt, 2**31 - 1, **controls)
+    got = np.stack([np.asarray(next(stream)) for _ in range(3)], axis=1)
+    np.testing.assert_array_equal(got, np.asarray(generate(model, prompt, 3, **controls))[:, 5:])
+
+
 def test_generate_stream_stops_once_every_row_has_ended(tiny_config):
     model = _model(tiny_config)
     prompt = jnp.repeat(_token_ids(tiny_config, seed=11, shape=(1, 4)), 2, axis=0)
