@@ -22,9 +22,9 @@ import jax.numpy as jnp
 
 from jax_mamba2 import backends as registry
 from jax_mamba2 import conv1d_reference
-from jax_mamba2.reference import sequence_numbers
 from jax_mamba2.checks import (as_int, check_array, check_flag, check_int, check_ndim, check_seq_idx,
                                check_seq_idx_order)
+from jax_mamba2.reference import sequence_numbers
 
 OP = "causal_conv1d"
 # causal_conv1d's names: "swish" is SiLU's other name (mamba_ssm's Mamba2Simple passes it), None the conv alone.

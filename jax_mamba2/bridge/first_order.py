@@ -8,6 +8,7 @@ derivatives are JAX's own, to any order).
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -25,6 +26,7 @@ HIGHER_ORDER_MESSAGE = (
 def first_order_only(run_plan: RunPlan) -> RunPlan:
     """`run_plan(plan, arrays) -> outputs` whose differentiation raises TypeError(HIGHER_ORDER_MESSAGE)."""
 
+    @functools.wraps(run_plan)
     def run(plan: Plan, arrays: dict) -> dict:
         launch = jax.custom_jvp(lambda arrays: run_plan(plan, arrays))
 
@@ -34,5 +36,4 @@ def first_order_only(run_plan: RunPlan) -> RunPlan:
 
         return launch(arrays)
 
-    run.__doc__ = run_plan.__doc__
     return run
