@@ -24,7 +24,7 @@ from jax_mamba2 import backends as registry
 from jax_mamba2 import conv1d_reference
 from jax_mamba2.checks import (as_int, check_array, check_flag, check_int, check_ndim, check_seq_idx,
                                check_seq_idx_order)
-from jax_mamba2.reference import sequence_numbers
+from jax_mamba2.ssd_args import sequence_numbers
 
 OP = "causal_conv1d"
 # causal_conv1d's names: "swish" is SiLU's other name (mamba_ssm's Mamba2Simple passes it), None the conv alone.
@@ -104,7 +104,7 @@ def _without_empty_states(inputs: ConvInputs) -> ConvInputs:
 
 
 def _numbered(inputs: ConvInputs) -> ConvInputs:
-    """`inputs` with seq_idx as the numbers of its runs of one id (`reference.sequence_numbers`), as the SSD takes
+    """`inputs` with seq_idx as the numbers of its runs of one id (`ssd_args.sequence_numbers`), as the SSD takes
     them: a tap reads only its own run, also where a traced seq_idx (unchecked) decreases and an id comes back,
     and ids int32 cannot hold never reach the kernels."""
     if inputs.seq_idx is None:

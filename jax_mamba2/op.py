@@ -58,7 +58,7 @@ def _check_values(api, A, dt, dt_bias, dt_softplus, dt_limit, seq_idx=None):
 
     A <= 0 and Δ >= 0 keep every decay exp(Δ A) <= 1, which the chunked algorithms assume (they clamp
     exp(min(dA_l - dA_s, 0))); a nondecreasing seq_idx is how packed sequences come (mamba_ssm's precondition;
-    the conv's taps, which compare ids, need it). The reductions run where the arrays live (also for concrete
+    every backend restarts wherever the id changes, so an id that comes back is reported rather than mistaken). The reductions run where the arrays live (also for concrete
     arrays closed over by a traced function); one host transfer fetches their results. They pass NaNs over (a
     NaN is data, confined to its sequence), so that a NaN elsewhere does not hide a positive A or a negative Δ.
     """
@@ -219,8 +219,6 @@ _opaque_ssd.defvjp(_opaque_ssd_fwd, _opaque_ssd_bwd)
 def _run_backend(backend: registry.Backend, inputs: SSDInputs, static: SSDStatic):
     if backend.differentiable:
         return backend.forward(inputs, static)
-    if inputs.seq_idx is not None:  # the kernels are chunked: the ids as `reference.sequence_numbers` says why
-        inputs = inputs._replace(seq_idx=reference.sequence_numbers(inputs.seq_idx))
     return _opaque_ssd(backend, static, inputs)
 
 

@@ -32,6 +32,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jax_mamba2.ssd_args import sequence_numbers, sequence_starts
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 _DEFAULT_DT_LIMIT = (0.0, math.inf)
 # mamba_ssm's kernel softplus returns v unchanged above this threshold.
@@ -275,19 +277,6 @@ def chunk_cumsum(dt, A, chunk_size, dt_bias=None, dt_softplus=False, dt_limit=_D
     return dt_out, dA_cumsum
 
 
-def sequence_numbers(seq_idx):
-    """(b, L) ids of packed sequences -> (b, L) int32 numbers of the same sequences, counted from 0 before the
-    first change of id (the id before token 0 is 0), so 0 where the first sequence's id is 0 and from 1 otherwise.
-
-    The chunked algorithms give the initial state to a chunk's tokens whose id equals the one before the chunk,
-    which for the first chunk is 0: with the ids themselves a sequence 0 after a first sequence of another id (a
-    negative one) would take it too, wherever the two share the first chunk. The numbers reset where the ids
-    change and only there, as the scan, and give 0 to the first sequence alone.
-    """
-    previous_ids = jnp.pad(seq_idx[:, :-1], ((0, 0), (1, 0)))  # the id before token 0 is 0
-    return jnp.cumsum(seq_idx != previous_ids, axis=1, dtype=jnp.int32)
-
-
 def _seq_idx_chunks(seq_idx, nchunks, chunk_size):
     """(b, L) -> (b, c, q) ids, padded with the last id so position q-1 is the chunk's last VALID token's id."""
     return _to_chunks(seq_idx, nchunks, chunk_size, mode="edge")
@@ -522,7 +511,7 @@ def nonfinite_reach(x_marks, delta, A, B, C, initial_states, seq_idx):
     if seq_idx is None:
         starts = jnp.zeros((batch, seqlen), bool)
     else:
-        starts = seq_idx != jnp.pad(seq_idx[:, :-1], ((0, 0), (1, 0)))  # the id before token 0 is 0
+        starts = sequence_starts(seq_idx)
     reach_y = _spread_nonfinite(carried, starts) + 0 * A
     reach_final = reach_y[:, -1]
     reach_y = reach_y + per_head(jnp.sum(0 * C, axis=3))

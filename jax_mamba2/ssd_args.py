@@ -1,12 +1,14 @@
 """The arguments of the SSD op: the containers that the op, its backends and the eager path pass around, and
 the checks of their shapes, dtypes and options (`ssd`'s value checks, which need the arrays' values, stay in
-`jax_mamba2.op`)."""
+`jax_mamba2.op`), and what seq_idx means to every path: the packed sequences as the runs of one id
+(`sequence_starts`, `sequence_numbers`)."""
 from __future__ import annotations
 
 import dataclasses
 from typing import NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 
 from jax_mamba2.checks import as_int, check_array, check_float, check_ndim, check_seq_idx
 
@@ -103,3 +105,20 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
     if seq_idx is not None:
         check_seq_idx(api, seq_idx, batch, seqlen)
     return Dims(batch, seqlen, nheads, headdim, ngroups, dstate, chunk)
+
+
+def sequence_starts(seq_idx):
+    """(b, L) ids of packed sequences -> (b, L) bool: where the id changes, the id before token 0 being 0."""
+    return seq_idx != jnp.pad(seq_idx[:, :-1], ((0, 0), (1, 0)))
+
+
+def sequence_numbers(seq_idx):
+    """(b, L) ids of packed sequences -> (b, L) int32 numbers of the same sequences: the count of
+    `sequence_starts` up to each token, so 0 where the first sequence's id is 0 and from 1 otherwise.
+
+    The chunked algorithms give the initial state to a chunk's tokens whose id equals the one before the chunk,
+    which for the first chunk is 0: with the ids themselves a sequence 0 after a first sequence of another id (a
+    negative one) would take it too, wherever the two share the first chunk. The numbers reset where the ids
+    change and only there, as the scan, and give 0 to the first sequence alone.
+    """
+    return jnp.cumsum(sequence_starts(seq_idx), axis=1, dtype=jnp.int32)

@@ -53,7 +53,7 @@ class ArrayNamespace:
         return arr.contiguous() if self.name == "torch" else self.module.ascontiguousarray(arr)
 
     def sequence_numbers(self, seq_idx):
-        """`reference.sequence_numbers` of a (b, L) id array of this framework: int32, counted from 0."""
+        """`ssd_args.sequence_numbers` of a (b, L) id array of this framework: int32, counted from 0."""
         if self.name == "torch":
             previous_ids = self.module.nn.functional.pad(seq_idx[:, :-1], (1, 0))
             return (seq_idx != previous_ids).cumsum(1, dtype=self.module.int32)
@@ -130,8 +130,6 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
                                               dstate=stand_ins.B.shape[3])
     if reason is not None:
         raise ValueError(f"eager ssd cannot run this call: {reason}")
-    if arrays.seq_idx is not None:  # the kernels take the sequences' numbers, as from the op (reference.py says why)
-        arrays = arrays._replace(seq_idx=xp.sequence_numbers(arrays.seq_idx))
     dims = problem.kernel_dims(stand_ins, static)
     out = run_plan(forward_kernels.forward_plan(dims), problem.kernel_inputs(arrays, dims, xp), xp, stream)
     y, final = out["out"], out["final_states"]

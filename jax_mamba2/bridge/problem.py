@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jax_mamba2.bridge import _compat
 from jax_mamba2.kernels._common import KERNEL_DTYPES, SSDDims
+from jax_mamba2.ssd_args import sequence_numbers
 
 # The chunk the kernels run at, whatever chunk_size the caller asked for: the result is the same up to
 # rounding, and 64 is the fastest of 64 / 128 / 256 (the fused forward and the head-summing backward passes
@@ -109,6 +110,8 @@ class JaxArrays:
     def cast(arr, dtype_name: str):
         return arr.astype(dtype_name)
 
+    sequence_numbers = staticmethod(sequence_numbers)
+
 
 def per_head_dim_D(D, nheads: int, headdim: int, xp=JaxArrays):
     """D as the kernels take it: (nheads, headdim) f32, zeros when absent (arrays of `xp`, see kernel_inputs)."""
@@ -120,7 +123,8 @@ def per_head_dim_D(D, nheads: int, headdim: int, xp=JaxArrays):
 
 def kernel_inputs(inputs, dims: SSDDims, xp=JaxArrays) -> dict:
     """The forward plan's input arrays (names as in kernels.forward.forward_plan) and the backward's
-    `dx_reach`, built with the array operations of `xp` (zeros(shape, dtype_name), cast(arr, dtype_name))
+    `dx_reach`, built with the array operations of `xp` (zeros(shape, dtype_name), cast(arr, dtype_name),
+    sequence_numbers(seq_idx))
     from `inputs` (an SSDInputs; its `reach` and `dx_reach`, which only the op sets, are JAX arrays)."""
     T = dims.dtype
     return dict(
@@ -135,8 +139,9 @@ def kernel_inputs(inputs, dims: SSDDims, xp=JaxArrays) -> dict:
         z=xp.zeros((1, 1, 1, 1), T) if inputs.z is None else xp.cast(inputs.z, T),
         initial_states=(xp.zeros((1, 1, 1, 1), "float32") if inputs.initial_states is None
                         else xp.cast(inputs.initial_states, "float32")),
-        seq_idx=(xp.zeros((1, 1), "int32") if inputs.seq_idx is None
-                 else xp.cast(inputs.seq_idx, "int32")),
+        # The sequences' numbers, not their ids: the chunked kernels hand a chunk's entering state to its tokens
+        # whose id is the one before it, 0 before the first chunk (ssd_args.sequence_numbers says why).
+        seq_idx=(xp.zeros((1, 1), "int32") if inputs.seq_idx is None else xp.sequence_numbers(inputs.seq_idx)),
         **{name: xp.zeros((1, 1, 1, 1), "float32") if getattr(inputs, name) is None
            else per_chunk_rows(getattr(inputs, name), dims) for name in ("reach", "dx_reach")},
     )

@@ -10,7 +10,7 @@ loop rebuilds each layer's pullback from its slot. The residuals are those of th
 read where they already lie (also where shard_map made a replicated one varying: the backward does that again).
 Unlike `lax.scan`, which keeps one copy of a residual that no layer changes (e.g. a mask the block derives from
 `seq_idx`), the loop stacks it per layer: on the xla path a few percent more activation memory, on the cuTile
-kernels' path the sequences' int32 numbers the conv and the SSD take (4 bytes a token each, per layer).
+kernels' path the int32 sequence numbers the conv op takes (4 bytes a token, per layer).
 
 The forward loop writes each residual into its stack right where the layer computes it, and the layer's later
 uses read it back from there (`_stack_residuals`). A kernel's output (a cuTile kernel's, a cuBLAS product's) that

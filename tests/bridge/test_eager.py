@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("cuda.tile")
 
-from jax_mamba2 import reference  # noqa: E402
+from jax_mamba2 import reference, ssd_args  # noqa: E402
 from jax_mamba2.bridge import eager  # noqa: E402
 from tests._helpers import make_ssd_args, rel_l2, to_float64  # noqa: E402
 from tests.kernels import _cutile_emulator as emulator  # noqa: E402
@@ -77,7 +77,7 @@ def test_eager_forward_gives_initial_states_to_a_first_sequence_of_id_0_alone(la
     y, final = eager.ssd(*args, 64, **kwargs, return_final_states=True)
     with jax.enable_x64(True):
         want_y, want_final = reference.ssd_scan(*to_float64(args), **to_float64(kwargs))
-        numbers = reference.sequence_numbers(kwargs["seq_idx"])
+        numbers = ssd_args.sequence_numbers(kwargs["seq_idx"])
     assert rel_l2(y, want_y) < 1e-6 and rel_l2(final, want_final) < 1e-6
     np.testing.assert_array_equal(launches[0][1]["seq_idx"], numbers)
     np.testing.assert_array_equal(numbers[:, [0, 36, 37, 49, 50, 99]], [[1, 1, 2, 2, 2, 2], [0, 0, 0, 0, 1, 1]])
@@ -88,7 +88,7 @@ def test_eager_sequence_numbers_of_torch_ids_are_the_reference_s():
     ids = np.stack([np.repeat([-1, 0, 3], [3, 4, 5]), np.repeat([0, 1, 7], [1, 10, 1])])
     numbers = eager.ArrayNamespace("torch").sequence_numbers(torch.from_numpy(ids))
     assert numbers.dtype == torch.int32
-    np.testing.assert_array_equal(numbers.numpy(), reference.sequence_numbers(ids))
+    np.testing.assert_array_equal(numbers.numpy(), ssd_args.sequence_numbers(ids))
 
 
 def test_eager_checks_arguments_as_the_op_does_before_any_launch(launches):
