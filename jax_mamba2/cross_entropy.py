@@ -309,6 +309,14 @@ def check_ignore_index(api: str, ignore_index) -> None:
         raise ValueError(f"{api}: ignore_index={ignore_index} must be in int32's range")
 
 
+def check_reduction(api: str, reduction) -> None:
+    """reduction is one of the strings "mean", "sum" and "none"."""
+    if not isinstance(reduction, str):
+        raise TypeError(f'{api}: reduction={reduction!r} must be a str: "mean", "sum" or "none"')
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f'{api}: reduction={reduction!r} must be "mean", "sum" or "none"')
+
+
 def int32_labels(labels, ignore_index: int, padded_vocab: int):
     """labels (any shape, any integer dtype) as int32, where a label of a wider dtype that int32 cannot hold (and
     would wrap into the vocabulary or onto ignore_index) becomes a label past the weight's vocabulary
@@ -353,8 +361,7 @@ def check_arguments(api: str, hidden, labels, *, vocab_size, chunk_tokens, ignor
     check_int(api, "vocab_size", vocab_size, requirement, maximum=padded_vocab)
     check_int(api, "chunk_tokens", chunk_tokens)
     check_ignore_index(api, ignore_index)
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f'{api}: reduction={reduction!r} must be "mean", "sum" or "none"')
+    check_reduction(api, reduction)
     dtype = jnp.result_type(hidden, weight) if dtype is None else float_dtype(api, "dtype", dtype)
     acc_dtype = _accumulation_dtype(dtype)
     logits_dtype = acc_dtype if logits_dtype is None else float_dtype(api, "logits_dtype", logits_dtype)

@@ -285,8 +285,7 @@ class Mamba2LMHeadModel(nnx.Module):
           The scalar mean (or sum) loss, or the (batch, seqlen) losses (float32; float64 for a float64 model).
         """
         self._check_inputs("Mamba2LMHeadModel.loss", input_ids, None, sequence=True, seq_idx=seq_idx)
-        if reduction not in ("mean", "sum", "none"):
-            raise ValueError(f'Mamba2LMHeadModel.loss: reduction={reduction!r} must be "mean", "sum" or "none"')
+        loss_op.check_reduction("Mamba2LMHeadModel.loss", reduction)
         if labels is not None and shift_labels is not None:
             raise ValueError("Mamba2LMHeadModel.loss: pass labels (unshifted) or shift_labels, not both")
         loss_op.check_ignore_index("Mamba2LMHeadModel.loss", ignore_index)

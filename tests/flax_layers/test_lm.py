@@ -285,6 +285,8 @@ def test_block_without_a_residual_starts_the_stream_at_its_input(tiny_lm, dtype)
 @pytest.mark.parametrize("options, error, message", [
     (dict(chunk_tokens=0), ValueError, r"Mamba2LMHeadModel.loss: chunk_tokens=0 must be a positive int"),
     (dict(logits_dtype=jnp.int32), TypeError, r"Mamba2LMHeadModel.loss: logits_dtype=int32 must be one of"),
+    (dict(reduction="avg"), ValueError, r"Mamba2LMHeadModel.loss: reduction='avg' must be \"mean\""),
+    (dict(reduction=("mean",)), TypeError, r"Mamba2LMHeadModel.loss: reduction=\('mean',\) must be a str"),
     (dict(backend="cutile"), ValueError, r"Mamba2LMHeadModel.loss\(backend='cutile'\) cannot run this call"),
 ])
 def test_lm_loss_checks_its_options_before_the_forward_pass(tiny_lm, monkeypatch, options, error, message):

@@ -308,6 +308,8 @@ def test_compiled_peak_memory_is_a_fraction_of_the_plain_loss():
      r"ignore_index=1099511627776 must be in int32's range"),
     (dict(head_weight=jnp.ones((16, 40)), reduction="avg"), ValueError,
      r'reduction=\'avg\' must be "mean", "sum" or "none"'),
+    (dict(head_weight=jnp.ones((16, 40)), reduction=["mean"]), TypeError,
+     r'reduction=\[\'mean\'\] must be a str: "mean", "sum" or "none"'),
 ])
 def test_invalid_arguments_raise_naming_them(kwargs, error, message):
     with pytest.raises(error, match=message):
