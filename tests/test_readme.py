@@ -2,6 +2,7 @@
 result tables are the ones benchmarks/report.py makes from the committed JSON records; its links resolve.
 """
 import functools
+import inspect
 import json
 import math
 import pathlib
@@ -14,7 +15,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jax_mamba2
 from benchmarks import report
+from jax_mamba2 import backends, cross_entropy
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -136,3 +139,53 @@ def test_the_install_line_names_the_python_and_jax_that_pyproject_requires():
     python = project["requires-python"].removeprefix(">=")
     (jax_min,) = [d.removeprefix("jax>=") for d in project["dependencies"] if d.startswith("jax>=")]
     assert f"(Python {python}+, JAX {jax_min}+)" in README
+
+
+def _options_rows() -> list[list[str]]:
+    """The cells of the rows of README's table "Options and environment variables"."""
+    section = README[README.index("## Options and environment variables"):README.index("## Results")]
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| `")]
+
+
+def _readme_value(text: str):
+    """A default as the options table writes it: None, True, False, an int, "(0, inf)" or a quoted string."""
+    text = text.strip("`")
+    return {"None": None, "True": True, "False": False, "(0, inf)": (0.0, math.inf)}.get(
+        text, text.strip('"') if text.startswith('"') else int(text) if text.isdigit() else text)
+
+
+def test_the_options_table_states_the_signature_defaults():
+    """Each row of `ssd(...)` options, and the LM's `remat=, scan_layers=`, gives each option the default of its
+    signature, in its order; the first row's functions all default to backend="auto"."""
+    from jax_mamba2 import Mamba2LMHeadModel, ssd
+    functions = {"ssd": ssd, "Mamba2LMHeadModel": Mamba2LMHeadModel.__init__}
+    checked = 0
+    for names, defaults, _ in _options_rows():
+        match = re.fullmatch(r"`(ssd|Mamba2LMHeadModel)\(((?:\w+=(?:, )?)+)\)`", names)
+        if not match:
+            continue
+        options = match.group(2).replace("=", "").split(", ")
+        values = [_readme_value(v) for v in re.split(r", (?![^(]*\))", defaults)]
+        signature = inspect.signature(functions[match.group(1)]).parameters
+        assert values == [signature[name].default for name in options], names
+        checked += 1
+    assert checked >= 6
+    (first, default, _) = _options_rows()[0]
+    assert _readme_value(default) == "auto"
+    for name in re.findall(r"`(\w+)`", first):
+        assert inspect.signature(getattr(jax_mamba2, name)).parameters["backend"].default == "auto", name
+
+
+def test_the_options_table_names_every_loss_backend_the_model_takes():
+    """The row of `Mamba2LMHeadModel(loss_backend=)` lists every name the model accepts for it."""
+    (row,) = [cells for cells in _options_rows() if "loss_backend=" in cells[0]]
+    listed = set(re.findall(r'`"(\w+)"`', row[2].rsplit("; or ", 1)[1]))
+    assert listed == {"auto", *backends.known_names(cross_entropy.OP)}
+
+
+def test_the_test_command_is_the_one_ci_runs():
+    """README's "everything CI runs" line is the pytest command of .ci/run."""
+    (command,) = re.findall(r"^ {4}(python -m pytest [^#\n]*?)\s+# everything CI runs", README, re.M)
+    ci = (REPO / ".ci" / "run").read_text()
+    assert re.search(rf"^python3? {re.escape(command.removeprefix('python '))}$", ci, re.M), command

@@ -18,8 +18,10 @@ Axes = tuple[tuple[str, int | None], ...]
 
 
 def _shape_text(axes: Axes) -> str:
-    names = ", ".join(name for name, _ in axes)
-    sizes = ", ".join(name if size is None else str(size) for name, size in axes)
+    """The expected shape as a tuple is written: "(batch, seqlen)", "(batch, d_model)=(batch, 64)", "(batch,)"."""
+    comma = "," if len(axes) == 1 else ""  # a shape of one axis reads as Python writes it, not as a parenthesized name
+    names = ", ".join(name for name, _ in axes) + comma
+    sizes = ", ".join(name if size is None else str(size) for name, size in axes) + comma
     return f"({names})=({sizes})" if names != sizes else f"({names})"
 
 

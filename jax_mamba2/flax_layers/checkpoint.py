@@ -219,8 +219,10 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
 
     Raises:
       ValueError: listing the checkpoint tensors that match no parameter (unknown keys) and the parameters
-        (with runs of layer indices) that no tensor assigned, or a tensor of the wrong shape; for a base model's
-        checkpoint (no LM head) under a config.json that does not tie the head to the embedding.
+        (with runs of layer indices) that no tensor assigned, or naming a tensor of the wrong shape and the file
+        (shard) that holds it; for a base model's checkpoint (no LM head) under a config.json that does not tie the
+        head to the embedding.
+      TypeError: naming a tensor stored in a dtype that is not a float, and the file that holds it.
       ValueError, TypeError: for a config.json that is not a Mamba-2 configuration (see `load_config`) or
         whose mixer options `Mamba2` rejects, naming the file and the option; for an unknown backend or a
         dtype that is not floating; for weights `load_hf_state` cannot read.
@@ -329,16 +331,16 @@ def _assign_checkpoint(path: pathlib.Path, config: Mamba2Config, abstract: Mamba
             unknown.append(name)
             continue
         elif layer in assigned[target]:
-            raise ValueError(f"load_pretrained: {name} assigns {'.'.join(target)}"
+            raise ValueError(f"load_pretrained: {tensor.file}: {name} assigns {'.'.join(target)}"
                              f"{'' if layer is None else f' of layer {layer}'} a second time (another tensor "
                              "of the checkpoint holds it too)")
         if not tensor.floating:
-            raise TypeError(f"load_pretrained: {name} holds {tensor.dtype} values; a parameter must be stored in a "
-                            f"float dtype ({', '.join(tensor.float_dtypes)})")
+            raise TypeError(f"load_pretrained: {tensor.file}: {name} holds {tensor.dtype} values; a parameter must be "
+                            f"stored in a float dtype ({', '.join(tensor.float_dtypes)})")
         expected = shapes[target][1:] if layer is not None else shapes[target]
         stored = _checkpoint_shape(expected, layout)
         if tensor.shape != stored:
-            raise ValueError(f"load_pretrained: {name}.shape={tensor.shape} must be {stored} (for "
+            raise ValueError(f"load_pretrained: {tensor.file}: {name}.shape={tensor.shape} must be {stored} (for "
                              f"{'.'.join(target)} of shape {expected})")
         if tied:
             tied_head.append(name)
@@ -368,8 +370,9 @@ def _assign_checkpoint(path: pathlib.Path, config: Mamba2Config, abstract: Mamba
         head = tensors[name].read()
         # A copy is equal where both hold NaN too (the weights of a run that diverged load as they are).
         if not np.array_equal(head.astype(embedding.dtype), embedding, equal_nan=True):
-            raise ValueError(f"load_pretrained: {name} differs from the embedding, which config.json ties it to "
-                             "(tie_embeddings / tie_word_embeddings): the checkpoint holds two different heads")
+            raise ValueError(f"load_pretrained: {tensors[name].file}: {name} differs from the embedding, which "
+                             "config.json ties it to (tie_embeddings / tie_word_embeddings): the checkpoint holds two "
+                             "different heads")
     # Each buffer is let go once on the device, so the host holds the model about once.
     state = jax.tree_util.tree_map_with_path(lambda p, _: jnp.asarray(buffers.pop(param_path(p))), abstract_state)
     return nnx.merge(graphdef, state)

@@ -88,10 +88,13 @@ def parse_dt_limit(value, api: str, key: str) -> tuple[float, float]:
         raise ValueError(f"{api}: {key}={value!r} must satisfy 0 <= min <= max with min finite") from None
 
 
-def _require_keys(config: Mapping[str, Any], keys: Sequence[str], api: str) -> None:
+def _require_keys(config: Mapping[str, Any], keys: Sequence[str], api: str, unknown: Sequence[str] = ()) -> None:
+    """Raises ValueError naming the `keys` that `config` lacks, and the `unknown` keys it has instead (a misspelt
+    required key is both: "n_layers" for "n_layer")."""
     missing = [key for key in keys if key not in config]
     if missing:
-        raise ValueError(f"{api}: missing required keys {missing}")
+        instead = f"; unknown keys {list(unknown)}" if unknown else ""
+        raise ValueError(f"{api}: missing required keys {missing}{instead}")
 
 
 def _require_positive_ints(config: Mapping[str, Any], keys: Sequence[str], api: str) -> None:
@@ -233,23 +236,24 @@ class Mamba2Config:
         """From a mamba_ssm `config.json` dict (the `state-spaces/mamba2-*` format).
 
         Raises:
-          ValueError: for a missing d_model, n_layer or vocab_size, for attention layers (`attn_layer_idx`),
-            which this package does not implement, for keys that are not `MambaConfig` fields, or for an
-            `ssm_cfg` without "layer", which mamba_ssm reads as a Mamba-1 model.
+          ValueError: for a missing d_model, n_layer or vocab_size (naming the unknown keys too: one may be a
+            misspelling of it), for attention layers (`attn_layer_idx`), which this package does not implement,
+            for keys that are not `MambaConfig` fields, or for an `ssm_cfg` without "layer", which mamba_ssm
+            reads as a Mamba-1 model.
           TypeError: for an `ssm_cfg["use_mem_eff_path"]` that is not a bool (the option is read and dropped:
             it picks mamba_ssm's kernels, not the model).
         """
         if not isinstance(config, Mapping):
             raise TypeError(f"Mamba2Config.from_mamba_ssm: config={config!r} must be a mapping (a config.json dict)")
-        _require_keys(config, ("d_model", "n_layer", "vocab_size"), "Mamba2Config.from_mamba_ssm")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(config) - fields - {"attn_layer_idx", "attn_cfg"})
+        _require_keys(config, ("d_model", "n_layer", "vocab_size"), "Mamba2Config.from_mamba_ssm", unknown)
         config = dict(config)
         attn_layer_idx = config.pop("attn_layer_idx", [])
         config.pop("attn_cfg", None)
         if attn_layer_idx:
             raise ValueError(f"Mamba2Config.from_mamba_ssm: attn_layer_idx={attn_layer_idx} must be empty "
                              "(hybrid attention models are not supported)")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(config) - fields)
         if unknown:
             raise ValueError(f"Mamba2Config.from_mamba_ssm: unknown keys {unknown}")
         ssm_cfg = config.get("ssm_cfg", {})

@@ -11,6 +11,7 @@ import json
 import math
 import pathlib
 import pickle
+import struct
 import zipfile
 from typing import Callable, NamedTuple, Optional, TypeVar
 
@@ -29,13 +30,15 @@ def read_json(file: pathlib.Path, caller: str):
 
 class StoredTensor(NamedTuple):
     """A checkpoint tensor known by its header: its shape, its dtype as the file names it, whether that is a float
-    dtype a parameter can be cast from, how to read its values, and the float dtypes its file's format can store a
-    parameter in (by the format's names, for errors)."""
+    dtype a parameter can be cast from, how to read its values, the float dtypes its file's format can store a
+    parameter in (by the format's names, for errors), and the file that holds it (a shard of a sharded checkpoint),
+    for errors."""
     shape: tuple[int, ...]
     read: Callable[[], np.ndarray]
     dtype: str
     floating: bool
     float_dtypes: tuple[str, ...]
+    file: pathlib.Path
 
 
 # The safetensors dtypes of parameters. safetensors' numpy framework reads the first four (BF16 as ml_dtypes'
@@ -70,7 +73,7 @@ def _safetensors_tensors(file: pathlib.Path, caller: str, handles: contextlib.Ex
             except (SafetensorError, OSError) as e:
                 raise ValueError(f"{caller}: {file} is not a readable safetensors file: {e}") from e
         return (lambda: float8(name)) if headers[name][1] in _SAFETENSORS_FLOAT8 else read
-    return {name: StoredTensor(shape, reader(name), dtype, dtype in _SAFETENSORS_FLOATS, _SAFETENSORS_FLOATS)
+    return {name: StoredTensor(shape, reader(name), dtype, dtype in _SAFETENSORS_FLOATS, _SAFETENSORS_FLOATS, file)
             for name, (shape, dtype) in headers.items()}
 
 
@@ -194,6 +197,14 @@ def _sharded_tensors(index: pathlib.Path, caller: str,
     return tensors
 
 
+# What torch.load raises for a file that is no PyTorch file, or one damaged or cut short: besides its own errors
+# (RuntimeError; pickle's, EOFError), whatever the bytes lead its unpickler and zip reader into (a memo key or stack
+# entry that is not there, a struct of the wrong length, bytes that are not UTF-8, a failed assertion, an OSError of a
+# zip whose end is missing).
+_UNREADABLE_TORCH_FILE = (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError, ValueError,
+                          TypeError, KeyError, IndexError, AssertionError, struct.error)
+
+
 def _torch_tensors(file: pathlib.Path, caller: str) -> dict[str, StoredTensor]:
     """The tensors of a PyTorch state dict file (`pytorch_model.bin` or one of its shards) by name (`torch.load`
     with weights_only: no pickled code runs), each known by its shape and torch dtype, its values converted by
@@ -206,12 +217,13 @@ def _torch_tensors(file: pathlib.Path, caller: str) -> dict[str, StoredTensor]:
     except ImportError as e:
         raise ImportError(f"{caller}: {file} needs torch (pip install torch), or convert the checkpoint to "
                           "model.safetensors") from e
-    # torch.serialization.load: torch.load itself may be wrapped (a (*args, **kwargs) signature says nothing).
-    mapped = zipfile.is_zipfile(file) and "mmap" in inspect.signature(torch.serialization.load).parameters
     try:
+        # is_zipfile answers some damaged zip trailers with BadZipFile rather than False. torch.serialization.load:
+        # torch.load itself may be wrapped (a (*args, **kwargs) signature says nothing).
+        mapped = zipfile.is_zipfile(file) and "mmap" in inspect.signature(torch.serialization.load).parameters
         state_dict = torch.load(file, map_location="cpu", weights_only=True, **({"mmap": True} if mapped else {}))
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
-        raise ValueError(f"{caller}: {file} is not a readable PyTorch state dict: {e}") from e
+    except _UNREADABLE_TORCH_FILE as e:
+        raise ValueError(f"{caller}: {file} is not a readable PyTorch state dict: {type(e).__name__}: {e}") from e
     if not isinstance(state_dict, dict):
         raise ValueError(f"{caller}: {file} must hold a state dict (tensors by name), not "
                          f"{type(state_dict).__name__}")
@@ -224,7 +236,7 @@ def _torch_tensors(file: pathlib.Path, caller: str) -> dict[str, StoredTensor]:
         tensors[name] = StoredTensor(
             tuple(tensor.shape), lambda tensor=tensor, name=name: _torch_array(torch, tensor, name, file, caller,
                                                                                copy=mapped),
-            dtype, dtype in _TORCH_FLOATS, _TORCH_FLOATS)
+            dtype, dtype in _TORCH_FLOATS, _TORCH_FLOATS, file)
     return tensors
 
 

@@ -1,12 +1,14 @@
 """Tests of load_pretrained / save_pretrained and Orbax checkpoints (jax_mamba2/flax_layers/checkpoint.py)."""
 import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
 import pathlib
 import re
 import stat
+import struct
 import subprocess
 import sys
 import types
@@ -159,7 +161,7 @@ def test_checkpoint_load_names_a_tensor_of_the_wrong_shape_and_the_shape_it_must
     state[key] = np.ascontiguousarray(change(state[key]))
     save_file(state, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
-    with pytest.raises(ValueError, match=rf"load_pretrained: {key}.shape=\(.*\) must be "
+    with pytest.raises(ValueError, match=rf"load_pretrained: {tmp_path}/model.safetensors: {key}.shape=\(.*\) must be "
                                          rf"{re.escape(str(want))} \(for layers.mixer"):
         load_pretrained(tmp_path)
 
@@ -171,9 +173,9 @@ def test_checkpoint_load_refuses_a_parameter_stored_in_a_dtype_that_is_not_a_flo
     state["backbone.layers.1.mixer.A_log"] = state["backbone.layers.1.mixer.A_log"].astype(dtype)
     save_file(state, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
-    with pytest.raises(TypeError, match=rf"load_pretrained: backbone.layers.1.mixer.A_log holds {name} values; a "
-                                        r"parameter must be stored in a float dtype \(F64, F32, F16, BF16, F8_E4M3, "
-                                        r"F8_E5M2, F8_E8M0\)"):
+    with pytest.raises(TypeError, match=rf"load_pretrained: {tmp_path}/model.safetensors: "
+                                        rf"backbone.layers.1.mixer.A_log holds {name} values; a parameter must be "
+                                        r"stored in a float dtype \(F64, F32, F16, BF16, F8_E4M3, F8_E5M2, F8_E8M0\)"):
         load_pretrained(tmp_path)
 
 
@@ -220,7 +222,7 @@ def test_checkpoint_load_checks_a_tied_head_s_dtype_and_shape_before_reading_a_t
         (embedding.astype(np.int32), TypeError, r"lm_head.weight holds I32 values"),
     ]:
         save_file({**state, "lm_head.weight": np.ascontiguousarray(head)}, tmp_path / "model.safetensors")
-        with pytest.raises(error, match=rf"load_pretrained: {message}"):
+        with pytest.raises(error, match=rf"load_pretrained: {tmp_path}/model.safetensors: {message}"):
             load_pretrained(tmp_path, backend="xla")
         assert reads == []
 
@@ -239,8 +241,8 @@ def test_checkpoint_loads_a_tied_embedding_stored_only_as_the_head(tmp_path, tin
     rows = tiny_config.vocab_size  # the unpadded vocabulary, not the embedding's 64 padded rows
     save_file({**state, "lm_head.weight": np.ascontiguousarray(state["lm_head.weight"][:rows])},
               tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=rf"load_pretrained: lm_head.weight.shape=\({rows}, 32\) must be \(64, 32\) "
-                                         r"\(for embedding.embedding"):
+    with pytest.raises(ValueError, match=rf"load_pretrained: {tmp_path}/model.safetensors: lm_head.weight.shape="
+                                         rf"\({rows}, 32\) must be \(64, 32\) \(for embedding.embedding"):
         load_pretrained(tmp_path, backend="xla")
     save_file(state, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(tiny_config.replace(tie_embeddings=False).to_hf()))
@@ -280,6 +282,29 @@ def test_sharded_checkpoint_shards_must_hold_what_the_index_says(tmp_path, tiny_
     index({**right, first[0]: "../model-00001-of-00002.safetensors"})
     with pytest.raises(ValueError, match="must be a file name in the checkpoint's directory"):
         load_pretrained(tmp_path, backend="xla")
+
+
+def test_sharded_checkpoint_errors_name_the_shard_that_holds_the_tensor(tmp_path, tiny_config):
+    """A tensor of the wrong shape or dtype, or a tied head that is not the embedding, is named with its shard."""
+    state = _torch_state_dict(_random_model(tiny_config), "backbone.embedding.weight")
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
+    d_name, a_name, head = "backbone.layers.2.mixer.D", "backbone.layers.2.mixer.A_log", "lm_head.weight"
+    second = {d_name, a_name, head}
+    shards = {"model-00001-of-00002.safetensors": {n: a for n, a in state.items() if n not in second},
+              "model-00002-of-00002.safetensors": {n: a for n, a in state.items() if n in second}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: file for file, held in shards.items() for n in held}}))
+    shard = tmp_path / "model-00002-of-00002.safetensors"
+    save_file(shards["model-00001-of-00002.safetensors"], tmp_path / "model-00001-of-00002.safetensors")
+    assert tiny_config.tie_embeddings
+    for change, error, message in [
+        ({d_name: state[d_name][:-1]}, ValueError, rf"{d_name}.shape=\(7,\) must be \(8,\)"),
+        ({a_name: state[a_name].astype(np.int32)}, TypeError, rf"{a_name} holds I32 values"),
+        ({head: state[head] + 1}, ValueError, rf"{head} differs from the embedding"),
+    ]:
+        save_file({**shards[shard.name], **change}, shard)
+        with pytest.raises(error, match=rf"load_pretrained: {shard}: {message}"):
+            load_pretrained(tmp_path, backend="xla")
 
 
 def test_checkpoint_loads_sharded_pytorch_weights_and_checks_the_shards_against_the_index(tmp_path, tiny_config):
@@ -1180,6 +1205,30 @@ def test_checkpoint_pytorch_file_of_no_state_dict_names_the_entry(tmp_path, tiny
             read(tmp_path)
 
 
+def _damaged_pytorch_file(torch, damage: str) -> bytes:
+    """A pytorch_model.bin that torch.load fails on with an error other than its own RuntimeError."""
+    if damage == "zip_cut_short":  # its end of central directory gone: torch's zip reader raises OSError
+        buffer = io.BytesIO()
+        torch.save({f"w{i}": torch.ones(100, 100) for i in range(2)}, buffer)
+        return buffer.getvalue()[:buffer.tell() // 2]
+    if damage == "not_a_pickle":  # the unpickler looks up a memo entry that is not there: KeyError
+        return b"hello world" * 100
+    # A zip64 locator saying the archive spans two disks: zipfile.is_zipfile raises BadZipFile
+    return struct.pack("<4sLQL", b"PK\x06\x07", 0, 0, 2) + struct.pack("<4s4H2LH", b"PK\x05\x06", *[0] * 7)
+
+
+@pytest.mark.parametrize("damage", ["zip_cut_short", "not_a_pickle", "multi_disk_zip"])
+def test_checkpoint_damaged_pytorch_file_error_names_the_file(tmp_path, damage):
+    """Whatever a damaged file makes torch.load (or zipfile) raise, the load fails with a ValueError naming it."""
+    torch = pytest.importorskip("torch")
+    (tmp_path / "config.json").write_text(json.dumps(MAMBA_SSM_TINY))
+    (tmp_path / "pytorch_model.bin").write_bytes(_damaged_pytorch_file(torch, damage))
+    for read in (load_pretrained, checkpoint_module.load_hf_state):
+        with pytest.raises(ValueError, match=rf"{read.__name__}: {tmp_path}/pytorch_model.bin is not a readable "
+                                             r"PyTorch state dict: \w+"):
+            read(tmp_path)
+
+
 def test_checkpoint_maps_zip_format_pytorch_files_and_reads_legacy_ones_whole(tmp_path, tiny_config, monkeypatch):
     """A pytorch_model.bin in torch's zip format is memory-mapped (the host holds only the pages read), one in the
     legacy format (which cannot be) read whole: both load the same weights."""
@@ -1294,15 +1343,16 @@ def test_checkpoint_load_refuses_a_pytorch_tensor_that_is_not_a_float_by_torch_s
     (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf()))
     name = "backbone.layers.1.mixer.A_log"
     torch.save({**stored, name: stored[name].to(torch.int32)}, tmp_path / "pytorch_model.bin")
-    with pytest.raises(TypeError, match=rf"load_pretrained: {name} holds int32 values; a parameter must be stored in "
-                                        r"a float dtype \(float64, float32, float16, bfloat16, float8_e4m3fn, "
-                                        r"float8_e5m2, "):
+    with pytest.raises(TypeError, match=rf"load_pretrained: {tmp_path}/pytorch_model.bin: {name} holds int32 values; "
+                                        r"a parameter must be stored in a float dtype \(float64, float32, float16, "
+                                        r"bfloat16, float8_e4m3fn, float8_e5m2, "):
         load_pretrained(tmp_path, backend="xla")
     if hasattr(torch, "float4_e2m1fn_x2"):
         packed = torch.zeros(arrays[name].shape, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
         torch.save({**stored, name: packed}, tmp_path / "pytorch_model.bin")
-        with pytest.raises(TypeError, match=rf"load_pretrained: {name} holds float4_e2m1fn_x2 values; a parameter "
-                                            r"must be stored in a float dtype \(float64, "):
+        with pytest.raises(TypeError, match=rf"load_pretrained: {tmp_path}/pytorch_model.bin: {name} holds "
+                                            r"float4_e2m1fn_x2 values; a parameter must be stored in a float dtype "
+                                            r"\(float64, "):
             load_pretrained(tmp_path, backend="xla")
         with pytest.raises(TypeError, match=rf"load_hf_state: {tmp_path}/pytorch_model.bin holds {name} as a "
                                             r"torch.float4_e2m1fn_x2 tensor, which NumPy cannot hold"):

@@ -193,6 +193,14 @@ def test_config_accepts_stacked_weights_of_more_than_int32_elements():
     assert math.prod(model.layers.mixer.in_proj.kernel.shape) > 2 ** 31
 
 
+def test_from_mamba_ssm_names_the_unknown_key_of_a_misspelt_required_one():
+    """A config.json with "n_layers" for "n_layer": the message names both, not only the one it lacks."""
+    config = {**{k: v for k, v in MAMBA_SSM_130M.items() if k != "n_layer"}, "n_layers": 24}
+    with pytest.raises(ValueError, match=r"^Mamba2Config.from_mamba_ssm: missing required keys \['n_layer'\]; "
+                                         r"unknown keys \['n_layers'\]$"):
+        Mamba2Config.from_mamba_ssm(config)
+
+
 def test_config_rejects_hybrid_attention_and_hf_inexpressible_options():
     with pytest.raises(ValueError, match=r"from_mamba_ssm: attn_layer_idx=\[9, 18\] must be empty"):
         Mamba2Config.from_mamba_ssm({**MAMBA_SSM_130M, "attn_layer_idx": [9, 18]})

@@ -188,7 +188,7 @@ def _block(model):
                  ValueError, r"Mamba2LMHeadModel.prefill: cache.conv_state.shape=\(2, 96, 4\) must be "
                  r"\(n_layer, batch, conv_dim, d_conv\)", id="prefill_one_layer_cache"),
     pytest.param(lambda m: m.step(jnp.zeros((BATCH, 1), jnp.int32), m.init_cache(BATCH)), ValueError,
-                 r"Mamba2LMHeadModel.step: input_ids.shape=\(2, 1\) must be \(batch\)", id="step_2d"),
+                 r"Mamba2LMHeadModel.step: input_ids.shape=\(2, 1\) must be \(batch,\)$", id="step_2d"),
     pytest.param(lambda m: m.step(jnp.zeros((BATCH,), jnp.int32), _lm_cache(m, ssm_state=(2, BATCH, 8, 8, 8))),
                  ValueError, r"Mamba2LMHeadModel.step: cache.ssm_state.shape=\(2, 2, 8, 8, 8\) must be "
                  r"\(n_layer, batch, nheads, headdim, d_state\)=\(3, 2, 8, 8, 8\)", id="step_cache_n_layer"),
