@@ -103,11 +103,6 @@ def floors(weight_bytes: int, state_bytes_per_row: int, batch: int, copy_gbps: f
             "weights_and_state_ms": (weight_bytes + 2 * batch * state_bytes_per_row) * to_ms}
 
 
-def _median(values) -> float:
-    import numpy as np
-    return float(np.median(values))
-
-
 # ----------------------------------------------------------------------------------------------
 # Ours
 # ----------------------------------------------------------------------------------------------

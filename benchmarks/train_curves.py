@@ -22,12 +22,6 @@ _STYLES = ({"color": "#8c8c8c", "linewidth": 3.0, "linestyle": "-"},
            {"color": "#1f77b4", "linewidth": 1.2, "linestyle": ":"})
 
 
-def load_run(path: pathlib.Path) -> tuple[str, dict[int, float]]:
-    """(backend, {step: training loss}) of one metrics.json."""
-    (run,) = load_runs(path)
-    return run
-
-
 def load_runs(path: pathlib.Path) -> list[tuple[str, dict[int, float]]]:
     """The runs of a metrics.json (one) or of a record keyed by backend (one per key, in file order)."""
     metrics = json.loads(pathlib.Path(path).read_text())

@@ -58,9 +58,10 @@ def _check_values(api, A, dt, dt_bias, dt_softplus, dt_limit, seq_idx=None):
 
     A <= 0 and Δ >= 0 keep every decay exp(Δ A) <= 1, which the chunked algorithms assume (they clamp
     exp(min(dA_l - dA_s, 0))); a nondecreasing seq_idx is how packed sequences come (mamba_ssm's precondition;
-    every backend restarts wherever the id changes, so an id that comes back is reported rather than mistaken). The reductions run where the arrays live (also for concrete
-    arrays closed over by a traced function); one host transfer fetches their results. They pass NaNs over (a
-    NaN is data, confined to its sequence), so that a NaN elsewhere does not hide a positive A or a negative Δ.
+    every backend restarts wherever the id changes, so an id that comes back is reported rather than mistaken).
+    The reductions run where the arrays live (also for concrete arrays closed over by a traced function); one
+    host transfer fetches their results. They pass NaNs over (a NaN is data, confined to its sequence), so that a
+    NaN elsewhere does not hide a positive A or a negative Δ.
     """
     checks = {}
     with jax.ensure_compile_time_eval():
@@ -293,8 +294,8 @@ def ssd(x, dt, A, B, C, chunk_size=256, *, D=None, z=None, dt_bias=None, dt_soft
       save_chunk_states: let a differentiated cuTile forward keep the chunk-entry states (dstate / 64
         times x's bytes) and the chunk quantities Δ and dA_cumsum for the backward; False keeps only the
         inputs and the backward recomputes them (less memory, a longer backward). No effect elsewhere.
-      check_finite: on the cuTile backends, confine NaN and inf as above (an elementwise pass over x forward,
-        over y's cotangent and x's gradient backward). False runs the kernels on the arrays as they are: a NaN
+      check_finite: on the cuTile backends, confine NaN and inf as above (an elementwise pass over x forward
+        and one over y's cotangent backward). False runs the kernels on the arrays as they are: a NaN
         or inf may then reach the other tokens of its chunk and the later chunks of its batch row, other
         packed sequences included. No effect elsewhere.
 

@@ -275,8 +275,9 @@ class Mamba2LMHeadModel(nnx.Module):
             sequence's last token is the next sequence's first: set that label to ignore_index to leave it out.
           chunk_tokens: tokens per chunk of the fused head + loss (default 2048).
           ignore_index: target value of positions left out (default -100).
-          logits_dtype: dtype the logits are stored in before the float32 softmax (default float32;
-            `jnp.bfloat16` halves the loss's memory traffic, as an autocast PyTorch LM rounds its logits).
+          logits_dtype: dtype the logits are stored in before the float32 softmax (default float32, float64
+            for a float64 model, whose softmax is float64; `jnp.bfloat16` halves the loss's memory traffic, as an
+            autocast PyTorch LM rounds its logits).
           reduction: "mean" (default) over the scored positions, "sum", or "none": (batch, seqlen), each
             position's loss (0 where not scored), minus the log-likelihood of its target; a sequence's
             log-likelihood is minus the sum of its row.

@@ -8,8 +8,8 @@
   out    = out_proj(y)
 
 Three entry points share this computation: `__call__` (training / full forward), `prefill` (the same, also
-returning the decode cache) and `step` (one token in O(1) from the cache: on one device the fused ops of
-`jax_mamba2.decode` (`decode_step`), under head parallelism the composed ops with `ssd_step`).
+returning the decode cache) and `step` (one token in O(1) from the cache: on one device and without the MLP
+branch the fused ops of `jax_mamba2.decode` (`decode_step`), else the composed ops with `ssd_step`).
 """
 import functools
 import math

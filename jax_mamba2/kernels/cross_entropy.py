@@ -139,8 +139,9 @@ def store_row_vector(array, row_block, tile, BLOCK_ROWS):
 
 
 def label_masks(label, VOCAB, IGNORE_INDEX):
-    """(counted, out of range) of a (BLOCK_ROWS, 1) int32 label tile, as loss.py's `_label_masks`: counted rows
-    enter the mean; a counted label outside [0, VOCAB) makes the row's loss and gradient NaN."""
+    """(counted, out of range) of a (BLOCK_ROWS, 1) int32 label tile, as jax_mamba2/cross_entropy.py's
+    `_label_masks`: counted rows enter the mean; a counted label outside [0, VOCAB) makes the row's loss and
+    gradient NaN."""
     counted = label != IGNORE_INDEX
     return counted, counted & ((label < 0) | (label >= VOCAB))
 

@@ -99,12 +99,11 @@ def launch_signature(launch: Launch, arrays: Mapping[str, Buffer]) -> KernelSign
     return KernelSignature(params, convention).with_mangled_symbol(name)
 
 
-def compile_launch(launch: Launch, arrays: Mapping[str, Buffer], arch: str = "sm_90",
-                   output_format: str = "cubin") -> tuple[str, bytes]:
-    """Compiles one launch; returns (symbol, cubin or TileIR bytecode)."""
+def compile_launch(launch: Launch, arrays: Mapping[str, Buffer], arch: str = "sm_90") -> tuple[str, bytes]:
+    """Compiles one launch; returns (symbol, cubin)."""
     signature = launch_signature(launch, arrays)
     buf = io.BytesIO()
-    export_kernel(launch.kernel, [signature], buf, gpu_code=arch, output_format=output_format)
+    export_kernel(launch.kernel, [signature], buf, gpu_code=arch, output_format="cubin")
     return signature.symbol, buf.getvalue()
 
 

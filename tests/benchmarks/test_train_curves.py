@@ -20,8 +20,9 @@ def test_train_curves_compares_common_steps_and_plots(tmp_path):
     png = tmp_path / "curves.png"
     assert train_curves.main([str(a), str(b), "--png", str(png)]) == 0
     assert png.stat().st_size > 0
-    assert abs(train_curves.max_relative_gap(train_curves.load_run(a)[1], train_curves.load_run(b)[1])
-               - 0.01) < 1e-9
+    (_, losses_a), = train_curves.load_runs(a)
+    (_, losses_b), = train_curves.load_runs(b)
+    assert abs(train_curves.max_relative_gap(losses_a, losses_b) - 0.01) < 1e-9
 
 
 def test_train_curves_fails_when_runs_diverge(tmp_path):
