@@ -374,7 +374,7 @@ def test_generate_stream_stops_once_every_row_has_ended(tiny_config):
      r"generate: rng must be one jax.random.key .*of shape \(2,\) and dtype key<fry>"),
     (dict(prompt_lengths=[0]), ValueError, r"generate: prompt_lengths=\[0\] must be in \[1, prompt_len=3\]"),
     (dict(prompt_lengths=[4]), ValueError, r"generate: prompt_lengths=\[4\] must be in \[1, prompt_len=3\]"),
-    (dict(prompt_lengths=[1, 2]), ValueError, r"generate: prompt_lengths.shape=\(2,\) must be \(batch\)=\(1\)"),
+    (dict(prompt_lengths=[1, 2]), ValueError, r"generate: prompt_lengths.shape=\(2,\) must be \(batch,\)=\(1,\)"),
     (dict(prompt_lengths=[1.5]), TypeError, r"generate: prompt_lengths.dtype=float64 must be integer"),
     (dict(prompt_lengths=3), TypeError, r"generate: prompt_lengths must be None or a \(batch,\) integer array or "
                                         r"list of ints, got int$"),
