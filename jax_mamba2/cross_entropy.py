@@ -429,11 +429,21 @@ def chunked_cross_entropy(hidden, labels, *, head_weight=None, embedding=None, v
     return checked_cross_entropy(static, weight, hidden, labels)
 
 
-def checked_cross_entropy(static: _LossStatic, weight, hidden, labels):
+def checked_cross_entropy(static: _LossStatic, weight, hidden, labels, *, axis_name=None):
     """`chunked_cross_entropy` of arguments already checked: `(static, weight)` from `check_arguments` on
     hidden's shape and dtype and these labels (whose concrete ids the caller has checked against the
-    vocabulary), for a caller that checks before it computes `hidden`."""
+    vocabulary), for a caller that checks before it computes `hidden`.
+
+    axis_name: None, or inside `jax.shard_map` the mesh axis (or tuple of axes) that splits the tokens: a mean or
+    a sum then covers every shard's tokens (the mean divides the sum over all shards by all their counted tokens,
+    not each shard's by its own), the same on every shard; per-token losses stay each shard's."""
     tokens, d = int(np.prod(labels.shape)), hidden.shape[-1]
+    if axis_name is not None and static.reduction != "none":
+        total = checked_cross_entropy(dataclasses.replace(static, reduction="sum"), weight, hidden, labels)
+        total = jax.lax.psum(total, axis_name)
+        if static.reduction == "sum":
+            return total
+        return total / jnp.maximum(jax.lax.psum(jnp.sum(labels != static.ignore_index), axis_name), 1)
     if tokens == 0:
         return jnp.zeros(labels.shape if static.reduction == "none" else (), _accumulation_dtype(static.dtype))
     padded_vocab = weight.shape[0 if static.embedding_layout else 1]

@@ -10,8 +10,8 @@ front ends still run one at a time, but each tileiras runs beside the next front
 tileiras, and the lowering takes each cubin as it is ready.
 
 A cubin is compiled once per key, cuda.tile.jax's own (the kernel object, the constraints of its
-arguments), however many layers or call sites launch it; the LM's layers are traced once under
-`nnx.scan` anyway. A noted launch that is never lowered (a program only traced, e.g. by `jax.make_jaxpr`)
+arguments), however many layers or call sites launch it; the LM's layers are one loop body, traced once,
+anyway. A noted launch that is never lowered (a program only traced, e.g. by `jax.make_jaxpr`)
 costs nothing until some later lowering, which compiles it with the rest.
 
 `compile_log()` lists what this process compiled (kernel, seconds), for benchmarks.

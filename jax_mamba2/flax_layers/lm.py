@@ -1,7 +1,7 @@
 """`Mamba2Block` and `Mamba2LMHeadModel` (mamba_ssm `models/mixer_seq_simple.py`, `modules/block.py`).
 
 The n_layer blocks are created once with `nnx.vmap` (every parameter gets a leading (n_layer,) axis) and run
-in one loop over the layers (`layer_loop.scan_blocks` for the forward and backward, `nnx.scan` for the cached
+in one loop over the layers (`layer_loop.scan_blocks` for the forward and backward, `lax.scan` for the cached
 prefill and step), so the compiled program holds one block however deep the model is: compile time does not
 grow with n_layer (an `nnx.List` of blocks would unroll n_layer copies into the HLO).
 """
@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jax_mamba2 import backends
 from jax_mamba2 import cross_entropy as loss_op
@@ -316,7 +317,20 @@ class Mamba2LMHeadModel(nnx.Module):
         # The loss's own options (and whether its backend can run) before the forward pass, not after it.
         hidden_like = jax.eval_shape(self.embedding, input_ids)
         static, weight = loss_op.check_arguments("Mamba2LMHeadModel.loss", hidden_like, targets, **options)
-        return loss_op.checked_cross_entropy(static, weight, self._final_hidden(input_ids, seq_idx), targets)
+        hidden = self._final_hidden(input_ids, seq_idx)
+        axes = self.norm_f.mesh_axes
+        if axes is None or axes.mesh.shape[axes.data_axis] == 1:
+            return loss_op.checked_cross_entropy(static, weight, hidden, targets)
+        # Rows split over a data axis (`shard_model`): each device takes the loss of its rows, inside a shard_map over
+        # that axis alone (the weight's vocabulary split over the model axis stays XLA's to partition). Left to XLA,
+        # a loss of more than one chunk would gather every row's hidden states onto every device: its loop over
+        # the chunks steps along the token axis, which the data axis splits. A data axis of size 1 splits nothing
+        # (and XLA's partitioner rejects the psum over such a manual axis beside a vocabulary-split head).
+        rows = P(axes.data_axis)
+        return jax.shard_map(
+            functools.partial(loss_op.checked_cross_entropy, static, axis_name=axes.data_axis), mesh=axes.mesh,
+            in_specs=(P(), rows, rows), out_specs=rows if reduction == "none" else P(),
+            axis_names=frozenset({axes.data_axis}))(weight, hidden, targets)
 
     def loss_softmax_backend(self) -> str:
         """The backend `loss` gives its softmax now: `loss_backend`, or its default (see the class)."""
@@ -452,8 +466,16 @@ class Mamba2LMHeadModel(nnx.Module):
         hidden, residual = self._embed(input_ids)
         block_call = _cached_block_call(method, **block_kwargs)
         if self.scan_layers:
-            (hidden, residual), cache = nnx.scan(block_call, in_axes=(nnx.Carry, 0, 0),
-                                                 out_axes=(nnx.Carry, 0))((hidden, residual), self.layers, cache)
+            # Each layer's block is merged from its slice inside the loop (not `nnx.scan` over the module, which
+            # refuses Variables made outside the transformation it runs in: a model closed over by jax.jit, vmap,
+            # checkpoint or eval_shape, as `__call__` and `loss` take it).
+            graphdef, stacked = nnx.split(self.layers)
+
+            def layer_call(carry, layer_and_cache):
+                layer, layer_cache = layer_and_cache
+                return block_call(carry, nnx.merge(graphdef, layer), layer_cache)
+
+            (hidden, residual), cache = jax.lax.scan(layer_call, (hidden, residual), (stacked, cache))
         else:
             layer_caches = [None] * self.config.n_layer if cache is None else unstack_layers(cache)
             (hidden, residual), layer_caches = self._unrolled(block_call, (hidden, residual), layer_caches)

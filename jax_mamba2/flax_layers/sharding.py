@@ -19,7 +19,9 @@ whole (its x channels are assembled with one small all-reduce per call: (batch, 
 Outside the mixers the residual stream is split over "data" only, and the blocks' add + norm and the final
 norm run inside a `shard_map` of their own over it (each device normalizes its rows; the norm kernels' custom
 calls have no partitioning rule, so XLA would otherwise give them every row); the embedding (and an untied
-lm_head) is split over the vocabulary on "model", so the logits come out vocabulary-split.
+lm_head) is split over the vocabulary on "model", so the logits come out vocabulary-split. The LM's loss runs
+inside a `shard_map` over "data" alone, each device on its rows' chunks (its head product still split over the
+vocabulary): left to XLA, its loop over the chunks would gather every row's hidden states onto every device.
 
 Example:
   >>> mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)  # doctest: +SKIP

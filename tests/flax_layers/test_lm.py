@@ -73,6 +73,29 @@ def test_lm_prefill_then_steps_match_forward(tiny_config):
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("ssm_cfg", [{}, dict(d_ssm=32)], ids=["fused_step", "composed_step"])
+def test_a_model_closed_over_by_jax_transformations_prefills_and_steps(tiny_config, ssm_cfg):
+    """jax.jit, jax.vmap, jax.checkpoint and jax.eval_shape of a function that closes over the model (as they take
+    `__call__` and `loss`): prefill and step (the composed one, with the gated-MLP branch, loops over the layers as
+    prefill does) give what the model passed as an argument to nnx.jit gives."""
+    model = _model(tiny_config.replace(ssm_cfg={**tiny_config.ssm_cfg, **ssm_cfg}))
+    ids = _token_ids(tiny_config, seed=2)
+    want_prefill = nnx.jit(lambda m, ids: m.prefill(ids))(model, ids[:, :-1])
+    want_step = nnx.jit(lambda m, token, cache: m.step(token, cache))(model, ids[:, -1], want_prefill[1])
+
+    def prefill_and_step(ids):
+        logits, cache = model.prefill(ids[:, :-1])
+        return logits, model.step(ids[:, -1], cache)
+
+    want = (want_prefill[0], want_step)
+    for transformed in (jax.jit(prefill_and_step), jax.checkpoint(prefill_and_step),
+                        lambda ids: jax.tree.map(lambda a: a[0], jax.vmap(prefill_and_step)(ids[None]))):
+        for got, expected in zip(jax.tree.leaves(transformed(ids)), jax.tree.leaves(want)):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    shapes = jax.eval_shape(prefill_and_step, ids)
+    assert [(s.shape, s.dtype) for s in jax.tree.leaves(shapes)] == [(a.shape, a.dtype) for a in jax.tree.leaves(want)]
+
+
 @pytest.mark.parametrize("remat", [True, "matmuls"])
 def test_lm_grads_finite_and_equal_with_remat(tiny_config, remat):
     ids = _token_ids(tiny_config, seed=2)

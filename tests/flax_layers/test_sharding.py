@@ -146,6 +146,32 @@ def test_shard_model_packed_sequences_match_single_device_with_the_layers_unroll
     _assert_grads_match(sharded_grads, expected_grads)
 
 
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (8, 1)], ids=["data=2,model=4", "data=8"])
+@pytest.mark.parametrize("reduction, chunk_tokens", [("mean", 16), ("sum", 7), ("none", 16)])
+def test_a_sharded_loss_of_several_chunks_takes_each_shards_rows_and_gathers_no_activation(
+        tiny_config, mesh_shape, reduction, chunk_tokens):
+    """A loss of more chunks than one (8 x 16 tokens: a chunk a row, or 7 tokens that straddle the rows): each
+    device takes the loss of its own rows (no all-gather of the hidden states onto every device, which XLA made
+    for the loop over chunks along the data-split token axis), with one device's values and gradients; the mean
+    over every shard's scored tokens (the first two rows score none)."""
+    mesh = jax.make_mesh(mesh_shape, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    config = tiny_config.replace(n_layer=1)
+    ids, sharded_ids = _ids(config, mesh, length=16, batch=8)
+    labels = ids.at[:2].set(-100)
+
+    def loss(model, ids, labels):
+        return jnp.sum(model.loss(ids, labels, chunk_tokens=chunk_tokens, reduction=reduction))
+
+    expected_loss, expected_grads = nnx.value_and_grad(loss)(_model(config), ids, labels)
+    graphdef, state = nnx.split(shard_model(_model(config), mesh))
+    step = jax.jit(jax.value_and_grad(lambda state, ids, labels: loss(nnx.merge(graphdef, state), ids, labels)))
+    sharded_labels = jax.device_put(labels, NamedSharding(mesh, P("data")))
+    assert "all-gather" not in step.lower(state, sharded_ids, sharded_labels).compile().as_text()
+    sharded_loss, sharded_grads = step(state, sharded_ids, sharded_labels)
+    np.testing.assert_allclose(sharded_loss, expected_loss, rtol=1e-6)
+    _assert_grads_match(sharded_grads, expected_grads)
+
+
 def _assert_grads_match(sharded_grads, expected_grads, rtol=5e-5):
     """Relative L2 error of every gradient leaf, at most rtol. Element-wise, an atol that passes the embedding's
     entries summed with cancellation (their f32 rounding reaches 1e-7 to 4e-7 on entries near 1e-3) would pass
