@@ -130,7 +130,7 @@ def load_config(path) -> Mamba2Config:
 
     Raises:
       FileNotFoundError: if `path` or its config.json does not exist.
-      ValueError: for a `path` that is a file, not the checkpoint's directory.
+      ValueError: for a `path` that is a file, not the checkpoint's directory, or a config.json that is no file.
       ValueError, TypeError: for a file that is not JSON or not a Mamba-2 configuration, naming the file and
         the offending key.
     """
@@ -153,6 +153,8 @@ def _load_config(path, caller: str) -> Mamba2Config:
     """`load_config` for `caller`, the public function its errors name."""
     config_file = _checkpoint_dir(path, caller) / "config.json"
     if not config_file.is_file():
+        if config_file.exists():
+            raise ValueError(f"{caller}: {config_file} is not a file: it must be the checkpoint's JSON config")
         raise FileNotFoundError(f"{caller}: {config_file} does not exist")
     raw = weight_files.read_json(config_file, caller)
     if not isinstance(raw, dict):

@@ -1148,6 +1148,15 @@ def test_checkpoint_path_missing_or_a_file_says_what_it_must_be(tmp_path, monkey
             read("model.safetensors")
 
 
+def test_checkpoint_config_missing_or_a_directory_says_which(tmp_path):
+    with pytest.raises(FileNotFoundError, match=rf"load_config: {tmp_path / 'config.json'} does not exist"):
+        checkpoint_module.load_config(tmp_path)
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(ValueError, match=rf"load_config: {tmp_path / 'config.json'} is not a file: it must be the "
+                                         r"checkpoint's JSON config"):
+        checkpoint_module.load_config(tmp_path)
+
+
 def test_checkpoint_truncated_weights_error_names_the_file(tmp_path, tiny_config):
     save_pretrained(_random_model(tiny_config), tmp_path)
     weights = tmp_path / "model.safetensors"
