@@ -24,6 +24,9 @@ MIXER_OPTIONS = (
     "norm_before_gate", "norm_eps", "dt_min", "dt_max", "dt_init_floor", "dt_limit", "bias", "conv_bias",
     "chunk_size",
 )
+# Keyword arguments of mamba_ssm's `Mamba2` that choose how it computes, not what: accepted in `ssm_cfg` and
+# dropped, so that a config.json saved with them (e.g. use_mem_eff_path=False for its unfused path) loads.
+MIXER_IMPLEMENTATION_OPTIONS = ("use_mem_eff_path", "sequence_parallel")
 # mamba_ssm's `Mamba2` defaults, used when `ssm_cfg` does not set an option (`norm_eps`, the gated norm's
 # epsilon, is not an option of mamba_ssm's, which fixes it at 1e-5; HF's Mamba2 takes `layer_norm_epsilon`).
 MIXER_DEFAULTS = FrozenDict(
@@ -143,7 +146,7 @@ class Mamba2Config:
       vocab_size: number of tokens; the embedding has `padded_vocab_size` rows.
       ssm_cfg: keyword arguments of the `Mamba2` mixer (see `MIXER_OPTIONS`); missing ones take mamba_ssm's
         defaults. Stored without the options equal to those defaults. The mamba_ssm key "layer" is accepted
-        only as "Mamba2" and dropped.
+        only as "Mamba2" and dropped, as are `MIXER_IMPLEMENTATION_OPTIONS` (booleans).
       d_intermediate: width of an MLP after each mixer; only 0 (no MLP, as in all Mamba-2 checkpoints).
       rms_norm: block and final norms are RMSNorm; only True (as in all Mamba-2 checkpoints).
       residual_in_fp32: keep the residual stream in float32 (or float64 for float64 models).
@@ -195,6 +198,9 @@ class Mamba2Config:
         layer = ssm_cfg.pop("layer", "Mamba2")
         if layer != "Mamba2":
             raise ValueError(f"Mamba2Config: ssm_cfg['layer']={layer!r} must be 'Mamba2'")
+        for name in MIXER_IMPLEMENTATION_OPTIONS:
+            if name in ssm_cfg:
+                check_flag("Mamba2Config", f"ssm_cfg[{name!r}]", ssm_cfg.pop(name))
         unknown = sorted(set(ssm_cfg) - set(MIXER_OPTIONS))
         if unknown:
             raise ValueError(f"Mamba2Config: ssm_cfg has unknown keys {unknown}; allowed: {list(MIXER_OPTIONS)}")
@@ -240,8 +246,8 @@ class Mamba2Config:
             misspelling of it), for attention layers (`attn_layer_idx`), which this package does not implement,
             for keys that are not `MambaConfig` fields, or for an `ssm_cfg` without "layer", which mamba_ssm
             reads as a Mamba-1 model.
-          TypeError: for an `ssm_cfg["use_mem_eff_path"]` that is not a bool (the option is read and dropped:
-            it picks mamba_ssm's kernels, not the model).
+          TypeError: for an `ssm_cfg["use_mem_eff_path"]` or `["sequence_parallel"]` that is not a bool (the
+            options are read and dropped: they pick mamba_ssm's kernels, not the model).
         """
         if not isinstance(config, Mapping):
             raise TypeError(f"Mamba2Config.from_mamba_ssm: config={config!r} must be a mapping (a config.json dict)")
@@ -261,11 +267,6 @@ class Mamba2Config:
             raise ValueError(f"Mamba2Config.from_mamba_ssm: ssm_cfg={dict(ssm_cfg)!r} has no 'layer', which "
                              "mamba_ssm reads as 'Mamba1' (a Mamba-1 checkpoint); this package runs Mamba-2 only "
                              "(ssm_cfg['layer'] must be 'Mamba2')")
-        if isinstance(ssm_cfg, Mapping) and "use_mem_eff_path" in ssm_cfg:
-            # A choice of mamba_ssm's CUDA kernels (fused or not) that `Mamba2` takes from ssm_cfg; the model
-            # is the same either way.
-            check_flag("Mamba2Config.from_mamba_ssm", "ssm_cfg['use_mem_eff_path']", ssm_cfg["use_mem_eff_path"])
-            config["ssm_cfg"] = {k: v for k, v in ssm_cfg.items() if k != "use_mem_eff_path"}
         return cls(**config)
 
     @classmethod

@@ -1016,7 +1016,7 @@ HF_TINY = Mamba2Config.from_mamba_ssm(MAMBA_SSM_TINY).to_hf()
                  r"config.json: Mamba2Config.from_mamba_ssm: ssm_cfg=\{'d_state': 8\} has no 'layer', which "
                  r"mamba_ssm reads as 'Mamba1'", id="mamba1_checkpoint"),
     pytest.param(json.dumps({**MAMBA_SSM_TINY, "ssm_cfg": {"layer": "Mamba2", "use_mem_eff_path": "no"}}),
-                 TypeError, r"config.json: Mamba2Config.from_mamba_ssm: ssm_cfg\['use_mem_eff_path'\]='no' must be "
+                 TypeError, r"config.json: Mamba2Config: ssm_cfg\['use_mem_eff_path'\]='no' must be "
                  r"a bool", id="mamba_ssm_kernel_choice_string"),
     pytest.param(json.dumps({**HF_TINY, "hidden_act": "gelu"}), ValueError,
                  r"config.json: Mamba2Config.from_hf: hidden_act='gelu' must be 'silu'", id="hf_conv_activation"),

@@ -47,6 +47,15 @@ def test_config_from_mamba_ssm_and_from_hf_describe_the_same_model():
     hash(from_hf)  # static data under jit
 
 
+def test_config_drops_mamba_ssm_options_that_choose_how_the_mixer_computes():
+    """A config.json of a model trained with mamba_ssm's unfused path (or sequence parallelism) loads as the same
+    model: those options change no output."""
+    config = Mamba2Config.from_mamba_ssm({**MAMBA_SSM_130M, "ssm_cfg": {
+        "layer": "Mamba2", "use_mem_eff_path": False, "sequence_parallel": True, "d_state": 64}})
+    assert config == mamba2_130m(ssm_cfg={"d_state": 64})
+    assert dict(config.ssm_cfg) == {"d_state": 64}
+
+
 @pytest.mark.parametrize("changes, message", [
     (dict(ssm_cfg={"dstate": 64}), r"Mamba2Config: ssm_cfg has unknown keys \['dstate'\]"),
     (dict(ssm_cfg={"layer": "Mamba1"}), r"Mamba2Config: ssm_cfg\['layer'\]='Mamba1' must be 'Mamba2'"),
@@ -116,6 +125,7 @@ def test_config_from_hf_names_hf_s_keys_for_mixer_options_no_mixer_can_be_built_
     (dict(residual_in_fp32=1), r"Mamba2Config: residual_in_fp32=1 must be a bool"),
     (dict(norm_epsilon="1e-5"), r"Mamba2Config: norm_epsilon='1e-5' must be a positive finite float"),
     (dict(ssm_cfg={"rmsnorm": "false"}), r"Mamba2Config: ssm_cfg\['rmsnorm'\]='false' must be a bool"),
+    (dict(ssm_cfg={"use_mem_eff_path": "no"}), r"Mamba2Config: ssm_cfg\['use_mem_eff_path'\]='no' must be a bool"),
 ])
 def test_config_rejects_fields_of_the_wrong_type(changes, message):
     with pytest.raises(TypeError, match=message):
