@@ -172,9 +172,11 @@ def _head_operand(static: _LossStatic, weight):
     return jnp.pad(operand, widths)
 
 
-def _counted_tokens(counted):
-    """The number of counted tokens, at least 1 (the mean of no token is 0); counted (tokens,) bool."""
-    return jnp.maximum(jnp.sum(counted), 1)
+def _counted_tokens(counted, axis_name=None):
+    """The number of counted tokens, at least 1 (the mean of no token is 0); counted: bool of any shape. With
+    `axis_name` (inside `jax.shard_map`), every shard's: the maximum is taken after the sum over the shards."""
+    count = jnp.sum(counted)
+    return jnp.maximum(count if axis_name is None else jax.lax.psum(count, axis_name), 1)
 
 
 def _reduced(static: _LossStatic, per_token, labels):
@@ -443,7 +445,7 @@ def checked_cross_entropy(static: _LossStatic, weight, hidden, labels, *, axis_n
         total = jax.lax.psum(total, axis_name)
         if static.reduction == "sum":
             return total
-        return total / jnp.maximum(jax.lax.psum(jnp.sum(labels != static.ignore_index), axis_name), 1)
+        return total / _counted_tokens(labels != static.ignore_index, axis_name)
     if tokens == 0:
         return jnp.zeros(labels.shape if static.reduction == "none" else (), _accumulation_dtype(static.dtype))
     padded_vocab = weight.shape[0 if static.embedding_layout else 1]

@@ -169,7 +169,19 @@ def test_export_cli_refuses_an_output_path_that_is_a_file(tmp_path, capsys):
     assert re.search(r"--out=.*cubins is a file; it must be a directory", capsys.readouterr().err)
 
 
-def test_export_cli_quick_writes_cubins_and_manifest(tmp_path, capsys):
+def test_export_quick_set_is_bf16_and_f32_with_flags_off_and_on():
+    problems = list(export._problems(quick=True))
+    assert [(dims.dtype, dims.has_z, dims.has_init, dims.has_seq_idx) for dims in problems] == [
+        ("bfloat16", False, False, False), ("bfloat16", True, True, True),
+        ("float32", False, False, False), ("float32", True, True, True)]
+    assert {(dims.headdim, dims.dstate, dims.chunk_size) for dims in problems} == {(64, 64, 64)}
+
+
+def test_export_cli_quick_writes_cubins_and_manifest(tmp_path, capsys, monkeypatch):
+    """The CLI on the quick set's first problem (its four take ~3 minutes to compile on two cores; each kernel
+    is compiled for sm_90 by the tests below anyway): every kernel the op launches, a cubin each, listed."""
+    first = next(export._problems(quick=True))
+    monkeypatch.setattr(export, "_problems", lambda quick: iter([first]))
     assert export.main(["--arch", "sm_90", "--out", str(tmp_path), "--quick"]) == 0
     manifest = (tmp_path / "manifest.tsv").read_text().split()
     files = sorted(p.name for p in tmp_path.glob("*.cubin"))
