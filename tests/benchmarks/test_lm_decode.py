@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import lm_decode
+from benchmarks import lm_bench, lm_decode
 from benchmarks.environment import local_gpu_slug
 
 
@@ -172,7 +172,9 @@ def test_the_torch_decode_runs_the_peer_lm_with_a_stand_in_mixer(param_dtype):
     model = torch_lm.TorchLM(d_model=32, n_layer=2, vocab_size=64, **stand_in_parts(32))
     job = {"config": "d32-l2", "impl": "mamba_ssm", "param_dtype": param_dtype, "command_buffers": None,
            "batches": [1, 3], "prompt_lengths": [8], "decode_steps": 3, "repeats": 2, "warmup_seconds": 0.0}
+    # The worker measures the device's rates after the work (`lm_bench.worker_main`); derive takes the floors from them.
     record = lm_decode.derive({**job, **lm_decode.decode_torch_model(job, model, torch.device("cpu")),
+                               "device_rates": lm_bench.torch_device_rates(torch.device("cpu")),
                                "causal_conv1d": None, "error": None})
     assert record["weight_bytes"] == sum(p.numel() for p in model.parameters()) * (4 if param_dtype == "float32"
                                                                                      else 2)
