@@ -33,14 +33,13 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from jax_mamba2 import backends
 from jax_mamba2._files import fsync, sync_directory
 from jax_mamba2._staging import carry_over, remove_abandoned_staging, replace_dir, staging_dir
-from jax_mamba2.checks import check_flag, float_dtype
+from jax_mamba2.checks import float_dtype
 from jax_mamba2.flax_layers import weight_files
 from jax_mamba2.flax_layers._tree import param_path
 from jax_mamba2.flax_layers.config import Mamba2Config
-from jax_mamba2.flax_layers.lm import Mamba2LMHeadModel
+from jax_mamba2.flax_layers.lm import Mamba2LMHeadModel, check_model_options
 
 # (checkpoint name, path in Mamba2LMHeadModel, layout). Layouts: "same"; "linear": torch (out, in) ->
 # NNX kernel (in, out); "conv": torch conv1d.weight (channels, 1, d_conv) -> kernel (d_conv, channels).
@@ -195,7 +194,7 @@ def load_hf_state(path) -> dict[str, np.ndarray]:
 
 
 def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str = "auto",
-                    scan_layers: bool = True) -> Mamba2LMHeadModel:
+                    scan_layers: bool = True, **model_options) -> Mamba2LMHeadModel:
     """Builds a `Mamba2LMHeadModel` from a local mamba_ssm or HF transformers checkpoint directory.
 
     The model is created abstractly (`nnx.eval_shape`, no random init), every parameter is assigned from the
@@ -215,6 +214,9 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
       backend: SSD backend of the mixers (default: "auto").
       scan_layers: as `Mamba2LMHeadModel`'s (default: True, one layer scan); False unrolls the blocks, which
         compiles longer and decodes large batches faster (`generate` then carries one cache per layer).
+      **model_options: `Mamba2LMHeadModel`'s other options (`remat`, `loss_backend`, `check_finite`,
+        `deterministic_backward`, `save_chunk_states`), e.g. `remat="matmuls"` to fine-tune a large checkpoint;
+        by default the constructor's.
 
     Returns:
       The model, on the default device.
@@ -226,14 +228,16 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
         head to the embedding.
       TypeError: naming a tensor stored in a dtype that is not a float, and the file that holds it.
       ValueError, TypeError: for a config.json that is not a Mamba-2 configuration (see `load_config`) or
-        whose mixer options `Mamba2` rejects, naming the file and the option; for an unknown backend or a
-        dtype that is not floating; for weights `load_hf_state` cannot read.
+        whose mixer options `Mamba2` rejects, naming the file and the option; for an unknown backend, a model
+        option the constructor would reject (TypeError for one it does not take) or a dtype that is not floating;
+        for weights `load_hf_state` cannot read.
       FileNotFoundError, ValueError: for a `path` that does not exist or is a file, not the checkpoint's
         directory (see `load_config`); FileNotFoundError: for missing weights (see `load_hf_state`).
       ImportError: for PyTorch weights (the only weights there) without torch installed.
     """
-    backends.check_name(backend, "load_pretrained")  # the arguments first: errors below are config.json's
-    check_flag("load_pretrained", "scan_layers", scan_layers)
+    # The arguments first: errors below are config.json's.
+    model_options = {**model_options, "backend": backend, "scan_layers": scan_layers}
+    check_model_options("load_pretrained", model_options)
     if dtype is not None:
         float_dtype("load_pretrained", "dtype", dtype)
     param_dtype = float_dtype("load_pretrained", "param_dtype", param_dtype)
@@ -241,21 +245,19 @@ def load_pretrained(path, *, dtype=None, param_dtype=jnp.float32, backend: str =
 
     def build():  # config.json's model, built abstractly before any weight file is opened
         config = _load_config(directory, "load_pretrained")
-        return config, _abstract_model(directory, config, dtype=dtype, param_dtype=param_dtype, backend=backend,
-                                       scan_layers=scan_layers)
+        return config, _abstract_model(directory, config, dtype=dtype, param_dtype=param_dtype, **model_options)
     with contextlib.ExitStack() as handles:  # the weight files, open until every tensor is read
         (config, abstract), tensors = weight_files.open_weights(directory, "load_pretrained", handles,
                                                                 before_opening=build)
         return _assign_checkpoint(directory, config, abstract, tensors, param_dtype=param_dtype)
 
 
-def _abstract_model(path: pathlib.Path, config: Mamba2Config, *, dtype, param_dtype, backend: str,
-                    scan_layers: bool) -> Mamba2LMHeadModel:
+def _abstract_model(path: pathlib.Path, config: Mamba2Config, *, dtype, param_dtype,
+                    **model_options) -> Mamba2LMHeadModel:
     """`load_pretrained`'s model of `config`, its parameters abstract (`nnx.eval_shape`: no random init)."""
     try:
-        return nnx.eval_shape(lambda: Mamba2LMHeadModel(config, backend=backend, dtype=dtype,
-                                                        param_dtype=param_dtype, scan_layers=scan_layers,
-                                                        rngs=nnx.Rngs(0)))
+        return nnx.eval_shape(lambda: Mamba2LMHeadModel(config, dtype=dtype, param_dtype=param_dtype,
+                                                        **model_options, rngs=nnx.Rngs(0)))
     except (ValueError, TypeError) as e:  # a mixer option of config.json that Mamba2 rejects, named by it
         raise (TypeError if isinstance(e, TypeError) else ValueError)(
             f"load_pretrained: {path / 'config.json'}: {e}") from e

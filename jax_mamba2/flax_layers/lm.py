@@ -7,6 +7,8 @@ grow with n_layer (an `nnx.List` of blocks would unroll n_layer copies into the 
 """
 
 import functools
+import inspect
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +37,11 @@ def remat_policy(remat: str):
     return jax.checkpoint_policies.save_only_these_names(IN_PROJ_OUTPUT)
 
 
+# `Mamba2LMHeadModel`'s keyword options besides dtype, param_dtype and rngs (`load_pretrained` passes them on).
+MODEL_OPTIONS = ("backend", "deterministic_backward", "save_chunk_states", "check_finite", "remat", "scan_layers",
+                 "loss_backend")
+
+
 def _check_remat(remat) -> bool | str:
     """The `remat` option: a bool (keep everything / only the block's inputs) or "matmuls" (in_proj's output)."""
     if isinstance(remat, str):
@@ -44,6 +51,33 @@ def _check_remat(remat) -> bool | str:
     if not isinstance(remat, (bool, np.bool_)):
         raise TypeError(f'Mamba2LMHeadModel: remat={remat!r} must be False, "matmuls" or True')
     return bool(remat)
+
+
+def _check_lm_options(api: str, scan_layers, remat, save_chunk_states, loss_backend) -> tuple:
+    """The options only the LM takes, checked: (scan_layers, remat, the blocks' save_chunk_states under that remat,
+    loss_backend)."""
+    scan_layers = check_flag(api, "scan_layers", scan_layers)
+    remat = _check_remat(remat)
+    save_chunk_states = chunk_states_saved(save_chunk_states, remat)
+    loss_backend = None if loss_backend is None else backends.check_name(loss_backend, api, loss_op.OP, "loss_backend")
+    return scan_layers, remat, save_chunk_states, loss_backend
+
+
+def check_model_options(api: str, options: Mapping) -> None:
+    """`options`, keyword options of `Mamba2LMHeadModel` (any of `MODEL_OPTIONS`, the others at the constructor's
+    defaults), checked as the constructor checks them, for a caller that builds the model later (`load_pretrained`
+    before it reads config.json). TypeError for an option the constructor does not take."""
+    unknown = sorted(set(options) - set(MODEL_OPTIONS))
+    if unknown:
+        raise TypeError(f"{api}: unknown model options {unknown}; Mamba2LMHeadModel takes {list(MODEL_OPTIONS)}")
+    defaults = {name: parameter.default for name, parameter in
+                inspect.signature(Mamba2LMHeadModel.__init__).parameters.items() if name in MODEL_OPTIONS}
+    options = {**defaults, **options}
+    backends.check_name(options["backend"], api)
+    check_flag(api, "deterministic_backward", options["deterministic_backward"])
+    check_flag(api, "check_finite", options["check_finite"])
+    _check_lm_options(api, options["scan_layers"], options["remat"], options["save_chunk_states"],
+                      options["loss_backend"])
 
 
 def _check_config(api: str, config) -> None:
@@ -204,12 +238,10 @@ class Mamba2LMHeadModel(nnx.Module):
         _check_config("Mamba2LMHeadModel", config)
         _check_constructor_options("Mamba2LMHeadModel", backend, deterministic_backward, check_finite, dtype,
                                    param_dtype, rngs)
-        scan_layers = check_flag("Mamba2LMHeadModel", "scan_layers", scan_layers)
-        remat = _check_remat(remat)
-        save_chunk_states = chunk_states_saved(save_chunk_states, remat)
+        scan_layers, remat, save_chunk_states, loss_backend = _check_lm_options(
+            "Mamba2LMHeadModel", scan_layers, remat, save_chunk_states, loss_backend)
         self.config, self.remat, self.scan_layers, self.dtype = config, remat, scan_layers, dtype
-        self.loss_backend = (None if loss_backend is None else
-                             backends.check_name(loss_backend, "Mamba2LMHeadModel", loss_op.OP, "loss_backend"))
+        self.loss_backend = loss_backend
         vocab = config.padded_vocab_size
         self.embedding = nnx.Embed(vocab, config.d_model, dtype=dtype, param_dtype=param_dtype,
                                    embedding_init=torch_normal(0.02), rngs=rngs)
@@ -242,7 +274,8 @@ class Mamba2LMHeadModel(nnx.Module):
         """input_ids (batch, seqlen) int -> logits (batch, seqlen, padded_vocab).
 
         Concrete ids are range-checked; traced ones (under jit) cannot be read: there an id past the embedding's
-        rows gives NaN logits and a negative one a padding row's.
+        rows gives NaN logits and a negative one counts from the end of its rows (id -1 takes the row
+        padded_vocab - 1, a real token's unless the vocabulary is padded).
 
         Args:
           input_ids: (batch, seqlen) int, in [0, vocab_size).
@@ -446,9 +479,9 @@ class Mamba2LMHeadModel(nnx.Module):
     def _check_inputs(self, api: str, input_ids, cache, *, sequence: bool, seq_idx=None) -> None:
         """input_ids: (batch, seqlen) (or (batch,) for a step), integer, in [0, vocab_size) where concrete (read
         on the host, a sync of an eager call; a traced id cannot be read, and the embedding's lookup gives NaN for
-        one past its rows and a padding row for a negative one); cache (unless None where a sequence is given) of the
-        stacked mixers' shapes
-        (leading (n_layer,) axis) for that batch; seq_idx, unless None, as input_ids and not with a cache."""
+        one past its rows and counts a negative one from their end); cache (unless None where a sequence is given)
+        of the stacked mixers' shapes (leading (n_layer,) axis) for that batch; seq_idx, unless None, as input_ids
+        and not with a cache."""
         axes = (("batch", None), ("seqlen", None)) if sequence else (("batch", None),)
         shape = _checks.check_named_array(api, "input_ids", input_ids, axes, kind="integer")
         _checks.check_batch_splits(api, "input_ids", shape[0], self.layers.mixer.mesh_axes)

@@ -21,7 +21,9 @@ def cast_params(model: nnx.Module, dtype) -> nnx.Module:
     default (`init_cache`) follows its parameters, as in mamba_ssm.
 
     Args:
-      model: any NNX module, e.g. a `Mamba2LMHeadModel`.
+      model: any NNX module, e.g. a `Mamba2LMHeadModel`, concrete or abstract (`nnx.eval_shape`'s, whose
+        parameters are `jax.ShapeDtypeStruct`s: the abstract model of the cast one, e.g. to restore a checkpoint of
+        it into).
       dtype: a floating dtype, e.g. jnp.bfloat16.
 
     Returns:
@@ -41,6 +43,8 @@ def cast_params(model: nnx.Module, dtype) -> nnx.Module:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def cast(leaf):
-        return leaf.astype(dtype) if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            return leaf
+        return leaf.update(dtype=dtype) if isinstance(leaf, jax.ShapeDtypeStruct) else leaf.astype(dtype)
 
     return nnx.merge(graphdef, jax.tree.map(cast, params), rest)

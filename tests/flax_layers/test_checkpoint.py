@@ -1,6 +1,7 @@
 """Tests of load_pretrained / save_pretrained and Orbax checkpoints (jax_mamba2/flax_layers/checkpoint.py)."""
 import contextlib
 import dataclasses
+import inspect
 import io
 import json
 import math
@@ -30,6 +31,7 @@ from jax_mamba2 import _staging as staging_module
 from jax_mamba2.flax_layers import checkpoint as checkpoint_module
 from jax_mamba2.flax_layers import weight_files
 from jax_mamba2.flax_layers.config import MIXER_OPTIONS
+from jax_mamba2.flax_layers.lm import MODEL_OPTIONS
 from tests._helpers import rel_l2
 
 
@@ -99,6 +101,42 @@ def test_load_pretrained_builds_the_unrolled_model_on_request(tmp_path, tiny_con
     assert rel_l2(nnx.jit(lambda m: m(ids))(unrolled), nnx.jit(lambda m: m(ids))(model)) < 1e-5
     with pytest.raises(TypeError, match="load_pretrained: scan_layers=1 must be a bool"):
         load_pretrained(tmp_path / "missing", scan_layers=1)
+
+
+def test_load_pretrained_passes_the_model_s_other_options_on(tmp_path, tiny_config):
+    """remat, loss_backend, check_finite, deterministic_backward, save_chunk_states reach the model as its
+    constructor takes them (remat's default chunk states included); the loss and its gradients are the plain
+    model's. A bad option is refused before config.json is read, naming it; an unknown one with the list."""
+    model = _random_model(tiny_config)
+    save_pretrained(model, tmp_path)
+    loaded = load_pretrained(tmp_path, backend="xla", remat="matmuls", loss_backend="xla", check_finite=False,
+                             deterministic_backward=True)
+    built = Mamba2LMHeadModel(tiny_config, backend="xla", remat="matmuls", loss_backend="xla", check_finite=False,
+                              deterministic_backward=True, rngs=nnx.Rngs(0))
+    assert (loaded.remat, loaded.loss_backend) == ("matmuls", "xla")
+    mixer, expected = loaded.layers.mixer, built.layers.mixer
+    assert (mixer.check_finite, mixer.deterministic_backward, mixer.save_chunk_states) == (
+        expected.check_finite, expected.deterministic_backward, expected.save_chunk_states) == (False, True, True)
+    assert load_pretrained(tmp_path, backend="xla", save_chunk_states=False).layers.mixer.save_chunk_states is False
+    ids = jax.random.randint(jax.random.PRNGKey(1), (2, 9), 0, tiny_config.vocab_size)
+    loss = lambda m: m.loss(ids)  # noqa: E731
+    (value, grads), (plain_value, plain_grads) = (nnx.jit(nnx.value_and_grad(loss))(m) for m in (loaded, model))
+    assert rel_l2(value, plain_value) < 1e-5
+    # float32 rounding of another program (remat recomputes the blocks)
+    assert rel_l2(grads["embedding"]["embedding"][...], plain_grads["embedding"]["embedding"][...]) < 1e-3
+    with pytest.raises(ValueError, match=r'Mamba2LMHeadModel: remat=\'all\' must be False, "matmuls" or True'):
+        load_pretrained(tmp_path / "missing", remat="all")
+    with pytest.raises(TypeError, match=r"load_pretrained: check_finite=1 must be a bool"):
+        load_pretrained(tmp_path / "missing", check_finite=1)
+    with pytest.raises(TypeError, match=r"load_pretrained: unknown model options \['remat_policy'\]; "
+                                        r"Mamba2LMHeadModel takes \['backend', "):
+        load_pretrained(tmp_path / "missing", remat_policy="matmuls")
+
+
+def test_the_model_options_are_the_constructor_s_keyword_options():
+    parameters = inspect.signature(Mamba2LMHeadModel.__init__).parameters
+    assert set(MODEL_OPTIONS) == {name for name, p in parameters.items()
+                                  if p.kind is p.KEYWORD_ONLY} - {"dtype", "param_dtype", "rngs"}
 
 
 def test_checkpoint_loads_mamba_ssm_and_hf_named_state_dicts(tmp_path, tiny_config):

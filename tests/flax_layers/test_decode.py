@@ -103,6 +103,23 @@ def test_cast_params_rejects_what_the_ops_could_not_run():
         cast_params({"a": jnp.ones(2)}, jnp.bfloat16)
 
 
+def test_cast_params_of_an_abstract_model_is_the_abstract_cast_model():
+    """An `nnx.eval_shape` model casts to the abstract model of the cast one (its parameters `ShapeDtypeStruct`s
+    of the new dtype, the same shardings), which a cast model's state then fills."""
+    abstract = nnx.eval_shape(lambda: _model())
+    cast = cast_params(abstract, jnp.bfloat16)
+    concrete = cast_params(_model(), jnp.bfloat16)
+    want = jax.tree.leaves(nnx.eval_shape(lambda: concrete))
+    got = jax.tree.leaves(nnx.state(cast))
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in got)
+    assert [(leaf.shape, leaf.dtype, leaf.sharding) for leaf in got] == [
+        (leaf.shape, leaf.dtype, leaf.sharding) for leaf in want]
+    assert {leaf.dtype for leaf in jax.tree.leaves(nnx.state(abstract))} == {jnp.dtype(jnp.float32)}  # untouched
+    nnx.update(cast, nnx.state(concrete))
+    ids = jax.random.randint(jax.random.key(3), (BATCH, 6), 0, CONFIG.vocab_size)
+    np.testing.assert_array_equal(np.asarray(cast(ids), np.float32), np.asarray(concrete(ids), np.float32))
+
+
 def test_a_model_without_a_compute_dtype_computes_in_its_cast_parameters_dtype():
     """dtype=None infers the computation dtype from the parameters, the embedding's lookup included: cast to bf16,
     the model computes as one built with bf16 parameters (the same weights) does."""

@@ -50,6 +50,15 @@ def test_lm_shapes_dtypes_and_init(tiny_config):
     assert cache.ssm_state.dtype == jnp.float32
 
 
+def test_traced_ids_past_the_rows_give_nan_and_negative_ones_count_from_the_end(tiny_config):
+    """Under jit the ids cannot be checked: what `__call__` documents for them. A negative id takes the row that
+    many from the end of the padded embedding, a real token's unless it falls into the padding."""
+    model = _model(tiny_config)  # 61 tokens padded to 64 rows
+    logits = nnx.jit(lambda m, ids: m(ids))
+    np.testing.assert_array_equal(logits(model, jnp.array([[-10, -1]])), logits(model, jnp.array([[54, 63]])))
+    assert bool(jnp.isnan(logits(model, jnp.array([[64]]))).all())
+
+
 def test_lm_bf16_embedding_starts_as_the_float32_one_rounded(tiny_config):
     """The embedding's N(0, 0.02) is drawn in float32 and rounded, as PyTorch initializes a bfloat16 module (and as
     the mixers' parameters are): drawn in bfloat16 the normal takes 128 values, none beyond 2.9 deviations."""
