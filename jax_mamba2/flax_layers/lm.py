@@ -42,14 +42,14 @@ MODEL_OPTIONS = ("backend", "deterministic_backward", "save_chunk_states", "chec
                  "loss_backend")
 
 
-def _check_remat(remat) -> bool | str:
+def _check_remat(api: str, remat) -> bool | str:
     """The `remat` option: a bool (keep everything / only the block's inputs) or "matmuls" (in_proj's output)."""
     if isinstance(remat, str):
         if remat != "matmuls":
-            raise ValueError(f'Mamba2LMHeadModel: remat={remat!r} must be False, "matmuls" or True')
+            raise ValueError(f'{api}: remat={remat!r} must be False, "matmuls" or True')
         return remat
     if not isinstance(remat, (bool, np.bool_)):
-        raise TypeError(f'Mamba2LMHeadModel: remat={remat!r} must be False, "matmuls" or True')
+        raise TypeError(f'{api}: remat={remat!r} must be False, "matmuls" or True')
     return bool(remat)
 
 
@@ -57,8 +57,8 @@ def _check_lm_options(api: str, scan_layers, remat, save_chunk_states, loss_back
     """The options only the LM takes, checked: (scan_layers, remat, the blocks' save_chunk_states under that remat,
     loss_backend)."""
     scan_layers = check_flag(api, "scan_layers", scan_layers)
-    remat = _check_remat(remat)
-    save_chunk_states = chunk_states_saved(save_chunk_states, remat)
+    remat = _check_remat(api, remat)
+    save_chunk_states = chunk_states_saved(save_chunk_states, remat, api)
     loss_backend = None if loss_backend is None else backends.check_name(loss_backend, api, loss_op.OP, "loss_backend")
     return scan_layers, remat, save_chunk_states, loss_backend
 
@@ -73,9 +73,7 @@ def check_model_options(api: str, options: Mapping) -> None:
     defaults = {name: parameter.default for name, parameter in
                 inspect.signature(Mamba2LMHeadModel.__init__).parameters.items() if name in MODEL_OPTIONS}
     options = {**defaults, **options}
-    backends.check_name(options["backend"], api)
-    check_flag(api, "deterministic_backward", options["deterministic_backward"])
-    check_flag(api, "check_finite", options["check_finite"])
+    _check_mixer_options(api, options["backend"], options["deterministic_backward"], options["check_finite"])
     _check_lm_options(api, options["scan_layers"], options["remat"], options["save_chunk_states"],
                       options["loss_backend"])
 
@@ -91,22 +89,27 @@ def _check_constructor_options(api: str, backend, deterministic_backward, check_
     """The constructors' options that they hand to the mixers (`backend`, a known backend name; the two flags;
     `dtype`, None or a float dtype; `param_dtype`, a float dtype) and `rngs`, checked under the constructor's own
     name before the embedding or a norm is built (the mixers check them again, naming themselves)."""
-    backends.check_name(backend, api)
-    check_flag(api, "deterministic_backward", deterministic_backward)
-    check_flag(api, "check_finite", check_finite)
+    _check_mixer_options(api, backend, deterministic_backward, check_finite)
     _checks.check_float_dtype(api, "dtype", dtype)
     float_dtype(api, "param_dtype", param_dtype)
     _checks.check_rngs(api, rngs)
 
 
-def chunk_states_saved(save_chunk_states: bool | None, remat: bool | str) -> bool:
+def _check_mixer_options(api: str, backend, deterministic_backward, check_finite) -> None:
+    """The SSD options a constructor hands to every mixer: a known backend name and two flags."""
+    backends.check_name(backend, api)
+    check_flag(api, "deterministic_backward", deterministic_backward)
+    check_flag(api, "check_finite", check_finite)
+
+
+def chunk_states_saved(save_chunk_states: bool | None, remat: bool | str, api: str = "Mamba2LMHeadModel") -> bool:
     """The blocks' `save_chunk_states` under the LM's `remat`: as given, or by default (None) True under remat, where
     the backward replays each block's forward just before its backward, so kept states live within one block (a
     faster step for a few MB; docs/design.md §12), and False without it, where they would live across every layer
     (a 1-2% slower step for dstate / 64 times x's bytes less per layer)."""
     if save_chunk_states is None:
         return remat is not False
-    return check_flag("Mamba2LMHeadModel", "save_chunk_states", save_chunk_states)
+    return check_flag(api, "save_chunk_states", save_chunk_states)
 
 
 class Mamba2Block(nnx.Module):

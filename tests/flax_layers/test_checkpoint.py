@@ -124,7 +124,7 @@ def test_load_pretrained_passes_the_model_s_other_options_on(tmp_path, tiny_conf
     assert rel_l2(value, plain_value) < 1e-5
     # float32 rounding of another program (remat recomputes the blocks)
     assert rel_l2(grads["embedding"]["embedding"][...], plain_grads["embedding"]["embedding"][...]) < 1e-3
-    with pytest.raises(ValueError, match=r'Mamba2LMHeadModel: remat=\'all\' must be False, "matmuls" or True'):
+    with pytest.raises(ValueError, match=r'load_pretrained: remat=\'all\' must be False, "matmuls" or True'):
         load_pretrained(tmp_path / "missing", remat="all")
     with pytest.raises(TypeError, match=r"load_pretrained: check_finite=1 must be a bool"):
         load_pretrained(tmp_path / "missing", check_finite=1)
