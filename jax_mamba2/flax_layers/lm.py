@@ -37,11 +37,6 @@ def remat_policy(remat: str):
     return jax.checkpoint_policies.save_only_these_names(IN_PROJ_OUTPUT)
 
 
-# `Mamba2LMHeadModel`'s keyword options besides dtype, param_dtype and rngs (`load_pretrained` passes them on).
-MODEL_OPTIONS = ("backend", "deterministic_backward", "save_chunk_states", "check_finite", "remat", "scan_layers",
-                 "loss_backend")
-
-
 def _check_remat(api: str, remat) -> bool | str:
     """The `remat` option: a bool (keep everything / only the block's inputs) or "matmuls" (in_proj's output)."""
     if isinstance(remat, str):
@@ -64,14 +59,16 @@ def _check_lm_options(api: str, scan_layers, remat, save_chunk_states, loss_back
 
 
 def check_model_options(api: str, options: Mapping) -> None:
-    """`options`, keyword options of `Mamba2LMHeadModel` (any of `MODEL_OPTIONS`, the others at the constructor's
-    defaults), checked as the constructor checks them, for a caller that builds the model later (`load_pretrained`
-    before it reads config.json). TypeError for an option the constructor does not take."""
-    unknown = sorted(set(options) - set(MODEL_OPTIONS))
-    if unknown:
-        raise TypeError(f"{api}: unknown model options {unknown}; Mamba2LMHeadModel takes {list(MODEL_OPTIONS)}")
+    """`options`, keyword options of `Mamba2LMHeadModel` other than dtype, param_dtype and rngs (any of them, the
+    others at the constructor's defaults), checked as the constructor checks them, for a caller that builds the
+    model later (`load_pretrained` before it reads config.json). TypeError for an option the constructor does not
+    take."""
     defaults = {name: parameter.default for name, parameter in
-                inspect.signature(Mamba2LMHeadModel.__init__).parameters.items() if name in MODEL_OPTIONS}
+                inspect.signature(Mamba2LMHeadModel.__init__).parameters.items()
+                if parameter.kind is parameter.KEYWORD_ONLY and name not in ("dtype", "param_dtype", "rngs")}
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise TypeError(f"{api}: unknown model options {unknown}; Mamba2LMHeadModel takes {list(defaults)}")
     options = {**defaults, **options}
     _check_mixer_options(api, options["backend"], options["deterministic_backward"], options["check_finite"])
     _check_lm_options(api, options["scan_layers"], options["remat"], options["save_chunk_states"],
