@@ -112,6 +112,8 @@ _FUSED_INTO_CONSUMERS = frozenset("""
     xor shift_left shift_right_logical shift_right_arithmetic population_count reduce_precision iota
     broadcast_in_dim slice dynamic_slice concatenate pad transpose split rev squeeze expand_dims reshape
     """.split())
+# The primitives that launch cuTile kernels: cuda.tile.jax's FFI call, and the callback executor's call.
+_KERNEL_LAUNCHES = frozenset(("cutile_call_ffi", "buffer_callback"))
 # The same buffer for XLA (`name` is `checkpoint_name`; `pvary` marks a value varying over shard_map's axes).
 _BITCASTS = frozenset(("reshape", "squeeze", "expand_dims", "name", "pvary"))
 
@@ -166,19 +168,35 @@ def _producers(jaxpr) -> dict:
     return {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
 
 
+def _launches_kernel(eqn) -> bool:
+    """Whether `eqn` launches a cuTile kernel, or is a call whose jaxprs hold such a launch."""
+    return eqn.primitive.name in _KERNEL_LAUNCHES or any(
+        _launches_kernel(inner) for sub in jex.jaxprs_in_params(eqn.params) for inner in sub.eqns)
+
+
 def _residuals_to_route(jaxpr, producers: dict, n_carry: int) -> set:
     """The residuals of a layer's traced forward `jaxpr` (outputs: `n_carry` carry leaves, then the residuals)
-    that the layer's later uses read back from their stack: those a kernel writes (an equation XLA does not fuse
-    into its consumers; an input or a constant has no producer) and that something uses besides the stack's
-    update (a later equation, the carry, or a second stack). `producers`: `jaxpr`'s {var: equation}."""
+    that the layer's later uses read back from their stack, of those that something uses besides the stack's
+    update (a later equation, the carry, or a second stack): those a kernel writes (an equation XLA does not fuse
+    into its consumers; an input or a constant has no producer), and those that only cuTile launches use (e.g.
+    the SSD's inputs with their non-finite entries zeroed), which XLA must write out for them anyway: routed, the
+    elementwise work writes the stack's slot in place and the kernels read it there, where it would otherwise
+    write a buffer of its own, then copied into the slot. `producers`: `jaxpr`'s {var: equation}."""
     residuals = collections.Counter(v for v in jaxpr.outvars[n_carry:] if not isinstance(v, jex.Literal))
-    used_later = {v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jex.Literal)}
-    used_later |= {v for v in jaxpr.outvars[:n_carry] if not isinstance(v, jex.Literal)}
+    users = collections.defaultdict(list)
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not isinstance(v, jex.Literal):
+                users[v].append(eqn)
+    carried = {v for v in jaxpr.outvars[:n_carry] if not isinstance(v, jex.Literal)}
     found = set()
     for v, stacks in residuals.items():
-        if v in used_later or stacks > 1:
+        if v in users or v in carried or stacks > 1:
             producer = _producer(jaxpr, v, producers)
-            if producer is not None and producer.primitive.name not in _FUSED_INTO_CONSUMERS:
+            if producer is None:
+                continue
+            for_kernels_alone = v in users and v not in carried and all(map(_launches_kernel, users[v]))
+            if producer.primitive.name not in _FUSED_INTO_CONSUMERS or for_kernels_alone:
                 found.add(v)
     return found
 

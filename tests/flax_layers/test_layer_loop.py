@@ -235,10 +235,11 @@ def test_the_lm_trains_data_parallel_inside_shard_map():
 _BITCASTS = ("reshape", "squeeze", "expand_dims", "broadcast_in_dim", "reduce_precision", "name")
 
 
-def _kernel_residual_uses(route_residuals: bool) -> list[int]:
+def _kernel_residual_uses(route_residuals: bool, produced_by=None) -> list[int]:
     """For each stacked residual of the LM's forward layer loop (cuTile kernels, traced for sm_90 on the CPU)
-    that a kernel computes (a cuTile launch or a matrix product), how many uses its value has in the loop's
-    body, looking through bitcast-like ops to the stack's update."""
+    that a kernel computes (a cuTile launch or a matrix product), or with `produced_by` an equation of that
+    primitive, how many uses its value has in the loop's body, looking through bitcast-like ops to the stack's
+    update."""
     aot = pytest.importorskip("jax_mamba2.bridge.aot")
     from tests.flax_layers._programs import walk
 
@@ -270,7 +271,11 @@ def _kernel_residual_uses(route_residuals: bool) -> list[int]:
         value = eqn.invars[1]
         while value in producers and producers[value].primitive.name in _BITCASTS and uses[value] == 1:
             value = producers[value].invars[0]
-        if value in producers and launches_kernel(producers[value]):
+        if produced_by:  # the equation computing it, looking into jitted calls (`jnp.where` is one)
+            producer = layer_loop._producer(body, value, producers)
+            if producer is not None and producer.primitive.name == produced_by:
+                counts.append(uses[value])
+        elif value in producers and launches_kernel(producers[value]):
             counts.append(uses[value])
     return counts
 
@@ -282,6 +287,15 @@ def test_kernel_outputs_that_are_residuals_have_the_stack_as_their_one_user():
     routed = _kernel_residual_uses(route_residuals=True)
     assert len(routed) >= 4 and routed == [1] * len(routed), routed
     assert max(_kernel_residual_uses(route_residuals=False)) > 1
+
+
+def test_the_kernels_inputs_made_finite_are_written_into_their_stacks_alone():
+    """The SSD kernels' inputs with their non-finite entries zeroed (elementwise `select_n`s that only cuTile
+    launches use) go to their stacks alone too, the launches reading them there: XLA writes them out for the
+    kernels anyway, so the elementwise work can write the stack's slot instead of a buffer copied into it."""
+    routed = _kernel_residual_uses(route_residuals=True, produced_by="select_n")
+    assert len(routed) >= 4 and routed == [1] * len(routed), routed
+    assert max(_kernel_residual_uses(route_residuals=False, produced_by="select_n")) > 1
 
 
 @pytest.mark.parametrize("route_residuals", [True, False], ids=["routed", "stacked_after"])
