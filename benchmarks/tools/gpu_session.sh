@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh suites|suite-1|suite-2|suite-3|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-row|lm-scan|lm-tests|lm-memory|decode|decode-callback|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|suite-1|suite-2|suite-3|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-row|lm-scan|lm-gemm-slices|lm-tests|lm-memory|decode|decode-callback|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|suite-1|suite-2|suite-3|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-row|lm-scan|lm-tests|lm-memory|decode|decode-callback|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]}
+part=${1:?usage: gpu_session.sh suites|suite-1|suite-2|suite-3|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-row|lm-scan|lm-gemm-slices|lm-tests|lm-memory|decode|decode-callback|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 # causal_conv1d for the peer, built in the background by the parts that run it (lm-step, lm-row, decode-matrix) into
@@ -279,6 +279,16 @@ case $part in
       step "lm_step_command_buffers_$buffers" 110 python benchmarks/lm_train.py --configs d1024-l24-8x2048 \
         --impls cutile --unroll-layers --no-profile --command-buffers "$buffers" --worker-timeout 100 --out "$out"
     done
+    ;;
+  lm-gemm-slices)  # the default layer scan with XLA's products as legacy cuBLAS GEMMs (no cuBLASLt, no Triton GEMM),
+    # the only products XLA's dynamic-slice fusion reads and writes in a slot of the loop's stacks in place, against
+    # the compiler's defaults; both profiled with their compiled steps in OUT/hlo (about 3 minutes)
+    export JAX_MAMBA2_AUTOTUNE=0
+    step lm_scan_legacy_gemms 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
+      --xla-option xla_gpu_enable_cublaslt=false --xla-option xla_gpu_enable_triton_gemm=false --worker-timeout 140 \
+      --hlo-dir "$out/hlo" --out "$out"
+    step lm_scan_default_gemms 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
+      --worker-timeout 140 --hlo-dir "$out/hlo" --out "$out"
     ;;
   lm-loss)  # the loss's softmax on the cuTile kernels (one read of a chunk's logits forward, one read and one write
     # backward) against XLA's fusions (a convert and two reductions per chunk at 1.3-2.3x their floors), then the
