@@ -195,8 +195,9 @@ def _residuals_to_route(jaxpr, producers: dict, n_carry: int) -> set:
             producer = _producer(jaxpr, v, producers)
             if producer is None:
                 continue
-            for_kernels_alone = v in users and v not in carried and all(map(_launches_kernel, users[v]))
-            if producer.primitive.name not in _FUSED_INTO_CONSUMERS or for_kernels_alone:
+            # (the users are searched for launches only where the producer is elementwise work)
+            if producer.primitive.name not in _FUSED_INTO_CONSUMERS or (
+                    v in users and v not in carried and all(map(_launches_kernel, users[v]))):
                 found.add(v)
     return found
 
