@@ -75,8 +75,10 @@ def unsupported_reason(dims: NormDims) -> Optional[str]:
 
 
 def _with_dummies(arrays: dict, specs: dict) -> dict:
-    """`arrays` with each absent (None) one replaced by the plan's (1, 1, 1) dummy of its declared dtype."""
-    return {name: jnp.zeros(specs[name].shape, specs[name].dtype) if a is None else a for name, a in arrays.items()}
+    """The plan's inputs (`specs`) from `arrays`, each absent (None) one its (1, 1, 1) dummy of its declared dtype;
+    arrays the plan does not take are left out."""
+    return {name: jnp.zeros(spec.shape, spec.dtype) if arrays.get(name) is None else arrays[name]
+            for name, spec in specs.items()}
 
 
 def _forward_once(run_plan: RunPlan, config: ChooseConfig, dims: NormDims, x, z, residual, weight):
@@ -126,11 +128,12 @@ def _backward_once(run_plan: RunPlan, config: ChooseConfig, dims: NormDims, save
     z = saved.z.reshape(dims.rows, dims.z_columns) if dims.z_in_window else saved.z
     arrays = _with_dummies(dict(
         x=saved.x, z=z, weight=saved.weight, dout=dout.astype(dims.out_dtype),
-        dresidual_out=None if dresidual_out is None else dresidual_out.astype(dims.residual_dtype)),
+        dresidual=None if dresidual_out is None else dresidual_out.astype(dims.residual_dtype)),
         bwd_kernels.rms_norm_bwd_inputs(dims, has_dresidual_out))
     out = run_plan(bwd_kernels.rms_norm_bwd_plan(dims, config(dims), has_dresidual_out), arrays)
     out = _compat.match_varying_axes(out, (saved.x, saved.z, saved.weight, dout, dresidual_out))
-    grads = (out["dx"].astype(saved.x_like.dtype),
+    dx = out["dresidual"] if bwd_kernels.dx_is_dresidual(dims) else out["dx"]
+    grads = (dx.astype(saved.x_like.dtype),
              None if saved.z is None else out["dz"],
              None if saved.residual_like is None else out["dresidual"].astype(saved.residual_like.dtype),
              out["dweight"].astype(saved.weight.dtype))

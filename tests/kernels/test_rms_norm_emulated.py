@@ -12,7 +12,8 @@ pytest.importorskip("cuda.tile")
 
 from jax_mamba2.kernels.rms_norm import (NormConfig, norm_default_config, rms_norm_fwd_inputs,  # noqa: E402
                                          rms_norm_fwd_plan)
-from jax_mamba2.kernels.rms_norm_bwd import bwd_programs, rms_norm_bwd_inputs, rms_norm_bwd_plan  # noqa: E402
+from jax_mamba2.kernels.rms_norm_bwd import (  # noqa: E402
+    bwd_programs, dx_is_dresidual, rms_norm_bwd_inputs, rms_norm_bwd_plan)
 from tests._helpers import rel_l2  # noqa: E402
 from tests.kernels import _cutile_emulator as emulator  # noqa: E402
 from tests.kernels._norm_checks import CASES, NormCase, make_inputs, oracle  # noqa: E402
@@ -40,9 +41,11 @@ def run_kernels(case: NormCase, arrays: dict, cfg=None, *, float64: bool = True)
         x=fwd["residual_out"] if case.residual else _rows(dims, arrays["x"]),
         z=_rows(dims, arrays["z"]) if case.gate else _dummy(x_dtype),
         weight=arrays["weight"].reshape(dims.ngroups, dims.group_size), dout=_rows(dims, arrays["dout"]),
-        dresidual_out=_rows(dims, arrays["dresidual_out"]) if case.residual else _dummy(x_dtype)), float64=float64)
+        # residual_out's cotangent, updated in place into the residual's (a copy: the oracle reads the original)
+        **({"dresidual": _rows(dims, arrays["dresidual_out"]).copy()} if case.residual else {})), float64=float64)
     shape = (case.rows, case.features)
-    result = dict(out=fwd["out"].reshape(shape), dx=bwd["dx"].reshape(shape),
+    dx = bwd["dresidual" if dx_is_dresidual(dims) else "dx"]  # as the bridge reads it
+    result = dict(out=fwd["out"].reshape(shape), dx=dx.reshape(shape),
                   dweight=bwd["dweight"].reshape(case.features))
     if case.gate:
         result["dz"] = bwd["dz"].reshape(shape)
@@ -111,6 +114,26 @@ def test_norm_plans_well_formed(name):
     dims = CASES[name].dims()
     for plan in (rms_norm_fwd_plan(dims), rms_norm_bwd_plan(dims)):
         assert_plan_well_formed(plan)
+    # The add + norm's backward turns residual_out's cotangent into the residual's in place: one array in and
+    # out, so that a layer loop carries it in one buffer.
+    in_place = set(rms_norm_bwd_plan(dims).inputs) & set(rms_norm_bwd_plan(dims).outputs)
+    assert in_place == ({"dresidual"} if CASES[name].residual else set())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_add_norm_backward_writes_dx_apart_only_in_another_dtype_than_the_stream(dtype):
+    """dx and dresidual are the same values: with x in the residual stream's float32 the plan writes them once
+    (its "dx" a (1, 1, 1) dummy the kernel never stores, dx read from dresidual); with bf16 x, dx is a buffer of
+    its own in x's dtype. The emulated gradients match the float64 reference either way."""
+    case = dataclasses.replace(CASES["add_norm"], dtype=dtype)
+    dims = case.dims()
+    plan = rms_norm_bwd_plan(dims)
+    assert dx_is_dresidual(dims) == (dtype == "float32")
+    assert plan.buffers["dx"].shape == ((1, 1, 1) if dtype == "float32" else dims.row_shape())
+    arrays = make_inputs(case, seed=23)
+    got = run_kernels(case, arrays, float64=False)
+    assert got["dx"].dtype == (np.float32 if dtype == "float32" else ml_dtypes.bfloat16)
+    assert_matches_oracle(case, arrays, got, 1e-5 if dtype == "float32" else 2e-2)
 
 
 @pytest.mark.parametrize("case,rows,occupancies", [
@@ -149,8 +172,9 @@ def test_config_rejects_invalid_fields_naming_them(field, value, expected):
 
 
 def test_emulated_add_norm_backward_without_the_residual_cotangent_matches_float64_reference():
-    """has_dresidual_out=False (the final norm, whose residual stream feeds nothing): the kernel never reads the
-    dummy and its gradients are those of a zero residual cotangent."""
+    """has_dresidual_out=False (the final norm, whose residual stream feeds nothing): "dresidual" is a buffer the
+    kernel writes without reading it (the emulator fills buffers with NaN, so a read would show), and the
+    gradients are those of a zero residual cotangent."""
     case = CASES["add_norm"]
     dims = case.dims()
     arrays = {**make_inputs(case, seed=19)}
@@ -158,12 +182,12 @@ def test_emulated_add_norm_backward_without_the_residual_cotangent_matches_float
     want = oracle(case, arrays)
     plan = rms_norm_bwd_plan(dims, has_dresidual_out=False)
     assert_plan_well_formed(plan)
-    # NaN in the dummy: a kernel that read it would return NaN.
+    assert "dresidual" not in plan.inputs and "dresidual" in plan.buffers
     bwd = emulator.run_plan(plan, dict(
         x=want["residual_out"].reshape(dims.rows, 1, dims.group_size), z=_dummy(np.float32),
-        weight=arrays["weight"].reshape(1, -1), dout=_rows(dims, arrays["dout"]),
-        dresidual_out=np.full((1, 1, 1), np.nan, np.float32)), float64=True)
-    got = dict(dx=bwd["dx"].reshape(want["dx"].shape), dresidual=bwd["dresidual"].reshape(want["dx"].shape),
+        weight=arrays["weight"].reshape(1, -1), dout=_rows(dims, arrays["dout"])), float64=True)
+    assert dx_is_dresidual(dims)  # f32 x and stream: dx is dresidual, the plan's "dx" a dummy
+    got = dict(dx=bwd["dresidual"].reshape(want["dx"].shape), dresidual=bwd["dresidual"].reshape(want["dx"].shape),
                dweight=bwd["dweight"].reshape(-1))
     errors = {name: rel_l2(got[name], want[name]) for name in got}
     assert max(errors.values()) < 1e-10, errors
@@ -187,7 +211,7 @@ def test_emulated_backward_reads_the_gate_from_columns_of_a_wider_array(name, of
     assert rms_norm_bwd_inputs(dims)["z"].shape == (case.rows, columns)
     bwd = emulator.run_plan(plan, dict(
         x=_rows(dims, arrays["x"]), z=source, weight=arrays["weight"].reshape(dims.ngroups, dims.group_size),
-        dout=_rows(dims, arrays["dout"]), dresidual_out=_dummy(np.float32)), float64=True)
+        dout=_rows(dims, arrays["dout"])), float64=True)
     want = oracle(case, arrays)
     shape = (case.rows, case.features)
     got = dict(dx=bwd["dx"].reshape(shape), dz=bwd["dz"].reshape(shape), dweight=bwd["dweight"].reshape(-1))
