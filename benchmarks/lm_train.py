@@ -313,12 +313,14 @@ def train_ours(job: dict) -> dict:
 
     config = TrainConfig.parse(job["config"])
     loss_impl = choose_loss(job["loss"], Mamba2LMHeadModel)
-    loss_softmax = nnx.eval_shape(lambda: Mamba2LMHeadModel(mamba2_config(config), backend=job["impl"],
-                                                            **model_options(job), rngs=nnx.Rngs(0))
-                                  ).loss_softmax_backend()
+    model = nnx.eval_shape(lambda: Mamba2LMHeadModel(mamba2_config(config), backend=job["impl"],
+                                                     **model_options(job), rngs=nnx.Rngs(0)))
+    loss_softmax = model.loss_softmax_backend()
+    # The model's own options, as a user compiles its step, and the job's on top (which may undo them).
+    compiler_options = {**model.compiler_options(), **(job.get("xla_options") or {})}
     began = time.perf_counter()
     compiled, params, opt_state, inputs, targets, first_step = build_ours(config, job["impl"], loss_impl,
-                                                                          xla_options=job.get("xla_options"),
+                                                                          xla_options=compiler_options,
                                                                           logits_dtype=job.get("logits_dtype"),
                                                                           **model_options(job))
     compile_s = time.perf_counter() - began
@@ -343,6 +345,7 @@ def train_ours(job: dict) -> dict:
             k: getattr(memory, k, None) for k in ("argument_size_in_bytes", "output_size_in_bytes",
                                                   "alias_size_in_bytes", "temp_size_in_bytes")},
         "environment": environment(), "xla_options": job.get("xla_options") or {},
+        "compiler_options": compiler_options,  # what XLA compiled the step with: the model's, then xla_options
         "logits_dtype": job.get("logits_dtype") if loss_impl == "model" else None,
         "loss_softmax": loss_softmax if loss_impl == "model" else None,  # where the model's loss took it
     }
@@ -646,8 +649,9 @@ def parse_args(argv=None):
                              "the layer computes them), the same loop stacking them after each layer (unfilled), or "
                              "lax.scan's (stacks created as zeros), for the A/B (default: routed)")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
-                        help="ours: an XLA compiler option of the step, e.g. "
-                             "xla_gpu_enable_dynamic_slice_fusion=false (repeatable; default: none)")
+                        help="ours: an XLA compiler option of the step on top of the model's "
+                             "(Mamba2LMHeadModel.compiler_options), e.g. xla_gpu_enable_cublaslt=true "
+                             "(repeatable; default: none)")
     parser.add_argument("--hlo-dir", type=Path, default=None,
                         help="ours: write each compiled step's HLO text there, gzipped (default: not written)")
     parser.add_argument("--worker-timeout", type=float, default=540, help="seconds per process (default: 540)")

@@ -20,6 +20,7 @@ HF-format config.json + model.safetensors, which examples/generate.py --model-di
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import sys
@@ -121,11 +122,25 @@ def next_byte_loss(model: Mamba2LMHeadModel, windows: jax.Array) -> jax.Array:
     return model.loss(windows[:, :-1], shift_labels=windows[:, 1:])
 
 
-@nnx.jit
-def train_step(model, optimizer, windows):
-    loss, grads = nnx.value_and_grad(next_byte_loss)(model, windows)
-    optimizer.update(model, grads)
-    return loss
+def make_train_step(model: Mamba2LMHeadModel, optimizer: nnx.Optimizer):
+    """step(windows) -> loss: one AdamW step that updates `model` and `optimizer` in place, compiled with the
+    model's XLA options (`compiler_options()`: under the layer scan, matrix products that read and write its
+    stacks in place). nnx.jit takes no compiler options, so the step is a jax.jit of their split state."""
+    graphdef, _ = nnx.split((model, optimizer))
+
+    @functools.partial(jax.jit, donate_argnums=0, compiler_options=model.compiler_options())
+    def pure_step(state, windows):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(next_byte_loss)(model, windows)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    def step(windows):
+        state, loss = pure_step(nnx.state((model, optimizer)), windows)
+        nnx.update((model, optimizer), state)
+        return loss
+
+    return step
 
 
 @nnx.jit
@@ -437,6 +452,7 @@ def train(args, out: pathlib.Path, manager: ocp.CheckpointManager) -> int:
         print(f"resumed from step {start}" + (f", at or past --steps={args.steps}: nothing left to train"
                                               if start >= args.steps else ""))
 
+    train_step = make_train_step(model, optimizer)
     # Losses stay on the device and are fetched every --log-every steps, so that the host keeps the
     # accelerator's queue full instead of waiting for each step.
     pending, began, excluded = [], None, 0.0
@@ -445,7 +461,7 @@ def train(args, out: pathlib.Path, manager: ocp.CheckpointManager) -> int:
     for step in progress:
         # The batch depends only on (seed, step): a resumed run sees the same data.
         windows = sample_windows(train_data, np.random.default_rng((args.seed, step)), args.batch, args.seq_len)
-        pending.append((step + 1, train_step(model, optimizer, windows)))
+        pending.append((step + 1, train_step(windows)))
         if began is None:  # the first step compiled: time the ones after it
             jax.block_until_ready(pending[-1][1])
             began = time.perf_counter()

@@ -280,15 +280,19 @@ case $part in
         --impls cutile --unroll-layers --no-profile --command-buffers "$buffers" --worker-timeout 100 --out "$out"
     done
     ;;
-  lm-gemm-slices)  # the default layer scan with XLA's products as legacy cuBLAS GEMMs (no cuBLASLt, no Triton GEMM),
-    # the only products XLA's dynamic-slice fusion reads and writes in a slot of the loop's stacks in place, against
-    # the compiler's defaults; both profiled with their compiled steps in OUT/hlo (about 3 minutes)
+  lm-gemm-slices)  # the default layer scan, compiled with the model's options (its products as legacy cuBLAS GEMMs,
+    # which XLA's dynamic-slice fusion reads and writes in a slot of the loop's stacks in place), against XLA's
+    # defaults (cuBLASLt and Triton GEMMs on), alternating, the first pair profiled with the compiled steps in
+    # OUT/hlo (about 5 minutes); the records in OUT/ab/*/ (one per run)
     export JAX_MAMBA2_AUTOTUNE=0
-    step lm_scan_legacy_gemms 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
-      --xla-option xla_gpu_enable_cublaslt=false --xla-option xla_gpu_enable_triton_gemm=false --worker-timeout 140 \
-      --hlo-dir "$out/hlo" --out "$out"
-    step lm_scan_default_gemms 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
-      --worker-timeout 140 --hlo-dir "$out/hlo" --out "$out"
+    xla_defaults=(--xla-option xla_gpu_enable_cublaslt=true --xla-option xla_gpu_enable_triton_gemm=true)
+    for round in 1 2; do
+      profile=(--hlo-dir "$out/hlo"); [ $round = 1 ] || profile=(--no-profile)
+      step lm_scan_model_options_$round 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
+        "${profile[@]}" --worker-timeout 140 --out "$out/ab/model_options_$round"
+      step lm_scan_xla_defaults_$round 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
+        "${xla_defaults[@]}" "${profile[@]}" --worker-timeout 140 --out "$out/ab/xla_defaults_$round"
+    done
     ;;
   lm-loss)  # the loss's softmax on the cuTile kernels (one read of a chunk's logits forward, one read and one write
     # backward) against XLA's fusions (a convert and two reductions per chunk at 1.3-2.3x their floors), then the

@@ -25,7 +25,7 @@ from jax_mamba2.flax_layers import _checks
 from jax_mamba2.flax_layers.cache import Mamba2Cache, stack_layers, unstack_layers
 from jax_mamba2.flax_layers.config import Mamba2Config
 from jax_mamba2.flax_layers.initializers import torch_normal, torch_uniform
-from jax_mamba2.flax_layers.layer_loop import scan_blocks
+from jax_mamba2.flax_layers.layer_loop import SCAN_COMPILER_OPTIONS, scan_blocks
 from jax_mamba2.flax_layers.mamba2 import IN_PROJ_OUTPUT, Mamba2
 from jax_mamba2.flax_layers.norm import RMSNorm
 
@@ -215,10 +215,10 @@ class Mamba2LMHeadModel(nnx.Module):
         recomputed.
       scan_layers: run the blocks as one loop over the stacked layers (default: XLA compiles one block; on a
         process with one device the backward's per-layer activations are stacked into buffers the loop writes
-        without filling them first, `layer_loop.scan_blocks`), or unrolled, each block on its slice of the
-        stacked parameters (False: XLA compiles every block, so compiling takes longer; the program has no
-        layer loop, so the activations the backward keeps need not be copied into per-layer stacks, and a
-        decode step is one straight-line program).
+        without filling them first, `layer_loop.scan_blocks`; compile a step with `compiler_options()`), or
+        unrolled, each block on its slice of the stacked parameters (False: XLA compiles every block, so
+        compiling takes longer; the program has no layer loop, so the activations the backward keeps need not be
+        copied into per-layer stacks, and a decode step is one straight-line program).
       dtype: computation dtype (default: None, inferred; e.g. jnp.bfloat16 with float32 parameters).
       param_dtype: parameter dtype (default: float32).
       rngs: parameter initialization keys.
@@ -364,6 +364,14 @@ class Mamba2LMHeadModel(nnx.Module):
             functools.partial(loss_op.checked_cross_entropy, static, axis_name=axes.data_axis), mesh=axes.mesh,
             in_specs=(P(), rows, rows), out_specs=rows if reduction == "none" else P(),
             axis_names=frozenset({axes.data_axis}))(weight, hidden, targets)
+
+    def compiler_options(self) -> dict:
+        """XLA compiler options for the jit of a training step or a full forward of this model, e.g.
+        `jax.jit(train_step, compiler_options=model.compiler_options())`. With `scan_layers`, the matrix products
+        as legacy cuBLAS GEMMs, the only products XLA reads and writes in a slot of the layer loop's stacks in
+        place (`layer_loop.SCAN_COMPILER_OPTIONS`; GPU options, ignored elsewhere); unrolled, none (no stacks).
+        A new dict each call."""
+        return dict(SCAN_COMPILER_OPTIONS) if self.scan_layers else {}
 
     def loss_softmax_backend(self) -> str:
         """The backend `loss` gives its softmax now: `loss_backend`, or its default (see the class)."""

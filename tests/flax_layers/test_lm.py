@@ -429,6 +429,26 @@ def test_unrolled_layers_compute_what_the_layer_scan_does(tiny_config):
         _model(tiny_config, scan_layers=1)
 
 
+def test_compiler_options_ask_legacy_cublas_gemms_for_the_layer_scan_alone(tiny_config):
+    """The layer scan's step asks XLA for legacy cuBLAS GEMMs (what XLA's dynamic-slice fusion reads and writes in
+    the loop's stacks in place); unrolled layers ask nothing. Each call gives a new dict, and a jit given them
+    compiles here (a CPU ignores GPU options) to the same loss."""
+    ids = _token_ids(tiny_config, seed=4)
+    scanned, unrolled = (_model(tiny_config, scan_layers=flag) for flag in (True, False))
+    options = scanned.compiler_options()
+    assert options == {"xla_gpu_enable_cublaslt": False, "xla_gpu_enable_triton_gemm": False}
+    assert unrolled.compiler_options() == {}
+    options["xla_gpu_enable_cublaslt"] = True
+    assert scanned.compiler_options()["xla_gpu_enable_cublaslt"] is False
+    graphdef, state = nnx.split(scanned)
+
+    def loss(state):
+        return nnx.merge(graphdef, state).loss(ids)
+
+    np.testing.assert_array_equal(jax.jit(loss, compiler_options=scanned.compiler_options())(state),
+                                  jax.jit(loss)(state))
+
+
 def test_unrolled_layers_remat_decode_and_generate_like_the_layer_scan(tiny_config):
     """scan_layers=False: gradients under remat, prefill + steps and greedy generation equal the layer
     scan's."""
