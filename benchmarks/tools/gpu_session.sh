@@ -280,10 +280,10 @@ case $part in
         --impls cutile --unroll-layers --no-profile --command-buffers "$buffers" --worker-timeout 100 --out "$out"
     done
     ;;
-  lm-gemm-slices)  # the default layer scan, compiled with the model's options (its products as legacy cuBLAS GEMMs,
-    # which XLA's dynamic-slice fusion reads and writes in a slot of the loop's stacks in place), against XLA's
-    # defaults (cuBLASLt and Triton GEMMs on), alternating, the first pair profiled with the compiled steps in
-    # OUT/hlo (about 5 minutes); the records in OUT/ab/*/ (one per run)
+  lm-gemm-slices)  # the default layer scan, compiled with the model's options (its products cuBLAS calls, no Triton
+    # GEMM fusions: fewer copies of the loop's stacks), against XLA's defaults (cuBLASLt and Triton GEMMs on),
+    # alternating, the first pair profiled with the compiled steps in OUT/hlo (about 5 minutes); the records in
+    # OUT/ab/*/ (one per run)
     export JAX_MAMBA2_AUTOTUNE=0
     xla_defaults=(--xla-option xla_gpu_enable_cublaslt=true --xla-option xla_gpu_enable_triton_gemm=true)
     for round in 1 2; do

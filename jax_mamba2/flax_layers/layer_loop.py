@@ -16,10 +16,9 @@ The forward loop writes each residual into its stack right where the layer compu
 uses read it back from there (`_stack_residuals`). A kernel's output (a cuTile kernel's, a cuBLAS product's) that
 is also a residual then has one user, the stack's dynamic-update-slice. With other users besides, XLA's GPU
 compiler ran the kernel a second time to write the slot (a clone in a `dynamic-slice-fusion`) or copied its
-output there; routed, a cuTile kernel writes its slot in place and cuTile consumers read it there. A matrix
-product reads and writes its slot in place only as a legacy cuBLAS GEMM: XLA's dynamic-slice fusion slices no
-other product (cuBLASLt's, Triton's), whose operands and results are then copied out of and into the stacks.
-`SCAN_COMPILER_OPTIONS` asks XLA for those GEMMs (docs/design.md §12).
+output there; routed, a cuTile kernel writes its slot in place and cuTile consumers read it there. The matrix
+products read and write through copies more often: compiled with `SCAN_COMPILER_OPTIONS` (cuBLAS calls, no Triton
+GEMM fusions) fewer of them do (docs/design.md §12).
 """
 
 from __future__ import annotations
@@ -36,9 +35,9 @@ from jax.extend import source_info_util
 from jax_mamba2._jaxpr_calls import CALL_JAXPRS
 from jax_mamba2._vma import match_varying_axes
 
-# XLA compiler options for a program that runs `scan_blocks`: its matrix products as legacy cuBLAS GEMMs (cuBLASLt
-# and Triton's GEMMs off), which XLA's dynamic-slice fusion reads and writes in a slot of the loop's stacks in place
-# (the products' kernels are cuBLAS's either way). GPU options: other platforms ignore them.
+# XLA compiler options for a program that runs `scan_blocks`: no Triton GEMM fusions and no cuBLASLt, so that the
+# matrix products are cuBLAS calls, fewer of whose operands and results XLA copies out of and into the loop's stacks
+# (docs/design.md §12). GPU options: other platforms ignore them.
 SCAN_COMPILER_OPTIONS = {"xla_gpu_enable_cublaslt": False, "xla_gpu_enable_triton_gemm": False}
 
 # Where a leaf of a layer's pullback comes from: the layer's parameters, a parameter made varying over

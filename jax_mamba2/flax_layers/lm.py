@@ -368,9 +368,9 @@ class Mamba2LMHeadModel(nnx.Module):
     def compiler_options(self) -> dict:
         """XLA compiler options for the jit of a training step or a full forward of this model, e.g.
         `jax.jit(train_step, compiler_options=model.compiler_options())`. With `scan_layers`, the matrix products
-        as legacy cuBLAS GEMMs, the only products XLA reads and writes in a slot of the layer loop's stacks in
-        place (`layer_loop.SCAN_COMPILER_OPTIONS`; GPU options, ignored elsewhere); unrolled, none (no stacks).
-        A new dict each call."""
+        as cuBLAS calls rather than Triton GEMM fusions, which copies fewer of the layer loop's stacked activations
+        (`layer_loop.SCAN_COMPILER_OPTIONS`; GPU options, ignored elsewhere); unrolled, none (no stacks). A new
+        dict each call."""
         return dict(SCAN_COMPILER_OPTIONS) if self.scan_layers else {}
 
     def loss_softmax_backend(self) -> str:

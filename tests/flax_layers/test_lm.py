@@ -429,9 +429,9 @@ def test_unrolled_layers_compute_what_the_layer_scan_does(tiny_config):
         _model(tiny_config, scan_layers=1)
 
 
-def test_compiler_options_ask_legacy_cublas_gemms_for_the_layer_scan_alone(tiny_config):
-    """The layer scan's step asks XLA for legacy cuBLAS GEMMs (what XLA's dynamic-slice fusion reads and writes in
-    the loop's stacks in place); unrolled layers ask nothing. Each call gives a new dict, and a jit given them
+def test_compiler_options_ask_cublas_products_for_the_layer_scan_alone(tiny_config):
+    """The layer scan's step asks XLA for cuBLAS products (no Triton GEMM fusions, no cuBLASLt: fewer copies of its
+    stacks); unrolled layers ask nothing. Each call gives a new dict, and a jit given them
     compiles here (a CPU ignores GPU options) to the same loss."""
     ids = _token_ids(tiny_config, seed=4)
     scanned, unrolled = (_model(tiny_config, scan_layers=flag) for flag in (True, False))
