@@ -16,9 +16,9 @@ The forward loop writes each residual into its stack right where the layer compu
 uses read it back from there (`_stack_residuals`). A kernel's output (a cuTile kernel's, a cuBLAS product's) that
 is also a residual then has one user, the stack's dynamic-update-slice. With other users besides, XLA's GPU
 compiler ran the kernel a second time to write the slot (a clone in a `dynamic-slice-fusion`) or copied its
-output there; routed, a cuTile kernel writes its slot in place and cuTile consumers read it there. The matrix
-products read and write through copies more often: compiled with `SCAN_COMPILER_OPTIONS` (cuBLAS calls, no Triton
-GEMM fusions) fewer of them do (docs/design.md §12).
+output there; routed, a cuTile kernel writes its slot in place and cuTile consumers read it there. A matrix
+product's operands and result go through copies where XLA does not slice its stacks in place; compiled with
+`SCAN_COMPILER_OPTIONS` (cuBLAS calls, no Triton GEMM fusions) fewer of them do (docs/design.md §12).
 """
 
 from __future__ import annotations
