@@ -111,7 +111,8 @@ def test_the_layer_scan_stacks_its_residuals_without_filling_them():
 
 def test_the_layer_scans_products_are_cublas_calls_under_the_models_compiler_options():
     """Compiled with `compiler_options()`, the layer scan's training step runs no matrix product as a Triton GEMM
-    fusion (each is a cuBLAS call) and computes the gradients of the step compiled with XLA's defaults."""
+    fusion (each is a cuBLAS call) and computes the gradients of the step compiled with XLA's defaults (up to the
+    rounding of products that may run other kernels, TF32 ones among them)."""
     model = Mamba2LMHeadModel(CONFIG.replace(n_layer=3), backend="cutile", rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     ids = _ids(6)
@@ -122,4 +123,4 @@ def test_the_layer_scans_products_are_cublas_calls_under_the_models_compiler_opt
     assert "__triton_gemm" not in program and "__cublas$" in program
     got, want = (nnx.to_flat_state(steps[name](state)) for name in ("model", "defaults"))
     for (path, g), (_, w) in zip(got, want):
-        assert rel_l2(g[...], w[...]) < 1e-5, path
+        assert rel_l2(g[...], w[...]) < 2e-3, path
