@@ -126,7 +126,7 @@ def make_train_step(model: Mamba2LMHeadModel, optimizer: nnx.Optimizer):
     """step(windows) -> loss: one AdamW step that updates `model` and `optimizer` in place, compiled with the
     model's XLA options (`compiler_options()`: under the layer scan, products that copy fewer of its stacked
     activations). nnx.jit takes no compiler options, so the step is a jax.jit of their split state."""
-    graphdef, _ = nnx.split((model, optimizer))
+    graphdef = nnx.graphdef((model, optimizer))
 
     @functools.partial(jax.jit, donate_argnums=0, compiler_options=model.compiler_options())
     def pure_step(state, windows):
