@@ -17,8 +17,9 @@ uses read it back from there (`_stack_residuals`). A kernel's output (a cuTile k
 is also a residual then has one user, the stack's dynamic-update-slice. With other users besides, XLA's GPU
 compiler ran the kernel a second time to write the slot (a clone in a `dynamic-slice-fusion`) or copied its
 output there; routed, a cuTile kernel writes its slot in place and cuTile consumers read it there. A matrix
-product's operands and result go through copies where XLA does not slice its stacks in place; compiled with
-`SCAN_COMPILER_OPTIONS` (cuBLAS calls, no Triton GEMM fusions) fewer of them do (docs/design.md §12).
+product's operands and result go through copies where XLA does not slice its stacks in place: it does so for a
+cuBLAS call (a dynamic-slice fusion around the custom call), not for a product it has made a Triton GEMM fusion,
+hence `SCAN_COMPILER_OPTIONS` (docs/design.md §12).
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ from jax.extend import source_info_util
 from jax_mamba2._jaxpr_calls import CALL_JAXPRS
 from jax_mamba2._vma import match_varying_axes
 
-# XLA compiler options for a program that runs `scan_blocks`: no Triton GEMM fusions and no cuBLASLt, so that the
-# matrix products are cuBLAS calls, fewer of whose operands and results XLA copies out of and into the loop's stacks
-# (docs/design.md §12). GPU options: other platforms ignore them.
-SCAN_COMPILER_OPTIONS = {"xla_gpu_enable_cublaslt": False, "xla_gpu_enable_triton_gemm": False}
+# XLA compiler options for a program that runs `scan_blocks`: no Triton GEMM fusions, so that the matrix products are
+# cuBLAS calls from the start of XLA's pipeline, whose operands and results its dynamic-slice fusion then reads and
+# writes in the loop's stacks instead of copying them (docs/design.md §12). GPU options: other platforms ignore them.
+SCAN_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 # Where a leaf of a layer's pullback comes from: the layer's parameters, a parameter made varying over
 # shard_map's axes (`pvary`: the backward makes it again), or a stack of residuals.

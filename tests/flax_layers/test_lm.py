@@ -430,16 +430,16 @@ def test_unrolled_layers_compute_what_the_layer_scan_does(tiny_config):
 
 
 def test_compiler_options_ask_cublas_products_for_the_layer_scan_alone(tiny_config):
-    """The layer scan's step asks XLA for cuBLAS products (no Triton GEMM fusions, no cuBLASLt: fewer copies of its
-    stacks); unrolled layers ask nothing. Each call gives a new dict, and a jit given them
+    """The layer scan's step asks XLA for cuBLAS products (no Triton GEMM fusions: XLA slices its stacks in place
+    for cuBLAS calls); unrolled layers ask nothing. Each call gives a new dict, and a jit given them
     compiles here (a CPU ignores GPU options) to the same loss."""
     ids = _token_ids(tiny_config, seed=4)
     scanned, unrolled = (_model(tiny_config, scan_layers=flag) for flag in (True, False))
     options = scanned.compiler_options()
-    assert options == {"xla_gpu_enable_cublaslt": False, "xla_gpu_enable_triton_gemm": False}
+    assert options == {"xla_gpu_enable_triton_gemm": False}
     assert unrolled.compiler_options() == {}
-    options["xla_gpu_enable_cublaslt"] = True
-    assert scanned.compiler_options()["xla_gpu_enable_cublaslt"] is False
+    options["xla_gpu_enable_triton_gemm"] = True
+    assert scanned.compiler_options()["xla_gpu_enable_triton_gemm"] is False
     graphdef, state = nnx.split(scanned)
 
     def loss(state):
@@ -447,6 +447,23 @@ def test_compiler_options_ask_cublas_products_for_the_layer_scan_alone(tiny_conf
 
     np.testing.assert_array_equal(jax.jit(loss, compiler_options=scanned.compiler_options())(state),
                                   jax.jit(loss)(state))
+
+
+@pytest.mark.parametrize("remat", [False, "matmuls", True])
+def test_the_layer_scans_backward_reads_its_stacks_through_no_optimization_barrier(tiny_config, remat):
+    """Under the layer scan no value of the differentiated step passes an optimization barrier (the products'
+    kernel conversion is a custom VJP, the blocks' remat does not prevent CSE there), since XLA copies a barrier's
+    operand out of its stack; unrolled, remat keeps one per block against merging the replay with the forward."""
+    ids = _token_ids(tiny_config, seed=5)
+
+    def barriers(model):
+        graphdef, state = nnx.split(model)
+        step = jax.jit(jax.grad(lambda state: nnx.merge(graphdef, state).loss(ids)))
+        return step.lower(state).as_text().count("stablehlo.optimization_barrier")
+
+    kwargs = dict(remat=remat, dtype=jnp.bfloat16)  # float32 parameters: the products convert their kernels
+    assert barriers(_model(tiny_config, scan_layers=True, **kwargs)) == 0
+    assert barriers(_model(tiny_config, scan_layers=False, **kwargs)) == (tiny_config.n_layer if remat else 0)
 
 
 def test_unrolled_layers_remat_decode_and_generate_like_the_layer_scan(tiny_config):
