@@ -136,6 +136,7 @@ class Trainer(NamedTuple):
     opt_state: optax.OptState
     mesh: jax.sharding.Mesh | None
     batch_sharding: jax.sharding.Sharding | None
+    compiler_options: dict  # what XLA compiled the step with: the model's, then the caller's
 
     def put(self, tokens: np.ndarray) -> jax.Array:
         """A host batch on the devices, rows split over the data axis."""
@@ -147,7 +148,8 @@ def build_trainer(config: Mamba2Config, mesh_shape: MeshShape | None, *, global_
                   seed: int = 0, compiler_options: dict | None = None) -> Trainer:
     """Builds the model (float32 parameters, `dtype` computation), places it on the first devices as
     `mesh_shape` says (None or data=1,model=1: one device, no mesh), and compiles the AdamW step for
-    (global_batch, seqlen + 1) int32 tokens."""
+    (global_batch, seqlen + 1) int32 tokens with the model's compiler options (`compiler_options()`), updated
+    with `compiler_options`."""
     model = Mamba2LMHeadModel(config, backend=backend, remat=remat, dtype=dtype, param_dtype=jnp.float32,
                               rngs=nnx.Rngs(seed))
     mesh = batch_sharding = None
@@ -168,8 +170,9 @@ def build_trainer(config: Mamba2Config, mesh_shape: MeshShape | None, *, global_
         return optax.apply_updates(params, updates), opt_state, loss
 
     tokens = jax.ShapeDtypeStruct((global_batch, seqlen + 1), jnp.int32, sharding=batch_sharding)
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, tokens).compile(compiler_options)
-    return Trainer(compiled, params, opt_state, mesh, batch_sharding)
+    options = {**model.compiler_options(), **(compiler_options or {})}
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, tokens).compile(options)
+    return Trainer(compiled, params, opt_state, mesh, batch_sharding, options)
 
 
 def progression_batches(count: int, global_batch: int, seqlen: int, vocab_size: int, seed: int = 0) -> np.ndarray:
@@ -225,7 +228,7 @@ def measure(job: dict) -> dict:
         "batch_per_device": job["batch"], "global_batch": global_batch, "seqlen": seqlen, "tokens_per_step": tokens,
         "dtype": dtype.name, "param_dtype": "float32", "backend": job["backend"], "remat": job["remat"],
         "optimizer": {"name": "adamw", "lr": job["lr"], **ADAMW},
-        "compile_s": compile_s, "losses": losses, "timing": timing,
+        "compiler_options": trainer.compiler_options, "compile_s": compile_s, "losses": losses, "timing": timing,
         "tokens_per_s": tokens / (timing["ms_median"] * 1e-3),
         "peak_memory_bytes": [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices],
         "memory_analysis": None if memory is None else {
@@ -391,8 +394,9 @@ def parse_args(argv=None):
     parser.add_argument("--warmup-seconds", type=float, default=5.0,
                         help="untimed steps after the loss steps (default: 5 s)")
     parser.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
-                        help="an XLA option for the step's compilation, e.g. xla_backend_optimization_level=0 "
-                             "for a quick CPU check (repeatable)")
+                        help="an XLA option for the step's compilation, on top of the model's own "
+                             "(Mamba2LMHeadModel.compiler_options), e.g. xla_backend_optimization_level=0 for a "
+                             "quick CPU check (repeatable)")
     parser.add_argument("--in-process", action="store_true",
                         help="measure in this process (peak memory then spans every job)")
     parser.add_argument("--worker-timeout", type=float, default=540, help="seconds per process (default: 540)")

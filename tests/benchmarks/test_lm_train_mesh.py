@@ -69,6 +69,8 @@ def test_the_benchmark_on_two_fake_devices(tmp_path, capsys):
         assert r["tokens_per_s"] == pytest.approx(2 * 32 / (r["timing"]["ms_median"] * 1e-3))
         assert len(r["peak_memory_bytes"]) == MeshShape.parse(mesh).devices
         assert r["collectives"]["activation_all_gathers"] == []
+        # compiled as a user compiles the layer scan: the model's options, --compiler-option on top
+        assert r["compiler_options"] == {"xla_gpu_enable_triton_gemm": False, "xla_backend_optimization_level": 0}
         assert r["environment"]["git_sha"]
     assert set(records["data=1"]["collectives"]["totals"]) == set()
     assert set(records["data=2"]["collectives"]["totals"]) == {"all-reduce"}
