@@ -280,26 +280,24 @@ case $part in
         --impls cutile --unroll-layers --no-profile --command-buffers "$buffers" --worker-timeout 100 --out "$out"
     done
     ;;
-  lm-gemm-slices)  # the default layer scan, compiled with the model's options (its products cuBLAS calls, no Triton
-    # GEMM fusions: fewer copies of the loop's stacks), against XLA's defaults (cuBLASLt and Triton GEMMs on),
-    # alternating, the first pair profiled with the compiled steps in OUT/hlo, then Triton's GEMMs off alone (about 6
-    # minutes); the records in OUT/ab/*/ (one per run), the compiled steps' custom calls in OUT/hlo_summary.txt
+  lm-gemm-slices)  # the default layer scan, compiled with the model's options (no Triton GEMM fusions: cuBLAS calls
+    # that XLA's dynamic-slice fusion slices the loop's stacks for in place), against XLA's defaults, alternating, the
+    # first pair profiled with the compiled steps in OUT/hlo (about 4 minutes); the records in OUT/ab/*/ (one per
+    # run), each compiled step's custom calls inside dynamic-slice fusions in OUT/hlo_summary.txt
     export JAX_MAMBA2_AUTOTUNE=0
-    xla_defaults=(--xla-option xla_gpu_enable_cublaslt=true --xla-option xla_gpu_enable_triton_gemm=true)
     for round in 1 2; do
       profile=(--hlo-dir "$out/hlo"); [ $round = 1 ] || profile=(--no-profile)
       step lm_scan_model_options_$round 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
         "${profile[@]}" --worker-timeout 140 --out "$out/ab/model_options_$round"
       step lm_scan_xla_defaults_$round 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
-        "${xla_defaults[@]}" "${profile[@]}" --worker-timeout 140 --out "$out/ab/xla_defaults_$round"
+        --xla-option xla_gpu_enable_triton_gemm=true "${profile[@]}" --worker-timeout 140 \
+        --out "$out/ab/xla_defaults_$round"
     done
-    # Which of the two options matters: Triton's GEMM fusions off alone (cuBLASLt left on)
-    step lm_scan_triton_gemm_off_only 150 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile \
-      --xla-option xla_gpu_enable_cublaslt=true --no-profile --hlo-dir "$out/hlo" --worker-timeout 140 \
-      --out "$out/ab/triton_gemm_off_only"
-    for hlo in "$out"/hlo/*.hlo.txt.gz; do  # each compiled step's custom-call targets and fusion kinds, counted
-      echo "$(basename "$hlo"): $(zcat "$hlo" | grep -oE 'custom_call_target="[^"]*"|"kind":"[^"]*"' | sort | uniq -c \
-        | tr -s ' \n' ' ')"
+    for hlo in "$out"/hlo/*.hlo.txt.gz; do  # per compiled step: the custom calls inside dynamic-slice fusions
+      echo "== $(basename "$hlo")"
+      zcat "$hlo" | awk '/^%dynamic-slice-fusion/ {fused = 1; next} /^[^ ]/ {fused = 0}
+        fused && /custom_call_target=/ {match($0, /custom_call_target="[^"]*"/); target = substr($0, RSTART, RLENGTH)
+          match($0, /op_name="[^"]*"/); print target, substr($0, RSTART + 9, RLENGTH - 10)}' | sort | uniq -c
     done > "$out/hlo_summary.txt"
     ;;
   lm-loss)  # the loss's softmax on the cuTile kernels (one read of a chunk's logits forward, one read and one write
