@@ -7,13 +7,10 @@ on the same weights (docs/design.md, "Decode"). A decode step is bound by readin
 a single row to two: the product stays a matrix product (cuBLAS or XLA's GEMM fusion) and the padding row, which
 costs a (2, d_in) copy, is dropped from the result. Other shapes are a plain `jnp.einsum`.
 
-With `dtype`, a kernel kept in another dtype (float32 parameters under bfloat16 compute) is converted under a
-custom VJP: the backward keeps the parameter itself, which lives anyway, and converts it again, instead of
-keeping the converted copy (a layer's weights once more per layer, 28 MB at d_model 1536, against a conversion
-that reads them once). A `jax.checkpoint` would do the same with an optimization barrier around the backward's
-operands, which in the LM's layer loop makes XLA copy each layer's saved activations out of their stacks
-before the products read them (docs/design.md §12); the custom VJP has no barrier. Reverse mode only, as the
-layer loop is.
+With `dtype`, a kernel kept in another dtype (float32 parameters under bfloat16 compute) is converted inside a
+`jax.checkpoint`: autodiff keeps the parameter itself for the backward product, which lives anyway, and converts
+it again there, instead of keeping the converted copy (a layer's weights once more per layer, 28 MB at d_model
+1536, against a conversion that reads them once).
 """
 import functools
 import math
@@ -45,22 +42,7 @@ def project(inputs, kernel, preferred_element_type=None, *, dtype=None):
     return product[:1].reshape(*inputs.shape[:-1], kernel.shape[-1])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+@functools.partial(jax.checkpoint, static_argnums=(2, 3))
 def _convert_and_project(inputs, kernel, dtype, preferred_element_type):
-    """`project` of the kernel converted to dtype, converting it again where the backward needs it."""
+    """`project` of the kernel converted to dtype, recomputing the conversion where the backward needs it."""
     return project(inputs, kernel.astype(dtype), preferred_element_type)
-
-
-def _convert_and_project_fwd(inputs, kernel, dtype, preferred_element_type):
-    return _convert_and_project(inputs, kernel, dtype, preferred_element_type), (inputs, kernel)
-
-
-def _convert_and_project_bwd(dtype, preferred_element_type, saved, cotangent):
-    """The plain product's own gradients (autodiff's), the kernel's converted back to its dtype."""
-    inputs, kernel = saved
-    _, pullback = jax.vjp(lambda x, w: project(x, w, preferred_element_type), inputs, kernel.astype(dtype))
-    d_inputs, d_kernel = pullback(cotangent)
-    return d_inputs, d_kernel.astype(kernel.dtype)
-
-
-_convert_and_project.defvjp(_convert_and_project_fwd, _convert_and_project_bwd)

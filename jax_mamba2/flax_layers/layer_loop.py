@@ -19,7 +19,10 @@ compiler ran the kernel a second time to write the slot (a clone in a `dynamic-s
 output there; routed, a cuTile kernel writes its slot in place and cuTile consumers read it there. A matrix
 product's operands and result go through copies where XLA does not slice its stacks in place: it does so for a
 cuBLAS call (a dynamic-slice fusion around the custom call), not for a product it has made a Triton GEMM fusion,
-hence `SCAN_COMPILER_OPTIONS` (docs/design.md §12).
+hence `SCAN_COMPILER_OPTIONS` (docs/design.md §12). The backward loop evaluates each layer's pullback with its
+`jax.checkpoint`s' CSE prevention off (`_replays_unbarred`): a differentiated checkpoint's replay puts an
+optimization barrier on its operands, which XLA materializes, copying each saved value out of its stack, while the
+CSE it prevents cannot happen here (the forward and the backward are separate loops).
 """
 
 from __future__ import annotations
@@ -259,6 +262,27 @@ def _stack_residuals(closed, args, n_carry: int, stacks: list, index, routed: se
     return [read(v) for v in jaxpr.outvars[:n_carry]], stacks
 
 
+def _replays_unbarred(jaxpr):
+    """`jaxpr` with each `jax.checkpoint` in it (nested ones too) set not to prevent CSE: its replay in a backward
+    pass then has no optimization barrier on its operands."""
+    def inner(value):
+        if isinstance(value, jex.ClosedJaxpr):
+            return jex.ClosedJaxpr(_replays_unbarred(value.jaxpr), value.consts)
+        if isinstance(value, jex.Jaxpr):
+            return _replays_unbarred(value)
+        if isinstance(value, tuple):
+            return tuple(map(inner, value))
+        return value
+
+    eqns = []
+    for eqn in jaxpr.eqns:
+        params = {name: inner(value) for name, value in eqn.params.items()}
+        if params.get("prevent_cse") is True:  # jax.checkpoint's primitive (named remat2 or checkpoint)
+            params["prevent_cse"] = False
+        eqns.append(eqn.replace(params=params))
+    return jaxpr.replace(eqns=eqns)
+
+
 def _check_operands(operands) -> None:
     for leaf in jax.tree.leaves(operands):
         if not jnp.issubdtype(jnp.result_type(leaf), jnp.integer):
@@ -340,7 +364,10 @@ def scan_blocks(apply: Callable, stacked, carry, *operands, route_residuals: boo
                 return lax.dynamic_index_in_dim(stacks[at], index, keepdims=False)
 
             pullback = jax.tree.unflatten(layout.treedef, [source(kind, at) for kind, at in layout.sources])
-            layer_grads, cotangent = pullback(cotangent)
+            closed, out_shape = jax.make_jaxpr(pullback, return_shape=True)(cotangent)
+            unbarred = jex.ClosedJaxpr(_replays_unbarred(closed.jaxpr), closed.consts)
+            layer_grads, cotangent = jax.tree.unflatten(jax.tree.structure(out_shape), jex.jaxpr_as_fun(unbarred)(
+                *jax.tree.leaves(cotangent)))
             grads = jax.tree.map(lambda g, v: lax.dynamic_update_index_in_dim(g, v.astype(g.dtype), index, 0),
                                  grads, layer_grads)
             return cotangent, grads

@@ -389,12 +389,7 @@ class Mamba2LMHeadModel(nnx.Module):
             return block(*carry, seq_idx=seq_idx)
 
         if self.remat:
-            # In the layer loop the forward and the backward are separate loops, which XLA does not merge, so the
-            # replay needs no optimization barrier against CSE (one would make XLA copy each layer's saved values
-            # out of their stacks before the backward reads them); unrolled, it keeps the replay from being merged
-            # with the forward.
-            block_forward = nnx.remat(block_forward, prevent_cse=not self.scan_layers,
-                                      policy=None if self.remat is True else remat_policy(self.remat))
+            block_forward = nnx.remat(block_forward, policy=None if self.remat is True else remat_policy(self.remat))
         if self.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
             hidden, residual = scan_blocks(

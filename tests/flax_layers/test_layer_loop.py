@@ -80,6 +80,22 @@ def test_scan_blocks_computes_what_lax_scan_does_values_and_gradients(remat, blo
     assert routed == (1 if route_residuals and block is not _block and remat is None else 0)
 
 
+def test_the_backward_evaluates_checkpointed_blocks_without_optimization_barriers():
+    """A `jax.checkpoint`ed block (CSE prevented, the default): lax.scan's backward replays it behind an optimization
+    barrier, which XLA materializes (each saved value copied out of its stack); scan_blocks' backward sets the replay
+    not to prevent CSE, which its separate forward and backward loops make moot, with the same values."""
+    block = jax.checkpoint(_gated_block)
+    args = _inputs(4)
+
+    def barriers(run):
+        return jax.jit(jax.grad(_loss(run), argnums=(0, 1))).lower(*args).as_text().count(
+            "stablehlo.optimization_barrier")
+    assert barriers(_lax_scan(block)) > 0 and barriers(_loop(block)) == 0
+    for want, got in zip(jax.tree.leaves(jax.jit(jax.grad(_loss(_lax_scan(block)), argnums=(0, 1)))(*args)),
+                         jax.tree.leaves(jax.jit(jax.grad(_loss(_loop(block)), argnums=(0, 1)))(*args))):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_scan_blocks_runs_eagerly_as_under_jit():
     """Under jax.disable_jit the loop's residuals are concrete arrays: stacked like traced ones."""
     args = _inputs(1)
