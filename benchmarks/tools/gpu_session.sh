@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence of this project, in parts that each fit one device call (< 10 minutes).
 # Run from the repository root on the GPU machine with .gpu (and .peers for the peers) carried:
-#   bash benchmarks/tools/gpu_session.sh suites|suite-1|suite-2|suite-3|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-row|lm-scan|lm-gemm-slices|lm-tests|lm-memory|decode|decode-callback|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]
+#   bash benchmarks/tools/gpu_session.sh suites|suite-1|suite-2|suite-3|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-row|lm-scan|lm-gemm-slices|lm-check|lm-tests|lm-memory|decode|decode-callback|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]
 # Every step has its own time cap, so a slow step cannot eat the others; results land in OUT
 # (default $OUT, else ./gpu_out), logs and JSON for benchmarks/results/.
 set -u
-part=${1:?usage: gpu_session.sh suites|suite-1|suite-2|suite-3|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-row|lm-scan|lm-gemm-slices|lm-tests|lm-memory|decode|decode-callback|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]}
+part=${1:?usage: gpu_session.sh suites|suite-1|suite-2|suite-3|suite-ids|fwd|fwd-long|fwd-bwd|fwd-bwd-1|fwd-bwd-2|fwd-bwd-3|segmented|tuned|tuned-fwd|profile|variants|train|lm-step|lm-row|lm-scan|lm-gemm-slices|lm-check|lm-tests|lm-memory|decode|decode-callback|decode-matrix|decode-sampling|command-buffers|lm-loss|conv-ncu|conv-segments|decode-weight-first [OUT]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 # causal_conv1d for the peer, built in the background by the parts that run it (lm-step, lm-row, decode-matrix) into
@@ -299,6 +299,20 @@ case $part in
         fused && /custom_call_target=/ {match($0, /custom_call_target="[^"]*"/); target = substr($0, RSTART, RLENGTH)
           match($0, /op_name="[^"]*"/); print target, substr($0, RSTART + 9, RLENGTH - 10)}' | sort | uniq -c
     done > "$out/hlo_summary.txt"
+    ;;
+  lm-check)  # the layer scan as the model compiles it, profiled with its compiled step in OUT/hlo, and under
+    # remat="matmuls"; the LM's GPU tests; the training example on the cuTile kernels (about 5 minutes)
+    export JAX_MAMBA2_AUTOTUNE=0
+    step lm_check_scan 120 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --hlo-dir "$out/hlo" \
+      --worker-timeout 110 --out "$out/scan"
+    step lm_check_matmuls 100 python benchmarks/lm_train.py --configs d1024-l24-8x2048 --impls cutile --remat matmuls \
+      --no-profile --worker-timeout 90 --out "$out/matmuls"
+    XLA_PYTHON_CLIENT_PREALLOCATE=false step lm_check_tests 150 python -m pytest -m gpu -q -rf -n 4 -p no:cacheprovider \
+      tests/flax_layers/test_lm_gpu.py
+    repo=$PWD
+    ( rm -rf /tmp/lm_example && mkdir -p /tmp/lm_example && cd /tmp/lm_example \
+      && step lm_check_example 120 python "$repo/examples/train_lm.py" --steps 30 --dtype bfloat16 --layers 4 \
+        --d-model 256 --seq-len 512 --eval-every 15 --sample-tokens 40 --backend cutile --out /tmp/lm_example/out )
     ;;
   lm-loss)  # the loss's softmax on the cuTile kernels (one read of a chunk's logits forward, one read and one write
     # backward) against XLA's fusions (a convert and two reductions per chunk at 1.3-2.3x their floors), then the
