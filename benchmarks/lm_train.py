@@ -650,7 +650,7 @@ def parse_args(argv=None):
                              "lax.scan's (stacks created as zeros), for the A/B (default: routed)")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="ours: an XLA compiler option of the step on top of the model's "
-                             "(Mamba2LMHeadModel.compiler_options), e.g. xla_gpu_enable_cublaslt=true "
+                             "(Mamba2LMHeadModel.compiler_options), e.g. xla_gpu_enable_triton_gemm=true "
                              "(repeatable; default: none)")
     parser.add_argument("--hlo-dir", type=Path, default=None,
                         help="ours: write each compiled step's HLO text there, gzipped (default: not written)")
